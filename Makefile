@@ -1,0 +1,31 @@
+# Fresh-machine set-up is part of each target: .venv is created and filled on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint gpu-test clean
+
+$(STAMP): requirements-cpu.txt requirements-dev.txt pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements-dev.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/graphserve demo
+
+test: $(STAMP)
+	$(BIN)/ruff check graphserve tests benchmarks
+	$(BIN)/python -m pytest -q tests --ignore=tests/gpu
+
+lint: $(STAMP)
+	$(BIN)/ruff check graphserve tests benchmarks
+
+# On a CUDA machine: python3 -m pytest -q tests/gpu
+gpu-test:
+	python3 -m pytest -q tests/gpu
+
+clean:
+	rm -rf $(VENV) build *.egg-info

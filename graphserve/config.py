@@ -1,0 +1,156 @@
+"""Engine configuration: one frozen dataclass, validated once, at construction.
+
+CLI flags (SGLang's names) are derived from these fields by ``add_engine_args``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+from graphserve.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def default_cuda_graph_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, 12, 16, 24, 32, then every 8 to 256, every 16 to 512, capped at ``max_bs``."""
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32]
+    sizes += list(range(40, 257, 8))
+    sizes += list(range(272, 513, 16))
+    capped = [s for s in sizes if s <= max_bs]
+    if not capped or capped[-1] != max_bs:
+        capped.append(max_bs)
+    return capped
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "builtin:tiny-llama"
+    dtype: str = "auto"
+    device: str = "auto"  # "auto" picks cuda when available, else cpu
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_running_requests: int | None = None  # None: derived (GPU: largest captured size; CPU: 256)
+    chunked_prefill_size: int = 2048  # per-step token budget for prefill chunks
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # KV capacity on CPU (GPU sizes the pool with the memory planner): GiB or a token count.
+    kv_cache_gb: float | None = None
+    num_kv_tokens: int | None = None
+    mem_fraction_static: float = 0.88
+    cuda_graph_max_bs: int = 256
+    cuda_graph_bs: tuple[int, ...] | None = None
+    disable_cuda_graph: bool = False
+    tp: int = 1
+    log_interval: int = 40
+    max_queued_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype={self.dtype!r} is invalid: choose one of {', '.join(DTYPES)}", param="dtype")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device={self.device!r} is invalid: choose auto, cpu or cuda[:N]", param="device")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size={self.block_size} is invalid: must be a power of two >= 1", param="block_size")
+        if self.chunked_prefill_size < self.block_size:
+            raise ConfigError(
+                f"--chunked-prefill-size={self.chunked_prefill_size} is invalid: must be >= --block-size ({self.block_size})",
+                param="chunked_prefill_size",
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len={self.max_model_len} is invalid: must be >= 1", param="max_model_len")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ConfigError(
+                f"--max-running-requests={self.max_running_requests} is invalid: must be >= 1", param="max_running_requests"
+            )
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(
+                f"--mem-fraction-static={self.mem_fraction_static} is invalid: must be in (0, 1)", param="mem_fraction_static"
+            )
+        if self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"--cuda-graph-max-bs={self.cuda_graph_max_bs} is invalid: must be >= 1", param="cuda_graph_max_bs")
+        if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
+            raise ConfigError(f"--cuda-graph-bs={list(self.cuda_graph_bs)} is invalid: sizes must be >= 1", param="cuda_graph_bs")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ConfigError(f"--kv-cache-gb={self.kv_cache_gb} is invalid: must be > 0", param="kv_cache_gb")
+        if self.num_kv_tokens is not None and self.num_kv_tokens < self.block_size:
+            raise ConfigError(
+                f"--num-kv-tokens={self.num_kv_tokens} is invalid: must be >= --block-size ({self.block_size})",
+                param="num_kv_tokens",
+            )
+        if self.tp < 1:
+            raise ConfigError(f"--tp={self.tp} is invalid: must be >= 1", param="tp")
+        if self.log_interval < 1:
+            raise ConfigError(f"--log-interval={self.log_interval} is invalid: must be >= 1", param="log_interval")
+        if self.max_queued_requests < 1:
+            raise ConfigError(
+                f"--max-queued-requests={self.max_queued_requests} is invalid: must be >= 1", param="max_queued_requests"
+            )
+
+    def graph_sizes(self) -> list[int]:
+        """The decode batch sizes to capture, ascending (empty when graphs are off)."""
+        if self.disable_cuda_graph:
+            return []
+        if self.cuda_graph_bs is not None:
+            return sorted(set(self.cuda_graph_bs))
+        return default_cuda_graph_sizes(self.cuda_graph_max_bs)
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+_HELP = {
+    "dtype": "weights and activations dtype",
+    "device": "auto, cpu or cuda[:N]",
+    "max_model_len": "longest prompt + output in tokens (default: the model's)",
+    "max_running_requests": "most requests decoded together",
+    "chunked_prefill_size": "prefill tokens per step",
+    "block_size": "tokens per KV block",
+    "kv_cache_gb": "KV pool size in GiB (CPU)",
+    "num_kv_tokens": "KV pool size in tokens (CPU)",
+    "mem_fraction_static": "fraction of GPU memory for weights, KV pool, graphs and activations",
+    "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
+    "cuda_graph_bs": "exact list of decode batch sizes to capture",
+    "disable_cuda_graph": "run decode eagerly (for A/B runs)",
+    "tp": "tensor-parallel size",
+    "log_interval": "decode steps between step-log lines",
+    "max_queued_requests": "bound of the waiting queue; past it requests get 429",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--flag`` per EngineConfig field (except ``model``, a positional)."""
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if f.name == "enable_prefix_caching":
+            parser.add_argument("--disable-radix-cache", "--disable-prefix-caching", dest="enable_prefix_caching",
+                                action="store_false", help="turn prefix caching off")
+            continue
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", default=default, help=_HELP.get(f.name))
+        elif f.name == "cuda_graph_bs":
+            parser.add_argument(flag, type=int, nargs="+", default=None, help=_HELP.get(f.name))
+        else:
+            typ = {"int": int, "float": float, "str": str}
+            t = f.type.split("|")[0].strip() if isinstance(f.type, str) else "str"
+            parser.add_argument(flag, type=typ.get(t, str), default=default, help=_HELP.get(f.name))
+
+
+def config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
+    kw = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        if hasattr(args, f.name):
+            v = getattr(args, f.name)
+            if f.name == "cuda_graph_bs" and v is not None:
+                v = tuple(v)
+            kw[f.name] = v
+    return EngineConfig(model=model, **kw)
+
+

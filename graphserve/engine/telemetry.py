@@ -1,0 +1,72 @@
+"""Per-step telemetry: one record per engine step, kept in a ring buffer.
+
+The server exports it through /metrics and an optional JSONL file; the analyzer reads it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from dataclasses import asdict, dataclass
+from typing import IO, Iterable
+
+
+@dataclass
+class StepRecord:
+    step: int  # monotonically increasing step id
+    time: float  # wall clock (time.time()) at the end of the step
+    kind: str  # "prefill" | "decode" | "mixed"
+    batch_size: int  # sequences in the step
+    padded_size: int  # batch size after CUDA-graph padding (== batch_size when eager)
+    graph: bool  # whether a captured CUDA graph ran
+    mode: str  # "eager" | "graph" | "split-graph" (oversize batch replayed as captured pieces)
+    num_tokens: int  # new tokens processed
+    prefill_tokens: int
+    decode_tokens: int
+    step_ms: float  # wall time of the step, scheduling to sampled tokens on the host
+    running: int  # running requests after the step
+    waiting: int  # waiting requests after the step
+    kv_usage: float  # fraction of KV blocks in use
+    context_tokens: int = 0  # KV tokens attended over by the step
+    preempted: int = 0  # requests preempted during this step's scheduling
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+class Telemetry:
+    """A bounded ring buffer of StepRecords plus an optional JSONL sink. Thread-safe."""
+
+    def __init__(self, capacity: int = 10000, jsonl: IO[str] | None = None):
+        self._buf: collections.deque[StepRecord] = collections.deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self._jsonl = jsonl
+        self._listeners: list = []
+
+    def record(self, rec: StepRecord) -> None:
+        with self._lock:
+            self._buf.append(rec)
+            listeners = list(self._listeners)
+        if self._jsonl is not None:
+            self._jsonl.write(rec.to_json() + "\n")
+            self._jsonl.flush()
+        for fn in listeners:
+            fn(rec)
+
+    def add_listener(self, fn) -> None:
+        """Call ``fn(record)`` after every step (e.g. Prometheus metrics, the step log)."""
+        with self._lock:
+            self._listeners.append(fn)
+
+    def records(self) -> list[StepRecord]:
+        with self._lock:
+            return list(self._buf)
+
+    def extend(self, recs: Iterable[StepRecord]) -> None:
+        for r in recs:
+            self.record(r)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._buf)
