@@ -1,0 +1,88 @@
+"""Shared helpers for the GPU benchmarks: device ceilings, timing, result files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except Exception:
+        return os.environ.get("GRAPHSERVE_COMMIT", "unknown")
+
+
+def environment() -> dict:
+    env = {
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def write_result(name: str, payload: dict) -> Path:
+    """Write benchmarks/results/NAME.json (and a copy under $OUT when set, so it comes back from the GPU)."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    payload = {"environment": environment(), **payload}
+    text = json.dumps(payload, indent=1)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(text)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, f"{name}.json").write_text(text)
+    return path
+
+
+def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Median wall time of ``fn()`` in ms, measured with CUDA events (GPU) or perf_counter (CPU)."""
+    import statistics
+    import time
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)
