@@ -8,8 +8,9 @@ from __future__ import annotations
 import collections
 import json
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import IO, Iterable
+from typing import IO
 
 
 @dataclass
