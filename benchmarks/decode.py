@@ -1,0 +1,130 @@
+"""Decode step time against the physical floor, graphs on and off.
+
+For each model, batch size and context: the step is one decode forward (embedding, layers,
+logits) plus greedy sampling, with every sequence attending over ``ctx`` cached tokens. The floor
+is max(bytes that must be read / measured read bandwidth, FLOPs / measured matmul peak), where the
+bytes are every weight the step uses (only the batch's rows of the embedding table) plus the KV
+cache in context. Ceilings come from benchmarks.roofline in the same run.
+
+Run: python3 -m benchmarks.decode [--models dummy:qwen3-0.6b dummy:llama3-8b] [--bs 1 8 32 128 256] [--ctx 512 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.common import cuda_time_ms, print_table, write_result
+from benchmarks.roofline import matmul_tflops, read_bandwidth_gbs
+from graphserve.config import EngineConfig
+from graphserve.engine.forward_batch import ForwardBatch
+from graphserve.engine.graphs import GraphRunner
+from graphserve.layers.attention_triton import TritonAttentionBackend
+from graphserve.models.loader import load_model
+
+
+def weight_bytes_per_step(model: torch.nn.Module, info, bs: int) -> tuple[int, int]:
+    """(bytes read, matmul FLOPs) for the weights one decode step of ``bs`` rows uses."""
+    read = flops = 0
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embed_ids = {id(p) for p in embed.parameters()} if embed is not None else set()
+    for p in model.parameters():
+        if id(p) in embed_ids and not info.tie_word_embeddings:
+            read += bs * p.shape[-1] * p.element_size()  # only the batch's rows
+            continue
+        read += p.numel() * p.element_size()
+        if p.dim() == 2:
+            flops += 2 * bs * p.numel()
+    if info.tie_word_embeddings:
+        read += bs * info.hidden_size * 2
+    return read, flops
+
+
+def attention_cost(info, bs: int, ctx: int, dtype_bytes: int) -> tuple[int, int]:
+    kv_read = bs * ctx * info.num_layers * 2 * info.num_kv_heads * info.head_dim * dtype_bytes
+    flops = 4 * bs * ctx * info.num_layers * info.num_heads * info.head_dim
+    return kv_read, flops
+
+
+def make_batch(bs: int, ctx: int, block_size: int, num_blocks: int, kv_caches, backend, device) -> ForwardBatch:
+    blocks_per_seq = (ctx + 1 + block_size - 1) // block_size
+    assert 1 + bs * blocks_per_seq <= num_blocks
+    tables = torch.arange(bs * blocks_per_seq, dtype=torch.int32, device=device).view(bs, blocks_per_seq) + 1
+    pos = torch.full((bs,), ctx, dtype=torch.int64, device=device)
+    slots = tables[:, ctx // block_size].to(torch.int64) * block_size + ctx % block_size
+    return ForwardBatch(
+        mode="decode",
+        input_ids=torch.randint(0, 1000, (bs,), device=device),
+        positions=pos,
+        slot_mapping=slots,
+        query_start_loc=torch.arange(bs + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.full((bs,), ctx + 1, dtype=torch.int32, device=device),
+        block_tables=tables,
+        logits_indices=torch.arange(bs, device=device),
+        max_query_len=1,
+        max_seq_len=ctx + 1,
+        kv_caches=kv_caches,
+        attn_backend=backend,
+    )
+
+
+def _step_fn(model, graphs: GraphRunner | None, batch: ForwardBatch):
+    """One decode step (forward + greedy sampling), replayed from a graph or run eagerly."""
+    if graphs is not None:
+        return lambda: graphs.replay(batch).argmax(-1)
+    return lambda: model.compute_logits(model.forward(batch.input_ids, batch.positions, batch)).argmax(-1)
+
+
+def bench_model(name: str, sizes: list[int], ctxs: list[int], bw: float, peak: float) -> list[dict]:
+    device = torch.device("cuda")
+    cfg = EngineConfig(model=name, device="cuda", max_model_len=max(ctxs) + 64)
+    loaded = load_model(cfg, device)
+    model, info = loaded.model, loaded.info
+    dtype = next(model.parameters()).dtype
+    bsz = cfg.block_size
+    max_blocks = (max(ctxs) + 64) // bsz + 1
+    tokens = max(sizes) * max(ctxs) + max(sizes) * 2 * bsz
+    num_blocks = tokens // bsz + 2
+    kv_caches = [
+        torch.randn(2, num_blocks, bsz, info.num_kv_heads, info.head_dim, device=device, dtype=dtype) * 0.5
+        for _ in range(info.num_layers)
+    ]
+    backend = TritonAttentionBackend()
+    rows = []
+    graphs = GraphRunner(model, backend, kv_caches, sizes, max_blocks, cfg.max_model_len, device)
+    with torch.inference_mode():
+        graphs.capture()
+        for ctx in ctxs:
+            for bs in sizes:
+                batch = make_batch(bs, ctx, bsz, num_blocks, kv_caches, backend, device)
+                w_read, w_flops = weight_bytes_per_step(model, info, bs)
+                kv_read, a_flops = attention_cost(info, bs, ctx, torch.finfo(dtype).bits // 8)
+                floor_ms = max((w_read + kv_read) / (bw * 1e9), (w_flops + a_flops) / (peak * 1e12)) * 1e3
+                for graph in (True, False):
+                    ms = cuda_time_ms(_step_fn(model, graphs if graph else None, batch), warmup=3, iters=20)
+                    rows.append({"model": name, "bs": bs, "ctx": ctx, "graph": graph, "step_ms": ms,
+                                 "floor_ms": floor_ms, "ratio": ms / floor_ms})
+                    print_table(rows[-1:], ["model", "bs", "ctx", "graph", "step_ms", "floor_ms", "ratio"])
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", nargs="+", default=["dummy:qwen3-0.6b", "dummy:llama3-8b"])
+    p.add_argument("--bs", nargs="+", type=int, default=[1, 8, 32, 128, 256])
+    p.add_argument("--ctx", nargs="+", type=int, default=[512, 2048])
+    args = p.parse_args()
+    bw, peak = read_bandwidth_gbs(), matmul_tflops()
+    print(f"measured read bandwidth {bw:.0f} GB/s, bf16 matmul peak {peak:.0f} TFLOP/s")
+    rows = []
+    for m in args.models:
+        rows += bench_model(m, args.bs, args.ctx, bw, peak)
+    print()
+    print_table(rows, ["model", "bs", "ctx", "graph", "step_ms", "floor_ms", "ratio"])
+    write_result("decode", {"ceilings": {"read_gbs": bw, "matmul_tflops": peak}, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
