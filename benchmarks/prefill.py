@@ -1,0 +1,87 @@
+"""Prefill throughput and fraction of the measured bf16 matmul peak.
+
+FLOPs counted: 2 · (linear weights) per token plus causal attention, 2 · 2 · T·(T+1)/2 · heads ·
+head_dim per layer for each sequence (QK^T and PV). Ceiling from benchmarks.roofline in the same run.
+
+Run: python3 -m benchmarks.prefill [--model dummy:llama3-8b] [--shapes 1x8192 8x2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.common import cuda_time_ms, print_table, write_result
+from benchmarks.roofline import matmul_tflops
+from graphserve.config import EngineConfig
+from graphserve.engine.forward_batch import ForwardBatch
+from graphserve.layers.attention_triton import TritonAttentionBackend
+from graphserve.models.loader import load_model
+
+
+def prefill_batch(n_seqs: int, seq_len: int, block_size: int, kv_caches, backend, device) -> ForwardBatch:
+    blocks = (seq_len + block_size - 1) // block_size
+    tables = torch.arange(n_seqs * blocks, dtype=torch.int32, device=device).view(n_seqs, blocks) + 1
+    pos = torch.arange(seq_len, device=device).repeat(n_seqs)
+    slots = (tables.to(torch.int64).repeat_interleave(block_size, dim=1)[:, :seq_len] * block_size
+             + torch.arange(seq_len, device=device) % block_size).reshape(-1)
+    qsl = torch.arange(n_seqs + 1, dtype=torch.int32, device=device) * seq_len
+    return ForwardBatch(
+        mode="prefill",
+        input_ids=torch.randint(0, 1000, (n_seqs * seq_len,), device=device),
+        positions=pos,
+        slot_mapping=slots,
+        query_start_loc=qsl,
+        seq_lens=torch.full((n_seqs,), seq_len, dtype=torch.int32, device=device),
+        block_tables=tables,
+        logits_indices=qsl[1:].to(torch.int64) - 1,
+        max_query_len=seq_len,
+        max_seq_len=seq_len,
+        kv_caches=kv_caches,
+        attn_backend=backend,
+        query_lens_cpu=[seq_len] * n_seqs,
+        seq_lens_cpu=[seq_len] * n_seqs,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="dummy:llama3-8b")
+    p.add_argument("--shapes", nargs="+", default=["1x8192", "8x2048"])
+    args = p.parse_args()
+    peak = matmul_tflops()
+    device = torch.device("cuda")
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
+    max_len = max(L for _, L in shapes)
+    cfg = EngineConfig(model=args.model, device="cuda", max_model_len=max_len)
+    loaded = load_model(cfg, device)
+    model, info = loaded.model, loaded.info
+    dtype = next(model.parameters()).dtype
+    tokens = max(n * L for n, L in shapes)
+    num_blocks = tokens // cfg.block_size + 2 * len(shapes) + 2
+    kv_caches = [torch.zeros(2, num_blocks, cfg.block_size, info.num_kv_heads, info.head_dim, device=device, dtype=dtype)
+                 for _ in range(info.num_layers)]
+    backend = TritonAttentionBackend()
+    linear_params = sum(p.numel() for n_, p in model.named_parameters() if p.dim() == 2 and "embed" not in n_)
+    rows = []
+    with torch.inference_mode():
+        for n, L in shapes:
+            batch = prefill_batch(n, L, cfg.block_size, kv_caches, backend, device)
+
+            def run(batch=batch):
+                hidden = model.forward(batch.input_ids, batch.positions, batch)
+                return model.compute_logits(hidden[batch.logits_indices])
+
+            ms = cuda_time_ms(run, warmup=2, iters=5)
+            T = n * L
+            flops = 2 * linear_params * T + n * 4 * (L * (L + 1) // 2) * info.num_heads * info.head_dim * info.num_layers
+            tflops = flops / (ms / 1e3) / 1e12
+            rows.append({"model": args.model, "shape": f"{n}x{L}", "ms": ms, "tok_s": T / (ms / 1e3),
+                         "tflops": tflops, "peak_tflops": peak, "ratio": tflops / peak})
+    print_table(rows, ["model", "shape", "ms", "tok_s", "tflops", "peak_tflops", "ratio"])
+    write_result("prefill", {"ceilings": {"matmul_tflops": peak}, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
