@@ -1,0 +1,167 @@
+"""The KV block pool: free list, reference counts and the prefix cache.
+
+Block 0 is the dummy block (see forward_batch.py) and is never handed out. A full block whose KV
+is computed gets a hash that chains over every token before it, ``hash((parent_hash, tokens))``,
+so equal hashes mean equal prefixes. Cached blocks nobody references stay in an LRU list and are
+reused (evicted) only when the free list is empty, so a later request with the same prefix can
+pick them up for free.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING
+
+from graphserve.engine.forward_batch import DUMMY_BLOCK
+
+if TYPE_CHECKING:
+    from graphserve.engine.request import Sequence
+
+_ROOT_HASH = 0x5EED
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is the reserved dummy block)")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        # Pop from the end: lower block ids are handed out first (easier to read in logs).
+        self.free_blocks: list[int] = list(range(num_blocks - 1, DUMMY_BLOCK, -1))
+        self.block_hash: dict[int, int] = {}  # block id -> hash, for blocks in the prefix cache
+        self.block_tokens: dict[int, tuple[int, ...]] = {}  # guards against hash collisions
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    # ---- capacity -------------------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation can take: never used, or cached but unreferenced."""
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - self.num_free_blocks
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_usable_blocks
+
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def _chain(self, parent: int, tokens: list[int] | tuple[int, ...]) -> int:
+        return hash((parent, tuple(tokens)))
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """At admission: take the cached blocks matching the sequence's leading full blocks.
+
+        The last token is never served from the cache: its logits are needed to sample. Returns
+        the number of tokens hit (also stored as ``seq.num_computed_tokens``).
+        """
+        assert not seq.block_table, f"{seq}: prefix match on a sequence that already holds blocks"
+        self.queried_tokens += seq.num_prompt_tokens
+        if not self.enable_prefix_caching:
+            return 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        parent = _ROOT_HASH
+        for i in range(max_blocks):
+            tokens = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
+            h = self._chain(parent, tokens)
+            block = self.cached.get(h)
+            if block is None or self.block_tokens[block] != tokens:
+                break
+            self._take(block)
+            seq.block_table.append(block)
+            seq.block_hashes.append(h)
+            parent = h
+        hit = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = hit
+        self.hit_tokens += min(hit, seq.num_prompt_tokens)
+        return hit
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step: put the sequence's newly full, computed blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
+        for i in range(len(seq.block_hashes), num_full):
+            tokens = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
+            h = self._chain(parent, tokens)
+            block = seq.block_table[i]
+            seq.block_hashes.append(h)
+            parent = h
+            if h not in self.cached and block not in self.block_hash:
+                self.cached[h] = block
+                self.block_hash[block] = h
+                self.block_tokens[block] = tokens
+            # else: another sequence computed the same prefix first; keep its block as the cached one
+
+    # ---- allocation -------------------------------------------------------------------------
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            self.evictable.pop(block, None)
+        self.ref_counts[block] += 1
+
+    def _new_block(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.pop()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            h = self.block_hash.pop(block)
+            del self.cached[h]
+            del self.block_tokens[block]
+        assert self.ref_counts[block] == 0, f"block {block} handed out while referenced ({self.ref_counts[block]})"
+        self.ref_counts[block] = 1
+        return block
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make the block table cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        All or nothing: returns False, having allocated nothing, when the pool is short.
+        """
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            block = self._new_block()
+            assert block not in seq.block_table, f"{seq}: block {block} allocated twice to one sequence"
+            seq.block_table.append(block)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks (finish, abort or preemption)."""
+        # Tail blocks first into the LRU: they are the least likely to be shared, so evict them first.
+        for block in reversed(seq.block_table):
+            assert self.ref_counts[block] > 0, f"{seq}: block {block} freed twice"
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if block in self.block_hash:
+                    self.evictable[block] = None
+                else:
+                    self.free_blocks.append(block)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def check_no_leak(self) -> None:
+        """Every block is free or only held by the prefix cache (call when no request is live)."""
+        held = [b for b in range(1, self.num_blocks) if self.ref_counts[b] != 0]
+        assert not held, f"blocks still referenced with no live request: {held[:16]}"
+        assert self.num_free_blocks == self.num_usable_blocks, (
+            f"free {len(self.free_blocks)} + cached {len(self.evictable)} != usable {self.num_usable_blocks}"
+        )

@@ -1,0 +1,219 @@
+"""Continuous batching: which sequences run this step, and how many new tokens each.
+
+Order of business every step: running decodes first (one token each), then prefill chunks
+(running sequences part-way through their prompt, then waiting ones, oldest first) under the
+per-step prefill budget ``chunked_prefill_size``. When the KV pool runs out, the most recently
+arrived running sequence is preempted by recompute: its blocks are freed and it goes back to
+the front of the waiting queue with its output tokens, to re-prefill later. The oldest running
+sequence therefore always progresses; one that cannot fit even alone is failed, not retried.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from graphserve.engine.request import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from graphserve.config import EngineConfig
+    from graphserve.engine.kv_cache import BlockManager
+
+CPU_MAX_RUNNING_REQUESTS = 256
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    is_prefill: bool  # fixed at scheduling time (counts change once the step has run)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # cannot fit in the KV pool even alone
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def kind(self) -> str:
+        if self.num_prefill_tokens and self.num_decode_tokens:
+            return "mixed"
+        return "prefill" if self.num_prefill_tokens else "decode"
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_running_requests: int | None = None):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_running = max_running_requests or config.max_running_requests or CPU_MAX_RUNNING_REQUESTS
+        self.prefill_budget = config.chunked_prefill_size
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # kept in arrival order
+        self.num_preemptions = 0
+
+    # ---- queue ------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Remove every sequence of the request, freeing its blocks; returns them (unfinished)."""
+        found = [s for s in self.running if s.request_id == request_id]
+        found += [s for s in self.waiting if s.request_id == request_id]
+        for seq in found:
+            self._remove(seq)
+        return found
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        self._remove(seq)
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def _remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        scheduled_ids: dict[int, ScheduledSeq] = {}
+
+        def preempt_for(seq: Sequence) -> bool:
+            """Free blocks by preempting the newest running sequence; False if ``seq`` itself went."""
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                out.failed.append(seq)
+                return False
+            self._preempt(victim, out)
+            sched = scheduled_ids.pop(victim.seq_id, None)
+            if sched is not None:
+                out.scheduled.remove(sched)
+                if sched.is_prefill:
+                    out.num_prefill_tokens -= sched.num_new_tokens
+                else:
+                    out.num_decode_tokens -= sched.num_new_tokens
+            return victim is not seq
+
+        def run(seq: Sequence, n: int) -> None:
+            sched = ScheduledSeq(seq, n, is_prefill=not (n == 1 and seq.num_pending_tokens == 1))
+            scheduled_ids[seq.seq_id] = sched
+            out.scheduled.append(sched)
+            if sched.is_prefill:
+                out.num_prefill_tokens += n
+            else:
+                out.num_decode_tokens += n
+
+        # 1. decodes, oldest first; 2. running prompts part-way through their prefill
+        budget = self.prefill_budget
+        for decode_pass in (True, False):
+            for seq in list(self.running):
+                if seq.status != SequenceStatus.RUNNING or (seq.num_pending_tokens == 1) != decode_pass:
+                    continue
+                n = 1 if decode_pass else min(seq.num_pending_tokens, budget)
+                if n <= 0:
+                    continue
+                while not self.block_manager.allocate_slots(seq, n):
+                    if not preempt_for(seq):
+                        break
+                else:
+                    run(seq, n)
+                    if not decode_pass:
+                        budget -= n
+
+        # 3. admit waiting sequences (not in a step that had to preempt: the pool is short)
+        if out.preempted or out.failed:
+            self._fail(out)
+            return out
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if self._waits_for_sibling(seq):
+                skipped.append(self.waiting.popleft())
+                continue
+            self.block_manager.match_prefix(seq)
+            if seq.num_preemptions == 0 and seq.first_scheduled_time is None:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            n = min(seq.num_pending_tokens, budget)
+            if not self.block_manager.allocate_slots(seq, n):
+                self.block_manager.free(seq)
+                if not self.running:
+                    self.waiting.popleft()
+                    out.failed.append(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            run(seq, n)
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        self.running.sort(key=lambda s: s.sort_key)
+        self._fail(out)
+        return out
+
+    def _waits_for_sibling(self, seq: Sequence) -> bool:
+        """n > 1: later siblings start once the first one's prompt KV is in the prefix cache."""
+        parent = seq.parent
+        if parent is None or not self.block_manager.enable_prefix_caching or parent.is_finished:
+            return False
+        return parent.num_computed_tokens < parent.num_prompt_tokens
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _fail(self, out: SchedulerOutput) -> None:
+        for seq in out.failed:
+            if seq.status != SequenceStatus.FINISHED:
+                self._remove(seq)
+            seq.finish_reason = "abort"
+            blocks = self.block_manager.blocks_needed(seq.num_tokens)
+            seq.error = (
+                f"the sequence needs {seq.num_tokens} tokens ({blocks} KV blocks) but the KV pool holds "
+                f"{self.block_manager.num_usable_blocks * self.block_manager.block_size} tokens "
+                f"({self.block_manager.num_usable_blocks} blocks); raise --num-kv-tokens or --kv-cache-gb"
+            )
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Sequence, int]]:
+        """Advance computed counts; append each sampled token where a prompt/decode completed.
+
+        ``sampled[i]`` belongs to ``out.scheduled[i]``. Returns (sequence, token) pairs appended.
+        """
+        appended = []
+        for sched, token in zip(out.scheduled, sampled):
+            seq = sched.seq
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += sched.num_new_tokens
+            self.block_manager.commit(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.output_token_ids.append(token)
+                appended.append((seq, token))
+        return appended

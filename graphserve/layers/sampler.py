@@ -1,0 +1,206 @@
+"""Token sampling for a whole batch at once, on the logits' device.
+
+Every per-request knob is a [B] tensor, so one step costs the same few kernels whatever the
+mix of requests, and the only device->host copy is the final ids (+ logprobs).
+
+Randomness is counter-based: the noise for (seed, output index, vocab id) is an integer hash
+computed with int64 tensor ops, and a token is drawn by a Gumbel race
+(argmax of logits/T + Gumbel noise, which samples softmax(logits/T) exactly). A request's
+draws therefore depend only on its own seed and position, never on what else is in the batch,
+and CPU and GPU produce the same stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from graphserve.engine.request import Sequence
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+# splitmix64 constants as signed int64 (tensor arithmetic wraps modulo 2**64)
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+SEED_MASK = (1 << 63) - 1
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] float32 uniforms in (0, 1), a pure function of (seed, step, vocab id)."""
+    row = _mix(_mix(seeds + _GOLDEN) + steps * _GOLDEN)
+    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _shr(_mix(row[:, None] + vocab[None, :] * _GOLDEN), 40)  # top 24 bits: exact in float32
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling knobs, already on the logits' device."""
+
+    temperature: torch.Tensor  # [B] float32; 0 means greedy
+    top_k: torch.Tensor  # [B] int64; vocab size when off
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64, index of the token being sampled in the output
+    presence: torch.Tensor  # [B] float32
+    frequency: torch.Tensor  # [B] float32
+    repetition: torch.Tensor  # [B] float32
+    output_counts: torch.Tensor | None  # [B, V] float32 occurrences in the output; None without penalties
+    prompt_mask: torch.Tensor | None  # [B, V] bool, token occurs in the prompt (repetition penalty)
+    banned: torch.Tensor | None  # [B, V] bool: eos/stop ids blocked until min_tokens
+    max_logprobs: int  # largest top-k asked for in the batch; -1: no row wants logprobs
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def from_sequences(
+        cls, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int], device: torch.device | str
+    ) -> SamplingTensors:
+        ps = [s.params for s in seqs]
+        b = len(seqs)
+
+        def vec(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
+        any_penalty = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in ps)
+        output_counts = prompt_mask = banned = None
+        if any_penalty:
+            output_counts = torch.zeros(b, vocab_size, dtype=torch.float32, device=device)
+            prompt_mask = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
+            for i, s in enumerate(seqs):
+                if s.output_token_ids:
+                    ids = vec(s.output_token_ids, torch.int64)
+                    output_counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
+                if s.params.repetition_penalty != 1.0:
+                    prompt_mask[i, vec(s.prompt_token_ids, torch.int64)] = True
+        if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
+            banned = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
+            for i, s in enumerate(seqs):
+                if s.num_output_tokens < s.params.min_tokens:
+                    ids = [t for t in [*(() if s.params.ignore_eos else eos_token_ids), *s.params.stop_token_ids]
+                           if 0 <= t < vocab_size]
+                    if ids:
+                        banned[i, vec(ids, torch.int64)] = True
+        asked = [p.logprobs for p in ps if p.logprobs is not None]
+        return cls(
+            temperature=vec([p.temperature for p in ps], torch.float32),
+            top_k=vec(top_k, torch.int64),
+            top_p=vec([p.top_p for p in ps], torch.float32),
+            min_p=vec([p.min_p for p in ps], torch.float32),
+            seeds=vec([s.seed & SEED_MASK for s in seqs], torch.int64),
+            steps=vec([s.num_output_tokens for s in seqs], torch.int64),
+            presence=vec([p.presence_penalty for p in ps], torch.float32),
+            frequency=vec([p.frequency_penalty for p in ps], torch.float32),
+            repetition=vec([p.repetition_penalty for p in ps], torch.float32),
+            output_counts=output_counts,
+            prompt_mask=prompt_mask,
+            banned=banned,
+            max_logprobs=max(asked) if asked else -1,
+            all_greedy=all(p.temperature == 0.0 for p in ps),
+            any_top_k=any(k < vocab_size for k in top_k),
+            any_top_p=any(p.top_p < 1.0 for p in ps),
+            any_min_p=any(p.min_p > 0.0 for p in ps),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # logprob of each sampled token (raw distribution)
+    top_ids: list[list[int]] | None = None  # [B][max_logprobs], best first
+    top_logprobs: list[list[float]] | None = None
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    if t.output_counts is None:
+        return logits
+    seen = t.output_counts > 0
+    if t.prompt_mask is not None:
+        seen = seen | t.prompt_mask
+    rep = t.repetition[:, None].expand_as(logits)
+    # Repetition penalty pushes seen tokens towards "less likely" whatever the logit's sign.
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - t.frequency[:, None] * t.output_counts
+    return logits - t.presence[:, None] * (t.output_counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus."""
+    if not (t.any_top_k or t.any_top_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if t.any_top_k:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= t.top_k[:, None], float("-inf"))
+    if t.any_top_p:
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep a token when the mass strictly before it is below top_p (the first always stays).
+        before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(before >= t.top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    if not t.any_min_p:
+        return logits
+    probs = logits.softmax(dim=-1)
+    floor = t.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        return self.forward(logits, t)
+
+    def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        """``logits``: [B, V] float32 straight from the model."""
+        raw = logits
+        logits = apply_penalties(logits.float(), t)
+        if t.banned is not None:
+            logits = logits.masked_fill(t.banned, float("-inf"))
+        greedy_ids = logits.argmax(dim=-1)
+        if t.all_greedy:
+            ids = greedy_ids
+        else:
+            greedy = t.temperature == 0
+            temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature)
+            scaled = apply_min_p(apply_top_k_top_p(logits / temp[:, None], t), t)
+            gumbel = -torch.log(-torch.log(uniform_noise(t.seeds, t.steps, logits.shape[-1])))
+            ids = torch.where(greedy, greedy_ids, (scaled + gumbel).argmax(dim=-1))
+        if t.max_logprobs < 0:
+            return SamplerOutput(token_ids=ids.tolist())
+        logprobs = torch.log_softmax(raw.float(), dim=-1)
+        chosen = logprobs.gather(-1, ids[:, None])
+        k = t.max_logprobs
+        top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], ids[:, None][:, :0])
+        # One device->host copy: ids and logprobs packed in float64 (ids < 2**53 are exact).
+        packed = torch.cat([ids[:, None].double(), chosen.double(), top_ids.double(), top_lp.double()], dim=1).cpu()
+        return SamplerOutput(
+            token_ids=packed[:, 0].long().tolist(),
+            logprobs=packed[:, 1].tolist(),
+            top_ids=packed[:, 2 : 2 + k].long().tolist(),
+            top_logprobs=packed[:, 2 + k :].tolist(),
+        )
