@@ -1,0 +1,278 @@
+"""Paged decode attention (one new query token per sequence), split-KV ("flash-decoding").
+
+Grid of the main kernel: (sequence, kv head, split). One program handles every query head of its
+kv head (GQA), so each K/V block is read from HBM once per kv head, not once per query head. The
+context of a sequence is cut into ``num_splits`` equal pieces; each program writes a partial
+(log-sum-exp, normalised accumulator) and a second kernel merges the pieces. When there is only
+one split the main kernel writes the output directly and the merge is not launched.
+
+CUDA-graph safety: no host syncs and no allocation that depends on data. The grid depends only on
+static sizes (batch, kv heads and the split count, which comes from batch size, the block-table
+width and the SM count), never on ``seq_lens`` values; the scratch space can be preallocated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from graphserve.kernels.common import interpreting, sm_count
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 32  # beyond this the merge costs more than the extra parallelism gains
+MIN_SPLIT_TOKENS = 256  # a split shorter than this is dominated by its fixed costs
+PROGRAMS_PER_SM = 2  # enough resident programs per SM to hide HBM latency
+BLOCK_N = 64  # context tokens per inner step
+
+
+@triton.jit
+def _decode_step(
+    q, m_i, l_i, acc, n0, end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
+    offs_d, d_mask, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over context tokens [n0, n0 + BLOCK_N) gathered through the block table."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    row = block * stride_blk + (offs_n % PAGE) * stride_off
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(kv_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if IEEE_DOT:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if IEEE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    scale_log2,
+    num_splits,
+    stride_qt, stride_qh,
+    stride_kv, stride_blk, stride_off, stride_kvh,
+    stride_bt,
+    stride_ot, stride_oh,
+    stride_mo_b, stride_mo_h, stride_mo_s,
+    stride_ml_b, stride_ml_h,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # splits are cut from the actual length (read on device), rounded to whole inner steps
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    head = kv_head * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_base = kv_ptr + kv_head * stride_kvh
+    if WHILE_LOOP:
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _decode_step(
+                q, m_i, l_i, acc, n0, end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
+                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT,
+            )  # fmt: skip
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _decode_step(
+                q, m_i, l_i, acc, n0, end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
+                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT,
+            )  # fmt: skip
+
+    # an empty split (short sequence, or a padding row with seq_len 0) leaves l_i == 0
+    o = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    if DIRECT:
+        tl.store(
+            out_ptr + seq * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=h_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        base_o = mid_o_ptr + seq * stride_mo_b + split * stride_mo_s
+        tl.store(base_o + head[:, None] * stride_mo_h + offs_d[None, :], o, mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(mid_lse_ptr + seq * stride_ml_b + head * stride_ml_h + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    num_splits,
+    stride_mo_b, stride_mo_h, stride_mo_s,
+    stride_ml_b, stride_ml_h,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse_ptr + seq * stride_ml_b + head * stride_ml_h + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights all 0, output 0
+    w = tl.exp2(lse - m)
+    o = tl.load(
+        mid_o_ptr + seq * stride_mo_b + head * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    merged = tl.sum(w[:, None] * o, 0) / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Splits per sequence so that batch * kv_heads * splits programs fill the GPU.
+
+    Uses static sizes only (``max_context`` is the block-table capacity, not a seq_lens value), so
+    a captured CUDA graph keeps a fixed grid whatever lengths are replayed through it.
+    """
+    want = math.ceil(PROGRAMS_PER_SM * num_sms / max(1, batch_size * num_kv_heads))
+    useful = math.ceil(max_context / MIN_SPLIT_TOKENS)
+    return max(1, min(want, useful, MAX_SPLITS))
+
+
+def workspace_numel(num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int) -> int:
+    """fp32 scratch elements that cover every batch size at any context length.
+
+    Only batches with more than one split use scratch, and those are small: splits shrink as the
+    batch grows, so batch * splits stays near ``PROGRAMS_PER_SM * num_sms / num_kv_heads``.
+    """
+    rows = 0
+    for batch in range(1, PROGRAMS_PER_SM * num_sms + 1):
+        splits = choose_num_splits(batch, num_kv_heads, 1 << 30, num_sms)
+        if splits == 1:
+            break
+        rows = max(rows, batch * splits)
+    return rows * num_heads * (head_dim + 1)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``q`` ([B, Hq, D], one token per sequence) over each sequence's paged context.
+
+    ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; ``block_tables`` ``[B, max_blocks]``
+    int32; ``seq_lens`` ``[B]`` int32 context lengths including the token just written.
+    ``workspace``: optional flat fp32 scratch (see ``workspace_numel``) so nothing is allocated.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, _, page, num_kv_heads, _ = kv_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if q.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("decode_attention needs head_dim contiguous in q and kv_cache")
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, sm_count(q.device))
+    direct = num_splits == 1
+    mid_numel = batch * num_heads * num_splits * (head_dim + 1)
+    if direct:
+        mid_o = mid_lse = out  # unused by the kernel when DIRECT
+    else:
+        if workspace is None:
+            workspace = torch.empty(mid_numel, dtype=torch.float32, device=q.device)
+        elif workspace.numel() < mid_numel or workspace.dtype != torch.float32:
+            raise ValueError(
+                f"decode workspace holds {workspace.numel()} {workspace.dtype} elements, "
+                f"needs {mid_numel} float32 for batch={batch}, heads={num_heads}, splits={num_splits}"
+            )
+        split_o = batch * num_heads * num_splits * head_dim
+        mid_o = workspace[:split_o].view(batch, num_heads, num_splits, head_dim)
+        mid_lse = workspace[split_o:mid_numel].view(batch, num_heads, num_splits)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, kv_cache, block_tables, seq_lens, out, mid_o, mid_lse,
+        scale * LOG2E,
+        num_splits,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if not direct else 0,
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE=page, BLOCK_N=BLOCK_N,
+        DIRECT=direct, IEEE_DOT=q.dtype == torch.float32, WHILE_LOOP=interpreting(),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if not direct:
+        _decode_merge_kernel[(batch, num_heads)](
+            mid_o, mid_lse, out,
+            num_splits,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def decode_attention_reference(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """fp32 attention over the context gathered from the cache through each block table."""
+    num_heads = q.shape[1]
+    page = kv_cache.shape[2]
+    out = torch.empty_like(q)
+    for i, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n, device=q.device)
+        blocks = block_tables[i, pos // page].long()
+        k = kv_cache[0, blocks, pos % page].float()  # [n, Hkv, D]
+        v = kv_cache[1, blocks, pos % page].float()
+        group = num_heads // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out

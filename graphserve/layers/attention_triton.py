@@ -1,0 +1,67 @@
+"""The GPU attention backend: Triton kernels for the KV write, decode and prefill/extend.
+
+Decode steps take the split-KV decode kernel, whose grid and scratch depend only on static sizes,
+so the whole step can be captured in a CUDA graph; prefill and mixed steps take the extend kernel.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphserve.kernels.common import sm_count
+from graphserve.kernels.decode_attention import decode_attention, workspace_numel
+from graphserve.kernels.extend_attention import extend_attention
+from graphserve.kernels.kv_write import kv_write
+from graphserve.layers.attention_backend import AttentionBackend
+
+if TYPE_CHECKING:
+    from graphserve.engine.forward_batch import ForwardBatch
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention through Triton. One instance serves every layer of a model.
+
+    The decode scratch space (split partials) is allocated once per (device, head layout) and
+    reused by every layer and step. It is sized for every batch size at any context length, so
+    it never grows; call ``reserve`` before capturing graphs, or let the eager warm-up run that
+    precedes each capture allocate it, so that it never lands inside a graph's memory pool.
+    """
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._workspaces: dict[tuple[torch.device, int, int, int], torch.Tensor] = {}
+
+    def reserve(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
+        """Allocate (once) and return the decode scratch for this head layout on ``device``."""
+        device = torch.device(device)
+        key = (device, num_heads, num_kv_heads, head_dim)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            numel = workspace_numel(num_heads, num_kv_heads, head_dim, sm_count(device))
+            ws = torch.empty(max(1, numel), dtype=torch.float32, device=device)
+            self._workspaces[key] = ws
+        return ws
+
+    def workspace_bytes(self) -> int:
+        return sum(ws.numel() * ws.element_size() for ws in self._workspaces.values())
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_idx: int,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        kv_cache = batch.kv_caches[layer_idx]
+        kv_write(k, v, kv_cache, batch.slot_mapping)
+        if batch.mode == "decode":
+            ws = self.reserve(q.shape[1], k.shape[1], q.shape[2], q.device)
+            return decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws)
+        return extend_attention(
+            q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.max_query_len, scale
+        )

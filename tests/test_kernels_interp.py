@@ -1,0 +1,256 @@
+"""Every Triton kernel against its plain-PyTorch reference, on CPU through Triton's interpreter.
+
+fp32, tiny shapes, fresh random inputs; outputs are poisoned with NaN first so an element the
+kernel forgot to write shows up. The bf16/fp16 and realistic-shape versions live in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+# Must precede the kernel modules' import: @triton.jit picks interpreter or compiler when it runs.
+os.environ["TRITON_INTERPRET"] = "1"
+_KERNEL_MODULES = [
+    "graphserve.kernels.kv_write",
+    "graphserve.kernels.decode_attention",
+    "graphserve.kernels.extend_attention",
+    "graphserve.kernels.norm",
+    "graphserve.kernels.rotary",
+    "graphserve.kernels.activation",
+]
+for _name in _KERNEL_MODULES:  # imported earlier in this process without the interpreter: redo
+    if _name in sys.modules:
+        importlib.reload(sys.modules[_name])
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from graphserve.engine.forward_batch import ForwardBatch  # noqa: E402
+from graphserve.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
+from graphserve.kernels.decode_attention import (  # noqa: E402
+    choose_num_splits,
+    decode_attention,
+    decode_attention_reference,
+    workspace_numel,
+)
+from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
+from graphserve.kernels.kv_write import kv_write, kv_write_reference  # noqa: E402
+from graphserve.kernels.norm import (  # noqa: E402
+    fused_add_rms_norm,
+    fused_add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
+from graphserve.kernels.rotary import apply_rotary, apply_rotary_reference, rotary_cos_sin  # noqa: E402
+from graphserve.layers.attention import TorchAttentionBackend  # noqa: E402
+from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E402
+
+RTOL = 1e-3
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def paged_setup(seq_lens: list[int], num_kv_heads: int, head_dim: int, page: int, gen: torch.Generator):
+    """A random cache and block tables that hand out shuffled blocks (never the dummy block 0)."""
+    blocks_per_seq = [(n + page - 1) // page for n in seq_lens]
+    width = max(blocks_per_seq) + 1  # one spare column, as a padded table has
+    num_blocks = sum(blocks_per_seq) + 3
+    cache = torch.randn(2, num_blocks, page, num_kv_heads, head_dim, generator=gen)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(blocks_per_seq):
+        tables[i, :nb] = order[used : used + nb]
+        used += nb
+    return cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def slots_of(tables: torch.Tensor, seq: int, positions: range, page: int) -> list[int]:
+    return [int(tables[seq, p // page]) * page + p % page for p in positions]
+
+
+def test_kv_write_matches_reference_and_touches_only_its_slots():
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.full((2, 6, 16, 2, 32), float("nan"))
+    k, v = torch.randn(5, 2, 32, generator=gen), torch.randn(5, 2, 32, generator=gen)
+    slots = torch.tensor([17, 3, 95, 40, 0], dtype=torch.int64)  # slot 0: a padding row's dummy slot
+    ref = cache.clone()
+    kv_write(k, v, cache, slots)
+    kv_write_reference(k, v, ref, slots)
+    assert torch.equal(cache.nan_to_num(7.0), ref.nan_to_num(7.0))
+    flat = cache.view(2, -1, 2, 32)
+    assert torch.equal(flat[0, slots], k) and torch.equal(flat[1, slots], v)
+    assert int(flat.isnan().any(-1).any(-1).sum()) == 2 * (96 - 5)  # every other slot untouched
+
+
+def test_kv_write_reads_strided_k_v():
+    """k and v as column slices of one fused qkv projection output, as a model produces them."""
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(4, 3, 2, 32, generator=gen)
+    k, v = qkv[:, 1], qkv[:, 2]
+    cache, ref = torch.randn(2, 3, 16, 2, 32, generator=gen), None
+    ref = cache.clone()
+    slots = torch.tensor([5, 6, 20, 33])
+    kv_write(k, v, cache, slots)
+    kv_write_reference(k, v, ref, slots)
+    assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "seq_lens", "num_splits"),
+    [
+        (4, 2, 32, [5, 40, 17], None),  # GQA, lengths off the block size, single split (direct store)
+        (4, 4, 64, [1, 33], None),  # MHA, one-token context
+        (8, 2, 32, [150, 70, 9], 3),  # three splits: full, partial and empty pieces
+        (2, 1, 32, [200], 4),  # one kv head serving two query heads, four splits
+    ],
+)
+def test_decode_attention_matches_reference(num_heads, num_kv_heads, head_dim, seq_lens, num_splits):
+    gen = torch.Generator().manual_seed(3)
+    page = 16
+    cache, tables, lens = paged_setup(seq_lens, num_kv_heads, head_dim, page, gen)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    decode_attention(q, cache, tables, lens, scale, out=out, num_splits=num_splits)
+    ref = decode_attention_reference(q, cache, tables, lens, scale)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < RTOL
+
+
+def test_decode_attention_uses_given_workspace_and_checks_its_size():
+    gen = torch.Generator().manual_seed(4)
+    cache, tables, lens = paged_setup([130, 64], 2, 32, 16, gen)
+    q = torch.randn(2, 4, 32, generator=gen)
+    need = 2 * 4 * 3 * (32 + 1)
+    workspace = torch.full((need + 10,), float("nan"))
+    out = decode_attention(q, cache, tables, lens, 0.2, num_splits=3, workspace=workspace)
+    assert not workspace[:need].isnan().any()  # the partials went to the caller's scratch
+    assert rel_err(out, decode_attention_reference(q, cache, tables, lens, 0.2)) < RTOL
+    with pytest.raises(ValueError, match="workspace holds 10"):
+        decode_attention(q, cache, tables, lens, 0.2, num_splits=3, workspace=torch.empty(10))
+
+
+def test_num_splits_fill_the_gpu_from_static_sizes():
+    sms = 132
+    assert choose_num_splits(1, 8, 8192, sms) == 32  # batch 1, long context: capped at MAX_SPLITS
+    assert choose_num_splits(4, 8, 8192, sms) == 9  # 4*8*9 = 288 programs >= 2 per SM
+    assert choose_num_splits(256, 8, 8192, sms) == 1  # the batch alone fills the GPU
+    assert choose_num_splits(1, 8, 300, sms) == 2  # short capacity: no split under 256 tokens
+    # scratch covers the largest batch * splits of any batch size that splits at all
+    splits = {b: choose_num_splits(b, 8, 1 << 30, sms) for b in range(1, 300)}
+    rows = max(b * s for b, s in splits.items() if s > 1)
+    assert rows == 64  # batch 32 at 2 splits
+    assert workspace_numel(32, 8, 128, sms) == rows * 32 * 129
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "seq_lens", "query_lens"),
+    [
+        (4, 2, [20, 9, 5], [20, 9, 5]),  # plain prefill, varlen, GQA
+        (4, 2, [37, 70], [9, 70]),  # cached prefix of 28; two query tiles of a 70-token prompt
+        (2, 1, [33, 18, 50], [1, 18, 3]),  # mixed: a decode row beside prefill and extend rows
+    ],
+)
+def test_extend_attention_matches_reference(num_heads, num_kv_heads, seq_lens, query_lens):
+    gen = torch.Generator().manual_seed(5)
+    head_dim, page = 32, 16
+    cache, tables, lens = paged_setup(seq_lens, num_kv_heads, head_dim, page, gen)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), num_heads, head_dim, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    extend_attention(q, cache, tables, lens, starts, max(query_lens), 0.25, out=out)
+    ref = extend_attention_reference(q, cache, tables, lens, starts, 0.25)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < RTOL
+
+
+def test_rms_norm_and_fused_add_match_reference():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 5, 96, generator=gen) * 3
+    res = torch.randn(3, 5, 96, generator=gen)
+    w = torch.randn(96, generator=gen)
+    out = torch.full_like(x, float("nan"))
+    rms_norm(x, w, 1e-6, out=out)
+    assert not out.isnan().any() and rel_err(out, rms_norm_reference(x, w, 1e-6)) < RTOL
+    normed, new_res = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    fused_add_rms_norm(x, res, w, 1e-5, out=normed, residual_out=new_res)
+    ref_normed, ref_res = fused_add_rms_norm_reference(x, res, w, 1e-5)
+    assert not normed.isnan().any() and not new_res.isnan().any()
+    assert rel_err(normed, ref_normed) < RTOL and rel_err(new_res, ref_res) < RTOL
+
+
+def test_rotary_in_place_matches_reference_with_partial_rotation():
+    gen = torch.Generator().manual_seed(7)
+    cos, sin = rotary_cos_sin(64, 32, base=500.0)  # rot_dim 32 of head_dim 64: the tail is left alone
+    q, k = torch.randn(6, 4, 64, generator=gen), torch.randn(6, 2, 64, generator=gen)
+    positions = torch.randint(0, 64, (6,), generator=gen)
+    ref_q, ref_k = apply_rotary_reference(q, k, positions, cos, sin)
+    q_tail = q[..., 32:].clone()
+    apply_rotary(q, k, positions, cos, sin)
+    assert rel_err(q, ref_q) < RTOL and rel_err(k, ref_k) < RTOL
+    assert torch.equal(q[..., 32:], q_tail)
+
+
+def test_rotary_on_strided_qkv_views():
+    gen = torch.Generator().manual_seed(8)
+    cos, sin = rotary_cos_sin(32, 32)
+    qkv = torch.randn(5, 4 + 2 + 2, 32, generator=gen)
+    q, k = qkv[:, :4], qkv[:, 4:6]
+    v_before = qkv[:, 6:].clone()
+    positions = torch.arange(5) * 3
+    ref_q, ref_k = apply_rotary_reference(q, k, positions, cos, sin)
+    apply_rotary(q, k, positions, cos, sin)
+    assert rel_err(q, ref_q) < RTOL and rel_err(k, ref_k) < RTOL
+    assert torch.equal(qkv[:, 6:], v_before)
+
+
+def test_silu_and_mul_matches_reference():
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(7, 2 * 1100, generator=gen) * 4  # 1100: two column tiles, the second partial
+    out = torch.full((7, 1100), float("nan"))
+    silu_and_mul(x, out=out)
+    assert not out.isnan().any()
+    assert rel_err(out, silu_and_mul_reference(x)) < RTOL
+
+
+def _batch(mode, q_lens, seq_lens, tables, cache, slots) -> ForwardBatch:
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(starts[-1])
+    return ForwardBatch(
+        mode=mode,
+        input_ids=torch.zeros(total, dtype=torch.int64),
+        positions=torch.zeros(total, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=starts,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        logits_indices=starts[1:].long() - 1,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        kv_caches=[cache],
+    )
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_triton_backend_matches_torch_backend(mode):
+    gen = torch.Generator().manual_seed(10)
+    page, hkv, hq, d = 16, 2, 4, 32
+    seq_lens = [21, 50]
+    q_lens = [21, 14] if mode == "prefill" else [1, 1]
+    cache, tables, _ = paged_setup(seq_lens, hkv, d, page, gen)
+    slots = []
+    for i, (n, ql) in enumerate(zip(seq_lens, q_lens)):
+        slots += slots_of(tables, i, range(n - ql, n), page)
+    total = sum(q_lens)
+    q, k, v = (torch.randn(total, h, d, generator=gen) for h in (hq, hkv, hkv))
+    caches = [cache.clone(), cache.clone()]
+    outs = []
+    for backend, c in zip((TritonAttentionBackend(), TorchAttentionBackend()), caches):
+        outs.append(backend.forward(q, k, v, 0, _batch(mode, q_lens, seq_lens, tables, c, slots), 0.3))
+    assert torch.equal(caches[0], caches[1])
+    assert rel_err(outs[0], outs[1]) < RTOL
