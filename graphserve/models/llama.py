@@ -1,0 +1,253 @@
+"""The Llama family: Llama 2/3, Qwen2/2.5, Qwen3 and Mistral share one decoder.
+
+They differ only in flags read from the Hugging Face config: q/k/v (and o) bias, per-head
+q/k RMSNorm (Qwen3), tied embeddings, head_dim, rope parameters and sliding window.
+Parameter names follow the checkpoint's, except the fused ``qkv_proj`` and ``gate_up_proj``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from graphserve.errors import ModelLoadError
+from graphserve.layers.activation import silu_and_mul
+from graphserve.layers.embedding import LMHead, VocabEmbedding
+from graphserve.layers.linear import MergedLinear
+from graphserve.layers.norm import RMSNorm
+from graphserve.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from graphserve.engine.forward_batch import ForwardBatch
+
+# checkpoint name fragment -> (fused parameter fragment, shard index)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one architecture variant needs from its config."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any]
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config: Any) -> int | None:
+    """The attention window the checkpoint was trained with, or None when attention is global."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is not None and layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, s: Shape, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.scale = s.head_dim**-0.5
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.qkv_proj = MergedLinear(s.hidden_size, [q_size, kv_size, kv_size], bias=s.qkv_bias)
+        self.o_proj = nn.Linear(q_size, s.hidden_size, bias=s.o_bias)
+        self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
+        self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
+        self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(s.hidden_size, [s.intermediate_size] * 2, bias=s.mlp_bias)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, s: Shape, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(s, layer_idx, rotary)
+        self.mlp = LlamaMLP(s)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, s: Shape, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size)
+        self.rotary_emb = RotaryEmbedding(s.head_dim, max_positions, s.rope_parameters)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(s, i, self.rotary_emb) for i in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 2/3 (attention_bias / mlp_bias flags honoured)."""
+
+    @classmethod
+    def shape_from_config(cls, config: Any) -> Shape:
+        bias = bool(getattr(config, "attention_bias", False))
+        return cls._shape(config, qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+    @staticmethod
+    def _shape(config: Any, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool = False, qk_norm: bool = False) -> Shape:
+        rope = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+        return Shape(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim_of(config),
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_parameters=dict(rope),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            qk_norm=qk_norm,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    def __init__(self, config: Any, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.shape = self.shape_from_config(config)
+        self.model = LlamaModel(self.shape, max_positions)
+        self.lm_head = LMHead(self.shape.hidden_size, self.shape.vocab_size)
+        if self.shape.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def finish_materialize(self, device: torch.device) -> None:
+        """After ``to_empty``: recompute the rotary table and re-share the tied head weight."""
+        self.model.rotary_emb.rebuild(device)
+        if self.shape.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into parameters; return the parameter names that were filled."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # old checkpoints store it; it is recomputed from the config
+            if name == "lm_head.weight" and self.shape.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            shard = None
+            for fragment, (fused, index) in _STACKED.items():
+                if fragment in name:
+                    name, shard = name.replace(fragment, fused), index
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            try:
+                with torch.no_grad():
+                    if shard is None:
+                        if param.shape != tensor.shape:
+                            raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                        param.data.copy_(tensor)
+                    else:
+                        owner = self.get_submodule(name.rsplit(".", 1)[0])
+                        owner.load_shard(param, shard, tensor)
+            except ValueError as e:
+                raise ModelLoadError(f"checkpoint tensor {name!r} (shard {shard}) does not fit: {e}") from e
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        """The names ``load_weights`` must report for a complete checkpoint."""
+        expected: set[str] = set()
+        for name, _ in self.named_parameters():
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(owner, MergedLinear):
+                expected.update(f"{name}#{i}" for i in range(len(owner.output_sizes)))
+            else:
+                expected.add(name)
+        return expected
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2/2.5: bias on q/k/v only."""
+
+    @classmethod
+    def shape_from_config(cls, config: Any) -> Shape:
+        return cls._shape(config, qkv_bias=True, o_bias=False)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: per-head RMSNorm on q and k before rotary; head_dim set independently of hidden size."""
+
+    @classmethod
+    def shape_from_config(cls, config: Any) -> Shape:
+        bias = bool(getattr(config, "attention_bias", False))
+        return cls._shape(config, qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with a sliding window, accepted only when it never binds (checked at load)."""

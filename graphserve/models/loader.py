@@ -1,0 +1,193 @@
+"""``load_model``: a model source (HF folder, ``builtin:``, ``dummy:``) -> model, tokenizer, facts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+
+from graphserve.config import EngineConfig
+from graphserve.errors import ConfigError, ModelLoadError
+from graphserve.models.builtin import ensure_builtin
+from graphserve.models.llama import sliding_window_of
+from graphserve.models.presets import get_preset_config, get_preset_tokenizer_spec
+from graphserve.models.registry import resolve_model_class
+from graphserve.models.synthetic_tokenizer import CHAT_TEMPLATES, build_synthetic_tokenizer
+from graphserve.models.weights import iter_safetensors, safetensors_files
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: torch.dtype
+    eos_token_ids: list[int]
+    tie_word_embeddings: bool
+    num_params: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, in the model dtype."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    hf_config: PretrainedConfig
+    tokenizer: Any
+    info: ModelInfo
+    chat_template: str | None
+
+
+def resolve_dtype(requested: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU; on CUDA the checkpoint's bf16/fp16, else bfloat16."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    if device.type != "cuda":
+        return torch.float32
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = _DTYPES.get(stored)
+    return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
+    device = torch.device(device)
+    source = config.model
+    if source.startswith("dummy:"):
+        return _load_dummy(config, source.removeprefix("dummy:"), device)
+    if source.startswith("builtin:"):
+        return _load_folder(config, ensure_builtin(source.removeprefix("builtin:")), device)
+    return _load_folder(config, Path(source).expanduser(), device)
+
+
+def _load_folder(config: EngineConfig, folder: Path, device: torch.device) -> LoadedModel:
+    if not folder.is_dir():
+        raise ModelLoadError(f"model={str(folder)!r} is not a folder (nor builtin:<name> or dummy:<preset>)", param="model")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"config.json is missing from model folder {folder}", param="model")
+    raw = json.loads(config_file.read_text())
+    model_cls = resolve_model_class(raw.get("architectures"))
+    files = safetensors_files(folder)
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(f"tokenizer.json (or another tokenizer file) is missing from model folder {folder}",
+                             param="model")
+    try:
+        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"model folder {folder} cannot be read by transformers: {e}", param="model") from e
+    model, dtype = _build(model_cls, hf_config, config, device)
+    loaded = model.load_weights(iter_safetensors(files))
+    missing = sorted(model.expected_weights() - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"checkpoint in {folder} lacks {len(missing)} tensors: {shown}", param="model")
+    eos = _eos_ids(hf_config, tokenizer, _generation_eos(folder))
+    return _finish(model, hf_config, tokenizer, dtype, eos)
+
+
+def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> LoadedModel:
+    raw = get_preset_config(preset)
+    spec = get_preset_tokenizer_spec(preset)
+    model_cls = resolve_model_class(raw["architectures"])
+    hf_config = AutoConfig.for_model(**raw)
+    tokenizer = build_synthetic_tokenizer(
+        hf_config.vocab_size, spec["specials"], spec["bos"], spec["eos"], CHAT_TEMPLATES[spec["chat"]]
+    )
+    model, dtype = _build(model_cls, hf_config, config, device)
+    if device.type != "meta":
+        _init_random(model, config.seed, device)
+    return _finish(model, hf_config, tokenizer, dtype, _eos_ids(hf_config, tokenizer, None))
+
+
+def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, device: torch.device):
+    """Assemble on the meta device, then allocate on ``device`` uninitialised: no CPU pass over 8B weights."""
+    max_pos = hf_config.max_position_embeddings
+    max_len = config.max_model_len or max_pos
+    if max_len > max_pos:
+        raise ConfigError(
+            f"--max-model-len={max_len} is invalid: the model supports at most {max_pos} positions", param="max_model_len"
+        )
+    window = sliding_window_of(hf_config)
+    if window is not None and max_len > window:
+        raise ConfigError(
+            f"--max-model-len={max_len} exceeds the model's sliding_window={window}, which graphserve does not "
+            f"implement: set --max-model-len <= {window}",
+            param="max_model_len",
+        )
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    with torch.device("meta"):
+        model = model_cls(hf_config, max_len)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.finish_materialize(device)
+    return model.eval().requires_grad_(False), dtype
+
+
+@torch.no_grad()
+def _init_random(model: nn.Module, seed: int, device: torch.device) -> None:
+    """normal(0, 0.02) matrices, unit norm weights, zero biases, generated on ``device``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+
+
+def _generation_eos(folder: Path) -> Any:
+    gen_file = folder / "generation_config.json"
+    if not gen_file.is_file():
+        return None
+    return json.loads(gen_file.read_text()).get("eos_token_id")
+
+
+def _eos_ids(hf_config: PretrainedConfig, tokenizer: Any, generation_eos: Any) -> list[int]:
+    ids: list[int] = []
+    for value in (generation_eos, hf_config.eos_token_id, tokenizer.eos_token_id):
+        for i in value if isinstance(value, list) else [value]:
+            if i is not None and i not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype: torch.dtype, eos: list[int]):
+    s = model.shape
+    info = ModelInfo(
+        architecture=type(model).__name__,
+        num_layers=s.num_layers,
+        num_heads=s.num_heads,
+        num_kv_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        vocab_size=s.vocab_size,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        dtype=dtype,
+        eos_token_ids=eos,
+        tie_word_embeddings=s.tie_word_embeddings,
+        num_params=sum(p.numel() for p in model.parameters()),
+    )
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
+    return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, info=info, chat_template=template)

@@ -1,0 +1,133 @@
+"""``dummy:<preset>``: real architectures' config.json values, for random-weight benchmark runs.
+
+Each preset is the published config of the named checkpoint (the fields the engine reads) plus
+the special tokens and chat format its tokenizer uses, so shapes, KV bytes per token and the
+EOS ids are those of the real model.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from graphserve.errors import ModelLoadError
+
+_LLAMA3_SPECIALS = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>",
+                    128006: "<|start_header_id|>", 128007: "<|end_header_id|>", 128009: "<|eot_id|>"}
+_QWEN_SPECIALS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+
+# name -> {"config": HF config.json dict, "specials"/"bos"/"eos"/"chat": the tokenizer to synthesise}
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama3-8b": {  # Meta-Llama-3-8B-Instruct
+        "config": {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "bos_token_id": 128000, "eos_token_id": [128001, 128009],
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+        },
+        "specials": _LLAMA3_SPECIALS, "bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "chat": "llama3",
+    },
+    "llama3.1-8b": {  # Llama-3.1-8B-Instruct: llama3 rope scaling to 128k
+        "config": {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": _LLAMA31_ROPE,
+            "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+        },
+        "specials": {**_LLAMA3_SPECIALS, 128008: "<|eom_id|>"}, "bos": "<|begin_of_text|>", "eos": "<|eot_id|>",
+        "chat": "llama3",
+    },
+    "llama3.2-1b": {  # Llama-3.2-1B-Instruct: tied embeddings, head_dim 64
+        "config": {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+            "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "rope_scaling": {**_LLAMA31_ROPE, "factor": 32.0},
+            "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+            "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu",
+        },
+        "specials": {**_LLAMA3_SPECIALS, 128008: "<|eom_id|>"}, "bos": "<|begin_of_text|>", "eos": "<|eot_id|>",
+        "chat": "llama3",
+    },
+    "qwen3-0.6b": {  # Qwen3-0.6B: q/k norm, head_dim 128 != 1024/16
+        "config": {
+            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+            "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151645,
+            "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu",
+            "attention_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 28,
+        },
+        "specials": _QWEN_SPECIALS, "bos": None, "eos": "<|im_end|>", "chat": "chatml",
+    },
+    "qwen3-8b": {  # Qwen3-8B
+        "config": {
+            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151645,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+            "attention_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 36,
+        },
+        "specials": _QWEN_SPECIALS, "bos": None, "eos": "<|im_end|>", "chat": "chatml",
+    },
+    "qwen2.5-7b": {  # Qwen2.5-7B-Instruct: q/k/v bias
+        "config": {
+            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+            "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+            "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151645,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+            "use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 28,
+        },
+        "specials": _QWEN_SPECIALS, "bos": None, "eos": "<|im_end|>", "chat": "chatml",
+    },
+    "qwen2.5-0.5b": {  # Qwen2.5-0.5B-Instruct: q/k/v bias, tied embeddings
+        "config": {
+            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+            "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+            "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151645,
+            "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu",
+            "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 21,
+        },
+        "specials": _QWEN_SPECIALS, "bos": None, "eos": "<|im_end|>", "chat": "chatml",
+    },
+    "mistral-7b": {  # Mistral-7B-Instruct-v0.2: no sliding window
+        "config": {
+            "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "sliding_window": None,
+            "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "hidden_act": "silu",
+        },
+        "specials": {0: "<unk>", 1: "<s>", 2: "</s>"}, "bos": "<s>", "eos": "</s>", "chat": "mistral",
+    },
+}
+
+
+def _check(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise ModelLoadError(
+            f"model='dummy:{name}' is unknown: choose one of {', '.join('dummy:' + p for p in sorted(PRESETS))}",
+            param="model",
+        )
+    return PRESETS[name]
+
+
+def get_preset_config(name: str) -> dict[str, Any]:
+    """The preset's HF config.json as a dict (a fresh copy)."""
+    return copy.deepcopy(_check(name)["config"])
+
+
+def get_preset_tokenizer_spec(name: str) -> dict[str, Any]:
+    """Special tokens ``{id: text}``, bos/eos texts and chat format (``llama3``, ``chatml`` or ``mistral``)."""
+    p = _check(name)
+    return {"specials": dict(p["specials"]), "bos": p["bos"], "eos": p["eos"], "chat": p["chat"]}

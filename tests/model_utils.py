@@ -1,0 +1,113 @@
+"""Helpers for model tests: tiny HF checkpoints on disk and a hand-built paged-KV forward harness."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from graphserve.engine.forward_batch import DUMMY_BLOCK, ForwardBatch
+from graphserve.layers.attention import TorchAttentionBackend
+from graphserve.models.synthetic_tokenizer import CHATML_TEMPLATE, build_synthetic_tokenizer
+
+
+def make_hf_checkpoint(
+    folder: Path, config: PretrainedConfig, seed: int = 0, max_shard_size: str | None = None
+) -> torch.nn.Module:
+    """Save a random float32 HF model (plus a synthetic tokenizer) to ``folder``; return the HF model.
+
+    Every parameter is perturbed, not just the matrices, so biases and norm weights (which HF
+    initialises to 0 and 1) are actually exercised by a logits comparison.
+    """
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    model.eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    specials = {0: "<s>", 1: "</s>", 2: "<|im_start|>", 3: "<|im_end|>"}
+    build_synthetic_tokenizer(config.vocab_size, specials, "<s>", "</s>", CHATML_TEMPLATE).save_pretrained(folder)
+    return model
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """Float32 logits ``[len, vocab]`` of a full, uncached HF forward over ``token_ids``."""
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+class PagedHarness:
+    """Runs a graphserve model step by step over a paged KV cache, like the engine would.
+
+    Blocks are handed out in a scrambled order so block-table indirection is really tested;
+    block 0 stays the reserved dummy block.
+    """
+
+    def __init__(self, model: torch.nn.Module, block_size: int = 4, num_blocks: int = 64, dtype=torch.float32):
+        s = model.shape
+        self.model, self.block_size = model, block_size
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=dtype)
+            for _ in range(s.num_layers)
+        ]
+        free = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(1)) + 1
+        self.free_blocks = free.tolist()
+        self.tables: dict[str, list[int]] = {}
+        self.lens: dict[str, int] = {}
+        self.backend = TorchAttentionBackend()
+
+    def build_batch(self, chunks: list[tuple[str, list[int]]]) -> ForwardBatch:
+        ids, positions, slots, qlens, seq_lens = [], [], [], [], []
+        for seq, tokens in chunks:
+            start = self.lens.get(seq, 0)
+            table = self.tables.setdefault(seq, [])
+            end = start + len(tokens)
+            while len(table) * self.block_size < end:
+                table.append(self.free_blocks.pop())
+            for pos in range(start, end):
+                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            ids += tokens
+            positions += range(start, end)
+            qlens.append(len(tokens))
+            seq_lens.append(end)
+            self.lens[seq] = end
+        width = max(len(self.tables[seq]) for seq, _ in chunks)
+        tables = [self.tables[seq] + [DUMMY_BLOCK] * (width - len(self.tables[seq])) for seq, _ in chunks]
+        qsl = torch.tensor([0] + qlens).cumsum(0)
+        mode = "decode" if all(q == 1 for q in qlens) else "prefill"
+        return ForwardBatch(
+            mode=mode,
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=qsl.to(torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            logits_indices=(qsl[1:] - 1).to(torch.int64),
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens),
+            kv_caches=self.kv_caches,
+            attn_backend=self.backend,
+            query_lens_cpu=qlens,
+            seq_lens_cpu=seq_lens,
+        )
+
+    @torch.no_grad()
+    def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
+        """Run one forward over the new tokens of each sequence; return each chunk's logits ``[len, vocab]``."""
+        batch = self.build_batch(chunks)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        logits = self.model.compute_logits(hidden)
+        return list(logits.split(batch.query_lens_cpu))
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm())

@@ -1,0 +1,87 @@
+"""Every Llama-family variant matches Hugging Face transformers logit for logit (CPU, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import PagedHarness, hf_logits, make_hf_checkpoint, relative_error
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from graphserve.config import EngineConfig
+from graphserve.errors import ConfigError, ModelLoadError
+from graphserve.layers.rotary import rope_inv_freq
+from graphserve.models.loader import load_model
+
+TOL = 1e-4
+_TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+VARIANTS = {
+    "llama3-rope-scaling": lambda: LlamaConfig(
+        **_TINY, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32}),
+    "llama2-plain-rope": lambda: LlamaConfig(**{**_TINY, "num_key_value_heads": 4}, rope_theta=10000.0),
+    "qwen2-bias-tied": lambda: Qwen2Config(**_TINY, rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen3-qknorm-headdim": lambda: Qwen3Config(**_TINY, head_dim=32, rope_theta=1000000.0),
+    "mistral": lambda: MistralConfig(**{**_TINY, "max_position_embeddings": 256}, sliding_window=128),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_hf_checkpoint(folder, VARIANTS[request.param]())
+    loaded = load_model(EngineConfig(model=str(folder), dtype="float32", max_model_len=128), torch.device("cpu"))
+    return request.param, hf, loaded
+
+
+def test_prefill_chunked_and_decode_match_transformers(variant):
+    name, hf, loaded = variant
+    gen = torch.Generator().manual_seed(3)
+    seqs = {s: torch.randint(4, 320, (n,), generator=gen).tolist() for s, n in (("a", 7), ("b", 19), ("c", 12))}
+    harness = PagedHarness(loaded.model)
+    # Step 1 caches the first 11 tokens of b; step 2 prefills a and c whole plus b's remaining 8
+    # on top of that cached prefix, all in one batch.
+    first = harness.step([("b", seqs["b"][:11])])[0]
+    assert relative_error(first, hf_logits(hf, seqs["b"][:11])) < TOL, name
+    out = harness.step([("a", seqs["a"]), ("b", seqs["b"][11:]), ("c", seqs["c"])])
+    for (seq, start), got in zip((("a", 0), ("b", 11), ("c", 0)), out):
+        err = relative_error(got, hf_logits(hf, seqs[seq])[start:])
+        assert err < TOL, f"{name} prefill {seq}: relative error {err:.2e}"
+    for step in range(5):
+        new = {s: int(torch.randint(4, 320, (1,), generator=gen)) for s in seqs}
+        for s in seqs:
+            seqs[s].append(new[s])
+        out = harness.step([(s, [new[s]]) for s in seqs])
+        got = torch.cat(out)
+        want = torch.stack([hf_logits(hf, seqs[s])[-1] for s in seqs])
+        err = relative_error(got, want)
+        assert err < TOL, f"{name} decode step {step}: relative error {err:.2e}"
+
+
+def test_loaded_shapes_follow_config(variant):
+    name, hf, loaded = variant
+    cfg, info = hf.config, loaded.info
+    assert info.num_layers == cfg.num_hidden_layers and info.vocab_size == cfg.vocab_size
+    assert info.head_dim == (32 if name.startswith("qwen3") else cfg.hidden_size // cfg.num_attention_heads)
+    assert info.num_params == sum(p.numel() for p in hf.parameters())
+    assert info.tie_word_embeddings == (name == "qwen2-bias-tied")
+    assert info.kv_bytes_per_token == 2 * info.num_layers * info.num_kv_heads * info.head_dim * 4
+    # config/generation_config eos first, then the tokenizer's "</s>" (id 1) when it differs
+    expected_eos = [cfg.eos_token_id] if cfg.eos_token_id is not None else []
+    assert info.eos_token_ids == expected_eos + ([1] if 1 not in expected_eos else [])
+
+
+def test_mistral_sliding_window_longer_context_is_refused(tmp_path):
+    make_hf_checkpoint(tmp_path, VARIANTS["mistral"]())
+    with pytest.raises(ConfigError, match="sliding_window=128"):
+        load_model(EngineConfig(model=str(tmp_path), max_model_len=200), torch.device("cpu"))
+    # without --max-model-len the model's 256 positions exceed the window too
+    with pytest.raises(ConfigError, match="--max-model-len"):
+        load_model(EngineConfig(model=str(tmp_path)), torch.device("cpu"))
+
+
+def test_unsupported_rope_type_is_refused():
+    with pytest.raises(ModelLoadError, match="yarn"):
+        rope_inv_freq(16, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
