@@ -1,0 +1,44 @@
+"""Incremental detokenization: turn a growing list of token ids into text, a piece at a time.
+
+Decoding token by token is wrong twice over: byte-level tokens can split one UTF-8 character
+across several ids, and SentencePiece-style decoders drop a word's leading space when it opens
+the decoded span. So each step decodes a short window of ids ending at the new ones, starting
+a few tokens back (``prefix_offset``), and keeps only what the window adds past the text it
+already produced (``read_offset``). While the window's tail still decodes to U+FFFD (an
+incomplete character), nothing is emitted: the next token completes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+# How many prompt tokens seed the window, so the first output token decodes with its left context.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""  # everything emitted so far (whole characters only)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, new_token_ids: list[int]) -> str:
+        """Append ids; return the newly completed text (possibly empty)."""
+        self.ids.extend(new_token_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        # Slide the window: the text up to read_offset is settled.
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

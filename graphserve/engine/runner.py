@@ -1,0 +1,118 @@
+"""ModelRunner: owns the KV cache tensors, turns a scheduled step into a ForwardBatch, runs the
+model and the sampler, and hands the sampled ids back on the host.
+
+``prepare_inputs`` is kept apart from ``execute`` so the decode path can be wrapped (CUDA-graph
+capture and replay) without touching how a batch is built.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+
+from graphserve.engine.forward_batch import DUMMY_BLOCK, ForwardBatch
+from graphserve.layers.attention import TorchAttentionBackend
+from graphserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
+
+if TYPE_CHECKING:
+    from graphserve.config import EngineConfig
+    from graphserve.engine.scheduler import SchedulerOutput
+    from graphserve.layers.attention_backend import AttentionBackend
+    from graphserve.models.loader import LoadedModel, ModelInfo
+
+CPU_DEFAULT_KV_TOKENS = 64 * 1024
+# The default CPU pool never takes more than this share of the memory available at start-up.
+CPU_KV_MEMORY_SHARE = 0.25
+
+
+def cpu_kv_tokens(config: EngineConfig, info: ModelInfo) -> int:
+    """KV capacity in tokens on CPU: --num-kv-tokens, else --kv-cache-gb, else 64k capped by memory."""
+    per_token = info.kv_bytes_per_token
+    if config.num_kv_tokens is not None:
+        return config.num_kv_tokens
+    if config.kv_cache_gb is not None:
+        return max(config.block_size, int(config.kv_cache_gb * 1024**3 // per_token))
+    affordable = int(psutil.virtual_memory().available * CPU_KV_MEMORY_SHARE // per_token)
+    return max(config.block_size, min(CPU_DEFAULT_KV_TOKENS, affordable))
+
+
+def make_attention_backend(device: torch.device) -> AttentionBackend:
+    if device.type == "cuda":
+        from graphserve.layers.attention_triton import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int, device: torch.device | None = None):
+        self.config = config
+        self.model = loaded.model
+        self.info = loaded.info
+        self.device = device if device is not None else next(self.model.parameters()).device
+        self.block_size = config.block_size
+        self.num_blocks = num_blocks
+        info = self.info
+        # Block 0 (the dummy block) is part of every layer's tensor; padding rows write there.
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, self.block_size, info.num_kv_heads, info.head_dim,
+                        dtype=info.dtype, device=self.device)
+            for _ in range(info.num_layers)
+        ]
+        self.attn_backend = make_attention_backend(self.device)
+        self.sampler = Sampler()
+
+    def prepare_inputs(self, out: SchedulerOutput) -> ForwardBatch:
+        """Flatten the step's new tokens and describe where each one's KV lives."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        tables: list[list[int]] = []
+        for sched in out.scheduled:
+            seq, n = sched.seq, sched.num_new_tokens
+            start = seq.num_computed_tokens
+            table = seq.block_table
+            assert len(table) * bs >= start + n, f"{seq}: block table too short for {n} new tokens"
+            input_ids.extend(seq.tokens_slice(start, start + n))
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            query_start.append(query_start[-1] + n)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        padded = [t + [DUMMY_BLOCK] * (width - len(t)) for t in tables]
+        dev = self.device
+        mode = "decode" if all(q == 1 for q in query_lens) else ("mixed" if 1 in query_lens else "prefill")
+        return ForwardBatch(
+            mode=mode,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            logits_indices=torch.tensor(query_start[1:], dtype=torch.int64, device=dev) - 1,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            kv_caches=self.kv_caches,
+            attn_backend=self.attn_backend,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> SamplerOutput:
+        batch = self.prepare_inputs(out)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        seqs = [s.seq for s in out.scheduled]
+        tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], self.info.eos_token_ids, self.device)
+        return self.sampler(logits, tensors)
