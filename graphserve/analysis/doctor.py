@@ -1,0 +1,266 @@
+"""`graphserve doctor LOGFILE`: read a graphserve, SGLang or vLLM server log and say what went
+wrong and which flag to turn.
+
+It reads the step lines (graphserve and SGLang share ``Decode batch, #running-req: ...``; vLLM
+prints ``Avg generation throughput: ... Running: N reqs``), CUDA-graph capture lines and the
+server-args dump, PyTorch OOM messages and preemption warnings. A clean log gives no findings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from graphserve.analysis.scaling import fit_step_time
+from graphserve.errors import BadRequestError
+
+NUM = r"([0-9]+(?:\.[0-9]+)?)"
+DECODE = re.compile(r"Decode batch[.,]")
+PREFILL = re.compile(r"Prefill batch[.,(]")
+VLLM_STATS = re.compile(r"Avg generation throughput: " + NUM + r" tokens/s.*?Running: (\d+) reqs.*?Waiting: (\d+) reqs")
+FIELD = {
+    "running": re.compile(r"#running-req: (\d+)"),
+    "usage": re.compile(r"(?<!swa )token usage: " + NUM),
+    "graph": re.compile(r"cuda graph: (True|False)"),
+    "gen": re.compile(r"gen throughput \(token/s\): " + NUM),
+    "queue": re.compile(r"#queue-req: (\d+)"),
+}
+VLLM_KV = re.compile(r"(?:GPU )?KV cache usage: " + NUM + "%")
+VLLM_PREEMPTIONS = re.compile(r"Preemptions: (\d+)")
+CAPTURE_BS = re.compile(r"Capture cuda graph[^\[]*?\bbs \[([0-9, ]+)\]", re.I)
+CAPTURE_SIZES = re.compile(r"cudagraph_capture_sizes['\"]?[=:] ?\[([0-9, ]+)\]")
+MAX_BS = re.compile(r"(?:cuda_graph_max_bs|--cuda-graph-max-bs|max_cudagraph_capture_size|max_capture_size)['\"]?[ =:]+(\d+)")
+OOM = re.compile(r"(?:CUDA out of memory|OutOfMemoryError).*?Tried to allocate " + NUM + r" (GiB|MiB|KiB)")
+OOM_FREE = re.compile(r"of which " + NUM + r" (GiB|MiB|KiB) is free")
+PREEMPT = re.compile(r"is preempted by PreemptionMode|Decode out of memory happened|#retracted_req|retract(?:ed)? \d+ req",
+                     re.I)
+CAPTURE_FAIL = re.compile(r"capture (?:cuda|CUDA) graph failed|CUDA graph capture failed|failed to capture (?:cuda|CUDA)",
+                          re.I)
+UNIT = {"GiB": 1.0, "MiB": 1 / 1024, "KiB": 1 / 1024**2}
+
+
+@dataclass
+class Finding:
+    kind: str
+    severity: str  # "error" | "warning"
+    title: str
+    explanation: str
+    flags: list[str]
+    evidence: list[tuple[int, str]] = field(default_factory=list)  # (1-based line number, line text)
+
+
+@dataclass
+class StepLine:
+    line_no: int
+    text: str
+    running: int
+    gen_tok_s: float | None
+    graph: bool | None
+    queue: int | None
+    usage: float | None
+
+
+def _evidence(items: list[StepLine] | list[tuple[int, str]], limit: int = 5) -> list[tuple[int, str]]:
+    pairs = [(s.line_no, s.text) if isinstance(s, StepLine) else s for s in items]
+    return pairs[:limit] if len(pairs) <= limit else pairs[: limit - 1] + [pairs[-1]]
+
+
+def detect_format(lines: list[str]) -> str:
+    text = "\n".join(lines[:2000])
+    if "Avg generation throughput" in text or "vllm" in text.lower():
+        return "vllm"
+    if "graphserve" in text.lower():
+        return "graphserve"
+    if "Decode batch" in text or "sglang" in text.lower() or "ServerArgs" in text:
+        return "sglang"
+    return "unknown"
+
+
+def parse_steps(lines: list[str]) -> list[StepLine]:
+    steps = []
+    for i, line in enumerate(lines, 1):
+        if DECODE.search(line):
+            f = {k: rx.search(line) for k, rx in FIELD.items()}
+            if not f["running"]:
+                continue
+            steps.append(StepLine(i, line.rstrip(), int(f["running"].group(1)),
+                                  float(f["gen"].group(1)) if f["gen"] else None,
+                                  f["graph"].group(1) == "True" if f["graph"] else None,
+                                  int(f["queue"].group(1)) if f["queue"] else None,
+                                  float(f["usage"].group(1)) if f["usage"] else None))
+        elif m := VLLM_STATS.search(line):
+            kv = VLLM_KV.search(line)
+            steps.append(StepLine(i, line.rstrip(), int(m.group(2)), float(m.group(1)), None, int(m.group(3)),
+                                  float(kv.group(1)) / 100.0 if kv else None))
+    return steps
+
+
+def _largest_captured(lines: list[str]) -> tuple[int | None, tuple[int, str] | None]:
+    best, where = None, None
+    for i, line in enumerate(lines, 1):
+        m = CAPTURE_BS.search(line) or CAPTURE_SIZES.search(line)
+        if m:
+            sizes = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+            if sizes:
+                best, where = max(sizes), (i, line.rstrip())
+        elif best is None and (m := MAX_BS.search(line)):
+            best, where = int(m.group(1)), (i, line.rstrip())
+    return best, where
+
+
+def _eager_oversize(steps: list[StepLine], lines: list[str]) -> tuple[Finding | None, int | None]:
+    largest, where = _largest_captured(lines)
+    if largest is None:  # infer it: the biggest batch that did replay a graph
+        graphed = [s.running for s in steps if s.graph]
+        largest = max(graphed) if graphed else None
+    if largest is None:
+        return None, None
+    bad = [s for s in steps if s.graph is False and s.running > largest]
+    if not bad:
+        return None, largest
+    peak = max(s.running for s in bad)
+    ev = ([where] if where else []) + _evidence(bad, 4)
+    return Finding(
+        "eager_oversize", "warning", f"{len(bad)} decode batches above the largest captured size {largest} ran eagerly",
+        f"Batches of up to {peak} running requests left the CUDA-graph path (cuda graph: False). Eager steps are "
+        f"slower and allocate activations that were not planned when the KV pool was sized, which is how an OOM "
+        f"follows.", [f"--cuda-graph-max-bs {peak}", f"--max-running-requests {largest}"], ev), largest
+
+
+def _oom(lines: list[str], eager: Finding | None, largest: int | None) -> list[Finding]:
+    out = []
+    for i, line in enumerate(lines, 1):
+        m = OOM.search(line)
+        if not m or CAPTURE_FAIL.search(line):  # a failed capture is reported as such, with its flags
+            continue
+        asked = float(m.group(1)) * UNIT[m.group(2)]
+        free_m = OOM_FREE.search(line)
+        free = float(free_m.group(1)) * UNIT[free_m.group(2)] if free_m else None
+        head = f"CUDA out of memory: asked {asked:.2f} GiB" + (f" with {free:.2f} GiB free" if free is not None else "")
+        if eager is not None:
+            cause = (f"It follows decode batches above the largest captured size ({largest}) that ran eagerly: "
+                     f"their activations were never reserved in the memory plan.")
+            flags = eager.flags + ["--mem-fraction-static (lower it to leave room outside the static pool)"]
+            ev = [(i, line.rstrip())] + eager.evidence[-2:]
+        else:
+            cause = "Something allocated more than the static pool left free (activations, a larger batch or chunk)."
+            flags = ["--mem-fraction-static (lower it)", "--max-running-requests (lower it)",
+                     "--chunked-prefill-size (lower it)"]
+            ev = [(i, line.rstrip())]
+        out.append(Finding("oom", "error", head, cause, flags, ev))
+    return out
+
+
+def _plateau(steps: list[StepLine]) -> Finding | None:
+    pts = [s for s in steps if s.gen_tok_s and s.gen_tok_s > 0 and s.running > 0]
+    if len({s.running for s in pts}) < 4:
+        return None
+    # Each running request gets one token per decode step, so step_ms = N · 1000 / (gen tok/s).
+    fit = fit_step_time([s.running for s in pts], [s.running * 1000.0 / s.gen_tok_s for s in pts])
+    n_max = max(s.running for s in pts)
+    if fit.b_ms <= 0 or fit.n_at_90pct is None or fit.n_at_90pct >= n_max or fit.r2 < 0.8:
+        return None
+    lo = min(pts, key=lambda s: s.running)
+    hi = max(pts, key=lambda s: s.running)
+    return Finding(
+        "throughput_plateau", "warning",
+        f"throughput is flat while running requests grow: step ≈ {fit.a_ms:.0f} + {fit.b_ms:.1f}·N ms",
+        f"From {lo.running} to {hi.running} running requests gen throughput went {lo.gen_tok_s:.1f} → "
+        f"{hi.gen_tok_s:.1f} tok/s. Every extra request adds {fit.b_ms:.1f} ms to each step, so throughput cannot "
+        f"pass {fit.asymptote_tok_s:.1f} tok/s and is at 90% of that by N ≈ {fit.n_at_90pct:.0f}. The per-request "
+        f"cost dominates: more concurrency or CUDA graphs will not help; profile the per-request kernels "
+        f"(attention over KV, MoE routing) or the communication.",
+        ["--max-running-requests (more than ~" f"{max(1, round(fit.n_at_90pct))} only adds latency)"],
+        _evidence([lo, hi]))
+
+
+def _kv_and_queue(steps: list[StepLine], lines: list[str]) -> list[Finding]:
+    out = []
+    full = [s for s in steps if s.usage is not None and s.usage >= 0.95]
+    if full:
+        out.append(Finding("kv_full", "warning", f"KV pool full on {len(full)} step lines (token usage ≥ 0.95)",
+                           "New requests wait and running ones get preempted when the KV pool has no free blocks.",
+                           ["--mem-fraction-static (raise it)", "--max-running-requests (lower it)", "--tp (raise it)"],
+                           _evidence(full)))
+    pre = [(i, ln.rstrip()) for i, ln in enumerate(lines, 1) if PREEMPT.search(ln)]
+    counted = [(s.line_no, s.text, int(m.group(1))) for s in steps if (m := VLLM_PREEMPTIONS.search(s.text))]
+    pre += [(i, t) for i, t, n in counted if n > 0]
+    if pre:
+        storm = len(pre) >= 10
+        out.append(Finding("preemption", "error" if storm else "warning",
+                           f"{len(pre)} preemption {'lines (a preemption storm)' if storm else 'lines'}",
+                           "Requests were evicted from the KV pool and must recompute their prefill: the pool is too "
+                           "small for the running set.",
+                           ["--mem-fraction-static (raise it)", "--max-running-requests (lower it)", "--tp (raise it)"],
+                           _evidence(sorted(pre))))
+    queued = [s for s in steps if s.queue is not None]
+    if len(queued) >= 4:
+        half = len(queued) // 2
+        first = sum(s.queue for s in queued[:half]) / half
+        second = sum(s.queue for s in queued[half:]) / (len(queued) - half)
+        if queued[-1].queue >= 8 and second >= 2 * max(first, 1.0):
+            out.append(Finding("queue_growing", "warning",
+                               f"waiting queue grows: {queued[0].queue} → {queued[-1].queue} requests",
+                               "Requests arrive faster than the server finishes them; latency grows without bound.",
+                               ["--max-running-requests (raise it if KV allows)", "lower the request rate"],
+                               _evidence([queued[0], queued[-1]])))
+    return out
+
+
+def _capture_failures(lines: list[str]) -> Finding | None:
+    bad = [(i, ln.rstrip()) for i, ln in enumerate(lines, 1) if CAPTURE_FAIL.search(ln)]
+    if not bad:
+        return None
+    asked = next((m for _, ln in bad if (m := OOM.search(ln))), None)
+    title = "CUDA graph capture failed" + (f" asking {asked.group(1)} {asked.group(2)}" if asked else "")
+    return Finding("capture_failed", "error", title,
+                   "Capture usually fails for lack of memory for the largest batch sizes.",
+                   ["--mem-fraction-static (lower it)", "--cuda-graph-max-bs (lower it)"], _evidence(bad))
+
+
+def diagnose_lines(lines: list[str]) -> list[Finding]:
+    steps = parse_steps(lines)
+    eager, largest = _eager_oversize(steps, lines)
+    findings: list[Finding] = []
+    findings += _oom(lines, eager, largest)
+    if eager:
+        findings.append(eager)
+    if cap := _capture_failures(lines):
+        findings.append(cap)
+    findings += _kv_and_queue(steps, lines)
+    if plat := _plateau(steps):
+        findings.append(plat)
+    return findings
+
+
+def diagnose(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise BadRequestError(f"LOGFILE={path!r} is not a readable file", param="logfile")
+    lines = p.read_text(errors="replace").splitlines()
+    return {"log": path, "format": detect_format(lines), "lines": len(lines),
+            "findings": [asdict(f) for f in diagnose_lines(lines)]}
+
+
+def format_report(rep: dict) -> str:
+    out = [f"{rep['log']}: {rep['format']} log, {rep['lines']} lines, {len(rep['findings'])} findings"]
+    if not rep["findings"]:
+        out.append("no problems found")
+    for f in rep["findings"]:
+        out.append(f"\n[{f['severity']}] {f['title']}\n  {f['explanation']}\n  change: {', '.join(f['flags'])}")
+        out += [f"  line {n}: {t}" for n, t in f["evidence"]]
+    return "\n".join(out)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("logfile", help="server log of graphserve, SGLang or vLLM")
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    rep = diagnose(args.logfile)
+    print(json.dumps(rep, indent=2) if args.json else format_report(rep))
+    return 1 if any(f["severity"] == "error" for f in rep["findings"]) else 0

@@ -1,0 +1,181 @@
+"""`graphserve plan MODEL ...`: the memory plan of a model and config before any GPU is touched,
+and a verdict per concurrency: fits / preempts / queues / out of memory.
+
+"out of memory" is the first story's crash: an engine that runs a decode batch above its largest
+captured size eagerly (``--oversize eager``, what SGLang and vLLM do) allocates activations the
+plan never reserved. graphserve splits such a batch into captured sizes (``--oversize split``,
+the default), so its verdicts only depend on the KV pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from graphserve.config import default_cuda_graph_sizes
+from graphserve.engine.memory import (
+    estimate_activation_bytes,
+    estimate_graph_pool_bytes,
+    estimate_weights_bytes,
+    gib,
+    kv_bytes_per_token,
+    plan_memory,
+)
+from graphserve.errors import BadRequestError, ModelLoadError
+
+DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "fp8": 1}
+GiB_ = 1024**3
+GB = 10**9  # GPU memory is sold in GB (H200: 141 GB); the plan prints GiB
+
+
+def load_hf_config(model: str) -> dict[str, Any]:
+    """A config.json path, a folder holding one, or a preset name such as ``dummy:llama3-8b``."""
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    if ":" in model:
+        from graphserve.models.presets import get_preset_config  # written alongside the models; load lazily
+
+        cfg = get_preset_config(model)
+        return cfg if isinstance(cfg, dict) else cfg.to_dict()
+    raise ModelLoadError(f"MODEL={model!r} is not a config.json, a model folder or a preset name (e.g. dummy:llama3-8b)",
+                         param="model")
+
+
+def _blocks(tokens: int, block: int) -> int:
+    return math.ceil(tokens / block) * block
+
+
+def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fraction_static: float = 0.88,
+               cuda_graph_max_bs: int = 256, cuda_graph_bs: list[int] | None = None, disable_cuda_graph: bool = False,
+               max_running_requests: int | None = None, input_len: int = 1024, output_len: int = 1024,
+               dtype: str = "bf16", concurrency: list[int] | None = None, max_model_len: int | None = None,
+               chunked_prefill_size: int = 2048, block_size: int = 16, reserve_gb: float = 0.5,
+               oversize: str = "split") -> dict[str, Any]:
+    if dtype not in DTYPE_BYTES:
+        raise BadRequestError(f"--dtype={dtype!r} is invalid: choose one of {', '.join(DTYPE_BYTES)}", param="dtype")
+    if oversize not in ("split", "eager"):
+        raise BadRequestError(f"--oversize={oversize!r} is invalid: choose split or eager", param="oversize")
+    nb = DTYPE_BYTES[dtype]
+    sizes = [] if disable_cuda_graph else sorted(set(cuda_graph_bs or default_cuda_graph_sizes(cuda_graph_max_bs)))
+    largest = sizes[-1] if sizes else 0
+    max_running = max_running_requests or (largest or 256)
+    max_len = max_model_len or int(hf.get("max_position_embeddings") or input_len + output_len)
+    seq_len = input_len + output_len
+
+    weights = estimate_weights_bytes(hf, nb, tp)
+    kv_tok = kv_bytes_per_token(hf, nb, tp)
+    chunk = min(chunked_prefill_size, max_running * input_len)
+    prefill_act = estimate_activation_bytes(hf, chunk, nb, tp, sampled_rows=max(1, math.ceil(chunk / input_len)))
+    # Graph-covered decode batches draw on the graph pool; the largest eager one is reserved here.
+    eager_decode_bs = 0 if sizes and (oversize == "split" or max_running <= largest) else (largest or max_running)
+    decode_act = estimate_activation_bytes(hf, eager_decode_bs, nb, tp) if eager_decode_bs else 0
+    pool = estimate_graph_pool_bytes(hf, sizes, nb, tp)
+    mp = plan_memory(int(gpu_memory_gb * GB), mem_fraction_static, weights, (prefill_act, decode_act), pool,
+                     int(reserve_gb * GiB_), kv_tok, block_size, max_len, max_running, tp=tp)
+
+    verdicts = []
+    for c in concurrency or [1, 8, 32, 64]:
+        batch = min(c, max_running)
+        need_tokens = batch * _blocks(seq_len, block_size)
+        v: dict[str, Any] = {"concurrency": c, "batch": batch, "kv_tokens_needed": need_tokens}
+        notes = []
+        if c > max_running:
+            notes.append(f"queues: at most {max_running} run at once (--max-running-requests)")
+        if batch > largest:
+            if oversize == "split" and sizes:
+                notes.append(f"batch {batch} > largest captured size {largest}: replayed as captured pieces")
+            else:
+                asked = estimate_activation_bytes(hf, batch, nb, tp, context_tokens=batch * seq_len)
+                planned = mp.activation_bytes + mp.reserve_bytes
+                v["eager_bytes"], v["planned_bytes"] = asked, planned
+                if asked > planned:
+                    v["verdict"] = "out of memory"
+                    notes.append(
+                        f"batch {batch} > largest captured size {largest} runs eagerly and needs {gib(asked):.2f} GiB "
+                        f"of activations; the plan reserved {gib(planned):.2f} GiB: raise --cuda-graph-max-bs to "
+                        f">= {batch} or lower --max-running-requests to {largest or 1}")
+        if "verdict" not in v:
+            if not mp.fits:
+                v["verdict"] = "out of memory"
+                notes.append(mp.refusal or "")
+            elif need_tokens > mp.kv_tokens:
+                v["verdict"] = "preempts"
+                held = mp.kv_tokens // _blocks(seq_len, block_size)
+                notes.append(f"KV pool holds {mp.kv_tokens} tokens = {held} requests of {seq_len} tokens, "
+                             f"{batch} need {need_tokens}")
+            else:
+                v["verdict"] = "fits"
+        v["notes"] = notes
+        verdicts.append(v)
+    return {
+        "model": hf.get("_name_or_path") or hf.get("model_type"),
+        "dtype": dtype, "tp": tp, "captured_sizes": sizes, "oversize": oversize,
+        "weights_bytes": weights, "kv_bytes_per_token": kv_tok, "graph_pool_bytes": pool,
+        "prefill_activation_bytes": prefill_act, "decode_activation_bytes": decode_act,
+        "memory": mp.to_dict(), "table": mp.table(), "verdicts": verdicts,
+    }
+
+
+
+def format_plan(p: dict[str, Any]) -> str:
+    m = p["memory"]
+    lines = [
+        f"weights per GPU      {gib(p['weights_bytes']):.2f} GiB (tp {p['tp']}, {p['dtype']})",
+        f"KV bytes per token   {p['kv_bytes_per_token']} B",
+        f"cuda graph pool      {gib(p['graph_pool_bytes']):.2f} GiB for sizes "
+        f"{p['captured_sizes'][:6]}{'...' if len(p['captured_sizes']) > 6 else ''} (largest {max(p['captured_sizes'], default=0)})",
+        f"activation peak      prefill {gib(p['prefill_activation_bytes']):.3f} GiB, "
+        f"eager decode {gib(p['decode_activation_bytes']):.3f} GiB",
+        p["table"],
+        f"KV capacity          {m['kv_tokens']} tokens; {m['max_concurrent_at_max_len']} requests at max length",
+        "",
+        f"{'C':>6}  {'verdict':<14} notes",
+    ]
+    for v in p["verdicts"]:
+        lines.append(f"{v['concurrency']:>6}  {v['verdict']:<14} {'; '.join(v['notes'])}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="config.json, HF model folder, or preset (dummy:llama3-8b)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=141.0, help="GPU memory in GB (1e9 bytes)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--mem-fraction-static", type=float, default=0.88)
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    parser.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None)
+    parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--max-running-requests", type=int, default=None)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=1024)
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
+    parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated concurrency levels")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--chunked-prefill-size", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--reserve-gb", type=float, default=0.5, help="allocator slack kept in the budget (GiB)")
+    parser.add_argument("--oversize", choices=("split", "eager"), default="split",
+                        help="what runs a decode batch above the largest captured size: graphserve splits it; "
+                             "eager models SGLang/vLLM")
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        conc = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+    except ValueError as e:
+        raise BadRequestError(f"--concurrency={args.concurrency!r} is invalid: use integers like 1,8,32", param="concurrency") from e
+    p = build_plan(load_hf_config(args.model), gpu_memory_gb=args.gpu_memory_gb, tp=args.tp,
+                   mem_fraction_static=args.mem_fraction_static, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                   cuda_graph_bs=args.cuda_graph_bs, disable_cuda_graph=args.disable_cuda_graph,
+                   max_running_requests=args.max_running_requests, input_len=args.input_len, output_len=args.output_len,
+                   dtype=args.dtype, concurrency=conc, max_model_len=args.max_model_len,
+                   chunked_prefill_size=args.chunked_prefill_size, block_size=args.block_size,
+                   reserve_gb=args.reserve_gb, oversize=args.oversize)
+    print(json.dumps(p, indent=2) if args.json else format_plan(p))
+    return 0 if p["memory"]["fits"] else 1

@@ -1,0 +1,216 @@
+"""GPU memory planner: a pure function of numbers, so start-up (measured) and `graphserve plan`
+(estimated) share one budget and one refusal message.
+
+Everything the engine owns lives inside the static budget ``total · --mem-fraction-static``:
+weights, the activation peak (the larger of the biggest prefill chunk and the biggest decode
+batch), the CUDA-graph pool, a reserve for allocator slack, and the KV pool, which gets the rest.
+Memory outside the budget belongs to the CUDA context, NCCL and other processes; the plan never
+counts on it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+GiB = 1024**3
+
+
+def gib(n_bytes: float) -> float:
+    return n_bytes / GiB
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    total_bytes: int
+    mem_fraction_static: float
+    static_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    graph_pool_bytes: int
+    reserve_bytes: int
+    kv_pool_bytes: int  # what is left for KV (may be negative: fixed costs exceed the budget)
+    kv_bytes_per_token: int
+    block_size: int
+    kv_tokens: int  # rounded down to whole blocks
+    num_blocks: int
+    max_model_len: int
+    max_running_requests: int
+    max_concurrent_at_max_len: int  # min(kv_tokens // max_model_len, max_running_requests)
+    fits: bool
+    refusal: str | None
+
+    def lines(self) -> list[tuple[str, int]]:
+        return [
+            ("static budget", self.static_bytes),
+            ("weights", self.weights_bytes),
+            ("activations", self.activation_bytes),
+            ("cuda graph pool", self.graph_pool_bytes),
+            ("reserve", self.reserve_bytes),
+            ("kv pool", self.kv_pool_bytes),
+        ]
+
+    def table(self) -> str:
+        head = (f"memory plan: {gib(self.total_bytes):.2f} GiB per GPU × --mem-fraction-static "
+                f"{self.mem_fraction_static:g}")
+        rows = [head] + [f"  {name:<16} {gib(v):>9.2f} GiB" for name, v in self.lines()]
+        rows.append(f"  {'kv tokens':<16} {self.kv_tokens:>9d}   ({self.num_blocks} blocks of {self.block_size}, "
+                    f"{self.kv_bytes_per_token} B/token)")
+        rows.append(f"  {'max concurrent':<16} {self.max_concurrent_at_max_len:>9d}   requests of "
+                    f"--max-model-len {self.max_model_len}")
+        if self.refusal:
+            rows.append(f"  refused: {self.refusal}")
+        return "\n".join(rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["gib"] = {name: round(gib(v), 4) for name, v in self.lines()}
+        return d
+
+
+def _refusal(total: int, frac: float, fixed: int, kv_pool: int, kv_tokens: int, need_tokens: int,
+             kv_bytes_per_token: int, weights: int, graph_pool: int, max_model_len: int, tp: int) -> str:
+    need_kv = need_tokens * kv_bytes_per_token
+    short = need_kv - kv_pool
+    fixes = []
+    frac_needed = (fixed + need_kv) / total
+    if frac_needed < 0.99:
+        fixes.append(f"raise --mem-fraction-static from {frac:g} to at least {math.ceil(frac_needed * 100) / 100:.2f}")
+    else:
+        fixes.append(f"--mem-fraction-static cannot fix it alone (it would need {frac_needed:.2f} of the GPU)")
+    if kv_tokens > 0:
+        fixes.append(f"lower --max-model-len from {max_model_len} to at most {kv_tokens}")
+    if graph_pool > 0 and short <= graph_pool:
+        fixes.append(f"lower --cuda-graph-max-bs so the graph pool shrinks by {gib(short):.2f} GiB "
+                     f"of its {gib(graph_pool):.2f} GiB")
+    for new_tp in (2 * tp, 4 * tp, 8 * tp):
+        # Weights and KV per GPU shrink with TP; activations and graphs are kept as they are (conservative).
+        if frac * total - (fixed - weights + weights * tp / new_tp) >= need_kv * tp / new_tp:
+            fixes.append(f"raise --tp from {tp} to {new_tp}")
+            break
+    return (f"the KV pool ({gib(kv_pool):.2f} GiB, {kv_tokens} tokens) cannot hold one request of "
+            f"--max-model-len {max_model_len} ({need_tokens} tokens, {gib(need_kv):.2f} GiB; "
+            f"{gib(short):.2f} GiB short): " + "; or ".join(fixes))
+
+
+def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int, activation_bytes: int | Sequence[int],
+                graph_pool_bytes: int, reserve_bytes: int, kv_bytes_per_token: int, block_size: int,
+                max_model_len: int, max_running_requests: int, tp: int = 1) -> MemoryPlan:
+    """Size the KV pool from what the static budget leaves (see module docstring).
+
+    ``activation_bytes`` is the activation peak, or several peaks (prefill chunk, decode batch):
+    they never run at once, so the budget reserves their maximum.
+    """
+    act = max(activation_bytes) if isinstance(activation_bytes, Sequence) else activation_bytes
+    static = int(total_bytes * mem_fraction_static)
+    fixed = weights_bytes + act + graph_pool_bytes + reserve_bytes
+    kv_pool = static - fixed
+    kv_tokens = 0
+    if kv_pool > 0 and kv_bytes_per_token > 0:
+        kv_tokens = (kv_pool // kv_bytes_per_token) // block_size * block_size
+    need_tokens = math.ceil(max_model_len / block_size) * block_size
+    fits = kv_tokens >= need_tokens
+    refusal = None
+    if not fits:
+        refusal = _refusal(total_bytes, mem_fraction_static, fixed, kv_pool, kv_tokens, need_tokens,
+                           kv_bytes_per_token, weights_bytes, graph_pool_bytes, max_model_len, tp)
+    return MemoryPlan(
+        total_bytes=int(total_bytes), mem_fraction_static=mem_fraction_static, static_bytes=static,
+        weights_bytes=int(weights_bytes), activation_bytes=int(act), graph_pool_bytes=int(graph_pool_bytes),
+        reserve_bytes=int(reserve_bytes), kv_pool_bytes=int(kv_pool), kv_bytes_per_token=int(kv_bytes_per_token),
+        block_size=block_size, kv_tokens=int(kv_tokens), num_blocks=int(kv_tokens // block_size),
+        max_model_len=max_model_len, max_running_requests=max_running_requests,
+        max_concurrent_at_max_len=int(min(kv_tokens // need_tokens, max_running_requests)),
+        fits=fits, refusal=refusal,
+    )
+
+
+# ---- estimates from a Hugging Face config (used by `graphserve plan`; the engine measures instead) ----
+
+def _cfg(hf: Mapping[str, Any] | Any, key: str, default: Any = None) -> Any:
+    if isinstance(hf, Mapping):
+        v = hf.get(key, default)
+        if v is None and "text_config" in hf:
+            v = _cfg(hf["text_config"], key, default)
+        return v
+    return getattr(hf, key, default)
+
+
+def model_shapes(hf: Mapping[str, Any] | Any) -> dict[str, int]:
+    hidden = int(_cfg(hf, "hidden_size"))
+    heads = int(_cfg(hf, "num_attention_heads"))
+    return {
+        "hidden": hidden,
+        "layers": int(_cfg(hf, "num_hidden_layers")),
+        "heads": heads,
+        "kv_heads": int(_cfg(hf, "num_key_value_heads") or heads),
+        "head_dim": int(_cfg(hf, "head_dim") or hidden // heads),
+        "intermediate": int(_cfg(hf, "intermediate_size")),
+        "vocab": int(_cfg(hf, "vocab_size")),
+        "tied": int(bool(_cfg(hf, "tie_word_embeddings", False))),
+    }
+
+
+def _local_kv_heads(kv_heads: int, tp: int) -> int:
+    # KV heads are split across ranks; with fewer KV heads than ranks each rank keeps a replica.
+    return max(1, kv_heads // tp)
+
+
+def estimate_weights_bytes(hf: Mapping[str, Any] | Any, dtype_bytes: int, tp: int = 1) -> int:
+    """Per-GPU weight bytes of a llama-style decoder (attention, gated MLP, norms, embeddings, lm head)."""
+    s = model_shapes(hf)
+    h, d = s["hidden"], s["head_dim"]
+    q = h * s["heads"] * d // tp
+    kv = 2 * h * _local_kv_heads(s["kv_heads"], tp) * d
+    o = s["heads"] * d * h // tp
+    mlp = 3 * h * s["intermediate"] // tp
+    per_layer = q + kv + o + mlp + 2 * h
+    embed = s["vocab"] * h // tp  # vocab-parallel embedding
+    head = 0 if s["tied"] else s["vocab"] * h // tp
+    return int((s["layers"] * per_layer + embed + head + h) * dtype_bytes)
+
+
+def kv_bytes_per_token(hf: Mapping[str, Any] | Any, dtype_bytes: int, tp: int = 1) -> int:
+    """2 (K and V) · layers · local KV heads · head_dim · bytes."""
+    s = model_shapes(hf)
+    return 2 * s["layers"] * _local_kv_heads(s["kv_heads"], tp) * s["head_dim"] * dtype_bytes
+
+
+def estimate_activation_bytes(hf: Mapping[str, Any] | Any, tokens: int, dtype_bytes: int, tp: int = 1,
+                              sampled_rows: int | None = None, context_tokens: int = 0) -> int:
+    """Peak live activations of one forward over ``tokens`` new tokens (one layer at a time).
+
+    Live at the peak of a layer: the residual stream and the normed copy (2·T·h), the fused qkv
+    output (T·(heads + 2·kv_heads)/tp·d) and the attention output (T·heads/tp·d), then the gated
+    MLP's gate+up output and the activated product (3·T·I/tp) — all in the model dtype. Plus
+    logits for the sampled rows in fp32 (``sampled_rows`` × vocab × 4; a decode batch samples
+    every row, a prefill chunk only the last token of each sequence). ``context_tokens`` adds
+    the eager attention working set: K and V of every attended token gathered contiguously
+    (what the SDPA path does when no paged kernel runs).
+    """
+    s = model_shapes(hf)
+    t, h, d = tokens, s["hidden"], s["head_dim"]
+    heads, kvh = max(1, s["heads"] // tp), _local_kv_heads(s["kv_heads"], tp)
+    attn = t * (heads + 2 * kvh) * d + t * heads * d
+    mlp = 3 * t * s["intermediate"] // tp
+    per_layer = (2 * t * h + max(attn, mlp)) * dtype_bytes
+    gather = 2 * context_tokens * kvh * d * dtype_bytes
+    rows = tokens if sampled_rows is None else sampled_rows
+    logits = rows * s["vocab"] * 4
+    return int(per_layer + gather + logits)
+
+
+def estimate_graph_pool_bytes(hf: Mapping[str, Any] | Any, sizes: Sequence[int], dtype_bytes: int, tp: int = 1,
+                              context_tokens: int = 0) -> int:
+    """CUDA-graph memory: graphs are captured largest first into one shared pool, so intermediates
+    cost one activation peak of the largest size; each graph's output buffers (fp32 logits and
+    the last hidden state) stay alive for its replays, so those add up over every size."""
+    if not sizes:
+        return 0
+    s = model_shapes(hf)
+    largest = max(sizes)
+    peak = estimate_activation_bytes(hf, largest, dtype_bytes, tp, context_tokens=context_tokens)
+    outputs = sum(bs * (s["vocab"] * 4 + s["hidden"] * dtype_bytes) for bs in sizes)
+    return int(peak + outputs)
