@@ -27,8 +27,7 @@ from graphserve.models.loader import load_model
 def weight_bytes_per_step(model: torch.nn.Module, info, bs: int) -> tuple[int, int]:
     """(bytes read, matmul FLOPs) for the weights one decode step of ``bs`` rows uses."""
     read = flops = 0
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    embed_ids = {id(p) for p in embed.parameters()} if embed is not None else set()
+    embed_ids = {id(p) for p in model.model.embed_tokens.parameters()}
     for p in model.parameters():
         if id(p) in embed_ids and not info.tie_word_embeddings:
             read += bs * p.shape[-1] * p.element_size()  # only the batch's rows
