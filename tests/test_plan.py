@@ -116,3 +116,8 @@ def test_cli_text_and_json(capsys, tmp_path):
 def test_unknown_model_source_is_refused():
     with pytest.raises(Exception, match="MODEL"):
         load_hf_config("/nonexistent/config.json")
+
+
+def test_preset_name_is_loaded_through_the_presets():
+    cfg = load_hf_config("dummy:llama3-8b")
+    assert estimate_weights_bytes(cfg, 2) == estimate_weights_bytes(LLAMA8B, 2)

@@ -41,7 +41,7 @@ def load_hf_config(model: str) -> dict[str, Any]:
     if ":" in model:
         from graphserve.models.presets import get_preset_config  # written alongside the models; load lazily
 
-        cfg = get_preset_config(model)
+        cfg = get_preset_config(model.split(":", 1)[1] if model.startswith("dummy:") else model)
         return cfg if isinstance(cfg, dict) else cfg.to_dict()
     raise ModelLoadError(f"MODEL={model!r} is not a config.json, a model folder or a preset name (e.g. dummy:llama3-8b)",
                          param="model")
@@ -178,4 +178,5 @@ def run(args: argparse.Namespace) -> int:
                    chunked_prefill_size=args.chunked_prefill_size, block_size=args.block_size,
                    reserve_gb=args.reserve_gb, oversize=args.oversize)
     print(json.dumps(p, indent=2) if args.json else format_plan(p))
-    return 0 if p["memory"]["fits"] else 1
+    # Non-zero when the engine would refuse to start or a concurrency would crash it.
+    return 0 if p["memory"]["fits"] and all(v["verdict"] != "out of memory" for v in p["verdicts"]) else 1
