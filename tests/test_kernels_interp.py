@@ -6,26 +6,18 @@ kernel forgot to write shows up. The bf16/fp16 and realistic-shape versions live
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
-# Must precede the kernel modules' import: @triton.jit picks interpreter or compiler when it runs.
-os.environ["TRITON_INTERPRET"] = "1"
-_KERNEL_MODULES = [
-    "graphserve.kernels.kv_write",
-    "graphserve.kernels.decode_attention",
-    "graphserve.kernels.extend_attention",
-    "graphserve.kernels.norm",
-    "graphserve.kernels.rotary",
-    "graphserve.kernels.activation",
-]
-for _name in _KERNEL_MODULES:  # imported earlier in this process without the interpreter: redo
-    if _name in sys.modules:
-        importlib.reload(sys.modules[_name])
+# Triton decides interpreter or compiler when each @triton.jit runs, its own library included,
+# so the variable must be set before triton is first imported in this process.
+if "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from graphserve.engine.forward_batch import ForwardBatch  # noqa: E402
 from graphserve.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
@@ -47,7 +39,28 @@ from graphserve.kernels.rotary import apply_rotary, apply_rotary_reference, rota
 from graphserve.layers.attention import TorchAttentionBackend  # noqa: E402
 from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E402
 
+if isinstance(tl.standard.cdiv, InterpretedFunction):
+    DEVICE = torch.device("cpu")
+elif torch.cuda.is_available():
+    # triton was imported compiled before this module (a whole-suite run on a GPU machine):
+    # the same fp32 checks then run compiled on the GPU
+    DEVICE = torch.device("cuda")
+else:
+    raise RuntimeError(
+        "triton was imported before TRITON_INTERPRET=1 was set and there is no GPU: "
+        "set TRITON_INTERPRET=1 before anything imports triton (e.g. in tests/conftest.py)"
+    )
+
+
 RTOL = 1e-3
+
+
+def randn(*shape: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(DEVICE)
+
+
+def nans(*shape: int) -> torch.Tensor:
+    return torch.full(shape, float("nan"), device=DEVICE)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -59,14 +72,14 @@ def paged_setup(seq_lens: list[int], num_kv_heads: int, head_dim: int, page: int
     blocks_per_seq = [(n + page - 1) // page for n in seq_lens]
     width = max(blocks_per_seq) + 1  # one spare column, as a padded table has
     num_blocks = sum(blocks_per_seq) + 3
-    cache = torch.randn(2, num_blocks, page, num_kv_heads, head_dim, generator=gen)
+    cache = randn(2, num_blocks, page, num_kv_heads, head_dim, gen=gen)
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
     tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     used = 0
     for i, nb in enumerate(blocks_per_seq):
         tables[i, :nb] = order[used : used + nb]
         used += nb
-    return cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+    return cache, tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
 
 
 def slots_of(tables: torch.Tensor, seq: int, positions: range, page: int) -> list[int]:
@@ -75,9 +88,9 @@ def slots_of(tables: torch.Tensor, seq: int, positions: range, page: int) -> lis
 
 def test_kv_write_matches_reference_and_touches_only_its_slots():
     gen = torch.Generator().manual_seed(1)
-    cache = torch.full((2, 6, 16, 2, 32), float("nan"))
-    k, v = torch.randn(5, 2, 32, generator=gen), torch.randn(5, 2, 32, generator=gen)
-    slots = torch.tensor([17, 3, 95, 40, 0], dtype=torch.int64)  # slot 0: a padding row's dummy slot
+    cache = nans(2, 6, 16, 2, 32)
+    k, v = randn(5, 2, 32, gen=gen), randn(5, 2, 32, gen=gen)
+    slots = torch.tensor([17, 3, 95, 40, 0], device=DEVICE)  # slot 0: a padding row's dummy slot
     ref = cache.clone()
     kv_write(k, v, cache, slots)
     kv_write_reference(k, v, ref, slots)
@@ -90,11 +103,11 @@ def test_kv_write_matches_reference_and_touches_only_its_slots():
 def test_kv_write_reads_strided_k_v():
     """k and v as column slices of one fused qkv projection output, as a model produces them."""
     gen = torch.Generator().manual_seed(2)
-    qkv = torch.randn(4, 3, 2, 32, generator=gen)
+    qkv = randn(4, 3, 2, 32, gen=gen)
     k, v = qkv[:, 1], qkv[:, 2]
-    cache, ref = torch.randn(2, 3, 16, 2, 32, generator=gen), None
+    cache, ref = randn(2, 3, 16, 2, 32, gen=gen), None
     ref = cache.clone()
-    slots = torch.tensor([5, 6, 20, 33])
+    slots = torch.tensor([5, 6, 20, 33], device=DEVICE)
     kv_write(k, v, cache, slots)
     kv_write_reference(k, v, ref, slots)
     assert torch.equal(cache, ref)
@@ -125,14 +138,14 @@ def test_decode_attention_matches_reference(num_heads, num_kv_heads, head_dim, s
 def test_decode_attention_uses_given_workspace_and_checks_its_size():
     gen = torch.Generator().manual_seed(4)
     cache, tables, lens = paged_setup([130, 64], 2, 32, 16, gen)
-    q = torch.randn(2, 4, 32, generator=gen)
+    q = randn(2, 4, 32, gen=gen)
     need = 2 * 4 * 3 * (32 + 1)
-    workspace = torch.full((need + 10,), float("nan"))
+    workspace = nans(need + 10)
     out = decode_attention(q, cache, tables, lens, 0.2, num_splits=3, workspace=workspace)
     assert not workspace[:need].isnan().any()  # the partials went to the caller's scratch
     assert rel_err(out, decode_attention_reference(q, cache, tables, lens, 0.2)) < RTOL
     with pytest.raises(ValueError, match="workspace holds 10"):
-        decode_attention(q, cache, tables, lens, 0.2, num_splits=3, workspace=torch.empty(10))
+        decode_attention(q, cache, tables, lens, 0.2, num_splits=3, workspace=nans(10))
 
 
 def test_num_splits_fill_the_gpu_from_static_sizes():
@@ -160,7 +173,7 @@ def test_extend_attention_matches_reference(num_heads, num_kv_heads, seq_lens, q
     gen = torch.Generator().manual_seed(5)
     head_dim, page = 32, 16
     cache, tables, lens = paged_setup(seq_lens, num_kv_heads, head_dim, page, gen)
-    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q = torch.randn(int(starts[-1]), num_heads, head_dim, generator=gen)
     out = torch.full_like(q, float("nan"))
     extend_attention(q, cache, tables, lens, starts, max(query_lens), 0.25, out=out)
@@ -171,9 +184,9 @@ def test_extend_attention_matches_reference(num_heads, num_kv_heads, seq_lens, q
 
 def test_rms_norm_and_fused_add_match_reference():
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(3, 5, 96, generator=gen) * 3
-    res = torch.randn(3, 5, 96, generator=gen)
-    w = torch.randn(96, generator=gen)
+    x = randn(3, 5, 96, gen=gen) * 3
+    res = randn(3, 5, 96, gen=gen)
+    w = randn(96, gen=gen)
     out = torch.full_like(x, float("nan"))
     rms_norm(x, w, 1e-6, out=out)
     assert not out.isnan().any() and rel_err(out, rms_norm_reference(x, w, 1e-6)) < RTOL
@@ -186,9 +199,9 @@ def test_rms_norm_and_fused_add_match_reference():
 
 def test_rotary_in_place_matches_reference_with_partial_rotation():
     gen = torch.Generator().manual_seed(7)
-    cos, sin = rotary_cos_sin(64, 32, base=500.0)  # rot_dim 32 of head_dim 64: the tail is left alone
-    q, k = torch.randn(6, 4, 64, generator=gen), torch.randn(6, 2, 64, generator=gen)
-    positions = torch.randint(0, 64, (6,), generator=gen)
+    cos, sin = rotary_cos_sin(64, 32, base=500.0, device=DEVICE)  # rot_dim 32 of head_dim 64: the tail is left alone
+    q, k = randn(6, 4, 64, gen=gen), randn(6, 2, 64, gen=gen)
+    positions = torch.randint(0, 64, (6,), generator=gen).to(DEVICE)
     ref_q, ref_k = apply_rotary_reference(q, k, positions, cos, sin)
     q_tail = q[..., 32:].clone()
     apply_rotary(q, k, positions, cos, sin)
@@ -198,11 +211,11 @@ def test_rotary_in_place_matches_reference_with_partial_rotation():
 
 def test_rotary_on_strided_qkv_views():
     gen = torch.Generator().manual_seed(8)
-    cos, sin = rotary_cos_sin(32, 32)
-    qkv = torch.randn(5, 4 + 2 + 2, 32, generator=gen)
+    cos, sin = rotary_cos_sin(32, 32, device=DEVICE)
+    qkv = randn(5, 4 + 2 + 2, 32, gen=gen)
     q, k = qkv[:, :4], qkv[:, 4:6]
     v_before = qkv[:, 6:].clone()
-    positions = torch.arange(5) * 3
+    positions = torch.arange(5, device=DEVICE) * 3
     ref_q, ref_k = apply_rotary_reference(q, k, positions, cos, sin)
     apply_rotary(q, k, positions, cos, sin)
     assert rel_err(q, ref_q) < RTOL and rel_err(k, ref_k) < RTOL
@@ -211,23 +224,23 @@ def test_rotary_on_strided_qkv_views():
 
 def test_silu_and_mul_matches_reference():
     gen = torch.Generator().manual_seed(9)
-    x = torch.randn(7, 2 * 1100, generator=gen) * 4  # 1100: two column tiles, the second partial
-    out = torch.full((7, 1100), float("nan"))
+    x = randn(7, 2 * 1100, gen=gen) * 4  # 1100: two column tiles, the second partial
+    out = nans(7, 1100)
     silu_and_mul(x, out=out)
     assert not out.isnan().any()
     assert rel_err(out, silu_and_mul_reference(x)) < RTOL
 
 
 def _batch(mode, q_lens, seq_lens, tables, cache, slots) -> ForwardBatch:
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     total = int(starts[-1])
     return ForwardBatch(
         mode=mode,
-        input_ids=torch.zeros(total, dtype=torch.int64),
-        positions=torch.zeros(total, dtype=torch.int64),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        input_ids=torch.zeros(total, dtype=torch.int64, device=DEVICE),
+        positions=torch.zeros(total, dtype=torch.int64, device=DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
         query_start_loc=starts,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
         block_tables=tables,
         logits_indices=starts[1:].long() - 1,
         max_query_len=max(q_lens),
@@ -247,7 +260,7 @@ def test_triton_backend_matches_torch_backend(mode):
     for i, (n, ql) in enumerate(zip(seq_lens, q_lens)):
         slots += slots_of(tables, i, range(n - ql, n), page)
     total = sum(q_lens)
-    q, k, v = (torch.randn(total, h, d, generator=gen) for h in (hq, hkv, hkv))
+    q, k, v = (randn(total, h, d, gen=gen) for h in (hq, hkv, hkv))
     caches = [cache.clone(), cache.clone()]
     outs = []
     for backend, c in zip((TritonAttentionBackend(), TorchAttentionBackend()), caches):

@@ -1,0 +1,137 @@
+"""Each Triton kernel against its PyTorch reference and against the floor of its own work.
+
+Floor: bytes the kernel must move / measured read bandwidth, or, for prefill attention, the larger
+of that and its FLOPs / measured bf16 matmul peak (both measured in this run, never datasheet
+numbers). The last column is kernel time over floor: 1.0 would be perfect.
+Run on a GPU: python3 -m benchmarks.kernels   (writes benchmarks/results/kernels.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.common import cuda_time_ms, print_table, write_result
+from benchmarks.roofline import matmul_tflops, read_bandwidth_gbs
+from graphserve.kernels.activation import silu_and_mul, silu_and_mul_reference
+from graphserve.kernels.common import sm_count
+from graphserve.kernels.decode_attention import (
+    choose_num_splits,
+    decode_attention,
+    decode_attention_reference,
+    workspace_numel,
+)
+from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference
+from graphserve.kernels.kv_write import kv_write, kv_write_reference
+from graphserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_reference
+from graphserve.kernels.rotary import apply_rotary, apply_rotary_reference, rotary_cos_sin
+
+DT = torch.bfloat16
+HQ, HKV, D, PAGE = 32, 8, 128, 16  # Llama-3-8B attention shape
+COLS = ["kernel", "shape", "triton_ms", "torch_ms", "speedup", "floor_ms", "ratio"]
+
+
+def paged(batch: int, ctx: int):
+    blocks = (ctx + PAGE - 1) // PAGE
+    cache = torch.randn(2, batch * blocks + 1, PAGE, HKV, D, device="cuda", dtype=DT)
+    tables = (torch.randperm(batch * blocks, device="cuda").int() + 1).view(batch, blocks)
+    return cache, tables, torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+
+
+def row(kernel: str, shape: str, fast, ref, floor_ms: float, ref_iters: int = 10) -> dict:
+    t = cuda_time_ms(fast, warmup=5, iters=50)
+    r = cuda_time_ms(ref, warmup=2, iters=ref_iters)
+    out = {"kernel": kernel, "shape": shape, "triton_ms": t, "torch_ms": r, "speedup": r / t,
+           "floor_ms": floor_ms, "ratio": t / floor_ms}  # fmt: skip
+    print_table([out], COLS)
+    return out
+
+
+def bench_decode(bw: float, batch: int, ctx: int) -> dict:
+    cache, tables, lens = paged(batch, ctx)
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=DT)
+    ws = torch.empty(workspace_numel(HQ, HKV, D, sm_count(q.device)), device="cuda")
+    out = torch.empty_like(q)
+    nbytes = 2 * batch * ctx * HKV * D * 2 + 2 * q.numel() * 2 + tables.numel() * 4
+    splits = choose_num_splits(batch, HKV, tables.shape[1] * PAGE, sm_count(q.device))
+    return row(
+        "decode_attention", f"bs{batch} ctx{ctx} splits{splits}",
+        lambda: decode_attention(q, cache, tables, lens, D**-0.5, out=out, workspace=ws),
+        lambda: decode_attention_reference(q, cache, tables, lens, D**-0.5),
+        nbytes / bw * 1e3, ref_iters=3,
+    )  # fmt: skip
+
+
+def bench_extend(bw: float, peak: float, batch: int, prefix: int, qlen: int) -> dict:
+    ctx = prefix + qlen
+    cache, tables, lens = paged(batch, ctx)
+    q = torch.randn(batch * qlen, HQ, D, device="cuda", dtype=DT)
+    starts = torch.arange(0, batch * qlen + 1, qlen, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    visible = batch * (qlen * prefix + qlen * (qlen + 1) / 2)  # (query, key) pairs under the causal mask
+    flops = 4 * visible * HQ * D
+    nbytes = 2 * batch * ctx * HKV * D * 2 + 2 * q.numel() * 2
+    floor_ms = max(flops / (peak * 1e12), nbytes / bw) * 1e3
+    return row(
+        "extend_attention", f"bs{batch} prefix{prefix} new{qlen}",
+        lambda: extend_attention(q, cache, tables, lens, starts, qlen, D**-0.5, out=out),
+        lambda: extend_attention_reference(q, cache, tables, lens, starts, D**-0.5),
+        floor_ms, ref_iters=3,
+    )  # fmt: skip
+
+
+def bench_elementwise(bw: float, tokens: int) -> list[dict]:
+    rows = []
+    cache, _, _ = paged(1, tokens + PAGE)
+    k = torch.randn(tokens, HKV, D, device="cuda", dtype=DT)
+    v = torch.randn_like(k)
+    slots = torch.randperm(tokens, device="cuda") + PAGE
+    kv_bytes = 4 * k.numel() * 2 + slots.numel() * 8
+    rows.append(row("kv_write", f"T{tokens}", lambda: kv_write(k, v, cache, slots),
+                    lambda: kv_write_reference(k, v, cache, slots), kv_bytes / bw * 1e3))  # fmt: skip
+    hidden = 4096
+    x = torch.randn(tokens, hidden, device="cuda", dtype=DT)
+    res = torch.randn_like(x)
+    w = torch.randn(hidden, device="cuda", dtype=DT)
+    rows.append(row("fused_add_rms_norm", f"T{tokens} H{hidden}", lambda: fused_add_rms_norm(x, res, w, 1e-5),
+                    lambda: fused_add_rms_norm_reference(x, res, w, 1e-5), 4 * x.numel() * 2 / bw * 1e3))  # fmt: skip
+    cos, sin = rotary_cos_sin(8192, D, device="cuda")
+    q = torch.randn(tokens, HQ, D, device="cuda", dtype=DT)
+    kk = torch.randn(tokens, HKV, D, device="cuda", dtype=DT)
+    pos = torch.randint(0, 8192, (tokens,), device="cuda")
+    rot_bytes = 2 * (q.numel() + kk.numel()) * 2 + tokens * D * 4
+    rows.append(row("apply_rotary", f"T{tokens} {HQ}/{HKV}x{D}", lambda: apply_rotary(q, kk, pos, cos, sin),
+                    lambda: apply_rotary_reference(q, kk, pos, cos, sin), rot_bytes / bw * 1e3))  # fmt: skip
+    inter = 14336
+    gu = torch.randn(tokens, 2 * inter, device="cuda", dtype=DT)
+    rows.append(row("silu_and_mul", f"T{tokens} I{inter}", lambda: silu_and_mul(gu),
+                    lambda: silu_and_mul_reference(gu), 3 * tokens * inter * 2 / bw * 1e3))  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="fewer shapes")
+    args = p.parse_args()
+    bw_gbs, peak = read_bandwidth_gbs(), matmul_tflops()
+    bw = bw_gbs * 1e9
+    print(f"measured read bandwidth {bw_gbs:.0f} GB/s, bf16 matmul peak {peak:.0f} TFLOP/s")
+    print("  ".join(COLS))
+    rows = []
+    decode_shapes = [(1, 8192), (8, 4096), (64, 2048), (256, 1024)]
+    if not args.quick:
+        decode_shapes += [(1, 1024), (32, 8192), (256, 4096)]
+    for batch, ctx in decode_shapes:
+        rows.append(bench_decode(bw, batch, ctx))
+    for batch, prefix, qlen in [(1, 0, 4096), (4, 0, 1024), (2, 4096, 512)]:
+        rows.append(bench_extend(bw, peak, batch, prefix, qlen))
+    for tokens in [256, 8192] if not args.quick else [8192]:
+        rows += bench_elementwise(bw, tokens)
+    print()
+    print_table(rows, COLS)
+    write_result("kernels", {"read_gbs": bw_gbs, "matmul_tflops": peak, "dtype": str(DT), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

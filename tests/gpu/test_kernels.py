@@ -1,0 +1,211 @@
+"""Triton kernels on the GPU in bf16 and fp16 at model shapes, against their PyTorch references.
+
+Shapes follow Llama-3-8B (32 query heads, 8 kv heads, head_dim 128, hidden 4096, intermediate
+14336) with contexts up to 8k and batches up to 256. The decode kernel is also captured in a CUDA
+graph and replayed on new lengths and block tables, and must match an eager call bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphserve.engine.forward_batch import ForwardBatch
+from graphserve.kernels.activation import silu_and_mul, silu_and_mul_reference
+from graphserve.kernels.decode_attention import decode_attention, decode_attention_reference
+from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference
+from graphserve.kernels.kv_write import kv_write, kv_write_reference
+from graphserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference
+from graphserve.kernels.rotary import apply_rotary, apply_rotary_reference, rotary_cos_sin
+from graphserve.layers.attention import TorchAttentionBackend
+from graphserve.layers.attention_triton import TritonAttentionBackend
+
+DTYPES = [torch.bfloat16, torch.float16]
+TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
+PAGE = 16
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def paged(seq_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator):
+    """Random cache plus block tables handing out shuffled blocks (block 0 stays the dummy block)."""
+    per_seq = [(n + PAGE - 1) // PAGE for n in seq_lens]
+    num_blocks = sum(per_seq) + 8
+    cache = torch.randn(2, num_blocks, PAGE, num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    order = torch.randperm(num_blocks - 1, device="cuda", generator=gen).int() + 1
+    tables = torch.zeros(len(seq_lens), max(per_seq) + 2, dtype=torch.int32, device="cuda")
+    used = 0
+    for i, nb in enumerate(per_seq):
+        tables[i, :nb] = order[used : used + nb]
+        used += nb
+    return cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+
+
+def lengths(batch: int, max_ctx: int, gen: torch.Generator) -> list[int]:
+    """Varied context lengths in [1, max_ctx], the longest always present."""
+    lens = torch.randint(1, max_ctx + 1, (batch,), device="cuda", generator=gen).tolist()
+    lens[0] = max_ctx
+    return lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 256, 4096])
+def test_kv_write(dtype, num_tokens, gen):
+    cache, _, _ = paged([num_tokens + 40], 8, 128, dtype, gen)
+    k = torch.randn(num_tokens, 8, 128, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(num_tokens, 8, 128, device="cuda", generator=gen).to(dtype)
+    slots = torch.randperm(cache[0].numel() // (8 * 128), device="cuda", generator=gen)[:num_tokens]
+    ref = cache.clone()
+    kv_write(k, v, cache, slots)
+    kv_write_reference(k, v, ref, slots)
+    assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("batch", "max_ctx", "num_heads", "num_kv_heads", "head_dim"),
+    [
+        (1, 8192, 32, 8, 128),  # one long sequence: many splits
+        (4, 4000, 32, 8, 128),
+        (64, 2048, 32, 8, 128),
+        (256, 1024, 32, 8, 128),  # large batch: one split, direct store
+        (16, 3000, 16, 16, 64),  # MHA, head_dim 64
+        (8, 5000, 28, 4, 128),  # group of 7 query heads per kv head
+    ],
+)
+def test_decode_attention(dtype, batch, max_ctx, num_heads, num_kv_heads, head_dim, gen):
+    cache, tables, lens = paged(lengths(batch, max_ctx, gen), num_kv_heads, head_dim, dtype, gen)
+    q = torch.randn(batch, num_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    decode_attention(q, cache, tables, lens, scale, out=out)
+    ref = decode_attention_reference(q, cache, tables, lens, scale)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 32])
+def test_decode_attention_any_split_count_agrees(num_splits, gen):
+    cache, tables, lens = paged(lengths(6, 3000, gen), 8, 128, torch.bfloat16, gen)
+    q = torch.randn(6, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    out = decode_attention(q, cache, tables, lens, 128**-0.5, num_splits=num_splits)
+    assert rel_err(out, decode_attention_reference(q, cache, tables, lens, 128**-0.5)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_decode_attention_cuda_graph_replay_matches_eager(batch, gen):
+    dtype, hq, hkv, d = torch.bfloat16, 32, 8, 128
+    cache, tables, lens = paged(lengths(batch, 8192, gen), hkv, d, dtype, gen)
+    q = torch.randn(batch, hq, d, device="cuda", generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    backend = TritonAttentionBackend()
+    ws = backend.reserve(hq, hkv, d, torch.device("cuda"))
+    decode_attention(q, cache, tables, lens, d**-0.5, out=out, workspace=ws)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, cache, tables, lens, d**-0.5, out=out, workspace=ws)
+    # new inputs written into the captured buffers: other lengths, other blocks, other queries
+    new_cache, new_tables, new_lens = paged(lengths(batch, 8192, gen), hkv, d, dtype, gen)
+    n = min(cache.shape[1], new_cache.shape[1])
+    cache[:, :n].copy_(new_cache[:, :n])
+    tables.copy_(new_tables.clamp(max=n - 1)[:, : tables.shape[1]])
+    lens.copy_(new_lens.clamp(max=(tables.shape[1] - 2) * PAGE))
+    q.copy_(torch.randn(batch, hq, d, device="cuda", generator=gen).to(dtype))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = decode_attention(q, cache, tables, lens, d**-0.5, workspace=ws)
+    assert torch.equal(out, eager)
+    assert rel_err(out, decode_attention_reference(q, cache, tables, lens, d**-0.5)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens", "num_heads", "num_kv_heads", "head_dim"),
+    [
+        ([1000, 517, 2048, 33], [1000, 517, 2048, 33], 32, 8, 128),  # prefill, varlen
+        ([4096, 8192, 700], [512, 100, 700], 32, 8, 128),  # extend over cached prefixes up to 8k
+        ([300, 2049, 65, 1200], [1, 2049, 1, 77], 32, 8, 128),  # mixed decode and prefill rows
+        ([1500, 999], [1500, 400], 16, 16, 64),  # MHA, head_dim 64
+    ],
+)
+def test_extend_attention(dtype, seq_lens, query_lens, num_heads, num_kv_heads, head_dim, gen):
+    cache, tables, lens = paged(seq_lens, num_kv_heads, head_dim, dtype, gen)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(query_lens), num_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    extend_attention(q, cache, tables, lens, starts, max(query_lens), scale, out=out)
+    ref = extend_attention_reference(q, cache, tables, lens, starts, scale)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "hidden"), [(1, 4096), (4096, 4096), (333, 5120)])
+def test_norms(dtype, num_tokens, hidden, gen):
+    x = (torch.randn(num_tokens, hidden, device="cuda", generator=gen) * 4).to(dtype)
+    res = torch.randn(num_tokens, hidden, device="cuda", generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(dtype)
+    assert rel_err(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5)) < TOL[dtype]
+    normed, new_res = fused_add_rms_norm(x, res, w, 1e-5)
+    ref_normed, ref_res = fused_add_rms_norm_reference(x, res, w, 1e-5)
+    assert rel_err(normed, ref_normed) < TOL[dtype]
+    assert torch.equal(new_res, ref_res)  # one rounding of x + residual, same as PyTorch's add
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "num_heads", "num_kv_heads", "head_dim"), [(7, 32, 8, 128), (4096, 16, 8, 64)])
+def test_rotary(dtype, num_tokens, num_heads, num_kv_heads, head_dim, gen):
+    cos, sin = rotary_cos_sin(8192, head_dim, base=500000.0, device="cuda")
+    q = torch.randn(num_tokens, num_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+    positions = torch.randint(0, 8192, (num_tokens,), device="cuda", generator=gen)
+    ref_q, ref_k = apply_rotary_reference(q, k, positions, cos, sin)
+    apply_rotary(q, k, positions, cos, sin)
+    assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k, ref_k) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "inter"), [(1, 14336), (2048, 14336), (100, 3000)])
+def test_silu_and_mul(dtype, num_tokens, inter, gen):
+    x = (torch.randn(num_tokens, 2 * inter, device="cuda", generator=gen) * 3).to(dtype)
+    out = torch.full((num_tokens, inter), float("nan"), device="cuda", dtype=dtype)
+    silu_and_mul(x, out=out)
+    assert not out.isnan().any()
+    assert rel_err(out, silu_and_mul_reference(x)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_triton_backend_matches_torch_backend(mode, gen):
+    dtype, hq, hkv, d = torch.bfloat16, 32, 8, 128
+    seq_lens = [700, 1900, 64]
+    q_lens = [700, 300, 64] if mode == "prefill" else [1, 1, 1]
+    cache, tables, lens = paged(seq_lens, hkv, d, dtype, gen)
+    slots = []
+    for i, (n, ql) in enumerate(zip(seq_lens, q_lens)):
+        slots += [int(tables[i, p // PAGE]) * PAGE + p % PAGE for p in range(n - ql, n)]
+    total = sum(q_lens)
+    q, k, v = (torch.randn(total, h, d, device="cuda", generator=gen).to(dtype) for h in (hq, hkv, hkv))
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    outs, caches = [], [cache.clone(), cache.clone()]
+    for backend, c in zip((TritonAttentionBackend(), TorchAttentionBackend()), caches):
+        batch = ForwardBatch(
+            mode=mode,
+            input_ids=torch.zeros(total, dtype=torch.int64, device="cuda"),
+            positions=torch.zeros(total, dtype=torch.int64, device="cuda"),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cuda"),
+            query_start_loc=starts,
+            seq_lens=lens,
+            block_tables=tables,
+            logits_indices=starts[1:].long() - 1,
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            kv_caches=[c],
+        )
+        outs.append(backend.forward(q, k, v, 0, batch, d**-0.5))
+    assert torch.equal(caches[0], caches[1])
+    assert rel_err(outs[0], outs[1]) < TOL[dtype]
