@@ -1,0 +1,107 @@
+"""HTTP error mapping: every failure leaves the server as an OpenAI error body.
+
+The status of each error class lives on the class itself (``graphserve.errors``); this module is the one
+place that turns an exception into a response, so no handler builds error JSON by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from graphserve.errors import (
+    BadRequestError,
+    GraphserveError,
+    InternalError,
+    NotFoundError,
+    OverloadedError,
+    ServiceUnavailableError,
+)
+
+logger = logging.getLogger("graphserve.server")
+
+
+def retry_after_header(exc: GraphserveError) -> dict[str, str]:
+    seconds = getattr(exc, "retry_after", None)
+    if seconds is None:
+        return {}
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def error_response(exc: GraphserveError) -> JSONResponse:
+    return JSONResponse(exc.to_openai(), status_code=exc.http_status, headers=retry_after_header(exc))
+
+
+def sse_error_event(exc: GraphserveError) -> str:
+    """The error as one SSE event; a stream that fails after its 200 header can only say it this way."""
+    return f"data: {json.dumps(exc.to_openai())}\n\n"
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    # ("body", "messages", 0, "content") -> "messages[0].content"; the leading "body" says nothing to a client.
+    parts = [p for p in loc if p not in ("body", "query", "path")]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def validation_error(exc: RequestValidationError) -> BadRequestError:
+    """Pydantic/JSON errors become a 400 naming the first offending field (FastAPI would answer 422)."""
+    errors = exc.errors()
+    if not errors:
+        return BadRequestError("request body is invalid")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return BadRequestError(f"request body is not valid JSON: {ctx.get('error', first.get('msg'))}", param="body")
+    field = _field_path(tuple(first.get("loc", ()))) or "body"
+    if field == "body" and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return BadRequestError("request body must be a JSON object (send Content-Type: application/json)",
+                               param="body")
+    if first.get("type") == "missing":
+        return BadRequestError(f"{field} is required", param=field)
+    value = first.get("input")
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    return BadRequestError(f"{field}={shown} is invalid: {first.get('msg')}{more}", param=field)
+
+
+def _from_http_exception(exc: StarletteHTTPException) -> GraphserveError:
+    if exc.status_code == 404:
+        return NotFoundError(f"no such route: {exc.detail}")
+    if exc.status_code == 503:
+        return ServiceUnavailableError(str(exc.detail))
+    if exc.status_code == 429:
+        return OverloadedError(str(exc.detail))
+    if 400 <= exc.status_code < 500:
+        err = BadRequestError(str(exc.detail))
+        err.http_status = exc.status_code  # e.g. 405 method not allowed keeps its own status
+        return err
+    return InternalError(str(exc.detail))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(GraphserveError)
+    async def _graphserve(_: Request, exc: GraphserveError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(_from_http_exception(exc))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        return error_response(InternalError(f"internal error: {type(exc).__name__}: {exc}"))

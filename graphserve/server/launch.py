@@ -1,0 +1,192 @@
+"""`graphserve serve MODEL`: build the app, run it under uvicorn, drain on SIGTERM/SIGINT.
+
+Draining keeps the socket open so new requests get a 503 with Retry-After (a closed port looks like a
+crash to a load balancer), lets in-flight requests finish within ``--shutdown-timeout``, then fails the
+rest with an error event and exits 0. ``ServerThread`` runs the same server in-process on a thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from graphserve.config import EngineConfig, add_engine_args, config_from_args
+from graphserve.errors import GraphserveError, ServiceUnavailableError
+from graphserve.server.app import create_app
+from graphserve.server.async_engine import AsyncEngine
+from graphserve.server.metrics import ServerMetrics
+from graphserve.server.state import ServerState
+from graphserve.server.steplog import JsonlStepSink, StepLogger
+
+logger = logging.getLogger("graphserve.server")
+LOG_FORMAT = "[%(asctime)s] %(message)s"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="HF folder, builtin:NAME or dummy:PRESET")
+    add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="names clients use in the model field (default: MODEL)")
+    parser.add_argument("--step-log", default=None, metavar="FILE", help="append every step record as JSONL")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def build_state(
+    config: EngineConfig, served_model_name: list[str] | str | None = None, step_log: str | None = None
+) -> tuple[ServerState, list[Any]]:
+    """The server state with its telemetry listeners wired; returns (state, things to close)."""
+    listeners: list[Any] = []
+    closers: list[Any] = []
+
+    def on_step(rec: Any) -> None:
+        for fn in listeners:
+            try:
+                fn(rec)
+            except Exception:  # noqa: BLE001 - a broken listener must never fail an engine step
+                logger.exception("step listener %r failed", fn)
+
+    engine = AsyncEngine(config, on_step=on_step)
+    metrics = ServerMetrics(lambda: engine.stats)
+    listeners += [metrics.on_step, StepLogger(config.log_interval, engine.kv_capacity_tokens).on_step]
+    if step_log:
+        sink = JsonlStepSink(step_log)
+        listeners.append(sink.on_step)
+        closers.append(sink)
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    names = names or [config.model]
+    state = ServerState(engine, metrics, model_name=names[0], accepted_names={*names, config.model})
+    return state, closers
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self.drain_requested = False
+        self.failed = False
+        self._drain: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # Not uvicorn's: it would close the socket at once and re-raise the signal at exit (exit code != 0).
+        if self.drain_requested:  # a second signal skips the drain
+            self.force_exit = self.should_exit = True
+        self.drain_requested = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_requested and self._drain is None:
+            self._drain = asyncio.ensure_future(self.drain())
+        if self.state.engine.load_error is not None and not self.failed:
+            self.failed = self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def drain(self) -> None:
+        state = self.state
+        state.draining = True
+        deadline = time.monotonic() + self.shutdown_timeout
+        logger.info("draining: %d request(s) in flight, up to %.1f s", state.engine.num_inflight, self.shutdown_timeout)
+        while state.engine.num_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = state.engine.abort_all(ServiceUnavailableError(
+            f"the server shut down before this request finished (--shutdown-timeout={self.shutdown_timeout})"))
+        if left:
+            logger.warning("drain timed out: aborted %d request(s)", left)
+            await asyncio.sleep(0.5)  # let their error responses reach the clients
+        self.should_exit = True
+
+
+def uvicorn_config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Config:
+    # log_config=None: uvicorn's loggers go through ours, one format for every line.
+    return uvicorn.Config(app, host=host, port=port, log_config=None, log_level=log_level, access_log=False,
+                          timeout_graceful_shutdown=5, timeout_keep_alive=30)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+    try:
+        config = config_from_args(args, args.model)
+    except GraphserveError as exc:
+        print(f"graphserve serve: {exc.message}", file=sys.stderr)
+        return 2
+    state, closers = build_state(config, args.served_model_name, args.step_log)
+    server = GracefulServer(uvicorn_config(create_app(state), args.host, args.port, args.log_level), state,
+                            args.shutdown_timeout)
+    logger.info("serving %s on http://%s:%d", config.model, args.host, args.port)
+    try:
+        server.run()
+    finally:
+        for c in closers:
+            c.close()
+    if server.failed or state.engine.load_error is not None:
+        logger.error("engine failed to start: %s", state.engine.load_error)
+        return 1
+    return 0
+
+
+class ServerThread:
+    """The whole server in-process on a background thread: ``with ServerThread(cfg) as s: s.base_url``."""
+
+    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 0, **opts: Any):
+        self.config = config
+        self.host = host
+        self.port = port
+        self.opts = opts
+        self.state: ServerState | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._closers: list[Any] = []
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 600.0) -> ServerThread:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        self.state, self._closers = build_state(self.config, self.opts.get("served_model_name"),
+                                                self.opts.get("step_log"))
+        config = uvicorn_config(create_app(self.state), self.host, self.port, self.opts.get("log_level", "warning"))
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="graphserve-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not (self._server.started and self.state.engine.ready.is_set()):
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                self.stop()
+                raise RuntimeError(f"server did not start within {timeout:.0f} s")
+            time.sleep(0.02)
+        if self.state.engine.load_error is not None:
+            err = self.state.engine.load_error
+            self.stop()
+            raise err
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(30)
+        for c in self._closers:
+            c.close()
+        self._closers = []
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

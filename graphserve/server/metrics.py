@@ -1,0 +1,116 @@
+"""Prometheus metrics under the ``graphserve:`` prefix, in a registry of the server's own.
+
+Gauges and totals are read from the engine's last stats snapshot at scrape time (the core is never touched
+from the HTTP thread); latency histograms are observed on the loop as outputs arrive; step histograms and
+the decode-step counter are fed by the telemetry listener on the engine thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from graphserve.engine.telemetry import StepRecord
+from graphserve.outputs import RequestOutput
+
+PREFIX = "graphserve:"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                   1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, snapshot: Callable[[], Any]):
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        s = self._snapshot()
+        if s is None:
+            return
+        gauges = [
+            ("num_requests_running", "Requests in the running batch.", s.running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.waiting),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_usage),
+            ("prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.",
+             s.prefix_cache_hit_rate),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=float(value))
+        counters = [
+            ("num_preemptions", "Sequences preempted to free KV blocks.", s.num_preemptions),
+            ("prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total),
+            ("generation_tokens", "Tokens generated.", s.generation_tokens_total),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(PREFIX + name, doc, value=float(value))
+
+
+class ServerMetrics:
+    def __init__(self, stats_snapshot: Callable[[], Any]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(stats_snapshot))
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between streamed tokens.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.step_duration = Histogram(PREFIX + "step_duration_seconds", "Wall time of one engine step.",
+                                       ["kind"], buckets=STEP_BUCKETS, registry=r)
+        self.decode_steps = Counter(PREFIX + "decode_steps", "Decode steps, by whether a CUDA graph ran.",
+                                    ["graph"], registry=r)
+        self.requests = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
+                                ["finish_reason"], registry=r)
+        for graph in ("true", "false"):
+            self.decode_steps.labels(graph=graph)
+
+    def on_step(self, rec: StepRecord) -> None:
+        """Telemetry listener (engine thread)."""
+        self.step_duration.labels(kind=rec.kind).observe(rec.step_ms / 1000.0)
+        if rec.decode_tokens > 0:
+            self.decode_steps.labels(graph="true" if rec.graph else "false").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Per-request latency bookkeeping on the loop: feed it every RequestOutput of one request."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float):
+        self.m = metrics
+        self.arrival = arrival
+        self.last_token_time: float | None = None
+        self.tokens_seen = 0
+        self.queue_observed = False
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        tokens = sum(len(o.token_ids) for o in out.outputs)
+        new = tokens - self.tokens_seen
+        if new > 0:
+            if self.last_token_time is None:
+                self.m.ttft.observe(now - self.arrival)
+            else:
+                per_token = (now - self.last_token_time) / new
+                for _ in range(new):
+                    self.m.itl.observe(per_token)
+            self.last_token_time = now
+            self.tokens_seen = tokens
+        scheduled = getattr(out.metrics, "first_scheduled_time", None) if out.metrics else None
+        if scheduled is not None and not self.queue_observed:
+            self.m.queue_time.observe(max(0.0, scheduled - self.arrival))
+            self.queue_observed = True
+        if out.finished:
+            self.m.e2e.observe(now - self.arrival)
+            for o in out.outputs:
+                self.m.requests.labels(finish_reason=o.finish_reason or "abort").inc()

@@ -1,0 +1,156 @@
+"""/v1/completions and /v1/chat/completions: requests in, OpenAI-shaped responses and SSE chunks out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from graphserve.outputs import CompletionOutput, TokenLogprob
+from graphserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from graphserve.server.state import ServerState
+from graphserve.server.streams import (
+    CLIENT_CLOSED,
+    DeltaTracker,
+    Job,
+    collect,
+    merged,
+    new_id,
+    sse_stream,
+    start_jobs,
+    until_disconnect,
+    usage,
+)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _completion_logprobs(state: ServerState, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    tokens = [state.token_text(lp.token_id) for lp in lps]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{state.token_text(t): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = state.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps]}
+
+
+def _new_logprobs(o: CompletionOutput, first_new: int) -> list[TokenLogprob] | None:
+    return None if o.logprobs is None else o.logprobs[first_new:]
+
+
+async def create_completion(req: CompletionRequest, request: Request, state: ServerState) -> Response:
+    state.check_model(req.model)
+    params = req.to_sampling_params()
+    prompts = req.prompts()
+    rid = new_id("cmpl")
+    jobs = start_jobs(state.engine, state.metrics, rid, prompts, params)
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
+    n = params.n
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(sse_stream(_completion_chunks(state, jobs, head, n, include_usage)),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    if not await until_disconnect(request, collect(jobs)):
+        return Response(status_code=CLIENT_CLOSED)
+    choices = []
+    for job in jobs:
+        for o in job.last.outputs if job.last else []:
+            lps = (_completion_logprobs(state, o.logprobs, 0)
+                   if o.logprobs is not None and req.logprobs is not None else None)
+            choices.append({"index": job.index * n + o.index, "text": o.text, "logprobs": lps,
+                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+    choices.sort(key=lambda c: c["index"])
+    return JSONResponse({**head, "choices": choices, "usage": usage(jobs)})
+
+
+async def _completion_chunks(
+    state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool
+) -> AsyncIterator[dict[str, Any]]:
+    trackers = {job.index: DeltaTracker() for job in jobs}
+    async for job, out in merged(jobs):
+        for o in out.outputs:
+            d = trackers[job.index].delta(o)
+            if d is None:
+                continue
+            text, first_new, finished = d
+            new_lps = _new_logprobs(o, first_new)
+            if not text and not finished and not new_lps:
+                continue  # tokens whose text is held back (partial character, possible stop string)
+            offset = len(o.text) - len(text)
+            yield {**head, "choices": [{
+                "index": job.index * n + o.index, "text": text,
+                "logprobs": _completion_logprobs(state, new_lps, offset) if new_lps is not None else None,
+                "finish_reason": o.finish_reason if finished else None,
+                "stop_reason": o.stop_reason if finished else None,
+            }]}
+    if include_usage:
+        yield {**head, "choices": [], "usage": usage(jobs)}
+
+
+async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
+    state.check_model(req.model)
+    params = req.to_sampling_params()
+    prompt = state.chat_prompt(req.template_messages(), req.add_generation_prompt)
+    rid = new_id("chatcmpl")
+    jobs = start_jobs(state.engine, state.metrics, rid, [prompt], params)
+    head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        chunk_head = {**head, "object": "chat.completion.chunk"}
+        return StreamingResponse(sse_stream(_chat_chunks(state, jobs, chunk_head, params.n, include_usage)),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    if not await until_disconnect(request, collect(jobs)):
+        return Response(status_code=CLIENT_CLOSED)
+    job = jobs[0]
+    choices = [{
+        "index": o.index,
+        "message": {"role": "assistant", "content": o.text},
+        "logprobs": _chat_logprobs(state, o.logprobs) if o.logprobs is not None else None,
+        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+    } for o in (job.last.outputs if job.last else [])]
+    choices.sort(key=lambda c: c["index"])
+    return JSONResponse({**head, "choices": choices, "usage": usage(jobs)})
+
+
+async def _chat_chunks(
+    state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool
+) -> AsyncIterator[dict[str, Any]]:
+    # The role goes out first, once per choice, as OpenAI does; clients key the message on it.
+    for i in range(n):
+        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]}
+    tracker = DeltaTracker()
+    async for _, out in merged(jobs):
+        for o in out.outputs:
+            d = tracker.delta(o)
+            if d is None:
+                continue
+            text, first_new, finished = d
+            new_lps = _new_logprobs(o, first_new)
+            if not text and not finished and not new_lps:
+                continue  # tokens whose text is held back (partial character, possible stop string)
+            yield {**head, "choices": [{
+                "index": o.index, "delta": {"content": text} if text else {},
+                "logprobs": _chat_logprobs(state, new_lps) if new_lps is not None else None,
+                "finish_reason": o.finish_reason if finished else None,
+                "stop_reason": o.stop_reason if finished else None,
+            }]}
+    if include_usage:
+        yield {**head, "choices": [], "usage": usage(jobs)}

@@ -1,0 +1,72 @@
+"""The step log: SGLang's "Decode batch" line every ``--log-interval`` decode steps, and the JSONL sink.
+
+The line keeps SGLang's exact wording so the same log tools (ours: ``graphserve doctor``) read both.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import IO
+
+from graphserve.engine.telemetry import StepRecord
+
+logger = logging.getLogger("graphserve.steplog")
+
+
+def format_decode_line(
+    running: int, kv_tokens: int, usage: float, graph: bool, throughput: float, queued: int
+) -> str:
+    return (
+        f"Decode batch, #running-req: {running}, #token: {kv_tokens}, token usage: {usage:.2f}, "
+        f"cuda graph: {graph}, gen throughput (token/s): {throughput:.2f}, #queue-req: {queued}"
+    )
+
+
+class StepLogger:
+    """Telemetry listener: counts decode steps and their generated tokens, logs one line per interval.
+
+    ``kv_capacity`` (tokens in the KV pool) turns the step's usage fraction into "#token", the KV tokens in
+    use; throughput is generated tokens over the wall time since the previous line.
+    """
+
+    def __init__(self, interval: int, kv_capacity: Callable[[], int]):
+        self.interval = interval
+        self.kv_capacity = kv_capacity
+        self._steps = 0
+        self._tokens = 0
+        self._since = time.monotonic()
+
+    def on_step(self, rec: StepRecord) -> None:
+        if rec.decode_tokens <= 0:
+            return
+        self._steps += 1
+        self._tokens += rec.decode_tokens
+        if self._steps % self.interval:
+            return
+        now = time.monotonic()
+        elapsed = max(now - self._since, 1e-9)
+        throughput = self._tokens / elapsed
+        self._since, self._tokens = now, 0
+        kv_tokens = round(rec.kv_usage * self.kv_capacity())
+        logger.info(format_decode_line(rec.running, kv_tokens, rec.kv_usage, rec.graph, throughput, rec.waiting))
+
+
+class JsonlStepSink:
+    """Writes every StepRecord as one JSON line (``--step-log FILE``)."""
+
+    def __init__(self, path: str):
+        self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._lock = threading.Lock()
+
+    def on_step(self, rec: StepRecord) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(rec.to_json() + "\n")
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()

@@ -1,0 +1,140 @@
+"""Bad input gets a 400 (or 404) naming the field, never a 500; an engine fault fails only its request."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import httpx
+import pytest
+from server_utils import ServerProcess
+
+FAULT_MARKER = "<<fault>>"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("errors"), env={"GRAPHSERVE_FAULT_INJECT": FAULT_MARKER}).start()
+    yield srv
+    srv.stop()
+
+
+def post(server, path: str, body, **kw) -> httpx.Response:
+    if isinstance(body, (bytes, str)):
+        return httpx.post(server.base_url + path, content=body, headers={"content-type": "application/json"},
+                          timeout=60, **kw)
+    return httpx.post(server.base_url + path, json=body, timeout=60, **kw)
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None, *words: str) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    for w in words:
+        assert w in err["message"], err
+    return err
+
+
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", ["temperature", "-1"]),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", ["top_p"]),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", ["max_tokens"]),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n", ["n="]),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", ["logprobs"]),
+        ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop", ["stop"]),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty", ["presence_penalty"]),
+        ("/v1/completions", {"prompt": "x", "seed": 2**70}, "seed", ["seed"]),
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo", ["echo"]),
+        ("/v1/completions", {"max_tokens": 3}, "prompt", ["prompt", "required"]),
+        ("/v1/completions", {"prompt": [10**6]}, "prompt_token_ids", ["[0, "]),
+        ("/v1/completions", {"prompt": ""}, "prompt", ["prompt"]),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, "max_tokens", ["100000", "512"]),
+        ("/v1/chat/completions", {"messages": []}, "messages", ["messages"]),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", []),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+         "top_logprobs", ["logprobs"]),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+         "tools", ["tools"]),
+        ("/generate", {"sampling_params": {"max_new_tokens": 2}}, "text", ["text", "input_ids"]),
+        ("/generate", {"text": "x", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature",
+         ["hot"]),
+    ],
+)
+def test_invalid_field_is_400_naming_it(server, path, body, param, words):
+    assert_error(post(server, path, body), 400, param, *words)
+
+
+def test_nan_is_400(server):
+    assert_error(post(server, "/v1/completions", '{"prompt": "x", "temperature": NaN}'), 400, "temperature")
+
+
+def test_malformed_json_is_400(server):
+    assert_error(post(server, "/v1/completions", b'{"prompt": "x",'), 400, "body", "JSON")
+    assert_error(post(server, "/v1/completions", b"[1, 2]"), 400, None)
+
+
+def test_prompt_too_long_names_both_numbers(server):
+    err = assert_error(post(server, "/v1/completions", {"prompt": list(range(5, 605)), "max_tokens": 1}), 400,
+                       "prompt")
+    assert "600" in err["message"] and "512" in err["message"]
+
+
+def test_unknown_model_is_404(server):
+    err = assert_error(post(server, "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404, "model", "gpt-9")
+    assert err["code"] == "model_not_found"
+    chat = {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}
+    assert_error(post(server, "/v1/chat/completions", chat), 404, "model")
+
+
+def test_unknown_route_is_404_error_body(server):
+    assert_error(httpx.get(server.base_url + "/v1/nothing"), 404, None)
+
+
+def test_engine_fault_fails_only_its_request(server):
+    ok = {"prompt": "fine", "max_tokens": 16, "ignore_eos": True}
+    bad = {"prompt": f"boom {FAULT_MARKER}", "max_tokens": 16, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(post, server, "/v1/completions", b) for b in (ok, bad, ok, ok)]
+        results = [f.result() for f in futures]
+    assert_error(results[1], 500, None, "fault")
+    for r in (results[0], results[2], results[3]):
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    with httpx.stream("POST", server.base_url + "/v1/completions", json={**bad, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 500
+    assert post(server, "/v1/completions", ok).status_code == 200  # still serving
+
+
+def test_schemathesis_post_endpoints_never_5xx(server):
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
+    failures: list[tuple] = []
+    calls = []
+
+    def fuzz(path: str) -> None:
+        @settings(max_examples=15, deadline=None, phases=[Phase.explicit, Phase.generate],
+                  suppress_health_check=list(HealthCheck), database=None, derandomize=True)
+        @given(case=schema[path]["POST"].as_strategy())
+        def check(case) -> None:
+            if isinstance(case.body, dict):  # keep fuzzed requests short; the bounds are tested above
+                case.body.update(max_tokens=2, max_completion_tokens=2, stream=False)
+                if isinstance(case.body.get("sampling_params"), dict):
+                    case.body["sampling_params"]["max_new_tokens"] = 2
+            resp = case.call(base_url=server.base_url, timeout=60)
+            calls.append(resp.status_code)
+            if resp.status_code >= 500:
+                failures.append((path, case.body, resp.status_code, resp.text[:300]))
+
+        check()
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+        fuzz(path)
+    assert not failures, failures[:3]
+    assert len(calls) >= 30 and 200 in calls and 400 in calls  # both served and refused cases ran
