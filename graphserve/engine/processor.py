@@ -157,7 +157,8 @@ class OutputProcessor:
 
     def _apply(self, state: _RequestState, co: CoreOutput, now: float) -> None:
         m = state.metrics
-        m.num_cached_tokens = max(m.num_cached_tokens, co.num_cached_tokens)
+        if co.index == 0:  # later choices hit the first one's prompt blocks; count the prompt once
+            m.num_cached_tokens = co.num_cached_tokens
         if co.first_scheduled_time is not None and m.first_scheduled_time is None:
             m.first_scheduled_time = co.first_scheduled_time
         c = state.choices[co.index]
