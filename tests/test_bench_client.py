@@ -1,0 +1,95 @@
+"""`graphserve bench` against the simulated server: three wire formats, streamed and not."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_server import FakeServer  # noqa: E402
+
+from graphserve.bench import client  # noqa: E402
+from graphserve.bench.scrape import normalize  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    with FakeServer("--a-ms", "5", "--b-ms", "1") as url:
+        yield url
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    client.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat", "native"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_bench_backends(server_url, backend, stream):
+    argv = ["--base-url", server_url, "--backend", backend, "--num-prompts", "12", "--max-concurrency", "4",
+            "--random-input-len", "16", "--random-output-len", "6", "--random-range-ratio", "0.5",
+            "--disable-tqdm"] + ([] if stream else ["--disable-stream"])
+    res = client.bench_once(_args(*argv), server_url, 12)
+    assert set(res) == {"config", "environment", "summary", "requests", "server_metrics", "client_health"}
+    s = res["summary"]
+    assert (s["completed"], s["failed"]) == (12, 0)
+    assert res["config"]["model"] == (None if backend == "native" else "fake-model")  # from /v1/models
+    for r in res["requests"]:
+        assert {"ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "chunk_itl_ms", "output_tokens", "input_tokens",
+                "start", "end", "ok", "error"} <= set(r)
+        assert r["output_tokens"] == r["requested_tokens"] and 3 <= r["output_tokens"] <= 6  # ignore_eos
+        assert r["output_tokens_source"] == "server"
+        if stream:
+            assert r["ttft_ms"] > 0 and r["tpot_ms"] > 0
+            assert len(r["itl_ms"]) == r["output_tokens"] - 1
+        else:
+            assert r["ttft_ms"] is None and r["tpot_ms"] is None and r["itl_ms"] == []
+    assert s["total_output_tokens"] == sum(r["output_tokens"] for r in res["requests"])
+    assert (s["tpot_ms"] is not None) == stream
+    assert 1.0 < s["achieved_concurrency"] <= 4.0
+    sm = res["server_metrics"]
+    assert sm["engine"] == "graphserve" and sm["error"] is None
+    assert sm["deltas"]["generation_tokens_total"] >= s["total_output_tokens"]
+    assert res["client_health"]["loop_lag_ms"]["n"] > 0
+    json.dumps(res)  # the result is plain JSON
+
+
+def test_cli_writes_and_appends(server_url, tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    argv = ["--base-url", server_url, "--backend", "native", "--dataset-name", "random-ids", "--num-prompts", "4",
+            "--random-input-len", "8", "--random-output-len", "3", "--random-range-ratio", "1", "--disable-tqdm",
+            "--request-rate", "200", "--output-file", str(out), "--append"]
+    assert client.run(_args(*argv)) == 0
+    assert client.run(_args(*argv)) == 0
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2
+    first = json.loads(lines[0])
+    assert first["config"]["request_rate"] == 200 and first["config"]["dataset_name"] == "random-ids"
+    assert all(r["input_tokens"] == 8 for r in first["requests"])
+    assert "output throughput" in capsys.readouterr().out
+
+
+def test_scrape_series_during_a_longer_run(server_url):
+    argv = ["--base-url", server_url, "--num-prompts", "8", "--max-concurrency", "2", "--random-input-len", "4",
+            "--random-output-len", "60", "--random-range-ratio", "1", "--disable-tqdm", "--warmup-requests", "0"]
+    res = client.bench_once(_args(*argv), server_url, 8)
+    series = res["server_metrics"]["series"]
+    assert len(series) >= 1
+    assert any(p["running"] >= 1 for p in series)
+
+
+def test_normalize_engine_names():
+    vllm = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 3\n'
+            '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+            '# TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total{model_name="m"} 120\n')
+    values, engine = normalize(vllm)
+    assert engine == "vllm" and values == {"running": 3.0, "kv_usage": 0.25, "generation_tokens_total": 120.0}
+    sglang = ("# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs 5\n"
+              "# TYPE sglang:token_usage gauge\nsglang:token_usage 0.5\n")
+    values, engine = normalize(sglang)
+    assert engine == "sglang" and values == {"waiting": 5.0, "kv_usage": 0.5}

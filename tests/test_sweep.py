@@ -1,0 +1,88 @@
+"""`graphserve sweep` against the simulated server: the fit recovers the simulated step time, a
+deliberate regime break is flagged, and a configuration grid survives a server that dies."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_server import FakeServer  # noqa: E402
+
+from graphserve.bench import sweep  # noqa: E402
+from graphserve.bench.server_grid import parse_grid, render_command  # noqa: E402
+from graphserve.errors import BadRequestError  # noqa: E402
+
+FAKE = Path(__file__).parent / "fake_server.py"
+LEVELS = ["--concurrency", "1,2,4,8", "--num-prompts-per-level", "5", "--random-input-len", "8",
+          "--random-output-len", "8", "--disable-tqdm"]
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    sweep.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_sweep_recovers_a_and_b(tmp_path, capsys):
+    with FakeServer("--a-ms", "20", "--b-ms", "2") as url:
+        rc = sweep.run(_args("--base-url", url, "--output-dir", str(tmp_path), "--random-range-ratio", "1", *LEVELS))
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [p["concurrency"] for p in res["points"]] == [1, 2, 4, 8]
+    for p in res["points"]:
+        assert p["num_requests"] == max(5, 5 * p["concurrency"]) and p["failed"] == 0
+        assert p["achieved_concurrency"] == pytest.approx(p["concurrency"], rel=0.05)
+    fit = res["fit"]
+    assert fit["a_ms"] == pytest.approx(20.0, rel=0.10)
+    assert fit["b_ms"] == pytest.approx(2.0, rel=0.10)
+    tel = res["telemetry_fit"]  # the server's own step records, same model
+    assert tel["a_ms"] == pytest.approx(20.0, rel=0.10) and tel["b_ms"] == pytest.approx(2.0, rel=0.10)
+    assert tel["breaks"] == []
+    assert (tmp_path / "report.md").is_file() and (tmp_path / "levels" / "c8.json").is_file()
+    assert "step_time = " in capsys.readouterr().out
+
+
+def test_sweep_flags_a_break(tmp_path):
+    # Steps jump by 15 ms above 4 requests; varied output lengths make the drains visit N = 5..7.
+    with FakeServer("--a-ms", "20", "--b-ms", "2", "--break-at", "4", "--break-ms", "15") as url:
+        args = _args("--base-url", url, "--random-range-ratio", "0.5", *LEVELS)
+        out = sweep.sweep_levels(args, url, [1, 2, 4, 8], str(tmp_path))
+    breaks = out["telemetry_fit"]["breaks"]
+    assert len(breaks) == 1
+    assert 4 <= breaks[0]["at_n"] <= 5 and breaks[0]["jump_ms"] == pytest.approx(15.0, abs=4.0)
+    assert out["fit"]["b_ms"] > 3.0  # the sweep's own line is bent upwards by the jump
+
+
+def test_grid_survives_a_dying_server(tmp_path):
+    cmd = (f"{sys.executable} {FAKE} --port {{port}} --a-ms 5 --b-ms 1 --cuda-graph-max-bs 4 "
+           f"--die-above {{die_above}}")
+    rc = sweep.run(_args("--server-cmd", cmd, "--server-grid", "die_above=4,0", "--server-timeout", "30",
+                         "--output-dir", str(tmp_path), "--random-range-ratio", "1", *LEVELS))
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    dead, alive = res["configurations"]
+    assert dead["params"] == {"die_above": "4"} and dead["status"] == "died" and dead["failed_at"] == 8
+    assert [p["concurrency"] for p in dead["points"]] == [1, 2, 4, 8]
+    assert any("out of memory" in line for line in dead["log_tail"])
+    assert any(f["kind"] == "oom" for f in dead["diagnosis"])
+    assert dead["exit_code"] == 1
+    assert alive["status"] == "ok" and alive["failed_at"] is None and alive["fit"]["b_ms"] > 0
+    assert alive["asymptote_tok_s"] == pytest.approx(alive["fit"]["asymptote_tok_s"])
+    assert res["points"] == dead["points"]  # the top level shows the first configuration with points
+
+
+def test_grid_parsing_and_placeholders():
+    assert parse_grid(["a=1,2", "b=x"]) == [{"a": "1", "b": "x"}, {"a": "2", "b": "x"}]
+    assert parse_grid([]) == [{}]
+    assert render_command("srv --port {port} --bs {a}", {"a": "8"}, "127.0.0.1", 99) == ["srv", "--port", "99", "--bs", "8"]
+    with pytest.raises(BadRequestError, match="server_grid"):
+        parse_grid(["nokey"])
+    with pytest.raises(BadRequestError, match="placeholder"):
+        render_command("srv {missing}", {}, "127.0.0.1", 1)
+    assert sweep.parse_levels("8,1,2") == [1, 2, 8]
+    assert sweep.prompts_for_level(8, 16) == 40 and sweep.prompts_for_level(2, 16) == 16
