@@ -1,0 +1,133 @@
+"""Start, overload and stop: 503 before ready, 429 past the queue bound, SIGTERM drains and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import signal
+import time
+
+import httpx
+import pytest
+from server_utils import ServerProcess, metrics
+
+from graphserve.config import EngineConfig
+from graphserve.server.app import create_app
+from graphserve.server.launch import ServerThread, build_state
+
+
+def stream_events(base_url: str, body: dict, started: concurrent.futures.Future | None = None
+                  ) -> tuple[int, list, dict]:
+    """(status, data payloads, headers) of one streamed completion; sets ``started`` at the first event."""
+    with httpx.stream("POST", base_url + "/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            return resp.status_code, [resp.json()], dict(resp.headers)
+        events = []
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if started is not None and not started.done():
+                    started.set_result(True)
+        return 200, events, dict(resp.headers)
+
+
+def test_health_and_requests_are_503_before_the_engine_is_ready():
+    state, _ = build_state(EngineConfig(max_model_len=512, num_kv_tokens=8192))
+
+    async def probe() -> list[httpx.Response]:
+        # ASGITransport runs no lifespan, so the engine never starts: the window a load balancer sees at boot.
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [await client.get("/health"),
+                    await client.post("/v1/completions", json={"prompt": "x"}),
+                    await client.post("/v1/completions", json={"prompt": "x", "n": 0})]
+
+    health, post, bad = asyncio.run(probe())
+    assert health.status_code == 503 and "loading" in health.json()["error"]["message"]
+    assert post.status_code == 503 and int(post.headers["Retry-After"]) >= 1
+    assert bad.status_code == 400  # validation does not need the engine
+
+
+def test_server_thread_serves_in_process():
+    with ServerThread(EngineConfig(max_model_len=512, num_kv_tokens=8192), served_model_name="t") as srv:
+        r = httpx.post(srv.base_url + "/v1/completions", json={"model": "t", "prompt": "x", "max_tokens": 3,
+                                                              "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.fixture(scope="module")
+def small_queue_server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("overload"), "--max-queued-requests", "2",
+                        "--max-running-requests", "2").start()
+    yield srv
+    srv.stop()
+
+
+def test_overload_burst_gets_full_responses_or_429(small_queue_server):
+    base = small_queue_server.base_url
+    body = {"prompt": "burst", "max_tokens": 24, "ignore_eos": True}
+
+    def one(i: int) -> tuple[int, dict, dict]:
+        if i % 3 == 0:
+            status, events, headers = stream_events(base, body)
+            return status, (events[-2] if status == 200 else events[0]), headers
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        return r.status_code, r.json(), dict(r.headers)
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(one, range(20)))  # 10x the queue bound, all at once
+    statuses = [s for s, _, _ in results]
+    assert set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses, statuses
+    for status, payload, headers in results:
+        if status == 429:
+            assert payload["error"]["type"] == "overloaded_error" and "--max-queued-requests=2" in \
+                payload["error"]["message"]
+            assert int(headers["retry-after"]) >= 1
+        elif "usage" in payload:
+            assert payload["usage"]["completion_tokens"] == 24
+        else:
+            assert json.loads(payload)["choices"][0]["finish_reason"] == "length"
+    after = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    assert after.status_code == 200  # still serving
+    m = metrics(base)
+    assert m["graphserve:num_requests_running"] == 0 and m["graphserve:num_requests_waiting"] == 0
+
+
+def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path):
+    # One request at a time: the shorts (16 steps each) finish well inside the 6 s drain on a loaded 2-core
+    # machine, while the four queued longs need 1920 decode steps, far past it on any CPU.
+    srv = ServerProcess(tmp_path, "--shutdown-timeout", "6", "--max-running-requests", "1").start()
+    short = {"prompt": "short", "max_tokens": 16, "ignore_eos": True}
+    long = {"prompt": "long", "max_tokens": 480, "ignore_eos": True}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            started = [concurrent.futures.Future() for _ in range(2)]
+            shorts = [pool.submit(stream_events, srv.base_url, short, f) for f in started]
+            concurrent.futures.wait(started, timeout=30)
+            longs = [pool.submit(stream_events, srv.base_url, long) for _ in range(4)]
+            time.sleep(0.2)
+            srv.signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = httpx.post(srv.base_url + "/v1/completions", json=short, timeout=10)
+            assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+            assert httpx.get(srv.base_url + "/health", timeout=10).status_code == 503
+            for f in shorts:  # in flight at SIGTERM and short enough: they finish normally
+                status, events, _ = f.result(timeout=60)
+                assert status == 200 and events[-1] == "[DONE]"
+                assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+            errored = 0
+            for f in longs:  # past --shutdown-timeout: complete, or an error event; never silence
+                status, events, _ = f.result(timeout=60)
+                assert status == 200 and events[-1] == "[DONE]"
+                last = json.loads(events[-2])
+                if "error" in last:
+                    errored += 1
+                    assert last["error"]["code"] == 503 and "shut down" in last["error"]["message"]
+                else:
+                    assert last["choices"][0]["finish_reason"] == "length"
+            assert errored >= 1
+        assert srv.wait(timeout=30) == 0
+    finally:
+        srv.stop()
