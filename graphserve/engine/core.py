@@ -127,6 +127,7 @@ class EngineCore:
             self._forget(seq)
         if sched.is_empty:
             return outputs
+        context_tokens = sum(s.seq.num_computed_tokens + s.num_new_tokens for s in sched.scheduled)
         try:
             sampled = self.runner.execute(sched)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
@@ -137,7 +138,7 @@ class EngineCore:
             self._pending = []
             return outputs
         outputs += self._advance(sched, sampled)
-        self._record(sched, start)
+        self._record(sched, start, context_tokens)
         return outputs
 
     def _advance(self, sched: SchedulerOutput, sampled: SamplerOutput) -> list[CoreOutput]:
@@ -190,7 +191,7 @@ class EngineCore:
             first_scheduled_time=seq.first_scheduled_time,
         )
 
-    def _record(self, sched: SchedulerOutput, start: float) -> None:
+    def _record(self, sched: SchedulerOutput, start: float, context_tokens: int) -> None:
         self._step_id += 1
         n = len(sched.scheduled)
         self.telemetry.record(
@@ -209,7 +210,7 @@ class EngineCore:
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
                 kv_usage=self.block_manager.usage(),
-                context_tokens=sum(s.seq.num_computed_tokens for s in sched.scheduled),
+                context_tokens=context_tokens,
                 preempted=len(sched.preempted),
             )
         )

@@ -77,43 +77,40 @@ class SamplingTensors:
     def from_sequences(
         cls, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int], device: torch.device | str
     ) -> SamplingTensors:
+        """Two host->device copies for the knobs, plus one per token-set mask a batch needs."""
         ps = [s.params for s in seqs]
-        b = len(seqs)
-
-        def vec(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
-        any_penalty = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in ps)
+        floats = torch.tensor(
+            [[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
+             for p in ps], dtype=torch.float32,
+        ).to(device, non_blocking=True)
+        ints = torch.tensor(
+            [[k, s.seed & SEED_MASK, s.num_output_tokens] for k, s in zip(top_k, seqs)], dtype=torch.int64
+        ).to(device, non_blocking=True)
         output_counts = prompt_mask = banned = None
-        if any_penalty:
-            output_counts = torch.zeros(b, vocab_size, dtype=torch.float32, device=device)
-            prompt_mask = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
-            for i, s in enumerate(seqs):
-                if s.output_token_ids:
-                    ids = vec(s.output_token_ids, torch.int64)
-                    output_counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
-                if s.params.repetition_penalty != 1.0:
-                    prompt_mask[i, vec(s.prompt_token_ids, torch.int64)] = True
+        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in ps):
+            output_counts = _token_rows([s.output_token_ids for s in seqs], vocab_size, device, count=True)
+            prompt_mask = _token_rows(
+                [s.prompt_token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs], vocab_size, device
+            ).bool()
         if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
-            banned = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
-            for i, s in enumerate(seqs):
-                if s.num_output_tokens < s.params.min_tokens:
-                    ids = [t for t in [*(() if s.params.ignore_eos else eos_token_ids), *s.params.stop_token_ids]
-                           if 0 <= t < vocab_size]
-                    if ids:
-                        banned[i, vec(ids, torch.int64)] = True
+            rows = [
+                [*(() if s.params.ignore_eos else eos_token_ids), *s.params.stop_token_ids]
+                if s.num_output_tokens < s.params.min_tokens else []
+                for s in seqs
+            ]
+            banned = _token_rows(rows, vocab_size, device).bool()
         asked = [p.logprobs for p in ps if p.logprobs is not None]
         return cls(
-            temperature=vec([p.temperature for p in ps], torch.float32),
-            top_k=vec(top_k, torch.int64),
-            top_p=vec([p.top_p for p in ps], torch.float32),
-            min_p=vec([p.min_p for p in ps], torch.float32),
-            seeds=vec([s.seed & SEED_MASK for s in seqs], torch.int64),
-            steps=vec([s.num_output_tokens for s in seqs], torch.int64),
-            presence=vec([p.presence_penalty for p in ps], torch.float32),
-            frequency=vec([p.frequency_penalty for p in ps], torch.float32),
-            repetition=vec([p.repetition_penalty for p in ps], torch.float32),
+            temperature=floats[:, 0],
+            top_p=floats[:, 1],
+            min_p=floats[:, 2],
+            presence=floats[:, 3],
+            frequency=floats[:, 4],
+            repetition=floats[:, 5],
+            top_k=ints[:, 0],
+            seeds=ints[:, 1],
+            steps=ints[:, 2],
             output_counts=output_counts,
             prompt_mask=prompt_mask,
             banned=banned,
@@ -123,6 +120,26 @@ class SamplingTensors:
             any_top_p=any(p.top_p < 1.0 for p in ps),
             any_min_p=any(p.min_p > 0.0 for p in ps),
         )
+
+
+def _token_rows(rows: list[list[int]], vocab_size: int, device, count: bool = False) -> torch.Tensor:
+    """[B, V] float32: per row, how often (``count``) or whether each token id occurs in ``rows[i]``.
+
+    Rows are padded with an extra id ``vocab_size`` (a spare column dropped at the end), so the
+    whole batch is one copy and one scatter; ids outside the vocabulary land in the spare column.
+    """
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), vocab_size, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64).clamp_(0, vocab_size)
+    ids = ids.to(device, non_blocking=True)
+    out = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
+    if count:
+        out.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    else:
+        out.scatter_(1, ids, 1.0)
+    return out[:, :vocab_size]
 
 
 @dataclass
