@@ -75,7 +75,7 @@ def main() -> None:
     rows = []
     for m in args.models:
         dt, toks, llm = run_graphserve(m, workload(args.num_requests, 0, 32000), max_model_len=2048)
-        hf_config = llm.engine.hf_config
+        hf_config = llm.engine.core.hf_config
         del llm
         torch.cuda.empty_cache()
         hf_dt, hf_toks = run_hf(hf_config, workload(args.num_requests, 0, 32000)[: args.hf_requests], args.hf_batch)

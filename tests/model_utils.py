@@ -51,18 +51,19 @@ class PagedHarness:
     block 0 stays the reserved dummy block.
     """
 
-    def __init__(self, model: torch.nn.Module, block_size: int = 4, num_blocks: int = 64, dtype=torch.float32):
+    def __init__(self, model: torch.nn.Module, block_size: int = 4, num_blocks: int = 64, dtype=torch.float32,
+                 device: torch.device | str = "cpu", backend=None):
         s = model.shape
-        self.model, self.block_size = model, block_size
+        self.model, self.block_size, self.device = model, block_size, torch.device(device)
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=dtype)
+            torch.zeros(2, num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=self.device)
             for _ in range(s.num_layers)
         ]
         free = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(1)) + 1
         self.free_blocks = free.tolist()
         self.tables: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
-        self.backend = TorchAttentionBackend()
+        self.backend = backend if backend is not None else TorchAttentionBackend()
 
     def build_batch(self, chunks: list[tuple[str, list[int]]]) -> ForwardBatch:
         ids, positions, slots, qlens, seq_lens = [], [], [], [], []
@@ -81,16 +82,17 @@ class PagedHarness:
             self.lens[seq] = end
         width = max(len(self.tables[seq]) for seq, _ in chunks)
         tables = [self.tables[seq] + [DUMMY_BLOCK] * (width - len(self.tables[seq])) for seq, _ in chunks]
-        qsl = torch.tensor([0] + qlens).cumsum(0)
+        dev = self.device
+        qsl = torch.tensor([0] + qlens, device=dev).cumsum(0)
         mode = "decode" if all(q == 1 for q in qlens) else "prefill"
         return ForwardBatch(
             mode=mode,
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=qsl.to(torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
             logits_indices=(qsl[1:] - 1).to(torch.int64),
             max_query_len=max(qlens),
             max_seq_len=max(seq_lens),

@@ -19,6 +19,7 @@ from graphserve.engine.processor import resolve_max_model_len
 from graphserve.engine.request import CoreOutput, EngineRequest, Sequence
 from graphserve.engine.runner import ModelRunner, cpu_kv_tokens
 from graphserve.engine.scheduler import Scheduler, SchedulerOutput
+from graphserve.engine.startup import start_gpu
 from graphserve.engine.telemetry import StepRecord, Telemetry
 from graphserve.errors import BadRequestError
 from graphserve.layers.sampler import SEED_MASK, SamplerOutput
@@ -52,12 +53,20 @@ class EngineCore:
         loaded = load_model(config, self.device)
         self.tokenizer = loaded.tokenizer
         self.info = loaded.info
+        self.hf_config = loaded.hf_config
         self.chat_template = loaded.chat_template
         self.max_model_len = resolve_max_model_len(config, self.info)
-        num_blocks = cpu_kv_tokens(config, self.info) // config.block_size + 1  # + the dummy block
+        self.memory_plan = None
+        if self.device.type == "cuda":
+            gpu = start_gpu(config, loaded, self.device, self.max_model_len)
+            self.runner, self.memory_plan = gpu.runner, gpu.plan
+            num_blocks, max_running = gpu.runner.num_blocks, gpu.max_running_requests
+        else:
+            num_blocks = cpu_kv_tokens(config, self.info) // config.block_size + 1  # + the dummy block
+            max_running = None
+            self.runner = ModelRunner(config, loaded, num_blocks, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(config, loaded, num_blocks, self.device)
+        self.scheduler = Scheduler(config, self.block_manager, max_running)
         self.telemetry = Telemetry()
         self._rng = random.Random(config.seed)  # seeds of unseeded requests: varied, yet reproducible per run
         self._requests: dict[str, list[Sequence]] = {}
@@ -194,15 +203,16 @@ class EngineCore:
     def _record(self, sched: SchedulerOutput, start: float, context_tokens: int) -> None:
         self._step_id += 1
         n = len(sched.scheduled)
+        shape = self.runner.last_shape
         self.telemetry.record(
             StepRecord(
                 step=self._step_id,
                 time=time.time(),
                 kind=sched.kind,
                 batch_size=n,
-                padded_size=n,
-                graph=False,
-                mode="eager",
+                padded_size=shape.padded_size,
+                graph=shape.graph,
+                mode=shape.mode,
                 num_tokens=sched.num_tokens,
                 prefill_tokens=sched.num_prefill_tokens,
                 decode_tokens=sched.num_decode_tokens,

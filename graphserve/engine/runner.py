@@ -7,12 +7,14 @@ capture and replay) without touching how a batch is built.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import psutil
 import torch
 
 from graphserve.engine.forward_batch import DUMMY_BLOCK, ForwardBatch
+from graphserve.engine.graphs import GraphRunner, split_sizes
 from graphserve.layers.attention import TorchAttentionBackend
 from graphserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 
@@ -46,6 +48,15 @@ def make_attention_backend(device: torch.device) -> AttentionBackend:
     return TorchAttentionBackend()
 
 
+@dataclass
+class StepShape:
+    """How the last step ran: what telemetry and the step log report."""
+
+    padded_size: int
+    graph: bool
+    mode: str  # "eager" | "graph" | "split-graph"
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int, device: torch.device | None = None):
         self.config = config
@@ -63,6 +74,22 @@ class ModelRunner:
         ]
         self.attn_backend = make_attention_backend(self.device)
         self.sampler = Sampler()
+        self.graphs: GraphRunner | None = None
+        # How a decode batch above the largest captured size runs: "split-graph" (captured pieces
+        # replayed one after another) or "eager" (activation memory reserved by the plan).
+        self.oversize_mode = "split-graph"
+        self.last_shape = StepShape(0, False, "eager")
+
+    def capture_graphs(self, sizes: list[int], max_model_len: int, progress=None) -> GraphRunner:
+        """Capture the decode step for ``sizes`` (largest first, one pool); replaces earlier graphs."""
+        self.graphs = None
+        torch.cuda.empty_cache()
+        graphs = GraphRunner(self.model, self.attn_backend, self.kv_caches, sizes,
+                             -(-max_model_len // self.block_size), max_model_len, self.device)
+        with torch.inference_mode():
+            graphs.capture(progress)
+        self.graphs = graphs
+        return graphs
 
     def prepare_inputs(self, out: SchedulerOutput) -> ForwardBatch:
         """Flatten the step's new tokens and describe where each one's KV lives."""
@@ -108,11 +135,26 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
 
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """[num_seqs, vocab] float32 logits: graph replay for decode batches when captured, else eager."""
+        bs = batch.num_seqs
+        graphs = self.graphs
+        if graphs is not None and batch.mode == "decode":
+            if graphs.can_use_cuda_graph(bs):
+                self.last_shape = StepShape(graphs.padded_size(bs), True, "graph")
+                return graphs.replay(batch)
+            if self.oversize_mode == "split-graph":
+                padded = sum(graphs.padded_size(p) for p in split_sizes(bs, graphs.sizes))
+                self.last_shape = StepShape(padded, True, "split-graph")
+                return graphs.replay_split(batch)
+        self.last_shape = StepShape(bs, False, "eager")
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
         batch = self.prepare_inputs(out)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.forward_logits(batch)
         seqs = [s.seq for s in out.scheduled]
         tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], self.info.eos_token_ids, self.device)
         return self.sampler(logits, tensors)

@@ -1,0 +1,209 @@
+"""GPU start-up: measure, plan, allocate, capture — in that order.
+
+1. weights: bytes allocated once the model is loaded;
+2. activations: the peak of the worst mixed step (a full prefill chunk plus every running
+   request decoding, sampled with every knob on) and of the largest eager decode batch, run on a
+   small profiling KV pool;
+3. the CUDA-graph pool: a trial capture of every size on the profiling pool;
+4. only then the KV pool, from ``total × --mem-fraction-static`` minus all of the above minus a
+   stated reserve (engine/memory.py, the same arithmetic `graphserve plan` uses);
+5. the real capture, checked against the plan.
+
+The running batch is derived from the captured sizes: by default it never exceeds the largest
+one. When --max-running-requests is set above it, a short calibration picks how oversize decode
+batches run (captured pieces replayed in turn, or eagerly with activation memory the plan
+already reserved), so no step ever allocates memory the plan did not count.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from graphserve.config import EngineConfig
+from graphserve.engine.forward_batch import DUMMY_BLOCK, ForwardBatch
+from graphserve.engine.graphs import GiB
+from graphserve.engine.memory import MemoryPlan, plan_memory
+from graphserve.engine.runner import ModelRunner
+from graphserve.errors import ConfigError
+from graphserve.layers.sampler import SamplingTensors
+from graphserve.models.loader import LoadedModel
+
+logger = logging.getLogger("graphserve.startup")
+
+# cuBLAS/cuDNN workspaces, allocator fragmentation and the CUDA context's own growth.
+RESERVE_BYTES = 1 << 30
+
+
+@dataclass
+class GpuStartup:
+    runner: ModelRunner
+    plan: MemoryPlan
+    max_running_requests: int
+    graph_sizes: list[int]
+    oversize_mode: str  # how decode batches above the largest captured size run
+
+
+def resolve_batch_limits(config: EngineConfig) -> tuple[list[int], int]:
+    """(captured sizes, max running requests), derived together so they cannot disagree."""
+    sizes = config.graph_sizes()
+    if config.max_running_requests is None:
+        if not sizes:
+            return [], 256
+        return sizes, sizes[-1]
+    limit = config.max_running_requests
+    if sizes and sizes[-1] > limit:  # capturing sizes no batch can reach only wastes memory
+        sizes = [s for s in sizes if s < limit] + [limit]
+    return sizes, limit
+
+
+def synthetic_batch(runner: ModelRunner, query_lens: list[int], first_block: int = 1) -> ForwardBatch:
+    """A batch of fresh sequences (no cached prefix) on consecutive blocks of ``runner``'s pool."""
+    bsz, dev = runner.block_size, runner.device
+    tables, slots, positions = [], [], []
+    block = first_block
+    for q in query_lens:
+        n = -(-q // bsz)
+        table = list(range(block, block + n))
+        block += n
+        tables.append(table)
+        positions += range(q)
+        slots += [table[p // bsz] * bsz + p % bsz for p in range(q)]
+    if block > runner.num_blocks:
+        raise ValueError(f"synthetic batch needs {block} blocks, the pool has {runner.num_blocks}")
+    width = max(len(t) for t in tables)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    mode = "decode" if all(q == 1 for q in query_lens) else "mixed"
+    return ForwardBatch(
+        mode=mode,
+        input_ids=torch.randint(0, runner.info.vocab_size, (qsl[-1],), device=dev),
+        positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=dev),
+        block_tables=torch.tensor([t + [DUMMY_BLOCK] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+        logits_indices=torch.tensor(qsl[1:], dtype=torch.int64, device=dev) - 1,
+        max_query_len=max(query_lens),
+        max_seq_len=max(query_lens),
+        kv_caches=runner.kv_caches,
+        attn_backend=runner.attn_backend,
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(query_lens),
+    )
+
+
+def worst_case_sampling(rows: int, vocab: int, device: torch.device) -> SamplingTensors:
+    """Every sampling knob on for every row: the sampler's largest temporaries."""
+
+    def full(v, dtype):
+        return torch.full((rows,), v, dtype=dtype, device=device)
+
+    return SamplingTensors(
+        temperature=full(0.7, torch.float32), top_k=full(50, torch.int64), top_p=full(0.9, torch.float32),
+        min_p=full(0.05, torch.float32), seeds=torch.arange(rows, device=device), steps=full(0, torch.int64),
+        presence=full(0.5, torch.float32), frequency=full(0.5, torch.float32), repetition=full(1.1, torch.float32),
+        output_counts=torch.zeros(rows, vocab, device=device), prompt_mask=torch.zeros(rows, vocab, dtype=torch.bool, device=device),
+        banned=torch.zeros(rows, vocab, dtype=torch.bool, device=device), max_logprobs=20, all_greedy=False,
+        any_top_k=True, any_top_p=True, any_min_p=True,
+    )
+
+
+@torch.inference_mode()
+def step_peak_bytes(runner: ModelRunner, batch: ForwardBatch) -> int:
+    """Extra bytes a step (forward, logits, sampling with every knob on) allocates at its peak."""
+    dev = runner.device
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    logits = runner.forward_logits(batch)
+    runner.sampler(logits, worst_case_sampling(batch.num_seqs, logits.shape[-1], dev))
+    del logits
+    torch.cuda.synchronize(dev)
+    return torch.cuda.max_memory_allocated(dev) - base
+
+
+def _time_ms(fn, iters: int = 5) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def calibrate_oversize(runner: ModelRunner, rows: int) -> tuple[str, float, float]:
+    """Time an oversize decode batch both ways, on the dummy block only; return the faster mode."""
+    batch = synthetic_batch(runner, [1] * rows, first_block=0)
+    batch.slot_mapping.zero_()
+    batch.block_tables.zero_()
+    runner.oversize_mode = "split-graph"
+    split_ms = _time_ms(lambda: runner.forward_logits(batch))
+    runner.oversize_mode = "eager"
+    eager_ms = _time_ms(lambda: runner.forward_logits(batch))
+    return ("split-graph" if split_ms <= eager_ms else "eager"), split_ms, eager_ms
+
+
+def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, max_model_len: int) -> GpuStartup:
+    sizes, max_running = resolve_batch_limits(config)
+    cfg = config.replace(max_model_len=max_model_len, max_running_requests=max_running)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_allocated(device)
+    _, total = torch.cuda.mem_get_info(device)
+    chunk = cfg.chunked_prefill_size
+
+    # 2-3. activations and the graph pool, on a profiling pool just large enough for the synthetic steps
+    prof_blocks = 2 + -(-chunk // cfg.block_size) + max_running
+    prof = ModelRunner(cfg, loaded, prof_blocks, device)
+    mixed = step_peak_bytes(prof, synthetic_batch(prof, [chunk] + [1] * (max_running - 1)))
+    decode = step_peak_bytes(prof, synthetic_batch(prof, [1] * max_running))
+    pool = 0
+    if sizes:
+        pool = prof.capture_graphs(sizes, max_model_len).pool_bytes
+    workspace = prof.attn_backend.workspace_bytes() if hasattr(prof.attn_backend, "workspace_bytes") else 0
+    del prof
+    torch.cuda.empty_cache()
+
+    # 4. the plan
+    plan = plan_memory(total, cfg.mem_fraction_static, weights, [mixed, decode], pool, RESERVE_BYTES + workspace,
+                       loaded.info.kv_bytes_per_token, cfg.block_size, max_model_len, max_running)
+    for line in plan.table().splitlines():
+        logger.info(line)
+    if not plan.fits:
+        raise ConfigError(f"not enough GPU memory for one request of --max-model-len {max_model_len}: {plan.refusal}",
+                          param="mem_fraction_static")
+    free, _ = torch.cuda.mem_get_info(device)
+    headroom = free - max(mixed, decode) - pool - RESERVE_BYTES
+    num_blocks = min(plan.num_blocks, max(0, headroom) // (plan.kv_bytes_per_token * cfg.block_size))
+    if num_blocks < plan.num_blocks:
+        logger.warning("KV pool cut from %d to %d blocks: only %.2f GiB free on the device (another process?)",
+                       plan.num_blocks, num_blocks, free / GiB)
+
+    # 5. allocate and capture for real
+    runner = ModelRunner(cfg, loaded, num_blocks + 1, device)  # + the dummy block
+    oversize = "none"
+    if sizes:
+        bar = tqdm(total=len(sizes), desc="Capturing CUDA graphs", disable=None)
+        graphs = runner.capture_graphs(sizes, max_model_len, progress=lambda _bs: bar.update(1))
+        bar.close()
+        if graphs.pool_bytes > pool * 1.1 + (64 << 20):
+            logger.warning("graph pool %.2f GiB exceeds the planned %.2f GiB", graphs.pool_bytes / GiB, pool / GiB)
+        if max_running > sizes[-1]:
+            oversize, split_ms, eager_ms = calibrate_oversize(runner, max_running)
+            runner.oversize_mode = oversize
+            logger.info("decode batches above %d (up to --max-running-requests %d) run as %s: split-graph %.2f ms, "
+                        "eager %.2f ms at batch %d", sizes[-1], max_running, oversize, split_ms, eager_ms, max_running)
+        else:
+            logger.info("max_running_requests=%d: the running batch never exceeds the largest captured CUDA-graph "
+                        "size (raise it with --cuda-graph-max-bs or --max-running-requests)", max_running)
+    return GpuStartup(runner, plan, max_running, sizes, oversize)
