@@ -41,7 +41,7 @@ def bench_model(name: str, ctx: int, max_bs: int, big_bs: int) -> list[dict]:
     dtype = next(model.parameters()).dtype
     bsz = cfg.block_size
     num_blocks = big_bs * ((ctx + 1) // bsz + 2) + 2
-    kv = [torch.randn(2, num_blocks, bsz, info.num_kv_heads, info.head_dim, device=device, dtype=dtype) * 0.5
+    kv = [torch.randn(2, num_blocks, bsz, info.num_kv_heads, info.head_dim, device=device, dtype=dtype).mul_(0.5)
           for _ in range(info.num_layers)]
     backend = TritonAttentionBackend()
     graphs = GraphRunner(model, backend, kv, default_cuda_graph_sizes(max_bs), cfg.max_model_len // bsz + 1,

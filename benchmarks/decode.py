@@ -86,7 +86,7 @@ def bench_model(name: str, sizes: list[int], ctxs: list[int], bw: float, peak: f
     tokens = max(sizes) * max(ctxs) + max(sizes) * 2 * bsz
     num_blocks = tokens // bsz + 2
     kv_caches = [
-        torch.randn(2, num_blocks, bsz, info.num_kv_heads, info.head_dim, device=device, dtype=dtype) * 0.5
+        torch.randn(2, num_blocks, bsz, info.num_kv_heads, info.head_dim, device=device, dtype=dtype).mul_(0.5)
         for _ in range(info.num_layers)
     ]
     backend = TritonAttentionBackend()

@@ -41,7 +41,8 @@ def run_graphserve(model: str, reqs, **engine_args) -> tuple[float, int, LLM]:
 def run_hf(hf_config, reqs, batch: int) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.bfloat16).cuda().eval()
+    with torch.device("cuda"):  # initialise the random weights on the GPU, not on the host
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
     tokens = 0
     torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -12,6 +12,10 @@ from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda:
+        from graphserve.kernels import norm as triton_norm
+
+        return triton_norm.rms_norm(x, weight, eps)
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -22,6 +26,10 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(rms_norm(x + residual), x + residual)``: the sum becomes the next residual."""
+    if x.is_cuda:  # one pass: add, normalise and write the new residual in place of the old
+        from graphserve.kernels import norm as triton_norm
+
+        return triton_norm.fused_add_rms_norm(x, residual, weight, eps, residual_out=residual)
     summed = x + residual
     return rms_norm(summed, weight, eps), summed
 

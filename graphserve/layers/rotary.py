@@ -61,6 +61,11 @@ def apply_rotary(
     cos/sin are cast to q's dtype before use, as the Hugging Face reference does.
     """
     half = q.shape[-1] // 2
+    if q.is_cuda:  # in place, one launch for q and k (angles in float32)
+        from graphserve.kernels.rotary import apply_rotary as triton_apply_rotary
+
+        triton_apply_rotary(q, k, positions, cos_sin_cache[:, :half], cos_sin_cache[:, half:])
+        return q, k
     cos_sin = cos_sin_cache.index_select(0, positions).to(q.dtype)
     cos = cos_sin[:, None, :half]
     sin = cos_sin[:, None, half:]

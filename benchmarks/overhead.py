@@ -1,0 +1,59 @@
+"""Host time between GPU steps: is the engine loop ever the bottleneck?
+
+Runs ``--num-requests`` decode-heavy requests through the engine (all running at once), then,
+for the steady decode steps at full batch, compares the step's wall time (telemetry: schedule,
+build inputs, replay, sample, update) with the time the GPU needs for the same batch alone
+(CUDA-graph replay + sampling timed with events on the same engine). The difference is host
+work that does not overlap the GPU; the target is under 5% of the step.
+
+Run: python3 -m benchmarks.overhead [--model dummy:qwen3-0.6b] [--num-requests 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from benchmarks.common import cuda_time_ms, print_table, write_result
+from graphserve import LLM, SamplingParams
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="dummy:qwen3-0.6b")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    args = p.parse_args()
+    n = args.num_requests
+    llm = LLM(args.model, max_model_len=args.input_len + args.output_len + 16, cuda_graph_max_bs=n)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(10, 30000, (args.input_len,), generator=gen).tolist()} for _ in range(n)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    core = llm.engine.core
+    start = len(core.telemetry.records())
+    llm.generate(prompts, params, use_tqdm=False)
+    recs = [r for r in core.telemetry.records()[start:] if r.kind == "decode" and r.batch_size == n]
+    recs = recs[len(recs) // 4 :]  # steady state: past the first quarter of full-batch decode steps
+    step_ms = statistics.median(r.step_ms for r in recs)
+
+    # the GPU's share: replay of the same batch shape (context ~ mid-run) + greedy sampling
+    from benchmarks.decode import make_batch
+
+    runner = core.runner
+    ctx = args.input_len + args.output_len // 2
+    batch = make_batch(n, ctx, runner.block_size, runner.num_blocks, runner.kv_caches, runner.attn_backend, runner.device)
+    with torch.inference_mode():
+        gpu_ms = cuda_time_ms(lambda: runner.graphs.replay(batch).argmax(-1).cpu(), warmup=3, iters=20)
+    host = max(0.0, step_ms - gpu_ms)
+    row = {"model": args.model, "bs": n, "steps": len(recs), "step_ms": step_ms, "gpu_ms": gpu_ms,
+           "host_ms": host, "host_fraction": host / step_ms}
+    print_table([row], list(row))
+    write_result("overhead", {"rows": [row]})
+
+
+if __name__ == "__main__":
+    main()
