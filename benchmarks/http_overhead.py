@@ -3,8 +3,9 @@
 Workload: ``--num-prompts`` random token-id prompts of ``--input-len`` tokens, ``--output-len`` greedy
 tokens each with ignore_eos, so both paths generate exactly the same number of tokens. The HTTP side is a
 plain asyncio client keeping ``--concurrency`` streamed requests in flight against a `graphserve serve`
-subprocess (its own interpreter, as in production) or, with ``--in-process``, a ServerThread. The ratio is
-HTTP output tok/s over offline output tok/s: 1.0 means the server adds nothing.
+subprocess (its own interpreter, as in production) or, with ``--in-process``, a ServerThread. It runs streamed and
+non-streamed requests; each ratio is HTTP output tok/s over offline output tok/s: 1.0 means the server adds
+nothing.
 
 Run: python3 -m benchmarks.http_overhead [--model dummy:qwen3-0.6b] [--engine-args "--max-model-len 2048"]
 """
@@ -74,9 +75,14 @@ def run_offline(config: EngineConfig, args: argparse.Namespace) -> tuple[float, 
     return seconds, tokens, prompts
 
 
-async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> int:
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int, stream: bool) -> int:
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+    if not stream:
+        resp = await client.post("/v1/completions", json=body)
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        return resp.json()["usage"]["completion_tokens"]
+    body.update(stream=True, stream_options={"include_usage": True})
     tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -91,15 +97,16 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: 
     return tokens
 
 
-async def run_client(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> tuple[float, int]:
+async def run_client(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                     stream: bool) -> tuple[float, int]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as client:
-        await asyncio.gather(*(one_request(client, p, output_len) for p in prompts[:4]))  # warm-up
+        await asyncio.gather(*(one_request(client, p, output_len, stream) for p in prompts[:4]))  # warm-up
         sem = asyncio.Semaphore(concurrency)
 
         async def bounded(p: list[int]) -> int:
             async with sem:
-                return await one_request(client, p, output_len)
+                return await one_request(client, p, output_len, stream)
 
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(bounded(p) for p in prompts))
@@ -159,17 +166,19 @@ def main() -> int:
     config, args.engine_args = engine_config(args.model, args.engine_args, args.concurrency)
 
     off_s, off_tokens, prompts = run_offline(config, args)
+    http: dict[str, tuple[float, int]] = {}
     with server(config, args) as base_url:
-        http_s, http_tokens = asyncio.run(run_client(base_url, prompts, args.output_len, args.concurrency))
-    if http_tokens != off_tokens:
-        raise RuntimeError(f"HTTP generated {http_tokens} tokens, offline {off_tokens}: the workloads differ")
-    off_tps, http_tps = off_tokens / off_s, http_tokens / http_s
-    rows = [
-        {"path": "LLM.generate", "requests": len(prompts), "out tokens": off_tokens, "seconds": off_s,
-         "out tok/s": off_tps, "ratio": 1.0},
-        {"path": f"HTTP stream c={args.concurrency}", "requests": len(prompts), "out tokens": http_tokens,
-         "seconds": http_s, "out tok/s": http_tps, "ratio": http_tps / off_tps},
-    ]
+        for stream in (True, False):
+            name = "stream" if stream else "non-stream"
+            http[name] = asyncio.run(run_client(base_url, prompts, args.output_len, args.concurrency, stream))
+            if http[name][1] != off_tokens:
+                raise RuntimeError(f"HTTP {name} generated {http[name][1]} tokens, offline {off_tokens}")
+    off_tps = off_tokens / off_s
+    rows = [{"path": "LLM.generate", "requests": len(prompts), "out tokens": off_tokens, "seconds": off_s,
+             "out tok/s": off_tps, "ratio": 1.0}]
+    for name, (seconds, tokens) in http.items():
+        rows.append({"path": f"HTTP {name} c={args.concurrency}", "requests": len(prompts), "out tokens": tokens,
+                     "seconds": seconds, "out tok/s": tokens / seconds, "ratio": tokens / seconds / off_tps})
     print(f"model={args.model} input_len={args.input_len} output_len={args.output_len} "
           f"server={'thread' if args.in_process else 'subprocess'}")
     print_table(rows, ["path", "requests", "out tokens", "seconds", "out tok/s", "ratio"])
@@ -178,8 +187,9 @@ def main() -> int:
         "input_len": args.input_len, "output_len": args.output_len, "concurrency": args.concurrency,
         "server": "thread" if args.in_process else "subprocess",
         "offline": {"seconds": off_s, "output_tokens": off_tokens, "output_tok_s": off_tps},
-        "http": {"seconds": http_s, "output_tokens": http_tokens, "output_tok_s": http_tps},
-        "ratio_http_over_offline": http_tps / off_tps,
+        **{f"http_{name.replace('-', '_')}": {"seconds": sec, "output_tokens": tok, "output_tok_s": tok / sec,
+                                              "ratio_to_offline": tok / sec / off_tps}
+           for name, (sec, tok) in http.items()},
     })
     print(f"wrote {path}")
     return 0

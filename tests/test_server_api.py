@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 
 import httpx
@@ -195,3 +196,16 @@ def test_disconnect_mid_stream_frees_everything(server):
     time.sleep(0.2)
     generated = metrics(server.base_url)["graphserve:generation_tokens_total"] - before
     assert generated < 480  # stopped early, not run to max_tokens
+
+
+def test_disconnect_while_waiting_for_a_full_response_aborts(server):
+    before = metrics(server.base_url)["graphserve:generation_tokens_total"]
+    body = json.dumps({"prompt": "long", "max_tokens": 480, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert wait_for(lambda: metrics(server.base_url)["graphserve:num_requests_running"] == 1, timeout=10)
+    freed = wait_for(lambda: metrics(server.base_url)["graphserve:num_requests_running"] == 0, timeout=5)
+    assert freed
+    time.sleep(0.2)
+    assert metrics(server.base_url)["graphserve:generation_tokens_total"] - before < 480

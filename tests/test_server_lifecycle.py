@@ -131,3 +131,10 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path):
         assert srv.wait(timeout=30) == 0
     finally:
         srv.stop()
+
+
+def test_model_that_fails_to_load_exits_1(tmp_path):
+    srv = ServerProcess(tmp_path, model="builtin:no-such-model")
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        srv.start(timeout=60)
+    assert "no-such-model" in srv.log()

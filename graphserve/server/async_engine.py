@@ -50,6 +50,10 @@ class RequestStream:
         try:
             while True:
                 item = await self.queue.get()
+                # Outputs are cumulative, so a consumer that fell behind (a busy loop, a slow client) takes only
+                # the newest: under load chunks grow instead of the loop re-sending every step's output.
+                while not isinstance(item, GraphserveError) and not item.finished and not self.queue.empty():
+                    item = self.queue.get_nowait()
                 if isinstance(item, GraphserveError):
                     raise item
                 yield item
@@ -187,7 +191,13 @@ class AsyncEngine:
             self.abort(rid, InternalError(f"engine fault while running request {rid}: {message}"))
         if not core_outputs:
             return
-        request_outputs, ids_to_abort = self.output_processor.process(core_outputs)
+        try:
+            request_outputs, ids_to_abort = self.output_processor.process(core_outputs)
+        except Exception as exc:  # noqa: BLE001 - detokenization broke: fail these requests, never leave them hanging
+            logger.exception("output processing failed")
+            for rid in {co.request_id for co in core_outputs}:
+                self.abort(rid, InternalError(f"output processing failed: {type(exc).__name__}: {exc}"))
+            return
         for out in request_outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -235,28 +245,37 @@ class AsyncEngine:
                 new, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
                 faulty = set(self._faulty)
-            refused: dict[str, str] = {}
-            for req in new:
-                try:
-                    self.core.add_request(req)
-                    self._in_core.add(req.request_id)
-                except GraphserveError as exc:
-                    refused[req.request_id] = exc.message
-            if aborts:
-                self.core.abort_requests(aborts)
-                self._in_core.difference_update(aborts)
             outputs: list[Any] = []
-            failed: dict[str, str] = dict(refused)
-            if self.core.has_unfinished_requests():
-                try:
-                    outputs = self._step(faulty)
-                except Exception as exc:  # noqa: BLE001 - fail the affected requests, keep serving the rest
-                    failed = self._fail(exc)
-            self.stats = self.core.stats()
-            self._waiting_in_core = int(self.stats.waiting)
+            try:
+                outputs, failed = self._iteration(new, aborts, faulty)
+            except Exception as exc:  # noqa: BLE001 - outside a step: fail what the core holds, keep the thread
+                failed = self._fail(exc)
+                failed.update({r.request_id: f"{type(exc).__name__}: {exc}" for r in new})
             if outputs or failed:
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(self._deliver, outputs, failed)
+
+    def _iteration(self, new: list[Any], aborts: list[str], faulty: set[str]) -> tuple[list[Any], dict[str, str]]:
+        """Admit new requests, apply aborts, run one step; returns (core outputs, failed id -> reason)."""
+        failed: dict[str, str] = {}
+        for req in new:
+            try:
+                self.core.add_request(req)
+                self._in_core.add(req.request_id)
+            except GraphserveError as exc:
+                failed[req.request_id] = exc.message
+        if aborts:
+            self.core.abort_requests(aborts)
+            self._in_core.difference_update(aborts)
+        outputs: list[Any] = []
+        if self.core.has_unfinished_requests():
+            try:
+                outputs = self._step(faulty)
+            except Exception as exc:  # noqa: BLE001 - fail the affected requests, keep serving the rest
+                failed.update(self._fail(exc))
+        self.stats = self.core.stats()
+        self._waiting_in_core = int(self.stats.waiting)
+        return outputs, failed
 
     def _step(self, faulty: set[str]) -> list[Any]:
         hit = faulty & self._in_core
