@@ -188,6 +188,11 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     if num_blocks < plan.num_blocks:
         logger.warning("KV pool cut from %d to %d blocks: only %.2f GiB free on the device (another process?)",
                        plan.num_blocks, num_blocks, free / GiB)
+        if num_blocks * cfg.block_size < max_model_len:
+            raise ConfigError(
+                f"only {free / GiB:.2f} GiB of GPU memory is free, which holds {num_blocks * cfg.block_size} KV tokens: "
+                f"less than one request of --max-model-len {max_model_len}; free the GPU or lower --max-model-len",
+                param="max_model_len")
 
     # 5. allocate and capture for real
     runner = ModelRunner(cfg, loaded, num_blocks + 1, device)  # + the dummy block

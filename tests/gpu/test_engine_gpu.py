@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -28,6 +29,14 @@ PROMPTS = [
     "A long time ago",
     "Serving engines batch requests",
 ]
+
+
+@pytest.fixture(autouse=True)
+def _release_engines():
+    """Each test's engines take most of the GPU: make sure they are gone before the next one plans."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
