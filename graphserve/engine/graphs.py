@@ -108,6 +108,9 @@ class GraphRunner:
         stream = torch.cuda.Stream(self.device)
         for ps in reversed(self.sizes):
             self._pad_rows(0, ps)
+            # The side stream must see the static buffers and the KV pool initialised on the
+            # current stream; without this wait it can read a block table still being filled.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
             # one eager run compiles Triton kernels and settles lazy allocations outside the graph
             with torch.cuda.stream(stream):
                 self._forward(ps)
@@ -116,6 +119,7 @@ class GraphRunner:
             with torch.cuda.graph(g, pool=self.pool, stream=stream):
                 self.logits[ps] = self._forward(ps)
             self.graphs[ps] = g
+            torch.cuda.current_stream(self.device).wait_stream(stream)
             if progress is not None:
                 progress(ps)
         torch.cuda.synchronize(self.device)
