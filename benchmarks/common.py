@@ -14,11 +14,14 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def git_commit() -> str:
+    """The commit measured: $GRAPHSERVE_COMMIT (set it where the tree travels without .git), else git."""
+    if os.environ.get("GRAPHSERVE_COMMIT"):
+        return os.environ["GRAPHSERVE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         return out.stdout.strip()
     except Exception:
-        return os.environ.get("GRAPHSERVE_COMMIT", "unknown")
+        return "unknown"
 
 
 def environment() -> dict:
