@@ -124,10 +124,26 @@ def _markdown(sweep: Mapping[str, Any]) -> str:
         out.append("")
     if sweep.get("telemetry_fit"):
         out += [f"Telemetry fit (decode steps): `{sweep['telemetry_fit'].get('summary', '')}`", ""]
-    for c in sweep.get("configurations") or []:
-        out.append(f"- configuration {json.dumps(c.get('config', c), default=str)}: {c.get('fit', {}).get('summary', '')}")
+    if sweep.get("configurations"):
+        out += ["## Server configurations", "", _configurations_table(sweep["configurations"]), ""]
     out += ["", "![scaling](scaling.png)", "", "![latency](latency.png)", ""]
     return "\n".join(out)
+
+
+def _configurations_table(configs: list[Mapping[str, Any]]) -> str:
+    """Configurations side by side: the fit, its ceiling, and where (and why) a server died."""
+    rows = ["| configuration | status | fit | ceiling tok/s | failed at C | diagnosis |", "|---|---|---|---|---|---|"]
+    for c in configs:
+        params = c.get("params") or c.get("config") or {}
+        label = ", ".join(f"{k}={v}" for k, v in params.items()) if isinstance(params, Mapping) else str(params)
+        fit = c.get("fit") or {}
+        ceiling = fit.get("asymptote_tok_s")
+        findings = c.get("diagnosis") or []
+        first = findings[0] if findings else {}
+        diag = first.get("title") or first.get("kind") or "" if isinstance(first, Mapping) else str(first)
+        rows.append(f"| {label} | {c.get('status', '')} | {fit.get('summary', '—')} | "
+                    f"{f'{ceiling:.1f}' if ceiling else '—'} | {c.get('failed_at') or '—'} | {diag or '—'} |")
+    return "\n".join(rows)
 
 
 def _html(md: str, images: Mapping[str, Path]) -> str:
