@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+# Kernel tests on a machine without a GPU run Triton's interpreter; it must be chosen before
+# anything (transformers, through torch._dynamo) imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
