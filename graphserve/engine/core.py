@@ -21,7 +21,7 @@ from graphserve.engine.runner import ModelRunner, cpu_kv_tokens
 from graphserve.engine.scheduler import Scheduler, SchedulerOutput
 from graphserve.engine.startup import start_gpu
 from graphserve.engine.telemetry import StepRecord, Telemetry
-from graphserve.errors import BadRequestError
+from graphserve.errors import BadRequestError, ConfigError
 from graphserve.layers.sampler import SEED_MASK, SamplerOutput
 from graphserve.models.loader import load_model
 from graphserve.outputs import TokenLogprob
@@ -48,6 +48,10 @@ def resolve_device(name: str) -> torch.device:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
+        if config.tp != 1:
+            # `graphserve plan --tp` models tensor parallelism; the engine itself runs one device.
+            raise ConfigError(f"--tp={config.tp} is not supported by the engine: it runs on one device (use --tp 1)",
+                              param="tp")
         self.config = config
         self.device = resolve_device(config.device)
         loaded = load_model(config, self.device)
