@@ -97,16 +97,16 @@ def test_overload_burst_gets_full_responses_or_429(small_queue_server):
 
 def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path):
     # One request at a time: the shorts (16 steps each) finish well inside the 6 s drain on a loaded 2-core
-    # machine, while the four queued longs need 1920 decode steps, far past it on any CPU.
+    # machine, while the eight queued longs need 3840 decode steps, far past it on any CPU.
     srv = ServerProcess(tmp_path, "--shutdown-timeout", "6", "--max-running-requests", "1").start()
     short = {"prompt": "short", "max_tokens": 16, "ignore_eos": True}
     long = {"prompt": "long", "max_tokens": 480, "ignore_eos": True}
     try:
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
             started = [concurrent.futures.Future() for _ in range(2)]
             shorts = [pool.submit(stream_events, srv.base_url, short, f) for f in started]
             concurrent.futures.wait(started, timeout=30)
-            longs = [pool.submit(stream_events, srv.base_url, long) for _ in range(4)]
+            longs = [pool.submit(stream_events, srv.base_url, long) for _ in range(8)]
             time.sleep(0.2)
             srv.signal(signal.SIGTERM)
             time.sleep(0.3)
