@@ -12,7 +12,8 @@ from graphserve.layers.attention_backend import AttentionBackend
 if TYPE_CHECKING:
     from graphserve.engine.forward_batch import ForwardBatch
 
-__all__ = ["AttentionBackend", "TorchAttentionBackend", "reference_paged_attention", "write_kv_cache"]
+__all__ = ["AttentionBackend", "TorchAttentionBackend", "batched_decode_attention", "reference_paged_attention",
+           "write_kv_cache"]
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -64,6 +65,30 @@ def reference_paged_attention(
     return out
 
 
+def batched_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query token per sequence, every sequence at once (float32).
+
+    Each row gathers its whole block table (padding entries point at the dummy block) and masks
+    positions at or past its length, so a decode step costs a few batched ops instead of a
+    Python loop over sequences — on CPU that loop, not the math, dominated decode steps.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    tables = block_tables.long()
+    k = k_cache[tables].flatten(1, 2).float()  # [B, L, Hkv, D]
+    v = v_cache[tables].flatten(1, 2).float()
+    visible = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens.to(q.device)[:, None]  # [B, L]
+    qg = q.float().view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(dim=-1), v)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Eager paged attention for CPU runs and as a correctness baseline on GPU."""
 
@@ -80,6 +105,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         kv_cache = batch.kv_caches[layer_idx]
         write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+        if batch.mode == "decode":
+            return batched_decode_attention(q, kv_cache[0], kv_cache[1], batch.block_tables, batch.seq_lens, scale)
         query_lens = batch.query_lens_cpu or torch.diff(batch.query_start_loc).tolist()
         seq_lens = batch.seq_lens_cpu or batch.seq_lens.tolist()
         return reference_paged_attention(q, kv_cache[0], kv_cache[1], batch.block_tables, query_lens, seq_lens, scale)
