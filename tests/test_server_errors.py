@@ -138,3 +138,13 @@ def test_schemathesis_post_endpoints_never_5xx(server):
         fuzz(path)
     assert not failures, failures[:3]
     assert len(calls) >= 30 and 200 in calls and 400 in calls  # both served and refused cases ran
+
+
+def test_duplicate_rid_in_flight_is_400(server):
+    body = {"text": "x", "rid": "same-id", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=60) as first:
+        lines = first.iter_lines()
+        assert next(ln for ln in lines if ln.startswith("data: "))  # in flight now
+        dup = post(server, "/generate", {**body, "stream": False})
+        assert_error(dup, 400, "rid", "same-id")

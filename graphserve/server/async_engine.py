@@ -124,6 +124,8 @@ class AsyncEngine:
         """Validate, tokenize and enqueue; raises BadRequestError / OverloadedError before anything runs."""
         if not self.ready.is_set():
             raise ServiceUnavailableError("the engine is still loading the model", retry_after=5)
+        if self.load_error is not None:
+            raise ServiceUnavailableError(f"the engine failed to load: {self.load_error}", retry_after=60)
         if self._stopped:
             raise ServiceUnavailableError("the engine is shutting down", retry_after=5)
         queued = self._waiting_in_core + len(self._inbox)
@@ -133,7 +135,7 @@ class AsyncEngine:
                 retry_after=1,
             )
         if request_id in self._streams:
-            raise GraphserveError(f"request id {request_id!r} is already in flight")
+            raise BadRequestError(f"rid={request_id!r} is invalid: a request with this id is in flight", param="rid")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         req = self.input_processor.process(request_id, prompt, params, arrival)
         self._check_fits(req)
