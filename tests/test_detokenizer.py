@@ -41,6 +41,15 @@ def test_incomplete_character_is_held_back(byte_tok):
     assert _feed(detok, ids) == ["", "", "日"]
 
 
+def test_flush_at_finish_returns_a_tail_no_token_can_complete(byte_tok):
+    ids = byte_tok.encode("ok日", add_special_tokens=False)[:-1]  # "ok" + two of the three bytes of 日
+    detok = IncrementalDetokenizer(byte_tok, [5])
+    assert "".join(_feed(detok, ids)) == "ok"
+    tail = detok.flush()
+    assert tail and set(tail) == {REPLACEMENT_CHAR}
+    assert detok.text == byte_tok.decode(ids)
+
+
 def test_special_tokens_skipped_or_kept(byte_tok):
     ids = byte_tok.encode("ab", add_special_tokens=False) + [1]
     assert "".join(_feed(IncrementalDetokenizer(byte_tok, [0]), ids)) == "ab"

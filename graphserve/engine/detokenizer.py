@@ -42,3 +42,16 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+    def flush(self) -> str:
+        """At the end of generation: return the held-back tail even if it is an incomplete character.
+
+        No later token can complete it, so the final text equals decoding every output id at once
+        (an invalid byte sequence shows as U+FFFD, as in the tokenizer's own decode).
+        """
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta

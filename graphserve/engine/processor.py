@@ -184,6 +184,7 @@ class OutputProcessor:
             if state.req.params.stop and self._check_stop(state, c, old_len):
                 return
         if co.finish_reason is not None:
+            c.text += c.detok.flush()
             c.finish_reason, c.stop_reason = co.finish_reason, co.stop_reason
 
     @staticmethod
