@@ -1,0 +1,88 @@
+"""Where a decode step's time goes, per kernel family, against the floor.
+
+Profiles one eager decode step with torch.profiler (CUDA activity), sums device time per kernel
+family (matmuls, attention, norm, rotary, KV write, SiLU·mul, other), and compares the sum with
+the CUDA-graph replay time of the same step: replay − kernel sum is the time the GPU sits between
+kernels. Each family's bytes floor is shown beside it where it is a pure read of weights or KV.
+
+Run: python3 -m benchmarks.step_breakdown [--model dummy:llama3-8b] [--bs 1] [--ctx 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.common import cuda_time_ms, print_table, write_result
+from benchmarks.decode import make_batch, weight_bytes_per_step
+from benchmarks.roofline import read_bandwidth_gbs
+from graphserve.config import EngineConfig
+from graphserve.engine.graphs import GraphRunner
+from graphserve.layers.attention_triton import TritonAttentionBackend
+from graphserve.models.loader import load_model
+
+FAMILIES = [("attention", ("decode", "extend", "_attn")), ("kv_write", ("kv_write",)), ("norm", ("rms_norm",)),
+            ("rotary", ("rotary",)), ("silu_mul", ("silu",)), ("matmul", ("gemm", "gemv", "sm90", "cutlass", "nvjet")),
+            ("copy/other", ("",))]
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "copy/other"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="dummy:llama3-8b")
+    p.add_argument("--bs", type=int, default=1)
+    p.add_argument("--ctx", type=int, default=512)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    cfg = EngineConfig(model=args.model, device="cuda", max_model_len=args.ctx + 64)
+    loaded = load_model(cfg, device)
+    model, info = loaded.model, loaded.info
+    dtype = next(model.parameters()).dtype
+    num_blocks = args.bs * (args.ctx // cfg.block_size + 2) + 2
+    kv = [torch.randn(2, num_blocks, cfg.block_size, info.num_kv_heads, info.head_dim, device=device, dtype=dtype)
+          for _ in range(info.num_layers)]
+    backend = TritonAttentionBackend()
+    batch = make_batch(args.bs, args.ctx, cfg.block_size, num_blocks, kv, backend, device)
+    graphs = GraphRunner(model, backend, kv, [args.bs], cfg.max_model_len // cfg.block_size + 1, cfg.max_model_len, device)
+    bw = read_bandwidth_gbs()
+    with torch.inference_mode():
+        graphs.capture()
+        replay_ms = cuda_time_ms(lambda: graphs.replay(batch), warmup=5, iters=50)
+        for _ in range(3):
+            model.compute_logits(model.forward(batch.input_ids, batch.positions, batch))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.compute_logits(model.forward(batch.input_ids, batch.positions, batch))
+            torch.cuda.synchronize()
+    per = collections.defaultdict(lambda: [0.0, 0])
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            f = per[family(evt.name)]
+            f[0] += evt.device_time_total / 1e3
+            f[1] += 1
+    weights, _ = weight_bytes_per_step(model, info, args.bs)
+    kv_bytes = args.bs * args.ctx * info.kv_bytes_per_token
+    floors = {"matmul": weights / (bw * 1e9) * 1e3, "attention": kv_bytes / (bw * 1e9) * 1e3}
+    rows = [{"family": k, "kernels": v[1], "ms": v[0], "floor_ms": floors.get(k, 0.0)} for k, v in sorted(per.items())]
+    kernel_sum = sum(r["ms"] for r in rows)
+    rows.append({"family": "between kernels (replay - sum)", "kernels": 0, "ms": max(0.0, replay_ms - kernel_sum),
+                 "floor_ms": 0.0})
+    rows.append({"family": "graph replay", "kernels": sum(v[1] for v in per.values()), "ms": replay_ms,
+                 "floor_ms": sum(floors.values())})
+    print_table(rows, ["family", "kernels", "ms", "floor_ms"])
+    write_result(f"step_breakdown_{args.model.split(':')[-1]}_bs{args.bs}_ctx{args.ctx}",
+                 {"model": args.model, "bs": args.bs, "ctx": args.ctx, "read_gbs": bw, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
