@@ -60,6 +60,7 @@ class EngineCore:
         self.hf_config = loaded.hf_config
         self.chat_template = loaded.chat_template
         self.max_model_len = resolve_max_model_len(config, self.info)
+        self._eos_ids = frozenset(self.info.eos_token_ids)
         self.memory_plan = None
         if self.device.type == "cuda":
             gpu = start_gpu(config, loaded, self.device, self.max_model_len)
@@ -140,7 +141,7 @@ class EngineCore:
             self._forget(seq)
         if sched.is_empty:
             return outputs
-        context_tokens = sum(s.seq.num_computed_tokens + s.num_new_tokens for s in sched.scheduled)
+        context_tokens = sum([s.seq.num_computed_tokens for s in sched.scheduled]) + sched.num_tokens
         try:
             sampled = self.runner.execute(sched)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
@@ -155,15 +156,17 @@ class EngineCore:
         return outputs
 
     def _advance(self, sched: SchedulerOutput, sampled: SamplerOutput) -> list[CoreOutput]:
-        row_of = {s.seq.seq_id: i for i, s in enumerate(sched.scheduled)}
+        appended = self.scheduler.update(sched, sampled.token_ids)
+        self.generation_tokens_total += len(appended)
+        # Rows are looked up only when the step computed logprobs.
+        row_of = {s.seq.seq_id: i for i, s in enumerate(sched.scheduled)} if sampled.logprobs is not None else None
         outputs = []
-        for seq, token in self.scheduler.update(sched, sampled.token_ids):
-            self.generation_tokens_total += 1
-            p = seq.params
+        for seq, token in appended:
             logprobs = None
-            if p.logprobs is not None and sampled.logprobs is not None:
+            if row_of is not None and seq.params.logprobs is not None:
+                k = seq.params.logprobs
                 row = row_of[seq.seq_id]
-                top = list(zip(sampled.top_ids[row][: p.logprobs], sampled.top_logprobs[row][: p.logprobs]))
+                top = list(zip(sampled.top_ids[row][:k], sampled.top_logprobs[row][:k]))
                 logprobs = [TokenLogprob(token, sampled.logprobs[row], top)]
             reason, stop_reason = self._finish_reason(seq, token)
             if reason is not None:
@@ -174,14 +177,15 @@ class EngineCore:
 
     def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in self.info.eos_token_ids:
+        num_output = len(seq.output_token_ids)
+        if num_output >= p.min_tokens:
+            if not p.ignore_eos and token in self._eos_ids:
                 return "stop", None
-            if token in p.stop_token_ids:
+            if p.stop_token_ids and token in p.stop_token_ids:
                 return "stop", token
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and num_output >= p.max_tokens:
             return "length", None
-        if seq.num_tokens >= self.max_model_len:
+        if len(seq.prompt_token_ids) + num_output >= self.max_model_len:
             return "length", None
         return None, None
 

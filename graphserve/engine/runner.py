@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import psutil
 import torch
 
 from graphserve.engine.forward_batch import DUMMY_BLOCK, ForwardBatch
 from graphserve.engine.graphs import GraphRunner, split_sizes
+from graphserve.engine.seq_rows import BatchRows, SequenceRows
 from graphserve.layers.attention import TorchAttentionBackend
 from graphserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 
@@ -79,6 +81,10 @@ class ModelRunner:
         # replayed one after another) or "eager" (activation memory reserved by the plan).
         self.oversize_mode = "split-graph"
         self.last_shape = StepShape(0, False, "eager")
+        self.seq_rows = SequenceRows()
+        self._last_rows: tuple[SchedulerOutput, BatchRows] | None = None
+        self._pinned: torch.Tensor | None = None
+        self._staged_copy: torch.cuda.Event | None = None  # recorded after each copy out of _pinned
 
     def capture_graphs(self, sizes: list[int], max_model_len: int, progress=None) -> GraphRunner:
         """Capture the decode step for ``sizes`` (largest first, one pool); replaces earlier graphs."""
@@ -93,6 +99,76 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput) -> ForwardBatch:
         """Flatten the step's new tokens and describe where each one's KV lives."""
+        seqs = [s.seq for s in out.scheduled]
+        rows = self.seq_rows.gather(seqs)
+        self._last_rows = (out, rows)  # the sampler reads the same step's rows
+        if out.num_tokens == len(seqs):  # one new token per sequence: a decode batch
+            return self._decode_batch(rows)
+        return self._general_batch(out)
+
+    def _decode_batch(self, r: BatchRows) -> ForwardBatch:
+        """The decode fast path: every field computed with numpy on the batch's rows, packed into
+        one host byte buffer (pinned on CUDA) and sent with a single host->device copy."""
+        b, w, bs = len(r.rows), r.width, self.block_size
+        tables = self.seq_rows.block_tables[r.rows, :w]
+        blocks = tables[np.arange(b), r.positions // bs]
+        assert blocks.all(), "block table too short for the new token (it would land in the dummy block)"
+        # int64 fields first, then int32 ones: every field starts on its own element boundary
+        n64, n32 = 4 * b, 2 * b + 1 + b * w
+        staged = self._staging(8 * n64 + 4 * n32)
+        host = staged.numpy()
+        i64 = host[: 8 * n64].view(np.int64)
+        i32 = host[8 * n64 :].view(np.int32)
+        i64[:b] = r.tokens
+        i64[b : 2 * b] = r.positions
+        i64[2 * b : 3 * b] = blocks.astype(np.int64) * bs + r.positions % bs
+        i64[3 * b :] = np.arange(b)  # logits_indices: each sequence's only token
+        seq_lens = r.positions + 1
+        i32[:b] = seq_lens
+        i32[b : 2 * b + 1] = np.arange(b + 1)
+        i32[2 * b + 1 :] = tables.reshape(-1)
+        dev = staged
+        if self.device.type != "cpu":
+            dev = staged.to(self.device, non_blocking=True)
+            self._staged_copy.record()
+        d64 = dev[: 8 * n64].view(torch.int64)
+        d32 = dev[8 * n64 :].view(torch.int32)
+        seq_lens_cpu = seq_lens.tolist()
+        return ForwardBatch(
+            mode="decode",
+            input_ids=d64[:b],
+            positions=d64[b : 2 * b],
+            slot_mapping=d64[2 * b : 3 * b],
+            query_start_loc=d32[b : 2 * b + 1],
+            seq_lens=d32[:b],
+            block_tables=d32[2 * b + 1 :].view(b, w),
+            logits_indices=d64[3 * b :],
+            max_query_len=1,
+            max_seq_len=max(seq_lens_cpu),
+            kv_caches=self.kv_caches,
+            attn_backend=self.attn_backend,
+            query_lens_cpu=[1] * b,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """Host bytes for one step's inputs. On CUDA: a pinned buffer reused from step to step, once
+        the copy out of it that the previous step queued has run (it has, in the engine loop: that
+        step's sampled ids were read back). On CPU the batch's tensors are views of these bytes, so
+        each step gets fresh memory."""
+        if self.device.type == "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if self._staged_copy is None:
+            self._staged_copy = torch.cuda.Event()
+        else:
+            self._staged_copy.synchronize()
+        if self._pinned is None or self._pinned.numel() < nbytes:
+            grown = max(nbytes, 2 * (0 if self._pinned is None else self._pinned.numel()))
+            self._pinned = torch.empty(grown, dtype=torch.uint8, pin_memory=True)
+        return self._pinned[:nbytes]
+
+    def _general_batch(self, out: SchedulerOutput) -> ForwardBatch:
+        """Prefill and mixed steps: per-token Python lists (these steps are few and GPU-heavy)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -155,6 +231,15 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
         batch = self.prepare_inputs(out)
         logits = self.forward_logits(batch)
-        seqs = [s.seq for s in out.scheduled]
-        tensors = SamplingTensors.from_sequences(seqs, logits.shape[-1], self.info.eos_token_ids, self.device)
+        tensors = self.sampling_tensors(out, logits.shape[-1])
         return self.sampler(logits, tensors)
+
+    def sampling_tensors(self, out: SchedulerOutput, vocab_size: int) -> SamplingTensors:
+        """The step's sampling knobs, gathered from the per-sequence rows ``prepare_inputs`` read."""
+        seqs = [s.seq for s in out.scheduled]
+        last = self._last_rows
+        rows = last[1] if last is not None and last[0] is out else self.seq_rows.gather(seqs)
+        self._last_rows = None
+        sr = self.seq_rows
+        return SamplingTensors.from_rows(sr.floats[rows.rows], sr.ints[rows.rows], rows.num_outputs, seqs,
+                                         vocab_size, self.info.eos_token_ids, self.device)

@@ -124,28 +124,52 @@ class Scheduler:
             else:
                 out.num_decode_tokens += n
 
-        # 1. decodes, oldest first; 2. running prompts part-way through their prefill
-        budget = self.prefill_budget
-        for decode_pass in (True, False):
-            for seq in list(self.running):
-                if seq.status != SequenceStatus.RUNNING or (seq.num_pending_tokens == 1) != decode_pass:
-                    continue
-                n = 1 if decode_pass else min(seq.num_pending_tokens, budget)
-                if n <= 0:
-                    continue
-                while not self.block_manager.allocate_slots(seq, n):
+        # 1. decodes, oldest first (the bulk of a step: kept to plain attribute reads, and a new
+        # block is asked for only when the next token crosses into one)
+        bm = self.block_manager
+        block_size = bm.block_size
+        running_status = SequenceStatus.RUNNING
+        partial: list[Sequence] = []  # running prompts part-way through their prefill
+        for seq in list(self.running):
+            if seq.status is not running_status:
+                continue  # preempted earlier in this pass
+            computed = seq.num_computed_tokens
+            if len(seq.prompt_token_ids) + len(seq.output_token_ids) - computed != 1:
+                partial.append(seq)
+                continue
+            if computed >= len(seq.block_table) * block_size:
+                while not bm.allocate_slots(seq, 1):
                     if not preempt_for(seq):
                         break
                 else:
-                    run(seq, n)
-                    if not decode_pass:
-                        budget -= n
+                    run(seq, 1)
+                continue
+            sched = ScheduledSeq(seq, 1, is_prefill=False)
+            scheduled_ids[seq.seq_id] = sched
+            out.scheduled.append(sched)
+            out.num_decode_tokens += 1
+
+        # 2. running prompts part-way through their prefill, under the prefill budget
+        budget = self.prefill_budget
+        for seq in partial:
+            if seq.status is not running_status:
+                continue
+            n = min(seq.num_pending_tokens, budget)
+            if n <= 0:
+                continue
+            while not bm.allocate_slots(seq, n):
+                if not preempt_for(seq):
+                    break
+            else:
+                run(seq, n)
+                budget -= n
 
         # 3. admit waiting sequences (not in a step that had to preempt: the pool is short)
         if out.preempted or out.failed:
             self._fail(out)
             return out
         skipped: list[Sequence] = []
+        admitted = False
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if self._waits_for_sibling(seq):
@@ -166,10 +190,12 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
+            admitted = True
             run(seq, n)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
-        self.running.sort(key=lambda s: s.sort_key)
+        if admitted:  # removals keep the order; only an admitted (maybe preempted, older) one breaks it
+            self.running.sort(key=lambda s: s.sort_key)
         self._fail(out)
         return out
 
@@ -207,13 +233,19 @@ class Scheduler:
         ``sampled[i]`` belongs to ``out.scheduled[i]``. Returns (sequence, token) pairs appended.
         """
         appended = []
+        bm = self.block_manager
+        commit = bm.commit if bm.enable_prefix_caching else None
+        block_size = bm.block_size
+        running_status = SequenceStatus.RUNNING
         for sched, token in zip(out.scheduled, sampled):
             seq = sched.seq
-            if seq.status != SequenceStatus.RUNNING:
+            if seq.status is not running_status:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens += sched.num_new_tokens
-            self.block_manager.commit(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
+            computed = seq.num_computed_tokens + sched.num_new_tokens
+            seq.num_computed_tokens = computed
+            if commit is not None and computed // block_size > len(seq.block_hashes):
+                commit(seq)  # a block just filled up: into the prefix cache
+            if computed == len(seq.prompt_token_ids) + len(seq.output_token_ids):
                 seq.output_token_ids.append(token)
                 appended.append((seq, token))
         return appended
