@@ -77,18 +77,47 @@ def load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
     return _load_folder(config, Path(source).expanduser(), device)
 
 
-def _load_folder(config: EngineConfig, folder: Path, device: torch.device) -> LoadedModel:
+def load_tokenizer(config: EngineConfig) -> Any:
+    """The tokenizer ``load_model`` would return, without building the model or reading any weights.
+
+    A server that runs the engine in another process tokenizes and detokenizes with this copy.
+    """
+    source = config.model
+    if source.startswith("dummy:"):
+        preset = source.removeprefix("dummy:")
+        return _dummy_tokenizer(preset, AutoConfig.for_model(**get_preset_config(preset)))
+    folder = ensure_builtin(source.removeprefix("builtin:")) if source.startswith("builtin:") else \
+        Path(source).expanduser()
+    _check_folder(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"model folder {folder} cannot be read by transformers: {e}", param="model") from e
+
+
+def _dummy_tokenizer(preset: str, hf_config: PretrainedConfig) -> Any:
+    spec = get_preset_tokenizer_spec(preset)
+    return build_synthetic_tokenizer(
+        hf_config.vocab_size, spec["specials"], spec["bos"], spec["eos"], CHAT_TEMPLATES[spec["chat"]]
+    )
+
+
+def _check_folder(folder: Path) -> None:
     if not folder.is_dir():
         raise ModelLoadError(f"model={str(folder)!r} is not a folder (nor builtin:<name> or dummy:<preset>)", param="model")
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"config.json is missing from model folder {folder}", param="model")
-    raw = json.loads(config_file.read_text())
-    model_cls = resolve_model_class(raw.get("architectures"))
-    files = safetensors_files(folder)
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelLoadError(f"tokenizer.json (or another tokenizer file) is missing from model folder {folder}",
                              param="model")
+
+
+def _load_folder(config: EngineConfig, folder: Path, device: torch.device) -> LoadedModel:
+    _check_folder(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    model_cls = resolve_model_class(raw.get("architectures"))
+    files = safetensors_files(folder)
     try:
         hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -106,12 +135,9 @@ def _load_folder(config: EngineConfig, folder: Path, device: torch.device) -> Lo
 
 def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> LoadedModel:
     raw = get_preset_config(preset)
-    spec = get_preset_tokenizer_spec(preset)
     model_cls = resolve_model_class(raw["architectures"])
     hf_config = AutoConfig.for_model(**raw)
-    tokenizer = build_synthetic_tokenizer(
-        hf_config.vocab_size, spec["specials"], spec["bos"], spec["eos"], CHAT_TEMPLATES[spec["chat"]]
-    )
+    tokenizer = _dummy_tokenizer(preset, hf_config)
     model, dtype = _build(model_cls, hf_config, config, device)
     if device.type != "meta":
         _init_random(model, config.seed, device)

@@ -1,9 +1,11 @@
-"""The engine on its own thread, fed from the asyncio loop.
+"""The engine behind the server, fed from the asyncio loop.
 
-Requests go in through a locked inbox that the engine thread drains between steps; core outputs come back
-to the loop with ``call_soon_threadsafe``, where the OutputProcessor detokenizes. Tokenization and
-detokenization stay on the loop thread so a step is never delayed by string work, and the core is only
-ever touched by its own thread (it has no locks). With no work the thread sleeps on a condition.
+The core runs in its own process by default (``separate_process``, see engine_process.py), or on a thread
+of the server process. Either way tokenization and detokenization stay on the loop thread, so a step is
+never delayed by string work, and core outputs come back to the loop with ``call_soon_threadsafe``, where
+the OutputProcessor detokenizes. In-process, requests go in through a locked inbox that the engine thread
+drains between steps (the core is only touched by that thread: it has no locks), and the thread sleeps on
+a condition when there is no work.
 """
 
 from __future__ import annotations
@@ -17,20 +19,28 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from graphserve.config import EngineConfig
-from graphserve.errors import BadRequestError, GraphserveError, InternalError, OverloadedError, ServiceUnavailableError
+from graphserve.errors import (
+    BadRequestError,
+    GraphserveError,
+    InternalError,
+    ModelLoadError,
+    OverloadedError,
+    ServiceUnavailableError,
+)
 from graphserve.outputs import RequestOutput
 from graphserve.sampling_params import SamplingParams
+from graphserve.server.core_driver import FAULT_ENV, CoreDriver
+from graphserve.server.engine_process import (
+    AbortRequests,
+    AddRequests,
+    CoreView,
+    EngineLoadFailed,
+    EngineProcess,
+    EngineReady,
+    StepBatch,
+)
 
 logger = logging.getLogger("graphserve.server")
-
-# Test-only: a request whose prompt contains this marker makes the next engine step raise.
-FAULT_ENV = "GRAPHSERVE_FAULT_INJECT"
-
-
-class InjectedFault(RuntimeError):
-    def __init__(self, request_ids: set[str]):
-        super().__init__(f"injected engine fault for {sorted(request_ids)}")
-        self.request_ids = set(request_ids)
 
 
 class RequestStream:
@@ -65,32 +75,42 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, *, on_step: Callable[[Any], None] | None = None):
+    def __init__(self, config: EngineConfig, *, on_step: Callable[[Any], None] | None = None,
+                 separate_process: bool = False):
         self.config = config
-        self.core: Any = None
+        self.separate_process = separate_process
+        self.core: Any = None  # the EngineCore in-process; a CoreView of the engine process otherwise
         self.input_processor: Any = None
         self.output_processor: Any = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self.stats: Any = None  # last EngineStats, refreshed by the engine thread
+        self.engine_error: str | None = None  # set when the engine process died while serving
+        self.stats: Any = None  # last EngineStats, refreshed after every engine iteration
         self._on_step = on_step
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
-        self._inbox: list[Any] = []  # EngineRequests to add
+        self._inbox: list[Any] = []  # in-process: EngineRequests to add
         self._aborts: list[str] = []
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self._process: EngineProcess | None = None
+        self._driver: CoreDriver | None = None  # in-process only
         self._streams: dict[str, RequestStream] = {}  # loop thread only
-        self._in_core: set[str] = set()  # engine thread only
         self._fault_marker = os.environ.get(FAULT_ENV) or None
         self._faulty: set[str] = set()
         self._waiting_in_core = 0
+        self._unadmitted = 0  # engine process: requests sent that no batch has acknowledged yet
+        self._kv_blocks = (0, 1)  # (usable blocks, tokens per block) of the KV pool
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Load the model and run the step loop on a background thread; ``ready`` is set once it serves."""
+        """Start the engine (its process, or a thread here); ``ready`` is set once it serves."""
         self._loop = loop
+        if self.separate_process:
+            self._process = EngineProcess(self.config, self._on_engine_message, self._on_engine_exit)
+            self._process.start()
+            return
         self._thread = threading.Thread(target=self._run, name="graphserve-engine", daemon=True)
         self._thread.start()
 
@@ -98,8 +118,15 @@ class AsyncEngine:
         with self._cond:
             self._stopped = True
             self._cond.notify()
+        if self._process is not None:
+            self._process.shutdown(timeout)
         if self._thread is not None:
             self._thread.join(timeout)
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's pid (None in-process or before start)."""
+        return self._process.pid if self._process is not None else None
 
     @property
     def tokenizer(self) -> Any:
@@ -107,14 +134,19 @@ class AsyncEngine:
 
     def kv_capacity_tokens(self) -> int:
         """Tokens the KV pool holds (0 before the model is loaded)."""
-        blocks = getattr(self.core, "block_manager", None) if self.core is not None else None
-        if blocks is None:
-            return 0
-        return int(blocks.num_usable_blocks * blocks.block_size)
+        return self._kv_blocks[0] * self._kv_blocks[1]
 
     @property
     def num_inflight(self) -> int:
         return len(self._streams)
+
+    def _serving(self, core: Any, num_usable_blocks: int, block_size: int) -> None:
+        from graphserve.engine.processor import InputProcessor, OutputProcessor
+
+        self.input_processor = InputProcessor(core.tokenizer, core.info, self.config)
+        self.output_processor = OutputProcessor(core.tokenizer)
+        self._kv_blocks = (num_usable_blocks, block_size)
+        self.core = core
 
     # -- loop-thread API ---------------------------------------------------------------------------------
 
@@ -126,9 +158,11 @@ class AsyncEngine:
             raise ServiceUnavailableError("the engine is still loading the model", retry_after=5)
         if self.load_error is not None:
             raise ServiceUnavailableError(f"the engine failed to load: {self.load_error}", retry_after=60)
+        if self.engine_error is not None:
+            raise ServiceUnavailableError(self.engine_error, retry_after=60)
         if self._stopped:
             raise ServiceUnavailableError("the engine is shutting down", retry_after=5)
-        queued = self._waiting_in_core + len(self._inbox)
+        queued = self._waiting_in_core + len(self._inbox) + self._unadmitted
         if queued >= self.config.max_queued_requests:
             raise OverloadedError(
                 f"{queued} requests are waiting, the bound is --max-queued-requests={self.config.max_queued_requests}",
@@ -143,24 +177,27 @@ class AsyncEngine:
         self.output_processor.add(req)
         self._streams[request_id] = stream
         text = req.prompt_text if req.prompt_text is not None else (prompt if isinstance(prompt, str) else "")
-        faulty = self._fault_marker is not None and self._fault_marker in text
+        faulty = {request_id} if self._fault_marker is not None and self._fault_marker in text else set()
+        if self._process is not None:
+            self._unadmitted += 1
+            self._process.send(AddRequests([req], faulty))
+            return stream
         with self._cond:
-            if faulty:
-                self._faulty.add(request_id)
+            self._faulty |= faulty
             self._inbox.append(req)
             self._cond.notify()
         return stream
 
     def _check_fits(self, req: Any) -> None:
-        # The core checks this too, but on its thread, after a stream's 200 has gone out; checked here the
-        # client gets a plain 400. The pool's size and block size never change, so reading them is safe.
-        blocks = self.core.block_manager
+        # The core checks this too, but later, after a stream's 200 has gone out; checked here the client
+        # gets a plain 400. The pool's size and block size never change.
+        usable, block_size = self._kv_blocks
         total = len(req.prompt_token_ids) + (req.params.max_tokens or 0)
-        if blocks.blocks_needed(total) > blocks.num_usable_blocks:
-            capacity = blocks.num_usable_blocks * blocks.block_size
+        if -(-total // block_size) > usable:
             raise BadRequestError(
                 f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.params.max_tokens}) = {total} tokens "
-                f"does not fit the KV pool of {capacity} tokens (raise it with --num-kv-tokens or --kv-cache-gb)",
+                f"does not fit the KV pool of {usable * block_size} tokens (raise it with --num-kv-tokens or "
+                f"--kv-cache-gb)",
                 param="max_tokens",
             )
 
@@ -177,8 +214,14 @@ class AsyncEngine:
             stream.finished = True
             if error is not None:
                 stream.queue.put_nowait(error)
+        self._send_aborts([request_id])
+
+    def _send_aborts(self, ids: list[str]) -> None:
+        if self._process is not None:
+            self._process.send(AbortRequests(ids))
+            return
         with self._cond:
-            self._aborts.append(request_id)
+            self._aborts.extend(ids)
             self._cond.notify()
 
     def abort_all(self, error: GraphserveError) -> int:
@@ -212,22 +255,61 @@ class AsyncEngine:
                 del self._streams[out.request_id]
             stream.queue.put_nowait(out)
         if ids_to_abort:
-            with self._cond:
-                self._aborts.extend(ids_to_abort)
-                self._cond.notify()
+            self._send_aborts(list(ids_to_abort))
 
-    # -- engine thread -----------------------------------------------------------------------------------
+    # -- engine process: reader thread, then loop thread --------------------------------------------------
+
+    def _on_engine_message(self, msg: Any) -> None:
+        if isinstance(msg, StepBatch):
+            if msg.records and self.core is not None:
+                self.core.telemetry.extend(msg.records)  # listeners (metrics, step log) run here, off the loop
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._on_batch, msg)
+        elif isinstance(msg, EngineReady):
+            try:
+                from graphserve.models.loader import load_tokenizer
+
+                core = CoreView(load_tokenizer(self.config), msg.info, msg.chat_template, msg.max_model_len)
+                if self._on_step is not None:
+                    core.telemetry.add_listener(self._on_step)
+                self._serving(core, msg.num_usable_blocks, msg.block_size)
+                self.stats = msg.stats
+            except Exception as exc:  # noqa: BLE001 - reported to the launcher, which exits non-zero
+                logger.exception("loading the tokenizer of %s failed", self.config.model)
+                self.load_error = exc
+            self.ready.set()
+        elif isinstance(msg, EngineLoadFailed):
+            self.load_error = ModelLoadError(msg.message)
+            self.ready.set()
+
+    def _on_batch(self, batch: StepBatch) -> None:
+        self.stats = batch.stats
+        self._waiting_in_core = int(batch.stats.waiting)
+        self._unadmitted = max(0, self._unadmitted - batch.admitted)
+        if batch.outputs or batch.failed:
+            self._deliver(batch.outputs, batch.failed)
+
+    def _on_engine_exit(self, exitcode: int | None) -> None:
+        if not self.ready.is_set():
+            self.load_error = ModelLoadError(f"the engine process exited with code {exitcode} while loading")
+            self.ready.set()
+            return
+        self.engine_error = f"the engine process died (exit code {exitcode}); restart the server"
+        logger.error("%s: failing %d in-flight request(s)", self.engine_error, len(self._streams))
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self.abort_all, InternalError(self.engine_error))
+
+    # -- in-process engine thread ------------------------------------------------------------------------
 
     def _load(self) -> None:
         from graphserve.engine.core import EngineCore
-        from graphserve.engine.processor import InputProcessor, OutputProcessor
 
-        self.core = EngineCore(self.config)
-        self.input_processor = InputProcessor(self.core.tokenizer, self.core.info, self.config)
-        self.output_processor = OutputProcessor(self.core.tokenizer)
+        core = EngineCore(self.config)
+        self._driver = CoreDriver(core)
+        self._serving(core, core.block_manager.num_usable_blocks, core.block_manager.block_size)
         if self._on_step is not None:
-            self.core.telemetry.add_listener(self._on_step)
-        self.stats = self.core.stats()
+            core.telemetry.add_listener(self._on_step)
+        self.stats = core.stats()
 
     def _run(self) -> None:
         try:
@@ -240,66 +322,16 @@ class AsyncEngine:
         self.ready.set()
         while True:
             with self._cond:
-                while not (self._stopped or self._inbox or self._aborts or self.core.has_unfinished_requests()):
+                while not (self._stopped or self._inbox or self._aborts or self._driver.has_work()):
                     self._cond.wait()
                 if self._stopped:
                     return
                 new, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
-                faulty = set(self._faulty)
-            outputs: list[Any] = []
-            try:
-                outputs, failed = self._iteration(new, aborts, faulty)
-            except Exception as exc:  # noqa: BLE001 - outside a step: fail what the core holds, keep the thread
-                failed = self._fail(exc)
-                failed.update({r.request_id: f"{type(exc).__name__}: {exc}" for r in new})
+                faulty, self._faulty = self._faulty, set()
+            outputs, failed = self._driver.iterate(new, aborts, faulty)
+            self.stats = self._driver.core.stats()
+            self._waiting_in_core = int(self.stats.waiting)
             if outputs or failed:
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(self._deliver, outputs, failed)
-
-    def _iteration(self, new: list[Any], aborts: list[str], faulty: set[str]) -> tuple[list[Any], dict[str, str]]:
-        """Admit new requests, apply aborts, run one step; returns (core outputs, failed id -> reason)."""
-        failed: dict[str, str] = {}
-        for req in new:
-            try:
-                self.core.add_request(req)
-                self._in_core.add(req.request_id)
-            except GraphserveError as exc:
-                failed[req.request_id] = exc.message
-        if aborts:
-            self.core.abort_requests(aborts)
-            self._in_core.difference_update(aborts)
-        outputs: list[Any] = []
-        if self.core.has_unfinished_requests():
-            try:
-                outputs = self._step(faulty)
-            except Exception as exc:  # noqa: BLE001 - fail the affected requests, keep serving the rest
-                failed.update(self._fail(exc))
-        self.stats = self.core.stats()
-        self._waiting_in_core = int(self.stats.waiting)
-        return outputs, failed
-
-    def _step(self, faulty: set[str]) -> list[Any]:
-        hit = faulty & self._in_core
-        if hit:
-            raise InjectedFault(hit)
-        outputs = self.core.step()
-        for out in outputs:
-            if out.finish_reason is not None:
-                self._in_core.discard(out.request_id)
-        return outputs
-
-    def _fail(self, exc: Exception) -> dict[str, str]:
-        # A fault that names its requests fails only those; any other fault fails what the core held,
-        # since its state for them is unknown. Aborting frees their blocks so the pool stays whole.
-        ids = set(getattr(exc, "request_ids", ())) or set(self._in_core)
-        logger.error("engine step failed (%s: %s); failing %d request(s)", type(exc).__name__, exc, len(ids),
-                     exc_info=not isinstance(exc, InjectedFault))
-        with self._cond:
-            self._faulty.difference_update(ids)
-        try:
-            self.core.abort_requests(list(ids))
-        except Exception:  # noqa: BLE001
-            logger.exception("abort after an engine fault failed")
-        self._in_core.difference_update(ids)
-        return {rid: f"{type(exc).__name__}: {exc}" for rid in ids}

@@ -2,7 +2,8 @@
 
 Draining keeps the socket open so new requests get a 503 with Retry-After (a closed port looks like a
 crash to a load balancer), lets in-flight requests finish within ``--shutdown-timeout``, then fails the
-rest with an error event and exits 0. ``ServerThread`` runs the same server in-process on a thread.
+rest with an error event and exits 0. The engine core runs in a process of its own (``--engine-in-process``
+keeps it on a thread). ``ServerThread`` runs the same server, engine included, in-process on a thread.
 """
 
 from __future__ import annotations
@@ -41,12 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine on a thread of the server process instead of its own process")
 
 
 def build_state(
-    config: EngineConfig, served_model_name: list[str] | str | None = None, step_log: str | None = None
+    config: EngineConfig, served_model_name: list[str] | str | None = None, step_log: str | None = None,
+    separate_process: bool = False,
 ) -> tuple[ServerState, list[Any]]:
-    """The server state with its telemetry listeners wired; returns (state, things to close)."""
+    """The server state with its telemetry listeners wired; returns (state, things to close).
+
+    ``separate_process`` runs the engine core in a process of its own, else on a thread of this one.
+    """
     listeners: list[Any] = []
     closers: list[Any] = []
 
@@ -57,7 +64,7 @@ def build_state(
             except Exception:  # noqa: BLE001 - a broken listener must never fail an engine step
                 logger.exception("step listener %r failed", fn)
 
-    engine = AsyncEngine(config, on_step=on_step)
+    engine = AsyncEngine(config, on_step=on_step, separate_process=separate_process)
     metrics = ServerMetrics(lambda: engine.stats)
     listeners += [metrics.on_step, StepLogger(config.log_interval, engine.kv_capacity_tokens).on_step]
     if step_log:
@@ -120,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
     except GraphserveError as exc:
         print(f"graphserve serve: {exc.message}", file=sys.stderr)
         return 2
-    state, closers = build_state(config, args.served_model_name, args.step_log)
+    state, closers = build_state(config, args.served_model_name, args.step_log,
+                                 separate_process=not args.engine_in_process)
     server = GracefulServer(uvicorn_config(create_app(state), args.host, args.port, args.log_level), state,
                             args.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", config.model, args.host, args.port)
