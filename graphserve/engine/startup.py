@@ -60,6 +60,15 @@ def resolve_batch_limits(config: EngineConfig) -> tuple[list[int], int]:
     return sizes, limit
 
 
+def requested_kv_tokens(config: EngineConfig, kv_bytes_per_token: int) -> int | None:
+    """An explicit KV size from --num-kv-tokens or --kv-cache-gb: on GPU, an upper bound on the plan."""
+    if config.num_kv_tokens is not None:
+        return config.num_kv_tokens
+    if config.kv_cache_gb is not None:
+        return int(config.kv_cache_gb * (1 << 30)) // kv_bytes_per_token
+    return None
+
+
 def synthetic_batch(runner: ModelRunner, query_lens: list[int], first_block: int = 1) -> ForwardBatch:
     """A batch of fresh sequences (no cached prefix) on consecutive blocks of ``runner``'s pool."""
     bsz, dev = runner.block_size, runner.device
@@ -193,6 +202,15 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
                 f"only {free / GiB:.2f} GiB of GPU memory is free, which holds {num_blocks * cfg.block_size} KV tokens: "
                 f"less than one request of --max-model-len {max_model_len}; free the GPU or lower --max-model-len",
                 param="max_model_len")
+
+    cap = requested_kv_tokens(cfg, plan.kv_bytes_per_token)
+    if cap is not None and cap // cfg.block_size < num_blocks:
+        logger.info("KV pool capped by --num-kv-tokens/--kv-cache-gb at %d tokens (the plan allows %d)",
+                    cap, num_blocks * cfg.block_size)
+        num_blocks = cap // cfg.block_size
+        if num_blocks * cfg.block_size < max_model_len:
+            raise ConfigError(f"--num-kv-tokens/--kv-cache-gb give {num_blocks * cfg.block_size} KV tokens, less than "
+                              f"one request of --max-model-len {max_model_len}", param="num_kv_tokens")
 
     # 5. allocate and capture for real
     runner = ModelRunner(cfg, loaded, num_blocks + 1, device)  # + the dummy block
