@@ -49,8 +49,8 @@ def bench_model(name: str, ctx: int, max_bs: int, big_bs: int) -> list[dict]:
     rows = []
     with torch.inference_mode():
         graphs.capture()
-        small = make_batch(max_bs, ctx, bsz, num_blocks, kv, backend, device)
-        big = make_batch(big_bs, ctx, bsz, num_blocks, kv, backend, device)
+        small = make_batch(max_bs, ctx, kv, backend)
+        big = make_batch(big_bs, ctx, kv, backend)
         cases = [
             (f"graph@{max_bs}", max_bs, lambda: graphs.replay(small).argmax(-1)),
             (f"split-graph@{big_bs}", big_bs, lambda: graphs.replay_split(big).argmax(-1)),

@@ -18,7 +18,7 @@ import torch
 from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.roofline import matmul_tflops, read_bandwidth_gbs
 from graphserve.config import EngineConfig
-from graphserve.engine.forward_batch import ForwardBatch
+from graphserve.engine.forward_batch import ForwardBatch, contiguous_batch
 from graphserve.engine.graphs import GraphRunner
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.models.loader import load_model
@@ -46,26 +46,9 @@ def attention_cost(info, bs: int, ctx: int, dtype_bytes: int) -> tuple[int, int]
     return kv_read, flops
 
 
-def make_batch(bs: int, ctx: int, block_size: int, num_blocks: int, kv_caches, backend, device) -> ForwardBatch:
-    blocks_per_seq = (ctx + 1 + block_size - 1) // block_size
-    assert 1 + bs * blocks_per_seq <= num_blocks
-    tables = torch.arange(bs * blocks_per_seq, dtype=torch.int32, device=device).view(bs, blocks_per_seq) + 1
-    pos = torch.full((bs,), ctx, dtype=torch.int64, device=device)
-    slots = tables[:, ctx // block_size].to(torch.int64) * block_size + ctx % block_size
-    return ForwardBatch(
-        mode="decode",
-        input_ids=torch.randint(0, 1000, (bs,), device=device),
-        positions=pos,
-        slot_mapping=slots,
-        query_start_loc=torch.arange(bs + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.full((bs,), ctx + 1, dtype=torch.int32, device=device),
-        block_tables=tables,
-        logits_indices=torch.arange(bs, device=device),
-        max_query_len=1,
-        max_seq_len=ctx + 1,
-        kv_caches=kv_caches,
-        attn_backend=backend,
-    )
+def make_batch(bs: int, ctx: int, kv_caches, backend) -> ForwardBatch:
+    """``bs`` sequences decoding their token at position ``ctx`` over ``ctx`` cached tokens."""
+    return contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=1000)
 
 
 def _step_fn(model, graphs: GraphRunner | None, batch: ForwardBatch):
@@ -96,7 +79,7 @@ def bench_model(name: str, sizes: list[int], ctxs: list[int], bw: float, peak: f
         graphs.capture()
         for ctx in ctxs:
             for bs in sizes:
-                batch = make_batch(bs, ctx, bsz, num_blocks, kv_caches, backend, device)
+                batch = make_batch(bs, ctx, kv_caches, backend)
                 w_read, w_flops = weight_bytes_per_step(model, info, bs)
                 kv_read, a_flops = attention_cost(info, bs, ctx, torch.finfo(dtype).bits // 8)
                 floor_ms = max((w_read + kv_read) / (bw * 1e9), (w_flops + a_flops) / (peak * 1e12)) * 1e3

@@ -45,7 +45,7 @@ def main() -> None:
 
     runner = core.runner
     ctx = args.input_len + args.output_len // 2
-    batch = make_batch(n, ctx, runner.block_size, runner.num_blocks, runner.kv_caches, runner.attn_backend, runner.device)
+    batch = make_batch(n, ctx, runner.kv_caches, runner.attn_backend)
     with torch.inference_mode():
         gpu_ms = cuda_time_ms(lambda: runner.graphs.replay(batch).argmax(-1).cpu(), warmup=3, iters=20)
     host = max(0.0, step_ms - gpu_ms)

@@ -15,34 +15,9 @@ import torch
 from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.roofline import matmul_tflops
 from graphserve.config import EngineConfig
-from graphserve.engine.forward_batch import ForwardBatch
+from graphserve.engine.forward_batch import contiguous_batch
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.models.loader import load_model
-
-
-def prefill_batch(n_seqs: int, seq_len: int, block_size: int, kv_caches, backend, device) -> ForwardBatch:
-    blocks = (seq_len + block_size - 1) // block_size
-    tables = torch.arange(n_seqs * blocks, dtype=torch.int32, device=device).view(n_seqs, blocks) + 1
-    pos = torch.arange(seq_len, device=device).repeat(n_seqs)
-    slots = (tables.to(torch.int64).repeat_interleave(block_size, dim=1)[:, :seq_len] * block_size
-             + torch.arange(seq_len, device=device) % block_size).reshape(-1)
-    qsl = torch.arange(n_seqs + 1, dtype=torch.int32, device=device) * seq_len
-    return ForwardBatch(
-        mode="prefill",
-        input_ids=torch.randint(0, 1000, (n_seqs * seq_len,), device=device),
-        positions=pos,
-        slot_mapping=slots,
-        query_start_loc=qsl,
-        seq_lens=torch.full((n_seqs,), seq_len, dtype=torch.int32, device=device),
-        block_tables=tables,
-        logits_indices=qsl[1:].to(torch.int64) - 1,
-        max_query_len=seq_len,
-        max_seq_len=seq_len,
-        kv_caches=kv_caches,
-        attn_backend=backend,
-        query_lens_cpu=[seq_len] * n_seqs,
-        seq_lens_cpu=[seq_len] * n_seqs,
-    )
 
 
 def main() -> None:
@@ -67,7 +42,7 @@ def main() -> None:
     rows = []
     with torch.inference_mode():
         for n, L in shapes:
-            batch = prefill_batch(n, L, cfg.block_size, kv_caches, backend, device)
+            batch = contiguous_batch([L] * n, [L] * n, kv_caches, backend, vocab_size=1000)
 
             def run(batch=batch):
                 hidden = model.forward(batch.input_ids, batch.positions, batch)

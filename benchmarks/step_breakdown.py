@@ -52,7 +52,7 @@ def main() -> None:
     kv = [torch.randn(2, num_blocks, cfg.block_size, info.num_kv_heads, info.head_dim, device=device, dtype=dtype)
           for _ in range(info.num_layers)]
     backend = TritonAttentionBackend()
-    batch = make_batch(args.bs, args.ctx, cfg.block_size, num_blocks, kv, backend, device)
+    batch = make_batch(args.bs, args.ctx, kv, backend)
     graphs = GraphRunner(model, backend, kv, [args.bs], cfg.max_model_len // cfg.block_size + 1, cfg.max_model_len, device)
     bw = read_bandwidth_gbs()
     with torch.inference_mode():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from graphserve.layers.attention import batched_decode_attention, reference_paged_attention
@@ -24,3 +25,17 @@ def test_batched_decode_matches_reference_on_random_inputs():
     want = reference_paged_attention(q, k_cache, v_cache, tables, [1] * len(seq_lens), seq_lens, 0.25)
     assert torch.isfinite(got).all()
     assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_contiguous_batch_lays_sequences_on_consecutive_blocks():
+    from graphserve.engine.forward_batch import contiguous_batch
+
+    kv = [torch.zeros(2, 16, 4, 2, 8)]
+    b = contiguous_batch([5, 1], [5, 6], kv, None, vocab_size=50)
+    assert b.mode == "mixed" and b.block_tables.tolist() == [[1, 2], [3, 4]]
+    assert b.positions.tolist() == [0, 1, 2, 3, 4, 5]
+    assert b.slot_mapping.tolist() == [4, 5, 6, 7, 8, 12 + 4 + 1]  # seq 1's token 5 sits in its 2nd block
+    assert b.logits_indices.tolist() == [4, 5] and b.seq_lens.tolist() == [5, 6]
+    assert contiguous_batch([1, 1], [3, 9], kv, None, 50).mode == "decode"
+    with pytest.raises(ValueError, match="needs 17 blocks"):
+        contiguous_batch([64], [64], kv, None, 50)

@@ -72,14 +72,15 @@ def test_decode_fast_path_and_knob_rows_match_the_general_path(num_blocks):
         if out.is_empty:
             break
         preempted += len(out.preempted)
-        batch = runner.prepare_inputs(out)
+        seqs = [s.seq for s in out.scheduled]
+        rows = runner.seq_rows.gather(seqs)
+        batch = runner.prepare_inputs(out, rows)
         if batch.mode == "decode":
             decode_steps += 1
             general = runner._general_batch(out)
             _assert_same(batch, general, [*BATCH_FIELDS, "max_query_len", "max_seq_len", "query_lens_cpu",
                                           "seq_lens_cpu"])
-        seqs = [s.seq for s in out.scheduled]
-        knobs = runner.sampling_tensors(out, VOCAB)
+        knobs = runner.sampling_tensors(seqs, rows, VOCAB)
         _assert_same(knobs, SamplingTensors.from_sequences(seqs, VOCAB, [EOS], "cpu"), KNOB_FIELDS + FLAG_FIELDS)
         tokens = [(step * 5 + i) % VOCAB for i in range(len(seqs))]
         for seq, _ in sched.update(out, tokens):

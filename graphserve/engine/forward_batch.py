@@ -47,3 +47,59 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def contiguous_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    kv_caches: list[torch.Tensor],
+    attn_backend: AttentionBackend | None,
+    vocab_size: int,
+    first_block: int = 1,
+) -> ForwardBatch:
+    """A synthetic batch on consecutive blocks, for start-up profiling and benchmarks.
+
+    Sequence i holds ``context_lens[i]`` tokens after the step, the last ``query_lens[i]`` of them
+    new; its blocks follow the previous sequence's, starting at ``first_block``. Input ids are
+    random in ``[0, vocab_size)``; the cache contents are whatever the pool holds.
+    """
+    if len(query_lens) != len(context_lens) or any(q < 1 or q > c for q, c in zip(query_lens, context_lens)):
+        raise ValueError(f"need 1 <= query_len <= context_len per sequence, got {query_lens} / {context_lens}")
+    num_blocks, block_size = kv_caches[0].shape[1], kv_caches[0].shape[2]
+    device = kv_caches[0].device
+    tables, slots, positions, qsl = [], [], [], [0]
+    block = first_block
+    for q, c in zip(query_lens, context_lens):
+        n = -(-c // block_size)
+        table = list(range(block, block + n))
+        block += n
+        tables.append(table)
+        positions += range(c - q, c)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c - q, c)]
+        qsl.append(qsl[-1] + q)
+    if block > num_blocks:
+        raise ValueError(f"the synthetic batch needs {block} blocks, the pool has {num_blocks}")
+    width = max(len(t) for t in tables)
+    if all(q == 1 for q in query_lens):
+        mode = "decode"
+    elif query_lens == context_lens:
+        mode = "prefill"
+    else:
+        mode = "mixed"
+    return ForwardBatch(
+        mode=mode,
+        input_ids=torch.randint(0, vocab_size, (qsl[-1],), device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor([t + [DUMMY_BLOCK] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                  device=device),
+        logits_indices=torch.tensor(qsl[1:], dtype=torch.int64, device=device) - 1,
+        max_query_len=max(query_lens),
+        max_seq_len=max(context_lens),
+        kv_caches=kv_caches,
+        attn_backend=attn_backend,
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(context_lens),
+    )

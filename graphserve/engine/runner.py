@@ -22,6 +22,7 @@ from graphserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 
 if TYPE_CHECKING:
     from graphserve.config import EngineConfig
+    from graphserve.engine.request import Sequence
     from graphserve.engine.scheduler import SchedulerOutput
     from graphserve.layers.attention_backend import AttentionBackend
     from graphserve.models.loader import LoadedModel, ModelInfo
@@ -82,7 +83,6 @@ class ModelRunner:
         self.oversize_mode = "split-graph"
         self.last_shape = StepShape(0, False, "eager")
         self.seq_rows = SequenceRows()
-        self._last_rows: tuple[SchedulerOutput, BatchRows] | None = None
         self._pinned: torch.Tensor | None = None
         self._staged_copy: torch.cuda.Event | None = None  # recorded after each copy out of _pinned
 
@@ -97,12 +97,13 @@ class ModelRunner:
         self.graphs = graphs
         return graphs
 
-    def prepare_inputs(self, out: SchedulerOutput) -> ForwardBatch:
-        """Flatten the step's new tokens and describe where each one's KV lives."""
-        seqs = [s.seq for s in out.scheduled]
-        rows = self.seq_rows.gather(seqs)
-        self._last_rows = (out, rows)  # the sampler reads the same step's rows
-        if out.num_tokens == len(seqs):  # one new token per sequence: a decode batch
+    def prepare_inputs(self, out: SchedulerOutput, rows: BatchRows | None = None) -> ForwardBatch:
+        """Flatten the step's new tokens and describe where each one's KV lives.
+
+        ``rows``: the step's per-sequence rows, when the caller already gathered them."""
+        if rows is None:
+            rows = self.seq_rows.gather([s.seq for s in out.scheduled])
+        if out.num_tokens == len(rows.rows):  # one new token per sequence: a decode batch
             return self._decode_batch(rows)
         return self._general_batch(out)
 
@@ -229,17 +230,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
-        batch = self.prepare_inputs(out)
-        logits = self.forward_logits(batch)
-        tensors = self.sampling_tensors(out, logits.shape[-1])
-        return self.sampler(logits, tensors)
-
-    def sampling_tensors(self, out: SchedulerOutput, vocab_size: int) -> SamplingTensors:
-        """The step's sampling knobs, gathered from the per-sequence rows ``prepare_inputs`` read."""
         seqs = [s.seq for s in out.scheduled]
-        last = self._last_rows
-        rows = last[1] if last is not None and last[0] is out else self.seq_rows.gather(seqs)
-        self._last_rows = None
+        rows = self.seq_rows.gather(seqs)  # one gather serves the inputs and the sampling knobs
+        batch = self.prepare_inputs(out, rows)
+        logits = self.forward_logits(batch)
+        return self.sampler(logits, self.sampling_tensors(seqs, rows, logits.shape[-1]))
+
+    def sampling_tensors(self, seqs: list[Sequence], rows: BatchRows, vocab_size: int) -> SamplingTensors:
+        """The step's sampling knobs, read from the per-sequence rows."""
         sr = self.seq_rows
         return SamplingTensors.from_rows(sr.floats[rows.rows], sr.ints[rows.rows], rows.num_outputs, seqs,
                                          vocab_size, self.info.eos_token_ids, self.device)

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from graphserve.config import EngineConfig
-from graphserve.engine.forward_batch import DUMMY_BLOCK, ForwardBatch
+from graphserve.engine.forward_batch import ForwardBatch, contiguous_batch
 from graphserve.engine.graphs import GiB
 from graphserve.engine.memory import MemoryPlan, plan_memory
 from graphserve.engine.runner import ModelRunner
@@ -70,40 +70,9 @@ def requested_kv_tokens(config: EngineConfig, kv_bytes_per_token: int) -> int | 
 
 
 def synthetic_batch(runner: ModelRunner, query_lens: list[int], first_block: int = 1) -> ForwardBatch:
-    """A batch of fresh sequences (no cached prefix) on consecutive blocks of ``runner``'s pool."""
-    bsz, dev = runner.block_size, runner.device
-    tables, slots, positions = [], [], []
-    block = first_block
-    for q in query_lens:
-        n = -(-q // bsz)
-        table = list(range(block, block + n))
-        block += n
-        tables.append(table)
-        positions += range(q)
-        slots += [table[p // bsz] * bsz + p % bsz for p in range(q)]
-    if block > runner.num_blocks:
-        raise ValueError(f"synthetic batch needs {block} blocks, the pool has {runner.num_blocks}")
-    width = max(len(t) for t in tables)
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    mode = "decode" if all(q == 1 for q in query_lens) else "mixed"
-    return ForwardBatch(
-        mode=mode,
-        input_ids=torch.randint(0, runner.info.vocab_size, (qsl[-1],), device=dev),
-        positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=dev),
-        block_tables=torch.tensor([t + [DUMMY_BLOCK] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-        logits_indices=torch.tensor(qsl[1:], dtype=torch.int64, device=dev) - 1,
-        max_query_len=max(query_lens),
-        max_seq_len=max(query_lens),
-        kv_caches=runner.kv_caches,
-        attn_backend=runner.attn_backend,
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=list(query_lens),
-    )
+    """Fresh sequences (no cached prefix) on consecutive blocks of ``runner``'s pool."""
+    return contiguous_batch(query_lens, query_lens, runner.kv_caches, runner.attn_backend, runner.info.vocab_size,
+                            first_block)
 
 
 def worst_case_sampling(rows: int, vocab: int, device: torch.device) -> SamplingTensors:
