@@ -38,7 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"graphserve {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    from graphserve.errors import GraphserveError
+
+    try:
+        return int(module.run(args) or 0)
+    except GraphserveError as e:  # a bad flag or input: its message names the field, value and limit
+        print(f"graphserve {name}: {e.message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import pytest
 
 from graphserve.analysis import compare
 from graphserve.analysis.compare import NO_DIFF, RunData, compare_runs
+from graphserve.errors import BadRequestError
 
 
 def _result(seed: int, scale: float = 1.0, n: int = 150) -> dict:
@@ -75,5 +76,5 @@ def test_cli_prints_table_and_json(tmp_path, capsys):
 
 def test_unknown_metric_is_refused():
     run = RunData.from_result(_result(7, n=20))
-    with pytest.raises(Exception, match="--metric"):
+    with pytest.raises(BadRequestError, match="--metric"):
         compare_runs([run], [run], ["nope"], n_boot=10)

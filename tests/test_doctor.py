@@ -8,6 +8,7 @@ import pytest
 
 from graphserve.analysis import doctor
 from graphserve.analysis.doctor import diagnose
+from graphserve.errors import BadRequestError
 
 LOGS = Path(__file__).parent / "data" / "logs"
 
@@ -78,5 +79,5 @@ def test_cli_json_and_exit_code(capsys):
     assert data["format"] == "sglang" and len(data["findings"]) == 3
     rc = doctor.run(types.SimpleNamespace(logfile=str(LOGS / "vllm_clean.log"), json=False))
     assert rc == 0 and "no problems found" in capsys.readouterr().out
-    with pytest.raises(Exception, match="LOGFILE"):
+    with pytest.raises(BadRequestError, match="LOGFILE"):
         diagnose(str(LOGS / "missing.log"))

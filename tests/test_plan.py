@@ -15,6 +15,7 @@ from graphserve.engine.memory import (
     kv_bytes_per_token,
     plan_memory,
 )
+from graphserve.errors import ModelLoadError
 
 DATA = Path(__file__).parent / "data"
 LLAMA8B = load_hf_config(str(DATA / "llama3_8b_config.json"))
@@ -114,7 +115,7 @@ def test_cli_text_and_json(capsys, tmp_path):
 
 
 def test_unknown_model_source_is_refused():
-    with pytest.raises(Exception, match="MODEL"):
+    with pytest.raises(ModelLoadError, match="MODEL"):
         load_hf_config("/nonexistent/config.json")
 
 

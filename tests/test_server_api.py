@@ -103,7 +103,8 @@ def test_completion_logprobs(client):
                                   extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and all(v <= 0 for v in lp.token_logprobs)
-    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    # keyed by token text, so two alternatives that decode alike collapse into one entry
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
 
 
 def test_chat_matches_stream(client, tokenizer):
@@ -164,7 +165,8 @@ def test_metrics_and_telemetry(server):
         assert name in m, name
     assert m["graphserve:generation_tokens_total"] > 0 and m["graphserve:prompt_tokens_total"] > 0
     assert m["graphserve:decode_steps_total{graph=false}"] > 0
-    assert m["graphserve:e2e_request_latency_seconds_count"] > 0
+    for name in ("e2e_request_latency", "time_to_first_token", "inter_token_latency", "request_queue_time"):
+        assert m[f"graphserve:{name}_seconds_count"] > 0, name
     recs = httpx.get(server.base_url + "/v1/telemetry").json()["records"]
     assert recs and {"step", "batch_size", "graph", "step_ms", "kv_usage"} <= set(recs[0])
     since = recs[-2]["step"]

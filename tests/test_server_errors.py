@@ -148,3 +148,10 @@ def test_duplicate_rid_in_flight_is_400(server):
         assert next(ln for ln in lines if ln.startswith("data: "))  # in flight now
         dup = post(server, "/generate", {**body, "stream": False})
         assert_error(dup, 400, "rid", "same-id")
+
+
+def test_batch_above_the_queue_bound_is_400_not_a_retry_forever_429(server):
+    # more prompts in one request than --max-queued-requests (default 1024) could never all be admitted
+    resp = post(server, "/v1/completions", {"prompt": [[7]] * 1025, "max_tokens": 1})
+    err = assert_error(resp, 400, "prompt", "1025", "--max-queued-requests=1024")
+    assert "Retry-After" not in resp.headers, err

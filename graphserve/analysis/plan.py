@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from graphserve.config import default_cuda_graph_sizes
+from graphserve.config import EngineConfig, default_cuda_graph_sizes
 from graphserve.engine.memory import (
     estimate_activation_bytes,
     estimate_graph_pool_bytes,
@@ -24,7 +24,7 @@ from graphserve.engine.memory import (
     kv_bytes_per_token,
     plan_memory,
 )
-from graphserve.errors import BadRequestError, ModelLoadError
+from graphserve.errors import BadRequestError, ModelLoadError, bad_field
 
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "fp8": 1}
 GiB_ = 1024**3
@@ -165,11 +165,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true")
 
 
-def run(args: argparse.Namespace) -> int:
+def check_args(args: argparse.Namespace) -> list[int]:
+    """The engine's own flag checks (EngineConfig validates once, in one place) plus plan's; returns the levels."""
+    EngineConfig(tp=args.tp, mem_fraction_static=args.mem_fraction_static, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                 cuda_graph_bs=tuple(args.cuda_graph_bs) if args.cuda_graph_bs else None, block_size=args.block_size,
+                 chunked_prefill_size=args.chunked_prefill_size, max_model_len=args.max_model_len,
+                 max_running_requests=args.max_running_requests)
+    for name, value, ok, limit in [("gpu_memory_gb", args.gpu_memory_gb, args.gpu_memory_gb > 0, "must be > 0"),
+                                   ("input_len", args.input_len, args.input_len >= 1, "must be >= 1"),
+                                   ("output_len", args.output_len, args.output_len >= 1, "must be >= 1"),
+                                   ("reserve_gb", args.reserve_gb, args.reserve_gb >= 0, "must be >= 0")]:
+        if not ok:
+            raise bad_field(name, value, limit)
     try:
         conc = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
     except ValueError as e:
-        raise BadRequestError(f"--concurrency={args.concurrency!r} is invalid: use integers like 1,8,32", param="concurrency") from e
+        raise bad_field("concurrency", args.concurrency, "use integers like 1,8,32") from e
+    if not conc or min(conc) < 1:
+        raise bad_field("concurrency", args.concurrency, "every level must be >= 1")
+    return conc
+
+
+def run(args: argparse.Namespace) -> int:
+    conc = check_args(args)
     p = build_plan(load_hf_config(args.model), gpu_memory_gb=args.gpu_memory_gb, tp=args.tp,
                    mem_fraction_static=args.mem_fraction_static, cuda_graph_max_bs=args.cuda_graph_max_bs,
                    cuda_graph_bs=args.cuda_graph_bs, disable_cuda_graph=args.disable_cuda_graph,

@@ -1,34 +1,11 @@
-"""Small statistics helpers shared by the analyzer: percentiles, bootstrap intervals, Huber weights."""
+"""Small statistics helpers shared by the analyzer: bootstrap intervals and Huber weights."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import numpy as np
 
 # Huber's tuning constant: 95% efficiency at the normal while down-weighting outliers.
 HUBER_K = 1.345
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) with linear interpolation; NaN for an empty sample."""
-    arr = np.asarray(values, dtype=float)
-    return float(np.percentile(arr, q)) if arr.size else float("nan")
-
-
-def summarize(values: Sequence[float]) -> dict[str, float]:
-    """mean, median, std, p90, p95, p99 of a sample (the bench summary's shape)."""
-    arr = np.asarray(values, dtype=float)
-    if not arr.size:
-        return {k: float("nan") for k in ("mean", "median", "std", "p90", "p95", "p99")}
-    return {
-        "mean": float(arr.mean()),
-        "median": float(np.median(arr)),
-        "std": float(arr.std()),
-        "p90": float(np.percentile(arr, 90)),
-        "p95": float(np.percentile(arr, 95)),
-        "p99": float(np.percentile(arr, 99)),
-    }
 
 
 def interval(draws: np.ndarray, level: float = 0.95) -> tuple[float, float]:

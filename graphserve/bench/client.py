@@ -72,6 +72,22 @@ def environment() -> dict:
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+def check_load_args(args: argparse.Namespace) -> None:
+    """Refuse load-shape flags that would silently mean something else (0 concurrency = unlimited,
+    a negative warm-up eating the measured prompts, a negative rate turned into a burst)."""
+    checks = [
+        ("num_prompts", lambda v: v >= 1, "must be >= 1"),
+        ("num_prompts_per_level", lambda v: v >= 1, "must be >= 1"),
+        ("warmup_requests", lambda v: v >= 0, "must be >= 0"),
+        ("max_concurrency", lambda v: v is None or v >= 1, "must be >= 1 (omit it for no limit)"),
+        ("request_rate", lambda v: v > 0, "must be > 0 requests/s (inf sends all at once)"),
+        ("server_timeout", lambda v: v > 0, "must be > 0 seconds"),
+    ]
+    for name, ok, limit in checks:
+        if hasattr(args, name) and not ok(getattr(args, name)):
+            raise bad_field(name, getattr(args, name), limit)
+
+
 def settings_from_args(args: argparse.Namespace, base_url: str, **overrides: Any) -> BenchSettings:
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name != "sharegpt"
     s = BenchSettings(
@@ -170,6 +186,7 @@ def write_result(res: dict, path: str, append: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        check_load_args(args)
         tokenizer = load_tokenizer(args.tokenizer)
         with target_server(args) as base_url:
             res = bench_once(args, base_url, args.num_prompts, tokenizer)

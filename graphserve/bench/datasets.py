@@ -34,9 +34,9 @@ class BenchRequest:
     output_len: int  # requested max new tokens
 
 
-def length_bounds(length: int, ratio: float, rule: str = "sglang") -> tuple[int, int]:
+def length_bounds(length: int, ratio: float, rule: str = "sglang", field: str = "random_input_len") -> tuple[int, int]:
     if length < 1:
-        raise bad_field("random_len", length, "must be >= 1")
+        raise bad_field(field, length, "must be >= 1")
     if rule == "sglang":
         if not 0.0 <= ratio <= 1.0:
             raise bad_field("random_range_ratio", ratio, "must be in [0, 1] with --length-rule sglang")
@@ -48,33 +48,19 @@ def length_bounds(length: int, ratio: float, rule: str = "sglang") -> tuple[int,
     raise bad_field("length_rule", rule, "choose sglang or vllm")
 
 
-def sample_lengths(rng: np.random.Generator, n: int, length: int, ratio: float, rule: str = "sglang") -> list[int]:
-    lo, hi = length_bounds(length, ratio, rule)
+def sample_lengths(rng: np.random.Generator, n: int, length: int, ratio: float, rule: str = "sglang",
+                   field: str = "random_input_len") -> list[int]:
+    lo, hi = length_bounds(length, ratio, rule, field)
     return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
 
 
 def load_tokenizer(source: str | None) -> Any:
-    """An HF folder, ``builtin:NAME`` or ``dummy:PRESET``; None stays None. Nothing is downloaded,
-    and no weights are built: only the tokenizer the model loader would pair with the source."""
+    """The tokenizer for ``--tokenizer`` (HF folder, ``builtin:NAME`` or ``dummy:PRESET``); None stays None."""
     if not source:
         return None
-    from transformers import AutoTokenizer
+    from graphserve.models.loader import load_tokenizer as load_source_tokenizer
 
-    if source.startswith("dummy:"):
-        from graphserve.models.presets import get_preset_config, get_preset_tokenizer_spec
-        from graphserve.models.synthetic_tokenizer import CHAT_TEMPLATES, build_synthetic_tokenizer
-
-        preset = source.removeprefix("dummy:")
-        spec = get_preset_tokenizer_spec(preset)
-        return build_synthetic_tokenizer(get_preset_config(preset)["vocab_size"], spec["specials"], spec["bos"],
-                                         spec["eos"], CHAT_TEMPLATES[spec["chat"]])
-    if source.startswith("builtin:"):
-        from graphserve.models.builtin import ensure_builtin
-
-        return AutoTokenizer.from_pretrained(ensure_builtin(source.removeprefix("builtin:")), local_files_only=True)
-    if not os.path.isdir(source):
-        raise bad_field("tokenizer", source, "must be a local Hugging Face folder, builtin:NAME or dummy:PRESET")
-    return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    return load_source_tokenizer(source)
 
 
 def _usable_ids(tokenizer: Any) -> np.ndarray:
@@ -102,7 +88,7 @@ def random_requests(
     n: int, input_len: int, output_len: int, ratio: float, rule: str, rng: np.random.Generator, tokenizer: Any = None
 ) -> list[BenchRequest]:
     in_lens = sample_lengths(rng, n, input_len, ratio, rule)
-    out_lens = sample_lengths(rng, n, output_len, ratio, rule)
+    out_lens = sample_lengths(rng, n, output_len, ratio, rule, "random_output_len")
     reqs = []
     pool = _usable_ids(tokenizer) if tokenizer is not None else None
     for i, (li, lo) in enumerate(zip(in_lens, out_lens)):
@@ -122,7 +108,7 @@ def random_id_requests(
 ) -> list[BenchRequest]:
     """Prompts as token ids: exactly the sampled length, no decode/encode round trip."""
     in_lens = sample_lengths(rng, n, input_len, ratio, rule)
-    out_lens = sample_lengths(rng, n, output_len, ratio, rule)
+    out_lens = sample_lengths(rng, n, output_len, ratio, rule, "random_output_len")
     pool = _usable_ids(tokenizer) if tokenizer is not None else np.arange(*_SAFE_ID_RANGE)
     return [BenchRequest([int(x) for x in rng.choice(pool, size=li)], li, lo) for li, lo in zip(in_lens, out_lens)]
 

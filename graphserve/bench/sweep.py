@@ -14,7 +14,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from graphserve.bench.client import add_target_arguments, bench_once, environment, load_tokenizer, target_server
+from graphserve.bench.client import (
+    add_target_arguments,
+    bench_once,
+    check_load_args,
+    environment,
+    load_tokenizer,
+    target_server,
+)
 from graphserve.bench.scrape import fetch_telemetry
 from graphserve.bench.steady import steady_point
 from graphserve.errors import GraphserveError, bad_field
@@ -145,6 +152,7 @@ def print_results(results: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        check_load_args(args)
         levels = parse_levels(args.concurrency)
         output_dir = args.output_dir or "sweep-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
         tokenizer = load_tokenizer(args.tokenizer)

@@ -1,6 +1,6 @@
 """Per-step telemetry: one record per engine step, kept in a ring buffer.
 
-The server exports it through /metrics and an optional JSONL file; the analyzer reads it.
+Listeners (the server's metrics, step log and JSONL sink) see every record; the analyzer reads it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import json
 import threading
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import IO
 
 
 @dataclass
@@ -37,21 +36,17 @@ class StepRecord:
 
 
 class Telemetry:
-    """A bounded ring buffer of StepRecords plus an optional JSONL sink. Thread-safe."""
+    """A bounded ring buffer of StepRecords with listeners. Thread-safe."""
 
-    def __init__(self, capacity: int = 10000, jsonl: IO[str] | None = None):
+    def __init__(self, capacity: int = 10000):
         self._buf: collections.deque[StepRecord] = collections.deque(maxlen=capacity)
         self._lock = threading.Lock()
-        self._jsonl = jsonl
         self._listeners: list = []
 
     def record(self, rec: StepRecord) -> None:
         with self._lock:
             self._buf.append(rec)
             listeners = list(self._listeners)
-        if self._jsonl is not None:
-            self._jsonl.write(rec.to_json() + "\n")
-            self._jsonl.flush()
         for fn in listeners:
             fn(rec)
 

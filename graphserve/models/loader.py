@@ -77,12 +77,12 @@ def load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
     return _load_folder(config, Path(source).expanduser(), device)
 
 
-def load_tokenizer(config: EngineConfig) -> Any:
-    """The tokenizer ``load_model`` would return, without building the model or reading any weights.
+def load_tokenizer(source: str) -> Any:
+    """The tokenizer ``load_model`` would pair with ``source`` (an HF folder, ``builtin:NAME`` or
+    ``dummy:PRESET``), without building the model or reading any weights.
 
-    A server that runs the engine in another process tokenizes and detokenizes with this copy.
+    A server that runs the engine in another process, and the bench client, tokenize with this.
     """
-    source = config.model
     if source.startswith("dummy:"):
         preset = source.removeprefix("dummy:")
         return _dummy_tokenizer(preset, AutoConfig.for_model(**get_preset_config(preset)))

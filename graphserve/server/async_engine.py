@@ -124,11 +124,6 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     @property
-    def engine_pid(self) -> int | None:
-        """The engine process's pid (None in-process or before start)."""
-        return self._process.pid if self._process is not None else None
-
-    @property
     def tokenizer(self) -> Any:
         return self.core.tokenizer
 
@@ -269,7 +264,7 @@ class AsyncEngine:
             try:
                 from graphserve.models.loader import load_tokenizer
 
-                core = CoreView(load_tokenizer(self.config), msg.info, msg.chat_template, msg.max_model_len)
+                core = CoreView(load_tokenizer(self.config.model), msg.info, msg.chat_template, msg.max_model_len)
                 if self._on_step is not None:
                     core.telemetry.add_listener(self._on_step)
                 self._serving(core, msg.num_usable_blocks, msg.block_size)

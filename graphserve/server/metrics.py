@@ -95,7 +95,8 @@ class RequestTimer:
 
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
-        tokens = sum(len(o.token_ids) for o in out.outputs)
+        # n > 1 choices advance together: one step's gap is one inter-token latency, not n
+        tokens = max((len(o.token_ids) for o in out.outputs), default=0)
         new = tokens - self.tokens_seen
         if new > 0:
             if self.last_token_time is None:

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from graphserve.errors import GraphserveError, InternalError
+from graphserve.errors import BadRequestError, GraphserveError, InternalError
 from graphserve.outputs import CompletionOutput, RequestOutput
 from graphserve.sampling_params import SamplingParams
 from graphserve.server.async_engine import AsyncEngine, RequestStream
@@ -49,6 +49,10 @@ def start_jobs(
     engine: AsyncEngine, metrics: ServerMetrics, base_id: str, prompts: list[Any], params: SamplingParams
 ) -> list[Job]:
     """Add one request per prompt; if any is refused, abort the ones already added and re-raise."""
+    limit = engine.config.max_queued_requests
+    if len(prompts) > limit:  # they enter the waiting queue together: more than its bound is never admitted
+        raise BadRequestError(f"prompt holds {len(prompts)} prompts, above --max-queued-requests={limit}; "
+                              "send them in smaller batches", param="prompt")
     jobs: list[Job] = []
     arrival = time.monotonic()
     try:
