@@ -65,6 +65,10 @@ def test_fit_from_sweep_and_telemetry():
            for c in (1, 2, 4, 8, 16)]
     fit = fit_from_sweep(pts)
     assert fit.a_ms == pytest.approx(54.0) and fit.b_ms == pytest.approx(30.0)
+    # a sweep point without a steady window (tpot_ms_median None) is left out, not refilled run-wide
+    skewed = pts + [{"concurrency": 32, "achieved_concurrency": 31.0, "tpot_ms_median": None,
+                     "summary": {"tpot_ms": {"median": 5000.0}}}]
+    assert fit_from_sweep(skewed).b_ms == pytest.approx(30.0)
     recs = [{"kind": "decode", "batch_size": n, "step_ms": 10 + 0.5 * n} for n in (1, 2, 4, 8, 16)]
     recs += [{"kind": "prefill", "batch_size": 3, "step_ms": 500.0}]  # ignored
     tel = fit_from_telemetry(recs)

@@ -188,6 +188,9 @@ def fit_step_time(n: Sequence[float], step_ms: Sequence[float], weights: Sequenc
     )
 
 
+_MISSING = object()
+
+
 def _get(d: Mapping[str, Any] | Any, key: str, default: Any = None) -> Any:
     return d.get(key, default) if isinstance(d, Mapping) else getattr(d, key, default)
 
@@ -197,13 +200,15 @@ def fit_from_sweep(points: Iterable[Mapping[str, Any]]) -> ScalingFit:
 
     Each point is ``{"achieved_concurrency" (or "concurrency"), "summary": {"tpot_ms": {"median"}}}``
     or flat ``{"achieved_concurrency", "tpot_ms_median"}``. With every running request getting one
-    token per decode step, TPOT is the step time seen at that concurrency.
+    token per decode step, TPOT is the step time seen at that concurrency. A sweep point whose
+    ``tpot_ms_median`` is present but None had no steady-state window and is left out; the
+    run-wide TPOT stands in only for plain bench results, which have no such key.
     """
     ns, ts = [], []
     for p in points:
         n = _get(p, "achieved_concurrency") or _get(p, "concurrency")
         tpot = _get(p, "tpot_ms_median")
-        if tpot is None:
+        if tpot is None and _get(p, "tpot_ms_median", _MISSING) is _MISSING:
             summary = _get(p, "summary") or {}
             tpot = (_get(summary, "tpot_ms") or {}).get("median")
         if n is None or tpot is None or not math.isfinite(float(tpot)):

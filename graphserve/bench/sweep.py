@@ -63,11 +63,7 @@ def _fit(kind: str, data: Any) -> tuple[dict | None, str | None]:
     from graphserve.analysis import scaling
 
     try:
-        if kind == "sweep":
-            pts = [p for p in data if p.get("achieved_concurrency") and p.get("tpot_ms_median") is not None]
-            fit = scaling.fit_step_time([p["achieved_concurrency"] for p in pts], [p["tpot_ms_median"] for p in pts])
-        else:
-            fit = scaling.fit_from_telemetry(data)
+        fit = scaling.fit_from_sweep(data) if kind == "sweep" else scaling.fit_from_telemetry(data)
     except GraphserveError as e:
         return None, e.message
     return fit.to_dict(), None
@@ -108,9 +104,9 @@ def sweep_levels(args: argparse.Namespace, base_url: str, levels: list[int], out
             break
     out: dict[str, Any] = {"points": points, "failed_at": failed_at}
     out["fit"], out["fit_error"] = _fit("sweep", points)
-    decode = [r for r in telemetry or [] if r.get("kind") == "decode"]
-    out["telemetry_fit"], out["telemetry_fit_error"] = _fit("telemetry", decode) if decode else (None, None)
-    out["telemetry_steps"] = len(decode)
+    decode_steps = sum(r.get("kind") == "decode" for r in telemetry or [])
+    out["telemetry_fit"], out["telemetry_fit_error"] = _fit("telemetry", telemetry) if decode_steps else (None, None)
+    out["telemetry_steps"] = decode_steps
     return out
 
 
