@@ -90,14 +90,9 @@ class EngineCore:
         if req.request_id in self._requests:
             raise BadRequestError(f"request_id={req.request_id!r} is already running", param="request_id")
         p = req.params
-        total = len(req.prompt_token_ids) + (p.max_tokens or 0)
-        capacity = self.block_manager.num_usable_blocks * self.block_manager.block_size
-        if self.block_manager.blocks_needed(total) > self.block_manager.num_usable_blocks:
-            raise BadRequestError(
-                f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens}) = {total} tokens does not "
-                f"fit the KV pool of {capacity} tokens (raise it with --num-kv-tokens or --kv-cache-gb)",
-                param="max_tokens",
-            )
+        # InputProcessor refused requests that cannot fit the pool; one that got here anyway is a caller bug
+        assert self.block_manager.blocks_needed(len(req.prompt_token_ids) + (p.max_tokens or 0)) \
+            <= self.block_manager.num_usable_blocks, f"{req.request_id}: does not fit the KV pool"
         base = (p.seed if p.seed is not None else self._rng.getrandbits(63)) & SEED_MASK
         seqs: list[Sequence] = []
         for i in range(p.n):
@@ -115,6 +110,11 @@ class EngineCore:
                 seq.finish_reason = "abort"
                 self._pending.append(self._output(seq, [], None, error=error))
             self._requests.pop(rid, None)
+
+    @property
+    def kv_blocks(self) -> tuple[int, int]:
+        """(usable blocks, tokens per block) of the KV pool."""
+        return self.block_manager.num_usable_blocks, self.block_manager.block_size
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending)

@@ -15,7 +15,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.core = EngineCore(config)
-        self.input_processor = InputProcessor(self.core.tokenizer, self.core.info, config)
+        self.input_processor = InputProcessor(self.core.tokenizer, self.core.info, config, self.core.kv_blocks)
         self.output_processor = OutputProcessor(self.core.tokenizer)
 
     @property

@@ -26,10 +26,12 @@ def resolve_max_model_len(config: EngineConfig, info: ModelInfo) -> int:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, info: ModelInfo, config: EngineConfig):
+    def __init__(self, tokenizer: Any, info: ModelInfo, config: EngineConfig, kv_blocks: tuple[int, int]):
+        """``kv_blocks``: (usable blocks, tokens per block) of the engine's KV pool."""
         self.tokenizer = tokenizer
         self.info = info
         self.max_model_len = resolve_max_model_len(config, info)
+        self.kv_blocks = kv_blocks
 
     def tokenize(self, prompt: Any) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -51,6 +53,17 @@ class InputProcessor:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise bad_field("prompt_token_ids", t, f"each token id must be an integer in [0, {vocab})")
         return ids
+
+    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        """A request must fit the whole KV pool alone, or it could never run (checked before a 200 goes out)."""
+        usable, block_size = self.kv_blocks
+        total = num_prompt + max_tokens
+        if -(-total // block_size) > usable:
+            raise BadRequestError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} tokens does not fit the KV pool "
+                f"of {usable * block_size} tokens (raise it with --num-kv-tokens or --kv-cache-gb)",
+                param="max_tokens",
+            )
 
     def process(self, request_id: str, prompt: Any, params: SamplingParams | None, arrival_time: float | None = None
                 ) -> EngineRequest:
@@ -76,6 +89,7 @@ class InputProcessor:
             params = dataclasses.replace(params, max_tokens=room)
         if params.min_tokens > params.max_tokens:
             raise bad_field("min_tokens", params.min_tokens, f"must be <= max_tokens ({params.max_tokens})")
+        self._check_fits(len(ids), params.max_tokens)
         return EngineRequest(request_id, ids, params, time.monotonic() if arrival_time is None else arrival_time, text)
 
 

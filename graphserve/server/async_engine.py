@@ -46,10 +46,10 @@ logger = logging.getLogger("graphserve.server")
 class RequestStream:
     """The outputs of one request, as the loop receives them; iterate with ``async for``."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, prompt_token_ids: list[int]):
+    def __init__(self, engine: AsyncEngine, request_id: str, num_prompt_tokens: int):
         self.engine = engine
         self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = num_prompt_tokens
         self.queue: asyncio.Queue[RequestOutput | GraphserveError] = asyncio.Queue()
         self.finished = False
 
@@ -138,25 +138,29 @@ class AsyncEngine:
     def _serving(self, core: Any, num_usable_blocks: int, block_size: int) -> None:
         from graphserve.engine.processor import InputProcessor, OutputProcessor
 
-        self.input_processor = InputProcessor(core.tokenizer, core.info, self.config)
+        self.input_processor = InputProcessor(core.tokenizer, core.info, self.config, (num_usable_blocks, block_size))
         self.output_processor = OutputProcessor(core.tokenizer)
         self._kv_blocks = (num_usable_blocks, block_size)
         self.core = core
 
     # -- loop-thread API ---------------------------------------------------------------------------------
 
-    def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
-    ) -> RequestStream:
-        """Validate, tokenize and enqueue; raises BadRequestError / OverloadedError before anything runs."""
-        if not self.ready.is_set():
-            raise ServiceUnavailableError("the engine is still loading the model", retry_after=5)
+    def check_serving(self) -> None:
+        """Raise ServiceUnavailableError unless the engine can take requests now."""
         if self.load_error is not None:
             raise ServiceUnavailableError(f"the engine failed to load: {self.load_error}", retry_after=60)
+        if not self.ready.is_set():
+            raise ServiceUnavailableError("the engine is still loading the model", retry_after=5)
         if self.engine_error is not None:
             raise ServiceUnavailableError(self.engine_error, retry_after=60)
         if self._stopped:
             raise ServiceUnavailableError("the engine is shutting down", retry_after=5)
+
+    def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
+    ) -> RequestStream:
+        """Validate, tokenize and enqueue; raises BadRequestError / OverloadedError before anything runs."""
+        self.check_serving()
         queued = self._waiting_in_core + len(self._inbox) + self._unadmitted
         if queued >= self.config.max_queued_requests:
             raise OverloadedError(
@@ -167,8 +171,7 @@ class AsyncEngine:
             raise BadRequestError(f"rid={request_id!r} is invalid: a request with this id is in flight", param="rid")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         req = self.input_processor.process(request_id, prompt, params, arrival)
-        self._check_fits(req)
-        stream = RequestStream(self, request_id, list(req.prompt_token_ids))
+        stream = RequestStream(self, request_id, len(req.prompt_token_ids))
         self.output_processor.add(req)
         self._streams[request_id] = stream
         text = req.prompt_text if req.prompt_text is not None else (prompt if isinstance(prompt, str) else "")
@@ -182,19 +185,6 @@ class AsyncEngine:
             self._inbox.append(req)
             self._cond.notify()
         return stream
-
-    def _check_fits(self, req: Any) -> None:
-        # The core checks this too, but later, after a stream's 200 has gone out; checked here the client
-        # gets a plain 400. The pool's size and block size never change.
-        usable, block_size = self._kv_blocks
-        total = len(req.prompt_token_ids) + (req.params.max_tokens or 0)
-        if -(-total // block_size) > usable:
-            raise BadRequestError(
-                f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.params.max_tokens}) = {total} tokens "
-                f"does not fit the KV pool of {usable * block_size} tokens (raise it with --num-kv-tokens or "
-                f"--kv-cache-gb)",
-                param="max_tokens",
-            )
 
     async def generate(
         self, prompt: Any, params: SamplingParams, request_id: str

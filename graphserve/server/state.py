@@ -23,10 +23,7 @@ class ServerState:
     def check_ready(self) -> None:
         if self.draining:
             raise ServiceUnavailableError("the server is shutting down", retry_after=self.drain_retry_after)
-        if not self.engine.ready.is_set() or self.engine.load_error is not None:
-            raise ServiceUnavailableError("the engine is still loading the model", retry_after=5)
-        if self.engine.engine_error is not None:
-            raise ServiceUnavailableError(self.engine.engine_error, retry_after=60)
+        self.engine.check_serving()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted_names:

@@ -160,7 +160,7 @@ class DeltaTracker:
 
 
 def usage(jobs: list[Job]) -> dict[str, Any]:
-    prompt = sum(len(j.stream.prompt_token_ids) for j in jobs)
+    prompt = sum(j.stream.num_prompt_tokens for j in jobs)
     completion = sum(len(o.token_ids) for j in jobs if j.last for o in j.last.outputs)
     cached = sum(j.last.metrics.num_cached_tokens for j in jobs if j.last and j.last.metrics)
     return {
