@@ -114,3 +114,14 @@ def fetch_telemetry(base_url: str, since: int = 0, timeout_s: float = 5.0) -> li
             return list(json.loads(resp.read()).get("records", []))
     except (urllib.error.URLError, OSError, ValueError):
         return None  # 404, connection refused, not JSON: a server without telemetry
+
+
+def healthy(base_url: str, timeout_s: float = 5.0) -> bool:
+    """One GET /health: True on 200."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except OSError:
+        return False

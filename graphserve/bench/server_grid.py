@@ -16,9 +16,9 @@ import string
 import subprocess
 import threading
 import time
-import urllib.request
 from typing import Any
 
+from graphserve.bench.scrape import healthy
 from graphserve.errors import bad_field
 
 LOG_TAIL_LINES = 100
@@ -90,12 +90,8 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if not self.alive():
                 return False
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return True
-            except OSError:
-                pass
+            if healthy(self.base_url, timeout_s=2.0):
+                return True
             time.sleep(0.1)
         return False
 

@@ -22,7 +22,7 @@ from graphserve.bench.client import (
     load_tokenizer,
     target_server,
 )
-from graphserve.bench.scrape import fetch_telemetry
+from graphserve.bench.scrape import fetch_telemetry, healthy
 from graphserve.bench.steady import steady_point
 from graphserve.errors import GraphserveError, bad_field
 
@@ -99,7 +99,7 @@ def sweep_levels(args: argparse.Namespace, base_url: str, levels: list[int], out
             recs = fetch_telemetry(base_url, since=last_step) or []
             telemetry.extend(recs)
             last_step = max((r.get("step", 0) for r in recs), default=last_step)
-        if point["failed"] and not (alive() if alive else _healthy(base_url)):
+        if point["failed"] and not (alive() if alive else healthy(base_url)):
             failed_at = c
             break
     out: dict[str, Any] = {"points": points, "failed_at": failed_at}
@@ -108,16 +108,6 @@ def sweep_levels(args: argparse.Namespace, base_url: str, levels: list[int], out
     out["telemetry_fit"], out["telemetry_fit_error"] = _fit("telemetry", telemetry) if decode_steps else (None, None)
     out["telemetry_steps"] = decode_steps
     return out
-
-
-def _healthy(base_url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=5) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def _level_line(p: dict) -> str:

@@ -39,9 +39,17 @@ def error_response(exc: GraphserveError) -> JSONResponse:
     return JSONResponse(exc.to_openai(), status_code=exc.http_status, headers=retry_after_header(exc))
 
 
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
 def sse_error_event(exc: GraphserveError) -> str:
     """The error as one SSE event; a stream that fails after its 200 header can only say it this way."""
-    return f"data: {json.dumps(exc.to_openai())}\n\n"
+    return sse(exc.to_openai())
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:

@@ -65,9 +65,7 @@ class _SamplingFields(_Strict):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self.check_unsupported()
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > MAX_STOP:
-            raise bad_field("stop", f"{len(stop)} strings", f"at most {MAX_STOP} stop strings")
+        stop = stop_list("stop", self.stop)
         return build_params(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
             top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
@@ -75,6 +73,14 @@ class _SamplingFields(_Strict):
             stop=stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
+
+
+def stop_list(field: str, stop: str | list[str] | None) -> list[str]:
+    """``stop`` as a list, bounded by MAX_STOP."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP:
+        raise bad_field(field, f"{len(stops)} strings", f"at most {MAX_STOP} stop strings")
+    return stops
 
 
 def build_params(max_tokens: int | None, **kw: Any) -> SamplingParams:
@@ -194,9 +200,7 @@ class GenerateRequest(_Strict):
 
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params
-        stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
-        if len(stop) > MAX_STOP:
-            raise bad_field("sampling_params.stop", f"{len(stop)} strings", f"at most {MAX_STOP} stop strings")
+        stop = stop_list("sampling_params.stop", sp.stop)
         return build_params(
             n=sp.n, max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens, temperature=sp.temperature,
             top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from graphserve.outputs import CompletionOutput, RequestOutput
+from graphserve.server.errors import SSE_HEADERS
 from graphserve.server.protocol import GenerateRequest
 from graphserve.server.state import ServerState
 from graphserve.server.streams import (
@@ -59,7 +60,7 @@ async def generate(req: GenerateRequest, request: Request, state: ServerState) -
     n = params.n
     if req.stream:
         return StreamingResponse(sse_stream(_chunks(jobs, batched, n)), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
     items = [_item(j.stream.request_id, j.last, o, j.timer.arrival, batched, n, j.index)

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from graphserve.outputs import CompletionOutput, TokenLogprob
+from graphserve.server.errors import SSE_HEADERS
 from graphserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from graphserve.server.state import ServerState
 from graphserve.server.streams import (
@@ -24,8 +25,6 @@ from graphserve.server.streams import (
     until_disconnect,
     usage,
 )
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _completion_logprobs(state: ServerState, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:

@@ -4,7 +4,6 @@ client that went away, SSE framing and the deltas between cumulative outputs."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -17,7 +16,7 @@ from graphserve.errors import BadRequestError, GraphserveError, InternalError
 from graphserve.outputs import CompletionOutput, RequestOutput
 from graphserve.sampling_params import SamplingParams
 from graphserve.server.async_engine import AsyncEngine, RequestStream
-from graphserve.server.errors import sse_error_event
+from graphserve.server.errors import sse, sse_error_event
 from graphserve.server.metrics import RequestTimer, ServerMetrics
 
 T = TypeVar("T")
@@ -29,10 +28,6 @@ CLIENT_CLOSED = 499
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 @dataclass
