@@ -45,8 +45,8 @@ def test_sglang_story_log_eager_batches_oom_and_plateau():
     assert "ran eagerly" in oom["explanation"]
     assert oom["evidence"][0][1].startswith("torch.OutOfMemoryError")
     plateau = f["throughput_plateau"]
-    assert "30." in plateau["title"]  # b ≈ 30 ms per running request
-    assert "33" in plateau["explanation"] or "32" in plateau["explanation"]  # ceiling ≈ 1000/30 tok/s
+    assert plateau["title"].endswith("step ≈ 47 + 30.7·N ms")  # b ≈ 30 ms per running request
+    assert "cannot pass 32.6 tok/s" in plateau["explanation"]  # ceiling 1000/30.7 tok/s
 
 
 def test_graphserve_log_kv_full_queue_and_plateau():
