@@ -154,32 +154,32 @@ class GraphRunner:
         self.graphs[ps].replay()
         return self.logits[ps][:bs]
 
+    def _rows(self, batch: ForwardBatch, start: int, stop: int) -> ForwardBatch:
+        """Rows [start, stop) of a decode batch (one token per sequence, so rows and tokens coincide);
+        the row-index fields come from the static aranges, so slicing allocates nothing on the device."""
+        n = stop - start
+        return ForwardBatch(
+            mode="decode",
+            input_ids=batch.input_ids[start:stop],
+            positions=batch.positions[start:stop],
+            slot_mapping=batch.slot_mapping[start:stop],
+            query_start_loc=self.query_start_loc[: n + 1],
+            seq_lens=batch.seq_lens[start:stop],
+            block_tables=batch.block_tables[start:stop],
+            logits_indices=self.logits_indices[:n],
+            max_query_len=1,
+            max_seq_len=batch.max_seq_len,
+            kv_caches=batch.kv_caches,
+            attn_backend=batch.attn_backend,
+            query_lens_cpu=batch.query_lens_cpu[start:stop],
+            seq_lens_cpu=batch.seq_lens_cpu[start:stop],
+        )
+
     def replay_split(self, batch: ForwardBatch) -> torch.Tensor:
         """An oversize decode batch as captured pieces replayed one after another."""
         out = []
         start = 0
         for piece in split_sizes(batch.num_seqs, self.sizes):
-            out.append(self.replay(slice_decode_batch(batch, start, start + piece)).clone())
+            out.append(self.replay(self._rows(batch, start, start + piece)).clone())
             start += piece
         return torch.cat(out)
-
-
-def slice_decode_batch(batch: ForwardBatch, start: int, stop: int) -> ForwardBatch:
-    """Rows [start, stop) of a decode batch (one token per sequence, so rows and tokens coincide)."""
-    n = stop - start
-    return ForwardBatch(
-        mode="decode",
-        input_ids=batch.input_ids[start:stop],
-        positions=batch.positions[start:stop],
-        slot_mapping=batch.slot_mapping[start:stop],
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=batch.input_ids.device),
-        seq_lens=batch.seq_lens[start:stop],
-        block_tables=batch.block_tables[start:stop],
-        logits_indices=torch.arange(n, dtype=torch.int64, device=batch.input_ids.device),
-        max_query_len=1,
-        max_seq_len=batch.max_seq_len,
-        kv_caches=batch.kv_caches,
-        attn_backend=batch.attn_backend,
-        query_lens_cpu=batch.query_lens_cpu[start:stop],
-        seq_lens_cpu=batch.seq_lens_cpu[start:stop],
-    )
