@@ -65,11 +65,12 @@ def main() -> None:
             model.compute_logits(model.forward(batch.input_ids, batch.positions, batch))
             torch.cuda.synchronize()
     per = collections.defaultdict(lambda: [0.0, 0])
+    by_name = collections.defaultdict(lambda: [0.0, 0])
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
-            f = per[family(evt.name)]
-            f[0] += evt.device_time_total / 1e3
-            f[1] += 1
+            for table, key in ((per, family(evt.name)), (by_name, evt.name[:90])):
+                table[key][0] += evt.device_time_total / 1e3
+                table[key][1] += 1
     weights, _ = weight_bytes_per_step(model, info, args.bs)
     kv_bytes = args.bs * args.ctx * info.kv_bytes_per_token
     floors = {"matmul": weights / (bw * 1e9) * 1e3, "attention": kv_bytes / (bw * 1e9) * 1e3}
@@ -80,8 +81,13 @@ def main() -> None:
     rows.append({"family": "graph replay", "kernels": sum(v[1] for v in per.values()), "ms": replay_ms,
                  "floor_ms": sum(floors.values())})
     print_table(rows, ["family", "kernels", "ms", "floor_ms"])
+    # each kernel by name: how many launches a step makes and their mean time (what fusion would remove)
+    kernels = [{"kernel": k, "launches": v[1], "ms": v[0], "us_each": 1e3 * v[0] / v[1]}
+               for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])]
+    print_table(kernels, ["kernel", "launches", "ms", "us_each"])
     write_result(f"step_breakdown_{args.model.split(':')[-1]}_bs{args.bs}_ctx{args.ctx}",
-                 {"model": args.model, "bs": args.bs, "ctx": args.ctx, "read_gbs": bw, "rows": rows})
+                 {"model": args.model, "bs": args.bs, "ctx": args.ctx, "read_gbs": bw, "rows": rows,
+                  "kernels": kernels})
 
 
 if __name__ == "__main__":
