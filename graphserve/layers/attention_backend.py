@@ -26,6 +26,9 @@ class AttentionBackend:
     """
 
     name = "abstract"
+    # True when the model may write this step's K/V itself, fused with q/k norm and rotary
+    # (kernels/qk_rope_kv.py), and then call ``attend`` instead of ``forward``.
+    fused_prologue = False
 
     def forward(
         self,
@@ -37,3 +40,7 @@ class AttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Attention over a cache that already holds this step's K/V (backends with ``fused_prologue``)."""
+        raise NotImplementedError(f"the {self.name} attention backend has no fused prologue; call forward()")

@@ -1,5 +1,8 @@
 """The GPU attention backend: Triton kernels for the KV write, decode and prefill/extend.
 
+Models with a fused qkv projection skip ``forward``: one kernel (kernels/qk_rope_kv.py) norms and
+rotates q/k and writes K/V, then ``attend`` runs attention over the cache.
+
 Decode steps take the split-KV decode kernel, whose grid and scratch depend only on static sizes,
 so the whole step can be captured in a CUDA graph; prefill and mixed steps take the extend kernel.
 """
@@ -30,6 +33,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    fused_prologue = True  # the model's qk_norm_rope_kv_write kernel stores K/V; attend() reads them
 
     def __init__(self) -> None:
         self._workspaces: dict[tuple[torch.device, int, int, int], torch.Tensor] = {}
@@ -57,10 +61,13 @@ class TritonAttentionBackend(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
     ) -> torch.Tensor:
+        kv_write(k, v, batch.kv_caches[layer_idx], batch.slot_mapping)
+        return self.attend(q, layer_idx, batch, scale)
+
+    def attend(self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
         kv_cache = batch.kv_caches[layer_idx]
-        kv_write(k, v, kv_cache, batch.slot_mapping)
         if batch.mode == "decode":
-            ws = self.reserve(q.shape[1], k.shape[1], q.shape[2], q.device)
+            ws = self.reserve(q.shape[1], kv_cache.shape[3], q.shape[2], q.device)
             return decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws)
         return extend_attention(
             q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.max_query_len, scale

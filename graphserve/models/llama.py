@@ -82,15 +82,39 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
-        out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch, self.scale)
+        qkv = self.qkv_proj(hidden)
+        if batch.attn_backend.fused_prologue:
+            q = self.fused_prologue(qkv, positions, batch)
+            out = batch.attn_backend.attend(q, self.layer_idx, batch, self.scale)
+        else:
+            q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary[0](positions, q, k)
+            out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def fused_prologue(self, qkv: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q/k norm, rotary and the K/V cache write in one kernel launch; returns q ``[T, H, D]``.
+
+        The unfused path costs four launches per layer (two norms, rotary, KV write), which at
+        small batch take longer than the work itself.
+        """
+        from graphserve.kernels.qk_rope_kv import qk_norm_rope_kv_write  # Triton, only for backends that fuse
+
+        cos_sin = self.rotary[0].cos_sin_cache  # [max_positions, D]: cos of the D/2 angles, then their sin
+        half = cos_sin.shape[1] // 2
+        q_weight = k_weight = None
+        eps = 0.0
+        if self.q_norm is not None:
+            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        return qk_norm_rope_kv_write(
+            qkv, positions, cos_sin[:, :half], cos_sin[:, half:], batch.kv_caches[self.layer_idx], batch.slot_mapping,
+            self.num_heads, self.num_kv_heads, self.head_dim, q_weight, k_weight, eps,
+        )  # fmt: skip
 
 
 class LlamaMLP(nn.Module):

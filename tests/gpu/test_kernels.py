@@ -3,6 +3,7 @@
 Shapes follow Llama-3-8B (32 query heads, 8 kv heads, head_dim 128, hidden 4096, intermediate
 14336) with contexts up to 8k and batches up to 256. The decode kernel is also captured in a CUDA
 graph and replayed on new lengths and block tables, and must match an eager call bit for bit.
+The fused attention prologue runs at Qwen3-0.6B (16/8 heads, q/k norms) and Llama-3-8B (32/8) shapes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from graphserve.kernels.decode_attention import decode_attention, decode_attenti
 from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference
 from graphserve.kernels.kv_write import kv_write, kv_write_reference
 from graphserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference
+from graphserve.kernels.qk_rope_kv import qk_norm_rope_kv_write, qk_norm_rope_kv_write_reference
 from graphserve.kernels.rotary import apply_rotary, apply_rotary_reference, rotary_cos_sin
 from graphserve.layers.attention import TorchAttentionBackend
 from graphserve.layers.attention_triton import TritonAttentionBackend
@@ -209,3 +211,70 @@ def test_triton_backend_matches_torch_backend(mode, gen):
         outs.append(backend.forward(q, k, v, 0, batch, d**-0.5))
     assert torch.equal(caches[0], caches[1])
     assert rel_err(outs[0], outs[1]) < TOL[dtype]
+
+
+def prologue_inputs(num_tokens: int, num_heads: int, num_kv_heads: int, norms: bool, gen: torch.Generator):
+    """bf16 qkv rows strided inside a wider buffer, positions up to 8k, shuffled slots, random norm weights."""
+    dtype, d = torch.bfloat16, 128
+    width = (num_heads + 2 * num_kv_heads) * d
+    qkv = (torch.randn(num_tokens, width + 64, device="cuda", generator=gen) * 3).to(dtype)[:, :width]
+    cos, sin = rotary_cos_sin(8192, d, base=1000000.0, device="cuda")
+    positions = torch.randint(0, 8192, (num_tokens,), device="cuda", generator=gen)
+    cache, _, _ = paged([num_tokens + 40], num_kv_heads, d, dtype, gen)
+    slots = torch.randperm(cache[0].numel() // (num_kv_heads * d), device="cuda", generator=gen)[:num_tokens]
+    weights = {}
+    if norms:
+        weights = {
+            name: (1 + 0.2 * torch.randn(d, device="cuda", generator=gen)).to(dtype)
+            for name in ("q_norm_weight", "k_norm_weight")
+        }
+    return qkv, positions, cos, sin, cache, slots, weights
+
+
+PROLOGUE_SHAPES = [(16, 8, True), (32, 8, False)]  # qwen3-0.6b (q/k norms), llama3-8b (none); head_dim 128
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 4096])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "norms"), PROLOGUE_SHAPES, ids=["qwen3-0.6b", "llama3-8b"])
+def test_qk_norm_rope_kv_write(num_heads, num_kv_heads, norms, num_tokens, gen):
+    qkv, positions, cos, sin, cache, slots, weights = prologue_inputs(num_tokens, num_heads, num_kv_heads, norms, gen)
+    before, ref_cache = cache.clone(), cache.clone()
+    args = (num_heads, num_kv_heads, 128)
+    q = qk_norm_rope_kv_write(qkv, positions, cos, sin, cache, slots, *args, **weights, eps=1e-6)
+    ref_q = qk_norm_rope_kv_write_reference(qkv, positions, cos, sin, ref_cache, slots, *args, **weights, eps=1e-6)
+    assert rel_err(q, ref_q) < TOL[torch.bfloat16]
+    flat, ref_flat, old = (c.view(2, -1, num_kv_heads, 128) for c in (cache, ref_cache, before))
+    assert torch.equal(flat[1], ref_flat[1])  # V is copied, no arithmetic
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert torch.equal(flat[0, untouched], old[0, untouched])
+    # K takes the same roundings as the reference (norm, weight, rotary), but fp32 sums in another
+    # order can flip one of them: allow at most 2 bf16 ulps at the head's largest magnitude
+    # (2**-6 of its absmax) on under 1% of the elements; the rest must be bit-equal.
+    k, ref_k = flat[0, slots].float(), ref_flat[0, slots].float()
+    diff = (k - ref_k).abs()
+    assert (diff <= 2**-6 * ref_k.abs().amax(-1, keepdim=True)).all()
+    assert (diff > 0).float().mean().item() < 0.01
+
+
+def test_qk_norm_rope_kv_write_cuda_graph_replay_matches_eager(gen):
+    num_heads, num_kv_heads, num_tokens = 16, 8, 8
+    qkv, positions, cos, sin, cache, slots, weights = prologue_inputs(num_tokens, num_heads, num_kv_heads, True, gen)
+    args = (num_heads, num_kv_heads, 128)
+    q_out = torch.empty(num_tokens, num_heads, 128, dtype=qkv.dtype, device="cuda")
+    qk_norm_rope_kv_write(qkv, positions, cos, sin, cache, slots, *args, **weights, q_out=q_out)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qk_norm_rope_kv_write(qkv, positions, cos, sin, cache, slots, *args, **weights, q_out=q_out)
+    new_qkv, new_pos, _, _, _, _, _ = prologue_inputs(num_tokens, num_heads, num_kv_heads, True, gen)
+    qkv.copy_(new_qkv)
+    positions.copy_(new_pos)
+    slots.copy_(torch.randperm(cache[0].numel() // (num_kv_heads * 128), device="cuda", generator=gen)[:num_tokens])
+    q_out.fill_(float("nan"))
+    eager_cache = cache.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_q = qk_norm_rope_kv_write(qkv, positions, cos, sin, eager_cache, slots, *args, **weights)
+    assert torch.equal(q_out, eager_q)
+    assert torch.equal(cache, eager_cache)
