@@ -24,7 +24,8 @@ from graphserve.engine.graphs import GraphRunner
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.models.loader import load_model
 
-FAMILIES = [("attention", ("decode", "extend", "_attn")), ("kv_write", ("kv_write",)), ("norm", ("rms_norm",)),
+FAMILIES = [("attention", ("decode", "extend", "_attn")), ("qk_norm_rope_kv", ("qk_norm_rope",)),
+            ("kv_write", ("kv_write",)), ("norm", ("rms_norm",)),
             ("rotary", ("rotary",)), ("silu_mul", ("silu",)), ("matmul", ("gemm", "gemv", "sm90", "cutlass", "nvjet")),
             ("copy/other", ("",))]
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from graphserve.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+OVERLAP_MODES = ("auto", "on", "off")
 
 
 def default_cuda_graph_sizes(max_bs: int) -> list[int]:
@@ -43,6 +44,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     cuda_graph_bs: tuple[int, ...] | None = None
     disable_cuda_graph: bool = False
+    # Prepare step N+1 on the host while the device runs step N: "auto" does so on CUDA (on CPU the
+    # model runs on the host, so there is nothing to overlap with), "on"/"off" force it.
+    overlap_schedule: str = "auto"
     tp: int = 1
     log_interval: int = 40
     max_queued_requests: int = 1024
@@ -80,6 +84,11 @@ class EngineConfig:
                 f"--num-kv-tokens={self.num_kv_tokens} is invalid: must be >= --block-size ({self.block_size})",
                 param="num_kv_tokens",
             )
+        if self.overlap_schedule not in OVERLAP_MODES:
+            raise ConfigError(
+                f"--overlap-schedule={self.overlap_schedule!r} is invalid: choose one of {', '.join(OVERLAP_MODES)}",
+                param="overlap_schedule",
+            )
         if self.tp < 1:
             raise ConfigError(f"--tp={self.tp} is invalid: must be >= 1", param="tp")
         if self.log_interval < 1:
@@ -114,6 +123,7 @@ _HELP = {
     "cuda_graph_max_bs": "largest decode batch captured in a CUDA graph",
     "cuda_graph_bs": "exact list of decode batch sizes to capture",
     "disable_cuda_graph": "run decode eagerly (for A/B runs)",
+    "overlap_schedule": "prepare the next step while the device runs this one: auto (on CUDA), on, off",
     "tp": "tensor-parallel size",
     "log_interval": "decode steps between step-log lines",
     "max_queued_requests": "bound of the waiting queue; past it requests get 429",
@@ -130,6 +140,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "enable_prefix_caching":
             parser.add_argument("--disable-radix-cache", "--disable-prefix-caching", dest="enable_prefix_caching",
                                 action="store_false", help="turn prefix caching off")
+            continue
+        if f.name == "overlap_schedule":
+            parser.add_argument(flag, choices=OVERLAP_MODES, default=default, help=_HELP[f.name])
+            parser.add_argument("--disable-overlap-schedule", dest=f.name, action="store_const", const="off",
+                                help="same as --overlap-schedule off")
             continue
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true", default=default, help=_HELP.get(f.name))

@@ -1,8 +1,10 @@
 """The engine's scheduling must never change what greedy decoding produces.
 
 Every configuration (batching, staggered arrival, chunked prefill, prefix-cache hits,
-preemption, n > 1) is compared token for token with each prompt run alone. After every test,
-all KV blocks are free or held only by the prefix cache.
+preemption, n > 1) is compared token for token with each prompt run alone, once with each step
+run to the end before the next is scheduled and once with the overlap schedule (step N+1 prepared
+before step N's tokens are read). After every test, all KV blocks are free or held only by the
+prefix cache.
 """
 
 from __future__ import annotations
@@ -44,12 +46,13 @@ def prompts():
     ]
 
 
-@pytest.fixture
-def make_llm(model_dir):
+@pytest.fixture(params=["off", "on"], ids=["sync", "overlap"])
+def make_llm(model_dir, request):
     made: list[LLM] = []
 
     def make(**kw) -> LLM:
         kw.setdefault("block_size", 4)
+        kw.setdefault("overlap_schedule", request.param)
         llm = LLM(model_dir, **kw)
         made.append(llm)
         return llm
@@ -62,7 +65,7 @@ def make_llm(model_dir):
 
 @pytest.fixture(scope="module")
 def alone(model_dir, prompts):
-    llm = LLM(model_dir, block_size=4, enable_prefix_caching=False)
+    llm = LLM(model_dir, block_size=4, enable_prefix_caching=False, overlap_schedule="off")
     return [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
 
 
@@ -181,28 +184,29 @@ def test_abort_frees_blocks_and_reports_abort(make_llm, prompts):
     engine = make_llm().engine
     engine.add_request("a", {"prompt_token_ids": prompts[1]}, GREEDY)
     engine.add_request("b", {"prompt_token_ids": prompts[2]}, GREEDY)
-    engine.step()
-    engine.step()
+    delivered = [o for _ in range(3) for o in engine.step() if o.request_id == "a"]
     engine.abort_request("a")
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-    assert finished["a"].finish_reason == "abort" and len(finished["a"].token_ids) == 2
+    # the abort keeps what was delivered (a token of a step still in flight is dropped)
+    assert delivered and finished["a"].finish_reason == "abort"
+    assert finished["a"].token_ids == delivered[-1].token_ids
     assert finished["b"].finish_reason == "length" and len(finished["b"].token_ids) == NEW
 
 
 def test_step_fault_fails_its_requests_and_engine_keeps_serving(make_llm, prompts, alone, monkeypatch):
     llm = make_llm()
     runner = llm.engine.core.runner
-    real = runner.execute
+    real = runner.launch
 
     def broken(out):
-        monkeypatch.setattr(runner, "execute", real)  # fail once
+        monkeypatch.setattr(runner, "launch", real)  # fail once
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(runner, "execute", broken)
+    monkeypatch.setattr(runner, "launch", broken)
     failed = llm.generate(_ids(prompts[:2]), GREEDY, use_tqdm=False)
     assert all(o.error and "injected fault" in o.error and o.finish_reason == "abort" for o in failed)
     ok = llm.generate(_ids(prompts[:1]), GREEDY, use_tqdm=False)[0]
@@ -216,3 +220,26 @@ def test_telemetry_records_each_step(make_llm, prompts):
     assert recs[0].kind == "prefill" and recs[-1].kind == "decode"
     assert all(r.padded_size == r.batch_size and not r.graph and r.step_ms > 0 for r in recs)
     assert sum(r.decode_tokens for r in recs) + 2 == 2 * NEW
+
+
+def test_penalties_beside_plain_requests_match_the_synchronous_engine(make_llm, model_dir, prompts):
+    """Penalties count the output tokens on the host, so such steps wait for the step in flight."""
+    penalized = SamplingParams(temperature=0.8, seed=5, max_tokens=NEW, ignore_eos=True,
+                               repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+    plain = SamplingParams(temperature=0.7, seed=9, max_tokens=NEW, ignore_eos=True)
+    params = [penalized, plain, penalized, plain]
+    reference = LLM(model_dir, block_size=4, overlap_schedule="off")
+    want = [o.token_ids for o in reference.generate(_ids(prompts[:4]), params, use_tqdm=False)]
+    got = [o.token_ids for o in make_llm().generate(_ids(prompts[:4]), params, use_tqdm=False)]
+    assert got == want
+
+
+def test_overlap_schedule_keeps_one_step_in_flight(make_llm, prompts):
+    engine = make_llm().engine
+    engine.add_request("a", {"prompt_token_ids": prompts[0]}, GREEDY)
+    first = engine.step()
+    overlap = engine.core.overlap
+    assert (engine.core._inflight is not None) == overlap
+    assert len(first) == (0 if overlap else 1)  # with overlap, the prefill's token arrives next call
+    while engine.has_unfinished_requests():
+        engine.step()

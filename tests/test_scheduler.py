@@ -23,11 +23,15 @@ def _seq(rid: str, prompt_len: int, max_tokens: int = 4, t: float = 0.0, index=0
 
 def _step(s: Scheduler):
     out = s.schedule()
-    appended = s.update(out, [7] * len(out.scheduled))
-    for seq, _ in appended:
+    _apply(s, out)
+    return out
+
+
+def _apply(s: Scheduler, out) -> None:
+    """Every scheduled sequence samples token 7; those at max_tokens finish, as the engine does."""
+    for seq, _ in s.update(out, [7] * len(out.scheduled)):
         if seq.num_output_tokens >= seq.params.max_tokens:
             s.finish(seq, "length")
-    return out
 
 
 def _drain(s: Scheduler, limit: int = 500) -> list:
@@ -151,6 +155,6 @@ def test_siblings_wait_for_the_first_prompt_then_hit_the_prefix_cache():
     out = s.schedule()
     assert second in [x.seq for x in out.scheduled]
     assert second.num_cached_tokens == 12 and second.block_table[:3] == first.block_table[:3]
-    s.update(out, [7] * len(out.scheduled))
+    _apply(s, out)
     _drain(s)
     s.block_manager.check_no_leak()

@@ -2,6 +2,13 @@
 
 It speaks token ids only (no text): detokenization and stop strings live in processor.py,
 so the server can run them off this loop.
+
+With the overlap schedule (on CUDA by default) a call to ``step`` schedules and launches step N+1
+before it waits for step N's ids, so the host's work for N+1 runs while the device computes N.
+Step N+1 is built before N's tokens are known: each sequence's next input is held as a stand-in that
+the runner resolves on the device, and a sequence that N finishes (a stop token) runs one step more,
+whose token is dropped. Steps whose sampling needs the tokens on the host (penalties count them) wait
+for the step in flight first.
 """
 
 from __future__ import annotations
@@ -16,13 +23,13 @@ import torch
 from graphserve.config import EngineConfig
 from graphserve.engine.kv_cache import BlockManager
 from graphserve.engine.processor import resolve_max_model_len
-from graphserve.engine.request import CoreOutput, EngineRequest, Sequence
-from graphserve.engine.runner import ModelRunner, cpu_kv_tokens
+from graphserve.engine.request import CoreOutput, EngineRequest, Sequence, SequenceStatus
+from graphserve.engine.runner import ModelRunner, StepShape, cpu_kv_tokens
 from graphserve.engine.scheduler import Scheduler, SchedulerOutput
 from graphserve.engine.startup import start_gpu
 from graphserve.engine.telemetry import StepRecord, Telemetry
 from graphserve.errors import BadRequestError, ConfigError
-from graphserve.layers.sampler import SEED_MASK, SamplerOutput
+from graphserve.layers.sampler import SEED_MASK, PendingSample, SamplerOutput
 from graphserve.models.loader import load_model
 from graphserve.outputs import TokenLogprob
 
@@ -38,6 +45,18 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose sampled ids have not been read yet."""
+
+    sched: SchedulerOutput
+    pending: PendingSample
+    completed: list[tuple[int, Sequence, int]]  # (row, sequence, output index) awaiting a token
+    shape: StepShape
+    start: float  # perf_counter when its scheduling began
+    context_tokens: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,6 +96,10 @@ class EngineCore:
         self._requests: dict[str, list[Sequence]] = {}
         self._pending: list[CoreOutput] = []  # abort notices, delivered by the next step()
         self._step_id = 0
+        self.overlap = config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and self.device.type == "cuda")
+        self._inflight: InFlightStep | None = None
+        self._last_resolved = 0.0  # perf_counter when the previous step's ids were read
+        self._penalized = 0  # live requests whose sampling counts their own output tokens
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info(
@@ -99,9 +122,11 @@ class EngineCore:
             seed = base if i == 0 else hash((base, i)) & SEED_MASK  # siblings draw different streams
             seq = Sequence(req.request_id, i, req.prompt_token_ids, p, seed, req.arrival_time,
                            parent=seqs[0] if seqs else None)
+            seq.max_total = min(seq.max_total, self.max_model_len)
             seqs.append(seq)
             self.scheduler.add(seq)
         self._requests[req.request_id] = seqs
+        self._penalized += _has_penalties(p)
         self.prompt_tokens_total += len(req.prompt_token_ids)
 
     def abort_requests(self, request_ids, error: str | None = None) -> None:
@@ -109,7 +134,9 @@ class EngineCore:
             for seq in self.scheduler.abort(rid):
                 seq.finish_reason = "abort"
                 self._pending.append(self._output(seq, [], None, error=error))
-            self._requests.pop(rid, None)
+            seqs = self._requests.pop(rid, None)
+            if seqs:
+                self._penalized -= _has_penalties(seqs[0].params)
 
     @property
     def kv_blocks(self) -> tuple[int, int]:
@@ -117,7 +144,7 @@ class EngineCore:
         return self.block_manager.num_usable_blocks, self.block_manager.block_size
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._pending)
+        return bool(self._requests) or bool(self._pending) or self._inflight is not None
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -133,51 +160,85 @@ class EngineCore:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
+        """Schedule and launch the next step; return the outputs of the step whose ids arrived
+        (this one, or with the overlap schedule the one launched by the previous call)."""
         outputs, self._pending = self._pending, []
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         for seq in sched.failed:
             outputs.append(self._output(seq, [], None, error=seq.error))
             self._forget(seq)
-        if sched.is_empty:
-            return outputs
-        context_tokens = sum([s.seq.num_computed_tokens for s in sched.scheduled]) + sched.num_tokens
-        try:
-            sampled = self.runner.execute(sched)
-        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
-            logger.exception("engine step failed; failing %d sequence(s)", len(sched.scheduled))
-            ids = list(dict.fromkeys(s.seq.request_id for s in sched.scheduled))
-            self.abort_requests(ids, error=f"{type(exc).__name__}: {exc}")
-            outputs += self._pending
+        launched = None
+        if not sched.is_empty:
+            if self._inflight is not None and self._penalized:
+                outputs += self._resolve()  # penalties count the output tokens: they must be on the host
+            launched = self._launch(sched, start)
+            outputs += self._pending  # requests failed by a launch that raised
             self._pending = []
-            return outputs
-        outputs += self._advance(sched, sampled)
-        self._record(sched, start, context_tokens)
+        if self._inflight is not None:
+            outputs += self._resolve()
+        if launched is not None:
+            self._inflight = launched
+            if not self.overlap:
+                outputs += self._resolve()
         return outputs
 
-    def _advance(self, sched: SchedulerOutput, sampled: SamplerOutput) -> list[CoreOutput]:
-        appended = self.scheduler.update(sched, sampled.token_ids)
-        self.generation_tokens_total += len(appended)
-        # Rows are looked up only when the step computed logprobs.
-        row_of = {s.seq.seq_id: i for i, s in enumerate(sched.scheduled)} if sampled.logprobs is not None else None
+    def _launch(self, sched: SchedulerOutput, start: float) -> InFlightStep | None:
+        context_tokens = sum([s.seq.num_computed_tokens for s in sched.scheduled]) + sched.num_tokens
+        try:
+            pending = self.runner.launch(sched)
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
+            self._fail_step(sched, exc)
+            return None
+        completed = self.scheduler.advance(sched)
+        return InFlightStep(sched, pending, completed, self.runner.last_shape, start, context_tokens)
+
+    def _resolve(self) -> list[CoreOutput]:
+        """Wait for the step in flight, put its tokens in place and decide who finished."""
+        step, self._inflight = self._inflight, None
+        try:
+            sampled = step.pending.result()
+        except Exception as exc:  # noqa: BLE001
+            self._fail_step(step.sched, exc)
+            outputs, self._pending = self._pending, []
+            return outputs
+        outputs = self._emit(step, sampled)
+        self.scheduler.commit_full_blocks(step.sched)
+        self._record(step)
+        return outputs
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> None:
+        logger.error("engine step failed (%s: %s); failing %d sequence(s)", type(exc).__name__, exc,
+                     len(sched.scheduled), exc_info=exc)
+        ids = list(dict.fromkeys(s.seq.request_id for s in sched.scheduled))
+        self.abort_requests(ids, error=f"{type(exc).__name__}: {exc}")
+
+    def _emit(self, step: InFlightStep, sampled: SamplerOutput) -> list[CoreOutput]:
+        tokens = sampled.token_ids
+        finished = SequenceStatus.FINISHED
         outputs = []
-        for seq, token in appended:
+        for row, seq, index in step.completed:
+            if seq.status is finished:
+                continue  # aborted (or finished by an earlier token) while the step ran
+            token = tokens[row]
+            seq.output_token_ids[index] = token
+            self.generation_tokens_total += 1
             logprobs = None
-            if row_of is not None and seq.params.logprobs is not None:
+            if sampled.logprobs is not None and seq.params.logprobs is not None:
                 k = seq.params.logprobs
-                row = row_of[seq.seq_id]
                 top = list(zip(sampled.top_ids[row][:k], sampled.top_logprobs[row][:k]))
                 logprobs = [TokenLogprob(token, sampled.logprobs[row], top)]
-            reason, stop_reason = self._finish_reason(seq, token)
+            reason, stop_reason = self._finish_reason(seq, token, index + 1)
             if reason is not None:
+                del seq.output_token_ids[index + 1 :]  # a token of a step launched meanwhile
                 self.scheduler.finish(seq, reason, stop_reason)
                 self._forget(seq)
             outputs.append(self._output(seq, [token], logprobs))
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+    def _finish_reason(self, seq: Sequence, token: int, num_output: int) -> tuple[str | None, int | None]:
+        """Why the sequence ends with ``token``, its ``num_output``-th output token (None: it goes on)."""
         p = seq.params
-        num_output = len(seq.output_token_ids)
         if num_output >= p.min_tokens:
             if not p.ignore_eos and token in self._eos_ids:
                 return "stop", None
@@ -193,6 +254,7 @@ class EngineCore:
         seqs = self._requests.get(seq.request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
             del self._requests[seq.request_id]
+            self._penalized -= _has_penalties(seq.params)
 
     def _output(self, seq: Sequence, tokens: list[int], logprobs, error: str | None = None) -> CoreOutput:
         return CoreOutput(
@@ -208,10 +270,16 @@ class EngineCore:
             first_scheduled_time=seq.first_scheduled_time,
         )
 
-    def _record(self, sched: SchedulerOutput, start: float, context_tokens: int) -> None:
+    def _record(self, step: InFlightStep) -> None:
+        """One telemetry record per step. Its time runs from when the step began to be scheduled,
+        or from when the previous step's ids arrived if later: with the overlap schedule, the rate
+        at which steps complete, host work hidden under the device's included only where it is not."""
+        now = time.perf_counter()
+        start = max(step.start, self._last_resolved)
+        self._last_resolved = now
         self._step_id += 1
+        sched, shape = step.sched, step.shape
         n = len(sched.scheduled)
-        shape = self.runner.last_shape
         self.telemetry.record(
             StepRecord(
                 step=self._step_id,
@@ -224,11 +292,15 @@ class EngineCore:
                 num_tokens=sched.num_tokens,
                 prefill_tokens=sched.num_prefill_tokens,
                 decode_tokens=sched.num_decode_tokens,
-                step_ms=(time.perf_counter() - start) * 1000.0,
+                step_ms=(now - start) * 1000.0,
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
                 kv_usage=self.block_manager.usage(),
-                context_tokens=context_tokens,
+                context_tokens=step.context_tokens,
                 preempted=len(sched.preempted),
             )
         )
+
+
+def _has_penalties(p) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import enum
 import itertools
+import sys
 from dataclasses import dataclass
 
 from graphserve.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
+
+
+def future_token(row: int) -> int:
+    """The stand-in for the token that row ``row`` of the step in flight will sample (ids are >= 0)."""
+    return -1 - row
 
 
 class SequenceStatus(enum.Enum):
@@ -55,6 +61,10 @@ class Sequence:
         self.arrival_time = arrival_time
         # n > 1: the first sibling; the others wait until its prompt KV is in the prefix cache
         self.parent = parent
+        # prompt + output length at which the sequence stops ("length"); the engine caps it further
+        # at max_model_len. The scheduler stops scheduling a sequence there even before its last
+        # token has reached the host.
+        self.max_total = len(self.prompt_token_ids) + params.max_tokens if params.max_tokens is not None else sys.maxsize
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of the full, computed blocks in block_table

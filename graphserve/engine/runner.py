@@ -3,6 +3,12 @@ model and the sampler, and hands the sampled ids back on the host.
 
 ``prepare_inputs`` is kept apart from ``execute`` so the decode path can be wrapped (CUDA-graph
 capture and replay) without touching how a batch is built.
+
+``launch`` queues a step and returns before its ids reach the host, so the engine can schedule and
+prepare the next step while the GPU runs this one. A token that step N samples and step N+1 consumes
+is then not known on the host when N+1 is built: the engine stands it in as ``future_token(row)``
+(engine/request.py), a negative id naming the row of step N, and the runner swaps in step N's
+sampled id on the device.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import torch
 from graphserve.engine.forward_batch import DUMMY_BLOCK, ForwardBatch
 from graphserve.engine.graphs import GraphRunner, split_sizes
 from graphserve.engine.seq_rows import BatchRows, SequenceRows
+from graphserve.engine.staging import HostStaging
 from graphserve.layers.attention import TorchAttentionBackend
-from graphserve.layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from graphserve.layers.sampler import PendingSample, Sampler, SamplerOutput, SamplingTensors
 
 if TYPE_CHECKING:
     from graphserve.config import EngineConfig
@@ -83,8 +90,8 @@ class ModelRunner:
         self.oversize_mode = "split-graph"
         self.last_shape = StepShape(0, False, "eager")
         self.seq_rows = SequenceRows()
-        self._pinned: torch.Tensor | None = None
-        self._staged_copy: torch.cuda.Event | None = None  # recorded after each copy out of _pinned
+        self.staging = HostStaging(self.device)
+        self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
 
     def capture_graphs(self, sizes: list[int], max_model_len: int, progress=None) -> GraphRunner:
         """Capture the decode step for ``sizes`` (largest first, one pool); replaces earlier graphs."""
@@ -108,18 +115,14 @@ class ModelRunner:
         return self._general_batch(out)
 
     def _decode_batch(self, r: BatchRows) -> ForwardBatch:
-        """The decode fast path: every field computed with numpy on the batch's rows, packed into
-        one host byte buffer (pinned on CUDA) and sent with a single host->device copy."""
+        """The decode fast path: every field computed with numpy on the batch's rows and sent with
+        a single host->device copy (through pinned memory on CUDA)."""
         b, w, bs = len(r.rows), r.width, self.block_size
         tables = self.seq_rows.block_tables[r.rows, :w]
         blocks = tables[np.arange(b), r.positions // bs]
         assert blocks.all(), "block table too short for the new token (it would land in the dummy block)"
-        # int64 fields first, then int32 ones: every field starts on its own element boundary
-        n64, n32 = 4 * b, 2 * b + 1 + b * w
-        staged = self._staging(8 * n64 + 4 * n32)
-        host = staged.numpy()
-        i64 = host[: 8 * n64].view(np.int64)
-        i32 = host[8 * n64 :].view(np.int32)
+        i64 = np.empty(4 * b, dtype=np.int64)
+        i32 = np.empty(2 * b + 1 + b * w, dtype=np.int32)
         i64[:b] = r.tokens
         i64[b : 2 * b] = r.positions
         i64[2 * b : 3 * b] = blocks.astype(np.int64) * bs + r.positions % bs
@@ -128,16 +131,14 @@ class ModelRunner:
         i32[:b] = seq_lens
         i32[b : 2 * b + 1] = np.arange(b + 1)
         i32[2 * b + 1 :] = tables.reshape(-1)
-        dev = staged
-        if self.device.type != "cpu":
-            dev = staged.to(self.device, non_blocking=True)
-            self._staged_copy.record()
-        d64 = dev[: 8 * n64].view(torch.int64)
-        d32 = dev[8 * n64 :].view(torch.int32)
+        d64, d32 = self.staging.upload(i64, i32)
         seq_lens_cpu = seq_lens.tolist()
+        input_ids = d64[:b]
+        if r.tokens.min() < 0:
+            input_ids = self._fill_future_tokens(input_ids)
         return ForwardBatch(
             mode="decode",
-            input_ids=d64[:b],
+            input_ids=input_ids,
             positions=d64[b : 2 * b],
             slot_mapping=d64[2 * b : 3 * b],
             query_start_loc=d32[b : 2 * b + 1],
@@ -152,21 +153,11 @@ class ModelRunner:
             seq_lens_cpu=seq_lens_cpu,
         )
 
-    def _staging(self, nbytes: int) -> torch.Tensor:
-        """Host bytes for one step's inputs. On CUDA: a pinned buffer reused from step to step, once
-        the copy out of it that the previous step queued has run (it has, in the engine loop: that
-        step's sampled ids were read back). On CPU the batch's tensors are views of these bytes, so
-        each step gets fresh memory."""
-        if self.device.type == "cpu":
-            return torch.empty(nbytes, dtype=torch.uint8)
-        if self._staged_copy is None:
-            self._staged_copy = torch.cuda.Event()
-        else:
-            self._staged_copy.synchronize()
-        if self._pinned is None or self._pinned.numel() < nbytes:
-            grown = max(nbytes, 2 * (0 if self._pinned is None else self._pinned.numel()))
-            self._pinned = torch.empty(grown, dtype=torch.uint8, pin_memory=True)
-        return self._pinned[:nbytes]
+    def _fill_future_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replace each ``future_token(row)`` stand-in with what the previous step sampled at ``row``."""
+        assert self._last_ids is not None, "a future token with no step in flight"
+        rows = (-1 - input_ids).clamp_(min=0)
+        return torch.where(input_ids >= 0, input_ids, self._last_ids[rows])
 
     def _general_batch(self, out: SchedulerOutput) -> ForwardBatch:
         """Prefill and mixed steps: per-token Python lists (these steps are few and GPU-heavy)."""
@@ -195,9 +186,12 @@ class ModelRunner:
         padded = [t + [DUMMY_BLOCK] * (width - len(t)) for t in tables]
         dev = self.device
         mode = "decode" if all(q == 1 for q in query_lens) else ("mixed" if 1 in query_lens else "prefill")
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        if min(input_ids) < 0:
+            ids = self._fill_future_tokens(ids)
         return ForwardBatch(
             mode=mode,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            input_ids=ids,
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
@@ -228,16 +222,24 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
+        """Run one step to the end: its sampled ids on the host."""
+        return self.launch(out).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingSample:
+        """Queue one step (inputs, forward, sampling, the copy of its ids to the host) and return
+        without waiting for it."""
         seqs = [s.seq for s in out.scheduled]
         rows = self.seq_rows.gather(seqs)  # one gather serves the inputs and the sampling knobs
         batch = self.prepare_inputs(out, rows)
         logits = self.forward_logits(batch)
-        return self.sampler(logits, self.sampling_tensors(seqs, rows, logits.shape[-1]))
+        pending = self.sampler.sample(logits, self.sampling_tensors(seqs, rows, logits.shape[-1]))
+        self._last_ids = pending.ids
+        return pending
 
     def sampling_tensors(self, seqs: list[Sequence], rows: BatchRows, vocab_size: int) -> SamplingTensors:
         """The step's sampling knobs, read from the per-sequence rows."""
         sr = self.seq_rows
         return SamplingTensors.from_rows(sr.floats[rows.rows], sr.ints[rows.rows], rows.num_outputs, seqs,
-                                         vocab_size, self.info.eos_token_ids, self.device)
+                                         vocab_size, self.info.eos_token_ids, self.device, self.staging.upload)

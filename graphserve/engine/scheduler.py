@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from graphserve.engine.request import Sequence, SequenceStatus
+from graphserve.engine.request import Sequence, SequenceStatus, future_token
 
 if TYPE_CHECKING:
     from graphserve.config import EngineConfig
@@ -134,7 +134,10 @@ class Scheduler:
             if seq.status is not running_status:
                 continue  # preempted earlier in this pass
             computed = seq.num_computed_tokens
-            if len(seq.prompt_token_ids) + len(seq.output_token_ids) - computed != 1:
+            total = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+            if total >= seq.max_total:
+                continue  # its last token is still in flight; it finishes when that token arrives
+            if total - computed != 1:
                 partial.append(seq)
                 continue
             if computed >= len(seq.block_table) * block_size:
@@ -200,11 +203,13 @@ class Scheduler:
         return out
 
     def _waits_for_sibling(self, seq: Sequence) -> bool:
-        """n > 1: later siblings start once the first one's prompt KV is in the prefix cache."""
+        """n > 1: later siblings start once the first one's full prompt blocks are in the prefix cache
+        (committed once the step that computed them has been read back)."""
         parent = seq.parent
-        if parent is None or not self.block_manager.enable_prefix_caching or parent.is_finished:
+        bm = self.block_manager
+        if parent is None or not bm.enable_prefix_caching or parent.is_finished:
             return False
-        return parent.num_computed_tokens < parent.num_prompt_tokens
+        return len(parent.block_hashes) < parent.num_prompt_tokens // bm.block_size
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -227,25 +232,44 @@ class Scheduler:
                 f"({self.block_manager.num_usable_blocks} blocks); raise --num-kv-tokens or --kv-cache-gb"
             )
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Sequence, int]]:
-        """Advance computed counts; append each sampled token where a prompt/decode completed.
+    def advance(self, out: SchedulerOutput) -> list[tuple[int, Sequence, int]]:
+        """Count the step's tokens as computed; give each sequence that completes its prompt or a
+        decode its next output token, held as ``future_token(row)`` until the step's ids arrive.
 
-        ``sampled[i]`` belongs to ``out.scheduled[i]``. Returns (sequence, token) pairs appended.
-        """
-        appended = []
-        bm = self.block_manager
-        commit = bm.commit if bm.enable_prefix_caching else None
-        block_size = bm.block_size
+        Returns ``(row, sequence, index in output_token_ids)`` for every token so held."""
+        completed = []
         running_status = SequenceStatus.RUNNING
-        for sched, token in zip(out.scheduled, sampled):
+        for row, sched in enumerate(out.scheduled):
             seq = sched.seq
             if seq.status is not running_status:
-                continue  # aborted while the step ran
+                continue  # aborted or failed while the step was prepared
             computed = seq.num_computed_tokens + sched.num_new_tokens
             seq.num_computed_tokens = computed
-            if commit is not None and computed // block_size > len(seq.block_hashes):
-                commit(seq)  # a block just filled up: into the prefix cache
-            if computed == len(seq.prompt_token_ids) + len(seq.output_token_ids):
-                seq.output_token_ids.append(token)
-                appended.append((seq, token))
+            outputs = seq.output_token_ids
+            if computed == len(seq.prompt_token_ids) + len(outputs):
+                completed.append((row, seq, len(outputs)))
+                outputs.append(future_token(row))
+        return completed
+
+    def commit_full_blocks(self, out: SchedulerOutput) -> None:
+        """Put the blocks the step filled into the prefix cache. Call it once the tokens the step
+        computed are all known (a block's hash covers its token ids)."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return
+        block_size = bm.block_size
+        running_status = SequenceStatus.RUNNING
+        for sched in out.scheduled:
+            seq = sched.seq
+            if seq.status is running_status and seq.num_computed_tokens // block_size > len(seq.block_hashes):
+                bm.commit(seq)
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Sequence, int]]:
+        """``advance`` for a step whose ids are already on the host: ``sampled[i]`` belongs to
+        ``out.scheduled[i]``. Returns the (sequence, token) pairs appended."""
+        appended = []
+        for row, seq, index in self.advance(out):
+            seq.output_token_ids[index] = sampled[row]
+            appended.append((seq, sampled[row]))
+        self.commit_full_blocks(out)
         return appended

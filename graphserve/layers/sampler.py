@@ -95,21 +95,25 @@ class SamplingTensors:
     @classmethod
     def from_rows(
         cls, floats: np.ndarray, ints: np.ndarray, steps: np.ndarray, seqs: list[Sequence], vocab_size: int,
-        eos_token_ids: list[int], device: torch.device | str,
+        eos_token_ids: list[int], device: torch.device | str, upload=None,
     ) -> SamplingTensors:
         """The batch's tensors from its knob rows (``knob_row`` per sequence, stacked: [B, 6] float32
         and [B, 5] int64, top_k as asked) and each row's output length ``steps``.
 
         The flags come from whole-column numpy reductions; ``seqs`` is read only for the token-set
-        masks (penalties, min_tokens) a batch needs."""
+        masks (penalties, min_tokens) a batch needs. ``upload(*arrays) -> tensors`` sends the knob
+        arrays to the device (the engine passes its pinned staging); by default a plain copy."""
         k = ints[:, INT_TOP_K]
         top_k = np.where((k > 0) & (k < vocab_size), k, vocab_size)  # off (-1, 0) or >= vocab: the vocab size
         packed = np.empty((len(steps), 3), dtype=np.int64)
         packed[:, 0] = top_k
         packed[:, 1] = ints[:, INT_SEED]
         packed[:, 2] = steps
-        knobs = torch.from_numpy(np.ascontiguousarray(floats, dtype=np.float32)).to(device, non_blocking=True)
-        tokens = torch.from_numpy(packed).to(device, non_blocking=True)
+        floats = np.ascontiguousarray(floats, dtype=np.float32)
+        if upload is None:
+            knobs, tokens = (torch.from_numpy(a).to(device, non_blocking=True) for a in (floats, packed))
+        else:
+            knobs, tokens = upload(floats, packed)
         flags = ints[:, INT_FLAGS]
         flags_any = int(np.bitwise_or.reduce(flags)) if len(flags) else 0
         flags_all = int(np.bitwise_and.reduce(flags)) if len(flags) else FLAG_GREEDY
@@ -231,12 +235,48 @@ def apply_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits.masked_fill(probs < floor, float("-inf"))
 
 
+class PendingSample:
+    """A step's sampled ids (and logprobs) on their way to the host.
+
+    The device->host copy is queued at construction and waited for only in ``result``, so the host
+    can prepare the next step meanwhile; ``ids`` stays on the device for the next step's inputs.
+    """
+
+    def __init__(self, ids: torch.Tensor, packed: torch.Tensor | None, num_top: int):
+        self.ids = ids  # [B] int64 on the logits' device
+        self._num_top = num_top
+        src = ids if packed is None else packed
+        self._event = None
+        if src.is_cuda:
+            self._host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            self._host.copy_(src, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = src
+        self._packed = packed is not None
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        host = self._host
+        if not self._packed:
+            return SamplerOutput(token_ids=host.tolist())
+        k = self._num_top
+        return SamplerOutput(
+            token_ids=host[:, 0].long().tolist(),
+            logprobs=host[:, 1].tolist(),
+            top_ids=host[:, 2 : 2 + k].long().tolist(),
+            top_logprobs=host[:, 2 + k :].tolist(),
+        )
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-        return self.forward(logits, t)
+        return self.sample(logits, t).result()
 
-    def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-        """``logits``: [B, V] float32 straight from the model."""
+    def sample(self, logits: torch.Tensor, t: SamplingTensors) -> PendingSample:
+        """``logits``: [B, V] float32 straight from the model. Queues the copy of the ids to the host."""
         raw = logits
         logits = apply_penalties(logits.float(), t)
         if t.banned is not None:
@@ -251,16 +291,11 @@ class Sampler:
             gumbel = -torch.log(-torch.log(uniform_noise(t.seeds, t.steps, logits.shape[-1])))
             ids = torch.where(greedy, greedy_ids, (scaled + gumbel).argmax(dim=-1))
         if t.max_logprobs < 0:
-            return SamplerOutput(token_ids=ids.tolist())
+            return PendingSample(ids, None, 0)
         logprobs = torch.log_softmax(raw.float(), dim=-1)
         chosen = logprobs.gather(-1, ids[:, None])
         k = t.max_logprobs
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], ids[:, None][:, :0])
         # One device->host copy: ids and logprobs packed in float64 (ids < 2**53 are exact).
-        packed = torch.cat([ids[:, None].double(), chosen.double(), top_ids.double(), top_lp.double()], dim=1).cpu()
-        return SamplerOutput(
-            token_ids=packed[:, 0].long().tolist(),
-            logprobs=packed[:, 1].tolist(),
-            top_ids=packed[:, 2 : 2 + k].long().tolist(),
-            top_logprobs=packed[:, 2 + k :].tolist(),
-        )
+        packed = torch.cat([ids[:, None].double(), chosen.double(), top_ids.double(), top_lp.double()], dim=1)
+        return PendingSample(ids, packed, k)

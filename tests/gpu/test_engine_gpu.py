@@ -98,6 +98,29 @@ def test_split_batch_matches_captured_sizes(eager_tokens):
     assert "split-graph" in modes
 
 
+def test_overlap_schedule_matches_synchronous_steps(eager_tokens):
+    """Step N+1 launched before N's ids are read (stand-in tokens resolved on the device) must give
+    the same tokens and finish reasons as running each step to the end, graphs on."""
+    stop_id = eager_tokens["all"][0][5]  # prompt 0 meets it by its 6th token
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_id]),
+        SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.9, seed=4, repetition_penalty=1.2, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+    ]
+    prompts = PROMPTS[:4]
+    runs = {}
+    for mode in ("off", "on"):
+        llm = LLM("builtin:tiny-llama", device="cuda", dtype="float32", cuda_graph_max_bs=8, overlap_schedule=mode)
+        assert llm.engine.core.overlap == (mode == "on")
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[mode] = [(o.token_ids, o.outputs[0].finish_reason) for o in outs]
+        del llm
+        torch.cuda.empty_cache()
+    assert runs["on"] == runs["off"]
+    assert runs["on"][0][1] == "stop" and runs["on"][3][0] and len(runs["on"][3][0]) == 1
+
+
 def test_max_running_defaults_to_largest_captured_size():
     llm = LLM("builtin:tiny-llama", device="cuda", dtype="float32", cuda_graph_max_bs=8)
     assert llm.engine.core.scheduler.max_running == 8
