@@ -1,4 +1,8 @@
-"""Linear layers whose weights are concatenations of several checkpoint tensors.
+"""Linear layers: decode-sized batches on CUDA go through the gemv kernel, the rest through F.linear.
+
+At decode batch sizes a projection is a weight stream, and cuBLAS reads the 4-12 MB weights of
+small models at about a third of the card's bandwidth; the gemv kernel streams each weight slab
+once over every SM. Above ``GEMV_MAX_M`` rows the matmul has enough reuse for cuBLAS to win.
 
 q/k/v and gate/up are fused into one matmul each (few large GEMMs are what the GPU path
 wants); the checkpoint stores them apart, so each fused layer knows where every shard goes.
@@ -7,11 +11,57 @@ wants); the checkpoint stores them apart, so each fused layer knows where every 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from graphserve.layers.activation import silu_and_mul
 
-class MergedLinear(nn.Linear):
-    """``nn.Linear`` whose output rows are ``output_sizes`` stacked in order."""
+# Largest row count sent to gemv; the crossover with cuBLAS is measured by benchmarks/gemv.py.
+GEMV_MAX_M = 8
+_GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when the rows of ``x`` ([..., K]) against ``weight`` take the gemv kernel.
+
+    The kernel has no backward, so a call that autograd would record stays on F.linear.
+    """
+    if not x.is_cuda or x.dtype != weight.dtype or x.dtype not in _GEMV_DTYPES or weight.stride(-1) != 1:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return 0 < rows <= GEMV_MAX_M
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and checkpoint names) with the small-batch gemv path on CUDA."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_gemv(x, self.weight):
+            from graphserve.kernels.gemv import gemv
+
+            out = gemv(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """``linear(silu_and_mul(gate_up))``: an MLP's activation and down projection.
+
+    For decode-sized batches on CUDA the activation is computed inside the gemv kernel's loads,
+    saving one launch and the [M, intermediate] round trip through memory.
+    """
+    if use_gemv(gate_up, linear.weight):
+        from graphserve.kernels.gemv import silu_mul_gemv
+
+        out = silu_mul_gemv(gate_up.reshape(-1, gate_up.shape[-1]), linear.weight, linear.bias)
+        return out.view(*gate_up.shape[:-1], linear.out_features)
+    return linear(silu_and_mul(gate_up))
+
+
+class MergedLinear(Linear):
+    """``Linear`` whose output rows are ``output_sizes`` stacked in order."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
         super().__init__(in_features, sum(output_sizes), bias=bias)

@@ -1,0 +1,236 @@
+"""Small-batch matmul ``x @ weight.T (+ bias)`` for decode: M (1..16) rows against an nn.Linear weight.
+
+At decode batch sizes the matmul is a weight stream: every weight byte is read once and used M
+times. Profiled on an H200 (~4.2 TB/s readable), cuBLAS reads the 4-12 MB projections of a 0.6B
+model at only 1.4-1.6 TB/s, and its down projection adds a second, split-K reduce kernel. Here each program owns ``block_n`` weight rows (output columns) for all M
+rows of x and streams its ``[block_n, K]`` slab once, with loads contiguous along K; ``block_n``
+is chosen so there are at least two programs per SM even for N = 1024, which makes split-K (and
+a second launch) unnecessary.
+
+Two inner products, picked per call by ``choose_config``:
+- FMA (M <= 4, or wherever 16-row tiles are too few to occupy every SM): each weight tile is
+  multiplied by each x row and reduced along K in fp32. The CUDA cores do M multiply-adds per
+  weight element, which stays under their peak for small M.
+- dot (M > 4): ``tl.dot(w_tile, x_tile.T)`` with the weight as the first operand and x padded to
+  16 rows ("swap AB"), so tensor cores take the M dimension at no extra bandwidth.
+
+K is a compile-time constant: a model has three or four distinct K, a K that is a multiple of
+``block_k`` drops the tail masks, and the loop bound stays a Python int under the interpreter.
+Everything is a pure function of shapes: no autotuning (unsafe inside CUDA-graph capture), no
+host syncs, no data-dependent allocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from graphserve.kernels.common import sm_count
+
+MAX_M = 16
+DOT_MIN_M = 5  # from 5 rows on, M fp32 FMAs per weight element approach the CUDA cores' peak
+DOT_BLOCK_M = 16  # the smallest tile edge tl.dot accepts
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile sizes and launch shape of one gemv call."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+
+    def num_programs(self, n: int) -> int:
+        return triton.cdiv(n, self.block_n)
+
+
+def _even_block_k(k: int, cap: int, floor: int) -> int:
+    """The largest power of two <= cap that divides K (no masked tail), else cap itself."""
+    cap = min(cap, triton.next_power_of_2(k))
+    bk = cap
+    while bk >= floor:
+        if k % bk == 0:
+            return bk
+        bk //= 2
+    return cap
+
+
+def choose_config(m: int, n: int, k: int, sms: int) -> GemvConfig:
+    """Tiles for an [m, k] x [n, k]^T product on a device with ``sms`` multiprocessors.
+
+    Two resident programs per SM keep one slab's loads in flight while the other reduces, so
+    ``block_n`` is the largest candidate that still yields ``2 * sms`` programs. tl.dot needs
+    16-row weight tiles; where that leaves SMs idle (N = 1024 on 132 SMs gives 64 programs) the
+    FMA product runs instead: even at M = 16 its multiply-adds cost about as much time as the
+    weight read, while idle SMs would cap the read near half the card's bandwidth.
+    """
+    target = 2 * sms
+    use_dot = m >= DOT_MIN_M and triton.cdiv(n, 16) >= sms
+    if use_dot:
+        # 4-8K-element weight tiles, 3 stages: at most ~75 KB of bf16 shared memory (weight + x
+        # tiles), which far smaller GPUs than an H200 also have
+        block_n = next((bn for bn in (64, 32) if triton.cdiv(n, bn) >= target), 16)
+        block_k = _even_block_k(k, min(256, 8192 // block_n), 64)
+        return GemvConfig(block_n, block_k, num_warps=4, num_stages=3, use_dot=True)
+    # FMA: 4 warps. Its loads are not software-pipelined, so the bytes in flight per SM are the
+    # tiles of its resident programs: each thread loads up to 128 weight elements per tile (16
+    # loads of 16 bytes) at M <= 2, 64 at larger M where the per-row products need the registers.
+    # A slab that fits one tile is loaded whole, its masked tail costing registers but no traffic.
+    tile = (128 if m <= 2 else 64) * 32 * 4
+    block_n = next((bn for bn in (32, 16, 8) if triton.cdiv(n, bn) >= target), 4)
+    whole = triton.next_power_of_2(k)
+    block_k = whole if block_n * whole <= tile else _even_block_k(k, tile // block_n, 256)
+    return GemvConfig(block_n, block_k, num_warps=4, num_stages=2, use_dot=False)
+
+
+@triton.jit
+def _x_tile(x_ptr, stride_xm, rows, offs_k, mask, K: tl.constexpr, SILU_MUL: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Rows of x at columns offs_k; with SILU_MUL, x = silu(gate) * up from gate_up = [gate | up].
+
+    The product is rounded to the input dtype, as the separate silu_and_mul kernel writes it, so
+    the fused and unfused paths feed the matmul the same numbers.
+    """
+    ptrs = x_ptr + rows * stride_xm + offs_k
+    if SILU_MUL:
+        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        return (gate / (1.0 + tl.exp(-gate)) * up).to(OUT_DTYPE)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, stride_xm, stride_wn, stride_om,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    # rows past N re-read row N-1 instead of being masked: the weight loads stay unmasked along N
+    # and vectorise; those columns are never stored
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        if K % BLOCK_K == 0:  # no tail: unmasked weight loads
+            w = tl.load(w_ptrs + k0)
+        else:
+            w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
+        if USE_DOT:
+            x_mask = (offs_m[:, None] < M) & k_mask[None, :]
+            x = _x_tile(x_ptr, stride_xm, offs_m[:, None], k0 + offs_k[None, :], x_mask, K,
+                        SILU_MUL, w_ptr.dtype.element_ty)  # fmt: skip
+            if IEEE_DOT:  # fp32 inputs would otherwise be rounded to tf32 by the tensor cores
+                acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+            else:
+                acc += tl.dot(w, tl.trans(x))
+        else:
+            wf = w.to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                x_row = _x_tile(x_ptr, stride_xm, m, k0 + offs_k, k_mask & (m < M), K,
+                                SILU_MUL, w_ptr.dtype.element_ty)  # fmt: skip
+                part = tl.sum(wf * x_row.to(tl.float32)[None, :], axis=1)
+                acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_m[None, :] < M))
+
+
+def _launch(
+    x: torch.Tensor,
+    k: int,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+    silu_mul: bool,
+    config: GemvConfig | None,
+) -> torch.Tensor:
+    name = "silu_mul_gemv" if silu_mul else "gemv"
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"{name} needs a 2-D input and weight, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, n = x.shape[0], weight.shape[0]
+    if not 0 < m <= MAX_M:
+        raise ValueError(f"{name} takes 1..{MAX_M} rows, got {m}; use F.linear for larger batches")
+    if weight.shape[1] != k:
+        raise ValueError(f"{name}: weight {tuple(weight.shape)} does not match the input's K = {k}")
+    if x.dtype != weight.dtype or x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name}: input {x.dtype} and weight {weight.dtype} must share one of {SUPPORTED_DTYPES}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"{name}: bias must be contiguous with shape ({n},), got {tuple(bias.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        raise ValueError(f"{name}: weight must be contiguous along K (nn.Linear layout)")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"{name}: out must be [{m}, {n}] {x.dtype} contiguous along N, got {tuple(out.shape)}")
+    cfg = config or choose_config(m, n, k, sm_count(x.device))
+    block_m = DOT_BLOCK_M if cfg.use_dot else triton.next_power_of_2(m)
+    _gemv_kernel[(cfg.num_programs(n),)](
+        x, weight, bias if bias is not None else weight, out,
+        m, n, x.stride(0), weight.stride(0), out.stride(0),
+        K=k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, USE_DOT=cfg.use_dot, IEEE_DOT=x.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for x [M, K] (M <= 16), weight [N, K]; fp32 accumulation, x's dtype out.
+
+    ``config`` overrides ``choose_config`` (benchmarks sweep it; the engine never passes it).
+    """
+    return _launch(x, x.shape[-1], weight, bias, out, silu_mul=False, config=config)
+
+
+def silu_mul_gemv(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """``(silu(gate) * up) @ weight.T (+ bias)`` for gate_up [M, 2K] = [gate | up] and weight [N, K].
+
+    The MLP's activation is computed while loading x, so the down projection needs no separate
+    silu_and_mul launch nor its [M, K] intermediate.
+    """
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"silu_mul_gemv needs an even last dim (gate and up halves), got {gate_up.shape[-1]}")
+    return _launch(gate_up, gate_up.shape[-1] // 2, weight, bias, out, silu_mul=True, config=config)
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``x @ weight.T (+ bias)``."""
+    out = x.float() @ weight.float().T
+    return out + bias.float() if bias is not None else out
+
+
+def silu_mul_gemv_reference(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 matmul of ``silu(gate) * up`` computed in fp32 and rounded to the input dtype."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    x = (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+    return gemv_reference(x, weight, bias)

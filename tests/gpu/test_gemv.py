@@ -1,0 +1,113 @@
+"""The gemv kernels in bf16 at the decode projections of qwen3-0.6b and Llama-3-8B, on the GPU.
+
+Fresh random inputs per shape and batch against the fp32 references; a CUDA-graph replay on new
+inputs must equal an eager call bit for bit (the decode path runs the kernels only that way); the
+layers must route decode-sized batches to the kernels and larger ones to cuBLAS.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphserve.kernels.activation import silu_and_mul
+from graphserve.kernels.common import sm_count
+from graphserve.kernels.gemv import choose_config, gemv, gemv_reference, silu_mul_gemv, silu_mul_gemv_reference
+from graphserve.layers import linear as linear_mod
+
+DT = torch.bfloat16
+TOL = 2e-2
+BATCHES = [1, 2, 4, 8, 16]
+
+# name: (N, K) of x @ W.T; qkv and gate_up are the fused projections the model runs
+PROJECTIONS = {
+    "qwen3-0.6b qkv": (4096, 1024),
+    "qwen3-0.6b o_proj": (1024, 2048),
+    "qwen3-0.6b gate_up": (6144, 1024),
+    "qwen3-0.6b down": (1024, 3072),
+    "qwen3-0.6b lm_head": (151936, 1024),
+    "llama3-8b qkv": (6144, 4096),
+    "llama3-8b o_proj": (4096, 4096),
+    "llama3-8b gate_up": (28672, 4096),
+    "llama3-8b down": (4096, 14336),
+}
+DOWN = {"qwen3-0.6b down": (1024, 3072), "llama3-8b down": (4096, 14336)}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    return (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(DT)
+
+
+@pytest.mark.parametrize("m", BATCHES)
+@pytest.mark.parametrize("name", list(PROJECTIONS))
+def test_gemv_bf16_model_shapes(name, m, gen):
+    n, k = PROJECTIONS[name]
+    w = weight(n, k, gen)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(DT)
+    bias = torch.randn(n, device="cuda", generator=gen).to(DT)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=DT)
+    gemv(x, w, out=out)
+    assert not out.isnan().any()
+    assert rel_err(out, gemv_reference(x, w)) < TOL
+    assert rel_err(gemv(x, w, bias), gemv_reference(x, w, bias)) < TOL
+
+
+@pytest.mark.parametrize("m", BATCHES)
+@pytest.mark.parametrize("name", list(DOWN))
+def test_silu_mul_gemv_bf16_down_projection(name, m, gen):
+    n, k = DOWN[name]
+    w = weight(n, k, gen)
+    gate_up = (torch.randn(m, 2 * k, device="cuda", generator=gen) * 3).to(DT)
+    out = silu_mul_gemv(gate_up, w)
+    assert rel_err(out, silu_mul_gemv_reference(gate_up, w)) < TOL
+    # same activation numbers as the separate kernel, so only the matmul's summation order differs
+    assert rel_err(out, gemv(silu_and_mul(gate_up), w)) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("name", ["qwen3-0.6b down", "llama3-8b qkv"])
+def test_cuda_graph_replay_matches_eager(name, m, gen):
+    n, k = PROJECTIONS[name]
+    cfg = choose_config(m, n, k, sm_count(torch.device("cuda")))
+    w = weight(n, k, gen)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(DT)
+    gate_up = torch.randn(m, 2 * k, device="cuda", generator=gen).to(DT)
+    out, fused = torch.empty(m, n, device="cuda", dtype=DT), torch.empty(m, n, device="cuda", dtype=DT)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile outside the capture
+        gemv(x, w, out=out)
+        silu_mul_gemv(gate_up, w, out=fused)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        gemv(x, w, out=out)
+        silu_mul_gemv(gate_up, w, out=fused)
+    x.copy_(torch.randn(m, k, device="cuda", generator=gen).to(DT))
+    gate_up.copy_(torch.randn(m, 2 * k, device="cuda", generator=gen).to(DT))
+    out.fill_(float("nan"))
+    fused.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gemv(x, w)), cfg
+    assert torch.equal(fused, silu_mul_gemv(gate_up, w)), cfg
+    assert rel_err(out, gemv_reference(x, w)) < TOL
+
+
+@torch.inference_mode()
+def test_layers_route_decode_batches_to_gemv_and_larger_ones_to_cublas(gen):
+    lin = linear_mod.Linear(3072, 1024, bias=True, device="cuda", dtype=DT).requires_grad_(False)
+    small = torch.randn(linear_mod.GEMV_MAX_M, 3072, device="cuda", generator=gen).to(DT)
+    large = torch.randn(linear_mod.GEMV_MAX_M + 1, 3072, device="cuda", generator=gen).to(DT)
+    assert linear_mod.use_gemv(small, lin.weight) and not linear_mod.use_gemv(large, lin.weight)
+    assert torch.equal(lin(small), gemv(small, lin.weight, lin.bias))
+    assert torch.equal(lin(large), F.linear(large, lin.weight, lin.bias))
+    gate_up = torch.randn(2, 6144, device="cuda", generator=gen).to(DT)
+    assert torch.equal(linear_mod.silu_mul_linear(gate_up, lin), silu_mul_gemv(gate_up, lin.weight, lin.bias))
+    big_gate_up = torch.randn(linear_mod.GEMV_MAX_M + 1, 6144, device="cuda", generator=gen).to(DT)
+    assert torch.equal(linear_mod.silu_mul_linear(big_gate_up, lin), lin(silu_and_mul(big_gate_up)))
