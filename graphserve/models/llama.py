@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from graphserve.errors import ModelLoadError
-from graphserve.layers.activation import silu_and_mul
 from graphserve.layers.embedding import LMHead, VocabEmbedding
-from graphserve.layers.linear import MergedLinear
+from graphserve.layers.linear import Linear, MergedLinear, silu_mul_linear
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
 
@@ -75,7 +74,7 @@ class LlamaAttention(nn.Module):
         self.scale = s.head_dim**-0.5
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         self.qkv_proj = MergedLinear(s.hidden_size, [q_size, kv_size, kv_size], bias=s.qkv_bias)
-        self.o_proj = nn.Linear(q_size, s.hidden_size, bias=s.o_bias)
+        self.o_proj = Linear(q_size, s.hidden_size, bias=s.o_bias)
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
@@ -121,10 +120,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, s: Shape) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(s.hidden_size, [s.intermediate_size] * 2, bias=s.mlp_bias)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        self.down_proj = Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return silu_mul_linear(self.gate_up_proj(x), self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
