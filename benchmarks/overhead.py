@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import time
 
 import torch
 
@@ -50,6 +51,7 @@ def measure(args: argparse.Namespace, overlap: str) -> dict:
     llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     core = llm.engine.core
     start = len(core.telemetry.records())
+    timings = _time_host_phases(core)
     llm.generate(prompts, params, use_tqdm=False)
     recs = [r for r in core.telemetry.records()[start:] if r.kind == "decode" and r.batch_size == n]
     recs = recs[len(recs) // 4 :]  # steady state: past the first quarter of full-batch decode steps
@@ -65,9 +67,51 @@ def measure(args: argparse.Namespace, overlap: str) -> dict:
         gpu_ms = cuda_time_ms(lambda: runner.graphs.replay(batch).argmax(-1).cpu(), warmup=3, iters=20)
     host = max(0.0, step_ms - gpu_ms)
     row = {"model": args.model, "overlap": overlap, "bs": n, "steps": len(recs), "step_ms": step_ms,
-           "gpu_ms": gpu_ms, "host_ms": host, "host_fraction": host / step_ms}
+           "gpu_ms": gpu_ms, "host_ms": host, "host_fraction": host / step_ms,
+           **{f"{k}_ms": statistics.median(v[len(v) // 2 :]) for k, v in timings.items()}}
     return row
 
 
 if __name__ == "__main__":
     main()
+
+
+PROFILE_FROM = 120  # launch count at which ten steps are profiled
+
+
+def _time_host_phases(core) -> dict[str, list[float]]:
+    """Wall time of each step's phases on the host (ms): scheduling, launching (inputs, graph replay
+    and sampling queued), and waiting for the step's ids. A launch that takes as long as the device
+    step is blocked on the device somewhere."""
+    timings: dict[str, list[float]] = {"schedule": [], "launch": [], "wait": []}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                timings[name].append((time.perf_counter() - t0) * 1e3)
+        return wrapper
+
+    core.scheduler.schedule = timed("schedule", core.scheduler.schedule)
+    launch = core.runner.launch
+
+    calls = [0]
+    profiler = []
+
+    def launch_and_time_wait(sched):
+        # ten steady steps under the profiler: the CUDA runtime calls show any host-device sync
+        calls[0] += 1
+        if calls[0] == PROFILE_FROM and torch.cuda.is_available():
+            profiler.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]))
+            profiler[0].__enter__()
+        if calls[0] == PROFILE_FROM + 10 and profiler:
+            profiler[0].__exit__(None, None, None)
+            print(profiler[0].key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+        pending = timed("launch", launch)(sched)
+        pending.result = timed("wait", pending.result)
+        return pending
+
+    core.runner.launch = launch_and_time_wait
+    return timings

@@ -227,11 +227,13 @@ def test_penalties_beside_plain_requests_match_the_synchronous_engine(make_llm, 
     penalized = SamplingParams(temperature=0.8, seed=5, max_tokens=NEW, ignore_eos=True,
                                repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
     plain = SamplingParams(temperature=0.7, seed=9, max_tokens=NEW, ignore_eos=True)
-    params = [penalized, plain, penalized, plain]
+    stops = dataclasses.replace(penalized, seed=6, stop_token_ids=list(range(40, 320)))  # stops within a few tokens
+    params = [penalized, plain, stops, plain]
     reference = LLM(model_dir, block_size=4, overlap_schedule="off")
     want = [o.token_ids for o in reference.generate(_ids(prompts[:4]), params, use_tqdm=False)]
     got = [o.token_ids for o in make_llm().generate(_ids(prompts[:4]), params, use_tqdm=False)]
     assert got == want
+    assert len(want[2]) < NEW  # the stop request finished early, while others were in flight
 
 
 def test_overlap_schedule_keeps_one_step_in_flight(make_llm, prompts):

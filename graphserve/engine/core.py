@@ -172,7 +172,8 @@ class EngineCore:
         if not sched.is_empty:
             if self._inflight is not None and self._penalized:
                 outputs += self._resolve()  # penalties count the output tokens: they must be on the host
-            launched = self._launch(sched, start)
+                self.scheduler.drop_finished(sched)  # some may have met a stop token just now
+            launched = self._launch(sched, start) if not sched.is_empty else None
             outputs += self._pending  # requests failed by a launch that raised
             self._pending = []
         if self._inflight is not None:

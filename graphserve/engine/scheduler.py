@@ -232,6 +232,17 @@ class Scheduler:
                 f"({self.block_manager.num_usable_blocks} blocks); raise --num-kv-tokens or --kv-cache-gb"
             )
 
+    def drop_finished(self, out: SchedulerOutput) -> None:
+        """Take sequences that finished after ``out`` was scheduled (their blocks are freed) out of it."""
+        finished = SequenceStatus.FINISHED
+        gone = [s for s in out.scheduled if s.seq.status is finished]
+        for sched in gone:
+            out.scheduled.remove(sched)
+            if sched.is_prefill:
+                out.num_prefill_tokens -= sched.num_new_tokens
+            else:
+                out.num_decode_tokens -= sched.num_new_tokens
+
     def advance(self, out: SchedulerOutput) -> list[tuple[int, Sequence, int]]:
         """Count the step's tokens as computed; give each sequence that completes its prompt or a
         decode its next output token, held as ``future_token(row)`` until the step's ids arrive.

@@ -16,8 +16,13 @@ from torch import nn
 
 from graphserve.layers.activation import silu_and_mul
 
-# Largest row count sent to gemv; the crossover with cuBLAS is measured by benchmarks/gemv.py.
-GEMV_MAX_M = 8
+# Where gemv beats cuBLAS, measured by benchmarks/gemv.py on an H200 (weights cold in L2, inside a
+# CUDA graph): at 1 row on every weight up to 32 MiB (Qwen3-0.6B's four projections by 1.0-3.7x,
+# Llama-3-8B's o_proj by 1.2x) and at 2 rows on most of them; on Llama-3-8B's 48-224 MiB qkv,
+# gate_up and down cuBLAS streams at 3.2-4.1 TB/s and gemv does not beat it. From 4 rows the
+# kernel's multiply-add path falls behind. So: at most GEMV_MAX_M rows, weights up to the cap.
+GEMV_MAX_M = 2
+GEMV_MAX_WEIGHT_BYTES = 40 * 1024**2
 _GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -29,6 +34,8 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not x.is_cuda or x.dtype != weight.dtype or x.dtype not in _GEMV_DTYPES or weight.stride(-1) != 1:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    if weight.numel() * weight.element_size() > GEMV_MAX_WEIGHT_BYTES:
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return 0 < rows <= GEMV_MAX_M

@@ -111,3 +111,6 @@ def test_layers_route_decode_batches_to_gemv_and_larger_ones_to_cublas(gen):
     assert torch.equal(linear_mod.silu_mul_linear(gate_up, lin), silu_mul_gemv(gate_up, lin.weight, lin.bias))
     big_gate_up = torch.randn(linear_mod.GEMV_MAX_M + 1, 6144, device="cuda", generator=gen).to(DT)
     assert torch.equal(linear_mod.silu_mul_linear(big_gate_up, lin), lin(silu_and_mul(big_gate_up)))
+    # a weight over the cap (Llama-3-8B's down projection, 112 MiB) stays on cuBLAS even at one row
+    down = torch.empty(4096, 14336, device="cuda", dtype=DT)
+    assert not linear_mod.use_gemv(small[:1, :1].expand(1, 14336).contiguous(), down)
