@@ -18,7 +18,7 @@ Prompt = str | dict[str, Any] | list[int]
 class LLM:
     def __init__(self, model: str = "builtin:tiny-llama", **engine_args: Any):
         self.config = EngineConfig(model=model, **engine_args)
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, stream_outputs=False)  # generate returns finished requests only
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

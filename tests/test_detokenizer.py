@@ -129,3 +129,23 @@ def test_error_output_finishes_the_request(byte_tok):
     outs, _ = proc.process([CoreOutput("r1", 0, [], finish_reason="abort", error="RuntimeError: boom")])
     assert outs[0].finished and outs[0].error == "RuntimeError: boom"
     assert [o.finish_reason for o in outs[0].outputs] == ["abort", "abort"]
+
+
+@pytest.mark.parametrize("text", [TEXT, "ok日"[:3]])
+def test_offline_outputs_decode_once_at_the_end_to_the_streamed_text(byte_tok, text):
+    from graphserve.engine.processor import OutputProcessor
+
+    params = SamplingParams(max_tokens=100)
+    ids = byte_tok.encode(text, add_special_tokens=False)
+    if text != TEXT:
+        ids = ids[:-1]  # ends inside a multi-byte character: the flush shows it as U+FFFD
+    finals = {}
+    for stream in (True, False):
+        proc = OutputProcessor(byte_tok, stream=stream)
+        proc.add(EngineRequest("r", [0], params, arrival_time=0.0))
+        per_step = [proc.process([CoreOutput("r", 0, [t], finish_reason="length" if i == len(ids) - 1 else None)])[0]
+                    for i, t in enumerate(ids)]
+        assert all(per_step[i] for i in range(len(ids))) if stream else not any(per_step[:-1])
+        finals[stream] = per_step[-1][0]
+    assert finals[False].text == finals[True].text == byte_tok.decode(ids)
+    assert finals[False].outputs[0].token_ids == ids and finals[False].finished

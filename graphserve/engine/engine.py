@@ -12,11 +12,13 @@ from graphserve.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    """``stream_outputs=False``: ``step`` returns a request's output only once it has finished."""
+
+    def __init__(self, config: EngineConfig, stream_outputs: bool = True):
         self.config = config
         self.core = EngineCore(config)
         self.input_processor = InputProcessor(self.core.tokenizer, self.core.info, config, self.core.kv_blocks)
-        self.output_processor = OutputProcessor(self.core.tokenizer)
+        self.output_processor = OutputProcessor(self.core.tokenizer, stream=stream_outputs)
 
     @property
     def tokenizer(self) -> Any:

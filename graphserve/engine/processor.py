@@ -105,9 +105,12 @@ class _Choice:
 
 
 class _RequestState:
-    def __init__(self, req: EngineRequest, tokenizer: Any):
+    def __init__(self, req: EngineRequest, tokenizer: Any, stream: bool):
         self.req = req
         p = req.params
+        # Text is built token by token when it is streamed or searched for stop strings; otherwise
+        # once, at the end (the same text: the window decodes every output id in one call).
+        self.incremental = stream or bool(p.stop)
         self.choices = [
             _Choice(IncrementalDetokenizer(tokenizer, req.prompt_token_ids, p.skip_special_tokens), [],
                     [] if p.logprobs is not None else None)
@@ -138,12 +141,16 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any):
+    """``stream=False`` (offline generation, which returns only finished requests): an output is
+    built only when its request finishes, and its text is decoded then, in one pass."""
+
+    def __init__(self, tokenizer: Any, stream: bool = True):
         self.tokenizer = tokenizer
+        self.stream = stream
         self.states: dict[str, _RequestState] = {}
 
     def add(self, req: EngineRequest) -> None:
-        self.states[req.request_id] = _RequestState(req, self.tokenizer)
+        self.states[req.request_id] = _RequestState(req, self.tokenizer, self.stream)
 
     def has_unfinished(self) -> bool:
         return bool(self.states)
@@ -160,7 +167,8 @@ class OutputProcessor:
             self._apply(state, co, now)
         results, to_abort = [], []
         for rid, state in touched.items():
-            results.append(state.output())
+            if self.stream or state.finished:
+                results.append(state.output())
             if state.finished:
                 state.metrics.finished_time = now
                 results[-1].metrics.finished_time = now
@@ -193,11 +201,14 @@ class OutputProcessor:
             c.token_ids.extend(co.new_token_ids)
             if c.logprobs is not None and co.new_logprobs:
                 c.logprobs.extend(co.new_logprobs)
-            old_len = len(c.text)
-            c.text += c.detok.add(co.new_token_ids)
-            if state.req.params.stop and self._check_stop(state, c, old_len):
-                return
+            if state.incremental:
+                old_len = len(c.text)
+                c.text += c.detok.add(co.new_token_ids)
+                if state.req.params.stop and self._check_stop(state, c, old_len):
+                    return
         if co.finish_reason is not None:
+            if not state.incremental:
+                c.text += c.detok.add(c.token_ids)
             c.text += c.detok.flush()
             c.finish_reason, c.stop_reason = co.finish_reason, co.stop_reason
 
