@@ -7,8 +7,10 @@ Qwen3-0.6B at batch 1, whose 28 layers make ~0.2 ms of a 1.48 ms decode step).
 Rounding follows the unfused kernels step by step, so the two paths agree: RMSNorm in fp32,
 rounded to the input dtype, times the weight, rounded (kernels/norm.py); then rotary in fp32 on
 those rounded values, rounded (kernels/rotary.py); then the cast to the cache dtype
-(kernels/kv_write.py). One program per token; every size is static, so it captures in a
-CUDA graph, and padding rows (slot 0, the dummy block) are written like any other row.
+(kernels/kv_write.py). Every size is static, so it captures in a CUDA graph, and padding rows
+(slot 0, the dummy block) are written like any other row. Each token gets two programs, one for
+its q heads and one for its k and v, so at batch 1, where the kernel is one token's work, the two
+halves run side by side.
 """
 
 from __future__ import annotations
@@ -61,16 +63,27 @@ def _qk_norm_rope_kv_kernel(
     cos = tl.load(cos_ptr + pos * stride_cos + offs_half, mask=half_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * stride_sin + offs_half, mask=half_mask, other=0.0).to(tl.float32)[None, :]
     row = qkv_ptr + t * stride_qkv
-    dtype = qkv_ptr.dtype.element_ty
+
+    if tl.program_id(1) == 0:  # the token's q heads
+        q1, q2, offs_h, mask = _norm_rope_heads(
+            row, qw_ptr, num_q_heads, cos, sin, offs_half, eps, HAS_NORM, HEAD_DIM, HALF, BLOCK_HQ
+        )
+        dst = q_out_ptr + t * num_q_heads * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_half[None, :]
+        tl.store(dst, q1.to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=mask)
+    else:  # its k and v heads, into the cache
+        _k_v_to_cache(row, kw_ptr, cache_ptr, slot, stride_kv, stride_slot, num_q_heads, num_kv_heads, cos, sin,
+                      offs_half, eps, HAS_NORM, HEAD_DIM, HALF, BLOCK_HK, BLOCK_KV)
+
+
+@triton.jit
+def _k_v_to_cache(
+    row, kw_ptr, cache_ptr, slot, stride_kv, stride_slot, num_q_heads, num_kv_heads, cos, sin, offs_half, eps,
+    HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+):  # fmt: skip
+    dtype = row.dtype.element_ty
     kv_elems = num_kv_heads * HEAD_DIM
-
-    q1, q2, offs_h, mask = _norm_rope_heads(
-        row, qw_ptr, num_q_heads, cos, sin, offs_half, eps, HAS_NORM, HEAD_DIM, HALF, BLOCK_HQ
-    )
-    dst = q_out_ptr + t * num_q_heads * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_half[None, :]
-    tl.store(dst, q1.to(q_out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=mask)
-
     k_row = row + num_q_heads * HEAD_DIM
     k1, k2, offs_h, mask = _norm_rope_heads(
         k_row, kw_ptr, num_kv_heads, cos, sin, offs_half, eps, HAS_NORM, HEAD_DIM, HALF, BLOCK_HK
@@ -125,7 +138,7 @@ def qk_norm_rope_kv_write(
         return q_out
     has_norm = q_norm_weight is not None
     half = head_dim // 2
-    _qk_norm_rope_kv_kernel[(num_tokens,)](
+    _qk_norm_rope_kv_kernel[(num_tokens, 2)](
         qkv, positions, cos, sin,
         q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,  # placeholders without norms
         q_out, kv_cache, slot_mapping,
