@@ -79,9 +79,6 @@ def measure(args: argparse.Namespace, overlap: str) -> dict:
     return row
 
 
-if __name__ == "__main__":
-    main()
-
 
 PROFILE_FROM = 120  # launch count at which ten steps are profiled
 
@@ -122,3 +119,7 @@ def _time_host_phases(core) -> dict[str, list[float]]:
 
     core.runner.launch = launch_and_time_wait
     return timings
+
+
+if __name__ == "__main__":
+    main()

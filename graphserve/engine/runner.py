@@ -207,7 +207,7 @@ class ModelRunner:
         )
 
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """[num_seqs, vocab] float32 logits: graph replay for decode batches when captured, else eager."""
+        """[num_seqs, vocab] logits in the model dtype: graph replay for decode batches when captured, else eager."""
         bs = batch.num_seqs
         graphs = self.graphs
         if graphs is not None and batch.mode == "decode":

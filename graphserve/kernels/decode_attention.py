@@ -35,15 +35,21 @@ NUM_WARPS, NUM_STAGES = 4, 3  # measured best of BLOCK_N 16..128, 2..8 warps, 2.
 @triton.jit
 def _decode_step(
     q, m_i, l_i, acc, n0, end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
-    offs_d, d_mask, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr,
+    offs_d, d_mask, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr, PREFETCH_V: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step over context tokens [n0, n0 + BLOCK_N) gathered through the block table."""
+    """One online-softmax step over context tokens [n0, n0 + BLOCK_N) gathered through the block table.
+
+    PREFETCH_V issues the V load with the K load instead of after the scores: one memory round trip
+    less per step, for a V tile held in registers meanwhile. Small batches (split contexts, a few
+    steps per program, where the step's latency is the kernel's time) take it."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
     block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
     row = block * stride_blk + (offs_n % PAGE) * stride_off
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(kv_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if PREFETCH_V:
+        v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if IEEE_DOT:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -53,7 +59,8 @@ def _decode_step(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if not PREFETCH_V:
+        v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if IEEE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -75,7 +82,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, PREFETCH_V: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -107,14 +114,14 @@ def _decode_split_kernel(
         while n0 < end:
             m_i, l_i, acc = _decode_step(
                 q, m_i, l_i, acc, n0, end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
-                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT,
+                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _decode_step(
                 q, m_i, l_i, acc, n0, end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
-                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT,
+                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V,
             )  # fmt: skip
 
     # an empty split (short sequence, or a padding row with seq_len 0) leaves l_i == 0
@@ -246,7 +253,7 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=BLOCK_N,
-        DIRECT=direct, IEEE_DOT=q.dtype == torch.float32, WHILE_LOOP=interpreting(),
+        DIRECT=direct, IEEE_DOT=q.dtype == torch.float32, WHILE_LOOP=interpreting(), PREFETCH_V=not direct,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if not direct:

@@ -276,26 +276,32 @@ class Sampler:
         return self.sample(logits, t).result()
 
     def sample(self, logits: torch.Tensor, t: SamplingTensors) -> PendingSample:
-        """``logits``: [B, V] float32 straight from the model. Queues the copy of the ids to the host."""
-        raw = logits
-        logits = apply_penalties(logits.float(), t)
-        if t.banned is not None:
-            logits = logits.masked_fill(t.banned, float("-inf"))
-        greedy_ids = logits.argmax(dim=-1)
-        if t.all_greedy:
-            ids = greedy_ids
+        """``logits``: [B, V] straight from the model (any float dtype; the math below runs in float32).
+        Queues the copy of the ids to the host."""
+        if t.all_greedy and t.output_counts is None and t.banned is None:
+            ids = logits.argmax(dim=-1)  # nothing to adjust: the argmax is the same in any float dtype
         else:
-            greedy = t.temperature == 0
-            temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature)
-            scaled = apply_min_p(apply_top_k_top_p(logits / temp[:, None], t), t)
-            gumbel = -torch.log(-torch.log(uniform_noise(t.seeds, t.steps, logits.shape[-1])))
-            ids = torch.where(greedy, greedy_ids, (scaled + gumbel).argmax(dim=-1))
+            ids = self._draw(logits, t)
         if t.max_logprobs < 0:
             return PendingSample(ids, None, 0)
-        logprobs = torch.log_softmax(raw.float(), dim=-1)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
         chosen = logprobs.gather(-1, ids[:, None])
         k = t.max_logprobs
         top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], ids[:, None][:, :0])
         # One device->host copy: ids and logprobs packed in float64 (ids < 2**53 are exact).
         packed = torch.cat([ids[:, None].double(), chosen.double(), top_ids.double(), top_lp.double()], dim=1)
         return PendingSample(ids, packed, k)
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        logits = apply_penalties(logits.float(), t)
+        if t.banned is not None:
+            logits = logits.masked_fill(t.banned, float("-inf"))
+        greedy_ids = logits.argmax(dim=-1)
+        if t.all_greedy:
+            return greedy_ids
+        greedy = t.temperature == 0
+        temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature)
+        scaled = apply_min_p(apply_top_k_top_p(logits / temp[:, None], t), t)
+        gumbel = -torch.log(-torch.log(uniform_noise(t.seeds, t.steps, logits.shape[-1])))
+        return torch.where(greedy, greedy_ids, (scaled + gumbel).argmax(dim=-1))
