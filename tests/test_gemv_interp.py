@@ -1,8 +1,8 @@
 """The small-batch gemv kernels against their fp32 PyTorch references, through Triton's interpreter.
 
 fp32, small shapes whose N and K are not multiples of the tiles, both inner products (FMA and
-tl.dot), bias on and off, outputs poisoned with NaN first. The bf16 model-shape versions and the
-CUDA-graph check live in tests/gpu/test_gemv.py.
+tl.dot), bias on and off, outputs poisoned with NaN first; the norm prologue with and without a
+residual. The bf16 model-shape versions and the CUDA-graph check live in tests/gpu/test_gemv.py.
 """
 
 from __future__ import annotations
@@ -43,11 +43,15 @@ from graphserve.kernels.gemv import (  # noqa: E402
     choose_config,
     gemv,
     gemv_reference,
+    norm_gemv,
+    norm_gemv_reference,
     silu_mul_gemv,
     silu_mul_gemv_reference,
 )
+from graphserve.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from graphserve.layers import linear as linear_mod  # noqa: E402
 from graphserve.layers.activation import silu_and_mul as layer_silu_and_mul  # noqa: E402
+from graphserve.layers.norm import RMSNorm  # noqa: E402
 
 DEVICE = torch.device("cpu") if isinstance(tl.standard.cdiv, InterpretedFunction) else torch.device("cuda")
 RTOL = 1e-4
@@ -101,6 +105,45 @@ def test_silu_mul_gemv_matches_reference_and_the_unfused_path(config, m):
     # the prologue rounds silu(gate) * up as the activation kernel does, so both feed the same x
     unfused = gemv(silu_and_mul(gate_up), w, bias, config=config)
     assert rel_err(out, unfused) < 1e-6
+
+
+@pytest.mark.parametrize("config", [None, FMA, DOT], ids=["chosen", "fma", "dot"])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add_norm"])
+def test_norm_gemv_matches_reference_and_the_unfused_path(config, m, with_residual):
+    """K = 100 is no multiple of FMA's 64 nor DOT's 32: the statistics pass and the matmul both mask a tail."""
+    gen = torch.Generator().manual_seed(3 * m + with_residual)
+    n, k, eps = 37, 100, 1e-6
+    x, norm_w = randn(m, k, gen=gen) * 2, randn(k, gen=gen)
+    w, bias = randn(n, k, gen=gen), randn(n, gen=gen)
+    residual = randn(m, k, gen=gen) if with_residual else None
+    old_residual = residual.clone() if with_residual else None
+    residual_out = torch.full((m, k), float("nan"), device=DEVICE) if with_residual else None
+    out = torch.full((m, n), float("nan"), device=DEVICE)
+    y, summed = norm_gemv(x, norm_w, eps, w, bias, residual, residual_out=residual_out, out=out, config=config)
+    assert y is out and summed is residual_out
+    ref_y, ref_summed = norm_gemv_reference(x, norm_w, eps, w, bias, residual)
+    assert rel_err(y, ref_y) < RTOL
+    if with_residual:
+        assert torch.equal(summed, ref_summed)
+        assert torch.equal(residual, old_residual)  # read by every program, never written
+        h, unfused_summed = fused_add_rms_norm(x, residual, norm_w, eps)
+        assert torch.equal(summed, unfused_summed)
+    else:
+        assert summed is None
+        h = rms_norm(x, norm_w, eps)
+    # the same normalised rows reach the matmul as through the separate norm kernel
+    assert rel_err(y, gemv(h, w, bias, config=config)) < 1e-6
+
+
+def test_norm_gemv_rejects_writing_over_the_residual_it_reads():
+    x, r, norm_w, w = torch.ones(2, 32), torch.ones(2, 32), torch.ones(32), torch.ones(8, 32)
+    with pytest.raises(ValueError, match="new buffer"):
+        norm_gemv(x, norm_w, 1e-6, w, residual=r, residual_out=r)
+    with pytest.raises(ValueError, match=r"norm weight must be contiguous with shape \(32,\), got \(31,\)"):
+        norm_gemv(x, torch.ones(31), 1e-6, w)
+    with pytest.raises(ValueError, match="residual_out given without a residual"):
+        norm_gemv(x, norm_w, 1e-6, w, residual_out=torch.empty(2, 32))
 
 
 def test_strided_rows_in_and_out_touch_only_their_columns():
@@ -162,3 +205,21 @@ def test_linear_layers_keep_nn_linear_results_off_the_gemv_path():
         assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
         gate_up = torch.randn(2, 48, generator=gen)
         assert torch.equal(linear_mod.silu_mul_linear(gate_up, lin), lin(layer_silu_and_mul(gate_up)))
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["first_layer", "later_layer"])
+def test_norm_linear_off_the_gemv_path_is_the_norm_then_the_linear(with_residual):
+    """On CPU norm_linear is exactly the decoder layer's two calls: norm (with residual add), then linear."""
+    gen = torch.Generator().manual_seed(13)
+    norm = RMSNorm(24, 1e-5)
+    lin = linear_mod.MergedLinear(24, [6, 4], bias=True)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(24, generator=gen))
+        x = torch.randn(3, 24, generator=gen)
+        residual = torch.randn(3, 24, generator=gen) if with_residual else None
+        y, new_residual = linear_mod.norm_linear(norm, x, residual, lin)
+        if with_residual:
+            h, expect_residual = norm(x, residual)
+        else:
+            h, expect_residual = norm(x), x
+        assert torch.equal(y, lin(h)) and torch.equal(new_residual, expect_residual)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.common import sm_count
+from graphserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 
 MAX_M = 16
 DOT_MIN_M = 5  # from 5 rows on, M fp32 FMAs per weight element approach the CUDA cores' peak
@@ -93,31 +94,61 @@ def choose_config(m: int, n: int, k: int, sms: int) -> GemvConfig:
 
 
 @triton.jit
-def _x_tile(x_ptr, stride_xm, rows, offs_k, mask, K: tl.constexpr, SILU_MUL: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """Rows of x at columns offs_k; with SILU_MUL, x = silu(gate) * up from gate_up = [gate | up].
+def _x_tile(
+    x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, rows, offs_k, mask, rstd,
+    K: tl.constexpr, SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Rows of x at columns offs_k, through the prologue the call asks for.
 
-    The product is rounded to the input dtype, as the separate silu_and_mul kernel writes it, so
-    the fused and unfused paths feed the matmul the same numbers.
+    SILU_MUL: x = silu(gate) * up from gate_up = [gate | up]. ADD_RESIDUAL: x + residual. NORM:
+    RMSNorm with the rows' ``rstd``. Every intermediate is rounded to the input dtype where the
+    separate silu_and_mul / fused_add_rms_norm kernels write one, so the fused and unfused paths
+    feed the matmul the same numbers.
     """
     ptrs = x_ptr + rows * stride_xm + offs_k
     if SILU_MUL:
         gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
         return (gate / (1.0 + tl.exp(-gate)) * up).to(OUT_DTYPE)
-    return tl.load(ptrs, mask=mask, other=0.0)
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        r = tl.load(res_ptr + rows * stride_rm + offs_k, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(OUT_DTYPE)
+    if NORM:
+        nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        x = ((x.to(tl.float32) * rstd).to(OUT_DTYPE).to(tl.float32) * nw).to(OUT_DTYPE)
+    return x
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    M, N, stride_xm, stride_wn, stride_om,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
+    USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:
+        # every program takes the rows' statistics itself: a K-wide row is a few KB read from L2,
+        # far cheaper than a separate norm launch. Program 0 alone writes x + residual, into a
+        # buffer nobody reads during the launch, so the other programs' reads of the old residual
+        # cannot race with it.
+        sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs_k[None, :]
+            row_mask = (offs_m[:, None] < M) & (cols < K)
+            s = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols, row_mask, rstd[:, None],
+                        K, False, ADD_RESIDUAL, False, w_ptr.dtype.element_ty)  # fmt: skip
+            if ADD_RESIDUAL:
+                tl.store(res_out_ptr + offs_m[:, None] * stride_rom + cols, s, mask=row_mask & (pid == 0))
+            sf = s.to(tl.float32)
+            sum_sq += tl.sum(sf * sf, axis=1)
+        rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
     # rows past N re-read row N-1 instead of being masked: the weight loads stay unmasked along N
     # and vectorise; those columns are never stored
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -131,8 +162,8 @@ def _gemv_kernel(
             w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
         if USE_DOT:
             x_mask = (offs_m[:, None] < M) & k_mask[None, :]
-            x = _x_tile(x_ptr, stride_xm, offs_m[:, None], k0 + offs_k[None, :], x_mask, K,
-                        SILU_MUL, w_ptr.dtype.element_ty)  # fmt: skip
+            x = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], k0 + offs_k[None, :], x_mask,
+                        rstd[:, None], K, SILU_MUL, ADD_RESIDUAL, NORM, w_ptr.dtype.element_ty)  # fmt: skip
             if IEEE_DOT:  # fp32 inputs would otherwise be rounded to tf32 by the tensor cores
                 acc += tl.dot(w, tl.trans(x), input_precision="ieee")
             else:
@@ -140,8 +171,9 @@ def _gemv_kernel(
         else:
             wf = w.to(tl.float32)
             for m in tl.static_range(BLOCK_M):
-                x_row = _x_tile(x_ptr, stride_xm, m, k0 + offs_k, k_mask & (m < M), K,
-                                SILU_MUL, w_ptr.dtype.element_ty)  # fmt: skip
+                rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+                x_row = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, k0 + offs_k, k_mask & (m < M),
+                                rstd_m, K, SILU_MUL, ADD_RESIDUAL, NORM, w_ptr.dtype.element_ty)  # fmt: skip
                 part = tl.sum(wf * x_row.to(tl.float32)[None, :], axis=1)
                 acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
     if HAS_BIAS:
@@ -150,16 +182,28 @@ def _gemv_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_m[None, :] < M))
 
 
+@dataclass(frozen=True)
+class _Prologue:
+    """What the kernel computes on x before the matmul: nothing, silu(gate) * up, or (residual add +) RMSNorm."""
+
+    name: str
+    silu_mul: bool = False
+    norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+
+
 def _launch(
     x: torch.Tensor,
     k: int,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     out: torch.Tensor | None,
-    silu_mul: bool,
+    pro: _Prologue,
     config: GemvConfig | None,
 ) -> torch.Tensor:
-    name = "silu_mul_gemv" if silu_mul else "gemv"
+    name = pro.name
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"{name} needs a 2-D input and weight, got {tuple(x.shape)} and {tuple(weight.shape)}")
     m, n = x.shape[0], weight.shape[0]
@@ -179,12 +223,17 @@ def _launch(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"{name}: out must be [{m}, {n}] {x.dtype} contiguous along N, got {tuple(out.shape)}")
+    res, res_out = pro.residual, pro.residual_out
     cfg = config or choose_config(m, n, k, sm_count(x.device))
     block_m = DOT_BLOCK_M if cfg.use_dot else triton.next_power_of_2(m)
+    placeholder = weight  # pointer arguments a disabled prologue never dereferences
     _gemv_kernel[(cfg.num_programs(n),)](
-        x, weight, bias if bias is not None else weight, out,
-        m, n, x.stride(0), weight.stride(0), out.stride(0),
-        K=k, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, USE_DOT=cfg.use_dot, IEEE_DOT=x.dtype == torch.float32,
+        x, res if res is not None else placeholder, pro.norm_weight if pro.norm_weight is not None else placeholder,
+        res_out if res_out is not None else placeholder, weight, bias if bias is not None else placeholder, out,
+        m, n, x.stride(0), res.stride(0) if res is not None else 0, res_out.stride(0) if res_out is not None else 0,
+        weight.stride(0), out.stride(0), pro.eps,
+        K=k, HAS_BIAS=bias is not None, SILU_MUL=pro.silu_mul, ADD_RESIDUAL=res is not None,
+        NORM=pro.norm_weight is not None, USE_DOT=cfg.use_dot, IEEE_DOT=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -203,7 +252,7 @@ def gemv(
 
     ``config`` overrides ``choose_config`` (benchmarks sweep it; the engine never passes it).
     """
-    return _launch(x, x.shape[-1], weight, bias, out, silu_mul=False, config=config)
+    return _launch(x, x.shape[-1], weight, bias, out, _Prologue("gemv"), config)
 
 
 def silu_mul_gemv(
@@ -221,7 +270,54 @@ def silu_mul_gemv(
     """
     if gate_up.shape[-1] % 2:
         raise ValueError(f"silu_mul_gemv needs an even last dim (gate and up halves), got {gate_up.shape[-1]}")
-    return _launch(gate_up, gate_up.shape[-1] // 2, weight, bias, out, silu_mul=True, config=config)
+    pro = _Prologue("silu_mul_gemv", silu_mul=True)
+    return _launch(gate_up, gate_up.shape[-1] // 2, weight, bias, out, pro, config)
+
+
+def norm_gemv(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    *,
+    residual_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rms_norm(x [+ residual]) @ weight.T (+ bias), x + residual or None)`` for x [M, K], M <= 16.
+
+    A decoder layer's norm feeds its qkv and gate_up projections; at decode batch sizes the norm
+    launch costs more than the norm, so every gemv program normalises the rows itself. Numerics
+    are kernels/norm.py's: the sum rounded to x's dtype, fp32 statistics, the normalised row
+    rounded before and after the norm weight. ``residual_out`` (allocated when None) receives
+    ``x + residual``; it must not be ``residual``, which every program still reads.
+    """
+    name = "norm_gemv"
+    m, k = x.shape[0], x.shape[-1]
+    if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+        raise ValueError(f"{name}: norm weight must be contiguous with shape ({k},), got {tuple(norm_weight.shape)}")
+    if residual is None:
+        if residual_out is not None:
+            raise ValueError(f"{name}: residual_out given without a residual to add")
+    else:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"{name}: residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
+            )
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+        if residual_out is None:
+            residual_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+        elif residual_out.shape != (m, k) or residual_out.dtype != x.dtype or residual_out.stride(-1) != 1:
+            raise ValueError(
+                f"{name}: residual_out must be [{m}, {k}] {x.dtype} contiguous along K, got {tuple(residual_out.shape)}"
+            )
+        elif residual_out.data_ptr() == residual.data_ptr():
+            raise ValueError(f"{name}: residual_out must be a new buffer, not the residual every program reads")
+    pro = _Prologue(name, norm_weight=norm_weight, eps=float(eps), residual=residual, residual_out=residual_out)
+    return _launch(x, k, weight, bias, out, pro, config), residual_out
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -237,3 +333,18 @@ def silu_mul_gemv_reference(
     gate, up = gate_up.float().chunk(2, dim=-1)
     x = (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
     return gemv_reference(x, weight, bias)
+
+
+def norm_gemv_reference(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 matmul of the reference RMSNorm (of ``x + residual`` rounded to x's dtype), and that sum."""
+    if residual is None:
+        return gemv_reference(rms_norm_reference(x, norm_weight, eps), weight, bias), None
+    h, summed = fused_add_rms_norm_reference(x, residual, norm_weight, eps)
+    return gemv_reference(h, weight, bias), summed

@@ -10,11 +10,16 @@ wants); the checkpoint stores them apart, so each fused layer knows where every 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from graphserve.layers.activation import silu_and_mul
+
+if TYPE_CHECKING:
+    from graphserve.layers.norm import RMSNorm
 
 # Where gemv beats cuBLAS, measured by benchmarks/gemv.py on an H200 (weights cold in L2, inside a
 # CUDA graph): at 1 row on every weight up to 32 MiB (Qwen3-0.6B's four projections by 1.0-3.7x,
@@ -65,6 +70,30 @@ def silu_mul_linear(gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         out = silu_mul_gemv(gate_up.reshape(-1, gate_up.shape[-1]), linear.weight, linear.bias)
         return out.view(*gate_up.shape[:-1], linear.out_features)
     return linear(silu_and_mul(gate_up))
+
+
+def norm_linear(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Linear
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(norm(x [+ residual])), new residual)``: a decoder layer's norm and the projection it feeds.
+
+    Without a residual (the first layer) the new residual is ``x`` itself. For decode-sized batches
+    on CUDA the norm runs inside the gemv kernel's loads: two fewer launches per layer, which at one
+    row cost more than the norm's arithmetic.
+    """
+    if use_gemv(x, linear.weight):
+        from graphserve.kernels.gemv import norm_gemv
+
+        rows = x.reshape(-1, x.shape[-1])
+        res_rows = residual.reshape(rows.shape) if residual is not None else None
+        y, summed = norm_gemv(rows, norm.weight, norm.eps, linear.weight, linear.bias, res_rows)
+        new_residual = summed.view(x.shape) if summed is not None else x
+        return y.view(*x.shape[:-1], linear.out_features), new_residual
+    if residual is None:
+        residual, h = x, norm(x)
+    else:
+        h, residual = norm(x, residual)
+    return linear(h), residual
 
 
 class MergedLinear(Linear):

@@ -1,4 +1,5 @@
-"""The gemv kernels in bf16 at the decode projections of qwen3-0.6b and Llama-3-8B, on the GPU.
+"""The gemv kernels (plain, silu-fused, norm-fused) in bf16 at the decode projections of qwen3-0.6b
+and Llama-3-8B, on the GPU.
 
 Fresh random inputs per shape and batch against the fp32 references; a CUDA-graph replay on new
 inputs must equal an eager call bit for bit (the decode path runs the kernels only that way); the
@@ -13,8 +14,18 @@ import torch.nn.functional as F
 
 from graphserve.kernels.activation import silu_and_mul
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.gemv import choose_config, gemv, gemv_reference, silu_mul_gemv, silu_mul_gemv_reference
+from graphserve.kernels.gemv import (
+    choose_config,
+    gemv,
+    gemv_reference,
+    norm_gemv,
+    norm_gemv_reference,
+    silu_mul_gemv,
+    silu_mul_gemv_reference,
+)
+from graphserve.kernels.norm import fused_add_rms_norm, rms_norm
 from graphserve.layers import linear as linear_mod
+from graphserve.layers.norm import RMSNorm
 
 DT = torch.bfloat16
 TOL = 2e-2
@@ -33,6 +44,8 @@ PROJECTIONS = {
     "llama3-8b down": (4096, 14336),
 }
 DOWN = {"qwen3-0.6b down": (1024, 3072), "llama3-8b down": (4096, 14336)}
+NORMED = {"qwen3-0.6b qkv": (4096, 1024), "qwen3-0.6b gate_up": (6144, 1024)}  # the projections a norm feeds
+EPS = 1e-6
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -69,6 +82,30 @@ def test_silu_mul_gemv_bf16_down_projection(name, m, gen):
     assert rel_err(out, gemv(silu_and_mul(gate_up), w)) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("name", list(NORMED))
+def test_norm_gemv_bf16_normed_projections(name, m, gen):
+    n, k = NORMED[name]
+    w = weight(n, k, gen)
+    norm_w = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(DT)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(DT)
+    residual = (4 * torch.randn(m, k, device="cuda", generator=gen)).to(DT)
+    old_residual = residual.clone()
+
+    y, summed = norm_gemv(x, norm_w, EPS, w, residual=residual)
+    ref_y, _ = norm_gemv_reference(x, norm_w, EPS, w, residual=residual)
+    assert rel_err(y, ref_y) < TOL
+    assert torch.equal(residual, old_residual)
+    h, unfused_summed = fused_add_rms_norm(x, residual, norm_w, EPS)
+    assert torch.equal(summed, unfused_summed)  # the next layer's residual, bit for bit
+    assert rel_err(y, gemv(h, w)) < 1e-2
+
+    y_first, none = norm_gemv(x, norm_w, EPS, w)  # the first layer: no residual yet
+    assert none is None
+    assert rel_err(y_first, norm_gemv_reference(x, norm_w, EPS, w)[0]) < TOL
+    assert rel_err(y_first, gemv(rms_norm(x, norm_w, EPS), w)) < 1e-2
+
+
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("name", ["qwen3-0.6b down", "llama3-8b qkv"])
 def test_cuda_graph_replay_matches_eager(name, m, gen):
@@ -77,25 +114,34 @@ def test_cuda_graph_replay_matches_eager(name, m, gen):
     w = weight(n, k, gen)
     x = torch.randn(m, k, device="cuda", generator=gen).to(DT)
     gate_up = torch.randn(m, 2 * k, device="cuda", generator=gen).to(DT)
+    residual, norm_w = torch.randn(m, k, device="cuda", generator=gen).to(DT), torch.ones(k, device="cuda", dtype=DT)
     out, fused = torch.empty(m, n, device="cuda", dtype=DT), torch.empty(m, n, device="cuda", dtype=DT)
+    normed, summed = torch.empty(m, n, device="cuda", dtype=DT), torch.empty(m, k, device="cuda", dtype=DT)
+
+    def step() -> None:
+        gemv(x, w, out=out)
+        silu_mul_gemv(gate_up, w, out=fused)
+        norm_gemv(x, norm_w, EPS, w, residual=residual, residual_out=summed, out=normed)
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile outside the capture
-        gemv(x, w, out=out)
-        silu_mul_gemv(gate_up, w, out=fused)
+        step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        gemv(x, w, out=out)
-        silu_mul_gemv(gate_up, w, out=fused)
+        step()
     x.copy_(torch.randn(m, k, device="cuda", generator=gen).to(DT))
     gate_up.copy_(torch.randn(m, 2 * k, device="cuda", generator=gen).to(DT))
-    out.fill_(float("nan"))
-    fused.fill_(float("nan"))
+    residual.copy_(torch.randn(m, k, device="cuda", generator=gen).to(DT))
+    for buf in (out, fused, normed, summed):
+        buf.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, gemv(x, w)), cfg
     assert torch.equal(fused, silu_mul_gemv(gate_up, w)), cfg
+    eager_normed, eager_summed = norm_gemv(x, norm_w, EPS, w, residual=residual)
+    assert torch.equal(normed, eager_normed) and torch.equal(summed, eager_summed), cfg
     assert rel_err(out, gemv_reference(x, w)) < TOL
 
 
@@ -111,6 +157,16 @@ def test_layers_route_decode_batches_to_gemv_and_larger_ones_to_cublas(gen):
     assert torch.equal(linear_mod.silu_mul_linear(gate_up, lin), silu_mul_gemv(gate_up, lin.weight, lin.bias))
     big_gate_up = torch.randn(linear_mod.GEMV_MAX_M + 1, 6144, device="cuda", generator=gen).to(DT)
     assert torch.equal(linear_mod.silu_mul_linear(big_gate_up, lin), lin(silu_and_mul(big_gate_up)))
+    # a norm feeding a projection: fused into the gemv at decode rows, the norm kernel then cuBLAS above
+    norm = RMSNorm(3072, EPS).to("cuda", DT)
+    residual = torch.randn(linear_mod.GEMV_MAX_M, 3072, device="cuda", generator=gen).to(DT)
+    y, summed = linear_mod.norm_linear(norm, small, residual, lin)
+    expect_y, expect_summed = norm_gemv(small, norm.weight, EPS, lin.weight, lin.bias, residual)
+    assert torch.equal(y, expect_y) and torch.equal(summed, expect_summed)
+    big_residual = torch.randn(linear_mod.GEMV_MAX_M + 1, 3072, device="cuda", generator=gen).to(DT)
+    h, expect_summed = fused_add_rms_norm(large, big_residual, norm.weight, EPS)
+    y, summed = linear_mod.norm_linear(norm, large, big_residual.clone(), lin)
+    assert torch.equal(y, F.linear(h, lin.weight, lin.bias)) and torch.equal(summed, expect_summed)
     # a weight over the cap (Llama-3-8B's down projection, 112 MiB) stays on cuBLAS even at one row
     down = torch.empty(4096, 14336, device="cuda", dtype=DT)
     assert not linear_mod.use_gemv(small[:1, :1].expand(1, 14336).contiguous(), down)
