@@ -26,7 +26,8 @@ from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import read_bandwidth_gbs
 from graphserve.kernels.activation import silu_and_mul
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.gemv import GemvConfig, choose_config, gemv, silu_mul_gemv
+from graphserve.kernels.gemv import gemv, silu_mul_gemv
+from graphserve.kernels.gemv_config import GemvConfig, choose_config
 
 DT = torch.bfloat16
 BATCHES = [1, 2, 4, 8, 16]

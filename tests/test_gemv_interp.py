@@ -38,9 +38,6 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from graphserve.kernels.activation import silu_and_mul  # noqa: E402
 from graphserve.kernels.gemv import (  # noqa: E402
-    MAX_M,
-    GemvConfig,
-    choose_config,
     gemv,
     gemv_reference,
     norm_gemv,
@@ -48,6 +45,7 @@ from graphserve.kernels.gemv import (  # noqa: E402
     silu_mul_gemv,
     silu_mul_gemv_reference,
 )
+from graphserve.kernels.gemv_config import MAX_M, GemvConfig, choose_config  # noqa: E402
 from graphserve.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from graphserve.layers import linear as linear_mod  # noqa: E402
 from graphserve.layers.activation import silu_and_mul as layer_silu_and_mul  # noqa: E402

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from graphserve.kernels.activation import silu_and_mul
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.gemv import (
-    choose_config,
     gemv,
     gemv_reference,
     norm_gemv,
@@ -23,6 +22,7 @@ from graphserve.kernels.gemv import (
     silu_mul_gemv,
     silu_mul_gemv_reference,
 )
+from graphserve.kernels.gemv_config import choose_config
 from graphserve.kernels.norm import fused_add_rms_norm, rms_norm
 from graphserve.layers import linear as linear_mod
 from graphserve.layers.norm import RMSNorm
