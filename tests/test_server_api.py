@@ -24,7 +24,10 @@ STEP_LINE = re.compile(
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("api")
-    srv = ServerProcess(d, "--step-log", str(d / "steps.jsonl"), "--served-model-name", "tiny").start()
+    # the overlap schedule, as a GPU server runs by default (on CPU it is off unless asked for): every
+    # API behaviour below, disconnects and stop strings included, holds with one step in flight
+    srv = ServerProcess(d, "--step-log", str(d / "steps.jsonl"), "--served-model-name", "tiny",
+                        "--overlap-schedule", "on").start()
     yield srv
     srv.stop()
 
@@ -211,3 +214,7 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(server):
     assert freed
     time.sleep(0.2)
     assert metrics(server.base_url)["graphserve:generation_tokens_total"] - before < 480
+
+
+def test_engine_runs_the_overlap_schedule(server):
+    assert "overlap schedule=on" in server.log()

@@ -103,9 +103,10 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s kv pool=%d tokens (%d blocks of %d), max_model_len=%d",
+            "engine ready: model=%s device=%s dtype=%s kv pool=%d tokens (%d blocks of %d), max_model_len=%d, "
+            "overlap schedule=%s",
             config.model, self.device, self.info.dtype, (num_blocks - 1) * config.block_size, num_blocks - 1,
-            config.block_size, self.max_model_len,
+            config.block_size, self.max_model_len, "on" if self.overlap else "off",
         )
 
     # ---- requests ---------------------------------------------------------------------------
