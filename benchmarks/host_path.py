@@ -3,7 +3,8 @@
 Builds an EngineCore on CPU (``builtin:tiny-llama`` by default) and replaces the model forward
 with a preallocated random logits tensor of the right shape, so each ``core.step()`` is the
 engine's own host work: ``Scheduler.schedule``, ``ModelRunner.prepare_inputs``, the sampling
-tensors, ``EngineCore._advance`` (``Scheduler.update`` + outputs) and the telemetry record.
+tensors, the step's bookkeeping once its ids are known (``Scheduler.advance``, ``EngineCore._emit``,
+the prefix-cache commit) and the telemetry record.
 The sampler itself runs too, but on CPU its tensor math stands in for what is device work on a
 GPU, so it is reported apart and left out of the host total.
 
@@ -61,11 +62,13 @@ def instrument(core: EngineCore, timer: PieceTimer, vocab: int, batch: int) -> N
     runner = core.runner
     runner.forward_logits = timer.wrap("forward", lambda fb: logits[: fb.num_seqs])
     runner.prepare_inputs = timer.wrap("prepare_inputs", runner.prepare_inputs)
-    sampler = runner.sampler
-    runner.sampler = timer.wrap("sampler", sampler.__call__)
-    runner.execute = timer.wrap("execute", runner.execute)
-    core.scheduler.schedule = timer.wrap("schedule", core.scheduler.schedule)
-    core._advance = timer.wrap("advance", core._advance)
+    runner.sampler.sample = timer.wrap("sampler", runner.sampler.sample)
+    runner.launch = timer.wrap("launch", runner.launch)
+    scheduler = core.scheduler
+    scheduler.schedule = timer.wrap("schedule", scheduler.schedule)
+    scheduler.advance = timer.wrap("advance", scheduler.advance)
+    scheduler.commit_full_blocks = timer.wrap("advance", scheduler.commit_full_blocks)
+    core._emit = timer.wrap("advance", core._emit)
     core._record = timer.wrap("record", core._record)
 
 
@@ -105,8 +108,8 @@ def measure(model: str, batch: int, steps: int, prompt_len: int, sampling: str) 
         pieces = {
             "schedule": t["schedule"],
             "prepare_inputs": t["prepare_inputs"],
-            # what execute does besides preparing, the (fake) forward and the sampler's math
-            "sampling_tensors": t["execute"] - t["prepare_inputs"] - t["forward"] - t["sampler"],
+            # what launch does besides preparing, the (fake) forward and the sampler's math
+            "sampling_tensors": t["launch"] - t["prepare_inputs"] - t["forward"] - t["sampler"],
             "advance": t["advance"],
             "record": t["record"],
         }

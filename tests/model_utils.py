@@ -113,3 +113,15 @@ class PagedHarness:
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm())
+
+
+def apply_sampled(scheduler, out, sampled: list[int]) -> list:
+    """What the engine does once a step's ids are on the host: advance the scheduler, put each sampled
+    token (``sampled[i]`` for ``out.scheduled[i]``) in place, commit filled blocks. Returns the
+    (sequence, token) pairs appended."""
+    appended = []
+    for row, seq, index in scheduler.advance(out):
+        seq.output_token_ids[index] = sampled[row]
+        appended.append((seq, sampled[row]))
+    scheduler.commit_full_blocks(out)
+    return appended

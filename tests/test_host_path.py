@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from model_utils import apply_sampled
 
 from graphserve.config import EngineConfig
 from graphserve.engine.forward_batch import DUMMY_BLOCK
@@ -83,7 +84,7 @@ def test_decode_fast_path_and_knob_rows_match_the_general_path(num_blocks):
         knobs = runner.sampling_tensors(seqs, rows, VOCAB)
         _assert_same(knobs, SamplingTensors.from_sequences(seqs, VOCAB, [EOS], "cpu"), KNOB_FIELDS + FLAG_FIELDS)
         tokens = [(step * 5 + i) % VOCAB for i in range(len(seqs))]
-        for seq, _ in sched.update(out, tokens):
+        for seq, _ in apply_sampled(sched, out, tokens):
             if seq.num_output_tokens >= seq.params.max_tokens:
                 sched.finish(seq, "length")
     assert decode_steps > 10
@@ -126,7 +127,7 @@ def test_decode_batch_is_one_buffer_of_the_right_dtypes():
     sched = Scheduler(EngineConfig(block_size=BS, chunked_prefill_size=64), BlockManager(40, BS))
     for i in range(3):
         sched.add(_seq(i, 6, PARAMS[0]))
-    sched.update(sched.schedule(), [5, 6, 7])  # the prompts, whole
+    apply_sampled(sched, sched.schedule(), [5, 6, 7])  # the prompts, whole
     batch = runner.prepare_inputs(sched.schedule())
     assert batch.mode == "decode"
     dtypes = {f: getattr(batch, f).dtype for f in BATCH_FIELDS}
@@ -137,3 +138,13 @@ def test_decode_batch_is_one_buffer_of_the_right_dtypes():
     assert len(storages) == 1  # every field is a view of the one copied buffer
     assert batch.input_ids.tolist() == [5, 6, 7] and batch.positions.tolist() == [6, 6, 6]
     assert np.array_equal(batch.seq_lens.numpy(), [7, 7, 7]) and batch.query_start_loc.tolist() == [0, 1, 2, 3]
+
+
+def test_host_path_benchmark_times_every_piece_of_a_real_step():
+    """benchmarks/host_path wraps the engine's own methods by name: it must keep finding them."""
+    from benchmarks.host_path import PIECES, measure
+
+    result = measure("builtin:tiny-llama", batch=4, steps=3, prompt_len=8, sampling="mixed")
+    assert all(result[k] >= 0 for k in ("schedule", "prepare_inputs", "sampling_tensors", "advance", "record"))
+    assert result["advance"] > 0 and result["record"] > 0 and result["sampler"] > 0
+    assert result["host_total"] == pytest.approx(sum(result[k] for k in PIECES))

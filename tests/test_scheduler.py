@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from model_utils import apply_sampled
+
 from graphserve.config import EngineConfig
 from graphserve.engine.kv_cache import BlockManager
 from graphserve.engine.request import Sequence, SequenceStatus
@@ -29,7 +31,7 @@ def _step(s: Scheduler):
 
 def _apply(s: Scheduler, out) -> None:
     """Every scheduled sequence samples token 7; those at max_tokens finish, as the engine does."""
-    for seq, _ in s.update(out, [7] * len(out.scheduled)):
+    for seq, _ in apply_sampled(s, out, [7] * len(out.scheduled)):
         if seq.num_output_tokens >= seq.params.max_tokens:
             s.finish(seq, "length")
 
@@ -81,7 +83,7 @@ def test_max_running_requests_is_respected():
         s.add(_seq(str(i), 3, max_tokens=3, t=i))
     out = s.schedule()
     assert len(out.scheduled) == 2 and len(s.running) == 2 and len(s.waiting) == 3
-    s.update(out, [7, 7])
+    apply_sampled(s, out, [7, 7])
     _drain(s)
     s.block_manager.check_no_leak()
 
@@ -151,7 +153,7 @@ def test_siblings_wait_for_the_first_prompt_then_hit_the_prefix_cache():
     s.add(second)
     out = s.schedule()
     assert [x.seq for x in out.scheduled] == [first]
-    s.update(out, [7])
+    apply_sampled(s, out, [7])
     out = s.schedule()
     assert second in [x.seq for x in out.scheduled]
     assert second.num_cached_tokens == 12 and second.block_table[:3] == first.block_table[:3]

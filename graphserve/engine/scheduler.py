@@ -274,13 +274,3 @@ class Scheduler:
             seq = sched.seq
             if seq.status is running_status and seq.num_computed_tokens // block_size > len(seq.block_hashes):
                 bm.commit(seq)
-
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Sequence, int]]:
-        """``advance`` for a step whose ids are already on the host: ``sampled[i]`` belongs to
-        ``out.scheduled[i]``. Returns the (sequence, token) pairs appended."""
-        appended = []
-        for row, seq, index in self.advance(out):
-            seq.output_token_ids[index] = sampled[row]
-            appended.append((seq, sampled[row]))
-        self.commit_full_blocks(out)
-        return appended
