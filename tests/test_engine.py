@@ -221,6 +221,9 @@ def test_telemetry_records_each_step(make_llm, prompts):
     assert recs[0].kind == "prefill" and recs[-1].kind == "decode"
     assert all(r.padded_size == r.batch_size and not r.graph and r.step_ms > 0 for r in recs)
     assert sum(r.decode_tokens for r in recs) + 2 == 2 * NEW
+    lens = [len(p) for p in prompts[:2]]
+    assert recs[0].context_tokens == sum(lens)  # both prompts whole
+    assert recs[-1].context_tokens == sum(lens) + 2 * (NEW - 1)  # the last token of each attends to all before it
 
 
 def test_penalties_beside_plain_requests_match_the_synchronous_engine(make_llm, model_dir, prompts):

@@ -186,14 +186,13 @@ class EngineCore:
         return outputs
 
     def _launch(self, sched: SchedulerOutput, start: float) -> InFlightStep | None:
-        context_tokens = sum([s.seq.num_computed_tokens for s in sched.scheduled]) + sched.num_tokens
         try:
             pending = self.runner.launch(sched)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
             self._fail_step(sched, exc)
             return None
         completed = self.scheduler.advance(sched)
-        return InFlightStep(sched, pending, completed, self.runner.last_shape, start, context_tokens)
+        return InFlightStep(sched, pending, completed, self.runner.last_shape, start, self.runner.last_context_tokens)
 
     def _resolve(self) -> list[CoreOutput]:
         """Wait for the step in flight, put its tokens in place and decide who finished."""

@@ -89,6 +89,7 @@ class ModelRunner:
         # replayed one after another) or "eager" (activation memory reserved by the plan).
         self.oversize_mode = "split-graph"
         self.last_shape = StepShape(0, False, "eager")
+        self.last_context_tokens = 0  # KV positions the last step attended over (telemetry)
         self.seq_rows = SequenceRows()
         self.staging = HostStaging(self.device)
         self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
@@ -231,7 +232,8 @@ class ModelRunner:
         """Queue one step (inputs, forward, sampling, the copy of its ids to the host) and return
         without waiting for it."""
         seqs = [s.seq for s in out.scheduled]
-        rows = self.seq_rows.gather(seqs)  # one gather serves the inputs and the sampling knobs
+        rows = self.seq_rows.gather(seqs)  # one gather serves the inputs, the sampling knobs and telemetry
+        self.last_context_tokens = int(rows.positions.sum()) + out.num_tokens
         batch = self.prepare_inputs(out, rows)
         logits = self.forward_logits(batch)
         pending = self.sampler.sample(logits, self.sampling_tensors(seqs, rows, logits.shape[-1]))
