@@ -32,10 +32,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class _Knobs(_Strict):
+    """Sampling fields both APIs spell the same way."""
 
-    model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -44,12 +43,18 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
-    seed: int | None = Field(None, ge=-SEED_MAX, le=SEED_MAX)
     stop: StopField = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
+
+
+class _SamplingFields(_Knobs):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    seed: int | None = Field(None, ge=-SEED_MAX, le=SEED_MAX)
+    min_tokens: int = Field(0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -158,23 +163,11 @@ class ChatCompletionRequest(_SamplingFields):
         return self.sampling_params(max_tokens, logprobs)
 
 
-class NativeSamplingParams(_Strict):
+class NativeSamplingParams(_Knobs):
     """SGLang's ``sampling_params`` object."""
 
     max_new_tokens: int | None = Field(128, ge=1)
     min_new_tokens: int = Field(0, ge=0)
-    temperature: float | None = Field(None, ge=0.0, le=100.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=TOKEN_ID_MAX)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
-    stop: StopField = None
-    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    n: int = Field(1, ge=1, le=MAX_N)
     sampling_seed: int | None = Field(None, ge=-SEED_MAX, le=SEED_MAX)
 
 

@@ -79,9 +79,10 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
     return JSONResponse({**head, "choices": choices, "usage": usage(jobs)})
 
 
-async def _completion_chunks(
-    state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool
-) -> AsyncIterator[dict[str, Any]]:
+async def _new_pieces(
+    jobs: list[Job],
+) -> AsyncIterator[tuple[Job, CompletionOutput, str, list[TokenLogprob] | None, bool]]:
+    """(job, choice, new text, new logprobs, just finished) for every choice that has something to send."""
     trackers = {job.index: DeltaTracker() for job in jobs}
     async for job, out in merged(jobs):
         for o in out.outputs:
@@ -92,13 +93,20 @@ async def _completion_chunks(
             new_lps = _new_logprobs(o, first_new)
             if not text and not finished and not new_lps:
                 continue  # tokens whose text is held back (partial character, possible stop string)
-            offset = len(o.text) - len(text)
-            yield {**head, "choices": [{
-                "index": job.index * n + o.index, "text": text,
-                "logprobs": _completion_logprobs(state, new_lps, offset) if new_lps is not None else None,
-                "finish_reason": o.finish_reason if finished else None,
-                "stop_reason": o.stop_reason if finished else None,
-            }]}
+            yield job, o, text, new_lps, finished
+
+
+async def _completion_chunks(
+    state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool
+) -> AsyncIterator[dict[str, Any]]:
+    async for job, o, text, new_lps, finished in _new_pieces(jobs):
+        offset = len(o.text) - len(text)
+        yield {**head, "choices": [{
+            "index": job.index * n + o.index, "text": text,
+            "logprobs": _completion_logprobs(state, new_lps, offset) if new_lps is not None else None,
+            "finish_reason": o.finish_reason if finished else None,
+            "stop_reason": o.stop_reason if finished else None,
+        }]}
     if include_usage:
         yield {**head, "choices": [], "usage": usage(jobs)}
 
@@ -135,21 +143,12 @@ async def _chat_chunks(
     for i in range(n):
         yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]}
-    tracker = DeltaTracker()
-    async for _, out in merged(jobs):
-        for o in out.outputs:
-            d = tracker.delta(o)
-            if d is None:
-                continue
-            text, first_new, finished = d
-            new_lps = _new_logprobs(o, first_new)
-            if not text and not finished and not new_lps:
-                continue  # tokens whose text is held back (partial character, possible stop string)
-            yield {**head, "choices": [{
-                "index": o.index, "delta": {"content": text} if text else {},
-                "logprobs": _chat_logprobs(state, new_lps) if new_lps is not None else None,
-                "finish_reason": o.finish_reason if finished else None,
-                "stop_reason": o.stop_reason if finished else None,
-            }]}
+    async for _, o, text, new_lps, finished in _new_pieces(jobs):
+        yield {**head, "choices": [{
+            "index": o.index, "delta": {"content": text} if text else {},
+            "logprobs": _chat_logprobs(state, new_lps) if new_lps is not None else None,
+            "finish_reason": o.finish_reason if finished else None,
+            "stop_reason": o.stop_reason if finished else None,
+        }]}
     if include_usage:
         yield {**head, "choices": [], "usage": usage(jobs)}
