@@ -127,7 +127,7 @@ class EngineCore:
             seqs.append(seq)
             self.scheduler.add(seq)
         self._requests[req.request_id] = seqs
-        self._penalized += _has_penalties(p)
+        self._penalized += p.has_penalties
         self.prompt_tokens_total += len(req.prompt_token_ids)
 
     def abort_requests(self, request_ids, error: str | None = None) -> None:
@@ -137,7 +137,7 @@ class EngineCore:
                 self._pending.append(self._output(seq, [], None, error=error))
             seqs = self._requests.pop(rid, None)
             if seqs:
-                self._penalized -= _has_penalties(seqs[0].params)
+                self._penalized -= seqs[0].params.has_penalties
 
     @property
     def kv_blocks(self) -> tuple[int, int]:
@@ -255,7 +255,7 @@ class EngineCore:
         seqs = self._requests.get(seq.request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
             del self._requests[seq.request_id]
-            self._penalized -= _has_penalties(seq.params)
+            self._penalized -= seq.params.has_penalties
 
     def _output(self, seq: Sequence, tokens: list[int], logprobs, error: str | None = None) -> CoreOutput:
         return CoreOutput(
@@ -301,7 +301,3 @@ class EngineCore:
                 preempted=len(sched.preempted),
             )
         )
-
-
-def _has_penalties(p) -> bool:
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)

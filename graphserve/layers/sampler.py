@@ -162,7 +162,7 @@ def knob_row(seq: Sequence) -> tuple[tuple[float, ...], tuple[int, ...]]:
         (FLAG_GREEDY if p.temperature == 0.0 else 0)
         | (FLAG_TOP_P if p.top_p < 1.0 else 0)
         | (FLAG_MIN_P if p.min_p > 0.0 else 0)
-        | (FLAG_PENALTY if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 else 0)
+        | (FLAG_PENALTY if p.has_penalties else 0)
     )
     floats = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
     logprobs = -1 if p.logprobs is None else p.logprobs
