@@ -1,5 +1,5 @@
 """The decode host path: per-sequence rows, the packed decode batch and gathered sampling knobs
-give exactly what the general per-token path and ``SamplingTensors.from_sequences`` give."""
+give exactly what the general per-token path and ``tensors_from_sequences`` give."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import torch
 from model_utils import apply_sampled
 
 from graphserve.config import EngineConfig
-from graphserve.engine.forward_batch import DUMMY_BLOCK
 from graphserve.engine.kv_cache import BlockManager
 from graphserve.engine.request import Sequence
 from graphserve.engine.runner import ModelRunner
+from graphserve.engine.sampling_inputs import tensors_from_sequences
 from graphserve.engine.scheduler import Scheduler
 from graphserve.engine.seq_rows import SequenceRows
-from graphserve.layers.sampler import SamplingTensors
+from graphserve.layers.forward_batch import DUMMY_BLOCK
+from graphserve.layers.kv_layout import KVLayout
 from graphserve.sampling_params import SamplingParams
 
 BS = 4
@@ -31,7 +32,7 @@ FLAG_FIELDS = ["max_logprobs", "all_greedy", "any_top_k", "any_top_p", "any_min_
 
 
 def _runner(num_blocks: int) -> ModelRunner:
-    info = SimpleNamespace(num_kv_heads=1, head_dim=2, num_layers=1, dtype=torch.float32, vocab_size=VOCAB,
+    info = SimpleNamespace(kv=KVLayout("kv", 1, 1, 2, torch.float32), dtype=torch.float32, vocab_size=VOCAB,
                            eos_token_ids=[EOS])
     loaded = SimpleNamespace(model=None, info=info)
     return ModelRunner(EngineConfig(block_size=BS, chunked_prefill_size=16), loaded, num_blocks, torch.device("cpu"))
@@ -82,7 +83,7 @@ def test_decode_fast_path_and_knob_rows_match_the_general_path(num_blocks):
             _assert_same(batch, general, [*BATCH_FIELDS, "max_query_len", "max_seq_len", "query_lens_cpu",
                                           "seq_lens_cpu"])
         knobs = runner.sampling_tensors(seqs, rows, VOCAB)
-        _assert_same(knobs, SamplingTensors.from_sequences(seqs, VOCAB, [EOS], "cpu"), KNOB_FIELDS + FLAG_FIELDS)
+        _assert_same(knobs, tensors_from_sequences(seqs, VOCAB, [EOS], "cpu"), KNOB_FIELDS + FLAG_FIELDS)
         tokens = [(step * 5 + i) % VOCAB for i in range(len(seqs))]
         for seq, _ in apply_sampled(sched, out, tokens):
             if seq.num_output_tokens >= seq.params.max_tokens:

@@ -5,24 +5,33 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from graphserve.analysis import plan as plan_cmd
 from graphserve.analysis.plan import build_plan, load_hf_config
-from graphserve.engine.memory import (
-    GiB,
-    estimate_activation_bytes,
-    estimate_weights_bytes,
-    kv_bytes_per_token,
-    plan_memory,
-)
+from graphserve.engine.memory import GiB, plan_memory
 from graphserve.errors import ModelLoadError
+from graphserve.models.registry import describe_model
 
 DATA = Path(__file__).parent / "data"
 LLAMA8B = load_hf_config(str(DATA / "llama3_8b_config.json"))
 LLAMA70B = load_hf_config(str(DATA / "llama_70b_like_config.json"))
-TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "intermediate_size": 128, "vocab_size": 256, "tie_word_embeddings": True,
         "max_position_embeddings": 512}
+_DTYPE = {2: torch.bfloat16, 4: torch.float32}
+
+
+def estimate_weights_bytes(hf, dtype_bytes, tp=1):
+    return describe_model(hf, _DTYPE[dtype_bytes], tp).weights_bytes
+
+
+def kv_bytes_per_token(hf, dtype_bytes, tp=1):
+    return describe_model(hf, _DTYPE[dtype_bytes], tp).kv.bytes_per_token
+
+
+def estimate_activation_bytes(hf, tokens, dtype_bytes, tp=1, **kw):
+    return describe_model(hf, _DTYPE[dtype_bytes], tp).activation_bytes(tokens, **kw)
 
 
 def test_llama3_8b_estimates_match_hand_counts():

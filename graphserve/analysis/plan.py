@@ -15,18 +15,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from graphserve.config import EngineConfig, default_cuda_graph_sizes
-from graphserve.engine.memory import (
-    estimate_activation_bytes,
-    estimate_graph_pool_bytes,
-    estimate_weights_bytes,
-    gib,
-    kv_bytes_per_token,
-    plan_memory,
-)
-from graphserve.errors import BadRequestError, ModelLoadError, bad_field
+import torch
 
-DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "fp8": 1}
+from graphserve.config import EngineConfig, default_cuda_graph_sizes
+from graphserve.engine.memory import gib, plan_memory
+from graphserve.errors import BadRequestError, ModelLoadError, bad_field
+from graphserve.models.registry import describe_model
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
 GiB_ = 1024**3
 GB = 10**9  # GPU memory is sold in GB (H200: 141 GB); the plan prints GiB
 
@@ -57,25 +54,25 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
                dtype: str = "bf16", concurrency: list[int] | None = None, max_model_len: int | None = None,
                chunked_prefill_size: int = 2048, block_size: int = 16, reserve_gb: float = 0.5,
                oversize: str = "split") -> dict[str, Any]:
-    if dtype not in DTYPE_BYTES:
-        raise BadRequestError(f"--dtype={dtype!r} is invalid: choose one of {', '.join(DTYPE_BYTES)}", param="dtype")
+    if dtype not in DTYPES:
+        raise BadRequestError(f"--dtype={dtype!r} is invalid: choose one of {', '.join(DTYPES)}", param="dtype")
     if oversize not in ("split", "eager"):
         raise BadRequestError(f"--oversize={oversize!r} is invalid: choose split or eager", param="oversize")
-    nb = DTYPE_BYTES[dtype]
+    model = describe_model(hf, DTYPES[dtype], tp)
     sizes = [] if disable_cuda_graph else sorted(set(cuda_graph_bs or default_cuda_graph_sizes(cuda_graph_max_bs)))
     largest = sizes[-1] if sizes else 0
     max_running = max_running_requests or (largest or 256)
     max_len = max_model_len or int(hf.get("max_position_embeddings") or input_len + output_len)
     seq_len = input_len + output_len
 
-    weights = estimate_weights_bytes(hf, nb, tp)
-    kv_tok = kv_bytes_per_token(hf, nb, tp)
+    weights = model.weights_bytes
+    kv_tok = model.kv.bytes_per_token
     chunk = min(chunked_prefill_size, max_running * input_len)
-    prefill_act = estimate_activation_bytes(hf, chunk, nb, tp, sampled_rows=max(1, math.ceil(chunk / input_len)))
+    prefill_act = model.activation_bytes(chunk, sampled_rows=max(1, math.ceil(chunk / input_len)))
     # Graph-covered decode batches draw on the graph pool; the largest eager one is reserved here.
     eager_decode_bs = 0 if sizes and (oversize == "split" or max_running <= largest) else (largest or max_running)
-    decode_act = estimate_activation_bytes(hf, eager_decode_bs, nb, tp) if eager_decode_bs else 0
-    pool = estimate_graph_pool_bytes(hf, sizes, nb, tp)
+    decode_act = model.activation_bytes(eager_decode_bs) if eager_decode_bs else 0
+    pool = model.graph_pool_bytes(sizes)
     mp = plan_memory(int(gpu_memory_gb * GB), mem_fraction_static, weights, (prefill_act, decode_act), pool,
                      int(reserve_gb * GiB_), kv_tok, block_size, max_len, max_running, tp=tp)
 
@@ -91,7 +88,7 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
             if oversize == "split" and sizes:
                 notes.append(f"batch {batch} > largest captured size {largest}: replayed as captured pieces")
             else:
-                asked = estimate_activation_bytes(hf, batch, nb, tp, context_tokens=batch * seq_len)
+                asked = model.activation_bytes(batch, context_tokens=batch * seq_len)
                 planned = mp.activation_bytes + mp.reserve_bytes
                 v["eager_bytes"], v["planned_bytes"] = asked, planned
                 if asked > planned:
@@ -153,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running-requests", type=int, default=None)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=1024)
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated concurrency levels")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--chunked-prefill-size", type=int, default=2048)

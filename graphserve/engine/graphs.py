@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphserve.engine.forward_batch import DUMMY_BLOCK, ForwardBatch
+from graphserve.layers.forward_batch import DUMMY_BLOCK, ForwardBatch
 
 if TYPE_CHECKING:
     from graphserve.layers.attention_backend import AttentionBackend

@@ -20,11 +20,12 @@ import numpy as np
 import psutil
 import torch
 
-from graphserve.engine.forward_batch import DUMMY_BLOCK, ForwardBatch
 from graphserve.engine.graphs import GraphRunner, split_sizes
+from graphserve.engine.sampling_inputs import tensors_from_rows
 from graphserve.engine.seq_rows import BatchRows, SequenceRows
 from graphserve.engine.staging import HostStaging
 from graphserve.layers.attention import TorchAttentionBackend
+from graphserve.layers.forward_batch import DUMMY_BLOCK, ForwardBatch
 from graphserve.layers.sampler import PendingSample, Sampler, SamplerOutput, SamplingTensors
 
 if TYPE_CHECKING:
@@ -75,13 +76,8 @@ class ModelRunner:
         self.device = device if device is not None else next(self.model.parameters()).device
         self.block_size = config.block_size
         self.num_blocks = num_blocks
-        info = self.info
         # Block 0 (the dummy block) is part of every layer's tensor; padding rows write there.
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, self.block_size, info.num_kv_heads, info.head_dim,
-                        dtype=info.dtype, device=self.device)
-            for _ in range(info.num_layers)
-        ]
+        self.kv_caches = self.info.kv.allocate(num_blocks, self.block_size, self.device)
         self.attn_backend = make_attention_backend(self.device)
         self.sampler = Sampler()
         self.graphs: GraphRunner | None = None
@@ -243,5 +239,5 @@ class ModelRunner:
     def sampling_tensors(self, seqs: list[Sequence], rows: BatchRows, vocab_size: int) -> SamplingTensors:
         """The step's sampling knobs, read from the per-sequence rows."""
         sr = self.seq_rows
-        return SamplingTensors.from_rows(sr.floats[rows.rows], sr.ints[rows.rows], rows.num_outputs, seqs,
+        return tensors_from_rows(sr.floats[rows.rows], sr.ints[rows.rows], rows.num_outputs, seqs,
                                          vocab_size, self.info.eos_token_ids, self.device, self.staging.upload)

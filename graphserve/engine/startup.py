@@ -24,11 +24,11 @@ import torch
 from tqdm import tqdm
 
 from graphserve.config import EngineConfig
-from graphserve.engine.forward_batch import ForwardBatch, contiguous_batch
 from graphserve.engine.graphs import GiB
 from graphserve.engine.memory import MemoryPlan, plan_memory
 from graphserve.engine.runner import ModelRunner
 from graphserve.errors import ConfigError
+from graphserve.layers.forward_batch import ForwardBatch, contiguous_batch
 from graphserve.layers.sampler import SamplingTensors
 from graphserve.models.loader import LoadedModel
 

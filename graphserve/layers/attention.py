@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from graphserve.layers.attention_backend import AttentionBackend
 
 if TYPE_CHECKING:
-    from graphserve.engine.forward_batch import ForwardBatch
+    from graphserve.layers.forward_batch import ForwardBatch
 
 __all__ = ["AttentionBackend", "TorchAttentionBackend", "batched_decode_attention", "reference_paged_attention",
            "write_kv_cache"]

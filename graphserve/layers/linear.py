@@ -107,8 +107,14 @@ class MergedLinear(Linear):
         start = sum(self.output_sizes[:shard])
         return slice(start, start + self.output_sizes[shard])
 
+    def weight_shards(self, param_name: str) -> list[int]:
+        return list(range(len(self.output_sizes)))
+
     @torch.no_grad()
-    def load_shard(self, param: nn.Parameter, shard: int, loaded: torch.Tensor) -> None:
+    def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        """Checkpoint tensor ``shard`` (q, k or v; gate or up) into its rows of the fused parameter."""
+        if shard is None:
+            raise ValueError(f"a merged projection takes its {len(self.output_sizes)} parts one by one")
         target = param.data[self.shard_rows(shard)]
         if target.shape != loaded.shape:
             raise ValueError(f"shard {shard} has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")

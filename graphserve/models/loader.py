@@ -13,7 +13,9 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError, ModelLoadError
+from graphserve.layers.kv_layout import KVLayout
 from graphserve.models.builtin import ensure_builtin
+from graphserve.models.description import ModelDescription
 from graphserve.models.llama import sliding_window_of
 from graphserve.models.presets import get_preset_config, get_preset_tokenizer_spec
 from graphserve.models.registry import resolve_model_class
@@ -26,24 +28,37 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """Facts about the loaded model the engine reads; its cache and footprint come from the family's
+    ``describe`` (models/description.py), never from a Llama-shaped assumption."""
+
     architecture: str
     num_layers: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
     hidden_size: int
-    intermediate_size: int
     vocab_size: int
     max_position_embeddings: int
     dtype: torch.dtype
     eos_token_ids: list[int]
     tie_word_embeddings: bool
     num_params: int
+    description: ModelDescription
+
+    @property
+    def kv(self) -> KVLayout:
+        return self.description.kv
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token, in the model dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Every layer's cache for one token (K and V heads, or one latent)."""
+        return self.kv.bytes_per_token
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv.head_dim
 
 
 @dataclass
@@ -197,21 +212,19 @@ def _eos_ids(hf_config: PretrainedConfig, tokenizer: Any, generation_eos: Any) -
 
 
 def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype: torch.dtype, eos: list[int]):
-    s = model.shape
+    description = model.describe(hf_config, dtype)
     info = ModelInfo(
         architecture=type(model).__name__,
-        num_layers=s.num_layers,
-        num_heads=s.num_heads,
-        num_kv_heads=s.num_kv_heads,
-        head_dim=s.head_dim,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        vocab_size=s.vocab_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=hf_config.num_attention_heads,
+        hidden_size=hf_config.hidden_size,
+        vocab_size=hf_config.vocab_size,
         max_position_embeddings=hf_config.max_position_embeddings,
         dtype=dtype,
         eos_token_ids=eos,
-        tie_word_embeddings=s.tie_word_embeddings,
+        tie_word_embeddings=model.tied,
         num_params=sum(p.numel() for p in model.parameters()),
+        description=description,
     )
     template = tokenizer.chat_template
     if isinstance(template, dict):
