@@ -18,9 +18,9 @@ import torch
 from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.roofline import matmul_tflops, read_bandwidth_gbs
 from graphserve.config import EngineConfig
-from graphserve.engine.forward_batch import ForwardBatch, contiguous_batch
 from graphserve.engine.graphs import GraphRunner
 from graphserve.layers.attention_triton import TritonAttentionBackend
+from graphserve.layers.forward_batch import ForwardBatch, contiguous_batch
 from graphserve.models.loader import load_model
 
 

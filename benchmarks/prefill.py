@@ -15,8 +15,8 @@ import torch
 from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.roofline import matmul_tflops
 from graphserve.config import EngineConfig
-from graphserve.engine.forward_batch import contiguous_batch
 from graphserve.layers.attention_triton import TritonAttentionBackend
+from graphserve.layers.forward_batch import contiguous_batch
 from graphserve.models.loader import load_model
 
 
