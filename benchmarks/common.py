@@ -86,6 +86,8 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return "-"
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import print_table, write_result
 from benchmarks.kernels import graph_time_ms
-from benchmarks.roofline import read_bandwidth_gbs
+from benchmarks.roofline import measured_read_bw
 from graphserve.kernels.activation import silu_and_mul
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.gemv import gemv, silu_mul_gemv
@@ -128,9 +128,10 @@ def main() -> None:
                         "--shapes and --batches)")  # fmt: skip
     args = p.parse_args()
     sms = sm_count(torch.device("cuda"))
-    bw_gbs = read_bandwidth_gbs()
+    read = measured_read_bw()
+    bw_gbs = read.best_gbs
     bw = bw_gbs * 1e9
-    print(f"measured read bandwidth {bw_gbs:.0f} GB/s, {sms} SMs, {torch.cuda.get_device_name(0)}")
+    print(f"probes: {read.describe()}; {sms} SMs, {torch.cuda.get_device_name(0)}")
     rows = []
     for name in args.shapes:
         for m in args.batches:
@@ -151,7 +152,7 @@ def main() -> None:
     gemv_max_m = min(per_shape.values())
     print(f"GEMV_MAX_M = {gemv_max_m}  (largest M at which gemv beats cuBLAS on every shape)")
     swept = [sweep(name, m, sms) for name in args.shapes for m in args.batches] if args.sweep else []
-    write_result("gemv", {"read_gbs": bw_gbs, "sm_count": sms, "dtype": str(DT), "gemv_max_m": gemv_max_m,
+    write_result("gemv", {"read_gbs": bw_gbs, "read": read.summary(), "sm_count": sms, "dtype": str(DT), "gemv_max_m": gemv_max_m,
                           "largest_winning_m": per_shape, "fused_largest_winning_m": fused_per_shape,
                           "rows": rows, "fused": fused, "sweep": swept})  # fmt: skip
 
