@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.decode import make_batch, weight_bytes_per_step
-from benchmarks.roofline import read_bandwidth_gbs
+from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
 from graphserve.layers.attention_triton import TritonAttentionBackend
@@ -55,7 +55,8 @@ def main() -> None:
     backend = TritonAttentionBackend()
     batch = make_batch(args.bs, args.ctx, kv, backend)
     graphs = GraphRunner(model, backend, kv, [args.bs], cfg.max_model_len // cfg.block_size + 1, cfg.max_model_len, device)
-    bw = read_bandwidth_gbs()
+    read = measured_read_bw()
+    bw = read.best_gbs
     with torch.inference_mode():
         graphs.capture()
         replay_ms = cuda_time_ms(lambda: graphs.replay(batch), warmup=5, iters=50)
@@ -87,7 +88,7 @@ def main() -> None:
                for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])]
     print_table(kernels, ["kernel", "launches", "ms", "us_each"])
     write_result(f"step_breakdown_{args.model.split(':')[-1]}_bs{args.bs}_ctx{args.ctx}",
-                 {"model": args.model, "bs": args.bs, "ctx": args.ctx, "read_gbs": bw, "rows": rows,
+                 {"model": args.model, "bs": args.bs, "ctx": args.ctx, "read": read.summary(), "rows": rows,
                   "kernels": kernels})
 
 
