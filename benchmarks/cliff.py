@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
-from benchmarks.decode import attention_cost, make_batch, weight_bytes_per_step
+from benchmarks.decode import make_batch, step_cost
 from benchmarks.roofline import ReadBandwidth, matmul_tflops, measured_read_bw
 from graphserve.config import EngineConfig, default_cuda_graph_sizes
 from graphserve.engine.graphs import GraphRunner
@@ -45,11 +45,9 @@ def bench_model(name: str, ctx: int, max_bs: int, big_bs: int, bw: ReadBandwidth
     cfg = EngineConfig(model=name, device="cuda", max_model_len=ctx + 64, cuda_graph_max_bs=max_bs)
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
-    dtype = next(model.parameters()).dtype
     bsz = cfg.block_size
     num_blocks = big_bs * ((ctx + 1) // bsz + 2) + 2
-    kv = [torch.randn(2, num_blocks, bsz, info.num_kv_heads, info.head_dim, device=device, dtype=dtype).mul_(0.5)
-          for _ in range(info.num_layers)]
+    kv = info.kv.allocate(num_blocks, bsz, device, fill="random")
     backend = TritonAttentionBackend()
     blocks_per_seq = cfg.max_model_len // bsz + 1
     graphs = GraphRunner(model, backend, kv, default_cuda_graph_sizes(max_bs), blocks_per_seq, cfg.max_model_len, device)
@@ -70,11 +68,10 @@ def bench_model(name: str, ctx: int, max_bs: int, big_bs: int, bw: ReadBandwidth
         for label, bs, fn, runner in cases:
             ms = cuda_time_ms(fn, warmup=3, iters=20)
             extra = peak_extra_bytes(fn)
-            w_read, w_flops = weight_bytes_per_step(model, info, bs)
-            kv_read, a_flops = attention_cost(info, bs, ctx, torch.finfo(dtype).bits // 8)
-            bw.observe(f"{name} {label}", w_read + kv_read, ms)
+            read, flops = step_cost(info, bs, ctx)
+            bw.observe(f"{name} {label}", read, ms)
             rows.append({"model": name, "case": label, "bs": bs, "step_ms": ms, "tok_s": bs / (ms / 1e3),
-                         "read_bytes": w_read + kv_read, "flops": w_flops + a_flops,
+                         "read_bytes": read, "flops": flops,
                          "peak_extra_gib": extra / GiB,
                          "graph_pool_gib": runner.pool_bytes / GiB if runner is not None else 0.0})
     full_tok_s = rows[-1]["tok_s"]

@@ -26,26 +26,18 @@ from graphserve.layers.forward_batch import ForwardBatch, contiguous_batch
 from graphserve.models.loader import load_model
 
 
-def weight_bytes_per_step(model: torch.nn.Module, info, bs: int) -> tuple[int, int]:
-    """(bytes read, matmul FLOPs) for the weights one decode step of ``bs`` rows uses."""
-    read = flops = 0
-    embed_ids = {id(p) for p in model.model.embed_tokens.parameters()}
-    for p in model.parameters():
-        if id(p) in embed_ids and not info.tie_word_embeddings:
-            read += bs * p.shape[-1] * p.element_size()  # only the batch's rows
-            continue
-        read += p.numel() * p.element_size()
-        if p.dim() == 2:
-            flops += 2 * bs * p.numel()
-    if info.tie_word_embeddings:
-        read += bs * info.hidden_size * 2
+def step_cost(info, bs: int, ctx: int) -> tuple[int, int]:
+    """(bytes read, FLOPs) of one decode step of ``bs`` rows over ``ctx`` cached tokens each.
+
+    The bytes are the model's own description (models/description.py: every weight the step reads,
+    the batch's embedding rows, the KV in context): the same figures `graphserve plan` prints.
+    FLOPs: each matmul weight once per row, attention 4·ctx·heads·head_dim per row and layer."""
+    desc = info.description
+    read = desc.decode_read_bytes(bs, bs * ctx)
+    matmul = desc.dense_params + (desc.lm_head_params or desc.embed_params) + desc.num_moe_layers * desc.top_k * \
+        desc.expert_params
+    flops = 2 * bs * matmul + 4 * bs * ctx * info.num_layers * info.num_heads * info.head_dim
     return read, flops
-
-
-def attention_cost(info, bs: int, ctx: int, dtype_bytes: int) -> tuple[int, int]:
-    kv_read = bs * ctx * info.num_layers * 2 * info.num_kv_heads * info.head_dim * dtype_bytes
-    flops = 4 * bs * ctx * info.num_layers * info.num_heads * info.head_dim
-    return kv_read, flops
 
 
 def make_batch(bs: int, ctx: int, kv_caches, backend) -> ForwardBatch:
@@ -66,15 +58,11 @@ def bench_model(name: str, sizes: list[int], ctxs: list[int], bw: ReadBandwidth)
     cfg = EngineConfig(model=name, device="cuda", max_model_len=max(ctxs) + 64)
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
-    dtype = next(model.parameters()).dtype
     bsz = cfg.block_size
     max_blocks = (max(ctxs) + 64) // bsz + 1
     tokens = max(sizes) * max(ctxs) + max(sizes) * 2 * bsz
     num_blocks = tokens // bsz + 2
-    kv_caches = [
-        torch.randn(2, num_blocks, bsz, info.num_kv_heads, info.head_dim, device=device, dtype=dtype).mul_(0.5)
-        for _ in range(info.num_layers)
-    ]
+    kv_caches = info.kv.allocate(num_blocks, bsz, device, fill="random")
     backend = TritonAttentionBackend()
     rows = []
     graphs = GraphRunner(model, backend, kv_caches, sizes, max_blocks, cfg.max_model_len, device)
@@ -83,13 +71,12 @@ def bench_model(name: str, sizes: list[int], ctxs: list[int], bw: ReadBandwidth)
         for ctx in ctxs:
             for bs in sizes:
                 batch = make_batch(bs, ctx, kv_caches, backend)
-                w_read, w_flops = weight_bytes_per_step(model, info, bs)
-                kv_read, a_flops = attention_cost(info, bs, ctx, torch.finfo(dtype).bits // 8)
+                read, flops = step_cost(info, bs, ctx)
                 for graph in (True, False):
                     ms = cuda_time_ms(_step_fn(model, graphs if graph else None, batch), warmup=3, iters=20)
-                    bw.observe(f"{name} decode step bs={bs} ctx={ctx}", w_read + kv_read, ms)
+                    bw.observe(f"{name} decode step bs={bs} ctx={ctx}", read, ms)
                     rows.append({"model": name, "bs": bs, "ctx": ctx, "graph": graph, "step_ms": ms,
-                                 "read_bytes": w_read + kv_read, "flops": w_flops + a_flops})
+                                 "read_bytes": read, "flops": flops})
                     print_table(rows[-1:], ["model", "bs", "ctx", "graph", "step_ms", "read_bytes"])
     torch.cuda.empty_cache()
     return rows

@@ -34,11 +34,9 @@ def main() -> None:
     cfg = EngineConfig(model=args.model, device="cuda", max_model_len=max_len)
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
-    dtype = next(model.parameters()).dtype
     tokens = max(n * L for n, L in shapes)
     num_blocks = tokens // cfg.block_size + 2 * len(shapes) + 2
-    kv_caches = [torch.zeros(2, num_blocks, cfg.block_size, info.num_kv_heads, info.head_dim, device=device, dtype=dtype)
-                 for _ in range(info.num_layers)]
+    kv_caches = info.kv.allocate(num_blocks, cfg.block_size, device)
     backend = TritonAttentionBackend()
     head = model.lm_head.weight  # tied or not, it is one [vocab, hidden] matmul per logits row
     skip = {id(head), *(id(p) for p in model.model.embed_tokens.parameters())}

@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
-from benchmarks.decode import make_batch, weight_bytes_per_step
+from benchmarks.decode import make_batch
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
@@ -48,10 +48,8 @@ def main() -> None:
     cfg = EngineConfig(model=args.model, device="cuda", max_model_len=args.ctx + 64)
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
-    dtype = next(model.parameters()).dtype
     num_blocks = args.bs * (args.ctx // cfg.block_size + 2) + 2
-    kv = [torch.randn(2, num_blocks, cfg.block_size, info.num_kv_heads, info.head_dim, device=device, dtype=dtype)
-          for _ in range(info.num_layers)]
+    kv = info.kv.allocate(num_blocks, cfg.block_size, device, fill="random")
     backend = TritonAttentionBackend()
     batch = make_batch(args.bs, args.ctx, kv, backend)
     graphs = GraphRunner(model, backend, kv, [args.bs], cfg.max_model_len // cfg.block_size + 1, cfg.max_model_len, device)
@@ -73,8 +71,8 @@ def main() -> None:
             for table, key in ((per, family(evt.name)), (by_name, evt.name[:90])):
                 table[key][0] += evt.device_time_total / 1e3
                 table[key][1] += 1
-    weights, _ = weight_bytes_per_step(model, info, args.bs)
     kv_bytes = args.bs * args.ctx * info.kv_bytes_per_token
+    weights = info.description.decode_read_bytes(args.bs, args.bs * args.ctx) - kv_bytes
     floors = {"matmul": weights / (bw * 1e9) * 1e3, "attention": kv_bytes / (bw * 1e9) * 1e3}
     rows = [{"family": k, "kernels": v[1], "ms": v[0], "floor_ms": floors.get(k, 0.0)} for k, v in sorted(per.items())]
     kernel_sum = sum(r["ms"] for r in rows)
