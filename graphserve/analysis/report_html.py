@@ -136,12 +136,12 @@ def _configuration(v: Mapping[str, Any], single: bool, paths: Mapping[str, Path]
     if v.get("log_tail"):
         out.append("<details><summary>last lines of the server log</summary><pre>"
                    + escape("\n".join(v["log_tail"][-40:])) + "</pre></details>")
-    out.append(_profiles(v))
+    out.append(_profiles(v, Path(paths["report.html"]).parent))
     out.append("</section>")
     return "".join(out)
 
 
-def _profiles(v: Mapping[str, Any]) -> str:
+def _profiles(v: Mapping[str, Any], base: Path) -> str:
     if not any(p.get("profile") for p in v["points"]):
         return ""
     from graphserve.analysis.profile import profile_rows
@@ -159,7 +159,7 @@ def _profiles(v: Mapping[str, Any]) -> str:
         parts.append(_table(head, rows))
         parts += [f"<p><small>{escape(n)}</small></p>" for n in prof.get("notes", [])]
         png = prof.get("png")
-        parts.append(_img(Path(png) if png else None, f"profile C={p['concurrency']}"))
+        parts.append(_img(base / png if png else None, f"profile C={p['concurrency']}"))
     return "".join(parts)
 
 

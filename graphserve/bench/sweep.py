@@ -6,12 +6,13 @@ this for every server configuration in turn (see server_grid.py)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from graphserve.bench.client import (
@@ -42,6 +43,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--server-grid", action="append", default=[], metavar="KEY=V1,V2",
                    help="values for one placeholder of --server-cmd; repeat for more keys")
     g.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    g.add_argument("--profile", action="store_true",
+                   help="after each level, hold C requests in decode and profile their steps (graphserve profile); "
+                        "the server must run with --enable-profile-endpoint")
+    g.add_argument("--profile-steps", type=int, default=10, help="decode steps per profile")
+
+
+@contextlib.contextmanager
+def _target(args: argparse.Namespace) -> Iterator[str]:
+    """target_server, except that an in-process server started for --profile exposes the profile endpoint."""
+    if not (args.profile and args.model and not args.base_url):
+        with target_server(args) as url:
+            yield url
+        return
+    from graphserve.config import config_from_args
+    from graphserve.server.launch import ServerThread
+
+    with ServerThread(config_from_args(args, args.model), enable_profile_endpoint=True) as server:
+        yield server.base_url
 
 
 def parse_levels(text: str) -> list[int]:
@@ -94,6 +113,11 @@ def sweep_levels(args: argparse.Namespace, base_url: str, levels: list[int], out
                       "e2e_ms_median": (s["e2e_ms"] or {}).get("median"),
                       "client_limited": res["client_health"]["client_limited"],
                       "failure_reasons": s["failure_reasons"]})
+        if getattr(args, "profile", False) and not point["failed"]:
+            from graphserve.analysis.profile import profile_level
+
+            point["profile"] = profile_level(base_url, c, args.profile_steps, args.random_input_len,
+                                             os.path.join(output_dir, "profiles", f"{label}c{c}"), output_dir)
         points.append(point)
         print(_level_line(point), flush=True)
         if telemetry is not None:
@@ -162,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
             results["points"] = results["points"] or []
             results["comparison"] = compare_configurations(results["configurations"], output_dir)
         else:
-            with target_server(args) as base_url:
+            with _target(args) as base_url:
                 results.update(sweep_levels(args, base_url, levels, output_dir, tokenizer=tokenizer))
     except GraphserveError as e:
         print(f"graphserve sweep: {e.message}", file=sys.stderr)
