@@ -122,3 +122,16 @@ def test_unknown_model_source_is_refused():
 def test_preset_name_is_loaded_through_the_presets():
     cfg = load_hf_config("dummy:llama3-8b")
     assert estimate_weights_bytes(cfg, 2) == estimate_weights_bytes(LLAMA8B, 2)
+
+
+def test_plan_and_engine_keep_one_reserve():
+    """`graphserve plan` and GPU start-up hold back the same reserve, so a plan that fits is one the engine fits."""
+    import argparse
+
+    from graphserve.engine import memory, startup
+
+    assert startup.RESERVE_BYTES is memory.RESERVE_BYTES  # imported, not a second figure
+    assert build_plan(LLAMA8B, gpu_memory_gb=141)["memory"]["reserve_bytes"] == memory.RESERVE_BYTES
+    parser = argparse.ArgumentParser()
+    plan_cmd.add_arguments(parser)
+    assert int(parser.parse_args(["dummy:llama3-8b"]).reserve_gb * GiB) == memory.RESERVE_BYTES
