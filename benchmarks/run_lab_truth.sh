@@ -40,13 +40,13 @@ step() {  # step NAME TIMEOUT_S ARGS...: one benchmark, its output kept, a failu
   [ "$rc" -eq 0 ] || failed+=("$name")
 }
 
-step gemv 150 benchmarks.gemv
+step gemv 180 benchmarks.gemv
 step roofline 60 benchmarks.roofline
-step decode 150 benchmarks.decode --bs 1 8 64 256 --ctx 512 2048
-step cliff 120 benchmarks.cliff --ctx 1024
+step decode 180 benchmarks.decode --bs 1 8 64 256 --ctx 512 2048
+step cliff 150 benchmarks.cliff --ctx 1024
 step prefill 90 benchmarks.prefill --shapes 1x8192 8x2048
-step overhead 120 benchmarks.overhead --num-requests 128 --output-len 128
-step offline 180 benchmarks.offline --num-requests 16 --hf-batch 16
+step overhead 150 benchmarks.overhead --num-requests 128 --output-len 128
+step offline 300 benchmarks.offline --num-requests 16 --hf-batch 16
 step kernels 120 benchmarks.kernels --quick
 
 if [ -n "$PACK_TO" ]; then
