@@ -4,7 +4,6 @@ engine the categories add up to the step time the engine measured, in-process an
 from __future__ import annotations
 
 import json
-
 import sys
 from pathlib import Path
 
