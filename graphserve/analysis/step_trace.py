@@ -1,8 +1,8 @@
 """Where each profiled engine step's time went, read from a torch.profiler Chrome trace.
 
 The step profiler (engine/step_profiler.py) marks every engine iteration (``graphserve.iteration``),
-every step launch (``graphserve.launch``) and the sampling and attention calls (``graphserve.sampling``,
-``graphserve.attention``) with record_function ranges. A step's work is then:
+every step launch (``graphserve.launch``) and the sampling, attention and MoE calls (``graphserve.sampling``,
+``graphserve.attention``, ``graphserve.moe``) with record_function ranges. A step's work is then:
 
 - on CPU, the outermost aten ops inside its iteration; the rest of the iteration is host time
   (scheduling, input building, Python between ops);
@@ -49,7 +49,7 @@ NAME_RULES = (
                           "aten::sub", "aten::div", "aten::neg", "aten::exp", "aten::sigmoid", "aten::cos",
                           "aten::sin", "aten::cat", "aten::to", "aten::_to_copy", "aten::copy_", "aten::where")),
 )
-SCOPES = {"graphserve.sampling": "sampling", "graphserve.attention": "attention"}
+SCOPES = {"graphserve.sampling": "sampling", "graphserve.attention": "attention", "graphserve.moe": "moe"}
 ITERATION, LAUNCH = "graphserve.iteration", "graphserve.launch"
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -114,7 +114,7 @@ def _ranges(events: Sequence[Mapping[str, Any]]) -> dict[str, list[_Ev]]:
 
 
 def _scope_at(scopes: list[_Ev], starts: list[float], t: float) -> str | None:
-    """The scope range holding time ``t``: sampling and attention calls never nest in each other, so it
+    """The scope range holding time ``t``: sampling, attention and MoE calls never nest in each other, so it
     is the last one starting at or before ``t``, if it has not ended."""
     i = bisect.bisect_right(starts, t) - 1
     return SCOPES[scopes[i].name] if i >= 0 and t <= scopes[i].end else None
@@ -141,6 +141,14 @@ def breakdown(events: Sequence[Mapping[str, Any]], device: str) -> list[StepBrea
     if device == "cpu":
         return _cpu_steps(r, scopes, scope_starts)
     return _device_steps(r, scopes, scope_starts)
+
+
+def unmatched_device_work(events: Sequence[Mapping[str, Any]]) -> int:
+    """Kernels and copies whose launch call is not in the trace: no step can claim them, so their time
+    shows up as gaps. Nonzero means this torch/CUPTI records some launch calls elsewhere (or not at all)."""
+    r = _ranges(events)
+    calls = {ev.corr for ev in r["runtime"] if ev.corr is not None}
+    return sum(1 for ev in r["device"] if ev.corr not in calls)
 
 
 def _cpu_steps(r: dict[str, list[_Ev]], scopes: list[_Ev], scope_starts: list[float]) -> list[StepBreakdown | None]:
