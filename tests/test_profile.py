@@ -15,7 +15,7 @@ from server_utils import wait_for  # noqa: E402
 
 from graphserve import cli  # noqa: E402
 from graphserve.analysis.profile import profile_in_process  # noqa: E402
-from graphserve.analysis.step_trace import CATEGORIES, breakdown, classify  # noqa: E402
+from graphserve.analysis.step_trace import CATEGORIES, breakdown, classify, unmatched_device_work  # noqa: E402
 from graphserve.config import EngineConfig  # noqa: E402
 
 MODEL = "builtin:tiny-llama"
@@ -64,6 +64,7 @@ def test_device_trace_steps_are_kernels_plus_gaps():
     assert c["other"] == pytest.approx(0.005) and c["dense_gemm"] == 0.0
     assert c["gaps_host"] == pytest.approx((370 - 80) / 1e3)
     assert sum(c.values()) == pytest.approx(second.span_ms) and second.kernels == 4
+    assert unmatched_device_work(ev) == 1  # the orphan, named in the profile's notes
 
 
 def test_cpu_trace_counts_outermost_ops_once():
