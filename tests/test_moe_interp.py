@@ -37,6 +37,7 @@ import pytest  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from graphserve.kernels import moe_align as moe_align_mod  # noqa: E402
 from graphserve.kernels.moe_align import moe_align  # noqa: E402
 from graphserve.kernels.moe_config import GemmTile, GemvTile  # noqa: E402
 from graphserve.kernels.moe_fused import fused_experts  # noqa: E402
@@ -69,8 +70,11 @@ def test_softmax_topk_matches_reference(t, e, k, renorm):
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("count_in_one_program", [True, False])
 @pytest.mark.parametrize("expert_start,num_local,block_m", [(0, E, 16), (2, 3, 4)])
-def test_align_matches_reference(expert_start, num_local, block_m):
+def test_align_matches_reference(expert_start, num_local, block_m, count_in_one_program, monkeypatch):
+    if not count_in_one_program:  # the large-batch count: zeroed buffer, atomic per-program histograms
+        monkeypatch.setattr(moe_align_mod, "SINGLE_PROGRAM_MAX_PAIRS", 4)
     gen = torch.Generator().manual_seed(block_m)
     ids = torch.randint(0, E, (11, 3), generator=gen, dtype=torch.int32).to(DEVICE)
     valid = torch.arange(11, device=DEVICE) < 9
@@ -140,13 +144,13 @@ def test_tuner_sweep_writes_a_table_the_kernels_accept(monkeypatch):
     small = [GemmTile(16, 16, 32, 1, 4, 3), GemmTile(32, 32, 16, 1, 4, 3)]
     monkeypatch.setattr(moe_tune, "DEVICE", DEVICE)
     monkeypatch.setattr(moe_tune, "graph_ms", wall_ms)
-    monkeypatch.setattr(moe_tune, "QUICK_TOKENS", [1, 16])
+    monkeypatch.setattr(moe_tune, "QUICK_TOKENS", [1, 4])
     monkeypatch.setattr(moe_tune, "GEMV_TILES", list(GEMV))
     monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick: small)
     tiles, rows = moe_tune.tune(E, H, INTER, 2, torch.float32, quick=True, budget_s=600)
-    assert tiles.buckets == (2, 32) and [r["tokens"] for r in rows] == [1, 16]
+    assert tiles.buckets == (2, 8) and [r["tokens"] for r in rows] == [1, 4]
     assert all(g.block_m == d.block_m for g, d in zip(tiles.gate_up, tiles.down))
-    assert tiles.small_max_pairs in (0, 2, 32) and tiles.gemv_gate_up in GEMV
+    assert tiles.small_max_pairs in (0, 2, 8) and tiles.gemv_gate_up in GEMV
     again = MoeTiles.from_json(json.loads(json.dumps(tiles.to_json())))
     assert again == tiles
     gen = torch.Generator().manual_seed(3)

@@ -108,6 +108,9 @@ def test_reference_matches_loop_and_padding_rows_cost_nothing():
         assert torch.equal(out[6:], torch.zeros(3, H))
         assert int(layer.expert_counts.sum()) == 6 * 3
         assert torch.equal(layer.expert_counts, expert_counts_reference(ids, torch.arange(9) < 6, E))
+        touched, busiest = layer.expert_load()
+        assert int(touched) == len(set(ids[:6].flatten().tolist()))
+        assert int(busiest) == max(ids[:6].flatten().tolist().count(e) for e in range(E))
 
 
 def test_tensor_and_expert_parallel_shards_sum_to_the_whole():

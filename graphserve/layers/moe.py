@@ -199,6 +199,11 @@ class FusedMoE(nn.Module):
                 rows = slice(0, il) if param == "w1" else slice(il, 2 * il)
                 self.w13_weight[local, rows].copy_(tensor[shard])
 
+    def expert_load(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(distinct experts touched, most pairs any one expert received) in the last forward, as
+        0-d device tensors: read them after the step, not inside it."""
+        return (self.expert_counts > 0).sum(), self.expert_counts.max()
+
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.routing_override not in ROUTING_OVERRIDES:
             raise ValueError(f"routing_override={self.routing_override!r} must be one of {ROUTING_OVERRIDES}")
