@@ -89,16 +89,21 @@ def test_align_matches_reference(expert_start, num_local, block_m, count_in_one_
     assert torch.equal(got, ref_sorted.view(-1, block_m).sort(dim=1).values)
 
 
-def _weights(gen: torch.Generator, num_local: int = E) -> tuple[torch.Tensor, torch.Tensor]:
-    return _randn(num_local, 2 * INTER, H, gen=gen, scale=0.3), _randn(num_local, H, INTER, gen=gen, scale=0.3)
+def _weights(gen: torch.Generator, num_local: int = E, h: int = H, inter: int = INTER) -> tuple[torch.Tensor, ...]:
+    return _randn(num_local, 2 * inter, h, gen=gen, scale=0.3), _randn(num_local, h, inter, gen=gen, scale=0.3)
+
+
+# (tokens, k, first local expert, local experts, padding rows, hidden, intermediate): K and N not
+# multiples of the tiles (masked tails), then multiples (the unmasked loads the real shapes take)
+FUSED_CASES = [(7, 2, 0, E, False, H, INTER), (9, 3, 2, 3, True, H, INTER), (6, 2, 1, 4, True, 64, 32)]
 
 
 @pytest.mark.parametrize("path", ["gemm", "gemv"])
-@pytest.mark.parametrize("t,k,expert_start,num_local,padded", [(7, 2, 0, E, False), (9, 3, 2, 3, True)])
-def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, padded):
+@pytest.mark.parametrize("t,k,expert_start,num_local,padded,h,inter", FUSED_CASES)
+def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, padded, h, inter):
     gen = torch.Generator().manual_seed(t * k + num_local)
-    w13, w2 = _weights(gen, num_local)
-    x = _randn(t, H, gen=gen)
+    w13, w2 = _weights(gen, num_local, h, inter)
+    x = _randn(t, h, gen=gen)
     topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), k, True)
     valid = (torch.arange(t, device=DEVICE) < t - 2) if padded else None
     counts = torch.full((E,), -1, dtype=torch.int32, device=DEVICE)
@@ -108,7 +113,7 @@ def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, pa
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     assert torch.equal(counts.cpu(), expert_counts_reference(topk_ids, valid, E).cpu())
     if padded:
-        assert torch.equal(out[-2:].cpu(), torch.zeros(2, H))
+        assert torch.equal(out[-2:].cpu(), torch.zeros(2, h))
 
 
 def test_layer_kernel_path_matches_cpu_path():
