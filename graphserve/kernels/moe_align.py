@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 
 _BLOCK_P = 128  # pairs per program in the count and scatter kernels
-# Up to this many pairs one program counts them all (a few [128, E] compares, ~1-2 us); beyond it
-# a zeroed buffer and a grid of atomic per-program histograms is faster than one program's loop.
+# Up to this many pairs (a decode batch of 128 at k = 8) one program counts them all, 32 steps of
+# elementwise adds at E = 128, and the count needs no launch of its own; beyond it the count is a
+# grid of atomic per-program histograms into a zeroed buffer, which one program's loop would not beat.
 SINGLE_PROGRAM_MAX_PAIRS = 1024
 _FILL_BLOCK = 1024
 
@@ -52,15 +53,16 @@ def pair_histogram(ids_ptr, valid_ptr, num_pairs, expert_start, TOP_K: tl.conste
     starts as an int32 tensor, not a Python 0, so its loop-carried type never changes.
     """
     bins = tl.arange(0, BLOCK_E)
-    hist = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    # elementwise adds per step, one cross-thread reduction at the end
+    hits = tl.zeros((BLOCK_P, BLOCK_E), dtype=tl.int32)
     p0 = tl.program_id(0) * 0
     while p0 < num_pairs:
         offs = p0 + tl.arange(0, BLOCK_P)
         ids, mask = _routed(ids_ptr, valid_ptr, offs, num_pairs, expert_start, TOP_K, NUM_BINS, HAS_VALID)
         ids = tl.where(mask, ids, -1)
-        hist += tl.sum((ids[:, None] == bins[None, :]).to(tl.int32), axis=0)
+        hits += (ids[:, None] == bins[None, :]).to(tl.int32)
         p0 += BLOCK_P
-    return hist
+    return tl.sum(hits, axis=0)
 
 
 @triton.jit
@@ -150,6 +152,11 @@ class MoeAlignment:
         return self.expert_ids.numel()
 
 
+def histogram_block(block_e: int) -> int:
+    """Pairs per step of a one-program histogram: a [pairs, experts] tile of about 32 registers a thread."""
+    return max(8, 4096 // block_e)
+
+
 def max_padded_pairs(num_pairs: int, num_local_experts: int, block_m: int) -> int:
     """Worst-case slots of the sorted list: every expert's run may end with block_m - 1 padding."""
     return triton.cdiv(num_pairs + num_local_experts * (block_m - 1), block_m) * block_m
@@ -165,11 +172,12 @@ def moe_count(topk_ids: torch.Tensor, valid: torch.Tensor | None, counts: torch.
     single = num_pairs <= SINGLE_PROGRAM_MAX_PAIRS
     if not single:
         counts.zero_()
+    block_e = triton.next_power_of_2(e)
     grid = (1,) if single else (triton.cdiv(num_pairs, _BLOCK_P),)
     moe_count_kernel[grid](
         topk_ids, _valid_arg(valid, topk_ids), counts, num_pairs,
-        TOP_K=top_k, E=e, HAS_VALID=valid is not None, SINGLE=single, BLOCK_P=_BLOCK_P,
-        BLOCK_E=triton.next_power_of_2(e),
+        TOP_K=top_k, E=e, HAS_VALID=valid is not None, SINGLE=single,
+        BLOCK_P=histogram_block(block_e) if single else _BLOCK_P, BLOCK_E=block_e,
     )  # fmt: skip
     return counts
 
@@ -198,12 +206,12 @@ def moe_align(
     count_here = num_pairs <= SINGLE_PROGRAM_MAX_PAIRS
     if not count_here:
         moe_count(topk_ids, valid, counts)
-    block_e = triton.next_power_of_2(num_local_experts)
+    block_e, block_eg = triton.next_power_of_2(num_local_experts), triton.next_power_of_2(counts.numel())
     moe_align_offsets_kernel[(1,)](
         topk_ids, _valid_arg(valid, topk_ids), counts, cursor, expert_ids, sorted_ids, num_post,
         expert_start, num_pairs, slots // block_m,
         TOP_K=top_k, E=counts.numel(), E_LOCAL=num_local_experts, HAS_VALID=valid is not None, COUNT=count_here,
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_EG=triton.next_power_of_2(counts.numel()), BLOCK_P=_BLOCK_P,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_EG=block_eg, BLOCK_P=histogram_block(block_eg),
         OWNER_BLOCK=max(16, 4096 // block_e), FILL_BLOCK=_FILL_BLOCK,
     )  # fmt: skip
     if num_pairs:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from graphserve.kernels.moe_align import max_padded_pairs, moe_align
+from graphserve.kernels.moe_align import histogram_block, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
 from graphserve.kernels.moe_gemm import (
     fused_moe_gemm_kernel,
@@ -97,13 +97,14 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
     (t, h), (num_local, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     inter = two_i // 2
     gu, dn = tiles
+    block_e = triton.next_power_of_2(counts.numel())
     act = torch.empty(t * k, inter, dtype=hidden.dtype, device=hidden.device)
     fused_moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, gu.block_n))](
         hidden, w13, act, topk_ids, valid_arg, counts, inter, expert_start, t * k,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local, HAS_VALID=valid is not None,
-        BLOCK_N=gu.block_n, BLOCK_K=min(gu.block_k, triton.next_power_of_2(h)), BLOCK_P=128,
-        BLOCK_E=triton.next_power_of_2(counts.numel()), num_warps=gu.num_warps,
+        BLOCK_N=gu.block_n, BLOCK_K=min(gu.block_k, triton.next_power_of_2(h)), BLOCK_P=histogram_block(block_e),
+        BLOCK_E=block_e, num_warps=gu.num_warps,
     )  # fmt: skip
     fused_moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
         act, w2, out, topk_weights, topk_ids, valid_arg, h, expert_start,
