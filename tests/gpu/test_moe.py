@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphserve.kernels.moe_fused import fused_experts
+from graphserve.kernels.moe_fused import fused_experts, moe_workspace_bytes
 from graphserve.kernels.moe_reference import expert_counts_reference, experts_loop_reference, softmax_topk_reference
 from graphserve.kernels.moe_routing import moe_softmax_topk
 from graphserve.layers.moe import FusedMoE, SoftmaxTopK
@@ -138,3 +138,22 @@ def test_uniform_routing_spreads_pairs_evenly(experts, gen):
     ids = (torch.arange(64 * k, device="cuda", dtype=torch.int32) % e).view(64, k)
     w = torch.full((64, k), 1 / k, device="cuda")
     assert rel_err(out, _reference(x, experts["qwen3-30b-a3b"][2], experts["qwen3-30b-a3b"][3], w, ids)) < TOL
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_workspace_bound_covers_what_a_forward_allocates(name, experts, gen):
+    e, h, i, k, renorm = MODELS[name]
+    w13, w2 = experts[name][:2]
+    for t in (1, 64, 2048):
+        x = torch.randn(t, h, device="cuda", generator=gen).to(DT)
+        w, ids = moe_softmax_topk(torch.randn(t, e, device="cuda", generator=gen), k, renorm)
+        counts = torch.empty(e, dtype=torch.int32, device="cuda")
+        fused_experts(x, w13, w2, w, ids, counts=counts)  # compiled and cached before measuring
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fused_experts(x, w13, w2, w, ids, counts=counts)
+        torch.cuda.synchronize()
+        used = torch.cuda.max_memory_allocated() - base
+        # the caching allocator rounds each of the ~8 buffers up to 512 bytes
+        assert out.numel() and used <= moe_workspace_bytes(t, k, e, i, h, DT) + 8 * 512, (t, used)
