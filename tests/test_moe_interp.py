@@ -1,9 +1,10 @@
 """The MoE kernels against their PyTorch references, on CPU through Triton's interpreter.
 
 fp32, tiny shapes whose sizes are not multiples of the tiles, fresh random inputs: the routing
-kernel, the sort/align, both expert paths (grouped GEMM and per-pair streaming) with padding rows
-and an expert-parallel slice, and FusedMoE on the kernel path against its own CPU path. The bf16
-model-shape versions and the CUDA-graph checks live in tests/gpu/test_moe.py.
+kernels (softmax top-k, grouped sigmoid top-k), the sort/align, both expert paths (grouped GEMM
+and streaming) with padding rows and an expert-parallel slice, and FusedMoE on the kernel path
+against its own CPU path. The bf16 model-shape versions and the CUDA-graph checks live in
+tests/gpu/test_moe.py.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ from graphserve.kernels.moe_fused import fused_experts  # noqa: E402
 from graphserve.kernels.moe_reference import (  # noqa: E402
     expert_counts_reference,
     experts_reference,
+    grouped_sigmoid_topk_reference,
     moe_align_reference,
     softmax_topk_reference,
 )
-from graphserve.kernels.moe_routing import moe_softmax_topk  # noqa: E402
+from graphserve.kernels.moe_routing import moe_grouped_topk, moe_softmax_topk  # noqa: E402
 from graphserve.layers.moe import FusedMoE, SoftmaxTopK  # noqa: E402
 
 DEVICE = torch.device("cpu") if isinstance(tl.standard.cdiv, InterpretedFunction) else torch.device("cuda")
@@ -68,6 +70,19 @@ def test_softmax_topk_matches_reference(t, e, k, renorm):
     w_ref, ids_ref = softmax_topk_reference(logits, k, renorm)
     assert torch.equal(ids, ids_ref)
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "t,e,k,n_group,topk_group,renorm",
+    [(5, 16, 4, 4, 2, True), (9, 12, 2, 3, 1, False), (3, 8, 3, 8, 3, True), (4, 6, 2, 1, 1, True)],
+)
+def test_grouped_topk_matches_reference(t, e, k, n_group, topk_group, renorm):
+    gen = torch.Generator().manual_seed(t * 10 + e)
+    logits, bias = _randn(t, e, gen=gen, scale=2.0), _randn(e, gen=gen, scale=0.5)
+    w, ids = moe_grouped_topk(logits, k, bias, n_group, topk_group, renorm, 2.5, block_t=4)
+    w_ref, ids_ref = grouped_sigmoid_topk_reference(logits, k, bias, n_group, topk_group, renorm, 2.5)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("count_in_one_program", [True, False])

@@ -96,7 +96,10 @@ class GroupedSigmoidTopK(Router):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
 
     def forward(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grouped_sigmoid_topk_reference(
+        route = grouped_sigmoid_topk_reference
+        if router_logits.is_cuda:
+            from graphserve.kernels.moe_routing import moe_grouped_topk as route
+        return route(
             router_logits, self.top_k, self.e_score_correction_bias, self.n_group, self.topk_group,
             self.renormalize, self.routed_scaling_factor,
         )  # fmt: skip
