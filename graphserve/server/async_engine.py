@@ -87,6 +87,8 @@ class AsyncEngine:
         self.engine_error: str | None = None  # set when the engine process died while serving
         self.stats: Any = None  # last EngineStats, refreshed after every engine iteration
         self._on_step = on_step
+        # Called on the loop as on_abort(request_id, error) for a request stopped before it finished.
+        self.on_abort: Callable[[str, GraphserveError | None], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
         self._inbox: list[Any] = []  # in-process: EngineRequests to add
@@ -199,6 +201,8 @@ class AsyncEngine:
             stream.finished = True
             if error is not None:
                 stream.queue.put_nowait(error)
+            if self.on_abort is not None:
+                self.on_abort(request_id, error)
         self._send_aborts([request_id])
 
     def _send_aborts(self, ids: list[str]) -> None:
