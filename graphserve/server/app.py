@@ -109,6 +109,13 @@ def create_app(state: ServerState, guards: GuardOptions | None = None) -> FastAP
         state.check_ready()
         return JSONResponse(server_info(state))
 
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> JSONResponse:
+        """Drop the prefix cache (SGLang's route; benchmarks call it between runs so none reuses another's)."""
+        state.check_ready()
+        state.engine.flush_prefix_cache()
+        return JSONResponse({"status": "ok", "message": "prefix cache flushed before the engine's next step"})
+
     @app.get("/health")
     async def health() -> Response:
         try:

@@ -31,6 +31,10 @@ class CoreDriver:
         self._in_core: set[str] = set()
         self._faulty: set[str] = set()  # ids whose next step raises InjectedFault
 
+    def flush_prefix_cache(self) -> None:
+        dropped = self.core.block_manager.reset_prefix_cache()
+        logger.info("prefix cache flushed: %d cached block(s) dropped", dropped)
+
     def has_work(self) -> bool:
         return bool(self.core.has_unfinished_requests())
 
