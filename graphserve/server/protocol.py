@@ -21,6 +21,7 @@ from pydantic import (
     Strict,
     Tag,
     ValidationInfo,
+    WithJsonSchema,
 )
 from pydantic_core import PydanticCustomError
 
@@ -70,7 +71,17 @@ Text = Annotated[str, AfterValidator(valid_unicode)]
 # Strict: JSON true/false are not token ids (lax mode reads them as 1 and 0).
 TokenId = Annotated[int, Strict(), Field(ge=0, le=TOKEN_ID_MAX)]
 TokenIds = Annotated[list[TokenId], BeforeValidator(_bounded_ids)]
-StopField = Text | list[Text] | None
+
+def _text_or_texts(value: Any) -> str | None:
+    return "text" if isinstance(value, str) else "texts" if isinstance(value, list) else None
+
+
+TextOrTexts = Annotated[
+    Annotated[Text, Tag("text")] | Annotated[list[Text], Tag("texts")],
+    Discriminator(_text_or_texts, custom_error_type="text_shape",
+                  custom_error_message="must be a string or a list of strings"),
+]
+StopField = TextOrTexts | None
 
 
 def _prompt_shape(value: Any) -> str | None:
@@ -197,11 +208,6 @@ class CompletionRequest(_SamplingFields):
         return self.sampling_params(self.max_tokens, self.logprobs)
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: Text
-
-
 def _join_parts(content: Any) -> Any:
     """OpenAI's list-of-parts content: text parts joined; any other part refused with what it was."""
     if not isinstance(content, list):
@@ -222,18 +228,23 @@ def _join_parts(content: Any) -> Any:
     return "".join(texts)
 
 
+_CONTENT_SCHEMA = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"const": "text"}, "text": {"type": "string"}}}},
+    {"type": "null"},
+]}
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # list[TextPart] is what /openapi.json shows; _join_parts turns a valid list into one string first.
-    content: Annotated[Text | list[TextPart] | None, BeforeValidator(_join_parts)] = None
+    # A string or a list of text parts (the schema says so); _join_parts makes the list one string first, so
+    # an error (a lone surrogate, an image part) is reported against messages[i].content itself.
+    content: Annotated[Text | None, BeforeValidator(_join_parts), WithJsonSchema(_CONTENT_SCHEMA)] = None
     name: Text | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return self.content or ""
 
 
 class ChatCompletionRequest(_SamplingFields):

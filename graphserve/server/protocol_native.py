@@ -16,6 +16,7 @@ from graphserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from graphserve.server.protocol import (
     SEED_MAX,
     Text,
+    TextOrTexts,
     TokenIds,
     _Knobs,
     _Strict,
@@ -64,7 +65,7 @@ class NativeSamplingParams(_Knobs):
 class GenerateRequest(_Strict):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    text: Text | list[Text] | None = None
+    text: TextOrTexts | None = None
     input_ids: InputIdsField | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
