@@ -146,3 +146,22 @@ def test_refusals_are_counted(server):
                          (431, "request_header_fields_too_large"), (503, "service_unavailable")):
         assert m.get(f"graphserve:request_errors_total{{code={code},reason={reason}}}", 0) >= 1, (code, m)
     assert "request error: status=401 reason=authentication_error" in server.log()
+
+
+def test_dummy_source_tokenizer_is_saved_where_clients_can_load_it():
+    # A dummy: preset's tokenizer is synthetic; /get_model_info points clients at a saved copy. (Serving a
+    # dummy preset on CPU would take minutes, so this checks the path helper with the tokenizer it serves.)
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from graphserve.models.loader import load_tokenizer
+    from graphserve.server.model_info import tokenizer_path
+
+    tok = load_tokenizer("dummy:qwen2.5-0.5b")
+    state = SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(model="dummy:qwen2.5-0.5b"), tokenizer=tok))
+    path = tokenizer_path(state)
+    assert tokenizer_path(state) == path  # saved once, then reused
+    loaded = AutoTokenizer.from_pretrained(path)
+    text = "Hello, world: ünïcode and numbers 12345"
+    assert loaded(text).input_ids == tok(text).input_ids

@@ -102,12 +102,12 @@ def create_app(state: ServerState, guards: GuardOptions | None = None) -> FastAP
     @app.get("/get_model_info")
     async def get_model_info() -> JSONResponse:
         state.check_ready()
-        return JSONResponse(model_info(state))
+        return JSONResponse(await asyncio.to_thread(model_info, state))  # may write a dummy's tokenizer
 
     @app.get("/get_server_info")
     async def get_server_info() -> JSONResponse:
         state.check_ready()
-        return JSONResponse(server_info(state))
+        return JSONResponse(await asyncio.to_thread(server_info, state))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> JSONResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 from importlib import metadata
 from pathlib import Path
@@ -33,9 +34,13 @@ def tokenizer_path(state: ServerState) -> str:
         return str(ensure_builtin(source.removeprefix("builtin:")))
     if source.startswith("dummy:"):
         folder = cache_dir() / "tokenizers" / source.replace(":", "-")
-        if not (folder / "tokenizer_config.json").exists():
-            folder.mkdir(parents=True, exist_ok=True)
-            state.engine.tokenizer.save_pretrained(str(folder))
+        if not folder.exists():  # written aside, then renamed: two servers starting together never mix files
+            staging = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+            state.engine.tokenizer.save_pretrained(str(staging))
+            try:
+                staging.rename(folder)
+            except OSError:
+                shutil.rmtree(staging, ignore_errors=True)  # the other server got there first
         return str(folder)
     return str(Path(source).expanduser().resolve())
 

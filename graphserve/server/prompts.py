@@ -54,9 +54,19 @@ async def parse_body(request: Request, model: type[M], state: ServerState) -> M:
         raise RequestValidationError(exc.errors(include_url=False)) from None
 
 
-def check_length(state: ServerState, field: str, num_chars: int) -> None:
+async def loaded_token_table(state: ServerState) -> TokenTable:
+    """token_table(state), built on a worker thread the first time: reading a 150k-entry vocabulary and the
+    tokenizer's JSON takes long enough to be felt by every stream on the loop."""
+    tokenizer = state.engine.tokenizer
+    table = _tables.get(id(tokenizer))
+    if table is not None and table.tokenizer is tokenizer:
+        return table
+    return await asyncio.to_thread(token_table, state)
+
+
+async def check_length(state: ServerState, field: str, num_chars: int) -> None:
     """Refuse text that no tokenization could fit into max_model_len, before tokenizing it."""
-    per_token = token_table(state).max_chars_per_token
+    per_token = (await loaded_token_table(state)).max_chars_per_token
     limit = state.engine.input_processor.max_model_len
     if per_token is not None and num_chars > per_token * limit:
         raise BadRequestError(
@@ -74,7 +84,7 @@ async def engine_prompts(state: ServerState, field: str, prompts: list[str | lis
             out.append(prompt)
             continue
         name = field if len(prompts) == 1 else f"{field}[{i}]"
-        check_length(state, name, len(prompt))
+        await check_length(state, name, len(prompt))
         tokenize = state.engine.input_processor.tokenize
         if len(prompt) <= INLINE_TOKENIZE_CHARS:
             ids, _ = tokenize(prompt)
@@ -90,7 +100,7 @@ async def engine_prompts(state: ServerState, field: str, prompts: list[str | lis
 
 async def chat_engine_prompt(state: ServerState, messages: list[dict[str, str]], add_generation_prompt: bool
                              ) -> Any:
-    check_length(state, "messages", sum(len(m["content"]) for m in messages))
+    await check_length(state, "messages", sum(len(m["content"]) for m in messages))
     if sum(len(m["content"]) for m in messages) <= INLINE_TOKENIZE_CHARS:
         text = state.chat_prompt(messages, add_generation_prompt)
     else:
