@@ -203,15 +203,13 @@ class FusedMoE(nn.Module):
                 self.w13_weight[local, rows].copy_(tensor[shard])
 
     def workspace_bytes(self, num_tokens: int) -> int:
-        """Device memory one forward of ``num_tokens`` rows allocates on the fused path (for the start-up plan):
-        the router's fp32 weights and int32 ids, then the expert kernels' buffers."""
+        """Device memory one forward of ``num_tokens`` rows allocates on the fused path (for the start-up plan)."""
         from graphserve.kernels.moe_fused import moe_workspace_bytes
 
-        experts = moe_workspace_bytes(
+        return moe_workspace_bytes(
             num_tokens, self.top_k, self.num_local_experts, self.intermediate_local, self.hidden_size,
             self.w13_weight.dtype,
         )  # fmt: skip
-        return 8 * num_tokens * self.top_k + experts
 
     def expert_load(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(distinct experts touched, most pairs any one expert received) in the last forward, as
