@@ -120,6 +120,9 @@ def test_cli_in_process_writes_json_and_png(tmp_path, capsys):
     assert "gaps between kernels / host" in out and "measured step time" in out
     assert cli.main(["profile", "--model", MODEL, "--steps", "0"]) == 2
     assert "steps=0 is invalid" in capsys.readouterr().err
+    # an engine flag against a server would change nothing: refused by name before anything connects
+    assert cli.main(["profile", "--base-url", "http://127.0.0.1:9", "--cuda-graph-max-bs", "8"]) == 2
+    assert "--cuda-graph-max-bs configures the engine of --model" in capsys.readouterr().err
 
 
 def test_profile_endpoint_and_cli_through_a_server(tmp_path):
