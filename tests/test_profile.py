@@ -84,7 +84,8 @@ def _check_adds_up(profile: dict, batch_size: int) -> None:
     assert phase["mode"] == "eager" and "no CUDA graphs" in profile["notes"][0]
     assert phase["batch_size"] == batch_size and phase["run_as"] == ["eager"]
     cats = phase["categories_ms"]
-    assert set(cats) == set(CATEGORIES)
+    assert set(cats) == set(CATEGORIES) and set(phase["categories_pct"]) == set(CATEGORIES)
+    assert phase["categories_pct"]["dense_gemm"] == pytest.approx(100 * cats["dense_gemm"] / phase["step_ms"])
     # the categories come from the trace, the step time from the engine's own clock (telemetry)
     assert abs(sum(cats.values()) - phase["step_ms"]) <= 0.10 * phase["step_ms"]
     for s in phase["per_step"]:

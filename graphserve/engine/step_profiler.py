@@ -245,5 +245,8 @@ class StepProfiler:
                              f"{eager['kernels_per_step']:.0f} eager (torch {torch.__version__} hides kernels "
                              "inside CUDA graphs): the graph phase's kernel times are the eager phase's on the "
                              "same batch, and its gaps are its measured step time minus them")
+        for p in self.results:
+            if "categories_ms" in p:  # shares of the step the engine measured, as printed
+                p["categories_pct"] = {c: 100.0 * v / p["step_ms"] for c, v in p["categories_ms"].items()}
         return {"device": self.device, "model": self.core.config.model, "steps_requested": self.steps,
                 "torch": torch.__version__, "phases": self.results, "notes": notes}
