@@ -107,6 +107,23 @@ def test_in_process_profile_adds_up_and_leaves_the_engine_as_it_was():
     out = core.step()  # and it still serves
     assert out == []
 
+    # a profile whose own machinery fails ends with an error; the step it was wrapping runs all the same
+    from graphserve.engine.processor import InputProcessor
+    from graphserve.engine.step_profiler import StepProfiler
+    from graphserve.sampling_params import SamplingParams
+
+    got: list[dict] = []
+    broken = StepProfiler(core, 2, got.append)
+    broken._hook = lambda: (_ for _ in ()).throw(RuntimeError("no profiler here"))
+    req = InputProcessor(core.tokenizer, core.info, core.config, core.kv_blocks).process(
+        "r", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    core.add_request(req)
+    outputs = broken.iteration(core.step)
+    assert got[0]["error"] == "the profile failed: RuntimeError: no profiler here" and not broken.active
+    assert [o.request_id for o in outputs] == ["r"] and len(outputs[0].new_token_ids) == 1
+    while core.has_unfinished_requests():
+        core.step()
+
 
 def test_cli_in_process_writes_json_and_png(tmp_path, capsys):
     rc = cli.main(["profile", "--model", MODEL, "--batch-size", "1,2", "--steps", "3", "--input-len", "8",
