@@ -177,8 +177,11 @@ def format_profile(profile: Mapping[str, Any]) -> str:
     for p in profile.get("phases", []):
         if "error" in p:
             lines.append(f"{p['mode']}: {p['error']}")
-        elif p.get("attribution") == "eager":
+            continue
+        if p.get("attribution") == "eager":
             lines.append(f"{p['mode']}: kernel times attributed from the eager phase (see note)")
+        top = ", ".join(f"{k['name'][:48]} {k['ms']:.3f}" for k in p.get("top_kernels", [])[:5])
+        lines.append(f"{p['mode']} top kernels/ops (ms per step): {top}")
     lines += [f"note: {n}" for n in profile.get("notes", [])]
     return "\n".join(lines)
 
