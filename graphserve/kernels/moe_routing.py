@@ -19,17 +19,13 @@ MAX_EXPERTS = 1024
 
 
 @triton.jit
-def moe_softmax_topk_kernel(
-    logits_ptr, weights_ptr, ids_ptr, T, stride_t,
-    E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+def _softmax_topk_store(
+    logits, rows, row_mask, cols, weights_ptr, ids_ptr,
+    E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    row_mask = rows < T
+    """Softmax over the fp32 logits [BLOCK_T, BLOCK_E] of ``rows``, the k largest, written once."""
     mask = row_mask[:, None] & (cols[None, :] < E)
-    logits = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=mask, other=float("-inf"))
-    logits = logits.to(tl.float32)
+    logits = tl.where(mask, logits, float("-inf"))
     row_max = tl.max(logits, axis=1)
     row_max = tl.where(row_mask, row_max, 0.0)  # rows past T are all -inf: keep them NaN-free
     p = tl.exp(logits - row_max[:, None])
@@ -50,6 +46,21 @@ def moe_softmax_topk_kernel(
     offs = rows[:, None] * TOP_K + slots[None, :]
     tl.store(weights_ptr + offs, top_w, mask=out_mask)
     tl.store(ids_ptr + offs, top_i, mask=out_mask)
+
+
+@triton.jit
+def moe_softmax_topk_kernel(
+    logits_ptr, weights_ptr, ids_ptr, T, stride_t,
+    E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_mask = rows < T
+    mask = row_mask[:, None] & (cols[None, :] < E)
+    logits = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=mask, other=float("-inf"))
+    _softmax_topk_store(logits.to(tl.float32), rows, row_mask, cols, weights_ptr, ids_ptr,
+                        E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_K)  # fmt: skip
 
 
 def moe_softmax_topk(
