@@ -2,12 +2,14 @@
 # MoE decode at small batch on one GPU (issue 9): the MoE GPU tests, the gemv rule for the MoE
 # presets' dense projections (rewrites graphserve/kernels/gemv_rule.json and
 # benchmarks/results/gemv.json, which the decode rows then route by), the MoE decode/prefill
-# benchmark, and the per-kernel breakdown of one qwen3-30b-a3b bs 1 step. About 5 minutes on an H200.
+# benchmark, the per-kernel breakdown of one qwen3-30b-a3b bs 1 step, and a sweep of the streaming
+# kernels' tiles around their defaults at one token. About 6 minutes on an H200 (every step has a
+# time limit; together they stay under 9 minutes).
 #
 # When $OUT is set, the JSON results, the regenerated rule and every step's printed output are
 # packed into one file, $OUT/moe.tgz.
 #
-# Run from the repository root:   bash benchmarks/run_moe.sh [STEP ...]   (steps: tests gemv moe breakdown)
+# Run from the repository root:   bash benchmarks/run_moe.sh [STEP ...]   (steps: tests gemv moe breakdown sweep)
 # Set GRAPHSERVE_COMMIT when the tree travels without .git, so the results name the commit measured.
 set -uo pipefail
 
@@ -18,7 +20,7 @@ export GRAPHSERVE_COMMIT=${GRAPHSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/de
 LOGS=$(mktemp -d)
 failed=()
 
-ALL=(tests gemv moe breakdown)
+ALL=(tests gemv moe breakdown sweep)
 WANTED=("${@:-${ALL[@]}}")
 for w in "${WANTED[@]}"; do
   [[ " ${ALL[*]} " == *" $w "* ]] || { echo "unknown step $w: choose from ${ALL[*]}"; exit 2; }
@@ -36,15 +38,17 @@ step() {  # step NAME TIMEOUT_S COMMAND...: output kept, a failure recorded and 
   [ "$rc" -eq 0 ] || failed+=("$name")
 }
 
-step tests 100 "$PY" -m pytest -q -x tests/gpu/test_moe.py
+step tests 100 "$PY" -m pytest -q --maxfail=5 tests/gpu/test_moe.py
 step gemv 100 "$PY" -m benchmarks.gemv --models dummy:qwen3-30b-a3b dummy:mixtral-8x7b
 step moe 180 "$PY" -m benchmarks.moe --models dummy:qwen3-30b-a3b dummy:mixtral-8x7b --bs 1 32 64 256 \
   --loop-bs 64 --prefill dummy:qwen3-30b-a3b
 step breakdown 60 "$PY" -m benchmarks.step_breakdown --model dummy:qwen3-30b-a3b --bs 1 --ctx 1024
+step sweep 90 "$PY" -m benchmarks.moe_kernels --sweep-gemv
 
 if [ -n "$PACK_TO" ]; then
   cp benchmarks/results/gemv.json benchmarks/results/moe_decode.json graphserve/kernels/gemv_rule.json "$LOGS"/ 2>/dev/null
-  cp benchmarks/results/step_breakdown_qwen3-30b-a3b_bs1_ctx1024.json "$LOGS"/ 2>/dev/null
+  cp benchmarks/results/step_breakdown_qwen3-30b-a3b_bs1_ctx1024.json benchmarks/results/moe_gemv_sweep.json \
+    "$LOGS"/ 2>/dev/null
   tar -czf "$PACK_TO/moe.tgz" -C "$LOGS" .
   echo "packed $(ls "$LOGS" | wc -l) files into $PACK_TO/moe.tgz"
 fi

@@ -176,6 +176,11 @@ class FusedMoE(nn.Module):
         self.routing_override: str | None = None
         self.use_kernels: bool | None = None  # None: the fused kernels exactly when the input is on CUDA
 
+    def rebuild(self, device: torch.device) -> None:
+        """After the loader's ``to_empty``: the buffers hold garbage; the gate kernel's counter must be zero."""
+        self.gate_counter.zero_()
+        self.expert_counts.zero_()
+
     def load_expert_weight(self, param: str, expert_id: int, tensor: torch.Tensor) -> None:
         """Copy one expert's full checkpoint matrix (w1/w3 [I, H], w2 [H, I]) into this rank's slice.
 
