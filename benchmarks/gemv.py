@@ -64,6 +64,8 @@ SHAPES = {
     "qwen3-30b-a3b router": (128, 2048),
     "mixtral-8x7b router": (8, 4096),
 }
+# measured when neither --shapes nor --models is given (the dense presets)
+DEFAULT_SHAPES = [name for name in SHAPES if name.startswith(("qwen3-0.6b", "llama3-8b"))]
 # the projections each preset runs, by shape name (mixtral-8x7b's attention has llama3-8b's shapes)
 MODEL_SHAPES = {
     "dummy:qwen3-0.6b": [name for name in SHAPES if name.startswith("qwen3-0.6b")],
@@ -234,7 +236,7 @@ def main() -> None:
         write_rule(json.loads(Path(args.rule_from).read_text()))
         return
     chosen = list(dict.fromkeys((args.shapes or []) + [n for m in args.models or [] for n in MODEL_SHAPES[m]]))
-    args.shapes = chosen or list(SHAPES)
+    args.shapes = chosen or DEFAULT_SHAPES
     sms = sm_count(torch.device("cuda"))
     read = measured_read_bw()
     print(f"probes: {read.describe()}; {sms} SMs, {torch.cuda.get_device_name(0)}")

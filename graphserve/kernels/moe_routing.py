@@ -35,8 +35,8 @@ def _softmax_topk_store(
     top_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     top_i = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
     for s in tl.static_range(TOP_K):
-        best = tl.argmax(p, axis=1, tie_break_left=True)
-        best_p = tl.max(p, axis=1)
+        # value and index in one reduction (the first index wins a tie)
+        best_p, best = tl.max(p, axis=1, return_indices=True, return_indices_tie_break_left=True)
         top_w = tl.where(slots[None, :] == s, best_p[:, None], top_w)
         top_i = tl.where(slots[None, :] == s, best[:, None].to(tl.int32), top_i)
         p = tl.where(cols[None, :] == best[:, None], -1.0, p)
