@@ -38,9 +38,9 @@ step() {  # step NAME TIMEOUT_S COMMAND...: output kept, a failure recorded and 
   [ "$rc" -eq 0 ] || failed+=("$name")
 }
 
-step tests 100 "$PY" -m pytest -q --maxfail=5 tests/gpu/test_moe.py
-step gemv 100 "$PY" -m benchmarks.gemv --models dummy:qwen3-30b-a3b dummy:mixtral-8x7b
-step moe 210 "$PY" -m benchmarks.moe --models dummy:qwen3-30b-a3b dummy:mixtral-8x7b --bs 1 32 64 256 \
+step tests 150 "$PY" -m pytest -q --maxfail=5 tests/gpu/test_moe.py
+step gemv 90 "$PY" -m benchmarks.gemv --models dummy:qwen3-30b-a3b dummy:mixtral-8x7b
+step moe 200 "$PY" -m benchmarks.moe --models dummy:qwen3-30b-a3b dummy:mixtral-8x7b --bs 1 32 64 256 \
   --loop-bs 64 --prefill dummy:qwen3-30b-a3b
 step breakdown 60 "$PY" -m benchmarks.step_breakdown --model dummy:qwen3-30b-a3b --bs 1 --ctx 1024
 step sweep 75 "$PY" -m benchmarks.moe_kernels --sweep-gemv
