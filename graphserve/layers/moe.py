@@ -194,6 +194,20 @@ class FusedMoE(nn.Module):
                 rows = slice(0, il) if param == "w1" else slice(il, 2 * il)
                 self.w13_weight[local, rows].copy_(tensor[shard])
 
+    # ---- the model loader's protocol (models/base.py): one shard per (expert, part) ----------------
+    def weight_shards(self, param_name: str) -> list[tuple[int, str]]:
+        experts = range(self.expert_start, self.expert_start + self.num_local_experts)
+        parts = ("w2",) if param_name == "w2_weight" else ("w1", "w3")
+        return [(e, part) for e in experts for part in parts]
+
+    def load_weight(self, param_name: str, param: nn.Parameter, tensor: torch.Tensor, shard: tuple[int, str]) -> bool:
+        """Place one expert's checkpoint matrix; False when the expert lives on another rank."""
+        expert, part = shard
+        if (part == "w2") != (param_name == "w2_weight"):
+            raise ValueError(f"expert part {part!r} does not belong in {param_name}")
+        self.load_expert_weight(part, expert, tensor)
+        return self.expert_start <= expert < self.expert_start + self.num_local_experts
+
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.routing_override not in ROUTING_OVERRIDES:
             raise ValueError(f"routing_override={self.routing_override!r} must be one of {ROUTING_OVERRIDES}")
