@@ -79,7 +79,7 @@ def yarn_inv_freq(dim: int, rope: dict[str, Any], max_position_embeddings: int) 
     if low == high:
         high += 0.001  # the ramp would divide by zero
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp  # share of the original frequency kept, per dimension pair
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, float(attention)

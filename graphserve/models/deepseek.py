@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from graphserve.errors import ModelLoadError
 from graphserve.layers.embedding import LMHead, VocabEmbedding
 from graphserve.layers.kv_layout import KVLayout
 from graphserve.layers.linear import Linear, MergedLinear, norm_linear, silu_mul_linear
