@@ -13,6 +13,7 @@ from graphserve.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OVERLAP_MODES = ("auto", "on", "off")
+MOE_ROUTING_MODES = ("model", "uniform")
 
 
 def default_cuda_graph_sizes(max_bs: int) -> list[int]:
@@ -48,6 +49,9 @@ class EngineConfig:
     # model runs on the host, so there is nothing to overlap with), "on"/"off" force it.
     overlap_schedule: str = "auto"
     tp: int = 1
+    # "uniform" spreads (token, slot) pairs over the experts round-robin: random weights route
+    # unevenly, so benchmarks on dummy: models can show the balanced case too. Refused elsewhere.
+    moe_routing: str = "model"
     log_interval: int = 40
     max_queued_requests: int = 1024
 
@@ -89,6 +93,15 @@ class EngineConfig:
                 f"--overlap-schedule={self.overlap_schedule!r} is invalid: choose one of {', '.join(OVERLAP_MODES)}",
                 param="overlap_schedule",
             )
+        if self.moe_routing not in MOE_ROUTING_MODES:
+            raise ConfigError(
+                f"--moe-routing={self.moe_routing!r} is invalid: choose one of {', '.join(MOE_ROUTING_MODES)}",
+                param="moe_routing",
+            )
+        if self.moe_routing != "model" and not self.model.startswith("dummy:"):
+            raise ConfigError(
+                f"--moe-routing={self.moe_routing} is for dummy: models only (random weights); model={self.model!r} "
+                "routes with its own trained router", param="moe_routing")
         if self.tp < 1:
             raise ConfigError(f"--tp={self.tp} is invalid: must be >= 1", param="tp")
         if self.log_interval < 1:
@@ -125,6 +138,7 @@ _HELP = {
     "disable_cuda_graph": "run decode eagerly (for A/B runs)",
     "overlap_schedule": "prepare the next step while the device runs this one: auto (on CUDA), on, off",
     "tp": "tensor-parallel size",
+    "moe_routing": "MoE routing: model (the router's choice) or uniform (round-robin over experts; dummy: models only)",
     "log_interval": "decode steps between step-log lines",
     "max_queued_requests": "bound of the waiting queue; past it requests get 429",
 }
@@ -140,6 +154,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "enable_prefix_caching":
             parser.add_argument("--disable-radix-cache", "--disable-prefix-caching", dest="enable_prefix_caching",
                                 action="store_false", help="turn prefix caching off")
+            continue
+        if f.name == "moe_routing":
+            parser.add_argument(flag, choices=MOE_ROUTING_MODES, default=default, help=_HELP[f.name])
             continue
         if f.name == "overlap_schedule":
             parser.add_argument(flag, choices=OVERLAP_MODES, default=default, help=_HELP[f.name])

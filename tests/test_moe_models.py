@@ -96,6 +96,14 @@ def test_greedy_matches_transformers_generate_under_continuous_batching(variant)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.token_ids for o in outs] == expected, name
     llm.engine.core.block_manager.check_no_leak()
+    # every step's record carries its routing: k pairs per token in each MoE layer
+    moe = llm.engine.core.runner.expert_probe.layers
+    k, experts = moe[0].top_k, moe[0].num_experts
+    for rec in llm.engine.core.telemetry.records():
+        assert rec.layer_routed_pairs == [rec.num_tokens * k] * len(moe), name
+        assert len(rec.layer_max_expert_load) == len(moe)
+        assert len(moe) * k <= rec.experts_touched <= len(moe) * experts
+        assert -(-rec.num_tokens * k // experts) <= rec.max_expert_load <= rec.num_tokens
 
 
 def _rewrite(folder, edit_config=None, edit_tensors=None):
@@ -166,3 +174,16 @@ def test_presets_have_the_published_parameter_counts(preset, params_b):
     # expert parallelism keeps a share of the experts on each rank; the dense part is replicated
     ep2 = describe_model(get_preset_config(preset), torch.bfloat16, ep=2)
     assert ep2.local_experts * 2 == d.local_experts and ep2.dense_params == d.dense_params
+
+
+def test_uniform_routing_is_for_dummy_moe_models_only():
+    from graphserve.errors import ConfigError
+    from graphserve.layers.moe import FusedMoE
+
+    with pytest.raises(ConfigError, match="moe-routing=uniform is for dummy: models only"):
+        EngineConfig(model="builtin:tiny-llama", moe_routing="uniform")
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model; dummy:llama3-8b is dense"):
+        load_model(EngineConfig(model="dummy:llama3-8b", moe_routing="uniform"), torch.device("meta"))
+    loaded = load_model(EngineConfig(model="dummy:olmoe-1b-7b", moe_routing="uniform"), torch.device("meta"))
+    layers = [m for m in loaded.model.modules() if isinstance(m, FusedMoE)]
+    assert len(layers) == 16 and all(m.routing_override == "uniform" for m in layers)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from graphserve.config import EngineConfig
+from graphserve.engine.expert_load import ExpertLoadProbe
 from graphserve.engine.kv_cache import BlockManager
 from graphserve.engine.processor import resolve_max_model_len
 from graphserve.engine.request import CoreOutput, EngineRequest, Sequence, SequenceStatus
@@ -57,6 +58,7 @@ class InFlightStep:
     shape: StepShape
     start: float  # perf_counter when its scheduling began
     context_tokens: int
+    expert_load: torch.Tensor | None = None  # per-layer, per-expert counts on their way to the host (MoE)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -192,7 +194,8 @@ class EngineCore:
             self._fail_step(sched, exc)
             return None
         completed = self.scheduler.advance(sched)
-        return InFlightStep(sched, pending, completed, self.runner.last_shape, start, self.runner.last_context_tokens)
+        return InFlightStep(sched, pending, completed, self.runner.last_shape, start, self.runner.last_context_tokens,
+                            self.runner.last_expert_load)
 
     def _resolve(self) -> list[CoreOutput]:
         """Wait for the step in flight, put its tokens in place and decide who finished."""
@@ -281,6 +284,9 @@ class EngineCore:
         self._step_id += 1
         sched, shape = step.sched, step.shape
         n = len(sched.scheduled)
+        load = ExpertLoadProbe.read(step.expert_load)
+        moe = {} if load is None else {"experts_touched": load.experts_touched, "max_expert_load": load.max_expert_load,
+                                       "layer_max_expert_load": load.layer_max, "layer_routed_pairs": load.layer_pairs}
         self.telemetry.record(
             StepRecord(
                 step=self._step_id,
@@ -299,5 +305,6 @@ class EngineCore:
                 kv_usage=self.block_manager.usage(),
                 context_tokens=step.context_tokens,
                 preempted=len(sched.preempted),
+                **moe,
             )
         )

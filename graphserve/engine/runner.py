@@ -20,6 +20,7 @@ import numpy as np
 import psutil
 import torch
 
+from graphserve.engine.expert_load import ExpertLoadProbe
 from graphserve.engine.graphs import GraphRunner, split_sizes
 from graphserve.engine.sampling_inputs import tensors_from_rows
 from graphserve.engine.seq_rows import BatchRows, SequenceRows
@@ -89,6 +90,8 @@ class ModelRunner:
         self.seq_rows = SequenceRows()
         self.staging = HostStaging(self.device)
         self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
+        self.expert_probe = ExpertLoadProbe(self.model, self.device) if self.model is not None else None
+        self.last_expert_load: torch.Tensor | None = None  # the last step's per-expert counts (host, MoE only)
 
     def capture_graphs(self, sizes: list[int], max_model_len: int, progress=None) -> GraphRunner:
         """Capture the decode step for ``sizes`` (largest first, one pool); replaces earlier graphs."""
@@ -232,6 +235,7 @@ class ModelRunner:
         self.last_context_tokens = int(rows.positions.sum()) + out.num_tokens
         batch = self.prepare_inputs(out, rows)
         logits = self.forward_logits(batch)
+        self.last_expert_load = self.expert_probe.snapshot() if self.expert_probe else None
         pending = self.sampler.sample(logits, self.sampling_tensors(seqs, rows, logits.shape[-1]))
         self._last_ids = pending.ids
         return pending

@@ -134,6 +134,7 @@ class FusedMoE(nn.Module):
         ep_size: int = 1,
         activation: str = "silu",
         dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         if activation != "silu":
@@ -158,11 +159,15 @@ class FusedMoE(nn.Module):
         self.intermediate_local = intermediate_size // tp_size
         self.router = router
         i, e = self.intermediate_local, self.num_local_experts
-        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
+        self.w13_weight = nn.Parameter(
+            torch.empty(e, 2 * i, hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype, device=device), requires_grad=False)
         # pairs per global expert in the last forward, written on the device by the routing path
         # itself so it stays valid under CUDA-graph replay; padding rows are not counted
-        self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.int32), persistent=False)
+        self.register_buffer(
+            "expert_counts", torch.zeros(num_experts, dtype=torch.int32, device=device), persistent=False
+        )
         self.routing_override: str | None = None
         self.use_kernels: bool | None = None  # None: the fused kernels exactly when the input is on CUDA
 
