@@ -135,3 +135,15 @@ def test_greedy_matches_transformers_generate_under_continuous_batching(tmp_path
     for got, want in zip(outs, expected):
         assert got.token_ids == want
     llm.engine.core.block_manager.check_no_leak()
+
+
+def test_moe_layers_follow_first_k_dense_replace_and_moe_layer_freq():
+    """As DeepSeek's own modeling code counts them (transformers ignores moe_layer_freq, so there is
+    no parity check for freq > 1): MoE from layer first_k_dense_replace on, every freq-th layer."""
+    from graphserve.models.deepseek_shape import shape_from_config
+
+    cfg = DeepseekV2Config(**{**_TINY, "num_hidden_layers": 7, "first_k_dense_replace": 2}, q_lora_rank=None,
+                           moe_layer_freq=2)
+    assert shape_from_config(cfg, 2).moe_layers == {2, 4, 6}
+    cfg.n_routed_experts = 0  # no routed experts: every layer dense
+    assert shape_from_config(cfg, 2).moe_layers == set()
