@@ -174,11 +174,25 @@ EXTEND_CONFIG = {"BLOCK_T": 2, "BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "nu
 
 
 def choose_num_splits(batch: int, head_blocks: int, max_context: int, num_sms: int) -> int:
-    """Splits per sequence so that batch x head blocks x splits programs fill the GPU; static sizes
-    only (``max_context`` is the block-table capacity), so a captured graph keeps a fixed grid."""
-    want = math.ceil(PROGRAMS_PER_SM * num_sms / max(1, batch * head_blocks))
-    useful = math.ceil(max_context / MIN_SPLIT_TOKENS)
-    return max(1, min(want, useful, MAX_SPLITS))
+    """Splits per sequence; static sizes only (``max_context`` is the block-table capacity), so a
+    captured graph keeps a fixed grid whatever lengths it replays.
+
+    Programs run in waves of ``PROGRAMS_PER_SM x SMs``; a last wave that is mostly empty costs as much
+    as a full one, so the count is chosen for full waves (flash-decoding's heuristic): the fewest
+    splits whose wave efficiency is within 85% of the best, none when the batch already fills a wave.
+    """
+    slots = PROGRAMS_PER_SM * num_sms
+    programs = batch * head_blocks
+    useful = min(MAX_SPLITS, max(1, math.ceil(max_context / MIN_SPLIT_TOKENS)))
+    if programs >= 0.8 * slots or useful == 1:
+        return 1
+
+    def efficiency(splits: int) -> float:
+        waves = programs * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, useful + 1))
+    return next(s for s in range(1, useful + 1) if efficiency(s) >= 0.85 * best)
 
 
 def mla_attention(
