@@ -74,8 +74,10 @@ class MLAttention(nn.Module):
         return torch.bmm(q_nope.transpose(0, 1), self.w_uk())
 
     def unabsorb_output(self, o_lat: torch.Tensor) -> torch.Tensor:
-        """``o_lat [H, T, r]`` -> ``[T, H, v]``."""
-        return torch.bmm(o_lat, self.w_uv().transpose(1, 2)).transpose(0, 1)
+        """``o_lat [H, T, r]`` -> ``[T, H, v]``, written token-major so o_proj reads it without a copy."""
+        out = o_lat.new_empty(o_lat.shape[1], self.num_heads, self.v_dim)
+        torch.bmm(o_lat, self.w_uv().transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, positions: torch.Tensor, fused: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -2,8 +2,9 @@
 best of ``n_group`` expert groups (``group_limited_greedy``), weights times ``routed_scaling_factor``.
 
 (DeepSeek-V3's sigmoid routing with ``e_score_correction_bias`` is layers/moe.GroupedSigmoidTopK.)
-Pure tensor ops with no host sync, so the same code runs inside CUDA graphs; the routing is a few
-small ops per layer on a [T, 64..160] score matrix, next to the expert GEMMs it feeds.
+Pure tensor ops with no host sync, so the same code runs inside CUDA graphs; on CUDA the greedy mode
+takes the MoE layer's one-launch softmax top-k kernel (kernels/moe_routing.py), the group-limited
+mode stays a few small ops per layer on a [T, 64..160] score matrix.
 """
 
 from __future__ import annotations
@@ -50,5 +51,10 @@ class SoftmaxGroupTopK(Router):
         self.routed_scaling_factor = float(routed_scaling_factor)
 
     def forward(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if router_logits.is_cuda and self.n_group == 1:  # greedy (V2-Lite): the one-launch routing kernel
+            from graphserve.kernels.moe_routing import moe_softmax_topk
+
+            weights, ids = moe_softmax_topk(router_logits, self.top_k, False)
+            return (weights if self.routed_scaling_factor == 1.0 else weights * self.routed_scaling_factor), ids
         return softmax_group_topk_reference(router_logits, self.top_k, self.n_group, self.topk_group,
                                             self.routed_scaling_factor)

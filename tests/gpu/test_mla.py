@@ -199,3 +199,15 @@ def test_dummy_v2_lite_serves_with_graphs():
     decode = [r for r in llm.engine.core.telemetry.records() if r.kind == "decode"]
     assert decode and all(r.graph for r in decode)
     llm.engine.core.block_manager.check_no_leak()
+
+
+@pytest.mark.parametrize("scale", [1.0, 16.0])
+def test_greedy_v2_router_kernel_matches_reference(scale, gen):
+    from graphserve.layers.moe_router_deepseek import SoftmaxGroupTopK, softmax_group_topk_reference
+
+    logits = torch.randn(300, 64, device="cuda", generator=gen)
+    weights, ids = SoftmaxGroupTopK(64, 6, 1, 1, scale)(logits)
+    ref_w, ref_ids = softmax_group_topk_reference(logits, 6, 1, 1, scale)
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    assert torch.allclose(weights.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-5, atol=1e-6)
