@@ -134,7 +134,16 @@ def test_greedy_matches_transformers_generate_under_continuous_batching(tmp_path
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for got, want in zip(outs, expected):
         assert got.token_ids == want
-    llm.engine.core.block_manager.check_no_leak()
+    # a prompt sharing the 26-token prompt's first 24 tokens: its first 6 latent blocks come from the prefix cache
+    shared = prompts[2][:24] + [7, 8, 9]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([shared]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                           pad_token_id=0)[0, len(shared):].tolist()
+    manager = llm.engine.core.block_manager
+    hits = manager.hit_tokens
+    assert llm.generate([{"prompt_token_ids": shared}], params, use_tqdm=False)[0].token_ids == want
+    assert manager.hit_tokens - hits == 24
+    manager.check_no_leak()
 
 
 def test_moe_layers_follow_first_k_dense_replace_and_moe_layer_freq():
