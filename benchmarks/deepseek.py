@@ -18,6 +18,7 @@ Run: python3 -m benchmarks.deepseek [--quick]   (writes benchmarks/results/deeps
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 
@@ -121,6 +122,7 @@ def main() -> None:
     bw = measured_read_bw()
     print(bw.describe())
     rows = bench_v2_lite(bw, args.bs, args.ctx, args.routing)
+    gc.collect()  # V2-Lite's 31 GB must be gone before V3-l4's 74 GB load
     torch.cuda.empty_cache()
     layers = bench_v3_layers(bw, args.v3_bs, args.ctx, args.routing[0]) if args.v3_bs else []
     for r in rows:  # every row against the best rate of the whole run

@@ -8,7 +8,7 @@ of the program: a program owns ``BLOCK_T`` query tokens × ``BLOCK_H`` heads of 
 the rows of its tiles. The output ``o_lat [T, H, r]`` goes back through ``W_UV`` outside.
 
 Decode (``BLOCK_T = 1``) splits each context into ``num_splits`` pieces ("flash-decoding"): the
-grid is (sequence, head block, split), each split writes (log-sum-exp, normalised partial) and a
+grid is (head block, sequence, split), each split writes (log-sum-exp, normalised partial) and a
 second kernel merges them. The grid and scratch depend only on static sizes (batch, heads and the
 block-table width), never on ``seq_lens`` values, so a decode step can be captured in a CUDA graph.
 
@@ -19,7 +19,8 @@ expanded K/V buffer of ``context x H x 320`` elements (1.3 GB for V3's 128 heads
 bf16) that the memory plan would have to reserve for ``--max-model-len``. So the expanded form
 does fewer FLOPs only for chunks above 131072 / 768 ~ 171 new tokens, and always needs the buffer;
 the absorbed kernel reads the paged cache in place and is the same code as decode.
-benchmarks/mla.py times both at one chunk size so the trade stays measured.
+benchmarks/mla.py times both for chunks of 64, 512 and 2048 tokens on a 4096-token prefix, so the
+trade stays measured.
 """
 
 from __future__ import annotations
@@ -84,10 +85,12 @@ def _mla_attention_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
     DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0)
+    # token/head blocks on axis 0 (up to 2^31 programs: a long chunk of V3's 128 heads exceeds the
+    # 65535 that axes 1 and 2 allow), sequences on axis 1
+    seq = tl.program_id(1)
     n_hblocks = tl.cdiv(num_heads, BLOCK_H)
-    tblock = tl.program_id(1) // n_hblocks
-    hblock = tl.program_id(1) % n_hblocks
+    tblock = tl.program_id(0) // n_hblocks
+    hblock = tl.program_id(0) % n_hblocks
     split = tl.program_id(2)
     q_start = tl.load(q_start_ptr + seq)
     qlen = tl.load(q_start_ptr + seq + 1) - q_start
@@ -235,7 +238,7 @@ def mla_attention(
         mid_o = torch.empty(tokens, num_heads, num_splits, rank, dtype=torch.float32, device=q_lat.device)
         mid_lse = torch.empty(tokens, num_heads, num_splits, dtype=torch.float32, device=q_lat.device)
     block_r = triton.next_power_of_2(rank)
-    grid = (batch, triton.cdiv(max_query_len, block_t) * head_blocks, num_splits)
+    grid = (triton.cdiv(max_query_len, block_t) * head_blocks, batch, num_splits)
     _mla_attention_kernel[grid](
         q_lat, q_rope, cache, block_tables, seq_lens, query_start_loc, out, mid_o, mid_lse,
         scale * LOG2E, num_splits, num_heads,
