@@ -223,7 +223,10 @@ def mla_attention(
     if tokens == 0 or batch == 0:
         return out
     decode = max_query_len == 1
-    cfg = dict(DECODE_CONFIG if decode else EXTEND_CONFIG, **(config or {}))
+    cfg = dict(DECODE_CONFIG if decode else EXTEND_CONFIG)
+    if q_lat.dtype == torch.float32:  # fp32 tiles take twice the shared memory: halve the tile, no pipelining
+        cfg.update(BLOCK_N=16, num_stages=1)
+    cfg.update(config or {})
     block_t = 1 if decode else cfg.get("BLOCK_T", 1)
     block_h = cfg["BLOCK_H"]
     head_blocks = triton.cdiv(num_heads, block_h)
