@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from benchmarks.common import environment, print_table
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, default_tiles, device_name, table_path
@@ -109,7 +110,11 @@ class _Bucket:
             for w13, w2 in self.sets:  # two weight copies: the second call's experts are not in L2
                 fused_experts(self.x, w13, w2, self.w, self.ids, **overrides)
 
-        return graph_ms(run) / len(self.sets)
+        try:
+            return graph_ms(run) / len(self.sets)
+        except OutOfResources as err:  # raised while compiling, before any capture: skip the tile
+            print(f"skipped {overrides}: {err}")
+            return float("inf")
 
 
 def _tune_gemm(bucket: _Bucket, per_expert: float, quick: bool) -> tuple[GemmTile, GemmTile, float]:
@@ -124,6 +129,8 @@ def _tune_gemm(bucket: _Bucket, per_expert: float, quick: bool) -> tuple[GemmTil
         dn = min(dn_ms, key=dn_ms.get)
         if dn_ms[dn] < best[2]:
             best = (gu, dn, dn_ms[dn])
+    if best[0] is None:
+        raise RuntimeError(f"no tile compiled for {per_expert:.1f} rows per expert; see the skipped tiles above")
     return best
 
 

@@ -146,6 +146,11 @@ class EngineCore:
         """(usable blocks, tokens per block) of the KV pool."""
         return self.block_manager.num_usable_blocks, self.block_manager.block_size
 
+    @property
+    def has_step_in_flight(self) -> bool:
+        """A step launched whose ids are not read yet (the step profiler skips its record)."""
+        return self._inflight is not None
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending) or self._inflight is not None
 
