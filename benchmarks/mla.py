@@ -75,11 +75,11 @@ def _name(cfg: dict | None) -> str:
 
 def tile_grid(heads: int, quick: bool) -> list[dict]:
     if quick:
-        grid = itertools.product([16, 32], [32, 64], [4, 8], [2])
+        grid = itertools.product([16, 32], [16, 32], [4, 8], [2])
     elif heads <= 16:
         grid = itertools.product([16, 32], [16, 32, 64], [4, 8], [1, 2])
     else:
-        grid = itertools.product([16, 32, 64], [32], [4, 8], [2])
+        grid = itertools.product([16, 32, 64], [16, 32], [4, 8], [2])
     return [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st} for bh, bn, w, st in grid]
 
 

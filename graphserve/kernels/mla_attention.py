@@ -35,8 +35,8 @@ from graphserve.kernels.common import interpreting, sm_count
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
-MIN_SPLIT_TOKENS = 128  # each split keeps at least this much context (4 inner steps of 32)
-PROGRAMS_PER_SM = 2
+MIN_SPLIT_TOKENS = 128  # each split keeps at least this much context (8 inner steps of 16)
+PROGRAMS_PER_SM = 2  # resident decode programs per SM at the default tile (see DECODE_CONFIG)
 
 
 @triton.jit
@@ -171,9 +171,13 @@ def _mla_merge_kernel(
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_r, merged.to(out_ptr.dtype.element_ty), mask=r_mask)
 
 
-# Tile choice per mode: rows = BLOCK_T tokens x BLOCK_H heads share each loaded cache tile
-DECODE_CONFIG = {"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-EXTEND_CONFIG = {"BLOCK_T": 2, "BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+# Tile choice per mode: rows = BLOCK_T tokens x BLOCK_H heads share each loaded cache tile. The fp32
+# accumulator of 16-32 rows x 512 latent columns sets the register budget; compiled for sm_90 (ptxas
+# -v): decode at 16 rows x 16 tokens, 4 warps takes 218 registers and no spills (two programs fit an
+# SM, as PROGRAMS_PER_SM assumes), where 32 tokens per step at 4 warps spills; extend at 32 rows x 16
+# tokens needs 8 warps (237 registers) to stay spill-free. benchmarks/mla.py sweeps the alternatives.
+DECODE_CONFIG = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+EXTEND_CONFIG = {"BLOCK_T": 2, "BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
 
 
 def choose_num_splits(batch: int, head_blocks: int, max_context: int, num_sms: int) -> int:
