@@ -70,8 +70,9 @@ class DeepseekMoE(nn.Module):
             self.shared_experts = DeepseekMLP(s.hidden_size, s.moe_intermediate_size * s.n_shared_experts, s.mlp_bias)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # router logits in fp32: the sigmoid/softmax scores and their bias are compared in fp32
-        out = self.experts(x, self.gate(x).float(), valid=getattr(batch, "num_valid_tokens", None))
+        # both routers score in fp32 from the gate's output as it is (the routing kernel converts as it
+        # loads), which spares a conversion launch per layer at decode
+        out = self.experts(x, self.gate(x), valid=getattr(batch, "num_valid_tokens", None))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
