@@ -156,3 +156,17 @@ def test_moe_layers_follow_first_k_dense_replace_and_moe_layer_freq():
     assert shape_from_config(cfg, 2).moe_layers == {2, 4, 6}
     cfg.n_routed_experts = 0  # no routed experts: every layer dense
     assert shape_from_config(cfg, 2).moe_layers == set()
+
+
+def test_synthetic_batches_read_the_latent_cache_shape():
+    """Start-up profiling and the benchmarks build batches on consecutive blocks of whatever cache the
+    layout allocated; a latent cache is [blocks, block_size, 1, dim], not the K/V [2, blocks, ...]."""
+    from graphserve.layers.forward_batch import contiguous_batch
+    from graphserve.layers.kv_layout import KVLayout
+
+    caches = KVLayout("latent", 2, 1, 40, torch.float32).allocate(9, 4, "cpu")
+    batch = contiguous_batch([1, 5], [6, 5], caches, None, vocab_size=320)
+    assert batch.block_tables.tolist() == [[1, 2], [3, 4]]
+    assert batch.slot_mapping.tolist() == [9, 12, 13, 14, 15, 16]
+    with pytest.raises(ValueError, match="pool has 9"):
+        contiguous_batch([1], [40], caches, None, vocab_size=320)
