@@ -12,7 +12,13 @@ V3-l4: DeepSeek-V3's first dense layer and first MoE layer at their real sizes, 
 from a CUDA graph at batch 1 and 64; floor: the layer's weights read (the MoE layer's gate, shared
 expert and touched experts only) plus its latent KV.
 
+Offline (``--offline N``, a run of its own): the first N requests of the offline workload (input and
+output lengths uniform in 100-1024, benchmarks/offline.py) on dummy:deepseek-v2-lite through
+``LLM.generate`` against transformers' ``generate`` in bf16 on the same GPU, each side credited with
+the tokens it returned (benchmarks/results/deepseek_offline.json).
+
 Run: python3 -m benchmarks.deepseek [--quick]   (writes benchmarks/results/deepseek_decode.json)
+     python3 -m benchmarks.deepseek --offline 64 [--hf-batch 64]
 """
 
 from __future__ import annotations
@@ -109,6 +115,23 @@ def bench_v3_layers(bw, sizes: list[int], ctx: int, routing: str) -> list[dict]:
     return rows
 
 
+def bench_offline(num_requests: int, hf_batch: int) -> dict:
+    from benchmarks.offline import run_graphserve, run_hf, workload
+
+    name = "dummy:deepseek-v2-lite"
+    reqs = workload(256, 0, 32000)[:num_requests]
+    dt, toks, llm = run_graphserve(name, reqs, max_model_len=2048)
+    hf_config = llm.engine.core.hf_config
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    hf_dt, credited, computed = run_hf(hf_config, reqs, hf_batch, torch.device("cuda"))
+    ours, theirs = toks / dt, sum(credited) / hf_dt
+    return {"model": name, "requests": len(reqs), "out_tokens": toks, "seconds": dt, "tok_s": ours,
+            "hf_batch": hf_batch, "hf_out_tokens": sum(credited), "hf_computed_tokens": sum(computed),
+            "hf_seconds": hf_dt, "hf_tok_s": theirs, "ratio_vs_hf": ours / theirs}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="V2-Lite at batch 1 and 64 only, no V3 layers")
@@ -116,7 +139,14 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--routing", nargs="+", default=["uniform"], choices=["uniform", "router"])
     p.add_argument("--v3-bs", nargs="*", type=int, default=[1, 64])
+    p.add_argument("--offline", type=int, default=0, help="run only the offline comparison on N requests")
+    p.add_argument("--hf-batch", type=int, default=64)
     args = p.parse_args()
+    if args.offline:
+        row = bench_offline(args.offline, args.hf_batch)
+        print_table([row], list(row))
+        write_result("deepseek_offline", {"rows": [row]})
+        return
     if args.quick:
         args.bs, args.v3_bs = [1, 64], []
     bw = measured_read_bw()
