@@ -34,8 +34,11 @@ import triton.language as tl
 from graphserve.kernels.common import interpreting, sm_count
 
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 32
-MIN_SPLIT_TOKENS = 128  # each split keeps at least this much context (8 inner steps of 16)
+# A split's time is a chain of dependent loads per inner step (block table, then the tile), so at
+# small batch short splits over many programs beat long ones: a bs-1 step at 16k context would take
+# 32 steps per program at 32 splits, 8 at 128. Merging costs 2 KiB of fp32 partial per split and head.
+MAX_SPLITS = 128
+MIN_SPLIT_TOKENS = 64  # each split keeps at least this much context (4 inner steps of 16)
 PROGRAMS_PER_SM = 2  # resident decode programs per SM at the default tile (see DECODE_CONFIG)
 
 
@@ -153,21 +156,31 @@ def _mla_attention_kernel(
 def _mla_merge_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, num_splits,
     stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
-    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
 ):  # fmt: skip
+    """Merge the splits of one (token, head): weights from every split's log-sum-exp, then the
+    partials summed CHUNK_S splits at a time (a [128, 512] fp32 tile would not fit in registers)."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < num_splits
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < RANK
-    lse = tl.load(mid_lse_ptr + tok * stride_ml_t + head * stride_ml_h + offs_s, mask=s_mask, other=float("-inf"))
+    lse_base = mid_lse_ptr + tok * stride_ml_t + head * stride_ml_h
+    lse = tl.load(lse_base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (a padding row): output 0
-    w = tl.exp2(lse - m)
-    o = tl.load(mid_o_ptr + tok * stride_mo_t + head * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_r[None, :],
-                mask=s_mask[:, None] & r_mask[None, :], other=0.0)
-    merged = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    total = tl.sum(tl.exp2(lse - m), 0)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < RANK
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    s0 = 0
+    while s0 < num_splits:  # a while loop: the interpreter cannot take a scalar argument as a range bound
+        offs_c = s0 + tl.arange(0, CHUNK_S)
+        c_mask = offs_c < num_splits
+        w = tl.exp2(tl.load(lse_base + offs_c, mask=c_mask, other=float("-inf")) - m)
+        o = tl.load(mid_o_ptr + tok * stride_mo_t + head * stride_mo_h + offs_c[:, None] * stride_mo_s
+                    + offs_r[None, :], mask=c_mask[:, None] & r_mask[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        s0 += CHUNK_S
+    merged = acc / tl.maximum(total, 1e-30)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_r, merged.to(out_ptr.dtype.element_ty), mask=r_mask)
 
 
@@ -264,6 +277,6 @@ def mla_attention(
             mid_o, mid_lse, out, num_splits,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1),
-            RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_S=8, num_warps=4,
         )  # fmt: skip
     return out
