@@ -133,3 +133,17 @@ def test_deepseek_v3_on_the_triton_mla_backend_matches_transformers(tmp_path):
     got = torch.cat(harness.step([("a", [nxt[0]]), ("b", [nxt[1]])])).cpu()
     want = torch.stack([hf_logits(hf, a + [nxt[0]])[-1], hf_logits(hf, b + [nxt[1]])[-1]])
     assert relative_error(got, want) < 1e-4
+
+
+def test_decode_splits_fill_whole_waves_from_static_sizes():
+    from graphserve.kernels.mla_attention import MAX_SPLITS, MIN_SPLIT_TOKENS, choose_num_splits
+
+    sms, slots = 132, 264
+    assert choose_num_splits(256, 1, 4096, sms) == 1  # the batch alone fills a wave
+    assert choose_num_splits(64, 1, 4096, sms) == 4  # 256 of 264 slots, where 5 splits would start a 2nd wave
+    assert choose_num_splits(1, 1, 1 << 20, sms) <= MAX_SPLITS
+    assert choose_num_splits(1, 1, 3 * MIN_SPLIT_TOKENS, sms) == 3  # never shorter than MIN_SPLIT_TOKENS
+    for batch in (1, 2, 3, 8, 16, 24, 40):
+        splits = choose_num_splits(batch, 1, 8192, sms)
+        waves = batch * splits / slots
+        assert waves / -(-waves // 1) > 0.4 or splits == MAX_SPLITS, (batch, splits)
