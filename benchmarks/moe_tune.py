@@ -41,7 +41,11 @@ TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 QUICK_TOKENS = [1, 8, 64, 256]
 SMEM_LIMIT = 200 * 1024  # H100/H200 allow 227 KiB per block; leave room for the epilogue
 DEVICE = torch.device("cuda")  # the CPU smoke test of the sweep's logic swaps in the CPU interpreter
-GEMV_TILES = [GemvTile(bn, bk, w) for bn in (8, 16, 32) for bk in (128, 256, 512) for w in (4, 8)]
+# streaming tiles whose fp32 accumulator needs at most 64 registers a thread (gate_up keeps two):
+# larger ones spill (ptxas, sm_90: [32, 512] on 4 warps spills 5 KB)
+GEMV_TILES = [
+    GemvTile(bn, bk, w) for bn in (8, 16, 32) for bk in (128, 256, 512) for w in (4, 8) if bn * bk <= 64 * 32 * w
+]
 
 
 def gemm_candidates(per_expert: float, gated: bool, quick: bool) -> list[GemmTile]:

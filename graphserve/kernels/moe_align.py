@@ -26,7 +26,7 @@ import triton.language as tl
 _BLOCK_P = 128  # pairs per program in the count and scatter kernels
 # Up to this many pairs (a decode batch of 128 at k = 8) one program counts them all, 32 steps of
 # elementwise adds at E = 128, and the count needs no launch of its own; beyond it the count is a
-# grid of atomic per-program histograms into a zeroed buffer, which one program's loop would not beat.
+# grid of atomic per-program histograms into a zeroed buffer, so no single loop grows with the batch.
 SINGLE_PROGRAM_MAX_PAIRS = 1024
 _FILL_BLOCK = 1024
 

@@ -144,13 +144,14 @@ def moe_workspace_bytes(
     num_tokens: int, top_k: int, num_local_experts: int, intermediate: int, hidden: int, dtype: torch.dtype,
     block_m: int = 128,
 ) -> int:  # fmt: skip
-    """Bytes fused_experts allocates for ``num_tokens`` rows (the start-up memory plan reserves them).
+    """Bytes one MoE layer's forward of ``num_tokens`` rows allocates (the start-up memory plan reserves them).
 
-    The sort at the largest tile the tuner tries (block_m 128), the [pairs, I] activation, the
-    [pairs, H] per-pair output and the [T, H] result. The router's (weights, ids) are the caller's.
+    The padding-row mask (built from an int64 arange), the router's fp32 weights and int32 ids,
+    the sort at the largest tile the tuner tries
+    (block_m 128), the [pairs, I] activation, the [pairs, H] per-pair output and the [T, H] result.
     """
     es = torch.empty((), dtype=dtype).element_size()
     pairs = num_tokens * top_k
     slots = max_padded_pairs(pairs, num_local_experts, block_m)
     sort = 4 * (slots + slots // block_m + 1 + num_local_experts)
-    return sort + es * (pairs * intermediate + pairs * hidden + num_tokens * hidden)
+    return 9 * num_tokens + 8 * pairs + sort + es * (pairs * intermediate + pairs * hidden + num_tokens * hidden)

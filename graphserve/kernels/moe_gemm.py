@@ -155,8 +155,11 @@ def fused_moe_gemv_down_kernel(
     """out[t, n-block] = sum over token t's routed slots of weight * (w2[expert] @ act[pair]).
 
     The slot sum happens in registers, so the small-batch path needs neither the per-pair output
-    nor the sum launch. A slot that is not routed has its loads masked off (no memory traffic)
-    and weight 0; a padding row comes out as zeros. One fp32 sum, rounded once.
+    nor the sum launch. Each K step loads all k slots' weight tiles before using them, so a
+    program keeps k tiles in flight (one slot at a time would leave HBM idle at one token: a few
+    hundred programs of one small tile each). The routing weight scales the activation, so one
+    fp32 accumulator serves every slot. A slot that is not routed has its loads masked off (no
+    memory traffic); a padding row comes out as zeros.
     """
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -165,25 +168,26 @@ def fused_moe_gemv_down_kernel(
     token_ok = True
     if HAS_VALID:
         token_ok = tl.load(valid_ptr + t) != 0
-    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for s in tl.static_range(TOP_K):
-        pair = t * TOP_K + s
-        expert = tl.load(ids_ptr + pair) - expert_start
-        routed = (expert >= 0) & (expert < E_LOCAL) & token_ok
-        expert = tl.where(routed, expert, 0)
-        w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
-        a_row = act_ptr + pair.to(tl.int64) * stride_am
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        for s in tl.static_range(TOP_K):
+            pair = t * TOP_K + s
+            expert = tl.load(ids_ptr + pair) - expert_start  # L1 hits after the first step
+            routed = (expert >= 0) & (expert < E_LOCAL) & token_ok
+            expert = tl.where(routed, expert, 0)
+            # a padding row's router output may be NaN; 0 * NaN would leak into its zero output
+            weight = tl.where(routed, tl.load(weights_ptr + pair), 0.0)
+            w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn + offs_k[None, :] + k0
+            a_ptrs = act_ptr + pair.to(tl.int64) * stride_am + k0 + offs_k
             if K % BLOCK_K == 0:  # a uniform mask: the weight loads still vectorise along K
-                a = tl.load(a_row + k0 + offs_k, mask=routed, other=0.0).to(tl.float32)
-                acc += tl.load(w_ptrs + k0, mask=routed, other=0.0).to(tl.float32) * a[None, :]
+                a = tl.load(a_ptrs, mask=routed, other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs, mask=routed, other=0.0)
             else:
                 k_mask = ((k0 + offs_k) < K) & routed
-                a = tl.load(a_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                acc += tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0).to(tl.float32) * a[None, :]
-        weight = tl.where(routed, tl.load(weights_ptr + pair), 0.0)
-        out += tl.sum(acc, axis=1) * weight
+                a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * (a * weight)[None, :]
+    out = tl.sum(acc, axis=1)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 

@@ -220,13 +220,10 @@ class FusedMoE(nn.Module):
         """Device memory one forward of ``num_tokens`` rows allocates on the fused path (for the start-up plan)."""
         from graphserve.kernels.moe_fused import moe_workspace_bytes
 
-        dtype = self.w13_weight.dtype
-        return (
-            moe_workspace_bytes(
-                num_tokens, self.top_k, self.num_local_experts, self.intermediate_local, self.hidden_size, dtype
-            )
-            + 8 * num_tokens * self.top_k
-        )  # the router's weights and ids
+        return moe_workspace_bytes(
+            num_tokens, self.top_k, self.num_local_experts, self.intermediate_local, self.hidden_size,
+            self.w13_weight.dtype,
+        )  # fmt: skip
 
     def expert_load(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(distinct experts touched, most pairs any one expert received) in the last forward, as
