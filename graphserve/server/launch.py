@@ -2,8 +2,9 @@
 
 Draining keeps the socket open so new requests get a 503 with Retry-After (a closed port looks like a
 crash to a load balancer), lets in-flight requests finish within ``--shutdown-timeout``, then fails the
-rest with an error event and exits 0; a second signal skips the drain and exits 1. The engine core runs in a process of its own (``--engine-in-process``
-keeps it on a thread). ``ServerThread`` runs the same server, engine included, in-process on a thread.
+rest with an error event and exits 0; a second signal skips the drain and exits 1. The engine core runs in a
+process of its own (``--engine-in-process`` keeps it on a thread). ``ServerThread`` runs the same server,
+engine included, in-process on a thread.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def guard_options(args: argparse.Namespace) -> GuardOptions:
-    for flag, value in (("--max-request-body-mb", args.max_request_body_mb),
-                        ("--request-read-timeout", args.request_read_timeout), ("--max-connections", args.max_connections)):
+    bounds = (("--max-request-body-mb", args.max_request_body_mb),
+              ("--request-read-timeout", args.request_read_timeout), ("--max-connections", args.max_connections))
+    for flag, value in bounds:
         if not value > 0:
             raise ConfigError(f"{flag}={value} is invalid: must be > 0", param=flag)
     key = args.api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), None)
