@@ -26,7 +26,7 @@ from graphserve.config import EngineConfig, add_engine_args, config_from_args
 from graphserve.errors import ConfigError, GraphserveError, ServiceUnavailableError
 from graphserve.server.app import create_app
 from graphserve.server.async_engine import AsyncEngine
-from graphserve.server.guards import GuardOptions, guarded_protocol
+from graphserve.server.guards import MAX_HEAD_BYTES, GuardOptions, guarded_protocol
 from graphserve.server.metrics import ServerMetrics
 from graphserve.server.state import ServerState
 from graphserve.server.steplog import JsonlStepSink, StepLogger
@@ -151,7 +151,10 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str, guards: Guard
     # log_config=None: uvicorn's loggers go through ours, one format for every line.
     return uvicorn.Config(app, host=host, port=port, log_config=None, log_level=log_level, access_log=False,
                           timeout_graceful_shutdown=5, timeout_keep_alive=30,
-                          http=guarded_protocol(AutoHTTPProtocol, guards, metrics))
+                          http=guarded_protocol(AutoHTTPProtocol, guards, metrics),
+                          # h11 would refuse a head over 16 KiB that arrives in pieces with a bare 400; the
+                          # guard decides instead (431 past MAX_HEAD_BYTES)
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES + 1024)
 
 
 def run(args: argparse.Namespace) -> int:
