@@ -1,0 +1,152 @@
+"""The FP8 kernels at Llama-3-8B's projection shapes on the GPU, each against its PyTorch reference
+on fresh random inputs, under CUDA-graph replay too; and an FP8 dummy model end to end.
+
+Tolerances: both sides compute from the same fp8 operands and scales, so they differ by the
+accumulation (fp32 in the reference; on Hopper the FP8 tensor cores keep fewer bits inside each
+K=128 step before the kernel adds it to its fp32 accumulator) and by the final bf16 rounding
+(2^-9 relative). A normwise relative error of 1e-2 allows both with room; a wrong scale index or
+a missed tile gives errors of order 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphserve.kernels.fp8_gemm import (
+    scaled_mm_rowwise,
+    scaled_mm_supported,
+    w8a8_matmul,
+    w8a8_matmul_reference,
+)
+from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference
+from graphserve.kernels.fp8_quant import (
+    per_token_group_quant,
+    per_token_group_quant_reference,
+    quantize_weight_blocks,
+    quantize_weight_channels,
+)
+from graphserve.layers.linear import Linear, MergedLinear
+from graphserve.layers.quant.config import Fp8Config
+from graphserve.layers.quant.fp8 import SMALL_BATCH_ROWS, Fp8LinearMethod
+
+DEV = torch.device("cuda")
+TOL = 1e-2
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(1234)
+
+
+def _weight(n: int, k: int, gen: torch.Generator, block: bool = True):
+    w = torch.randn(n, k, device=DEV, generator=gen, dtype=torch.bfloat16) * 0.02
+    if block:
+        return quantize_weight_blocks(w, 128, 128)
+    q, s = quantize_weight_channels(w)
+    return q, s.view(-1, 1)
+
+
+@pytest.mark.parametrize("m", [1, 33, 2048])
+def test_token_group_quant(m: int, gen: torch.Generator) -> None:
+    x = torch.randn(m, 4096, device=DEV, generator=gen, dtype=torch.bfloat16) * 4
+    q, s = per_token_group_quant(x, 128)
+    q_ref, s_ref = per_token_group_quant_reference(x, 128)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    # x / scale in fp32 on both sides: identical but for division rounding at a tie (one e4m3 ulp)
+    mismatch = (q.float() != q_ref.float()).float().mean().item()
+    assert mismatch < 1e-3
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=0.13, atol=0)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("m", [1, 16, 64, 300, 2048])
+def test_w8a8_block_matmul(name: str, m: int, gen: torch.Generator) -> None:
+    n, k = SHAPES[name]
+    wq, ws = _weight(n, k, gen)
+    a, a_s = per_token_group_quant(torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16), 128)
+    bias = torch.randn(n, device=DEV, generator=gen, dtype=torch.bfloat16)
+    out = w8a8_matmul(a, a_s, wq, ws, 128, 128, torch.bfloat16, bias)
+    ref = w8a8_matmul_reference(a, a_s, wq, ws, 128, 128, torch.float32, bias)
+    assert rel(out, ref) < TOL
+
+
+@pytest.mark.parametrize("name", ["qkv", "down"])
+@pytest.mark.parametrize("m", [16, 2048])
+def test_per_channel_paths(name: str, m: int, gen: torch.Generator) -> None:
+    n, k = SHAPES[name]
+    wq, ws = _weight(n, k, gen, block=False)
+    a, a_s = per_token_group_quant(torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16), k)
+    ref = w8a8_matmul_reference(a, a_s, wq, ws, 1, k, torch.float32)
+    assert rel(w8a8_matmul(a, a_s, wq, ws, 1, k, torch.bfloat16), ref) < TOL
+    if scaled_mm_supported(m, n, k, DEV):
+        assert rel(scaled_mm_rowwise(a, a_s, wq, ws, torch.bfloat16), ref) < TOL
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("block", [True, False], ids=["block", "channel"])
+def test_fp8_gemv(name: str, m: int, block: bool, gen: torch.Generator) -> None:
+    n, k = SHAPES[name]
+    wq, ws = _weight(n, k, gen, block)
+    gn, gk = (128, 128) if block else (1, k)
+    x = torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16)
+    bias = torch.randn(n, device=DEV, generator=gen, dtype=torch.bfloat16)
+    ref = fp8_gemv_reference(x.float(), wq, ws, gn, gk, bias)
+    assert rel(fp8_gemv(x, wq, ws, gn, gk, bias), ref) < TOL
+
+
+def _fp8_layer(n: int, k: int, block: bool, gen: torch.Generator) -> Linear:
+    layer = Linear(k, n, bias=False, device=DEV, dtype=torch.bfloat16)
+    Fp8LinearMethod(Fp8Config(block=(128, 128) if block else None, serialized=False)).create_weights(layer)
+    layer.quant_method.init_random(layer, torch.bfloat16, gen)
+    return layer
+
+
+@pytest.mark.parametrize("m", [1, SMALL_BATCH_ROWS, 64, 256])
+@pytest.mark.parametrize("block", [True, False], ids=["block", "channel"])
+def test_layer_under_cuda_graph_replay(m: int, block: bool, gen: torch.Generator) -> None:
+    """Every path the layer routes to (gemv, W8A8, scaled_mm) replays from a graph on new inputs."""
+    layer = _fp8_layer(6144, 4096, block, gen)
+    x = torch.zeros(m, 4096, device=DEV, dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        layer(x)  # compile outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = layer(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        x.copy_(torch.randn(m, 4096, device=DEV, generator=gen, dtype=torch.bfloat16))
+        graph.replay()
+        ref = x.float() @ layer.quant_method.dequantized_weight(layer, torch.float32).T
+        assert rel(out, ref) < 0.05  # W8A8 rows also carry activation rounding (2^-4 relative per element)
+        with torch.inference_mode():
+            assert torch.equal(out, layer(x))
+
+
+def test_merged_layer_loads_shards_into_their_block_rows(gen: torch.Generator) -> None:
+    layer = MergedLinear(4096, [4096, 1024, 1024], bias=False).to(device=DEV, dtype=torch.bfloat16)
+    Fp8LinearMethod(Fp8Config(block=(128, 128), serialized=False)).create_weights(layer)
+    parts = [torch.randn(s, 4096, device=DEV, generator=gen, dtype=torch.bfloat16) * 0.02 for s in (4096, 1024, 1024)]
+    for i, part in enumerate(parts):
+        layer.load_weight("weight", layer.weight, part, i)
+    x = torch.randn(64, 4096, device=DEV, generator=gen, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert rel(layer(x), x.float() @ torch.cat(parts).float().T) < 0.05
+
+
+def test_fp8_dummy_model_generates_with_cuda_graphs() -> None:
+    from graphserve import LLM, SamplingParams
+
+    prompts = [[100 + i, 200 + i, 300 + i] for i in range(8)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    fp8 = LLM("dummy:qwen3-0.6b", quantization="fp8", max_model_len=512, cuda_graph_max_bs=8)
+    outs = fp8.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert all(len(o.token_ids) == 16 for o in outs)
