@@ -30,9 +30,12 @@ _use_interpreter()
 
 import pytest  # noqa: E402
 
+from graphserve.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
 from graphserve.kernels.fp8_gemm import w8a8_matmul, w8a8_matmul_reference  # noqa: E402
 from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference  # noqa: E402
 from graphserve.kernels.fp8_quant import (  # noqa: E402
+    FP8_DTYPE,
     FP8_MAX,
     dequantize_blocks,
     per_token_group_quant,
@@ -40,6 +43,7 @@ from graphserve.kernels.fp8_quant import (  # noqa: E402
     quantize_weight_blocks,
     quantize_weight_channels,
 )
+from graphserve.kernels.kv_write import kv_write, kv_write_reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -103,3 +107,53 @@ def test_block_quantization_round_trip() -> None:
     back = dequantize_blocks(q, s, 32, 32)
     tile_scale = s.repeat_interleave(32, 0)[:70].repeat_interleave(32, 1)[:, :50]
     assert ((back - w).abs() <= w.abs() * 0.0625 + tile_scale * 2**-9).all()
+
+
+# ---- FP8 KV cache: the attention kernels widen fp8 K/V as they load them -------------------------
+
+
+def _fp8_paged(seq_lens: list[int], kv_heads: int, head_dim: int, page: int, seed: int):
+    """An fp8 cache of random K/V and block tables handing out shuffled blocks (never block 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // page) for n in seq_lens]
+    num_blocks = sum(per_seq) + 2
+    cache = (torch.randn(2, num_blocks, page, kv_heads, head_dim, generator=gen) * 2).to(FP8_DTYPE).to(DEVICE)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
+    tables = torch.zeros(len(seq_lens), max(per_seq) + 1, dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(per_seq):
+        tables[i, :nb] = order[used: used + nb]
+        used += nb
+    return cache, tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+
+
+def test_kv_write_into_an_fp8_cache():
+    # values already on the e4m3 grid, so the cast is exact on every backend (see the carry note above)
+    k, v = (_randn(5, 2, 32, seed=s).to(FP8_DTYPE).float() for s in (11, 12))
+    cache = torch.zeros(2, 6, 16, 2, 32, dtype=FP8_DTYPE, device=DEVICE)
+    ref = cache.clone()
+    slots = torch.tensor([17, 3, 95, 40, 0], device=DEVICE)
+    kv_write(k, v, cache, slots)
+    kv_write_reference(k, v, ref, slots)
+    assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
+    flat = cache.view(2, -1, 2, 32)
+    assert torch.equal(flat[0, slots].float(), k) and torch.equal(flat[1, slots].float(), v)
+
+
+@pytest.mark.parametrize("seq_lens,splits", [([5, 40, 17], None), ([150, 9], 3)])
+def test_decode_attention_reads_an_fp8_cache(seq_lens: list[int], splits: int | None):
+    cache, tables, lens = _fp8_paged(seq_lens, 2, 32, 16, seed=13)
+    q = _randn(len(seq_lens), 4, 32, seed=14)
+    out = decode_attention(q, cache, tables, lens, 32**-0.5, num_splits=splits)
+    torch.testing.assert_close(out, decode_attention_reference(q, cache, tables, lens, 32**-0.5),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_extend_attention_reads_an_fp8_cache():
+    seq_lens = [20, 37]  # a whole prefill of 20, then 5 new tokens after 32 cached
+    cache, tables, lens = _fp8_paged(seq_lens, 2, 32, 16, seed=15)
+    starts = torch.tensor([0, 20, 25], dtype=torch.int32, device=DEVICE)
+    q = _randn(25, 4, 32, seed=16)
+    out = extend_attention(q, cache, tables, lens, starts, 20, 0.25)
+    torch.testing.assert_close(out, extend_attention_reference(q, cache, tables, lens, starts, 0.25),
+                               rtol=1e-4, atol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError, ModelLoadError
-from graphserve.layers.kv_layout import KVLayout
+from graphserve.layers.kv_layout import KVLayout, kv_cache_dtype
 from graphserve.layers.moe import FusedMoE
 from graphserve.layers.quant.config import (
     Fp8Config,
@@ -158,7 +159,7 @@ def _load_folder(config: EngineConfig, folder: Path, device: torch.device) -> Lo
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"checkpoint in {folder} lacks {len(missing)} tensors: {shown}", param="model")
     eos = _eos_ids(hf_config, tokenizer, _generation_eos(folder))
-    return _finish(model, hf_config, tokenizer, dtype, eos, quant)
+    return _finish(model, hf_config, tokenizer, dtype, eos, quant, config.kv_cache_dtype)
 
 
 def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> LoadedModel:
@@ -177,7 +178,8 @@ def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> Load
                               f"dummy:{preset} is dense", param="moe_routing")
         for m in experts:
             m.routing_override = config.moe_routing
-    return _finish(model, hf_config, tokenizer, dtype, _eos_ids(hf_config, tokenizer, None), quant)
+    return _finish(model, hf_config, tokenizer, dtype, _eos_ids(hf_config, tokenizer, None), quant,
+                   config.kv_cache_dtype)
 
 
 def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, device: torch.device,
@@ -258,8 +260,11 @@ def _eos_ids(hf_config: PretrainedConfig, tokenizer: Any, generation_eos: Any) -
 
 
 def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype: torch.dtype, eos: list[int],
-            quant: Fp8Config | None = None):
+            quant: Fp8Config | None = None, kv_dtype: str = "auto"):
     description = quantized_description(model.describe(hf_config, dtype), quant, dtype)
+    if kv_dtype != "auto":
+        kv = dataclasses.replace(description.kv, dtype=kv_cache_dtype(kv_dtype, dtype))
+        description = dataclasses.replace(description, kv=kv)
     info = ModelInfo(
         architecture=type(model).__name__,
         num_layers=hf_config.num_hidden_layers,
