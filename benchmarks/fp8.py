@@ -11,6 +11,8 @@
 - small batch: per Llama-3-8B projection and row count, the FP8-weight gemv against the W8A8 path
   (activation quantization + GEMM) and bf16 cuBLAS: where the small-batch path pays off.
 - accuracy: top-1 agreement and mean KL(bf16 || fp8) of the two models' logits over 4x256 tokens.
+- the same decode steps with ``--kv-cache-dtype fp8_e4m3`` as well (its floor counts one byte per
+  cached element), with its own accuracy row.
 
 Decode rows go to benchmarks/results/fp8_decode.json as {"model","bs","ctx","step_ms","floor_ms",
 "ratio","bf16_step_ms"}; the other tables ride along in the same file.
@@ -94,10 +96,11 @@ def reference_logits(model, kv_caches, seqs: int = 4, length: int = 256) -> torc
 
 
 def run_model(name: str, quantization: str, cases: list[tuple[int, int]], bw: ReadBandwidth,
-              prefill: tuple[int, int] | None) -> dict:
+              prefill: tuple[int, int] | None, kv_cache_dtype: str = "auto") -> dict:
     device = torch.device("cuda")
     max_ctx = max(c for _, c in cases)
-    cfg = EngineConfig(model=name, device="cuda", quantization=quantization, max_model_len=max(max_ctx, 2048) + 64)
+    cfg = EngineConfig(model=name, device="cuda", quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                       max_model_len=max(max_ctx, 2048) + 64)
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
     bsz = cfg.block_size
@@ -116,7 +119,8 @@ def run_model(name: str, quantization: str, cases: list[tuple[int, int]], bw: Re
             ms = cuda_time_ms(lambda g=graphs, b=batch: g.replay(b).argmax(-1), warmup=3, iters=20)
             bw.observe(f"{name} {quantization} decode bs={bs} ctx={ctx}", read, ms)
             out["steps"][(bs, ctx)] = {"step_ms": ms, "read_bytes": read, "flops": flops}
-            print(f"{name} quantization={quantization} bs={bs} ctx={ctx}: {ms:.3f} ms, {read / 1e9:.2f} GB to read")
+            print(f"{name} quantization={quantization} kv={kv_cache_dtype} bs={bs} ctx={ctx}: {ms:.3f} ms, "
+                  f"{read / 1e9:.2f} GB to read")
         del graphs
         if prefill:
             out["prefill_ms"], out["prefill_tflops"] = prefill_tflops(model, info, kv_caches, *prefill)
@@ -148,12 +152,16 @@ def main() -> None:
         dense = "llama" in name
         bf16 = run_model(name, "none", cases, bw, (8, 2048) if dense else None)
         fp8 = run_model(name, "fp8", cases, bw, (8, 2048) if dense else None)
-        accuracy.append({"model": name, **agreement(bf16["logits"], fp8["logits"])})
-        for bs, ctx in cases:
-            s, b = fp8["steps"][(bs, ctx)], bf16["steps"][(bs, ctx)]
-            decode.append({"model": f"{name} --quantization fp8", "bs": bs, "ctx": ctx, "step_ms": s["step_ms"],
-                           "read_bytes": s["read_bytes"], "flops": s["flops"], "bf16_step_ms": b["step_ms"],
-                           "bf16_read_bytes": b["read_bytes"]})
+        # and with the KV cache in fp8 too: the reads that dominate at long context halve as well
+        fp8_kv = run_model(name, "fp8", cases, bw, None, kv_cache_dtype="fp8_e4m3")
+        for label, run in ((f"{name} --quantization fp8", fp8),
+                           (f"{name} --quantization fp8 --kv-cache-dtype fp8_e4m3", fp8_kv)):
+            accuracy.append({"model": label, **agreement(bf16["logits"], run["logits"])})
+            for bs, ctx in cases:
+                s, b = run["steps"][(bs, ctx)], bf16["steps"][(bs, ctx)]
+                decode.append({"model": label, "bs": bs, "ctx": ctx, "step_ms": s["step_ms"],
+                               "read_bytes": s["read_bytes"], "flops": s["flops"], "bf16_step_ms": b["step_ms"],
+                               "bf16_read_bytes": b["read_bytes"]})
         if dense:
             prefill.append({"model": name, "shape": "8x2048", "fp8_ms": fp8["prefill_ms"], "bf16_ms": bf16["prefill_ms"],
                             "fp8_tflops": fp8["prefill_tflops"], "fp8_peak_tflops": fp8_peak,

@@ -50,9 +50,12 @@ def per_token_group_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tenso
     scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scales
+    block = triton.next_power_of_2(group_size)
+    # per-token scales (group = K, up to 16K columns in one program) spread over more warps
+    warps = 1 if block <= 256 else 4 if block <= 2048 else 16
     _token_group_quant_kernel[(m, groups)](
         x, q, scales, x.stride(0), q.stride(0), scales.stride(0), k,
-        GROUP=group_size, BLOCK=triton.next_power_of_2(group_size), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+        GROUP=group_size, BLOCK=block, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, num_warps=warps,
     )  # fmt: skip
     return q, scales
 
