@@ -8,8 +8,9 @@
   model with the same seed runs the same steps.
 - prefill 8x2048 with FP8 weights: FLOPs computed (as benchmarks/prefill.py counts them) over the
   FP8 matmul peak, measured here with ``torch._scaled_mm`` on 8192^3 (per-tensor scales, bf16 out).
-- small batch: per Llama-3-8B projection and row count, the FP8-weight gemv against the W8A8 path
-  (activation quantization + GEMM) and bf16 cuBLAS: where the small-batch path pays off.
+- GEMMs: per Llama-3-8B projection and row count (1 to 16384), the FP8-weight gemv, activation
+  quantization, the Triton W8A8 kernel, ``torch._scaled_mm``'s block-scaled mode (where the build has
+  it) and bf16 cuBLAS: where the small-batch path pays off, and which block-scaled GEMM is faster.
 - accuracy: top-1 agreement and mean KL(bf16 || fp8) of the two models' logits over 4x256 tokens.
 - the same decode steps with ``--kv-cache-dtype fp8_e4m3`` as well (its floor counts one byte per
   cached element), with its own accuracy row.
@@ -33,7 +34,7 @@ from benchmarks.decode import make_batch, step_cost
 from benchmarks.roofline import ReadBandwidth, matmul_tflops, measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
-from graphserve.kernels.fp8_gemm import w8a8_matmul
+from graphserve.kernels.fp8_gemm import blockwise_scale_layout, scaled_mm_blockwise, w8a8_matmul
 from graphserve.kernels.fp8_gemv import fp8_gemv
 from graphserve.kernels.fp8_quant import per_token_group_quant, quantize_weight_blocks
 from graphserve.layers.attention_triton import TritonAttentionBackend
@@ -53,21 +54,40 @@ def fp8_matmul_tflops(n: int = 8192) -> float:
     return 2 * n**3 / (ms / 1e3) / 1e12
 
 
-def small_batch_rows(batches: list[int]) -> list[dict]:
+def _blockwise_scaled_mm_ms(a, a_s, wq, ws_layout, ref) -> float | str:
+    """torch._scaled_mm's block-scaled mode where this torch/CUDA build has it (checked against the
+    Triton kernel's output first), else the reason it refused, reported in the table."""
+    try:
+        out = scaled_mm_blockwise(a, a_s, wq, ws_layout)
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        return f"unsupported: {str(e).splitlines()[0][:60]}"
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    if err > 1e-2:
+        return f"wrong result: relative error {err:.2e}"
+    return cuda_time_ms(lambda: scaled_mm_blockwise(a, a_s, wq, ws_layout))
+
+
+def gemm_rows(batches: list[int]) -> list[dict]:
+    """Per projection and row count: the FP8-weight gemv (<= 16 rows), activation quantization alone,
+    the Triton W8A8 GEMM, torch._scaled_mm block-scaled, bf16 cuBLAS."""
     rows = []
     for name, (n, k) in LLAMA3_8B_PROJECTIONS.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         wq, ws = quantize_weight_blocks(w, 128, 128)
+        ws_layout = blockwise_scale_layout(ws)
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             gemv_ms = cuda_time_ms(lambda x=x, wq=wq, ws=ws: fp8_gemv(x, wq, ws, 128, 128)) if m <= 16 else None
-
-            def w8a8(x=x, wq=wq, ws=ws):
-                a, s = per_token_group_quant(x, 128)
-                return w8a8_matmul(a, s, wq, ws, 128, 128, torch.bfloat16)
-
-            rows.append({"proj": name, "n": n, "k": k, "m": m, "fp8_gemv_ms": gemv_ms, "w8a8_ms": cuda_time_ms(w8a8),
-                         "bf16_ms": cuda_time_ms(lambda x=x, w=w: F.linear(x, w))})
+            a, a_s = per_token_group_quant(x, 128)
+            ref = w8a8_matmul(a, a_s, wq, ws, 128, 128, torch.bfloat16)
+            rows.append({
+                "proj": name, "n": n, "k": k, "m": m, "fp8_gemv_ms": gemv_ms,
+                "act_quant_ms": cuda_time_ms(lambda x=x: per_token_group_quant(x, 128)),
+                "w8a8_triton_ms": cuda_time_ms(lambda a=a, a_s=a_s, wq=wq, ws=ws:
+                                               w8a8_matmul(a, a_s, wq, ws, 128, 128, torch.bfloat16)),
+                "scaled_mm_block_ms": _blockwise_scaled_mm_ms(a, a_s, wq, ws_layout, ref),
+                "bf16_ms": cuda_time_ms(lambda x=x, w=w: F.linear(x, w)),
+            })
     return rows
 
 
@@ -144,8 +164,8 @@ def main() -> None:
     cases = [(1, 512), (64, 2048)] + ([] if args.quick else [(256, 2048)])
     bw, bf16_peak, fp8_peak = measured_read_bw(), matmul_tflops(), fp8_matmul_tflops()
     print(f"probes: {bw.describe()}; matmul peak bf16 {bf16_peak:.0f}, fp8 {fp8_peak:.0f} TFLOP/s")
-    small = small_batch_rows([1, 2, 4, 8, 16, 32, 64])
-    print_table(small, ["proj", "m", "fp8_gemv_ms", "w8a8_ms", "bf16_ms"])
+    small = gemm_rows([1, 2, 4, 8, 16, 32, 64, 256, 2048, 16384])
+    print_table(small, ["proj", "m", "fp8_gemv_ms", "act_quant_ms", "w8a8_triton_ms", "scaled_mm_block_ms", "bf16_ms"])
 
     decode, prefill, accuracy = [], [], []
     for name in args.models:

@@ -141,3 +141,28 @@ def scaled_mm_rowwise(
     if bias is not None:
         out = out + bias
     return out.to(out_dtype)
+
+
+def blockwise_scale_layout(w_scale: torch.Tensor) -> torch.Tensor:
+    """128x128 weight scales [N/128, K/128] as cuBLASLt's block-scaled GEMM takes them: K blocks padded
+    to a multiple of 4, transposed to [L4, N/128] with unit stride along it. Done once per weight."""
+    kb = w_scale.shape[1]
+    padded = torch.nn.functional.pad(w_scale, (0, (-kb) % 4), value=1.0)  # past K: never multiplied
+    return padded.t()
+
+
+def scaled_mm_blockwise(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_layout: torch.Tensor,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """1x128 activation x 128x128 weight scales through ``torch._scaled_mm`` (cuBLASLt on sm90, CUDA >= 12.9;
+    the scaling mode is read from the scale shapes). M is padded to a multiple of 4 (cuBLASLt) and the
+    activation scales passed outer-dim-major. benchmarks/fp8.py measures it against the Triton kernel;
+    layers route block-scaled layers to the Triton kernel until that measurement says otherwise."""
+    m = a.shape[0]
+    pad = (-m) % 4
+    if pad:
+        a = torch.cat([a, torch.zeros(pad, a.shape[1], dtype=a.dtype, device=a.device)])
+        a_scale = torch.cat([a_scale, torch.ones(pad, a_scale.shape[1], dtype=a_scale.dtype, device=a.device)])
+    out = torch._scaled_mm(a, w.t(), scale_a=a_scale.t().contiguous().t(), scale_b=w_scale_layout,
+                           out_dtype=out_dtype)
+    return out[:m]
+
