@@ -11,7 +11,8 @@ registers and no dequantized copy of either operand is written.
 
 Per-token x per-channel scales are what ``torch._scaled_mm``'s rowwise mode computes with cuBLASLt
 (sm89+); ``scaled_mm_rowwise`` calls it, and layers/quant/fp8.py routes per-channel layers there.
-Tile sizes are a pure function of M (no autotuning: unsafe inside CUDA-graph capture).
+Tile sizes are a pure function of M, N and the SM count (no autotuning: unsafe inside CUDA-graph
+capture).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp8_quant import dequantize_blocks
 
 
@@ -67,16 +69,24 @@ def _w8a8_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _tiles(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by row count: small M takes thin row tiles so the
-    weight stream, not padding rows, sets the time."""
-    if m <= 16:
-        return 16, 64, 4, 4
-    if m <= 32:
-        return 32, 64, 4, 4
-    if m <= 64:
-        return 64, 128, 4, 4
-    return 128, 128, 8, 3
+def _tiles(m: int, n: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Row tiles as thin as M allows (padding rows cost
+    tensor-core work and register space); then, while there are fewer than two programs per SM, the
+    tiles narrow: at decode batch sizes (M <= 256) the GEMM streams its weight, and one program per
+    SM cannot keep enough loads in flight to reach the card's bandwidth."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    block_n, target = 128, 2 * sm_count(device)
+    while triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < target:
+        if block_n > 32:
+            block_n //= 2
+        elif block_m > 64:
+            block_m //= 2
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            break
+    big = block_m * block_n >= 128 * 128
+    return block_m, block_n, 8 if big else 4, 3 if big else 4
 
 
 def w8a8_matmul(
@@ -94,7 +104,7 @@ def w8a8_matmul(
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    block_m, block_n, warps, stages = _tiles(m)
+    block_m, block_n, warps, stages = _tiles(m, n, a.device)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _w8a8_kernel[grid](
         a, w, out, a_scale, w_scale, bias if bias is not None else out, m, n,
