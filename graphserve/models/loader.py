@@ -263,6 +263,10 @@ def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype
             quant: Fp8Config | None = None, kv_dtype: str = "auto"):
     description = quantized_description(model.describe(hf_config, dtype), quant, dtype)
     if kv_dtype != "auto":
+        if description.kv.kind != "kv":
+            raise ConfigError(f"--kv-cache-dtype={kv_dtype} is implemented for paged K/V caches; this model's "
+                              f"cache is kind {description.kv.kind!r}: use --kv-cache-dtype auto",
+                              param="kv_cache_dtype")
         kv = dataclasses.replace(description.kv, dtype=kv_cache_dtype(kv_dtype, dtype))
         description = dataclasses.replace(description, kv=kv)
     info = ModelInfo(

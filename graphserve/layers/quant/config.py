@@ -27,9 +27,11 @@ from graphserve.errors import ConfigError, ModelLoadError
 DEFAULT_BLOCK = (128, 128)  # what DeepSeek-V3 and Qwen3-FP8 ship, and what --quantization fp8 writes
 _KNOWN_KEYS = {"quant_method", "weight_block_size", "activation_scheme", "fmt", "ignored_layers",
                "modules_to_not_convert"}
-# router gates choose experts: their logits are small and fp8 rounding flips choices; the shipped
-# FP8 checkpoints keep them in bf16, and so does --quantization
-ALWAYS_UNQUANTIZED = (".gate", ".shared_expert_gate")
+# Router gates choose experts: their logits are small and fp8 rounding flips choices; the shipped
+# FP8 checkpoints keep them in bf16, and so does --quantization. Multi-head latent attention reads
+# kv_b_proj's weight directly (absorbed into its q and output products), never through the layer's
+# matmul, so it stays in the model dtype too.
+ALWAYS_UNQUANTIZED = (".gate", ".shared_expert_gate", ".kv_b_proj")
 
 
 @dataclass(frozen=True)
