@@ -14,6 +14,10 @@ from graphserve.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OVERLAP_MODES = ("auto", "on", "off")
 MOE_ROUTING_MODES = ("model", "uniform")
+# "fp8": 128x128 block weight scales, per-token-group activations; "fp8-channel": per-channel weight
+# scales, per-token activations (layers/quant/config.py)
+QUANTIZATIONS = ("none", "fp8", "fp8-channel")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype (layers/kv_layout.py)
 
 
 def default_cuda_graph_sizes(max_bs: int) -> list[int]:
@@ -52,6 +56,10 @@ class EngineConfig:
     # "uniform" spreads (token, slot) pairs over the experts round-robin: random weights route
     # unevenly, so benchmarks on dummy: models can show the balanced case too. Refused elsewhere.
     moe_routing: str = "model"
+    # weights quantized at load ("none": as the checkpoint stores them; an FP8 checkpoint is always
+    # run in FP8, whatever this says)
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
     log_interval: int = 40
     max_queued_requests: int = 1024
 
@@ -102,6 +110,16 @@ class EngineConfig:
             raise ConfigError(
                 f"--moe-routing={self.moe_routing} is for dummy: models only (random weights); model={self.model!r} "
                 "routes with its own trained router", param="moe_routing")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"--quantization={self.quantization!r} is invalid: choose one of {', '.join(QUANTIZATIONS)}",
+                param="quantization",
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype={self.kv_cache_dtype!r} is invalid: choose one of {', '.join(KV_CACHE_DTYPES)}",
+                param="kv_cache_dtype",
+            )
         if self.tp < 1:
             raise ConfigError(f"--tp={self.tp} is invalid: must be >= 1", param="tp")
         if self.log_interval < 1:
@@ -139,6 +157,8 @@ _HELP = {
     "overlap_schedule": "prepare the next step while the device runs this one: auto (on CUDA), on, off",
     "tp": "tensor-parallel size",
     "moe_routing": "MoE routing: model (the router's choice) or uniform (round-robin over experts; dummy: models only)",
+    "quantization": "quantize weights at load: fp8 (128x128 block scales) or fp8-channel (per-channel scales)",
+    "kv_cache_dtype": "KV cache dtype: auto (the model dtype) or fp8_e4m3 (half the bytes; scale 1.0)",
     "log_interval": "decode steps between step-log lines",
     "max_queued_requests": "bound of the waiting queue; past it requests get 429",
 }
@@ -157,6 +177,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         if f.name == "moe_routing":
             parser.add_argument(flag, choices=MOE_ROUTING_MODES, default=default, help=_HELP[f.name])
+            continue
+        if f.name == "quantization":
+            parser.add_argument(flag, choices=QUANTIZATIONS, default=default, help=_HELP[f.name])
+            continue
+        if f.name == "kv_cache_dtype":
+            parser.add_argument(flag, choices=KV_CACHE_DTYPES, default=default, help=_HELP[f.name])
             continue
         if f.name == "overlap_schedule":
             parser.add_argument(flag, choices=OVERLAP_MODES, default=default, help=_HELP[f.name])

@@ -112,7 +112,7 @@ def test_cli_text_and_json(capsys, tmp_path):
                                  cuda_graph_max_bs=256, cuda_graph_bs=None, disable_cuda_graph=False,
                                  max_running_requests=None, input_len=1024, output_len=1024, dtype="bf16",
                                  concurrency="1,8,32,64", max_model_len=8192, chunked_prefill_size=2048, block_size=16,
-                                 reserve_gb=0.5, oversize="split", json=False)
+                                 reserve_gb=0.5, oversize="split", quantization="none", kv_cache_dtype="auto", json=False)
     assert plan_cmd.run(args) == 0
     out = capsys.readouterr().out
     assert "weights per GPU" in out and "KV bytes per token   131072" in out and "fits" in out

@@ -48,15 +48,33 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor, kind: str = "linear") -> boo
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and checkpoint names) with the small-batch gemv path on CUDA."""
+    """``nn.Linear`` (same parameters and checkpoint names) with the small-batch gemv path on CUDA.
+
+    A quantization method (layers/quant) set as ``quant_method`` owns the stored weight, its loading
+    and the matmul; the gemv paths below then never match (the weight is not in x's dtype).
+    """
+
+    quant_method = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
         if use_gemv(x, self.weight):
             from graphserve.kernels.gemv import gemv
 
             out = gemv(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+    @torch.no_grad()
+    def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        if self.quant_method is not None:
+            return self.quant_method.load_weight(self, param_name, param, loaded, shard)
+        if shard is not None:
+            raise ValueError(f"{type(self).__name__} takes no shard {shard!r}")
+        if param.shape != loaded.shape:
+            raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(loaded)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
@@ -116,6 +134,8 @@ class MergedLinear(Linear):
         """Checkpoint tensor ``shard`` (q, k or v; gate or up) into its rows of the fused parameter."""
         if shard is None:
             raise ValueError(f"a merged projection takes its {len(self.output_sizes)} parts one by one")
+        if self.quant_method is not None:
+            return self.quant_method.load_weight(self, param_name, param, loaded, shard)
         target = param.data[self.shard_rows(shard)]
         if target.shape != loaded.shape:
             raise ValueError(f"shard {shard} has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")

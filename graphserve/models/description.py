@@ -41,6 +41,18 @@ class ModelDescription:
     num_moe_layers: int = 0
     act_width: int = 0  # activation elements one token holds at a layer's peak (beside the residual)
     act_bytes_per_elem: int = 2
+    # with FP8 projections the embedding table and lm_head stay in the model dtype, and routed experts
+    # may too (layers/quant/config.py quantized_description); None: weight_bytes_per_param
+    embed_bytes_per_param: float | None = None
+    expert_bytes_per_param: float | None = None
+
+    @property
+    def _embed_bpp(self) -> float:
+        return self.weight_bytes_per_param if self.embed_bytes_per_param is None else self.embed_bytes_per_param
+
+    @property
+    def _expert_bpp(self) -> float:
+        return self.weight_bytes_per_param if self.expert_bytes_per_param is None else self.expert_bytes_per_param
 
     # ---- weights ---------------------------------------------------------------------------
     @property
@@ -54,17 +66,19 @@ class ModelDescription:
 
     @property
     def weights_bytes(self) -> int:
-        return int(self.num_params * self.weight_bytes_per_param)
+        experts = self.num_moe_layers * self.local_experts * self.expert_params * self._expert_bpp
+        embed = (self.embed_params + self.lm_head_params) * self._embed_bpp
+        return int(self.dense_params * self.weight_bytes_per_param + embed + experts)
 
     @property
     def expert_bytes(self) -> int:
         """One routed expert of one layer."""
-        return int(self.expert_params * self.weight_bytes_per_param)
+        return int(self.expert_params * self._expert_bpp)
 
     # ---- what a decode step must read --------------------------------------------------------
     def head_bytes(self) -> int:
         """The lm_head, or the tied embedding table acting as the head."""
-        return int((self.lm_head_params or self.embed_params) * self.weight_bytes_per_param)
+        return int((self.lm_head_params or self.embed_params) * self._embed_bpp)
 
     def decode_read_bytes(self, batch: int, context_tokens: int, experts_touched: int | None = None) -> int:
         """Bytes a decode step of ``batch`` tokens must read from device memory, each at least once.
@@ -76,7 +90,7 @@ class ModelDescription:
         if experts_touched is None:
             experts_touched = self.num_moe_layers * min(self.local_experts, self.top_k)
         weights = self.dense_params * self.weight_bytes_per_param + self.head_bytes()
-        rows = batch * self.hidden_size * self.weight_bytes_per_param  # the batch's embedding rows
+        rows = batch * self.hidden_size * self._embed_bpp  # the batch's embedding rows
         return int(weights + rows + experts_touched * self.expert_bytes + context_tokens * self.kv.bytes_per_token)
 
     # ---- what a step holds ----------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,8 +15,16 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError, ModelLoadError
-from graphserve.layers.kv_layout import KVLayout
+from graphserve.layers.kv_layout import KVLayout, kv_cache_dtype
 from graphserve.layers.moe import FusedMoE
+from graphserve.layers.quant.config import (
+    Fp8Config,
+    online_config,
+    parse_quantization_config,
+    quantized_description,
+    resolve_quantization,
+)
+from graphserve.layers.quant.fp8 import quantize_linears
 from graphserve.models.builtin import ensure_builtin
 from graphserve.models.description import ModelDescription
 from graphserve.models.llama import sliding_window_of
@@ -22,6 +32,8 @@ from graphserve.models.presets import get_preset_config, get_preset_tokenizer_sp
 from graphserve.models.registry import resolve_model_class
 from graphserve.models.synthetic_tokenizer import CHAT_TEMPLATES, build_synthetic_tokenizer
 from graphserve.models.weights import iter_safetensors, safetensors_files
+
+logger = logging.getLogger("graphserve.models")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -139,14 +151,15 @@ def _load_folder(config: EngineConfig, folder: Path, device: torch.device) -> Lo
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"model folder {folder} cannot be read by transformers: {e}", param="model") from e
-    model, dtype = _build(model_cls, hf_config, config, device)
+    quant = resolve_quantization(parse_quantization_config(raw.get("quantization_config")), config.quantization)
+    model, dtype = _build(model_cls, hf_config, config, device, quant)
     loaded = model.load_weights(iter_safetensors(files))
     missing = sorted(model.expected_weights() - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"checkpoint in {folder} lacks {len(missing)} tensors: {shown}", param="model")
     eos = _eos_ids(hf_config, tokenizer, _generation_eos(folder))
-    return _finish(model, hf_config, tokenizer, dtype, eos)
+    return _finish(model, hf_config, tokenizer, dtype, eos, quant, config.kv_cache_dtype)
 
 
 def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> LoadedModel:
@@ -154,9 +167,10 @@ def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> Load
     model_cls = resolve_model_class(raw["architectures"])
     hf_config = AutoConfig.for_model(**raw)
     tokenizer = _dummy_tokenizer(preset, hf_config)
-    model, dtype = _build(model_cls, hf_config, config, device)
+    quant = online_config(config.quantization)
+    model, dtype = _build(model_cls, hf_config, config, device, quant)
     if device.type != "meta":
-        _init_random(model, config.seed, device)
+        _init_random(model, config.seed, device, dtype)
     if config.moe_routing != "model":
         experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
         if not experts:
@@ -164,10 +178,12 @@ def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> Load
                               f"dummy:{preset} is dense", param="moe_routing")
         for m in experts:
             m.routing_override = config.moe_routing
-    return _finish(model, hf_config, tokenizer, dtype, _eos_ids(hf_config, tokenizer, None))
+    return _finish(model, hf_config, tokenizer, dtype, _eos_ids(hf_config, tokenizer, None), quant,
+                   config.kv_cache_dtype)
 
 
-def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, device: torch.device):
+def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, device: torch.device,
+           quant: Fp8Config | None = None):
     """Assemble on the meta device, then allocate on ``device`` uninitialised: no CPU pass over 8B weights."""
     max_pos = hf_config.max_position_embeddings
     max_len = config.max_model_len or max_pos
@@ -185,16 +201,40 @@ def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, d
     dtype = resolve_dtype(config.dtype, hf_config, device)
     with torch.device("meta"):
         model = model_cls(hf_config, max_len)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if quant is not None:  # after the dtype cast, which would widen fp8 storage back to ``dtype``
+        _quantize(model, quant, dtype)
+    model = model.to_empty(device=device)
     model.finish_materialize(device)
     return model.eval().requires_grad_(False), dtype
 
 
+def _quantize(model: nn.Module, quant: Fp8Config, dtype: torch.dtype) -> None:
+    experts = any(isinstance(m, FusedMoE) for m in model.modules())
+    if experts and quant.serialized:
+        raise ModelLoadError(f"this checkpoint's routed experts are stored in {quant.name}, which the fused MoE "
+                             "layer does not run yet: load a bf16 checkpoint (with --quantization fp8 for the "
+                             "attention projections)", param="model")
+    try:
+        count = quantize_linears(model, quant)
+    except ValueError as e:
+        raise ModelLoadError(f"{quant.name}: {e}", param="model") from e
+    kept = f"; routed experts stay {dtype}" if experts else ""
+    logger.info("quantization: %s on %d linear layers%s", quant.name, count, kept)
+
+
 @torch.no_grad()
-def _init_random(model: nn.Module, seed: int, device: torch.device) -> None:
-    """normal(0, 0.02) matrices, unit norm weights, zero biases, generated on ``device``."""
+def _init_random(model: nn.Module, seed: int, device: torch.device, dtype: torch.dtype) -> None:
+    """normal(0, 0.02) matrices, unit norm weights, zero biases, generated on ``device``. An FP8 layer
+    draws its weight in ``dtype`` from the same generator position and quantizes it, so the FP8 model
+    is the quantization of the unquantized one with the same seed (benchmarks compare the two)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
+        owner_name, _, leaf = name.rpartition(".")
+        method = getattr(model.get_submodule(owner_name), "quant_method", None) if owner_name else None
+        if method is not None and leaf == "weight":
+            method.init_random(model.get_submodule(owner_name), dtype, gen)
+            continue
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):
@@ -219,8 +259,16 @@ def _eos_ids(hf_config: PretrainedConfig, tokenizer: Any, generation_eos: Any) -
     return ids
 
 
-def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype: torch.dtype, eos: list[int]):
-    description = model.describe(hf_config, dtype)
+def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype: torch.dtype, eos: list[int],
+            quant: Fp8Config | None = None, kv_dtype: str = "auto"):
+    description = quantized_description(model.describe(hf_config, dtype), quant, dtype)
+    if kv_dtype != "auto":
+        if description.kv.kind != "kv":
+            raise ConfigError(f"--kv-cache-dtype={kv_dtype} is implemented for paged K/V caches; this model's "
+                              f"cache is kind {description.kv.kind!r}: use --kv-cache-dtype auto",
+                              param="kv_cache_dtype")
+        kv = dataclasses.replace(description.kv, dtype=kv_cache_dtype(kv_dtype, dtype))
+        description = dataclasses.replace(description, kv=kv)
     info = ModelInfo(
         architecture=type(model).__name__,
         num_layers=hf_config.num_hidden_layers,
