@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from graphserve.config import EngineConfig
+from graphserve.distributed.comm import agree
 from graphserve.engine.graphs import GiB
 from graphserve.engine.memory import MemoryPlan, plan_memory
 from graphserve.engine.runner import ModelRunner
@@ -181,7 +182,9 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
             raise ConfigError(f"--num-kv-tokens/--kv-cache-gb give {num_blocks * cfg.block_size} KV tokens, less than "
                               f"one request of --max-model-len {max_model_len}", param="num_kv_tokens")
 
-    # 5. allocate and capture for real
+    # 5. allocate and capture for real. With --tp/--ep every rank holds the same number of blocks (the
+    # scheduler's one block table addresses them all): the smallest any rank can afford.
+    num_blocks = agree(num_blocks)
     runner = ModelRunner(cfg, loaded, num_blocks + 1, device)  # + the dummy block
     oversize = "none"
     if sizes:
@@ -192,6 +195,8 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
             logger.warning("graph pool %.2f GiB exceeds the planned %.2f GiB", graphs.pool_bytes / GiB, pool / GiB)
         if max_running > sizes[-1]:
             oversize, split_ms, eager_ms = calibrate_oversize(runner, max_running)
+            modes = ("split-graph", "eager")  # every rank must replay the same way: rank 0's timing decides
+            oversize = modes[agree(modes.index(oversize), op="first")]
             runner.oversize_mode = oversize
             logger.info("decode batches above %d (up to --max-running-requests %d) run as %s: split-graph %.2f ms, "
                         "eager %.2f ms at batch %d", sizes[-1], max_running, oversize, split_ms, eager_ms, max_running)

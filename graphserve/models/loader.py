@@ -212,7 +212,10 @@ def _eos_ids(hf_config: PretrainedConfig, tokenizer: Any, generation_eos: Any) -
 
 
 def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype: torch.dtype, eos: list[int]):
-    description = model.describe(hf_config, dtype)
+    from graphserve.distributed.state import get_parallel
+
+    parallel = get_parallel()  # this rank's share: its KV heads size the pool, its weights the plan
+    description = model.describe(hf_config, dtype, tp=parallel.tp_size, ep=parallel.ep_size)
     info = ModelInfo(
         architecture=type(model).__name__,
         num_layers=hf_config.num_hidden_layers,

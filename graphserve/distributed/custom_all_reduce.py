@@ -1,0 +1,106 @@
+"""One-shot all-reduce over peer memory, for the small messages of decode (CUDA, tp > 1).
+
+A decode step at tp 2 all-reduces ``[batch, hidden]`` twice per layer: 8-512 KB messages for which NCCL
+costs ~20 µs inside a CUDA graph on an H200 pair (issue 10's measurement), mostly protocol latency. Here
+each rank copies its input into a buffer every rank has mapped (PyTorch's symmetric memory, rendezvoused
+once at start-up), and one kernel on each rank reads all ranks' buffers and writes the sum: one launch,
+one barrier through signal pads, no proxy thread. It is an ordinary kernel, so CUDA graphs capture it.
+
+Messages above ``CUSTOM_ALL_REDUCE_MAX_BYTES`` (bandwidth-bound: reading every peer's whole buffer loses
+to NCCL's ring/tree) go to NCCL. The limit is the switch point benchmarks/tp.py measures on a 2-GPU
+machine (its ``allreduce`` table); NVLink multicast is never used (state.py sets it off).
+
+At start-up the kernel's result is checked against NCCL on random data; a mismatch, a missing op (older
+PyTorch) or peers that cannot map each other's memory leave NCCL alone in charge, with a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from graphserve.config import EngineConfig
+    from graphserve.distributed.state import ParallelState
+
+logger = logging.getLogger("graphserve.distributed")
+
+# Switch point to NCCL; set from benchmarks/tp.py's allreduce sweep on 2×H200 (custom vs NCCL in graphs).
+CUSTOM_ALL_REDUCE_MAX_BYTES = 512 * 1024
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class SymmMemAllReduce:
+    def __init__(self, group: Any, device: torch.device, max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = group.group_name
+        self.max_bytes = max_bytes
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+        self._op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
+        return x.is_cuda and x.dtype in _DTYPES and x.is_contiguous() and 0 < nbytes <= self.max_bytes \
+            and nbytes % 16 == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.view(-1)
+        buf = self.buffer[: flat.numel() * flat.element_size()].view(x.dtype)  # offset 0: the mapped base
+        out = torch.empty_like(flat)
+        self._op(buf, flat, "sum", self.group_name, out)
+        return out.view(x.shape)
+
+    def close(self) -> None:
+        self.buffer = None
+
+
+def _agrees_with_nccl(impl: SymmMemAllReduce, group: Any, device: torch.device, dtype: torch.dtype) -> bool:
+    gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank(group))
+    ok = True
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 1024, generator=gen, device=device).to(dtype)
+        if not impl.accepts(x):
+            continue
+        expected = x.float().clone()
+        dist.all_reduce(expected, group=group)
+        got = impl.all_reduce(x.clone()).float()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        ok &= bool(torch.allclose(got, expected, rtol=tol, atol=tol * 4))
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # every rank keeps or drops it together
+    return bool(flag.item())
+
+
+def maybe_enable_custom_all_reduce(parallel: ParallelState, config: EngineConfig, device: torch.device) -> None:
+    """Install the one-shot all-reduce for this rank's device group, or leave NCCL alone (said in the log).
+
+    Every rank calls it at the same point of start-up: the rendezvous and the check are collectives."""
+    from graphserve.distributed.state import set_custom_all_reduce
+
+    if not parallel.distributed or parallel.backend != "nccl" or config.disable_custom_all_reduce:
+        return
+    impl: SymmMemAllReduce | None = None
+    reason = ""
+    try:
+        impl = SymmMemAllReduce(parallel.device_group, device)
+    except Exception as e:  # noqa: BLE001 - no symmetric memory here: NCCL does every all-reduce
+        reason = f"{type(e).__name__}: {e}"
+    ok = torch.tensor([int(impl is not None)], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=parallel.device_group)
+    if ok.item() and impl is not None:
+        dtype = {"float32": torch.float32, "float16": torch.float16}.get(config.dtype, torch.bfloat16)
+        if _agrees_with_nccl(impl, parallel.device_group, device, dtype):
+            set_custom_all_reduce(impl)
+            logger.info("one-shot all-reduce over peer memory for messages up to %d KiB; NCCL above",
+                        impl.max_bytes // 1024)
+            return
+        reason = "its result disagreed with NCCL's"
+    logger.warning("one-shot all-reduce unavailable (%s): NCCL runs every all-reduce",
+                   reason or "another rank could not set it up")

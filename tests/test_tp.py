@@ -1,0 +1,123 @@
+"""Tensor parallelism on CPU (gloo): sharded layers recombine to the full layer, and --tp N engines
+produce the greedy tokens of --tp 1 on tiny random checkpoints (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import make_hf_checkpoint
+from transformers import LlamaConfig, Qwen3Config
+
+from graphserve import LLM, SamplingParams
+from graphserve.config import EngineConfig, add_engine_args, config_from_args
+from graphserve.errors import ConfigError
+from graphserve.layers.embedding import LMHead, VocabEmbedding
+from graphserve.layers.linear import ColumnParallelLinear, Linear, QKVParallelLinear, RowParallelLinear
+
+_TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=256, rms_norm_eps=1e-6)
+PROMPTS = ["Hello world", "The quick brown fox jumps over", "a", "tensor parallel ranks agree on every token"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+# ---- layers: the ranks' shards add up to the whole layer --------------------------------------------------
+
+def test_column_and_row_parallel_shards_recombine():
+    torch.manual_seed(0)
+    w1, b1 = torch.randn(12, 8), torch.randn(12)
+    w2, b2 = torch.randn(8, 12), torch.randn(8)
+    x = torch.randn(3, 8)
+    full = torch.nn.functional.linear(torch.nn.functional.linear(x, w1, b1), w2, b2)
+    total = torch.zeros_like(full)
+    for rank in range(2):
+        col, row = ColumnParallelLinear(8, 12, True, rank, 2), RowParallelLinear(12, 8, True, rank, 2)
+        col.load_weight("weight", col.weight, w1, None)
+        col.load_weight("bias", col.bias, b1, None)
+        row.load_weight("weight", row.weight, w2, None)
+        row.load_weight("bias", row.bias, b2, None)
+        assert col.weight.shape == (6, 8) and row.weight.shape == (8, 6)
+        total += row(col(x))  # the all-reduce
+    torch.testing.assert_close(total, full)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tp"), [(4, 2, 2), (4, 2, 4), (8, 1, 4), (4, 4, 4)])
+def test_qkv_parallel_gives_each_rank_its_heads_and_their_kv_head(heads, kv_heads, tp):
+    d, hidden = 4, 16
+    q, k, v = torch.randn(heads * d, hidden), torch.randn(kv_heads * d, hidden), torch.randn(kv_heads * d, hidden)
+    for rank in range(tp):
+        layer = QKVParallelLinear(hidden, d, heads, kv_heads, False, rank, tp)
+        for shard, t in enumerate((q, k, v)):
+            layer.load_weight("weight", layer.weight, t, shard)
+        local_q, local_k, local_v = layer.weight.split(layer.output_sizes)
+        per_rank = heads // tp
+        torch.testing.assert_close(local_q, q[rank * per_rank * d:(rank + 1) * per_rank * d])
+        kv_local = max(1, kv_heads // tp)
+        for j in range(kv_local):
+            first_q_head = rank * per_rank + j * per_rank // kv_local
+            kv_head = first_q_head // (heads // kv_heads)  # the KV head that query head reads at tp 1
+            torch.testing.assert_close(local_k[j * d:(j + 1) * d], k[kv_head * d:(kv_head + 1) * d])
+            torch.testing.assert_close(local_v[j * d:(j + 1) * d], v[kv_head * d:(kv_head + 1) * d])
+
+
+def test_vocab_parallel_embedding_and_head_cover_a_vocab_that_does_not_divide():
+    torch.manual_seed(0)
+    vocab, hidden = 11, 4
+    table = torch.randn(vocab, hidden)
+    ids = torch.arange(vocab)
+    looked_up = torch.zeros(vocab, hidden)
+    logits = []
+    x = torch.randn(2, hidden)
+    for rank in range(3):  # 4 rows per rank, the last rank's 4th row is padding
+        emb, head = VocabEmbedding(vocab, hidden, rank, 3), LMHead(hidden, vocab, rank, 3)
+        emb.load_weight("weight", emb.weight, table, None)
+        head.load_weight("weight", head.weight, table, None)
+        local = ids - emb.vocab_start
+        inside = (local >= 0) & (local < emb.num_embeddings)
+        looked_up[inside] += emb.weight[local[inside]]
+        logits.append(torch.nn.functional.linear(x, head.weight))
+    torch.testing.assert_close(looked_up, table)
+    torch.testing.assert_close(torch.cat(logits, -1)[:, :vocab], x @ table.T)
+
+
+def test_tp1_layers_are_the_plain_linear():
+    layer = ColumnParallelLinear(8, 12, False)
+    assert isinstance(layer, Linear) and layer.weight.shape == (12, 8)  # Linear.forward: the gemv routing
+
+
+# ---- engines: --tp N greedy tokens == --tp 1 ------------------------------------------------------------
+
+def _generate(folder, **kw) -> list[list[int]]:
+    llm = LLM(str(folder), dtype="float32", num_kv_tokens=2048, chunked_prefill_size=64, **kw)
+    try:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm.engine.core.shutdown()
+
+
+@pytest.mark.parametrize(("name", "config", "tp"), [
+    # biases everywhere (the row-parallel bias is added once) and a vocabulary that does not split evenly
+    ("llama-bias", lambda: LlamaConfig(**_TINY, num_key_value_heads=2, vocab_size=321, attention_bias=True,
+                                       mlp_bias=True, rope_theta=10000.0), 2),
+    # q/k norm, tied head, 2 KV heads replicated over 4 ranks
+    ("qwen3-tied-tp4", lambda: Qwen3Config(**_TINY, num_key_value_heads=2, vocab_size=322, head_dim=16,
+                                           tie_word_embeddings=True, rope_theta=1000000.0), 4),
+])
+def test_tp_greedy_tokens_match_tp1(tmp_path, name, config, tp):
+    make_hf_checkpoint(tmp_path, config())
+    assert _generate(tmp_path, tp=tp) == _generate(tmp_path)
+
+
+def test_tp_that_does_not_divide_heads_is_refused_naming_the_values_that_work(tmp_path):
+    make_hf_checkpoint(tmp_path, LlamaConfig(**_TINY, num_key_value_heads=2, vocab_size=320))
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    with pytest.raises(ConfigError) as e:
+        config_from_args(parser.parse_args(["--tp", "3"]), str(tmp_path))
+    assert e.value.param == "tp" and "num_attention_heads=4" in e.value.message and "[1, 2, 4]" in e.value.message
+    with pytest.raises(ConfigError) as e:
+        config_from_args(parser.parse_args(["--ep", "2"]), str(tmp_path))
+    assert e.value.param == "ep" and "no experts" in e.value.message
+    with pytest.raises(ConfigError, match="--ep 2"):
+        EngineConfig(tp=2, ep=4)
