@@ -90,6 +90,8 @@ def init_parallel(rank: int, tp: int, ep: int, init_method: str, device: torch.d
         os.environ.setdefault(key, value)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
+        if device.index is None:  # NCCL binds one device per rank: name it
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,

@@ -60,6 +60,7 @@ class InFlightStep:
     shape: StepShape
     start: float  # perf_counter when its scheduling began
     context_tokens: int
+    comm: tuple[int, int] = (0, 0)  # collectives and their bytes (tp/ep > 1)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -204,7 +205,8 @@ class EngineCore:
             self._fail_step(sched, exc)
             return None
         completed = self.scheduler.advance(sched)
-        return InFlightStep(sched, pending, completed, self.runner.last_shape, start, self.runner.last_context_tokens)
+        return InFlightStep(sched, pending, completed, self.runner.last_shape, start, self.runner.last_context_tokens,
+                            self.runner.last_comm)
 
     def _resolve(self) -> list[CoreOutput]:
         """Wait for the step in flight, put its tokens in place and decide who finished."""
@@ -311,5 +313,7 @@ class EngineCore:
                 kv_usage=self.block_manager.usage(),
                 context_tokens=step.context_tokens,
                 preempted=len(sched.preempted),
+                comm_ops=step.comm[0],
+                comm_bytes=step.comm[1],
             )
         )

@@ -30,6 +30,8 @@ class StepRecord:
     kv_usage: float  # fraction of KV blocks in use
     context_tokens: int = 0  # KV tokens attended over by the step
     preempted: int = 0  # requests preempted during this step's scheduling
+    comm_ops: int = 0  # collectives of the forward on each rank (tp/ep > 1): all-reduces, the logits gather
+    comm_bytes: int = 0  # bytes those collectives reduced or gathered (each rank's contribution)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
