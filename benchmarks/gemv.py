@@ -1,13 +1,20 @@
-"""Decode-sized matmuls: the gemv kernels against cuBLAS (F.linear) at real projection shapes.
+"""Decode-sized matmuls: the gemv kernels against cuBLAS (F.linear) at real projection shapes, and
+the routing rule layers/linear.py follows, written from what was measured.
 
 Each time is one call's share of a CUDA graph holding back-to-back calls, as decode runs them.
 The calls cycle through enough copies of the weight (>= 256 MB in all) that every call reads
 its weight from device memory, not from L2, as in a real step where the layers' weights
-together dwarf the cache. Floor: bytes moved / read bandwidth measured in this run. The last
-line is the largest batch at which gemv beats cuBLAS on every shape: the value for
-``graphserve.layers.linear.GEMV_MAX_M``.
+together dwarf the cache. Floor: bytes moved / the best read bandwidth of benchmarks.roofline.
 
-Run on a GPU: python3 -m benchmarks.gemv [--sweep]   (writes benchmarks/results/gemv.json)
+Three kinds of call, as the layers make them: a plain projection (gemv vs F.linear); the down
+projection with its SiLU·mul fused into the loads (silu_mul_gemv vs silu_and_mul + the faster of
+F.linear and gemv); the qkv and gate_up projections with the RMSNorm before them fused
+(norm_gemv vs fused_add_rms_norm + the faster of F.linear and gemv). Per shape and kind, the
+largest row count up to which the gemv path won at every measured count goes into
+graphserve/kernels/gemv_rule.json with the card's name: the table layers/linear.py routes by.
+
+Run on a GPU: python3 -m benchmarks.gemv [--sweep]   (writes benchmarks/results/gemv.json and the rule)
+Rewrite the rule from a results file, no GPU needed: python3 -m benchmarks.gemv --rule-from FILE
 ``--sweep`` also times a grid of tile configurations per shape and batch and prints the best one
 next to ``choose_config``'s pick, the data for retuning that function.
 """
@@ -16,18 +23,21 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.common import print_table, write_result
 from benchmarks.kernels import graph_time_ms
-from benchmarks.roofline import read_bandwidth_gbs
+from benchmarks.roofline import measured_read_bw
 from graphserve.kernels.activation import silu_and_mul
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.gemv import gemv, silu_mul_gemv
-from graphserve.kernels.gemv_config import GemvConfig, choose_config
+from graphserve.kernels.gemv import gemv, norm_gemv, silu_mul_gemv
+from graphserve.kernels.gemv_config import RULE_PATH, GemvConfig, choose_config
+from graphserve.kernels.norm import fused_add_rms_norm
 
 DT = torch.bfloat16
 BATCHES = [1, 2, 4, 8, 16]
@@ -45,7 +55,8 @@ SHAPES = {
     "llama3-8b down": (4096, 14336),
 }
 COLS = ["shape", "M", "cublas_us", "gemv_us", "gemv/cublas", "gemv_GBps", "floor_us", "gemv/floor"]
-FUSED_COLS = ["shape", "M", "unfused_us", "fused_us", "fused/unfused", "fused/floor"]
+FUSED_COLS = ["shape", "M", "kind", "unfused_us", "fused_us", "fused/unfused", "fused/floor"]
+EPS = 1e-6
 
 
 def timed_us(n: int, k: int, m: int, fn, x_cols: int | None = None) -> float:
@@ -69,12 +80,25 @@ def bench_shape(name: str, m: int, bw: float, sms: int) -> dict:
 
 
 def bench_fused(name: str, m: int, bw: float) -> dict:
-    """Down projection with its activation: silu_mul_gemv against silu_and_mul + F.linear."""
+    """Down projection with its activation: silu_mul_gemv against silu_and_mul + the faster projection."""
     n, k = SHAPES[name]
     floor_us = (n * k + 2 * m * k + m * n) * 2 / bw * 1e6
-    unfused = timed_us(n, k, m, lambda gu, w: F.linear(silu_and_mul(gu), w), x_cols=2 * k)
+    unfused = min(timed_us(n, k, m, lambda gu, w, mm=mm: mm(silu_and_mul(gu), w), x_cols=2 * k) for mm in (F.linear, gemv))
     fused = timed_us(n, k, m, silu_mul_gemv, x_cols=2 * k)
-    return {"shape": name, "M": m, "unfused_us": unfused, "fused_us": fused,
+    return {"shape": name, "M": m, "N": n, "K": k, "kind": "silu_mul", "unfused_us": unfused, "fused_us": fused,
+            "fused/unfused": fused / unfused, "fused/floor": fused / floor_us}  # fmt: skip
+
+
+def bench_norm(name: str, m: int, bw: float) -> dict:
+    """A projection with the RMSNorm before it: norm_gemv against fused_add_rms_norm + the faster projection."""
+    n, k = SHAPES[name]
+    floor_us = (n * k + 3 * m * k + m * n) * 2 / bw * 1e6  # weight, x and residual in, residual and y out
+    residual = torch.randn(m, k, device="cuda", dtype=DT)
+    norm_w = torch.randn(k, device="cuda", dtype=DT)
+    unfused = min(timed_us(n, k, m, lambda x, w, mm=mm: mm(fused_add_rms_norm(x, residual, norm_w, EPS)[0], w))
+                  for mm in (F.linear, gemv))  # fmt: skip
+    fused = timed_us(n, k, m, lambda x, w: norm_gemv(x, norm_w, EPS, w, None, residual))
+    return {"shape": name, "M": m, "N": n, "K": k, "kind": "norm", "unfused_us": unfused, "fused_us": fused,
             "fused/unfused": fused / unfused, "fused/floor": fused / floor_us}  # fmt: skip
 
 
@@ -119,6 +143,32 @@ def largest_winning_m(rows: list[dict], ratio: str) -> dict[str, int]:
     return out
 
 
+def rule_from_results(payload: dict) -> dict:
+    """The routing table (gemv_rule.json) a results payload of this benchmark supports: per shape, the
+    largest winning row count of each kind of call measured; kinds not measured are left out (cuBLAS)."""
+    dims = {r["shape"]: (r["N"], r["K"]) for r in payload["rows"]}
+    fused = payload.get("fused", [])
+    kinds = {"linear": largest_winning_m(payload["rows"], "gemv/cublas")}
+    for kind in ("silu_mul", "norm"):
+        # results from before the norm rows carry SiLU·mul rows without a "kind"
+        measured = [r for r in fused if r.get("kind", "silu_mul") == kind]
+        if measured:
+            kinds[kind] = largest_winning_m(measured, "fused/unfused")
+    env = payload.get("environment", {})
+    shapes = [{"name": name, "n": n, "k": k, **{kind: per[name] for kind, per in kinds.items() if name in per}}
+              for name, (n, k) in dims.items()]
+    return {"device": env.get("device"), "written_by": "benchmarks/gemv.py",
+            "measured": {key: env.get(key) for key in ("date", "commit", "torch", "triton")},
+            "rule": "gemv for a (kind, N, K) call at most the listed rows; unlisted: cuBLAS", "shapes": shapes}
+
+
+def write_rule(payload: dict, path: Path = RULE_PATH) -> dict:
+    rule = rule_from_results(payload)
+    path.write_text(json.dumps(rule, indent=1) + "\n")
+    print(f"routing rule for {rule['device']} written to {path}")
+    return rule
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), metavar="SHAPE")
@@ -126,34 +176,39 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true",
                    help="also time a grid of tile configs per shape and batch (minutes each: narrow it with "
                         "--shapes and --batches)")  # fmt: skip
+    p.add_argument("--rule-from", default=None, metavar="RESULTS_JSON",
+                   help="only rewrite graphserve/kernels/gemv_rule.json from an earlier results file")
     args = p.parse_args()
+    if args.rule_from:
+        write_rule(json.loads(Path(args.rule_from).read_text()))
+        return
     sms = sm_count(torch.device("cuda"))
-    bw_gbs = read_bandwidth_gbs()
+    read = measured_read_bw()
+    bw_gbs = read.best_gbs
     bw = bw_gbs * 1e9
-    print(f"measured read bandwidth {bw_gbs:.0f} GB/s, {sms} SMs, {torch.cuda.get_device_name(0)}")
+    print(f"probes: {read.describe()}; {sms} SMs, {torch.cuda.get_device_name(0)}")
     rows = []
     for name in args.shapes:
         for m in args.batches:
             rows.append(bench_shape(name, m, bw, sms))
             print_table([rows[-1]], COLS)
     fused = [bench_fused(name, m, bw) for name in args.shapes if name.endswith("down") for m in args.batches]
+    fused += [bench_norm(name, m, bw) for name in args.shapes if name.endswith(("qkv", "gate_up"))
+              for m in args.batches]  # fmt: skip
     print()
     print_table(rows, COLS)
     if fused:
         print()
         print_table(fused, FUSED_COLS)
-    per_shape = largest_winning_m(rows, "gemv/cublas")
-    fused_per_shape = largest_winning_m(fused, "fused/unfused")
-    print()
-    for name, m in per_shape.items():
-        extra = f" (fused with its activation: up to M = {fused_per_shape[name]})" if name in fused_per_shape else ""
-        print(f"{name}: gemv beats cuBLAS up to M = {m}{extra}")
-    gemv_max_m = min(per_shape.values())
-    print(f"GEMV_MAX_M = {gemv_max_m}  (largest M at which gemv beats cuBLAS on every shape)")
     swept = [sweep(name, m, sms) for name in args.shapes for m in args.batches] if args.sweep else []
-    write_result("gemv", {"read_gbs": bw_gbs, "sm_count": sms, "dtype": str(DT), "gemv_max_m": gemv_max_m,
-                          "largest_winning_m": per_shape, "fused_largest_winning_m": fused_per_shape,
-                          "rows": rows, "fused": fused, "sweep": swept})  # fmt: skip
+    payload = {"read_gbs": bw_gbs, "read": read.summary(), "sm_count": sms, "dtype": str(DT), "rows": rows,
+               "fused": fused, "sweep": swept}
+    path = write_result("gemv", payload)
+    rule = write_rule(json.loads(path.read_text()))
+    print()
+    for shape in rule["shapes"]:
+        kinds = ", ".join(f"{kind} up to M = {shape[kind]}" for kind in ("linear", "silu_mul", "norm") if kind in shape)
+        print(f"{shape['name']}: gemv {kinds}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ COMMANDS = {
     "compare": ("graphserve.analysis.compare", "A/B comparison with bootstrap confidence intervals"),
     "plan": ("graphserve.analysis.plan", "GPU memory plan for a model and config"),
     "doctor": ("graphserve.analysis.doctor", "diagnose a graphserve, SGLang or vLLM server log"),
+    "profile": ("graphserve.analysis.profile", "where a decode step goes: graph replay and eager, per category"),
     "demo": ("graphserve.demo", "the embedded default, end to end on CPU"),
 }
 

@@ -13,6 +13,7 @@ from graphserve.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OVERLAP_MODES = ("auto", "on", "off")
+MOE_ROUTING_MODES = ("model", "uniform")
 
 
 def default_cuda_graph_sizes(max_bs: int) -> list[int]:
@@ -51,6 +52,9 @@ class EngineConfig:
     ep: int = 1  # expert parallelism: whole routed experts placed on ranks (MoE models)
     # The one-shot all-reduce over peer memory for small messages (CUDA, tp > 1); NCCL does the rest.
     disable_custom_all_reduce: bool = False
+    # "uniform" spreads (token, slot) pairs over the experts round-robin: random weights route
+    # unevenly, so benchmarks on dummy: models can show the balanced case too. Refused elsewhere.
+    moe_routing: str = "model"
     log_interval: int = 40
     max_queued_requests: int = 1024
 
@@ -92,6 +96,15 @@ class EngineConfig:
                 f"--overlap-schedule={self.overlap_schedule!r} is invalid: choose one of {', '.join(OVERLAP_MODES)}",
                 param="overlap_schedule",
             )
+        if self.moe_routing not in MOE_ROUTING_MODES:
+            raise ConfigError(
+                f"--moe-routing={self.moe_routing!r} is invalid: choose one of {', '.join(MOE_ROUTING_MODES)}",
+                param="moe_routing",
+            )
+        if self.moe_routing != "model" and not self.model.startswith("dummy:"):
+            raise ConfigError(
+                f"--moe-routing={self.moe_routing} is for dummy: models only (random weights); model={self.model!r} "
+                "routes with its own trained router", param="moe_routing")
         if self.tp < 1:
             raise ConfigError(f"--tp={self.tp} is invalid: must be >= 1", param="tp")
         if self.ep < 1:
@@ -135,6 +148,7 @@ _HELP = {
     "tp": "tensor-parallel size: ranks (one process and device each) that split every layer",
     "ep": "expert-parallel size (MoE): ranks that hold whole experts; equal to --tp when both are set",
     "disable_custom_all_reduce": "all-reduce with NCCL only (no one-shot kernel over peer memory for small messages)",
+    "moe_routing": "MoE routing: model (the router's choice) or uniform (round-robin over experts; dummy: models only)",
     "log_interval": "decode steps between step-log lines",
     "max_queued_requests": "bound of the waiting queue; past it requests get 429",
 }
@@ -150,6 +164,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "enable_prefix_caching":
             parser.add_argument("--disable-radix-cache", "--disable-prefix-caching", dest="enable_prefix_caching",
                                 action="store_false", help="turn prefix caching off")
+            continue
+        if f.name == "moe_routing":
+            parser.add_argument(flag, choices=MOE_ROUTING_MODES, default=default, help=_HELP[f.name])
             continue
         if f.name == "overlap_schedule":
             parser.add_argument(flag, choices=OVERLAP_MODES, default=default, help=_HELP[f.name])

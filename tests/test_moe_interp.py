@@ -122,3 +122,36 @@ def test_layer_kernel_path_matches_cpu_path():
     got = layer(x, logits, valid=torch.tensor(4, device=DEVICE))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert torch.equal(layer.expert_counts, want_counts) and int(want_counts.sum()) == 8
+
+
+def test_tuner_sweep_writes_a_table_the_kernels_accept(monkeypatch):
+    """The tuner's control flow on the interpreter (wall-clock timing, two tiles of each kind)."""
+    import json
+    import time
+
+    from benchmarks import moe_tune
+    from graphserve.kernels.moe_config import MoeTiles
+
+    def wall_ms(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    small = [GemmTile(16, 16, 32, 1, 4, 3), GemmTile(32, 32, 16, 1, 4, 3)]
+    monkeypatch.setattr(moe_tune, "DEVICE", DEVICE)
+    monkeypatch.setattr(moe_tune, "graph_ms", wall_ms)
+    monkeypatch.setattr(moe_tune, "QUICK_TOKENS", [1, 16])
+    monkeypatch.setattr(moe_tune, "GEMV_TILES", list(GEMV))
+    monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick: small)
+    tiles, rows = moe_tune.tune(E, H, INTER, 2, torch.float32, quick=True, budget_s=600)
+    assert tiles.buckets == (2, 32) and [r["tokens"] for r in rows] == [1, 16]
+    assert all(g.block_m == d.block_m for g, d in zip(tiles.gate_up, tiles.down))
+    assert tiles.small_max_pairs in (0, 2, 32) and tiles.gemv_gate_up in GEMV
+    again = MoeTiles.from_json(json.loads(json.dumps(tiles.to_json())))
+    assert again == tiles
+    gen = torch.Generator().manual_seed(3)
+    w13, w2 = _weights(gen)
+    x = _randn(5, H, gen=gen)
+    topk_w, topk_ids = softmax_topk_reference(_randn(5, E, gen=gen), 2, True)
+    out = fused_experts(x, w13, w2, topk_w, topk_ids, tiles=again)
+    torch.testing.assert_close(out, experts_reference(x, w13, w2, topk_w, topk_ids), rtol=1e-4, atol=1e-5)

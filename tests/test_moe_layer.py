@@ -208,3 +208,37 @@ def test_align_reference_groups_pairs_by_expert():
         experts_reference(x, layer.w13_weight, layer.w2_weight, w, ids, pairs_per_chunk=5),
         experts_loop_reference(x, layer.w13_weight, layer.w2_weight, w, ids), rtol=1e-5, atol=1e-5,
     )  # fmt: skip
+
+
+def test_tile_tables_load_by_shape_and_fall_back_with_the_tuning_command(monkeypatch, tmp_path, caplog):
+    import json
+    import logging
+
+    from graphserve.kernels import moe_config
+
+    monkeypatch.setattr(moe_config, "CONFIG_DIR", tmp_path)
+    moe_config._load.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="graphserve.kernels.moe_config"):
+        tiles = moe_config._load(128, 768, 2048, torch.bfloat16, "NVIDIA_H200")
+    assert tiles == moe_config.default_tiles(128)
+    assert (
+        "python3 -m benchmarks.moe_tune --experts 128 --intermediate 768 --hidden 2048 --dtype bfloat16" in caplog.text
+    )
+    tuned = moe_config.MoeTiles(
+        small_max_pairs=16,
+        gemv_gate_up=moe_config.GemvTile(32, 256, 4),
+        gemv_down=moe_config.GemvTile(16, 512, 8),
+        buckets=(8, 512),
+        gate_up=(moe_config.GemmTile(16, 64, 128, 1, 4, 3), moe_config.GemmTile(64, 128, 64, 8, 8, 4)),
+        down=(moe_config.GemmTile(16, 128, 128, 1, 4, 4), moe_config.GemmTile(64, 64, 64, 8, 4, 3)),
+    )
+    path = moe_config.table_path(128, 768, 2048, torch.bfloat16, "NVIDIA_H200")
+    assert path.name == "E=128,I=768,H=2048,dtype=bfloat16,device=NVIDIA_H200.json"
+    path.write_text(json.dumps({"experts": 128, **tuned.to_json()}))
+    moe_config._load.cache_clear()
+    loaded = moe_config._load(128, 768, 2048, torch.bfloat16, "NVIDIA_H200")
+    moe_config._load.cache_clear()
+    assert loaded == tuned
+    assert loaded.gemm_tiles(8) == (tuned.gate_up[0], tuned.down[0])
+    assert loaded.gemm_tiles(9) == (tuned.gate_up[1], tuned.down[1])
+    assert loaded.gemm_tiles(100000) == (tuned.gate_up[1], tuned.down[1])

@@ -131,3 +131,15 @@ def test_unknown_model_source_is_refused():
 def test_preset_name_is_loaded_through_the_presets():
     cfg = load_hf_config("dummy:llama3-8b")
     assert estimate_weights_bytes(cfg, 2) == estimate_weights_bytes(LLAMA8B, 2)
+
+
+def test_moe_plan_reads_the_family_description():
+    """The MoE family describes its own weights (all experts) and names its workspace in the budget."""
+    p = build_plan(load_hf_config("dummy:qwen3-30b-a3b"), gpu_memory_gb=141, concurrency=[1])
+    assert p["weights_bytes"] == 30_532_122_624 * 2  # Qwen3-30B-A3B: 30,532,122,624 parameters
+    assert p["kv_bytes_per_token"] == 2 * 48 * 4 * 128 * 2
+    parts = dict(p["memory"]["activation_parts"])
+    assert 0 < parts["MoE workspace"] <= p["prefill_activation_bytes"]
+    assert "MoE workspace" in p["table"]
+    dense = build_plan(LLAMA8B, gpu_memory_gb=141, concurrency=[1])
+    assert "MoE" not in dense["table"]

@@ -74,6 +74,13 @@ def test_grid_survives_a_dying_server(tmp_path):
     assert alive["status"] == "ok" and alive["failed_at"] is None and alive["fit"]["b_ms"] > 0
     assert alive["asymptote_tok_s"] == pytest.approx(alive["fit"]["asymptote_tok_s"])
     assert res["points"] == dead["points"]  # the top level shows the first configuration with points
+    # the levels both configurations measured are compared; each configuration has its own section
+    assert [r["concurrency"] for r in res["comparison"]] == [1, 2, 4]  # every request at C=8 failed on one side
+    assert all(r["baseline"] == "die_above=4" and r["candidate"] == "die_above=0" for r in res["comparison"])
+    html = (tmp_path / "report.html").read_text()
+    assert "<h2>die_above=4</h2>" in html and "<h2>die_above=0</h2>" in html and 'class="verdict"' in html
+    assert html.index('class="verdict"') < html.index("<table") < html.index("<details")
+    assert "out of memory" in html.lower() and "--a-ms 5" in html  # the doctor's finding, the command run
 
 
 def test_grid_parsing_and_placeholders():

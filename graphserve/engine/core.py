@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from graphserve.config import EngineConfig
+from graphserve.engine.expert_load import ExpertLoadProbe
 from graphserve.engine.kv_cache import BlockManager
 from graphserve.engine.parallel_driver import start_ranks, stop_ranks
 from graphserve.engine.processor import resolve_max_model_len
@@ -60,6 +61,7 @@ class InFlightStep:
     shape: StepShape
     start: float  # perf_counter when its scheduling began
     context_tokens: int
+    expert_load: torch.Tensor | None = None  # per-layer, per-expert counts on their way to the host (MoE)
     comm: tuple[int, int] = (0, 0)  # collectives and their bytes (tp/ep > 1)
 
 
@@ -155,6 +157,11 @@ class EngineCore:
         """(usable blocks, tokens per block) of the KV pool."""
         return self.block_manager.num_usable_blocks, self.block_manager.block_size
 
+    @property
+    def has_step_in_flight(self) -> bool:
+        """A step launched whose ids are not read yet (the step profiler skips its record)."""
+        return self._inflight is not None
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending) or self._inflight is not None
 
@@ -206,7 +213,7 @@ class EngineCore:
             return None
         completed = self.scheduler.advance(sched)
         return InFlightStep(sched, pending, completed, self.runner.last_shape, start, self.runner.last_context_tokens,
-                            self.runner.last_comm)
+                            self.runner.last_expert_load, self.runner.last_comm)
 
     def _resolve(self) -> list[CoreOutput]:
         """Wait for the step in flight, put its tokens in place and decide who finished."""
@@ -295,6 +302,9 @@ class EngineCore:
         self._step_id += 1
         sched, shape = step.sched, step.shape
         n = len(sched.scheduled)
+        load = ExpertLoadProbe.read(step.expert_load)
+        moe = {} if load is None else {"experts_touched": load.experts_touched, "max_expert_load": load.max_expert_load,
+                                       "layer_max_expert_load": load.layer_max, "layer_routed_pairs": load.layer_pairs}
         self.telemetry.record(
             StepRecord(
                 step=self._step_id,
@@ -315,5 +325,6 @@ class EngineCore:
                 preempted=len(sched.preempted),
                 comm_ops=step.comm[0],
                 comm_bytes=step.comm[1],
+                **moe,
             )
         )

@@ -41,6 +41,8 @@ class MemoryPlan:
     max_concurrent_at_max_len: int  # min(kv_tokens // max_model_len, max_running_requests)
     fits: bool
     refusal: str | None
+    # parts of the activation peak worth naming (e.g. the MoE layers' routing and expert buffers)
+    activation_parts: tuple[tuple[str, int], ...] = ()
 
     def lines(self) -> list[tuple[str, int]]:
         return [
@@ -55,7 +57,11 @@ class MemoryPlan:
     def table(self) -> str:
         head = (f"memory plan: {gib(self.total_bytes):.2f} GiB per GPU × --mem-fraction-static "
                 f"{self.mem_fraction_static:g}")
-        rows = [head] + [f"  {name:<16} {gib(v):>9.2f} GiB" for name, v in self.lines()]
+        rows = [head]
+        for name, v in self.lines():
+            rows.append(f"  {name:<16} {gib(v):>9.2f} GiB")
+            if name == "activations":
+                rows += [f"    {part:<14} {gib(b):>9.2f} GiB" for part, b in self.activation_parts]
         rows.append(f"  {'kv tokens':<16} {self.kv_tokens:>9d}   ({self.num_blocks} blocks of {self.block_size}, "
                     f"{self.kv_bytes_per_token} B/token)")
         rows.append(f"  {'max concurrent':<16} {self.max_concurrent_at_max_len:>9d}   requests of "
@@ -97,7 +103,8 @@ def _refusal(total: int, frac: float, fixed: int, kv_pool: int, kv_tokens: int, 
 
 def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int, activation_bytes: int | Sequence[int],
                 graph_pool_bytes: int, reserve_bytes: int, kv_bytes_per_token: int, block_size: int,
-                max_model_len: int, max_running_requests: int, tp: int = 1) -> MemoryPlan:
+                max_model_len: int, max_running_requests: int, tp: int = 1,
+                activation_parts: Sequence[tuple[str, int]] = ()) -> MemoryPlan:
     """Size the KV pool from what the static budget leaves (see module docstring).
 
     ``activation_bytes`` is the activation peak, or several peaks (prefill chunk, decode batch):
@@ -123,5 +130,5 @@ def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int
         block_size=block_size, kv_tokens=int(kv_tokens), num_blocks=int(kv_tokens // block_size),
         max_model_len=max_model_len, max_running_requests=max_running_requests,
         max_concurrent_at_max_len=int(min(kv_tokens // need_tokens, max_running_requests)),
-        fits=fits, refusal=refusal,
+        fits=fits, refusal=refusal, activation_parts=tuple((n, int(b)) for n, b in activation_parts),
     )

@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from graphserve.distributed.comm import TALLY
+from graphserve.engine.expert_load import ExpertLoadProbe
 from graphserve.engine.graphs import GraphRunner, split_sizes
 from graphserve.engine.sampling_inputs import tensors_from_rows
 from graphserve.engine.seq_rows import BatchRows, SequenceRows
@@ -95,6 +96,8 @@ class ModelRunner:
         self.peers: StepSender | None = None
         self.graph_comm: dict[int, tuple[int, int]] = {}  # captured size -> (collectives, bytes) per replay
         self.last_comm = (0, 0)  # collectives and their bytes in the last step (telemetry)
+        self.expert_probe = ExpertLoadProbe(self.model, self.device) if self.model is not None else None
+        self.last_expert_load: torch.Tensor | None = None  # the last step's per-expert counts (host, MoE only)
 
     def capture_graphs(self, sizes: list[int], max_model_len: int, progress=None) -> GraphRunner:
         """Capture the decode step for ``sizes`` (largest first, one pool); replaces earlier graphs."""
@@ -259,6 +262,7 @@ class ModelRunner:
         if self.peers is not None:
             self.peers.send(batch)
         logits = self.forward_logits(batch)
+        self.last_expert_load = self.expert_probe.snapshot() if self.expert_probe else None
         pending = self.sampler.sample(logits, self.sampling_tensors(seqs, rows, logits.shape[-1]))
         self._last_ids = pending.ids
         return pending

@@ -154,8 +154,11 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     torch.cuda.empty_cache()
 
     # 4. the plan
+    desc = loaded.info.description
+    parts = [("MoE workspace", desc.moe_workspace_bytes(chunk + max_running - 1))] if desc.is_moe else []
     plan = plan_memory(total, cfg.mem_fraction_static, weights, [mixed, decode], pool, RESERVE_BYTES + workspace,
-                       loaded.info.kv_bytes_per_token, cfg.block_size, max_model_len, max_running)
+                       loaded.info.kv_bytes_per_token, cfg.block_size, max_model_len, max_running,
+                       activation_parts=parts)
     for line in plan.table().splitlines():
         logger.info(line)
     if not plan.fits:

@@ -63,8 +63,9 @@ def moe_align_offsets_kernel(
     tl.store(cursor_ptr + experts, ends - padded, mask=in_range)
     total = tl.sum(padded, axis=0)
     tl.store(num_post_ptr, total)
-    # while loops: the interpreter cannot take a runtime scalar as a range bound (see kernels/common.py)
-    b0 = 0
+    # while loops: the interpreter cannot take a runtime scalar as a range bound (kernels/common.py);
+    # the counters start as int32 tensors (not Python 0) so the loop-carried type never changes
+    b0 = tl.program_id(0) * 0
     while b0 < max_blocks:
         blocks = b0 + tl.arange(0, OWNER_BLOCK)
         start = blocks * BLOCK_M
@@ -73,7 +74,7 @@ def moe_align_offsets_kernel(
         owner = tl.where(start < total, owner, -1)
         tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
         b0 += OWNER_BLOCK
-    p0 = 0
+    p0 = tl.program_id(0) * 0
     while p0 < max_blocks * BLOCK_M:
         slots = p0 + tl.arange(0, FILL_BLOCK)
         sentinel = tl.zeros((FILL_BLOCK,), dtype=tl.int32) + num_pairs

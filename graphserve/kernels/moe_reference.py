@@ -124,13 +124,16 @@ def experts_reference(
     topk_ids: torch.Tensor,
     valid: torch.Tensor | None = None,
     expert_start: int = 0,
-    pairs_per_chunk: int = 256,
+    pairs_per_chunk: int | None = None,
 ) -> torch.Tensor:
     """sum over slots of weight * down(silu(gate(x)) * up(x)) for each token's routed experts.
 
     Vectorised over pairs: each routed pair gathers its expert's weights and the pairs go through
-    one batched matmul, ``pairs_per_chunk`` at a time so the gathered weights stay bounded.
+    one batched matmul, ``pairs_per_chunk`` at a time (by default as many as keep the gathered
+    fp32 weights near 256 MiB) so memory stays bounded at any batch.
     """
+    if pairs_per_chunk is None:
+        pairs_per_chunk = max(1, min(256, (64 << 20) // (w13[0].numel() + w2[0].numel())))
     t, h = hidden.shape
     k = topk_ids.shape[1]
     num_local = w13.shape[0]

@@ -36,6 +36,9 @@ class ForwardBatch:
     max_seq_len: int
     kv_caches: list[torch.Tensor] = field(default_factory=list)  # one per layer
     attn_backend: AttentionBackend | None = None
+    # real rows of a padded batch (CUDA-graph padding), as a device scalar: rows past it route to no
+    # expert in MoE layers. None: every row is real.
+    num_valid_tokens: torch.Tensor | None = None
     # host-side copies for the CPU backend and bookkeeping (never read on the GPU hot path)
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)

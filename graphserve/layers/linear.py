@@ -1,8 +1,12 @@
-"""Linear layers: decode-sized batches on CUDA go through the gemv kernel, the rest through F.linear.
+"""Linear layers: decode-sized batches on CUDA go through the gemv kernel where it was measured to
+beat cuBLAS, the rest through F.linear.
 
-At decode batch sizes a projection is a weight stream, and cuBLAS reads the 4-12 MB weights of
-small models at about a third of the card's bandwidth; the gemv kernel streams each weight slab
-once over every SM. Above ``GEMV_MAX_M`` rows the matmul has enough reuse for cuBLAS to win.
+At decode batch sizes a projection is a weight stream; on some shapes cuBLAS reads the weight well
+below the card's bandwidth and the gemv kernel, which streams each weight slab once over every SM,
+is faster; on others cuBLAS wins. Which is which is measured, per projection shape, row count and
+card, by benchmarks/gemv.py, which writes the table this module routes by
+(kernels/gemv_rule.json, read through ``kernels.gemv_config.rule_for``). A shape or card not in the
+table stays on cuBLAS.
 
 q/k/v and gate/up are fused into one matmul each (few large GEMMs are what the GPU path
 wants); the checkpoint stores them apart, so each fused layer knows where every shard goes.
@@ -22,23 +26,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphserve.kernels.gemv_config import MAX_M, rule_for
 from graphserve.layers.activation import silu_and_mul
 
 if TYPE_CHECKING:
     from graphserve.layers.norm import RMSNorm
 
-# Where gemv beats cuBLAS, measured by benchmarks/gemv.py on an H200 (weights cold in L2, inside a
-# CUDA graph): at 1 row on every weight up to 32 MiB (Qwen3-0.6B's four projections by 1.0-3.7x,
-# Llama-3-8B's o_proj by 1.2x) and at 2 rows on most of them; on Llama-3-8B's 48-224 MiB qkv,
-# gate_up and down cuBLAS streams at 3.2-4.1 TB/s and gemv does not beat it. From 4 rows the
-# kernel's multiply-add path falls behind. So: at most GEMV_MAX_M rows, weights up to the cap.
-GEMV_MAX_M = 2
-GEMV_MAX_WEIGHT_BYTES = 40 * 1024**2
 _GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when the rows of ``x`` ([..., K]) against ``weight`` take the gemv kernel.
+def use_gemv(x: torch.Tensor, weight: torch.Tensor, kind: str = "linear") -> bool:
+    """True when the rows of ``x`` ([..., K]) against ``weight`` [N, K] take the gemv kernel of ``kind``
+    ("linear", "silu_mul" or "norm": what is fused into its loads), by the measured rule.
 
     The kernel has no backward, so a call that autograd would record stays on F.linear.
     """
@@ -46,10 +45,12 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
-    if weight.numel() * weight.element_size() > GEMV_MAX_WEIGHT_BYTES:
-        return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return 0 < rows <= GEMV_MAX_M
+    if not 0 < rows <= MAX_M:
+        return False
+    n, k = weight.shape
+    # silu_mul's input is [rows, 2K] (gate and up); the weight it multiplies is [N, K]
+    return rows <= rule_for(x.device).max_rows(kind, n, k)
 
 
 class Linear(nn.Linear):
@@ -70,7 +71,7 @@ def silu_mul_linear(gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     For decode-sized batches on CUDA the activation is computed inside the gemv kernel's loads,
     saving one launch and the [M, intermediate] round trip through memory.
     """
-    if use_gemv(gate_up, linear.weight):
+    if use_gemv(gate_up, linear.weight, "silu_mul"):
         from graphserve.kernels.gemv import silu_mul_gemv
 
         out = silu_mul_gemv(gate_up.reshape(-1, gate_up.shape[-1]), linear.weight, linear.bias)
@@ -87,7 +88,7 @@ def norm_linear(
     on CUDA the norm runs inside the gemv kernel's loads: two fewer launches per layer, which at one
     row cost more than the norm's arithmetic.
     """
-    if use_gemv(x, linear.weight):
+    if use_gemv(x, linear.weight, "norm"):
         from graphserve.kernels.gemv import norm_gemv
 
         rows = x.reshape(-1, x.shape[-1])

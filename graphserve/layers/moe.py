@@ -134,6 +134,7 @@ class FusedMoE(nn.Module):
         ep_size: int = 1,
         activation: str = "silu",
         dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         if activation != "silu":
@@ -158,11 +159,15 @@ class FusedMoE(nn.Module):
         self.intermediate_local = intermediate_size // tp_size
         self.router = router
         i, e = self.intermediate_local, self.num_local_experts
-        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
+        self.w13_weight = nn.Parameter(
+            torch.empty(e, 2 * i, hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype, device=device), requires_grad=False)
         # pairs per global expert in the last forward, written on the device by the routing path
         # itself so it stays valid under CUDA-graph replay; padding rows are not counted
-        self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.int32), persistent=False)
+        self.register_buffer(
+            "expert_counts", torch.zeros(num_experts, dtype=torch.int32, device=device), persistent=False
+        )
         self.routing_override: str | None = None
         self.use_kernels: bool | None = None  # None: the fused kernels exactly when the input is on CUDA
 
@@ -193,6 +198,20 @@ class FusedMoE(nn.Module):
             else:
                 rows = slice(0, il) if param == "w1" else slice(il, 2 * il)
                 self.w13_weight[local, rows].copy_(tensor[shard])
+
+    # ---- the model loader's protocol (models/base.py): one shard per (expert, part) ----------------
+    def weight_shards(self, param_name: str) -> list[tuple[int, str]]:
+        experts = range(self.expert_start, self.expert_start + self.num_local_experts)
+        parts = ("w2",) if param_name == "w2_weight" else ("w1", "w3")
+        return [(e, part) for e in experts for part in parts]
+
+    def load_weight(self, param_name: str, param: nn.Parameter, tensor: torch.Tensor, shard: tuple[int, str]) -> bool:
+        """Place one expert's checkpoint matrix; False when the expert lives on another rank."""
+        expert, part = shard
+        if (part == "w2") != (param_name == "w2_weight"):
+            raise ValueError(f"expert part {part!r} does not belong in {param_name}")
+        self.load_expert_weight(part, expert, tensor)
+        return self.expert_start <= expert < self.expert_start + self.num_local_experts
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.routing_override not in ROUTING_OVERRIDES:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from graphserve.layers.kv_layout import KVLayout
 
 
@@ -89,6 +91,17 @@ class ModelDescription:
         gather = context_tokens * self.kv.bytes_per_token_per_layer
         rows = tokens if sampled_rows is None else sampled_rows
         return int(per_layer + gather + rows * self.vocab_size * 4)
+
+    def moe_workspace_bytes(self, tokens: int) -> int:
+        """What one MoE layer's fused path allocates for ``tokens`` rows (layers run one at a time,
+        so this is part of the activation peak, not added to it); 0 for a dense model."""
+        if not self.is_moe:
+            return 0
+        from graphserve.kernels.moe_fused import moe_workspace_bytes
+
+        dtype = self.kv.dtype if self.act_bytes_per_elem == self.kv.dtype.itemsize else torch.bfloat16
+        inter = self.expert_params // (3 * self.hidden_size)
+        return moe_workspace_bytes(tokens, self.top_k, self.local_experts, inter, self.hidden_size, dtype)
 
     def graph_pool_bytes(self, sizes: Sequence[int], context_tokens: int = 0) -> int:
         """CUDA graphs are captured largest first into one pool: intermediates cost one activation

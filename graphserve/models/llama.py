@@ -97,6 +97,11 @@ def attention_params(s: Shape, tp: int) -> tuple[int, int]:
     heads, kvh = s.num_heads // tp, local_kv_heads(s, tp)
     q, kv = heads * s.head_dim, kvh * s.head_dim
     params = s.hidden_size * (q + 2 * kv) + q * s.hidden_size
+    params += (q + 2 * kv if s.qkv_bias else 0) + (s.hidden_size if s.o_bias else 0)
+    if s.qk_norm_full:
+        params += q + kv
+    elif s.qk_norm:
+        params += 2 * s.head_dim
     return params, (q + 2 * kv) + q
 
 

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError, ModelLoadError
 from graphserve.layers.kv_layout import KVLayout
+from graphserve.layers.moe import FusedMoE
 from graphserve.models.builtin import ensure_builtin
 from graphserve.models.description import ModelDescription
 from graphserve.models.llama import sliding_window_of
@@ -156,6 +157,13 @@ def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> Load
     model, dtype = _build(model_cls, hf_config, config, device)
     if device.type != "meta":
         _init_random(model, config.seed, device)
+    if config.moe_routing != "model":
+        experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        if not experts:
+            raise ConfigError(f"--moe-routing={config.moe_routing} needs a mixture-of-experts model; "
+                              f"dummy:{preset} is dense", param="moe_routing")
+        for m in experts:
+            m.routing_override = config.moe_routing
     return _finish(model, hf_config, tokenizer, dtype, _eos_ids(hf_config, tokenizer, None))
 
 

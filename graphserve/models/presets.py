@@ -110,6 +110,56 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "specials": {0: "<unk>", 1: "<s>", 2: "</s>"}, "bos": "<s>", "eos": "</s>", "chat": "mistral",
     },
+    # ---- mixture-of-experts ---------------------------------------------------------------------
+    "qwen3-30b-a3b": {  # Qwen3-30B-A3B: 48 sparse layers, 128 experts of 768, top-8 renormalised
+        "config": {
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+            "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+            "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+            "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False,
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48,
+        },
+        "specials": _QWEN_SPECIALS, "bos": None, "eos": "<|im_end|>", "chat": "chatml",
+    },
+    "mixtral-8x7b": {  # Mixtral-8x7B-Instruct-v0.1: 8 experts of 14336, top-2
+        "config": {
+            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+            "sliding_window": None, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "hidden_act": "silu",
+        },
+        "specials": {0: "<unk>", 1: "<s>", 2: "</s>"}, "bos": "<s>", "eos": "</s>", "chat": "mistral",
+    },
+    "olmoe-1b-7b": {  # OLMoE-1B-7B-0924-Instruct: 64 experts of 1024, top-8, whole-projection q/k norm
+        "config": {
+            "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 2048,
+            "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16,
+            "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
+            "vocab_size": 50304, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "clip_qkv": None, "bos_token_id": None, "eos_token_id": 50279, "pad_token_id": 1,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+        },
+        "specials": {1: "<|padding|>", 50279: "<|endoftext|>"}, "bos": None, "eos": "<|endoftext|>",
+        "chat": "chatml",
+    },
+    "qwen1.5-moe-a2.7b": {  # Qwen1.5-MoE-A2.7B-Chat: 60 experts of 1408, top-4, a shared expert of 5632
+        "config": {
+            "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
+            "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+            "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
+            "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "vocab_size": 151936, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "hidden_act": "silu", "qkv_bias": True, "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": 21,
+        },
+        "specials": _QWEN_SPECIALS, "bos": None, "eos": "<|im_end|>", "chat": "chatml",
+    },
 }
 
 

@@ -62,6 +62,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    if state.profile_endpoint:  # off by default: a profile slows the steps it measures
+        @app.post("/v1/profile")
+        async def profile(steps: int = Query(20, description="decode steps to profile per phase"),
+                          timeout: float = Query(120.0, description="seconds to wait for them")) -> JSONResponse:
+            state.check_ready()
+            return JSONResponse(await state.engine.profiles.profile(steps, timeout))
+
     @app.get("/v1/telemetry")
     async def telemetry(since: int = Query(-1, description="return records with step > since")) -> JSONResponse:
         state.check_ready()

@@ -37,6 +37,7 @@ from graphserve.server.engine_process import (
     EngineLoadFailed,
     EngineProcess,
     EngineReady,
+    ProfileSteps,
     StepBatch,
 )
 
@@ -101,6 +102,9 @@ class AsyncEngine:
         self._waiting_in_core = 0
         self._unadmitted = 0  # engine process: requests sent that no batch has acknowledged yet
         self._kv_blocks = (0, 1)  # (usable blocks, tokens per block) of the KV pool
+        from graphserve.server.profile_route import ProfileBroker
+
+        self.profiles = ProfileBroker(self)  # POST /v1/profile, when the server enables it
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -263,6 +267,8 @@ class AsyncEngine:
                 logger.exception("loading the tokenizer of %s failed", self.config.model)
                 self.load_error = exc
             self.ready.set()
+        elif isinstance(msg, ProfileSteps):
+            self.profiles.on_result(msg)
         elif isinstance(msg, EngineLoadFailed):
             self.load_error = ModelLoadError(msg.message)
             self.ready.set()

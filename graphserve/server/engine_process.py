@@ -45,6 +45,16 @@ class Shutdown:
     pass
 
 
+@dataclass
+class ProfileSteps:
+    """Both ways (graphserve profile): the server asks the engine to profile its next ``steps`` decode steps
+    (0 cancels the one running); the engine answers with the same message, ``result`` filled."""
+
+    token: int
+    steps: int
+    result: dict | None = None
+
+
 # -- engine -> server ----------------------------------------------------------------------------------------
 
 @dataclass
@@ -130,6 +140,8 @@ def engine_main(config: EngineConfig, inbox: Any, outbox: Connection, log_level:
                 faulty |= msg.faulty
             elif isinstance(msg, AbortRequests):
                 aborts += msg.request_ids
+            elif isinstance(msg, ProfileSteps):
+                start_profile(driver, msg, outbox.send)
         outputs, failed = driver.iterate(new, aborts, faulty)
         batch = StepBatch(outputs, failed, core.stats(), records[:], admitted=len(new))
         records.clear()
@@ -137,6 +149,21 @@ def engine_main(config: EngineConfig, inbox: Any, outbox: Connection, log_level:
             outbox.send(batch)
         except (BrokenPipeError, ConnectionResetError):
             return  # the server is gone
+
+
+def start_profile(driver: Any, msg: ProfileSteps, send: Callable[[Any], None]) -> None:
+    """Engine side of POST /v1/profile: the driver runs its next steps through a StepProfiler."""
+    from graphserve.engine.step_profiler import StepProfiler
+
+    running = driver.profiler is not None and driver.profiler.active
+    if msg.steps == 0:
+        if running:
+            driver.profiler.close()
+        return
+    if running:
+        send(ProfileSteps(msg.token, msg.steps, {"error": "a profile is already running"}))
+        return
+    driver.profiler = StepProfiler(driver.core, msg.steps, lambda r: send(ProfileSteps(msg.token, msg.steps, r)))
 
 
 class EngineProcess:

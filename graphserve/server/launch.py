@@ -42,13 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--enable-profile-endpoint", action="store_true",
+                        help="serve POST /v1/profile, which profiles the next decode steps (graphserve profile)")
     parser.add_argument("--engine-in-process", action="store_true",
                         help="run the engine on a thread of the server process instead of its own process")
 
 
 def build_state(
     config: EngineConfig, served_model_name: list[str] | str | None = None, step_log: str | None = None,
-    separate_process: bool = False,
+    separate_process: bool = False, profile_endpoint: bool = False,
 ) -> tuple[ServerState, list[Any]]:
     """The server state with its telemetry listeners wired; returns (state, things to close).
 
@@ -73,7 +75,8 @@ def build_state(
         closers.append(sink)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [config.model]
-    state = ServerState(engine, metrics, model_name=names[0], accepted_names={*names, config.model})
+    state = ServerState(engine, metrics, model_name=names[0], accepted_names={*names, config.model},
+                        profile_endpoint=profile_endpoint)
     return state, closers
 
 
@@ -128,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"graphserve serve: {exc.message}", file=sys.stderr)
         return 2
     state, closers = build_state(config, args.served_model_name, args.step_log,
-                                 separate_process=not args.engine_in_process)
+                                 separate_process=not args.engine_in_process,
+                                 profile_endpoint=args.enable_profile_endpoint)
     server = GracefulServer(uvicorn_config(create_app(state), args.host, args.port, args.log_level), state,
                             args.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", config.model, args.host, args.port)
@@ -166,7 +170,8 @@ class ServerThread:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         self.state, self._closers = build_state(self.config, self.opts.get("served_model_name"),
-                                                self.opts.get("step_log"))
+                                                self.opts.get("step_log"),
+                                                profile_endpoint=self.opts.get("enable_profile_endpoint", False))
         config = uvicorn_config(create_app(self.state), self.host, self.port, self.opts.get("log_level", "warning"))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},

@@ -17,6 +17,7 @@ class ServerState:
     model_name: str  # the name responses carry (first of --served-model-name)
     accepted_names: set[str] = field(default_factory=set)  # names a request may ask for
     draining: bool = False
+    profile_endpoint: bool = False  # POST /v1/profile exists (--enable-profile-endpoint)
     drain_retry_after: float = 5.0
     _token_text: dict[int, str] = field(default_factory=dict)
 
