@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_utils import make_hf_checkpoint
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, Qwen2MoeConfig, Qwen3Config
 
 from graphserve import LLM, SamplingParams
 from graphserve.config import EngineConfig, add_engine_args, config_from_args
@@ -88,10 +88,35 @@ def test_tp1_layers_are_the_plain_linear():
 
 def _generate(folder, **kw) -> list[list[int]]:
     llm = LLM(str(folder), dtype="float32", num_kv_tokens=2048, chunked_prefill_size=64, **kw)
+    core = llm.engine.core
     try:
-        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        _check_comm_telemetry(core, kw.get("tp", 1), kw.get("ep", 1))
     finally:
-        llm.engine.core.shutdown()
+        core.shutdown()
+    assert core.ranks is None or all(p.poll() is not None for p in core.ranks.procs), "ranks outlived shutdown"
+    return tokens
+
+
+def _check_comm_telemetry(core, tp: int, ep: int) -> None:
+    """Each decode step reports its collectives: per layer one all-reduce after attention and one after the
+    MLP (tp) or the MoE block (tp or ep), the embedding's and the logits' gather (tp)."""
+    model = core.runner.model
+    layers = len(model.model.layers)
+    sparse = len(getattr(model, "moe_shape", None).sparse_layers) if hasattr(model, "moe_shape") else 0
+    per_layer = 2 * layers if tp > 1 else (sparse if ep > 1 else 0)  # at --ep alone only MoE blocks talk
+    expected = per_layer + (2 if tp > 1 else 0)
+    decode = [r for r in core.telemetry.records() if r.kind == "decode"]
+    assert decode
+    for r in decode:
+        assert r.comm_ops == expected, (r.comm_ops, expected)
+        if expected:
+            hidden = core.info.hidden_size
+            vocab_rows = -(-core.info.vocab_size // tp) * tp if tp > 1 else 0
+            itemsize = 4  # float32
+            assert r.comm_bytes == r.batch_size * itemsize * (hidden * (expected - (1 if tp > 1 else 0)) + vocab_rows)
+        else:
+            assert r.comm_bytes == 0
 
 
 @pytest.mark.parametrize(("name", "config", "tp"), [
@@ -121,3 +146,26 @@ def test_tp_that_does_not_divide_heads_is_refused_naming_the_values_that_work(tm
     assert e.value.param == "ep" and "no experts" in e.value.message
     with pytest.raises(ConfigError, match="--ep 2"):
         EngineConfig(tp=2, ep=4)
+
+
+def test_moe_tp_and_ep_greedy_tokens_match_tp1(tmp_path):
+    # dense layers 0 and 2 (replicated at --ep 2, so they must not be summed over ranks), sparse layer 1 with a
+    # shared expert (added once before the experts' all-reduce), 4 experts: 2 per rank at --ep 2
+    make_hf_checkpoint(tmp_path, Qwen2MoeConfig(
+        vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, rms_norm_eps=1e-6, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        decoder_sparse_step=2, rope_theta=1000000.0))
+    reference = _generate(tmp_path)
+    assert _generate(tmp_path, tp=2) == reference
+    assert _generate(tmp_path, ep=2) == reference
+
+
+def test_ep_that_does_not_divide_the_experts_is_refused(tmp_path):
+    make_hf_checkpoint(tmp_path, Qwen2MoeConfig(
+        vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2))
+    with pytest.raises(ConfigError) as e:
+        LLM(str(tmp_path), ep=3)
+    assert e.value.param == "ep" and "num_experts=4" in e.value.message and "[1, 2, 4]" in e.value.message

@@ -57,10 +57,15 @@ def skip_communication():
         _SKIP = before
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the ranks (in place when NCCL runs it); returns the summed tensor."""
+def all_reduce(x: torch.Tensor, over: str = "tp") -> torch.Tensor:
+    """Sum ``x`` over the ranks (in place when NCCL runs it); returns the summed tensor.
+
+    ``over="tp"``: the ranks that split attention and dense layers — none when ``--tp`` is 1, even if
+    ``--ep`` runs several ranks (those layers are then replicated, and summing copies would multiply
+    them). ``over="experts"``: every rank, which with ``--tp`` or ``--ep`` each hold part of a MoE
+    layer's experts."""
     ps = get_parallel()
-    if not ps.distributed or _SKIP:
+    if not ps.distributed or _SKIP or (over == "tp" and ps.tp_size == 1):
         return x
     TALLY.add(1, x.numel() * x.element_size())
     custom = ps.custom_all_reduce

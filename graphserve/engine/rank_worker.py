@@ -39,6 +39,9 @@ def start_runner(config: EngineConfig, loaded: LoadedModel, device: torch.device
     if device.type == "cuda":
         from graphserve.engine.startup import start_gpu
 
+        if config.tp > 1 or config.ep > 1:
+            logger.info("memory plan per GPU: every rank measures and plans its own device (tp=%d, ep=%d); "
+                        "the KV pool is the smallest any rank affords", config.tp, config.ep)
         gpu = start_gpu(config, loaded, device, max_model_len)
         return RunnerStart(gpu.runner, gpu.plan, gpu.max_running_requests)
     num_blocks = agree(cpu_kv_tokens(config, loaded.info) // config.block_size + 1)  # + the dummy block

@@ -94,6 +94,9 @@ def kv_layout_of(s: Shape, dtype: torch.dtype, tp: int = 1) -> KVLayout:
 
 def attention_params(s: Shape, tp: int) -> tuple[int, int]:
     """(parameters of one attention block on a rank, activation elements one token holds in it)."""
+    if s.qk_norm_full and tp > 1:
+        raise ValueError("q/k RMSNorm over the whole projection (OLMoE) needs every head on one rank: "
+                         "num_attention_heads does not split, use --tp 1 (or --ep)")
     heads, kvh = s.num_heads // tp, local_kv_heads(s, tp)
     q, kv = heads * s.head_dim, kvh * s.head_dim
     params = s.hidden_size * (q + 2 * kv) + q * s.hidden_size
@@ -120,8 +123,7 @@ class LlamaAttention(nn.Module):
         self.scale = s.head_dim**-0.5
         q_size, kv_size = self.num_heads * s.head_dim, self.num_kv_heads * s.head_dim
         self.o_proj = RowParallelLinear(s.num_heads * s.head_dim, s.hidden_size, s.o_bias, tp_rank, tp)
-        if s.qk_norm_full and tp > 1:
-            raise ValueError("q/k RMSNorm over the whole projection (OLMoE) needs all heads on one rank: use --tp 1")
+        attention_params(s, tp)  # refuses a split this attention cannot take
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         # the fused prologue kernel normalises per head; a whole-projection norm or a clamp runs unfused
