@@ -169,3 +169,37 @@ def test_ep_that_does_not_divide_the_experts_is_refused(tmp_path):
     with pytest.raises(ConfigError) as e:
         LLM(str(tmp_path), ep=3)
     assert e.value.param == "ep" and "num_experts=4" in e.value.message and "[1, 2, 4]" in e.value.message
+
+
+def test_a_dead_rank_fails_the_next_step_instead_of_hanging(tmp_path):
+    """In the user's own process (LLM), a rank that dies marks the engine dead: the surviving ranks are
+    stopped and every later step raises RankFailure at once (the server's engine process exits instead:
+    tests/test_tp_server.py)."""
+    import signal
+    import time
+
+    from graphserve.engine.ranks import RankFailure
+
+    make_hf_checkpoint(tmp_path, LlamaConfig(**_TINY, num_key_value_heads=2, vocab_size=320))
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_tokens=1024, tp=2)
+    core = llm.engine.core
+    try:
+        assert len(llm.generate(["warm"], GREEDY, use_tqdm=False)[0].token_ids) == GREEDY.max_tokens
+        core.ranks.procs[0].send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while core.ranks.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert core.ranks.failure is not None and "exited with code -9" in core.ranks.failure
+        started = time.monotonic()
+        with pytest.raises(RankFailure, match="rank died"):
+            llm.generate(["after"], GREEDY, use_tqdm=False)
+        assert time.monotonic() - started < 5
+    finally:
+        core.shutdown()
+
+
+def test_custom_all_reduce_buffer_takes_the_model_dtype():
+    from graphserve.distributed.custom_all_reduce import model_dtype
+
+    assert model_dtype(EngineConfig(model="dummy:llama3-8b")) == torch.bfloat16  # the checkpoint's
+    assert model_dtype(EngineConfig(model="dummy:llama3-8b", dtype="float16")) == torch.float16

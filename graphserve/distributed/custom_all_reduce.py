@@ -34,45 +34,62 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class SymmMemAllReduce:
-    def __init__(self, group: Any, device: torch.device, max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES) -> None:
+    def __init__(self, group: Any, device: torch.device, dtype: torch.dtype,
+                 max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype} is not one of {_DTYPES}")
         self.group_name = group.group_name
-        self.max_bytes = max_bytes
+        self.dtype, self.max_bytes = dtype, max_bytes
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
             symm_mem.enable_symm_mem_for_group(self.group_name)
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        # one buffer in the model's dtype: the op reads a prefix of it, starting at the mapped base
+        self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
         self._op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
 
     def accepts(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
-        return x.is_cuda and x.dtype in _DTYPES and x.is_contiguous() and 0 < nbytes <= self.max_bytes \
+        return x.is_cuda and x.dtype == self.dtype and x.is_contiguous() and 0 < nbytes <= self.max_bytes \
             and nbytes % 16 == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.view(-1)
-        buf = self.buffer[: flat.numel() * flat.element_size()].view(x.dtype)  # offset 0: the mapped base
         out = torch.empty_like(flat)
-        self._op(buf, flat, "sum", self.group_name, out)
+        self._op(self.buffer[: flat.numel()], flat, "sum", self.group_name, out)
         return out.view(x.shape)
 
     def close(self) -> None:
         self.buffer = None
 
 
-def _agrees_with_nccl(impl: SymmMemAllReduce, group: Any, device: torch.device, dtype: torch.dtype) -> bool:
+def model_dtype(config: EngineConfig) -> torch.dtype:
+    """The dtype the model's activations will have on CUDA (models/loader.py ``resolve_dtype``'s rule)."""
+    if config.dtype != "auto":
+        return {"float32": torch.float32, "float16": torch.float16}.get(config.dtype, torch.bfloat16)
+    from graphserve.distributed.validate import model_hf_config
+
+    stored = model_hf_config(config.model)
+    stored = stored.get("dtype") or stored.get("torch_dtype")
+    return torch.float16 if stored == "float16" else torch.bfloat16
+
+
+def _agrees_with_nccl(impl: SymmMemAllReduce, group: Any, device: torch.device) -> bool:
     gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank(group))
-    ok = True
-    for rows in (1, 7, 64):
-        x = torch.randn(rows, 1024, generator=gen, device=device).to(dtype)
-        if not impl.accepts(x):
-            continue
-        expected = x.float().clone()
-        dist.all_reduce(expected, group=group)
-        got = impl.all_reduce(x.clone()).float()
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        ok &= bool(torch.allclose(got, expected, rtol=tol, atol=tol * 4))
+    inputs = [torch.randn(rows, 1024, generator=gen, device=device).to(impl.dtype) for rows in (1, 7, 64)]
+    inputs = [x for x in inputs if impl.accepts(x)]
+    expected = [x.float() for x in inputs]
+    for e in expected:
+        dist.all_reduce(e, group=group)
+    tol = 1e-5 if impl.dtype == torch.float32 else 2e-2
+    try:
+        # every call on every rank, whatever the comparisons say: the kernel waits for its peers
+        got = [impl.all_reduce(x.clone()).float() for x in inputs]
+        ok = bool(inputs) and all(torch.allclose(g, e, rtol=tol, atol=tol * 4) for g, e in zip(got, expected))
+    except Exception:  # noqa: BLE001 - an op this PyTorch lacks or refuses: NCCL it is, on every rank
+        logger.exception("the one-shot all-reduce raised at its start-up check")
+        ok = False
     flag = torch.tensor([int(ok)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # every rank keeps or drops it together
     return bool(flag.item())
@@ -89,18 +106,17 @@ def maybe_enable_custom_all_reduce(parallel: ParallelState, config: EngineConfig
     impl: SymmMemAllReduce | None = None
     reason = ""
     try:
-        impl = SymmMemAllReduce(parallel.device_group, device)
+        impl = SymmMemAllReduce(parallel.device_group, device, model_dtype(config))
     except Exception as e:  # noqa: BLE001 - no symmetric memory here: NCCL does every all-reduce
         reason = f"{type(e).__name__}: {e}"
     ok = torch.tensor([int(impl is not None)], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=parallel.device_group)
     if ok.item() and impl is not None:
-        dtype = {"float32": torch.float32, "float16": torch.float16}.get(config.dtype, torch.bfloat16)
-        if _agrees_with_nccl(impl, parallel.device_group, device, dtype):
+        if _agrees_with_nccl(impl, parallel.device_group, device):
             set_custom_all_reduce(impl)
-            logger.info("one-shot all-reduce over peer memory for messages up to %d KiB; NCCL above",
-                        impl.max_bytes // 1024)
+            logger.info("one-shot all-reduce over peer memory for %s messages up to %d KiB; NCCL above",
+                        impl.dtype, impl.max_bytes // 1024)
             return
-        reason = "its result disagreed with NCCL's"
+        reason = "its result disagreed with NCCL's (or raised)"
     logger.warning("one-shot all-reduce unavailable (%s): NCCL runs every all-reduce",
                    reason or "another rank could not set it up")
