@@ -159,6 +159,7 @@ def test_moe_tp_and_ep_greedy_tokens_match_tp1(tmp_path):
     reference = _generate(tmp_path)
     assert _generate(tmp_path, tp=2) == reference
     assert _generate(tmp_path, ep=2) == reference
+    assert _generate(tmp_path, tp=2, ep=2) == reference  # attention split, experts placed whole
 
 
 def test_ep_that_does_not_divide_the_experts_is_refused(tmp_path):

@@ -44,6 +44,12 @@ def check_parallel(config: EngineConfig) -> None:
         flag = "--ep" if config.ep > 1 and ("expert" in e.message) else "--tp"
         value = config.ep if flag == "--ep" else config.tp
         raise ConfigError(f"{flag}={value} does not fit {config.model}: {e.message}", param=flag[2:]) from e
+    world = max(config.tp, config.ep)
+    on_cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    first = int(config.device.split(":")[1]) if config.device.startswith("cuda:") else 0
+    if on_cuda and torch.cuda.device_count() < first + world:
+        raise ConfigError(f"--tp={config.tp} --ep={config.ep} runs {world} ranks, one GPU each from cuda:{first}, "
+                          f"but {torch.cuda.device_count()} GPU(s) are visible", param="tp")
     if config.ep > 1 and not description.is_moe:
         raise ConfigError(f"--ep={config.ep} places experts on ranks, but {config.model} has no experts: "
                           f"use --tp", param="ep")

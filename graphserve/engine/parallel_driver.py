@@ -25,12 +25,7 @@ def start_ranks(config: EngineConfig, device: torch.device) -> RankPool | None:
     world = world_size_of(config.tp, config.ep)
     if world == 1:
         return None
-    check_parallel(config)
-    if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + world:
-        from graphserve.errors import ConfigError
-
-        raise ConfigError(f"--tp={config.tp} --ep={config.ep} needs {world} GPUs from {device}, "
-                          f"{torch.cuda.device_count()} are visible", param="tp")
+    check_parallel(config)  # the split and the GPU count, as the server checked before binding its port
     threads = torch.get_num_threads()
     if device.type == "cpu":
         cpu_threads_per_rank(world)
