@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import print_table, write_result
 from benchmarks.kernels import graph_time_ms
-from benchmarks.roofline import measured_read_bw
+from benchmarks.roofline import ReadBandwidth, measured_read_bw
 from graphserve.kernels.activation import silu_and_mul
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.gemv import gemv, norm_gemv, silu_mul_gemv
@@ -54,8 +54,8 @@ SHAPES = {
     "llama3-8b gate_up": (28672, 4096),
     "llama3-8b down": (4096, 14336),
 }
-COLS = ["shape", "M", "cublas_us", "gemv_us", "gemv/cublas", "gemv_GBps", "floor_us", "gemv/floor"]
-FUSED_COLS = ["shape", "M", "kind", "unfused_us", "fused_us", "fused/unfused", "fused/floor"]
+COLS = ["shape", "M", "cublas_us", "gemv_us", "gemv/cublas", "gemv_GBps", "floor_us", "gemv/floor", "gemv/datasheet"]
+FUSED_COLS = ["shape", "M", "kind", "unfused_us", "fused_us", "fused/unfused", "fused/floor", "fused/datasheet"]
 EPS = 1e-6
 
 
@@ -68,38 +68,51 @@ def timed_us(n: int, k: int, m: int, fn, x_cols: int | None = None) -> float:
     return graph_time_ms(lambda: fn(x, weights[next(step) % copies]), calls=max(20, copies)) * 1e3
 
 
-def bench_shape(name: str, m: int, bw: float, sms: int) -> dict:
+def bench_shape(name: str, m: int, sms: int) -> dict:
     n, k = SHAPES[name]
     nbytes = (n * k + m * k + m * n) * 2
-    floor_us = nbytes / bw * 1e6
     cublas = timed_us(n, k, m, F.linear)
     ours = timed_us(n, k, m, gemv)
-    return {"shape": name, "M": m, "N": n, "K": k, "cublas_us": cublas, "gemv_us": ours,
-            "gemv/cublas": ours / cublas, "gemv_GBps": nbytes / ours / 1e3, "floor_us": floor_us,
-            "gemv/floor": ours / floor_us, "config": vars(choose_config(m, n, k, sms))}  # fmt: skip
+    return {"shape": name, "M": m, "N": n, "K": k, "bytes": nbytes, "cublas_us": cublas, "gemv_us": ours,
+            "gemv/cublas": ours / cublas, "gemv_GBps": nbytes / ours / 1e3,
+            "config": vars(choose_config(m, n, k, sms))}  # fmt: skip
 
 
-def bench_fused(name: str, m: int, bw: float) -> dict:
+def bench_fused(name: str, m: int) -> dict:
     """Down projection with its activation: silu_mul_gemv against silu_and_mul + the faster projection."""
     n, k = SHAPES[name]
-    floor_us = (n * k + 2 * m * k + m * n) * 2 / bw * 1e6
     unfused = min(timed_us(n, k, m, lambda gu, w, mm=mm: mm(silu_and_mul(gu), w), x_cols=2 * k) for mm in (F.linear, gemv))
     fused = timed_us(n, k, m, silu_mul_gemv, x_cols=2 * k)
-    return {"shape": name, "M": m, "N": n, "K": k, "kind": "silu_mul", "unfused_us": unfused, "fused_us": fused,
-            "fused/unfused": fused / unfused, "fused/floor": fused / floor_us}  # fmt: skip
+    return {"shape": name, "M": m, "N": n, "K": k, "kind": "silu_mul", "bytes": (n * k + 2 * m * k + m * n) * 2,
+            "unfused_us": unfused, "fused_us": fused, "fused/unfused": fused / unfused}  # fmt: skip
 
 
-def bench_norm(name: str, m: int, bw: float) -> dict:
+def bench_norm(name: str, m: int) -> dict:
     """A projection with the RMSNorm before it: norm_gemv against fused_add_rms_norm + the faster projection."""
     n, k = SHAPES[name]
-    floor_us = (n * k + 3 * m * k + m * n) * 2 / bw * 1e6  # weight, x and residual in, residual and y out
     residual = torch.randn(m, k, device="cuda", dtype=DT)
     norm_w = torch.randn(k, device="cuda", dtype=DT)
     unfused = min(timed_us(n, k, m, lambda x, w, mm=mm: mm(fused_add_rms_norm(x, residual, norm_w, EPS)[0], w))
                   for mm in (F.linear, gemv))  # fmt: skip
     fused = timed_us(n, k, m, lambda x, w: norm_gemv(x, norm_w, EPS, w, None, residual))
-    return {"shape": name, "M": m, "N": n, "K": k, "kind": "norm", "unfused_us": unfused, "fused_us": fused,
-            "fused/unfused": fused / unfused, "fused/floor": fused / floor_us}  # fmt: skip
+    return {"shape": name, "M": m, "N": n, "K": k, "kind": "norm",
+            "bytes": (n * k + 3 * m * k + m * n) * 2,  # weight, x and residual in, residual and y out
+            "unfused_us": unfused, "fused_us": fused, "fused/unfused": fused / unfused}  # fmt: skip
+
+
+def add_floors(rows: list[dict], fused: list[dict], read: ReadBandwidth) -> None:
+    """Each time against its bytes at the best rate of the run (probes, and every call timed here whose
+    bytes exceed the cache), and at the datasheet rate."""
+    for r in rows:
+        read.observe(f"{r['shape']} M={r['M']} gemv", r["bytes"], r["gemv_us"] / 1e3)
+        read.observe(f"{r['shape']} M={r['M']} cuBLAS", r["bytes"], r["cublas_us"] / 1e3)
+    for r in fused:
+        read.observe(f"{r['shape']} M={r['M']} fused {r['kind']}", r["bytes"], r["fused_us"] / 1e3)
+    for r, key, prefix in [*((r, "gemv_us", "gemv") for r in rows), *((r, "fused_us", "fused") for r in fused)]:
+        ratios = read.ratios(r[key] / 1e3, r["bytes"])
+        if prefix == "gemv":
+            r["floor_us"] = ratios["floor_ms"] * 1e3
+        r[f"{prefix}/floor"], r[f"{prefix}/datasheet"] = ratios["ratio"], ratios["ratio_datasheet"]
 
 
 def candidates(k: int) -> list[GemvConfig]:
@@ -184,24 +197,24 @@ def main() -> None:
         return
     sms = sm_count(torch.device("cuda"))
     read = measured_read_bw()
-    bw_gbs = read.best_gbs
-    bw = bw_gbs * 1e9
     print(f"probes: {read.describe()}; {sms} SMs, {torch.cuda.get_device_name(0)}")
     rows = []
     for name in args.shapes:
         for m in args.batches:
-            rows.append(bench_shape(name, m, bw, sms))
-            print_table([rows[-1]], COLS)
-    fused = [bench_fused(name, m, bw) for name in args.shapes if name.endswith("down") for m in args.batches]
-    fused += [bench_norm(name, m, bw) for name in args.shapes if name.endswith(("qkv", "gate_up"))
+            rows.append(bench_shape(name, m, sms))
+            print_table([rows[-1]], COLS[:6])
+    fused = [bench_fused(name, m) for name in args.shapes if name.endswith("down") for m in args.batches]
+    fused += [bench_norm(name, m) for name in args.shapes if name.endswith(("qkv", "gate_up"))
               for m in args.batches]  # fmt: skip
+    add_floors(rows, fused, read)
+    print(f"floor: {read.describe()}")
     print()
     print_table(rows, COLS)
     if fused:
         print()
         print_table(fused, FUSED_COLS)
     swept = [sweep(name, m, sms) for name in args.shapes for m in args.batches] if args.sweep else []
-    payload = {"read_gbs": bw_gbs, "read": read.summary(), "sm_count": sms, "dtype": str(DT), "rows": rows,
+    payload = {"read_gbs": read.best_gbs, "read": read.summary(), "sm_count": sms, "dtype": str(DT), "rows": rows,
                "fused": fused, "sweep": swept}
     path = write_result("gemv", payload)
     rule = write_rule(json.loads(path.read_text()))

@@ -46,7 +46,9 @@ def run_graphserve(model: str, reqs: list[Request], **engine_args) -> tuple[floa
     llm = LLM(model, **engine_args)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True) for _, out in reqs]
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up: compile kernels
+    # warm-up (kernel compiles) on other prompts: the measured ones must not find their prefix cached
+    warm = [{"prompt_token_ids": [7 + i] * 32} for i in range(4)]
+    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     device = llm.engine.core.runner.device
     _sync(device)
     t0 = time.perf_counter()

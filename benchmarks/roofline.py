@@ -161,6 +161,12 @@ def measured_read_bw(nbytes: int = PROBE_BYTES) -> ReadBandwidth:
     return ReadBandwidth(methods, datasheet_read_gbs(props.name), getattr(props, "L2_cache_size", 0))
 
 
+def read_bandwidth_gbs(nbytes: int = PROBE_BYTES) -> float:
+    """The best probe rate in GB/s, for callers that need only the number (``measured_read_bw`` also
+    says which method gave it and takes the rates a benchmark's own kernels reach)."""
+    return measured_read_bw(nbytes).best_gbs
+
+
 def matmul_tflops(m: int = 8192, n: int = 8192, k: int = 8192) -> float:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)

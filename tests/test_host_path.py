@@ -145,7 +145,12 @@ def test_host_path_benchmark_times_every_piece_of_a_real_step():
     """benchmarks/host_path wraps the engine's own methods by name: it must keep finding them."""
     from benchmarks.host_path import PIECES, measure
 
-    result = measure("builtin:tiny-llama", batch=4, steps=3, prompt_len=8, sampling="mixed")
-    assert all(result[k] >= 0 for k in ("schedule", "prepare_inputs", "sampling_tensors", "advance", "record"))
-    assert result["advance"] > 0 and result["record"] > 0 and result["sampler"] > 0
-    assert result["host_total"] == pytest.approx(sum(result[k] for k in PIECES))
+    result = measure("builtin:tiny-llama", batch=4, steps=5, prompt_len=8, sampling="mixed")
+    # every wrapper fired: a method the step no longer calls would leave its piece at 0 (or, for
+    # sampling_tensors, the launch remainder, negative) and its time in "other"
+    named = [k for k in PIECES if k != "other"]
+    assert all(result[k] > 0 for k in named), {k: result[k] for k in named}
+    assert result["sampler"] > 0
+    # the named pieces account for the step: what no wrapper saw ("other", the step's wall time minus
+    # the pieces) stays a small part of the host total
+    assert result["other"] < 0.5 * result["host_total"], result

@@ -1,9 +1,10 @@
 """The MoE kernels against their PyTorch references, on CPU through Triton's interpreter.
 
 fp32, tiny shapes whose sizes are not multiples of the tiles, fresh random inputs: the routing
-kernel, the sort/align, both expert paths (grouped GEMM and per-pair streaming) with padding rows
-and an expert-parallel slice, and FusedMoE on the kernel path against its own CPU path. The bf16
-model-shape versions and the CUDA-graph checks live in tests/gpu/test_moe.py.
+kernels (softmax top-k, grouped sigmoid top-k), the sort/align, both expert paths (grouped GEMM
+and streaming) with padding rows and an expert-parallel slice, and FusedMoE on the kernel path
+against its own CPU path. The bf16 model-shape versions and the CUDA-graph checks live in
+tests/gpu/test_moe.py.
 """
 
 from __future__ import annotations
@@ -37,16 +38,18 @@ import pytest  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from graphserve.kernels import moe_align as moe_align_mod  # noqa: E402
 from graphserve.kernels.moe_align import moe_align  # noqa: E402
 from graphserve.kernels.moe_config import GemmTile, GemvTile  # noqa: E402
 from graphserve.kernels.moe_fused import fused_experts  # noqa: E402
 from graphserve.kernels.moe_reference import (  # noqa: E402
     expert_counts_reference,
     experts_reference,
+    grouped_sigmoid_topk_reference,
     moe_align_reference,
     softmax_topk_reference,
 )
-from graphserve.kernels.moe_routing import moe_softmax_topk  # noqa: E402
+from graphserve.kernels.moe_routing import moe_grouped_topk, moe_softmax_topk  # noqa: E402
 from graphserve.layers.moe import FusedMoE, SoftmaxTopK  # noqa: E402
 
 DEVICE = torch.device("cpu") if isinstance(tl.standard.cdiv, InterpretedFunction) else torch.device("cuda")
@@ -69,8 +72,24 @@ def test_softmax_topk_matches_reference(t, e, k, renorm):
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    "t,e,k,n_group,topk_group,renorm",
+    [(5, 16, 4, 4, 2, True), (9, 12, 2, 3, 1, False), (3, 8, 3, 8, 3, True), (4, 6, 2, 1, 1, True)],
+)
+def test_grouped_topk_matches_reference(t, e, k, n_group, topk_group, renorm):
+    gen = torch.Generator().manual_seed(t * 10 + e)
+    logits, bias = _randn(t, e, gen=gen, scale=2.0), _randn(e, gen=gen, scale=0.5)
+    w, ids = moe_grouped_topk(logits, k, bias, n_group, topk_group, renorm, 2.5, block_t=4)
+    w_ref, ids_ref = grouped_sigmoid_topk_reference(logits, k, bias, n_group, topk_group, renorm, 2.5)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("count_in_one_program", [True, False])
 @pytest.mark.parametrize("expert_start,num_local,block_m", [(0, E, 16), (2, 3, 4)])
-def test_align_matches_reference(expert_start, num_local, block_m):
+def test_align_matches_reference(expert_start, num_local, block_m, count_in_one_program, monkeypatch):
+    if not count_in_one_program:  # the large-batch count: zeroed buffer, atomic per-program histograms
+        monkeypatch.setattr(moe_align_mod, "SINGLE_PROGRAM_MAX_PAIRS", 4)
     gen = torch.Generator().manual_seed(block_m)
     ids = torch.randint(0, E, (11, 3), generator=gen, dtype=torch.int32).to(DEVICE)
     valid = torch.arange(11, device=DEVICE) < 9
@@ -85,18 +104,26 @@ def test_align_matches_reference(expert_start, num_local, block_m):
     assert torch.equal(got, ref_sorted.view(-1, block_m).sort(dim=1).values)
 
 
-def _weights(gen: torch.Generator, num_local: int = E) -> tuple[torch.Tensor, torch.Tensor]:
-    return _randn(num_local, 2 * INTER, H, gen=gen, scale=0.3), _randn(num_local, H, INTER, gen=gen, scale=0.3)
+def _weights(gen: torch.Generator, num_local: int = E, h: int = H, inter: int = INTER) -> tuple[torch.Tensor, ...]:
+    return _randn(num_local, 2 * inter, h, gen=gen, scale=0.3), _randn(num_local, h, inter, gen=gen, scale=0.3)
+
+
+# (tokens, k, first local expert, local experts, padding rows, hidden, intermediate): K and N not
+# multiples of the tiles (masked tails), then multiples (the unmasked loads the real shapes take)
+FUSED_CASES = [(7, 2, 0, E, False, H, INTER), (9, 3, 2, 3, True, H, INTER), (6, 2, 1, 4, True, 64, 32)]
 
 
 @pytest.mark.parametrize("path", ["gemm", "gemv"])
-@pytest.mark.parametrize("t,k,expert_start,num_local,padded", [(7, 2, 0, E, False), (9, 3, 2, 3, True)])
-def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, padded):
+@pytest.mark.parametrize("t,k,expert_start,num_local,padded,h,inter", FUSED_CASES)
+def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, padded, h, inter):
     gen = torch.Generator().manual_seed(t * k + num_local)
-    w13, w2 = _weights(gen, num_local)
-    x = _randn(t, H, gen=gen)
+    w13, w2 = _weights(gen, num_local, h, inter)
+    x = _randn(t, h, gen=gen)
     topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), k, True)
     valid = (torch.arange(t, device=DEVICE) < t - 2) if padded else None
+    if padded:  # padding rows hold whatever the batch buffer held: nothing of them may leak
+        x[-2:] = float("nan")
+        topk_w[-2:] = float("nan")
     counts = torch.full((E,), -1, dtype=torch.int32, device=DEVICE)
     out = fused_experts(x, w13, w2, topk_w, topk_ids, valid=valid, expert_start=expert_start, counts=counts,
                         path=path, gemm_tiles=GEMM, gemv_tiles=GEMV)  # fmt: skip
@@ -104,7 +131,7 @@ def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, pa
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     assert torch.equal(counts.cpu(), expert_counts_reference(topk_ids, valid, E).cpu())
     if padded:
-        assert torch.equal(out[-2:].cpu(), torch.zeros(2, H))
+        assert torch.equal(out[-2:].cpu(), torch.zeros(2, h))
 
 
 def test_layer_kernel_path_matches_cpu_path():
@@ -140,13 +167,13 @@ def test_tuner_sweep_writes_a_table_the_kernels_accept(monkeypatch):
     small = [GemmTile(16, 16, 32, 1, 4, 3), GemmTile(32, 32, 16, 1, 4, 3)]
     monkeypatch.setattr(moe_tune, "DEVICE", DEVICE)
     monkeypatch.setattr(moe_tune, "graph_ms", wall_ms)
-    monkeypatch.setattr(moe_tune, "QUICK_TOKENS", [1, 16])
+    monkeypatch.setattr(moe_tune, "QUICK_TOKENS", [1, 4])
     monkeypatch.setattr(moe_tune, "GEMV_TILES", list(GEMV))
     monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick: small)
     tiles, rows = moe_tune.tune(E, H, INTER, 2, torch.float32, quick=True, budget_s=600)
-    assert tiles.buckets == (2, 32) and [r["tokens"] for r in rows] == [1, 16]
+    assert tiles.buckets == (2, 8) and [r["tokens"] for r in rows] == [1, 4]
     assert all(g.block_m == d.block_m for g, d in zip(tiles.gate_up, tiles.down))
-    assert tiles.small_max_pairs in (0, 2, 32) and tiles.gemv_gate_up in GEMV
+    assert tiles.small_max_pairs in (0, 2, 8) and tiles.gemv_gate_up in GEMV
     again = MoeTiles.from_json(json.loads(json.dumps(tiles.to_json())))
     assert again == tiles
     gen = torch.Generator().manual_seed(3)

@@ -108,6 +108,9 @@ def test_reference_matches_loop_and_padding_rows_cost_nothing():
         assert torch.equal(out[6:], torch.zeros(3, H))
         assert int(layer.expert_counts.sum()) == 6 * 3
         assert torch.equal(layer.expert_counts, expert_counts_reference(ids, torch.arange(9) < 6, E))
+        touched, busiest = layer.expert_load()
+        assert int(touched) == len(set(ids[:6].flatten().tolist()))
+        assert int(busiest) == max(ids[:6].flatten().tolist().count(e) for e in range(E))
 
 
 def test_tensor_and_expert_parallel_shards_sum_to_the_whole():
@@ -242,3 +245,12 @@ def test_tile_tables_load_by_shape_and_fall_back_with_the_tuning_command(monkeyp
     assert loaded.gemm_tiles(8) == (tuned.gate_up[0], tuned.down[0])
     assert loaded.gemm_tiles(9) == (tuned.gate_up[1], tuned.down[1])
     assert loaded.gemm_tiles(100000) == (tuned.gate_up[1], tuned.down[1])
+
+
+def test_workspace_bytes_grows_with_the_batch_and_counts_every_buffer():
+    layer = FusedMoE(128, 8, 2048, 768, SoftmaxTopK(128, 8, True), dtype=torch.bfloat16, device="meta")
+    one, many = layer.workspace_bytes(1), layer.workspace_bytes(256)
+    pairs = 256 * 8
+    # at least the activation, the per-pair output, the result and the router's output
+    assert many >= 2 * (pairs * 768 + pairs * 2048 + 256 * 2048) + 8 * pairs
+    assert one < many

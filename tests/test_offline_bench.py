@@ -21,3 +21,13 @@ def test_hf_generate_is_credited_per_row():
     assert computed == [9, 9, 5, 5, 7]  # ... though a padded batch [3, 9], [1, 5], [7] runs to its longest
     assert seconds > 0
 
+
+
+def test_graphserve_side_is_credited_with_what_it_returned():
+    from benchmarks.offline import run_graphserve, workload
+
+    reqs = [(ids[:40], out) for (ids, _), out in zip(workload(4, 0, 300), [5, 1, 7, 3])]
+    seconds, tokens, llm = run_graphserve("builtin:tiny-llama", reqs, max_model_len=256)
+    assert tokens == 16 and seconds > 0
+    # the warm-up ran on other prompts: the measured ones found nothing cached
+    assert llm.engine.stats().prefix_cache_hit_rate == 0.0

@@ -143,3 +143,16 @@ def test_moe_plan_reads_the_family_description():
     assert "MoE workspace" in p["table"]
     dense = build_plan(LLAMA8B, gpu_memory_gb=141, concurrency=[1])
     assert "MoE" not in dense["table"]
+
+
+def test_plan_and_engine_keep_one_reserve():
+    """`graphserve plan` and GPU start-up hold back the same reserve, so a plan that fits is one the engine fits."""
+    import argparse
+
+    from graphserve.engine import memory, startup
+
+    assert startup.RESERVE_BYTES is memory.RESERVE_BYTES  # imported, not a second figure
+    assert build_plan(LLAMA8B, gpu_memory_gb=141)["memory"]["reserve_bytes"] == memory.RESERVE_BYTES
+    parser = argparse.ArgumentParser()
+    plan_cmd.add_arguments(parser)
+    assert int(parser.parse_args(["dummy:llama3-8b"]).reserve_gb * GiB) == memory.RESERVE_BYTES

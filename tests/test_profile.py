@@ -4,15 +4,19 @@ engine the categories add up to the step time the engine measured, in-process an
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
-from graphserve import cli
-from graphserve.analysis.profile import profile_in_process
-from graphserve.analysis.profile_load import HeldStreams
-from graphserve.analysis.step_trace import CATEGORIES, breakdown, classify
-from graphserve.config import EngineConfig
+sys.path.insert(0, str(Path(__file__).parent))
+from server_utils import wait_for  # noqa: E402
+
+from graphserve import cli  # noqa: E402
+from graphserve.analysis.profile import profile_in_process  # noqa: E402
+from graphserve.analysis.step_trace import CATEGORIES, breakdown, classify, unmatched_device_work  # noqa: E402
+from graphserve.config import EngineConfig  # noqa: E402
 
 MODEL = "builtin:tiny-llama"
 SMALL = dict(max_model_len=512, num_kv_tokens=8192)
@@ -60,6 +64,7 @@ def test_device_trace_steps_are_kernels_plus_gaps():
     assert c["other"] == pytest.approx(0.005) and c["dense_gemm"] == 0.0
     assert c["gaps_host"] == pytest.approx((370 - 80) / 1e3)
     assert sum(c.values()) == pytest.approx(second.span_ms) and second.kernels == 4
+    assert unmatched_device_work(ev) == 1  # the orphan, named in the profile's notes
 
 
 def test_cpu_trace_counts_outermost_ops_once():
@@ -117,17 +122,22 @@ def test_cli_in_process_writes_json_and_png(tmp_path, capsys):
     assert "steps=0 is invalid" in capsys.readouterr().err
 
 
-def test_profile_endpoint_on_an_in_process_server():
+def test_profile_endpoint_and_cli_through_a_server(tmp_path):
     from graphserve.server.launch import ServerThread
 
     with ServerThread(EngineConfig(model=MODEL, **SMALL), enable_profile_endpoint=True) as server:
         url = server.base_url
         idle = httpx.post(url + "/v1/profile", params={"steps": 2, "timeout": 0.5}, timeout=30)
         assert idle.status_code == 503 and "needs load" in idle.json()["error"]["message"]
-        with HeldStreams(url, 2, 8, 400) as held:
-            held.wait_decoding(60)
-            r = httpx.post(url + "/v1/profile", params={"steps": 3}, timeout=120)
-        assert r.status_code == 200, r.text
-        _check_adds_up(r.json(), 2)
-        assert server.state.engine._driver.core.runner.graphs is None  # CPU; and nothing left hooked:
-        assert "launch" not in vars(server.state.engine._driver.core.runner)
+        # the CLI holds two streams in decode and asks the server to profile them
+        rc = cli.main(["profile", "--base-url", url, "--batch-size", "2", "--steps", "3", "--input-len", "8",
+                       "--output-dir", str(tmp_path)])
+        assert rc == 0
+        (prof,) = json.loads((tmp_path / "profile.json").read_text())["profiles"]
+        _check_adds_up(prof, 2)
+        runner = server.state.engine._driver.core.runner
+        assert "launch" not in vars(runner) and "sample" not in vars(runner.sampler)  # nothing left hooked
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        # the held streams were closed, so their requests were aborted
+        core = server.state.engine._driver.core
+        assert wait_for(lambda: not core.has_unfinished_requests(), timeout=30)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from graphserve.config import EngineConfig, default_cuda_graph_sizes
-from graphserve.engine.memory import gib, plan_memory
+from graphserve.engine.memory import RESERVE_BYTES, gib, plan_memory
 from graphserve.errors import BadRequestError, ModelLoadError, bad_field
 from graphserve.models.registry import describe_model
 
@@ -52,7 +52,7 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
                cuda_graph_max_bs: int = 256, cuda_graph_bs: list[int] | None = None, disable_cuda_graph: bool = False,
                max_running_requests: int | None = None, input_len: int = 1024, output_len: int = 1024,
                dtype: str = "bf16", concurrency: list[int] | None = None, max_model_len: int | None = None,
-               chunked_prefill_size: int = 2048, block_size: int = 16, reserve_gb: float = 0.5,
+               chunked_prefill_size: int = 2048, block_size: int = 16, reserve_gb: float = RESERVE_BYTES / GiB_,
                oversize: str = "split") -> dict[str, Any]:
     if dtype not in DTYPES:
         raise BadRequestError(f"--dtype={dtype!r} is invalid: choose one of {', '.join(DTYPES)}", param="dtype")
@@ -156,7 +156,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--chunked-prefill-size", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--reserve-gb", type=float, default=0.5, help="allocator slack kept in the budget (GiB)")
+    parser.add_argument("--reserve-gb", type=float, default=RESERVE_BYTES / GiB_,
+                        help="workspaces and allocator slack kept in the budget (GiB; the engine keeps the same)")
     parser.add_argument("--oversize", choices=("split", "eager"), default="split",
                         help="what runs a decode batch above the largest captured size: graphserve splits it; "
                              "eager models SGLang/vLLM")

@@ -1,8 +1,8 @@
 """Where each profiled engine step's time went, read from a torch.profiler Chrome trace.
 
 The step profiler (engine/step_profiler.py) marks every engine iteration (``graphserve.iteration``),
-every step launch (``graphserve.launch``) and the sampling and attention calls (``graphserve.sampling``,
-``graphserve.attention``) with record_function ranges. A step's work is then:
+every step launch (``graphserve.launch``) and the sampling, attention and MoE calls (``graphserve.sampling``,
+``graphserve.attention``, ``graphserve.moe``) with record_function ranges. A step's work is then:
 
 - on CPU, the outermost aten ops inside its iteration; the rest of the iteration is host time
   (scheduling, input building, Python between ops);
@@ -49,7 +49,7 @@ NAME_RULES = (
                           "aten::sub", "aten::div", "aten::neg", "aten::exp", "aten::sigmoid", "aten::cos",
                           "aten::sin", "aten::cat", "aten::to", "aten::_to_copy", "aten::copy_", "aten::where")),
 )
-SCOPES = {"graphserve.sampling": "sampling", "graphserve.attention": "attention"}
+SCOPES = {"graphserve.sampling": "sampling", "graphserve.attention": "attention", "graphserve.moe": "moe"}
 ITERATION, LAUNCH = "graphserve.iteration", "graphserve.launch"
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -114,7 +114,7 @@ def _ranges(events: Sequence[Mapping[str, Any]]) -> dict[str, list[_Ev]]:
 
 
 def _scope_at(scopes: list[_Ev], starts: list[float], t: float) -> str | None:
-    """The scope range holding time ``t``: sampling and attention calls never nest in each other, so it
+    """The scope range holding time ``t``: sampling, attention and MoE calls never nest in each other, so it
     is the last one starting at or before ``t``, if it has not ended."""
     i = bisect.bisect_right(starts, t) - 1
     return SCOPES[scopes[i].name] if i >= 0 and t <= scopes[i].end else None
@@ -136,14 +136,40 @@ def breakdown(events: Sequence[Mapping[str, Any]], device: str) -> list[StepBrea
     """One entry per launch range in the trace, in launch order: its StepBreakdown, or None where it
     cannot be measured (no iteration around it; on CUDA no work, or no previous step to start from)."""
     r = _ranges(events)
+    return _cpu_steps(r) if device == "cpu" else _device_steps(r)
+
+
+def unmatched_device_work(events: Sequence[Mapping[str, Any]]) -> int:
+    """Kernels and copies, run after the first traced step's work, whose launch call is not in the trace:
+    no step can claim them, so their time shows up as gaps. Nonzero means this torch/CUPTI records some
+    launch calls elsewhere (or not at all). Work before that is the step launched before the trace began."""
+    per_step, unmatched = _match(_ranges(events))
+    first_end = next((max(ev.end for ev, _ in work) for work in per_step if work), None)
+    return 0 if first_end is None else sum(1 for ev in unmatched if ev.ts >= first_end)
+
+
+def _match(r: dict[str, list[_Ev]]) -> tuple[list[list[tuple[_Ev, str | None]]], list[_Ev]]:
+    """Device work per launch range (with the scope its call was made in), and the work matched to none."""
     scopes = r["scope"]
     scope_starts = [s.ts for s in scopes]
-    if device == "cpu":
-        return _cpu_steps(r, scopes, scope_starts)
-    return _device_steps(r, scopes, scope_starts)
+    launches = r["launch"]
+    launch_starts = [x.ts for x in launches]
+    call_ts = {ev.corr: ev.ts for ev in r["runtime"] if ev.corr is not None}
+    per_step: list[list[tuple[_Ev, str | None]]] = [[] for _ in launches]
+    unmatched = []
+    for ev in r["device"]:
+        t = call_ts.get(ev.corr)
+        k = -1 if t is None else bisect.bisect_right(launch_starts, t) - 1
+        if k >= 0 and t <= launches[k].end:
+            per_step[k].append((ev, _scope_at(scopes, scope_starts, t)))
+        elif t is None:
+            unmatched.append(ev)
+    return per_step, unmatched
 
 
-def _cpu_steps(r: dict[str, list[_Ev]], scopes: list[_Ev], scope_starts: list[float]) -> list[StepBreakdown | None]:
+def _cpu_steps(r: dict[str, list[_Ev]]) -> list[StepBreakdown | None]:
+    scopes = r["scope"]
+    scope_starts = [s.ts for s in scopes]
     iters = r["iteration"]
     tid = iters[0].tid if iters else None
     ops = _top_level([o for o in r["cpu_op"] if o.tid == tid])
@@ -168,18 +194,8 @@ def _cpu_steps(r: dict[str, list[_Ev]], scopes: list[_Ev], scope_starts: list[fl
     return steps
 
 
-def _device_steps(r: dict[str, list[_Ev]], scopes: list[_Ev], scope_starts: list[float]) -> list[StepBreakdown | None]:
-    launches = r["launch"]
-    launch_starts = [x.ts for x in launches]
-    call_ts = {ev.corr: ev.ts for ev in r["runtime"] if ev.corr is not None}
-    per_step: list[list[tuple[_Ev, str | None]]] = [[] for _ in launches]
-    for ev in r["device"]:
-        t = call_ts.get(ev.corr)
-        if t is None:
-            continue
-        k = bisect.bisect_right(launch_starts, t) - 1
-        if k >= 0 and t <= launches[k].end:
-            per_step[k].append((ev, _scope_at(scopes, scope_starts, t)))
+def _device_steps(r: dict[str, list[_Ev]]) -> list[StepBreakdown | None]:
+    per_step, _ = _match(r)
     steps: list[StepBreakdown | None] = []
     prev_end = None
     for work in per_step:

@@ -147,8 +147,16 @@ def _level_line(p: dict) -> str:
             f"  steady TPOT {f(p.get('tpot_ms_median'), '.2f')} ms  {f(p.get('output_throughput'), '.1f')} tok/s")
 
 
+def _quality(cfg: dict, key: str) -> dict:
+    from graphserve.analysis.grid_compare import fit_quality
+
+    if key == "fit":
+        return fit_quality(cfg["fit"], int(cfg["fit"].get("n_points") or 0))
+    return fit_quality(cfg[key], int(cfg.get("telemetry_distinct_batch_sizes") or 0), cfg.get("telemetry_non_decode_share"))
+
+
 def print_results(results: dict) -> None:
-    from graphserve.analysis.report import format_table
+    from graphserve.analysis.report import fit_text, format_table
 
     for cfg in results.get("configurations") or [results]:
         if cfg.get("params"):
@@ -156,7 +164,7 @@ def print_results(results: dict) -> None:
         print(format_table(cfg["points"]))
         for key in ("fit", "telemetry_fit"):
             if cfg.get(key):
-                print(f"{key}: {cfg[key]['summary']}")
+                print(f"{key}: {fit_text(cfg[key], _quality(cfg, key))}")
             elif cfg.get(key + "_error"):
                 print(f"{key}: none ({cfg[key + '_error']})")
         if cfg.get("failed_at"):

@@ -109,6 +109,20 @@ class BlockManager:
                 self.block_tokens[block] = tokens
             # else: another sequence computed the same prefix first; keep its block as the cached one
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (SGLang's /flush_cache); returns the cached blocks dropped.
+
+        Blocks that no sequence holds go back to the free list; blocks that running sequences hold stay theirs
+        but are no longer matched, and are freed as plain blocks when those sequences end.
+        """
+        dropped = len(self.block_hash)
+        self.free_blocks.extend(self.evictable)
+        self.evictable.clear()
+        self.block_hash.clear()
+        self.block_tokens.clear()
+        self.cached.clear()
+        return dropped
+
     # ---- allocation -------------------------------------------------------------------------
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 GiB = 1024**3
+# Kept free inside the static budget for cuBLAS/cuDNN workspaces, allocator fragmentation and the CUDA
+# context's own growth: one figure for start-up (engine/startup.py) and `graphserve plan`.
+RESERVE_BYTES = 1 << 30
 
 
 def gib(n_bytes: float) -> float:

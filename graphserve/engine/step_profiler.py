@@ -27,12 +27,15 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from graphserve.analysis.step_trace import CATEGORIES, ITERATION, LAUNCH, breakdown
+from graphserve.analysis.step_trace import CATEGORIES, ITERATION, LAUNCH, breakdown, unmatched_device_work
 
 EAGER_WARMUP_STEPS = 3
 # A graph phase that shows fewer kernels than this share of the eager phase's did not see the replays.
 GRAPH_VISIBLE_SHARE = 0.5
 TOP_KERNELS = 12
+# Routed-expert layers: all their work (routing, sort/align, grouped GEMMs, and on CPU the reference loop
+# of per-expert matmuls) is MoE time, whatever its ops are called.
+MOE_MODULES = ("FusedMoE",)
 
 
 class StepProfiler:
@@ -145,6 +148,9 @@ class StepProfiler:
         self._wrap(runner.sampler, "sample", "graphserve.sampling")
         for name in ("forward", "attend"):
             self._wrap(runner.attn_backend, name, "graphserve.attention")
+        for module in runner.model.modules():
+            if type(module).__name__ in MOE_MODULES:
+                self._wrap(module, "forward", "graphserve.moe")
 
     def _wrap(self, obj: Any, name: str, label: str, after: Callable[[Any], None] | None = None) -> None:
         inner = getattr(obj, name)
@@ -209,6 +215,8 @@ class StepProfiler:
         for _, bd, _ in rows:
             for k, v in bd.kernel_ms.items():
                 names[k] = names.get(k, 0.0) + v / len(rows)
+        if self.device == "cuda":
+            out["unmatched_device_work"] = unmatched_device_work(self._events)
         out["top_kernels"] = [{"name": k[:120], "ms": v} for k, v in sorted(names.items(), key=lambda kv: -kv[1])
                               [:TOP_KERNELS]]
         return out
@@ -220,6 +228,10 @@ class StepProfiler:
                          "work is the outermost aten ops, the rest of each iteration is host time")
         elif "graph" not in self.phases:
             notes.append("the engine captured no CUDA graphs (--disable-cuda-graph?): eager phase only")
+        for p in self.results:
+            if p.get("unmatched_device_work"):
+                notes.append(f"{p['mode']}: {p['unmatched_device_work']} kernels/copies in the trace had no launch call "
+                             "to match them to a step; their time is counted as gaps")
         by_mode = {p["mode"]: p for p in self.results}
         graph, eager = by_mode.get("graph"), by_mode.get("eager")
         if graph and eager and "error" not in graph and "error" not in eager:

@@ -108,7 +108,7 @@ def default_tiles(num_experts: int) -> MoeTiles:
     return MoeTiles(
         small_max_pairs=8,
         gemv_gate_up=GemvTile(16, 256, 4),
-        gemv_down=GemvTile(16, 256, 4),
+        gemv_down=GemvTile(8, 256, 4),  # down runs one program per (token, block): smaller blocks fill the SMs
         buckets=tuple(buckets),
         gate_up=tuple(gate_up),
         down=tuple(gate_up),

@@ -4,7 +4,7 @@
 nothing back to the host: every buffer is sized from T * k, the grids cover the worst-case sort
 and tiles past the padded total exit at once, so a decode step captures into a CUDA graph at any
 padded batch size and replays with whatever routing the step produces. Up to the table's
-``small_max_pairs`` pairs the per-pair streaming kernel replaces the sort and grouped GEMM.
+``small_max_pairs`` pairs two streaming kernels replace the sort, the grouped GEMMs and the sum.
 Reference: kernels/moe_reference.experts_reference.
 """
 
@@ -13,9 +13,14 @@ from __future__ import annotations
 import torch
 import triton
 
-from graphserve.kernels.moe_align import max_padded_pairs, moe_align, moe_count
+from graphserve.kernels.moe_align import histogram_block, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
-from graphserve.kernels.moe_gemm import fused_moe_gemm_kernel, fused_moe_gemv_kernel, moe_sum_kernel
+from graphserve.kernels.moe_gemm import (
+    fused_moe_gemm_kernel,
+    fused_moe_gemv_down_kernel,
+    fused_moe_gemv_gate_up_kernel,
+    moe_sum_kernel,
+)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PATHS = ("gemv", "gemm")
@@ -77,56 +82,76 @@ def fused_experts(
         counts.zero_()
         return out
     tiles = tiles or moe_tiles(num_local, inter, h, dtype, device)
-    act = torch.empty(pairs, inter, dtype=dtype, device=device)
-    down = torch.empty(pairs, h, dtype=dtype, device=device)
     valid_arg = topk_ids if valid is None else valid.view(torch.uint8)
-    ieee = dtype == torch.float32
     if path == "gemv" or (path is None and pairs <= tiles.small_max_pairs):
-        moe_count(topk_ids, valid, counts)
-        gu, dn = gemv_tiles or (tiles.gemv_gate_up, tiles.gemv_down)
-        for a, b, c, n, kk, a_div, tile, gated in ((hidden, w13, act, inter, h, k, gu, True),
-                                                   (act, w2, down, h, inter, 1, dn, False)):  # fmt: skip
-            fused_moe_gemv_kernel[(pairs, triton.cdiv(n, tile.block_n))](
-                a, b, c, topk_weights, topk_ids, valid_arg, n, expert_start,
-                a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-                K=kk, TOP_K=k, A_ROW_DIV=a_div, E_LOCAL=num_local, HAS_VALID=valid is not None,
-                GATED=gated, MUL_WEIGHT=not gated, BLOCK_N=tile.block_n, BLOCK_K=min(tile.block_k, triton.next_power_of_2(kk)),
-                num_warps=tile.num_warps,
-            )  # fmt: skip
+        _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
+                        gemv_tiles or (tiles.gemv_gate_up, tiles.gemv_down))  # fmt: skip
     else:
-        gu, dn = gemm_tiles or tiles.gemm_tiles(pairs)
-        if gu.block_m != dn.block_m:
-            raise ValueError(f"gate_up block_m={gu.block_m} and down block_m={dn.block_m} must match (one sort)")
-        align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
-        for a, b, c, n, kk, a_div, tile, gated in ((hidden, w13, act, inter, h, k, gu, True),
-                                                   (act, w2, down, h, inter, 1, dn, False)):  # fmt: skip
-            grid = (align.max_blocks * triton.cdiv(n, tile.block_n),)
-            fused_moe_gemm_kernel[grid](
-                a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded,
-                pairs, n, align.max_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-                K=kk, A_ROW_DIV=a_div, GATED=gated, MUL_WEIGHT=not gated, IEEE=ieee,
-                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=min(tile.block_k, max(16, triton.next_power_of_2(kk))),
-                GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
-            )  # fmt: skip
+        _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
+                           gemm_tiles or tiles.gemm_tiles(pairs))  # fmt: skip
+    return out
+
+
+def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles):
+    """Three launches in all with the router: gate_up per pair (+ counts), down per token (+ slot sum)."""
+    (t, h), (num_local, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
+    inter = two_i // 2
+    gu, dn = tiles
+    block_e = triton.next_power_of_2(counts.numel())
+    act = torch.empty(t * k, inter, dtype=hidden.dtype, device=hidden.device)
+    fused_moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, gu.block_n))](
+        hidden, w13, act, topk_ids, valid_arg, counts, inter, expert_start, t * k,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local, HAS_VALID=valid is not None,
+        BLOCK_N=gu.block_n, BLOCK_K=min(gu.block_k, triton.next_power_of_2(h)), BLOCK_P=histogram_block(block_e),
+        BLOCK_E=block_e, num_warps=gu.num_warps,
+    )  # fmt: skip
+    fused_moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
+        act, w2, out, topk_weights, topk_ids, valid_arg, h, expert_start,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None,
+        BLOCK_N=dn.block_n, BLOCK_K=min(dn.block_k, triton.next_power_of_2(inter)), num_warps=dn.num_warps,
+    )  # fmt: skip
+
+
+def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles):
+    """Sort/align, gate_up and down grouped GEMMs over [pairs] rows, then the slot sum."""
+    (t, h), (num_local, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
+    inter, pairs = two_i // 2, t * k
+    gu, dn = tiles
+    if gu.block_m != dn.block_m:
+        raise ValueError(f"gate_up block_m={gu.block_m} and down block_m={dn.block_m} must match (one sort)")
+    align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
+    act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    down = torch.empty(pairs, h, dtype=hidden.dtype, device=hidden.device)
+    for a, b, c, n, kk, a_div, tile, gated in ((hidden, w13, act, inter, h, k, gu, True),
+                                               (act, w2, down, h, inter, 1, dn, False)):  # fmt: skip
+        fused_moe_gemm_kernel[(align.max_blocks * triton.cdiv(n, tile.block_n),)](
+            a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded,
+            pairs, n, align.max_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+            K=kk, A_ROW_DIV=a_div, GATED=gated, MUL_WEIGHT=not gated, IEEE=hidden.dtype == torch.float32,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=min(tile.block_k, max(16, triton.next_power_of_2(kk))),
+            GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        )  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(h))
     moe_sum_kernel[(t, triton.cdiv(h, block_h))](
         down, out, topk_ids, valid_arg, h, expert_start, down.stride(0), out.stride(0),
         TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, BLOCK_H=block_h, num_warps=4,
     )  # fmt: skip
-    return out
 
 
 def moe_workspace_bytes(
     num_tokens: int, top_k: int, num_local_experts: int, intermediate: int, hidden: int, dtype: torch.dtype,
-    block_m: int = 64,
+    block_m: int = 128,
 ) -> int:  # fmt: skip
-    """Bytes fused_experts allocates for ``num_tokens`` rows (the start-up memory plan reserves them).
+    """Bytes one MoE layer's forward of ``num_tokens`` rows allocates (the start-up memory plan reserves them).
 
-    Routing (fp32 weights, int32 ids), the sort at the largest tile, the [pairs, I] activation,
-    the [pairs, H] per-pair output and the [T, H] result.
+    The padding-row mask (built from an int64 arange), the router's fp32 weights and int32 ids,
+    the sort at the largest tile the tuner tries
+    (block_m 128), the [pairs, I] activation, the [pairs, H] per-pair output and the [T, H] result.
     """
     es = torch.empty((), dtype=dtype).element_size()
     pairs = num_tokens * top_k
     slots = max_padded_pairs(pairs, num_local_experts, block_m)
     sort = 4 * (slots + slots // block_m + 1 + num_local_experts)
-    return 8 * pairs + sort + es * (pairs * intermediate + pairs * hidden + num_tokens * hidden)
+    return 9 * num_tokens + 8 * pairs + sort + es * (pairs * intermediate + pairs * hidden + num_tokens * hidden)

@@ -1,11 +1,13 @@
-"""The experts' matmuls: a grouped GEMM over the sorted pairs, a per-pair streaming kernel, the k-sum.
+"""The experts' matmuls: a grouped GEMM over the sorted pairs, per-pair streaming kernels, the k-sum.
 
-Each kernel runs twice per layer. gate_up (GATED): rows x[t] of the pairs against the expert's
-``w13 [2I, H]``, two accumulators (gate rows n, up rows I + n) so ``silu(gate) * up`` is formed in
-the epilogue and only [pairs, I] is written. down (MUL_WEIGHT): rows act[p] against ``w2 [H, I]``,
-the fp32 routing weight applied to the fp32 accumulator before rounding. Output rows are indexed
-by pair, so the final ``moe_sum_kernel`` adds each token's k rows without atomics and skips pairs
-that were not routed (padding rows, other ranks' experts); their rows are never written.
+The grouped GEMM runs twice per layer. gate_up (GATED): rows x[t] of the pairs against the
+expert's ``w13 [2I, H]``, two accumulators (gate rows n, up rows I + n) so ``silu(gate) * up`` is
+formed in the epilogue and only [pairs, I] is written. down (MUL_WEIGHT): rows act[p] against
+``w2 [H, I]``, the fp32 routing weight applied to the fp32 accumulator before rounding. Output
+rows are indexed by pair, so the final ``moe_sum_kernel`` adds each token's k rows without atomics
+and skips pairs that were not routed (padding rows, other ranks' experts); their rows are never
+written. The small-batch path is two streaming kernels: gate_up per pair, down per token with
+the slot sum in registers.
 
 gate and up are rounded to the activation dtype before silu * up, as when the two projections and
 the activation run apart. References: kernels/moe_reference.experts_reference.
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from graphserve.kernels.moe_align import pair_histogram
 
 
 @triton.jit
@@ -95,18 +99,23 @@ def fused_moe_gemm_kernel(
 
 
 @triton.jit
-def fused_moe_gemv_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, ids_ptr, valid_ptr, N, expert_start,
-    stride_am, stride_be, stride_bn, stride_cm,
-    K: tl.constexpr, TOP_K: tl.constexpr, A_ROW_DIV: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
-    GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def fused_moe_gemv_gate_up_kernel(
+    x_ptr, w13_ptr, act_ptr, ids_ptr, valid_ptr, counts_ptr, N, expert_start, num_pairs,
+    stride_xm, stride_we, stride_wn, stride_am,
+    K: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    """Pair ``program_id(0)``'s ``BLOCK_N`` output columns: its expert's rows streamed once, FMA in fp32.
+    """act[p, n-block] = silu(gate) * up for pair ``program_id(0)``: its expert's gate and up rows
+    streamed once, FMA in fp32.
 
-    At a few tokens the grouped GEMM pads every pair to a 16-row tile; here a program reads only
-    the weight rows it needs, and a pair that is not routed returns before reading anything.
+    At a few tokens the grouped GEMM pads every pair to a 16-row tile and needs a sort; here a
+    program reads only the weight rows it needs, and a pair that is not routed returns before
+    reading anything. Program (0, 0) also writes the per-expert counts, saving their launch.
     """
     pair = tl.program_id(0)
+    if (pair == 0) & (tl.program_id(1) == 0):
+        hist = pair_histogram(ids_ptr, valid_ptr, num_pairs, 0, TOP_K, E, HAS_VALID, BLOCK_P, BLOCK_E)
+        tl.store(counts_ptr + tl.arange(0, BLOCK_E), hist, mask=tl.arange(0, BLOCK_E) < E)
     expert = tl.load(ids_ptr + pair) - expert_start
     skip = (expert < 0) | (expert >= E_LOCAL)
     if HAS_VALID:
@@ -114,30 +123,72 @@ def fused_moe_gemv_kernel(
     if skip:
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    b_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    # rows past N re-read row N-1 so the weight loads need no mask along N; never stored
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    a_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
-    bg_ptrs = b_ptr + expert.to(tl.int64) * stride_be + b_rows[:, None] * stride_bn + offs_k[None, :]
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
+    g_ptrs = w13_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + N * stride_wn
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if K % BLOCK_K == 0:
-            x = tl.load(a_row + k0 + offs_k).to(tl.float32)
-            acc_g += tl.load(bg_ptrs + k0).to(tl.float32) * x[None, :]
-            if GATED:
-                acc_u += tl.load(bg_ptrs + N * stride_bn + k0).to(tl.float32) * x[None, :]
+            x = tl.load(x_row + k0 + offs_k).to(tl.float32)
+            acc_g += tl.load(g_ptrs + k0).to(tl.float32) * x[None, :]
+            acc_u += tl.load(u_ptrs + k0).to(tl.float32) * x[None, :]
         else:
             k_mask = (k0 + offs_k) < K
-            x = tl.load(a_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            acc_g += tl.load(bg_ptrs + k0, mask=k_mask[None, :], other=0.0).to(tl.float32) * x[None, :]
-            if GATED:
-                bu = tl.load(bg_ptrs + N * stride_bn + k0, mask=k_mask[None, :], other=0.0)
-                acc_u += bu.to(tl.float32) * x[None, :]
-    w = 0.0
-    if MUL_WEIGHT:
-        w = tl.load(weights_ptr + pair)
-    out = _epilogue(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), w, GATED, MUL_WEIGHT, c_ptr.dtype.element_ty)
-    tl.store(c_ptr + pair.to(tl.int64) * stride_cm + offs_n, out, mask=offs_n < N)
+            x = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            acc_g += tl.load(g_ptrs + k0, mask=k_mask[None, :], other=0.0).to(tl.float32) * x[None, :]
+            acc_u += tl.load(u_ptrs + k0, mask=k_mask[None, :], other=0.0).to(tl.float32) * x[None, :]
+    out = _epilogue(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), 0.0, True, False, act_ptr.dtype.element_ty)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, out, mask=offs_n < N)
+
+
+@triton.jit
+def fused_moe_gemv_down_kernel(
+    act_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, valid_ptr, H, expert_start,
+    stride_am, stride_we, stride_wn, stride_om,
+    K: tl.constexpr, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[t, n-block] = sum over token t's routed slots of weight * (w2[expert] @ act[pair]).
+
+    The slot sum happens in registers, so the small-batch path needs neither the per-pair output
+    nor the sum launch. Each K step loads all k slots' weight tiles before using them, so a
+    program keeps k tiles in flight (one slot at a time would leave HBM idle at one token: a few
+    hundred programs of one small tile each). The routing weight scales the activation, so one
+    fp32 accumulator serves every slot. A slot that is not routed has its loads masked off (no
+    memory traffic); a padding row comes out as zeros.
+    """
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, H - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    token_ok = True
+    if HAS_VALID:
+        token_ok = tl.load(valid_ptr + t) != 0
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        for s in tl.static_range(TOP_K):
+            pair = t * TOP_K + s
+            expert = tl.load(ids_ptr + pair) - expert_start  # L1 hits after the first step
+            routed = (expert >= 0) & (expert < E_LOCAL) & token_ok
+            expert = tl.where(routed, expert, 0)
+            # a padding row's router output may be NaN; 0 * NaN would leak into its zero output
+            weight = tl.where(routed, tl.load(weights_ptr + pair), 0.0)
+            w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn + offs_k[None, :] + k0
+            a_ptrs = act_ptr + pair.to(tl.int64) * stride_am + k0 + offs_k
+            if K % BLOCK_K == 0:  # a uniform mask: the weight loads still vectorise along K
+                a = tl.load(a_ptrs, mask=routed, other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs, mask=routed, other=0.0)
+            else:
+                k_mask = ((k0 + offs_k) < K) & routed
+                a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * (a * weight)[None, :]
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 
 @triton.jit

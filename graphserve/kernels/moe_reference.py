@@ -4,8 +4,9 @@ These are the CPU path of layers/moe.py and the references every MoE kernel is t
 Numerics follow the fused kernels: fp32 routing; each expert's gate and up projections accumulate
 in fp32 and are rounded to the activation dtype, ``silu(gate) * up`` is computed in fp32 and
 rounded; the down projection accumulates in fp32, is multiplied by the fp32 routing weight and
-rounded per (token, slot) pair; the k pairs of a token are summed in fp32. In fp32 this is
-transformers' Qwen3-MoE/Mixtral/OLMoE/Qwen2-MoE expert computation exactly.
+rounded per (token, slot) pair; the k pairs of a token are summed in fp32. (The small-batch
+streaming kernels skip the per-pair rounding: they sum the slots in fp32 and round once.) In fp32
+this is transformers' Qwen3-MoE/Mixtral/OLMoE/Qwen2-MoE expert computation exactly.
 
 A (token, slot) pair p = t * top_k + s is *routed* when token t is valid (not a padding row of a
 CUDA-graph batch) and its expert lies in this rank's range [expert_start, expert_start + E_local).

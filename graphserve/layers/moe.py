@@ -96,7 +96,10 @@ class GroupedSigmoidTopK(Router):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
 
     def forward(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grouped_sigmoid_topk_reference(
+        route = grouped_sigmoid_topk_reference
+        if router_logits.is_cuda:
+            from graphserve.kernels.moe_routing import moe_grouped_topk as route
+        return route(
             router_logits, self.top_k, self.e_score_correction_bias, self.n_group, self.topk_group,
             self.renormalize, self.routed_scaling_factor,
         )  # fmt: skip
@@ -212,6 +215,20 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert part {part!r} does not belong in {param_name}")
         self.load_expert_weight(part, expert, tensor)
         return self.expert_start <= expert < self.expert_start + self.num_local_experts
+
+    def workspace_bytes(self, num_tokens: int) -> int:
+        """Device memory one forward of ``num_tokens`` rows allocates on the fused path (for the start-up plan)."""
+        from graphserve.kernels.moe_fused import moe_workspace_bytes
+
+        return moe_workspace_bytes(
+            num_tokens, self.top_k, self.num_local_experts, self.intermediate_local, self.hidden_size,
+            self.w13_weight.dtype,
+        )  # fmt: skip
+
+    def expert_load(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(distinct experts touched, most pairs any one expert received) in the last forward, as
+        0-d device tensors: read them after the step, not inside it."""
+        return (self.expert_counts > 0).sum(), self.expert_counts.max()
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.routing_override not in ROUTING_OVERRIDES:

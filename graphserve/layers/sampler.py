@@ -109,9 +109,10 @@ def apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= t.top_k[:, None], float("-inf"))
     if t.any_top_p:
         probs = sorted_logits.softmax(dim=-1)
-        # Keep a token when the mass strictly before it is below top_p (the first always stays).
+        # Keep a token when the mass strictly before it is below top_p; the first always stays, even when top_p
+        # rounds to 0 in float32 (a top_p of 1e-46 once masked every token and sampled id 0).
         before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(before >= t.top_p[:, None], float("-inf"))
+        sorted_logits = sorted_logits.masked_fill((before >= t.top_p[:, None]) & (before > 0), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 

@@ -37,6 +37,7 @@ from graphserve.server.engine_process import (
     EngineLoadFailed,
     EngineProcess,
     EngineReady,
+    FlushPrefixCache,
     ProfileSteps,
     StepBatch,
 )
@@ -88,10 +89,13 @@ class AsyncEngine:
         self.engine_error: str | None = None  # set when the engine process died while serving
         self.stats: Any = None  # last EngineStats, refreshed after every engine iteration
         self._on_step = on_step
+        # Called on the loop as on_abort(request_id, error) for a request stopped before it finished.
+        self.on_abort: Callable[[str, GraphserveError | None], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
         self._inbox: list[Any] = []  # in-process: EngineRequests to add
         self._aborts: list[str] = []
+        self._flush_cache = False
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._process: EngineProcess | None = None
@@ -203,6 +207,8 @@ class AsyncEngine:
             stream.finished = True
             if error is not None:
                 stream.queue.put_nowait(error)
+            if self.on_abort is not None:
+                self.on_abort(request_id, error)
         self._send_aborts([request_id])
 
     def _send_aborts(self, ids: list[str]) -> None:
@@ -211,6 +217,15 @@ class AsyncEngine:
             return
         with self._cond:
             self._aborts.extend(ids)
+            self._cond.notify()
+
+    def flush_prefix_cache(self) -> None:
+        """Drop the prefix cache before the engine's next step; requests added after this call see it empty."""
+        if self._process is not None:
+            self._process.send(FlushPrefixCache())
+            return
+        with self._cond:
+            self._flush_cache = True
             self._cond.notify()
 
     def abort_all(self, error: GraphserveError) -> int:
@@ -313,13 +328,17 @@ class AsyncEngine:
         self.ready.set()
         while True:
             with self._cond:
-                while not (self._stopped or self._inbox or self._aborts or self._driver.has_work()):
+                while not (self._stopped or self._inbox or self._aborts or self._flush_cache
+                           or self._driver.has_work()):
                     self._cond.wait()
                 if self._stopped:
                     return
+                flush, self._flush_cache = self._flush_cache, False
                 new, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
                 faulty, self._faulty = self._faulty, set()
+            if flush:
+                self._driver.flush_prefix_cache()
             outputs, failed = self._driver.iterate(new, aborts, faulty)
             self.stats = self._driver.core.stats()
             self._waiting_in_core = int(self.stats.waiting)

@@ -32,6 +32,10 @@ class CoreDriver:
         self._faulty: set[str] = set()  # ids whose next step raises InjectedFault
         self.profiler: Any = None  # engine/step_profiler.StepProfiler while `graphserve profile` runs
 
+    def flush_prefix_cache(self) -> None:
+        dropped = self.core.block_manager.reset_prefix_cache()
+        logger.info("prefix cache flushed: %d cached block(s) dropped", dropped)
+
     def has_work(self) -> bool:
         return bool(self.core.has_unfinished_requests())
 

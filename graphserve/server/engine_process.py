@@ -41,6 +41,11 @@ class AbortRequests:
 
 
 @dataclass
+class FlushPrefixCache:
+    """Drop the prefix cache before the next step (/flush_cache)."""
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -142,6 +147,8 @@ def engine_main(config: EngineConfig, inbox: Any, outbox: Connection, log_level:
                 aborts += msg.request_ids
             elif isinstance(msg, ProfileSteps):
                 start_profile(driver, msg, outbox.send)
+            elif isinstance(msg, FlushPrefixCache):
+                driver.flush_prefix_cache()
         outputs, failed = driver.iterate(new, aborts, faulty)
         batch = StepBatch(outputs, failed, core.stats(), records[:], admitted=len(new))
         records.clear()

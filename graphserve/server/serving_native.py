@@ -9,9 +9,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from graphserve.outputs import CompletionOutput, RequestOutput
-from graphserve.server.errors import SSE_HEADERS
-from graphserve.server.protocol import GenerateRequest
+from graphserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from graphserve.server.errors import SSE_HEADERS, recorded_events
+from graphserve.server.prompts import engine_prompts
+from graphserve.server.protocol_native import GenerateRequest
 from graphserve.server.state import ServerState
 from graphserve.server.streams import (
     CLIENT_CLOSED,
@@ -26,9 +27,11 @@ from graphserve.server.streams import (
 )
 
 
-def _finish_reason(o: CompletionOutput) -> dict[str, Any] | None:
+def _finish_reason(o: CompletionOutput, prefill_only: bool) -> dict[str, Any] | None:
     if o.finish_reason is None:
         return None
+    if prefill_only:
+        return {"type": "length", "length": 0}
     if o.finish_reason == "stop":
         return {"type": "stop", "matched": o.stop_reason}
     if o.finish_reason == "length":
@@ -36,43 +39,69 @@ def _finish_reason(o: CompletionOutput) -> dict[str, Any] | None:
     return {"type": o.finish_reason, "message": "request aborted"}
 
 
-def _item(rid: str, out: RequestOutput, o: CompletionOutput, arrival: float, batched: bool, n: int,
-          index: int) -> dict[str, Any]:
-    meta = {
-        "id": rid if n == 1 else f"{rid}-{o.index}",
-        "prompt_tokens": len(out.prompt_token_ids),
-        "completion_tokens": len(o.token_ids),
-        "cached_tokens": out.metrics.num_cached_tokens if out.metrics else 0,
-        "finish_reason": _finish_reason(o),
-        "e2e_latency": time.monotonic() - arrival,
-    }
-    item: dict[str, Any] = {"text": o.text, "output_ids": list(o.token_ids), "meta_info": meta}
-    if batched or n > 1:
-        item["index"] = index * n + o.index
-    return item
+class _Renderer:
+    """One response item per choice, in SGLang's shape (meta_info, logprobs as [logprob, id, text])."""
+
+    def __init__(self, req: GenerateRequest, state: ServerState, batched: bool, n: int):
+        self.req = req
+        self.state = state
+        self.batched = batched
+        self.n = n
+
+    def _entry(self, token_id: int, logprob: float) -> list[Any]:
+        text = self.state.token_text(token_id) if self.req.return_text_in_logprobs else None
+        return [logprob, token_id, text]
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        return {
+            "input_token_logprobs": [], "input_top_logprobs": [],
+            "output_token_logprobs": [self._entry(lp.token_id, lp.logprob) for lp in lps],
+            "output_top_logprobs": [[self._entry(t, v) for t, v in lp.top] for lp in lps],
+        }
+
+    def item(self, rid: str, out: RequestOutput, o: CompletionOutput, arrival: float, index: int) -> dict[str, Any]:
+        prefill_only = self.req.prefill_only
+        # Prefill only: the one token the engine sampled to end the prefill is not part of the answer.
+        text, ids = ("", []) if prefill_only else (o.text, list(o.token_ids))
+        meta: dict[str, Any] = {
+            "id": rid if self.n == 1 else f"{rid}-{o.index}",
+            "prompt_tokens": len(out.prompt_token_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": out.metrics.num_cached_tokens if out.metrics else 0,
+            "finish_reason": _finish_reason(o, prefill_only),
+            "e2e_latency": time.monotonic() - arrival,
+        }
+        if self.req.return_logprob:
+            meta.update(self._logprobs([] if prefill_only else (o.logprobs or [])))
+        item: dict[str, Any] = {"text": text, "output_ids": ids, "meta_info": meta}
+        if self.batched or self.n > 1:
+            item["index"] = index * self.n + o.index
+        return item
 
 
 async def generate(req: GenerateRequest, request: Request, state: ServerState) -> Response:
     params = req.to_sampling_params()
     prompts, batched = req.prompts()
+    prompts = await engine_prompts(state, "text" if req.text is not None else "input_ids", prompts)
+    req.check_logprob_start([len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) for p in prompts])
     rid = req.rid or new_id("gen")
     jobs = start_jobs(state.engine, state.metrics, rid, prompts, params)
-    n = params.n
+    render = _Renderer(req, state, batched, params.n)
     if req.stream:
-        return StreamingResponse(sse_stream(_chunks(jobs, batched, n)), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return StreamingResponse(sse_stream(recorded_events(request, _chunks(jobs, render))),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
-    items = [_item(j.stream.request_id, j.last, o, j.timer.arrival, batched, n, j.index)
+    items = [render.item(j.stream.request_id, j.last, o, j.timer.arrival, j.index)
              for j in jobs if j.last for o in j.last.outputs]
-    if not batched and n == 1:
+    if not batched and params.n == 1:
         return JSONResponse(items[0])
     return JSONResponse(sorted(items, key=lambda it: it["index"]))
 
 
-async def _chunks(jobs: list[Job], batched: bool, n: int) -> AsyncIterator[dict[str, Any]]:
+async def _chunks(jobs: list[Job], render: _Renderer) -> AsyncIterator[dict[str, Any]]:
     trackers = {job.index: DeltaTracker() for job in jobs}
     async for job, out in merged(jobs):
         for o in out.outputs:
-            if trackers[job.index].delta(o) is not None:
-                yield _item(job.stream.request_id, out, o, job.timer.arrival, batched, n, job.index)
+            if trackers[job.index].delta(o) is not None and (o.finish_reason or not render.req.prefill_only):
+                yield render.item(job.stream.request_id, out, o, job.timer.arrival, job.index)

@@ -10,7 +10,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from graphserve.outputs import CompletionOutput, TokenLogprob
-from graphserve.server.errors import SSE_HEADERS
+from graphserve.server.errors import SSE_HEADERS, recorded_events
+from graphserve.server.prompts import chat_engine_prompt, engine_prompts, token_table
 from graphserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from graphserve.server.state import ServerState
 from graphserve.server.streams import (
@@ -42,9 +43,11 @@ def _completion_logprobs(state: ServerState, lps: list[TokenLogprob], offset: in
 
 
 def _chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict[str, Any]:
+    table = token_table(state)
+
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = state.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": state.token_text(token_id), "logprob": logprob,
+                "bytes": list(table.token_bytes(token_id))}
 
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in lps]}
@@ -57,14 +60,14 @@ def _new_logprobs(o: CompletionOutput, first_new: int) -> list[TokenLogprob] | N
 async def create_completion(req: CompletionRequest, request: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     params = req.to_sampling_params()
-    prompts = req.prompts()
+    prompts = await engine_prompts(state, "prompt", req.prompts())
     rid = new_id("cmpl")
     jobs = start_jobs(state.engine, state.metrics, rid, prompts, params)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     n = params.n
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(sse_stream(_completion_chunks(state, jobs, head, n, include_usage)),
+        return StreamingResponse(sse_stream(recorded_events(request, _completion_chunks(state, jobs, head, n, include_usage))),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
@@ -114,14 +117,15 @@ async def _completion_chunks(
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     params = req.to_sampling_params()
-    prompt = state.chat_prompt(req.template_messages(), req.add_generation_prompt)
+    prompt = await chat_engine_prompt(state, req.template_messages(), req.add_generation_prompt)
     rid = new_id("chatcmpl")
     jobs = start_jobs(state.engine, state.metrics, rid, [prompt], params)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        return StreamingResponse(sse_stream(_chat_chunks(state, jobs, chunk_head, params.n, include_usage)),
+        return StreamingResponse(sse_stream(recorded_events(
+            request, _chat_chunks(state, jobs, chunk_head, params.n, include_usage))),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
@@ -139,13 +143,16 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
 async def _chat_chunks(
     state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool
 ) -> AsyncIterator[dict[str, Any]]:
-    # The role goes out first, once per choice, as OpenAI does; clients key the message on it.
-    for i in range(n):
-        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]}
+    # The role rides on each choice's first chunk, with its first content: a role-only chunk sent before the
+    # engine produced anything would make clients that time TTFT from the first chunk read it too short.
+    started: set[int] = set()
     async for _, o, text, new_lps, finished in _new_pieces(jobs):
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if o.index not in started:
+            started.add(o.index)
+            delta = {"role": "assistant", "content": text}
         yield {**head, "choices": [{
-            "index": o.index, "delta": {"content": text} if text else {},
+            "index": o.index, "delta": delta,
             "logprobs": _chat_logprobs(state, new_lps) if new_lps is not None else None,
             "finish_reason": o.finish_reason if finished else None,
             "stop_reason": o.stop_reason if finished else None,

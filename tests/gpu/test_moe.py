@@ -2,7 +2,7 @@
 Qwen1.5-MoE-A2.7B, on the GPU.
 
 Fresh random inputs per model and batch (1, 7, 64, 256, 2048) against an fp32 loop over experts;
-the routing kernel against torch's softmax + topk; both expert paths forced at small batches; and
+the routing kernels against torch (softmax + topk; DeepSeek-V3's grouped sigmoid top-k); both expert paths forced at small batches; and
 FusedMoE captured into a CUDA graph with padding rows, replayed on new inputs, routing and valid
 count, equal to an eager call bit for bit, with padding rows zero and uncounted in expert_counts.
 """
@@ -12,9 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphserve.kernels.moe_fused import fused_experts
-from graphserve.kernels.moe_reference import expert_counts_reference, experts_loop_reference, softmax_topk_reference
-from graphserve.kernels.moe_routing import moe_softmax_topk
+from graphserve.kernels.moe_fused import fused_experts, moe_workspace_bytes
+from graphserve.kernels.moe_reference import (
+    expert_counts_reference,
+    experts_loop_reference,
+    grouped_sigmoid_topk_reference,
+    softmax_topk_reference,
+)
+from graphserve.kernels.moe_routing import moe_grouped_topk, moe_softmax_topk
 from graphserve.layers.moe import FusedMoE, SoftmaxTopK
 
 DT = torch.bfloat16
@@ -90,6 +95,28 @@ def test_routing_kernel_matches_torch(name, t, gen):
     assert bool((gap[differs] < 1e-6).all()), int(differs.sum())
 
 
+@pytest.mark.parametrize("t", [1, 7, 2048])
+def test_grouped_topk_kernel_matches_torch_at_deepseek_v3_shape(t, gen):
+    # DeepSeek-V3: 256 routed experts in 8 groups, the best 4 groups, 8 experts, scaling 2.5
+    e, n_group, topk_group, k = 256, 8, 4, 8
+    logits = torch.randn(t, e, device="cuda", generator=gen) * 2
+    bias = torch.randn(e, device="cuda", generator=gen) * 0.1
+    w, ids = moe_grouped_topk(logits, k, bias, n_group, topk_group, True, 2.5)
+    w_ref, ids_ref = grouped_sigmoid_topk_reference(logits, k, bias, n_group, topk_group, True, 2.5)
+    # a row may differ from torch only where its decision is a tie to fp32 rounding: between the
+    # last group kept and the first dropped, or the k-th expert and the next allowed one
+    biased = torch.sigmoid(logits) + bias
+    merit = biased.view(t, n_group, -1).topk(2, dim=-1).values.sum(-1)
+    kept = torch.zeros_like(merit, dtype=torch.bool).scatter_(1, merit.topk(topk_group, dim=1).indices, True)
+    allowed = kept[:, torch.arange(e, device="cuda") // (e // n_group)]
+    ranked = biased.masked_fill(~allowed, float("-inf")).sort(dim=1, descending=True).values
+    merits = merit.sort(dim=1, descending=True).values
+    margin = torch.minimum(merits[:, topk_group - 1] - merits[:, topk_group], ranked[:, k - 1] - ranked[:, k])
+    same = (ids == ids_ref).all(dim=1)
+    assert bool((margin[~same] < 1e-5).all()), margin[~same]
+    torch.testing.assert_close(w[same], w_ref[same], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("padded,real", [(1, 1), (1, 0), (8, 5), (64, 50), (256, 201)])
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
 @torch.inference_mode()
@@ -111,6 +138,8 @@ def test_cuda_graph_replay_with_padding_rows(name, padded, real, experts, gen):
         out = layer(x, logits, valid=valid)
     x.copy_(torch.randn(padded, h, device="cuda", generator=gen).to(DT))
     logits.copy_(torch.randn(padded, e, device="cuda", generator=gen) * 3)
+    x[real:] = float("nan")  # padding rows hold stale data: nothing of them may reach the output
+    logits[real:] = float("nan")
     valid.fill_(real)
     layer.expert_counts.fill_(-1)
     graph.replay()
@@ -118,10 +147,11 @@ def test_cuda_graph_replay_with_padding_rows(name, padded, real, experts, gen):
     replay_out, replay_counts = out.clone(), layer.expert_counts.clone()
     assert torch.equal(replay_out, layer(x, logits, valid=valid))
     assert torch.equal(replay_out[real:], torch.zeros(padded - real, h, device="cuda", dtype=DT))
-    w, ids = softmax_topk_reference(logits, k, renorm)
-    assert torch.equal(replay_counts, expert_counts_reference(ids, torch.arange(padded, device="cuda") < real, e))
+    w, ids = softmax_topk_reference(logits[:real], k, renorm)
+    want_counts = expert_counts_reference(ids, None, e)
+    assert torch.equal(replay_counts, want_counts)
     if real:
-        ref = _reference(x[:real], experts[name][2], experts[name][3], w[:real], ids[:real])
+        ref = _reference(x[:real], experts[name][2], experts[name][3], w, ids)
         assert rel_err(replay_out[:real], ref) < TOL
 
 
@@ -138,3 +168,22 @@ def test_uniform_routing_spreads_pairs_evenly(experts, gen):
     ids = (torch.arange(64 * k, device="cuda", dtype=torch.int32) % e).view(64, k)
     w = torch.full((64, k), 1 / k, device="cuda")
     assert rel_err(out, _reference(x, experts["qwen3-30b-a3b"][2], experts["qwen3-30b-a3b"][3], w, ids)) < TOL
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_workspace_bound_covers_what_a_forward_allocates(name, experts, gen):
+    e, h, i, k, renorm = MODELS[name]
+    w13, w2 = experts[name][:2]
+    for t in (1, 64, 2048):
+        x = torch.randn(t, h, device="cuda", generator=gen).to(DT)
+        w, ids = moe_softmax_topk(torch.randn(t, e, device="cuda", generator=gen), k, renorm)
+        counts = torch.empty(e, dtype=torch.int32, device="cuda")
+        fused_experts(x, w13, w2, w, ids, counts=counts)  # compiled and cached before measuring
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fused_experts(x, w13, w2, w, ids, counts=counts)
+        torch.cuda.synchronize()
+        used = torch.cuda.max_memory_allocated() - base
+        # the caching allocator rounds each of the ~8 buffers up to 512 bytes
+        assert out.numel() and used <= moe_workspace_bytes(t, k, e, i, h, DT) + 8 * 512, (t, used)
