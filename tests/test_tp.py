@@ -129,7 +129,10 @@ def _check_comm_telemetry(core, tp: int, ep: int) -> None:
 ])
 def test_tp_greedy_tokens_match_tp1(tmp_path, name, config, tp):
     make_hf_checkpoint(tmp_path, config())
-    assert _generate(tmp_path, tp=tp) == _generate(tmp_path)
+    # the overlap schedule at tp 2: a step's inputs hold stand-ins for the tokens of the step in flight,
+    # resolved on the driver before they are broadcast
+    overlap = "on" if tp == 2 else "off"
+    assert _generate(tmp_path, tp=tp, overlap_schedule=overlap) == _generate(tmp_path)
 
 
 def test_tp_that_does_not_divide_heads_is_refused_naming_the_values_that_work(tmp_path):
