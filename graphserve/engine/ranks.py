@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("graphserve.ranks")
 
 RANK_FAILURE_EXIT = 75
+# The server's engine process (server/engine_process.py names it so): a process that only runs the engine.
+ENGINE_PROCESS_NAME = "graphserve-engine"
 _STOP_TIMEOUT_S = 20.0
 
 
@@ -86,7 +89,7 @@ class RankPool:
             self.failure = f"rank {rank} (pid {proc.pid}) exited with code {code}"
         logger.error("%s: the engine cannot continue; stopping the other ranks", self.failure)
         self._kill_all()
-        if multiprocessing.parent_process() is not None:
+        if multiprocessing.current_process().name == ENGINE_PROCESS_NAME:
             os._exit(RANK_FAILURE_EXIT)  # the server's engine process: the server reports the death
         from graphserve.distributed.state import get_parallel
 
@@ -130,6 +133,8 @@ def _exit_when_driver_dies() -> None:
 
 def worker_main() -> None:
     """A rank other than the driver: join the group, load its shard, then run the driver's steps."""
+    # Ctrl-C reaches the whole process group: the driver decides what happens, then stops its ranks
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank, config, init_method, device_name, level = pickle.load(sys.stdin.buffer)
     threading.Thread(target=_exit_when_driver_dies, name="graphserve-driver-watch", daemon=True).start()
     logging.basicConfig(level=level, format=f"[%(asctime)s rank{rank}] %(message)s", force=True)
