@@ -68,7 +68,14 @@ def _required(config: Any, field: str) -> Any:
 
 
 class SparseMoeBlock(nn.Module):
-    """Router gate + routed experts (+ an optional sigmoid-gated shared expert)."""
+    """Router gate + routed experts (+ an optional sigmoid-gated shared expert).
+
+    Under ``--tp``/``--ep`` every rank routes every token and computes the pairs its experts (or expert
+    slices) hold; one all-reduce of ``[T, H]`` combines the ranks. An all-to-all version of ``--ep``
+    would instead send each token only to the ranks holding its routed experts and back (traffic
+    ``T·top_k·H`` spread over the pairs that cross ranks, rather than every rank reducing a full
+    ``[T, H]``), which pays off at prefill sizes and lets attention run data-parallel; at decode sizes
+    both are latency-bound, and the all-reduce keeps attention's tensor-parallel layout unchanged."""
 
     def __init__(self, s: Shape, m: MoEShape) -> None:
         super().__init__()
