@@ -118,6 +118,7 @@ def _allreduce_rows(s: dict, device: torch.device, sizes_kib: list[int]) -> list
     custom = None
     if s["custom"]:
         custom = SymmMemAllReduce(group, device, torch.bfloat16, max_bytes=max(sizes_kib) * 1024)
+        custom.rendezvous()
     rows = []
     for kib in sizes_kib:
         x = torch.randn(kib * 512, device=device, dtype=torch.bfloat16)  # kib KiB of bf16

@@ -41,13 +41,22 @@ class SymmMemAllReduce:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype} is not one of {_DTYPES}")
         self.group_name = group.group_name
+        if self.group_name in getattr(symm_mem, "_group_name_to_store", {}):
+            # registered for an earlier process group of the same name (this process left and rejoined):
+            # its store is gone, and a rendezvous through it would wait forever
+            raise RuntimeError(f"peer memory is already registered for a process group named {self.group_name!r}")
         self.dtype, self.max_bytes = dtype, max_bytes
+        self._op = torch.ops.symm_mem.one_shot_all_reduce_copy_out  # missing in older PyTorch: raises here
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
             symm_mem.enable_symm_mem_for_group(self.group_name)
         # one buffer in the model's dtype: the op reads a prefix of it, starting at the mapped base
         self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+
+    def rendezvous(self) -> None:
+        """Map every rank's buffer (a collective: call it on every rank, only once all could allocate)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
         symm_mem.rendezvous(self.buffer, self.group_name)
-        self._op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
 
     def accepts(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -90,8 +99,12 @@ def _agrees_with_nccl(impl: SymmMemAllReduce, group: Any, device: torch.device) 
     except Exception:  # noqa: BLE001 - an op this PyTorch lacks or refuses: NCCL it is, on every rank
         logger.exception("the one-shot all-reduce raised at its start-up check")
         ok = False
+    return _all_ranks(ok, group, device)  # every rank keeps or drops it together
+
+
+def _all_ranks(ok: bool, group: Any, device: torch.device) -> bool:
     flag = torch.tensor([int(ok)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # every rank keeps or drops it together
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
@@ -103,16 +116,17 @@ def maybe_enable_custom_all_reduce(parallel: ParallelState, config: EngineConfig
 
     if not parallel.distributed or parallel.backend != "nccl" or config.disable_custom_all_reduce:
         return
+    group = parallel.device_group
     impl: SymmMemAllReduce | None = None
     reason = ""
-    try:
-        impl = SymmMemAllReduce(parallel.device_group, device, model_dtype(config))
+    try:  # local steps only: every rank learns whether all could, before the collective rendezvous
+        impl = SymmMemAllReduce(group, device, model_dtype(config))
     except Exception as e:  # noqa: BLE001 - no symmetric memory here: NCCL does every all-reduce
         reason = f"{type(e).__name__}: {e}"
-    ok = torch.tensor([int(impl is not None)], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=parallel.device_group)
-    if ok.item() and impl is not None:
-        if _agrees_with_nccl(impl, parallel.device_group, device):
+    if _all_ranks(impl is not None, group, device):
+        assert impl is not None
+        impl.rendezvous()
+        if _agrees_with_nccl(impl, group, device):
             set_custom_all_reduce(impl)
             logger.info("one-shot all-reduce over peer memory for %s messages up to %d KiB; NCCL above",
                         impl.dtype, impl.max_bytes // 1024)
