@@ -1,5 +1,6 @@
-"""Tensor parallelism on a multi-GPU host: what a decode step costs at tp 1 and tp 2, how much of it is
-communication, and where the one-shot all-reduce should hand over to NCCL.
+"""Tensor parallelism on a multi-GPU host: decode steps at tp 1 and tp 2 with their communication share.
+
+Also where the one-shot all-reduce should hand over to NCCL.
 
 Two parts, each run in fresh processes (one per rank, NCCL env set before the group forms):
 
