@@ -20,7 +20,8 @@ Two parts, each run in fresh processes (one per rank, NCCL env set before the gr
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1). Captured graphs are
 released before the process group is destroyed (the other order hangs at exit).
 
-Run on >= 2 GPUs: python3 -m benchmarks.tp [--quick]   (writes benchmarks/results/tp.json)
+Run on >= 2 GPUs: python3 -m benchmarks.tp [--quick] [--parts dense moe allreduce]
+(writes benchmarks/results/tp.json, or tp_<parts>.json for a subset)
 """
 
 from __future__ import annotations
@@ -182,48 +183,73 @@ def run_scenario(s: dict, quick: bool) -> list[dict]:
         return json.loads(Path(out).read_text())
 
 
-def scenarios(quick: bool, tp: int) -> list[dict]:
-    from graphserve.models.presets import PRESETS
+PARTS = ("dense", "moe", "allreduce")
 
+
+def scenarios(parts: list[str], tp: int) -> list[dict]:
     batches = [1, 64]
     base = {"kind": "step", "model": "dummy:llama3-8b", "ep": 1, "batches": batches, "p2p": True, "custom": True}
-    out = [{**base, "variant": "tp1", "tp": 1},
-           {**base, "variant": "oneshot+nccl", "tp": tp},
-           {**base, "variant": "nccl", "tp": tp, "custom": False},
-           {**base, "variant": "nccl p2p-off", "tp": tp, "custom": False, "p2p": False}]
-    if "qwen3-30b-a3b" in PRESETS and not quick:
+    out = []
+    if "dense" in parts:
+        out += [{**base, "variant": "tp1", "tp": 1},
+                {**base, "variant": "oneshot+nccl", "tp": tp},
+                {**base, "variant": "nccl", "tp": tp, "custom": False},
+                {**base, "variant": "nccl p2p-off", "tp": tp, "custom": False, "p2p": False}]
+    if "moe" in parts:
         moe = {**base, "model": "dummy:qwen3-30b-a3b"}
         out += [{**moe, "variant": "moe tp", "tp": tp}, {**moe, "variant": "moe ep", "tp": 1, "ep": tp}]
-    ar = {"kind": "allreduce", "tp": tp, "ep": 1, "p2p": True, "custom": True}
-    out += [{**ar, "variant": "p2p"}, {**ar, "variant": "p2p-off", "p2p": False, "custom": False}]
+    if "allreduce" in parts:
+        ar = {"kind": "allreduce", "tp": tp, "ep": 1, "p2p": True, "custom": True}
+        out += [{**ar, "variant": "p2p"}, {**ar, "variant": "p2p-off", "p2p": False, "custom": False}]
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations, no MoE rows")
+    parser.add_argument("--quick", action="store_true", help="fewer all-reduce sizes and step iterations")
     parser.add_argument("--tp", type=int, default=2, help="ranks of the parallel rows (GPUs needed)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="dense: llama3-8b tp 1 / tp 2 variants; moe: qwen3-30b-a3b tp and ep; allreduce: the sweep")
     args = parser.parse_args()
     if torch.cuda.device_count() < args.tp:
         raise SystemExit(f"--tp={args.tp} needs {args.tp} GPUs, {torch.cuda.device_count()} visible")
     os.environ.update(_env(True))
     steps: list[dict] = []
     allreduce: list[dict] = []
-    for s in scenarios(args.quick, args.tp):
-        (allreduce if s["kind"] == "allreduce" else steps).extend(run_scenario(s, args.quick))
+    errors: list[dict] = []
+    for s in scenarios(args.parts, args.tp):
+        try:
+            (allreduce if s["kind"] == "allreduce" else steps).extend(run_scenario(s, args.quick))
+        except Exception as e:  # noqa: BLE001 - one failing scenario (its ranks are stopped) must not lose the rest
+            print(f"# {s['kind']} {s['variant']} failed: {type(e).__name__}: {e}", flush=True)
+            errors.append({"kind": s["kind"], "variant": s["variant"], "error": f"{type(e).__name__}: {e}"})
+        args.errors = errors
+        report(steps, allreduce, args, final=False)  # written after each scenario: a timeout keeps what ran
+    report(steps, allreduce, args, final=True)
+
+
+def report(steps: list[dict], allreduce: list[dict], args: argparse.Namespace, final: bool) -> None:
     tp1 = {(r["model"], r["batch"]): r["step_ms"] for r in steps if r["tp"] == 1 and r["ep"] == 1}
     for r in steps:
         base = tp1.get((r["model"], r["batch"]))
         r["vs_tp1"] = r["step_ms"] / base if base else None
-    print_table(steps, STEP_COLS)
-    print()
-    print_table(allreduce, AR_COLS)
     wins = [r["KiB"] for r in allreduce if r["variant"] == "p2p" and r.get("custom/nccl_graph", 2.0) < 1.0]
     switch = max(wins) * 1024 if wins else 0
-    print(f"\nlargest message where the one-shot all-reduce beats NCCL in a graph: {switch} bytes "
-          f"(CUSTOM_ALL_REDUCE_MAX_BYTES)")
-    write_result("tp", {"ctx": CTX, "steps": steps, "allreduce": allreduce, "custom_all_reduce_max_bytes": switch,
-                        "gpus": torch.cuda.device_count(), "quick": args.quick})
+    name = "tp" if set(args.parts) == set(PARTS) else "tp_" + "_".join(sorted(args.parts))
+    path = write_result(name, {"ctx": CTX, "steps": steps, "allreduce": allreduce,
+                               "custom_all_reduce_max_bytes": switch if allreduce else None,
+                               "gpus": torch.cuda.device_count(), "quick": args.quick, "parts": args.parts,
+                               "errors": getattr(args, "errors", []), "complete": final})
+    if not final:
+        return
+    if steps:
+        print_table(steps, STEP_COLS)
+    if allreduce:
+        print()
+        print_table(allreduce, AR_COLS)
+        print(f"\nlargest message where the one-shot all-reduce beats NCCL in a graph: {switch} bytes "
+              f"(CUSTOM_ALL_REDUCE_MAX_BYTES)")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
