@@ -223,12 +223,12 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - one failing scenario (its ranks are stopped) must not lose the rest
             print(f"# {s['kind']} {s['variant']} failed: {type(e).__name__}: {e}", flush=True)
             errors.append({"kind": s["kind"], "variant": s["variant"], "error": f"{type(e).__name__}: {e}"})
-        args.errors = errors
-        report(steps, allreduce, args, final=False)  # written after each scenario: a timeout keeps what ran
-    report(steps, allreduce, args, final=True)
+        report(steps, allreduce, errors, args, final=False)  # written after each scenario: a timeout keeps what ran
+    report(steps, allreduce, errors, args, final=True)
 
 
-def report(steps: list[dict], allreduce: list[dict], args: argparse.Namespace, final: bool) -> None:
+def report(steps: list[dict], allreduce: list[dict], errors: list[dict], args: argparse.Namespace,
+           final: bool) -> None:
     tp1 = {(r["model"], r["batch"]): r["step_ms"] for r in steps if r["tp"] == 1 and r["ep"] == 1}
     for r in steps:
         base = tp1.get((r["model"], r["batch"]))
@@ -239,7 +239,7 @@ def report(steps: list[dict], allreduce: list[dict], args: argparse.Namespace, f
     path = write_result(name, {"ctx": CTX, "steps": steps, "allreduce": allreduce,
                                "custom_all_reduce_max_bytes": switch if allreduce else None,
                                "gpus": torch.cuda.device_count(), "quick": args.quick, "parts": args.parts,
-                               "errors": getattr(args, "errors", []), "complete": final})
+                               "errors": errors, "complete": final})
     if not final:
         return
     if steps:
