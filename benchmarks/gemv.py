@@ -14,6 +14,9 @@ largest row count up to which the gemv path won at every measured count goes int
 graphserve/kernels/gemv_rule.json with the card's name: the table layers/linear.py routes by.
 
 Run on a GPU: python3 -m benchmarks.gemv [--sweep]   (writes benchmarks/results/gemv.json and the rule)
+One model's projections: python3 -m benchmarks.gemv --models dummy:qwen3-30b-a3b dummy:mixtral-8x7b
+(the rows of shapes not measured in this run are carried over from the results file, each row
+keeping the date and commit it was measured at, and the rule is derived from the merged file)
 Rewrite the rule from a results file, no GPU needed: python3 -m benchmarks.gemv --rule-from FILE
 ``--sweep`` also times a grid of tile configurations per shape and batch and prints the best one
 next to ``choose_config``'s pick, the data for retuning that function.
@@ -53,6 +56,22 @@ SHAPES = {
     "llama3-8b o_proj": (4096, 4096),
     "llama3-8b gate_up": (28672, 4096),
     "llama3-8b down": (4096, 14336),
+    # the MoE presets' dense projections (their experts run through kernels/moe_*); the router gate
+    # goes through this rule only beyond the fused gate kernel's rows (kernels/moe_gate.MAX_ROWS)
+    # or under --moe-routing uniform
+    "qwen3-30b-a3b qkv": (5120, 2048),
+    "qwen3-30b-a3b o_proj": (2048, 4096),
+    "qwen3-30b-a3b router": (128, 2048),
+    "mixtral-8x7b router": (8, 4096),
+}
+# measured when neither --shapes nor --models is given (the dense presets)
+DEFAULT_SHAPES = [name for name in SHAPES if name.startswith(("qwen3-0.6b", "llama3-8b"))]
+# the projections each preset runs, by shape name (mixtral-8x7b's attention has llama3-8b's shapes)
+MODEL_SHAPES = {
+    "dummy:qwen3-0.6b": [name for name in SHAPES if name.startswith("qwen3-0.6b")],
+    "dummy:llama3-8b": [name for name in SHAPES if name.startswith("llama3-8b")],
+    "dummy:qwen3-30b-a3b": ["qwen3-30b-a3b qkv", "qwen3-30b-a3b o_proj", "qwen3-30b-a3b router"],
+    "dummy:mixtral-8x7b": ["llama3-8b qkv", "llama3-8b o_proj", "mixtral-8x7b router"],
 }
 COLS = ["shape", "M", "cublas_us", "gemv_us", "gemv/cublas", "gemv_GBps", "floor_us", "gemv/floor", "gemv/datasheet"]
 FUSED_COLS = ["shape", "M", "kind", "unfused_us", "fused_us", "fused/unfused", "fused/floor", "fused/datasheet"]
@@ -61,7 +80,7 @@ EPS = 1e-6
 
 def timed_us(n: int, k: int, m: int, fn, x_cols: int | None = None) -> float:
     """Microseconds per ``fn(x, w)`` for x [m, x_cols or k], each call taking the next cold weight [n, k]."""
-    copies = max(1, min(64, math.ceil(COLD_BYTES / (n * k * 2))))
+    copies = max(1, min(512, math.ceil(COLD_BYTES / (n * k * 2))))  # a router gate is 16 KB-0.5 MB
     weights = [torch.randn(n, k, device="cuda", dtype=DT) * k**-0.5 for _ in range(copies)]
     x = torch.randn(m, x_cols or k, device="cuda", dtype=DT)
     step = itertools.count()
@@ -175,6 +194,25 @@ def rule_from_results(payload: dict) -> dict:
             "rule": "gemv for a (kind, N, K) call at most the listed rows; unlisted: cuBLAS", "shapes": shapes}
 
 
+def merge_with_earlier(payload: dict, earlier: dict | None) -> dict:
+    """``payload`` plus the rows of ``earlier`` (a results file of this benchmark on the same card) for
+    shapes this run did not measure. Every row names the run that measured it (date, commit)."""
+    env = payload["environment"]
+    for r in payload["rows"] + payload["fused"]:
+        r.setdefault("measured", {"date": env.get("date"), "commit": env.get("commit")})
+    if not earlier or earlier.get("environment", {}).get("device") != env.get("device"):
+        return payload
+    old_env = earlier["environment"]
+    measured = {r["shape"] for r in payload["rows"]}
+    carried = {"rows": [], "fused": []}
+    for key in carried:
+        for r in earlier.get(key, []):
+            if r["shape"] not in measured:
+                carried[key].append({**r, "measured": r.get("measured") or
+                                     {"date": old_env.get("date"), "commit": old_env.get("commit")}})  # fmt: skip
+    return {**payload, "rows": carried["rows"] + payload["rows"], "fused": carried["fused"] + payload["fused"]}
+
+
 def write_rule(payload: dict, path: Path = RULE_PATH) -> dict:
     rule = rule_from_results(payload)
     path.write_text(json.dumps(rule, indent=1) + "\n")
@@ -184,7 +222,9 @@ def write_rule(payload: dict, path: Path = RULE_PATH) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), metavar="SHAPE")
+    p.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES), metavar="SHAPE")
+    p.add_argument("--models", nargs="+", default=None, choices=list(MODEL_SHAPES), metavar="MODEL",
+                   help="measure the projections of these presets (with --shapes: both)")  # fmt: skip
     p.add_argument("--batches", nargs="+", type=int, default=BATCHES)
     p.add_argument("--sweep", action="store_true",
                    help="also time a grid of tile configs per shape and batch (minutes each: narrow it with "
@@ -195,6 +235,8 @@ def main() -> None:
     if args.rule_from:
         write_rule(json.loads(Path(args.rule_from).read_text()))
         return
+    chosen = list(dict.fromkeys((args.shapes or []) + [n for m in args.models or [] for n in MODEL_SHAPES[m]]))
+    args.shapes = chosen or DEFAULT_SHAPES
     sms = sm_count(torch.device("cuda"))
     read = measured_read_bw()
     print(f"probes: {read.describe()}; {sms} SMs, {torch.cuda.get_device_name(0)}")
@@ -216,7 +258,11 @@ def main() -> None:
     swept = [sweep(name, m, sms) for name in args.shapes for m in args.batches] if args.sweep else []
     payload = {"read_gbs": read.best_gbs, "read": read.summary(), "sm_count": sms, "dtype": str(DT), "rows": rows,
                "fused": fused, "sweep": swept}
+    results = Path(__file__).resolve().parent / "results" / "gemv.json"
+    earlier = json.loads(results.read_text()) if results.exists() else None
     path = write_result("gemv", payload)
+    merged = merge_with_earlier(json.loads(path.read_text()), earlier)
+    path = write_result("gemv", {k: v for k, v in merged.items() if k != "environment"})
     rule = write_rule(json.loads(path.read_text()))
     print()
     for shape in rule["shapes"]:

@@ -57,13 +57,17 @@ def loop_experts(layers: list[FusedMoE]):
         weights, ids = self.route(router_logits)
         return experts_loop_reference(hidden, self.w13_weight, self.w2_weight, weights, ids)
 
+    def loop_forward_gate(self, hidden, gate, valid=None):
+        return self.forward(hidden, gate(hidden), valid)
+
     for m in layers:
         m.forward = loop_forward.__get__(m)
+        m.forward_gate = loop_forward_gate.__get__(m)
     try:
         yield
     finally:
         for m in layers:
-            del m.forward
+            del m.forward, m.forward_gate
 
 
 def _replay(graphs: GraphRunner, batch):

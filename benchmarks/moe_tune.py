@@ -26,7 +26,14 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from benchmarks.common import environment, print_table
-from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, default_tiles, device_name, table_path
+from graphserve.kernels.moe_config import (
+    GemmTile,
+    GemvTile,
+    MoeTiles,
+    default_gemv_tiles,
+    device_name,
+    table_path,
+)
 from graphserve.kernels.moe_fused import fused_experts
 from graphserve.kernels.moe_routing import moe_softmax_topk
 
@@ -41,11 +48,18 @@ TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 QUICK_TOKENS = [1, 8, 64, 256]
 SMEM_LIMIT = 200 * 1024  # H100/H200 allow 227 KiB per block; leave room for the epilogue
 DEVICE = torch.device("cuda")  # the CPU smoke test of the sweep's logic swaps in the CPU interpreter
-# streaming tiles whose fp32 accumulator needs at most 64 registers a thread (gate_up keeps two):
-# larger ones spill (ptxas, sm_90: [32, 512] on 4 warps spills 5 KB)
-GEMV_TILES = [
-    GemvTile(bn, bk, w) for bn in (8, 16, 32) for bk in (128, 256, 512) for w in (4, 8) if bn * bk <= 64 * 32 * w
-]
+# streaming tiles: a K step's weight tile of at most 64 elements a thread (gate_up's tile is its
+# gate and up rows, down's all k slots), since the next step's tile is prefetched into registers
+# beside it; larger ones spill (ptxas, sm_90: [32, 512] on 4 warps spills 5 KB)
+GEMV_TILES = [GemvTile(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (128, 256, 512) for w in (4, 8)]
+
+
+def gemv_candidates(top_k: int) -> tuple[list[GemvTile], list[GemvTile]]:
+    """(gate_up, down) streaming tiles within the register budget for ``top_k`` slots."""
+    slots = triton.next_power_of_2(top_k)
+    gate_up = [g for g in GEMV_TILES if 2 * g.block_n * g.block_k <= 64 * 32 * g.num_warps]
+    down = [g for g in GEMV_TILES if slots * g.block_n * g.block_k <= 64 * 32 * g.num_warps]
+    return gate_up, down
 
 
 def gemm_candidates(per_expert: float, gated: bool, quick: bool) -> list[GemmTile]:
@@ -138,10 +152,11 @@ def _tune_gemm(bucket: _Bucket, per_expert: float, quick: bool) -> tuple[GemmTil
     return best
 
 
-def _tune_gemv(bucket: _Bucket, default_down: GemvTile) -> tuple[GemvTile, GemvTile]:
-    gu_ms = {g: bucket.ms(path="gemv", gemv_tiles=(g, default_down)) for g in GEMV_TILES}
+def _tune_gemv(bucket: _Bucket, k: int, default_down: GemvTile) -> tuple[GemvTile, GemvTile]:
+    gate_up, down = gemv_candidates(k)
+    gu_ms = {g: bucket.ms(path="gemv", gemv_tiles=(g, default_down)) for g in gate_up}
     gu = min(gu_ms, key=gu_ms.get)
-    dn_ms = {g: bucket.ms(path="gemv", gemv_tiles=(gu, g)) for g in GEMV_TILES}
+    dn_ms = {g: bucket.ms(path="gemv", gemv_tiles=(gu, g)) for g in down}
     return gu, min(dn_ms, key=dn_ms.get)
 
 
@@ -153,7 +168,7 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget
          (torch.randn(e, h, i, device=DEVICE, generator=gen) * i**-0.5).to(dtype))
         for _ in range(2)
     ]  # fmt: skip
-    defaults = default_tiles(e)
+    default_gemv = default_gemv_tiles(k, i, h)
     buckets, gate_up, down, rows = [], [], [], []
     small_max_pairs, gemv_best, gemv_winning = 0, None, True
     for t in QUICK_TOKENS if quick else TOKENS:
@@ -166,7 +181,7 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget
             best_gu, best_dn, best_ms = _tune_gemm(bucket, t * k / e, quick)
         gemv_ms = float("nan")
         if gemv_winning and t * k <= 256 and not over_budget:
-            gemv_best = gemv_best or _tune_gemv(bucket, defaults.gemv_down)
+            gemv_best = gemv_best or _tune_gemv(bucket, k, default_gemv[1])
             gemv_ms = bucket.ms(path="gemv", gemv_tiles=gemv_best)
             if gemv_ms < best_ms:
                 small_max_pairs = t * k  # the streaming path wins every bucket up to here
@@ -179,7 +194,7 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget
                "gate_up": _short(best_gu), "down": _short(best_dn), "elapsed_s": time.monotonic() - start}  # fmt: skip
         rows.append(row)
         print_table([row], list(row))
-    gemv_best = gemv_best or (defaults.gemv_gate_up, defaults.gemv_down)
+    gemv_best = gemv_best or default_gemv
     tiles = MoeTiles(small_max_pairs, gemv_best[0], gemv_best[1], tuple(buckets), tuple(gate_up), tuple(down))
     return tiles, rows
 

@@ -42,6 +42,7 @@ from graphserve.kernels import moe_align as moe_align_mod  # noqa: E402
 from graphserve.kernels.moe_align import moe_align  # noqa: E402
 from graphserve.kernels.moe_config import GemmTile, GemvTile  # noqa: E402
 from graphserve.kernels.moe_fused import fused_experts  # noqa: E402
+from graphserve.kernels.moe_gate import moe_gate_softmax_topk  # noqa: E402
 from graphserve.kernels.moe_reference import (  # noqa: E402
     expert_counts_reference,
     experts_reference,
@@ -132,6 +133,44 @@ def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, pa
     assert torch.equal(counts.cpu(), expert_counts_reference(topk_ids, valid, E).cpu())
     if padded:
         assert torch.equal(out[-2:].cpu(), torch.zeros(2, h))
+
+
+@pytest.mark.parametrize("t,e,h,k,renorm", [(1, 12, 40, 3, True), (5, 6, 64, 2, False), (8, 130, 72, 4, True)])
+def test_fused_gate_matches_projection_then_topk(t, e, h, k, renorm):
+    """One launch of gate projection + softmax top-k, twice on one counter (it must be left at zero)."""
+    gen = torch.Generator().manual_seed(t * e)
+    gate = _randn(e, h, gen=gen)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        x = _randn(t, h, gen=gen)
+        w, ids = moe_gate_softmax_topk(x, gate, k, renorm, counter)
+        w_ref, ids_ref = softmax_topk_reference(x @ gate.T, k, renorm)
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+        assert int(counter) == 0
+
+
+def test_layer_fused_gate_matches_gate_then_forward():
+    gen = torch.Generator().manual_seed(12)
+    layer = FusedMoE(E, 2, H, INTER, SoftmaxTopK(E, 2, True), dtype=torch.float32).to(DEVICE)
+    w13, w2 = _weights(gen)
+    gate = torch.nn.Linear(H, E, bias=False).to(DEVICE)
+    with torch.no_grad():
+        layer.w13_weight.copy_(w13)
+        layer.w2_weight.copy_(w2)
+        gate.weight.copy_(_randn(E, H, gen=gen))
+    x = _randn(3, H, gen=gen)
+    layer.use_kernels = False
+    want = layer(x, gate(x), valid=torch.tensor(2, device=DEVICE))
+    want_counts = layer.expert_counts.clone()
+    layer.use_kernels = True
+    calls = []
+    gate.register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        got = layer.forward_gate(x, gate, valid=torch.tensor(2, device=DEVICE))
+    assert not calls  # the fused kernel ran, not the projection
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(layer.expert_counts, want_counts) and int(layer.gate_counter) == 0
 
 
 def test_layer_kernel_path_matches_cpu_path():

@@ -187,3 +187,13 @@ def test_uniform_routing_is_for_dummy_moe_models_only():
     loaded = load_model(EngineConfig(model="dummy:olmoe-1b-7b", moe_routing="uniform"), torch.device("meta"))
     layers = [m for m in loaded.model.modules() if isinstance(m, FusedMoE)]
     assert len(layers) == 16 and all(m.routing_override == "uniform" for m in layers)
+
+
+def test_materializing_zeroes_the_fused_gate_counter(variant):
+    """The loader allocates with to_empty (garbage buffers); the gate kernel's done-counter must start at 0."""
+    _, _, loaded, _ = variant
+    layers = loaded.model.moe_layers()
+    for layer in layers:
+        layer.gate_counter.fill_(5)
+    loaded.model.finish_materialize(torch.device("cpu"))
+    assert layers and all(int(layer.gate_counter) == 0 for layer in layers)

@@ -84,7 +84,8 @@ def _check_adds_up(profile: dict, batch_size: int) -> None:
     assert phase["mode"] == "eager" and "no CUDA graphs" in profile["notes"][0]
     assert phase["batch_size"] == batch_size and phase["run_as"] == ["eager"]
     cats = phase["categories_ms"]
-    assert set(cats) == set(CATEGORIES)
+    assert set(cats) == set(CATEGORIES) and set(phase["categories_pct"]) == set(CATEGORIES)
+    assert phase["categories_pct"]["dense_gemm"] == pytest.approx(100 * cats["dense_gemm"] / phase["step_ms"])
     # the categories come from the trace, the step time from the engine's own clock (telemetry)
     assert abs(sum(cats.values()) - phase["step_ms"]) <= 0.10 * phase["step_ms"]
     for s in phase["per_step"]:
@@ -106,6 +107,23 @@ def test_in_process_profile_adds_up_and_leaves_the_engine_as_it_was():
     out = core.step()  # and it still serves
     assert out == []
 
+    # a profile whose own machinery fails ends with an error; the step it was wrapping runs all the same
+    from graphserve.engine.processor import InputProcessor
+    from graphserve.engine.step_profiler import StepProfiler
+    from graphserve.sampling_params import SamplingParams
+
+    got: list[dict] = []
+    broken = StepProfiler(core, 2, got.append)
+    broken._hook = lambda: (_ for _ in ()).throw(RuntimeError("no profiler here"))
+    req = InputProcessor(core.tokenizer, core.info, core.config, core.kv_blocks).process(
+        "r", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    core.add_request(req)
+    outputs = broken.iteration(core.step)
+    assert got[0]["error"] == "the profile failed: RuntimeError: no profiler here" and not broken.active
+    assert [o.request_id for o in outputs] == ["r"] and len(outputs[0].new_token_ids) == 1
+    while core.has_unfinished_requests():
+        core.step()
+
 
 def test_cli_in_process_writes_json_and_png(tmp_path, capsys):
     rc = cli.main(["profile", "--model", MODEL, "--batch-size", "1,2", "--steps", "3", "--input-len", "8",
@@ -120,6 +138,9 @@ def test_cli_in_process_writes_json_and_png(tmp_path, capsys):
     assert "gaps between kernels / host" in out and "measured step time" in out
     assert cli.main(["profile", "--model", MODEL, "--steps", "0"]) == 2
     assert "steps=0 is invalid" in capsys.readouterr().err
+    # an engine flag against a server would change nothing: refused by name before anything connects
+    assert cli.main(["profile", "--base-url", "http://127.0.0.1:9", "--cuda-graph-max-bs", "8"]) == 2
+    assert "--cuda-graph-max-bs configures the engine of --model" in capsys.readouterr().err
 
 
 def test_profile_endpoint_and_cli_through_a_server(tmp_path):

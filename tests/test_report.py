@@ -196,3 +196,20 @@ def test_grid_report_has_a_section_per_configuration_and_verdicts(tmp_path):
     assert "graphserve serve M --cuda-graph-max-bs 64" in page.details_text
     assert page.imgs == 6  # the two overlays, then each configuration's two plots
     assert {"cfg0-scaling.png", "cfg1-latency.png"} <= set(paths)
+
+
+def test_verdict_kinds():
+    from graphserve.analysis.grid_compare import headline, verdict
+
+    kind, text = verdict("bs=64", "bs=32", 64, {"ratio": 0.8, "ratio_ci": [0.75, 0.85]})
+    assert kind == "slower" and text == "bs=64 is 0.80× [0.75, 0.85] the output tok/s of 32 at C=64"
+    # inside the interval of 1, or within 1% of it: no difference
+    assert verdict("bs=64", "bs=32", 1, {"ratio": 1.05, "ratio_ci": [0.97, 1.12]})[0] == "same"
+    assert verdict("bs=64", "bs=32", 1, {"ratio": 1.005, "ratio_ci": [1.003, 1.007]})[0] == "same"
+    # equal output lengths collapse the throughput interval to a point: no verdict is drawn from it
+    kind, text = verdict("bs=64", "bs=32", 8, {"ratio": 1.3, "ratio_ci": [1.3, 1.3]})
+    assert kind == "no interval" and "measured 1.30×" in text and "--random-range-ratio" in text
+    rows = [{"candidate": "bs=64", "concurrency": c, "verdict": k, "sentence": s}
+            for c, (k, s) in ((1, ("same", "x")), (8, (kind, text)), (64, ("faster", "bs=64 is 1.39× [1.33, 1.45] ...")),
+                              (2, ("same", "y")))]
+    assert headline(rows) == [f"bs=64 is 1.39× [1.33, 1.45] ...; no difference at C=1, C=2; {text}"]

@@ -76,6 +76,7 @@ def test_nan_is_400(server):
 def test_malformed_json_is_400(server):
     assert_error(post(server, "/v1/completions", b'{"prompt": "x",'), 400, "body", "JSON")
     assert_error(post(server, "/v1/completions", b"[1, 2]"), 400, None)
+    assert_error(post(server, "/v1/completions", b"[" * 100_000 + b"]" * 100_000), 400, "body", "deeply")
 
 
 def test_prompt_too_long_names_both_numbers(server):

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from server_utils import ServerProcess, metrics
+from server_utils import ServerProcess, metrics, wait_for
 
 from graphserve.config import EngineConfig
 from graphserve.server.app import create_app
@@ -107,7 +107,9 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path):
             shorts = [pool.submit(stream_events, srv.base_url, short, f) for f in started]
             concurrent.futures.wait(started, timeout=30)
             longs = [pool.submit(stream_events, srv.base_url, long) for _ in range(8)]
-            time.sleep(0.2)
+            # all eight in the engine before the signal (a fixed sleep lost the race on a loaded machine)
+            assert wait_for(lambda: (lambda m: m["graphserve:num_requests_running"]
+                                     + m["graphserve:num_requests_waiting"] >= 8)(metrics(srv.base_url)), timeout=30)
             srv.signal(signal.SIGTERM)
             time.sleep(0.3)
             refused = httpx.post(srv.base_url + "/v1/completions", json=short, timeout=10)

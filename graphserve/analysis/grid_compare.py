@@ -100,33 +100,37 @@ def compare_configurations(configs: Sequence[Mapping[str, Any]], output_dir: str
             for m, r in got.items():
                 ratio, lo, hi = _ratio(r)
                 row["metrics"][m] = {"a": r.a, "b": r.b, "ratio": ratio, "ratio_ci": [lo, hi], "verdict": r.verdict}
-            thr = row["metrics"].get("output_throughput")
-            row["sentence"] = sentence(names[j], names[0], c, thr)
+            row["verdict"], row["sentence"] = verdict(names[j], names[0], c, row["metrics"].get("output_throughput"))
             rows.append(row)
     return rows
 
 
-def sentence(candidate: str, baseline: str, c: int, thr: Mapping[str, Any] | None) -> str:
+def verdict(candidate: str, baseline: str, c: int, thr: Mapping[str, Any] | None) -> tuple[str, str]:
+    """("faster" | "slower" | "same" | "no interval", the sentence saying it) for output tok/s at level C."""
+    base = short_value(baseline)
     if thr is None:
-        return f"{candidate} vs {short_value(baseline)} at C={c}: no output throughput to compare"
+        return "no interval", f"{candidate} vs {base} at C={c}: no output throughput to compare"
     lo, hi = thr["ratio_ci"]
+    if hi - lo < 1e-9 * max(abs(hi), 1.0) and abs(thr["ratio"] - 1.0) >= MIN_EFFECT:
+        # every request made the same number of tokens: resampling them cannot vary the throughput
+        return "no interval", (f"{candidate} measured {thr['ratio']:.2f}× the output tok/s of {base} at C={c}, with no "
+                               f"interval (equal output lengths; vary them with --random-range-ratio < 1)")
     if lo <= 1.0 <= hi or abs(thr["ratio"] - 1.0) < MIN_EFFECT:
-        return f"{candidate} vs {short_value(baseline)}: no difference in output tok/s at C={c}"
-    line = f"{candidate} is {thr['ratio']:.2f}× [{lo:.2f}, {hi:.2f}] the output tok/s of {short_value(baseline)} at C={c}"
-    if hi - lo < 1e-9 * max(abs(hi), 1.0):
-        line += " (every request made the same number of tokens: the interval holds no run-to-run noise)"
-    return line
+        return "same", f"{candidate} vs {base}: no difference in output tok/s at C={c}"
+    kind = "faster" if thr["ratio"] > 1.0 else "slower"
+    return kind, f"{candidate} is {thr['ratio']:.2f}× [{lo:.2f}, {hi:.2f}] the output tok/s of {base} at C={c}"
 
 
 def headline(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One line per candidate: its differences level by level, the levels without one folded in."""
+    """One line per candidate: its differences level by level (largest C first), then the levels with
+    no difference, then those without an interval."""
     out = []
     for cand in dict.fromkeys(r["candidate"] for r in rows):
-        mine = [r for r in rows if r["candidate"] == cand]
-        diff = [r for r in mine if "no difference" not in r["sentence"]]
-        same = [r["concurrency"] for r in mine if "no difference" in r["sentence"]]
-        parts = [r["sentence"] for r in sorted(diff, key=lambda r: -r["concurrency"])]
+        mine = sorted((r for r in rows if r["candidate"] == cand), key=lambda r: -r["concurrency"])
+        parts = [r["sentence"] for r in mine if r["verdict"] in ("faster", "slower")]
+        same = [r["concurrency"] for r in sorted(mine, key=lambda r: r["concurrency"]) if r["verdict"] == "same"]
         if same:
             parts.append("no difference at " + ", ".join(f"C={c}" for c in same))
+        parts += [r["sentence"] for r in mine if r["verdict"] == "no interval"]
         out.append("; ".join(parts))
     return out

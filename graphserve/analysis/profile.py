@@ -177,8 +177,11 @@ def format_profile(profile: Mapping[str, Any]) -> str:
     for p in profile.get("phases", []):
         if "error" in p:
             lines.append(f"{p['mode']}: {p['error']}")
-        elif p.get("attribution") == "eager":
+            continue
+        if p.get("attribution") == "eager":
             lines.append(f"{p['mode']}: kernel times attributed from the eager phase (see note)")
+        top = ", ".join(f"{k['name'][:48]} {k['ms']:.3f}" for k in p.get("top_kernels", [])[:5])
+        lines.append(f"{p['mode']} top kernels/ops (ms per step): {top}")
     lines += [f"note: {n}" for n in profile.get("notes", [])]
     return "\n".join(lines)
 
@@ -219,11 +222,29 @@ def write_profiles(profiles: list[dict], output_dir: str) -> dict[str, str]:
     return paths
 
 
+def refuse_engine_flags(args: argparse.Namespace) -> None:
+    """Engine flags configure the in-process engine of --model; against a server they would do nothing."""
+    import dataclasses
+
+    from graphserve.config import EngineConfig
+
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in ("model", "seed") or not hasattr(args, f.name):
+            continue
+        default = None if f.name == "cuda_graph_bs" else f.default
+        if getattr(args, f.name) != default:
+            flag = "--" + f.name.replace("_", "-")
+            raise bad_field(f.name, getattr(args, f.name), f"{flag} configures the engine of --model; the server at "
+                            "--base-url keeps the flags it was started with")
+
+
 def run(args: argparse.Namespace) -> int:
     check_steps(args.steps)
     sizes = parse_batch_sizes(args.batch_size)
     if bool(args.base_url) == bool(args.model):
         raise bad_field("base_url", args.base_url, "give either --base-url URL or --model MODEL")
+    if args.base_url:
+        refuse_engine_flags(args)
     profiles = []
     if args.model:
         from graphserve.config import config_from_args

@@ -123,8 +123,11 @@ def _markdown(sweep: Mapping[str, Any], vs: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def write_report(sweep: Mapping[str, Any], output_dir: str | Path) -> dict[str, Path]:
-    """Write the report folder for a sweep (see module docstring); returns file name → path."""
+def write_report(sweep: Mapping[str, Any], output_dir: str | Path, source_dir: str | Path | None = None
+                 ) -> dict[str, Path]:
+    """Write the report folder for a sweep (see module docstring); returns file name → path.
+
+    ``source_dir``: the sweep's own folder, where its files (profile plots) lie, when not ``output_dir``."""
     if not sweep.get("points") and not any(c.get("points") for c in sweep.get("configurations") or []):
         raise BadRequestError("sweep has no points to report", param="points")
     out = Path(output_dir)
@@ -146,7 +149,7 @@ def write_report(sweep: Mapping[str, Any], output_dir: str | Path) -> dict[str, 
                     plot([v], paths[name])
     md = _markdown(sweep, vs)
     paths["report.md"].write_text(md)
-    paths["report.html"].write_text(render_html(sweep, vs, paths))
+    paths["report.html"].write_text(render_html(sweep, vs, paths, Path(source_dir or out)))
     return paths
 
 
@@ -169,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     docs = [json.loads(Path(p).read_text()) for p in args.results]
     sweep = docs[0] if len(docs) == 1 and "points" in docs[0] else sweep_from_results(docs)
-    paths = write_report(sweep, args.output_dir)
+    paths = write_report(sweep, args.output_dir, source_dir=Path(args.results[0]).parent)
     print(format_table(sweep["points"]))
     print("\n".join(f"wrote {p}" for p in paths.values()))
     return 0

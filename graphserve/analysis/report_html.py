@@ -22,7 +22,7 @@ th,td{border:1px solid #d8dce4;padding:4px 9px;text-align:right}th{background:#f
 td.text,th.text{text-align:left}
 .answer{background:#f4f8ff;border:1px solid #c9dafc;border-radius:6px;padding:10px 18px}
 .verdict{font-size:1.1em;font-weight:600}
-.same{color:#59606e}.faster{color:#0a6b2f}.slower{color:#a3261b}
+.same{color:#59606e}.faster{color:#0a6b2f}.slower{color:#a3261b}.no-interval{color:#8a5a00}
 .error{color:#a3261b}.warning{color:#8a5a00}.unreliable{color:#8a5a00}
 img{max-width:100%;border:1px solid #eceff4;margin:.4em 0}
 code,pre{background:#f5f6f8;border-radius:4px;padding:1px 4px;font-size:.88em}pre{padding:8px;overflow-x:auto}
@@ -104,7 +104,7 @@ def _comparison(sweep: Mapping[str, Any], paths: Mapping[str, Path]) -> str:
     for r in sweep.get("comparison") or []:
         m = r["metrics"]
         thr = m.get("output_throughput") or {}
-        verdict = "same" if "no difference" in r["sentence"] else ("faster" if thr.get("ratio", 1) > 1 else "slower")
+        verdict = r.get("verdict", "same").replace(" ", "-")
         rows.append([r["concurrency"], r["baseline"], r["candidate"], f"{thr.get('a', float('nan')):.1f}",
                      f"{thr.get('b', float('nan')):.1f}", ratio_text(thr), ratio_text(m.get("tpot_p50")),
                      ratio_text(m.get("ttft_p50")), _Raw(f'<span class="{verdict}">{escape(r["sentence"])}</span>')])
@@ -123,7 +123,7 @@ def _points_table(points: Sequence[Mapping[str, Any]]) -> str:
     return _table(list(COLUMNS), [_row(p) for p in points], text_cols=0)
 
 
-def _configuration(v: Mapping[str, Any], single: bool, paths: Mapping[str, Path]) -> str:
+def _configuration(v: Mapping[str, Any], single: bool, paths: Mapping[str, Path], source_dir: Path) -> str:
     out = [f'<section class="configuration" id="cfg{v["index"]}"><h2>{escape("Results" if single else v["name"])}</h2>']
     if v.get("command"):
         out.append(f"<p>server: <code>{escape(v['command'])}</code> — {escape(v.get('status', ''))}"
@@ -136,7 +136,7 @@ def _configuration(v: Mapping[str, Any], single: bool, paths: Mapping[str, Path]
     if v.get("log_tail"):
         out.append("<details><summary>last lines of the server log</summary><pre>"
                    + escape("\n".join(v["log_tail"][-40:])) + "</pre></details>")
-    out.append(_profiles(v, Path(paths["report.html"]).parent))
+    out.append(_profiles(v, source_dir))
     out.append("</section>")
     return "".join(out)
 
@@ -178,13 +178,14 @@ def _config_block(sweep: Mapping[str, Any], vs: Sequence[Mapping[str, Any]]) -> 
     return "".join(out)
 
 
-def render_html(sweep: Mapping[str, Any], vs: Sequence[Mapping[str, Any]], paths: Mapping[str, Path]) -> str:
+def render_html(sweep: Mapping[str, Any], vs: Sequence[Mapping[str, Any]], paths: Mapping[str, Path],
+                source_dir: Path) -> str:
     single = len(vs) == 1
     title = "graphserve sweep report" + ("" if single else f": {len(vs)} configurations")
     body = [f"<h1>{escape(title)}</h1>", _answer(sweep, vs)]
     if not single:
         body.append(_comparison(sweep, paths))
-    body += [_configuration(v, single, paths) for v in vs]
+    body += [_configuration(v, single, paths, source_dir) for v in vs]
     body.append(_config_block(sweep, vs))
     return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta name=\"viewport\" content=\"width=device-width\"><title>{escape(title)}</title>"

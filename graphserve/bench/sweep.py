@@ -1,7 +1,10 @@
 """`graphserve sweep`: the load generator at each concurrency, the steady state of each level, and
 the scaling fit step_time(N) = a + b·N over them (and over the server's own step telemetry when it
 exposes /v1/telemetry), written as a report folder. With --server-cmd and --server-grid it does
-this for every server configuration in turn (see server_grid.py)."""
+this for every server configuration in turn (see server_grid.py) and compares each with the first,
+level by level (analysis/grid_compare.py). With --profile, after each level the same number of
+requests is held in decode and their steps profiled (graphserve profile), beside the level's numbers
+rather than during them."""
 
 from __future__ import annotations
 

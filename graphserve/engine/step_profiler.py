@@ -17,6 +17,7 @@ kernels on the same batch) and its gaps are its measured step time minus them; t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -28,6 +29,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from graphserve.analysis.step_trace import CATEGORIES, ITERATION, LAUNCH, breakdown, unmatched_device_work
+
+logger = logging.getLogger(__name__)
 
 EAGER_WARMUP_STEPS = 3
 # A graph phase that shows fewer kernels than this share of the eager phase's did not see the replays.
@@ -59,25 +62,37 @@ class StepProfiler:
         if self.cancelled:
             self.close()
             return step()
-        if self._phase < 0:  # nothing is touched until the first step comes
-            self._start_phase()
+        if self._phase < 0 and not self._guard(self._start_phase):  # nothing is touched before a step comes
+            return step()
         self._iterations += 1
         if self._warmup > 0:  # untraced: eager kernels compile and settle first
             self._warmup -= 1
             out = step()
             if self._warmup == 0:
-                self._trace_start()
+                self._guard(self._trace_start)
             return out
         if self._prof is None:  # draining: the last traced step's record arrives now
             out = step()
-            self._finish_phase()
+            self._guard(self._finish_phase)
             return out
         with record_function(ITERATION):
             out = step()
         decode = sum(1 for x in self._launches if x["kind"] == "decode")
         if decode >= self.steps + 1 or self._iterations >= self.max_iterations:
-            self._trace_stop()
+            self._guard(self._trace_stop)
         return out
+
+    def _guard(self, bookkeeping: Callable[[], None]) -> bool:
+        """Run profiler bookkeeping; a failure ends the profile (and says why to the caller), never the step
+        and its requests."""
+        try:
+            bookkeeping()
+            return True
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("the step profile failed")
+            self.close()
+            self.on_done({"error": f"the profile failed: {type(exc).__name__}: {exc}", "code": 500, "phases": []})
+            return False
 
     def cancel(self) -> None:
         """From another thread: stop at the next iteration, putting the engine back as it was."""
@@ -245,5 +260,8 @@ class StepProfiler:
                              f"{eager['kernels_per_step']:.0f} eager (torch {torch.__version__} hides kernels "
                              "inside CUDA graphs): the graph phase's kernel times are the eager phase's on the "
                              "same batch, and its gaps are its measured step time minus them")
+        for p in self.results:
+            if "categories_ms" in p:  # shares of the step the engine measured, as printed
+                p["categories_pct"] = {c: 100.0 * v / p["step_ms"] for c, v in p["categories_ms"].items()}
         return {"device": self.device, "model": self.core.config.model, "steps_requested": self.steps,
                 "torch": torch.__version__, "phases": self.results, "notes": notes}

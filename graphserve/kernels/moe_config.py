@@ -37,18 +37,24 @@ class GemmTile:
 
 @dataclass(frozen=True)
 class GemvTile:
-    """Per-pair streaming kernel: ``block_n`` output rows per program, ``block_k`` along K per step."""
+    """Streaming kernels: ``block_n`` output rows per program, ``block_k`` along K per step.
+
+    The down kernel loads every slot of its token at once: its tile is [next_power_of_2(k),
+    block_n, block_k]. Both kernels prefetch the next K step by hand, so ``num_stages`` = 1 (no
+    compiler pipelining through shared memory on top) is the default.
+    """
 
     block_n: int
     block_k: int
     num_warps: int
+    num_stages: int = 1
 
 
 @dataclass(frozen=True)
 class MoeTiles:
     small_max_pairs: int
-    gemv_gate_up: GemvTile
-    gemv_down: GemvTile
+    gemv_gate_up: GemvTile | None  # None: default_gemv_tiles for the call's shape and k
+    gemv_down: GemvTile | None
     buckets: tuple[int, ...]  # ascending pair counts
     gate_up: tuple[GemmTile, ...]  # one per bucket; a bucket's two tiles share block_m (one sort)
     down: tuple[GemmTile, ...]
@@ -58,10 +64,18 @@ class MoeTiles:
         i = next((i for i, b in enumerate(self.buckets) if b >= num_pairs), len(self.buckets) - 1)
         return self.gate_up[i], self.down[i]
 
+    def gemv_tiles(self, top_k: int, intermediate: int, hidden: int) -> tuple[GemvTile, GemvTile]:
+        """The streaming kernels' tiles: the table's, or the shape's defaults where it has none."""
+        gate_up, down = default_gemv_tiles(top_k, intermediate, hidden)
+        return self.gemv_gate_up or gate_up, self.gemv_down or down
+
     def to_json(self) -> dict:
         return {
             "small_max_pairs": self.small_max_pairs,
-            "gemv": {"gate_up": asdict(self.gemv_gate_up), "down": asdict(self.gemv_down)},
+            "gemv": {
+                name: asdict(tile) if tile else None
+                for name, tile in (("gate_up", self.gemv_gate_up), ("down", self.gemv_down))
+            },
             "buckets": {
                 str(b): {"gate_up": asdict(g), "down": asdict(d)}
                 for b, g, d in zip(self.buckets, self.gate_up, self.down)
@@ -73,8 +87,8 @@ class MoeTiles:
         buckets = sorted(int(b) for b in data["buckets"])
         return cls(
             small_max_pairs=int(data["small_max_pairs"]),
-            gemv_gate_up=GemvTile(**data["gemv"]["gate_up"]),
-            gemv_down=GemvTile(**data["gemv"]["down"]),
+            gemv_gate_up=GemvTile(**data["gemv"]["gate_up"]) if data["gemv"]["gate_up"] else None,
+            gemv_down=GemvTile(**data["gemv"]["down"]) if data["gemv"]["down"] else None,
             buckets=tuple(buckets),
             gate_up=tuple(GemmTile(**data["buckets"][str(b)]["gate_up"]) for b in buckets),
             down=tuple(GemmTile(**data["buckets"][str(b)]["down"]) for b in buckets),
@@ -107,12 +121,43 @@ def default_tiles(num_experts: int) -> MoeTiles:
         gate_up.append(tile)
     return MoeTiles(
         small_max_pairs=8,
-        gemv_gate_up=GemvTile(16, 256, 4),
-        gemv_down=GemvTile(8, 256, 4),  # down runs one program per (token, block): smaller blocks fill the SMs
+        gemv_gate_up=None,  # chosen per call from the shape and k: default_gemv_tiles
+        gemv_down=None,
         buckets=tuple(buckets),
         gate_up=tuple(gate_up),
         down=tuple(gate_up),
     )
+
+
+# elements of one K step's weight tile per program: 64 per thread at 4 warps, so that the
+# tile, the prefetched next one and the products stay in registers
+GEMV_TILE_ELEMS = 64 * 32 * 4
+# at one token, the down kernel's programs are H / block_n: keep at least this many in flight
+# (two per SM on a 132-SM H100/H200, and more on smaller cards)
+MIN_DOWN_PROGRAMS = 256
+
+
+def _dividing_block_k(k: int) -> int:
+    """The largest of 512, 256, 128 that divides K (no masked tail); 128 otherwise."""
+    return next((bk for bk in (512, 256, 128) if k % bk == 0), 128)
+
+
+def default_gemv_tiles(top_k: int, intermediate: int, hidden: int) -> tuple[GemvTile, GemvTile]:
+    """Streaming tiles for an expert shape with no tuned table.
+
+    gate_up: one pair per program row, 8 output rows of gate and of up over a K step that divides
+    H, so a step is ~8K weight elements. down: all ``k`` slots at once over a K step that divides
+    I, with block_n as wide as the element budget allows while a token still spreads over
+    ``MIN_DOWN_PROGRAMS`` programs (qwen3-30b-a3b: [8, 4, 256], 512 programs; mixtral-8x7b:
+    [2, 8, 512], 512 programs).
+    """
+    gu_k = _dividing_block_k(hidden)
+    gate_up = GemvTile(max(4, GEMV_TILE_ELEMS // (2 * gu_k)), gu_k, 4)
+    dn_k = _dividing_block_k(intermediate)
+    slots = 1 << max(0, top_k - 1).bit_length()
+    by_budget = max(1, GEMV_TILE_ELEMS // (slots * dn_k))
+    by_programs = 1 << (max(1, hidden // MIN_DOWN_PROGRAMS).bit_length() - 1)
+    return gate_up, GemvTile(min(by_budget, by_programs), dn_k, 4)
 
 
 def tune_command(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype) -> str:

@@ -85,7 +85,7 @@ def fused_experts(
     valid_arg = topk_ids if valid is None else valid.view(torch.uint8)
     if path == "gemv" or (path is None and pairs <= tiles.small_max_pairs):
         _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
-                        gemv_tiles or (tiles.gemv_gate_up, tiles.gemv_down))  # fmt: skip
+                        gemv_tiles or tiles.gemv_tiles(k, inter, h))  # fmt: skip
     else:
         _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
                            gemm_tiles or tiles.gemm_tiles(pairs))  # fmt: skip
@@ -93,7 +93,10 @@ def fused_experts(
 
 
 def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles):
-    """Three launches in all with the router: gate_up per pair (+ counts), down per token (+ slot sum)."""
+    """Three launches in all with the router: gate_up per pair (+ counts), down per token (+ slot sum).
+
+    Tiles come from the table or, where it has none, from the shape (moe_config.default_gemv_tiles).
+    """
     (t, h), (num_local, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     inter = two_i // 2
     gu, dn = tiles
@@ -104,13 +107,14 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local, HAS_VALID=valid is not None,
         BLOCK_N=gu.block_n, BLOCK_K=min(gu.block_k, triton.next_power_of_2(h)), BLOCK_P=histogram_block(block_e),
-        BLOCK_E=block_e, num_warps=gu.num_warps,
+        BLOCK_E=block_e, num_warps=gu.num_warps, num_stages=gu.num_stages,
     )  # fmt: skip
     fused_moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
         act, w2, out, topk_weights, topk_ids, valid_arg, h, expert_start,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None,
+        K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, BLOCK_S=triton.next_power_of_2(k),
         BLOCK_N=dn.block_n, BLOCK_K=min(dn.block_k, triton.next_power_of_2(inter)), num_warps=dn.num_warps,
+        num_stages=dn.num_stages,
     )  # fmt: skip
 
 

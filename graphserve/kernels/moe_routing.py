@@ -19,6 +19,36 @@ MAX_EXPERTS = 1024
 
 
 @triton.jit
+def _softmax_topk_store(
+    logits, rows, row_mask, cols, weights_ptr, ids_ptr,
+    E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Softmax over the fp32 logits [BLOCK_T, BLOCK_E] of ``rows``, the k largest, written once."""
+    mask = row_mask[:, None] & (cols[None, :] < E)
+    logits = tl.where(mask, logits, float("-inf"))
+    row_max = tl.max(logits, axis=1)
+    row_max = tl.where(row_mask, row_max, 0.0)  # rows past T are all -inf: keep them NaN-free
+    p = tl.exp(logits - row_max[:, None])
+    p = p / tl.where(row_mask, tl.sum(p, axis=1), 1.0)[:, None]
+    p = tl.where(mask, p, -1.0)  # padded experts can never be chosen
+    slots = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    top_i = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
+    for s in tl.static_range(TOP_K):
+        # value and index in one reduction (the first index wins a tie)
+        best_p, best = tl.max(p, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        top_w = tl.where(slots[None, :] == s, best_p[:, None], top_w)
+        top_i = tl.where(slots[None, :] == s, best[:, None].to(tl.int32), top_i)
+        p = tl.where(cols[None, :] == best[:, None], -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+    out_mask = row_mask[:, None] & (slots[None, :] < TOP_K)
+    offs = rows[:, None] * TOP_K + slots[None, :]
+    tl.store(weights_ptr + offs, top_w, mask=out_mask)
+    tl.store(ids_ptr + offs, top_i, mask=out_mask)
+
+
+@triton.jit
 def moe_softmax_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, T, stride_t,
     E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -29,27 +59,8 @@ def moe_softmax_topk_kernel(
     row_mask = rows < T
     mask = row_mask[:, None] & (cols[None, :] < E)
     logits = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=mask, other=float("-inf"))
-    logits = logits.to(tl.float32)
-    row_max = tl.max(logits, axis=1)
-    row_max = tl.where(row_mask, row_max, 0.0)  # rows past T are all -inf: keep them NaN-free
-    p = tl.exp(logits - row_max[:, None])
-    p = p / tl.where(row_mask, tl.sum(p, axis=1), 1.0)[:, None]
-    p = tl.where(mask, p, -1.0)  # padded experts can never be chosen
-    slots = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-    top_i = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
-    for s in tl.static_range(TOP_K):
-        best = tl.argmax(p, axis=1, tie_break_left=True)
-        best_p = tl.max(p, axis=1)
-        top_w = tl.where(slots[None, :] == s, best_p[:, None], top_w)
-        top_i = tl.where(slots[None, :] == s, best[:, None].to(tl.int32), top_i)
-        p = tl.where(cols[None, :] == best[:, None], -1.0, p)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
-    out_mask = row_mask[:, None] & (slots[None, :] < TOP_K)
-    offs = rows[:, None] * TOP_K + slots[None, :]
-    tl.store(weights_ptr + offs, top_w, mask=out_mask)
-    tl.store(ids_ptr + offs, top_i, mask=out_mask)
+    _softmax_topk_store(logits.to(tl.float32), rows, row_mask, cols, weights_ptr, ids_ptr,
+                        E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_K)  # fmt: skip
 
 
 def moe_softmax_topk(

@@ -171,8 +171,15 @@ class FusedMoE(nn.Module):
         self.register_buffer(
             "expert_counts", torch.zeros(num_experts, dtype=torch.int32, device=device), persistent=False
         )
+        # the fused gate kernel's done-counter (kernels/moe_gate.py): zero between launches
+        self.register_buffer("gate_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
         self.routing_override: str | None = None
         self.use_kernels: bool | None = None  # None: the fused kernels exactly when the input is on CUDA
+
+    def rebuild(self, device: torch.device) -> None:
+        """After the loader's ``to_empty``: the buffers hold garbage; the gate kernel's counter must be zero."""
+        self.gate_counter.zero_()
+        self.expert_counts.zero_()
 
     def load_expert_weight(self, param: str, expert_id: int, tensor: torch.Tensor) -> None:
         """Copy one expert's full checkpoint matrix (w1/w3 [I, H], w2 [H, I]) into this rank's slice.
@@ -251,8 +258,27 @@ class FusedMoE(nn.Module):
             raise ValueError(f"hidden must be [T, {self.hidden_size}], got {tuple(hidden.shape)}")
         if router_logits.shape != (t, self.num_experts):
             raise ValueError(f"router_logits must be [{t}, {self.num_experts}], got {tuple(router_logits.shape)}")
-        valid = _valid_mask(valid, t, hidden.device)
-        topk_weights, topk_ids = self.route(router_logits)
+        return self._experts(hidden, *self.route(router_logits), valid)
+
+    def forward_gate(self, hidden: torch.Tensor, gate: nn.Linear, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward(hidden, gate(hidden), valid)``, with the gate projection and the routing in one
+        launch (kernels/moe_gate.py) where it applies: decode-sized batches on the kernel path,
+        softmax top-k routing, a gate without bias. ``gate`` keeps the checkpoint's weight."""
+        use_kernels = hidden.is_cuda if self.use_kernels is None else self.use_kernels
+        if use_kernels and self.routing_override is None and isinstance(self.router, SoftmaxTopK) \
+                and gate.bias is None and hidden.dim() == 2 and hidden.shape[1] == self.hidden_size:  # fmt: skip
+            from graphserve.kernels.moe_gate import gate_fusable, moe_gate_softmax_topk
+
+            if gate_fusable(hidden, gate.weight) and gate.weight.shape[0] == self.num_experts:
+                routing = moe_gate_softmax_topk(hidden, gate.weight, self.top_k, self.router.renormalize,
+                                                self.gate_counter)  # fmt: skip
+                return self._experts(hidden, *routing, valid)
+        return self.forward(hidden, gate(hidden), valid)
+
+    def _experts(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor | None
+    ) -> torch.Tensor:
+        valid = _valid_mask(valid, hidden.shape[0], hidden.device)
         use_kernels = hidden.is_cuda if self.use_kernels is None else self.use_kernels
         if use_kernels:
             from graphserve.kernels.moe_fused import fused_experts

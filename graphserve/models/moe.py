@@ -97,8 +97,10 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(s.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # router logits in fp32, as the checkpoints' reference implementations compute the softmax
-        out = self.experts(x, self.gate(x).float(), valid=batch.num_valid_tokens)
+        # the router takes the gate's output in the activation dtype and computes its softmax in
+        # fp32, as the checkpoints' reference implementations do; at decode sizes the gate
+        # projection and the routing run as one kernel
+        out = self.experts.forward_gate(x, self.gate, valid=batch.num_valid_tokens)
         if self.shared_expert is not None and self.add_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return all_reduce(out, over="experts")  # one per layer, the shared expert already in it

@@ -168,7 +168,7 @@ def start_profile(driver: Any, msg: ProfileSteps, send: Callable[[Any], None]) -
             driver.profiler.close()
         return
     if running:
-        send(ProfileSteps(msg.token, msg.steps, {"error": "a profile is already running"}))
+        send(ProfileSteps(msg.token, msg.steps, {"error": "a profile is already running", "code": 429}))
         return
     driver.profiler = StepProfiler(driver.core, msg.steps, lambda r: send(ProfileSteps(msg.token, msg.steps, r)))
 

@@ -89,9 +89,8 @@ class GuardMiddleware:
             given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
             # compare_digest: the time taken does not tell an attacker how many leading bytes matched
             if not hmac.compare_digest(given, self._key):
-                return AuthenticationError("missing or invalid API key: send 'Authorization: Bearer <key>'"
-                                           if given else "missing API key: send 'Authorization: Bearer <key>'",
-                                           code="invalid_api_key")
+                said = "invalid API key" if given else "missing API key"
+                return AuthenticationError(f"{said}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
         length = headers.get(b"content-length")
         limit = self.options.max_body_bytes
         if length is not None and length.isdigit() and int(length) > limit:

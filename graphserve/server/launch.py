@@ -2,8 +2,9 @@
 
 Draining keeps the socket open so new requests get a 503 with Retry-After (a closed port looks like a
 crash to a load balancer), lets in-flight requests finish within ``--shutdown-timeout``, then fails the
-rest with an error event and exits 0; a second signal skips the drain and exits 1. The engine core runs in a process of its own (``--engine-in-process``
-keeps it on a thread). ``ServerThread`` runs the same server, engine included, in-process on a thread.
+rest with an error event and exits 0; a second signal skips the drain and exits 1. The engine core runs in a
+process of its own (``--engine-in-process`` keeps it on a thread). ``ServerThread`` runs the same server,
+engine included, in-process on a thread.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from graphserve.config import EngineConfig, add_engine_args, config_from_args
 from graphserve.errors import ConfigError, GraphserveError, ServiceUnavailableError
 from graphserve.server.app import create_app
 from graphserve.server.async_engine import AsyncEngine
-from graphserve.server.guards import GuardOptions, guarded_protocol
+from graphserve.server.guards import MAX_HEAD_BYTES, GuardOptions, guarded_protocol
 from graphserve.server.metrics import ServerMetrics
 from graphserve.server.state import ServerState
 from graphserve.server.steplog import JsonlStepSink, StepLogger
@@ -66,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def guard_options(args: argparse.Namespace) -> GuardOptions:
-    for flag, value in (("--max-request-body-mb", args.max_request_body_mb),
-                        ("--request-read-timeout", args.request_read_timeout), ("--max-connections", args.max_connections)):
+    bounds = (("--max-request-body-mb", args.max_request_body_mb),
+              ("--request-read-timeout", args.request_read_timeout), ("--max-connections", args.max_connections))
+    for flag, value in bounds:
         if not value > 0:
             raise ConfigError(f"{flag}={value} is invalid: must be > 0", param=flag)
     key = args.api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), None)
@@ -152,7 +154,10 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str, guards: Guard
     # log_config=None: uvicorn's loggers go through ours, one format for every line.
     return uvicorn.Config(app, host=host, port=port, log_config=None, log_level=log_level, access_log=False,
                           timeout_graceful_shutdown=5, timeout_keep_alive=30,
-                          http=guarded_protocol(AutoHTTPProtocol, guards, metrics))
+                          http=guarded_protocol(AutoHTTPProtocol, guards, metrics),
+                          # h11 would refuse a head over 16 KiB that arrives in pieces with a bare 400; the
+                          # guard decides instead (431 past MAX_HEAD_BYTES)
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES + 1024)
 
 
 def run(args: argparse.Namespace) -> int:

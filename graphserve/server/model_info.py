@@ -78,7 +78,8 @@ def server_info(state: ServerState) -> dict[str, Any]:
         **config, **model_info(state), "version": version(),
         "max_total_num_tokens": engine.kv_capacity_tokens(),
         "internal_states": [{
-            "num_running_reqs": int(getattr(stats, "running", 0)), "num_waiting_reqs": int(getattr(stats, "waiting", 0)),
+            "num_running_reqs": int(getattr(stats, "running", 0)),
+            "num_waiting_reqs": int(getattr(stats, "waiting", 0)),
             "kv_cache_usage": float(getattr(stats, "kv_usage", 0.0)),
         }],
     }

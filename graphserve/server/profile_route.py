@@ -11,7 +11,7 @@ import asyncio
 import itertools
 from typing import Any
 
-from graphserve.errors import OverloadedError, ServiceUnavailableError, bad_field
+from graphserve.errors import InternalError, OverloadedError, ServiceUnavailableError, bad_field
 from graphserve.server.engine_process import ProfileSteps
 
 MAX_STEPS = 1000
@@ -41,6 +41,9 @@ class ProfileBroker:
         profiler = None
         if process is not None:
             process.send(ProfileSteps(token, steps))
+        elif driver.profiler is not None and driver.profiler.active:  # a cancelled one not yet wound down
+            self._waiting.pop(token)
+            raise OverloadedError("the previous profile is still winding down: retry", retry_after=1)
         else:
             from graphserve.engine.step_profiler import StepProfiler
 
@@ -60,7 +63,9 @@ class ProfileBroker:
         finally:
             self._waiting.pop(token, None)
         if "error" in result and not result.get("phases"):
-            raise OverloadedError(result["error"], retry_after=timeout_s)
+            if result.get("code") == 429:
+                raise OverloadedError(result["error"], retry_after=timeout_s)
+            raise InternalError(result["error"])
         return result
 
     def on_result(self, msg: ProfileSteps) -> None:

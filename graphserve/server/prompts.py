@@ -48,6 +48,8 @@ async def parse_body(request: Request, model: type[M], state: ServerState) -> M:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequestError(f"request body is not valid JSON: {exc}", param="body") from None
+    except RecursionError:  # "[[[[...": Python's parser gives up past ~1000 levels; no request nests so deep
+        raise BadRequestError("request body is not valid JSON: it nests too deeply", param="body") from None
     try:
         return model.model_validate(data, context={"limits": limits(state)})
     except ValidationError as exc:

@@ -46,8 +46,7 @@ def _refuse_extra(prefix: str, extra: dict[str, Any] | None) -> None:
     for name, value in (extra or {}).items():
         if name in NO_EFFECT_FIELDS or value is None or value is False or value in ("", [], {}):
             continue
-        shown = value if len(repr(value)) <= 60 else f"{type(value).__name__} of {len(value)}" \
-            if hasattr(value, "__len__") else "..."
+        shown = value if len(repr(value)) <= 60 else f"<{type(value).__name__}>"  # never echo a large payload
         raise bad_field(prefix + name, shown, "is not supported by this server (omit it or send null)")
 
 

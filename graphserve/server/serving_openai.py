@@ -67,8 +67,9 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
     n = params.n
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(sse_stream(recorded_events(request, _completion_chunks(state, jobs, head, n, include_usage))),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        chunks = _completion_chunks(state, jobs, head, n, include_usage)
+        return StreamingResponse(sse_stream(recorded_events(request, chunks)), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
     choices = []
@@ -124,9 +125,9 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        return StreamingResponse(sse_stream(recorded_events(
-            request, _chat_chunks(state, jobs, chunk_head, params.n, include_usage))),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        chunks = _chat_chunks(state, jobs, chunk_head, include_usage)
+        return StreamingResponse(sse_stream(recorded_events(request, chunks)), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
     job = jobs[0]
@@ -141,7 +142,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
 
 
 async def _chat_chunks(
-    state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool
+    state: ServerState, jobs: list[Job], head: dict[str, Any], include_usage: bool
 ) -> AsyncIterator[dict[str, Any]]:
     # The role rides on each choice's first chunk, with its first content: a role-only chunk sent before the
     # engine produced anything would make clients that time TTFT from the first chunk read it too short.
