@@ -24,8 +24,6 @@ COMMANDS = {
 # --base-url or --server-cmd that server has its flags elsewhere, so these would be silently ignored.
 IN_PROCESS_SERVER_COMMANDS = ("bench", "sweep")
 SHARED_WITH_CLIENT = {"seed"}  # also seeds the prompt sampler and the arrival process: meaningful alone
-# Commands that run the engine, where --tp must be an implemented degree (plan only sizes memory for it).
-ENGINE_COMMANDS = ("serve", "bench", "sweep")
 
 
 def _engine_flags_given(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -60,10 +58,9 @@ def check_flags(name: str, parser: argparse.ArgumentParser, args: argparse.Names
                 f"with --model; without --model {'it' if len(given) == 1 else 'they'} would be ignored (set the "
                 f"server's flags where it is started: its own command line or --server-cmd)",
                 param=given[0].lstrip("-").replace("-", "_"))
-    tp = getattr(args, "tp", 1)
-    if name in ENGINE_COMMANDS and tp is not None and tp > 1:
-        raise ConfigError(f"--tp={tp} is not supported: tensor parallelism is not implemented yet; use --tp 1 "
-                          f"(`graphserve plan --tp {tp}` sizes the memory it would need)", param="tp")
+    # --tp/--ep run (graphserve/distributed): a degree that does not split the model, or needs more GPUs than
+    # are visible, is refused when the command builds its EngineConfig (config.config_from_args), before
+    # any server binds its port
 
 
 def _usage() -> str:

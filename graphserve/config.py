@@ -53,6 +53,9 @@ class EngineConfig:
     # model runs on the host, so there is nothing to overlap with), "on"/"off" force it.
     overlap_schedule: str = "auto"
     tp: int = 1
+    ep: int = 1  # expert parallelism: whole routed experts placed on ranks (MoE models)
+    # The one-shot all-reduce over peer memory for small messages (CUDA, tp > 1); NCCL does the rest.
+    disable_custom_all_reduce: bool = False
     # "uniform" spreads (token, slot) pairs over the experts round-robin: random weights route
     # unevenly, so benchmarks on dummy: models can show the balanced case too. Refused elsewhere.
     moe_routing: str = "model"
@@ -122,6 +125,11 @@ class EngineConfig:
             )
         if self.tp < 1:
             raise ConfigError(f"--tp={self.tp} is invalid: must be >= 1", param="tp")
+        if self.ep < 1:
+            raise ConfigError(f"--ep={self.ep} is invalid: must be >= 1", param="ep")
+        if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
+            raise ConfigError(f"--ep={self.ep} with --tp={self.tp} is invalid: expert-parallel ranks are the "
+                              f"tensor-parallel ranks, so use --ep {self.tp} (or --ep 1)", param="ep")
         if self.log_interval < 1:
             raise ConfigError(f"--log-interval={self.log_interval} is invalid: must be >= 1", param="log_interval")
         if self.max_queued_requests < 1:
@@ -155,7 +163,9 @@ _HELP = {
     "cuda_graph_bs": "exact list of decode batch sizes to capture",
     "disable_cuda_graph": "run decode eagerly (for A/B runs)",
     "overlap_schedule": "prepare the next step while the device runs this one: auto (on CUDA), on, off",
-    "tp": "tensor-parallel size",
+    "tp": "tensor-parallel size: ranks (one process and device each) that split every layer",
+    "ep": "expert-parallel size (MoE): ranks that hold whole experts; equal to --tp when both are set",
+    "disable_custom_all_reduce": "all-reduce with NCCL only (no one-shot kernel over peer memory for small messages)",
     "moe_routing": "MoE routing: model (the router's choice) or uniform (round-robin over experts; dummy: models only)",
     "quantization": "quantize weights at load: fp8 (128x128 block scales) or fp8-channel (per-channel scales)",
     "kv_cache_dtype": "KV cache dtype: auto (the model dtype) or fp8_e4m3 (half the bytes; scale 1.0)",
@@ -209,6 +219,11 @@ def config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
             if f.name == "cuda_graph_bs" and v is not None:
                 v = tuple(v)
             kw[f.name] = v
-    return EngineConfig(model=model, **kw)
+    config = EngineConfig(model=model, **kw)
+    if config.tp > 1 or config.ep > 1:  # refused here, before a server binds its port or spawns a rank
+        from graphserve.distributed.validate import check_parallel
+
+        check_parallel(config)
+    return config
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -23,13 +24,15 @@ import torch
 from graphserve.config import EngineConfig
 from graphserve.engine.expert_load import ExpertLoadProbe
 from graphserve.engine.kv_cache import BlockManager
+from graphserve.engine.parallel_driver import start_ranks, stop_ranks
 from graphserve.engine.processor import resolve_max_model_len
+from graphserve.engine.rank_worker import start_runner
 from graphserve.engine.request import CoreOutput, EngineRequest, Sequence, SequenceStatus
-from graphserve.engine.runner import ModelRunner, StepShape, cpu_kv_tokens
+from graphserve.engine.runner import StepShape
 from graphserve.engine.scheduler import Scheduler, SchedulerOutput
-from graphserve.engine.startup import start_gpu
+from graphserve.engine.step_sync import StepSender
 from graphserve.engine.telemetry import StepRecord, Telemetry
-from graphserve.errors import BadRequestError, ConfigError
+from graphserve.errors import BadRequestError
 from graphserve.layers.sampler import SEED_MASK, PendingSample, SamplerOutput
 from graphserve.models.loader import load_model
 from graphserve.outputs import TokenLogprob
@@ -59,6 +62,7 @@ class InFlightStep:
     start: float  # perf_counter when its scheduling began
     context_tokens: int
     expert_load: torch.Tensor | None = None  # per-layer, per-expert counts on their way to the host (MoE)
+    comm: tuple[int, int] = (0, 0)  # collectives and their bytes (tp/ep > 1)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,28 +73,27 @@ def resolve_device(name: str) -> torch.device:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        if config.tp != 1:
-            # `graphserve plan --tp` models tensor parallelism; the engine itself runs one device.
-            raise ConfigError(f"--tp={config.tp} is not supported by the engine: it runs on one device (use --tp 1)",
-                              param="tp")
         self.config = config
         self.device = resolve_device(config.device)
-        loaded = load_model(config, self.device)
+        # --tp/--ep: this process is rank 0 (the driver); the other ranks run engine/rank_worker.py
+        self.ranks = start_ranks(config, self.device)
+        try:
+            loaded = load_model(config, self.device)
+            self.max_model_len = resolve_max_model_len(config, loaded.info)
+            start = start_runner(config, loaded, self.device, self.max_model_len)
+        except BaseException:
+            self.shutdown()
+            raise
         self.tokenizer = loaded.tokenizer
         self.info = loaded.info
         self.hf_config = loaded.hf_config
         self.chat_template = loaded.chat_template
-        self.max_model_len = resolve_max_model_len(config, self.info)
         self._eos_ids = frozenset(self.info.eos_token_ids)
-        self.memory_plan = None
-        if self.device.type == "cuda":
-            gpu = start_gpu(config, loaded, self.device, self.max_model_len)
-            self.runner, self.memory_plan = gpu.runner, gpu.plan
-            num_blocks, max_running = gpu.runner.num_blocks, gpu.max_running_requests
-        else:
-            num_blocks = cpu_kv_tokens(config, self.info) // config.block_size + 1  # + the dummy block
-            max_running = None
-            self.runner = ModelRunner(config, loaded, num_blocks, self.device)
+        self.runner, self.memory_plan = start.runner, start.plan
+        num_blocks, max_running = self.runner.num_blocks, start.max_running_requests
+        if self.ranks is not None:
+            self.runner.peers = StepSender()
+            self._finalizer = weakref.finalize(self, stop_ranks, self.ranks, self.runner)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, max_running)
         self.telemetry = Telemetry()
@@ -106,10 +109,18 @@ class EngineCore:
         self.generation_tokens_total = 0
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv pool=%d tokens (%d blocks of %d), max_model_len=%d, "
-            "overlap schedule=%s",
+            "overlap schedule=%s, tp=%d ep=%d",
             config.model, self.device, self.info.dtype, (num_blocks - 1) * config.block_size, num_blocks - 1,
-            config.block_size, self.max_model_len, "on" if self.overlap else "off",
+            config.block_size, self.max_model_len, "on" if self.overlap else "off", config.tp, config.ep,
         )
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (tp/ep > 1); the engine cannot step afterwards. Idempotent."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        elif self.ranks is not None:
+            stop_ranks(self.ranks, None)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -170,6 +181,8 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """Schedule and launch the next step; return the outputs of the step whose ids arrived
         (this one, or with the overlap schedule the one launched by the previous call)."""
+        if self.ranks is not None:
+            self.ranks.check()  # a dead rank: fail now rather than wait on a collective it never joins
         outputs, self._pending = self._pending, []
         start = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -200,7 +213,7 @@ class EngineCore:
             return None
         completed = self.scheduler.advance(sched)
         return InFlightStep(sched, pending, completed, self.runner.last_shape, start, self.runner.last_context_tokens,
-                            self.runner.last_expert_load)
+                            self.runner.last_expert_load, self.runner.last_comm)
 
     def _resolve(self) -> list[CoreOutput]:
         """Wait for the step in flight, put its tokens in place and decide who finished."""
@@ -310,6 +323,8 @@ class EngineCore:
                 kv_usage=self.block_manager.usage(),
                 context_tokens=step.context_tokens,
                 preempted=len(sched.preempted),
+                comm_ops=step.comm[0],
+                comm_bytes=step.comm[1],
                 **moe,
             )
         )

@@ -20,6 +20,7 @@ import numpy as np
 import psutil
 import torch
 
+from graphserve.distributed.comm import TALLY
 from graphserve.engine.expert_load import ExpertLoadProbe
 from graphserve.engine.graphs import GraphRunner, split_sizes
 from graphserve.engine.sampling_inputs import tensors_from_rows
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from graphserve.config import EngineConfig
     from graphserve.engine.request import Sequence
     from graphserve.engine.scheduler import SchedulerOutput
+    from graphserve.engine.step_sync import StepSender
     from graphserve.layers.attention_backend import AttentionBackend
     from graphserve.models.loader import LoadedModel, ModelInfo
 
@@ -90,6 +92,10 @@ class ModelRunner:
         self.seq_rows = SequenceRows()
         self.staging = HostStaging(self.device)
         self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
+        # --tp/--ep on the driver rank: ships each step's inputs to the other ranks (engine/step_sync.py)
+        self.peers: StepSender | None = None
+        self.graph_comm: dict[int, tuple[int, int]] = {}  # captured size -> (collectives, bytes) per replay
+        self.last_comm = (0, 0)  # collectives and their bytes in the last step (telemetry)
         self.expert_probe = ExpertLoadProbe(self.model, self.device) if self.model is not None else None
         self.last_expert_load: torch.Tensor | None = None  # the last step's per-expert counts (host, MoE only)
 
@@ -99,8 +105,20 @@ class ModelRunner:
         torch.cuda.empty_cache()
         graphs = GraphRunner(self.model, self.attn_backend, self.kv_caches, sizes,
                              -(-max_model_len // self.block_size), max_model_len, self.device)
+        # A replay runs no Python, so the collectives a graph holds are tallied while it is captured: each
+        # size runs one warm-up forward and one captured forward before ``progress`` hears of it.
+        self.graph_comm = {}
+        last = [TALLY.snapshot()]
+
+        def tally(ps: int) -> None:
+            count, nbytes = TALLY.snapshot()
+            self.graph_comm[ps] = ((count - last[0][0]) // 2, (nbytes - last[0][1]) // 2)
+            last[0] = (count, nbytes)
+            if progress is not None:
+                progress(ps)
+
         with torch.inference_mode():
-            graphs.capture(progress)
+            graphs.capture(tally)
         self.graphs = graphs
         return graphs
 
@@ -213,14 +231,21 @@ class ModelRunner:
         if graphs is not None and batch.mode == "decode":
             if graphs.can_use_cuda_graph(bs):
                 self.last_shape = StepShape(graphs.padded_size(bs), True, "graph")
+                self.last_comm = self.graph_comm.get(self.last_shape.padded_size, (0, 0))
                 return graphs.replay(batch)
             if self.oversize_mode == "split-graph":
-                padded = sum(graphs.padded_size(p) for p in split_sizes(bs, graphs.sizes))
-                self.last_shape = StepShape(padded, True, "split-graph")
+                pieces = [graphs.padded_size(p) for p in split_sizes(bs, graphs.sizes)]
+                self.last_shape = StepShape(sum(pieces), True, "split-graph")
+                tallies = [self.graph_comm.get(p, (0, 0)) for p in pieces]
+                self.last_comm = (sum(c for c, _ in tallies), sum(b for _, b in tallies))
                 return graphs.replay_split(batch)
         self.last_shape = StepShape(bs, False, "eager")
+        before = TALLY.snapshot()
         hidden = self.model(batch.input_ids, batch.positions, batch)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        after = TALLY.snapshot()
+        self.last_comm = (after[0] - before[0], after[1] - before[1])
+        return logits
 
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
         """Run one step to the end: its sampled ids on the host."""
@@ -234,6 +259,8 @@ class ModelRunner:
         rows = self.seq_rows.gather(seqs)  # one gather serves the inputs, the sampling knobs and telemetry
         self.last_context_tokens = int(rows.positions.sum()) + out.num_tokens
         batch = self.prepare_inputs(out, rows)
+        if self.peers is not None:
+            self.peers.send(batch)
         logits = self.forward_logits(batch)
         self.last_expert_load = self.expert_probe.snapshot() if self.expert_probe else None
         pending = self.sampler.sample(logits, self.sampling_tensors(seqs, rows, logits.shape[-1]))

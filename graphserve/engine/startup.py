@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from graphserve.config import EngineConfig
+from graphserve.distributed.comm import agree
 from graphserve.engine.graphs import GiB, GraphRunner
 from graphserve.engine.memory import RESERVE_BYTES, MemoryPlan, plan_memory
 from graphserve.engine.runner import ModelRunner
@@ -159,7 +160,8 @@ def calibrate_oversize(runner: ModelRunner, rows: int) -> OversizeCalibration:
     eager_ms = _time_ms(lambda: runner.forward_logits(batch))
     eager_peak = torch.cuda.max_memory_allocated(dev) - base
     full_ms = _full_graph_ms(runner, batch, eager_peak)
-    mode = "split-graph" if split_ms <= eager_ms else "eager"
+    modes = ("split-graph", "eager")  # every rank must replay the same way (--tp/--ep): rank 0's timing decides
+    mode = modes[agree(0 if split_ms <= eager_ms else 1, op="first")]
     return OversizeCalibration(rows, split_ms, eager_ms, full_ms, mode)
 
 
@@ -169,7 +171,8 @@ def _full_graph_ms(runner: ModelRunner, batch: ForwardBatch, eager_peak: int) ->
     graphs = runner.graphs
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(runner.device)
-    if graphs is None or free < 2 * eager_peak + (256 << 20):
+    # with --tp/--ep the trial captures collectives: every rank takes it, or none does
+    if not agree(int(graphs is not None and free >= 2 * eager_peak + (256 << 20))):
         return None
     trial = GraphRunner(runner.model, runner.attn_backend, runner.kv_caches, [batch.num_seqs],
                         graphs.block_tables.shape[1], graphs.max_model_len, runner.device)
@@ -242,7 +245,9 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
             raise ConfigError(f"--num-kv-tokens/--kv-cache-gb give {num_blocks * cfg.block_size} KV tokens, less than "
                               f"one request of --max-model-len {max_model_len}", param="num_kv_tokens")
 
-    # 5. allocate and capture for real
+    # 5. allocate and capture for real. With --tp/--ep every rank holds the same number of blocks (the
+    # scheduler's one block table addresses them all): the smallest any rank can afford.
+    num_blocks = agree(num_blocks)
     runner = ModelRunner(cfg, loaded, num_blocks + 1, device)  # + the dummy block
     oversize, calibration = "none", None
     if sizes:

@@ -10,6 +10,12 @@ table stays on cuBLAS.
 
 q/k/v and gate/up are fused into one matmul each (few large GEMMs are what the GPU path
 wants); the checkpoint stores them apart, so each fused layer knows where every shard goes.
+
+Tensor parallelism (the parallel classes at the end): a column-parallel layer keeps a slice of the
+output rows, a row-parallel one a slice of the input columns, and each loads only its slice from the
+checkpoint tensor. They compute with ``Linear.forward`` (so the gemv routing is the same at every tp);
+the sum of a row-parallel layer's partial outputs is the caller's all-reduce (distributed/comm.py),
+issued once per block after whatever else joins it. At tp 1 they hold the whole weight.
 """
 
 from __future__ import annotations
@@ -140,3 +146,102 @@ class MergedLinear(Linear):
         if target.shape != loaded.shape:
             raise ValueError(f"shard {shard} has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
         target.copy_(loaded)
+
+
+# ---- tensor parallelism -----------------------------------------------------------------------------
+
+
+def _split(total: int, tp_size: int, what: str) -> int:
+    if total % tp_size:
+        raise ValueError(f"{what}={total} does not split over tp_size={tp_size}")
+    return total // tp_size
+
+
+def _fit(target: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    if target.shape != loaded.shape:
+        raise ValueError(f"{what} has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+    target.copy_(loaded)
+
+
+class ColumnParallelLinear(Linear):
+    """Output rows split over ``tp_size`` ranks: rank r computes rows ``[r·n, (r+1)·n)`` of the result."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(in_features, _split(out_features, tp_size, "out_features"), bias=bias)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    @torch.no_grad()
+    def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        n = param.shape[0]
+        _fit(param.data, loaded.narrow(0, self.tp_rank * n, n), f"{param_name} (rank {self.tp_rank}'s rows)")
+
+
+class RowParallelLinear(Linear):
+    """Input columns split over ranks; each rank's output is a partial sum that the caller all-reduces.
+
+    The bias is held by rank 0 only (zeros elsewhere), so the all-reduced sum adds it exactly once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(_split(in_features, tp_size, "in_features"), out_features, bias=bias)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    @torch.no_grad()
+    def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        if param_name == "bias":
+            _fit(param.data, loaded if self.tp_rank == 0 else torch.zeros_like(loaded), "bias")
+            return
+        n = param.shape[1]
+        _fit(param.data, loaded.narrow(1, self.tp_rank * n, n), f"{param_name} (rank {self.tp_rank}'s columns)")
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """Several column-parallel projections fused in one matmul (gate/up): each rank holds its slice of
+    every part, stacked in order. ``output_sizes`` are the full sizes; ``self.output_sizes`` the local ones."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        local = [_split(n, tp_size, f"output_sizes[{i}]") for i, n in enumerate(output_sizes)]
+        super().__init__(in_features, local, bias=bias)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    def shard_slice(self, shard: int) -> tuple[int, int]:
+        """(first checkpoint row, rows) of part ``shard`` that this rank holds."""
+        n = self.output_sizes[shard]
+        return self.tp_rank * n, n
+
+    @torch.no_grad()
+    def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        if shard is None:
+            raise ValueError(f"a merged projection takes its {len(self.output_sizes)} parts one by one")
+        start, n = self.shard_slice(shard)
+        _fit(param.data[self.shard_rows(shard)], loaded.narrow(0, start, n), f"shard {shard} (rank {self.tp_rank})")
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v fused, split by heads: each rank holds ``num_heads / tp`` query heads and
+    ``max(1, num_kv_heads / tp)`` KV heads. With fewer KV heads than ranks, the ``tp / num_kv_heads``
+    ranks whose query heads share a KV head each hold a copy of it."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        _split(num_heads, tp_size, "num_attention_heads")
+        if num_kv_heads >= tp_size:
+            kv_local = _split(num_kv_heads, tp_size, "num_key_value_heads")
+        elif tp_size % num_kv_heads:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} cannot be replicated evenly over {tp_size} ranks")
+        else:
+            kv_local = 1
+        q, kv = num_heads * head_dim, kv_local * head_dim * tp_size  # "full" sizes that split to the local ones
+        super().__init__(hidden_size, [q, kv, kv], bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.head_dim, self.num_kv_heads = head_dim, num_kv_heads
+        self.num_local_heads, self.num_local_kv_heads = num_heads // tp_size, kv_local
+
+    def shard_slice(self, shard: int) -> tuple[int, int]:
+        if shard == 0:
+            return super().shard_slice(0)
+        n = self.output_sizes[shard]
+        if self.num_kv_heads >= self.tp_size:
+            return self.tp_rank * n, n
+        # rank r's query heads [r·H/tp, (r+1)·H/tp) all read KV head r·kv/tp (rounded down)
+        kv_head = self.tp_rank * self.num_kv_heads // self.tp_size
+        return kv_head * self.head_dim, n

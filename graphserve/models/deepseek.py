@@ -158,8 +158,9 @@ class DeepseekV2ForCausalLM(CausalLM):
     @classmethod
     def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:
         s = shape_from_config(config, cls.version)
-        if tp != 1:
-            raise ValueError(f"tp={tp}: tensor parallelism is not implemented for DeepSeek models yet; use tp=1")
+        if tp != 1 or ep != 1:
+            raise ValueError(f"tp={tp}, ep={ep}: tensor and expert parallelism are not implemented for DeepSeek "
+                             "models yet; use tp=1 and ep=1")
         h, heads = s.hidden_size, s.num_heads
         qk, r, d = s.qk_nope_head_dim + s.qk_rope_head_dim, s.kv_lora_rank, s.qk_rope_head_dim
         bias = s.attention_bias

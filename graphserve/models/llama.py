@@ -13,9 +13,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from graphserve.distributed.comm import all_reduce
+from graphserve.distributed.state import get_parallel
 from graphserve.layers.embedding import LMHead, VocabEmbedding
 from graphserve.layers.kv_layout import KVLayout
-from graphserve.layers.linear import Linear, MergedLinear, norm_linear, silu_mul_linear
+from graphserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    norm_linear,
+    silu_mul_linear,
+)
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
 from graphserve.models.base import CausalLM
@@ -86,6 +94,9 @@ def kv_layout_of(s: Shape, dtype: torch.dtype, tp: int = 1) -> KVLayout:
 
 def attention_params(s: Shape, tp: int) -> tuple[int, int]:
     """(parameters of one attention block on a rank, activation elements one token holds in it)."""
+    if s.qk_norm_full and tp > 1:
+        raise ValueError("q/k RMSNorm over the whole projection (OLMoE) needs every head on one rank: "
+                         "num_attention_heads does not split, use --tp 1 (or --ep)")
     heads, kvh = s.num_heads // tp, local_kv_heads(s, tp)
     q, kv = heads * s.head_dim, kvh * s.head_dim
     params = s.hidden_size * (q + 2 * kv) + q * s.hidden_size
@@ -98,14 +109,21 @@ def attention_params(s: Shape, tp: int) -> tuple[int, int]:
 
 
 class LlamaAttention(nn.Module):
+    """Attention over this rank's heads (all of them at tp 1). ``o_proj``'s output is this rank's
+    partial sum: the caller all-reduces it."""
+
     def __init__(self, s: Shape, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
+        tp_rank, tp = get_parallel().tp_rank, get_parallel().tp_size
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.qkv_proj = QKVParallelLinear(s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.qkv_bias,
+                                          tp_rank, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads
+        self.head_dim = s.head_dim
         self.scale = s.head_dim**-0.5
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        self.qkv_proj = MergedLinear(s.hidden_size, [q_size, kv_size, kv_size], bias=s.qkv_bias)
-        self.o_proj = Linear(q_size, s.hidden_size, bias=s.o_bias)
+        q_size, kv_size = self.num_heads * s.head_dim, self.num_kv_heads * s.head_dim
+        self.o_proj = RowParallelLinear(s.num_heads * s.head_dim, s.hidden_size, s.o_bias, tp_rank, tp)
+        attention_params(s, tp)  # refuses a split this attention cannot take
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         # the fused prologue kernel normalises per head; a whole-projection norm or a clamp runs unfused
@@ -160,10 +178,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """The MLP over this rank's slice of the intermediate size; the caller all-reduces its output."""
+
     def __init__(self, s: Shape) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(s.hidden_size, [s.intermediate_size] * 2, bias=s.mlp_bias)
-        self.down_proj = Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        tp_rank, tp = get_parallel().tp_rank, get_parallel().tp_size
+        self.gate_up_proj = MergedColumnParallelLinear(s.hidden_size, [s.intermediate_size] * 2, s.mlp_bias, tp_rank, tp)
+        self.down_proj = RowParallelLinear(s.intermediate_size, s.hidden_size, s.mlp_bias, tp_rank, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_gate_up(self.gate_up_proj(x))
@@ -185,11 +206,12 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # each norm is taken together with the projection it feeds: at decode batch sizes on CUDA
-        # both run in one gemv launch (layers/linear.py norm_linear)
+        # both run in one gemv launch (layers/linear.py norm_linear). Under tensor parallelism the
+        # attention and MLP outputs are partial sums: one all-reduce each (no-ops at tp 1).
         qkv, residual = norm_linear(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
-        hidden = self.self_attn.forward_qkv(positions, qkv, batch)
+        hidden = all_reduce(self.self_attn.forward_qkv(positions, qkv, batch))
         gate_up, residual = norm_linear(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj)
-        return self.mlp.forward_gate_up(gate_up), residual
+        return all_reduce(self.mlp.forward_gate_up(gate_up)), residual
 
 
 class LlamaModel(nn.Module):
@@ -198,7 +220,8 @@ class LlamaModel(nn.Module):
 
     def __init__(self, s: Shape, max_positions: int, make_layer=None) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size)
+        ps = get_parallel()
+        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, ps.tp_rank, ps.tp_size)
         self.rotary_emb = RotaryEmbedding(s.head_dim, max_positions, s.rope_parameters)
         make_layer = make_layer or (lambda i, rotary: LlamaDecoderLayer(s, i, rotary))
         self.layers = nn.ModuleList(make_layer(i, self.rotary_emb) for i in range(s.num_layers))
@@ -248,7 +271,8 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.shape = self.shape_from_config(config)
         self.model = LlamaModel(self.shape, max_positions)
-        self.lm_head = LMHead(self.shape.hidden_size, self.shape.vocab_size)
+        ps = get_parallel()
+        self.lm_head = LMHead(self.shape.hidden_size, self.shape.vocab_size, ps.tp_rank, ps.tp_size)
         self.tied = self.shape.tie_word_embeddings
         if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -266,8 +290,8 @@ class LlamaForCausalLM(CausalLM):
             kv=kv_layout_of(s, dtype, tp), hidden_size=s.hidden_size, vocab_size=s.vocab_size,
             weight_bytes_per_param=dtype.itemsize,
             dense_params=s.num_layers * (attn + mlp + 2 * s.hidden_size) + s.hidden_size,
-            embed_params=s.vocab_size * s.hidden_size // tp,
-            lm_head_params=0 if s.tie_word_embeddings else s.vocab_size * s.hidden_size // tp,
+            embed_params=-(-s.vocab_size // tp) * s.hidden_size,
+            lm_head_params=0 if s.tie_word_embeddings else -(-s.vocab_size // tp) * s.hidden_size,
             act_width=max(attn_act, 3 * inter), act_bytes_per_elem=dtype.itemsize,
         )
 

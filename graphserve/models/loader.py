@@ -261,7 +261,11 @@ def _eos_ids(hf_config: PretrainedConfig, tokenizer: Any, generation_eos: Any) -
 
 def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype: torch.dtype, eos: list[int],
             quant: Fp8Config | None = None, kv_dtype: str = "auto"):
-    description = quantized_description(model.describe(hf_config, dtype), quant, dtype)
+    from graphserve.distributed.state import get_parallel
+
+    parallel = get_parallel()  # this rank's share: its KV heads size the pool, its weights the plan
+    description = model.describe(hf_config, dtype, tp=parallel.tp_size, ep=parallel.ep_size)
+    description = quantized_description(description, quant, dtype)
     if kv_dtype != "auto":
         if description.kv.kind != "kv":
             raise ConfigError(f"--kv-cache-dtype={kv_dtype} is implemented for paged K/V caches; this model's "

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from graphserve.distributed.comm import all_reduce
+from graphserve.distributed.state import get_parallel
 from graphserve.errors import ModelLoadError
 from graphserve.layers.embedding import LMHead
 from graphserve.layers.linear import Linear, norm_linear
@@ -66,13 +68,28 @@ def _required(config: Any, field: str) -> Any:
 
 
 class SparseMoeBlock(nn.Module):
-    """Router gate + routed experts (+ an optional sigmoid-gated shared expert)."""
+    """Router gate + routed experts (+ an optional sigmoid-gated shared expert).
+
+    Under ``--tp``/``--ep`` every rank routes every token and computes the pairs its experts (or expert
+    slices) hold; one all-reduce of ``[T, H]`` combines the ranks. An all-to-all version of ``--ep``
+    would instead send each token only to the ranks holding its routed experts and back (traffic
+    ``T·top_k·H`` spread over the pairs that cross ranks, rather than every rank reducing a full
+    ``[T, H]``), which pays off at prefill sizes and lets attention run data-parallel; at decode sizes
+    both are latency-bound, and the all-reduce keeps attention's tensor-parallel layout unchanged."""
 
     def __init__(self, s: Shape, m: MoEShape) -> None:
         super().__init__()
+        ps = get_parallel()
+        # every rank routes every token (the gate is replicated); --tp splits each expert along its
+        # intermediate size, --ep places whole experts: either way this rank's output is a partial sum
+        split = {"ep_rank": ps.ep_rank, "ep_size": ps.ep_size} if ps.ep_size > 1 else \
+            {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size}
         self.gate = Linear(s.hidden_size, m.num_experts, bias=False)
         self.experts = FusedMoE(m.num_experts, m.top_k, s.hidden_size, m.moe_intermediate_size,
-                                SoftmaxTopK(m.num_experts, m.top_k, renormalize=m.renormalize))
+                                SoftmaxTopK(m.num_experts, m.top_k, renormalize=m.renormalize), **split)
+        # the shared expert is tensor-parallel like a dense MLP (a partial sum at --tp N); at --tp 1 with
+        # --ep N it is whole on every rank, so one rank adds it before the experts' all-reduce
+        self.add_shared = ps.tp_size > 1 or ps.rank == 0
         self.shared_expert = self.shared_expert_gate = None
         if m.shared_intermediate_size:
             shared = Shape(**{**s.__dict__, "intermediate_size": m.shared_intermediate_size, "mlp_bias": False})
@@ -84,9 +101,9 @@ class SparseMoeBlock(nn.Module):
         # fp32, as the checkpoints' reference implementations do; at decode sizes the gate
         # projection and the routing run as one kernel
         out = self.experts.forward_gate(x, self.gate, valid=batch.num_valid_tokens)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.add_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return all_reduce(out, over="experts")  # one per layer, the shared expert already in it
 
 
 class MoEDecoderLayer(nn.Module):
@@ -104,7 +121,7 @@ class MoEDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         qkv, residual = norm_linear(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
-        hidden = self.self_attn.forward_qkv(positions, qkv, batch)
+        hidden = all_reduce(self.self_attn.forward_qkv(positions, qkv, batch))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden, batch), residual
 
@@ -150,7 +167,8 @@ class MoEForCausalLM(CausalLM):
             return MoEDecoderLayer(s, m, i, rotary) if i in m.sparse_layers else LlamaDecoderLayer(s, i, rotary)
 
         self.model = LlamaModel(s, max_positions, make_layer)
-        self.lm_head = LMHead(s.hidden_size, s.vocab_size)
+        ps = get_parallel()
+        self.lm_head = LMHead(s.hidden_size, s.vocab_size, ps.tp_rank, ps.tp_size)
         self.tied = s.tie_word_embeddings
         if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -177,7 +195,9 @@ class MoEForCausalLM(CausalLM):
         attn, attn_act = attention_params(s, tp)
         dense_inter = split_evenly(s.intermediate_size, tp, "intermediate_size") if len(m.sparse_layers) < \
             s.num_layers else 0
-        moe_inter = split_evenly(m.moe_intermediate_size, tp, "moe_intermediate_size")
+        # --ep places whole experts (each rank's experts keep their full intermediate size); --tp splits it
+        moe_inter = m.moe_intermediate_size if ep > 1 else split_evenly(m.moe_intermediate_size, tp,
+                                                                          "moe_intermediate_size")
         local_experts = split_evenly(m.num_experts, ep, "num_experts")
         shared_inter = m.shared_intermediate_size // tp
         n_sparse, n_dense = len(m.sparse_layers), s.num_layers - len(m.sparse_layers)
@@ -190,7 +210,8 @@ class MoEForCausalLM(CausalLM):
         return ModelDescription(
             kv=kv_layout_of(s, dtype, tp), hidden_size=h, vocab_size=s.vocab_size,
             weight_bytes_per_param=dtype.itemsize, dense_params=dense_params,
-            embed_params=s.vocab_size * h // tp, lm_head_params=0 if s.tie_word_embeddings else s.vocab_size * h // tp,
+            embed_params=-(-s.vocab_size // tp) * h,
+            lm_head_params=0 if s.tie_word_embeddings else -(-s.vocab_size // tp) * h,
             expert_params=3 * h * moe_inter, local_experts=local_experts, num_experts=m.num_experts, top_k=m.top_k,
             num_moe_layers=n_sparse, act_width=max(attn_act, 3 * dense_inter, moe_act),
             act_bytes_per_elem=dtype.itemsize,
