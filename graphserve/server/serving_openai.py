@@ -25,6 +25,8 @@ from graphserve.server.streams import (
     until_disconnect,
     usage,
 )
+from graphserve.structured.tool_calls import ToolChoice, chat_message
+from graphserve.structured.tool_stream import ToolCallStream
 
 
 def _completion_logprobs(state: ServerState, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -114,36 +116,53 @@ async def _completion_chunks(
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     params = req.to_sampling_params()
-    prompt = state.chat_prompt(req.template_messages(), req.add_generation_prompt)
+    tools = req.tool_choice_mode()
+    prompt = state.chat_prompt(req.template_messages(), req.add_generation_prompt, req.tools)
     rid = new_id("chatcmpl")
     jobs = start_jobs(state.engine, state.metrics, rid, [prompt], params)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        return StreamingResponse(sse_stream(_chat_chunks(state, jobs, chunk_head, params.n, include_usage)),
+        return StreamingResponse(sse_stream(_chat_chunks(state, jobs, chunk_head, params.n, include_usage, tools)),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
     job = jobs[0]
-    choices = [{
-        "index": o.index,
-        "message": {"role": "assistant", "content": o.text},
-        "logprobs": _chat_logprobs(state, o.logprobs) if o.logprobs is not None else None,
-        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-    } for o in (job.last.outputs if job.last else [])]
+    choices = []
+    for o in job.last.outputs if job.last else []:
+        message, reason = chat_message(o.text, o.finish_reason, tools)
+        choices.append({
+            "index": o.index, "message": message,
+            "logprobs": _chat_logprobs(state, o.logprobs) if o.logprobs is not None else None,
+            "finish_reason": reason, "stop_reason": o.stop_reason,
+        })
     choices.sort(key=lambda c: c["index"])
     return JSONResponse({**head, "choices": choices, "usage": usage(jobs)})
 
 
 async def _chat_chunks(
-    state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool
+    state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool,
+    tools: ToolChoice | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     # The role goes out first, once per choice, as OpenAI does; clients key the message on it.
     for i in range(n):
         yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]}
+    calls = {i: ToolCallStream(tools) for i in range(n)} if tools is not None and tools.mode != "none" else None
     async for _, o, text, new_lps, finished in _new_pieces(jobs):
+        if calls is not None:  # tool calls: the text becomes content and tool_calls deltas
+            deltas, reason = calls[o.index].feed(text, finished, o.finish_reason)
+            if finished and not deltas:
+                deltas = [{}]
+            for k, delta in enumerate(deltas):
+                last = finished and k == len(deltas) - 1
+                yield {**head, "choices": [{
+                    "index": o.index, "delta": delta,
+                    "logprobs": _chat_logprobs(state, new_lps) if new_lps is not None and k == 0 else None,
+                    "finish_reason": reason if last else None, "stop_reason": o.stop_reason if last else None,
+                }]}
+            continue
         yield {**head, "choices": [{
             "index": o.index, "delta": {"content": text} if text else {},
             "logprobs": _chat_logprobs(state, new_lps) if new_lps is not None else None,

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from graphserve.structured.constraint import choice_grammar
+from graphserve.structured.constraint import to_grammar
 
 if TYPE_CHECKING:
     from graphserve.structured.constraint import StructuredOutput
@@ -101,18 +101,7 @@ class GrammarCompiler:
     def _compile(self, c: StructuredOutput) -> Any:
         compiler = self._xgr_compiler()
         start = time.perf_counter()
-        if c.kind == "json_schema":
-            compiled = compiler.compile_json_schema(c.spec, any_whitespace=False, strict_mode=True)
-        elif c.kind == "json_object":
-            compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        elif c.kind == "regex":
-            compiled = compiler.compile_regex(c.spec)
-        elif c.kind == "choice":
-            compiled = compiler.compile_grammar(choice_grammar(c.choices()))
-        elif c.kind == "grammar":
-            compiled = compiler.compile_grammar(c.spec)
-        else:
-            raise ValueError(f"unknown structured output kind {c.kind!r}")
+        compiled = compiler.compile_grammar(to_grammar(c))  # the grammar the edge checked, corrections included
         elapsed = time.perf_counter() - start
         self.num_compiles += 1
         self.compile_seconds += elapsed

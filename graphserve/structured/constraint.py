@@ -93,9 +93,10 @@ def to_grammar(c: StructuredOutput) -> Any:
     import xgrammar as xgr
 
     if c.kind == "json_schema":
-        return xgr.Grammar.from_json_schema(c.spec, any_whitespace=False, strict_mode=True)
+        return _json_grammar(xgr.Grammar.from_json_schema(c.spec, any_whitespace=False, strict_mode=True))
     if c.kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        return _json_grammar(xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False,
+                                                          strict_mode=False))
     if c.kind == "regex":
         return xgr.Grammar.from_regex(c.spec)
     if c.kind == "choice":
@@ -103,6 +104,22 @@ def to_grammar(c: StructuredOutput) -> Any:
     if c.kind == "grammar":
         return xgr.Grammar.from_ebnf(c.spec)
     raise ValueError(f"unknown structured output kind {c.kind!r}")
+
+
+# xgrammar 0.2.9 writes the characters of a length-bounded string as [^"\\\r\n], which lets control
+# characters (U+0000-U+001F other than CR/LF) through unescaped: invalid JSON that strict parsers refuse.
+# Its unbounded strings exclude them; the bounded ones are given the same class.
+_LAX_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+
+def _json_grammar(g: Any) -> Any:
+    import xgrammar as xgr
+
+    text = str(g)
+    if _LAX_STRING_CHAR not in text:
+        return g
+    return xgr.Grammar.from_ebnf(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def checked(c: StructuredOutput) -> StructuredOutput:
