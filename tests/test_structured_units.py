@@ -138,3 +138,13 @@ def test_streamed_deltas_rebuild_the_calls():
     deltas, reason = replay(named, '{"x": 12}')
     assert deltas[0]["tool_calls"][0]["function"] == {"name": "f", "arguments": ""} and reason == "stop"
     assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas) == '{"x": 12}'
+
+
+def test_noise_never_reaches_one_so_masked_tokens_never_win():
+    """A uniform of exactly 1.0 gives +inf Gumbel noise and NaN on a masked (-inf) logit, which argmax picks."""
+    from graphserve.layers.sampler import uniform_noise
+
+    u = uniform_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), 1 << 16)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+    top = torch.full((1,), (1 << 23) - 1, dtype=torch.float32)
+    assert float((top + 0.5) * (1.0 / (1 << 23))) < 1.0

@@ -50,8 +50,11 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     """[B, V] float32 uniforms in (0, 1), a pure function of (seed, step, vocab id)."""
     row = _mix(_mix(seeds + _GOLDEN) + steps * _GOLDEN)
     vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _shr(_mix(row[:, None] + vocab[None, :] * _GOLDEN), 40)  # top 24 bits: exact in float32
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # Top 23 bits, so bits + 0.5 (24 significant bits) is exact in float32 and u < 1 strictly. With 24
+    # bits the largest value rounded to u = 1.0, a Gumbel noise of +inf, and -inf + inf = NaN wins the
+    # argmax: a token masked by top-k/top-p or a grammar was drawn about once per 2**24 draws per token.
+    bits = _shr(_mix(row[:, None] + vocab[None, :] * _GOLDEN), 41)
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
