@@ -85,7 +85,8 @@ AUTO = ToolChoice("auto", ("f", "g"))
 def test_tool_choice_modes_and_their_constraints():
     assert tool_choice(None, None) == (None, None)
     mode, c = tool_choice(TOOLS, "required")
-    assert mode.mode == "required" and json.loads(c.spec)["minItems"] == 1
+    assert mode.mode == "required" and json.loads(c.spec)["minItems"] == 1 and "maxItems" not in json.loads(c.spec)
+    assert json.loads(tool_choice(TOOLS, "required", parallel=False)[1].spec)["maxItems"] == 1
     mode, c = tool_choice(TOOLS, {"type": "function", "function": {"name": "g"}})
     assert mode.named == "g" and json.loads(c.spec) == {"type": "object", "properties": {}}
     assert tool_choice(TOOLS, None)[0].mode == "auto" and tool_choice(TOOLS, "none")[1] is None

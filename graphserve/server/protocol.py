@@ -162,6 +162,7 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
 
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def template_messages(self) -> list[dict[str, Any]]:
         out = []
@@ -175,10 +176,10 @@ class ChatCompletionRequest(_SamplingFields):
         return out
 
     def tool_choice_mode(self) -> ToolChoice | None:
-        return tool_choice(self.tools, self.tool_choice)[0]
+        return tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)[0]
 
     def constraint(self) -> StructuredOutput | None:
-        tools = tool_choice(self.tools, self.tool_choice)[1]
+        tools = tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)[1]
         return openai_constraint(self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar,
                                  self.response_format, tools)
 

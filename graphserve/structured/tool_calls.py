@@ -38,8 +38,10 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_choice(tools: list[dict[str, Any]] | None, choice: Any) -> tuple[ToolChoice | None, StructuredOutput | None]:
-    """Check ``tools`` / ``tool_choice`` and return what the response side needs and the constraint, if any."""
+def tool_choice(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool = True
+                ) -> tuple[ToolChoice | None, StructuredOutput | None]:
+    """Check ``tools`` / ``tool_choice`` and return what the response side needs and the constraint, if any.
+    ``parallel``: OpenAI's ``parallel_tool_calls``; False allows one call."""
     if not tools:
         if choice not in (None, "none"):
             raise BadRequestError(f"tool_choice={choice!r} needs tools", param="tool_choice")
@@ -48,8 +50,8 @@ def tool_choice(tools: list[dict[str, Any]] | None, choice: Any) -> tuple[ToolCh
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise BadRequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
-                                  param=f"tools[{i}]")
+            raise BadRequestError(f"tools[{i}]={tool!r} is invalid: each tool must be "
+                                  "{'type': 'function', 'function': {'name': ..., 'parameters': ...}}", param="tools")
         name = fn.get("name")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
             raise BadRequestError(f"tools[{i}].function.name={name!r} is invalid: 1-64 letters, digits, _ . -",
@@ -69,6 +71,8 @@ def tool_choice(tools: list[dict[str, Any]] | None, choice: Any) -> tuple[ToolCh
         calls = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
                   "required": ["name", "parameters"]} for n, p in functions.items()]
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if not parallel:
+            schema["maxItems"] = 1
         return ToolChoice("required", names), json_schema(schema, "tool_choice")
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
