@@ -25,8 +25,8 @@ from graphserve.server.streams import (
     until_disconnect,
     usage,
 )
-from graphserve.structured.tool_calls import ToolChoice, chat_message
-from graphserve.structured.tool_stream import ToolCallStream
+from graphserve.structured.tool_calls import chat_message
+from graphserve.structured.tool_stream import tool_call_chunks
 
 
 def _completion_logprobs(state: ServerState, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -124,45 +124,32 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        return StreamingResponse(sse_stream(_chat_chunks(state, jobs, chunk_head, params.n, include_usage, tools)),
+        return StreamingResponse(sse_stream(tool_call_chunks(
+            _chat_chunks(state, jobs, chunk_head, params.n, include_usage), tools)),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
     job = jobs[0]
     choices = []
     for o in job.last.outputs if job.last else []:
-        message, reason = chat_message(o.text, o.finish_reason, tools)
+        message, finish_reason = chat_message(o.text, o.finish_reason, tools)  # tool calls parsed out
         choices.append({
             "index": o.index, "message": message,
             "logprobs": _chat_logprobs(state, o.logprobs) if o.logprobs is not None else None,
-            "finish_reason": reason, "stop_reason": o.stop_reason,
+            "finish_reason": finish_reason, "stop_reason": o.stop_reason,
         })
     choices.sort(key=lambda c: c["index"])
     return JSONResponse({**head, "choices": choices, "usage": usage(jobs)})
 
 
 async def _chat_chunks(
-    state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool,
-    tools: ToolChoice | None = None,
+    state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool
 ) -> AsyncIterator[dict[str, Any]]:
     # The role goes out first, once per choice, as OpenAI does; clients key the message on it.
     for i in range(n):
         yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]}
-    calls = {i: ToolCallStream(tools) for i in range(n)} if tools is not None and tools.mode != "none" else None
     async for _, o, text, new_lps, finished in _new_pieces(jobs):
-        if calls is not None:  # tool calls: the text becomes content and tool_calls deltas
-            deltas, reason = calls[o.index].feed(text, finished, o.finish_reason)
-            if finished and not deltas:
-                deltas = [{}]
-            for k, delta in enumerate(deltas):
-                last = finished and k == len(deltas) - 1
-                yield {**head, "choices": [{
-                    "index": o.index, "delta": delta,
-                    "logprobs": _chat_logprobs(state, new_lps) if new_lps is not None and k == 0 else None,
-                    "finish_reason": reason if last else None, "stop_reason": o.stop_reason if last else None,
-                }]}
-            continue
         yield {**head, "choices": [{
             "index": o.index, "delta": {"content": text} if text else {},
             "logprobs": _chat_logprobs(state, new_lps) if new_lps is not None else None,

@@ -90,7 +90,11 @@ def choice_grammar(options: list[str]) -> str:
 
 def to_grammar(c: StructuredOutput) -> Any:
     """The xgrammar Grammar of ``c`` (raises xgrammar's error on invalid input)."""
-    import xgrammar as xgr
+    try:
+        import xgrammar as xgr
+    except ImportError as exc:
+        raise BadRequestError(f"{c.field} needs structured output, which this server cannot serve: the xgrammar "
+                              "package is not installed (pip install xgrammar==0.2.9)", param=c.field) from exc
 
     if c.kind == "json_schema":
         return _json_grammar(xgr.Grammar.from_json_schema(c.spec, any_whitespace=False, strict_mode=True))

@@ -13,6 +13,7 @@ OpenAI streams a call as a first delta carrying ``index``, ``id``, ``type`` and 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from graphserve.structured.tool_calls import (
@@ -88,3 +89,34 @@ class ToolCallStream:
             out.append({"content": self.text[self.sent:]})
         self.sent = len(self.text)
         return out, finish_reason(reason, self.choice, calls)
+
+
+async def tool_call_chunks(chunks: AsyncIterator[dict[str, Any]], choice: ToolChoice | None
+                           ) -> AsyncIterator[dict[str, Any]]:
+    """Rewrite a chat stream's chunks for a request with tools: each choice's content deltas go through a
+    ToolCallStream; the role rides on each choice's first chunk that goes out. Without tools (or with
+    ``tool_choice: "none"``) the chunks pass unchanged."""
+    if choice is None or choice.mode == "none":
+        async for chunk in chunks:
+            yield chunk
+        return
+    streams: dict[int, ToolCallStream] = {}
+    for_role: set[int] = set()
+    async for chunk in chunks:
+        if not chunk.get("choices"):
+            yield chunk  # the usage chunk
+            continue
+        c = chunk["choices"][0]
+        i, reason = c["index"], c.get("finish_reason")
+        stream = streams.setdefault(i, ToolCallStream(choice))
+        deltas, final = stream.feed(c["delta"].get("content") or "", reason is not None, reason)
+        if reason is not None and not deltas:
+            deltas = [{}]
+        for k, delta in enumerate(deltas):
+            if i not in for_role:
+                for_role.add(i)
+                delta = {"role": "assistant", **delta}
+            last = reason is not None and k == len(deltas) - 1
+            yield {**chunk, "choices": [{**c, "delta": delta, "logprobs": c.get("logprobs") if k == 0 else None,
+                                         "finish_reason": final if last else None,
+                                         "stop_reason": c.get("stop_reason") if last else None}]}
