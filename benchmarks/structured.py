@@ -88,27 +88,28 @@ def run_model(model: str, batch: int, max_tokens: int, temperature: float) -> di
     llm = LLM(model, max_model_len=1024, **({} if torch.cuda.is_available() else {"num_kv_tokens": 16384}))
     vocab = llm.engine.core.info.vocab_size
     compiler = llm.engine.core.structured.compiler
-    reqs = prompts(batch, vocab)
+    # each run gets prompts of its own (same lengths), so none finds another run's prefix in the cache
+    warm, reqs_con, reqs_free, reqs_mix = (prompts(batch, vocab, seed) for seed in range(4))
     schema = so.json_schema(SCHEMA, "guided_json")
     # warm-up: kernels, graphs and the grammar compiler's tokenizer table (about a second at 150k tokens)
-    llm.generate(reqs[:4], SamplingParams(max_tokens=32, temperature=temperature, structured=schema), use_tqdm=False)
-    llm.generate(reqs[:4], SamplingParams(max_tokens=32, temperature=temperature, ignore_eos=True), use_tqdm=False)
+    llm.generate(warm[:4], SamplingParams(max_tokens=32, temperature=temperature, structured=schema), use_tqdm=False)
+    llm.generate(warm[4:8], SamplingParams(max_tokens=32, temperature=temperature, ignore_eos=True), use_tqdm=False)
 
     con_params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, structured=schema)
                   for i in range(batch)]
-    con_s, con_outs = timed(llm, reqs, con_params)
+    con_s, con_outs = timed(llm, reqs_con, con_params)
     lengths = [len(o.token_ids) for o in con_outs]
     valid = json_objects(con_outs)
 
     free_params = [SamplingParams(max_tokens=n, temperature=temperature, seed=i, ignore_eos=True)
                    for i, n in enumerate(lengths)]
-    free_s, free_outs = timed(llm, reqs, free_params)
+    free_s, free_outs = timed(llm, reqs_free, free_params)
     assert [len(o.token_ids) for o in free_outs] == lengths
 
     compiles0, compile_s0 = compiler.num_compiles, compiler.compile_seconds
     mixed = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
                             structured=so.json_schema(distinct_schema(i), "guided_json")) for i in range(batch)]
-    mix_s, mix_outs = timed(llm, reqs, mixed)
+    mix_s, mix_outs = timed(llm, reqs_mix, mixed)
     mix_tokens = sum(len(o.token_ids) for o in mix_outs)
     mix_valid = json_objects(mix_outs)
     tokens = sum(lengths)
