@@ -81,9 +81,6 @@ class GrammarCompiler:
 
         return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids))
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
     def _xgr_compiler(self) -> Any:
         import xgrammar as xgr
 
@@ -103,7 +100,8 @@ class GrammarCompiler:
         start = time.perf_counter()
         compiled = compiler.compile_grammar(to_grammar(c))  # the grammar the edge checked, corrections included
         elapsed = time.perf_counter() - start
-        self.num_compiles += 1
-        self.compile_seconds += elapsed
+        with self._lock:  # two pool threads may finish at once
+            self.num_compiles += 1
+            self.compile_seconds += elapsed
         logger.debug("compiled %s grammar (%d chars) in %.1f ms", c.kind, len(c.spec), elapsed * 1e3)
         return compiled
