@@ -310,8 +310,6 @@ def test_generate_logprobs(server):
 @pytest.mark.parametrize("extra, param", [
     ({"lora_path": "adapter-a"}, "lora_path"),
     ({"image_data": "data:image/png;base64,AAAA"}, "image_data"),
-    ({"sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
-    ({"sampling_params": {"regex": "[a-z]+"}}, "sampling_params.regex"),
     ({"return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
 ])
 def test_generate_refuses_what_it_does_not_implement(server, extra, param):

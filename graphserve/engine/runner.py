@@ -13,6 +13,7 @@ sampled id on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
     from graphserve.engine.step_sync import StepSender
     from graphserve.layers.attention_backend import AttentionBackend
     from graphserve.models.loader import LoadedModel, ModelInfo
+
+# Structured output's per-step callback: (ascending batch rows [R] int64, bitmasks [R, ceil(V/32)] int32) or None.
+TokenMaskFn = Callable[[], "tuple[np.ndarray, np.ndarray] | None"]
 
 CPU_DEFAULT_KV_TOKENS = 64 * 1024
 # The default CPU pool never takes more than this share of the memory available at start-up.
@@ -252,9 +256,12 @@ class ModelRunner:
         return self.launch(out).result()
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> PendingSample:
+    def launch(self, out: SchedulerOutput, token_mask: TokenMaskFn | None = None) -> PendingSample:
         """Queue one step (inputs, forward, sampling, the copy of its ids to the host) and return
-        without waiting for it."""
+        without waiting for it.
+
+        ``token_mask``: structured output's host work, called once the forward is queued (so it runs
+        while the device computes): returns (batch rows, their packed bitmasks) or None."""
         seqs = [s.seq for s in out.scheduled]
         rows = self.seq_rows.gather(seqs)  # one gather serves the inputs, the sampling knobs and telemetry
         self.last_context_tokens = int(rows.positions.sum()) + out.num_tokens
@@ -263,7 +270,13 @@ class ModelRunner:
             self.peers.send(batch)
         logits = self.forward_logits(batch)
         self.last_expert_load = self.expert_probe.snapshot() if self.expert_probe else None
-        pending = self.sampler.sample(logits, self.sampling_tensors(seqs, rows, logits.shape[-1]))
+        tensors = self.sampling_tensors(seqs, rows, logits.shape[-1])
+        masked = token_mask() if token_mask is not None else None
+        if masked is not None:
+            mask_rows, mask = masked
+            tensors.token_mask, dev_rows = self.staging.upload(mask, mask_rows)
+            tensors.mask_rows = None if len(mask_rows) == len(seqs) else dev_rows  # rows ascend: all = in order
+        pending = self.sampler.sample(logits, tensors)
         self._last_ids = pending.ids
         return pending
 

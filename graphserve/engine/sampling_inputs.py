@@ -74,7 +74,8 @@ def tensors_from_rows(
     if bool((steps < ints[:, INT_MIN_TOKENS]).any()):
         rows = [
             [*(() if s.params.ignore_eos else eos_token_ids), *s.params.stop_token_ids]
-            if s.num_output_tokens < s.params.min_tokens else []
+            # a constrained row's grammar decides where its output may end (it allows eos only then)
+            if s.num_output_tokens < s.params.min_tokens and s.params.structured is None else []
             for s in seqs
         ]
         banned = _token_rows(rows, vocab_size, device).bool()

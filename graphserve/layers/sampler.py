@@ -50,8 +50,11 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     """[B, V] float32 uniforms in (0, 1), a pure function of (seed, step, vocab id)."""
     row = _mix(_mix(seeds + _GOLDEN) + steps * _GOLDEN)
     vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _shr(_mix(row[:, None] + vocab[None, :] * _GOLDEN), 40)  # top 24 bits: exact in float32
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # Top 23 bits, so bits + 0.5 (24 significant bits) is exact in float32 and u < 1 strictly. With 24
+    # bits the largest value rounded to u = 1.0, a Gumbel noise of +inf, and -inf + inf = NaN wins the
+    # argmax: a token masked by top-k/top-p or a grammar was drawn about once per 2**24 draws per token.
+    bits = _shr(_mix(row[:, None] + vocab[None, :] * _GOLDEN), 41)
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
@@ -75,6 +78,10 @@ class SamplingTensors:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
+    # Structured output: xgrammar-layout bitmasks ([R, ceil(V/32)] int32, bit j of word i allows token
+    # 32*i + j) for the rows in ``mask_rows`` ([R] int64; None: every row, in order). None: no row is constrained.
+    token_mask: torch.Tensor | None = None
+    mask_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -114,6 +121,29 @@ def apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         before = probs.cumsum(dim=-1) - probs
         sorted_logits = sorted_logits.masked_fill((before >= t.top_p[:, None]) & (before > 0), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def unpack_token_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, V] bool, True where the token is allowed, from a packed [R, ceil(V/32)] int32 bitmask.
+
+    The int32 words are read as little-endian bytes (both x86 hosts and CUDA devices are), so byte b
+    of a row holds the bits of tokens 8b..8b+7, lowest bit first."""
+    rows = mask.shape[0]
+    as_bytes = mask.contiguous().view(torch.uint8).view(rows, -1)
+    shifts = torch.arange(8, device=mask.device, dtype=torch.uint8)
+    bits = (as_bytes[:, :, None] >> shifts) & 1
+    return bits.view(rows, -1)[:, :vocab_size].bool()
+
+
+def apply_token_mask(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Disallowed tokens of the constrained rows to -inf (out of place: the raw logits feed logprobs)."""
+    if t.token_mask is None:
+        return logits
+    allowed = unpack_token_mask(t.token_mask, logits.shape[-1])
+    if t.mask_rows is None:
+        return logits.masked_fill(~allowed, float("-inf"))
+    rows = t.mask_rows
+    return logits.index_copy(0, rows, logits.index_select(0, rows).masked_fill(~allowed, float("-inf")))
 
 
 def apply_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -167,7 +197,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, t: SamplingTensors) -> PendingSample:
         """``logits``: [B, V] straight from the model (any float dtype; the math below runs in float32).
         Queues the copy of the ids to the host."""
-        if t.all_greedy and t.output_counts is None and t.banned is None:
+        if t.all_greedy and t.output_counts is None and t.banned is None and t.token_mask is None:
             ids = logits.argmax(dim=-1)  # nothing to adjust: the argmax is the same in any float dtype
         else:
             ids = self._draw(logits, t)
@@ -186,6 +216,7 @@ class Sampler:
         logits = apply_penalties(logits.float(), t)
         if t.banned is not None:
             logits = logits.masked_fill(t.banned, float("-inf"))
+        logits = apply_token_mask(logits, t)
         greedy_ids = logits.argmax(dim=-1)
         if t.all_greedy:
             return greedy_ids

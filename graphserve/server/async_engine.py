@@ -252,7 +252,8 @@ class AsyncEngine:
             if stream is None:
                 continue
             if out.error:
-                self.abort(out.request_id, InternalError(f"engine fault while running request: {out.error}"))
+                self.abort(out.request_id, BadRequestError(out.error, param=out.error_param) if out.error_param
+                           else InternalError(f"engine fault while running request: {out.error}"))
                 continue
             if out.finished:
                 stream.finished = True

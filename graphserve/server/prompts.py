@@ -100,11 +100,11 @@ async def engine_prompts(state: ServerState, field: str, prompts: list[str | lis
     return out
 
 
-async def chat_engine_prompt(state: ServerState, messages: list[dict[str, str]], add_generation_prompt: bool
-                             ) -> Any:
+async def chat_engine_prompt(state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                             tools: list[dict[str, Any]] | None = None) -> Any:
     await check_length(state, "messages", sum(len(m["content"]) for m in messages))
     if sum(len(m["content"]) for m in messages) <= INLINE_TOKENIZE_CHARS:
-        text = state.chat_prompt(messages, add_generation_prompt)
+        text = state.chat_prompt(messages, add_generation_prompt, tools)
     else:
-        text = await asyncio.to_thread(state.chat_prompt, messages, add_generation_prompt)
+        text = await asyncio.to_thread(state.chat_prompt, messages, add_generation_prompt, tools)
     return (await engine_prompts(state, "messages", [text]))[0]

@@ -27,6 +27,9 @@ from pydantic_core import PydanticCustomError
 
 from graphserve.errors import bad_field
 from graphserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from graphserve.structured.constraint import StructuredOutput
+from graphserve.structured.requests import openai_constraint
+from graphserve.structured.tool_calls import ToolChoice, tool_choice
 
 MAX_N = 128  # choices per request; each one holds its own KV blocks
 MAX_STOP = 16  # stop strings per request
@@ -154,6 +157,14 @@ class _SamplingFields(_Knobs):
     stream_options: StreamOptions | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     logit_bias: dict[str, float] | None = None
+    # structured output, vLLM's spelling (graphserve/structured/requests.py)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> StructuredOutput | None:
+        return openai_constraint(self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
 
     def check_unsupported(self) -> None:
         if self.best_of is not None and self.best_of != self.n:
@@ -171,7 +182,7 @@ class _SamplingFields(_Knobs):
             top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, seed=self.seed,
             stop=stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, structured=self.constraint(),
         )
 
 
@@ -242,6 +253,8 @@ class ChatMessage(_Strict):
     # an error (a lone surrogate, an image part) is reported against messages[i].content itself.
     content: Annotated[Text | None, BeforeValidator(_join_parts), WithJsonSchema(_CONTENT_SCHEMA)] = None
     name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         return self.content or ""
@@ -257,14 +270,29 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        out = []
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.tool_calls is not None:
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+        return out
+
+    def tool_choice_mode(self) -> ToolChoice | None:
+        return tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)[0]
+
+    def constraint(self) -> StructuredOutput | None:
+        tools = tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)[1]
+        return openai_constraint(self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar,
+                                 self.response_format, tools)
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise bad_field("tools", f"{len(self.tools)} tool(s)", "tool calling is not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_field("response_format", self.response_format, "only {'type': 'text'} is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_field("top_logprobs", self.top_logprobs, "requires logprobs to be true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -24,6 +24,7 @@ from graphserve.server.protocol import (
     prompt_list,
     stop_list,
 )
+from graphserve.structured.requests import native_constraint
 
 # Fields that change nothing in the output: accepted whatever their value.
 NO_EFFECT_FIELDS = frozenset({"log_metrics", "no_logs"})
@@ -59,6 +60,10 @@ class NativeSamplingParams(_Knobs):
     max_new_tokens: int | None = Field(128, ge=0)
     min_new_tokens: int = Field(0, ge=0)
     sampling_seed: int | None = Field(None, ge=-SEED_MAX, le=SEED_MAX)
+    # structured output (graphserve/structured/requests.py)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(_Strict):
@@ -117,6 +122,6 @@ class GenerateRequest(_Strict):
             top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
             frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
             seed=sp.sampling_seed, stop=stop, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
-            skip_special_tokens=sp.skip_special_tokens,
+            skip_special_tokens=sp.skip_special_tokens, structured=native_constraint(sp.json_schema, sp.regex, sp.ebnf),
             logprobs=self.top_logprobs_num if self.return_logprob else None,
         )

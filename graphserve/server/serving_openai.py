@@ -26,6 +26,8 @@ from graphserve.server.streams import (
     until_disconnect,
     usage,
 )
+from graphserve.structured.tool_calls import chat_message
+from graphserve.structured.tool_stream import tool_call_chunks
 
 
 def _completion_logprobs(state: ServerState, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -118,25 +120,28 @@ async def _completion_chunks(
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     params = req.to_sampling_params()
-    prompt = await chat_engine_prompt(state, req.template_messages(), req.add_generation_prompt)
+    tools = req.tool_choice_mode()
+    prompt = await chat_engine_prompt(state, req.template_messages(), req.add_generation_prompt, req.tools)
     rid = new_id("chatcmpl")
     jobs = start_jobs(state.engine, state.metrics, rid, [prompt], params)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        chunks = _chat_chunks(state, jobs, chunk_head, include_usage)
+        chunks = tool_call_chunks(_chat_chunks(state, jobs, chunk_head, include_usage), tools)
         return StreamingResponse(sse_stream(recorded_events(request, chunks)), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
     job = jobs[0]
-    choices = [{
-        "index": o.index,
-        "message": {"role": "assistant", "content": o.text},
-        "logprobs": _chat_logprobs(state, o.logprobs) if o.logprobs is not None else None,
-        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-    } for o in (job.last.outputs if job.last else [])]
+    choices = []
+    for o in job.last.outputs if job.last else []:
+        message, finish_reason = chat_message(o.text, o.finish_reason, tools)  # tool calls parsed out
+        choices.append({
+            "index": o.index, "message": message,
+            "logprobs": _chat_logprobs(state, o.logprobs) if o.logprobs is not None else None,
+            "finish_reason": finish_reason, "stop_reason": o.stop_reason,
+        })
     choices.sort(key=lambda c: c["index"])
     return JSONResponse({**head, "choices": choices, "usage": usage(jobs)})
 
