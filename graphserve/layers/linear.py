@@ -157,6 +157,16 @@ def _split(total: int, tp_size: int, what: str) -> int:
     return total // tp_size
 
 
+def _quantized(layer: Linear) -> bool:
+    """An FP8 layer loads through its quantization method; that method holds whole tensors, so a
+    quantized layer is only built at tp 1 (EngineConfig refuses --quantization with --tp/--ep above 1)."""
+    if layer.quant_method is None:
+        return False
+    if layer.tp_size != 1:
+        raise ValueError(f"an FP8 {type(layer).__name__} at tp_size={layer.tp_size}: FP8 weights run at tp 1 only")
+    return True
+
+
 def _fit(target: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     if target.shape != loaded.shape:
         raise ValueError(f"{what} has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
@@ -172,6 +182,8 @@ class ColumnParallelLinear(Linear):
 
     @torch.no_grad()
     def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        if _quantized(self):
+            return self.quant_method.load_weight(self, param_name, param, loaded, shard)
         n = param.shape[0]
         _fit(param.data, loaded.narrow(0, self.tp_rank * n, n), f"{param_name} (rank {self.tp_rank}'s rows)")
 
@@ -187,6 +199,8 @@ class RowParallelLinear(Linear):
 
     @torch.no_grad()
     def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        if _quantized(self):
+            return self.quant_method.load_weight(self, param_name, param, loaded, shard)
         if param_name == "bias":
             _fit(param.data, loaded if self.tp_rank == 0 else torch.zeros_like(loaded), "bias")
             return
@@ -213,6 +227,8 @@ class MergedColumnParallelLinear(MergedLinear):
     def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         if shard is None:
             raise ValueError(f"a merged projection takes its {len(self.output_sizes)} parts one by one")
+        if _quantized(self):
+            return self.quant_method.load_weight(self, param_name, param, loaded, shard)
         start, n = self.shard_slice(shard)
         _fit(param.data[self.shard_rows(shard)], loaded.narrow(0, start, n), f"shard {shard} (rank {self.tp_rank})")
 

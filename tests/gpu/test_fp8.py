@@ -72,10 +72,11 @@ def test_token_group_quant(m: int, gen: torch.Generator) -> None:
     q, s = per_token_group_quant(x, 128)
     q_ref, s_ref = per_token_group_quant_reference(x, 128)
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
-    # x / scale in fp32 on both sides: identical but for division rounding at a tie (one e4m3 ulp)
+    # x / scale in fp32 on both sides: identical but for division rounding at a tie (one e4m3 ulp:
+    # 12.5% relative for normals, 2**-9 absolute in the subnormal range)
     mismatch = (q.float() != q_ref.float()).float().mean().item()
     assert mismatch < 1e-3
-    torch.testing.assert_close(q.float(), q_ref.float(), rtol=0.13, atol=0)
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=0.13, atol=2.0**-9)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
