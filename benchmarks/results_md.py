@@ -4,7 +4,7 @@ in RESULTS.md is typed by hand.
 Run: python3 -m benchmarks.results_md FILE[:KEY][=COL,COL,...] ...
   FILE  a JSON under benchmarks/results/ (name without .json, or a path)
   KEY   the list of rows inside it (default "rows")
-  COLS  the columns to show, in order (default: every column of the first row)
+  COLS  the columns to show, in order (default: every column of the first row); rows lacking one are left out
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def render(spec: str) -> str:
     if not rows:
         return f"`{path.name}`: no rows under {key or 'rows'!r}"
     columns = cols.split(",") if cols else list(rows[0])
+    rows = [r for r in rows if all(c in r for c in columns)]  # rows that carry every column asked for
     env = data.get("environment", {})
     head = f"`results/{path.name}` · {env.get('device', '?')} · {env.get('date', '?')} · commit {env.get('commit', '?')}"
     return head + "\n\n" + table(rows, columns)
