@@ -76,6 +76,13 @@ class ServerMetrics:
         self.request_aborted = Counter(PREFIX + "request_aborted", "Requests stopped before they finished: "
                                        "cancelled (client gone), or failed by a shutdown or an engine fault.",
                                        ["reason"], registry=r)
+        # MoE routing balance per layer: pairs routed, and the busiest expert's pairs, summed over steps;
+        # their ratio against pairs / experts is how unevenly the router loads that layer
+        self.moe_routed_pairs = Counter(PREFIX + "moe_routed_pairs", "(token, slot) pairs routed, by MoE layer.",
+                                        ["layer"], registry=r)
+        self.moe_busiest_expert = Counter(PREFIX + "moe_busiest_expert_pairs", "Pairs the busiest expert of "
+                                          "each step received, summed over steps, by MoE layer.", ["layer"],
+                                          registry=r)
         for graph in ("true", "false"):
             self.decode_steps.labels(graph=graph)
 
@@ -88,6 +95,10 @@ class ServerMetrics:
         self.step_duration.labels(kind=rec.kind).observe(rec.step_ms / 1000.0)
         if rec.decode_tokens > 0:
             self.decode_steps.labels(graph="true" if rec.graph else "false").inc()
+        if rec.layer_routed_pairs:
+            for layer, (pairs, busiest) in enumerate(zip(rec.layer_routed_pairs, rec.layer_max_expert_load)):
+                self.moe_routed_pairs.labels(layer=str(layer)).inc(pairs)
+                self.moe_busiest_expert.labels(layer=str(layer)).inc(busiest)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
