@@ -20,7 +20,7 @@ from typing import Any
 import uvicorn
 
 from graphserve.config import EngineConfig, add_engine_args, config_from_args
-from graphserve.errors import GraphserveError, ServiceUnavailableError
+from graphserve.errors import GraphserveError, ServiceUnavailableError, bad_field
 from graphserve.server.app import create_app
 from graphserve.server.async_engine import AsyncEngine
 from graphserve.server.metrics import ServerMetrics
@@ -42,13 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
+                        help="stream an event every TOKENS tokens per request (a client that falls behind gets "
+                             "several tokens per event anyway)")
+    parser.add_argument("--stream-stall-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="abort a request whose client has not read its output for SECONDS, freeing its KV")
     parser.add_argument("--engine-in-process", action="store_true",
                         help="run the engine on a thread of the server process instead of its own process")
 
 
 def build_state(
     config: EngineConfig, served_model_name: list[str] | str | None = None, step_log: str | None = None,
-    separate_process: bool = False,
+    separate_process: bool = False, stream_interval: int = 1, stream_stall_timeout: float = 30.0,
 ) -> tuple[ServerState, list[Any]]:
     """The server state with its telemetry listeners wired; returns (state, things to close).
 
@@ -64,8 +69,13 @@ def build_state(
             except Exception:  # noqa: BLE001 - a broken listener must never fail an engine step
                 logger.exception("step listener %r failed", fn)
 
-    engine = AsyncEngine(config, on_step=on_step, separate_process=separate_process)
-    metrics = ServerMetrics(lambda: engine.stats)
+    if stream_interval < 1:
+        raise bad_field("stream_interval", stream_interval, "must be >= 1 token")
+    if not stream_stall_timeout > 0:
+        raise bad_field("stream_stall_timeout", stream_stall_timeout, "must be > 0 seconds")
+    engine = AsyncEngine(config, on_step=on_step, separate_process=separate_process, stream_interval=stream_interval,
+                         stream_stall_timeout=stream_stall_timeout)
+    metrics = ServerMetrics(lambda: engine.stats, lambda: engine.alive)
     listeners += [metrics.on_step, StepLogger(config.log_interval, engine.kv_capacity_tokens).on_step]
     if step_log:
         sink = JsonlStepSink(step_log)
@@ -124,11 +134,13 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
     try:
         config = config_from_args(args, args.model)
+        state, closers = build_state(config, args.served_model_name, args.step_log,
+                                     separate_process=not args.engine_in_process,
+                                     stream_interval=args.stream_interval,
+                                     stream_stall_timeout=args.stream_stall_timeout)
     except GraphserveError as exc:
         print(f"graphserve serve: {exc.message}", file=sys.stderr)
         return 2
-    state, closers = build_state(config, args.served_model_name, args.step_log,
-                                 separate_process=not args.engine_in_process)
     server = GracefulServer(uvicorn_config(create_app(state), args.host, args.port, args.log_level), state,
                             args.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", config.model, args.host, args.port)
@@ -166,7 +178,9 @@ class ServerThread:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         self.state, self._closers = build_state(self.config, self.opts.get("served_model_name"),
-                                                self.opts.get("step_log"))
+                                                self.opts.get("step_log"),
+                                                stream_interval=self.opts.get("stream_interval", 1),
+                                                stream_stall_timeout=self.opts.get("stream_stall_timeout", 30.0))
         config = uvicorn_config(create_app(self.state), self.host, self.port, self.opts.get("log_level", "warning"))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},

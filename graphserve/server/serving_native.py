@@ -1,4 +1,8 @@
-"""SGLang's native /generate: ``text`` or ``input_ids`` plus ``sampling_params``; cumulative text chunks."""
+"""SGLang's native /generate: ``text`` or ``input_ids`` plus ``sampling_params``; cumulative text chunks.
+
+SGLang's stream carries the whole text so far in every chunk; ours does too, joined from the pieces when
+an event goes out (one join per event, not per token, since deltas merge while the client is behind).
+"""
 
 from __future__ import annotations
 
@@ -9,24 +13,25 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from graphserve.outputs import CompletionOutput, RequestOutput
 from graphserve.server.errors import SSE_HEADERS
 from graphserve.server.protocol import GenerateRequest
 from graphserve.server.state import ServerState
 from graphserve.server.streams import (
     CLIENT_CLOSED,
-    DeltaTracker,
+    ChoiceSoFar,
     Job,
     collect,
     merged,
+    new_choice_pieces,
     new_id,
+    sse,
     sse_stream,
     start_jobs,
     until_disconnect,
 )
 
 
-def _finish_reason(o: CompletionOutput) -> dict[str, Any] | None:
+def _finish_reason(o: ChoiceSoFar) -> dict[str, Any] | None:
     if o.finish_reason is None:
         return None
     if o.finish_reason == "stop":
@@ -36,19 +41,21 @@ def _finish_reason(o: CompletionOutput) -> dict[str, Any] | None:
     return {"type": o.finish_reason, "message": "request aborted"}
 
 
-def _item(rid: str, out: RequestOutput, o: CompletionOutput, arrival: float, batched: bool, n: int,
-          index: int) -> dict[str, Any]:
+def _item(rid: str, job: Job, i: int, batched: bool, n: int) -> dict[str, Any]:
+    o = job.choices.get(i) or ChoiceSoFar()
     meta = {
-        "id": rid if n == 1 else f"{rid}-{o.index}",
-        "prompt_tokens": len(out.prompt_token_ids),
+        "id": rid if n == 1 else f"{rid}-{i}",
+        "prompt_tokens": job.stream.num_prompt_tokens,
         "completion_tokens": len(o.token_ids),
-        "cached_tokens": out.metrics.num_cached_tokens if out.metrics else 0,
+        "cached_tokens": job.num_cached_tokens,
         "finish_reason": _finish_reason(o),
-        "e2e_latency": time.monotonic() - arrival,
+        "e2e_latency": time.monotonic() - job.timer.arrival,
     }
-    item: dict[str, Any] = {"text": o.text, "output_ids": list(o.token_ids), "meta_info": meta}
+    text = "".join(o.pieces)
+    o.pieces[:] = [text]  # joined once: the next event appends to one piece
+    item: dict[str, Any] = {"text": text, "output_ids": list(o.token_ids), "meta_info": meta}
     if batched or n > 1:
-        item["index"] = index * n + o.index
+        item["index"] = job.index * n + i
     return item
 
 
@@ -63,16 +70,13 @@ async def generate(req: GenerateRequest, request: Request, state: ServerState) -
                                  headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
-    items = [_item(j.stream.request_id, j.last, o, j.timer.arrival, batched, n, j.index)
-             for j in jobs if j.last for o in j.last.outputs]
+    items = [_item(j.stream.request_id, j, i, batched, n) for j in jobs for i in range(n)]
     if not batched and n == 1:
         return JSONResponse(items[0])
     return JSONResponse(sorted(items, key=lambda it: it["index"]))
 
 
-async def _chunks(jobs: list[Job], batched: bool, n: int) -> AsyncIterator[dict[str, Any]]:
-    trackers = {job.index: DeltaTracker() for job in jobs}
-    async for job, out in merged(jobs):
-        for o in out.outputs:
-            if trackers[job.index].delta(o) is not None:
-                yield _item(job.stream.request_id, out, o, job.timer.arrival, batched, n, job.index)
+async def _chunks(jobs: list[Job], batched: bool, n: int) -> AsyncIterator[bytes]:
+    async for job, d in merged(jobs):
+        for c in new_choice_pieces(d):
+            yield sse(_item(job.stream.request_id, job, c.index, batched, n))

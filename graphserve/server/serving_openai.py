@@ -9,16 +9,18 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from graphserve.outputs import CompletionOutput, TokenLogprob
+from graphserve.outputs import TokenLogprob
+from graphserve.server.deltas import ChoiceDelta
 from graphserve.server.errors import SSE_HEADERS
 from graphserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from graphserve.server.state import ServerState
 from graphserve.server.streams import (
     CLIENT_CLOSED,
-    DeltaTracker,
+    ChunkFrame,
     Job,
     collect,
     merged,
+    new_choice_pieces,
     new_id,
     sse_stream,
     start_jobs,
@@ -50,10 +52,6 @@ def _chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict[str, Any
                         for lp in lps]}
 
 
-def _new_logprobs(o: CompletionOutput, first_new: int) -> list[TokenLogprob] | None:
-    return None if o.logprobs is None else o.logprobs[first_new:]
-
-
 async def create_completion(req: CompletionRequest, request: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     params = req.to_sampling_params()
@@ -70,7 +68,7 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
         return Response(status_code=CLIENT_CLOSED)
     choices = []
     for job in jobs:
-        for o in job.last.outputs if job.last else []:
+        for o in job.outputs():
             lps = (_completion_logprobs(state, o.logprobs, 0)
                    if o.logprobs is not None and req.logprobs is not None else None)
             choices.append({"index": job.index * n + o.index, "text": o.text, "logprobs": lps,
@@ -79,36 +77,30 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
     return JSONResponse({**head, "choices": choices, "usage": usage(jobs)})
 
 
-async def _new_pieces(
-    jobs: list[Job],
-) -> AsyncIterator[tuple[Job, CompletionOutput, str, list[TokenLogprob] | None, bool]]:
-    """(job, choice, new text, new logprobs, just finished) for every choice that has something to send."""
-    trackers = {job.index: DeltaTracker() for job in jobs}
-    async for job, out in merged(jobs):
-        for o in out.outputs:
-            d = trackers[job.index].delta(o)
-            if d is None:
-                continue
-            text, first_new, finished = d
-            new_lps = _new_logprobs(o, first_new)
-            if not text and not finished and not new_lps:
-                continue  # tokens whose text is held back (partial character, possible stop string)
-            yield job, o, text, new_lps, finished
+async def _new_pieces(jobs: list[Job]) -> AsyncIterator[tuple[Job, ChoiceDelta, int]]:
+    """(job, choice delta, text offset of the delta) for every choice that has something to send."""
+    async for job, d in merged(jobs):
+        for c in new_choice_pieces(d):
+            so = job.choices[c.index]
+            yield job, c, so.text_len - len(c.text)
 
 
 async def _completion_chunks(
     state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool
-) -> AsyncIterator[dict[str, Any]]:
-    async for job, o, text, new_lps, finished in _new_pieces(jobs):
-        offset = len(o.text) - len(text)
-        yield {**head, "choices": [{
-            "index": job.index * n + o.index, "text": text,
-            "logprobs": _completion_logprobs(state, new_lps, offset) if new_lps is not None else None,
-            "finish_reason": o.finish_reason if finished else None,
-            "stop_reason": o.stop_reason if finished else None,
-        }]}
+) -> AsyncIterator[bytes]:
+    frame = ChunkFrame(head)
+    async for job, c, offset in _new_pieces(jobs):
+        index = job.index * n + c.index
+        if c.logprobs is None and c.finish_reason is None:
+            yield frame.text_choice(index, c.text, chat=False)
+            continue
+        yield frame.choice({
+            "index": index, "text": c.text,
+            "logprobs": _completion_logprobs(state, c.logprobs, offset) if c.logprobs is not None else None,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+        })
     if include_usage:
-        yield {**head, "choices": [], "usage": usage(jobs)}
+        yield frame.tail({"usage": usage(jobs)})
 
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
@@ -131,24 +123,27 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
         "message": {"role": "assistant", "content": o.text},
         "logprobs": _chat_logprobs(state, o.logprobs) if o.logprobs is not None else None,
         "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-    } for o in (job.last.outputs if job.last else [])]
+    } for o in job.outputs()]
     choices.sort(key=lambda c: c["index"])
     return JSONResponse({**head, "choices": choices, "usage": usage(jobs)})
 
 
 async def _chat_chunks(
     state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[bytes]:
+    frame = ChunkFrame(head)
     # The role goes out first, once per choice, as OpenAI does; clients key the message on it.
     for i in range(n):
-        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]}
-    async for _, o, text, new_lps, finished in _new_pieces(jobs):
-        yield {**head, "choices": [{
-            "index": o.index, "delta": {"content": text} if text else {},
-            "logprobs": _chat_logprobs(state, new_lps) if new_lps is not None else None,
-            "finish_reason": o.finish_reason if finished else None,
-            "stop_reason": o.stop_reason if finished else None,
-        }]}
+        yield frame.choice({"index": i, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None})
+    async for _, c, _ in _new_pieces(jobs):
+        if c.logprobs is None and c.finish_reason is None:
+            yield frame.text_choice(c.index, c.text, chat=True)
+            continue
+        yield frame.choice({
+            "index": c.index, "delta": {"content": c.text} if c.text else {},
+            "logprobs": _chat_logprobs(state, c.logprobs) if c.logprobs is not None else None,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+        })
     if include_usage:
-        yield {**head, "choices": [], "usage": usage(jobs)}
+        yield frame.tail({"usage": usage(jobs)})
