@@ -28,8 +28,10 @@ from graphserve.sampling_params import SamplingParams
 logger = logging.getLogger("graphserve.server")
 
 WARMUP_PREFIX = "warmup-"
-# CPU has no graphs and no JIT; a few decode sizes exercise the same code without slowing the tests.
-_CPU_DECODE_SIZES = (1, 2, 3, 4)
+# CPU runs plain PyTorch: no graphs, no JIT to pay for. A short pass runs each code path once (prefill,
+# mixed, decode, every sampler knob) without slowing the tests that start servers.
+_CPU_DECODE_SIZES = (1, 2)
+_CPU_PREFILL_LENGTHS = (3, 17)
 
 
 def sampling_variants() -> list[SamplingParams]:
@@ -95,7 +97,10 @@ def warm_up(core: Any) -> dict[str, float]:
     d = _Driver(core)
     cfg = core.config
     max_prompt = core.max_model_len - 8
-    lengths = prefill_lengths(cfg.chunked_prefill_size, cfg.block_size, max_prompt)
+    if core.device.type == "cuda":
+        lengths = prefill_lengths(cfg.chunked_prefill_size, cfg.block_size, max_prompt)
+    else:
+        lengths = [n for n in _CPU_PREFILL_LENGTHS if n <= max_prompt]
     variants = sampling_variants()
     # Prefill shapes, one at a time (each length is its own launch), each with a sampler variant.
     for i, n in enumerate(lengths):
