@@ -125,9 +125,10 @@ def test_a_client_that_never_reads_is_aborted_and_its_kv_freed(server):
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a tiny window: the server's writes back up soon
     sock.connect(("127.0.0.1", server.port))
-    body = json.dumps({"prompt": "never read", "n": 4, "logprobs": 20, "max_tokens": 480, "ignore_eos": True,
-                       "stream": True}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    # SGLang's stream repeats the whole output in every event, so the bytes waiting grow fast per token.
+    body = json.dumps({"text": "never read", "stream": True,
+                       "sampling_params": {"n": 2, "max_new_tokens": 480, "ignore_eos": True}}).encode()
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     try:
         assert wait_for(lambda: metrics(server.base_url)["graphserve:num_requests_running"] > 0, timeout=60)

@@ -34,9 +34,9 @@ _CPU_DECODE_SIZES = (1, 2)
 _CPU_PREFILL_LENGTHS = (3, 17)
 
 
-def sampling_variants() -> list[SamplingParams]:
+def sampling_variants(max_tokens: int = 4) -> list[SamplingParams]:
     """One SamplingParams per sampler path; each knob is on in at least one of them."""
-    base = {"ignore_eos": True, "max_tokens": 4}
+    base = {"ignore_eos": True, "max_tokens": max_tokens}
     return [
         SamplingParams(temperature=0.0, **base),
         SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=1, **base),
@@ -97,11 +97,13 @@ def warm_up(core: Any) -> dict[str, float]:
     d = _Driver(core)
     cfg = core.config
     max_prompt = core.max_model_len - 8
-    if core.device.type == "cuda":
+    full = core.device.type == "cuda"
+    if full:
         lengths = prefill_lengths(cfg.chunked_prefill_size, cfg.block_size, max_prompt)
+        variants = sampling_variants()
     else:
         lengths = [n for n in _CPU_PREFILL_LENGTHS if n <= max_prompt]
-    variants = sampling_variants()
+        variants = sampling_variants(max_tokens=2)
     # Prefill shapes, one at a time (each length is its own launch), each with a sampler variant.
     for i, n in enumerate(lengths):
         d.add(n, variants[i % len(variants)])
@@ -110,7 +112,7 @@ def warm_up(core: Any) -> dict[str, float]:
     for p in variants:
         d.add(24, p)
     d.step()
-    for i, p in enumerate(variants):
+    for i, p in enumerate(variants if full else []):
         d.add(lengths[min(i, len(lengths) - 1)] + 1 if lengths else 2, p)
         d.step()
     d.drain()
