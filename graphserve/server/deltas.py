@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphserve.engine.detokenizer import IncrementalDetokenizer
+from graphserve.engine.detokenizer import IncrementalDetokenizer, decode_windows
 from graphserve.outputs import TokenLogprob
 from graphserve.sampling_params import SamplingParams
 from graphserve.server.step_outputs import NO_TOKEN, StepOutputs
@@ -127,7 +127,7 @@ class DeltaProcessor:
             else:
                 rows.append(row)
         deltas: dict[str, RequestDelta] = {}
-        to_abort: list[str] = []
+        work: list[tuple[_Request, int, list[int], RequestDelta]] = []
         for (rid, idx), rows in grouped.items():
             req = self._requests.get(rid)
             if req is None:
@@ -138,7 +138,11 @@ class DeltaProcessor:
                 seen = outs.first_seen.get(rid)
                 if seen is not None:
                     d.first_scheduled_time, d.num_cached_tokens = seen
-            self._apply(req, idx, rows, outs, d)
+            work.append((req, idx, rows, d))
+        texts = self._detokenize(work, outs)
+        for (req, idx, rows, d), text in zip(work, texts):
+            self._apply(req, idx, rows, outs, d, text)
+        to_abort: list[str] = []
         for rid, d in deltas.items():
             req = self._requests[rid]
             if req.finished or d.error is not None:
@@ -148,7 +152,28 @@ class DeltaProcessor:
                     to_abort.append(rid)
         return list(deltas.values()), to_abort
 
-    def _apply(self, req: _Request, idx: int, rows: list[int], outs: StepOutputs, d: RequestDelta) -> None:
+    def _detokenize(self, work: list[tuple[_Request, int, list[int], RequestDelta]], outs: StepOutputs
+                    ) -> list[str]:
+        """The new text of every choice in ``work``, all windows decoded in one batch call per skip mode."""
+        pending: dict[bool, list[tuple[int, list[int], list[int]]]] = {}
+        texts = [""] * len(work)
+        for k, (req, idx, rows, _) in enumerate(work):
+            c = req.choices[idx]
+            if c.finish_reason is not None or any(r in outs.errors for r in rows):
+                continue
+            tokens = [outs.token_ids[r] for r in rows if outs.token_ids[r] != NO_TOKEN]
+            if tokens:
+                prefix, full = c.detok.extend(tokens)
+                pending.setdefault(req.params.skip_special_tokens, []).append((k, prefix, full))
+        for skip, items in pending.items():
+            windows = [w for _, prefix, full in items for w in (prefix, full)]
+            decoded = decode_windows(self.tokenizer, windows, skip)
+            for j, (k, _, _) in enumerate(items):
+                texts[k] = work[k][0].choices[work[k][1]].detok.accept(decoded[2 * j], decoded[2 * j + 1])
+        return texts
+
+    def _apply(self, req: _Request, idx: int, rows: list[int], outs: StepOutputs, d: RequestDelta,
+               text: str) -> None:
         c = req.choices[idx]
         error = next((outs.errors[r] for r in rows if r in outs.errors), None)
         finish = next((outs.finishes[r] for r in rows if r in outs.finishes), None)
@@ -168,7 +193,7 @@ class DeltaProcessor:
             cd.token_ids = tokens
             if req.want_logprobs:
                 cd.logprobs = [TokenLogprob(outs.token_ids[r], *outs.logprobs[r]) for r in rows if r in outs.logprobs]
-            c.held += c.detok.add(tokens)
+            c.held += text
             if req.stops and self._cut_at_stop(req, c, cd):
                 d.choices[idx] = cd
                 return
