@@ -27,8 +27,11 @@ STALL_S = 2.0
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    # A longer context than the other server tests: the never-reading client needs ~500 tokens to fill the
+    # loopback buffers (their autotuning grows the server's send buffer past 1 MB).
     srv = ServerProcess(tmp_path_factory.mktemp("reliability"), "--max-queued-requests", "32",
-                        "--max-running-requests", "2", "--stream-stall-timeout", str(STALL_S))
+                        "--max-running-requests", "2", "--stream-stall-timeout", str(STALL_S),
+                        "--max-model-len", "2048")
     log = open(srv.log_path, "wb")  # noqa: SIM115 - the child holds it; closed with the process
     srv.proc = subprocess.Popen(srv.args, stdout=log, stderr=subprocess.STDOUT, env=srv.env)
     # Watch /health from the first moment, to check when it turns 200 against the warm-up's log line.
@@ -127,13 +130,13 @@ def test_a_client_that_never_reads_is_aborted_and_its_kv_freed(server):
     sock.connect(("127.0.0.1", server.port))
     # SGLang's stream repeats the whole output in every event, so the bytes waiting grow fast per token.
     body = json.dumps({"text": "never read", "stream": True,
-                       "sampling_params": {"n": 2, "max_new_tokens": 480, "ignore_eos": True}}).encode()
+                       "sampling_params": {"n": 2, "max_new_tokens": 2000, "ignore_eos": True}}).encode()
     sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     try:
         assert wait_for(lambda: metrics(server.base_url)["graphserve:num_requests_running"] > 0, timeout=60)
         # Without reading a byte, the request is aborted after --stream-stall-timeout and its blocks come back.
-        assert wait_for(lambda: "has not read" in server.log() and idle(server), timeout=120), server.log()[-2000:]
+        assert wait_for(lambda: "has not read" in server.log() and idle(server), timeout=300), server.log()[-2000:]
         healthy = post(server, "/v1/completions", {"prompt": "z", "max_tokens": 2})
         assert healthy.status_code == 200
     finally:
