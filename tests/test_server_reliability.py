@@ -105,6 +105,12 @@ def test_sequences_count_against_the_queue_and_the_kv_pool(server):
     # 24 sequences of up to 401 tokens need 24 x 26 blocks: more than the pool of 8192 tokens holds at once
     r = post(server, "/v1/completions", {"prompt": "x", "n": 24, "max_tokens": 400})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "KV" in r.json()["error"]["message"]
+    # a batch whose second prompt is refused leaves nothing of its first behind
+    generated = metrics(server.base_url)["graphserve:generation_tokens_total"]
+    r = post(server, "/v1/completions", {"prompt": ["fine", [5] * 3000], "max_tokens": 400, "ignore_eos": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert wait_for(lambda: idle(server))
+    assert metrics(server.base_url)["graphserve:generation_tokens_total"] - generated < 400  # aborted, not run
     body = {"prompt": "y", "max_tokens": 1, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.base_url, timeout=60) as client, contextlib.ExitStack() as streams:
         def start(n: int, max_tokens: int = 1) -> httpx.Response:  # the status line: accepted or refused

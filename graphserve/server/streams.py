@@ -119,7 +119,7 @@ def start_jobs(
             jobs.append(Job(i, stream, RequestTimer(metrics, arrival)))
     except BaseException:
         for job in jobs:
-            engine.abort(job.stream.request_id)
+            engine.abort(job.stream.engine_id)
         raise
     return jobs
 
