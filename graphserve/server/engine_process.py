@@ -96,12 +96,15 @@ class CoreView:
 
 
 class _Sender:
-    """Writes batches to the pipe on a thread of its own; ``put`` merges into the pending batch and returns."""
+    """Writes batches to the pipe on a thread of its own; ``put`` merges into the pending batch and returns.
+    Every other engine -> server message goes through ``send_message``: one writer thread, so messages never
+    interleave on the pipe, and each goes out after the batches put before it."""
 
     def __init__(self, outbox: Connection):
         self._outbox = outbox
         self._cond = threading.Condition()
         self._pending: StepBatch | None = None
+        self._messages: list[Any] = []
         self._closed = False
         self.broken = False  # the server is gone
         self._thread = threading.Thread(target=self._run, name="graphserve-engine-sender", daemon=True)
@@ -115,6 +118,14 @@ class _Sender:
                 self._pending.merge(batch)
             self._cond.notify()
 
+    def send_message(self, message: Any) -> None:
+        with self._cond:
+            if self._pending is not None:  # keep the order: the batch so far goes first
+                self._messages.append(self._pending)
+                self._pending = None
+            self._messages.append(message)
+            self._cond.notify()
+
     def close(self, timeout: float = 5.0) -> None:
         with self._cond:
             self._closed = True
@@ -124,13 +135,17 @@ class _Sender:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._pending is None and not self._closed:
+                while self._pending is None and not self._messages and not self._closed:
                     self._cond.wait()
-                batch, self._pending = self._pending, None
-                if batch is None:
+                out, self._messages = self._messages, []
+                if self._pending is not None:
+                    out.append(self._pending)
+                    self._pending = None
+                if not out:
                     return
             try:
-                self._outbox.send(batch)
+                for message in out:
+                    self._outbox.send(message)
             except (BrokenPipeError, ConnectionResetError, OSError):
                 self.broken = True
                 return
