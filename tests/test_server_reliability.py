@@ -107,7 +107,7 @@ def test_sequences_count_against_the_queue_and_the_kv_pool(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "KV" in r.json()["error"]["message"]
     # a batch whose second prompt is refused leaves nothing of its first behind
     generated = metrics(server.base_url)["graphserve:generation_tokens_total"]
-    r = post(server, "/v1/completions", {"prompt": ["fine", [5] * 3000], "max_tokens": 400, "ignore_eos": True})
+    r = post(server, "/v1/completions", {"prompt": [[7, 8, 9], [5] * 3000], "max_tokens": 400, "ignore_eos": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert wait_for(lambda: idle(server))
     assert metrics(server.base_url)["graphserve:generation_tokens_total"] - generated < 400  # aborted, not run
