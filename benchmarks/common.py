@@ -56,6 +56,12 @@ def write_result(name: str, payload: dict) -> Path:
 def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
     """Median wall time of ``fn()`` in ms, measured with CUDA events (GPU) or perf_counter (CPU)."""
     import statistics
+
+    return statistics.median(cuda_times_ms(fn, warmup, iters))
+
+
+def cuda_times_ms(fn, warmup: int = 3, iters: int = 20) -> list[float]:
+    """Each of ``iters`` timed calls of ``fn()`` in ms (CUDA events on a GPU, perf_counter on CPU)."""
     import time
 
     for _ in range(warmup):
@@ -75,7 +81,18 @@ def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return times
+
+
+def median_difference_ci(a: list[float], b: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of median(a) - median(b): the resolution of a difference of two medians."""
+    import random
+    import statistics
+
+    rng = random.Random(seed)
+    diffs = sorted(statistics.median(rng.choices(a, k=len(a))) - statistics.median(rng.choices(b, k=len(b)))
+                   for _ in range(resamples))
+    return diffs[int(0.025 * resamples)], diffs[int(0.975 * resamples) - 1]
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:
@@ -86,6 +103,8 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return "-"
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)

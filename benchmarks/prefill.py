@@ -1,6 +1,8 @@
 """Prefill throughput and fraction of the measured bf16 matmul peak.
 
-FLOPs counted: 2 · (linear weights) per token plus causal attention, 2 · 2 · T·(T+1)/2 · heads ·
+FLOPs counted are the FLOPs computed: 2 · (the decoder layers' linear weights) per prompt token, the
+lm_head (2 · vocab · hidden) only for the rows whose logits are computed (one per sequence, as the
+engine samples only each sequence's last token), plus causal attention, 2 · 2 · T·(T+1)/2 · heads ·
 head_dim per layer for each sequence (QK^T and PV). Ceiling from benchmarks.roofline in the same run.
 
 Run: python3 -m benchmarks.prefill [--model dummy:llama3-8b] [--shapes 1x8192 8x2048]
@@ -15,8 +17,8 @@ import torch
 from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.roofline import matmul_tflops
 from graphserve.config import EngineConfig
-from graphserve.engine.forward_batch import contiguous_batch
 from graphserve.layers.attention_triton import TritonAttentionBackend
+from graphserve.layers.forward_batch import contiguous_batch
 from graphserve.models.loader import load_model
 
 
@@ -32,13 +34,13 @@ def main() -> None:
     cfg = EngineConfig(model=args.model, device="cuda", max_model_len=max_len)
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
-    dtype = next(model.parameters()).dtype
     tokens = max(n * L for n, L in shapes)
     num_blocks = tokens // cfg.block_size + 2 * len(shapes) + 2
-    kv_caches = [torch.zeros(2, num_blocks, cfg.block_size, info.num_kv_heads, info.head_dim, device=device, dtype=dtype)
-                 for _ in range(info.num_layers)]
+    kv_caches = info.kv.allocate(num_blocks, cfg.block_size, device)
     backend = TritonAttentionBackend()
-    linear_params = sum(p.numel() for n_, p in model.named_parameters() if p.dim() == 2 and "embed" not in n_)
+    head = model.lm_head.weight  # tied or not, it is one [vocab, hidden] matmul per logits row
+    skip = {id(head), *(id(p) for p in model.model.embed_tokens.parameters())}
+    layer_params = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in skip)
     rows = []
     with torch.inference_mode():
         for n, L in shapes:
@@ -50,9 +52,12 @@ def main() -> None:
 
             ms = cuda_time_ms(run, warmup=2, iters=5)
             T = n * L
-            flops = 2 * linear_params * T + n * 4 * (L * (L + 1) // 2) * info.num_heads * info.head_dim * info.num_layers
+            logit_rows = batch.logits_indices.numel()
+            flops = (2 * layer_params * T + 2 * head.numel() * logit_rows
+                     + n * 4 * (L * (L + 1) // 2) * info.num_heads * info.head_dim * info.num_layers)
             tflops = flops / (ms / 1e3) / 1e12
-            rows.append({"model": args.model, "shape": f"{n}x{L}", "ms": ms, "tok_s": T / (ms / 1e3),
+            rows.append({"model": args.model, "shape": f"{n}x{L}", "logit_rows": logit_rows, "ms": ms,
+                         "tok_s": T / (ms / 1e3),
                          "tflops": tflops, "peak_tflops": peak, "ratio": tflops / peak})
     print_table(rows, ["model", "shape", "ms", "tok_s", "tflops", "peak_tflops", "ratio"])
     write_result("prefill", {"ceilings": {"matmul_tflops": peak}, "rows": rows})

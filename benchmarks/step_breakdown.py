@@ -17,8 +17,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
-from benchmarks.decode import make_batch, weight_bytes_per_step
-from benchmarks.roofline import read_bandwidth_gbs
+from benchmarks.decode import make_batch
+from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
 from graphserve.layers.attention_triton import TritonAttentionBackend
@@ -48,14 +48,13 @@ def main() -> None:
     cfg = EngineConfig(model=args.model, device="cuda", max_model_len=args.ctx + 64)
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
-    dtype = next(model.parameters()).dtype
     num_blocks = args.bs * (args.ctx // cfg.block_size + 2) + 2
-    kv = [torch.randn(2, num_blocks, cfg.block_size, info.num_kv_heads, info.head_dim, device=device, dtype=dtype)
-          for _ in range(info.num_layers)]
+    kv = info.kv.allocate(num_blocks, cfg.block_size, device, fill="random")
     backend = TritonAttentionBackend()
     batch = make_batch(args.bs, args.ctx, kv, backend)
     graphs = GraphRunner(model, backend, kv, [args.bs], cfg.max_model_len // cfg.block_size + 1, cfg.max_model_len, device)
-    bw = read_bandwidth_gbs()
+    read = measured_read_bw()
+    bw = read.best_gbs
     with torch.inference_mode():
         graphs.capture()
         replay_ms = cuda_time_ms(lambda: graphs.replay(batch), warmup=5, iters=50)
@@ -72,8 +71,8 @@ def main() -> None:
             for table, key in ((per, family(evt.name)), (by_name, evt.name[:90])):
                 table[key][0] += evt.device_time_total / 1e3
                 table[key][1] += 1
-    weights, _ = weight_bytes_per_step(model, info, args.bs)
     kv_bytes = args.bs * args.ctx * info.kv_bytes_per_token
+    weights = info.description.decode_read_bytes(args.bs, args.bs * args.ctx) - kv_bytes
     floors = {"matmul": weights / (bw * 1e9) * 1e3, "attention": kv_bytes / (bw * 1e9) * 1e3}
     rows = [{"family": k, "kernels": v[1], "ms": v[0], "floor_ms": floors.get(k, 0.0)} for k, v in sorted(per.items())]
     kernel_sum = sum(r["ms"] for r in rows)
@@ -87,7 +86,7 @@ def main() -> None:
                for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])]
     print_table(kernels, ["kernel", "launches", "ms", "us_each"])
     write_result(f"step_breakdown_{args.model.split(':')[-1]}_bs{args.bs}_ctx{args.ctx}",
-                 {"model": args.model, "bs": args.bs, "ctx": args.ctx, "read_gbs": bw, "rows": rows,
+                 {"model": args.model, "bs": args.bs, "ctx": args.ctx, "read": read.summary(), "rows": rows,
                   "kernels": kernels})
 
 

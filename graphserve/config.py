@@ -13,6 +13,11 @@ from graphserve.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OVERLAP_MODES = ("auto", "on", "off")
+MOE_ROUTING_MODES = ("model", "uniform")
+# "fp8": 128x128 block weight scales, per-token-group activations; "fp8-channel": per-channel weight
+# scales, per-token activations (layers/quant/config.py)
+QUANTIZATIONS = ("none", "fp8", "fp8-channel")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype (layers/kv_layout.py)
 
 
 def default_cuda_graph_sizes(max_bs: int) -> list[int]:
@@ -48,6 +53,16 @@ class EngineConfig:
     # model runs on the host, so there is nothing to overlap with), "on"/"off" force it.
     overlap_schedule: str = "auto"
     tp: int = 1
+    ep: int = 1  # expert parallelism: whole routed experts placed on ranks (MoE models)
+    # The one-shot all-reduce over peer memory for small messages (CUDA, tp > 1); NCCL does the rest.
+    disable_custom_all_reduce: bool = False
+    # "uniform" spreads (token, slot) pairs over the experts round-robin: random weights route
+    # unevenly, so benchmarks on dummy: models can show the balanced case too. Refused elsewhere.
+    moe_routing: str = "model"
+    # weights quantized at load ("none": as the checkpoint stores them; an FP8 checkpoint is always
+    # run in FP8, whatever this says)
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
     log_interval: int = 40
     max_queued_requests: int = 1024
 
@@ -89,8 +104,37 @@ class EngineConfig:
                 f"--overlap-schedule={self.overlap_schedule!r} is invalid: choose one of {', '.join(OVERLAP_MODES)}",
                 param="overlap_schedule",
             )
+        if self.moe_routing not in MOE_ROUTING_MODES:
+            raise ConfigError(
+                f"--moe-routing={self.moe_routing!r} is invalid: choose one of {', '.join(MOE_ROUTING_MODES)}",
+                param="moe_routing",
+            )
+        if self.moe_routing != "model" and not self.model.startswith("dummy:"):
+            raise ConfigError(
+                f"--moe-routing={self.moe_routing} is for dummy: models only (random weights); model={self.model!r} "
+                "routes with its own trained router", param="moe_routing")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"--quantization={self.quantization!r} is invalid: choose one of {', '.join(QUANTIZATIONS)}",
+                param="quantization",
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype={self.kv_cache_dtype!r} is invalid: choose one of {', '.join(KV_CACHE_DTYPES)}",
+                param="kv_cache_dtype",
+            )
         if self.tp < 1:
             raise ConfigError(f"--tp={self.tp} is invalid: must be >= 1", param="tp")
+        if self.ep < 1:
+            raise ConfigError(f"--ep={self.ep} is invalid: must be >= 1", param="ep")
+        if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
+            raise ConfigError(f"--ep={self.ep} with --tp={self.tp} is invalid: expert-parallel ranks are the "
+                              f"tensor-parallel ranks, so use --ep {self.tp} (or --ep 1)", param="ep")
+        if self.quantization != "none" and max(self.tp, self.ep) > 1:
+            # the FP8 layers load whole tensors; their tensor-parallel slices (and block scales cut
+            # along with them) are not implemented, so refuse rather than run a wrong shard
+            raise ConfigError(f"--quantization={self.quantization} with --tp={self.tp} --ep={self.ep} is not "
+                              "supported: FP8 weights run on one GPU (use --tp 1 --ep 1)", param="quantization")
         if self.log_interval < 1:
             raise ConfigError(f"--log-interval={self.log_interval} is invalid: must be >= 1", param="log_interval")
         if self.max_queued_requests < 1:
@@ -124,7 +168,12 @@ _HELP = {
     "cuda_graph_bs": "exact list of decode batch sizes to capture",
     "disable_cuda_graph": "run decode eagerly (for A/B runs)",
     "overlap_schedule": "prepare the next step while the device runs this one: auto (on CUDA), on, off",
-    "tp": "tensor-parallel size",
+    "tp": "tensor-parallel size: ranks (one process and device each) that split every layer",
+    "ep": "expert-parallel size (MoE): ranks that hold whole experts; equal to --tp when both are set",
+    "disable_custom_all_reduce": "all-reduce with NCCL only (no one-shot kernel over peer memory for small messages)",
+    "moe_routing": "MoE routing: model (the router's choice) or uniform (round-robin over experts; dummy: models only)",
+    "quantization": "quantize weights at load: fp8 (128x128 block scales) or fp8-channel (per-channel scales)",
+    "kv_cache_dtype": "KV cache dtype: auto (the model dtype) or fp8_e4m3 (half the bytes; scale 1.0)",
     "log_interval": "decode steps between step-log lines",
     "max_queued_requests": "bound of the waiting queue; past it requests get 429",
 }
@@ -140,6 +189,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "enable_prefix_caching":
             parser.add_argument("--disable-radix-cache", "--disable-prefix-caching", dest="enable_prefix_caching",
                                 action="store_false", help="turn prefix caching off")
+            continue
+        if f.name == "moe_routing":
+            parser.add_argument(flag, choices=MOE_ROUTING_MODES, default=default, help=_HELP[f.name])
+            continue
+        if f.name == "quantization":
+            parser.add_argument(flag, choices=QUANTIZATIONS, default=default, help=_HELP[f.name])
+            continue
+        if f.name == "kv_cache_dtype":
+            parser.add_argument(flag, choices=KV_CACHE_DTYPES, default=default, help=_HELP[f.name])
             continue
         if f.name == "overlap_schedule":
             parser.add_argument(flag, choices=OVERLAP_MODES, default=default, help=_HELP[f.name])
@@ -166,6 +224,11 @@ def config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
             if f.name == "cuda_graph_bs" and v is not None:
                 v = tuple(v)
             kw[f.name] = v
-    return EngineConfig(model=model, **kw)
+    config = EngineConfig(model=model, **kw)
+    if config.tp > 1 or config.ep > 1:  # refused here, before a server binds its port or spawns a rank
+        from graphserve.distributed.validate import check_parallel
+
+        check_parallel(config)
+    return config
 
 

@@ -42,6 +42,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when an engine fault failed this request
+    error_param: str | None = None  # set when the request itself was at fault: the field to blame
 
     @property
     def text(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from graphserve.errors import bad_field
+from graphserve.structured.constraint import StructuredOutput
 
 MAX_LOGPROBS = 20
 
@@ -27,6 +28,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per token (0..20); None: off
     skip_special_tokens: bool = True
+    # constrain the output to a JSON schema / regex / choice / grammar (graphserve.structured builds it)
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +67,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad_field("stop", s, "each stop string must be a non-empty string")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise bad_field("structured", type(self.structured).__name__,
+                            "must be a StructuredOutput (graphserve.structured.json_schema, regex, choice, grammar)")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise bad_field("stop_token_ids", t, "each id must be an integer >= 0")

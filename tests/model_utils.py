@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from graphserve.engine.forward_batch import DUMMY_BLOCK, ForwardBatch
 from graphserve.layers.attention import TorchAttentionBackend
+from graphserve.layers.forward_batch import DUMMY_BLOCK, ForwardBatch
 from graphserve.models.synthetic_tokenizer import CHATML_TEMPLATE, build_synthetic_tokenizer
 
 
@@ -53,12 +53,9 @@ class PagedHarness:
 
     def __init__(self, model: torch.nn.Module, block_size: int = 4, num_blocks: int = 64, dtype=torch.float32,
                  device: torch.device | str = "cpu", backend=None):
-        s = model.shape
+        layout = type(model).describe(model.config, dtype).kv
         self.model, self.block_size, self.device = model, block_size, torch.device(device)
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=self.device)
-            for _ in range(s.num_layers)
-        ]
+        self.kv_caches = layout.allocate(num_blocks, block_size, self.device)
         free = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(1)) + 1
         self.free_blocks = free.tolist()
         self.tables: dict[str, list[int]] = {}

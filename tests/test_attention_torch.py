@@ -28,7 +28,7 @@ def test_batched_decode_matches_reference_on_random_inputs():
 
 
 def test_contiguous_batch_lays_sequences_on_consecutive_blocks():
-    from graphserve.engine.forward_batch import contiguous_batch
+    from graphserve.layers.forward_batch import contiguous_batch
 
     kv = [torch.zeros(2, 16, 4, 2, 8)]
     b = contiguous_batch([5, 1], [5, 6], kv, None, vocab_size=50)

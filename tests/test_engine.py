@@ -226,15 +226,17 @@ def test_telemetry_records_each_step(make_llm, prompts):
     assert recs[-1].context_tokens == sum(lens) + 2 * (NEW - 1)  # the last token of each attends to all before it
 
 
-def test_penalties_beside_plain_requests_match_the_synchronous_engine(make_llm, model_dir, prompts):
-    """Penalties count the output tokens on the host, so such steps wait for the step in flight."""
+def test_penalties_beside_plain_requests_match_each_request_alone(make_llm, model_dir, prompts):
+    """Penalties count the output tokens on the host, so such steps wait for the step in flight; seeded
+    sampling makes each request's tokens its own, so the batch (either schedule) must give what each
+    request gives run alone on the synchronous engine."""
     penalized = SamplingParams(temperature=0.8, seed=5, max_tokens=NEW, ignore_eos=True,
                                repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
     plain = SamplingParams(temperature=0.7, seed=9, max_tokens=NEW, ignore_eos=True)
     stops = dataclasses.replace(penalized, seed=6, stop_token_ids=list(range(40, 320)))  # stops within a few tokens
     params = [penalized, plain, stops, plain]
-    reference = LLM(model_dir, block_size=4, overlap_schedule="off")
-    want = [o.token_ids for o in reference.generate(_ids(prompts[:4]), params, use_tqdm=False)]
+    reference = LLM(model_dir, block_size=4, enable_prefix_caching=False, overlap_schedule="off")
+    want = [reference.generate(_ids([p]), [q], use_tqdm=False)[0].token_ids for p, q in zip(prompts[:4], params)]
     got = [o.token_ids for o in make_llm().generate(_ids(prompts[:4]), params, use_tqdm=False)]
     assert got == want
     assert len(want[2]) < NEW  # the stop request finished early, while others were in flight

@@ -1,5 +1,5 @@
 """The decode host path: per-sequence rows, the packed decode batch and gathered sampling knobs
-give exactly what the general per-token path and ``SamplingTensors.from_sequences`` give."""
+give exactly what the general per-token path and ``tensors_from_sequences`` give."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import torch
 from model_utils import apply_sampled
 
 from graphserve.config import EngineConfig
-from graphserve.engine.forward_batch import DUMMY_BLOCK
 from graphserve.engine.kv_cache import BlockManager
 from graphserve.engine.request import Sequence
 from graphserve.engine.runner import ModelRunner
+from graphserve.engine.sampling_inputs import tensors_from_sequences
 from graphserve.engine.scheduler import Scheduler
 from graphserve.engine.seq_rows import SequenceRows
-from graphserve.layers.sampler import SamplingTensors
+from graphserve.layers.forward_batch import DUMMY_BLOCK
+from graphserve.layers.kv_layout import KVLayout
 from graphserve.sampling_params import SamplingParams
 
 BS = 4
@@ -31,7 +32,7 @@ FLAG_FIELDS = ["max_logprobs", "all_greedy", "any_top_k", "any_top_p", "any_min_
 
 
 def _runner(num_blocks: int) -> ModelRunner:
-    info = SimpleNamespace(num_kv_heads=1, head_dim=2, num_layers=1, dtype=torch.float32, vocab_size=VOCAB,
+    info = SimpleNamespace(kv=KVLayout("kv", 1, 1, 2, torch.float32), dtype=torch.float32, vocab_size=VOCAB,
                            eos_token_ids=[EOS])
     loaded = SimpleNamespace(model=None, info=info)
     return ModelRunner(EngineConfig(block_size=BS, chunked_prefill_size=16), loaded, num_blocks, torch.device("cpu"))
@@ -82,7 +83,7 @@ def test_decode_fast_path_and_knob_rows_match_the_general_path(num_blocks):
             _assert_same(batch, general, [*BATCH_FIELDS, "max_query_len", "max_seq_len", "query_lens_cpu",
                                           "seq_lens_cpu"])
         knobs = runner.sampling_tensors(seqs, rows, VOCAB)
-        _assert_same(knobs, SamplingTensors.from_sequences(seqs, VOCAB, [EOS], "cpu"), KNOB_FIELDS + FLAG_FIELDS)
+        _assert_same(knobs, tensors_from_sequences(seqs, VOCAB, [EOS], "cpu"), KNOB_FIELDS + FLAG_FIELDS)
         tokens = [(step * 5 + i) % VOCAB for i in range(len(seqs))]
         for seq, _ in apply_sampled(sched, out, tokens):
             if seq.num_output_tokens >= seq.params.max_tokens:
@@ -144,7 +145,12 @@ def test_host_path_benchmark_times_every_piece_of_a_real_step():
     """benchmarks/host_path wraps the engine's own methods by name: it must keep finding them."""
     from benchmarks.host_path import PIECES, measure
 
-    result = measure("builtin:tiny-llama", batch=4, steps=3, prompt_len=8, sampling="mixed")
-    assert all(result[k] >= 0 for k in ("schedule", "prepare_inputs", "sampling_tensors", "advance", "record"))
-    assert result["advance"] > 0 and result["record"] > 0 and result["sampler"] > 0
-    assert result["host_total"] == pytest.approx(sum(result[k] for k in PIECES))
+    result = measure("builtin:tiny-llama", batch=4, steps=5, prompt_len=8, sampling="mixed")
+    # every wrapper fired: a method the step no longer calls would leave its piece at 0 (or, for
+    # sampling_tensors, the launch remainder, negative) and its time in "other"
+    named = [k for k in PIECES if k != "other"]
+    assert all(result[k] > 0 for k in named), {k: result[k] for k in named}
+    assert result["sampler"] > 0
+    # the named pieces account for the step: what no wrapper saw ("other", the step's wall time minus
+    # the pieces) stays a small part of the host total
+    assert result["other"] < 0.5 * result["host_total"], result

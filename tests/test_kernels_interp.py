@@ -39,7 +39,6 @@ import pytest  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from graphserve.engine.forward_batch import ForwardBatch  # noqa: E402
 from graphserve.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from graphserve.kernels.decode_attention import (  # noqa: E402
     choose_num_splits,
@@ -58,6 +57,7 @@ from graphserve.kernels.norm import (  # noqa: E402
 from graphserve.kernels.rotary import apply_rotary, apply_rotary_reference, rotary_cos_sin  # noqa: E402
 from graphserve.layers.attention import TorchAttentionBackend  # noqa: E402
 from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E402
+from graphserve.layers.forward_batch import ForwardBatch  # noqa: E402
 
 if isinstance(tl.standard.cdiv, InterpretedFunction):
     DEVICE = torch.device("cpu")

@@ -5,24 +5,33 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from graphserve.analysis import plan as plan_cmd
 from graphserve.analysis.plan import build_plan, load_hf_config
-from graphserve.engine.memory import (
-    GiB,
-    estimate_activation_bytes,
-    estimate_weights_bytes,
-    kv_bytes_per_token,
-    plan_memory,
-)
+from graphserve.engine.memory import GiB, plan_memory
 from graphserve.errors import ModelLoadError
+from graphserve.models.registry import describe_model
 
 DATA = Path(__file__).parent / "data"
 LLAMA8B = load_hf_config(str(DATA / "llama3_8b_config.json"))
 LLAMA70B = load_hf_config(str(DATA / "llama_70b_like_config.json"))
-TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "intermediate_size": 128, "vocab_size": 256, "tie_word_embeddings": True,
         "max_position_embeddings": 512}
+_DTYPE = {2: torch.bfloat16, 4: torch.float32}
+
+
+def estimate_weights_bytes(hf, dtype_bytes, tp=1):
+    return describe_model(hf, _DTYPE[dtype_bytes], tp).weights_bytes
+
+
+def kv_bytes_per_token(hf, dtype_bytes, tp=1):
+    return describe_model(hf, _DTYPE[dtype_bytes], tp).kv.bytes_per_token
+
+
+def estimate_activation_bytes(hf, tokens, dtype_bytes, tp=1, **kw):
+    return describe_model(hf, _DTYPE[dtype_bytes], tp).activation_bytes(tokens, **kw)
 
 
 def test_llama3_8b_estimates_match_hand_counts():
@@ -103,7 +112,7 @@ def test_cli_text_and_json(capsys, tmp_path):
                                  cuda_graph_max_bs=256, cuda_graph_bs=None, disable_cuda_graph=False,
                                  max_running_requests=None, input_len=1024, output_len=1024, dtype="bf16",
                                  concurrency="1,8,32,64", max_model_len=8192, chunked_prefill_size=2048, block_size=16,
-                                 reserve_gb=0.5, oversize="split", json=False)
+                                 reserve_gb=0.5, oversize="split", quantization="none", kv_cache_dtype="auto", json=False)
     assert plan_cmd.run(args) == 0
     out = capsys.readouterr().out
     assert "weights per GPU" in out and "KV bytes per token   131072" in out and "fits" in out
@@ -122,3 +131,28 @@ def test_unknown_model_source_is_refused():
 def test_preset_name_is_loaded_through_the_presets():
     cfg = load_hf_config("dummy:llama3-8b")
     assert estimate_weights_bytes(cfg, 2) == estimate_weights_bytes(LLAMA8B, 2)
+
+
+def test_moe_plan_reads_the_family_description():
+    """The MoE family describes its own weights (all experts) and names its workspace in the budget."""
+    p = build_plan(load_hf_config("dummy:qwen3-30b-a3b"), gpu_memory_gb=141, concurrency=[1])
+    assert p["weights_bytes"] == 30_532_122_624 * 2  # Qwen3-30B-A3B: 30,532,122,624 parameters
+    assert p["kv_bytes_per_token"] == 2 * 48 * 4 * 128 * 2
+    parts = dict(p["memory"]["activation_parts"])
+    assert 0 < parts["MoE workspace"] <= p["prefill_activation_bytes"]
+    assert "MoE workspace" in p["table"]
+    dense = build_plan(LLAMA8B, gpu_memory_gb=141, concurrency=[1])
+    assert "MoE" not in dense["table"]
+
+
+def test_plan_and_engine_keep_one_reserve():
+    """`graphserve plan` and GPU start-up hold back the same reserve, so a plan that fits is one the engine fits."""
+    import argparse
+
+    from graphserve.engine import memory, startup
+
+    assert startup.RESERVE_BYTES is memory.RESERVE_BYTES  # imported, not a second figure
+    assert build_plan(LLAMA8B, gpu_memory_gb=141)["memory"]["reserve_bytes"] == memory.RESERVE_BYTES
+    parser = argparse.ArgumentParser()
+    plan_cmd.add_arguments(parser)
+    assert int(parser.parse_args(["dummy:llama3-8b"]).reserve_gb * GiB) == memory.RESERVE_BYTES

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from graphserve.engine.request import Sequence
-from graphserve.layers.sampler import Sampler, SamplingTensors, apply_penalties, uniform_noise
+from graphserve.engine.sampling_inputs import tensors_from_sequences
+from graphserve.layers.sampler import Sampler, apply_penalties, uniform_noise
 from graphserve.sampling_params import SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
@@ -22,7 +23,7 @@ def _seq(params: SamplingParams, seed: int = 0, outputs: list[int] | None = None
 
 
 def _sample(seqs, logits):
-    t = SamplingTensors.from_sequences(seqs, logits.shape[-1], [EOS], "cpu")
+    t = tensors_from_sequences(seqs, logits.shape[-1], [EOS], "cpu")
     return Sampler()(logits, t)
 
 
@@ -100,12 +101,12 @@ def test_top_k_top_p_min_p_masks(params, allowed):
 def test_penalties_values():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     seq = _seq(SamplingParams(repetition_penalty=2.0), outputs=[1], prompt=[0])
-    t = SamplingTensors.from_sequences([seq], 4, [EOS], "cpu")
+    t = tensors_from_sequences([seq], 4, [EOS], "cpu")
     out = apply_penalties(logits, t)
     assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]  # positive logits halve, negative double; unseen stay
 
     seq = _seq(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), outputs=[2, 2, 0])
-    t = SamplingTensors.from_sequences([seq], 4, [EOS], "cpu")
+    t = tensors_from_sequences([seq], 4, [EOS], "cpu")
     out = apply_penalties(logits, t)
     assert torch.allclose(out, torch.tensor([[2.0 - 0.5 - 0.25, -2.0, 1.0 - 1.0 - 0.25, 0.5]]))
 

@@ -123,3 +123,41 @@ def test_stream_merges_unread_deltas_and_honours_the_interval():
         assert await t.next() is None and eng.aborted == []
 
     asyncio.run(run())
+
+
+def test_an_error_naming_a_field_reaches_the_client_as_a_400_and_counts_as_an_abort(tokenizer):
+    from graphserve.config import EngineConfig
+    from graphserve.errors import BadRequestError, InternalError
+    from graphserve.server.async_engine import AsyncEngine
+
+    proc = DeltaProcessor(tokenizer)
+    for rid in ("bad", "broken"):
+        proc.add(rid, [1, 2, 3], SamplingParams(max_tokens=8))
+    outs = rows("bad", [9])  # a token first: the error row comes in a later, merged step
+    failing = StepOutputs()
+    failing.add_core_outputs([CoreOutput("bad", 0, [], None, "abort", None, 3, 0, error="guided_regex is invalid: x",
+                                         error_param="guided_regex"),
+                              CoreOutput("broken", 0, [], None, "abort", None, 3, 0, error="step raised")], set())
+    outs.extend(failing)
+    deltas, _ = proc.process(outs)
+    by_id = {d.request_id: d for d in deltas}
+    assert (by_id["bad"].error_param, by_id["broken"].error_param) == ("guided_regex", None)
+
+    async def run() -> None:
+        eng = AsyncEngine(EngineConfig(model="builtin:tiny-llama"))
+        eng._send_aborts = lambda ids: None  # no engine behind it
+        aborted: list[tuple[str, object]] = []
+        eng.on_abort = lambda rid, err: aborted.append((rid, err))
+        streams = {}
+        for engine_id, client_id in (("bad", "client-a"), ("broken", "client-b")):
+            streams[engine_id] = eng._streams[engine_id] = RequestStream(eng, client_id, engine_id, 3)
+            eng._client_ids[client_id] = engine_id
+        eng._deliver(deltas, [], {})
+        with pytest.raises(BadRequestError) as bad:
+            await streams["bad"].next()
+        assert bad.value.param == "guided_regex" and bad.value.http_status == 400
+        with pytest.raises(InternalError):
+            await streams["broken"].next()
+        assert [rid for rid, _ in aborted] == ["client-a", "client-b"] and not eng._streams and not eng._client_ids
+
+    asyncio.run(run())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 
 import httpx
 import pytest
@@ -75,11 +76,13 @@ def test_nan_is_400(server):
 def test_malformed_json_is_400(server):
     assert_error(post(server, "/v1/completions", b'{"prompt": "x",'), 400, "body", "JSON")
     assert_error(post(server, "/v1/completions", b"[1, 2]"), 400, None)
+    assert_error(post(server, "/v1/completions", b"[" * 100_000 + b"]" * 100_000), 400, "body", "deeply")
 
 
 def test_prompt_too_long_names_both_numbers(server):
+    # refused at validation, before the 600 ids are walked; the param names the token-id branch of the union
     err = assert_error(post(server, "/v1/completions", {"prompt": list(range(5, 605)), "max_tokens": 1}), 400,
-                       "prompt")
+                       "prompt.token_ids")
     assert "600" in err["message"] and "512" in err["message"]
 
 
@@ -155,3 +158,76 @@ def test_batch_above_the_queue_bound_is_400_not_a_retry_forever_429(server):
     resp = post(server, "/v1/completions", {"prompt": [[7]] * 1025, "max_tokens": 1})
     err = assert_error(resp, 400, "prompt", "1025", "--max-queued-requests=1024")
     assert "Retry-After" not in resp.headers, err
+
+
+@pytest.mark.parametrize(
+    "path, raw, param",
+    [
+        # JSON may spell a lone UTF-16 surrogate; Python keeps it and every UTF-8 encode after it fails
+        ("/v1/completions", b'{"prompt": "abc \\ud800 def", "max_tokens": 1}', "prompt.text"),
+        ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 1}', "prompt.texts[1]"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', "messages[0].content"),
+        ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"], "max_tokens": 1}', "stop"),
+        ("/generate", b'{"text": "x", "rid": "id-\\udc00"}', "rid"),
+    ],
+)
+def test_lone_surrogate_is_400_naming_the_field(server, path, raw, param):
+    err = assert_error(post(server, path, raw), 400, None, "surrogate")
+    assert err["param"].startswith(param), err
+
+
+def test_lone_surrogate_while_streaming_is_400_not_a_cut_stream(server):
+    r = post(server, "/v1/chat/completions",
+             b'{"messages": [{"role": "user", "content": "\\ud800"}], "stream": true, "max_tokens": 2}')
+    assert_error(r, 400, None, "surrogate")
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": [1, True, 3]}, "prompt.token_ids[1]"),  # booleans are not token ids
+        ("/generate", {"input_ids": [False]}, "input_ids.token_ids[0]"),
+        ("/generate", {"input_ids": [[5], [6, True]]}, "input_ids.token_id_lists[1][1]"),
+        # the error names the branch the value is shaped like, not the first branch pydantic tried
+        ("/v1/completions", {"prompt": [7, 8, -5]}, "prompt.token_ids[2]"),
+        ("/v1/completions", {"prompt": [[7], [8, "x"]]}, "prompt.token_id_lists[1][1]"),
+        ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
+        ("/generate", {"text": []}, "text"),
+        ("/generate", {"input_ids": []}, "input_ids"),
+        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 0, "min_new_tokens": 2}},
+         "sampling_params.min_new_tokens"),
+    ],
+)
+def test_shapes_are_refused_naming_the_right_branch(server, path, body, param):
+    assert_error(post(server, path, body), 400, param)
+
+
+def _health_latency_while(server, send) -> tuple[httpx.Response, float]:
+    """(response of ``send()``, worst /health latency seen while it ran)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(send)
+        worst = 0.0
+        while not future.done():
+            t0 = time.monotonic()
+            assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.02)
+        return future.result(), worst
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(server):
+    # 2 M characters took ~3 s to tokenize on the loop, then failed the length check anyway
+    prompt = "hello world, foo bar. " * 100_000
+    t0 = time.monotonic()
+    resp, worst = _health_latency_while(server, lambda: post(server, "/v1/completions",
+                                                             {"prompt": prompt, "max_tokens": 1}))
+    err = assert_error(resp, 400, "prompt", "2200000 characters", "max_model_len=512")
+    assert time.monotonic() - t0 < 2.0 and worst < 0.5, (time.monotonic() - t0, worst, err)
+
+
+def test_token_id_list_past_the_context_is_refused_before_walking_it(server):
+    # 3 M ids: pydantic and the id check walked every one on the loop (seconds) before the length check
+    body = json.dumps({"prompt": [7] * 3_000_000, "max_tokens": 1}).encode()
+    resp, worst = _health_latency_while(server, lambda: post(server, "/v1/completions", body))
+    assert_error(resp, 400, "prompt.token_ids", "3000000 token ids", "max_model_len=512")
+    assert worst < 0.5, worst

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from server_utils import ServerProcess, metrics
+from server_utils import ServerProcess, metrics, wait_for
 
 from graphserve.config import EngineConfig
 from graphserve.server.app import create_app
@@ -107,7 +107,9 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path):
             shorts = [pool.submit(stream_events, srv.base_url, short, f) for f in started]
             concurrent.futures.wait(started, timeout=30)
             longs = [pool.submit(stream_events, srv.base_url, long) for _ in range(8)]
-            time.sleep(0.2)
+            # all eight in the engine before the signal (a fixed sleep lost the race on a loaded machine)
+            assert wait_for(lambda: (lambda m: m["graphserve:num_requests_running"]
+                                     + m["graphserve:num_requests_waiting"] >= 8)(metrics(srv.base_url)), timeout=30)
             srv.signal(signal.SIGTERM)
             time.sleep(0.3)
             refused = httpx.post(srv.base_url + "/v1/completions", json=short, timeout=10)
@@ -138,3 +140,44 @@ def test_model_that_fails_to_load_exits_1(tmp_path):
     with pytest.raises(RuntimeError, match="exited with 1"):
         srv.start(timeout=60)
     assert "no-such-model" in srv.log()
+
+
+def test_second_sigterm_exits_non_zero(tmp_path):
+    # The drain would wait 60 s; a second signal cuts the in-flight stream, and the exit code must say so.
+    srv = ServerProcess(tmp_path, "--shutdown-timeout", "60").start()
+    long = {"prompt": "long", "max_tokens": 480, "ignore_eos": True}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            started = concurrent.futures.Future()
+            stream = pool.submit(stream_events, srv.base_url, long, started)
+            started.result(timeout=30)
+            srv.signal(signal.SIGTERM)
+            time.sleep(0.5)
+            srv.signal(signal.SIGTERM)
+            assert srv.wait(timeout=30) != 0
+            try:
+                status, events, _ = stream.result(timeout=30)
+                assert events[-1] != "[DONE]" or "error" in json.loads(events[-2])  # cut, never a clean end
+            except httpx.TransportError:
+                pass  # the connection dropped mid-body: what a forced stop does
+    finally:
+        srv.stop()
+
+
+def test_step_log_flushes_every_record_and_rotates(tmp_path):
+    from graphserve.engine.telemetry import StepRecord
+    from graphserve.server.steplog import JsonlStepSink
+
+    path = tmp_path / "steps.jsonl"
+    sink = JsonlStepSink(str(path), max_bytes=2000)
+    try:
+        for step in range(40):
+            sink.on_step(StepRecord(step, time.time(), "decode", 4, 4, False, "eager", 4, 0, 4, 1.5, 4, 0, 0.25))
+            lines = path.read_text().splitlines()
+            assert json.loads(lines[-1])["step"] == step  # on disk before the next step, not at close
+            assert path.stat().st_size <= 2000
+    finally:
+        sink.close()
+    backup = [json.loads(ln)["step"] for ln in (tmp_path / "steps.jsonl.1").read_text().splitlines()]
+    current = [json.loads(ln)["step"] for ln in path.read_text().splitlines()]
+    assert backup and backup + current == list(range(backup[0], 40))  # rotated, nothing lost in between

@@ -3,7 +3,8 @@ wrong and which flag to turn.
 
 It reads the step lines (graphserve and SGLang share ``Decode batch, #running-req: ...``; vLLM
 prints ``Avg generation throughput: ... Running: N reqs``), CUDA-graph capture lines and the
-server-args dump, PyTorch OOM messages and preemption warnings. A clean log gives no findings.
+server-args dump, PyTorch OOM messages and preemption warnings, and graphserve's start-up
+calibration of decode batches above the largest captured size. A clean log gives no findings.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ PREEMPT = re.compile(r"is preempted by PreemptionMode|Decode out of memory happe
 CAPTURE_FAIL = re.compile(r"capture (?:cuda|CUDA) graph failed|CUDA graph capture failed|failed to capture (?:cuda|CUDA)",
                           re.I)
 UNIT = {"GiB": 1.0, "MiB": 1 / 1024, "KiB": 1 / 1024**2}
+# Lines only graphserve prints (server/launch.py, engine/core.py, engine/memory.py): its step line is SGLang's.
+GRAPHSERVE_MARKS = re.compile(r"\] serving \S+ on http://|engine ready: model=\S+ device=|"
+                              r"memory plan: [0-9.]+ GiB per GPU × --mem-fraction-static")
+# engine/startup.py's calibration line (OversizeCalibration.log_line)
+OVERSIZE_COSTS = re.compile(r"decode batches above (\d+) \(up to --max-running-requests (\d+)\) run as ([a-z-]+): "
+                            r"split-graph " + NUM + r" ms, eager " + NUM + r" ms, full graph " + NUM + r" ms at batch (\d+)")
+FULL_GRAPH_MIN_GAIN = 1.05  # below this the split path costs too little to be worth a larger graph pool
 
 
 @dataclass
@@ -70,6 +78,8 @@ def _evidence(items: list[StepLine] | list[tuple[int, str]], limit: int = 5) -> 
 
 def detect_format(lines: list[str]) -> str:
     text = "\n".join(lines[:2000])
+    if GRAPHSERVE_MARKS.search(text):
+        return "graphserve"
     if "Avg generation throughput" in text or "vllm" in text.lower():
         return "vllm"
     if "graphserve" in text.lower():
@@ -210,6 +220,30 @@ def _kv_and_queue(steps: list[StepLine], lines: list[str]) -> list[Finding]:
     return out
 
 
+def _oversize_costs(steps: list[StepLine], lines: list[str]) -> Finding | None:
+    """graphserve measured at start-up how much faster a graph captured at the running size would be."""
+    hit = next(((i, ln.rstrip(), m) for i, ln in enumerate(lines, 1) if (m := OVERSIZE_COSTS.search(ln))), None)
+    if hit is None:
+        return None
+    line_no, text, m = hit
+    largest, rows, mode = int(m.group(1)), int(m.group(2)), m.group(3)
+    split_ms, eager_ms, full_ms = float(m.group(4)), float(m.group(5)), float(m.group(6))
+    chosen_ms = min(split_ms, eager_ms)
+    gain = chosen_ms / full_ms if full_ms > 0 else 0.0
+    if gain < FULL_GRAPH_MIN_GAIN:
+        return None
+    above = [s for s in steps if s.running > largest]
+    seen = (f"{len(above)} step lines ran above {largest} requests (up to {max(s.running for s in above)})."
+            if above else f"No step line in this log ran above {largest} requests yet; under more load they will.")
+    return Finding(
+        "oversize_full_graph", "warning",
+        f"decode batches above {largest} run {gain:.2f}× slower than a graph captured at {rows}",
+        f"At start-up a batch of {rows} took {chosen_ms:.2f} ms as {mode} against {full_ms:.2f} ms replayed from a "
+        f"graph captured at that size: each step above {largest} requests costs {gain:.2f}× what it would with "
+        f"--cuda-graph-max-bs {rows}. {seen} The larger graph pool is planned like the others (graphserve plan "
+        f"shows its memory).", [f"--cuda-graph-max-bs {rows}"], [(line_no, text)] + _evidence(above, 3))
+
+
 def _capture_failures(lines: list[str]) -> Finding | None:
     bad = [(i, ln.rstrip()) for i, ln in enumerate(lines, 1) if CAPTURE_FAIL.search(ln)]
     if not bad:
@@ -230,6 +264,8 @@ def diagnose_lines(lines: list[str]) -> list[Finding]:
         findings.append(eager)
     if cap := _capture_failures(lines):
         findings.append(cap)
+    if costs := _oversize_costs(steps, lines):
+        findings.append(costs)
     findings += _kv_and_queue(steps, lines)
     if plat := _plateau(steps):
         findings.append(plat)

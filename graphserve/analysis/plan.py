@@ -10,23 +10,23 @@ the default), so its verdicts only depend on the KV pool.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
 from typing import Any
 
-from graphserve.config import EngineConfig, default_cuda_graph_sizes
-from graphserve.engine.memory import (
-    estimate_activation_bytes,
-    estimate_graph_pool_bytes,
-    estimate_weights_bytes,
-    gib,
-    kv_bytes_per_token,
-    plan_memory,
-)
-from graphserve.errors import BadRequestError, ModelLoadError, bad_field
+import torch
 
-DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "fp8": 1}
+from graphserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, default_cuda_graph_sizes
+from graphserve.engine.memory import RESERVE_BYTES, gib, plan_memory
+from graphserve.errors import BadRequestError, ModelLoadError, bad_field
+from graphserve.layers.kv_layout import kv_cache_dtype
+from graphserve.layers.quant.config import parse_quantization_config, quantized_description, resolve_quantization
+from graphserve.models.registry import describe_model
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
 GiB_ = 1024**3
 GB = 10**9  # GPU memory is sold in GB (H200: 141 GB); the plan prints GiB
 
@@ -55,29 +55,37 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
                cuda_graph_max_bs: int = 256, cuda_graph_bs: list[int] | None = None, disable_cuda_graph: bool = False,
                max_running_requests: int | None = None, input_len: int = 1024, output_len: int = 1024,
                dtype: str = "bf16", concurrency: list[int] | None = None, max_model_len: int | None = None,
-               chunked_prefill_size: int = 2048, block_size: int = 16, reserve_gb: float = 0.5,
-               oversize: str = "split") -> dict[str, Any]:
-    if dtype not in DTYPE_BYTES:
-        raise BadRequestError(f"--dtype={dtype!r} is invalid: choose one of {', '.join(DTYPE_BYTES)}", param="dtype")
+               chunked_prefill_size: int = 2048, block_size: int = 16, reserve_gb: float = RESERVE_BYTES / GiB_,
+               oversize: str = "split", quantization: str = "none", kv_cache_dtype_name: str = "auto") -> dict[str, Any]:
+    if dtype not in DTYPES:
+        raise BadRequestError(f"--dtype={dtype!r} is invalid: choose one of {', '.join(DTYPES)}", param="dtype")
     if oversize not in ("split", "eager"):
         raise BadRequestError(f"--oversize={oversize!r} is invalid: choose split or eager", param="oversize")
-    nb = DTYPE_BYTES[dtype]
+    # an FP8 checkpoint's own quantization_config, else --quantization (what the loader applies)
+    quant = resolve_quantization(parse_quantization_config(hf.get("quantization_config")), quantization)
+    model = quantized_description(describe_model(hf, DTYPES[dtype], tp), quant, DTYPES[dtype])
+    if kv_cache_dtype_name not in KV_CACHE_DTYPES:
+        raise BadRequestError(f"--kv-cache-dtype={kv_cache_dtype_name!r} is invalid: choose one of "
+                              f"{', '.join(KV_CACHE_DTYPES)}", param="kv_cache_dtype")
+    kv = dataclasses.replace(model.kv, dtype=kv_cache_dtype(kv_cache_dtype_name, model.kv.dtype))
+    model = dataclasses.replace(model, kv=kv)
     sizes = [] if disable_cuda_graph else sorted(set(cuda_graph_bs or default_cuda_graph_sizes(cuda_graph_max_bs)))
     largest = sizes[-1] if sizes else 0
     max_running = max_running_requests or (largest or 256)
     max_len = max_model_len or int(hf.get("max_position_embeddings") or input_len + output_len)
     seq_len = input_len + output_len
 
-    weights = estimate_weights_bytes(hf, nb, tp)
-    kv_tok = kv_bytes_per_token(hf, nb, tp)
+    weights = model.weights_bytes
+    kv_tok = model.kv.bytes_per_token
     chunk = min(chunked_prefill_size, max_running * input_len)
-    prefill_act = estimate_activation_bytes(hf, chunk, nb, tp, sampled_rows=max(1, math.ceil(chunk / input_len)))
+    prefill_act = model.activation_bytes(chunk, sampled_rows=max(1, math.ceil(chunk / input_len)))
     # Graph-covered decode batches draw on the graph pool; the largest eager one is reserved here.
     eager_decode_bs = 0 if sizes and (oversize == "split" or max_running <= largest) else (largest or max_running)
-    decode_act = estimate_activation_bytes(hf, eager_decode_bs, nb, tp) if eager_decode_bs else 0
-    pool = estimate_graph_pool_bytes(hf, sizes, nb, tp)
+    decode_act = model.activation_bytes(eager_decode_bs) if eager_decode_bs else 0
+    pool = model.graph_pool_bytes(sizes)
     mp = plan_memory(int(gpu_memory_gb * GB), mem_fraction_static, weights, (prefill_act, decode_act), pool,
-                     int(reserve_gb * GiB_), kv_tok, block_size, max_len, max_running, tp=tp)
+                     int(reserve_gb * GiB_), kv_tok, block_size, max_len, max_running, tp=tp,
+                     activation_parts=[("MoE workspace", model.moe_workspace_bytes(chunk))] if model.is_moe else ())
 
     verdicts = []
     for c in concurrency or [1, 8, 32, 64]:
@@ -91,7 +99,7 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
             if oversize == "split" and sizes:
                 notes.append(f"batch {batch} > largest captured size {largest}: replayed as captured pieces")
             else:
-                asked = estimate_activation_bytes(hf, batch, nb, tp, context_tokens=batch * seq_len)
+                asked = model.activation_bytes(batch, context_tokens=batch * seq_len)
                 planned = mp.activation_bytes + mp.reserve_bytes
                 v["eager_bytes"], v["planned_bytes"] = asked, planned
                 if asked > planned:
@@ -115,7 +123,8 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
         verdicts.append(v)
     return {
         "model": hf.get("_name_or_path") or hf.get("model_type"),
-        "dtype": dtype, "tp": tp, "captured_sizes": sizes, "oversize": oversize,
+        "dtype": dtype, "quantization": quant.name if quant else "none",
+        "kv_cache_dtype": str(kv.dtype).removeprefix("torch."), "tp": tp, "captured_sizes": sizes, "oversize": oversize,
         "weights_bytes": weights, "kv_bytes_per_token": kv_tok, "graph_pool_bytes": pool,
         "prefill_activation_bytes": prefill_act, "decode_activation_bytes": decode_act,
         "memory": mp.to_dict(), "table": mp.table(), "verdicts": verdicts,
@@ -126,8 +135,9 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
 def format_plan(p: dict[str, Any]) -> str:
     m = p["memory"]
     lines = [
-        f"weights per GPU      {gib(p['weights_bytes']):.2f} GiB (tp {p['tp']}, {p['dtype']})",
-        f"KV bytes per token   {p['kv_bytes_per_token']} B",
+        f"weights per GPU      {gib(p['weights_bytes']):.2f} GiB (tp {p['tp']}, {p['dtype']}, "
+        f"quantization {p['quantization']})",
+        f"KV bytes per token   {p['kv_bytes_per_token']} B ({p['kv_cache_dtype']})",
         f"cuda graph pool      {gib(p['graph_pool_bytes']):.2f} GiB for sizes "
         f"{p['captured_sizes'][:6]}{'...' if len(p['captured_sizes']) > 6 else ''} (largest {max(p['captured_sizes'], default=0)})",
         f"activation peak      prefill {gib(p['prefill_activation_bytes']):.3f} GiB, "
@@ -153,12 +163,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running-requests", type=int, default=None)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=1024)
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                        help="weights quantized at load (an FP8 checkpoint is counted in FP8 regardless)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV cache dtype: auto (the model dtype) or fp8_e4m3")
     parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated concurrency levels")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--chunked-prefill-size", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--reserve-gb", type=float, default=0.5, help="allocator slack kept in the budget (GiB)")
+    parser.add_argument("--reserve-gb", type=float, default=RESERVE_BYTES / GiB_,
+                        help="workspaces and allocator slack kept in the budget (GiB; the engine keeps the same)")
     parser.add_argument("--oversize", choices=("split", "eager"), default="split",
                         help="what runs a decode batch above the largest captured size: graphserve splits it; "
                              "eager models SGLang/vLLM")
@@ -194,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
                    max_running_requests=args.max_running_requests, input_len=args.input_len, output_len=args.output_len,
                    dtype=args.dtype, concurrency=conc, max_model_len=args.max_model_len,
                    chunked_prefill_size=args.chunked_prefill_size, block_size=args.block_size,
-                   reserve_gb=args.reserve_gb, oversize=args.oversize)
+                   reserve_gb=args.reserve_gb, oversize=args.oversize, quantization=args.quantization,
+                   kv_cache_dtype_name=args.kv_cache_dtype)
     print(json.dumps(p, indent=2) if args.json else format_plan(p))
     # Non-zero when the engine would refuse to start or a concurrency would crash it.
     return 0 if p["memory"]["fits"] and all(v["verdict"] != "out of memory" for v in p["verdicts"]) else 1

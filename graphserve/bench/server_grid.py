@@ -1,7 +1,7 @@
 """Sweeps over server configurations: start the server command with each combination of the grid
 on a free loopback port, wait for /health, sweep, stop it (SIGTERM, then SIGKILL). A server that
-dies mid-sweep leaves the concurrency that killed it, its last log lines and the doctor's reading
-of its log, and the next configuration still runs."""
+dies mid-sweep leaves the concurrency that killed it and its last log lines, every configuration
+keeps the doctor's reading of its log, and the next configuration still runs."""
 
 from __future__ import annotations
 
@@ -157,7 +157,9 @@ def run_configurations(args: argparse.Namespace, levels: list[int], output_dir: 
             entry["status"] = "died_after_sweep"
         if died or entry["status"] != "ok":
             entry["log_tail"] = list(server.tail)
-            entry["diagnosis"] = diagnose_log(server.log_text())
+        # Every configuration's log is read, not only a dead one's: a slow configuration says why in it too.
+        entry["diagnosis"] = diagnose_log(server.log_text())
+        entry["log_file"] = os.path.basename(server.log_path)
         entry["fit"] = entry.get("fit") or {}  # {}: no fit for this configuration (it died or never started)
         entry["asymptote_tok_s"] = entry["fit"].get("asymptote_tok_s")
         configs.append(entry)

@@ -8,7 +8,9 @@ before it waits for step N's ids, so the host's work for N+1 runs while the devi
 Step N+1 is built before N's tokens are known: each sequence's next input is held as a stand-in that
 the runner resolves on the device, and a sequence that N finishes (a stop token) runs one step more,
 whose token is dropped. Steps whose sampling needs the tokens on the host (penalties count them) wait
-for the step in flight first.
+for the step in flight first. Structured output needs step N's tokens only for its masks, which are
+applied after the forward: step N+1's forward is queued first, then the host waits for N's ids,
+advances the grammars and fills N+1's masks while the device computes (structured/manager.py).
 """
 
 from __future__ import annotations
@@ -16,22 +18,27 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from graphserve.config import EngineConfig
+from graphserve.engine.expert_load import ExpertLoadProbe
 from graphserve.engine.kv_cache import BlockManager
+from graphserve.engine.parallel_driver import start_ranks, stop_ranks
 from graphserve.engine.processor import resolve_max_model_len
+from graphserve.engine.rank_worker import start_runner
 from graphserve.engine.request import CoreOutput, EngineRequest, Sequence, SequenceStatus
-from graphserve.engine.runner import ModelRunner, StepShape, cpu_kv_tokens
+from graphserve.engine.runner import StepShape
 from graphserve.engine.scheduler import Scheduler, SchedulerOutput
-from graphserve.engine.startup import start_gpu
+from graphserve.engine.step_sync import StepSender
 from graphserve.engine.telemetry import StepRecord, Telemetry
-from graphserve.errors import BadRequestError, ConfigError
+from graphserve.errors import BadRequestError
 from graphserve.layers.sampler import SEED_MASK, PendingSample, SamplerOutput
 from graphserve.models.loader import load_model
 from graphserve.outputs import TokenLogprob
+from graphserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +64,8 @@ class InFlightStep:
     shape: StepShape
     start: float  # perf_counter when its scheduling began
     context_tokens: int
+    expert_load: torch.Tensor | None = None  # per-layer, per-expert counts on their way to the host (MoE)
+    comm: tuple[int, int] = (0, 0)  # collectives and their bytes (tp/ep > 1)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,28 +76,27 @@ def resolve_device(name: str) -> torch.device:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        if config.tp != 1:
-            # `graphserve plan --tp` models tensor parallelism; the engine itself runs one device.
-            raise ConfigError(f"--tp={config.tp} is not supported by the engine: it runs on one device (use --tp 1)",
-                              param="tp")
         self.config = config
         self.device = resolve_device(config.device)
-        loaded = load_model(config, self.device)
+        # --tp/--ep: this process is rank 0 (the driver); the other ranks run engine/rank_worker.py
+        self.ranks = start_ranks(config, self.device)
+        try:
+            loaded = load_model(config, self.device)
+            self.max_model_len = resolve_max_model_len(config, loaded.info)
+            start = start_runner(config, loaded, self.device, self.max_model_len)
+        except BaseException:
+            self.shutdown()
+            raise
         self.tokenizer = loaded.tokenizer
         self.info = loaded.info
         self.hf_config = loaded.hf_config
         self.chat_template = loaded.chat_template
-        self.max_model_len = resolve_max_model_len(config, self.info)
         self._eos_ids = frozenset(self.info.eos_token_ids)
-        self.memory_plan = None
-        if self.device.type == "cuda":
-            gpu = start_gpu(config, loaded, self.device, self.max_model_len)
-            self.runner, self.memory_plan = gpu.runner, gpu.plan
-            num_blocks, max_running = gpu.runner.num_blocks, gpu.max_running_requests
-        else:
-            num_blocks = cpu_kv_tokens(config, self.info) // config.block_size + 1  # + the dummy block
-            max_running = None
-            self.runner = ModelRunner(config, loaded, num_blocks, self.device)
+        self.runner, self.memory_plan = start.runner, start.plan
+        num_blocks, max_running = self.runner.num_blocks, start.max_running_requests
+        if self.ranks is not None:
+            self.runner.peers = StepSender()
+            self._finalizer = weakref.finalize(self, stop_ranks, self.ranks, self.runner)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, max_running)
         self.telemetry = Telemetry()
@@ -100,14 +108,23 @@ class EngineCore:
         self._inflight: InFlightStep | None = None
         self._last_resolved = 0.0  # perf_counter when the previous step's ids were read
         self._penalized = 0  # live requests whose sampling counts their own output tokens
+        self.structured = StructuredOutputManager(self.tokenizer, self.info.vocab_size, list(self.info.eos_token_ids))
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv pool=%d tokens (%d blocks of %d), max_model_len=%d, "
-            "overlap schedule=%s",
+            "overlap schedule=%s, tp=%d ep=%d",
             config.model, self.device, self.info.dtype, (num_blocks - 1) * config.block_size, num_blocks - 1,
-            config.block_size, self.max_model_len, "on" if self.overlap else "off",
+            config.block_size, self.max_model_len, "on" if self.overlap else "off", config.tp, config.ep,
         )
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (tp/ep > 1); the engine cannot step afterwards. Idempotent."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        elif self.ranks is not None:
+            stop_ranks(self.ranks, None)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -125,24 +142,33 @@ class EngineCore:
                            parent=seqs[0] if seqs else None)
             seq.max_total = min(seq.max_total, self.max_model_len)
             seqs.append(seq)
-            self.scheduler.add(seq)
+            if p.structured is None:
+                self.scheduler.add(seq)
+        if p.structured is not None:
+            self.structured.add(req.request_id, seqs)  # scheduled once its grammar is compiled
         self._requests[req.request_id] = seqs
         self._penalized += p.has_penalties
         self.prompt_tokens_total += len(req.prompt_token_ids)
 
     def abort_requests(self, request_ids, error: str | None = None) -> None:
         for rid in request_ids:
-            for seq in self.scheduler.abort(rid):
+            for seq in self.scheduler.abort(rid) + self.structured.abort(rid):
+                seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = "abort"
                 self._pending.append(self._output(seq, [], None, error=error))
             seqs = self._requests.pop(rid, None)
             if seqs:
-                self._penalized -= seqs[0].params.has_penalties
+                self._drop_request(seqs[0])
 
     @property
     def kv_blocks(self) -> tuple[int, int]:
         """(usable blocks, tokens per block) of the KV pool."""
         return self.block_manager.num_usable_blocks, self.block_manager.block_size
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        """A step launched whose ids are not read yet (the step profiler skips its record)."""
+        return self._inflight is not None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending) or self._inflight is not None
@@ -151,7 +177,7 @@ class EngineCore:
         bm = self.block_manager
         return EngineStats(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self.scheduler.waiting) + len(self.structured.compiling),
             kv_usage=bm.usage(),
             prefix_cache_hit_rate=bm.hit_rate(),
             num_preemptions=self.scheduler.num_preemptions,
@@ -163,7 +189,11 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """Schedule and launch the next step; return the outputs of the step whose ids arrived
         (this one, or with the overlap schedule the one launched by the previous call)."""
+        if self.ranks is not None:
+            self.ranks.check()  # a dead rank: fail now rather than wait on a collective it never joins
         outputs, self._pending = self._pending, []
+        if self.structured.compiling:
+            outputs += self._admit_compiled()
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         for seq in sched.failed:
@@ -183,16 +213,47 @@ class EngineCore:
             self._inflight = launched
             if not self.overlap:
                 outputs += self._resolve()
+        elif self._inflight is None and not outputs:
+            self.structured.wait()  # only requests waiting for their grammar: sleep on the compile, not spin
         return outputs
 
+    def _admit_compiled(self) -> list[CoreOutput]:
+        """Schedule the requests whose grammar is compiled; fail those whose compile failed or timed out."""
+        ready, failed = self.structured.admit_ready()
+        for seq in ready:
+            self.scheduler.add(seq)
+        outputs = []
+        for rid, seqs, why in failed:
+            field = seqs[0].params.structured.field
+            for seq in seqs:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+                outputs.append(self._output(seq, [], None, error=f"{field} is invalid: {why}", error_param=field))
+            self._requests.pop(rid, None)
+            self._drop_request(seqs[0])
+        return outputs
+
+    def _step_masks(self, rows: list[tuple[int, Sequence]]):
+        """Runs inside the launch, after the forward is queued: the grammars must have seen the tokens
+        of the step in flight before they say what comes next."""
+        if self._inflight is not None:
+            self._pending += self._resolve()
+        return self.structured.fill(rows)
+
     def _launch(self, sched: SchedulerOutput, start: float) -> InFlightStep | None:
+        mask_fn = None
+        if self.structured.num_live:
+            rows = self.structured.sampling_rows(sched)
+            if rows:
+                mask_fn = lambda: self._step_masks(rows)  # noqa: E731
         try:
-            pending = self.runner.launch(sched)
+            pending = self.runner.launch(sched, mask_fn) if mask_fn is not None else self.runner.launch(sched)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
             self._fail_step(sched, exc)
             return None
         completed = self.scheduler.advance(sched)
-        return InFlightStep(sched, pending, completed, self.runner.last_shape, start, self.runner.last_context_tokens)
+        return InFlightStep(sched, pending, completed, self.runner.last_shape, start, self.runner.last_context_tokens,
+                            self.runner.last_expert_load, self.runner.last_comm)
 
     def _resolve(self) -> list[CoreOutput]:
         """Wait for the step in flight, put its tokens in place and decide who finished."""
@@ -230,11 +291,20 @@ class EngineCore:
                 top = list(zip(sampled.top_ids[row][:k], sampled.top_logprobs[row][:k]))
                 logprobs = [TokenLogprob(token, sampled.logprobs[row], top)]
             reason, stop_reason = self._finish_reason(seq, token, index + 1)
+            error = None
+            if seq.grammar is not None:
+                verdict = self.structured.accept(seq, token)
+                if verdict == "stop":  # the grammar is complete (it took its stop token)
+                    reason, stop_reason = "stop", None
+                elif verdict == "rejected":
+                    error = f"token {token} does not follow the request's grammar"
+                    logger.error("%s: %s", seq, error)
+                    reason, stop_reason = "abort", None
             if reason is not None:
                 del seq.output_token_ids[index + 1 :]  # a token of a step launched meanwhile
                 self.scheduler.finish(seq, reason, stop_reason)
                 self._forget(seq)
-            outputs.append(self._output(seq, [token], logprobs))
+            outputs.append(self._output(seq, [token], logprobs, error=error))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int, num_output: int) -> tuple[str | None, int | None]:
@@ -255,9 +325,16 @@ class EngineCore:
         seqs = self._requests.get(seq.request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
             del self._requests[seq.request_id]
-            self._penalized -= seq.params.has_penalties
+            self._drop_request(seq)
 
-    def _output(self, seq: Sequence, tokens: list[int], logprobs, error: str | None = None) -> CoreOutput:
+    def _drop_request(self, seq: Sequence) -> None:
+        """Bookkeeping of a request that left (``seq``: any of its sequences)."""
+        self._penalized -= seq.params.has_penalties
+        if seq.params.structured is not None:
+            self.structured.finished()
+
+    def _output(self, seq: Sequence, tokens: list[int], logprobs, error: str | None = None,
+                error_param: str | None = None) -> CoreOutput:
         return CoreOutput(
             request_id=seq.request_id,
             index=seq.index,
@@ -268,6 +345,7 @@ class EngineCore:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             error=error,
+            error_param=error_param,
             first_scheduled_time=seq.first_scheduled_time,
         )
 
@@ -281,6 +359,9 @@ class EngineCore:
         self._step_id += 1
         sched, shape = step.sched, step.shape
         n = len(sched.scheduled)
+        load = ExpertLoadProbe.read(step.expert_load)
+        moe = {} if load is None else {"experts_touched": load.experts_touched, "max_expert_load": load.max_expert_load,
+                                       "layer_max_expert_load": load.layer_max, "layer_routed_pairs": load.layer_pairs}
         self.telemetry.record(
             StepRecord(
                 step=self._step_id,
@@ -299,5 +380,8 @@ class EngineCore:
                 kv_usage=self.block_manager.usage(),
                 context_tokens=step.context_tokens,
                 preempted=len(sched.preempted),
+                comm_ops=step.comm[0],
+                comm_bytes=step.comm[1],
+                **moe,
             )
         )

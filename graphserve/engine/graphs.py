@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphserve.engine.forward_batch import DUMMY_BLOCK, ForwardBatch
+from graphserve.layers.forward_batch import DUMMY_BLOCK, ForwardBatch
 
 if TYPE_CHECKING:
     from graphserve.layers.attention_backend import AttentionBackend
@@ -65,6 +65,7 @@ class GraphRunner:
         self.block_tables = torch.full((n, max_blocks_per_seq), DUMMY_BLOCK, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
+        self.num_valid = torch.zeros((), dtype=torch.int64, device=device)  # real rows of the padded batch
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -91,6 +92,7 @@ class GraphRunner:
             max_seq_len=self.max_model_len,
             kv_caches=self.kv_caches,
             attn_backend=self.attn_backend,
+            num_valid_tokens=self.num_valid,
         )
 
     def _forward(self, ps: int) -> torch.Tensor:
@@ -108,6 +110,7 @@ class GraphRunner:
         stream = torch.cuda.Stream(self.device)
         for ps in reversed(self.sizes):
             self._pad_rows(0, ps)
+            self.num_valid.fill_(ps)
             # The side stream must see the static buffers and the KV pool initialised on the
             # current stream; without this wait it can read a block table still being filled.
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -151,6 +154,7 @@ class GraphRunner:
         width = batch.block_tables.shape[1]
         self.block_tables[:bs, :width].copy_(batch.block_tables, non_blocking=True)
         self._pad_rows(bs, ps)
+        self.num_valid.fill_(bs)
         self.graphs[ps].replay()
         return self.logits[ps][:bs]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING
 
-from graphserve.engine.forward_batch import DUMMY_BLOCK
+from graphserve.layers.forward_batch import DUMMY_BLOCK
 
 if TYPE_CHECKING:
     from graphserve.engine.request import Sequence
@@ -108,6 +108,20 @@ class BlockManager:
                 self.block_hash[block] = h
                 self.block_tokens[block] = tokens
             # else: another sequence computed the same prefix first; keep its block as the cached one
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (SGLang's /flush_cache); returns the cached blocks dropped.
+
+        Blocks that no sequence holds go back to the free list; blocks that running sequences hold stay theirs
+        but are no longer matched, and are freed as plain blocks when those sequences end.
+        """
+        dropped = len(self.block_hash)
+        self.free_blocks.extend(self.evictable)
+        self.evictable.clear()
+        self.block_hash.clear()
+        self.block_tokens.clear()
+        self.cached.clear()
+        return dropped
 
     # ---- allocation -------------------------------------------------------------------------
     def _take(self, block: int) -> None:

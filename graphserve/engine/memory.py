@@ -11,11 +11,14 @@ counts on it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 GiB = 1024**3
+# Kept free inside the static budget for cuBLAS/cuDNN workspaces, allocator fragmentation and the CUDA
+# context's own growth: one figure for start-up (engine/startup.py) and `graphserve plan`.
+RESERVE_BYTES = 1 << 30
 
 
 def gib(n_bytes: float) -> float:
@@ -41,6 +44,8 @@ class MemoryPlan:
     max_concurrent_at_max_len: int  # min(kv_tokens // max_model_len, max_running_requests)
     fits: bool
     refusal: str | None
+    # parts of the activation peak worth naming (e.g. the MoE layers' routing and expert buffers)
+    activation_parts: tuple[tuple[str, int], ...] = ()
 
     def lines(self) -> list[tuple[str, int]]:
         return [
@@ -55,7 +60,11 @@ class MemoryPlan:
     def table(self) -> str:
         head = (f"memory plan: {gib(self.total_bytes):.2f} GiB per GPU × --mem-fraction-static "
                 f"{self.mem_fraction_static:g}")
-        rows = [head] + [f"  {name:<16} {gib(v):>9.2f} GiB" for name, v in self.lines()]
+        rows = [head]
+        for name, v in self.lines():
+            rows.append(f"  {name:<16} {gib(v):>9.2f} GiB")
+            if name == "activations":
+                rows += [f"    {part:<14} {gib(b):>9.2f} GiB" for part, b in self.activation_parts]
         rows.append(f"  {'kv tokens':<16} {self.kv_tokens:>9d}   ({self.num_blocks} blocks of {self.block_size}, "
                     f"{self.kv_bytes_per_token} B/token)")
         rows.append(f"  {'max concurrent':<16} {self.max_concurrent_at_max_len:>9d}   requests of "
@@ -97,7 +106,8 @@ def _refusal(total: int, frac: float, fixed: int, kv_pool: int, kv_tokens: int, 
 
 def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int, activation_bytes: int | Sequence[int],
                 graph_pool_bytes: int, reserve_bytes: int, kv_bytes_per_token: int, block_size: int,
-                max_model_len: int, max_running_requests: int, tp: int = 1) -> MemoryPlan:
+                max_model_len: int, max_running_requests: int, tp: int = 1,
+                activation_parts: Sequence[tuple[str, int]] = ()) -> MemoryPlan:
     """Size the KV pool from what the static budget leaves (see module docstring).
 
     ``activation_bytes`` is the activation peak, or several peaks (prefill chunk, decode batch):
@@ -123,94 +133,5 @@ def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int
         block_size=block_size, kv_tokens=int(kv_tokens), num_blocks=int(kv_tokens // block_size),
         max_model_len=max_model_len, max_running_requests=max_running_requests,
         max_concurrent_at_max_len=int(min(kv_tokens // need_tokens, max_running_requests)),
-        fits=fits, refusal=refusal,
+        fits=fits, refusal=refusal, activation_parts=tuple((n, int(b)) for n, b in activation_parts),
     )
-
-
-# ---- estimates from a Hugging Face config (used by `graphserve plan`; the engine measures instead) ----
-
-def _cfg(hf: Mapping[str, Any] | Any, key: str, default: Any = None) -> Any:
-    if isinstance(hf, Mapping):
-        v = hf.get(key, default)
-        if v is None and "text_config" in hf:
-            v = _cfg(hf["text_config"], key, default)
-        return v
-    return getattr(hf, key, default)
-
-
-def model_shapes(hf: Mapping[str, Any] | Any) -> dict[str, int]:
-    hidden = int(_cfg(hf, "hidden_size"))
-    heads = int(_cfg(hf, "num_attention_heads"))
-    return {
-        "hidden": hidden,
-        "layers": int(_cfg(hf, "num_hidden_layers")),
-        "heads": heads,
-        "kv_heads": int(_cfg(hf, "num_key_value_heads") or heads),
-        "head_dim": int(_cfg(hf, "head_dim") or hidden // heads),
-        "intermediate": int(_cfg(hf, "intermediate_size")),
-        "vocab": int(_cfg(hf, "vocab_size")),
-        "tied": int(bool(_cfg(hf, "tie_word_embeddings", False))),
-    }
-
-
-def _local_kv_heads(kv_heads: int, tp: int) -> int:
-    # KV heads are split across ranks; with fewer KV heads than ranks each rank keeps a replica.
-    return max(1, kv_heads // tp)
-
-
-def estimate_weights_bytes(hf: Mapping[str, Any] | Any, dtype_bytes: int, tp: int = 1) -> int:
-    """Per-GPU weight bytes of a llama-style decoder (attention, gated MLP, norms, embeddings, lm head)."""
-    s = model_shapes(hf)
-    h, d = s["hidden"], s["head_dim"]
-    q = h * s["heads"] * d // tp
-    kv = 2 * h * _local_kv_heads(s["kv_heads"], tp) * d
-    o = s["heads"] * d * h // tp
-    mlp = 3 * h * s["intermediate"] // tp
-    per_layer = q + kv + o + mlp + 2 * h
-    embed = s["vocab"] * h // tp  # vocab-parallel embedding
-    head = 0 if s["tied"] else s["vocab"] * h // tp
-    return int((s["layers"] * per_layer + embed + head + h) * dtype_bytes)
-
-
-def kv_bytes_per_token(hf: Mapping[str, Any] | Any, dtype_bytes: int, tp: int = 1) -> int:
-    """2 (K and V) · layers · local KV heads · head_dim · bytes."""
-    s = model_shapes(hf)
-    return 2 * s["layers"] * _local_kv_heads(s["kv_heads"], tp) * s["head_dim"] * dtype_bytes
-
-
-def estimate_activation_bytes(hf: Mapping[str, Any] | Any, tokens: int, dtype_bytes: int, tp: int = 1,
-                              sampled_rows: int | None = None, context_tokens: int = 0) -> int:
-    """Peak live activations of one forward over ``tokens`` new tokens (one layer at a time).
-
-    Live at the peak of a layer: the residual stream and the normed copy (2·T·h), the fused qkv
-    output (T·(heads + 2·kv_heads)/tp·d) and the attention output (T·heads/tp·d), then the gated
-    MLP's gate+up output and the activated product (3·T·I/tp) — all in the model dtype. Plus
-    logits for the sampled rows in fp32 (``sampled_rows`` × vocab × 4; a decode batch samples
-    every row, a prefill chunk only the last token of each sequence). ``context_tokens`` adds
-    the eager attention working set: K and V of every attended token gathered contiguously
-    (what the SDPA path does when no paged kernel runs).
-    """
-    s = model_shapes(hf)
-    t, h, d = tokens, s["hidden"], s["head_dim"]
-    heads, kvh = max(1, s["heads"] // tp), _local_kv_heads(s["kv_heads"], tp)
-    attn = t * (heads + 2 * kvh) * d + t * heads * d
-    mlp = 3 * t * s["intermediate"] // tp
-    per_layer = (2 * t * h + max(attn, mlp)) * dtype_bytes
-    gather = 2 * context_tokens * kvh * d * dtype_bytes
-    rows = tokens if sampled_rows is None else sampled_rows
-    logits = rows * s["vocab"] * 4
-    return int(per_layer + gather + logits)
-
-
-def estimate_graph_pool_bytes(hf: Mapping[str, Any] | Any, sizes: Sequence[int], dtype_bytes: int, tp: int = 1,
-                              context_tokens: int = 0) -> int:
-    """CUDA-graph memory: graphs are captured largest first into one shared pool, so intermediates
-    cost one activation peak of the largest size; each graph's output buffers (fp32 logits and
-    the last hidden state) stay alive for its replays, so those add up over every size."""
-    if not sizes:
-        return 0
-    s = model_shapes(hf)
-    largest = max(sizes)
-    peak = estimate_activation_bytes(hf, largest, dtype_bytes, tp, context_tokens=context_tokens)
-    outputs = sum(bs * (s["vocab"] * 4 + s["hidden"] * dtype_bytes) for bs in sizes)
-    return int(peak + outputs)

@@ -119,6 +119,7 @@ class _RequestState:
         self.metrics = RequestMetrics(arrival_time=req.arrival_time)
         self.max_stop_len = max((len(s) for s in p.stop), default=0)
         self.error: str | None = None
+        self.error_param: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -137,7 +138,7 @@ class _RequestState:
             for i, c in enumerate(self.choices)
         ]
         return RequestOutput(self.req.request_id, self.req.prompt_text, self.req.prompt_token_ids, outs,
-                             self.finished, dataclasses.replace(self.metrics), self.error)
+                             self.finished, dataclasses.replace(self.metrics), self.error, self.error_param)
 
 
 class OutputProcessor:
@@ -188,6 +189,7 @@ class OutputProcessor:
             c.core_done = True
         if co.error is not None:
             state.error = co.error
+            state.error_param = co.error_param
             for other in state.choices:
                 if other.finish_reason is None:
                     other.finish_reason = "abort"

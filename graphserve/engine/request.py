@@ -10,8 +10,12 @@ import enum
 import itertools
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from graphserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from graphserve.structured.compiler import GrammarState
 
 _seq_counter = itertools.count()
 
@@ -75,6 +79,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
+        # structured output: the matcher following this sequence's output (set once its grammar is compiled)
+        self.grammar: GrammarState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -137,6 +143,7 @@ class CoreOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    error_param: str | None = None  # set when the error is the request's fault: the field to blame (a 400)
     first_scheduled_time: float | None = None
 
     @property

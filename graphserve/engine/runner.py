@@ -13,6 +13,7 @@ sampled id on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,19 +21,26 @@ import numpy as np
 import psutil
 import torch
 
-from graphserve.engine.forward_batch import DUMMY_BLOCK, ForwardBatch
+from graphserve.distributed.comm import TALLY
+from graphserve.engine.expert_load import ExpertLoadProbe
 from graphserve.engine.graphs import GraphRunner, split_sizes
+from graphserve.engine.sampling_inputs import tensors_from_rows
 from graphserve.engine.seq_rows import BatchRows, SequenceRows
 from graphserve.engine.staging import HostStaging
 from graphserve.layers.attention import TorchAttentionBackend
+from graphserve.layers.forward_batch import DUMMY_BLOCK, ForwardBatch
 from graphserve.layers.sampler import PendingSample, Sampler, SamplerOutput, SamplingTensors
 
 if TYPE_CHECKING:
     from graphserve.config import EngineConfig
     from graphserve.engine.request import Sequence
     from graphserve.engine.scheduler import SchedulerOutput
+    from graphserve.engine.step_sync import StepSender
     from graphserve.layers.attention_backend import AttentionBackend
     from graphserve.models.loader import LoadedModel, ModelInfo
+
+# Structured output's per-step callback: (ascending batch rows [R] int64, bitmasks [R, ceil(V/32)] int32) or None.
+TokenMaskFn = Callable[[], "tuple[np.ndarray, np.ndarray] | None"]
 
 CPU_DEFAULT_KV_TOKENS = 64 * 1024
 # The default CPU pool never takes more than this share of the memory available at start-up.
@@ -75,13 +83,8 @@ class ModelRunner:
         self.device = device if device is not None else next(self.model.parameters()).device
         self.block_size = config.block_size
         self.num_blocks = num_blocks
-        info = self.info
         # Block 0 (the dummy block) is part of every layer's tensor; padding rows write there.
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, self.block_size, info.num_kv_heads, info.head_dim,
-                        dtype=info.dtype, device=self.device)
-            for _ in range(info.num_layers)
-        ]
+        self.kv_caches = self.info.kv.allocate(num_blocks, self.block_size, self.device)
         self.attn_backend = make_attention_backend(self.device)
         self.sampler = Sampler()
         self.graphs: GraphRunner | None = None
@@ -93,6 +96,12 @@ class ModelRunner:
         self.seq_rows = SequenceRows()
         self.staging = HostStaging(self.device)
         self._last_ids: torch.Tensor | None = None  # the previous step's sampled ids, on the device
+        # --tp/--ep on the driver rank: ships each step's inputs to the other ranks (engine/step_sync.py)
+        self.peers: StepSender | None = None
+        self.graph_comm: dict[int, tuple[int, int]] = {}  # captured size -> (collectives, bytes) per replay
+        self.last_comm = (0, 0)  # collectives and their bytes in the last step (telemetry)
+        self.expert_probe = ExpertLoadProbe(self.model, self.device) if self.model is not None else None
+        self.last_expert_load: torch.Tensor | None = None  # the last step's per-expert counts (host, MoE only)
 
     def capture_graphs(self, sizes: list[int], max_model_len: int, progress=None) -> GraphRunner:
         """Capture the decode step for ``sizes`` (largest first, one pool); replaces earlier graphs."""
@@ -100,8 +109,20 @@ class ModelRunner:
         torch.cuda.empty_cache()
         graphs = GraphRunner(self.model, self.attn_backend, self.kv_caches, sizes,
                              -(-max_model_len // self.block_size), max_model_len, self.device)
+        # A replay runs no Python, so the collectives a graph holds are tallied while it is captured: each
+        # size runs one warm-up forward and one captured forward before ``progress`` hears of it.
+        self.graph_comm = {}
+        last = [TALLY.snapshot()]
+
+        def tally(ps: int) -> None:
+            count, nbytes = TALLY.snapshot()
+            self.graph_comm[ps] = ((count - last[0][0]) // 2, (nbytes - last[0][1]) // 2)
+            last[0] = (count, nbytes)
+            if progress is not None:
+                progress(ps)
+
         with torch.inference_mode():
-            graphs.capture(progress)
+            graphs.capture(tally)
         self.graphs = graphs
         return graphs
 
@@ -214,34 +235,53 @@ class ModelRunner:
         if graphs is not None and batch.mode == "decode":
             if graphs.can_use_cuda_graph(bs):
                 self.last_shape = StepShape(graphs.padded_size(bs), True, "graph")
+                self.last_comm = self.graph_comm.get(self.last_shape.padded_size, (0, 0))
                 return graphs.replay(batch)
             if self.oversize_mode == "split-graph":
-                padded = sum(graphs.padded_size(p) for p in split_sizes(bs, graphs.sizes))
-                self.last_shape = StepShape(padded, True, "split-graph")
+                pieces = [graphs.padded_size(p) for p in split_sizes(bs, graphs.sizes)]
+                self.last_shape = StepShape(sum(pieces), True, "split-graph")
+                tallies = [self.graph_comm.get(p, (0, 0)) for p in pieces]
+                self.last_comm = (sum(c for c, _ in tallies), sum(b for _, b in tallies))
                 return graphs.replay_split(batch)
         self.last_shape = StepShape(bs, False, "eager")
+        before = TALLY.snapshot()
         hidden = self.model(batch.input_ids, batch.positions, batch)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        after = TALLY.snapshot()
+        self.last_comm = (after[0] - before[0], after[1] - before[1])
+        return logits
 
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
         """Run one step to the end: its sampled ids on the host."""
         return self.launch(out).result()
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> PendingSample:
+    def launch(self, out: SchedulerOutput, token_mask: TokenMaskFn | None = None) -> PendingSample:
         """Queue one step (inputs, forward, sampling, the copy of its ids to the host) and return
-        without waiting for it."""
+        without waiting for it.
+
+        ``token_mask``: structured output's host work, called once the forward is queued (so it runs
+        while the device computes): returns (batch rows, their packed bitmasks) or None."""
         seqs = [s.seq for s in out.scheduled]
         rows = self.seq_rows.gather(seqs)  # one gather serves the inputs, the sampling knobs and telemetry
         self.last_context_tokens = int(rows.positions.sum()) + out.num_tokens
         batch = self.prepare_inputs(out, rows)
+        if self.peers is not None:
+            self.peers.send(batch)
         logits = self.forward_logits(batch)
-        pending = self.sampler.sample(logits, self.sampling_tensors(seqs, rows, logits.shape[-1]))
+        self.last_expert_load = self.expert_probe.snapshot() if self.expert_probe else None
+        tensors = self.sampling_tensors(seqs, rows, logits.shape[-1])
+        masked = token_mask() if token_mask is not None else None
+        if masked is not None:
+            mask_rows, mask = masked
+            tensors.token_mask, dev_rows = self.staging.upload(mask, mask_rows)
+            tensors.mask_rows = None if len(mask_rows) == len(seqs) else dev_rows  # rows ascend: all = in order
+        pending = self.sampler.sample(logits, tensors)
         self._last_ids = pending.ids
         return pending
 
     def sampling_tensors(self, seqs: list[Sequence], rows: BatchRows, vocab_size: int) -> SamplingTensors:
         """The step's sampling knobs, read from the per-sequence rows."""
         sr = self.seq_rows
-        return SamplingTensors.from_rows(sr.floats[rows.rows], sr.ints[rows.rows], rows.num_outputs, seqs,
+        return tensors_from_rows(sr.floats[rows.rows], sr.ints[rows.rows], rows.num_outputs, seqs,
                                          vocab_size, self.info.eos_token_ids, self.device, self.staging.upload)

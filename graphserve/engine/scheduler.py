@@ -78,6 +78,12 @@ class Scheduler:
         return found
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        # A sequence that ends in the step that completed its prompt (max_tokens=1, SGLang's prefill-only
+        # max_new_tokens=0) is never RUNNING when commit_full_blocks runs: its prompt blocks go into the prefix
+        # cache here, before they are freed. Every token it has computed is known by now.
+        bm = self.block_manager
+        if bm.enable_prefix_caching and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
+            bm.commit(seq)
         self._remove(seq)
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

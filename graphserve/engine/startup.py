@@ -17,6 +17,7 @@ already reserved), so no step ever allocates memory the plan did not count.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -24,18 +25,41 @@ import torch
 from tqdm import tqdm
 
 from graphserve.config import EngineConfig
-from graphserve.engine.forward_batch import ForwardBatch, contiguous_batch
-from graphserve.engine.graphs import GiB
-from graphserve.engine.memory import MemoryPlan, plan_memory
+from graphserve.distributed.comm import agree
+from graphserve.engine.graphs import GiB, GraphRunner
+from graphserve.engine.memory import RESERVE_BYTES, MemoryPlan, plan_memory
 from graphserve.engine.runner import ModelRunner
 from graphserve.errors import ConfigError
+from graphserve.layers.forward_batch import ForwardBatch, contiguous_batch
 from graphserve.layers.sampler import SamplingTensors
 from graphserve.models.loader import LoadedModel
 
 logger = logging.getLogger("graphserve.startup")
 
-# cuBLAS/cuDNN workspaces, allocator fragmentation and the CUDA context's own growth.
-RESERVE_BYTES = 1 << 30
+
+@dataclass(frozen=True)
+class OversizeCalibration:
+    """A decode batch of ``rows`` (above the largest captured size) timed three ways at start-up."""
+
+    rows: int
+    split_ms: float
+    eager_ms: float
+    full_graph_ms: float | None  # a graph captured at ``rows``; None when memory did not allow the trial
+    mode: str  # the faster of split-graph and eager: what the engine runs
+
+    @property
+    def full_graph_speedup(self) -> float | None:
+        """How much faster a graph captured at the running size is than the chosen mode."""
+        if self.full_graph_ms is None or self.full_graph_ms <= 0:
+            return None
+        return min(self.split_ms, self.eager_ms) / self.full_graph_ms
+
+    def log_line(self, largest: int) -> str:
+        full = (f", full graph {self.full_graph_ms:.2f} ms at batch {self.rows}: a graph captured at {self.rows} "
+                f"is {self.full_graph_speedup:.2f}x faster (--cuda-graph-max-bs {self.rows})"
+                if self.full_graph_ms is not None else f" at batch {self.rows} (full graph not timed: too little free memory)")
+        return (f"decode batches above {largest} (up to --max-running-requests {self.rows}) run as {self.mode}: "
+                f"split-graph {self.split_ms:.2f} ms, eager {self.eager_ms:.2f} ms{full}")
 
 
 @dataclass
@@ -45,6 +69,7 @@ class GpuStartup:
     max_running_requests: int
     graph_sizes: list[int]
     oversize_mode: str  # how decode batches above the largest captured size run
+    oversize: OversizeCalibration | None = None  # the measured costs behind oversize_mode
 
 
 def resolve_batch_limits(config: EngineConfig) -> tuple[list[int], int]:
@@ -119,16 +144,52 @@ def _time_ms(fn, iters: int = 5) -> float:
 
 
 @torch.inference_mode()
-def calibrate_oversize(runner: ModelRunner, rows: int) -> tuple[str, float, float]:
-    """Time an oversize decode batch both ways, on the dummy block only; return the faster mode."""
+def calibrate_oversize(runner: ModelRunner, rows: int) -> OversizeCalibration:
+    """Time an oversize decode batch on the dummy block only: split-graph and eager (the faster one is
+    chosen), and a graph captured at ``rows`` for a moment, what raising --cuda-graph-max-bs would buy."""
     batch = synthetic_batch(runner, [1] * rows, first_block=0)
     batch.slot_mapping.zero_()
     batch.block_tables.zero_()
     runner.oversize_mode = "split-graph"
     split_ms = _time_ms(lambda: runner.forward_logits(batch))
     runner.oversize_mode = "eager"
+    dev = runner.device
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
     eager_ms = _time_ms(lambda: runner.forward_logits(batch))
-    return ("split-graph" if split_ms <= eager_ms else "eager"), split_ms, eager_ms
+    eager_peak = torch.cuda.max_memory_allocated(dev) - base
+    full_ms = _full_graph_ms(runner, batch, eager_peak)
+    modes = ("split-graph", "eager")  # every rank must replay the same way (--tp/--ep): rank 0's timing decides
+    mode = modes[agree(0 if split_ms <= eager_ms else 1, op="first")]
+    return OversizeCalibration(rows, split_ms, eager_ms, full_ms, mode)
+
+
+def _full_graph_ms(runner: ModelRunner, batch: ForwardBatch, eager_peak: int) -> float | None:
+    """Replay time of a temporary graph captured at the batch's size, freed afterwards; None when free
+    memory cannot hold its warm-up and its pool (about two eager peaks) beside everything planned."""
+    graphs = runner.graphs
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(runner.device)
+    # with --tp/--ep the trial captures collectives: every rank takes it, or none does
+    if not agree(int(graphs is not None and free >= 2 * eager_peak + (256 << 20))):
+        return None
+    trial = GraphRunner(runner.model, runner.attn_backend, runner.kv_caches, [batch.num_seqs],
+                        graphs.block_tables.shape[1], graphs.max_model_len, runner.device)
+    quiet = logging.getLogger("graphserve.graphs")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # its capture line would read, to `graphserve doctor`, as a captured size
+    ms = None
+    try:
+        trial.capture()
+        ms = _time_ms(functools.partial(trial.replay, batch))
+    except torch.OutOfMemoryError:  # only a measurement: the engine serves without it
+        logger.warning("full-graph trial at batch %d ran out of memory; not timed", batch.num_seqs)
+    finally:
+        quiet.setLevel(level)
+    trial = None  # its pool goes back before serving starts
+    torch.cuda.empty_cache()
+    return ms
 
 
 def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, max_model_len: int) -> GpuStartup:
@@ -153,8 +214,11 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     torch.cuda.empty_cache()
 
     # 4. the plan
+    desc = loaded.info.description
+    parts = [("MoE workspace", desc.moe_workspace_bytes(chunk + max_running - 1))] if desc.is_moe else []
     plan = plan_memory(total, cfg.mem_fraction_static, weights, [mixed, decode], pool, RESERVE_BYTES + workspace,
-                       loaded.info.kv_bytes_per_token, cfg.block_size, max_model_len, max_running)
+                       loaded.info.kv_bytes_per_token, cfg.block_size, max_model_len, max_running,
+                       activation_parts=parts)
     for line in plan.table().splitlines():
         logger.info(line)
     if not plan.fits:
@@ -181,9 +245,11 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
             raise ConfigError(f"--num-kv-tokens/--kv-cache-gb give {num_blocks * cfg.block_size} KV tokens, less than "
                               f"one request of --max-model-len {max_model_len}", param="num_kv_tokens")
 
-    # 5. allocate and capture for real
+    # 5. allocate and capture for real. With --tp/--ep every rank holds the same number of blocks (the
+    # scheduler's one block table addresses them all): the smallest any rank can afford.
+    num_blocks = agree(num_blocks)
     runner = ModelRunner(cfg, loaded, num_blocks + 1, device)  # + the dummy block
-    oversize = "none"
+    oversize, calibration = "none", None
     if sizes:
         bar = tqdm(total=len(sizes), desc="Capturing CUDA graphs", disable=None)
         graphs = runner.capture_graphs(sizes, max_model_len, progress=lambda _bs: bar.update(1))
@@ -191,11 +257,10 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
         if graphs.pool_bytes > pool * 1.1 + (64 << 20):
             logger.warning("graph pool %.2f GiB exceeds the planned %.2f GiB", graphs.pool_bytes / GiB, pool / GiB)
         if max_running > sizes[-1]:
-            oversize, split_ms, eager_ms = calibrate_oversize(runner, max_running)
-            runner.oversize_mode = oversize
-            logger.info("decode batches above %d (up to --max-running-requests %d) run as %s: split-graph %.2f ms, "
-                        "eager %.2f ms at batch %d", sizes[-1], max_running, oversize, split_ms, eager_ms, max_running)
+            calibration = calibrate_oversize(runner, max_running)
+            oversize = runner.oversize_mode = calibration.mode
+            logger.info(calibration.log_line(sizes[-1]))
         else:
             logger.info("max_running_requests=%d: the running batch never exceeds the largest captured CUDA-graph "
                         "size (raise it with --cuda-graph-max-bs or --max-running-requests)", max_running)
-    return GpuStartup(runner, plan, max_running, sizes, oversize)
+    return GpuStartup(runner, plan, max_running, sizes, oversize, calibration)

@@ -30,6 +30,13 @@ class StepRecord:
     kv_usage: float  # fraction of KV blocks in use
     context_tokens: int = 0  # KV tokens attended over by the step
     preempted: int = 0  # requests preempted during this step's scheduling
+    comm_ops: int = 0  # collectives of the forward on each rank (tp/ep > 1): all-reduces, the logits gather
+    comm_bytes: int = 0  # bytes those collectives reduced or gathered (each rank's contribution)
+    # mixture-of-experts models only: routing as the router decided it in this step
+    experts_touched: int = 0  # distinct (layer, expert) pairs that received a token
+    max_expert_load: int = 0  # most (token, slot) pairs any one expert received
+    layer_max_expert_load: list[int] | None = None  # per MoE layer, its busiest expert's pairs
+    layer_routed_pairs: list[int] | None = None  # per MoE layer, the (token, slot) pairs routed
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

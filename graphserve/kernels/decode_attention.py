@@ -47,9 +47,9 @@ def _decode_step(
     block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
     row = block * stride_blk + (offs_n % PAGE) * stride_off
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(kv_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(kv_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # fp8 cache: widen
     if PREFETCH_V:
-        v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     if IEEE_DOT:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -60,7 +60,7 @@ def _decode_step(
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if not PREFETCH_V:
-        v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     if IEEE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:

@@ -7,7 +7,7 @@ each program owns ``block_n`` weight rows (output columns) for all M rows of x a
 ``[block_n, K]`` slab once, with loads contiguous along K; ``block_n`` is chosen so there are at
 least two programs per SM even for N = 1024, which makes split-K (and a second launch)
 unnecessary. On the 48-224 MiB projections of an 8B model cuBLAS still streams faster, so
-layers/linear.py routes by weight size as well as by rows.
+layers/linear.py routes each shape by the table benchmarks/gemv.py measured (kernels/gemv_rule.json).
 
 Two inner products, picked per call by ``choose_config`` (kernels/gemv_config.py):
 - FMA (M <= 4, or wherever 16-row tiles are too few to occupy every SM): each weight tile is

@@ -1,4 +1,5 @@
-"""How a gemv call is tiled: a pure function of (M, N, K, SM count), chosen once per shape.
+"""How a gemv call is tiled: a pure function of (M, N, K, SM count), chosen once per shape; and
+where gemv is used at all: the measured routing rule (gemv_rule.json, written by benchmarks/gemv.py).
 
 Kept apart from the kernel (kernels/gemv.py) so the choice can be read, tested and swept without the
 launch code. No runtime autotuning: tuning inside a CUDA-graph capture is unsafe, and the kernel's
@@ -7,7 +8,11 @@ cost model is simple enough to state (bytes in flight per SM, registers per thre
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -72,3 +77,54 @@ def choose_config(m: int, n: int, k: int, sms: int) -> GemvConfig:
     whole = triton.next_power_of_2(k)
     block_k = whole if block_n * whole <= tile else _even_block_k(k, tile // block_n, 256)
     return GemvConfig(block_n, block_k, num_warps=4, num_stages=2, use_dot=False)
+
+
+# -- routing: where gemv beats cuBLAS, as measured ---------------------------------------------------
+# benchmarks/gemv.py times each projection shape at 1-16 rows against cuBLAS and writes, per shape and
+# kind of call, the largest row count up to which gemv won at every measured count, with the card it
+# ran on, into gemv_rule.json beside this file. layers/linear.py routes by that table alone: a shape
+# or card it does not list stays on cuBLAS.
+RULE_PATH = Path(__file__).with_name("gemv_rule.json")
+RULE_KINDS = ("linear", "silu_mul", "norm")  # plain projection; SiLU·mul fused in its loads; RMSNorm fused
+
+logger = logging.getLogger("graphserve.gemv")
+
+
+@dataclass(frozen=True)
+class GemvRule:
+    """Largest row count per (kind, N, K) at which gemv is used on ``device``; 0 (cuBLAS) for the rest."""
+
+    device: str
+    limits: dict[tuple[str, int, int], int]
+
+    def max_rows(self, kind: str, n: int, k: int) -> int:
+        return self.limits.get((kind, n, k), 0)
+
+    @classmethod
+    def from_json(cls, data: dict) -> GemvRule:
+        limits = {}
+        for shape in data["shapes"]:
+            for kind in RULE_KINDS:
+                if shape.get(kind):
+                    limits[(kind, int(shape["n"]), int(shape["k"]))] = int(shape[kind])
+        return cls(str(data["device"]), limits)
+
+
+@functools.lru_cache(maxsize=1)
+def load_rule(path: str = str(RULE_PATH)) -> GemvRule:
+    return GemvRule.from_json(json.loads(Path(path).read_text()))
+
+
+_NO_RULE = GemvRule("", {})
+
+
+@functools.lru_cache(maxsize=16)
+def rule_for(device: torch.device) -> GemvRule:
+    """The measured rule when ``device`` is the card it was measured on; otherwise every call on cuBLAS."""
+    rule = load_rule()
+    name = torch.cuda.get_device_name(device)
+    if name != rule.device:
+        logger.warning("gemv routing was measured on %s, this is %s: projections stay on cuBLAS "
+                       "(python3 -m benchmarks.gemv measures this card and rewrites %s)", rule.device, name, RULE_PATH.name)
+        return _NO_RULE
+    return rule

@@ -84,5 +84,8 @@ def kv_write_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     """Plain PyTorch: the same writes through index_copy_ on a flat slot view."""
     _, num_kv_heads, head_dim = k.shape
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    if kv_cache.dtype.itemsize == 1:  # index_copy_ has no fp8 kernel: move the bytes
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)

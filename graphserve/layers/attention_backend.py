@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from graphserve.engine.forward_batch import ForwardBatch
+    from graphserve.layers.forward_batch import ForwardBatch
 
 
 class AttentionBackend:

@@ -20,7 +20,7 @@ from graphserve.kernels.kv_write import kv_write
 from graphserve.layers.attention_backend import AttentionBackend
 
 if TYPE_CHECKING:
-    from graphserve.engine.forward_batch import ForwardBatch
+    from graphserve.layers.forward_batch import ForwardBatch
 
 
 class TritonAttentionBackend(AttentionBackend):

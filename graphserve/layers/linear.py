@@ -1,11 +1,21 @@
-"""Linear layers: decode-sized batches on CUDA go through the gemv kernel, the rest through F.linear.
+"""Linear layers: decode-sized batches on CUDA go through the gemv kernel where it was measured to
+beat cuBLAS, the rest through F.linear.
 
-At decode batch sizes a projection is a weight stream, and cuBLAS reads the 4-12 MB weights of
-small models at about a third of the card's bandwidth; the gemv kernel streams each weight slab
-once over every SM. Above ``GEMV_MAX_M`` rows the matmul has enough reuse for cuBLAS to win.
+At decode batch sizes a projection is a weight stream; on some shapes cuBLAS reads the weight well
+below the card's bandwidth and the gemv kernel, which streams each weight slab once over every SM,
+is faster; on others cuBLAS wins. Which is which is measured, per projection shape, row count and
+card, by benchmarks/gemv.py, which writes the table this module routes by
+(kernels/gemv_rule.json, read through ``kernels.gemv_config.rule_for``). A shape or card not in the
+table stays on cuBLAS.
 
 q/k/v and gate/up are fused into one matmul each (few large GEMMs are what the GPU path
 wants); the checkpoint stores them apart, so each fused layer knows where every shard goes.
+
+Tensor parallelism (the parallel classes at the end): a column-parallel layer keeps a slice of the
+output rows, a row-parallel one a slice of the input columns, and each loads only its slice from the
+checkpoint tensor. They compute with ``Linear.forward`` (so the gemv routing is the same at every tp);
+the sum of a row-parallel layer's partial outputs is the caller's all-reduce (distributed/comm.py),
+issued once per block after whatever else joins it. At tp 1 they hold the whole weight.
 """
 
 from __future__ import annotations
@@ -16,23 +26,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphserve.kernels.gemv_config import MAX_M, rule_for
 from graphserve.layers.activation import silu_and_mul
 
 if TYPE_CHECKING:
     from graphserve.layers.norm import RMSNorm
 
-# Where gemv beats cuBLAS, measured by benchmarks/gemv.py on an H200 (weights cold in L2, inside a
-# CUDA graph): at 1 row on every weight up to 32 MiB (Qwen3-0.6B's four projections by 1.0-3.7x,
-# Llama-3-8B's o_proj by 1.2x) and at 2 rows on most of them; on Llama-3-8B's 48-224 MiB qkv,
-# gate_up and down cuBLAS streams at 3.2-4.1 TB/s and gemv does not beat it. From 4 rows the
-# kernel's multiply-add path falls behind. So: at most GEMV_MAX_M rows, weights up to the cap.
-GEMV_MAX_M = 2
-GEMV_MAX_WEIGHT_BYTES = 40 * 1024**2
 _GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when the rows of ``x`` ([..., K]) against ``weight`` take the gemv kernel.
+def use_gemv(x: torch.Tensor, weight: torch.Tensor, kind: str = "linear") -> bool:
+    """True when the rows of ``x`` ([..., K]) against ``weight`` [N, K] take the gemv kernel of ``kind``
+    ("linear", "silu_mul" or "norm": what is fused into its loads), by the measured rule.
 
     The kernel has no backward, so a call that autograd would record stays on F.linear.
     """
@@ -40,22 +45,42 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
-    if weight.numel() * weight.element_size() > GEMV_MAX_WEIGHT_BYTES:
-        return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return 0 < rows <= GEMV_MAX_M
+    if not 0 < rows <= MAX_M:
+        return False
+    n, k = weight.shape
+    # silu_mul's input is [rows, 2K] (gate and up); the weight it multiplies is [N, K]
+    return rows <= rule_for(x.device).max_rows(kind, n, k)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and checkpoint names) with the small-batch gemv path on CUDA."""
+    """``nn.Linear`` (same parameters and checkpoint names) with the small-batch gemv path on CUDA.
+
+    A quantization method (layers/quant) set as ``quant_method`` owns the stored weight, its loading
+    and the matmul; the gemv paths below then never match (the weight is not in x's dtype).
+    """
+
+    quant_method = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
         if use_gemv(x, self.weight):
             from graphserve.kernels.gemv import gemv
 
             out = gemv(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+    @torch.no_grad()
+    def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        if self.quant_method is not None:
+            return self.quant_method.load_weight(self, param_name, param, loaded, shard)
+        if shard is not None:
+            raise ValueError(f"{type(self).__name__} takes no shard {shard!r}")
+        if param.shape != loaded.shape:
+            raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(loaded)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
@@ -64,7 +89,7 @@ def silu_mul_linear(gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     For decode-sized batches on CUDA the activation is computed inside the gemv kernel's loads,
     saving one launch and the [M, intermediate] round trip through memory.
     """
-    if use_gemv(gate_up, linear.weight):
+    if use_gemv(gate_up, linear.weight, "silu_mul"):
         from graphserve.kernels.gemv import silu_mul_gemv
 
         out = silu_mul_gemv(gate_up.reshape(-1, gate_up.shape[-1]), linear.weight, linear.bias)
@@ -81,7 +106,7 @@ def norm_linear(
     on CUDA the norm runs inside the gemv kernel's loads: two fewer launches per layer, which at one
     row cost more than the norm's arithmetic.
     """
-    if use_gemv(x, linear.weight):
+    if use_gemv(x, linear.weight, "norm"):
         from graphserve.kernels.gemv import norm_gemv
 
         rows = x.reshape(-1, x.shape[-1])
@@ -107,9 +132,116 @@ class MergedLinear(Linear):
         start = sum(self.output_sizes[:shard])
         return slice(start, start + self.output_sizes[shard])
 
+    def weight_shards(self, param_name: str) -> list[int]:
+        return list(range(len(self.output_sizes)))
+
     @torch.no_grad()
-    def load_shard(self, param: nn.Parameter, shard: int, loaded: torch.Tensor) -> None:
+    def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        """Checkpoint tensor ``shard`` (q, k or v; gate or up) into its rows of the fused parameter."""
+        if shard is None:
+            raise ValueError(f"a merged projection takes its {len(self.output_sizes)} parts one by one")
+        if self.quant_method is not None:
+            return self.quant_method.load_weight(self, param_name, param, loaded, shard)
         target = param.data[self.shard_rows(shard)]
         if target.shape != loaded.shape:
             raise ValueError(f"shard {shard} has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
         target.copy_(loaded)
+
+
+# ---- tensor parallelism -----------------------------------------------------------------------------
+
+
+def _split(total: int, tp_size: int, what: str) -> int:
+    if total % tp_size:
+        raise ValueError(f"{what}={total} does not split over tp_size={tp_size}")
+    return total // tp_size
+
+
+def _fit(target: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    if target.shape != loaded.shape:
+        raise ValueError(f"{what} has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+    target.copy_(loaded)
+
+
+class ColumnParallelLinear(Linear):
+    """Output rows split over ``tp_size`` ranks: rank r computes rows ``[r·n, (r+1)·n)`` of the result."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(in_features, _split(out_features, tp_size, "out_features"), bias=bias)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    @torch.no_grad()
+    def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        n = param.shape[0]
+        _fit(param.data, loaded.narrow(0, self.tp_rank * n, n), f"{param_name} (rank {self.tp_rank}'s rows)")
+
+
+class RowParallelLinear(Linear):
+    """Input columns split over ranks; each rank's output is a partial sum that the caller all-reduces.
+
+    The bias is held by rank 0 only (zeros elsewhere), so the all-reduced sum adds it exactly once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(_split(in_features, tp_size, "in_features"), out_features, bias=bias)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    @torch.no_grad()
+    def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        if param_name == "bias":
+            _fit(param.data, loaded if self.tp_rank == 0 else torch.zeros_like(loaded), "bias")
+            return
+        n = param.shape[1]
+        _fit(param.data, loaded.narrow(1, self.tp_rank * n, n), f"{param_name} (rank {self.tp_rank}'s columns)")
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """Several column-parallel projections fused in one matmul (gate/up): each rank holds its slice of
+    every part, stacked in order. ``output_sizes`` are the full sizes; ``self.output_sizes`` the local ones."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        local = [_split(n, tp_size, f"output_sizes[{i}]") for i, n in enumerate(output_sizes)]
+        super().__init__(in_features, local, bias=bias)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    def shard_slice(self, shard: int) -> tuple[int, int]:
+        """(first checkpoint row, rows) of part ``shard`` that this rank holds."""
+        n = self.output_sizes[shard]
+        return self.tp_rank * n, n
+
+    @torch.no_grad()
+    def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        if shard is None:
+            raise ValueError(f"a merged projection takes its {len(self.output_sizes)} parts one by one")
+        start, n = self.shard_slice(shard)
+        _fit(param.data[self.shard_rows(shard)], loaded.narrow(0, start, n), f"shard {shard} (rank {self.tp_rank})")
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v fused, split by heads: each rank holds ``num_heads / tp`` query heads and
+    ``max(1, num_kv_heads / tp)`` KV heads. With fewer KV heads than ranks, the ``tp / num_kv_heads``
+    ranks whose query heads share a KV head each hold a copy of it."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        _split(num_heads, tp_size, "num_attention_heads")
+        if num_kv_heads >= tp_size:
+            kv_local = _split(num_kv_heads, tp_size, "num_key_value_heads")
+        elif tp_size % num_kv_heads:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} cannot be replicated evenly over {tp_size} ranks")
+        else:
+            kv_local = 1
+        q, kv = num_heads * head_dim, kv_local * head_dim * tp_size  # "full" sizes that split to the local ones
+        super().__init__(hidden_size, [q, kv, kv], bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.head_dim, self.num_kv_heads = head_dim, num_kv_heads
+        self.num_local_heads, self.num_local_kv_heads = num_heads // tp_size, kv_local
+
+    def shard_slice(self, shard: int) -> tuple[int, int]:
+        if shard == 0:
+            return super().shard_slice(0)
+        n = self.output_sizes[shard]
+        if self.num_kv_heads >= self.tp_size:
+            return self.tp_rank * n, n
+        # rank r's query heads [r·H/tp, (r+1)·H/tp) all read KV head r·kv/tp (rounded down)
+        kv_head = self.tp_rank * self.num_kv_heads // self.tp_size
+        return kv_head * self.head_dim, n

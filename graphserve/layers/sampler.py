@@ -13,13 +13,8 @@ and CPU and GPU produce the same stream.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from graphserve.engine.request import Sequence
 
 
 def _signed(x: int) -> int:
@@ -32,7 +27,7 @@ _MIX1 = _signed(0xBF58476D1CE4E5B9)
 _MIX2 = _signed(0x94D049BB133111EB)
 SEED_MASK = (1 << 63) - 1
 
-# A sequence's knob rows (``knob_row``): floats are temperature, top_p, min_p, presence,
+# A sequence's knob rows (engine/sampling_inputs.py ``knob_row``): floats are temperature, top_p, min_p, presence,
 # frequency, repetition; ints are the columns below; FLAG_* bits are OR-ed into INT_FLAGS.
 NUM_FLOAT_KNOBS = 6
 NUM_INT_KNOBS = 5
@@ -55,8 +50,11 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     """[B, V] float32 uniforms in (0, 1), a pure function of (seed, step, vocab id)."""
     row = _mix(_mix(seeds + _GOLDEN) + steps * _GOLDEN)
     vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _shr(_mix(row[:, None] + vocab[None, :] * _GOLDEN), 40)  # top 24 bits: exact in float32
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # Top 23 bits, so bits + 0.5 (24 significant bits) is exact in float32 and u < 1 strictly. With 24
+    # bits the largest value rounded to u = 1.0, a Gumbel noise of +inf, and -inf + inf = NaN wins the
+    # argmax: a token masked by top-k/top-p or a grammar was drawn about once per 2**24 draws per token.
+    bits = _shr(_mix(row[:, None] + vocab[None, :] * _GOLDEN), 41)
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
@@ -80,113 +78,10 @@ class SamplingTensors:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
-
-    @classmethod
-    def from_sequences(
-        cls, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int], device: torch.device | str
-    ) -> SamplingTensors:
-        """Two host->device copies for the knobs, plus one per token-set mask a batch needs."""
-        rows = [knob_row(s) for s in seqs]
-        floats = np.array([r[0] for r in rows], dtype=np.float32).reshape(len(seqs), NUM_FLOAT_KNOBS)
-        ints = np.array([r[1] for r in rows], dtype=np.int64).reshape(len(seqs), NUM_INT_KNOBS)
-        steps = np.array([s.num_output_tokens for s in seqs], dtype=np.int64)
-        return cls.from_rows(floats, ints, steps, seqs, vocab_size, eos_token_ids, device)
-
-    @classmethod
-    def from_rows(
-        cls, floats: np.ndarray, ints: np.ndarray, steps: np.ndarray, seqs: list[Sequence], vocab_size: int,
-        eos_token_ids: list[int], device: torch.device | str, upload=None,
-    ) -> SamplingTensors:
-        """The batch's tensors from its knob rows (``knob_row`` per sequence, stacked: [B, 6] float32
-        and [B, 5] int64, top_k as asked) and each row's output length ``steps``.
-
-        The flags come from whole-column numpy reductions; ``seqs`` is read only for the token-set
-        masks (penalties, min_tokens) a batch needs. ``upload(*arrays) -> tensors`` sends the knob
-        arrays to the device (the engine passes its pinned staging); by default a plain copy."""
-        k = ints[:, INT_TOP_K]
-        top_k = np.where((k > 0) & (k < vocab_size), k, vocab_size)  # off (-1, 0) or >= vocab: the vocab size
-        packed = np.empty((len(steps), 3), dtype=np.int64)
-        packed[:, 0] = top_k
-        packed[:, 1] = ints[:, INT_SEED]
-        packed[:, 2] = steps
-        floats = np.ascontiguousarray(floats, dtype=np.float32)
-        if upload is None:
-            knobs, tokens = (torch.from_numpy(a).to(device, non_blocking=True) for a in (floats, packed))
-        else:
-            knobs, tokens = upload(floats, packed)
-        flags = ints[:, INT_FLAGS]
-        flags_any = int(np.bitwise_or.reduce(flags)) if len(flags) else 0
-        flags_all = int(np.bitwise_and.reduce(flags)) if len(flags) else FLAG_GREEDY
-        output_counts = prompt_mask = banned = None
-        if flags_any & FLAG_PENALTY:
-            output_counts = _token_rows([s.output_token_ids for s in seqs], vocab_size, device, count=True)
-            prompt_mask = _token_rows(
-                [s.prompt_token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs], vocab_size, device
-            ).bool()
-        if bool((steps < ints[:, INT_MIN_TOKENS]).any()):
-            rows = [
-                [*(() if s.params.ignore_eos else eos_token_ids), *s.params.stop_token_ids]
-                if s.num_output_tokens < s.params.min_tokens else []
-                for s in seqs
-            ]
-            banned = _token_rows(rows, vocab_size, device).bool()
-        return cls(
-            temperature=knobs[:, 0],
-            top_p=knobs[:, 1],
-            min_p=knobs[:, 2],
-            presence=knobs[:, 3],
-            frequency=knobs[:, 4],
-            repetition=knobs[:, 5],
-            top_k=tokens[:, 0],
-            seeds=tokens[:, 1],
-            steps=tokens[:, 2],
-            output_counts=output_counts,
-            prompt_mask=prompt_mask,
-            banned=banned,
-            max_logprobs=int(ints[:, INT_LOGPROBS].max()) if len(ints) else -1,
-            all_greedy=bool(flags_all & FLAG_GREEDY),
-            any_top_k=bool((top_k < vocab_size).any()),
-            any_top_p=bool(flags_any & FLAG_TOP_P),
-            any_min_p=bool(flags_any & FLAG_MIN_P),
-        )
-
-
-def knob_row(seq: Sequence) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    """A sequence's sampling knobs as one float row and one int row (see the column names above).
-
-    They never change while the sequence lives, so the engine computes them once per sequence.
-    The flags are decided on the Python floats, so a batch's fast paths match the request exactly.
-    """
-    p = seq.params
-    flags = (
-        (FLAG_GREEDY if p.temperature == 0.0 else 0)
-        | (FLAG_TOP_P if p.top_p < 1.0 else 0)
-        | (FLAG_MIN_P if p.min_p > 0.0 else 0)
-        | (FLAG_PENALTY if p.has_penalties else 0)
-    )
-    floats = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-    logprobs = -1 if p.logprobs is None else p.logprobs
-    return floats, (p.top_k, seq.seed & SEED_MASK, p.min_tokens, logprobs, flags)
-
-
-def _token_rows(rows: list[list[int]], vocab_size: int, device, count: bool = False) -> torch.Tensor:
-    """[B, V] float32: per row, how often (``count``) or whether each token id occurs in ``rows[i]``.
-
-    Rows are padded with an extra id ``vocab_size`` (a spare column dropped at the end), so the
-    whole batch is one copy and one scatter; ids outside the vocabulary land in the spare column.
-    """
-    width = max(1, max(len(r) for r in rows))
-    ids = torch.full((len(rows), width), vocab_size, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64).clamp_(0, vocab_size)
-    ids = ids.to(device, non_blocking=True)
-    out = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
-    if count:
-        out.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    else:
-        out.scatter_(1, ids, 1.0)
-    return out[:, :vocab_size]
+    # Structured output: xgrammar-layout bitmasks ([R, ceil(V/32)] int32, bit j of word i allows token
+    # 32*i + j) for the rows in ``mask_rows`` ([R] int64; None: every row, in order). None: no row is constrained.
+    token_mask: torch.Tensor | None = None
+    mask_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -221,10 +116,34 @@ def apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= t.top_k[:, None], float("-inf"))
     if t.any_top_p:
         probs = sorted_logits.softmax(dim=-1)
-        # Keep a token when the mass strictly before it is below top_p (the first always stays).
+        # Keep a token when the mass strictly before it is below top_p; the first always stays, even when top_p
+        # rounds to 0 in float32 (a top_p of 1e-46 once masked every token and sampled id 0).
         before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(before >= t.top_p[:, None], float("-inf"))
+        sorted_logits = sorted_logits.masked_fill((before >= t.top_p[:, None]) & (before > 0), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def unpack_token_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, V] bool, True where the token is allowed, from a packed [R, ceil(V/32)] int32 bitmask.
+
+    The int32 words are read as little-endian bytes (both x86 hosts and CUDA devices are), so byte b
+    of a row holds the bits of tokens 8b..8b+7, lowest bit first."""
+    rows = mask.shape[0]
+    as_bytes = mask.contiguous().view(torch.uint8).view(rows, -1)
+    shifts = torch.arange(8, device=mask.device, dtype=torch.uint8)
+    bits = (as_bytes[:, :, None] >> shifts) & 1
+    return bits.view(rows, -1)[:, :vocab_size].bool()
+
+
+def apply_token_mask(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Disallowed tokens of the constrained rows to -inf (out of place: the raw logits feed logprobs)."""
+    if t.token_mask is None:
+        return logits
+    allowed = unpack_token_mask(t.token_mask, logits.shape[-1])
+    if t.mask_rows is None:
+        return logits.masked_fill(~allowed, float("-inf"))
+    rows = t.mask_rows
+    return logits.index_copy(0, rows, logits.index_select(0, rows).masked_fill(~allowed, float("-inf")))
 
 
 def apply_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -278,7 +197,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, t: SamplingTensors) -> PendingSample:
         """``logits``: [B, V] straight from the model (any float dtype; the math below runs in float32).
         Queues the copy of the ids to the host."""
-        if t.all_greedy and t.output_counts is None and t.banned is None:
+        if t.all_greedy and t.output_counts is None and t.banned is None and t.token_mask is None:
             ids = logits.argmax(dim=-1)  # nothing to adjust: the argmax is the same in any float dtype
         else:
             ids = self._draw(logits, t)
@@ -297,6 +216,7 @@ class Sampler:
         logits = apply_penalties(logits.float(), t)
         if t.banned is not None:
             logits = logits.masked_fill(t.banned, float("-inf"))
+        logits = apply_token_mask(logits, t)
         greedy_ids = logits.argmax(dim=-1)
         if t.all_greedy:
             return greedy_ids

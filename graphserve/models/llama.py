@@ -7,21 +7,30 @@ Parameter names follow the checkpoint's, except the fused ``qkv_proj`` and ``gat
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from graphserve.errors import ModelLoadError
+from graphserve.distributed.comm import all_reduce
+from graphserve.distributed.state import get_parallel
 from graphserve.layers.embedding import LMHead, VocabEmbedding
-from graphserve.layers.linear import Linear, MergedLinear, norm_linear, silu_mul_linear
+from graphserve.layers.kv_layout import KVLayout
+from graphserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    norm_linear,
+    silu_mul_linear,
+)
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
+from graphserve.models.base import CausalLM
+from graphserve.models.description import ModelDescription, split_evenly
 
 if TYPE_CHECKING:
-    from graphserve.engine.forward_batch import ForwardBatch
+    from graphserve.layers.forward_batch import ForwardBatch
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 _STACKED = {
@@ -51,6 +60,9 @@ class Shape:
     mlp_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
+    # OLMoE: q/k RMSNorm over the whole projection (not per head), and q/k/v clamped to +-clip_qkv
+    qk_norm_full: bool = False
+    clip_qkv: float | None = None
 
 
 def head_dim_of(config: Any) -> int:
@@ -66,17 +78,59 @@ def sliding_window_of(config: Any) -> int | None:
     return window
 
 
+def local_kv_heads(s: Shape, tp: int) -> int:
+    """KV heads on one rank: split across ranks; with fewer KV heads than ranks each rank keeps a replica."""
+    split_evenly(s.num_heads, tp, "num_attention_heads")
+    if s.num_kv_heads >= tp:
+        return split_evenly(s.num_kv_heads, tp, "num_key_value_heads")
+    if tp % s.num_kv_heads:
+        raise ValueError(f"num_key_value_heads={s.num_kv_heads} cannot be replicated evenly over {tp} ranks")
+    return 1
+
+
+def kv_layout_of(s: Shape, dtype: torch.dtype, tp: int = 1) -> KVLayout:
+    return KVLayout("kv", s.num_layers, local_kv_heads(s, tp), s.head_dim, dtype)
+
+
+def attention_params(s: Shape, tp: int) -> tuple[int, int]:
+    """(parameters of one attention block on a rank, activation elements one token holds in it)."""
+    if s.qk_norm_full and tp > 1:
+        raise ValueError("q/k RMSNorm over the whole projection (OLMoE) needs every head on one rank: "
+                         "num_attention_heads does not split, use --tp 1 (or --ep)")
+    heads, kvh = s.num_heads // tp, local_kv_heads(s, tp)
+    q, kv = heads * s.head_dim, kvh * s.head_dim
+    params = s.hidden_size * (q + 2 * kv) + q * s.hidden_size
+    params += (q + 2 * kv if s.qkv_bias else 0) + (s.hidden_size if s.o_bias else 0)
+    if s.qk_norm_full:
+        params += q + kv
+    elif s.qk_norm:
+        params += 2 * s.head_dim
+    return params, (q + 2 * kv) + q
+
+
 class LlamaAttention(nn.Module):
+    """Attention over this rank's heads (all of them at tp 1). ``o_proj``'s output is this rank's
+    partial sum: the caller all-reduces it."""
+
     def __init__(self, s: Shape, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
+        tp_rank, tp = get_parallel().tp_rank, get_parallel().tp_size
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.qkv_proj = QKVParallelLinear(s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.qkv_bias,
+                                          tp_rank, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads
+        self.head_dim = s.head_dim
         self.scale = s.head_dim**-0.5
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        self.qkv_proj = MergedLinear(s.hidden_size, [q_size, kv_size, kv_size], bias=s.qkv_bias)
-        self.o_proj = Linear(q_size, s.hidden_size, bias=s.o_bias)
+        q_size, kv_size = self.num_heads * s.head_dim, self.num_kv_heads * s.head_dim
+        self.o_proj = RowParallelLinear(s.num_heads * s.head_dim, s.hidden_size, s.o_bias, tp_rank, tp)
+        attention_params(s, tp)  # refuses a split this attention cannot take
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
+        # the fused prologue kernel normalises per head; a whole-projection norm or a clamp runs unfused
+        self.full_norm = s.qk_norm_full
+        self.clip_qkv = s.clip_qkv
+        if s.qk_norm_full:
+            self.q_norm, self.k_norm = RMSNorm(q_size, s.rms_norm_eps), RMSNorm(kv_size, s.rms_norm_eps)
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -85,15 +139,19 @@ class LlamaAttention(nn.Module):
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Attention from the q/k/v projection's output (the decoder layer fuses its norm into that projection)."""
         t = qkv.shape[0]
-        if batch.attn_backend.fused_prologue:
+        if batch.attn_backend.fused_prologue and not self.full_norm and self.clip_qkv is None:
             q = self.fused_prologue(qkv, positions, batch)
             out = batch.attn_backend.attend(q, self.layer_idx, batch, self.scale)
         else:
             q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+            if self.full_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.clip_qkv is not None:
+                q, k, v = (x.clamp(-self.clip_qkv, self.clip_qkv) for x in (q, k, v))
             q = q.view(t, self.num_heads, self.head_dim)
             k = k.view(t, self.num_kv_heads, self.head_dim)
             v = v.view(t, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
+            if self.q_norm is not None and not self.full_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary[0](positions, q, k)
             out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch, self.scale)
@@ -120,10 +178,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """The MLP over this rank's slice of the intermediate size; the caller all-reduces its output."""
+
     def __init__(self, s: Shape) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(s.hidden_size, [s.intermediate_size] * 2, bias=s.mlp_bias)
-        self.down_proj = Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        tp_rank, tp = get_parallel().tp_rank, get_parallel().tp_size
+        self.gate_up_proj = MergedColumnParallelLinear(s.hidden_size, [s.intermediate_size] * 2, s.mlp_bias, tp_rank, tp)
+        self.down_proj = RowParallelLinear(s.intermediate_size, s.hidden_size, s.mlp_bias, tp_rank, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_gate_up(self.gate_up_proj(x))
@@ -145,19 +206,25 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # each norm is taken together with the projection it feeds: at decode batch sizes on CUDA
-        # both run in one gemv launch (layers/linear.py norm_linear)
+        # both run in one gemv launch (layers/linear.py norm_linear). Under tensor parallelism the
+        # attention and MLP outputs are partial sums: one all-reduce each (no-ops at tp 1).
         qkv, residual = norm_linear(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
-        hidden = self.self_attn.forward_qkv(positions, qkv, batch)
+        hidden = all_reduce(self.self_attn.forward_qkv(positions, qkv, batch))
         gate_up, residual = norm_linear(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj)
-        return self.mlp.forward_gate_up(gate_up), residual
+        return all_reduce(self.mlp.forward_gate_up(gate_up)), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, s: Shape, max_positions: int) -> None:
+    """Embedding, decoder layers, final norm. ``make_layer(i, rotary)`` builds layer i (families whose
+    layers differ, e.g. MoE layers between dense ones, pass their own)."""
+
+    def __init__(self, s: Shape, max_positions: int, make_layer=None) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size)
+        ps = get_parallel()
+        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, ps.tp_rank, ps.tp_size)
         self.rotary_emb = RotaryEmbedding(s.head_dim, max_positions, s.rope_parameters)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(s, i, self.rotary_emb) for i in range(s.num_layers))
+        make_layer = make_layer or (lambda i, rotary: LlamaDecoderLayer(s, i, rotary))
+        self.layers = nn.ModuleList(make_layer(i, self.rotary_emb) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -169,8 +236,10 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Llama 2/3 (attention_bias / mlp_bias flags honoured)."""
+
+    stacked_params = _STACKED
 
     @classmethod
     def shape_from_config(cls, config: Any) -> Shape:
@@ -202,64 +271,29 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.shape = self.shape_from_config(config)
         self.model = LlamaModel(self.shape, max_positions)
-        self.lm_head = LMHead(self.shape.hidden_size, self.shape.vocab_size)
-        if self.shape.tie_word_embeddings:
+        ps = get_parallel()
+        self.lm_head = LMHead(self.shape.hidden_size, self.shape.vocab_size, ps.tp_rank, ps.tp_size)
+        self.tied = self.shape.tie_word_embeddings
+        if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def finish_materialize(self, device: torch.device) -> None:
-        """After ``to_empty``: recompute the rotary table and re-share the tied head weight."""
-        self.model.rotary_emb.rebuild(device)
-        if self.shape.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into parameters; return the parameter names that were filled."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue  # old checkpoints store it; it is recomputed from the config
-            if name == "lm_head.weight" and self.shape.tie_word_embeddings:
-                continue  # tied: the embedding is the head
-            shard = None
-            for fragment, (fused, index) in _STACKED.items():
-                if fragment in name:
-                    name, shard = name.replace(fragment, fused), index
-                    break
-            param = params.get(name)
-            if param is None:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            try:
-                with torch.no_grad():
-                    if shard is None:
-                        if param.shape != tensor.shape:
-                            raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                        param.data.copy_(tensor)
-                    else:
-                        owner = self.get_submodule(name.rsplit(".", 1)[0])
-                        owner.load_shard(param, shard, tensor)
-            except ValueError as e:
-                raise ModelLoadError(f"checkpoint tensor {name!r} (shard {shard}) does not fit: {e}") from e
-            loaded.add(name if shard is None else f"{name}#{shard}")
-        return loaded
-
-    def expected_weights(self) -> set[str]:
-        """The names ``load_weights`` must report for a complete checkpoint."""
-        expected: set[str] = set()
-        for name, _ in self.named_parameters():
-            owner = self.get_submodule(name.rsplit(".", 1)[0])
-            if isinstance(owner, MergedLinear):
-                expected.update(f"{name}#{i}" for i in range(len(owner.output_sizes)))
-            else:
-                expected.add(name)
-        return expected
-
+    @classmethod
+    def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:
+        s = cls.shape_from_config(config)
+        attn, attn_act = attention_params(s, tp)
+        inter = split_evenly(s.intermediate_size, tp, "intermediate_size")
+        mlp = 3 * s.hidden_size * inter
+        return ModelDescription(
+            kv=kv_layout_of(s, dtype, tp), hidden_size=s.hidden_size, vocab_size=s.vocab_size,
+            weight_bytes_per_param=dtype.itemsize,
+            dense_params=s.num_layers * (attn + mlp + 2 * s.hidden_size) + s.hidden_size,
+            embed_params=-(-s.vocab_size // tp) * s.hidden_size,
+            lm_head_params=0 if s.tie_word_embeddings else -(-s.vocab_size // tp) * s.hidden_size,
+            act_width=max(attn_act, 3 * inter), act_bytes_per_elem=dtype.itemsize,
+        )
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2/2.5: bias on q/k/v only."""

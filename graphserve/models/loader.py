@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,12 +15,25 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError, ModelLoadError
+from graphserve.layers.kv_layout import KVLayout, kv_cache_dtype
+from graphserve.layers.moe import FusedMoE
+from graphserve.layers.quant.config import (
+    Fp8Config,
+    online_config,
+    parse_quantization_config,
+    quantized_description,
+    resolve_quantization,
+)
+from graphserve.layers.quant.fp8 import quantize_linears
 from graphserve.models.builtin import ensure_builtin
+from graphserve.models.description import ModelDescription
 from graphserve.models.llama import sliding_window_of
 from graphserve.models.presets import get_preset_config, get_preset_tokenizer_spec
 from graphserve.models.registry import resolve_model_class
 from graphserve.models.synthetic_tokenizer import CHAT_TEMPLATES, build_synthetic_tokenizer
 from graphserve.models.weights import iter_safetensors, safetensors_files
+
+logger = logging.getLogger("graphserve.models")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -26,24 +41,37 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """Facts about the loaded model the engine reads; its cache and footprint come from the family's
+    ``describe`` (models/description.py), never from a Llama-shaped assumption."""
+
     architecture: str
     num_layers: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
     hidden_size: int
-    intermediate_size: int
     vocab_size: int
     max_position_embeddings: int
     dtype: torch.dtype
     eos_token_ids: list[int]
     tie_word_embeddings: bool
     num_params: int
+    description: ModelDescription
+
+    @property
+    def kv(self) -> KVLayout:
+        return self.description.kv
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token, in the model dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Every layer's cache for one token (K and V heads, or one latent)."""
+        return self.kv.bytes_per_token
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv.head_dim
 
 
 @dataclass
@@ -123,14 +151,15 @@ def _load_folder(config: EngineConfig, folder: Path, device: torch.device) -> Lo
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"model folder {folder} cannot be read by transformers: {e}", param="model") from e
-    model, dtype = _build(model_cls, hf_config, config, device)
+    quant = resolve_quantization(parse_quantization_config(raw.get("quantization_config")), config.quantization)
+    model, dtype = _build(model_cls, hf_config, config, device, quant)
     loaded = model.load_weights(iter_safetensors(files))
     missing = sorted(model.expected_weights() - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"checkpoint in {folder} lacks {len(missing)} tensors: {shown}", param="model")
     eos = _eos_ids(hf_config, tokenizer, _generation_eos(folder))
-    return _finish(model, hf_config, tokenizer, dtype, eos)
+    return _finish(model, hf_config, tokenizer, dtype, eos, quant, config.kv_cache_dtype)
 
 
 def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> LoadedModel:
@@ -138,13 +167,23 @@ def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> Load
     model_cls = resolve_model_class(raw["architectures"])
     hf_config = AutoConfig.for_model(**raw)
     tokenizer = _dummy_tokenizer(preset, hf_config)
-    model, dtype = _build(model_cls, hf_config, config, device)
+    quant = online_config(config.quantization)
+    model, dtype = _build(model_cls, hf_config, config, device, quant)
     if device.type != "meta":
-        _init_random(model, config.seed, device)
-    return _finish(model, hf_config, tokenizer, dtype, _eos_ids(hf_config, tokenizer, None))
+        _init_random(model, config.seed, device, dtype)
+    if config.moe_routing != "model":
+        experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        if not experts:
+            raise ConfigError(f"--moe-routing={config.moe_routing} needs a mixture-of-experts model; "
+                              f"dummy:{preset} is dense", param="moe_routing")
+        for m in experts:
+            m.routing_override = config.moe_routing
+    return _finish(model, hf_config, tokenizer, dtype, _eos_ids(hf_config, tokenizer, None), quant,
+                   config.kv_cache_dtype)
 
 
-def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, device: torch.device):
+def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, device: torch.device,
+           quant: Fp8Config | None = None):
     """Assemble on the meta device, then allocate on ``device`` uninitialised: no CPU pass over 8B weights."""
     max_pos = hf_config.max_position_embeddings
     max_len = config.max_model_len or max_pos
@@ -162,16 +201,40 @@ def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, d
     dtype = resolve_dtype(config.dtype, hf_config, device)
     with torch.device("meta"):
         model = model_cls(hf_config, max_len)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if quant is not None:  # after the dtype cast, which would widen fp8 storage back to ``dtype``
+        _quantize(model, quant, dtype)
+    model = model.to_empty(device=device)
     model.finish_materialize(device)
     return model.eval().requires_grad_(False), dtype
 
 
+def _quantize(model: nn.Module, quant: Fp8Config, dtype: torch.dtype) -> None:
+    experts = any(isinstance(m, FusedMoE) for m in model.modules())
+    if experts and quant.serialized:
+        raise ModelLoadError(f"this checkpoint's routed experts are stored in {quant.name}, which the fused MoE "
+                             "layer does not run yet: load a bf16 checkpoint (with --quantization fp8 for the "
+                             "attention projections)", param="model")
+    try:
+        count = quantize_linears(model, quant)
+    except ValueError as e:
+        raise ModelLoadError(f"{quant.name}: {e}", param="model") from e
+    kept = f"; routed experts stay {dtype}" if experts else ""
+    logger.info("quantization: %s on %d linear layers%s", quant.name, count, kept)
+
+
 @torch.no_grad()
-def _init_random(model: nn.Module, seed: int, device: torch.device) -> None:
-    """normal(0, 0.02) matrices, unit norm weights, zero biases, generated on ``device``."""
+def _init_random(model: nn.Module, seed: int, device: torch.device, dtype: torch.dtype) -> None:
+    """normal(0, 0.02) matrices, unit norm weights, zero biases, generated on ``device``. An FP8 layer
+    draws its weight in ``dtype`` from the same generator position and quantizes it, so the FP8 model
+    is the quantization of the unquantized one with the same seed (benchmarks compare the two)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
+        owner_name, _, leaf = name.rpartition(".")
+        method = getattr(model.get_submodule(owner_name), "quant_method", None) if owner_name else None
+        if method is not None and leaf == "weight":
+            method.init_random(model.get_submodule(owner_name), dtype, gen)
+            continue
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):
@@ -196,22 +259,32 @@ def _eos_ids(hf_config: PretrainedConfig, tokenizer: Any, generation_eos: Any) -
     return ids
 
 
-def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype: torch.dtype, eos: list[int]):
-    s = model.shape
+def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype: torch.dtype, eos: list[int],
+            quant: Fp8Config | None = None, kv_dtype: str = "auto"):
+    from graphserve.distributed.state import get_parallel
+
+    parallel = get_parallel()  # this rank's share: its KV heads size the pool, its weights the plan
+    description = model.describe(hf_config, dtype, tp=parallel.tp_size, ep=parallel.ep_size)
+    description = quantized_description(description, quant, dtype)
+    if kv_dtype != "auto":
+        if description.kv.kind != "kv":
+            raise ConfigError(f"--kv-cache-dtype={kv_dtype} is implemented for paged K/V caches; this model's "
+                              f"cache is kind {description.kv.kind!r}: use --kv-cache-dtype auto",
+                              param="kv_cache_dtype")
+        kv = dataclasses.replace(description.kv, dtype=kv_cache_dtype(kv_dtype, dtype))
+        description = dataclasses.replace(description, kv=kv)
     info = ModelInfo(
         architecture=type(model).__name__,
-        num_layers=s.num_layers,
-        num_heads=s.num_heads,
-        num_kv_heads=s.num_kv_heads,
-        head_dim=s.head_dim,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        vocab_size=s.vocab_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=hf_config.num_attention_heads,
+        hidden_size=hf_config.hidden_size,
+        vocab_size=hf_config.vocab_size,
         max_position_embeddings=hf_config.max_position_embeddings,
         dtype=dtype,
         eos_token_ids=eos,
-        tie_word_embeddings=s.tie_word_embeddings,
+        tie_word_embeddings=model.tied,
         num_params=sum(p.numel() for p in model.parameters()),
+        description=description,
     )
     template = tokenizer.chat_template
     if isinstance(template, dict):

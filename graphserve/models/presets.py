@@ -15,6 +15,10 @@ from graphserve.errors import ModelLoadError
 _LLAMA3_SPECIALS = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>",
                     128006: "<|start_header_id|>", 128007: "<|end_header_id|>", 128009: "<|eot_id|>"}
 _QWEN_SPECIALS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
+# DeepSeek's tokenizers put bos/eos at these ids; the ChatML markers stand in for its chat format
+_DEEPSEEK_SPECIALS = {100000: "<｜begin▁of▁sentence｜>", 100001: "<｜end▁of▁sentence｜>",
+                      100002: "<|im_start|>", 100003: "<|im_end|>"}
+_DEEPSEEK_V3_SPECIALS = {0: "<｜begin▁of▁sentence｜>", 1: "<｜end▁of▁sentence｜>", 2: "<|im_start|>", 3: "<|im_end|>"}
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
 
@@ -109,6 +113,92 @@ PRESETS: dict[str, dict[str, Any]] = {
             "hidden_act": "silu",
         },
         "specials": {0: "<unk>", 1: "<s>", 2: "</s>"}, "bos": "<s>", "eos": "</s>", "chat": "mistral",
+    },
+    # ---- mixture-of-experts ---------------------------------------------------------------------
+    "qwen3-30b-a3b": {  # Qwen3-30B-A3B: 48 sparse layers, 128 experts of 768, top-8 renormalised
+        "config": {
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+            "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+            "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+            "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False,
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48,
+        },
+        "specials": _QWEN_SPECIALS, "bos": None, "eos": "<|im_end|>", "chat": "chatml",
+    },
+    "mixtral-8x7b": {  # Mixtral-8x7B-Instruct-v0.1: 8 experts of 14336, top-2
+        "config": {
+            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+            "sliding_window": None, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "hidden_act": "silu",
+        },
+        "specials": {0: "<unk>", 1: "<s>", 2: "</s>"}, "bos": "<s>", "eos": "</s>", "chat": "mistral",
+    },
+    "olmoe-1b-7b": {  # OLMoE-1B-7B-0924-Instruct: 64 experts of 1024, top-8, whole-projection q/k norm
+        "config": {
+            "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 2048,
+            "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16,
+            "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
+            "vocab_size": 50304, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "clip_qkv": None, "bos_token_id": None, "eos_token_id": 50279, "pad_token_id": 1,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+        },
+        "specials": {1: "<|padding|>", 50279: "<|endoftext|>"}, "bos": None, "eos": "<|endoftext|>",
+        "chat": "chatml",
+    },
+    "qwen1.5-moe-a2.7b": {  # Qwen1.5-MoE-A2.7B-Chat: 60 experts of 1408, top-4, a shared expert of 5632
+        "config": {
+            "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
+            "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+            "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
+            "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "vocab_size": 151936, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "hidden_act": "silu", "qkv_bias": True, "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": 21,
+        },
+        "specials": _QWEN_SPECIALS, "bos": None, "eos": "<|im_end|>", "chat": "chatml",
+    },
+    "deepseek-v2-lite": {  # DeepSeek-V2-Lite(-Chat): MLA without q LoRA, 64 experts of 1408 top-6, 2 shared
+        "config": {
+            "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
+            "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+            "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+            "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+            "topk_method": "greedy", "scoring_func": "softmax", "n_group": 1, "topk_group": 1,
+            "norm_topk_prob": False, "routed_scaling_factor": 1.0, "vocab_size": 102400,
+            "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                             "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+            "bos_token_id": 100000, "eos_token_id": 100001, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False,
+        },
+        "specials": _DEEPSEEK_SPECIALS, "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>",
+        "chat": "chatml",
+    },
+    "deepseek-v3-l4": {  # the first 4 layers of DeepSeek-V3 (1 dense + 3 MoE): its real kernel sizes on one GPU
+        "config": {
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+            "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 4,
+            "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+            "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "n_group": 8, "topk_group": 4,
+            "norm_topk_prob": True, "routed_scaling_factor": 2.5, "vocab_size": 129280,
+            "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+            "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "hidden_act": "silu", "attention_bias": False, "rope_interleave": True,
+        },
+        "specials": _DEEPSEEK_V3_SPECIALS, "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>",
+        "chat": "chatml",
     },
 }
 

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import torch
 from torch import nn
 
 from graphserve.errors import ModelLoadError
+from graphserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from graphserve.models.description import ModelDescription
 from graphserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from graphserve.models.moe import MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
@@ -27,3 +40,27 @@ def resolve_model_class(architectures: list[str] | None) -> type[nn.Module]:
             param="model",
         )
     return MODEL_REGISTRY[arch]
+
+
+def hf_config_object(hf: Mapping[str, Any] | Any) -> Any:
+    """A transformers config object from a config.json dict (objects pass through)."""
+    if not isinstance(hf, Mapping):
+        return hf
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in hf.items() if not k.startswith("_")}
+    try:
+        return AutoConfig.for_model(**fields)
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"config.json model_type={hf.get('model_type')!r} cannot be read: {e}",
+                             param="model") from e
+
+
+def describe_model(hf: Mapping[str, Any] | Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:
+    """The family's own description of a config (KV layout, weight and activation footprint), per rank."""
+    config = hf_config_object(hf)
+    model_cls = resolve_model_class(getattr(config, "architectures", None))
+    try:
+        return model_cls.describe(config, dtype, tp=tp, ep=ep)
+    except ValueError as e:
+        raise ModelLoadError(str(e), param="tp") from e

@@ -40,6 +40,8 @@ from graphserve.server.engine_process import (
     EngineLoadFailed,
     EngineProcess,
     EngineReady,
+    FlushPrefixCache,
+    ProfileSteps,
     StepBatch,
 )
 from graphserve.server.output_pump import OutputPump
@@ -64,10 +66,13 @@ class AsyncEngine:
         self.stats: Any = None  # last EngineStats, refreshed after every engine iteration
         self.warmup: dict[str, float] = {}
         self._on_step = on_step
+        # Called on the loop as on_abort(request_id, error) for a request stopped before it finished.
+        self.on_abort: Callable[[str, GraphserveError | None], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cond = threading.Condition()
         self._inbox: list[Any] = []  # in-process: EngineRequests to add
         self._aborts: list[str] = []
+        self._flush_cache = False
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._process: EngineProcess | None = None
@@ -83,6 +88,9 @@ class AsyncEngine:
         self._waiting_in_core = 0  # sequences
         self._unadmitted = 0  # sequences sent that no batch has acknowledged yet
         self._kv_blocks = (0, 1)  # (usable blocks, tokens per block) of the KV pool
+        from graphserve.server.profile_route import ProfileBroker
+
+        self.profiles = ProfileBroker(self)  # POST /v1/profile, when the server enables it
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -215,6 +223,8 @@ class AsyncEngine:
             if error is not None:
                 stream.fail(error)
             stream.finished = True
+            if self.on_abort is not None:
+                self.on_abort(stream.request_id, error)
         self._send_aborts([engine_id])
 
     def _forget(self, engine_id: str) -> RequestStream | None:
@@ -233,6 +243,15 @@ class AsyncEngine:
             self._aborts.extend(ids)
             self._cond.notify()
 
+    def flush_prefix_cache(self) -> None:
+        """Drop the prefix cache before the engine's next step; requests added after this call see it empty."""
+        if self._process is not None:
+            self._process.send(FlushPrefixCache())
+            return
+        with self._cond:
+            self._flush_cache = True
+            self._cond.notify()
+
     def abort_all(self, error: GraphserveError) -> int:
         ids = list(self._streams)
         for rid in ids:
@@ -248,7 +267,9 @@ class AsyncEngine:
             if stream is None:
                 continue
             if d.error:
-                self.abort(d.request_id, InternalError(f"engine fault while running request: {d.error}"))
+                # An error that names a field is the request's fault (a 400); any other is the engine's.
+                self.abort(d.request_id, BadRequestError(d.error, param=d.error_param) if d.error_param
+                           else InternalError(f"engine fault while running request: {d.error}"))
                 continue
             if d.finished:
                 self._forget(d.request_id)
@@ -295,6 +316,8 @@ class AsyncEngine:
                 logger.exception("loading the tokenizer of %s failed", self.config.model)
                 self.load_error = exc
             self.ready.set()
+        elif isinstance(msg, ProfileSteps):
+            self.profiles.on_result(msg)
         elif isinstance(msg, EngineLoadFailed):
             self.load_error = ModelLoadError(msg.message)
             self.ready.set()
@@ -338,13 +361,17 @@ class AsyncEngine:
         reported: set[str] = set()
         while True:
             with self._cond:
-                while not (self._stopped or self._inbox or self._aborts or self._driver.has_work()):
+                while not (self._stopped or self._inbox or self._aborts or self._flush_cache
+                           or self._driver.has_work()):
                     self._cond.wait()
                 if self._stopped:
                     return
+                flush, self._flush_cache = self._flush_cache, False
                 new, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
                 faulty, self._faulty = self._faulty, set()
+            if flush:
+                self._driver.flush_prefix_cache()
             outputs, failed = self._driver.iterate(new, aborts, faulty)
             self.stats = self._driver.core.stats()
             self._waiting_in_core = int(self.stats.waiting)

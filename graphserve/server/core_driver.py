@@ -30,6 +30,11 @@ class CoreDriver:
         self.core = core
         self._in_core: set[str] = set()
         self._faulty: set[str] = set()  # ids whose next step raises InjectedFault
+        self.profiler: Any = None  # engine/step_profiler.StepProfiler while `graphserve profile` runs
+
+    def flush_prefix_cache(self) -> None:
+        dropped = self.core.block_manager.reset_prefix_cache()
+        logger.info("prefix cache flushed: %d cached block(s) dropped", dropped)
 
     def has_work(self) -> bool:
         return bool(self.core.has_unfinished_requests())
@@ -69,7 +74,8 @@ class CoreDriver:
         hit = self._faulty & self._in_core
         if hit:
             raise InjectedFault(hit)
-        outputs = self.core.step()
+        profiler = self.profiler
+        outputs = profiler.iteration(self.core.step) if profiler is not None and profiler.active else self.core.step()
         for out in outputs:
             if out.finish_reason is not None:
                 self._in_core.discard(out.request_id)

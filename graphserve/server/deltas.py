@@ -47,6 +47,7 @@ class RequestDelta:
     choices: dict[int, ChoiceDelta] = field(default_factory=dict)
     finished: bool = False
     error: str | None = None
+    error_param: str | None = None  # the request field the error blames: the request's fault, a 400
     first_scheduled_time: float | None = None
     num_cached_tokens: int | None = None
     time: float = 0.0  # time.monotonic() when produced
@@ -64,7 +65,8 @@ class RequestDelta:
             else:
                 mine.merge(c)
         self.finished = self.finished or later.finished
-        self.error = self.error or later.error
+        if self.error is None:
+            self.error, self.error_param = later.error, later.error_param
         if self.first_scheduled_time is None:
             self.first_scheduled_time = later.first_scheduled_time
         if self.num_cached_tokens is None:
@@ -175,12 +177,13 @@ class DeltaProcessor:
     def _apply(self, req: _Request, idx: int, rows: list[int], outs: StepOutputs, d: RequestDelta,
                text: str) -> None:
         c = req.choices[idx]
-        error = next((outs.errors[r] for r in rows if r in outs.errors), None)
+        error_row = next((r for r in rows if r in outs.errors), None)
+        error = None if error_row is None else outs.errors[error_row]
         finish = next((outs.finishes[r] for r in rows if r in outs.finishes), None)
         if finish is not None or error is not None:
             c.core_done = True
         if error is not None:
-            d.error = error
+            d.error, d.error_param = error, outs.error_params.get(error_row)
             for other in req.choices:
                 if other.finish_reason is None:
                     other.finish_reason = "abort"

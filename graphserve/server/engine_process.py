@@ -46,8 +46,23 @@ class AbortRequests:
 
 
 @dataclass
+class FlushPrefixCache:
+    """Drop the prefix cache before the next step (/flush_cache)."""
+
+
+@dataclass
 class Shutdown:
     pass
+
+
+@dataclass
+class ProfileSteps:
+    """Both ways (graphserve profile): the server asks the engine to profile its next ``steps`` decode steps
+    (0 cancels the one running); the engine answers with the same message, ``result`` filled."""
+
+    token: int
+    steps: int
+    result: dict | None = None
 
 
 # -- engine -> server ----------------------------------------------------------------------------------------
@@ -211,6 +226,10 @@ def _serve(core: Any, driver: Any, inbox: Any, sender: _Sender, records: list[An
                 faulty |= msg.faulty
             elif isinstance(msg, AbortRequests):
                 aborts += msg.request_ids
+            elif isinstance(msg, ProfileSteps):
+                start_profile(driver, msg, sender.send_message)
+            elif isinstance(msg, FlushPrefixCache):
+                driver.flush_prefix_cache()
         outputs, failed = driver.iterate(new, aborts, faulty)
         flat = StepOutputs()
         flat.add_core_outputs(outputs, reported)
@@ -218,6 +237,21 @@ def _serve(core: Any, driver: Any, inbox: Any, sender: _Sender, records: list[An
         sender.put(StepBatch(flat, failed, core.stats(), records[:],
                              admitted=sum(r.params.n for r in new)))
         records.clear()
+
+
+def start_profile(driver: Any, msg: ProfileSteps, send: Callable[[Any], None]) -> None:
+    """Engine side of POST /v1/profile: the driver runs its next steps through a StepProfiler."""
+    from graphserve.engine.step_profiler import StepProfiler
+
+    running = driver.profiler is not None and driver.profiler.active
+    if msg.steps == 0:
+        if running:
+            driver.profiler.close()
+        return
+    if running:
+        send(ProfileSteps(msg.token, msg.steps, {"error": "a profile is already running", "code": 429}))
+        return
+    driver.profiler = StepProfiler(driver.core, msg.steps, lambda r: send(ProfileSteps(msg.token, msg.steps, r)))
 
 
 class EngineProcess:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,7 @@ from graphserve.errors import (
 )
 
 logger = logging.getLogger("graphserve.server")
+T = TypeVar("T")
 
 
 def retry_after_header(exc: GraphserveError) -> dict[str, str]:
@@ -36,7 +38,43 @@ def retry_after_header(exc: GraphserveError) -> dict[str, str]:
 
 
 def error_response(exc: GraphserveError) -> JSONResponse:
-    return JSONResponse(exc.to_openai(), status_code=exc.http_status, headers=retry_after_header(exc))
+    headers = retry_after_header(exc)
+    if getattr(exc, "close_connection", False):  # the rest of the body was never read: the connection is unusable
+        headers["Connection"] = "close"
+    return JSONResponse(exc.to_openai(), status_code=exc.http_status, headers=headers)
+
+
+def request_id_of(request: Request | None) -> str:
+    if request is None:
+        return "-"
+    return getattr(request.state, "request_id", None) or "-"
+
+
+def record_error(metrics: Any, exc: GraphserveError, request_id: str, path: str) -> None:
+    """Count a 4xx/5xx and log one line for it: status, reason, field, request id and route, never the prompt."""
+    metrics.request_errors.labels(code=str(exc.http_status), reason=exc.error_type).inc()
+    level = logging.ERROR if exc.http_status >= 500 else logging.INFO
+    logger.log(level, "request error: status=%d reason=%s field=%s request_id=%s path=%s", exc.http_status,
+               exc.error_type, exc.param or "-", request_id, path)
+
+
+async def recorded_events(request: Request, events: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``events`` with a failure after the 200 header (sent as an error event) counted and logged too."""
+    try:
+        async for event in events:
+            yield event
+    except GraphserveError as exc:
+        record_error(request.app.state.graphserve.metrics, exc, request_id_of(request), request.url.path)
+        raise
+    except Exception as exc:  # noqa: BLE001 - counted as the 500 the stream reports, then re-raised
+        internal = InternalError(f"internal error: {type(exc).__name__}: {exc}")
+        record_error(request.app.state.graphserve.metrics, internal, request_id_of(request), request.url.path)
+        raise
+
+
+def recorded_response(request: Request, exc: GraphserveError) -> JSONResponse:
+    record_error(request.app.state.graphserve.metrics, exc, request_id_of(request), request.url.path)
+    return error_response(exc)
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -74,6 +112,8 @@ def validation_error(exc: RequestValidationError) -> BadRequestError:
     if field == "body" and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return BadRequestError("request body must be a JSON object (send Content-Type: application/json)",
                                param="body")
+    if first.get("type") in ("lone_surrogate", "image_unsupported", "part_unsupported", "too_long"):
+        return BadRequestError(f"{field} {first.get('msg')}", param=field)  # the message says it all; no value dump
     if first.get("type") == "missing":
         return BadRequestError(f"{field} is required", param=field)
     value = first.get("input")
@@ -98,18 +138,18 @@ def _from_http_exception(exc: StarletteHTTPException) -> GraphserveError:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GraphserveError)
-    async def _graphserve(_: Request, exc: GraphserveError) -> JSONResponse:
-        return error_response(exc)
+    async def _graphserve(request: Request, exc: GraphserveError) -> JSONResponse:
+        return recorded_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return recorded_response(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(_from_http_exception(exc))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return recorded_response(request, _from_http_exception(exc))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving a request")
-        return error_response(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+        return recorded_response(request, InternalError(f"internal error: {type(exc).__name__}: {exc}"))

@@ -2,8 +2,9 @@
 
 Draining keeps the socket open so new requests get a 503 with Retry-After (a closed port looks like a
 crash to a load balancer), lets in-flight requests finish within ``--shutdown-timeout``, then fails the
-rest with an error event and exits 0. The engine core runs in a process of its own (``--engine-in-process``
-keeps it on a thread). ``ServerThread`` runs the same server, engine included, in-process on a thread.
+rest with an error event and exits 0; a second signal skips the drain and exits 1. The engine core runs in a
+process of its own (``--engine-in-process`` keeps it on a thread). ``ServerThread`` runs the same server,
+engine included, in-process on a thread.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 import sys
 import threading
@@ -18,16 +20,21 @@ import time
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from graphserve.config import EngineConfig, add_engine_args, config_from_args
-from graphserve.errors import GraphserveError, ServiceUnavailableError, bad_field
+from graphserve.errors import ConfigError, GraphserveError, ServiceUnavailableError, bad_field
 from graphserve.server.app import create_app
 from graphserve.server.async_engine import AsyncEngine
+from graphserve.server.guards import MAX_HEAD_BYTES, GuardOptions, guarded_protocol
 from graphserve.server.metrics import ServerMetrics
 from graphserve.server.state import ServerState
 from graphserve.server.steplog import JsonlStepSink, StepLogger
 
 logger = logging.getLogger("graphserve.server")
+API_KEY_ENVS = ("VLLM_API_KEY", "GRAPHSERVE_API_KEY")
+# A forced stop (second SIGTERM/SIGINT) cut streams mid-body: a service manager must not read it as clean.
+FORCED_EXIT_CODE = 1
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 
 
@@ -39,6 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="names clients use in the model field (default: MODEL)")
     parser.add_argument("--step-log", default=None, metavar="FILE", help="append every step record as JSONL")
+    parser.add_argument("--step-log-max-mb", type=float, default=100.0,
+                        help="rotate --step-log to FILE.1 (one backup kept) when it grows past this size")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                             f"(default: ${API_KEY_ENVS[0]} or ${API_KEY_ENVS[1]})")
+    parser.add_argument("--max-request-body-mb", type=float, default=32.0,
+                        help="bodies above this size get 413 before they are read")
+    parser.add_argument("--request-read-timeout", type=float, default=30.0,
+                        help="seconds a request head, and then its body, may take to arrive (else 408 and close)")
+    parser.add_argument("--max-connections", type=int, default=4096,
+                        help="open connections past this bound get 503 and are closed")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -47,13 +65,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "several tokens per event anyway)")
     parser.add_argument("--stream-stall-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="abort a request whose client has not read its output for SECONDS, freeing its KV")
+    parser.add_argument("--enable-profile-endpoint", action="store_true",
+                        help="serve POST /v1/profile, which profiles the next decode steps (graphserve profile)")
     parser.add_argument("--engine-in-process", action="store_true",
                         help="run the engine on a thread of the server process instead of its own process")
+
+
+def guard_options(args: argparse.Namespace) -> GuardOptions:
+    bounds = (("--max-request-body-mb", args.max_request_body_mb),
+              ("--request-read-timeout", args.request_read_timeout), ("--max-connections", args.max_connections))
+    for flag, value in bounds:
+        if not value > 0:
+            raise ConfigError(f"{flag}={value} is invalid: must be > 0", param=flag)
+    key = args.api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), None)
+    return GuardOptions(api_key=key, max_body_bytes=int(args.max_request_body_mb * 1024 * 1024),
+                        read_timeout_s=args.request_read_timeout, max_connections=args.max_connections)
 
 
 def build_state(
     config: EngineConfig, served_model_name: list[str] | str | None = None, step_log: str | None = None,
     separate_process: bool = False, stream_interval: int = 1, stream_stall_timeout: float = 30.0,
+    profile_endpoint: bool = False, step_log_max_bytes: int | None = None,
 ) -> tuple[ServerState, list[Any]]:
     """The server state with its telemetry listeners wired; returns (state, things to close).
 
@@ -76,14 +108,16 @@ def build_state(
     engine = AsyncEngine(config, on_step=on_step, separate_process=separate_process, stream_interval=stream_interval,
                          stream_stall_timeout=stream_stall_timeout)
     metrics = ServerMetrics(lambda: engine.stats, lambda: engine.alive)
+    engine.on_abort = metrics.on_abort
     listeners += [metrics.on_step, StepLogger(config.log_interval, engine.kv_capacity_tokens).on_step]
     if step_log:
-        sink = JsonlStepSink(step_log)
+        sink = JsonlStepSink(step_log, max_bytes=step_log_max_bytes)
         listeners.append(sink.on_step)
         closers.append(sink)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [config.model]
-    state = ServerState(engine, metrics, model_name=names[0], accepted_names={*names, config.model})
+    state = ServerState(engine, metrics, model_name=names[0], accepted_names={*names, config.model},
+                        profile_endpoint=profile_endpoint)
     return state, closers
 
 
@@ -94,12 +128,14 @@ class GracefulServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.drain_requested = False
         self.failed = False
+        self.forced = False
         self._drain: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         # Not uvicorn's: it would close the socket at once and re-raise the signal at exit (exit code != 0).
         if self.drain_requested:  # a second signal skips the drain
-            self.force_exit = self.should_exit = True
+            self.force_exit = self.should_exit = self.forced = True
+            logger.warning("second signal: exiting now, cutting %d request(s)", self.state.engine.num_inflight)
         self.drain_requested = True
 
     async def on_tick(self, counter: int) -> bool:
@@ -124,24 +160,35 @@ class GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
-def uvicorn_config(app: Any, host: str, port: int, log_level: str) -> uvicorn.Config:
+def uvicorn_config(app: Any, host: str, port: int, log_level: str, guards: GuardOptions, metrics: Any
+                   ) -> uvicorn.Config:
     # log_config=None: uvicorn's loggers go through ours, one format for every line.
     return uvicorn.Config(app, host=host, port=port, log_config=None, log_level=log_level, access_log=False,
-                          timeout_graceful_shutdown=5, timeout_keep_alive=30)
+                          timeout_graceful_shutdown=5, timeout_keep_alive=30,
+                          http=guarded_protocol(AutoHTTPProtocol, guards, metrics),
+                          # h11 would refuse a head over 16 KiB that arrives in pieces with a bare 400; the
+                          # guard decides instead (431 past MAX_HEAD_BYTES)
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES + 1024)
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
     try:
         config = config_from_args(args, args.model)
+        guards = guard_options(args)
+        if args.step_log_max_mb <= 0:
+            raise ConfigError(f"--step-log-max-mb={args.step_log_max_mb} is invalid: must be > 0")
         state, closers = build_state(config, args.served_model_name, args.step_log,
                                      separate_process=not args.engine_in_process,
                                      stream_interval=args.stream_interval,
-                                     stream_stall_timeout=args.stream_stall_timeout)
+                                     stream_stall_timeout=args.stream_stall_timeout,
+                                     profile_endpoint=args.enable_profile_endpoint,
+                                     step_log_max_bytes=int(args.step_log_max_mb * 1024 * 1024))
     except GraphserveError as exc:
         print(f"graphserve serve: {exc.message}", file=sys.stderr)
         return 2
-    server = GracefulServer(uvicorn_config(create_app(state), args.host, args.port, args.log_level), state,
+    app = create_app(state, guards)
+    server = GracefulServer(uvicorn_config(app, args.host, args.port, args.log_level, guards, state.metrics), state,
                             args.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", config.model, args.host, args.port)
     try:
@@ -152,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
     if server.failed or state.engine.load_error is not None:
         logger.error("engine failed to start: %s", state.engine.load_error)
         return 1
+    if server.forced:
+        return FORCED_EXIT_CODE
     return 0
 
 
@@ -180,8 +229,11 @@ class ServerThread:
         self.state, self._closers = build_state(self.config, self.opts.get("served_model_name"),
                                                 self.opts.get("step_log"),
                                                 stream_interval=self.opts.get("stream_interval", 1),
-                                                stream_stall_timeout=self.opts.get("stream_stall_timeout", 30.0))
-        config = uvicorn_config(create_app(self.state), self.host, self.port, self.opts.get("log_level", "warning"))
+                                                stream_stall_timeout=self.opts.get("stream_stall_timeout", 30.0),
+                                                profile_endpoint=self.opts.get("enable_profile_endpoint", False))
+        guards = self.opts.get("guards") or GuardOptions()
+        config = uvicorn_config(create_app(self.state, guards), self.host, self.port,
+                                self.opts.get("log_level", "warning"), guards, self.state.metrics)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="graphserve-http", daemon=True)

@@ -75,8 +75,18 @@ class ServerMetrics:
                                     ["graph"], registry=r)
         self.requests = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                 ["finish_reason"], registry=r)
+        self.request_errors = Counter(PREFIX + "request_errors", "Responses with a 4xx/5xx status, or an error "
+                                      "event in a stream, by status code and error type.", ["code", "reason"],
+                                      registry=r)
+        self.request_aborted = Counter(PREFIX + "request_aborted", "Requests stopped before they finished: "
+                                       "cancelled (client gone), or failed by a shutdown or an engine fault.",
+                                       ["reason"], registry=r)
         for graph in ("true", "false"):
             self.decode_steps.labels(graph=graph)
+
+    def on_abort(self, request_id: str, error: Any) -> None:
+        """AsyncEngine hook (loop thread): a request stopped before it finished."""
+        self.request_aborted.labels(reason="cancelled" if error is None else error.error_type).inc()
 
     def on_step(self, rec: StepRecord) -> None:
         """Telemetry listener (engine thread)."""

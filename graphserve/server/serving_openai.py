@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from graphserve.outputs import TokenLogprob
 from graphserve.server.deltas import ChoiceDelta
-from graphserve.server.errors import SSE_HEADERS
+from graphserve.server.errors import SSE_HEADERS, recorded_events
+from graphserve.server.prompts import chat_engine_prompt, engine_prompts, token_table
 from graphserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from graphserve.server.state import ServerState
 from graphserve.server.streams import (
@@ -22,11 +23,14 @@ from graphserve.server.streams import (
     merged,
     new_choice_pieces,
     new_id,
+    sse,
     sse_stream,
     start_jobs,
     until_disconnect,
     usage,
 )
+from graphserve.structured.tool_calls import ToolChoice, chat_message
+from graphserve.structured.tool_stream import tool_call_chunks
 
 
 def _completion_logprobs(state: ServerState, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -44,9 +48,11 @@ def _completion_logprobs(state: ServerState, lps: list[TokenLogprob], offset: in
 
 
 def _chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict[str, Any]:
+    table = token_table(state)
+
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = state.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": state.token_text(token_id), "logprob": logprob,
+                "bytes": list(table.token_bytes(token_id))}
 
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in lps]}
@@ -55,15 +61,16 @@ def _chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict[str, Any
 async def create_completion(req: CompletionRequest, request: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     params = req.to_sampling_params()
-    prompts = req.prompts()
+    prompts = await engine_prompts(state, "prompt", req.prompts())
     rid = new_id("cmpl")
     jobs = start_jobs(state.engine, state.metrics, rid, prompts, params)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     n = params.n
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(sse_stream(_completion_chunks(state, jobs, head, n, include_usage)),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        chunks = _completion_chunks(state, jobs, head, n, include_usage)
+        return StreamingResponse(sse_stream(recorded_events(request, chunks)), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
     choices = []
@@ -106,44 +113,74 @@ async def _completion_chunks(
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     params = req.to_sampling_params()
-    prompt = state.chat_prompt(req.template_messages(), req.add_generation_prompt)
+    tools = req.tool_choice_mode()
+    prompt = await chat_engine_prompt(state, req.template_messages(), req.add_generation_prompt, req.tools)
     rid = new_id("chatcmpl")
     jobs = start_jobs(state.engine, state.metrics, rid, [prompt], params)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        return StreamingResponse(sse_stream(_chat_chunks(state, jobs, chunk_head, params.n, include_usage)),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        chunks = (_chat_chunks(state, jobs, chunk_head, include_usage) if tools is None or tools.mode == "none"
+                  else _tool_chat_chunks(state, jobs, chunk_head, include_usage, tools))
+        return StreamingResponse(sse_stream(recorded_events(request, chunks)), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
     job = jobs[0]
-    choices = [{
-        "index": o.index,
-        "message": {"role": "assistant", "content": o.text},
-        "logprobs": _chat_logprobs(state, o.logprobs) if o.logprobs is not None else None,
-        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-    } for o in job.outputs()]
+    choices = []
+    for o in job.outputs():
+        message, finish_reason = chat_message(o.text, o.finish_reason, tools)  # tool calls parsed out
+        choices.append({
+            "index": o.index, "message": message,
+            "logprobs": _chat_logprobs(state, o.logprobs) if o.logprobs is not None else None,
+            "finish_reason": finish_reason, "stop_reason": o.stop_reason,
+        })
     choices.sort(key=lambda c: c["index"])
     return JSONResponse({**head, "choices": choices, "usage": usage(jobs)})
 
 
 async def _chat_chunks(
-    state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool
+    state: ServerState, jobs: list[Job], head: dict[str, Any], include_usage: bool
 ) -> AsyncIterator[bytes]:
+    # The role rides on each choice's first chunk, with its first content: a role-only chunk sent before the
+    # engine produced anything would make clients that time TTFT from the first chunk read it too short.
     frame = ChunkFrame(head)
-    # The role goes out first, once per choice, as OpenAI does; clients key the message on it.
-    for i in range(n):
-        yield frame.choice({"index": i, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None})
+    started: set[int] = set()
     async for _, c, _ in _new_pieces(jobs):
-        if c.logprobs is None and c.finish_reason is None:
+        if c.index in started and c.logprobs is None and c.finish_reason is None:
             yield frame.text_choice(c.index, c.text, chat=True)
             continue
-        yield frame.choice({
-            "index": c.index, "delta": {"content": c.text} if c.text else {},
-            "logprobs": _chat_logprobs(state, c.logprobs) if c.logprobs is not None else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-        })
+        yield frame.choice(_chat_choice(state, c, first=c.index not in started))
+        started.add(c.index)
     if include_usage:
         yield frame.tail({"usage": usage(jobs)})
+
+
+def _chat_choice(state: ServerState, c: ChoiceDelta, first: bool) -> dict[str, Any]:
+    delta: dict[str, Any] = {"role": "assistant", "content": c.text} if first else (
+        {"content": c.text} if c.text else {})
+    return {
+        "index": c.index, "delta": delta,
+        "logprobs": _chat_logprobs(state, c.logprobs) if c.logprobs is not None else None,
+        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+    }
+
+
+async def _tool_chat_chunks(
+    state: ServerState, jobs: list[Job], head: dict[str, Any], include_usage: bool, tools: ToolChoice
+) -> AsyncIterator[bytes]:
+    """A request with tools: chunks as dicts through tool_call_chunks, which turns each choice's content
+    into tool-call deltas (and puts the role on the first chunk that goes out), then encoded as events."""
+
+    async def chunks() -> AsyncIterator[dict[str, Any]]:
+        started: set[int] = set()
+        async for _, c, _ in _new_pieces(jobs):
+            yield {**head, "choices": [_chat_choice(state, c, first=c.index not in started)]}
+            started.add(c.index)
+        if include_usage:
+            yield {**head, "choices": [], "usage": usage(jobs)}
+
+    async for chunk in tool_call_chunks(chunks(), tools):
+        yield sse(chunk)
+

@@ -17,6 +17,7 @@ class ServerState:
     model_name: str  # the name responses carry (first of --served-model-name)
     accepted_names: set[str] = field(default_factory=set)  # names a request may ask for
     draining: bool = False
+    profile_endpoint: bool = False  # POST /v1/profile exists (--enable-profile-endpoint)
     drain_retry_after: float = 5.0
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -32,14 +33,16 @@ class ServerState:
                 param="model", code="model_not_found",
             )
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         template = self.engine.core.chat_template
         if template is None:
             raise BadRequestError(f"model {self.model_name!r} has no chat template: use /v1/completions",
                                   param="messages")
         try:
             return self.engine.tokenizer.apply_chat_template(
-                messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False,
+                tools=tools,
             )
         except Exception as exc:  # noqa: BLE001 - a template that rejects the messages is the caller's input
             raise BadRequestError(f"messages cannot be rendered by the model's chat template: {exc}",

@@ -22,6 +22,7 @@ class StepOutputs:
     finishes: dict[int, tuple[str, Any]] = field(default_factory=dict)  # row -> (finish_reason, stop_reason)
     logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)  # row -> (lp, top)
     errors: dict[int, str] = field(default_factory=dict)
+    error_params: dict[int, str] = field(default_factory=dict)  # row -> the request field its error blames
     # request id -> (first scheduled time, cached prompt tokens): sent once, with the request's first row
     first_seen: dict[str, tuple[float | None, int]] = field(default_factory=dict)
 
@@ -47,6 +48,8 @@ class StepOutputs:
             last = len(self.request_ids) - 1
             if co.error is not None:
                 self.errors[last] = co.error
+                if co.error_param is not None:
+                    self.error_params[last] = co.error_param
             if co.finish_reason is not None:
                 self.finishes[last] = (co.finish_reason, co.stop_reason)
                 reported.discard(rid)
@@ -59,5 +62,6 @@ class StepOutputs:
         self.finishes.update({base + r: v for r, v in other.finishes.items()})
         self.logprobs.update({base + r: v for r, v in other.logprobs.items()})
         self.errors.update({base + r: v for r, v in other.errors.items()})
+        self.error_params.update({base + r: v for r, v in other.error_params.items()})
         for rid, v in other.first_seen.items():
             self.first_seen.setdefault(rid, v)

@@ -6,6 +6,7 @@ The line keeps SGLang's exact wording so the same log tools (ours: ``graphserve 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -55,17 +56,33 @@ class StepLogger:
 
 
 class JsonlStepSink:
-    """Writes every StepRecord as one JSON line (``--step-log FILE``)."""
+    """Writes every StepRecord as one JSON line (``--step-log FILE``), flushed at once so a reader (or a
+    crash) sees every step; past ``max_bytes`` the file moves to FILE.1 (replacing the previous backup)
+    and a new one starts, so a long-running server never fills the disk."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, max_bytes: int | None = None):
+        self.path = path
+        self.max_bytes = max_bytes
         self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._size = os.path.getsize(path)
         self._lock = threading.Lock()
 
     def on_step(self, rec: StepRecord) -> None:
+        line = rec.to_json() + "\n"
         with self._lock:
-            if not self._file.closed:
-                self._file.write(rec.to_json() + "\n")
-                self._file.flush()
+            if self._file.closed:
+                return
+            if self.max_bytes is not None and self._size and self._size + len(line) > self.max_bytes:
+                self._rotate()
+            self._file.write(line)
+            self._file.flush()
+            self._size += len(line.encode("utf-8"))
+
+    def _rotate(self) -> None:
+        self._file.close()
+        os.replace(self.path, self.path + ".1")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._size = 0
 
     def close(self) -> None:
         with self._lock:

@@ -22,7 +22,7 @@ from graphserve.kernels.gemv import (
     silu_mul_gemv,
     silu_mul_gemv_reference,
 )
-from graphserve.kernels.gemv_config import choose_config
+from graphserve.kernels.gemv_config import choose_config, load_rule, rule_for
 from graphserve.kernels.norm import fused_add_rms_norm, rms_norm
 from graphserve.layers import linear as linear_mod
 from graphserve.layers.norm import RMSNorm
@@ -146,27 +146,38 @@ def test_cuda_graph_replay_matches_eager(name, m, gen):
 
 
 @torch.inference_mode()
-def test_layers_route_decode_batches_to_gemv_and_larger_ones_to_cublas(gen):
-    lin = linear_mod.Linear(3072, 1024, bias=True, device="cuda", dtype=DT).requires_grad_(False)
-    small = torch.randn(linear_mod.GEMV_MAX_M, 3072, device="cuda", generator=gen).to(DT)
-    large = torch.randn(linear_mod.GEMV_MAX_M + 1, 3072, device="cuda", generator=gen).to(DT)
+def test_layers_route_by_the_measured_rule(gen):
+    """Each kind of call takes gemv up to the rows gemv_rule.json lists for its shape, cuBLAS above."""
+    rule = rule_for(torch.device("cuda"))
+    assert rule.limits, f"gemv_rule.json was measured on {load_rule().device}, not on this card"
+    lin = linear_mod.Linear(3072, 1024, bias=True, device="cuda", dtype=DT).requires_grad_(False)  # qwen3-0.6b down
+    top = rule.max_rows("linear", 1024, 3072)
+    assert top > 0, "the committed measurement has gemv winning at one row on this shape"
+    small = torch.randn(top, 3072, device="cuda", generator=gen).to(DT)
+    large = torch.randn(top + 1, 3072, device="cuda", generator=gen).to(DT)
     assert linear_mod.use_gemv(small, lin.weight) and not linear_mod.use_gemv(large, lin.weight)
     assert torch.equal(lin(small), gemv(small, lin.weight, lin.bias))
     assert torch.equal(lin(large), F.linear(large, lin.weight, lin.bias))
-    gate_up = torch.randn(2, 6144, device="cuda", generator=gen).to(DT)
-    assert torch.equal(linear_mod.silu_mul_linear(gate_up, lin), silu_mul_gemv(gate_up, lin.weight, lin.bias))
-    big_gate_up = torch.randn(linear_mod.GEMV_MAX_M + 1, 6144, device="cuda", generator=gen).to(DT)
-    assert torch.equal(linear_mod.silu_mul_linear(big_gate_up, lin), lin(silu_and_mul(big_gate_up)))
-    # a norm feeding a projection: fused into the gemv at decode rows, the norm kernel then cuBLAS above
-    norm = RMSNorm(3072, EPS).to("cuda", DT)
-    residual = torch.randn(linear_mod.GEMV_MAX_M, 3072, device="cuda", generator=gen).to(DT)
-    y, summed = linear_mod.norm_linear(norm, small, residual, lin)
-    expect_y, expect_summed = norm_gemv(small, norm.weight, EPS, lin.weight, lin.bias, residual)
-    assert torch.equal(y, expect_y) and torch.equal(summed, expect_summed)
-    big_residual = torch.randn(linear_mod.GEMV_MAX_M + 1, 3072, device="cuda", generator=gen).to(DT)
-    h, expect_summed = fused_add_rms_norm(large, big_residual, norm.weight, EPS)
-    y, summed = linear_mod.norm_linear(norm, large, big_residual.clone(), lin)
-    assert torch.equal(y, F.linear(h, lin.weight, lin.bias)) and torch.equal(summed, expect_summed)
-    # a weight over the cap (Llama-3-8B's down projection, 112 MiB) stays on cuBLAS even at one row
-    down = torch.empty(4096, 14336, device="cuda", dtype=DT)
-    assert not linear_mod.use_gemv(small[:1, :1].expand(1, 14336).contiguous(), down)
+    fused_top = rule.max_rows("silu_mul", 1024, 3072)
+    for rows in {1, fused_top, fused_top + 1} - {0}:
+        gate_up = torch.randn(rows, 6144, device="cuda", generator=gen).to(DT)
+        expect = (silu_mul_gemv(gate_up, lin.weight, lin.bias) if rows <= fused_top
+                  else lin(silu_and_mul(gate_up)))  # fmt: skip
+        assert torch.equal(linear_mod.silu_mul_linear(gate_up, lin), expect), rows
+    # a norm feeding a projection (qwen3-0.6b qkv): fused into the gemv where measured faster
+    qkv = linear_mod.Linear(1024, 4096, bias=False, device="cuda", dtype=DT).requires_grad_(False)
+    norm = RMSNorm(1024, EPS).to("cuda", DT)
+    norm_top = rule.max_rows("norm", 4096, 1024)
+    for rows in {1, norm_top, norm_top + 1} - {0}:
+        x = torch.randn(rows, 1024, device="cuda", generator=gen).to(DT)
+        residual = torch.randn(rows, 1024, device="cuda", generator=gen).to(DT)
+        y, summed = linear_mod.norm_linear(norm, x, residual.clone(), qkv)
+        if rows <= norm_top:
+            expect_y, expect_summed = norm_gemv(x, norm.weight, EPS, qkv.weight, None, residual)
+        else:
+            h, expect_summed = fused_add_rms_norm(x, residual, norm.weight, EPS)
+            expect_y = qkv(h)
+        assert torch.equal(y, expect_y) and torch.equal(summed, expect_summed), rows
+    # a shape the benchmark never measured stays on cuBLAS even at one row
+    other = torch.empty(1000, 3000, device="cuda", dtype=DT)
+    assert not linear_mod.use_gemv(torch.randn(1, 3000, device="cuda", generator=gen).to(DT), other)

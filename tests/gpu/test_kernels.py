@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphserve.engine.forward_batch import ForwardBatch
 from graphserve.kernels.activation import silu_and_mul, silu_and_mul_reference
 from graphserve.kernels.decode_attention import decode_attention, decode_attention_reference
 from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference
@@ -21,6 +20,7 @@ from graphserve.kernels.qk_rope_kv import qk_norm_rope_kv_write, qk_norm_rope_kv
 from graphserve.kernels.rotary import apply_rotary, apply_rotary_reference, rotary_cos_sin
 from graphserve.layers.attention import TorchAttentionBackend
 from graphserve.layers.attention_triton import TritonAttentionBackend
+from graphserve.layers.forward_batch import ForwardBatch
 
 DTYPES = [torch.bfloat16, torch.float16]
 TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}

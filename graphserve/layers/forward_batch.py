@@ -36,6 +36,9 @@ class ForwardBatch:
     max_seq_len: int
     kv_caches: list[torch.Tensor] = field(default_factory=list)  # one per layer
     attn_backend: AttentionBackend | None = None
+    # real rows of a padded batch (CUDA-graph padding), as a device scalar: rows past it route to no
+    # expert in MoE layers. None: every row is real.
+    num_valid_tokens: torch.Tensor | None = None
     # host-side copies for the CPU backend and bookkeeping (never read on the GPU hot path)
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
@@ -65,7 +68,8 @@ def contiguous_batch(
     """
     if len(query_lens) != len(context_lens) or any(q < 1 or q > c for q, c in zip(query_lens, context_lens)):
         raise ValueError(f"need 1 <= query_len <= context_len per sequence, got {query_lens} / {context_lens}")
-    num_blocks, block_size = kv_caches[0].shape[1], kv_caches[0].shape[2]
+    cache = kv_caches[0]  # [2, blocks, block_size, heads, dim] (K/V) or [blocks, block_size, 1, dim] (latent)
+    num_blocks, block_size = (cache.shape[1], cache.shape[2]) if cache.dim() == 5 else (cache.shape[0], cache.shape[1])
     device = kv_caches[0].device
     tables, slots, positions, qsl = [], [], [], [0]
     block = first_block

@@ -1,0 +1,206 @@
+"""FP8 weights on the decode and prefill paths, against their floors and against bf16 in the same run.
+
+- decode: ``dummy:llama3-8b --quantization fp8`` (128x128 block scales) CUDA-graph steps at
+  (bs 1, ctx 512), (bs 64, ctx 2048), (bs 256, ctx 2048); the floor is the bytes the step must read
+  (ModelDescription.decode_read_bytes: FP8 projections plus their scales, bf16 embedding rows and
+  head, the KV in context) over the best read bandwidth of this run (benchmarks.roofline probes and
+  the steps themselves), or FLOPs over the measured FP8 matmul peak where that is larger. The bf16
+  model with the same seed runs the same steps.
+- prefill 8x2048 with FP8 weights: FLOPs computed (as benchmarks/prefill.py counts them) over the
+  FP8 matmul peak, measured here with ``torch._scaled_mm`` on 8192^3 (per-tensor scales, bf16 out).
+- GEMMs: per Llama-3-8B projection and row count (1 to 16384), the FP8-weight gemv, activation
+  quantization, the Triton W8A8 kernel, ``torch._scaled_mm``'s block-scaled mode (where the build has
+  it) and bf16 cuBLAS: where the small-batch path pays off, and which block-scaled GEMM is faster.
+- accuracy: top-1 agreement and mean KL(bf16 || fp8) of the two models' logits over 4x256 tokens.
+- the same decode steps with ``--kv-cache-dtype fp8_e4m3`` as well (its floor counts one byte per
+  cached element), with its own accuracy row.
+
+Decode rows go to benchmarks/results/fp8_decode.json as {"model","bs","ctx","step_ms","floor_ms",
+"ratio","bf16_step_ms"}; the other tables ride along in the same file.
+
+Run: python3 -m benchmarks.fp8 [--quick] [--models dummy:llama3-8b dummy:qwen3-30b-a3b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import cuda_time_ms, print_table, write_result
+from benchmarks.decode import make_batch, step_cost
+from benchmarks.roofline import ReadBandwidth, matmul_tflops, measured_read_bw
+from graphserve.config import EngineConfig
+from graphserve.engine.graphs import GraphRunner
+from graphserve.kernels.fp8_gemm import blockwise_scale_layout, scaled_mm_blockwise, w8a8_matmul
+from graphserve.kernels.fp8_gemv import fp8_gemv
+from graphserve.kernels.fp8_quant import per_token_group_quant, quantize_weight_blocks
+from graphserve.layers.attention_triton import TritonAttentionBackend
+from graphserve.layers.forward_batch import contiguous_batch
+from graphserve.models.loader import load_model
+
+LLAMA3_8B_PROJECTIONS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def fp8_matmul_tflops(n: int = 8192) -> float:
+    """``torch._scaled_mm`` on n^3 with per-tensor scales: the FP8 tensor-core rate prefill is held to."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    w = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    ms = cuda_time_ms(lambda: torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                      warmup=5, iters=20)
+    return 2 * n**3 / (ms / 1e3) / 1e12
+
+
+def _blockwise_scaled_mm_ms(a, a_s, wq, ws_layout, ref) -> float | str:
+    """torch._scaled_mm's block-scaled mode where this torch/CUDA build has it (checked against the
+    Triton kernel's output first), else the reason it refused, reported in the table."""
+    try:
+        out = scaled_mm_blockwise(a, a_s, wq, ws_layout)
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        return f"unsupported: {str(e).splitlines()[0][:60]}"
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    if err > 1e-2:
+        return f"wrong result: relative error {err:.2e}"
+    return cuda_time_ms(lambda: scaled_mm_blockwise(a, a_s, wq, ws_layout))
+
+
+def gemm_rows(batches: list[int]) -> list[dict]:
+    """Per projection and row count: the FP8-weight gemv (<= 16 rows), activation quantization alone,
+    the Triton W8A8 GEMM, torch._scaled_mm block-scaled, bf16 cuBLAS."""
+    rows = []
+    for name, (n, k) in LLAMA3_8B_PROJECTIONS.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        wq, ws = quantize_weight_blocks(w, 128, 128)
+        ws_layout = blockwise_scale_layout(ws)
+        for m in batches:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            gemv_ms = cuda_time_ms(lambda x=x, wq=wq, ws=ws: fp8_gemv(x, wq, ws, 128, 128)) if m <= 16 else None
+            a, a_s = per_token_group_quant(x, 128)
+            ref = w8a8_matmul(a, a_s, wq, ws, 128, 128, torch.bfloat16)
+            rows.append({
+                "proj": name, "n": n, "k": k, "m": m, "fp8_gemv_ms": gemv_ms,
+                "act_quant_ms": cuda_time_ms(lambda x=x: per_token_group_quant(x, 128)),
+                "w8a8_triton_ms": cuda_time_ms(lambda a=a, a_s=a_s, wq=wq, ws=ws:
+                                               w8a8_matmul(a, a_s, wq, ws, 128, 128, torch.bfloat16)),
+                "scaled_mm_block_ms": _blockwise_scaled_mm_ms(a, a_s, wq, ws_layout, ref),
+                "bf16_ms": cuda_time_ms(lambda x=x, w=w: F.linear(x, w)),
+            })
+    return rows
+
+
+def prefill_tflops(model, info, kv_caches, n: int, length: int) -> tuple[float, float]:
+    """(ms, TFLOP/s computed) of one prefill of ``n`` sequences of ``length`` tokens."""
+    batch = contiguous_batch([length] * n, [length] * n, kv_caches, TritonAttentionBackend(), vocab_size=1000)
+    head = model.lm_head.weight
+    skip = {id(head), *(id(p) for p in model.model.embed_tokens.parameters())}
+    layer_params = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in skip)
+
+    def run():
+        hidden = model.forward(batch.input_ids, batch.positions, batch)
+        return model.compute_logits(hidden[batch.logits_indices])
+
+    ms = cuda_time_ms(run, warmup=2, iters=5)
+    tokens = n * length
+    flops = (2 * layer_params * tokens + 2 * head.numel() * n
+             + n * 4 * (length * (length + 1) // 2) * info.num_heads * info.head_dim * info.num_layers)
+    return ms, flops / (ms / 1e3) / 1e12
+
+
+def reference_logits(model, kv_caches, seqs: int = 4, length: int = 256) -> torch.Tensor:
+    torch.manual_seed(0)  # contiguous_batch draws the token ids from torch's global generator
+    batch = contiguous_batch([length] * seqs, [length] * seqs, kv_caches, TritonAttentionBackend(), vocab_size=1000)
+    return model.compute_logits(model.forward(batch.input_ids, batch.positions, batch)).float()
+
+
+def run_model(name: str, quantization: str, cases: list[tuple[int, int]], bw: ReadBandwidth,
+              prefill: tuple[int, int] | None, kv_cache_dtype: str = "auto") -> dict:
+    device = torch.device("cuda")
+    max_ctx = max(c for _, c in cases)
+    cfg = EngineConfig(model=name, device="cuda", quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                       max_model_len=max(max_ctx, 2048) + 64)
+    loaded = load_model(cfg, device)
+    model, info = loaded.model, loaded.info
+    bsz = cfg.block_size
+    sizes = sorted({bs for bs, _ in cases})
+    tokens = max(max(bs * (c + 2 * bsz) for bs, c in cases), prefill[0] * prefill[1] if prefill else 0)
+    kv_caches = info.kv.allocate(tokens // bsz + 2, bsz, device, fill="random")
+    backend = TritonAttentionBackend()
+    out = {"steps": {}}
+    with torch.inference_mode():
+        out["logits"] = reference_logits(model, kv_caches)
+        graphs = GraphRunner(model, backend, kv_caches, sizes, (max_ctx + 64) // bsz + 1, cfg.max_model_len, device)
+        graphs.capture()
+        for bs, ctx in cases:
+            batch = make_batch(bs, ctx, kv_caches, backend)
+            read, flops = step_cost(info, bs, ctx)
+            ms = cuda_time_ms(lambda g=graphs, b=batch: g.replay(b).argmax(-1), warmup=3, iters=20)
+            bw.observe(f"{name} {quantization} decode bs={bs} ctx={ctx}", read, ms)
+            out["steps"][(bs, ctx)] = {"step_ms": ms, "read_bytes": read, "flops": flops}
+            print(f"{name} quantization={quantization} kv={kv_cache_dtype} bs={bs} ctx={ctx}: {ms:.3f} ms, "
+                  f"{read / 1e9:.2f} GB to read")
+        del graphs
+        if prefill:
+            out["prefill_ms"], out["prefill_tflops"] = prefill_tflops(model, info, kv_caches, *prefill)
+    del model, loaded, kv_caches
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def agreement(ref: torch.Tensor, test: torch.Tensor) -> dict:
+    top1 = (ref.argmax(-1) == test.argmax(-1)).float().mean().item()
+    kl = F.kl_div(test.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    return {"top1_agreement": top1, "mean_kl": kl.mean().item(), "rows": ref.shape[0]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", nargs="+", default=["dummy:llama3-8b"])
+    p.add_argument("--quick", action="store_true", help="bs 1 ctx 512 and bs 64 ctx 2048 only; no bs 256")
+    args = p.parse_args()
+    cases = [(1, 512), (64, 2048)] + ([] if args.quick else [(256, 2048)])
+    bw, bf16_peak, fp8_peak = measured_read_bw(), matmul_tflops(), fp8_matmul_tflops()
+    print(f"probes: {bw.describe()}; matmul peak bf16 {bf16_peak:.0f}, fp8 {fp8_peak:.0f} TFLOP/s")
+    small = gemm_rows([1, 2, 4, 8, 16, 32, 64, 256, 2048, 16384])
+    print_table(small, ["proj", "m", "fp8_gemv_ms", "act_quant_ms", "w8a8_triton_ms", "scaled_mm_block_ms", "bf16_ms"])
+
+    decode, prefill, accuracy = [], [], []
+    for name in args.models:
+        dense = "llama" in name
+        bf16 = run_model(name, "none", cases, bw, (8, 2048) if dense else None)
+        fp8 = run_model(name, "fp8", cases, bw, (8, 2048) if dense else None)
+        # and with the KV cache in fp8 too: the reads that dominate at long context halve as well
+        fp8_kv = run_model(name, "fp8", cases, bw, None, kv_cache_dtype="fp8_e4m3")
+        for label, run in ((f"{name} --quantization fp8", fp8),
+                           (f"{name} --quantization fp8 --kv-cache-dtype fp8_e4m3", fp8_kv)):
+            accuracy.append({"model": label, **agreement(bf16["logits"], run["logits"])})
+            for bs, ctx in cases:
+                s, b = run["steps"][(bs, ctx)], bf16["steps"][(bs, ctx)]
+                decode.append({"model": label, "bs": bs, "ctx": ctx, "step_ms": s["step_ms"],
+                               "read_bytes": s["read_bytes"], "flops": s["flops"], "bf16_step_ms": b["step_ms"],
+                               "bf16_read_bytes": b["read_bytes"]})
+        if dense:
+            prefill.append({"model": name, "shape": "8x2048", "fp8_ms": fp8["prefill_ms"], "bf16_ms": bf16["prefill_ms"],
+                            "fp8_tflops": fp8["prefill_tflops"], "fp8_peak_tflops": fp8_peak,
+                            "ratio": fp8["prefill_tflops"] / fp8_peak})
+    # floors last: the best read rate of the whole run (probes and every step) is the denominator
+    for r in decode:
+        r.update({k: v for k, v in bw.ratios(r["step_ms"], r["read_bytes"], r["flops"], fp8_peak).items()
+                  if k in ("floor_ms", "ratio")})
+        r["vs_bf16"] = r["step_ms"] / r["bf16_step_ms"]
+        r["bf16_floor_ms"] = bw.floor_ms(r["bf16_read_bytes"])
+    print(f"\nfloor: {bw.describe()}")
+    print_table(decode, ["model", "bs", "ctx", "step_ms", "floor_ms", "ratio", "bf16_step_ms", "vs_bf16"])
+    print_table(prefill, ["model", "shape", "fp8_ms", "bf16_ms", "fp8_tflops", "fp8_peak_tflops", "ratio"])
+    print_table(accuracy, ["model", "top1_agreement", "mean_kl", "rows"])
+    write_result("fp8_decode", {
+        "ceilings": {"read": bw.summary(), "bf16_matmul_tflops": bf16_peak, "fp8_matmul_tflops": fp8_peak},
+        "rows": decode, "prefill": prefill, "accuracy": accuracy, "small_batch": small,
+    })
+
+
+if __name__ == "__main__":
+    main()

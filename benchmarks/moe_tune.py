@@ -1,0 +1,250 @@
+"""Tune the MoE expert kernels' tiles for one model's expert shape and write the table the engine reads.
+
+For each batch bucket (T tokens, k slots: T * k pairs) it times the whole expert path
+(sort/align, gate_up, down, slot sum) inside CUDA graphs on random routing, alternating two
+weight copies so the routed experts come from HBM as in a decode step, not from L2. Per block_m
+it sweeps the gate_up tile with a default down tile, then the down tile with the best gate_up
+one; the per-pair streaming path is timed at the small buckets and wins its buckets while it is
+faster. The table goes to graphserve/kernels/moe_configs/ (and $OUT when set).
+
+Run: python3 -m benchmarks.moe_tune --model dummy:qwen3-30b-a3b       (about 5-8 minutes on an H200)
+     python3 -m benchmarks.moe_tune --experts 128 --hidden 2048 --intermediate 768 --top-k 8 --dtype bfloat16
+     add --quick for a 4-bucket smoke run (under a minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+from benchmarks.common import environment, print_table
+from graphserve.kernels.moe_config import (
+    GemmTile,
+    GemvTile,
+    MoeTiles,
+    default_gemv_tiles,
+    device_name,
+    table_path,
+)
+from graphserve.kernels.moe_fused import fused_experts
+from graphserve.kernels.moe_routing import moe_softmax_topk
+
+# expert shapes of the dummy presets: (experts, hidden, intermediate per expert, top_k)
+SHAPES = {
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+    "olmoe-1b-7b": (64, 2048, 1024, 8),
+    "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4),
+}
+TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+QUICK_TOKENS = [1, 8, 64, 256]
+SMEM_LIMIT = 200 * 1024  # H100/H200 allow 227 KiB per block; leave room for the epilogue
+DEVICE = torch.device("cuda")  # the CPU smoke test of the sweep's logic swaps in the CPU interpreter
+# streaming tiles: a K step's weight tile of at most 64 elements a thread (gate_up's tile is its
+# gate and up rows, down's all k slots), since the next step's tile is prefetched into registers
+# beside it; larger ones spill (ptxas, sm_90: [32, 512] on 4 warps spills 5 KB)
+GEMV_TILES = [GemvTile(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (128, 256, 512) for w in (4, 8)]
+
+
+def gemv_candidates(top_k: int) -> tuple[list[GemvTile], list[GemvTile]]:
+    """(gate_up, down) streaming tiles within the register budget for ``top_k`` slots."""
+    slots = triton.next_power_of_2(top_k)
+    gate_up = [g for g in GEMV_TILES if 2 * g.block_n * g.block_k <= 64 * 32 * g.num_warps]
+    down = [g for g in GEMV_TILES if slots * g.block_n * g.block_k <= 64 * 32 * g.num_warps]
+    return gate_up, down
+
+
+def gemm_candidates(per_expert: float, gated: bool, quick: bool) -> list[GemmTile]:
+    """A pruned tile space: block_m up to twice the average rows per expert, shared memory that fits."""
+    cap = max(16, min(128, triton.next_power_of_2(max(1, int(per_expert))) * 2))
+    out = []
+    for bm in (16, 32, 64, 128):
+        if bm > cap:
+            continue
+        for bn in (32, 64, 128, 256):
+            if (bm == 16 and bn == 256) or (bm >= 64 and bn == 32):
+                continue
+            for bk in (64, 128, 256):
+                if bm >= 64 and bk == 256:
+                    continue
+                for stages in (3, 4):
+                    smem = stages * 2 * (bm * bk + (2 if gated else 1) * bk * bn)
+                    if smem > SMEM_LIMIT:
+                        continue
+                    out.append(GemmTile(bm, bn, bk, 8 if bm >= 64 else 1, 4 if bm * bn <= 8192 else 8, stages))
+    if quick:
+        out = out[:: max(1, len(out) // 6)]
+    return out
+
+
+def graph_ms(fn) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph of enough calls to fill about 2 ms.
+
+    Lighter than triton.testing.do_bench_cudagraph (which captures 15-20 ms per timing): the
+    sweep times several hundred tiles per model and must finish inside 10 minutes.
+    """
+    fn()  # compiles outside the capture
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    end.synchronize()
+    calls = max(1, min(100, int(2.0 / max(start.elapsed_time(end) / 3, 1e-3))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
+
+
+class _Bucket:
+    """One batch: T random tokens routed by random logits, run against both weight copies."""
+
+    def __init__(self, sets: list, t: int, e: int, h: int, k: int, dtype: torch.dtype, gen: torch.Generator):
+        self.sets = sets
+        self.x = torch.randn(t, h, device=DEVICE, generator=gen).to(dtype)
+        self.w, self.ids = moe_softmax_topk(torch.randn(t, e, device=DEVICE, generator=gen), k, True)
+
+    def ms(self, **overrides) -> float:
+        def run() -> None:
+            for w13, w2 in self.sets:  # two weight copies: the second call's experts are not in L2
+                fused_experts(self.x, w13, w2, self.w, self.ids, **overrides)
+
+        try:
+            return graph_ms(run) / len(self.sets)
+        except OutOfResources as err:  # raised while compiling, before any capture: skip the tile
+            print(f"skipped {overrides}: {err}")
+            return float("inf")
+
+
+def _tune_gemm(bucket: _Bucket, per_expert: float, quick: bool) -> tuple[GemmTile, GemmTile, float]:
+    """Per block_m: the best gate_up tile under a default down tile, then the best down tile."""
+    best = (None, None, float("inf"))
+    gated, plain = gemm_candidates(per_expert, True, quick), gemm_candidates(per_expert, False, quick)
+    for bm in sorted({c.block_m for c in gated}):
+        dn = GemmTile(bm, 64, 128, 8 if bm >= 64 else 1, 4, 3)
+        gu_ms = {c: bucket.ms(path="gemm", gemm_tiles=(c, dn)) for c in gated if c.block_m == bm}
+        gu = min(gu_ms, key=gu_ms.get)
+        dn_ms = {c: bucket.ms(path="gemm", gemm_tiles=(gu, c)) for c in plain if c.block_m == bm}
+        dn = min(dn_ms, key=dn_ms.get)
+        if dn_ms[dn] < best[2]:
+            best = (gu, dn, dn_ms[dn])
+    if best[0] is None:
+        raise RuntimeError(f"no tile compiled for {per_expert:.1f} rows per expert; see the skipped tiles above")
+    return best
+
+
+def _tune_gemv(bucket: _Bucket, k: int, default_down: GemvTile) -> tuple[GemvTile, GemvTile]:
+    gate_up, down = gemv_candidates(k)
+    gu_ms = {g: bucket.ms(path="gemv", gemv_tiles=(g, default_down)) for g in gate_up}
+    gu = min(gu_ms, key=gu_ms.get)
+    dn_ms = {g: bucket.ms(path="gemv", gemv_tiles=(gu, g)) for g in down}
+    return gu, min(dn_ms, key=dn_ms.get)
+
+
+def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget_s: float) -> tuple[MoeTiles, list]:
+    start = time.monotonic()
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    sets = [
+        ((torch.randn(e, 2 * i, h, device=DEVICE, generator=gen) * h**-0.5).to(dtype),
+         (torch.randn(e, h, i, device=DEVICE, generator=gen) * i**-0.5).to(dtype))
+        for _ in range(2)
+    ]  # fmt: skip
+    default_gemv = default_gemv_tiles(k, i, h)
+    buckets, gate_up, down, rows = [], [], [], []
+    small_max_pairs, gemv_best, gemv_winning = 0, None, True
+    for t in QUICK_TOKENS if quick else TOKENS:
+        bucket = _Bucket(sets, t, e, h, k, dtype, gen)
+        over_budget = time.monotonic() - start > budget_s
+        if over_budget and gate_up:
+            print(f"time budget {budget_s:.0f} s spent: bucket T={t} reuses the previous bucket's tiles")
+            best_gu, best_dn, best_ms = gate_up[-1], down[-1], float("nan")
+        else:
+            best_gu, best_dn, best_ms = _tune_gemm(bucket, t * k / e, quick)
+        gemv_ms = float("nan")
+        if gemv_winning and t * k <= 256 and not over_budget:
+            gemv_best = gemv_best or _tune_gemv(bucket, k, default_gemv[1])
+            gemv_ms = bucket.ms(path="gemv", gemv_tiles=gemv_best)
+            if gemv_ms < best_ms:
+                small_max_pairs = t * k  # the streaming path wins every bucket up to here
+            else:
+                gemv_winning = False
+        buckets.append(t * k)
+        gate_up.append(best_gu)
+        down.append(best_dn)
+        row = {"tokens": t, "pairs": t * k, "gemm_us": best_ms * 1e3, "gemv_us": gemv_ms * 1e3,
+               "gate_up": _short(best_gu), "down": _short(best_dn), "elapsed_s": time.monotonic() - start}  # fmt: skip
+        rows.append(row)
+        print_table([row], list(row))
+    gemv_best = gemv_best or default_gemv
+    tiles = MoeTiles(small_max_pairs, gemv_best[0], gemv_best[1], tuple(buckets), tuple(gate_up), tuple(down))
+    return tiles, rows
+
+
+def _short(tile: GemmTile | None) -> str:
+    if tile is None:
+        return "-"
+    return f"{tile.block_m}x{tile.block_n}x{tile.block_k} g{tile.group_m} w{tile.num_warps} s{tile.num_stages}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help=f"a dummy preset's expert shape: {', '.join('dummy:' + s for s in SHAPES)}")
+    p.add_argument("--experts", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--intermediate", type=int, help="intermediate size of one expert (before tensor parallelism)")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--tp-size", type=int, default=1, help="tune for the per-rank shard I / tp-size")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--quick", action="store_true", help="4 buckets, a sixth of the tiles: a smoke run")
+    p.add_argument("--budget-s", type=float, default=540.0, help="stop sweeping new buckets after this long")
+    p.add_argument("--out-dir", type=Path, default=None, help="where the table goes (default: the package)")
+    args = p.parse_args()
+    if args.model:
+        name = args.model.removeprefix("dummy:")
+        if name not in SHAPES:
+            p.error(f"--model {args.model!r} is not one of {', '.join('dummy:' + s for s in SHAPES)}")
+        e, h, i, k = SHAPES[name]
+    else:
+        if None in (args.experts, args.hidden, args.intermediate):
+            p.error("give --model, or all of --experts, --hidden and --intermediate")
+        e, h, i, k = args.experts, args.hidden, args.intermediate, args.top_k
+    if i % args.tp_size:
+        p.error(f"--intermediate {i} is not divisible by --tp-size {args.tp_size}")
+    i //= args.tp_size
+    dtype = getattr(torch, args.dtype)
+    print(f"tuning experts={e} hidden={h} intermediate={i} top_k={k} {args.dtype} on {torch.cuda.get_device_name(0)}")
+    tiles, rows = tune(e, h, i, k, dtype, args.quick, args.budget_s)
+    device = device_name(torch.device("cuda"))
+    path = table_path(e, i, h, dtype, device)
+    if args.out_dir is not None:
+        path = args.out_dir / path.name
+    payload = {"experts": e, "intermediate": i, "hidden": h, "dtype": args.dtype, "device": device, "top_k": k,
+               "quick": args.quick, "environment": environment(), **tiles.to_json(), "measurements": rows}  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], path.name).write_text(json.dumps(payload, indent=1))
+    print(f"small path up to {tiles.small_max_pairs} pairs; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Markdown tables for benchmarks/RESULTS.md, rendered from the result files themselves, so no number
+in RESULTS.md is typed by hand.
+
+Run: python3 -m benchmarks.results_md FILE[:KEY][=COL,COL,...] ...
+  FILE  a JSON under benchmarks/results/ (name without .json, or a path)
+  KEY   the list of rows inside it (default "rows")
+  COLS  the columns to show, in order (default: every column of the first row)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchmarks.common import RESULTS_DIR
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.1f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return "—" if v is None else str(v)
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def render(spec: str) -> str:
+    name, _, cols = spec.partition("=")
+    name, _, key = name.partition(":")
+    path = Path(name) if name.endswith(".json") else RESULTS_DIR / f"{name}.json"
+    data = json.loads(path.read_text())
+    rows = data.get(key or "rows", [])
+    if isinstance(rows, dict):
+        rows = [rows]
+    if not rows:
+        return f"`{path.name}`: no rows under {key or 'rows'!r}"
+    columns = cols.split(",") if cols else list(rows[0])
+    env = data.get("environment", {})
+    head = f"`results/{path.name}` · {env.get('device', '?')} · {env.get('date', '?')} · commit {env.get('commit', '?')}"
+    return head + "\n\n" + table(rows, columns)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("specs", nargs="+")
+    for spec in p.parse_args().specs:
+        print(render(spec))
+        print()
+
+
+if __name__ == "__main__":
+    main()

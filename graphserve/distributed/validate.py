@@ -1,0 +1,55 @@
+"""``--tp``/``--ep`` checked against the model before anything starts (the server calls this before it
+binds its port): the family's own ``describe`` splits heads, KV heads, intermediate sizes and experts,
+and a split that does not divide is refused naming the field and the sizes that would work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from graphserve.errors import ConfigError, ModelLoadError
+
+if TYPE_CHECKING:
+    from graphserve.config import EngineConfig
+
+
+def model_hf_config(source: str) -> dict[str, Any]:
+    """config.json of a model source (HF folder, ``builtin:``, ``dummy:``), without loading weights."""
+    from graphserve.models.builtin import ensure_builtin
+    from graphserve.models.presets import get_preset_config
+
+    if source.startswith("dummy:"):
+        return dict(get_preset_config(source.removeprefix("dummy:")))
+    folder = ensure_builtin(source.removeprefix("builtin:")) if source.startswith("builtin:") else \
+        Path(source).expanduser()
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"config.json is missing from model folder {folder}", param="model")
+    return json.loads(path.read_text())
+
+
+def check_parallel(config: EngineConfig) -> None:
+    """Raise ConfigError when ``--tp``/``--ep`` cannot split ``config.model``; a no-op on one rank."""
+    if config.tp == 1 and config.ep == 1:
+        return
+    import torch
+
+    from graphserve.models.registry import describe_model
+
+    hf = model_hf_config(config.model)
+    try:
+        description = describe_model(hf, torch.bfloat16, tp=config.tp, ep=config.ep)
+    except ModelLoadError as e:
+        flag = "--ep" if config.ep > 1 and ("expert" in e.message) else "--tp"
+        value = config.ep if flag == "--ep" else config.tp
+        raise ConfigError(f"{flag}={value} does not fit {config.model}: {e.message}", param=flag[2:]) from e
+    world = max(config.tp, config.ep)
+    on_cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    first = int(config.device.split(":")[1]) if config.device.startswith("cuda:") else 0
+    if on_cuda and torch.cuda.device_count() < first + world:
+        raise ConfigError(f"--tp={config.tp} --ep={config.ep} runs {world} ranks, one GPU each from cuda:{first}, "
+                          f"but {torch.cuda.device_count()} GPU(s) are visible", param="tp")
+    if config.ep > 1 and not description.is_moe:
+        raise ConfigError(f"--ep={config.ep} places experts on ranks, but {config.model} has no experts: "
+                          f"use --tp", param="ep")

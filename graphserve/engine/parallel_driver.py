@@ -1,0 +1,68 @@
+"""The driver rank's side of ``--tp``/``--ep``: check the split, start the other ranks, join their group;
+and at the end, stop them in the order that cannot hang (graphs, then ranks, then the group)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphserve.distributed.state import destroy_parallel, get_parallel, init_parallel, world_size_of
+from graphserve.distributed.validate import check_parallel
+from graphserve.engine.ranks import RankPool
+
+if TYPE_CHECKING:
+    from graphserve.config import EngineConfig
+    from graphserve.engine.runner import ModelRunner
+
+logger = logging.getLogger("graphserve.ranks")
+
+
+def start_ranks(config: EngineConfig, device: torch.device) -> RankPool | None:
+    """Start ranks 1..world-1 and join them as rank 0; None when the engine runs on one rank."""
+    world = world_size_of(config.tp, config.ep)
+    if world == 1:
+        return None
+    check_parallel(config)  # the split and the GPU count, as the server checked before binding its port
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        cpu_threads_per_rank(world)
+    pool = RankPool(config, world, device)
+    pool.restore_threads = threads
+    try:
+        parallel = init_parallel(0, config.tp, config.ep, pool.init_method, device)
+        if device.type == "cuda":
+            from graphserve.distributed.custom_all_reduce import maybe_enable_custom_all_reduce
+
+            maybe_enable_custom_all_reduce(parallel, config, device)
+    except BaseException:
+        stop_ranks(pool, None)
+        raise
+    logger.info("%d ranks joined (tp=%d, ep=%d, %s)", world, config.tp, config.ep, parallel.backend)
+    return pool
+
+
+def cpu_threads_per_rank(world: int) -> None:
+    """CPU ranks share the host's cores: without a split each would start one thread per core, and the
+    ranks' collectives would wait on threads the OS has descheduled."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+
+def stop_ranks(pool: RankPool, runner: ModelRunner | None) -> None:
+    """Tell the ranks to stop (when they are alive and in the group), release this rank's graphs, wait
+    for them, leave the group."""
+    from graphserve.engine.rank_worker import release_runner
+    from graphserve.engine.step_sync import StepSender
+
+    if pool.failure is None and get_parallel().distributed and runner is not None:
+        try:
+            StepSender().shutdown()
+        except Exception:  # noqa: BLE001 - a rank died meanwhile: stop() kills what is left
+            logger.exception("sending shutdown to the ranks failed")
+    if runner is not None:
+        release_runner(runner)
+    pool.stop(timeout=20.0 if runner is not None else 0.0)  # no runner: the ranks are mid start-up, kill them
+    destroy_parallel()
+    torch.set_num_threads(pool.restore_threads)

@@ -1,0 +1,155 @@
+"""Ranks as processes: the driver (rank 0, where the scheduler runs) starts one process per other rank,
+watches them, and they watch it.
+
+A rank is started with ``subprocess`` rather than ``multiprocessing``: the server's engine process is
+itself a daemonic child, which multiprocessing forbids from having children. Its start-up arguments (the
+rank, the EngineConfig, the rendezvous address) travel pickled through its stdin once; the pipe then
+stays open, and its end-of-file is how a rank learns that the driver died: it exits at once, so no rank
+outlives its driver (no orphans, whatever killed the driver).
+
+The driver watches its ranks on a thread. A rank that exits unasked ends the engine: the other ranks
+are killed (a collective would otherwise wait for the dead one forever), and then
+- in a process that only runs the engine (the server's engine process), the process exits with
+  ``RANK_FAILURE_EXIT``: the server fails the in-flight requests and /health turns 503, as for any
+  engine death;
+- in the user's own process (``LLM``, ``--engine-in-process``), the engine is marked dead and every
+  later step raises ``RankFailure`` (the step in flight raises too: its peers are gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from graphserve.config import EngineConfig
+
+logger = logging.getLogger("graphserve.ranks")
+
+RANK_FAILURE_EXIT = 75
+# The server's engine process (server/engine_process.py names it so): a process that only runs the engine.
+ENGINE_PROCESS_NAME = "graphserve-engine"
+_STOP_TIMEOUT_S = 20.0
+
+
+class RankFailure(RuntimeError):
+    """A rank died: the engine cannot run another step."""
+
+
+def free_tcp_address() -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def rank_device(base: torch.device, rank: int) -> torch.device:
+    """Rank r runs on the r-th GPU after the driver's (CPU ranks share the host)."""
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+class RankPool:
+    """The driver's handle on ranks 1..world-1."""
+
+    def __init__(self, config: EngineConfig, world_size: int, device: torch.device) -> None:
+        self.init_method = free_tcp_address()
+        self.failure: str | None = None
+        self.restore_threads = torch.get_num_threads()  # the driver's intra-op threads before the ranks shared the host
+        self._stopping = False
+        self._lock = threading.Lock()
+        self.procs: list[subprocess.Popen] = []
+        level = logging.getLogger().getEffectiveLevel()
+        for rank in range(1, world_size):
+            proc = subprocess.Popen([sys.executable, "-m", "graphserve.engine.ranks"], stdin=subprocess.PIPE)
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps((rank, config, self.init_method, str(device), level)))
+            proc.stdin.flush()
+            self.procs.append(proc)
+            logger.info("tp/ep rank %d started: pid %d", rank, proc.pid)
+        for rank, proc in enumerate(self.procs, start=1):
+            threading.Thread(target=self._watch, args=(rank, proc), name=f"graphserve-rank{rank}-watch",
+                             daemon=True).start()
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        with self._lock:
+            if self._stopping or self.failure is not None:
+                return
+            self.failure = f"rank {rank} (pid {proc.pid}) exited with code {code}"
+        logger.error("%s: the engine cannot continue; stopping the other ranks", self.failure)
+        self._kill_all()
+        if multiprocessing.current_process().name == ENGINE_PROCESS_NAME:
+            os._exit(RANK_FAILURE_EXIT)  # the server's engine process: the server reports the death
+        from graphserve.distributed.state import get_parallel
+
+        group = get_parallel().device_group
+        if get_parallel().backend == "nccl" and group is not None:
+            try:  # unblock a collective waiting on the dead rank
+                group._get_backend(torch.device("cuda")).abort()
+            except Exception:  # noqa: BLE001 - best effort: the step raises on its own once peers are gone
+                logger.exception("aborting the NCCL communicator failed")
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise RankFailure(f"a tensor-parallel rank died ({self.failure}); restart the engine")
+
+    def _kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+
+    def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
+        """After the shutdown header was sent: wait for the ranks to leave, kill those that do not."""
+        with self._lock:
+            self._stopping = True
+        for proc in self.procs:
+            if timeout <= 0:
+                proc.kill()
+            try:
+                proc.wait(timeout if timeout > 0 else 10.0)
+            except subprocess.TimeoutExpired:
+                logger.warning("rank pid %d did not stop within %.0f s: killing it", proc.pid, timeout)
+                proc.kill()
+                proc.wait()
+            if proc.stdin is not None:
+                proc.stdin.close()
+
+
+def _exit_when_driver_dies() -> None:
+    sys.stdin.buffer.read()  # returns at end-of-file: the driver closed the pipe or died
+    os._exit(0)
+
+
+def worker_main() -> None:
+    """A rank other than the driver: join the group, load its shard, then run the driver's steps."""
+    # Ctrl-C reaches the whole process group: the driver decides what happens, then stops its ranks
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rank, config, init_method, device_name, level = pickle.load(sys.stdin.buffer)
+    threading.Thread(target=_exit_when_driver_dies, name="graphserve-driver-watch", daemon=True).start()
+    logging.basicConfig(level=level, format=f"[%(asctime)s rank{rank}] %(message)s", force=True)
+    code = 0
+    try:
+        from graphserve.engine.rank_worker import RankWorker
+
+        RankWorker(rank, config, init_method, rank_device(torch.device(device_name), rank)).serve()
+    except BaseException:  # noqa: BLE001 - logged; the driver sees the exit code and fails the engine
+        logging.getLogger("graphserve.ranks").exception("rank %d failed", rank)
+        code = 1
+    logging.shutdown()
+    # skip interpreter teardown: it would wait on the thread reading stdin, CUDA or gloo threads
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    worker_main()

@@ -1,0 +1,267 @@
+"""Profile the next N decode steps of a live engine with torch.profiler: where does a step go?
+
+The serving loop hands each engine iteration to ``StepProfiler.iteration`` while a profile runs
+(server/core_driver.py; `graphserve profile --model` drives a core itself). Phases, in order:
+
+- ``graph``: the steps as they run (CUDA graphs replayed), when the engine captured graphs;
+- ``eager``: the same requests with graph replay switched off (runner.graphs set aside), after a few
+  unprofiled warm-up steps. The memory plan already reserves the eager decode batch's activations.
+
+Each phase traces ``steps`` + 1 decode steps (on CUDA the first only gives the next one its start),
+then runs one untraced iteration so that the last traced step's telemetry record (its measured step
+time) arrives. The trace is read by analysis/step_trace.py. Some torch/CUDA versions do not show the
+kernels inside a graph replay; then the graph phase's kernel times come from the eager phase (the same
+kernels on the same batch) and its gaps are its measured step time minus them; the result says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from graphserve.analysis.step_trace import CATEGORIES, ITERATION, LAUNCH, breakdown, unmatched_device_work
+
+logger = logging.getLogger(__name__)
+
+EAGER_WARMUP_STEPS = 3
+# A graph phase that shows fewer kernels than this share of the eager phase's did not see the replays.
+GRAPH_VISIBLE_SHARE = 0.5
+TOP_KERNELS = 12
+# Routed-expert layers: all their work (routing, sort/align, grouped GEMMs, and on CPU the reference loop
+# of per-expert matmuls) is MoE time, whatever its ops are called.
+MOE_MODULES = ("FusedMoE",)
+
+
+class StepProfiler:
+    def __init__(self, core: Any, steps: int, on_done: Callable[[dict], None], max_iterations: int | None = None):
+        self.core, self.steps, self.on_done = core, steps, on_done
+        runner = core.runner
+        self.device = runner.device.type
+        self.phases = ["graph", "eager"] if runner.graphs is not None else ["eager"]
+        self.max_iterations = max_iterations or max(100, 20 * steps)
+        self.results: list[dict] = []
+        self.cancelled = False
+        self.active = True
+        self._phase = -1
+        self._saved_graphs = None
+        self._restore: list[Callable[[], None]] = []
+        self._prof: profile | None = None
+
+    # -- the loop's side -------------------------------------------------------------------------
+    def iteration(self, step: Callable[[], Any]) -> Any:
+        """Run one engine iteration (``step()``) inside the profile; returns what it returns."""
+        if self.cancelled:
+            self.close()
+            return step()
+        if self._phase < 0 and not self._guard(self._start_phase):  # nothing is touched before a step comes
+            return step()
+        self._iterations += 1
+        if self._warmup > 0:  # untraced: eager kernels compile and settle first
+            self._warmup -= 1
+            out = step()
+            if self._warmup == 0:
+                self._guard(self._trace_start)
+            return out
+        if self._prof is None:  # draining: the last traced step's record arrives now
+            out = step()
+            self._guard(self._finish_phase)
+            return out
+        with record_function(ITERATION):
+            out = step()
+        decode = sum(1 for x in self._launches if x["kind"] == "decode")
+        if decode >= self.steps + 1 or self._iterations >= self.max_iterations:
+            self._guard(self._trace_stop)
+        return out
+
+    def _guard(self, bookkeeping: Callable[[], None]) -> bool:
+        """Run profiler bookkeeping; a failure ends the profile (and says why to the caller), never the step
+        and its requests."""
+        try:
+            bookkeeping()
+            return True
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("the step profile failed")
+            self.close()
+            self.on_done({"error": f"the profile failed: {type(exc).__name__}: {exc}", "code": 500, "phases": []})
+            return False
+
+    def cancel(self) -> None:
+        """From another thread: stop at the next iteration, putting the engine back as it was."""
+        self.cancelled = True
+
+    def close(self) -> None:
+        """From the loop's thread: stop now and put the engine back as it was (graphs, methods)."""
+        self._teardown()
+        self.active = False
+
+    # -- phases ----------------------------------------------------------------------------------
+    def _start_phase(self) -> None:
+        self._phase += 1
+        self._launches: list[dict] = []
+        self._iterations = 0
+        mode = self.phases[self._phase]
+        self._warmup = EAGER_WARMUP_STEPS if mode == "eager" and self.device == "cuda" else 0
+        if mode == "eager" and self.core.runner.graphs is not None:
+            self._saved_graphs, self.core.runner.graphs = self.core.runner.graphs, None
+        if self._warmup == 0:
+            self._trace_start()
+
+    def _trace_start(self) -> None:
+        self._hook()
+        # A step launched before the trace resolves inside it (overlap schedule): its record is not ours.
+        self._skip_records = 1 if self.core.has_step_in_flight else 0
+        self._last_step_id = max((r.step for r in self.core.telemetry.records()[-1:]), default=0)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        self._prof = profile(activities=acts)
+        self._prof.start()
+
+    def _trace_stop(self) -> None:
+        assert self._prof is not None
+        self._prof.stop()
+        tmp = tempfile.mkdtemp(prefix="graphserve-profile-")
+        try:
+            path = os.path.join(tmp, "trace.json")
+            self._prof.export_chrome_trace(path)
+            with open(path, encoding="utf-8") as f:
+                self._events = json.load(f).get("traceEvents", [])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._prof = None
+        self._unhook_methods()
+
+    def _finish_phase(self) -> None:
+        self._teardown()
+        self.results.append(self._summarise(self.phases[self._phase]))
+        self._events = []
+        if self._phase + 1 < len(self.phases):
+            self._start_phase()
+            return
+        self.active = False
+        self.on_done(self._result())
+
+    def _teardown(self) -> None:
+        if self._prof is not None:
+            self._prof.stop()
+            self._prof = None
+        self._unhook_methods()
+        if self._saved_graphs is not None:
+            self.core.runner.graphs, self._saved_graphs = self._saved_graphs, None
+
+    # -- hooks: record_function ranges around the calls step_trace reads --------------------------
+    def _hook(self) -> None:
+        runner = self.core.runner
+        self._wrap(runner, "launch", LAUNCH, after=self._on_launch)
+        self._wrap(runner.sampler, "sample", "graphserve.sampling")
+        for name in ("forward", "attend"):
+            self._wrap(runner.attn_backend, name, "graphserve.attention")
+        for module in runner.model.modules():
+            if type(module).__name__ in MOE_MODULES:
+                self._wrap(module, "forward", "graphserve.moe")
+
+    def _wrap(self, obj: Any, name: str, label: str, after: Callable[[Any], None] | None = None) -> None:
+        inner = getattr(obj, name)
+        had = name in vars(obj)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with record_function(label):
+                try:
+                    out = inner(*args, **kwargs)
+                except BaseException:
+                    if after is not None:
+                        after(None)
+                    raise
+            if after is not None:
+                after(args[0])
+            return out
+
+        setattr(obj, name, wrapped)
+        self._restore.append(lambda: setattr(obj, name, inner) if had else delattr(obj, name))
+
+    def _unhook_methods(self) -> None:
+        for undo in reversed(self._restore):
+            undo()
+        self._restore = []
+
+    def _on_launch(self, sched: Any) -> None:
+        if sched is None:  # the launch raised: keep the list aligned with the trace's launch ranges
+            self._launches.append({"kind": "failed", "batch_size": 0, "mode": ""})
+            return
+        shape = self.core.runner.last_shape
+        self._launches.append({"kind": sched.kind, "batch_size": len(sched.scheduled), "mode": shape.mode,
+                               "padded_size": shape.padded_size})
+
+    # -- results ---------------------------------------------------------------------------------
+    def _summarise(self, mode: str) -> dict:
+        steps = breakdown(self._events, self.device)
+        records = [r for r in self.core.telemetry.records() if r.step > self._last_step_id][self._skip_records:]
+        rows = []
+        for launch, bd, rec in zip(self._launches, steps, records + [None] * len(self._launches)):
+            ok = rec is not None and rec.kind == launch["kind"] and rec.batch_size == launch["batch_size"]
+            if launch["kind"] == "decode" and bd is not None and ok:
+                rows.append((launch, bd, rec))
+        rows = rows[-self.steps:]  # on CPU every traced step is measurable: keep exactly the steps asked for
+        out: dict[str, Any] = {"mode": mode, "steps": len(rows)}
+        if not rows:
+            out["error"] = (f"no decode step could be measured in {self._iterations} iterations "
+                            f"({len(self._launches)} launches: {sorted({x['kind'] for x in self._launches})})")
+            return out
+        mean = statistics.fmean
+        out.update({
+            "batch_size": int(statistics.median(x["batch_size"] for x, _, _ in rows)),
+            "run_as": sorted({x["mode"] for x, _, _ in rows}),
+            "step_ms": mean(rec.step_ms for _, _, rec in rows),
+            "span_ms": mean(bd.span_ms for _, bd, _ in rows),
+            "categories_ms": {c: mean(bd.categories_ms.get(c, 0.0) for _, bd, _ in rows) for c in CATEGORIES},
+            "kernels_per_step": mean(bd.kernels for _, bd, _ in rows),
+            "per_step": [{"step_ms": rec.step_ms, "span_ms": bd.span_ms, "batch_size": rec.batch_size}
+                         for _, bd, rec in rows],
+            "attribution": "measured",
+        })
+        names: dict[str, float] = {}
+        for _, bd, _ in rows:
+            for k, v in bd.kernel_ms.items():
+                names[k] = names.get(k, 0.0) + v / len(rows)
+        if self.device == "cuda":
+            out["unmatched_device_work"] = unmatched_device_work(self._events)
+        out["top_kernels"] = [{"name": k[:120], "ms": v} for k, v in sorted(names.items(), key=lambda kv: -kv[1])
+                              [:TOP_KERNELS]]
+        return out
+
+    def _result(self) -> dict:
+        notes = []
+        if self.device == "cpu":
+            notes.append("CPU: no CUDA graphs, so the step runs eagerly and only the eager phase is shown; "
+                         "work is the outermost aten ops, the rest of each iteration is host time")
+        elif "graph" not in self.phases:
+            notes.append("the engine captured no CUDA graphs (--disable-cuda-graph?): eager phase only")
+        for p in self.results:
+            if p.get("unmatched_device_work"):
+                notes.append(f"{p['mode']}: {p['unmatched_device_work']} kernels/copies in the trace had no launch call "
+                             "to match them to a step; their time is counted as gaps")
+        by_mode = {p["mode"]: p for p in self.results}
+        graph, eager = by_mode.get("graph"), by_mode.get("eager")
+        if graph and eager and "error" not in graph and "error" not in eager:
+            if graph["kernels_per_step"] < GRAPH_VISIBLE_SHARE * eager["kernels_per_step"]:
+                seen = graph["kernels_per_step"]
+                cats = {c: eager["categories_ms"][c] for c in CATEGORIES if c != "gaps_host"}
+                cats["gaps_host"] = max(0.0, graph["step_ms"] - sum(cats.values()))
+                graph.update({"categories_ms": cats, "span_ms": graph["step_ms"], "attribution": "eager",
+                              "kernels_seen_per_step": seen, "top_kernels": eager["top_kernels"]})
+                notes.append(f"the profiler saw {seen:.0f} kernels per graph replay step against "
+                             f"{eager['kernels_per_step']:.0f} eager (torch {torch.__version__} hides kernels "
+                             "inside CUDA graphs): the graph phase's kernel times are the eager phase's on the "
+                             "same batch, and its gaps are its measured step time minus them")
+        for p in self.results:
+            if "categories_ms" in p:  # shares of the step the engine measured, as printed
+                p["categories_pct"] = {c: 100.0 * v / p["step_ms"] for c, v in p["categories_ms"].items()}
+        return {"device": self.device, "model": self.core.config.model, "steps_requested": self.steps,
+                "torch": torch.__version__, "phases": self.results, "notes": notes}

@@ -1,0 +1,282 @@
+"""Multi-head latent attention in the absorbed form, over the paged latent cache (decode and extend).
+
+Inputs are in latent space: ``q_lat [T, H, r]`` (the query's no-rope part already multiplied by
+``W_UK``), ``q_rope [T, H, d]`` (rotated) and the cache ``[num_blocks, page, 1, r + d]`` whose rows
+are the latent ``c`` then the rope key. Scores are ``q_lat·c + q_rope·k_rope``; the values are the
+latents themselves, so one loaded tile ``[BLOCK_N, r + d]`` serves both products and every head
+of the program: a program owns ``BLOCK_T`` query tokens × ``BLOCK_H`` heads of one sequence as
+the rows of its tiles. The output ``o_lat [T, H, r]`` goes back through ``W_UV`` outside.
+
+Decode (``BLOCK_T = 1``) splits each context into ``num_splits`` pieces ("flash-decoding"): the
+grid is (head block, sequence, split), each split writes (log-sum-exp, normalised partial) and a
+second kernel merges them. The grid and scratch depend only on static sizes (batch, heads and the
+block-table width), never on ``seq_lens`` values, so a decode step can be captured in a CUDA graph.
+
+Prefill/extend stays absorbed too (causal, one split). Per (query token, key, head) the absorbed
+form multiplies 576 + 512 wide, the expanded form 192 + 128; expanding instead costs 512 x 256 per
+(key, head) -- ``kv_b_proj`` over the chunk *and its whole cached prefix*, every chunk -- plus an
+expanded K/V buffer of ``context x H x 320`` elements (1.3 GB for V3's 128 heads at a 16k context,
+bf16) that the memory plan would have to reserve for ``--max-model-len``. So the expanded form
+does fewer FLOPs only for chunks above 131072 / 768 ~ 171 new tokens, and always needs the buffer;
+the absorbed kernel reads the paged cache in place and is the same code as decode.
+benchmarks/mla.py times both for chunks of 64, 512 and 2048 tokens on a 4096-token prefix, so the
+trade stays measured.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from graphserve.kernels.common import interpreting, sm_count
+
+LOG2E = 1.4426950408889634
+# A split's time is a chain of dependent loads per inner step (block table, then the tile), so at
+# small batch short splits over many programs beat long ones: a bs-1 step at 16k context would take
+# 32 steps per program at 32 splits, 8 at 128. Merging costs 2 KiB of fp32 partial per split and head.
+MAX_SPLITS = 128
+MIN_SPLIT_TOKENS = 64  # each split keeps at least this much context (4 inner steps of 16)
+PROGRAMS_PER_SM = 2  # resident decode programs per SM at the default tile (see DECODE_CONFIG)
+
+
+@triton.jit
+def _mla_step(
+    q_lat, q_rope, q_pos, m_i, l_i, acc, n0, end, bt_row, cache_ptr, stride_cblk, stride_coff, scale_log2,
+    offs_r, r_mask, offs_d, d_mask, RANK: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over context tokens [n0, n0 + BLOCK_N): one cache tile, both products."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    base = block * stride_cblk + (offs_n % PAGE) * stride_coff
+    c = tl.load(cache_ptr + base[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    k_rope = tl.load(cache_ptr + base[:, None] + RANK + offs_d[None, :],
+                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    if IEEE_DOT:
+        s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
+        s += tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee")
+    else:
+        s = tl.dot(q_lat, tl.trans(c))
+        s += tl.dot(q_rope, tl.trans(k_rope))
+    visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+    s = tl.where(visible, s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mla_attention_kernel(
+    q_lat_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_start_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    scale_log2, num_splits, num_heads,
+    stride_qlt, stride_qlh, stride_qrt, stride_qrh,
+    stride_cblk, stride_coff, stride_bt,
+    stride_ot, stride_oh,
+    stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+):  # fmt: skip
+    # token/head blocks on axis 0 (up to 2^31 programs: a long chunk of V3's 128 heads exceeds the
+    # 65535 that axes 1 and 2 allow), sequences on axis 1
+    seq = tl.program_id(1)
+    n_hblocks = tl.cdiv(num_heads, BLOCK_H)
+    tblock = tl.program_id(0) // n_hblocks
+    hblock = tl.program_id(0) % n_hblocks
+    split = tl.program_id(2)
+    q_start = tl.load(q_start_ptr + seq)
+    qlen = tl.load(q_start_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_T * BLOCK_H)
+    t_local = tblock * BLOCK_T + rows // BLOCK_H
+    head = hblock * BLOCK_H + rows % BLOCK_H
+    row_mask = (t_local < qlen) & (head < num_heads)
+    tok = (q_start + t_local).to(tl.int64)
+    q_pos = seq_len - qlen + t_local  # each row's absolute position: it sees keys 0 .. q_pos
+    # keys this program needs: up to its last real token's position
+    last = tl.minimum((tblock + 1) * BLOCK_T, qlen)
+    ctx_end = tl.where(tblock * BLOCK_T < qlen, seq_len - qlen + last, 0)
+    split_len = tl.cdiv(tl.cdiv(ctx_end, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx_end)
+
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < RANK
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < ROPE
+    q_lat = tl.load(q_lat_ptr + tok[:, None] * stride_qlt + head[:, None] * stride_qlh + offs_r[None, :],
+                    mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+    q_rope = tl.load(q_rope_ptr + tok[:, None] * stride_qrt + head[:, None] * stride_qrh + offs_d[None, :],
+                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_T * BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_T * BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_R], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if WHILE_LOOP:  # the interpreter cannot take loaded values as range bounds (kernels/common.py)
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _mla_step(
+                q_lat, q_rope, q_pos, m_i, l_i, acc, n0, end, bt_row, cache_ptr, stride_cblk, stride_coff,
+                scale_log2, offs_r, r_mask, offs_d, d_mask, RANK, PAGE, BLOCK_N, IEEE_DOT,
+            )  # fmt: skip
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _mla_step(
+                q_lat, q_rope, q_pos, m_i, l_i, acc, n0, end, bt_row, cache_ptr, stride_cblk, stride_coff,
+                scale_log2, offs_r, r_mask, offs_d, d_mask, RANK, PAGE, BLOCK_N, IEEE_DOT,
+            )  # fmt: skip
+
+    o = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    mask = row_mask[:, None] & r_mask[None, :]
+    if DIRECT:
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_r[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(mid_o_ptr + tok[:, None] * stride_mo_t + head[:, None] * stride_mo_h + split * stride_mo_s
+                 + offs_r[None, :], o, mask=mask)
+        tl.store(mid_lse_ptr + tok * stride_ml_t + head * stride_ml_h + split, lse, mask=row_mask)
+
+
+@triton.jit
+def _mla_merge_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, num_splits,
+    stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+):  # fmt: skip
+    """Merge the splits of one (token, head): weights from every split's log-sum-exp, then the
+    partials summed CHUNK_S splits at a time (a [128, 512] fp32 tile would not fit in registers)."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_base = mid_lse_ptr + tok * stride_ml_t + head * stride_ml_h
+    lse = tl.load(lse_base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (a padding row): output 0
+    total = tl.sum(tl.exp2(lse - m), 0)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < RANK
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    s0 = 0
+    while s0 < num_splits:  # a while loop: the interpreter cannot take a scalar argument as a range bound
+        offs_c = s0 + tl.arange(0, CHUNK_S)
+        c_mask = offs_c < num_splits
+        w = tl.exp2(tl.load(lse_base + offs_c, mask=c_mask, other=float("-inf")) - m)
+        o = tl.load(mid_o_ptr + tok * stride_mo_t + head * stride_mo_h + offs_c[:, None] * stride_mo_s
+                    + offs_r[None, :], mask=c_mask[:, None] & r_mask[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        s0 += CHUNK_S
+    merged = acc / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_r, merged.to(out_ptr.dtype.element_ty), mask=r_mask)
+
+
+# Tile choice per mode: rows = BLOCK_T tokens x BLOCK_H heads share each loaded cache tile. The fp32
+# accumulator of 16-32 rows x 512 latent columns sets the register budget; compiled for sm_90 (ptxas
+# -v): decode at 16 rows x 16 tokens, 4 warps takes 218 registers and no spills (two programs fit an
+# SM, as PROGRAMS_PER_SM assumes), where 32 tokens per step at 4 warps spills; extend at 32 rows x 16
+# tokens needs 8 warps (237 registers) to stay spill-free. benchmarks/mla.py sweeps the alternatives.
+DECODE_CONFIG = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+EXTEND_CONFIG = {"BLOCK_T": 2, "BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
+
+
+def choose_num_splits(batch: int, head_blocks: int, max_context: int, num_sms: int) -> int:
+    """Splits per sequence; static sizes only (``max_context`` is the block-table capacity), so a
+    captured graph keeps a fixed grid whatever lengths it replays.
+
+    Programs run in waves of ``PROGRAMS_PER_SM x SMs``; a last wave that is mostly empty costs as much
+    as a full one, so the count is chosen for full waves (flash-decoding's heuristic): the fewest
+    splits whose wave efficiency is within 85% of the best, none when the batch already fills a wave.
+    """
+    slots = PROGRAMS_PER_SM * num_sms
+    programs = batch * head_blocks
+    useful = min(MAX_SPLITS, max(1, math.ceil(max_context / MIN_SPLIT_TOKENS)))
+    if programs >= 0.8 * slots or useful == 1:
+        return 1
+
+    def efficiency(splits: int) -> float:
+        waves = programs * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, useful + 1))
+    return next(s for s in range(1, useful + 1) if efficiency(s) >= 0.85 * best)
+
+
+def mla_attention(
+    q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *, max_query_len: int,
+    out: torch.Tensor | None = None, num_splits: int | None = None, config: dict | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``o_lat [T, H, r]`` of absorbed causal attention (see the module doc).
+
+    ``q_lat [T, H, r]`` and ``q_rope [T, H, d]`` may be strided views (the last dim contiguous);
+    ``cache [num_blocks, page, 1, r + d]``; ``block_tables [B, max_blocks]`` int32; ``seq_lens [B]``
+    context lengths including the new tokens; ``query_start_loc [B + 1]``. ``max_query_len == 1``
+    selects the split-KV decode path.
+    """
+    tokens, num_heads, rank = q_lat.shape
+    rope = q_rope.shape[-1]
+    page = cache.shape[1]
+    if cache.shape[-1] != rank + rope or cache.shape[2] != 1:
+        raise ValueError(f"cache rows are {tuple(cache.shape[2:])}, expected (1, {rank + rope}) for r={rank}, d={rope}")
+    if q_lat.stride(-1) != 1 or q_rope.stride(-1) != 1 or cache.stride(-1) != 1:
+        raise ValueError("mla_attention needs the last dim of q_lat, q_rope and cache contiguous")
+    if out is None:
+        out = torch.empty_like(q_lat)
+    batch = seq_lens.shape[0]
+    if tokens == 0 or batch == 0:
+        return out
+    decode = max_query_len == 1
+    cfg = dict(DECODE_CONFIG if decode else EXTEND_CONFIG)
+    if q_lat.dtype == torch.float32:  # fp32 tiles take twice the shared memory: halve the tile, no pipelining
+        cfg.update(BLOCK_N=16, num_stages=1)
+    cfg.update(config or {})
+    block_t = 1 if decode else cfg.get("BLOCK_T", 1)
+    block_h = cfg["BLOCK_H"]
+    head_blocks = triton.cdiv(num_heads, block_h)
+    if not decode:
+        num_splits = 1
+    elif num_splits is None:
+        num_splits = choose_num_splits(batch, head_blocks, block_tables.shape[1] * page, sm_count(q_lat.device))
+    direct = num_splits == 1
+    if direct:
+        mid_o = mid_lse = out  # unused when DIRECT
+    else:
+        mid_o = torch.empty(tokens, num_heads, num_splits, rank, dtype=torch.float32, device=q_lat.device)
+        mid_lse = torch.empty(tokens, num_heads, num_splits, dtype=torch.float32, device=q_lat.device)
+    block_r = triton.next_power_of_2(rank)
+    grid = (triton.cdiv(max_query_len, block_t) * head_blocks, batch, num_splits)
+    _mla_attention_kernel[grid](
+        q_lat, q_rope, cache, block_tables, seq_lens, query_start_loc, out, mid_o, mid_lse,
+        scale * LOG2E, num_splits, num_heads,
+        q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
+        cache.stride(0), cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if not direct else 0,
+        mid_lse.stride(0), mid_lse.stride(1),
+        RANK=rank, BLOCK_R=block_r, ROPE=rope, BLOCK_D=max(16, triton.next_power_of_2(rope)),
+        PAGE=page, BLOCK_N=cfg["BLOCK_N"], BLOCK_H=block_h, BLOCK_T=block_t,
+        DIRECT=direct, IEEE_DOT=q_lat.dtype == torch.float32, WHILE_LOOP=interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if not direct:
+        _mla_merge_kernel[(tokens, num_heads)](
+            mid_o, mid_lse, out, num_splits,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1),
+            RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_S=8, num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,222 @@
+"""Sort/align: group the (token, slot) pairs by expert into runs padded to the GEMM's BLOCK_M.
+
+The grouped GEMM gives each BLOCK_M-row tile one expert, so the pairs of expert e must occupy
+whole tiles. Two or three launches, none reading anything back to the host:
+1. ``moe_count_kernel`` (large batches only): pairs per global expert, atomics of per-program
+   histograms. The counts are also the layer's ``expert_counts`` telemetry, so padding rows are
+   masked out.
+2. ``moe_align_offsets_kernel`` (one program): at small batches the count itself, then the padded
+   run starts by a cumulative sum, the expert of every tile, the padded total, and the sentinel
+   fill of the sorted list.
+3. ``moe_align_scatter_kernel``: each routed pair claims a slot in its expert's run with an atomic
+   increment. Order within a run is arbitrary; every row of a tile is computed independently,
+   so the results do not depend on it.
+Every buffer is sized from T * k alone (worst case T * k + E_local * (BLOCK_M - 1) slots), so the
+sort lives inside CUDA graphs. Reference: kernels/moe_reference.moe_align_reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_P = 128  # pairs per program in the count and scatter kernels
+# Up to this many pairs (a decode batch of 128 at k = 8) one program counts them all, 32 steps of
+# elementwise adds at E = 128, and the count needs no launch of its own; beyond it the count is a
+# grid of atomic per-program histograms into a zeroed buffer, so no single loop grows with the batch.
+SINGLE_PROGRAM_MAX_PAIRS = 1024
+_FILL_BLOCK = 1024
+
+
+@triton.jit
+def _routed(ids_ptr, valid_ptr, offs, num_pairs, expert_start, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr,
+            HAS_VALID: tl.constexpr):  # fmt: skip
+    """(local expert id, routed mask) of pairs ``offs``: a real token, an expert on this rank."""
+    mask = offs < num_pairs
+    local = tl.load(ids_ptr + offs, mask=mask, other=-1) - expert_start
+    mask = mask & (local >= 0) & (local < E_LOCAL)
+    if HAS_VALID:
+        mask = mask & (tl.load(valid_ptr + offs // TOP_K, mask=offs < num_pairs, other=0) != 0)
+    return local, mask
+
+
+@triton.jit
+def pair_histogram(ids_ptr, valid_ptr, num_pairs, expert_start, TOP_K: tl.constexpr, NUM_BINS: tl.constexpr,
+                   HAS_VALID: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    """Routed pairs per expert in [expert_start, expert_start + NUM_BINS), all pairs read by one program.
+
+    No atomics and no zeroed buffer, so a small batch's count costs no extra launch. A while loop:
+    the interpreter cannot take a runtime scalar as a range bound (kernels/common.py); the counter
+    starts as an int32 tensor, not a Python 0, so its loop-carried type never changes.
+    """
+    bins = tl.arange(0, BLOCK_E)
+    # elementwise adds per step, one cross-thread reduction at the end
+    hits = tl.zeros((BLOCK_P, BLOCK_E), dtype=tl.int32)
+    p0 = tl.program_id(0) * 0
+    while p0 < num_pairs:
+        offs = p0 + tl.arange(0, BLOCK_P)
+        ids, mask = _routed(ids_ptr, valid_ptr, offs, num_pairs, expert_start, TOP_K, NUM_BINS, HAS_VALID)
+        ids = tl.where(mask, ids, -1)
+        hits += (ids[:, None] == bins[None, :]).to(tl.int32)
+        p0 += BLOCK_P
+    return tl.sum(hits, axis=0)
+
+
+@triton.jit
+def moe_count_kernel(ids_ptr, valid_ptr, counts_ptr, num_pairs, TOP_K: tl.constexpr, E: tl.constexpr,
+                     HAS_VALID: tl.constexpr, SINGLE: tl.constexpr, BLOCK_P: tl.constexpr,
+                     BLOCK_E: tl.constexpr):  # fmt: skip
+    """Pairs per global expert: one program storing the whole histogram (SINGLE), or per-program
+    histograms added atomically into a zeroed buffer (large batches)."""
+    experts = tl.arange(0, BLOCK_E)
+    if SINGLE:
+        hist = pair_histogram(ids_ptr, valid_ptr, num_pairs, 0, TOP_K, E, HAS_VALID, BLOCK_P, BLOCK_E)
+        tl.store(counts_ptr + experts, hist, mask=experts < E)
+    else:
+        offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        ids, mask = _routed(ids_ptr, valid_ptr, offs, num_pairs, 0, TOP_K, E, HAS_VALID)
+        ids = tl.where(mask, ids, -1)
+        hist = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        tl.atomic_add(counts_ptr + experts, hist, mask=(experts < E) & (hist > 0))
+
+
+@triton.jit
+def moe_align_offsets_kernel(
+    ids_ptr, valid_ptr, counts_ptr, cursor_ptr, expert_ids_ptr, sorted_ids_ptr, num_post_ptr,
+    expert_start, num_pairs, max_blocks,
+    TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_P: tl.constexpr,
+    OWNER_BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
+):  # fmt: skip
+    experts = tl.arange(0, BLOCK_E)
+    in_range = experts < E_LOCAL
+    if COUNT:  # a small batch: count here too, saving the count launch
+        hist = pair_histogram(ids_ptr, valid_ptr, num_pairs, 0, TOP_K, E, HAS_VALID, BLOCK_P, BLOCK_EG)
+        tl.store(counts_ptr + tl.arange(0, BLOCK_EG), hist, mask=tl.arange(0, BLOCK_EG) < E)
+        if E_LOCAL == E:
+            counts = hist
+        else:
+            counts = pair_histogram(ids_ptr, valid_ptr, num_pairs, expert_start, TOP_K, E_LOCAL, HAS_VALID,
+                                    BLOCK_P, BLOCK_E)  # fmt: skip
+    else:
+        counts = tl.load(counts_ptr + expert_start + experts, mask=in_range, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(cursor_ptr + experts, ends - padded, mask=in_range)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_post_ptr, total)
+    # while loops: the interpreter cannot take a runtime scalar as a range bound (kernels/common.py);
+    # the counters start as int32 tensors (not Python 0) so the loop-carried type never changes
+    b0 = tl.program_id(0) * 0
+    while b0 < max_blocks:
+        blocks = b0 + tl.arange(0, OWNER_BLOCK)
+        start = blocks * BLOCK_M
+        # a tile's expert is the number of runs that end at or before its start (empty runs included)
+        owner = tl.sum(((ends[None, :] <= start[:, None]) & in_range[None, :]).to(tl.int32), axis=1)
+        owner = tl.where(start < total, owner, -1)
+        tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
+        b0 += OWNER_BLOCK
+    p0 = tl.program_id(0) * 0
+    while p0 < max_blocks * BLOCK_M:
+        slots = p0 + tl.arange(0, FILL_BLOCK)
+        sentinel = tl.zeros((FILL_BLOCK,), dtype=tl.int32) + num_pairs
+        tl.store(sorted_ids_ptr + slots, sentinel, mask=slots < max_blocks * BLOCK_M)
+        p0 += FILL_BLOCK
+
+
+@triton.jit
+def moe_align_scatter_kernel(
+    ids_ptr, valid_ptr, cursor_ptr, sorted_ids_ptr, num_pairs, expert_start,
+    TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    local, mask = _routed(ids_ptr, valid_ptr, offs, num_pairs, expert_start, TOP_K, E_LOCAL, HAS_VALID)
+    slot = tl.atomic_add(cursor_ptr + local, 1, mask=mask)
+    tl.store(sorted_ids_ptr + slot, offs.to(tl.int32), mask=mask)
+
+
+@dataclass(frozen=True)
+class MoeAlignment:
+    """The sort the grouped GEMM reads. ``num_post_padded`` is a 1-element device tensor."""
+
+    sorted_ids: torch.Tensor  # int32 [max_blocks * block_m], pair ids, sentinel T * k in the padding
+    expert_ids: torch.Tensor  # int32 [max_blocks], local expert of each tile, -1 past the padded total
+    num_post_padded: torch.Tensor  # int32 [1]
+    block_m: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.expert_ids.numel()
+
+
+def histogram_block(block_e: int) -> int:
+    """Pairs per step of a one-program histogram: a [pairs, experts] tile of about 32 registers a thread."""
+    return max(8, 4096 // block_e)
+
+
+def max_padded_pairs(num_pairs: int, num_local_experts: int, block_m: int) -> int:
+    """Worst-case slots of the sorted list: every expert's run may end with block_m - 1 padding."""
+    return triton.cdiv(num_pairs + num_local_experts * (block_m - 1), block_m) * block_m
+
+
+def _valid_arg(valid: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like if valid is None else valid.view(torch.uint8)
+
+
+def moe_count(topk_ids: torch.Tensor, valid: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor:
+    """Fill ``counts`` (int32 [E]) with the routed pairs per global expert; padding rows excluded."""
+    num_pairs, top_k, e = topk_ids.numel(), topk_ids.shape[1], counts.numel()
+    single = num_pairs <= SINGLE_PROGRAM_MAX_PAIRS
+    if not single:
+        counts.zero_()
+    block_e = triton.next_power_of_2(e)
+    grid = (1,) if single else (triton.cdiv(num_pairs, _BLOCK_P),)
+    moe_count_kernel[grid](
+        topk_ids, _valid_arg(valid, topk_ids), counts, num_pairs,
+        TOP_K=top_k, E=e, HAS_VALID=valid is not None, SINGLE=single,
+        BLOCK_P=histogram_block(block_e) if single else _BLOCK_P, BLOCK_E=block_e,
+    )  # fmt: skip
+    return counts
+
+
+def moe_align(
+    topk_ids: torch.Tensor,
+    valid: torch.Tensor | None,
+    counts: torch.Tensor,
+    expert_start: int,
+    num_local_experts: int,
+    block_m: int,
+) -> MoeAlignment:
+    """Count (into ``counts``, global experts) and sort the routed pairs into BLOCK_M tiles per local expert."""
+    if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids must be contiguous int32, got {topk_ids.dtype}")
+    if valid is not None and (valid.dtype != torch.bool or valid.shape != topk_ids.shape[:1]):
+        raise ValueError(f"valid must be a bool mask [{topk_ids.shape[0]}], got {valid.dtype} {tuple(valid.shape)}")
+    if expert_start + num_local_experts > counts.numel():
+        raise ValueError(f"experts {expert_start}..{expert_start + num_local_experts} exceed counts [{counts.numel()}]")
+    device, num_pairs, top_k = topk_ids.device, topk_ids.numel(), topk_ids.shape[1]
+    slots = max_padded_pairs(num_pairs, num_local_experts, block_m)
+    sorted_ids = torch.empty(slots, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(slots // block_m, dtype=torch.int32, device=device)
+    num_post = torch.empty(1, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+    count_here = num_pairs <= SINGLE_PROGRAM_MAX_PAIRS
+    if not count_here:
+        moe_count(topk_ids, valid, counts)
+    block_e, block_eg = triton.next_power_of_2(num_local_experts), triton.next_power_of_2(counts.numel())
+    moe_align_offsets_kernel[(1,)](
+        topk_ids, _valid_arg(valid, topk_ids), counts, cursor, expert_ids, sorted_ids, num_post,
+        expert_start, num_pairs, slots // block_m,
+        TOP_K=top_k, E=counts.numel(), E_LOCAL=num_local_experts, HAS_VALID=valid is not None, COUNT=count_here,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_EG=block_eg, BLOCK_P=histogram_block(block_eg),
+        OWNER_BLOCK=max(16, 4096 // block_e), FILL_BLOCK=_FILL_BLOCK,
+    )  # fmt: skip
+    if num_pairs:
+        moe_align_scatter_kernel[(triton.cdiv(num_pairs, _BLOCK_P),)](
+            topk_ids, _valid_arg(valid, topk_ids), cursor, sorted_ids, num_pairs, expert_start,
+            TOP_K=top_k, E_LOCAL=num_local_experts, HAS_VALID=valid is not None, BLOCK_P=_BLOCK_P,
+        )  # fmt: skip
+    return MoeAlignment(sorted_ids, expert_ids, num_post, block_m)

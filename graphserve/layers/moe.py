@@ -1,0 +1,308 @@
+"""The mixture-of-experts layer: a router picks k experts per token, the experts' gated MLPs run fused.
+
+The model owns the gate projection (router logits) and any shared expert; this layer owns the
+routed experts' stacked weights and turns ``(hidden [T, H], router_logits [T, E])`` into the
+routed experts' weighted sum. A router is a routing mode: it maps fp32 logits to
+``(topk_weights fp32 [T, k], topk_ids int32 [T, k])`` and the expert kernels see only those, so a
+new mode (DeepSeek's grouped sigmoid top-k is one) never touches the kernels.
+
+On CUDA the experts run through kernels/moe_fused.py (routing, sort/align and grouped GEMM
+kernels, no host sync, CUDA-graph safe); elsewhere through the PyTorch reference of
+kernels/moe_reference.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from graphserve.errors import ModelLoadError
+from graphserve.kernels.moe_reference import (
+    expert_counts_reference,
+    experts_reference,
+    grouped_sigmoid_topk_reference,
+    softmax_topk_reference,
+    uniform_routing,
+)
+
+ROUTING_OVERRIDES = (None, "uniform")
+
+
+class Router(nn.Module):
+    """A routing mode: fp32 router logits [T, E] -> (weights fp32 [T, k], expert ids int32 [T, k])."""
+
+    scoring_func: str = ""
+
+    def __init__(self, num_experts: int, top_k: int):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ModelLoadError(f"num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+
+    def forward(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError  # every mode below defines it; the base class is never built
+
+
+class SoftmaxTopK(Router):
+    """softmax over all experts in fp32, the k largest, optionally renormalised to sum to 1.
+
+    Mixtral always renormalises; Qwen2/3-MoE and OLMoE follow ``norm_topk_prob``.
+    """
+
+    scoring_func = "softmax"
+
+    def __init__(self, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__(num_experts, top_k)
+        self.renormalize = renormalize
+
+    def forward(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if router_logits.is_cuda:
+            from graphserve.kernels.moe_routing import moe_softmax_topk
+
+            return moe_softmax_topk(router_logits, self.top_k, self.renormalize)
+        return softmax_topk_reference(router_logits, self.top_k, self.renormalize)
+
+
+class GroupedSigmoidTopK(Router):
+    """DeepSeek-V3's routing: sigmoid scores, ``e_score_correction_bias`` for the choice only,
+    top-k among the ``topk_group`` best of ``n_group`` expert groups, ``routed_scaling_factor``."""
+
+    scoring_func = "sigmoid"
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        renormalize: bool,
+        routed_scaling_factor: float,
+    ):
+        super().__init__(num_experts, top_k)
+        if n_group <= 0 or num_experts % n_group:
+            raise ModelLoadError(f"n_group={n_group} must divide n_routed_experts={num_experts}")
+        if not 0 < topk_group <= n_group:
+            raise ModelLoadError(f"topk_group={topk_group} must be in 1..n_group={n_group}")
+        if top_k > topk_group * (num_experts // n_group):
+            raise ModelLoadError(
+                f"num_experts_per_tok={top_k} exceeds the {topk_group * (num_experts // n_group)} experts "
+                f"of topk_group={topk_group} groups"
+            )
+        self.n_group, self.topk_group = n_group, topk_group
+        self.renormalize = renormalize
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        # checkpoint name: mlp.gate.e_score_correction_bias
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+
+    def forward(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        route = grouped_sigmoid_topk_reference
+        if router_logits.is_cuda:
+            from graphserve.kernels.moe_routing import moe_grouped_topk as route
+        return route(
+            router_logits, self.top_k, self.e_score_correction_bias, self.n_group, self.topk_group,
+            self.renormalize, self.routed_scaling_factor,
+        )  # fmt: skip
+
+
+def make_router(scoring_func: str, num_experts: int, top_k: int, **options) -> Router:
+    """The router a checkpoint's config asks for; an unknown ``scoring_func`` is refused by name."""
+    if scoring_func == "softmax":
+        return SoftmaxTopK(num_experts, top_k, renormalize=options.get("renormalize", False))
+    if scoring_func == "sigmoid":
+        return GroupedSigmoidTopK(num_experts, top_k, **options)
+    raise ModelLoadError(f"scoring_func={scoring_func!r} is not supported; supported: 'softmax', 'sigmoid'")
+
+
+class FusedMoE(nn.Module):
+    """Routed experts of one layer: ``w13_weight [E_local, 2 * I_local, H]`` (gate rows, then up
+    rows) and ``w2_weight [E_local, H, I_local]``.
+
+    Tensor parallelism shards each expert's intermediate size (I_local = I / tp_size); expert
+    parallelism keeps experts [ep_rank * E / ep_size, ...) and computes only the pairs routed to
+    them. Either way the output is a partial sum that the caller all-reduces.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        router: Router,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+        activation: str = "silu",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if activation != "silu":
+            raise ModelLoadError(f"hidden_act={activation!r} is not supported for experts; supported: 'silu'")
+        if router.num_experts != num_experts or router.top_k != top_k:
+            raise ModelLoadError(
+                f"router has num_experts={router.num_experts}, top_k={router.top_k}; "
+                f"the layer has num_experts={num_experts}, top_k={top_k}"
+            )
+        if intermediate_size % tp_size:
+            raise ModelLoadError(f"moe_intermediate_size={intermediate_size} is not divisible by tp_size={tp_size}")
+        if num_experts % ep_size:
+            raise ModelLoadError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+        for name, rank, size in (("tp_rank", tp_rank, tp_size), ("ep_rank", ep_rank, ep_size)):
+            if not 0 <= rank < size:
+                raise ValueError(f"{name}={rank} must be in 0..{size - 1}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_local_experts = num_experts // ep_size
+        self.expert_start = ep_rank * self.num_local_experts
+        self.intermediate_local = intermediate_size // tp_size
+        self.router = router
+        i, e = self.intermediate_local, self.num_local_experts
+        self.w13_weight = nn.Parameter(
+            torch.empty(e, 2 * i, hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype, device=device), requires_grad=False)
+        # pairs per global expert in the last forward, written on the device by the routing path
+        # itself so it stays valid under CUDA-graph replay; padding rows are not counted
+        self.register_buffer(
+            "expert_counts", torch.zeros(num_experts, dtype=torch.int32, device=device), persistent=False
+        )
+        # the fused gate kernel's done-counter (kernels/moe_gate.py): zero between launches
+        self.register_buffer("gate_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
+        self.routing_override: str | None = None
+        self.use_kernels: bool | None = None  # None: the fused kernels exactly when the input is on CUDA
+
+    def rebuild(self, device: torch.device) -> None:
+        """After the loader's ``to_empty``: the buffers hold garbage; the gate kernel's counter must be zero."""
+        self.gate_counter.zero_()
+        self.expert_counts.zero_()
+
+    def load_expert_weight(self, param: str, expert_id: int, tensor: torch.Tensor) -> None:
+        """Copy one expert's full checkpoint matrix (w1/w3 [I, H], w2 [H, I]) into this rank's slice.
+
+        w1 is the gate projection (Qwen's gate_proj), w3 the up projection (up_proj), w2 the down
+        projection (down_proj). Experts held by another rank are skipped.
+        """
+        if param not in ("w1", "w2", "w3"):
+            raise ModelLoadError(f"expert weight {param!r} is not one of 'w1', 'w2', 'w3'")
+        if not 0 <= expert_id < self.num_experts:
+            raise ModelLoadError(f"expert index {expert_id} is out of range for num_experts={self.num_experts}")
+        h, i, il = self.hidden_size, self.intermediate_size, self.intermediate_local
+        expected = (h, i) if param == "w2" else (i, h)
+        if tuple(tensor.shape) != expected:
+            raise ModelLoadError(
+                f"expert {expert_id} {param}: checkpoint shape {tuple(tensor.shape)} does not match the config's "
+                f"{expected} (hidden_size={h}, intermediate_size={i})"
+            )
+        local = expert_id - self.expert_start
+        if not 0 <= local < self.num_local_experts:
+            return
+        shard = slice(self.tp_rank * il, (self.tp_rank + 1) * il)
+        with torch.no_grad():
+            if param == "w2":
+                self.w2_weight[local].copy_(tensor[:, shard])
+            else:
+                rows = slice(0, il) if param == "w1" else slice(il, 2 * il)
+                self.w13_weight[local, rows].copy_(tensor[shard])
+
+    # ---- the model loader's protocol (models/base.py): one shard per (expert, part) ----------------
+    def weight_shards(self, param_name: str) -> list[tuple[int, str]]:
+        experts = range(self.expert_start, self.expert_start + self.num_local_experts)
+        parts = ("w2",) if param_name == "w2_weight" else ("w1", "w3")
+        return [(e, part) for e in experts for part in parts]
+
+    def load_weight(self, param_name: str, param: nn.Parameter, tensor: torch.Tensor, shard: tuple[int, str]) -> bool:
+        """Place one expert's checkpoint matrix; False when the expert lives on another rank."""
+        expert, part = shard
+        if (part == "w2") != (param_name == "w2_weight"):
+            raise ValueError(f"expert part {part!r} does not belong in {param_name}")
+        self.load_expert_weight(part, expert, tensor)
+        return self.expert_start <= expert < self.expert_start + self.num_local_experts
+
+    def workspace_bytes(self, num_tokens: int) -> int:
+        """Device memory one forward of ``num_tokens`` rows allocates on the fused path (for the start-up plan)."""
+        from graphserve.kernels.moe_fused import moe_workspace_bytes
+
+        return moe_workspace_bytes(
+            num_tokens, self.top_k, self.num_local_experts, self.intermediate_local, self.hidden_size,
+            self.w13_weight.dtype,
+        )  # fmt: skip
+
+    def expert_load(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(distinct experts touched, most pairs any one expert received) in the last forward, as
+        0-d device tensors: read them after the step, not inside it."""
+        return (self.expert_counts > 0).sum(), self.expert_counts.max()
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.routing_override not in ROUTING_OVERRIDES:
+            raise ValueError(f"routing_override={self.routing_override!r} must be one of {ROUTING_OVERRIDES}")
+        if self.routing_override == "uniform":
+            return uniform_routing(router_logits.shape[0], self.top_k, self.num_experts, router_logits.device)
+        return self.router(router_logits)
+
+    def forward(
+        self, hidden: torch.Tensor, router_logits: torch.Tensor, valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] for hidden [T, H] and router logits [T, E].
+
+        ``valid`` marks real rows when the batch is padded (CUDA-graph sizes): a bool mask [T], or
+        the number of real rows as an integer tensor on the device. Padding rows route nowhere,
+        cost nothing, are not counted, and come out as zeros.
+        """
+        t = hidden.shape[0]
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden must be [T, {self.hidden_size}], got {tuple(hidden.shape)}")
+        if router_logits.shape != (t, self.num_experts):
+            raise ValueError(f"router_logits must be [{t}, {self.num_experts}], got {tuple(router_logits.shape)}")
+        return self._experts(hidden, *self.route(router_logits), valid)
+
+    def forward_gate(self, hidden: torch.Tensor, gate: nn.Linear, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward(hidden, gate(hidden), valid)``, with the gate projection and the routing in one
+        launch (kernels/moe_gate.py) where it applies: decode-sized batches on the kernel path,
+        softmax top-k routing, a gate without bias. ``gate`` keeps the checkpoint's weight."""
+        use_kernels = hidden.is_cuda if self.use_kernels is None else self.use_kernels
+        if use_kernels and self.routing_override is None and isinstance(self.router, SoftmaxTopK) \
+                and gate.bias is None and hidden.dim() == 2 and hidden.shape[1] == self.hidden_size:  # fmt: skip
+            from graphserve.kernels.moe_gate import gate_fusable, moe_gate_softmax_topk
+
+            if gate_fusable(hidden, gate.weight) and gate.weight.shape[0] == self.num_experts:
+                routing = moe_gate_softmax_topk(hidden, gate.weight, self.top_k, self.router.renormalize,
+                                                self.gate_counter)  # fmt: skip
+                return self._experts(hidden, *routing, valid)
+        return self.forward(hidden, gate(hidden), valid)
+
+    def _experts(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor | None
+    ) -> torch.Tensor:
+        valid = _valid_mask(valid, hidden.shape[0], hidden.device)
+        use_kernels = hidden.is_cuda if self.use_kernels is None else self.use_kernels
+        if use_kernels:
+            from graphserve.kernels.moe_fused import fused_experts
+
+            return fused_experts(
+                hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                valid=valid, expert_start=self.expert_start, counts=self.expert_counts,
+            )  # fmt: skip
+        self.expert_counts.copy_(expert_counts_reference(topk_ids, valid, self.num_experts))
+        return experts_reference(
+            hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, valid, self.expert_start
+        )
+
+
+def _valid_mask(valid: torch.Tensor | None, num_rows: int, device: torch.device) -> torch.Tensor | None:
+    if valid is None:
+        return None
+    if valid.dtype == torch.bool:
+        if valid.shape != (num_rows,):
+            raise ValueError(f"valid mask must be bool [{num_rows}], got {tuple(valid.shape)}")
+        return valid
+    if valid.numel() != 1 or valid.is_floating_point():
+        raise ValueError(
+            f"valid must be a bool mask [{num_rows}] or one integer count, got {valid.dtype} {tuple(valid.shape)}"
+        )
+    # a device-side comparison, not .item(): the count lives on the GPU during graph replay
+    return torch.arange(num_rows, device=device) < valid.reshape(())

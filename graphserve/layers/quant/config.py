@@ -1,0 +1,132 @@
+"""What a model's weights are quantized to: read from a checkpoint's ``quantization_config`` or from
+``--quantization``, validated once, and refused by name when graphserve cannot run it exactly.
+
+Accepted, ``quant_method: "fp8"`` (e4m3) only:
+- ``weight_block_size: [bn, bk]`` with ``activation_scheme: "dynamic"``: the DeepSeek-V3 / Qwen3-FP8
+  layout, ``*.weight`` fp8 and ``*.weight_scale_inv`` fp32 ``[ceil(N/bn), ceil(K/bk)]``, activations
+  quantized per token in groups of ``bk``;
+- no block size: per-tensor or per-channel ``*.weight_scale`` (shape ``[]``/``[1]`` or ``[N]``/``[N, 1]``),
+  activations quantized per token ("dynamic") or by the checkpoint's ``*.input_scale`` ("static").
+
+Anything else — another quant_method, an unknown key, another fp8 format — is a ModelLoadError
+naming the field: a model is never run in bf16 while its config says it is quantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphserve.config import QUANTIZATIONS
+from graphserve.errors import ConfigError, ModelLoadError
+
+DEFAULT_BLOCK = (128, 128)  # what DeepSeek-V3 and Qwen3-FP8 ship, and what --quantization fp8 writes
+_KNOWN_KEYS = {"quant_method", "weight_block_size", "activation_scheme", "fmt", "ignored_layers",
+               "modules_to_not_convert"}
+# Router gates choose experts: their logits are small and fp8 rounding flips choices; the shipped
+# FP8 checkpoints keep them in bf16, and so does --quantization. Multi-head latent attention reads
+# kv_b_proj's weight directly (absorbed into its q and output products), never through the layer's
+# matmul, so it stays in the model dtype too.
+ALWAYS_UNQUANTIZED = (".gate", ".shared_expert_gate", ".kv_b_proj")
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    block: tuple[int, int] | None  # (block_n, block_k) weight scale tiles; None: one scale per channel
+    activation_scheme: str = "dynamic"  # "dynamic" (per token (group), each forward) or "static" (input_scale)
+    serialized: bool = True  # the checkpoint stores fp8 weights (else: model-dtype weights quantized at load)
+    ignored: tuple[str, ...] = ()  # module names kept in the model dtype
+
+    @property
+    def name(self) -> str:
+        kind = f"block {self.block[0]}x{self.block[1]}" if self.block else "per-channel"
+        return f"fp8 ({kind}, {self.activation_scheme} activations)"
+
+    def quantizes(self, module_name: str) -> bool:
+        if module_name.endswith(ALWAYS_UNQUANTIZED):
+            return False
+        return not any(module_name == i or module_name.startswith(i + ".") or module_name.endswith("." + i)
+                       for i in self.ignored)
+
+    def weight_bytes_per_param(self, in_features: int) -> float:
+        """One fp8 byte per weight plus its share of the fp32 scales (block: 4 / (bn·bk); channel: 4 / K)."""
+        if self.block:
+            return 1.0 + 4.0 / (self.block[0] * self.block[1])
+        return 1.0 + 4.0 / in_features
+
+
+def parse_quantization_config(raw: Mapping[str, Any] | None) -> Fp8Config | None:
+    """A checkpoint's ``quantization_config`` (config.json) as an Fp8Config, None when absent."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ModelLoadError(f"quantization_config={raw!r} is not an object", param="model")
+    method = raw.get("quant_method")
+    if method != "fp8":
+        raise ModelLoadError(f"quantization_config.quant_method={method!r} is not supported: graphserve loads "
+                             "quant_method 'fp8' checkpoints only", param="model")
+    unknown = sorted(set(raw) - _KNOWN_KEYS)
+    if unknown:
+        raise ModelLoadError(f"quantization_config.{unknown[0]}={raw[unknown[0]]!r} is not supported: an fp8 config "
+                             f"may name {', '.join(sorted(_KNOWN_KEYS))}", param="model")
+    fmt = raw.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ModelLoadError(f"quantization_config.fmt={fmt!r} is not supported: only e4m3", param="model")
+    scheme = raw.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ModelLoadError(f"quantization_config.activation_scheme={scheme!r} is invalid: choose dynamic or static",
+                             param="model")
+    block = raw.get("weight_block_size")
+    if block is not None:
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and b > 0 and not b & (b - 1) for b in block)):
+            raise ModelLoadError(f"quantization_config.weight_block_size={block!r} is invalid: two powers of two, "
+                                 "e.g. [128, 128]", param="model")
+        if scheme != "dynamic":
+            raise ModelLoadError(f"quantization_config.activation_scheme={scheme!r} with weight_block_size is not "
+                                 "supported: block-wise checkpoints quantize activations dynamically", param="model")
+        block = (int(block[0]), int(block[1]))
+    ignored = tuple(raw.get("ignored_layers") or raw.get("modules_to_not_convert") or ())
+    return Fp8Config(block=block, activation_scheme=scheme, serialized=True, ignored=ignored)
+
+
+def online_config(quantization: str) -> Fp8Config | None:
+    """``--quantization``: model-dtype weights quantized at load, activations per token (group)."""
+    if quantization == "none":
+        return None
+    if quantization == "fp8":
+        return Fp8Config(block=DEFAULT_BLOCK, serialized=False)
+    if quantization == "fp8-channel":
+        return Fp8Config(block=None, serialized=False)
+    raise ConfigError(f"--quantization={quantization!r} is invalid: choose one of {', '.join(QUANTIZATIONS)}",
+                      param="quantization")
+
+
+def resolve_quantization(checkpoint: Fp8Config | None, quantization: str) -> Fp8Config | None:
+    """The checkpoint's own quantization wins; ``--quantization`` only applies to unquantized checkpoints."""
+    if checkpoint is not None:
+        if quantization not in ("none", "fp8"):
+            raise ConfigError(f"--quantization={quantization} conflicts with the checkpoint's {checkpoint.name}: "
+                              "drop the flag", param="quantization")
+        return checkpoint
+    return online_config(quantization)
+
+
+def quantized_description(desc: Any, quant: Fp8Config | None, model_dtype: torch.dtype,
+                          experts_quantized: bool = False) -> Any:
+    """``desc`` (a ModelDescription) with FP8 bytes for its projections; embedding, lm_head and (unless
+    quantized) routed experts stay in the model dtype. Norm weights and router gates, counted among
+    the dense parameters but kept in the model dtype, are then priced at one byte: norms are under
+    0.01% of a layer, a router gate (experts x hidden) about 1% of a Qwen3-30B-A3B layer's dense
+    part; the floor comes out that much lower, never higher."""
+    if quant is None:
+        return desc
+    per_param = quant.weight_bytes_per_param(desc.hidden_size)
+    return dataclasses.replace(
+        desc, weight_bytes_per_param=per_param, embed_bytes_per_param=model_dtype.itemsize,
+        expert_bytes_per_param=per_param if experts_quantized else model_dtype.itemsize,
+    )

@@ -1,0 +1,197 @@
+"""FP8 linear layers: a quantization method a ``Linear`` / ``MergedLinear`` (layers/linear.py) delegates
+its stored weight, its loading and its matmul to.
+
+Stored per layer: ``weight`` fp8 e4m3 [N, K] and fp32 scales, ``weight_scale_inv``
+[ceil(N/bn), ceil(K/bk)] for 128x128 blocks or ``weight_scale`` [N] per channel (a per-tensor
+checkpoint scale is broadcast to its rows: exact, and one layout for the kernels), plus
+``input_scale`` (one per merged shard; the largest is used, so no shard's activations clip) for
+static activations. From an fp8 checkpoint they are Parameters the checkpoint must fill; quantized
+at load (``--quantization``) the scales are buffers the weight's load fills.
+
+The matmul, routed by rows and device:
+- CPU: the reference: dequantize the weight and ``F.linear`` (activations unquantized);
+- CUDA, at most ``SMALL_BATCH_ROWS`` rows: kernels/fp8_gemv.py, fp8 weights widened in registers
+  against bf16 activations (W8A16: no activation quantization launch on the weight-stream path);
+- CUDA, per-channel scales: per-token (or static) activation quantization and ``torch._scaled_mm``
+  rowwise (cuBLASLt) where the shape takes it;
+- CUDA, block scales: per-token-group activation quantization and the Triton W8A8 kernel.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphserve.kernels.fp8_quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_blocks,
+    quantize_weight_blocks,
+    quantize_weight_channels,
+)
+from graphserve.layers.quant.config import Fp8Config
+
+if TYPE_CHECKING:
+    from graphserve.layers.linear import Linear
+
+# up to this many rows the FP8-weight gemv runs; benchmarks/fp8.py measures it against the W8A8 path
+SMALL_BATCH_ROWS = 8
+
+
+class Fp8LinearMethod:
+    def __init__(self, config: Fp8Config) -> None:
+        self.config = config
+        self.group_n, self.group_k = config.block if config.block else (1, 0)
+
+    @property
+    def scale_name(self) -> str:
+        return "weight_scale_inv" if self.config.block else "weight_scale"
+
+    # ---- construction -------------------------------------------------------------------------
+    def create_weights(self, layer: Linear) -> None:
+        """Replace the layer's model-dtype weight by fp8 storage and its scales (on the layer's device)."""
+        n, k = layer.out_features, layer.in_features
+        device = layer.weight.device
+        sizes = getattr(layer, "output_sizes", [n])
+        if self.config.block and any(s % self.group_n for s in sizes[:-1]):
+            raise ValueError(f"a fused projection's parts {sizes} must be multiples of the fp8 block "
+                             f"{self.group_n} (weight_block_size[0])")
+        layer.weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE, device=device), requires_grad=False)
+        shape = (-(-n // self.group_n), -(-k // self.group_k)) if self.config.block else (n,)
+        scale = torch.empty(shape, dtype=torch.float32, device=device)
+        if self.config.serialized:
+            layer.register_parameter(self.scale_name, nn.Parameter(scale, requires_grad=False))
+            if self.config.activation_scheme == "static":
+                input_scale = torch.empty(len(sizes), dtype=torch.float32, device=device)
+                layer.register_parameter("input_scale", nn.Parameter(input_scale, requires_grad=False))
+        else:
+            layer.register_buffer(self.scale_name, scale)
+        layer.quant_method = self
+
+    def scale(self, layer: Linear) -> torch.Tensor:
+        return getattr(layer, self.scale_name)
+
+    # ---- loading --------------------------------------------------------------------------------
+    def _rows(self, layer: Linear, shard: int | None) -> tuple[int, int]:
+        if shard is None:
+            return 0, layer.out_features
+        rows = layer.shard_rows(shard)
+        return rows.start, rows.stop
+
+    def load_weight(self, layer: Linear, name: str, param: nn.Parameter, loaded: torch.Tensor,
+                    shard: int | None) -> None:
+        """A checkpoint tensor (``weight``, its scale, ``input_scale`` or ``bias``) into its rows."""
+        start, stop = self._rows(layer, shard)
+        if name == "bias":
+            target = param.data[start:stop]
+            if target.shape != loaded.shape:
+                raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+            target.copy_(loaded)
+        elif name == "weight":
+            self._load_weight(layer, param, loaded, start, stop)
+        elif name == self.scale_name:
+            self._load_scale(param, loaded, start, stop, layer.in_features)
+        elif name == "input_scale":
+            if loaded.numel() != 1:
+                raise ValueError(f"input_scale has shape {tuple(loaded.shape)}, expected one value")
+            param.data[shard or 0] = loaded.reshape(()).float()
+        else:
+            raise ValueError(f"an fp8 layer has no tensor {name!r}")
+
+    def _load_weight(self, layer: Linear, param: nn.Parameter, loaded: torch.Tensor, start: int, stop: int) -> None:
+        target = param.data[start:stop]
+        if target.shape != loaded.shape:
+            raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+        if self.config.serialized:
+            if loaded.dtype != FP8_DTYPE:
+                raise ValueError(f"dtype {loaded.dtype}, expected {FP8_DTYPE} (the config's quant_method is fp8)")
+            target.copy_(loaded)
+            return
+        if self.config.block:
+            q, s = quantize_weight_blocks(loaded.to(target.device), self.group_n, self.group_k)
+            self.scale(layer)[start // self.group_n: start // self.group_n + s.shape[0]].copy_(s)
+        else:
+            q, s = quantize_weight_channels(loaded.to(target.device))
+            self.scale(layer)[start:stop].copy_(s)
+        target.copy_(q)
+
+    def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor, start: int, stop: int, k: int) -> None:
+        if not loaded.dtype.is_floating_point or loaded.dtype == FP8_DTYPE:
+            raise ValueError(f"dtype {loaded.dtype}, expected a float32 scale")
+        if self.config.block:
+            rows = slice(start // self.group_n, -(-stop // self.group_n))
+            target = param.data[rows]
+            if target.shape != loaded.shape:
+                raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)} "
+                                 f"(one scale per {self.group_n}x{self.group_k} block of a [{stop - start}, {k}] weight)")
+            target.copy_(loaded)
+            return
+        target = param.data[start:stop]
+        if loaded.numel() == 1:  # per-tensor: every row of this part shares it
+            target.fill_(loaded.reshape(()).item())
+        elif loaded.numel() == target.numel() and loaded.dim() <= 2 and loaded.shape[0] == target.shape[0]:
+            target.copy_(loaded.reshape(-1))
+        else:
+            raise ValueError(f"shape {tuple(loaded.shape)}, expected one scale (per tensor) or {stop - start} "
+                             "(per channel)")
+
+    @torch.no_grad()
+    def init_random(self, layer: Linear, dtype: torch.dtype, generator: torch.Generator) -> None:
+        """dummy: models: a normal(0, 0.02) weight in ``dtype``, quantized as a checkpoint's would be."""
+        w = torch.empty(layer.weight.shape, dtype=dtype, device=layer.weight.device).normal_(0.0, 0.02, generator=generator)
+        self._load_weight(layer, layer.weight, w, 0, layer.out_features)
+
+    # ---- forward --------------------------------------------------------------------------------
+    def dequantized_weight(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        if self.config.block:
+            return dequantize_blocks(layer.weight, self.scale(layer), self.group_n, self.group_k).to(dtype)
+        return (layer.weight.float() * self.scale(layer)[:, None]).to(dtype)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda:
+            return F.linear(x, self.dequantized_weight(layer, x.dtype), layer.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = self._cuda_matmul(layer, rows)
+        return out.view(*x.shape[:-1], layer.out_features)
+
+    def _cuda_matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        from graphserve.kernels.fp8_gemm import scaled_mm_rowwise, scaled_mm_supported, w8a8_matmul
+        from graphserve.kernels.fp8_gemv import fp8_gemv
+        from graphserve.kernels.fp8_quant import per_token_group_quant
+
+        m, k = x.shape
+        w, scale = layer.weight, self.scale(layer)
+        group_k = self.group_k or k
+        scale_2d = scale.view(scale.shape[0], -1)
+        if m <= SMALL_BATCH_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+            return fp8_gemv(x, w, scale_2d, self.group_n, group_k, layer.bias)
+        if self.config.activation_scheme == "static":
+            a_scale = layer.input_scale.max()
+            a_q = (x.float() / a_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            a_s = a_scale.expand(m, 1).contiguous()
+        else:
+            a_q, a_s = per_token_group_quant(x, group_k)
+        if not self.config.block and x.dtype == torch.bfloat16 and scaled_mm_supported(m, w.shape[0], k, x.device):
+            return scaled_mm_rowwise(a_q, a_s, w, scale, x.dtype, layer.bias)
+        return w8a8_matmul(a_q, a_s, w, scale_2d, self.group_n, group_k, x.dtype, layer.bias)
+
+
+def quantize_linears(model: nn.Module, config: Fp8Config) -> int:
+    """Attach an Fp8LinearMethod to every ``Linear`` the config quantizes; the number attached."""
+    from graphserve.layers.linear import Linear
+
+    method = Fp8LinearMethod(config)
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and config.quantizes(name):
+            try:
+                method.create_weights(module)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
+            count += 1
+    return count

@@ -1,0 +1,109 @@
+"""What every model family shares: logits, materialisation after ``to_empty``, and loading.
+
+Loading goes through the parameters' owners: a checkpoint tensor is renamed by the family
+(``map_weight_name``: fused q/k/v, gate/up, an expert index in the name) and handed to the module
+that owns the target parameter. A module that stores several checkpoint tensors in one parameter
+(a merged projection, a stack of experts) or only a slice of one (a tensor-parallel shard)
+declares it with two methods, so the model needs no knowledge of the layout:
+
+- ``weight_shards(param_name) -> list | None``: the shard ids a complete checkpoint fills
+  (None: the parameter is one tensor);
+- ``load_weight(param_name, param, tensor, shard)``: copy ``tensor`` into its place, raising
+  ValueError with the expected and actual shapes when it does not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphserve.errors import ModelLoadError
+
+
+def _default_load(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+class CausalLM(nn.Module):
+    """Base of every family. Subclasses set ``self.model`` (with ``embed_tokens`` and a rotary table
+    or none), ``self.lm_head``, ``self.tied`` and implement ``forward`` and ``describe``."""
+
+    tied: bool = False
+    # checkpoint name fragment -> (parameter fragment, shard id): tensors fused into one parameter
+    stacked_params: dict[str, tuple[str, Any]] = {}
+
+    @classmethod
+    def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1):
+        raise NotImplementedError(f"{cls.__name__} does not describe itself")
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def finish_materialize(self, device: torch.device) -> None:
+        """After ``to_empty``: recompute tables that are not parameters, and re-share the tied head."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "rebuild"):
+                module.rebuild(device)
+        if self.tied:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    # ---- loading -------------------------------------------------------------------------------
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+        """(parameter name, shard id or None) for a checkpoint tensor, or None to skip it."""
+        if "rotary_emb.inv_freq" in name:
+            return None  # old checkpoints store it; it is recomputed from the config
+        if name == "lm_head.weight" and self.tied:
+            return None  # tied: the embedding is the head
+        for fragment, (fused, shard) in self.stacked_params.items():
+            if fragment in name:
+                return name.replace(fragment, fused), shard
+        return name, None
+
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        owner_name, _, leaf = name.rpartition(".")
+        return self.get_submodule(owner_name), leaf
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into parameters; return the ``name#shard`` keys that were filled."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            mapped = self.map_weight_name(ckpt_name)
+            if mapped is None:
+                continue
+            name, shard = mapped
+            param = params.get(name)
+            if param is None:
+                raise ModelLoadError(f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__}")
+            owner, leaf = self._owner(name)
+            try:
+                with torch.no_grad():
+                    if hasattr(owner, "load_weight"):
+                        placed = owner.load_weight(leaf, param, tensor, shard)
+                        if placed is False:  # another rank's slice (an expert this rank does not hold)
+                            continue
+                    elif shard is not None:
+                        raise ValueError(f"{type(owner).__name__} takes no shard {shard!r}")
+                    else:
+                        _default_load(param, tensor)
+            except ValueError as e:
+                raise ModelLoadError(f"checkpoint tensor {ckpt_name!r} does not fit {name}: {e}") from e
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        """The keys ``load_weights`` must report for a complete checkpoint."""
+        expected: set[str] = set()
+        for name, _ in self.named_parameters():
+            owner, leaf = self._owner(name)
+            shards = owner.weight_shards(leaf) if hasattr(owner, "weight_shards") else None
+            if shards is None:
+                expected.add(name)
+            else:
+                expected.update(f"{name}#{s}" for s in shards)
+        return expected

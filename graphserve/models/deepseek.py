@@ -1,0 +1,201 @@
+"""The DeepSeek family: DeepSeek-V2 / V2-Lite and DeepSeek-V3 / R1 (and checkpoints of their architecture).
+
+Every layer attends with multi-head latent attention (layers/mla.py) over a latent KV cache; its
+MLP is dense for the first ``first_k_dense_replace`` layers and a mixture of experts after them
+(every ``moe_layer_freq``-th layer, as the checkpoints' own modeling code counts): a router gate,
+``num_experts_per_tok`` of ``n_routed_experts`` gated-SiLU experts (layers/moe.FusedMoE) and
+``n_shared_experts`` experts' worth of always-on shared MLP. V2 routes by softmax (``greedy`` or
+``group_limited_greedy``), V3 by sigmoid plus ``e_score_correction_bias`` over groups (``noaux_tc``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from graphserve.layers.embedding import LMHead, VocabEmbedding
+from graphserve.layers.kv_layout import KVLayout
+from graphserve.layers.linear import Linear, MergedLinear, norm_linear, silu_mul_linear
+from graphserve.layers.mla import MLAttention
+from graphserve.layers.mla_rope import DeepseekRotary, softmax_scale
+from graphserve.layers.moe import FusedMoE, GroupedSigmoidTopK
+from graphserve.layers.moe_router_deepseek import SoftmaxGroupTopK
+from graphserve.layers.norm import RMSNorm
+from graphserve.models.base import CausalLM
+from graphserve.models.deepseek_shape import DeepseekShape, shape_from_config
+from graphserve.models.description import ModelDescription, split_evenly
+
+if TYPE_CHECKING:
+    from graphserve.layers.forward_batch import ForwardBatch
+
+_STACKED = {
+    ".q_proj.": (".fused_qkv_a_proj.", 0),
+    ".q_a_proj.": (".fused_qkv_a_proj.", 0),
+    ".kv_a_proj_with_mqa.": (".fused_qkv_a_proj.", 1),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PART = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class DeepseekMLP(nn.Module):
+    """A gated-SiLU MLP: the dense layers' MLP, and the shared experts (n_shared of them as one)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, [intermediate] * 2, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_mul_linear(self.gate_up_proj(x), self.down_proj)
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, s: DeepseekShape) -> None:
+        super().__init__()
+        self.gate = Linear(s.hidden_size, s.n_routed_experts, bias=False)
+        if s.scoring_func == "sigmoid":
+            router = GroupedSigmoidTopK(s.n_routed_experts, s.top_k, s.n_group, s.topk_group, s.norm_topk_prob,
+                                        s.routed_scaling_factor)
+        else:
+            router = SoftmaxGroupTopK(s.n_routed_experts, s.top_k, s.n_group, s.topk_group, s.routed_scaling_factor)
+        self.experts = FusedMoE(s.n_routed_experts, s.top_k, s.hidden_size, s.moe_intermediate_size, router)
+        self.shared_experts = None
+        if s.n_shared_experts:
+            self.shared_experts = DeepseekMLP(s.hidden_size, s.moe_intermediate_size * s.n_shared_experts, s.mlp_bias)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # both routers score in fp32 from the gate's output as it is (the routing kernel converts as it
+        # loads), which spares a conversion launch per layer at decode
+        out = self.experts(x, self.gate(x), valid=getattr(batch, "num_valid_tokens", None))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, s: DeepseekShape, layer_idx: int, rotary: DeepseekRotary) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(
+            s.hidden_size, s.num_heads, s.q_lora_rank, s.kv_lora_rank, s.qk_nope_head_dim, s.qk_rope_head_dim,
+            s.v_head_dim, s.attention_bias, rotary, softmax_scale(s.qk_nope_head_dim + s.qk_rope_head_dim, s.rope),
+            layer_idx,
+        )  # fmt: skip
+        self.is_moe = layer_idx in s.moe_layers
+        self.mlp = DeepseekMoE(s) if self.is_moe else DeepseekMLP(s.hidden_size, s.intermediate_size, s.mlp_bias)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        fused, residual = norm_linear(self.input_layernorm, hidden, residual, self.self_attn.fused_qkv_a_proj)
+        hidden = self.self_attn(positions, fused, batch)
+        if self.is_moe:  # the router and the experts both read the normed input
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden, batch), residual
+        gate_up, residual = norm_linear(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj)
+        return silu_mul_linear(gate_up, self.mlp.down_proj), residual
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, s: DeepseekShape, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size)
+        self.rotary_emb = DeepseekRotary(s.qk_rope_head_dim, max_positions, s.rope, s.max_position_embeddings,
+                                         s.rope_interleave)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(s, i, self.rotary_emb) for i in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    """DeepSeek-V2 and V2-Lite: softmax routing (greedy or group-limited), q LoRA optional."""
+
+    stacked_params = _STACKED
+    version = 2
+
+    def __init__(self, config: Any, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.shape = shape_from_config(config, self.version)
+        self.model = DeepseekModel(self.shape, max_positions)
+        self.lm_head = LMHead(self.shape.hidden_size, self.shape.vocab_size)
+        self.tied = self.shape.tie_word_embeddings
+        if self.tied:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
+
+    def moe_layers(self) -> list[FusedMoE]:
+        return [m for m in self.modules() if isinstance(m, FusedMoE)]
+
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+        layer = _LAYER.match(name)
+        if layer and int(layer.group(1)) >= self.shape.num_layers:
+            return None  # V3's multi-token-prediction layers sit past the last decoder layer; unused here
+        name = name.replace(".mlp.gate.e_score_correction_bias", ".mlp.experts.router.e_score_correction_bias")
+        hit = _EXPERT.search(name)
+        if hit is None:
+            return super().map_weight_name(name)
+        expert, part = int(hit.group(1)), _EXPERT_PART[hit.group(2)]
+        stacked = "w2_weight" if part == "w2" else "w13_weight"
+        return f"{name[: hit.start()]}.experts.{stacked}", (expert, part)
+
+    @classmethod
+    def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:
+        s = shape_from_config(config, cls.version)
+        if tp != 1 or ep != 1:
+            raise ValueError(f"tp={tp}, ep={ep}: tensor and expert parallelism are not implemented for DeepSeek "
+                             "models yet; use tp=1 and ep=1")
+        h, heads = s.hidden_size, s.num_heads
+        qk, r, d = s.qk_nope_head_dim + s.qk_rope_head_dim, s.kv_lora_rank, s.qk_rope_head_dim
+        bias = s.attention_bias
+        if s.q_lora_rank is None:
+            q_params = h * heads * qk
+        else:
+            q_params = h * s.q_lora_rank + bias * s.q_lora_rank + s.q_lora_rank + s.q_lora_rank * heads * qk
+        attn = (q_params + h * (r + d) + bias * (r + d) + r + r * heads * (s.qk_nope_head_dim + s.v_head_dim)
+                + heads * s.v_head_dim * h + bias * h)
+        mlp_bias = s.mlp_bias
+        n_moe = len(s.moe_layers)
+        n_dense = s.num_layers - n_moe
+        dense_mlp = 3 * h * s.intermediate_size + mlp_bias * (2 * s.intermediate_size + h)
+        shared_inter = s.moe_intermediate_size * s.n_shared_experts
+        shared = 3 * h * shared_inter + mlp_bias * (2 * shared_inter + h) if shared_inter else 0
+        # every MoE layer reads its gate, its correction bias (V3) and its shared experts whatever the routing
+        moe_fixed = s.n_routed_experts * h + (s.n_routed_experts if s.scoring_func == "sigmoid" else 0) + shared
+        dense_params = s.num_layers * (attn + 2 * h) + n_dense * dense_mlp + n_moe * moe_fixed + h
+        local_experts = split_evenly(s.n_routed_experts, ep, "n_routed_experts") if n_moe else 0
+        # a token at the attention peak: q, the kv-a output, q and output in latent space, the output heads
+        attn_act = heads * qk + (r + d) + 2 * heads * r + heads * s.v_head_dim
+        moe_act = s.n_routed_experts + s.top_k * (3 * s.moe_intermediate_size + h) + 3 * shared_inter if n_moe else 0
+        return ModelDescription(
+            kv=KVLayout("latent", s.num_layers, 1, r + d, dtype), hidden_size=h, vocab_size=s.vocab_size,
+            weight_bytes_per_param=dtype.itemsize, dense_params=dense_params, embed_params=s.vocab_size * h,
+            lm_head_params=0 if s.tie_word_embeddings else s.vocab_size * h,
+            expert_params=3 * h * s.moe_intermediate_size if n_moe else 0, local_experts=local_experts,
+            num_experts=s.n_routed_experts if n_moe else 0, top_k=s.top_k if n_moe else 0, num_moe_layers=n_moe,
+            act_width=max(attn_act, 3 * s.intermediate_size if n_dense else 0, moe_act),
+            act_bytes_per_elem=dtype.itemsize,
+        )
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3 / R1: q LoRA, sigmoid routing with ``e_score_correction_bias`` over expert groups."""
+
+    version = 3
+

@@ -1,0 +1,135 @@
+"""What a model family tells the engine about itself, computed from its config alone.
+
+The KV pool, the start-up memory plan, ``graphserve plan`` and the benchmarks' floors all read a
+``ModelDescription``; none of them assumes a dense Llama-shaped decoder. A family builds one in
+its ``describe(config, dtype, tp, ep)`` classmethod, counting per rank:
+
+- the KV layout (layers/kv_layout.py);
+- parameters by how a decode step reads them: ``dense_params`` every step reads whole
+  (attention, dense MLPs, norms, router gates, shared experts), the embedding table (a step reads
+  one row per token), the lm_head (read whole; 0 when tied, then the step reads the embedding
+  table as the head), and routed experts (a step reads only the experts its tokens were routed to);
+- the widest activations one token holds inside a layer, for the activation estimate.
+
+The engine measures weights, activations and graphs at start-up; these figures are the
+estimates `graphserve plan` prints before any GPU is touched, and the bytes a step must read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from graphserve.layers.kv_layout import KVLayout
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    kv: KVLayout
+    hidden_size: int
+    vocab_size: int  # full vocabulary (logits are gathered to it)
+    weight_bytes_per_param: float  # bytes of one stored parameter (1 for FP8 plus its scales, 2 for bf16)
+    dense_params: int
+    embed_params: int  # embedding table on this rank
+    lm_head_params: int  # 0 when tied to the embedding
+    expert_params: int = 0  # one routed expert of one MoE layer on this rank
+    local_experts: int = 0  # routed experts per MoE layer held on this rank
+    num_experts: int = 0  # routed experts per MoE layer in the model
+    top_k: int = 0
+    num_moe_layers: int = 0
+    act_width: int = 0  # activation elements one token holds at a layer's peak (beside the residual)
+    act_bytes_per_elem: int = 2
+    # with FP8 projections the embedding table and lm_head stay in the model dtype, and routed experts
+    # may too (layers/quant/config.py quantized_description); None: weight_bytes_per_param
+    embed_bytes_per_param: float | None = None
+    expert_bytes_per_param: float | None = None
+
+    @property
+    def _embed_bpp(self) -> float:
+        return self.weight_bytes_per_param if self.embed_bytes_per_param is None else self.embed_bytes_per_param
+
+    @property
+    def _expert_bpp(self) -> float:
+        return self.weight_bytes_per_param if self.expert_bytes_per_param is None else self.expert_bytes_per_param
+
+    # ---- weights ---------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_layers > 0
+
+    @property
+    def num_params(self) -> int:
+        experts = self.num_moe_layers * self.local_experts * self.expert_params
+        return self.dense_params + self.embed_params + self.lm_head_params + experts
+
+    @property
+    def weights_bytes(self) -> int:
+        experts = self.num_moe_layers * self.local_experts * self.expert_params * self._expert_bpp
+        embed = (self.embed_params + self.lm_head_params) * self._embed_bpp
+        return int(self.dense_params * self.weight_bytes_per_param + embed + experts)
+
+    @property
+    def expert_bytes(self) -> int:
+        """One routed expert of one layer."""
+        return int(self.expert_params * self._expert_bpp)
+
+    # ---- what a decode step must read --------------------------------------------------------
+    def head_bytes(self) -> int:
+        """The lm_head, or the tied embedding table acting as the head."""
+        return int((self.lm_head_params or self.embed_params) * self._embed_bpp)
+
+    def decode_read_bytes(self, batch: int, context_tokens: int, experts_touched: int | None = None) -> int:
+        """Bytes a decode step of ``batch`` tokens must read from device memory, each at least once.
+
+        ``context_tokens``: KV positions attended over, summed across the batch. ``experts_touched``:
+        distinct (layer, expert) pairs the router chose in that step, summed over MoE layers; when
+        unknown, the fewest that ``batch`` tokens can touch (top_k of them per layer) — a floor.
+        """
+        if experts_touched is None:
+            experts_touched = self.num_moe_layers * min(self.local_experts, self.top_k)
+        weights = self.dense_params * self.weight_bytes_per_param + self.head_bytes()
+        rows = batch * self.hidden_size * self._embed_bpp  # the batch's embedding rows
+        return int(weights + rows + experts_touched * self.expert_bytes + context_tokens * self.kv.bytes_per_token)
+
+    # ---- what a step holds ----------------------------------------------------------------------
+    def activation_bytes(self, tokens: int, sampled_rows: int | None = None, context_tokens: int = 0) -> int:
+        """Peak live activations of one forward over ``tokens`` new tokens (layers run one at a time).
+
+        The residual stream and its normed copy (2·T·hidden), the widest per-token intermediates of a
+        layer (``act_width``), logits of the sampled rows in fp32, and ``context_tokens`` of KV gathered
+        contiguously (what the eager attention path does when no paged kernel runs).
+        """
+        per_layer = (2 * tokens * self.hidden_size + tokens * self.act_width) * self.act_bytes_per_elem
+        gather = context_tokens * self.kv.bytes_per_token_per_layer
+        rows = tokens if sampled_rows is None else sampled_rows
+        return int(per_layer + gather + rows * self.vocab_size * 4)
+
+    def moe_workspace_bytes(self, tokens: int) -> int:
+        """What one MoE layer's fused path allocates for ``tokens`` rows (layers run one at a time,
+        so this is part of the activation peak, not added to it); 0 for a dense model."""
+        if not self.is_moe:
+            return 0
+        from graphserve.kernels.moe_fused import moe_workspace_bytes
+
+        dtype = self.kv.dtype if self.act_bytes_per_elem == self.kv.dtype.itemsize else torch.bfloat16
+        inter = self.expert_params // (3 * self.hidden_size)
+        return moe_workspace_bytes(tokens, self.top_k, self.local_experts, inter, self.hidden_size, dtype)
+
+    def graph_pool_bytes(self, sizes: Sequence[int], context_tokens: int = 0) -> int:
+        """CUDA graphs are captured largest first into one pool: intermediates cost one activation
+        peak of the largest size; each graph's outputs (fp32 logits, last hidden state) stay alive."""
+        if not sizes:
+            return 0
+        peak = self.activation_bytes(max(sizes), context_tokens=context_tokens)
+        outputs = sum(bs * (self.vocab_size * 4 + self.hidden_size * self.act_bytes_per_elem) for bs in sizes)
+        return int(peak + outputs)
+
+
+def split_evenly(total: int, parts: int, what: str) -> int:
+    """``total / parts`` when it divides, else a ValueError naming the field and the values that work."""
+    if parts < 1 or total % parts:
+        ok = [p for p in range(1, min(total, 64) + 1) if total % p == 0]
+        raise ValueError(f"{what}={total} does not split over {parts} ranks: use one of {ok}")
+    return total // parts

@@ -1,0 +1,213 @@
+"""MLA on the GPU: the kernels at DeepSeek-V2-Lite and V3 shapes in bf16 against the fp32 references,
+CUDA-graph replay of decode, tiny checkpoints in bf16 against transformers, graphs against eager
+through the engine, and dummy:deepseek-v2-lite served with graphs on."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model_utils import PagedHarness, hf_logits, make_hf_checkpoint, relative_error  # noqa: E402
+from test_deepseek import _TINY, _checkpoint  # noqa: E402
+from transformers import DeepseekV2Config, DeepseekV3Config  # noqa: E402
+
+from graphserve import LLM, SamplingParams  # noqa: E402
+from graphserve.config import EngineConfig  # noqa: E402
+from graphserve.kernels.mla_attention import mla_attention  # noqa: E402
+from graphserve.kernels.mla_prologue import mla_prologue, mla_prologue_reference  # noqa: E402
+from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E402
+from graphserve.layers.mla_reference import absorbed_attention_reference  # noqa: E402
+from graphserve.layers.mla_rope import DeepseekRotary  # noqa: E402
+from graphserve.models.loader import load_model  # noqa: E402
+
+DT = torch.bfloat16
+RANK, ROPE, NOPE, PAGE = 512, 64, 128, 16
+BF16_TOL = 2e-2
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+
+@pytest.fixture(autouse=True)
+def _release():
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def latent_cache(seq_lens: list[int], gen: torch.Generator):
+    per_seq = [(n + PAGE - 1) // PAGE for n in seq_lens]
+    num_blocks = sum(per_seq) + 2
+    cache = torch.randn(num_blocks, PAGE, 1, RANK + ROPE, device="cuda", generator=gen).mul_(0.5).to(DT)
+    order = torch.randperm(num_blocks - 1, device="cuda", generator=gen).int() + 1
+    tables = torch.zeros(len(seq_lens), max(per_seq) + 1, dtype=torch.int32, device="cuda")
+    used = 0
+    for i, nb in enumerate(per_seq):
+        tables[i, :nb] = order[used : used + nb]
+        used += nb
+    return cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_prologue_real_shapes(heads, interleaved, gen):
+    tokens = 37
+    rotary = DeepseekRotary(ROPE, 8192, _YARN, 163840, interleaved)
+    rotary.rebuild(torch.device("cuda"))
+    q = torch.randn(tokens, heads, NOPE + ROPE, device="cuda", generator=gen).to(DT)
+    fused = torch.randn(tokens, 1536 + RANK + ROPE, device="cuda", generator=gen).to(DT)
+    kv_a = fused[:, 1536:]
+    positions = torch.randint(0, 8192, (tokens,), device="cuda", generator=gen)
+    weight = (1 + 0.2 * torch.randn(RANK, device="cuda", generator=gen)).to(DT)
+    slots = torch.randperm(64 * PAGE, device="cuda", generator=gen)[:tokens]
+    cache = torch.zeros(64, PAGE, 1, RANK + ROPE, device="cuda", dtype=DT)
+    q_ref, cache_ref = q.clone(), cache.clone()
+    mla_prologue(q, kv_a, positions, rotary.cos_sin_cache, weight, 1e-6, cache, slots, NOPE, interleaved)
+    mla_prologue_reference(q_ref, kv_a, positions, rotary.cos_sin_cache, weight, 1e-6, cache_ref, slots, NOPE,
+                           interleaved)
+    assert rel_err(q, q_ref) < 1e-2
+    assert rel_err(cache, cache_ref) < 1e-2
+
+
+@pytest.mark.parametrize(("heads", "batch", "ctx"), [(16, 1, 4096), (16, 64, 1024), (16, 256, 300),
+                                                     (128, 4, 2048), (128, 64, 512)])
+def test_decode_real_shapes(heads, batch, ctx, gen):
+    lens = torch.randint(1, ctx + 1, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+    lens[0] = ctx
+    cache, tables, seq_lens = latent_cache(lens, gen)
+    q_lat = torch.randn(batch, heads, RANK, device="cuda", generator=gen).mul_(0.1).to(DT)
+    q_rope = torch.randn(batch, heads, ROPE, device="cuda", generator=gen).mul_(0.1).to(DT)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    out = mla_attention(q_lat, q_rope, cache, tables, seq_lens, qsl, 0.1147, max_query_len=1)
+    ref = absorbed_attention_reference(q_lat, q_rope, cache, tables, [1] * batch, lens, 0.1147)
+    assert rel_err(out, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_extend_real_shapes(heads, gen):
+    query_lens, seq_lens = [64, 1, 200, 33], [64, 3000, 1200, 33]
+    cache, tables, lens = latent_cache(seq_lens, gen)
+    tokens = sum(query_lens)
+    q_lat = torch.randn(tokens, heads, RANK, device="cuda", generator=gen).mul_(0.1).to(DT)
+    q_rope = torch.randn(tokens, heads, ROPE, device="cuda", generator=gen).mul_(0.1).to(DT)
+    qsl = torch.tensor([0, 64, 65, 265, 298], dtype=torch.int32, device="cuda")
+    out = mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.1147, max_query_len=200)
+    ref = absorbed_attention_reference(q_lat, q_rope, cache, tables, query_lens, seq_lens, 0.1147)
+    assert rel_err(out, ref) < BF16_TOL
+
+
+def test_decode_replays_from_a_cuda_graph(gen):
+    """Captured once with static buffers; replayed after new lengths, tables and queries are copied in,
+    including padding rows (length 0) past the real batch."""
+    heads, batch, max_ctx = 16, 8, 2048
+    cache, tables, seq_lens = latent_cache([max_ctx] * batch, gen)
+    q_lat = torch.zeros(batch, heads, RANK, device="cuda", dtype=DT)
+    q_rope = torch.zeros(batch, heads, ROPE, device="cuda", dtype=DT)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q_lat)
+
+    def step():
+        mla_attention(q_lat, q_rope, cache, tables, seq_lens, qsl, 0.1, max_query_len=1, out=out)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    for trial in range(3):
+        lens = torch.randint(1, max_ctx + 1, (batch,), generator=torch.Generator().manual_seed(trial)).tolist()
+        lens[-2:] = [0, 0]  # padding rows
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        tables.copy_(tables[torch.randperm(batch, device="cuda", generator=gen)])
+        q_lat.copy_(torch.randn(q_lat.shape, device="cuda", generator=gen).mul_(0.1))
+        q_rope.copy_(torch.randn(q_rope.shape, device="cuda", generator=gen).mul_(0.1))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = absorbed_attention_reference(q_lat[:-2], q_rope[:-2], cache, tables, [1] * (batch - 2), lens[:-2], 0.1)
+        assert rel_err(out[:-2], ref) < BF16_TOL
+        assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
+
+
+# every layer dense: in bf16 a near-tie in the router may pick another expert than fp32 transformers
+# does, which says nothing about attention (the MoE kernels have their own tests in test_moe.py)
+DENSE = {
+    "v2-no-q-lora": lambda: DeepseekV2Config(**{**_TINY, "first_k_dense_replace": 3}, q_lora_rank=None,
+                                             rope_scaling={**_YARN, "factor": 4.0, "original_max_position_embeddings": 64}),
+    "v3-q-lora": lambda: DeepseekV3Config(**{**_TINY, "first_k_dense_replace": 3}, q_lora_rank=24, n_group=4,
+                                          topk_group=2, rope_theta=10000.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DENSE))
+def test_bf16_model_on_kernels_matches_fp32_transformers(name, tmp_path):
+    hf = make_hf_checkpoint(tmp_path, DENSE[name]())
+    loaded = load_model(EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cuda", max_model_len=128),
+                        torch.device("cuda"))
+    harness = PagedHarness(loaded.model, block_size=16, num_blocks=32, dtype=DT, device="cuda",
+                           backend=TritonAttentionBackend())
+    g = torch.Generator().manual_seed(7)
+    seqs = {s: torch.randint(4, 320, (n,), generator=g).tolist() for s, n in (("a", 9), ("b", 37))}
+    with torch.inference_mode():
+        harness.step([("b", seqs["b"][:17])])
+        out = harness.step([("a", seqs["a"]), ("b", seqs["b"][17:])])
+        for (seq, start), got in zip((("a", 0), ("b", 17)), out):
+            assert relative_error(got.float().cpu(), hf_logits(hf, seqs[seq])[start:]) < BF16_TOL, seq
+        for _ in range(3):
+            for s in seqs:
+                seqs[s].append(int(torch.randint(4, 320, (1,), generator=g)))
+            got = torch.cat(harness.step([(s, [seqs[s][-1]]) for s in seqs])).float().cpu()
+            want = torch.stack([hf_logits(hf, seqs[s])[-1] for s in seqs])
+            assert relative_error(got, want) < BF16_TOL
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], n: int = 16) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
+def test_engine_graphs_match_eager(tmp_path):
+    """The V3 checkpoint (MoE layers included) in fp32: decode replayed from graphs gives the eager tokens.
+    (Greedy tokens against transformers' generate are checked on CPU, tests/test_deepseek.py.)"""
+    _checkpoint(tmp_path, "v3-noaux")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 320, (n,), generator=g).tolist() for n in (3, 11, 26, 40, 7)]
+    eager = LLM(str(tmp_path), device="cuda", dtype="float32", disable_cuda_graph=True)
+    expected = _greedy(eager, prompts)
+    del eager
+    gc.collect()
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", cuda_graph_max_bs=8)
+    assert _greedy(llm, prompts) == expected
+    decode = [r for r in llm.engine.core.telemetry.records() if r.kind == "decode"]
+    assert decode and all(r.graph for r in decode)
+
+
+def test_dummy_v2_lite_serves_with_graphs():
+    llm = LLM("dummy:deepseek-v2-lite", device="cuda", max_model_len=4096, cuda_graph_max_bs=16)
+    assert llm.engine.core.runner.info.kv.kind == "latent"
+    outs = _greedy(llm, [[100000 + 2 + i] + list(range(1000, 1000 + 50 * i)) for i in range(6)], n=24)
+    assert all(len(t) == 24 for t in outs)
+    decode = [r for r in llm.engine.core.telemetry.records() if r.kind == "decode"]
+    assert decode and all(r.graph for r in decode)
+    llm.engine.core.block_manager.check_no_leak()
+
+
+@pytest.mark.parametrize("scale", [1.0, 16.0])
+def test_greedy_v2_router_kernel_matches_reference(scale, gen):
+    from graphserve.layers.moe_router_deepseek import SoftmaxGroupTopK, softmax_group_topk_reference
+
+    logits = torch.randn(300, 64, device="cuda", generator=gen)
+    weights, ids = SoftmaxGroupTopK(64, 6, 1, 1, scale)(logits)
+    ref_w, ref_ids = softmax_group_topk_reference(logits, 6, 1, 1, scale)
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    assert torch.allclose(weights.gather(1, order), ref_w.gather(1, ref_order), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,251 @@
+"""The MoE kernels in bf16 at the expert shapes of Qwen3-30B-A3B, Mixtral-8x7B, OLMoE-1B-7B and
+Qwen1.5-MoE-A2.7B, on the GPU.
+
+Fresh random inputs per model and batch (1, 7, 64, 256, 2048) against an fp32 loop over experts;
+the routing kernels against torch (softmax + topk; DeepSeek-V3's grouped sigmoid top-k); both expert paths forced at small batches; and
+FusedMoE captured into a CUDA graph with padding rows, replayed on new inputs, routing and valid
+count, equal to an eager call bit for bit, with padding rows zero and uncounted in expert_counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphserve.kernels.moe_fused import fused_experts, moe_workspace_bytes
+from graphserve.kernels.moe_gate import moe_gate_softmax_topk
+from graphserve.kernels.moe_reference import (
+    expert_counts_reference,
+    experts_loop_reference,
+    grouped_sigmoid_topk_reference,
+    softmax_topk_reference,
+)
+from graphserve.kernels.moe_routing import moe_grouped_topk, moe_softmax_topk
+from graphserve.layers.moe import FusedMoE, SoftmaxTopK
+
+DT = torch.bfloat16
+TOL = 2e-2
+BATCHES = [1, 7, 64, 256, 2048]
+# name: (experts, hidden, intermediate per expert, top_k, renormalise)
+MODELS = {
+    "qwen3-30b-a3b": (128, 2048, 768, 8, True),
+    "mixtral-8x7b": (8, 4096, 14336, 2, True),
+    "olmoe-1b-7b": (64, 2048, 1024, 8, False),
+    "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4, False),
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def experts() -> dict:
+    """Stacked bf16 expert weights per model (and fp32 copies for the reference), made once."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    made = {}
+    for name, (e, h, i, _, _) in MODELS.items():
+        w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h**-0.5).to(DT)
+        w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i**-0.5).to(DT)
+        made[name] = (w13, w2, w13.float(), w2.float())
+    return made
+
+
+def _reference(x, w13f, w2f, w, ids) -> torch.Tensor:
+    return experts_loop_reference(x.float(), w13f, w2f, w, ids)
+
+
+@pytest.mark.parametrize("t", BATCHES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fused_experts_bf16_model_shapes(name, t, experts, gen):
+    e, h, _, k, renorm = MODELS[name]
+    w13, w2, w13f, w2f = experts[name]
+    x = torch.randn(t, h, device="cuda", generator=gen).to(DT)
+    w, ids = moe_softmax_topk(torch.randn(t, e, device="cuda", generator=gen), k, renorm)
+    counts = torch.full((e,), -1, dtype=torch.int32, device="cuda")
+    out = fused_experts(x, w13, w2, w, ids, counts=counts)
+    assert not out.isnan().any()
+    assert rel_err(out, _reference(x, w13f, w2f, w, ids)) < TOL
+    assert torch.equal(counts, expert_counts_reference(ids, None, e))
+
+
+@pytest.mark.parametrize("t", [1, 2, 7])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_both_paths_agree_at_small_batches(name, t, experts, gen):
+    e, h, _, k, renorm = MODELS[name]
+    w13, w2, w13f, w2f = experts[name]
+    x = torch.randn(t, h, device="cuda", generator=gen).to(DT)
+    w, ids = moe_softmax_topk(torch.randn(t, e, device="cuda", generator=gen), k, renorm)
+    ref = _reference(x, w13f, w2f, w, ids)
+    for path in ("gemv", "gemm"):
+        assert rel_err(fused_experts(x, w13, w2, w, ids, path=path), ref) < TOL, path
+
+
+@pytest.mark.parametrize("t", [1, 7, 2048])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_routing_kernel_matches_torch(name, t, gen):
+    e, _, _, k, renorm = MODELS[name]
+    logits = torch.randn(t, e, device="cuda", generator=gen) * 2
+    w, ids = moe_softmax_topk(logits, k, renorm)
+    w_ref, ids_ref = softmax_topk_reference(logits, k, renorm)
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+    # an id may differ from torch only where two probabilities tie to fp32 rounding
+    probs = torch.softmax(logits, dim=-1)
+    differs = ids != ids_ref
+    gap = (probs.gather(1, ids.long()) - probs.gather(1, ids_ref.long())).abs()
+    assert bool((gap[differs] < 1e-6).all()), int(differs.sum())
+
+
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fused_gate_matches_projection_then_topk(name, t, gen):
+    """Gate projection + softmax top-k in one launch against F.linear (bf16 out, as the model's gate) + torch."""
+    e, h, _, k, renorm = MODELS[name]
+    gate = (torch.randn(e, h, device="cuda", generator=gen) * h**-0.5).to(DT)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for _ in range(3):  # the counter must come back to zero after every launch
+        x = torch.randn(t, h, device="cuda", generator=gen).to(DT)
+        w, ids = moe_gate_softmax_topk(x, gate, k, renorm, counter)
+        logits = torch.nn.functional.linear(x, gate)
+        w_ref, ids_ref = softmax_topk_reference(logits, k, renorm)
+        assert int(counter) == 0
+        # the two sums may round a logit one bf16 step apart: an id may differ only at a near-tie
+        probs = torch.softmax(logits.float(), dim=-1)
+        gap = (probs.gather(1, ids.long()) - probs.gather(1, ids_ref.long())).abs()
+        assert bool((gap[ids != ids_ref] < 2e-2).all())
+        same = (ids == ids_ref).all(dim=1)
+        torch.testing.assert_close(w[same], w_ref[same], rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("padded,real", [(1, 1), (1, 0), (8, 5)])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+@torch.inference_mode()
+def test_fused_gate_layer_under_cuda_graph_replay(name, padded, real, experts, gen):
+    """FusedMoE.forward_gate captured with padding rows, replayed on new inputs: equal to eager, padding zero."""
+    e, h, i, k, renorm = MODELS[name]
+    layer = FusedMoE(e, k, h, i, SoftmaxTopK(e, k, renorm), dtype=DT, device="cuda")
+    layer.w13_weight.copy_(experts[name][0])
+    layer.w2_weight.copy_(experts[name][1])
+    gate = torch.nn.Linear(h, e, bias=False, device="cuda", dtype=DT)
+    gate.weight.copy_(torch.randn(e, h, device="cuda", generator=gen) * h**-0.5)
+    x = torch.randn(padded, h, device="cuda", generator=gen).to(DT)
+    valid = torch.tensor(padded, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile outside the capture
+        layer.forward_gate(x, gate, valid=valid)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = layer.forward_gate(x, gate, valid=valid)
+    for _ in range(2):  # two replays: the done-counter must be back at zero for the second
+        x.copy_(torch.randn(padded, h, device="cuda", generator=gen).to(DT))
+        x[real:] = float("nan")
+        valid.fill_(real)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(layer.gate_counter) == 0
+        replay_out, replay_counts = out.clone(), layer.expert_counts.clone()
+        assert torch.equal(replay_out, layer.forward_gate(x, gate, valid=valid))
+        assert torch.equal(replay_out[real:], torch.zeros(padded - real, h, device="cuda", dtype=DT))
+        assert int(replay_counts.sum()) == real * k
+        if real:
+            # the routing the kernel chose (test_fused_gate_matches_projection_then_topk checks it
+            # against torch): a near-tie decided the other way would swap an expert here
+            w, ids = moe_gate_softmax_topk(x, gate.weight, k, renorm, torch.zeros_like(layer.gate_counter))
+            ref = _reference(x[:real], experts[name][2], experts[name][3], w[:real], ids[:real])
+            assert rel_err(replay_out[:real], ref) < TOL
+
+
+@pytest.mark.parametrize("t", [1, 7, 2048])
+def test_grouped_topk_kernel_matches_torch_at_deepseek_v3_shape(t, gen):
+    # DeepSeek-V3: 256 routed experts in 8 groups, the best 4 groups, 8 experts, scaling 2.5
+    e, n_group, topk_group, k = 256, 8, 4, 8
+    logits = torch.randn(t, e, device="cuda", generator=gen) * 2
+    bias = torch.randn(e, device="cuda", generator=gen) * 0.1
+    w, ids = moe_grouped_topk(logits, k, bias, n_group, topk_group, True, 2.5)
+    w_ref, ids_ref = grouped_sigmoid_topk_reference(logits, k, bias, n_group, topk_group, True, 2.5)
+    # a row may differ from torch only where its decision is a tie to fp32 rounding: between the
+    # last group kept and the first dropped, or the k-th expert and the next allowed one
+    biased = torch.sigmoid(logits) + bias
+    merit = biased.view(t, n_group, -1).topk(2, dim=-1).values.sum(-1)
+    kept = torch.zeros_like(merit, dtype=torch.bool).scatter_(1, merit.topk(topk_group, dim=1).indices, True)
+    allowed = kept[:, torch.arange(e, device="cuda") // (e // n_group)]
+    ranked = biased.masked_fill(~allowed, float("-inf")).sort(dim=1, descending=True).values
+    merits = merit.sort(dim=1, descending=True).values
+    margin = torch.minimum(merits[:, topk_group - 1] - merits[:, topk_group], ranked[:, k - 1] - ranked[:, k])
+    same = (ids == ids_ref).all(dim=1)
+    assert bool((margin[~same] < 1e-5).all()), margin[~same]
+    torch.testing.assert_close(w[same], w_ref[same], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("padded,real", [(1, 1), (1, 0), (8, 5), (64, 50), (256, 201)])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+@torch.inference_mode()
+def test_cuda_graph_replay_with_padding_rows(name, padded, real, experts, gen):
+    e, h, i, k, renorm = MODELS[name]
+    layer = FusedMoE(e, k, h, i, SoftmaxTopK(e, k, renorm), dtype=DT, device="cuda")
+    layer.w13_weight.copy_(experts[name][0])
+    layer.w2_weight.copy_(experts[name][1])
+    x = torch.randn(padded, h, device="cuda", generator=gen).to(DT)
+    logits = torch.randn(padded, e, device="cuda", generator=gen)
+    valid = torch.tensor(padded, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile outside the capture
+        layer(x, logits, valid=valid)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = layer(x, logits, valid=valid)
+    x.copy_(torch.randn(padded, h, device="cuda", generator=gen).to(DT))
+    logits.copy_(torch.randn(padded, e, device="cuda", generator=gen) * 3)
+    x[real:] = float("nan")  # padding rows hold stale data: nothing of them may reach the output
+    logits[real:] = float("nan")
+    valid.fill_(real)
+    layer.expert_counts.fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    replay_out, replay_counts = out.clone(), layer.expert_counts.clone()
+    assert torch.equal(replay_out, layer(x, logits, valid=valid))
+    assert torch.equal(replay_out[real:], torch.zeros(padded - real, h, device="cuda", dtype=DT))
+    w, ids = softmax_topk_reference(logits[:real], k, renorm)
+    want_counts = expert_counts_reference(ids, None, e)
+    assert torch.equal(replay_counts, want_counts)
+    if real:
+        ref = _reference(x[:real], experts[name][2], experts[name][3], w, ids)
+        assert rel_err(replay_out[:real], ref) < TOL
+
+
+@torch.inference_mode()
+def test_uniform_routing_spreads_pairs_evenly(experts, gen):
+    e, h, i, k, renorm = MODELS["qwen3-30b-a3b"]
+    layer = FusedMoE(e, k, h, i, SoftmaxTopK(e, k, renorm), dtype=DT, device="cuda")
+    layer.w13_weight.copy_(experts["qwen3-30b-a3b"][0])
+    layer.w2_weight.copy_(experts["qwen3-30b-a3b"][1])
+    layer.routing_override = "uniform"
+    x = torch.randn(64, h, device="cuda", generator=gen).to(DT)
+    out = layer(x, torch.randn(64, e, device="cuda", generator=gen))
+    assert torch.equal(layer.expert_counts, torch.full((e,), 64 * k // e, dtype=torch.int32, device="cuda"))
+    ids = (torch.arange(64 * k, device="cuda", dtype=torch.int32) % e).view(64, k)
+    w = torch.full((64, k), 1 / k, device="cuda")
+    assert rel_err(out, _reference(x, experts["qwen3-30b-a3b"][2], experts["qwen3-30b-a3b"][3], w, ids)) < TOL
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_workspace_bound_covers_what_a_forward_allocates(name, experts, gen):
+    e, h, i, k, renorm = MODELS[name]
+    w13, w2 = experts[name][:2]
+    for t in (1, 64, 2048):
+        x = torch.randn(t, h, device="cuda", generator=gen).to(DT)
+        w, ids = moe_softmax_topk(torch.randn(t, e, device="cuda", generator=gen), k, renorm)
+        counts = torch.empty(e, dtype=torch.int32, device="cuda")
+        fused_experts(x, w13, w2, w, ids, counts=counts)  # compiled and cached before measuring
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fused_experts(x, w13, w2, w, ids, counts=counts)
+        torch.cuda.synchronize()
+        used = torch.cuda.max_memory_allocated() - base
+        # the caching allocator rounds each of the ~8 buffers up to 512 bytes
+        assert out.numel() and used <= moe_workspace_bytes(t, k, e, i, h, DT) + 8 * 512, (t, used)

@@ -1,0 +1,172 @@
+"""DeepSeek-V2/V3 match transformers logit for logit (CPU, float32) on a paged latent cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import PagedHarness, hf_logits, make_hf_checkpoint, relative_error
+from transformers import DeepseekV2Config, DeepseekV3Config
+
+from graphserve import LLM, SamplingParams
+from graphserve.config import EngineConfig
+from graphserve.errors import ModelLoadError
+from graphserve.models.loader import load_model
+from graphserve.models.registry import describe_model
+
+TOL = 1e-4
+_TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+             max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+VARIANTS = {
+    # V2-Lite's shape of things: no q LoRA, greedy softmax routing, YaRN with mscale on the softmax scale
+    "v2-greedy-yarn": lambda: DeepseekV2Config(**_TINY, q_lora_rank=None, topk_method="greedy",
+                                               routed_scaling_factor=1.0, rope_scaling=_YARN),
+    "v2-group-limited": lambda: DeepseekV2Config(**{**_TINY, "n_shared_experts": 2}, q_lora_rank=24,
+                                                 topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                                 routed_scaling_factor=16.0, rope_theta=10000.0),
+    # V3: q LoRA, sigmoid + correction bias over groups, renormalised and scaled; interleaved rope
+    "v3-noaux": lambda: DeepseekV3Config(**_TINY, q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
+                                         routed_scaling_factor=2.5, rope_interleave=True,
+                                         rope_scaling={**_YARN, "mscale": 1.0, "mscale_all_dim": 0.8}),
+    "v3-rotate-half": lambda: DeepseekV3Config(**{**_TINY, "first_k_dense_replace": 0}, q_lora_rank=24, n_group=2,
+                                               topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.5,
+                                               rope_interleave=False, rope_theta=10000.0),
+}
+
+
+def _checkpoint(folder, name):
+    hf = make_hf_checkpoint(folder, VARIANTS[name]())
+    biased = False
+    with torch.no_grad():
+        for buf_name, buf in hf.named_buffers():
+            if buf_name.endswith("e_score_correction_bias"):
+                buf.copy_(0.3 * torch.randn_like(buf))  # large enough to change which experts win
+                biased = True
+    if biased:
+        hf.save_pretrained(folder)
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = _checkpoint(folder, request.param)
+    loaded = load_model(EngineConfig(model=str(folder), dtype="float32", max_model_len=128), torch.device("cpu"))
+    return request.param, hf, loaded
+
+
+def test_prefill_chunked_and_decode_match_transformers(variant):
+    name, hf, loaded = variant
+    gen = torch.Generator().manual_seed(3)
+    seqs = {s: torch.randint(4, 320, (n,), generator=gen).tolist() for s, n in (("a", 7), ("b", 19), ("c", 12))}
+    harness = PagedHarness(loaded.model)
+    first = harness.step([("b", seqs["b"][:11])])[0]
+    assert relative_error(first, hf_logits(hf, seqs["b"][:11])) < TOL, name
+    # a and c whole, b's last 8 tokens on top of its cached 11-token prefix, in one batch
+    out = harness.step([("a", seqs["a"]), ("b", seqs["b"][11:]), ("c", seqs["c"])])
+    for (seq, start), got in zip((("a", 0), ("b", 11), ("c", 0)), out):
+        err = relative_error(got, hf_logits(hf, seqs[seq])[start:])
+        assert err < TOL, f"{name} prefill {seq}: relative error {err:.2e}"
+    for step in range(4):
+        new = {s: int(torch.randint(4, 320, (1,), generator=gen)) for s in seqs}
+        for s in seqs:
+            seqs[s].append(new[s])
+        got = torch.cat(harness.step([(s, [new[s]]) for s in seqs]))
+        want = torch.stack([hf_logits(hf, seqs[s])[-1] for s in seqs])
+        err = relative_error(got, want)
+        assert err < TOL, f"{name} decode step {step}: relative error {err:.2e}"
+
+
+def test_description_counts_the_latent_cache_and_every_parameter(variant):
+    name, hf, loaded = variant
+    cfg, d = hf.config, loaded.info.description
+    assert d.kv.kind == "latent" and d.kv.num_heads == 1 and d.kv.head_dim == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert d.kv.bytes_per_token == cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    hf_params = sum(p.numel() for p in hf.parameters())
+    hf_params += sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert d.num_params == hf_params == sum(p.numel() for p in loaded.model.parameters())
+    moe = sum(i >= cfg.first_k_dense_replace for i in range(cfg.num_hidden_layers))
+    assert d.num_moe_layers == moe and d.num_experts == cfg.n_routed_experts
+
+
+def test_v2_lite_preset_cache_is_nine_times_smaller_than_expanded_heads():
+    from graphserve.models.presets import get_preset_config
+
+    d = describe_model(get_preset_config("deepseek-v2-lite"), torch.bfloat16)
+    assert d.kv.bytes_per_token == 27 * 576 * 2
+    expanded = 27 * 16 * (192 + 128) * 2  # K (nope + rope) and V per head
+    assert expanded / d.kv.bytes_per_token > 8.8
+    v3 = describe_model(get_preset_config("deepseek-v3-l4"), torch.bfloat16)
+    assert v3.kv.bytes_per_token == 4 * 576 * 2 and v3.num_moe_layers == 3 and v3.top_k == 8
+
+
+@pytest.mark.parametrize(("field", "value", "cls"), [
+    ("topk_method", "noaux_tc", DeepseekV2Config), ("scoring_func", "sigmoid", DeepseekV2Config),
+    ("topk_method", "group_limited_greedy", DeepseekV3Config), ("norm_topk_prob", True, DeepseekV2Config),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, DeepseekV3Config),
+    ("hidden_act", "gelu", DeepseekV3Config),
+])  # fmt: skip
+def test_unimplemented_config_values_are_refused_by_name(field, value, cls):
+    cfg = cls(**_TINY, q_lora_rank=24, n_group=4, topk_group=2, architectures=[cls.__name__[:-6] + "ForCausalLM"])
+    setattr(cfg, field, value)
+    if field == "rope_scaling":
+        cfg.rope_parameters = {**value, "rope_theta": 10000.0}
+    with pytest.raises(ModelLoadError, match=field if field != "rope_scaling" else "rope_type"):
+        describe_model(cfg, torch.float32)
+
+
+def test_greedy_matches_transformers_generate_under_continuous_batching(tmp_path):
+    hf = _checkpoint(tmp_path, "v3-noaux")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 320, (n,), generator=gen).tolist() for n in (3, 11, 26)]
+    expected = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                              pad_token_id=0)
+        expected.append(out[0, len(ids):].tolist())
+    llm = LLM(str(tmp_path), block_size=4, chunked_prefill_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for got, want in zip(outs, expected):
+        assert got.token_ids == want
+    # a prompt sharing the 26-token prompt's first 24 tokens: its first 6 latent blocks come from the prefix cache
+    shared = prompts[2][:24] + [7, 8, 9]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([shared]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                           pad_token_id=0)[0, len(shared):].tolist()
+    manager = llm.engine.core.block_manager
+    hits = manager.hit_tokens
+    assert llm.generate([{"prompt_token_ids": shared}], params, use_tqdm=False)[0].token_ids == want
+    assert manager.hit_tokens - hits == 24
+    manager.check_no_leak()
+
+
+def test_moe_layers_follow_first_k_dense_replace_and_moe_layer_freq():
+    """As DeepSeek's own modeling code counts them (transformers ignores moe_layer_freq, so there is
+    no parity check for freq > 1): MoE from layer first_k_dense_replace on, every freq-th layer."""
+    from graphserve.models.deepseek_shape import shape_from_config
+
+    cfg = DeepseekV2Config(**{**_TINY, "num_hidden_layers": 7, "first_k_dense_replace": 2}, q_lora_rank=None,
+                           moe_layer_freq=2)
+    assert shape_from_config(cfg, 2).moe_layers == {2, 4, 6}
+    cfg.n_routed_experts = 0  # no routed experts: every layer dense
+    assert shape_from_config(cfg, 2).moe_layers == set()
+
+
+def test_synthetic_batches_read_the_latent_cache_shape():
+    """Start-up profiling and the benchmarks build batches on consecutive blocks of whatever cache the
+    layout allocated; a latent cache is [blocks, block_size, 1, dim], not the K/V [2, blocks, ...]."""
+    from graphserve.layers.forward_batch import contiguous_batch
+    from graphserve.layers.kv_layout import KVLayout
+
+    caches = KVLayout("latent", 2, 1, 40, torch.float32).allocate(9, 4, "cpu")
+    batch = contiguous_batch([1, 5], [6, 5], caches, None, vocab_size=320)
+    assert batch.block_tables.tolist() == [[1, 2], [3, 4]]
+    assert batch.slot_mapping.tolist() == [9, 12, 13, 14, 15, 16]
+    with pytest.raises(ValueError, match="pool has 9"):
+        contiguous_batch([1], [40], caches, None, vocab_size=320)

@@ -1,0 +1,149 @@
+"""The MLA kernels against their PyTorch references, on CPU through Triton's interpreter.
+
+fp32, tiny shapes whose sizes are not powers of two, fresh random inputs, outputs poisoned with NaN:
+the fused prologue (norm, both rotary layouts, cache write), absorbed attention for decode (one
+split and several) and for extend over a cached prefix, and a whole DeepSeek-V3 model on the
+Triton MLA backend against transformers. The bf16 real-shape and CUDA-graph versions live in
+tests/gpu/test_mla.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def _use_interpreter() -> None:
+    """Run this module's kernels under Triton's interpreter when there is no GPU (see test_moe_interp.py)."""
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if torch.cuda.is_available():
+            return
+        stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
+        stale += [m for m in sys.modules if m.startswith("graphserve.kernels") or m == "graphserve.layers.mla_triton"]
+        for name in stale:
+            sys.modules.pop(name, None)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_use_interpreter()
+
+import pytest  # noqa: E402
+
+from graphserve.kernels.mla_attention import mla_attention  # noqa: E402
+from graphserve.kernels.mla_prologue import mla_prologue, mla_prologue_reference  # noqa: E402
+from graphserve.layers.mla_reference import absorbed_attention_reference  # noqa: E402
+from graphserve.layers.mla_rope import DeepseekRotary  # noqa: E402
+from graphserve.layers.mla_triton import TritonMLABackend  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+RANK, ROPE, NOPE, HEADS = 24, 8, 8, 5
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def latent_setup(seq_lens: list[int], page: int, gen: torch.Generator):
+    """A random latent cache and block tables over shuffled blocks (never the dummy block 0)."""
+    per_seq = [(n + page - 1) // page for n in seq_lens]
+    num_blocks = sum(per_seq) + 3
+    cache = torch.randn(num_blocks, page, 1, RANK + ROPE, generator=gen).to(DEVICE)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
+    tables = torch.zeros(len(seq_lens), max(per_seq) + 1, dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(per_seq):
+        tables[i, :nb] = order[used : used + nb]
+        used += nb
+    return cache, tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_prologue_matches_reference(interleaved):
+    gen = torch.Generator().manual_seed(0)
+    tokens = 5
+    rotary = DeepseekRotary(ROPE, 64, {"rope_type": "default", "rope_theta": 10000.0}, 64, interleaved)
+    q = torch.randn(tokens, HEADS, NOPE + ROPE, generator=gen).to(DEVICE)
+    fused = torch.randn(tokens, 7 + RANK + ROPE, generator=gen).to(DEVICE)
+    kv_a = fused[:, 7:]  # a strided slice of a fused projection, as the model passes it
+    positions = torch.tensor([0, 9, 33, 4, 63], device=DEVICE)
+    weight = (1 + 0.2 * torch.randn(RANK, generator=gen)).to(DEVICE)
+    slots = torch.tensor([17, 3, 45, 40, 0], device=DEVICE)  # slot 0: a padding row's dummy slot
+    cache = torch.full((6, 8, 1, RANK + ROPE), float("nan"), device=DEVICE)
+    q_ref, cache_ref = q.clone(), cache.clone()
+    cos_sin = rotary.cos_sin_cache.to(DEVICE)
+    mla_prologue(q, kv_a, positions, cos_sin, weight, 1e-6, cache, slots, NOPE, interleaved)
+    mla_prologue_reference(q_ref, kv_a, positions, cos_sin, weight, 1e-6, cache_ref, slots, NOPE, interleaved)
+    assert rel_err(q, q_ref) < 1e-5
+    flat, flat_ref = cache.view(-1, RANK + ROPE), cache_ref.view(-1, RANK + ROPE)
+    assert rel_err(flat[slots], flat_ref[slots]) < 1e-5
+    assert int(flat.isnan().any(-1).sum()) == 48 - 5  # every other slot untouched
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 11])
+def test_decode_matches_reference(num_splits):
+    gen = torch.Generator().manual_seed(1)
+    seq_lens = [1, 37, 150, 0]  # the last row is CUDA-graph padding: no context, output 0
+    cache, tables, lens = latent_setup(seq_lens, 16, gen)
+    q_lat = torch.randn(4, HEADS, RANK, generator=gen).to(DEVICE)
+    q_rope = torch.randn(4, HEADS, ROPE, generator=gen).to(DEVICE)
+    qsl = torch.arange(5, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q_lat, float("nan"))
+    mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.3, max_query_len=1, out=out, num_splits=num_splits)
+    ref = absorbed_attention_reference(q_lat[:3], q_rope[:3], cache, tables, [1, 1, 1], seq_lens[:3], 0.3)
+    assert rel_err(out[:3], ref) < 1e-5
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+
+def test_extend_over_a_cached_prefix_matches_reference():
+    gen = torch.Generator().manual_seed(2)
+    query_lens, seq_lens = [3, 1, 7, 5], [3, 20, 40, 5]  # a prefill, a decode row, two chunks on a prefix
+    cache, tables, lens = latent_setup(seq_lens, 4, gen)
+    tokens = sum(query_lens)
+    q_full = torch.randn(tokens, HEADS, 40, generator=gen).to(DEVICE)
+    q_lat, q_rope = q_full[..., :RANK], q_full[..., 30 : 30 + ROPE]  # strided views
+    qsl = torch.tensor([0, 3, 4, 11, 16], dtype=torch.int32, device=DEVICE)
+    out = torch.full((tokens, HEADS, RANK), float("nan"), device=DEVICE)
+    mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.2, max_query_len=7, out=out)
+    ref = absorbed_attention_reference(q_lat, q_rope, cache, tables, query_lens, seq_lens, 0.2)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_deepseek_v3_on_the_triton_mla_backend_matches_transformers(tmp_path):
+    from model_utils import PagedHarness, hf_logits, relative_error
+    from test_deepseek import _checkpoint
+
+    from graphserve.config import EngineConfig
+    from graphserve.layers.attention import TorchAttentionBackend
+    from graphserve.models.loader import load_model
+
+    hf = _checkpoint(tmp_path, "v3-noaux")
+    loaded = load_model(EngineConfig(model=str(tmp_path), dtype="float32", max_model_len=128), DEVICE)
+    backend = TorchAttentionBackend()
+    backend.mla = TritonMLABackend()  # the kernels, under the otherwise plain-PyTorch forward
+    harness = PagedHarness(loaded.model, backend=backend, device=DEVICE)
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.randint(4, 320, (9,), generator=gen).tolist(), torch.randint(4, 320, (6,), generator=gen).tolist()
+    harness.step([("a", a[:5])])
+    out = harness.step([("a", a[5:]), ("b", b)])  # a chunk on a cached prefix beside a fresh prefill
+    assert relative_error(out[0].cpu(), hf_logits(hf, a)[5:]) < 1e-4
+    assert relative_error(out[1].cpu(), hf_logits(hf, b)) < 1e-4
+    nxt = [11, 12]
+    got = torch.cat(harness.step([("a", [nxt[0]]), ("b", [nxt[1]])])).cpu()
+    want = torch.stack([hf_logits(hf, a + [nxt[0]])[-1], hf_logits(hf, b + [nxt[1]])[-1]])
+    assert relative_error(got, want) < 1e-4
+
+
+def test_decode_splits_fill_whole_waves_from_static_sizes():
+    from graphserve.kernels.mla_attention import MAX_SPLITS, MIN_SPLIT_TOKENS, choose_num_splits
+
+    sms, slots = 132, 264
+    assert choose_num_splits(256, 1, 4096, sms) == 1  # the batch alone fills a wave
+    assert choose_num_splits(64, 1, 4096, sms) == 4  # 256 of 264 slots, where 5 splits would start a 2nd wave
+    assert choose_num_splits(1, 1, 1 << 20, sms) <= MAX_SPLITS
+    assert choose_num_splits(1, 1, 3 * MIN_SPLIT_TOKENS, sms) == 3  # never shorter than MIN_SPLIT_TOKENS
+    for batch in (1, 2, 3, 8, 16, 24, 40):
+        splits = choose_num_splits(batch, 1, 8192, sms)
+        waves = batch * splits / slots
+        assert waves / -(-waves // 1) > 0.4 or splits == MAX_SPLITS, (batch, splits)

@@ -1,0 +1,223 @@
+"""The MoE kernels against their PyTorch references, on CPU through Triton's interpreter.
+
+fp32, tiny shapes whose sizes are not multiples of the tiles, fresh random inputs: the routing
+kernels (softmax top-k, grouped sigmoid top-k), the sort/align, both expert paths (grouped GEMM
+and streaming) with padding rows and an expert-parallel slice, and FusedMoE on the kernel path
+against its own CPU path. The bf16 model-shape versions and the CUDA-graph checks live in
+tests/gpu/test_moe.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def _use_interpreter() -> None:
+    """Run this module's kernels under Triton's interpreter when there is no GPU.
+
+    TRITON_INTERPRET is read when a kernel is first run, by a triton imported after it is set;
+    if something imported triton compiled before (and there is no GPU to compile for), triton and
+    the kernel modules are dropped from the import cache and imported again under the interpreter.
+    """
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if torch.cuda.is_available():
+            return  # a whole-suite run on a GPU machine: these checks run compiled there
+        stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
+        stale += [m for m in sys.modules if m.startswith("graphserve.kernels") or m == "graphserve.layers.moe"]
+        for name in stale:
+            sys.modules.pop(name, None)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_use_interpreter()
+
+import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from graphserve.kernels import moe_align as moe_align_mod  # noqa: E402
+from graphserve.kernels.moe_align import moe_align  # noqa: E402
+from graphserve.kernels.moe_config import GemmTile, GemvTile  # noqa: E402
+from graphserve.kernels.moe_fused import fused_experts  # noqa: E402
+from graphserve.kernels.moe_gate import moe_gate_softmax_topk  # noqa: E402
+from graphserve.kernels.moe_reference import (  # noqa: E402
+    expert_counts_reference,
+    experts_reference,
+    grouped_sigmoid_topk_reference,
+    moe_align_reference,
+    softmax_topk_reference,
+)
+from graphserve.kernels.moe_routing import moe_grouped_topk, moe_softmax_topk  # noqa: E402
+from graphserve.layers.moe import FusedMoE, SoftmaxTopK  # noqa: E402
+
+DEVICE = torch.device("cpu") if isinstance(tl.standard.cdiv, InterpretedFunction) else torch.device("cuda")
+H, INTER, E = 40, 24, 6
+GEMM = (GemmTile(16, 16, 32, 2, 4, 2), GemmTile(16, 32, 16, 1, 4, 2))
+GEMV = (GemvTile(8, 16, 4), GemvTile(16, 16, 4))
+
+
+def _randn(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE)
+
+
+@pytest.mark.parametrize("t,e,k,renorm", [(1, 8, 2, True), (5, 60, 4, False), (19, 6, 3, True)])
+def test_softmax_topk_matches_reference(t, e, k, renorm):
+    gen = torch.Generator().manual_seed(t * 100 + e)
+    logits = _randn(t, e, gen=gen, scale=3.0)
+    w, ids = moe_softmax_topk(logits, k, renorm, block_t=4)
+    w_ref, ids_ref = softmax_topk_reference(logits, k, renorm)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "t,e,k,n_group,topk_group,renorm",
+    [(5, 16, 4, 4, 2, True), (9, 12, 2, 3, 1, False), (3, 8, 3, 8, 3, True), (4, 6, 2, 1, 1, True)],
+)
+def test_grouped_topk_matches_reference(t, e, k, n_group, topk_group, renorm):
+    gen = torch.Generator().manual_seed(t * 10 + e)
+    logits, bias = _randn(t, e, gen=gen, scale=2.0), _randn(e, gen=gen, scale=0.5)
+    w, ids = moe_grouped_topk(logits, k, bias, n_group, topk_group, renorm, 2.5, block_t=4)
+    w_ref, ids_ref = grouped_sigmoid_topk_reference(logits, k, bias, n_group, topk_group, renorm, 2.5)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("count_in_one_program", [True, False])
+@pytest.mark.parametrize("expert_start,num_local,block_m", [(0, E, 16), (2, 3, 4)])
+def test_align_matches_reference(expert_start, num_local, block_m, count_in_one_program, monkeypatch):
+    if not count_in_one_program:  # the large-batch count: zeroed buffer, atomic per-program histograms
+        monkeypatch.setattr(moe_align_mod, "SINGLE_PROGRAM_MAX_PAIRS", 4)
+    gen = torch.Generator().manual_seed(block_m)
+    ids = torch.randint(0, E, (11, 3), generator=gen, dtype=torch.int32).to(DEVICE)
+    valid = torch.arange(11, device=DEVICE) < 9
+    counts = torch.full((E,), -7, dtype=torch.int32, device=DEVICE)
+    align = moe_align(ids, valid, counts, expert_start, num_local, block_m)
+    ref_sorted, ref_experts, ref_total = moe_align_reference(ids, valid, expert_start, num_local, block_m)
+    assert torch.equal(counts.cpu(), expert_counts_reference(ids, valid, E).cpu())
+    assert int(align.num_post_padded) == ref_total
+    assert torch.equal(align.expert_ids.cpu(), ref_experts)
+    # within a run the order is the atomics' order: compare each tile as a set
+    got = align.sorted_ids.cpu().view(-1, block_m).sort(dim=1).values
+    assert torch.equal(got, ref_sorted.view(-1, block_m).sort(dim=1).values)
+
+
+def _weights(gen: torch.Generator, num_local: int = E, h: int = H, inter: int = INTER) -> tuple[torch.Tensor, ...]:
+    return _randn(num_local, 2 * inter, h, gen=gen, scale=0.3), _randn(num_local, h, inter, gen=gen, scale=0.3)
+
+
+# (tokens, k, first local expert, local experts, padding rows, hidden, intermediate): K and N not
+# multiples of the tiles (masked tails), then multiples (the unmasked loads the real shapes take)
+FUSED_CASES = [(7, 2, 0, E, False, H, INTER), (9, 3, 2, 3, True, H, INTER), (6, 2, 1, 4, True, 64, 32)]
+
+
+@pytest.mark.parametrize("path", ["gemm", "gemv"])
+@pytest.mark.parametrize("t,k,expert_start,num_local,padded,h,inter", FUSED_CASES)
+def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, padded, h, inter):
+    gen = torch.Generator().manual_seed(t * k + num_local)
+    w13, w2 = _weights(gen, num_local, h, inter)
+    x = _randn(t, h, gen=gen)
+    topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), k, True)
+    valid = (torch.arange(t, device=DEVICE) < t - 2) if padded else None
+    if padded:  # padding rows hold whatever the batch buffer held: nothing of them may leak
+        x[-2:] = float("nan")
+        topk_w[-2:] = float("nan")
+    counts = torch.full((E,), -1, dtype=torch.int32, device=DEVICE)
+    out = fused_experts(x, w13, w2, topk_w, topk_ids, valid=valid, expert_start=expert_start, counts=counts,
+                        path=path, gemm_tiles=GEMM, gemv_tiles=GEMV)  # fmt: skip
+    want = experts_reference(x, w13, w2, topk_w, topk_ids, valid, expert_start)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(counts.cpu(), expert_counts_reference(topk_ids, valid, E).cpu())
+    if padded:
+        assert torch.equal(out[-2:].cpu(), torch.zeros(2, h))
+
+
+@pytest.mark.parametrize("t,e,h,k,renorm", [(1, 12, 40, 3, True), (5, 6, 64, 2, False), (8, 130, 72, 4, True)])
+def test_fused_gate_matches_projection_then_topk(t, e, h, k, renorm):
+    """One launch of gate projection + softmax top-k, twice on one counter (it must be left at zero)."""
+    gen = torch.Generator().manual_seed(t * e)
+    gate = _randn(e, h, gen=gen)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        x = _randn(t, h, gen=gen)
+        w, ids = moe_gate_softmax_topk(x, gate, k, renorm, counter)
+        w_ref, ids_ref = softmax_topk_reference(x @ gate.T, k, renorm)
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+        assert int(counter) == 0
+
+
+def test_layer_fused_gate_matches_gate_then_forward():
+    gen = torch.Generator().manual_seed(12)
+    layer = FusedMoE(E, 2, H, INTER, SoftmaxTopK(E, 2, True), dtype=torch.float32).to(DEVICE)
+    w13, w2 = _weights(gen)
+    gate = torch.nn.Linear(H, E, bias=False).to(DEVICE)
+    with torch.no_grad():
+        layer.w13_weight.copy_(w13)
+        layer.w2_weight.copy_(w2)
+        gate.weight.copy_(_randn(E, H, gen=gen))
+    x = _randn(3, H, gen=gen)
+    layer.use_kernels = False
+    want = layer(x, gate(x), valid=torch.tensor(2, device=DEVICE))
+    want_counts = layer.expert_counts.clone()
+    layer.use_kernels = True
+    calls = []
+    gate.register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        got = layer.forward_gate(x, gate, valid=torch.tensor(2, device=DEVICE))
+    assert not calls  # the fused kernel ran, not the projection
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(layer.expert_counts, want_counts) and int(layer.gate_counter) == 0
+
+
+def test_layer_kernel_path_matches_cpu_path():
+    gen = torch.Generator().manual_seed(11)
+    layer = FusedMoE(E, 2, H, INTER, SoftmaxTopK(E, 2, False), dtype=torch.float32).to(DEVICE)
+    w13, w2 = _weights(gen)
+    with torch.no_grad():
+        layer.w13_weight.copy_(w13)
+        layer.w2_weight.copy_(w2)
+    x, logits = _randn(6, H, gen=gen), _randn(6, E, gen=gen)
+    layer.use_kernels = False
+    want = layer(x, logits, valid=torch.tensor(4, device=DEVICE))
+    want_counts = layer.expert_counts.clone()
+    layer.use_kernels = True
+    got = layer(x, logits, valid=torch.tensor(4, device=DEVICE))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(layer.expert_counts, want_counts) and int(want_counts.sum()) == 8
+
+
+def test_tuner_sweep_writes_a_table_the_kernels_accept(monkeypatch):
+    """The tuner's control flow on the interpreter (wall-clock timing, two tiles of each kind)."""
+    import json
+    import time
+
+    from benchmarks import moe_tune
+    from graphserve.kernels.moe_config import MoeTiles
+
+    def wall_ms(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    small = [GemmTile(16, 16, 32, 1, 4, 3), GemmTile(32, 32, 16, 1, 4, 3)]
+    monkeypatch.setattr(moe_tune, "DEVICE", DEVICE)
+    monkeypatch.setattr(moe_tune, "graph_ms", wall_ms)
+    monkeypatch.setattr(moe_tune, "QUICK_TOKENS", [1, 4])
+    monkeypatch.setattr(moe_tune, "GEMV_TILES", list(GEMV))
+    monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick: small)
+    tiles, rows = moe_tune.tune(E, H, INTER, 2, torch.float32, quick=True, budget_s=600)
+    assert tiles.buckets == (2, 8) and [r["tokens"] for r in rows] == [1, 4]
+    assert all(g.block_m == d.block_m for g, d in zip(tiles.gate_up, tiles.down))
+    assert tiles.small_max_pairs in (0, 2, 8) and tiles.gemv_gate_up in GEMV
+    again = MoeTiles.from_json(json.loads(json.dumps(tiles.to_json())))
+    assert again == tiles
+    gen = torch.Generator().manual_seed(3)
+    w13, w2 = _weights(gen)
+    x = _randn(5, H, gen=gen)
+    topk_w, topk_ids = softmax_topk_reference(_randn(5, E, gen=gen), 2, True)
+    out = fused_experts(x, w13, w2, topk_w, topk_ids, tiles=again)
+    torch.testing.assert_close(out, experts_reference(x, w13, w2, topk_w, topk_ids), rtol=1e-4, atol=1e-5)

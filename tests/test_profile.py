@@ -1,0 +1,164 @@
+"""`graphserve profile`: the trace reading on hand-made traces (every number known), and on the real
+engine the categories add up to the step time the engine measured, in-process and through a server."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_utils import wait_for  # noqa: E402
+
+from graphserve import cli  # noqa: E402
+from graphserve.analysis.profile import profile_in_process  # noqa: E402
+from graphserve.analysis.step_trace import CATEGORIES, breakdown, classify, unmatched_device_work  # noqa: E402
+from graphserve.config import EngineConfig  # noqa: E402
+
+MODEL = "builtin:tiny-llama"
+SMALL = dict(max_model_len=512, num_kv_tokens=8192)
+
+
+def _x(cat, name, ts, dur, tid=1, corr=None):
+    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+    if corr is not None:
+        e["args"] = {"correlation": corr}
+    return e
+
+
+def test_names_and_scopes_pick_the_category():
+    assert classify("fused_moe_kernel") == classify("moe_align_block_size") == classify("moe_gemv_down") == "moe"
+    assert classify("ncclDevKernel_AllReduce_Sum_bf16") == "communication"
+    assert classify("nvjet_tst_128x64_64x4") == classify("_gemv_kernel") == classify("aten::linear") == "dense_gemm"
+    assert classify("_decode_split_kernel") == classify("_qk_norm_rope_kv_kernel") == "attention"
+    assert classify("_rms_norm_kernel") == classify("void at::native::vectorized_elementwise_kernel<4>") \
+        == "norm_elementwise"
+    assert classify("Memcpy DtoH (Device -> Pinned)") == "other"
+    # a topk inside the sampler is sampling, not a MoE router
+    assert classify("void at::native::sbtopk::gatherTopK<float>", "sampling") == "sampling"
+
+
+def test_device_trace_steps_are_kernels_plus_gaps():
+    ev = []
+    for t0, t1 in ((0, 100), (300, 400)):
+        ev += [_x("user_annotation", "graphserve.iteration", t0, t1 - t0 + 50),
+               _x("user_annotation", "graphserve.launch", t0 + 1, t1 - t0 - 2)]
+    ev.append(_x("user_annotation", "graphserve.sampling", 340, 50))
+    calls = [(1, 10, "nvjet_gemm", 200, 50),  # step 0 ends at 250
+             (2, 310, "fused_moe_kernel", 500, 30), (3, 320, "ncclDevKernel_AllReduce", 540, 15),
+             (4, 330, "_decode_split_kernel", 560, 20), (5, 350, "void at::native::reduce_kernel", 600, 10),
+             (6, 395, "Memcpy DtoH (Device -> Pinned)", 615, 5)]
+    for corr, call, name, ts, dur in calls:
+        ev.append(_x("cuda_runtime", "cudaLaunchKernel", call, 2, corr=corr))
+        ev.append(_x("gpu_memcpy" if name.startswith("Memcpy") else "kernel", name, ts, dur, tid=7, corr=corr))
+    ev.append(_x("kernel", "orphan_kernel", 610, 3, tid=7, corr=99))  # no launch call: belongs to no step
+    first, second = breakdown(ev, "cuda")
+    assert first is None  # no previous step: its span is unknown
+    c = second.categories_ms
+    assert second.span_ms == pytest.approx((620 - 250) / 1e3)
+    assert c["moe"] == pytest.approx(0.030) and c["communication"] == pytest.approx(0.015)
+    assert c["attention"] == pytest.approx(0.020) and c["sampling"] == pytest.approx(0.010)
+    assert c["other"] == pytest.approx(0.005) and c["dense_gemm"] == 0.0
+    assert c["gaps_host"] == pytest.approx((370 - 80) / 1e3)
+    assert sum(c.values()) == pytest.approx(second.span_ms) and second.kernels == 4
+    assert unmatched_device_work(ev) == 1  # the orphan, named in the profile's notes
+
+
+def test_cpu_trace_counts_outermost_ops_once():
+    ev = [_x("user_annotation", "graphserve.iteration", 0, 1000), _x("user_annotation", "graphserve.launch", 10, 880),
+          _x("cpu_op", "aten::linear", 100, 200), _x("cpu_op", "aten::mm", 110, 180),  # a child: not counted again
+          _x("cpu_op", "aten::mul", 400, 50), _x("user_annotation", "graphserve.sampling", 690, 120),
+          _x("cpu_op", "aten::softmax", 700, 100), _x("cpu_op", "aten::add", 2000, 10),  # outside the iteration
+          _x("cpu_op", "aten::mul", 500, 20, tid=2)]  # another thread
+    (step,) = breakdown(ev, "cpu")
+    c = step.categories_ms
+    assert (c["dense_gemm"], c["norm_elementwise"], c["sampling"]) == pytest.approx((0.2, 0.05, 0.1))
+    assert c["gaps_host"] == pytest.approx(0.65) and step.span_ms == pytest.approx(1.0)
+
+
+def _check_adds_up(profile: dict, batch_size: int) -> None:
+    (phase,) = profile["phases"]  # CPU: eager only, and the result says so
+    assert phase["mode"] == "eager" and "no CUDA graphs" in profile["notes"][0]
+    assert phase["batch_size"] == batch_size and phase["run_as"] == ["eager"]
+    cats = phase["categories_ms"]
+    assert set(cats) == set(CATEGORIES) and set(phase["categories_pct"]) == set(CATEGORIES)
+    assert phase["categories_pct"]["dense_gemm"] == pytest.approx(100 * cats["dense_gemm"] / phase["step_ms"])
+    # the categories come from the trace, the step time from the engine's own clock (telemetry)
+    assert abs(sum(cats.values()) - phase["step_ms"]) <= 0.10 * phase["step_ms"]
+    for s in phase["per_step"]:
+        assert abs(s["span_ms"] - s["step_ms"]) <= 0.10 * s["step_ms"]
+    for c in ("dense_gemm", "attention", "norm_elementwise", "sampling", "gaps_host"):
+        assert cats[c] > 0, c
+    assert cats["moe"] == cats["communication"] == 0.0  # a dense model on one process
+
+
+def test_in_process_profile_adds_up_and_leaves_the_engine_as_it_was():
+    from graphserve.engine.core import EngineCore
+
+    core = EngineCore(EngineConfig(model=MODEL, **SMALL))
+    prof = profile_in_process(core, 3, 4, 16)
+    _check_adds_up(prof, 3)
+    assert prof["phases"][0]["steps"] == 4
+    assert "launch" not in vars(core.runner) and "sample" not in vars(core.runner.sampler)
+    assert not core.has_unfinished_requests() and core.block_manager.usage() == 0.0
+    out = core.step()  # and it still serves
+    assert out == []
+
+    # a profile whose own machinery fails ends with an error; the step it was wrapping runs all the same
+    from graphserve.engine.processor import InputProcessor
+    from graphserve.engine.step_profiler import StepProfiler
+    from graphserve.sampling_params import SamplingParams
+
+    got: list[dict] = []
+    broken = StepProfiler(core, 2, got.append)
+    broken._hook = lambda: (_ for _ in ()).throw(RuntimeError("no profiler here"))
+    req = InputProcessor(core.tokenizer, core.info, core.config, core.kv_blocks).process(
+        "r", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    core.add_request(req)
+    outputs = broken.iteration(core.step)
+    assert got[0]["error"] == "the profile failed: RuntimeError: no profiler here" and not broken.active
+    assert [o.request_id for o in outputs] == ["r"] and len(outputs[0].new_token_ids) == 1
+    while core.has_unfinished_requests():
+        core.step()
+
+
+def test_cli_in_process_writes_json_and_png(tmp_path, capsys):
+    rc = cli.main(["profile", "--model", MODEL, "--batch-size", "1,2", "--steps", "3", "--input-len", "8",
+                   "--output-dir", str(tmp_path), "--max-model-len", "512", "--num-kv-tokens", "8192"])
+    assert rc == 0
+    data = json.loads((tmp_path / "profile.json").read_text())
+    assert [p["batch_size"] for p in data["profiles"]] == [1, 2]
+    for p, b in zip(data["profiles"], (1, 2)):
+        _check_adds_up(p, b)
+    assert (tmp_path / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "gaps between kernels / host" in out and "measured step time" in out
+    assert cli.main(["profile", "--model", MODEL, "--steps", "0"]) == 2
+    assert "steps=0 is invalid" in capsys.readouterr().err
+    # an engine flag against a server would change nothing: refused by name before anything connects
+    assert cli.main(["profile", "--base-url", "http://127.0.0.1:9", "--cuda-graph-max-bs", "8"]) == 2
+    assert "--cuda-graph-max-bs configures the engine of --model" in capsys.readouterr().err
+
+
+def test_profile_endpoint_and_cli_through_a_server(tmp_path):
+    from graphserve.server.launch import ServerThread
+
+    with ServerThread(EngineConfig(model=MODEL, **SMALL), enable_profile_endpoint=True) as server:
+        url = server.base_url
+        idle = httpx.post(url + "/v1/profile", params={"steps": 2, "timeout": 0.5}, timeout=30)
+        assert idle.status_code == 503 and "needs load" in idle.json()["error"]["message"]
+        # the CLI holds two streams in decode and asks the server to profile them
+        rc = cli.main(["profile", "--base-url", url, "--batch-size", "2", "--steps", "3", "--input-len", "8",
+                       "--output-dir", str(tmp_path)])
+        assert rc == 0
+        (prof,) = json.loads((tmp_path / "profile.json").read_text())["profiles"]
+        _check_adds_up(prof, 2)
+        runner = server.state.engine._driver.core.runner
+        assert "launch" not in vars(runner) and "sample" not in vars(runner.sampler)  # nothing left hooked
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        # the held streams were closed, so their requests were aborted
+        core = server.state.engine._driver.core
+        assert wait_for(lambda: not core.has_unfinished_requests(), timeout=30)

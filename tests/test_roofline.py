@@ -1,0 +1,47 @@
+"""The benchmarks' bandwidth floor: best of the probes and of the rates the run's own work reached,
+so no measured row can sit below its floor; the datasheet column only where the card is known."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.roofline import ReadBandwidth, datasheet_read_gbs
+
+L2 = 50 << 20
+
+
+def test_datasheet_lookup_prefers_the_specific_variant():
+    assert datasheet_read_gbs("NVIDIA H200") == 4800.0
+    assert datasheet_read_gbs("NVIDIA H100 80GB HBM3") == 3350.0  # SXM
+    assert datasheet_read_gbs("NVIDIA H100 PCIe") == 2000.0
+    assert datasheet_read_gbs("NVIDIA L4") is None
+
+
+def test_a_run_faster_than_every_probe_becomes_the_floor():
+    bw = ReadBandwidth({"stream_read": 4200.0, "torch.sum": 4100.0, "copy (read side)": 2100.0}, 4800.0, L2)
+    assert bw.best_method == "stream_read" and bw.floor_ms(4.2e9) == pytest.approx(1.0)
+    steps = [(8e9, 1.9), (6e9, 1.40), (3e9, 0.9)]  # 4211, 4286 and 3333 GB/s
+    for i, (nbytes, ms) in enumerate(steps):
+        bw.observe(f"step {i}", nbytes, ms)
+    assert bw.best_method == "step 1" and bw.best_gbs == pytest.approx(6e9 / 1.40 / 1e6)
+    ratios = [bw.ratios(ms, nbytes)["ratio"] for nbytes, ms in steps]
+    assert min(ratios) == pytest.approx(1.0) and all(r >= 1.0 - 1e-12 for r in ratios)
+    summary = bw.summary()
+    assert summary["best_observed"] == "step 1" and summary["methods"]["stream_read"] == 4200.0
+
+
+def test_work_that_fits_in_l2_is_not_taken_as_a_memory_rate():
+    bw = ReadBandwidth({"stream_read": 4000.0}, None, L2)
+    bw.observe("small kernel", L2, 0.001)  # 52 TB/s: served from cache
+    assert bw.best_gbs == 4000.0 and bw.observed == {}
+
+
+def test_ratios_take_the_compute_floor_and_the_datasheet():
+    bw = ReadBandwidth({"stream_read": 4000.0}, 4800.0, L2)
+    r = bw.ratios(2.0, 4e9, flops=1e12, peak_tflops=1000.0)  # read 1.0 ms, compute 1.0 ms
+    assert r["floor_ms"] == pytest.approx(1.0) and r["ratio"] == pytest.approx(2.0)
+    assert r["datasheet_floor_ms"] == pytest.approx(1.0)  # compute-bound at either bandwidth
+    r = bw.ratios(2.0, 4.8e9)
+    assert r["ratio"] == pytest.approx(2.0 / 1.2) and r["ratio_datasheet"] == pytest.approx(2.0)
+    unknown = ReadBandwidth({"stream_read": 4000.0}, None, L2).ratios(2.0, 4e9)
+    assert unknown["datasheet_floor_ms"] is None and unknown["ratio_datasheet"] is None
