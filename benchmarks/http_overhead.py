@@ -1,38 +1,44 @@
 """What the HTTP server costs: the same workload through `LLM.generate` and through /v1/completions.
 
-Workload: ``--num-prompts`` random token-id prompts of ``--input-len`` tokens, ``--output-len`` greedy
-tokens each with ignore_eos, so both paths generate exactly the same number of tokens. The HTTP side is a
-plain asyncio client keeping ``--concurrency`` streamed requests in flight against a `graphserve serve`
-subprocess (its own interpreter, as in production) or, with ``--in-process``, a ServerThread. It runs streamed and
-non-streamed requests; each ratio is HTTP output tok/s over offline output tok/s: 1.0 means the server adds
-nothing.
+Workload: ``--num-prompts`` random token-id prompts of ``--input-len`` tokens, ``--output-len`` greedy tokens
+each with ignore_eos, so both paths generate exactly the same tokens. The HTTP side is the every-event client
+(a connection per request, every SSE event parsed as it arrives, as SGLang's bench_serving reads), spread over
+one client process per 64 streams so the client is never the limit, against a `graphserve serve` subprocess.
+Each ratio is HTTP output tok/s over offline output tok/s at the same concurrency: 1.0 means the server adds
+nothing (target >= 0.9). The offline engine runs with the running batch capped at that concurrency.
 
-Run: python3 -m benchmarks.http_overhead [--model dummy:qwen3-0.6b] [--engine-args "--max-model-len 2048"]
+Per model it also measures, on the freshly started server:
+- ready-warm: TTFT p99 of the first 32 requests after /health turned 200 vs the next 256 (mixed prompt lengths
+  and sampling knobs; target <= 2x);
+- idle TTFT: a 256-token prompt over HTTP vs the engine's own time for that prefill (target <= 1.2x + 2 ms).
+
+Run: python3 -m benchmarks.http_overhead [--models dummy:qwen3-0.6b dummy:llama3-8b] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import dataclasses
+import concurrent.futures
 import gc
 import json
+import math
+import multiprocessing
 import random
 import shlex
-import signal
-import socket
-import subprocess
+import statistics
 import sys
 import time
-from collections.abc import Iterator
+from typing import Any
 
-import httpx
 import torch
 
 from benchmarks.common import print_table, write_result
+from benchmarks.http_server import client_worker, one_request, server
 from graphserve import LLM, SamplingParams
-from graphserve.config import EngineConfig, add_engine_args, config_from_args
+from graphserve.config import add_engine_args, config_from_args
+
+STREAMS_PER_CLIENT = 64
 
 
 def workload(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -40,158 +46,174 @@ def workload(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int
     return [[rng.randrange(10, vocab - 10) for _ in range(input_len)] for _ in range(n)]
 
 
-def engine_config(model: str, engine_args: str, concurrency: int) -> tuple[EngineConfig, str]:
-    """The config both paths use, and its flags for the server. The running batch is capped at the client's
-    concurrency (unless given), so LLM.generate cannot batch wider than HTTP and the ratio compares like with like."""
-    if "--max-running-requests" not in engine_args:
-        engine_args = f"{engine_args} --max-running-requests {concurrency}".strip()
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    return config_from_args(parser.parse_args(shlex.split(engine_args)), model), engine_args
-
-
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def run_offline(config: EngineConfig, args: argparse.Namespace) -> tuple[float, int, list[list[int]]]:
-    """(seconds, output tokens, the prompts) of LLM.generate over the whole workload."""
-    kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model"}
-    llm = LLM(config.model, **kwargs)
-    prompts = workload(args.num_prompts, args.input_len, llm.engine.info.vocab_size)
+def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Offline output tok/s per concurrency, the engine's prefill time for a 256-token prompt, the prompts."""
+    from graphserve.server.warmup import warm_up
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = config_from_args(parser.parse_args(shlex.split(engine_args)), model)
+    kwargs = {k: v for k, v in vars(config).items() if k != "model"}
+    llm = LLM(model, **kwargs)
+    warm_up(llm.engine.core)  # the server warms up before ready: so does the baseline
+    vocab = llm.engine.info.vocab_size
+    prompts = workload(args.num_prompts, args.input_len, vocab)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
-    sync()
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    sync()
-    seconds = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
-    del llm, outs
+    out: dict[str, Any] = {"prompts": prompts, "tok_s": {}}
+    for c in args.concurrency:
+        llm.engine.core.scheduler.max_running = c  # the same running-batch cap the HTTP clients produce
+        sync()
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        sync()
+        seconds = time.perf_counter() - t0
+        out["tok_s"][c] = sum(len(o.token_ids) for o in outs) / seconds
+        out.setdefault("tokens", sum(len(o.token_ids) for o in outs))
+    probe = workload(1, 256, vocab, seed=7)[0]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for i in range(6):
+        p = [(t + i) % (vocab - 20) + 10 for t in probe]  # distinct prompts: no prefix-cache hit
+        sync()
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+        sync()
+        times.append(time.perf_counter() - t0)
+    out["prefill_256_ms"] = 1000 * min(times[1:])
+    out["vocab"] = vocab
+    del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the server needs the memory back
-    return seconds, tokens, prompts
+    return out
 
 
-async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int, stream: bool) -> int:
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
-    if not stream:
-        resp = await client.post("/v1/completions", json=body)
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
-        return resp.json()["usage"]["completion_tokens"]
-    body.update(stream=True, stream_options={"include_usage": True})
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(f"stream failed: {event['error']}")
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-    return tokens
+def http_throughput(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                    stream: bool) -> tuple[float, int, int]:
+    """(output tok/s, tokens, events) with ``concurrency`` streams spread over client processes."""
+    procs = max(1, math.ceil(concurrency / STREAMS_PER_CLIENT))
+    shares = [prompts[i::procs] for i in range(procs)]
+    start_at = time.time() + 5.0  # every client process starts sending at the same moment
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+        futs = [pool.submit(client_worker, base_url, share, output_len, concurrency // procs, stream, start_at)
+                for share in shares]
+        results = [f.result() for f in futs]
+    start, end = min(r[0] for r in results), max(r[1] for r in results)
+    tokens = sum(r[2] for r in results)
+    events = sum(r[3] for r in results)
+    return tokens / (end - start), tokens, events
 
 
-async def run_client(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                     stream: bool) -> tuple[float, int]:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as client:
-        await asyncio.gather(*(one_request(client, p, output_len, stream) for p in prompts[:4]))  # warm-up
-        sem = asyncio.Semaphore(concurrency)
+def ready_warm(base_url: str, vocab: int, args: argparse.Namespace) -> dict[str, float]:
+    """TTFT p99 of the first 32 requests after ready vs the next 256: varied lengths and sampling knobs."""
+    rng = random.Random(3)
+    knobs = [{"temperature": 0.0}, {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 1},
+             {"temperature": 0.7, "presence_penalty": 0.5, "frequency_penalty": 0.3}, {"logprobs": 3},
+             {"temperature": 1.0, "min_p": 0.05, "n": 2}]
 
-        async def bounded(p: list[int]) -> int:
-            async with sem:
-                return await one_request(client, p, output_len, stream)
+    async def run() -> list[float]:
+        import aiohttp
 
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(bounded(p) for p in prompts))
-        return time.perf_counter() - t0, sum(counts)
+        sem = asyncio.Semaphore(8)
+        ttfts: list[float] = []
+        async with aiohttp.ClientSession() as session:
+            async def one(i: int) -> None:
+                top = args.ready_max_input
+                n_in = rng.choice([rng.randrange(1, top // 16), rng.randrange(top // 16, top // 3),
+                                   rng.randrange(top // 3, top)])
+                prompt = [rng.randrange(10, vocab - 10) for _ in range(n_in)]
+                async with sem:
+                    ttft, _, _ = await one_request(session, base_url, prompt, 16, True, knobs[i % len(knobs)])
+                ttfts.append(ttft)
+
+            first = args.ready_first
+            for wave in (range(first), range(first, first + args.ready_next)):
+                await asyncio.gather(*(one(i) for i in wave))  # the second wave starts after the first
+        return ttfts
+
+    t = asyncio.run(run())
+    first, rest = sorted(t[:args.ready_first]), sorted(t[args.ready_first:])
+    p99 = lambda xs: xs[min(len(xs) - 1, int(0.99 * len(xs)))]  # noqa: E731
+    return {"first32_p99_ms": 1000 * p99(first), "next256_p99_ms": 1000 * p99(rest),
+            "ratio": p99(first) / p99(rest)}
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def idle_ttft(base_url: str, vocab: int) -> float:
+    """Median TTFT (ms) of a lone 256-token prompt, one token out, on an idle server."""
+    async def run() -> list[float]:
+        import aiohttp
+
+        out = []
+        async with aiohttp.ClientSession() as session:
+            for i in range(8):
+                prompt = workload(1, 256, vocab, seed=100 + i)[0]
+                ttft, _, _ = await one_request(session, base_url, prompt, 1, True, {})
+                out.append(ttft)
+        return out
+
+    return 1000 * statistics.median(asyncio.run(run())[2:])
 
 
-@contextlib.contextmanager
-def server(config: EngineConfig, args: argparse.Namespace) -> Iterator[str]:
-    """The base URL of a server with the same engine config: a subprocess, or a thread with --in-process."""
-    if args.in_process:
-        from graphserve.server.launch import ServerThread
-
-        with ServerThread(config) as srv:
-            yield srv.base_url
-        return
-    port = free_port()
-    cmd = [sys.executable, "-m", "graphserve.cli", "serve", config.model, "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", *shlex.split(args.engine_args)]
-    proc = subprocess.Popen(cmd)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become healthy in 900 s")
-            time.sleep(0.2)
-        yield base_url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def bench_model(model: str, args: argparse.Namespace) -> tuple[list[dict], dict]:
+    engine_args = f"{args.engine_args} --max-running-requests {max(args.concurrency)}".strip()
+    off = run_offline(model, engine_args, args)
+    rows, extra = [], {"model": model, "offline_prefill_256_ms": off["prefill_256_ms"]}
+    with server(model, engine_args) as base_url:
+        extra["ready_warm"] = ready_warm(base_url, off["vocab"], args)
+        ttft = idle_ttft(base_url, off["vocab"])
+        extra["idle_ttft_ms"] = ttft
+        extra["idle_ttft_target_ms"] = 1.2 * off["prefill_256_ms"] + 2.0
+        for c in args.concurrency:
+            for stream in (True, False):
+                tok_s, tokens, events = http_throughput(base_url, off["prompts"], args.output_len, c, stream)
+                if tokens != off["tokens"]:
+                    raise RuntimeError(f"HTTP generated {tokens} tokens, offline {off['tokens']}")
+                rows.append({"model": model, "concurrency": c, "mode": "stream" if stream else "non-stream",
+                             "client": "every-event", "ratio": tok_s / off["tok_s"][c], "http_tok_s": tok_s,
+                             "offline_tok_s": off["tok_s"][c], "events_per_token": events / tokens})
+    return rows, extra
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="builtin:tiny-llama")
+    p.add_argument("--models", nargs="+", default=["dummy:qwen3-0.6b", "dummy:llama3-8b"])
     p.add_argument("--engine-args", default="", help="engine flags for both paths, e.g. '--max-model-len 2048'")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--in-process", action="store_true", help="serve from a thread of this process")
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--ready-first", type=int, default=32, help="requests right after ready")
+    p.add_argument("--ready-next", type=int, default=256, help="requests after those, the steady reference")
+    p.add_argument("--ready-max-input", type=int, default=1500, help="longest prompt of the ready-warm requests")
+    p.add_argument("--quick", action="store_true", help="256 prompts of 128 in / 128 out")
     args = p.parse_args()
-    config, args.engine_args = engine_config(args.model, args.engine_args, args.concurrency)
-
-    off_s, off_tokens, prompts = run_offline(config, args)
-    http: dict[str, tuple[float, int]] = {}
-    with server(config, args) as base_url:
-        for stream in (True, False):
-            name = "stream" if stream else "non-stream"
-            http[name] = asyncio.run(run_client(base_url, prompts, args.output_len, args.concurrency, stream))
-            if http[name][1] != off_tokens:
-                raise RuntimeError(f"HTTP {name} generated {http[name][1]} tokens, offline {off_tokens}")
-    off_tps = off_tokens / off_s
-    rows = [{"path": "LLM.generate", "requests": len(prompts), "out tokens": off_tokens, "seconds": off_s,
-             "out tok/s": off_tps, "ratio": 1.0}]
-    for name, (seconds, tokens) in http.items():
-        rows.append({"path": f"HTTP {name} c={args.concurrency}", "requests": len(prompts), "out tokens": tokens,
-                     "seconds": seconds, "out tok/s": tokens / seconds, "ratio": tokens / seconds / off_tps})
-    print(f"model={args.model} input_len={args.input_len} output_len={args.output_len} "
-          f"server={'thread' if args.in_process else 'subprocess'}")
-    print_table(rows, ["path", "requests", "out tokens", "seconds", "out tok/s", "ratio"])
+    if args.quick:
+        args.num_prompts, args.input_len, args.output_len = 256, 128, 128
+    rows, extras = [], []
+    for model in args.models:
+        r, e = bench_model(model, args)
+        rows += r
+        extras.append(e)
+    print(f"input_len={args.input_len} output_len={args.output_len} prompts={args.num_prompts}")
+    print_table(rows, ["model", "concurrency", "mode", "client", "http_tok_s", "offline_tok_s", "events_per_token",
+                       "ratio"])
+    for e in extras:
+        rw = e["ready_warm"]
+        print(f"{e['model']}: idle TTFT {e['idle_ttft_ms']:.1f} ms (target {e['idle_ttft_target_ms']:.1f} ms = "
+              f"1.2 x prefill {e['offline_prefill_256_ms']:.1f} ms + 2); after ready: first-32 TTFT p99 "
+              f"{rw['first32_p99_ms']:.1f} ms vs next-256 {rw['next256_p99_ms']:.1f} ms (ratio {rw['ratio']:.2f})")
     path = write_result("http_overhead", {
-        "model": args.model, "engine_args": args.engine_args, "num_prompts": args.num_prompts,
-        "input_len": args.input_len, "output_len": args.output_len, "concurrency": args.concurrency,
-        "server": "thread" if args.in_process else "subprocess",
-        "offline": {"seconds": off_s, "output_tokens": off_tokens, "output_tok_s": off_tps},
-        **{f"http_{name.replace('-', '_')}": {"seconds": sec, "output_tokens": tok, "output_tok_s": tok / sec,
-                                              "ratio_to_offline": tok / sec / off_tps}
-           for name, (sec, tok) in http.items()},
+        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+        "engine_args": args.engine_args, "rows": rows, "latency": extras,
     })
     print(f"wrote {path}")
+    print(json.dumps({"min_ratio": min(r["ratio"] for r in rows)}))
     return 0
 
 

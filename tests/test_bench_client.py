@@ -28,12 +28,13 @@ def _args(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-@pytest.mark.parametrize("backend", ["openai", "openai-chat", "native"])
+@pytest.mark.parametrize("backend,client_mode", [("openai", "lines"), ("openai-chat", "lines"), ("native", "lines"),
+                                                 ("openai", "every-event"), ("native", "every-event")])
 @pytest.mark.parametrize("stream", [True, False])
-def test_bench_backends(server_url, backend, stream):
+def test_bench_backends(server_url, backend, client_mode, stream):
     argv = ["--base-url", server_url, "--backend", backend, "--num-prompts", "12", "--max-concurrency", "4",
             "--random-input-len", "16", "--random-output-len", "6", "--random-range-ratio", "0.5",
-            "--disable-tqdm"] + ([] if stream else ["--disable-stream"])
+            "--disable-tqdm", "--client", client_mode] + ([] if stream else ["--disable-stream"])
     res = client.bench_once(_args(*argv), server_url, 12)
     assert set(res) == {"config", "environment", "summary", "requests", "server_metrics", "client_health"}
     s = res["summary"]
@@ -57,6 +58,33 @@ def test_bench_backends(server_url, backend, stream):
     assert sm["deltas"]["generation_tokens_total"] >= s["total_output_tokens"]
     assert res["client_health"]["loop_lag_ms"]["n"] > 0
     json.dumps(res)  # the result is plain JSON
+
+
+def test_every_event_reader_splits_events_at_any_chunk_boundary():
+    import asyncio
+    import random
+
+    from graphserve.bench.backends import iter_sse_data
+
+    events = [json.dumps({"choices": [{"text": "x" * i}]}).encode() for i in range(30)] + [b"[DONE]"]
+    body = b"".join(b"data: " + e + b"\n\n" for e in events)
+
+    class Content:  # aiohttp's StreamReader, as far as the reader uses it: raw chunks of any size
+        def __init__(self, cuts: list[int]):
+            self.parts = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+
+        async def iter_any(self):
+            for part in self.parts:
+                yield part
+
+    async def read(content: Content) -> list[bytes]:
+        return [d async for d in iter_sse_data(content)]
+
+    rng = random.Random(0)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(body)), rng.randrange(1, 40)))
+        assert asyncio.run(read(Content(cuts))) == events
+    assert asyncio.run(read(Content([]))) == events
 
 
 def test_cli_writes_and_appends(server_url, tmp_path, capsys):

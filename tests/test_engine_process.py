@@ -36,6 +36,7 @@ def test_engine_process_death_fails_in_flight_requests_and_health(tmp_path):
     try:
         engine = engine_child(srv)
         assert engine.pid != srv.proc.pid  # the core does not run in the server process
+        assert metrics(srv.base_url)["graphserve:engine_alive"] == 1
         ok = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "ignore_eos": True},
                         timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
@@ -58,6 +59,11 @@ def test_engine_process_death_fails_in_flight_requests_and_health(tmp_path):
         refused = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x"}, timeout=10)
         assert refused.status_code == 503
         assert "engine process died" in srv.log()
+        # /metrics says the engine is gone instead of freezing at its last values (one running, one waiting)
+        m = metrics(srv.base_url)
+        assert m["graphserve:engine_alive"] == 0
+        assert m["graphserve:num_requests_running"] == 0 and m["graphserve:num_requests_waiting"] == 0
+        assert m["graphserve:kv_cache_usage_perc"] == 0
     finally:
         srv.stop()
     assert srv.wait(10) == 0  # still drains and exits cleanly on SIGTERM

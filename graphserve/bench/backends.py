@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,12 @@ from graphserve.bench.datasets import BenchRequest
 from graphserve.errors import bad_field
 
 BACKENDS = ("openai", "openai-chat", "native")
+# How the client reads a streamed response:
+# - "lines": pooled keep-alive connections, aiohttp's line reader;
+# - "every-event": a connection per request (as SGLang's bench_serving opens a session per request), the body
+#   read in raw chunks as they arrive and every event split off and JSON-parsed at once. A server that only
+#   keeps up because its clients read slowly (so it can merge tokens into fewer events) shows it here.
+CLIENTS = ("lines", "every-event")
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions", "native": "/generate"}
 
 
@@ -95,3 +102,23 @@ class ChunkParser:
                 info.new_text = ch.get("text") or ""
             info.finish_reason = ch.get("finish_reason")
         return info
+
+
+async def iter_sse_data(content: Any) -> AsyncIterator[bytes]:
+    """The ``data:`` payload of every SSE event, as soon as its blank line arrives (``content``: an aiohttp
+    StreamReader). Raw chunks are split here, so an event is handed over the moment its bytes are in."""
+    buf = b""
+    async for chunk in content.iter_any():
+        buf += chunk
+        start = 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            for line in buf[start:end].split(b"\n"):
+                if line.startswith(b"data:"):
+                    yield line[5:].strip()
+            start = end + 2
+        buf = buf[start:]
+    if buf.strip().startswith(b"data:"):
+        yield buf.strip()[5:].strip()

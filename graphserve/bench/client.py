@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from graphserve.bench.backends import BACKENDS
+from graphserve.bench.backends import BACKENDS, CLIENTS
 from graphserve.bench.datasets import build_requests, load_tokenizer
 from graphserve.bench.runner import BenchSettings, run_benchmark
 from graphserve.errors import GraphserveError, bad_field
@@ -27,6 +27,9 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--base-url", default=None, help="server to load, e.g. http://127.0.0.1:30000")
     g.add_argument("--model", default=None, help="start graphserve in-process with this model instead of --base-url")
     g.add_argument("--backend", choices=BACKENDS, default="openai")
+    g.add_argument("--client", choices=CLIENTS, default="lines",
+                   help="every-event: a connection per request, every SSE event parsed as it arrives "
+                        "(as SGLang's bench_serving reads); lines: pooled connections, line reader")
     g.add_argument("--served-model-name", default=None, help="model name in OpenAI bodies (default: GET /v1/models)")
     g.add_argument("--metrics-url", default=None, help="Prometheus endpoint (default: BASE_URL/metrics)")
     d = parser.add_argument_group("dataset")
@@ -96,6 +99,7 @@ def settings_from_args(args: argparse.Namespace, base_url: str, **overrides: Any
         request_rate=getattr(args, "request_rate", math.inf), max_concurrency=getattr(args, "max_concurrency", None),
         warmup_requests=args.warmup_requests, seed=args.seed,
         metrics_url=args.metrics_url or base_url.rstrip("/") + "/metrics", disable_tqdm=args.disable_tqdm,
+        client=getattr(args, "client", "lines"),
     )
     for k, v in overrides.items():
         setattr(s, k, v)

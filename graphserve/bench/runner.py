@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from graphserve.bench.backends import ENDPOINTS, ChunkParser, build_payload
+from graphserve.bench.backends import ENDPOINTS, ChunkParser, build_payload, iter_sse_data
 from graphserve.bench.datasets import BenchRequest
 from graphserve.bench.health import ClientHealth
 from graphserve.bench.metrics import RequestRecord, build_record, failed_record, summarize
@@ -35,6 +35,7 @@ class BenchSettings:
     metrics_url: str | None = None
     disable_tqdm: bool = True
     timeout_s: float = 6 * 3600.0
+    client: str = "lines"  # see backends.CLIENTS
 
 
 async def send_request(session: aiohttp.ClientSession, s: BenchSettings, req: BenchRequest, t0: float,
@@ -56,10 +57,7 @@ async def send_request(session: aiohttp.ClientSession, s: BenchSettings, req: Be
                 return failed_record(start, clock() - t0, f"http {resp.status}: {body}", s.stream)
             if s.stream:
                 last_cum = 0
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
+                async for data in _events(resp.content, s.client):
                     if data == b"[DONE]":
                         break
                     now = clock() - t0
@@ -94,6 +92,16 @@ async def send_request(session: aiohttp.ClientSession, s: BenchSettings, req: Be
                         output_tokens_source=source, requested_tokens=req.output_len)
 
 
+async def _events(content: Any, client: str):
+    if client == "every-event":
+        async for data in iter_sse_data(content):
+            yield data
+        return
+    async for line in content:
+        if line.startswith(b"data:"):
+            yield line[5:].strip()
+
+
 def _progress(total: int, disable: bool):
     from tqdm.auto import tqdm
 
@@ -101,7 +109,8 @@ def _progress(total: int, disable: bool):
 
 
 async def _run(s: BenchSettings, requests: list[BenchRequest], tokenizer: Any, warmup: list[BenchRequest]) -> dict:
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    # every-event: a fresh connection per request, as bench_serving's session per request does
+    connector = aiohttp.TCPConnector(limit=0, force_close=s.client == "every-event")
     timeout = aiohttp.ClientTimeout(total=s.timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         # Warm-up: short requests, one at a time, outside the measured window.

@@ -1,21 +1,24 @@
 """The engine behind the server, fed from the asyncio loop.
 
 The core runs in its own process by default (``separate_process``, see engine_process.py), or on a thread
-of the server process. Either way tokenization and detokenization stay on the loop thread, so a step is
-never delayed by string work, and core outputs come back to the loop with ``call_soon_threadsafe``, where
-the OutputProcessor detokenizes. In-process, requests go in through a locked inbox that the engine thread
-drains between steps (the core is only touched by that thread: it has no locks), and the thread sleeps on
-a condition when there is no work.
+of the server process. Either way its outputs go to the output thread (output_pump.py), which detokenizes
+off the event loop and hands the loop per-request deltas, which it fans out to the streams. In-process,
+requests go in through a locked inbox that the engine thread drains between steps (the core is only
+touched by that thread: it has no locks), and the thread sleeps on a condition when there is no work.
+
+Requests are keyed in the engine by ids of our own, unique for the server's life: a client's ``rid`` is
+only a label, so reusing one can never reach another request's state.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from graphserve.config import EngineConfig
@@ -27,9 +30,9 @@ from graphserve.errors import (
     OverloadedError,
     ServiceUnavailableError,
 )
-from graphserve.outputs import RequestOutput
 from graphserve.sampling_params import SamplingParams
 from graphserve.server.core_driver import FAULT_ENV, CoreDriver
+from graphserve.server.deltas import DeltaProcessor, RequestDelta
 from graphserve.server.engine_process import (
     AbortRequests,
     AddRequests,
@@ -41,53 +44,27 @@ from graphserve.server.engine_process import (
     ProfileSteps,
     StepBatch,
 )
+from graphserve.server.output_pump import OutputPump
+from graphserve.server.request_stream import RequestStream
+from graphserve.server.step_outputs import StepOutputs
 
 logger = logging.getLogger("graphserve.server")
 
 
-class RequestStream:
-    """The outputs of one request, as the loop receives them; iterate with ``async for``."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, num_prompt_tokens: int):
-        self.engine = engine
-        self.request_id = request_id
-        self.num_prompt_tokens = num_prompt_tokens
-        self.queue: asyncio.Queue[RequestOutput | GraphserveError] = asyncio.Queue()
-        self.finished = False
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                item = await self.queue.get()
-                # Outputs are cumulative, so a consumer that fell behind (a busy loop, a slow client) takes only
-                # the newest: under load chunks grow instead of the loop re-sending every step's output.
-                while not isinstance(item, GraphserveError) and not item.finished and not self.queue.empty():
-                    item = self.queue.get_nowait()
-                if isinstance(item, GraphserveError):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            if not self.finished:  # the consumer left early (client gone, task cancelled): free the blocks
-                self.engine.abort(self.request_id)
-
-
 class AsyncEngine:
     def __init__(self, config: EngineConfig, *, on_step: Callable[[Any], None] | None = None,
-                 separate_process: bool = False):
+                 separate_process: bool = False, stream_interval: int = 1, stream_stall_timeout: float = 30.0):
         self.config = config
         self.separate_process = separate_process
+        self.stream_interval = stream_interval
+        self.stream_stall_timeout = stream_stall_timeout
         self.core: Any = None  # the EngineCore in-process; a CoreView of the engine process otherwise
         self.input_processor: Any = None
-        self.output_processor: Any = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self.engine_error: str | None = None  # set when the engine process died while serving
         self.stats: Any = None  # last EngineStats, refreshed after every engine iteration
+        self.warmup: dict[str, float] = {}
         self._on_step = on_step
         # Called on the loop as on_abort(request_id, error) for a request stopped before it finished.
         self.on_abort: Callable[[str, GraphserveError | None], None] | None = None
@@ -100,11 +77,16 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._process: EngineProcess | None = None
         self._driver: CoreDriver | None = None  # in-process only
-        self._streams: dict[str, RequestStream] = {}  # loop thread only
+        self._pump: OutputPump | None = None
+        self._processor: DeltaProcessor | None = None
+        self._streams: dict[str, RequestStream] = {}  # engine id -> stream; loop thread only
+        self._client_ids: dict[str, str] = {}  # in-flight client rid -> engine id
+        self._ids = itertools.count()
+        self._watchdog: asyncio.Task[None] | None = None
         self._fault_marker = os.environ.get(FAULT_ENV) or None
         self._faulty: set[str] = set()
-        self._waiting_in_core = 0
-        self._unadmitted = 0  # engine process: requests sent that no batch has acknowledged yet
+        self._waiting_in_core = 0  # sequences
+        self._unadmitted = 0  # sequences sent that no batch has acknowledged yet
         self._kv_blocks = (0, 1)  # (usable blocks, tokens per block) of the KV pool
         from graphserve.server.profile_route import ProfileBroker
 
@@ -115,6 +97,7 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the engine (its process, or a thread here); ``ready`` is set once it serves."""
         self._loop = loop
+        self._watchdog = loop.create_task(self._watch_stalls())
         if self.separate_process:
             self._process = EngineProcess(self.config, self._on_engine_message, self._on_engine_exit)
             self._process.start()
@@ -126,10 +109,21 @@ class AsyncEngine:
         with self._cond:
             self._stopped = True
             self._cond.notify()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._process is not None:
             self._process.shutdown(timeout)
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._pump is not None:
+            self._pump.stop()
+
+    @property
+    def alive(self) -> bool:
+        """The engine serves: loaded, not dead, not stopped."""
+        if not self.ready.is_set() or self.load_error is not None or self.engine_error is not None or self._stopped:
+            return False
+        return self._process is None or self._process.alive
 
     @property
     def tokenizer(self) -> Any:
@@ -144,10 +138,12 @@ class AsyncEngine:
         return len(self._streams)
 
     def _serving(self, core: Any, num_usable_blocks: int, block_size: int) -> None:
-        from graphserve.engine.processor import InputProcessor, OutputProcessor
+        from graphserve.engine.processor import InputProcessor
 
         self.input_processor = InputProcessor(core.tokenizer, core.info, self.config, (num_usable_blocks, block_size))
-        self.output_processor = OutputProcessor(core.tokenizer)
+        self._processor = DeltaProcessor(core.tokenizer)
+        assert self._loop is not None
+        self._pump = OutputPump(self._processor, self._loop, self._deliver, self._send_aborts)
         self._kv_blocks = (num_usable_blocks, block_size)
         self.core = core
 
@@ -164,28 +160,39 @@ class AsyncEngine:
         if self._stopped:
             raise ServiceUnavailableError("the engine is shutting down", retry_after=5)
 
+    def queued_sequences(self) -> int:
+        return self._waiting_in_core + sum(r.params.n for r in self._inbox) + self._unadmitted
+
     def add_request(
         self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
     ) -> RequestStream:
         """Validate, tokenize and enqueue; raises BadRequestError / OverloadedError before anything runs."""
         self.check_serving()
-        queued = self._waiting_in_core + len(self._inbox) + self._unadmitted
-        if queued >= self.config.max_queued_requests:
+        bound = self.config.max_queued_requests
+        if params.n > bound:
+            raise BadRequestError(f"n={params.n} is invalid: a request of n sequences waits as n, above the queue "
+                                  f"bound --max-queued-requests={bound}", param="n")
+        queued = self.queued_sequences()
+        if queued + params.n > bound:
             raise OverloadedError(
-                f"{queued} requests are waiting, the bound is --max-queued-requests={self.config.max_queued_requests}",
-                retry_after=1,
+                f"{queued} sequences are waiting and this request adds {params.n}: the bound is "
+                f"--max-queued-requests={bound}", retry_after=1,
             )
-        if request_id in self._streams:
+        if request_id in self._client_ids:
             raise BadRequestError(f"rid={request_id!r} is invalid: a request with this id is in flight", param="rid")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        req = self.input_processor.process(request_id, prompt, params, arrival)
-        stream = RequestStream(self, request_id, len(req.prompt_token_ids))
-        self.output_processor.add(req)
-        self._streams[request_id] = stream
+        engine_id = f"{request_id}#{next(self._ids)}"
+        req = self.input_processor.process(engine_id, prompt, params, arrival)
+        self._check_n_fits(len(req.prompt_token_ids), req.params)
+        stream = RequestStream(self, request_id, engine_id, len(req.prompt_token_ids), self.stream_interval)
+        assert self._processor is not None
+        self._processor.add(engine_id, req.prompt_token_ids, req.params)
+        self._streams[engine_id] = stream
+        self._client_ids[request_id] = engine_id
         text = req.prompt_text if req.prompt_text is not None else (prompt if isinstance(prompt, str) else "")
-        faulty = {request_id} if self._fault_marker is not None and self._fault_marker in text else set()
+        faulty = {engine_id} if self._fault_marker is not None and self._fault_marker in text else set()
         if self._process is not None:
-            self._unadmitted += 1
+            self._unadmitted += params.n
             self._process.send(AddRequests([req], faulty))
             return stream
         with self._cond:
@@ -194,22 +201,39 @@ class AsyncEngine:
             self._cond.notify()
         return stream
 
-    async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
-        async for out in self.add_request(request_id, prompt, params):
-            yield out
+    def _check_n_fits(self, num_prompt: int, params: SamplingParams) -> None:
+        """All n sequences of a request run together: they must fit the KV pool at once, or it never finishes.
+        Siblings share the prompt's full blocks through the prefix cache; each has its own tail and output."""
+        if params.n == 1:
+            return  # one sequence: InputProcessor checked it
+        usable, bs = self._kv_blocks
+        shared = num_prompt // bs if self.config.enable_prefix_caching else 0
+        own = -(-(num_prompt - shared * bs + params.max_tokens) // bs)
+        need = shared + params.n * own
+        if need > usable:
+            raise BadRequestError(
+                f"n={params.n} is invalid: {params.n} sequences of prompt ({num_prompt} tokens) + max_tokens "
+                f"({params.max_tokens}) need {need * bs} KV tokens, the pool holds {usable * bs} (lower n or "
+                "max_tokens, or raise --num-kv-tokens / --kv-cache-gb)", param="n")
 
-    def abort(self, request_id: str, error: GraphserveError | None = None) -> None:
+    def abort(self, engine_id: str, error: GraphserveError | None = None) -> None:
         """Stop a request and free its blocks; with ``error`` its consumer raises it."""
-        stream = self._streams.pop(request_id, None)
+        stream = self._forget(engine_id)
         if stream is not None and not stream.finished:
-            stream.finished = True
             if error is not None:
-                stream.queue.put_nowait(error)
+                stream.fail(error)
+            stream.finished = True
             if self.on_abort is not None:
-                self.on_abort(request_id, error)
-        self._send_aborts([request_id])
+                self.on_abort(stream.request_id, error)
+        self._send_aborts([engine_id])
+
+    def _forget(self, engine_id: str) -> RequestStream | None:
+        stream = self._streams.pop(engine_id, None)
+        if stream is not None and self._client_ids.get(stream.request_id) == engine_id:
+            del self._client_ids[stream.request_id]
+        if self._processor is not None:
+            self._processor.discard(engine_id)
+        return stream
 
     def _send_aborts(self, ids: list[str]) -> None:
         if self._process is not None:
@@ -234,33 +258,36 @@ class AsyncEngine:
             self.abort(rid, error)
         return len(ids)
 
-    def _deliver(self, core_outputs: list[Any], failed: dict[str, str]) -> None:
-        """Loop thread: detokenize, fan out to streams, and send stop-string finishes back to the core."""
+    def _deliver(self, deltas: list[RequestDelta], to_abort: list[str], failed: dict[str, str]) -> None:
+        """Loop thread: fan the output thread's deltas out to the streams (its stop-string aborts already went)."""
         for rid, message in failed.items():
             self.abort(rid, InternalError(f"engine fault while running request {rid}: {message}"))
-        if not core_outputs:
-            return
-        try:
-            request_outputs, ids_to_abort = self.output_processor.process(core_outputs)
-        except Exception as exc:  # noqa: BLE001 - detokenization broke: fail these requests, never leave them hanging
-            logger.exception("output processing failed")
-            for rid in {co.request_id for co in core_outputs}:
-                self.abort(rid, InternalError(f"output processing failed: {type(exc).__name__}: {exc}"))
-            return
-        for out in request_outputs:
-            stream = self._streams.get(out.request_id)
+        for d in deltas:
+            stream = self._streams.get(d.request_id)
             if stream is None:
                 continue
-            if out.error:
-                self.abort(out.request_id, BadRequestError(out.error, param=out.error_param) if out.error_param
-                           else InternalError(f"engine fault while running request: {out.error}"))
+            if d.error:
+                # An error that names a field is the request's fault (a 400); any other is the engine's.
+                self.abort(d.request_id, BadRequestError(d.error, param=d.error_param) if d.error_param
+                           else InternalError(f"engine fault while running request: {d.error}"))
                 continue
-            if out.finished:
-                stream.finished = True
-                del self._streams[out.request_id]
-            stream.queue.put_nowait(out)
-        if ids_to_abort:
-            self._send_aborts(list(ids_to_abort))
+            if d.finished:
+                self._forget(d.request_id)
+            stream.push(d)
+
+    async def _watch_stalls(self) -> None:
+        """Abort streams whose client stopped reading (see request_stream.py), freeing their KV blocks."""
+        period = max(0.05, min(1.0, self.stream_stall_timeout / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for engine_id, stream in list(self._streams.items()):
+                if stream.stalled(now, self.stream_stall_timeout):
+                    logger.warning("request %s: its client has not read for %.1f s (--stream-stall-timeout); "
+                                   "aborting it", stream.request_id, now - stream.last_take)
+                    self.abort(engine_id, ServiceUnavailableError(
+                        f"the client did not read its response for {self.stream_stall_timeout:g} s "
+                        "(--stream-stall-timeout)", retry_after=1))
 
     # -- engine process: reader thread, then loop thread --------------------------------------------------
 
@@ -268,8 +295,13 @@ class AsyncEngine:
         if isinstance(msg, StepBatch):
             if msg.records and self.core is not None:
                 self.core.telemetry.extend(msg.records)  # listeners (metrics, step log) run here, off the loop
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._on_batch, msg)
+            self.stats = msg.stats
+            self._waiting_in_core = int(msg.stats.waiting)
+            if msg.admitted:
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._admitted, msg.admitted)
+            if self._pump is not None:
+                self._pump.push(msg.outputs, msg.failed)
         elif isinstance(msg, EngineReady):
             try:
                 from graphserve.models.loader import load_tokenizer
@@ -279,6 +311,7 @@ class AsyncEngine:
                     core.telemetry.add_listener(self._on_step)
                 self._serving(core, msg.num_usable_blocks, msg.block_size)
                 self.stats = msg.stats
+                self.warmup = msg.warmup
             except Exception as exc:  # noqa: BLE001 - reported to the launcher, which exits non-zero
                 logger.exception("loading the tokenizer of %s failed", self.config.model)
                 self.load_error = exc
@@ -289,12 +322,8 @@ class AsyncEngine:
             self.load_error = ModelLoadError(msg.message)
             self.ready.set()
 
-    def _on_batch(self, batch: StepBatch) -> None:
-        self.stats = batch.stats
-        self._waiting_in_core = int(batch.stats.waiting)
-        self._unadmitted = max(0, self._unadmitted - batch.admitted)
-        if batch.outputs or batch.failed:
-            self._deliver(batch.outputs, batch.failed)
+    def _admitted(self, n: int) -> None:
+        self._unadmitted = max(0, self._unadmitted - n)
 
     def _on_engine_exit(self, exitcode: int | None) -> None:
         if not self.ready.is_set():
@@ -310,8 +339,10 @@ class AsyncEngine:
 
     def _load(self) -> None:
         from graphserve.engine.core import EngineCore
+        from graphserve.server.warmup import warm_up
 
         core = EngineCore(self.config)
+        self.warmup = warm_up(core)
         self._driver = CoreDriver(core)
         self._serving(core, core.block_manager.num_usable_blocks, core.block_manager.block_size)
         if self._on_step is not None:
@@ -327,6 +358,7 @@ class AsyncEngine:
             self.ready.set()
             return
         self.ready.set()
+        reported: set[str] = set()
         while True:
             with self._cond:
                 while not (self._stopped or self._inbox or self._aborts or self._flush_cache
@@ -344,5 +376,8 @@ class AsyncEngine:
             self.stats = self._driver.core.stats()
             self._waiting_in_core = int(self.stats.waiting)
             if outputs or failed:
-                assert self._loop is not None
-                self._loop.call_soon_threadsafe(self._deliver, outputs, failed)
+                flat = StepOutputs()
+                flat.add_core_outputs(outputs, reported)
+                reported.difference_update(failed)
+                assert self._pump is not None
+                self._pump.push(flat, failed)

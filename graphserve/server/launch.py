@@ -23,7 +23,7 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from graphserve.config import EngineConfig, add_engine_args, config_from_args
-from graphserve.errors import ConfigError, GraphserveError, ServiceUnavailableError
+from graphserve.errors import ConfigError, GraphserveError, ServiceUnavailableError, bad_field
 from graphserve.server.app import create_app
 from graphserve.server.async_engine import AsyncEngine
 from graphserve.server.guards import MAX_HEAD_BYTES, GuardOptions, guarded_protocol
@@ -60,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
+                        help="stream an event every TOKENS tokens per request (a client that falls behind gets "
+                             "several tokens per event anyway)")
+    parser.add_argument("--stream-stall-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="abort a request whose client has not read its output for SECONDS, freeing its KV")
     parser.add_argument("--enable-profile-endpoint", action="store_true",
                         help="serve POST /v1/profile, which profiles the next decode steps (graphserve profile)")
     parser.add_argument("--engine-in-process", action="store_true",
@@ -79,7 +84,8 @@ def guard_options(args: argparse.Namespace) -> GuardOptions:
 
 def build_state(
     config: EngineConfig, served_model_name: list[str] | str | None = None, step_log: str | None = None,
-    separate_process: bool = False, profile_endpoint: bool = False, step_log_max_bytes: int | None = None,
+    separate_process: bool = False, stream_interval: int = 1, stream_stall_timeout: float = 30.0,
+    profile_endpoint: bool = False, step_log_max_bytes: int | None = None,
 ) -> tuple[ServerState, list[Any]]:
     """The server state with its telemetry listeners wired; returns (state, things to close).
 
@@ -95,8 +101,13 @@ def build_state(
             except Exception:  # noqa: BLE001 - a broken listener must never fail an engine step
                 logger.exception("step listener %r failed", fn)
 
-    engine = AsyncEngine(config, on_step=on_step, separate_process=separate_process)
-    metrics = ServerMetrics(lambda: engine.stats)
+    if stream_interval < 1:
+        raise bad_field("stream_interval", stream_interval, "must be >= 1 token")
+    if not stream_stall_timeout > 0:
+        raise bad_field("stream_stall_timeout", stream_stall_timeout, "must be > 0 seconds")
+    engine = AsyncEngine(config, on_step=on_step, separate_process=separate_process, stream_interval=stream_interval,
+                         stream_stall_timeout=stream_stall_timeout)
+    metrics = ServerMetrics(lambda: engine.stats, lambda: engine.alive)
     engine.on_abort = metrics.on_abort
     listeners += [metrics.on_step, StepLogger(config.log_interval, engine.kv_capacity_tokens).on_step]
     if step_log:
@@ -167,13 +178,15 @@ def run(args: argparse.Namespace) -> int:
         guards = guard_options(args)
         if args.step_log_max_mb <= 0:
             raise ConfigError(f"--step-log-max-mb={args.step_log_max_mb} is invalid: must be > 0")
+        state, closers = build_state(config, args.served_model_name, args.step_log,
+                                     separate_process=not args.engine_in_process,
+                                     stream_interval=args.stream_interval,
+                                     stream_stall_timeout=args.stream_stall_timeout,
+                                     profile_endpoint=args.enable_profile_endpoint,
+                                     step_log_max_bytes=int(args.step_log_max_mb * 1024 * 1024))
     except GraphserveError as exc:
         print(f"graphserve serve: {exc.message}", file=sys.stderr)
         return 2
-    state, closers = build_state(config, args.served_model_name, args.step_log,
-                                 separate_process=not args.engine_in_process,
-                                 profile_endpoint=args.enable_profile_endpoint,
-                                 step_log_max_bytes=int(args.step_log_max_mb * 1024 * 1024))
     app = create_app(state, guards)
     server = GracefulServer(uvicorn_config(app, args.host, args.port, args.log_level, guards, state.metrics), state,
                             args.shutdown_timeout)
@@ -215,6 +228,8 @@ class ServerThread:
         self.port = sock.getsockname()[1]
         self.state, self._closers = build_state(self.config, self.opts.get("served_model_name"),
                                                 self.opts.get("step_log"),
+                                                stream_interval=self.opts.get("stream_interval", 1),
+                                                stream_stall_timeout=self.opts.get("stream_stall_timeout", 30.0),
                                                 profile_endpoint=self.opts.get("enable_profile_endpoint", False))
         guards = self.opts.get("guards") or GuardOptions()
         config = uvicorn_config(create_app(self.state, guards), self.host, self.port,

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from graphserve.engine.telemetry import StepRecord
-from graphserve.outputs import RequestOutput
+from graphserve.server.deltas import RequestDelta
 
 PREFIX = "graphserve:"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -26,17 +26,22 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, snapshot: Callable[[], Any]):
+    def __init__(self, snapshot: Callable[[], Any], alive: Callable[[], bool] | None):
         self._snapshot = snapshot
+        self._alive = alive
 
     def collect(self) -> Iterator[Any]:
+        alive = self._alive() if self._alive is not None else True
+        yield GaugeMetricFamily(PREFIX + "engine_alive", "1 while the engine serves; 0 loading, dead or stopped.",
+                                value=1.0 if alive else 0.0)
         s = self._snapshot()
         if s is None:
             return
+        # A dead engine runs nothing and holds nothing: its last snapshot must not read as 20 running forever.
         gauges = [
-            ("num_requests_running", "Requests in the running batch.", s.running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", s.waiting),
-            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_usage),
+            ("num_requests_running", "Requests in the running batch.", s.running if alive else 0),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.waiting if alive else 0),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_usage if alive else 0),
             ("prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.",
              s.prefix_cache_hit_rate),
         ]
@@ -52,9 +57,9 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, stats_snapshot: Callable[[], Any]):
+    def __init__(self, stats_snapshot: Callable[[], Any], engine_alive: Callable[[], bool] | None = None):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(stats_snapshot))
+        self.registry.register(_EngineStatsCollector(stats_snapshot, engine_alive))
         r = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -105,20 +110,19 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Per-request latency bookkeeping on the loop: feed it every RequestOutput of one request."""
+    """Per-request latency bookkeeping on the loop: feed it every RequestDelta of one request."""
 
     def __init__(self, metrics: ServerMetrics, arrival: float):
         self.m = metrics
         self.arrival = arrival
         self.last_token_time: float | None = None
-        self.tokens_seen = 0
         self.queue_observed = False
+        self.finish_reasons: dict[int, str] = {}
 
-    def observe(self, out: RequestOutput) -> None:
+    def observe(self, delta: RequestDelta) -> None:
         now = time.monotonic()
         # n > 1 choices advance together: one step's gap is one inter-token latency, not n
-        tokens = max((len(o.token_ids) for o in out.outputs), default=0)
-        new = tokens - self.tokens_seen
+        new = delta.num_tokens
         if new > 0:
             if self.last_token_time is None:
                 self.m.ttft.observe(now - self.arrival)
@@ -127,12 +131,13 @@ class RequestTimer:
                 for _ in range(new):
                     self.m.itl.observe(per_token)
             self.last_token_time = now
-            self.tokens_seen = tokens
-        scheduled = getattr(out.metrics, "first_scheduled_time", None) if out.metrics else None
-        if scheduled is not None and not self.queue_observed:
-            self.m.queue_time.observe(max(0.0, scheduled - self.arrival))
+        if delta.first_scheduled_time is not None and not self.queue_observed:
+            self.m.queue_time.observe(max(0.0, delta.first_scheduled_time - self.arrival))
             self.queue_observed = True
-        if out.finished:
+        for i, c in delta.choices.items():
+            if c.finish_reason is not None:
+                self.finish_reasons[i] = c.finish_reason
+        if delta.finished:
             self.m.e2e.observe(now - self.arrival)
-            for o in out.outputs:
-                self.m.requests.labels(finish_reason=o.finish_reason or "abort").inc()
+            for reason in self.finish_reasons.values():
+                self.m.requests.labels(finish_reason=reason).inc()

@@ -1,4 +1,8 @@
-"""SGLang's native /generate: ``text`` or ``input_ids`` plus ``sampling_params``; cumulative text chunks."""
+"""SGLang's native /generate: ``text`` or ``input_ids`` plus ``sampling_params``; cumulative text chunks.
+
+SGLang's stream carries the whole text so far in every chunk; ours does too, joined from the pieces when
+an event goes out (one join per event, not per token, since deltas merge while the client is behind).
+"""
 
 from __future__ import annotations
 
@@ -9,25 +13,27 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from graphserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from graphserve.outputs import TokenLogprob
 from graphserve.server.errors import SSE_HEADERS, recorded_events
 from graphserve.server.prompts import engine_prompts
 from graphserve.server.protocol_native import GenerateRequest
 from graphserve.server.state import ServerState
 from graphserve.server.streams import (
     CLIENT_CLOSED,
-    DeltaTracker,
+    ChoiceSoFar,
     Job,
     collect,
     merged,
+    new_choice_pieces,
     new_id,
+    sse,
     sse_stream,
     start_jobs,
     until_disconnect,
 )
 
 
-def _finish_reason(o: CompletionOutput, prefill_only: bool) -> dict[str, Any] | None:
+def _finish_reason(o: ChoiceSoFar, prefill_only: bool) -> dict[str, Any] | None:
     if o.finish_reason is None:
         return None
     if prefill_only:
@@ -59,23 +65,29 @@ class _Renderer:
             "output_top_logprobs": [[self._entry(t, v) for t, v in lp.top] for lp in lps],
         }
 
-    def item(self, rid: str, out: RequestOutput, o: CompletionOutput, arrival: float, index: int) -> dict[str, Any]:
+    def item(self, job: Job, i: int) -> dict[str, Any]:
+        o = job.choices.get(i) or ChoiceSoFar()
         prefill_only = self.req.prefill_only
-        # Prefill only: the one token the engine sampled to end the prefill is not part of the answer.
-        text, ids = ("", []) if prefill_only else (o.text, list(o.token_ids))
+        if prefill_only:  # the one token the engine sampled to end the prefill is not part of the answer
+            text, ids = "", []
+        else:
+            text = "".join(o.pieces)
+            o.pieces[:] = [text]  # joined once: the next event appends to one piece
+            ids = list(o.token_ids)
+        rid = job.stream.request_id
         meta: dict[str, Any] = {
-            "id": rid if self.n == 1 else f"{rid}-{o.index}",
-            "prompt_tokens": len(out.prompt_token_ids),
+            "id": rid if self.n == 1 else f"{rid}-{i}",
+            "prompt_tokens": job.stream.num_prompt_tokens,
             "completion_tokens": len(ids),
-            "cached_tokens": out.metrics.num_cached_tokens if out.metrics else 0,
+            "cached_tokens": job.num_cached_tokens,
             "finish_reason": _finish_reason(o, prefill_only),
-            "e2e_latency": time.monotonic() - arrival,
+            "e2e_latency": time.monotonic() - job.timer.arrival,
         }
         if self.req.return_logprob:
             meta.update(self._logprobs([] if prefill_only else (o.logprobs or [])))
         item: dict[str, Any] = {"text": text, "output_ids": ids, "meta_info": meta}
         if self.batched or self.n > 1:
-            item["index"] = index * self.n + o.index
+            item["index"] = job.index * self.n + i
         return item
 
 
@@ -92,16 +104,15 @@ async def generate(req: GenerateRequest, request: Request, state: ServerState) -
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
-    items = [render.item(j.stream.request_id, j.last, o, j.timer.arrival, j.index)
-             for j in jobs if j.last for o in j.last.outputs]
+    items = [render.item(j, i) for j in jobs for i in range(params.n)]
     if not batched and params.n == 1:
         return JSONResponse(items[0])
     return JSONResponse(sorted(items, key=lambda it: it["index"]))
 
 
-async def _chunks(jobs: list[Job], render: _Renderer) -> AsyncIterator[dict[str, Any]]:
-    trackers = {job.index: DeltaTracker() for job in jobs}
-    async for job, out in merged(jobs):
-        for o in out.outputs:
-            if trackers[job.index].delta(o) is not None and (o.finish_reason or not render.req.prefill_only):
-                yield render.item(job.stream.request_id, out, o, job.timer.arrival, job.index)
+async def _chunks(jobs: list[Job], render: _Renderer) -> AsyncIterator[bytes]:
+    prefill_only = render.req.prefill_only
+    async for job, d in merged(jobs):
+        for c in new_choice_pieces(d):
+            if c.finish_reason is not None or not prefill_only:
+                yield sse(render.item(job, c.index))

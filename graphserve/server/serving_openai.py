@@ -9,24 +9,27 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from graphserve.outputs import CompletionOutput, TokenLogprob
+from graphserve.outputs import TokenLogprob
+from graphserve.server.deltas import ChoiceDelta
 from graphserve.server.errors import SSE_HEADERS, recorded_events
 from graphserve.server.prompts import chat_engine_prompt, engine_prompts, token_table
 from graphserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from graphserve.server.state import ServerState
 from graphserve.server.streams import (
     CLIENT_CLOSED,
-    DeltaTracker,
+    ChunkFrame,
     Job,
     collect,
     merged,
+    new_choice_pieces,
     new_id,
+    sse,
     sse_stream,
     start_jobs,
     until_disconnect,
     usage,
 )
-from graphserve.structured.tool_calls import chat_message
+from graphserve.structured.tool_calls import ToolChoice, chat_message
 from graphserve.structured.tool_stream import tool_call_chunks
 
 
@@ -55,10 +58,6 @@ def _chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict[str, Any
                         for lp in lps]}
 
 
-def _new_logprobs(o: CompletionOutput, first_new: int) -> list[TokenLogprob] | None:
-    return None if o.logprobs is None else o.logprobs[first_new:]
-
-
 async def create_completion(req: CompletionRequest, request: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     params = req.to_sampling_params()
@@ -76,7 +75,7 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
         return Response(status_code=CLIENT_CLOSED)
     choices = []
     for job in jobs:
-        for o in job.last.outputs if job.last else []:
+        for o in job.outputs():
             lps = (_completion_logprobs(state, o.logprobs, 0)
                    if o.logprobs is not None and req.logprobs is not None else None)
             choices.append({"index": job.index * n + o.index, "text": o.text, "logprobs": lps,
@@ -85,36 +84,30 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
     return JSONResponse({**head, "choices": choices, "usage": usage(jobs)})
 
 
-async def _new_pieces(
-    jobs: list[Job],
-) -> AsyncIterator[tuple[Job, CompletionOutput, str, list[TokenLogprob] | None, bool]]:
-    """(job, choice, new text, new logprobs, just finished) for every choice that has something to send."""
-    trackers = {job.index: DeltaTracker() for job in jobs}
-    async for job, out in merged(jobs):
-        for o in out.outputs:
-            d = trackers[job.index].delta(o)
-            if d is None:
-                continue
-            text, first_new, finished = d
-            new_lps = _new_logprobs(o, first_new)
-            if not text and not finished and not new_lps:
-                continue  # tokens whose text is held back (partial character, possible stop string)
-            yield job, o, text, new_lps, finished
+async def _new_pieces(jobs: list[Job]) -> AsyncIterator[tuple[Job, ChoiceDelta, int]]:
+    """(job, choice delta, text offset of the delta) for every choice that has something to send."""
+    async for job, d in merged(jobs):
+        for c in new_choice_pieces(d):
+            so = job.choices[c.index]
+            yield job, c, so.text_len - len(c.text)
 
 
 async def _completion_chunks(
     state: ServerState, jobs: list[Job], head: dict[str, Any], n: int, include_usage: bool
-) -> AsyncIterator[dict[str, Any]]:
-    async for job, o, text, new_lps, finished in _new_pieces(jobs):
-        offset = len(o.text) - len(text)
-        yield {**head, "choices": [{
-            "index": job.index * n + o.index, "text": text,
-            "logprobs": _completion_logprobs(state, new_lps, offset) if new_lps is not None else None,
-            "finish_reason": o.finish_reason if finished else None,
-            "stop_reason": o.stop_reason if finished else None,
-        }]}
+) -> AsyncIterator[bytes]:
+    frame = ChunkFrame(head)
+    async for job, c, offset in _new_pieces(jobs):
+        index = job.index * n + c.index
+        if c.logprobs is None and c.finish_reason is None:
+            yield frame.text_choice(index, c.text, chat=False)
+            continue
+        yield frame.choice({
+            "index": index, "text": c.text,
+            "logprobs": _completion_logprobs(state, c.logprobs, offset) if c.logprobs is not None else None,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+        })
     if include_usage:
-        yield {**head, "choices": [], "usage": usage(jobs)}
+        yield frame.tail({"usage": usage(jobs)})
 
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
@@ -128,14 +121,15 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        chunks = tool_call_chunks(_chat_chunks(state, jobs, chunk_head, include_usage), tools)
+        chunks = (_chat_chunks(state, jobs, chunk_head, include_usage) if tools is None or tools.mode == "none"
+                  else _tool_chat_chunks(state, jobs, chunk_head, include_usage, tools))
         return StreamingResponse(sse_stream(recorded_events(request, chunks)), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
         return Response(status_code=CLIENT_CLOSED)
     job = jobs[0]
     choices = []
-    for o in job.last.outputs if job.last else []:
+    for o in job.outputs():
         message, finish_reason = chat_message(o.text, o.finish_reason, tools)  # tool calls parsed out
         choices.append({
             "index": o.index, "message": message,
@@ -148,20 +142,45 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
 
 async def _chat_chunks(
     state: ServerState, jobs: list[Job], head: dict[str, Any], include_usage: bool
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncIterator[bytes]:
     # The role rides on each choice's first chunk, with its first content: a role-only chunk sent before the
     # engine produced anything would make clients that time TTFT from the first chunk read it too short.
+    frame = ChunkFrame(head)
     started: set[int] = set()
-    async for _, o, text, new_lps, finished in _new_pieces(jobs):
-        delta: dict[str, Any] = {"content": text} if text else {}
-        if o.index not in started:
-            started.add(o.index)
-            delta = {"role": "assistant", "content": text}
-        yield {**head, "choices": [{
-            "index": o.index, "delta": delta,
-            "logprobs": _chat_logprobs(state, new_lps) if new_lps is not None else None,
-            "finish_reason": o.finish_reason if finished else None,
-            "stop_reason": o.stop_reason if finished else None,
-        }]}
+    async for _, c, _ in _new_pieces(jobs):
+        if c.index in started and c.logprobs is None and c.finish_reason is None:
+            yield frame.text_choice(c.index, c.text, chat=True)
+            continue
+        yield frame.choice(_chat_choice(state, c, first=c.index not in started))
+        started.add(c.index)
     if include_usage:
-        yield {**head, "choices": [], "usage": usage(jobs)}
+        yield frame.tail({"usage": usage(jobs)})
+
+
+def _chat_choice(state: ServerState, c: ChoiceDelta, first: bool) -> dict[str, Any]:
+    delta: dict[str, Any] = {"role": "assistant", "content": c.text} if first else (
+        {"content": c.text} if c.text else {})
+    return {
+        "index": c.index, "delta": delta,
+        "logprobs": _chat_logprobs(state, c.logprobs) if c.logprobs is not None else None,
+        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+    }
+
+
+async def _tool_chat_chunks(
+    state: ServerState, jobs: list[Job], head: dict[str, Any], include_usage: bool, tools: ToolChoice
+) -> AsyncIterator[bytes]:
+    """A request with tools: chunks as dicts through tool_call_chunks, which turns each choice's content
+    into tool-call deltas (and puts the role on the first chunk that goes out), then encoded as events."""
+
+    async def chunks() -> AsyncIterator[dict[str, Any]]:
+        started: set[int] = set()
+        async for _, c, _ in _new_pieces(jobs):
+            yield {**head, "choices": [_chat_choice(state, c, first=c.index not in started)]}
+            started.add(c.index)
+        if include_usage:
+            yield {**head, "choices": [], "usage": usage(jobs)}
+
+    async for chunk in tool_call_chunks(chunks(), tools):
+        yield sse(chunk)
+

@@ -1,9 +1,15 @@
 """Plumbing shared by the endpoints: starting a request per prompt, merging their streams, watching for a
-client that went away, SSE framing and the deltas between cumulative outputs."""
+client that went away, and SSE framing.
+
+Streams carry deltas (request_stream.py): an event is built from what is new, never by diffing cumulative
+copies. Events are bytes built from pre-encoded fragments, with orjson for the variable parts when it is
+installed (several times faster than json.dumps for the small dicts of a chunk).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -13,14 +19,25 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from graphserve.errors import BadRequestError, GraphserveError, InternalError
-from graphserve.outputs import CompletionOutput, RequestOutput
+from graphserve.outputs import CompletionOutput, TokenLogprob
 from graphserve.sampling_params import SamplingParams
-from graphserve.server.async_engine import AsyncEngine, RequestStream
-from graphserve.server.errors import sse, sse_error_event
+from graphserve.server.async_engine import AsyncEngine
+from graphserve.server.deltas import ChoiceDelta, RequestDelta
+from graphserve.server.errors import sse_error_event
 from graphserve.server.metrics import RequestTimer, ServerMetrics
+from graphserve.server.request_stream import RequestStream
+
+try:
+    import orjson
+
+    def dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+except ImportError:  # optional: the standard encoder gives the same JSON, slower
+    def dumps(obj: Any) -> bytes:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 T = TypeVar("T")
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 DISCONNECT_POLL_S = 0.25
 # Status for a client that left before its response: nobody reads it, but access logs show why.
 CLIENT_CLOSED = 499
@@ -31,13 +48,53 @@ def new_id(prefix: str) -> str:
 
 
 @dataclass
+class ChoiceSoFar:
+    """One choice's output accumulated from its deltas (text as pieces: joined once, at the end)."""
+
+    pieces: list[str] = field(default_factory=list)
+    text_len: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
 class Job:
-    """One prompt's request: its stream, latency timer and the latest output."""
+    """One prompt's request: its stream, latency timer and its output so far."""
 
     index: int
     stream: RequestStream
     timer: RequestTimer
-    last: RequestOutput | None = None
+    choices: dict[int, ChoiceSoFar] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+    finished: bool = False
+
+    def apply(self, d: RequestDelta) -> None:
+        self.timer.observe(d)
+        if d.num_cached_tokens is not None:
+            self.num_cached_tokens = d.num_cached_tokens
+        for i, c in d.choices.items():
+            so = self.choices.get(i)
+            if so is None:
+                so = self.choices[i] = ChoiceSoFar()
+            if c.text:
+                so.pieces.append(c.text)
+                so.text_len += len(c.text)
+            so.token_ids += c.token_ids
+            if c.logprobs is not None:
+                if so.logprobs is None:
+                    so.logprobs = list(c.logprobs)
+                else:
+                    so.logprobs.extend(c.logprobs)
+            if c.finish_reason is not None:
+                so.finish_reason, so.stop_reason = c.finish_reason, c.stop_reason
+        self.finished = self.finished or d.finished
+
+    def outputs(self) -> list[CompletionOutput]:
+        """The final outputs, by choice index."""
+        return [CompletionOutput(i, "".join(c.pieces), c.token_ids, c.finish_reason, c.stop_reason, c.logprobs)
+                for i, c in sorted(self.choices.items())]
 
 
 def start_jobs(
@@ -45,9 +102,14 @@ def start_jobs(
 ) -> list[Job]:
     """Add one request per prompt; if any is refused, abort the ones already added and re-raise."""
     limit = engine.config.max_queued_requests
-    if len(prompts) > limit:  # they enter the waiting queue together: more than its bound is never admitted
-        raise BadRequestError(f"prompt holds {len(prompts)} prompts, above --max-queued-requests={limit}; "
-                              "send them in smaller batches", param="prompt")
+    if len(prompts) * params.n > limit:  # they enter the waiting queue together: past its bound, never admitted
+        if params.n > 1 and len(prompts) > 1:
+            raise BadRequestError(f"n={params.n} is invalid: {len(prompts)} prompts x n={params.n} = "
+                                  f"{len(prompts) * params.n} sequences, above --max-queued-requests={limit}",
+                                  param="n")
+        if len(prompts) > 1:
+            raise BadRequestError(f"prompt holds {len(prompts)} prompts, above --max-queued-requests={limit}; "
+                                  "send them in smaller batches", param="prompt")
     jobs: list[Job] = []
     arrival = time.monotonic()
     try:
@@ -57,26 +119,27 @@ def start_jobs(
             jobs.append(Job(i, stream, RequestTimer(metrics, arrival)))
     except BaseException:
         for job in jobs:
-            engine.abort(job.stream.request_id)
+            engine.abort(job.stream.engine_id)
         raise
     return jobs
 
 
-async def merged(jobs: list[Job]) -> AsyncIterator[tuple[Job, RequestOutput]]:
-    """Outputs of all jobs as they arrive. Leaving early cancels the pumps, which aborts the requests."""
+async def merged(jobs: list[Job]) -> AsyncIterator[tuple[Job, RequestDelta]]:
+    """Deltas of all jobs as they arrive. Leaving early cancels the pumps, which aborts the requests."""
     if len(jobs) == 1:
         job = jobs[0]
-        async for out in job.stream:
-            job.last = out
-            job.timer.observe(out)
-            yield job, out
+        async for d in job.stream:
+            job.apply(d)
+            yield job, d
         return
-    queue: asyncio.Queue[tuple[Job, RequestOutput | BaseException | None]] = asyncio.Queue()
+    # Bounded: a consumer that stops reading stops the pumps, so output waits (merging) in the streams,
+    # where the stall watchdog sees it.
+    queue: asyncio.Queue[tuple[Job, RequestDelta | BaseException | None]] = asyncio.Queue(maxsize=len(jobs))
 
     async def pump(job: Job) -> None:
         try:
-            async for out in job.stream:
-                await queue.put((job, out))
+            async for d in job.stream:
+                await queue.put((job, d))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             await queue.put((job, exc))
             return
@@ -92,8 +155,7 @@ async def merged(jobs: list[Job]) -> AsyncIterator[tuple[Job, RequestOutput]]:
                 continue
             if isinstance(item, BaseException):
                 raise item
-            job.last = item
-            job.timer.observe(item)
+            job.apply(item)
             yield job, item
     finally:
         for t in tasks:
@@ -120,47 +182,61 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
             return None
 
 
-async def sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+async def sse_stream(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Frame events as SSE; a failure after the 200 header becomes an error event, then [DONE]."""
     try:
-        async for payload in events:
-            yield sse(payload)
+        async for event in events:
+            yield event
     except GraphserveError as exc:
-        yield sse_error_event(exc)
+        yield sse_error_event(exc).encode()
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - the stream has started; the status line cannot change now
-        yield sse_error_event(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+        yield sse_error_event(InternalError(f"internal error: {type(exc).__name__}: {exc}")).encode()
     yield DONE
 
 
-@dataclass
-class DeltaTracker:
-    """Turns cumulative CompletionOutputs into what is new since the last chunk, per choice."""
+def sse(payload: Any) -> bytes:
+    return b"data: " + dumps(payload) + b"\n\n"
 
-    text_len: dict[int, int] = field(default_factory=dict)
-    token_len: dict[int, int] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
 
-    def delta(self, o: CompletionOutput) -> tuple[str, int, bool] | None:
-        """(new text, index of the first new token, just finished) or None when nothing changed."""
-        t0, k0 = self.text_len.get(o.index, 0), self.token_len.get(o.index, 0)
-        just_finished = o.finish_reason is not None and o.index not in self.finished
-        if len(o.text) == t0 and len(o.token_ids) == k0 and not just_finished:
-            return None
-        self.text_len[o.index], self.token_len[o.index] = len(o.text), len(o.token_ids)
-        if just_finished:
-            self.finished.add(o.index)
-        return o.text[t0:], k0, just_finished
+class ChunkFrame:
+    """SSE events of one response: the constant head (id, object, created, model) is encoded once."""
+
+    def __init__(self, head: dict[str, Any]):
+        self._prefix = b"data: " + dumps(head)[:-1] + b',"choices":['
+        self._suffix = b"]}\n\n"
+
+    def choice(self, choice: dict[str, Any]) -> bytes:
+        return self._prefix + dumps(choice) + self._suffix
+
+    def text_choice(self, index: int, text: str, chat: bool) -> bytes:
+        """The hot path: new text for one choice, nothing else (no logprobs, not finished)."""
+        if chat:
+            body = (b'{"index":', str(index).encode(), b',"delta":{"content":', dumps(text),
+                    b'},"logprobs":null,"finish_reason":null,"stop_reason":null}')
+        else:
+            body = (b'{"index":', str(index).encode(), b',"text":', dumps(text),
+                    b',"logprobs":null,"finish_reason":null,"stop_reason":null}')
+        return b"".join((self._prefix, *body, self._suffix))
+
+    def tail(self, extra: dict[str, Any]) -> bytes:
+        """An event with no choices (the usage chunk): the head plus ``extra``."""
+        return self._prefix + b"]," + dumps(extra)[1:] + b"\n\n"
 
 
 def usage(jobs: list[Job]) -> dict[str, Any]:
     prompt = sum(j.stream.num_prompt_tokens for j in jobs)
-    completion = sum(len(o.token_ids) for j in jobs if j.last for o in j.last.outputs)
-    cached = sum(j.last.metrics.num_cached_tokens for j in jobs if j.last and j.last.metrics)
+    completion = sum(len(c.token_ids) for j in jobs for c in j.choices.values())
+    cached = sum(j.num_cached_tokens for j in jobs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def new_choice_pieces(d: RequestDelta) -> list[ChoiceDelta]:
+    """The choices of a delta that have something to send, by index."""
+    return [c for _, c in sorted(d.choices.items()) if c.text or c.finish_reason is not None or c.logprobs]

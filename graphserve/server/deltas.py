@@ -1,0 +1,229 @@
+"""Token rows in, per-request deltas out: detokenization and stop strings for the server.
+
+The server's streams only ever need what is new since they last looked, so this keeps per choice the
+incremental detokenizer and the text held back for a possible stop string, and emits deltas (new text,
+new token ids, new logprobs). Nothing cumulative is copied per step: memory per request is linear in its
+output, and a stream that falls behind merges its pending deltas into one.
+
+It runs on the server's output thread (see output_pump.py), off the HTTP event loop. The loop registers
+requests (``add``) and forgets them (``discard``); both are single dict operations, atomic under the GIL.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphserve.engine.detokenizer import IncrementalDetokenizer, decode_windows
+from graphserve.outputs import TokenLogprob
+from graphserve.sampling_params import SamplingParams
+from graphserve.server.step_outputs import NO_TOKEN, StepOutputs
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def merge(self, later: ChoiceDelta) -> None:
+        self.text += later.text
+        self.token_ids += later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        if later.finish_reason is not None:
+            self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+
+
+@dataclass
+class RequestDelta:
+    """What is new for one request since its previous delta."""
+
+    request_id: str  # the engine's id
+    choices: dict[int, ChoiceDelta] = field(default_factory=dict)
+    finished: bool = False
+    error: str | None = None
+    error_param: str | None = None  # the request field the error blames: the request's fault, a 400
+    first_scheduled_time: float | None = None
+    num_cached_tokens: int | None = None
+    time: float = 0.0  # time.monotonic() when produced
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens of the choice that advanced most (choices advance together)."""
+        return max((len(c.token_ids) for c in self.choices.values()), default=0)
+
+    def merge(self, later: RequestDelta) -> None:
+        for i, c in later.choices.items():
+            mine = self.choices.get(i)
+            if mine is None:
+                self.choices[i] = c
+            else:
+                mine.merge(c)
+        self.finished = self.finished or later.finished
+        if self.error is None:
+            self.error, self.error_param = later.error, later.error_param
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = later.first_scheduled_time
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = later.num_cached_tokens
+        self.time = later.time
+
+
+class _Choice:
+    __slots__ = ("detok", "held", "finish_reason", "stop_reason", "core_done")
+
+    def __init__(self, detok: IncrementalDetokenizer):
+        self.detok = detok
+        self.held = ""  # decoded text not sent yet: it may be the start of a stop string
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.core_done = False  # the core finished (or was told to drop) this sequence
+
+
+class _Request:
+    __slots__ = ("params", "choices", "stops", "hold", "want_logprobs")
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+        self.params = params
+        self.choices = [_Choice(IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens))
+                        for _ in range(params.n)]
+        self.stops = list(params.stop)
+        # Characters held back while running: one less than the longest stop string, so streamed text is
+        # never retracted when a stop string completes.
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.want_logprobs = params.logprobs is not None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+
+class DeltaProcessor:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _Request] = {}
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._requests[request_id] = _Request(self.tokenizer, prompt_token_ids, params)
+
+    def discard(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def process(self, outs: StepOutputs) -> tuple[list[RequestDelta], list[str]]:
+        """Deltas of the requests these rows touch, and the ids the core must drop (stopped by a stop string)."""
+        now = time.monotonic()
+        # Group each choice's new tokens first, so a batch that merged several steps detokenizes once per choice.
+        grouped: dict[tuple[str, int], list[int]] = {}
+        for row, (rid, idx) in enumerate(zip(outs.request_ids, outs.indices)):
+            rows = grouped.get((rid, idx))
+            if rows is None:
+                grouped[(rid, idx)] = [row]
+            else:
+                rows.append(row)
+        deltas: dict[str, RequestDelta] = {}
+        work: list[tuple[_Request, int, list[int], RequestDelta]] = []
+        for (rid, idx), rows in grouped.items():
+            req = self._requests.get(rid)
+            if req is None:
+                continue  # finished here (stop string) or aborted: the core's late rows are dropped
+            d = deltas.get(rid)
+            if d is None:
+                d = deltas[rid] = RequestDelta(rid, time=now)
+                seen = outs.first_seen.get(rid)
+                if seen is not None:
+                    d.first_scheduled_time, d.num_cached_tokens = seen
+            work.append((req, idx, rows, d))
+        texts = self._detokenize(work, outs)
+        for (req, idx, rows, d), text in zip(work, texts):
+            self._apply(req, idx, rows, outs, d, text)
+        to_abort: list[str] = []
+        for rid, d in deltas.items():
+            req = self._requests[rid]
+            if req.finished or d.error is not None:
+                d.finished = True
+                del self._requests[rid]
+                if not all(c.core_done for c in req.choices):
+                    to_abort.append(rid)
+        return list(deltas.values()), to_abort
+
+    def _detokenize(self, work: list[tuple[_Request, int, list[int], RequestDelta]], outs: StepOutputs
+                    ) -> list[str]:
+        """The new text of every choice in ``work``, all windows decoded in one batch call per skip mode."""
+        pending: dict[bool, list[tuple[int, list[int], list[int]]]] = {}
+        texts = [""] * len(work)
+        for k, (req, idx, rows, _) in enumerate(work):
+            c = req.choices[idx]
+            if c.finish_reason is not None or any(r in outs.errors for r in rows):
+                continue
+            tokens = [outs.token_ids[r] for r in rows if outs.token_ids[r] != NO_TOKEN]
+            if tokens:
+                prefix, full = c.detok.extend(tokens)
+                pending.setdefault(req.params.skip_special_tokens, []).append((k, prefix, full))
+        for skip, items in pending.items():
+            windows = [w for _, prefix, full in items for w in (prefix, full)]
+            decoded = decode_windows(self.tokenizer, windows, skip)
+            for j, (k, _, _) in enumerate(items):
+                texts[k] = work[k][0].choices[work[k][1]].detok.accept(decoded[2 * j], decoded[2 * j + 1])
+        return texts
+
+    def _apply(self, req: _Request, idx: int, rows: list[int], outs: StepOutputs, d: RequestDelta,
+               text: str) -> None:
+        c = req.choices[idx]
+        error_row = next((r for r in rows if r in outs.errors), None)
+        error = None if error_row is None else outs.errors[error_row]
+        finish = next((outs.finishes[r] for r in rows if r in outs.finishes), None)
+        if finish is not None or error is not None:
+            c.core_done = True
+        if error is not None:
+            d.error, d.error_param = error, outs.error_params.get(error_row)
+            for other in req.choices:
+                if other.finish_reason is None:
+                    other.finish_reason = "abort"
+            return
+        if c.finish_reason is not None:
+            return  # stopped here by a stop string; the core is dropping it
+        cd = ChoiceDelta(idx)
+        tokens = [outs.token_ids[r] for r in rows if outs.token_ids[r] != NO_TOKEN]
+        if tokens:
+            cd.token_ids = tokens
+            if req.want_logprobs:
+                cd.logprobs = [TokenLogprob(outs.token_ids[r], *outs.logprobs[r]) for r in rows if r in outs.logprobs]
+            c.held += text
+            if req.stops and self._cut_at_stop(req, c, cd):
+                d.choices[idx] = cd
+                return
+        if finish is not None:
+            c.held += c.detok.flush()
+            cd.text, c.held = c.held, ""
+            c.finish_reason, c.stop_reason = finish
+            cd.finish_reason, cd.stop_reason = finish
+        elif c.held:
+            keep = req.hold
+            cut = len(c.held) - keep if keep else len(c.held)
+            if cut > 0:
+                cd.text, c.held = c.held[:cut], c.held[cut:]
+        if cd.token_ids or cd.text or cd.finish_reason is not None:
+            d.choices[idx] = cd
+
+    @staticmethod
+    def _cut_at_stop(req: _Request, c: _Choice, cd: ChoiceDelta) -> bool:
+        """End the choice at the earliest stop string in the held text (it holds every possible start)."""
+        best: tuple[int, str] | None = None
+        for s in req.stops:
+            pos = c.held.find(s)
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, s)
+        if best is None:
+            return False
+        cd.text, c.held = c.held[: best[0]], ""
+        c.finish_reason = cd.finish_reason = "stop"
+        c.stop_reason = cd.stop_reason = best[1]
+        return True

@@ -1,0 +1,13 @@
+"""A stand-in engine process for tests of the server's process handling: it serves nothing and exits 0 as
+soon as it is told to shut down (spawned by name, so it lives in an importable module)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def idle_engine(config: Any, inbox: Any, outbox: Any, log_level: int, log_format: str | None) -> None:
+    from graphserve.server.engine_process import Shutdown
+
+    while not isinstance(inbox.get(), Shutdown):
+        pass

@@ -1,0 +1,163 @@
+"""The server's output path without a server: flat step batches, detokenized deltas, merging streams."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from graphserve.engine.request import CoreOutput
+from graphserve.models.loader import load_tokenizer
+from graphserve.outputs import TokenLogprob
+from graphserve.sampling_params import SamplingParams
+from graphserve.server.deltas import DeltaProcessor, RequestDelta
+from graphserve.server.request_stream import RequestStream
+from graphserve.server.step_outputs import StepOutputs
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("builtin:tiny-llama")
+
+
+def rows(rid: str, tokens: list[int], finish: str | None = None, logprob: bool = False) -> StepOutputs:
+    out = StepOutputs()
+    reported: set[str] = set()
+    for i, t in enumerate(tokens):
+        last = i == len(tokens) - 1
+        lp = [TokenLogprob(t, -0.5, [(t, -0.5)])] if logprob else None
+        out.add_core_outputs([CoreOutput(rid, 0, [t], lp, finish if last else None, None, 3, 1)], reported)
+    return out
+
+
+def test_step_outputs_merge_keeps_each_rows_extras():
+    a = StepOutputs()
+    seen: set[str] = set()
+    a.add_core_outputs([CoreOutput("r1", 0, [5], None, None, None, 3, 0, first_scheduled_time=1.0)], seen)
+    b = StepOutputs()
+    b.add_core_outputs([CoreOutput("r2", 1, [], None, "abort", None, 3, 0),
+                        CoreOutput("r1", 0, [6], [TokenLogprob(6, -1.0, [])], "length", None, 3, 0)], seen)
+    a.extend(b)
+    assert a.request_ids == ["r1", "r2", "r1"] and a.indices == [0, 1, 0] and a.token_ids == [5, -1, 6]
+    assert a.finishes == {1: ("abort", None), 2: ("length", None)} and a.logprobs == {2: (-1.0, [])}
+    assert a.first_seen["r1"] == (1.0, 0)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_deltas_join_to_the_tokenizers_text(tokenizer, merge):
+    rng = random.Random(merge)
+    ids = [rng.randrange(3, 1300) for _ in range(40)]
+    proc = DeltaProcessor(tokenizer)
+    proc.add("r", [1, 2, 3], SamplingParams(max_tokens=40, logprobs=1))
+    batches = [rows("r", ids[i:i + 1], "length" if i == len(ids) - 1 else None, logprob=True)
+               for i in range(len(ids))]
+    if merge:  # the server fell behind: every step arrives in one batch
+        merged = StepOutputs()
+        for b in batches:
+            merged.extend(b)
+        batches = [merged]
+    text, got_ids, lps, finish = "", [], 0, None
+    for b in batches:
+        deltas, to_abort = proc.process(b)
+        assert to_abort == []
+        for d in deltas:
+            c = d.choices[0]
+            text += c.text
+            got_ids += c.token_ids
+            lps += len(c.logprobs or [])
+            finish = c.finish_reason or finish
+    assert got_ids == ids and lps == len(ids) and finish == "length"
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(proc) == 0  # finished requests are forgotten
+
+
+def test_stop_string_cuts_across_deltas_and_asks_the_core_to_drop_it(tokenizer):
+    ids = tokenizer.encode("hello wonderful world, hello again", add_special_tokens=False)
+    proc = DeltaProcessor(tokenizer)
+    proc.add("r", [1], SamplingParams(max_tokens=100, stop=["world"]))
+    text, aborted, finish = "", [], None
+    for t in ids:
+        deltas, to_abort = proc.process(rows("r", [t]))
+        aborted += to_abort
+        for d in deltas:
+            text += d.choices[0].text
+            finish = (d.choices[0].finish_reason, d.choices[0].stop_reason) if d.finished else finish
+    assert text == "hello wonderful " and finish == ("stop", "world") and aborted == ["r"]
+
+
+class _Engine:
+    def __init__(self):
+        self.aborted: list[str] = []
+
+    def abort(self, engine_id: str) -> None:
+        self.aborted.append(engine_id)
+
+
+def delta(n: int, finished: bool = False) -> RequestDelta:
+    from graphserve.server.deltas import ChoiceDelta
+
+    return RequestDelta("e", {0: ChoiceDelta(0, "x" * n, list(range(n)))}, finished=finished)
+
+
+def test_stream_merges_unread_deltas_and_honours_the_interval():
+    async def run() -> None:
+        eng = _Engine()
+        s = RequestStream(eng, "rid", "e", 3)
+        for _ in range(3):
+            s.push(delta(1))
+        d = await s.next()
+        assert d.num_tokens == 3 and d.choices[0].text == "xxx"  # one event for what piled up
+        assert s.stalled(10**9, 1.0) is False  # nothing unread
+        s.push(delta(1))
+        assert s.stalled(10**9, 1.0)  # unread output and nobody waiting for it
+
+        t = RequestStream(eng, "rid", "e2", 3, stream_interval=4)
+        t.push(delta(3))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(t.next(), 0.05)  # fewer than 4 tokens wait
+        t.push(delta(2))
+        assert (await t.next()).num_tokens == 5
+        t.push(delta(1, finished=True))
+        assert (await t.next()).finished  # the end goes out whatever the interval
+        assert await t.next() is None and eng.aborted == []
+
+    asyncio.run(run())
+
+
+def test_an_error_naming_a_field_reaches_the_client_as_a_400_and_counts_as_an_abort(tokenizer):
+    from graphserve.config import EngineConfig
+    from graphserve.errors import BadRequestError, InternalError
+    from graphserve.server.async_engine import AsyncEngine
+
+    proc = DeltaProcessor(tokenizer)
+    for rid in ("bad", "broken"):
+        proc.add(rid, [1, 2, 3], SamplingParams(max_tokens=8))
+    outs = rows("bad", [9])  # a token first: the error row comes in a later, merged step
+    failing = StepOutputs()
+    failing.add_core_outputs([CoreOutput("bad", 0, [], None, "abort", None, 3, 0, error="guided_regex is invalid: x",
+                                         error_param="guided_regex"),
+                              CoreOutput("broken", 0, [], None, "abort", None, 3, 0, error="step raised")], set())
+    outs.extend(failing)
+    deltas, _ = proc.process(outs)
+    by_id = {d.request_id: d for d in deltas}
+    assert (by_id["bad"].error_param, by_id["broken"].error_param) == ("guided_regex", None)
+
+    async def run() -> None:
+        eng = AsyncEngine(EngineConfig(model="builtin:tiny-llama"))
+        eng._send_aborts = lambda ids: None  # no engine behind it
+        aborted: list[tuple[str, object]] = []
+        eng.on_abort = lambda rid, err: aborted.append((rid, err))
+        streams = {}
+        for engine_id, client_id in (("bad", "client-a"), ("broken", "client-b")):
+            streams[engine_id] = eng._streams[engine_id] = RequestStream(eng, client_id, engine_id, 3)
+            eng._client_ids[client_id] = engine_id
+        eng._deliver(deltas, [], {})
+        with pytest.raises(BadRequestError) as bad:
+            await streams["bad"].next()
+        assert bad.value.param == "guided_regex" and bad.value.http_status == 400
+        with pytest.raises(InternalError):
+            await streams["broken"].next()
+        assert [rid for rid, _ in aborted] == ["client-a", "client-b"] and not eng._streams and not eng._client_ids
+
+    asyncio.run(run())
