@@ -29,9 +29,23 @@ def _default_load(param: nn.Parameter, tensor: torch.Tensor) -> None:
     param.data.copy_(tensor)
 
 
+class DecoderStack(nn.Module):
+    """Embedding, decoder layers and the final norm; subclasses build ``embed_tokens``, ``layers`` and
+    ``norm``. Each layer maps (positions, hidden, residual, batch) to (hidden, residual), the residual
+    add riding on the next norm."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Any) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
 class CausalLM(nn.Module):
-    """Base of every family. Subclasses set ``self.model`` (with ``embed_tokens`` and a rotary table
-    or none), ``self.lm_head``, ``self.tied`` and implement ``forward`` and ``describe``."""
+    """Base of every family. Subclasses set ``self.model`` (a ``DecoderStack``), ``self.lm_head`` and
+    ``self.tied``, and implement ``describe``."""
 
     tied: bool = False
     # checkpoint name fragment -> (parameter fragment, shard id): tensors fused into one parameter
@@ -41,8 +55,17 @@ class CausalLM(nn.Module):
     def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1):
         raise NotImplementedError(f"{cls.__name__} does not describe itself")
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Any) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def moe_layers(self) -> list[nn.Module]:
+        """The routed-expert layers (empty for a dense model)."""
+        from graphserve.layers.moe import FusedMoE
+
+        return [m for m in self.modules() if isinstance(m, FusedMoE)]
 
     def finish_materialize(self, device: torch.device) -> None:
         """After ``to_empty``: recompute tables that are not parameters, and re-share the tied head."""

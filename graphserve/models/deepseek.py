@@ -24,7 +24,7 @@ from graphserve.layers.mla_rope import DeepseekRotary, softmax_scale
 from graphserve.layers.moe import FusedMoE, GroupedSigmoidTopK
 from graphserve.layers.moe_router_deepseek import SoftmaxGroupTopK
 from graphserve.layers.norm import RMSNorm
-from graphserve.models.base import CausalLM
+from graphserve.models.base import CausalLM, DecoderStack
 from graphserve.models.deepseek_shape import DeepseekShape, shape_from_config
 from graphserve.models.description import ModelDescription, split_evenly
 
@@ -103,7 +103,7 @@ class DeepseekDecoderLayer(nn.Module):
         return silu_mul_linear(gate_up, self.mlp.down_proj), residual
 
 
-class DeepseekModel(nn.Module):
+class DeepseekModel(DecoderStack):
     def __init__(self, s: DeepseekShape, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size)
@@ -111,14 +111,6 @@ class DeepseekModel(nn.Module):
                                          s.rope_interleave)
         self.layers = nn.ModuleList(DeepseekDecoderLayer(s, i, self.rotary_emb) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class DeepseekV2ForCausalLM(CausalLM):
@@ -136,12 +128,6 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.tied = self.shape.tie_word_embeddings
         if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, batch)
-
-    def moe_layers(self) -> list[FusedMoE]:
-        return [m for m in self.modules() if isinstance(m, FusedMoE)]
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         layer = _LAYER.match(name)

@@ -26,7 +26,7 @@ from graphserve.layers.linear import (
 )
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
-from graphserve.models.base import CausalLM
+from graphserve.models.base import CausalLM, DecoderStack
 from graphserve.models.description import ModelDescription, split_evenly
 
 if TYPE_CHECKING:
@@ -214,7 +214,7 @@ class LlamaDecoderLayer(nn.Module):
         return all_reduce(self.mlp.forward_gate_up(gate_up)), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     """Embedding, decoder layers, final norm. ``make_layer(i, rotary)`` builds layer i (families whose
     layers differ, e.g. MoE layers between dense ones, pass their own)."""
 
@@ -226,14 +226,6 @@ class LlamaModel(nn.Module):
         make_layer = make_layer or (lambda i, rotary: LlamaDecoderLayer(s, i, rotary))
         self.layers = nn.ModuleList(make_layer(i, self.rotary_emb) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class LlamaForCausalLM(CausalLM):
@@ -276,9 +268,6 @@ class LlamaForCausalLM(CausalLM):
         self.tied = self.shape.tie_word_embeddings
         if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, batch)
 
     @classmethod
     def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:

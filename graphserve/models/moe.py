@@ -173,12 +173,6 @@ class MoEForCausalLM(CausalLM):
         if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, batch)
-
-    def moe_layers(self) -> list[FusedMoE]:
-        return [m for m in self.modules() if isinstance(m, FusedMoE)]
-
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         name = name.replace(".block_sparse_moe.", ".mlp.")
         hit = _EXPERT.search(name)
