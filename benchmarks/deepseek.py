@@ -28,12 +28,11 @@ import gc
 
 import torch
 
-from benchmarks.common import cuda_time_ms, print_table, write_result
+from benchmarks.common import print_table, write_result
 from benchmarks.kernels import graph_time_ms
-from benchmarks.moe import _replay, experts_touched, set_routing
+from benchmarks.moe import bench_decode, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
-from graphserve.engine.graphs import GraphRunner
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.layers.forward_batch import contiguous_batch
 from graphserve.layers.moe import FusedMoE
@@ -44,31 +43,8 @@ LAYER_COLS = ["model", "layer", "kind", "bs", "ctx", "routing", "layer_ms", "flo
 
 
 def bench_v2_lite(bw, sizes: list[int], ctx: int, routings: list[str]) -> list[dict]:
-    name = "dummy:deepseek-v2-lite"
-    device = torch.device("cuda")
-    cfg = EngineConfig(model=name, device="cuda", max_model_len=ctx + 64)
-    loaded = load_model(cfg, device)
-    model, info, desc = loaded.model, loaded.info, loaded.info.description
-    bsz = cfg.block_size
-    kv_caches = info.kv.allocate(max(sizes) * (-(-(ctx + 1) // bsz)) + 2, bsz, device, fill="random")
-    backend = TritonAttentionBackend()
-    graphs = GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // bsz + 1, cfg.max_model_len, device)
-    rows = []
-    with torch.inference_mode():
-        graphs.capture()
-        for routing in routings:
-            layers = set_routing(model, routing)
-            for bs in sizes:
-                batch = contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=info.vocab_size)
-                ms = cuda_time_ms(_replay(graphs, batch), warmup=3, iters=20)
-                touched = experts_touched(layers)  # the last replay's counts: this batch's routing
-                nbytes = desc.decode_read_bytes(bs, bs * (ctx + 1), touched)
-                bw.observe(f"{name} decode bs={bs} {routing}", nbytes, ms)
-                rows.append({"model": name, "bs": bs, "ctx": ctx, "routing": routing, "experts_touched": touched,
-                             "step_ms": ms, "bytes": nbytes})
-                print(f"{name} bs={bs} {routing}: {ms:.3f} ms, {touched} experts touched")
-    del graphs, model, loaded, kv_caches
-    return rows
+    """Whole V2-Lite decode steps, measured as every MoE model is (benchmarks/moe.py)."""
+    return bench_decode("dummy:deepseek-v2-lite", sizes, ctx, routings, bw, loop_bs=[])
 
 
 def _layer_bytes(layer: torch.nn.Module, kv_bytes: int) -> int:
