@@ -99,30 +99,16 @@ class EngineConfig:
                 f"--num-kv-tokens={self.num_kv_tokens} is invalid: must be >= --block-size ({self.block_size})",
                 param="num_kv_tokens",
             )
-        if self.overlap_schedule not in OVERLAP_MODES:
-            raise ConfigError(
-                f"--overlap-schedule={self.overlap_schedule!r} is invalid: choose one of {', '.join(OVERLAP_MODES)}",
-                param="overlap_schedule",
-            )
-        if self.moe_routing not in MOE_ROUTING_MODES:
-            raise ConfigError(
-                f"--moe-routing={self.moe_routing!r} is invalid: choose one of {', '.join(MOE_ROUTING_MODES)}",
-                param="moe_routing",
-            )
+        for name, choices in (("overlap_schedule", OVERLAP_MODES), ("moe_routing", MOE_ROUTING_MODES),
+                              ("quantization", QUANTIZATIONS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ConfigError(f"--{name.replace('_', '-')}={value!r} is invalid: choose one of {', '.join(choices)}",
+                                  param=name)
         if self.moe_routing != "model" and not self.model.startswith("dummy:"):
             raise ConfigError(
                 f"--moe-routing={self.moe_routing} is for dummy: models only (random weights); model={self.model!r} "
                 "routes with its own trained router", param="moe_routing")
-        if self.quantization not in QUANTIZATIONS:
-            raise ConfigError(
-                f"--quantization={self.quantization!r} is invalid: choose one of {', '.join(QUANTIZATIONS)}",
-                param="quantization",
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(
-                f"--kv-cache-dtype={self.kv_cache_dtype!r} is invalid: choose one of {', '.join(KV_CACHE_DTYPES)}",
-                param="kv_cache_dtype",
-            )
         if self.tp < 1:
             raise ConfigError(f"--tp={self.tp} is invalid: must be >= 1", param="tp")
         if self.ep < 1:
