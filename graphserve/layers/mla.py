@@ -8,6 +8,14 @@ the shared rope key). Both read the same input, so they are one fused matmul
 Only the normed latent and the rotated rope key are cached (layers/kv_layout.py, kind "latent").
 The backend is chosen from the step's attention backend: the Torch one (CPU, and the reference on
 GPU) gets ``TorchMLABackend``, the Triton one ``TritonMLABackend`` (layers/mla_triton.py).
+
+Tensor parallelism splits the heads: each rank holds its heads' rows of ``q_proj`` / ``q_b_proj`` and
+of ``kv_b_proj`` (so the ``W_UK`` / ``W_UV`` views are its heads' up-projections) and their columns
+of ``o_proj``, whose output is then a partial sum the caller all-reduces. The latent and the rope key
+belong to no head: every rank computes ``kv_a_proj_with_mqa`` (and ``q_a_proj``) whole and writes the
+same latent cache: every head reads all of it, so a cache split over ranks would have to be gathered
+back inside each attention. The price is that --tp does not shrink the cache per rank (it does shrink
+the weights). The backends and kernels see the tp-1 shapes with fewer heads.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from graphserve.layers.linear import Linear, MergedLinear
+from graphserve.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from graphserve.layers.mla_reference import absorbed_decode_batched, expanded_attention, write_latent_cache
 from graphserve.layers.norm import RMSNorm
+from graphserve.models.description import split_evenly
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
@@ -30,30 +39,56 @@ if TYPE_CHECKING:
 LORA_NORM_EPS = 1e-6
 
 
+class FusedQKVAProj(MergedColumnParallelLinear):
+    """``q_proj`` (or ``q_a_proj``) and ``kv_a_proj_with_mqa`` in one matmul: shard 0 is this rank's
+    heads of ``q_proj`` when there is no q LoRA, else the whole ``q_a_proj``; shard 1, the latent and
+    rope key, is whole on every rank."""
+
+    def __init__(self, hidden_size: int, q_size: int, split_q: bool, kv_a_size: int, bias: bool, tp_rank: int,
+                 tp_size: int) -> None:  # fmt: skip
+        # "full" sizes that split to the local ones: a replicated shard is tp copies of itself
+        full = [q_size if split_q else q_size * tp_size, kv_a_size * tp_size]
+        super().__init__(hidden_size, full, bias, tp_rank, tp_size)
+        self.split_q = split_q
+
+    def shard_slice(self, shard: int) -> tuple[int, int]:
+        if shard == 0 and self.split_q:
+            return super().shard_slice(0)
+        return 0, self.output_sizes[shard]
+
+
 class MLAttention(nn.Module):
+    """MLA over this rank's ``num_heads / tp_size`` heads (all of them at tp 1); ``forward`` returns
+    ``o_proj``'s partial sum, which the caller all-reduces."""
+
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, attention_bias: bool,
-                 rotary: DeepseekRotary, scale: float, layer_idx: int) -> None:  # fmt: skip
+                 rotary: DeepseekRotary, scale: float, layer_idx: int, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:  # fmt: skip
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.kv_lora_rank, self.q_lora_rank = num_heads, kv_lora_rank, q_lora_rank
+        self.num_heads = split_evenly(num_heads, tp_size, "num_attention_heads")  # this rank's heads
+        self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         self.nope, self.rope, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_dim = qk_nope_head_dim + qk_rope_head_dim
         self.scale = scale
         q_out = num_heads * self.qk_dim
-        # shard 0: q_proj (no q LoRA) or q_a_proj; shard 1: kv_a_proj_with_mqa
-        first = q_out if q_lora_rank is None else q_lora_rank
         # transformers gives q_proj no bias and q_a_proj / kv_a_proj the attention bias
         bias = attention_bias and q_lora_rank is not None
         if attention_bias and q_lora_rank is None:
             raise ValueError("attention_bias with q_lora_rank=None (a bias on kv_a_proj only) is not supported")
-        self.fused_qkv_a_proj = MergedLinear(hidden_size, [first, kv_lora_rank + qk_rope_head_dim], bias=bias)
+        # shard 0: q_proj (no q LoRA) or q_a_proj; shard 1: kv_a_proj_with_mqa
+        self.fused_qkv_a_proj = FusedQKVAProj(hidden_size, q_out if q_lora_rank is None else q_lora_rank,
+                                              q_lora_rank is None, kv_lora_rank + qk_rope_head_dim, bias, tp_rank,
+                                              tp_size)  # fmt: skip
         if q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = Linear(q_lora_rank, q_out, bias=False)
+            self.q_b_proj = ColumnParallelLinear(q_lora_rank, q_out, False, tp_rank, tp_size)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias)
+        # rows are head-major ([H, nope + v]): a rank's contiguous slice is its heads' W_UK and W_UV
+        self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False,
+                                              tp_rank, tp_size)  # fmt: skip
+        self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, attention_bias, tp_rank, tp_size)
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
 
     # ---- views of kv_b_proj: per-head up-projections, no copies --------------------------------

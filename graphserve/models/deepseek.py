@@ -6,6 +6,11 @@ MLP is dense for the first ``first_k_dense_replace`` layers and a mixture of exp
 ``num_experts_per_tok`` of ``n_routed_experts`` gated-SiLU experts (layers/moe.FusedMoE) and
 ``n_shared_experts`` experts' worth of always-on shared MLP. V2 routes by softmax (``greedy`` or
 ``group_limited_greedy``), V3 by sigmoid plus ``e_score_correction_bias`` over groups (``noaux_tc``).
+
+Under ``--tp`` attention splits by heads over a replicated latent cache (layers/mla.py), dense MLPs
+and shared experts split along their intermediate size, and routed experts split along theirs or, with
+``--ep``, are placed whole (as in models/moe.py). Each layer issues two all-reduces: one after
+attention, one after the MLP or after the MoE block with its shared experts already added.
 """
 
 from __future__ import annotations
@@ -16,9 +21,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from graphserve.distributed.comm import all_reduce
+from graphserve.distributed.state import get_parallel
 from graphserve.layers.embedding import LMHead, VocabEmbedding
 from graphserve.layers.kv_layout import KVLayout
-from graphserve.layers.linear import Linear, MergedLinear, norm_linear, silu_mul_linear
+from graphserve.layers.linear import (
+    Linear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    norm_linear,
+    silu_mul_linear,
+)
 from graphserve.layers.mla import MLAttention
 from graphserve.layers.mla_rope import DeepseekRotary, softmax_scale
 from graphserve.layers.moe import FusedMoE, GroupedSigmoidTopK
@@ -44,27 +57,41 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DeepseekMLP(nn.Module):
-    """A gated-SiLU MLP: the dense layers' MLP, and the shared experts (n_shared of them as one)."""
+    """A gated-SiLU MLP: the dense layers' MLP, and the shared experts (n_shared of them as one), over this
+    rank's slice of the intermediate size; the caller all-reduces its output."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, [intermediate] * 2, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        tp_rank, tp = get_parallel().tp_rank, get_parallel().tp_size
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias, tp_rank, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp_rank, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_mul_linear(self.gate_up_proj(x), self.down_proj)
 
 
 class DeepseekMoE(nn.Module):
+    """Router gate, routed experts and shared experts; returns the all-reduced sum of the ranks' parts.
+
+    Every rank routes every token (the gate and the correction bias are replicated). ``--tp`` splits each
+    routed expert along its intermediate size, ``--ep`` places whole experts. The shared experts split
+    like a dense MLP at ``--tp N``; at ``--tp 1 --ep N`` they are whole on every rank and rank 0 alone
+    adds them, so the one all-reduce counts them once."""
+
     def __init__(self, s: DeepseekShape) -> None:
         super().__init__()
+        ps = get_parallel()
+        split = {"ep_rank": ps.ep_rank, "ep_size": ps.ep_size} if ps.ep_size > 1 else \
+            {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size}
         self.gate = Linear(s.hidden_size, s.n_routed_experts, bias=False)
         if s.scoring_func == "sigmoid":
             router = GroupedSigmoidTopK(s.n_routed_experts, s.top_k, s.n_group, s.topk_group, s.norm_topk_prob,
                                         s.routed_scaling_factor)
         else:
             router = SoftmaxGroupTopK(s.n_routed_experts, s.top_k, s.n_group, s.topk_group, s.routed_scaling_factor)
-        self.experts = FusedMoE(s.n_routed_experts, s.top_k, s.hidden_size, s.moe_intermediate_size, router)
+        self.experts = FusedMoE(s.n_routed_experts, s.top_k, s.hidden_size, s.moe_intermediate_size, router,
+                                **split)
+        self.add_shared = ps.tp_size > 1 or ps.rank == 0
         self.shared_experts = None
         if s.n_shared_experts:
             self.shared_experts = DeepseekMLP(s.hidden_size, s.moe_intermediate_size * s.n_shared_experts, s.mlp_bias)
@@ -73,9 +100,9 @@ class DeepseekMoE(nn.Module):
         # both routers score in fp32 from the gate's output as it is (the routing kernel converts as it
         # loads), which spares a conversion launch per layer at decode
         out = self.experts(x, self.gate(x), valid=getattr(batch, "num_valid_tokens", None))
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and self.add_shared:
             out = out + self.shared_experts(x)
-        return out
+        return all_reduce(out, over="experts")
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -84,7 +111,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.self_attn = MLAttention(
             s.hidden_size, s.num_heads, s.q_lora_rank, s.kv_lora_rank, s.qk_nope_head_dim, s.qk_rope_head_dim,
             s.v_head_dim, s.attention_bias, rotary, softmax_scale(s.qk_nope_head_dim + s.qk_rope_head_dim, s.rope),
-            layer_idx,
+            layer_idx, get_parallel().tp_rank, get_parallel().tp_size,
         )  # fmt: skip
         self.is_moe = layer_idx in s.moe_layers
         self.mlp = DeepseekMoE(s) if self.is_moe else DeepseekMLP(s.hidden_size, s.intermediate_size, s.mlp_bias)
@@ -95,18 +122,21 @@ class DeepseekDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         fused, residual = norm_linear(self.input_layernorm, hidden, residual, self.self_attn.fused_qkv_a_proj)
-        hidden = self.self_attn(positions, fused, batch)
+        # attention and the MLP return partial sums under --tp: one all-reduce each (no-ops at tp 1);
+        # the MoE block reduces its own output, over the expert ranks
+        hidden = all_reduce(self.self_attn(positions, fused, batch))
         if self.is_moe:  # the router and the experts both read the normed input
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden, batch), residual
         gate_up, residual = norm_linear(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj)
-        return silu_mul_linear(gate_up, self.mlp.down_proj), residual
+        return all_reduce(silu_mul_linear(gate_up, self.mlp.down_proj)), residual
 
 
 class DeepseekModel(DecoderStack):
     def __init__(self, s: DeepseekShape, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size)
+        ps = get_parallel()
+        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, ps.tp_rank, ps.tp_size)
         self.rotary_emb = DeepseekRotary(s.qk_rope_head_dim, max_positions, s.rope, s.max_position_embeddings,
                                          s.rope_interleave)
         self.layers = nn.ModuleList(DeepseekDecoderLayer(s, i, self.rotary_emb) for i in range(s.num_layers))
@@ -124,7 +154,8 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.config = config
         self.shape = shape_from_config(config, self.version)
         self.model = DeepseekModel(self.shape, max_positions)
-        self.lm_head = LMHead(self.shape.hidden_size, self.shape.vocab_size)
+        ps = get_parallel()
+        self.lm_head = LMHead(self.shape.hidden_size, self.shape.vocab_size, ps.tp_rank, ps.tp_size)
         self.tied = self.shape.tie_word_embeddings
         if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -143,40 +174,48 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     @classmethod
     def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:
+        """Per rank: ``num_attention_heads / tp`` heads, the whole latent cache (one 576-wide head for
+        V2/V3 at every tp), dense and shared MLPs split by ``tp``, routed experts split by ``tp`` or
+        placed by ``ep``. A split that does not divide is refused naming the field."""
         s = shape_from_config(config, cls.version)
-        if tp != 1 or ep != 1:
-            raise ValueError(f"tp={tp}, ep={ep}: tensor and expert parallelism are not implemented for DeepSeek "
-                             "models yet; use tp=1 and ep=1")
-        h, heads = s.hidden_size, s.num_heads
-        qk, r, d = s.qk_nope_head_dim + s.qk_rope_head_dim, s.kv_lora_rank, s.qk_rope_head_dim
-        bias = s.attention_bias
+        h, r, d, nope, v = s.hidden_size, s.kv_lora_rank, s.qk_rope_head_dim, s.qk_nope_head_dim, s.v_head_dim
+        heads = split_evenly(s.num_heads, tp, "num_attention_heads")  # this rank's
+        n_moe = len(s.moe_layers)
+        n_dense = s.num_layers - n_moe
+        inter = split_evenly(s.intermediate_size, tp, "intermediate_size") if n_dense else 0
+        local_experts = split_evenly(s.n_routed_experts, ep, "n_routed_experts") if n_moe else 0
+        # --ep places whole experts; --tp splits each along its intermediate size (as it does the shared ones)
+        expert_inter = 0 if not n_moe else s.moe_intermediate_size if ep > 1 else \
+            split_evenly(s.moe_intermediate_size, tp, "moe_intermediate_size")
+        shared_total = s.moe_intermediate_size * s.n_shared_experts if n_moe else 0
+        shared_inter = split_evenly(shared_total, tp, "moe_intermediate_size * n_shared_experts") if shared_total \
+            else 0
+        qk, bias = nope + d, s.attention_bias
+        # q_proj's rows of this rank's heads, or the whole q_a_proj (+ norm) and its heads' rows of q_b_proj
         if s.q_lora_rank is None:
             q_params = h * heads * qk
         else:
             q_params = h * s.q_lora_rank + bias * s.q_lora_rank + s.q_lora_rank + s.q_lora_rank * heads * qk
-        attn = (q_params + h * (r + d) + bias * (r + d) + r + r * heads * (s.qk_nope_head_dim + s.v_head_dim)
-                + heads * s.v_head_dim * h + bias * h)
+        # kv_a_proj_with_mqa and its norm whole on every rank; kv_b_proj and o_proj for this rank's heads
+        # (o_proj's bias is held on every rank, zeros past rank 0)
+        attn = q_params + h * (r + d) + bias * (r + d) + r + r * heads * (nope + v) + heads * v * h + bias * h
         mlp_bias = s.mlp_bias
-        n_moe = len(s.moe_layers)
-        n_dense = s.num_layers - n_moe
-        dense_mlp = 3 * h * s.intermediate_size + mlp_bias * (2 * s.intermediate_size + h)
-        shared_inter = s.moe_intermediate_size * s.n_shared_experts
+        dense_mlp = 3 * h * inter + mlp_bias * (2 * inter + h)
         shared = 3 * h * shared_inter + mlp_bias * (2 * shared_inter + h) if shared_inter else 0
         # every MoE layer reads its gate, its correction bias (V3) and its shared experts whatever the routing
         moe_fixed = s.n_routed_experts * h + (s.n_routed_experts if s.scoring_func == "sigmoid" else 0) + shared
         dense_params = s.num_layers * (attn + 2 * h) + n_dense * dense_mlp + n_moe * moe_fixed + h
-        local_experts = split_evenly(s.n_routed_experts, ep, "n_routed_experts") if n_moe else 0
         # a token at the attention peak: q, the kv-a output, q and output in latent space, the output heads
-        attn_act = heads * qk + (r + d) + 2 * heads * r + heads * s.v_head_dim
-        moe_act = s.n_routed_experts + s.top_k * (3 * s.moe_intermediate_size + h) + 3 * shared_inter if n_moe else 0
+        attn_act = heads * qk + (r + d) + 2 * heads * r + heads * v
+        moe_act = s.n_routed_experts + s.top_k * (3 * expert_inter + h) + 3 * shared_inter if n_moe else 0
+        vocab_rows = -(-s.vocab_size // tp)
         return ModelDescription(
             kv=KVLayout("latent", s.num_layers, 1, r + d, dtype), hidden_size=h, vocab_size=s.vocab_size,
-            weight_bytes_per_param=dtype.itemsize, dense_params=dense_params, embed_params=s.vocab_size * h,
-            lm_head_params=0 if s.tie_word_embeddings else s.vocab_size * h,
-            expert_params=3 * h * s.moe_intermediate_size if n_moe else 0, local_experts=local_experts,
+            weight_bytes_per_param=dtype.itemsize, dense_params=dense_params, embed_params=vocab_rows * h,
+            lm_head_params=0 if s.tie_word_embeddings else vocab_rows * h,
+            expert_params=3 * h * expert_inter, local_experts=local_experts,
             num_experts=s.n_routed_experts if n_moe else 0, top_k=s.top_k if n_moe else 0, num_moe_layers=n_moe,
-            act_width=max(attn_act, 3 * s.intermediate_size if n_dense else 0, moe_act),
-            act_bytes_per_elem=dtype.itemsize,
+            act_width=max(attn_act, 3 * inter, moe_act), act_bytes_per_elem=dtype.itemsize,
         )
 
 
