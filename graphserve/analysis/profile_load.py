@@ -12,7 +12,8 @@ from graphserve.errors import ServiceUnavailableError
 
 
 class HeldStreams:
-    """``batch_size`` streamed /generate requests with ignore_eos, closed (so aborted) on exit."""
+    """``batch_size`` streamed /generate requests with ignore_eos, each replaced when it finishes, closed (so
+    aborted) on exit."""
 
     def __init__(self, base_url: str, batch_size: int, input_len: int, max_tokens: int, seed: int = 0):
         self.url = base_url.rstrip("/") + "/generate"
@@ -27,18 +28,21 @@ class HeldStreams:
         self._threads = [threading.Thread(target=self._hold, args=(i,), daemon=True) for i in range(batch_size)]
 
     def _hold(self, i: int) -> None:
+        """Keep stream ``i`` decoding until exit: a request that reaches its token limit before the profile has
+        its steps (a fast server, a small model) is replaced at once, so the profile never waits on no load."""
         import httpx
 
         try:
-            with httpx.stream("POST", self.url, json=self.bodies[i], timeout=None) as r:
-                if r.status_code != 200:
-                    self.errors.append(f"HTTP {r.status_code}: {r.read()[:200]!r}")
-                    return
-                for line in r.iter_lines():
-                    if line.startswith("data:") and "[DONE]" not in line:
-                        self.chunks[i] += 1
-                    if self._stop.is_set():
-                        return  # leaving the stream closes it: the server aborts the request
+            while not self._stop.is_set():
+                with httpx.stream("POST", self.url, json=self.bodies[i], timeout=None) as r:
+                    if r.status_code != 200:
+                        self.errors.append(f"HTTP {r.status_code}: {r.read()[:200]!r}")
+                        return
+                    for line in r.iter_lines():
+                        if line.startswith("data:") and "[DONE]" not in line:
+                            self.chunks[i] += 1
+                        if self._stop.is_set():
+                            return  # leaving the stream closes it: the server aborts the request
         except Exception as exc:  # noqa: BLE001 - reported by wait_decoding
             self.errors.append(f"{type(exc).__name__}: {exc}")
 
