@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import PagedHarness, hf_logits, make_hf_checkpoint, relative_error
+from model_utils import check_paged_parity, make_hf_checkpoint
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from graphserve.config import EngineConfig
@@ -38,26 +38,7 @@ def variant(request, tmp_path_factory):
 
 def test_prefill_chunked_and_decode_match_transformers(variant):
     name, hf, loaded = variant
-    gen = torch.Generator().manual_seed(3)
-    seqs = {s: torch.randint(4, 320, (n,), generator=gen).tolist() for s, n in (("a", 7), ("b", 19), ("c", 12))}
-    harness = PagedHarness(loaded.model)
-    # Step 1 caches the first 11 tokens of b; step 2 prefills a and c whole plus b's remaining 8
-    # on top of that cached prefix, all in one batch.
-    first = harness.step([("b", seqs["b"][:11])])[0]
-    assert relative_error(first, hf_logits(hf, seqs["b"][:11])) < TOL, name
-    out = harness.step([("a", seqs["a"]), ("b", seqs["b"][11:]), ("c", seqs["c"])])
-    for (seq, start), got in zip((("a", 0), ("b", 11), ("c", 0)), out):
-        err = relative_error(got, hf_logits(hf, seqs[seq])[start:])
-        assert err < TOL, f"{name} prefill {seq}: relative error {err:.2e}"
-    for step in range(5):
-        new = {s: int(torch.randint(4, 320, (1,), generator=gen)) for s in seqs}
-        for s in seqs:
-            seqs[s].append(new[s])
-        out = harness.step([(s, [new[s]]) for s in seqs])
-        got = torch.cat(out)
-        want = torch.stack([hf_logits(hf, seqs[s])[-1] for s in seqs])
-        err = relative_error(got, want)
-        assert err < TOL, f"{name} decode step {step}: relative error {err:.2e}"
+    check_paged_parity(loaded.model, hf, name, TOL, decode_steps=5)
 
 
 def test_loaded_shapes_follow_config(variant):

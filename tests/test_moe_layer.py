@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from graphserve.engine.expert_load import ExpertLoad
 from graphserve.errors import ModelLoadError
 from graphserve.kernels.moe_reference import (
     expert_counts_reference,
@@ -108,9 +109,10 @@ def test_reference_matches_loop_and_padding_rows_cost_nothing():
         assert torch.equal(out[6:], torch.zeros(3, H))
         assert int(layer.expert_counts.sum()) == 6 * 3
         assert torch.equal(layer.expert_counts, expert_counts_reference(ids, torch.arange(9) < 6, E))
-        touched, busiest = layer.expert_load()
-        assert int(touched) == len(set(ids[:6].flatten().tolist()))
-        assert int(busiest) == max(ids[:6].flatten().tolist().count(e) for e in range(E))
+        # what the engine's per-step telemetry reads from these counts (engine/expert_load.py)
+        load = ExpertLoad.from_counts(layer.expert_counts[None].numpy())
+        assert load.experts_touched == len(set(ids[:6].flatten().tolist()))
+        assert load.max_expert_load == max(ids[:6].flatten().tolist().count(e) for e in range(E))
 
 
 def test_tensor_and_expert_parallel_shards_sum_to_the_whole():

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from model_utils import PagedHarness, hf_logits, make_hf_checkpoint, relative_error
+from model_utils import check_paged_parity, make_hf_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
@@ -50,22 +50,7 @@ def variant(request, tmp_path_factory):
 def test_prefill_chunked_prefix_and_decode_match_transformers(variant):
     name, hf, loaded, _ = variant
     assert isinstance(loaded.model, MoEForCausalLM)
-    gen = torch.Generator().manual_seed(3)
-    seqs = {s: torch.randint(4, 320, (n,), generator=gen).tolist() for s, n in (("a", 7), ("b", 19), ("c", 12))}
-    harness = PagedHarness(loaded.model)
-    first = harness.step([("b", seqs["b"][:11])])[0]
-    assert relative_error(first, hf_logits(hf, seqs["b"][:11])) < TOL, name
-    out = harness.step([("a", seqs["a"]), ("b", seqs["b"][11:]), ("c", seqs["c"])])
-    for (seq, start), got in zip((("a", 0), ("b", 11), ("c", 0)), out):
-        err = relative_error(got, hf_logits(hf, seqs[seq])[start:])
-        assert err < TOL, f"{name} prefill {seq}: relative error {err:.2e}"
-    for step in range(4):
-        for s in seqs:
-            seqs[s].append(int(torch.randint(4, 320, (1,), generator=gen)))
-        got = torch.cat(harness.step([(s, [seqs[s][-1]]) for s in seqs]))
-        want = torch.stack([hf_logits(hf, seqs[s])[-1] for s in seqs])
-        err = relative_error(got, want)
-        assert err < TOL, f"{name} decode step {step}: relative error {err:.2e}"
+    check_paged_parity(loaded.model, hf, name, TOL)
 
 
 def test_description_counts_the_checkpoint(variant):

@@ -214,8 +214,8 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     torch.cuda.empty_cache()
 
     # 4. the plan
-    desc = loaded.info.description
-    parts = [("MoE workspace", desc.moe_workspace_bytes(chunk + max_running - 1))] if desc.is_moe else []
+    moe = loaded.model.moe_layers()  # the layer's own figure; `graphserve plan` estimates it from the description
+    parts = [("MoE workspace", moe[0].workspace_bytes(chunk + max_running - 1))] if moe else []
     plan = plan_memory(total, cfg.mem_fraction_static, weights, [mixed, decode], pool, RESERVE_BYTES + workspace,
                        loaded.info.kv_bytes_per_token, cfg.block_size, max_model_len, max_running,
                        activation_parts=parts)

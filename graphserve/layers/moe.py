@@ -232,10 +232,6 @@ class FusedMoE(nn.Module):
             self.w13_weight.dtype,
         )  # fmt: skip
 
-    def expert_load(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(distinct experts touched, most pairs any one expert received) in the last forward, as
-        0-d device tensors: read them after the step, not inside it."""
-        return (self.expert_counts > 0).sum(), self.expert_counts.max()
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.routing_override not in ROUTING_OVERRIDES:

@@ -40,6 +40,7 @@ from graphserve.layers.norm import RMSNorm
 from graphserve.models.base import CausalLM, DecoderStack
 from graphserve.models.deepseek_shape import DeepseekShape, shape_from_config
 from graphserve.models.description import ModelDescription, split_evenly
+from graphserve.models.moe import expert_param_name
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
@@ -51,8 +52,6 @@ _STACKED = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_EXPERT_PART = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -165,12 +164,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         if layer and int(layer.group(1)) >= self.shape.num_layers:
             return None  # V3's multi-token-prediction layers sit past the last decoder layer; unused here
         name = name.replace(".mlp.gate.e_score_correction_bias", ".mlp.experts.router.e_score_correction_bias")
-        hit = _EXPERT.search(name)
-        if hit is None:
-            return super().map_weight_name(name)
-        expert, part = int(hit.group(1)), _EXPERT_PART[hit.group(2)]
-        stacked = "w2_weight" if part == "w2" else "w13_weight"
-        return f"{name[: hit.start()]}.experts.{stacked}", (expert, part)
+        return expert_param_name(name) or super().map_weight_name(name)
 
     @classmethod
     def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:

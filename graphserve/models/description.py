@@ -113,7 +113,7 @@ class ModelDescription:
             return 0
         from graphserve.kernels.moe_fused import moe_workspace_bytes
 
-        dtype = self.kv.dtype if self.act_bytes_per_elem == self.kv.dtype.itemsize else torch.bfloat16
+        dtype = torch.float32 if self.act_bytes_per_elem == 4 else torch.bfloat16  # only its size is read
         inter = self.expert_params // (3 * self.hidden_size)
         return moe_workspace_bytes(tokens, self.top_k, self.local_experts, inter, self.hidden_size, dtype)
 

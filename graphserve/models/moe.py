@@ -50,6 +50,17 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\
 _EXPERT_PART = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 
 
+def expert_param_name(name: str) -> tuple[str, tuple[int, str]] | None:
+    """A checkpoint tensor of one routed expert -> (FusedMoE's stacked parameter, (expert, part)); None for
+    any other tensor. Every MoE family (and DeepSeek's) stores its experts apart under these names."""
+    hit = _EXPERT.search(name)
+    if hit is None:
+        return None
+    expert, part = int(hit.group(1)), _EXPERT_PART[hit.group(2)]
+    stacked = "w2_weight" if part == "w2" else "w13_weight"
+    return f"{name[: hit.start()]}.experts.{stacked}", (expert, part)
+
+
 @dataclass(frozen=True)
 class MoEShape:
     num_experts: int
@@ -175,12 +186,7 @@ class MoEForCausalLM(CausalLM):
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         name = name.replace(".block_sparse_moe.", ".mlp.")
-        hit = _EXPERT.search(name)
-        if hit is None:
-            return super().map_weight_name(name)
-        expert, part = int(hit.group(1)), _EXPERT_PART[hit.group(2)]
-        stacked = "w2_weight" if part == "w2" else "w13_weight"
-        return f"{name[: hit.start()]}.experts.{stacked}", (expert, part)
+        return expert_param_name(name) or super().map_weight_name(name)
 
     @classmethod
     def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:
