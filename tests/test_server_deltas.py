@@ -161,3 +161,24 @@ def test_an_error_naming_a_field_reaches_the_client_as_a_400_and_counts_as_an_ab
         assert [rid for rid, _ in aborted] == ["client-a", "client-b"] and not eng._streams and not eng._client_ids
 
     asyncio.run(run())
+
+
+def test_a_request_discarded_while_its_rows_are_processed_costs_no_other_request(tokenizer, monkeypatch):
+    """The loop thread discards a failed request while the output thread processes a batch holding its rows
+    (an injected engine fault did this): the batch still yields every other request's delta."""
+    proc = DeltaProcessor(tokenizer)
+    proc.add("gone", [1, 2, 3], SamplingParams(max_tokens=4))
+    proc.add("ok", [1, 2, 3], SamplingParams(max_tokens=4))
+    batch = rows("gone", [7], "length")
+    batch.extend(rows("ok", [8]))
+    detokenize = proc._detokenize
+
+    def discard_midway(work, outs):
+        proc.discard("gone")  # what AsyncEngine does on the loop thread when the request fails
+        return detokenize(work, outs)
+
+    monkeypatch.setattr(proc, "_detokenize", discard_midway)
+    deltas, to_abort = proc.process(batch)
+    assert {d.request_id for d in deltas} == {"gone", "ok"} and to_abort == []
+    assert next(d for d in deltas if d.request_id == "ok").finished is False
+    assert len(proc) == 1  # "ok" stays; "gone" is not brought back

@@ -129,11 +129,13 @@ class DeltaProcessor:
             else:
                 rows.append(row)
         deltas: dict[str, RequestDelta] = {}
+        reqs: dict[str, _Request] = {}  # looked up once: the loop thread may discard a request meanwhile
         work: list[tuple[_Request, int, list[int], RequestDelta]] = []
         for (rid, idx), rows in grouped.items():
-            req = self._requests.get(rid)
+            req = reqs.get(rid) or self._requests.get(rid)
             if req is None:
                 continue  # finished here (stop string) or aborted: the core's late rows are dropped
+            reqs[rid] = req
             d = deltas.get(rid)
             if d is None:
                 d = deltas[rid] = RequestDelta(rid, time=now)
@@ -146,10 +148,10 @@ class DeltaProcessor:
             self._apply(req, idx, rows, outs, d, text)
         to_abort: list[str] = []
         for rid, d in deltas.items():
-            req = self._requests[rid]
+            req = reqs[rid]
             if req.finished or d.error is not None:
                 d.finished = True
-                del self._requests[rid]
+                self._requests.pop(rid, None)
                 if not all(c.core_done for c in req.choices):
                     to_abort.append(rid)
         return list(deltas.values()), to_abort
