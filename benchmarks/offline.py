@@ -46,9 +46,12 @@ def run_graphserve(model: str, reqs: list[Request], **engine_args) -> tuple[floa
     llm = LLM(model, **engine_args)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True) for _, out in reqs]
-    # warm-up (kernel compiles) on other prompts: the measured ones must not find their prefix cached
-    warm = [{"prompt_token_ids": [7 + i] * 32} for i in range(4)]
-    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    # Warm-up: the same prompt lengths with other token ids (the measured prompts must not find their
+    # prefix cached), a few tokens each, so the kernels the measured prefill chunks and mixed steps
+    # need (MoE tiles are chosen per token bucket) compile here and not inside the timed run.
+    warm = [{"prompt_token_ids": [7 + i % 3] * len(ids)} for i, (ids, _) in enumerate(reqs)]
+    llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    llm.engine.core.block_manager.reset_prefix_cache()  # the timed run starts from an empty cache
     device = llm.engine.core.runner.device
     _sync(device)
     t0 = time.perf_counter()
