@@ -8,13 +8,16 @@ checkpoint scale is broadcast to its rows: exact, and one layout for the kernels
 static activations. From an fp8 checkpoint they are Parameters the checkpoint must fill; quantized
 at load (``--quantization``) the scales are buffers the weight's load fills.
 
-The matmul, routed by rows and device:
+The matmul, routed by rows and device (kernels/fp8_config.py: the table benchmarks/fp8.py measured
+per projection shape and row count, else its defaults):
 - CPU: the reference: dequantize the weight and ``F.linear`` (activations unquantized);
-- CUDA, at most ``SMALL_BATCH_ROWS`` rows: kernels/fp8_gemv.py, fp8 weights widened in registers
+- CUDA ``stream`` (decode batch sizes): kernels/fp8_gemv.py, fp8 weights widened in registers
   against bf16 activations (W8A16: no activation quantization launch on the weight-stream path);
-- CUDA, per-channel scales: per-token (or static) activation quantization and ``torch._scaled_mm``
-  rowwise (cuBLASLt) where the shape takes it;
-- CUDA, block scales: per-token-group activation quantization and the Triton W8A8 kernel.
+- CUDA ``scaled_mm``, 128x128 blocks: per-token-group activation quantization (written padded and
+  column-major, as cuBLASLt takes it) and ``torch._scaled_mm``'s block-scaled mode, where this
+  build has it (probed once per device);
+- CUDA ``w8a8``: per-token (group) or static activation quantization, then ``torch._scaled_mm``
+  rowwise for per-channel scales where the shape takes it, else the Triton W8A8 kernel.
 """
 
 from __future__ import annotations
@@ -25,10 +28,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphserve.kernels.common import sm_count
+from graphserve.kernels.fp8_config import Route, choose_route
+from graphserve.kernels.fp8_gemm import (
+    blockwise_scale_layout,
+    blockwise_scaled_mm_available,
+    scaled_mm_blockwise,
+    scaled_mm_rowwise,
+    scaled_mm_supported,
+    w8a8_matmul,
+)
+from graphserve.kernels.fp8_gemv import fp8_gemv
 from graphserve.kernels.fp8_quant import (
     FP8_DTYPE,
     FP8_MAX,
     dequantize_blocks,
+    per_token_group_quant,
     quantize_weight_blocks,
     quantize_weight_channels,
 )
@@ -37,14 +52,13 @@ from graphserve.layers.quant.config import Fp8Config
 if TYPE_CHECKING:
     from graphserve.layers.linear import Linear
 
-# up to this many rows the FP8-weight gemv runs; benchmarks/fp8.py measures it against the W8A8 path
-SMALL_BATCH_ROWS = 8
 
 
 class Fp8LinearMethod:
     def __init__(self, config: Fp8Config) -> None:
         self.config = config
         self.group_n, self.group_k = config.block if config.block else (1, 0)
+        self._routes: dict[tuple, Route] = {}
 
     @property
     def scale_name(self) -> str:
@@ -159,21 +173,51 @@ class Fp8LinearMethod:
         out = self._cuda_matmul(layer, rows)
         return out.view(*x.shape[:-1], layer.out_features)
 
-    def _cuda_matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        from graphserve.kernels.fp8_gemm import scaled_mm_rowwise, scaled_mm_supported, w8a8_matmul
-        from graphserve.kernels.fp8_gemv import fp8_gemv
-        from graphserve.kernels.fp8_quant import per_token_group_quant
+    def _route(self, x: torch.Tensor, n: int, k: int) -> Route:
+        """The path for this call (kernels/fp8_config.py: measured table, else defaults); cached per shape."""
+        m = x.shape[0]
+        key = (m, n, k, x.dtype, x.device)
+        route = self._routes.get(key)
+        if route is None:
+            capturing = torch.cuda.is_current_stream_capturing()
+            scaled_mm_ok = (self.config.block == (128, 128) and self.config.activation_scheme == "dynamic"
+                            and n % 128 == 0 and k % 128 == 0 and x.dtype == torch.bfloat16 and not capturing
+                            and blockwise_scaled_mm_available(x.device))
+            route = choose_route(m, n, k, self.group_n, self.group_k or k, scaled_mm_ok, x.device, sm_count(x.device))
+            if not capturing:  # in a capture the availability probe was skipped: decide again outside
+                self._routes[key] = route
+        return route
 
+    def _scale_layout(self, layer: Linear) -> torch.Tensor | None:
+        """The block scales as cuBLASLt takes them, made once per loaded scale (the eager run before
+        graph capture makes it; inside a capture there is none yet and the call takes the Triton GEMM)."""
+        scale = self.scale(layer)
+        cached = getattr(layer, "_fp8_scale_layout", None)
+        if cached is not None and cached[0] == (scale.data_ptr(), scale._version):
+            return cached[1]
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        layout = blockwise_scale_layout(scale)
+        layer._fp8_scale_layout = ((scale.data_ptr(), scale._version), layout)
+        return layout
+
+    def _cuda_matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
+        n = layer.out_features
         w, scale = layer.weight, self.scale(layer)
         group_k = self.group_k or k
         scale_2d = scale.view(scale.shape[0], -1)
-        if m <= SMALL_BATCH_ROWS and x.dtype in (torch.bfloat16, torch.float16):
-            return fp8_gemv(x, w, scale_2d, self.group_n, group_k, layer.bias)
+        route = self._route(x, n, k)
+        if route.path == "stream":
+            return fp8_gemv(x, w, scale_2d, self.group_n, group_k, layer.bias, config=route.config)
         if self.config.activation_scheme == "static":
             a_scale = layer.input_scale.max()
             a_q = (x.float() / a_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
             a_s = a_scale.expand(m, 1).contiguous()
+        elif route.path == "scaled_mm" and (layout := self._scale_layout(layer)) is not None:
+            a_q, a_s = per_token_group_quant(x, group_k, pad_rows_to=4, scales_column_major=True)
+            out = scaled_mm_blockwise(a_q, a_s, w, layout, torch.bfloat16)
+            return out + layer.bias if layer.bias is not None else out
         else:
             a_q, a_s = per_token_group_quant(x, group_k)
         if not self.config.block and x.dtype == torch.bfloat16 and scaled_mm_supported(m, w.shape[0], k, x.device):
