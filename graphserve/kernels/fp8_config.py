@@ -140,7 +140,7 @@ def rule_for(device: torch.device) -> Fp8Rule:
     name = torch.cuda.get_device_name(device)
     if name != rule.device:
         logger.warning("fp8 routing was measured on %s, this is %s: default routes "
-                       "(python3 -m benchmarks.fp8 --gemm-only measures this card)", rule.device, name)
+                       "(python3 -m benchmarks.fp8_route measures this card)", rule.device, name)
         return _NO_RULE
     return rule
 
