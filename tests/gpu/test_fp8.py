@@ -23,7 +23,11 @@ from model_utils import PagedHarness, make_hf_checkpoint  # noqa: E402
 from graphserve.config import EngineConfig  # noqa: E402
 from graphserve.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
+from graphserve.kernels.fp8_config import DEFAULT_STREAM_ROWS, SCALED_MM_MIN_ROWS  # noqa: E402
 from graphserve.kernels.fp8_gemm import (  # noqa: E402
+    blockwise_scale_layout,
+    blockwise_scaled_mm_available,
+    scaled_mm_blockwise,
     scaled_mm_rowwise,
     scaled_mm_supported,
     w8a8_matmul,
@@ -41,7 +45,7 @@ from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E
 from graphserve.layers.linear import Linear, MergedLinear  # noqa: E402
 from graphserve.layers.quant.checkpoint import quantize_checkpoint  # noqa: E402
 from graphserve.layers.quant.config import Fp8Config  # noqa: E402
-from graphserve.layers.quant.fp8 import SMALL_BATCH_ROWS, Fp8LinearMethod  # noqa: E402
+from graphserve.layers.quant.fp8 import Fp8LinearMethod  # noqa: E402
 from graphserve.models.loader import load_model  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -116,6 +120,39 @@ def test_fp8_gemv(name: str, m: int, block: bool, gen: torch.Generator) -> None:
     assert rel(fp8_gemv(x, wq, ws, gn, gk, bias), ref) < TOL
 
 
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("block", [True, False], ids=["block", "channel"])
+def test_fp8_gemv_every_swept_tile(m: int, block: bool, gen: torch.Generator) -> None:
+    """Every tile benchmarks/fp8_route.py may write into the routing table computes the same product
+    (at both K of Llama-3-8B, whose 14336 takes only some tiles)."""
+    from benchmarks.fp8_route import candidates
+
+    for n, k in (SHAPES["o_proj"], SHAPES["down"]):
+        wq, ws = _weight(n, k, gen, block)
+        gn, gk = (128, 128) if block else (1, k)
+        x = torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16)
+        ref = fp8_gemv_reference(x.float(), wq, ws, gn, gk)
+        for cfg in candidates(m, k):
+            assert rel(fp8_gemv(x, wq, ws, gn, gk, config=cfg), ref) < TOL, cfg
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("m", [1, 5, 64, 2048])
+def test_scaled_mm_blockwise(name: str, m: int, gen: torch.Generator) -> None:
+    """cuBLASLt's block-scaled GEMM on padded, column-major activation scales, where this build has it."""
+    if not blockwise_scaled_mm_available(DEV):
+        pytest.skip("torch._scaled_mm has no block-scaled mode in this build (the layer uses the Triton GEMM)")
+    n, k = SHAPES[name]
+    wq, ws = _weight(n, k, gen)
+    x = torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16)
+    a, a_s = per_token_group_quant(x, 128, pad_rows_to=4, scales_column_major=True)
+    assert a.shape[0] % 4 == 0 and a_s.stride(0) == 1
+    out = scaled_mm_blockwise(a, a_s, wq, blockwise_scale_layout(ws))
+    assert out.shape == (m, n)
+    ref = w8a8_matmul_reference(a[:m], a_s[:m], wq, ws, 128, 128, torch.float32)
+    assert rel(out, ref) < TOL
+
+
 def _fp8_layer(n: int, k: int, block: bool, gen: torch.Generator) -> Linear:
     layer = Linear(k, n, bias=False, device=DEV, dtype=torch.bfloat16)
     Fp8LinearMethod(Fp8Config(block=(128, 128) if block else None, serialized=False)).create_weights(layer)
@@ -123,10 +160,11 @@ def _fp8_layer(n: int, k: int, block: bool, gen: torch.Generator) -> Linear:
     return layer
 
 
-@pytest.mark.parametrize("m", [1, SMALL_BATCH_ROWS, 64, 256])
+@pytest.mark.parametrize("m", [1, 4, DEFAULT_STREAM_ROWS, 16, 64, SCALED_MM_MIN_ROWS, 256])
 @pytest.mark.parametrize("block", [True, False], ids=["block", "channel"])
 def test_layer_under_cuda_graph_replay(m: int, block: bool, gen: torch.Generator) -> None:
-    """Every path the layer routes to (gemv, W8A8, scaled_mm) replays from a graph on new inputs."""
+    """Every path the layer routes to (stream, W8A8, scaled_mm, at the row counts the table or the
+    defaults send there) replays from a graph on new inputs."""
     layer = _fp8_layer(6144, 4096, block, gen)
     x = torch.zeros(m, 4096, device=DEV, dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
