@@ -62,14 +62,14 @@ COLS = ["shape", "m", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_us", "best",
 
 
 def candidates(m: int, k: int) -> list[StreamConfig]:
-    """Stream tiles to try: FMA tiles of 64-256 weight bytes per thread (m <= 4), dot tiles (m >= 4)."""
+    """Stream tiles to try: FMA tiles of 64-256 weight bytes per thread (m <= 4), dot tiles (m >= 2)."""
     out = []
     if m <= 4:  # (block_n, weight bytes per thread of 4 warps); every distinct tile is one more compile
         for bn, per_thread in ((4, 128), (8, 128), (8, 256), (16, 64), (16, 128), (32, 128)):
             bk = per_thread * 128 // bn
             if bk <= k and k % bk == 0:
                 out.append(StreamConfig(bn, bk, num_warps=4, num_stages=2, use_dot=False))
-    if m >= 4:
+    if m >= 2:
         for bn, bk, stages in ((16, 256, 3), (16, 512, 3), (32, 256, 3), (32, 512, 3), (64, 256, 3)):
             if k % bk == 0:
                 out.append(StreamConfig(bn, bk, num_warps=4, num_stages=stages, use_dot=True))

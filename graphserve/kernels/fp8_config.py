@@ -69,12 +69,15 @@ def default_stream_config(m: int, n: int, k: int, cap: int, sms: int) -> StreamC
     loads) on the FMA path; the dot path's tiles go through shared memory, 3 stages of 8-16 KB.
     """
     target = 2 * sms
-    use_dot = m > 4 and cap >= 16 and triton.cdiv(n, 16) >= sms
+    # kernels/gemv.py's bf16 FMA product fell to 0.5x of cuBLAS at 4 rows on an H200 (registers: one
+    # fp32 copy of the tile plus one x row per pass) while its dot product held 0.9x from 8 rows on
+    use_dot = m > 2 and cap >= 16 and triton.cdiv(n, 16) >= sms
     if use_dot:
         block_n = next((bn for bn in (64, 32) if bn <= cap and triton.cdiv(n, bn) >= target), 16)
         block_k = min(512 if block_n == 16 else 256, triton.next_power_of_2(k))
         return StreamConfig(block_n, max(16, block_k), num_warps=4, num_stages=3, use_dot=True)
-    block_n = next((bn for bn in (16, 8) if bn <= cap and triton.cdiv(n, bn) >= target), min(4, cap))
+    widths = (8,) if m <= 2 else (16, 8)  # gemv.py measured 8-row slabs best at 1-2 rows
+    block_n = next((bn for bn in widths if bn <= cap and triton.cdiv(n, bn) >= target), min(4, cap))
     block_k = min(128 * 32 * 4 // block_n, triton.next_power_of_2(k))
     return StreamConfig(block_n, max(16, block_k), num_warps=4, num_stages=2, use_dot=False)
 

@@ -41,7 +41,7 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_wsn, stride_om,
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,8 +68,7 @@ def _fp8_gemv_kernel(
                 x = (x.to(tl.float32) * ks[None, :]).to(x_ptr.dtype.element_ty)
             acc += tl.dot(w.to(x.dtype), tl.trans(x))
     else:
-        # the tile as [BLOCK_N, KB, SUB_K]: one scale per SUB_K-long piece of K
-        KB: tl.constexpr = BLOCK_K // SUB_K
+        # the tile as [BLOCK_N, KB, SUB_K] (KB = BLOCK_K / SUB_K): one scale per SUB_K-long piece of K
         offs_b = tl.arange(0, KB)
         offs_s = tl.arange(0, SUB_K)
         k2 = offs_b[:, None] * SUB_K + offs_s[None, :]  # [KB, SUB_K] column offsets within a tile
@@ -149,6 +148,7 @@ def fp8_gemv(
         out.stride(0), K=k, GROUP_N=1 if per_channel else group_n, GROUP_K=k if per_channel else group_k,
         PER_CHANNEL=per_channel, HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot,
         BLOCK_M=16 if cfg.use_dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k, SUB_K=sub_k,
+        KB=block_k // sub_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
