@@ -44,7 +44,14 @@ from graphserve.kernels.fp8_config import (  # noqa: E402
     tile_cap,
 )
 from graphserve.kernels.fp8_gemm import w8a8_matmul, w8a8_matmul_reference  # noqa: E402
-from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference  # noqa: E402
+from graphserve.kernels.fp8_gemv import (  # noqa: E402
+    fp8_gemv,
+    fp8_gemv_reference,
+    fp8_norm_gemv,
+    fp8_norm_gemv_reference,
+    fp8_silu_mul_gemv,
+    fp8_silu_mul_gemv_reference,
+)
 from graphserve.kernels.fp8_quant import (  # noqa: E402
     per_token_group_quant,
     per_token_group_quant_reference,
@@ -101,6 +108,28 @@ def test_stream_dot_matches_reference(m, n, k, group_n, group_k) -> None:
     out = fp8_gemv(x, wq, ws, group_n, group_k, config=DOT)
     assert out.dtype == DOT_DTYPE
     assert _rel(out, fp8_gemv_reference(x.float(), wq, ws, group_n, group_k)) < 1e-2
+
+
+@pytest.mark.parametrize("cfg", [FMA, DOT], ids=["fma", "dot"])
+@pytest.mark.parametrize("group_n,group_k", [(16, 32), (1, 96)])
+def test_stream_fused_prologues_match_reference(cfg, group_n, group_k) -> None:
+    """SiLU·mul and (residual add +) RMSNorm computed in the loads, as kernels/gemv.py's fused kinds."""
+    m, n, k = (3, 40, 96) if not cfg.use_dot else (6, 40, 96)
+    dtype = DOT_DTYPE if cfg.use_dot else torch.float32
+    tol = {"rtol": 1e-4, "atol": 1e-5} if not cfg.use_dot else {"rtol": 2e-2, "atol": 2e-2}
+    wq, ws = _weight(n, k, group_n, group_k, seed=21)
+    gate_up = _randn(m, 2 * k, seed=22).to(dtype)
+    torch.testing.assert_close(fp8_silu_mul_gemv(gate_up, wq, ws, group_n, group_k, config=cfg).float(),
+                               fp8_silu_mul_gemv_reference(gate_up, wq, ws, group_n, group_k).float(), **tol)
+    x, res, nw = _randn(m, k, seed=23).to(dtype), _randn(m, k, seed=24).to(dtype), _randn(k, seed=25).to(dtype)
+    for residual in (None, res):
+        out, summed = fp8_norm_gemv(x, nw, 1e-6, wq, ws, group_n, group_k, residual=residual, config=cfg)
+        want, want_sum = fp8_norm_gemv_reference(x, nw, 1e-6, wq, ws, group_n, group_k, residual=residual)
+        torch.testing.assert_close(out.float(), want.float(), **tol)
+        if residual is None:
+            assert summed is None
+        else:
+            torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
 
 
 def test_stream_default_config_matches_reference() -> None:

@@ -33,7 +33,14 @@ from graphserve.kernels.fp8_gemm import (  # noqa: E402
     w8a8_matmul,
     w8a8_matmul_reference,
 )
-from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference  # noqa: E402
+from graphserve.kernels.fp8_gemv import (  # noqa: E402
+    fp8_gemv,
+    fp8_gemv_reference,
+    fp8_norm_gemv,
+    fp8_norm_gemv_reference,
+    fp8_silu_mul_gemv,
+    fp8_silu_mul_gemv_reference,
+)
 from graphserve.kernels.fp8_quant import (  # noqa: E402
     per_token_group_quant,
     per_token_group_quant_reference,
@@ -134,6 +141,22 @@ def test_fp8_gemv_every_swept_tile(m: int, block: bool, gen: torch.Generator) ->
         ref = fp8_gemv_reference(x.float(), wq, ws, gn, gk)
         for cfg in candidates(m, k):
             assert rel(fp8_gemv(x, wq, ws, gn, gk, config=cfg), ref) < TOL, cfg
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_fp8_fused_prologues(m: int, gen: torch.Generator) -> None:
+    """RMSNorm (+ residual) before qkv and SiLU·mul before down, in the streaming kernel's loads."""
+    n, k = SHAPES["qkv"]
+    wq, ws = _weight(n, k, gen)
+    x, res = (torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    nw = torch.randn(k, device=DEV, generator=gen, dtype=torch.bfloat16)
+    out, summed = fp8_norm_gemv(x, nw, 1e-6, wq, ws, 128, 128, residual=res)
+    want, want_sum = fp8_norm_gemv_reference(x, nw, 1e-6, wq, ws, 128, 128, residual=res)
+    assert rel(out, want) < TOL and torch.equal(summed, want_sum)
+    n, k = SHAPES["down"]
+    wq, ws = _weight(n, k, gen)
+    gate_up = torch.randn(m, 2 * k, device=DEV, generator=gen, dtype=torch.bfloat16)
+    assert rel(fp8_silu_mul_gemv(gate_up, wq, ws, 128, 128), fp8_silu_mul_gemv_reference(gate_up, wq, ws, 128, 128)) < TOL
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

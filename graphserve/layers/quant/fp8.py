@@ -13,6 +13,8 @@ per projection shape and row count, else its defaults):
 - CPU: the reference: dequantize the weight and ``F.linear`` (activations unquantized);
 - CUDA ``stream`` (decode batch sizes): kernels/fp8_gemv.py, fp8 weights widened in registers
   against bf16 activations (W8A16: no activation quantization launch on the weight-stream path);
+  the RMSNorm before qkv / gate_up and the SiLU·mul before down run in its loads
+  (``apply_norm`` / ``apply_silu_mul``, which layers/linear.py's norm_linear / silu_mul_linear call);
 - CUDA ``scaled_mm``, 128x128 blocks: per-token-group activation quantization (written padded and
   column-major, as cuBLASLt takes it) and ``torch._scaled_mm``'s block-scaled mode, where this
   build has it (probed once per device);
@@ -38,7 +40,7 @@ from graphserve.kernels.fp8_gemm import (
     scaled_mm_supported,
     w8a8_matmul,
 )
-from graphserve.kernels.fp8_gemv import fp8_gemv
+from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_norm_gemv, fp8_silu_mul_gemv
 from graphserve.kernels.fp8_quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -172,6 +174,46 @@ class Fp8LinearMethod:
             rows = rows.contiguous()
         out = self._cuda_matmul(layer, rows)
         return out.view(*x.shape[:-1], layer.out_features)
+
+    def _stream_route(self, layer: Linear, x: torch.Tensor, k: int) -> Route | None:
+        """The streaming route for this call, when the table (or the defaults) sends it there."""
+        if not x.is_cuda or x.dim() != 2 or (torch.is_grad_enabled() and x.requires_grad):
+            return None
+        route = self._route(x, layer.out_features, k)
+        return route if route.path == "stream" else None
+
+    def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """``layer(silu_and_mul(gate_up))`` with the activation in the streaming kernel's loads, or None
+        where the call does not stream (the caller then runs the two steps)."""
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        k = layer.in_features
+        if rows.shape[-1] != 2 * k or not rows.is_contiguous():
+            return None
+        route = self._stream_route(layer, rows[:, :k], k)
+        if route is None:
+            return None
+        scale = self.scale(layer)
+        out = fp8_silu_mul_gemv(rows, layer.weight, scale.view(scale.shape[0], -1), self.group_n, self.group_k or k,
+                                layer.bias, config=route.config)
+        return out.view(*gate_up.shape[:-1], layer.out_features)
+
+    def apply_norm(self, layer: Linear, norm: nn.Module, x: torch.Tensor,
+                   residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(layer(norm(x [+ residual])), new residual)`` with the norm in the streaming kernel's loads,
+        or None where the call does not stream."""
+        rows = x.reshape(-1, x.shape[-1])
+        k = layer.in_features
+        if rows.shape[-1] != k or not rows.is_contiguous():
+            return None
+        route = self._stream_route(layer, rows, k)
+        if route is None:
+            return None
+        scale = self.scale(layer)
+        res_rows = residual.reshape(rows.shape) if residual is not None else None
+        y, summed = fp8_norm_gemv(rows, norm.weight, norm.eps, layer.weight, scale.view(scale.shape[0], -1),
+                                  self.group_n, self.group_k or k, layer.bias, res_rows, config=route.config)
+        new_residual = summed.view(x.shape) if summed is not None else x
+        return y.view(*x.shape[:-1], layer.out_features), new_residual
 
     def _route(self, x: torch.Tensor, n: int, k: int) -> Route:
         """The path for this call (kernels/fp8_config.py: measured table, else defaults); cached per shape."""
