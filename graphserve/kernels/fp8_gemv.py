@@ -16,6 +16,10 @@ and scales each x sub-row in fp32 (one scale load per K block, exact up to fp32 
 path scales x before rounding it to the tensor cores' 16-bit input, which costs the same 2^-9
 relative rounding x already carries. Per-channel scales multiply the fp32 accumulator once.
 
+Prologues, as kernels/gemv.py's: ``fp8_silu_mul_gemv`` computes silu(gate) * up and ``fp8_norm_gemv``
+(residual add +) RMSNorm while loading x, so a decoder layer's norm and activation launches vanish
+at decode batch sizes.
+
 Tiles are a pure function of the shape or come from the measured table (kernels/fp8_config.py); no
 autotuning, so the kernel is safe inside CUDA-graph capture.
 """
@@ -42,8 +46,8 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _fp8_gemv_kernel(
     x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, ws_ptr, b_ptr, out_ptr,
     M, N, stride_xm, stride_rm, stride_rom, stride_wn, stride_wsn, stride_om, eps,
-    SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
+    K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
