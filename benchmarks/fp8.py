@@ -20,6 +20,8 @@ Decode rows go to benchmarks/results/fp8_decode.json as {"model","bs","ctx","ste
 "ratio","bf16_step_ms"}; the other tables ride along in the same file.
 
 Run: python3 -m benchmarks.fp8 [--quick] [--models dummy:llama3-8b dummy:qwen3-30b-a3b]
+(after python3 -m benchmarks.fp8_route, which writes the routing table the FP8 layers read; without
+it they take kernels/fp8_config.py's defaults, and the run says so)
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from benchmarks.roofline import ReadBandwidth, matmul_tflops, measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
 from graphserve.kernels.common import sm_count
+from graphserve.kernels.fp8_config import rule_for
 from graphserve.kernels.fp8_gemm import blockwise_scaled_mm_available
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.layers.forward_batch import contiguous_batch
@@ -137,6 +140,8 @@ def main() -> None:
     cases = [(1, 512), (64, 2048)] + ([] if args.quick else [(256, 2048)])
     bw, bf16_peak, fp8_peak = measured_read_bw(), matmul_tflops(), fp8_matmul_tflops()
     print(f"probes: {bw.describe()}; matmul peak bf16 {bf16_peak:.0f}, fp8 {fp8_peak:.0f} TFLOP/s")
+    rule = rule_for(torch.device("cuda"))
+    print(f"fp8 routing: {'table measured on ' + rule.device if rule.shapes else 'code defaults (no table for this card)'}")
     small = gemm_rows([1, 2, 4, 8, 16, 32, 64, 256, 2048, 16384])
     print_table(small, GEMM_COLS[:7])
 
