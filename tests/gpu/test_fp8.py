@@ -207,6 +207,26 @@ def test_layer_under_cuda_graph_replay(m: int, block: bool, gen: torch.Generator
             assert rel(out, layer(x)) < 1e-3
 
 
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_norm_and_silu_linear_fuse_into_fp8_layers(m: int, gen: torch.Generator) -> None:
+    """norm_linear / silu_mul_linear on FP8 layers (fused into the stream at decode sizes, separate
+    launches above) give what the separate norm / activation and the layer give."""
+    from graphserve.layers.activation import silu_and_mul
+    from graphserve.layers.linear import norm_linear, silu_mul_linear
+    from graphserve.layers.norm import RMSNorm
+
+    qkv, down = _fp8_layer(6144, 4096, True, gen), _fp8_layer(4096, 14336, True, gen)
+    norm = RMSNorm(4096, 1e-6).to(DEV, torch.bfloat16)
+    norm.weight.data.normal_(1.0, 0.1, generator=gen)
+    x, res = (torch.randn(m, 4096, device=DEV, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    gate_up = torch.randn(m, 2 * 14336, device=DEV, generator=gen, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        y, new_res = norm_linear(norm, x, res.clone(), qkv)
+        h, want_res = norm(x, res.clone())
+        assert rel(y, qkv(h)) < TOL and rel(new_res, want_res) < 1e-3
+        assert rel(silu_mul_linear(gate_up, down), down(silu_and_mul(gate_up))) < TOL
+
+
 def test_merged_layer_loads_shards_into_their_block_rows(gen: torch.Generator) -> None:
     layer = MergedLinear(4096, [4096, 1024, 1024], bias=False).to(device=DEV, dtype=torch.bfloat16)
     Fp8LinearMethod(Fp8Config(block=(128, 128), serialized=False)).create_weights(layer)
