@@ -127,16 +127,16 @@ def test_fp8_gemv(name: str, m: int, block: bool, gen: torch.Generator) -> None:
     assert rel(fp8_gemv(x, wq, ws, gn, gk, bias), ref) < TOL
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
-@pytest.mark.parametrize("block", [True, False], ids=["block", "channel"])
-def test_fp8_gemv_every_swept_tile(m: int, block: bool, gen: torch.Generator) -> None:
-    """Every tile benchmarks/fp8_route.py may write into the routing table computes the same product
-    (at both K of Llama-3-8B, whose 14336 takes only some tiles)."""
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_fp8_gemv_every_swept_tile(m: int, gen: torch.Generator) -> None:
+    """Every tile benchmarks/fp8_route.py may write into the routing table (128x128 block scales)
+    computes the same product, at both K of Llama-3-8B (14336 takes only some tiles). Rows 1 and 4
+    cover both FMA row tilings the sweep compiles with 4 rows, 4 and 16 the dot tiles."""
     from benchmarks.fp8_route import candidates
 
     for n, k in (SHAPES["o_proj"], SHAPES["down"]):
-        wq, ws = _weight(n, k, gen, block)
-        gn, gk = (128, 128) if block else (1, k)
+        wq, ws = _weight(n, k, gen, True)
+        gn, gk = 128, 128
         x = torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16)
         ref = fp8_gemv_reference(x.float(), wq, ws, gn, gk)
         for cfg in candidates(m, k):
