@@ -131,7 +131,7 @@ def test_fp8_gemv(name: str, m: int, block: bool, gen: torch.Generator) -> None:
 def test_fp8_gemv_every_swept_tile(m: int, gen: torch.Generator) -> None:
     """Every tile benchmarks/fp8_route.py may write into the routing table (128x128 block scales)
     computes the same product, at both K of Llama-3-8B (14336 takes only some tiles). Rows 1 and 4
-    cover both FMA row tilings the sweep compiles with 4 rows, 4 and 16 the dot tiles."""
+    run the FMA tiles (2 rows differ only in the row-tile constant), 4 and 16 the dot tiles."""
     from benchmarks.fp8_route import candidates
 
     for n, k in (SHAPES["o_proj"], SHAPES["down"]):
