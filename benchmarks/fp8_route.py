@@ -27,6 +27,8 @@ import argparse
 import itertools
 import json
 import math
+import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -179,7 +181,10 @@ def main() -> None:
     rule = rule_from_rows(rows, environment(), earlier)
     write_result("fp8_route", {"read": bw.summary(), "scaled_mm_blockwise": scaled_mm_ok, "rows": rows, "rule": rule})
     if not args.no_rule:
-        RULE_PATH.write_text(json.dumps(rule, indent=1) + "\n")
+        text = json.dumps(rule, indent=1) + "\n"
+        RULE_PATH.write_text(text)
+        if os.environ.get("OUT"):  # a copy that comes back from a remote GPU run, as write_result's
+            Path(os.environ["OUT"], RULE_PATH.name).write_text(text)
         print(f"routing table for {rule['device']} written to {RULE_PATH}")
 
 
