@@ -8,9 +8,10 @@
   model with the same seed runs the same steps.
 - prefill 8x2048 with FP8 weights: FLOPs computed (as benchmarks/prefill.py counts them) over the
   FP8 matmul peak, measured here with ``torch._scaled_mm`` on 8192^3 (per-tensor scales, bf16 out).
-- GEMMs: per Llama-3-8B projection and row count (1 to 16384), the FP8-weight gemv, activation
-  quantization, the Triton W8A8 kernel, ``torch._scaled_mm``'s block-scaled mode (where the build has
-  it) and bf16 cuBLAS: where the small-batch path pays off, and which block-scaled GEMM is faster.
+- GEMMs: per Llama-3-8B projection and row count (1 to 16384), each path as the FP8 layer runs it
+  (the streaming gemv; activation quantization + the Triton W8A8 kernel; the same + ``torch._scaled_mm``'s
+  block-scaled mode where the build has it) and bf16 cuBLAS, graph-timed on cold weights
+  (benchmarks/fp8_route.py's measurement; that module also sweeps tiles and writes the routing table).
 - accuracy: top-1 agreement and mean KL(bf16 || fp8) of the two models' logits over 4x256 tokens.
 - the same decode steps with ``--kv-cache-dtype fp8_e4m3`` as well (its floor counts one byte per
   cached element), with its own accuracy row.
@@ -19,6 +20,8 @@ Decode rows go to benchmarks/results/fp8_decode.json as {"model","bs","ctx","ste
 "ratio","bf16_step_ms"}; the other tables ride along in the same file.
 
 Run: python3 -m benchmarks.fp8 [--quick] [--models dummy:llama3-8b dummy:qwen3-30b-a3b]
+(after python3 -m benchmarks.fp8_route, which writes the routing table the FP8 layers read; without
+it they take kernels/fp8_config.py's defaults, and the run says so)
 """
 
 from __future__ import annotations
@@ -31,17 +34,17 @@ import torch.nn.functional as F
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.decode import make_batch, step_cost
+from benchmarks.fp8_route import COLS as GEMM_COLS
+from benchmarks.fp8_route import SHAPES, measure
 from benchmarks.roofline import ReadBandwidth, matmul_tflops, measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
-from graphserve.kernels.fp8_gemm import blockwise_scale_layout, scaled_mm_blockwise, w8a8_matmul
-from graphserve.kernels.fp8_gemv import fp8_gemv
-from graphserve.kernels.fp8_quant import per_token_group_quant, quantize_weight_blocks
+from graphserve.kernels.common import sm_count
+from graphserve.kernels.fp8_config import rule_for
+from graphserve.kernels.fp8_gemm import blockwise_scaled_mm_available
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.layers.forward_batch import contiguous_batch
 from graphserve.models.loader import load_model
-
-LLAMA3_8B_PROJECTIONS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
 def fp8_matmul_tflops(n: int = 8192) -> float:
@@ -54,41 +57,14 @@ def fp8_matmul_tflops(n: int = 8192) -> float:
     return 2 * n**3 / (ms / 1e3) / 1e12
 
 
-def _blockwise_scaled_mm_ms(a, a_s, wq, ws_layout, ref) -> float | str:
-    """torch._scaled_mm's block-scaled mode where this torch/CUDA build has it (checked against the
-    Triton kernel's output first), else the reason it refused, reported in the table."""
-    try:
-        out = scaled_mm_blockwise(a, a_s, wq, ws_layout)
-    except (RuntimeError, NotImplementedError, ValueError) as e:
-        return f"unsupported: {str(e).splitlines()[0][:60]}"
-    err = float((out.float() - ref.float()).norm() / ref.float().norm())
-    if err > 1e-2:
-        return f"wrong result: relative error {err:.2e}"
-    return cuda_time_ms(lambda: scaled_mm_blockwise(a, a_s, wq, ws_layout))
-
-
 def gemm_rows(batches: list[int]) -> list[dict]:
-    """Per projection and row count: the FP8-weight gemv (<= 16 rows), activation quantization alone,
-    the Triton W8A8 GEMM, torch._scaled_mm block-scaled, bf16 cuBLAS."""
-    rows = []
-    for name, (n, k) in LLAMA3_8B_PROJECTIONS.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        wq, ws = quantize_weight_blocks(w, 128, 128)
-        ws_layout = blockwise_scale_layout(ws)
-        for m in batches:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            gemv_ms = cuda_time_ms(lambda x=x, wq=wq, ws=ws: fp8_gemv(x, wq, ws, 128, 128)) if m <= 16 else None
-            a, a_s = per_token_group_quant(x, 128)
-            ref = w8a8_matmul(a, a_s, wq, ws, 128, 128, torch.bfloat16)
-            rows.append({
-                "proj": name, "n": n, "k": k, "m": m, "fp8_gemv_ms": gemv_ms,
-                "act_quant_ms": cuda_time_ms(lambda x=x: per_token_group_quant(x, 128)),
-                "w8a8_triton_ms": cuda_time_ms(lambda a=a, a_s=a_s, wq=wq, ws=ws:
-                                               w8a8_matmul(a, a_s, wq, ws, 128, 128, torch.bfloat16)),
-                "scaled_mm_block_ms": _blockwise_scaled_mm_ms(a, a_s, wq, ws_layout, ref),
-                "bf16_ms": cuda_time_ms(lambda x=x, w=w: F.linear(x, w)),
-            })
-    return rows
+    """Per Llama-3-8B projection and row count: the streaming gemv (<= 16 rows, default tiles), the W8A8
+    paths and bf16 cuBLAS, graph-timed on cold weights (benchmarks/fp8_route.py, which also sweeps the
+    stream tiles and writes the routing table)."""
+    sms = sm_count(torch.device("cuda"))
+    scaled_mm_ok = blockwise_scaled_mm_available(torch.device("cuda"))
+    return [r for name in SHAPES if name.startswith("llama3-8b")
+            for r in measure(name, batches, False, scaled_mm_ok, sms)]
 
 
 def prefill_tflops(model, info, kv_caches, n: int, length: int) -> tuple[float, float]:
@@ -164,8 +140,10 @@ def main() -> None:
     cases = [(1, 512), (64, 2048)] + ([] if args.quick else [(256, 2048)])
     bw, bf16_peak, fp8_peak = measured_read_bw(), matmul_tflops(), fp8_matmul_tflops()
     print(f"probes: {bw.describe()}; matmul peak bf16 {bf16_peak:.0f}, fp8 {fp8_peak:.0f} TFLOP/s")
+    rule = rule_for(torch.device("cuda"))
+    print(f"fp8 routing: {'table measured on ' + rule.device if rule.shapes else 'code defaults (no table for this card)'}")
     small = gemm_rows([1, 2, 4, 8, 16, 32, 64, 256, 2048, 16384])
-    print_table(small, ["proj", "m", "fp8_gemv_ms", "act_quant_ms", "w8a8_triton_ms", "scaled_mm_block_ms", "bf16_ms"])
+    print_table(small, GEMM_COLS[:7])
 
     decode, prefill, accuracy = [], [], []
     for name in args.models:

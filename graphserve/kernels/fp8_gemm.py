@@ -17,6 +17,9 @@ capture).
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -24,11 +27,13 @@ import triton.language as tl
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp8_quant import dequantize_blocks
 
+logger = logging.getLogger("graphserve.fp8")
+
 
 @triton.jit
 def _w8a8_kernel(
     a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, M, N,
-    stride_am, stride_wn, stride_cm, stride_asm, stride_wsn,
+    stride_am, stride_wn, stride_cm, stride_asm, stride_ask, stride_wsn,
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -58,7 +63,7 @@ def _w8a8_kernel(
         a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w = tl.load(w_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)
         scale_col = k0 // GROUP_K
-        a_s = tl.load(as_ptrs + scale_col, mask=mask_m, other=0.0)
+        a_s = tl.load(as_ptrs + scale_col * stride_ask, mask=mask_m, other=0.0)
         w_s = tl.load(ws_ptrs + scale_col, mask=mask_n, other=0.0)
         acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
         a_ptrs += BLOCK_K
@@ -108,7 +113,7 @@ def w8a8_matmul(
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _w8a8_kernel[grid](
         a, w, out, a_scale, w_scale, bias if bias is not None else out, m, n,
-        a.stride(0), w.stride(0), out.stride(0), a_scale.stride(0), w_scale.stride(0),
+        a.stride(0), w.stride(0), out.stride(0), a_scale.stride(0), a_scale.stride(1), w_scale.stride(0),
         K=k, GROUP_N=group_n, GROUP_K=max(group_k, block_k), HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=stages,
     )  # fmt: skip
@@ -164,15 +169,41 @@ def blockwise_scale_layout(w_scale: torch.Tensor) -> torch.Tensor:
 def scaled_mm_blockwise(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_layout: torch.Tensor,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """1x128 activation x 128x128 weight scales through ``torch._scaled_mm`` (cuBLASLt on sm90, CUDA >= 12.9;
-    the scaling mode is read from the scale shapes). M is padded to a multiple of 4 (cuBLASLt) and the
-    activation scales passed outer-dim-major. benchmarks/fp8.py measures it against the Triton kernel;
-    layers route block-scaled layers to the Triton kernel until that measurement says otherwise."""
+    the scaling mode is read from the scale shapes). cuBLASLt wants M a multiple of 4 and the activation
+    scales outer-dim-major: ``per_token_group_quant(x, 128, pad_rows_to=4, scales_column_major=True)``
+    writes them so; anything else is padded and copied here. Returns the rows of ``a`` given."""
     m = a.shape[0]
     pad = (-m) % 4
     if pad:
         a = torch.cat([a, torch.zeros(pad, a.shape[1], dtype=a.dtype, device=a.device)])
         a_scale = torch.cat([a_scale, torch.ones(pad, a_scale.shape[1], dtype=a_scale.dtype, device=a.device)])
-    out = torch._scaled_mm(a, w.t(), scale_a=a_scale.t().contiguous().t(), scale_b=w_scale_layout,
-                           out_dtype=out_dtype)
-    return out[:m]
+    if a_scale.stride(0) != 1:
+        a_scale = a_scale.t().contiguous().t()
+    return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale_layout, out_dtype=out_dtype)[:m]
 
+
+@functools.lru_cache(maxsize=8)
+def blockwise_scaled_mm_available(device: torch.device) -> bool:
+    """Whether this torch/CUDA build runs the block-scaled ``torch._scaled_mm`` on ``device``, and gets
+    the Triton kernel's answer on a small product. Probed once per device, outside any graph capture
+    (callers check ``torch.cuda.is_current_stream_capturing()`` first: the probe syncs)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    from graphserve.kernels.fp8_quant import per_token_group_quant, quantize_weight_blocks
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(8, 512, device=device, generator=gen, dtype=torch.bfloat16)
+    wq, ws = quantize_weight_blocks(torch.randn(256, 512, device=device, generator=gen) * 0.05, 128, 128)
+    a, a_s = per_token_group_quant(x, 128, pad_rows_to=4, scales_column_major=True)
+    try:
+        out = scaled_mm_blockwise(a, a_s, wq, blockwise_scale_layout(ws))
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
+        logger.info("torch._scaled_mm block-scaled mode unavailable (%s): 128x128-block layers use the Triton "
+                    "GEMM", str(e).splitlines()[0][:120])
+        return False
+    ref = w8a8_matmul_reference(a, a_s, wq, ws, 128, 128, torch.float32)
+    err = float((out.float() - ref).norm() / ref.norm())
+    if err > 1e-2:
+        logger.warning("torch._scaled_mm block-scaled mode gives relative error %.2e on a probe: not used", err)
+        return False
+    return True

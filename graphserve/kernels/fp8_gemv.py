@@ -1,107 +1,255 @@
-"""Small-batch FP8-weight matmul for decode: ``x @ dequant(w).T`` with x in bf16 and w streamed as fp8.
+"""Small-batch FP8-weight matmul for decode (W8A16): ``x @ dequant(w).T`` with x in bf16 and w streamed as fp8.
 
-At 1-8 rows a projection is a weight stream; the W8A8 path would first quantize x (one more launch
-and a round trip) for tensor-core work that is not the bottleneck. Here each program owns
-``BLOCK_N`` weight rows for all M rows of x, reads its ``[BLOCK_N, K]`` fp8 slab once (one byte per
-weight: half of bf16's traffic), widens each tile to x's dtype in registers (exact: every e4m3 value
-is a bf16 value) and multiplies on the tensor cores with x padded to 16 rows as the second operand
-("swap AB", as kernels/gemv.py does), accumulating in fp32. Block scales are applied per
-``[BLOCK_N, BLOCK_K]`` step (``BLOCK_K`` = the scale block's K), per-channel scales once at the end.
+At 1-16 rows a projection is a weight stream. The W8A8 path would first quantize x (one more launch
+and a round trip through memory) for tensor-core work that is not the bottleneck. Here each program
+owns ``BLOCK_N`` weight rows for all M rows of x and streams its ``[BLOCK_N, K]`` fp8 slab once (one
+byte per weight: half of bf16's traffic) with loads contiguous along K, widening each tile in
+registers (exact: every e4m3 value is a bf16 value). Two inner products, as kernels/gemv.py:
 
-Grid and tiles are a pure function of shapes (no autotuning: the kernel runs inside CUDA graphs).
+- FMA (small M): fp32 multiply-adds on the CUDA cores, one pass over the tile per row of x;
+- dot (larger M): ``tl.dot(w_tile, x_tile.T)`` with x padded to 16 rows ("swap AB").
+
+Scales. A program's rows lie in one row of scale blocks (``BLOCK_N`` divides the block height), so
+a 128x128 block scale is a function of k alone within the program: it multiplies x, the small
+operand, instead of the weight tile. The FMA path views a tile as ``[BLOCK_N, K blocks, block_k]``
+and scales each x sub-row in fp32 (one scale load per K block, exact up to fp32 rounding); the dot
+path scales x before rounding it to the tensor cores' 16-bit input, which costs the same 2^-9
+relative rounding x already carries. Per-channel scales multiply the fp32 accumulator once.
+
+Prologues, as kernels/gemv.py's: ``fp8_silu_mul_gemv`` computes silu(gate) * up and ``fp8_norm_gemv``
+(residual add +) RMSNorm while loading x, so a decoder layer's norm and activation launches vanish
+at decode batch sizes.
+
+Tiles are a pure function of the shape or come from the measured table (kernels/fp8_config.py); no
+autotuning, so the kernel is safe inside CUDA-graph capture.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.fp8_quant import dequantize_blocks
+from graphserve.kernels.fp8_config import MAX_STREAM_ROWS, StreamConfig, default_stream_config, tile_cap
+from graphserve.kernels.fp8_quant import FP8_DTYPE, dequantize_blocks
+from graphserve.kernels.gemv import _x_tile
+from graphserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 
-MAX_ROWS = 16  # x is padded to one 16-row tensor-core tile
+MAX_ROWS = MAX_STREAM_ROWS
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_wsn, stride_om,
-    K: tl.constexpr, GROUP_N: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, ws_ptr, b_ptr, out_ptr,
+    M, N, stride_xm, stride_rm, stride_rom, stride_wn, stride_wsn, stride_om, eps,
+    SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
+    K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     # rows past N re-read row N-1: unmasked, vectorised weight loads; those columns are never stored
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]
-    ws_ptrs = ws_ptr + (w_rows // GROUP_N) * stride_wsn
+    s_row = ws_ptr + ((pid * BLOCK_N) // GROUP_N) * stride_wsn  # this program's row of block scales
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:
+        # as kernels/gemv.py: every program takes the rows' statistics itself (a few KB from L2, cheaper
+        # than a norm launch); program 0 alone writes x + residual, into a buffer no program reads
+        offs_kk = tl.arange(0, BLOCK_K)
+        sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs_kk[None, :]
+            row_mask = (offs_m[:, None] < M) & (cols < K)
+            h = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols, row_mask, rstd[:, None],
+                        K, False, ADD_RESIDUAL, False, x_ptr.dtype.element_ty)  # fmt: skip
+            if ADD_RESIDUAL:
+                tl.store(res_out_ptr + offs_m[:, None] * stride_rom + cols, h, mask=row_mask & (pid == 0))
+            hf = h.to(tl.float32)
+            sum_sq += tl.sum(hf * hf, axis=1)
+        rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
-        if K % BLOCK_K == 0:
-            w = tl.load(w_ptrs + k0)
-        else:
-            w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & k_mask[None, :], other=0.0)
-        part = tl.dot(w.to(x.dtype), tl.trans(x))
-        if PER_CHANNEL:
-            acc += part
-        else:
-            acc += part * tl.load(ws_ptrs + k0 // BLOCK_K)[:, None]
+    if USE_DOT:
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs_k
+            k_mask = cols < K
+            if K % BLOCK_K == 0:
+                w = tl.load(w_ptrs + k0)
+            else:
+                w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
+            x = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols[None, :],
+                        (offs_m[:, None] < M) & k_mask[None, :], rstd[:, None], K, SILU_MUL, ADD_RESIDUAL, NORM,
+                        x_ptr.dtype.element_ty)  # fmt: skip
+            if not PER_CHANNEL:
+                ks = tl.load(s_row + cols // GROUP_K, mask=k_mask, other=0.0)
+                x = (x.to(tl.float32) * ks[None, :]).to(x_ptr.dtype.element_ty)
+            acc += tl.dot(w.to(x.dtype), tl.trans(x))
+    else:
+        # the tile as [BLOCK_N, KB, SUB_K] (KB = BLOCK_K / SUB_K): one scale per SUB_K-long piece of K
+        offs_b = tl.arange(0, KB)
+        offs_s = tl.arange(0, SUB_K)
+        k2 = offs_b[:, None] * SUB_K + offs_s[None, :]  # [KB, SUB_K] column offsets within a tile
+        w_ptrs = w_ptr + w_rows[:, None, None] * stride_wn + k2[None, :, :]
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + k2
+            k_mask = cols < K
+            if K % BLOCK_K == 0:
+                w = tl.load(w_ptrs + k0)
+            else:
+                w = tl.load(w_ptrs + k0, mask=k_mask[None, :, :], other=0.0)
+            wf = w.to(tl.float32)
+            if not PER_CHANNEL:
+                piece = k0 + offs_b * SUB_K
+                ks = tl.load(s_row + piece // GROUP_K, mask=piece < K, other=0.0)
+            for m in tl.static_range(BLOCK_M):
+                rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+                xr = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols, k_mask & (m < M), rstd_m, K,
+                             SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+                if not PER_CHANNEL:
+                    xr = xr * ks[:, None]
+                part = tl.sum(tl.sum(wf * xr[None, :, :], axis=2), axis=1)
+                acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
     if PER_CHANNEL:
-        acc *= tl.load(ws_ptrs)[:, None]
+        acc *= tl.load(ws_ptr + w_rows * stride_wsn)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_m[None, :] < M))
 
 
-def _block_n(n: int, device: torch.device) -> int:
-    """The widest slab that still gives every SM two programs (16 at least: one tensor-core tile)."""
-    for block_n in (64, 32):
-        if triton.cdiv(n, block_n) >= 2 * sm_count(device):
-            return block_n
-    return 16
+def _check(x: torch.Tensor, k: int, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
+           bias: torch.Tensor | None) -> bool:
+    """Validate the operands (x has K columns, 2K for silu_mul); True for per-channel scales."""
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"fp8_gemv takes x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    m, n = x.shape[0], w.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"fp8_gemv takes at most {MAX_ROWS} rows, got {m}: larger batches take the W8A8 GEMM")
+    if w.shape[1] != k or x.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} must be row-major with one K")
+    if w.dtype != FP8_DTYPE or x.dtype not in X_DTYPES:
+        raise ValueError(f"fp8_gemv: w must be {FP8_DTYPE} (got {w.dtype}) and x one of {X_DTYPES} (got {x.dtype})")
+    per_channel = group_n == 1 and group_k >= k
+    want = (n, 1) if per_channel else (-(-n // group_n), -(-k // group_k))
+    if w_scale.dim() != 2 or tuple(w_scale.shape) != want or w_scale.stride(-1) != 1:
+        raise ValueError(f"fp8_gemv: w_scale has shape {tuple(w_scale.shape)}, expected {want} (row-major) for "
+                         f"{group_n}x{group_k} scale blocks of a {tuple(w.shape)} weight")
+    if not per_channel and (group_k & (group_k - 1) or group_k < 16):
+        raise ValueError(f"fp8_gemv: scale block size {group_k} along K must be a power of two >= 16")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"fp8_gemv: bias must be contiguous with shape ({n},), got {tuple(bias.shape)}")
+    return per_channel
+
+
+def _launch(
+    x: torch.Tensor, k: int, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
+    bias: torch.Tensor | None, config: StreamConfig | None, silu_mul: bool = False,
+    norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    per_channel = _check(x, k, w, w_scale, group_n, group_k, bias)
+    m, n = x.shape[0], w.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    cap = tile_cap(group_n, group_k, k)
+    cfg = config or default_stream_config(m, n, k, cap, sm_count(x.device))
+    if cfg.block_n > cap:
+        raise ValueError(f"fp8_gemv: block_n={cfg.block_n} spans two rows of {group_n}-row scale blocks "
+                         f"(at most {cap})")
+    if cfg.use_dot and (x.dtype == torch.float32 or cfg.block_n < 16):
+        cfg = dataclasses.replace(cfg, use_dot=False)  # fp32 x would be truncated to tf32; dot needs 16 rows
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+    sub_k = block_k if per_channel else min(block_k, group_k)
+    placeholder = out  # pointer arguments a disabled prologue never dereferences
+    _fp8_gemv_kernel[(cfg.num_programs(n),)](
+        x, residual if residual is not None else placeholder, norm_weight if norm_weight is not None else placeholder,
+        residual_out if residual_out is not None else placeholder, w, w_scale, bias if bias is not None else placeholder,
+        out, m, n, x.stride(0), residual.stride(0) if residual is not None else 0,
+        residual_out.stride(0) if residual_out is not None else 0, w.stride(0), w_scale.stride(0), out.stride(0),
+        float(eps), SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None, NORM=norm_weight is not None,
+        K=k, GROUP_N=1 if per_channel else group_n, GROUP_K=k if per_channel else group_k,
+        PER_CHANNEL=per_channel, HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot,
+        BLOCK_M=16 if cfg.use_dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k, SUB_K=sub_k,
+        KB=block_k // sub_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
 
 
 def fp8_gemv(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, *, config: StreamConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """``x`` [M <= 16, K] (bf16/fp16) times fp8 ``w`` [N, K] with scales as in kernels/fp8_gemm.py.
+    """``x`` [M <= 16, K] (bf16/fp16/fp32) times fp8 ``w`` [N, K] with fp32 scales ``w_scale``
+    [ceil(N/group_n), ceil(K/group_k)]; per-channel scales: ``group_n=1, group_k=K``, ``w_scale`` [N, 1].
+    Output in x's dtype. ``config`` overrides the default tiles (the benchmark's sweep passes it)."""
+    return _launch(x, x.shape[-1], w, w_scale, group_n, group_k, bias, config)
 
-    Per-channel scales: ``group_n=1, group_k=K``.
-    """
+
+def fp8_silu_mul_gemv(
+    gate_up: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
+    bias: torch.Tensor | None = None, *, config: StreamConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``fp8_gemv(silu(gate) * up, ...)`` for gate_up [M, 2K] = [gate | up]: the MLP's activation is
+    computed in the loads (as kernels/gemv.py's silu_mul_gemv), saving a launch and a round trip."""
+    if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
+        raise ValueError(f"fp8_silu_mul_gemv takes gate_up [M, 2K], got {tuple(gate_up.shape)}")
+    return _launch(gate_up, gate_up.shape[-1] // 2, w, w_scale, group_n, group_k, bias, config, silu_mul=True)
+
+
+def fp8_norm_gemv(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor, w_scale: torch.Tensor,
+    group_n: int, group_k: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+    *, config: StreamConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``(fp8_gemv(rms_norm(x [+ residual]), ...), x + residual or None)``, the norm in the loads with
+    kernels/norm.py's numerics (as kernels/gemv.py's norm_gemv)."""
     m, k = x.shape
-    n = w.shape[0]
-    if m > MAX_ROWS or w.shape[1] != k or x.stride(-1) != 1 or w.stride(-1) != 1:
-        raise ValueError(f"fp8_gemv takes row-major x [M <= {MAX_ROWS}, K] and w [N, K]: got "
-                         f"{tuple(x.shape)} and {tuple(w.shape)}")
-    per_channel = group_k >= k
-    block_k = 128 if per_channel else group_k
-    if block_k & (block_k - 1) or block_k < 16:
-        raise ValueError(f"fp8_gemv: block size {group_k} along K must be a power of two >= 16")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    block_n = _block_n(n, x.device)
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, w_scale, bias if bias is not None else out, out, m, n, x.stride(0), w.stride(0), w_scale.stride(0),
-        out.stride(0), K=k, GROUP_N=group_n, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
-    )  # fmt: skip
-    return out
+    if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+        raise ValueError(f"fp8_norm_gemv: norm weight must be contiguous with shape ({k},), got "
+                         f"{tuple(norm_weight.shape)}")
+    residual_out = None
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
+            raise ValueError(f"fp8_norm_gemv: residual {tuple(residual.shape)} {residual.dtype} must match x "
+                             f"{tuple(x.shape)} {x.dtype}, row-major")
+        residual_out = torch.empty_like(x)
+    out = _launch(x, k, w, w_scale, group_n, group_k, bias, config, norm_weight=norm_weight, eps=eps,
+                  residual=residual, residual_out=residual_out)
+    return out, residual_out
 
 
 def fp8_gemv_reference(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
+    """Dequantize the weight to fp32 and multiply; x's dtype out."""
     out = x.float() @ dequantize_blocks(w, w_scale, group_n, group_k).T
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def fp8_silu_mul_gemv_reference(gate_up: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_n: int,
+                                group_k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up in fp32, rounded to the input dtype (as the separate kernel writes it), then the reference."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    x = (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+    return fp8_gemv_reference(x, w, w_scale, group_n, group_k, bias)
+
+
+def fp8_norm_gemv_reference(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor, w_scale: torch.Tensor,
+    group_n: int, group_k: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    if residual is None:
+        return fp8_gemv_reference(rms_norm_reference(x, norm_weight, eps), w, w_scale, group_n, group_k, bias), None
+    h, summed = fused_add_rms_norm_reference(x, residual, norm_weight, eps)
+    return fp8_gemv_reference(h, w, w_scale, group_n, group_k, bias), summed

@@ -89,6 +89,9 @@ def silu_mul_linear(gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     For decode-sized batches on CUDA the activation is computed inside the gemv kernel's loads,
     saving one launch and the [M, intermediate] round trip through memory.
     """
+    fuse = getattr(getattr(linear, "quant_method", None), "apply_silu_mul", None)  # FP8: layers/quant/fp8.py
+    if fuse is not None and (fused := fuse(linear, gate_up)) is not None:
+        return fused
     if use_gemv(gate_up, linear.weight, "silu_mul"):
         from graphserve.kernels.gemv import silu_mul_gemv
 
@@ -106,6 +109,9 @@ def norm_linear(
     on CUDA the norm runs inside the gemv kernel's loads: two fewer launches per layer, which at one
     row cost more than the norm's arithmetic.
     """
+    fuse = getattr(getattr(linear, "quant_method", None), "apply_norm", None)  # FP8: layers/quant/fp8.py
+    if fuse is not None and (fused := fuse(linear, norm, x, residual)) is not None:
+        return fused
     if use_gemv(x, linear.weight, "norm"):
         from graphserve.kernels.gemv import norm_gemv
 

@@ -23,13 +23,24 @@ from model_utils import PagedHarness, make_hf_checkpoint  # noqa: E402
 from graphserve.config import EngineConfig  # noqa: E402
 from graphserve.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
+from graphserve.kernels.fp8_config import DEFAULT_STREAM_ROWS, SCALED_MM_MIN_ROWS  # noqa: E402
 from graphserve.kernels.fp8_gemm import (  # noqa: E402
+    blockwise_scale_layout,
+    blockwise_scaled_mm_available,
+    scaled_mm_blockwise,
     scaled_mm_rowwise,
     scaled_mm_supported,
     w8a8_matmul,
     w8a8_matmul_reference,
 )
-from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference  # noqa: E402
+from graphserve.kernels.fp8_gemv import (  # noqa: E402
+    fp8_gemv,
+    fp8_gemv_reference,
+    fp8_norm_gemv,
+    fp8_norm_gemv_reference,
+    fp8_silu_mul_gemv,
+    fp8_silu_mul_gemv_reference,
+)
 from graphserve.kernels.fp8_quant import (  # noqa: E402
     per_token_group_quant,
     per_token_group_quant_reference,
@@ -41,7 +52,7 @@ from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E
 from graphserve.layers.linear import Linear, MergedLinear  # noqa: E402
 from graphserve.layers.quant.checkpoint import quantize_checkpoint  # noqa: E402
 from graphserve.layers.quant.config import Fp8Config  # noqa: E402
-from graphserve.layers.quant.fp8 import SMALL_BATCH_ROWS, Fp8LinearMethod  # noqa: E402
+from graphserve.layers.quant.fp8 import Fp8LinearMethod  # noqa: E402
 from graphserve.models.loader import load_model  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -116,6 +127,55 @@ def test_fp8_gemv(name: str, m: int, block: bool, gen: torch.Generator) -> None:
     assert rel(fp8_gemv(x, wq, ws, gn, gk, bias), ref) < TOL
 
 
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_fp8_gemv_every_swept_tile(m: int, gen: torch.Generator) -> None:
+    """Every tile benchmarks/fp8_route.py may write into the routing table (128x128 block scales)
+    computes the same product, at both K of Llama-3-8B (14336 takes only some tiles). Rows 1 and 4
+    run the FMA tiles (2 rows differ only in the row-tile constant), 4 and 16 the dot tiles."""
+    from benchmarks.fp8_route import candidates
+
+    for n, k in (SHAPES["o_proj"], SHAPES["down"]):
+        wq, ws = _weight(n, k, gen, True)
+        gn, gk = 128, 128
+        x = torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16)
+        ref = fp8_gemv_reference(x.float(), wq, ws, gn, gk)
+        for cfg in candidates(m, k):
+            assert rel(fp8_gemv(x, wq, ws, gn, gk, config=cfg), ref) < TOL, cfg
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_fp8_fused_prologues(m: int, gen: torch.Generator) -> None:
+    """RMSNorm (+ residual) before qkv and SiLU·mul before down, in the streaming kernel's loads."""
+    n, k = SHAPES["qkv"]
+    wq, ws = _weight(n, k, gen)
+    x, res = (torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    nw = torch.randn(k, device=DEV, generator=gen, dtype=torch.bfloat16)
+    out, summed = fp8_norm_gemv(x, nw, 1e-6, wq, ws, 128, 128, residual=res)
+    want, want_sum = fp8_norm_gemv_reference(x, nw, 1e-6, wq, ws, 128, 128, residual=res)
+    assert rel(out, want) < TOL and torch.equal(summed, want_sum)
+    n, k = SHAPES["down"]
+    wq, ws = _weight(n, k, gen)
+    gate_up = torch.randn(m, 2 * k, device=DEV, generator=gen, dtype=torch.bfloat16)
+    assert rel(fp8_silu_mul_gemv(gate_up, wq, ws, 128, 128), fp8_silu_mul_gemv_reference(gate_up, wq, ws, 128, 128)) < TOL
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("m", [1, 5, 64, 2048])
+def test_scaled_mm_blockwise(name: str, m: int, gen: torch.Generator) -> None:
+    """cuBLASLt's block-scaled GEMM on padded, column-major activation scales, where this build has it."""
+    if not blockwise_scaled_mm_available(DEV):
+        pytest.skip("torch._scaled_mm has no block-scaled mode in this build (the layer uses the Triton GEMM)")
+    n, k = SHAPES[name]
+    wq, ws = _weight(n, k, gen)
+    x = torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16)
+    a, a_s = per_token_group_quant(x, 128, pad_rows_to=4, scales_column_major=True)
+    assert a.shape[0] % 4 == 0 and a_s.stride(0) == 1
+    out = scaled_mm_blockwise(a, a_s, wq, blockwise_scale_layout(ws))
+    assert out.shape == (m, n)
+    ref = w8a8_matmul_reference(a[:m], a_s[:m], wq, ws, 128, 128, torch.float32)
+    assert rel(out, ref) < TOL
+
+
 def _fp8_layer(n: int, k: int, block: bool, gen: torch.Generator) -> Linear:
     layer = Linear(k, n, bias=False, device=DEV, dtype=torch.bfloat16)
     Fp8LinearMethod(Fp8Config(block=(128, 128) if block else None, serialized=False)).create_weights(layer)
@@ -123,10 +183,11 @@ def _fp8_layer(n: int, k: int, block: bool, gen: torch.Generator) -> Linear:
     return layer
 
 
-@pytest.mark.parametrize("m", [1, SMALL_BATCH_ROWS, 64, 256])
+@pytest.mark.parametrize("m", [1, 4, DEFAULT_STREAM_ROWS, 16, 64, SCALED_MM_MIN_ROWS, 256])
 @pytest.mark.parametrize("block", [True, False], ids=["block", "channel"])
 def test_layer_under_cuda_graph_replay(m: int, block: bool, gen: torch.Generator) -> None:
-    """Every path the layer routes to (gemv, W8A8, scaled_mm) replays from a graph on new inputs."""
+    """Every path the layer routes to (stream, W8A8, scaled_mm, at the row counts the table or the
+    defaults send there) replays from a graph on new inputs."""
     layer = _fp8_layer(6144, 4096, block, gen)
     x = torch.zeros(m, 4096, device=DEV, dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
@@ -144,6 +205,26 @@ def test_layer_under_cuda_graph_replay(m: int, block: bool, gen: torch.Generator
         assert rel(out, ref) < 0.05  # W8A8 rows also carry activation rounding (2^-4 relative per element)
         with torch.inference_mode():  # the eager call on the same input: a stale replay would differ by O(1)
             assert rel(out, layer(x)) < 1e-3
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_norm_and_silu_linear_fuse_into_fp8_layers(m: int, gen: torch.Generator) -> None:
+    """norm_linear / silu_mul_linear on FP8 layers (fused into the stream at decode sizes, separate
+    launches above) give what the separate norm / activation and the layer give."""
+    from graphserve.layers.activation import silu_and_mul
+    from graphserve.layers.linear import norm_linear, silu_mul_linear
+    from graphserve.layers.norm import RMSNorm
+
+    qkv, down = _fp8_layer(6144, 4096, True, gen), _fp8_layer(4096, 14336, True, gen)
+    norm = RMSNorm(4096, 1e-6).to(DEV, torch.bfloat16)
+    norm.weight.data.normal_(1.0, 0.1, generator=gen)
+    x, res = (torch.randn(m, 4096, device=DEV, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    gate_up = torch.randn(m, 2 * 14336, device=DEV, generator=gen, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        y, new_res = norm_linear(norm, x, res.clone(), qkv)
+        h, want_res = norm(x, res.clone())
+        assert rel(y, qkv(h)) < TOL and rel(new_res, want_res) < 1e-3
+        assert rel(silu_mul_linear(gate_up, down), down(silu_and_mul(gate_up))) < TOL
 
 
 def test_merged_layer_loads_shards_into_their_block_rows(gen: torch.Generator) -> None:

@@ -8,13 +8,18 @@ checkpoint scale is broadcast to its rows: exact, and one layout for the kernels
 static activations. From an fp8 checkpoint they are Parameters the checkpoint must fill; quantized
 at load (``--quantization``) the scales are buffers the weight's load fills.
 
-The matmul, routed by rows and device:
+The matmul, routed by rows and device (kernels/fp8_config.py: the table benchmarks/fp8.py measured
+per projection shape and row count, else its defaults):
 - CPU: the reference: dequantize the weight and ``F.linear`` (activations unquantized);
-- CUDA, at most ``SMALL_BATCH_ROWS`` rows: kernels/fp8_gemv.py, fp8 weights widened in registers
+- CUDA ``stream`` (decode batch sizes): kernels/fp8_gemv.py, fp8 weights widened in registers
   against bf16 activations (W8A16: no activation quantization launch on the weight-stream path);
-- CUDA, per-channel scales: per-token (or static) activation quantization and ``torch._scaled_mm``
-  rowwise (cuBLASLt) where the shape takes it;
-- CUDA, block scales: per-token-group activation quantization and the Triton W8A8 kernel.
+  the RMSNorm before qkv / gate_up and the SiLU·mul before down run in its loads
+  (``apply_norm`` / ``apply_silu_mul``, which layers/linear.py's norm_linear / silu_mul_linear call);
+- CUDA ``scaled_mm``, 128x128 blocks: per-token-group activation quantization (written padded and
+  column-major, as cuBLASLt takes it) and ``torch._scaled_mm``'s block-scaled mode, where this
+  build has it (probed once per device);
+- CUDA ``w8a8``: per-token (group) or static activation quantization, then ``torch._scaled_mm``
+  rowwise for per-channel scales where the shape takes it, else the Triton W8A8 kernel.
 """
 
 from __future__ import annotations
@@ -25,10 +30,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphserve.kernels.common import sm_count
+from graphserve.kernels.fp8_config import Route, choose_route
+from graphserve.kernels.fp8_gemm import (
+    blockwise_scale_layout,
+    blockwise_scaled_mm_available,
+    scaled_mm_blockwise,
+    scaled_mm_rowwise,
+    scaled_mm_supported,
+    w8a8_matmul,
+)
+from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_norm_gemv, fp8_silu_mul_gemv
 from graphserve.kernels.fp8_quant import (
     FP8_DTYPE,
     FP8_MAX,
     dequantize_blocks,
+    per_token_group_quant,
     quantize_weight_blocks,
     quantize_weight_channels,
 )
@@ -37,14 +54,13 @@ from graphserve.layers.quant.config import Fp8Config
 if TYPE_CHECKING:
     from graphserve.layers.linear import Linear
 
-# up to this many rows the FP8-weight gemv runs; benchmarks/fp8.py measures it against the W8A8 path
-SMALL_BATCH_ROWS = 8
 
 
 class Fp8LinearMethod:
     def __init__(self, config: Fp8Config) -> None:
         self.config = config
         self.group_n, self.group_k = config.block if config.block else (1, 0)
+        self._routes: dict[tuple, Route] = {}
 
     @property
     def scale_name(self) -> str:
@@ -159,21 +175,91 @@ class Fp8LinearMethod:
         out = self._cuda_matmul(layer, rows)
         return out.view(*x.shape[:-1], layer.out_features)
 
-    def _cuda_matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        from graphserve.kernels.fp8_gemm import scaled_mm_rowwise, scaled_mm_supported, w8a8_matmul
-        from graphserve.kernels.fp8_gemv import fp8_gemv
-        from graphserve.kernels.fp8_quant import per_token_group_quant
+    def _stream_route(self, layer: Linear, x: torch.Tensor, k: int) -> Route | None:
+        """The streaming route for this call, when the table (or the defaults) sends it there."""
+        if not x.is_cuda or x.dim() != 2 or (torch.is_grad_enabled() and x.requires_grad):
+            return None
+        route = self._route(x, layer.out_features, k)
+        return route if route.path == "stream" else None
 
+    def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """``layer(silu_and_mul(gate_up))`` with the activation in the streaming kernel's loads, or None
+        where the call does not stream (the caller then runs the two steps)."""
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        k = layer.in_features
+        if rows.shape[-1] != 2 * k or not rows.is_contiguous():
+            return None
+        route = self._stream_route(layer, rows[:, :k], k)
+        if route is None:
+            return None
+        scale = self.scale(layer)
+        out = fp8_silu_mul_gemv(rows, layer.weight, scale.view(scale.shape[0], -1), self.group_n, self.group_k or k,
+                                layer.bias, config=route.config)
+        return out.view(*gate_up.shape[:-1], layer.out_features)
+
+    def apply_norm(self, layer: Linear, norm: nn.Module, x: torch.Tensor,
+                   residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(layer(norm(x [+ residual])), new residual)`` with the norm in the streaming kernel's loads,
+        or None where the call does not stream."""
+        rows = x.reshape(-1, x.shape[-1])
+        k = layer.in_features
+        if rows.shape[-1] != k or not rows.is_contiguous():
+            return None
+        route = self._stream_route(layer, rows, k)
+        if route is None:
+            return None
+        scale = self.scale(layer)
+        res_rows = residual.reshape(rows.shape) if residual is not None else None
+        y, summed = fp8_norm_gemv(rows, norm.weight, norm.eps, layer.weight, scale.view(scale.shape[0], -1),
+                                  self.group_n, self.group_k or k, layer.bias, res_rows, config=route.config)
+        new_residual = summed.view(x.shape) if summed is not None else x
+        return y.view(*x.shape[:-1], layer.out_features), new_residual
+
+    def _route(self, x: torch.Tensor, n: int, k: int) -> Route:
+        """The path for this call (kernels/fp8_config.py: measured table, else defaults); cached per shape."""
+        m = x.shape[0]
+        key = (m, n, k, x.dtype, x.device)
+        route = self._routes.get(key)
+        if route is None:
+            capturing = torch.cuda.is_current_stream_capturing()
+            scaled_mm_ok = (self.config.block == (128, 128) and self.config.activation_scheme == "dynamic"
+                            and n % 128 == 0 and k % 128 == 0 and x.dtype == torch.bfloat16 and not capturing
+                            and blockwise_scaled_mm_available(x.device))
+            route = choose_route(m, n, k, self.group_n, self.group_k or k, scaled_mm_ok, x.device, sm_count(x.device))
+            if not capturing:  # in a capture the availability probe was skipped: decide again outside
+                self._routes[key] = route
+        return route
+
+    def _scale_layout(self, layer: Linear) -> torch.Tensor | None:
+        """The block scales as cuBLASLt takes them, made once per loaded scale (the eager run before
+        graph capture makes it; inside a capture there is none yet and the call takes the Triton GEMM)."""
+        scale = self.scale(layer)
+        cached = getattr(layer, "_fp8_scale_layout", None)
+        if cached is not None and cached[0] == (scale.data_ptr(), scale._version):
+            return cached[1]
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        layout = blockwise_scale_layout(scale)
+        layer._fp8_scale_layout = ((scale.data_ptr(), scale._version), layout)
+        return layout
+
+    def _cuda_matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
+        n = layer.out_features
         w, scale = layer.weight, self.scale(layer)
         group_k = self.group_k or k
         scale_2d = scale.view(scale.shape[0], -1)
-        if m <= SMALL_BATCH_ROWS and x.dtype in (torch.bfloat16, torch.float16):
-            return fp8_gemv(x, w, scale_2d, self.group_n, group_k, layer.bias)
+        route = self._route(x, n, k)
+        if route.path == "stream":
+            return fp8_gemv(x, w, scale_2d, self.group_n, group_k, layer.bias, config=route.config)
         if self.config.activation_scheme == "static":
             a_scale = layer.input_scale.max()
             a_q = (x.float() / a_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
             a_s = a_scale.expand(m, 1).contiguous()
+        elif route.path == "scaled_mm" and (layout := self._scale_layout(layer)) is not None:
+            a_q, a_s = per_token_group_quant(x, group_k, pad_rows_to=4, scales_column_major=True)
+            out = scaled_mm_blockwise(a_q, a_s, w, layout, torch.bfloat16)
+            return out + layer.bias if layer.bias is not None else out
         else:
             a_q, a_s = per_token_group_quant(x, group_k)
         if not self.config.block and x.dtype == torch.bfloat16 and scaled_mm_supported(m, w.shape[0], k, x.device):

@@ -1,0 +1,192 @@
+"""FP8-weight projections by row count: the streaming W8A16 gemv, the W8A8 paths and bf16, and the
+routing table layers/quant/fp8.py reads (graphserve/kernels/fp8_rule.json), written from what was measured.
+
+Per projection shape (Llama-3-8B's by default; Qwen3-30B-A3B's dense attention with ``--shapes``; the
+table keeps an earlier run's shapes that this one did not measure) and row count m, with
+128x128 block scales as ``--quantization fp8`` stores them:
+- ``stream``: kernels/fp8_gemv.py (m <= 16), its default tiles and, with ``--sweep`` (the default
+  unless ``--quick``), a grid of alternatives: the best is what the table keeps;
+- ``w8a8``: per-token-group activation quantization + the Triton block-scaled GEMM;
+- ``scaled_mm``: the same quantization (padded, column-major scales) + ``torch._scaled_mm``'s
+  block-scaled cuBLASLt GEMM, where this build has it;
+- ``bf16``: F.linear on the bf16 weight, for reference (an fp8 layer has no bf16 weight to route to).
+Each path is timed as the layer runs it, launch for launch. Each time is one call's share of a CUDA
+graph of back-to-back calls cycling through enough weight copies (>= 256 MB) that every call reads
+its weight from device memory, as decode does. ``stream/floor``: the stream time over the weight's
+bytes (fp8 + scales) at the best read bandwidth of this run (benchmarks.roofline's probes).
+
+Per (shape, m) the table keeps the fastest fp8 path (and the stream tiles that won); a call of m rows
+takes the entry of the smallest measured count >= m, above the largest the code's defaults.
+Run: python3 -m benchmarks.fp8_route [--quick] [--shapes NAME ...]
+(writes benchmarks/results/fp8_route.json and graphserve/kernels/fp8_rule.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import environment, print_table, write_result
+from benchmarks.kernels import graph_time_ms
+from benchmarks.roofline import measured_read_bw
+from graphserve.kernels.common import sm_count
+from graphserve.kernels.fp8_config import RULE_PATH, Route, StreamConfig, default_stream_config, tile_cap
+from graphserve.kernels.fp8_gemm import (
+    blockwise_scale_layout,
+    blockwise_scaled_mm_available,
+    scaled_mm_blockwise,
+    w8a8_matmul,
+)
+from graphserve.kernels.fp8_gemv import fp8_gemv
+from graphserve.kernels.fp8_quant import per_token_group_quant, quantize_weight_blocks
+
+SHAPES = {
+    "llama3-8b qkv": (6144, 4096),
+    "llama3-8b o_proj": (4096, 4096),
+    "llama3-8b gate_up": (28672, 4096),
+    "llama3-8b down": (4096, 14336),
+    "qwen3-30b-a3b qkv": (5120, 2048),
+    "qwen3-30b-a3b o_proj": (2048, 4096),
+}
+DEFAULT_SHAPES = [name for name in SHAPES if name.startswith("llama3-8b")]
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
+QUICK_ROWS = [1, 2, 4, 8, 16, 64, 256]
+COLD_BYTES = 256 << 20
+BLOCK = 128
+COLS = ["shape", "m", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_us", "best", "stream/floor", "stream_GBps"]
+
+
+def candidates(m: int, k: int) -> list[StreamConfig]:
+    """Stream tiles to try: FMA tiles of 64-256 weight bytes per thread (m <= 4), dot tiles (m >= 2)."""
+    out = []
+    if m <= 4:  # (block_n, weight bytes per thread of 4 warps); every distinct tile is one more compile
+        for bn, per_thread in ((4, 128), (8, 128), (8, 256), (16, 64), (16, 128), (32, 128)):
+            bk = per_thread * 128 // bn
+            if bk <= k and k % bk == 0:
+                out.append(StreamConfig(bn, bk, num_warps=4, num_stages=2, use_dot=False))
+    if m >= 2:
+        for bn, bk, stages in ((16, 256, 3), (16, 512, 3), (32, 256, 3), (32, 512, 3), (64, 256, 3)):
+            if k % bk == 0:
+                out.append(StreamConfig(bn, bk, num_warps=4, num_stages=stages, use_dot=True))
+    return out
+
+
+class ColdWeights:
+    """Copies of one projection's weight (fp8 + block scales + cuBLASLt's scale layout, and bf16), enough
+    that back-to-back calls never find theirs in L2."""
+
+    def __init__(self, n: int, k: int) -> None:
+        copies = max(2, math.ceil(COLD_BYTES / (n * k)))
+        self.fp8 = []
+        for _ in range(copies):
+            wq, ws = quantize_weight_blocks(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, BLOCK, BLOCK)
+            self.fp8.append((wq, ws, blockwise_scale_layout(ws)))
+        self.bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                     for _ in range(max(2, math.ceil(COLD_BYTES / (2 * n * k))))]
+        self.nbytes = n * k + self.fp8[0][1].numel() * 4
+
+    def time_us(self, fn, bf16: bool = False) -> float:
+        """Microseconds per ``fn(weight)``, each call on the next cold copy."""
+        pool = self.bf16 if bf16 else self.fp8
+        step = itertools.count()
+        return graph_time_ms(lambda: fn(pool[next(step) % len(pool)]), calls=max(20, len(pool))) * 1e3
+
+
+def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok: bool, sms: int) -> dict:
+    n, k = SHAPES[name]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    r = {"shape": name, "n": n, "k": k, "m": m, "weight_bytes": cold.nbytes}
+    if m <= 16:
+        chosen = default_stream_config(m, n, k, tile_cap(BLOCK, BLOCK, k), sms)
+        tried = {}
+        for cfg in dict.fromkeys([chosen, *(candidates(m, k) if sweep else [])]):
+            try:
+                tried[cfg] = cold.time_us(lambda w, c=cfg: fp8_gemv(x, w[0], w[1], BLOCK, BLOCK, config=c))
+            except Exception as e:  # a tile this card cannot hold (shared memory, registers): skipped, said so
+                print(f"  {name} m={m} skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
+        best = min(tried, key=tried.get)
+        r.update(stream_us=tried[best], stream_default_us=tried[chosen], stream_config=vars(best))
+
+    def w8a8(w):
+        a, s = per_token_group_quant(x, BLOCK)
+        return w8a8_matmul(a, s, w[0], w[1], BLOCK, BLOCK, torch.bfloat16)
+
+    def scaled_mm(w):
+        a, s = per_token_group_quant(x, BLOCK, pad_rows_to=4, scales_column_major=True)
+        return scaled_mm_blockwise(a, s, w[0], w[2])
+
+    r["w8a8_us"] = cold.time_us(w8a8)
+    r["scaled_mm_us"] = cold.time_us(scaled_mm) if scaled_mm_ok else None
+    r["bf16_us"] = cold.time_us(lambda w: F.linear(x, w), bf16=True)
+    times = {p: r.get(f"{p}_us") for p in ("stream", "w8a8", "scaled_mm")}
+    r["best"] = min((p for p in times if times[p] is not None), key=times.get)
+    print_table([r], COLS[:7])
+    return r
+
+
+def measure(name: str, rows: list[int], sweep: bool, scaled_mm_ok: bool, sms: int) -> list[dict]:
+    cold = ColdWeights(*SHAPES[name])
+    out = [measure_row(name, m, cold, sweep, scaled_mm_ok, sms) for m in rows]
+    del cold
+    torch.cuda.empty_cache()
+    return out
+
+
+def rule_from_rows(rows: list[dict], env: dict, earlier: dict | None) -> dict:
+    """The table for the shapes measured here, plus an earlier table's other shapes from the same card."""
+    measured = {r["shape"] for r in rows}
+    shapes = [s for s in (earlier or {}).get("shapes", []) if s["name"] not in measured
+              and (earlier or {}).get("device") == env["device"]]
+    for name in dict.fromkeys(r["shape"] for r in rows):
+        entries = []
+        for r in sorted((r for r in rows if r["shape"] == name), key=lambda r: r["m"]):
+            cfg = StreamConfig(**r["stream_config"]) if r["best"] == "stream" else None
+            entries.append({"m": r["m"], **Route(r["best"], cfg).to_json()})
+        first = next(r for r in rows if r["shape"] == name)
+        shapes.append({"name": name, "n": first["n"], "k": first["k"], "scales": "block128", "rows": entries})
+    return {"device": env["device"], "written_by": "benchmarks/fp8_route.py",
+            "measured": {key: env.get(key) for key in ("date", "commit", "torch", "triton")},
+            "rule": "per (n, k, scales), a call of m rows takes the entry of the smallest measured m >= it; "
+                    "above the largest, the defaults of kernels/fp8_config.py",
+            "shapes": shapes}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="fewer row counts, default stream tiles only")
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=DEFAULT_SHAPES, metavar="SHAPE")
+    p.add_argument("--no-rule", action="store_true", help="measure and print, but leave fp8_rule.json as it is")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    sms = sm_count(device)
+    bw = measured_read_bw()
+    scaled_mm_ok = blockwise_scaled_mm_available(device)
+    print(f"probes: {bw.describe()}; {sms} SMs; torch._scaled_mm block-scaled: {scaled_mm_ok}")
+    rows = [r for name in args.shapes for r in measure(name, QUICK_ROWS if args.quick else ROWS, not args.quick,
+                                                       scaled_mm_ok, sms)]
+    for r in rows:
+        if r.get("stream_us"):
+            r["stream_GBps"] = r["weight_bytes"] / r["stream_us"] / 1e3
+            r["stream/floor"] = r["stream_us"] / (bw.floor_ms(r["weight_bytes"]) * 1e3)
+    print(f"\nfloor: {bw.describe()}")
+    print_table(rows, COLS)
+    earlier = json.loads(RULE_PATH.read_text()) if RULE_PATH.exists() else None
+    rule = rule_from_rows(rows, environment(), earlier)
+    write_result("fp8_route", {"read": bw.summary(), "scaled_mm_blockwise": scaled_mm_ok, "rows": rows, "rule": rule})
+    if not args.no_rule:
+        text = json.dumps(rule, indent=1) + "\n"
+        RULE_PATH.write_text(text)
+        if os.environ.get("OUT"):  # a copy that comes back from a remote GPU run, as write_result's
+            Path(os.environ["OUT"], RULE_PATH.name).write_text(text)
+        print(f"routing table for {rule['device']} written to {RULE_PATH}")
+
+
+if __name__ == "__main__":
+    main()

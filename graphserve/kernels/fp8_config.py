@@ -1,0 +1,179 @@
+"""How an FP8-weight projection is computed at a given row count: which path, and the streaming
+kernel's tiles. Defaults are a pure function of the shape; where benchmarks/fp8.py measured this card,
+its table (fp8_rule.json beside this file) decides instead.
+
+Three paths (layers/quant/fp8.py runs them):
+- ``stream``: kernels/fp8_gemv.py, W8A16: the fp8 weight is widened in registers against the bf16
+  activation, with no activation quantization launch. At decode batch sizes a projection is a
+  weight stream and this path reads half of bf16's bytes.
+- ``w8a8``: per-token-group activation quantization, then the Triton block-scaled GEMM
+  (kernels/fp8_gemm.py) on the FP8 tensor cores.
+- ``scaled_mm``: the same quantization, then ``torch._scaled_mm``'s block-scaled mode (cuBLASLt;
+  128x128 weight blocks only, where this torch/CUDA build has it).
+
+No autotuning at run time (unsafe inside CUDA-graph capture): the table is read once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+MAX_STREAM_ROWS = 16  # the streaming kernel pads x to one 16-row tensor-core tile
+PATHS = ("stream", "w8a8", "scaled_mm")
+RULE_PATH = Path(__file__).with_name("fp8_rule.json")
+# without a measured table: the streaming kernel up to this many rows; from SCALED_MM_MIN_ROWS on the
+# cuBLASLt block-scaled GEMM where available (about 2x the Triton GEMM's rate at 2048-16384 rows of the
+# Llama-3-8B projections on an H200, benchmarks/results/fp8_decode.json), the Triton GEMM in between
+DEFAULT_STREAM_ROWS = 8
+SCALED_MM_MIN_ROWS = 128
+
+logger = logging.getLogger("graphserve.fp8")
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Tiles of one streaming-kernel call. ``use_dot``: tensor cores with x padded to 16 rows; else
+    fp32 multiply-adds on the CUDA cores, one pass per row of x (cheaper while M is small)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+
+    def num_programs(self, n: int) -> int:
+        return triton.cdiv(n, self.block_n)
+
+
+def tile_cap(group_n: int, group_k: int, k: int) -> int:
+    """The tallest tile whose rows share one row of scale blocks: the largest power of two dividing
+    the block height (any height, up to 128, for per-channel scales)."""
+    return 128 if group_n == 1 and group_k >= k else min(128, group_n & -group_n)
+
+
+def default_stream_config(m: int, n: int, k: int, cap: int, sms: int) -> StreamConfig:
+    """Tiles for ``m`` rows against an [n, k] fp8 weight, at most ``cap`` rows tall (``tile_cap``).
+
+    The kernel is a weight stream: what matters is bytes in flight per SM. Each program streams a
+    ``[block_n, k]`` slab; ``block_n`` is the widest that still gives every SM two programs, so no
+    split-K (and no second reduction launch) is needed for the projections of 1B-70B models. A block
+    of scale rows must not straddle programs (the kernel reads one scale row per program), so
+    ``block_n`` never exceeds ``group_n``. Per thread, 128 weight bytes per tile (eight 16-byte
+    loads) on the FMA path; the dot path's tiles go through shared memory, 3 stages of 8-16 KB.
+    """
+    target = 2 * sms
+    # kernels/gemv.py's bf16 FMA product fell to 0.5x of cuBLAS at 4 rows on an H200 (registers: one
+    # fp32 copy of the tile plus one x row per pass) while its dot product held 0.9x from 8 rows on
+    use_dot = m > 2 and cap >= 16 and triton.cdiv(n, 16) >= sms
+    if use_dot:
+        block_n = next((bn for bn in (64, 32) if bn <= cap and triton.cdiv(n, bn) >= target), 16)
+        block_k = min(512 if block_n == 16 else 256, triton.next_power_of_2(k))
+        return StreamConfig(block_n, max(16, block_k), num_warps=4, num_stages=3, use_dot=True)
+    widths = (8,) if m <= 2 else (16, 8)  # gemv.py measured 8-row slabs best at 1-2 rows
+    block_n = next((bn for bn in widths if bn <= cap and triton.cdiv(n, bn) >= target), min(4, cap))
+    block_k = min(128 * 32 * 4 // block_n, triton.next_power_of_2(k))
+    return StreamConfig(block_n, max(16, block_k), num_warps=4, num_stages=2, use_dot=False)
+
+
+# -- the measured table -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Route:
+    path: str
+    config: StreamConfig | None = None  # the streaming kernel's tiles (path "stream" only)
+
+    def to_json(self) -> dict:
+        return {"path": self.path, **({"config": asdict(self.config)} if self.config else {})}
+
+
+@dataclass(frozen=True)
+class Fp8Rule:
+    """Per (N, K, scale kind): row counts measured, ascending, each with the path that won there.
+
+    A call of ``m`` rows takes the route of the smallest measured count >= m; above the largest,
+    the defaults. Scale kind: ``"block128"`` (128x128 blocks) or ``"channel"``.
+    """
+
+    device: str
+    shapes: dict[tuple[int, int, str], list[tuple[int, Route]]]
+
+    def route(self, m: int, n: int, k: int, kind: str) -> Route | None:
+        for rows, route in self.shapes.get((n, k, kind), ()):
+            if m <= rows:
+                return route
+        return None
+
+    @classmethod
+    def from_json(cls, data: dict) -> Fp8Rule:
+        shapes = {}
+        for shape in data["shapes"]:
+            entries = []
+            for row in shape["rows"]:
+                if row["path"] not in PATHS:
+                    raise ValueError(f"{RULE_PATH.name}: path {row['path']!r} for {shape.get('name')} m={row['m']} "
+                                     f"is not one of {PATHS}")
+                cfg = StreamConfig(**row["config"]) if row.get("config") else None
+                entries.append((int(row["m"]), Route(row["path"], cfg)))
+            shapes[(int(shape["n"]), int(shape["k"]), str(shape["scales"]))] = sorted(entries, key=lambda e: e[0])
+        return cls(str(data["device"]), shapes)
+
+
+_NO_RULE = Fp8Rule("", {})
+
+
+@functools.lru_cache(maxsize=1)
+def load_rule(path: str = str(RULE_PATH)) -> Fp8Rule:
+    if not Path(path).exists():
+        return _NO_RULE
+    return Fp8Rule.from_json(json.loads(Path(path).read_text()))
+
+
+@functools.lru_cache(maxsize=16)
+def rule_for(device: torch.device) -> Fp8Rule:
+    """The measured table when ``device`` is the card it was measured on, else none (the defaults)."""
+    rule = load_rule()
+    if not rule.shapes:
+        return rule
+    name = torch.cuda.get_device_name(device)
+    if name != rule.device:
+        logger.warning("fp8 routing was measured on %s, this is %s: default routes "
+                       "(python3 -m benchmarks.fp8_route measures this card)", rule.device, name)
+        return _NO_RULE
+    return rule
+
+
+def scale_kind(group_n: int, group_k: int, k: int) -> str | None:
+    """The table's name for a layer's scales; None for layouts the benchmark does not measure."""
+    if group_n == 1 and group_k >= k:
+        return "channel"
+    if (group_n, group_k) == (128, 128):
+        return "block128"
+    return None
+
+
+def default_route(m: int, n: int, k: int, group_n: int, group_k: int, scaled_mm_ok: bool, sms: int) -> Route:
+    if m <= DEFAULT_STREAM_ROWS:
+        return Route("stream", default_stream_config(m, n, k, tile_cap(group_n, group_k, k), sms))
+    if scaled_mm_ok and m >= SCALED_MM_MIN_ROWS:
+        return Route("scaled_mm")
+    return Route("w8a8")
+
+
+def choose_route(m: int, n: int, k: int, group_n: int, group_k: int, scaled_mm_ok: bool,
+                 device: torch.device, sms: int) -> Route:
+    """The path (and streaming tiles) for ``m`` rows: the measured table's where it covers the call and
+    its choice is runnable here, else the default."""
+    kind = scale_kind(group_n, group_k, k)
+    route = rule_for(device).route(m, n, k, kind) if kind and device.type == "cuda" else None
+    if route is None or (route.path == "scaled_mm" and not scaled_mm_ok) or (
+            route.path == "stream" and m > MAX_STREAM_ROWS):
+        return default_route(m, n, k, group_n, group_k, scaled_mm_ok, sms)
+    if route.path == "stream" and route.config is None:
+        return Route("stream", default_stream_config(m, n, k, tile_cap(group_n, group_k, k), sms))
+    return route

@@ -1,0 +1,209 @@
+"""The FP8 streaming gemv (both inner products, block and per-channel scales, tiles wider and narrower
+than a scale block), the padded / column-major activation quantization, and the routing table, on
+CPU through Triton's interpreter. Fresh random inputs at tiny shapes whose N and K are not multiples
+of the tiles; outputs compared with the dequantize-then-matmul references.
+
+Tolerances: the FMA path and the references multiply the same fp8 weights and fp32 scales in fp32,
+so they differ by summation order only (1e-5). The dot path rounds the scaled x to bf16 before the
+tensor cores, as its docstring says: 2^-9 relative per element, 1e-2 normwise leaves room and a
+wrong scale block or a missed tile gives errors of order 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def _use_interpreter() -> None:
+    """Run this module's kernels under Triton's interpreter when there is no GPU (as tests/test_gemv_interp.py)."""
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if torch.cuda.is_available():
+            return
+        stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
+        stale += [m for m in sys.modules if m.startswith("graphserve.kernels")]
+        for name in stale:
+            sys.modules.pop(name, None)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_use_interpreter()
+
+import pytest  # noqa: E402
+
+from graphserve.kernels import fp8_config  # noqa: E402
+from graphserve.kernels.fp8_config import (  # noqa: E402
+    Fp8Rule,
+    Route,
+    StreamConfig,
+    choose_route,
+    default_stream_config,
+    tile_cap,
+)
+from graphserve.kernels.fp8_gemm import w8a8_matmul, w8a8_matmul_reference  # noqa: E402
+from graphserve.kernels.fp8_gemv import (  # noqa: E402
+    fp8_gemv,
+    fp8_gemv_reference,
+    fp8_norm_gemv,
+    fp8_norm_gemv_reference,
+    fp8_silu_mul_gemv,
+    fp8_silu_mul_gemv_reference,
+)
+from graphserve.kernels.fp8_quant import (  # noqa: E402
+    per_token_group_quant,
+    per_token_group_quant_reference,
+    quantize_weight_blocks,
+    quantize_weight_channels,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FMA = StreamConfig(block_n=8, block_k=64, num_warps=4, num_stages=2, use_dot=False)
+FMA_WIDE = StreamConfig(block_n=4, block_k=128, num_warps=4, num_stages=2, use_dot=False)
+DOT = StreamConfig(block_n=16, block_k=64, num_warps=4, num_stages=2, use_dot=True)
+# Triton 3.6's interpreter returns garbage from tl.dot on bf16 operands (fp16 ones are right); the
+# dot path is the same code for both 16-bit types, so the interpreter checks it in fp16
+DOT_DTYPE = torch.float16 if DEVICE.type == "cpu" else torch.bfloat16
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _weight(n: int, k: int, group_n: int, group_k: int, seed: int):
+    w = _randn(n, k, seed=seed) * 0.05
+    if group_n == 1 and group_k >= k:
+        q, s = quantize_weight_channels(w)
+        return q, s.reshape(-1, 1)
+    return quantize_weight_blocks(w, group_n, group_k)
+
+
+# (m, n, k, group_n, group_k): scale blocks shorter than a tile along K (32 < 64), longer (128 > 64),
+# as short as the smallest (16), K with a tail, per-channel scales
+CASES = [(1, 40, 96, 16, 32), (3, 37, 200, 32, 128), (5, 33, 160, 16, 16), (2, 24, 72, 1, 72)]
+
+
+@pytest.mark.parametrize("m,n,k,group_n,group_k", CASES)
+@pytest.mark.parametrize("cfg", [FMA, FMA_WIDE], ids=["fma", "fma_wide"])
+def test_stream_fma_matches_reference(m, n, k, group_n, group_k, cfg) -> None:
+    wq, ws = _weight(n, k, group_n, group_k, seed=m + n)
+    if cfg.block_n > tile_cap(group_n, group_k, k):
+        cfg = StreamConfig(tile_cap(group_n, group_k, k), cfg.block_k, 4, 2, False)
+    x = _randn(m, k, seed=k)
+    bias = _randn(n, seed=7)
+    out = fp8_gemv(x, wq, ws, group_n, group_k, bias, config=cfg)
+    torch.testing.assert_close(out, fp8_gemv_reference(x, wq, ws, group_n, group_k, bias), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,n,k,group_n,group_k", [(5, 40, 96, 16, 32), (16, 37, 200, 32, 128), (7, 24, 72, 1, 72)])
+def test_stream_dot_matches_reference(m, n, k, group_n, group_k) -> None:
+    wq, ws = _weight(n, k, group_n, group_k, seed=m + n)
+    x = _randn(m, k, seed=k).to(DOT_DTYPE)
+    out = fp8_gemv(x, wq, ws, group_n, group_k, config=DOT)
+    assert out.dtype == DOT_DTYPE
+    assert _rel(out, fp8_gemv_reference(x.float(), wq, ws, group_n, group_k)) < 1e-2
+
+
+@pytest.mark.parametrize("cfg", [FMA, DOT], ids=["fma", "dot"])
+@pytest.mark.parametrize("group_n,group_k", [(16, 32), (1, 96)])
+def test_stream_fused_prologues_match_reference(cfg, group_n, group_k) -> None:
+    """SiLU·mul and (residual add +) RMSNorm computed in the loads, as kernels/gemv.py's fused kinds."""
+    m, n, k = (3, 40, 96) if not cfg.use_dot else (6, 40, 96)
+    dtype = DOT_DTYPE if cfg.use_dot else torch.float32
+    tol = {"rtol": 1e-4, "atol": 1e-5} if not cfg.use_dot else {"rtol": 2e-2, "atol": 2e-2}
+    wq, ws = _weight(n, k, group_n, group_k, seed=21)
+    gate_up = _randn(m, 2 * k, seed=22).to(dtype)
+    torch.testing.assert_close(fp8_silu_mul_gemv(gate_up, wq, ws, group_n, group_k, config=cfg).float(),
+                               fp8_silu_mul_gemv_reference(gate_up, wq, ws, group_n, group_k).float(), **tol)
+    x, res, nw = _randn(m, k, seed=23).to(dtype), _randn(m, k, seed=24).to(dtype), _randn(k, seed=25).to(dtype)
+    for residual in (None, res):
+        out, summed = fp8_norm_gemv(x, nw, 1e-6, wq, ws, group_n, group_k, residual=residual, config=cfg)
+        want, want_sum = fp8_norm_gemv_reference(x, nw, 1e-6, wq, ws, group_n, group_k, residual=residual)
+        torch.testing.assert_close(out.float(), want.float(), **tol)
+        if residual is None:
+            assert summed is None
+        else:
+            torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
+
+
+def test_stream_default_config_matches_reference() -> None:
+    wq, ws = _weight(50, 256, 16, 128, seed=3)
+    x = _randn(4, 256, seed=4)
+    torch.testing.assert_close(fp8_gemv(x, wq, ws, 16, 128), fp8_gemv_reference(x, wq, ws, 16, 128),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_stream_bad_inputs_name_the_limit() -> None:
+    wq, ws = _weight(32, 64, 16, 32, seed=5)
+    with pytest.raises(ValueError, match="at most 16 rows, got 17"):
+        fp8_gemv(_randn(17, 64, seed=1), wq, ws, 16, 32)
+    with pytest.raises(ValueError, match=r"w_scale has shape \(2, 2\), expected \(4, 2\)"):
+        fp8_gemv(_randn(2, 64, seed=1), wq, ws, 8, 32)
+    with pytest.raises(ValueError, match="block_n=32 spans two rows of 16-row scale blocks"):
+        fp8_gemv(_randn(2, 64, seed=1), wq, ws, 16, 32, config=StreamConfig(32, 64, 4, 2, False))
+    with pytest.raises(ValueError, match="w must be torch.float8_e4m3fn"):
+        fp8_gemv(_randn(2, 64, seed=1), wq.float(), ws, 16, 32)
+
+
+@pytest.mark.parametrize("m,k,group,pad", [(3, 80, 32, 4), (5, 64, 64, 1), (6, 300, 16, 4)])
+def test_token_group_quant_padded_column_major(m, k, group, pad) -> None:
+    x = _randn(m, k, seed=m * k) * 2.0
+    q, s = per_token_group_quant(x, group, pad_rows_to=pad, scales_column_major=True)
+    rows = -(-m // pad) * pad
+    assert q.shape == (rows, k) and s.shape == (rows, -(-k // group)) and s.stride(0) == 1
+    q_ref, s_ref = per_token_group_quant_reference(x, group)
+    torch.testing.assert_close(s[:m], s_ref, rtol=1e-6, atol=0)
+    # the interpreter's e4m3 rounding may drop a carry (tests/test_fp8_interp.py): compare dequantized
+    back, want = q[:m].float() * s[:m].repeat_interleave(group, 1)[:, :k], q_ref.float() * s_ref.repeat_interleave(
+        group, 1)[:, :k]
+    assert _rel(back, want) < 0.05
+    assert q[m:].float().abs().max().item() == 0 if rows > m else True
+    # the W8A8 GEMM reads column-major scales too
+    wq, ws = quantize_weight_blocks(_randn(24, k, seed=9) * 0.05, 8, group)
+    out = w8a8_matmul(q, s, wq, ws, 8, group, torch.float32)
+    torch.testing.assert_close(out, w8a8_matmul_reference(q, s, wq, ws, 8, group, torch.float32), rtol=1e-4, atol=1e-5)
+
+
+# ---- routing --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sms", [132, 78])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_default_tiles_fill_the_gpu_and_respect_scale_blocks(sms, m) -> None:
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (2048, 4096), (5120, 2048)]:
+        for group_n, group_k in [(128, 128), (1, k)]:
+            cap = tile_cap(group_n, group_k, k)
+            cfg = default_stream_config(m, n, k, cap, sms)
+            assert cfg.num_programs(n) >= sms and cfg.block_n <= cap, (m, n, k, cfg)
+            assert k % cfg.block_k == 0 and cfg.block_k % min(group_k, cfg.block_k) == 0, (m, n, k, cfg)
+            assert not cfg.use_dot or (m > 2 and cfg.block_n >= 16)
+
+
+def test_rule_routes_by_the_smallest_measured_count_and_falls_back(tmp_path, monkeypatch) -> None:
+    cfg = StreamConfig(32, 512, 4, 3, True)
+    data = {"device": "card", "shapes": [{"name": "x", "n": 4096, "k": 4096, "scales": "block128", "rows": [
+        {"m": 1, "path": "stream", "config": vars(FMA)}, {"m": 8, "path": "stream", "config": vars(cfg)},
+        {"m": 64, "path": "scaled_mm"}]}]}
+    rule = Fp8Rule.from_json(data)
+    assert rule.route(1, 4096, 4096, "block128") == Route("stream", FMA)
+    assert rule.route(5, 4096, 4096, "block128") == Route("stream", cfg)
+    assert rule.route(33, 4096, 4096, "block128").path == "scaled_mm"
+    assert rule.route(65, 4096, 4096, "block128") is None and rule.route(1, 4096, 4096, "channel") is None
+    path = tmp_path / "rule.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(fp8_config, "rule_for", lambda device: Fp8Rule.from_json(json.loads(path.read_text())))
+    cuda = torch.device("cuda", 0)
+    assert choose_route(2, 4096, 4096, 128, 128, True, cuda, 132).config == cfg
+    # a measured scaled_mm win this build cannot run falls back to the defaults
+    assert choose_route(40, 4096, 4096, 128, 128, False, cuda, 132).path == "w8a8"
+    assert choose_route(512, 4096, 4096, 128, 128, True, cuda, 132).path == "scaled_mm"
+    assert choose_route(4, 1000, 4096, 128, 128, True, cuda, 132).path == "stream"
+    data["shapes"][0]["rows"][0]["path"] = "bf16"
+    with pytest.raises(ValueError, match="path 'bf16' for x m=1 is not one of"):
+        Fp8Rule.from_json(data)
