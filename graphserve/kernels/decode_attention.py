@@ -8,9 +8,9 @@ writes the output directly.
 
 With several splits the pieces are merged inside the same launch: each program counts itself done
 on a per-(sequence, kv head) counter, and the one that finds it is the last reads every partial of
-its kv head back from L2 and writes the output. At batch 1 the separate merge kernel (still here,
-``fused_merge=False``, for comparison) cost 2.3 us plus a ~0.8 us gap per layer on an H200 for a
-merge that reads a few tens of KB. The counter's atomic is acq_rel at GPU scope after a barrier
+its kv head back from L2 and writes the output (kernels/decode_merge.py). At batch 1 the separate
+merge kernel (still there, ``fused_merge=False``, for comparison) cost 2.3 us plus a ~0.8 us gap
+per layer on an H200 for a merge that reads a few tens of KB. The counter's atomic is acq_rel at GPU scope after a barrier
 that orders the block's stores; the last program resets it, so it is zero for the next layer and
 the next graph replay.
 
@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.common import interpreting, sm_count
+from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS, _decode_merge_kernel, merge_partials
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32  # beyond this the merge costs more than the extra parallelism gains
@@ -39,9 +40,6 @@ BLOCK_N = 64  # context tokens per inner step
 MIN_SPLIT_TOKENS = BLOCK_N
 PROGRAMS_PER_SM = 2  # enough resident programs per SM to hide HBM latency
 NUM_WARPS, NUM_STAGES = 4, 3  # measured best of BLOCK_N 16..128, 2..8 warps, 2..4 stages on H200
-# fp32 partials one merge step holds ([heads of a kv head, splits, head_dim]): 64 per thread at 4
-# warps, so a bs-1 merge of 18 splits x 8 heads x 128 takes 3 dependent L2 round trips
-MERGE_TILE_ELEMS = 8192
 
 
 @triton.jit
@@ -156,91 +154,12 @@ def _decode_split_kernel(
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == num_splits - 1:
                 heads = kv_head * GROUP + tl.arange(0, BLOCK_HM)
-                _merge_group(
+                merge_partials(
                     mid_o_ptr + seq * stride_mo_b, mid_lse_ptr + seq * stride_ml_b, out_ptr + seq * stride_ot,
                     heads, tl.arange(0, BLOCK_HM) < GROUP, offs_d, d_mask, num_splits,
-                    stride_mo_h, stride_mo_s, stride_ml_h, stride_oh, BLOCK_HM, BLOCK_D, BLOCK_S, CHUNK_S, WHILE_LOOP,
+                    stride_mo_h, stride_mo_s, stride_ml_h, stride_oh, BLOCK_HM, BLOCK_D, BLOCK_S, CHUNK_S,
                 )  # fmt: skip
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _merge_chunk(
-    mo_base, ml_base, heads, h_mask, offs_d, d_mask, s0, num_splits, m, acc,
-    stride_mo_h, stride_mo_s, stride_ml_h, CHUNK_S: tl.constexpr,
-):  # fmt: skip
-    """acc += sum over splits [s0, s0 + CHUNK_S) of exp2(lse - m) * partial, for every head of a kv head."""
-    offs_s = s0 + tl.arange(0, CHUNK_S)
-    hs_mask = h_mask[:, None] & (offs_s < num_splits)[None, :]
-    # .cg: from L2, where the other programs' stores are, never from a stale L1 line
-    lse = tl.load(ml_base + heads[:, None] * stride_ml_h + offs_s[None, :], mask=hs_mask, other=float("-inf"),
-                  cache_modifier=".cg")  # fmt: skip
-    w = tl.exp2(lse - m[:, None])  # [heads, chunk]; an empty split's -inf gives 0
-    o = tl.load(
-        mo_base + heads[:, None, None] * stride_mo_h + offs_s[None, :, None] * stride_mo_s + offs_d[None, None, :],
-        mask=hs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg",
-    )
-    return acc + tl.sum(w[:, :, None] * o, 1)
-
-
-@triton.jit
-def _merge_group(
-    mo_base, ml_base, o_base, heads, h_mask, offs_d, d_mask, num_splits,
-    stride_mo_h, stride_mo_s, stride_ml_h, stride_oh,
-    BLOCK_HM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-    WHILE_LOOP: tl.constexpr,
-):  # fmt: skip
-    """The log-sum-exp weighted mean of one sequence's split partials, for the given heads."""
-    offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(ml_base + heads[:, None] * stride_ml_h + offs_s[None, :],
-                  mask=h_mask[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
-                  cache_modifier=".cg")  # fmt: skip
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (a padding row): weights 0, output 0
-    total = tl.sum(tl.exp2(lse - m[:, None]), 1)
-    acc = tl.zeros([BLOCK_HM, BLOCK_D], dtype=tl.float32)
-    if WHILE_LOOP:
-        s0 = 0
-        while s0 < num_splits:
-            acc = _merge_chunk(mo_base, ml_base, heads, h_mask, offs_d, d_mask, s0, num_splits, m, acc,
-                               stride_mo_h, stride_mo_s, stride_ml_h, CHUNK_S)  # fmt: skip
-            s0 += CHUNK_S
-    else:
-        for s0 in range(0, num_splits, CHUNK_S):
-            acc = _merge_chunk(mo_base, ml_base, heads, h_mask, offs_d, d_mask, s0, num_splits, m, acc,
-                               stride_mo_h, stride_mo_s, stride_ml_h, CHUNK_S)  # fmt: skip
-    merged = acc / tl.maximum(total, 1e-30)[:, None]
-    tl.store(o_base + heads[:, None] * stride_oh + offs_d[None, :], merged.to(o_base.dtype.element_ty),
-             mask=h_mask[:, None] & d_mask[None, :])  # fmt: skip
-
-
-@triton.jit
-def _decode_merge_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr,
-    num_splits,
-    stride_mo_b, stride_mo_h, stride_mo_s,
-    stride_ml_b, stride_ml_h,
-    stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < num_splits
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    lse = tl.load(mid_lse_ptr + seq * stride_ml_b + head * stride_ml_h + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights all 0, output 0
-    w = tl.exp2(lse - m)
-    o = tl.load(
-        mid_o_ptr + seq * stride_mo_b + head * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    total = tl.sum(w, 0)
-    merged = tl.sum(w[:, None] * o, 0) / tl.maximum(total, 1e-30)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:

@@ -36,11 +36,10 @@ TILE_ELEMS = 64 * 32 * 4  # products per K step of one program: 64 per thread at
 @triton.jit
 def _rows_tile(ptr, stride, rows, row_mask, cols, H: tl.constexpr, EVEN_H: tl.constexpr):
     """[BLOCK_T, BLOCK_H] activations of ``rows`` at ``cols`` (rows past T and columns past H read 0)."""
-    if EVEN_H:
-        return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=row_mask[:, None], other=0.0)
-    else:
-        return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=row_mask[:, None] & (cols < H)[None, :],
-                       other=0.0)  # fmt: skip
+    mask = row_mask[:, None]
+    if not EVEN_H:
+        mask = mask & (cols < H)[None, :]
+    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -70,7 +69,7 @@ def moe_gate_softmax_topk_kernel(
     T, stride_xt, stride_rt, stride_ge, eps,
     E: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_H: tl.constexpr, ONE_TILE: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_H: tl.constexpr, ONE_TILE: tl.constexpr, W_IN_LOOP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     experts = pid * BLOCK_EP + tl.arange(0, BLOCK_EP)
@@ -103,9 +102,7 @@ def moe_gate_softmax_topk_kernel(
             rstd = 1.0 / tl.sqrt(sumsq / H + eps)
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + offs_h
-        if NORM and ONE_TILE:
-            pass  # loaded above, before the sum of squares
-        else:
+        if W_IN_LOOP:  # else loaded above, with the activations of the one tile
             if EVEN_H:
                 w = tl.load(gate_ptr + g_rows[:, None] * stride_ge + cols[None, :])
             else:
@@ -219,7 +216,8 @@ def _launch(x, gate_weight, top_k, renormalize, counter, norm):
         out_a = out_b = x
     else:
         residual, norm_weight, eps = norm
-        normed, summed = torch.empty_like(x), torch.empty_like(x)
+        normed = torch.empty(t, h, dtype=x.dtype, device=x.device)  # rows H apart, as the kernel writes them
+        summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
         out_a, out_b = normed, summed
     block_t, block_ep = triton.next_power_of_2(t), experts_per_program(e)
     block_h = max(64, min(triton.next_power_of_2(h), TILE_ELEMS // (block_t * block_ep)))
@@ -229,7 +227,7 @@ def _launch(x, gate_weight, top_k, renormalize, counter, norm):
         E=e, H=h, TOP_K=top_k, RENORMALIZE=renormalize, NORM=norm is not None,
         BLOCK_T=block_t, BLOCK_EP=block_ep, BLOCK_H=block_h,
         BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
-        EVEN_H=h % block_h == 0, ONE_TILE=h <= block_h, num_warps=4,
+        EVEN_H=h % block_h == 0, ONE_TILE=h <= block_h, W_IN_LOOP=norm is None or h > block_h, num_warps=4,
     )  # fmt: skip
     return weights, ids, normed, summed
 
