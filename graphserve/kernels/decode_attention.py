@@ -154,9 +154,12 @@ def _decode_split_kernel(
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == num_splits - 1:
                 heads = kv_head * GROUP + tl.arange(0, BLOCK_HM)
+                # only the splits the context reaches hold a partial: a bs-1 graph captured for a long
+                # max context cuts a short one into fewer pieces than it launches
+                used = tl.minimum(num_splits, tl.cdiv(seq_len, tl.maximum(split_len, 1)))
                 merge_partials(
                     mid_o_ptr + seq * stride_mo_b, mid_lse_ptr + seq * stride_ml_b, out_ptr + seq * stride_ot,
-                    heads, tl.arange(0, BLOCK_HM) < GROUP, offs_d, d_mask, num_splits,
+                    heads, tl.arange(0, BLOCK_HM) < GROUP, offs_d, d_mask, used,
                     stride_mo_h, stride_mo_s, stride_ml_h, stride_oh, BLOCK_HM, BLOCK_D, BLOCK_S, CHUNK_S,
                 )  # fmt: skip
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")

@@ -42,7 +42,7 @@ def merge_partials(
     stride_mo_h, stride_mo_s, stride_ml_h, stride_oh,
     BLOCK_HM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
 ):  # fmt: skip
-    """The log-sum-exp weighted mean of one sequence's split partials, for the given heads."""
+    """The log-sum-exp weighted mean of one sequence's first ``num_splits`` split partials, for the given heads."""
     offs_s = tl.arange(0, BLOCK_S)
     lse = tl.load(ml_base + heads[:, None] * stride_ml_h + offs_s[None, :],
                   mask=h_mask[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
