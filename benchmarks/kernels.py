@@ -24,6 +24,7 @@ from graphserve.kernels.activation import silu_and_mul, silu_and_mul_reference
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.decode_attention import (
     choose_num_splits,
+    counters_numel,
     decode_attention,
     decode_attention_reference,
     workspace_numel,
@@ -82,12 +83,13 @@ def bench_decode(batch: int, ctx: int) -> dict:
     cache, tables, lens = paged(batch, ctx)
     q = torch.randn(batch, HQ, D, device="cuda", dtype=DT)
     ws = torch.empty(workspace_numel(HQ, HKV, D, sm_count(q.device)), device="cuda")
+    counters = torch.zeros(max(1, counters_numel(HKV, sm_count(q.device))), dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     nbytes = 2 * batch * ctx * HKV * D * 2 + 2 * q.numel() * 2 + tables.numel() * 4
     splits = choose_num_splits(batch, HKV, tables.shape[1] * PAGE, sm_count(q.device))
     return row(
         "decode_attention", f"bs{batch} ctx{ctx} splits{splits}",
-        lambda: decode_attention(q, cache, tables, lens, D**-0.5, out=out, workspace=ws),
+        lambda: decode_attention(q, cache, tables, lens, D**-0.5, out=out, workspace=ws, counters=counters),
         lambda: decode_attention_reference(q, cache, tables, lens, D**-0.5),
         nbytes, ref_iters=3,
     )  # fmt: skip

@@ -60,14 +60,19 @@ def loop_experts(layers: list[FusedMoE]):
     def loop_forward_gate(self, hidden, gate, valid=None):
         return self.forward(hidden, gate(hidden), valid)
 
+    def loop_forward_add_norm_gate(self, x, residual, norm, gate, valid=None):
+        hidden, residual = norm(x, residual)
+        return self.forward(hidden, gate(hidden), valid), hidden, residual
+
     for m in layers:
         m.forward = loop_forward.__get__(m)
         m.forward_gate = loop_forward_gate.__get__(m)
+        m.forward_add_norm_gate = loop_forward_add_norm_gate.__get__(m)
     try:
         yield
     finally:
         for m in layers:
-            del m.forward, m.forward_gate
+            del m.forward, m.forward_gate, m.forward_add_norm_gate
 
 
 def _replay(graphs: GraphRunner, batch):

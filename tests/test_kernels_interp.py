@@ -42,6 +42,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from graphserve.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from graphserve.kernels.decode_attention import (  # noqa: E402
     choose_num_splits,
+    counters_numel,
     decode_attention,
     decode_attention_reference,
     workspace_numel,
@@ -131,25 +132,44 @@ def test_kv_write_reads_strided_k_v():
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "seq_lens", "num_splits"),
+    ("num_heads", "num_kv_heads", "head_dim", "seq_lens", "num_splits", "fused_merge"),
     [
-        (4, 2, 32, [5, 40, 17], None),  # GQA, lengths off the block size, single split (direct store)
-        (4, 4, 64, [1, 33], None),  # MHA, one-token context
-        (8, 2, 32, [150, 70, 9], 3),  # three splits: full, partial and empty pieces
-        (2, 1, 32, [200], 4),  # one kv head serving two query heads, four splits
+        (4, 2, 32, [5, 40, 17], None, True),  # GQA, lengths off the block size, single split (direct store)
+        (4, 4, 64, [1, 33], None, True),  # MHA, one-token context
+        (8, 2, 32, [150, 70, 9], 3, True),  # three splits merged in-kernel: full, partial and empty pieces
+        (8, 2, 32, [150, 70, 9], 3, False),  # the same through the separate merge launch
+        (2, 1, 32, [200], 4, True),  # one kv head serving two query heads, four splits
+        (6, 2, 32, [300, 0], 5, True),  # a group of 3 (off a power of two); a padding row of length 0
+        (16, 1, 64, [400, 190], 7, True),  # 16 query heads on one kv head, splits off a power of two
     ],
 )
-def test_decode_attention_matches_reference(num_heads, num_kv_heads, head_dim, seq_lens, num_splits):
+def test_decode_attention_matches_reference(num_heads, num_kv_heads, head_dim, seq_lens, num_splits, fused_merge):
     gen = torch.Generator().manual_seed(3)
     page = 16
     cache, tables, lens = paged_setup(seq_lens, num_kv_heads, head_dim, page, gen)
     q = randn(len(seq_lens), num_heads, head_dim, gen=gen)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
-    decode_attention(q, cache, tables, lens, scale, out=out, num_splits=num_splits)
+    decode_attention(q, cache, tables, lens, scale, out=out, num_splits=num_splits, fused_merge=fused_merge)
     ref = decode_attention_reference(q, cache, tables, lens, scale)
     assert not out.isnan().any()
     assert rel_err(out, ref) < RTOL
+
+
+def test_decode_attention_merges_in_kernel_and_leaves_counters_zero():
+    """Two calls on one set of counters (as layers and graph replays share them), and a merge in chunks:
+    with 16 heads per kv head at head_dim 128 one merge step holds 4 splits, so 6 splits take two."""
+    gen = torch.Generator().manual_seed(6)
+    cache, tables, lens = paged_setup([370, 45, 200], 1, 128, 16, gen)
+    counters = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    workspace = nans(3 * 16 * 6 * 129)
+    for _ in range(2):
+        q = randn(3, 16, 128, gen=gen)
+        out = decode_attention(q, cache, tables, lens, 0.1, num_splits=6, workspace=workspace, counters=counters)
+        assert rel_err(out, decode_attention_reference(q, cache, tables, lens, 0.1)) < RTOL
+        assert not counters.any()
+    with pytest.raises(ValueError, match="counters hold 2 torch.int32"):
+        decode_attention(q, cache, tables, lens, 0.1, num_splits=6, counters=counters[:2])
 
 
 def test_decode_attention_uses_given_workspace_and_checks_its_size():
@@ -176,6 +196,8 @@ def test_num_splits_fill_the_gpu_from_static_sizes():
     rows = max(b * s for b, s in splits.items() if s > 1)
     assert rows == 64  # batch 32 at 2 splits
     assert workspace_numel(32, 8, 128, sms) == rows * 32 * 129
+    # merge counters: one per (sequence, kv head) of the largest batch that splits (batch 32)
+    assert counters_numel(8, sms) == 32 * 8
 
 
 @pytest.mark.parametrize(

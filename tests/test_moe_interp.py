@@ -42,7 +42,11 @@ from graphserve.kernels import moe_align as moe_align_mod  # noqa: E402
 from graphserve.kernels.moe_align import moe_align  # noqa: E402
 from graphserve.kernels.moe_config import GemmTile, GemvTile  # noqa: E402
 from graphserve.kernels.moe_fused import fused_experts  # noqa: E402
-from graphserve.kernels.moe_gate import moe_gate_softmax_topk  # noqa: E402
+from graphserve.kernels.moe_gate import (  # noqa: E402
+    moe_add_norm_gate_reference,
+    moe_add_norm_gate_softmax_topk,
+    moe_gate_softmax_topk,
+)
 from graphserve.kernels.moe_reference import (  # noqa: E402
     expert_counts_reference,
     experts_reference,
@@ -148,6 +152,65 @@ def test_fused_gate_matches_projection_then_topk(t, e, h, k, renorm):
         assert torch.equal(ids, ids_ref)
         torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
         assert int(counter) == 0
+
+
+@pytest.mark.parametrize(
+    "t,e,h,k,renorm",
+    [
+        (1, 12, 40, 3, True),  # one column tile, H off the tile
+        (5, 6, 64, 2, False),  # one tile, H on it
+        (8, 130, 300, 4, True),  # several tiles, the last one partial; more experts than one program holds
+        (8, 130, 512, 2, False),  # several whole tiles
+    ],
+)
+def test_add_norm_gate_matches_norm_then_gate(t, e, h, k, renorm):
+    """Residual add + RMSNorm + gate + softmax top-k in one launch against the unfused chain, twice on one
+    counter; the normed hidden and new residual land in full (each program writes its share of columns)."""
+    gen = torch.Generator().manual_seed(t * e + h)
+    gate, norm_w = _randn(e, h, gen=gen, scale=0.2), 1 + _randn(h, gen=gen, scale=0.1)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        x, res = _randn(t, h, gen=gen, scale=3.0), _randn(t, h, gen=gen)
+        got = moe_add_norm_gate_softmax_topk(x, res, norm_w, 1e-6, gate, k, renorm, counter)
+        w_ref, ids_ref, normed_ref, summed_ref = moe_add_norm_gate_reference(x, res, norm_w, 1e-6, gate, k, renorm)
+        assert torch.equal(got[1], ids_ref)
+        torch.testing.assert_close(got[0], w_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[2], normed_ref, rtol=1e-5, atol=1e-6)
+        assert torch.equal(got[3], summed_ref)
+        assert int(counter) == 0
+    with pytest.raises(ValueError, match="residual"):
+        moe_add_norm_gate_softmax_topk(x, res[:, 1:], norm_w, 1e-6, gate, k, renorm, counter)
+
+
+def test_layer_add_norm_gate_matches_norm_then_forward():
+    """FusedMoE.forward_add_norm_gate: one launch on the kernel path, the norm module then the gate on the CPU path."""
+    from graphserve.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(13)
+    layer = FusedMoE(E, 2, H, INTER, SoftmaxTopK(E, 2, True), dtype=torch.float32).to(DEVICE)
+    w13, w2 = _weights(gen)
+    gate, norm = torch.nn.Linear(H, E, bias=False).to(DEVICE), RMSNorm(H, 1e-6).to(DEVICE)
+    with torch.no_grad():
+        layer.w13_weight.copy_(w13)
+        layer.w2_weight.copy_(w2)
+        gate.weight.copy_(_randn(E, H, gen=gen))
+        norm.weight.copy_(1 + _randn(H, gen=gen, scale=0.1))
+    x, res = _randn(3, H, gen=gen), _randn(3, H, gen=gen)
+    valid = torch.tensor([True, True, False], device=DEVICE)
+    layer.use_kernels = False
+    want, want_hidden, want_res = layer.forward_add_norm_gate(x, res.clone(), norm, gate, valid=valid)
+    want_counts = layer.expert_counts.clone()
+    layer.use_kernels = True
+    calls = []
+    gate.register_forward_hook(lambda *_: calls.append(1))
+    norm.register_forward_hook(lambda *_: calls.append(2))
+    with torch.no_grad():
+        got, hidden, new_res = layer.forward_add_norm_gate(x, res, norm, gate, valid=valid)
+    assert not calls  # one fused launch: neither the norm module nor the projection ran
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-6)
+    assert torch.equal(new_res, want_res) and torch.equal(new_res, x + res)
+    assert torch.equal(layer.expert_counts, want_counts) and int(layer.gate_counter) == 0
 
 
 def test_layer_fused_gate_matches_gate_then_forward():

@@ -15,6 +15,8 @@ from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeCon
 from graphserve import LLM, SamplingParams
 from graphserve.config import EngineConfig
 from graphserve.errors import ModelLoadError
+from graphserve.layers.attention import TorchAttentionBackend
+from graphserve.layers.forward_batch import contiguous_batch
 from graphserve.models.loader import load_model
 from graphserve.models.moe import MoEForCausalLM
 from graphserve.models.registry import describe_model
@@ -182,3 +184,22 @@ def test_materializing_zeroes_the_fused_gate_counter(variant):
         layer.gate_counter.fill_(5)
     loaded.model.finish_materialize(torch.device("cpu"))
     assert layers and all(int(layer.gate_counter) == 0 for layer in layers)
+
+
+def test_padded_decode_rows_route_nowhere_and_leave_the_batch_unchanged(variant):
+    """A CUDA-graph-padded decode batch gives its real row count as a device scalar; the model builds the
+    experts' row mask from it once per step: real rows come out as without padding, padding rows reach no
+    expert, and the caller's batch still holds the count (the graph runner refills it every replay)."""
+    name, _, loaded, _ = variant
+    model = loaded.model
+    kv = loaded.info.kv.allocate(16, 16, torch.device("cpu"), fill="random")
+    batch = contiguous_batch([1, 1, 1, 1], [9, 20, 5, 30], kv, TorchAttentionBackend(), vocab_size=320)
+    top_k = model.moe_layers()[0].top_k
+    with torch.no_grad():
+        full = model(batch.input_ids, batch.positions, batch)
+        assert all(int(m.expert_counts.sum()) == 4 * top_k for m in model.moe_layers())
+        batch.num_valid_tokens = count = torch.tensor(3)
+        padded = model(batch.input_ids, batch.positions, batch)
+    assert batch.num_valid_tokens is count
+    torch.testing.assert_close(padded[:3], full[:3], rtol=0, atol=0, msg=name)
+    assert all(int(m.expert_counts.sum()) == 3 * top_k for m in model.moe_layers())

@@ -10,6 +10,13 @@ scratch and counts itself done on a per-layer counter. The program that finds it
 reads every logit back from L2, runs the softmax top-k of kernels/moe_routing.py, and resets the
 counter for the next launch or graph replay. No host sync; the scratch is sized by T alone.
 Reference: F.linear then kernels/moe_reference.softmax_topk_reference.
+
+The same launch can take the layer's post-attention residual add and RMSNorm as well (``NORM``):
+every program needs the whole normed row for its dot products anyway, so each one adds the
+residual and normalises the row itself (a few KB from L2 at decode sizes) and writes its share of
+columns of the normed hidden and of the new residual, which the experts and the next layer read.
+That removes the norm's launch and its gap: two launches per MoE layer become one.
+Reference: moe_add_norm_gate_reference.
 """
 
 from __future__ import annotations
@@ -18,36 +25,95 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.moe_reference import softmax_topk_reference
 from graphserve.kernels.moe_routing import MAX_EXPERTS, _softmax_topk_store
+from graphserve.kernels.norm import fused_add_rms_norm_reference
 
 MAX_ROWS = 8  # beyond this the gate's weight reuse favours a real matmul (and one program's x tile grows)
 TILE_ELEMS = 64 * 32 * 4  # products per K step of one program: 64 per thread at 4 warps
 
 
 @triton.jit
-def moe_gate_softmax_topk_kernel(
-    x_ptr, gate_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, T, stride_xt, stride_ge,
-    E: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+def _rows_tile(ptr, stride, rows, row_mask, cols, H: tl.constexpr, EVEN_H: tl.constexpr):
+    """[BLOCK_T, BLOCK_H] activations of ``rows`` at ``cols`` (rows past T and columns past H read 0)."""
+    mask = row_mask[:, None]
+    if not EVEN_H:
+        mask = mask & (cols < H)[None, :]
+    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _add_norm_tile(
+    x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, stride_xt, stride_rt, rows, row_mask, cols, rstd, own,
+    H: tl.constexpr, EVEN_H: tl.constexpr,
 ):  # fmt: skip
-    experts = tl.program_id(0) * BLOCK_EP + tl.arange(0, BLOCK_EP)
+    """rms_norm(x + residual) of one column tile, rounded where kernels/norm.py rounds; the columns this program
+    owns (``own``) are written out as the normed hidden and the new residual."""
+    dtype = x_ptr.dtype.element_ty
+    summed = (_rows_tile(x_ptr, stride_xt, rows, row_mask, cols, H, EVEN_H).to(tl.float32)
+              + _rows_tile(res_ptr, stride_rt, rows, row_mask, cols, H, EVEN_H).to(tl.float32)).to(dtype)  # fmt: skip
+    if EVEN_H:
+        nw = tl.load(norm_w_ptr + cols).to(tl.float32)
+    else:
+        nw = tl.load(norm_w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    normed = ((summed.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype)
+    out_mask = row_mask[:, None] & (own & (cols < H))[None, :]
+    tl.store(normed_ptr + rows[:, None] * H + cols[None, :], normed, mask=out_mask)
+    tl.store(res_out_ptr + rows[:, None] * H + cols[None, :], summed, mask=out_mask)
+    return normed
+
+
+@triton.jit
+def moe_gate_softmax_topk_kernel(
+    x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, gate_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr,
+    T, stride_xt, stride_rt, stride_ge, eps,
+    E: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_H: tl.constexpr, ONE_TILE: tl.constexpr, W_IN_LOOP: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    experts = pid * BLOCK_EP + tl.arange(0, BLOCK_EP)
     # experts past E re-read expert E-1 so the weight loads need no row mask; never stored
     g_rows = tl.minimum(experts, E - 1).to(tl.int64)
     rows = tl.arange(0, BLOCK_T)
     row_mask = rows < T
     offs_h = tl.arange(0, BLOCK_H)
     acc = tl.zeros((BLOCK_T, BLOCK_EP), dtype=tl.float32)
+    if NORM:
+        # every program needs the whole normed row for its experts' dot products, so each normalises it;
+        # the stores of the normed hidden and the new residual are spread over the programs by column
+        span = tl.cdiv(H, tl.num_programs(0))
+        if ONE_TILE:
+            # one tile: the gate rows load with the activations, nothing waits for the sum of squares
+            w = tl.load(gate_ptr + g_rows[:, None] * stride_ge + offs_h[None, :], mask=(offs_h < H)[None, :],
+                        other=0.0)  # fmt: skip
+            summed = (_rows_tile(x_ptr, stride_xt, rows, row_mask, offs_h, H, EVEN_H).to(tl.float32)
+                      + _rows_tile(res_ptr, stride_rt, rows, row_mask, offs_h, H, EVEN_H).to(tl.float32))  # fmt: skip
+            sf = summed.to(x_ptr.dtype.element_ty).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, 1) / H + eps)
+        else:
+            sumsq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + offs_h
+                summed = (_rows_tile(x_ptr, stride_xt, rows, row_mask, cols, H, EVEN_H).to(tl.float32)
+                          + _rows_tile(res_ptr, stride_rt, rows, row_mask, cols, H, EVEN_H).to(tl.float32))  # fmt: skip
+                sf = summed.to(x_ptr.dtype.element_ty).to(tl.float32)
+                sumsq += tl.sum(sf * sf, 1)
+            rstd = 1.0 / tl.sqrt(sumsq / H + eps)
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + offs_h
-        if H % BLOCK_H == 0:
-            w = tl.load(gate_ptr + g_rows[:, None] * stride_ge + cols[None, :])
-            x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=row_mask[:, None], other=0.0)
+        if W_IN_LOOP:  # else loaded above, with the activations of the one tile
+            if EVEN_H:
+                w = tl.load(gate_ptr + g_rows[:, None] * stride_ge + cols[None, :])
+            else:
+                w = tl.load(gate_ptr + g_rows[:, None] * stride_ge + cols[None, :], mask=(cols < H)[None, :],
+                            other=0.0)  # fmt: skip
+        if NORM:
+            own = (cols >= pid * span) & (cols < (pid + 1) * span)
+            x = _add_norm_tile(x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, stride_xt, stride_rt, rows,
+                               row_mask, cols, rstd, own, H, EVEN_H)  # fmt: skip
         else:
-            h_mask = cols < H
-            w = tl.load(gate_ptr + g_rows[:, None] * stride_ge + cols[None, :], mask=h_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=row_mask[:, None] & h_mask[None, :],
-                        other=0.0)  # fmt: skip
+            x = _rows_tile(x_ptr, stride_xt, rows, row_mask, cols, H, EVEN_H)
         acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
     # rounded where the separate gate projection would write its output
     logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -94,6 +160,37 @@ def moe_gate_softmax_topk(
     ``counter`` is an int32 scalar on x's device, zero before the first call; the kernel leaves it zero.
     One launch; x [T, H] with T <= MAX_ROWS.
     """
+    weights, ids, _, _ = _launch(x, gate_weight, top_k, renormalize, counter, None)
+    return weights, ids
+
+
+def moe_add_norm_gate_softmax_topk(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    counter: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The post-attention residual add and RMSNorm, the router gate and softmax top-k in one launch.
+
+    Returns (weights fp32 [T, k], ids int32 [T, k], rms_norm(x + residual) [T, H], x + residual [T, H]):
+    the routing, the experts' input and the next residual, as ``kernels/norm.fused_add_rms_norm`` and
+    ``moe_gate_softmax_topk`` would give them in two launches. Both [T, H] outputs are new tensors: the
+    programs read ``residual`` whole while others write, so it cannot be updated in place.
+    """
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match x {x.dtype} {tuple(x.shape)}")
+    if norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} does not match hidden size {x.shape[-1]}")
+    if residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    return _launch(x, gate_weight, top_k, renormalize, counter, (residual, norm_weight.contiguous(), float(eps)))
+
+
+def _launch(x, gate_weight, top_k, renormalize, counter, norm):
     if x.dim() != 2 or gate_weight.dim() != 2 or gate_weight.shape[1] != x.shape[1]:
         raise ValueError(f"need x [T, H] and gate weight [E, H], got {tuple(x.shape)} and {tuple(gate_weight.shape)}")
     t, h = x.shape
@@ -113,11 +210,33 @@ def moe_gate_softmax_topk(
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    if norm is None:
+        residual, norm_weight, eps = x, x, 0.0  # unused by the kernel
+        normed = summed = None
+        out_a = out_b = x
+    else:
+        residual, norm_weight, eps = norm
+        normed = torch.empty(t, h, dtype=x.dtype, device=x.device)  # rows H apart, as the kernel writes them
+        summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
+        out_a, out_b = normed, summed
     block_t, block_ep = triton.next_power_of_2(t), experts_per_program(e)
     block_h = max(64, min(triton.next_power_of_2(h), TILE_ELEMS // (block_t * block_ep)))
     moe_gate_softmax_topk_kernel[(triton.cdiv(e, block_ep),)](
-        x, gate_weight, logits, counter, weights, ids, t, x.stride(0), gate_weight.stride(0),
-        E=e, H=h, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_EP=block_ep, BLOCK_H=block_h,
-        BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+        x, residual, norm_weight, out_a, out_b, gate_weight, logits, counter, weights, ids,
+        t, x.stride(0), residual.stride(0), gate_weight.stride(0), eps,
+        E=e, H=h, TOP_K=top_k, RENORMALIZE=renormalize, NORM=norm is not None,
+        BLOCK_T=block_t, BLOCK_EP=block_ep, BLOCK_H=block_h,
+        BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
+        EVEN_H=h % block_h == 0, ONE_TILE=h <= block_h, W_IN_LOOP=norm is None or h > block_h, num_warps=4,
     )  # fmt: skip
-    return weights, ids
+    return weights, ids, normed, summed
+
+
+def moe_add_norm_gate_reference(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
+    top_k: int, renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The unfused chain: residual add + RMSNorm, the gate projection rounded to x's dtype, softmax top-k."""
+    normed, summed = fused_add_rms_norm_reference(x, residual, norm_weight, eps)
+    weights, ids = softmax_topk_reference(torch.nn.functional.linear(normed, gate_weight), top_k, renormalize)
+    return weights, ids, normed, summed

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.decode_attention import decode_attention, workspace_numel
+from graphserve.kernels.decode_attention import counters_numel, decode_attention, workspace_numel
 from graphserve.kernels.extend_attention import extend_attention
 from graphserve.kernels.kv_write import kv_write
 from graphserve.layers.attention_backend import AttentionBackend
@@ -26,31 +26,38 @@ if TYPE_CHECKING:
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention through Triton. One instance serves every layer of a model.
 
-    The decode scratch space (split partials) is allocated once per (device, head layout) and
-    reused by every layer and step. It is sized for every batch size at any context length, so
-    it never grows; call ``reserve`` before capturing graphs, or let the eager warm-up run that
-    precedes each capture allocate it, so that it never lands inside a graph's memory pool.
+    The decode scratch space (split partials, and the zeroed counters with which the split kernel
+    merges its own partials) is allocated once per (device, head layout) and reused by every layer
+    and step. It is sized for every batch size at any context length, so it never grows; call
+    ``reserve`` before capturing graphs, or let the eager warm-up run that precedes each capture
+    allocate it, so that it never lands inside a graph's memory pool. Every decode launch leaves
+    the counters at zero, so layers, steps and graph replays share them.
     """
 
     name = "triton"
     fused_prologue = True  # the model's qk_norm_rope_kv_write kernel stores K/V; attend() reads them
 
     def __init__(self) -> None:
-        self._workspaces: dict[tuple[torch.device, int, int, int], torch.Tensor] = {}
+        self._workspaces: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def reserve(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
-        """Allocate (once) and return the decode scratch for this head layout on ``device``."""
+    def reserve(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allocate (once) and return the decode scratch and merge counters for this head layout."""
         device = torch.device(device)
         key = (device, num_heads, num_kv_heads, head_dim)
-        ws = self._workspaces.get(key)
-        if ws is None:
+        reserved = self._workspaces.get(key)
+        if reserved is None:
             numel = workspace_numel(num_heads, num_kv_heads, head_dim, sm_count(device))
-            ws = torch.empty(max(1, numel), dtype=torch.float32, device=device)
-            self._workspaces[key] = ws
-        return ws
+            reserved = (
+                torch.empty(max(1, numel), dtype=torch.float32, device=device),
+                torch.zeros(max(1, counters_numel(num_kv_heads, sm_count(device))), dtype=torch.int32, device=device),
+            )
+            self._workspaces[key] = reserved
+        return reserved
 
     def workspace_bytes(self) -> int:
-        return sum(ws.numel() * ws.element_size() for ws in self._workspaces.values())
+        return sum(t.numel() * t.element_size() for pair in self._workspaces.values() for t in pair)
 
     def forward(
         self,
@@ -67,8 +74,9 @@ class TritonAttentionBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
         kv_cache = batch.kv_caches[layer_idx]
         if batch.mode == "decode":
-            ws = self.reserve(q.shape[1], kv_cache.shape[3], q.shape[2], q.device)
-            return decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws)
+            ws, counters = self.reserve(q.shape[1], kv_cache.shape[3], q.shape[2], q.device)
+            return decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws,
+                                    counters=counters)
         return extend_attention(
             q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.max_query_len, scale
         )

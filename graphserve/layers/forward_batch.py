@@ -37,7 +37,8 @@ class ForwardBatch:
     kv_caches: list[torch.Tensor] = field(default_factory=list)  # one per layer
     attn_backend: AttentionBackend | None = None
     # real rows of a padded batch (CUDA-graph padding), as a device scalar: rows past it route to no
-    # expert in MoE layers. None: every row is real.
+    # expert in MoE layers (an MoE model turns it into a bool row mask [T] once per step). None: every
+    # row is real.
     num_valid_tokens: torch.Tensor | None = None
     # host-side copies for the CPU backend and bookkeeping (never read on the GPU hot path)
     query_lens_cpu: list[int] = field(default_factory=list)

@@ -260,16 +260,40 @@ class FusedMoE(nn.Module):
         """``forward(hidden, gate(hidden), valid)``, with the gate projection and the routing in one
         launch (kernels/moe_gate.py) where it applies: decode-sized batches on the kernel path,
         softmax top-k routing, a gate without bias. ``gate`` keeps the checkpoint's weight."""
-        use_kernels = hidden.is_cuda if self.use_kernels is None else self.use_kernels
-        if use_kernels and self.routing_override is None and isinstance(self.router, SoftmaxTopK) \
-                and gate.bias is None and hidden.dim() == 2 and hidden.shape[1] == self.hidden_size:  # fmt: skip
-            from graphserve.kernels.moe_gate import gate_fusable, moe_gate_softmax_topk
+        if self._gate_fusable(hidden, gate):
+            from graphserve.kernels.moe_gate import moe_gate_softmax_topk
 
-            if gate_fusable(hidden, gate.weight) and gate.weight.shape[0] == self.num_experts:
-                routing = moe_gate_softmax_topk(hidden, gate.weight, self.top_k, self.router.renormalize,
-                                                self.gate_counter)  # fmt: skip
-                return self._experts(hidden, *routing, valid)
+            routing = moe_gate_softmax_topk(hidden, gate.weight, self.top_k, self.router.renormalize,
+                                            self.gate_counter)  # fmt: skip
+            return self._experts(hidden, *routing, valid)
         return self.forward(hidden, gate(hidden), valid)
+
+    def forward_add_norm_gate(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gate: nn.Linear, valid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(forward_gate(h, gate, valid), h, x + residual)`` with ``h = norm(x + residual)``: a decoder
+        layer's post-attention residual add and RMSNorm (``norm``, layers/norm.RMSNorm) ahead of the routed
+        experts. Where ``forward_gate`` fuses its gate, the add and the norm join that launch too
+        (``h`` is what the router and any shared expert read); otherwise the norm runs first on its own."""
+        if self._gate_fusable(x, gate) and residual.shape == x.shape and residual.dtype == x.dtype:
+            from graphserve.kernels.moe_gate import moe_add_norm_gate_softmax_topk
+
+            weights, ids, hidden, summed = moe_add_norm_gate_softmax_topk(
+                x, residual, norm.weight, norm.eps, gate.weight, self.top_k, self.router.renormalize,
+                self.gate_counter,
+            )  # fmt: skip
+            return self._experts(hidden, weights, ids, valid), hidden, summed
+        hidden, residual = norm(x, residual)
+        return self.forward_gate(hidden, gate, valid), hidden, residual
+
+    def _gate_fusable(self, hidden: torch.Tensor, gate: nn.Linear) -> bool:
+        use_kernels = hidden.is_cuda if self.use_kernels is None else self.use_kernels
+        if not (use_kernels and self.routing_override is None and isinstance(self.router, SoftmaxTopK)
+                and gate.bias is None and hidden.dim() == 2 and hidden.shape[1] == self.hidden_size):  # fmt: skip
+            return False
+        from graphserve.kernels.moe_gate import gate_fusable
+
+        return gate_fusable(hidden, gate.weight) and gate.weight.shape[0] == self.num_experts
 
     def _experts(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor | None

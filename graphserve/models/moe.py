@@ -13,6 +13,7 @@ expert index in the name to a shard of the stacked parameter.
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -111,15 +112,27 @@ class SparseMoeBlock(nn.Module):
         # the router takes the gate's output in the activation dtype and computes its softmax in
         # fp32, as the checkpoints' reference implementations do; at decode sizes the gate
         # projection and the routing run as one kernel
-        out = self.experts.forward_gate(x, self.gate, valid=batch.num_valid_tokens)
+        return self._finish(self.experts.forward_gate(x, self.gate, valid=batch.num_valid_tokens), x)
+
+    def forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(forward(norm(x + residual)), x + residual)``; at decode sizes the add and the norm ride in the
+        router's launch."""
+        out, hidden, residual = self.experts.forward_add_norm_gate(x, residual, norm, self.gate,
+                                                                   valid=batch.num_valid_tokens)  # fmt: skip
+        return self._finish(out, hidden), residual
+
+    def _finish(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is not None and self.add_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return all_reduce(out, over="experts")  # one per layer, the shared expert already in it
 
 
 class MoEDecoderLayer(nn.Module):
-    """Attention, then the routed block; the post-attention norm runs on its own (the router and the
-    experts both read its output)."""
+    """Attention, then the routed block. The post-attention add and norm go to the routed block, which
+    at decode sizes runs them inside the router's launch (the router and the experts both read the
+    normed hidden)."""
 
     def __init__(self, s: Shape, m: MoEShape, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -133,8 +146,7 @@ class MoEDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         qkv, residual = norm_linear(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
         hidden = all_reduce(self.self_attn.forward_qkv(positions, qkv, batch))
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, batch), residual
+        return self.mlp.forward_add_norm(hidden, residual, self.post_attention_layernorm, batch)
 
 
 class MoEForCausalLM(CausalLM):
@@ -183,6 +195,15 @@ class MoEForCausalLM(CausalLM):
         self.tied = s.tie_word_embeddings
         if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # a padded (CUDA-graph) batch carries its real row count on the device; every MoE layer needs it
+        # as a row mask, so the mask is built once per step here (two small launches), not in each layer
+        count = batch.num_valid_tokens
+        if count is not None and count.dtype != torch.bool:
+            batch = copy.copy(batch)
+            batch.num_valid_tokens = torch.arange(input_ids.shape[0], device=count.device) < count.reshape(())
+        return self.model(input_ids, positions, batch)
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         name = name.replace(".block_sparse_moe.", ".mlp.")

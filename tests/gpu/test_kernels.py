@@ -89,26 +89,33 @@ def test_decode_attention(dtype, batch, max_ctx, num_heads, num_kv_heads, head_d
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 32])
-def test_decode_attention_any_split_count_agrees(num_splits, gen):
-    cache, tables, lens = paged(lengths(6, 3000, gen), 8, 128, torch.bfloat16, gen)
-    q = torch.randn(6, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
-    out = decode_attention(q, cache, tables, lens, 128**-0.5, num_splits=num_splits)
-    assert rel_err(out, decode_attention_reference(q, cache, tables, lens, 128**-0.5)) < TOL[torch.bfloat16]
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(32, 8), (32, 4)])  # Llama-3-8B, Qwen3-30B-A3B
+def test_decode_attention_any_split_count_agrees(num_splits, num_heads, num_kv_heads, gen):
+    """Every split count, merged in the split kernel and by the separate merge launch."""
+    cache, tables, lens = paged(lengths(6, 3000, gen), num_kv_heads, 128, torch.bfloat16, gen)
+    q = torch.randn(6, num_heads, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = decode_attention_reference(q, cache, tables, lens, 128**-0.5)
+    counters = torch.zeros(6 * num_kv_heads, dtype=torch.int32, device="cuda")
+    fused = decode_attention(q, cache, tables, lens, 128**-0.5, num_splits=num_splits, counters=counters)
+    launched = decode_attention(q, cache, tables, lens, 128**-0.5, num_splits=num_splits, fused_merge=False)
+    assert rel_err(fused, ref) < TOL[torch.bfloat16]
+    assert rel_err(fused, launched) < 1e-2  # the same partials, merged in another order
+    assert not counters.any()
 
 
-@pytest.mark.parametrize("batch", [1, 8, 64])
-def test_decode_attention_cuda_graph_replay_matches_eager(batch, gen):
-    dtype, hq, hkv, d = torch.bfloat16, 32, 8, 128
+@pytest.mark.parametrize(("batch", "num_kv_heads"), [(1, 8), (8, 8), (64, 8), (1, 4), (3, 4)])
+def test_decode_attention_cuda_graph_replay_matches_eager(batch, num_kv_heads, gen):
+    dtype, hq, hkv, d = torch.bfloat16, 32, num_kv_heads, 128
     cache, tables, lens = paged(lengths(batch, 8192, gen), hkv, d, dtype, gen)
     q = torch.randn(batch, hq, d, device="cuda", generator=gen).to(dtype)
     out = torch.empty_like(q)
     backend = TritonAttentionBackend()
-    ws = backend.reserve(hq, hkv, d, torch.device("cuda"))
-    decode_attention(q, cache, tables, lens, d**-0.5, out=out, workspace=ws)  # compile outside capture
+    ws, counters = backend.reserve(hq, hkv, d, torch.device("cuda"))
+    decode_attention(q, cache, tables, lens, d**-0.5, out=out, workspace=ws, counters=counters)  # compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        decode_attention(q, cache, tables, lens, d**-0.5, out=out, workspace=ws)
+        decode_attention(q, cache, tables, lens, d**-0.5, out=out, workspace=ws, counters=counters)
     # new inputs written into the captured buffers: other lengths, other blocks, other queries
     new_cache, new_tables, new_lens = paged(lengths(batch, 8192, gen), hkv, d, dtype, gen)
     n = min(cache.shape[1], new_cache.shape[1])
@@ -117,9 +124,11 @@ def test_decode_attention_cuda_graph_replay_matches_eager(batch, gen):
     lens.copy_(new_lens.clamp(max=(tables.shape[1] - 2) * PAGE))
     q.copy_(torch.randn(batch, hq, d, device="cuda", generator=gen).to(dtype))
     out.fill_(float("nan"))
-    graph.replay()
+    for _ in range(3):  # the in-kernel merge's counters must come back to zero after every replay
+        graph.replay()
     torch.cuda.synchronize()
-    eager = decode_attention(q, cache, tables, lens, d**-0.5, workspace=ws)
+    assert not counters.any()
+    eager = decode_attention(q, cache, tables, lens, d**-0.5, workspace=ws, counters=counters)
     assert torch.equal(out, eager)
     assert rel_err(out, decode_attention_reference(q, cache, tables, lens, d**-0.5)) < TOL[dtype]
 
