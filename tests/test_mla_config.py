@@ -96,20 +96,20 @@ def test_sweep_winners_become_a_rule_the_kernel_reads(tmp_path, monkeypatch):
         for name in names:
             MLATile.parse(f"{name}o1")  # every candidate is a valid tile
     rows = []
-    for tile, ms in (("hm-h16n32w4s2o2", 0.20), ("tm-h16n64w4s3o2", 0.12), ("tm-h16n64w4s3o1", 0.15)):
+    for tile, ms in ((DECODE_FEW_HEADS.name, 0.20), ("tm-h16n64w4s3o2", 0.12), ("tm-h16n64w4s3o1", 0.15)):
         rows.append({"heads": 16, "bs": 64, "ctx": 4096, "tile": tile, "splits": 4, "ms": ms, "bytes": 3e8,
                      "flops": 1e10})
-    rows.append({"heads": 16, "bs": 1, "ctx": 4096, "tile": "tm-h16n128w8s2o1", "splits": 60, "ms": 0.01,
+    rows.append({"heads": 16, "bs": 1, "ctx": 4096, "tile": "tm-h16n64w4s2o1", "splits": 60, "ms": 0.01,
                  "bytes": 5e6, "flops": 1e8})
     for r in rows:
         r.update(us=r["ms"] * 1e3, pct_bw=50.0, tflops=1.0)
     best = mla.winners(rows)
-    assert [(w["bs"], w["tile"]) for w in best] == [(1, "tm-h16n128w8s2o1"), (64, "tm-h16n64w4s3o2")]
+    assert [(w["bs"], w["tile"]) for w in best] == [(1, "tm-h16n64w4s2o1"), (64, "tm-h16n64w4s3o2")]
     assert best[1]["default_tile"] == DECODE_FEW_HEADS.name and best[1]["speedup"] == pytest.approx(0.20 / 0.12)
     monkeypatch.delenv("OUT", raising=False)
     path = tmp_path / "mla_tiles.json"
     mla.write_rule({"environment": {"device": "NVIDIA H200", "date": "d"}, "winners": best}, path)
     rule = load_rule.__wrapped__(str(path))
     assert rule.device == "NVIDIA H200"
-    assert rule.tile(16, 2, 4096) == MLATile(True, 16, 128, 8, 2, 1)
+    assert rule.tile(16, 2, 4096) == MLATile(True, 16, 64, 4, 2, 1)
     assert rule.tile(16, 128, 8192) == MLATile(True, 16, 64, 4, 3, 2)

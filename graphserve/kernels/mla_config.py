@@ -80,12 +80,14 @@ class MLATile:
         return cls(form == "tm", int(bh), int(bn), int(w), int(s), int(o), int(t or 1))
 
 
-# Code defaults (no rule, another card): head-major, 16 heads x 32 tokens per step, 4 warps, the
-# fastest tile of the first sweep at bs 64, ctx 4096 on an H200 (2,658 GB/s against 1,845 for 16
-# tokens per step; benchmarks/results/mla.json). Many heads: 64 per program, so V3's 128 heads
+# Code defaults (no rule, another card). Few heads: head-major, 16 heads x 32 tokens per step, 4
+# warps, 3 stages: two tiles in flight per program while the other is multiplied; for sm_90 ptxas
+# gives 190 registers and Triton 91 KiB of shared memory, so two programs fit an SM (occupancy 2).
+# The first sweep (one buffer, benchmarks/results/mla.json) had this tile fastest at bs 64, ctx 4096
+# (2,658 GB/s against 1,845 for 16 tokens per step). Many heads: 64 per program, so V3's 128 heads
 # read each tile twice instead of 8 times (at 242 FLOPs per cache byte V3 is bound by the tensor
-# cores, which need 64-row products); 8 warps keep its [64, 512] fp32 accumulator at 128 registers.
-DECODE_FEW_HEADS = MLATile(False, 16, 32, 4, 2, occupancy=2)
+# cores, which need 64-row products: a Hopper warpgroup MMA); 8 warps, 228 registers, 144 KiB.
+DECODE_FEW_HEADS = MLATile(False, 16, 32, 4, 3, occupancy=2)
 DECODE_MANY_HEADS = MLATile(False, 64, 32, 8, 2, occupancy=1)
 # extend: 2 query tokens x 16 heads per program; 8 warps keep 32 rows x 512 fp32 spill-free
 EXTEND = MLATile(False, 16, 16, 8, 2, occupancy=1, block_t=2)
