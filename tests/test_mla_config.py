@@ -1,9 +1,15 @@
 """The MLA decode tile and split choice (kernels/mla_config.py): names, bad tiles, the split count
-from static sizes, and the measured rule read back from its JSON."""
+from static sizes, the measured rule read back from the JSON the sweep writes, and the default
+tiles compiled for Hopper."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +26,8 @@ from graphserve.kernels.mla_config import (
     decode_tile,
     load_rule,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("tile", [DECODE_FEW_HEADS, DECODE_MANY_HEADS, MLATile(True, 32, 64, 8, 3, 1, block_t=4)])
@@ -113,3 +121,20 @@ def test_sweep_winners_become_a_rule_the_kernel_reads(tmp_path, monkeypatch):
     assert rule.device == "NVIDIA H200"
     assert rule.tile(16, 2, 4096) == MLATile(True, 16, 64, 4, 2, 1)
     assert rule.tile(16, 128, 8192) == MLATile(True, 16, 64, 4, 3, 2)
+
+
+def test_default_tiles_fit_hopper_and_pipeline_their_loads():
+    """Compiled for sm_90 without a GPU (Triton + ptxas, benchmarks/mla_ptxas.py): each default decode tile
+    fits the shared memory, spills no registers, and fits as many programs per SM as its occupancy
+    says; and a third stage adds a whole cache tile of buffer (the loads really are multi-buffered)."""
+    two_stages = dataclasses.replace(DECODE_FEW_HEADS, num_stages=2).name
+    names = [DECODE_FEW_HEADS.name, DECODE_MANY_HEADS.name, two_stages]
+    out = subprocess.run([sys.executable, "-m", "benchmarks.mla_ptxas", "--json", *names], cwd=ROOT, check=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True).stdout
+    rows = {r["tile"]: r for r in map(json.loads, out.splitlines())}
+    for name in names[:2]:
+        row = rows[name]
+        assert row["fits_sm90"] and row["spill_bytes"] == 0, row
+        assert row["programs_per_sm"] >= MLATile.parse(name).occupancy, row
+    tile_bytes = DECODE_FEW_HEADS.block_n * (512 + 64) * 2
+    assert rows[DECODE_FEW_HEADS.name]["shared_bytes"] >= rows[two_stages]["shared_bytes"] + tile_bytes

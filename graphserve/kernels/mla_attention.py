@@ -2,36 +2,31 @@
 
 Inputs are in latent space: ``q_lat [T, H, r]`` (the query's no-rope part already multiplied by
 ``W_UK``), ``q_rope [T, H, d]`` (rotated) and the cache ``[num_blocks, page, 1, r + d]`` whose rows
-are the latent ``c`` then the rope key. Scores are ``q_lat·c + q_rope·k_rope``; the values are the
-latents themselves, so one loaded tile ``[BLOCK_N, r + d]`` serves both products and every head
-of the program: a program owns ``BLOCK_T`` query tokens × ``BLOCK_H`` heads of one sequence (all
-of a model's heads when they fit one block) and reads each tile of its context once. The output
-``o_lat [T, H, r]`` goes back through ``W_UV`` outside. The cache may be bf16/fp16 or fp8 (e4m3,
-scale 1.0, layers/kv_layout.py): fp8 tiles are widened to the query's dtype as they are loaded.
+are the latent ``c`` then the rope key; bf16/fp16, or fp8 e4m3 (scale 1.0, layers/kv_layout.py)
+widened to the query's dtype as it loads. Scores are ``q_lat·c + q_rope·k_rope``; the values are
+the latents themselves, so one loaded tile ``[BLOCK_N, r + d]`` serves both products and every
+head of the program: a program owns ``BLOCK_T`` query tokens x ``BLOCK_H`` heads of one sequence
+(all of a model's heads when they fit one block) and reads each tile of its context once. The
+output ``o_lat [T, H, r]`` goes back through ``W_UV`` outside.
 
 Two layouts of the same math (kernels/mla_config.MLATile): head-major, scores ``[heads, tokens]``;
 token-major, the transposed products ``c·qᵀ`` and ``cᵀ·pᵀ``, whose MMA rows are context tokens.
-The latent dim is not split into chunks for ``P·V``: both products read the whole 576-wide row, so
-a chunked tile would stay resident until the probabilities exist and the shared-memory footprint
-per pipeline stage (``BLOCK_N x 576`` elements) would not shrink; the stage count and ``BLOCK_N``
-are what trade footprint against loads in flight, and the sweep measures them.
+The latent dim is not cut into chunks for ``P·V``: both products need the whole 576-wide row, so
+every chunk stays resident until the probabilities exist and a stage's shared memory (``BLOCK_N x
+576``) would not shrink; ``BLOCK_N`` and the stage count trade footprint against loads in flight.
 
 Decode (``BLOCK_T = 1``) splits each context into ``num_splits`` pieces ("flash-decoding"): the
 grid is (head block, sequence, split), each split writes (log-sum-exp, normalised partial) and a
-second kernel merges them; at one split the program writes the output itself and the merge is not
-launched. Tile and split count come from kernels/mla_config.py. The grid and scratch depend only on
-static sizes (batch, heads and the block-table width), never on ``seq_lens`` values, so a decode
-step can be captured in a CUDA graph.
+second kernel merges them; at one split the program writes the output itself and no merge is
+launched. Tile and split count come from kernels/mla_config.py, from static sizes only (batch,
+heads, block-table width), never from ``seq_lens`` values, so a decode step captures in a CUDA graph.
 
-Prefill/extend stays absorbed too (causal, one split). Per (query token, key, head) the absorbed
-form multiplies 576 + 512 wide, the expanded form 192 + 128; expanding instead costs 512 x 256 per
-(key, head) -- ``kv_b_proj`` over the chunk *and its whole cached prefix*, every chunk -- plus an
-expanded K/V buffer of ``context x H x 320`` elements (1.3 GB for V3's 128 heads at a 16k context,
-bf16) that the memory plan would have to reserve for ``--max-model-len``. So the expanded form
-does fewer FLOPs only for chunks above 131072 / 768 ~ 171 new tokens, and always needs the buffer;
-the absorbed kernel reads the paged cache in place and is the same code as decode.
-benchmarks/mla.py times both for chunks of 64, 512 and 2048 tokens on a 4096-token prefix, so the
-trade stays measured.
+Prefill/extend runs absorbed too (causal, one split): it reads the paged cache in place, where
+expanding K/V costs ``kv_b_proj`` over the chunk and its whole cached prefix every chunk, and a
+``context x H x 320`` buffer (1.3 GB for V3's 128 heads at 16k, bf16) the memory plan would have to
+reserve. By FLOPs the expanded form wins only above ~171 new tokens per chunk; benchmarks/mla.py
+times both at chunks of 64-2048 on a 4096-token prefix (its first run, before the block ids were
+prefetched, had the expanded form faster at every chunk size: this choice is still open).
 """
 
 from __future__ import annotations
