@@ -189,6 +189,7 @@ def rule_for(device: torch.device) -> MLARule:
     return rule
 
 
+@functools.lru_cache(maxsize=4096)  # called per layer and step: eager decode must not search the rule each time
 def decode_tile(heads: int, batch: int, max_context: int, dtype: torch.dtype, device: torch.device) -> MLATile:
     """The decode tile of a call: the measured rule's for this card, else the code default."""
     if dtype == torch.float32:
