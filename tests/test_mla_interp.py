@@ -186,3 +186,33 @@ def test_deepseek_v3_on_the_triton_mla_backend_matches_transformers(tmp_path):
     got = torch.cat(harness.step([("a", [nxt[0]]), ("b", [nxt[1]])])).cpu()
     want = torch.stack([hf_logits(hf, a + [nxt[0]])[-1], hf_logits(hf, b + [nxt[1]])[-1]])
     assert relative_error(got, want) < 1e-4
+
+
+def test_a_tile_out_of_shared_memory_falls_back_once(monkeypatch, caplog):
+    """A tile the card cannot launch (a rule measured elsewhere, a smaller GPU) runs the fallback tile,
+    says so once, and is not tried again."""
+    from triton.runtime.errors import OutOfResources
+
+    from graphserve.kernels.mla_config import SAFE_DECODE
+
+    too_big = MLATile(True, 16, 64, 4, 4)
+    launched = []
+    real_launch = mla_kernels._launch
+
+    def launch(*args):
+        launched.append(args[-1])
+        if args[-1] == too_big:
+            raise OutOfResources(300000, 232448, "shared memory")
+        return real_launch(*args)
+
+    monkeypatch.setattr(mla_kernels, "_launch", launch)
+    monkeypatch.setattr(mla_kernels, "_UNFIT", set())
+    seq_lens = [40, 9]
+    cache, tables, lens, q_lat, q_rope = decode_case(HEADS, seq_lens, torch.float32, seed=11)
+    qsl = torch.arange(3, dtype=torch.int32, device=DEVICE)
+    ref = absorbed_attention_reference(q_lat, q_rope, cache, tables, [1, 1], seq_lens, 0.3)
+    for _ in range(2):
+        out = mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.3, max_query_len=1, tile=too_big)
+        assert rel_err(out, ref) < 1e-5
+    assert launched == [too_big, SAFE_DECODE, SAFE_DECODE]
+    assert sum("does not fit" in r.getMessage() for r in caplog.records) == 1
