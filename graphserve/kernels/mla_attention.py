@@ -39,7 +39,14 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from graphserve.kernels.common import interpreting, sm_count
-from graphserve.kernels.mla_config import SAFE_DECODE, MLATile, choose_num_splits, decode_tile, extend_tile
+from graphserve.kernels.mla_config import (
+    MAX_SPLITS,
+    SAFE_DECODE,
+    MLATile,
+    choose_num_splits,
+    decode_tile,
+    extend_tile,
+)
 
 LOG2E = 1.4426950408889634
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
@@ -254,8 +261,8 @@ def mla_attention(
     if cache.dtype not in CACHE_DTYPES or (cache.dtype.itemsize > 1 and cache.dtype != q_lat.dtype):
         raise ValueError(f"cache dtype {cache.dtype} with queries in {q_lat.dtype}: the cache is in the "
                          f"queries' dtype or float8_e4m3fn")
-    if num_splits is not None and not 1 <= num_splits <= 65535:
-        raise ValueError(f"num_splits={num_splits}: between 1 and 65535 (the grid's third axis)")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits}: between 1 and {MAX_SPLITS} (the merge loads every split's lse)")
     if out is None:
         out = torch.empty_like(q_lat)
     batch = seq_lens.shape[0]

@@ -22,9 +22,10 @@ import torch
 
 logger = logging.getLogger("graphserve.mla")
 
-# A split's time is a chain of dependent loads per inner step (block table, then the tile), so at
-# small batch short splits over many programs beat long ones: a bs-1 step at 16k context would take
-# 32 steps per program at 32 splits, 8 at 128. Merging costs 2 KiB of fp32 partial per split and head.
+# At small batch a split's time is load latency (queries, block ids, then a few tiles in flight),
+# not bandwidth, so short splits over many programs beat long ones: a bs-1 step at 16k context takes
+# 16 steps of 32 tokens per program at 32 splits, 4 at 128. Merging reads 2 KiB of fp32 partial per
+# split and head.
 MAX_SPLITS = 128
 MIN_SPLIT_TOKENS = 64  # each split keeps at least this much context
 
