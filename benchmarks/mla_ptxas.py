@@ -7,7 +7,8 @@ programs fit an SM (the tile's ``occupancy``). The pipeline depth is visible her
 memory grows by one tile per extra stage only when the loads are really multi-buffered.
 
 Run (any machine with Triton's NVIDIA backend, which bundles ptxas):
-    python3 -m benchmarks.mla_ptxas hm-h16n32w4s3o2 tm-h16n32w4s3o2 [--direct] [--fp8] [--json]
+    python3 -m benchmarks.mla_ptxas hm-h16n32w4s3o2 tm-h16n32w4s3o2 [--direct] [--fp8] [--dtype fp32] [--json]
+    (a tile name ending in t2, like hm-h16n16w8s2o1t2, compiles the extend variant)
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ _STRIDES = ("stride_qlt", "stride_qlh", "stride_qrt", "stride_qrh", "stride_cblk
             "stride_ot", "stride_oh", "stride_mo_t", "stride_mo_h", "stride_mo_s", "stride_ml_t", "stride_ml_h")
 
 
-def compile_report(name: str, direct: bool = False, fp8: bool = False) -> dict:
-    """Compile the decode kernel at V2/V3 shapes (r 512, rope 64, page 16) with tile ``name``."""
+def compile_report(name: str, direct: bool = False, fp8: bool = False, dtype: str = "bf16") -> dict:
+    """Compile the kernel at V2/V3 shapes (r 512, rope 64, page 16) with tile ``name`` (its ``block_t``
+    above 1: the extend variant), queries in ``dtype`` ("bf16" or "fp32")."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -38,14 +40,15 @@ def compile_report(name: str, direct: bool = False, fp8: bool = False) -> dict:
     from graphserve.kernels.mla_config import MLATile
 
     tile = MLATile.parse(name)
-    types = {"cache_ptr": "*fp8e4nv" if fp8 else "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+    types = {"cache_ptr": "*fp8e4nv" if fp8 else f"*{dtype}", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
              "q_start_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"}  # fmt: skip
-    signature = {p: types.get(p, "*bf16") for p in _POINTERS}
+    signature = {p: types.get(p, f"*{dtype}") for p in _POINTERS}
     signature.update({"scale_log2": "fp32", "num_splits": "i32", "num_heads": "i32"})
     signature.update({s: "i32" for s in _STRIDES})
     constants = {"RANK": 512, "BLOCK_R": 512, "ROPE": 64, "BLOCK_D": 64, "PAGE": 16, "BLOCK_N": tile.block_n,
-                 "BLOCK_H": tile.block_h, "BLOCK_T": 1, "TOKEN_MAJOR": tile.token_major, "DIRECT": direct,
-                 "DOT_PRECISION": "tf32", "WHILE_LOOP": False}  # fmt: skip
+                 "BLOCK_H": tile.block_h, "BLOCK_T": tile.block_t, "TOKEN_MAJOR": tile.token_major,
+                 "DIRECT": direct or tile.block_t > 1, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+                 "WHILE_LOOP": False}  # fmt: skip
     signature.update({k: "constexpr" for k in constants})
     names = list(signature)
     # what the launcher specialises at run time: 16-byte aligned pointers, strides divisible by 16
@@ -67,7 +70,7 @@ def compile_report(name: str, direct: bool = False, fp8: bool = False) -> dict:
     smem = int(kernel.metadata.shared)
     fits = min(SM90_SHARED_BYTES // max(smem, 1), REGISTERS_PER_SM // (regs * 32 * tile.num_warps))
     mma = "wgmma" if "warp_group_dot" in ttgir else "mma" if "#mma" in ttgir else "fma"
-    return {"tile": name, "direct": direct, "cache": "fp8" if fp8 else "bf16", "shared_bytes": smem,
+    return {"tile": name, "direct": direct, "cache": "fp8" if fp8 else dtype, "shared_bytes": smem,
             "registers": regs, "spill_bytes": spills, "programs_per_sm": fits, "mma": mma,
             "fits_sm90": smem <= SM90_SHARED_BYTES}  # fmt: skip
 
@@ -77,10 +80,11 @@ def main() -> None:
     p.add_argument("tiles", nargs="+", help="tile names, e.g. hm-h16n32w4s3o2")
     p.add_argument("--direct", action="store_true", help="the one-split variant (writes the output itself)")
     p.add_argument("--fp8", action="store_true", help="an fp8 e4m3 cache")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="the queries' (and cache's) dtype")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args()
     for name in args.tiles:
-        row = compile_report(name, args.direct, args.fp8)
+        row = compile_report(name, args.direct, args.fp8, args.dtype)
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
 
