@@ -1,43 +1,130 @@
-"""MLA attention kernels against the bytes of the latent cache they must read.
+"""MLA attention kernels against the bytes of the latent cache they must read, and the decode tile sweep.
 
 Decode: the absorbed attention kernel alone (kernels/mla_attention.py) at batch 1, 16, 64, 256 and
-context 1024, 4096, 16384 with DeepSeek-V2-Lite's 16 heads (and V3's 128 at --v3-rows). Floor: the
-latent cache rows in context (``batch x ctx x 576`` bf16) plus the queries and outputs, over the
-best read bandwidth measured in the same run (benchmarks/roofline.py). Times come from CUDA-graph
-replay, as decode runs in the engine.
+context 1024, 4096, 16384 with DeepSeek-V2-Lite's 16 heads, V3's 128 at batch 1 and 64, and an fp8
+cache at batch 64, each with the tile and split count the engine would use (kernels/mla_config.py:
+the measured rule, else the code defaults). Floor: the latent cache rows in context
+(``batch x ctx x 576`` elements) plus the queries and outputs, over the best read bandwidth measured
+in the same run (benchmarks/roofline.py). Times come from CUDA-graph replay, as decode runs in the engine.
 
-Tiles: at batch 64, context 4096 the decode kernel is timed over a small grid of tile choices
-(heads per program, context tokens per step, warps, stages); the best is reported beside the
-default so the default can be moved to it.
+``--sweep``: per (heads, batch, context) point, every candidate tile of ``CANDIDATES`` at the split
+counts that its occupancies give; the winner of each point goes into the rule the kernel reads,
+graphserve/kernels/mla_tiles.json (with the card's name; another card keeps the code defaults).
+The full sweep takes about 3 minutes on an H200 (most of it compiling the ~30 tile variants),
+``--sweep --quick`` under a minute (a few points and tiles; its rule is not written unless
+``--write-rule``). ``--rule-from FILE`` rewrites the rule from an earlier sweep's results, no GPU.
 
 Extend: one chunk on a cached prefix, the absorbed kernel against the expanded form (``kv_b_proj``
 over the chunk and its prefix, then SDPA with 192-wide keys), to keep the choice made in
 kernels/mla_attention.py measured.
 
-Run: python3 -m benchmarks.mla [--quick]   (writes benchmarks/results/mla.json)
+Run: python3 -m benchmarks.mla [--quick]            (writes benchmarks/results/mla.json)
+     python3 -m benchmarks.mla --sweep [--quick]    (benchmarks/results/mla_sweep.json and the rule)
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import cuda_time_ms, print_table, write_result
+from benchmarks.common import cuda_time_ms, environment, print_table, write_result
 from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import measured_read_bw
-from graphserve.kernels.mla_attention import DECODE_CONFIG, mla_attention
+from graphserve.kernels import mla_attention as mla_kernels
+from graphserve.kernels.common import sm_count
+from graphserve.kernels.mla_attention import mla_attention
+from graphserve.kernels.mla_config import RULE_PATH, MLATile, choose_num_splits, decode_tile
 
 DT = torch.bfloat16
 RANK, ROPE, NOPE, V, PAGE = 512, 64, 128, 128, 16
-COLS = ["heads", "bs", "ctx", "config", "us", "floor_us", "ratio", "gbs"]
+COLS = ["heads", "bs", "ctx", "cache", "tile", "splits", "us", "floor_us", "ratio", "gbs", "pct_bw", "tflops"]
+# Candidates per head count (the occupancy each is swept at is added by the sweep), all within sm_90's
+# 227 KiB of shared memory and free of register spills (ptxas -v). Few heads: one head block;
+# head-major with 16-64 tokens per step, token-major with 32-64, 2-4 stages (2 and more buffers).
+# Many heads (V3's 128): 32-64 heads per program (a 64-row Hopper warpgroup MMA), both layouts, and
+# 16 per program for comparison.
+CANDIDATES = {
+    16: ["hm-h16n16w4s2", "hm-h16n16w4s3", "hm-h16n32w4s2", "hm-h16n32w4s3", "hm-h16n32w4s4", "hm-h16n64w8s2",
+         "tm-h16n32w4s3", "tm-h16n32w4s4", "tm-h16n64w4s2"],
+    128: ["hm-h16n16w4s2", "hm-h32n32w8s3", "hm-h64n16w8s3", "hm-h64n32w8s2", "hm-h64n32w8s3", "tm-h64n32w8s3",
+          "tm-h32n64w8s2"],
+}
+QUICK_CANDIDATES = {16: ["hm-h16n16w4s2", "hm-h16n32w4s3", "tm-h16n32w4s3", "tm-h16n64w4s2"],
+                    128: ["hm-h64n32w8s2", "tm-h64n32w8s3"]}
+SWEEP_POINTS = {16: ([1, 4, 16, 64, 256], [1024, 4096, 16384]), 128: ([1, 8, 64], [1024, 4096, 16384])}
+QUICK_POINTS = {16: ([1, 64], [4096]), 128: ([64], [4096])}
+OCCUPANCIES = (2, 1, 4)  # programs per SM the split count aims to fill; a tie in split count keeps the first
 
 
-def setup(heads: int, batch: int, ctx: int, tokens: int | None = None):
+class DecodeCase:
+    """The inputs of one decode point (random cache, shuffled blocks), shared by every tile timed on it."""
+
+    def __init__(self, heads: int, batch: int, ctx: int, cache_dtype: torch.dtype = DT, check: bool = False) -> None:
+        self.heads, self.batch, self.ctx, self.cache_dtype = heads, batch, ctx, cache_dtype
+        self.cache, self.tables, self.lens, self.q_lat, self.q_rope = setup(heads, batch, ctx, cache_dtype=cache_dtype)
+        self.qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        self.out = torch.empty_like(self.q_lat)
+        self.capacity = self.tables.shape[1] * PAGE
+        cache_bytes = cache_dtype.itemsize * batch * ctx * (RANK + ROPE)
+        self.nbytes = cache_bytes + 2 * (batch * heads * (RANK + ROPE) + batch * heads * RANK)
+        self.flops = 2 * batch * heads * ctx * (RANK + ROPE + RANK)
+        self.expected = None
+        if check:  # the plainest tile's output (tests/gpu/test_mla.py checks it against the fp32 reference)
+            mla_attention(self.q_lat, self.q_rope, self.cache, self.tables, self.lens, self.qsl, 0.1,
+                          max_query_len=1, out=self.out, tile=mla_kernels.SAFE_DECODE)
+            self.expected = self.out.clone()
+
+    def time_ms(self, tile: MLATile | None = None, num_splits: int | None = None) -> float | None:
+        """Graph-replay time of one call; None when ``tile`` cannot run on this card."""
+        calls = max(2, min(20, int(4e8 // self.nbytes)))  # ~0.4 GB read per graph: short points replay more
+        try:
+            ms = graph_time_ms(lambda: mla_attention(self.q_lat, self.q_rope, self.cache, self.tables, self.lens,
+                                                     self.qsl, 0.1, max_query_len=1, out=self.out, tile=tile,
+                                                     num_splits=num_splits), calls=calls)
+        except Exception as e:  # a candidate this card cannot compile or run: not a candidate
+            print(f"tile {tile.name if tile else 'default'} skipped: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+            return None
+        if tile is not None and tile in mla_kernels._UNFIT:  # it ran the fallback tile: not this one's time
+            print(f"tile {tile.name} skipped: out of shared memory")
+            return None
+        if self.expected is not None and (err := rel_err(self.out, self.expected)) > 2e-2:  # never a wrong winner
+            print(f"tile {tile.name if tile else 'default'} skipped: output differs from the fallback tile's by {err:.2e}")
+            return None
+        return ms
+
+    def row(self, bw, tile: MLATile, splits: int, ms: float) -> dict:
+        bw.observe(f"mla decode h={self.heads} bs={self.batch} ctx={self.ctx} {tile.name}", self.nbytes, ms)
+        return {"heads": self.heads, "bs": self.batch, "ctx": self.ctx, "cache": str(self.cache_dtype).split(".")[-1],
+                "tile": tile.name, "splits": splits, "ms": ms, "bytes": self.nbytes, "flops": self.flops}
+
+    def engine_row(self, bw) -> dict | None:
+        """The tile and split count the engine would pick for this point."""
+        ms = self.time_ms()
+        if ms is None:
+            return None
+        tile = decode_tile(self.heads, self.batch, self.capacity, DT, torch.device("cuda"))
+        tile = mla_kernels.SAFE_DECODE if tile in mla_kernels._UNFIT else tile
+        return self.row(bw, tile, self.splits(tile), ms)
+
+    def splits(self, tile: MLATile) -> int:
+        return choose_num_splits(self.batch, math.ceil(self.heads / tile.block_h), self.capacity,
+                                 sm_count(torch.device("cuda")), tile.occupancy)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def setup(heads: int, batch: int, ctx: int, tokens: int | None = None, cache_dtype: torch.dtype = DT):
     blocks = -(-ctx // PAGE)
-    cache = torch.randn(batch * blocks + 1, PAGE, 1, RANK + ROPE, device="cuda", dtype=DT).mul_(0.5)
+    cache = torch.randn(batch * blocks + 1, PAGE, 1, RANK + ROPE, device="cuda", dtype=DT).mul_(0.5).to(cache_dtype)
     tables = (torch.randperm(batch * blocks, device="cuda").int() + 1).view(batch, blocks)
     tokens = batch if tokens is None else tokens
     q_lat = torch.randn(tokens, heads, RANK, device="cuda", dtype=DT).mul_(0.1)
@@ -45,42 +132,87 @@ def setup(heads: int, batch: int, ctx: int, tokens: int | None = None):
     return cache, tables, torch.full((batch,), ctx, dtype=torch.int32, device="cuda"), q_lat, q_rope
 
 
-def decode_bytes(heads: int, batch: int, ctx: int) -> int:
-    return 2 * (batch * ctx * (RANK + ROPE) + batch * heads * (RANK + ROPE) + batch * heads * RANK)
-
-
-def bench_decode(bw, heads: int, batch: int, ctx: int, configs: list[dict | None] = (None,)) -> list[dict]:
-    """One row per tile choice (None: the kernel's default), all on the same inputs."""
-    cache, tables, lens, q_lat, q_rope = setup(heads, batch, ctx)
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(q_lat)
-    nbytes = decode_bytes(heads, batch, ctx)
+def sweep(bw, quick: bool) -> list[dict]:
+    """Every candidate tile at every point, each at the distinct split counts its occupancies give."""
+    candidates, points = (QUICK_CANDIDATES, QUICK_POINTS) if quick else (CANDIDATES, SWEEP_POINTS)
     rows = []
-    for cfg in configs:
-        try:
-            ms = graph_time_ms(lambda c=cfg: mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.1,
-                                                           max_query_len=1, out=out, config=c))
-        except Exception as e:  # out of shared memory or registers for this tile: not a candidate
-            print(f"tile {_name(cfg)} skipped: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-            continue
-        bw.observe(f"mla decode h={heads} bs={batch} ctx={ctx} {_name(cfg)}", nbytes, ms)
-        rows.append({"heads": heads, "bs": batch, "ctx": ctx, "config": _name(cfg), "ms": ms, "bytes": nbytes})
+    for heads, (batches, contexts) in points.items():
+        tiles = [MLATile.parse(f"{name}o1") for name in candidates[heads]]
+        for batch in batches:
+            for ctx in contexts:
+                case = DecodeCase(heads, batch, ctx, check=True)
+                for base in tiles:
+                    seen = set()
+                    for occupancy in OCCUPANCIES:
+                        tile = dataclasses.replace(base, occupancy=occupancy)
+                        splits = case.splits(tile)
+                        if splits in seen:
+                            continue
+                        seen.add(splits)
+                        ms = case.time_ms(tile, splits)
+                        if ms is None:
+                            break
+                        rows.append(case.row(bw, tile, splits, ms))
+                del case
+                torch.cuda.empty_cache()
     return rows
 
 
-def _name(cfg: dict | None) -> str:
-    cfg = {**DECODE_CONFIG, **(cfg or {})}
-    return f"h{cfg['BLOCK_H']}n{cfg['BLOCK_N']}w{cfg['num_warps']}s{cfg['num_stages']}"
+def fastest(rows: list[dict], n: int) -> list[dict]:
+    """The ``n`` fastest rows of each (heads, bs, ctx) point, points in order."""
+    ranked = sorted(rows, key=lambda r: (r["heads"], r["bs"], r["ctx"], r["ms"]))
+    rank: dict[tuple, int] = {}
+    out = []
+    for r in ranked:
+        key = (r["heads"], r["bs"], r["ctx"])
+        rank[key] = rank.get(key, 0) + 1
+        if rank[key] <= n:
+            out.append(r)
+    return out
 
 
-def tile_grid(heads: int, quick: bool) -> list[dict]:
-    if quick:
-        grid = itertools.product([16, 32], [16, 32], [4, 8], [2])
-    elif heads <= 16:
-        grid = itertools.product([16, 32], [16, 32, 64], [4, 8], [1, 2])
-    else:
-        grid = itertools.product([16, 32, 64], [16, 32], [4, 8], [2])
-    return [{"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": w, "num_stages": st} for bh, bn, w, st in grid]
+def winners(rows: list[dict]) -> list[dict]:
+    """Per (heads, bs, ctx): the fastest row, beside the code default's time at that point."""
+    from graphserve.kernels.mla_config import default_decode_tile
+
+    out = []
+    for r in fastest(rows, 1):
+        key = (r["heads"], r["bs"], r["ctx"])
+        default = default_decode_tile(key[0], DT).name
+        at_default = [d["ms"] for d in rows if (d["heads"], d["bs"], d["ctx"]) == key and d["tile"] == default]
+        out.append({"heads": key[0], "bs": key[1], "ctx": key[2], "tile": r["tile"], "splits": r["splits"],
+                    "us": r["us"], "pct_bw": r["pct_bw"], "tflops": r["tflops"], "default_tile": default,
+                    "default_us": at_default[0] * 1e3 if at_default else None,
+                    "speedup": at_default[0] / r["ms"] if at_default else None})
+    return out
+
+
+def rule_from_sweep(payload: dict) -> dict:
+    env = payload.get("environment", {})
+    return {"device": env.get("device"), "written_by": "benchmarks/mla.py --sweep",
+            "measured": {key: env.get(key) for key in ("date", "commit", "torch", "triton")},
+            "rule": "MLA decode tile per (heads, bs, ctx = block-table capacity); between points the nearest "
+                    "(log scale, heads first)",
+            "entries": [{k: w[k] for k in ("heads", "bs", "ctx", "tile", "splits", "us", "pct_bw", "default_us")}
+                        for w in payload["winners"]]}  # fmt: skip
+
+
+def write_rule(payload: dict, path: Path = RULE_PATH) -> dict:
+    rule = rule_from_sweep(payload)
+    text = json.dumps(rule, indent=1) + "\n"
+    path.write_text(text)
+    if os.environ.get("OUT"):  # comes back from the GPU beside the results
+        Path(os.environ["OUT"], path.name).write_text(text)
+    print(f"MLA decode tiles for {rule['device']} written to {path}")
+    return rule
+
+
+def finish(rows: list[dict], bw) -> None:
+    """Every row against the best read rate of the whole run (a kernel that beat the probes raises it)."""
+    for r in rows:
+        r.update(bw.ratios(r["ms"], r["bytes"]))
+        r.update(us=r["ms"] * 1e3, floor_us=r["floor_ms"] * 1e3, gbs=r["bytes"] / r["ms"] / 1e6,
+                 pct_bw=100.0 / r["ratio"], tflops=r["flops"] / r["ms"] / 1e9)
 
 
 def expanded_extend(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, w_kv_b: torch.Tensor, scale: float):
@@ -123,27 +255,46 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer shapes and tiles (well under a minute)")
     p.add_argument("--bs", nargs="+", type=int, default=[1, 16, 64, 256])
     p.add_argument("--ctx", nargs="+", type=int, default=[1024, 4096, 16384])
+    p.add_argument("--sweep", action="store_true", help="time the candidate tiles and write the rule (~3 min)")
+    p.add_argument("--write-rule", action="store_true", help="with --sweep --quick: write the rule anyway")
+    p.add_argument("--rule-from", default=None, metavar="RESULTS_JSON",
+                   help="only rewrite graphserve/kernels/mla_tiles.json from an earlier --sweep results file")
     args = p.parse_args()
-    if args.quick:
-        args.bs, args.ctx = [1, 64, 256], [1024, 4096]
+    if args.rule_from:
+        write_rule(json.loads(Path(args.rule_from).read_text()))
+        return
     bw = measured_read_bw()
     print(bw.describe())
-    rows = [r for bs in args.bs for ctx in args.ctx for r in bench_decode(bw, 16, bs, ctx)]
-    rows += [r for bs in (1, 64) for r in bench_decode(bw, 128, bs, 4096)]  # V3's heads: 8 head blocks
-    tiles = bench_decode(bw, 16, 64, 4096, tile_grid(16, args.quick))
-    if not args.quick:
-        tiles += bench_decode(bw, 128, 64, 4096, tile_grid(128, False))
-    for r in rows + tiles:  # every row against the best rate of the whole run
-        r.update(bw.ratios(r["ms"], r["bytes"]))
-        r.update(us=r["ms"] * 1e3, floor_us=r["floor_ms"] * 1e3, gbs=r["bytes"] / r["ms"] / 1e6)
+    if args.sweep:
+        rows = sweep(bw, args.quick)
+        finish(rows, bw)
+        best = winners(rows)
+        print("the 3 fastest tiles of each point:")
+        print_table(fastest(rows, 3), COLS)
+        print(f"\nwinners (% of the read bandwidth measured in this run, {bw.best_gbs:.0f} GB/s):")
+        print_table(best, ["heads", "bs", "ctx", "tile", "splits", "us", "pct_bw", "tflops", "default_tile",
+                           "default_us", "speedup"])
+        payload = {"read_bandwidth": bw.summary(), "sweep": rows, "winners": best}
+        write_result("mla_sweep", payload)
+        if not args.quick or args.write_rule:
+            write_rule({"environment": environment(), **payload})
+        return
+    if args.quick:
+        args.bs, args.ctx = [1, 64, 256], [1024, 4096]
+    points = [(16, bs, ctx, DT) for bs in args.bs for ctx in args.ctx]
+    points += [(128, bs, 4096, DT) for bs in (1, 64)]  # V3's heads
+    points += [(16, 64, 4096, torch.float8_e4m3fn)]  # an fp8 latent cache: half the bytes
+    rows = []
+    for heads, bs, ctx, cache_dtype in points:
+        row = DecodeCase(heads, bs, ctx, cache_dtype).engine_row(bw)
+        rows += [row] if row else []
+        torch.cuda.empty_cache()
+    finish(rows, bw)
     extend = [bench_extend(16, chunk, 4096) for chunk in (64, 512, 2048)] + [bench_extend(128, 512, 4096)]
     print_table(rows, COLS)
-    print("\ndecode tiles at bs 64, ctx 4096:")
-    print_table(sorted(tiles, key=lambda r: r["ms"])[:12], COLS)
     print("\nextend (one chunk on a 4096-token prefix):")
     print_table(extend, ["heads", "chunk", "prefix", "absorbed_kernel_ms", "absorbed_ms", "expanded_ms"])
-    write_result("mla", {"read_bandwidth": bw.summary(), "default_decode_config": DECODE_CONFIG, "decode": rows,
-                         "decode_tiles": tiles, "extend": extend})
+    write_result("mla", {"read_bandwidth": bw.summary(), "decode": rows, "extend": extend})
 
 
 if __name__ == "__main__":

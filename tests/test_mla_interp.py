@@ -2,7 +2,8 @@
 
 fp32, tiny shapes whose sizes are not powers of two, fresh random inputs, outputs poisoned with NaN:
 the fused prologue (norm, both rotary layouts, cache write), absorbed attention for decode (one
-split and several) and for extend over a cached prefix, and a whole DeepSeek-V3 model on the
+split written directly and several merged, one head block and several, both tile layouts, an fp8
+cache) and for extend over a cached prefix, and a whole DeepSeek-V3 model on the
 Triton MLA backend against transformers. The bf16 real-shape and CUDA-graph versions live in
 tests/gpu/test_mla.py.
 """
@@ -31,7 +32,9 @@ _use_interpreter()
 
 import pytest  # noqa: E402
 
+import graphserve.kernels.mla_attention as mla_kernels  # noqa: E402
 from graphserve.kernels.mla_attention import mla_attention  # noqa: E402
+from graphserve.kernels.mla_config import MLATile  # noqa: E402
 from graphserve.kernels.mla_prologue import mla_prologue, mla_prologue_reference  # noqa: E402
 from graphserve.layers.mla_reference import absorbed_attention_reference  # noqa: E402
 from graphserve.layers.mla_rope import DeepseekRotary  # noqa: E402
@@ -81,22 +84,72 @@ def test_prologue_matches_reference(interleaved):
     assert int(flat.isnan().any(-1).sum()) == 48 - 5  # every other slot untouched
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 11])
-def test_decode_matches_reference(num_splits):
-    gen = torch.Generator().manual_seed(1)
-    seq_lens = [1, 37, 150, 0]  # the last row is CUDA-graph padding: no context, output 0
+HEAD_MAJOR = MLATile(False, 16, 16, 4, 1)
+TOKEN_MAJOR = MLATile(True, 16, 32, 4, 1)
+
+
+class LaunchCounter:
+    """Stands in for the merge kernel: counts its launches and runs the real one."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def decode_case(heads: int, seq_lens: list[int], cache_dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
     cache, tables, lens = latent_setup(seq_lens, 16, gen)
-    q_lat = torch.randn(4, HEADS, RANK, generator=gen).to(DEVICE)
-    q_rope = torch.randn(4, HEADS, ROPE, generator=gen).to(DEVICE)
+    batch = len(seq_lens)
+    q_lat = torch.randn(batch, heads, RANK, generator=gen).to(DEVICE)
+    q_rope = torch.randn(batch, heads, ROPE, generator=gen).to(DEVICE)
+    return cache.to(cache_dtype), tables, lens, q_lat, q_rope
+
+
+@pytest.mark.parametrize("tile", [HEAD_MAJOR, TOKEN_MAJOR], ids=lambda t: t.name)
+@pytest.mark.parametrize(("heads", "num_splits"), [(HEADS, 1), (HEADS, 3), (HEADS, 11), (21, 1), (21, 4)])
+def test_decode_matches_reference(tile, heads, num_splits, monkeypatch):
+    """Every decode path: one split written directly (no merge launch) or several merged; one head
+    block (5 heads) or two (21 heads over blocks of 16); both tile layouts."""
+    seq_lens = [1, 37, 150, 0]  # the last row is CUDA-graph padding: no context, output 0
+    cache, tables, lens, q_lat, q_rope = decode_case(heads, seq_lens, torch.float32, seed=heads * 100 + num_splits)
+    merge = LaunchCounter(mla_kernels._mla_merge_kernel)
+    monkeypatch.setattr(mla_kernels, "_mla_merge_kernel", merge)
     qsl = torch.arange(5, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q_lat, float("nan"))
-    mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.3, max_query_len=1, out=out, num_splits=num_splits)
+    mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.3, max_query_len=1, out=out, num_splits=num_splits,
+                  tile=tile)
     ref = absorbed_attention_reference(q_lat[:3], q_rope[:3], cache, tables, [1, 1, 1], seq_lens[:3], 0.3)
     assert rel_err(out[:3], ref) < 1e-5
     assert torch.equal(out[3], torch.zeros_like(out[3]))
+    assert merge.launches == (0 if num_splits == 1 else 1)
 
 
-def test_extend_over_a_cached_prefix_matches_reference():
+@pytest.mark.parametrize("tile", [HEAD_MAJOR, TOKEN_MAJOR], ids=lambda t: t.name)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_reads_an_fp8_cache(tile, num_splits):
+    """An e4m3 cache widened as it loads: the reference reads the same fp8 values in fp32."""
+    seq_lens = [70, 5, 33]
+    cache, tables, lens, q_lat, q_rope = decode_case(HEADS, seq_lens, torch.float8_e4m3fn, seed=7 + num_splits)
+    qsl = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q_lat, float("nan"))
+    mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.3, max_query_len=1, out=out, num_splits=num_splits,
+                  tile=tile)
+    ref = absorbed_attention_reference(q_lat, q_rope, cache, tables, [1, 1, 1], seq_lens, 0.3)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_decode_refuses_a_cache_in_another_wide_dtype():
+    cache, tables, lens, q_lat, q_rope = decode_case(HEADS, [4], torch.float32, seed=3)
+    qsl = torch.arange(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="cache dtype torch.bfloat16"):
+        mla_attention(q_lat, q_rope, cache.bfloat16(), tables, lens, qsl, 0.3, max_query_len=1)
+
+
+@pytest.mark.parametrize("tile", [None, MLATile(True, 16, 16, 4, 1, block_t=2)], ids=["default", "token-major"])
+def test_extend_over_a_cached_prefix_matches_reference(tile):
     gen = torch.Generator().manual_seed(2)
     query_lens, seq_lens = [3, 1, 7, 5], [3, 20, 40, 5]  # a prefill, a decode row, two chunks on a prefix
     cache, tables, lens = latent_setup(seq_lens, 4, gen)
@@ -105,7 +158,7 @@ def test_extend_over_a_cached_prefix_matches_reference():
     q_lat, q_rope = q_full[..., :RANK], q_full[..., 30 : 30 + ROPE]  # strided views
     qsl = torch.tensor([0, 3, 4, 11, 16], dtype=torch.int32, device=DEVICE)
     out = torch.full((tokens, HEADS, RANK), float("nan"), device=DEVICE)
-    mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.2, max_query_len=7, out=out)
+    mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.2, max_query_len=7, out=out, tile=tile)
     ref = absorbed_attention_reference(q_lat, q_rope, cache, tables, query_lens, seq_lens, 0.2)
     assert rel_err(out, ref) < 1e-5
 
@@ -135,15 +188,31 @@ def test_deepseek_v3_on_the_triton_mla_backend_matches_transformers(tmp_path):
     assert relative_error(got, want) < 1e-4
 
 
-def test_decode_splits_fill_whole_waves_from_static_sizes():
-    from graphserve.kernels.mla_attention import MAX_SPLITS, MIN_SPLIT_TOKENS, choose_num_splits
+def test_a_tile_out_of_shared_memory_falls_back_once(monkeypatch, caplog):
+    """A tile the card cannot launch (a rule measured elsewhere, a smaller GPU) runs the fallback tile,
+    says so once, and is not tried again."""
+    from triton.runtime.errors import OutOfResources
 
-    sms, slots = 132, 264
-    assert choose_num_splits(256, 1, 4096, sms) == 1  # the batch alone fills a wave
-    assert choose_num_splits(64, 1, 4096, sms) == 4  # 256 of 264 slots, where 5 splits would start a 2nd wave
-    assert choose_num_splits(1, 1, 1 << 20, sms) <= MAX_SPLITS
-    assert choose_num_splits(1, 1, 3 * MIN_SPLIT_TOKENS, sms) == 3  # never shorter than MIN_SPLIT_TOKENS
-    for batch in (1, 2, 3, 8, 16, 24, 40):
-        splits = choose_num_splits(batch, 1, 8192, sms)
-        waves = batch * splits / slots
-        assert waves / -(-waves // 1) > 0.4 or splits == MAX_SPLITS, (batch, splits)
+    from graphserve.kernels.mla_config import SAFE_DECODE
+
+    too_big = MLATile(True, 16, 64, 4, 4)
+    launched = []
+    real_launch = mla_kernels._launch
+
+    def launch(*args):
+        launched.append(args[-1])
+        if args[-1] == too_big:
+            raise OutOfResources(300000, 232448, "shared memory")
+        return real_launch(*args)
+
+    monkeypatch.setattr(mla_kernels, "_launch", launch)
+    monkeypatch.setattr(mla_kernels, "_UNFIT", set())
+    seq_lens = [40, 9]
+    cache, tables, lens, q_lat, q_rope = decode_case(HEADS, seq_lens, torch.float32, seed=11)
+    qsl = torch.arange(3, dtype=torch.int32, device=DEVICE)
+    ref = absorbed_attention_reference(q_lat, q_rope, cache, tables, [1, 1], seq_lens, 0.3)
+    for _ in range(2):
+        out = mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.3, max_query_len=1, tile=too_big)
+        assert rel_err(out, ref) < 1e-5
+    assert launched == [too_big, SAFE_DECODE, SAFE_DECODE]
+    assert sum("does not fit" in r.getMessage() for r in caplog.records) == 1

@@ -2,77 +2,105 @@
 
 Inputs are in latent space: ``q_lat [T, H, r]`` (the query's no-rope part already multiplied by
 ``W_UK``), ``q_rope [T, H, d]`` (rotated) and the cache ``[num_blocks, page, 1, r + d]`` whose rows
-are the latent ``c`` then the rope key. Scores are ``q_lat·c + q_rope·k_rope``; the values are the
-latents themselves, so one loaded tile ``[BLOCK_N, r + d]`` serves both products and every head
-of the program: a program owns ``BLOCK_T`` query tokens × ``BLOCK_H`` heads of one sequence as
-the rows of its tiles. The output ``o_lat [T, H, r]`` goes back through ``W_UV`` outside.
+are the latent ``c`` then the rope key; bf16/fp16, or fp8 e4m3 (scale 1.0, layers/kv_layout.py)
+widened to the query's dtype as it loads. Scores are ``q_lat·c + q_rope·k_rope``; the values are
+the latents themselves, so one loaded tile ``[BLOCK_N, r + d]`` serves both products and every
+head of the program: a program owns ``BLOCK_T`` query tokens x ``BLOCK_H`` heads of one sequence
+(all of a model's heads when they fit one block) and reads each tile of its context once. The
+output ``o_lat [T, H, r]`` goes back through ``W_UV`` outside.
+
+Two layouts of the same math (kernels/mla_config.MLATile): head-major, scores ``[heads, tokens]``;
+token-major, the transposed products ``c·qᵀ`` and ``cᵀ·pᵀ``, whose MMA rows are context tokens.
+The latent dim is not cut into chunks for ``P·V``: both products need the whole 576-wide row, so
+every chunk stays resident until the probabilities exist and a stage's shared memory (``BLOCK_N x
+576``) would not shrink; ``BLOCK_N`` and the stage count trade footprint against loads in flight.
 
 Decode (``BLOCK_T = 1``) splits each context into ``num_splits`` pieces ("flash-decoding"): the
 grid is (head block, sequence, split), each split writes (log-sum-exp, normalised partial) and a
-second kernel merges them. The grid and scratch depend only on static sizes (batch, heads and the
-block-table width), never on ``seq_lens`` values, so a decode step can be captured in a CUDA graph.
+second kernel merges them; at one split the program writes the output itself and no merge is
+launched. Tile and split count come from kernels/mla_config.py, from static sizes only (batch,
+heads, block-table width), never from ``seq_lens`` values, so a decode step captures in a CUDA graph.
 
-Prefill/extend stays absorbed too (causal, one split). Per (query token, key, head) the absorbed
-form multiplies 576 + 512 wide, the expanded form 192 + 128; expanding instead costs 512 x 256 per
-(key, head) -- ``kv_b_proj`` over the chunk *and its whole cached prefix*, every chunk -- plus an
-expanded K/V buffer of ``context x H x 320`` elements (1.3 GB for V3's 128 heads at a 16k context,
-bf16) that the memory plan would have to reserve for ``--max-model-len``. So the expanded form
-does fewer FLOPs only for chunks above 131072 / 768 ~ 171 new tokens, and always needs the buffer;
-the absorbed kernel reads the paged cache in place and is the same code as decode.
-benchmarks/mla.py times both for chunks of 64, 512 and 2048 tokens on a 4096-token prefix, so the
-trade stays measured.
+Prefill/extend runs absorbed too (causal, one split): it reads the paged cache in place, where
+expanding K/V costs ``kv_b_proj`` over the chunk and its whole cached prefix every chunk, and a
+``context x H x 320`` buffer (1.3 GB for V3's 128 heads at 16k, bf16) the memory plan would have to
+reserve. By FLOPs the expanded form wins only above ~171 new tokens per chunk; benchmarks/mla.py
+times both at chunks of 64-2048 on a 4096-token prefix (its first run, before the block ids were
+prefetched, had the expanded form faster at every chunk size: this choice is still open).
 """
 
 from __future__ import annotations
 
-import math
+import logging
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from graphserve.kernels.common import interpreting, sm_count
+from graphserve.kernels.mla_config import (
+    MAX_SPLITS,
+    SAFE_DECODE,
+    MLATile,
+    choose_num_splits,
+    decode_tile,
+    extend_tile,
+)
 
 LOG2E = 1.4426950408889634
-# A split's time is a chain of dependent loads per inner step (block table, then the tile), so at
-# small batch short splits over many programs beat long ones: a bs-1 step at 16k context would take
-# 32 steps per program at 32 splits, 8 at 128. Merging costs 2 KiB of fp32 partial per split and head.
-MAX_SPLITS = 128
-MIN_SPLIT_TOKENS = 64  # each split keeps at least this much context (4 inner steps of 16)
-PROGRAMS_PER_SM = 2  # resident decode programs per SM at the default tile (see DECODE_CONFIG)
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+logger = logging.getLogger("graphserve.mla")
+
+
+@triton.jit
+def _block_ids(bt_row, n0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache block of each context token in [n0, n0 + BLOCK_N) (0, the dummy block, past ``end``)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + offs_n // PAGE, mask=offs_n < end, other=0)
 
 
 @triton.jit
 def _mla_step(
-    q_lat, q_rope, q_pos, m_i, l_i, acc, n0, end, bt_row, cache_ptr, stride_cblk, stride_coff, scale_log2,
+    q_lat, q_rope, q_pos, m_i, l_i, acc, n0, end, block, cache_ptr, stride_cblk, stride_coff, scale_log2,
     offs_r, r_mask, offs_d, d_mask, RANK: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    TOKEN_MAJOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step over context tokens [n0, n0 + BLOCK_N): one cache tile, both products."""
+    """One online-softmax step over context tokens [n0, n0 + BLOCK_N): one cache tile, both products.
+
+    Head-major: ``q_lat [R, r]``, ``acc [R, r]``; token-major: ``q_lat [r, R]``, ``acc [r, R]``
+    (R = the program's rows, BLOCK_T x BLOCK_H). ``m_i``, ``l_i`` and ``q_pos`` are ``[R]`` either way.
+    """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
-    block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-    base = block * stride_cblk + (offs_n % PAGE) * stride_coff
-    c = tl.load(cache_ptr + base[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    base = block.to(tl.int64) * stride_cblk + (offs_n % PAGE) * stride_coff
+    # fp8 caches widen here; for a cache in the query's dtype the casts are no-ops
+    c = tl.load(cache_ptr + base[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
+                other=0.0).to(q_lat.dtype)
     k_rope = tl.load(cache_ptr + base[:, None] + RANK + offs_d[None, :],
-                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    if IEEE_DOT:
-        s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
-        s += tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee")
+                     mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q_lat.dtype)
+    if TOKEN_MAJOR:
+        s = tl.dot(c, q_lat, input_precision=DOT_PRECISION)  # [BLOCK_N, R]
+        s += tl.dot(k_rope, q_rope, input_precision=DOT_PRECISION)
+        visible = n_mask[:, None] & (offs_n[:, None] <= q_pos[None, :])
+        s = tl.where(visible, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype), input_precision=DOT_PRECISION)
     else:
-        s = tl.dot(q_lat, tl.trans(c))
-        s += tl.dot(q_rope, tl.trans(k_rope))
-    visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-    s = tl.where(visible, s * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE_DOT:
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)  # [R, BLOCK_N]
+        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -86,7 +114,7 @@ def _mla_attention_kernel(
     stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-    DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    TOKEN_MAJOR: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):  # fmt: skip
     # token/head blocks on axis 0 (up to 2^31 programs: a long chunk of V3's 128 heads exceeds the
     # 65535 that axes 1 and 2 allow), sequences on axis 1
@@ -116,39 +144,63 @@ def _mla_attention_kernel(
     r_mask = offs_r < RANK
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < ROPE
-    q_lat = tl.load(q_lat_ptr + tok[:, None] * stride_qlt + head[:, None] * stride_qlh + offs_r[None, :],
-                    mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-    q_rope = tl.load(q_rope_ptr + tok[:, None] * stride_qrt + head[:, None] * stride_qrh + offs_d[None, :],
-                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-
     m_i = tl.full([BLOCK_T * BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_T * BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_R], dtype=tl.float32)
+    q_lat_rows = q_lat_ptr + tok * stride_qlt + head * stride_qlh
+    q_rope_rows = q_rope_ptr + tok * stride_qrt + head * stride_qrh
+    if TOKEN_MAJOR:  # the queries as [r, rows]: the right-hand operand of c·qᵀ
+        q_lat = tl.load(q_lat_rows[None, :] + offs_r[:, None], mask=row_mask[None, :] & r_mask[:, None], other=0.0)
+        q_rope = tl.load(q_rope_rows[None, :] + offs_d[:, None], mask=row_mask[None, :] & d_mask[:, None], other=0.0)
+        acc = tl.zeros([BLOCK_R, BLOCK_T * BLOCK_H], dtype=tl.float32)
+    else:
+        q_lat = tl.load(q_lat_rows[:, None] + offs_r[None, :], mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+        q_rope = tl.load(q_rope_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_R], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Each step's block ids are loaded one step ahead and carried into the next: when the tile's
+    # address depends on a load in the same step, Triton's pipeliner gives the tile one shared-memory
+    # buffer whatever num_stages is (the next tile can only start once this one is consumed); carried,
+    # num_stages - 1 tiles stay in flight (for sm_90: 91 KiB of buffers at 32 tokens and 3 stages,
+    # against 55 KiB at any stage count before).
     if WHILE_LOOP:  # the interpreter cannot take loaded values as range bounds (kernels/common.py)
         n0 = start
+        block = _block_ids(bt_row, n0, end, PAGE, BLOCK_N)
         while n0 < end:
+            next_block = _block_ids(bt_row, n0 + BLOCK_N, end, PAGE, BLOCK_N)
             m_i, l_i, acc = _mla_step(
-                q_lat, q_rope, q_pos, m_i, l_i, acc, n0, end, bt_row, cache_ptr, stride_cblk, stride_coff,
-                scale_log2, offs_r, r_mask, offs_d, d_mask, RANK, PAGE, BLOCK_N, IEEE_DOT,
+                q_lat, q_rope, q_pos, m_i, l_i, acc, n0, end, block, cache_ptr, stride_cblk, stride_coff,
+                scale_log2, offs_r, r_mask, offs_d, d_mask, RANK, PAGE, BLOCK_N, TOKEN_MAJOR, DOT_PRECISION,
             )  # fmt: skip
+            block = next_block
             n0 += BLOCK_N
     else:
+        block = _block_ids(bt_row, start, end, PAGE, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
+            next_block = _block_ids(bt_row, n0 + BLOCK_N, end, PAGE, BLOCK_N)
             m_i, l_i, acc = _mla_step(
-                q_lat, q_rope, q_pos, m_i, l_i, acc, n0, end, bt_row, cache_ptr, stride_cblk, stride_coff,
-                scale_log2, offs_r, r_mask, offs_d, d_mask, RANK, PAGE, BLOCK_N, IEEE_DOT,
+                q_lat, q_rope, q_pos, m_i, l_i, acc, n0, end, block, cache_ptr, stride_cblk, stride_coff,
+                scale_log2, offs_r, r_mask, offs_d, d_mask, RANK, PAGE, BLOCK_N, TOKEN_MAJOR, DOT_PRECISION,
             )  # fmt: skip
+            block = next_block
 
-    o = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-    mask = row_mask[:, None] & r_mask[None, :]
+    inv_l = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)  # no visible key (padding): output 0
+    if TOKEN_MAJOR:
+        o = acc * inv_l[None, :]
+        col = offs_r[:, None]
+        mask = row_mask[None, :] & r_mask[:, None]
+        out_rows = (tok * stride_ot + head * stride_oh)[None, :]
+        mid_rows = (tok * stride_mo_t + head * stride_mo_h + split * stride_mo_s)[None, :]
+    else:
+        o = acc * inv_l[:, None]
+        col = offs_r[None, :]
+        mask = row_mask[:, None] & r_mask[None, :]
+        out_rows = (tok * stride_ot + head * stride_oh)[:, None]
+        mid_rows = (tok * stride_mo_t + head * stride_mo_h + split * stride_mo_s)[:, None]
     if DIRECT:
-        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_r[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + out_rows + col, o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        tl.store(mid_o_ptr + tok[:, None] * stride_mo_t + head[:, None] * stride_mo_h + split * stride_mo_s
-                 + offs_r[None, :], o, mask=mask)
+        tl.store(mid_o_ptr + mid_rows + col, o, mask=mask)
         tl.store(mid_lse_ptr + tok * stride_ml_t + head * stride_ml_h + split, lse, mask=row_mask)
 
 
@@ -184,73 +236,69 @@ def _mla_merge_kernel(
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_r, merged.to(out_ptr.dtype.element_ty), mask=r_mask)
 
 
-# Tile choice per mode: rows = BLOCK_T tokens x BLOCK_H heads share each loaded cache tile. The fp32
-# accumulator of 16-32 rows x 512 latent columns sets the register budget; compiled for sm_90 (ptxas
-# -v): decode at 16 rows x 16 tokens, 4 warps takes 218 registers and no spills (two programs fit an
-# SM, as PROGRAMS_PER_SM assumes), where 32 tokens per step at 4 warps spills; extend at 32 rows x 16
-# tokens needs 8 warps (237 registers) to stay spill-free. benchmarks/mla.py sweeps the alternatives.
-DECODE_CONFIG = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
-EXTEND_CONFIG = {"BLOCK_T": 2, "BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
-
-
-def choose_num_splits(batch: int, head_blocks: int, max_context: int, num_sms: int) -> int:
-    """Splits per sequence; static sizes only (``max_context`` is the block-table capacity), so a
-    captured graph keeps a fixed grid whatever lengths it replays.
-
-    Programs run in waves of ``PROGRAMS_PER_SM x SMs``; a last wave that is mostly empty costs as much
-    as a full one, so the count is chosen for full waves (flash-decoding's heuristic): the fewest
-    splits whose wave efficiency is within 85% of the best, none when the batch already fills a wave.
-    """
-    slots = PROGRAMS_PER_SM * num_sms
-    programs = batch * head_blocks
-    useful = min(MAX_SPLITS, max(1, math.ceil(max_context / MIN_SPLIT_TOKENS)))
-    if programs >= 0.8 * slots or useful == 1:
-        return 1
-
-    def efficiency(splits: int) -> float:
-        waves = programs * splits / slots
-        return waves / math.ceil(waves)
-
-    best = max(efficiency(s) for s in range(1, useful + 1))
-    return next(s for s in range(1, useful + 1) if efficiency(s) >= 0.85 * best)
+_UNFIT: set[MLATile] = set()  # tiles whose launch ran out of shared memory on this card
 
 
 def mla_attention(
     q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *, max_query_len: int,
-    out: torch.Tensor | None = None, num_splits: int | None = None, config: dict | None = None,
+    out: torch.Tensor | None = None, num_splits: int | None = None, tile: MLATile | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``o_lat [T, H, r]`` of absorbed causal attention (see the module doc).
 
     ``q_lat [T, H, r]`` and ``q_rope [T, H, d]`` may be strided views (the last dim contiguous);
-    ``cache [num_blocks, page, 1, r + d]``; ``block_tables [B, max_blocks]`` int32; ``seq_lens [B]``
-    context lengths including the new tokens; ``query_start_loc [B + 1]``. ``max_query_len == 1``
-    selects the split-KV decode path.
+    ``cache [num_blocks, page, 1, r + d]`` in the query's dtype or fp8 e4m3; ``block_tables
+    [B, max_blocks]`` int32; ``seq_lens [B]`` context lengths including the new tokens;
+    ``query_start_loc [B + 1]``. ``max_query_len == 1`` selects the split-KV decode path. ``tile`` and
+    ``num_splits`` override the choice of kernels/mla_config.py (tests and the sweep).
     """
     tokens, num_heads, rank = q_lat.shape
     rope = q_rope.shape[-1]
-    page = cache.shape[1]
     if cache.shape[-1] != rank + rope or cache.shape[2] != 1:
         raise ValueError(f"cache rows are {tuple(cache.shape[2:])}, expected (1, {rank + rope}) for r={rank}, d={rope}")
     if q_lat.stride(-1) != 1 or q_rope.stride(-1) != 1 or cache.stride(-1) != 1:
         raise ValueError("mla_attention needs the last dim of q_lat, q_rope and cache contiguous")
+    if cache.dtype not in CACHE_DTYPES or (cache.dtype.itemsize > 1 and cache.dtype != q_lat.dtype):
+        raise ValueError(f"cache dtype {cache.dtype} with queries in {q_lat.dtype}: the cache is in the "
+                         f"queries' dtype or float8_e4m3fn")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits}: between 1 and {MAX_SPLITS} (the merge loads every split's lse)")
     if out is None:
         out = torch.empty_like(q_lat)
     batch = seq_lens.shape[0]
     if tokens == 0 or batch == 0:
         return out
     decode = max_query_len == 1
-    cfg = dict(DECODE_CONFIG if decode else EXTEND_CONFIG)
-    if q_lat.dtype == torch.float32:  # fp32 tiles take twice the shared memory: halve the tile, no pipelining
-        cfg.update(BLOCK_N=16, num_stages=1)
-    cfg.update(config or {})
-    block_t = 1 if decode else cfg.get("BLOCK_T", 1)
-    block_h = cfg["BLOCK_H"]
-    head_blocks = triton.cdiv(num_heads, block_h)
+    if tile is None:
+        capacity = block_tables.shape[1] * cache.shape[1]
+        tile = decode_tile(num_heads, batch, capacity, q_lat.dtype, q_lat.device) if decode else extend_tile(q_lat.dtype)
+    if tile in _UNFIT:
+        tile = SAFE_DECODE if decode else extend_tile(torch.float32)
+    args = (q_lat, q_rope, cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out, num_splits)
+    try:
+        _launch(*args, tile)
+    except OutOfResources as e:
+        fallback = SAFE_DECODE if decode else extend_tile(torch.float32)
+        if tile == fallback:
+            raise
+        logger.warning("MLA tile %s does not fit this GPU (%s); using %s", tile.name, e, fallback.name)
+        _UNFIT.add(tile)
+        _launch(*args, fallback)
+    return out
+
+
+def _launch(q_lat, q_rope, cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out, num_splits,
+            tile: MLATile) -> None:  # fmt: skip
+    tokens, num_heads, rank = q_lat.shape
+    batch = seq_lens.shape[0]
+    decode = max_query_len == 1
+    block_t = 1 if decode else tile.block_t
+    head_blocks = triton.cdiv(num_heads, tile.block_h)
     if not decode:
         num_splits = 1
     elif num_splits is None:
-        num_splits = choose_num_splits(batch, head_blocks, block_tables.shape[1] * page, sm_count(q_lat.device))
+        num_splits = choose_num_splits(batch, head_blocks, block_tables.shape[1] * cache.shape[1],
+                                       sm_count(q_lat.device), tile.occupancy)
     direct = num_splits == 1
     if direct:
         mid_o = mid_lse = out  # unused when DIRECT
@@ -267,10 +315,10 @@ def mla_attention(
         out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if not direct else 0,
         mid_lse.stride(0), mid_lse.stride(1),
-        RANK=rank, BLOCK_R=block_r, ROPE=rope, BLOCK_D=max(16, triton.next_power_of_2(rope)),
-        PAGE=page, BLOCK_N=cfg["BLOCK_N"], BLOCK_H=block_h, BLOCK_T=block_t,
-        DIRECT=direct, IEEE_DOT=q_lat.dtype == torch.float32, WHILE_LOOP=interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        RANK=rank, BLOCK_R=block_r, ROPE=q_rope.shape[-1], BLOCK_D=max(16, triton.next_power_of_2(q_rope.shape[-1])),
+        PAGE=cache.shape[1], BLOCK_N=tile.block_n, BLOCK_H=tile.block_h, BLOCK_T=block_t,
+        TOKEN_MAJOR=tile.token_major, DIRECT=direct, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
+        WHILE_LOOP=interpreting(), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if not direct:
         _mla_merge_kernel[(tokens, num_heads)](
@@ -279,4 +327,3 @@ def mla_attention(
             out.stride(0), out.stride(1),
             RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_S=8, num_warps=4,
         )  # fmt: skip
-    return out

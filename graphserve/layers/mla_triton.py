@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphserve.kernels.mla_attention import mla_attention
+from graphserve.kernels.mla_config import MLATile
 from graphserve.kernels.mla_prologue import mla_prologue
 
 if TYPE_CHECKING:
@@ -24,9 +25,9 @@ if TYPE_CHECKING:
 class TritonMLABackend:
     name = "triton"
 
-    def __init__(self, decode_config: dict | None = None, extend_config: dict | None = None) -> None:
-        # tile overrides (benchmarks/mla.py sweeps them); None: the kernel's measured defaults
-        self.decode_config, self.extend_config = decode_config, extend_config
+    def __init__(self, decode_tile: MLATile | None = None, extend_tile: MLATile | None = None) -> None:
+        # tile overrides; None: kernels/mla_config.py's choice (the measured rule, else the code defaults)
+        self.decode_tile, self.extend_tile = decode_tile, extend_tile
 
     def forward(self, layer: MLAttention, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
@@ -41,6 +42,6 @@ class TritonMLABackend:
         mla_attention(
             q_lat.transpose(0, 1), q_rope, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
             layer.scale, max_query_len=1 if decode else batch.max_query_len, out=o_lat.transpose(0, 1),
-            config=self.decode_config if decode else self.extend_config,
+            tile=self.decode_tile if decode else self.extend_tile,
         )  # fmt: skip
         return layer.unabsorb_output(o_lat)

@@ -1,5 +1,6 @@
-"""MLA on the GPU: the kernels at DeepSeek-V2-Lite and V3 shapes in bf16 against the fp32 references,
-CUDA-graph replay of decode, tiny checkpoints in bf16 against transformers, graphs against eager
+"""MLA on the GPU: the kernels at DeepSeek-V2-Lite and V3 shapes in bf16 against the fp32 references
+(decode with the default tiles, both layouts, several head blocks, every tile the sweep may choose and
+an fp8 cache), CUDA-graph replay of decode, tiny checkpoints in bf16 against transformers, graphs against eager
 through the engine, and dummy:deepseek-v2-lite served with graphs on."""
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from model_utils import PagedHarness, hf_logits, make_hf_checkpoint, relative_er
 from test_deepseek import _TINY, _checkpoint  # noqa: E402
 from transformers import DeepseekV2Config, DeepseekV3Config  # noqa: E402
 
+import graphserve.kernels.mla_attention as mla_kernels  # noqa: E402
+from benchmarks.mla import CANDIDATES  # noqa: E402
 from graphserve import LLM, SamplingParams  # noqa: E402
 from graphserve.config import EngineConfig  # noqa: E402
 from graphserve.kernels.mla_attention import mla_attention  # noqa: E402
+from graphserve.kernels.mla_config import MLATile, decode_tile  # noqa: E402
 from graphserve.kernels.mla_prologue import mla_prologue, mla_prologue_reference  # noqa: E402
 from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E402
 from graphserve.layers.mla_reference import absorbed_attention_reference  # noqa: E402
@@ -77,17 +81,63 @@ def test_prologue_real_shapes(heads, interleaved, gen):
     assert rel_err(cache, cache_ref) < 1e-2
 
 
-@pytest.mark.parametrize(("heads", "batch", "ctx"), [(16, 1, 4096), (16, 64, 1024), (16, 256, 300),
-                                                     (128, 4, 2048), (128, 64, 512)])
-def test_decode_real_shapes(heads, batch, ctx, gen):
-    lens = torch.randint(1, ctx + 1, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
-    lens[0] = ctx
+def decode_inputs(heads: int, lens: list[int], gen: torch.Generator, cache_dtype: torch.dtype = DT):
     cache, tables, seq_lens = latent_cache(lens, gen)
+    batch = len(lens)
     q_lat = torch.randn(batch, heads, RANK, device="cuda", generator=gen).mul_(0.1).to(DT)
     q_rope = torch.randn(batch, heads, ROPE, device="cuda", generator=gen).mul_(0.1).to(DT)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    out = mla_attention(q_lat, q_rope, cache, tables, seq_lens, qsl, 0.1147, max_query_len=1)
+    return cache.to(cache_dtype), tables, seq_lens, q_lat, q_rope, qsl
+
+
+def random_lens(batch: int, ctx: int) -> list[int]:
+    lens = torch.randint(1, ctx + 1, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+    lens[0] = ctx
+    return lens
+
+
+# the code defaults (None), both layouts, and V3's heads in 8, 2 and 1 head blocks
+TILES = {16: [None, "hm-h16n16w4s2o2", "tm-h16n32w4s3o2", "tm-h16n64w4s2o1"],
+         128: [None, "hm-h16n16w4s2o2", "hm-h32n32w8s3o1", "tm-h64n32w8s3o1"]}
+
+
+@pytest.mark.parametrize(("heads", "batch", "ctx"), [(16, 1, 4096), (16, 64, 1024), (16, 256, 300),
+                                                     (128, 4, 2048), (128, 64, 512)])
+@pytest.mark.parametrize("tile_index", range(4))
+def test_decode_real_shapes(heads, batch, ctx, tile_index, gen):
+    name = TILES[heads][tile_index]
+    tile = MLATile.parse(name) if name else None
+    lens = random_lens(batch, ctx)
+    cache, tables, seq_lens, q_lat, q_rope, qsl = decode_inputs(heads, lens, gen)
+    out = mla_attention(q_lat, q_rope, cache, tables, seq_lens, qsl, 0.1147, max_query_len=1, tile=tile)
     ref = absorbed_attention_reference(q_lat, q_rope, cache, tables, [1] * batch, lens, 0.1147)
+    assert rel_err(out, ref) < BF16_TOL
+    chosen = tile or decode_tile(heads, batch, tables.shape[1] * PAGE, DT, cache.device)
+    assert chosen not in mla_kernels._UNFIT  # it ran itself, not the fallback tile
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("num_splits", [1, 7])
+def test_every_sweep_candidate_matches_reference(heads, num_splits, gen):
+    """What benchmarks/mla.py --sweep may write into the rule: each candidate, written directly and merged."""
+    lens = random_lens(8, 1000)
+    cache, tables, seq_lens, q_lat, q_rope, qsl = decode_inputs(heads, lens, gen)
+    ref = absorbed_attention_reference(q_lat, q_rope, cache, tables, [1] * 8, lens, 0.1147)
+    for name in CANDIDATES[heads]:
+        tile = MLATile.parse(f"{name}o1")
+        out = mla_attention(q_lat, q_rope, cache, tables, seq_lens, qsl, 0.1147, max_query_len=1, tile=tile,
+                            num_splits=num_splits)
+        if tile in mla_kernels._UNFIT:  # needs more shared memory than this card has: the sweep skips it too
+            continue
+        assert rel_err(out, ref) < BF16_TOL, name
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_decode_reads_an_fp8_cache(heads, gen):
+    lens = random_lens(32, 3000)
+    cache, tables, seq_lens, q_lat, q_rope, qsl = decode_inputs(heads, lens, gen, torch.float8_e4m3fn)
+    out = mla_attention(q_lat, q_rope, cache, tables, seq_lens, qsl, 0.1147, max_query_len=1)
+    ref = absorbed_attention_reference(q_lat, q_rope, cache.float(), tables, [1] * 32, lens, 0.1147)  # same values
     assert rel_err(out, ref) < BF16_TOL
 
 
@@ -104,18 +154,22 @@ def test_extend_real_shapes(heads, gen):
     assert rel_err(out, ref) < BF16_TOL
 
 
-def test_decode_replays_from_a_cuda_graph(gen):
+@pytest.mark.parametrize(("heads", "tile_name", "cache_dtype"), [(16, None, DT), (16, "tm-h16n32w4s3o2", DT),
+                                                                (16, None, torch.float8_e4m3fn), (128, None, DT)])
+def test_decode_replays_from_a_cuda_graph(heads, tile_name, cache_dtype, gen):
     """Captured once with static buffers; replayed after new lengths, tables and queries are copied in,
     including padding rows (length 0) past the real batch."""
-    heads, batch, max_ctx = 16, 8, 2048
+    batch, max_ctx = 8, 2048
+    tile = MLATile.parse(tile_name) if tile_name else None
     cache, tables, seq_lens = latent_cache([max_ctx] * batch, gen)
+    cache = cache.to(cache_dtype)
     q_lat = torch.zeros(batch, heads, RANK, device="cuda", dtype=DT)
     q_rope = torch.zeros(batch, heads, ROPE, device="cuda", dtype=DT)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q_lat)
 
     def step():
-        mla_attention(q_lat, q_rope, cache, tables, seq_lens, qsl, 0.1, max_query_len=1, out=out)
+        mla_attention(q_lat, q_rope, cache, tables, seq_lens, qsl, 0.1, max_query_len=1, out=out, tile=tile)
 
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -133,7 +187,8 @@ def test_decode_replays_from_a_cuda_graph(gen):
         q_rope.copy_(torch.randn(q_rope.shape, device="cuda", generator=gen).mul_(0.1))
         graph.replay()
         torch.cuda.synchronize()
-        ref = absorbed_attention_reference(q_lat[:-2], q_rope[:-2], cache, tables, [1] * (batch - 2), lens[:-2], 0.1)
+        ref = absorbed_attention_reference(q_lat[:-2], q_rope[:-2], cache.float(), tables, [1] * (batch - 2),
+                                           lens[:-2], 0.1)  # fp8 widens exactly
         assert rel_err(out[:-2], ref) < BF16_TOL
         assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
 

@@ -1,0 +1,198 @@
+"""How an MLA attention call is tiled and split (kernels/mla_attention.py), and the measured rule that
+picks the decode tile per (heads, batch, context): mla_tiles.json, written by ``benchmarks/mla.py --sweep``.
+
+Kept apart from the kernel so the choice can be read, tested and swept without the launch code. No
+runtime autotuning: tuning inside a CUDA-graph capture is unsafe. Every input of the choice is a
+static size of the step -- heads, batch (the captured size under graphs) and the block-table
+capacity in tokens (``max_model_len`` under graphs) -- so a captured grid never changes on replay.
+Without the JSON, or on another card than the one it was measured on, the code defaults below apply.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("graphserve.mla")
+
+# At small batch a split's time is load latency (queries, block ids, then a few tiles in flight),
+# not bandwidth, so short splits over many programs beat long ones: a bs-1 step at 16k context takes
+# 16 steps of 32 tokens per program at 32 splits, 4 at 128. Merging reads 2 KiB of fp32 partial per
+# split and head.
+MAX_SPLITS = 128
+MIN_SPLIT_TOKENS = 64  # each split keeps at least this much context
+
+
+@dataclass(frozen=True)
+class MLATile:
+    """One program's work and launch shape.
+
+    ``token_major=False`` (head-major): the score tile is ``[heads, tokens]``, so ``q_lat`` is the
+    left operand of ``q·cᵀ`` and ``p·c`` accumulates ``[heads, 512]``. ``token_major=True``: the
+    transposed products ``c·qᵀ`` and ``cᵀ·pᵀ``, whose row count is the context tokens of a step (64
+    and up fills a Hopper warpgroup's MMA however few heads there are) and whose resident operand
+    ``qᵀ`` can stay in shared memory instead of being copied into every warp's registers.
+    ``occupancy`` is the resident programs per SM the split count aims to fill (registers and shared
+    memory decide it; the sweep measures it). ``block_t`` query tokens per program (extend only).
+    """
+
+    token_major: bool
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    occupancy: int = 2
+    block_t: int = 1
+
+    def __post_init__(self) -> None:
+        for field in ("block_h", "block_n"):
+            value = getattr(self, field)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"MLATile.{field}={value}: a power of two >= 16 (the smallest tl.dot edge)")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"MLATile.num_warps={self.num_warps}: one of 1, 2, 4, 8, 16")
+        if not 1 <= self.num_stages <= 6:
+            raise ValueError(f"MLATile.num_stages={self.num_stages}: between 1 and 6")
+        if not 1 <= self.occupancy <= 8:
+            raise ValueError(f"MLATile.occupancy={self.occupancy}: between 1 and 8 programs per SM")
+        if self.block_t < 1 or self.block_t & (self.block_t - 1):
+            raise ValueError(f"MLATile.block_t={self.block_t}: a power of two >= 1")
+
+    @property
+    def name(self) -> str:
+        form = "tm" if self.token_major else "hm"
+        extend = f"t{self.block_t}" if self.block_t > 1 else ""
+        return f"{form}-h{self.block_h}n{self.block_n}w{self.num_warps}s{self.num_stages}o{self.occupancy}{extend}"
+
+    @classmethod
+    def parse(cls, name: str) -> MLATile:
+        """The inverse of ``name``: ``"tm-h16n64w4s3o2"`` (``t2`` at the end for extend tiles)."""
+        m = re.fullmatch(r"(hm|tm)-h(\d+)n(\d+)w(\d+)s(\d+)o(\d+)(?:t(\d+))?", name)
+        if not m:
+            raise ValueError(f"MLA tile name {name!r}: expected like 'tm-h16n64w4s3o2' (form-h·n·w·s·o·[t·])")
+        form, bh, bn, w, s, o, t = m.groups()
+        return cls(form == "tm", int(bh), int(bn), int(w), int(s), int(o), int(t or 1))
+
+
+# Code defaults (no rule, another card). Few heads: head-major, 16 heads x 32 tokens per step, 4
+# warps, 3 stages: two tiles in flight per program while the other is multiplied; for sm_90 ptxas
+# gives 190 registers and Triton 91 KiB of shared memory, so two programs fit an SM (occupancy 2).
+# The first sweep (one buffer, benchmarks/results/mla.json) had this tile fastest at bs 64, ctx 4096
+# (2,658 GB/s against 1,845 for 16 tokens per step). Many heads: 64 per program, so V3's 128 heads
+# read each tile twice instead of 8 times (at 242 FLOPs per cache byte V3 is bound by the tensor
+# cores, which need 64-row products: a Hopper warpgroup MMA); 8 warps, 228 registers, 144 KiB.
+DECODE_FEW_HEADS = MLATile(False, 16, 32, 4, 3, occupancy=2)
+DECODE_MANY_HEADS = MLATile(False, 64, 32, 8, 2, occupancy=1)
+# extend: 2 query tokens x 16 heads per program; 8 warps keep 32 rows x 512 fp32 spill-free
+EXTEND = MLATile(False, 16, 16, 8, 2, occupancy=1, block_t=2)
+# fp32 (tests, CPU interpreter): twice the bytes per tile, so half the tile and no pipelining;
+# also the fallback when a tile does not fit a card's shared memory
+DECODE_FP32 = MLATile(False, 16, 16, 4, 1, occupancy=2)
+EXTEND_FP32 = MLATile(False, 16, 16, 8, 1, occupancy=1, block_t=2)
+SAFE_DECODE = DECODE_FP32
+
+
+def default_decode_tile(heads: int, dtype: torch.dtype) -> MLATile:
+    if dtype == torch.float32:
+        return DECODE_FP32
+    return DECODE_FEW_HEADS if heads <= 16 else DECODE_MANY_HEADS
+
+
+def extend_tile(dtype: torch.dtype) -> MLATile:
+    return EXTEND_FP32 if dtype == torch.float32 else EXTEND
+
+
+def choose_num_splits(batch: int, head_blocks: int, max_context: int, num_sms: int, occupancy: int = 2) -> int:
+    """Splits per sequence from static sizes only (``max_context`` is the block-table capacity).
+
+    Programs run in waves of ``occupancy x SMs``; a last wave that is mostly empty costs as much as a
+    full one, so the count is chosen for full waves (flash-decoding's heuristic): the fewest splits
+    whose wave efficiency is within 85% of the best, one when the batch already fills a wave.
+    """
+    slots = occupancy * num_sms
+    programs = batch * head_blocks
+    useful = min(MAX_SPLITS, max(1, math.ceil(max_context / MIN_SPLIT_TOKENS)))
+    if programs >= 0.8 * slots or useful == 1:
+        return 1
+
+    def efficiency(splits: int) -> float:
+        waves = programs * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, useful + 1))
+    return next(s for s in range(1, useful + 1) if efficiency(s) >= 0.85 * best)
+
+
+# -- the measured rule ------------------------------------------------------------------------------
+RULE_PATH = Path(__file__).with_name("mla_tiles.json")
+
+
+@dataclass(frozen=True)
+class MLARule:
+    """Measured decode tiles per (heads, batch, context) on ``device``; calls between the measured
+    points take the nearest one (in log scale: heads first, then batch and context together)."""
+
+    device: str
+    entries: tuple[tuple[int, int, int, MLATile], ...]
+
+    def tile(self, heads: int, batch: int, max_context: int) -> MLATile | None:
+        if not self.entries:
+            return None
+
+        def dist(a: int, b: int) -> float:
+            return abs(math.log2(max(a, 1)) - math.log2(max(b, 1)))
+
+        near_heads = min(dist(h, heads) for h, _, _, _ in self.entries)
+        rows = [e for e in self.entries if dist(e[0], heads) == near_heads]
+        return min(rows, key=lambda e: (dist(e[1], batch) + dist(e[2], max_context), -e[1], -e[2]))[3]
+
+    @classmethod
+    def from_json(cls, data: dict) -> MLARule:
+        entries = []
+        for i, e in enumerate(data["entries"]):
+            for key in ("heads", "bs", "ctx", "tile"):
+                if key not in e:
+                    raise ValueError(f"{RULE_PATH.name} entries[{i}] has no {key!r}: {e}")
+            entries.append((int(e["heads"]), int(e["bs"]), int(e["ctx"]), MLATile.parse(e["tile"])))
+        return cls(str(data["device"]), tuple(entries))
+
+
+_NO_RULE = MLARule("", ())
+
+
+@functools.lru_cache(maxsize=1)
+def load_rule(path: str = str(RULE_PATH)) -> MLARule:
+    """The rule file, or no rule when it does not exist (the code defaults apply)."""
+    file = Path(path)
+    if not file.exists():
+        return _NO_RULE
+    return MLARule.from_json(json.loads(file.read_text()))
+
+
+@functools.lru_cache(maxsize=16)
+def rule_for(device: torch.device) -> MLARule:
+    """The measured rule when ``device`` is the card it was measured on, else none."""
+    if device.type != "cuda":
+        return _NO_RULE
+    rule = load_rule()
+    name = torch.cuda.get_device_name(device)
+    if rule.entries and name != rule.device:
+        logger.warning("MLA decode tiles were measured on %s, this is %s: using the code defaults "
+                       "(python3 -m benchmarks.mla --sweep measures this card)", rule.device, name)
+        return _NO_RULE
+    return rule
+
+
+@functools.lru_cache(maxsize=4096)  # called per layer and step: eager decode must not search the rule each time
+def decode_tile(heads: int, batch: int, max_context: int, dtype: torch.dtype, device: torch.device) -> MLATile:
+    """The decode tile of a call: the measured rule's for this card, else the code default."""
+    if dtype == torch.float32:
+        return DECODE_FP32
+    return rule_for(device).tile(heads, batch, max_context) or default_decode_tile(heads, dtype)
