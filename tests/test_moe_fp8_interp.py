@@ -158,3 +158,36 @@ def test_fp8_layer_kernel_path_matches_cpu_path(block):
     got = layer(x, logits, valid=torch.tensor(4, device=DEVICE))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert int(layer.expert_counts.sum()) == 8
+
+
+def test_tuner_sweeps_fp8_experts_and_writes_a_table_the_kernels_accept(monkeypatch):
+    """``moe_tune --dtype float8_e4m3fn``'s control flow on the interpreter (wall-clock timing, two tiles)."""
+    import json
+    import time
+
+    from benchmarks import moe_tune
+    from graphserve.kernels.moe_config import MoeTiles
+
+    def wall_ms(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    h, inter = 64, 32
+    monkeypatch.setattr(moe_tune, "DEVICE", DEVICE)
+    monkeypatch.setattr(moe_tune, "FP8_BLOCK", (16, 32))
+    monkeypatch.setattr(moe_tune, "graph_ms", wall_ms)
+    monkeypatch.setattr(moe_tune, "QUICK_TOKENS", [1, 4])
+    monkeypatch.setattr(moe_tune, "GEMV_TILES", [GemvTile(8, 32, 4), GemvTile(4, 64, 4)])
+    monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick: [GemmTile(16, 16, 32, 1, 4, 3)])
+    tiles, rows = moe_tune.tune(E, h, inter, 2, torch.float8_e4m3fn, quick=True, budget_s=600)
+    assert tiles.buckets == (2, 8) and [r["tokens"] for r in rows] == [1, 4]
+    assert tiles.gemv_gate_up == GemvTile(8, 32, 4)  # the 64-wide K step would cross a 32-wide scale block
+    again = MoeTiles.from_json(json.loads(json.dumps(tiles.to_json())))
+    gen = torch.Generator().manual_seed(8)
+    w13, w2, s13, s2 = _fp8_experts(gen, E, h, inter, (16, 32))
+    x = _randn(5, h, gen=gen)
+    topk_w, topk_ids = softmax_topk_reference(_randn(5, E, gen=gen), 2, True)
+    out = fused_experts(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2, weight_block=(16, 32), tiles=again)
+    want = experts_fp8_reference(x, w13, w2, s13, s2, (16, 32), topk_w, topk_ids)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)

@@ -41,26 +41,29 @@ def experts_fp8_reference(
     block: tuple[int, int] | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     valid: torch.Tensor | None = None, expert_start: int = 0, w8a8: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """moe_reference.experts_reference on the dequantized weights; ``w8a8``: x and the activated
+    """The experts of moe_reference.experts_reference on the dequantized weights, one expert at a
+    time (so memory stays one expert's fp32 weights at any shape); ``w8a8``: x and the activated
     product also go through per-token-group fp8 quantization (groups of the block's K, or whole
-    rows per channel), as the W8A8 grouped GEMM computes."""
+    rows per channel), as the W8A8 grouped GEMM computes. Reads the routing on the host."""
     t, h = hidden.shape
     k = topk_ids.shape[1]
-    d13 = dequantize_experts(w13, w13_scale, block, parts=2)
-    d2 = dequantize_experts(w2, w2_scale, block)
-    inter = d2.shape[2]
+    inter = w2.shape[2]
     gk13, gk2 = (block[1], block[1]) if block else (h, inter)
     routed = routed_pairs(topk_ids, valid, expert_start, w13.shape[0])
-    pair_ids = torch.arange(t * k, device=hidden.device)[routed]
-    experts = topk_ids.reshape(-1).long()[pair_ids] - expert_start
-    rows = hidden[pair_ids // k].float()
-    if w8a8:
-        rows = _quant_dequant(rows, gk13)
-    act = _silu_mul(torch.bmm(d13[experts], rows[..., None])[..., 0], hidden.dtype).float()
-    if w8a8:
-        act = _quant_dequant(act, gk2)
-    down = torch.bmm(d2[experts], act[..., None])[..., 0]
-    w = topk_weights.reshape(-1)[pair_ids].float()
+    local = topk_ids.reshape(-1).long() - expert_start
     out = torch.zeros(t * k, h, dtype=torch.float32, device=hidden.device)
-    out[pair_ids] = (down * w[:, None]).to(hidden.dtype).float()
+    for e in range(w13.shape[0]):
+        pairs = torch.nonzero(routed & (local == e)).flatten()
+        if pairs.numel() == 0:
+            continue
+        d13 = dequantize_experts(w13[e : e + 1], w13_scale[e : e + 1], block, parts=2)[0]
+        d2 = dequantize_experts(w2[e : e + 1], w2_scale[e : e + 1], block)[0]
+        rows = hidden[pairs // k].float()
+        if w8a8:
+            rows = _quant_dequant(rows, gk13)
+        act = _silu_mul(rows @ d13.T, hidden.dtype).float()
+        if w8a8:
+            act = _quant_dequant(act, gk2)
+        down = (act @ d2.T) * topk_weights.reshape(-1)[pairs].float()[:, None]
+        out[pairs] = down.to(hidden.dtype).float()
     return out.view(t, k, h).sum(dim=1).to(hidden.dtype)

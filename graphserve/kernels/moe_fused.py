@@ -40,7 +40,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PATHS = ("gemv", "gemm")
 FP8_DTYPE = torch.float8_e4m3fn
 # average (token, slot) pairs per local expert from which the FP8 grouped GEMM quantizes its
-# activations and runs W8A8 (module docstring); benchmarks/moe_kernels.py times both sides
+# activations and runs W8A8 (module docstring); benchmarks/moe_fp8.py times both modes per batch
 W8A8_MIN_ROWS_PER_EXPERT = 128
 
 
@@ -157,7 +157,8 @@ def fused_experts(
     valid_arg = topk_ids if valid is None else valid.view(torch.uint8)
     if path == "gemv" or (path is None and pairs <= tiles.small_max_pairs):
         _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
-                        gemv_tiles or tiles.gemv_tiles(k, inter, h), scales)  # fmt: skip
+                        gemv_tiles or tiles.gemv_tiles(k, inter, h, weight_block[1] if weight_block else None),
+                        scales)  # fmt: skip
     else:
         if w8a8 is None:
             w8a8 = fp8 and pairs >= W8A8_MIN_ROWS_PER_EXPERT * num_local
