@@ -15,8 +15,9 @@ one of two modes, chosen from the shape alone (so a captured graph always replay
   add two launches and an [pairs, I] round trip for tensor-core time that is not the bottleneck.
 - W8A8 beyond: activations quantized per token group (kernels/fp8_quant.py, groups of the weight
   block's K), both operands on the FP8 tensor cores (twice bf16's peak). An expert that gets R rows
-  does 2·R FLOPs per weight byte; an H200 is compute-bound above ~250 FLOP/byte at bf16 rates, so
-  from ~128 rows per expert the math, not the stream, is the cost.
+  does 2·R FLOPs per fp8 weight byte; an H200 (989 bf16 TFLOP/s over 4.8 TB/s) turns compute-bound
+  at ~200 FLOP/byte, so from ~100 rows per expert (128: the largest row tile) the bf16 math, not
+  the weight stream, is the cost, and the extra quantization launches pay for themselves.
 """
 
 from __future__ import annotations

@@ -120,7 +120,9 @@ class FusedMoE(nn.Module):
 
     Tensor parallelism shards each expert's intermediate size (I_local = I / tp_size); expert
     parallelism keeps experts [ep_rank * E / ep_size, ...) and computes only the pairs routed to
-    them. Either way the output is a partial sum that the caller all-reduces.
+    them. Either way the output is a partial sum that the caller all-reduces. FP8 experts (an FP8
+    checkpoint or ``--quantization``): ``quant_method`` (layers/quant/fp8_moe.py) stores the stacks
+    in fp8 with their scales and owns their loading.
     """
 
     def __init__(
