@@ -52,12 +52,13 @@ def decode_steps(quantization: str, sizes: list[int], ctx: int, routings: list[s
     bsz = cfg.block_size
     kv_caches = info.kv.allocate(max(sizes) * (-(-(ctx + 1) // bsz)) + 2, bsz, device, fill="random")
     backend = TritonAttentionBackend()
-    graphs = GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // bsz + 1, cfg.max_model_len, device)
     out = {}
     with torch.inference_mode():
-        graphs.capture()
         for routing in routings:
+            # the routing mode is part of what a graph captures: one capture per mode
             layers = set_routing(model, routing)
+            graphs = GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // bsz + 1, cfg.max_model_len, device)
+            graphs.capture()
             for bs in sizes:
                 batch = contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=info.vocab_size)
                 ms = cuda_time_ms(lambda g=graphs, b=batch: g.replay(b).argmax(-1), warmup=3, iters=20)
@@ -67,7 +68,8 @@ def decode_steps(quantization: str, sizes: list[int], ctx: int, routings: list[s
                 out[bs, routing] = (ms, nbytes, touched)
                 print(f"{MODEL} --quantization {quantization} bs={bs} {routing}: {ms:.3f} ms, {touched} experts, "
                       f"{nbytes / 1e9:.2f} GB to read")
-    del graphs, model, loaded, kv_caches
+            del graphs
+    del model, loaded, kv_caches
     gc.collect()
     torch.cuda.empty_cache()
     return out

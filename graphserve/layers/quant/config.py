@@ -137,10 +137,11 @@ def quantized_description(desc: Any, quant: Fp8Config | None, model_dtype: torch
     if quant is None:
         return desc
     per_param = quant.weight_bytes_per_param(desc.hidden_size)
-    expert = float(model_dtype.itemsize)
+    expert, group_k = float(model_dtype.itemsize), 0
     if experts_quantized and desc.expert_params:
         expert = quant.expert_bytes_per_param(desc.hidden_size, desc.expert_params // (3 * desc.hidden_size))
+        group_k = quant.block[1] if quant.block else desc.hidden_size
     return dataclasses.replace(
         desc, weight_bytes_per_param=per_param, embed_bytes_per_param=model_dtype.itemsize,
-        expert_bytes_per_param=expert,
+        expert_bytes_per_param=expert, expert_fp8_group_k=group_k,
     )
