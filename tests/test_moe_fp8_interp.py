@@ -24,8 +24,7 @@ def _use_interpreter() -> None:
         if torch.cuda.is_available():
             return
         stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
-        stale += [m for m in sys.modules if m.startswith("graphserve.kernels") or m == "graphserve.layers.moe"
-                  or m.startswith("graphserve.layers.quant")]  # fmt: skip
+        stale += [m for m in sys.modules if m.startswith("graphserve.kernels") or m == "graphserve.layers.moe"]
         for name in stale:
             sys.modules.pop(name, None)
     os.environ.setdefault("TRITON_INTERPRET", "1")
