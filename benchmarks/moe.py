@@ -100,12 +100,14 @@ def bench_decode(name: str, sizes: list[int], ctx: int, routings: list[str], bw,
     num_blocks = max(sizes) * (-(-(ctx + 1) // bsz)) + 2
     kv_caches = info.kv.allocate(num_blocks, bsz, device, fill="random")
     backend = TritonAttentionBackend()
-    graphs = GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // bsz + 1, cfg.max_model_len, device)
     rows = []
     with torch.inference_mode():
-        graphs.capture()
         for routing in routings:
+            # the routing mode is part of what a graph captures (a capture before the switch replays
+            # the model's own routing under the "uniform" label): one capture per mode
             layers = set_routing(model, routing)
+            graphs = GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // bsz + 1, cfg.max_model_len, device)
+            graphs.capture()
             for bs in sizes:
                 batch = contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=info.vocab_size)
                 ms = cuda_time_ms(_replay(graphs, batch), warmup=3, iters=20)
@@ -122,6 +124,7 @@ def bench_decode(name: str, sizes: list[int], ctx: int, routings: list[str], bw,
                     row["speedup_vs_loop"] = row["loop_eager_ms"] / ms
                 rows.append(row)
                 print(f"{name} bs={bs} {routing}: {ms:.3f} ms, {touched} experts touched")
+            del graphs  # its pool goes back before the next mode's capture
     return rows
 
 

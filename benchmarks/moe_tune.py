@@ -10,6 +10,8 @@ faster. The table goes to graphserve/kernels/moe_configs/ (and $OUT when set).
 Run: python3 -m benchmarks.moe_tune --model dummy:qwen3-30b-a3b       (about 5-8 minutes on an H200)
      python3 -m benchmarks.moe_tune --experts 128 --hidden 2048 --intermediate 768 --top-k 8 --dtype bfloat16
      add --quick for a 4-bucket smoke run (under a minute)
+     --dtype float8_e4m3fn: fp8 experts with 128x128 block scales and bf16 activations (the table
+     ``--quantization fp8`` reads; the grouped GEMM runs W8A16 or W8A8 by kernels/moe_fused.py's rule)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from graphserve.kernels.moe_config import (
 )
 from graphserve.kernels.moe_fused import fused_experts
 from graphserve.kernels.moe_routing import moe_softmax_topk
+from graphserve.layers.quant.fp8_moe import quantize_stack
 
 # expert shapes of the dummy presets: (experts, hidden, intermediate per expert, top_k)
 SHAPES = {
@@ -52,13 +55,17 @@ DEVICE = torch.device("cuda")  # the CPU smoke test of the sweep's logic swaps i
 # gate and up rows, down's all k slots), since the next step's tile is prefetched into registers
 # beside it; larger ones spill (ptxas, sm_90: [32, 512] on 4 warps spills 5 KB)
 GEMV_TILES = [GemvTile(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (128, 256, 512) for w in (4, 8)]
+FP8 = torch.float8_e4m3fn
+FP8_BLOCK = (128, 128)  # what Qwen3-FP8 / DeepSeek-V3 ship and --quantization fp8 writes
 
 
-def gemv_candidates(top_k: int) -> tuple[list[GemvTile], list[GemvTile]]:
-    """(gate_up, down) streaming tiles within the register budget for ``top_k`` slots."""
+def gemv_candidates(top_k: int, max_block_k: int = 512) -> tuple[list[GemvTile], list[GemvTile]]:
+    """(gate_up, down) streaming tiles within the register budget for ``top_k`` slots (K steps of
+    at most ``max_block_k``: an fp8 step may not cross a scale block)."""
     slots = triton.next_power_of_2(top_k)
-    gate_up = [g for g in GEMV_TILES if 2 * g.block_n * g.block_k <= 64 * 32 * g.num_warps]
-    down = [g for g in GEMV_TILES if slots * g.block_n * g.block_k <= 64 * 32 * g.num_warps]
+    tiles = [g for g in GEMV_TILES if g.block_k <= max_block_k]
+    gate_up = [g for g in tiles if 2 * g.block_n * g.block_k <= 64 * 32 * g.num_warps]
+    down = [g for g in tiles if slots * g.block_n * g.block_k <= 64 * 32 * g.num_warps]
     return gate_up, down
 
 
@@ -125,8 +132,8 @@ class _Bucket:
 
     def ms(self, **overrides) -> float:
         def run() -> None:
-            for w13, w2 in self.sets:  # two weight copies: the second call's experts are not in L2
-                fused_experts(self.x, w13, w2, self.w, self.ids, **overrides)
+            for w13, w2, scales in self.sets:  # two weight copies: the second call's experts are not in L2
+                fused_experts(self.x, w13, w2, self.w, self.ids, **scales, **overrides)
 
         try:
             return graph_ms(run) / len(self.sets)
@@ -152,8 +159,8 @@ def _tune_gemm(bucket: _Bucket, per_expert: float, quick: bool) -> tuple[GemmTil
     return best
 
 
-def _tune_gemv(bucket: _Bucket, k: int, default_down: GemvTile) -> tuple[GemvTile, GemvTile]:
-    gate_up, down = gemv_candidates(k)
+def _tune_gemv(bucket: _Bucket, k: int, default_down: GemvTile, max_block_k: int) -> tuple[GemvTile, GemvTile]:
+    gate_up, down = gemv_candidates(k, max_block_k)
     gu_ms = {g: bucket.ms(path="gemv", gemv_tiles=(g, default_down)) for g in gate_up}
     gu = min(gu_ms, key=gu_ms.get)
     dn_ms = {g: bucket.ms(path="gemv", gemv_tiles=(gu, g)) for g in down}
@@ -163,16 +170,15 @@ def _tune_gemv(bucket: _Bucket, k: int, default_down: GemvTile) -> tuple[GemvTil
 def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget_s: float) -> tuple[MoeTiles, list]:
     start = time.monotonic()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    sets = [
-        ((torch.randn(e, 2 * i, h, device=DEVICE, generator=gen) * h**-0.5).to(dtype),
-         (torch.randn(e, h, i, device=DEVICE, generator=gen) * i**-0.5).to(dtype))
-        for _ in range(2)
-    ]  # fmt: skip
-    default_gemv = default_gemv_tiles(k, i, h)
+    fp8 = dtype == FP8
+    act_dtype = torch.bfloat16 if fp8 else dtype
+    sets = [_weights(e, h, i, act_dtype, fp8, gen) for _ in range(2)]
+    max_block_k = FP8_BLOCK[1] if fp8 else 512
+    default_gemv = default_gemv_tiles(k, i, h, max_block_k)
     buckets, gate_up, down, rows = [], [], [], []
     small_max_pairs, gemv_best, gemv_winning = 0, None, True
     for t in QUICK_TOKENS if quick else TOKENS:
-        bucket = _Bucket(sets, t, e, h, k, dtype, gen)
+        bucket = _Bucket(sets, t, e, h, k, act_dtype, gen)
         over_budget = time.monotonic() - start > budget_s
         if over_budget and gate_up:
             print(f"time budget {budget_s:.0f} s spent: bucket T={t} reuses the previous bucket's tiles")
@@ -181,7 +187,7 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget
             best_gu, best_dn, best_ms = _tune_gemm(bucket, t * k / e, quick)
         gemv_ms = float("nan")
         if gemv_winning and t * k <= 256 and not over_budget:
-            gemv_best = gemv_best or _tune_gemv(bucket, k, default_gemv[1])
+            gemv_best = gemv_best or _tune_gemv(bucket, k, default_gemv[1], max_block_k)
             gemv_ms = bucket.ms(path="gemv", gemv_tiles=gemv_best)
             if gemv_ms < best_ms:
                 small_max_pairs = t * k  # the streaming path wins every bucket up to here
@@ -199,6 +205,17 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget
     return tiles, rows
 
 
+def _weights(e: int, h: int, i: int, dtype: torch.dtype, fp8: bool, gen: torch.Generator) -> tuple:
+    """(w13, w2, fused_experts' scale arguments): one copy of the experts, fp8 with block scales if asked."""
+    w13 = (torch.randn(e, 2 * i, h, device=DEVICE, generator=gen) * h**-0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, device=DEVICE, generator=gen) * i**-0.5).to(dtype)
+    if not fp8:
+        return w13, w2, {}
+    (qg, sg), (qu, su), (q2, s2) = (quantize_stack(w, FP8_BLOCK) for w in (w13[:, :i], w13[:, i:], w2))
+    scales = {"w13_scale": torch.cat([sg, su], 1).contiguous(), "w2_scale": s2.contiguous(), "weight_block": FP8_BLOCK}
+    return torch.cat([qg, qu], 1), q2, scales
+
+
 def _short(tile: GemmTile | None) -> str:
     if tile is None:
         return "-"
@@ -213,7 +230,8 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, help="intermediate size of one expert (before tensor parallelism)")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--tp-size", type=int, default=1, help="tune for the per-rank shard I / tp-size")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn"],
+                   help="float8_e4m3fn: fp8 experts (128x128 block scales), bf16 activations")
     p.add_argument("--quick", action="store_true", help="4 buckets, a sixth of the tiles: a smoke run")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop sweeping new buckets after this long")
     p.add_argument("--out-dir", type=Path, default=None, help="where the table goes (default: the package)")

@@ -64,9 +64,11 @@ class MoeTiles:
         i = next((i for i, b in enumerate(self.buckets) if b >= num_pairs), len(self.buckets) - 1)
         return self.gate_up[i], self.down[i]
 
-    def gemv_tiles(self, top_k: int, intermediate: int, hidden: int) -> tuple[GemvTile, GemvTile]:
-        """The streaming kernels' tiles: the table's, or the shape's defaults where it has none."""
-        gate_up, down = default_gemv_tiles(top_k, intermediate, hidden)
+    def gemv_tiles(self, top_k: int, intermediate: int, hidden: int, max_block_k: int | None = None,
+                   ) -> tuple[GemvTile, GemvTile]:  # fmt: skip
+        """The streaming kernels' tiles: the table's, or the shape's defaults where it has none
+        (``max_block_k``: fp8 block scales, whose K block a step may not cross)."""
+        gate_up, down = default_gemv_tiles(top_k, intermediate, hidden, max_block_k)
         return self.gemv_gate_up or gate_up, self.gemv_down or down
 
     def to_json(self) -> dict:
@@ -142,18 +144,21 @@ def _dividing_block_k(k: int) -> int:
     return next((bk for bk in (512, 256, 128) if k % bk == 0), 128)
 
 
-def default_gemv_tiles(top_k: int, intermediate: int, hidden: int) -> tuple[GemvTile, GemvTile]:
+def default_gemv_tiles(top_k: int, intermediate: int, hidden: int, max_block_k: int | None = None,
+                       ) -> tuple[GemvTile, GemvTile]:  # fmt: skip
     """Streaming tiles for an expert shape with no tuned table.
 
     gate_up: one pair per program row, 8 output rows of gate and of up over a K step that divides
     H, so a step is ~8K weight elements. down: all ``k`` slots at once over a K step that divides
     I, with block_n as wide as the element budget allows while a token still spreads over
     ``MIN_DOWN_PROGRAMS`` programs (qwen3-30b-a3b: [8, 4, 256], 512 programs; mixtral-8x7b:
-    [2, 8, 512], 512 programs).
+    [2, 8, 512], 512 programs). ``max_block_k`` caps the K step (fp8 weights with 128-wide scale
+    blocks); the rows per step grow to keep the step's elements (qwen3-30b-a3b fp8: gate_up [32, 128]).
     """
-    gu_k = _dividing_block_k(hidden)
+    cap = max_block_k or 512
+    gu_k = min(_dividing_block_k(hidden), cap)
     gate_up = GemvTile(max(4, GEMV_TILE_ELEMS // (2 * gu_k)), gu_k, 4)
-    dn_k = _dividing_block_k(intermediate)
+    dn_k = min(_dividing_block_k(intermediate), cap)
     slots = 1 << max(0, top_k - 1).bit_length()
     by_budget = max(1, GEMV_TILE_ELEMS // (slots * dn_k))
     by_programs = 1 << (max(1, hidden // MIN_DOWN_PROGRAMS).bit_length() - 1)

@@ -6,13 +6,28 @@ and tiles past the padded total exit at once, so a decode step captures into a C
 padded batch size and replays with whatever routing the step produces. Up to the table's
 ``small_max_pairs`` pairs two streaming kernels replace the sort, the grouped GEMMs and the sum.
 Reference: kernels/moe_reference.experts_reference.
+
+FP8 expert weights (``w13_scale`` / ``w2_scale`` given, layout in layers/quant/fp8_moe.py) run in
+one of two modes, chosen from the shape alone (so a captured graph always replays the same one):
+- W8A16, the streaming path and the grouped GEMM up to ``W8A8_MIN_ROWS_PER_EXPERT`` pairs per
+  local expert on average: fp8 weights widened in registers against model-dtype activations. At
+  decode sizes the step is the weight stream; FP8 halves it, and quantizing the activations would
+  add two launches and an [pairs, I] round trip for tensor-core time that is not the bottleneck.
+- W8A8 beyond: activations quantized per token group (kernels/fp8_quant.py, groups of the weight
+  block's K), both operands on the FP8 tensor cores (twice bf16's peak). An expert that gets R rows
+  does 2·R FLOPs per fp8 weight byte; an H200 (989 bf16 TFLOP/s over 4.8 TB/s) turns compute-bound
+  at ~200 FLOP/byte, so from ~100 rows per expert (128: the largest row tile) the bf16 math, not
+  the weight stream, is the cost, and the extra quantization launches pay for themselves.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
+from graphserve.kernels.fp8_quant import per_token_group_quant
 from graphserve.kernels.moe_align import histogram_block, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
 from graphserve.kernels.moe_gemm import (
@@ -24,17 +39,67 @@ from graphserve.kernels.moe_gemm import (
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PATHS = ("gemv", "gemm")
+FP8_DTYPE = torch.float8_e4m3fn
+# average (token, slot) pairs per local expert from which the FP8 grouped GEMM quantizes its
+# activations and runs W8A8 (module docstring); benchmarks/moe_fp8.py times both modes per batch
+W8A8_MIN_ROWS_PER_EXPERT = 128
 
 
-def _check(hidden, w13, w2, topk_weights, topk_ids) -> None:
+@dataclass(frozen=True)
+class ExpertScales:
+    """One weight's fp8 scales as the kernels read them: fp32 ``[E, SN, SK]``, one per
+    ``[group_n, group_k]`` block; per channel ``group_n`` 1 and ``group_k`` the weight's K (SK 1).
+    ``up_row``: the first scale row of w13's up half (gate's row blocks come first)."""
+
+    scale: torch.Tensor
+    group_n: int
+    group_k: int
+    up_row: int = 0
+
+    @property
+    def per_channel(self) -> bool:
+        return self.scale.shape[2] == 1
+
+    def block_k(self, block_k: int) -> int:
+        """A K step never crosses a scale block."""
+        return block_k if self.per_channel else min(block_k, self.group_k)
+
+
+def expert_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                  block: tuple[int, int] | None) -> tuple[ExpertScales, ExpertScales]:  # fmt: skip
+    """Check the fp8 weights' scales against their shapes; refuse a mismatch naming the tensor."""
+    (e, two_i, h), inter = w13.shape, w13.shape[1] // 2
+    if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
+        raise ValueError(f"scaled expert weights must be {FP8_DTYPE}, got w13 {w13.dtype}, w2 {w2.dtype}")
+    if block is None:
+        shapes = ((e, two_i, 1), (e, h, 1))
+        groups = ((1, h, inter), (1, inter, 0))
+    else:
+        bn, bk = block
+        if bk & (bk - 1) or bk < 16:
+            raise ValueError(f"fp8 weight block {block}: its K size must be a power of two >= 16")
+        shapes = ((e, 2 * -(-inter // bn), -(-h // bk)), (e, -(-h // bn), -(-inter // bk)))
+        groups = ((bn, bk, -(-inter // bn)), (bn, bk, 0))
+    out = []
+    for name, scale, shape, (gn, gk, up) in zip(("w13_scale", "w2_scale"), (w13_scale, w2_scale), shapes, groups):
+        if tuple(scale.shape) != shape or scale.dtype != torch.float32 or not scale.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 {shape} for block={block}, got {scale.dtype} "
+                             f"{tuple(scale.shape)}")
+        out.append(ExpertScales(scale, gn, gk, up))
+    return out[0], out[1]
+
+
+def _check(hidden, w13, w2, topk_weights, topk_ids, fp8: bool) -> None:
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"need hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(hidden.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")  # fmt: skip
     e, two_i, h = w13.shape
     if hidden.shape[1] != h or two_i % 2 or w2.shape != (e, h, two_i // 2):
         raise ValueError(f"shapes disagree: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
-    if hidden.dtype not in SUPPORTED_DTYPES or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
-        raise ValueError(f"hidden {hidden.dtype}, w13 {w13.dtype}, w2 {w2.dtype} must share one of {SUPPORTED_DTYPES}")
+    weight_dtype = FP8_DTYPE if fp8 else hidden.dtype
+    if hidden.dtype not in SUPPORTED_DTYPES or w13.dtype != weight_dtype or w2.dtype != weight_dtype:
+        raise ValueError(f"hidden {hidden.dtype} must be one of {SUPPORTED_DTYPES} and w13 {w13.dtype}, w2 {w2.dtype} "
+                         f"{weight_dtype}")
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("expert weights must be contiguous")
     if topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32:
@@ -54,17 +119,25 @@ def fused_experts(
     valid: torch.Tensor | None = None,
     expert_start: int = 0,
     counts: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    weight_block: tuple[int, int] | None = None,
     tiles: MoeTiles | None = None,
     path: str | None = None,
+    w8a8: bool | None = None,
     gemm_tiles: tuple[GemmTile, GemmTile] | None = None,
     gemv_tiles: tuple[GemvTile, GemvTile] | None = None,
 ) -> torch.Tensor:
     """sum over slots of weight * down(silu(gate(x)) * up(x)) over this rank's experts, [T, H].
 
     ``valid`` (bool [T]) marks real rows; ``counts`` (int32 [E global]) receives pairs per expert.
-    ``path`` / ``gemm_tiles`` / ``gemv_tiles`` override the table (tests, tuner, benchmarks).
+    ``w13_scale`` / ``w2_scale``: the fp32 scales of fp8 ``w13`` / ``w2`` (``weight_block`` (bn, bk)
+    blocks, or None: per output channel). ``path`` / ``w8a8`` / ``gemm_tiles`` / ``gemv_tiles``
+    override the table and the W8A8 rule (tests, tuner, benchmarks).
     """
-    _check(hidden, w13, w2, topk_weights, topk_ids)
+    fp8 = w13_scale is not None or w2_scale is not None
+    _check(hidden, w13, w2, topk_weights, topk_ids, fp8)
+    scales = expert_scales(w13, w2, w13_scale, w2_scale, weight_block) if fp8 else None
     if path not in (None, *PATHS):
         raise ValueError(f"path={path!r} must be one of {PATHS}")
     if hidden.stride(1) != 1:
@@ -81,18 +154,34 @@ def fused_experts(
     if t == 0:
         counts.zero_()
         return out
-    tiles = tiles or moe_tiles(num_local, inter, h, dtype, device)
+    tiles = tiles or moe_tiles(num_local, inter, h, w13.dtype if fp8 else dtype, device)
     valid_arg = topk_ids if valid is None else valid.view(torch.uint8)
     if path == "gemv" or (path is None and pairs <= tiles.small_max_pairs):
         _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
-                        gemv_tiles or tiles.gemv_tiles(k, inter, h))  # fmt: skip
+                        gemv_tiles or tiles.gemv_tiles(k, inter, h, weight_block[1] if weight_block else None),
+                        scales)  # fmt: skip
     else:
+        if w8a8 is None:
+            w8a8 = fp8 and pairs >= W8A8_MIN_ROWS_PER_EXPERT * num_local
+        if w8a8 and not fp8:
+            raise ValueError("w8a8=True needs fp8 expert weights (w13_scale, w2_scale)")
         _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
-                           gemm_tiles or tiles.gemm_tiles(pairs))  # fmt: skip
+                           gemm_tiles or tiles.gemm_tiles(pairs), scales, w8a8)  # fmt: skip
     return out
 
 
-def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles):
+def _scale_args(scales: ExpertScales | None, weight: torch.Tensor) -> dict:
+    """The kernels' fp8 arguments; unquantized weights pass themselves as an unread scale pointer."""
+    if scales is None:
+        return {"scale": weight, "stride_e": 0, "stride_n": 0, "up_row": 0,
+                "consts": {"GROUP_N": 1, "GROUP_K": 1, "PER_CHANNEL": False}}  # fmt: skip
+    return {"scale": scales.scale, "stride_e": scales.scale.stride(0), "stride_n": scales.scale.stride(1),
+            "up_row": scales.up_row,
+            "consts": {"GROUP_N": scales.group_n, "GROUP_K": scales.group_k, "PER_CHANNEL": scales.per_channel}}
+
+
+def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles,
+                    scales=None):  # fmt: skip
     """Three launches in all with the router: gate_up per pair (+ counts), down per token (+ slot sum).
 
     Tiles come from the table or, where it has none, from the shape (moe_config.default_gemv_tiles).
@@ -100,41 +189,61 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
     (t, h), (num_local, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     inter = two_i // 2
     gu, dn = tiles
+    s13, s2 = scales or (None, None)
+    gu_k = min(gu.block_k, triton.next_power_of_2(h))
+    dn_k = min(dn.block_k, triton.next_power_of_2(inter))
+    if scales is not None:
+        gu_k, dn_k = s13.block_k(gu_k), s2.block_k(dn_k)
+    a13, a2 = _scale_args(s13, w13), _scale_args(s2, w2)
     block_e = triton.next_power_of_2(counts.numel())
     act = torch.empty(t * k, inter, dtype=hidden.dtype, device=hidden.device)
     fused_moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, gu.block_n))](
-        hidden, w13, act, topk_ids, valid_arg, counts, inter, expert_start, t * k,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local, HAS_VALID=valid is not None,
-        BLOCK_N=gu.block_n, BLOCK_K=min(gu.block_k, triton.next_power_of_2(h)), BLOCK_P=histogram_block(block_e),
-        BLOCK_E=block_e, num_warps=gu.num_warps, num_stages=gu.num_stages,
+        hidden, w13, act, topk_ids, valid_arg, counts, a13["scale"], inter, expert_start, t * k,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), a13["stride_e"], a13["stride_n"],
+        a13["up_row"], K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local, HAS_VALID=valid is not None,
+        W_FP8=scales is not None, **a13["consts"], BLOCK_N=gu.block_n, BLOCK_K=gu_k,
+        BLOCK_P=histogram_block(block_e), BLOCK_E=block_e, num_warps=gu.num_warps, num_stages=gu.num_stages,
     )  # fmt: skip
     fused_moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
-        act, w2, out, topk_weights, topk_ids, valid_arg, h, expert_start,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, BLOCK_S=triton.next_power_of_2(k),
-        BLOCK_N=dn.block_n, BLOCK_K=min(dn.block_k, triton.next_power_of_2(inter)), num_warps=dn.num_warps,
-        num_stages=dn.num_stages,
+        act, w2, out, topk_weights, topk_ids, valid_arg, a2["scale"], h, expert_start,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), a2["stride_e"], a2["stride_n"],
+        K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, W_FP8=scales is not None,
+        **a2["consts"], BLOCK_S=triton.next_power_of_2(k), BLOCK_N=dn.block_n, BLOCK_K=dn_k,
+        num_warps=dn.num_warps, num_stages=dn.num_stages,
     )  # fmt: skip
 
 
-def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles):
-    """Sort/align, gate_up and down grouped GEMMs over [pairs] rows, then the slot sum."""
+def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles,
+                       scales=None, w8a8=False):  # fmt: skip
+    """Sort/align, gate_up and down grouped GEMMs over [pairs] rows, then the slot sum.
+
+    W8A8: x is quantized per token group before gate_up and the activated product before down.
+    """
     (t, h), (num_local, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     inter, pairs = two_i // 2, t * k
     gu, dn = tiles
     if gu.block_m != dn.block_m:
         raise ValueError(f"gate_up block_m={gu.block_m} and down block_m={dn.block_m} must match (one sort)")
+    s13, s2 = scales or (None, None)
     align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     down = torch.empty(pairs, h, dtype=hidden.dtype, device=hidden.device)
-    for a, b, c, n, kk, a_div, tile, gated in ((hidden, w13, act, inter, h, k, gu, True),
-                                               (act, w2, down, h, inter, 1, dn, False)):  # fmt: skip
+    steps = ((hidden, w13, s13, act, inter, h, k, gu, True), (act, w2, s2, down, h, inter, 1, dn, False))
+    for a, b, sb, c, n, kk, a_div, tile, gated in steps:
+        a_scale = a  # unread unless W8A8
+        if w8a8:
+            a, a_scale = per_token_group_quant(a, sb.group_k)
+        block_k = min(tile.block_k, max(32 if w8a8 else 16, triton.next_power_of_2(kk)))
+        if sb is not None:
+            block_k = sb.block_k(block_k)
+        args = _scale_args(sb, b)
         fused_moe_gemm_kernel[(align.max_blocks * triton.cdiv(n, tile.block_n),)](
-            a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded,
+            a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, a_scale, args["scale"],
             pairs, n, align.max_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-            K=kk, A_ROW_DIV=a_div, GATED=gated, MUL_WEIGHT=not gated, IEEE=hidden.dtype == torch.float32,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=min(tile.block_k, max(16, triton.next_power_of_2(kk))),
+            a_scale.stride(0), args["stride_e"], args["stride_n"], args["up_row"],
+            K=kk, A_ROW_DIV=a_div, GATED=gated, MUL_WEIGHT=not gated,
+            IEEE=hidden.dtype == torch.float32 and not w8a8, B_FP8=sb is not None, A_FP8=w8a8, **args["consts"],
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
             GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(h))
@@ -146,16 +255,23 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
 
 def moe_workspace_bytes(
     num_tokens: int, top_k: int, num_local_experts: int, intermediate: int, hidden: int, dtype: torch.dtype,
-    block_m: int = 128,
+    block_m: int = 128, fp8_group_k: int = 0,
 ) -> int:  # fmt: skip
     """Bytes one MoE layer's forward of ``num_tokens`` rows allocates (the start-up memory plan reserves them).
 
     The padding-row mask (built from an int64 arange), the router's fp32 weights and int32 ids,
     the sort at the largest tile the tuner tries
     (block_m 128), the [pairs, I] activation, the [pairs, H] per-pair output and the [T, H] result.
+    FP8 weights (``fp8_group_k``: the scale block's K, or the hidden size per channel) add, where the
+    W8A8 rule applies, the fp8 copies of x and of the activation with their fp32 group scales.
     """
     es = torch.empty((), dtype=dtype).element_size()
     pairs = num_tokens * top_k
     slots = max_padded_pairs(pairs, num_local_experts, block_m)
     sort = 4 * (slots + slots // block_m + 1 + num_local_experts)
-    return 9 * num_tokens + 8 * pairs + sort + es * (pairs * intermediate + pairs * hidden + num_tokens * hidden)
+    quantized = 0
+    if fp8_group_k and pairs >= W8A8_MIN_ROWS_PER_EXPERT * num_local_experts:
+        groups = num_tokens * -(-hidden // fp8_group_k) + pairs * -(-intermediate // fp8_group_k)
+        quantized = num_tokens * hidden + pairs * intermediate + 4 * groups
+    return 9 * num_tokens + 8 * pairs + sort + quantized + es * (pairs * intermediate + pairs * hidden
+                                                                 + num_tokens * hidden)

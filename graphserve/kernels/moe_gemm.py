@@ -11,6 +11,15 @@ the slot sum in registers.
 
 gate and up are rounded to the activation dtype before silu * up, as when the two projections and
 the activation run apart. References: kernels/moe_reference.experts_reference.
+
+FP8 expert weights (``B_FP8`` / ``W_FP8``): e4m3 weights with fp32 scales ``[E, SN, SK]``, one per
+``[GROUP_N, GROUP_K]`` block (128x128 as DeepSeek-V3 / Qwen3-FP8 ship them; gate's row blocks, then
+up's from row ``scale_up_row``) or one per output row (``PER_CHANNEL``: GROUP_N 1, SK 1). A K step
+never crosses a scale block (the host caps BLOCK_K at GROUP_K), so a step's partial sum takes its
+block scale once per output column and the weights are never written dequantized. Two modes:
+W8A16 widens the fp8 tile to the activation dtype in registers (exact: every e4m3 value is a bf16
+value), W8A8 (``A_FP8``, grouped GEMM only) multiplies fp8 activations quantized per token group
+on the FP8 tensor cores and applies both scales. References: kernels/moe_fp8_reference.py.
 """
 
 from __future__ import annotations
@@ -35,10 +44,36 @@ def _epilogue(acc_g, acc_u, w, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, DT
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:  # fp32 inputs would otherwise be rounded to tf32 by the tensor cores
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _gemm_step(acc, a, b, a_s, bs_ptrs, k0, IEEE: tl.constexpr, B_FP8: tl.constexpr, A_FP8: tl.constexpr,
+               GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr):  # fmt: skip
+    """acc + a @ b for one K step; block-scaled fp8 weights take this step's scales (and a's, W8A8)."""
+    if B_FP8 and not A_FP8:
+        b = b.to(a.dtype)  # W8A16: e4m3 -> bf16/fp32 is exact
+    if B_FP8 and not PER_CHANNEL:
+        scale = tl.load(bs_ptrs + k0 // GROUP_K)[None, :]
+        if A_FP8:
+            scale = scale * a_s
+        return acc + _dot(a, b, IEEE) * scale
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def fused_moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, as_ptr, bs_ptr,
     num_pairs, N, num_blocks_m, stride_am, stride_be, stride_bn, stride_cm,
+    stride_asm, stride_bse, stride_bsn, scale_up_row,
     K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+    B_FP8: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] output tile of one expert's run; the grid covers the worst-case sort."""
@@ -64,6 +99,11 @@ def fused_moe_gemm_kernel(
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     bg_ptrs = b_ptr + expert * stride_be + b_rows[None, :] * stride_bn + offs_k[:, None]
     bu_ptrs = bg_ptrs + N * stride_bn
+    # fp8 scales: the weight's per output column (gate and up rows apart), the activation's per pair row
+    bsg_ptrs = bs_ptr + expert * stride_bse + (b_rows // GROUP_N) * stride_bsn
+    bsu_ptrs = bs_ptr + expert * stride_bse + (scale_up_row + b_rows // GROUP_N) * stride_bsn
+    as_ptrs = as_ptr + a_rows * stride_asm
+    a_s = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -74,22 +114,26 @@ def fused_moe_gemm_kernel(
             k_mask = (k0 + offs_k) < K
             a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             bg = tl.load(bg_ptrs, mask=k_mask[:, None], other=0.0)
-        if IEEE:  # fp32 inputs would otherwise be rounded to tf32 by the tensor cores
-            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, bg, acc_g)
+        if A_FP8 and not PER_CHANNEL:
+            a_s = tl.load(as_ptrs + k0 // GROUP_K, mask=row_mask, other=0.0)[:, None]
+        acc_g = _gemm_step(acc_g, a, bg, a_s, bsg_ptrs, k0, IEEE, B_FP8, A_FP8, GROUP_K, PER_CHANNEL)
         if GATED:
             if K % BLOCK_K == 0:
                 bu = tl.load(bu_ptrs)
             else:
                 bu = tl.load(bu_ptrs, mask=((k0 + offs_k) < K)[:, None], other=0.0)
-            if IEEE:
-                acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-            else:
-                acc_u = tl.dot(a, bu, acc_u)
+            acc_u = _gemm_step(acc_u, a, bu, a_s, bsu_ptrs, k0, IEEE, B_FP8, A_FP8, GROUP_K, PER_CHANNEL)
             bu_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         bg_ptrs += BLOCK_K
+    if B_FP8 and PER_CHANNEL:  # one weight scale per output row (and one activation scale per row, W8A8)
+        if A_FP8:
+            a_s = tl.load(as_ptrs, mask=row_mask, other=0.0)[:, None]
+            acc_g *= a_s
+            acc_u *= a_s
+        acc_g *= tl.load(bsg_ptrs)[None, :]
+        if GATED:
+            acc_u *= tl.load(bsu_ptrs)[None, :]
     w = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
@@ -110,10 +154,17 @@ def _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, k0, K: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit
+def _row_scales(sg_ptrs, su_ptrs, k0, GROUP_K: tl.constexpr):
+    """Block-scaled fp8: the gate and up rows' scales for the K step at ``k0`` (one block along K)."""
+    return tl.load(sg_ptrs + k0 // GROUP_K), tl.load(su_ptrs + k0 // GROUP_K)
+
+
+@triton.jit
 def fused_moe_gemv_gate_up_kernel(
-    x_ptr, w13_ptr, act_ptr, ids_ptr, valid_ptr, counts_ptr, N, expert_start, num_pairs,
-    stride_xm, stride_we, stride_wn, stride_am,
+    x_ptr, w13_ptr, act_ptr, ids_ptr, valid_ptr, counts_ptr, ws_ptr, N, expert_start, num_pairs,
+    stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_sn, scale_up_row,
     K: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
+    W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """act[p, n-block] = silu(gate) * up for pair ``program_id(0)``: its expert's gate and up rows
@@ -124,6 +175,8 @@ def fused_moe_gemv_gate_up_kernel(
     reading anything. Program (0, 0) also writes the per-expert counts, saving their launch.
     The next K step's tiles are loaded before the current ones are multiplied: a program then
     always has a load in flight, where a plain loop would leave HBM idle while it computes.
+    FP8 weights are widened in registers against the model-dtype x (no activation quantization:
+    at a few tokens the weight stream is the cost); a block scale multiplies each step's row sums.
     """
     pair = tl.program_id(0)
     if (pair == 0) & (tl.program_id(1) == 0):
@@ -142,18 +195,36 @@ def fused_moe_gemv_gate_up_kernel(
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
     g_ptrs = w13_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
     u_ptrs = g_ptrs + N * stride_wn
+    sg_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (rows // GROUP_N) * stride_sn
+    su_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (scale_up_row + rows // GROUP_N) * stride_sn
+    BLOCK_SCALED: tl.constexpr = W_FP8 and not PER_CHANNEL
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     g, u, x = _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, 0, K, BLOCK_K)
+    if BLOCK_SCALED:
+        sg, su = _row_scales(sg_ptrs, su_ptrs, 0, GROUP_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         g_next, u_next, x_next = _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, k0, K, BLOCK_K)
         xf = x.to(tl.float32)[None, :]
-        acc_g += tl.sum(g.to(tl.float32) * xf, axis=1)
-        acc_u += tl.sum(u.to(tl.float32) * xf, axis=1)
+        if BLOCK_SCALED:
+            sg_next, su_next = _row_scales(sg_ptrs, su_ptrs, k0, GROUP_K)
+            acc_g += tl.sum(g.to(tl.float32) * xf, axis=1) * sg
+            acc_u += tl.sum(u.to(tl.float32) * xf, axis=1) * su
+            sg, su = sg_next, su_next
+        else:
+            acc_g += tl.sum(g.to(tl.float32) * xf, axis=1)
+            acc_u += tl.sum(u.to(tl.float32) * xf, axis=1)
         g, u, x = g_next, u_next, x_next
     xf = x.to(tl.float32)[None, :]
-    acc_g += tl.sum(g.to(tl.float32) * xf, axis=1)
-    acc_u += tl.sum(u.to(tl.float32) * xf, axis=1)
+    if BLOCK_SCALED:
+        acc_g += tl.sum(g.to(tl.float32) * xf, axis=1) * sg
+        acc_u += tl.sum(u.to(tl.float32) * xf, axis=1) * su
+    else:
+        acc_g += tl.sum(g.to(tl.float32) * xf, axis=1)
+        acc_u += tl.sum(u.to(tl.float32) * xf, axis=1)
+    if W_FP8 and PER_CHANNEL:
+        acc_g *= tl.load(sg_ptrs)
+        acc_u *= tl.load(su_ptrs)
     out = _epilogue(acc_g, acc_u, 0.0, True, False, act_ptr.dtype.element_ty)
     tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, out, mask=offs_n < N)
 
@@ -178,9 +249,10 @@ def _down_tile(w_base, a_base, routed, offs_k, k0, K: tl.constexpr, BLOCK_K: tl.
 
 @triton.jit
 def fused_moe_gemv_down_kernel(
-    act_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, valid_ptr, H, expert_start,
-    stride_am, stride_we, stride_wn, stride_om,
+    act_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, valid_ptr, ws_ptr, H, expert_start,
+    stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn,
     K: tl.constexpr, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
+    W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out[t, n-block] = sum over token t's routed slots of weight * (w2[expert] @ act[pair]).
@@ -191,7 +263,8 @@ def fused_moe_gemv_down_kernel(
     step's tile issued before the current one is multiplied: at one token a program must keep
     many bytes in flight, and a per-step chain of id load -> weight load -> multiply leaves HBM
     idle (measured on an H200 at 1.2 TB/s). The routing weight scales the activation, so one fp32
-    accumulator serves every slot. A padding row comes out as zeros.
+    accumulator serves every slot. A padding row comes out as zeros. FP8 weights: each slot's
+    step sums take their block scales [BLOCK_S, BLOCK_N] (per-channel scales: once, at the end).
     """
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -208,13 +281,30 @@ def fused_moe_gemv_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w2_ptr + expert.to(tl.int64)[:, None, None] * stride_we + rows[None, :, None] * stride_wn
     a_base = act_ptr + pairs.to(tl.int64)[:, None] * stride_am
+    s_base = ws_ptr + expert.to(tl.int64)[:, None] * stride_se + (rows // GROUP_N)[None, :] * stride_sn
+    BLOCK_SCALED: tl.constexpr = W_FP8 and not PER_CHANNEL
     acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
     w, a = _down_tile(w_base, a_base, routed, offs_k, 0, K, BLOCK_K)
+    if BLOCK_SCALED:
+        s = tl.load(s_base, mask=routed[:, None], other=0.0)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_next, a_next = _down_tile(w_base, a_base, routed, offs_k, k0, K, BLOCK_K)
-        acc += tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
+        if BLOCK_SCALED:
+            s_next = tl.load(s_base + k0 // GROUP_K, mask=routed[:, None], other=0.0)
+        part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
+        if BLOCK_SCALED:
+            acc += part * s
+            s = s_next
+        else:
+            acc += part
         w, a = w_next, a_next
-    acc += tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
+    part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
+    if BLOCK_SCALED:
+        acc += part * s
+    else:
+        acc += part
+    if W_FP8 and PER_CHANNEL:
+        acc *= tl.load(s_base, mask=routed[:, None], other=0.0)
     out = tl.sum(acc, axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 

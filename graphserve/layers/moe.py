@@ -120,7 +120,9 @@ class FusedMoE(nn.Module):
 
     Tensor parallelism shards each expert's intermediate size (I_local = I / tp_size); expert
     parallelism keeps experts [ep_rank * E / ep_size, ...) and computes only the pairs routed to
-    them. Either way the output is a partial sum that the caller all-reduces.
+    them. Either way the output is a partial sum that the caller all-reduces. FP8 experts (an FP8
+    checkpoint or ``--quantization``): ``quant_method`` (layers/quant/fp8_moe.py) stores the stacks
+    in fp8 with their scales and owns their loading.
     """
 
     def __init__(
@@ -175,6 +177,8 @@ class FusedMoE(nn.Module):
         self.register_buffer("gate_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
         self.routing_override: str | None = None
         self.use_kernels: bool | None = None  # None: the fused kernels exactly when the input is on CUDA
+        # layers/quant/fp8_moe.Fp8MoEMethod when the experts are stored in fp8: it owns their loading
+        self.quant_method = None
 
     def rebuild(self, device: torch.device) -> None:
         """After the loader's ``to_empty``: the buffers hold garbage; the gate kernel's counter must be zero."""
@@ -212,11 +216,13 @@ class FusedMoE(nn.Module):
     # ---- the model loader's protocol (models/base.py): one shard per (expert, part) ----------------
     def weight_shards(self, param_name: str) -> list[tuple[int, str]]:
         experts = range(self.expert_start, self.expert_start + self.num_local_experts)
-        parts = ("w2",) if param_name == "w2_weight" else ("w1", "w3")
+        parts = ("w2",) if param_name.startswith("w2_") else ("w1", "w3")  # w2_weight and its fp8 scale
         return [(e, part) for e in experts for part in parts]
 
     def load_weight(self, param_name: str, param: nn.Parameter, tensor: torch.Tensor, shard: tuple[int, str]) -> bool:
         """Place one expert's checkpoint matrix; False when the expert lives on another rank."""
+        if self.quant_method is not None:
+            return self.quant_method.load_weight(self, param_name, tensor, shard)
         expert, part = shard
         if (part == "w2") != (param_name == "w2_weight"):
             raise ValueError(f"expert part {part!r} does not belong in {param_name}")
@@ -229,8 +235,20 @@ class FusedMoE(nn.Module):
 
         return moe_workspace_bytes(
             num_tokens, self.top_k, self.num_local_experts, self.intermediate_local, self.hidden_size,
-            self.w13_weight.dtype,
+            self.act_dtype, fp8_group_k=self.fp8_group_k,
         )  # fmt: skip
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The activations' dtype: the experts' own, or the model's where they are stored in fp8."""
+        return self.w13_weight.dtype if self.quant_method is None else self.quant_method.act_dtype
+
+    @property
+    def fp8_group_k(self) -> int:
+        """The fp8 scale block's K (the hidden size per channel), 0 for unquantized experts."""
+        if self.quant_method is None:
+            return 0
+        return self.quant_method.block[1] if self.quant_method.block else self.hidden_size
 
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,14 +321,16 @@ class FusedMoE(nn.Module):
         if use_kernels:
             from graphserve.kernels.moe_fused import fused_experts
 
+            quant = self.quant_method.kernel_args(self) if self.quant_method is not None else {}
             return fused_experts(
                 hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                valid=valid, expert_start=self.expert_start, counts=self.expert_counts,
+                valid=valid, expert_start=self.expert_start, counts=self.expert_counts, **quant,
             )  # fmt: skip
         self.expert_counts.copy_(expert_counts_reference(topk_ids, valid, self.num_experts))
-        return experts_reference(
-            hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, valid, self.expert_start
-        )
+        w13, w2 = self.w13_weight, self.w2_weight
+        if self.quant_method is not None:  # the CPU path: dequantize, then the model-dtype experts
+            w13, w2 = self.quant_method.dequantized(self, hidden.dtype)
+        return experts_reference(hidden, w13, w2, topk_weights, topk_ids, valid, self.expert_start)
 
 
 def _valid_mask(valid: torch.Tensor | None, num_rows: int, device: torch.device) -> torch.Tensor | None:

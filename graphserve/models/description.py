@@ -45,6 +45,7 @@ class ModelDescription:
     # may too (layers/quant/config.py quantized_description); None: weight_bytes_per_param
     embed_bytes_per_param: float | None = None
     expert_bytes_per_param: float | None = None
+    expert_fp8_group_k: int = 0  # fp8 routed experts: their scale block's K (hidden size per channel); 0: none
 
     @property
     def _embed_bpp(self) -> float:
@@ -115,7 +116,8 @@ class ModelDescription:
 
         dtype = torch.float32 if self.act_bytes_per_elem == 4 else torch.bfloat16  # only its size is read
         inter = self.expert_params // (3 * self.hidden_size)
-        return moe_workspace_bytes(tokens, self.top_k, self.local_experts, inter, self.hidden_size, dtype)
+        return moe_workspace_bytes(tokens, self.top_k, self.local_experts, inter, self.hidden_size, dtype,
+                                   fp8_group_k=self.expert_fp8_group_k)
 
     def graph_pool_bytes(self, sizes: Sequence[int], context_tokens: int = 0) -> int:
         """CUDA graphs are captured largest first into one pool: intermediates cost one activation

@@ -25,6 +25,7 @@ from graphserve.layers.quant.config import (
     resolve_quantization,
 )
 from graphserve.layers.quant.fp8 import quantize_linears
+from graphserve.layers.quant.fp8_moe import quantize_experts
 from graphserve.models.builtin import ensure_builtin
 from graphserve.models.description import ModelDescription
 from graphserve.models.llama import sliding_window_of
@@ -210,17 +211,12 @@ def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, d
 
 
 def _quantize(model: nn.Module, quant: Fp8Config, dtype: torch.dtype) -> None:
-    experts = any(isinstance(m, FusedMoE) for m in model.modules())
-    if experts and quant.serialized:
-        raise ModelLoadError(f"this checkpoint's routed experts are stored in {quant.name}, which the fused MoE "
-                             "layer does not run yet: load a bf16 checkpoint (with --quantization fp8 for the "
-                             "attention projections)", param="model")
     try:
         count = quantize_linears(model, quant)
+        experts = quantize_experts(model, quant)
     except ValueError as e:
         raise ModelLoadError(f"{quant.name}: {e}", param="model") from e
-    kept = f"; routed experts stay {dtype}" if experts else ""
-    logger.info("quantization: %s on %d linear layers%s", quant.name, count, kept)
+    logger.info("quantization: %s on %d linear layers and %d routed-expert layers", quant.name, count, experts)
 
 
 @torch.no_grad()
@@ -234,6 +230,9 @@ def _init_random(model: nn.Module, seed: int, device: torch.device, dtype: torch
         method = getattr(model.get_submodule(owner_name), "quant_method", None) if owner_name else None
         if method is not None and leaf == "weight":
             method.init_random(model.get_submodule(owner_name), dtype, gen)
+            continue
+        if method is not None and leaf in ("w13_weight", "w2_weight"):  # fp8 routed experts
+            method.init_random(model.get_submodule(owner_name), leaf, dtype, gen)
             continue
         if name.endswith("norm.weight"):
             param.fill_(1.0)
@@ -265,7 +264,8 @@ def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype
 
     parallel = get_parallel()  # this rank's share: its KV heads size the pool, its weights the plan
     description = model.describe(hf_config, dtype, tp=parallel.tp_size, ep=parallel.ep_size)
-    description = quantized_description(description, quant, dtype)
+    experts_fp8 = any(m.quant_method is not None for m in model.modules() if isinstance(m, FusedMoE))
+    description = quantized_description(description, quant, dtype, experts_quantized=experts_fp8)
     if kv_dtype != "auto":
         if description.kv.kind != "kv":
             raise ConfigError(f"--kv-cache-dtype={kv_dtype} is implemented for paged K/V caches; this model's "

@@ -46,8 +46,12 @@ from graphserve.models.llama import (
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
 
-# checkpoint expert tensor -> (stacked parameter, which part): gate/up are w1/w3, down is w2
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+# checkpoint expert tensor -> (stacked parameter, which part): gate/up are w1/w3, down is w2; an FP8
+# checkpoint's scales (weight_scale_inv: block-wise, weight_scale: per channel or tensor) go to the
+# stacked weight's scale of the same name (layers/quant/fp8_moe.py), an input_scale to one that no
+# layer has, so the loader refuses it by name
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\."
+                     r"(weight|weight_scale_inv|weight_scale|input_scale)$")
 _EXPERT_PART = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 
 
@@ -57,9 +61,9 @@ def expert_param_name(name: str) -> tuple[str, tuple[int, str]] | None:
     hit = _EXPERT.search(name)
     if hit is None:
         return None
-    expert, part = int(hit.group(1)), _EXPERT_PART[hit.group(2)]
-    stacked = "w2_weight" if part == "w2" else "w13_weight"
-    return f"{name[: hit.start()]}.experts.{stacked}", (expert, part)
+    expert, part, tensor = int(hit.group(1)), _EXPERT_PART[hit.group(2)], hit.group(3)
+    stacked = "w2_" if part == "w2" else "w13_"
+    return f"{name[: hit.start()]}.experts.{stacked}{tensor}", (expert, part)
 
 
 @dataclass(frozen=True)

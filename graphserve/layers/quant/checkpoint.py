@@ -1,7 +1,7 @@
 """Write an FP8 checkpoint from an unquantized Hugging Face folder, in the layout the shipped FP8
 checkpoints use, so that loading them is tested against checkpoints we can make at any size.
 
-Projection weights (``*_proj.weight``) become fp8 e4m3 ``*.weight`` plus fp32 scales:
+Projection weights (``*_proj.weight``, and Mixtral's ``experts.N.w1/w2/w3.weight``) become fp8 e4m3 ``*.weight`` plus fp32 scales:
 ``*.weight_scale_inv`` [ceil(N/bn), ceil(K/bk)] for ``block=(bn, bk)`` (DeepSeek-V3, Qwen3-FP8), or
 ``*.weight_scale`` [N] per channel, with ``*.input_scale`` (amax / 448 of calibration activations)
 when ``input_scales`` are given (static activations). Embeddings, lm_head, norms, biases and router
@@ -11,6 +11,7 @@ gates are copied unchanged; config.json gains the matching ``quantization_config
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,10 +23,13 @@ from graphserve.kernels.fp8_quant import FP8_MAX, quantize_weight_blocks, quanti
 from graphserve.layers.quant.config import ALWAYS_UNQUANTIZED
 from graphserve.models.weights import iter_safetensors, safetensors_files
 
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")  # Mixtral names its experts' projections w1/w2/w3
+
 
 def is_projection(name: str) -> bool:
     module = name.removesuffix(".weight")
-    return name.endswith("_proj.weight") and not module.endswith(ALWAYS_UNQUANTIZED)
+    named = name.endswith("_proj.weight") or _MIXTRAL_EXPERT.search(name) is not None
+    return named and not module.endswith(ALWAYS_UNQUANTIZED)
 
 
 def quantize_checkpoint(src: Path, dst: Path, block: tuple[int, int] | None = (128, 128),

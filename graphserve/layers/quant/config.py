@@ -58,6 +58,16 @@ class Fp8Config:
             return 1.0 + 4.0 / (self.block[0] * self.block[1])
         return 1.0 + 4.0 / in_features
 
+    def expert_bytes_per_param(self, hidden: int, intermediate: int) -> float:
+        """A routed expert's gate, up [I, H] and down [H, I] in fp8 with their fp32 scales
+        (layers/quant/fp8_moe.py: gate and up blocked apart), per parameter."""
+        if self.block:
+            bn, bk = self.block
+            scales = 2 * -(-intermediate // bn) * -(-hidden // bk) + -(-hidden // bn) * -(-intermediate // bk)
+        else:
+            scales = 2 * intermediate + hidden
+        return 1.0 + 4.0 * scales / (3 * hidden * intermediate)
+
 
 def parse_quantization_config(raw: Mapping[str, Any] | None) -> Fp8Config | None:
     """A checkpoint's ``quantization_config`` (config.json) as an Fp8Config, None when absent."""
@@ -117,16 +127,21 @@ def resolve_quantization(checkpoint: Fp8Config | None, quantization: str) -> Fp8
 
 
 def quantized_description(desc: Any, quant: Fp8Config | None, model_dtype: torch.dtype,
-                          experts_quantized: bool = False) -> Any:
-    """``desc`` (a ModelDescription) with FP8 bytes for its projections; embedding, lm_head and (unless
-    quantized) routed experts stay in the model dtype. Norm weights and router gates, counted among
+                          experts_quantized: bool = True) -> Any:
+    """``desc`` (a ModelDescription) with FP8 bytes for its projections and (unless a model keeps them in
+    ``model_dtype``) its routed experts, their scales counted exactly; embedding and lm_head stay in
+    the model dtype. Norm weights and router gates, counted among
     the dense parameters but kept in the model dtype, are then priced at one byte: norms are under
     0.01% of a layer, a router gate (experts x hidden) about 1% of a Qwen3-30B-A3B layer's dense
     part; the floor comes out that much lower, never higher."""
     if quant is None:
         return desc
     per_param = quant.weight_bytes_per_param(desc.hidden_size)
+    expert, group_k = float(model_dtype.itemsize), 0
+    if experts_quantized and desc.expert_params:
+        expert = quant.expert_bytes_per_param(desc.hidden_size, desc.expert_params // (3 * desc.hidden_size))
+        group_k = quant.block[1] if quant.block else desc.hidden_size
     return dataclasses.replace(
         desc, weight_bytes_per_param=per_param, embed_bytes_per_param=model_dtype.itemsize,
-        expert_bytes_per_param=per_param if experts_quantized else model_dtype.itemsize,
+        expert_bytes_per_param=expert, expert_fp8_group_k=group_k,
     )

@@ -1,0 +1,145 @@
+"""FP8 routed experts: ``dummy:qwen3-30b-a3b --quantization fp8`` decode against its FP8 floor and
+against the bf16 model of the same seed, and the grouped GEMM's W8A16 / W8A8 modes side by side.
+
+Decode: one CUDA-graph step per batch size (1, 64) and routing (the random router's own choice,
+"skewed", and round-robin "uniform"), every sequence over ``ctx`` cached tokens. The floor is the
+bytes the step must read (ModelDescription.decode_read_bytes: FP8 attention projections and the
+experts actually routed to in that step, each with its fp32 block scales, bf16 embedding rows,
+lm_head and router gates, and the KV in context) over the best read bandwidth measured in this
+run (benchmarks/roofline.py probes and the steps themselves). The bf16 model runs the same steps.
+
+Kernels: the experts of one Qwen3-30B-A3B layer at T tokens (top-8 of 128, random routing), bf16
+weights vs fp8 weights in W8A16 and in W8A8, with ``*`` on the mode kernels/moe_fused.py picks
+(W8A8 from ``W8A8_MIN_ROWS_PER_EXPERT`` pairs per expert).
+
+Rows go to benchmarks/results/fp8_decode.json as {"model","bs","ctx","step_ms","floor_ms","ratio",
+"bf16_step_ms"} beside the rows already there (benchmarks/fp8.py writes the dense ones: run it
+first), and everything this run measured to benchmarks/results/moe_fp8.json.
+
+Run: python3 -m benchmarks.moe_fp8 [--quick]      (about 2 minutes on an H200; --quick: uniform only, no kernel table)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+import torch
+
+from benchmarks.common import RESULTS_DIR, cuda_time_ms, print_table, write_result
+from benchmarks.moe import experts_touched, set_routing
+from benchmarks.roofline import measured_read_bw
+from graphserve.config import EngineConfig
+from graphserve.engine.graphs import GraphRunner
+from graphserve.kernels.moe_fused import W8A8_MIN_ROWS_PER_EXPERT, fused_experts
+from graphserve.kernels.moe_routing import moe_softmax_topk
+from graphserve.layers.attention_triton import TritonAttentionBackend
+from graphserve.layers.forward_batch import contiguous_batch
+from graphserve.layers.quant.fp8_moe import quantize_stack
+from graphserve.models.loader import load_model
+
+MODEL = "dummy:qwen3-30b-a3b"
+COLS = ["model", "bs", "ctx", "routing", "experts_touched", "step_ms", "floor_ms", "ratio", "bf16_step_ms", "vs_bf16"]
+
+
+def decode_steps(quantization: str, sizes: list[int], ctx: int, routings: list[str], bw) -> dict:
+    """{(bs, routing): (step ms, bytes to read, experts touched)} for one load of the model."""
+    device = torch.device("cuda")
+    cfg = EngineConfig(model=MODEL, device="cuda", quantization=quantization, max_model_len=ctx + 64)
+    loaded = load_model(cfg, device)
+    model, info = loaded.model, loaded.info
+    bsz = cfg.block_size
+    kv_caches = info.kv.allocate(max(sizes) * (-(-(ctx + 1) // bsz)) + 2, bsz, device, fill="random")
+    backend = TritonAttentionBackend()
+    out = {}
+    with torch.inference_mode():
+        for routing in routings:
+            # the routing mode is part of what a graph captures: one capture per mode
+            layers = set_routing(model, routing)
+            graphs = GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // bsz + 1, cfg.max_model_len, device)
+            graphs.capture()
+            for bs in sizes:
+                batch = contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=info.vocab_size)
+                ms = cuda_time_ms(lambda g=graphs, b=batch: g.replay(b).argmax(-1), warmup=3, iters=20)
+                touched = experts_touched(layers)  # the last replay's routing
+                nbytes = info.description.decode_read_bytes(bs, bs * (ctx + 1), touched)
+                bw.observe(f"{MODEL} {quantization} decode bs={bs} {routing}", nbytes, ms)
+                out[bs, routing] = (ms, nbytes, touched)
+                print(f"{MODEL} --quantization {quantization} bs={bs} {routing}: {ms:.3f} ms, {touched} experts, "
+                      f"{nbytes / 1e9:.2f} GB to read")
+            del graphs
+    del model, loaded, kv_caches
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def kernel_rows(tokens: list[int], e: int = 128, h: int = 2048, i: int = 768, k: int = 8) -> list[dict]:
+    """One layer's experts on the grouped GEMM path: bf16 weights, fp8 W8A16 and fp8 W8A8."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i**-0.5).to(torch.bfloat16)
+    qg, sg = quantize_stack(w13[:, :i], (128, 128))
+    qu, su = quantize_stack(w13[:, i:], (128, 128))
+    q2, s2 = quantize_stack(w2, (128, 128))
+    q13, s13, s2 = torch.cat([qg, qu], 1), torch.cat([sg, su], 1).contiguous(), s2.contiguous()
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+        w, ids = moe_softmax_topk(torch.randn(t, e, device="cuda", generator=gen), k, True)
+
+        def fp8(w8a8: bool, x=x, w=w, ids=ids):
+            return fused_experts(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2, weight_block=(128, 128),
+                                 path="gemm", w8a8=w8a8)  # fmt: skip
+
+        chosen = t * k >= W8A8_MIN_ROWS_PER_EXPERT * e
+        row = {"tokens": t, "pairs": t * k, "bf16_ms": cuda_time_ms(lambda x=x, w=w, ids=ids: fused_experts(
+            x, w13, w2, w, ids, path="gemm")), "w8a16_ms": cuda_time_ms(lambda f=fp8: f(False)),
+            "w8a8_ms": cuda_time_ms(lambda f=fp8: f(True)), "picked": "w8a8" if chosen else "w8a16"}  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def merge_fp8_decode(rows: list[dict]) -> None:
+    """Our rows replace any earlier rows of this model in fp8_decode.json; the dense rows stay."""
+    path = RESULTS_DIR / "fp8_decode.json"
+    payload = json.loads(path.read_text()) if path.exists() else {}
+    payload.pop("environment", None)  # write_result records this run's
+    labels = {r["model"] for r in rows}
+    payload["rows"] = [r for r in payload.get("rows", []) if r.get("model") not in labels] + rows
+    write_result("fp8_decode", payload)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--bs", nargs="+", type=int, default=[1, 64])
+    p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--quick", action="store_true", help="uniform routing only, no kernel table")
+    args = p.parse_args()
+    routings = ["uniform"] if args.quick else ["skewed", "uniform"]
+    bw = measured_read_bw()
+    print(f"probes: {bw.describe()}")
+    kernels = [] if args.quick else kernel_rows([8, 64, 256, 1024, 2048, 4096, 8192])
+    bf16 = decode_steps("none", args.bs, args.ctx, routings, bw)
+    fp8 = decode_steps("fp8", args.bs, args.ctx, routings, bw)
+    rows = []
+    for (bs, routing), (ms, nbytes, touched) in fp8.items():
+        row = {"model": f"{MODEL} --quantization fp8 ({routing} routing)", "bs": bs, "ctx": args.ctx,
+               "routing": routing, "experts_touched": touched, "step_ms": ms, "read_bytes": nbytes,
+               "bf16_step_ms": bf16[bs, routing][0], "bf16_read_bytes": bf16[bs, routing][1]}
+        rows.append(row)
+    for r in rows:  # floors last: the best read rate of the whole run is the denominator
+        r.update({key: v for key, v in bw.ratios(r["step_ms"], r["read_bytes"]).items() if key in ("floor_ms", "ratio")})
+        r["vs_bf16"] = r["step_ms"] / r["bf16_step_ms"]
+    print(f"\nfloor: {bw.describe()}")
+    print_table(rows, COLS)
+    if kernels:
+        print_table(kernels, ["tokens", "pairs", "bf16_ms", "w8a16_ms", "w8a8_ms", "picked"])
+    merge_fp8_decode([{key: r[key] for key in ("model", "bs", "ctx", "step_ms", "floor_ms", "ratio",
+                                               "bf16_step_ms")} for r in rows])  # fmt: skip
+    write_result("moe_fp8", {"ceilings": {"read": bw.summary()}, "rows": rows, "kernels": kernels})
+
+
+if __name__ == "__main__":
+    main()

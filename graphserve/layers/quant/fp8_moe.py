@@ -1,0 +1,196 @@
+"""FP8 routed experts: the quantization method a ``FusedMoE`` (layers/moe.py) delegates its stored
+expert weights, their loading and their scales to.
+
+Stored per layer: ``w13_weight`` fp8 e4m3 [E, 2I, H] (gate rows, then up rows), ``w2_weight`` fp8
+[E, H, I], and fp32 scales (``x ~= q * scale``):
+- block (bn, bk), as Qwen3-30B-A3B-FP8 and DeepSeek-V3 ship ``experts.N.gate_proj.weight_scale_inv``:
+  ``w13_weight_scale_inv`` [E, 2 * ceil(I / bn), ceil(H / bk)] (gate's row blocks, then up's: the
+  checkpoint blocks the two projections apart) and ``w2_weight_scale_inv`` [E, ceil(H / bn), ceil(I / bk)];
+- per channel (``experts.N.gate_proj.weight_scale``, one per row; a per-tensor scale is broadcast to
+  its rows, which is exact): ``w13_weight_scale`` [E, 2I, 1], ``w2_weight_scale`` [E, H, 1].
+
+From an FP8 checkpoint the scales are Parameters the checkpoint must fill (a missing one is refused
+by the loader by name); quantized at load (``--quantization``) they are buffers the weights' load
+fills. Activations are never quantized with a checkpoint's static scale: the kernels run W8A16 or
+quantize per token group (kernels/moe_fused.py), so ``activation_scheme: static`` is refused.
+The CPU path dequantizes (kernels/moe_fp8_reference.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from graphserve.kernels.moe_fp8_reference import dequantize_experts
+from graphserve.layers.quant.config import Fp8Config
+
+if TYPE_CHECKING:
+    from graphserve.layers.moe import FusedMoE
+
+WEIGHTS = ("w13_weight", "w2_weight")
+
+
+def quantize_stack(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [E, N, K] -> (fp8 [E, N, K], fp32 scales [E, ceil(N/bn), ceil(K/bk)] or [E, N, 1] per channel),
+    every expert as fp8_quant.quantize_weight_blocks / quantize_weight_channels would, in one pass."""
+    e, n, k = w.shape
+    if block is None:
+        scale = (w.float().abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+        return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    bn, bk = block
+    nb, kb = -(-n // bn), -(-k // bk)
+    tiles = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).view(e, nb, bn, kb, bk)
+    scale = (tiles.abs().amax(dim=(2, 4)) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (tiles / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(e, nb * bn, kb * bk)
+    return q[:, :n, :k].to(FP8_DTYPE), scale
+
+
+class Fp8MoEMethod:
+    def __init__(self, config: Fp8Config) -> None:
+        if config.activation_scheme != "dynamic":
+            raise ValueError(f"activation_scheme={config.activation_scheme!r} is not supported for routed experts: "
+                             "the fused MoE quantizes activations per token group (dynamic) or not at all")
+        self.config = config
+        self.block = config.block
+        self.act_dtype: torch.dtype | None = None  # the model dtype, read from the first layer built
+
+    def scale_name(self, weight: str) -> str:
+        return f"{weight}_scale_inv" if self.block else f"{weight}_scale"
+
+    def _scale_rows(self, rows: int) -> int:
+        return -(-rows // self.block[0]) if self.block else rows
+
+    def _scale_cols(self, k: int) -> int:
+        return -(-k // self.block[1]) if self.block else 1
+
+    # ---- construction -------------------------------------------------------------------------
+    def create_weights(self, layer: FusedMoE) -> None:
+        """Replace the layer's model-dtype expert stacks by fp8 storage and their scales (same device)."""
+        if layer.tp_size > 1:
+            raise ValueError(f"fp8 routed experts are built at tp_size 1, got tp_size={layer.tp_size}")
+        e, h, i = layer.num_local_experts, layer.hidden_size, layer.intermediate_local
+        device = layer.w13_weight.device
+        self.act_dtype = layer.w13_weight.dtype  # the activations keep the model dtype
+        layer.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h, dtype=FP8_DTYPE, device=device), requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(e, h, i, dtype=FP8_DTYPE, device=device), requires_grad=False)
+        shapes = ((e, 2 * self._scale_rows(i), self._scale_cols(h)), (e, self._scale_rows(h), self._scale_cols(i)))
+        for weight, shape in zip(WEIGHTS, shapes):
+            scale = torch.empty(shape, dtype=torch.float32, device=device)
+            if self.config.serialized:
+                layer.register_parameter(self.scale_name(weight), nn.Parameter(scale, requires_grad=False))
+            else:
+                layer.register_buffer(self.scale_name(weight), scale)
+        layer.quant_method = self
+
+    def scales(self, layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(layer, self.scale_name("w13_weight")), getattr(layer, self.scale_name("w2_weight"))
+
+    # ---- loading --------------------------------------------------------------------------------
+    def _part(self, layer: FusedMoE, part: str) -> tuple[str, slice, slice, int]:
+        """(stacked weight, its rows, its scale rows, K) that checkpoint part w1/w3/w2 fills."""
+        h, i = layer.hidden_size, layer.intermediate_local
+        if part == "w2":
+            return "w2_weight", slice(0, h), slice(0, self._scale_rows(h)), i
+        first = part == "w3"
+        rows, scale_rows = slice(i * first, i * (first + 1)), self._scale_rows(i)
+        return "w13_weight", rows, slice(scale_rows * first, scale_rows * (first + 1)), h
+
+    def load_weight(self, layer: FusedMoE, param_name: str, tensor: torch.Tensor, shard: tuple[int, str]) -> bool:
+        """One expert's checkpoint weight or scale into its slice; False when another rank holds the expert."""
+        expert, part = shard
+        if part not in ("w1", "w2", "w3"):
+            raise ValueError(f"expert weight {part!r} is not one of 'w1', 'w2', 'w3'")
+        weight, rows, scale_rows, k = self._part(layer, part)
+        if not param_name.startswith(weight):
+            raise ValueError(f"expert part {part!r} does not belong in {param_name}")
+        if not 0 <= expert < layer.num_experts:
+            raise ValueError(f"expert index {expert} is out of range for num_experts={layer.num_experts}")
+        local = expert - layer.expert_start
+        if not 0 <= local < layer.num_local_experts:
+            return False
+        n = rows.stop - rows.start
+        if param_name == weight:
+            if tuple(tensor.shape) != (n, k):
+                raise ValueError(f"shape {tuple(tensor.shape)}, expected {(n, k)} (expert {expert} {part})")
+            target = getattr(layer, weight).data[local, rows]
+            if self.config.serialized:
+                if tensor.dtype != FP8_DTYPE:
+                    raise ValueError(f"dtype {tensor.dtype}, expected {FP8_DTYPE} (the config's quant_method is fp8)")
+                target.copy_(tensor)
+                return True
+            q, s = quantize_stack(tensor.to(target.device)[None], self.block)
+            target.copy_(q[0])
+            getattr(layer, self.scale_name(weight)).data[local, scale_rows].copy_(s[0])
+            return True
+        if param_name != self.scale_name(weight):
+            raise ValueError(f"an fp8 expert layer has no tensor {param_name!r} (its scales are "
+                             f"{self.scale_name(weight)!r})")
+        self._load_scale(getattr(layer, param_name).data[local, scale_rows], tensor, n, k)
+        return True
+
+    def _load_scale(self, target: torch.Tensor, loaded: torch.Tensor, n: int, k: int) -> None:
+        if not loaded.dtype.is_floating_point or loaded.dtype == FP8_DTYPE:
+            raise ValueError(f"dtype {loaded.dtype}, expected a float32 scale")
+        if not torch.isfinite(loaded).all():
+            raise ValueError("a scale is not finite (inf or NaN)")
+        if self.block:
+            if tuple(loaded.shape) != tuple(target.shape):
+                raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)} (one scale per "
+                                 f"{self.block[0]}x{self.block[1]} block of a [{n}, {k}] weight)")
+            target.copy_(loaded)
+        elif loaded.numel() == 1:  # per tensor: every row shares it
+            target.fill_(loaded.reshape(()).item())
+        elif loaded.numel() == n and loaded.dim() <= 2 and loaded.shape[0] == n:
+            target.copy_(loaded.reshape(n, 1))
+        else:
+            raise ValueError(f"shape {tuple(loaded.shape)}, expected one scale (per tensor) or {n} (per channel)")
+
+    @torch.no_grad()
+    def init_random(self, layer: FusedMoE, weight: str, dtype: torch.dtype, generator: torch.Generator) -> None:
+        """dummy: models: normal(0, 0.02) in ``dtype`` from the generator's position (the unquantized
+        model's draw), quantized as a checkpoint's experts would be."""
+        param = getattr(layer, weight)
+        w = torch.empty(param.shape, dtype=dtype, device=param.device).normal_(0.0, 0.02, generator=generator)
+        scale = getattr(layer, self.scale_name(weight))
+        if weight == "w2_weight":
+            q, s = quantize_stack(w, self.block)
+            param.copy_(q)
+            scale.copy_(s)
+            return
+        i, half = layer.intermediate_local, scale.shape[1] // 2
+        for rows, scale_rows in ((slice(0, i), slice(0, half)), (slice(i, 2 * i), slice(half, 2 * half))):
+            q, s = quantize_stack(w[:, rows], self.block)
+            param[:, rows].copy_(q)
+            scale[:, scale_rows].copy_(s)
+
+    # ---- forward --------------------------------------------------------------------------------
+    def kernel_args(self, layer: FusedMoE) -> dict:
+        """What kernels/moe_fused.fused_experts takes beside the fp8 weights."""
+        w13_scale, w2_scale = self.scales(layer)
+        return {"w13_scale": w13_scale, "w2_scale": w2_scale, "weight_block": self.block}
+
+    def dequantized(self, layer: FusedMoE, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) in ``dtype``: the CPU path's weights."""
+        w13_scale, w2_scale = self.scales(layer)
+        return (dequantize_experts(layer.w13_weight, w13_scale, self.block, parts=2).to(dtype),
+                dequantize_experts(layer.w2_weight, w2_scale, self.block).to(dtype))  # fmt: skip
+
+
+def quantize_experts(model: nn.Module, config: Fp8Config) -> int:
+    """Attach an Fp8MoEMethod to every ``FusedMoE`` the config quantizes; the number attached."""
+    from graphserve.layers.moe import FusedMoE
+
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, FusedMoE) and config.quantizes(name)]
+    if not layers:
+        return 0
+    method = Fp8MoEMethod(config)
+    for name, module in layers:
+        try:
+            method.create_weights(module)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+    return len(layers)

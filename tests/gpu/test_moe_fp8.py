@@ -1,0 +1,170 @@
+"""FP8 expert weights in the fused MoE path on the GPU, at the expert shapes of Qwen3-30B-A3B,
+Mixtral-8x7B, OLMoE-1B-7B and Qwen1.5-MoE-A2.7B.
+
+Fresh random bf16 activations against the dequantizing reference (kernels/moe_fp8_reference.py),
+which quantizes the activations the same way where the W8A8 rule applies (``t * k >=
+W8A8_MIN_ROWS_PER_EXPERT * E``); 128x128 block and per-channel scales; the streaming path, the
+grouped GEMM in W8A16 and in W8A8 forced at small batches; FusedMoE with fp8 experts captured into a
+CUDA graph with padding rows and replayed on new inputs (equal to eager bit for bit, padding rows
+zero and uncounted), including a size that takes the W8A8 path; the workspace bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphserve.kernels.moe_fp8_reference import experts_fp8_reference
+from graphserve.kernels.moe_fused import W8A8_MIN_ROWS_PER_EXPERT, fused_experts, moe_workspace_bytes
+from graphserve.kernels.moe_reference import expert_counts_reference, softmax_topk_reference
+from graphserve.kernels.moe_routing import moe_softmax_topk
+from graphserve.layers.moe import FusedMoE, SoftmaxTopK
+from graphserve.layers.quant.config import Fp8Config
+from graphserve.layers.quant.fp8_moe import Fp8MoEMethod, quantize_stack
+
+DT = torch.bfloat16
+TOL = 2e-2
+BLOCK = (128, 128)
+# name: (experts, hidden, intermediate per expert, top_k, renormalise)
+MODELS = {
+    "qwen3-30b-a3b": (128, 2048, 768, 8, True),
+    "mixtral-8x7b": (8, 4096, 14336, 2, True),
+    "olmoe-1b-7b": (64, 2048, 1024, 8, False),
+    "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4, False),
+}
+SCALES = {"block": BLOCK, "channel": None}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def experts() -> dict:
+    """Per (model, scales): fp8 w13 (gate and up quantized apart, as checkpoints store them), w2, scales."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    made = {}
+    for name, (e, h, i, _, _) in MODELS.items():
+        w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h**-0.5).to(DT)
+        w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i**-0.5).to(DT)
+        for kind, block in SCALES.items():
+            qg, sg = quantize_stack(w13[:, :i], block)
+            qu, su = quantize_stack(w13[:, i:], block)
+            q2, s2 = quantize_stack(w2, block)
+            made[name, kind] = (torch.cat([qg, qu], 1), q2, torch.cat([sg, su], 1).contiguous(), s2.contiguous())
+        del w13, w2
+    return made
+
+
+def _routing(t, name, gen):
+    e, h, _, k, renorm = MODELS[name]
+    x = torch.randn(t, h, device="cuda", generator=gen).to(DT)
+    w, ids = moe_softmax_topk(torch.randn(t, e, device="cuda", generator=gen), k, renorm)
+    return x, w, ids
+
+
+# block scales at every model's shape; per-channel (each K a separate compile) at two of them
+SHAPE_CASES = [(name, "block") for name in MODELS] + [("qwen3-30b-a3b", "channel"), ("mixtral-8x7b", "channel")]
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 256, 2048])
+@pytest.mark.parametrize("name,kind", SHAPE_CASES)
+def test_fp8_experts_model_shapes(name, kind, t, experts, gen):
+    e, _, _, k, _ = MODELS[name]
+    w13, w2, s13, s2 = experts[name, kind]
+    x, w, ids = _routing(t, name, gen)
+    counts = torch.full((e,), -1, dtype=torch.int32, device="cuda")
+    out = fused_experts(x, w13, w2, w, ids, counts=counts, w13_scale=s13, w2_scale=s2, weight_block=SCALES[kind])
+    w8a8 = t * k >= W8A8_MIN_ROWS_PER_EXPERT * e
+    ref = experts_fp8_reference(x, w13, w2, s13, s2, SCALES[kind], w, ids, w8a8=w8a8)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL, w8a8
+    assert torch.equal(counts, expert_counts_reference(ids, None, e))
+
+
+@pytest.mark.parametrize("kind", list(SCALES))
+@pytest.mark.parametrize("t", [1, 7])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_every_path_and_mode_at_small_batches(name, t, kind, experts, gen):
+    w13, w2, s13, s2 = experts[name, kind]
+    x, w, ids = _routing(t, name, gen)
+    block = SCALES[kind]
+    for path, w8a8 in (("gemv", None), ("gemm", False), ("gemm", True)):
+        out = fused_experts(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2, weight_block=block, path=path, w8a8=w8a8)
+        ref = experts_fp8_reference(x, w13, w2, s13, s2, block, w, ids, w8a8=bool(w8a8))
+        assert rel_err(out, ref) < TOL, (path, w8a8)
+
+
+def _fp8_layer(name, kind, experts) -> FusedMoE:
+    e, h, i, k, renorm = MODELS[name]
+    layer = FusedMoE(e, k, h, i, SoftmaxTopK(e, k, renorm), dtype=DT, device="cuda")
+    Fp8MoEMethod(Fp8Config(block=SCALES[kind], serialized=False)).create_weights(layer)
+    w13, w2, s13, s2 = experts[name, kind]
+    s13_name, s2_name = layer.quant_method.scale_name("w13_weight"), layer.quant_method.scale_name("w2_weight")
+    for target, value in ((layer.w13_weight, w13), (layer.w2_weight, w2), (getattr(layer, s13_name), s13),
+                          (getattr(layer, s2_name), s2)):  # fmt: skip
+        target.copy_(value)
+    return layer
+
+
+@pytest.mark.parametrize("kind", list(SCALES))
+@pytest.mark.parametrize("name,padded,real", [
+    ("qwen3-30b-a3b", 1, 1), ("qwen3-30b-a3b", 8, 0), ("qwen3-30b-a3b", 64, 50), ("qwen3-30b-a3b", 256, 201),
+    ("mixtral-8x7b", 1, 1), ("mixtral-8x7b", 32, 20), ("mixtral-8x7b", 512, 400),  # 1024 pairs: W8A8
+])  # fmt: skip
+@torch.inference_mode()
+def test_fp8_layer_under_cuda_graph_replay(name, padded, real, kind, experts, gen):
+    e, h, _, k, renorm = MODELS[name]
+    layer = _fp8_layer(name, kind, experts)
+    x = torch.randn(padded, h, device="cuda", generator=gen).to(DT)
+    logits = torch.randn(padded, e, device="cuda", generator=gen)
+    valid = torch.tensor(padded, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile outside the capture
+        layer(x, logits, valid=valid)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = layer(x, logits, valid=valid)
+    x.copy_(torch.randn(padded, h, device="cuda", generator=gen).to(DT))
+    logits.copy_(torch.randn(padded, e, device="cuda", generator=gen) * 3)
+    x[real:] = float("nan")  # padding rows hold stale data: nothing of them may reach the output
+    logits[real:] = float("nan")
+    valid.fill_(real)
+    layer.expert_counts.fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    replay_out, replay_counts = out.clone(), layer.expert_counts.clone()
+    assert torch.equal(replay_out, layer(x, logits, valid=valid))
+    assert torch.equal(replay_out[real:], torch.zeros(padded - real, h, device="cuda", dtype=DT))
+    w, ids = softmax_topk_reference(logits[:real], k, renorm)
+    assert torch.equal(replay_counts, expert_counts_reference(ids, None, e))
+    if real:
+        w8a8 = padded * k >= W8A8_MIN_ROWS_PER_EXPERT * e  # the rule reads the padded size
+        w13, w2, s13, s2 = experts[name, kind]
+        ref = experts_fp8_reference(x[:real], w13, w2, s13, s2, SCALES[kind], w, ids, w8a8=w8a8)
+        assert rel_err(replay_out[:real], ref) < TOL
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_fp8_workspace_bound_covers_what_a_forward_allocates(name, experts, gen):
+    e, h, i, k, _ = MODELS[name]
+    w13, w2, s13, s2 = experts[name, "block"]
+    for t in (1, 64, 2048):
+        x, w, ids = _routing(t, name, gen)
+        counts = torch.empty(e, dtype=torch.int32, device="cuda")
+
+        def run(x=x, w=w, ids=ids, counts=counts):
+            return fused_experts(x, w13, w2, w, ids, counts=counts, w13_scale=s13, w2_scale=s2, weight_block=BLOCK)
+
+        run()  # compiled and cached before measuring
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = run()
+        torch.cuda.synchronize()
+        used = torch.cuda.max_memory_allocated() - base
+        # the caching allocator rounds each of the ~12 buffers up to 512 bytes
+        bound = moe_workspace_bytes(t, k, e, i, h, DT, fp8_group_k=BLOCK[1]) + 12 * 512
+        assert out.numel() and used <= bound, (t, used, bound)

@@ -1,0 +1,23 @@
+"""benchmarks.moe_fp8 adds its rows to fp8_decode.json without dropping the dense rows benchmarks.fp8 wrote."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import common, moe_fp8
+
+
+def test_moe_rows_replace_their_earlier_rows_and_keep_the_dense_ones(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(moe_fp8, "RESULTS_DIR", tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    label = "dummy:qwen3-30b-a3b --quantization fp8 (uniform routing)"
+    dense = {"model": "dummy:llama3-8b --quantization fp8", "bs": 1, "ctx": 512, "step_ms": 3.0}
+    (tmp_path / "fp8_decode.json").write_text(json.dumps({
+        "environment": {"commit": "old"}, "prefill": [{"model": "dummy:llama3-8b"}],
+        "rows": [dense, {"model": label, "bs": 64, "ctx": 1024, "step_ms": 99.0}]}))
+    new = {"model": label, "bs": 64, "ctx": 1024, "step_ms": 7.0, "floor_ms": 6.0, "ratio": 7 / 6, "bf16_step_ms": 12.0}
+    moe_fp8.merge_fp8_decode([new])
+    merged = json.loads((tmp_path / "fp8_decode.json").read_text())
+    assert merged["rows"] == [dense, new]
+    assert merged["prefill"] == [{"model": "dummy:llama3-8b"}] and merged["environment"]["commit"] != "old"
