@@ -167,13 +167,14 @@ def blockwise_scale_layout(w_scale: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_mm_blockwise(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale_layout: torch.Tensor,
-                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                        out_dtype: torch.dtype = torch.bfloat16, rows: int | None = None) -> torch.Tensor:
     """1x128 activation x 128x128 weight scales through ``torch._scaled_mm`` (cuBLASLt on sm90, CUDA >= 12.9;
     the scaling mode is read from the scale shapes). cuBLASLt wants M a multiple of 4 and the activation
     scales outer-dim-major: ``per_token_group_quant(x, 128, pad_rows_to=4, scales_column_major=True)``
-    writes them so; anything else is padded and copied here. Returns the rows of ``a`` given."""
-    m = a.shape[0]
-    pad = (-m) % 4
+    writes them so; anything else is padded and copied here. Returns the first ``rows`` rows (default: all
+    rows of ``a`` given; a caller whose ``a`` came padded passes its own row count)."""
+    m = a.shape[0] if rows is None else rows
+    pad = (-a.shape[0]) % 4
     if pad:
         a = torch.cat([a, torch.zeros(pad, a.shape[1], dtype=a.dtype, device=a.device)])
         a_scale = torch.cat([a_scale, torch.ones(pad, a_scale.shape[1], dtype=a_scale.dtype, device=a.device)])

@@ -170,7 +170,7 @@ def test_scaled_mm_blockwise(name: str, m: int, gen: torch.Generator) -> None:
     x = torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16)
     a, a_s = per_token_group_quant(x, 128, pad_rows_to=4, scales_column_major=True)
     assert a.shape[0] % 4 == 0 and a_s.stride(0) == 1
-    out = scaled_mm_blockwise(a, a_s, wq, blockwise_scale_layout(ws))
+    out = scaled_mm_blockwise(a, a_s, wq, blockwise_scale_layout(ws), rows=m)
     assert out.shape == (m, n)
     ref = w8a8_matmul_reference(a[:m], a_s[:m], wq, ws, 128, 128, torch.float32)
     assert rel(out, ref) < TOL

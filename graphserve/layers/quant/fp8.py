@@ -258,7 +258,7 @@ class Fp8LinearMethod:
             a_s = a_scale.expand(m, 1).contiguous()
         elif route.path == "scaled_mm" and (layout := self._scale_layout(layer)) is not None:
             a_q, a_s = per_token_group_quant(x, group_k, pad_rows_to=4, scales_column_major=True)
-            out = scaled_mm_blockwise(a_q, a_s, w, layout, torch.bfloat16)
+            out = scaled_mm_blockwise(a_q, a_s, w, layout, torch.bfloat16, rows=m)
             return out + layer.bias if layer.bias is not None else out
         else:
             a_q, a_s = per_token_group_quant(x, group_k)
