@@ -198,7 +198,8 @@ def plot_profiles(profiles: Sequence[Mapping[str, Any]], path: str) -> None:
 
     bars = [(f"B={p.get('batch_size', '?')} {ph['mode']}", ph) for p in profiles for ph in p.get("phases", [])
             if "error" not in ph]
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * max(len(bars), 1)))
+    # tall enough for the legend's nine entries too, which a one-bar chart cut off at the top
+    fig, ax = plt.subplots(figsize=(10, max(2.8, 1.2 + 0.55 * len(bars))))
     for y, (_, ph) in enumerate(bars):
         left = 0.0
         for k, c in enumerate(CATEGORIES):
