@@ -2,7 +2,8 @@
 # The two-configuration server grid in one command: dummy:llama3-8b served with
 # --max-running-requests 64 and --cuda-graph-max-bs 32, then 64, each swept at concurrency 1, 16 and
 # 64 with 256-token prompts and 128 output tokens. The report folder (results.json, report.md,
-# report.html, plots, server logs, and with --profile one step profile per level) goes to OUTPUT_DIR.
+# report.html, plots, server logs, and with --profile one step profile per level) goes to OUTPUT_DIR,
+# with report.png beside report.html where the renderer's packages are installed.
 #
 #   bash benchmarks/run_grid.sh OUTPUT_DIR [--profile] [more `graphserve sweep` flags]
 #
@@ -31,3 +32,7 @@ t0=$SECONDS
   --random-input-len "${GRID_INPUT_LEN:-256}" --random-output-len "${GRID_OUTPUT_LEN:-128}" \
   --output-dir "$DIR" "$@"
 echo "grid done in $((SECONDS - t0)) s: $DIR/report.html"
+# The page as a PNG where WeasyPrint and pypdfium2 are importable (tools/render_report.py says how to get them).
+if "$PY" -c "import weasyprint, pypdfium2" 2>/dev/null; then
+  "$PY" tools/render_report.py "$DIR/report.html" -o "$DIR/report.png"
+fi
