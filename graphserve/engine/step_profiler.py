@@ -18,8 +18,10 @@ reports the mean, median and range of the steps that remain.
 
 With the overlap schedule and a host-bound step (eager), a step's record is mostly the host's work on
 the next step, so a per-step row pairs a device span with its neighbour's host time; over the phase's
-window the means and medians agree. The trace is read by analysis/step_trace.py. Some torch/CUDA versions do not show the
-kernels inside a graph replay; then the graph phase's kernel times come from the eager phase (the same
+window the means and medians agree.
+
+The trace is read by analysis/step_trace.py. Some torch/CUDA versions do not show the kernels inside a
+graph replay; then the graph phase's kernel times come from the eager phase (the same
 kernels on the same batch) and its gaps are its measured step time minus them; the result says so.
 """
 
