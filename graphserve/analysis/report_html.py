@@ -19,8 +19,8 @@ color:#1d2330;line-height:1.45}
 h1{font-size:1.6em;margin-bottom:.2em}h2{border-bottom:1px solid #d8dce4;padding-bottom:.2em;margin-top:1.6em}
 table{border-collapse:collapse;margin:.6em 0 1em;font-size:.92em}
 th,td{border:1px solid #d8dce4;padding:4px 9px;text-align:right}th{background:#f1f3f7}
-td.text,th.text{text-align:left}td:not(.text){white-space:nowrap}
-.answer{background:#f4f8ff;border:1px solid #c9dafc;border-radius:6px;padding:10px 18px}
+td.text,th.text{text-align:left}td:not(.text),th{white-space:nowrap}
+.answer{background:#f4f8ff;border:1px solid #c9dafc;border-radius:6px;padding:10px 18px}.answer h2{margin-top:.4em}
 .verdict{font-size:1.1em;font-weight:600}
 .same{color:#59606e}.faster{color:#0a6b2f}.slower{color:#a3261b}.no-interval{color:#8a5a00}
 .error{color:#a3261b}.warning{color:#8a5a00}.unreliable{color:#8a5a00}
@@ -113,7 +113,7 @@ def _comparison(sweep: Mapping[str, Any], paths: Mapping[str, Path]) -> str:
     # every row compares with the first configuration: it is named once, above the table
     base = next((r["baseline"] for r in sweep.get("comparison") or []), "")
     table = (f"<p>Each configuration against the first, <b>{escape(base)}</b>:</p>"
-             + _table(["C", "candidate", "verdict", "baseline tok/s", "candidate tok/s", "output tok/s ratio [95% CI]",
+             + _table(["C", "candidate", "verdict", "baseline tok/s", "candidate tok/s", "tok/s ratio [95% CI]",
                        "TPOT p50 ratio", "TTFT p50 ratio"], rows, text_cols=3)) if rows else ""
     note = ("<p><small>Ratios are candidate/baseline over each level's whole run, with 95% bootstrap intervals over "
             "its requests (<code>graphserve compare</code>); a TPOT or TTFT ratio below 1 is faster.</small></p>")
