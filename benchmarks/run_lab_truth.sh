@@ -46,7 +46,7 @@ step decode 180 benchmarks.decode --bs 1 8 64 256 --ctx 512 2048
 step cliff 150 benchmarks.cliff --ctx 1024
 step prefill 90 benchmarks.prefill --shapes 1x8192 8x2048
 step overhead 150 benchmarks.overhead --num-requests 128 --output-len 128
-step offline 300 benchmarks.offline --num-requests 16 --hf-batch 16
+step offline 300 benchmarks.offline --num-requests 256 --hf-requests 32 --hf-max-output-len 256
 step kernels 120 benchmarks.kernels --quick
 
 if [ -n "$PACK_TO" ]; then

@@ -3,6 +3,7 @@ read off what generate returned (a padded batch runs every row to its longest; t
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -22,12 +23,36 @@ def test_hf_generate_is_credited_per_row():
     assert seconds > 0
 
 
-
 def test_graphserve_side_is_credited_with_what_it_returned():
     from benchmarks.offline import run_graphserve, workload
+    from graphserve import LLM
 
     reqs = [(ids[:40], out) for (ids, _), out in zip(workload(4, 0, 300), [5, 1, 7, 3])]
-    seconds, tokens, llm = run_graphserve("builtin:tiny-llama", reqs, max_model_len=256)
-    assert tokens == 16 and seconds > 0
-    # the warm-up ran on other prompts: the measured ones found nothing cached
-    assert llm.engine.stats().prefix_cache_hit_rate == 0.0
+    llm = LLM("builtin:tiny-llama", max_model_len=256, enable_prefix_caching=False)
+    seconds, tokens, per_request = run_graphserve(llm, reqs)
+    assert per_request == [5, 1, 7, 3] and tokens == 16 and seconds > 0
+
+
+def test_the_declared_subset_is_the_first_requests_with_outputs_cut():
+    from benchmarks.offline import hf_subset
+
+    reqs = [([1, 2], 300), ([3], 90), ([4, 5, 6], 1000), ([7], 256)]
+    assert hf_subset(reqs, 3, 256) == [([1, 2], 256), ([3], 90), ([4, 5, 6], 256)]
+    with pytest.raises(SystemExit, match="--hf-requests=5 is invalid"):
+        hf_subset(reqs, 5, 256)
+    with pytest.raises(SystemExit, match="--hf-max-output-len=0 is invalid"):
+        hf_subset(reqs, 2, 0)
+
+
+def test_a_model_row_runs_both_sides_on_the_subset_and_credits_what_each_produced():
+    from benchmarks.offline import hf_subset, measure_model, workload
+
+    reqs = [(ids[:24], out) for (ids, _), out in zip(workload(5, 1, 300), [6, 2, 9, 4, 3])]
+    subset = hf_subset(reqs, 3, 5)  # outputs 5, 2, 5
+    row = measure_model("builtin:tiny-llama", reqs, subset, 2, torch.device("cpu"))
+    assert row["out_tokens"] == row["requested_tokens"] == 24  # graphserve alone, on all five
+    assert row["subset_out_tokens"] == row["subset_requested_tokens"] == row["hf_out_tokens"] == 12
+    assert row["hf_computed_tokens"] == 5 + 5 + 5  # batches [5, 2] and [5] each run to their longest
+    assert (row["hf_requests"], row["hf_max_output_len"], row["hf_batch"]) == (3, 5, 2)
+    assert row["ratio_vs_hf"] == pytest.approx((12 / row["subset_seconds"]) / (12 / row["hf_seconds"]))
+    assert row["tok_s"] == pytest.approx(24 / row["seconds"])

@@ -190,7 +190,7 @@ def test_grid_report_has_a_section_per_configuration_and_verdicts(tmp_path):
     assert page.verdicts[0].endswith("no difference at C=1.")
     assert "cuda_graph_max_bs=32" in page.headings and "cuda_graph_max_bs=64" in page.headings
     comp = next(t for t in page.tables if t[0][0] == "C" and "verdict" in t[0])
-    assert [r[0] for r in comp[1:]] == ["1", "64"]
+    assert [r[0] for r in comp[1:]] == ["1", "64"] and [r[2] for r in comp[1:]] == ["same", "faster"]
     assert sum(1 for t in page.tables if t[0][:2] == ["C", "achieved"]) == 2  # one results table each
     assert "batches ran eager" in paths["report.html"].read_text()
     assert "graphserve serve M --cuda-graph-max-bs 64" in page.details_text

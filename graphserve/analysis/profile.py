@@ -165,7 +165,10 @@ def profile_rows(profile: Mapping[str, Any]) -> tuple[list[str], list[list[str]]
                                                                  f"{100 * p['categories_ms'][c] / p['step_ms']:.1f}")])
     rows.append(["sum of the above"] + [x for p in phases for x in (f"{sum(p['categories_ms'].values()):.3f}",
                                                                       f"{100 * sum(p['categories_ms'].values()) / p['step_ms']:.1f}")])
-    rows.append(["measured step time"] + [x for p in phases for x in (f"{p['step_ms']:.3f}", "100.0")])
+    rows.append(["measured step time (mean)"] + [x for p in phases for x in (f"{p['step_ms']:.3f}", "100.0")])
+    if all("step_ms_median" in p for p in phases):  # profiles written before the median was kept lack it
+        rows.append(["  median [min-max]"] + [x for p in phases for x in (
+            f"{p['step_ms_median']:.3f}", "[{:.2f}-{:.2f}]".format(*p["step_ms_range"]))])
     return head, rows
 
 
@@ -195,7 +198,8 @@ def plot_profiles(profiles: Sequence[Mapping[str, Any]], path: str) -> None:
 
     bars = [(f"B={p.get('batch_size', '?')} {ph['mode']}", ph) for p in profiles for ph in p.get("phases", [])
             if "error" not in ph]
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * max(len(bars), 1)))
+    # tall enough for the legend's nine entries too, which a one-bar chart cut off at the top
+    fig, ax = plt.subplots(figsize=(10, max(2.8, 1.2 + 0.55 * len(bars))))
     for y, (_, ph) in enumerate(bars):
         left = 0.0
         for k, c in enumerate(CATEGORIES):

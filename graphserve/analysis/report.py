@@ -18,7 +18,7 @@ from typing import Any
 from graphserve.analysis.grid_compare import fit_quality, headline, labels
 from graphserve.analysis.report_html import render_html
 from graphserve.analysis.report_plots import plot_latency, plot_scaling, stat
-from graphserve.analysis.scaling import fit_from_sweep
+from graphserve.analysis.scaling import fit_from_sweep, line_text
 from graphserve.errors import BadRequestError
 
 COLUMNS = ("C", "achieved", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ok", "failed")
@@ -76,7 +76,7 @@ def fit_text(fit: Mapping[str, Any] | None, quality: Mapping[str, Any] | None, e
     """The fit as a sentence: with its ceiling where it can be trusted, otherwise why it cannot."""
     if not fit:
         return f"no fit ({error})" if error else "no fit"
-    line = (f"step_time = {fit['a_ms']:.1f} + {fit['b_ms']:.2f}·N ms (R² {fit['r2']:.2f}, "
+    line = (f"step_time = {line_text(fit['a_ms'], fit['b_ms'])} (R² {fit['r2']:.2f}, "
             f"b 95% CI [{fit['b_ci'][0]:.3f}, {fit['b_ci'][1]:.3f}])")
     if quality and not quality["reliable"]:
         return line + "; unreliable, no ceiling quoted: " + "; ".join(quality["reasons"])

@@ -19,8 +19,8 @@ color:#1d2330;line-height:1.45}
 h1{font-size:1.6em;margin-bottom:.2em}h2{border-bottom:1px solid #d8dce4;padding-bottom:.2em;margin-top:1.6em}
 table{border-collapse:collapse;margin:.6em 0 1em;font-size:.92em}
 th,td{border:1px solid #d8dce4;padding:4px 9px;text-align:right}th{background:#f1f3f7}
-td.text,th.text{text-align:left}
-.answer{background:#f4f8ff;border:1px solid #c9dafc;border-radius:6px;padding:10px 18px}
+td.text,th.text{text-align:left}td:not(.text),th{white-space:nowrap}
+.answer{background:#f4f8ff;border:1px solid #c9dafc;border-radius:6px;padding:10px 18px}.answer h2{margin-top:.4em}
 .verdict{font-size:1.1em;font-weight:600}
 .same{color:#59606e}.faster{color:#0a6b2f}.slower{color:#a3261b}.no-interval{color:#8a5a00}
 .error{color:#a3261b}.warning{color:#8a5a00}.unreliable{color:#8a5a00}
@@ -104,12 +104,17 @@ def _comparison(sweep: Mapping[str, Any], paths: Mapping[str, Path]) -> str:
     for r in sweep.get("comparison") or []:
         m = r["metrics"]
         thr = m.get("output_throughput") or {}
-        verdict = r.get("verdict", "same").replace(" ", "-")
-        rows.append([r["concurrency"], r["baseline"], r["candidate"], f"{thr.get('a', float('nan')):.1f}",
+        # the word only: the sentences lead the page in the answer, and in a cell they wrap the table apart
+        kind = r.get("verdict", "same")
+        word = _Raw(f'<span class="{kind.replace(" ", "-")}" title="{escape(r["sentence"])}">{escape(kind)}</span>')
+        rows.append([r["concurrency"], r["candidate"], word, f"{thr.get('a', float('nan')):.1f}",
                      f"{thr.get('b', float('nan')):.1f}", ratio_text(thr), ratio_text(m.get("tpot_p50")),
-                     ratio_text(m.get("ttft_p50")), _Raw(f'<span class="{verdict}">{escape(r["sentence"])}</span>')])
-    table = _table(["C", "baseline", "candidate", "baseline tok/s", "candidate tok/s", "output tok/s ratio [95% CI]",
-                    "TPOT p50 ratio", "TTFT p50 ratio", "verdict"], rows, text_cols=3) if rows else ""
+                     ratio_text(m.get("ttft_p50"))])
+    # every row compares with the first configuration: it is named once, above the table
+    base = next((r["baseline"] for r in sweep.get("comparison") or []), "")
+    table = (f"<p>Each configuration against the first, <b>{escape(base)}</b>:</p>"
+             + _table(["C", "candidate", "verdict", "baseline tok/s", "candidate tok/s", "tok/s ratio [95% CI]",
+                       "TPOT p50 ratio", "TTFT p50 ratio"], rows, text_cols=3)) if rows else ""
     note = ("<p><small>Ratios are candidate/baseline over each level's whole run, with 95% bootstrap intervals over "
             "its requests (<code>graphserve compare</code>); a TPOT or TTFT ratio below 1 is faster.</small></p>")
     return ('<section id="comparison"><h2>Comparison</h2>' + table + (note if rows else "")

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from graphserve.analysis.scaling import line_text
+
 
 def stat(summary: Mapping[str, Any], metric: str, key: str) -> float:
     v = (summary.get(metric) or {}).get(key)
@@ -45,7 +47,7 @@ def plot_scaling(views: Sequence[Mapping[str, Any]], path: Path) -> None:
         fit = v.get("fit") or {}
         if fit:
             a, b = fit["a_ms"], fit["b_ms"]
-            ax1.plot(grid, a + b * grid, "-", color=color, label=f"{name}fit {a:.1f} + {b:.2f}·N ms (R² {fit['r2']:.2f})")
+            ax1.plot(grid, a + b * grid, "-", color=color, label=f"{name}fit {line_text(a, b)} (R² {fit['r2']:.2f})")
             if not several:
                 (a_lo, a_hi), (b_lo, b_hi) = fit["a_ci"], fit["b_ci"]
                 ax1.fill_between(grid, a_lo + b_lo * grid, a_hi + b_hi * grid, color=color, alpha=0.2,

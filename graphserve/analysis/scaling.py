@@ -32,6 +32,11 @@ BREAK_MIN_SSE_DROP = 0.5
 MIN_SIDE = 3
 
 
+def line_text(a_ms: float, b_ms: float) -> str:
+    """``a + b·N ms`` with the slope's sign folded in (a negative slope read "66.1 + -21.91·N")."""
+    return f"{a_ms:.1f} {'-' if b_ms < 0 else '+'} {abs(b_ms):.2f}·N ms"
+
+
 @dataclass
 class ScalingFit:
     a_ms: float
@@ -62,7 +67,7 @@ class ScalingFit:
         return n * 1000.0 / self.step_ms(n)
 
     def summary(self) -> str:
-        line = f"step_time = {self.a_ms:.1f} + {self.b_ms:.2f}·N ms (R² {self.r2:.3f})"
+        line = f"step_time = {line_text(self.a_ms, self.b_ms)} (R² {self.r2:.3f})"
         if self.asymptote_tok_s is not None:
             line += f"; ceiling {self.asymptote_tok_s:.1f} tok/s, 90% of it at N ≈ {self.n_at_90pct:.1f}"
         for br in self.breaks:
