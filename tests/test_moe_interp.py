@@ -182,8 +182,11 @@ def test_add_norm_gate_matches_norm_then_gate(t, e, h, k, renorm):
         moe_add_norm_gate_softmax_topk(x, res[:, 1:], norm_w, 1e-6, gate, k, renorm, counter)
 
 
-def test_layer_add_norm_gate_matches_norm_then_forward():
-    """FusedMoE.forward_add_norm_gate: one launch on the kernel path, the norm module then the gate on the CPU path."""
+@pytest.mark.parametrize("rows", [1, 3])
+def test_layer_add_norm_gate_matches_norm_then_forward(rows):
+    """FusedMoE.forward_add_norm_gate: one launch on the kernel path up to ADD_NORM_MAX_ROWS rows (above it the
+    norm runs on its own and the gate stays fused), the norm module then the gate on the CPU path."""
+    from graphserve.kernels.moe_gate import ADD_NORM_MAX_ROWS
     from graphserve.layers.norm import RMSNorm
 
     gen = torch.Generator().manual_seed(13)
@@ -195,8 +198,8 @@ def test_layer_add_norm_gate_matches_norm_then_forward():
         layer.w2_weight.copy_(w2)
         gate.weight.copy_(_randn(E, H, gen=gen))
         norm.weight.copy_(1 + _randn(H, gen=gen, scale=0.1))
-    x, res = _randn(3, H, gen=gen), _randn(3, H, gen=gen)
-    valid = torch.tensor([True, True, False], device=DEVICE)
+    x, res = _randn(rows, H, gen=gen), _randn(rows, H, gen=gen)
+    valid = torch.tensor([True, True, False][:rows], device=DEVICE)
     layer.use_kernels = False
     want, want_hidden, want_res = layer.forward_add_norm_gate(x, res.clone(), norm, gate, valid=valid)
     want_counts = layer.expert_counts.clone()
@@ -206,7 +209,8 @@ def test_layer_add_norm_gate_matches_norm_then_forward():
     norm.register_forward_hook(lambda *_: calls.append(2))
     with torch.no_grad():
         got, hidden, new_res = layer.forward_add_norm_gate(x, res, norm, gate, valid=valid)
-    assert not calls  # one fused launch: neither the norm module nor the projection ran
+    # one fused launch (neither the norm module nor the projection ran), or the norm and then the fused gate
+    assert calls == ([] if rows <= ADD_NORM_MAX_ROWS else [2])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-6)
     assert torch.equal(new_res, want_res) and torch.equal(new_res, x + res)

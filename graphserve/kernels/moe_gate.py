@@ -30,6 +30,10 @@ from graphserve.kernels.moe_routing import MAX_EXPERTS, _softmax_topk_store
 from graphserve.kernels.norm import fused_add_rms_norm_reference
 
 MAX_ROWS = 8  # beyond this the gate's weight reuse favours a real matmul (and one program's x tile grows)
+# The residual add + RMSNorm join the gate's launch only up to this many rows: each gate program
+# normalises every row it reads, so the saved launch (0.7-1.0 us at 1 row on the four MoE presets'
+# shapes) turns into a loss as rows grow (1.9-6.0 us slower at 8 rows): benchmarks/results/launches.json.
+ADD_NORM_MAX_ROWS = 1
 TILE_ELEMS = 64 * 32 * 4  # products per K step of one program: 64 per thread at 4 warps
 
 

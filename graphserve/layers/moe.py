@@ -293,9 +293,10 @@ class FusedMoE(nn.Module):
         layer's post-attention residual add and RMSNorm (``norm``, layers/norm.RMSNorm) ahead of the routed
         experts. Where ``forward_gate`` fuses its gate, the add and the norm join that launch too
         (``h`` is what the router and any shared expert read); otherwise the norm runs first on its own."""
-        if self._gate_fusable(x, gate) and residual.shape == x.shape and residual.dtype == x.dtype:
-            from graphserve.kernels.moe_gate import moe_add_norm_gate_softmax_topk
+        from graphserve.kernels.moe_gate import ADD_NORM_MAX_ROWS, moe_add_norm_gate_softmax_topk
 
+        if (x.shape[0] <= ADD_NORM_MAX_ROWS and self._gate_fusable(x, gate) and residual.shape == x.shape
+                and residual.dtype == x.dtype):  # fmt: skip
             weights, ids, hidden, summed = moe_add_norm_gate_softmax_topk(
                 x, residual, norm.weight, norm.eps, gate.weight, self.top_k, self.router.renormalize,
                 self.gate_counter,
