@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "builtin:tiny-llama"
@@ -94,3 +96,30 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1):  # noqa: 
         time.sleep(interval)
         value = predicate()
     return value
+
+
+def engine_processes(srv: ServerProcess) -> list[psutil.Process]:
+    """The server's spawned engine processes (not multiprocessing's resource tracker): one, or none with
+    --engine-in-process."""
+    assert srv.proc is not None
+    return [p for p in psutil.Process(srv.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+
+
+def engine_child(srv: ServerProcess) -> psutil.Process:
+    """The server's engine process."""
+    children = engine_processes(srv)
+    assert len(children) == 1, [p.cmdline() for p in psutil.Process(srv.proc.pid).children()]
+    return children[0]
+
+
+def stream_until_first_event(base_url: str, body: dict, started: concurrent.futures.Future) -> list[str]:
+    """The data of every event of a streamed completion; ``started`` is set when the first one arrives."""
+    events = []
+    with httpx.stream("POST", base_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if not started.done():
+                    started.set_result(True)
+    return events

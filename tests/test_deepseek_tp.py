@@ -3,18 +3,15 @@ latent cache, and --tp 2 / --ep 2 engines produce the greedy tokens of --tp 1 on
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 from model_utils import make_hf_checkpoint
 from test_deepseek import _TINY
+from tp_utils import generate_on_ranks, refusal
 from transformers import DeepseekV2Config, DeepseekV3Config
 
-from graphserve import LLM, SamplingParams
-from graphserve.config import add_engine_args, config_from_args
+from graphserve import SamplingParams
 from graphserve.distributed import state
-from graphserve.errors import ConfigError
 from graphserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "a", "latent caches agree on every rank"]
@@ -44,33 +41,13 @@ def _save(folder, config) -> None:
         hf.save_pretrained(folder)
 
 
+def _layer_counts(model) -> tuple[int, int]:  # noqa: ANN001
+    return model.shape.num_layers, len(model.shape.moe_layers)
+
+
 def _generate(folder, **kw) -> list[list[int]]:
-    llm = LLM(str(folder), dtype="float32", num_kv_tokens=1024, chunked_prefill_size=32, **kw)
-    core = llm.engine.core
-    try:
-        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-        _check_collectives(core, kw.get("tp", 1), kw.get("ep", 1))
-    finally:
-        core.shutdown()
-    assert core.ranks is None or all(p.poll() is not None for p in core.ranks.procs), "ranks outlived shutdown"
-    return tokens
-
-
-def _check_collectives(core, tp: int, ep: int) -> None:
-    """A decode step's collectives: at --tp N one all-reduce after attention and one after the MLP or MoE
-    block per layer, plus the embedding's all-reduce and the logits' gather; at --ep N alone, one per
-    MoE layer (attention and dense MLPs are replicated)."""
-    model = core.runner.model
-    layers, moe = model.shape.num_layers, len(model.shape.moe_layers)
-    expected = 2 * layers + 2 if tp > 1 else moe if ep > 1 else 0
-    decode = [r for r in core.telemetry.records() if r.kind == "decode"]
-    assert decode
-    hidden, vocab_rows = core.info.hidden_size, -(-core.info.vocab_size // tp) * tp
-    for r in decode:
-        assert r.comm_ops == expected, (r.comm_ops, expected)
-        reduced = expected - 1 if tp > 1 else expected  # every collective but the logits' gather is [B, hidden]
-        gathered = vocab_rows if tp > 1 else 0
-        assert r.comm_bytes == r.batch_size * 4 * (hidden * reduced + gathered)
+    return generate_on_ranks(folder, PROMPTS, GREEDY, _layer_counts, num_kv_tokens=1024, chunked_prefill_size=32,
+                             **kw)
 
 
 def test_v2_without_q_lora_tp2_matches_tp1(tmp_path):
@@ -114,19 +91,11 @@ def test_each_rank_holds_its_heads_and_the_whole_latent_cache(monkeypatch, cls, 
             assert d.dense_params == whole.dense_params
 
 
-def _refusal(folder, *flags: str) -> ConfigError:
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    with pytest.raises(ConfigError) as e:
-        config_from_args(parser.parse_args(list(flags)), str(folder))
-    return e.value
-
-
 def test_a_split_that_does_not_divide_is_refused_naming_the_field_and_the_values_that_work(tmp_path):
     config = _v3()
     config.architectures = ["DeepseekV3ForCausalLM"]
     config.save_pretrained(tmp_path)  # config.json is all the check reads
-    e = _refusal(tmp_path, "--tp", "3")
+    e = refusal(tmp_path, "--tp", "3")
     assert e.param == "tp" and "num_attention_heads=4" in e.message and "[1, 2, 4]" in e.message
-    e = _refusal(tmp_path, "--ep", "3")
+    e = refusal(tmp_path, "--ep", "3")
     assert e.param == "ep" and "n_routed_experts=8" in e.message and "[1, 2, 4, 8]" in e.message

@@ -7,28 +7,7 @@ import json
 import signal
 
 import httpx
-import psutil
-from server_utils import ServerProcess, metrics, wait_for
-
-
-def engine_child(srv: ServerProcess) -> psutil.Process:
-    """The server's engine process (spawned; not multiprocessing's resource tracker)."""
-    assert srv.proc is not None
-    children = [p for p in psutil.Process(srv.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
-    assert len(children) == 1, [p.cmdline() for p in psutil.Process(srv.proc.pid).children()]
-    return children[0]
-
-
-def stream_until_first_event(base_url: str, body: dict, started: concurrent.futures.Future) -> list[str]:
-    events = []
-    with httpx.stream("POST", base_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                if not started.done():
-                    started.set_result(True)
-    return events
+from server_utils import ServerProcess, engine_child, engine_processes, metrics, stream_until_first_event, wait_for
 
 
 def test_engine_process_death_fails_in_flight_requests_and_health(tmp_path):
@@ -72,7 +51,7 @@ def test_engine_process_death_fails_in_flight_requests_and_health(tmp_path):
 def test_engine_in_process_flag_keeps_the_core_in_the_server(tmp_path):
     srv = ServerProcess(tmp_path, "--engine-in-process").start()
     try:
-        assert not [p for p in psutil.Process(srv.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        assert not engine_processes(srv)
         r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "ignore_eos": True},
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

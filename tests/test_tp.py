@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from model_utils import make_hf_checkpoint
+from tp_utils import generate_on_ranks, refusal
 from transformers import LlamaConfig, Qwen2MoeConfig, Qwen3Config
 
 from graphserve import LLM, SamplingParams
-from graphserve.config import EngineConfig, add_engine_args, config_from_args
+from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError
 from graphserve.layers.embedding import LMHead, VocabEmbedding
 from graphserve.layers.linear import ColumnParallelLinear, Linear, QKVParallelLinear, RowParallelLinear
@@ -86,37 +87,14 @@ def test_tp1_layers_are_the_plain_linear():
 
 # ---- engines: --tp N greedy tokens == --tp 1 ------------------------------------------------------------
 
+def _layer_counts(model) -> tuple[int, int]:  # noqa: ANN001
+    moe_shape = getattr(model, "moe_shape", None)
+    return len(model.model.layers), len(moe_shape.sparse_layers) if moe_shape is not None else 0
+
+
 def _generate(folder, **kw) -> list[list[int]]:
-    llm = LLM(str(folder), dtype="float32", num_kv_tokens=2048, chunked_prefill_size=64, **kw)
-    core = llm.engine.core
-    try:
-        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-        _check_comm_telemetry(core, kw.get("tp", 1), kw.get("ep", 1))
-    finally:
-        core.shutdown()
-    assert core.ranks is None or all(p.poll() is not None for p in core.ranks.procs), "ranks outlived shutdown"
-    return tokens
-
-
-def _check_comm_telemetry(core, tp: int, ep: int) -> None:
-    """Each decode step reports its collectives: per layer one all-reduce after attention and one after the
-    MLP (tp) or the MoE block (tp or ep), the embedding's and the logits' gather (tp)."""
-    model = core.runner.model
-    layers = len(model.model.layers)
-    sparse = len(getattr(model, "moe_shape", None).sparse_layers) if hasattr(model, "moe_shape") else 0
-    per_layer = 2 * layers if tp > 1 else (sparse if ep > 1 else 0)  # at --ep alone only MoE blocks talk
-    expected = per_layer + (2 if tp > 1 else 0)
-    decode = [r for r in core.telemetry.records() if r.kind == "decode"]
-    assert decode
-    for r in decode:
-        assert r.comm_ops == expected, (r.comm_ops, expected)
-        if expected:
-            hidden = core.info.hidden_size
-            vocab_rows = -(-core.info.vocab_size // tp) * tp if tp > 1 else 0
-            itemsize = 4  # float32
-            assert r.comm_bytes == r.batch_size * itemsize * (hidden * (expected - (1 if tp > 1 else 0)) + vocab_rows)
-        else:
-            assert r.comm_bytes == 0
+    return generate_on_ranks(folder, PROMPTS, GREEDY, _layer_counts, num_kv_tokens=2048, chunked_prefill_size=64,
+                             **kw)
 
 
 @pytest.mark.parametrize(("name", "config", "tp"), [
@@ -137,16 +115,10 @@ def test_tp_greedy_tokens_match_tp1(tmp_path, name, config, tp):
 
 def test_tp_that_does_not_divide_heads_is_refused_naming_the_values_that_work(tmp_path):
     make_hf_checkpoint(tmp_path, LlamaConfig(**_TINY, num_key_value_heads=2, vocab_size=320))
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    with pytest.raises(ConfigError) as e:
-        config_from_args(parser.parse_args(["--tp", "3"]), str(tmp_path))
-    assert e.value.param == "tp" and "num_attention_heads=4" in e.value.message and "[1, 2, 4]" in e.value.message
-    with pytest.raises(ConfigError) as e:
-        config_from_args(parser.parse_args(["--ep", "2"]), str(tmp_path))
-    assert e.value.param == "ep" and "no experts" in e.value.message
+    e = refusal(tmp_path, "--tp", "3")
+    assert e.param == "tp" and "num_attention_heads=4" in e.message and "[1, 2, 4]" in e.message
+    e = refusal(tmp_path, "--ep", "2")
+    assert e.param == "ep" and "no experts" in e.message
     with pytest.raises(ConfigError, match="--ep 2"):
         EngineConfig(tp=2, ep=4)
 

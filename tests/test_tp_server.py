@@ -9,47 +9,27 @@ import signal
 import time
 
 import httpx
-import psutil
-from server_utils import ServerProcess, wait_for
-
-
-def _engine_and_ranks(srv: ServerProcess) -> tuple[psutil.Process, list[psutil.Process]]:
-    assert srv.proc is not None
-    engines = [p for p in psutil.Process(srv.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
-    assert len(engines) == 1
-    ranks = [p for p in engines[0].children() if "graphserve.engine.ranks" in " ".join(p.cmdline())]
-    return engines[0], ranks
-
-
-def _stream(base_url: str, body: dict, started: concurrent.futures.Future) -> list[str]:
-    events = []
-    with httpx.stream("POST", base_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                if not started.done():
-                    started.set_result(time.monotonic())
-    return events
+from server_utils import ServerProcess, engine_child, stream_until_first_event, wait_for
 
 
 def test_serve_tp2_answers_streams_and_fails_cleanly_when_a_rank_dies(tmp_path):
     srv = ServerProcess(tmp_path, "--tp", "2", "--max-running-requests", "2").start(timeout=300)
     try:
-        engine, ranks = _engine_and_ranks(srv)
+        engine = engine_child(srv)
+        ranks = [p for p in engine.children() if "graphserve.engine.ranks" in " ".join(p.cmdline())]
         assert len(ranks) == 1, "--tp 2: the engine process is rank 0 and starts one more"
         body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         ok = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=120)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6
         started: concurrent.futures.Future = concurrent.futures.Future()
-        events = _stream(srv.base_url, body, started)
+        events = stream_until_first_event(srv.base_url, body, started)
         assert events[-1] == "[DONE]"
         assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == ok.json()["choices"][0]["text"]
 
         long = {"prompt": "long", "max_tokens": 400, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             started = concurrent.futures.Future()
-            streamed = pool.submit(_stream, srv.base_url, long, started)
+            streamed = pool.submit(stream_until_first_event, srv.base_url, long, started)
             started.result(timeout=60)
             killed_at = time.monotonic()
             ranks[0].send_signal(signal.SIGKILL)

@@ -19,53 +19,26 @@ import logging
 import random
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from graphserve.config import EngineConfig
-from graphserve.engine.expert_load import ExpertLoadProbe
+from graphserve.engine.inflight import InFlightStep
 from graphserve.engine.kv_cache import BlockManager
 from graphserve.engine.parallel_driver import start_ranks, stop_ranks
 from graphserve.engine.processor import resolve_max_model_len
 from graphserve.engine.rank_worker import start_runner
 from graphserve.engine.request import CoreOutput, EngineRequest, Sequence, SequenceStatus
-from graphserve.engine.runner import StepShape
 from graphserve.engine.scheduler import Scheduler, SchedulerOutput
 from graphserve.engine.step_sync import StepSender
-from graphserve.engine.telemetry import StepRecord, Telemetry
+from graphserve.engine.telemetry import EngineStats, Telemetry
 from graphserve.errors import BadRequestError
-from graphserve.layers.sampler import SEED_MASK, PendingSample, SamplerOutput
+from graphserve.layers.sampler import SEED_MASK, SamplerOutput
 from graphserve.models.loader import load_model
 from graphserve.outputs import TokenLogprob
 from graphserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    kv_usage: float
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-
-
-@dataclass
-class InFlightStep:
-    """A launched step whose sampled ids have not been read yet."""
-
-    sched: SchedulerOutput
-    pending: PendingSample
-    completed: list[tuple[int, Sequence, int]]  # (row, sequence, output index) awaiting a token
-    shape: StepShape
-    start: float  # perf_counter when its scheduling began
-    context_tokens: int
-    expert_load: torch.Tensor | None = None  # per-layer, per-expert counts on their way to the host (MoE)
-    comm: tuple[int, int] = (0, 0)  # collectives and their bytes (tp/ep > 1)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -152,13 +125,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids, error: str | None = None) -> None:
         for rid in request_ids:
-            for seq in self.scheduler.abort(rid) + self.structured.abort(rid):
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = "abort"
-                self._pending.append(self._output(seq, [], None, error=error))
-            seqs = self._requests.pop(rid, None)
-            if seqs:
-                self._drop_request(seqs[0])
+            self._pending += self._abort(rid, self.scheduler.abort(rid) + self.structured.abort(rid), error)
 
     @property
     def kv_blocks(self) -> tuple[int, int]:
@@ -197,7 +164,7 @@ class EngineCore:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         for seq in sched.failed:
-            outputs.append(self._output(seq, [], None, error=seq.error))
+            outputs.append(CoreOutput.of(seq, [], error=seq.error))
             self._forget(seq)
         launched = None
         if not sched.is_empty:
@@ -225,27 +192,29 @@ class EngineCore:
         outputs = []
         for rid, seqs, why in failed:
             field = seqs[0].params.structured.field
-            for seq in seqs:
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = "abort"
-                outputs.append(self._output(seq, [], None, error=f"{field} is invalid: {why}", error_param=field))
-            self._requests.pop(rid, None)
-            self._drop_request(seqs[0])
+            outputs += self._abort(rid, seqs, f"{field} is invalid: {why}", error_param=field)
         return outputs
 
-    def _step_masks(self, rows: list[tuple[int, Sequence]]):
-        """Runs inside the launch, after the forward is queued: the grammars must have seen the tokens
-        of the step in flight before they say what comes next."""
+    def _abort(self, rid: str, seqs: list[Sequence], error: str | None, error_param: str | None = None
+               ) -> list[CoreOutput]:
+        """End ``seqs``, the sequences of request ``rid`` still unfinished, as aborted; the request leaves."""
+        for seq in seqs:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+        outputs = [CoreOutput.of(seq, [], error=error, error_param=error_param) for seq in seqs]
+        left = self._requests.pop(rid, None)
+        if left:
+            self._drop_request(left[0])
+        return outputs
+
+    def _resolve_in_flight(self) -> None:
+        """Structured output's masks of the step being launched need the ids of the one in flight: read
+        them now, inside that launch, once its forward is queued (this step() call returns their outputs)."""
         if self._inflight is not None:
             self._pending += self._resolve()
-        return self.structured.fill(rows)
 
     def _launch(self, sched: SchedulerOutput, start: float) -> InFlightStep | None:
-        mask_fn = None
-        if self.structured.num_live:
-            rows = self.structured.sampling_rows(sched)
-            if rows:
-                mask_fn = lambda: self._step_masks(rows)  # noqa: E731
+        mask_fn = self.structured.step_masks(sched, self._resolve_in_flight)
         try:
             pending = self.runner.launch(sched, mask_fn) if mask_fn is not None else self.runner.launch(sched)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
@@ -292,19 +261,15 @@ class EngineCore:
                 logprobs = [TokenLogprob(token, sampled.logprobs[row], top)]
             reason, stop_reason = self._finish_reason(seq, token, index + 1)
             error = None
-            if seq.grammar is not None:
-                verdict = self.structured.accept(seq, token)
-                if verdict == "stop":  # the grammar is complete (it took its stop token)
-                    reason, stop_reason = "stop", None
-                elif verdict == "rejected":
-                    error = f"token {token} does not follow the request's grammar"
-                    logger.error("%s: %s", seq, error)
-                    reason, stop_reason = "abort", None
+            ended = self.structured.accept(seq, token) if seq.grammar is not None else None
+            if ended is not None:  # the grammar is complete, or the token breaks it
+                reason, error = ended
+                stop_reason = None
             if reason is not None:
                 del seq.output_token_ids[index + 1 :]  # a token of a step launched meanwhile
                 self.scheduler.finish(seq, reason, stop_reason)
                 self._forget(seq)
-            outputs.append(self._output(seq, [token], logprobs, error=error))
+            outputs.append(CoreOutput.of(seq, [token], logprobs, error=error))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int, num_output: int) -> tuple[str | None, int | None]:
@@ -315,9 +280,7 @@ class EngineCore:
                 return "stop", None
             if p.stop_token_ids and token in p.stop_token_ids:
                 return "stop", token
-        if p.max_tokens is not None and num_output >= p.max_tokens:
-            return "length", None
-        if len(seq.prompt_token_ids) + num_output >= self.max_model_len:
+        if len(seq.prompt_token_ids) + num_output >= seq.max_total:  # max_tokens, capped at max_model_len
             return "length", None
         return None, None
 
@@ -333,22 +296,6 @@ class EngineCore:
         if seq.params.structured is not None:
             self.structured.finished()
 
-    def _output(self, seq: Sequence, tokens: list[int], logprobs, error: str | None = None,
-                error_param: str | None = None) -> CoreOutput:
-        return CoreOutput(
-            request_id=seq.request_id,
-            index=seq.index,
-            new_token_ids=tokens,
-            new_logprobs=logprobs,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            error=error,
-            error_param=error_param,
-            first_scheduled_time=seq.first_scheduled_time,
-        )
-
     def _record(self, step: InFlightStep) -> None:
         """One telemetry record per step. Its time runs from when the step began to be scheduled,
         or from when the previous step's ids arrived if later: with the overlap schedule, the rate
@@ -357,31 +304,5 @@ class EngineCore:
         start = max(step.start, self._last_resolved)
         self._last_resolved = now
         self._step_id += 1
-        sched, shape = step.sched, step.shape
-        n = len(sched.scheduled)
-        load = ExpertLoadProbe.read(step.expert_load)
-        moe = {} if load is None else {"experts_touched": load.experts_touched, "max_expert_load": load.max_expert_load,
-                                       "layer_max_expert_load": load.layer_max, "layer_routed_pairs": load.layer_pairs}
-        self.telemetry.record(
-            StepRecord(
-                step=self._step_id,
-                time=time.time(),
-                kind=sched.kind,
-                batch_size=n,
-                padded_size=shape.padded_size,
-                graph=shape.graph,
-                mode=shape.mode,
-                num_tokens=sched.num_tokens,
-                prefill_tokens=sched.num_prefill_tokens,
-                decode_tokens=sched.num_decode_tokens,
-                step_ms=(now - start) * 1000.0,
-                running=len(self.scheduler.running),
-                waiting=len(self.scheduler.waiting),
-                kv_usage=self.block_manager.usage(),
-                context_tokens=step.context_tokens,
-                preempted=len(sched.preempted),
-                comm_ops=step.comm[0],
-                comm_bytes=step.comm[1],
-                **moe,
-            )
-        )
+        self.telemetry.record(step.record(self._step_id, (now - start) * 1000.0, len(self.scheduler.running),
+                                          len(self.scheduler.waiting), self.block_manager.usage()))

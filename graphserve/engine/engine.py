@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from graphserve.config import EngineConfig
-from graphserve.engine.core import EngineCore, EngineStats
+from graphserve.engine.core import EngineCore
 from graphserve.engine.processor import InputProcessor, OutputProcessor
+from graphserve.engine.telemetry import EngineStats
 from graphserve.outputs import RequestOutput
 from graphserve.sampling_params import SamplingParams
 

@@ -146,6 +146,24 @@ class CoreOutput:
     error_param: str | None = None  # set when the error is the request's fault: the field to blame (a 400)
     first_scheduled_time: float | None = None
 
+    @classmethod
+    def of(cls, seq: Sequence, tokens: list[int], logprobs: list | None = None, error: str | None = None,
+           error_param: str | None = None) -> CoreOutput:
+        """``seq``'s new ``tokens`` (none when it was aborted) and its state after them."""
+        return cls(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            error=error,
+            error_param=error_param,
+            first_scheduled_time=seq.first_scheduled_time,
+        )
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

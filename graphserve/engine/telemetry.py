@@ -1,4 +1,5 @@
-"""Per-step telemetry: one record per engine step, kept in a ring buffer.
+"""Per-step telemetry: one record per engine step, kept in a ring buffer, and the engine's gauges and
+counters (EngineStats).
 
 Listeners (the server's metrics, step log and JSONL sink) see every record; the analyzer reads it.
 """
@@ -40,6 +41,17 @@ class StepRecord:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int  # includes constrained requests waiting for their grammar
+    kv_usage: float
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
 
 
 class Telemetry:

@@ -63,33 +63,44 @@ def moe_softmax_topk_kernel(
                         E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_K)  # fmt: skip
 
 
-def moe_softmax_topk(
-    logits: torch.Tensor, top_k: int, renormalize: bool, *, block_t: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights fp32 [T, k], expert ids int32 [T, k]) of the k most probable experts of each row."""
+def _num_experts(logits: torch.Tensor) -> int:
     if logits.dim() != 2:
         raise ValueError(f"router logits must be [T, E], got {tuple(logits.shape)}")
-    t, e = logits.shape
-    if not 0 < e <= MAX_EXPERTS:
-        raise ValueError(f"num_experts={e} must be in 1..{MAX_EXPERTS} for the routing kernel")
-    if not 0 < top_k <= e:
-        raise ValueError(f"top_k={top_k} must be in 1..num_experts={e}")
+    return logits.shape[1]
+
+
+def _route(kernel, logits: torch.Tensor, top_k: int, block_t: int | None, logits_per_program: int, **args
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch both modes share, once their arguments are checked: the outputs (weights fp32 [T, k],
+    expert ids int32 [T, k]) and ``block_t`` rows per program, by default about ``logits_per_program``
+    logits (a decode batch is one or a few programs, a prefill chunk spreads). ``args``: the kernel's own."""
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    t, e = logits.shape
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
     if t == 0:
         return weights, ids
     block_e = triton.next_power_of_2(e)
-    # about 4K logits per program: a decode batch is one or a few programs, a prefill chunk spreads
-    block_t = block_t or max(1, min(triton.next_power_of_2(t), 4096 // block_e))
-    moe_softmax_topk_kernel[(triton.cdiv(t, block_t),)](
-        logits, weights, ids, t, logits.stride(0),
-        E=e, TOP_K=top_k, RENORMALIZE=renormalize,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=4 if block_e * block_t >= 2048 else 1,
+    block_t = block_t or max(1, min(triton.next_power_of_2(t), logits_per_program // block_e))
+    kernel[(triton.cdiv(t, block_t),)](
+        logits_ptr=logits, weights_ptr=weights, ids_ptr=ids, T=t, stride_t=logits.stride(0),
+        E=e, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=4 if block_e * block_t >= 2048 else 1, **args,
     )  # fmt: skip
     return weights, ids
+
+
+def moe_softmax_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool, *, block_t: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, k], expert ids int32 [T, k]) of the k most probable experts of each row."""
+    e = _num_experts(logits)
+    if not 0 < e <= MAX_EXPERTS:
+        raise ValueError(f"num_experts={e} must be in 1..{MAX_EXPERTS} for the routing kernel")
+    if not 0 < top_k <= e:
+        raise ValueError(f"top_k={top_k} must be in 1..num_experts={e}")
+    return _route(moe_softmax_topk_kernel, logits, top_k, block_t, 4096, RENORMALIZE=renormalize)
 
 
 @triton.jit
@@ -156,27 +167,13 @@ def moe_grouped_topk(
     block_t: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's grouped sigmoid top-k in one launch; see moe_reference.grouped_sigmoid_topk_reference."""
-    if logits.dim() != 2:
-        raise ValueError(f"router logits must be [T, E], got {tuple(logits.shape)}")
-    t, e = logits.shape
+    e = _num_experts(logits)
     if not 0 < e <= MAX_EXPERTS or n_group <= 0 or e % n_group:
         raise ValueError(f"num_experts={e} must be in 1..{MAX_EXPERTS} and divisible by n_group={n_group}")
     if not 0 < topk_group <= n_group or not 0 < top_k <= topk_group * (e // n_group):
         raise ValueError(f"top_k={top_k}, topk_group={topk_group} do not fit n_group={n_group} of {e} experts")
     if correction_bias.shape != (e,):
         raise ValueError(f"e_score_correction_bias must be [{e}], got {tuple(correction_bias.shape)}")
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
-    if t == 0:
-        return weights, ids
-    block_e = triton.next_power_of_2(e)
-    block_t = block_t or max(1, min(triton.next_power_of_2(t), 2048 // block_e))
-    moe_grouped_topk_kernel[(triton.cdiv(t, block_t),)](
-        logits, correction_bias.contiguous(), weights, ids, t, logits.stride(0), float(routed_scaling_factor),
-        E=e, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, RENORMALIZE=renormalize,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(n_group),
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if block_e * block_t >= 2048 else 1,
-    )  # fmt: skip
-    return weights, ids
+    return _route(moe_grouped_topk_kernel, logits, top_k, block_t, 2048, bias_ptr=correction_bias.contiguous(),
+                  scaling=float(routed_scaling_factor), N_GROUP=n_group, TOPK_GROUP=topk_group,
+                  RENORMALIZE=renormalize, BLOCK_G=triton.next_power_of_2(n_group))

@@ -6,13 +6,15 @@ Timeline of a constrained request: ``add`` queues its grammar's compile and hold
 grammar is compiled (or fails them when the compile erred or ran past its bound). Each step that
 samples a token for a constrained sequence gets a mask row; ``accept`` advances the matcher with every
 token the sequence emits, which is what the next mask is computed from. With the overlap schedule the
-core fills step N+1's masks after step N's ids arrive but while N+1's forward runs (``mask_fn``).
+core fills step N+1's masks after step N's ids arrive but while N+1's forward runs (``step_masks``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +26,8 @@ from graphserve.structured.masks import TokenMaskBuilder
 if TYPE_CHECKING:
     from graphserve.engine.request import Sequence
     from graphserve.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 # How long an engine with nothing else to run sleeps waiting for a compile before it looks again.
 IDLE_WAIT_S = 0.01
@@ -82,6 +86,23 @@ class StructuredOutputManager:
             concurrent.futures.wait([e.future for e in self.compiling.values()], timeout=IDLE_WAIT_S,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
+    def step_masks(self, sched: SchedulerOutput, resolve_in_flight: Callable[[], None]
+                   ) -> Callable[[], tuple[np.ndarray, np.ndarray] | None] | None:
+        """The runner's ``token_mask`` for ``sched``; None when no constrained sequence samples in it.
+        It runs once the step's forward is queued and calls ``resolve_in_flight`` first: the grammars
+        must have seen the tokens of the step in flight before they say what comes next."""
+        if not self.num_live:
+            return None
+        rows = self.sampling_rows(sched)
+        if not rows:
+            return None
+
+        def token_mask() -> tuple[np.ndarray, np.ndarray] | None:
+            resolve_in_flight()
+            return self.fill(rows)
+
+        return token_mask
+
     @staticmethod
     def sampling_rows(sched: SchedulerOutput) -> list[tuple[int, Sequence]]:
         """(batch row, sequence) of the constrained sequences whose next token this step samples
@@ -103,13 +124,16 @@ class StructuredOutputManager:
         return np.array([row for row, _ in live], dtype=np.int64), mask
 
     @staticmethod
-    def accept(seq: Sequence, token: int) -> str | None:
-        """Advance ``seq``'s matcher by its new token: "stop" when the grammar ended, "rejected" when
-        the token breaks it (never, once the mask has been applied), None otherwise."""
+    def accept(seq: Sequence, token: int) -> tuple[str, str | None] | None:
+        """Advance ``seq``'s matcher by its new token. (finish reason, error) when the output ends here:
+        ("stop", None) when the grammar is complete (it took its stop token), ("abort", why) when the
+        token breaks it (never, once the mask has been applied); None when the output goes on."""
         state = seq.grammar
         if not state.accept(token):
-            return "rejected"
-        return "stop" if state.is_terminated else None
+            error = f"token {token} does not follow the request's grammar"
+            logger.error("%s: %s", seq, error)
+            return "abort", error
+        return ("stop", None) if state.is_terminated else None
 
     def finished(self) -> None:
         self.num_live -= 1

@@ -1,0 +1,59 @@
+"""A launched step whose sampled ids have not reached the host yet, and the telemetry record it becomes
+once they have (engine/core.py keeps at most one in flight: the overlap schedule)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from graphserve.engine.expert_load import ExpertLoadProbe
+from graphserve.engine.telemetry import StepRecord
+
+if TYPE_CHECKING:
+    import torch
+
+    from graphserve.engine.request import Sequence
+    from graphserve.engine.runner import StepShape
+    from graphserve.engine.scheduler import SchedulerOutput
+    from graphserve.layers.sampler import PendingSample
+
+
+@dataclass
+class InFlightStep:
+    sched: SchedulerOutput
+    pending: PendingSample
+    completed: list[tuple[int, Sequence, int]]  # (row, sequence, output index) awaiting a token
+    shape: StepShape
+    start: float  # perf_counter when its scheduling began
+    context_tokens: int
+    expert_load: torch.Tensor | None = None  # per-layer, per-expert counts on their way to the host (MoE)
+    comm: tuple[int, int] = (0, 0)  # collectives and their bytes (tp/ep > 1)
+
+    def record(self, step_id: int, step_ms: float, running: int, waiting: int, kv_usage: float) -> StepRecord:
+        """The step's record; ``running``, ``waiting``, ``kv_usage``: the engine's state once its ids are in."""
+        sched, shape = self.sched, self.shape
+        load = ExpertLoadProbe.read(self.expert_load)
+        moe = {} if load is None else {"experts_touched": load.experts_touched, "max_expert_load": load.max_expert_load,
+                                       "layer_max_expert_load": load.layer_max, "layer_routed_pairs": load.layer_pairs}
+        return StepRecord(
+            step=step_id,
+            time=time.time(),
+            kind=sched.kind,
+            batch_size=len(sched.scheduled),
+            padded_size=shape.padded_size,
+            graph=shape.graph,
+            mode=shape.mode,
+            num_tokens=sched.num_tokens,
+            prefill_tokens=sched.num_prefill_tokens,
+            decode_tokens=sched.num_decode_tokens,
+            step_ms=step_ms,
+            running=running,
+            waiting=waiting,
+            kv_usage=kv_usage,
+            context_tokens=self.context_tokens,
+            preempted=len(sched.preempted),
+            comm_ops=self.comm[0],
+            comm_bytes=self.comm[1],
+            **moe,
+        )
