@@ -94,6 +94,7 @@ class Supervisor:
         self.inbox = ctx.Queue()
         self.inbox.cancel_join_thread()  # never block the exit on a dead engine's queue
         self.queued = ctx.Value("q", 0)
+        self.ready = ctx.Value("i", 0)
         self.guards = GuardOptions(api_key=guards.api_key, max_body_bytes=guards.max_body_bytes,
                                    read_timeout_s=guards.read_timeout_s, max_connections=guards.max_connections,
                                    open_connections=ctx.Value("q", 0))
@@ -111,12 +112,14 @@ class Supervisor:
         for _, w in pipes:
             w.close()  # the engine holds the write ends: a front-end sees its death as the end of its pipe
         for i, (r, _) in enumerate(pipes):
-            channel = EngineChannel(self.inbox, r, i, self.queued)
+            channel = EngineChannel(self.inbox, r, i, self.queued, self.ready, self.count)
             proc = self.ctx.Process(target=frontend_main, name=f"graphserve-api-{i}",
                                     args=(self.args, self.config, channel, self.guards), daemon=True)
             proc.start()
             r.close()
             self.frontends.append(proc)
+        logger.info("engine process %d; HTTP front-end processes %s", self.engine.pid,
+                    " ".join(str(p.pid) for p in self.frontends))
 
     def on_signal(self, signum: int, _frame: Any) -> None:
         self.signals += 1

@@ -88,6 +88,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         # engine ids are unique over every front-end: each prefixes its serials with its index
         self._id_prefix = "" if channel is None else f"{channel.index}."
+        self._all_frontends_ready = channel is None
         self._watchdog: asyncio.Task[None] | None = None
         self._fault_marker = os.environ.get(FAULT_ENV) or None
         self._faulty: set[str] = set()
@@ -168,6 +169,14 @@ class AsyncEngine:
             raise ServiceUnavailableError(self.engine_error, retry_after=60)
         if self._stopped:
             raise ServiceUnavailableError("the engine is shutting down", retry_after=5)
+        if not self._all_frontends_ready:
+            channel = self.channel
+            assert channel is not None
+            ready = channel.ready.value
+            if ready < channel.count:  # the kernel may send the next connection to one still loading
+                raise ServiceUnavailableError(f"the HTTP front-ends are still starting ({ready} of {channel.count} "
+                                              "ready)", retry_after=1)
+            self._all_frontends_ready = True
 
     def queued_sequences(self) -> int:
         if self._process is not None:  # shared with the engine (and every other front-end): engine_loop.py
@@ -331,6 +340,9 @@ class AsyncEngine:
                 self._serving(core, msg.num_usable_blocks, msg.block_size)
                 self.stats = msg.stats
                 self.warmup = msg.warmup
+                if self.channel is not None:
+                    with self.channel.ready.get_lock():
+                        self.channel.ready.value += 1
             except Exception as exc:  # noqa: BLE001 - reported to the launcher, which exits non-zero
                 logger.exception("loading the tokenizer of %s failed", self.config.model)
                 self.load_error = exc

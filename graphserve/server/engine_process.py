@@ -56,6 +56,8 @@ class EngineChannel:
     outbox: Connection  # this front-end's end of its own pipe
     index: int  # which front-end this is: AddRequests carry it
     queued: Any  # the shared count of queued sequences (engine_loop.py)
+    ready: Any  # the shared count of front-ends ready to serve: /health says 200 once all are
+    count: int  # front-ends in all
 
 
 class EngineLink:
