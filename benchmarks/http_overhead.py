@@ -148,20 +148,49 @@ def ready_warm(base_url: str, vocab: int, args: argparse.Namespace) -> dict[str,
             "ratio": p99(first) / p99(rest)}
 
 
-def idle_ttft(base_url: str, vocab: int) -> float:
-    """Median TTFT (ms) of a lone 256-token prompt, one token out, on an idle server."""
-    async def run() -> list[float]:
+def server_sums(base_url: str) -> dict[str, float]:
+    """The /metrics sums and counts the idle-TTFT breakdown needs (summed over front-ends by the server)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name.endswith(("_sum", "_count")):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def idle_ttft(base_url: str, vocab: int) -> dict[str, float]:
+    """A lone 256-token prompt, one token out, on an idle server: the client's median TTFT (ms), and where the
+    time of the measured requests went on average, from the server's own histograms (the engine stamps the
+    first scheduling on the same monotonic clock): HTTP in and out (client TTFT - server TTFT), front-end to
+    engine (queue time), the engine's steps, and the way back (server TTFT - queue - steps)."""
+    async def run(prompts: list[list[int]]) -> list[float]:
         import aiohttp
 
         out = []
         async with aiohttp.ClientSession() as session:
-            for i in range(8):
-                prompt = workload(1, 256, vocab, seed=100 + i)[0]
+            for prompt in prompts:
                 ttft, _, _ = await one_request(session, base_url, prompt, 1, True, {})
                 out.append(ttft)
         return out
 
-    return 1000 * statistics.median(asyncio.run(run())[2:])
+    asyncio.run(run([workload(1, 256, vocab, seed=100 + i)[0] for i in range(2)]))  # connection and path warm
+    before = server_sums(base_url)
+    times = asyncio.run(run([workload(1, 256, vocab, seed=102 + i)[0] for i in range(8)]))
+    after = server_sums(base_url)
+
+    def mean_ms(name: str, per: str) -> float:
+        return 1000 * (after.get(name, 0) - before.get(name, 0)) / max(1.0, after.get(per, 0) - before.get(per, 0))
+
+    p = "graphserve:"
+    server = mean_ms(p + "time_to_first_token_seconds_sum", p + "time_to_first_token_seconds_count")
+    queue = mean_ms(p + "request_queue_time_seconds_sum", p + "request_queue_time_seconds_count")
+    steps = mean_ms(p + "step_duration_seconds_sum", p + "time_to_first_token_seconds_count")
+    client = 1000 * statistics.median(times)
+    return {"client_ttft_ms": client, "http_ms": 1000 * statistics.mean(times) - server, "server_ttft_ms": server,
+            "to_engine_ms": queue, "engine_steps_ms": steps, "back_ms": server - queue - steps}
 
 
 def bench_model(model: str, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
@@ -174,7 +203,8 @@ def bench_model(model: str, args: argparse.Namespace) -> tuple[list[dict], list[
         with server(model, engine_args, ("--api-server-count", str(count))) as base_url:
             if not args.skip_ready_warm:
                 extra["ready_warm"] = ready_warm(base_url, off["vocab"], args)
-            extra["idle_ttft_ms"] = idle_ttft(base_url, off["vocab"])
+            extra["idle"] = idle_ttft(base_url, off["vocab"])
+            extra["idle_ttft_ms"] = extra["idle"]["client_ttft_ms"]
             extra["idle_ttft_target_ms"] = 1.2 * off["prefill_256_ms"] + 2.0
             for c in args.concurrency:
                 for stream in (True, False):
@@ -221,7 +251,8 @@ def main() -> int:
                        "events_per_token", "ratio"])
     for e in extras:
         line = (f"{e['model']} api_server_count={e['api_server_count']}: idle TTFT {e['idle_ttft_ms']:.1f} ms "
-                f"(target {e['idle_ttft_target_ms']:.1f} ms = 1.2 x prefill {e['offline_prefill_256_ms']:.1f} ms + 2)")
+                f"(target {e['idle_ttft_target_ms']:.1f} ms = 1.2 x prefill {e['offline_prefill_256_ms']:.1f} ms + 2); "
+                "mean path: " + ", ".join(f"{k} {v:.2f}" for k, v in e["idle"].items() if k != "client_ttft_ms"))
         rw = e.get("ready_warm")
         if rw is not None:
             line += (f"; after ready: first-32 TTFT p99 {rw['first32_p99_ms']:.1f} ms vs next-256 "

@@ -325,11 +325,11 @@ class AsyncEngine:
 
     def _on_engine_message(self, msg: Any) -> None:
         if isinstance(msg, StepBatch):
+            self.stats = msg.stats
+            if self._pump is not None:  # tokens first: the output thread detokenizes while the listeners run
+                self._pump.push(msg.outputs, msg.failed)
             if msg.records and self.core is not None:
                 self.core.telemetry.extend(msg.records)  # listeners (metrics, step log) run here, off the loop
-            self.stats = msg.stats
-            if self._pump is not None:
-                self._pump.push(msg.outputs, msg.failed)
         elif isinstance(msg, EngineReady):
             try:
                 from graphserve.models.loader import load_tokenizer

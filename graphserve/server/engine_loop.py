@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -38,6 +39,10 @@ from graphserve.server.step_outputs import StepOutputs
 logger = logging.getLogger("graphserve.server")
 
 _IDLE_POLL_S = 1.0  # an idle engine blocks on its queue this long, then checks that its parent is alive
+# A thread that wants the GIL waits for the holder to release it, at the latest after the switch interval
+# (5 ms by default). The step loop runs long pure-Python stretches (scheduling, building a batch's inputs)
+# while a sender thread waits to ship the previous step's tokens: 0.5 ms bounds that wait an order tighter.
+SWITCH_INTERVAL_S = 0.0005
 
 
 class _Sender:
@@ -166,6 +171,7 @@ def engine_main(config: EngineConfig, inbox: Any, outboxes: list[Connection], lo
     # then sends Shutdown. A server that dies without doing so is noticed through the queue and the pipes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     from graphserve.engine.core import EngineCore
     from graphserve.server.core_driver import CoreDriver
     from graphserve.server.warmup import warm_up
