@@ -7,12 +7,16 @@ one client process per 64 streams so the client is never the limit, against a `g
 Each ratio is HTTP output tok/s over offline output tok/s at the same concurrency: 1.0 means the server adds
 nothing (target >= 0.9). The offline engine runs with the running batch capped at that concurrency.
 
-Per model it also measures, on the freshly started server:
+Each model's HTTP side runs once per ``--api-server-count`` given (e.g. ``--api-server-count 1 4``: one HTTP
+front-end process, then four sharing the engine), against the same offline baseline.
+
+Per model and server it also measures, on the freshly started server:
 - ready-warm: TTFT p99 of the first 32 requests after /health turned 200 vs the next 256 (mixed prompt lengths
   and sampling knobs; target <= 2x);
 - idle TTFT: a 256-token prompt over HTTP vs the engine's own time for that prefill (target <= 1.2x + 2 ms).
 
-Run: python3 -m benchmarks.http_overhead [--models dummy:qwen3-0.6b dummy:llama3-8b] [--quick]
+Run: python3 -m benchmarks.http_overhead [--models dummy:qwen3-0.6b dummy:llama3-8b] [--api-server-count 1 4]
+     [--quick]
 """
 
 from __future__ import annotations
@@ -144,40 +148,75 @@ def ready_warm(base_url: str, vocab: int, args: argparse.Namespace) -> dict[str,
             "ratio": p99(first) / p99(rest)}
 
 
-def idle_ttft(base_url: str, vocab: int) -> float:
-    """Median TTFT (ms) of a lone 256-token prompt, one token out, on an idle server."""
-    async def run() -> list[float]:
+def server_sums(base_url: str) -> dict[str, float]:
+    """The /metrics sums and counts the idle-TTFT breakdown needs (summed over front-ends by the server)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name.endswith(("_sum", "_count")):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def idle_ttft(base_url: str, vocab: int) -> dict[str, float]:
+    """A lone 256-token prompt, one token out, on an idle server: the client's median TTFT (ms), and where the
+    time of the measured requests went on average, from the server's own histograms (the engine stamps the
+    first scheduling on the same monotonic clock): HTTP in and out (client TTFT - server TTFT), front-end to
+    engine (queue time), the engine's steps, and the way back (server TTFT - queue - steps)."""
+    async def run(prompts: list[list[int]]) -> list[float]:
         import aiohttp
 
         out = []
         async with aiohttp.ClientSession() as session:
-            for i in range(8):
-                prompt = workload(1, 256, vocab, seed=100 + i)[0]
+            for prompt in prompts:
                 ttft, _, _ = await one_request(session, base_url, prompt, 1, True, {})
                 out.append(ttft)
         return out
 
-    return 1000 * statistics.median(asyncio.run(run())[2:])
+    asyncio.run(run([workload(1, 256, vocab, seed=100 + i)[0] for i in range(2)]))  # connection and path warm
+    before = server_sums(base_url)
+    times = asyncio.run(run([workload(1, 256, vocab, seed=102 + i)[0] for i in range(8)]))
+    after = server_sums(base_url)
+
+    def mean_ms(name: str, per: str) -> float:
+        return 1000 * (after.get(name, 0) - before.get(name, 0)) / max(1.0, after.get(per, 0) - before.get(per, 0))
+
+    p = "graphserve:"
+    server = mean_ms(p + "time_to_first_token_seconds_sum", p + "time_to_first_token_seconds_count")
+    queue = mean_ms(p + "request_queue_time_seconds_sum", p + "request_queue_time_seconds_count")
+    steps = mean_ms(p + "step_duration_seconds_sum", p + "time_to_first_token_seconds_count")
+    client = 1000 * statistics.median(times)
+    return {"client_ttft_ms": client, "http_ms": 1000 * statistics.mean(times) - server, "server_ttft_ms": server,
+            "to_engine_ms": queue, "engine_steps_ms": steps, "back_ms": server - queue - steps}
 
 
-def bench_model(model: str, args: argparse.Namespace) -> tuple[list[dict], dict]:
+def bench_model(model: str, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     engine_args = f"{args.engine_args} --max-running-requests {max(args.concurrency)}".strip()
     off = run_offline(model, engine_args, args)
-    rows, extra = [], {"model": model, "offline_prefill_256_ms": off["prefill_256_ms"]}
-    with server(model, engine_args) as base_url:
-        extra["ready_warm"] = ready_warm(base_url, off["vocab"], args)
-        ttft = idle_ttft(base_url, off["vocab"])
-        extra["idle_ttft_ms"] = ttft
-        extra["idle_ttft_target_ms"] = 1.2 * off["prefill_256_ms"] + 2.0
-        for c in args.concurrency:
-            for stream in (True, False):
-                tok_s, tokens, events = http_throughput(base_url, off["prompts"], args.output_len, c, stream)
-                if tokens != off["tokens"]:
-                    raise RuntimeError(f"HTTP generated {tokens} tokens, offline {off['tokens']}")
-                rows.append({"model": model, "concurrency": c, "mode": "stream" if stream else "non-stream",
-                             "client": "every-event", "ratio": tok_s / off["tok_s"][c], "http_tok_s": tok_s,
-                             "offline_tok_s": off["tok_s"][c], "events_per_token": events / tokens})
-    return rows, extra
+    rows, extras = [], []
+    for count in args.api_server_count:
+        extra: dict[str, Any] = {"model": model, "api_server_count": count,
+                                 "offline_prefill_256_ms": off["prefill_256_ms"]}
+        with server(model, engine_args, ("--api-server-count", str(count))) as base_url:
+            if not args.skip_ready_warm:
+                extra["ready_warm"] = ready_warm(base_url, off["vocab"], args)
+            extra["idle"] = idle_ttft(base_url, off["vocab"])
+            extra["idle_ttft_ms"] = extra["idle"]["client_ttft_ms"]
+            extra["idle_ttft_target_ms"] = 1.2 * off["prefill_256_ms"] + 2.0
+            for c in args.concurrency:
+                for stream in (True, False):
+                    tok_s, tokens, events = http_throughput(base_url, off["prompts"], args.output_len, c, stream)
+                    if tokens != off["tokens"]:
+                        raise RuntimeError(f"HTTP generated {tokens} tokens, offline {off['tokens']}")
+                    rows.append({"model": model, "concurrency": c, "mode": "stream" if stream else "non-stream",
+                                 "client": "every-event", "ratio": tok_s / off["tok_s"][c], "http_tok_s": tok_s,
+                                 "offline_tok_s": off["tok_s"][c], "api_server_count": count,
+                                 "events_per_token": events / tokens})
+        extras.append(extra)
+    return rows, extras
 
 
 def main() -> int:
@@ -191,24 +230,35 @@ def main() -> int:
     p.add_argument("--ready-first", type=int, default=32, help="requests right after ready")
     p.add_argument("--ready-next", type=int, default=256, help="requests after those, the steady reference")
     p.add_argument("--ready-max-input", type=int, default=1500, help="longest prompt of the ready-warm requests")
+    p.add_argument("--api-server-count", type=int, nargs="+", default=[1],
+                   help="HTTP front-end processes of the server; several values run one server each")
+    p.add_argument("--result-name", default="http_overhead", help="benchmarks/results/NAME.json")
+    p.add_argument("--skip-ready-warm", action="store_true", help="skip the first-32-after-ready measurement")
     p.add_argument("--quick", action="store_true", help="256 prompts of 128 in / 128 out")
     args = p.parse_args()
+    for count in args.api_server_count:
+        if count < 1:
+            p.error(f"--api-server-count {count} is invalid: must be >= 1")
     if args.quick:
         args.num_prompts, args.input_len, args.output_len = 256, 128, 128
     rows, extras = [], []
     for model in args.models:
         r, e = bench_model(model, args)
         rows += r
-        extras.append(e)
+        extras += e
     print(f"input_len={args.input_len} output_len={args.output_len} prompts={args.num_prompts}")
-    print_table(rows, ["model", "concurrency", "mode", "client", "http_tok_s", "offline_tok_s", "events_per_token",
-                       "ratio"])
+    print_table(rows, ["model", "api_server_count", "concurrency", "mode", "client", "http_tok_s", "offline_tok_s",
+                       "events_per_token", "ratio"])
     for e in extras:
-        rw = e["ready_warm"]
-        print(f"{e['model']}: idle TTFT {e['idle_ttft_ms']:.1f} ms (target {e['idle_ttft_target_ms']:.1f} ms = "
-              f"1.2 x prefill {e['offline_prefill_256_ms']:.1f} ms + 2); after ready: first-32 TTFT p99 "
-              f"{rw['first32_p99_ms']:.1f} ms vs next-256 {rw['next256_p99_ms']:.1f} ms (ratio {rw['ratio']:.2f})")
-    path = write_result("http_overhead", {
+        line = (f"{e['model']} api_server_count={e['api_server_count']}: idle TTFT {e['idle_ttft_ms']:.1f} ms "
+                f"(target {e['idle_ttft_target_ms']:.1f} ms = 1.2 x prefill {e['offline_prefill_256_ms']:.1f} ms + 2); "
+                "mean path: " + ", ".join(f"{k} {v:.2f}" for k, v in e["idle"].items() if k != "client_ttft_ms"))
+        rw = e.get("ready_warm")
+        if rw is not None:
+            line += (f"; after ready: first-32 TTFT p99 {rw['first32_p99_ms']:.1f} ms vs next-256 "
+                     f"{rw['next256_p99_ms']:.1f} ms (ratio {rw['ratio']:.2f})")
+        print(line)
+    path = write_result(args.result_name, {
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "engine_args": args.engine_args, "rows": rows, "latency": extras,
     })

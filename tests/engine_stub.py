@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def idle_engine(config: Any, inbox: Any, outbox: Any, log_level: int, log_format: str | None) -> None:
+def idle_engine(config: Any, inbox: Any, outboxes: Any, log_level: int, log_format: str | None, queued: Any) -> None:
     from graphserve.server.engine_process import Shutdown
 
     while not isinstance(inbox.get(), Shutdown):

@@ -37,6 +37,8 @@ from graphserve.server.engine_process import (
     AbortRequests,
     AddRequests,
     CoreView,
+    EngineChannel,
+    EngineLink,
     EngineLoadFailed,
     EngineProcess,
     EngineReady,
@@ -53,9 +55,11 @@ logger = logging.getLogger("graphserve.server")
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, *, on_step: Callable[[Any], None] | None = None,
-                 separate_process: bool = False, stream_interval: int = 1, stream_stall_timeout: float = 30.0):
+                 separate_process: bool = False, stream_interval: int = 1, stream_stall_timeout: float = 30.0,
+                 channel: EngineChannel | None = None):
         self.config = config
-        self.separate_process = separate_process
+        self.separate_process = separate_process or channel is not None
+        self.channel = channel  # set in a front-end of several (--api-server-count): the engine is not ours
         self.stream_interval = stream_interval
         self.stream_stall_timeout = stream_stall_timeout
         self.core: Any = None  # the EngineCore in-process; a CoreView of the engine process otherwise
@@ -75,18 +79,20 @@ class AsyncEngine:
         self._flush_cache = False
         self._stopped = False
         self._thread: threading.Thread | None = None
-        self._process: EngineProcess | None = None
+        self._process: EngineProcess | EngineLink | None = None
         self._driver: CoreDriver | None = None  # in-process only
         self._pump: OutputPump | None = None
         self._processor: DeltaProcessor | None = None
         self._streams: dict[str, RequestStream] = {}  # engine id -> stream; loop thread only
         self._client_ids: dict[str, str] = {}  # in-flight client rid -> engine id
         self._ids = itertools.count()
+        # engine ids are unique over every front-end: each prefixes its serials with its index
+        self._id_prefix = "" if channel is None else f"{channel.index}."
+        self._all_frontends_ready = channel is None
         self._watchdog: asyncio.Task[None] | None = None
         self._fault_marker = os.environ.get(FAULT_ENV) or None
         self._faulty: set[str] = set()
-        self._waiting_in_core = 0  # sequences
-        self._unadmitted = 0  # sequences sent that no batch has acknowledged yet
+        self._waiting_in_core = 0  # sequences (in-process engine)
         self._kv_blocks = (0, 1)  # (usable blocks, tokens per block) of the KV pool
         from graphserve.server.profile_route import ProfileBroker
 
@@ -98,6 +104,10 @@ class AsyncEngine:
         """Start the engine (its process, or a thread here); ``ready`` is set once it serves."""
         self._loop = loop
         self._watchdog = loop.create_task(self._watch_stalls())
+        if self.channel is not None:
+            self._process = EngineLink(self.channel, self._on_engine_message, self._on_engine_exit)
+            self._process.start()
+            return
         if self.separate_process:
             self._process = EngineProcess(self.config, self._on_engine_message, self._on_engine_exit)
             self._process.start()
@@ -159,9 +169,33 @@ class AsyncEngine:
             raise ServiceUnavailableError(self.engine_error, retry_after=60)
         if self._stopped:
             raise ServiceUnavailableError("the engine is shutting down", retry_after=5)
+        if not self._all_frontends_ready:
+            channel = self.channel
+            assert channel is not None
+            ready = channel.ready.value
+            if ready < channel.count:  # the kernel may send the next connection to one still loading
+                raise ServiceUnavailableError(f"the HTTP front-ends are still starting ({ready} of {channel.count} "
+                                              "ready)", retry_after=1)
+            self._all_frontends_ready = True
 
     def queued_sequences(self) -> int:
-        return self._waiting_in_core + sum(r.params.n for r in self._inbox) + self._unadmitted
+        if self._process is not None:  # shared with the engine (and every other front-end): engine_loop.py
+            return int(self._process.queued.value)
+        return self._waiting_in_core + sum(r.params.n for r in self._inbox)
+
+    def _overloaded(self, queued: int, n: int) -> OverloadedError:
+        return OverloadedError(f"{queued} sequences are waiting and this request adds {n}: the bound is "
+                               f"--max-queued-requests={self.config.max_queued_requests}", retry_after=1)
+
+    def _reserve(self, n: int) -> None:
+        """Count ``n`` sequences into the shared queue bound, or refuse: check and add under one lock, so
+        front-ends that race for the last places never pass the bound together."""
+        assert self._process is not None
+        queued = self._process.queued
+        with queued.get_lock():
+            if queued.value + n > self.config.max_queued_requests:
+                raise self._overloaded(queued.value, n)
+            queued.value += n
 
     def add_request(
         self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
@@ -173,27 +207,25 @@ class AsyncEngine:
             raise BadRequestError(f"n={params.n} is invalid: a request of n sequences waits as n, above the queue "
                                   f"bound --max-queued-requests={bound}", param="n")
         queued = self.queued_sequences()
-        if queued + params.n > bound:
-            raise OverloadedError(
-                f"{queued} sequences are waiting and this request adds {params.n}: the bound is "
-                f"--max-queued-requests={bound}", retry_after=1,
-            )
+        if queued + params.n > bound:  # before any work on the request; _reserve decides under the lock
+            raise self._overloaded(queued, params.n)
         if request_id in self._client_ids:
             raise BadRequestError(f"rid={request_id!r} is invalid: a request with this id is in flight", param="rid")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        engine_id = f"{request_id}#{next(self._ids)}"
+        engine_id = f"{request_id}#{self._id_prefix}{next(self._ids)}"
         req = self.input_processor.process(engine_id, prompt, params, arrival)
         self._check_n_fits(len(req.prompt_token_ids), req.params)
+        text = req.prompt_text if req.prompt_text is not None else (prompt if isinstance(prompt, str) else "")
+        faulty = {engine_id} if self._fault_marker is not None and self._fault_marker in text else set()
+        if self._process is not None:
+            self._reserve(params.n)
         stream = RequestStream(self, request_id, engine_id, len(req.prompt_token_ids), self.stream_interval)
         assert self._processor is not None
         self._processor.add(engine_id, req.prompt_token_ids, req.params)
         self._streams[engine_id] = stream
         self._client_ids[request_id] = engine_id
-        text = req.prompt_text if req.prompt_text is not None else (prompt if isinstance(prompt, str) else "")
-        faulty = {engine_id} if self._fault_marker is not None and self._fault_marker in text else set()
         if self._process is not None:
-            self._unadmitted += params.n
-            self._process.send(AddRequests([req], faulty))
+            self._process.send(AddRequests([req], faulty, frontend=self._process.frontend))
             return stream
         with self._cond:
             self._faulty |= faulty
@@ -293,15 +325,11 @@ class AsyncEngine:
 
     def _on_engine_message(self, msg: Any) -> None:
         if isinstance(msg, StepBatch):
+            self.stats = msg.stats
+            if self._pump is not None:  # tokens first: the output thread detokenizes while the listeners run
+                self._pump.push(msg.outputs, msg.failed)
             if msg.records and self.core is not None:
                 self.core.telemetry.extend(msg.records)  # listeners (metrics, step log) run here, off the loop
-            self.stats = msg.stats
-            self._waiting_in_core = int(msg.stats.waiting)
-            if msg.admitted:
-                assert self._loop is not None
-                self._loop.call_soon_threadsafe(self._admitted, msg.admitted)
-            if self._pump is not None:
-                self._pump.push(msg.outputs, msg.failed)
         elif isinstance(msg, EngineReady):
             try:
                 from graphserve.models.loader import load_tokenizer
@@ -312,6 +340,9 @@ class AsyncEngine:
                 self._serving(core, msg.num_usable_blocks, msg.block_size)
                 self.stats = msg.stats
                 self.warmup = msg.warmup
+                if self.channel is not None:
+                    with self.channel.ready.get_lock():
+                        self.channel.ready.value += 1
             except Exception as exc:  # noqa: BLE001 - reported to the launcher, which exits non-zero
                 logger.exception("loading the tokenizer of %s failed", self.config.model)
                 self.load_error = exc
@@ -322,15 +353,13 @@ class AsyncEngine:
             self.load_error = ModelLoadError(msg.message)
             self.ready.set()
 
-    def _admitted(self, n: int) -> None:
-        self._unadmitted = max(0, self._unadmitted - n)
-
     def _on_engine_exit(self, exitcode: int | None) -> None:
         if not self.ready.is_set():
             self.load_error = ModelLoadError(f"the engine process exited with code {exitcode} while loading")
             self.ready.set()
             return
-        self.engine_error = f"the engine process died (exit code {exitcode}); restart the server"
+        code = "" if exitcode is None else f" (exit code {exitcode})"
+        self.engine_error = f"the engine process died{code}; restart the server"
         logger.error("%s: failing %d in-flight request(s)", self.engine_error, len(self._streams))
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self.abort_all, InternalError(self.engine_error))

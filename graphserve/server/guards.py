@@ -53,6 +53,9 @@ class GuardOptions:
     max_body_bytes: int = 32 * 1024 * 1024
     read_timeout_s: float = 30.0
     max_connections: int | None = None
+    # With several front-end processes, a shared count (multiprocessing.Value) of the connections all of them
+    # hold: --max-connections bounds the server, not each front-end.
+    open_connections: Any = None
 
 
 class GuardMiddleware:
@@ -149,10 +152,18 @@ def guarded_protocol(base: type, options: GuardOptions, metrics: Any) -> type:
             self._in_head = True
             self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(
                 options.read_timeout_s, self._head_timed_out)
+            shared = options.open_connections
+            self._counted = shared is not None
+            if shared is not None:
+                with shared.get_lock():
+                    shared.value += 1
+                    open_now = shared.value
+            else:
+                open_now = len(self.connections)
             limit = options.max_connections
-            if limit is not None and len(self.connections) > limit:
+            if limit is not None and open_now > limit:
                 self._refuse(ServiceUnavailableError(
-                    f"{len(self.connections) - 1} connections are open, the bound is --max-connections={limit}"))
+                    f"{open_now - 1} connections are open, the bound is --max-connections={limit}"))
 
         def _refuse(self, exc: GraphserveError) -> None:
             record_error(metrics, exc, "-", "(connection)")
@@ -199,6 +210,10 @@ def guarded_protocol(base: type, options: GuardOptions, metrics: Any) -> type:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head_timer()
+            if getattr(self, "_counted", False):
+                self._counted = False
+                with options.open_connections.get_lock():
+                    options.open_connections.value -= 1
             super().connection_lost(exc)
 
     return GuardedHTTPProtocol

@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve POST /v1/profile, which profiles the next decode steps (graphserve profile)")
     parser.add_argument("--engine-in-process", action="store_true",
                         help="run the engine on a thread of the server process instead of its own process")
+    parser.add_argument("--api-server-count", default="1", metavar="N",
+                        help="HTTP front-end processes sharing the one engine process (each its own event loop "
+                             "and GIL; the kernel spreads connections over them); 'auto' takes a quarter of the "
+                             "CPU cores, at most 4")
 
 
 def guard_options(args: argparse.Namespace) -> GuardOptions:
@@ -85,11 +89,14 @@ def guard_options(args: argparse.Namespace) -> GuardOptions:
 def build_state(
     config: EngineConfig, served_model_name: list[str] | str | None = None, step_log: str | None = None,
     separate_process: bool = False, stream_interval: int = 1, stream_stall_timeout: float = 30.0,
-    profile_endpoint: bool = False, step_log_max_bytes: int | None = None,
+    profile_endpoint: bool = False, step_log_max_bytes: int | None = None, channel: Any = None,
 ) -> tuple[ServerState, list[Any]]:
     """The server state with its telemetry listeners wired; returns (state, things to close).
 
-    ``separate_process`` runs the engine core in a process of its own, else on a thread of this one.
+    ``separate_process`` runs the engine core in a process of its own, else on a thread of this one. With
+    ``channel`` (an EngineChannel) this is front-end ``channel.index`` of several sharing one engine process:
+    its metrics go to the shared multiprocess files, and only front-end 0 feeds the step metrics and logs (every
+    front-end receives every step record, for /v1/telemetry).
     """
     listeners: list[Any] = []
     closers: list[Any] = []
@@ -106,11 +113,14 @@ def build_state(
     if not stream_stall_timeout > 0:
         raise bad_field("stream_stall_timeout", stream_stall_timeout, "must be > 0 seconds")
     engine = AsyncEngine(config, on_step=on_step, separate_process=separate_process, stream_interval=stream_interval,
-                         stream_stall_timeout=stream_stall_timeout)
-    metrics = ServerMetrics(lambda: engine.stats, lambda: engine.alive)
+                         stream_stall_timeout=stream_stall_timeout, channel=channel)
+    index = 0 if channel is None else channel.index
+    metrics = ServerMetrics(lambda: engine.stats, lambda: engine.alive, api_server=index,
+                            multiprocess=channel is not None)
     engine.on_abort = metrics.on_abort
-    listeners += [metrics.on_step, StepLogger(config.log_interval, engine.kv_capacity_tokens).on_step]
-    if step_log:
+    if index == 0:
+        listeners += [metrics.on_step, StepLogger(config.log_interval, engine.kv_capacity_tokens).on_step]
+    if step_log and index == 0:
         sink = JsonlStepSink(step_log, max_bytes=step_log_max_bytes)
         listeners.append(sink.on_step)
         closers.append(sink)
@@ -134,9 +144,17 @@ class GracefulServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         # Not uvicorn's: it would close the socket at once and re-raise the signal at exit (exit code != 0).
         if self.drain_requested:  # a second signal skips the drain
-            self.force_exit = self.should_exit = self.forced = True
-            logger.warning("second signal: exiting now, cutting %d request(s)", self.state.engine.num_inflight)
+            self.force()
         self.drain_requested = True
+
+    def request_drain(self) -> None:
+        """Drain as for a first signal; a repeat is a no-op (the supervisor of several front-ends asks so)."""
+        self.drain_requested = True
+
+    def force(self) -> None:
+        if not self.forced:
+            logger.warning("second signal: exiting now, cutting %d request(s)", self.state.engine.num_inflight)
+        self.force_exit = self.should_exit = self.forced = True
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_requested and self._drain is None:
@@ -171,28 +189,47 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str, guards: Guard
                           h11_max_incomplete_event_size=MAX_HEAD_BYTES + 1024)
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+def api_server_count(value: str, engine_in_process: bool = False) -> int:
+    """--api-server-count: a positive integer up to the CPU count, or 'auto'."""
+    cpus = os.cpu_count() or 1
+    if value == "auto":
+        # each front-end is a busy core under load; the rest stay for the engine's threads and the OS
+        return max(1, min(4, cpus // 4))
     try:
-        config = config_from_args(args, args.model)
-        guards = guard_options(args)
-        if args.step_log_max_mb <= 0:
-            raise ConfigError(f"--step-log-max-mb={args.step_log_max_mb} is invalid: must be > 0")
-        state, closers = build_state(config, args.served_model_name, args.step_log,
-                                     separate_process=not args.engine_in_process,
-                                     stream_interval=args.stream_interval,
-                                     stream_stall_timeout=args.stream_stall_timeout,
-                                     profile_endpoint=args.enable_profile_endpoint,
-                                     step_log_max_bytes=int(args.step_log_max_mb * 1024 * 1024))
-    except GraphserveError as exc:
-        print(f"graphserve serve: {exc.message}", file=sys.stderr)
-        return 2
+        count = int(value)
+    except ValueError:
+        raise ConfigError(f"--api-server-count={value!r} is invalid: must be an integer or 'auto'",
+                          param="api_server_count") from None
+    if not 1 <= count <= cpus:
+        raise ConfigError(f"--api-server-count={count} is invalid: must be between 1 and the {cpus} CPU cores "
+                          "of this machine", param="api_server_count")
+    if count > 1 and engine_in_process:
+        raise ConfigError(f"--api-server-count={count} is invalid with --engine-in-process: several front-ends "
+                          "share an engine process, not a thread of one of them", param="api_server_count")
+    return count
+
+
+def build_state_from_args(args: argparse.Namespace, config: EngineConfig, channel: Any = None
+                          ) -> tuple[ServerState, list[Any]]:
+    if args.step_log_max_mb <= 0:
+        raise ConfigError(f"--step-log-max-mb={args.step_log_max_mb} is invalid: must be > 0")
+    return build_state(config, args.served_model_name, args.step_log, separate_process=not args.engine_in_process,
+                       stream_interval=args.stream_interval, stream_stall_timeout=args.stream_stall_timeout,
+                       profile_endpoint=args.enable_profile_endpoint,
+                       step_log_max_bytes=int(args.step_log_max_mb * 1024 * 1024), channel=channel)
+
+
+def serve_http(args: argparse.Namespace, state: ServerState, closers: list[Any], guards: GuardOptions,
+               sockets: list[socket.socket] | None = None,
+               on_server: Any = None) -> int:
+    """Run the HTTP server until it exits; returns the process's exit code."""
     app = create_app(state, guards)
     server = GracefulServer(uvicorn_config(app, args.host, args.port, args.log_level, guards, state.metrics), state,
                             args.shutdown_timeout)
-    logger.info("serving %s on http://%s:%d", config.model, args.host, args.port)
+    if on_server is not None:
+        on_server(server)
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         for c in closers:
             c.close()
@@ -202,6 +239,24 @@ def run(args: argparse.Namespace) -> int:
     if server.forced:
         return FORCED_EXIT_CODE
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+    try:
+        config = config_from_args(args, args.model)
+        guards = guard_options(args)
+        count = api_server_count(args.api_server_count, args.engine_in_process)
+        if count > 1:
+            from graphserve.server.api_servers import run_api_servers
+
+            return run_api_servers(args, config, guards, count)
+        state, closers = build_state_from_args(args, config)
+    except GraphserveError as exc:
+        print(f"graphserve serve: {exc.message}", file=sys.stderr)
+        return 2
+    logger.info("serving %s on http://%s:%d", config.model, args.host, args.port)
+    return serve_http(args, state, closers, guards)
 
 
 class ServerThread:

@@ -3,15 +3,24 @@
 Gauges and totals are read from the engine's last stats snapshot at scrape time (the core is never touched
 from the HTTP thread); latency histograms are observed on the loop as outputs arrive; step histograms and
 the decode-step counter are fed by the telemetry listener on the engine thread.
+
+With several HTTP front-end processes (``--api-server-count``) every front-end answers /metrics for the whole
+server: counters and histograms live in prometheus_client's multiprocess files (the supervisor sets
+``PROMETHEUS_MULTIPROC_DIR`` before any front-end starts) and each scrape sums them over the front-ends, so
+no scrape depends on another process answering. The engine gauges come once, from the answering front-end's
+latest stats: every front-end receives the engine's stats after every iteration. Only front-end 0 feeds the
+step metrics, so a step is counted once.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import multiprocess as prometheus_multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -19,6 +28,7 @@ from graphserve.engine.telemetry import StepRecord
 from graphserve.server.deltas import RequestDelta
 
 PREFIX = "graphserve:"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
@@ -57,10 +67,18 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, stats_snapshot: Callable[[], Any], engine_alive: Callable[[], bool] | None = None):
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(stats_snapshot, engine_alive))
-        r = self.registry
+    def __init__(self, stats_snapshot: Callable[[], Any], engine_alive: Callable[[], bool] | None = None,
+                 api_server: int = 0, multiprocess: bool = False):
+        engine_stats = _EngineStatsCollector(stats_snapshot, engine_alive)
+        r = CollectorRegistry()
+        if multiprocess:  # our metrics write to the shared files; scrapes read them all (see above)
+            if not os.environ.get(MULTIPROC_ENV):
+                raise RuntimeError(f"{MULTIPROC_ENV} must be set before prometheus_client is imported")
+            self.registry = CollectorRegistry()
+            prometheus_multiprocess.MultiProcessCollector(self.registry)
+        else:
+            self.registry = r
+        self.registry.register(engine_stats)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between streamed tokens.",
@@ -88,6 +106,9 @@ class ServerMetrics:
         self.moe_busiest_expert = Counter(PREFIX + "moe_busiest_expert_pairs", "Pairs the busiest expert of "
                                           "each step received, summed over steps, by MoE layer.", ["layer"],
                                           registry=r)
+        self.api_server_requests = Counter(PREFIX + "api_server_requests", "Generation requests taken, by the "
+                                           "HTTP front-end process that took them (--api-server-count).",
+                                           ["api_server"], registry=r).labels(api_server=str(api_server))
         for graph in ("true", "false"):
             self.decode_steps.labels(graph=graph)
 

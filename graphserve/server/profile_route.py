@@ -40,7 +40,7 @@ class ProfileBroker:
         process, driver = self.engine._process, self.engine._driver
         profiler = None
         if process is not None:
-            process.send(ProfileSteps(token, steps))
+            process.send(ProfileSteps(token, steps, frontend=process.frontend))
         elif driver.profiler is not None and driver.profiler.active:  # a cancelled one not yet wound down
             self._waiting.pop(token)
             raise OverloadedError("the previous profile is still winding down: retry", retry_after=1)
@@ -53,7 +53,7 @@ class ProfileBroker:
             result = await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             if process is not None:
-                process.send(ProfileSteps(token, 0))
+                process.send(ProfileSteps(token, 0, frontend=process.frontend))
             elif profiler is not None:
                 profiler.cancel()
             raise ServiceUnavailableError(

@@ -54,6 +54,17 @@ class StepOutputs:
                 self.finishes[last] = (co.finish_reason, co.stop_reason)
                 reported.discard(rid)
 
+    def add_error(self, request_id: str, message: str, param: str | None = None) -> None:
+        """A row that ends a request the engine refused: ``param`` names the request field at fault (a 400)."""
+        row = len(self.request_ids)
+        self.request_ids.append(request_id)
+        self.indices.append(0)
+        self.token_ids.append(NO_TOKEN)
+        self.errors[row] = message
+        if param is not None:
+            self.error_params[row] = param
+        self.finishes[row] = ("abort", None)
+
     def extend(self, other: StepOutputs) -> None:
         base = len(self.request_ids)
         self.request_ids += other.request_ids

@@ -121,6 +121,7 @@ def start_jobs(
         for job in jobs:
             engine.abort(job.stream.engine_id)
         raise
+    metrics.api_server_requests.inc()
     return jobs
 
 
