@@ -64,17 +64,20 @@ COLS = ["shape", "m", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_us", "best",
 
 
 def candidates(m: int, k: int) -> list[StreamConfig]:
-    """Stream tiles to try: FMA tiles of 64-256 weight bytes per thread (m <= 4), dot tiles (m >= 2)."""
+    """Stream tiles to try: FMA tiles of 64-256 weight bytes per thread (m <= 4), dot tiles (m >= 2),
+    each family also split 2 and 4 ways along K where every split keeps at least two tiles of K."""
     out = []
-    if m <= 4:  # (block_n, weight bytes per thread of 4 warps); every distinct tile is one more compile
-        for bn, per_thread in ((4, 128), (8, 128), (8, 256), (16, 64), (16, 128), (32, 128)):
+    if m <= 4:  # (block_n, weight bytes per thread of 4 warps, split_k); every distinct tile is one more compile
+        for bn, per_thread, split in ((4, 128, 1), (8, 128, 1), (8, 256, 1), (16, 64, 1), (16, 128, 1), (32, 128, 1),
+                                      (8, 128, 2), (8, 128, 4), (16, 128, 2), (16, 128, 4), (32, 128, 2)):
             bk = per_thread * 128 // bn
-            if bk <= k and k % bk == 0:
-                out.append(StreamConfig(bn, bk, num_warps=4, num_stages=2, use_dot=False))
+            if bk * (2 * split if split > 1 else 1) <= k and k % bk == 0:
+                out.append(StreamConfig(bn, bk, num_warps=4, num_stages=2, use_dot=False, split_k=split))
     if m >= 2:
-        for bn, bk, stages in ((16, 256, 3), (16, 512, 3), (32, 256, 3), (32, 512, 3), (64, 256, 3)):
-            if k % bk == 0:
-                out.append(StreamConfig(bn, bk, num_warps=4, num_stages=stages, use_dot=True))
+        for bn, bk, split in ((16, 256, 1), (16, 512, 1), (32, 256, 1), (32, 512, 1), (64, 256, 1),
+                              (32, 256, 2), (32, 256, 4), (64, 256, 2), (64, 256, 4), (64, 512, 2)):
+            if k % bk == 0 and bk * (2 * split if split > 1 else 1) <= k:
+                out.append(StreamConfig(bn, bk, num_warps=4, num_stages=3, use_dot=True, split_k=split))
     return out
 
 

@@ -40,16 +40,19 @@ logger = logging.getLogger("graphserve.fp8")
 @dataclass(frozen=True)
 class StreamConfig:
     """Tiles of one streaming-kernel call. ``use_dot``: tensor cores with x padded to 16 rows; else
-    fp32 multiply-adds on the CUDA cores, one pass per row of x (cheaper while M is small)."""
+    fp32 multiply-adds on the CUDA cores, one pass per row of x (cheaper while M is small).
+    ``split_k``: programs per column tile, each streaming 1/split_k of K (reduced in the same launch);
+    tables written before it existed read as 1."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     use_dot: bool
+    split_k: int = 1
 
     def num_programs(self, n: int) -> int:
-        return triton.cdiv(n, self.block_n)
+        return triton.cdiv(n, self.block_n) * self.split_k
 
 
 def tile_cap(group_n: int, group_k: int, k: int) -> int:
@@ -65,7 +68,7 @@ def default_stream_config(m: int, n: int, k: int, cap: int, sms: int) -> StreamC
     ``[block_n, k]`` slab; ``block_n`` is the widest that still gives every SM two programs, so no
     split-K (and no second reduction launch) is needed for the projections of 1B-70B models. A block
     of scale rows must not straddle programs (the kernel reads one scale row per program), so
-    ``block_n`` never exceeds ``group_n``. Per thread, 128 weight bytes per tile (eight 16-byte
+    ``block_n`` never exceeds ``group_n``; a projection too narrow for that splits K. Per thread, 128 weight bytes per tile (eight 16-byte
     loads) on the FMA path; the dot path's tiles go through shared memory, 3 stages of 8-16 KB.
     """
     target = 2 * sms
@@ -78,8 +81,12 @@ def default_stream_config(m: int, n: int, k: int, cap: int, sms: int) -> StreamC
         return StreamConfig(block_n, max(16, block_k), num_warps=4, num_stages=3, use_dot=True)
     widths = (8,) if m <= 2 else (16, 8)  # gemv.py measured 8-row slabs best at 1-2 rows
     block_n = next((bn for bn in widths if bn <= cap and triton.cdiv(n, bn) >= target), min(4, cap))
-    block_k = min(128 * 32 * 4 // block_n, triton.next_power_of_2(k))
-    return StreamConfig(block_n, max(16, block_k), num_warps=4, num_stages=2, use_dot=False)
+    block_k = max(16, min(128 * 32 * 4 // block_n, triton.next_power_of_2(k)))
+    # a narrow projection still short of two programs per SM splits K (at most 4 ways: each split
+    # adds a partial tile to write and read back), as long as every split keeps two tiles of K
+    tiles = triton.cdiv(n, block_n)
+    split_k = max(1, min(4, triton.cdiv(target, tiles), k // (2 * block_k))) if tiles < target else 1
+    return StreamConfig(block_n, block_k, num_warps=4, num_stages=2, use_dot=False, split_k=split_k)
 
 
 # -- the measured table -------------------------------------------------------------------------------

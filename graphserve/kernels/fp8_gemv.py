@@ -20,8 +20,18 @@ Prologues, as kernels/gemv.py's: ``fp8_silu_mul_gemv`` computes silu(gate) * up 
 (residual add +) RMSNorm while loading x, so a decoder layer's norm and activation launches vanish
 at decode batch sizes.
 
+Split-K. A tall-K projection (Llama-3-8B's down: K = 14336 against N = 4096) gives each program a long
+chain of dependent tile loads and too few programs to keep every SM's memory pipe full. With
+``split_k`` > 1 the grid is (column tiles, splits); each program streams its [BLOCK_N, K / split_k] slab
+and writes an fp32 partial. The reduction stays in the same launch (a second one costs more than a 4 MB
+projection's whole stream): each program counts itself done on its column tile's counter (acq_rel at
+GPU scope, after a barrier that orders the block's stores), and the one that finds itself last sums
+the partials in split order - the result does not depend on which program finished when - applies the
+epilogue and resets the counter to zero for the next call and the next graph replay.
+
 Tiles are a pure function of the shape or come from the measured table (kernels/fp8_config.py); no
-autotuning, so the kernel is safe inside CUDA-graph capture.
+autotuning, so the kernel is safe inside CUDA-graph capture. The counters are allocated once per
+device and stream; the partials come from the caching allocator (no data-dependent sizes).
 """
 
 from __future__ import annotations
@@ -39,21 +49,24 @@ from graphserve.kernels.gemv import _x_tile
 from graphserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 
 MAX_ROWS = MAX_STREAM_ROWS
+MAX_SPLIT_TILES = 4096  # split-K column tiles per launch (16 KB of counters); split-K pays where tiles are few
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, ws_ptr, b_ptr, out_ptr,
+    x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, stride_xm, stride_rm, stride_rom, stride_wn, stride_wsn, stride_om, eps,
     SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr,
+    BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    k_first = tl.program_id(1) * K_SPLIT  # this program's share of K: [k_first, k_first + K_SPLIT)
+    # every split full and a whole number of tiles: unmasked weight loads
+    FULL: tl.constexpr = K % K_SPLIT == 0
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
     # rows past N re-read row N-1: unmasked, vectorised weight loads; those columns are never stored
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     s_row = ws_ptr + ((pid * BLOCK_N) // GROUP_N) * stride_wsn  # this program's row of block scales
@@ -69,7 +82,8 @@ def _fp8_gemv_kernel(
             h = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols, row_mask, rstd[:, None],
                         K, False, ADD_RESIDUAL, False, x_ptr.dtype.element_ty)  # fmt: skip
             if ADD_RESIDUAL:
-                tl.store(res_out_ptr + offs_m[:, None] * stride_rom + cols, h, mask=row_mask & (pid == 0))
+                tl.store(res_out_ptr + offs_m[:, None] * stride_rom + cols, h,
+                         mask=row_mask & (pid == 0) & (k_first == 0))
             hf = h.to(tl.float32)
             sum_sq += tl.sum(hf * hf, axis=1)
         rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
@@ -77,10 +91,11 @@ def _fp8_gemv_kernel(
     if USE_DOT:
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]
-        for k0 in range(0, K, BLOCK_K):
+        for kk in range(0, K_SPLIT, BLOCK_K):
+            k0 = k_first + kk
             cols = k0 + offs_k
             k_mask = cols < K
-            if K % BLOCK_K == 0:
+            if FULL:
                 w = tl.load(w_ptrs + k0)
             else:
                 w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
@@ -97,10 +112,11 @@ def _fp8_gemv_kernel(
         offs_s = tl.arange(0, SUB_K)
         k2 = offs_b[:, None] * SUB_K + offs_s[None, :]  # [KB, SUB_K] column offsets within a tile
         w_ptrs = w_ptr + w_rows[:, None, None] * stride_wn + k2[None, :, :]
-        for k0 in range(0, K, BLOCK_K):
+        for kk in range(0, K_SPLIT, BLOCK_K):
+            k0 = k_first + kk
             cols = k0 + k2
             k_mask = cols < K
-            if K % BLOCK_K == 0:
+            if FULL:
                 w = tl.load(w_ptrs + k0)
             else:
                 w = tl.load(w_ptrs + k0, mask=k_mask[None, :, :], other=0.0)
@@ -116,12 +132,53 @@ def _fp8_gemv_kernel(
                     xr = xr * ks[:, None]
                 part = tl.sum(tl.sum(wf * xr[None, :, :], axis=2), axis=1)
                 acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
+    if SPLIT_K == 1:
+        _epilogue(acc, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_wsn, stride_om, PER_CHANNEL, HAS_BIAS)
+    else:
+        # partials as [column tile, split, BLOCK_N, BLOCK_M] fp32: each program's own contiguous piece
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
+        parts = part_ptr + pid.to(tl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
+        tl.store(parts + tl.program_id(1) * (BLOCK_N * BLOCK_M) + tile, acc)
+        tl.debug_barrier()  # every thread's partial is written before the block counts itself done
+        done = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # split order, whichever program came last: deterministic
+                total += tl.load(parts + s * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
+            _epilogue(total, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_wsn, stride_om,
+                      PER_CHANNEL, HAS_BIAS)  # fmt: skip
+            tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _epilogue(acc, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_wsn, stride_om,
+              PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Per-channel scale, bias, and the store of the [BLOCK_N, BLOCK_M] fp32 tile in the output dtype."""
+    n_mask = offs_n < N
     if PER_CHANNEL:
         acc *= tl.load(ws_ptr + w_rows * stride_wsn)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_m[None, :] < M))
+
+
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per column tile, for split-K launches on the current stream.
+
+    Every launch leaves them at zero (the last program of a tile resets its counter), so one buffer
+    serves every call and graph replay on a stream; launches on one stream run in order, and another
+    stream gets its own buffer. Sized once (MAX_SPLIT_TILES) so no call allocates after the first."""
+    if tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"fp8_gemv: split-K over {tiles} column tiles, at most {MAX_SPLIT_TILES}: use a wider "
+                         f"block_n or split_k=1")
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def _check(x: torch.Tensor, k: int, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
@@ -164,21 +221,31 @@ def _launch(
     if cfg.block_n > cap:
         raise ValueError(f"fp8_gemv: block_n={cfg.block_n} spans two rows of {group_n}-row scale blocks "
                          f"(at most {cap})")
+    if cfg.split_k < 1:
+        raise ValueError(f"fp8_gemv: split_k={cfg.split_k} must be at least 1")
     if cfg.use_dot and (x.dtype == torch.float32 or cfg.block_n < 16):
         cfg = dataclasses.replace(cfg, use_dot=False)  # fp32 x would be truncated to tf32; dot needs 16 rows
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     sub_k = block_k if per_channel else min(block_k, group_k)
-    placeholder = out  # pointer arguments a disabled prologue never dereferences
-    _fp8_gemv_kernel[(cfg.num_programs(n),)](
+    tiles = triton.cdiv(n, cfg.block_n)
+    split_k = min(cfg.split_k, triton.cdiv(k, block_k))  # never a split with no K at all
+    k_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
+    block_m = 16 if cfg.use_dot else triton.next_power_of_2(m)
+    placeholder = out  # pointer arguments a disabled prologue (or split_k = 1) never dereferences
+    parts, locks = placeholder, placeholder
+    if split_k > 1:
+        parts = torch.empty(tiles * split_k * cfg.block_n * block_m, dtype=torch.float32, device=x.device)
+        locks = split_counters(x.device, tiles)
+    _fp8_gemv_kernel[(tiles, split_k)](
         x, residual if residual is not None else placeholder, norm_weight if norm_weight is not None else placeholder,
         residual_out if residual_out is not None else placeholder, w, w_scale, bias if bias is not None else placeholder,
-        out, m, n, x.stride(0), residual.stride(0) if residual is not None else 0,
+        out, parts, locks, m, n, x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, w.stride(0), w_scale.stride(0), out.stride(0),
         float(eps), SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None, NORM=norm_weight is not None,
         K=k, GROUP_N=1 if per_channel else group_n, GROUP_K=k if per_channel else group_k,
         PER_CHANNEL=per_channel, HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot,
-        BLOCK_M=16 if cfg.use_dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k, SUB_K=sub_k,
-        KB=block_k // sub_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SUB_K=sub_k,
+        KB=block_k // sub_k, SPLIT_K=split_k, K_SPLIT=k_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
