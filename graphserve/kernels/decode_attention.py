@@ -14,6 +14,10 @@ per layer on an H200 for a merge that reads a few tens of KB. The counter's atom
 that orders the block's stores; the last program resets it, so it is zero for the next layer and
 the next graph replay.
 
+An fp8 (e4m3) cache is widened in registers to fp16, with q and the probabilities in fp16 too: the
+e4m3 -> fp16 conversion is one instruction per two elements and exact, where the chain to bf16 takes
+several per element, and fp16 holds p more finely than bf16. The bf16 path is untouched.
+
 CUDA-graph safety: no host syncs and no allocation that depends on data. The grid depends only on
 static sizes (batch, kv heads and the split count, which comes from batch size, the block-table
 width and the SM count), never on ``seq_lens`` values; the scratch space and the counters can be
@@ -94,6 +98,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, PREFETCH_V: tl.constexpr,
     FUSED_MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    WIDEN_FP16: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -114,6 +119,8 @@ def _decode_split_kernel(
         mask=h_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if WIDEN_FP16:  # fp8 cache: the step widens K and V to q's dtype, fp16 here (clamped: q is bf16's range)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -212,6 +219,7 @@ def decode_attention(
     workspace: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     fused_merge: bool = True,
+    fp8_widen: torch.dtype = torch.float16,
 ) -> torch.Tensor:
     """Attention of ``q`` ([B, Hq, D], one token per sequence) over each sequence's paged context.
 
@@ -221,6 +229,9 @@ def decode_attention(
     ``counters``: optional int32 merge counters (see ``counters_numel``), zero before the call and left
     zero by it; without them a zeroed buffer is allocated per call. ``fused_merge=False`` merges the
     splits in a second launch instead (the layout the in-kernel merge is measured against).
+    ``fp8_widen``: what an fp8 cache's K and V become for the tensor cores. float16 (default): one
+    e4m3x2 -> f16x2 conversion per two elements, exact, with q and the probabilities in fp16 too;
+    bfloat16: q's dtype, a longer conversion chain per element (kept for comparison).
     """
     batch, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
@@ -229,6 +240,9 @@ def decode_attention(
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError("decode_attention needs head_dim contiguous in q and kv_cache")
     group = num_heads // num_kv_heads
+    if fp8_widen not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"decode_attention: fp8_widen={fp8_widen} must be torch.float16 or torch.bfloat16")
+    widen_fp16 = kv_cache.dtype.itemsize == 1 and fp8_widen == torch.float16
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -276,8 +290,8 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=BLOCK_N,
-        DIRECT=direct, IEEE_DOT=q.dtype == torch.float32, WHILE_LOOP=interpreting(), PREFETCH_V=not direct,
-        FUSED_MERGE=fused_merge, BLOCK_HM=block_hm, BLOCK_S=block_s, CHUNK_S=chunk_s,
+        DIRECT=direct, IEEE_DOT=q.dtype == torch.float32 and not widen_fp16, WHILE_LOOP=interpreting(), PREFETCH_V=not direct,
+        FUSED_MERGE=fused_merge, BLOCK_HM=block_hm, BLOCK_S=block_s, CHUNK_S=chunk_s, WIDEN_FP16=widen_fp16,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if not direct and not fused_merge:
