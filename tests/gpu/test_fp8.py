@@ -23,7 +23,7 @@ from model_utils import PagedHarness, make_hf_checkpoint  # noqa: E402
 from graphserve.config import EngineConfig  # noqa: E402
 from graphserve.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
-from graphserve.kernels.fp8_config import DEFAULT_STREAM_ROWS, SCALED_MM_MIN_ROWS  # noqa: E402
+from graphserve.kernels.fp8_config import DEFAULT_STREAM_ROWS, SCALED_MM_MIN_ROWS, StreamConfig  # noqa: E402
 from graphserve.kernels.fp8_gemm import (  # noqa: E402
     blockwise_scale_layout,
     blockwise_scaled_mm_available,
@@ -40,6 +40,7 @@ from graphserve.kernels.fp8_gemv import (  # noqa: E402
     fp8_norm_gemv_reference,
     fp8_silu_mul_gemv,
     fp8_silu_mul_gemv_reference,
+    split_counters,
 )
 from graphserve.kernels.fp8_quant import (  # noqa: E402
     per_token_group_quant,
@@ -183,6 +184,33 @@ def _fp8_layer(n: int, k: int, block: bool, gen: torch.Generator) -> Linear:
     return layer
 
 
+@pytest.mark.parametrize("cfg", [StreamConfig(8, 2048, 4, 2, False, split_k=4), StreamConfig(32, 256, 4, 3, True, split_k=2)],
+                         ids=["fma_split4", "dot_split2"])
+def test_split_k_gemv_under_cuda_graph_replay(cfg: StreamConfig, gen: torch.Generator) -> None:
+    """Split-K at the down projection (K = 14336: splits of 4 and 3 tiles of 2048, or 28 tiles of 256 in
+    two): replays on new inputs match the reference and the eager call, and leave the counters zero."""
+    n, k = SHAPES["down"]
+    m = 1 if not cfg.use_dot else 4
+    wq, ws = _weight(n, k, gen, True)
+    x = torch.zeros(m, k, device=DEV, dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fp8_gemv(x, wq, ws, 128, 128, config=cfg)  # compile, and the stream's counters, outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = fp8_gemv(x, wq, ws, 128, 128, config=cfg)
+        counters = split_counters(x.device, 1)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        x.copy_(torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel(out, fp8_gemv_reference(x.float(), wq, ws, 128, 128)) < TOL
+        assert rel(out, fp8_gemv(x, wq, ws, 128, 128, config=StreamConfig(8, 2048, 4, 2, False))) < 1e-3
+        assert not counters.any()
+
+
 @pytest.mark.parametrize("m", [1, 4, DEFAULT_STREAM_ROWS, 16, 64, SCALED_MM_MIN_ROWS, 256])
 @pytest.mark.parametrize("block", [True, False], ids=["block", "channel"])
 def test_layer_under_cuda_graph_replay(m: int, block: bool, gen: torch.Generator) -> None:
@@ -266,11 +294,12 @@ def _fp8_cache(seq_lens: list[int], kv_heads: int, gen: torch.Generator, page: i
     return cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
 
 
+@pytest.mark.parametrize("widen", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("seq_lens", [[1000], [37, 2048, 513, 1, 700, 64, 1500, 9]])
-def test_decode_attention_on_an_fp8_cache(seq_lens: list[int], gen: torch.Generator) -> None:
+def test_decode_attention_on_an_fp8_cache(seq_lens: list[int], widen: torch.dtype, gen: torch.Generator) -> None:
     cache, tables, lens = _fp8_cache(seq_lens, 8, gen)
     q = torch.randn(len(seq_lens), 32, 128, device=DEV, generator=gen, dtype=torch.bfloat16)
-    out = decode_attention(q, cache, tables, lens, 128**-0.5)
+    out = decode_attention(q, cache, tables, lens, 128**-0.5, fp8_widen=widen)
     assert rel(out, decode_attention_reference(q.float(), cache, tables, lens, 128**-0.5)) < TOL
 
 
