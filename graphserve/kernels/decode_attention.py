@@ -230,8 +230,9 @@ def decode_attention(
     zero by it; without them a zeroed buffer is allocated per call. ``fused_merge=False`` merges the
     splits in a second launch instead (the layout the in-kernel merge is measured against).
     ``fp8_widen``: what an fp8 cache's K and V become for the tensor cores. float16 (default): one
-    e4m3x2 -> f16x2 conversion per two elements, exact, with q and the probabilities in fp16 too;
-    bfloat16: q's dtype, a longer conversion chain per element (kept for comparison).
+    e4m3x2 -> f16x2 conversion per two elements, exact, with q and the probabilities in fp16 too
+    (for 16-bit q; fp32 q keeps fp32); bfloat16: q's dtype, a longer conversion chain per element
+    (kept for comparison).
     """
     batch, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
@@ -242,7 +243,8 @@ def decode_attention(
     group = num_heads // num_kv_heads
     if fp8_widen not in (torch.float16, torch.bfloat16):
         raise ValueError(f"decode_attention: fp8_widen={fp8_widen} must be torch.float16 or torch.bfloat16")
-    widen_fp16 = kv_cache.dtype.itemsize == 1 and fp8_widen == torch.float16
+    # fp32 q asks for fp32 arithmetic (IEEE dots on the widened values); 16-bit q takes the cheap widening
+    widen_fp16 = kv_cache.dtype.itemsize == 1 and fp8_widen == torch.float16 and q.dtype != torch.float32
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
