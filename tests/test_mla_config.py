@@ -20,6 +20,7 @@ from graphserve.kernels.mla_config import (
     DECODE_MANY_HEADS,
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
+    SAFE_DECODE,
     MLARule,
     MLATile,
     choose_num_splits,
@@ -126,9 +127,10 @@ def test_sweep_winners_become_a_rule_the_kernel_reads(tmp_path, monkeypatch):
 def test_default_tiles_fit_hopper_and_pipeline_their_loads():
     """Compiled for sm_90 without a GPU (Triton + ptxas, benchmarks/mla_ptxas.py): each default decode tile
     fits the shared memory, spills no registers, and fits as many programs per SM as its occupancy
-    says; and a third stage adds a whole cache tile of buffer (the loads really are multi-buffered)."""
+    says; a third stage adds a whole cache tile of buffer (the loads really are multi-buffered); and the
+    fallback tile needs less shared memory than either default, spilling nothing."""
     two_stages = dataclasses.replace(DECODE_FEW_HEADS, num_stages=2).name
-    names = [DECODE_FEW_HEADS.name, DECODE_MANY_HEADS.name, two_stages]
+    names = [DECODE_FEW_HEADS.name, DECODE_MANY_HEADS.name, two_stages, SAFE_DECODE.name]
     out = subprocess.run([sys.executable, "-m", "benchmarks.mla_ptxas", "--json", *names], cwd=ROOT, check=True,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True).stdout
     rows = {r["tile"]: r for r in map(json.loads, out.splitlines())}
@@ -138,3 +140,5 @@ def test_default_tiles_fit_hopper_and_pipeline_their_loads():
         assert row["programs_per_sm"] >= MLATile.parse(name).occupancy, row
     tile_bytes = DECODE_FEW_HEADS.block_n * (512 + 64) * 2
     assert rows[DECODE_FEW_HEADS.name]["shared_bytes"] >= rows[two_stages]["shared_bytes"] + tile_bytes
+    safe = rows[SAFE_DECODE.name]
+    assert safe["spill_bytes"] == 0 and safe["shared_bytes"] < min(rows[n]["shared_bytes"] for n in names[:2]), safe

@@ -193,7 +193,7 @@ def test_a_tile_out_of_shared_memory_falls_back_once(monkeypatch, caplog):
     says so once, and is not tried again."""
     from triton.runtime.errors import OutOfResources
 
-    from graphserve.kernels.mla_config import SAFE_DECODE
+    from graphserve.kernels.mla_config import DECODE_FP32
 
     too_big = MLATile(True, 16, 64, 4, 4)
     launched = []
@@ -214,5 +214,5 @@ def test_a_tile_out_of_shared_memory_falls_back_once(monkeypatch, caplog):
     for _ in range(2):
         out = mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.3, max_query_len=1, tile=too_big)
         assert rel_err(out, ref) < 1e-5
-    assert launched == [too_big, SAFE_DECODE, SAFE_DECODE]
+    assert launched == [too_big, DECODE_FP32, DECODE_FP32]  # the fallback of fp32 queries
     assert sum("does not fit" in r.getMessage() for r in caplog.records) == 1

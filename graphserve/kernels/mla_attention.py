@@ -41,11 +41,11 @@ from triton.runtime.errors import OutOfResources
 from graphserve.kernels.common import interpreting, sm_count
 from graphserve.kernels.mla_config import (
     MAX_SPLITS,
-    SAFE_DECODE,
     MLATile,
     choose_num_splits,
     decode_tile,
     extend_tile,
+    fallback_decode_tile,
 )
 
 LOG2E = 1.4426950408889634
@@ -272,13 +272,13 @@ def mla_attention(
     if tile is None:
         capacity = block_tables.shape[1] * cache.shape[1]
         tile = decode_tile(num_heads, batch, capacity, q_lat.dtype, q_lat.device) if decode else extend_tile(q_lat.dtype)
+    fallback = fallback_decode_tile(q_lat.dtype) if decode else extend_tile(torch.float32)
     if tile in _UNFIT:
-        tile = SAFE_DECODE if decode else extend_tile(torch.float32)
+        tile = fallback
     args = (q_lat, q_rope, cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out, num_splits)
     try:
         _launch(*args, tile)
     except OutOfResources as e:
-        fallback = SAFE_DECODE if decode else extend_tile(torch.float32)
         if tile == fallback:
             raise
         logger.warning("MLA tile %s does not fit this GPU (%s); using %s", tile.name, e, fallback.name)
