@@ -14,9 +14,9 @@ The full sweep takes about 3 minutes on an H200 (most of it compiling the ~30 ti
 ``--sweep --quick`` under a minute (a few points and tiles; its rule is not written unless
 ``--write-rule``). ``--rule-from FILE`` rewrites the rule from an earlier sweep's results, no GPU.
 
-Extend: one chunk on a cached prefix, the absorbed kernel against the expanded form (``kv_b_proj``
-over the chunk and its prefix, then SDPA with 192-wide keys), to keep the choice made in
-kernels/mla_attention.py measured.
+Extend: one chunk on a cached prefix, the absorbed kernel against the expanded form the engine runs
+(layers/mla_expanded.py: ``kv_b_proj`` over the chunk and its prefix, then SDPA with 192-wide keys),
+to keep that choice measured.
 
 Run: python3 -m benchmarks.mla [--quick]            (writes benchmarks/results/mla.json)
      python3 -m benchmarks.mla --sweep [--quick]    (benchmarks/results/mla_sweep.json and the rule)
@@ -32,7 +32,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.common import cuda_time_ms, environment, print_table, write_result
 from benchmarks.kernels import graph_time_ms
@@ -41,6 +40,7 @@ from graphserve.kernels import mla_attention as mla_kernels
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.mla_attention import mla_attention
 from graphserve.kernels.mla_config import RULE_PATH, MLATile, choose_num_splits, decode_tile, fallback_decode_tile
+from graphserve.layers.mla_expanded import expanded_extend
 from graphserve.layers.mla_reference import absorbed_decode_batched
 
 DT = torch.bfloat16
@@ -253,16 +253,6 @@ def finish(rows: list[dict], bw) -> None:
                  pct_bw=100.0 / r["ratio"], tflops=r["flops"] / r["ms"] / 1e9)
 
 
-def expanded_extend(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, w_kv_b: torch.Tensor, scale: float):
-    """The alternative to the absorbed kernel: K/V for the whole context from kv_b_proj, then SDPA."""
-    heads, ctx, qlen = w_kv_b.shape[0], latent.shape[0], q.shape[0]
-    kv = torch.einsum("lr,hcr->hlc", latent, w_kv_b)
-    k = torch.cat((kv[..., :NOPE], k_rope[None].expand(heads, -1, -1)), dim=-1)
-    mask = torch.arange(ctx, device="cuda")[None, :] <= torch.arange(ctx - qlen, ctx, device="cuda")[:, None]
-    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], kv[None, ..., NOPE:], attn_mask=mask,
-                                          scale=scale)
-
-
 def bench_extend(heads: int, chunk: int, prefix: int) -> dict:
     ctx = prefix + chunk
     cache, tables, lens, q_lat, q_rope = setup(heads, 1, ctx, tokens=chunk)
@@ -278,10 +268,10 @@ def bench_extend(heads: int, chunk: int, prefix: int) -> dict:
         o = mla_attention(ql.transpose(0, 1), q[..., NOPE:], cache, tables, lens, qsl, 0.1, max_query_len=chunk)
         return torch.bmm(o.transpose(0, 1), w_kv_b[:, NOPE:].transpose(1, 2))
 
-    rows = cache[tables[0].long()].flatten(0, 2)[:ctx]
+    out = torch.empty(chunk, heads, V, device="cuda", dtype=DT)
 
-    def expanded():
-        return expanded_extend(q, rows[:, :RANK], rows[:, RANK:], w_kv_b, 0.1)
+    def expanded():  # what the engine runs for prefill and extend (layers/mla_expanded.py)
+        expanded_extend(q, cache, w_kv_b, tables, [chunk], [ctx], NOPE, 0.1, out)
 
     return {"heads": heads, "chunk": chunk, "prefix": prefix, "absorbed_kernel_ms": absorbed,
             "absorbed_ms": cuda_time_ms(absorbed_full, warmup=3, iters=10),
@@ -344,7 +334,7 @@ def main() -> None:
         rows += [row] if row else []
         torch.cuda.empty_cache()
     finish(rows, bw)
-    extend = [bench_extend(16, chunk, 4096) for chunk in (64, 512, 2048)] + [bench_extend(128, 512, 4096)]
+    extend = [bench_extend(16, chunk, 4096) for chunk in (16, 64, 512, 2048)] + [bench_extend(128, 512, 4096)]
     print_table(rows, COLS)
     print("\nextend (one chunk on a 4096-token prefix):")
     print_table(extend, ["heads", "chunk", "prefix", "absorbed_kernel_ms", "absorbed_ms", "expanded_ms"])

@@ -21,12 +21,12 @@ second kernel merges them; at one split the program writes the output itself and
 launched. Tile and split count come from kernels/mla_config.py, from static sizes only (batch,
 heads, block-table width), never from ``seq_lens`` values, so a decode step captures in a CUDA graph.
 
-Prefill/extend runs absorbed too (causal, one split): it reads the paged cache in place, where
-expanding K/V costs ``kv_b_proj`` over the chunk and its whole cached prefix every chunk, and a
-``context x H x 320`` buffer (1.3 GB for V3's 128 heads at 16k, bf16) the memory plan would have to
-reserve. By FLOPs the expanded form wins only above ~171 new tokens per chunk; benchmarks/mla.py
-times both at chunks of 64-2048 on a 4096-token prefix (its first run, before the block ids were
-prefetched, had the expanded form faster at every chunk size: this choice is still open).
+The extend path (causal, ``BLOCK_T`` query tokens per program, one split) reads the paged cache in
+place. The engine does not use it: on the H200 the expanded form (``kv_b_proj`` over the context,
+then SDPA) was 3-13x faster at every chunk size measured, 64 to 2048 tokens on a 4096-token prefix
+(benchmarks/results/mla.json: 0.27 against 0.80 ms at 64 tokens, 0.56 against 7.28 ms at 2048, 1.22
+against 12.1 ms for V3's 128 heads at 512), so layers/mla_expanded.py runs prefill and extend and
+this path stays as the absorbed form's reference point, timed by benchmarks/mla.py beside it.
 """
 
 from __future__ import annotations
