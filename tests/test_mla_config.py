@@ -142,3 +142,28 @@ def test_default_tiles_fit_hopper_and_pipeline_their_loads():
     assert rows[DECODE_FEW_HEADS.name]["shared_bytes"] >= rows[two_stages]["shared_bytes"] + tile_bytes
     safe = rows[SAFE_DECODE.name]
     assert safe["spill_bytes"] == 0 and safe["shared_bytes"] < min(rows[n]["shared_bytes"] for n in names[:2]), safe
+
+
+def test_sweep_stops_at_a_gpu_fault_and_skips_a_tile_that_does_not_compile(monkeypatch):
+    """A launch that faults poisons the CUDA context: the sweep stops there, naming the tile, split count and
+    point, instead of reporting every later tile as skipped; a tile that fails to compile is only skipped."""
+    import benchmarks.mla as bench
+
+    case = object.__new__(bench.DecodeCase)  # the point's sizes only: no launch reaches a GPU here
+    case.heads, case.batch, case.ctx, case.cache_dtype, case.nbytes, case.expected = 16, 1, 1024, torch.bfloat16, 1e6, None
+    case.q_lat = case.q_rope = case.cache = case.tables = case.lens = case.qsl = case.out = None
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    tile = MLATile.parse("hm-h16n16w4s2o2")
+
+    def compile_error(*args, **kwargs):
+        raise ValueError("shape mismatch in tl.dot")
+
+    monkeypatch.setattr(bench, "mla_attention", compile_error)
+    assert case.time_ms(tile, 14) is None
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(bench, "mla_attention", fault)
+    with pytest.raises(bench.SweepAborted, match=r"hm-h16n16w4s2o2 \(splits 14\) at heads=16 bs=1 ctx=1024"):
+        case.time_ms(tile, 14)
