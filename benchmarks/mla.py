@@ -14,9 +14,9 @@ The full sweep takes about 3 minutes on an H200 (most of it compiling the ~30 ti
 ``--sweep --quick`` under a minute (a few points and tiles; its rule is not written unless
 ``--write-rule``). ``--rule-from FILE`` rewrites the rule from an earlier sweep's results, no GPU.
 
-Extend: one chunk on a cached prefix, the absorbed kernel against the expanded form (``kv_b_proj``
-over the chunk and its prefix, then SDPA with 192-wide keys), to keep the choice made in
-kernels/mla_attention.py measured.
+Extend: one chunk on a cached prefix, the absorbed kernel against the expanded form the engine runs
+(layers/mla_expanded.py: ``kv_b_proj`` over the chunk and its prefix, then SDPA with 192-wide keys),
+to keep that choice measured.
 
 Run: python3 -m benchmarks.mla [--quick]            (writes benchmarks/results/mla.json)
      python3 -m benchmarks.mla --sweep [--quick]    (benchmarks/results/mla_sweep.json and the rule)
@@ -32,7 +32,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.common import cuda_time_ms, environment, print_table, write_result
 from benchmarks.kernels import graph_time_ms
@@ -40,7 +39,9 @@ from benchmarks.roofline import measured_read_bw
 from graphserve.kernels import mla_attention as mla_kernels
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.mla_attention import mla_attention
-from graphserve.kernels.mla_config import RULE_PATH, MLATile, choose_num_splits, decode_tile
+from graphserve.kernels.mla_config import RULE_PATH, MLATile, choose_num_splits, decode_tile, fallback_decode_tile
+from graphserve.layers.mla_expanded import expanded_extend
+from graphserve.layers.mla_reference import absorbed_decode_batched
 
 DT = torch.bfloat16
 RANK, ROPE, NOPE, V, PAGE = 512, 64, 128, 128, 16
@@ -63,6 +64,17 @@ QUICK_POINTS = {16: ([1, 64], [4096]), 128: ([64], [4096])}
 OCCUPANCIES = (2, 1, 4)  # programs per SM the split count aims to fill; a tie in split count keeps the first
 
 
+class SweepAborted(RuntimeError):
+    """A launch faulted on the GPU (an illegal address, say): the CUDA context is unusable from then on,
+    so nothing after it in this process could be timed or trusted."""
+
+
+def cuda_fault(e: BaseException) -> bool:
+    """An error that poisons the CUDA context, unlike a tile that fails to compile or to fit."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return (accelerator_error is not None and isinstance(e, accelerator_error)) or "CUDA error" in str(e)
+
+
 class DecodeCase:
     """The inputs of one decode point (random cache, shuffled blocks), shared by every tile timed on it."""
 
@@ -75,28 +87,55 @@ class DecodeCase:
         cache_bytes = cache_dtype.itemsize * batch * ctx * (RANK + ROPE)
         self.nbytes = cache_bytes + 2 * (batch * heads * (RANK + ROPE) + batch * heads * RANK)
         self.flops = 2 * batch * heads * ctx * (RANK + ROPE + RANK)
-        self.expected = None
-        if check:  # the plainest tile's output (tests/gpu/test_mla.py checks it against the fp32 reference)
-            mla_attention(self.q_lat, self.q_rope, self.cache, self.tables, self.lens, self.qsl, 0.1,
-                          max_query_len=1, out=self.out, tile=mla_kernels.SAFE_DECODE)
-            self.expected = self.out.clone()
+        # the PyTorch reference in fp32 (layers/mla_reference.py), not another tile: a winner is never wrong,
+        # and no kernel runs before the candidates, so a fault is always the candidate's
+        self.expected = self.reference() if check else None
+
+    @property
+    def point(self) -> str:
+        return f"heads={self.heads} bs={self.batch} ctx={self.ctx} cache={str(self.cache_dtype).split('.')[-1]}"
+
+    def reference(self, rows: int = 8) -> torch.Tensor:
+        """``rows`` sequences at a time: bs 256 at 16k context would gather 9.7 GB of fp32 rows at once."""
+        out = torch.empty(self.q_lat.shape, dtype=torch.float32, device="cuda")
+        for i in range(0, self.batch, rows):
+            j = min(i + rows, self.batch)
+            out[i:j] = absorbed_decode_batched(self.q_lat[i:j].float(), self.q_rope[i:j].float(), self.cache,
+                                               self.tables[i:j], self.lens[i:j], 0.1)
+        return out
 
     def time_ms(self, tile: MLATile | None = None, num_splits: int | None = None) -> float | None:
-        """Graph-replay time of one call; None when ``tile`` cannot run on this card."""
+        """Graph-replay time of one call; None when ``tile`` cannot compile or fit on this card or (with a
+        reference) gives a wrong output. A fault on the GPU raises SweepAborted naming the tile and point."""
+        label = f"tile {tile.name if tile else 'default'} (splits {num_splits or 'default'}) at {self.point}"
         calls = max(2, min(20, int(4e8 // self.nbytes)))  # ~0.4 GB read per graph: short points replay more
+
+        def call():
+            mla_attention(self.q_lat, self.q_rope, self.cache, self.tables, self.lens, self.qsl, 0.1,
+                          max_query_len=1, out=self.out, tile=tile, num_splits=num_splits)
+
         try:
-            ms = graph_time_ms(lambda: mla_attention(self.q_lat, self.q_rope, self.cache, self.tables, self.lens,
-                                                     self.qsl, 0.1, max_query_len=1, out=self.out, tile=tile,
-                                                     num_splits=num_splits), calls=calls)
-        except Exception as e:  # a candidate this card cannot compile or run: not a candidate
-            print(f"tile {tile.name if tile else 'default'} skipped: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+            call()  # eager and synchronised first: a fault is this launch's, not some later call's
+            torch.cuda.synchronize()
+        except Exception as e:
+            if cuda_fault(e):
+                raise SweepAborted(f"{label}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+            print(f"{label} skipped: {type(e).__name__}: {str(e).splitlines()[0][:100]}")  # does not compile
             return None
         if tile is not None and tile in mla_kernels._UNFIT:  # it ran the fallback tile: not this one's time
-            print(f"tile {tile.name} skipped: out of shared memory")
+            print(f"{label} skipped: out of shared memory")
             return None
         if self.expected is not None and (err := rel_err(self.out, self.expected)) > 2e-2:  # never a wrong winner
-            print(f"tile {tile.name if tile else 'default'} skipped: output differs from the fallback tile's by {err:.2e}")
+            print(f"{label} skipped: output differs from the fp32 reference by {err:.2e}")
             return None
+        try:
+            ms = graph_time_ms(call, calls=calls)
+            torch.cuda.synchronize()
+        except Exception as e:
+            if cuda_fault(e):
+                raise SweepAborted(f"{label}, replayed from a CUDA graph: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0]}") from e
+            raise
         return ms
 
     def row(self, bw, tile: MLATile, splits: int, ms: float) -> dict:
@@ -110,7 +149,7 @@ class DecodeCase:
         if ms is None:
             return None
         tile = decode_tile(self.heads, self.batch, self.capacity, DT, torch.device("cuda"))
-        tile = mla_kernels.SAFE_DECODE if tile in mla_kernels._UNFIT else tile
+        tile = fallback_decode_tile(DT) if tile in mla_kernels._UNFIT else tile
         return self.row(bw, tile, self.splits(tile), ms)
 
     def splits(self, tile: MLATile) -> int:
@@ -132,10 +171,10 @@ def setup(heads: int, batch: int, ctx: int, tokens: int | None = None, cache_dty
     return cache, tables, torch.full((batch,), ctx, dtype=torch.int32, device="cuda"), q_lat, q_rope
 
 
-def sweep(bw, quick: bool) -> list[dict]:
-    """Every candidate tile at every point, each at the distinct split counts its occupancies give."""
+def sweep(bw, quick: bool, rows: list[dict]) -> None:
+    """Every candidate tile at every point, each at the distinct split counts its occupancies give; rows
+    are appended as they are measured, so a SweepAborted leaves the ones before it."""
     candidates, points = (QUICK_CANDIDATES, QUICK_POINTS) if quick else (CANDIDATES, SWEEP_POINTS)
-    rows = []
     for heads, (batches, contexts) in points.items():
         tiles = [MLATile.parse(f"{name}o1") for name in candidates[heads]]
         for batch in batches:
@@ -155,7 +194,6 @@ def sweep(bw, quick: bool) -> list[dict]:
                         rows.append(case.row(bw, tile, splits, ms))
                 del case
                 torch.cuda.empty_cache()
-    return rows
 
 
 def fastest(rows: list[dict], n: int) -> list[dict]:
@@ -215,16 +253,6 @@ def finish(rows: list[dict], bw) -> None:
                  pct_bw=100.0 / r["ratio"], tflops=r["flops"] / r["ms"] / 1e9)
 
 
-def expanded_extend(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, w_kv_b: torch.Tensor, scale: float):
-    """The alternative to the absorbed kernel: K/V for the whole context from kv_b_proj, then SDPA."""
-    heads, ctx, qlen = w_kv_b.shape[0], latent.shape[0], q.shape[0]
-    kv = torch.einsum("lr,hcr->hlc", latent, w_kv_b)
-    k = torch.cat((kv[..., :NOPE], k_rope[None].expand(heads, -1, -1)), dim=-1)
-    mask = torch.arange(ctx, device="cuda")[None, :] <= torch.arange(ctx - qlen, ctx, device="cuda")[:, None]
-    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], kv[None, ..., NOPE:], attn_mask=mask,
-                                          scale=scale)
-
-
 def bench_extend(heads: int, chunk: int, prefix: int) -> dict:
     ctx = prefix + chunk
     cache, tables, lens, q_lat, q_rope = setup(heads, 1, ctx, tokens=chunk)
@@ -240,14 +268,23 @@ def bench_extend(heads: int, chunk: int, prefix: int) -> dict:
         o = mla_attention(ql.transpose(0, 1), q[..., NOPE:], cache, tables, lens, qsl, 0.1, max_query_len=chunk)
         return torch.bmm(o.transpose(0, 1), w_kv_b[:, NOPE:].transpose(1, 2))
 
-    rows = cache[tables[0].long()].flatten(0, 2)[:ctx]
+    out = torch.empty(chunk, heads, V, device="cuda", dtype=DT)
 
-    def expanded():
-        return expanded_extend(q, rows[:, :RANK], rows[:, RANK:], w_kv_b, 0.1)
+    def expanded():  # what the engine runs for prefill and extend (layers/mla_expanded.py)
+        expanded_extend(q, cache, w_kv_b, tables, [chunk], [ctx], NOPE, 0.1, out)
 
     return {"heads": heads, "chunk": chunk, "prefix": prefix, "absorbed_kernel_ms": absorbed,
             "absorbed_ms": cuda_time_ms(absorbed_full, warmup=3, iters=10),
             "expanded_ms": cuda_time_ms(expanded, warmup=3, iters=10)}
+
+
+def abort(e: SweepAborted, rows: list[dict], bw) -> None:
+    """Stop the run at a GPU fault: keep what was measured before it, write no rule, name the launch."""
+    finish(rows, bw)
+    write_result("mla_aborted", {"read_bandwidth": bw.summary(), "aborted": str(e), "rows": rows})
+    raise SystemExit(f"MLA benchmark stopped: {e}\nA fault leaves the CUDA context unusable, so nothing after it "
+                     f"can run in this process; the {len(rows)} rows measured before it are in "
+                     f"benchmarks/results/mla_aborted.json and no tile rule was written.")
 
 
 def main() -> None:
@@ -266,7 +303,11 @@ def main() -> None:
     bw = measured_read_bw()
     print(bw.describe())
     if args.sweep:
-        rows = sweep(bw, args.quick)
+        rows: list[dict] = []
+        try:
+            sweep(bw, args.quick, rows)
+        except SweepAborted as e:
+            abort(e, rows, bw)
         finish(rows, bw)
         best = winners(rows)
         print("the 3 fastest tiles of each point:")
@@ -286,11 +327,14 @@ def main() -> None:
     points += [(16, 64, 4096, torch.float8_e4m3fn)]  # an fp8 latent cache: half the bytes
     rows = []
     for heads, bs, ctx, cache_dtype in points:
-        row = DecodeCase(heads, bs, ctx, cache_dtype).engine_row(bw)
+        try:
+            row = DecodeCase(heads, bs, ctx, cache_dtype).engine_row(bw)
+        except SweepAborted as e:
+            abort(e, rows, bw)
         rows += [row] if row else []
         torch.cuda.empty_cache()
     finish(rows, bw)
-    extend = [bench_extend(16, chunk, 4096) for chunk in (64, 512, 2048)] + [bench_extend(128, 512, 4096)]
+    extend = [bench_extend(16, chunk, 4096) for chunk in (16, 64, 512, 2048)] + [bench_extend(128, 512, 4096)]
     print_table(rows, COLS)
     print("\nextend (one chunk on a 4096-token prefix):")
     print_table(extend, ["heads", "chunk", "prefix", "absorbed_kernel_ms", "absorbed_ms", "expanded_ms"])

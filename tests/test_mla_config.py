@@ -20,6 +20,7 @@ from graphserve.kernels.mla_config import (
     DECODE_MANY_HEADS,
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
+    SAFE_DECODE,
     MLARule,
     MLATile,
     choose_num_splits,
@@ -126,9 +127,10 @@ def test_sweep_winners_become_a_rule_the_kernel_reads(tmp_path, monkeypatch):
 def test_default_tiles_fit_hopper_and_pipeline_their_loads():
     """Compiled for sm_90 without a GPU (Triton + ptxas, benchmarks/mla_ptxas.py): each default decode tile
     fits the shared memory, spills no registers, and fits as many programs per SM as its occupancy
-    says; and a third stage adds a whole cache tile of buffer (the loads really are multi-buffered)."""
+    says; a third stage adds a whole cache tile of buffer (the loads really are multi-buffered); and the
+    fallback tile needs less shared memory than either default, spilling nothing."""
     two_stages = dataclasses.replace(DECODE_FEW_HEADS, num_stages=2).name
-    names = [DECODE_FEW_HEADS.name, DECODE_MANY_HEADS.name, two_stages]
+    names = [DECODE_FEW_HEADS.name, DECODE_MANY_HEADS.name, two_stages, SAFE_DECODE.name]
     out = subprocess.run([sys.executable, "-m", "benchmarks.mla_ptxas", "--json", *names], cwd=ROOT, check=True,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True).stdout
     rows = {r["tile"]: r for r in map(json.loads, out.splitlines())}
@@ -138,3 +140,30 @@ def test_default_tiles_fit_hopper_and_pipeline_their_loads():
         assert row["programs_per_sm"] >= MLATile.parse(name).occupancy, row
     tile_bytes = DECODE_FEW_HEADS.block_n * (512 + 64) * 2
     assert rows[DECODE_FEW_HEADS.name]["shared_bytes"] >= rows[two_stages]["shared_bytes"] + tile_bytes
+    safe = rows[SAFE_DECODE.name]
+    assert safe["spill_bytes"] == 0 and safe["shared_bytes"] < min(rows[n]["shared_bytes"] for n in names[:2]), safe
+
+
+def test_sweep_stops_at_a_gpu_fault_and_skips_a_tile_that_does_not_compile(monkeypatch):
+    """A launch that faults poisons the CUDA context: the sweep stops there, naming the tile, split count and
+    point, instead of reporting every later tile as skipped; a tile that fails to compile is only skipped."""
+    import benchmarks.mla as bench
+
+    case = object.__new__(bench.DecodeCase)  # the point's sizes only: no launch reaches a GPU here
+    case.heads, case.batch, case.ctx, case.cache_dtype, case.nbytes, case.expected = 16, 1, 1024, torch.bfloat16, 1e6, None
+    case.q_lat = case.q_rope = case.cache = case.tables = case.lens = case.qsl = case.out = None
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    tile = MLATile.parse("hm-h16n16w4s2o2")
+
+    def compile_error(*args, **kwargs):
+        raise ValueError("shape mismatch in tl.dot")
+
+    monkeypatch.setattr(bench, "mla_attention", compile_error)
+    assert case.time_ms(tile, 14) is None
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(bench, "mla_attention", fault)
+    with pytest.raises(bench.SweepAborted, match=r"hm-h16n16w4s2o2 \(splits 14\) at heads=16 bs=1 ctx=1024"):
+        case.time_ms(tile, 14)

@@ -193,7 +193,7 @@ def test_a_tile_out_of_shared_memory_falls_back_once(monkeypatch, caplog):
     says so once, and is not tried again."""
     from triton.runtime.errors import OutOfResources
 
-    from graphserve.kernels.mla_config import SAFE_DECODE
+    from graphserve.kernels.mla_config import DECODE_FP32
 
     too_big = MLATile(True, 16, 64, 4, 4)
     launched = []
@@ -214,5 +214,32 @@ def test_a_tile_out_of_shared_memory_falls_back_once(monkeypatch, caplog):
     for _ in range(2):
         out = mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.3, max_query_len=1, tile=too_big)
         assert rel_err(out, ref) < 1e-5
-    assert launched == [too_big, SAFE_DECODE, SAFE_DECODE]
+    assert launched == [too_big, DECODE_FP32, DECODE_FP32]  # the fallback of fp32 queries
     assert sum("does not fit" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_extend_runs_chunks_expanded_and_single_rows_absorbed(cache_dtype):
+    """A mixed step on the Triton backend: a prefill, a chunk on a prefix and two single-token rows (the
+    decode kernel, gathered), against the expanded fp32 reference; an fp8 cache widens on both paths."""
+    from types import SimpleNamespace
+
+    from graphserve.layers.mla import MLAttention
+    from graphserve.layers.mla_reference import expanded_attention
+
+    gen = torch.Generator().manual_seed(9)
+    rotary = DeepseekRotary(ROPE, 64, {"rope_type": "default", "rope_theta": 10000.0}, 64, False)
+    layer = MLAttention(32, HEADS, None, RANK, NOPE, ROPE, 12, False, rotary, 0.25, layer_idx=0).to(DEVICE)
+    with torch.no_grad():
+        layer.kv_b_proj.weight.copy_(torch.randn(layer.kv_b_proj.weight.shape, generator=gen) * 0.3)
+    query_lens, seq_lens = [1, 6, 4, 1], [30, 6, 19, 1]
+    cache, tables, lens = latent_setup(seq_lens, 4, gen)
+    cache = cache.to(cache_dtype)
+    q = torch.randn(sum(query_lens), HEADS, NOPE + ROPE, generator=gen).to(DEVICE)
+    qsl = torch.tensor([0, 1, 7, 11, 12], dtype=torch.int32, device=DEVICE)
+    batch = SimpleNamespace(query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, query_start_loc=qsl, seq_lens=lens,
+                            block_tables=tables)  # fmt: skip
+    with torch.no_grad():
+        out = TritonMLABackend().extend(layer, q, cache, batch)
+        ref = expanded_attention(q, cache.float(), layer.w_kv_b(), tables, query_lens, seq_lens, NOPE, 0.25)
+    assert rel_err(out, ref) < 1e-5

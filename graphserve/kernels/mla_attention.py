@@ -21,12 +21,12 @@ second kernel merges them; at one split the program writes the output itself and
 launched. Tile and split count come from kernels/mla_config.py, from static sizes only (batch,
 heads, block-table width), never from ``seq_lens`` values, so a decode step captures in a CUDA graph.
 
-Prefill/extend runs absorbed too (causal, one split): it reads the paged cache in place, where
-expanding K/V costs ``kv_b_proj`` over the chunk and its whole cached prefix every chunk, and a
-``context x H x 320`` buffer (1.3 GB for V3's 128 heads at 16k, bf16) the memory plan would have to
-reserve. By FLOPs the expanded form wins only above ~171 new tokens per chunk; benchmarks/mla.py
-times both at chunks of 64-2048 on a 4096-token prefix (its first run, before the block ids were
-prefetched, had the expanded form faster at every chunk size: this choice is still open).
+The extend path (causal, ``BLOCK_T`` query tokens per program, one split) reads the paged cache in
+place. The engine does not use it: on the H200 the expanded form (``kv_b_proj`` over the context,
+then SDPA) was 3-13x faster at every chunk size measured, 64 to 2048 tokens on a 4096-token prefix
+(benchmarks/results/mla.json: 0.27 against 0.80 ms at 64 tokens, 0.56 against 7.28 ms at 2048, 1.22
+against 12.1 ms for V3's 128 heads at 512), so layers/mla_expanded.py runs prefill and extend and
+this path stays as the absorbed form's reference point, timed by benchmarks/mla.py beside it.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ from triton.runtime.errors import OutOfResources
 from graphserve.kernels.common import interpreting, sm_count
 from graphserve.kernels.mla_config import (
     MAX_SPLITS,
-    SAFE_DECODE,
     MLATile,
     choose_num_splits,
     decode_tile,
     extend_tile,
+    fallback_decode_tile,
 )
 
 LOG2E = 1.4426950408889634
@@ -272,13 +272,13 @@ def mla_attention(
     if tile is None:
         capacity = block_tables.shape[1] * cache.shape[1]
         tile = decode_tile(num_heads, batch, capacity, q_lat.dtype, q_lat.device) if decode else extend_tile(q_lat.dtype)
+    fallback = fallback_decode_tile(q_lat.dtype) if decode else extend_tile(torch.float32)
     if tile in _UNFIT:
-        tile = SAFE_DECODE if decode else extend_tile(torch.float32)
+        tile = fallback
     args = (q_lat, q_rope, cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out, num_splits)
     try:
         _launch(*args, tile)
     except OutOfResources as e:
-        fallback = SAFE_DECODE if decode else extend_tile(torch.float32)
         if tile == fallback:
             raise
         logger.warning("MLA tile %s does not fit this GPU (%s); using %s", tile.name, e, fallback.name)

@@ -92,11 +92,20 @@ DECODE_FEW_HEADS = MLATile(False, 16, 32, 4, 3, occupancy=2)
 DECODE_MANY_HEADS = MLATile(False, 64, 32, 8, 2, occupancy=1)
 # extend: 2 query tokens x 16 heads per program; 8 warps keep 32 rows x 512 fp32 spill-free
 EXTEND = MLATile(False, 16, 16, 8, 2, occupancy=1, block_t=2)
-# fp32 (tests, CPU interpreter): twice the bytes per tile, so half the tile and no pipelining;
-# also the fallback when a tile does not fit a card's shared memory
+# fp32 (tests, CPU interpreter): twice the bytes per tile, so half the tile and no pipelining
 DECODE_FP32 = MLATile(False, 16, 16, 4, 1, occupancy=2)
 EXTEND_FP32 = MLATile(False, 16, 16, 8, 1, occupancy=1, block_t=2)
-SAFE_DECODE = DECODE_FP32
+# The fallback when a tile does not fit a card's shared memory, for 16-bit queries: the smallest
+# footprint of the candidates (sm_90: 37 KiB of shared memory, 128 registers, benchmarks/mla_ptxas.py)
+# and one every GPU test runs. Not DECODE_FP32's single-stage build: in bf16 at r = 512 it takes 50 KiB
+# and no test had run it on a GPU when the first sweep (which used it as its reference) died at its
+# first launch with an illegal memory access.
+SAFE_DECODE = MLATile(False, 16, 16, 4, 2, occupancy=2)
+
+
+def fallback_decode_tile(dtype: torch.dtype) -> MLATile:
+    """The decode tile run when the chosen one does not fit this card."""
+    return DECODE_FP32 if dtype == torch.float32 else SAFE_DECODE
 
 
 def default_decode_tile(heads: int, dtype: torch.dtype) -> MLATile:

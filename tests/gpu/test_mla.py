@@ -1,6 +1,6 @@
 """MLA on the GPU: the kernels at DeepSeek-V2-Lite and V3 shapes in bf16 against the fp32 references
 (decode with the default tiles, both layouts, several head blocks, every tile the sweep may choose and
-an fp8 cache), CUDA-graph replay of decode, tiny checkpoints in bf16 against transformers, graphs against eager
+an fp8 cache; the engine's expanded prefill/extend), CUDA-graph replay of decode, tiny checkpoints in bf16 against transformers, graphs against eager
 through the engine, and dummy:deepseek-v2-lite served with graphs on."""
 
 from __future__ import annotations
@@ -151,6 +151,33 @@ def test_extend_real_shapes(heads, gen):
     qsl = torch.tensor([0, 64, 65, 265, 298], dtype=torch.int32, device="cuda")
     out = mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.1147, max_query_len=200)
     ref = absorbed_attention_reference(q_lat, q_rope, cache, tables, query_lens, seq_lens, 0.1147)
+    assert rel_err(out, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_engine_extend_expanded_at_real_shapes(heads, gen):
+    """The engine's prefill/extend (layers/mla_expanded.py): a decode row, a prefill, a chunk on a long
+    prefix (V3's 128 heads at 3000 tokens take two passes of the K/V workspace) and another decode row."""
+    from types import SimpleNamespace
+
+    from graphserve.layers.mla import MLAttention
+    from graphserve.layers.mla_reference import expanded_attention
+    from graphserve.layers.mla_triton import TritonMLABackend
+
+    rotary = DeepseekRotary(ROPE, 8192, _YARN, 163840, False)
+    layer = MLAttention(2048, heads, None, RANK, NOPE, ROPE, 128, False, rotary, 0.1147, layer_idx=0)
+    layer = layer.to(device="cuda", dtype=DT)
+    with torch.no_grad():
+        layer.kv_b_proj.weight.copy_(torch.randn(layer.kv_b_proj.weight.shape, device="cuda", generator=gen) * 0.05)
+    query_lens, seq_lens = [1, 300, 64, 1], [3000, 300, 3000, 17]
+    cache, tables, lens = latent_cache(seq_lens, gen)
+    q = torch.randn(sum(query_lens), heads, NOPE + ROPE, device="cuda", generator=gen).to(DT)
+    qsl = torch.tensor([0, 1, 301, 365, 366], dtype=torch.int32, device="cuda")
+    batch = SimpleNamespace(query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, query_start_loc=qsl, seq_lens=lens,
+                            block_tables=tables)  # fmt: skip
+    with torch.no_grad():
+        out = TritonMLABackend().extend(layer, q, cache, batch)
+        ref = expanded_attention(q, cache, layer.w_kv_b(), tables, query_lens, seq_lens, NOPE, 0.1147)
     assert rel_err(out, ref) < BF16_TOL
 
 
