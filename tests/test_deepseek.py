@@ -192,3 +192,14 @@ def test_synthetic_batches_read_the_latent_cache_shape():
     assert batch.slot_mapping.tolist() == [9, 12, 13, 14, 15, 16]
     with pytest.raises(ValueError, match="pool has 9"):
         contiguous_batch([1], [40], caches, None, vocab_size=320)
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v2-lite", "deepseek-v3-l4"])
+def test_the_expert_tuner_knows_the_presets_expert_shapes(preset):
+    """benchmarks.moe_tune --model dummy:PRESET tunes the table the preset's routed experts look up."""
+    from benchmarks.moe_tune import SHAPES
+    from graphserve.models.presets import get_preset_config
+
+    cfg = get_preset_config(preset)
+    expected = (cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"])
+    assert SHAPES[preset] == expected
