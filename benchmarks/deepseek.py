@@ -12,19 +12,26 @@ V3-l4: DeepSeek-V3's first dense layer and first MoE layer at their real sizes, 
 from a CUDA graph at batch 1 and 64; floor: the layer's weights read (the MoE layer's gate, shared
 expert and touched experts only) plus its latent KV.
 
-Offline (``--offline N``, a run of its own): the first N requests of the offline workload (input and
-output lengths uniform in 100-1024, benchmarks/offline.py) on dummy:deepseek-v2-lite through
-``LLM.generate`` against transformers' ``generate`` in bf16 on the same GPU, each side credited with
-the tokens it returned (benchmarks/results/deepseek_offline.json).
+Routing ``uniform`` is the issue's floor case; it overrides the router, so each MoE layer runs the
+gate projection, the post-attention norm and the round-robin ids as separate launches. ``router``
+runs the model's own routing, which at one row is V2-Lite's fused add + norm + gate launch.
 
-Run: python3 -m benchmarks.deepseek [--quick]   (writes benchmarks/results/deepseek_decode.json)
-     python3 -m benchmarks.deepseek --offline 64 [--hf-batch 64]
+Offline (``--offline N``, a run of its own): benchmarks/offline.py's measurement on dummy:deepseek-v2-lite,
+credited as it credits: graphserve alone on the first N requests of the offline workload (input and
+output lengths uniform in 100-1024), then both graphserve and transformers' ``generate`` (bf16, same
+GPU) on one declared subset — the first ``--hf-requests`` requests, outputs cut to
+``--hf-max-output-len`` — each side credited with the tokens it produced
+(benchmarks/results/deepseek_offline.json).
+
+Run: python3 -m benchmarks.deepseek [--quick] [--routing uniform router]   (deepseek_decode.json)
+     python3 -m benchmarks.deepseek --offline 64 --hf-requests 16 --hf-max-output-len 128
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import time
 
 import torch
 
@@ -40,11 +47,12 @@ from graphserve.models.loader import load_model
 
 COLS = ["model", "bs", "ctx", "routing", "experts_touched", "step_ms", "floor_ms", "ratio", "ratio_datasheet"]
 LAYER_COLS = ["model", "layer", "kind", "bs", "ctx", "routing", "layer_ms", "floor_ms", "ratio"]
+V2_LITE = "dummy:deepseek-v2-lite"
 
 
 def bench_v2_lite(bw, sizes: list[int], ctx: int, routings: list[str]) -> list[dict]:
     """Whole V2-Lite decode steps, measured as every MoE model is (benchmarks/moe.py)."""
-    return bench_decode("dummy:deepseek-v2-lite", sizes, ctx, routings, bw, loop_bs=[])
+    return bench_decode(V2_LITE, sizes, ctx, routings, bw, loop_bs=[])
 
 
 def _layer_bytes(layer: torch.nn.Module, kv_bytes: int) -> int:
@@ -91,21 +99,22 @@ def bench_v3_layers(bw, sizes: list[int], ctx: int, routing: str) -> list[dict]:
     return rows
 
 
-def bench_offline(num_requests: int, hf_batch: int) -> dict:
-    from benchmarks.offline import run_graphserve, run_hf, workload
+def bench_offline(num_requests: int, hf_requests: int, hf_max_output_len: int, hf_batch: int | None) -> dict:
+    from benchmarks.offline import hf_subset, measure_model, workload
 
-    name = "dummy:deepseek-v2-lite"
     reqs = workload(256, 0, 32000)[:num_requests]
-    dt, toks, llm = run_graphserve(name, reqs, max_model_len=2048)
-    hf_config = llm.engine.core.hf_config
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    hf_dt, credited, computed = run_hf(hf_config, reqs, hf_batch, torch.device("cuda"))
-    ours, theirs = toks / dt, sum(credited) / hf_dt
-    return {"model": name, "requests": len(reqs), "out_tokens": toks, "seconds": dt, "tok_s": ours,
-            "hf_batch": hf_batch, "hf_out_tokens": sum(credited), "hf_computed_tokens": sum(computed),
-            "hf_seconds": hf_dt, "hf_tok_s": theirs, "ratio_vs_hf": ours / theirs}
+    subset = hf_subset(reqs, hf_requests, hf_max_output_len)
+    return measure_model(V2_LITE, reqs, subset, hf_batch or len(subset), torch.device("cuda"))
+
+
+def _write(bw, rows: list[dict], layers: list[dict]) -> None:
+    """Every row against the best rate of the run so far; written after each part, so a later part that
+    fails or runs out of time leaves the earlier rows on disk."""
+    for r in rows:
+        r.update(bw.ratios(r["step_ms"], r["bytes"]))
+    for r in layers:
+        r.update(bw.ratios(r["layer_ms"], r["bytes"]))
+    write_result("deepseek_decode", {"read_bandwidth": bw.summary(), "rows": rows, "v3_layers": layers})
 
 
 def main() -> None:
@@ -115,31 +124,36 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--routing", nargs="+", default=["uniform"], choices=["uniform", "router"])
     p.add_argument("--v3-bs", nargs="*", type=int, default=[1, 64])
-    p.add_argument("--offline", type=int, default=0, help="run only the offline comparison on N requests")
-    p.add_argument("--hf-batch", type=int, default=64)
+    p.add_argument("--offline", type=int, default=0, help="run only the offline comparison: graphserve on N requests")
+    p.add_argument("--hf-requests", type=int, default=16, help="the subset both sides run: its first N requests")
+    p.add_argument("--hf-max-output-len", type=int, default=128, help="the subset's outputs cut to this length")
+    p.add_argument("--hf-batch", type=int, default=None, help="HF rows per generate call (default: the subset)")
     args = p.parse_args()
+    start = time.perf_counter()
     if args.offline:
-        row = bench_offline(args.offline, args.hf_batch)
-        print_table([row], list(row))
+        if not 1 <= args.offline <= 256:
+            p.error(f"--offline={args.offline} must be in 1..256, the offline workload's requests")
+        row = bench_offline(args.offline, min(args.hf_requests, args.offline), args.hf_max_output_len, args.hf_batch)
+        print_table([row], ["model", "requests", "tok_s", "hf_requests", "hf_max_output_len", "subset_tok_s",
+                            "hf_tok_s", "ratio_vs_hf"])  # fmt: skip
         write_result("deepseek_offline", {"rows": [row]})
+        print(f"offline comparison: {time.perf_counter() - start:.0f} s")
         return
     if args.quick:
         args.bs, args.v3_bs = [1, 64], []
     bw = measured_read_bw()
     print(bw.describe())
     rows = bench_v2_lite(bw, args.bs, args.ctx, args.routing)
+    _write(bw, rows, [])
+    print(f"V2-Lite decode: {time.perf_counter() - start:.0f} s")
     gc.collect()  # V2-Lite's 31 GB must be gone before V3-l4's 74 GB load
     torch.cuda.empty_cache()
     layers = bench_v3_layers(bw, args.v3_bs, args.ctx, args.routing[0]) if args.v3_bs else []
-    for r in rows:  # every row against the best rate of the whole run
-        r.update(bw.ratios(r["step_ms"], r["bytes"]))
-    for r in layers:
-        r.update(bw.ratios(r["layer_ms"], r["bytes"]))
-    print()
+    _write(bw, rows, layers)
+    print(f"V2-Lite decode and V3-l4 layers: {time.perf_counter() - start:.0f} s\n")
     print_table(rows, COLS)
     if layers:
         print_table(layers, LAYER_COLS)
-    write_result("deepseek_decode", {"read_bandwidth": bw.summary(), "rows": rows, "v3_layers": layers})
 
 
 if __name__ == "__main__":

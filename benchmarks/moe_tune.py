@@ -46,6 +46,9 @@ SHAPES = {
     "mixtral-8x7b": (8, 4096, 14336, 2),
     "olmoe-1b-7b": (64, 2048, 1024, 8),
     "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4),
+    "deepseek-v2-lite": (64, 2048, 1408, 6),
+    # DeepSeek-V3's routed experts (the dummy:deepseek-v3-l4 slice): two weight copies are 45 GB in bf16
+    "deepseek-v3-l4": (256, 7168, 2048, 8),
 }
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 QUICK_TOKENS = [1, 8, 64, 256]

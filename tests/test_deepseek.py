@@ -10,6 +10,9 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from graphserve import LLM, SamplingParams
 from graphserve.config import EngineConfig
 from graphserve.errors import ModelLoadError
+from graphserve.layers.attention import TorchAttentionBackend
+from graphserve.layers.forward_batch import contiguous_batch
+from graphserve.layers.moe import SoftmaxTopK
 from graphserve.models.loader import load_model
 from graphserve.models.registry import describe_model
 
@@ -25,6 +28,10 @@ VARIANTS = {
     # V2-Lite's shape of things: no q LoRA, greedy softmax routing, YaRN with mscale on the softmax scale
     "v2-greedy-yarn": lambda: DeepseekV2Config(**_TINY, q_lora_rank=None, topk_method="greedy",
                                                routed_scaling_factor=1.0, rope_scaling=_YARN),
+    # greedy with a scaling factor, which scales the routed output (folded into the shared experts' add)
+    "v2-greedy-scaled": lambda: DeepseekV2Config(**{**_TINY, "first_k_dense_replace": 0},
+                                                 q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.7,
+                                                 rope_theta=10000.0),
     "v2-group-limited": lambda: DeepseekV2Config(**{**_TINY, "n_shared_experts": 2}, q_lora_rank=24,
                                                  topk_method="group_limited_greedy", n_group=4, topk_group=2,
                                                  routed_scaling_factor=16.0, rope_theta=10000.0),
@@ -62,6 +69,38 @@ def variant(request, tmp_path_factory):
 def test_prefill_chunked_and_decode_match_transformers(variant):
     name, hf, loaded = variant
     check_paged_parity(loaded.model, hf, name, TOL)
+
+
+def test_padded_decode_rows_route_nowhere_and_leave_the_batch_unchanged(variant):
+    """A CUDA-graph-padded decode batch gives its real row count as a device scalar; the model builds the
+    experts' row mask from it once per step: real rows come out as without padding, padding rows reach no
+    expert, and the caller's batch still holds the count (the graph runner refills it every replay)."""
+    name, _, loaded = variant
+    model = loaded.model
+    kv = loaded.info.kv.allocate(16, 16, torch.device("cpu"), fill="random")
+    batch = contiguous_batch([1, 1, 1, 1], [9, 20, 5, 30], kv, TorchAttentionBackend(), vocab_size=320)
+    layers = model.moe_layers()
+    top_k = layers[0].top_k
+    with torch.no_grad():
+        full = model(batch.input_ids, batch.positions, batch)
+        assert all(int(m.expert_counts.sum()) == 4 * top_k for m in layers)
+        batch.num_valid_tokens = count = torch.tensor(3)
+        padded = model(batch.input_ids, batch.positions, batch)
+    assert batch.num_valid_tokens is count
+    torch.testing.assert_close(padded[:3], full[:3], rtol=0, atol=0, msg=name)
+    assert all(int(m.expert_counts.sum()) == 3 * top_k for m in layers)
+
+
+def test_greedy_routing_takes_the_fused_gate_router_and_scales_the_output(variant):
+    """Greedy V2 routing is the plain softmax top-k the fused gate kernel computes (it decides the fusion by
+    the router's type), its scaling factor left to the routed output; the grouped modes keep their own."""
+    name, hf, loaded = variant
+    blocks = [layer.mlp for layer in loaded.model.model.layers if layer.is_moe]
+    greedy = name.startswith("v2-greedy")
+    assert blocks and all(isinstance(b.experts.router, SoftmaxTopK) == greedy for b in blocks)
+    assert all(not b.experts.router.renormalize for b in blocks if greedy)
+    scale = hf.config.routed_scaling_factor if greedy else 1.0
+    assert all(b.routed_scale == scale for b in blocks)
 
 
 def test_description_counts_the_latent_cache_and_every_parameter(variant):
@@ -153,3 +192,14 @@ def test_synthetic_batches_read_the_latent_cache_shape():
     assert batch.slot_mapping.tolist() == [9, 12, 13, 14, 15, 16]
     with pytest.raises(ValueError, match="pool has 9"):
         contiguous_batch([1], [40], caches, None, vocab_size=320)
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v2-lite", "deepseek-v3-l4"])
+def test_the_expert_tuner_knows_the_presets_expert_shapes(preset):
+    """benchmarks.moe_tune --model dummy:PRESET tunes the table the preset's routed experts look up."""
+    from benchmarks.moe_tune import SHAPES
+    from graphserve.models.presets import get_preset_config
+
+    cfg = get_preset_config(preset)
+    expected = (cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"])
+    assert SHAPES[preset] == expected

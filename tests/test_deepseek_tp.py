@@ -21,8 +21,9 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 def _v2() -> DeepseekV2Config:
     # no q LoRA: q_proj's heads are split inside the fused q/kv-a matmul whose kv-a part is whole on every
     # rank; MLP biases (dense and shared experts) must be added once; a vocabulary that does not split evenly
+    # greedy routing's scaling factor applies to each rank's partial routed sum
     return DeepseekV2Config(**{**_TINY, "vocab_size": 321}, q_lora_rank=None, topk_method="greedy",
-                            routed_scaling_factor=1.0, mlp_bias=True, rope_theta=10000.0)
+                            routed_scaling_factor=1.7, mlp_bias=True, rope_theta=10000.0)
 
 
 def _v3() -> DeepseekV3Config:

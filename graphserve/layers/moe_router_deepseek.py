@@ -5,6 +5,11 @@ best of ``n_group`` expert groups (``group_limited_greedy``), weights times ``ro
 Pure tensor ops with no host sync, so the same code runs inside CUDA graphs; on CUDA the greedy mode
 takes the MoE layer's one-launch softmax top-k kernel (kernels/moe_routing.py), the group-limited
 mode stays a few small ops per layer on a [T, 64..160] score matrix.
+
+The DeepSeek model itself routes ``greedy`` through layers/moe.SoftmaxTopK instead, so that the MoE
+layer can fuse it with the gate projection and the post-attention norm (models/deepseek.DeepseekMoE
+scales the routed output); this router serves ``group_limited_greedy``, and ``greedy`` for callers
+that want the scaled weights themselves.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ attention, one after the MLP or after the MoE block with its shared experts alre
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ from graphserve.layers.linear import (
 )
 from graphserve.layers.mla import MLAttention
 from graphserve.layers.mla_rope import DeepseekRotary, softmax_scale
-from graphserve.layers.moe import FusedMoE, GroupedSigmoidTopK
+from graphserve.layers.moe import FusedMoE, GroupedSigmoidTopK, Router, SoftmaxTopK
 from graphserve.layers.moe_router_deepseek import SoftmaxGroupTopK
 from graphserve.layers.norm import RMSNorm
 from graphserve.models.base import CausalLM, DecoderStack
@@ -75,7 +76,14 @@ class DeepseekMoE(nn.Module):
     Every rank routes every token (the gate and the correction bias are replicated). ``--tp`` splits each
     routed expert along its intermediate size, ``--ep`` places whole experts. The shared experts split
     like a dense MLP at ``--tp N``; at ``--tp 1 --ep N`` they are whole on every rank and rank 0 alone
-    adds them, so the one all-reduce counts them once."""
+    adds them, so the one all-reduce counts them once.
+
+    V2's ``greedy`` routing is a plain softmax top-k without renormalisation, which the fused gate kernel
+    (kernels/moe_gate.py) computes: at decode sizes the post-attention add + norm, the gate projection and
+    the routing are one launch. That kernel has no scaling factor, and the routed sum is linear in the
+    weights, so ``routed_scaling_factor`` scales the routed output instead of the weights (1.0 for
+    V2-Lite: nothing to do), folded into the shared experts' add. ``group_limited_greedy`` and V3's
+    grouped sigmoid keep their own routers, which scale the weights."""
 
     def __init__(self, s: DeepseekShape) -> None:
         super().__init__()
@@ -83,9 +91,14 @@ class DeepseekMoE(nn.Module):
         split = {"ep_rank": ps.ep_rank, "ep_size": ps.ep_size} if ps.ep_size > 1 else \
             {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size}
         self.gate = Linear(s.hidden_size, s.n_routed_experts, bias=False)
+        self.routed_scale = 1.0  # what the router leaves to the output
+        router: Router
         if s.scoring_func == "sigmoid":
             router = GroupedSigmoidTopK(s.n_routed_experts, s.top_k, s.n_group, s.topk_group, s.norm_topk_prob,
                                         s.routed_scaling_factor)
+        elif s.n_group == 1:  # greedy
+            router = SoftmaxTopK(s.n_routed_experts, s.top_k, renormalize=False)
+            self.routed_scale = s.routed_scaling_factor
         else:
             router = SoftmaxGroupTopK(s.n_routed_experts, s.top_k, s.n_group, s.topk_group, s.routed_scaling_factor)
         self.experts = FusedMoE(s.n_routed_experts, s.top_k, s.hidden_size, s.moe_intermediate_size, router,
@@ -95,13 +108,20 @@ class DeepseekMoE(nn.Module):
         if s.n_shared_experts:
             self.shared_experts = DeepseekMLP(s.hidden_size, s.moe_intermediate_size * s.n_shared_experts, s.mlp_bias)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # both routers score in fp32 from the gate's output as it is (the routing kernel converts as it
-        # loads), which spares a conversion launch per layer at decode
-        out = self.experts(x, self.gate(x), valid=getattr(batch, "num_valid_tokens", None))
+    def forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(moe(norm(x + residual)), x + residual)``. Where the router is the fused gate's (greedy, at decode
+        sizes) the add and the norm ride in its launch; otherwise the norm runs first and the routers score
+        in fp32 from the gate's output as it is (the routing kernels convert as they load)."""
+        out, hidden, residual = self.experts.forward_add_norm_gate(x, residual, norm, self.gate,
+                                                                   valid=batch.num_valid_tokens)  # fmt: skip
         if self.shared_experts is not None and self.add_shared:
-            out = out + self.shared_experts(x)
-        return all_reduce(out, over="experts")
+            # one launch either way: the scaled routed sum added to the shared experts' output
+            out = torch.add(self.shared_experts(hidden), out, alpha=self.routed_scale)
+        elif self.routed_scale != 1.0:
+            out = out * self.routed_scale
+        return all_reduce(out, over="experts"), residual
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -124,9 +144,8 @@ class DeepseekDecoderLayer(nn.Module):
         # attention and the MLP return partial sums under --tp: one all-reduce each (no-ops at tp 1);
         # the MoE block reduces its own output, over the expert ranks
         hidden = all_reduce(self.self_attn(positions, fused, batch))
-        if self.is_moe:  # the router and the experts both read the normed input
-            hidden, residual = self.post_attention_layernorm(hidden, residual)
-            return self.mlp(hidden, batch), residual
+        if self.is_moe:  # the router, the routed and the shared experts all read the normed input
+            return self.mlp.forward_add_norm(hidden, residual, self.post_attention_layernorm, batch)
         gate_up, residual = norm_linear(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj)
         return all_reduce(silu_mul_linear(gate_up, self.mlp.down_proj)), residual
 
@@ -158,6 +177,16 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.tied = self.shape.tie_word_embeddings
         if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # a padded (CUDA-graph) batch carries its real row count on the device; every MoE layer needs it as
+        # a row mask, so the mask is built once per step here (two small launches), not in each of V2-Lite's
+        # 26 MoE layers; a shallow copy, since the graph runner refills the caller's count every replay
+        count = batch.num_valid_tokens
+        if count is not None and count.dtype != torch.bool and self.shape.moe_layers:
+            batch = copy.copy(batch)
+            batch.num_valid_tokens = torch.arange(input_ids.shape[0], device=count.device) < count.reshape(())
+        return self.model(input_ids, positions, batch)
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         layer = _LAYER.match(name)
