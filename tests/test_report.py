@@ -213,3 +213,7 @@ def test_verdict_kinds():
             for c, (k, s) in ((1, ("same", "x")), (8, (kind, text)), (64, ("faster", "bs=64 is 1.39× [1.33, 1.45] ...")),
                               (2, ("same", "y")))]
     assert headline(rows) == [f"bs=64 is 1.39× [1.33, 1.45] ...; no difference at C=1, C=2; {text}"]
+    # the same throughput with a median TPOT whose interval leaves 1 out: the headline says so; inside it, not
+    rows[0]["metrics"] = {"tpot_p50": {"ratio": 0.93, "ratio_ci": [0.92, 0.95]}}
+    rows[3]["metrics"] = {"tpot_p50": {"ratio": 0.97, "ratio_ci": [0.90, 1.04]}}
+    assert headline(rows)[0].endswith(f"{text}; median TPOT 0.93× [0.92, 0.95] at C=1")

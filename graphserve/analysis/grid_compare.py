@@ -132,5 +132,19 @@ def headline(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         if same:
             parts.append("no difference at " + ", ".join(f"C={c}" for c in same))
         parts += [r["sentence"] for r in mine if r["verdict"] == "no interval"]
+        # equal throughput can still hide a latency difference a user would feel: say it where its interval
+        # leaves 1 out (e.g. decode steps faster while prefill-bound steps set the throughput)
+        parts += [s for r in sorted(mine, key=lambda r: r["concurrency"]) if r["verdict"] == "same"
+                  and (s := _tpot_note(r["concurrency"], (r.get("metrics") or {}).get("tpot_p50")))]
         out.append("; ".join(parts))
     return out
+
+
+def _tpot_note(c: int, tpot: Mapping[str, Any] | None) -> str | None:
+    """"median TPOT 0.93× [0.92, 0.95] at C=64" where the TPOT ratio's interval excludes 1, else None."""
+    if not tpot:
+        return None
+    lo, hi = tpot["ratio_ci"]
+    if lo <= 1.0 <= hi or abs(tpot["ratio"] - 1.0) < MIN_EFFECT or hi - lo < 1e-9:
+        return None
+    return f"median TPOT {tpot['ratio']:.2f}× [{lo:.2f}, {hi:.2f}] at C={c}"
