@@ -1,0 +1,89 @@
+"""Registers, spills and shared memory of the decode-latency kernels on Hopper, without a GPU.
+
+Each kernel is compiled for sm_90 by Triton and its PTX assembled by the ptxas Triton bundles (as
+benchmarks/mla_ptxas.py does for MLA). A kernel that spills pays a local-memory round trip per
+spilled value, which at batch 1 lands on the chain of dependent loads the kernel's time is made of.
+
+Run (any machine with Triton's NVIDIA backend):
+    python3 -m benchmarks.kernel_ptxas [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+SM90_SHARED_BYTES = 232448
+REGISTERS_PER_SM = 65536
+
+
+def compile_report(fn, types: dict, constants: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile ``fn`` with ``types`` (Triton type strings per runtime argument; any argument named
+    ``*_ptr`` defaults to ``*bf16``, any other to ``i32``) and ``constants`` (its constexprs)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+    names = list(signature)
+    # what the launcher specialises at run time: 16-byte aligned pointers, strides divisible by 16
+    aligned = [i for i, n in enumerate(names) if signature[n].startswith("*") or n.startswith("stride")]
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})  # fmt: skip
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp, "k.ptx")
+        ptx.write_text(kernel.asm["ptx"])
+        ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+        log = subprocess.run([str(ptxas), "-v", "-arch=sm_90a", str(ptx), "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr  # fmt: skip
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    smem = int(kernel.metadata.shared)
+    fits = min(SM90_SHARED_BYTES // max(smem, 1), REGISTERS_PER_SM // (regs * 32 * num_warps))
+    return {"registers": regs, "spill_bytes": spills, "shared_bytes": smem, "programs_per_sm": fits}
+
+
+def attention_reports() -> list[dict]:
+    """The split-KV decode kernel at Qwen3-30B-A3B's and Llama-3-8B's head shapes (128-wide heads, pages
+    of 16), the merge fused in, with the merge tile decode_attention picks for 32 splits."""
+    import triton
+
+    from graphserve.kernels.decode_attention import BLOCK_N, NUM_STAGES, NUM_WARPS, _decode_split_kernel
+    from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS
+
+    types = {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "counter_ptr": "*i32", "block_tables_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "scale_log2": "fp32"}  # fmt: skip
+    rows = []
+    for model, group in (("qwen3-30b-a3b", 8), ("llama3-8b", 4)):
+        block_hm = triton.next_power_of_2(group)
+        chunk = min(32, MERGE_TILE_ELEMS // (block_hm * 128))
+        consts = {"GROUP": group, "BLOCK_H": max(16, block_hm), "HEAD_DIM": 128, "BLOCK_D": 128, "PAGE": 16,
+                  "BLOCK_N": BLOCK_N, "DIRECT": False, "IEEE_DOT": False, "WHILE_LOOP": False, "PREFETCH_V": True,
+                  "FUSED_MERGE": True, "BLOCK_HM": block_hm, "CHUNK_S": chunk}  # fmt: skip
+        row = compile_report(_decode_split_kernel, types, consts, NUM_WARPS, NUM_STAGES)
+        rows.append({"kernel": "_decode_split_kernel", "shape": f"{model} group{group} merge_chunk{chunk}", **row})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = p.parse_args()
+    for row in attention_reports():
+        print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
