@@ -77,11 +77,32 @@ def attention_reports() -> list[dict]:
     return rows
 
 
+def gate_reports() -> list[dict]:
+    """The router gate + softmax top-k at one row of Qwen3-30B-A3B's router (128 experts, hidden 2048, k 8),
+    with the ranking tail and with the rounds of argmax, with and without the add + RMSNorm."""
+    from graphserve.kernels.moe_gate import TILE_ELEMS, experts_per_program, moe_gate_softmax_topk_kernel
+
+    types = {"logits_ptr": "*fp32", "counter_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i32", "eps": "fp32"}
+    rows = []
+    e, h, k = 128, 2048, 8
+    block_ep = experts_per_program(e)
+    block_h = min(h, TILE_ELEMS // block_ep)
+    for norm in (False, True):
+        for rank in (True, False):
+            consts = {"E": e, "H": h, "TOP_K": k, "RENORMALIZE": True, "NORM": norm, "BLOCK_T": 1, "BLOCK_EP": block_ep,
+                      "BLOCK_H": block_h, "BLOCK_E": e, "BLOCK_K": k, "EVEN_H": True, "ONE_TILE": h <= block_h,
+                      "W_IN_LOOP": not norm or h > block_h, "RANK_TOPK": rank}  # fmt: skip
+            row = compile_report(moe_gate_softmax_topk_kernel, types, consts, 4, 3)
+            shape = f"T1 E{e} H{h} k{k} {'add+norm ' if norm else ''}tail={'rank' if rank else 'argmax'}"
+            rows.append({"kernel": "moe_gate_softmax_topk_kernel", "shape": shape, **row})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args()
-    for row in attention_reports():
+    for row in attention_reports() + gate_reports():
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
 
