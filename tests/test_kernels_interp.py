@@ -132,25 +132,31 @@ def test_kv_write_reads_strided_k_v():
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "seq_lens", "num_splits", "fused_merge"),
+    ("num_heads", "num_kv_heads", "head_dim", "seq_lens", "num_splits", "fused_merge", "min_split_len"),
     [
-        (4, 2, 32, [5, 40, 17], None, True),  # GQA, lengths off the block size, single split (direct store)
-        (4, 4, 64, [1, 33], None, True),  # MHA, one-token context
-        (8, 2, 32, [150, 70, 9], 3, True),  # three splits merged in-kernel: full, partial and empty pieces
-        (8, 2, 32, [150, 70, 9], 3, False),  # the same through the separate merge launch
-        (2, 1, 32, [200], 4, True),  # one kv head serving two query heads, four splits
-        (6, 2, 32, [300, 0], 5, True),  # a group of 3 (off a power of two); a padding row of length 0
-        (16, 1, 64, [400, 190], 7, True),  # 16 query heads on one kv head, splits off a power of two
+        (4, 2, 32, [5, 40, 17], None, True, 128),  # GQA, lengths off the block size, single split (direct store)
+        (4, 4, 64, [1, 33], None, True, 128),  # MHA, one-token context
+        (8, 2, 32, [150, 70, 9], 3, True, 64),  # three splits merged in-kernel: full, partial and empty pieces
+        (8, 2, 32, [150, 70, 9], 3, False, 64),  # the same through the separate merge launch
+        (8, 2, 32, [300, 70, 9], 5, True, 128),  # 128-token splits: 3 of 5 used, then 1, then 1
+        (8, 2, 32, [300, 70, 9], 5, False, 128),  # the separate merge reads the empty splits too
+        (2, 1, 32, [200], 4, True, 64),  # one kv head serving two query heads, four splits
+        (6, 2, 32, [300, 0], 5, True, 64),  # a group of 3 (off a power of two); a padding row of length 0
+        (16, 1, 64, [400, 190], 7, True, 64),  # 16 query heads on one kv head, splits off a power of two
+        (16, 1, 64, [900, 190], 7, True, 192),  # splits of three inner steps, 5 of 7 used
     ],
 )
-def test_decode_attention_matches_reference(num_heads, num_kv_heads, head_dim, seq_lens, num_splits, fused_merge):
+def test_decode_attention_matches_reference(
+    num_heads, num_kv_heads, head_dim, seq_lens, num_splits, fused_merge, min_split_len
+):
     gen = torch.Generator().manual_seed(3)
     page = 16
     cache, tables, lens = paged_setup(seq_lens, num_kv_heads, head_dim, page, gen)
     q = randn(len(seq_lens), num_heads, head_dim, gen=gen)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
-    decode_attention(q, cache, tables, lens, scale, out=out, num_splits=num_splits, fused_merge=fused_merge)
+    decode_attention(q, cache, tables, lens, scale, out=out, num_splits=num_splits, fused_merge=fused_merge,
+                     min_split_len=min_split_len)  # fmt: skip
     ref = decode_attention_reference(q, cache, tables, lens, scale)
     assert not out.isnan().any()
     assert rel_err(out, ref) < RTOL
@@ -158,18 +164,22 @@ def test_decode_attention_matches_reference(num_heads, num_kv_heads, head_dim, s
 
 def test_decode_attention_merges_in_kernel_and_leaves_counters_zero():
     """Two calls on one set of counters (as layers and graph replays share them), and a merge in chunks:
-    with 16 heads per kv head at head_dim 128 one merge step holds 4 splits, so 6 splits take two."""
+    with 32 heads per kv head at head_dim 128 one merge step holds 4 splits, so 6 one-step splits take
+    two (the running sums rescaled between them)."""
     gen = torch.Generator().manual_seed(6)
     cache, tables, lens = paged_setup([370, 45, 200], 1, 128, 16, gen)
     counters = torch.zeros(3, dtype=torch.int32, device=DEVICE)
-    workspace = nans(3 * 16 * 6 * 129)
+    workspace = nans(3 * 32 * 6 * 129)
     for _ in range(2):
-        q = randn(3, 16, 128, gen=gen)
-        out = decode_attention(q, cache, tables, lens, 0.1, num_splits=6, workspace=workspace, counters=counters)
+        q = randn(3, 32, 128, gen=gen)
+        out = decode_attention(q, cache, tables, lens, 0.1, num_splits=6, workspace=workspace, counters=counters,
+                               min_split_len=64)  # fmt: skip
         assert rel_err(out, decode_attention_reference(q, cache, tables, lens, 0.1)) < RTOL
         assert not counters.any()
     with pytest.raises(ValueError, match="counters hold 2 torch.int32"):
         decode_attention(q, cache, tables, lens, 0.1, num_splits=6, counters=counters[:2])
+    with pytest.raises(ValueError, match="min_split_len=96 must be a positive multiple of BLOCK_N=64"):
+        decode_attention(q, cache, tables, lens, 0.1, num_splits=6, min_split_len=96)
 
 
 def test_decode_attention_uses_given_workspace_and_checks_its_size():

@@ -155,6 +155,40 @@ def test_fused_gate_matches_projection_then_topk(t, e, h, k, renorm):
 
 
 @pytest.mark.parametrize(
+    "e,k,renorm,block_ep",
+    [(128, 8, True, 2), (128, 8, False, 1), (60, 4, False, 1), (8, 2, True, 1), (64, 8, False, 4)],
+)
+def test_gate_rank_tail_matches_argmax_rounds_and_reference(e, k, renorm, block_ep):
+    """The one-row ranking tail against the reference on distinct logits, then with ties (duplicated gate rows
+    give equal logits) against the rounds of argmax: the lower expert index takes the earlier slot in both
+    (torch.topk's order among ties is its own), with the reference's weights."""
+    gen = torch.Generator().manual_seed(e + k)
+    h = 48
+    gate = _randn(e, h, gen=gen)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    x = _randn(1, h, gen=gen)
+    w, ids = moe_gate_softmax_topk(x, gate, k, renorm, counter, block_ep=block_ep, rank_topk=True)
+    w_ref, ids_ref = softmax_topk_reference(x @ gate.T, k, renorm)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+    r = int(ids_ref[0, k - 2])  # a block of four equal logits from the (k-1)-th slot on: the last slots tie
+    tied = {0, e // 2, e - 1, r}
+    gate[sorted(tied - {r})] = gate[r].clone()
+    w_ref, _ = softmax_topk_reference(x @ gate.T, k, renorm)
+    got = [moe_gate_softmax_topk(x, gate, k, renorm, counter, block_ep=block_ep, rank_topk=r) for r in (True, False)]
+    assert torch.equal(got[0][1], got[1][1])
+    chosen = set(got[0][1][0].tolist())
+    assert len(chosen) == k and len(chosen & tied) >= 2  # ties inside the top k
+    for w, _ in got:
+        torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+    assert int(counter) == 0
+    with pytest.raises(ValueError, match="rank_topk takes 1 row"):
+        moe_gate_softmax_topk(x.repeat(2, 1), gate, k, renorm, counter, rank_topk=True)
+    with pytest.raises(ValueError, match="block_ep=3 must be a power of two"):
+        moe_gate_softmax_topk(x, gate, k, renorm, counter, block_ep=3)
+
+
+@pytest.mark.parametrize(
     "t,e,h,k,renorm",
     [
         (1, 12, 40, 3, True),  # one column tile, H off the tile

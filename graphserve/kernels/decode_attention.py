@@ -38,10 +38,14 @@ from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS, _decode_merge_kern
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32  # beyond this the merge costs more than the extra parallelism gains
 BLOCK_N = 64  # context tokens per inner step
-# Splits are cut down to one inner step: at small batch a program's time is a chain of dependent
-# loads (block table, K, V) per step, so fewer steps per program beat fewer programs. (Measured on
-# H200, bs 1, ctx 512, 3 splits of 3 steps each: 7.1 us per layer.)
+# The launch may cut a context into splits of one inner step (the grid comes from the block-table
+# capacity, so a long context gets its parallelism), but on device a split never takes fewer than
+# MIN_SPLIT_LEN tokens: the splits past the context exit at once and the merge reads only the used
+# ones. At batch 1 the merge after the last arrival is the kernel's tail; at 128 tokens a 1k context
+# is 8 splits whose partials the merge reads in one L2 round trip (18 one-step splits took three),
+# for a second K/V step per program that the software pipeline issues with the first.
 MIN_SPLIT_TOKENS = BLOCK_N
+MIN_SPLIT_LEN = 2 * BLOCK_N
 PROGRAMS_PER_SM = 2  # enough resident programs per SM to hide HBM latency
 NUM_WARPS, NUM_STAGES = 4, 3  # measured best of BLOCK_N 16..128, 2..8 warps, 2..4 stages on H200
 
@@ -86,7 +90,7 @@ def _decode_step(
 def _decode_split_kernel(
     q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr,
     scale_log2,
-    num_splits,
+    num_splits, min_split_len,
     stride_qt, stride_qh,
     stride_kv, stride_blk, stride_off, stride_kvh,
     stride_bt,
@@ -97,15 +101,16 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, PREFETCH_V: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, CHUNK_S: tl.constexpr,
     WIDEN_FP16: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # splits are cut from the actual length (read on device), rounded to whole inner steps
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # splits are cut from the actual length (read on device), rounded to whole inner steps, no shorter
+    # than min_split_len (a multiple of BLOCK_N): a short context leaves the last splits empty
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -161,13 +166,13 @@ def _decode_split_kernel(
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == num_splits - 1:
                 heads = kv_head * GROUP + tl.arange(0, BLOCK_HM)
-                # only the splits the context reaches hold a partial: a bs-1 graph captured for a long
-                # max context cuts a short one into fewer pieces than it launches
-                used = tl.minimum(num_splits, tl.cdiv(seq_len, tl.maximum(split_len, 1)))
+                # only the splits the context reaches hold a partial: a short context (min_split_len,
+                # or a bs-1 graph captured for a long max context) uses fewer pieces than it launches
+                used = tl.minimum(num_splits, tl.cdiv(seq_len, split_len))
                 merge_partials(
                     mid_o_ptr + seq * stride_mo_b, mid_lse_ptr + seq * stride_ml_b, out_ptr + seq * stride_ot,
                     heads, tl.arange(0, BLOCK_HM) < GROUP, offs_d, d_mask, used,
-                    stride_mo_h, stride_mo_s, stride_ml_h, stride_oh, BLOCK_HM, BLOCK_D, BLOCK_S, CHUNK_S,
+                    stride_mo_h, stride_mo_s, stride_ml_h, stride_oh, BLOCK_HM, BLOCK_D, CHUNK_S,
                 )  # fmt: skip
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
@@ -220,6 +225,7 @@ def decode_attention(
     counters: torch.Tensor | None = None,
     fused_merge: bool = True,
     fp8_widen: torch.dtype = torch.float16,
+    min_split_len: int = MIN_SPLIT_LEN,
 ) -> torch.Tensor:
     """Attention of ``q`` ([B, Hq, D], one token per sequence) over each sequence's paged context.
 
@@ -233,6 +239,8 @@ def decode_attention(
     e4m3x2 -> f16x2 conversion per two elements, exact, with q and the probabilities in fp16 too
     (for 16-bit q; fp32 q keeps fp32); bfloat16: q's dtype, a longer conversion chain per element
     (kept for comparison).
+    ``min_split_len``: the fewest context tokens a split takes on device, a positive multiple of
+    BLOCK_N (benchmarks.launches sweeps it).
     """
     batch, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
@@ -240,6 +248,8 @@ def decode_attention(
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError("decode_attention needs head_dim contiguous in q and kv_cache")
+    if min_split_len <= 0 or min_split_len % BLOCK_N:
+        raise ValueError(f"min_split_len={min_split_len} must be a positive multiple of BLOCK_N={BLOCK_N}")
     group = num_heads // num_kv_heads
     if fp8_widen not in (torch.float16, torch.bfloat16):
         raise ValueError(f"decode_attention: fp8_widen={fp8_widen} must be torch.float16 or torch.bfloat16")
@@ -282,7 +292,7 @@ def decode_attention(
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, mid_o, mid_lse, counters,
         scale * LOG2E,
-        num_splits,
+        num_splits, min_split_len,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
@@ -293,7 +303,7 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=BLOCK_N,
         DIRECT=direct, IEEE_DOT=q.dtype == torch.float32 and not widen_fp16, WHILE_LOOP=interpreting(), PREFETCH_V=not direct,
-        FUSED_MERGE=fused_merge, BLOCK_HM=block_hm, BLOCK_S=block_s, CHUNK_S=chunk_s, WIDEN_FP16=widen_fp16,
+        FUSED_MERGE=fused_merge, BLOCK_HM=block_hm, CHUNK_S=chunk_s, WIDEN_FP16=widen_fp16,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if not direct and not fused_merge:

@@ -12,51 +12,58 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# fp32 partials one in-kernel merge step holds ([heads of a kv head, splits, head_dim]): 64 per thread
-# at 4 warps, so a bs-1 merge of 18 splits x 8 heads x 128 takes 3 dependent L2 round trips
-MERGE_TILE_ELEMS = 8192
+# fp32 partials one in-kernel merge step holds ([heads of a kv head, splits, head_dim]): 128 per
+# thread at 4 warps, so a bs-1 merge of up to 16 splits x 8 heads x 128 (a 1k-2k context, see
+# MIN_SPLIT_LEN in kernels/decode_attention.py) is one L2 round trip. The split kernel then takes
+# 168 registers on sm_90 and no spills (benchmarks.kernel_ptxas; 128 at 8192 elements)
+MERGE_TILE_ELEMS = 16384
 
 
 @triton.jit
 def _merge_chunk(
-    mo_base, ml_base, heads, h_mask, offs_d, d_mask, s0, num_splits, m, acc,
+    mo_base, ml_base, heads, h_mask, offs_d, d_mask, s0, num_splits, m, total, acc,
     stride_mo_h, stride_mo_s, stride_ml_h, CHUNK_S: tl.constexpr,
 ):  # fmt: skip
-    """acc += sum over splits [s0, s0 + CHUNK_S) of exp2(lse - m) * partial, for every head of a kv head."""
+    """Folds splits [s0, s0 + CHUNK_S) into the running (max, weight sum, weighted sum) of every head.
+
+    The chunk's log-sum-exps and partials are loaded together (one L2 round trip per chunk) and the
+    running sums rescaled to the new maximum, as online softmax does along the context."""
     offs_s = s0 + tl.arange(0, CHUNK_S)
     hs_mask = h_mask[:, None] & (offs_s < num_splits)[None, :]
     # .cg: from L2, where the other programs' stores are, never from a stale L1 line
     lse = tl.load(ml_base + heads[:, None] * stride_ml_h + offs_s[None, :], mask=hs_mask, other=float("-inf"),
                   cache_modifier=".cg")  # fmt: skip
-    w = tl.exp2(lse - m[:, None])  # [heads, chunk]; an empty split's -inf gives 0
     o = tl.load(
         mo_base + heads[:, None, None] * stride_mo_h + offs_s[None, :, None] * stride_mo_s + offs_d[None, None, :],
         mask=hs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg",
     )
-    return acc + tl.sum(w[:, :, None] * o, 1)
+    m_new = tl.maximum(m, tl.max(lse, 1))
+    # every split so far empty (a padding row): keep the reference at 0 so no -inf - -inf appears
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_ref)  # 0 while nothing was merged (m -inf)
+    w = tl.exp2(lse - m_ref[:, None])  # [heads, chunk]; an empty split's -inf gives 0
+    return m_new, total * alpha + tl.sum(w, 1), acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
 
 
 @triton.jit
 def merge_partials(
     mo_base, ml_base, o_base, heads, h_mask, offs_d, d_mask, num_splits,
     stride_mo_h, stride_mo_s, stride_ml_h, stride_oh,
-    BLOCK_HM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    BLOCK_HM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr,
 ):  # fmt: skip
-    """The log-sum-exp weighted mean of one sequence's first ``num_splits`` split partials, for the given heads."""
-    offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(ml_base + heads[:, None] * stride_ml_h + offs_s[None, :],
-                  mask=h_mask[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
-                  cache_modifier=".cg")  # fmt: skip
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (a padding row): weights 0, output 0
-    total = tl.sum(tl.exp2(lse - m[:, None]), 1)
+    """The log-sum-exp weighted mean of one sequence's first ``num_splits`` split partials, for the given heads.
+
+    One pass: a merge of at most CHUNK_S splits (a short context at batch 1) is a single L2 round
+    trip after the counter, where first reading every log-sum-exp for the maximum made it two."""
+    m = tl.full([BLOCK_HM], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_HM], dtype=tl.float32)
     acc = tl.zeros([BLOCK_HM, BLOCK_D], dtype=tl.float32)
     # a while loop, compiled too: a for loop would be software-pipelined with NUM_STAGES shared-memory
     # buffers of a whole chunk each, on top of the main loop's K/V stages, for two or three steps
     s0 = 0
     while s0 < num_splits:
-        acc = _merge_chunk(mo_base, ml_base, heads, h_mask, offs_d, d_mask, s0, num_splits, m, acc,
-                           stride_mo_h, stride_mo_s, stride_ml_h, CHUNK_S)  # fmt: skip
+        m, total, acc = _merge_chunk(mo_base, ml_base, heads, h_mask, offs_d, d_mask, s0, num_splits, m, total, acc,
+                                     stride_mo_h, stride_mo_s, stride_ml_h, CHUNK_S)  # fmt: skip
         s0 += CHUNK_S
     merged = acc / tl.maximum(total, 1e-30)[:, None]
     tl.store(o_base + heads[:, None] * stride_oh + offs_d[None, :], merged.to(o_base.dtype.element_ty),

@@ -35,6 +35,36 @@ MAX_ROWS = 8  # beyond this the gate's weight reuse favours a real matmul (and o
 # shapes) turns into a loss as rows grow (1.9-6.0 us slower at 8 rows): benchmarks/results/launches.json.
 ADD_NORM_MAX_ROWS = 1
 TILE_ELEMS = 64 * 32 * 4  # products per K step of one program: 64 per thread at 4 warps
+# The top-k tail ranks every expert against every other in one [E, E] comparison (below) for a single
+# row of up to this many experts (128 x 128 compares: 128 per thread at 4 warps); more rows or experts
+# take kernels/moe_routing.py's rounds of argmax.
+RANK_TOPK_MAX_EXPERTS = 128
+
+
+@triton.jit
+def _rank_topk_store(
+    logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """Softmax top-k of one row of fp32 logits by ranks: expert i goes to slot rank(i) when rank(i) < k.
+
+    rank(i) counts the experts with a larger probability, and the equal ones of lower index (the first
+    index wins a tie, as torch.topk does on CPU and the argmax rounds do). Four block reductions (max,
+    sum, ranks, the chosen sum) in place of one per slot: at batch 1 this tail runs alone, after the
+    other programs are done, and each reduction is a shared-memory exchange across the warps."""
+    cols = tl.arange(0, BLOCK_E)
+    valid = cols < E
+    # .cg: from L2, where the other programs' stores are, never from a stale L1 line
+    logits = tl.load(logits_ptr + cols, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    p = tl.exp(logits - tl.max(logits, 0))
+    p = tl.where(valid, p / tl.sum(p, 0), -1.0)  # padded experts rank after every real one
+    ahead = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (cols[None, :] < cols[:, None]))
+    rank = tl.sum(ahead.to(tl.int32), 1)
+    chosen = rank < TOP_K
+    if RENORMALIZE:
+        p = p / tl.sum(tl.where(chosen, p, 0.0), 0)
+    tl.store(weights_ptr + rank, p, mask=chosen)
+    tl.store(ids_ptr + rank, cols, mask=chosen)
 
 
 @triton.jit
@@ -74,6 +104,7 @@ def moe_gate_softmax_topk_kernel(
     E: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_H: tl.constexpr, ONE_TILE: tl.constexpr, W_IN_LOOP: tl.constexpr,
+    RANK_TOPK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     experts = pid * BLOCK_EP + tl.arange(0, BLOCK_EP)
@@ -126,13 +157,16 @@ def moe_gate_softmax_topk_kernel(
     tl.debug_barrier()  # every thread's logits are written before the block counts itself done
     done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
-        cols = tl.arange(0, BLOCK_E)
-        mask = row_mask[:, None] & (cols[None, :] < E)
-        # .cg: from L2, where the other programs' stores are, never from a stale L1 line
-        all_logits = tl.load(logits_ptr + rows[:, None] * E + cols[None, :], mask=mask, other=float("-inf"),
-                             cache_modifier=".cg")  # fmt: skip
-        _softmax_topk_store(all_logits, rows, row_mask, cols, weights_ptr, ids_ptr,
-                            E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_K)  # fmt: skip
+        if RANK_TOPK:  # one row
+            _rank_topk_store(logits_ptr, weights_ptr, ids_ptr, E, TOP_K, RENORMALIZE, BLOCK_E)
+        else:
+            cols = tl.arange(0, BLOCK_E)
+            mask = row_mask[:, None] & (cols[None, :] < E)
+            # .cg: from L2, where the other programs' stores are, never from a stale L1 line
+            all_logits = tl.load(logits_ptr + rows[:, None] * E + cols[None, :], mask=mask, other=float("-inf"),
+                                 cache_modifier=".cg")  # fmt: skip
+            _softmax_topk_store(all_logits, rows, row_mask, cols, weights_ptr, ids_ptr,
+                                E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_K)  # fmt: skip
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
@@ -157,14 +191,16 @@ def experts_per_program(num_experts: int) -> int:
 
 
 def moe_gate_softmax_topk(
-    x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, counter: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, counter: torch.Tensor,
+    *, block_ep: int | None = None, rank_topk: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """softmax top-k of ``x @ gate_weight.T`` (rounded to x's dtype): (weights fp32 [T, k], ids int32 [T, k]).
 
     ``counter`` is an int32 scalar on x's device, zero before the first call; the kernel leaves it zero.
-    One launch; x [T, H] with T <= MAX_ROWS.
+    One launch; x [T, H] with T <= MAX_ROWS. ``block_ep`` (gate rows per program, a power of two) and
+    ``rank_topk`` (the ranking tail, one row only) override the shape's choice (tests, benchmarks).
     """
-    weights, ids, _, _ = _launch(x, gate_weight, top_k, renormalize, counter, None)
+    weights, ids, _, _ = _launch(x, gate_weight, top_k, renormalize, counter, None, block_ep, rank_topk)
     return weights, ids
 
 
@@ -177,6 +213,9 @@ def moe_add_norm_gate_softmax_topk(
     top_k: int,
     renormalize: bool,
     counter: torch.Tensor,
+    *,
+    block_ep: int | None = None,
+    rank_topk: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The post-attention residual add and RMSNorm, the router gate and softmax top-k in one launch.
 
@@ -191,10 +230,11 @@ def moe_add_norm_gate_softmax_topk(
         raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} does not match hidden size {x.shape[-1]}")
     if residual.stride(-1) != 1:
         residual = residual.contiguous()
-    return _launch(x, gate_weight, top_k, renormalize, counter, (residual, norm_weight.contiguous(), float(eps)))
+    norm = (residual, norm_weight.contiguous(), float(eps))
+    return _launch(x, gate_weight, top_k, renormalize, counter, norm, block_ep, rank_topk)
 
 
-def _launch(x, gate_weight, top_k, renormalize, counter, norm):
+def _launch(x, gate_weight, top_k, renormalize, counter, norm, block_ep=None, rank_topk=None):
     if x.dim() != 2 or gate_weight.dim() != 2 or gate_weight.shape[1] != x.shape[1]:
         raise ValueError(f"need x [T, H] and gate weight [E, H], got {tuple(x.shape)} and {tuple(gate_weight.shape)}")
     t, h = x.shape
@@ -223,15 +263,25 @@ def _launch(x, gate_weight, top_k, renormalize, counter, norm):
         normed = torch.empty(t, h, dtype=x.dtype, device=x.device)  # rows H apart, as the kernel writes them
         summed = torch.empty(t, h, dtype=x.dtype, device=x.device)
         out_a, out_b = normed, summed
-    block_t, block_ep = triton.next_power_of_2(t), experts_per_program(e)
+    block_t, block_e = triton.next_power_of_2(t), triton.next_power_of_2(e)
+    if block_ep is None:
+        block_ep = experts_per_program(e)
+    elif block_ep <= 0 or block_ep & (block_ep - 1):
+        raise ValueError(f"block_ep={block_ep} must be a power of two >= 1")
+    rank_ok = t == 1 and block_e <= RANK_TOPK_MAX_EXPERTS
+    if rank_topk is None:
+        rank_topk = rank_ok
+    elif rank_topk and not rank_ok:
+        raise ValueError(f"rank_topk takes 1 row of at most {RANK_TOPK_MAX_EXPERTS} experts, got T={t}, E={e}")
     block_h = max(64, min(triton.next_power_of_2(h), TILE_ELEMS // (block_t * block_ep)))
     moe_gate_softmax_topk_kernel[(triton.cdiv(e, block_ep),)](
         x, residual, norm_weight, out_a, out_b, gate_weight, logits, counter, weights, ids,
         t, x.stride(0), residual.stride(0), gate_weight.stride(0), eps,
         E=e, H=h, TOP_K=top_k, RENORMALIZE=renormalize, NORM=norm is not None,
         BLOCK_T=block_t, BLOCK_EP=block_ep, BLOCK_H=block_h,
-        BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
-        EVEN_H=h % block_h == 0, ONE_TILE=h <= block_h, W_IN_LOOP=norm is None or h > block_h, num_warps=4,
+        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+        EVEN_H=h % block_h == 0, ONE_TILE=h <= block_h, W_IN_LOOP=norm is None or h > block_h,
+        RANK_TOPK=rank_topk, num_warps=4,
     )  # fmt: skip
     return weights, ids, normed, summed
 

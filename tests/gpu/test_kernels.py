@@ -103,6 +103,18 @@ def test_decode_attention_any_split_count_agrees(num_splits, num_heads, num_kv_h
     assert not counters.any()
 
 
+@pytest.mark.parametrize("min_split_len", [64, 128, 256])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(32, 8), (32, 4)])  # Llama-3-8B, Qwen3-30B-A3B
+def test_decode_attention_split_lengths_agree(min_split_len, num_heads, num_kv_heads, gen):
+    """Batch 1 and 3 in an 8k-token table (32 and 22 or 11 splits launched): short contexts use a few, long ones all."""
+    cache, tables, lens = paged([1025, 300, 8000], num_kv_heads, 128, torch.bfloat16, gen)
+    q = torch.randn(3, num_heads, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = decode_attention_reference(q, cache, tables, lens, 128**-0.5)
+    for batch in (1, 3):
+        out = decode_attention(q[:batch], cache, tables[:batch], lens[:batch], 128**-0.5, min_split_len=min_split_len)
+        assert rel_err(out, ref[:batch]) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize(("batch", "num_kv_heads"), [(1, 8), (8, 8), (64, 8), (1, 4), (3, 4)])
 def test_decode_attention_cuda_graph_replay_matches_eager(batch, num_kv_heads, gen):
     dtype, hq, hkv, d = torch.bfloat16, 32, num_kv_heads, 128

@@ -117,6 +117,22 @@ def test_fused_gate_matches_projection_then_topk(name, t, gen):
         torch.testing.assert_close(w[same], w_ref[same], rtol=2e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("block_ep", [1, 2])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gate_rank_tail_agrees_with_argmax_rounds(name, block_ep, gen):
+    """The one-row ranking tail and the rounds of argmax pick the same experts from the same logits."""
+    e, h, _, k, renorm = MODELS[name]
+    gate = (torch.randn(e, h, device="cuda", generator=gen) * h**-0.5).to(DT)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        x = torch.randn(1, h, device="cuda", generator=gen).to(DT)
+        w_rank, ids_rank = moe_gate_softmax_topk(x, gate, k, renorm, counter, block_ep=block_ep, rank_topk=True)
+        w_max, ids_max = moe_gate_softmax_topk(x, gate, k, renorm, counter, block_ep=block_ep, rank_topk=False)
+        assert torch.equal(ids_rank, ids_max)
+        torch.testing.assert_close(w_rank, w_max, rtol=1e-5, atol=1e-7)
+        assert int(counter) == 0
+
+
 @pytest.mark.parametrize("padded,real", [(1, 1), (1, 0), (8, 5)])
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
 @torch.inference_mode()

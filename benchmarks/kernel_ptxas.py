@@ -1,0 +1,134 @@
+"""Registers, spills and shared memory of the decode-latency kernels on Hopper, without a GPU.
+
+Each kernel is compiled for sm_90 by Triton and its PTX assembled by the ptxas Triton bundles (as
+benchmarks/mla_ptxas.py does for MLA). A kernel that spills pays a local-memory round trip per
+spilled value, which at batch 1 lands on the chain of dependent loads the kernel's time is made of.
+
+Run (any machine with Triton's NVIDIA backend):
+    python3 -m benchmarks.kernel_ptxas [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+SM90_SHARED_BYTES = 232448
+REGISTERS_PER_SM = 65536
+
+
+def compile_report(fn, types: dict, constants: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile ``fn`` with ``types`` (Triton type strings per runtime argument; any argument named
+    ``*_ptr`` defaults to ``*bf16``, any other to ``i32``) and ``constants`` (its constexprs)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+    names = list(signature)
+    # what the launcher specialises at run time: 16-byte aligned pointers, strides divisible by 16
+    aligned = [i for i, n in enumerate(names) if signature[n].startswith("*") or n.startswith("stride")]
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})  # fmt: skip
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp, "k.ptx")
+        ptx.write_text(kernel.asm["ptx"])
+        ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+        log = subprocess.run([str(ptxas), "-v", "-arch=sm_90a", str(ptx), "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr  # fmt: skip
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    smem = int(kernel.metadata.shared)
+    fits = min(SM90_SHARED_BYTES // max(smem, 1), REGISTERS_PER_SM // (regs * 32 * num_warps))
+    return {"registers": regs, "spill_bytes": spills, "shared_bytes": smem, "programs_per_sm": fits}
+
+
+def attention_reports() -> list[dict]:
+    """The split-KV decode kernel at Qwen3-30B-A3B's and Llama-3-8B's head shapes (128-wide heads, pages
+    of 16), the merge fused in, with the merge tile decode_attention picks for 32 splits."""
+    import triton
+
+    from graphserve.kernels.decode_attention import BLOCK_N, NUM_STAGES, NUM_WARPS, _decode_split_kernel
+    from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS
+
+    types = {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "counter_ptr": "*i32", "block_tables_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "scale_log2": "fp32"}  # fmt: skip
+    rows = []
+    for model, group in (("qwen3-30b-a3b", 8), ("llama3-8b", 4)):
+        block_hm = triton.next_power_of_2(group)
+        chunk = min(32, MERGE_TILE_ELEMS // (block_hm * 128))
+        consts = {"GROUP": group, "BLOCK_H": max(16, block_hm), "HEAD_DIM": 128, "BLOCK_D": 128, "PAGE": 16,
+                  "BLOCK_N": BLOCK_N, "DIRECT": False, "IEEE_DOT": False, "WHILE_LOOP": False, "PREFETCH_V": True,
+                  "FUSED_MERGE": True, "BLOCK_HM": block_hm, "CHUNK_S": chunk}  # fmt: skip
+        row = compile_report(_decode_split_kernel, types, consts, NUM_WARPS, NUM_STAGES)
+        rows.append({"kernel": "_decode_split_kernel", "shape": f"{model} group{group} merge_chunk{chunk}", **row})
+    return rows
+
+
+def gate_reports() -> list[dict]:
+    """The router gate + softmax top-k at one row of Qwen3-30B-A3B's router (128 experts, hidden 2048, k 8),
+    with the ranking tail and with the rounds of argmax, with and without the add + RMSNorm."""
+    from graphserve.kernels.moe_gate import TILE_ELEMS, experts_per_program, moe_gate_softmax_topk_kernel
+
+    types = {"logits_ptr": "*fp32", "counter_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i32", "eps": "fp32"}
+    rows = []
+    e, h, k = 128, 2048, 8
+    block_ep = experts_per_program(e)
+    block_h = min(h, TILE_ELEMS // block_ep)
+    for norm in (False, True):
+        for rank in (True, False):
+            consts = {"E": e, "H": h, "TOP_K": k, "RENORMALIZE": True, "NORM": norm, "BLOCK_T": 1, "BLOCK_EP": block_ep,
+                      "BLOCK_H": block_h, "BLOCK_E": e, "BLOCK_K": k, "EVEN_H": True, "ONE_TILE": h <= block_h,
+                      "W_IN_LOOP": not norm or h > block_h, "RANK_TOPK": rank}  # fmt: skip
+            row = compile_report(moe_gate_softmax_topk_kernel, types, consts, 4, 3)
+            shape = f"T1 E{e} H{h} k{k} {'add+norm ' if norm else ''}tail={'rank' if rank else 'argmax'}"
+            rows.append({"kernel": "moe_gate_softmax_topk_kernel", "shape": shape, **row})
+    return rows
+
+
+def gemv_reports() -> list[dict]:
+    """The streaming expert kernels at Qwen3-30B-A3B's shapes (hidden 2048, intermediate 768, k 8) with the
+    tiles of its H200 table (bf16 weights)."""
+    import triton
+
+    from graphserve.kernels.moe_config import GemvTile
+    from graphserve.kernels.moe_gemm import fused_moe_gemv_down_kernel, fused_moe_gemv_gate_up_kernel
+
+    types = {"ids_ptr": "*i32", "valid_ptr": "*i32", "counts_ptr": "*i32", "weights_ptr": "*fp32", "ws_ptr": "*fp32"}
+    fp8 = {"W_FP8": False, "GROUP_N": 1, "GROUP_K": 1, "PER_CHANNEL": False}
+    rows = []
+    for tile in (GemvTile(8, 256, 4), GemvTile(8, 128, 4), GemvTile(4, 256, 4), GemvTile(16, 128, 4)):
+        consts = {"K": 2048, "TOP_K": 8, "E": 128, "E_LOCAL": 128, "HAS_VALID": False, **fp8, "BLOCK_N": tile.block_n,
+                  "BLOCK_K": tile.block_k, "BLOCK_P": 16, "BLOCK_E": 128}  # fmt: skip
+        row = compile_report(fused_moe_gemv_gate_up_kernel, types, consts, tile.num_warps, 1)
+        rows.append({"kernel": "fused_moe_gemv_gate_up_kernel", "shape": f"K2048 tile{tile}", **row})
+    for tile in (GemvTile(2, 128, 4), GemvTile(4, 256, 8)):
+        consts = {"K": 768, "TOP_K": 8, "E_LOCAL": 128, "HAS_VALID": False, **fp8, "BLOCK_S": 8,
+                  "BLOCK_N": tile.block_n, "BLOCK_K": min(tile.block_k, triton.next_power_of_2(768))}  # fmt: skip
+        row = compile_report(fused_moe_gemv_down_kernel, types, consts, tile.num_warps, 1)
+        rows.append({"kernel": "fused_moe_gemv_down_kernel", "shape": f"K768 tile{tile}", **row})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = p.parse_args()
+    for row in attention_reports() + gate_reports() + gemv_reports():
+        print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
