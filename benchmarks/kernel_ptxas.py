@@ -98,35 +98,11 @@ def gate_reports() -> list[dict]:
     return rows
 
 
-def gemv_reports() -> list[dict]:
-    """The streaming expert kernels at Qwen3-30B-A3B's shapes (hidden 2048, intermediate 768, k 8) with the
-    tiles of its H200 table (bf16 weights)."""
-    import triton
-
-    from graphserve.kernels.moe_config import GemvTile
-    from graphserve.kernels.moe_gemm import fused_moe_gemv_down_kernel, fused_moe_gemv_gate_up_kernel
-
-    types = {"ids_ptr": "*i32", "valid_ptr": "*i32", "counts_ptr": "*i32", "weights_ptr": "*fp32", "ws_ptr": "*fp32"}
-    fp8 = {"W_FP8": False, "GROUP_N": 1, "GROUP_K": 1, "PER_CHANNEL": False}
-    rows = []
-    for tile in (GemvTile(8, 256, 4), GemvTile(8, 128, 4), GemvTile(4, 256, 4), GemvTile(16, 128, 4)):
-        consts = {"K": 2048, "TOP_K": 8, "E": 128, "E_LOCAL": 128, "HAS_VALID": False, **fp8, "BLOCK_N": tile.block_n,
-                  "BLOCK_K": tile.block_k, "BLOCK_P": 16, "BLOCK_E": 128}  # fmt: skip
-        row = compile_report(fused_moe_gemv_gate_up_kernel, types, consts, tile.num_warps, 1)
-        rows.append({"kernel": "fused_moe_gemv_gate_up_kernel", "shape": f"K2048 tile{tile}", **row})
-    for tile in (GemvTile(2, 128, 4), GemvTile(4, 256, 8)):
-        consts = {"K": 768, "TOP_K": 8, "E_LOCAL": 128, "HAS_VALID": False, **fp8, "BLOCK_S": 8,
-                  "BLOCK_N": tile.block_n, "BLOCK_K": min(tile.block_k, triton.next_power_of_2(768))}  # fmt: skip
-        row = compile_report(fused_moe_gemv_down_kernel, types, consts, tile.num_warps, 1)
-        rows.append({"kernel": "fused_moe_gemv_down_kernel", "shape": f"K768 tile{tile}", **row})
-    return rows
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args()
-    for row in attention_reports() + gate_reports() + gemv_reports():
+    for row in attention_reports() + gate_reports():
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
 

@@ -144,15 +144,13 @@ def fused_moe_gemm_kernel(
 
 @triton.jit
 def _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The gate and up weight tiles and the x slice ([1, BLOCK_K]: loaded in the tiles' layout, so no
-    per-step exchange through shared memory broadcasts it) at K offset ``k0``; only a K tail is masked."""
-    x_ptrs = tl.broadcast_to(x_row + k0 + offs_k[None, :], g_ptrs.shape)
+    """The gate and up weight tiles and the x slice at K offset ``k0``; only a K tail is masked."""
     if K % BLOCK_K == 0:
-        return tl.load(g_ptrs + k0), tl.load(u_ptrs + k0), tl.load(x_ptrs)
+        return tl.load(g_ptrs + k0), tl.load(u_ptrs + k0), tl.load(x_row + k0 + offs_k)
     k_mask = (k0 + offs_k) < K
     g = tl.load(g_ptrs + k0, mask=k_mask[None, :], other=0.0)
     u = tl.load(u_ptrs + k0, mask=k_mask[None, :], other=0.0)
-    return g, u, tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+    return g, u, tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0)
 
 
 @triton.jit
@@ -200,36 +198,30 @@ def fused_moe_gemv_gate_up_kernel(
     sg_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (rows // GROUP_N) * stride_sn
     su_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (scale_up_row + rows // GROUP_N) * stride_sn
     BLOCK_SCALED: tl.constexpr = W_FP8 and not PER_CHANNEL
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     g, u, x = _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, 0, K, BLOCK_K)
     if BLOCK_SCALED:
-        # each K step's row sums take that step's block scale, so they are reduced step by step
-        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
         sg, su = _row_scales(sg_ptrs, su_ptrs, 0, GROUP_K)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            g_next, u_next, x_next = _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, k0, K, BLOCK_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        g_next, u_next, x_next = _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, k0, K, BLOCK_K)
+        xf = x.to(tl.float32)[None, :]
+        if BLOCK_SCALED:
             sg_next, su_next = _row_scales(sg_ptrs, su_ptrs, k0, GROUP_K)
-            xf = x.to(tl.float32)
             acc_g += tl.sum(g.to(tl.float32) * xf, axis=1) * sg
             acc_u += tl.sum(u.to(tl.float32) * xf, axis=1) * su
-            g, u, x, sg, su = g_next, u_next, x_next, sg_next, su_next
-        xf = x.to(tl.float32)
+            sg, su = sg_next, su_next
+        else:
+            acc_g += tl.sum(g.to(tl.float32) * xf, axis=1)
+            acc_u += tl.sum(u.to(tl.float32) * xf, axis=1)
+        g, u, x = g_next, u_next, x_next
+    xf = x.to(tl.float32)[None, :]
+    if BLOCK_SCALED:
         acc_g += tl.sum(g.to(tl.float32) * xf, axis=1) * sg
         acc_u += tl.sum(u.to(tl.float32) * xf, axis=1) * su
     else:
-        # products accumulate per lane, [BLOCK_N, BLOCK_K], and are reduced across the threads once at the
-        # end: a reduction per K step sat between a tile's arrival and the next prefetch's issue
-        acc2_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc2_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            g_next, u_next, x_next = _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, k0, K, BLOCK_K)
-            xf = x.to(tl.float32)
-            acc2_g += g.to(tl.float32) * xf
-            acc2_u += u.to(tl.float32) * xf
-            g, u, x = g_next, u_next, x_next
-        xf = x.to(tl.float32)
-        acc_g = tl.sum(acc2_g + g.to(tl.float32) * xf, axis=1)
-        acc_u = tl.sum(acc2_u + u.to(tl.float32) * xf, axis=1)
+        acc_g += tl.sum(g.to(tl.float32) * xf, axis=1)
+        acc_u += tl.sum(u.to(tl.float32) * xf, axis=1)
     if W_FP8 and PER_CHANNEL:
         acc_g *= tl.load(sg_ptrs)
         acc_u *= tl.load(su_ptrs)
@@ -291,25 +283,26 @@ def fused_moe_gemv_down_kernel(
     a_base = act_ptr + pairs.to(tl.int64)[:, None] * stride_am
     s_base = ws_ptr + expert.to(tl.int64)[:, None] * stride_se + (rows // GROUP_N)[None, :] * stride_sn
     BLOCK_SCALED: tl.constexpr = W_FP8 and not PER_CHANNEL
+    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
     w, a = _down_tile(w_base, a_base, routed, offs_k, 0, K, BLOCK_K)
     if BLOCK_SCALED:
-        # each K step's sums take that step's block scales, so they are reduced step by step
-        acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
         s = tl.load(s_base, mask=routed[:, None], other=0.0)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            w_next, a_next = _down_tile(w_base, a_base, routed, offs_k, k0, K, BLOCK_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w_next, a_next = _down_tile(w_base, a_base, routed, offs_k, k0, K, BLOCK_K)
+        if BLOCK_SCALED:
             s_next = tl.load(s_base + k0 // GROUP_K, mask=routed[:, None], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2) * s
-            w, a, s = w_next, a_next, s_next
-        acc += tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2) * s
+        part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
+        if BLOCK_SCALED:
+            acc += part * s
+            s = s_next
+        else:
+            acc += part
+        w, a = w_next, a_next
+    part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
+    if BLOCK_SCALED:
+        acc += part * s
     else:
-        # per-lane products, reduced across the threads once at the end (see the gate_up kernel)
-        acc3 = tl.zeros((BLOCK_S, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            w_next, a_next = _down_tile(w_base, a_base, routed, offs_k, k0, K, BLOCK_K)
-            acc3 += w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :]
-            w, a = w_next, a_next
-        acc = tl.sum(acc3 + w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
+        acc += part
     if W_FP8 and PER_CHANNEL:
         acc *= tl.load(s_base, mask=routed[:, None], other=0.0)
     out = tl.sum(acc, axis=0)
