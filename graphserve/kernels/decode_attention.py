@@ -41,11 +41,11 @@ BLOCK_N = 64  # context tokens per inner step
 # The launch may cut a context into splits of one inner step (the grid comes from the block-table
 # capacity, so a long context gets its parallelism), but on device a split never takes fewer than
 # MIN_SPLIT_LEN tokens: the splits past the context exit at once and the merge reads only the used
-# ones. At batch 1 the merge after the last arrival is the kernel's tail; at 128 tokens a 1k context
-# is 8 splits whose partials the merge reads in one L2 round trip (18 one-step splits took three),
-# for a second K/V step per program that the software pipeline issues with the first.
+# ones. One inner step per split measured fastest at batch 1 on the H200 (benchmarks.decode_latency,
+# results/decode_latency.json: a 1k context in 6.8-7.1 us at 64 tokens per split against 8.1-8.6 us at
+# 128 for the qwen3-30b-a3b and llama3-8b head shapes): more programs in flight beat a shorter merge.
 MIN_SPLIT_TOKENS = BLOCK_N
-MIN_SPLIT_LEN = 2 * BLOCK_N
+MIN_SPLIT_LEN = BLOCK_N
 PROGRAMS_PER_SM = 2  # enough resident programs per SM to hide HBM latency
 NUM_WARPS, NUM_STAGES = 4, 3  # measured best of BLOCK_N 16..128, 2..8 warps, 2..4 stages on H200
 

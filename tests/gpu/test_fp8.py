@@ -207,7 +207,10 @@ def test_split_k_gemv_under_cuda_graph_replay(cfg: StreamConfig, gen: torch.Gene
         graph.replay()
         torch.cuda.synchronize()
         assert rel(out, fp8_gemv_reference(x.float(), wq, ws, 128, 128)) < TOL
-        assert rel(out, fp8_gemv(x, wq, ws, 128, 128, config=StreamConfig(8, 2048, 4, 2, False))) < 1e-3
+        # against the unsplit FMA tile: the dot path rounds the block-scaled x to bf16 before its products
+        # (a 2^-9 relative step per element, kernels/fp8_gemv.py), so it agrees to a few 1e-3, the FMA path to 1e-3
+        agree = 4e-3 if cfg.use_dot else 1e-3
+        assert rel(out, fp8_gemv(x, wq, ws, 128, 128, config=StreamConfig(8, 2048, 4, 2, False))) < agree
         assert not counters.any()
 
 
