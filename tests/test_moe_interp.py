@@ -216,7 +216,7 @@ def test_add_norm_gate_matches_norm_then_gate(t, e, h, k, renorm):
         moe_add_norm_gate_softmax_topk(x, res[:, 1:], norm_w, 1e-6, gate, k, renorm, counter)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3])
 def test_layer_add_norm_gate_matches_norm_then_forward(rows):
     """FusedMoE.forward_add_norm_gate: one launch on the kernel path up to ADD_NORM_MAX_ROWS rows (above it the
     norm runs on its own and the gate stays fused), the norm module then the gate on the CPU path."""
@@ -233,7 +233,7 @@ def test_layer_add_norm_gate_matches_norm_then_forward(rows):
         gate.weight.copy_(_randn(E, H, gen=gen))
         norm.weight.copy_(1 + _randn(H, gen=gen, scale=0.1))
     x, res = _randn(rows, H, gen=gen), _randn(rows, H, gen=gen)
-    valid = torch.tensor([True, True, False][:rows], device=DEVICE)
+    valid = torch.tensor([True, False, True][:rows], device=DEVICE)
     layer.use_kernels = False
     want, want_hidden, want_res = layer.forward_add_norm_gate(x, res.clone(), norm, gate, valid=valid)
     want_counts = layer.expert_counts.clone()

@@ -23,10 +23,10 @@ heads, block-table width), never from ``seq_lens`` values, so a decode step capt
 
 The extend path (causal, ``BLOCK_T`` query tokens per program, one split) reads the paged cache in
 place. The engine does not use it: on the H200 the expanded form (``kv_b_proj`` over the context,
-then SDPA) was 3-13x faster at every chunk size measured, 64 to 2048 tokens on a 4096-token prefix
-(benchmarks/results/mla.json: 0.27 against 0.80 ms at 64 tokens, 0.56 against 7.28 ms at 2048, 1.22
-against 12.1 ms for V3's 128 heads at 512), so layers/mla_expanded.py runs prefill and extend and
-this path stays as the absorbed form's reference point, timed by benchmarks/mla.py beside it.
+then SDPA, layers/mla_expanded.py) was faster at every chunk size measured, 16 to 2048 tokens on a
+4096-token prefix, by 1.02-1.25x (benchmarks/results/mla.json: 0.73 against 0.91 ms at 16 tokens, 6.11
+against 7.45 ms at 2048, 10.3 against 12.2 ms for V3's 128 heads at 512), so layers/mla_expanded.py runs
+prefill and extend and this path stays as the absorbed form's reference point, timed beside it.
 """
 
 from __future__ import annotations

@@ -31,9 +31,10 @@ from graphserve.kernels.norm import fused_add_rms_norm_reference
 
 MAX_ROWS = 8  # beyond this the gate's weight reuse favours a real matmul (and one program's x tile grows)
 # The residual add + RMSNorm join the gate's launch only up to this many rows: each gate program
-# normalises every row it reads, so the saved launch (0.7-1.0 us at 1 row on the four MoE presets'
-# shapes) turns into a loss as rows grow (1.9-6.0 us slower at 8 rows): benchmarks/results/launches.json.
-ADD_NORM_MAX_ROWS = 1
+# normalises every row it reads, so the saved launch turns into a loss as rows grow. On the H200
+# (benchmarks/results/launches.json, the four MoE presets' router shapes) the fusion saved 0.4-0.9 us
+# per layer at 1 row and 0.1-0.5 us at 2, and cost up to 2.0 us at 4 rows and 2.1-6.2 us at 8.
+ADD_NORM_MAX_ROWS = 2
 TILE_ELEMS = 64 * 32 * 4  # products per K step of one program: 64 per thread at 4 warps
 # The top-k tail ranks every expert against every other in one [E, E] comparison (below) for a single
 # row of up to this many experts (128 x 128 compares: 128 per thread at 4 warps); more rows or experts

@@ -6,10 +6,13 @@ A chunk of ``n`` new tokens on a context of ``L`` cached positions: ``kv_b_proj`
 every head's keys, and SDPA runs causal attention aligned to the end of the context. Its cost is one
 GEMM over the context plus a standard attention, both on tensor cores at full size; the absorbed
 kernel instead re-reads the 576-wide latent rows for every two query tokens at 1088 MACs per score.
-On the H200 (benchmarks/results/mla.json, one chunk on a 4096-token prefix, bf16) the expanded form
-took 0.27 / 0.30 / 0.56 ms at chunks of 64 / 512 / 2048 tokens with 16 heads, against 0.80 / 1.66 /
-7.28 ms absorbed (including the absorption matmuls), and 1.22 ms against 12.1 ms at 512 tokens with
-V3's 128 heads: 3-13x faster at every chunk size measured.
+On the H200 (benchmarks/results/mla.json at 1343f04, one chunk on a 4096-token prefix, bf16, this
+module's own function against the absorbed kernel plus its absorption matmuls) the expanded form took
+0.73 / 0.87 / 1.76 / 6.11 ms at chunks of 16 / 64 / 512 / 2048 tokens with 16 heads, against
+0.91 / 0.90 / 1.78 / 7.45 ms absorbed, and 10.3 against 12.2 ms at 512 tokens with V3's 128 heads:
+faster at every chunk size measured, by 1.02-1.25x. An earlier run of a bare expanded reference (no
+head grouping, one SDPA call) took 0.46 ms at 64 tokens and 0.39 ms at 512: the grouping and copies
+here cost more than the form saves at small chunks, which is where this path has room.
 
 Single-token rows of a mixed step (a decode beside a prefill) stay absorbed: for them the
 up-projection of the whole context would cost ``L x r x H x (nope + v)`` MACs for one query, so they

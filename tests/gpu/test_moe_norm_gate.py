@@ -70,7 +70,7 @@ def test_add_norm_gate_matches_norm_then_gate(name, t, gen):
         torch.testing.assert_close(w[same], w_ref[same], rtol=2e-2, atol=1e-3)
 
 
-@pytest.mark.parametrize("padded,real", [(1, 1), (1, 0)])  # the fused add+norm runs up to ADD_NORM_MAX_ROWS rows
+@pytest.mark.parametrize("padded,real", [(1, 1), (1, 0), (2, 1)])  # the fused add+norm runs up to ADD_NORM_MAX_ROWS rows
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
 @torch.inference_mode()
 def test_layer_add_norm_gate_under_cuda_graph_replay(name, padded, real, gen):
