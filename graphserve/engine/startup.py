@@ -94,8 +94,23 @@ def requested_kv_tokens(config: EngineConfig, kv_bytes_per_token: int) -> int | 
     return None
 
 
+def mixed_step_lens(chunk: int, max_running: int, max_model_len: int) -> list[int]:
+    """Query lengths of the worst mixed step: ``chunk`` prefill tokens plus every other running request decoding.
+
+    The prefill is cut into prompts of at most ``max_model_len`` tokens, as the scheduler's would be:
+    one prompt of a 2048-token chunk under --max-model-len 1024 has positions past the model's rotary
+    table (it holds ``max_model_len`` rows), and the fused prologue read them past its end - an illegal
+    memory access on the GPU, or garbage, depending on what the allocator had put after the table."""
+    prefill = [max_model_len] * (chunk // max_model_len) + ([chunk % max_model_len] if chunk % max_model_len else [])
+    return prefill + [1] * (max_running - 1)
+
+
 def synthetic_batch(runner: ModelRunner, query_lens: list[int], first_block: int = 1) -> ForwardBatch:
-    """Fresh sequences (no cached prefix) on consecutive blocks of ``runner``'s pool."""
+    """Fresh sequences (no cached prefix) on consecutive blocks of ``runner``'s pool; none may be longer
+    than the runner's max_model_len (the model's rotary table ends there)."""
+    limit = runner.config.max_model_len
+    if limit is not None and max(query_lens) > limit:
+        raise ValueError(f"synthetic batch: a sequence of {max(query_lens)} tokens is longer than max_model_len={limit}")
     return contiguous_batch(query_lens, query_lens, runner.kv_caches, runner.attn_backend, runner.info.vocab_size,
                             first_block)
 
@@ -202,9 +217,10 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     chunk = cfg.chunked_prefill_size
 
     # 2-3. activations and the graph pool, on a profiling pool just large enough for the synthetic steps
-    prof_blocks = 2 + -(-chunk // cfg.block_size) + max_running
+    mixed_lens = mixed_step_lens(chunk, max_running, max_model_len)
+    prof_blocks = 2 + sum(-(-n // cfg.block_size) for n in mixed_lens)
     prof = ModelRunner(cfg, loaded, prof_blocks, device)
-    mixed = step_peak_bytes(prof, synthetic_batch(prof, [chunk] + [1] * (max_running - 1)))
+    mixed = step_peak_bytes(prof, synthetic_batch(prof, mixed_lens))
     decode = step_peak_bytes(prof, synthetic_batch(prof, [1] * max_running))
     pool = 0
     if sizes:
