@@ -11,10 +11,10 @@ cached prefix. The checker itself is shown to catch a read past the block table.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import test_mla_interp  # noqa: F401  (runs the kernels under the interpreter when there is no GPU)
 import torch
+from interp_bounds import bounds_checked
 
 from graphserve.kernels.mla_attention import mla_attention
 from graphserve.kernels.mla_config import DECODE_FEW_HEADS, DECODE_FP32, SAFE_DECODE, MLATile
@@ -25,42 +25,11 @@ RANK, ROPE, PAGE = 512, 64, 16
 
 
 @pytest.fixture
-def bounds(monkeypatch):
-    """Patch the interpreter: a masked-in lane outside every tensor argument raises IndexError."""
-    from triton.runtime import interpreter
-
-    ranges: list[tuple[int, int]] = []
-    init, load, store = (interpreter.GridExecutor._init_args_hst, interpreter.InterpreterBuilder.create_masked_load,
-                         interpreter.InterpreterBuilder.create_masked_store)  # fmt: skip
-
-    def check(ptrs, mask, itemsize: int, what: str) -> None:
-        lanes = ptrs.data[mask.data] if mask is not None else ptrs.data.ravel()
-        inside = np.zeros(lanes.shape, dtype=bool)
-        for lo, hi in ranges:
-            inside |= (lanes >= lo) & (lanes + itemsize <= hi)
-        if not inside.all():
-            raise IndexError(f"{what} out of bounds in {int((~inside).sum())} of {lanes.size} lanes")
-
-    def init_args(self, args, kwargs):
-        host_args, host_kwargs = init(self, args, kwargs)
-        ranges.clear()
-        for a in [*host_args, *host_kwargs.values()]:
-            if hasattr(a, "untyped_storage"):
-                s = a.untyped_storage()
-                ranges.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
-        return host_args, host_kwargs
-
-    def masked_load(self, ptrs, mask, other, *rest):
-        check(ptrs, mask, np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize, "load")
-        return load(self, ptrs, mask, other, *rest)
-
-    def masked_store(self, ptrs, value, mask, *rest):
-        check(ptrs, mask, value.data.dtype.itemsize, "store")
-        return store(self, ptrs, value, mask, *rest)
-
-    monkeypatch.setattr(interpreter.GridExecutor, "_init_args_hst", init_args)
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", masked_load)
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_store", masked_store)
+def bounds():
+    """Every interpreted launch in the test checked by tests/interp_bounds.py: a masked-in lane outside the
+    launch's tensors raises IndexError."""
+    with bounds_checked() as launched:
+        yield launched
 
 
 def sweep_point(heads: int, batch: int, ctx: int, seed: int):
