@@ -109,7 +109,10 @@ def bench_offline(num_requests: int, hf_requests: int, hf_max_output_len: int, h
 
 def _write(bw, rows: list[dict], layers: list[dict]) -> None:
     """Every row against the best rate of the run so far; written after each part, so a later part that
-    fails or runs out of time leaves the earlier rows on disk."""
+    fails or runs out of time leaves the earlier rows on disk. A layer that read faster than the probes
+    raises the floor first, so no row can beat it."""
+    for r in layers:
+        bw.observe(f"{r['model']} layer {r['layer']} bs={r['bs']} {r['routing']}", r["bytes"], r["layer_ms"])
     for r in rows:
         r.update(bw.ratios(r["step_ms"], r["bytes"]))
     for r in layers:
