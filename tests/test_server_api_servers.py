@@ -17,7 +17,7 @@ from server_utils import ServerProcess, metrics, wait_for
 from test_server_lifecycle import stream_events
 
 from graphserve.errors import ConfigError
-from graphserve.server.launch import api_server_count
+from graphserve.server.serve_args import api_server_count
 
 RUNNING, QUEUED = 2, 6
 

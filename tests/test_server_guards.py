@@ -15,7 +15,7 @@ from server_utils import ServerProcess, metrics
 
 from graphserve.models.builtin import ensure_builtin
 from graphserve.server.guards import MAX_HEAD_BYTES
-from graphserve.server.launch import guard_options
+from graphserve.server.serve_args import guard_options
 
 KEY = "sk-test-0123456789"
 READ_TIMEOUT_S = 1.5

@@ -1,10 +1,10 @@
 """The engine behind the server, fed from the asyncio loop.
 
-The core runs in its own process by default (``separate_process``, see engine_process.py), or on a thread
-of the server process. Either way its outputs go to the output thread (output_pump.py), which detokenizes
-off the event loop and hands the loop per-request deltas, which it fans out to the streams. In-process,
-requests go in through a locked inbox that the engine thread drains between steps (the core is only
-touched by that thread: it has no locks), and the thread sleeps on a condition when there is no work.
+The core runs in its own process by default (``separate_process``, see engine_process.py; what it sends back
+is applied in engine_events.py), or on a thread of the server process (engine_thread.py). Either way its
+outputs go to the output thread (output_pump.py), which detokenizes off the event loop and hands the loop
+per-request deltas, which it fans out to the streams. This class is the loop's side: it validates, admits
+and aborts requests, bounds the queue, and watches for clients that stopped reading.
 
 Requests are keyed in the engine by ids of our own, unique for the server's life: a client's ``rid`` is
 only a label, so reusing one can never reach another request's state.
@@ -26,29 +26,24 @@ from graphserve.errors import (
     BadRequestError,
     GraphserveError,
     InternalError,
-    ModelLoadError,
     OverloadedError,
     ServiceUnavailableError,
 )
 from graphserve.sampling_params import SamplingParams
 from graphserve.server.core_driver import FAULT_ENV, CoreDriver
 from graphserve.server.deltas import DeltaProcessor, RequestDelta
+from graphserve.server.engine_events import EngineEvents
 from graphserve.server.engine_process import (
     AbortRequests,
     AddRequests,
-    CoreView,
     EngineChannel,
     EngineLink,
-    EngineLoadFailed,
     EngineProcess,
-    EngineReady,
     FlushPrefixCache,
-    ProfileSteps,
-    StepBatch,
 )
+from graphserve.server.engine_thread import EngineThread
 from graphserve.server.output_pump import OutputPump
 from graphserve.server.request_stream import RequestStream
-from graphserve.server.step_outputs import StepOutputs
 
 logger = logging.getLogger("graphserve.server")
 
@@ -73,14 +68,11 @@ class AsyncEngine:
         # Called on the loop as on_abort(request_id, error) for a request stopped before it finished.
         self.on_abort: Callable[[str, GraphserveError | None], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._cond = threading.Condition()
-        self._inbox: list[Any] = []  # in-process: EngineRequests to add
-        self._aborts: list[str] = []
-        self._flush_cache = False
         self._stopped = False
-        self._thread: threading.Thread | None = None
+        # where the core runs: on a thread here, or in a process (ours, or one shared by several front-ends)
+        # that start() connects to; requests, aborts and flushes go to whichever it is
+        self._thread = None if self.separate_process else EngineThread(self)
         self._process: EngineProcess | EngineLink | None = None
-        self._driver: CoreDriver | None = None  # in-process only
         self._pump: OutputPump | None = None
         self._processor: DeltaProcessor | None = None
         self._streams: dict[str, RequestStream] = {}  # engine id -> stream; loop thread only
@@ -91,8 +83,6 @@ class AsyncEngine:
         self._all_frontends_ready = channel is None
         self._watchdog: asyncio.Task[None] | None = None
         self._fault_marker = os.environ.get(FAULT_ENV) or None
-        self._faulty: set[str] = set()
-        self._waiting_in_core = 0  # sequences (in-process engine)
         self._kv_blocks = (0, 1)  # (usable blocks, tokens per block) of the KV pool
         from graphserve.server.profile_route import ProfileBroker
 
@@ -104,27 +94,24 @@ class AsyncEngine:
         """Start the engine (its process, or a thread here); ``ready`` is set once it serves."""
         self._loop = loop
         self._watchdog = loop.create_task(self._watch_stalls())
+        if self._thread is not None:
+            self._thread.start()
+            return
+        events = EngineEvents(self)
         if self.channel is not None:
-            self._process = EngineLink(self.channel, self._on_engine_message, self._on_engine_exit)
-            self._process.start()
-            return
-        if self.separate_process:
-            self._process = EngineProcess(self.config, self._on_engine_message, self._on_engine_exit)
-            self._process.start()
-            return
-        self._thread = threading.Thread(target=self._run, name="graphserve-engine", daemon=True)
-        self._thread.start()
+            self._process = EngineLink(self.channel, events.on_message, events.on_exit)
+        else:
+            self._process = EngineProcess(self.config, events.on_message, events.on_exit)
+        self._process.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
+        self._stopped = True
+        if self._thread is not None:
+            self._thread.shutdown(timeout)
         if self._watchdog is not None:
             self._watchdog.cancel()
         if self._process is not None:
             self._process.shutdown(timeout)
-        if self._thread is not None:
-            self._thread.join(timeout)
         if self._pump is not None:
             self._pump.stop()
 
@@ -146,6 +133,11 @@ class AsyncEngine:
     @property
     def num_inflight(self) -> int:
         return len(self._streams)
+
+    @property
+    def _driver(self) -> CoreDriver | None:
+        """The in-process engine's driver, once loaded (the profile route hands it a profiler)."""
+        return None if self._thread is None else self._thread.driver
 
     def _serving(self, core: Any, num_usable_blocks: int, block_size: int) -> None:
         from graphserve.engine.processor import InputProcessor
@@ -181,7 +173,8 @@ class AsyncEngine:
     def queued_sequences(self) -> int:
         if self._process is not None:  # shared with the engine (and every other front-end): engine_loop.py
             return int(self._process.queued.value)
-        return self._waiting_in_core + sum(r.params.n for r in self._inbox)
+        assert self._thread is not None
+        return self._thread.queued_sequences()
 
     def _overloaded(self, queued: int, n: int) -> OverloadedError:
         return OverloadedError(f"{queued} sequences are waiting and this request adds {n}: the bound is "
@@ -227,10 +220,8 @@ class AsyncEngine:
         if self._process is not None:
             self._process.send(AddRequests([req], faulty, frontend=self._process.frontend))
             return stream
-        with self._cond:
-            self._faulty |= faulty
-            self._inbox.append(req)
-            self._cond.notify()
+        assert self._thread is not None
+        self._thread.add(req, faulty)
         return stream
 
     def _check_n_fits(self, num_prompt: int, params: SamplingParams) -> None:
@@ -271,18 +262,16 @@ class AsyncEngine:
         if self._process is not None:
             self._process.send(AbortRequests(ids))
             return
-        with self._cond:
-            self._aborts.extend(ids)
-            self._cond.notify()
+        assert self._thread is not None
+        self._thread.abort(ids)
 
     def flush_prefix_cache(self) -> None:
         """Drop the prefix cache before the engine's next step; requests added after this call see it empty."""
         if self._process is not None:
             self._process.send(FlushPrefixCache())
             return
-        with self._cond:
-            self._flush_cache = True
-            self._cond.notify()
+        assert self._thread is not None
+        self._thread.flush_prefix_cache()
 
     def abort_all(self, error: GraphserveError) -> int:
         ids = list(self._streams)
@@ -320,93 +309,3 @@ class AsyncEngine:
                     self.abort(engine_id, ServiceUnavailableError(
                         f"the client did not read its response for {self.stream_stall_timeout:g} s "
                         "(--stream-stall-timeout)", retry_after=1))
-
-    # -- engine process: reader thread, then loop thread --------------------------------------------------
-
-    def _on_engine_message(self, msg: Any) -> None:
-        if isinstance(msg, StepBatch):
-            self.stats = msg.stats
-            if self._pump is not None:  # tokens first: the output thread detokenizes while the listeners run
-                self._pump.push(msg.outputs, msg.failed)
-            if msg.records and self.core is not None:
-                self.core.telemetry.extend(msg.records)  # listeners (metrics, step log) run here, off the loop
-        elif isinstance(msg, EngineReady):
-            try:
-                from graphserve.models.loader import load_tokenizer
-
-                core = CoreView(load_tokenizer(self.config.model), msg.info, msg.chat_template, msg.max_model_len)
-                if self._on_step is not None:
-                    core.telemetry.add_listener(self._on_step)
-                self._serving(core, msg.num_usable_blocks, msg.block_size)
-                self.stats = msg.stats
-                self.warmup = msg.warmup
-                if self.channel is not None:
-                    with self.channel.ready.get_lock():
-                        self.channel.ready.value += 1
-            except Exception as exc:  # noqa: BLE001 - reported to the launcher, which exits non-zero
-                logger.exception("loading the tokenizer of %s failed", self.config.model)
-                self.load_error = exc
-            self.ready.set()
-        elif isinstance(msg, ProfileSteps):
-            self.profiles.on_result(msg)
-        elif isinstance(msg, EngineLoadFailed):
-            self.load_error = ModelLoadError(msg.message)
-            self.ready.set()
-
-    def _on_engine_exit(self, exitcode: int | None) -> None:
-        if not self.ready.is_set():
-            self.load_error = ModelLoadError(f"the engine process exited with code {exitcode} while loading")
-            self.ready.set()
-            return
-        code = "" if exitcode is None else f" (exit code {exitcode})"
-        self.engine_error = f"the engine process died{code}; restart the server"
-        logger.error("%s: failing %d in-flight request(s)", self.engine_error, len(self._streams))
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self.abort_all, InternalError(self.engine_error))
-
-    # -- in-process engine thread ------------------------------------------------------------------------
-
-    def _load(self) -> None:
-        from graphserve.engine.core import EngineCore
-        from graphserve.server.warmup import warm_up
-
-        core = EngineCore(self.config)
-        self.warmup = warm_up(core)
-        self._driver = CoreDriver(core)
-        self._serving(core, core.block_manager.num_usable_blocks, core.block_manager.block_size)
-        if self._on_step is not None:
-            core.telemetry.add_listener(self._on_step)
-        self.stats = core.stats()
-
-    def _run(self) -> None:
-        try:
-            self._load()
-        except BaseException as exc:  # noqa: BLE001 - reported to the launcher, which exits non-zero
-            self.load_error = exc
-            logger.exception("engine failed to load %s", self.config.model)
-            self.ready.set()
-            return
-        self.ready.set()
-        reported: set[str] = set()
-        while True:
-            with self._cond:
-                while not (self._stopped or self._inbox or self._aborts or self._flush_cache
-                           or self._driver.has_work()):
-                    self._cond.wait()
-                if self._stopped:
-                    return
-                flush, self._flush_cache = self._flush_cache, False
-                new, self._inbox = self._inbox, []
-                aborts, self._aborts = self._aborts, []
-                faulty, self._faulty = self._faulty, set()
-            if flush:
-                self._driver.flush_prefix_cache()
-            outputs, failed = self._driver.iterate(new, aborts, faulty)
-            self.stats = self._driver.core.stats()
-            self._waiting_in_core = int(self.stats.waiting)
-            if outputs or failed:
-                flat = StepOutputs()
-                flat.add_core_outputs(outputs, reported)
-                reported.difference_update(failed)
-                assert self._pump is not None
-                self._pump.push(flat, failed)

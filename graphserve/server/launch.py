@@ -4,7 +4,7 @@ Draining keeps the socket open so new requests get a 503 with Retry-After (a clo
 crash to a load balancer), lets in-flight requests finish within ``--shutdown-timeout``, then fails the
 rest with an error event and exits 0; a second signal skips the drain and exits 1. The engine core runs in a
 process of its own (``--engine-in-process`` keeps it on a thread). ``ServerThread`` runs the same server,
-engine included, in-process on a thread.
+engine included, in-process on a thread. The flags and their checks are in serve_args.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import socket
 import sys
 import threading
@@ -22,68 +21,24 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from graphserve.config import EngineConfig, add_engine_args, config_from_args
+from graphserve.config import EngineConfig, config_from_args
 from graphserve.errors import ConfigError, GraphserveError, ServiceUnavailableError, bad_field
 from graphserve.server.app import create_app
 from graphserve.server.async_engine import AsyncEngine
 from graphserve.server.guards import MAX_HEAD_BYTES, GuardOptions, guarded_protocol
 from graphserve.server.metrics import ServerMetrics
+from graphserve.server.serve_args import (
+    add_arguments,  # noqa: F401 - the `serve` command's flags (cli.py)
+    api_server_count,
+    guard_options,
+)
 from graphserve.server.state import ServerState
 from graphserve.server.steplog import JsonlStepSink, StepLogger
 
 logger = logging.getLogger("graphserve.server")
-API_KEY_ENVS = ("VLLM_API_KEY", "GRAPHSERVE_API_KEY")
 # A forced stop (second SIGTERM/SIGINT) cut streams mid-body: a service manager must not read it as clean.
 FORCED_EXIT_CODE = 1
 LOG_FORMAT = "[%(asctime)s] %(message)s"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="HF folder, builtin:NAME or dummy:PRESET")
-    add_engine_args(parser)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="names clients use in the model field (default: MODEL)")
-    parser.add_argument("--step-log", default=None, metavar="FILE", help="append every step record as JSONL")
-    parser.add_argument("--step-log-max-mb", type=float, default=100.0,
-                        help="rotate --step-log to FILE.1 (one backup kept) when it grows past this size")
-    parser.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics "
-                             f"(default: ${API_KEY_ENVS[0]} or ${API_KEY_ENVS[1]})")
-    parser.add_argument("--max-request-body-mb", type=float, default=32.0,
-                        help="bodies above this size get 413 before they are read")
-    parser.add_argument("--request-read-timeout", type=float, default=30.0,
-                        help="seconds a request head, and then its body, may take to arrive (else 408 and close)")
-    parser.add_argument("--max-connections", type=int, default=4096,
-                        help="open connections past this bound get 503 and are closed")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
-                        help="stream an event every TOKENS tokens per request (a client that falls behind gets "
-                             "several tokens per event anyway)")
-    parser.add_argument("--stream-stall-timeout", type=float, default=30.0, metavar="SECONDS",
-                        help="abort a request whose client has not read its output for SECONDS, freeing its KV")
-    parser.add_argument("--enable-profile-endpoint", action="store_true",
-                        help="serve POST /v1/profile, which profiles the next decode steps (graphserve profile)")
-    parser.add_argument("--engine-in-process", action="store_true",
-                        help="run the engine on a thread of the server process instead of its own process")
-    parser.add_argument("--api-server-count", default="1", metavar="N",
-                        help="HTTP front-end processes sharing the one engine process (each its own event loop "
-                             "and GIL; the kernel spreads connections over them); 'auto' takes a quarter of the "
-                             "CPU cores, at most 4")
-
-
-def guard_options(args: argparse.Namespace) -> GuardOptions:
-    bounds = (("--max-request-body-mb", args.max_request_body_mb),
-              ("--request-read-timeout", args.request_read_timeout), ("--max-connections", args.max_connections))
-    for flag, value in bounds:
-        if not value > 0:
-            raise ConfigError(f"{flag}={value} is invalid: must be > 0", param=flag)
-    key = args.api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), None)
-    return GuardOptions(api_key=key, max_body_bytes=int(args.max_request_body_mb * 1024 * 1024),
-                        read_timeout_s=args.request_read_timeout, max_connections=args.max_connections)
 
 
 def build_state(
@@ -187,26 +142,6 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str, guards: Guard
                           # h11 would refuse a head over 16 KiB that arrives in pieces with a bare 400; the
                           # guard decides instead (431 past MAX_HEAD_BYTES)
                           h11_max_incomplete_event_size=MAX_HEAD_BYTES + 1024)
-
-
-def api_server_count(value: str, engine_in_process: bool = False) -> int:
-    """--api-server-count: a positive integer up to the CPU count, or 'auto'."""
-    cpus = os.cpu_count() or 1
-    if value == "auto":
-        # each front-end is a busy core under load; the rest stay for the engine's threads and the OS
-        return max(1, min(4, cpus // 4))
-    try:
-        count = int(value)
-    except ValueError:
-        raise ConfigError(f"--api-server-count={value!r} is invalid: must be an integer or 'auto'",
-                          param="api_server_count") from None
-    if not 1 <= count <= cpus:
-        raise ConfigError(f"--api-server-count={count} is invalid: must be between 1 and the {cpus} CPU cores "
-                          "of this machine", param="api_server_count")
-    if count > 1 and engine_in_process:
-        raise ConfigError(f"--api-server-count={count} is invalid with --engine-in-process: several front-ends "
-                          "share an engine process, not a thread of one of them", param="api_server_count")
-    return count
 
 
 def build_state_from_args(args: argparse.Namespace, config: EngineConfig, channel: Any = None

@@ -1,0 +1,73 @@
+"""What the engine process tells a front-end, applied to the front-end's AsyncEngine.
+
+The reader thread of the engine's pipe (engine_process.py) calls these, off the event loop: step outputs go
+to the output thread and the step records to the telemetry listeners from here; the engine's death reaches
+the loop through ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from graphserve.errors import InternalError, ModelLoadError
+from graphserve.server.engine_messages import CoreView, EngineLoadFailed, EngineReady, ProfileSteps, StepBatch
+
+if TYPE_CHECKING:
+    from graphserve.server.async_engine import AsyncEngine
+
+logger = logging.getLogger("graphserve.server")
+
+
+class EngineEvents:
+    """The message and exit handlers an EngineProcess or EngineLink is built with, for ``engine``."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def on_message(self, msg: Any) -> None:
+        engine = self.engine
+        if isinstance(msg, StepBatch):
+            engine.stats = msg.stats
+            if engine._pump is not None:  # tokens first: the output thread detokenizes while the listeners run
+                engine._pump.push(msg.outputs, msg.failed)
+            if msg.records and engine.core is not None:
+                engine.core.telemetry.extend(msg.records)  # listeners (metrics, step log) run here, off the loop
+        elif isinstance(msg, EngineReady):
+            self._on_ready(msg)
+        elif isinstance(msg, ProfileSteps):
+            engine.profiles.on_result(msg)
+        elif isinstance(msg, EngineLoadFailed):
+            engine.load_error = ModelLoadError(msg.message)
+            engine.ready.set()
+
+    def _on_ready(self, msg: EngineReady) -> None:
+        engine = self.engine
+        try:
+            from graphserve.models.loader import load_tokenizer
+
+            core = CoreView(load_tokenizer(engine.config.model), msg.info, msg.chat_template, msg.max_model_len)
+            if engine._on_step is not None:
+                core.telemetry.add_listener(engine._on_step)
+            engine._serving(core, msg.num_usable_blocks, msg.block_size)
+            engine.stats = msg.stats
+            engine.warmup = msg.warmup
+            if engine.channel is not None:
+                with engine.channel.ready.get_lock():
+                    engine.channel.ready.value += 1
+        except Exception as exc:  # noqa: BLE001 - reported to the launcher, which exits non-zero
+            logger.exception("loading the tokenizer of %s failed", engine.config.model)
+            engine.load_error = exc
+        engine.ready.set()
+
+    def on_exit(self, exitcode: int | None) -> None:
+        engine = self.engine
+        if not engine.ready.is_set():
+            engine.load_error = ModelLoadError(f"the engine process exited with code {exitcode} while loading")
+            engine.ready.set()
+            return
+        code = "" if exitcode is None else f" (exit code {exitcode})"
+        engine.engine_error = f"the engine process died{code}; restart the server"
+        logger.error("%s: failing %d in-flight request(s)", engine.engine_error, engine.num_inflight)
+        assert engine._loop is not None
+        engine._loop.call_soon_threadsafe(engine.abort_all, InternalError(engine.engine_error))
