@@ -12,25 +12,11 @@ wrong scale block or a missed tile gives errors of order 1.
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import torch
+from interp_setup import use_interpreter
 
-
-def _use_interpreter() -> None:
-    """Run this module's kernels under Triton's interpreter when there is no GPU (as tests/test_gemv_interp.py)."""
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        if torch.cuda.is_available():
-            return
-        stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
-        stale += [m for m in sys.modules if m.startswith("graphserve.kernels")]
-        for name in stale:
-            sys.modules.pop(name, None)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-_use_interpreter()
+use_interpreter()
 
 import pytest  # noqa: E402
 

@@ -7,34 +7,12 @@ residual. The bf16 model-shape versions and the CUDA-graph check live in tests/g
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
+from interp_setup import kernel_device, use_interpreter
 
-
-def _use_interpreter() -> None:
-    """Run this module's kernels under Triton's interpreter when there is no GPU.
-
-    TRITON_INTERPRET is read when a kernel is first run, by a triton imported after it is set;
-    if something imported triton compiled before (and there is no GPU to compile for), triton and
-    the kernel modules are dropped from the import cache and imported again under the interpreter.
-    """
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        if torch.cuda.is_available():
-            return  # a whole-suite run on a GPU machine: these checks run compiled there
-        stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
-        stale += [m for m in sys.modules if m.startswith("graphserve.kernels")]
-        for name in stale:
-            sys.modules.pop(name, None)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-_use_interpreter()
+use_interpreter()
 
 import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from graphserve.kernels.activation import silu_and_mul  # noqa: E402
 from graphserve.kernels.gemv import (  # noqa: E402
@@ -51,7 +29,7 @@ from graphserve.layers import linear as linear_mod  # noqa: E402
 from graphserve.layers.activation import silu_and_mul as layer_silu_and_mul  # noqa: E402
 from graphserve.layers.norm import RMSNorm  # noqa: E402
 
-DEVICE = torch.device("cpu") if isinstance(tl.standard.cdiv, InterpretedFunction) else torch.device("cuda")
+DEVICE = kernel_device()
 RTOL = 1e-4
 FMA = GemvConfig(block_n=8, block_k=64, num_warps=4, num_stages=2, use_dot=False)
 DOT = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2, use_dot=True)

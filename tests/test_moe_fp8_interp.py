@@ -12,29 +12,12 @@ same way. The bf16 model-shape and CUDA-graph versions live in tests/gpu/test_mo
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
+from interp_setup import kernel_device, use_interpreter
 
-
-def _use_interpreter() -> None:
-    """As tests/test_moe_interp.py: the kernels run under Triton's interpreter when there is no GPU."""
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        if torch.cuda.is_available():
-            return
-        stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
-        stale += [m for m in sys.modules if m.startswith("graphserve.kernels") or m == "graphserve.layers.moe"]
-        for name in stale:
-            sys.modules.pop(name, None)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-_use_interpreter()
+use_interpreter("graphserve.layers.moe")
 
 import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from graphserve.kernels import moe_fused  # noqa: E402
 from graphserve.kernels.fp8_quant import (  # noqa: E402
@@ -50,7 +33,7 @@ from graphserve.layers.moe import FusedMoE, SoftmaxTopK  # noqa: E402
 from graphserve.layers.quant.config import Fp8Config  # noqa: E402
 from graphserve.layers.quant.fp8_moe import Fp8MoEMethod, quantize_stack  # noqa: E402
 
-DEVICE = torch.device("cpu") if isinstance(tl.standard.cdiv, InterpretedFunction) else torch.device("cuda")
+DEVICE = kernel_device()
 E = 6
 GEMM = (GemmTile(16, 16, 32, 2, 4, 2), GemmTile(16, 32, 32, 1, 4, 2))
 GEMV = (GemvTile(8, 32, 4), GemvTile(16, 32, 4))

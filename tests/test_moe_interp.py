@@ -9,34 +9,12 @@ tests/gpu/test_moe.py.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
+from interp_setup import kernel_device, use_interpreter
 
-
-def _use_interpreter() -> None:
-    """Run this module's kernels under Triton's interpreter when there is no GPU.
-
-    TRITON_INTERPRET is read when a kernel is first run, by a triton imported after it is set;
-    if something imported triton compiled before (and there is no GPU to compile for), triton and
-    the kernel modules are dropped from the import cache and imported again under the interpreter.
-    """
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        if torch.cuda.is_available():
-            return  # a whole-suite run on a GPU machine: these checks run compiled there
-        stale = [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]
-        stale += [m for m in sys.modules if m.startswith("graphserve.kernels") or m == "graphserve.layers.moe"]
-        for name in stale:
-            sys.modules.pop(name, None)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-_use_interpreter()
+use_interpreter("graphserve.layers.moe")
 
 import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from graphserve.kernels import moe_align as moe_align_mod  # noqa: E402
 from graphserve.kernels.moe_align import moe_align  # noqa: E402
@@ -57,7 +35,7 @@ from graphserve.kernels.moe_reference import (  # noqa: E402
 from graphserve.kernels.moe_routing import moe_grouped_topk, moe_softmax_topk  # noqa: E402
 from graphserve.layers.moe import FusedMoE, SoftmaxTopK  # noqa: E402
 
-DEVICE = torch.device("cpu") if isinstance(tl.standard.cdiv, InterpretedFunction) else torch.device("cuda")
+DEVICE = kernel_device()
 H, INTER, E = 40, 24, 6
 GEMM = (GemmTile(16, 16, 32, 2, 4, 2), GemmTile(16, 32, 16, 1, 4, 2))
 GEMV = (GemvTile(8, 16, 4), GemvTile(16, 16, 4))
