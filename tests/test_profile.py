@@ -206,3 +206,14 @@ def test_profile_endpoint_and_cli_through_a_server(tmp_path):
         # the held streams were closed, so their requests were aborted
         core = server.state.engine._driver.core
         assert wait_for(lambda: not core.has_unfinished_requests(), timeout=30)
+
+
+def test_profile_arguments_are_refused_by_name_and_limit():
+    from graphserve.analysis.profile import MAX_BATCH_SIZE, parse_batch_sizes
+    from graphserve.errors import BadRequestError
+
+    assert parse_batch_sizes("1, 64") == [1, 64]
+    for bad in ("0", f"1,{MAX_BATCH_SIZE + 1}", "a", ""):
+        with pytest.raises(BadRequestError, match="batch_size") as err:
+            parse_batch_sizes(bad)
+        assert str(MAX_BATCH_SIZE) in str(err.value) or "integers" in str(err.value)

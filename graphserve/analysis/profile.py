@@ -24,6 +24,8 @@ from graphserve.analysis.step_trace import CATEGORIES, LABELS
 from graphserve.errors import BadRequestError, bad_field
 
 MAX_STEPS = 1000
+# Held requests per profiled batch: a server-driven profile holds each in a stream (and a thread) of its own.
+MAX_BATCH_SIZE = 1024
 # Tokens each held request may still generate: warm-ups, both phases, their drains, and room to spare.
 TOKENS_PER_PROFILE_STEP = 2
 
@@ -51,8 +53,8 @@ def parse_batch_sizes(text: str | None) -> list[int]:
         sizes = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
         raise bad_field("batch_size", text, "must be comma-separated integers, e.g. 1,64") from None
-    if not sizes or min(sizes) < 1:
-        raise bad_field("batch_size", text, "needs at least one size, each >= 1")
+    if not sizes or min(sizes) < 1 or max(sizes) > MAX_BATCH_SIZE:
+        raise bad_field("batch_size", text, f"needs at least one size, each between 1 and {MAX_BATCH_SIZE}")
     return sizes
 
 
@@ -244,6 +246,10 @@ def refuse_engine_flags(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_steps(args.steps)
+    if not args.timeout > 0:
+        raise bad_field("timeout", args.timeout, "must be > 0 seconds")
+    if args.input_len < 1:
+        raise bad_field("input_len", args.input_len, "must be >= 1 prompt token")
     sizes = parse_batch_sizes(args.batch_size)
     if bool(args.base_url) == bool(args.model):
         raise bad_field("base_url", args.base_url, "give either --base-url URL or --model MODEL")
