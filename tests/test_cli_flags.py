@@ -18,6 +18,9 @@ from graphserve.cli import main
         (["bench", "--base-url", "http://127.0.0.1:9", "--warmup-requests", "-1"], ["warmup_requests=-1", ">= 0"]),
         (["bench", "--base-url", "http://127.0.0.1:9", "--request-rate", "-2"], ["request_rate=-2", "> 0"]),
         (["sweep", "--base-url", "http://127.0.0.1:9", "--concurrency", "1,0"], ["concurrency"]),
+        (["sweep", "--base-url", "http://127.0.0.1:9", "--profile", "--profile-steps", "0"], ["steps=0", "1000"]),
+        (["profile", "--model", "builtin:tiny-llama", "--batch-size", "5000"], ["batch_size='5000'", "1024"]),
+        (["profile", "--model", "builtin:tiny-llama", "--timeout", "0"], ["timeout=0", "> 0"]),
     ],
 )
 def test_bad_flag_is_refused_naming_it(argv, words, capsys):

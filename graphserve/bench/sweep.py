@@ -183,6 +183,10 @@ def print_results(results: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         check_load_args(args)
+        if args.profile:  # refused here, not once per level after each level's load has run
+            from graphserve.analysis.profile import check_steps
+
+            check_steps(args.profile_steps)
         levels = parse_levels(args.concurrency)
         output_dir = args.output_dir or "sweep-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
         tokenizer = load_tokenizer(args.tokenizer)
