@@ -117,6 +117,17 @@ def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, pa
         assert torch.equal(out[-2:].cpu(), torch.zeros(2, h))
 
 
+def test_fused_experts_refuses_bad_weights_by_name_and_value():
+    gen = torch.Generator().manual_seed(3)
+    w13, w2 = _weights(gen)
+    x = _randn(4, H, gen=gen)
+    topk_w, topk_ids = softmax_topk_reference(_randn(4, E, gen=gen), 2, True)
+    with pytest.raises(ValueError, match=r"w13 torch.float16, w2 torch.float32 must be torch.float32"):
+        fused_experts(x, w13.half(), w2, topk_w, topk_ids)
+    with pytest.raises(ValueError, match=r"must be contiguous, got strides w13 \(1920, 1, 48\)"):
+        fused_experts(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, topk_w, topk_ids)
+
+
 @pytest.mark.parametrize("t,e,h,k,renorm", [(1, 12, 40, 3, True), (5, 6, 64, 2, False), (8, 130, 72, 4, True)])
 def test_fused_gate_matches_projection_then_topk(t, e, h, k, renorm):
     """One launch of gate projection + softmax top-k, twice on one counter (it must be left at zero)."""

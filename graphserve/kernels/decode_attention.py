@@ -247,7 +247,8 @@ def decode_attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
-        raise ValueError("decode_attention needs head_dim contiguous in q and kv_cache")
+        raise ValueError(f"decode_attention needs head_dim contiguous (stride 1) in q and kv_cache, got strides "
+                         f"q {q.stride()}, kv_cache {kv_cache.stride()}")
     if min_split_len <= 0 or min_split_len % BLOCK_N:
         raise ValueError(f"min_split_len={min_split_len} must be a positive multiple of BLOCK_N={BLOCK_N}")
     group = num_heads // num_kv_heads

@@ -125,7 +125,8 @@ def extend_attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
-        raise ValueError("extend_attention needs head_dim contiguous in q and kv_cache")
+        raise ValueError(f"extend_attention needs head_dim contiguous (stride 1) in q and kv_cache, got strides "
+                         f"q {q.stride()}, kv_cache {kv_cache.stride()}")
     if out is None:
         out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]

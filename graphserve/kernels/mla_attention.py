@@ -257,7 +257,8 @@ def mla_attention(
     if cache.shape[-1] != rank + rope or cache.shape[2] != 1:
         raise ValueError(f"cache rows are {tuple(cache.shape[2:])}, expected (1, {rank + rope}) for r={rank}, d={rope}")
     if q_lat.stride(-1) != 1 or q_rope.stride(-1) != 1 or cache.stride(-1) != 1:
-        raise ValueError("mla_attention needs the last dim of q_lat, q_rope and cache contiguous")
+        raise ValueError(f"mla_attention needs the last dim of q_lat, q_rope and cache contiguous (stride 1), got "
+                         f"{q_lat.stride(-1)}, {q_rope.stride(-1)}, {cache.stride(-1)}")
     if cache.dtype not in CACHE_DTYPES or (cache.dtype.itemsize > 1 and cache.dtype != q_lat.dtype):
         raise ValueError(f"cache dtype {cache.dtype} with queries in {q_lat.dtype}: the cache is in the "
                          f"queries' dtype or float8_e4m3fn")

@@ -86,8 +86,11 @@ def mla_prologue(
     rank = kv_a.shape[1] - rope
     if cache.shape[-1] != rank + rope or cache.shape[2] != 1 or not cache.is_contiguous():
         raise ValueError(f"cache must be contiguous [blocks, page, 1, {rank + rope}], got {tuple(cache.shape)}")
-    if q.stride(2) != 1 or kv_a.stride(1) != 1 or rope % 2:
-        raise ValueError("mla_prologue needs the last dim of q and kv_a contiguous and an even rope dim")
+    if q.stride(2) != 1 or kv_a.stride(1) != 1:
+        raise ValueError(f"mla_prologue needs the last dim of q and kv_a contiguous (stride 1), got {q.stride(2)}, "
+                         f"{kv_a.stride(1)}")
+    if rope % 2:
+        raise ValueError(f"mla_prologue: rope dim = q's {qk} - nope {nope} = {rope} must be even (rotated in pairs)")
     if tokens == 0:
         return
     _mla_prologue_kernel[(tokens,)](

@@ -192,7 +192,7 @@ def moe_align(
 ) -> MoeAlignment:
     """Count (into ``counts``, global experts) and sort the routed pairs into BLOCK_M tiles per local expert."""
     if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
-        raise ValueError(f"topk_ids must be contiguous int32, got {topk_ids.dtype}")
+        raise ValueError(f"topk_ids must be contiguous int32, got {topk_ids.dtype} strides {topk_ids.stride()}")
     if valid is not None and (valid.dtype != torch.bool or valid.shape != topk_ids.shape[:1]):
         raise ValueError(f"valid must be a bool mask [{topk_ids.shape[0]}], got {valid.dtype} {tuple(valid.shape)}")
     if expert_start + num_local_experts > counts.numel():

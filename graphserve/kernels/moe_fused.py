@@ -99,9 +99,9 @@ def _check(hidden, w13, w2, topk_weights, topk_ids, fp8: bool) -> None:
     weight_dtype = FP8_DTYPE if fp8 else hidden.dtype
     if hidden.dtype not in SUPPORTED_DTYPES or w13.dtype != weight_dtype or w2.dtype != weight_dtype:
         raise ValueError(f"hidden {hidden.dtype} must be one of {SUPPORTED_DTYPES} and w13 {w13.dtype}, w2 {w2.dtype} "
-                         f"{weight_dtype}")
+                         f"must be {weight_dtype}")
     if not (w13.is_contiguous() and w2.is_contiguous()):
-        raise ValueError("expert weights must be contiguous")
+        raise ValueError(f"expert weights must be contiguous, got strides w13 {w13.stride()}, w2 {w2.stride()}")
     if topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32:
         raise ValueError(f"topk_ids must be int32 and topk_weights fp32, got {topk_ids.dtype}, {topk_weights.dtype}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:

@@ -247,7 +247,8 @@ def _launch(x, gate_weight, top_k, renormalize, counter, norm, block_ep=None, ra
     if not 0 < top_k <= e:
         raise ValueError(f"top_k={top_k} must be in 1..num_experts={e}")
     if x.dtype != gate_weight.dtype or gate_weight.stride(1) != 1:
-        raise ValueError(f"x {x.dtype} and gate weight {gate_weight.dtype} must match, the weight contiguous along H")
+        raise ValueError(f"x {x.dtype} and gate weight {gate_weight.dtype} must match, the weight contiguous along H "
+                         f"(got strides {gate_weight.stride()})")
     if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != x.device:
         raise ValueError(f"counter must be one int32 on {x.device}, got {counter.dtype} {tuple(counter.shape)}")
     if x.stride(1) != 1:

@@ -55,7 +55,10 @@ def apply_rotary(
             f"q {q.shape[-1]}, k {k.shape[-1]} (need 2 * cache width <= head_dim)"
         )
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-        raise ValueError("apply_rotary needs the last dim contiguous in q, k, cos and sin")
+        raise ValueError(
+            f"apply_rotary needs the last dim contiguous (stride 1) in q, k, cos and sin, got {q.stride(-1)}, "
+            f"{k.stride(-1)}, {cos.stride(-1)}, {sin.stride(-1)}"
+        )
     if num_tokens == 0:
         return
     _rotary_kernel[(num_tokens,)](

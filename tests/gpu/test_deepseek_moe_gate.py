@@ -18,6 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_utils import capture, rel_err  # noqa: E402
 from model_utils import make_hf_checkpoint  # noqa: E402
 from test_deepseek import VARIANTS  # noqa: E402
 
@@ -32,10 +33,6 @@ from graphserve.models.deepseek_shape import shape_from_config  # noqa: E402
 
 DT = torch.bfloat16
 SCALE = 2.5
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def _v2_lite_block(gen: torch.Generator) -> DeepseekMoE:
@@ -67,15 +64,8 @@ def test_v2_lite_block_fuses_add_norm_gate_under_cuda_graph_replay(real, gen, mo
     fused_calls = []
     launch = moe_gate.moe_add_norm_gate_softmax_topk
     monkeypatch.setattr(moe_gate, "moe_add_norm_gate_softmax_topk", lambda *a: fused_calls.append(1) or launch(*a))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile outside the capture
-        block.forward_add_norm(x, res, norm, batch)
-    torch.cuda.synchronize()
+    graph, (out, new_res) = capture(lambda: block.forward_add_norm(x, res, norm, batch))
     assert fused_calls, "one row of greedy routing should take the fused add + norm + gate launch"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out, new_res = block.forward_add_norm(x, res, norm, batch)
     experts = block.experts
     for _ in range(2):
         x.copy_((torch.randn(1, h, device="cuda", generator=gen) * 3).to(DT))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_utils import capture, rel_err
 
 from graphserve.kernels.activation import silu_and_mul
 from graphserve.kernels.common import sm_count
@@ -46,10 +47,6 @@ PROJECTIONS = {
 DOWN = {"qwen3-0.6b down": (1024, 3072), "llama3-8b down": (4096, 14336)}
 NORMED = {"qwen3-0.6b qkv": (4096, 1024), "qwen3-0.6b gate_up": (6144, 1024)}  # the projections a norm feeds
 EPS = 1e-6
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -123,14 +120,7 @@ def test_cuda_graph_replay_matches_eager(name, m, gen):
         silu_mul_gemv(gate_up, w, out=fused)
         norm_gemv(x, norm_w, EPS, w, residual=residual, residual_out=summed, out=normed)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile outside the capture
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        step()
+    graph, _ = capture(step)
     x.copy_(torch.randn(m, k, device="cuda", generator=gen).to(DT))
     gate_up.copy_(torch.randn(m, 2 * k, device="cuda", generator=gen).to(DT))
     residual.copy_(torch.randn(m, k, device="cuda", generator=gen).to(DT))

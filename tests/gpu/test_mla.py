@@ -13,6 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_utils import capture, rel_err  # noqa: E402
 from model_utils import PagedHarness, hf_logits, make_hf_checkpoint, relative_error  # noqa: E402
 from test_deepseek import _TINY, _checkpoint  # noqa: E402
 from transformers import DeepseekV2Config, DeepseekV3Config  # noqa: E402
@@ -41,10 +42,6 @@ def _release():
     yield
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def latent_cache(seq_lens: list[int], gen: torch.Generator):
@@ -198,13 +195,7 @@ def test_decode_replays_from_a_cuda_graph(heads, tile_name, cache_dtype, gen):
     def step():
         mla_attention(q_lat, q_rope, cache, tables, seq_lens, qsl, 0.1, max_query_len=1, out=out, tile=tile)
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        step()
+    graph, _ = capture(step)
     for trial in range(3):
         lens = torch.randint(1, max_ctx + 1, (batch,), generator=torch.Generator().manual_seed(trial)).tolist()
         lens[-2:] = [0, 0]  # padding rows

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_utils import MOE_MODELS as MODELS
+from gpu_utils import capture, rel_err
 
 from graphserve.kernels.moe_fused import fused_experts, moe_workspace_bytes
 from graphserve.kernels.moe_gate import moe_gate_softmax_topk
@@ -26,17 +28,6 @@ from graphserve.layers.moe import FusedMoE, SoftmaxTopK
 DT = torch.bfloat16
 TOL = 2e-2
 BATCHES = [1, 7, 64, 256, 2048]
-# name: (experts, hidden, intermediate per expert, top_k, renormalise)
-MODELS = {
-    "qwen3-30b-a3b": (128, 2048, 768, 8, True),
-    "mixtral-8x7b": (8, 4096, 14336, 2, True),
-    "olmoe-1b-7b": (64, 2048, 1024, 8, False),
-    "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4, False),
-}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -146,14 +137,7 @@ def test_fused_gate_layer_under_cuda_graph_replay(name, padded, real, experts, g
     gate.weight.copy_(torch.randn(e, h, device="cuda", generator=gen) * h**-0.5)
     x = torch.randn(padded, h, device="cuda", generator=gen).to(DT)
     valid = torch.tensor(padded, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile outside the capture
-        layer.forward_gate(x, gate, valid=valid)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out = layer.forward_gate(x, gate, valid=valid)
+    graph, out = capture(lambda: layer.forward_gate(x, gate, valid=valid))
     for _ in range(2):  # two replays: the done-counter must be back at zero for the second
         x.copy_(torch.randn(padded, h, device="cuda", generator=gen).to(DT))
         x[real:] = float("nan")
@@ -206,14 +190,7 @@ def test_cuda_graph_replay_with_padding_rows(name, padded, real, experts, gen):
     x = torch.randn(padded, h, device="cuda", generator=gen).to(DT)
     logits = torch.randn(padded, e, device="cuda", generator=gen)
     valid = torch.tensor(padded, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile outside the capture
-        layer(x, logits, valid=valid)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out = layer(x, logits, valid=valid)
+    graph, out = capture(lambda: layer(x, logits, valid=valid))
     x.copy_(torch.randn(padded, h, device="cuda", generator=gen).to(DT))
     logits.copy_(torch.randn(padded, e, device="cuda", generator=gen) * 3)
     x[real:] = float("nan")  # padding rows hold stale data: nothing of them may reach the output

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_utils import MOE_MODELS as MODELS
+from gpu_utils import capture, rel_err
 
 from graphserve.kernels.moe_fp8_reference import experts_fp8_reference
 from graphserve.kernels.moe_fused import W8A8_MIN_ROWS_PER_EXPERT, fused_experts, moe_workspace_bytes
@@ -25,18 +27,7 @@ from graphserve.layers.quant.fp8_moe import Fp8MoEMethod, quantize_stack
 DT = torch.bfloat16
 TOL = 2e-2
 BLOCK = (128, 128)
-# name: (experts, hidden, intermediate per expert, top_k, renormalise)
-MODELS = {
-    "qwen3-30b-a3b": (128, 2048, 768, 8, True),
-    "mixtral-8x7b": (8, 4096, 14336, 2, True),
-    "olmoe-1b-7b": (64, 2048, 1024, 8, False),
-    "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4, False),
-}
 SCALES = {"block": BLOCK, "channel": None}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -119,14 +110,7 @@ def test_fp8_layer_under_cuda_graph_replay(name, padded, real, kind, experts, ge
     x = torch.randn(padded, h, device="cuda", generator=gen).to(DT)
     logits = torch.randn(padded, e, device="cuda", generator=gen)
     valid = torch.tensor(padded, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile outside the capture
-        layer(x, logits, valid=valid)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out = layer(x, logits, valid=valid)
+    graph, out = capture(lambda: layer(x, logits, valid=valid))
     x.copy_(torch.randn(padded, h, device="cuda", generator=gen).to(DT))
     logits.copy_(torch.randn(padded, e, device="cuda", generator=gen) * 3)
     x[real:] = float("nan")  # padding rows hold stale data: nothing of them may reach the output

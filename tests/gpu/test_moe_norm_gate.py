@@ -16,6 +16,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_utils import MOE_MODELS as MODELS  # noqa: E402
+from gpu_utils import capture, rel_err  # noqa: E402
 from model_utils import make_hf_checkpoint  # noqa: E402
 from test_moe_models import VARIANTS  # noqa: E402
 
@@ -27,17 +29,6 @@ from graphserve.layers.moe import FusedMoE, SoftmaxTopK  # noqa: E402
 from graphserve.layers.norm import RMSNorm  # noqa: E402
 
 DT = torch.bfloat16
-# name: (experts, hidden, intermediate per expert, top_k, renormalise)
-MODELS = {
-    "qwen3-30b-a3b": (128, 2048, 768, 8, True),
-    "mixtral-8x7b": (8, 4096, 14336, 2, True),
-    "olmoe-1b-7b": (64, 2048, 1024, 8, False),
-    "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4, False),
-}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def _inputs(t: int, h: int, gen: torch.Generator):
@@ -86,14 +77,7 @@ def test_layer_add_norm_gate_under_cuda_graph_replay(name, padded, real, gen):
     x, res, norm_w = _inputs(padded, h, gen)
     norm.weight.copy_(norm_w)
     valid = torch.arange(padded, device="cuda") < real
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile outside the capture
-        layer.forward_add_norm_gate(x, res, norm, gate, valid=valid)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out, hidden, new_res = layer.forward_add_norm_gate(x, res, norm, gate, valid=valid)
+    graph, (out, hidden, new_res) = capture(lambda: layer.forward_add_norm_gate(x, res, norm, gate, valid=valid))
     for _ in range(2):
         new_x, new_r, _ = _inputs(padded, h, gen)
         x.copy_(new_x)
