@@ -14,6 +14,7 @@ declares it with two methods, so the model needs no knowledge of the layout:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -55,7 +56,18 @@ class CausalLM(nn.Module):
     def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1):
         raise NotImplementedError(f"{cls.__name__} does not describe itself")
 
+    def needs_row_mask(self) -> bool:
+        """Whether some layer reads ``batch.num_valid_tokens`` as a row mask (routed experts skip padding rows)."""
+        return False
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Any) -> torch.Tensor:
+        # A padded (CUDA-graph) batch carries its real row count on the device. Layers that mask padding
+        # rows get it as a bool mask built once per step here (two small launches), not in each layer; on a
+        # shallow copy, since the graph runner refills the caller's count every replay.
+        count = getattr(batch, "num_valid_tokens", None)
+        if count is not None and count.dtype != torch.bool and self.needs_row_mask():
+            batch = copy.copy(batch)
+            batch.num_valid_tokens = torch.arange(input_ids.shape[0], device=count.device) < count.reshape(())
         return self.model(input_ids, positions, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

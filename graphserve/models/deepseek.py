@@ -15,7 +15,6 @@ attention, one after the MLP or after the MoE block with its shared experts alre
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -178,15 +177,8 @@ class DeepseekV2ForCausalLM(CausalLM):
         if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # a padded (CUDA-graph) batch carries its real row count on the device; every MoE layer needs it as
-        # a row mask, so the mask is built once per step here (two small launches), not in each of V2-Lite's
-        # 26 MoE layers; a shallow copy, since the graph runner refills the caller's count every replay
-        count = batch.num_valid_tokens
-        if count is not None and count.dtype != torch.bool and self.shape.moe_layers:
-            batch = copy.copy(batch)
-            batch.num_valid_tokens = torch.arange(input_ids.shape[0], device=count.device) < count.reshape(())
-        return self.model(input_ids, positions, batch)
+    def needs_row_mask(self) -> bool:
+        return bool(self.shape.moe_layers)
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         layer = _LAYER.match(name)

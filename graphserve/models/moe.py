@@ -13,7 +13,6 @@ expert index in the name to a shard of the stacked parameter.
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -200,14 +199,8 @@ class MoEForCausalLM(CausalLM):
         if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # a padded (CUDA-graph) batch carries its real row count on the device; every MoE layer needs it
-        # as a row mask, so the mask is built once per step here (two small launches), not in each layer
-        count = batch.num_valid_tokens
-        if count is not None and count.dtype != torch.bool:
-            batch = copy.copy(batch)
-            batch.num_valid_tokens = torch.arange(input_ids.shape[0], device=count.device) < count.reshape(())
-        return self.model(input_ids, positions, batch)
+    def needs_row_mask(self) -> bool:
+        return True
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         name = name.replace(".block_sparse_moe.", ".mlp.")
