@@ -37,6 +37,7 @@ from graphserve.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
+    Qwen3ForCausalLM,
     Shape,
     attention_params,
     kv_layout_of,
@@ -241,8 +242,7 @@ class Qwen3MoeForCausalLM(MoEForCausalLM):
 
     @classmethod
     def shape_from_config(cls, config: Any) -> Shape:
-        bias = bool(getattr(config, "attention_bias", False))
-        return LlamaForCausalLM._shape(config, qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return Qwen3ForCausalLM.shape_from_config(config)  # the dense Qwen3's attention
 
 
 class Qwen2MoeForCausalLM(MoEForCausalLM):
