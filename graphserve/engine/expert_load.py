@@ -2,8 +2,9 @@
 each layer received, read back without a host sync.
 
 Every ``FusedMoE`` layer writes its step's per-expert counts into a device buffer (valid under
-CUDA-graph replay, padding rows not counted). After the forward the runner stacks them and queues
-one copy to pinned host memory; the engine reads it once the step's sampled ids have arrived
+CUDA-graph replay, padding rows not counted). The probe makes those buffers rows of one
+[layers, experts] tensor, so after the forward the runner queues a single copy of it to pinned host
+memory (no stack, no per-layer work); the engine reads it once the step's sampled ids have arrived
 (the copy is ordered before them on the stream), so telemetry never waits on the device.
 """
 
@@ -36,14 +37,25 @@ class ExpertLoad:
 
 
 class ExpertLoadProbe:
+    """Built after the model is loaded and before graphs are captured: the layers' count buffers are
+    re-pointed at rows of ``counts`` here, and a captured graph writes whatever buffer it saw."""
+
     def __init__(self, model: nn.Module, device: torch.device):
         self.layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
         self.device = device
+        self.counts: torch.Tensor | None = None
         self._host: list[torch.Tensor] = []
         self._next = 0
-        if self.layers and device.type == "cuda":
-            shape = (len(self.layers), self.layers[0].num_experts)
-            self._host = [torch.empty(shape, dtype=torch.int32, pin_memory=True) for _ in range(_RING)]
+        if not self.layers:
+            return
+        widths = {m.expert_counts.numel() for m in self.layers}
+        if len(widths) != 1:
+            raise ValueError(f"expert_counts: every MoE layer must count the same number of experts, got {sorted(widths)}")
+        self.counts = torch.zeros((len(self.layers), widths.pop()), dtype=torch.int32, device=device)
+        for row, m in zip(self.counts, self.layers):
+            m.expert_counts = row  # the kernels write it in place, so the shared tensor sees every layer
+        if device.type == "cuda":
+            self._host = [torch.empty(self.counts.shape, dtype=torch.int32, pin_memory=True) for _ in range(_RING)]
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -51,14 +63,13 @@ class ExpertLoadProbe:
     def snapshot(self) -> torch.Tensor | None:
         """Queue the copy of this step's counts; the returned host tensor is valid once the step's
         sampled ids have reached the host."""
-        if not self.layers:
+        if self.counts is None:
             return None
-        counts = torch.stack([m.expert_counts for m in self.layers])
         if not self._host:
-            return counts.clone()
+            return self.counts.clone()
         host = self._host[self._next]
         self._next = (self._next + 1) % _RING
-        host.copy_(counts, non_blocking=True)
+        host.copy_(self.counts, non_blocking=True)
         return host
 
     @staticmethod
