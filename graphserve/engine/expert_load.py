@@ -23,12 +23,12 @@ _RING = 4  # pinned buffers in rotation: more than the steps that can be in flig
 
 @dataclass(frozen=True)
 class ExpertLoad:
-    """One step's routing, summarised for the step record."""
+    """One step's routing, summarised for the step record (the fields are the record's own names)."""
 
     experts_touched: int  # distinct (layer, expert) pairs that received a token
     max_expert_load: int  # most pairs any one expert received
-    layer_max: list[int]  # per MoE layer, the most pairs one of its experts received
-    layer_pairs: list[int]  # per MoE layer, (token, slot) pairs routed
+    layer_max_expert_load: list[int]  # per MoE layer, the most pairs one of its experts received
+    layer_routed_pairs: list[int]  # per MoE layer, (token, slot) pairs routed
 
     @classmethod
     def from_counts(cls, counts: np.ndarray) -> ExpertLoad:
