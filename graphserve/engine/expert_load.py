@@ -38,7 +38,8 @@ class ExpertLoad:
 
 class ExpertLoadProbe:
     """Built after the model is loaded and before graphs are captured: the layers' count buffers are
-    re-pointed at rows of ``counts`` here, and a captured graph writes whatever buffer it saw."""
+    re-pointed at rows of ``counts`` here (once per model: a later probe keeps them), and a captured
+    graph writes whatever buffer it saw."""
 
     def __init__(self, model: nn.Module, device: torch.device):
         self.layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
@@ -51,9 +52,18 @@ class ExpertLoadProbe:
         widths = {m.expert_counts.numel() for m in self.layers}
         if len(widths) != 1:
             raise ValueError(f"expert_counts: every MoE layer must count the same number of experts, got {sorted(widths)}")
-        self.counts = torch.zeros((len(self.layers), widths.pop()), dtype=torch.int32, device=device)
-        for row, m in zip(self.counts, self.layers):
-            m.expert_counts = row  # the kernels write it in place, so the shared tensor sees every layer
+        shape = (len(self.layers), widths.pop())
+        shared = self.layers[0].expert_counts._base
+        if shared is not None and shared.shape == shape and all(
+                m.expert_counts._base is shared and m.expert_counts.data_ptr() == row.data_ptr()
+                for row, m in zip(shared, self.layers)):
+            # an earlier runner on this model (start-up's profiling one) already shares them: keep its
+            # tensor, so graphs either runner captured still write where this probe reads
+            self.counts = shared
+        else:
+            self.counts = torch.zeros(shape, dtype=torch.int32, device=device)
+            for row, m in zip(self.counts, self.layers):
+                m.expert_counts = row  # the kernels write it in place, so the shared tensor sees every layer
         if device.type == "cuda":
             self._host = [torch.empty(self.counts.shape, dtype=torch.int32, pin_memory=True) for _ in range(_RING)]
 
