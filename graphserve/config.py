@@ -18,6 +18,9 @@ MOE_ROUTING_MODES = ("model", "uniform")
 # scales, per-token activations (layers/quant/config.py)
 QUANTIZATIONS = ("none", "fp8", "fp8-channel")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype (layers/kv_layout.py)
+# The string fields that take one of a fixed set: checked in __post_init__, offered as argparse choices.
+_CHOICES = {"overlap_schedule": OVERLAP_MODES, "moe_routing": MOE_ROUTING_MODES, "quantization": QUANTIZATIONS,
+            "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
 def default_cuda_graph_sizes(max_bs: int) -> list[int]:
@@ -99,8 +102,7 @@ class EngineConfig:
                 f"--num-kv-tokens={self.num_kv_tokens} is invalid: must be >= --block-size ({self.block_size})",
                 param="num_kv_tokens",
             )
-        for name, choices in (("overlap_schedule", OVERLAP_MODES), ("moe_routing", MOE_ROUTING_MODES),
-                              ("quantization", QUANTIZATIONS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+        for name, choices in _CHOICES.items():
             value = getattr(self, name)
             if value not in choices:
                 raise ConfigError(f"--{name.replace('_', '-')}={value!r} is invalid: choose one of {', '.join(choices)}",
@@ -176,19 +178,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument("--disable-radix-cache", "--disable-prefix-caching", dest="enable_prefix_caching",
                                 action="store_false", help="turn prefix caching off")
             continue
-        if f.name == "moe_routing":
-            parser.add_argument(flag, choices=MOE_ROUTING_MODES, default=default, help=_HELP[f.name])
-            continue
-        if f.name == "quantization":
-            parser.add_argument(flag, choices=QUANTIZATIONS, default=default, help=_HELP[f.name])
-            continue
-        if f.name == "kv_cache_dtype":
-            parser.add_argument(flag, choices=KV_CACHE_DTYPES, default=default, help=_HELP[f.name])
-            continue
-        if f.name == "overlap_schedule":
-            parser.add_argument(flag, choices=OVERLAP_MODES, default=default, help=_HELP[f.name])
-            parser.add_argument("--disable-overlap-schedule", dest=f.name, action="store_const", const="off",
-                                help="same as --overlap-schedule off")
+        if f.name in _CHOICES:
+            parser.add_argument(flag, choices=_CHOICES[f.name], default=default, help=_HELP[f.name])
+            if f.name == "overlap_schedule":
+                parser.add_argument("--disable-overlap-schedule", dest=f.name, action="store_const", const="off",
+                                    help="same as --overlap-schedule off")
             continue
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true", default=default, help=_HELP.get(f.name))

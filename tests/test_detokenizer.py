@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from graphserve.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from graphserve.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, earliest_stop
 from graphserve.engine.request import CoreOutput, EngineRequest
 from graphserve.models.synthetic_tokenizer import build_synthetic_tokenizer
 from graphserve.outputs import TokenLogprob
@@ -149,3 +149,10 @@ def test_offline_outputs_decode_once_at_the_end_to_the_streamed_text(byte_tok, t
         finals[stream] = per_step[-1][0]
     assert finals[False].text == finals[True].text == byte_tok.decode(ids)
     assert finals[False].outputs[0].token_ids == ids and finals[False].finished
+
+
+def test_earliest_stop_takes_the_first_occurrence_from_start():
+    assert earliest_stop("say END or STOP", ["STOP", "END"]) == (4, "END")  # earliest wins, not first listed
+    assert earliest_stop("abcab", ["ab", "b"], start=1) == (1, "b")  # the "ab" at 0 lies before start
+    assert earliest_stop("xx", ["x", "xx"]) == (0, "x")  # a tie goes to the one listed first
+    assert earliest_stop("nothing here", ["END"]) is None

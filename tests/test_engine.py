@@ -203,7 +203,7 @@ def test_step_fault_fails_its_requests_and_engine_keeps_serving(make_llm, prompt
     runner = llm.engine.core.runner
     real = runner.launch
 
-    def broken(out):
+    def broken(out, token_mask=None):
         monkeypatch.setattr(runner, "launch", real)  # fail once
         raise RuntimeError("injected fault")
 

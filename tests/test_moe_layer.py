@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphserve.engine.expert_load import ExpertLoad
+from graphserve.engine.expert_load import ExpertLoad, ExpertLoadProbe
 from graphserve.errors import ModelLoadError
 from graphserve.kernels.moe_reference import (
     expert_counts_reference,
@@ -113,6 +113,21 @@ def test_reference_matches_loop_and_padding_rows_cost_nothing():
         load = ExpertLoad.from_counts(layer.expert_counts[None].numpy())
         assert load.experts_touched == len(set(ids[:6].flatten().tolist()))
         assert load.max_expert_load == max(ids[:6].flatten().tolist().count(e) for e in range(E))
+
+
+def test_expert_load_probe_reads_every_layer_from_one_tensor():
+    gen = torch.Generator().manual_seed(3)
+    model = torch.nn.ModuleList([_random_layer(gen, top_k=2), _random_layer(gen, top_k=3)])
+    probe = ExpertLoadProbe(model, torch.device("cpu"))
+    again = ExpertLoadProbe(model, torch.device("cpu"))  # a second runner on the same model keeps the tensor
+    assert again.counts is probe.counts
+    x, logits = torch.randn(7, H, generator=gen), torch.randn(7, E, generator=gen)
+    for layer in model:
+        layer(x, logits, valid=torch.tensor(5))
+    expected = torch.stack([expert_counts_reference(softmax_topk_reference(logits, k, True)[1], torch.arange(7) < 5, E)
+                            for k in (2, 3)])
+    assert torch.equal(again.snapshot(), expected)
+    assert ExpertLoadProbe.read(probe.snapshot()).layer_routed_pairs == [5 * 2, 5 * 3]
 
 
 def test_tensor_and_expert_parallel_shards_sum_to_the_whole():

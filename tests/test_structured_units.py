@@ -49,10 +49,12 @@ def test_mask_applies_to_its_rows_only_and_sampling_stays_inside_it():
     t = tensors(vocab, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5, top_p=0.9),
                         SamplingParams(temperature=0.7, min_p=0.05), SamplingParams(temperature=1.3, top_k=40)])
     t.token_mask, t.mask_rows = mask, rows
+    raw = logits.clone()
     masked = apply_token_mask(logits, t)
     allowed = reference_unpack(mask, vocab)
-    assert torch.equal(masked[[0, 2]], logits[[0, 2]])  # unconstrained rows untouched
-    assert torch.equal(torch.isinf(masked[rows]), ~allowed) and torch.equal(logits, logits.clone())
+    assert torch.equal(masked[[0, 2]], raw[[0, 2]])  # unconstrained rows untouched
+    assert torch.equal(torch.isinf(masked[rows]), ~allowed)
+    assert torch.equal(logits, raw)  # out of place: the raw logits still feed logprobs
     for seed in range(20):
         t.seeds = torch.full((batch,), seed, dtype=torch.int64)
         ids = Sampler()(logits, t).token_ids

@@ -74,14 +74,15 @@ class SymmMemAllReduce:
 
 
 def model_dtype(config: EngineConfig) -> torch.dtype:
-    """The dtype the model's activations will have on CUDA (models/loader.py ``resolve_dtype``'s rule)."""
-    if config.dtype != "auto":
-        return {"float32": torch.float32, "float16": torch.float16}.get(config.dtype, torch.bfloat16)
-    from graphserve.distributed.validate import model_hf_config
+    """The dtype the model's activations will have on CUDA: the loader's own rule, read from config.json
+    before the model is loaded."""
+    from types import SimpleNamespace
 
-    stored = model_hf_config(config.model)
-    stored = stored.get("dtype") or stored.get("torch_dtype")
-    return torch.float16 if stored == "float16" else torch.bfloat16
+    from graphserve.distributed.validate import model_hf_config
+    from graphserve.models.loader import resolve_dtype
+
+    stored = model_hf_config(config.model) if config.dtype == "auto" else {}
+    return resolve_dtype(config.dtype, SimpleNamespace(**stored), torch.device("cuda"))
 
 
 def _agrees_with_nccl(impl: SymmMemAllReduce, group: Any, device: torch.device) -> bool:

@@ -216,7 +216,7 @@ class EngineCore:
     def _launch(self, sched: SchedulerOutput, start: float) -> InFlightStep | None:
         mask_fn = self.structured.step_masks(sched, self._resolve_in_flight)
         try:
-            pending = self.runner.launch(sched, mask_fn) if mask_fn is not None else self.runner.launch(sched)
+            pending = self.runner.launch(sched, mask_fn)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
             self._fail_step(sched, exc)
             return None

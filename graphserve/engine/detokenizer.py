@@ -74,3 +74,14 @@ def decode_windows(tokenizer: Any, windows: list[list[int]], skip_special_tokens
                                                                            False):
         return rust.decode_batch(windows, skip_special_tokens=skip_special_tokens)
     return [tokenizer.decode(w, skip_special_tokens=skip_special_tokens) for w in windows]
+
+
+def earliest_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
+    """(position, string) of the stop string that occurs first in ``text`` at or after ``start``; on a tie
+    the one listed first. None when none occurs."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        pos = text.find(s, start)
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, s)
+    return best

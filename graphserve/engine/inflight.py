@@ -34,8 +34,7 @@ class InFlightStep:
         """The step's record; ``running``, ``waiting``, ``kv_usage``: the engine's state once its ids are in."""
         sched, shape = self.sched, self.shape
         load = ExpertLoadProbe.read(self.expert_load)
-        moe = {} if load is None else {"experts_touched": load.experts_touched, "max_expert_load": load.max_expert_load,
-                                       "layer_max_expert_load": load.layer_max, "layer_routed_pairs": load.layer_pairs}
+        moe = {} if load is None else vars(load)  # its fields are the record's names
         return StepRecord(
             step=step_id,
             time=time.time(),

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from graphserve.engine.detokenizer import IncrementalDetokenizer
+from graphserve.engine.detokenizer import IncrementalDetokenizer, earliest_stop
 from graphserve.engine.request import CoreOutput, EngineRequest
 from graphserve.errors import BadRequestError, bad_field
 from graphserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
@@ -217,12 +217,7 @@ class OutputProcessor:
     @staticmethod
     def _check_stop(state: _RequestState, c: _Choice, old_len: int) -> bool:
         """Cut the text at the earliest stop string that the new text completed."""
-        start = max(0, old_len - state.max_stop_len + 1)
-        best: tuple[int, str] | None = None
-        for s in state.req.params.stop:
-            pos = c.text.find(s, start)
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, s)
+        best = earliest_stop(c.text, state.req.params.stop, max(0, old_len - state.max_stop_len + 1))
         if best is None:
             return False
         c.text = c.text[: best[0]]

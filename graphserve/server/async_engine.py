@@ -33,14 +33,8 @@ from graphserve.sampling_params import SamplingParams
 from graphserve.server.core_driver import FAULT_ENV, CoreDriver
 from graphserve.server.deltas import DeltaProcessor, RequestDelta
 from graphserve.server.engine_events import EngineEvents
-from graphserve.server.engine_process import (
-    AbortRequests,
-    AddRequests,
-    EngineChannel,
-    EngineLink,
-    EngineProcess,
-    FlushPrefixCache,
-)
+from graphserve.server.engine_messages import AbortRequests, AddRequests, FlushPrefixCache
+from graphserve.server.engine_process import EngineChannel, EngineLink, EngineProcess
 from graphserve.server.engine_thread import EngineThread
 from graphserve.server.output_pump import OutputPump
 from graphserve.server.request_stream import RequestStream

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphserve.engine.detokenizer import IncrementalDetokenizer, decode_windows
+from graphserve.engine.detokenizer import IncrementalDetokenizer, decode_windows, earliest_stop
 from graphserve.outputs import TokenLogprob
 from graphserve.sampling_params import SamplingParams
 from graphserve.server.step_outputs import NO_TOKEN, StepOutputs
@@ -218,11 +218,7 @@ class DeltaProcessor:
     @staticmethod
     def _cut_at_stop(req: _Request, c: _Choice, cd: ChoiceDelta) -> bool:
         """End the choice at the earliest stop string in the held text (it holds every possible start)."""
-        best: tuple[int, str] | None = None
-        for s in req.stops:
-            pos = c.held.find(s)
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, s)
+        best = earliest_stop(c.held, req.stops)
         if best is None:
             return False
         cd.text, c.held = c.held[: best[0]], ""

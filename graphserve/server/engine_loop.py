@@ -241,10 +241,11 @@ def serve(core: Any, driver: Any, inbox: Any, senders: list[_Sender], records: l
                 driver.flush_prefix_cache()
         outputs, failed = driver.iterate(new, aborts, faulty)
         stats = core.stats()
-        if queued is not None:
+        change = int(stats.waiting) - waiting - pulled
+        if queued is not None and change:  # steady decode changes nothing: skip the cross-process lock
             with queued.get_lock():
-                queued.value += int(stats.waiting) - waiting - pulled
-            waiting = int(stats.waiting)
+                queued.value += change
+        waiting = int(stats.waiting)
         batch_records = records[:]
         records.clear()
         for sender, (flat, fails) in zip(senders, router.split(outputs, failed, refused)):

@@ -26,17 +26,7 @@ from typing import Any
 
 from graphserve.config import EngineConfig
 from graphserve.server.engine_loop import engine_main
-from graphserve.server.engine_messages import (  # noqa: F401 - re-exported: the server's modules import them here
-    AbortRequests,
-    AddRequests,
-    CoreView,
-    EngineLoadFailed,
-    EngineReady,
-    FlushPrefixCache,
-    ProfileSteps,
-    Shutdown,
-    StepBatch,
-)
+from graphserve.server.engine_messages import Shutdown
 
 logger = logging.getLogger("graphserve.server")
 

@@ -12,7 +12,7 @@ import itertools
 from typing import Any
 
 from graphserve.errors import InternalError, OverloadedError, ServiceUnavailableError, bad_field
-from graphserve.server.engine_process import ProfileSteps
+from graphserve.server.engine_messages import ProfileSteps
 
 MAX_STEPS = 1000
 MAX_TIMEOUT_S = 3600.0
