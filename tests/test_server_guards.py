@@ -174,3 +174,5 @@ def test_dummy_source_tokenizer_is_saved_where_clients_can_load_it():
     loaded = AutoTokenizer.from_pretrained(path)
     text = "Hello, world: ünïcode and numbers 12345"
     assert loaded(text).input_ids == tok(text).input_ids
+    # graphserve bench --tokenizer takes the same folder (it holds no config.json)
+    assert load_tokenizer(path)(text).input_ids == tok(text).input_ids

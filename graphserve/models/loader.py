@@ -117,7 +117,7 @@ def load_tokenizer(source: str) -> Any:
         return _dummy_tokenizer(preset, AutoConfig.for_model(**get_preset_config(preset)))
     folder = ensure_builtin(source.removeprefix("builtin:")) if source.startswith("builtin:") else \
         Path(source).expanduser()
-    _check_folder(folder)
+    _check_tokenizer_folder(folder)  # a tokenizer-only folder (what /get_model_info hands out) is enough
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
@@ -132,11 +132,14 @@ def _dummy_tokenizer(preset: str, hf_config: PretrainedConfig) -> Any:
 
 
 def _check_folder(folder: Path) -> None:
+    _check_tokenizer_folder(folder)
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"config.json is missing from model folder {folder}", param="model")
+
+
+def _check_tokenizer_folder(folder: Path) -> None:
     if not folder.is_dir():
         raise ModelLoadError(f"model={str(folder)!r} is not a folder (nor builtin:<name> or dummy:<preset>)", param="model")
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ModelLoadError(f"config.json is missing from model folder {folder}", param="model")
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelLoadError(f"tokenizer.json (or another tokenizer file) is missing from model folder {folder}",
                              param="model")
