@@ -69,7 +69,7 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
     prompts = workload(args.num_prompts, args.input_len, vocab)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {"prompts": prompts, "tok_s": {}}
-    for c in args.concurrency:
+    for c in [] if args.latency_only else args.concurrency:
         llm.engine.core.scheduler.max_running = c  # the same running-batch cap the HTTP clients produce
         sync()
         t0 = time.perf_counter()
@@ -206,7 +206,7 @@ def bench_model(model: str, args: argparse.Namespace) -> tuple[list[dict], list[
             extra["idle"] = idle_ttft(base_url, off["vocab"])
             extra["idle_ttft_ms"] = extra["idle"]["client_ttft_ms"]
             extra["idle_ttft_target_ms"] = 1.2 * off["prefill_256_ms"] + 2.0
-            for c in args.concurrency:
+            for c in [] if args.latency_only else args.concurrency:
                 for stream in (True, False):
                     tok_s, tokens, events = http_throughput(base_url, off["prompts"], args.output_len, c, stream)
                     if tokens != off["tokens"]:
@@ -234,6 +234,7 @@ def main() -> int:
                    help="HTTP front-end processes of the server; several values run one server each")
     p.add_argument("--result-name", default="http_overhead", help="benchmarks/results/NAME.json")
     p.add_argument("--skip-ready-warm", action="store_true", help="skip the first-32-after-ready measurement")
+    p.add_argument("--latency-only", action="store_true", help="only ready-warm and idle TTFT, no throughput rows")
     p.add_argument("--quick", action="store_true", help="256 prompts of 128 in / 128 out")
     args = p.parse_args()
     for count in args.api_server_count:
@@ -263,7 +264,7 @@ def main() -> int:
         "engine_args": args.engine_args, "rows": rows, "latency": extras,
     })
     print(f"wrote {path}")
-    print(json.dumps({"min_ratio": min(r["ratio"] for r in rows)}))
+    print(json.dumps({"min_ratio": min((r["ratio"] for r in rows), default=None)}))
     return 0
 
 

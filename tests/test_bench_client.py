@@ -122,3 +122,23 @@ def test_normalize_engine_names():
               "# TYPE sglang:token_usage gauge\nsglang:token_usage 0.5\n")
     values, engine = normalize(sglang)
     assert engine == "sglang" and values == {"waiting": 5.0, "kv_usage": 0.5}
+
+
+def test_random_ids_sent_as_text_as_bench_serving_sends_them(server_url, monkeypatch):
+    from graphserve.bench import runner
+    from graphserve.errors import GraphserveError
+
+    base = ["--base-url", server_url, "--backend", "openai", "--dataset-name", "random-ids", "--num-prompts", "3",
+            "--random-input-len", "8", "--random-output-len", "3", "--random-range-ratio", "1", "--disable-tqdm",
+            "--random-ids-as", "text"]
+    with pytest.raises(GraphserveError, match="random_ids_as"):
+        client.bench_once(_args(*base), server_url, 3)
+    sent = []
+    real = runner.run_benchmark
+    monkeypatch.setattr(client, "run_benchmark", lambda s, reqs, *a, **k: sent.extend(reqs) or real(s, reqs, *a, **k))
+    from graphserve.models.loader import load_tokenizer
+
+    tok = load_tokenizer("builtin:tiny-llama")
+    res = client.bench_once(_args(*base, "--tokenizer", "builtin:tiny-llama"), server_url, 3, tok)
+    assert res["summary"]["completed"] == 3
+    assert sent and all(isinstance(r.prompt, str) and r.prompt for r in sent)

@@ -11,6 +11,7 @@ import math
 import os
 import platform
 import sys
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,9 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--length-rule", choices=("sglang", "vllm"), default="sglang",
                    help="sglang: lengths in [len*r, len]; vllm: [len*(1-r), len*(1+r)]")
     d.add_argument("--tokenizer", default=None, help="HF folder, builtin:NAME or dummy:NAME (exact prompt lengths)")
+    d.add_argument("--random-ids-as", choices=("ids", "text"), default="ids",
+                   help="send random-ids prompts as token ids, or decoded to text as SGLang's bench_serving does "
+                        "(the server re-tokenizes them; needs --tokenizer)")
     r = parser.add_argument_group("requests")
     r.add_argument("--warmup-requests", type=int, default=1)
     r.add_argument("--disable-stream", action="store_true")
@@ -156,6 +160,10 @@ def bench_once(args: argparse.Namespace, base_url: str, num_prompts: int, tokeni
         s.model = discover_model(base_url, s.backend)
     rng = np.random.default_rng(args.seed)
     requests = build_requests(args, num_prompts + s.warmup_requests, rng, tokenizer)
+    if getattr(args, "random_ids_as", "ids") == "text" and args.dataset_name == "random-ids":
+        if tokenizer is None:
+            raise bad_field("random_ids_as", "text", "needs --tokenizer to decode the prompts")
+        requests = [replace(r, prompt=tokenizer.decode(r.prompt)) for r in requests]
     # Warm-up prompts are distinct from the measured ones, so a prefix cache gains nothing from them.
     warmup, measured = requests[: s.warmup_requests], requests[s.warmup_requests:]
     out = run_benchmark(s, measured, tokenizer, warmup=warmup)
