@@ -248,8 +248,9 @@ def main() -> int:
         rows += r
         extras += e
     print(f"input_len={args.input_len} output_len={args.output_len} prompts={args.num_prompts}")
-    print_table(rows, ["model", "api_server_count", "concurrency", "mode", "client", "http_tok_s", "offline_tok_s",
-                       "events_per_token", "ratio"])
+    if rows:
+        print_table(rows, ["model", "api_server_count", "concurrency", "mode", "client", "http_tok_s",
+                           "offline_tok_s", "events_per_token", "ratio"])
     for e in extras:
         line = (f"{e['model']} api_server_count={e['api_server_count']}: idle TTFT {e['idle_ttft_ms']:.1f} ms "
                 f"(target {e['idle_ttft_target_ms']:.1f} ms = 1.2 x prefill {e['offline_prefill_256_ms']:.1f} ms + 2); "
