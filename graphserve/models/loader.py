@@ -132,14 +132,20 @@ def _dummy_tokenizer(preset: str, hf_config: PretrainedConfig) -> Any:
 
 
 def _check_folder(folder: Path) -> None:
-    _check_tokenizer_folder(folder)
+    """A model folder: config.json first (the more basic lack), then a tokenizer file."""
+    _check_is_folder(folder)
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"config.json is missing from model folder {folder}", param="model")
+    _check_tokenizer_folder(folder)
+
+
+def _check_is_folder(folder: Path) -> None:
+    if not folder.is_dir():
+        raise ModelLoadError(f"model={str(folder)!r} is not a folder (nor builtin:<name> or dummy:<preset>)", param="model")
 
 
 def _check_tokenizer_folder(folder: Path) -> None:
-    if not folder.is_dir():
-        raise ModelLoadError(f"model={str(folder)!r} is not a folder (nor builtin:<name> or dummy:<preset>)", param="model")
+    _check_is_folder(folder)
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelLoadError(f"tokenizer.json (or another tokenizer file) is missing from model folder {folder}",
                              param="model")
