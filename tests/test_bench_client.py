@@ -124,21 +124,23 @@ def test_normalize_engine_names():
     assert engine == "sglang" and values == {"waiting": 5.0, "kv_usage": 0.5}
 
 
-def test_random_ids_sent_as_text_as_bench_serving_sends_them(server_url, monkeypatch):
-    from graphserve.bench import runner
-    from graphserve.errors import GraphserveError
+def test_random_ids_sent_as_text_as_bench_serving_sends_them():
+    import numpy as np
 
-    base = ["--base-url", server_url, "--backend", "openai", "--dataset-name", "random-ids", "--num-prompts", "3",
-            "--random-input-len", "8", "--random-output-len", "3", "--random-range-ratio", "1", "--disable-tqdm",
-            "--random-ids-as", "text"]
-    with pytest.raises(GraphserveError, match="random_ids_as"):
-        client.bench_once(_args(*base), server_url, 3)
-    sent = []
-    real = runner.run_benchmark
-    monkeypatch.setattr(client, "run_benchmark", lambda s, reqs, *a, **k: sent.extend(reqs) or real(s, reqs, *a, **k))
+    from graphserve.bench.datasets import build_requests
+    from graphserve.errors import GraphserveError
     from graphserve.models.loader import load_tokenizer
 
+    base = ["--dataset-name", "random-ids", "--num-prompts", "3", "--random-input-len", "8",
+            "--random-range-ratio", "1", "--random-ids-as", "text"]
+    with pytest.raises(GraphserveError, match="random_ids_as.*--tokenizer"):
+        client.check_load_args(_args(*base))
+    with pytest.raises(GraphserveError, match="random_ids_as.*random-ids"):
+        client.check_load_args(_args("--random-ids-as", "text", "--tokenizer", "builtin:tiny-llama"))
+    args = _args(*base, "--tokenizer", "builtin:tiny-llama")
+    client.check_load_args(args)
     tok = load_tokenizer("builtin:tiny-llama")
-    res = client.bench_once(_args(*base, "--tokenizer", "builtin:tiny-llama"), server_url, 3, tok)
-    assert res["summary"]["completed"] == 3
-    assert sent and all(isinstance(r.prompt, str) and r.prompt for r in sent)
+    ids = build_requests(_args(*base[:-2]), 3, np.random.default_rng(0), tok)
+    texts = build_requests(args, 3, np.random.default_rng(0), tok)
+    assert [r.prompt for r in texts] == [tok.decode(r.prompt) for r in ids]
+    assert all(isinstance(r.prompt, str) and r.prompt for r in texts)

@@ -11,7 +11,6 @@ import math
 import os
 import platform
 import sys
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -93,6 +92,8 @@ def check_load_args(args: argparse.Namespace) -> None:
     for name, ok, limit in checks:
         if hasattr(args, name) and not ok(getattr(args, name)):
             raise bad_field(name, getattr(args, name), limit)
+    if args.random_ids_as == "text" and (args.dataset_name != "random-ids" or args.tokenizer is None):
+        raise bad_field("random_ids_as", "text", "needs --dataset-name random-ids and a --tokenizer to decode with")
 
 
 def settings_from_args(args: argparse.Namespace, base_url: str, **overrides: Any) -> BenchSettings:
@@ -160,10 +161,6 @@ def bench_once(args: argparse.Namespace, base_url: str, num_prompts: int, tokeni
         s.model = discover_model(base_url, s.backend)
     rng = np.random.default_rng(args.seed)
     requests = build_requests(args, num_prompts + s.warmup_requests, rng, tokenizer)
-    if getattr(args, "random_ids_as", "ids") == "text" and args.dataset_name == "random-ids":
-        if tokenizer is None:
-            raise bad_field("random_ids_as", "text", "needs --tokenizer to decode the prompts")
-        requests = [replace(r, prompt=tokenizer.decode(r.prompt)) for r in requests]
     # Warm-up prompts are distinct from the measured ones, so a prefix cache gains nothing from them.
     warmup, measured = requests[: s.warmup_requests], requests[s.warmup_requests:]
     out = run_benchmark(s, measured, tokenizer, warmup=warmup)

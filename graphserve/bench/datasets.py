@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -157,8 +157,11 @@ def build_requests(args: Any, n: int, rng: np.random.Generator, tokenizer: Any =
         return random_requests(n, args.random_input_len, args.random_output_len, args.random_range_ratio,
                                args.length_rule, rng, tokenizer)
     if name == "random-ids":
-        return random_id_requests(n, args.random_input_len, args.random_output_len, args.random_range_ratio,
+        reqs = random_id_requests(n, args.random_input_len, args.random_output_len, args.random_range_ratio,
                                   args.length_rule, rng, tokenizer)
+        if args.random_ids_as == "text":  # as SGLang's bench_serving sends them: the server re-tokenizes
+            reqs = [replace(r, prompt=tokenizer.decode(r.prompt)) for r in reqs]
+        return reqs
     if name == "sharegpt":
         return sharegpt_requests(args.dataset_path, n, rng, tokenizer, args.sharegpt_output_len)
     raise bad_field("dataset_name", name, "choose random, random-ids or sharegpt")
