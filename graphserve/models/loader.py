@@ -117,7 +117,7 @@ def load_tokenizer(source: str) -> Any:
         return _dummy_tokenizer(preset, AutoConfig.for_model(**get_preset_config(preset)))
     folder = ensure_builtin(source.removeprefix("builtin:")) if source.startswith("builtin:") else \
         Path(source).expanduser()
-    _check_tokenizer_folder(folder)  # a tokenizer-only folder (what /get_model_info hands out) is enough
+    _check_folder(folder, config=False)  # a tokenizer-only folder (what /get_model_info hands out) is enough
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
@@ -131,21 +131,13 @@ def _dummy_tokenizer(preset: str, hf_config: PretrainedConfig) -> Any:
     )
 
 
-def _check_folder(folder: Path) -> None:
-    """A model folder: config.json first (the more basic lack), then a tokenizer file."""
-    _check_is_folder(folder)
-    if not (folder / "config.json").is_file():
-        raise ModelLoadError(f"config.json is missing from model folder {folder}", param="model")
-    _check_tokenizer_folder(folder)
-
-
-def _check_is_folder(folder: Path) -> None:
+def _check_folder(folder: Path, config: bool = True) -> None:
+    """A model folder: config.json (unless ``config`` is False, as for a tokenizer-only folder), then a
+    tokenizer file."""
     if not folder.is_dir():
         raise ModelLoadError(f"model={str(folder)!r} is not a folder (nor builtin:<name> or dummy:<preset>)", param="model")
-
-
-def _check_tokenizer_folder(folder: Path) -> None:
-    _check_is_folder(folder)
+    if config and not (folder / "config.json").is_file():
+        raise ModelLoadError(f"config.json is missing from model folder {folder}", param="model")
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelLoadError(f"tokenizer.json (or another tokenizer file) is missing from model folder {folder}",
                              param="model")
