@@ -53,6 +53,32 @@ def write_result(name: str, payload: dict) -> Path:
     return path
 
 
+class PrefillProbe:
+    """Runs one-token requests through an ``LLM`` and times each two ways: the whole ``generate`` call (ms)
+    and its prefill step's own ``step_ms`` from the engine's telemetry, the engine's own prefill time."""
+
+    def __init__(self, llm):
+        from graphserve import SamplingParams
+
+        self.llm = llm
+        self.one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        self.records: list = []
+        llm.engine.core.telemetry.add_listener(self.records.append)
+
+    def __call__(self, prompt: list[int]) -> tuple[float, float]:
+        import time
+
+        self.records.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        self.llm.generate([{"prompt_token_ids": prompt}], self.one, use_tqdm=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall_ms = 1000 * (time.perf_counter() - t0)
+        return wall_ms, sum(r.step_ms for r in self.records if r.prefill_tokens > 0)
+
+
 def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
     """Median wall time of ``fn()`` in ms, measured with CUDA events (GPU) or perf_counter (CPU)."""
     import statistics

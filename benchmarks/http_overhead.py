@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import print_table, write_result
+from benchmarks.common import PrefillProbe, print_table, write_result
 from benchmarks.http_server import client_worker, one_request, server
 from graphserve import LLM, SamplingParams
 from graphserve.config import add_engine_args, config_from_args
@@ -70,7 +70,7 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
     prompts = workload(args.num_prompts, args.input_len, vocab)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {"prompts": prompts, "tok_s": {}}
-    for c in [] if args.latency_only else args.concurrency:
+    for c in args.levels:
         llm.engine.core.scheduler.max_running = c  # the same running-batch cap the HTTP clients produce
         sync()
         t0 = time.perf_counter()
@@ -79,27 +79,16 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
         seconds = time.perf_counter() - t0
         out["tok_s"][c] = sum(len(o.token_ids) for o in outs) / seconds
         out.setdefault("tokens", sum(len(o.token_ids) for o in outs))
-    probe = workload(1, 256, vocab, seed=7)[0]
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    # The engine's own prefill time is its prefill step's step_ms from telemetry (median of 7, the first
-    # dropped): a whole LLM.generate call also holds request set-up and output handling, and its best-of-N
-    # read far apart between runs on the H200.
-    records: list[Any] = []
-    llm.engine.core.telemetry.add_listener(records.append)
-    times, steps = [], []
-    for i in range(8):
-        p = [(t + i) % (vocab - 20) + 10 for t in probe]  # distinct prompts: no prefix-cache hit
-        records.clear()
-        sync()
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
-        sync()
-        times.append(time.perf_counter() - t0)
-        steps.append(sum(r.step_ms for r in records if r.prefill_tokens > 0))
+    # The engine's own prefill time is its prefill step's step_ms (median of 7, the first dropped): a whole
+    # LLM.generate call also holds request set-up and output handling, and its best-of-N read far apart
+    # between runs on the H200.
+    probe, timed = workload(1, 256, vocab, seed=7)[0], PrefillProbe(llm)
+    walls, steps = zip(*(timed([(t + i) % (vocab - 20) + 10 for t in probe])  # distinct: no prefix-cache hit
+                         for i in range(8)))
     out["prefill_256_ms"] = statistics.median(steps[1:])
-    out["generate_256_ms"] = 1000 * statistics.median(times[1:])
+    out["generate_256_ms"] = statistics.median(walls[1:])
     out["vocab"] = vocab
-    del llm
+    del llm, timed  # the probe holds the engine too
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the server needs the memory back
@@ -216,7 +205,7 @@ def bench_model(model: str, args: argparse.Namespace) -> tuple[list[dict], list[
             extra["idle"] = idle_ttft(base_url, off["vocab"])
             extra["idle_ttft_ms"] = extra["idle"]["client_ttft_ms"]
             extra["idle_ttft_target_ms"] = 1.2 * off["prefill_256_ms"] + 2.0
-            for c in [] if args.latency_only else args.concurrency:
+            for c in args.levels:
                 for stream in (True, False):
                     tok_s, tokens, events = http_throughput(base_url, off["prompts"], args.output_len, c, stream)
                     if tokens != off["tokens"]:
@@ -252,6 +241,8 @@ def main() -> int:
             p.error(f"--api-server-count {count} is invalid: must be >= 1")
     if args.quick:
         args.num_prompts, args.input_len, args.output_len = 256, 128, 128
+    # the throughput levels run, offline and over HTTP; --concurrency still sets the engine's running cap
+    args.levels = [] if args.latency_only else args.concurrency
     rows, extras = [], []
     for model in args.models:
         r, e = bench_model(model, args)

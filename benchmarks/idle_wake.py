@@ -18,26 +18,32 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
 
 import torch
 
-from benchmarks.common import print_table, write_result
+from benchmarks.common import PrefillProbe, print_table, write_result
 
 
-def wait(gap_s: float, how: str) -> None:
-    if gap_s <= 0:
-        return
+def gpu_cycles_per_s() -> float:
+    """The rate ``torch.cuda._sleep`` counts its cycles at, measured with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 50_000_000
+    torch.cuda._sleep(cycles)  # first call: launch set-up out of the timing
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1000)
+
+
+def wait(gap_s: float, how: str, cycles_per_s: float) -> None:
     if how == "spin":
         end = time.perf_counter() + gap_s
         while time.perf_counter() < end:
             pass
         return
-    if how == "gpu_busy" and gap_s > 0.002:
-        # torch.cuda._sleep spins the GPU for a number of clock cycles: aim for the gap less 1 ms
-        cycles = int((gap_s - 0.001) * torch.cuda.clock_rate() * 1e6) if hasattr(torch.cuda, "clock_rate") \
-            else int((gap_s - 0.001) * 1.5e9)
-        torch.cuda._sleep(cycles)
+    if how == "gpu_busy":  # one kernel keeps the GPU busy until 1 ms before the request (none for a shorter gap)
+        torch.cuda._sleep(int(max(0.0, gap_s - 0.001) * cycles_per_s))
     time.sleep(gap_s)
 
 
@@ -48,33 +54,36 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--input-len", type=int, default=256)
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats} is invalid: must be >= 1")
+    if any(g < 0 for g in args.gaps_ms):
+        p.error(f"--gaps-ms {args.gaps_ms} is invalid: every gap must be >= 0")
 
-    from graphserve import LLM, SamplingParams
+    from graphserve import LLM
     from graphserve.server.warmup import warm_up
 
     llm = LLM(args.model, max_model_len=2048)
+    limit = llm.engine.core.max_model_len
+    if not 1 <= args.input_len < limit:
+        p.error(f"--input-len {args.input_len} is invalid: must be >= 1 and below the engine's max_model_len {limit}")
     warm_up(llm.engine.core)
-    records: list[Any] = []
-    llm.engine.core.telemetry.add_listener(records.append)
+    timed = PrefillProbe(llm)
     vocab = llm.engine.info.vocab_size
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    modes = ["sleep", "spin"] + (["gpu_busy"] if torch.cuda.is_available() else [])
+    gpu = torch.cuda.is_available()
+    cycles_per_s = gpu_cycles_per_s() if gpu else 0.0
+    modes = ["sleep", "spin"] + (["gpu_busy"] if gpu else [])
     rows = []
     serial = 0
     for gap_ms in args.gaps_ms:
         for how in modes if gap_ms > 0 else ["none"]:
             walls, steps = [], []
             for _ in range(args.repeats):
-                serial += 1
+                serial += 1  # a distinct prompt each time: no prefix-cache hit
                 prompt = [(serial * 7919 + 31 * i) % (vocab - 20) + 10 for i in range(args.input_len)]
-                wait(gap_ms / 1000, how)
-                records.clear()
-                t0 = time.perf_counter()
-                llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                walls.append(1000 * (time.perf_counter() - t0))
-                steps.append(sum(r.step_ms for r in records if r.prefill_tokens > 0))
+                wait(gap_ms / 1000, how, cycles_per_s)
+                wall_ms, step_ms = timed(prompt)
+                walls.append(wall_ms)
+                steps.append(step_ms)
             rows.append({"model": args.model, "gap_ms": gap_ms, "wait": how,
                          "request_ms": statistics.median(walls), "prefill_step_ms": statistics.median(steps),
                          "request_ms_max": max(walls)})
