@@ -41,9 +41,9 @@ logger = logging.getLogger("graphserve.server")
 
 _IDLE_POLL_S = 1.0  # an idle engine blocks on its queue this long, then checks that its parent is alive
 # After its last step a GPU engine polls its queue without sleeping for this long before it blocks: a host
-# thread that slept wakes slowly. benchmarks.idle_wake measured a llama3-8b 256-token request after 1 s idle
-# at 25.2 ms with the host asleep and 16.1 ms with it spinning (15.0 ms after 20 ms). On the CPU the engine's
-# own kernels need the cores, so it never spins there.
+# thread that slept wakes slowly (`python3 -m benchmarks.idle_wake`: the `sleep` against the `spin` rows of
+# benchmarks/results/idle_wake_llama3-8b.json). On the CPU the engine's own kernels need the cores, so it
+# never spins there.
 IDLE_SPIN_S = 2.0
 # A thread that wants the GIL waits for the holder to release it, at the latest after the switch interval
 # (5 ms by default). The step loop runs long pure-Python stretches (scheduling, building a batch's inputs)
@@ -220,7 +220,7 @@ def serve(core: Any, driver: Any, inbox: Any, senders: list[_Sender], records: l
     parent = multiprocessing.parent_process()
     router = OutputRouter(len(senders))
     waiting = 0  # sequences the core held waiting after the previous iteration
-    spin_s = IDLE_SPIN_S if getattr(core, "device", None) is not None and core.device.type == "cuda" else 0.0
+    spin_s = IDLE_SPIN_S if core.device.type == "cuda" else 0.0
     worked = False  # the previous iteration ran a step: spin before blocking
     while not all(s.broken for s in senders):
         messages = []
