@@ -42,13 +42,14 @@ def _run(model: str, prompts, params: SamplingParams, **kw) -> tuple[list[list[i
 def test_deepseek_tp2_greedy_tokens_match_tp1_on_gpu(tmp_path, name, make):
     _save(tmp_path, make())
     folder = str(tmp_path)
-    reference, _ = _run(folder, PROMPTS, GREEDY, dtype="float32", max_model_len=256)
-    tokens, records = _run(folder, PROMPTS, GREEDY, dtype="float32", max_model_len=256, tp=2)
+    tiny = {"dtype": "float32", "max_model_len": make().max_position_embeddings}  # all the checkpoint has
+    reference, _ = _run(folder, PROMPTS, GREEDY, **tiny)
+    tokens, records = _run(folder, PROMPTS, GREEDY, tp=2, **tiny)
     assert tokens == reference, name
     layers = make().num_hidden_layers
     assert all(r.comm_ops == 2 * layers + 2 for r in records)  # attention + MLP per layer, embedding, logits
     if name == "v3-q-lora":
-        assert _run(folder, PROMPTS, GREEDY, dtype="float32", max_model_len=256, ep=2)[0] == reference
+        assert _run(folder, PROMPTS, GREEDY, ep=2, **tiny)[0] == reference
 
 
 def test_dummy_v2_lite_serves_at_tp2_with_graphs():
