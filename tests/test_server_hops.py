@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from graphserve.engine.request import CoreOutput, EngineRequest
 from graphserve.models.loader import load_tokenizer
@@ -37,6 +38,7 @@ class OneTokenCore:
 
     def __init__(self) -> None:
         self.requests: list[EngineRequest] = []
+        self.device = torch.device("cpu")  # as EngineCore's: the engine loop spins on its queue only on cuda
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
