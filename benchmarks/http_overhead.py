@@ -16,6 +16,12 @@ Per model and server it also measures, on the freshly started server:
 - idle TTFT: a 256-token prompt over HTTP vs the engine's own time for that prefill, its prefill step's
   step_ms (target <= 1.2x + 2 ms).
 
+Each throughput row also carries the engine's own view of the run, from its step records over the run's wall
+window (offline: the engine's telemetry; HTTP: the server's ``--step-log``): ``steps``, ``busy`` (summed
+step_ms over the wall time: below 1 the engine sat idle, waiting for work), ``mean_batch`` and ``full_after_s``
+(when the running batch first reached the concurrency). Side by side they say whether an HTTP shortfall is the
+engine waiting on the server, or the engine running a different schedule (e.g. a slower admission ramp).
+
 Run: python3 -m benchmarks.http_overhead [--models dummy:qwen3-0.6b dummy:llama3-8b] [--api-server-count 1 4]
      [--quick]
 """
@@ -25,14 +31,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import gc
 import json
 import math
 import multiprocessing
+import os
 import random
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -56,6 +65,23 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def step_timeline(records: list[dict[str, Any]], start: float, end: float, concurrency: int) -> dict[str, Any]:
+    """The engine's steps whose end falls in [start, end] (wall clock): count, summed step time over the wall
+    time, mean batch, and seconds from ``start`` until the running batch first reached ``concurrency``."""
+    steps = [r for r in records if start <= r["time"] <= end]
+    wall = max(end - start, 1e-9)
+    full = next((r["time"] - start for r in steps if r["batch_size"] >= concurrency), None)
+    return {"steps": len(steps), "busy": sum(r["step_ms"] for r in steps) / 1000 / wall,
+            "mean_batch": statistics.fmean(r["batch_size"] for r in steps) if steps else 0.0,
+            "mean_step_ms": statistics.fmean(r["step_ms"] for r in steps) if steps else 0.0,
+            "full_after_s": full}
+
+
+def read_step_log(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[str, Any]:
     """Offline output tok/s per concurrency, the engine's prefill time for a 256-token prompt, the prompts."""
     from graphserve.server.warmup import warm_up
@@ -69,15 +95,18 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
     vocab = llm.engine.info.vocab_size
     prompts = workload(args.num_prompts, args.input_len, vocab)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    out: dict[str, Any] = {"prompts": prompts, "tok_s": {}}
+    out: dict[str, Any] = {"prompts": prompts, "tok_s": {}, "steps": {}}
+    records: list[dict[str, Any]] = []
+    llm.engine.core.telemetry.add_listener(lambda rec: records.append(dataclasses.asdict(rec)))
     for c in args.levels:
         llm.engine.core.scheduler.max_running = c  # the same running-batch cap the HTTP clients produce
         sync()
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         sync()
         seconds = time.perf_counter() - t0
         out["tok_s"][c] = sum(len(o.token_ids) for o in outs) / seconds
+        out["steps"][c] = step_timeline(records, wall0, wall0 + seconds, c)
         out.setdefault("tokens", sum(len(o.token_ids) for o in outs))
     # The engine's own prefill time is its prefill step's step_ms (median of 7, the first dropped): a whole
     # LLM.generate call also holds request set-up and output handling, and its best-of-N read far apart
@@ -96,8 +125,9 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
 
 
 def http_throughput(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                    stream: bool) -> tuple[float, int, int]:
-    """(output tok/s, tokens, events) with ``concurrency`` streams spread over client processes."""
+                    stream: bool) -> tuple[float, int, int, float, float]:
+    """(output tok/s, tokens, events, wall start, wall end) with ``concurrency`` streams spread over client
+    processes."""
     procs = max(1, math.ceil(concurrency / STREAMS_PER_CLIENT))
     shares = [prompts[i::procs] for i in range(procs)]
     start_at = time.time() + 5.0  # every client process starts sending at the same moment
@@ -109,7 +139,7 @@ def http_throughput(base_url: str, prompts: list[list[int]], output_len: int, co
     start, end = min(r[0] for r in results), max(r[1] for r in results)
     tokens = sum(r[2] for r in results)
     events = sum(r[3] for r in results)
-    return tokens / (end - start), tokens, events
+    return tokens / (end - start), tokens, events, start, end
 
 
 def ready_warm(base_url: str, vocab: int, args: argparse.Namespace) -> dict[str, float]:
@@ -199,7 +229,9 @@ def bench_model(model: str, args: argparse.Namespace) -> tuple[list[dict], list[
         extra: dict[str, Any] = {"model": model, "api_server_count": count,
                                  "offline_prefill_256_ms": off["prefill_256_ms"],
                                  "offline_generate_256_ms": off["generate_256_ms"]}
-        with server(model, engine_args, ("--api-server-count", str(count))) as base_url:
+        step_log = os.path.join(tempfile.mkdtemp(prefix="http_overhead_"), "steps.jsonl")
+        server_args = ("--api-server-count", str(count), "--step-log", step_log)
+        with server(model, engine_args, server_args) as base_url:
             if not args.skip_ready_warm:
                 extra["ready_warm"] = ready_warm(base_url, off["vocab"], args)
             extra["idle"] = idle_ttft(base_url, off["vocab"])
@@ -207,13 +239,16 @@ def bench_model(model: str, args: argparse.Namespace) -> tuple[list[dict], list[
             extra["idle_ttft_target_ms"] = 1.2 * off["prefill_256_ms"] + 2.0
             for c in args.levels:
                 for stream in (True, False):
-                    tok_s, tokens, events = http_throughput(base_url, off["prompts"], args.output_len, c, stream)
+                    tok_s, tokens, events, start, end = http_throughput(base_url, off["prompts"], args.output_len, c,
+                                                                        stream)  # fmt: skip
                     if tokens != off["tokens"]:
                         raise RuntimeError(f"HTTP generated {tokens} tokens, offline {off['tokens']}")
                     rows.append({"model": model, "concurrency": c, "mode": "stream" if stream else "non-stream",
                                  "client": "every-event", "ratio": tok_s / off["tok_s"][c], "http_tok_s": tok_s,
                                  "offline_tok_s": off["tok_s"][c], "api_server_count": count,
-                                 "events_per_token": events / tokens})
+                                 "events_per_token": events / tokens,
+                                 "http_steps": step_timeline(read_step_log(step_log), start, end, c),
+                                 "offline_steps": off["steps"][c]})
         extras.append(extra)
     return rows, extras
 
@@ -252,6 +287,12 @@ def main() -> int:
     if rows:
         print_table(rows, ["model", "api_server_count", "concurrency", "mode", "client", "http_tok_s",
                            "offline_tok_s", "events_per_token", "ratio"])
+    for r in rows:
+        h, o = r["http_steps"], r["offline_steps"]
+        print(f"{r['model']} api_server_count={r['api_server_count']} C={r['concurrency']} {r['mode']}: steps "
+              f"http/offline {h['steps']}/{o['steps']}, busy {h['busy']:.2f}/{o['busy']:.2f}, mean batch "
+              f"{h['mean_batch']:.1f}/{o['mean_batch']:.1f}, mean step {h['mean_step_ms']:.2f}/{o['mean_step_ms']:.2f} ms, "
+              f"full after {h['full_after_s']}/{o['full_after_s']} s")
     for e in extras:
         line = (f"{e['model']} api_server_count={e['api_server_count']}: idle TTFT {e['idle_ttft_ms']:.1f} ms "
                 f"(target {e['idle_ttft_target_ms']:.1f} ms = 1.2 x prefill {e['offline_prefill_256_ms']:.1f} ms + 2); "
