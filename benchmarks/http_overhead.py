@@ -125,21 +125,21 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
 
 
 def http_throughput(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                    stream: bool) -> tuple[float, int, int, float, float]:
-    """(output tok/s, tokens, events, wall start, wall end) with ``concurrency`` streams spread over client
-    processes."""
+                    stream: bool) -> tuple[float, int, int, float, float, float]:
+    """(output tok/s, tokens, events, wall start, wall end, seconds between the first and the last client process
+    starting) with ``concurrency`` streams spread over client processes."""
     procs = max(1, math.ceil(concurrency / STREAMS_PER_CLIENT))
     shares = [prompts[i::procs] for i in range(procs)]
-    start_at = time.time() + 5.0  # every client process starts sending at the same moment
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
-        futs = [pool.submit(client_worker, base_url, share, output_len, concurrency // procs, stream, start_at)
+    with ctx.Manager() as manager, concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+        barrier = manager.Barrier(procs)  # every client process starts sending at the same moment
+        futs = [pool.submit(client_worker, base_url, share, output_len, concurrency // procs, stream, barrier)
                 for share in shares]
         results = [f.result() for f in futs]
     start, end = min(r[0] for r in results), max(r[1] for r in results)
     tokens = sum(r[2] for r in results)
     events = sum(r[3] for r in results)
-    return tokens / (end - start), tokens, events, start, end
+    return tokens / (end - start), tokens, events, start, end, max(r[0] for r in results) - start
 
 
 def ready_warm(base_url: str, vocab: int, args: argparse.Namespace) -> dict[str, float]:
@@ -229,7 +229,9 @@ def bench_model(model: str, args: argparse.Namespace) -> tuple[list[dict], list[
         extra: dict[str, Any] = {"model": model, "api_server_count": count,
                                  "offline_prefill_256_ms": off["prefill_256_ms"],
                                  "offline_generate_256_ms": off["generate_256_ms"]}
-        step_log = os.path.join(tempfile.mkdtemp(prefix="http_overhead_"), "steps.jsonl")
+        log_dir = args.step_log_dir or tempfile.mkdtemp(prefix="http_overhead_")
+        os.makedirs(log_dir, exist_ok=True)
+        step_log = os.path.join(log_dir, f"{model.replace(':', '_').replace('/', '_')}_api{count}_steps.jsonl")
         server_args = ("--api-server-count", str(count), "--step-log", step_log)
         with server(model, engine_args, server_args) as base_url:
             if not args.skip_ready_warm:
@@ -239,14 +241,14 @@ def bench_model(model: str, args: argparse.Namespace) -> tuple[list[dict], list[
             extra["idle_ttft_target_ms"] = 1.2 * off["prefill_256_ms"] + 2.0
             for c in args.levels:
                 for stream in (True, False):
-                    tok_s, tokens, events, start, end = http_throughput(base_url, off["prompts"], args.output_len, c,
-                                                                        stream)  # fmt: skip
+                    tok_s, tokens, events, start, end, spread = http_throughput(base_url, off["prompts"],
+                                                                                args.output_len, c, stream)
                     if tokens != off["tokens"]:
                         raise RuntimeError(f"HTTP generated {tokens} tokens, offline {off['tokens']}")
                     rows.append({"model": model, "concurrency": c, "mode": "stream" if stream else "non-stream",
                                  "client": "every-event", "ratio": tok_s / off["tok_s"][c], "http_tok_s": tok_s,
                                  "offline_tok_s": off["tok_s"][c], "api_server_count": count,
-                                 "events_per_token": events / tokens,
+                                 "events_per_token": events / tokens, "client_start_spread_s": spread,
                                  "http_steps": step_timeline(read_step_log(step_log), start, end, c),
                                  "offline_steps": off["steps"][c]})
         extras.append(extra)
@@ -270,6 +272,7 @@ def main() -> int:
     p.add_argument("--skip-ready-warm", action="store_true", help="skip the first-32-after-ready measurement")
     p.add_argument("--latency-only", action="store_true", help="only ready-warm and idle TTFT, no throughput rows")
     p.add_argument("--quick", action="store_true", help="256 prompts of 128 in / 128 out")
+    p.add_argument("--step-log-dir", default=None, help="keep each server's --step-log here (default: a temp dir)")
     args = p.parse_args()
     for count in args.api_server_count:
         if count < 1:
@@ -292,7 +295,8 @@ def main() -> int:
         print(f"{r['model']} api_server_count={r['api_server_count']} C={r['concurrency']} {r['mode']}: steps "
               f"http/offline {h['steps']}/{o['steps']}, busy {h['busy']:.2f}/{o['busy']:.2f}, mean batch "
               f"{h['mean_batch']:.1f}/{o['mean_batch']:.1f}, mean step {h['mean_step_ms']:.2f}/{o['mean_step_ms']:.2f} ms, "
-              f"full after {h['full_after_s']}/{o['full_after_s']} s")
+              f"full after {h['full_after_s']}/{o['full_after_s']} s; client processes started within "
+              f"{r['client_start_spread_s'] * 1000:.0f} ms")
     for e in extras:
         line = (f"{e['model']} api_server_count={e['api_server_count']}: idle TTFT {e['idle_ttft_ms']:.1f} ms "
                 f"(target {e['idle_ttft_target_ms']:.1f} ms = 1.2 x prefill {e['offline_prefill_256_ms']:.1f} ms + 2); "

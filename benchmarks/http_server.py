@@ -94,9 +94,11 @@ async def one_request(session: Any, base_url: str, prompt: list[int], output_len
 
 
 def client_worker(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int, stream: bool,
-                  start_at: float) -> tuple[float, float, int, int]:
-    """One client process: ``concurrency`` streams over ``prompts`` from wall time ``start_at``;
-    returns (wall time it started, wall time the last finished, tokens, events)."""
+                  start: Any) -> tuple[float, float, int, int]:
+    """One client process: ``concurrency`` streams over ``prompts``, sent once every client process has warmed
+    its connection path and passed ``start`` (a barrier shared by them all: a process that took longer to spawn
+    and import must not start its streams late, with the others' already running); returns (wall time it
+    started, wall time the last finished, tokens, events)."""
     try:
         import uvloop
 
@@ -110,7 +112,7 @@ def client_worker(base_url: str, prompts: list[list[int]], output_len: int, conc
         connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a connection per request
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
             await one_request(session, base_url, prompts[0], 4, stream, {})  # connect path warm
-            await asyncio.sleep(max(0.0, start_at - time.time()))
+            await asyncio.to_thread(start.wait)
             started = time.time()
             sem = asyncio.Semaphore(max(1, concurrency))
 
