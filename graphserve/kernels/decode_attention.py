@@ -34,6 +34,7 @@ import triton.language as tl
 
 from graphserve.kernels.common import interpreting, sm_count
 from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS, _decode_merge_kernel, merge_partials
+from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32  # beyond this the merge costs more than the extra parallelism gains
@@ -102,8 +103,9 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, PREFETCH_V: tl.constexpr,
     FUSED_MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, CHUNK_S: tl.constexpr,
-    WIDEN_FP16: tl.constexpr,
+    WIDEN_FP16: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -305,7 +307,7 @@ def decode_attention(
         PAGE=page, BLOCK_N=BLOCK_N,
         DIRECT=direct, IEEE_DOT=q.dtype == torch.float32 and not widen_fp16, WHILE_LOOP=interpreting(), PREFETCH_V=not direct,
         FUSED_MERGE=fused_merge, BLOCK_HM=block_hm, CHUNK_S=chunk_s, WIDEN_FP16=widen_fp16,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_args(q.device),
     )  # fmt: skip
     if not direct and not fused_merge:
         _decode_merge_kernel[(batch, num_heads)](
@@ -315,7 +317,7 @@ def decode_attention(
             mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4,
+            num_warps=4, **pdl_args(mid_o.device),
         )  # fmt: skip
     return out
 

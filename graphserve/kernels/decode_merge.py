@@ -12,6 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphserve.kernels.pdl import pdl_enter
+
 # fp32 partials one in-kernel merge step holds ([heads of a kv head, splits, head_dim]): 128 per
 # thread at 4 warps, so a bs-1 merge of up to 16 splits x 8 heads x 128 (a 1k-2k context, see
 # MIN_SPLIT_LEN in kernels/decode_attention.py) is one L2 round trip. The split kernel then takes
@@ -77,8 +79,9 @@ def _decode_merge_kernel(
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
     stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)

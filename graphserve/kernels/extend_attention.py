@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.common import interpreting
+from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 LOG2E = 1.4426950408889634
 
@@ -61,8 +62,9 @@ def _extend_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -148,7 +150,7 @@ def extend_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE_DOT=q.dtype == torch.float32, WHILE_LOOP=interpreting(),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_args(q.device),
     )  # fmt: skip
     return out
 

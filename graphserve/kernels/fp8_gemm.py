@@ -26,6 +26,7 @@ import triton.language as tl
 
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp8_quant import dequantize_blocks
+from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 logger = logging.getLogger("graphserve.fp8")
 
@@ -35,8 +36,9 @@ def _w8a8_kernel(
     a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, M, N,
     stride_am, stride_wn, stride_cm, stride_asm, stride_ask, stride_wsn,
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     # grouped ordering: GROUP_M row tiles sweep the same weight columns together, so a weight tile
     # is fetched from HBM once per group rather than once per row tile
@@ -115,7 +117,7 @@ def w8a8_matmul(
         a, w, out, a_scale, w_scale, bias if bias is not None else out, m, n,
         a.stride(0), w.stride(0), out.stride(0), a_scale.stride(0), a_scale.stride(1), w_scale.stride(0),
         K=k, GROUP_N=group_n, GROUP_K=max(group_k, block_k), HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=stages, **pdl_args(a.device),
     )  # fmt: skip
     return out
 

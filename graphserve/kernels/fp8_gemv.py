@@ -47,6 +47,7 @@ from graphserve.kernels.fp8_config import MAX_STREAM_ROWS, StreamConfig, default
 from graphserve.kernels.fp8_quant import FP8_DTYPE, dequantize_blocks
 from graphserve.kernels.gemv import _x_tile
 from graphserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
+from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 MAX_ROWS = MAX_STREAM_ROWS
 MAX_SPLIT_TILES = 4096  # split-K column tiles per launch (16 KB of counters); split-K pays where tiles are few
@@ -59,8 +60,9 @@ def _fp8_gemv_kernel(
     M, N, stride_xm, stride_rm, stride_rom, stride_wn, stride_wsn, stride_om, eps,
     SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
+    BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     k_first = tl.program_id(1) * K_SPLIT  # this program's share of K: [k_first, k_first + K_SPLIT)
     # every split full and a whole number of tiles: unmasked weight loads
@@ -245,7 +247,7 @@ def _launch(
         K=k, GROUP_N=1 if per_channel else group_n, GROUP_K=k if per_channel else group_k,
         PER_CHANNEL=per_channel, HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SUB_K=sub_k,
-        KB=block_k // sub_k, SPLIT_K=split_k, K_SPLIT=k_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KB=block_k // sub_k, SPLIT_K=split_k, K_SPLIT=k_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )  # fmt: skip
     return out
 

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.pdl import pdl_args, pdl_enter
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 MIN_SCALE = 1e-12  # amax below this (an all-zero group) quantizes to zeros, never NaN
@@ -28,8 +30,9 @@ MIN_SCALE = 1e-12  # amax below this (an all-zero group) quantizes to zeros, nev
 def _token_group_quant_kernel(
     x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg, K, GROUPS,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-    FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     row = tl.program_id(0)
     groups = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
     offs = tl.arange(0, BLOCK)
@@ -75,7 +78,7 @@ def per_token_group_quant(
     _token_group_quant_kernel[(rows, triton.cdiv(groups, per_prog))](
         x, q, scales, m, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), k, groups,
         GROUP=group_size, BLOCK=block, GROUPS_PER_PROG=per_prog, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-        num_warps=warps,
+        num_warps=warps, **pdl_args(x.device),
     )  # fmt: skip
     return q, scales
 

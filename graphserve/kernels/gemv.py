@@ -33,6 +33,7 @@ import triton.language as tl
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.gemv_config import DOT_BLOCK_M, MAX_M, SUPPORTED_DTYPES, GemvConfig, choose_config
 from graphserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
+from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 
 @triton.jit
@@ -67,8 +68,9 @@ def _gemv_kernel(
     x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, out_ptr,
     M, N, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
-    USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -177,7 +179,7 @@ def _launch(
         K=k, HAS_BIAS=bias is not None, SILU_MUL=pro.silu_mul, ADD_RESIDUAL=res is not None,
         NORM=pro.norm_weight is not None, USE_DOT=cfg.use_dot, IEEE_DOT=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )  # fmt: skip
     return out
 

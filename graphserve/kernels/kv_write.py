@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.pdl import pdl_args, pdl_enter
+
 
 @triton.jit
 def _kv_write_kernel(
@@ -26,8 +28,9 @@ def _kv_write_kernel(
     stride_slot,  # distance between consecutive slots (block_size * heads * dim for a contiguous cache)
     HEAD_DIM: tl.constexpr,
     NUM_ELEMS: tl.constexpr,  # num_kv_heads * head_dim
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -65,7 +68,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         HEAD_DIM=head_dim,
         NUM_ELEMS=num_elems,
         BLOCK=triton.next_power_of_2(num_elems),
-        num_warps=4 if num_elems >= 1024 else 2,
+        num_warps=4 if num_elems >= 1024 else 2, **pdl_args(k.device),
     )
 
 

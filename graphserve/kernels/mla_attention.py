@@ -47,6 +47,7 @@ from graphserve.kernels.mla_config import (
     extend_tile,
     fallback_decode_tile,
 )
+from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 LOG2E = 1.4426950408889634
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
@@ -114,8 +115,9 @@ def _mla_attention_kernel(
     stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-    TOKEN_MAJOR: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    TOKEN_MAJOR: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     # token/head blocks on axis 0 (up to 2^31 programs: a long chunk of V3's 128 heads exceeds the
     # 65535 that axes 1 and 2 allow), sequences on axis 1
     seq = tl.program_id(1)
@@ -208,10 +210,11 @@ def _mla_attention_kernel(
 def _mla_merge_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, num_splits,
     stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
-    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Merge the splits of one (token, head): weights from every split's log-sum-exp, then the
     partials summed CHUNK_S splits at a time (a [128, 512] fp32 tile would not fit in registers)."""
+    pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -319,12 +322,12 @@ def _launch(q_lat, q_rope, cache, block_tables, seq_lens, query_start_loc, scale
         RANK=rank, BLOCK_R=block_r, ROPE=q_rope.shape[-1], BLOCK_D=max(16, triton.next_power_of_2(q_rope.shape[-1])),
         PAGE=cache.shape[1], BLOCK_N=tile.block_n, BLOCK_H=tile.block_h, BLOCK_T=block_t,
         TOKEN_MAJOR=tile.token_major, DIRECT=direct, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
-        WHILE_LOOP=interpreting(), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        WHILE_LOOP=interpreting(), num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(q_lat.device),
     )  # fmt: skip
     if not direct:
         _mla_merge_kernel[(tokens, num_heads)](
             mid_o, mid_lse, out, num_splits,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1),
-            RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_S=8, num_warps=4,
+            RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_S=8, num_warps=4, **pdl_args(mid_o.device),
         )  # fmt: skip

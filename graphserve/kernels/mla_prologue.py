@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.pdl import pdl_args, pdl_enter
+
 
 @triton.jit
 def _rope_pairs(ptr, offs, INTERLEAVED: tl.constexpr, HALF: tl.constexpr, mask):
@@ -32,8 +34,9 @@ def _mla_prologue_kernel(
     eps, num_heads,
     stride_qt, stride_qh, stride_kvt, stride_cs, stride_cache_slot,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t)
     slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -99,7 +102,7 @@ def mla_prologue(
         q.stride(0), q.stride(1), kv_a.stride(0), cos_sin_cache.stride(0), cache.shape[-1],
         RANK=rank, BLOCK_R=triton.next_power_of_2(rank), NOPE=nope, HALF=rope // 2,
         BLOCK_HALF=triton.next_power_of_2(rope // 2), BLOCK_H=triton.next_power_of_2(num_heads),
-        INTERLEAVED=interleaved, num_warps=4,
+        INTERLEAVED=interleaved, num_warps=4, **pdl_args(q.device),
     )  # fmt: skip
 
 

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.pdl import pdl_args, pdl_enter
+
 _BLOCK_P = 128  # pairs per program in the count and scatter kernels
 # Up to this many pairs (a decode batch of 128 at k = 8) one program counts them all, 32 steps of
 # elementwise adds at E = 128, and the count needs no launch of its own; beyond it the count is a
@@ -68,9 +70,10 @@ def pair_histogram(ids_ptr, valid_ptr, num_pairs, expert_start, TOP_K: tl.conste
 @triton.jit
 def moe_count_kernel(ids_ptr, valid_ptr, counts_ptr, num_pairs, TOP_K: tl.constexpr, E: tl.constexpr,
                      HAS_VALID: tl.constexpr, SINGLE: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_E: tl.constexpr):  # fmt: skip
+                     BLOCK_E: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Pairs per global expert: one program storing the whole histogram (SINGLE), or per-program
     histograms added atomically into a zeroed buffer (large batches)."""
+    pdl_enter(PDL)
     experts = tl.arange(0, BLOCK_E)
     if SINGLE:
         hist = pair_histogram(ids_ptr, valid_ptr, num_pairs, 0, TOP_K, E, HAS_VALID, BLOCK_P, BLOCK_E)
@@ -89,8 +92,9 @@ def moe_align_offsets_kernel(
     expert_start, num_pairs, max_blocks,
     TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_P: tl.constexpr,
-    OWNER_BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr,
+    OWNER_BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     experts = tl.arange(0, BLOCK_E)
     in_range = experts < E_LOCAL
     if COUNT:  # a small batch: count here too, saving the count launch
@@ -130,8 +134,9 @@ def moe_align_offsets_kernel(
 @triton.jit
 def moe_align_scatter_kernel(
     ids_ptr, valid_ptr, cursor_ptr, sorted_ids_ptr, num_pairs, expert_start,
-    TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_P: tl.constexpr,
+    TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     local, mask = _routed(ids_ptr, valid_ptr, offs, num_pairs, expert_start, TOP_K, E_LOCAL, HAS_VALID)
     slot = tl.atomic_add(cursor_ptr + local, 1, mask=mask)
@@ -177,7 +182,7 @@ def moe_count(topk_ids: torch.Tensor, valid: torch.Tensor | None, counts: torch.
     moe_count_kernel[grid](
         topk_ids, _valid_arg(valid, topk_ids), counts, num_pairs,
         TOP_K=top_k, E=e, HAS_VALID=valid is not None, SINGLE=single,
-        BLOCK_P=histogram_block(block_e) if single else _BLOCK_P, BLOCK_E=block_e,
+        BLOCK_P=histogram_block(block_e) if single else _BLOCK_P, BLOCK_E=block_e, **pdl_args(topk_ids.device),
     )  # fmt: skip
     return counts
 
@@ -212,11 +217,11 @@ def moe_align(
         expert_start, num_pairs, slots // block_m,
         TOP_K=top_k, E=counts.numel(), E_LOCAL=num_local_experts, HAS_VALID=valid is not None, COUNT=count_here,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_EG=block_eg, BLOCK_P=histogram_block(block_eg),
-        OWNER_BLOCK=max(16, 4096 // block_e), FILL_BLOCK=_FILL_BLOCK,
+        OWNER_BLOCK=max(16, 4096 // block_e), FILL_BLOCK=_FILL_BLOCK, **pdl_args(topk_ids.device),
     )  # fmt: skip
     if num_pairs:
         moe_align_scatter_kernel[(triton.cdiv(num_pairs, _BLOCK_P),)](
             topk_ids, _valid_arg(valid, topk_ids), cursor, sorted_ids, num_pairs, expert_start,
-            TOP_K=top_k, E_LOCAL=num_local_experts, HAS_VALID=valid is not None, BLOCK_P=_BLOCK_P,
+            TOP_K=top_k, E_LOCAL=num_local_experts, HAS_VALID=valid is not None, BLOCK_P=_BLOCK_P, **pdl_args(topk_ids.device),
         )  # fmt: skip
     return MoeAlignment(sorted_ids, expert_ids, num_post, block_m)

@@ -28,6 +28,7 @@ import triton.language as tl
 from graphserve.kernels.moe_reference import softmax_topk_reference
 from graphserve.kernels.moe_routing import MAX_EXPERTS, _softmax_topk_store
 from graphserve.kernels.norm import fused_add_rms_norm_reference
+from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 MAX_ROWS = 8  # beyond this the gate's weight reuse favours a real matmul (and one program's x tile grows)
 # The residual add + RMSNorm join the gate's launch only up to this many rows: each gate program
@@ -105,8 +106,9 @@ def moe_gate_softmax_topk_kernel(
     E: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_H: tl.constexpr, ONE_TILE: tl.constexpr, W_IN_LOOP: tl.constexpr,
-    RANK_TOPK: tl.constexpr,
+    RANK_TOPK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     experts = pid * BLOCK_EP + tl.arange(0, BLOCK_EP)
     # experts past E re-read expert E-1 so the weight loads need no row mask; never stored
@@ -286,7 +288,7 @@ def _launch(x, gate_weight, top_k, renormalize, counter, norm, block_ep=None, ra
         BLOCK_T=block_t, BLOCK_EP=block_ep, BLOCK_H=block_h,
         BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
         EVEN_H=h % block_h == 0, ONE_TILE=h <= block_h, W_IN_LOOP=norm is None or h > block_h,
-        RANK_TOPK=rank_topk, num_warps=4,
+        RANK_TOPK=rank_topk, num_warps=4, **pdl_args(x.device),
     )  # fmt: skip
     return weights, ids, normed, summed
 

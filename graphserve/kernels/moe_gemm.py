@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.moe_align import pair_histogram
+from graphserve.kernels.pdl import pdl_enter
 
 
 @triton.jit
@@ -74,9 +75,10 @@ def fused_moe_gemm_kernel(
     K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
     B_FP8: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] output tile of one expert's run; the grid covers the worst-case sort."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     num_blocks_n = tl.cdiv(N, BLOCK_N)
     # GROUP_M tiles of M walk the same B columns one after another, so those stay in L2
@@ -165,7 +167,7 @@ def fused_moe_gemv_gate_up_kernel(
     stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_sn, scale_up_row,
     K: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
     W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """act[p, n-block] = silu(gate) * up for pair ``program_id(0)``: its expert's gate and up rows
     streamed once, FMA in fp32.
@@ -178,6 +180,7 @@ def fused_moe_gemv_gate_up_kernel(
     FP8 weights are widened in registers against the model-dtype x (no activation quantization:
     at a few tokens the weight stream is the cost); a block scale multiplies each step's row sums.
     """
+    pdl_enter(PDL)
     pair = tl.program_id(0)
     if (pair == 0) & (tl.program_id(1) == 0):
         hist = pair_histogram(ids_ptr, valid_ptr, num_pairs, 0, TOP_K, E, HAS_VALID, BLOCK_P, BLOCK_E)
@@ -253,7 +256,7 @@ def fused_moe_gemv_down_kernel(
     stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn,
     K: tl.constexpr, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
     W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[t, n-block] = sum over token t's routed slots of weight * (w2[expert] @ act[pair]).
 
@@ -266,6 +269,7 @@ def fused_moe_gemv_down_kernel(
     accumulator serves every slot. A padding row comes out as zeros. FP8 weights: each slot's
     step sums take their block scales [BLOCK_S, BLOCK_N] (per-channel scales: once, at the end).
     """
+    pdl_enter(PDL)
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, H - 1).to(tl.int64)
@@ -312,9 +316,10 @@ def fused_moe_gemv_down_kernel(
 @triton.jit
 def moe_sum_kernel(
     c_ptr, out_ptr, ids_ptr, valid_ptr, H, expert_start, stride_cm, stride_om,
-    TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[t] = sum of token t's routed pair rows, in fp32; padding rows and unrouted tokens get zeros."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs < H

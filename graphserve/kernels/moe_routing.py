@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.pdl import pdl_args, pdl_enter
+
 MAX_EXPERTS = 1024
 
 
@@ -52,8 +54,9 @@ def _softmax_topk_store(
 def moe_softmax_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, T, stride_t,
     E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_mask = rows < T
@@ -86,7 +89,7 @@ def _route(kernel, logits: torch.Tensor, top_k: int, block_t: int | None, logits
     kernel[(triton.cdiv(t, block_t),)](
         logits_ptr=logits, weights_ptr=weights, ids_ptr=ids, T=t, stride_t=logits.stride(0),
         E=e, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=4 if block_e * block_t >= 2048 else 1, **args,
+        num_warps=4 if block_e * block_t >= 2048 else 1, **args, **pdl_args(logits.device),
     )  # fmt: skip
     return weights, ids
 
@@ -108,8 +111,9 @@ def moe_grouped_topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, scaling,
     E: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
     RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_mask = rows < T

@@ -11,14 +11,17 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.pdl import pdl_args, pdl_enter
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     hidden, eps,
-    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -63,7 +66,7 @@ def _launch(
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
             hidden, eps,
             ADD_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(16, max(1, block // 512)),
+            num_warps=min(16, max(1, block // 512)), **pdl_args(x2.device),
         )  # fmt: skip
     return out.view(x.shape), res_out.view(x.shape)
 

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from graphserve.kernels.kv_write import _check_cache, kv_write_reference
 from graphserve.kernels.norm import rms_norm_reference
+from graphserve.kernels.pdl import pdl_args, pdl_enter
 from graphserve.kernels.rotary import apply_rotary_reference
 
 
@@ -53,8 +54,9 @@ def _qk_norm_rope_kv_kernel(
     stride_qkv, stride_cos, stride_sin, stride_kv, stride_slot,
     num_q_heads, num_kv_heads, eps,
     HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_KV: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_KV: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -147,7 +149,7 @@ def qk_norm_rope_kv_write(
         HAS_NORM=has_norm, HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads * head_dim),
-        num_warps=4,
+        num_warps=4, **pdl_args(qkv.device),
     )  # fmt: skip
     return q_out
 

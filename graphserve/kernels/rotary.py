@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.pdl import pdl_args, pdl_enter
+
 
 @triton.jit
 def _rotate_heads(x_ptr, stride_h, num_heads, cos, sin, offs_half, half_mask, HALF: tl.constexpr,
@@ -31,8 +33,9 @@ def _rotary_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
     num_q_heads, num_k_heads,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_half = tl.arange(0, BLOCK_HALF)
@@ -67,7 +70,7 @@ def apply_rotary(
         q.shape[1], k.shape[1],
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-        num_warps=4,
+        num_warps=4, **pdl_args(q.device),
     )  # fmt: skip
 
 

@@ -1,0 +1,89 @@
+"""Programmatic dependent launch (PDL): a kernel starts while the one before it on the stream drains.
+
+A decode step at small batch is a chain of short kernels (~340 for qwen3-30b-a3b at batch 1, most of them a
+few microseconds), and between two of them the GPU idles: the next grid launches only after the previous one
+has fully finished, and its programs then start from cold. Hopper lets a kernel launched with the
+programmatic-serialization attribute be scheduled as soon as every program of the kernel before it has
+started and signalled (``griddepcontrol.launch_dependents``); its programs then wait in
+``griddepcontrol.wait`` until that kernel has completed and its memory writes are visible. The launch, the
+programs' placement and their set-up overlap the previous kernel's tail. CUDA-graph capture keeps these
+edges, so graph replay gets the same overlap.
+
+The contract every kernel here keeps (``pdl_enter`` as its first statement, before any load or store):
+- it waits before reading anything an earlier kernel wrote and before writing anything (an earlier kernel may
+  still be reading the buffer: the caching allocator and a graph's pool reuse memory);
+- every program waits, so the kernel completes only after its predecessor did: a kernel two launches later,
+  waiting only on its own predecessor, still sees everything written before (completion is transitive).
+A kernel of another library (cuBLAS, a PyTorch op) is launched without the attribute and serializes as
+usual, on both sides.
+
+``GRAPHSERVE_PDL=0`` turns it off (read at every launch, so a graph keeps the setting it was captured with);
+``pdl(False)`` does so in a scope (benchmarks/pdl.py captures the same model both ways). Off the GPU, under
+the interpreter, before Hopper, or with a Triton that cannot launch this way, kernels launch as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+import triton
+import triton.language as tl
+
+from graphserve.kernels.common import interpreting
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: _capable() is False, the branch never compiles
+    gdc_launch_dependents = gdc_wait = None
+
+ENV = "GRAPHSERVE_PDL"
+_scoped: list[bool] = []
+
+
+def _triton_launches_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@functools.lru_cache(maxsize=8)
+def _capable(device: torch.device) -> bool:
+    if device.type != "cuda" or interpreting() or gdc_wait is None or not _triton_launches_pdl():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_on(device: torch.device) -> bool:
+    """Whether a kernel launched now on ``device`` uses programmatic dependent launch."""
+    wanted = _scoped[-1] if _scoped else os.environ.get(ENV, "1") != "0"
+    return wanted and _capable(device)
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a kernel that starts with ``pdl_enter(PDL)``."""
+    on = pdl_on(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@contextlib.contextmanager
+def pdl(enabled: bool) -> Iterator[None]:
+    """Kernels launched (or captured) in this scope use PDL when ``enabled`` and the device allows it."""
+    _scoped.append(enabled)
+    try:
+        yield
+    finally:
+        _scoped.pop()
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A kernel's first statement: let the next kernel launch, then wait for the previous one to complete."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()

@@ -1,0 +1,61 @@
+"""The PDL switch (kernels/pdl.py) off the GPU: kernels launch without it on the CPU and under the interpreter,
+and the scope and the environment variable decide where the device allows it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+
+from graphserve.kernels import pdl as pdl_mod
+
+KERNELS = Path(pdl_mod.__file__).parent
+
+
+def test_cpu_never_launches_with_pdl(monkeypatch):
+    monkeypatch.setenv(pdl_mod.ENV, "1")
+    cpu = torch.device("cpu")
+    assert not pdl_mod.pdl_on(cpu)
+    assert pdl_mod.pdl_args(cpu) == {"PDL": False, "launch_pdl": False}
+    with pdl_mod.pdl(True):
+        assert not pdl_mod.pdl_on(cpu)
+
+
+def test_scope_and_environment_decide_on_a_capable_device(monkeypatch):
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(pdl_mod, "_capable", lambda device: device.type == "cuda")
+    monkeypatch.delenv(pdl_mod.ENV, raising=False)
+    assert pdl_mod.pdl_on(dev)  # on by default
+    monkeypatch.setenv(pdl_mod.ENV, "0")
+    assert not pdl_mod.pdl_on(dev)
+    with pdl_mod.pdl(True):  # a scope overrides the environment, and nests
+        assert pdl_mod.pdl_args(dev) == {"PDL": True, "launch_pdl": True}
+        with pdl_mod.pdl(False):
+            assert not pdl_mod.pdl_on(dev)
+        assert pdl_mod.pdl_on(dev)
+    assert not pdl_mod.pdl_on(dev)
+
+
+def test_every_launched_kernel_enters_through_pdl_enter():
+    """A kernel launched with the attribute that skipped the wait could run ahead of the kernel before it."""
+    trees = {path.name: ast.parse(path.read_text()) for path in sorted(KERNELS.glob("*.py"))}
+    launched = set()  # NAME[grid](..., **pdl_args(...)), in whichever file launches it
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                if any(isinstance(k.value, ast.Call) and getattr(k.value.func, "id", "") == "pdl_args"
+                       for k in node.keywords if k.arg is None):
+                    launched.add(getattr(node.func.value, "id", None))
+    missing, checked = [], 0
+    for name, tree in trees.items():
+        for fn in tree.body:
+            if isinstance(fn, ast.FunctionDef) and fn.name in launched:
+                body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+                first = body[0]
+                ok = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                      and getattr(first.value.func, "id", "") == "pdl_enter")
+                checked += 1
+                if not ok:
+                    missing.append(f"{name}:{fn.name}")
+    assert checked >= 20 and not missing, (checked, missing)
