@@ -63,6 +63,16 @@ SHAPES = {
     "qwen3-30b-a3b o_proj": (2048, 4096),
     "qwen3-30b-a3b router": (128, 2048),
     "mixtral-8x7b router": (8, 4096),
+    # DeepSeek-V2-Lite: MLA's fused q/kv-a projection (q_proj without q LoRA, and kv_a_proj_with_mqa), its
+    # o_proj, the two shared experts as one MLP (gate_up plain: the norm rides in the fused router gate),
+    # the first layer's dense MLP, the lm_head
+    "deepseek-v2-lite qkv": (16 * 192 + 512 + 64, 2048),
+    "deepseek-v2-lite o_proj": (2048, 16 * 128),
+    "deepseek-v2-lite shared gate_up": (2 * 2 * 1408, 2048),
+    "deepseek-v2-lite shared down": (2048, 2 * 1408),
+    "deepseek-v2-lite dense gate_up": (2 * 10944, 2048),
+    "deepseek-v2-lite dense down": (2048, 10944),
+    "deepseek-v2-lite lm_head": (102400, 2048),
 }
 # measured when neither --shapes nor --models is given (the dense presets)
 DEFAULT_SHAPES = [name for name in SHAPES if name.startswith(("qwen3-0.6b", "llama3-8b"))]
@@ -72,6 +82,7 @@ MODEL_SHAPES = {
     "dummy:llama3-8b": [name for name in SHAPES if name.startswith("llama3-8b")],
     "dummy:qwen3-30b-a3b": ["qwen3-30b-a3b qkv", "qwen3-30b-a3b o_proj", "qwen3-30b-a3b router"],
     "dummy:mixtral-8x7b": ["llama3-8b qkv", "llama3-8b o_proj", "mixtral-8x7b router"],
+    "dummy:deepseek-v2-lite": [name for name in SHAPES if name.startswith("deepseek-v2-lite")],
 }
 COLS = ["shape", "M", "cublas_us", "gemv_us", "gemv/cublas", "gemv_GBps", "floor_us", "gemv/floor", "gemv/datasheet"]
 FUSED_COLS = ["shape", "M", "kind", "unfused_us", "fused_us", "fused/unfused", "fused/floor", "fused/datasheet"]

@@ -17,7 +17,7 @@ def test_cpu_never_launches_with_pdl(monkeypatch):
     monkeypatch.setenv(pdl_mod.ENV, "1")
     cpu = torch.device("cpu")
     assert not pdl_mod.pdl_on(cpu)
-    assert pdl_mod.pdl_args(cpu) == {"PDL": False, "launch_pdl": False}
+    assert pdl_mod.pdl_args(cpu, "_gemv_kernel") == {"PDL": False, "launch_pdl": False}
     with pdl_mod.pdl(True):
         assert not pdl_mod.pdl_on(cpu)
 
@@ -30,11 +30,21 @@ def test_scope_and_environment_decide_on_a_capable_device(monkeypatch):
     monkeypatch.setenv(pdl_mod.ENV, "0")
     assert not pdl_mod.pdl_on(dev)
     with pdl_mod.pdl(True):  # a scope overrides the environment, and nests
-        assert pdl_mod.pdl_args(dev) == {"PDL": True, "launch_pdl": True}
+        assert pdl_mod.pdl_args(dev, "_gemv_kernel") == {"PDL": True, "launch_pdl": True}
         with pdl_mod.pdl(False):
             assert not pdl_mod.pdl_on(dev)
         assert pdl_mod.pdl_on(dev)
     assert not pdl_mod.pdl_on(dev)
+
+
+def test_named_kernels_can_be_left_out(monkeypatch):
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(pdl_mod, "_capable", lambda device: device.type == "cuda")
+    monkeypatch.setenv(pdl_mod.SKIP_ENV, " _fp8_gemv_kernel, _w8a8_kernel ")
+    assert not pdl_mod.pdl_on(dev, "_fp8_gemv_kernel") and not pdl_mod.pdl_on(dev, "_w8a8_kernel")
+    assert pdl_mod.pdl_on(dev, "_gemv_kernel")
+    with pdl_mod.pdl(True, skip={"_gemv_kernel"}):  # a scope's own list replaces the environment's
+        assert not pdl_mod.pdl_on(dev, "_gemv_kernel") and pdl_mod.pdl_on(dev, "_fp8_gemv_kernel")
 
 
 def test_every_launched_kernel_enters_through_pdl_enter():
@@ -47,6 +57,10 @@ def test_every_launched_kernel_enters_through_pdl_enter():
                 if any(isinstance(k.value, ast.Call) and getattr(k.value.func, "id", "") == "pdl_args"
                        for k in node.keywords if k.arg is None):
                     launched.add(getattr(node.func.value, "id", None))
+                    name = next(k.value.args[1].value for k in node.keywords if k.arg is None
+                                and isinstance(k.value, ast.Call) and getattr(k.value.func, "id", "") == "pdl_args")
+                    kernel = getattr(node.func.value, "id", None)
+                    assert name == kernel or kernel == "kernel", f"{kernel} launches under the name {name}"
     missing, checked = [], 0
     for name, tree in trees.items():
         for fn in tree.body:

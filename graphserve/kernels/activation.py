@@ -42,7 +42,7 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     if x2.shape[0] and inter:
         block = min(BLOCK, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, **pdl_args(x2.device)
+            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, **pdl_args(x2.device, "_silu_and_mul_kernel")
         )
     return out.view(*x.shape[:-1], inter)
 

@@ -307,7 +307,7 @@ def decode_attention(
         PAGE=page, BLOCK_N=BLOCK_N,
         DIRECT=direct, IEEE_DOT=q.dtype == torch.float32 and not widen_fp16, WHILE_LOOP=interpreting(), PREFETCH_V=not direct,
         FUSED_MERGE=fused_merge, BLOCK_HM=block_hm, CHUNK_S=chunk_s, WIDEN_FP16=widen_fp16,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_args(q.device),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_args(q.device, "_decode_split_kernel"),
     )  # fmt: skip
     if not direct and not fused_merge:
         _decode_merge_kernel[(batch, num_heads)](
@@ -317,7 +317,7 @@ def decode_attention(
             mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4, **pdl_args(mid_o.device),
+            num_warps=4, **pdl_args(mid_o.device, "_decode_merge_kernel"),
         )  # fmt: skip
     return out
 

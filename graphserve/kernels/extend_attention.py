@@ -150,7 +150,7 @@ def extend_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE_DOT=q.dtype == torch.float32, WHILE_LOOP=interpreting(),
-        num_warps=4, num_stages=2, **pdl_args(q.device),
+        num_warps=4, num_stages=2, **pdl_args(q.device, "_extend_kernel"),
     )  # fmt: skip
     return out
 

@@ -117,7 +117,7 @@ def w8a8_matmul(
         a, w, out, a_scale, w_scale, bias if bias is not None else out, m, n,
         a.stride(0), w.stride(0), out.stride(0), a_scale.stride(0), a_scale.stride(1), w_scale.stride(0),
         K=k, GROUP_N=group_n, GROUP_K=max(group_k, block_k), HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=stages, **pdl_args(a.device),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=stages, **pdl_args(a.device, "_w8a8_kernel"),
     )  # fmt: skip
     return out
 

@@ -247,7 +247,7 @@ def _launch(
         K=k, GROUP_N=1 if per_channel else group_n, GROUP_K=k if per_channel else group_k,
         PER_CHANNEL=per_channel, HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SUB_K=sub_k,
-        KB=block_k // sub_k, SPLIT_K=split_k, K_SPLIT=k_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
+        KB=block_k // sub_k, SPLIT_K=split_k, K_SPLIT=k_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, "_fp8_gemv_kernel"),
     )  # fmt: skip
     return out
 

@@ -78,7 +78,7 @@ def per_token_group_quant(
     _token_group_quant_kernel[(rows, triton.cdiv(groups, per_prog))](
         x, q, scales, m, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), k, groups,
         GROUP=group_size, BLOCK=block, GROUPS_PER_PROG=per_prog, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-        num_warps=warps, **pdl_args(x.device),
+        num_warps=warps, **pdl_args(x.device, "_token_group_quant_kernel"),
     )  # fmt: skip
     return q, scales
 

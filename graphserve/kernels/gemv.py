@@ -179,7 +179,7 @@ def _launch(
         K=k, HAS_BIAS=bias is not None, SILU_MUL=pro.silu_mul, ADD_RESIDUAL=res is not None,
         NORM=pro.norm_weight is not None, USE_DOT=cfg.use_dot, IEEE_DOT=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, "_gemv_kernel"),
     )  # fmt: skip
     return out
 

@@ -68,7 +68,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         HEAD_DIM=head_dim,
         NUM_ELEMS=num_elems,
         BLOCK=triton.next_power_of_2(num_elems),
-        num_warps=4 if num_elems >= 1024 else 2, **pdl_args(k.device),
+        num_warps=4 if num_elems >= 1024 else 2, **pdl_args(k.device, "_kv_write_kernel"),
     )
 
 

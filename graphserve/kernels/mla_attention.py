@@ -322,12 +322,12 @@ def _launch(q_lat, q_rope, cache, block_tables, seq_lens, query_start_loc, scale
         RANK=rank, BLOCK_R=block_r, ROPE=q_rope.shape[-1], BLOCK_D=max(16, triton.next_power_of_2(q_rope.shape[-1])),
         PAGE=cache.shape[1], BLOCK_N=tile.block_n, BLOCK_H=tile.block_h, BLOCK_T=block_t,
         TOKEN_MAJOR=tile.token_major, DIRECT=direct, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
-        WHILE_LOOP=interpreting(), num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(q_lat.device),
+        WHILE_LOOP=interpreting(), num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(q_lat.device, "_mla_attention_kernel"),
     )  # fmt: skip
     if not direct:
         _mla_merge_kernel[(tokens, num_heads)](
             mid_o, mid_lse, out, num_splits,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1),
-            RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_S=8, num_warps=4, **pdl_args(mid_o.device),
+            RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_S=8, num_warps=4, **pdl_args(mid_o.device, "_mla_merge_kernel"),
         )  # fmt: skip

@@ -102,7 +102,7 @@ def mla_prologue(
         q.stride(0), q.stride(1), kv_a.stride(0), cos_sin_cache.stride(0), cache.shape[-1],
         RANK=rank, BLOCK_R=triton.next_power_of_2(rank), NOPE=nope, HALF=rope // 2,
         BLOCK_HALF=triton.next_power_of_2(rope // 2), BLOCK_H=triton.next_power_of_2(num_heads),
-        INTERLEAVED=interleaved, num_warps=4, **pdl_args(q.device),
+        INTERLEAVED=interleaved, num_warps=4, **pdl_args(q.device, "_mla_prologue_kernel"),
     )  # fmt: skip
 
 

@@ -182,7 +182,7 @@ def moe_count(topk_ids: torch.Tensor, valid: torch.Tensor | None, counts: torch.
     moe_count_kernel[grid](
         topk_ids, _valid_arg(valid, topk_ids), counts, num_pairs,
         TOP_K=top_k, E=e, HAS_VALID=valid is not None, SINGLE=single,
-        BLOCK_P=histogram_block(block_e) if single else _BLOCK_P, BLOCK_E=block_e, **pdl_args(topk_ids.device),
+        BLOCK_P=histogram_block(block_e) if single else _BLOCK_P, BLOCK_E=block_e, **pdl_args(topk_ids.device, "moe_count_kernel"),
     )  # fmt: skip
     return counts
 
@@ -217,11 +217,11 @@ def moe_align(
         expert_start, num_pairs, slots // block_m,
         TOP_K=top_k, E=counts.numel(), E_LOCAL=num_local_experts, HAS_VALID=valid is not None, COUNT=count_here,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_EG=block_eg, BLOCK_P=histogram_block(block_eg),
-        OWNER_BLOCK=max(16, 4096 // block_e), FILL_BLOCK=_FILL_BLOCK, **pdl_args(topk_ids.device),
+        OWNER_BLOCK=max(16, 4096 // block_e), FILL_BLOCK=_FILL_BLOCK, **pdl_args(topk_ids.device, "moe_align_offsets_kernel"),
     )  # fmt: skip
     if num_pairs:
         moe_align_scatter_kernel[(triton.cdiv(num_pairs, _BLOCK_P),)](
             topk_ids, _valid_arg(valid, topk_ids), cursor, sorted_ids, num_pairs, expert_start,
-            TOP_K=top_k, E_LOCAL=num_local_experts, HAS_VALID=valid is not None, BLOCK_P=_BLOCK_P, **pdl_args(topk_ids.device),
+            TOP_K=top_k, E_LOCAL=num_local_experts, HAS_VALID=valid is not None, BLOCK_P=_BLOCK_P, **pdl_args(topk_ids.device, "moe_align_scatter_kernel"),
         )  # fmt: skip
     return MoeAlignment(sorted_ids, expert_ids, num_post, block_m)

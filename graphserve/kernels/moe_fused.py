@@ -203,14 +203,14 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), a13["stride_e"], a13["stride_n"],
         a13["up_row"], K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local, HAS_VALID=valid is not None,
         W_FP8=scales is not None, **a13["consts"], BLOCK_N=gu.block_n, BLOCK_K=gu_k,
-        BLOCK_P=histogram_block(block_e), BLOCK_E=block_e, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_args(hidden.device),
+        BLOCK_P=histogram_block(block_e), BLOCK_E=block_e, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_args(hidden.device, "fused_moe_gemv_gate_up_kernel"),
     )  # fmt: skip
     fused_moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
         act, w2, out, topk_weights, topk_ids, valid_arg, a2["scale"], h, expert_start,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), a2["stride_e"], a2["stride_n"],
         K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, W_FP8=scales is not None,
         **a2["consts"], BLOCK_S=triton.next_power_of_2(k), BLOCK_N=dn.block_n, BLOCK_K=dn_k,
-        num_warps=dn.num_warps, num_stages=dn.num_stages, **pdl_args(act.device),
+        num_warps=dn.num_warps, num_stages=dn.num_stages, **pdl_args(act.device, "fused_moe_gemv_down_kernel"),
     )  # fmt: skip
 
 
@@ -245,12 +245,12 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
             K=kk, A_ROW_DIV=a_div, GATED=gated, MUL_WEIGHT=not gated,
             IEEE=hidden.dtype == torch.float32 and not w8a8, B_FP8=sb is not None, A_FP8=w8a8, **args["consts"],
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
-            GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(a.device),
+            GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(a.device, "fused_moe_gemm_kernel"),
         )  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(h))
     moe_sum_kernel[(t, triton.cdiv(h, block_h))](
         down, out, topk_ids, valid_arg, h, expert_start, down.stride(0), out.stride(0),
-        TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, BLOCK_H=block_h, num_warps=4, **pdl_args(down.device),
+        TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, BLOCK_H=block_h, num_warps=4, **pdl_args(down.device, "moe_sum_kernel"),
     )  # fmt: skip
 
 

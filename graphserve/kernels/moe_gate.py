@@ -288,7 +288,7 @@ def _launch(x, gate_weight, top_k, renormalize, counter, norm, block_ep=None, ra
         BLOCK_T=block_t, BLOCK_EP=block_ep, BLOCK_H=block_h,
         BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
         EVEN_H=h % block_h == 0, ONE_TILE=h <= block_h, W_IN_LOOP=norm is None or h > block_h,
-        RANK_TOPK=rank_topk, num_warps=4, **pdl_args(x.device),
+        RANK_TOPK=rank_topk, num_warps=4, **pdl_args(x.device, "moe_gate_softmax_topk_kernel"),
     )  # fmt: skip
     return weights, ids, normed, summed
 

@@ -66,7 +66,7 @@ def _launch(
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
             hidden, eps,
             ADD_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(16, max(1, block // 512)), **pdl_args(x2.device),
+            num_warps=min(16, max(1, block // 512)), **pdl_args(x2.device, "_rms_norm_kernel"),
         )  # fmt: skip
     return out.view(x.shape), res_out.view(x.shape)
 

@@ -18,8 +18,9 @@ A kernel of another library (cuBLAS, a PyTorch op) is launched without the attri
 usual, on both sides.
 
 ``GRAPHSERVE_PDL=0`` turns it off (read at every launch, so a graph keeps the setting it was captured with);
-``pdl(False)`` does so in a scope (benchmarks/pdl.py captures the same model both ways). Off the GPU, under
-the interpreter, before Hopper, or with a Triton that cannot launch this way, kernels launch as before.
+``GRAPHSERVE_PDL_SKIP=name,name`` leaves the named kernels out; ``pdl(False)`` and ``pdl(True, skip=...)`` do
+the same in a scope (benchmarks/pdl.py captures the same model several ways). Off the GPU, under the
+interpreter, before Hopper, or with a Triton that cannot launch this way, kernels launch as before.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ except ImportError:  # a Triton without grid dependency control: _capable() is F
     gdc_launch_dependents = gdc_wait = None
 
 ENV = "GRAPHSERVE_PDL"
-_scoped: list[bool] = []
+SKIP_ENV = "GRAPHSERVE_PDL_SKIP"
+_scoped: list[tuple[bool, frozenset[str]]] = []
 
 
 def _triton_launches_pdl() -> bool:
@@ -59,22 +61,27 @@ def _capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def pdl_on(device: torch.device) -> bool:
-    """Whether a kernel launched now on ``device`` uses programmatic dependent launch."""
-    wanted = _scoped[-1] if _scoped else os.environ.get(ENV, "1") != "0"
-    return wanted and _capable(device)
+def _env_skip() -> frozenset[str]:
+    return frozenset(n.strip() for n in os.environ.get(SKIP_ENV, "").split(",") if n.strip())
 
 
-def pdl_args(device: torch.device) -> dict[str, bool]:
-    """The launch keywords of a kernel that starts with ``pdl_enter(PDL)``."""
-    on = pdl_on(device)
+def pdl_on(device: torch.device, kernel: str | None = None) -> bool:
+    """Whether ``kernel`` (any kernel when None), launched now on ``device``, uses programmatic dependent launch."""
+    wanted, skip = _scoped[-1] if _scoped else (os.environ.get(ENV, "1") != "0", _env_skip())
+    return wanted and kernel not in skip and _capable(device)
+
+
+def pdl_args(device: torch.device, kernel: str) -> dict[str, bool]:
+    """The launch keywords of ``kernel``, a kernel that starts with ``pdl_enter(PDL)``."""
+    on = pdl_on(device, kernel)
     return {"PDL": on, "launch_pdl": on}
 
 
 @contextlib.contextmanager
-def pdl(enabled: bool) -> Iterator[None]:
-    """Kernels launched (or captured) in this scope use PDL when ``enabled`` and the device allows it."""
-    _scoped.append(enabled)
+def pdl(enabled: bool, skip: frozenset[str] | set[str] = frozenset()) -> Iterator[None]:
+    """Kernels launched (or captured) in this scope use PDL when ``enabled`` and the device allows it, except
+    the kernels named in ``skip``."""
+    _scoped.append((enabled, frozenset(skip)))
     try:
         yield
     finally:

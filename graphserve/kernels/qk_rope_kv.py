@@ -149,7 +149,7 @@ def qk_norm_rope_kv_write(
         HAS_NORM=has_norm, HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads * head_dim),
-        num_warps=4, **pdl_args(qkv.device),
+        num_warps=4, **pdl_args(qkv.device, "_qk_norm_rope_kv_kernel"),
     )  # fmt: skip
     return q_out
 

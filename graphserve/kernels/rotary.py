@@ -70,7 +70,7 @@ def apply_rotary(
         q.shape[1], k.shape[1],
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-        num_warps=4, **pdl_args(q.device),
+        num_warps=4, **pdl_args(q.device, "_rotary_kernel"),
     )  # fmt: skip
 
 
