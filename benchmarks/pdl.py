@@ -1,7 +1,8 @@
 """Programmatic dependent launch on and off: the same decode step captured both ways, timed in turns.
 
 For each model and batch size: one model load, one KV cache, two CUDA-graph captures of the decode step
-(kernels/pdl.py: ``pdl(False)`` and ``pdl(True)``), replayed alternately for ``--rounds`` rounds so clock and
+(kernels/pdl.py: ``pdl(False)``, and ``pdl(True)`` as the engine runs it, with the kernels it leaves out by
+default; a third capture with every kernel in), replayed alternately for ``--rounds`` rounds so clock and
 thermal drift fall on both alike; each side's time is the median of its rounds. ``--skip a,b --skip c`` adds
 one more capture per list: PDL on except the named kernels (kernels/pdl.py), to find a kernel that loses by it. MoE models route uniformly
 (``--moe-routing uniform``), so both sides touch the same experts. The floor is the bytes the step must read
@@ -25,7 +26,7 @@ from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
-from graphserve.kernels.pdl import pdl, pdl_on
+from graphserve.kernels.pdl import DEFAULT_SKIP, pdl, pdl_on
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.layers.forward_batch import contiguous_batch
 from graphserve.models.loader import load_model
@@ -46,7 +47,9 @@ def bench_model(name: str, quantization: str, sizes: list[int], ctx: int, rounds
     rows = []
     with torch.inference_mode():
         # variant: (PDL on, kernels left out); "off", "on", then "on except ..." per --skip list
-        variants = {"off": (False, frozenset()), "on": (True, frozenset())}
+        variants = {"off": (False, frozenset()), "on": (True, DEFAULT_SKIP)}  # "on": as the engine runs
+        if DEFAULT_SKIP:
+            variants["on, every kernel"] = (True, frozenset())
         variants.update({"on except " + ",".join(sorted(skip)): (True, skip) for skip in skips})
         graphs = {}
         for label, (enabled, skip) in variants.items():

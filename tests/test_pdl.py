@@ -26,7 +26,9 @@ def test_scope_and_environment_decide_on_a_capable_device(monkeypatch):
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(pdl_mod, "_capable", lambda device: device.type == "cuda")
     monkeypatch.delenv(pdl_mod.ENV, raising=False)
+    monkeypatch.delenv(pdl_mod.SKIP_ENV, raising=False)
     assert pdl_mod.pdl_on(dev)  # on by default
+    assert not pdl_mod.pdl_on(dev, "_fp8_gemv_kernel")  # except the kernels measured to lose by it
     monkeypatch.setenv(pdl_mod.ENV, "0")
     assert not pdl_mod.pdl_on(dev)
     with pdl_mod.pdl(True):  # a scope overrides the environment, and nests

@@ -17,8 +17,13 @@ The contract every kernel here keeps (``pdl_enter`` as its first statement, befo
 A kernel of another library (cuBLAS, a PyTorch op) is launched without the attribute and serializes as
 usual, on both sides.
 
+One kernel is left out by default: the FP8 streaming matmul (kernels/fp8_gemv.py). With it in, an FP8
+llama3-8b batch-1 step was slower with PDL than without; with it out, faster than without
+(``python3 -m benchmarks.pdl --models --fp8-models dummy:llama3-8b --bs 1 --skip _fp8_gemv_kernel``,
+benchmarks/results/pdl_fp8.json).
+
 ``GRAPHSERVE_PDL=0`` turns it off (read at every launch, so a graph keeps the setting it was captured with);
-``GRAPHSERVE_PDL_SKIP=name,name`` leaves the named kernels out; ``pdl(False)`` and ``pdl(True, skip=...)`` do
+``GRAPHSERVE_PDL_SKIP=name,name`` leaves the named kernels out instead of the default; ``pdl(False)`` and ``pdl(True, skip=...)`` do
 the same in a scope (benchmarks/pdl.py captures the same model several ways). Off the GPU, under the
 interpreter, before Hopper, or with a Triton that cannot launch this way, kernels launch as before.
 """
@@ -43,6 +48,7 @@ except ImportError:  # a Triton without grid dependency control: _capable() is F
 
 ENV = "GRAPHSERVE_PDL"
 SKIP_ENV = "GRAPHSERVE_PDL_SKIP"
+DEFAULT_SKIP = frozenset({"_fp8_gemv_kernel"})
 _scoped: list[tuple[bool, frozenset[str]]] = []
 
 
@@ -62,7 +68,9 @@ def _capable(device: torch.device) -> bool:
 
 
 def _env_skip() -> frozenset[str]:
-    return frozenset(n.strip() for n in os.environ.get(SKIP_ENV, "").split(",") if n.strip())
+    if SKIP_ENV not in os.environ:
+        return DEFAULT_SKIP
+    return frozenset(n.strip() for n in os.environ[SKIP_ENV].split(",") if n.strip())
 
 
 def pdl_on(device: torch.device, kernel: str | None = None) -> bool:
@@ -78,9 +86,9 @@ def pdl_args(device: torch.device, kernel: str) -> dict[str, bool]:
 
 
 @contextlib.contextmanager
-def pdl(enabled: bool, skip: frozenset[str] | set[str] = frozenset()) -> Iterator[None]:
+def pdl(enabled: bool, skip: frozenset[str] | set[str] = DEFAULT_SKIP) -> Iterator[None]:
     """Kernels launched (or captured) in this scope use PDL when ``enabled`` and the device allows it, except
-    the kernels named in ``skip``."""
+    the kernels named in ``skip`` (by default, those left out by default)."""
     _scoped.append((enabled, frozenset(skip)))
     try:
         yield
