@@ -49,7 +49,7 @@ def bench_model(name: str, quantization: str, sizes: list[int], ctx: int, rounds
         # variant: (PDL on, kernels left out); "off", "on", then "on except ..." per --skip list
         variants = {"off": (False, frozenset()), "on": (True, DEFAULT_SKIP)}  # "on": as the engine runs
         if DEFAULT_SKIP:
-            variants["on, every kernel"] = (True, frozenset())
+            variants["on with every kernel"] = (True, frozenset())
         variants.update({"on except " + ",".join(sorted(skip)): (True, skip) for skip in skips})
         graphs = {}
         for label, (enabled, skip) in variants.items():

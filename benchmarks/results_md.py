@@ -4,7 +4,8 @@ in RESULTS.md is typed by hand.
 Run: python3 -m benchmarks.results_md FILE[:KEY][=COL,COL,...] ...
   FILE  a JSON under benchmarks/results/ (name without .json, or a path)
   KEY   the list of rows inside it (default "rows")
-  COLS  the columns to show, in order (default: every column of the first row); rows lacking one are left out
+  COLS  the columns to show, in order (default: every column of the first row); rows lacking one are left out;
+        a dotted column (``http_steps.busy``) reads a field of a nested object
 """
 
 from __future__ import annotations
@@ -24,9 +25,24 @@ def _fmt(v) -> str:
     return "—" if v is None else str(v)
 
 
+_MISSING = object()
+
+
+def field(row: dict, col: str):
+    """``row[col]``, or for a dotted column the nested field it names; _MISSING where there is none."""
+    if col in row:
+        return row[col]
+    value = row
+    for part in col.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
 def table(rows: list[dict], cols: list[str]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(_fmt(field(r, c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -41,7 +57,7 @@ def render(spec: str) -> str:
     if not rows:
         return f"`{path.name}`: no rows under {key or 'rows'!r}"
     columns = cols.split(",") if cols else list(rows[0])
-    rows = [r for r in rows if all(c in r for c in columns)]  # rows that carry every column asked for
+    rows = [r for r in rows if all(field(r, c) is not _MISSING for c in columns)]  # rows that carry every column
     env = data.get("environment", {})
     head = f"`results/{path.name}` · {env.get('device', '?')} · {env.get('date', '?')} · commit {env.get('commit', '?')}"
     return head + "\n\n" + table(rows, columns)
