@@ -1,0 +1,29 @@
+"""benchmarks/http_overhead's step timeline: the engine's steps inside a run's wall window, how busy it was,
+its mean batch, and when the batch first reached the concurrency (None when it never did)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.http_overhead import step_timeline
+
+
+def _step(t: float, batch: int, ms: float) -> dict:
+    return {"time": t, "batch_size": batch, "step_ms": ms}
+
+
+def test_only_steps_inside_the_window_count():
+    records = [_step(9.9, 4, 50.0), _step(10.1, 2, 40.0), _step(10.3, 4, 60.0), _step(11.0, 4, 100.0),
+               _step(11.2, 4, 10.0)]
+    out = step_timeline(records, 10.0, 11.0, concurrency=4)
+    assert out["steps"] == 3
+    assert out["busy"] == pytest.approx(0.2)  # 200 ms of steps in a 1 s window
+    assert out["mean_batch"] == pytest.approx(10 / 3)
+    assert out["mean_step_ms"] == pytest.approx(200 / 3)
+    assert out["full_after_s"] == pytest.approx(0.3)
+
+
+def test_a_batch_that_never_fills_and_an_empty_window():
+    assert step_timeline([_step(1.5, 3, 10.0)], 1.0, 2.0, concurrency=4)["full_after_s"] is None
+    empty = step_timeline([], 1.0, 2.0, concurrency=4)
+    assert empty == {"steps": 0, "busy": 0.0, "mean_batch": 0.0, "mean_step_ms": 0.0, "full_after_s": None}
