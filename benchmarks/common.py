@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -55,20 +56,17 @@ def write_result(name: str, payload: dict) -> Path:
 
 class PrefillProbe:
     """Runs one-token requests through an ``LLM`` and times each two ways: the whole ``generate`` call (ms)
-    and its prefill step's own ``step_ms`` from the engine's telemetry, the engine's own prefill time."""
+    and its prefill step's own ``step_ms`` from the engine's telemetry ring, the engine's own prefill time."""
 
     def __init__(self, llm):
         from graphserve import SamplingParams
 
         self.llm = llm
         self.one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        self.records: list = []
-        llm.engine.core.telemetry.add_listener(self.records.append)
 
     def __call__(self, prompt: list[int]) -> tuple[float, float]:
-        import time
-
-        self.records.clear()
+        telemetry = self.llm.engine.core.telemetry
+        last = max((r.step for r in telemetry.records()), default=-1)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -76,7 +74,7 @@ class PrefillProbe:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall_ms = 1000 * (time.perf_counter() - t0)
-        return wall_ms, sum(r.step_ms for r in self.records if r.prefill_tokens > 0)
+        return wall_ms, sum(r.step_ms for r in telemetry.records() if r.step > last and r.prefill_tokens > 0)
 
 
 def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:

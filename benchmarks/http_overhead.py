@@ -96,16 +96,22 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
     prompts = workload(args.num_prompts, args.input_len, vocab)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {"prompts": prompts, "tok_s": {}, "steps": {}}
-    records: list[dict[str, Any]] = []
-    llm.engine.core.telemetry.add_listener(lambda rec: records.append(dataclasses.asdict(rec)))
     for c in args.levels:
         llm.engine.core.scheduler.max_running = c  # the same running-batch cap the HTTP clients produce
+        telemetry = llm.engine.core.telemetry
+        before = max((r.step for r in telemetry.records()), default=0)  # step ids count from 1
         sync()
         t0, wall0 = time.perf_counter(), time.time()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         sync()
         seconds = time.perf_counter() - t0
         out["tok_s"][c] = sum(len(o.token_ids) for o in outs) / seconds
+        # the run's steps from the engine's telemetry ring, read after the timing; a ring that has dropped the
+        # run's first step would give a timeline missing its start
+        records = [dataclasses.asdict(r) for r in telemetry.records() if r.step > before]
+        if not records or records[0]["step"] != before + 1:
+            raise RuntimeError(f"the telemetry ring no longer holds step {before + 1}, the first of the C={c} run: "
+                               "run fewer --num-prompts per level")
         out["steps"][c] = step_timeline(records, wall0, wall0 + seconds, c)
         out.setdefault("tokens", sum(len(o.token_ids) for o in outs))
     # The engine's own prefill time is its prefill step's step_ms (median of 7, the first dropped): a whole
@@ -221,7 +227,8 @@ def idle_ttft(base_url: str, vocab: int) -> dict[str, float]:
             "to_engine_ms": queue, "engine_steps_ms": steps, "back_ms": server - queue - steps}
 
 
-def bench_model(model: str, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[list[dict], list[dict]]:
+    """Offline, then one server per ``--api-server-count``, its step log in ``log_dir``."""
     engine_args = f"{args.engine_args} --max-running-requests {max(args.concurrency)}".strip()
     off = run_offline(model, engine_args, args)
     rows, extras = [], []
@@ -229,8 +236,6 @@ def bench_model(model: str, args: argparse.Namespace) -> tuple[list[dict], list[
         extra: dict[str, Any] = {"model": model, "api_server_count": count,
                                  "offline_prefill_256_ms": off["prefill_256_ms"],
                                  "offline_generate_256_ms": off["generate_256_ms"]}
-        log_dir = args.step_log_dir or tempfile.mkdtemp(prefix="http_overhead_")
-        os.makedirs(log_dir, exist_ok=True)
         step_log = os.path.join(log_dir, f"{model.replace(':', '_').replace('/', '_')}_api{count}_steps.jsonl")
         server_args = ("--api-server-count", str(count), "--step-log", step_log)
         with server(model, engine_args, server_args) as base_url:
@@ -277,15 +282,25 @@ def main() -> int:
     for count in args.api_server_count:
         if count < 1:
             p.error(f"--api-server-count {count} is invalid: must be >= 1")
+    for name in ("num_prompts", "input_len", "output_len", "ready_first", "ready_next"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid: must be >= 1")
+    if min(args.concurrency) < 1:
+        p.error(f"--concurrency {args.concurrency} is invalid: every level must be >= 1")
+    if args.ready_max_input < 32:  # the ready-warm prompts draw from three ranges cut at 1/16 and 1/3 of it
+        p.error(f"--ready-max-input {args.ready_max_input} is invalid: must be >= 32")
     if args.quick:
         args.num_prompts, args.input_len, args.output_len = 256, 128, 128
     # the throughput levels run, offline and over HTTP; --concurrency still sets the engine's running cap
     args.levels = [] if args.latency_only else args.concurrency
     rows, extras = [], []
-    for model in args.models:
-        r, e = bench_model(model, args)
-        rows += r
-        extras += e
+    with tempfile.TemporaryDirectory(prefix="http_overhead_") as scratch:
+        log_dir = args.step_log_dir or scratch
+        os.makedirs(log_dir, exist_ok=True)
+        for model in args.models:
+            r, e = bench_model(model, args, log_dir)
+            rows += r
+            extras += e
     print(f"input_len={args.input_len} output_len={args.output_len} prompts={args.num_prompts}")
     if rows:
         print_table(rows, ["model", "api_server_count", "concurrency", "mode", "client", "http_tok_s",

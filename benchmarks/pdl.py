@@ -94,8 +94,11 @@ def main() -> None:
     p.add_argument("--skip", action="append", default=[], metavar="KERNEL,KERNEL",
                    help="one more capture: PDL on except these kernels (repeatable)")
     args = p.parse_args()
-    if args.rounds < 1:
-        p.error(f"--rounds {args.rounds} is invalid: must be >= 1")
+    for name in ("rounds", "ctx"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)} is invalid: must be >= 1")
+    if min(args.bs) < 1:
+        p.error(f"--bs {args.bs} is invalid: every batch size must be >= 1")
     if not pdl_on(torch.device("cuda")):
         p.error("this GPU, Triton or GRAPHSERVE_PDL setting cannot launch with PDL: nothing to compare")
     skips = [frozenset(k.strip() for k in s.split(",") if k.strip()) for s in args.skip]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 
 from graphserve.kernels import pdl as pdl_mod
@@ -13,8 +14,8 @@ from graphserve.kernels import pdl as pdl_mod
 KERNELS = Path(pdl_mod.__file__).parent
 
 
-def test_cpu_never_launches_with_pdl(monkeypatch):
-    monkeypatch.setenv(pdl_mod.ENV, "1")
+def test_cpu_never_launches_with_pdl(env):
+    env(GRAPHSERVE_PDL="1")
     cpu = torch.device("cpu")
     assert not pdl_mod.pdl_on(cpu)
     assert pdl_mod.pdl_args(cpu, "_gemv_kernel") == {"PDL": False, "launch_pdl": False}
@@ -22,14 +23,28 @@ def test_cpu_never_launches_with_pdl(monkeypatch):
         assert not pdl_mod.pdl_on(cpu)
 
 
-def test_scope_and_environment_decide_on_a_capable_device(monkeypatch):
+@pytest.fixture
+def env(monkeypatch):
+    """Sets GRAPHSERVE_PDL*; the module reads them once per process, so each setting starts a fresh read."""
+    def set_env(**values: str | None) -> None:
+        for name, value in values.items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        pdl_mod.env_setting.cache_clear()
+
+    yield set_env
+    pdl_mod.env_setting.cache_clear()
+
+
+def test_scope_and_environment_decide_on_a_capable_device(monkeypatch, env):
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(pdl_mod, "_capable", lambda device: device.type == "cuda")
-    monkeypatch.delenv(pdl_mod.ENV, raising=False)
-    monkeypatch.delenv(pdl_mod.SKIP_ENV, raising=False)
+    env(GRAPHSERVE_PDL=None, GRAPHSERVE_PDL_SKIP=None)
     assert pdl_mod.pdl_on(dev)  # on by default
     assert not pdl_mod.pdl_on(dev, "_fp8_gemv_kernel")  # except the kernels measured to lose by it
-    monkeypatch.setenv(pdl_mod.ENV, "0")
+    env(GRAPHSERVE_PDL="0")
     assert not pdl_mod.pdl_on(dev)
     with pdl_mod.pdl(True):  # a scope overrides the environment, and nests
         assert pdl_mod.pdl_args(dev, "_gemv_kernel") == {"PDL": True, "launch_pdl": True}
@@ -39,10 +54,10 @@ def test_scope_and_environment_decide_on_a_capable_device(monkeypatch):
     assert not pdl_mod.pdl_on(dev)
 
 
-def test_named_kernels_can_be_left_out(monkeypatch):
+def test_named_kernels_can_be_left_out(monkeypatch, env):
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(pdl_mod, "_capable", lambda device: device.type == "cuda")
-    monkeypatch.setenv(pdl_mod.SKIP_ENV, " _fp8_gemv_kernel, _w8a8_kernel ")
+    env(GRAPHSERVE_PDL=None, GRAPHSERVE_PDL_SKIP=" _fp8_gemv_kernel, _w8a8_kernel ")
     assert not pdl_mod.pdl_on(dev, "_fp8_gemv_kernel") and not pdl_mod.pdl_on(dev, "_w8a8_kernel")
     assert pdl_mod.pdl_on(dev, "_gemv_kernel")
     with pdl_mod.pdl(True, skip={"_gemv_kernel"}):  # a scope's own list replaces the environment's
@@ -59,10 +74,13 @@ def test_every_launched_kernel_enters_through_pdl_enter():
                 if any(isinstance(k.value, ast.Call) and getattr(k.value.func, "id", "") == "pdl_args"
                        for k in node.keywords if k.arg is None):
                     launched.add(getattr(node.func.value, "id", None))
-                    name = next(k.value.args[1].value for k in node.keywords if k.arg is None
+                    name = next(k.value.args[1] for k in node.keywords if k.arg is None
                                 and isinstance(k.value, ast.Call) and getattr(k.value.func, "id", "") == "pdl_args")
                     kernel = getattr(node.func.value, "id", None)
-                    assert name == kernel or kernel == "kernel", f"{kernel} launches under the name {name}"
+                    # a literal name is the kernel's own; a kernel passed in as a variable gives its __name__
+                    literal = isinstance(name, ast.Constant) and name.value == kernel
+                    own = isinstance(name, ast.Attribute) and name.attr == "__name__" and name.value.id == kernel
+                    assert literal or own, f"{kernel} launches under the name {ast.unparse(name)}"
     missing, checked = [], 0
     for name, tree in trees.items():
         for fn in tree.body:

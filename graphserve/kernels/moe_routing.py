@@ -89,7 +89,7 @@ def _route(kernel, logits: torch.Tensor, top_k: int, block_t: int | None, logits
     kernel[(triton.cdiv(t, block_t),)](
         logits_ptr=logits, weights_ptr=weights, ids_ptr=ids, T=t, stride_t=logits.stride(0),
         E=e, TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=4 if block_e * block_t >= 2048 else 1, **args, **pdl_args(logits.device, "moe_routing"),
+        num_warps=4 if block_e * block_t >= 2048 else 1, **args, **pdl_args(logits.device, kernel.__name__),
     )  # fmt: skip
     return weights, ids
 

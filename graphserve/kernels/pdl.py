@@ -22,7 +22,8 @@ llama3-8b batch-1 step was slower with PDL than without; with it out, faster tha
 (``python3 -m benchmarks.pdl --models --fp8-models dummy:llama3-8b --bs 1 --skip _fp8_gemv_kernel``,
 benchmarks/results/pdl_fp8.json).
 
-``GRAPHSERVE_PDL=0`` turns it off (read at every launch, so a graph keeps the setting it was captured with);
+``GRAPHSERVE_PDL=0`` turns it off (read once per process: a launch on the eager path pays a lookup, not a parse;
+a graph keeps the setting it was captured with);
 ``GRAPHSERVE_PDL_SKIP=name,name`` leaves the named kernels out instead of the default; ``pdl(False)`` and ``pdl(True, skip=...)`` do
 the same in a scope (benchmarks/pdl.py captures the same model several ways). Off the GPU, under the
 interpreter, before Hopper, or with a Triton that cannot launch this way, kernels launch as before.
@@ -67,15 +68,18 @@ def _capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _env_skip() -> frozenset[str]:
-    if SKIP_ENV not in os.environ:
-        return DEFAULT_SKIP
-    return frozenset(n.strip() for n in os.environ[SKIP_ENV].split(",") if n.strip())
+@functools.lru_cache(maxsize=1)
+def env_setting() -> tuple[bool, frozenset[str]]:
+    """(on, kernels left out) from GRAPHSERVE_PDL and GRAPHSERVE_PDL_SKIP, read once per process."""
+    skip = DEFAULT_SKIP
+    if SKIP_ENV in os.environ:
+        skip = frozenset(n.strip() for n in os.environ[SKIP_ENV].split(",") if n.strip())
+    return os.environ.get(ENV, "1") != "0", skip
 
 
 def pdl_on(device: torch.device, kernel: str | None = None) -> bool:
     """Whether ``kernel`` (any kernel when None), launched now on ``device``, uses programmatic dependent launch."""
-    wanted, skip = _scoped[-1] if _scoped else (os.environ.get(ENV, "1") != "0", _env_skip())
+    wanted, skip = _scoped[-1] if _scoped else env_setting()
     return wanted and kernel not in skip and _capable(device)
 
 
