@@ -66,11 +66,12 @@ class EngineThread:
 
     def _load(self) -> None:
         from graphserve.engine.core import EngineCore
-        from graphserve.server.warmup import warm_up
+        from graphserve.server.warmup import warm_up, warn_on_late_compiles
 
         engine = self.engine
         core = EngineCore(engine.config)
         engine.warmup = warm_up(core)
+        warn_on_late_compiles(core)
         self.driver = CoreDriver(core)
         engine._serving(core, core.block_manager.num_usable_blocks, core.block_manager.block_size)
         if engine._on_step is not None:

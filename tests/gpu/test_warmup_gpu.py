@@ -1,0 +1,74 @@
+"""Ready means warm: after the server's warm-up, served traffic compiles no Triton kernel.
+
+The traffic is what a server sees and the warm-up does not replay: prompts of lengths it never used,
+prompts sent again (prefix-cache hits, whole and extended), prompts arriving while others decode, and
+decode at batch sizes between the captured ones. Each kernel specialized after the warm-up is named."""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+
+import pytest
+import torch
+import triton
+
+from graphserve.config import EngineConfig
+from graphserve.engine.core import EngineCore
+from graphserve.engine.request import EngineRequest
+from graphserve.sampling_params import SamplingParams
+from graphserve.server.warmup import warm_up, watch_compiles
+
+
+def _traffic(core: EngineCore, seed: int) -> int:
+    rng = random.Random(seed)
+    vocab = core.info.vocab_size
+    count = 0
+
+    def add(ids: list[int], max_tokens: int, **knobs) -> None:
+        nonlocal count
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **knobs)
+        core.add_request(EngineRequest(f"t{count}", ids, params, time.monotonic()))
+        count += 1
+
+    def drain() -> None:
+        while core.has_unfinished_requests():
+            for out in core.step():
+                assert out.error is None, out.error
+
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(n)] for n in (5, 48, 200, 255, 256, 257, 700, 1500)]
+    for p in prompts:  # alone, each length once
+        add(p, 3, temperature=0.0)
+        drain()
+    for p in prompts:  # again: a prefix-cache hit on every whole block
+        add(p, 2, temperature=0.7, top_p=0.9, seed=1)
+        drain()
+    for i, p in enumerate(prompts):  # extended, a few at a time, while earlier ones decode
+        add(p + [rng.randrange(10, vocab - 10) for _ in range(1 + 9 * i)], 6 + i, temperature=0.0)
+        if i % 3 == 2:
+            core.step()
+    drain()
+    for n in (3, 5, 11, 24, 37):  # decode batches between the captured sizes
+        for _ in range(n):
+            add([rng.randrange(10, vocab - 10) for _ in range(rng.randrange(8, 64))], 4, temperature=0.0)
+        drain()
+    return count
+
+
+@pytest.mark.parametrize("model", ["dummy:qwen3-0.6b", "dummy:olmoe-1b-7b", "dummy:deepseek-v2-lite"])
+def test_traffic_after_the_warm_up_compiles_nothing(model):
+    core = EngineCore(EngineConfig(model=model, device="cuda", max_model_len=4096, cuda_graph_max_bs=64,
+                                   mem_fraction_static=0.6))
+    compiled: list[str] = []
+    before = triton.knobs.runtime.jit_post_compile_hook
+    try:
+        warm_up(core)
+        watch_compiles(lambda name, sig: compiled.append(sig))
+        assert _traffic(core, seed=3) > 0
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = before
+        del core
+        gc.collect()
+        torch.cuda.empty_cache()  # the next model needs the memory
+    assert compiled == [], f"{len(compiled)} kernels compiled after the warm-up: {compiled}"
