@@ -26,7 +26,7 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 MIN_SCALE = 1e-12  # amax below this (an all-zero group) quantizes to zeros, never NaN
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # batch-sized ints: see server/warmup.py
 def _token_group_quant_kernel(
     x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg, K, GROUPS,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,

@@ -67,7 +67,7 @@ def pair_histogram(ids_ptr, valid_ptr, num_pairs, expert_start, TOP_K: tl.conste
     return tl.sum(hits, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see server/warmup.py
 def moe_count_kernel(ids_ptr, valid_ptr, counts_ptr, num_pairs, TOP_K: tl.constexpr, E: tl.constexpr,
                      HAS_VALID: tl.constexpr, SINGLE: tl.constexpr, BLOCK_P: tl.constexpr,
                      BLOCK_E: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
@@ -86,7 +86,7 @@ def moe_count_kernel(ids_ptr, valid_ptr, counts_ptr, num_pairs, TOP_K: tl.conste
         tl.atomic_add(counts_ptr + experts, hist, mask=(experts < E) & (hist > 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])  # batch-sized ints: see server/warmup.py
 def moe_align_offsets_kernel(
     ids_ptr, valid_ptr, counts_ptr, cursor_ptr, expert_ids_ptr, sorted_ids_ptr, num_post_ptr,
     expert_start, num_pairs, max_blocks,
@@ -131,7 +131,7 @@ def moe_align_offsets_kernel(
         p0 += FILL_BLOCK
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see server/warmup.py
 def moe_align_scatter_kernel(
     ids_ptr, valid_ptr, cursor_ptr, sorted_ids_ptr, num_pairs, expert_start,
     TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,

@@ -67,7 +67,7 @@ def _gemm_step(acc, a, b, a_s, bs_ptrs, k0, IEEE: tl.constexpr, B_FP8: tl.conste
     return tl.dot(a, b, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])  # batch-sized ints: see server/warmup.py
 def fused_moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, as_ptr, bs_ptr,
     num_pairs, N, num_blocks_m, stride_am, stride_be, stride_bn, stride_cm,
@@ -161,7 +161,7 @@ def _row_scales(sg_ptrs, su_ptrs, k0, GROUP_K: tl.constexpr):
     return tl.load(sg_ptrs + k0 // GROUP_K), tl.load(su_ptrs + k0 // GROUP_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see server/warmup.py
 def fused_moe_gemv_gate_up_kernel(
     x_ptr, w13_ptr, act_ptr, ids_ptr, valid_ptr, counts_ptr, ws_ptr, N, expert_start, num_pairs,
     stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_sn, scale_up_row,

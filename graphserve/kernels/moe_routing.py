@@ -50,7 +50,7 @@ def _softmax_topk_store(
     tl.store(ids_ptr + offs, top_i, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # batch-sized ints: see server/warmup.py
 def moe_softmax_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, T, stride_t,
     E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -106,7 +106,7 @@ def moe_softmax_topk(
     return _route(moe_softmax_topk_kernel, logits, top_k, block_t, 4096, RENORMALIZE=renormalize)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # batch-sized ints: see server/warmup.py
 def moe_grouped_topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, scaling,
     E: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,

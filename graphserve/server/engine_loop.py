@@ -180,9 +180,10 @@ def engine_main(config: EngineConfig, inbox: Any, outboxes: list[Connection], lo
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     from graphserve.engine.core import EngineCore
     from graphserve.server.core_driver import CoreDriver
-    from graphserve.server.warmup import warm_up, warn_on_late_compiles
+    from graphserve.server.warmup import warm_up, watch_compiles
 
     try:
+        watch = watch_compiles(config)
         core = EngineCore(config)
         warm = warm_up(core)
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which exits non-zero
@@ -192,7 +193,8 @@ def engine_main(config: EngineConfig, inbox: Any, outboxes: list[Connection], lo
         return
     logger.info("warm-up finished: %d requests, %d steps, %d prefill lengths, decode sizes up to %d in %.2f s",
                 warm["requests"], warm["steps"], warm["prefill_lengths"], warm["decode_sizes"], warm["seconds"])
-    warn_on_late_compiles(core)
+    if watch is not None:
+        watch.ready()
     records: list[Any] = []
     core.telemetry.add_listener(records.append)
     bm = core.block_manager

@@ -66,12 +66,14 @@ class EngineThread:
 
     def _load(self) -> None:
         from graphserve.engine.core import EngineCore
-        from graphserve.server.warmup import warm_up, warn_on_late_compiles
+        from graphserve.server.warmup import warm_up, watch_compiles
 
         engine = self.engine
+        watch = watch_compiles(engine.config)
         core = EngineCore(engine.config)
         engine.warmup = warm_up(core)
-        warn_on_late_compiles(core)
+        if watch is not None:
+            watch.ready()
         self.driver = CoreDriver(core)
         engine._serving(core, core.block_manager.num_usable_blocks, core.block_manager.block_size)
         if engine._on_step is not None:

@@ -9,22 +9,27 @@ process drives the core through synthetic requests that cover:
 
 - prefill lengths at and around every specialization boundary, up to and past the chunk size (chunked);
 - prefix-cache hits: a prompt sent again whole (the cache gives all but its last block's tokens) and sent
-  again with more tokens after it, alone and beside a prompt with no hit. A hit turns a prefill into an
-  extend over cached KV, whose kernels specialize on the new-token count; before this phase a server's
-  first repeated prompt compiled the extend attention after ready (367 ms against a 17 ms TTFT, llama3-8b
-  on the H200);
+  again with more tokens after it, alone and beside a prompt with no hit: an extend over cached KV;
 - prefill arriving while others decode (mixed steps);
 - decode at every captured batch size (requests that finish one per step walk the batch down);
 - sampling with every knob: greedy, temperature with top-p/top-k/min-p and a seed, penalties, logprobs.
 
 Afterwards the core's counters are reset: the warm-up is not served traffic.
+
+Integers that follow the batch (token and pair counts, a block table's width) are left unspecialized in the
+kernels that see them eagerly (``do_not_specialize``), so one compile serves every batch; what the warm-up
+covers is what remains specialized. ``CompileWatch`` checks it in service: it records every specialization
+compiled while the engine loads and warms up, and after ready it logs each new one with the arguments that
+set it apart (tests/gpu/test_warmup_gpu.py drives served traffic and expects none).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from graphserve.engine.request import EngineRequest
@@ -166,22 +171,72 @@ def prefix_hits(d: _Driver, block_size: int, max_prompt: int, full: bool) -> Non
         d.drain()
 
 
-def watch_compiles(on_compile) -> None:
-    """From now on, every Triton kernel this process specializes calls ``on_compile(name, signature)``.
-    Called after the warm-up, a call means a shape the warm-up missed: that request paid for a compile."""
-    import triton
+class CompileWatch:
+    """Every Triton kernel specialization this process compiles, by kernel. Installed before the warm-up;
+    after ``ready()`` each new one calls ``on_late(kernel, difference)``, the difference naming the arguments
+    whose specialization (type, constant value, divisibility or alignment) sets it apart from the nearest
+    one compiled before, which says which shape the warm-up missed."""
 
-    def hook(*, fn, repr, **_: Any) -> None:
-        on_compile(fn.name, repr)
+    def __init__(self, on_late: Callable[[str, str], None]):
+        import triton
 
-    triton.knobs.runtime.jit_post_compile_hook = hook
+        self.on_late = on_late
+        self.seen: dict[str, list[dict[str, str]]] = {}
+        self.is_ready = False
+        self._triton = triton
+        triton.knobs.runtime.jit_post_compile_hook = self._hook
+
+    def ready(self) -> None:
+        self.is_ready = True
+
+    def close(self) -> None:
+        if self._triton.knobs.runtime.jit_post_compile_hook == self._hook:
+            self._triton.knobs.runtime.jit_post_compile_hook = None
+
+    def _hook(self, *, fn: Any, compile: dict[str, Any], **_: Any) -> None:
+        spec = specialization(compile)
+        earlier = self.seen.setdefault(fn.name, [])
+        if self.is_ready:
+            self.on_late(fn.name, difference(spec, earlier))
+        earlier.append(spec)
 
 
-def warn_on_late_compiles(core: Any) -> None:
-    """After the warm-up of a GPU engine: log a warning, naming the kernel, for every later compile."""
-    if core.device.type == "cuda":
-        watch_compiles(lambda name, sig: logger.warning(
-            "kernel %s compiled after ready: the warm-up does not reach this specialization (%s)", name, sig))
+def specialization(compile: dict[str, Any]) -> dict[str, str]:
+    """Argument name -> how Triton specialized it (``i32 %16``, ``*bf16``, ``constexpr=1``), from the
+    post-compile hook's ``specialization_data``."""
+    try:
+        data = json.loads(compile["specialization_data"])
+        names = list(data["signature"])
+        out = {name: str(kind) for name, kind in data["signature"].items()}
+        for path, value in zip(data["constant_keys"], data["constant_vals"]):
+            out[names[path[0]]] += f"={value}" if len(path) == 1 else f"[{path[1:]}]={value}"
+        for path, attrs in zip(data["attrs_keys"], data["attrs_vals"]):
+            marks = " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in attrs)
+            out[names[path[0]]] += f" {marks}" if len(path) == 1 else f" [{path[1:]}] {marks}"
+        return out
+    except (KeyError, IndexError, TypeError, ValueError):  # another Triton's format: the raw key
+        return {"key": str(compile.get("key"))}
+
+
+def difference(spec: dict[str, str], earlier: list[dict[str, str]]) -> str:
+    """``name: before -> now`` for each argument that differs from the nearest earlier specialization."""
+    if not earlier:
+        return "its first specialization"
+    nearest = min(earlier, key=lambda e: sum(e.get(k) != v for k, v in spec.items()))
+    changed = [f"{k}: {nearest.get(k)} -> {v}" for k, v in spec.items() if nearest.get(k) != v]
+    return "; ".join(changed) or "the same arguments (options differ)"
+
+
+def watch_compiles(config: Any) -> CompileWatch | None:
+    """A GPU engine's compile watch, installed before the engine is built (its graph capture compiles too);
+    each compile after ``ready()`` logs a warning naming the kernel and what differs. None on the CPU, where
+    nothing compiles."""
+    import torch
+
+    if config.device == "cpu" or not torch.cuda.is_available():
+        return None
+    return CompileWatch(lambda name, diff: logger.warning(
+        "kernel %s compiled after ready, a specialization the warm-up did not reach (%s)", name, diff))
 
 
 def _reset_counters(core: Any) -> None:

@@ -18,7 +18,7 @@ from graphserve.config import EngineConfig
 from graphserve.engine.core import EngineCore
 from graphserve.engine.request import EngineRequest
 from graphserve.sampling_params import SamplingParams
-from graphserve.server.warmup import warm_up, watch_compiles
+from graphserve.server.warmup import CompileWatch, warm_up
 
 
 def _traffic(core: EngineCore, seed: int) -> int:
@@ -58,17 +58,19 @@ def _traffic(core: EngineCore, seed: int) -> int:
 
 @pytest.mark.parametrize("model", ["dummy:qwen3-0.6b", "dummy:olmoe-1b-7b", "dummy:deepseek-v2-lite"])
 def test_traffic_after_the_warm_up_compiles_nothing(model):
-    core = EngineCore(EngineConfig(model=model, device="cuda", max_model_len=4096, cuda_graph_max_bs=64,
-                                   mem_fraction_static=0.6))
-    compiled: list[str] = []
+    late: list[str] = []
     before = triton.knobs.runtime.jit_post_compile_hook
+    core = None
     try:
+        watch = CompileWatch(lambda name, diff: late.append(f"{name} ({diff})"))
+        core = EngineCore(EngineConfig(model=model, device="cuda", max_model_len=4096, cuda_graph_max_bs=64,
+                                       mem_fraction_static=0.6))
         warm_up(core)
-        watch_compiles(lambda name, sig: compiled.append(sig))
+        watch.ready()
         assert _traffic(core, seed=3) > 0
     finally:
         triton.knobs.runtime.jit_post_compile_hook = before
         del core
         gc.collect()
         torch.cuda.empty_cache()  # the next model needs the memory
-    assert compiled == [], f"{len(compiled)} kernels compiled after the warm-up: {compiled}"
+    assert late == [], f"{len(late)} kernels compiled after the warm-up:\n" + "\n".join(late)
