@@ -84,6 +84,7 @@ def read_step_log(path: str) -> list[dict[str, Any]]:
 
 def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[str, Any]:
     """Offline output tok/s per concurrency, the engine's prefill time for a 256-token prompt, the prompts."""
+    from graphserve.engine.gc_clock import freeze_heap
     from graphserve.server.warmup import warm_up
 
     parser = argparse.ArgumentParser()
@@ -92,6 +93,7 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
     kwargs = {k: v for k, v in vars(config).items() if k != "model"}
     llm = LLM(model, **kwargs)
     warm_up(llm.engine.core)  # the server warms up before ready: so does the baseline
+    freeze_heap()  # and then freezes its heap (server/engine_loop.py); unfrozen below, before the LLM goes
     vocab = llm.engine.info.vocab_size
     prompts = workload(args.num_prompts, args.input_len, vocab)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
@@ -123,6 +125,7 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
     out["prefill_256_ms"] = statistics.median(steps[1:])
     out["generate_256_ms"] = statistics.median(walls[1:])
     out["vocab"] = vocab
+    gc.unfreeze()  # frozen cyclic garbage is never freed: the engine's memory would stay held
     del llm, timed  # the probe holds the engine too
     gc.collect()
     if torch.cuda.is_available():
@@ -212,7 +215,9 @@ def idle_ttft(base_url: str, vocab: int) -> dict[str, float]:
 
     asyncio.run(run([workload(1, 256, vocab, seed=100 + i)[0] for i in range(2)]))  # connection and path warm
     before = server_sums(base_url)
+    start = time.time()
     times = asyncio.run(run([workload(1, 256, vocab, seed=102 + i)[0] for i in range(8)]))
+    end = time.time()
     after = server_sums(base_url)
 
     def mean_ms(name: str, per: str) -> float:
@@ -224,7 +229,8 @@ def idle_ttft(base_url: str, vocab: int) -> dict[str, float]:
     steps = mean_ms(p + "step_duration_seconds_sum", p + "time_to_first_token_seconds_count")
     client = 1000 * statistics.median(times)
     return {"client_ttft_ms": client, "http_ms": 1000 * statistics.mean(times) - server, "server_ttft_ms": server,
-            "to_engine_ms": queue, "engine_steps_ms": steps, "back_ms": server - queue - steps}
+            "to_engine_ms": queue, "engine_steps_ms": steps, "back_ms": server - queue - steps,
+            "window": [start, end]}
 
 
 def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[list[dict], list[dict]]:
@@ -242,6 +248,10 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[lis
             if not args.skip_ready_warm:
                 extra["ready_warm"] = ready_warm(base_url, off["vocab"], args)
             extra["idle"] = idle_ttft(base_url, off["vocab"])
+            # each measured prefill's step as the step log has it, with the collector's time inside it
+            t0, t1 = extra["idle"].pop("window")
+            extra["idle_steps"] = [{"step_ms": r["step_ms"], "gc_ms": r.get("gc_ms", 0.0)}
+                                   for r in read_step_log(step_log) if t0 <= r["time"] <= t1 and r["prefill_tokens"]]
             extra["idle_ttft_ms"] = extra["idle"]["client_ttft_ms"]
             extra["idle_ttft_target_ms"] = 1.2 * off["prefill_256_ms"] + 2.0
             for c in args.levels:
@@ -316,6 +326,9 @@ def main() -> int:
         line = (f"{e['model']} api_server_count={e['api_server_count']}: idle TTFT {e['idle_ttft_ms']:.1f} ms "
                 f"(target {e['idle_ttft_target_ms']:.1f} ms = 1.2 x prefill {e['offline_prefill_256_ms']:.1f} ms + 2); "
                 "mean path: " + ", ".join(f"{k} {v:.2f}" for k, v in e["idle"].items() if k != "client_ttft_ms"))
+        steps = e["idle_steps"]
+        line += ("; lone prefill steps (step log) " + ", ".join(f"{x['step_ms']:.1f}" for x in steps) + " ms, "
+                 f"collector {sum(x['gc_ms'] for x in steps):.1f} ms in all")
         rw = e.get("ready_warm")
         if rw is not None:
             line += (f"; after ready: first-32 TTFT p99 {rw['first32_p99_ms']:.1f} ms vs next-256 "

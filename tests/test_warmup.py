@@ -23,6 +23,18 @@ def test_prefix_lengths_leave_each_kind_of_remainder():
     assert warmup.prefix_lengths(16, 30) == []  # no room for a hit and its extension
 
 
+def test_the_token_ladder_meets_every_doubling_bucket():
+    assert warmup.token_ladder(2048) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert warmup.token_ladder(3000)[-1] == 2048
+    ladder = warmup.token_ladder(8192)
+    for top_k in (1, 6, 8):  # pair buckets (b/2, b] of the tuned tables, and the default table's (b/8, b]
+        for low, high in [(b // 2, b) for b in (12, 96, 1536, 6144)] + [(64, 512), (512, 4096)]:
+            assert any(low < t * top_k <= high for t in ladder), (top_k, low, high)
+    assert warmup.split_prompts(8192, 4088) == [4088, 4088, 16]
+    assert warmup.split_prompts(512, 4088) == [512]
+    assert sum(warmup.split_prompts(4096, 1000)) == 4096
+
+
 @pytest.mark.parametrize("caching", [True, False])
 def test_warm_up_hits_the_prefix_cache_then_resets_the_counters(caching):
     core = EngineCore(EngineConfig(model=MODEL, enable_prefix_caching=caching, **SMALL))

@@ -23,6 +23,7 @@ import weakref
 import torch
 
 from graphserve.config import EngineConfig
+from graphserve.engine.gc_clock import gc_clock
 from graphserve.engine.inflight import InFlightStep
 from graphserve.engine.kv_cache import BlockManager
 from graphserve.engine.parallel_driver import start_ranks, stop_ranks
@@ -80,6 +81,7 @@ class EngineCore:
         self.overlap = config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and self.device.type == "cuda")
         self._inflight: InFlightStep | None = None
         self._last_resolved = 0.0  # perf_counter when the previous step's ids were read
+        self._gc_clock = gc_clock()
         self._penalized = 0  # live requests whose sampling counts their own output tokens
         self.structured = StructuredOutputManager(self.tokenizer, self.info.vocab_size, list(self.info.eos_token_ids))
         self.prompt_tokens_total = 0
@@ -305,4 +307,5 @@ class EngineCore:
         self._last_resolved = now
         self._step_id += 1
         self.telemetry.record(step.record(self._step_id, (now - start) * 1000.0, len(self.scheduler.running),
-                                          len(self.scheduler.waiting), self.block_manager.usage()))
+                                          len(self.scheduler.waiting), self.block_manager.usage(),
+                                          self._gc_clock.take_ms()))

@@ -30,8 +30,10 @@ class InFlightStep:
     expert_load: torch.Tensor | None = None  # per-layer, per-expert counts on their way to the host (MoE)
     comm: tuple[int, int] = (0, 0)  # collectives and their bytes (tp/ep > 1)
 
-    def record(self, step_id: int, step_ms: float, running: int, waiting: int, kv_usage: float) -> StepRecord:
-        """The step's record; ``running``, ``waiting``, ``kv_usage``: the engine's state once its ids are in."""
+    def record(self, step_id: int, step_ms: float, running: int, waiting: int, kv_usage: float,
+               gc_ms: float = 0.0) -> StepRecord:
+        """The step's record; ``running``, ``waiting``, ``kv_usage``: the engine's state once its ids are in;
+        ``gc_ms``: the collector's time in the step's interval."""
         sched, shape = self.sched, self.shape
         load = ExpertLoadProbe.read(self.expert_load)
         moe = {} if load is None else vars(load)  # its fields are the record's names
@@ -54,5 +56,6 @@ class InFlightStep:
             preempted=len(sched.preempted),
             comm_ops=self.comm[0],
             comm_bytes=self.comm[1],
+            gc_ms=gc_ms,
             **moe,
         )

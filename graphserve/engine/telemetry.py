@@ -33,6 +33,7 @@ class StepRecord:
     preempted: int = 0  # requests preempted during this step's scheduling
     comm_ops: int = 0  # collectives of the forward on each rank (tp/ep > 1): all-reduces, the logits gather
     comm_bytes: int = 0  # bytes those collectives reduced or gathered (each rank's contribution)
+    gc_ms: float = 0.0  # time Python's garbage collector ran in this step's interval (engine/gc_clock.py)
     # mixture-of-experts models only: routing as the router decided it in this step
     experts_touched: int = 0  # distinct (layer, expert) pairs that received a token
     max_expert_load: int = 0  # most (token, slot) pairs any one expert received

@@ -179,6 +179,7 @@ def engine_main(config: EngineConfig, inbox: Any, outboxes: list[Connection], lo
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     from graphserve.engine.core import EngineCore
+    from graphserve.engine.gc_clock import freeze_heap
     from graphserve.server.core_driver import CoreDriver
     from graphserve.server.warmup import warm_up, watch_compiles
 
@@ -195,6 +196,7 @@ def engine_main(config: EngineConfig, inbox: Any, outboxes: list[Connection], lo
                 warm["requests"], warm["steps"], warm["prefill_lengths"], warm["decode_sizes"], warm["seconds"])
     if watch is not None:
         watch.ready()
+    freeze_heap()  # what lives now lives as long as this process: the collector need not walk it again
     records: list[Any] = []
     core.telemetry.add_listener(records.append)
     bm = core.block_manager

@@ -8,6 +8,9 @@ made its first requests wait for the compiler (TTFT p99 430-460 ms against a ste
 process drives the core through synthetic requests that cover:
 
 - prefill lengths at and around every specialization boundary, up to and past the chunk size (chunked);
+- steps of every power of two of tokens up to the chunk size (several prompts at once where one would pass
+  the longest prompt): kernels that pick their tiles by the step's token count from a table of doubling
+  buckets (the MoE GEMMs) meet every bucket, since each bucket's token range holds a power of two;
 - prefix-cache hits: a prompt sent again whole (the cache gives all but its last block's tokens) and sent
   again with more tokens after it, alone and beside a prompt with no hit: an extend over cached KV;
 - prefill arriving while others decode (mixed steps);
@@ -64,6 +67,17 @@ def prefill_lengths(chunk: int, block_size: int, max_prompt: int) -> list[int]:
     cands = {1, 2, 3, 7, 15, 16, 17, 31, 32, 33, block_size - 1, block_size, block_size + 1, 100,
              chunk // 2 + 3, chunk - 1, chunk, chunk + 1, chunk + block_size + 5}
     return sorted(n for n in cands if 1 <= n <= max_prompt)
+
+
+def token_ladder(chunk: int) -> list[int]:
+    """Every power of two of tokens up to the step's token budget."""
+    return [1 << i for i in range(chunk.bit_length()) if 1 << i <= chunk]
+
+
+def split_prompts(tokens: int, max_prompt: int) -> list[int]:
+    """Prompt lengths, none above ``max_prompt``, that add up to ``tokens``: one step's worth."""
+    full, rest = divmod(tokens, max_prompt)
+    return [max_prompt] * full + ([rest] if rest else [])
 
 
 def decode_sizes(core: Any) -> list[int]:
@@ -123,6 +137,11 @@ def warm_up(core: Any) -> dict[str, float]:
     for i, n in enumerate(lengths):
         d.add(n, variants[i % len(variants)])
         d.drain()
+    if full:
+        for tokens in token_ladder(cfg.chunked_prefill_size):
+            for n in split_prompts(tokens, max_prompt):
+                d.add(n, variants[0])
+            d.drain()
     # Every sampler path in one batch, then mixed steps: new prompts arrive while those decode.
     for p in variants:
         d.add(24, p)

@@ -1,0 +1,56 @@
+"""engine/gc_clock.py: the collector's time lands in the step records; freezing the heap."""
+
+from __future__ import annotations
+
+import gc
+
+from graphserve.config import EngineConfig
+from graphserve.engine.core import EngineCore
+from graphserve.engine.gc_clock import freeze_heap, gc_clock
+from graphserve.engine.request import EngineRequest
+from graphserve.sampling_params import SamplingParams
+from graphserve.server import warmup
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.me = self  # a cycle: only the collector frees it
+
+
+def test_the_clock_sums_collections_and_resets_on_take():
+    clock = gc_clock()
+    assert gc_clock() is clock  # one per process
+    clock.take_ms()
+    for _ in range(5):
+        junk = [_Node() for _ in range(20_000)]
+        del junk
+        gc.collect()
+    first = clock.take_ms()
+    assert first > 0.0
+    assert clock.take_ms() < first  # taken: what is left is only what ran since
+
+
+def test_freeze_heap_takes_what_lives_out_of_the_collector_and_its_own_time_off_the_clock():
+    gc.unfreeze()
+    keep = [_Node() for _ in range(10_000)]
+    try:
+        freeze_heap()
+        assert gc.get_freeze_count() >= len(keep)
+        assert gc_clock().take_ms() < 1.0  # its full collection is charged to no step
+    finally:
+        gc.unfreeze()  # leave the test process as it was
+    del keep
+
+
+def test_steps_carry_the_collector_time():
+    core = EngineCore(EngineConfig(model="builtin:tiny-llama", max_model_len=256, num_kv_tokens=4096))
+    warmup.warm_up(core)
+    warmed = max(r.step for r in core.telemetry.records())
+    core.add_request(EngineRequest("r", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), 0.0))
+    junk = [_Node() for _ in range(50_000)]  # enough allocations to trigger collections during the steps
+    while core.has_unfinished_requests():
+        gc.collect()  # a collection in every step's interval
+        core.step()
+    del junk
+    records = [r for r in core.telemetry.records() if r.step > warmed]
+    assert records and all(r.gc_ms > 0.0 for r in records)
