@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import PrefillProbe, print_table, write_result
-from benchmarks.http_server import client_worker, one_request, server
+from benchmarks.http_server import client_worker, one_request, server, set_start_barrier
 from graphserve import LLM, SamplingParams
 from graphserve.config import add_engine_args, config_from_args
 
@@ -140,9 +140,10 @@ def http_throughput(base_url: str, prompts: list[list[int]], output_len: int, co
     procs = max(1, math.ceil(concurrency / STREAMS_PER_CLIENT))
     shares = [prompts[i::procs] for i in range(procs)]
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Manager() as manager, concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
-        barrier = manager.Barrier(procs)  # every client process starts sending at the same moment
-        futs = [pool.submit(client_worker, base_url, share, output_len, concurrency // procs, stream, barrier)
+    barrier = ctx.Barrier(procs)  # every client process starts sending at the same moment
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx, initializer=set_start_barrier,
+                                                initargs=(barrier,)) as pool:
+        futs = [pool.submit(client_worker, base_url, share, output_len, concurrency // procs, stream)
                 for share in shares]
         results = [f.result() for f in futs]
     start, end = min(r[0] for r in results), max(r[1] for r in results)
@@ -254,6 +255,7 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[lis
                                    for r in read_step_log(step_log) if t0 <= r["time"] <= t1 and r["prefill_tokens"]]
             extra["idle_ttft_ms"] = extra["idle"]["client_ttft_ms"]
             extra["idle_ttft_target_ms"] = 1.2 * off["prefill_256_ms"] + 2.0
+            windows = []  # (row, start, end): each run's steps come from the step log once all have run
             for c in args.levels:
                 for stream in (True, False):
                     tok_s, tokens, events, start, end, spread = http_throughput(base_url, off["prompts"],
@@ -264,8 +266,12 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[lis
                                  "client": "every-event", "ratio": tok_s / off["tok_s"][c], "http_tok_s": tok_s,
                                  "offline_tok_s": off["tok_s"][c], "api_server_count": count,
                                  "events_per_token": events / tokens, "client_start_spread_s": spread,
-                                 "http_steps": step_timeline(read_step_log(step_log), start, end, c),
                                  "offline_steps": off["steps"][c]})
+                    windows.append((rows[-1], start, end))
+            if windows:
+                records = read_step_log(step_log)
+                for row, start, end in windows:
+                    row["http_steps"] = step_timeline(records, start, end, row["concurrency"])
         extras.append(extra)
     return rows, extras
 

@@ -93,10 +93,19 @@ async def one_request(session: Any, base_url: str, prompt: list[int], output_len
     return (ttft if ttft is not None else time.perf_counter() - t0), tokens, events
 
 
-def client_worker(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int, stream: bool,
-                  start: Any) -> tuple[float, float, int, int]:
+_START: Any = None  # the barrier every client process of a run waits at (set by set_start_barrier)
+
+
+def set_start_barrier(barrier: Any) -> None:
+    """A client process's initializer: the run's start barrier, handed over when the process is created."""
+    global _START
+    _START = barrier
+
+
+def client_worker(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                  stream: bool) -> tuple[float, float, int, int]:
     """One client process: ``concurrency`` streams over ``prompts``, sent once every client process has warmed
-    its connection path and passed ``start`` (a barrier shared by them all: a process that took longer to spawn
+    its connection path and passed the start barrier (shared by them all: a process that took longer to spawn
     and import must not start its streams late, with the others' already running); returns (wall time it
     started, wall time the last finished, tokens, events)."""
     try:
@@ -112,7 +121,7 @@ def client_worker(base_url: str, prompts: list[list[int]], output_len: int, conc
         connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a connection per request
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
             await one_request(session, base_url, prompts[0], 4, stream, {})  # connect path warm
-            await asyncio.to_thread(start.wait)
+            await asyncio.to_thread(_START.wait)
             started = time.time()
             sem = asyncio.Semaphore(max(1, concurrency))
 
