@@ -251,7 +251,7 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[lis
             extra["idle"] = idle_ttft(base_url, off["vocab"])
             # each measured prefill's step as the step log has it, with the collector's time inside it
             t0, t1 = extra["idle"].pop("window")
-            extra["idle_steps"] = [{"step_ms": r["step_ms"], "gc_ms": r.get("gc_ms", 0.0)}
+            extra["idle_steps"] = [{k: r.get(k, 0.0) for k in ("step_ms", "launch_ms", "gc_ms")}
                                    for r in read_step_log(step_log) if t0 <= r["time"] <= t1 and r["prefill_tokens"]]
             extra["idle_ttft_ms"] = extra["idle"]["client_ttft_ms"]
             extra["idle_ttft_target_ms"] = 1.2 * off["prefill_256_ms"] + 2.0
@@ -333,8 +333,9 @@ def main() -> int:
                 f"(target {e['idle_ttft_target_ms']:.1f} ms = 1.2 x prefill {e['offline_prefill_256_ms']:.1f} ms + 2); "
                 "mean path: " + ", ".join(f"{k} {v:.2f}" for k, v in e["idle"].items() if k != "client_ttft_ms"))
         steps = e["idle_steps"]
-        line += ("; lone prefill steps (step log) " + ", ".join(f"{x['step_ms']:.1f}" for x in steps) + " ms, "
-                 f"collector {sum(x['gc_ms'] for x in steps):.1f} ms in all")
+        line += ("; lone prefill steps (step log, step/launch) "
+                 + ", ".join(f"{x['step_ms']:.1f}/{x['launch_ms']:.1f}" for x in steps)
+                 + f" ms, collector {sum(x['gc_ms'] for x in steps):.1f} ms in all")
         rw = e.get("ready_warm")
         if rw is not None:
             line += (f"; after ready: first-32 TTFT p99 {rw['first32_p99_ms']:.1f} ms vs next-256 "

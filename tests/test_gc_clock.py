@@ -1,4 +1,5 @@
-"""engine/gc_clock.py: the collector's time lands in the step records; freezing the heap."""
+"""engine/gc_clock.py: the collector's time lands in the step records (beside the host's scheduling and
+launch time); freezing the heap."""
 
 from __future__ import annotations
 
@@ -54,3 +55,6 @@ def test_steps_carry_the_collector_time():
     del junk
     records = [r for r in core.telemetry.records() if r.step > warmed]
     assert records and all(r.gc_ms > 0.0 for r in records)
+    # the host's share of each step: its scheduling and its launch lie inside the step's time
+    assert all(r.launch_ms > 0.0 and 0.0 <= r.schedule_ms and r.schedule_ms + r.launch_ms <= r.step_ms
+               for r in records)

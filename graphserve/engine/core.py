@@ -217,14 +217,17 @@ class EngineCore:
 
     def _launch(self, sched: SchedulerOutput, start: float) -> InFlightStep | None:
         mask_fn = self.structured.step_masks(sched, self._resolve_in_flight)
+        launch_start = time.perf_counter()
         try:
             pending = self.runner.launch(sched, mask_fn)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
             self._fail_step(sched, exc)
             return None
+        launched = time.perf_counter()
         completed = self.scheduler.advance(sched)
         return InFlightStep(sched, pending, completed, self.runner.last_shape, start, self.runner.last_context_tokens,
-                            self.runner.last_expert_load, self.runner.last_comm)
+                            self.runner.last_expert_load, self.runner.last_comm,
+                            host_ms=(1000.0 * (launch_start - start), 1000.0 * (launched - launch_start)))
 
     def _resolve(self) -> list[CoreOutput]:
         """Wait for the step in flight, put its tokens in place and decide who finished."""

@@ -29,6 +29,7 @@ class InFlightStep:
     context_tokens: int
     expert_load: torch.Tensor | None = None  # per-layer, per-expert counts on their way to the host (MoE)
     comm: tuple[int, int] = (0, 0)  # collectives and their bytes (tp/ep > 1)
+    host_ms: tuple[float, float] = (0.0, 0.0)  # host time scheduling it, then enqueueing its forward and sampling
 
     def record(self, step_id: int, step_ms: float, running: int, waiting: int, kv_usage: float,
                gc_ms: float = 0.0) -> StepRecord:
@@ -57,5 +58,7 @@ class InFlightStep:
             comm_ops=self.comm[0],
             comm_bytes=self.comm[1],
             gc_ms=gc_ms,
+            schedule_ms=self.host_ms[0],
+            launch_ms=self.host_ms[1],
             **moe,
         )

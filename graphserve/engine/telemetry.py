@@ -34,6 +34,12 @@ class StepRecord:
     comm_ops: int = 0  # collectives of the forward on each rank (tp/ep > 1): all-reduces, the logits gather
     comm_bytes: int = 0  # bytes those collectives reduced or gathered (each rank's contribution)
     gc_ms: float = 0.0  # time Python's garbage collector ran in this step's interval (engine/gc_clock.py)
+    # The host's share: from the step's start to its launch (scheduling, and where penalties need the ids of
+    # the step in flight, waiting for them), then enqueueing its forward and sampling on the device. A
+    # launch_ms close to step_ms means the device waited on the host (an eager prefill's launches); far
+    # below it, the host waited on the device.
+    schedule_ms: float = 0.0
+    launch_ms: float = 0.0
     # mixture-of-experts models only: routing as the router decided it in this step
     experts_touched: int = 0  # distinct (layer, expert) pairs that received a token
     max_expert_load: int = 0  # most (token, slot) pairs any one expert received
