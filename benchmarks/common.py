@@ -54,6 +54,21 @@ def write_result(name: str, payload: dict) -> Path:
     return path
 
 
+def merge_rows(name: str, rows: list[dict], **tables) -> Path:
+    """Write ``rows`` into benchmarks/results/NAME.json beside the rows of other models already there: a row
+    of a model in ``rows`` replaces that model's earlier rows, the others stay. ``tables`` replace the file's
+    other keys of those names. The file's environment becomes this run's, so every row names the run that
+    measured it (``measured_at``); rows from before carry the environment of the file they came from."""
+    path = RESULTS_DIR / f"{name}.json"
+    payload = json.loads(path.read_text()) if path.exists() else {}
+    before = payload.pop("environment", {})  # write_result records this run's
+    models = {r["model"] for r in rows}
+    kept = [{"measured_at": before, **r} for r in payload.get("rows", []) if r.get("model") not in models]
+    payload.update(tables)
+    payload["rows"] = kept + [{**r, "measured_at": environment()} for r in rows]
+    return write_result(name, payload)
+
+
 class PrefillProbe:
     """Runs one-token requests through an ``LLM`` and times each two ways: the whole ``generate`` call (ms)
     and its prefill step's own ``step_ms`` from the engine's telemetry ring, the engine's own prefill time."""

@@ -32,7 +32,7 @@ import gc
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import cuda_time_ms, print_table, write_result
+from benchmarks.common import cuda_time_ms, merge_rows, print_table
 from benchmarks.decode import make_batch, step_cost
 from benchmarks.fp8_route import COLS as GEMM_COLS
 from benchmarks.fp8_route import SHAPES, measure
@@ -174,10 +174,10 @@ def main() -> None:
     print_table(decode, ["model", "bs", "ctx", "step_ms", "floor_ms", "ratio", "bf16_step_ms", "vs_bf16"])
     print_table(prefill, ["model", "shape", "fp8_ms", "bf16_ms", "fp8_tflops", "fp8_peak_tflops", "ratio"])
     print_table(accuracy, ["model", "top1_agreement", "mean_kl", "rows"])
-    write_result("fp8_decode", {
-        "ceilings": {"read": bw.summary(), "bf16_matmul_tflops": bf16_peak, "fp8_matmul_tflops": fp8_peak},
-        "rows": decode, "prefill": prefill, "accuracy": accuracy, "small_batch": small,
-    })
+    # the rows of models this run did not measure (benchmarks.moe_fp8's) stay, each naming its own run
+    merge_rows("fp8_decode", decode,
+               ceilings={"read": bw.summary(), "bf16_matmul_tflops": bf16_peak, "fp8_matmul_tflops": fp8_peak},
+               prefill=prefill, accuracy=accuracy, small_batch=small)
 
 
 if __name__ == "__main__":

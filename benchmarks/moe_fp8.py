@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, cuda_time_ms, environment, print_table, write_result
+from benchmarks.common import cuda_time_ms, merge_rows, print_table, write_result
 from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
@@ -102,16 +101,8 @@ def kernel_rows(tokens: list[int], e: int = 128, h: int = 2048, i: int = 768, k:
 
 
 def merge_fp8_decode(rows: list[dict]) -> None:
-    """Our rows replace any earlier rows of this model in fp8_decode.json; the dense rows stay. The file's
-    environment becomes this run's, so every row names the run that measured it (``measured_at``): rows
-    from before carry the environment of the file they came from."""
-    path = RESULTS_DIR / "fp8_decode.json"
-    payload = json.loads(path.read_text()) if path.exists() else {}
-    before = payload.pop("environment", {})  # write_result records this run's
-    labels = {r["model"] for r in rows}
-    kept = [{"measured_at": before, **r} for r in payload.get("rows", []) if r.get("model") not in labels]
-    payload["rows"] = kept + [{**r, "measured_at": environment()} for r in rows]
-    write_result("fp8_decode", payload)
+    """Our rows replace any earlier rows of this model in fp8_decode.json; the dense rows stay."""
+    merge_rows("fp8_decode", rows)
 
 
 def main() -> None:

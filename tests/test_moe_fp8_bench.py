@@ -1,4 +1,4 @@
-"""benchmarks.moe_fp8 adds its rows to fp8_decode.json without dropping the dense rows benchmarks.fp8 wrote."""
+"""benchmarks.moe_fp8 and benchmarks.fp8 add their rows to fp8_decode.json without dropping each other's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from benchmarks import common, moe_fp8
 
 def test_moe_rows_replace_their_earlier_rows_and_keep_the_dense_ones(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
-    monkeypatch.setattr(moe_fp8, "RESULTS_DIR", tmp_path)
     monkeypatch.delenv("OUT", raising=False)
     label = "dummy:qwen3-30b-a3b --quantization fp8 (uniform routing)"
     dense = {"model": "dummy:llama3-8b --quantization fp8", "bs": 1, "ctx": 512, "step_ms": 3.0}
@@ -27,3 +26,19 @@ def test_moe_rows_replace_their_earlier_rows_and_keep_the_dense_ones(tmp_path, m
     moe_fp8.merge_fp8_decode([new])  # a second merge keeps the dense row's provenance
     again = json.loads((tmp_path / "fp8_decode.json").read_text())
     assert again["rows"][0]["measured_at"] == {"commit": "old"}
+
+
+def test_the_dense_run_keeps_the_moe_rows_and_replaces_its_own_tables(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    moe = {"model": "dummy:qwen3-30b-a3b --quantization fp8 (uniform routing)", "bs": 64, "step_ms": 7.0}
+    old_dense = {"model": "dummy:llama3-8b --quantization fp8", "bs": 1, "step_ms": 3.0}
+    (tmp_path / "fp8_decode.json").write_text(json.dumps({
+        "environment": {"commit": "moe-run"}, "prefill": [{"old": True}], "rows": [old_dense, moe]}))
+    dense = [{"model": "dummy:llama3-8b --quantization fp8", "bs": b, "step_ms": 2.0 + b} for b in (1, 256)]
+    common.merge_rows("fp8_decode", dense, prefill=[{"model": "dummy:llama3-8b"}])
+    merged = json.loads((tmp_path / "fp8_decode.json").read_text())
+    assert [(r["model"], r["bs"]) for r in merged["rows"]] == [(moe["model"], 64)] + [(dense[0]["model"], b)
+                                                                                      for b in (1, 256)]
+    assert merged["rows"][0]["measured_at"] == {"commit": "moe-run"}
+    assert merged["prefill"] == [{"model": "dummy:llama3-8b"}]
