@@ -180,8 +180,9 @@ def engine_main(config: EngineConfig, inbox: Any, outboxes: list[Connection], lo
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     from graphserve.engine.core import EngineCore
     from graphserve.engine.gc_clock import freeze_heap
+    from graphserve.server.compile_watch import watch_compiles
     from graphserve.server.core_driver import CoreDriver
-    from graphserve.server.warmup import warm_up, watch_compiles
+    from graphserve.server.warmup import warm_up
 
     try:
         watch = watch_compiles(config)

@@ -66,7 +66,8 @@ class EngineThread:
 
     def _load(self) -> None:
         from graphserve.engine.core import EngineCore
-        from graphserve.server.warmup import warm_up, watch_compiles
+        from graphserve.server.compile_watch import watch_compiles
+        from graphserve.server.warmup import warm_up
 
         engine = self.engine
         watch = watch_compiles(engine.config)

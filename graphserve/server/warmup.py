@@ -21,18 +21,15 @@ Afterwards the core's counters are reset: the warm-up is not served traffic.
 
 Integers that follow the batch (token and pair counts, a block table's width) are left unspecialized in the
 kernels that see them eagerly (``do_not_specialize``), so one compile serves every batch; what the warm-up
-covers is what remains specialized. ``CompileWatch`` checks it in service: it records every specialization
-compiled while the engine loads and warms up, and after ready it logs each new one with the arguments that
-set it apart (tests/gpu/test_warmup_gpu.py drives served traffic and expects none).
+covers is what remains specialized. server/compile_watch.py checks it in service, and
+tests/gpu/test_warmup_gpu.py drives served traffic after the warm-up and expects no compile.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
-from collections.abc import Callable
 from typing import Any
 
 from graphserve.engine.request import EngineRequest
@@ -188,74 +185,6 @@ def prefix_hits(d: _Driver, block_size: int, max_prompt: int, full: bool) -> Non
         d.add_ids(prompt + d.ids(block_size + 3), greedy)
         d.add(n, greedy)
         d.drain()
-
-
-class CompileWatch:
-    """Every Triton kernel specialization this process compiles, by kernel. Installed before the warm-up;
-    after ``ready()`` each new one calls ``on_late(kernel, difference)``, the difference naming the arguments
-    whose specialization (type, constant value, divisibility or alignment) sets it apart from the nearest
-    one compiled before, which says which shape the warm-up missed."""
-
-    def __init__(self, on_late: Callable[[str, str], None]):
-        import triton
-
-        self.on_late = on_late
-        self.seen: dict[str, list[dict[str, str]]] = {}
-        self.is_ready = False
-        self._triton = triton
-        triton.knobs.runtime.jit_post_compile_hook = self._hook
-
-    def ready(self) -> None:
-        self.is_ready = True
-
-    def close(self) -> None:
-        if self._triton.knobs.runtime.jit_post_compile_hook == self._hook:
-            self._triton.knobs.runtime.jit_post_compile_hook = None
-
-    def _hook(self, *, fn: Any, compile: dict[str, Any], **_: Any) -> None:
-        spec = specialization(compile)
-        earlier = self.seen.setdefault(fn.name, [])
-        if self.is_ready:
-            self.on_late(fn.name, difference(spec, earlier))
-        earlier.append(spec)
-
-
-def specialization(compile: dict[str, Any]) -> dict[str, str]:
-    """Argument name -> how Triton specialized it (``i32 %16``, ``*bf16``, ``constexpr=1``), from the
-    post-compile hook's ``specialization_data``."""
-    try:
-        data = json.loads(compile["specialization_data"])
-        names = list(data["signature"])
-        out = {name: str(kind) for name, kind in data["signature"].items()}
-        for path, value in zip(data["constant_keys"], data["constant_vals"]):
-            out[names[path[0]]] += f"={value}" if len(path) == 1 else f"[{path[1:]}]={value}"
-        for path, attrs in zip(data["attrs_keys"], data["attrs_vals"]):
-            marks = " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in attrs)
-            out[names[path[0]]] += f" {marks}" if len(path) == 1 else f" [{path[1:]}] {marks}"
-        return out
-    except (KeyError, IndexError, TypeError, ValueError):  # another Triton's format: the raw key
-        return {"key": str(compile.get("key"))}
-
-
-def difference(spec: dict[str, str], earlier: list[dict[str, str]]) -> str:
-    """``name: before -> now`` for each argument that differs from the nearest earlier specialization."""
-    if not earlier:
-        return "its first specialization"
-    nearest = min(earlier, key=lambda e: sum(e.get(k) != v for k, v in spec.items()))
-    changed = [f"{k}: {nearest.get(k)} -> {v}" for k, v in spec.items() if nearest.get(k) != v]
-    return "; ".join(changed) or "the same arguments (options differ)"
-
-
-def watch_compiles(config: Any) -> CompileWatch | None:
-    """A GPU engine's compile watch, installed before the engine is built (its graph capture compiles too);
-    each compile after ``ready()`` logs a warning naming the kernel and what differs. None on the CPU, where
-    nothing compiles."""
-    import torch
-
-    if config.device == "cpu" or not torch.cuda.is_available():
-        return None
-    return CompileWatch(lambda name, diff: logger.warning(
-        "kernel %s compiled after ready, a specialization the warm-up did not reach (%s)", name, diff))
 
 
 def _reset_counters(core: Any) -> None:

@@ -18,7 +18,8 @@ from graphserve.config import EngineConfig
 from graphserve.engine.core import EngineCore
 from graphserve.engine.request import EngineRequest
 from graphserve.sampling_params import SamplingParams
-from graphserve.server.warmup import CompileWatch, warm_up
+from graphserve.server.compile_watch import CompileWatch
+from graphserve.server.warmup import warm_up
 
 
 def _traffic(core: EngineCore, seed: int) -> int:
