@@ -112,3 +112,21 @@ def test_cli_json_and_exit_code(capsys):
     assert rc == 0 and "no problems found" in capsys.readouterr().out
     with pytest.raises(BadRequestError, match="LOGFILE"):
         diagnose(str(LOGS / "missing.log"))
+
+
+def test_compiles_after_ready_are_one_finding_naming_the_kernels(tmp_path, caplog):
+    from graphserve.server.compile_watch import log_late_compile
+
+    with caplog.at_level("WARNING", logger="graphserve.server"):
+        log_late_compile("_extend_kernel", "stride_bt: i32 divisibility=16 -> i32")
+        log_late_compile("fused_moe_gemm_kernel", "BLOCK_N: constexpr=256 -> constexpr=128")
+        log_late_compile("_extend_kernel", "stride_bt: constexpr=1 -> i32")
+    log = tmp_path / "server.log"
+    log.write_text("\n".join(["[2026-12-01 02:00:00,000] INFO engine ready: model=dummy:qwen3-0.6b device=cuda"]
+                             + [f"[2026-12-01 02:00:01,000] WARNING {r.getMessage()}" for r in caplog.records]))
+    rep = diagnose(str(log))
+    (f,) = rep["findings"]
+    assert f["kind"] == "late_compile" and f["severity"] == "warning" and f["flags"] == []
+    assert f["title"] == "3 kernel compile(s) after ready (_extend_kernel, fused_moe_gemm_kernel)"
+    assert [n for n, _ in f["evidence"]] == [2, 3, 4] and "stride_bt" in f["evidence"][0][1]
+    assert "change:" not in doctor.format_report(rep)  # no flag to turn

@@ -3,8 +3,9 @@ wrong and which flag to turn.
 
 It reads the step lines (graphserve and SGLang share ``Decode batch, #running-req: ...``; vLLM
 prints ``Avg generation throughput: ... Running: N reqs``), CUDA-graph capture lines and the
-server-args dump, PyTorch OOM messages and preemption warnings, and graphserve's start-up
-calibration of decode batches above the largest captured size. A clean log gives no findings.
+server-args dump, PyTorch OOM messages and preemption warnings, graphserve's start-up
+calibration of decode batches above the largest captured size, and its warnings of kernels compiled
+after ready. A clean log gives no findings.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ GRAPHSERVE_MARKS = re.compile(r"\] serving \S+ on http://|engine ready: model=\S
 # engine/startup.py's calibration line (OversizeCalibration.log_line)
 OVERSIZE_COSTS = re.compile(r"decode batches above (\d+) \(up to --max-running-requests (\d+)\) run as ([a-z-]+): "
                             r"split-graph " + NUM + r" ms, eager " + NUM + r" ms, full graph " + NUM + r" ms at batch (\d+)")
+# server/compile_watch.py's warning: a Triton kernel compiled after the server said ready
+LATE_COMPILE = re.compile(r"kernel (\S+) compiled after ready")
 FULL_GRAPH_MIN_GAIN = 1.05  # below this the split path costs too little to be worth a larger graph pool
 
 
@@ -255,6 +258,20 @@ def _capture_failures(lines: list[str]) -> Finding | None:
                    ["--mem-fraction-static (lower it)", "--cuda-graph-max-bs (lower it)"], _evidence(bad))
 
 
+def _late_compiles(lines: list[str]) -> Finding | None:
+    late = [(i, ln.rstrip(), m.group(1)) for i, ln in enumerate(lines, 1) if (m := LATE_COMPILE.search(ln))]
+    if not late:
+        return None
+    kernels = sorted({k for _, _, k in late})
+    return Finding("late_compile", "warning",
+                   f"{len(late)} kernel compile(s) after ready ({', '.join(kernels)})",
+                   "The requests that met these shapes waited for Triton's compiler (hundreds of ms each), "
+                   "and a TTFT percentile measured over them reads high. Each line names the arguments that "
+                   "set the shape apart: the warm-up does not reach it, which is a bug to report with these "
+                   "lines. No flag changes it.",
+                   [], _evidence([(i, t) for i, t, _ in late]))
+
+
 def diagnose_lines(lines: list[str]) -> list[Finding]:
     steps = parse_steps(lines)
     eager, largest = _eager_oversize(steps, lines)
@@ -264,6 +281,8 @@ def diagnose_lines(lines: list[str]) -> list[Finding]:
         findings.append(eager)
     if cap := _capture_failures(lines):
         findings.append(cap)
+    if late := _late_compiles(lines):
+        findings.append(late)
     if costs := _oversize_costs(steps, lines):
         findings.append(costs)
     findings += _kv_and_queue(steps, lines)
@@ -286,7 +305,8 @@ def format_report(rep: dict) -> str:
     if not rep["findings"]:
         out.append("no problems found")
     for f in rep["findings"]:
-        out.append(f"\n[{f['severity']}] {f['title']}\n  {f['explanation']}\n  change: {', '.join(f['flags'])}")
+        change = f"\n  change: {', '.join(f['flags'])}" if f["flags"] else ""
+        out.append(f"\n[{f['severity']}] {f['title']}\n  {f['explanation']}{change}")
         out += [f"  line {n}: {t}" for n, t in f["evidence"]]
     return "\n".join(out)
 

@@ -81,5 +81,10 @@ def watch_compiles(config: Any) -> CompileWatch | None:
 
     if config.device == "cpu" or not torch.cuda.is_available():
         return None
-    return CompileWatch(lambda name, diff: logger.warning(
-        "kernel %s compiled after ready, a specialization the warm-up did not reach (%s)", name, diff))
+    return CompileWatch(log_late_compile)
+
+
+def log_late_compile(name: str, difference: str) -> None:
+    """The warning line of a compile after ready (`graphserve doctor` finds it in a server log)."""
+    logger.warning("kernel %s compiled after ready, a specialization the warm-up did not reach (%s)", name,
+                   difference)
