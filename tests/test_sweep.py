@@ -123,3 +123,18 @@ def test_grid_on_the_real_cpu_server_with_profiles(tmp_path):
     html = (tmp_path / "report.html").read_text()
     assert 'class="verdict"' in html and "Decode-step profile at C=2" in html
     assert html.count("<h2>endpoint=") == 2 and "builtin:tiny-llama" in html
+
+
+def test_host_share_is_the_median_launch_share_per_step_kind():
+    records = [{"kind": "decode", "step_ms": 10.0, "launch_ms": 1.0}, {"kind": "decode", "step_ms": 10.0, "launch_ms": 3.0},
+               {"kind": "decode", "step_ms": 10.0, "launch_ms": 2.0}, {"kind": "prefill", "step_ms": 15.0, "launch_ms": 14.7},
+               {"kind": "decode", "step_ms": 0.0, "launch_ms": 1.0},  # no time: no share
+               {"kind": "mixed", "step_ms": 9.0}]  # a server older than launch_ms
+    shares = sweep.host_share(records)
+    assert shares == {"decode": pytest.approx(0.2), "prefill": pytest.approx(0.98), "mixed": None}
+    from graphserve.analysis.report import host_share_text
+
+    assert host_share_text(shares) == ("host share of a step (launch_ms / step_ms, median): decode 20%, prefill 98% "
+                                       "(on a GPU, near 100% means the device waited on the host's launches; on a CPU the forward "
+                                       "runs inside the launch)")
+    assert host_share_text({"decode": None}) is None and host_share_text(None) is None

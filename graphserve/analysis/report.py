@@ -87,6 +87,21 @@ def fit_text(fit: Mapping[str, Any] | None, quality: Mapping[str, Any] | None, e
     return line
 
 
+def host_share_text(shares: Mapping[str, float | None] | None) -> str | None:
+    """The telemetry's host share per step kind (bench/sweep.host_share) as one line; None without data."""
+    known = {k: x for k, x in (shares or {}).items() if x is not None}
+    if not known:
+        return None
+    return ("host share of a step (launch_ms / step_ms, median): " + ", ".join(f"{k} {x:.0%}" for k, x in known.items())
+            + " (on a GPU, near 100% means the device waited on the host's launches; on a CPU the forward runs"
+            " inside the launch)")
+
+
+def doctor_text(d: Mapping[str, Any]) -> str:
+    change = f"; change: {', '.join(d['flags'])}" if d["flags"] else ""
+    return f"doctor [{d['severity']}]: {d['title']}{change}"
+
+
 def ratio_text(m: Mapping[str, Any] | None) -> str:
     return "—" if not m else f"{m['ratio']:.2f}× [{m['ratio_ci'][0]:.2f}, {m['ratio_ci'][1]:.2f}]"
 
@@ -103,10 +118,12 @@ def _markdown(sweep: Mapping[str, Any], vs: Sequence[Mapping[str, Any]]) -> str:
         out.append(f"- fit: {fit_text(v['fit'], v['fit_quality'], v.get('fit_error'))}")
         if v.get("telemetry_fit"):
             out.append(f"- telemetry fit (decode steps): {fit_text(v['telemetry_fit'], v['telemetry_quality'])}")
+        if shares := host_share_text(v.get("telemetry_host_share")):
+            out.append(f"- {shares}")
         if v.get("failed_at"):
             out.append(f"- the server died at concurrency {v['failed_at']}")
         for d in v.get("diagnosis") or []:
-            out.append(f"- doctor [{d['severity']}]: {d['title']}; change: {', '.join(d['flags'])}")
+            out.append(f"- {doctor_text(d)}")
         out += ["", _markdown_table(v["points"]) if v["points"] else "(no measured level)", ""]
     if comparison:
         out += ["## Comparison", "", "| C | baseline | candidate | output tok/s ratio [95% CI] | TPOT p50 ratio | verdict |",

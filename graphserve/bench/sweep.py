@@ -14,6 +14,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -139,6 +140,19 @@ def sweep_levels(args: argparse.Namespace, base_url: str, levels: list[int], out
     # saw and how much of the window was not decode.
     out["telemetry_distinct_batch_sizes"] = len({r.get("batch_size") for r in decode})
     out["telemetry_non_decode_share"] = (1.0 - len(decode) / len(telemetry)) if telemetry else None
+    out["telemetry_host_share"] = host_share(telemetry or [])
+    return out
+
+
+def host_share(records: list[dict]) -> dict[str, float | None]:
+    """Per step kind, the median share of a step's time the host spent enqueueing it (``launch_ms`` over
+    ``step_ms``): near 1, the device waited on the host's launches. None where no record has both (a server
+    older than the field, or no step of that kind)."""
+    out: dict[str, float | None] = {}
+    for kind in ("decode", "prefill", "mixed"):
+        shares = sorted(r["launch_ms"] / r["step_ms"] for r in records
+                        if r.get("kind") == kind and r.get("step_ms", 0) > 0 and "launch_ms" in r)
+        out[kind] = statistics.median(shares) if shares else None
     return out
 
 
@@ -159,7 +173,7 @@ def _quality(cfg: dict, key: str) -> dict:
 
 
 def print_results(results: dict) -> None:
-    from graphserve.analysis.report import fit_text, format_table
+    from graphserve.analysis.report import doctor_text, fit_text, format_table, host_share_text
 
     for cfg in results.get("configurations") or [results]:
         if cfg.get("params"):
@@ -170,10 +184,12 @@ def print_results(results: dict) -> None:
                 print(f"{key}: {fit_text(cfg[key], _quality(cfg, key))}")
             elif cfg.get(key + "_error"):
                 print(f"{key}: none ({cfg[key + '_error']})")
+        if shares := host_share_text(cfg.get("telemetry_host_share")):
+            print(shares)
         if cfg.get("failed_at"):
             print(f"server died at concurrency {cfg['failed_at']}")
         for d in cfg.get("diagnosis") or []:
-            print(f"doctor: [{d['severity']}] {d['title']}; change: {', '.join(d['flags'])}")
+            print(doctor_text(d))
     if results.get("comparison"):
         from graphserve.analysis.grid_compare import headline
 
