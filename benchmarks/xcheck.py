@@ -98,8 +98,8 @@ def main() -> None:
             p.error(f"--run {label}: no files given")
         rows = [{"run": label, **read_row(Path(f))} for f in files]
         runs.append((label, rows))
-    dates = sorted({json.loads(Path(f).read_text())["environment"]["time"][:10]
-                    for _, *files in args.run for f in files if f.endswith(".json")})
+    dates = sorted({t[:10] for _, *files in args.run for f in files if f.endswith(".json")
+                    if (t := json.loads(Path(f).read_text()).get("environment", {}).get("time"))})
     all_rows = [r for _, rows in runs for r in rows]
     print_table(all_rows, ["run", "client", "backend", "completed", "output_tokens", "output_tok_s",
                            "ttft_mean_ms", "ttft_median_ms", "ttft_p99_ms", "tpot_mean_ms"])

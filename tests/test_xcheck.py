@@ -57,3 +57,20 @@ def test_a_run_needs_both_clients(tmp_path):
     rows = [xcheck.read_row(_ours(tmp_path / "gs.json", "native", 1.0, 1.0))]
     with pytest.raises(ValueError, match="run x: needs both clients"):
         xcheck.summarize([("x", rows)])
+
+
+def test_the_result_names_where_it_was_measured(tmp_path, monkeypatch):
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.delenv("OUT", raising=False)
+    ours = _ours(tmp_path / "gs.json", "native", 100.0, 80.0)
+    ours.write_text(json.dumps({**json.loads(ours.read_text()), "environment": {"time": "2026-12-01T02:55:35+00:00"}}))
+    ext = _external(tmp_path / "bs.jsonl", "sglang", 110.0, 70.0)
+    monkeypatch.setattr("sys.argv", ["xcheck", "--device", "NVIDIA H200", "--run", "abc1234", str(ours), str(ext),
+                                     "--result-name", "xc"])
+    xcheck.main()
+    out = json.loads((tmp_path / "results" / "xc.json").read_text())
+    assert out["environment"] == {"date": "2026-12-01", "commit": "abc1234", "device": "NVIDIA H200"}
+    assert [r["client"] for r in out["rows"]] == ["graphserve", "bench_serving"]
+    assert out["comparison"][0]["run"] == "abc1234" and out["comparison"][0]["same_output_tokens"]
