@@ -81,7 +81,7 @@ class PrefillProbe:
 
     def __call__(self, prompt: list[int]) -> tuple[float, float]:
         telemetry = self.llm.engine.core.telemetry
-        last = max((r.step for r in telemetry.records()), default=-1)
+        last = telemetry.last_step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = time.perf_counter()

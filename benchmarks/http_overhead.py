@@ -101,7 +101,7 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
     for c in args.levels:
         llm.engine.core.scheduler.max_running = c  # the same running-batch cap the HTTP clients produce
         telemetry = llm.engine.core.telemetry
-        before = max((r.step for r in telemetry.records()), default=0)  # step ids count from 1
+        before = telemetry.last_step()  # step ids count from 1
         sync()
         t0, wall0 = time.perf_counter(), time.time()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -249,10 +249,7 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[lis
             if not args.skip_ready_warm:
                 extra["ready_warm"] = ready_warm(base_url, off["vocab"], args)
             extra["idle"] = idle_ttft(base_url, off["vocab"])
-            # each measured prefill's step as the step log has it, with the collector's time inside it
-            t0, t1 = extra["idle"].pop("window")
-            extra["idle_steps"] = [{k: r.get(k, 0.0) for k in ("step_ms", "launch_ms", "gc_ms")}
-                                   for r in read_step_log(step_log) if t0 <= r["time"] <= t1 and r["prefill_tokens"]]
+            idle_window = extra["idle"].pop("window")
             extra["idle_ttft_ms"] = extra["idle"]["client_ttft_ms"]
             extra["idle_ttft_target_ms"] = 1.2 * off["prefill_256_ms"] + 2.0
             windows = []  # (row, start, end): each run's steps come from the step log once all have run
@@ -268,10 +265,14 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[lis
                                  "events_per_token": events / tokens, "client_start_spread_s": spread,
                                  "offline_steps": off["steps"][c]})
                     windows.append((rows[-1], start, end))
-            if windows:
-                records = read_step_log(step_log)
-                for row, start, end in windows:
-                    row["http_steps"] = step_timeline(records, start, end, row["concurrency"])
+            # the step log, read once the runs are over: each measured idle prefill's step (its host launch and
+            # collector time inside it), and each throughput run's timeline
+            records = read_step_log(step_log)
+            t0, t1 = idle_window
+            extra["idle_steps"] = [{k: r.get(k, 0.0) for k in ("step_ms", "launch_ms", "gc_ms")}
+                                   for r in records if t0 <= r["time"] <= t1 and r["prefill_tokens"]]
+            for row, start, end in windows:
+                row["http_steps"] = step_timeline(records, start, end, row["concurrency"])
         extras.append(extra)
     return rows, extras
 

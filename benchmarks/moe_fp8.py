@@ -100,11 +100,6 @@ def kernel_rows(tokens: list[int], e: int = 128, h: int = 2048, i: int = 768, k:
     return rows
 
 
-def merge_fp8_decode(rows: list[dict]) -> None:
-    """Our rows replace any earlier rows of this model in fp8_decode.json; the dense rows stay."""
-    merge_rows("fp8_decode", rows)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--bs", nargs="+", type=int, default=[1, 64])
@@ -130,7 +125,7 @@ def main() -> None:
     print_table(rows, COLS)
     if kernels:
         print_table(kernels, ["tokens", "pairs", "bf16_ms", "w8a16_ms", "w8a8_ms", "picked"])
-    merge_fp8_decode([{key: r[key] for key in ("model", "bs", "ctx", "step_ms", "floor_ms", "ratio",
+    merge_rows("fp8_decode", [{key: r[key] for key in ("model", "bs", "ctx", "step_ms", "floor_ms", "ratio",
                                                "bf16_step_ms")} for r in rows])  # fmt: skip
     write_result("moe_fp8", {"ceilings": {"read": bw.summary()}, "rows": rows, "kernels": kernels})
 

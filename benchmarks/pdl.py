@@ -26,7 +26,7 @@ from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
-from graphserve.kernels.pdl import DEFAULT_SKIP, pdl, pdl_on
+from graphserve.kernels.pdl import DEFAULT_SKIP, checked_skip, pdl, pdl_on
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.layers.forward_batch import contiguous_batch
 from graphserve.models.loader import load_model
@@ -99,9 +99,12 @@ def main() -> None:
             p.error(f"--{name} {getattr(args, name)} is invalid: must be >= 1")
     if min(args.bs) < 1:
         p.error(f"--bs {args.bs} is invalid: every batch size must be >= 1")
+    try:  # refused now, not after the first model has loaded
+        skips = [checked_skip({k.strip() for k in s.split(",") if k.strip()}, f"--skip {s!r}") for s in args.skip]
+    except ValueError as e:
+        p.error(str(e))
     if not pdl_on(torch.device("cuda")):
         p.error("this GPU, Triton or GRAPHSERVE_PDL setting cannot launch with PDL: nothing to compare")
-    skips = [frozenset(k.strip() for k in s.split(",") if k.strip()) for s in args.skip]
     bw = measured_read_bw()
     print(bw.describe())
     rows = []

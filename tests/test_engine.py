@@ -216,9 +216,11 @@ def test_step_fault_fails_its_requests_and_engine_keeps_serving(make_llm, prompt
 
 def test_telemetry_records_each_step(make_llm, prompts):
     llm = make_llm()
+    assert llm.engine.core.telemetry.last_step() == 0  # no step yet
     llm.generate(_ids(prompts[:2]), GREEDY, use_tqdm=False)
     recs = llm.engine.core.telemetry.records()
     assert recs[0].kind == "prefill" and recs[-1].kind == "decode"
+    assert llm.engine.core.telemetry.last_step() == recs[-1].step == len(recs)
     assert all(r.padded_size == r.batch_size and not r.graph and r.step_ms > 0 for r in recs)
     assert sum(r.decode_tokens for r in recs) + 2 == 2 * NEW
     lens = [len(p) for p in prompts[:2]]

@@ -1,10 +1,10 @@
-"""benchmarks.moe_fp8 and benchmarks.fp8 add their rows to fp8_decode.json without dropping each other's."""
+"""benchmarks.common.merge_rows: benchmarks.moe_fp8 and benchmarks.fp8 add their rows to fp8_decode.json without dropping each other's."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks import common, moe_fp8
+from benchmarks import common
 
 
 def test_moe_rows_replace_their_earlier_rows_and_keep_the_dense_ones(tmp_path, monkeypatch):
@@ -16,14 +16,14 @@ def test_moe_rows_replace_their_earlier_rows_and_keep_the_dense_ones(tmp_path, m
         "environment": {"commit": "old"}, "prefill": [{"model": "dummy:llama3-8b"}],
         "rows": [dense, {"model": label, "bs": 64, "ctx": 1024, "step_ms": 99.0}]}))
     new = {"model": label, "bs": 64, "ctx": 1024, "step_ms": 7.0, "floor_ms": 6.0, "ratio": 7 / 6, "bf16_step_ms": 12.0}
-    moe_fp8.merge_fp8_decode([new])
+    common.merge_rows("fp8_decode", [new])
     merged = json.loads((tmp_path / "fp8_decode.json").read_text())
     assert [{k: v for k, v in r.items() if k != "measured_at"} for r in merged["rows"]] == [dense, new]
     assert merged["prefill"] == [{"model": "dummy:llama3-8b"}] and merged["environment"]["commit"] != "old"
     # each row names the run that measured it: the dense row its old file's, ours this run's
     assert merged["rows"][0]["measured_at"] == {"commit": "old"}
     assert merged["rows"][1]["measured_at"] == merged["environment"]
-    moe_fp8.merge_fp8_decode([new])  # a second merge keeps the dense row's provenance
+    common.merge_rows("fp8_decode", [new])  # a second merge keeps the dense row's provenance
     again = json.loads((tmp_path / "fp8_decode.json").read_text())
     assert again["rows"][0]["measured_at"] == {"commit": "old"}
 

@@ -93,3 +93,29 @@ def test_every_launched_kernel_enters_through_pdl_enter():
                 if not ok:
                     missing.append(f"{name}:{fn.name}")
     assert checked >= 20 and not missing, (checked, missing)
+    # every kernel launched by its own name is one a list of kernels to leave out may name
+    defined = {fn.name for tree in trees.values() for fn in tree.body if isinstance(fn, ast.FunctionDef)}
+    assert launched & defined <= pdl_mod.kernel_names(), sorted(launched & defined - pdl_mod.kernel_names())
+
+
+def test_a_kernel_list_must_name_kernels(monkeypatch, env):
+    """A misspelt name would leave every kernel on PDL without a word: refused where it was given."""
+    names = pdl_mod.kernel_names()
+    assert {"_gemv_kernel", "_fp8_gemv_kernel", "fused_moe_gemm_kernel"} <= names
+    assert pdl_mod.DEFAULT_SKIP <= names
+    env(GRAPHSERVE_PDL_SKIP="_fp8_gemv_kernal")
+    with pytest.raises(ValueError, match="GRAPHSERVE_PDL_SKIP='_fp8_gemv_kernal' names _fp8_gemv_kernal"):
+        pdl_mod.pdl_on(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"pdl\(skip=...\) names nope"):
+        with pdl_mod.pdl(True, skip={"nope", "_gemv_kernel"}):
+            pass
+
+
+def test_the_benchmark_refuses_an_unknown_kernel_before_it_loads_anything(monkeypatch, capsys):
+    from benchmarks import pdl as bench
+
+    monkeypatch.setattr("sys.argv", ["pdl", "--skip", "_gemv_kernel,_decode_kernel"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2
+    assert "--skip '_gemv_kernel,_decode_kernel' names _decode_kernel" in capsys.readouterr().err

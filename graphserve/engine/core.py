@@ -82,6 +82,7 @@ class EngineCore:
         self._inflight: InFlightStep | None = None
         self._last_resolved = 0.0  # perf_counter when the previous step's ids were read
         self._gc_clock = gc_clock()
+        self._gc_ms_seen = self._gc_clock.total_ms  # the collector's running total at the last record
         self._penalized = 0  # live requests whose sampling counts their own output tokens
         self.structured = StructuredOutputManager(self.tokenizer, self.info.vocab_size, list(self.info.eos_token_ids))
         self.prompt_tokens_total = 0
@@ -309,6 +310,6 @@ class EngineCore:
         start = max(step.start, self._last_resolved)
         self._last_resolved = now
         self._step_id += 1
+        gc_ms, self._gc_ms_seen = self._gc_clock.total_ms - self._gc_ms_seen, self._gc_clock.total_ms
         self.telemetry.record(step.record(self._step_id, (now - start) * 1000.0, len(self.scheduler.running),
-                                          len(self.scheduler.waiting), self.block_manager.usage(),
-                                          self._gc_clock.take_ms()))
+                                          len(self.scheduler.waiting), self.block_manager.usage(), gc_ms))

@@ -2,8 +2,10 @@
 
 A prefill that runs eagerly is host-bound (hundreds of kernel launches from Python), so a collection in the
 middle of it lengthens the step by its whole pause, and a lone request's TTFT with it. ``gc.callbacks``
-reports every collection's start and stop; this sums their durations until the engine takes the total.
-One clock per process, installed on first use; the callback costs a clock read per collection.
+reports every collection's start and stop; the clock adds up their durations into one running total per
+process, and each engine takes the difference between two of its steps. Collections never overlap (the
+collector runs under the interpreter lock and does not re-enter), so the callback is the total's only
+writer and needs no lock; it costs a clock read per collection.
 """
 
 from __future__ import annotations
@@ -15,24 +17,19 @@ import time
 
 class GcClock:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._started = 0.0
-        self._total = 0.0  # seconds collected since the last take()
+        self.total_ms = 0.0  # collector time since the clock was installed
+        self.paused = False  # freeze_heap's own collection is nobody's step
+        self._started: float | None = None
         gc.callbacks.append(self._callback)
 
     def _callback(self, phase: str, info: dict) -> None:
+        if self.paused:
+            return
         if phase == "start":
             self._started = time.perf_counter()
-        elif self._started:
-            with self._lock:
-                self._total += time.perf_counter() - self._started
-            self._started = 0.0
-
-    def take_ms(self) -> float:
-        """Collector time since the previous call, in ms."""
-        with self._lock:
-            total, self._total = self._total, 0.0
-        return 1000.0 * total
+        elif self._started is not None:
+            self.total_ms += 1000.0 * (time.perf_counter() - self._started)
+            self._started = None
 
 
 _CLOCK: GcClock | None = None
@@ -40,6 +37,7 @@ _CLOCK_LOCK = threading.Lock()
 
 
 def gc_clock() -> GcClock:
+    """The process's clock, installed on first use."""
     global _CLOCK
     with _CLOCK_LOCK:
         if _CLOCK is None:
@@ -52,7 +50,11 @@ def freeze_heap() -> None:
     the collector's reach: later collections walk only what serving allocates. The engine process calls it
     after its warm-up, for objects that live as long as it does; cyclic garbage among frozen objects is
     never freed, so a process that builds engines again and again (tests, in-process servers) must not.
-    The collector time it saves is taken from gc_clock, so the freeze's own collection is nobody's step."""
-    gc.collect()
-    gc.freeze()
-    gc_clock().take_ms()
+    The clock does not count this collection: it belongs to no step."""
+    clock = gc_clock()
+    clock.paused = True
+    try:
+        gc.collect()
+        gc.freeze()
+    finally:
+        clock.paused = False

@@ -32,7 +32,7 @@ class InFlightStep:
     host_ms: tuple[float, float] = (0.0, 0.0)  # host time scheduling it, then enqueueing its forward and sampling
 
     def record(self, step_id: int, step_ms: float, running: int, waiting: int, kv_usage: float,
-               gc_ms: float = 0.0) -> StepRecord:
+               gc_ms: float) -> StepRecord:
         """The step's record; ``running``, ``waiting``, ``kv_usage``: the engine's state once its ids are in;
         ``gc_ms``: the collector's time in the step's interval."""
         sched, shape = self.sched, self.shape

@@ -141,7 +141,7 @@ class StepProfiler:
         self._hook()
         # A step launched before the trace resolves inside it (overlap schedule): its record is not ours.
         self._skip_records = 1 if self.core.has_step_in_flight else 0
-        self._last_step_id = max((r.step for r in self.core.telemetry.records()[-1:]), default=0)
+        self._last_step_id = self.core.telemetry.last_step()
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
         self._prof = profile(activities=acts)
         self._prof.start()

@@ -85,6 +85,11 @@ class Telemetry:
         with self._lock:
             return list(self._buf)
 
+    def last_step(self) -> int:
+        """The newest record's step id (0 before the first): where a caller's own window of steps begins."""
+        with self._lock:
+            return self._buf[-1].step if self._buf else 0
+
     def extend(self, recs: Iterable[StepRecord]) -> None:
         for r in recs:
             self.record(r)

@@ -69,11 +69,39 @@ def _capable(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
+def kernel_names() -> frozenset[str]:
+    """The names of the Triton kernels in graphserve.kernels (``*_kernel``; helpers such as ``pdl_enter`` are
+    not launched): what a list of kernels to leave out may name."""
+    import importlib
+    import pkgutil
+
+    import graphserve.kernels as package
+
+    names = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        names |= {v.__name__ for v in vars(module).values()
+                  if isinstance(v, triton.runtime.jit.KernelInterface) and v.__name__.endswith("_kernel")}
+    return frozenset(names)
+
+
+def checked_skip(names: frozenset[str] | set[str], where: str) -> frozenset[str]:
+    """``names`` as a frozenset, refused (naming ``where`` it came from) if one is not a kernel here: a typo
+    would otherwise leave every kernel on PDL without a word."""
+    unknown = sorted(set(names) - kernel_names())
+    if unknown:
+        raise ValueError(f"{where} names {', '.join(unknown)}: not a Triton kernel of graphserve.kernels "
+                         f"(kernels that launch with PDL are named by their function, e.g. _fp8_gemv_kernel)")
+    return frozenset(names)
+
+
+@functools.lru_cache(maxsize=1)
 def env_setting() -> tuple[bool, frozenset[str]]:
     """(on, kernels left out) from GRAPHSERVE_PDL and GRAPHSERVE_PDL_SKIP, read once per process."""
     skip = DEFAULT_SKIP
     if SKIP_ENV in os.environ:
-        skip = frozenset(n.strip() for n in os.environ[SKIP_ENV].split(",") if n.strip())
+        skip = checked_skip({n.strip() for n in os.environ[SKIP_ENV].split(",") if n.strip()},
+                            f"{SKIP_ENV}={os.environ[SKIP_ENV]!r}")
     return os.environ.get(ENV, "1") != "0", skip
 
 
@@ -93,7 +121,7 @@ def pdl_args(device: torch.device, kernel: str) -> dict[str, bool]:
 def pdl(enabled: bool, skip: frozenset[str] | set[str] = DEFAULT_SKIP) -> Iterator[None]:
     """Kernels launched (or captured) in this scope use PDL when ``enabled`` and the device allows it, except
     the kernels named in ``skip`` (by default, those left out by default)."""
-    _scoped.append((enabled, frozenset(skip)))
+    _scoped.append((enabled, checked_skip(skip, "pdl(skip=...)")))
     try:
         yield
     finally:

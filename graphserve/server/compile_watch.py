@@ -29,15 +29,17 @@ class CompileWatch:
         self.on_late = on_late
         self.seen: dict[str, list[dict[str, str]]] = {}
         self.is_ready = False
-        self._triton = triton
-        triton.knobs.runtime.jit_post_compile_hook = self._hook
+        self._knobs = triton.knobs.runtime
+        self._previous = self._knobs.jit_post_compile_hook  # put back by close()
+        self._knobs.jit_post_compile_hook = self._hook
 
     def ready(self) -> None:
         self.is_ready = True
 
     def close(self) -> None:
-        if self._triton.knobs.runtime.jit_post_compile_hook == self._hook:
-            self._triton.knobs.runtime.jit_post_compile_hook = None
+        """Put back the hook that was there before (if this watch's is still the one installed)."""
+        if self._knobs.jit_post_compile_hook == self._hook:
+            self._knobs.jit_post_compile_hook = self._previous
 
     def _hook(self, *, fn: Any, compile: dict[str, Any], **_: Any) -> None:
         spec = specialization(compile)

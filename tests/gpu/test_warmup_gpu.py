@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-import triton
 
 from graphserve.config import EngineConfig
 from graphserve.engine.core import EngineCore
@@ -60,17 +59,16 @@ def _traffic(core: EngineCore, seed: int) -> int:
 @pytest.mark.parametrize("model", ["dummy:qwen3-0.6b", "dummy:olmoe-1b-7b", "dummy:deepseek-v2-lite"])
 def test_traffic_after_the_warm_up_compiles_nothing(model):
     late: list[str] = []
-    before = triton.knobs.runtime.jit_post_compile_hook
+    watch = CompileWatch(lambda name, diff: late.append(f"{name} ({diff})"))
     core = None
     try:
-        watch = CompileWatch(lambda name, diff: late.append(f"{name} ({diff})"))
         core = EngineCore(EngineConfig(model=model, device="cuda", max_model_len=4096, cuda_graph_max_bs=64,
                                        mem_fraction_static=0.6))
         warm_up(core)
         watch.ready()
         assert _traffic(core, seed=3) > 0
     finally:
-        triton.knobs.runtime.jit_post_compile_hook = before
+        watch.close()
         del core
         gc.collect()
         torch.cuda.empty_cache()  # the next model needs the memory
