@@ -6,6 +6,7 @@ the CUDA-graph replay time of the same step: replay − kernel sum is the time t
 kernels. Each family's bytes floor is shown beside it where it is a pure read of weights or KV.
 
 Run: python3 -m benchmarks.step_breakdown [--model dummy:llama3-8b] [--bs 1] [--ctx 512]
+     [--quantization fp8] [--kv-cache-dtype fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ def main() -> None:
     p.add_argument("--model", default="dummy:llama3-8b")
     p.add_argument("--bs", type=int, default=1)
     p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--quantization", default="none", help="as graphserve serve --quantization (e.g. fp8)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="as graphserve serve --kv-cache-dtype (e.g. fp8_e4m3)")
     args = p.parse_args()
     device = torch.device("cuda")
-    cfg = EngineConfig(model=args.model, device="cuda", max_model_len=args.ctx + 64)
+    cfg = EngineConfig(model=args.model, device="cuda", max_model_len=args.ctx + 64,
+                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
     num_blocks = args.bs * (args.ctx // cfg.block_size + 2) + 2
@@ -88,8 +92,9 @@ def main() -> None:
     kernels = [{"kernel": k, "launches": v[1], "ms": v[0], "us_each": 1e3 * v[0] / v[1]}
                for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])]
     print_table(kernels, ["kernel", "launches", "ms", "us_each"])
-    write_result(f"step_breakdown_{args.model.split(':')[-1]}_bs{args.bs}_ctx{args.ctx}",
-                 {"model": args.model, "bs": args.bs, "ctx": args.ctx, "read": read.summary(), "rows": rows,
+    variant = "".join(f"_{v}" for v in (args.quantization, args.kv_cache_dtype) if v not in ("none", "auto"))
+    write_result(f"step_breakdown_{args.model.split(':')[-1]}{variant}_bs{args.bs}_ctx{args.ctx}",
+                 {"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "bs": args.bs, "ctx": args.ctx, "read": read.summary(), "rows": rows,
                   "kernels": kernels})
 
 
