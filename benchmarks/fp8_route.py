@@ -4,7 +4,7 @@ routing table layers/quant/fp8.py reads (graphserve/kernels/fp8_rule.json), writ
 Per projection shape (Llama-3-8B's by default; Qwen3-30B-A3B's dense attention with ``--shapes``; the
 table keeps an earlier run's shapes that this one did not measure) and row count m, with
 128x128 block scales as ``--quantization fp8`` stores them:
-- ``stream``: kernels/fp8_gemv.py (m <= 16), its default tiles and, with ``--sweep`` (the default
+- ``stream``: kernels/fp8_gemv.py (m <= 64), its default tiles and, with ``--sweep`` (the default
   unless ``--quick``), a grid of alternatives: the best is what the table keeps;
 - ``w8a8``: per-token-group activation quantization + the Triton block-scaled GEMM;
 - ``scaled_mm``: the same quantization (padded, column-major scales) + ``torch._scaled_mm``'s
@@ -17,7 +17,7 @@ bytes (fp8 + scales) at the best read bandwidth of this run (benchmarks.roofline
 
 Per (shape, m) the table keeps the fastest fp8 path (and the stream tiles that won); a call of m rows
 takes the entry of the smallest measured count >= m, above the largest the code's defaults.
-Run: python3 -m benchmarks.fp8_route [--quick] [--shapes NAME ...]
+Run: python3 -m benchmarks.fp8_route [--quick] [--shapes NAME ...] [--rows M ...]
 (writes benchmarks/results/fp8_route.json and graphserve/kernels/fp8_rule.json)
 """
 
@@ -32,12 +32,20 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from benchmarks.common import environment, print_table, write_result
 from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import measured_read_bw
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.fp8_config import RULE_PATH, Route, StreamConfig, default_stream_config, tile_cap
+from graphserve.kernels.fp8_config import (
+    MAX_STREAM_ROWS,
+    RULE_PATH,
+    Route,
+    StreamConfig,
+    default_stream_config,
+    tile_cap,
+)
 from graphserve.kernels.fp8_gemm import (
     blockwise_scale_layout,
     blockwise_scaled_mm_available,
@@ -63,21 +71,35 @@ BLOCK = 128
 COLS = ["shape", "m", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_us", "best", "stream/floor", "stream_GBps"]
 
 
-def candidates(m: int, k: int) -> list[StreamConfig]:
-    """Stream tiles to try: FMA tiles of 64-256 weight bytes per thread (m <= 4), dot tiles (m >= 2),
-    each family also split 2 and 4 ways along K where every split keeps at least two tiles of K."""
+def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
+    """Stream tiles to try at ``m`` rows of an [n, k] weight.
+
+    - m <= 4: FMA tiles of 128-256 weight bytes per thread, whole or split 2 ways along K;
+    - 2 <= m <= 16: dot tiles 16-64 rows tall, whole or split 2 and 4 ways;
+    - m > 16 (the dot path only): tiles of 64 and 128 rows (x is read again by every program, so taller
+      tiles read it fewer times), 128 or 256 columns a step, split so the grid gives every SM one to four
+      programs.
+    Every split keeps at least two tiles of K; each distinct tile is one more compile."""
     out = []
-    if m <= 4:  # (block_n, weight bytes per thread of 4 warps, split_k); every distinct tile is one more compile
-        for bn, per_thread, split in ((4, 128, 1), (8, 128, 1), (8, 256, 1), (16, 64, 1), (16, 128, 1), (32, 128, 1),
-                                      (8, 128, 2), (8, 128, 4), (16, 128, 2), (16, 128, 4), (32, 128, 2)):
+    if m <= 4:  # (block_n, weight bytes per thread of 4 warps, split_k)
+        for bn, per_thread, split in ((8, 128, 1), (8, 256, 1), (16, 128, 1), (8, 128, 2), (16, 128, 2)):
             bk = per_thread * 128 // bn
             if bk * (2 * split if split > 1 else 1) <= k and k % bk == 0:
                 out.append(StreamConfig(bn, bk, num_warps=4, num_stages=2, use_dot=False, split_k=split))
-    if m >= 2:
-        for bn, bk, split in ((16, 256, 1), (16, 512, 1), (32, 256, 1), (32, 512, 1), (64, 256, 1),
-                              (32, 256, 2), (32, 256, 4), (64, 256, 2), (64, 256, 4), (64, 512, 2)):
+    if 2 <= m <= 16:
+        for bn, bk, split in ((16, 256, 1), (32, 256, 1), (64, 256, 1), (32, 256, 2), (32, 256, 4), (64, 256, 2),
+                              (64, 128, 4)):
             if k % bk == 0 and bk * (2 * split if split > 1 else 1) <= k:
                 out.append(StreamConfig(bn, bk, num_warps=4, num_stages=3, use_dot=True, split_k=split))
+    if m > 16:
+        block_m = triton.next_power_of_2(m)
+        for bn, bk in ((64, 128), (128, 128), (128, 256)):
+            tiles = triton.cdiv(n, bn)
+            for split in (1, 2, 4, 8, 16):
+                if k % bk or bk * (2 * split if split > 1 else 1) > k or not sms <= tiles * split <= 4 * sms:
+                    continue
+                warps = 8 if bn * block_m >= 64 * 64 else 4
+                out.append(StreamConfig(bn, bk, num_warps=warps, num_stages=3, use_dot=True, split_k=split))
     return out
 
 
@@ -106,10 +128,10 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
     n, k = SHAPES[name]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     r = {"shape": name, "n": n, "k": k, "m": m, "weight_bytes": cold.nbytes}
-    if m <= 16:
+    if m <= MAX_STREAM_ROWS:
         chosen = default_stream_config(m, n, k, tile_cap(BLOCK, BLOCK, k), sms)
         tried = {}
-        for cfg in dict.fromkeys([chosen, *(candidates(m, k) if sweep else [])]):
+        for cfg in dict.fromkeys([chosen, *(candidates(m, n, k, sms) if sweep else [])]):
             try:
                 tried[cfg] = cold.time_us(lambda w, c=cfg: fp8_gemv(x, w[0], w[1], BLOCK, BLOCK, config=c))
             except Exception as e:  # a tile this card cannot hold (shared memory, registers): skipped, said so
@@ -145,13 +167,16 @@ def measure(name: str, rows: list[int], sweep: bool, scaled_mm_ok: bool, sms: in
 def rule_from_rows(rows: list[dict], env: dict, earlier: dict | None) -> dict:
     """The table for the shapes measured here, plus an earlier table's other shapes from the same card."""
     measured = {r["shape"] for r in rows}
-    shapes = [s for s in (earlier or {}).get("shapes", []) if s["name"] not in measured
-              and (earlier or {}).get("device") == env["device"]]
+    same_card = (earlier or {}).get("device") == env["device"]
+    before = {s["name"]: s for s in (earlier or {}).get("shapes", []) if same_card}
+    shapes = [s for name, s in before.items() if name not in measured]
     for name in dict.fromkeys(r["shape"] for r in rows):
-        entries = []
-        for r in sorted((r for r in rows if r["shape"] == name), key=lambda r: r["m"]):
+        # row counts this run measured take its winner; the earlier table's other counts stay
+        entries = {e["m"]: e for e in before.get(name, {}).get("rows", [])}
+        for r in (r for r in rows if r["shape"] == name):
             cfg = StreamConfig(**r["stream_config"]) if r["best"] == "stream" else None
-            entries.append({"m": r["m"], **Route(r["best"], cfg).to_json()})
+            entries[r["m"]] = {"m": r["m"], **Route(r["best"], cfg).to_json()}
+        entries = [entries[m] for m in sorted(entries)]
         first = next(r for r in rows if r["shape"] == name)
         shapes.append({"name": name, "n": first["n"], "k": first["k"], "scales": "block128", "rows": entries})
     return {"device": env["device"], "written_by": "benchmarks/fp8_route.py",
@@ -166,14 +191,18 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer row counts, default stream tiles only")
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=DEFAULT_SHAPES, metavar="SHAPE")
     p.add_argument("--no-rule", action="store_true", help="measure and print, but leave fp8_rule.json as it is")
+    p.add_argument("--rows", nargs="+", type=int, metavar="M",
+                   help="row counts to measure (default: all; the table keeps its entries for the others)")
     args = p.parse_args()
     device = torch.device("cuda")
     sms = sm_count(device)
     bw = measured_read_bw()
     scaled_mm_ok = blockwise_scaled_mm_available(device)
     print(f"probes: {bw.describe()}; {sms} SMs; torch._scaled_mm block-scaled: {scaled_mm_ok}")
-    rows = [r for name in args.shapes for r in measure(name, QUICK_ROWS if args.quick else ROWS, not args.quick,
-                                                       scaled_mm_ok, sms)]
+    if args.rows and min(args.rows) < 1:
+        p.error(f"--rows {args.rows} is invalid: every row count must be >= 1")
+    counts = sorted(set(args.rows)) if args.rows else QUICK_ROWS if args.quick else ROWS
+    rows = [r for name in args.shapes for r in measure(name, counts, not args.quick, scaled_mm_ok, sms)]
     for r in rows:
         if r.get("stream_us"):
             r["stream_GBps"] = r["weight_bytes"] / r["stream_us"] / 1e3

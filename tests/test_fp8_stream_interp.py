@@ -11,6 +11,7 @@ wrong scale block or a missed tile gives errors of order 1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
@@ -87,11 +88,14 @@ def test_stream_fma_matches_reference(m, n, k, group_n, group_k, cfg) -> None:
     torch.testing.assert_close(out, fp8_gemv_reference(x, wq, ws, group_n, group_k, bias), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("m,n,k,group_n,group_k", [(5, 40, 96, 16, 32), (16, 37, 200, 32, 128), (7, 24, 72, 1, 72)])
-def test_stream_dot_matches_reference(m, n, k, group_n, group_k) -> None:
+@pytest.mark.parametrize("m,n,k,group_n,group_k,split", [
+    (5, 40, 96, 16, 32, 1), (16, 37, 200, 32, 128, 1), (7, 24, 72, 1, 72, 1),
+    (17, 40, 96, 16, 32, 1), (33, 37, 200, 32, 128, 2), (64, 24, 128, 1, 128, 2),  # 32- and 64-row dot tiles
+])
+def test_stream_dot_matches_reference(m, n, k, group_n, group_k, split) -> None:
     wq, ws = _weight(n, k, group_n, group_k, seed=m + n)
     x = _randn(m, k, seed=k).to(DOT_DTYPE)
-    out = fp8_gemv(x, wq, ws, group_n, group_k, config=DOT)
+    out = fp8_gemv(x, wq, ws, group_n, group_k, config=dataclasses.replace(DOT, split_k=split))
     assert out.dtype == DOT_DTYPE
     assert _rel(out, fp8_gemv_reference(x.float(), wq, ws, group_n, group_k)) < 1e-2
 
@@ -127,8 +131,10 @@ def test_stream_default_config_matches_reference() -> None:
 
 def test_stream_bad_inputs_name_the_limit() -> None:
     wq, ws = _weight(32, 64, 16, 32, seed=5)
-    with pytest.raises(ValueError, match="at most 16 rows, got 17"):
-        fp8_gemv(_randn(17, 64, seed=1), wq, ws, 16, 32)
+    with pytest.raises(ValueError, match="at most 64 rows, got 65"):
+        fp8_gemv(_randn(65, 64, seed=1), wq, ws, 16, 32)
+    with pytest.raises(ValueError, match="17 rows take the dot path"):
+        fp8_gemv(_randn(17, 64, seed=1), wq, ws, 16, 32, config=FMA)
     with pytest.raises(ValueError, match=r"w_scale has shape \(2, 2\), expected \(4, 2\)"):
         fp8_gemv(_randn(2, 64, seed=1), wq, ws, 8, 32)
     with pytest.raises(ValueError, match="block_n=32 spans two rows of 16-row scale blocks"):
@@ -160,7 +166,7 @@ def test_token_group_quant_padded_column_major(m, k, group, pad) -> None:
 
 
 @pytest.mark.parametrize("sms", [132, 78])
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 17, 64])
 def test_default_tiles_fill_the_gpu_and_respect_scale_blocks(sms, m) -> None:
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (2048, 4096), (5120, 2048)]:
         for group_n, group_k in [(128, 128), (1, k)]:

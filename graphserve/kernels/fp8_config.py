@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import triton
 
-MAX_STREAM_ROWS = 16  # the streaming kernel pads x to one 16-row tensor-core tile
+MAX_STREAM_ROWS = 64  # the streaming kernel's dot path pads x to one tensor-core tile of 16, 32 or 64 rows
+MAX_FMA_ROWS = 16  # its FMA path makes one pass over the weight tile per row of x, unrolled
 PATHS = ("stream", "w8a8", "scaled_mm")
 RULE_PATH = Path(__file__).with_name("fp8_rule.json")
 # without a measured table: the streaming kernel up to this many rows; from SCALED_MM_MIN_ROWS on the
@@ -39,7 +40,7 @@ logger = logging.getLogger("graphserve.fp8")
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """Tiles of one streaming-kernel call. ``use_dot``: tensor cores with x padded to 16 rows; else
+    """Tiles of one streaming-kernel call. ``use_dot``: tensor cores with x padded to 16-64 rows; else
     fp32 multiply-adds on the CUDA cores, one pass per row of x (cheaper while M is small).
     ``split_k``: programs per column tile, each streaming 1/split_k of K (reduced in the same launch);
     tables written before it existed read as 1."""
@@ -65,28 +66,34 @@ def default_stream_config(m: int, n: int, k: int, cap: int, sms: int) -> StreamC
     """Tiles for ``m`` rows against an [n, k] fp8 weight, at most ``cap`` rows tall (``tile_cap``).
 
     The kernel is a weight stream: what matters is bytes in flight per SM. Each program streams a
-    ``[block_n, k]`` slab; ``block_n`` is the widest that still gives every SM two programs, so no
-    split-K (and no second reduction launch) is needed for the projections of 1B-70B models. A block
-    of scale rows must not straddle programs (the kernel reads one scale row per program), so
-    ``block_n`` never exceeds ``group_n``; a projection too narrow for that splits K. Per thread, 128 weight bytes per tile (eight 16-byte
-    loads) on the FMA path; the dot path's tiles go through shared memory, 3 stages of 8-16 KB.
+    ``[block_n, k / split_k]`` slab. A block of scale rows must not straddle programs (the kernel reads
+    one scale row per program), so ``block_n`` never exceeds ``group_n``; a projection too narrow to give
+    every SM two programs splits K, as long as every split keeps two tiles of K.
+    - FMA path: ``block_n`` the widest that still gives every SM two programs; 128 weight bytes per
+      thread per tile (eight 16-byte loads).
+    - dot path: every program reads its share of x again (from L2), (n / block_n) * m * k * 2 bytes in
+      all, so tiles at least 2m rows tall keep that below the weight's own n * k; one scale block of K
+      per step (16 KB of fp8 at 128 rows), 3 stages through shared memory.
     """
     target = 2 * sms
     # kernels/gemv.py's bf16 FMA product fell to 0.5x of cuBLAS at 4 rows on an H200 (registers: one
     # fp32 copy of the tile plus one x row per pass) while its dot product held 0.9x from 8 rows on
-    use_dot = m > 2 and cap >= 16 and triton.cdiv(n, 16) >= sms
+    use_dot = m > MAX_FMA_ROWS or (m > 2 and cap >= 16 and triton.cdiv(n, 16) >= sms)
     if use_dot:
-        block_n = next((bn for bn in (64, 32) if bn <= cap and triton.cdiv(n, bn) >= target), 16)
-        block_k = min(512 if block_n == 16 else 256, triton.next_power_of_2(k))
-        return StreamConfig(block_n, max(16, block_k), num_warps=4, num_stages=3, use_dot=True)
-    widths = (8,) if m <= 2 else (16, 8)  # gemv.py measured 8-row slabs best at 1-2 rows
-    block_n = next((bn for bn in widths if bn <= cap and triton.cdiv(n, bn) >= target), min(4, cap))
-    block_k = max(16, min(128 * 32 * 4 // block_n, triton.next_power_of_2(k)))
-    # a narrow projection still short of two programs per SM splits K (at most 4 ways: each split
-    # adds a partial tile to write and read back), as long as every split keeps two tiles of K
+        block_n = min(cap, 128, max(32, triton.next_power_of_2(2 * m)))
+        block_k = max(16, min(128, triton.next_power_of_2(k)))
+        warps, stages = (8 if block_n * max(16, triton.next_power_of_2(m)) >= 64 * 64 else 4), 3
+    else:
+        widths = (8,) if m <= 2 else (16, 8)  # gemv.py measured 8-row slabs best at 1-2 rows
+        block_n = next((bn for bn in widths if bn <= cap and triton.cdiv(n, bn) >= target), min(4, cap))
+        block_k = max(16, min(128 * 32 * 4 // block_n, triton.next_power_of_2(k)))
+        warps, stages = 4, 2
+    # each split adds a partial tile to write and read back: only as many as the SMs need
     tiles = triton.cdiv(n, block_n)
-    split_k = max(1, min(4, triton.cdiv(target, tiles), k // (2 * block_k))) if tiles < target else 1
-    return StreamConfig(block_n, block_k, num_warps=4, num_stages=2, use_dot=False, split_k=split_k)
+    split_k = max(1, min(triton.cdiv(target, tiles), k // (2 * block_k))) if tiles < target else 1
+    if not use_dot:
+        split_k = min(4, split_k)
+    return StreamConfig(block_n, block_k, num_warps=warps, num_stages=stages, use_dot=use_dot, split_k=split_k)
 
 
 # -- the measured table -------------------------------------------------------------------------------

@@ -1,13 +1,14 @@
 """Small-batch FP8-weight matmul for decode (W8A16): ``x @ dequant(w).T`` with x in bf16 and w streamed as fp8.
 
-At 1-16 rows a projection is a weight stream. The W8A8 path would first quantize x (one more launch
+At 1-64 rows a projection is a weight stream. The W8A8 path would first quantize x (one more launch
 and a round trip through memory) for tensor-core work that is not the bottleneck. Here each program
 owns ``BLOCK_N`` weight rows for all M rows of x and streams its ``[BLOCK_N, K]`` fp8 slab once (one
 byte per weight: half of bf16's traffic) with loads contiguous along K, widening each tile in
 registers (exact: every e4m3 value is a bf16 value). Two inner products, as kernels/gemv.py:
 
 - FMA (small M): fp32 multiply-adds on the CUDA cores, one pass over the tile per row of x;
-- dot (larger M): ``tl.dot(w_tile, x_tile.T)`` with x padded to 16 rows ("swap AB").
+- dot (larger M, and every M above 16): ``tl.dot(w_tile, x_tile.T)`` with x padded to 16, 32 or 64 rows
+  ("swap AB": the weight rows fill the tensor-core tile's tall side).
 
 Scales. A program's rows lie in one row of scale blocks (``BLOCK_N`` divides the block height), so
 a 128x128 block scale is a function of k alone within the program: it multiplies x, the small
@@ -43,11 +44,11 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.fp8_config import MAX_STREAM_ROWS, StreamConfig, default_stream_config, tile_cap
+from graphserve.kernels.fp8_config import MAX_FMA_ROWS, MAX_STREAM_ROWS, StreamConfig, default_stream_config, tile_cap
 from graphserve.kernels.fp8_quant import FP8_DTYPE, dequantize_blocks
 from graphserve.kernels.gemv import _x_tile
 from graphserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
-from graphserve.kernels.pdl import pdl_args, pdl_enter
+from graphserve.kernels.pdl import pdl_args, pdl_enter, pdl_prefetch
 
 MAX_ROWS = MAX_STREAM_ROWS
 MAX_SPLIT_TILES = 4096  # split-K column tiles per launch (16 KB of counters); split-K pays where tiles are few
@@ -60,9 +61,9 @@ def _fp8_gemv_kernel(
     M, N, stride_xm, stride_rm, stride_rom, stride_wn, stride_wsn, stride_om, eps,
     SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
+    LINES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(PDL)
     pid = tl.program_id(0)
     k_first = tl.program_id(1) * K_SPLIT  # this program's share of K: [k_first, k_first + K_SPLIT)
     # every split full and a whole number of tiles: unmasked weight loads
@@ -71,6 +72,11 @@ def _fp8_gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     # rows past N re-read row N-1: unmasked, vectorised weight loads; those columns are never stored
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    # the program's whole weight slab, one 128-byte line at a time, on its way to L2 while the kernel before
+    # this one drains (PDL): the loads below then find it there
+    lines = tl.minimum(k_first + tl.arange(0, LINES) * 128, K - 1)
+    pdl_prefetch(w_ptr + w_rows[:, None] * stride_wn + lines[None, :], PDL)
+    pdl_enter(PDL)
     s_row = ws_ptr + ((pid * BLOCK_N) // GROUP_N) * stride_wsn  # this program's row of block scales
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
@@ -227,12 +233,15 @@ def _launch(
         raise ValueError(f"fp8_gemv: split_k={cfg.split_k} must be at least 1")
     if cfg.use_dot and (x.dtype == torch.float32 or cfg.block_n < 16):
         cfg = dataclasses.replace(cfg, use_dot=False)  # fp32 x would be truncated to tf32; dot needs 16 rows
+    if not cfg.use_dot and m > MAX_FMA_ROWS:
+        raise ValueError(f"fp8_gemv: {m} rows take the dot path (at most {MAX_FMA_ROWS} on the FMA path), which "
+                         f"needs block_n >= 16 (got {cfg.block_n}) and a 16-bit x (got {x.dtype})")
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     sub_k = block_k if per_channel else min(block_k, group_k)
     tiles = triton.cdiv(n, cfg.block_n)
     split_k = min(cfg.split_k, triton.cdiv(k, block_k))  # never a split with no K at all
     k_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
-    block_m = 16 if cfg.use_dot else triton.next_power_of_2(m)
+    block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m)
     placeholder = out  # pointer arguments a disabled prologue (or split_k = 1) never dereferences
     parts, locks = placeholder, placeholder
     if split_k > 1:
@@ -247,7 +256,8 @@ def _launch(
         K=k, GROUP_N=1 if per_channel else group_n, GROUP_K=k if per_channel else group_k,
         PER_CHANNEL=per_channel, HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SUB_K=sub_k,
-        KB=block_k // sub_k, SPLIT_K=split_k, K_SPLIT=k_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, "_fp8_gemv_kernel"),
+        KB=block_k // sub_k, SPLIT_K=split_k, K_SPLIT=k_split, LINES=triton.next_power_of_2(triton.cdiv(k_split, 128)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, "_fp8_gemv_kernel"),
     )  # fmt: skip
     return out
 
@@ -256,8 +266,8 @@ def fp8_gemv(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
     bias: torch.Tensor | None = None, *, config: StreamConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """``x`` [M <= 16, K] (bf16/fp16/fp32) times fp8 ``w`` [N, K] with fp32 scales ``w_scale``
-    [ceil(N/group_n), ceil(K/group_k)]; per-channel scales: ``group_n=1, group_k=K``, ``w_scale`` [N, 1].
+    """``x`` [M <= 64, K] (bf16/fp16/fp32; above 16 rows the dot path, 16-bit x only) times fp8 ``w`` [N, K]
+    with fp32 scales ``w_scale`` [ceil(N/group_n), ceil(K/group_k)]; per-channel scales: ``group_n=1, group_k=K``, ``w_scale`` [N, 1].
     Output in x's dtype. ``config`` overrides the default tiles (the benchmark's sweep passes it)."""
     return _launch(x, x.shape[-1], w, w_scale, group_n, group_k, bias, config)
 

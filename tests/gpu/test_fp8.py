@@ -116,7 +116,7 @@ def test_per_channel_paths(name: str, m: int, gen: torch.Generator) -> None:
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 33, 64])
 @pytest.mark.parametrize("block", [True, False], ids=["block", "channel"])
 def test_fp8_gemv(name: str, m: int, block: bool, gen: torch.Generator) -> None:
     n, k = SHAPES[name]
@@ -128,11 +128,12 @@ def test_fp8_gemv(name: str, m: int, block: bool, gen: torch.Generator) -> None:
     assert rel(fp8_gemv(x, wq, ws, gn, gk, bias), ref) < TOL
 
 
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 4, 16, 32, 64])
 def test_fp8_gemv_every_swept_tile(m: int, gen: torch.Generator) -> None:
     """Every tile benchmarks/fp8_route.py may write into the routing table (128x128 block scales)
     computes the same product, at both K of Llama-3-8B (14336 takes only some tiles). Rows 1 and 4
-    run the FMA tiles (2 rows differ only in the row-tile constant), 4 and 16 the dot tiles."""
+    run the FMA tiles (2 rows differ only in the row-tile constant), 4 to 64 the dot tiles (16-, 32- and
+    64-row tensor-core tiles)."""
     from benchmarks.fp8_route import candidates
 
     for n, k in (SHAPES["o_proj"], SHAPES["down"]):
@@ -140,11 +141,11 @@ def test_fp8_gemv_every_swept_tile(m: int, gen: torch.Generator) -> None:
         gn, gk = 128, 128
         x = torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16)
         ref = fp8_gemv_reference(x.float(), wq, ws, gn, gk)
-        for cfg in candidates(m, k):
+        for cfg in candidates(m, n, k, torch.cuda.get_device_properties(DEV).multi_processor_count):
             assert rel(fp8_gemv(x, wq, ws, gn, gk, config=cfg), ref) < TOL, cfg
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 40])
 def test_fp8_fused_prologues(m: int, gen: torch.Generator) -> None:
     """RMSNorm (+ residual) before qkv and SiLU·mul before down, in the streaming kernel's loads."""
     n, k = SHAPES["qkv"]

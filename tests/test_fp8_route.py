@@ -1,0 +1,47 @@
+"""benchmarks/fp8_route.py on CPU: the tiles it sweeps are ones the streaming kernel takes, and a run that
+measures some row counts keeps the earlier table's entries for the others."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.fp8_route import SHAPES, candidates, rule_from_rows
+from graphserve.kernels.fp8_config import MAX_FMA_ROWS, Fp8Rule, StreamConfig, tile_cap
+
+ENV = {"device": "NVIDIA H200", "date": "2026-12-01", "commit": "abc1234", "torch": "2.11", "triton": "3.6"}
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 16, 32, 64])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_swept_tiles_are_valid_for_the_kernel(name: str, m: int) -> None:
+    n, k = SHAPES[name]
+    tiles = candidates(m, n, k, sms=132)
+    assert tiles, (name, m)
+    for cfg in tiles:
+        assert cfg.block_n <= tile_cap(128, 128, k) and k % cfg.block_k == 0
+        assert cfg.split_k == 1 or cfg.block_k * 2 * cfg.split_k <= k  # every split keeps two tiles of K
+        assert m <= MAX_FMA_ROWS or (cfg.use_dot and cfg.block_n >= 16)
+        if m > MAX_FMA_ROWS:
+            assert 132 <= cfg.num_programs(n) <= 4 * 132
+
+
+def _row(name: str, m: int, best: str, cfg: StreamConfig | None = None) -> dict:
+    n, k = SHAPES[name]
+    return {"shape": name, "n": n, "k": k, "m": m, "best": best, **({"stream_config": vars(cfg)} if cfg else {})}
+
+
+def test_a_partial_run_keeps_the_other_row_counts() -> None:
+    fma = StreamConfig(8, 2048, 4, 2, False)
+    dot = StreamConfig(128, 128, 8, 3, True, split_k=4)
+    first = rule_from_rows([_row("llama3-8b qkv", 1, "stream", fma), _row("llama3-8b qkv", 64, "scaled_mm"),
+                            _row("llama3-8b qkv", 256, "scaled_mm"), _row("llama3-8b down", 1, "w8a8")], ENV, None)
+    second = rule_from_rows([_row("llama3-8b qkv", 64, "stream", dot)], ENV, first)
+    rule = Fp8Rule.from_json(second)
+    n, k = SHAPES["llama3-8b qkv"]
+    assert rule.route(1, n, k, "block128").config == fma  # not measured again: kept
+    assert rule.route(64, n, k, "block128").config == dot  # measured again: replaced
+    assert rule.route(200, n, k, "block128").path == "scaled_mm"
+    assert rule.route(1, *SHAPES["llama3-8b down"], "block128").path == "w8a8"  # another shape: kept
+    # a table from another card keeps nothing
+    other = rule_from_rows([_row("llama3-8b qkv", 64, "stream", dot)], {**ENV, "device": "NVIDIA H100"}, first)
+    assert [s["name"] for s in other["shapes"]] == ["llama3-8b qkv"] and len(other["shapes"][0]["rows"]) == 1
