@@ -78,7 +78,9 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
     - 2 <= m <= 16: dot tiles 16-64 rows tall, whole or split 2 and 4 ways;
     - m > 16 (the dot path only): tiles of 64 and 128 rows (x is read again by every program, so taller
       tiles read it fewer times), 128 or 256 columns a step, split so the grid gives every SM one to four
-      programs.
+      programs;
+    - m > 4: the FP8 dot (x quantized in the kernel) in tiles of 32-128 rows, one 128-column scale block a
+      step, split likewise.
     Every split keeps at least two tiles of K; each distinct tile is one more compile."""
     out = []
     if m <= 4:  # (block_n, weight bytes per thread of 4 warps, split_k)
@@ -91,15 +93,18 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
                               (64, 128, 4)):
             if k % bk == 0 and bk * (2 * split if split > 1 else 1) <= k:
                 out.append(StreamConfig(bn, bk, num_warps=4, num_stages=3, use_dot=True, split_k=split))
-    if m > 16:
-        block_m = triton.next_power_of_2(m)
-        for bn, bk in ((64, 128), (128, 128), (128, 256)):
-            tiles = triton.cdiv(n, bn)
+    if m > 4:
+        block_m = max(16, triton.next_power_of_2(m))
+        tiles = ((32, 128, True), (64, 128, True), (128, 128, True)) if m <= 16 else ()
+        if m > 16:
+            tiles = ((64, 128, False), (128, 128, False), (128, 256, False), (64, 128, True), (128, 128, True))
+        for bn, bk, fp8 in tiles:
             for split in (1, 2, 4, 8, 16):
-                if k % bk or bk * (2 * split if split > 1 else 1) > k or not sms <= tiles * split <= 4 * sms:
+                if k % bk or bk * (2 * split if split > 1 else 1) > k or not sms <= triton.cdiv(n, bn) * split <= 4 * sms:
                     continue
                 warps = 8 if bn * block_m >= 64 * 64 else 4
-                out.append(StreamConfig(bn, bk, num_warps=warps, num_stages=3, use_dot=True, split_k=split))
+                out.append(StreamConfig(bn, bk, num_warps=warps, num_stages=3, use_dot=True, split_k=split,
+                                        fp8_dot=fp8))
     return out
 
 

@@ -40,11 +40,13 @@ from graphserve.kernels.fp8_gemv import (  # noqa: E402
     fp8_silu_mul_gemv_reference,
 )
 from graphserve.kernels.fp8_quant import (  # noqa: E402
+    dequantize_blocks,
     per_token_group_quant,
     per_token_group_quant_reference,
     quantize_weight_blocks,
     quantize_weight_channels,
 )
+from graphserve.kernels.norm import fused_add_rms_norm_reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FMA = StreamConfig(block_n=8, block_k=64, num_warps=4, num_stages=2, use_dot=False)
@@ -98,6 +100,71 @@ def test_stream_dot_matches_reference(m, n, k, group_n, group_k, split) -> None:
     out = fp8_gemv(x, wq, ws, group_n, group_k, config=dataclasses.replace(DOT, split_k=split))
     assert out.dtype == DOT_DTYPE
     assert _rel(out, fp8_gemv_reference(x.float(), wq, ws, group_n, group_k)) < 1e-2
+
+
+def _quantized_x(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the FP8-dot path multiplies it: quantized per row and ``group`` columns, then dequantized."""
+    q, scales = per_token_group_quant_reference(x, group)
+    return dequantize_blocks(q, scales, 1, group)
+
+
+@pytest.mark.parametrize("m,n,k,group_n,group_k,block_k,split", [
+    (1, 40, 96, 16, 32, 32, 1),  # one row; K not a whole number of splits' tiles
+    (5, 37, 200, 32, 64, 64, 2),  # N and K tails, split K
+    (40, 24, 128, 16, 32, 32, 2),  # a 64-row tile
+    (7, 24, 72, 1, 72, 32, 1),  # per-channel scales: groups of block_k, K tail
+])
+def test_stream_fp8_dot_matches_the_quantized_reference(m, n, k, group_n, group_k, block_k, split) -> None:
+    """The FP8-dot path against the reference on x quantized the same way. On the GPU they differ by
+    summation order and the output's rounding (tests/gpu/test_fp8.py holds them to that); the interpreter
+    rounds fp32 to e4m3 its own way (tests/test_fp8_interp.py: elements off by up to one binade), so here
+    the bound is the size of x's quantization error, which a wrong scale or a missed K step exceeds."""
+    wq, ws = _weight(n, k, group_n, group_k, seed=m + k)
+    x = _randn(m, k, seed=n).to(DOT_DTYPE)
+    cfg = StreamConfig(16, block_k, 4, 2, True, split_k=split, fp8_dot=True)
+    out = fp8_gemv(x, wq, ws, group_n, group_k, config=cfg)
+    want = fp8_gemv_reference(_quantized_x(x.float(), block_k), wq, ws, group_n, group_k)
+    assert out.dtype == DOT_DTYPE
+    assert _rel(out, want) < 0.1
+    assert _rel(out, fp8_gemv_reference(x.float(), wq, ws, group_n, group_k)) < 0.1
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_stream_fp8_dot_is_exact_where_x_quantizes_exactly(split) -> None:
+    """x whose every row and K step holds e4m3 values times one power of two, with 448 (e4m3's largest) among
+    them: the step's scale is that power of two and quantizing x loses nothing, whatever the rounding. The
+    FP8-dot path must then give the unquantized reference up to summation order and the output's rounding."""
+    m, n, k, group = 5, 40, 128, 32
+    wq, ws = _weight(n, k, 16, group, seed=41)
+    levels = (_randn(m, k, seed=42) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    levels[:, ::group] = 448.0
+    x = (levels * 2.0**-6).to(DOT_DTYPE)
+    out = fp8_gemv(x, wq, ws, 16, group, config=StreamConfig(16, group, 4, 2, True, split_k=split, fp8_dot=True))
+    torch.testing.assert_close(out.float(), fp8_gemv_reference(x.float(), wq, ws, 16, group).float(),
+                               rtol=2e-3, atol=2e-3)
+
+
+def test_stream_fp8_dot_prologues_match_reference() -> None:
+    m, n, k, group = 6, 40, 96, 32
+    cfg = StreamConfig(16, group, 4, 2, True, fp8_dot=True)
+    wq, ws = _weight(n, k, 16, group, seed=31)
+    x, res, nw = _randn(m, k, seed=32).to(DOT_DTYPE), _randn(m, k, seed=33).to(DOT_DTYPE), _randn(k, seed=34).to(DOT_DTYPE)
+    out, summed = fp8_norm_gemv(x, nw, 1e-6, wq, ws, 16, group, residual=res, config=cfg)
+    h, want_sum = fused_add_rms_norm_reference(x, res, nw, 1e-6)
+    want = fp8_gemv_reference(_quantized_x(h.float(), group), wq, ws, 16, group)
+    assert _rel(out, want) < 0.1  # the interpreter's e4m3 rounding (above)
+    torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
+    gate_up = _randn(m, 2 * k, seed=35).to(DOT_DTYPE)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate) * up).to(DOT_DTYPE)
+    want = fp8_gemv_reference(_quantized_x(act.float(), group), wq, ws, 16, group)
+    assert _rel(fp8_silu_mul_gemv(gate_up, wq, ws, 16, group, config=cfg), want) < 0.1
+
+
+def test_stream_fp8_dot_refuses_a_step_across_scale_blocks() -> None:
+    wq, ws = _weight(32, 128, 16, 32, seed=36)
+    with pytest.raises(ValueError, match="block_k equal to the scale block's 32 \\(got 64\\)"):
+        fp8_gemv(_randn(4, 128, seed=37), wq, ws, 16, 32, config=StreamConfig(16, 64, 4, 2, True, fp8_dot=True))
 
 
 @pytest.mark.parametrize("cfg", [FMA, DOT], ids=["fma", "dot"])

@@ -43,7 +43,9 @@ class StreamConfig:
     """Tiles of one streaming-kernel call. ``use_dot``: tensor cores with x padded to 16-64 rows; else
     fp32 multiply-adds on the CUDA cores, one pass per row of x (cheaper while M is small).
     ``split_k``: programs per column tile, each streaming 1/split_k of K (reduced in the same launch);
-    tables written before it existed read as 1."""
+    tables written before it existed read as 1. ``fp8_dot`` (with ``use_dot``): x quantized to fp8 per
+    row and K step in registers and the product taken on the FP8 tensor cores (W8A8 without a
+    quantization launch); ``block_k`` is then the scale block's K."""
 
     block_n: int
     block_k: int
@@ -51,6 +53,7 @@ class StreamConfig:
     num_stages: int
     use_dot: bool
     split_k: int = 1
+    fp8_dot: bool = False
 
     def num_programs(self, n: int) -> int:
         return triton.cdiv(n, self.block_n) * self.split_k

@@ -1,14 +1,20 @@
-"""Small-batch FP8-weight matmul for decode (W8A16): ``x @ dequant(w).T`` with x in bf16 and w streamed as fp8.
+"""Small-batch FP8-weight matmul for decode: ``x @ dequant(w).T`` with x in bf16 and w streamed as fp8.
 
 At 1-64 rows a projection is a weight stream. The W8A8 path would first quantize x (one more launch
 and a round trip through memory) for tensor-core work that is not the bottleneck. Here each program
 owns ``BLOCK_N`` weight rows for all M rows of x and streams its ``[BLOCK_N, K]`` fp8 slab once (one
-byte per weight: half of bf16's traffic) with loads contiguous along K, widening each tile in
-registers (exact: every e4m3 value is a bf16 value). Two inner products, as kernels/gemv.py:
+byte per weight: half of bf16's traffic) with loads contiguous along K. Three inner products, the
+first two as kernels/gemv.py's (W8A16: the tile widened in registers, exact since every e4m3 value is
+a bf16 value):
 
 - FMA (small M): fp32 multiply-adds on the CUDA cores, one pass over the tile per row of x;
 - dot (larger M, and every M above 16): ``tl.dot(w_tile, x_tile.T)`` with x padded to 16, 32 or 64 rows
-  ("swap AB": the weight rows fill the tensor-core tile's tall side).
+  ("swap AB": the weight rows fill the tensor-core tile's tall side);
+- FP8 dot (``fp8_dot``): the weight tile stays fp8; x's rows are quantized in registers, one scale per
+  row and K step (amax / 448, the step being the scale block's K: the groups
+  kernels/fp8_quant.per_token_group_quant makes for the W8A8 paths, so the same rounding), and the
+  product runs on the FP8 tensor cores, the two scales applied to each step's fp32 partial. No
+  widening of the weight, no quantization launch, and the prologues below still apply.
 
 Scales. A program's rows lie in one row of scale blocks (``BLOCK_N`` divides the block height), so
 a 128x128 block scale is a function of k alone within the program: it multiplies x, the small
@@ -45,10 +51,10 @@ import triton.language as tl
 
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp8_config import MAX_FMA_ROWS, MAX_STREAM_ROWS, StreamConfig, default_stream_config, tile_cap
-from graphserve.kernels.fp8_quant import FP8_DTYPE, dequantize_blocks
+from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, dequantize_blocks
 from graphserve.kernels.gemv import _x_tile
 from graphserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
-from graphserve.kernels.pdl import pdl_args, pdl_enter, pdl_prefetch
+from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 MAX_ROWS = MAX_STREAM_ROWS
 MAX_SPLIT_TILES = 4096  # split-K column tiles per launch (16 KB of counters); split-K pays where tiles are few
@@ -62,8 +68,9 @@ def _fp8_gemv_kernel(
     SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
-    LINES: tl.constexpr, PDL: tl.constexpr,
+    FP8_DOT: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     k_first = tl.program_id(1) * K_SPLIT  # this program's share of K: [k_first, k_first + K_SPLIT)
     # every split full and a whole number of tiles: unmasked weight loads
@@ -72,11 +79,6 @@ def _fp8_gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     # rows past N re-read row N-1: unmasked, vectorised weight loads; those columns are never stored
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    # the program's whole weight slab, one 128-byte line at a time, on its way to L2 while the kernel before
-    # this one drains (PDL): the loads below then find it there
-    lines = tl.minimum(k_first + tl.arange(0, LINES) * 128, K - 1)
-    pdl_prefetch(w_ptr + w_rows[:, None] * stride_wn + lines[None, :], PDL)
-    pdl_enter(PDL)
     s_row = ws_ptr + ((pid * BLOCK_N) // GROUP_N) * stride_wsn  # this program's row of block scales
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
@@ -110,10 +112,20 @@ def _fp8_gemv_kernel(
             x = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols[None, :],
                         (offs_m[:, None] < M) & k_mask[None, :], rstd[:, None], K, SILU_MUL, ADD_RESIDUAL, NORM,
                         x_ptr.dtype.element_ty)  # fmt: skip
-            if not PER_CHANNEL:
-                ks = tl.load(s_row + cols // GROUP_K, mask=k_mask, other=0.0)
-                x = (x.to(tl.float32) * ks[None, :]).to(x_ptr.dtype.element_ty)
-            acc += tl.dot(w.to(x.dtype), tl.trans(x))
+            if FP8_DOT:
+                # x's rows quantized per BLOCK_K-wide group as kernels/fp8_quant.per_token_group_quant does
+                # (BLOCK_K is the scale block's K), then both operands on the FP8 tensor cores
+                xf = x.to(tl.float32)
+                xs = tl.maximum(tl.max(tl.abs(xf), axis=1) / FP8_MAX_C, MIN_SCALE_C)
+                xq = tl.clamp(xf / xs[:, None], -FP8_MAX_C, FP8_MAX_C).to(w.dtype)
+                if not PER_CHANNEL:  # one weight scale for the whole step: the program's row, this K block
+                    xs = xs * tl.load(s_row + k0 // GROUP_K)
+                acc += tl.dot(w, tl.trans(xq)) * xs[None, :]
+            else:
+                if not PER_CHANNEL:
+                    ks = tl.load(s_row + cols // GROUP_K, mask=k_mask, other=0.0)
+                    x = (x.to(tl.float32) * ks[None, :]).to(x_ptr.dtype.element_ty)
+                acc += tl.dot(w.to(x.dtype), tl.trans(x))
     else:
         # the tile as [BLOCK_N, KB, SUB_K] (KB = BLOCK_K / SUB_K): one scale per SUB_K-long piece of K
         offs_b = tl.arange(0, KB)
@@ -231,7 +243,10 @@ def _launch(
                          f"(at most {cap})")
     if cfg.split_k < 1:
         raise ValueError(f"fp8_gemv: split_k={cfg.split_k} must be at least 1")
-    if cfg.use_dot and (x.dtype == torch.float32 or cfg.block_n < 16):
+    if cfg.fp8_dot and not (cfg.use_dot and cfg.block_n >= 16 and (per_channel or cfg.block_k == group_k)):
+        raise ValueError(f"fp8_gemv: fp8_dot needs use_dot, block_n >= 16 (got {cfg.block_n}) and, with block "
+                         f"scales, block_k equal to the scale block's {group_k} (got {cfg.block_k})")
+    if cfg.use_dot and not cfg.fp8_dot and (x.dtype == torch.float32 or cfg.block_n < 16):
         cfg = dataclasses.replace(cfg, use_dot=False)  # fp32 x would be truncated to tf32; dot needs 16 rows
     if not cfg.use_dot and m > MAX_FMA_ROWS:
         raise ValueError(f"fp8_gemv: {m} rows take the dot path (at most {MAX_FMA_ROWS} on the FMA path), which "
@@ -239,8 +254,9 @@ def _launch(
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     sub_k = block_k if per_channel else min(block_k, group_k)
     tiles = triton.cdiv(n, cfg.block_n)
-    split_k = min(cfg.split_k, triton.cdiv(k, block_k))  # never a split with no K at all
+    split_k = min(cfg.split_k, triton.cdiv(k, block_k))
     k_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
+    split_k = triton.cdiv(k, k_split)  # whole tiles per split can leave the last splits no K: never launched
     block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m)
     placeholder = out  # pointer arguments a disabled prologue (or split_k = 1) never dereferences
     parts, locks = placeholder, placeholder
@@ -256,8 +272,8 @@ def _launch(
         K=k, GROUP_N=1 if per_channel else group_n, GROUP_K=k if per_channel else group_k,
         PER_CHANNEL=per_channel, HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SUB_K=sub_k,
-        KB=block_k // sub_k, SPLIT_K=split_k, K_SPLIT=k_split, LINES=triton.next_power_of_2(triton.cdiv(k_split, 128)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, "_fp8_gemv_kernel"),
+        KB=block_k // sub_k, SPLIT_K=split_k, K_SPLIT=k_split, FP8_DOT=cfg.fp8_dot, FP8_MAX_C=FP8_MAX,
+        MIN_SCALE_C=MIN_SCALE, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, "_fp8_gemv_kernel"),
     )  # fmt: skip
     return out
 

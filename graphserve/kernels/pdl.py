@@ -9,8 +9,7 @@ started and signalled (``griddepcontrol.launch_dependents``); its programs then 
 programs' placement and their set-up overlap the previous kernel's tail. CUDA-graph capture keeps these
 edges, so graph replay gets the same overlap.
 
-The contract every kernel here keeps (``pdl_enter`` before any load or store; only ``pdl_prefetch`` of
-weights, which no kernel writes, may come before it):
+The contract every kernel here keeps (``pdl_enter`` as its first statement, before any load or store):
 - it waits before reading anything an earlier kernel wrote and before writing anything (an earlier kernel may
   still be reading the buffer: the caching allocator and a graph's pool reuse memory);
 - every program waits, so the kernel completes only after its predecessor did: a kernel two launches later,
@@ -127,17 +126,6 @@ def pdl(enabled: bool, skip: frozenset[str] | set[str] = DEFAULT_SKIP) -> Iterat
         yield
     finally:
         _scoped.pop()
-
-
-@triton.jit
-def pdl_prefetch(ptrs, PDL: tl.constexpr):
-    """Before ``pdl_enter``: ask L2 for the 128-byte lines at ``ptrs``, which must hold data no kernel writes
-    (a model's weights). A program placed while the previous kernel drains then streams its weights during
-    the wait instead of after it. Nothing is read into registers and nothing waits for the lines; without
-    PDL (no early start to use) it compiles to nothing."""
-    if PDL:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
 
 @triton.jit
