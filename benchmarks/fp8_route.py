@@ -79,8 +79,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
     - m > 16 (the dot path only): tiles of 64 and 128 rows (x is read again by every program, so taller
       tiles read it fewer times), 128 or 256 columns a step, split so the grid gives every SM one to four
       programs;
-    - m > 4: the FP8 dot (x quantized in the kernel) in tiles of 32-128 rows, one 128-column scale block a
-      step, split likewise.
+    - m > 4: the FP8 dot (x quantized in the kernel) in tiles of 32-128 rows (256 above 16 rows), one
+      128-column scale block a step, split likewise.
     Every split keeps at least two tiles of K; each distinct tile is one more compile."""
     out = []
     if m <= 4:  # (block_n, weight bytes per thread of 4 warps, split_k)
@@ -97,7 +97,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
         block_m = max(16, triton.next_power_of_2(m))
         tiles = ((32, 128, True), (64, 128, True), (128, 128, True)) if m <= 16 else ()
         if m > 16:
-            tiles = ((64, 128, False), (128, 128, False), (128, 256, False), (64, 128, True), (128, 128, True))
+            tiles = ((64, 128, False), (128, 128, False), (128, 256, False), (64, 128, True), (128, 128, True),
+                     (256, 128, True))
         for bn, bk, fp8 in tiles:
             for split in (1, 2, 4, 8, 16):
                 if k % bk or bk * (2 * split if split > 1 else 1) > k or not sms <= triton.cdiv(n, bn) * split <= 4 * sms:

@@ -114,14 +114,15 @@ def _quantized_x(x: torch.Tensor, group: int) -> torch.Tensor:
     (40, 24, 128, 16, 32, 32, 2),  # a 64-row tile
     (7, 24, 72, 1, 72, 32, 1),  # per-channel scales: groups of block_k, K tail
 ])
-def test_stream_fp8_dot_matches_the_quantized_reference(m, n, k, group_n, group_k, block_k, split) -> None:
+@pytest.mark.parametrize("block_n", [16, 64])  # 64: a tile across two or more scale blocks (8-32 rows tall)
+def test_stream_fp8_dot_matches_the_quantized_reference(m, n, k, group_n, group_k, block_k, split, block_n) -> None:
     """The FP8-dot path against the reference on x quantized the same way. On the GPU they differ by
     summation order and the output's rounding (tests/gpu/test_fp8.py holds them to that); the interpreter
     rounds fp32 to e4m3 its own way (tests/test_fp8_interp.py: elements off by up to one binade), so here
     the bound is the size of x's quantization error, which a wrong scale or a missed K step exceeds."""
     wq, ws = _weight(n, k, group_n, group_k, seed=m + k)
     x = _randn(m, k, seed=n).to(DOT_DTYPE)
-    cfg = StreamConfig(16, block_k, 4, 2, True, split_k=split, fp8_dot=True)
+    cfg = StreamConfig(block_n, block_k, 4, 2, True, split_k=split, fp8_dot=True)
     out = fp8_gemv(x, wq, ws, group_n, group_k, config=cfg)
     want = fp8_gemv_reference(_quantized_x(x.float(), block_k), wq, ws, group_n, group_k)
     assert out.dtype == DOT_DTYPE
@@ -129,17 +130,19 @@ def test_stream_fp8_dot_matches_the_quantized_reference(m, n, k, group_n, group_
     assert _rel(out, fp8_gemv_reference(x.float(), wq, ws, group_n, group_k)) < 0.1
 
 
-@pytest.mark.parametrize("split", [1, 2])
-def test_stream_fp8_dot_is_exact_where_x_quantizes_exactly(split) -> None:
+@pytest.mark.parametrize("split,block_n", [(1, 16), (2, 16), (1, 64)])
+def test_stream_fp8_dot_is_exact_where_x_quantizes_exactly(split, block_n) -> None:
     """x whose every row and K step holds e4m3 values times one power of two, with 448 (e4m3's largest) among
     them: the step's scale is that power of two and quantizing x loses nothing, whatever the rounding. The
-    FP8-dot path must then give the unquantized reference up to summation order and the output's rounding."""
+    FP8-dot path must then give the unquantized reference up to summation order and the output's rounding,
+    also in tiles 64 rows tall across four 16-row scale blocks."""
     m, n, k, group = 5, 40, 128, 32
     wq, ws = _weight(n, k, 16, group, seed=41)
     levels = (_randn(m, k, seed=42) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     levels[:, ::group] = 448.0
     x = (levels * 2.0**-6).to(DOT_DTYPE)
-    out = fp8_gemv(x, wq, ws, 16, group, config=StreamConfig(16, group, 4, 2, True, split_k=split, fp8_dot=True))
+    cfg = StreamConfig(block_n, group, 4, 2, True, split_k=split, fp8_dot=True)
+    out = fp8_gemv(x, wq, ws, 16, group, config=cfg)
     torch.testing.assert_close(out.float(), fp8_gemv_reference(x.float(), wq, ws, 16, group).float(),
                                rtol=2e-3, atol=2e-3)
 

@@ -13,8 +13,9 @@ a bf16 value):
 - FP8 dot (``fp8_dot``): the weight tile stays fp8; x's rows are quantized in registers, one scale per
   row and K step (amax / 448, the step being the scale block's K: the groups
   kernels/fp8_quant.per_token_group_quant makes for the W8A8 paths, so the same rounding), and the
-  product runs on the FP8 tensor cores, the two scales applied to each step's fp32 partial. No
-  widening of the weight, no quantization launch, and the prologues below still apply.
+  product runs on the FP8 tensor cores, the two scales applied to each step's fp32 partial (per row of
+  the tile where it spans scale blocks, so any height up to 256 rows). No widening of the weight, no
+  quantization launch, and the prologues below still apply.
 
 Scales. A program's rows lie in one row of scale blocks (``BLOCK_N`` divides the block height), so
 a 128x128 block scale is a function of k alone within the program: it multiplies x, the small
@@ -59,6 +60,7 @@ from graphserve.kernels.pdl import pdl_args, pdl_enter
 MAX_ROWS = MAX_STREAM_ROWS
 MAX_SPLIT_TILES = 4096  # split-K column tiles per launch (16 KB of counters); split-K pays where tiles are few
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_DOT_MAX_BLOCK_N = 256  # the FP8 dot scales each step's partial per row, so a tile may span scale blocks
 
 
 @triton.jit
@@ -118,9 +120,13 @@ def _fp8_gemv_kernel(
                 xf = x.to(tl.float32)
                 xs = tl.maximum(tl.max(tl.abs(xf), axis=1) / FP8_MAX_C, MIN_SCALE_C)
                 xq = tl.clamp(xf / xs[:, None], -FP8_MAX_C, FP8_MAX_C).to(w.dtype)
-                if not PER_CHANNEL:  # one weight scale for the whole step: the program's row, this K block
-                    xs = xs * tl.load(s_row + k0 // GROUP_K)
-                acc += tl.dot(w, tl.trans(xq)) * xs[None, :]
+                part = tl.dot(w, tl.trans(xq)) * xs[None, :]
+                if not PER_CHANNEL:
+                    if GROUP_N % BLOCK_N == 0:  # one weight scale for the step: the program's row, this K block
+                        part *= tl.load(s_row + k0 // GROUP_K)
+                    else:  # a tile across scale blocks: each row its block's scale
+                        part *= tl.load(ws_ptr + (w_rows // GROUP_N) * stride_wsn + k0 // GROUP_K)[:, None]
+                acc += part
             else:
                 if not PER_CHANNEL:
                     ks = tl.load(s_row + cols // GROUP_K, mask=k_mask, other=0.0)
@@ -238,9 +244,9 @@ def _launch(
         return out
     cap = tile_cap(group_n, group_k, k)
     cfg = config or default_stream_config(m, n, k, cap, sm_count(x.device))
-    if cfg.block_n > cap:
+    if cfg.block_n > (FP8_DOT_MAX_BLOCK_N if cfg.fp8_dot else cap):
         raise ValueError(f"fp8_gemv: block_n={cfg.block_n} spans two rows of {group_n}-row scale blocks "
-                         f"(at most {cap})")
+                         f"(at most {cap}; the FP8 dot takes up to {FP8_DOT_MAX_BLOCK_N})")
     if cfg.split_k < 1:
         raise ValueError(f"fp8_gemv: split_k={cfg.split_k} must be at least 1")
     if cfg.fp8_dot and not (cfg.use_dot and cfg.block_n >= 16 and (per_channel or cfg.block_k == group_k)):

@@ -11,10 +11,11 @@ at load (``--quantization``) the scales are buffers the weight's load fills.
 The matmul, routed by rows and device (kernels/fp8_config.py: the table benchmarks/fp8.py measured
 per projection shape and row count, else its defaults):
 - CPU: the reference: dequantize the weight and ``F.linear`` (activations unquantized);
-- CUDA ``stream`` (decode batch sizes): kernels/fp8_gemv.py, fp8 weights widened in registers
-  against bf16 activations (W8A16: no activation quantization launch on the weight-stream path);
-  the RMSNorm before qkv / gate_up and the SiLU·mul before down run in its loads
-  (``apply_norm`` / ``apply_silu_mul``, which layers/linear.py's norm_linear / silu_mul_linear call);
+- CUDA ``stream`` (decode batch sizes): kernels/fp8_gemv.py, fp8 weights streamed against bf16
+  activations (widened in registers, or x quantized in the kernel for the FP8 tensor cores: no
+  activation quantization launch either way); at a few rows the RMSNorm before qkv / gate_up and the
+  SiLU·mul before down run in its loads (``apply_norm`` / ``apply_silu_mul``, which layers/linear.py's
+  norm_linear / silu_mul_linear call; row limits below);
 - CUDA ``scaled_mm``, 128x128 blocks: per-token-group activation quantization (written padded and
   column-major, as cuBLASLt takes it) and ``torch._scaled_mm``'s block-scaled mode, where this
   build has it (probed once per device);
@@ -53,6 +54,15 @@ from graphserve.layers.quant.config import Fp8Config
 
 if TYPE_CHECKING:
     from graphserve.layers.linear import Linear
+
+# Rows up to which the streaming kernel computes its input's prologue itself. Every program reads the rows
+# it multiplies again: a norm prologue reads whole rows (x and the residual) for the statistics, in every
+# program and every K split, so its extra reads grow as programs * rows * K and pass the weight's own bytes
+# within a few rows (llama3-8b qkv at 8 rows: 384 programs * 64 KB twice = 50 MB against a 25 MB weight).
+# SiLU·mul reads gate and up for its own K share only: twice x's bytes instead of once. Past these rows the
+# separate launch (one read and one write of the rows) costs less.
+NORM_PROLOGUE_MAX_ROWS = 2
+SILU_PROLOGUE_MAX_ROWS = 4
 
 
 
@@ -187,7 +197,7 @@ class Fp8LinearMethod:
         where the call does not stream (the caller then runs the two steps)."""
         rows = gate_up.reshape(-1, gate_up.shape[-1])
         k = layer.in_features
-        if rows.shape[-1] != 2 * k or not rows.is_contiguous():
+        if rows.shape[-1] != 2 * k or not rows.is_contiguous() or rows.shape[0] > SILU_PROLOGUE_MAX_ROWS:
             return None
         route = self._stream_route(layer, rows[:, :k], k)
         if route is None:
@@ -203,7 +213,7 @@ class Fp8LinearMethod:
         or None where the call does not stream."""
         rows = x.reshape(-1, x.shape[-1])
         k = layer.in_features
-        if rows.shape[-1] != k or not rows.is_contiguous():
+        if rows.shape[-1] != k or not rows.is_contiguous() or rows.shape[0] > NORM_PROLOGUE_MAX_ROWS:
             return None
         route = self._stream_route(layer, rows, k)
         if route is None:
