@@ -10,8 +10,10 @@ table keeps an earlier run's shapes that this one did not measure) and row count
 - ``scaled_mm``: the same quantization (padded, column-major scales) + ``torch._scaled_mm``'s
   block-scaled cuBLASLt GEMM, where this build has it;
 - ``bf16``: F.linear on the bf16 weight, for reference (an fp8 layer has no bf16 weight to route to).
-Each path is timed as the layer runs it, launch for launch. Each time is one call's share of a CUDA
-graph of back-to-back calls cycling through enough weight copies (>= 256 MB) that every call reads
+Each path is timed as the layer runs it, launch for launch: at the rows where the stream computes its
+input itself (the RMSNorm before qkv and gate_up, SiLU·mul before down; layers/quant/fp8.py's limits), the
+stream with that prologue and every other path after the separate launch that makes its input. Each
+time is one call's share of a CUDA graph of back-to-back calls cycling through enough weight copies (>= 256 MB) that every call reads
 its weight from device memory, as decode does. ``stream/floor``: the stream time over the weight's
 bytes (fp8 + scales) at the best read bandwidth of this run (benchmarks.roofline's probes).
 
@@ -52,8 +54,11 @@ from graphserve.kernels.fp8_gemm import (
     scaled_mm_blockwise,
     w8a8_matmul,
 )
-from graphserve.kernels.fp8_gemv import fp8_gemv
+from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_norm_gemv, fp8_silu_mul_gemv
 from graphserve.kernels.fp8_quant import per_token_group_quant, quantize_weight_blocks
+from graphserve.kernels.norm import fused_add_rms_norm
+from graphserve.layers.activation import silu_and_mul
+from graphserve.layers.quant.fp8 import NORM_PROLOGUE_MAX_ROWS, SILU_PROLOGUE_MAX_ROWS
 
 SHAPES = {
     "llama3-8b qkv": (6144, 4096),
@@ -64,11 +69,12 @@ SHAPES = {
     "qwen3-30b-a3b o_proj": (2048, 4096),
 }
 DEFAULT_SHAPES = [name for name in SHAPES if name.startswith("llama3-8b")]
+PROLOGUES = {"qkv": "norm", "gate_up": "norm", "down": "silu"}  # by projection: what precedes it in a layer
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
 QUICK_ROWS = [1, 2, 4, 8, 16, 64, 256]
 COLD_BYTES = 256 << 20
 BLOCK = 128
-COLS = ["shape", "m", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_us", "best", "stream/floor", "stream_GBps"]
+COLS = ["shape", "m", "prologue", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_us", "best", "stream/floor", "stream_GBps"]
 
 
 def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
@@ -130,35 +136,62 @@ class ColdWeights:
         return graph_time_ms(lambda: fn(pool[next(step) % len(pool)]), calls=max(20, len(pool))) * 1e3
 
 
+def prologue(name: str, m: int) -> str | None:
+    """What the model computes right before this projection inside the streaming kernel at ``m`` rows
+    (layers/quant/fp8.py's limits): "norm" (residual add + RMSNorm: qkv, gate_up), "silu" (down), or None."""
+    kind = PROLOGUES.get(name.split()[-1])
+    if kind == "norm" and m <= NORM_PROLOGUE_MAX_ROWS or kind == "silu" and m <= SILU_PROLOGUE_MAX_ROWS:
+        return kind
+    return None
+
+
 def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok: bool, sms: int) -> dict:
     n, k = SHAPES[name]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     r = {"shape": name, "n": n, "k": k, "m": m, "weight_bytes": cold.nbytes}
+    # where the stream computes the layer's input itself, every path is timed with that input's making:
+    # the stream with its prologue, the others after the separate norm / SiLU·mul launch the layer runs
+    kind = r["prologue"] = prologue(name, m)
+    residual, norm_w = torch.randn_like(x), torch.randn(k, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+
+    def made() -> torch.Tensor:
+        if kind == "norm":
+            return fused_add_rms_norm(x, residual, norm_w, 1e-6)[0]
+        return silu_and_mul(gate_up) if kind == "silu" else x
+
+    def stream(w, c):
+        if kind == "norm":
+            return fp8_norm_gemv(x, norm_w, 1e-6, w[0], w[1], BLOCK, BLOCK, residual=residual, config=c)[0]
+        if kind == "silu":
+            return fp8_silu_mul_gemv(gate_up, w[0], w[1], BLOCK, BLOCK, config=c)
+        return fp8_gemv(x, w[0], w[1], BLOCK, BLOCK, config=c)
+
     if m <= MAX_STREAM_ROWS:
         chosen = default_stream_config(m, n, k, tile_cap(BLOCK, BLOCK, k), sms)
         tried = {}
         for cfg in dict.fromkeys([chosen, *(candidates(m, n, k, sms) if sweep else [])]):
             try:
-                tried[cfg] = cold.time_us(lambda w, c=cfg: fp8_gemv(x, w[0], w[1], BLOCK, BLOCK, config=c))
+                tried[cfg] = cold.time_us(lambda w, c=cfg: stream(w, c))
             except Exception as e:  # a tile this card cannot hold (shared memory, registers): skipped, said so
                 print(f"  {name} m={m} skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
         best = min(tried, key=tried.get)
         r.update(stream_us=tried[best], stream_default_us=tried[chosen], stream_config=vars(best))
 
     def w8a8(w):
-        a, s = per_token_group_quant(x, BLOCK)
+        a, s = per_token_group_quant(made(), BLOCK)
         return w8a8_matmul(a, s, w[0], w[1], BLOCK, BLOCK, torch.bfloat16)
 
     def scaled_mm(w):
-        a, s = per_token_group_quant(x, BLOCK, pad_rows_to=4, scales_column_major=True)
+        a, s = per_token_group_quant(made(), BLOCK, pad_rows_to=4, scales_column_major=True)
         return scaled_mm_blockwise(a, s, w[0], w[2])
 
     r["w8a8_us"] = cold.time_us(w8a8)
     r["scaled_mm_us"] = cold.time_us(scaled_mm) if scaled_mm_ok else None
-    r["bf16_us"] = cold.time_us(lambda w: F.linear(x, w), bf16=True)
+    r["bf16_us"] = cold.time_us(lambda w: F.linear(made(), w), bf16=True)
     times = {p: r.get(f"{p}_us") for p in ("stream", "w8a8", "scaled_mm")}
     r["best"] = min((p for p in times if times[p] is not None), key=times.get)
-    print_table([r], COLS[:7])
+    print_table([r], COLS[:8])
     return r
 
 

@@ -46,3 +46,14 @@ def test_a_partial_run_keeps_the_other_row_counts() -> None:
     # a table from another card keeps nothing
     other = rule_from_rows([_row("llama3-8b qkv", 64, "stream", dot)], {**ENV, "device": "NVIDIA H100"}, first)
     assert [s["name"] for s in other["shapes"]] == ["llama3-8b qkv"] and len(other["shapes"][0]["rows"]) == 1
+
+
+def test_prologues_follow_the_layers_limits() -> None:
+    from benchmarks.fp8_route import prologue
+    from graphserve.layers.quant.fp8 import NORM_PROLOGUE_MAX_ROWS, SILU_PROLOGUE_MAX_ROWS
+
+    assert prologue("llama3-8b qkv", 1) == prologue("llama3-8b gate_up", NORM_PROLOGUE_MAX_ROWS) == "norm"
+    assert prologue("llama3-8b gate_up", NORM_PROLOGUE_MAX_ROWS + 1) is None
+    assert prologue("llama3-8b down", SILU_PROLOGUE_MAX_ROWS) == "silu"
+    assert prologue("llama3-8b down", SILU_PROLOGUE_MAX_ROWS + 1) is None
+    assert prologue("qwen3-30b-a3b o_proj", 1) is None
