@@ -12,6 +12,9 @@ Run: python3 -m benchmarks.moe_tune --model dummy:qwen3-30b-a3b       (about 5-8
      add --quick for a 4-bucket smoke run (under a minute)
      --dtype float8_e4m3fn: fp8 experts with 128x128 block scales and bf16 activations (the table
      ``--quantization fp8`` reads; the grouped GEMM runs W8A16 or W8A8 by kernels/moe_fused.py's rule)
+     --buckets 8 16 32 64 128 256 512: re-tune only these pair counts (here decode at batch 1..64,
+     top-8) and keep the table's other buckets; the streaming path's entries are re-measured only
+     when the smallest bucket (one token) is among them
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from graphserve.kernels.moe_config import (
     device_name,
     table_path,
 )
-from graphserve.kernels.moe_fused import fused_experts
+from graphserve.kernels.moe_fused import W8A8_MIN_ROWS_PER_EXPERT, fused_experts, k_only_scales
 from graphserve.kernels.moe_routing import moe_softmax_topk
 from graphserve.layers.quant.fp8_moe import quantize_stack
 
@@ -72,9 +75,17 @@ def gemv_candidates(top_k: int, max_block_k: int = 512) -> tuple[list[GemvTile],
     return gate_up, down
 
 
-def gemm_candidates(per_expert: float, gated: bool, quick: bool) -> list[GemmTile]:
-    """A pruned tile space: block_m up to twice the average rows per expert, shared memory that fits."""
+def gemm_candidates(per_expert: float, gated: bool, quick: bool, fp8_block: tuple[int, int] | None = None,
+                    w8a8: bool = False) -> list[GemmTile]:  # fmt: skip
+    """A pruned tile space: block_m up to twice the average rows per expert, shared memory that fits.
+
+    fp8 weights (``fp8_block``: their scale block) take one byte a weight in shared memory, and a K
+    step past the block's K only where the grouped GEMM folds the scales into an operand along k
+    (W8A16, block_n dividing the block's N: kernels/moe_gemm.py's K_SCALES), up to 512 there;
+    elsewhere the kernel would cap the step at the block's K, so such a tile would repeat one timed.
+    """
     cap = max(16, min(128, triton.next_power_of_2(max(1, int(per_expert))) * 2))
+    weight_bytes = 1 if fp8_block else 2
     out = []
     for bm in (16, 32, 64, 128):
         if bm > cap:
@@ -82,11 +93,13 @@ def gemm_candidates(per_expert: float, gated: bool, quick: bool) -> list[GemmTil
         for bn in (32, 64, 128, 256):
             if (bm == 16 and bn == 256) or (bm >= 64 and bn == 32):
                 continue
-            for bk in (64, 128, 256):
-                if bm >= 64 and bk == 256:
+            k_only = fp8_block is not None and k_only_scales(fp8_block[0], bn, w8a8)
+            for bk in (64, 128, 256, 512) if k_only else (64, 128, 256):
+                if (bm >= 64 and bk >= 256) or (fp8_block and not k_only and bk > fp8_block[1]):
                     continue
-                for stages in (3, 4):
-                    smem = stages * 2 * (bm * bk + (2 if gated else 1) * bk * bn)
+                # a K step of 256 or 512 may fit in shared memory only twice: time that too
+                for stages in (2, 3, 4) if bk >= 256 and k_only else (3, 4):
+                    smem = stages * (2 * bm * bk + weight_bytes * (2 if gated else 1) * bk * bn)
                     if smem > SMEM_LIMIT:
                         continue
                     out.append(GemmTile(bm, bn, bk, 8 if bm >= 64 else 1, 4 if bm * bn <= 8192 else 8, stages))
@@ -145,10 +158,11 @@ class _Bucket:
             return float("inf")
 
 
-def _tune_gemm(bucket: _Bucket, per_expert: float, quick: bool) -> tuple[GemmTile, GemmTile, float]:
-    """Per block_m: the best gate_up tile under a default down tile, then the best down tile."""
+def _tune_gemm(bucket: _Bucket, per_expert: float, quick: bool, space: dict) -> tuple[GemmTile, GemmTile, float]:
+    """Per block_m: the best gate_up tile under a default down tile, then the best down tile
+    (``space``: gemm_candidates' fp8 arguments for this bucket)."""
     best = (None, None, float("inf"))
-    gated, plain = gemm_candidates(per_expert, True, quick), gemm_candidates(per_expert, False, quick)
+    gated, plain = gemm_candidates(per_expert, True, quick, **space), gemm_candidates(per_expert, False, quick, **space)
     for bm in sorted({c.block_m for c in gated}):
         dn = GemmTile(bm, 64, 128, 8 if bm >= 64 else 1, 4, 3)
         gu_ms = {c: bucket.ms(path="gemm", gemm_tiles=(c, dn)) for c in gated if c.block_m == bm}
@@ -170,7 +184,11 @@ def _tune_gemv(bucket: _Bucket, k: int, default_down: GemvTile, max_block_k: int
     return gu, min(dn_ms, key=dn_ms.get)
 
 
-def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget_s: float) -> tuple[MoeTiles, list]:
+def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget_s: float,
+         tokens: list[int] | None = None) -> tuple[MoeTiles, list]:  # fmt: skip
+    """The table for ``tokens`` (default: every bucket, or the quick ones). The streaming path is timed
+    only when the sweep starts at one token: it wins buckets from the smallest up, while it is faster."""
+    tokens = tokens or (QUICK_TOKENS if quick else TOKENS)
     start = time.monotonic()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     fp8 = dtype == FP8
@@ -179,15 +197,16 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget
     max_block_k = FP8_BLOCK[1] if fp8 else 512
     default_gemv = default_gemv_tiles(k, i, h, max_block_k)
     buckets, gate_up, down, rows = [], [], [], []
-    small_max_pairs, gemv_best, gemv_winning = 0, None, True
-    for t in QUICK_TOKENS if quick else TOKENS:
+    small_max_pairs, gemv_best, gemv_winning = 0, None, tokens[0] == 1
+    for t in tokens:
         bucket = _Bucket(sets, t, e, h, k, act_dtype, gen)
         over_budget = time.monotonic() - start > budget_s
         if over_budget and gate_up:
             print(f"time budget {budget_s:.0f} s spent: bucket T={t} reuses the previous bucket's tiles")
             best_gu, best_dn, best_ms = gate_up[-1], down[-1], float("nan")
         else:
-            best_gu, best_dn, best_ms = _tune_gemm(bucket, t * k / e, quick)
+            space = {"fp8_block": FP8_BLOCK if fp8 else None, "w8a8": fp8 and t * k >= W8A8_MIN_ROWS_PER_EXPERT * e}
+            best_gu, best_dn, best_ms = _tune_gemm(bucket, t * k / e, quick, space)
         gemv_ms = float("nan")
         if gemv_winning and t * k <= 256 and not over_budget:
             gemv_best = gemv_best or _tune_gemv(bucket, k, default_gemv[1], max_block_k)
@@ -219,6 +238,22 @@ def _weights(e: int, h: int, i: int, dtype: torch.dtype, fp8: bool, gen: torch.G
     return torch.cat([qg, qu], 1), q2, scales
 
 
+def merge_tables(old: dict, new: MoeTiles, rows: list[dict], streaming: bool) -> tuple[MoeTiles, list[dict]]:
+    """The table written by an earlier run (``old``, its JSON) with the buckets of this run put in: a
+    bucket in both takes this run's tiles and measurements, the others keep theirs. The streaming
+    path's entries are this run's when it timed them (``streaming``: its sweep began at one token),
+    else the earlier run's."""
+    before = MoeTiles.from_json(old)
+    tiles = {b: (g, d) for b, g, d in zip(before.buckets, before.gate_up, before.down)}
+    tiles.update({b: (g, d) for b, g, d in zip(new.buckets, new.gate_up, new.down)})
+    buckets = sorted(tiles)
+    source = new if streaming else before
+    merged = MoeTiles(source.small_max_pairs, source.gemv_gate_up, source.gemv_down, tuple(buckets),
+                      tuple(tiles[b][0] for b in buckets), tuple(tiles[b][1] for b in buckets))  # fmt: skip
+    kept = [r for r in old.get("measurements", []) if r.get("pairs") not in set(new.buckets)]
+    return merged, sorted(kept + rows, key=lambda r: r["pairs"])
+
+
 def _short(tile: GemmTile | None) -> str:
     if tile is None:
         return "-"
@@ -236,6 +271,9 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn"],
                    help="float8_e4m3fn: fp8 experts (128x128 block scales), bf16 activations")
     p.add_argument("--quick", action="store_true", help="4 buckets, a sixth of the tiles: a smoke run")
+    p.add_argument("--buckets", nargs="+", type=int, metavar="PAIRS",
+                   help="re-tune only these pair counts (multiples of top_k, e.g. 8 16 32 64 128 256 512 for "
+                        "decode at batch 1..64 with top-8) and keep the table's other buckets")  # fmt: skip
     p.add_argument("--budget-s", type=float, default=540.0, help="stop sweeping new buckets after this long")
     p.add_argument("--out-dir", type=Path, default=None, help="where the table goes (default: the package)")
     args = p.parse_args()
@@ -251,15 +289,34 @@ def main() -> None:
     if i % args.tp_size:
         p.error(f"--intermediate {i} is not divisible by --tp-size {args.tp_size}")
     i //= args.tp_size
+    tokens = None
+    if args.buckets:
+        bad = [b for b in args.buckets if b <= 0 or b % k]
+        if bad:
+            p.error(f"--buckets {bad}: each bucket is a pair count T * k, a positive multiple of top_k {k}")
+        tokens = sorted({b // k for b in args.buckets})
     dtype = getattr(torch, args.dtype)
-    print(f"tuning experts={e} hidden={h} intermediate={i} top_k={k} {args.dtype} on {torch.cuda.get_device_name(0)}")
-    tiles, rows = tune(e, h, i, k, dtype, args.quick, args.budget_s)
     device = device_name(torch.device("cuda"))
     path = table_path(e, i, h, dtype, device)
     if args.out_dir is not None:
         path = args.out_dir / path.name
+    old = None
+    if args.buckets:
+        # the table to keep the other buckets of: the one at the output path, else the package's
+        for candidate in (path, table_path(e, i, h, dtype, device)):
+            if candidate.exists():
+                old = json.loads(candidate.read_text())
+                break
+        if old is None:
+            p.error(f"--buckets re-tunes part of a table, and there is none at {path}: run without --buckets first")
+    print(f"tuning experts={e} hidden={h} intermediate={i} top_k={k} {args.dtype} on {torch.cuda.get_device_name(0)}")
+    tiles, rows = tune(e, h, i, k, dtype, args.quick, args.budget_s, tokens)
+    if old is not None:
+        tiles, rows = merge_tables(old, tiles, rows, streaming=tokens[0] == 1)
     payload = {"experts": e, "intermediate": i, "hidden": h, "dtype": args.dtype, "device": device, "top_k": k,
                "quick": args.quick, "environment": environment(), **tiles.to_json(), "measurements": rows}  # fmt: skip
+    if args.buckets:
+        payload["retuned_buckets"] = [t * k for t in tokens]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1))
     if os.environ.get("OUT"):

@@ -103,6 +103,82 @@ def test_fp8_experts_match_reference(path, w8a8, block, t, k, expert_start, num_
         assert torch.equal(out[-2:].cpu(), torch.zeros(2, h))
 
 
+class _LaunchSpy:
+    """Wraps a Triton kernel: records each launch's keyword arguments (the constexprs), then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+# W8A16 grouped GEMM with K steps spanning several scale blocks (K_SCALES: the tile's block_n divides the
+# block's N): (block, hidden, intermediate, gate_up tile, down tile, (K_SCALES, BLOCK_K) of gate_up and
+# of down). Case 1: gate_up's 64-wide step spans 4 blocks of 16, down's 32-wide step 2 of them with a
+# masked K tail (intermediate 48); case 2: K tails on both (hidden 80: 5 blocks of 16 under two 64-wide
+# steps; intermediate 40), gate's and up's last scale rows partial (40 rows in blocks of 32), down at
+# block_n 32 = the block's N; case 3: down at block_n 32 over 16-row blocks keeps the per-column scales
+# and its K step capped at the block's K, beside a gated K_SCALES gate_up
+WIDE_K_CASES = [
+    ((16, 16), 64, 48, GemmTile(16, 16, 64, 1, 4, 2), GemmTile(16, 16, 32, 1, 4, 2), [(True, 64), (True, 32)]),
+    ((32, 16), 80, 40, GemmTile(16, 16, 64, 2, 4, 2), GemmTile(16, 32, 64, 1, 4, 2), [(True, 64), (True, 64)]),
+    ((16, 16), 64, 48, GemmTile(16, 16, 64, 1, 4, 2), GemmTile(16, 32, 64, 1, 4, 2), [(True, 64), (False, 16)]),
+]
+
+
+@pytest.mark.parametrize("block,h,inter,gate_up,down,launched", WIDE_K_CASES)
+def test_w8a16_k_steps_across_scale_blocks_match_reference(block, h, inter, gate_up, down, launched, monkeypatch):
+    spy = _LaunchSpy(moe_fused.fused_moe_gemm_kernel)
+    monkeypatch.setattr(moe_fused, "fused_moe_gemm_kernel", spy)
+    gen = torch.Generator().manual_seed(h + inter + down.block_n)
+    w13, w2, s13, s2 = _fp8_experts(gen, E, h, inter, block)
+    t, k = 9, 3  # 27 pairs over 6 experts in 16-row tiles: every run ends in rows past the pair count
+    x = _randn(t, h, gen=gen)
+    topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), k, True)
+    valid = torch.arange(t, device=DEVICE) < t - 1
+    x[-1:] = float("nan")
+    out = fused_experts(x, w13, w2, topk_w, topk_ids, valid=valid, w13_scale=s13, w2_scale=s2, weight_block=block,
+                        path="gemm", w8a8=False, gemm_tiles=(gate_up, down))  # fmt: skip
+    assert [(c["K_SCALES"], c["BLOCK_K"]) for c in spy.launches] == launched
+    want = experts_fp8_reference(x, w13, w2, s13, s2, block, topk_w, topk_ids, valid)
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(out[-1:].cpu(), torch.zeros(1, h))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_w8a16_k_scales_rounding_at_16_bits():
+    """K_SCALES rounds w * s (gate_up) and x * s (down) to the activation dtype: one rounding per
+    product more than the per-column path.
+
+    fp16, not bf16: Triton 3.6's interpreter returns garbage from tl.dot on bf16 operands (see
+    tests/test_fp8_stream_interp.py); the rounding is the same code at either 16-bit type.
+    """
+    gen = torch.Generator().manual_seed(16)
+    block, h, inter, t, k = (32, 32), 256, 128, 16, 4
+    w13, w2, s13, s2 = _fp8_experts(gen, 8, h, inter, block)
+    x = _randn(t, h, gen=gen).to(torch.float16)
+    topk_w, topk_ids = softmax_topk_reference(_randn(t, 8, gen=gen), k, True)
+    want = experts_fp8_reference(x, w13, w2, s13, s2, block, topk_w, topk_ids)
+    errs = {}
+    for name, bn in (("k_scales", 32), ("per_column", 64)):
+        tile = GemmTile(16, bn, 128, 1, 4, 2)
+        out = fused_experts(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2, weight_block=block,
+                            path="gemm", w8a8=False, gemm_tiles=(tile, tile))  # fmt: skip
+        errs[name] = _rel(out, want)
+    # the unit roundoff of fp16 is 2^-11: the extra rounding stays within a couple of them, as
+    # rounding the output (which both paths do) already costs up to one
+    assert errs["per_column"] < 2**-11 and errs["k_scales"] < 3 * 2**-11, errs
+
+
 def test_fp8_experts_refuse_malformed_scales():
     gen = torch.Generator().manual_seed(5)
     w13, w2, s13, s2 = _fp8_experts(gen, E, 64, 24, (16, 32))
@@ -161,7 +237,8 @@ def test_tuner_sweeps_fp8_experts_and_writes_a_table_the_kernels_accept(monkeypa
     monkeypatch.setattr(moe_tune, "graph_ms", wall_ms)
     monkeypatch.setattr(moe_tune, "QUICK_TOKENS", [1, 4])
     monkeypatch.setattr(moe_tune, "GEMV_TILES", [GemvTile(8, 32, 4), GemvTile(4, 64, 4)])
-    monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick: [GemmTile(16, 16, 32, 1, 4, 3)])
+    one = [GemmTile(16, 16, 32, 1, 4, 3)]
+    monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick, **space: one)
     tiles, rows = moe_tune.tune(E, h, inter, 2, torch.float8_e4m3fn, quick=True, budget_s=600)
     assert tiles.buckets == (2, 8) and [r["tokens"] for r in rows] == [1, 4]
     assert tiles.gemv_gate_up == GemvTile(8, 32, 4)  # the 64-wide K step would cross a 32-wide scale block
@@ -173,3 +250,55 @@ def test_tuner_sweeps_fp8_experts_and_writes_a_table_the_kernels_accept(monkeypa
     out = fused_experts(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2, weight_block=(16, 32), tiles=again)
     want = experts_fp8_reference(x, w13, w2, s13, s2, (16, 32), topk_w, topk_ids)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_tuner_fp8_tile_space_spans_scale_blocks_only_where_the_kernel_does():
+    from benchmarks.moe_tune import SMEM_LIMIT, gemm_candidates
+
+    w8a16 = gemm_candidates(4, True, False, fp8_block=(128, 128))
+    assert {c.block_k for c in w8a16} == {64, 128, 256, 512}
+    assert all(c.block_k <= 128 or 128 % c.block_n == 0 for c in w8a16)
+    assert GemmTile(16, 32, 512, 1, 4, 4) in w8a16  # 4 stages of a 16x512 bf16 and two 512x32 fp8 tiles
+    assert all(c.num_stages * (2 * c.block_m * c.block_k + 2 * c.block_k * c.block_n) <= SMEM_LIMIT for c in w8a16)
+    assert max(c.block_k for c in gemm_candidates(4, True, False, fp8_block=(128, 128), w8a8=True)) == 128
+    assert max(c.block_k for c in gemm_candidates(4, True, False)) == 256  # bf16 weights: as before
+
+
+def test_tuner_retunes_some_buckets_and_keeps_the_others(monkeypatch):
+    """``moe_tune --buckets``: only the given buckets are timed; the merged table keeps the rest, and
+    the streaming path's entries unless the sweep began at one token."""
+    import json
+    import time
+
+    from benchmarks import moe_tune
+    from graphserve.kernels.moe_config import MoeTiles
+
+    def wall_ms(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    h, inter, k = 64, 32, 2
+    tile = GemmTile(16, 16, 64, 1, 4, 3)
+    monkeypatch.setattr(moe_tune, "DEVICE", DEVICE)
+    monkeypatch.setattr(moe_tune, "FP8_BLOCK", (16, 32))
+    monkeypatch.setattr(moe_tune, "graph_ms", wall_ms)
+    monkeypatch.setattr(moe_tune, "GEMV_TILES", [GemvTile(8, 32, 4)])
+    monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick, **space: [tile])
+    old_tile = GemmTile(16, 32, 32, 1, 4, 3)
+    old = MoeTiles(2, GemvTile(4, 32, 4), GemvTile(4, 32, 4), (2, 8, 32), (old_tile,) * 3, (old_tile,) * 3)
+    old_json = {**old.to_json(), "measurements": [{"pairs": b, "gemm_us": 1.0} for b in (2, 8, 32)]}
+    old_json = json.loads(json.dumps(old_json))
+
+    tiles, rows = moe_tune.tune(E, h, inter, k, torch.float8_e4m3fn, quick=False, budget_s=600, tokens=[4])
+    assert tiles.buckets == (8,) and [r["pairs"] for r in rows] == [8] and rows[0]["gemv_us"] != rows[0]["gemv_us"]
+    merged, merged_rows = moe_tune.merge_tables(old_json, tiles, rows, streaming=False)
+    assert merged.buckets == (2, 8, 32) and merged.gate_up == (old_tile, tile, old_tile)
+    assert (merged.small_max_pairs, merged.gemv_gate_up) == (2, GemvTile(4, 32, 4))
+    assert [r["pairs"] for r in merged_rows] == [2, 8, 32] and merged_rows[1] is rows[0]
+
+    tiles, rows = moe_tune.tune(E, h, inter, k, torch.float8_e4m3fn, quick=False, budget_s=600, tokens=[1])
+    merged, _ = moe_tune.merge_tables(old_json, tiles, rows, streaming=True)
+    assert merged.buckets == (2, 8, 32) and merged.gate_up[0] == tile
+    assert merged.gemv_gate_up == GemvTile(8, 32, 4) and merged.small_max_pairs in (0, 2)
+    assert MoeTiles.from_json(json.loads(json.dumps(merged.to_json()))) == merged

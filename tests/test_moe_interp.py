@@ -68,11 +68,15 @@ def test_grouped_topk_matches_reference(t, e, k, n_group, topk_group, renorm):
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("tiles_per_program", [None, 2])
 @pytest.mark.parametrize("count_in_one_program", [True, False])
 @pytest.mark.parametrize("expert_start,num_local,block_m", [(0, E, 16), (2, 3, 4)])
-def test_align_matches_reference(expert_start, num_local, block_m, count_in_one_program, monkeypatch):
+def test_align_matches_reference(expert_start, num_local, block_m, count_in_one_program, tiles_per_program,
+                                 monkeypatch):  # fmt: skip
     if not count_in_one_program:  # the large-batch count: zeroed buffer, atomic per-program histograms
         monkeypatch.setattr(moe_align_mod, "SINGLE_PROGRAM_MAX_PAIRS", 4)
+    if tiles_per_program:  # tile owners and sentinel fill split over several programs, as at real sizes
+        monkeypatch.setattr(moe_align_mod, "owner_block", lambda block_e, block_m: tiles_per_program)
     gen = torch.Generator().manual_seed(block_m)
     ids = torch.randint(0, E, (11, 3), generator=gen, dtype=torch.int32).to(DEVICE)
     valid = torch.arange(11, device=DEVICE) < 9
@@ -85,6 +89,21 @@ def test_align_matches_reference(expert_start, num_local, block_m, count_in_one_
     # within a run the order is the atomics' order: compare each tile as a set
     got = align.sorted_ids.cpu().view(-1, block_m).sort(dim=1).values
     assert torch.equal(got, ref_sorted.view(-1, block_m).sort(dim=1).values)
+
+
+def test_align_matches_reference_at_a_decode_shape():
+    """qwen3-30b-a3b at batch 64: 512 pairs over 128 experts, several histogram steps and programs."""
+    gen = torch.Generator().manual_seed(64)
+    ids = torch.stack([torch.randperm(128, generator=gen)[:8] for _ in range(64)]).to(torch.int32).to(DEVICE)
+    valid = torch.arange(64, device=DEVICE) < 61
+    counts = torch.full((128,), -7, dtype=torch.int32, device=DEVICE)
+    align = moe_align(ids, valid, counts, 0, 128, 16)
+    ref_sorted, ref_experts, ref_total = moe_align_reference(ids, valid, 0, 128, 16)
+    assert torch.equal(counts.cpu(), expert_counts_reference(ids, valid, 128).cpu())
+    assert int(align.num_post_padded) == ref_total
+    assert torch.equal(align.expert_ids.cpu(), ref_experts)
+    got = align.sorted_ids.cpu().view(-1, 16).sort(dim=1).values
+    assert torch.equal(got, ref_sorted.view(-1, 16).sort(dim=1).values)
 
 
 def _weights(gen: torch.Generator, num_local: int = E, h: int = H, inter: int = INTER) -> tuple[torch.Tensor, ...]:
@@ -298,7 +317,7 @@ def test_tuner_sweep_writes_a_table_the_kernels_accept(monkeypatch):
     monkeypatch.setattr(moe_tune, "graph_ms", wall_ms)
     monkeypatch.setattr(moe_tune, "QUICK_TOKENS", [1, 4])
     monkeypatch.setattr(moe_tune, "GEMV_TILES", list(GEMV))
-    monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick: small)
+    monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick, **space: small)
     tiles, rows = moe_tune.tune(E, H, INTER, 2, torch.float32, quick=True, budget_s=600)
     assert tiles.buckets == (2, 8) and [r["tokens"] for r in rows] == [1, 4]
     assert all(g.block_m == d.block_m for g, d in zip(tiles.gate_up, tiles.down))

@@ -5,9 +5,9 @@ whole tiles. Two or three launches, none reading anything back to the host:
 1. ``moe_count_kernel`` (large batches only): pairs per global expert, atomics of per-program
    histograms. The counts are also the layer's ``expert_counts`` telemetry, so padding rows are
    masked out.
-2. ``moe_align_offsets_kernel`` (one program): at small batches the count itself, then the padded
-   run starts by a cumulative sum, the expert of every tile, the padded total, and the sentinel
-   fill of the sorted list.
+2. ``moe_align_offsets_kernel``: at small batches the count itself, then the padded run starts by
+   a cumulative sum and the padded total; the expert of every tile and the sentinel fill of the
+   sorted list are split over a grid whose programs each derive the run starts themselves.
 3. ``moe_align_scatter_kernel``: each routed pair claims a slot in its expert's run with an atomic
    increment. Order within a run is arbitrary; every row of a tile is computed independently,
    so the results do not depend on it.
@@ -26,11 +26,13 @@ import triton.language as tl
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 _BLOCK_P = 128  # pairs per program in the count and scatter kernels
-# Up to this many pairs (a decode batch of 128 at k = 8) one program counts them all, 32 steps of
-# elementwise adds at E = 128, and the count needs no launch of its own; beyond it the count is a
+# Up to this many pairs (a decode batch of 128 at k = 8) the offsets kernel counts them all, 8 steps
+# of elementwise adds at E = 128 (each of its programs the same), and the count needs no launch of its own; beyond it the count is a
 # grid of atomic per-program histograms into a zeroed buffer, so no single loop grows with the batch.
 SINGLE_PROGRAM_MAX_PAIRS = 1024
-_FILL_BLOCK = 1024
+# the offsets kernel's programs: a one-program histogram is a chain of dependent loads, one per step, so
+# the steps are made as wide as 16 warps hold (32 elements a thread) to make the chain short
+_OFFSETS_WARPS = 16
 
 
 @triton.jit
@@ -92,14 +94,21 @@ def moe_align_offsets_kernel(
     expert_start, num_pairs, max_blocks,
     TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_P: tl.constexpr,
-    OWNER_BLOCK: tl.constexpr, FILL_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    OWNER_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """Program p: every run's padded end, then the expert of tiles [p * OWNER_BLOCK, (p + 1) * OWNER_BLOCK)
+    and the sentinel fill of their slots. Every program derives the ends itself (the pairs are read from
+    L2 by each), so the tile and slot writes, which grow with the batch, need no serial loop and no
+    second launch; program 0 alone stores the counts, the run starts (the scatter's cursors) and the
+    padded total."""
     pdl_enter(PDL)
+    pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     in_range = experts < E_LOCAL
     if COUNT:  # a small batch: count here too, saving the count launch
         hist = pair_histogram(ids_ptr, valid_ptr, num_pairs, 0, TOP_K, E, HAS_VALID, BLOCK_P, BLOCK_EG)
-        tl.store(counts_ptr + tl.arange(0, BLOCK_EG), hist, mask=tl.arange(0, BLOCK_EG) < E)
+        if pid == 0:
+            tl.store(counts_ptr + tl.arange(0, BLOCK_EG), hist, mask=tl.arange(0, BLOCK_EG) < E)
         if E_LOCAL == E:
             counts = hist
         else:
@@ -107,28 +116,24 @@ def moe_align_offsets_kernel(
                                     BLOCK_P, BLOCK_E)  # fmt: skip
     else:
         counts = tl.load(counts_ptr + expert_start + experts, mask=in_range, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(cursor_ptr + experts, ends - padded, mask=in_range)
+    padded = tl.where(in_range, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    # inclusive prefix sum as an [E, E] masked sum: a plain reduction at any warp count, where tl.cumsum
+    # would scan fewer elements (128 at E = 128) than the program has threads (512). ptxas, sm_90: 128
+    # registers and no spill at E = 128; at E = 256 (a [256, 256] tile) 324 bytes spill
+    ends = tl.sum(tl.where(experts[None, :] <= experts[:, None], padded[None, :], 0), axis=1)
     total = tl.sum(padded, axis=0)
-    tl.store(num_post_ptr, total)
-    # while loops: the interpreter cannot take a runtime scalar as a range bound (kernels/common.py);
-    # the counters start as int32 tensors (not Python 0) so the loop-carried type never changes
-    b0 = tl.program_id(0) * 0
-    while b0 < max_blocks:
-        blocks = b0 + tl.arange(0, OWNER_BLOCK)
-        start = blocks * BLOCK_M
-        # a tile's expert is the number of runs that end at or before its start (empty runs included)
-        owner = tl.sum(((ends[None, :] <= start[:, None]) & in_range[None, :]).to(tl.int32), axis=1)
-        owner = tl.where(start < total, owner, -1)
-        tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
-        b0 += OWNER_BLOCK
-    p0 = tl.program_id(0) * 0
-    while p0 < max_blocks * BLOCK_M:
-        slots = p0 + tl.arange(0, FILL_BLOCK)
-        sentinel = tl.zeros((FILL_BLOCK,), dtype=tl.int32) + num_pairs
-        tl.store(sorted_ids_ptr + slots, sentinel, mask=slots < max_blocks * BLOCK_M)
-        p0 += FILL_BLOCK
+    if pid == 0:
+        tl.store(cursor_ptr + experts, ends - padded, mask=in_range)
+        tl.store(num_post_ptr, total)
+    blocks = pid * OWNER_BLOCK + tl.arange(0, OWNER_BLOCK)
+    start = blocks * BLOCK_M
+    # a tile's expert is the number of runs that end at or before its start (empty runs included)
+    owner = tl.sum(((ends[None, :] <= start[:, None]) & in_range[None, :]).to(tl.int32), axis=1)
+    owner = tl.where(start < total, owner, -1)
+    tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
+    slots = pid * (OWNER_BLOCK * BLOCK_M) + tl.arange(0, OWNER_BLOCK * BLOCK_M)
+    sentinel = tl.zeros((OWNER_BLOCK * BLOCK_M,), dtype=tl.int32) + num_pairs
+    tl.store(sorted_ids_ptr + slots, sentinel, mask=slots < max_blocks * BLOCK_M)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see server/warmup.py
@@ -157,9 +162,16 @@ class MoeAlignment:
         return self.expert_ids.numel()
 
 
-def histogram_block(block_e: int) -> int:
+def histogram_block(block_e: int, num_warps: int = 4) -> int:
     """Pairs per step of a one-program histogram: a [pairs, experts] tile of about 32 registers a thread."""
-    return max(8, 4096 // block_e)
+    return max(8, 32 * 32 * num_warps // block_e)
+
+
+def owner_block(block_e: int, block_m: int) -> int:
+    """Tiles per program of the offsets kernel: [tiles, experts] and [tiles * block_m] slots of about
+    32 elements a thread at ``_OFFSETS_WARPS`` warps."""
+    elems = 32 * 32 * _OFFSETS_WARPS
+    return max(16, min(elems // block_e, elems // block_m))
 
 
 def max_padded_pairs(num_pairs: int, num_local_experts: int, block_m: int) -> int:
@@ -212,12 +224,13 @@ def moe_align(
     if not count_here:
         moe_count(topk_ids, valid, counts)
     block_e, block_eg = triton.next_power_of_2(num_local_experts), triton.next_power_of_2(counts.numel())
-    moe_align_offsets_kernel[(1,)](
+    tiles_per_program = owner_block(block_e, block_m)
+    moe_align_offsets_kernel[(triton.cdiv(slots // block_m, tiles_per_program),)](
         topk_ids, _valid_arg(valid, topk_ids), counts, cursor, expert_ids, sorted_ids, num_post,
         expert_start, num_pairs, slots // block_m,
         TOP_K=top_k, E=counts.numel(), E_LOCAL=num_local_experts, HAS_VALID=valid is not None, COUNT=count_here,
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_EG=block_eg, BLOCK_P=histogram_block(block_eg),
-        OWNER_BLOCK=max(16, 4096 // block_e), FILL_BLOCK=_FILL_BLOCK, **pdl_args(topk_ids.device, "moe_align_offsets_kernel"),
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_EG=block_eg, BLOCK_P=histogram_block(block_eg, _OFFSETS_WARPS),
+        OWNER_BLOCK=tiles_per_program, num_warps=_OFFSETS_WARPS, **pdl_args(topk_ids.device, "moe_align_offsets_kernel"),
     )  # fmt: skip
     if num_pairs:
         moe_align_scatter_kernel[(triton.cdiv(num_pairs, _BLOCK_P),)](

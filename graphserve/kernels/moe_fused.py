@@ -46,6 +46,14 @@ FP8_DTYPE = torch.float8_e4m3fn
 W8A8_MIN_ROWS_PER_EXPERT = 128
 
 
+def k_only_scales(group_n: int, block_n: int, w8a8: bool) -> bool:
+    """W8A16 grouped GEMM tiles whose ``block_n`` columns lie in one block-scale row (``group_n`` rows):
+    the weight scale varies along k only and is folded into an operand before the MMA, so a K step
+    may span several scale blocks (kernels/moe_gemm.py, ``K_SCALES``); the tuner's fp8 tile space
+    follows the same rule."""
+    return not w8a8 and group_n % block_n == 0
+
+
 @dataclass(frozen=True)
 class ExpertScales:
     """One weight's fp8 scales as the kernels read them: fp32 ``[E, SN, SK]``, one per
@@ -64,6 +72,14 @@ class ExpertScales:
     def block_k(self, block_k: int) -> int:
         """A K step never crosses a scale block."""
         return block_k if self.per_channel else min(block_k, self.group_k)
+
+    def k_only_scales(self, block_n: int, w8a8: bool) -> bool:
+        """Block scales the grouped GEMM folds into an operand along k (module function k_only_scales)."""
+        return not self.per_channel and k_only_scales(self.group_n, block_n, w8a8)
+
+    def gemm_block_k(self, block_k: int, block_n: int, w8a8: bool) -> int:
+        """The grouped GEMM's K step: the tile's, capped at the scale block unless the scales vary along k only."""
+        return block_k if self.k_only_scales(block_n, w8a8) else self.block_k(block_k)
 
 
 def expert_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
@@ -235,8 +251,9 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
         if w8a8:
             a, a_scale = per_token_group_quant(a, sb.group_k)
         block_k = min(tile.block_k, max(32 if w8a8 else 16, triton.next_power_of_2(kk)))
+        k_only = sb is not None and sb.k_only_scales(tile.block_n, w8a8)
         if sb is not None:
-            block_k = sb.block_k(block_k)
+            block_k = sb.gemm_block_k(block_k, tile.block_n, w8a8)
         args = _scale_args(sb, b)
         fused_moe_gemm_kernel[(align.max_blocks * triton.cdiv(n, tile.block_n),)](
             a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, a_scale, args["scale"],
@@ -244,7 +261,7 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
             a_scale.stride(0), args["stride_e"], args["stride_n"], args["up_row"],
             K=kk, A_ROW_DIV=a_div, GATED=gated, MUL_WEIGHT=not gated,
             IEEE=hidden.dtype == torch.float32 and not w8a8, B_FP8=sb is not None, A_FP8=w8a8, **args["consts"],
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+            K_SCALES=k_only, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
             GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(a.device, "fused_moe_gemm_kernel"),
         )  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(h))

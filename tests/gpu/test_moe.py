@@ -14,12 +14,14 @@ import torch
 from gpu_utils import MOE_MODELS as MODELS
 from gpu_utils import capture, rel_err
 
+from graphserve.kernels.moe_align import moe_align
 from graphserve.kernels.moe_fused import fused_experts, moe_workspace_bytes
 from graphserve.kernels.moe_gate import moe_gate_softmax_topk
 from graphserve.kernels.moe_reference import (
     expert_counts_reference,
     experts_loop_reference,
     grouped_sigmoid_topk_reference,
+    moe_align_reference,
     softmax_topk_reference,
 )
 from graphserve.kernels.moe_routing import moe_grouped_topk, moe_softmax_topk
@@ -70,6 +72,27 @@ def test_both_paths_agree_at_small_batches(name, t, experts, gen):
     ref = _reference(x, w13f, w2f, w, ids)
     for path in ("gemv", "gemm"):
         assert rel_err(fused_experts(x, w13, w2, w, ids, path=path), ref) < TOL, path
+
+
+# (experts, first local expert, local experts, tokens, k, block_m): qwen3-30b-a3b decode (512 pairs over
+# several programs of the offsets kernel), DeepSeek-V3's 256 experts, an expert-parallel slice, the
+# largest one-program count (1024 pairs) and the atomic count beyond it
+@pytest.mark.parametrize("e,start,num_local,t,k,block_m", [
+    (128, 0, 128, 64, 8, 16), (256, 0, 256, 64, 8, 16), (128, 32, 64, 64, 8, 16), (128, 0, 128, 128, 8, 32),
+    (128, 0, 128, 2048, 8, 64), (8, 0, 8, 7, 2, 16),
+])  # fmt: skip
+def test_align_matches_reference_at_model_shapes(e, start, num_local, t, k, block_m, gen):
+    _, ids = moe_softmax_topk(torch.randn(t, e, device="cuda", generator=gen), k, True)
+    valid = torch.arange(t, device="cuda") < max(1, t - 3)
+    counts = torch.full((e,), -7, dtype=torch.int32, device="cuda")
+    align = moe_align(ids, valid, counts, start, num_local, block_m)
+    ref_sorted, ref_experts, ref_total = moe_align_reference(ids, valid, start, num_local, block_m)
+    assert torch.equal(counts.cpu(), expert_counts_reference(ids, valid, e).cpu())
+    assert int(align.num_post_padded) == ref_total
+    assert torch.equal(align.expert_ids.cpu(), ref_experts)
+    # within a run the order is the atomics' order: compare each tile as a set
+    got = align.sorted_ids.cpu().view(-1, block_m).sort(dim=1).values
+    assert torch.equal(got, ref_sorted.view(-1, block_m).sort(dim=1).values)
 
 
 @pytest.mark.parametrize("t", [1, 7, 2048])

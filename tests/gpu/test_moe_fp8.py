@@ -16,6 +16,7 @@ import torch
 from gpu_utils import MOE_MODELS as MODELS
 from gpu_utils import capture, rel_err
 
+from graphserve.kernels.moe_config import GemmTile
 from graphserve.kernels.moe_fp8_reference import experts_fp8_reference
 from graphserve.kernels.moe_fused import W8A8_MIN_ROWS_PER_EXPERT, fused_experts, moe_workspace_bytes
 from graphserve.kernels.moe_reference import expert_counts_reference, softmax_topk_reference
@@ -84,6 +85,24 @@ def test_every_path_and_mode_at_small_batches(name, t, kind, experts, gen):
         out = fused_experts(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2, weight_block=block, path=path, w8a8=w8a8)
         ref = experts_fp8_reference(x, w13, w2, s13, s2, block, w, ids, w8a8=bool(w8a8))
         assert rel_err(out, ref) < TOL, (path, w8a8)
+
+
+@pytest.mark.parametrize("block_k", [256, 512])
+@pytest.mark.parametrize("t", [7, 64])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_w8a16_k_steps_across_scale_blocks(name, t, block_k, experts, gen):
+    """Grouped GEMM tiles whose K step spans 2 or 4 of the 128-wide scale blocks (block_n inside one
+    scale row: the weight scale goes onto the activations), gated and not, at the decode sizes they
+    are tuned for; and the per-column path's tile beside them (block_n 256 over 128-row blocks)."""
+    w13, w2, s13, s2 = experts[name, "block"]
+    x, w, ids = _routing(t, name, gen)
+    ref = experts_fp8_reference(x, w13, w2, s13, s2, BLOCK, w, ids)
+    for tiles in ((GemmTile(16, 32, block_k, 1, 4, 3), GemmTile(16, 64, block_k, 1, 4, 2)),
+                  (GemmTile(16, 64, block_k, 1, 4, 2), GemmTile(16, 256, block_k, 1, 8, 2))):  # fmt: skip
+        out = fused_experts(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2, weight_block=BLOCK, path="gemm",
+                            w8a8=False, gemm_tiles=tiles)  # fmt: skip
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < TOL, tiles
 
 
 def _fp8_layer(name, kind, experts) -> FusedMoE:
