@@ -11,7 +11,8 @@ Run: python3 -m benchmarks.moe_tune --model dummy:qwen3-30b-a3b       (about 5-8
      python3 -m benchmarks.moe_tune --experts 128 --hidden 2048 --intermediate 768 --top-k 8 --dtype bfloat16
      add --quick for a 4-bucket smoke run (under a minute)
      --dtype float8_e4m3fn: fp8 experts with 128x128 block scales and bf16 activations (the table
-     ``--quantization fp8`` reads; the grouped GEMM runs W8A16 or W8A8 by kernels/moe_fused.py's rule)
+     ``--quantization fp8`` reads; the grouped GEMM runs W8A16 or W8A8 by kernels/moe_fused.py's rule,
+     or, where a tile with ``a8`` wins, quantizes the activations inside the GEMM)
      --buckets 8 16 32 64 128 256 512: re-tune only these pair counts (here decode at batch 1..64,
      top-8) and keep the table's other buckets; the streaming path's entries are re-measured only
      when the smallest bucket (one token) is among them
@@ -83,6 +84,9 @@ def gemm_candidates(per_expert: float, gated: bool, quick: bool, fp8_block: tupl
     step past the block's K only where the grouped GEMM folds the scales into an operand along k
     (W8A16, block_n dividing the block's N: kernels/moe_gemm.py's K_SCALES), up to 512 there;
     elsewhere the kernel would cap the step at the block's K, so such a tile would repeat one timed.
+    fp8 weights also get the tiles that quantize the activations in the GEMM (``a8``, K step = the
+    block's K), at every bucket: they compete with W8A16 at decode sizes and with W8A8's separate
+    quantization launch beyond ``W8A8_MIN_ROWS_PER_EXPERT``.
     """
     cap = max(16, min(128, triton.next_power_of_2(max(1, int(per_expert))) * 2))
     weight_bytes = 1 if fp8_block else 2
@@ -103,8 +107,25 @@ def gemm_candidates(per_expert: float, gated: bool, quick: bool, fp8_block: tupl
                     if smem > SMEM_LIMIT:
                         continue
                     out.append(GemmTile(bm, bn, bk, 8 if bm >= 64 else 1, 4 if bm * bn <= 8192 else 8, stages))
+    if fp8_block:
+        out += _a8_candidates(cap, gated, fp8_block[1])
     if quick:
         out = out[:: max(1, len(out) // 6)]
+    return out
+
+
+def _a8_candidates(cap: int, gated: bool, block_k: int) -> list[GemmTile]:
+    """fp8 tiles that quantize the activations inside the GEMM (``GemmTile.a8``): a K step of exactly the
+    scale block's K, a few widths, warps and stage counts."""
+    out = []
+    for bm in (16, 32, 64, 128):
+        for bn in (32, 64, 128):
+            if bm > cap or (bm >= 64 and bn == 32):
+                continue
+            for warps in (4, 8):
+                for stages in (3, 4):
+                    if stages * (2 * bm * block_k + (2 if gated else 1) * block_k * bn) <= SMEM_LIMIT:
+                        out.append(GemmTile(bm, bn, block_k, 8 if bm >= 64 else 1, warps, stages, a8=True))
     return out
 
 
@@ -257,7 +278,8 @@ def merge_tables(old: dict, new: MoeTiles, rows: list[dict], streaming: bool) ->
 def _short(tile: GemmTile | None) -> str:
     if tile is None:
         return "-"
-    return f"{tile.block_m}x{tile.block_n}x{tile.block_k} g{tile.group_m} w{tile.num_warps} s{tile.num_stages}"
+    a8 = " a8" if tile.a8 else ""
+    return f"{tile.block_m}x{tile.block_n}x{tile.block_k} g{tile.group_m} w{tile.num_warps} s{tile.num_stages}{a8}"
 
 
 def main() -> None:

@@ -25,7 +25,13 @@ CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 
 @dataclass(frozen=True)
 class GemmTile:
-    """Grouped GEMM tiles; ``block_m`` is also the alignment of the sort."""
+    """Grouped GEMM tiles; ``block_m`` is also the alignment of the sort.
+
+    ``a8`` (fp8 weights with block scales only): the activations are quantized to fp8 inside the
+    GEMM, per row and K step, and the step runs on the FP8 tensor cores (kernels/moe_gemm.py's
+    ``A_QUANT``); ``block_k`` must then equal the scale block's K. Tables written before the field
+    existed read False.
+    """
 
     block_m: int
     block_n: int
@@ -33,6 +39,7 @@ class GemmTile:
     group_m: int
     num_warps: int
     num_stages: int
+    a8: bool = False
 
 
 @dataclass(frozen=True)

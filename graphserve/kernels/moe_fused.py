@@ -18,6 +18,9 @@ one of two modes, chosen from the shape alone (so a captured graph always replay
   does 2·R FLOPs per fp8 weight byte; an H200 (989 bf16 TFLOP/s over 4.8 TB/s) turns compute-bound
   at ~200 FLOP/byte, so from ~100 rows per expert (128: the largest row tile) the bf16 math, not
   the weight stream, is the cost, and the extra quantization launches pay for themselves.
+A grouped GEMM tile with ``a8`` set (the tuned table's choice per bucket and step, block scales
+only) runs its step W8A8 at any size with the quantization inside the GEMM (kernels/moe_gemm.py's
+``A_QUANT``): no quantization launch and no fp8 copy of the activations, the same groups and rounding.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from graphserve.kernels.fp8_quant import per_token_group_quant
+from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, per_token_group_quant
 from graphserve.kernels.moe_align import histogram_block, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
 from graphserve.kernels.moe_gemm import (
@@ -234,7 +237,8 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
                        scales=None, w8a8=False):  # fmt: skip
     """Sort/align, gate_up and down grouped GEMMs over [pairs] rows, then the slot sum.
 
-    W8A8: x is quantized per token group before gate_up and the activated product before down.
+    W8A8: x is quantized per token group before gate_up and the activated product before down,
+    except for a step whose tile quantizes in the kernel (``GemmTile.a8``).
     """
     (t, h), (num_local, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     inter, pairs = two_i // 2, t * k
@@ -242,32 +246,67 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
     if gu.block_m != dn.block_m:
         raise ValueError(f"gate_up block_m={gu.block_m} and down block_m={dn.block_m} must match (one sort)")
     s13, s2 = scales or (None, None)
+    check_a8_tile(gu, s13)
+    check_a8_tile(dn, s2)
     align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     down = torch.empty(pairs, h, dtype=hidden.dtype, device=hidden.device)
-    steps = ((hidden, w13, s13, act, inter, h, k, gu, True), (act, w2, s2, down, h, inter, 1, dn, False))
-    for a, b, sb, c, n, kk, a_div, tile, gated in steps:
-        a_scale = a  # unread unless W8A8
-        if w8a8:
-            a, a_scale = per_token_group_quant(a, sb.group_k)
-        block_k = min(tile.block_k, max(32 if w8a8 else 16, triton.next_power_of_2(kk)))
-        k_only = sb is not None and sb.k_only_scales(tile.block_n, w8a8)
-        if sb is not None:
-            block_k = sb.gemm_block_k(block_k, tile.block_n, w8a8)
-        args = _scale_args(sb, b)
-        fused_moe_gemm_kernel[(align.max_blocks * triton.cdiv(n, tile.block_n),)](
-            a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, a_scale, args["scale"],
-            pairs, n, align.max_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-            a_scale.stride(0), args["stride_e"], args["stride_n"], args["up_row"],
-            K=kk, A_ROW_DIV=a_div, GATED=gated, MUL_WEIGHT=not gated,
-            IEEE=hidden.dtype == torch.float32 and not w8a8, B_FP8=sb is not None, A_FP8=w8a8, **args["consts"],
-            K_SCALES=k_only, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
-            GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(a.device, "fused_moe_gemm_kernel"),
-        )  # fmt: skip
+    gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8)
+    gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8)
     block_h = min(1024, triton.next_power_of_2(h))
     moe_sum_kernel[(t, triton.cdiv(h, block_h))](
         down, out, topk_ids, valid_arg, h, expert_start, down.stride(0), out.stride(0),
         TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, BLOCK_H=block_h, num_warps=4, **pdl_args(down.device, "moe_sum_kernel"),
+    )  # fmt: skip
+
+
+def check_a8_tile(tile: GemmTile, sb: ExpertScales | None) -> None:
+    """A tile that quantizes the activations in the GEMM (``a8``) needs block-scaled fp8 weights and a K step
+    of exactly one scale block: one activation scale per row and step, one weight scale per column."""
+    if not tile.a8:
+        return
+    # per_channel also holds for block scales whose K fits in one block (one scale column): those are blocks here
+    if sb is None or (sb.per_channel and sb.group_n == 1):
+        raise ValueError(
+            f"GemmTile a8=True quantizes the activations per K step against block-scaled fp8 "
+            f"weights; these expert weights have {'no' if sb is None else 'per-channel'} scales"
+        )
+    if tile.block_k != sb.group_k:
+        raise ValueError(
+            f"GemmTile a8=True needs block_k equal to the weight scale block's K {sb.group_k} "
+            f"(got block_k={tile.block_k})"
+        )
+
+
+def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torch.Tensor, tile: GemmTile, align,
+              topk_weights: torch.Tensor, a_row_div: int, gated: bool, w8a8: bool) -> None:  # fmt: skip
+    """One grouped GEMM over the sorted pairs: gate_up (``gated``: rows ``a[pair // a_row_div]``, silu * up
+    written) or down (rows ``a[pair]``, times the routing weight). The step's mode: ``tile.a8``
+    quantizes a in the kernel (A_QUANT), else ``w8a8`` quantizes it first (A_FP8), else W8A16."""
+    n, kk = b.shape[1] // (2 if gated else 1), b.shape[2]
+    check_a8_tile(tile, sb)
+    quantize_first = w8a8 and not tile.a8
+    a_scale = a  # unread unless W8A8
+    if quantize_first:
+        a, a_scale = per_token_group_quant(a, sb.group_k)
+    fp8_dot = w8a8 or tile.a8
+    block_k = min(tile.block_k, max(32 if fp8_dot else 16, triton.next_power_of_2(kk)))
+    k_only = sb is not None and sb.k_only_scales(tile.block_n, fp8_dot)
+    if sb is not None:
+        block_k = sb.gemm_block_k(block_k, tile.block_n, fp8_dot)
+    args = _scale_args(sb, b)
+    if tile.a8:  # block scales with one K block take the block path: its one step reads scale column 0
+        args["consts"]["PER_CHANNEL"] = False
+    pairs = topk_weights.numel()
+    fused_moe_gemm_kernel[(align.max_blocks * triton.cdiv(n, tile.block_n),)](
+        a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, a_scale, args["scale"],
+        pairs, n, align.max_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        a_scale.stride(0), args["stride_e"], args["stride_n"], args["up_row"],
+        K=kk, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated,
+        IEEE=a.dtype == torch.float32 and not fp8_dot, B_FP8=sb is not None, A_FP8=quantize_first, **args["consts"],
+        K_SCALES=k_only, A_QUANT=tile.a8, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+        GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(a.device, "fused_moe_gemm_kernel"),
     )  # fmt: skip
 
 

@@ -15,9 +15,13 @@ the activation run apart. References: kernels/moe_reference.experts_reference.
 FP8 expert weights (``B_FP8`` / ``W_FP8``): e4m3 weights with fp32 scales ``[E, SN, SK]``, one per
 ``[GROUP_N, GROUP_K]`` block (128x128 as DeepSeek-V3 / Qwen3-FP8 ship them; gate's row blocks, then
 up's from row ``scale_up_row``) or one per output row (``PER_CHANNEL``: GROUP_N 1, SK 1); the
-weights are never written dequantized. Two modes: W8A16 widens the fp8 tile to the activation dtype
+weights are never written dequantized. Three modes: W8A16 widens the fp8 tile to the activation dtype
 in registers (exact: every e4m3 value is a bf16 value), W8A8 (``A_FP8``, grouped GEMM only)
-multiplies fp8 activations quantized per token group on the FP8 tensor cores and applies both scales.
+multiplies fp8 activations quantized per token group on the FP8 tensor cores and applies both scales,
+and ``A_QUANT`` (grouped GEMM, block scales) is W8A8 with the quantization inside the kernel: a is
+loaded in the activation dtype and each row of each K step (one scale block wide) quantized in
+registers as kernels/fp8_quant.per_token_group_quant does, as kernels/fp8_gemv.py's FP8 dot does for
+the dense projections; no quantization launch and no fp8 copy of a in memory, the same step math.
 
 Where the block scales go in the grouped GEMM:
 - W8A16 with a tile's BLOCK_N columns inside one scale row (``K_SCALES``: BLOCK_N divides GROUP_N,
@@ -34,8 +38,9 @@ Where the block scales go in the grouped GEMM:
   weights dequantized to the activation dtype, up to summation order. Measured at fp16 in
   tests/test_moe_fp8_interp.py (16 tokens, top-4 of 8 experts, H 256, I 128): relative L2 error
   6.8e-4 against the fp32-dequantized reference, where the per-column path has 5.4e-5.
-- otherwise (W8A8, or BLOCK_N wider than a scale row): a K step never crosses a scale block (the
-  host caps BLOCK_K at GROUP_K) and its partial sum takes its block scale once per output column.
+- otherwise (W8A8, A_QUANT, or BLOCK_N wider than a scale row): a K step never crosses a scale block
+  (the host caps BLOCK_K at GROUP_K; A_QUANT needs it equal) and its partial sum takes its block
+  scale once per output column.
 References: kernels/moe_fp8_reference.py.
 """
 
@@ -105,11 +110,16 @@ def fused_moe_gemm_kernel(
     stride_asm, stride_bse, stride_bsn, scale_up_row,
     K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
     B_FP8: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, K_SCALES: tl.constexpr,
+    PER_CHANNEL: tl.constexpr, K_SCALES: tl.constexpr, A_QUANT: tl.constexpr, FP8_MAX_C: tl.constexpr,
+    MIN_SCALE_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] output tile of one expert's run; the grid covers the worst-case sort."""
     pdl_enter(PDL)
+    if A_QUANT:  # a step's activation scale is its K step's amax: one weight scale block per step
+        tl.static_assert(B_FP8 and not PER_CHANNEL and not A_FP8 and not K_SCALES)
+        tl.static_assert(BLOCK_K == GROUP_K or BLOCK_K >= K)
+    A8: tl.constexpr = A_FP8 or A_QUANT  # the step runs on the FP8 tensor cores with both scales
     pid = tl.program_id(0)
     num_blocks_n = tl.cdiv(N, BLOCK_N)
     # GROUP_M tiles of M walk the same B columns one after another, so those stay in L2
@@ -152,8 +162,15 @@ def fused_moe_gemm_kernel(
             bg = tl.load(bg_ptrs, mask=k_mask[:, None], other=0.0)
         if A_FP8 and not PER_CHANNEL:
             a_s = tl.load(as_ptrs + k0 // GROUP_K, mask=row_mask, other=0.0)[:, None]
+        if A_QUANT:
+            # a's rows quantized per K step as kernels/fp8_quant.per_token_group_quant does (the step is
+            # the scale block's K); rows past the pair count load zeros: scale MIN_SCALE_C, zeros, no NaN.
+            # Gated: the one quantized tile serves the gate and the up dot
+            af = a.to(tl.float32)
+            a_s = tl.maximum(tl.max(tl.abs(af), axis=1) / FP8_MAX_C, MIN_SCALE_C)[:, None]
+            a = tl.clamp(af / a_s, -FP8_MAX_C, FP8_MAX_C).to(b_ptr.dtype.element_ty)
         ks_g = _k_scales(sg_row, k0, offs_k, K, GROUP_K, BLOCK_K) if K_SCALES else 0.0
-        acc_g = _gemm_step(acc_g, a, bg, a_s, bsg_ptrs, ks_g, k0, IEEE, B_FP8, A_FP8, GROUP_K, PER_CHANNEL, K_SCALES,
+        acc_g = _gemm_step(acc_g, a, bg, a_s, bsg_ptrs, ks_g, k0, IEEE, B_FP8, A8, GROUP_K, PER_CHANNEL, K_SCALES,
                            GATED)  # fmt: skip
         if GATED:
             if K % BLOCK_K == 0:
@@ -161,7 +178,7 @@ def fused_moe_gemm_kernel(
             else:
                 bu = tl.load(bu_ptrs, mask=((k0 + offs_k) < K)[:, None], other=0.0)
             ks_u = _k_scales(su_row, k0, offs_k, K, GROUP_K, BLOCK_K) if K_SCALES else 0.0
-            acc_u = _gemm_step(acc_u, a, bu, a_s, bsu_ptrs, ks_u, k0, IEEE, B_FP8, A_FP8, GROUP_K, PER_CHANNEL,
+            acc_u = _gemm_step(acc_u, a, bu, a_s, bsu_ptrs, ks_u, k0, IEEE, B_FP8, A8, GROUP_K, PER_CHANNEL,
                                K_SCALES, GATED)  # fmt: skip
             bu_ptrs += BLOCK_K
         a_ptrs += BLOCK_K

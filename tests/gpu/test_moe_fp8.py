@@ -4,9 +4,10 @@ Mixtral-8x7B, OLMoE-1B-7B and Qwen1.5-MoE-A2.7B.
 Fresh random bf16 activations against the dequantizing reference (kernels/moe_fp8_reference.py),
 which quantizes the activations the same way where the W8A8 rule applies (``t * k >=
 W8A8_MIN_ROWS_PER_EXPERT * E``); 128x128 block and per-channel scales; the streaming path, the
-grouped GEMM in W8A16 and in W8A8 forced at small batches; FusedMoE with fp8 experts captured into a
-CUDA graph with padding rows and replayed on new inputs (equal to eager bit for bit, padding rows
-zero and uncounted), including a size that takes the W8A8 path; the workspace bound.
+grouped GEMM in W8A16 and in W8A8 forced at small batches, and with the activations quantized inside
+it (``GemmTile.a8``); FusedMoE with fp8 experts captured into a CUDA graph with padding rows and
+replayed on new inputs (equal to eager bit for bit, padding rows zero and uncounted), including a
+size that takes the W8A8 path; the workspace bound.
 """
 
 from __future__ import annotations
@@ -103,6 +104,34 @@ def test_w8a16_k_steps_across_scale_blocks(name, t, block_k, experts, gen):
                             w8a8=False, gemm_tiles=tiles)  # fmt: skip
         assert not out.isnan().any()
         assert rel_err(out, ref) < TOL, tiles
+
+
+# tiles that quantize the activations in the GEMM (GemmTile.a8): 16-row tiles as the tuner offers them at
+# decode sizes, narrow and wide, and 64-row ones
+A8_TILES = [
+    (GemmTile(16, 64, 128, 1, 4, 3, a8=True), GemmTile(16, 32, 128, 1, 4, 3, a8=True)),
+    (GemmTile(16, 128, 128, 1, 8, 4, a8=True), GemmTile(16, 128, 128, 1, 4, 3, a8=True)),
+    (GemmTile(64, 128, 128, 8, 8, 3, a8=True), GemmTile(64, 64, 128, 8, 4, 3, a8=True)),
+]
+PLAIN = GemmTile(16, 64, 128, 1, 4, 3)
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 256])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_a8_tiles_quantize_in_the_gemm(name, t, experts, gen):
+    """Activations quantized in the grouped GEMM per row and K step, gated and not, against the reference
+    on activations quantized the same way (the W8A8 tolerance); one step in the GEMM beside the other's
+    quantization launch (w8a8=True); a real row with an all-zero K step quantizes to zeros, not NaN."""
+    w13, w2, s13, s2 = experts[name, "block"]
+    x, w, ids = _routing(t, name, gen)
+    x[0, : BLOCK[1]] = 0.0
+    ref = experts_fp8_reference(x, w13, w2, s13, s2, BLOCK, w, ids, w8a8=True)
+    cases = [(tiles, False) for tiles in A8_TILES] + [((A8_TILES[0][0], PLAIN), True), ((PLAIN, A8_TILES[0][1]), True)]
+    for tiles, w8a8 in cases:
+        out = fused_experts(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2, weight_block=BLOCK, path="gemm",
+                            w8a8=w8a8, gemm_tiles=tiles)  # fmt: skip
+        assert not out.isnan().any(), tiles
+        assert rel_err(out, ref) < TOL, (tiles, w8a8)
 
 
 def _fp8_layer(name, kind, experts) -> FusedMoE:
