@@ -33,12 +33,8 @@ import triton
 from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, per_token_group_quant
 from graphserve.kernels.moe_align import histogram_block, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
-from graphserve.kernels.moe_gemm import (
-    fused_moe_gemm_kernel,
-    fused_moe_gemv_down_kernel,
-    fused_moe_gemv_gate_up_kernel,
-    moe_sum_kernel,
-)
+from graphserve.kernels.moe_gemm import fused_moe_gemm_kernel, moe_sum_kernel
+from graphserve.kernels.moe_stream import fused_moe_gemv_down_kernel, fused_moe_gemv_gate_up_kernel
 from graphserve.kernels.pdl import pdl_args
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -1,4 +1,5 @@
-"""The experts' matmuls: a grouped GEMM over the sorted pairs, per-pair streaming kernels, the k-sum.
+"""The experts' matmuls: a grouped GEMM over the sorted pairs and the k-sum (the small-batch path's
+per-pair streaming kernels are in kernels/moe_stream.py).
 
 The grouped GEMM runs twice per layer. gate_up (GATED): rows x[t] of the pairs against the
 expert's ``w13 [2I, H]``, two accumulators (gate rows n, up rows I + n) so ``silu(gate) * up`` is
@@ -6,8 +7,7 @@ formed in the epilogue and only [pairs, I] is written. down (MUL_WEIGHT): rows a
 ``w2 [H, I]``, the fp32 routing weight applied to the fp32 accumulator before rounding. Output
 rows are indexed by pair, so the final ``moe_sum_kernel`` adds each token's k rows without atomics
 and skips pairs that were not routed (padding rows, other ranks' experts); their rows are never
-written. The small-batch path is two streaming kernels: gate_up per pair, down per token with
-the slot sum in registers.
+written.
 
 gate and up are rounded to the activation dtype before silu * up, as when the two projections and
 the activation run apart. References: kernels/moe_reference.experts_reference.
@@ -49,12 +49,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphserve.kernels.moe_align import pair_histogram
 from graphserve.kernels.pdl import pdl_enter
 
 
 @triton.jit
-def _epilogue(acc_g, acc_u, w, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, DTYPE: tl.constexpr):
+def gated_epilogue(acc_g, acc_u, w, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, DTYPE: tl.constexpr):
     if GATED:
         g = acc_g.to(DTYPE).to(tl.float32)
         u = acc_u.to(DTYPE).to(tl.float32)
@@ -194,178 +193,9 @@ def fused_moe_gemm_kernel(
     w = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
-    out = _epilogue(acc_g, acc_u, w, GATED, MUL_WEIGHT, c_ptr.dtype.element_ty)
+    out = gated_epilogue(acc_g, acc_u, w, GATED, MUL_WEIGHT, c_ptr.dtype.element_ty)
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, out, mask=row_mask[:, None] & (offs_n[None, :] < N))
-
-
-@triton.jit
-def _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The gate and up weight tiles and the x slice at K offset ``k0``; only a K tail is masked."""
-    if K % BLOCK_K == 0:
-        return tl.load(g_ptrs + k0), tl.load(u_ptrs + k0), tl.load(x_row + k0 + offs_k)
-    k_mask = (k0 + offs_k) < K
-    g = tl.load(g_ptrs + k0, mask=k_mask[None, :], other=0.0)
-    u = tl.load(u_ptrs + k0, mask=k_mask[None, :], other=0.0)
-    return g, u, tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0)
-
-
-@triton.jit
-def _row_scales(sg_ptrs, su_ptrs, k0, GROUP_K: tl.constexpr):
-    """Block-scaled fp8: the gate and up rows' scales for the K step at ``k0`` (one block along K)."""
-    return tl.load(sg_ptrs + k0 // GROUP_K), tl.load(su_ptrs + k0 // GROUP_K)
-
-
-@triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see server/warmup.py
-def fused_moe_gemv_gate_up_kernel(
-    x_ptr, w13_ptr, act_ptr, ids_ptr, valid_ptr, counts_ptr, ws_ptr, N, expert_start, num_pairs,
-    stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_sn, scale_up_row,
-    K: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
-    W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """act[p, n-block] = silu(gate) * up for pair ``program_id(0)``: its expert's gate and up rows
-    streamed once, FMA in fp32.
-
-    At a few tokens the grouped GEMM pads every pair to a 16-row tile and needs a sort; here a
-    program reads only the weight rows it needs, and a pair that is not routed returns before
-    reading anything. Program (0, 0) also writes the per-expert counts, saving their launch.
-    The next K step's tiles are loaded before the current ones are multiplied: a program then
-    always has a load in flight, where a plain loop would leave HBM idle while it computes.
-    FP8 weights are widened in registers against the model-dtype x (no activation quantization:
-    at a few tokens the weight stream is the cost); a block scale multiplies each step's row sums.
-    """
-    pdl_enter(PDL)
-    pair = tl.program_id(0)
-    if (pair == 0) & (tl.program_id(1) == 0):
-        hist = pair_histogram(ids_ptr, valid_ptr, num_pairs, 0, TOP_K, E, HAS_VALID, BLOCK_P, BLOCK_E)
-        tl.store(counts_ptr + tl.arange(0, BLOCK_E), hist, mask=tl.arange(0, BLOCK_E) < E)
-    expert = tl.load(ids_ptr + pair) - expert_start
-    skip = (expert < 0) | (expert >= E_LOCAL)
-    if HAS_VALID:
-        skip = skip | (tl.load(valid_ptr + pair // TOP_K) == 0)
-    if skip:
-        return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # rows past N re-read row N-1 so the weight loads need no mask along N; never stored
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
-    g_ptrs = w13_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + N * stride_wn
-    sg_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (rows // GROUP_N) * stride_sn
-    su_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (scale_up_row + rows // GROUP_N) * stride_sn
-    BLOCK_SCALED: tl.constexpr = W_FP8 and not PER_CHANNEL
-    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    g, u, x = _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, 0, K, BLOCK_K)
-    if BLOCK_SCALED:
-        sg, su = _row_scales(sg_ptrs, su_ptrs, 0, GROUP_K)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        g_next, u_next, x_next = _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, k0, K, BLOCK_K)
-        xf = x.to(tl.float32)[None, :]
-        if BLOCK_SCALED:
-            sg_next, su_next = _row_scales(sg_ptrs, su_ptrs, k0, GROUP_K)
-            acc_g += tl.sum(g.to(tl.float32) * xf, axis=1) * sg
-            acc_u += tl.sum(u.to(tl.float32) * xf, axis=1) * su
-            sg, su = sg_next, su_next
-        else:
-            acc_g += tl.sum(g.to(tl.float32) * xf, axis=1)
-            acc_u += tl.sum(u.to(tl.float32) * xf, axis=1)
-        g, u, x = g_next, u_next, x_next
-    xf = x.to(tl.float32)[None, :]
-    if BLOCK_SCALED:
-        acc_g += tl.sum(g.to(tl.float32) * xf, axis=1) * sg
-        acc_u += tl.sum(u.to(tl.float32) * xf, axis=1) * su
-    else:
-        acc_g += tl.sum(g.to(tl.float32) * xf, axis=1)
-        acc_u += tl.sum(u.to(tl.float32) * xf, axis=1)
-    if W_FP8 and PER_CHANNEL:
-        acc_g *= tl.load(sg_ptrs)
-        acc_u *= tl.load(su_ptrs)
-    out = _epilogue(acc_g, acc_u, 0.0, True, False, act_ptr.dtype.element_ty)
-    tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, out, mask=offs_n < N)
-
-
-@triton.jit
-def _down_tile(w_base, a_base, routed, offs_k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Every slot's weight tile [S, N, BLOCK_K] and activation slice [S, BLOCK_K] at K offset ``k0``.
-
-    An unrouted slot is masked off whole (no memory traffic); the mask is uniform along K, so the
-    loads still vectorise there.
-    """
-    cols = k0 + offs_k
-    if K % BLOCK_K == 0:
-        w = tl.load(w_base + cols[None, None, :], mask=routed[:, None, None], other=0.0)
-        a = tl.load(a_base + cols[None, :], mask=routed[:, None], other=0.0)
-    else:
-        k_mask = cols < K
-        w = tl.load(w_base + cols[None, None, :], mask=routed[:, None, None] & k_mask[None, None, :], other=0.0)
-        a = tl.load(a_base + cols[None, :], mask=routed[:, None] & k_mask[None, :], other=0.0)
-    return w, a
-
-
-@triton.jit
-def fused_moe_gemv_down_kernel(
-    act_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, valid_ptr, ws_ptr, H, expert_start,
-    stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn,
-    K: tl.constexpr, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
-    W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """out[t, n-block] = sum over token t's routed slots of weight * (w2[expert] @ act[pair]).
-
-    The slot sum happens in registers, so the small-batch path needs neither the per-pair output
-    nor the sum launch. The token's expert ids and routing weights are read once, up front, and
-    every K step loads all slots' weight tiles as one [BLOCK_S, BLOCK_N, BLOCK_K] tile, the next
-    step's tile issued before the current one is multiplied: at one token a program must keep
-    many bytes in flight, and a per-step chain of id load -> weight load -> multiply leaves HBM
-    idle (measured on an H200 at 1.2 TB/s). The routing weight scales the activation, so one fp32
-    accumulator serves every slot. A padding row comes out as zeros. FP8 weights: each slot's
-    step sums take their block scales [BLOCK_S, BLOCK_N] (per-channel scales: once, at the end).
-    """
-    pdl_enter(PDL)
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, H - 1).to(tl.int64)
-    slots = tl.arange(0, BLOCK_S)
-    pairs = t * TOP_K + slots
-    expert = tl.load(ids_ptr + pairs, mask=slots < TOP_K, other=0) - expert_start
-    routed = (slots < TOP_K) & (expert >= 0) & (expert < E_LOCAL)
-    if HAS_VALID:
-        routed = routed & (tl.load(valid_ptr + t) != 0)
-    expert = tl.where(routed, expert, 0)
-    # a padding row's router output may be NaN; 0 * NaN would leak into its zero output
-    weight = tl.where(routed, tl.load(weights_ptr + pairs, mask=routed, other=0.0), 0.0)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_base = w2_ptr + expert.to(tl.int64)[:, None, None] * stride_we + rows[None, :, None] * stride_wn
-    a_base = act_ptr + pairs.to(tl.int64)[:, None] * stride_am
-    s_base = ws_ptr + expert.to(tl.int64)[:, None] * stride_se + (rows // GROUP_N)[None, :] * stride_sn
-    BLOCK_SCALED: tl.constexpr = W_FP8 and not PER_CHANNEL
-    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-    w, a = _down_tile(w_base, a_base, routed, offs_k, 0, K, BLOCK_K)
-    if BLOCK_SCALED:
-        s = tl.load(s_base, mask=routed[:, None], other=0.0)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        w_next, a_next = _down_tile(w_base, a_base, routed, offs_k, k0, K, BLOCK_K)
-        if BLOCK_SCALED:
-            s_next = tl.load(s_base + k0 // GROUP_K, mask=routed[:, None], other=0.0)
-        part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
-        if BLOCK_SCALED:
-            acc += part * s
-            s = s_next
-        else:
-            acc += part
-        w, a = w_next, a_next
-    part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
-    if BLOCK_SCALED:
-        acc += part * s
-    else:
-        acc += part
-    if W_FP8 and PER_CHANNEL:
-        acc *= tl.load(s_base, mask=routed[:, None], other=0.0)
-    out = tl.sum(acc, axis=0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 
 @triton.jit
