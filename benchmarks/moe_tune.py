@@ -40,8 +40,9 @@ from graphserve.kernels.moe_config import (
     device_name,
     table_path,
 )
-from graphserve.kernels.moe_fused import W8A8_MIN_ROWS_PER_EXPERT, fused_experts, k_only_scales
+from graphserve.kernels.moe_fused import W8A8_MIN_ROWS_PER_EXPERT, fused_experts
 from graphserve.kernels.moe_routing import moe_softmax_topk
+from graphserve.kernels.moe_scales import k_only_scales
 from graphserve.layers.quant.fp8_moe import quantize_stack
 
 # expert shapes of the dummy presets: (experts, hidden, intermediate per expert, top_k)

@@ -27,8 +27,9 @@ from graphserve.kernels.fp8_quant import per_token_group_quant_reference  # noqa
 from graphserve.kernels.moe_align import moe_align  # noqa: E402
 from graphserve.kernels.moe_config import GemmTile, MoeTiles  # noqa: E402
 from graphserve.kernels.moe_fp8_reference import dequantize_experts, experts_fp8_reference  # noqa: E402
-from graphserve.kernels.moe_fused import ExpertScales, fused_experts, gemm_step  # noqa: E402
+from graphserve.kernels.moe_fused import fused_experts, gemm_step  # noqa: E402
 from graphserve.kernels.moe_reference import expert_counts_reference, softmax_topk_reference  # noqa: E402
+from graphserve.kernels.moe_scales import ExpertScales  # noqa: E402
 from graphserve.layers.quant.fp8_moe import quantize_stack  # noqa: E402
 
 DEVICE = kernel_device()
