@@ -1,10 +1,11 @@
 """How an FP8-weight projection is computed at a given row count: which path, and the streaming
-kernel's tiles. Defaults are a pure function of the shape; where benchmarks/fp8.py measured this card,
-its table (fp8_rule.json beside this file) decides instead.
+kernel's tiles. Defaults are a pure function of the shape; where benchmarks/fp8_route.py measured this
+card, its table (fp8_rule.json beside this file) decides instead.
 
 Three paths (layers/quant/fp8.py runs them):
-- ``stream``: kernels/fp8_gemv.py, W8A16: the fp8 weight is widened in registers against the bf16
-  activation, with no activation quantization launch. At decode batch sizes a projection is a
+- ``stream``: kernels/fp8_gemv.py, with no activation quantization launch: the fp8 weight widened in
+  registers against the bf16 activation (W8A16), or, with ``fp8_dot`` tiles, the activation rows
+  quantized inside the kernel for the FP8 tensor cores. At decode batch sizes a projection is a
   weight stream and this path reads half of bf16's bytes.
 - ``w8a8``: per-token-group activation quantization, then the Triton block-scaled GEMM
   (kernels/fp8_gemm.py) on the FP8 tensor cores.
