@@ -1,4 +1,5 @@
-"""Registers, spills and shared memory of the decode-latency kernels on Hopper, without a GPU.
+"""Registers, spills and shared memory of the decode-latency kernels on Hopper, without a GPU: the
+split-KV decode attention, the fused MoE router, and the FP8 streaming matmul as the routing table runs it.
 
 Each kernel is compiled for sm_90 by Triton and its PTX assembled by the ptxas Triton bundles (as
 benchmarks/mla_ptxas.py does for MLA). A kernel that spills pays a local-memory round trip per
@@ -98,11 +99,48 @@ def gate_reports() -> list[dict]:
     return rows
 
 
+def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: int = 132) -> list[dict]:
+    """The FP8 streaming matmul as the routing table (kernels/fp8_rule.json) runs llama3-8b's projections, with
+    the prologue the layer fuses at that row count (layers/quant/fp8.py), and its grid: programs, and the
+    waves they take at the compiled occupancy on ``sms`` SMs (an H100/H200 has 132)."""
+    import triton
+
+    from benchmarks.fp8_route import SHAPES, prologue
+    from graphserve.kernels.fp8_config import load_rule
+    from graphserve.kernels.fp8_gemv import _fp8_gemv_kernel
+    from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE
+
+    types = {"w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "part_ptr": "*fp32", "lock_ptr": "*i32", "eps": "fp32"}
+    rule, out = load_rule(), []
+    for name in (n for n in SHAPES if n.startswith("llama3-8b")):
+        n, k = SHAPES[name]
+        for m in rows_per_call:
+            route = rule.route(m, n, k, "block128")
+            if route is None or route.path != "stream" or route.config is None:
+                continue
+            cfg, kind = route.config, prologue(name, m)
+            block_k = min(cfg.block_k, triton.next_power_of_2(k))
+            k_split = triton.cdiv(triton.cdiv(k, block_k), cfg.split_k) * block_k
+            split_k = triton.cdiv(k, k_split)
+            consts = {"SILU_MUL": kind == "silu", "ADD_RESIDUAL": kind == "norm", "NORM": kind == "norm", "K": k,
+                      "GROUP_N": 128, "GROUP_K": 128, "PER_CHANNEL": False, "HAS_BIAS": False, "USE_DOT": cfg.use_dot,
+                      "BLOCK_M": max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
+                      "BLOCK_N": cfg.block_n, "BLOCK_K": block_k, "SUB_K": min(block_k, 128),
+                      "KB": block_k // min(block_k, 128), "SPLIT_K": split_k, "K_SPLIT": k_split,
+                      "FP8_DOT": cfg.fp8_dot, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE, "PDL": False}  # fmt: skip
+            row = compile_report(_fp8_gemv_kernel, types, consts, cfg.num_warps, cfg.num_stages)
+            programs = triton.cdiv(n, cfg.block_n) * split_k
+            tile = f"{'fp8 dot' if cfg.fp8_dot else 'dot' if cfg.use_dot else 'fma'} {cfg.block_n}x{block_k} split{split_k}"
+            out.append({"kernel": "_fp8_gemv_kernel", "shape": f"{name} m{m} {kind or 'plain'} {tile}", **row,
+                        "programs": programs, "waves": round(programs / (row["programs_per_sm"] * sms), 2)})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args()
-    for row in attention_reports() + gate_reports():
+    for row in attention_reports() + gate_reports() + fp8_stream_reports():
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
 
