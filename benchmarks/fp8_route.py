@@ -152,8 +152,9 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
     # where the stream computes the layer's input itself, every path is timed with that input's making:
     # the stream with its prologue, the others after the separate norm / SiLU·mul launch the layer runs
     kind = r["prologue"] = prologue(name, m)
-    residual, norm_w = torch.randn_like(x), torch.randn(k, device="cuda", dtype=torch.bfloat16)
-    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x) if kind == "norm" else None
+    norm_w = torch.randn(k, device="cuda", dtype=torch.bfloat16) if kind == "norm" else None
+    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16) if kind == "silu" else None
 
     def made() -> torch.Tensor:
         if kind == "norm":

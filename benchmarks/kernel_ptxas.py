@@ -107,8 +107,7 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
 
     from benchmarks.fp8_route import SHAPES, prologue
     from graphserve.kernels.fp8_config import load_rule
-    from graphserve.kernels.fp8_gemv import _fp8_gemv_kernel
-    from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE
+    from graphserve.kernels.fp8_gemv import _fp8_gemv_kernel, tile_constants
 
     types = {"w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "part_ptr": "*fp32", "lock_ptr": "*i32", "eps": "fp32"}
     rule, out = load_rule(), []
@@ -119,18 +118,12 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
             if route is None or route.path != "stream" or route.config is None:
                 continue
             cfg, kind = route.config, prologue(name, m)
-            block_k = min(cfg.block_k, triton.next_power_of_2(k))
-            k_split = triton.cdiv(triton.cdiv(k, block_k), cfg.split_k) * block_k
-            split_k = triton.cdiv(k, k_split)
-            consts = {"SILU_MUL": kind == "silu", "ADD_RESIDUAL": kind == "norm", "NORM": kind == "norm", "K": k,
-                      "GROUP_N": 128, "GROUP_K": 128, "PER_CHANNEL": False, "HAS_BIAS": False, "USE_DOT": cfg.use_dot,
-                      "BLOCK_M": max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
-                      "BLOCK_N": cfg.block_n, "BLOCK_K": block_k, "SUB_K": min(block_k, 128),
-                      "KB": block_k // min(block_k, 128), "SPLIT_K": split_k, "K_SPLIT": k_split,
-                      "FP8_DOT": cfg.fp8_dot, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE, "PDL": False}  # fmt: skip
+            consts = {"SILU_MUL": kind == "silu", "ADD_RESIDUAL": kind == "norm", "NORM": kind == "norm",
+                      "HAS_BIAS": False, "PDL": False, **tile_constants(m, k, cfg, 128, 128, False)}
             row = compile_report(_fp8_gemv_kernel, types, consts, cfg.num_warps, cfg.num_stages)
-            programs = triton.cdiv(n, cfg.block_n) * split_k
-            tile = f"{'fp8 dot' if cfg.fp8_dot else 'dot' if cfg.use_dot else 'fma'} {cfg.block_n}x{block_k} split{split_k}"
+            split_k, programs = consts["SPLIT_K"], triton.cdiv(n, cfg.block_n) * consts["SPLIT_K"]
+            mode = "fp8 dot" if cfg.fp8_dot else "dot" if cfg.use_dot else "fma"
+            tile = f"{mode} {cfg.block_n}x{consts['BLOCK_K']} split{split_k}"
             out.append({"kernel": "_fp8_gemv_kernel", "shape": f"{name} m{m} {kind or 'plain'} {tile}", **row,
                         "programs": programs, "waves": round(programs / (row["programs_per_sm"] * sms), 2)})
     return out

@@ -44,7 +44,8 @@ def test_difference_names_the_arguments_against_the_nearest_earlier():
 
 
 def test_the_compile_watch_reports_only_compiles_after_ready():
-    """Its hook is called the way Triton's JIT calls the post-compile hook (keyword arguments only)."""
+    """Its hook is called the way Triton's JIT calls the post-compile hook (keyword arguments only), and
+    passes each compile on to the hook it replaced."""
     import triton
 
     late: list[tuple[str, str]] = []
@@ -56,8 +57,10 @@ def test_the_compile_watch_reports_only_compiles_after_ready():
             key="k", repr="_extend_kernel[]()", fn=info, is_manual_warmup=False, already_compiled=False,
             compile={"key": "k", "specialization_data": _spec_data(stride_bt, q_align)})
 
-    def earlier(**_) -> None:  # a hook somebody installed before
-        pass
+    chained: list[str] = []
+
+    def earlier(*, fn, **_) -> None:  # a hook somebody installed before: it still sees every compile
+        chained.append(fn.name)
 
     try:
         triton.knobs.runtime.jit_post_compile_hook = earlier
@@ -70,6 +73,7 @@ def test_the_compile_watch_reports_only_compiles_after_ready():
     finally:
         triton.knobs.runtime.jit_post_compile_hook = before
     assert late == [("_extend_kernel", "stride_bt: i32 divisibility=16 -> i32")]
+    assert chained == ["_extend_kernel", "_extend_kernel"]
 
 
 def test_no_compile_watch_on_the_cpu():

@@ -73,7 +73,9 @@ def test_routed_stream_tiles_compile_for_hopper_without_spills():
             "for r in fp8_stream_reports(): print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], check=True,
                          env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True).stdout
+    from benchmarks.kernel_ptxas import SM90_SHARED_BYTES
+
     rows = [json.loads(line) for line in out.splitlines()]
     assert any("m1 " in r["shape"] for r in rows) and any("fp8 dot" in r["shape"] for r in rows), rows
     for r in rows:
-        assert r["spill_bytes"] == 0 and r["shared_bytes"] <= 232448 and r["programs_per_sm"] >= 1, r
+        assert r["spill_bytes"] == 0 and r["shared_bytes"] <= SM90_SHARED_BYTES and r["programs_per_sm"] >= 1, r

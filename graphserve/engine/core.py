@@ -310,6 +310,7 @@ class EngineCore:
         start = max(step.start, self._last_resolved)
         self._last_resolved = now
         self._step_id += 1
-        gc_ms, self._gc_ms_seen = self._gc_clock.total_ms - self._gc_ms_seen, self._gc_clock.total_ms
+        gc_total = self._gc_clock.total_ms  # read once: a collection between two reads would be lost
+        gc_ms, self._gc_ms_seen = gc_total - self._gc_ms_seen, gc_total
         self.telemetry.record(step.record(self._step_id, (now - start) * 1000.0, len(self.scheduler.running),
                                           len(self.scheduler.waiting), self.block_manager.usage(), gc_ms))

@@ -257,17 +257,12 @@ def _launch(
     if not cfg.use_dot and m > MAX_FMA_ROWS:
         raise ValueError(f"fp8_gemv: {m} rows take the dot path (at most {MAX_FMA_ROWS} on the FMA path), which "
                          f"needs block_n >= 16 (got {cfg.block_n}) and a 16-bit x (got {x.dtype})")
-    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
-    sub_k = block_k if per_channel else min(block_k, group_k)
-    tiles = triton.cdiv(n, cfg.block_n)
-    split_k = min(cfg.split_k, triton.cdiv(k, block_k))
-    k_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
-    split_k = triton.cdiv(k, k_split)  # whole tiles per split can leave the last splits no K: never launched
-    block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m)
+    tiles, consts = triton.cdiv(n, cfg.block_n), tile_constants(m, k, cfg, group_n, group_k, per_channel)
+    split_k = consts["SPLIT_K"]
     placeholder = out  # pointer arguments a disabled prologue (or split_k = 1) never dereferences
     parts, locks = placeholder, placeholder
     if split_k > 1:
-        parts = torch.empty(tiles * split_k * cfg.block_n * block_m, dtype=torch.float32, device=x.device)
+        parts = torch.empty(tiles * split_k * cfg.block_n * consts["BLOCK_M"], dtype=torch.float32, device=x.device)
         locks = split_counters(x.device, tiles)
     _fp8_gemv_kernel[(tiles, split_k)](
         x, residual if residual is not None else placeholder, norm_weight if norm_weight is not None else placeholder,
@@ -275,13 +270,25 @@ def _launch(
         out, parts, locks, m, n, x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, w.stride(0), w_scale.stride(0), out.stride(0),
         float(eps), SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None, NORM=norm_weight is not None,
-        K=k, GROUP_N=1 if per_channel else group_n, GROUP_K=k if per_channel else group_k,
-        PER_CHANNEL=per_channel, HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, SUB_K=sub_k,
-        KB=block_k // sub_k, SPLIT_K=split_k, K_SPLIT=k_split, FP8_DOT=cfg.fp8_dot, FP8_MAX_C=FP8_MAX,
-        MIN_SCALE_C=MIN_SCALE, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, "_fp8_gemv_kernel"),
+        HAS_BIAS=bias is not None, **consts,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, "_fp8_gemv_kernel"),
     )  # fmt: skip
     return out
+
+
+def tile_constants(m: int, k: int, cfg: StreamConfig, group_n: int, group_k: int, per_channel: bool) -> dict:
+    """The kernel's tile constexprs for ``m`` rows of a K-``k`` weight under ``cfg`` (already checked), the
+    grid's split count among them (benchmarks/kernel_ptxas.py compiles the same ones)."""
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+    sub_k = block_k if per_channel else min(block_k, group_k)
+    split_k = min(cfg.split_k, triton.cdiv(k, block_k))
+    k_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
+    split_k = triton.cdiv(k, k_split)  # whole tiles per split can leave the last splits no K: never launched
+    return {"K": k, "GROUP_N": 1 if per_channel else group_n, "GROUP_K": k if per_channel else group_k,
+            "PER_CHANNEL": per_channel, "USE_DOT": cfg.use_dot,
+            "BLOCK_M": max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
+            "BLOCK_N": cfg.block_n, "BLOCK_K": block_k, "SUB_K": sub_k, "KB": block_k // sub_k, "SPLIT_K": split_k,
+            "K_SPLIT": k_split, "FP8_DOT": cfg.fp8_dot, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE}  # fmt: skip
 
 
 def fp8_gemv(

@@ -171,8 +171,6 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
     if gu.block_m != dn.block_m:
         raise ValueError(f"gate_up block_m={gu.block_m} and down block_m={dn.block_m} must match (one sort)")
     s13, s2 = scales or (None, None)
-    check_a8_tile(gu, s13)
-    check_a8_tile(dn, s2)
     align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     down = torch.empty(pairs, h, dtype=hidden.dtype, device=hidden.device)
@@ -202,8 +200,6 @@ def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torc
     if sb is not None:
         block_k = sb.gemm_block_k(block_k, tile.block_n, fp8_dot)
     args = scale_args(sb, b)
-    if tile.a8:  # block scales with one K block take the block path: its one step reads scale column 0
-        args["consts"]["PER_CHANNEL"] = False
     pairs = topk_weights.numel()
     fused_moe_gemm_kernel[(align.max_blocks * triton.cdiv(n, tile.block_n),)](
         a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, a_scale, args["scale"],

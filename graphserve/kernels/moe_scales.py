@@ -37,7 +37,9 @@ class ExpertScales:
 
     @property
     def per_channel(self) -> bool:
-        return self.scale.shape[2] == 1
+        """One scale per output row. Block scales whose K fits in one block also have one scale column, but
+        they stay blocks (their rows share a scale per block): the kernels read column 0 for every step."""
+        return self.group_n == 1 and self.scale.shape[2] == 1
 
     def block_k(self, block_k: int) -> int:
         """A K step never crosses a scale block."""
@@ -91,8 +93,7 @@ def check_a8_tile(tile: GemmTile, sb: ExpertScales | None) -> None:
     of exactly one scale block: one activation scale per row and step, one weight scale per column."""
     if not tile.a8:
         return
-    # per_channel also holds for block scales whose K fits in one block (one scale column): those are blocks here
-    if sb is None or (sb.per_channel and sb.group_n == 1):
+    if sb is None or sb.per_channel:
         raise ValueError(
             f"GemmTile a8=True quantizes the activations per K step against block-scaled fp8 "
             f"weights; these expert weights have {'no' if sb is None else 'per-channel'} scales"

@@ -41,12 +41,15 @@ class CompileWatch:
         if self._knobs.jit_post_compile_hook == self._hook:
             self._knobs.jit_post_compile_hook = self._previous
 
-    def _hook(self, *, fn: Any, compile: dict[str, Any], **_: Any) -> None:
+    def _hook(self, *, fn: Any, compile: dict[str, Any], **kwargs: Any) -> Any:
         spec = specialization(compile)
         earlier = self.seen.setdefault(fn.name, [])
         if self.is_ready:
             self.on_late(fn.name, difference(spec, earlier))
         earlier.append(spec)
+        if self._previous is not None:  # a hook installed before this watch still sees every compile
+            return self._previous(fn=fn, compile=compile, **kwargs)
+        return None
 
 
 def specialization(compile: dict[str, Any]) -> dict[str, str]:

@@ -16,6 +16,7 @@ from graphserve.server.step_outputs import StepOutputs
 
 if TYPE_CHECKING:
     from graphserve.server.async_engine import AsyncEngine
+    from graphserve.server.compile_watch import CompileWatch
 
 logger = logging.getLogger("graphserve.server")
 
@@ -33,6 +34,7 @@ class EngineThread:
         self._flush_cache = False
         self._stopped = False
         self._waiting_in_core = 0  # sequences
+        self._watch: CompileWatch | None = None  # compiles after ready, logged (GPU only)
         self._thread = threading.Thread(target=self._run, name="graphserve-engine", daemon=True)
 
     def start(self) -> None:
@@ -70,11 +72,11 @@ class EngineThread:
         from graphserve.server.warmup import warm_up
 
         engine = self.engine
-        watch = watch_compiles(engine.config)
+        self._watch = watch_compiles(engine.config)
         core = EngineCore(engine.config)
         engine.warmup = warm_up(core)
-        if watch is not None:
-            watch.ready()
+        if self._watch is not None:
+            self._watch.ready()
         self.driver = CoreDriver(core)
         engine._serving(core, core.block_manager.num_usable_blocks, core.block_manager.block_size)
         if engine._on_step is not None:
@@ -82,6 +84,13 @@ class EngineThread:
         engine.stats = core.stats()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:  # the compile hook is process-wide: an in-process engine's ends with it
+            if self._watch is not None:
+                self._watch.close()
+
+    def _serve(self) -> None:
         engine = self.engine
         try:
             self._load()

@@ -8,7 +8,7 @@ checkpoint scale is broadcast to its rows: exact, and one layout for the kernels
 static activations. From an fp8 checkpoint they are Parameters the checkpoint must fill; quantized
 at load (``--quantization``) the scales are buffers the weight's load fills.
 
-The matmul, routed by rows and device (kernels/fp8_config.py: the table benchmarks/fp8.py measured
+The matmul, routed by rows and device (kernels/fp8_config.py: the table benchmarks/fp8_route.py measured
 per projection shape and row count, else its defaults):
 - CPU: the reference: dequantize the weight and ``F.linear`` (activations unquantized);
 - CUDA ``stream`` (decode batch sizes): kernels/fp8_gemv.py, fp8 weights streamed against bf16
@@ -63,7 +63,6 @@ if TYPE_CHECKING:
 # separate launch (one read and one write of the rows) costs less.
 NORM_PROLOGUE_MAX_ROWS = 2
 SILU_PROLOGUE_MAX_ROWS = 4
-
 
 
 class Fp8LinearMethod:
