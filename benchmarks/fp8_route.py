@@ -5,14 +5,16 @@ Per projection shape (Llama-3-8B's by default; Qwen3-30B-A3B's dense attention w
 table keeps an earlier run's shapes that this one did not measure) and row count m, with
 128x128 block scales as ``--quantization fp8`` stores them:
 - ``stream``: kernels/fp8_gemv.py (m <= 64), its default tiles and, with ``--sweep`` (the default
-  unless ``--quick``), a grid of alternatives: the best is what the table keeps;
+  unless ``--quick``), a grid of alternatives, among them ``a8`` tiles reading x quantized by the launch
+  before: the best is what the table keeps;
 - ``w8a8``: per-token-group activation quantization + the Triton block-scaled GEMM;
 - ``scaled_mm``: the same quantization (padded, column-major scales) + ``torch._scaled_mm``'s
   block-scaled cuBLASLt GEMM, where this build has it;
 - ``bf16``: F.linear on the bf16 weight, for reference (an fp8 layer has no bf16 weight to route to).
-Each path is timed as the layer runs it, launch for launch: at the rows where the stream computes its
-input itself (the RMSNorm before qkv and gate_up, SiLU·mul before down; layers/quant/fp8.py's limits), the
-stream with that prologue and every other path after the separate launch that makes its input. Each
+Each path is timed as the layer runs it, launch for launch, with the making of its input (the RMSNorm
+before qkv and gate_up, SiLU·mul before down): in the streaming kernel's loads at the rows where it
+computes them (layers/quant/fp8.py's limits), in the input's quantization launch for the paths that
+quantize it (a8 stream tiles, ``w8a8``, ``scaled_mm``), else in a separate launch before. Each
 time is one call's share of a CUDA graph of back-to-back calls cycling through enough weight copies (>= 256 MB) that every call reads
 its weight from device memory, as decode does. ``stream/floor``: the stream time over the weight's
 bytes (fp8 + scales) at the best read bandwidth of this run (benchmarks.roofline's probes).
@@ -54,8 +56,13 @@ from graphserve.kernels.fp8_gemm import (
     scaled_mm_blockwise,
     w8a8_matmul,
 )
-from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_norm_gemv, fp8_silu_mul_gemv
-from graphserve.kernels.fp8_quant import per_token_group_quant, quantize_weight_blocks
+from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_a8, fp8_norm_gemv, fp8_silu_mul_gemv
+from graphserve.kernels.fp8_quant import (
+    norm_group_quant,
+    per_token_group_quant,
+    quantize_weight_blocks,
+    silu_mul_group_quant,
+)
 from graphserve.kernels.norm import fused_add_rms_norm
 from graphserve.layers.activation import silu_and_mul
 from graphserve.layers.quant.fp8 import NORM_PROLOGUE_MAX_ROWS, SILU_PROLOGUE_MAX_ROWS
@@ -74,7 +81,8 @@ ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
 QUICK_ROWS = [1, 2, 4, 8, 16, 64, 256]
 COLD_BYTES = 256 << 20
 BLOCK = 128
-COLS = ["shape", "m", "prologue", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_us", "best", "stream/floor", "stream_GBps"]
+COLS = ["shape", "m", "prologue", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_us", "best", "stream_a8_us",
+        "stream_bf16x_us", "stream/floor", "stream_GBps"]
 
 
 def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
@@ -85,8 +93,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
     - m > 16 (the dot path only): tiles of 64 and 128 rows (x is read again by every program, so taller
       tiles read it fewer times), 128 or 256 columns a step, split so the grid gives every SM one to four
       programs;
-    - m > 4: the FP8 dot (x quantized in the kernel) in tiles of 32-128 rows (256 above 16 rows), one
-      128-column scale block a step, split likewise.
+    - m > 4: the FP8 dot in tiles of 32-128 rows (256 above 16 rows), one 128-column scale block a step,
+      split likewise; each tile twice: x quantized in the kernel, and x quantized by the launch before (a8).
     Every split keeps at least two tiles of K; each distinct tile is one more compile."""
     out = []
     if m <= 4:  # (block_n, weight bytes per thread of 4 warps, split_k)
@@ -110,8 +118,9 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
                 if k % bk or bk * (2 * split if split > 1 else 1) > k or not sms <= triton.cdiv(n, bn) * split <= 4 * sms:
                     continue
                 warps = 8 if bn * block_m >= 64 * 64 else 4
-                out.append(StreamConfig(bn, bk, num_warps=warps, num_stages=3, use_dot=True, split_k=split,
-                                        fp8_dot=fp8))
+                for a8 in (False, True) if fp8 else (False,):
+                    out.append(StreamConfig(bn, bk, num_warps=warps, num_stages=3, use_dot=True, split_k=split,
+                                            fp8_dot=fp8, a8=a8))
     return out
 
 
@@ -149,9 +158,12 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
     n, k = SHAPES[name]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     r = {"shape": name, "n": n, "k": k, "m": m, "weight_bytes": cold.nbytes}
-    # where the stream computes the layer's input itself, every path is timed with that input's making:
-    # the stream with its prologue, the others after the separate norm / SiLU·mul launch the layer runs
-    kind = r["prologue"] = prologue(name, m)
+    # every path is timed with the making of its input, as the layer runs it: the norm before qkv and
+    # gate_up, SiLU·mul before down, in the streaming kernel's loads (at the rows where it computes them,
+    # r["prologue"]), in the launch that quantizes the input (a8 tiles, w8a8, scaled_mm), or else in a
+    # separate launch
+    kind = PROLOGUES.get(name.split()[-1])
+    r["prologue"] = prologue(name, m)
     residual = torch.randn_like(x) if kind == "norm" else None
     norm_w = torch.randn(k, device="cuda", dtype=torch.bfloat16) if kind == "norm" else None
     gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16) if kind == "silu" else None
@@ -161,12 +173,22 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
             return fused_add_rms_norm(x, residual, norm_w, 1e-6)[0]
         return silu_and_mul(gate_up) if kind == "silu" else x
 
-    def stream(w, c):
+    def quantized(group: int, blockwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = {"pad_rows_to": 4 if blockwise else 1, "scales_column_major": blockwise}
         if kind == "norm":
-            return fp8_norm_gemv(x, norm_w, 1e-6, w[0], w[1], BLOCK, BLOCK, residual=residual, config=c)[0]
+            return norm_group_quant(x, norm_w, 1e-6, group, residual, **layout)[:2]
         if kind == "silu":
+            return silu_mul_group_quant(gate_up, group, **layout)
+        return per_token_group_quant(x, group, **layout)
+
+    def stream(w, c):
+        if c.a8:
+            return fp8_gemv_a8(*quantized(c.block_k), w[0], w[1], BLOCK, BLOCK, torch.bfloat16, config=c)
+        if r["prologue"] == "norm":
+            return fp8_norm_gemv(x, norm_w, 1e-6, w[0], w[1], BLOCK, BLOCK, residual=residual, config=c)[0]
+        if r["prologue"] == "silu":
             return fp8_silu_mul_gemv(gate_up, w[0], w[1], BLOCK, BLOCK, config=c)
-        return fp8_gemv(x, w[0], w[1], BLOCK, BLOCK, config=c)
+        return fp8_gemv(made(), w[0], w[1], BLOCK, BLOCK, config=c)
 
     if m <= MAX_STREAM_ROWS:
         chosen = default_stream_config(m, n, k, tile_cap(BLOCK, BLOCK, k), sms)
@@ -178,14 +200,16 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
                 print(f"  {name} m={m} skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
         best = min(tried, key=tried.get)
         r.update(stream_us=tried[best], stream_default_us=tried[chosen], stream_config=vars(best))
+        a8 = [c for c in tried if c.a8]
+        if a8:  # the best of each kind, for the table's readers
+            r["stream_a8_us"] = min(tried[c] for c in a8)
+            r["stream_bf16x_us"] = min(tried[c] for c in tried if not c.a8)
 
     def w8a8(w):
-        a, s = per_token_group_quant(made(), BLOCK)
-        return w8a8_matmul(a, s, w[0], w[1], BLOCK, BLOCK, torch.bfloat16)
+        return w8a8_matmul(*quantized(BLOCK), w[0], w[1], BLOCK, BLOCK, torch.bfloat16)
 
     def scaled_mm(w):
-        a, s = per_token_group_quant(made(), BLOCK, pad_rows_to=4, scales_column_major=True)
-        return scaled_mm_blockwise(a, s, w[0], w[2])
+        return scaled_mm_blockwise(*quantized(BLOCK, blockwise=True), w[0], w[2], rows=m)
 
     r["w8a8_us"] = cold.time_us(w8a8)
     r["scaled_mm_us"] = cold.time_us(scaled_mm) if scaled_mm_ok else None

@@ -117,12 +117,14 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
             route = rule.route(m, n, k, "block128")
             if route is None or route.path != "stream" or route.config is None:
                 continue
-            cfg, kind = route.config, prologue(name, m)
+            cfg = route.config
+            kind = None if cfg.a8 else prologue(name, m)  # an a8 tile's prologue runs in the quantization before it
+            x_types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"} if cfg.a8 else {}
             consts = {"SILU_MUL": kind == "silu", "ADD_RESIDUAL": kind == "norm", "NORM": kind == "norm",
                       "HAS_BIAS": False, "PDL": False, **tile_constants(m, k, cfg, 128, 128, False)}
-            row = compile_report(_fp8_gemv_kernel, types, consts, cfg.num_warps, cfg.num_stages)
+            row = compile_report(_fp8_gemv_kernel, {**types, **x_types}, consts, cfg.num_warps, cfg.num_stages)
             split_k, programs = consts["SPLIT_K"], triton.cdiv(n, cfg.block_n) * consts["SPLIT_K"]
-            mode = "fp8 dot" if cfg.fp8_dot else "dot" if cfg.use_dot else "fma"
+            mode = "a8 fp8 dot" if cfg.a8 else "fp8 dot" if cfg.fp8_dot else "dot" if cfg.use_dot else "fma"
             tile = f"{mode} {cfg.block_n}x{consts['BLOCK_K']} split{split_k}"
             out.append({"kernel": "_fp8_gemv_kernel", "shape": f"{name} m{m} {kind or 'plain'} {tile}", **row,
                         "programs": programs, "waves": round(programs / (row["programs_per_sm"] * sms), 2)})

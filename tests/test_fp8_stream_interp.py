@@ -22,6 +22,7 @@ use_interpreter()
 import pytest  # noqa: E402
 
 from graphserve.kernels import fp8_config  # noqa: E402
+from graphserve.kernels.activation import silu_and_mul  # noqa: E402
 from graphserve.kernels.fp8_config import (  # noqa: E402
     Fp8Rule,
     Route,
@@ -33,6 +34,7 @@ from graphserve.kernels.fp8_config import (  # noqa: E402
 from graphserve.kernels.fp8_gemm import w8a8_matmul, w8a8_matmul_reference  # noqa: E402
 from graphserve.kernels.fp8_gemv import (  # noqa: E402
     fp8_gemv,
+    fp8_gemv_a8,
     fp8_gemv_reference,
     fp8_norm_gemv,
     fp8_norm_gemv_reference,
@@ -41,12 +43,14 @@ from graphserve.kernels.fp8_gemv import (  # noqa: E402
 )
 from graphserve.kernels.fp8_quant import (  # noqa: E402
     dequantize_blocks,
+    norm_group_quant,
     per_token_group_quant,
     per_token_group_quant_reference,
     quantize_weight_blocks,
     quantize_weight_channels,
+    silu_mul_group_quant,
 )
-from graphserve.kernels.norm import fused_add_rms_norm_reference  # noqa: E402
+from graphserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FMA = StreamConfig(block_n=8, block_k=64, num_warps=4, num_stages=2, use_dot=False)
@@ -168,6 +172,69 @@ def test_stream_fp8_dot_refuses_a_step_across_scale_blocks() -> None:
     wq, ws = _weight(32, 128, 16, 32, seed=36)
     with pytest.raises(ValueError, match="block_k equal to the scale block's 32 \\(got 64\\)"):
         fp8_gemv(_randn(4, 128, seed=37), wq, ws, 16, 32, config=StreamConfig(16, 64, 4, 2, True, fp8_dot=True))
+
+
+@pytest.mark.parametrize("m,n,k,group_n,group_k,block_k,split,block_n", [
+    (1, 40, 96, 16, 32, 32, 1, 16),  # one row, N tail
+    (5, 37, 200, 32, 64, 64, 2, 64),  # N and K tails, split K, a tile across scale blocks
+    (40, 24, 128, 16, 32, 32, 2, 16),  # a 64-row tile
+    (7, 24, 72, 1, 72, 32, 1, 16),  # per-channel scales: x in groups of block_k, K tail
+])
+@pytest.mark.parametrize("column_major", [False, True])
+def test_stream_a8_matches_the_w8a8_reference(m, n, k, group_n, group_k, block_k, split, block_n, column_major) -> None:
+    """The FP8 dot on x quantized before the call: both operands are the same fp8 values and fp32 scales as
+    the W8A8 reference multiplies, so only summation order differs (fp32 out: 1e-5 relative)."""
+    wq, ws = _weight(n, k, group_n, group_k, seed=m + k + 1)
+    x = _randn(m, k, seed=n + 1)
+    q, scales = per_token_group_quant(x, block_k, scales_column_major=column_major)
+    cfg = StreamConfig(block_n, block_k, 4, 2, True, split_k=split, fp8_dot=True, a8=True)
+    out = fp8_gemv_a8(q, scales, wq, ws, group_n, group_k, torch.float32, config=cfg)
+    want = fp8_gemv_reference(dequantize_blocks(q, scales, 1, block_k), wq, ws, group_n, group_k)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_stream_a8_refuses_what_it_cannot_run() -> None:
+    wq, ws = _weight(32, 128, 16, 32, seed=38)
+    q, s = per_token_group_quant(_randn(4, 128, seed=39), 32)
+    a8 = StreamConfig(16, 32, 4, 2, True, fp8_dot=True, a8=True)
+    with pytest.raises(ValueError, match="are for fp8 x"):
+        fp8_gemv(_randn(4, 128, seed=39), wq, ws, 16, 32, config=a8)
+    with pytest.raises(ValueError, match="are for bf16 x"):
+        fp8_gemv_a8(q, s, wq, ws, 16, 32, torch.float32, config=dataclasses.replace(a8, a8=False))
+    with pytest.raises(ValueError, match=r"x_scale \[>= 4, 4\] \(one per row and 32 columns\), got \(4, 2\)"):
+        fp8_gemv_a8(q, s[:, :2], wq, ws, 16, 32, torch.float32, config=a8)
+    with pytest.raises(ValueError, match="x one of"):
+        fp8_gemv_a8(q.float(), s, wq, ws, 16, 32, torch.float32, config=a8)
+
+
+
+@pytest.mark.parametrize("m,k,group,pad", [(3, 96, 32, 4), (5, 200, 64, 1), (2, 72, 72, 1)])
+def test_prologue_quant_matches_the_separate_launches(m, k, group, pad) -> None:
+    """SiLU·mul + quantization and (residual add +) RMSNorm + quantization in one launch, against the
+    separate silu_and_mul / rms_norm / fused_add_rms_norm kernels then per_token_group_quant (whose own test
+    is above): the prologue rounds as those kernels do, so both give the same fp8 values and scales, bit for
+    bit; the residual sum is exact and padding rows are zero."""
+    dtype = torch.bfloat16
+    gate_up = _randn(m, 2 * k, seed=k + 1).to(dtype)
+    cases = [(silu_mul_group_quant(gate_up, group, pad_rows_to=pad), silu_and_mul(gate_up), None, None)]
+    x, res, nw = _randn(m, k, seed=k + 2).to(dtype), _randn(m, k, seed=k + 3).to(dtype), _randn(k, seed=k + 4).to(dtype)
+    q, s, summed = norm_group_quant(x, nw, 1e-6, group, pad_rows_to=pad, scales_column_major=True)
+    cases.append(((q, s), rms_norm(x, nw, 1e-6), summed, None))
+    q, s, summed = norm_group_quant(x, nw, 1e-6, group, res, pad_rows_to=pad)
+    h, want_sum = fused_add_rms_norm(x, res, nw, 1e-6)
+    cases.append(((q, s), h, summed, want_sum))
+    rows = -(-m // pad) * pad
+    for (q, s), made, summed, want_sum in cases:
+        q_ref, s_ref = per_token_group_quant(made, group, pad_rows_to=pad)
+        assert q.shape == (rows, k) and s.shape == (rows, -(-k // group))
+        torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+        torch.testing.assert_close(q.float(), q_ref.float(), rtol=0, atol=0)
+        assert rows == m or q[m:].float().abs().max().item() == 0
+        if want_sum is None:
+            assert summed is None
+        else:
+            torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("cfg", [FMA, DOT], ids=["fma", "dot"])

@@ -46,7 +46,9 @@ class StreamConfig:
     ``split_k``: programs per column tile, each streaming 1/split_k of K (reduced in the same launch);
     tables written before it existed read as 1. ``fp8_dot`` (with ``use_dot``): x quantized to fp8 per
     row and K step in registers and the product taken on the FP8 tensor cores (W8A8 without a
-    quantization launch); ``block_k`` is then the scale block's K."""
+    quantization launch); ``block_k`` is then the scale block's K. ``a8`` (with ``fp8_dot``): x comes
+    quantized by one launch before (kernels/fp8_quant.py, fused with the norm or SiLU·mul that makes it)
+    and the kernel reads fp8 x and its scales instead of quantizing x's rows in every program."""
 
     block_n: int
     block_k: int
@@ -55,6 +57,7 @@ class StreamConfig:
     use_dot: bool
     split_k: int = 1
     fp8_dot: bool = False
+    a8: bool = False
 
     def num_programs(self, n: int) -> int:
         return triton.cdiv(n, self.block_n) * self.split_k

@@ -15,7 +15,11 @@ a bf16 value):
   kernels/fp8_quant.per_token_group_quant makes for the W8A8 paths, so the same rounding), and the
   product runs on the FP8 tensor cores, the two scales applied to each step's fp32 partial (per row of
   the tile where it spans scale blocks, so any height up to 256 rows). No widening of the weight, no
-  quantization launch, and the prologues below still apply.
+  quantization launch, and the prologues below still apply;
+- A8 (``fp8_gemv_a8``, tiles with ``a8``): the FP8 dot on an x quantized by one launch before it
+  (kernels/fp8_quant.py, fused there with the norm or SiLU·mul that makes x). Every program reads x
+  again from L2, so at 32-64 rows x's reads rival the weight's: fp8 x halves them and no program
+  spends registers and cycles quantizing rows another program quantized already.
 
 Scales. A program's rows lie in one row of scale blocks (``BLOCK_N`` divides the block height), so
 a 128x128 block scale is a function of k alone within the program: it multiplies x, the small
@@ -65,12 +69,12 @@ FP8_DOT_MAX_BLOCK_N = 256  # the FP8 dot scales each step's partial per row, so 
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, lock_ptr,
-    M, N, stride_xm, stride_rm, stride_rom, stride_wn, stride_wsn, stride_om, eps,
+    x_ptr, xs_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, stride_xm, stride_xsm, stride_xsk, stride_rm, stride_rom, stride_wn, stride_wsn, stride_om, eps,
     SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
-    FP8_DOT: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr,
+    FP8_DOT: tl.constexpr, A8: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     pid = tl.program_id(0)
@@ -111,15 +115,20 @@ def _fp8_gemv_kernel(
                 w = tl.load(w_ptrs + k0)
             else:
                 w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
-            x = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols[None, :],
-                        (offs_m[:, None] < M) & k_mask[None, :], rstd[:, None], K, SILU_MUL, ADD_RESIDUAL, NORM,
-                        x_ptr.dtype.element_ty)  # fmt: skip
+            x_mask = (offs_m[:, None] < M) & k_mask[None, :]
+            if A8:  # x came quantized (fp8, one scale per row and BLOCK_K columns): no prologue, no rounding here
+                xq = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=x_mask, other=0.0)
+                xs = tl.load(xs_ptr + offs_m * stride_xsm + (k0 // BLOCK_K) * stride_xsk, mask=offs_m < M, other=0.0)
+            else:
+                x = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols[None, :], x_mask,
+                            rstd[:, None], K, SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty)  # fmt: skip
             if FP8_DOT:
-                # x's rows quantized per BLOCK_K-wide group as kernels/fp8_quant.per_token_group_quant does
-                # (BLOCK_K is the scale block's K), then both operands on the FP8 tensor cores
-                xf = x.to(tl.float32)
-                xs = tl.maximum(tl.max(tl.abs(xf), axis=1) / FP8_MAX_C, MIN_SCALE_C)
-                xq = tl.clamp(xf / xs[:, None], -FP8_MAX_C, FP8_MAX_C).to(w.dtype)
+                if not A8:
+                    # x's rows quantized per BLOCK_K-wide group as kernels/fp8_quant.per_token_group_quant does
+                    # (BLOCK_K is the scale block's K), then both operands on the FP8 tensor cores
+                    xf = x.to(tl.float32)
+                    xs = tl.maximum(tl.max(tl.abs(xf), axis=1) / FP8_MAX_C, MIN_SCALE_C)
+                    xq = tl.clamp(xf / xs[:, None], -FP8_MAX_C, FP8_MAX_C).to(w.dtype)
                 part = tl.dot(w, tl.trans(xq)) * xs[None, :]
                 if not PER_CHANNEL:
                     if GROUP_N % BLOCK_N == 0:  # one weight scale for the step: the program's row, this K block
@@ -208,8 +217,8 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def _check(x: torch.Tensor, k: int, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
-           bias: torch.Tensor | None) -> bool:
-    """Validate the operands (x has K columns, 2K for silu_mul); True for per-channel scales."""
+           bias: torch.Tensor | None, a8: bool = False) -> bool:
+    """Validate the operands (x has K columns, 2K for silu_mul; fp8 for ``a8``); True for per-channel scales."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"fp8_gemv takes x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     m, n = x.shape[0], w.shape[0]
@@ -217,8 +226,9 @@ def _check(x: torch.Tensor, k: int, w: torch.Tensor, w_scale: torch.Tensor, grou
         raise ValueError(f"fp8_gemv takes at most {MAX_ROWS} rows, got {m}: larger batches take the W8A8 GEMM")
     if w.shape[1] != k or x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError(f"fp8_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} must be row-major with one K")
-    if w.dtype != FP8_DTYPE or x.dtype not in X_DTYPES:
-        raise ValueError(f"fp8_gemv: w must be {FP8_DTYPE} (got {w.dtype}) and x one of {X_DTYPES} (got {x.dtype})")
+    x_dtypes = (FP8_DTYPE,) if a8 else X_DTYPES
+    if w.dtype != FP8_DTYPE or x.dtype not in x_dtypes:
+        raise ValueError(f"fp8_gemv: w must be {FP8_DTYPE} (got {w.dtype}) and x one of {x_dtypes} (got {x.dtype})")
     per_channel = group_n == 1 and group_k >= k
     want = (n, 1) if per_channel else (-(-n // group_n), -(-k // group_k))
     if w_scale.dim() != 2 or tuple(w_scale.shape) != want or w_scale.stride(-1) != 1:
@@ -235,11 +245,12 @@ def _launch(
     x: torch.Tensor, k: int, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
     bias: torch.Tensor | None, config: StreamConfig | None, silu_mul: bool = False,
     norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    per_channel = _check(x, k, w, w_scale, group_n, group_k, bias)
+    a8 = x_scale is not None
+    per_channel = _check(x, k, w, w_scale, group_n, group_k, bias, a8)
     m, n = x.shape[0], w.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     cap = tile_cap(group_n, group_k, k)
@@ -257,17 +268,27 @@ def _launch(
     if not cfg.use_dot and m > MAX_FMA_ROWS:
         raise ValueError(f"fp8_gemv: {m} rows take the dot path (at most {MAX_FMA_ROWS} on the FMA path), which "
                          f"needs block_n >= 16 (got {cfg.block_n}) and a 16-bit x (got {x.dtype})")
+    if cfg.a8 != a8:
+        raise ValueError(f"fp8_gemv: tiles {cfg} are for {'fp8' if cfg.a8 else 'bf16'} x, this call's is "
+                         f"{'fp8 (fp8_gemv_a8)' if a8 else x.dtype}")
     tiles, consts = triton.cdiv(n, cfg.block_n), tile_constants(m, k, cfg, group_n, group_k, per_channel)
     split_k = consts["SPLIT_K"]
+    if a8:
+        want = triton.cdiv(k, consts["BLOCK_K"])
+        if not cfg.fp8_dot or x_scale.dim() != 2 or x_scale.shape[0] < m or x_scale.shape[1] != want:
+            raise ValueError(f"fp8_gemv_a8: tiles must take the FP8 dot (fp8_dot=True, got {cfg.fp8_dot}) and "
+                             f"x_scale [>= {m}, {want}] (one per row and {consts['BLOCK_K']} columns), got "
+                             f"{tuple(x_scale.shape)}")
     placeholder = out  # pointer arguments a disabled prologue (or split_k = 1) never dereferences
     parts, locks = placeholder, placeholder
     if split_k > 1:
         parts = torch.empty(tiles * split_k * cfg.block_n * consts["BLOCK_M"], dtype=torch.float32, device=x.device)
         locks = split_counters(x.device, tiles)
     _fp8_gemv_kernel[(tiles, split_k)](
-        x, residual if residual is not None else placeholder, norm_weight if norm_weight is not None else placeholder,
+        x, x_scale if a8 else placeholder, residual if residual is not None else placeholder, norm_weight if norm_weight is not None else placeholder,
         residual_out if residual_out is not None else placeholder, w, w_scale, bias if bias is not None else placeholder,
-        out, parts, locks, m, n, x.stride(0), residual.stride(0) if residual is not None else 0,
+        out, parts, locks, m, n, x.stride(0), x_scale.stride(0) if a8 else 0, x_scale.stride(1) if a8 else 0,
+        residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, w.stride(0), w_scale.stride(0), out.stride(0),
         float(eps), SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None, NORM=norm_weight is not None,
         HAS_BIAS=bias is not None, **consts,
@@ -288,7 +309,7 @@ def tile_constants(m: int, k: int, cfg: StreamConfig, group_n: int, group_k: int
             "PER_CHANNEL": per_channel, "USE_DOT": cfg.use_dot,
             "BLOCK_M": max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
             "BLOCK_N": cfg.block_n, "BLOCK_K": block_k, "SUB_K": sub_k, "KB": block_k // sub_k, "SPLIT_K": split_k,
-            "K_SPLIT": k_split, "FP8_DOT": cfg.fp8_dot, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE}  # fmt: skip
+            "K_SPLIT": k_split, "FP8_DOT": cfg.fp8_dot, "A8": cfg.a8, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE}  # fmt: skip
 
 
 def fp8_gemv(
@@ -299,6 +320,18 @@ def fp8_gemv(
     with fp32 scales ``w_scale`` [ceil(N/group_n), ceil(K/group_k)]; per-channel scales: ``group_n=1, group_k=K``, ``w_scale`` [N, 1].
     Output in x's dtype. ``config`` overrides the default tiles (the benchmark's sweep passes it)."""
     return _launch(x, x.shape[-1], w, w_scale, group_n, group_k, bias, config)
+
+
+def fp8_gemv_a8(
+    x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
+    out_dtype: torch.dtype, bias: torch.Tensor | None = None, *, config: StreamConfig,
+) -> torch.Tensor:  # fmt: skip
+    """``dequant(x) @ dequant(w).T`` for x already quantized: fp8 [M <= 64 (or padded beyond), K] with fp32
+    ``x_scale`` [>= M, ceil(K / config.block_k)] (kernels/fp8_quant.per_token_group_quant with the tile's K step:
+    the scale block's K). ``config`` must be an FP8-dot tile with ``a8``. One quantization launch before (fused
+    with the norm or SiLU·mul that makes x, kernels/fp8_quant.py) saves every program quantizing x's rows
+    again, and reads half of bf16 x's bytes."""
+    return _launch(x, x.shape[-1], w, w_scale, group_n, group_k, bias, config, x_scale=x_scale, out_dtype=out_dtype)
 
 
 def fp8_silu_mul_gemv(

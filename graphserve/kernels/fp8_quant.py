@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.gemv import _x_tile
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -28,9 +29,10 @@ MIN_SCALE = 1e-12  # amax below this (an all-zero group) quantizes to zeros, nev
 
 @triton.jit(do_not_specialize=["M"])  # batch-sized ints: see server/warmup.py
 def _token_group_quant_kernel(
-    x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg, K, GROUPS,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-    FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, res_ptr, nw_ptr, res_out_ptr, q_ptr, s_ptr, M, stride_xm, stride_rm, stride_rom, stride_qm, stride_sm,
+    stride_sg, eps, K: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+    GROUPS_PER_PROG: tl.constexpr, SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
+    STAT_BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     row = tl.program_id(0)
@@ -38,12 +40,65 @@ def _token_group_quant_kernel(
     offs = tl.arange(0, BLOCK)
     cols = groups[:, None] * GROUP + offs[None, :]  # [groups, columns of a group]
     # rows past M (padding the caller asked for) load nothing: zeros with the smallest scale
-    mask = (offs[None, :] < GROUP) & (cols < K) & (groups[:, None] < GROUPS) & (row < M)
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    in_row = (offs[None, :] < GROUP) & (cols < K) & (groups[:, None] < GROUPS)
+    mask = in_row & (row < M)
+    rstd = 0.0
+    if NORM:  # the row's statistics: the whole row (a few KB from L2), in every program of the row
+        offs_s = tl.arange(0, STAT_BLOCK)
+        sum_sq = tl.zeros((STAT_BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, STAT_BLOCK):
+            h = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, row, k0 + offs_s, (k0 + offs_s < K) & (row < M),
+                        0.0, K, False, ADD_RESIDUAL, False, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+            sum_sq += h * h
+        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps)
+    if ADD_RESIDUAL:  # x + residual, the next residual: each program writes its own columns
+        h = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, row, cols, mask, 0.0, K, False, True, False,
+                    x_ptr.dtype.element_ty)  # fmt: skip
+        tl.store(res_out_ptr + row * stride_rom + cols, h, mask=mask)
+    x = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, row, cols, mask, rstd, K, SILU_MUL, ADD_RESIDUAL,
+                NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
     scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX_C, MIN_SCALE_C)
     q = tl.clamp(x / scale[:, None], -FP8_MAX_C, FP8_MAX_C)
-    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=(offs[None, :] < GROUP) & (cols < K))
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=in_row)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < GROUPS)
+
+
+def _quant_launch(
+    x: torch.Tensor, k: int, group_size: int, pad_rows_to: int, scales_column_major: bool, silu_mul: bool = False,
+    norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"per_token_group_quant takes a row-major [M, K] tensor, got shape {tuple(x.shape)}")
+    if group_size < 1:
+        raise ValueError(f"per_token_group_quant: group_size={group_size} must be positive")
+    m = x.shape[0]
+    rows = -(-m // pad_rows_to) * pad_rows_to
+    groups = triton.cdiv(k, group_size)
+    q = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
+    if scales_column_major:
+        scales = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else None
+    if rows == 0 or k == 0:
+        return q, scales, residual_out
+    block = triton.next_power_of_2(group_size)
+    # ~2K elements per program: a 128-column group alone is too little work to cover a launch slot
+    # (an 8x2048 prefill has half a million of them), a whole-row group (group = K) stays alone
+    per_prog = min(triton.next_power_of_2(groups), max(1, 2048 // block))
+    elems = block * per_prog
+    warps = 1 if elems <= 256 else 4 if elems <= 4096 else 16
+    placeholder = x  # pointers a disabled prologue never dereferences
+    _token_group_quant_kernel[(rows, triton.cdiv(groups, per_prog))](
+        x, residual if residual is not None else placeholder, norm_weight if norm_weight is not None else placeholder,
+        residual_out if residual_out is not None else placeholder, q, scales, m, x.stride(0),
+        residual.stride(0) if residual is not None else 0, residual_out.stride(0) if residual_out is not None else 0,
+        q.stride(0), scales.stride(0), scales.stride(1), float(eps), K=k, GROUPS=groups, GROUP=group_size, BLOCK=block,
+        GROUPS_PER_PROG=per_prog, SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None, NORM=norm_weight is not None,
+        STAT_BLOCK=min(2048, triton.next_power_of_2(k)), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, num_warps=warps,
+        **pdl_args(x.device, "_token_group_quant_kernel"),
+    )  # fmt: skip
+    return q, scales, residual_out
 
 
 def per_token_group_quant(
@@ -55,32 +110,39 @@ def per_token_group_quant(
     ``scales_column_major`` stores the scales with unit stride along M: cuBLASLt's block-scaled GEMM
     takes both that way, and writing them so here saves a copy of each per call.
     """
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"per_token_group_quant takes a row-major [M, K] tensor, got shape {tuple(x.shape)}")
-    if group_size < 1:
-        raise ValueError(f"per_token_group_quant: group_size={group_size} must be positive")
-    m, k = x.shape
-    rows = -(-m // pad_rows_to) * pad_rows_to
-    groups = triton.cdiv(k, group_size)
-    q = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
-    if scales_column_major:
-        scales = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()
-    else:
-        scales = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
-    if rows == 0 or k == 0:
-        return q, scales
-    block = triton.next_power_of_2(group_size)
-    # ~2K elements per program: a 128-column group alone is too little work to cover a launch slot
-    # (an 8x2048 prefill has half a million of them), a whole-row group (group = K) stays alone
-    per_prog = min(triton.next_power_of_2(groups), max(1, 2048 // block))
-    elems = block * per_prog
-    warps = 1 if elems <= 256 else 4 if elems <= 4096 else 16
-    _token_group_quant_kernel[(rows, triton.cdiv(groups, per_prog))](
-        x, q, scales, m, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), k, groups,
-        GROUP=group_size, BLOCK=block, GROUPS_PER_PROG=per_prog, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-        num_warps=warps, **pdl_args(x.device, "_token_group_quant_kernel"),
-    )  # fmt: skip
+    q, scales, _ = _quant_launch(x, x.shape[-1] if x.dim() == 2 else 0, group_size, pad_rows_to, scales_column_major)
     return q, scales
+
+
+def silu_mul_group_quant(
+    gate_up: torch.Tensor, group_size: int, *, pad_rows_to: int = 1, scales_column_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``per_token_group_quant(silu_and_mul(gate_up), ...)`` in one launch, for gate_up [M, 2K] = [gate | up]:
+    the activation rounded to gate_up's dtype as the separate kernel writes it, then quantized."""
+    if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
+        raise ValueError(f"silu_mul_group_quant takes gate_up [M, 2K], got {tuple(gate_up.shape)}")
+    q, scales, _ = _quant_launch(gate_up, gate_up.shape[-1] // 2, group_size, pad_rows_to, scales_column_major,
+                                 silu_mul=True)
+    return q, scales
+
+
+def norm_group_quant(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, group_size: int, residual: torch.Tensor | None = None,
+    *, pad_rows_to: int = 1, scales_column_major: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``(q, scales, x + residual or None)``: (residual add +) RMSNorm with kernels/norm.py's numerics, then
+    ``per_token_group_quant``, in one launch (the normed rows are never written)."""
+    if x.dim() != 2:
+        raise ValueError(f"norm_group_quant takes x [M, K], got {tuple(x.shape)}")
+    k = x.shape[-1]
+    if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_group_quant: norm weight must be contiguous with shape ({k},), got "
+                         f"{tuple(norm_weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
+        raise ValueError(f"norm_group_quant: residual {tuple(residual.shape)} {residual.dtype} must match x "
+                         f"{tuple(x.shape)} {x.dtype}, row-major")
+    return _quant_launch(x, k, group_size, pad_rows_to, scales_column_major, norm_weight=norm_weight, eps=eps,
+                         residual=residual)
 
 
 def per_token_group_quant_reference(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from model_utils import PagedHarness, make_hf_checkpoint  # noqa: E402
 from graphserve.config import EngineConfig  # noqa: E402
 from graphserve.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
-from graphserve.kernels.fp8_config import DEFAULT_STREAM_ROWS, SCALED_MM_MIN_ROWS, StreamConfig  # noqa: E402
+from graphserve.kernels.fp8_config import DEFAULT_STREAM_ROWS, SCALED_MM_MIN_ROWS, Route, StreamConfig  # noqa: E402
 from graphserve.kernels.fp8_gemm import (  # noqa: E402
     blockwise_scale_layout,
     blockwise_scaled_mm_available,
@@ -35,6 +35,7 @@ from graphserve.kernels.fp8_gemm import (  # noqa: E402
 )
 from graphserve.kernels.fp8_gemv import (  # noqa: E402
     fp8_gemv,
+    fp8_gemv_a8,
     fp8_gemv_reference,
     fp8_norm_gemv,
     fp8_norm_gemv_reference,
@@ -146,7 +147,11 @@ def test_fp8_gemv_every_swept_tile(m: int, gen: torch.Generator) -> None:
         # reference on x quantized so
         ref_q = fp8_gemv_reference(dequantize_blocks(*per_token_group_quant(x, gk), 1, gk), wq, ws, gn, gk)
         for cfg in candidates(m, n, k, torch.cuda.get_device_properties(DEV).multi_processor_count):
-            assert rel(fp8_gemv(x, wq, ws, gn, gk, config=cfg), ref_q if cfg.fp8_dot else ref) < TOL, cfg
+            if cfg.a8:  # x quantized by the launch before, as the layer does
+                out = fp8_gemv_a8(*per_token_group_quant(x, cfg.block_k), wq, ws, gn, gk, torch.bfloat16, config=cfg)
+            else:
+                out = fp8_gemv(x, wq, ws, gn, gk, config=cfg)
+            assert rel(out, ref_q if cfg.fp8_dot else ref) < TOL, cfg
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 40])
@@ -261,6 +266,50 @@ def test_norm_and_silu_linear_fuse_into_fp8_layers(m: int, gen: torch.Generator)
         h, want_res = norm(x, res.clone())
         assert rel(y, qkv(h)) < TOL and rel(new_res, want_res) < 1e-3
         assert rel(silu_mul_linear(gate_up, down), down(silu_and_mul(gate_up))) < TOL
+
+
+A8_TILE = StreamConfig(128, 128, 8, 3, True, split_k=4, fp8_dot=True, a8=True)
+
+
+@pytest.mark.parametrize("route", [Route("stream", A8_TILE), Route("w8a8"), Route("scaled_mm")],
+                         ids=["stream_a8", "w8a8", "scaled_mm"])
+@pytest.mark.parametrize("m", [5, 64])
+def test_fused_quant_prologues_in_every_quantizing_path(route: Route, m: int, gen: torch.Generator) -> None:
+    """Each path that quantizes its input takes the norm (+ residual) and SiLU·mul into that quantization's
+    launch: norm_linear / silu_mul_linear give what the separate norm / activation and the layer on the
+    same route give, and the residual sum exactly; also from a CUDA graph replayed on new inputs."""
+    from graphserve.layers.activation import silu_and_mul
+    from graphserve.layers.linear import norm_linear, silu_mul_linear
+    from graphserve.layers.norm import RMSNorm
+
+    if route.path == "scaled_mm" and not blockwise_scaled_mm_available(DEV):
+        pytest.skip("this torch build has no block-scaled torch._scaled_mm")
+    qkv, down = _fp8_layer(6144, 4096, True, gen), _fp8_layer(4096, 14336, True, gen)
+    dev = qkv.weight.device  # the index the layer's route cache keys on (cuda:0, not cuda)
+    for layer in (qkv, down):  # the route this test exercises, whatever the table says at m rows
+        layer.quant_method._routes[(m, layer.out_features, layer.in_features, torch.bfloat16, dev)] = route
+    norm = RMSNorm(4096, 1e-6).to(DEV, torch.bfloat16)
+    norm.weight.data.normal_(1.0, 0.1, generator=gen)
+    x, res = (torch.randn(m, 4096, device=DEV, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    gate_up = torch.randn(m, 2 * 14336, device=DEV, generator=gen, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        down(gate_up[:, :14336].contiguous())  # cuBLASLt's scale layout is made outside the capture
+        qkv(x)
+        y, new_res = norm_linear(norm, x, res, qkv)
+        h, want_res = norm(x, res)
+        assert rel(y, qkv(h)) < TOL and torch.equal(new_res, want_res)
+        z = silu_mul_linear(gate_up, down)
+        assert rel(z, down(silu_and_mul(gate_up))) < TOL
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_g, res_g = norm_linear(norm, x, res, qkv)
+            z_g = silu_mul_linear(gate_up, down)
+        for t in (x, res, gate_up):
+            t.copy_(torch.randn(t.shape, device=DEV, generator=gen, dtype=torch.bfloat16))
+        graph.replay()
+        h, want_res = norm(x, res)
+        assert rel(y_g, qkv(h)) < TOL and torch.equal(res_g, want_res)
+        assert rel(z_g, down(silu_and_mul(gate_up))) < TOL
 
 
 def test_merged_layer_loads_shards_into_their_block_rows(gen: torch.Generator) -> None:

@@ -15,12 +15,16 @@ per projection shape and row count, else its defaults):
   activations (widened in registers, or x quantized in the kernel for the FP8 tensor cores: no
   activation quantization launch either way); at a few rows the RMSNorm before qkv / gate_up and the
   SiLU·mul before down run in its loads (``apply_norm`` / ``apply_silu_mul``, which layers/linear.py's
-  norm_linear / silu_mul_linear call; row limits below);
+  norm_linear / silu_mul_linear call; row limits below). ``a8`` tiles read x quantized by a launch
+  before them, as the two paths below;
 - CUDA ``scaled_mm``, 128x128 blocks: per-token-group activation quantization (written padded and
   column-major, as cuBLASLt takes it) and ``torch._scaled_mm``'s block-scaled mode, where this
   build has it (probed once per device);
 - CUDA ``w8a8``: per-token (group) or static activation quantization, then ``torch._scaled_mm``
   rowwise for per-channel scales where the shape takes it, else the Triton W8A8 kernel.
+Where a path quantizes its input dynamically, the norm or SiLU·mul that makes the input runs in that
+quantization's launch (kernels/fp8_quant.norm_group_quant / silu_mul_group_quant): the normed or activated
+rows are never written, and the layer launches one kernel fewer.
 """
 
 from __future__ import annotations
@@ -41,14 +45,16 @@ from graphserve.kernels.fp8_gemm import (
     scaled_mm_supported,
     w8a8_matmul,
 )
-from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_norm_gemv, fp8_silu_mul_gemv
+from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_a8, fp8_norm_gemv, fp8_silu_mul_gemv
 from graphserve.kernels.fp8_quant import (
     FP8_DTYPE,
     FP8_MAX,
     dequantize_blocks,
+    norm_group_quant,
     per_token_group_quant,
     quantize_weight_blocks,
     quantize_weight_channels,
+    silu_mul_group_quant,
 )
 from graphserve.layers.quant.config import Fp8Config
 
@@ -184,43 +190,69 @@ class Fp8LinearMethod:
         out = self._cuda_matmul(layer, rows)
         return out.view(*x.shape[:-1], layer.out_features)
 
-    def _stream_route(self, layer: Linear, x: torch.Tensor, k: int) -> Route | None:
-        """The streaming route for this call, when the table (or the defaults) sends it there."""
+    def _fused_route(self, layer: Linear, x: torch.Tensor, k: int) -> Route | None:
+        """The route for a call whose input a prologue (norm, SiLU·mul) makes, where that prologue can run in
+        the call's own launches: a streaming tile computing it in its loads, or the one launch that quantizes
+        the input; None where the caller should run the prologue separately."""
         if not x.is_cuda or x.dim() != 2 or (torch.is_grad_enabled() and x.requires_grad):
             return None
         route = self._route(x, layer.out_features, k)
-        return route if route.path == "stream" else None
+        if route.path == "stream" and not route.config.a8:
+            return route
+        return route if self._quantizes_input(route) else None
+
+    def _quantizes_input(self, route: Route) -> bool:
+        """Whether this route quantizes its input per token (group) by a launch of its own."""
+        if self.config.activation_scheme != "dynamic":
+            return False
+        return route.path != "stream" or route.config.a8
 
     def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """``layer(silu_and_mul(gate_up))`` with the activation in the streaming kernel's loads, or None
-        where the call does not stream (the caller then runs the two steps)."""
+        """``layer(silu_and_mul(gate_up))`` with the activation computed in the launch that reads it (the
+        streaming kernel's loads at a few rows, else the input's quantization), or None where it cannot be
+        (the caller then runs the two steps)."""
         rows = gate_up.reshape(-1, gate_up.shape[-1])
         k = layer.in_features
-        if rows.shape[-1] != 2 * k or not rows.is_contiguous() or rows.shape[0] > SILU_PROLOGUE_MAX_ROWS:
+        if rows.shape[-1] != 2 * k or not rows.is_contiguous():
             return None
-        route = self._stream_route(layer, rows[:, :k], k)
+        route = self._fused_route(layer, rows[:, :k], k)
         if route is None:
             return None
         scale = self.scale(layer)
-        out = fp8_silu_mul_gemv(rows, layer.weight, scale.view(scale.shape[0], -1), self.group_n, self.group_k or k,
-                                layer.bias, config=route.config)
+        if self._quantizes_input(route):
+            group, blockwise = self._quant_layout(layer, route, k)
+            a_q, a_s = silu_mul_group_quant(rows, group, pad_rows_to=4 if blockwise else 1, scales_column_major=blockwise)
+            out = self._quantized_matmul(layer, route, a_q, a_s, rows.shape[0], gate_up.dtype, blockwise)
+        elif rows.shape[0] <= SILU_PROLOGUE_MAX_ROWS:
+            out = fp8_silu_mul_gemv(rows, layer.weight, scale.view(scale.shape[0], -1), self.group_n,
+                                    self.group_k or k, layer.bias, config=route.config)
+        else:
+            return None
         return out.view(*gate_up.shape[:-1], layer.out_features)
 
     def apply_norm(self, layer: Linear, norm: nn.Module, x: torch.Tensor,
                    residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(layer(norm(x [+ residual])), new residual)`` with the norm in the streaming kernel's loads,
-        or None where the call does not stream."""
+        """``(layer(norm(x [+ residual])), new residual)`` with the norm computed in the launch that reads it
+        (as ``apply_silu_mul``), or None where it cannot be."""
         rows = x.reshape(-1, x.shape[-1])
         k = layer.in_features
-        if rows.shape[-1] != k or not rows.is_contiguous() or rows.shape[0] > NORM_PROLOGUE_MAX_ROWS:
+        if rows.shape[-1] != k or not rows.is_contiguous():
             return None
-        route = self._stream_route(layer, rows, k)
+        route = self._fused_route(layer, rows, k)
         if route is None:
             return None
-        scale = self.scale(layer)
         res_rows = residual.reshape(rows.shape) if residual is not None else None
-        y, summed = fp8_norm_gemv(rows, norm.weight, norm.eps, layer.weight, scale.view(scale.shape[0], -1),
-                                  self.group_n, self.group_k or k, layer.bias, res_rows, config=route.config)
+        if self._quantizes_input(route):
+            group, blockwise = self._quant_layout(layer, route, k)
+            a_q, a_s, summed = norm_group_quant(rows, norm.weight, norm.eps, group, res_rows,
+                                                pad_rows_to=4 if blockwise else 1, scales_column_major=blockwise)
+            y = self._quantized_matmul(layer, route, a_q, a_s, rows.shape[0], x.dtype, blockwise)
+        elif rows.shape[0] <= NORM_PROLOGUE_MAX_ROWS:
+            scale = self.scale(layer)
+            y, summed = fp8_norm_gemv(rows, norm.weight, norm.eps, layer.weight, scale.view(scale.shape[0], -1),
+                                      self.group_n, self.group_k or k, layer.bias, res_rows, config=route.config)
+        else:
+            return None
         new_residual = summed.view(x.shape) if summed is not None else x
         return y.view(*x.shape[:-1], layer.out_features), new_residual
 
@@ -252,28 +284,47 @@ class Fp8LinearMethod:
         layer._fp8_scale_layout = ((scale.data_ptr(), scale._version), layout)
         return layout
 
+    def _quant_layout(self, layer: Linear, route: Route, k: int) -> tuple[int, bool]:
+        """(group size, blockwise) of the input quantization this route reads: a streaming A8 tile's K step,
+        else the weight's scale block along K (the whole row: per token); blockwise where the call takes
+        cuBLASLt's block-scaled GEMM, which wants rows padded to 4 and column-major scales."""
+        if route.path == "stream":
+            return route.config.block_k, False
+        return self.group_k or k, route.path == "scaled_mm" and self._scale_layout(layer) is not None
+
+    def _quantized_matmul(self, layer: Linear, route: Route, a_q: torch.Tensor, a_s: torch.Tensor, m: int,
+                          out_dtype: torch.dtype, blockwise: bool = False) -> torch.Tensor:
+        """The route's product of quantized activations (first ``m`` rows real) and the fp8 weight;
+        ``blockwise``: cuBLASLt's block-scaled GEMM, the activations laid out for it (``_quant_layout``)."""
+        w, scale = layer.weight, self.scale(layer)
+        group_k = self.group_k or w.shape[1]
+        scale_2d = scale.view(scale.shape[0], -1)
+        if route.path == "stream":
+            return fp8_gemv_a8(a_q, a_s, w, scale_2d, self.group_n, group_k, out_dtype, layer.bias,
+                               config=route.config)
+        if blockwise:
+            out = scaled_mm_blockwise(a_q, a_s, w, self._scale_layout(layer), torch.bfloat16, rows=m)
+            return out + layer.bias if layer.bias is not None else out
+        if not self.config.block and out_dtype == torch.bfloat16 and scaled_mm_supported(m, w.shape[0], w.shape[1],
+                                                                                           a_q.device):
+            return scaled_mm_rowwise(a_q, a_s, w, scale, out_dtype, layer.bias)
+        return w8a8_matmul(a_q, a_s, w, scale_2d, self.group_n, group_k, out_dtype, layer.bias)
+
     def _cuda_matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
-        n = layer.out_features
-        w, scale = layer.weight, self.scale(layer)
-        group_k = self.group_k or k
-        scale_2d = scale.view(scale.shape[0], -1)
-        route = self._route(x, n, k)
-        if route.path == "stream":
-            return fp8_gemv(x, w, scale_2d, self.group_n, group_k, layer.bias, config=route.config)
+        route = self._route(x, layer.out_features, k)
+        if route.path == "stream" and not route.config.a8:
+            scale = self.scale(layer)
+            return fp8_gemv(x, layer.weight, scale.view(scale.shape[0], -1), self.group_n, self.group_k or k,
+                            layer.bias, config=route.config)
         if self.config.activation_scheme == "static":
             a_scale = layer.input_scale.max()
             a_q = (x.float() / a_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
             a_s = a_scale.expand(m, 1).contiguous()
-        elif route.path == "scaled_mm" and (layout := self._scale_layout(layer)) is not None:
-            a_q, a_s = per_token_group_quant(x, group_k, pad_rows_to=4, scales_column_major=True)
-            out = scaled_mm_blockwise(a_q, a_s, w, layout, torch.bfloat16, rows=m)
-            return out + layer.bias if layer.bias is not None else out
-        else:
-            a_q, a_s = per_token_group_quant(x, group_k)
-        if not self.config.block and x.dtype == torch.bfloat16 and scaled_mm_supported(m, w.shape[0], k, x.device):
-            return scaled_mm_rowwise(a_q, a_s, w, scale, x.dtype, layer.bias)
-        return w8a8_matmul(a_q, a_s, w, scale_2d, self.group_n, group_k, x.dtype, layer.bias)
+            return self._quantized_matmul(layer, Route("w8a8"), a_q, a_s, m, x.dtype)
+        group, blockwise = self._quant_layout(layer, route, k)
+        a_q, a_s = per_token_group_quant(x, group, pad_rows_to=4 if blockwise else 1, scales_column_major=blockwise)
+        return self._quantized_matmul(layer, route, a_q, a_s, m, x.dtype, blockwise)
 
 
 def quantize_linears(model: nn.Module, config: Fp8Config) -> int:
