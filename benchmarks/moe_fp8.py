@@ -9,8 +9,9 @@ lm_head and router gates, and the KV in context) over the best read bandwidth me
 run (benchmarks/roofline.py probes and the steps themselves). The bf16 model runs the same steps.
 
 Kernels: the experts of one Qwen3-30B-A3B layer at T tokens (top-8 of 128, random routing), bf16
-weights vs fp8 weights in W8A16 and in W8A8, with ``*`` on the mode kernels/moe_fused.py picks
-(W8A8 from ``W8A8_MIN_ROWS_PER_EXPERT`` pairs per expert).
+weights vs fp8 weights in W8A16 and in W8A8, and as the layer runs them (``layer_ms``: the W8A8 rule
+from ``W8A8_MIN_ROWS_PER_EXPERT`` pairs per expert, or the tuned table's tiles quantizing inside the
+GEMM; ``picked`` names the mode of each step, kernels/moe_fused.quantized_steps).
 
 Rows go to benchmarks/results/fp8_decode.json as {"model","bs","ctx","step_ms","floor_ms","ratio",
 "bf16_step_ms"} beside the rows already there (benchmarks/fp8.py writes the dense ones: run it
@@ -31,7 +32,7 @@ from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
-from graphserve.kernels.moe_fused import W8A8_MIN_ROWS_PER_EXPERT, fused_experts
+from graphserve.kernels.moe_fused import fused_experts, quantized_steps
 from graphserve.kernels.moe_routing import moe_softmax_topk
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.layers.forward_batch import contiguous_batch
@@ -88,14 +89,18 @@ def kernel_rows(tokens: list[int], e: int = 128, h: int = 2048, i: int = 768, k:
         x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
         w, ids = moe_softmax_topk(torch.randn(t, e, device="cuda", generator=gen), k, True)
 
-        def fp8(w8a8: bool, x=x, w=w, ids=ids):
+        def fp8(w8a8: bool | None, x=x, w=w, ids=ids):
             return fused_experts(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2, weight_block=(128, 128),
                                  path="gemm", w8a8=w8a8)  # fmt: skip
 
-        chosen = t * k >= W8A8_MIN_ROWS_PER_EXPERT * e
+        # what the layer runs here: the W8A8 rule, or the tuned table's tiles quantizing inside the GEMM
+        quantized = quantized_steps(t, k, q13, q2, s13, s2, (128, 128), path="gemm")
+        picked = "+".join(("a8" if q else "w8a16") for q in quantized) if quantized[0] != quantized[1] else (
+            "w8a8" if quantized[0] else "w8a16")
         row = {"tokens": t, "pairs": t * k, "bf16_ms": cuda_time_ms(lambda x=x, w=w, ids=ids: fused_experts(
             x, w13, w2, w, ids, path="gemm")), "w8a16_ms": cuda_time_ms(lambda f=fp8: f(False)),
-            "w8a8_ms": cuda_time_ms(lambda f=fp8: f(True)), "picked": "w8a8" if chosen else "w8a16"}  # fmt: skip
+            "w8a8_ms": cuda_time_ms(lambda f=fp8: f(True)), "layer_ms": cuda_time_ms(lambda f=fp8: f(None)),
+            "picked": picked}  # fmt: skip
         rows.append(row)
     return rows
 
@@ -124,7 +129,7 @@ def main() -> None:
     print(f"\nfloor: {bw.describe()}")
     print_table(rows, COLS)
     if kernels:
-        print_table(kernels, ["tokens", "pairs", "bf16_ms", "w8a16_ms", "w8a8_ms", "picked"])
+        print_table(kernels, ["tokens", "pairs", "bf16_ms", "w8a16_ms", "w8a8_ms", "layer_ms", "picked"])
     merge_rows("fp8_decode", [{key: r[key] for key in ("model", "bs", "ctx", "step_ms", "floor_ms", "ratio",
                                                "bf16_step_ms")} for r in rows])  # fmt: skip
     write_result("moe_fp8", {"ceilings": {"read": bw.summary()}, "rows": rows, "kernels": kernels})

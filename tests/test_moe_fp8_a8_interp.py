@@ -56,6 +56,23 @@ def _fp8_experts(gen, h, inter, block=BLOCK):
     return torch.cat([qg, qu], 1), q2, torch.cat([sg, su], 1).contiguous(), s2.contiguous()
 
 
+def _spy_a_quant(monkeypatch) -> list[bool]:
+    """The A_QUANT constexpr of every grouped-GEMM launch from here on, in order."""
+    spy = []
+    kernel = moe_fused.fused_moe_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                spy.append(kwargs["A_QUANT"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(moe_fused, "fused_moe_gemm_kernel", Spy())
+    return spy
+
+
 def _exact_rows(m: int, k: int, group: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
     """Rows whose every ``group``-wide K step is e4m3 values times 2^-6, with 448 (e4m3's largest) among
     them: the step's scale is 2^-6 and quantizing it is exact, however the fp32 -> e4m3 rounding goes."""
@@ -202,18 +219,7 @@ def test_tuner_writes_a8_tiles_that_the_table_path_runs(monkeypatch):
     tiles, _ = moe_tune.tune(E, h, inter, k, torch.float8_e4m3fn, quick=False, budget_s=600, tokens=[4])
     assert tiles.gate_up == (A8,) and tiles.down == (A8,)
     again = MoeTiles.from_json(json.loads(json.dumps(tiles.to_json())))
-    spy = []
-    kernel = moe_fused.fused_moe_gemm_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                spy.append(kwargs["A_QUANT"])
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(moe_fused, "fused_moe_gemm_kernel", Spy())
+    spy = _spy_a_quant(monkeypatch)
     gen = torch.Generator().manual_seed(9)
     w13, w2, s13, s2 = _fp8_experts(gen, h, inter)
     x = _randn(4, h, gen=gen)
@@ -223,3 +229,25 @@ def test_tuner_writes_a8_tiles_that_the_table_path_runs(monkeypatch):
     assert spy == [True, True]
     want = experts_fp8_reference(x, w13, w2, s13, s2, BLOCK, topk_w, topk_ids, w8a8=True)
     assert _rel(out, want) < 0.1
+
+
+@pytest.mark.parametrize("case", ["per_channel", "w8a16_asked"])
+def test_table_a8_tiles_run_without_a8_where_the_call_cannot_take_them(case, monkeypatch):
+    """A tuned table's a8 tile met by per-channel expert scales (a8 needs block scales), or by a caller asking
+    for W8A16: the step runs the same tile without quantizing in the GEMM, quantized_steps says so, and the
+    product is the W8A16 reference's."""
+    h, inter, k, t = 64, 32, 2, 4
+    table = MoeTiles(small_max_pairs=0, gemv_gate_up=None, gemv_down=None, buckets=(64,), gate_up=(A8,), down=(A8,))
+    monkeypatch.setattr(moe_fused, "moe_tiles", lambda *args: table)
+    gen = torch.Generator().manual_seed(21)
+    block = None if case == "per_channel" else BLOCK
+    w13, w2, s13, s2 = _fp8_experts(gen, h, inter, block)
+    x = _randn(t, h, gen=gen)
+    topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), k, True)
+    w8a8 = False if case == "w8a16_asked" else None
+    assert moe_fused.quantized_steps(t, k, w13, w2, s13, s2, block, w8a8=w8a8) == (False, False)
+    spy = _spy_a_quant(monkeypatch)
+    out = fused_experts(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2, weight_block=block, w8a8=w8a8)
+    assert spy == [False, False]
+    want = experts_fp8_reference(x, w13, w2, s13, s2, block, topk_w, topk_ids, w8a8=False)
+    assert _rel(out, want) < 1e-2

@@ -39,12 +39,14 @@ def _quant_dequant(x: torch.Tensor, group_k: int) -> torch.Tensor:
 def experts_fp8_reference(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
     block: tuple[int, int] | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    valid: torch.Tensor | None = None, expert_start: int = 0, w8a8: bool = False,
+    valid: torch.Tensor | None = None, expert_start: int = 0, w8a8: bool | tuple[bool, bool] = False,
 ) -> torch.Tensor:  # fmt: skip
     """The experts of moe_reference.experts_reference on the dequantized weights, one expert at a
     time (so memory stays one expert's fp32 weights at any shape); ``w8a8``: x and the activated
     product also go through per-token-group fp8 quantization (groups of the block's K, or whole
-    rows per channel), as the W8A8 grouped GEMM computes. Reads the routing on the host."""
+    rows per channel), as the W8A8 grouped GEMM computes; a pair (gate_up's, down's) for a call whose
+    steps differ (kernels/moe_fused.quantized_steps). Reads the routing on the host."""
+    quant13, quant2 = (w8a8, w8a8) if isinstance(w8a8, bool) else w8a8
     t, h = hidden.shape
     k = topk_ids.shape[1]
     inter = w2.shape[2]
@@ -59,10 +61,10 @@ def experts_fp8_reference(
         d13 = dequantize_experts(w13[e : e + 1], w13_scale[e : e + 1], block, parts=2)[0]
         d2 = dequantize_experts(w2[e : e + 1], w2_scale[e : e + 1], block)[0]
         rows = hidden[pairs // k].float()
-        if w8a8:
+        if quant13:
             rows = _quant_dequant(rows, gk13)
         act = _silu_mul(rows @ d13.T, hidden.dtype).float()
-        if w8a8:
+        if quant2:
             act = _quant_dequant(act, gk2)
         down = (act @ d2.T) * topk_weights.reshape(-1)[pairs].float()[:, None]
         out[pairs] = down.to(hidden.dtype).float()

@@ -25,6 +25,8 @@ only) runs its step W8A8 at any size with the quantization inside the GEMM (kern
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
@@ -111,18 +113,57 @@ def fused_experts(
         return out
     tiles = tiles or moe_tiles(num_local, inter, h, w13.dtype if fp8 else dtype, device)
     valid_arg = topk_ids if valid is None else valid.view(torch.uint8)
-    if path == "gemv" or (path is None and pairs <= tiles.small_max_pairs):
+    chosen, step_tiles, w8a8 = _plan(pairs, num_local, tiles, scales, path, w8a8, gemm_tiles)
+    if chosen == "gemv":
         _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
                         gemv_tiles or tiles.gemv_tiles(k, inter, h, weight_block[1] if weight_block else None),
                         scales)  # fmt: skip
     else:
-        if w8a8 is None:
-            w8a8 = fp8 and pairs >= W8A8_MIN_ROWS_PER_EXPERT * num_local
-        if w8a8 and not fp8:
-            raise ValueError("w8a8=True needs fp8 expert weights (w13_scale, w2_scale)")
         _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
-                           gemm_tiles or tiles.gemm_tiles(pairs), scales, w8a8)  # fmt: skip
+                           step_tiles, scales, w8a8)  # fmt: skip
     return out
+
+
+def _plan(pairs: int, num_local: int, tiles: MoeTiles, scales: ExpertScales | None, path: str | None,
+          w8a8: bool | None, gemm_tiles: tuple[GemmTile, GemmTile] | None,
+          ) -> tuple[str, tuple[GemmTile, GemmTile] | None, bool]:  # fmt: skip
+    """(path, grouped-GEMM tiles, W8A8 by a quantization launch) for a call of ``pairs``. The table's tiles
+    run as these weights can: a tile that quantizes in the GEMM (``a8``) needs block scales whose K block
+    is its K step, and a call that asks for W8A16 (``w8a8=False``) keeps its activations unquantized;
+    elsewhere the tile runs without ``a8``. Tiles passed in run as given (a wrong one is refused)."""
+    if path == "gemv" or (path is None and pairs <= tiles.small_max_pairs):
+        return "gemv", None, False
+    w8a16 = w8a8 is False
+    if w8a8 is None:
+        w8a8 = scales is not None and pairs >= W8A8_MIN_ROWS_PER_EXPERT * num_local
+    if w8a8 and scales is None:
+        raise ValueError("w8a8=True needs fp8 expert weights (w13_scale, w2_scale)")
+    if gemm_tiles is not None:
+        return "gemm", gemm_tiles, w8a8
+
+    def runnable(tile: GemmTile, sb: ExpertScales | None) -> GemmTile:
+        if not tile.a8 or (not w8a16 and sb is not None and not sb.per_channel and tile.block_k == sb.group_k):
+            return tile
+        return dataclasses.replace(tile, a8=False)
+
+    gate_up, down = tiles.gemm_tiles(pairs)
+    s13, s2 = scales if scales is not None else (None, None)
+    return "gemm", (runnable(gate_up, s13), runnable(down, s2)), w8a8
+
+
+def quantized_steps(t: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                    w2_scale: torch.Tensor, weight_block: tuple[int, int] | None, *, path: str | None = None,
+                    w8a8: bool | None = None) -> tuple[bool, bool]:  # fmt: skip
+    """Whether ``fused_experts`` quantizes the activations of its gate_up and its down step for a call of
+    ``t`` tokens on these fp8 experts (by a launch, W8A8, or inside the GEMM, an ``a8`` tile): what
+    kernels/moe_fp8_reference.experts_fp8_reference must do to compute the same product."""
+    num_local, inter, h = w13.shape[0], w2.shape[2], w2.shape[1]
+    scales = expert_scales(w13, w2, w13_scale, w2_scale, weight_block)
+    tiles = moe_tiles(num_local, inter, h, w13.dtype, w13.device)
+    chosen, step_tiles, w8a8 = _plan(t * top_k, num_local, tiles, scales, path, w8a8, None)
+    if chosen == "gemv":
+        return False, False
+    return w8a8 or step_tiles[0].a8, w8a8 or step_tiles[1].a8
 
 
 def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles,

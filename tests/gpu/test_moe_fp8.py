@@ -2,8 +2,8 @@
 Mixtral-8x7B, OLMoE-1B-7B and Qwen1.5-MoE-A2.7B.
 
 Fresh random bf16 activations against the dequantizing reference (kernels/moe_fp8_reference.py),
-which quantizes the activations the same way where the W8A8 rule applies (``t * k >=
-W8A8_MIN_ROWS_PER_EXPERT * E``); 128x128 block and per-channel scales; the streaming path, the
+which quantizes the activations the same way where the layer does (the W8A8 rule, ``t * k >=
+W8A8_MIN_ROWS_PER_EXPERT * E``, or the tuned table's ``a8`` tiles: kernels/moe_fused.quantized_steps); 128x128 block and per-channel scales; the streaming path, the
 grouped GEMM in W8A16 and in W8A8 forced at small batches, and with the activations quantized inside
 it (``GemmTile.a8``); FusedMoE with fp8 experts captured into a CUDA graph with padding rows and
 replayed on new inputs (equal to eager bit for bit, padding rows zero and uncounted), including a
@@ -19,7 +19,7 @@ from gpu_utils import capture, rel_err
 
 from graphserve.kernels.moe_config import GemmTile
 from graphserve.kernels.moe_fp8_reference import experts_fp8_reference
-from graphserve.kernels.moe_fused import W8A8_MIN_ROWS_PER_EXPERT, fused_experts, moe_workspace_bytes
+from graphserve.kernels.moe_fused import fused_experts, moe_workspace_bytes, quantized_steps
 from graphserve.kernels.moe_reference import expert_counts_reference, softmax_topk_reference
 from graphserve.kernels.moe_routing import moe_softmax_topk
 from graphserve.layers.moe import FusedMoE, SoftmaxTopK
@@ -68,7 +68,7 @@ def test_fp8_experts_model_shapes(name, kind, t, experts, gen):
     x, w, ids = _routing(t, name, gen)
     counts = torch.full((e,), -1, dtype=torch.int32, device="cuda")
     out = fused_experts(x, w13, w2, w, ids, counts=counts, w13_scale=s13, w2_scale=s2, weight_block=SCALES[kind])
-    w8a8 = t * k >= W8A8_MIN_ROWS_PER_EXPERT * e
+    w8a8 = quantized_steps(t, k, w13, w2, s13, s2, SCALES[kind])  # the W8A8 rule, or the table's a8 tiles
     ref = experts_fp8_reference(x, w13, w2, s13, s2, SCALES[kind], w, ids, w8a8=w8a8)
     assert not out.isnan().any()
     assert rel_err(out, ref) < TOL, w8a8
@@ -81,10 +81,12 @@ def test_fp8_experts_model_shapes(name, kind, t, experts, gen):
 def test_every_path_and_mode_at_small_batches(name, t, kind, experts, gen):
     w13, w2, s13, s2 = experts[name, kind]
     x, w, ids = _routing(t, name, gen)
-    block = SCALES[kind]
+    block, k = SCALES[kind], MODELS[name][3]
     for path, w8a8 in (("gemv", None), ("gemm", False), ("gemm", True)):
         out = fused_experts(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2, weight_block=block, path=path, w8a8=w8a8)
-        ref = experts_fp8_reference(x, w13, w2, s13, s2, block, w, ids, w8a8=bool(w8a8))
+        modes = quantized_steps(t, k, w13, w2, s13, s2, block, path=path, w8a8=w8a8)
+        assert modes == ((False, False) if not w8a8 else (True, True))  # W8A16 asked for stays W8A16
+        ref = experts_fp8_reference(x, w13, w2, s13, s2, block, w, ids, w8a8=modes)
         assert rel_err(out, ref) < TOL, (path, w8a8)
 
 
@@ -173,8 +175,8 @@ def test_fp8_layer_under_cuda_graph_replay(name, padded, real, kind, experts, ge
     w, ids = softmax_topk_reference(logits[:real], k, renorm)
     assert torch.equal(replay_counts, expert_counts_reference(ids, None, e))
     if real:
-        w8a8 = padded * k >= W8A8_MIN_ROWS_PER_EXPERT * e  # the rule reads the padded size
         w13, w2, s13, s2 = experts[name, kind]
+        w8a8 = quantized_steps(padded, k, w13, w2, s13, s2, SCALES[kind])  # the rule reads the padded size
         ref = experts_fp8_reference(x[:real], w13, w2, s13, s2, SCALES[kind], w, ids, w8a8=w8a8)
         assert rel_err(replay_out[:real], ref) < TOL
 
