@@ -117,10 +117,14 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
             for split in (1, 2, 4, 8, 16):
                 if k % bk or bk * (2 * split if split > 1 else 1) > k or not sms <= triton.cdiv(n, bn) * split <= 4 * sms:
                     continue
-                warps = 8 if bn * block_m >= 64 * 64 else 4
-                for a8 in (False, True) if fp8 else (False,):
-                    out.append(StreamConfig(bn, bk, num_warps=warps, num_stages=3, use_dot=True, split_k=split,
-                                            fp8_dot=fp8, a8=a8))
+                # FP8-dot tiles of 64-128 rows at 64 rows of x also in 4 warps: twice the registers a thread (no
+                # spill on sm_90 up to 128 rows), and ptxas's occupancy (benchmarks/kernel_ptxas.py) may then fit
+                # two programs an SM where 8 warps fit one
+                big = bn * block_m >= 64 * 64
+                for warps in (8, 4) if big and fp8 and m > 32 and bn <= 128 else (8 if big else 4,):
+                    for a8 in (False, True) if fp8 else (False,):
+                        out.append(StreamConfig(bn, bk, num_warps=warps, num_stages=3, use_dot=True, split_k=split,
+                                                fp8_dot=fp8, a8=a8))
     return out
 
 
