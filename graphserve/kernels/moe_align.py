@@ -26,13 +26,14 @@ import triton.language as tl
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 _BLOCK_P = 128  # pairs per program in the count and scatter kernels
-# Up to this many pairs (a decode batch of 128 at k = 8) the offsets kernel counts them all, 8 steps
-# of elementwise adds at E = 128 (each of its programs the same), and the count needs no launch of its own; beyond it the count is a
-# grid of atomic per-program histograms into a zeroed buffer, so no single loop grows with the batch.
+# Up to this many pairs (a decode batch of 128 at k = 8) the offsets kernel counts them all (each of its
+# programs the same), and the count needs no launch of its own; beyond it the count is a grid of atomic
+# per-program histograms into a zeroed buffer, so no single loop grows with the batch.
 SINGLE_PROGRAM_MAX_PAIRS = 1024
-# the offsets kernel's programs: a one-program histogram is a chain of dependent loads, one per step, so
-# the steps are made as wide as 16 warps hold (32 elements a thread) to make the chain short
-_OFFSETS_WARPS = 16
+HISTOGRAM_PAIRS = 512  # pairs per step of a one-program histogram: a decode batch of 64 at k = 8 in one
+# the offsets kernel's warps and tiles a program: benchmarks.step_breakdown reports the kernel per launch
+_OFFSETS_WARPS = 8
+_OWNER_TILES = 32
 
 
 @triton.jit
@@ -52,21 +53,19 @@ def pair_histogram(ids_ptr, valid_ptr, num_pairs, expert_start, TOP_K: tl.conste
                    HAS_VALID: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
     """Routed pairs per expert in [expert_start, expert_start + NUM_BINS), all pairs read by one program.
 
-    No atomics and no zeroed buffer, so a small batch's count costs no extra launch. A while loop:
-    the interpreter cannot take a runtime scalar as a range bound (kernels/common.py); the counter
-    starts as an int32 tensor, not a Python 0, so its loop-carried type never changes.
+    No atomics in memory and no zeroed buffer, so a small batch's count costs no extra launch;
+    ``tl.histogram`` bins each step of BLOCK_P pairs. A while loop: the interpreter cannot take a runtime
+    scalar as a range bound (kernels/common.py); the counter starts as an int32 tensor, not a Python 0,
+    so its loop-carried type never changes.
     """
-    bins = tl.arange(0, BLOCK_E)
-    # elementwise adds per step, one cross-thread reduction at the end
-    hits = tl.zeros((BLOCK_P, BLOCK_E), dtype=tl.int32)
+    hist = tl.zeros((BLOCK_E,), dtype=tl.int32)
     p0 = tl.program_id(0) * 0
     while p0 < num_pairs:
         offs = p0 + tl.arange(0, BLOCK_P)
         ids, mask = _routed(ids_ptr, valid_ptr, offs, num_pairs, expert_start, TOP_K, NUM_BINS, HAS_VALID)
-        ids = tl.where(mask, ids, -1)
-        hits += (ids[:, None] == bins[None, :]).to(tl.int32)
+        hist += tl.histogram(tl.where(mask, ids, 0), BLOCK_E, mask=mask)
         p0 += BLOCK_P
-    return tl.sum(hits, axis=0)
+    return hist
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see server/warmup.py
@@ -83,8 +82,7 @@ def moe_count_kernel(ids_ptr, valid_ptr, counts_ptr, num_pairs, TOP_K: tl.conste
     else:
         offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
         ids, mask = _routed(ids_ptr, valid_ptr, offs, num_pairs, 0, TOP_K, E, HAS_VALID)
-        ids = tl.where(mask, ids, -1)
-        hist = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        hist = tl.histogram(tl.where(mask, ids, 0), BLOCK_E, mask=mask)
         tl.atomic_add(counts_ptr + experts, hist, mask=(experts < E) & (hist > 0))
 
 
@@ -117,10 +115,7 @@ def moe_align_offsets_kernel(
     else:
         counts = tl.load(counts_ptr + expert_start + experts, mask=in_range, other=0)
     padded = tl.where(in_range, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
-    # inclusive prefix sum as an [E, E] masked sum: a plain reduction at any warp count, where tl.cumsum
-    # would scan fewer elements (128 at E = 128) than the program has threads (512). ptxas, sm_90: 128
-    # registers and no spill at E = 128; at E = 256 (a [256, 256] tile) 324 bytes spill
-    ends = tl.sum(tl.where(experts[None, :] <= experts[:, None], padded[None, :], 0), axis=1)
+    ends = tl.cumsum(padded, 0)  # inclusive: where each run ends
     total = tl.sum(padded, axis=0)
     if pid == 0:
         tl.store(cursor_ptr + experts, ends - padded, mask=in_range)
@@ -162,16 +157,9 @@ class MoeAlignment:
         return self.expert_ids.numel()
 
 
-def histogram_block(block_e: int, num_warps: int = 4) -> int:
-    """Pairs per step of a one-program histogram: a [pairs, experts] tile of about 32 registers a thread."""
-    return max(8, 32 * 32 * num_warps // block_e)
-
-
 def owner_block(block_e: int, block_m: int) -> int:
-    """Tiles per program of the offsets kernel: [tiles, experts] and [tiles * block_m] slots of about
-    32 elements a thread at ``_OFFSETS_WARPS`` warps."""
-    elems = 32 * 32 * _OFFSETS_WARPS
-    return max(16, min(elems // block_e, elems // block_m))
+    """Tiles per program of the offsets kernel."""
+    return _OWNER_TILES
 
 
 def max_padded_pairs(num_pairs: int, num_local_experts: int, block_m: int) -> int:
@@ -194,7 +182,7 @@ def moe_count(topk_ids: torch.Tensor, valid: torch.Tensor | None, counts: torch.
     moe_count_kernel[grid](
         topk_ids, _valid_arg(valid, topk_ids), counts, num_pairs,
         TOP_K=top_k, E=e, HAS_VALID=valid is not None, SINGLE=single,
-        BLOCK_P=histogram_block(block_e) if single else _BLOCK_P, BLOCK_E=block_e, **pdl_args(topk_ids.device, "moe_count_kernel"),
+        BLOCK_P=HISTOGRAM_PAIRS if single else _BLOCK_P, BLOCK_E=block_e, **pdl_args(topk_ids.device, "moe_count_kernel"),
     )  # fmt: skip
     return counts
 
@@ -229,7 +217,7 @@ def moe_align(
         topk_ids, _valid_arg(valid, topk_ids), counts, cursor, expert_ids, sorted_ids, num_post,
         expert_start, num_pairs, slots // block_m,
         TOP_K=top_k, E=counts.numel(), E_LOCAL=num_local_experts, HAS_VALID=valid is not None, COUNT=count_here,
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_EG=block_eg, BLOCK_P=histogram_block(block_eg, _OFFSETS_WARPS),
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_EG=block_eg, BLOCK_P=HISTOGRAM_PAIRS,
         OWNER_BLOCK=tiles_per_program, num_warps=_OFFSETS_WARPS, **pdl_args(topk_ids.device, "moe_align_offsets_kernel"),
     )  # fmt: skip
     if num_pairs:

@@ -31,7 +31,7 @@ import torch
 import triton
 
 from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, per_token_group_quant
-from graphserve.kernels.moe_align import histogram_block, max_padded_pairs, moe_align
+from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
 from graphserve.kernels.moe_gemm import fused_moe_gemm_kernel, moe_sum_kernel
 from graphserve.kernels.moe_scales import ExpertScales, check_a8_tile, expert_scales, scale_args
@@ -188,7 +188,7 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), a13["stride_e"], a13["stride_n"],
         a13["up_row"], K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local, HAS_VALID=valid is not None,
         W_FP8=scales is not None, **a13["consts"], BLOCK_N=gu.block_n, BLOCK_K=gu_k,
-        BLOCK_P=histogram_block(block_e), BLOCK_E=block_e, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_args(hidden.device, "fused_moe_gemv_gate_up_kernel"),
+        BLOCK_P=HISTOGRAM_PAIRS, BLOCK_E=block_e, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_args(hidden.device, "fused_moe_gemv_gate_up_kernel"),
     )  # fmt: skip
     fused_moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
         act, w2, out, topk_weights, topk_ids, valid_arg, a2["scale"], h, expert_start,
