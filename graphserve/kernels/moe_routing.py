@@ -103,9 +103,9 @@ def moe_softmax_topk(
         raise ValueError(f"num_experts={e} must be in 1..{MAX_EXPERTS} for the routing kernel")
     if not 0 < top_k <= e:
         raise ValueError(f"top_k={top_k} must be in 1..num_experts={e}")
-    # about 512 logits a program (4 rows at E = 128, one warp): the k rounds of argmax are a chain of
+    # about 128 logits a program (one row of E = 128, one warp): the k rounds of argmax are a chain of
     # reductions, so a decode batch spreads over many programs rather than a few programs of many rows
-    return _route(moe_softmax_topk_kernel, logits, top_k, block_t, 512, RENORMALIZE=renormalize)
+    return _route(moe_softmax_topk_kernel, logits, top_k, block_t, 128, RENORMALIZE=renormalize)
 
 
 @triton.jit(do_not_specialize=["T"])  # batch-sized ints: see server/warmup.py
