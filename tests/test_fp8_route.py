@@ -19,6 +19,7 @@ def test_swept_tiles_are_valid_for_the_kernel(name: str, m: int) -> None:
     tiles = candidates(m, n, k, sms=132)
     assert tiles, (name, m)
     for cfg in tiles:
+        cfg.validate()  # what the routing table's loader checks
         assert cfg.block_n <= (FP8_DOT_MAX_BLOCK_N if cfg.fp8_dot else tile_cap(128, 128, k)) and k % cfg.block_k == 0
         assert cfg.split_k == 1 or cfg.block_k * 2 * cfg.split_k <= k  # every split keeps two tiles of K
         assert m <= MAX_FMA_ROWS or (cfg.use_dot and cfg.block_n >= 16)

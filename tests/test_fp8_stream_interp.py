@@ -336,3 +336,24 @@ def test_rule_routes_by_the_smallest_measured_count_and_falls_back(tmp_path, mon
     data["shapes"][0]["rows"][0]["path"] = "bf16"
     with pytest.raises(ValueError, match="path 'bf16' for x m=1 is not one of"):
         Fp8Rule.from_json(data)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"block_n": 24}, "block_n=24 must be a power of two >= 1"),
+    ({"block_k": 8}, "block_k=8 must be a power of two >= 16"),
+    ({"block_n": 512}, "block_n=512 exceeds 256"),
+    ({"num_warps": 3}, "num_warps=3 must be one of"),
+    ({"split_k": 0}, "split_k=0 must be at least 1"),
+    ({"fp8_dot": True}, "fp8_dot=True needs use_dot=True"),
+    ({"use_dot": True, "a8": True}, "a8=True needs fp8_dot=True"),
+    ({"block_size": 8}, "unexpected keyword argument 'block_size'"),
+])
+def test_rule_refuses_stream_tiles_no_call_can_run(change, message) -> None:
+    """A table whose stream tiles the kernel cannot take is refused at load, naming the shape, the row count,
+    the field and the limit, not at the first call of that size inside a graph capture."""
+    data = {"device": "card", "shapes": [{"name": "x", "n": 4096, "k": 4096, "scales": "block128", "rows": [
+        {"m": 8, "path": "stream", "config": {**vars(FMA), **change}}]}]}
+    with pytest.raises(ValueError, match=f"stream tiles for x m=8: .*{message}"):
+        Fp8Rule.from_json(data)
+    Fp8Rule.from_json({**data, "shapes": [{**data["shapes"][0], "rows": [{"m": 8, "path": "stream",
+                                                                          "config": vars(FMA)}]}]})

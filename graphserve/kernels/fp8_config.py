@@ -28,6 +28,7 @@ import triton
 
 MAX_STREAM_ROWS = 64  # the streaming kernel's dot path pads x to one tensor-core tile of 16, 32 or 64 rows
 MAX_FMA_ROWS = 16  # its FMA path makes one pass over the weight tile per row of x, unrolled
+MAX_BLOCK_N = 256  # the tallest weight tile (the FP8 dot's; the other paths stop at one scale block)
 PATHS = ("stream", "w8a8", "scaled_mm")
 RULE_PATH = Path(__file__).with_name("fp8_rule.json")
 # without a measured table: the streaming kernel up to this many rows; from SCALED_MM_MIN_ROWS on the
@@ -61,6 +62,23 @@ class StreamConfig:
 
     def num_programs(self, n: int) -> int:
         return triton.cdiv(n, self.block_n) * self.split_k
+
+    def validate(self) -> None:
+        """Refuse tiles no call can run (the shape-dependent limits are kernels/fp8_gemv.py's), naming the
+        field, its value and the limit."""
+        for name, value, low in (("block_n", self.block_n, 1), ("block_k", self.block_k, 16)):
+            if value < low or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two >= {low}")
+        if self.block_n > MAX_BLOCK_N:
+            raise ValueError(f"block_n={self.block_n} exceeds {MAX_BLOCK_N}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+        if self.num_stages < 1 or self.split_k < 1:
+            raise ValueError(f"num_stages={self.num_stages} and split_k={self.split_k} must be at least 1")
+        if self.fp8_dot and not self.use_dot:
+            raise ValueError("fp8_dot=True needs use_dot=True (the FP8 dot is a tensor-core tile)")
+        if self.a8 and not self.fp8_dot:
+            raise ValueError("a8=True needs fp8_dot=True (x comes quantized for the FP8 tensor cores)")
 
 
 def tile_cap(group_n: int, group_k: int, k: int) -> int:
@@ -139,7 +157,14 @@ class Fp8Rule:
                 if row["path"] not in PATHS:
                     raise ValueError(f"{RULE_PATH.name}: path {row['path']!r} for {shape.get('name')} m={row['m']} "
                                      f"is not one of {PATHS}")
-                cfg = StreamConfig(**row["config"]) if row.get("config") else None
+                cfg = None
+                if row.get("config"):
+                    try:
+                        cfg = StreamConfig(**row["config"])
+                        cfg.validate()
+                    except (TypeError, ValueError) as e:
+                        raise ValueError(f"{RULE_PATH.name}: stream tiles for {shape.get('name')} m={row['m']}: "
+                                         f"{e}") from e
                 entries.append((int(row["m"]), Route(row["path"], cfg)))
             shapes[(int(shape["n"]), int(shape["k"]), str(shape["scales"]))] = sorted(entries, key=lambda e: e[0])
         return cls(str(data["device"]), shapes)

@@ -55,7 +55,14 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.fp8_config import MAX_FMA_ROWS, MAX_STREAM_ROWS, StreamConfig, default_stream_config, tile_cap
+from graphserve.kernels.fp8_config import (
+    MAX_BLOCK_N,
+    MAX_FMA_ROWS,
+    MAX_STREAM_ROWS,
+    StreamConfig,
+    default_stream_config,
+    tile_cap,
+)
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, dequantize_blocks
 from graphserve.kernels.gemv import _x_tile
 from graphserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
@@ -64,7 +71,7 @@ from graphserve.kernels.pdl import pdl_args, pdl_enter
 MAX_ROWS = MAX_STREAM_ROWS
 MAX_SPLIT_TILES = 4096  # split-K column tiles per launch (16 KB of counters); split-K pays where tiles are few
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP8_DOT_MAX_BLOCK_N = 256  # the FP8 dot scales each step's partial per row, so a tile may span scale blocks
+FP8_DOT_MAX_BLOCK_N = MAX_BLOCK_N  # the FP8 dot scales each step's partial per row, so a tile may span scale blocks
 
 
 @triton.jit
