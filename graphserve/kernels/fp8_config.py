@@ -3,12 +3,13 @@ kernel's tiles. Defaults are a pure function of the shape; where benchmarks/fp8_
 card, its table (fp8_rule.json beside this file) decides instead.
 
 Three paths (layers/quant/fp8.py runs them):
-- ``stream``: kernels/fp8_gemv.py, with no activation quantization launch: the fp8 weight widened in
-  registers against the bf16 activation (W8A16), or, with ``fp8_dot`` tiles, the activation rows
-  quantized inside the kernel for the FP8 tensor cores. At decode batch sizes a projection is a
-  weight stream and this path reads half of bf16's bytes.
-- ``w8a8``: per-token-group activation quantization, then the Triton block-scaled GEMM
-  (kernels/fp8_gemm.py) on the FP8 tensor cores.
+- ``stream``: kernels/fp8_gemv.py: the fp8 weight widened in registers against the bf16 activation
+  (W8A16), or, with ``fp8_dot`` tiles, the activation rows quantized inside the kernel for the FP8
+  tensor cores (no quantization launch either way), or, with ``a8`` tiles, the activation quantized by
+  one launch before (fused with the norm or SiLU·mul that makes it) and read as fp8. At decode batch
+  sizes a projection is a weight stream and this path reads half of bf16's bytes.
+- ``w8a8``: per-token-group activation quantization (fused likewise), then the Triton block-scaled
+  GEMM (kernels/fp8_gemm.py) on the FP8 tensor cores.
 - ``scaled_mm``: the same quantization, then ``torch._scaled_mm``'s block-scaled mode (cuBLASLt;
   128x128 weight blocks only, where this torch/CUDA build has it).
 
