@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 from graphserve.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
 from graphserve.kernels.fp8_gemm import w8a8_matmul, w8a8_matmul_reference  # noqa: E402
-from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference  # noqa: E402
+from graphserve.kernels.fp8_gemv import fp8_gemv  # noqa: E402
 from graphserve.kernels.fp8_quant import (  # noqa: E402
     FP8_DTYPE,
     FP8_MAX,
@@ -28,6 +28,7 @@ from graphserve.kernels.fp8_quant import (  # noqa: E402
     quantize_weight_blocks,
     quantize_weight_channels,
 )
+from graphserve.kernels.fp8_reference import fp8_gemv_reference  # noqa: E402
 from graphserve.kernels.kv_write import kv_write, kv_write_reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

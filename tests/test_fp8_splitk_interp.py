@@ -22,10 +22,12 @@ from graphserve.kernels import fp8_gemv as gemv_mod  # noqa: E402
 from graphserve.kernels.fp8_config import StreamConfig, default_stream_config  # noqa: E402
 from graphserve.kernels.fp8_gemv import (  # noqa: E402
     fp8_gemv,
-    fp8_gemv_reference,
     fp8_norm_gemv,
-    fp8_norm_gemv_reference,
     fp8_silu_mul_gemv,
+)
+from graphserve.kernels.fp8_reference import (  # noqa: E402
+    fp8_gemv_reference,
+    fp8_norm_gemv_reference,
     fp8_silu_mul_gemv_reference,
 )
 

@@ -35,11 +35,8 @@ from graphserve.kernels.fp8_gemm import w8a8_matmul, w8a8_matmul_reference  # no
 from graphserve.kernels.fp8_gemv import (  # noqa: E402
     fp8_gemv,
     fp8_gemv_a8,
-    fp8_gemv_reference,
     fp8_norm_gemv,
-    fp8_norm_gemv_reference,
     fp8_silu_mul_gemv,
-    fp8_silu_mul_gemv_reference,
 )
 from graphserve.kernels.fp8_quant import (  # noqa: E402
     dequantize_blocks,
@@ -49,6 +46,11 @@ from graphserve.kernels.fp8_quant import (  # noqa: E402
     quantize_weight_blocks,
     quantize_weight_channels,
     silu_mul_group_quant,
+)
+from graphserve.kernels.fp8_reference import (  # noqa: E402
+    fp8_gemv_reference,
+    fp8_norm_gemv_reference,
+    fp8_silu_mul_gemv_reference,
 )
 from graphserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm  # noqa: E402
 

@@ -36,11 +36,8 @@ from graphserve.kernels.fp8_gemm import (  # noqa: E402
 from graphserve.kernels.fp8_gemv import (  # noqa: E402
     fp8_gemv,
     fp8_gemv_a8,
-    fp8_gemv_reference,
     fp8_norm_gemv,
-    fp8_norm_gemv_reference,
     fp8_silu_mul_gemv,
-    fp8_silu_mul_gemv_reference,
     split_counters,
 )
 from graphserve.kernels.fp8_quant import (  # noqa: E402
@@ -49,6 +46,11 @@ from graphserve.kernels.fp8_quant import (  # noqa: E402
     per_token_group_quant_reference,
     quantize_weight_blocks,
     quantize_weight_channels,
+)
+from graphserve.kernels.fp8_reference import (  # noqa: E402
+    fp8_gemv_reference,
+    fp8_norm_gemv_reference,
+    fp8_silu_mul_gemv_reference,
 )
 from graphserve.kernels.qk_rope_kv import qk_norm_rope_kv_write, qk_norm_rope_kv_write_reference  # noqa: E402
 from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E402
