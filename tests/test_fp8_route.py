@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.fp8_route import SHAPES, candidates, rule_from_rows
-from graphserve.kernels.fp8_config import MAX_FMA_ROWS, Fp8Rule, StreamConfig, tile_cap
-from graphserve.kernels.fp8_gemv import FP8_DOT_MAX_BLOCK_N
+from graphserve.kernels.fp8_config import MAX_BLOCK_N, MAX_FMA_ROWS, Fp8Rule, StreamConfig, tile_cap
 
 ENV = {"device": "NVIDIA H200", "date": "2026-12-01", "commit": "abc1234", "torch": "2.11", "triton": "3.6"}
 
@@ -20,7 +19,7 @@ def test_swept_tiles_are_valid_for_the_kernel(name: str, m: int) -> None:
     assert tiles, (name, m)
     for cfg in tiles:
         cfg.validate()  # what the routing table's loader checks
-        assert cfg.block_n <= (FP8_DOT_MAX_BLOCK_N if cfg.fp8_dot else tile_cap(128, 128, k)) and k % cfg.block_k == 0
+        assert cfg.block_n <= (MAX_BLOCK_N if cfg.fp8_dot else tile_cap(128, 128, k)) and k % cfg.block_k == 0
         assert cfg.split_k == 1 or cfg.block_k * 2 * cfg.split_k <= k  # every split keeps two tiles of K
         assert m <= MAX_FMA_ROWS or (cfg.use_dot and cfg.block_n >= 16)
         if m > MAX_FMA_ROWS:

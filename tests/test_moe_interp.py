@@ -76,7 +76,7 @@ def test_align_matches_reference(expert_start, num_local, block_m, count_in_one_
     if not count_in_one_program:  # the large-batch count: zeroed buffer, atomic per-program histograms
         monkeypatch.setattr(moe_align_mod, "SINGLE_PROGRAM_MAX_PAIRS", 4)
     if tiles_per_program:  # tile owners and sentinel fill split over several programs, as at real sizes
-        monkeypatch.setattr(moe_align_mod, "owner_block", lambda block_e, block_m: tiles_per_program)
+        monkeypatch.setattr(moe_align_mod, "OWNER_TILES", tiles_per_program)
     gen = torch.Generator().manual_seed(block_m)
     ids = torch.randint(0, E, (11, 3), generator=gen, dtype=torch.int32).to(DEVICE)
     valid = torch.arange(11, device=DEVICE) < 9

@@ -150,8 +150,8 @@ def host_share(records: list[dict]) -> dict[str, float | None]:
     older than the field, or no step of that kind)."""
     out: dict[str, float | None] = {}
     for kind in ("decode", "prefill", "mixed"):
-        shares = sorted(r["launch_ms"] / r["step_ms"] for r in records
-                        if r.get("kind") == kind and r.get("step_ms", 0) > 0 and "launch_ms" in r)
+        shares = [r["launch_ms"] / r["step_ms"] for r in records
+                  if r.get("kind") == kind and r.get("step_ms", 0) > 0 and "launch_ms" in r]
         out[kind] = statistics.median(shares) if shares else None
     return out
 

@@ -63,14 +63,13 @@ from graphserve.kernels.fp8_config import (
     default_stream_config,
     tile_cap,
 )
-from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_rows
 from graphserve.kernels.gemv import _x_tile
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 MAX_ROWS = MAX_STREAM_ROWS
 MAX_SPLIT_TILES = 4096  # split-K column tiles per launch (16 KB of counters); split-K pays where tiles are few
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP8_DOT_MAX_BLOCK_N = MAX_BLOCK_N  # the FP8 dot scales each step's partial per row, so a tile may span scale blocks
 
 
 @triton.jit
@@ -132,9 +131,7 @@ def _fp8_gemv_kernel(
                 if not A8:
                     # x's rows quantized per BLOCK_K-wide group as kernels/fp8_quant.per_token_group_quant does
                     # (BLOCK_K is the scale block's K), then both operands on the FP8 tensor cores
-                    xf = x.to(tl.float32)
-                    xs = tl.maximum(tl.max(tl.abs(xf), axis=1) / FP8_MAX_C, MIN_SCALE_C)
-                    xq = tl.clamp(xf / xs[:, None], -FP8_MAX_C, FP8_MAX_C).to(w.dtype)
+                    xq, xs = quantize_rows(x.to(tl.float32), w.dtype, FP8_MAX_C, MIN_SCALE_C)
                 part = tl.dot(w, tl.trans(xq)) * xs[None, :]
                 if not PER_CHANNEL:
                     if GROUP_N % BLOCK_N == 0:  # one weight scale for the step: the program's row, this K block
@@ -261,13 +258,15 @@ def _launch(
         return out
     cap = tile_cap(group_n, group_k, k)
     cfg = config or default_stream_config(m, n, k, cap, sm_count(x.device))
-    if cfg.block_n > (FP8_DOT_MAX_BLOCK_N if cfg.fp8_dot else cap):
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise ValueError(f"fp8_gemv: {e}") from e
+    if not cfg.fp8_dot and cfg.block_n > cap:  # the FP8 dot scales each step's partial per row instead
         raise ValueError(f"fp8_gemv: block_n={cfg.block_n} spans two rows of {group_n}-row scale blocks "
-                         f"(at most {cap}; the FP8 dot takes up to {FP8_DOT_MAX_BLOCK_N})")
-    if cfg.split_k < 1:
-        raise ValueError(f"fp8_gemv: split_k={cfg.split_k} must be at least 1")
-    if cfg.fp8_dot and not (cfg.use_dot and cfg.block_n >= 16 and (per_channel or cfg.block_k == group_k)):
-        raise ValueError(f"fp8_gemv: fp8_dot needs use_dot, block_n >= 16 (got {cfg.block_n}) and, with block "
+                         f"(at most {cap}; the FP8 dot takes up to {MAX_BLOCK_N})")
+    if cfg.fp8_dot and not (cfg.block_n >= 16 and (per_channel or cfg.block_k == group_k)):
+        raise ValueError(f"fp8_gemv: fp8_dot needs block_n >= 16 (got {cfg.block_n}) and, with block "
                          f"scales, block_k equal to the scale block's {group_k} (got {cfg.block_k})")
     if cfg.use_dot and not cfg.fp8_dot and (x.dtype == torch.float32 or cfg.block_n < 16):
         cfg = dataclasses.replace(cfg, use_dot=False)  # fp32 x would be truncated to tf32; dot needs 16 rows
@@ -281,10 +280,9 @@ def _launch(
     split_k = consts["SPLIT_K"]
     if a8:
         want = triton.cdiv(k, consts["BLOCK_K"])
-        if not cfg.fp8_dot or x_scale.dim() != 2 or x_scale.shape[0] < m or x_scale.shape[1] != want:
-            raise ValueError(f"fp8_gemv_a8: tiles must take the FP8 dot (fp8_dot=True, got {cfg.fp8_dot}) and "
-                             f"x_scale [>= {m}, {want}] (one per row and {consts['BLOCK_K']} columns), got "
-                             f"{tuple(x_scale.shape)}")
+        if x_scale.dim() != 2 or x_scale.shape[0] < m or x_scale.shape[1] != want:
+            raise ValueError(f"fp8_gemv_a8: x_scale [>= {m}, {want}] (one per row and {consts['BLOCK_K']} columns), "
+                             f"got {tuple(x_scale.shape)}")
     placeholder = out  # pointer arguments a disabled prologue (or split_k = 1) never dereferences
     parts, locks = placeholder, placeholder
     if split_k > 1:
@@ -332,7 +330,7 @@ def fp8_gemv_a8(
     x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
     out_dtype: torch.dtype, bias: torch.Tensor | None = None, *, config: StreamConfig,
 ) -> torch.Tensor:  # fmt: skip
-    """``dequant(x) @ dequant(w).T`` for x already quantized: fp8 [M <= 64 (or padded beyond), K] with fp32
+    """``dequant(x) @ dequant(w).T`` for x already quantized: fp8 [M <= 64, K] with fp32
     ``x_scale`` [>= M, ceil(K / config.block_k)] (kernels/fp8_quant.per_token_group_quant with the tile's K step:
     the scale block's K). ``config`` must be an FP8-dot tile with ``a8``. One quantization launch before (fused
     with the norm or SiLU·mul that makes x, kernels/fp8_quant.py) saves every program quantizing x's rows

@@ -27,6 +27,15 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 MIN_SCALE = 1e-12  # amax below this (an all-zero group) quantizes to zeros, never NaN
 
 
+@triton.jit
+def quantize_rows(xf, OUT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr):
+    """Each row of the fp32 tile ``xf`` [R, G] as one group: (q [R, G] in ``OUT_DTYPE``, fp32 scale [R]), scale
+    amax / 448 clamped from below. The one rounding every fp8 activation path shares: this module's launches,
+    kernels/fp8_gemv.py's FP8 dot and kernels/moe_gemm.py's A_QUANT quantize in registers with it."""
+    scale = tl.maximum(tl.max(tl.abs(xf), axis=1) / FP8_MAX_C, MIN_SCALE_C)
+    return tl.clamp(xf / scale[:, None], -FP8_MAX_C, FP8_MAX_C).to(OUT_DTYPE), scale
+
+
 @triton.jit(do_not_specialize=["M"])  # batch-sized ints: see server/warmup.py
 def _token_group_quant_kernel(
     x_ptr, res_ptr, nw_ptr, res_out_ptr, q_ptr, s_ptr, M, stride_xm, stride_rm, stride_rom, stride_qm, stride_sm,
@@ -57,9 +66,8 @@ def _token_group_quant_kernel(
         tl.store(res_out_ptr + row * stride_rom + cols, h, mask=mask)
     x = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, row, cols, mask, rstd, K, SILU_MUL, ADD_RESIDUAL,
                 NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX_C, MIN_SCALE_C)
-    q = tl.clamp(x / scale[:, None], -FP8_MAX_C, FP8_MAX_C)
-    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=in_row)
+    q, scale = quantize_rows(x, q_ptr.dtype.element_ty, FP8_MAX_C, MIN_SCALE_C)
+    tl.store(q_ptr + row * stride_qm + cols, q, mask=in_row)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < GROUPS)
 
 
@@ -110,7 +118,7 @@ def per_token_group_quant(
     ``scales_column_major`` stores the scales with unit stride along M: cuBLASLt's block-scaled GEMM
     takes both that way, and writing them so here saves a copy of each per call.
     """
-    q, scales, _ = _quant_launch(x, x.shape[-1] if x.dim() == 2 else 0, group_size, pad_rows_to, scales_column_major)
+    q, scales, _ = _quant_launch(x, x.shape[-1], group_size, pad_rows_to, scales_column_major)
     return q, scales
 
 

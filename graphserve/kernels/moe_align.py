@@ -33,7 +33,7 @@ SINGLE_PROGRAM_MAX_PAIRS = 1024
 HISTOGRAM_PAIRS = 512  # pairs per step of a one-program histogram: a decode batch of 64 at k = 8 in one
 # the offsets kernel's warps and tiles a program: benchmarks.step_breakdown reports the kernel per launch
 _OFFSETS_WARPS = 8
-_OWNER_TILES = 32
+OWNER_TILES = 32
 
 
 @triton.jit
@@ -157,11 +157,6 @@ class MoeAlignment:
         return self.expert_ids.numel()
 
 
-def owner_block(block_e: int, block_m: int) -> int:
-    """Tiles per program of the offsets kernel."""
-    return _OWNER_TILES
-
-
 def max_padded_pairs(num_pairs: int, num_local_experts: int, block_m: int) -> int:
     """Worst-case slots of the sorted list: every expert's run may end with block_m - 1 padding."""
     return triton.cdiv(num_pairs + num_local_experts * (block_m - 1), block_m) * block_m
@@ -212,13 +207,12 @@ def moe_align(
     if not count_here:
         moe_count(topk_ids, valid, counts)
     block_e, block_eg = triton.next_power_of_2(num_local_experts), triton.next_power_of_2(counts.numel())
-    tiles_per_program = owner_block(block_e, block_m)
-    moe_align_offsets_kernel[(triton.cdiv(slots // block_m, tiles_per_program),)](
+    moe_align_offsets_kernel[(triton.cdiv(slots // block_m, OWNER_TILES),)](
         topk_ids, _valid_arg(valid, topk_ids), counts, cursor, expert_ids, sorted_ids, num_post,
         expert_start, num_pairs, slots // block_m,
         TOP_K=top_k, E=counts.numel(), E_LOCAL=num_local_experts, HAS_VALID=valid is not None, COUNT=count_here,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_EG=block_eg, BLOCK_P=HISTOGRAM_PAIRS,
-        OWNER_BLOCK=tiles_per_program, num_warps=_OFFSETS_WARPS, **pdl_args(topk_ids.device, "moe_align_offsets_kernel"),
+        OWNER_BLOCK=OWNER_TILES, num_warps=_OFFSETS_WARPS, **pdl_args(topk_ids.device, "moe_align_offsets_kernel"),
     )  # fmt: skip
     if num_pairs:
         moe_align_scatter_kernel[(triton.cdiv(num_pairs, _BLOCK_P),)](

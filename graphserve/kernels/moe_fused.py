@@ -34,7 +34,7 @@ from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, per_token_group_qua
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
 from graphserve.kernels.moe_gemm import fused_moe_gemm_kernel, moe_sum_kernel
-from graphserve.kernels.moe_scales import ExpertScales, check_a8_tile, expert_scales, scale_args
+from graphserve.kernels.moe_scales import ExpertScales, a8_problem, check_a8_tile, expert_scales, scale_args
 from graphserve.kernels.moe_stream import fused_moe_gemv_down_kernel, fused_moe_gemv_gate_up_kernel
 from graphserve.kernels.pdl import pdl_args
 
@@ -142,9 +142,9 @@ def _plan(pairs: int, num_local: int, tiles: MoeTiles, scales: ExpertScales | No
         return "gemm", gemm_tiles, w8a8
 
     def runnable(tile: GemmTile, sb: ExpertScales | None) -> GemmTile:
-        if not tile.a8 or (not w8a16 and sb is not None and not sb.per_channel and tile.block_k == sb.group_k):
-            return tile
-        return dataclasses.replace(tile, a8=False)
+        if tile.a8 and (w8a16 or a8_problem(tile, sb)):
+            return dataclasses.replace(tile, a8=False)
+        return tile
 
     gate_up, down = tiles.gemm_tiles(pairs)
     s13, s2 = scales if scales is not None else (None, None)

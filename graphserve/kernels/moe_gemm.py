@@ -49,6 +49,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphserve.kernels.fp8_quant import quantize_rows
 from graphserve.kernels.pdl import pdl_enter
 
 
@@ -165,9 +166,8 @@ def fused_moe_gemm_kernel(
             # a's rows quantized per K step as kernels/fp8_quant.per_token_group_quant does (the step is
             # the scale block's K); rows past the pair count load zeros: scale MIN_SCALE_C, zeros, no NaN.
             # Gated: the one quantized tile serves the gate and the up dot
-            af = a.to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(af), axis=1) / FP8_MAX_C, MIN_SCALE_C)[:, None]
-            a = tl.clamp(af / a_s, -FP8_MAX_C, FP8_MAX_C).to(b_ptr.dtype.element_ty)
+            a, a_s = quantize_rows(a.to(tl.float32), b_ptr.dtype.element_ty, FP8_MAX_C, MIN_SCALE_C)
+            a_s = a_s[:, None]
         ks_g = _k_scales(sg_row, k0, offs_k, K, GROUP_K, BLOCK_K) if K_SCALES else 0.0
         acc_g = _gemm_step(acc_g, a, bg, a_s, bsg_ptrs, ks_g, k0, IEEE, B_FP8, A8, GROUP_K, PER_CHANNEL, K_SCALES,
                            GATED)  # fmt: skip

@@ -2,8 +2,8 @@
 
 ``ExpertScales`` holds one weight's fp32 scales ``[E, SN, SK]``: one per ``[group_n, group_k]`` block, or
 one per output row. It knows the grouped GEMM's K step for a tile (a step never crosses a scale block unless
-the scales vary along k only) and the launch arguments; ``check_a8_tile`` refuses a tile that quantizes its
-activations in the GEMM against weights that cannot take it.
+the scales vary along k only) and the launch arguments; ``a8_problem`` says why weights cannot take a tile
+that quantizes its activations in the GEMM (``check_a8_tile`` refuses it).
 """
 
 from __future__ import annotations
@@ -88,18 +88,19 @@ def scale_args(scales: ExpertScales | None, weight: torch.Tensor) -> dict:
             "consts": {"GROUP_N": scales.group_n, "GROUP_K": scales.group_k, "PER_CHANNEL": scales.per_channel}}
 
 
-def check_a8_tile(tile: GemmTile, sb: ExpertScales | None) -> None:
-    """A tile that quantizes the activations in the GEMM (``a8``) needs block-scaled fp8 weights and a K step
-    of exactly one scale block: one activation scale per row and step, one weight scale per column."""
-    if not tile.a8:
-        return
+def a8_problem(tile: GemmTile, sb: ExpertScales | None) -> str | None:
+    """Why these weights cannot take a tile that quantizes the activations in the GEMM (``a8``), or None:
+    it needs block-scaled fp8 weights and a K step of exactly one scale block (one activation scale per
+    row and step, one weight scale per column)."""
     if sb is None or sb.per_channel:
-        raise ValueError(
-            f"GemmTile a8=True quantizes the activations per K step against block-scaled fp8 "
-            f"weights; these expert weights have {'no' if sb is None else 'per-channel'} scales"
-        )
+        return (f"GemmTile a8=True quantizes the activations per K step against block-scaled fp8 weights; "
+                f"these expert weights have {'no' if sb is None else 'per-channel'} scales")
     if tile.block_k != sb.group_k:
-        raise ValueError(
-            f"GemmTile a8=True needs block_k equal to the weight scale block's K {sb.group_k} "
-            f"(got block_k={tile.block_k})"
-        )
+        return f"GemmTile a8=True needs block_k equal to the weight scale block's K {sb.group_k} (got block_k={tile.block_k})"
+    return None
+
+
+def check_a8_tile(tile: GemmTile, sb: ExpertScales | None) -> None:
+    """Refuse an ``a8`` tile these weights cannot take (``a8_problem``)."""
+    if tile.a8 and (problem := a8_problem(tile, sb)):
+        raise ValueError(problem)

@@ -190,16 +190,16 @@ class Fp8LinearMethod:
         out = self._cuda_matmul(layer, rows)
         return out.view(*x.shape[:-1], layer.out_features)
 
-    def _fused_route(self, layer: Linear, x: torch.Tensor, k: int) -> Route | None:
-        """The route for a call whose input a prologue (norm, SiLU·mul) makes, where that prologue can run in
-        the call's own launches: a streaming tile computing it in its loads, or the one launch that quantizes
-        the input; None where the caller should run the prologue separately."""
+    def _prologue_route(self, layer: Linear, x: torch.Tensor, k: int, max_rows: int) -> Route | None:
+        """The route of a call whose input a prologue (norm, SiLU·mul) makes, where that prologue runs inside
+        the call: in the launch that quantizes the input, or in a streaming tile's loads up to ``max_rows``
+        rows; None where the caller runs it separately."""
         if not x.is_cuda or x.dim() != 2 or (torch.is_grad_enabled() and x.requires_grad):
             return None
         route = self._route(x, layer.out_features, k)
-        if route.path == "stream" and not route.config.a8:
+        if self._quantizes_input(route) or (route.path == "stream" and not route.config.a8 and x.shape[0] <= max_rows):
             return route
-        return route if self._quantizes_input(route) else None
+        return None
 
     def _quantizes_input(self, route: Route) -> bool:
         """Whether this route quantizes its input per token (group) by a launch of its own."""
@@ -215,19 +215,17 @@ class Fp8LinearMethod:
         k = layer.in_features
         if rows.shape[-1] != 2 * k or not rows.is_contiguous():
             return None
-        route = self._fused_route(layer, rows[:, :k], k)
+        route = self._prologue_route(layer, rows[:, :k], k, SILU_PROLOGUE_MAX_ROWS)
         if route is None:
             return None
-        scale = self.scale(layer)
         if self._quantizes_input(route):
             group, blockwise = self._quant_layout(layer, route, k)
-            a_q, a_s = silu_mul_group_quant(rows, group, pad_rows_to=4 if blockwise else 1, scales_column_major=blockwise)
+            a_q, a_s = silu_mul_group_quant(rows, group, **_layout(blockwise))
             out = self._quantized_matmul(layer, route, a_q, a_s, rows.shape[0], gate_up.dtype, blockwise)
-        elif rows.shape[0] <= SILU_PROLOGUE_MAX_ROWS:
+        else:
+            scale = self.scale(layer)
             out = fp8_silu_mul_gemv(rows, layer.weight, scale.view(scale.shape[0], -1), self.group_n,
                                     self.group_k or k, layer.bias, config=route.config)
-        else:
-            return None
         return out.view(*gate_up.shape[:-1], layer.out_features)
 
     def apply_norm(self, layer: Linear, norm: nn.Module, x: torch.Tensor,
@@ -238,21 +236,18 @@ class Fp8LinearMethod:
         k = layer.in_features
         if rows.shape[-1] != k or not rows.is_contiguous():
             return None
-        route = self._fused_route(layer, rows, k)
+        route = self._prologue_route(layer, rows, k, NORM_PROLOGUE_MAX_ROWS)
         if route is None:
             return None
         res_rows = residual.reshape(rows.shape) if residual is not None else None
         if self._quantizes_input(route):
             group, blockwise = self._quant_layout(layer, route, k)
-            a_q, a_s, summed = norm_group_quant(rows, norm.weight, norm.eps, group, res_rows,
-                                                pad_rows_to=4 if blockwise else 1, scales_column_major=blockwise)
+            a_q, a_s, summed = norm_group_quant(rows, norm.weight, norm.eps, group, res_rows, **_layout(blockwise))
             y = self._quantized_matmul(layer, route, a_q, a_s, rows.shape[0], x.dtype, blockwise)
-        elif rows.shape[0] <= NORM_PROLOGUE_MAX_ROWS:
+        else:
             scale = self.scale(layer)
             y, summed = fp8_norm_gemv(rows, norm.weight, norm.eps, layer.weight, scale.view(scale.shape[0], -1),
                                       self.group_n, self.group_k or k, layer.bias, res_rows, config=route.config)
-        else:
-            return None
         new_residual = summed.view(x.shape) if summed is not None else x
         return y.view(*x.shape[:-1], layer.out_features), new_residual
 
@@ -323,8 +318,14 @@ class Fp8LinearMethod:
             a_s = a_scale.expand(m, 1).contiguous()
             return self._quantized_matmul(layer, Route("w8a8"), a_q, a_s, m, x.dtype)
         group, blockwise = self._quant_layout(layer, route, k)
-        a_q, a_s = per_token_group_quant(x, group, pad_rows_to=4 if blockwise else 1, scales_column_major=blockwise)
+        a_q, a_s = per_token_group_quant(x, group, **_layout(blockwise))
         return self._quantized_matmul(layer, route, a_q, a_s, m, x.dtype, blockwise)
+
+
+def _layout(blockwise: bool) -> dict:
+    """The quantized activations' layout: cuBLASLt's block-scaled GEMM takes rows padded to 4 and
+    column-major scales; every other kernel reads them as they come."""
+    return {"pad_rows_to": 4 if blockwise else 1, "scales_column_major": blockwise}
 
 
 def quantize_linears(model: nn.Module, config: Fp8Config) -> int:
