@@ -94,7 +94,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
       tiles read it fewer times), 128 or 256 columns a step, split so the grid gives every SM one to four
       programs;
     - m > 4: the FP8 dot in tiles of 32-128 rows (256 above 16 rows), one 128-column scale block a step,
-      split likewise; each tile twice: x quantized in the kernel, and x quantized by the launch before (a8).
+      split likewise; each tile twice: x quantized in the kernel, and x quantized by the launch before (a8),
+      the a8 tiles above 16 rows in three and four pipeline stages.
     Every split keeps at least two tiles of K; each distinct tile is one more compile."""
     out = []
     if m <= 4:  # (block_n, weight bytes per thread of 4 warps, split_k)
@@ -123,8 +124,10 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
                 big = bn * block_m >= 64 * 64
                 for warps in (8, 4) if big and fp8 and m > 32 and bn <= 128 else (8 if big else 4,):
                     for a8 in (False, True) if fp8 else (False,):
-                        out.append(StreamConfig(bn, bk, num_warps=warps, num_stages=3, use_dot=True, split_k=split,
-                                                fp8_dot=fp8, a8=a8))
+                        # a8 tiles above 16 rows also with a fourth stage: one more weight and x step in flight
+                        for stages in (3, 4) if a8 and m > 16 else (3,):
+                            out.append(StreamConfig(bn, bk, num_warps=warps, num_stages=stages, use_dot=True,
+                                                    split_k=split, fp8_dot=fp8, a8=a8))
     return out
 
 

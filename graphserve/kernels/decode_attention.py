@@ -14,6 +14,10 @@ per layer on an H200 for a merge that reads a few tens of KB. The counter's atom
 that orders the block's stores; the last program resets it, so it is zero for the next layer and
 the next graph replay.
 
+The output can come out quantized (``out_scale``): fp8 with one scale per sequence and head, the input
+an FP8 o_proj reads in 128-column groups (layers/quant/fp8.py), which saves that projection's
+quantization launch (kernels/decode_merge.store_heads).
+
 An fp8 (e4m3) cache is widened in registers to fp16, with q and the probabilities in fp16 too: the
 e4m3 -> fp16 conversion is one instruction per two elements and exact, where the chain to bf16 takes
 several per element, and fp16 holds p more finely than bf16. The bf16 path is untouched.
@@ -33,7 +37,8 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.common import interpreting, sm_count
-from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS, _decode_merge_kernel, merge_partials
+from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS, _decode_merge_kernel, merge_partials, store_heads
+from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 LOG2E = 1.4426950408889634
@@ -89,13 +94,13 @@ def _decode_step(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr,
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, out_scale_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr,
     scale_log2,
     num_splits, min_split_len,
     stride_qt, stride_qh,
     stride_kv, stride_blk, stride_off, stride_kvh,
     stride_bt,
-    stride_ot, stride_oh,
+    stride_ot, stride_oh, stride_st, stride_sh,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -103,7 +108,8 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, PREFETCH_V: tl.constexpr,
     FUSED_MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, CHUNK_S: tl.constexpr,
-    WIDEN_FP16: tl.constexpr, PDL: tl.constexpr,
+    WIDEN_FP16: tl.constexpr, QUANT_OUT: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     seq = tl.program_id(0)
@@ -152,11 +158,8 @@ def _decode_split_kernel(
     # an empty split (short sequence, or a padding row with seq_len 0) leaves l_i == 0
     o = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
     if DIRECT:
-        tl.store(
-            out_ptr + seq * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=h_mask[:, None] & d_mask[None, :],
-        )
+        store_heads(out_ptr + seq * stride_ot, out_scale_ptr + seq * stride_st, head, h_mask, offs_d, d_mask, o,
+                    stride_oh, stride_sh, QUANT_OUT, q_ptr.dtype.element_ty, FP8_MAX_C, MIN_SCALE_C)  # fmt: skip
     else:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         base_o = mid_o_ptr + seq * stride_mo_b + split * stride_mo_s
@@ -171,11 +174,14 @@ def _decode_split_kernel(
                 # only the splits the context reaches hold a partial: a short context (min_split_len,
                 # or a bs-1 graph captured for a long max context) uses fewer pieces than it launches
                 used = tl.minimum(num_splits, tl.cdiv(seq_len, split_len))
-                merge_partials(
-                    mid_o_ptr + seq * stride_mo_b, mid_lse_ptr + seq * stride_ml_b, out_ptr + seq * stride_ot,
-                    heads, tl.arange(0, BLOCK_HM) < GROUP, offs_d, d_mask, used,
-                    stride_mo_h, stride_mo_s, stride_ml_h, stride_oh, BLOCK_HM, BLOCK_D, CHUNK_S,
+                hm_mask = tl.arange(0, BLOCK_HM) < GROUP
+                merged = merge_partials(
+                    mid_o_ptr + seq * stride_mo_b, mid_lse_ptr + seq * stride_ml_b, heads, hm_mask, offs_d, d_mask,
+                    used, stride_mo_h, stride_mo_s, stride_ml_h, BLOCK_HM, BLOCK_D, CHUNK_S,
                 )  # fmt: skip
+                store_heads(out_ptr + seq * stride_ot, out_scale_ptr + seq * stride_st, heads, hm_mask, offs_d,
+                            d_mask, merged, stride_oh, stride_sh, QUANT_OUT, q_ptr.dtype.element_ty, FP8_MAX_C,
+                            MIN_SCALE_C)  # fmt: skip
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -228,6 +234,7 @@ def decode_attention(
     fused_merge: bool = True,
     fp8_widen: torch.dtype = torch.float16,
     min_split_len: int = MIN_SPLIT_LEN,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ([B, Hq, D], one token per sequence) over each sequence's paged context.
 
@@ -243,6 +250,10 @@ def decode_attention(
     (kept for comparison).
     ``min_split_len``: the fewest context tokens a split takes on device, a positive multiple of
     BLOCK_N (benchmarks.launches sweeps it).
+    ``out_scale``: write the output quantized for an FP8 projection that reads it in 128-column (here:
+    one head) groups: ``out`` is then fp8 ``[>= B, Hq, D]`` and ``out_scale`` fp32 ``[>= B, Hq]`` (any strides),
+    one scale per sequence and head, the values per_token_group_quant would make from the unquantized
+    output (``store_heads`` in kernels/decode_merge.py). Rows past B are left as they are.
     """
     batch, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
@@ -258,6 +269,20 @@ def decode_attention(
         raise ValueError(f"decode_attention: fp8_widen={fp8_widen} must be torch.float16 or torch.bfloat16")
     # fp32 q asks for fp32 arithmetic (IEEE dots on the widened values); 16-bit q takes the cheap widening
     widen_fp16 = kv_cache.dtype.itemsize == 1 and fp8_widen == torch.float16 and q.dtype != torch.float32
+    quant_out = out_scale is not None
+    if quant_out:
+        if out is None or out.dtype != FP8_DTYPE or out.dim() != 3 or out.shape[0] < batch or \
+                tuple(out.shape[1:]) != (num_heads, head_dim) or out.stride(2) != 1:
+            raise ValueError(f"decode_attention: a quantized output needs out fp8 [>= {batch}, {num_heads}, {head_dim}] "
+                             f"with head_dim contiguous, got "
+                             f"{None if out is None else (out.dtype, tuple(out.shape), out.stride())}")
+        if out_scale.dtype != torch.float32 or out_scale.dim() != 2 or out_scale.shape[0] < batch or \
+                out_scale.shape[1] != num_heads:
+            raise ValueError(f"decode_attention: out_scale must be float32 [>= {batch}, {num_heads}] (one scale per "
+                             f"sequence and head), got {out_scale.dtype} {tuple(out_scale.shape)}")
+        if not fused_merge:
+            raise ValueError("decode_attention: a quantized output is written by the split kernel itself "
+                             "(fused_merge=True)")
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -293,13 +318,13 @@ def decode_attention(
     block_hm, block_s = triton.next_power_of_2(group), triton.next_power_of_2(num_splits)
     chunk_s = max(1, min(block_s, MERGE_TILE_ELEMS // (block_hm * block_d)))
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, kv_cache, block_tables, seq_lens, out, mid_o, mid_lse, counters,
+        q, kv_cache, block_tables, seq_lens, out, out_scale if quant_out else mid_lse, mid_o, mid_lse, counters,
         scale * LOG2E,
         num_splits, min_split_len,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), out_scale.stride(0) if quant_out else 0, out_scale.stride(1) if quant_out else 0,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if not direct else 0,
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
@@ -307,6 +332,7 @@ def decode_attention(
         PAGE=page, BLOCK_N=BLOCK_N,
         DIRECT=direct, IEEE_DOT=q.dtype == torch.float32 and not widen_fp16, WHILE_LOOP=interpreting(), PREFETCH_V=not direct,
         FUSED_MERGE=fused_merge, BLOCK_HM=block_hm, CHUNK_S=chunk_s, WIDEN_FP16=widen_fp16,
+        QUANT_OUT=quant_out, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_args(q.device, "_decode_split_kernel"),
     )  # fmt: skip
     if not direct and not fused_merge:

@@ -5,6 +5,12 @@ kernel, in the program that finishes last, for the query heads of its kv head; `
 is the separate launch (one program per sequence and query head) it replaced, kept so the two can
 be timed against each other (benchmarks.launches). The weights are ``exp2(lse - max lse)``; an empty
 split has lse -inf and weight 0, and a row whose splits are all empty (a padding row) comes out 0.
+
+``store_heads`` writes the heads' output rows, for the split kernel's direct store and its merge alike:
+in the output dtype, or as fp8 with one scale per head (``QUANT``), the form an FP8 o_proj reads when
+its input is quantized per 128-column group and a head is one group. The rows are first rounded to
+the dtype the unquantized store would write, so the fp8 values and scales are those that
+kernels/fp8_quant.per_token_group_quant would make from that store, bit for bit.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphserve.kernels.fp8_quant import quantize_rows
 from graphserve.kernels.pdl import pdl_enter
 
 # fp32 partials one in-kernel merge step holds ([heads of a kv head, splits, head_dim]): 128 per
@@ -48,12 +55,31 @@ def _merge_chunk(
 
 
 @triton.jit
+def store_heads(
+    o_base, s_base, heads, h_mask, offs_d, d_mask, o, stride_oh, stride_sh,
+    QUANT: tl.constexpr, ROUND: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
+):  # fmt: skip
+    """Store fp32 rows ``o`` [heads, BLOCK_D] at ``o_base + head * stride_oh``: in ``o_base``'s dtype, or with
+    ``QUANT`` rounded to ``ROUND`` (the unquantized output's dtype) and quantized, one scale per head at
+    ``s_base + head * stride_sh`` (kernels/fp8_quant.quantize_rows)."""
+    mask = h_mask[:, None] & d_mask[None, :]
+    ptrs = o_base + heads[:, None] * stride_oh + offs_d[None, :]
+    if QUANT:
+        rounded = tl.where(mask, o.to(ROUND).to(tl.float32), 0.0)
+        q, scale = quantize_rows(rounded, o_base.dtype.element_ty, FP8_MAX_C, MIN_SCALE_C)
+        tl.store(ptrs, q, mask=mask)
+        tl.store(s_base + heads * stride_sh, scale, mask=h_mask)
+    else:
+        tl.store(ptrs, o.to(o_base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def merge_partials(
-    mo_base, ml_base, o_base, heads, h_mask, offs_d, d_mask, num_splits,
-    stride_mo_h, stride_mo_s, stride_ml_h, stride_oh,
+    mo_base, ml_base, heads, h_mask, offs_d, d_mask, num_splits, stride_mo_h, stride_mo_s, stride_ml_h,
     BLOCK_HM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr,
 ):  # fmt: skip
-    """The log-sum-exp weighted mean of one sequence's first ``num_splits`` split partials, for the given heads.
+    """The log-sum-exp weighted mean of one sequence's first ``num_splits`` split partials, for the given heads
+    (fp32 [BLOCK_HM, BLOCK_D]; the caller stores it with ``store_heads``).
 
     One pass: a merge of at most CHUNK_S splits (a short context at batch 1) is a single L2 round
     trip after the counter, where first reading every log-sum-exp for the maximum made it two."""
@@ -67,9 +93,7 @@ def merge_partials(
         m, total, acc = _merge_chunk(mo_base, ml_base, heads, h_mask, offs_d, d_mask, s0, num_splits, m, total, acc,
                                      stride_mo_h, stride_mo_s, stride_ml_h, CHUNK_S)  # fmt: skip
         s0 += CHUNK_S
-    merged = acc / tl.maximum(total, 1e-30)[:, None]
-    tl.store(o_base + heads[:, None] * stride_oh + offs_d[None, :], merged.to(o_base.dtype.element_ty),
-             mask=h_mask[:, None] & d_mask[None, :])  # fmt: skip
+    return acc / tl.maximum(total, 1e-30)[:, None]
 
 
 @triton.jit

@@ -44,3 +44,13 @@ class AttentionBackend:
     def attend(self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """Attention over a cache that already holds this step's K/V (backends with ``fused_prologue``)."""
         raise NotImplementedError(f"the {self.name} attention backend has no fused prologue; call forward()")
+
+    def attend_quantized(
+        self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int, pad_rows_to: int,
+        scales_column_major: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """``attend``'s output [T, H * D] quantized per token and ``group_size`` columns as
+        kernels/fp8_quant.per_token_group_quant lays it out (``(fp8 [T', H * D], fp32 scales [T', groups])``),
+        written by the attention kernel itself; None where this backend or this step cannot (the caller
+        then attends and quantizes separately)."""
+        return None

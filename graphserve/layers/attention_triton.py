@@ -16,6 +16,7 @@ import torch
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.decode_attention import counters_numel, decode_attention, workspace_numel
 from graphserve.kernels.extend_attention import extend_attention
+from graphserve.kernels.fp8_quant import FP8_DTYPE
 from graphserve.kernels.kv_write import kv_write
 from graphserve.layers.attention_backend import AttentionBackend
 
@@ -80,3 +81,25 @@ class TritonAttentionBackend(AttentionBackend):
         return extend_attention(
             q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.max_query_len, scale
         )
+
+    def attend_quantized(
+        self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int, pad_rows_to: int,
+        scales_column_major: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """Decode steps whose groups are whole heads (``group_size`` = head_dim) and whose rows need no padding:
+        the split kernel stores each head's output in fp8 with its scale (kernels/decode_merge.store_heads).
+        Prefill and mixed steps, and padded layouts (cuBLASLt's rows padded to 4, whose padding rows the
+        quantization launch zeroes), return None."""
+        t, num_heads, head_dim = q.shape
+        if batch.mode != "decode" or group_size != head_dim or t % pad_rows_to:
+            return None
+        kv_cache = batch.kv_caches[layer_idx]
+        ws, counters = self.reserve(num_heads, kv_cache.shape[3], head_dim, q.device)
+        out = torch.empty((t, num_heads * head_dim), dtype=FP8_DTYPE, device=q.device)
+        if scales_column_major:
+            scales = torch.empty((num_heads, t), dtype=torch.float32, device=q.device).t()
+        else:
+            scales = torch.empty((t, num_heads), dtype=torch.float32, device=q.device)
+        decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws, counters=counters,
+                         out=out.view(t, num_heads, head_dim), out_scale=scales)  # fmt: skip
+        return out, scales

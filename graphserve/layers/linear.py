@@ -30,6 +30,8 @@ from graphserve.kernels.gemv_config import MAX_M, rule_for
 from graphserve.layers.activation import silu_and_mul
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from graphserve.layers.norm import RMSNorm
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -98,6 +100,25 @@ def silu_mul_linear(gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         out = silu_mul_gemv(gate_up.reshape(-1, gate_up.shape[-1]), linear.weight, linear.bias)
         return out.view(*gate_up.shape[:-1], linear.out_features)
     return linear(silu_and_mul(gate_up))
+
+
+def quantized_input_linear(
+    linear: nn.Linear, m: int, dtype: torch.dtype, device: torch.device,
+    make: Callable[..., tuple[torch.Tensor, torch.Tensor] | None],
+) -> torch.Tensor | None:  # fmt: skip
+    """``linear`` of an input its producer writes already quantized, or None.
+
+    An FP8 layer whose call of ``m`` rows quantizes its input by a launch of its own (layers/quant/fp8.py
+    ``input_quant``) says how; ``make(**layout)`` (per_token_group_quant's keywords) then returns the
+    quantized input, written by the kernel that computes it, and the quantization launch is saved. None
+    where the layer reads its input unquantized or ``make`` cannot write it so: the caller runs the
+    producer and ``linear`` as usual."""
+    method = getattr(linear, "quant_method", None)
+    want = getattr(method, "input_quant", None)
+    layout = want(linear, m, dtype, device) if want is not None else None
+    if layout is None or (made := make(**layout)) is None:
+        return None
+    return method.apply_quantized(linear, *made, m, dtype)
 
 
 def norm_linear(

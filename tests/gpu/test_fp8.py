@@ -339,6 +339,54 @@ def test_fp8_dummy_model_generates_with_cuda_graphs() -> None:
     assert all(len(o.token_ids) == 16 for o in outs)
 
 
+@pytest.mark.parametrize("path", ["stream", "w8a8", "scaled_mm"])
+@pytest.mark.parametrize("fp8_kv", [False, True])
+def test_attention_writes_o_proj_quantized_input(path: str, fp8_kv: bool) -> None:
+    """A decode step whose o_proj quantizes its input takes it from the attention kernel, already quantized
+    (layers/linear.quantized_input_linear): the same fp8 values and scales as the separate quantization
+    launch, so the logits are bit for bit those of the unfused step, on each quantizing route."""
+    if path == "scaled_mm" and not blockwise_scaled_mm_available(DEV):
+        pytest.skip("this torch build has no block-scaled torch._scaled_mm")
+    model = load_model(EngineConfig(model="dummy:qwen3-0.6b", device="cuda", quantization="fp8",
+                                    max_model_len=1024), DEV).model  # fmt: skip
+    b = 32
+    o_proj = model.model.layers[0].self_attn.o_proj
+    a8 = StreamConfig(64, 128, num_warps=4, num_stages=3, use_dot=True, split_k=4, fp8_dot=True, a8=True)
+    route = Route(path, a8 if path == "stream" else None)
+    method = o_proj.quant_method
+    method._routes[(b, o_proj.out_features, o_proj.in_features, torch.bfloat16, o_proj.weight.device)] = route
+    harnesses = [PagedHarness(model, block_size=16, num_blocks=256, dtype=torch.bfloat16, device=DEV,
+                              backend=TritonAttentionBackend()) for _ in range(2)]  # fmt: skip
+    if fp8_kv:
+        for h in harnesses:
+            h.kv_caches = [torch.zeros_like(c, dtype=torch.float8_e4m3fn) for c in h.kv_caches]
+    prompts = [(f"s{i}", list(range(50 + 7 * i, 90 + 13 * i))) for i in range(b)]
+    fused_calls = []
+    real = TritonAttentionBackend.attend_quantized
+
+    def counted(self, *args, **kwargs):
+        made = real(self, *args, **kwargs)
+        fused_calls.append(made is not None)
+        return made
+
+    with torch.inference_mode():
+        for h in harnesses:
+            h.step(prompts)
+        step = [(s, [7 + i]) for i, (s, _) in enumerate(prompts)]
+        TritonAttentionBackend.attend_quantized = lambda self, *a, **k: None
+        try:
+            unfused = torch.stack([x[-1] for x in harnesses[0].step(step)])
+        finally:
+            TritonAttentionBackend.attend_quantized = counted
+        try:
+            fused = torch.stack([x[-1] for x in harnesses[1].step(step)])
+        finally:
+            TritonAttentionBackend.attend_quantized = real
+    assert method.input_quant(o_proj, b, torch.bfloat16, o_proj.weight.device) is not None
+    assert fused_calls and all(fused_calls), "every layer's o_proj read the attention's quantized output"
+    assert torch.equal(fused, unfused)
+
+
 # ---- FP8 KV cache ------------------------------------------------------------------------------
 def _fp8_cache(seq_lens: list[int], kv_heads: int, gen: torch.Generator, page: int = 16):
     per_seq = [-(-n // page) for n in seq_lens]

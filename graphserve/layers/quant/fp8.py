@@ -251,17 +251,40 @@ class Fp8LinearMethod:
         new_residual = summed.view(x.shape) if summed is not None else x
         return y.view(*x.shape[:-1], layer.out_features), new_residual
 
+    def input_quant(self, layer: Linear, m: int, dtype: torch.dtype, device: torch.device) -> dict | None:
+        """How a call of ``m`` rows of ``dtype`` quantizes its input by a launch of its own (per_token_group_quant's
+        ``group_size``, ``pad_rows_to`` and ``scales_column_major``), so that whatever makes the input can write
+        it so instead and hand it to ``apply_quantized``; None where the call reads its input unquantized."""
+        if device.type != "cuda":
+            return None
+        k = layer.in_features
+        route = self._route_for(m, layer.out_features, k, dtype, device)
+        if not self._quantizes_input(route):
+            return None
+        group, blockwise = self._quant_layout(layer, route, k)
+        return {"group_size": group, **_layout(blockwise)}
+
+    def apply_quantized(self, layer: Linear, a_q: torch.Tensor, a_s: torch.Tensor, m: int,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+        """The layer on an input quantized as ``input_quant`` said for ``m`` rows: ``[m, out_features]``."""
+        k = layer.in_features
+        route = self._route_for(m, layer.out_features, k, out_dtype, a_q.device)
+        blockwise = self._quant_layout(layer, route, k)[1]
+        return self._quantized_matmul(layer, route, a_q, a_s, m, out_dtype, blockwise)[:m]
+
     def _route(self, x: torch.Tensor, n: int, k: int) -> Route:
-        """The path for this call (kernels/fp8_config.py: measured table, else defaults); cached per shape."""
-        m = x.shape[0]
-        key = (m, n, k, x.dtype, x.device)
+        return self._route_for(x.shape[0], n, k, x.dtype, x.device)
+
+    def _route_for(self, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Route:
+        """The path of a call of ``m`` rows (kernels/fp8_config.py: measured table, else defaults); cached per shape."""
+        key = (m, n, k, dtype, device)
         route = self._routes.get(key)
         if route is None:
             capturing = torch.cuda.is_current_stream_capturing()
             scaled_mm_ok = (self.config.block == (128, 128) and self.config.activation_scheme == "dynamic"
-                            and n % 128 == 0 and k % 128 == 0 and x.dtype == torch.bfloat16 and not capturing
-                            and blockwise_scaled_mm_available(x.device))
-            route = choose_route(m, n, k, self.group_n, self.group_k or k, scaled_mm_ok, x.device, sm_count(x.device))
+                            and n % 128 == 0 and k % 128 == 0 and dtype == torch.bfloat16 and not capturing
+                            and blockwise_scaled_mm_available(device))
+            route = choose_route(m, n, k, self.group_n, self.group_k or k, scaled_mm_ok, device, sm_count(device))
             if not capturing:  # in a capture the availability probe was skipped: decide again outside
                 self._routes[key] = route
         return route
