@@ -11,6 +11,8 @@ import torch
 # first: importing the kernel tests puts Triton under the interpreter when there is no GPU
 from tests.test_kernels_interp import DEVICE, paged_setup, randn
 
+HEADS, KV_HEADS, D = 8, 2, 32
+
 from graphserve.kernels.decode_attention import decode_attention  # noqa: E402
 from graphserve.kernels.fp8_quant import FP8_DTYPE, per_token_group_quant  # noqa: E402
 
@@ -26,7 +28,7 @@ from graphserve.kernels.fp8_quant import FP8_DTYPE, per_token_group_quant  # noq
 )
 def test_quantized_output_equals_quantizing_the_output(seq_lens, num_splits, fp8_cache, column_major):
     gen = torch.Generator().manual_seed(21)
-    heads, kv_heads, d = 8, 2, 32
+    heads, kv_heads, d = HEADS, KV_HEADS, D
     cache, tables, lens = paged_setup(seq_lens, kv_heads, d, 16, gen)
     if fp8_cache:
         cache = cache.to(FP8_DTYPE)

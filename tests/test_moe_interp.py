@@ -86,24 +86,65 @@ def test_align_matches_reference(expert_start, num_local, block_m, count_in_one_
     assert torch.equal(counts.cpu(), expert_counts_reference(ids, valid, E).cpu())
     assert int(align.num_post_padded) == ref_total
     assert torch.equal(align.expert_ids.cpu(), ref_experts)
-    # within a run the order is the atomics' order: compare each tile as a set
-    got = align.sorted_ids.cpu().view(-1, block_m).sort(dim=1).values
-    assert torch.equal(got, ref_sorted.view(-1, block_m).sort(dim=1).values)
+    if count_in_one_program:  # placed without atomics: pair order within a run, as the reference
+        assert torch.equal(align.sorted_ids.cpu(), ref_sorted)
+    else:  # within a run the order is the atomics' order: compare each tile as a set
+        got = align.sorted_ids.cpu().view(-1, block_m).sort(dim=1).values
+        assert torch.equal(got, ref_sorted.view(-1, block_m).sort(dim=1).values)
 
 
-def test_align_matches_reference_at_a_decode_shape():
-    """qwen3-30b-a3b at batch 64: 512 pairs over 128 experts, several histogram steps and programs."""
-    gen = torch.Generator().manual_seed(64)
-    ids = torch.stack([torch.randperm(128, generator=gen)[:8] for _ in range(64)]).to(torch.int32).to(DEVICE)
-    valid = torch.arange(64, device=DEVICE) < 61
-    counts = torch.full((128,), -7, dtype=torch.int32, device=DEVICE)
-    align = moe_align(ids, valid, counts, 0, 128, 16)
-    ref_sorted, ref_experts, ref_total = moe_align_reference(ids, valid, 0, 128, 16)
-    assert torch.equal(counts.cpu(), expert_counts_reference(ids, valid, 128).cpu())
+class _NoLaunch:
+    """Stands in for a kernel a small batch must not launch."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("a small batch's sort launched a second kernel")
+
+
+def _hot_expert_ids(t: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Every row picks k of 5 experts, expert 5 in most rows: one run of many tiles, most runs empty."""
+    pool = torch.tensor([5, 9, 40, 41, 42])
+    return torch.stack([pool[torch.randperm(5, generator=gen)[:k]] for _ in range(t)]).to(torch.int32)
+
+
+# (tokens, k, experts, first local expert, local experts, block_m, hot): qwen3-30b-a3b at batch 64 and at
+# the largest one-launch batch (exactly SINGLE_PROGRAM_MAX_PAIRS pairs), an expert-parallel slice of it,
+# a skewed batch with an expert-parallel slice (experts 40..42 routed elsewhere), batch 1
+SINGLE_LAUNCH_CASES = [
+    (64, 8, 128, 0, 128, 16, False),
+    (128, 8, 128, 0, 128, 16, False),
+    (128, 8, 128, 32, 64, 16, False),
+    (100, 4, 64, 4, 32, 16, True),
+    (1, 8, 128, 0, 128, 16, False),
+]
+
+
+@pytest.mark.parametrize("t,k,e,expert_start,num_local,block_m,hot", SINGLE_LAUNCH_CASES)
+def test_align_in_one_launch_matches_reference(t, k, e, expert_start, num_local, block_m, hot, monkeypatch):
+    """Up to SINGLE_PROGRAM_MAX_PAIRS the offsets kernel places every pair itself, in pair order per run."""
+    monkeypatch.setattr(moe_align_mod, "moe_count_kernel", _NoLaunch())
+    monkeypatch.setattr(moe_align_mod, "moe_align_scatter_kernel", _NoLaunch())
+    gen = torch.Generator().manual_seed(t * k + expert_start)
+    if hot:
+        ids = _hot_expert_ids(t, k, gen)
+    else:
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    assert t * k <= moe_align_mod.SINGLE_PROGRAM_MAX_PAIRS
+    ids = ids.to(DEVICE)
+    valid = torch.rand(t, generator=gen).to(DEVICE) < 0.9  # padding rows scattered through the batch
+    valid[0] = True
+    counts = torch.full((e,), -7, dtype=torch.int32, device=DEVICE)
+    align = moe_align(ids, valid, counts, expert_start, num_local, block_m)
+    ref_sorted, ref_experts, ref_total = moe_align_reference(ids, valid, expert_start, num_local, block_m)
+    assert torch.equal(counts.cpu(), expert_counts_reference(ids, valid, e).cpu())
     assert int(align.num_post_padded) == ref_total
     assert torch.equal(align.expert_ids.cpu(), ref_experts)
-    got = align.sorted_ids.cpu().view(-1, 16).sort(dim=1).values
-    assert torch.equal(got, ref_sorted.view(-1, 16).sort(dim=1).values)
+    assert torch.equal(align.sorted_ids.cpu(), ref_sorted)
+    # the reference's order spelled out: each run holds its pairs in increasing order, then the sentinel
+    tiles, experts = align.sorted_ids.cpu().view(-1, block_m), align.expert_ids.cpu()
+    for expert in range(num_local):
+        run, n = tiles[experts == expert].flatten(), int(counts[expert_start + expert])
+        assert torch.all(run[:n].diff() > 0) and torch.all(run[n:] == t * k), expert
+    assert torch.all(tiles[experts == -1] == t * k)
 
 
 def _weights(gen: torch.Generator, num_local: int = E, h: int = H, inter: int = INTER) -> tuple[torch.Tensor, ...]:
