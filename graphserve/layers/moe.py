@@ -173,16 +173,25 @@ class FusedMoE(nn.Module):
         self.register_buffer(
             "expert_counts", torch.zeros(num_experts, dtype=torch.int32, device=device), persistent=False
         )
-        # the fused gate kernel's done-counter (kernels/moe_gate.py): zero between launches
-        self.register_buffer("gate_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
+        from graphserve.kernels.moe_gate import GATE_COUNTERS
+
+        # the fused gate kernels' done-counters (kernels/moe_gate.py), one per row block: zero between launches
+        self.register_buffer(
+            "gate_counters", torch.zeros(GATE_COUNTERS, dtype=torch.int32, device=device), persistent=False
+        )
         self.routing_override: str | None = None
         self.use_kernels: bool | None = None  # None: the fused kernels exactly when the input is on CUDA
         # layers/quant/fp8_moe.Fp8MoEMethod when the experts are stored in fp8: it owns their loading
         self.quant_method = None
 
+    @property
+    def gate_counter(self) -> torch.Tensor:
+        """The first of ``gate_counters``: all that the gate kernels up to MAX_ROWS rows count on."""
+        return self.gate_counters[:1]
+
     def rebuild(self, device: torch.device) -> None:
-        """After the loader's ``to_empty``: the buffers hold garbage; the gate kernel's counter must be zero."""
-        self.gate_counter.zero_()
+        """After the loader's ``to_empty``: the buffers hold garbage; the gate kernels' counters must be zero."""
+        self.gate_counters.zero_()
         self.expert_counts.zero_()
 
     def load_expert_weight(self, param: str, expert_id: int, tensor: torch.Tensor) -> None:
@@ -276,13 +285,14 @@ class FusedMoE(nn.Module):
 
     def forward_gate(self, hidden: torch.Tensor, gate: nn.Linear, valid: torch.Tensor | None = None) -> torch.Tensor:
         """``forward(hidden, gate(hidden), valid)``, with the gate projection and the routing in one
-        launch (kernels/moe_gate.py) where it applies: decode-sized batches on the kernel path,
-        softmax top-k routing, a gate without bias. ``gate`` keeps the checkpoint's weight."""
+        launch (kernels/moe_gate.py) where it applies: decode-sized batches on the kernel path (up to
+        MAX_ROWS rows, up to DOT_MAX_ROWS in 16 bits), softmax top-k routing, a gate without bias.
+        ``gate`` keeps the checkpoint's weight."""
         if self._gate_fusable(hidden, gate):
             from graphserve.kernels.moe_gate import moe_gate_softmax_topk
 
             routing = moe_gate_softmax_topk(hidden, gate.weight, self.top_k, self.router.renormalize,
-                                            self.gate_counter)  # fmt: skip
+                                            self.gate_counters)  # fmt: skip
             return self._experts(hidden, *routing, valid)
         return self.forward(hidden, gate(hidden), valid)
 

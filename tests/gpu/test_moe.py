@@ -16,7 +16,7 @@ from gpu_utils import capture, rel_err
 
 from graphserve.kernels.moe_align import moe_align
 from graphserve.kernels.moe_fused import fused_experts, moe_workspace_bytes
-from graphserve.kernels.moe_gate import moe_gate_softmax_topk
+from graphserve.kernels.moe_gate import GATE_COUNTERS, moe_gate_softmax_topk
 from graphserve.kernels.moe_reference import (
     expert_counts_reference,
     experts_loop_reference,
@@ -113,25 +113,68 @@ def test_routing_kernel_matches_torch(name, t, gen):
     assert bool((gap[differs] < 1e-6).all()), int(differs.sum())
 
 
-@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("t", [1, 3, 8, 9, 16, 32, 64])  # the FMA kernel up to 8 rows, the tensor-core one past it
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fused_gate_matches_projection_then_topk(name, t, gen):
     """Gate projection + softmax top-k in one launch against F.linear (bf16 out, as the model's gate) + torch."""
     e, h, _, k, renorm = MODELS[name]
     gate = (torch.randn(e, h, device="cuda", generator=gen) * h**-0.5).to(DT)
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    for _ in range(3):  # the counter must come back to zero after every launch
+    counter = torch.zeros(GATE_COUNTERS, dtype=torch.int32, device="cuda")
+    for _ in range(3):  # the counters must come back to zero after every launch
         x = torch.randn(t, h, device="cuda", generator=gen).to(DT)
         w, ids = moe_gate_softmax_topk(x, gate, k, renorm, counter)
         logits = torch.nn.functional.linear(x, gate)
         w_ref, ids_ref = softmax_topk_reference(logits, k, renorm)
-        assert int(counter) == 0
+        assert not counter.any()
         # the two sums may round a logit one bf16 step apart: an id may differ only at a near-tie
         probs = torch.softmax(logits.float(), dim=-1)
         gap = (probs.gather(1, ids.long()) - probs.gather(1, ids_ref.long())).abs()
         assert bool((gap[ids != ids_ref] < 2e-2).all())
         same = (ids == ids_ref).all(dim=1)
         torch.testing.assert_close(w[same], w_ref[same], rtol=2e-2, atol=1e-3)
+
+
+def _grid_gate_inputs(t: int, e: int, h: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [t, h] in steps of 1/16 and a gate weight [e, h] in steps of 1/256: bf16 values whose dot products are
+    exact in fp32 (|sum| < 2^24 steps of 2^-12), so every accumulation order rounds to the same bf16 logit."""
+    x = torch.randint(-32, 33, (t, h), device="cuda", generator=gen) / 16
+    w = torch.randint(-64, 65, (e, h), device="cuda", generator=gen) / 256
+    return x.to(DT), w.to(DT)
+
+
+def _exact_routing(x: torch.Tensor, gate: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference on the exact logits rounded to bf16, ties to the lower expert index (the kernels' rule;
+    torch.topk orders ties its own way, and bf16 logits do tie)."""
+    logits = (x.double() @ gate.double().T).to(DT)
+    w_ref, _ = softmax_topk_reference(logits, k, renorm)
+    probs = torch.softmax(logits.float(), dim=-1)
+    return w_ref, torch.sort(probs, dim=1, descending=True, stable=True).indices[:, :k].to(torch.int32)
+
+
+@pytest.mark.parametrize("t", [9, 16, 32, 64])
+@torch.inference_mode()
+def test_tensor_core_gate_exact_at_qwen3_router(t, gen):
+    """qwen3-30b-a3b's router (E 128, H 2048, k 8) past MAX_ROWS rows on exactly summable inputs: the ids of the
+    exact bf16 logits, fp32 weights; then captured into a CUDA graph and replayed on new inputs, equal to eager
+    bit for bit with every row block's counter back at zero."""
+    e, h, _, k, renorm = MODELS["qwen3-30b-a3b"]
+    counter = torch.zeros(GATE_COUNTERS, dtype=torch.int32, device="cuda")
+    x, gate = _grid_gate_inputs(t, e, h, gen)
+    w, ids = moe_gate_softmax_topk(x, gate, k, renorm, counter)
+    w_ref, ids_ref = _exact_routing(x, gate, k, renorm)
+    assert torch.equal(ids, ids_ref) and not counter.any()
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-7)
+    graph, (w_out, ids_out) = capture(lambda: moe_gate_softmax_topk(x, gate, k, renorm, counter))
+    for _ in range(2):  # two replays: the counters must be back at zero for the second
+        x.copy_(_grid_gate_inputs(t, e, h, gen)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not counter.any()
+        w_ref, ids_ref = _exact_routing(x, gate, k, renorm)
+        assert torch.equal(ids_out, ids_ref)
+        torch.testing.assert_close(w_out, w_ref, rtol=1e-5, atol=1e-7)
+        eager = moe_gate_softmax_topk(x, gate, k, renorm, counter)
+        assert torch.equal(eager[0], w_out) and torch.equal(eager[1], ids_out)
 
 
 @pytest.mark.parametrize("block_ep", [1, 2])
@@ -150,7 +193,7 @@ def test_gate_rank_tail_agrees_with_argmax_rounds(name, block_ep, gen):
         assert int(counter) == 0
 
 
-@pytest.mark.parametrize("padded,real", [(1, 1), (1, 0), (8, 5)])
+@pytest.mark.parametrize("padded,real", [(1, 1), (1, 0), (8, 5), (16, 9), (64, 57)])  # past 8 rows: tensor cores
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
 @torch.inference_mode()
 def test_fused_gate_layer_under_cuda_graph_replay(name, padded, real, experts, gen):
@@ -170,7 +213,7 @@ def test_fused_gate_layer_under_cuda_graph_replay(name, padded, real, experts, g
         valid.fill_(real)
         graph.replay()
         torch.cuda.synchronize()
-        assert int(layer.gate_counter) == 0
+        assert not layer.gate_counters.any()
         replay_out, replay_counts = out.clone(), layer.expert_counts.clone()
         assert torch.equal(replay_out, layer.forward_gate(x, gate, valid=valid))
         assert torch.equal(replay_out[real:], torch.zeros(padded - real, h, device="cuda", dtype=DT))
@@ -178,7 +221,7 @@ def test_fused_gate_layer_under_cuda_graph_replay(name, padded, real, experts, g
         if real:
             # the routing the kernel chose (test_fused_gate_matches_projection_then_topk checks it
             # against torch): a near-tie decided the other way would swap an expert here
-            w, ids = moe_gate_softmax_topk(x, gate.weight, k, renorm, torch.zeros_like(layer.gate_counter))
+            w, ids = moe_gate_softmax_topk(x, gate.weight, k, renorm, torch.zeros_like(layer.gate_counters))
             ref = _reference(x[:real], experts[name][2], experts[name][3], w[:real], ids[:real])
             assert rel_err(replay_out[:real], ref) < TOL
 
