@@ -21,14 +21,8 @@ use_interpreter("graphserve.layers.moe")
 
 import pytest  # noqa: E402
 
-from graphserve.kernels.moe_gate import (  # noqa: E402
-    DOT_MAX_ROWS,
-    GATE_COUNTERS,
-    MAX_ROWS,
-    gate_fusable,
-    moe_gate_dot_softmax_topk,
-    moe_gate_softmax_topk,
-)
+from graphserve.kernels.moe_gate import MAX_ROWS, gate_fusable, moe_gate_softmax_topk  # noqa: E402
+from graphserve.kernels.moe_gate_dot import DOT_MAX_ROWS, GATE_COUNTERS, moe_gate_dot_softmax_topk  # noqa: E402
 from graphserve.kernels.moe_reference import softmax_topk_reference  # noqa: E402
 from graphserve.layers.moe import FusedMoE, SoftmaxTopK  # noqa: E402
 
