@@ -164,7 +164,8 @@ def main() -> None:
             prefill.append({"model": name, "shape": "8x2048", "fp8_ms": fp8["prefill_ms"], "bf16_ms": bf16["prefill_ms"],
                             "fp8_tflops": fp8["prefill_tflops"], "fp8_peak_tflops": fp8_peak,
                             "ratio": fp8["prefill_tflops"] / fp8_peak})
-    # floors last: the best read rate of the whole run (probes and every step) is the denominator
+    # floors last: the best read rate of the whole run (both rounds of probes and every step) is the denominator
+    bw.probe_again()
     for r in decode:
         r.update({k: v for k, v in bw.ratios(r["step_ms"], r["read_bytes"], r["flops"], fp8_peak).items()
                   if k in ("floor_ms", "ratio")})

@@ -123,6 +123,7 @@ def main() -> None:
                "routing": routing, "experts_touched": touched, "step_ms": ms, "read_bytes": nbytes,
                "bf16_step_ms": bf16[bs, routing][0], "bf16_read_bytes": bf16[bs, routing][1]}
         rows.append(row)
+    bw.probe_again()  # the probes again, after the work: each method's best of both rounds
     for r in rows:  # floors last: the best read rate of the whole run is the denominator
         r.update({key: v for key, v in bw.ratios(r["step_ms"], r["read_bytes"]).items() if key in ("floor_ms", "ratio")})
         r["vs_bf16"] = r["step_ms"] / r["bf16_step_ms"]

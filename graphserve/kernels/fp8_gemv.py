@@ -65,7 +65,7 @@ from graphserve.kernels.fp8_config import (
 )
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_rows
 from graphserve.kernels.gemv import _x_tile
-from graphserve.kernels.pdl import pdl_args, pdl_enter
+from graphserve.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 MAX_ROWS = MAX_STREAM_ROWS
 MAX_SPLIT_TILES = 4096  # split-K column tiles per launch (16 KB of counters); split-K pays where tiles are few
@@ -81,7 +81,7 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
     FP8_DOT: tl.constexpr, A8: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(PDL)
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     k_first = tl.program_id(1) * K_SPLIT  # this program's share of K: [k_first, k_first + K_SPLIT)
     # every split full and a whole number of tiles: unmasked weight loads
@@ -170,6 +170,7 @@ def _fp8_gemv_kernel(
                     xr = xr * ks[:, None]
                 part = tl.sum(tl.sum(wf * xr[None, :, :], axis=2), axis=1)
                 acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
+    pdl_release(PDL)  # the next kernel's programs join as these finish streaming (kernels/pdl.py)
     if SPLIT_K == 1:
         _epilogue(acc, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_wsn, stride_om, PER_CHANNEL, HAS_BIAS)
     else:

@@ -17,6 +17,10 @@ The contract every kernel here keeps (``pdl_enter`` as its first statement, befo
 A kernel of another library (cuBLAS, a PyTorch op) is launched without the attribute and serializes as
 usual, on both sides.
 
+A kernel may instead wait first (``pdl_wait``) and let the next kernel launch only after its main loop
+(``pdl_release``): the FP8 streaming matmul does, so the next kernel's programs take the SMs as its own
+finish streaming rather than sitting among them from its first wave on.
+
 One kernel is left out by default: the FP8 streaming matmul (kernels/fp8_gemv.py). With it in, an FP8
 llama3-8b batch-1 step was slower with PDL than without; with it out, faster than without
 (``python3 -m benchmarks.pdl --models --fp8-models dummy:llama3-8b --bs 1 --skip _fp8_gemv_kernel``,
@@ -134,3 +138,18 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """A kernel's first statement where ``pdl_release`` comes later: wait for the previous kernel to complete."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the next kernel launch: placed after a kernel's main loop, its programs are then scheduled only
+    as this kernel's last programs finish their streams, not among them from its first wave on."""
+    if PDL:
+        gdc_launch_dependents()
