@@ -21,10 +21,12 @@ A kernel may instead wait first (``pdl_wait``) and let the next kernel launch on
 (``pdl_release``): the FP8 streaming matmul does, so the next kernel's programs take the SMs as its own
 finish streaming rather than sitting among them from its first wave on.
 
-One kernel is left out by default: the FP8 streaming matmul (kernels/fp8_gemv.py). With it in, an FP8
-llama3-8b batch-1 step was slower with PDL than without; with it out, faster than without
-(``python3 -m benchmarks.pdl --models --fp8-models dummy:llama3-8b --bs 1 --skip _fp8_gemv_kernel``,
-benchmarks/results/pdl_fp8.json).
+One kernel is left out by default: the FP8 streaming matmul (kernels/fp8_gemv.py). With it in (and releasing
+at its start, as pdl_enter does), an FP8 llama3-8b batch-1 step was slower with PDL than without; with it out,
+faster than without (``python3 -m benchmarks.pdl --models --fp8-models dummy:llama3-8b --bs 1 --skip
+_fp8_gemv_kernel``, benchmarks/results/pdl_fp8.json). Releasing after its main loop, it gains at some batch
+sizes and loses at others (ctx 2048: results/pdl_fp8_release_bs1_64.json at batch 1 and 64,
+results/pdl_fp8_release.json at 4, 16 and 32, where batch 32 lost 0.35 ms), so it stays out.
 
 ``GRAPHSERVE_PDL=0`` turns it off (read once per process: a launch on the eager path pays a lookup, not a parse;
 a graph keeps the setting it was captured with);
