@@ -96,7 +96,7 @@ class ReadBandwidth:
     def probe_again(self, nbytes: int = PROBE_BYTES) -> None:
         """Run the probes once more and keep each method's best rate. Benchmarks call it after their work:
         the first probes may run on a GPU still clocking up, and a slow probe would leave every floor of the
-        run generous (runs on an H200 have measured torch.sum at 4088 and 4260 GB/s)."""
+        run generous."""
         for method, gbs in measured_read_bw(nbytes).methods.items():
             self.methods[method] = max(self.methods.get(method, 0.0), gbs)
 
