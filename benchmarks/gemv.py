@@ -57,7 +57,8 @@ SHAPES = {
     "llama3-8b gate_up": (28672, 4096),
     "llama3-8b down": (4096, 14336),
     # the MoE presets' dense projections (their experts run through kernels/moe_*); the router gate
-    # goes through this rule only beyond the fused gate kernel's rows (kernels/moe_gate.MAX_ROWS)
+    # goes through this rule only beyond the fused gate kernels' rows (kernels/moe_gate.MAX_ROWS, and
+    # kernels/moe_gate_dot.DOT_MAX_ROWS for 16-bit activations)
     # or under --moe-routing uniform
     "qwen3-30b-a3b qkv": (5120, 2048),
     "qwen3-30b-a3b o_proj": (2048, 4096),
