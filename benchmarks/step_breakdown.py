@@ -3,10 +3,12 @@
 Profiles one eager decode step with torch.profiler (CUDA activity; launched without programmatic
 dependent launch, whose early-started kernels would count their wait for the previous kernel as
 their own time), sums device time per kernel family (matmuls, attention, norm, rotary, KV write,
-SiLU·mul, activation quantization, other), and compares the sum with the CUDA-graph replay time of
-the same step (captured as the engine runs it): replay − kernel sum is the time the GPU sits between
-kernels, negative where PDL overlaps neighbours. Each family's bytes floor is shown beside it where it is a pure read of weights or KV,
-at the best read rate of the run: the probes', or a family's own where its kernels read faster.
+SiLU·mul, activation quantization, the greedy sample's argmax, other), and compares the sum with the time of
+the same step from its CUDA graph (captured as the engine runs it) followed by the argmax, as
+benchmarks.decode and benchmarks.fp8 time a step: step − kernel sum is the time the GPU sits between
+kernels, negative where PDL overlaps neighbours. The replay alone is shown beside it. Each family's bytes
+floor is shown beside it where it is a pure read of weights or KV, at the best read rate of the run: the
+probes', or a family's own where its kernels read faster.
 
 Run: python3 -m benchmarks.step_breakdown [--model dummy:llama3-8b] [--bs 1] [--ctx 512]
      [--quantization fp8] [--kv-cache-dtype fp8_e4m3]
@@ -29,7 +31,7 @@ from graphserve.kernels.pdl import pdl
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.models.loader import load_model
 
-FAMILIES = [("attention", ("decode", "extend", "_attn")), ("qk_norm_rope_kv", ("qk_norm_rope",)),
+FAMILIES = [("sampling (argmax)", ("argmax",)), ("attention", ("decode", "extend", "_attn")), ("qk_norm_rope_kv", ("qk_norm_rope",)),
             ("kv_write", ("kv_write",)), ("norm", ("rms_norm",)),
             ("rotary", ("rotary",)), ("silu_mul", ("silu",)), ("activation quant", ("quant_kernel",)),
             ("matmul", ("gemm", "gemv", "w8a8", "sm90", "cutlass", "nvjet")), ("copy/other", ("",))]
@@ -68,14 +70,16 @@ def main() -> None:
     with torch.inference_mode():
         graphs.capture()
         replay_ms = cuda_time_ms(lambda: graphs.replay(batch), warmup=5, iters=50)
+        # the step as benchmarks.decode / benchmarks.fp8 time it: the replay and the greedy sample after it
+        step_ms = cuda_time_ms(lambda: graphs.replay(batch).argmax(-1), warmup=5, iters=50)
         # the eager step launches without PDL: a kernel launched early waits inside itself for the one
         # before, and the profiler would count that wait as the kernel's own time
         with pdl(False):
             for _ in range(3):
-                model.compute_logits(model.forward(batch.input_ids, batch.positions, batch))
+                model.compute_logits(model.forward(batch.input_ids, batch.positions, batch)).argmax(-1)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                model.compute_logits(model.forward(batch.input_ids, batch.positions, batch))
+                model.compute_logits(model.forward(batch.input_ids, batch.positions, batch)).argmax(-1)
                 torch.cuda.synchronize()
     per = collections.defaultdict(lambda: [0.0, 0])
     by_name = collections.defaultdict(lambda: [0.0, 0])
@@ -93,9 +97,11 @@ def main() -> None:
     floors = {"matmul": read.floor_ms(weights), "attention": read.floor_ms(kv_bytes)}
     rows = [{"family": k, "kernels": v[1], "ms": v[0], "floor_ms": floors.get(k, 0.0)} for k, v in sorted(per.items())]
     kernel_sum = sum(r["ms"] for r in rows)
-    rows.append({"family": "between kernels (replay - sum)", "kernels": 0, "ms": replay_ms - kernel_sum,
-                 "floor_ms": 0.0})
-    rows.append({"family": "graph replay", "kernels": sum(v[1] for v in per.values()), "ms": replay_ms,
+    launches = sum(v[1] for v in per.values())
+    rows.append({"family": "between kernels (step - sum)", "kernels": 0, "ms": step_ms - kernel_sum, "floor_ms": 0.0})
+    rows.append({"family": "step: graph replay + argmax", "kernels": launches, "ms": step_ms,
+                 "floor_ms": sum(floors.values())})
+    rows.append({"family": "graph replay alone", "kernels": launches - per["sampling (argmax)"][1], "ms": replay_ms,
                  "floor_ms": sum(floors.values())})
     print_table(rows, ["family", "kernels", "ms", "floor_ms"])
     # each kernel by name: how many launches a step makes and their mean time (what fusion would remove)

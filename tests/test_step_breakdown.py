@@ -12,6 +12,7 @@ from benchmarks.step_breakdown import family
     ("nvjet_sm90_qqtst_128x128_128x6_4x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN", "matmul"),
     ("_token_group_quant_kernel", "activation quant"), ("_decode_split_kernel", "attention"),
     ("_rms_norm_kernel", "norm"), ("_silu_and_mul_kernel", "silu_mul"), ("moe_align_offsets_kernel", "copy/other"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>", "sampling (argmax)"),
 ])  # fmt: skip
 def test_families(name: str, want: str) -> None:
     assert family(name) == want
