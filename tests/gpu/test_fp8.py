@@ -387,6 +387,49 @@ def test_attention_writes_o_proj_quantized_input(path: str, fp8_kv: bool) -> Non
     assert torch.equal(fused, unfused)
 
 
+def test_attention_writes_o_proj_quantized_input_under_cuda_graph_replay() -> None:
+    """The same fusion inside captured decode steps, as the engine runs them: a graph captured with it and one
+    captured without give the same logits bit for bit, replay after replay."""
+    from graphserve.engine.graphs import GraphRunner
+    from graphserve.layers.forward_batch import contiguous_batch
+
+    cfg = EngineConfig(model="dummy:qwen3-0.6b", device="cuda", quantization="fp8", max_model_len=512)
+    loaded = load_model(cfg, DEV)
+    model, info = loaded.model, loaded.info
+    bs, ctx, bsz = 32, 300, cfg.block_size
+    o_proj = model.model.layers[0].self_attn.o_proj
+    a8 = StreamConfig(64, 128, num_warps=4, num_stages=3, use_dot=True, split_k=4, fp8_dot=True, a8=True)
+    o_proj.quant_method._routes[(bs, o_proj.out_features, o_proj.in_features, torch.bfloat16,
+                                 o_proj.weight.device)] = Route("stream", a8)  # fmt: skip
+    kv_caches = info.kv.allocate(bs * (-(-(ctx + 1) // bsz)) + 2, bsz, DEV, fill="random")
+    backend = TritonAttentionBackend()
+    real = TritonAttentionBackend.attend_quantized
+    fused_calls = []
+
+    def counted(self, *args, **kwargs):
+        made = real(self, *args, **kwargs)
+        fused_calls.append(made is not None)
+        return made
+
+    graphs = {}
+    with torch.inference_mode():
+        try:
+            for fused in (False, True):
+                TritonAttentionBackend.attend_quantized = counted if fused else (lambda self, *a, **k: None)
+                graphs[fused] = GraphRunner(model, backend, kv_caches, [bs], (ctx + 64) // bsz + 1,
+                                            cfg.max_model_len, DEV)  # fmt: skip
+                graphs[fused].capture()
+        finally:
+            TritonAttentionBackend.attend_quantized = real
+        assert fused_calls and all(fused_calls), "the fused graph's layers read the attention's quantized output"
+        lens = [ctx + 1 - 5 * i for i in range(bs)]
+        batch = contiguous_batch([1] * bs, lens, kv_caches, backend, vocab_size=info.vocab_size)
+        for _ in range(3):
+            unfused = graphs[False].replay(batch).clone()
+            fused = graphs[True].replay(batch).clone()
+            assert torch.equal(fused, unfused), f"max diff {(fused.float() - unfused.float()).abs().max().item()}"
+
+
 # ---- FP8 KV cache ------------------------------------------------------------------------------
 def _fp8_cache(seq_lens: list[int], kv_heads: int, gen: torch.Generator, page: int = 16):
     per_seq = [-(-n // page) for n in seq_lens]
