@@ -122,12 +122,12 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
                 # spill on sm_90 up to 128 rows), and ptxas's occupancy (benchmarks/kernel_ptxas.py) may then fit
                 # two programs an SM where 8 warps fit one
                 big = bn * block_m >= 64 * 64
-                for warps in (8, 4) if big and fp8 and m > 32 and bn <= 128 else (8 if big else 4,):
-                    for a8 in (False, True) if fp8 else (False,):
-                        # a8 tiles above 16 rows also with a fourth stage: one more weight and x step in flight
-                        for stages in (3, 4) if a8 and m > 16 else (3,):
-                            out.append(StreamConfig(bn, bk, num_warps=warps, num_stages=stages, use_dot=True,
-                                                    split_k=split, fp8_dot=fp8, a8=a8))
+                warps = (8, 4) if big and fp8 and m > 32 and bn <= 128 else (8 if big else 4,)
+                # a8 tiles above 16 rows also with a fourth stage: one more weight and x step in flight
+                forms = [(a8, stages) for a8 in ((False, True) if fp8 else (False,))
+                         for stages in ((3, 4) if a8 and m > 16 else (3,))]
+                out += [StreamConfig(bn, bk, num_warps=w, num_stages=stages, use_dot=True, split_k=split, fp8_dot=fp8,
+                                     a8=a8) for w in warps for a8, stages in forms]
     return out
 
 

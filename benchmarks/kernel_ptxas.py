@@ -102,23 +102,16 @@ def gate_reports() -> list[dict]:
 def gate_dot_reports(rows_per_call: tuple[int, ...] = (16, 64)) -> list[dict]:
     """The tensor-core router gate + top-k (kernels/moe_gate_dot.py) at Qwen3-30B-A3B's router, with the tiles
     ``dot_tiles`` picks at each row count."""
-    import triton
-
-    from graphserve.kernels.moe_gate_dot import DOT_BLOCK_K, DOT_BLOCK_T, dot_tiles, moe_gate_dot_softmax_topk_kernel
+    from graphserve.kernels.moe_gate_dot import dot_constants, dot_tiles, dot_warps, moe_gate_dot_softmax_topk_kernel
 
     types = {"partial_ptr": "*fp32", "counter_ptr": "*i32", "weights_ptr": "*fp32", "ids_ptr": "*i32"}
     e, h, k = 128, 2048, 8
     rows = []
     for t in rows_per_call:
-        block_ep, split_k = dot_tiles(t, e)
-        block_k = max(16, min(DOT_BLOCK_K, triton.next_power_of_2(triton.cdiv(h, split_k))))
-        k_span = triton.cdiv(triton.cdiv(h, block_k), split_k) * block_k
-        consts = {"E": e, "H": h, "TOP_K": k, "RENORMALIZE": True, "BLOCK_T": DOT_BLOCK_T, "BLOCK_EP": block_ep,
-                  "SPLIT_K": triton.cdiv(h, k_span), "K_SPAN": k_span, "BLOCK_K": block_k, "BLOCK_E": e,
-                  "BLOCK_TOPK": k, "EVEN_H": True, "PDL": False}  # fmt: skip
-        row = compile_report(moe_gate_dot_softmax_topk_kernel, types, consts, 4, 3)
+        consts = {**dot_constants(h, e, k, True, *dot_tiles(t, e)), "PDL": False}
+        row = compile_report(moe_gate_dot_softmax_topk_kernel, types, consts, dot_warps(e), 3)
         rows.append({"kernel": "moe_gate_dot_softmax_topk_kernel",
-                     "shape": f"T{t} E{e} H{h} k{k} ep{block_ep} split{consts['SPLIT_K']}", **row})
+                     "shape": f"T{t} E{e} H{h} k{k} ep{consts['BLOCK_EP']} split{consts['SPLIT_K']}", **row})
     return rows
 
 

@@ -176,14 +176,14 @@ def test_uniform_routing_is_for_dummy_moe_models_only():
     assert len(layers) == 16 and all(m.routing_override == "uniform" for m in layers)
 
 
-def test_materializing_zeroes_the_fused_gate_counter(variant):
-    """The loader allocates with to_empty (garbage buffers); the gate kernel's done-counter must start at 0."""
+def test_materializing_zeroes_the_fused_gate_counters(variant):
+    """The loader allocates with to_empty (garbage buffers); the gate kernels' done-counters must start at 0."""
     _, _, loaded, _ = variant
     layers = loaded.model.moe_layers()
     for layer in layers:
-        layer.gate_counter.fill_(5)
+        layer.gate_counters.fill_(5)
     loaded.model.finish_materialize(torch.device("cpu"))
-    assert layers and all(int(layer.gate_counter) == 0 for layer in layers)
+    assert layers and all(not layer.gate_counters.any() for layer in layers)
 
 
 def test_padded_decode_rows_route_nowhere_and_leave_the_batch_unchanged(variant):

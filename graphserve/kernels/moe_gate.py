@@ -31,7 +31,6 @@ import triton.language as tl
 from graphserve.kernels.moe_gate_dot import (
     DOT_DTYPES,
     DOT_MAX_ROWS,
-    GATE_COUNTERS,
     check_counter,
     checked_gate_args,
     moe_gate_dot_softmax_topk,
@@ -40,9 +39,6 @@ from graphserve.kernels.moe_reference import softmax_topk_reference
 from graphserve.kernels.moe_routing import MAX_EXPERTS, _softmax_topk_store
 from graphserve.kernels.norm import fused_add_rms_norm_reference
 from graphserve.kernels.pdl import pdl_args, pdl_enter
-
-__all__ = ["GATE_COUNTERS", "MAX_ROWS", "ADD_NORM_MAX_ROWS", "gate_fusable", "moe_gate_softmax_topk",
-           "moe_add_norm_gate_softmax_topk", "moe_add_norm_gate_reference"]
 
 MAX_ROWS = 8  # the FMA kernel's rows: beyond this the weight reuse favours tensor cores (and one program's x tile grows)
 # The residual add + RMSNorm join the gate's launch only up to this many rows: each gate program
@@ -213,7 +209,7 @@ def moe_gate_softmax_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """softmax top-k of ``x @ gate_weight.T`` (rounded to x's dtype): (weights fp32 [T, k], ids int32 [T, k]).
 
-    ``counter`` is int32 [GATE_COUNTERS] (or [1] up to MAX_ROWS rows) on x's device, zero before the first
+    ``counter`` is int32 [kernels/moe_gate_dot.GATE_COUNTERS] (or [1] up to MAX_ROWS rows) on x's device, zero before the first
     call; the kernel leaves it zero. One launch; x [T, H] with T <= MAX_ROWS, or 16-bit x with
     T <= DOT_MAX_ROWS (``moe_gate_dot_softmax_topk``). ``block_ep`` (gate rows per program, a power of two,
     at least 16 past MAX_ROWS) and ``rank_topk`` (the ranking tail, one row only) override the shape's choice

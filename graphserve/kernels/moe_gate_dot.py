@@ -135,24 +135,33 @@ def moe_gate_dot_softmax_topk(
         raise ValueError(f"block_ep={block_ep} must be a power of two >= 16 (tl.dot's smallest N)")
     if split_k < 1:
         raise ValueError(f"split_k={split_k} must be >= 1")
-    block_k = max(16, min(DOT_BLOCK_K, triton.next_power_of_2(triton.cdiv(h, split_k))))
-    k_span = triton.cdiv(triton.cdiv(h, block_k), split_k) * block_k
-    splits = triton.cdiv(h, k_span)  # a split past H would only add zeros
+    consts = dot_constants(h, e, top_k, renormalize, block_ep, split_k)
     if x.stride(1) != 1:
         x = x.contiguous()
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
-    partial = torch.empty(splits, t, e, dtype=torch.float32, device=x.device)
-    block_e = triton.next_power_of_2(e)
-    moe_gate_dot_softmax_topk_kernel[(row_blocks, triton.cdiv(e, block_ep), splits)](
-        x, gate_weight, partial, counter, weights, ids, t, x.stride(0), gate_weight.stride(0),
-        E=e, H=h, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=DOT_BLOCK_T, BLOCK_EP=block_ep,
-        SPLIT_K=splits, K_SPAN=k_span, BLOCK_K=block_k, BLOCK_E=block_e,
-        BLOCK_TOPK=triton.next_power_of_2(top_k), EVEN_H=splits * k_span == h,
+    partial = torch.empty(consts["SPLIT_K"], t, e, dtype=torch.float32, device=x.device)
+    moe_gate_dot_softmax_topk_kernel[(row_blocks, triton.cdiv(e, block_ep), consts["SPLIT_K"])](
+        x, gate_weight, partial, counter, weights, ids, t, x.stride(0), gate_weight.stride(0), **consts,
         # the tail holds [16, E] fp32 a few times over: at 1024 experts 4 warps spill (256 bytes, sm_90 ptxas), 8 do not
-        num_warps=4 if block_e <= 512 else 8, num_stages=3, **pdl_args(x.device, "moe_gate_dot_softmax_topk_kernel"),
+        num_warps=dot_warps(e), num_stages=3, **pdl_args(x.device, "moe_gate_dot_softmax_topk_kernel"),
     )  # fmt: skip
     return weights, ids
+
+
+def dot_constants(h: int, e: int, top_k: int, renormalize: bool, block_ep: int, split_k: int) -> dict:
+    """The kernel's constexprs for a gate of ``e`` experts over ``h`` columns in ``split_k`` splits (fewer where a
+    split would start past H, which would only add zeros); benchmarks/kernel_ptxas.py compiles the same ones."""
+    block_k = max(16, min(DOT_BLOCK_K, triton.next_power_of_2(triton.cdiv(h, split_k))))
+    k_span = triton.cdiv(triton.cdiv(h, block_k), split_k) * block_k
+    splits = triton.cdiv(h, k_span)
+    return {"E": e, "H": h, "TOP_K": top_k, "RENORMALIZE": renormalize, "BLOCK_T": DOT_BLOCK_T, "BLOCK_EP": block_ep,
+            "SPLIT_K": splits, "K_SPAN": k_span, "BLOCK_K": block_k, "BLOCK_E": triton.next_power_of_2(e),
+            "BLOCK_TOPK": triton.next_power_of_2(top_k), "EVEN_H": splits * k_span == h}
+
+
+def dot_warps(e: int) -> int:
+    return 4 if triton.next_power_of_2(e) <= 512 else 8
 
 
 def checked_gate_args(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, max_rows: int) -> tuple[int, int, int]:

@@ -45,6 +45,11 @@ class AttentionBackend:
         """Attention over a cache that already holds this step's K/V (backends with ``fused_prologue``)."""
         raise NotImplementedError(f"the {self.name} attention backend has no fused prologue; call forward()")
 
+    def quantizes_output(self, batch: ForwardBatch) -> bool:
+        """Whether ``attend_quantized`` may write this step's output quantized: a model asks before it works
+        out the layout its projection wants, so steps no kernel writes so cost nothing."""
+        return False
+
     def attend_quantized(
         self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int, pad_rows_to: int,
         scales_column_major: bool,

@@ -73,14 +73,22 @@ class TritonAttentionBackend(AttentionBackend):
         return self.attend(q, layer_idx, batch, scale)
 
     def attend(self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        kv_cache = batch.kv_caches[layer_idx]
         if batch.mode == "decode":
-            ws, counters = self.reserve(q.shape[1], kv_cache.shape[3], q.shape[2], q.device)
-            return decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws,
-                                    counters=counters)
+            return self._decode(q, layer_idx, batch, scale)
         return extend_attention(
-            q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.max_query_len, scale
+            q, batch.kv_caches[layer_idx], batch.block_tables, batch.seq_lens, batch.query_start_loc,
+            batch.max_query_len, scale,
         )
+
+    def _decode(self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float, **out) -> torch.Tensor:
+        """The split decode kernel on this layer's cache with the reserved scratch (``out``: its output keywords)."""
+        kv_cache = batch.kv_caches[layer_idx]
+        ws, counters = self.reserve(q.shape[1], kv_cache.shape[3], q.shape[2], q.device)
+        return decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws,
+                                counters=counters, **out)  # fmt: skip
+
+    def quantizes_output(self, batch: ForwardBatch) -> bool:
+        return batch.mode == "decode"
 
     def attend_quantized(
         self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int, pad_rows_to: int,
@@ -91,15 +99,12 @@ class TritonAttentionBackend(AttentionBackend):
         Prefill and mixed steps, and padded layouts (cuBLASLt's rows padded to 4, whose padding rows the
         quantization launch zeroes), return None."""
         t, num_heads, head_dim = q.shape
-        if batch.mode != "decode" or group_size != head_dim or t % pad_rows_to:
+        if not self.quantizes_output(batch) or group_size != head_dim or t % pad_rows_to:
             return None
-        kv_cache = batch.kv_caches[layer_idx]
-        ws, counters = self.reserve(num_heads, kv_cache.shape[3], head_dim, q.device)
         out = torch.empty((t, num_heads * head_dim), dtype=FP8_DTYPE, device=q.device)
         if scales_column_major:
             scales = torch.empty((num_heads, t), dtype=torch.float32, device=q.device).t()
         else:
             scales = torch.empty((t, num_heads), dtype=torch.float32, device=q.device)
-        decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws, counters=counters,
-                         out=out.view(t, num_heads, head_dim), out_scale=scales)  # fmt: skip
+        self._decode(q, layer_idx, batch, scale, out=out.view(t, num_heads, head_dim), out_scale=scales)
         return out, scales

@@ -173,7 +173,7 @@ class FusedMoE(nn.Module):
         self.register_buffer(
             "expert_counts", torch.zeros(num_experts, dtype=torch.int32, device=device), persistent=False
         )
-        from graphserve.kernels.moe_gate import GATE_COUNTERS
+        from graphserve.kernels.moe_gate_dot import GATE_COUNTERS
 
         # the fused gate kernels' done-counters (kernels/moe_gate.py), one per row block: zero between launches
         self.register_buffer(
@@ -183,11 +183,6 @@ class FusedMoE(nn.Module):
         self.use_kernels: bool | None = None  # None: the fused kernels exactly when the input is on CUDA
         # layers/quant/fp8_moe.Fp8MoEMethod when the experts are stored in fp8: it owns their loading
         self.quant_method = None
-
-    @property
-    def gate_counter(self) -> torch.Tensor:
-        """The first of ``gate_counters``: all that the gate kernels up to MAX_ROWS rows count on."""
-        return self.gate_counters[:1]
 
     def rebuild(self, device: torch.device) -> None:
         """After the loader's ``to_empty``: the buffers hold garbage; the gate kernels' counters must be zero."""
@@ -309,7 +304,7 @@ class FusedMoE(nn.Module):
                 and residual.dtype == x.dtype):  # fmt: skip
             weights, ids, hidden, summed = moe_add_norm_gate_softmax_topk(
                 x, residual, norm.weight, norm.eps, gate.weight, self.top_k, self.router.renormalize,
-                self.gate_counter,
+                self.gate_counters,
             )  # fmt: skip
             return self._experts(hidden, weights, ids, valid), hidden, summed
         hidden, residual = norm(x, residual)

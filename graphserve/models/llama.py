@@ -142,13 +142,15 @@ class LlamaAttention(nn.Module):
         t = qkv.shape[0]
         if batch.attn_backend.fused_prologue and not self.full_norm and self.clip_qkv is None:
             q = self.fused_prologue(qkv, positions, batch)
-            # an FP8 o_proj that quantizes its input reads it from the attention kernel, already quantized
-            projected = quantized_input_linear(
-                self.o_proj, t, q.dtype, q.device,
-                lambda **layout: batch.attn_backend.attend_quantized(q, self.layer_idx, batch, self.scale, **layout),
-            )  # fmt: skip
-            if projected is not None:
-                return projected
+            if batch.attn_backend.quantizes_output(batch):
+                # an FP8 o_proj that quantizes its input reads it from the attention kernel, already quantized
+                projected = quantized_input_linear(
+                    self.o_proj, t, q.dtype, q.device,
+                    lambda **layout: batch.attn_backend.attend_quantized(q, self.layer_idx, batch, self.scale,
+                                                                         **layout),
+                )  # fmt: skip
+                if projected is not None:
+                    return projected
             out = batch.attn_backend.attend(q, self.layer_idx, batch, self.scale)
         else:
             q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)

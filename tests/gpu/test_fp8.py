@@ -339,9 +339,34 @@ def test_fp8_dummy_model_generates_with_cuda_graphs() -> None:
     assert all(len(o.token_ids) == 16 for o in outs)
 
 
+A8_TILE = StreamConfig(64, 128, num_warps=4, num_stages=3, use_dot=True, split_k=4, fp8_dot=True, a8=True)
+
+
+def _o_proj_route(model, rows: int, route: Route):
+    """Give the model's o_proj ``route`` at ``rows`` rows, whatever the table says (one method serves every layer)."""
+    o_proj = model.model.layers[0].self_attn.o_proj
+    key = (rows, o_proj.out_features, o_proj.in_features, torch.bfloat16, o_proj.weight.device)
+    o_proj.quant_method._routes[key] = route
+    return o_proj
+
+
+_ATTEND_QUANTIZED = TritonAttentionBackend.attend_quantized  # the method itself, whatever a test patches in
+
+
+def _attention_quantizes(monkeypatch, on: bool, calls: list[bool]) -> None:
+    """The Triton backend writes o_proj's quantized input (each call's success appended to ``calls``), or never."""
+
+    def counted(self, *args, **kwargs):
+        made = _ATTEND_QUANTIZED(self, *args, **kwargs)
+        calls.append(made is not None)
+        return made
+
+    monkeypatch.setattr(TritonAttentionBackend, "attend_quantized", counted if on else lambda self, *a, **k: None)
+
+
 @pytest.mark.parametrize("path", ["stream", "w8a8", "scaled_mm"])
 @pytest.mark.parametrize("fp8_kv", [False, True])
-def test_attention_writes_o_proj_quantized_input(path: str, fp8_kv: bool) -> None:
+def test_attention_writes_o_proj_quantized_input(path: str, fp8_kv: bool, monkeypatch) -> None:
     """A decode step whose o_proj quantizes its input takes it from the attention kernel, already quantized
     (layers/linear.quantized_input_linear): the same fp8 values and scales as the separate quantization
     launch, so the logits are bit for bit those of the unfused step, on each quantizing route."""
@@ -350,44 +375,28 @@ def test_attention_writes_o_proj_quantized_input(path: str, fp8_kv: bool) -> Non
     model = load_model(EngineConfig(model="dummy:qwen3-0.6b", device="cuda", quantization="fp8",
                                     max_model_len=1024), DEV).model  # fmt: skip
     b = 32
-    o_proj = model.model.layers[0].self_attn.o_proj
-    a8 = StreamConfig(64, 128, num_warps=4, num_stages=3, use_dot=True, split_k=4, fp8_dot=True, a8=True)
-    route = Route(path, a8 if path == "stream" else None)
-    method = o_proj.quant_method
-    method._routes[(b, o_proj.out_features, o_proj.in_features, torch.bfloat16, o_proj.weight.device)] = route
+    o_proj = _o_proj_route(model, b, Route(path, A8_TILE if path == "stream" else None))
     harnesses = [PagedHarness(model, block_size=16, num_blocks=256, dtype=torch.bfloat16, device=DEV,
                               backend=TritonAttentionBackend()) for _ in range(2)]  # fmt: skip
     if fp8_kv:
         for h in harnesses:
             h.kv_caches = [torch.zeros_like(c, dtype=torch.float8_e4m3fn) for c in h.kv_caches]
     prompts = [(f"s{i}", list(range(50 + 7 * i, 90 + 7 * i + i % 5))) for i in range(b)]
-    fused_calls = []
-    real = TritonAttentionBackend.attend_quantized
-
-    def counted(self, *args, **kwargs):
-        made = real(self, *args, **kwargs)
-        fused_calls.append(made is not None)
-        return made
-
+    fused_calls: list[bool] = []
     with torch.inference_mode():
         for h in harnesses:
             h.step(prompts)
         step = [(s, [7 + i]) for i, (s, _) in enumerate(prompts)]
-        TritonAttentionBackend.attend_quantized = lambda self, *a, **k: None
-        try:
-            unfused = torch.stack([x[-1] for x in harnesses[0].step(step)])
-        finally:
-            TritonAttentionBackend.attend_quantized = counted
-        try:
-            fused = torch.stack([x[-1] for x in harnesses[1].step(step)])
-        finally:
-            TritonAttentionBackend.attend_quantized = real
-    assert method.input_quant(o_proj, b, torch.bfloat16, o_proj.weight.device) is not None
+        logits = {}
+        for on, h in zip((False, True), harnesses):
+            _attention_quantizes(monkeypatch, on, fused_calls)
+            logits[on] = torch.stack([x[-1] for x in h.step(step)])
+    assert o_proj.quant_method.input_quant(o_proj, b, torch.bfloat16, o_proj.weight.device) is not None
     assert fused_calls and all(fused_calls), "every layer's o_proj read the attention's quantized output"
-    assert torch.equal(fused, unfused)
+    assert torch.equal(logits[True], logits[False])
 
 
-def test_attention_writes_o_proj_quantized_input_under_cuda_graph_replay() -> None:
+def test_attention_writes_o_proj_quantized_input_under_cuda_graph_replay(monkeypatch) -> None:
     """The same fusion inside captured decode steps, as the engine runs them: a graph captured with it and one
     captured without give the same logits bit for bit, replay after replay."""
     from graphserve.engine.graphs import GraphRunner
@@ -397,36 +406,21 @@ def test_attention_writes_o_proj_quantized_input_under_cuda_graph_replay() -> No
     loaded = load_model(cfg, DEV)
     model, info = loaded.model, loaded.info
     bs, ctx, bsz = 32, 300, cfg.block_size
-    o_proj = model.model.layers[0].self_attn.o_proj
-    a8 = StreamConfig(64, 128, num_warps=4, num_stages=3, use_dot=True, split_k=4, fp8_dot=True, a8=True)
-    o_proj.quant_method._routes[(bs, o_proj.out_features, o_proj.in_features, torch.bfloat16,
-                                 o_proj.weight.device)] = Route("stream", a8)  # fmt: skip
+    _o_proj_route(model, bs, Route("stream", A8_TILE))
     kv_caches = info.kv.allocate(bs * (-(-(ctx + 1) // bsz)) + 2, bsz, DEV, fill="random")
     backend = TritonAttentionBackend()
-    real = TritonAttentionBackend.attend_quantized
-    fused_calls = []
-
-    def counted(self, *args, **kwargs):
-        made = real(self, *args, **kwargs)
-        fused_calls.append(made is not None)
-        return made
-
+    fused_calls: list[bool] = []
     graphs = {}
     with torch.inference_mode():
-        try:
-            for fused in (False, True):
-                TritonAttentionBackend.attend_quantized = counted if fused else (lambda self, *a, **k: None)
-                graphs[fused] = GraphRunner(model, backend, kv_caches, [bs], (ctx + 64) // bsz + 1,
-                                            cfg.max_model_len, DEV)  # fmt: skip
-                graphs[fused].capture()
-        finally:
-            TritonAttentionBackend.attend_quantized = real
+        for on in (False, True):
+            _attention_quantizes(monkeypatch, on, fused_calls)
+            graphs[on] = GraphRunner(model, backend, kv_caches, [bs], (ctx + 64) // bsz + 1, cfg.max_model_len, DEV)
+            graphs[on].capture()
         assert fused_calls and all(fused_calls), "the fused graph's layers read the attention's quantized output"
         lens = [ctx + 1 - 5 * i for i in range(bs)]
         batch = contiguous_batch([1] * bs, lens, kv_caches, backend, vocab_size=info.vocab_size)
         for _ in range(3):
-            unfused = graphs[False].replay(batch).clone()
-            fused = graphs[True].replay(batch).clone()
+            unfused, fused = (graphs[on].replay(batch).clone() for on in (False, True))
             assert torch.equal(fused, unfused), f"max diff {(fused.float() - unfused.float()).abs().max().item()}"
 
 

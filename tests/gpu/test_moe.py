@@ -16,7 +16,8 @@ from gpu_utils import capture, rel_err
 
 from graphserve.kernels.moe_align import moe_align
 from graphserve.kernels.moe_fused import fused_experts, moe_workspace_bytes
-from graphserve.kernels.moe_gate import GATE_COUNTERS, moe_gate_softmax_topk
+from graphserve.kernels.moe_gate import moe_gate_softmax_topk
+from graphserve.kernels.moe_gate_dot import GATE_COUNTERS
 from graphserve.kernels.moe_reference import (
     expert_counts_reference,
     experts_loop_reference,

@@ -266,11 +266,12 @@ class Fp8LinearMethod:
 
     def apply_quantized(self, layer: Linear, a_q: torch.Tensor, a_s: torch.Tensor, m: int,
                         out_dtype: torch.dtype) -> torch.Tensor:
-        """The layer on an input quantized as ``input_quant`` said for ``m`` rows: ``[m, out_features]``."""
+        """The layer on an input quantized as ``input_quant`` said for ``m`` rows: ``[m, out_features]`` (rows
+        padded for cuBLASLt are dropped by its call)."""
         k = layer.in_features
         route = self._route_for(m, layer.out_features, k, out_dtype, a_q.device)
         blockwise = self._quant_layout(layer, route, k)[1]
-        return self._quantized_matmul(layer, route, a_q, a_s, m, out_dtype, blockwise)[:m]
+        return self._quantized_matmul(layer, route, a_q, a_s, m, out_dtype, blockwise)
 
     def _route(self, x: torch.Tensor, n: int, k: int) -> Route:
         return self._route_for(x.shape[0], n, k, x.dtype, x.device)
