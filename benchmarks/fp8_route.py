@@ -2,12 +2,15 @@
 routing table layers/quant/fp8.py reads (graphserve/kernels/fp8_rule.json), written from what was measured.
 
 Per projection shape (Llama-3-8B's by default; Qwen3-30B-A3B's dense attention with ``--shapes``; the
-table keeps an earlier run's shapes that this one did not measure) and row count m, with
-128x128 block scales as ``--quantization fp8`` stores them:
+table keeps an earlier run's shapes that this one did not measure) and row count m, with 128x128 block
+scales (``--scales block128``, as the shipped checkpoints and ``--quantization fp8-block`` store them) or
+one scale per output channel (``--scales channel``, as ``--quantization fp8`` and ``fp8-channel`` store dense
+projections; x is then quantized per token: one scale a row):
 - ``stream``: kernels/fp8_gemv.py (m <= 64), its default tiles and, with ``--sweep`` (the default
   unless ``--quick``), a grid of alternatives, among them ``a8`` tiles reading x quantized by the launch
   before: the best is what the table keeps;
-- ``w8a8``: per-token-group activation quantization + the Triton block-scaled GEMM;
+- ``w8a8``: per-token-group activation quantization + the Triton block-scaled GEMM (per channel: per-token
+  quantization + ``torch._scaled_mm``'s rowwise cuBLASLt GEMM, as the layer runs it);
 - ``scaled_mm``: the same quantization (padded, column-major scales) + ``torch._scaled_mm``'s
   block-scaled cuBLASLt GEMM, where this build has it;
 - ``bf16``: F.linear on the bf16 weight, for reference (an fp8 layer has no bf16 weight to route to).
@@ -21,8 +24,8 @@ bytes (fp8 + scales) at the best read bandwidth of this run (benchmarks.roofline
 
 Per (shape, m) the table keeps the fastest fp8 path (and the stream tiles that won); a call of m rows
 takes the entry of the smallest measured count >= m, above the largest the code's defaults.
-Run: python3 -m benchmarks.fp8_route [--quick] [--shapes NAME ...] [--rows M ...]
-(writes benchmarks/results/fp8_route.json and graphserve/kernels/fp8_rule.json)
+Run: python3 -m benchmarks.fp8_route [--quick] [--scales block128|channel] [--shapes NAME ...] [--rows M ...]
+(writes benchmarks/results/fp8_route.json, or fp8_route_channel.json, and graphserve/kernels/fp8_rule.json)
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from graphserve.kernels.fp8_config import (
     RULE_PATH,
     Route,
     StreamConfig,
+    default_route,
     default_stream_config,
     tile_cap,
 )
@@ -54,6 +58,8 @@ from graphserve.kernels.fp8_gemm import (
     blockwise_scale_layout,
     blockwise_scaled_mm_available,
     scaled_mm_blockwise,
+    scaled_mm_rowwise,
+    scaled_mm_supported,
     w8a8_matmul,
 )
 from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_a8, fp8_norm_gemv, fp8_silu_mul_gemv
@@ -61,6 +67,7 @@ from graphserve.kernels.fp8_quant import (
     norm_group_quant,
     per_token_group_quant,
     quantize_weight_blocks,
+    quantize_weight_channels,
     silu_mul_group_quant,
 )
 from graphserve.kernels.norm import fused_add_rms_norm
@@ -132,15 +139,20 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
 
 
 class ColdWeights:
-    """Copies of one projection's weight (fp8 + block scales + cuBLASLt's scale layout, and bf16), enough
-    that back-to-back calls never find theirs in L2."""
+    """Copies of one projection's weight (fp8 + block scales + cuBLASLt's scale layout, or fp8 + per-channel
+    scales [n, 1], and bf16), enough that back-to-back calls never find theirs in L2."""
 
-    def __init__(self, n: int, k: int) -> None:
+    def __init__(self, n: int, k: int, channel: bool = False) -> None:
         copies = max(2, math.ceil(COLD_BYTES / (n * k)))
         self.fp8 = []
         for _ in range(copies):
-            wq, ws = quantize_weight_blocks(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, BLOCK, BLOCK)
-            self.fp8.append((wq, ws, blockwise_scale_layout(ws)))
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            if channel:
+                wq, ws = quantize_weight_channels(w)
+                self.fp8.append((wq, ws.view(n, 1), None))
+            else:
+                wq, ws = quantize_weight_blocks(w, BLOCK, BLOCK)
+                self.fp8.append((wq, ws, blockwise_scale_layout(ws)))
         self.bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                      for _ in range(max(2, math.ceil(COLD_BYTES / (2 * n * k))))]
         self.nbytes = n * k + self.fp8[0][1].numel() * 4
@@ -161,10 +173,13 @@ def prologue(name: str, m: int) -> str | None:
     return None
 
 
-def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok: bool, sms: int) -> dict:
+def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok: bool, sms: int,
+                channel: bool = False) -> dict:
     n, k = SHAPES[name]
+    gn, gk = (1, k) if channel else (BLOCK, BLOCK)  # the kernels' scale block: per channel, one row by all of K
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    r = {"shape": name, "n": n, "k": k, "m": m, "weight_bytes": cold.nbytes}
+    r = {"shape": name, "scales": "channel" if channel else "block128", "n": n, "k": k, "m": m,
+         "weight_bytes": cold.nbytes}
     # every path is timed with the making of its input, as the layer runs it: the norm before qkv and
     # gate_up, SiLU·mul before down, in the streaming kernel's loads (at the rows where it computes them,
     # r["prologue"]), in the launch that quantizes the input (a8 tiles, w8a8, scaled_mm), or else in a
@@ -189,16 +204,17 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
         return per_token_group_quant(x, group, **layout)
 
     def stream(w, c):
-        if c.a8:
-            return fp8_gemv_a8(*quantized(c.block_k), w[0], w[1], BLOCK, BLOCK, torch.bfloat16, config=c)
+        if c.a8:  # per channel, x per token (layers/quant/fp8.py's _quant_layout)
+            return fp8_gemv_a8(*quantized(k if channel else c.block_k), w[0], w[1], gn, gk, torch.bfloat16, config=c)
         if r["prologue"] == "norm":
-            return fp8_norm_gemv(x, norm_w, 1e-6, w[0], w[1], BLOCK, BLOCK, residual=residual, config=c)[0]
+            return fp8_norm_gemv(x, norm_w, 1e-6, w[0], w[1], gn, gk, residual=residual, config=c)[0]
         if r["prologue"] == "silu":
-            return fp8_silu_mul_gemv(gate_up, w[0], w[1], BLOCK, BLOCK, config=c)
-        return fp8_gemv(made(), w[0], w[1], BLOCK, BLOCK, config=c)
+            return fp8_silu_mul_gemv(gate_up, w[0], w[1], gn, gk, config=c)
+        return fp8_gemv(made(), w[0], w[1], gn, gk, config=c)
 
     if m <= MAX_STREAM_ROWS:
-        chosen = default_stream_config(m, n, k, tile_cap(BLOCK, BLOCK, k), sms)
+        chosen = default_route(m, n, k, gn, gk, False, sms).config if channel else None
+        chosen = chosen or default_stream_config(m, n, k, tile_cap(gn, gk, k), sms)
         tried = {}
         for cfg in dict.fromkeys([chosen, *(candidates(m, n, k, sms) if sweep else [])]):
             try:
@@ -206,20 +222,22 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
             except Exception as e:  # a tile this card cannot hold (shared memory, registers): skipped, said so
                 print(f"  {name} m={m} skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
         best = min(tried, key=tried.get)
-        r.update(stream_us=tried[best], stream_default_us=tried[chosen], stream_config=vars(best))
+        r.update(stream_us=tried[best], stream_default_us=tried.get(chosen), stream_config=vars(best))
         a8 = [c for c in tried if c.a8]
         if a8:  # the best of each kind, for the table's readers
             r["stream_a8_us"] = min(tried[c] for c in a8)
             r["stream_bf16x_us"] = min(tried[c] for c in tried if not c.a8)
 
     def w8a8(w):
-        return w8a8_matmul(*quantized(BLOCK), w[0], w[1], BLOCK, BLOCK, torch.bfloat16)
+        if channel and scaled_mm_supported(m, n, k, x.device):  # as the layer's w8a8 path runs per channel
+            return scaled_mm_rowwise(*quantized(k), w[0], w[1], torch.bfloat16)
+        return w8a8_matmul(*quantized(gk), w[0], w[1], gn, gk, torch.bfloat16)
 
     def scaled_mm(w):
         return scaled_mm_blockwise(*quantized(BLOCK, blockwise=True), w[0], w[2], rows=m)
 
     r["w8a8_us"] = cold.time_us(w8a8)
-    r["scaled_mm_us"] = cold.time_us(scaled_mm) if scaled_mm_ok else None
+    r["scaled_mm_us"] = cold.time_us(scaled_mm) if scaled_mm_ok and not channel else None
     r["bf16_us"] = cold.time_us(lambda w: F.linear(made(), w), bf16=True)
     times = {p: r.get(f"{p}_us") for p in ("stream", "w8a8", "scaled_mm")}
     r["best"] = min((p for p in times if times[p] is not None), key=times.get)
@@ -227,9 +245,9 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
     return r
 
 
-def measure(name: str, rows: list[int], sweep: bool, scaled_mm_ok: bool, sms: int) -> list[dict]:
-    cold = ColdWeights(*SHAPES[name])
-    out = [measure_row(name, m, cold, sweep, scaled_mm_ok, sms) for m in rows]
+def measure(name: str, rows: list[int], sweep: bool, scaled_mm_ok: bool, sms: int, channel: bool = False) -> list[dict]:
+    cold = ColdWeights(*SHAPES[name], channel=channel)
+    out = [measure_row(name, m, cold, sweep, scaled_mm_ok, sms, channel) for m in rows]
     del cold
     torch.cuda.empty_cache()
     return out
@@ -237,19 +255,19 @@ def measure(name: str, rows: list[int], sweep: bool, scaled_mm_ok: bool, sms: in
 
 def rule_from_rows(rows: list[dict], env: dict, earlier: dict | None) -> dict:
     """The table for the shapes measured here, plus an earlier table's other shapes from the same card."""
-    measured = {r["shape"] for r in rows}
+    measured = {(r["shape"], r["scales"]) for r in rows}
     same_card = (earlier or {}).get("device") == env["device"]
-    before = {s["name"]: s for s in (earlier or {}).get("shapes", []) if same_card}
-    shapes = [s for name, s in before.items() if name not in measured]
-    for name in dict.fromkeys(r["shape"] for r in rows):
+    before = {(s["name"], s["scales"]): s for s in (earlier or {}).get("shapes", []) if same_card}
+    shapes = [s for key, s in before.items() if key not in measured]
+    for key in dict.fromkeys((r["shape"], r["scales"]) for r in rows):
         # row counts this run measured take its winner; the earlier table's other counts stay
-        entries = {e["m"]: e for e in before.get(name, {}).get("rows", [])}
-        for r in (r for r in rows if r["shape"] == name):
+        entries = {e["m"]: e for e in before.get(key, {}).get("rows", [])}
+        for r in (r for r in rows if (r["shape"], r["scales"]) == key):
             cfg = StreamConfig(**r["stream_config"]) if r["best"] == "stream" else None
             entries[r["m"]] = {"m": r["m"], **Route(r["best"], cfg).to_json()}
         entries = [entries[m] for m in sorted(entries)]
-        first = next(r for r in rows if r["shape"] == name)
-        shapes.append({"name": name, "n": first["n"], "k": first["k"], "scales": "block128", "rows": entries})
+        first = next(r for r in rows if (r["shape"], r["scales"]) == key)
+        shapes.append({"name": key[0], "n": first["n"], "k": first["k"], "scales": key[1], "rows": entries})
     return {"device": env["device"], "written_by": "benchmarks/fp8_route.py",
             "measured": {key: env.get(key) for key in ("date", "commit", "torch", "triton")},
             "rule": "per (n, k, scales), a call of m rows takes the entry of the smallest measured m >= it; "
@@ -261,6 +279,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="fewer row counts, default stream tiles only")
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=DEFAULT_SHAPES, metavar="SHAPE")
+    p.add_argument("--scales", choices=("block128", "channel"), default="block128",
+                   help="the weights' scales: 128x128 blocks, or one per output channel (x then per token)")
     p.add_argument("--no-rule", action="store_true", help="measure and print, but leave fp8_rule.json as it is")
     p.add_argument("--rows", nargs="+", type=int, metavar="M",
                    help="row counts to measure (default: all; the table keeps its entries for the others)")
@@ -273,7 +293,8 @@ def main() -> None:
     if args.rows and min(args.rows) < 1:
         p.error(f"--rows {args.rows} is invalid: every row count must be >= 1")
     counts = sorted(set(args.rows)) if args.rows else QUICK_ROWS if args.quick else ROWS
-    rows = [r for name in args.shapes for r in measure(name, counts, not args.quick, scaled_mm_ok, sms)]
+    channel = args.scales == "channel"
+    rows = [r for name in args.shapes for r in measure(name, counts, not args.quick, scaled_mm_ok, sms, channel)]
     for r in rows:
         if r.get("stream_us"):
             r["stream_GBps"] = r["weight_bytes"] / r["stream_us"] / 1e3
@@ -282,7 +303,9 @@ def main() -> None:
     print_table(rows, COLS)
     earlier = json.loads(RULE_PATH.read_text()) if RULE_PATH.exists() else None
     rule = rule_from_rows(rows, environment(), earlier)
-    write_result("fp8_route", {"read": bw.summary(), "scaled_mm_blockwise": scaled_mm_ok, "rows": rows, "rule": rule})
+    write_result("fp8_route_channel" if channel else "fp8_route",
+                 {"read": bw.summary(), "scales": args.scales, "scaled_mm_blockwise": scaled_mm_ok, "rows": rows,
+                  "rule": rule})
     if not args.no_rule:
         text = json.dumps(rule, indent=1) + "\n"
         RULE_PATH.write_text(text)

@@ -29,15 +29,21 @@ def tiny_preset(monkeypatch):
     return "dummy:tiny-fp8"
 
 
-def test_dummy_fp8_is_the_quantized_bf16_dummy(tiny_preset):
-    """Same seed: every FP8 projection dequantizes to within e4m3 rounding of the unquantized weight."""
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-block"])
+def test_dummy_fp8_is_the_quantized_bf16_dummy(tiny_preset, quantization):
+    """Same seed: every FP8 projection dequantizes to within e4m3 rounding of the unquantized weight;
+    ``fp8`` stores one scale per output channel, ``fp8-block`` one per 128x128 block."""
     plain = load_model(EngineConfig(model=tiny_preset, seed=2), CPU).model
-    fp8 = load_model(EngineConfig(model=tiny_preset, seed=2, quantization="fp8"), CPU).model
+    fp8 = load_model(EngineConfig(model=tiny_preset, seed=2, quantization=quantization), CPU).model
     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         layer, ref = fp8.model.layers[1].get_submodule(name), plain.model.layers[1].get_submodule(name)
-        assert layer.weight.dtype == FP8_DTYPE and layer.weight_scale_inv.shape == (
-            -(-layer.out_features // 128), -(-layer.in_features // 128))
-        back = dequantize_blocks(layer.weight, layer.weight_scale_inv, 128, 128)
+        assert layer.weight.dtype == FP8_DTYPE
+        if quantization == "fp8-block":
+            assert layer.weight_scale_inv.shape == (-(-layer.out_features // 128), -(-layer.in_features // 128))
+            back = dequantize_blocks(layer.weight, layer.weight_scale_inv, 128, 128)
+        else:
+            assert layer.weight_scale.shape == (layer.out_features,)
+            back = layer.weight.float() * layer.weight_scale[:, None]
         assert ((back - ref.weight).abs() <= ref.weight.abs() * 2**-4 + 1e-6).all(), name
     assert torch.equal(fp8.model.layers[0].input_layernorm.weight, plain.model.layers[0].input_layernorm.weight)
     tokens = [list(range(5, 25))]
@@ -49,11 +55,16 @@ def test_dummy_fp8_is_the_quantized_bf16_dummy(tiny_preset):
 def test_plan_counts_fp8_weight_bytes_and_scales():
     hf = load_hf_config("dummy:llama3-8b")
     plain = build_plan(hf, gpu_memory_gb=141)
-    fp8 = build_plan(hf, gpu_memory_gb=141, quantization="fp8")
+    fp8 = build_plan(hf, gpu_memory_gb=141, quantization="fp8-block")
     # Llama-3-8B: 1,050,673,152 embedding + head parameters stay bf16; the other 6,979,588,096 take
     # one byte and a 4-byte scale per 128x128 block
     assert plain["weights_bytes"] == 8_030_261_248 * 2
     assert fp8["weights_bytes"] == int(6_979_588_096 * (1 + 4 / 128**2) + 1_050_673_152 * 2)
+    # per channel (``fp8``): a 4-byte scale per output row, counted at the widest K (3 x 14336, the plan's
+    # activation width): 4 / 43008 a parameter, never more than the scales' real bytes (~172 KB a layer)
+    channel = build_plan(hf, gpu_memory_gb=141, quantization="fp8")
+    assert channel["weights_bytes"] == int(6_979_588_096 * (1 + 4 / 43008) + 1_050_673_152 * 2)
+    assert 6_979_588_096 * 4 / 43008 <= 32 * 4 * (6144 + 4096 + 28672 + 4096)
     assert fp8["memory"]["kv_tokens"] > plain["memory"]["kv_tokens"]
     # an FP8 checkpoint's config is counted in FP8 without the flag
     shipped = build_plan({**hf, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
@@ -79,10 +90,11 @@ def test_block_quantization_refuses_fused_parts_off_the_block(monkeypatch):
                       "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
     monkeypatch.setitem(PRESETS, "tiny-odd", tiny)
     with pytest.raises(ModelLoadError, match=r"qkv_proj: a fused projection's parts \[64, 32, 32\] must be multiples"):
-        load_model(EngineConfig(model="dummy:tiny-odd", quantization="fp8"), CPU)
-    # per-channel scales have no block to align with
-    loaded = load_model(EngineConfig(model="dummy:tiny-odd", quantization="fp8-channel"), CPU)
-    assert loaded.model.model.layers[0].mlp.gate_up_proj.weight_scale.shape == (192,)
+        load_model(EngineConfig(model="dummy:tiny-odd", quantization="fp8-block"), CPU)
+    # per-channel scales (``fp8``'s dense projections, ``fp8-channel``) have no block to align with
+    for quantization in ("fp8", "fp8-channel"):
+        loaded = load_model(EngineConfig(model="dummy:tiny-odd", quantization=quantization), CPU)
+        assert loaded.model.model.layers[0].mlp.gate_up_proj.weight_scale.shape == (192,)
 
 
 def test_fp8_kv_cache_halves_the_bytes_and_keeps_the_logits(tiny_preset):

@@ -26,9 +26,10 @@ def test_swept_tiles_are_valid_for_the_kernel(name: str, m: int) -> None:
             assert 132 <= cfg.num_programs(n) <= 4 * 132
 
 
-def _row(name: str, m: int, best: str, cfg: StreamConfig | None = None) -> dict:
+def _row(name: str, m: int, best: str, cfg: StreamConfig | None = None, scales: str = "block128") -> dict:
     n, k = SHAPES[name]
-    return {"shape": name, "n": n, "k": k, "m": m, "best": best, **({"stream_config": vars(cfg)} if cfg else {})}
+    return {"shape": name, "scales": scales, "n": n, "k": k, "m": m, "best": best,
+            **({"stream_config": vars(cfg)} if cfg else {})}
 
 
 def test_a_partial_run_keeps_the_other_row_counts() -> None:
@@ -79,3 +80,14 @@ def test_routed_stream_tiles_compile_for_hopper_without_spills():
     assert any("m1 " in r["shape"] for r in rows) and any("fp8 dot" in r["shape"] for r in rows), rows
     for r in rows:
         assert r["spill_bytes"] == 0 and r["shared_bytes"] <= SM90_SHARED_BYTES and r["programs_per_sm"] >= 1, r
+
+
+def test_a_run_of_one_scale_kind_keeps_the_other_kinds_entries() -> None:
+    """``--scales channel`` and ``--scales block128`` write entries of their own for the same shape."""
+    fma = StreamConfig(8, 2048, 4, 2, False)
+    a8 = StreamConfig(64, 128, 4, 3, True, split_k=4, fp8_dot=True, a8=True)
+    block = rule_from_rows([_row("llama3-8b qkv", 64, "scaled_mm"), _row("llama3-8b qkv", 1, "stream", fma)], ENV, None)
+    both = Fp8Rule.from_json(rule_from_rows([_row("llama3-8b qkv", 64, "stream", a8, "channel")], ENV, block))
+    n, k = SHAPES["llama3-8b qkv"]
+    assert both.route(64, n, k, "block128").path == "scaled_mm" and both.route(1, n, k, "block128").config == fma
+    assert both.route(64, n, k, "channel").config == a8 and both.route(65, n, k, "channel") is None

@@ -196,6 +196,40 @@ def test_stream_a8_matches_the_w8a8_reference(m, n, k, group_n, group_k, block_k
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m,n,k,block_k,split,block_n", [
+    (1, 40, 96, 32, 1, 16),  # one row, N tail
+    (5, 37, 200, 64, 2, 64),  # N and K tails, split K
+    (40, 24, 128, 32, 2, 16),  # a 64-row tile
+])
+def test_stream_a8_per_token_x_takes_the_scales_after_one_dot_chain(m, n, k, block_k, split, block_n) -> None:
+    """Per-channel weights with x quantized per token (``x_scale`` [M, 1]): the kernel accumulates every K
+    step unscaled and multiplies both scales once; the W8A8 reference multiplies the same fp8 values and
+    scales, so only summation order differs."""
+    wq, ws = _weight(n, k, 1, k, seed=m + n)
+    q, scales = per_token_group_quant(_randn(m, k, seed=k + 3), k)
+    assert scales.shape == (m, 1)
+    cfg = StreamConfig(block_n, block_k, 4, 2, True, split_k=split, fp8_dot=True, a8=True)
+    out = fp8_gemv_a8(q, scales, wq, ws, 1, k, torch.float32, config=cfg)
+    want = fp8_gemv_reference(dequantize_blocks(q, scales, 1, k), wq, ws, 1, k)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    # one scale a row is per-channel only: block scales vary along K and need x's groups to match them
+    bq, bs = _weight(n, k, 16, block_k, seed=m)
+    with pytest.raises(ValueError, match=r"one per row and \d+ columns\), got"):
+        fp8_gemv_a8(q, scales, bq, bs, 16, block_k, torch.float32, config=cfg)
+
+
+def test_per_channel_weights_route_their_decode_rows_to_the_per_token_fp8_dot() -> None:
+    """Without a measured table, per-channel weights at 9-64 rows take the streaming FP8 dot on x quantized
+    per token (one launch before, fused with the norm or SiLU·mul); block scales keep the W8A8 GEMMs."""
+    for m in (9, 32, 64):
+        route = fp8_config.default_route(m, 4096, 14336, 1, 14336, False, 132)
+        assert route.path == "stream" and route.config.a8 and route.config.fp8_dot and route.config.block_k == 128
+        route.config.validate()
+        assert fp8_config.default_route(m, 4096, 14336, 128, 128, False, 132).path == "w8a8"
+    assert fp8_config.default_route(65, 4096, 4096, 1, 4096, False, 132).path == "w8a8"
+    assert not fp8_config.default_route(8, 4096, 4096, 1, 4096, False, 132).config.a8
+
+
 def test_stream_a8_refuses_what_it_cannot_run() -> None:
     wq, ws = _weight(32, 128, 16, 32, seed=38)
     q, s = per_token_group_quant(_randn(4, 128, seed=39), 32)

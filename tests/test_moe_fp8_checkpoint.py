@@ -166,13 +166,17 @@ def test_plan_counts_fp8_expert_bytes_and_scales():
 
     hf = load_hf_config("dummy:qwen3-30b-a3b")
     d = describe_model(hf, torch.bfloat16, 1)
-    fp8 = build_plan(hf, gpu_memory_gb=141, quantization="fp8")
+    fp8 = build_plan(hf, gpu_memory_gb=141, quantization="fp8-block")
     # one Qwen3-30B-A3B expert: gate, up [768, 2048] and down [2048, 768] = 4,718,592 fp8 bytes, and
     # 128x128 block scales 2 * 6 * 16 + 16 * 6 = 288 fp32 = 1,152 bytes; 48 layers of 128 experts
     assert d.expert_params == 4_718_592
     expert = 4_718_592 + 1_152
     want = int(d.dense_params * (1 + 4 / 128**2) + (d.embed_params + d.lm_head_params) * 2 + 48 * 128 * expert)
     assert abs(fp8["weights_bytes"] - want) <= 1
+    # ``fp8``: the same experts, dense projections per channel (4 / K a parameter, K at the activation width)
+    mixed = build_plan(hf, gpu_memory_gb=141, quantization="fp8")
+    want = int(d.dense_params * (1 + 4 / d.act_width) + (d.embed_params + d.lm_head_params) * 2 + 48 * 128 * expert)
+    assert abs(mixed["weights_bytes"] - want) <= 1
     assert build_plan(hf, gpu_memory_gb=141)["weights_bytes"] > 1.9 * fp8["weights_bytes"]
 
 
@@ -188,6 +192,8 @@ def test_dummy_fp8_experts_are_the_quantized_bf16_dummy(monkeypatch):
     monkeypatch.setitem(PRESETS, "tiny-moe-fp8", tiny)
     plain = load_model(EngineConfig(model="dummy:tiny-moe-fp8", seed=4), CPU)
     fp8 = load_model(EngineConfig(model="dummy:tiny-moe-fp8", seed=4, quantization="fp8"), CPU)
+    # ``fp8`` keeps 128x128 blocks for the experts and quantizes dense projections per channel
+    assert fp8.model.model.layers[0].self_attn.qkv_proj.weight_scale.dim() == 1
     for layer, ref in zip(_experts(fp8), _experts(plain)):
         assert layer.w13_weight_scale_inv.shape == (4, 2, 1) and layer.w2_weight_scale_inv.shape == (4, 1, 1)
         back13 = dequantize_experts(layer.w13_weight, layer.w13_weight_scale_inv, (128, 128), parts=2)

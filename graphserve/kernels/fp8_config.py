@@ -122,6 +122,17 @@ def default_stream_config(m: int, n: int, k: int, cap: int, sms: int) -> StreamC
     return StreamConfig(block_n, block_k, num_warps=warps, num_stages=stages, use_dot=use_dot, split_k=split_k)
 
 
+def per_token_stream_config(m: int, n: int, k: int, sms: int) -> StreamConfig:
+    """FP8-dot tiles for ``m`` rows of x quantized per token against a per-channel [n, k] weight: 64 weight rows
+    by one 128-column step (x's rows padded to a 16-64-row tensor-core tile), 4 warps, 3 stages, K split until
+    the grid gives every SM a program while each split keeps two steps."""
+    block_n, block_k = 64, max(16, min(128, triton.next_power_of_2(k)))
+    tiles = triton.cdiv(n, block_n)
+    split_k = max(1, min(triton.cdiv(sms, tiles), k // (2 * block_k)))
+    return StreamConfig(block_n, block_k, num_warps=4, num_stages=3, use_dot=True, split_k=split_k, fp8_dot=True,
+                        a8=True)
+
+
 # -- the measured table -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Route:
@@ -205,8 +216,14 @@ def scale_kind(group_n: int, group_k: int, k: int) -> str | None:
 
 
 def default_route(m: int, n: int, k: int, group_n: int, group_k: int, scaled_mm_ok: bool, sms: int) -> Route:
+    cap = tile_cap(group_n, group_k, k)
     if m <= DEFAULT_STREAM_ROWS:
-        return Route("stream", default_stream_config(m, n, k, tile_cap(group_n, group_k, k), sms))
+        return Route("stream", default_stream_config(m, n, k, cap, sms))
+    if m <= MAX_STREAM_ROWS and group_n == 1 and group_k >= k:
+        # per-channel weights: x quantized per token by the launch before, one FP8 dot chain over K and both
+        # scales after it (kernels/fp8_gemv.py), which measured faster than cuBLASLt's rowwise GEMM at
+        # 16-64 rows (benchmarks/results/fp8_route_channel.json)
+        return Route("stream", per_token_stream_config(m, n, k, sms))
     if scaled_mm_ok and m >= SCALED_MM_MIN_ROWS:
         return Route("scaled_mm")
     return Route("w8a8")

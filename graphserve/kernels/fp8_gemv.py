@@ -19,7 +19,10 @@ a bf16 value):
 - A8 (``fp8_gemv_a8``, tiles with ``a8``): the FP8 dot on an x quantized by one launch before it
   (kernels/fp8_quant.py, fused there with the norm or SiLU·mul that makes x). Every program reads x
   again from L2, so at 32-64 rows x's reads rival the weight's: fp8 x halves them and no program
-  spends registers and cycles quantizing rows another program quantized already.
+  spends registers and cycles quantizing rows another program quantized already. With per-channel weight
+  scales and x quantized per token (one scale a row, ``x_scale`` [M, 1]) no scale varies along K: the
+  steps accumulate in one FP8 dot chain and both scales multiply the result once (``X_TOKEN``), where
+  block scales make every step's partial leave the tensor cores to be scaled.
 
 Scales. A program's rows lie in one row of scale blocks (``BLOCK_N`` divides the block height), so
 a 128x128 block scale is a function of k alone within the program: it multiplies x, the small
@@ -79,7 +82,8 @@ def _fp8_gemv_kernel(
     SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
-    FP8_DOT: tl.constexpr, A8: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr,
+    FP8_DOT: tl.constexpr, A8: tl.constexpr, X_TOKEN: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid = tl.program_id(0)
@@ -123,11 +127,15 @@ def _fp8_gemv_kernel(
             x_mask = (offs_m[:, None] < M) & k_mask[None, :]
             if A8:  # x came quantized (fp8, one scale per row and BLOCK_K columns): no prologue, no rounding here
                 xq = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=x_mask, other=0.0)
-                xs = tl.load(xs_ptr + offs_m * stride_xsm + (k0 // BLOCK_K) * stride_xsk, mask=offs_m < M, other=0.0)
+                if not X_TOKEN:
+                    xs = tl.load(xs_ptr + offs_m * stride_xsm + (k0 // BLOCK_K) * stride_xsk, mask=offs_m < M,
+                                 other=0.0)
             else:
                 x = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols[None, :], x_mask,
                             rstd[:, None], K, SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty)  # fmt: skip
-            if FP8_DOT:
+            if X_TOKEN:  # one scale per row of x and per weight row: one dot chain, the scales after the loop
+                acc = tl.dot(w, tl.trans(xq), acc)
+            elif FP8_DOT:
                 if not A8:
                     # x's rows quantized per BLOCK_K-wide group as kernels/fp8_quant.per_token_group_quant does
                     # (BLOCK_K is the scale block's K), then both operands on the FP8 tensor cores
@@ -170,6 +178,8 @@ def _fp8_gemv_kernel(
                     xr = xr * ks[:, None]
                 part = tl.sum(tl.sum(wf * xr[None, :, :], axis=2), axis=1)
                 acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
+    if X_TOKEN:
+        acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=offs_m < M, other=0.0)[None, :]
     pdl_release(PDL)  # the next kernel's programs join as these finish streaming (kernels/pdl.py)
     if SPLIT_K == 1:
         _epilogue(acc, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_wsn, stride_om, PER_CHANNEL, HAS_BIAS)
@@ -281,9 +291,12 @@ def _launch(
     split_k = consts["SPLIT_K"]
     if a8:
         want = triton.cdiv(k, consts["BLOCK_K"])
-        if x_scale.dim() != 2 or x_scale.shape[0] < m or x_scale.shape[1] != want:
-            raise ValueError(f"fp8_gemv_a8: x_scale [>= {m}, {want}] (one per row and {consts['BLOCK_K']} columns), "
+        per_token = per_channel and x_scale.dim() == 2 and x_scale.shape[1] == 1
+        if x_scale.dim() != 2 or x_scale.shape[0] < m or not (x_scale.shape[1] == want or per_token):
+            raise ValueError(f"fp8_gemv_a8: x_scale [>= {m}, {want}] (one per row and {consts['BLOCK_K']} columns"
+                             f"{', or one per row with per-channel weight scales' if per_channel else ''}), "
                              f"got {tuple(x_scale.shape)}")
+        consts["X_TOKEN"] = per_token
     placeholder = out  # pointer arguments a disabled prologue (or split_k = 1) never dereferences
     parts, locks = placeholder, placeholder
     if split_k > 1:
@@ -314,7 +327,7 @@ def tile_constants(m: int, k: int, cfg: StreamConfig, group_n: int, group_k: int
             "PER_CHANNEL": per_channel, "USE_DOT": cfg.use_dot,
             "BLOCK_M": max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
             "BLOCK_N": cfg.block_n, "BLOCK_K": block_k, "SUB_K": sub_k, "KB": block_k // sub_k, "SPLIT_K": split_k,
-            "K_SPLIT": k_split, "FP8_DOT": cfg.fp8_dot, "A8": cfg.a8, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE}  # fmt: skip
+            "K_SPLIT": k_split, "FP8_DOT": cfg.fp8_dot, "A8": cfg.a8, "X_TOKEN": False, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE}  # fmt: skip
 
 
 def fp8_gemv(
@@ -333,7 +346,8 @@ def fp8_gemv_a8(
 ) -> torch.Tensor:  # fmt: skip
     """``dequant(x) @ dequant(w).T`` for x already quantized: fp8 [M <= 64, K] with fp32
     ``x_scale`` [>= M, ceil(K / config.block_k)] (kernels/fp8_quant.per_token_group_quant with the tile's K step:
-    the scale block's K). ``config`` must be an FP8-dot tile with ``a8``. One quantization launch before (fused
+    the scale block's K), or, with per-channel weight scales, [>= M, 1] (per token: one dot chain over K).
+    ``config`` must be an FP8-dot tile with ``a8``. One quantization launch before (fused
     with the norm or SiLU·mul that makes x, kernels/fp8_quant.py) saves every program quantizing x's rows
     again, and reads half of bf16 x's bytes."""
     return _launch(x, x.shape[-1], w, w_scale, group_n, group_k, bias, config, x_scale=x_scale, out_dtype=out_dtype)

@@ -156,6 +156,26 @@ def test_fp8_gemv_every_swept_tile(m: int, gen: torch.Generator) -> None:
             assert rel(out, ref_q if cfg.fp8_dot else ref) < TOL, cfg
 
 
+@pytest.mark.parametrize("m", [9, 32, 64])
+def test_fp8_gemv_per_token_x_every_swept_tile(m: int, gen: torch.Generator) -> None:
+    """Per-channel weights (``--quantization fp8``'s dense projections) with x quantized per token: every
+    A8 tile benchmarks/fp8_route.py --scales channel may write, and the default one, takes both scales
+    after one FP8 dot chain and matches the reference on the same quantized x."""
+    from benchmarks.fp8_route import candidates
+    from graphserve.kernels.fp8_config import per_token_stream_config
+
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for n, k in (SHAPES["o_proj"], SHAPES["down"]):
+        wq, ws = _weight(n, k, gen, False)
+        x = torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16)
+        q, s = per_token_group_quant(x, k)
+        ref = fp8_gemv_reference(dequantize_blocks(q, s, 1, k), wq, ws, 1, k)
+        tiles = [c for c in candidates(m, n, k, sms) if c.a8] + [per_token_stream_config(m, n, k, sms)]
+        assert len(tiles) > 1
+        for cfg in tiles:
+            assert rel(fp8_gemv_a8(q, s, wq, ws, 1, k, torch.bfloat16, config=cfg), ref) < TOL, cfg
+
+
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 40])
 def test_fp8_fused_prologues(m: int, gen: torch.Generator) -> None:
     """RMSNorm (+ residual) before qkv and SiLU·mul before down, in the streaming kernel's loads."""
@@ -372,7 +392,8 @@ def test_attention_writes_o_proj_quantized_input(path: str, fp8_kv: bool, monkey
     launch, so the logits are bit for bit those of the unfused step, on each quantizing route."""
     if path == "scaled_mm" and not blockwise_scaled_mm_available(DEV):
         pytest.skip("this torch build has no block-scaled torch._scaled_mm")
-    model = load_model(EngineConfig(model="dummy:qwen3-0.6b", device="cuda", quantization="fp8",
+    # block scales: o_proj's input groups are the attention's heads (per-channel weights read x per token)
+    model = load_model(EngineConfig(model="dummy:qwen3-0.6b", device="cuda", quantization="fp8-block",
                                     max_model_len=1024), DEV).model  # fmt: skip
     b = 32
     o_proj = _o_proj_route(model, b, Route(path, A8_TILE if path == "stream" else None))
@@ -402,7 +423,7 @@ def test_attention_writes_o_proj_quantized_input_under_cuda_graph_replay(monkeyp
     from graphserve.engine.graphs import GraphRunner
     from graphserve.layers.forward_batch import contiguous_batch
 
-    cfg = EngineConfig(model="dummy:qwen3-0.6b", device="cuda", quantization="fp8", max_model_len=512)
+    cfg = EngineConfig(model="dummy:qwen3-0.6b", device="cuda", quantization="fp8-block", max_model_len=512)
     loaded = load_model(cfg, DEV)
     model, info = loaded.model, loaded.info
     bs, ctx, bsz = 32, 300, cfg.block_size

@@ -40,11 +40,22 @@ class Fp8Config:
     activation_scheme: str = "dynamic"  # "dynamic" (per token (group), each forward) or "static" (input_scale)
     serialized: bool = True  # the checkpoint stores fp8 weights (else: model-dtype weights quantized at load)
     ignored: tuple[str, ...] = ()  # module names kept in the model dtype
+    # the routed experts' weight scale tiles where they differ from the dense projections' ("dense": as
+    # ``block``); ``--quantization fp8`` quantizes dense projections per channel and experts in 128x128 blocks
+    expert_block: tuple[int, int] | None | str = "dense"
+
+    @property
+    def experts(self) -> tuple[int, int] | None:
+        """The routed experts' (block_n, block_k) scale tiles; None: one scale per channel."""
+        return self.block if self.expert_block == "dense" else self.expert_block
 
     @property
     def name(self) -> str:
-        kind = f"block {self.block[0]}x{self.block[1]}" if self.block else "per-channel"
-        return f"fp8 ({kind}, {self.activation_scheme} activations)"
+        def kind(block: tuple[int, int] | None) -> str:
+            return f"block {block[0]}x{block[1]}" if block else "per-channel"
+
+        experts = f", experts {kind(self.experts)}" if self.experts != self.block else ""
+        return f"fp8 ({kind(self.block)}{experts}, {self.activation_scheme} activations)"
 
     def quantizes(self, module_name: str) -> bool:
         if module_name.endswith(ALWAYS_UNQUANTIZED):
@@ -61,8 +72,8 @@ class Fp8Config:
     def expert_bytes_per_param(self, hidden: int, intermediate: int) -> float:
         """A routed expert's gate, up [I, H] and down [H, I] in fp8 with their fp32 scales
         (layers/quant/fp8_moe.py: gate and up blocked apart), per parameter."""
-        if self.block:
-            bn, bk = self.block
+        if self.experts:
+            bn, bk = self.experts
             scales = 2 * -(-intermediate // bn) * -(-hidden // bk) + -(-hidden // bn) * -(-intermediate // bk)
         else:
             scales = 2 * intermediate + hidden
@@ -109,6 +120,11 @@ def online_config(quantization: str) -> Fp8Config | None:
     if quantization == "none":
         return None
     if quantization == "fp8":
+        # dense projections per channel: at decode rows their x is quantized per token and the FP8 dot runs as
+        # one chain over K, faster than block scales at 16-64 rows (benchmarks/results/fp8_route_channel.json);
+        # routed experts in 128x128 blocks, which the grouped GEMM ran faster (benchmarks/RESULTS.md)
+        return Fp8Config(block=None, expert_block=DEFAULT_BLOCK, serialized=False)
+    if quantization == "fp8-block":
         return Fp8Config(block=DEFAULT_BLOCK, serialized=False)
     if quantization == "fp8-channel":
         return Fp8Config(block=None, serialized=False)
@@ -136,11 +152,13 @@ def quantized_description(desc: Any, quant: Fp8Config | None, model_dtype: torch
     part; the floor comes out that much lower, never higher."""
     if quant is None:
         return desc
-    per_param = quant.weight_bytes_per_param(desc.hidden_size)
+    # per-channel scales: 4 bytes per output row, 4 / K per parameter; K taken no smaller than any projection's
+    # (the activation width bounds the MLP's), so the scales are never over-counted
+    per_param = quant.weight_bytes_per_param(max(desc.hidden_size, desc.act_width))
     expert, group_k = float(model_dtype.itemsize), 0
     if experts_quantized and desc.expert_params:
         expert = quant.expert_bytes_per_param(desc.hidden_size, desc.expert_params // (3 * desc.hidden_size))
-        group_k = quant.block[1] if quant.block else desc.hidden_size
+        group_k = quant.experts[1] if quant.experts else desc.hidden_size
     return dataclasses.replace(
         desc, weight_bytes_per_param=per_param, embed_bytes_per_param=model_dtype.itemsize,
         expert_bytes_per_param=expert, expert_fp8_group_k=group_k,

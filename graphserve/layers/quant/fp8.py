@@ -306,9 +306,10 @@ class Fp8LinearMethod:
     def _quant_layout(self, layer: Linear, route: Route, k: int) -> tuple[int, bool]:
         """(group size, blockwise) of the input quantization this route reads: a streaming A8 tile's K step,
         else the weight's scale block along K (the whole row: per token); blockwise where the call takes
-        cuBLASLt's block-scaled GEMM, which wants rows padded to 4 and column-major scales."""
-        if route.path == "stream":
-            return route.config.block_k, False
+        cuBLASLt's block-scaled GEMM, which wants rows padded to 4 and column-major scales. A streaming A8 tile
+        of a per-channel weight reads x quantized per token, so it takes both scales after one dot chain."""
+        if route.path == "stream":  # per-channel weights: one scale per row of x (kernels/fp8_gemv.py's X_TOKEN)
+            return (route.config.block_k if self.config.block else k), False
         return self.group_k or k, route.path == "scaled_mm" and self._scale_layout(layer) is not None
 
     def _quantized_matmul(self, layer: Linear, route: Route, a_q: torch.Tensor, a_s: torch.Tensor, m: int,

@@ -55,7 +55,7 @@ class Fp8MoEMethod:
             raise ValueError(f"activation_scheme={config.activation_scheme!r} is not supported for routed experts: "
                              "the fused MoE quantizes activations per token group (dynamic) or not at all")
         self.config = config
-        self.block = config.block
+        self.block = config.experts
         self.act_dtype: torch.dtype | None = None  # the model dtype, read from the first layer built
 
     def scale_name(self, weight: str) -> str:
