@@ -21,6 +21,7 @@ from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.roofline import ReadBandwidth, matmul_tflops, measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
+from graphserve.kernels.argmax import greedy_argmax
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.layers.forward_batch import ForwardBatch, contiguous_batch
 from graphserve.models.loader import load_model
@@ -48,8 +49,8 @@ def make_batch(bs: int, ctx: int, kv_caches, backend) -> ForwardBatch:
 def _step_fn(model, graphs: GraphRunner | None, batch: ForwardBatch):
     """One decode step (forward + greedy sampling), replayed from a graph or run eagerly."""
     if graphs is not None:
-        return lambda: graphs.replay(batch).argmax(-1)
-    return lambda: model.compute_logits(model.forward(batch.input_ids, batch.positions, batch)).argmax(-1)
+        return lambda: greedy_argmax(graphs.replay(batch))
+    return lambda: greedy_argmax(model.compute_logits(model.forward(batch.input_ids, batch.positions, batch)))
 
 
 def bench_model(name: str, sizes: list[int], ctxs: list[int], bw: ReadBandwidth) -> list[dict]:

@@ -39,6 +39,7 @@ from benchmarks.fp8_route import SHAPES, measure
 from benchmarks.roofline import ReadBandwidth, matmul_tflops, measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
+from graphserve.kernels.argmax import greedy_argmax
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp8_config import rule_for
 from graphserve.kernels.fp8_gemm import blockwise_scaled_mm_available
@@ -58,13 +59,13 @@ def fp8_matmul_tflops(n: int = 8192) -> float:
 
 
 def gemm_rows(batches: list[int]) -> list[dict]:
-    """Per Llama-3-8B projection and row count: the streaming gemv (<= 16 rows, default tiles), the W8A8
-    paths and bf16 cuBLAS, graph-timed on cold weights (benchmarks/fp8_route.py, which also sweeps the
-    stream tiles and writes the routing table)."""
+    """Per Llama-3-8B projection and row count, with per-channel scales as ``--quantization fp8`` stores dense
+    projections: the streaming kernel (<= 64 rows, default tiles), the W8A8 path and bf16 cuBLAS, graph-timed
+    on cold weights (benchmarks/fp8_route.py, which also sweeps the stream tiles and writes the routing table)."""
     sms = sm_count(torch.device("cuda"))
     scaled_mm_ok = blockwise_scaled_mm_available(torch.device("cuda"))
     return [r for name in SHAPES if name.startswith("llama3-8b")
-            for r in measure(name, batches, False, scaled_mm_ok, sms)]
+            for r in measure(name, batches, False, scaled_mm_ok, sms, channel=True)]
 
 
 def prefill_tflops(model, info, kv_caches, n: int, length: int) -> tuple[float, float]:
@@ -112,7 +113,7 @@ def run_model(name: str, quantization: str, cases: list[tuple[int, int]], bw: Re
         for bs, ctx in cases:
             batch = make_batch(bs, ctx, kv_caches, backend)
             read, flops = step_cost(info, bs, ctx)
-            ms = cuda_time_ms(lambda g=graphs, b=batch: g.replay(b).argmax(-1), warmup=3, iters=20)
+            ms = cuda_time_ms(lambda g=graphs, b=batch: greedy_argmax(g.replay(b)), warmup=3, iters=20)
             bw.observe(f"{name} {quantization} decode bs={bs} ctx={ctx}", read, ms)
             out["steps"][(bs, ctx)] = {"step_ms": ms, "read_bytes": read, "flops": flops}
             print(f"{name} quantization={quantization} kv={kv_cache_dtype} bs={bs} ctx={ctx}: {ms:.3f} ms, "

@@ -32,6 +32,7 @@ from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
+from graphserve.kernels.argmax import greedy_argmax
 from graphserve.kernels.moe_fused import fused_experts, quantized_steps
 from graphserve.kernels.moe_routing import moe_softmax_topk
 from graphserve.layers.attention_triton import TritonAttentionBackend
@@ -61,7 +62,7 @@ def decode_steps(quantization: str, sizes: list[int], ctx: int, routings: list[s
             graphs.capture()
             for bs in sizes:
                 batch = contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=info.vocab_size)
-                ms = cuda_time_ms(lambda g=graphs, b=batch: g.replay(b).argmax(-1), warmup=3, iters=20)
+                ms = cuda_time_ms(lambda g=graphs, b=batch: greedy_argmax(g.replay(b)), warmup=3, iters=20)
                 touched = experts_touched(layers)  # the last replay's routing
                 nbytes = info.description.decode_read_bytes(bs, bs * (ctx + 1), touched)
                 bw.observe(f"{MODEL} {quantization} decode bs={bs} {routing}", nbytes, ms)

@@ -4,9 +4,9 @@ Profiles one eager decode step with torch.profiler (CUDA activity; launched with
 dependent launch, whose early-started kernels would count their wait for the previous kernel as
 their own time), sums device time per kernel family (matmuls, attention, norm, rotary, KV write,
 SiLU·mul, activation quantization, the greedy sample's argmax, other), and compares the sum with the time of
-the same step from its CUDA graph (captured as the engine runs it) followed by the argmax, as
-benchmarks.decode and benchmarks.fp8 time a step: step − kernel sum is the time the GPU sits between
-kernels, negative where PDL overlaps neighbours. The replay alone is shown beside it. Each family's bytes
+the same step from its CUDA graph (captured as the engine runs it) followed by the sampler's greedy argmax
+(kernels/argmax.py), as benchmarks.decode and benchmarks.fp8 time a step: step − kernel sum is the time the
+GPU sits between kernels, negative where PDL overlaps neighbours. The replay alone is shown beside it. Each family's bytes
 floor is shown beside it where it is a pure read of weights or KV, at the best read rate of the run: the
 probes', or a family's own where its kernels read faster.
 
@@ -27,6 +27,7 @@ from benchmarks.decode import make_batch
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
+from graphserve.kernels.argmax import greedy_argmax
 from graphserve.kernels.pdl import pdl
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.models.loader import load_model
@@ -71,15 +72,15 @@ def main() -> None:
         graphs.capture()
         replay_ms = cuda_time_ms(lambda: graphs.replay(batch), warmup=5, iters=50)
         # the step as benchmarks.decode / benchmarks.fp8 time it: the replay and the greedy sample after it
-        step_ms = cuda_time_ms(lambda: graphs.replay(batch).argmax(-1), warmup=5, iters=50)
+        step_ms = cuda_time_ms(lambda: greedy_argmax(graphs.replay(batch)), warmup=5, iters=50)
         # the eager step launches without PDL: a kernel launched early waits inside itself for the one
         # before, and the profiler would count that wait as the kernel's own time
         with pdl(False):
             for _ in range(3):
-                model.compute_logits(model.forward(batch.input_ids, batch.positions, batch)).argmax(-1)
+                greedy_argmax(model.compute_logits(model.forward(batch.input_ids, batch.positions, batch)))
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                model.compute_logits(model.forward(batch.input_ids, batch.positions, batch)).argmax(-1)
+                greedy_argmax(model.compute_logits(model.forward(batch.input_ids, batch.positions, batch)))
                 torch.cuda.synchronize()
     per = collections.defaultdict(lambda: [0.0, 0])
     by_name = collections.defaultdict(lambda: [0.0, 0])
