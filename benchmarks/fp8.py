@@ -1,16 +1,19 @@
 """FP8 weights on the decode and prefill paths, against their floors and against bf16 in the same run.
 
-- decode: ``dummy:llama3-8b --quantization fp8`` (128x128 block scales) CUDA-graph steps at
+- decode: ``dummy:llama3-8b --quantization fp8`` (per-channel scales on dense projections, x per token; routed
+  experts in 128x128 blocks) CUDA-graph steps at
   (bs 1, ctx 512), (bs 64, ctx 2048), (bs 256, ctx 2048); the floor is the bytes the step must read
   (ModelDescription.decode_read_bytes: FP8 projections plus their scales, bf16 embedding rows and
   head, the KV in context) over the best read bandwidth of this run (benchmarks.roofline probes and
   the steps themselves), or FLOPs over the measured FP8 matmul peak where that is larger. The bf16
-  model with the same seed runs the same steps.
+  model with the same seed runs the same steps, and so does ``--quantization fp8-block`` (128x128 block
+  scales throughout, as the shipped FP8 checkpoints store them) at batch 1 and 64: the measurement that
+  chose ``fp8``'s layout.
 - prefill 8x2048 with FP8 weights: FLOPs computed (as benchmarks/prefill.py counts them) over the
   FP8 matmul peak, measured here with ``torch._scaled_mm`` on 8192^3 (per-tensor scales, bf16 out).
-- GEMMs: per Llama-3-8B projection and row count (1 to 16384), each path as the FP8 layer runs it
-  (the streaming gemv; activation quantization + the Triton W8A8 kernel; the same + ``torch._scaled_mm``'s
-  block-scaled mode where the build has it) and bf16 cuBLAS, graph-timed on cold weights
+- GEMMs: per Llama-3-8B projection and row count (1 to 16384), per-channel scales, each path as the FP8 layer
+  runs it (the streaming kernel; per-token activation quantization + ``torch._scaled_mm``'s rowwise GEMM) and
+  bf16 cuBLAS, graph-timed on cold weights
   (benchmarks/fp8_route.py's measurement; that module also sweeps tiles and writes the routing table).
 - accuracy: top-1 agreement and mean KL(bf16 || fp8) of the two models' logits over 4x256 tokens.
 - the same decode steps with ``--kv-cache-dtype fp8_e4m3`` as well (its floor counts one byte per
@@ -153,10 +156,14 @@ def main() -> None:
         fp8 = run_model(name, "fp8", cases, bw, (8, 2048) if dense else None)
         # and with the KV cache in fp8 too: the reads that dominate at long context halve as well
         fp8_kv = run_model(name, "fp8", cases, bw, None, kv_cache_dtype="fp8_e4m3")
-        for label, run in ((f"{name} --quantization fp8", fp8),
-                           (f"{name} --quantization fp8 --kv-cache-dtype fp8_e4m3", fp8_kv)):
+        # the other layout, at the batches where it was closest
+        block_cases = [c for c in cases if c[0] in (1, 64)]
+        block = run_model(name, "fp8-block", block_cases, bw, None)
+        for label, run, measured in ((f"{name} --quantization fp8", fp8, cases),
+                                     (f"{name} --quantization fp8 --kv-cache-dtype fp8_e4m3", fp8_kv, cases),
+                                     (f"{name} --quantization fp8-block", block, block_cases)):
             accuracy.append({"model": label, **agreement(bf16["logits"], run["logits"])})
-            for bs, ctx in cases:
+            for bs, ctx in measured:
                 s, b = run["steps"][(bs, ctx)], bf16["steps"][(bs, ctx)]
                 decode.append({"model": label, "bs": bs, "ctx": ctx, "step_ms": s["step_ms"],
                                "read_bytes": s["read_bytes"], "flops": s["flops"], "bf16_step_ms": b["step_ms"],
