@@ -224,7 +224,7 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
         best = min(tried, key=tried.get)
         r.update(stream_us=tried[best], stream_default_us=tried.get(chosen), stream_config=vars(best))
         a8 = [c for c in tried if c.a8]
-        if a8:  # the best of each kind, for the table's readers
+        if 0 < len(a8) < len(tried):  # the best of each kind, for the table's readers
             r["stream_a8_us"] = min(tried[c] for c in a8)
             r["stream_bf16x_us"] = min(tried[c] for c in tried if not c.a8)
 

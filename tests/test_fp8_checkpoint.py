@@ -145,7 +145,8 @@ def test_quantization_flag_on_an_unquantized_checkpoint(source, tmp_path):
     torch.testing.assert_close(online, _logits(tmp_path / "fp8"), rtol=1e-5, atol=1e-5)
     desc, plain = loaded.info.description, load_model(EngineConfig(model=str(source)), CPU).info.description
     assert desc.dense_params == plain.dense_params
-    # projections at one byte plus one fp32 scale per row of K = hidden; embedding and head stay fp32
-    per_param = 1 + 4 / 64
+    # projections at one byte plus one fp32 scale per row, counted at the widest K (the activation width, never
+    # over-counting the scales); embedding and head stay fp32
+    per_param = 1 + 4 / desc.act_width
     assert desc.weights_bytes == int(desc.dense_params * per_param + (desc.embed_params + desc.lm_head_params) * 4)
     assert desc.weights_bytes < plain.weights_bytes / 1.8
