@@ -213,10 +213,11 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
         return fp8_gemv(made(), w[0], w[1], gn, gk, config=c)
 
     if m <= MAX_STREAM_ROWS:
-        chosen = default_route(m, n, k, gn, gk, False, sms).config if channel else None
-        chosen = chosen or default_stream_config(m, n, k, tile_cap(gn, gk, k), sms)
+        # per channel, the default per-token FP8 dot and the widening tiles below it both, in --quick runs too
+        widening = default_stream_config(m, n, k, tile_cap(gn, gk, k), sms)
+        chosen = default_route(m, n, k, gn, gk, False, sms).config if channel else widening
         tried = {}
-        for cfg in dict.fromkeys([chosen, *(candidates(m, n, k, sms) if sweep else [])]):
+        for cfg in dict.fromkeys([chosen, widening, *(candidates(m, n, k, sms) if sweep else [])]):
             try:
                 tried[cfg] = cold.time_us(lambda w, c=cfg: stream(w, c))
             except Exception as e:  # a tile this card cannot hold (shared memory, registers): skipped, said so

@@ -219,15 +219,17 @@ def test_stream_a8_per_token_x_takes_the_scales_after_one_dot_chain(m, n, k, blo
 
 
 def test_per_channel_weights_route_their_decode_rows_to_the_per_token_fp8_dot() -> None:
-    """Without a measured table, per-channel weights at 9-64 rows take the streaming FP8 dot on x quantized
-    per token (one launch before, fused with the norm or SiLU·mul); block scales keep the W8A8 GEMMs."""
-    for m in (9, 32, 64):
+    """Without a measured table, per-channel weights at 2-64 rows take the streaming FP8 dot on x quantized
+    per token (one launch before, fused with the norm or SiLU·mul), one row the widening FMA tiles; block
+    scales keep the widening tiles up to 8 rows and the W8A8 GEMMs above."""
+    for m in (2, 8, 9, 32, 64):
         route = fp8_config.default_route(m, 4096, 14336, 1, 14336, False, 132)
         assert route.path == "stream" and route.config.a8 and route.config.fp8_dot and route.config.block_k == 128
         route.config.validate()
-        assert fp8_config.default_route(m, 4096, 14336, 128, 128, False, 132).path == "w8a8"
+        block = fp8_config.default_route(m, 4096, 14336, 128, 128, False, 132)
+        assert block.path == "w8a8" if m > 8 else not block.config.a8
     assert fp8_config.default_route(65, 4096, 4096, 1, 4096, False, 132).path == "w8a8"
-    assert not fp8_config.default_route(8, 4096, 4096, 1, 4096, False, 132).config.a8
+    assert not fp8_config.default_route(1, 4096, 4096, 1, 4096, False, 132).config.use_dot
 
 
 def test_stream_a8_refuses_what_it_cannot_run() -> None:

@@ -216,14 +216,14 @@ def scale_kind(group_n: int, group_k: int, k: int) -> str | None:
 
 
 def default_route(m: int, n: int, k: int, group_n: int, group_k: int, scaled_mm_ok: bool, sms: int) -> Route:
-    cap = tile_cap(group_n, group_k, k)
-    if m <= DEFAULT_STREAM_ROWS:
-        return Route("stream", default_stream_config(m, n, k, cap, sms))
-    if m <= MAX_STREAM_ROWS and group_n == 1 and group_k >= k:
+    if 1 < m <= MAX_STREAM_ROWS and group_n == 1 and group_k >= k:
         # per-channel weights: x quantized per token by the launch before, one FP8 dot chain over K and both
         # scales after it (kernels/fp8_gemv.py), which measured faster than cuBLASLt's rowwise GEMM at
-        # 16-64 rows (benchmarks/results/fp8_route_channel.json)
+        # 16-64 rows, and at 16 rows faster than the widening tiles at 4 and 8
+        # (benchmarks/results/fp8_route_channel*.json)
         return Route("stream", per_token_stream_config(m, n, k, sms))
+    if m <= DEFAULT_STREAM_ROWS:
+        return Route("stream", default_stream_config(m, n, k, tile_cap(group_n, group_k, k), sms))
     if scaled_mm_ok and m >= SCALED_MM_MIN_ROWS:
         return Route("scaled_mm")
     return Route("w8a8")
