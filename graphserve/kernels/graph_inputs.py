@@ -2,7 +2,7 @@
 
 Before a captured decode step replays, the batch's inputs go into the buffers the graph reads: five copies,
 then for a padded batch five fills, then the real-row count. Issued one by one from Python, those 6-11 small
-launches made ``GraphRunner.replay`` 60-190 us slower than the graph's replay alone on an H200 (llama3-8b FP8
+launches made ``GraphRunner.replay`` 50-190 us slower than the graph's replay alone on an H200 (llama3-8b FP8
 decode), the GPU idle while the host issued each. One launch writes them all.
 
 For rows ``r < ps`` (the padded size):
