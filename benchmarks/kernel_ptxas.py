@@ -117,8 +117,9 @@ def gate_dot_reports(rows_per_call: tuple[int, ...] = (16, 64)) -> list[dict]:
 
 def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: int = 132) -> list[dict]:
     """The FP8 streaming matmul as the routing table (kernels/fp8_rule.json) runs llama3-8b's projections, with
-    the prologue the layer fuses at that row count (layers/quant/fp8.py), and its grid: programs, and the
-    waves they take at the compiled occupancy on ``sms`` SMs (an H100/H200 has 132)."""
+    per-channel scales (``--quantization fp8``; an A8 tile then reads x quantized per token) and 128x128 block
+    scales, with the prologue the layer fuses at that row count (layers/quant/fp8.py), and its grid: programs,
+    and the waves they take at the compiled occupancy on ``sms`` SMs (an H100/H200 has 132)."""
     import triton
 
     from benchmarks.fp8_route import SHAPES, prologue
@@ -127,22 +128,24 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
 
     types = {"w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "part_ptr": "*fp32", "lock_ptr": "*i32", "eps": "fp32"}
     rule, out = load_rule(), []
-    for name in (n for n in SHAPES if n.startswith("llama3-8b")):
+    for name, scales in ((n, s) for s in ("channel", "block128") for n in SHAPES if n.startswith("llama3-8b")):
         n, k = SHAPES[name]
+        channel = scales == "channel"
         for m in rows_per_call:
-            route = rule.route(m, n, k, "block128")
+            route = rule.route(m, n, k, scales)
             if route is None or route.path != "stream" or route.config is None:
                 continue
             cfg = route.config
             kind = None if cfg.a8 else prologue(name, m)  # an a8 tile's prologue runs in the quantization before it
             x_types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"} if cfg.a8 else {}
+            tiles = tile_constants(m, k, cfg, *((1, k) if channel else (128, 128)), channel)
             consts = {"SILU_MUL": kind == "silu", "ADD_RESIDUAL": kind == "norm", "NORM": kind == "norm",
-                      "HAS_BIAS": False, "PDL": False, **tile_constants(m, k, cfg, 128, 128, False)}
+                      "HAS_BIAS": False, "PDL": False, **tiles, "X_TOKEN": channel and cfg.a8}
             row = compile_report(_fp8_gemv_kernel, {**types, **x_types}, consts, cfg.num_warps, cfg.num_stages)
             split_k, programs = consts["SPLIT_K"], triton.cdiv(n, cfg.block_n) * consts["SPLIT_K"]
             mode = "a8 fp8 dot" if cfg.a8 else "fp8 dot" if cfg.fp8_dot else "dot" if cfg.use_dot else "fma"
             tile = f"{mode} {cfg.block_n}x{consts['BLOCK_K']} split{split_k}"
-            out.append({"kernel": "_fp8_gemv_kernel", "shape": f"{name} m{m} {kind or 'plain'} {tile}", **row,
+            out.append({"kernel": "_fp8_gemv_kernel", "shape": f"{name} {scales} m{m} {kind or 'plain'} {tile}", **row,
                         "programs": programs, "waves": round(programs / (row["programs_per_sm"] * sms), 2)})
     return out
 

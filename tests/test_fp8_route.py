@@ -61,7 +61,8 @@ def test_prologues_follow_the_layers_limits() -> None:
 
 
 def test_routed_stream_tiles_compile_for_hopper_without_spills():
-    """Every streaming-matmul tile the committed table routes llama3-8b to (with the prologue the layer fuses),
+    """Every streaming-matmul tile the committed table routes llama3-8b to (per-channel and block scales, with the
+    prologue the layer fuses),
     compiled for sm_90 without a GPU (Triton + ptxas, benchmarks/kernel_ptxas.py): no register spills, shared
     memory within an SM's, at least one program per SM."""
     import json
@@ -78,6 +79,7 @@ def test_routed_stream_tiles_compile_for_hopper_without_spills():
 
     rows = [json.loads(line) for line in out.splitlines()]
     assert any("m1 " in r["shape"] for r in rows) and any("fp8 dot" in r["shape"] for r in rows), rows
+    assert any("channel" in r["shape"] and "a8 fp8 dot" in r["shape"] for r in rows), rows  # the per-token tiles
     for r in rows:
         assert r["spill_bytes"] == 0 and r["shared_bytes"] <= SM90_SHARED_BYTES and r["programs_per_sm"] >= 1, r
 
