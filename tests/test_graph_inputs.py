@@ -136,8 +136,8 @@ def test_shapes_that_do_not_fit_name_the_argument():
             stage(dst, num_valid, short, 4, 8)
         with pytest.raises(ValueError, match="num_valid must be a 0-d tensor"):
             stage(dst, num_valid.view(1), src, 4, 8)
-    with pytest.raises(ValueError, match="src.positions is torch.float32"):
-        stage_decode_inputs(dst, num_valid, src._replace(positions=src.positions.float()), 4, 8)
+        with pytest.raises(ValueError, match="src.positions is torch.float32"):
+            stage(dst, num_valid, src._replace(positions=src.positions.float()), 4, 8)
 
 
 class _FakeGraph:

@@ -17,13 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphserve.kernels.graph_inputs import (
-    INDEX_DTYPES,
-    DecodeInputs,
-    pad_decode_rows,
-    stage_decode_inputs,
-    stage_decode_inputs_reference,
-)
+from graphserve.kernels.graph_inputs import DecodeInputs, pad_decode_rows, stage_decode_inputs
 from graphserve.layers.forward_batch import DUMMY_BLOCK, ForwardBatch
 
 if TYPE_CHECKING:
@@ -144,16 +138,11 @@ class GraphRunner:
 
     # -- replay ------------------------------------------------------------------------------
     def stage(self, batch: ForwardBatch, ps: int) -> None:
-        """Put the batch's rows and ``ps - bs`` padding rows into the static buffers, and bs into num_valid.
-
-        One launch when every input is on the runner's device (6-11 copy_/fill_ launches cost 50-190 us per
-        step on an H200); inputs elsewhere, or of a dtype the kernel does not read, go through copy_."""
+        """Put the batch's rows and ``ps - bs`` padding rows into the static buffers, and bs into num_valid: one
+        launch where the inputs are on the runner's device (kernels/graph_inputs.py), where 6-11 copy_/fill_
+        launches issued one by one cost 50-190 us per step on an H200."""
         src = DecodeInputs(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens, batch.block_tables)
-        here = self.input_ids.device  # resolved: a runner built for "cuda" holds buffers on "cuda:N"
-        if here.type == "cuda" and all(t.device == here and t.dtype in INDEX_DTYPES for t in src):
-            stage_decode_inputs(self.static, self.num_valid, src, batch.num_seqs, ps)
-        else:
-            stage_decode_inputs_reference(self.static, self.num_valid, src, batch.num_seqs, ps)
+        stage_decode_inputs(self.static, self.num_valid, src, batch.num_seqs, ps)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Run a decode batch of at most ``max_bs`` rows through its padded graph; returns [bs, V] logits."""

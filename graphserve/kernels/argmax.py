@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.common import sm_count
+from graphserve.kernels.common import interpreting, sm_count
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Elements per tile: with 4 warps, 16 per thread (two 16-byte loads in 16-bit, four in fp32). Against 4096-wide
@@ -56,8 +56,20 @@ def _pack(v, idx):
 
 
 @triton.jit
-def _argmax_partial_kernel(x_ptr, part_ptr, V, stride_row, CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
-                           BLOCK: tl.constexpr):  # fmt: skip
+def _lane_best(row_ptr, cols, V, best, best_idx):
+    """A lane's running (maximum, its first index) after the values at ``cols``."""
+    # each logit is read once: keep it from pushing the step's weights out of L2
+    v = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
+    # greater, or a NaN while the lane holds none yet: the lane's earlier index keeps a tie and its first NaN
+    better = ~(v <= best) & (best == best)
+    return tl.where(better, v, best), tl.where(better, cols, best_idx)
+
+
+# The split follows the batch (``chunking``): CHUNKS and CHUNK stay unspecialized runtime values, so one compile
+# serves every batch size and a batch the warm-up did not sample compiles nothing (server/warmup.py).
+@triton.jit(do_not_specialize=["CHUNKS", "CHUNK"])
+def _argmax_partial_kernel(x_ptr, part_ptr, V, stride_row, CHUNKS, CHUNK, BLOCK: tl.constexpr,
+                           WHILE_LOOP: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row_ptr = x_ptr + row.to(tl.int64) * stride_row
@@ -66,20 +78,19 @@ def _argmax_partial_kernel(x_ptr, part_ptr, V, stride_row, CHUNKS: tl.constexpr,
     # row's end load -inf and hold an index >= V, so they lose every tie with a real one
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_idx = offs
-    for start in range(0, CHUNK, BLOCK):
-        cols = offs + start
-        # each logit is read once: keep it from pushing the step's weights out of L2
-        v = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf"), eviction_policy="evict_first")
-        v = v.to(tl.float32)
-        # greater, or a NaN while the lane holds none yet: the lane's earlier index keeps a tie and its first NaN
-        better = ~(v <= best) & (best == best)
-        best = tl.where(better, v, best)
-        best_idx = tl.where(better, cols, best_idx)
+    if WHILE_LOOP:  # the interpreter takes no runtime range bound (kernels/common.interpreting)
+        start = tl.program_id(0) * 0
+        while start < CHUNK:
+            best, best_idx = _lane_best(row_ptr, offs + start, V, best, best_idx)
+            start += BLOCK
+    else:
+        for start in range(0, CHUNK, BLOCK):
+            best, best_idx = _lane_best(row_ptr, offs + start, V, best, best_idx)
     tl.store(part_ptr + row * CHUNKS + chunk, tl.max(_pack(best, best_idx), axis=0))
 
 
-@triton.jit
-def _argmax_combine_kernel(part_ptr, out_ptr, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+@triton.jit(do_not_specialize=["CHUNKS"])
+def _argmax_combine_kernel(part_ptr, out_ptr, CHUNKS, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     lowest = tl.full((BLOCK_C,), KEY_MIN, tl.int64) << 32
@@ -123,10 +134,10 @@ def argmax_triton(logits: torch.Tensor, *, programs: int | None = None, block: i
         programs = PROGRAMS_PER_SM * sm_count(logits.device)
     chunks, chunk = chunking(batch, vocab, programs, block)
     parts = torch.empty(batch, chunks, dtype=torch.int64, device=logits.device)
-    _argmax_partial_kernel[(batch, chunks)](logits, parts, vocab, logits.stride(0), CHUNKS=chunks, CHUNK=chunk,
-                                            BLOCK=block, num_warps=NUM_WARPS)  # fmt: skip
-    _argmax_combine_kernel[(batch,)](parts, out, CHUNKS=chunks, BLOCK_C=triton.next_power_of_2(chunks),
-                                     num_warps=1)  # fmt: skip
+    _argmax_partial_kernel[(batch, chunks)](logits, parts, vocab, logits.stride(0), chunks, chunk, BLOCK=block,
+                                            WHILE_LOOP=interpreting(), num_warps=NUM_WARPS)  # fmt: skip
+    # every row's partials in one tile of MAX_CHUNKS lanes, whatever the split: one compile
+    _argmax_combine_kernel[(batch,)](parts, out, chunks, BLOCK_C=MAX_CHUNKS, num_warps=4)
     return out
 
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.common import interpreting
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 from graphserve.layers.forward_batch import DUMMY_BLOCK
 
@@ -86,15 +87,13 @@ def _stage_decode_inputs_kernel(
 
 def stage_decode_inputs(dst: DecodeInputs, num_valid: torch.Tensor, src: DecodeInputs, bs: int, ps: int) -> None:
     """Write ``src``'s ``bs`` rows and ``ps - bs`` padding rows into the static buffers ``dst`` and ``bs`` into
-    ``num_valid`` (a 0-d device tensor), in one launch; every tensor on one device, with integer dtypes."""
+    ``num_valid`` (a 0-d tensor beside them): one launch where every tensor is on the buffers' device, else (a
+    caller that hands sources from elsewhere, or buffers no Triton runs on) ``stage_decode_inputs_reference``."""
     _check(dst, num_valid, src, bs, ps)
     device = dst.input_ids.device
-    for name, t in [*_named(dst, ""), *_named(src, "src."), ("num_valid", num_valid)]:
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, the static buffers on {device}: stage through "
-                             f"stage_decode_inputs_reference")
-        if t.dtype not in INDEX_DTYPES:
-            raise ValueError(f"{name} is {t.dtype}; staging needs integer tensors ({_names(INDEX_DTYPES)})")
+    if (device.type != "cuda" and not interpreting()) or any(t.device != device for t in (*src, num_valid)):
+        stage_decode_inputs_reference(dst, num_valid, src, bs, ps)
+        return
     max_blocks = dst.block_tables.shape[1]
     block_w = max(16, min(triton.next_power_of_2(max_blocks), 1024))
     _stage_decode_inputs_kernel[(ps, max(1, triton.cdiv(max_blocks, block_w)))](
@@ -157,6 +156,9 @@ def _check(dst: DecodeInputs, num_valid: torch.Tensor, src: DecodeInputs, bs: in
                          f"{dst.block_tables.shape[1]} (max blocks per sequence)")
     if num_valid.dim() != 0:
         raise ValueError(f"num_valid must be a 0-d tensor, got shape {tuple(num_valid.shape)}")
+    for name, t in [*_named(dst, ""), *_named(src, "src."), ("num_valid", num_valid)]:
+        if t.dtype not in INDEX_DTYPES:
+            raise ValueError(f"{name} is {t.dtype}; staging needs integer tensors ({_names(INDEX_DTYPES)})")
 
 
 def _named(inputs: DecodeInputs, prefix: str) -> list[tuple[str, torch.Tensor]]:

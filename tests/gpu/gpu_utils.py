@@ -1,5 +1,6 @@
 """What several GPU test files share: the MoE presets' expert shapes, the relative error they
-compare by, and the warm-up-then-capture every CUDA-graph replay test starts with."""
+compare by, the warm-up-then-capture every CUDA-graph replay test starts with, and a dummy model with a KV
+pool and the engine's graph runner for decode steps over a fixed context."""
 
 from __future__ import annotations
 
@@ -35,3 +36,26 @@ def capture(step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
     with torch.cuda.graph(graph, stream=stream):
         out = step()
     return graph, out
+
+
+def decode_model(name: str, ctx: int, rows: int, **engine_args):
+    """(config, loaded model, KV caches) of the dummy model ``name`` on the GPU, with a random KV pool that holds
+    ``rows`` sequences of ``ctx + 1`` tokens; ``engine_args`` go to EngineConfig (max_model_len ctx + 64 unless
+    given)."""
+    from graphserve.config import EngineConfig
+    from graphserve.models.loader import load_model
+
+    device = torch.device("cuda")
+    cfg = EngineConfig(model=name, device="cuda", **{"max_model_len": ctx + 64, **engine_args})
+    loaded = load_model(cfg, device)
+    bsz = cfg.block_size
+    return cfg, loaded, loaded.info.kv.allocate(rows * (-(-(ctx + 1) // bsz)) + 2, bsz, device, fill="random")
+
+
+def graph_runner(cfg, model, backend, kv_caches, sizes: list[int], ctx: int):
+    """The engine's CUDA-graph runner for decode batches of ``sizes`` over contexts up to ``ctx + 64``, not yet
+    captured."""
+    from graphserve.engine.graphs import GraphRunner
+
+    return GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // cfg.block_size + 1, cfg.max_model_len,
+                       torch.device("cuda"))

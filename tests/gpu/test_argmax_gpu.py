@@ -67,3 +67,21 @@ def test_cuda_graph_replay_matches_eager(batch, vocab, gen):
         graph.replay()
         torch.testing.assert_close(ids, torch.argmax(logits, dim=-1), rtol=0, atol=0)
         torch.testing.assert_close(ids, argmax_triton(logits), rtol=0, atol=0)
+
+
+def test_every_batch_size_runs_one_compile_of_each_kernel(gen):
+    """The split follows the batch (11 chunkings of a 128256 vocab between 1 and 512 rows), yet a batch the
+    warm-up did not sample must compile nothing: the split is a runtime value, not a specialization."""
+    import triton
+
+    compiled = []
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda *, fn, **kwargs: compiled.append(fn.name)
+    try:
+        for batch in (1, 40, 100, 300, 500):
+            x = torch.randn(batch, 128256, device="cuda", generator=gen, dtype=torch.bfloat16)
+            assert torch.equal(greedy_argmax(x), torch.argmax(x, dim=-1)), batch
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+    assert len({chunking(b, 128256, PROGRAMS_PER_SM * sm_count(torch.device("cuda"))) for b in (1, 40, 100, 300, 500)}) == 5
+    assert compiled.count("_argmax_partial_kernel") <= 1 and compiled.count("_argmax_combine_kernel") <= 1, compiled

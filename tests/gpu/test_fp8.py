@@ -18,6 +18,7 @@ import torch
 from transformers import Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_utils import decode_model, graph_runner  # noqa: E402
 from model_utils import PagedHarness, make_hf_checkpoint  # noqa: E402
 
 from graphserve.config import EngineConfig  # noqa: E402
@@ -420,22 +421,19 @@ def test_attention_writes_o_proj_quantized_input(path: str, fp8_kv: bool, monkey
 def test_attention_writes_o_proj_quantized_input_under_cuda_graph_replay(monkeypatch) -> None:
     """The same fusion inside captured decode steps, as the engine runs them: a graph captured with it and one
     captured without give the same logits bit for bit, replay after replay."""
-    from graphserve.engine.graphs import GraphRunner
     from graphserve.layers.forward_batch import contiguous_batch
 
-    cfg = EngineConfig(model="dummy:qwen3-0.6b", device="cuda", quantization="fp8-block", max_model_len=512)
-    loaded = load_model(cfg, DEV)
+    bs, ctx = 32, 300
+    cfg, loaded, kv_caches = decode_model("dummy:qwen3-0.6b", ctx, bs, quantization="fp8-block", max_model_len=512)
     model, info = loaded.model, loaded.info
-    bs, ctx, bsz = 32, 300, cfg.block_size
     _o_proj_route(model, bs, Route("stream", A8_TILE))
-    kv_caches = info.kv.allocate(bs * (-(-(ctx + 1) // bsz)) + 2, bsz, DEV, fill="random")
     backend = TritonAttentionBackend()
     fused_calls: list[bool] = []
     graphs = {}
     with torch.inference_mode():
         for on in (False, True):
             _attention_quantizes(monkeypatch, on, fused_calls)
-            graphs[on] = GraphRunner(model, backend, kv_caches, [bs], (ctx + 64) // bsz + 1, cfg.max_model_len, DEV)
+            graphs[on] = graph_runner(cfg, model, backend, kv_caches, [bs], ctx)
             graphs[on].capture()
         assert fused_calls and all(fused_calls), "the fused graph's layers read the attention's quantized output"
         lens = [ctx + 1 - 5 * i for i in range(bs)]

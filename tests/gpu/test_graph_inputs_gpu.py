@@ -7,14 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gpu_utils import decode_model, graph_runner
 
-from graphserve.config import EngineConfig
-from graphserve.engine.graphs import GraphRunner
 from graphserve.engine.staging import HostStaging
 from graphserve.kernels.graph_inputs import DecodeInputs, stage_decode_inputs, stage_decode_inputs_reference
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.layers.forward_batch import ForwardBatch, contiguous_batch
-from graphserve.models.loader import load_model
 
 DEV = torch.device("cuda")
 
@@ -81,19 +79,16 @@ def test_staging_is_one_launch_with_no_host_sync(gen):
 def test_replay_after_one_launch_gives_the_logits_of_the_copy_path(monkeypatch, name):
     """The MoE model reads num_valid (padding rows route to no expert), so a wrong count would show there."""
     ctx, sizes = 300, [1, 4, 8]
-    cfg = EngineConfig(model=name, device="cuda", max_model_len=ctx + 64)
-    loaded = load_model(cfg, DEV)
+    cfg, loaded, kv_caches = decode_model(name, ctx, max(sizes))
     model, info = loaded.model, loaded.info
-    bsz = cfg.block_size
-    kv_caches = info.kv.allocate(max(sizes) * (-(-(ctx + 1) // bsz)) + 2, bsz, DEV, fill="random")
     backend = TritonAttentionBackend()
     staging = HostStaging(DEV)
     with torch.inference_mode():
-        runner = GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // bsz + 1, cfg.max_model_len, DEV)
+        runner = graph_runner(cfg, model, backend, kv_caches, sizes, ctx)
         runner.capture()
         # the copy path is reached only by hand below: replay() must stage through the kernel
         copy_path = stage_decode_inputs_reference
-        monkeypatch.setattr("graphserve.engine.graphs.stage_decode_inputs_reference", None)
+        monkeypatch.setattr("graphserve.kernels.graph_inputs.stage_decode_inputs_reference", None)
         for bs in [8, 3, 1, 5, 4, 2, 8]:  # each batch after a larger or smaller one: stale rows to overwrite
             lens = [ctx + 1 - 7 * i for i in range(bs)]
             batch = _uploaded(contiguous_batch([1] * bs, lens, kv_caches, backend, vocab_size=info.vocab_size),

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_utils import capture
+from gpu_utils import capture, decode_model, graph_runner
 
-from graphserve.config import EngineConfig
-from graphserve.engine.graphs import GraphRunner
 from graphserve.kernels.gemv import gemv, norm_gemv
 from graphserve.kernels.norm import rms_norm
 from graphserve.kernels.pdl import pdl, pdl_on
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.layers.forward_batch import contiguous_batch
-from graphserve.models.loader import load_model
 
 
 def _needs_pdl() -> None:
@@ -64,20 +61,15 @@ def test_dependent_chain_under_graph_replay_matches_without_pdl(m):
 @pytest.mark.parametrize("name", ["dummy:qwen3-0.6b", "dummy:olmoe-1b-7b", "dummy:deepseek-v2-lite"])
 def test_decode_step_captured_with_pdl_gives_the_same_logits(name):
     _needs_pdl()
-    device = torch.device("cuda")
     ctx, sizes = 300, [1, 4, 8]
-    cfg = EngineConfig(model=name, device="cuda", max_model_len=ctx + 64)
-    loaded = load_model(cfg, device)
+    cfg, loaded, kv_caches = decode_model(name, ctx, max(sizes))
     model, info = loaded.model, loaded.info
-    bsz = cfg.block_size
-    kv_caches = info.kv.allocate(max(sizes) * (-(-(ctx + 1) // bsz)) + 2, bsz, device, fill="random")
     backend = TritonAttentionBackend()
     with torch.inference_mode():
         graphs = {}
         for on in (False, True):
             with pdl(on):
-                graphs[on] = GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // bsz + 1, cfg.max_model_len,
-                                         device)  # fmt: skip
+                graphs[on] = graph_runner(cfg, model, backend, kv_caches, sizes, ctx)
                 graphs[on].capture()
         for bs in sizes:
             lens = [ctx + 1 - 7 * i for i in range(bs)]
