@@ -89,13 +89,15 @@ QUICK_ROWS = [1, 2, 4, 8, 16, 64, 256]
 COLD_BYTES = 256 << 20
 BLOCK = 128
 COLS = ["shape", "m", "prologue", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_us", "best", "stream_a8_us",
-        "stream_bf16x_us", "stream/floor", "stream_GBps"]
+        "stream_bf16x_us", "stream_a8_groups_us", "stream/floor", "stream_GBps"]
 
 
-def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
+def candidates(m: int, n: int, k: int, sms: int, channel: bool = False) -> list[StreamConfig]:
     """Stream tiles to try at ``m`` rows of an [n, k] weight.
 
-    - m <= 4: FMA tiles of 128-256 weight bytes per thread, whole or split 2 ways along K;
+    - m <= 4: FMA tiles of 128-256 weight bytes per thread, whole or split 2 ways along K; with per-channel
+      scales also the persistent grid (kernels/fp8_gemv_persistent.py): 4-16 KB tiles, 2-8 programs an SM
+      holding 16-64 KB of tiles between them, where the projection has a slab for every program;
     - 2 <= m <= 16: dot tiles 16-64 rows tall, whole or split 2 and 4 ways;
     - m > 16 (the dot path only): tiles of 64 and 128 rows (x is read again by every program, so taller
       tiles read it fewer times), 128 or 256 columns a step, split so the grid gives every SM one to four
@@ -110,6 +112,13 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
             bk = per_thread * 128 // bn
             if bk * (2 * split if split > 1 else 1) <= k and k % bk == 0:
                 out.append(StreamConfig(bn, bk, num_warps=4, num_stages=2, use_dot=False, split_k=split))
+        if channel:
+            for bn, bk in ((2, 2048), (4, 1024), (4, 2048), (8, 512), (8, 1024), (8, 2048), (16, 512)):
+                for programs in (2, 4, 8):
+                    # a full grid (never more programs than slabs) holding 16-64 KB of tiles an SM
+                    if bk <= k and triton.cdiv(n, bn) >= sms * programs and 16 << 10 <= bn * bk * programs <= 64 << 10:
+                        out.append(StreamConfig(bn, bk, num_warps=4, num_stages=1, use_dot=False,
+                                                programs_per_sm=programs))
     if 2 <= m <= 16:
         for bn, bk, split in ((16, 256, 1), (32, 256, 1), (64, 256, 1), (32, 256, 2), (32, 256, 4), (64, 256, 2),
                               (64, 128, 4)):
@@ -217,7 +226,7 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
         widening = default_stream_config(m, n, k, tile_cap(gn, gk, k), sms)
         chosen = default_route(m, n, k, gn, gk, False, sms).config if channel else widening
         tried = {}
-        for cfg in dict.fromkeys([chosen, widening, *(candidates(m, n, k, sms) if sweep else [])]):
+        for cfg in dict.fromkeys([chosen, widening, *(candidates(m, n, k, sms, channel) if sweep else [])]):
             try:
                 tried[cfg] = cold.time_us(lambda w, c=cfg: stream(w, c))
             except Exception as e:  # a tile this card cannot hold (shared memory, registers): skipped, said so
@@ -228,6 +237,13 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
         if 0 < len(a8) < len(tried):  # the best of each kind, for the table's readers
             r["stream_a8_us"] = min(tried[c] for c in a8)
             r["stream_bf16x_us"] = min(tried[c] for c in tried if not c.a8)
+        if channel and a8 and name.endswith("o_proj"):
+            # o_proj's input as the attention kernel writes it in a decode step: fp8 in one group a head (the
+            # tile's K step), no quantization launch to time (layers/quant/fp8.py input_quant)
+            best_a8 = min(a8, key=tried.get)
+            q, s = per_token_group_quant(x, best_a8.block_k)
+            r["stream_a8_groups_us"] = cold.time_us(
+                lambda w: fp8_gemv_a8(q, s, w[0], w[1], gn, gk, torch.bfloat16, config=best_a8))
 
     def w8a8(w):
         if channel and scaled_mm_supported(m, n, k, x.device):  # as the layer's w8a8 path runs per channel
@@ -285,6 +301,7 @@ def main() -> None:
     p.add_argument("--no-rule", action="store_true", help="measure and print, but leave fp8_rule.json as it is")
     p.add_argument("--rows", nargs="+", type=int, metavar="M",
                    help="row counts to measure (default: all; the table keeps its entries for the others)")
+    p.add_argument("--result-name", help="the results file's name (default fp8_route, or fp8_route_channel)")
     args = p.parse_args()
     device = torch.device("cuda")
     sms = sm_count(device)
@@ -304,7 +321,7 @@ def main() -> None:
     print_table(rows, COLS)
     earlier = json.loads(RULE_PATH.read_text()) if RULE_PATH.exists() else None
     rule = rule_from_rows(rows, environment(), earlier)
-    write_result("fp8_route_channel" if channel else "fp8_route",
+    write_result(args.result_name or ("fp8_route_channel" if channel else "fp8_route"),
                  {"read": bw.summary(), "scales": args.scales, "scaled_mm_blockwise": scaled_mm_ok, "rows": rows,
                   "rule": rule})
     if not args.no_rule:

@@ -177,6 +177,57 @@ def test_fp8_gemv_per_token_x_every_swept_tile(m: int, gen: torch.Generator) -> 
             assert rel(fp8_gemv_a8(q, s, wq, ws, 1, k, torch.bfloat16, config=cfg), ref) < TOL, cfg
 
 
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_fp8_gemv_every_persistent_tile(m: int, gen: torch.Generator) -> None:
+    """Every persistent-grid tile benchmarks/fp8_route.py --scales channel may write (kernels/
+    fp8_gemv_persistent.py), at Llama-3-8B's qkv (RMSNorm + residual in the loads), o_proj and down (SiLU·mul in
+    the loads): the reference's product, and the summed residual bit for bit; a second call (the boundary
+    counters it left at zero) gives the same output bit for bit."""
+    from benchmarks.fp8_route import candidates
+
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for name in ("qkv", "o_proj", "down"):
+        n, k = SHAPES[name]
+        wq, ws = _weight(n, k, gen, False)
+        x, res = (torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+        nw = torch.randn(k, device=DEV, generator=gen, dtype=torch.bfloat16)
+        gate_up = torch.randn(m, 2 * k, device=DEV, generator=gen, dtype=torch.bfloat16)
+        tiles = [c for c in candidates(m, n, k, sms, channel=True) if c.programs_per_sm]
+        assert tiles, (name, m)
+        for cfg in tiles:
+            if name == "qkv":
+                out, summed = fp8_norm_gemv(x, nw, 1e-6, wq, ws, 1, k, residual=res, config=cfg)
+                want, want_sum = fp8_norm_gemv_reference(x, nw, 1e-6, wq, ws, 1, k, residual=res)
+                assert torch.equal(summed, want_sum), cfg
+                again = fp8_norm_gemv(x, nw, 1e-6, wq, ws, 1, k, residual=res, config=cfg)[0]
+            elif name == "down":
+                out = fp8_silu_mul_gemv(gate_up, wq, ws, 1, k, config=cfg)
+                want = fp8_silu_mul_gemv_reference(gate_up, wq, ws, 1, k)
+                again = fp8_silu_mul_gemv(gate_up, wq, ws, 1, k, config=cfg)
+            else:
+                out, want = fp8_gemv(x, wq, ws, 1, k, config=cfg), fp8_gemv_reference(x.float(), wq, ws, 1, k)
+                again = fp8_gemv(x, wq, ws, 1, k, config=cfg)
+            assert rel(out, want) < TOL, cfg
+            assert torch.equal(again, out), cfg
+
+
+def test_persistent_grid_under_cuda_graph_replay(gen: torch.Generator) -> None:
+    """A persistent-grid call captured in a CUDA graph: replays on new inputs match eager calls bit for bit (the
+    boundary counters are reset inside every launch, so no replay finds them dirty)."""
+    n, k = SHAPES["qkv"]
+    wq, ws = _weight(n, k, gen, False)
+    cfg = StreamConfig(4, 2048, num_warps=4, num_stages=1, use_dot=False, programs_per_sm=4)
+    x = torch.randn(1, k, device=DEV, generator=gen, dtype=torch.bfloat16)
+    fp8_gemv(x, wq, ws, 1, k, config=cfg)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemv(x, wq, ws, 1, k, config=cfg)
+    for _ in range(3):
+        x.copy_(torch.randn(1, k, device=DEV, generator=gen, dtype=torch.bfloat16))
+        graph.replay()
+        assert torch.equal(out, fp8_gemv(x, wq, ws, 1, k, config=cfg))
+
+
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 40])
 def test_fp8_fused_prologues(m: int, gen: torch.Generator) -> None:
     """RMSNorm (+ residual) before qkv and SiLU·mul before down, in the streaming kernel's loads."""
@@ -385,16 +436,32 @@ def _attention_quantizes(monkeypatch, on: bool, calls: list[bool]) -> None:
     monkeypatch.setattr(TritonAttentionBackend, "attend_quantized", counted if on else lambda self, *a, **k: None)
 
 
-@pytest.mark.parametrize("path", ["stream", "w8a8", "scaled_mm"])
+def _unfused_in_head_groups(monkeypatch) -> None:
+    """The separate quantization launch of a per-channel streaming o_proj in the groups the attention kernel
+    writes (one a head) instead of per token, so a fused and an unfused step read the same fp8 values."""
+    original = Fp8LinearMethod._quant_layout
+
+    def by_step(self, layer, route, k):
+        group, blockwise = original(self, layer, route, k)
+        return (route.config.block_k if route.path == "stream" and not self.config.block else group), blockwise
+
+    monkeypatch.setattr(Fp8LinearMethod, "_quant_layout", by_step)
+
+
+@pytest.mark.parametrize("quantization,path", [("fp8-block", "stream"), ("fp8-block", "w8a8"),
+                                               ("fp8-block", "scaled_mm"), ("fp8", "stream")])
 @pytest.mark.parametrize("fp8_kv", [False, True])
-def test_attention_writes_o_proj_quantized_input(path: str, fp8_kv: bool, monkeypatch) -> None:
+def test_attention_writes_o_proj_quantized_input(quantization: str, path: str, fp8_kv: bool, monkeypatch) -> None:
     """A decode step whose o_proj quantizes its input takes it from the attention kernel, already quantized
     (layers/linear.quantized_input_linear): the same fp8 values and scales as the separate quantization
-    launch, so the logits are bit for bit those of the unfused step, on each quantizing route."""
+    launch, so the logits are bit for bit those of the unfused step, on each quantizing route. Per-channel
+    weights (``fp8``) take it in head groups, their streaming tile's K step; the unfused step is made to
+    quantize the same way (it runs per token, one dot chain), so the two stay comparable bit for bit."""
     if path == "scaled_mm" and not blockwise_scaled_mm_available(DEV):
         pytest.skip("this torch build has no block-scaled torch._scaled_mm")
-    # block scales: o_proj's input groups are the attention's heads (per-channel weights read x per token)
-    model = load_model(EngineConfig(model="dummy:qwen3-0.6b", device="cuda", quantization="fp8-block",
+    if quantization == "fp8":
+        _unfused_in_head_groups(monkeypatch)
+    model = load_model(EngineConfig(model="dummy:qwen3-0.6b", device="cuda", quantization=quantization,
                                     max_model_len=1024), DEV).model  # fmt: skip
     b = 32
     o_proj = _o_proj_route(model, b, Route(path, A8_TILE if path == "stream" else None))
@@ -418,13 +485,16 @@ def test_attention_writes_o_proj_quantized_input(path: str, fp8_kv: bool, monkey
     assert torch.equal(logits[True], logits[False])
 
 
-def test_attention_writes_o_proj_quantized_input_under_cuda_graph_replay(monkeypatch) -> None:
+@pytest.mark.parametrize("quantization", ["fp8-block", "fp8"])
+def test_attention_writes_o_proj_quantized_input_under_cuda_graph_replay(quantization: str, monkeypatch) -> None:
     """The same fusion inside captured decode steps, as the engine runs them: a graph captured with it and one
     captured without give the same logits bit for bit, replay after replay."""
     from graphserve.layers.forward_batch import contiguous_batch
 
+    if quantization == "fp8":
+        _unfused_in_head_groups(monkeypatch)
     bs, ctx = 32, 300
-    cfg, loaded, kv_caches = decode_model("dummy:qwen3-0.6b", ctx, bs, quantization="fp8-block", max_model_len=512)
+    cfg, loaded, kv_caches = decode_model("dummy:qwen3-0.6b", ctx, bs, quantization=quantization, max_model_len=512)
     model, info = loaded.model, loaded.info
     _o_proj_route(model, bs, Route("stream", A8_TILE))
     backend = TritonAttentionBackend()

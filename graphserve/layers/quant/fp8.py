@@ -262,6 +262,11 @@ class Fp8LinearMethod:
         if not self._quantizes_input(route):
             return None
         group, blockwise = self._quant_layout(layer, route, k)
+        if route.path == "stream" and not self.config.block:
+            # a per-channel streaming A8 tile reads x per token or per K step (kernels/fp8_gemv.py): a producer
+            # that writes the input itself (the attention kernel, one group a head) takes the K step, which
+            # the separate launch (one scale a row, for the single dot chain) cannot save
+            group = route.config.block_k
         return {"group_size": group, **_layout(blockwise)}
 
     def apply_quantized(self, layer: Linear, a_q: torch.Tensor, a_s: torch.Tensor, m: int,
@@ -307,7 +312,8 @@ class Fp8LinearMethod:
         """(group size, blockwise) of the input quantization this route reads: a streaming A8 tile's K step,
         else the weight's scale block along K (the whole row: per token); blockwise where the call takes
         cuBLASLt's block-scaled GEMM, which wants rows padded to 4 and column-major scales. A streaming A8 tile
-        of a per-channel weight reads x quantized per token, so it takes both scales after one dot chain."""
+        of a per-channel weight reads x quantized per token, so it takes both scales after one dot chain
+        (``input_quant`` offers a producer that writes x itself the K step instead)."""
         if route.path == "stream":  # per-channel weights: one scale per row of x (kernels/fp8_gemv.py's X_TOKEN)
             return (route.config.block_k if self.config.block else k), False
         return self.group_k or k, route.path == "scaled_mm" and self._scale_layout(layer) is not None
