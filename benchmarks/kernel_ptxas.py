@@ -141,9 +141,10 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
             if cfg.programs_per_sm:  # the persistent grid: its own kernel, sms x programs_per_sm programs
                 consts = {"SILU_MUL": kind == "silu", "ADD_RESIDUAL": kind == "norm", "NORM": kind == "norm",
                           "HAS_BIAS": False, "PDL": False,
-                          **persistent_constants(m, n, k, cfg.block_n, cfg.block_k, cfg.programs_per_sm, sms)}
-                row = compile_report(_fp8_gemv_persistent_kernel, types, consts, cfg.num_warps, cfg.num_stages)
-                tile = f"persistent fma {cfg.block_n}x{consts['BLOCK_K']} {cfg.programs_per_sm}/SM"
+                          **persistent_constants(m, n, k, cfg.block_n, cfg.block_k, cfg.programs_per_sm, sms,
+                                                 cfg.num_stages)}
+                row = compile_report(_fp8_gemv_persistent_kernel, types, consts, cfg.num_warps, 1)
+                tile = f"persistent fma {cfg.block_n}x{consts['BLOCK_K']} {cfg.programs_per_sm}/SM {cfg.num_stages} in flight"
                 out.append({"kernel": "_fp8_gemv_persistent_kernel", "shape": f"{name} {scales} m{m} {kind or 'plain'} "
                             f"{tile}", **row, "programs": consts["PROGRAMS"],
                             "waves": round(consts["PROGRAMS"] / (row["programs_per_sm"] * sms), 2)})

@@ -40,8 +40,8 @@ def _channel_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     return q, s.reshape(-1, 1)
 
 
-def _persistent(block_n: int, block_k: int, programs: int) -> StreamConfig:
-    return StreamConfig(block_n, block_k, num_warps=4, num_stages=1, use_dot=False, programs_per_sm=programs)
+def _persistent(block_n: int, block_k: int, programs: int, stages: int = 1) -> StreamConfig:
+    return StreamConfig(block_n, block_k, num_warps=4, num_stages=stages, use_dot=False, programs_per_sm=programs)
 
 
 # (m, n, k, block_n, block_k, programs): 40 x 200 in 8 x 64 tiles is 5 slabs of 4 steps (the last 8 columns
@@ -53,11 +53,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("stages", [1, 2, 3])  # tiles in flight a program: loaded 0, 1 or 2 loop turns ahead
 @pytest.mark.parametrize("m,n,k,block_n,block_k,programs", CASES)
-def test_persistent_grid_matches_reference(m, n, k, block_n, block_k, programs) -> None:
+def test_persistent_grid_matches_reference(m, n, k, block_n, block_k, programs, stages) -> None:
     wq, ws = _channel_weight(n, k, seed=m + n + programs)
     x, bias = _randn(m, k, seed=k + programs), _randn(n, seed=5)
-    cfg = _persistent(block_n, block_k, programs)
+    cfg = _persistent(block_n, block_k, programs, stages)
     for b in (None, bias):
         out = fp8_gemv(x, wq, ws, 1, k, b, config=cfg)
         torch.testing.assert_close(out, fp8_gemv_reference(x, wq, ws, 1, k, b), **TOL)
@@ -81,7 +82,7 @@ def test_every_program_streams_within_one_tile_of_the_same_share() -> None:
 def test_persistent_grid_fused_prologues_match_reference() -> None:
     """SiLU·mul and (residual add +) RMSNorm computed in the loads, as the tiled kernel's FMA path does."""
     m, n, k = 2, 40, 200
-    cfg = _persistent(8, 64, 3)
+    cfg = _persistent(8, 64, 3, stages=3)
     wq, ws = _channel_weight(n, k, seed=31)
     gate_up = _randn(m, 2 * k, seed=32)
     torch.testing.assert_close(fp8_silu_mul_gemv(gate_up, wq, ws, 1, k, config=cfg),
@@ -106,5 +107,7 @@ def test_persistent_grid_refuses_what_it_cannot_run() -> None:
         StreamConfig(16, 64, 4, 1, use_dot=True, programs_per_sm=2).validate()
     with pytest.raises(ValueError, match=r"split_k=2"):
         StreamConfig(8, 64, 4, 1, use_dot=False, split_k=2, programs_per_sm=2).validate()
+    with pytest.raises(ValueError, match=r"num_stages=4: the persistent grid keeps 1-3 tiles in flight"):
+        StreamConfig(8, 64, 4, 4, use_dot=False, programs_per_sm=2).validate()
     with pytest.raises(ValueError, match=r"programs_per_sm=33 must be in 0\.\.32"):
         StreamConfig(8, 64, 4, 1, use_dot=False, programs_per_sm=33).validate()

@@ -53,7 +53,8 @@ class StreamConfig:
     quantized by one launch before (kernels/fp8_quant.py, fused with the norm or SiLU·mul that makes it)
     and the kernel reads fp8 x and its scales instead of quantizing x's rows in every program.
     ``programs_per_sm`` (FMA tiles of per-channel weights): a persistent grid of that many programs on every
-    SM, each streaming an equal share of the ``[block_n, block_k]`` tiles (kernels/fp8_gemv_persistent.py);
+    SM, each streaming an equal share of the ``[block_n, block_k]`` tiles with ``num_stages`` of them in flight
+    (kernels/fp8_gemv_persistent.py);
     0, and in tables written before it, one program per ``[block_n, K / split_k]`` slab."""
 
     block_n: int
@@ -87,6 +88,8 @@ class StreamConfig:
             raise ValueError("a8=True needs fp8_dot=True (x comes quantized for the FP8 tensor cores)")
         if self.programs_per_sm < 0 or self.programs_per_sm > MAX_PROGRAMS_PER_SM:
             raise ValueError(f"programs_per_sm={self.programs_per_sm} must be in 0..{MAX_PROGRAMS_PER_SM}")
+        if self.programs_per_sm and self.num_stages > 3:
+            raise ValueError(f"num_stages={self.num_stages}: the persistent grid keeps 1-3 tiles in flight a program")
         if self.programs_per_sm and (self.use_dot or self.split_k != 1):
             raise ValueError(f"programs_per_sm={self.programs_per_sm} (the persistent grid) takes FMA tiles without "
                              f"split-K, got use_dot={self.use_dot}, split_k={self.split_k}")

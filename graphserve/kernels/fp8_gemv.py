@@ -293,7 +293,8 @@ def _launch(
             raise ValueError(f"fp8_gemv: programs_per_sm={cfg.programs_per_sm} (the persistent grid) takes "
                              f"per-channel weight scales and a 16-bit or fp32 x, got {group_n}x{group_k} scale "
                              f"blocks{' and fp8 x' if a8 else ''}")
-        consts = persistent_constants(m, n, k, cfg.block_n, cfg.block_k, cfg.programs_per_sm, sm_count(x.device))
+        consts = persistent_constants(m, n, k, cfg.block_n, cfg.block_k, cfg.programs_per_sm, sm_count(x.device),
+                                      cfg.num_stages)
         launch_persistent(x, w, w_scale, bias, out, consts, cfg.num_warps, split_counters(x.device, consts["PROGRAMS"]),
                           silu_mul, norm_weight, eps, residual, residual_out)  # fmt: skip
         return out

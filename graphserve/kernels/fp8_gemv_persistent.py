@@ -41,7 +41,7 @@ def _fp8_gemv_persistent_kernel(
     M, N, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
     SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr,
-    TILES: tl.constexpr, PROGRAMS: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
+    TILES: tl.constexpr, PROGRAMS: tl.constexpr, AHEAD: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid = tl.program_id(0)
@@ -66,41 +66,70 @@ def _fp8_gemv_persistent_kernel(
             sum_sq += tl.sum(hf * hf, axis=1)
         rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # the tiles of the next AHEAD units are in flight while a unit is summed: loaded one loop turn ahead per
+    # stage, held in registers (a loop with stores in it gets no software pipelining from the compiler)
+    w1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=w_ptr.dtype.element_ty)
+    if AHEAD > 0:
+        w1 = _load_unit(w_ptr, u_first, u_end, N, stride_wn, offs_b, offs_k, K, BLOCK_N, BLOCK_K, K_STEPS)
+    w2 = w1
+    if AHEAD == 2:
+        w2 = _load_unit(w_ptr, u_first + 1, u_end, N, stride_wn, offs_b, offs_k, K, BLOCK_N, BLOCK_K, K_STEPS)
     if WHILE_LOOP:  # the interpreter takes no runtime range bound (kernels/common.interpreting)
         u = u_first
         while u < u_end:
-            acc = _unit(u, acc, u_first, u_end, pid, rstd, x_ptr, res_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr,
-                        part_ptr, lock_ptr, M, N, stride_xm, stride_rm, stride_wn, stride_om, offs_m, offs_b, offs_k,
-                        SILU_MUL, ADD_RESIDUAL, NORM, HAS_BIAS, K, BLOCK_M, BLOCK_N, BLOCK_K, K_STEPS)  # fmt: skip
+            acc, w1, w2 = _turn(u, acc, w1, w2, u_first, u_end, pid, rstd, x_ptr, res_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr,
+                                out_ptr, part_ptr, lock_ptr, M, N, stride_xm, stride_rm, stride_wn, stride_om, offs_m,
+                                offs_b, offs_k, SILU_MUL, ADD_RESIDUAL, NORM, HAS_BIAS, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                K_STEPS, AHEAD)  # fmt: skip
             u += 1
     else:
         for u in range(u_first, u_end):
-            acc = _unit(u, acc, u_first, u_end, pid, rstd, x_ptr, res_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr,
-                        part_ptr, lock_ptr, M, N, stride_xm, stride_rm, stride_wn, stride_om, offs_m, offs_b, offs_k,
-                        SILU_MUL, ADD_RESIDUAL, NORM, HAS_BIAS, K, BLOCK_M, BLOCK_N, BLOCK_K, K_STEPS)  # fmt: skip
+            acc, w1, w2 = _turn(u, acc, w1, w2, u_first, u_end, pid, rstd, x_ptr, res_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr,
+                                out_ptr, part_ptr, lock_ptr, M, N, stride_xm, stride_rm, stride_wn, stride_om, offs_m,
+                                offs_b, offs_k, SILU_MUL, ADD_RESIDUAL, NORM, HAS_BIAS, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                K_STEPS, AHEAD)  # fmt: skip
     pdl_release(PDL)
 
 
 @triton.jit
-def _unit(
-    u, acc, u_first, u_end, pid, rstd, x_ptr, res_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, lock_ptr,
-    M, N, stride_xm, stride_rm, stride_wn, stride_om, offs_m, offs_b, offs_k,
+def _load_unit(w_ptr, u, u_end, N, stride_wn, offs_b, offs_k, K: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr):  # fmt: skip
+    """The fp8 tile of unit ``u`` (slab u // K_STEPS, K step u % K_STEPS); nothing is read past ``u_end``."""
+    tile = u // K_STEPS
+    cols = (u - tile * K_STEPS) * BLOCK_K + offs_k
+    w_rows = tl.minimum(tile * BLOCK_N + offs_b, N - 1).to(tl.int64)  # rows past N re-read row N-1
+    mask = (cols < K)[None, :] & (u < u_end)
+    return tl.load(w_ptr + w_rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _turn(
+    u, acc, w1, w2, u_first, u_end, pid, rstd, x_ptr, res_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr,
+    lock_ptr, M, N, stride_xm, stride_rm, stride_wn, stride_om, offs_m, offs_b, offs_k,
     SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):  # fmt: skip
-    """Unit ``u`` (slab u // K_STEPS, K step u % K_STEPS) into ``acc``; where this program's piece of the slab
-    ends, the slab's store (or its partial for the boundary's other program); returns the accumulator."""
-    EVEN_K: tl.constexpr = K % BLOCK_K == 0
+    """One loop turn: the load of unit u + AHEAD + 1 issued, unit u (its tile ``w1``, loaded earlier) summed into
+    ``acc``, and where this program's piece of the slab ends, the slab's store (or its partial for the
+    boundary's other program). Returns (acc, the tiles of the next two units)."""
+    if AHEAD == 0:
+        w = _load_unit(w_ptr, u, u_end, N, stride_wn, offs_b, offs_k, K, BLOCK_N, BLOCK_K, K_STEPS)
+        w_next, w_after = w1, w2
+    elif AHEAD == 1:
+        w = w1
+        w_next = _load_unit(w_ptr, u + 1, u_end, N, stride_wn, offs_b, offs_k, K, BLOCK_N, BLOCK_K, K_STEPS)
+        w_after = w_next
+    else:
+        w = w1
+        w_next = w2
+        w_after = _load_unit(w_ptr, u + 2, u_end, N, stride_wn, offs_b, offs_k, K, BLOCK_N, BLOCK_K, K_STEPS)
+    wf = w.to(tl.float32)
     tile = u // K_STEPS
     step = u - tile * K_STEPS
     offs_n = tile * BLOCK_N + offs_b
-    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read row N-1, never stored
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     cols = step * BLOCK_K + offs_k
-    w_ptrs = w_ptr + w_rows[:, None] * stride_wn + cols[None, :]
-    if EVEN_K:
-        wf = tl.load(w_ptrs).to(tl.float32)
-    else:
-        wf = tl.load(w_ptrs, mask=(cols < K)[None, :], other=0.0).to(tl.float32)
     for m in tl.static_range(BLOCK_M):
         rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
         xr = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols, (cols < K) & (m < M), rstd_m, K,
@@ -127,7 +156,7 @@ def _unit(
                 _store(total, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_om, HAS_BIAS)
                 tl.atomic_xchg(lock_ptr + boundary, 0, sem="relaxed", scope="gpu")
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    return acc
+    return acc, w_next, w_after
 
 
 @triton.jit
@@ -141,13 +170,18 @@ def _store(acc, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_om,
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_m[None, :] < M))
 
 
-def persistent_constants(m: int, n: int, k: int, block_n: int, block_k: int, programs_per_sm: int, sms: int) -> dict:
-    """The kernel's constexprs: at most one program per slab (``TILES``), ``programs_per_sm`` on every SM."""
+def persistent_constants(m: int, n: int, k: int, block_n: int, block_k: int, programs_per_sm: int, sms: int,
+                         stages: int = 1) -> dict:
+    """The kernel's constexprs: at most one program per slab (``TILES``), ``programs_per_sm`` on every SM, each
+    with ``stages`` units' tiles in flight (``AHEAD`` = stages - 1 loaded before the one being summed; 1-3)."""
+    if not 1 <= stages <= 3:
+        raise ValueError(f"the persistent grid keeps 1-3 units in flight a program (num_stages), got {stages}")
+    ahead = stages - 1
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     tiles = triton.cdiv(n, block_n)
     return {"K": k, "BLOCK_M": triton.next_power_of_2(m), "BLOCK_N": block_n, "BLOCK_K": block_k,
             "K_STEPS": triton.cdiv(k, block_k), "TILES": tiles, "PROGRAMS": min(tiles, sms * programs_per_sm),
-            "WHILE_LOOP": interpreting()}
+            "AHEAD": ahead, "WHILE_LOOP": interpreting()}
 
 
 def launch_persistent(

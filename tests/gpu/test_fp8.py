@@ -177,7 +177,7 @@ def test_fp8_gemv_per_token_x_every_swept_tile(m: int, gen: torch.Generator) -> 
             assert rel(fp8_gemv_a8(q, s, wq, ws, 1, k, torch.bfloat16, config=cfg), ref) < TOL, cfg
 
 
-@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 3])
 def test_fp8_gemv_every_persistent_tile(m: int, gen: torch.Generator) -> None:
     """Every persistent-grid tile benchmarks/fp8_route.py --scales channel may write (kernels/
     fp8_gemv_persistent.py), at Llama-3-8B's qkv (RMSNorm + residual in the loads), o_proj and down (SiLU·mul in
@@ -194,6 +194,8 @@ def test_fp8_gemv_every_persistent_tile(m: int, gen: torch.Generator) -> None:
         gate_up = torch.randn(m, 2 * k, device=DEV, generator=gen, dtype=torch.bfloat16)
         tiles = [c for c in candidates(m, n, k, sms, channel=True) if c.programs_per_sm]
         assert tiles, (name, m)
+        if m > 1:  # other row counts differ in the row loop's length only: a few tiles, each unit size
+            tiles = list({(c.block_n, c.block_k): c for c in tiles}.values())
         for cfg in tiles:
             if name == "qkv":
                 out, summed = fp8_norm_gemv(x, nw, 1e-6, wq, ws, 1, k, residual=res, config=cfg)
@@ -216,7 +218,7 @@ def test_persistent_grid_under_cuda_graph_replay(gen: torch.Generator) -> None:
     boundary counters are reset inside every launch, so no replay finds them dirty)."""
     n, k = SHAPES["qkv"]
     wq, ws = _weight(n, k, gen, False)
-    cfg = StreamConfig(4, 2048, num_warps=4, num_stages=1, use_dot=False, programs_per_sm=4)
+    cfg = StreamConfig(2, 2048, num_warps=4, num_stages=3, use_dot=False, programs_per_sm=4)
     x = torch.randn(1, k, device=DEV, generator=gen, dtype=torch.bfloat16)
     fp8_gemv(x, wq, ws, 1, k, config=cfg)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
