@@ -92,12 +92,10 @@ COLS = ["shape", "m", "prologue", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_
         "stream_bf16x_us", "stream_a8_groups_us", "stream/floor", "stream_GBps"]
 
 
-def candidates(m: int, n: int, k: int, sms: int, channel: bool = False) -> list[StreamConfig]:
+def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
     """Stream tiles to try at ``m`` rows of an [n, k] weight.
 
-    - m <= 4: FMA tiles of 128-256 weight bytes per thread, whole or split 2 ways along K; with per-channel
-      scales also the persistent grid (kernels/fp8_gemv_persistent.py): 4-8 KB tiles, 4-8 programs an SM
-      with 2-3 tiles each in flight (32-128 KB an SM), where the projection has a slab for every program;
+    - m <= 4: FMA tiles of 128-256 weight bytes per thread, whole or split 2 ways along K;
     - 2 <= m <= 16: dot tiles 16-64 rows tall, whole or split 2 and 4 ways;
     - m > 16 (the dot path only): tiles of 64 and 128 rows (x is read again by every program, so taller
       tiles read it fewer times), 128 or 256 columns a step, split so the grid gives every SM one to four
@@ -112,14 +110,6 @@ def candidates(m: int, n: int, k: int, sms: int, channel: bool = False) -> list[
             bk = per_thread * 128 // bn
             if bk * (2 * split if split > 1 else 1) <= k and k % bk == 0:
                 out.append(StreamConfig(bn, bk, num_warps=4, num_stages=2, use_dot=False, split_k=split))
-        if channel:
-            for bn, bk in ((1, 4096), (2, 2048), (4, 1024), (4, 2048), (8, 1024)):
-                for programs, stages in ((4, 2), (4, 3), (6, 2), (6, 3), (8, 2)):
-                    # a full grid (never more programs than slabs) with 32-128 KB of tiles in flight an SM
-                    in_flight = bn * bk * programs * stages
-                    if bk <= k and triton.cdiv(n, bn) >= sms * programs and 32 << 10 <= in_flight <= 128 << 10:
-                        out.append(StreamConfig(bn, bk, num_warps=4, num_stages=stages, use_dot=False,
-                                                programs_per_sm=programs))
     if 2 <= m <= 16:
         for bn, bk, split in ((16, 256, 1), (32, 256, 1), (64, 256, 1), (32, 256, 2), (32, 256, 4), (64, 256, 2),
                               (64, 128, 4)):
@@ -227,7 +217,7 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
         widening = default_stream_config(m, n, k, tile_cap(gn, gk, k), sms)
         chosen = default_route(m, n, k, gn, gk, False, sms).config if channel else widening
         tried = {}
-        for cfg in dict.fromkeys([chosen, widening, *(candidates(m, n, k, sms, channel) if sweep else [])]):
+        for cfg in dict.fromkeys([chosen, widening, *(candidates(m, n, k, sms) if sweep else [])]):
             try:
                 tried[cfg] = cold.time_us(lambda w, c=cfg: stream(w, c))
             except Exception as e:  # a tile this card cannot hold (shared memory, registers): skipped, said so
@@ -237,7 +227,7 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
             print(f"  {name} m={m}: " + "; ".join(
                 f"{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} split{c.split_k}"
                 f"{' dot' if c.use_dot else ''}{' fp8' if c.fp8_dot else ''}{' a8' if c.a8 else ''}"
-                f"{f' {c.programs_per_sm}/SM' if c.programs_per_sm else ''} {us:.2f}" for c, us in tried.items()))
+                f" {us:.2f}" for c, us in tried.items()))
         r.update(stream_us=tried[best], stream_default_us=tried.get(chosen), stream_config=vars(best))
         a8 = [c for c in tried if c.a8]
         if 0 < len(a8) < len(tried):  # the best of each kind, for the table's readers

@@ -125,7 +125,6 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
     from benchmarks.fp8_route import SHAPES, prologue
     from graphserve.kernels.fp8_config import load_rule
     from graphserve.kernels.fp8_gemv import _fp8_gemv_kernel, tile_constants
-    from graphserve.kernels.fp8_gemv_persistent import _fp8_gemv_persistent_kernel, persistent_constants
 
     types = {"w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "part_ptr": "*fp32", "lock_ptr": "*i32", "eps": "fp32"}
     rule, out = load_rule(), []
@@ -138,17 +137,6 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
                 continue
             cfg = route.config
             kind = None if cfg.a8 else prologue(name, m)  # an a8 tile's prologue runs in the quantization before it
-            if cfg.programs_per_sm:  # the persistent grid: its own kernel, sms x programs_per_sm programs
-                consts = {"SILU_MUL": kind == "silu", "ADD_RESIDUAL": kind == "norm", "NORM": kind == "norm",
-                          "HAS_BIAS": False, "PDL": False,
-                          **persistent_constants(m, n, k, cfg.block_n, cfg.block_k, cfg.programs_per_sm, sms,
-                                                 cfg.num_stages)}
-                row = compile_report(_fp8_gemv_persistent_kernel, types, consts, cfg.num_warps, 1)
-                tile = f"persistent fma {cfg.block_n}x{consts['BLOCK_K']} {cfg.programs_per_sm}/SM {cfg.num_stages} in flight"
-                out.append({"kernel": "_fp8_gemv_persistent_kernel", "shape": f"{name} {scales} m{m} {kind or 'plain'} "
-                            f"{tile}", **row, "programs": consts["PROGRAMS"],
-                            "waves": round(consts["PROGRAMS"] / (row["programs_per_sm"] * sms), 2)})
-                continue
             x_types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"} if cfg.a8 else {}
             tiles = tile_constants(m, k, cfg, *((1, k) if channel else (128, 128)), channel)
             consts = {"SILU_MUL": kind == "silu", "ADD_RESIDUAL": kind == "norm", "NORM": kind == "norm",

@@ -30,7 +30,6 @@ import triton
 MAX_STREAM_ROWS = 64  # the streaming kernel's dot path pads x to one tensor-core tile of 16, 32 or 64 rows
 MAX_FMA_ROWS = 16  # its FMA path makes one pass over the weight tile per row of x, unrolled
 MAX_BLOCK_N = 256  # the tallest weight tile (the FP8 dot's; the other paths stop at one scale block)
-MAX_PROGRAMS_PER_SM = 32  # the persistent grid's programs an SM (an SM holds at most 32 blocks)
 PATHS = ("stream", "w8a8", "scaled_mm")
 RULE_PATH = Path(__file__).with_name("fp8_rule.json")
 # without a measured table: the streaming kernel up to this many rows; from SCALED_MM_MIN_ROWS on the
@@ -51,11 +50,7 @@ class StreamConfig:
     row and K step in registers and the product taken on the FP8 tensor cores (W8A8 without a
     quantization launch); ``block_k`` is then the scale block's K. ``a8`` (with ``fp8_dot``): x comes
     quantized by one launch before (kernels/fp8_quant.py, fused with the norm or SiLU·mul that makes it)
-    and the kernel reads fp8 x and its scales instead of quantizing x's rows in every program.
-    ``programs_per_sm`` (FMA tiles of per-channel weights): a persistent grid of that many programs on every
-    SM, each streaming an equal share of the ``[block_n, block_k]`` tiles with ``num_stages`` of them in flight
-    (kernels/fp8_gemv_persistent.py);
-    0, and in tables written before it, one program per ``[block_n, K / split_k]`` slab."""
+    and the kernel reads fp8 x and its scales instead of quantizing x's rows in every program."""
 
     block_n: int
     block_k: int
@@ -65,7 +60,6 @@ class StreamConfig:
     split_k: int = 1
     fp8_dot: bool = False
     a8: bool = False
-    programs_per_sm: int = 0
 
     def num_programs(self, n: int) -> int:
         return triton.cdiv(n, self.block_n) * self.split_k
@@ -86,13 +80,6 @@ class StreamConfig:
             raise ValueError("fp8_dot=True needs use_dot=True (the FP8 dot is a tensor-core tile)")
         if self.a8 and not self.fp8_dot:
             raise ValueError("a8=True needs fp8_dot=True (x comes quantized for the FP8 tensor cores)")
-        if self.programs_per_sm < 0 or self.programs_per_sm > MAX_PROGRAMS_PER_SM:
-            raise ValueError(f"programs_per_sm={self.programs_per_sm} must be in 0..{MAX_PROGRAMS_PER_SM}")
-        if self.programs_per_sm and self.num_stages > 3:
-            raise ValueError(f"num_stages={self.num_stages}: the persistent grid keeps 1-3 tiles in flight a program")
-        if self.programs_per_sm and (self.use_dot or self.split_k != 1):
-            raise ValueError(f"programs_per_sm={self.programs_per_sm} (the persistent grid) takes FMA tiles without "
-                             f"split-K, got use_dot={self.use_dot}, split_k={self.split_k}")
 
 
 def tile_cap(group_n: int, group_k: int, k: int) -> int:

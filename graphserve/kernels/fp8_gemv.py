@@ -66,7 +66,6 @@ from graphserve.kernels.fp8_config import (
     default_stream_config,
     tile_cap,
 )
-from graphserve.kernels.fp8_gemv_persistent import launch_persistent, persistent_constants
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_rows
 from graphserve.kernels.gemv import _x_tile
 from graphserve.kernels.pdl import pdl_args, pdl_release, pdl_wait
@@ -288,16 +287,6 @@ def _launch(
     if cfg.a8 != a8:
         raise ValueError(f"fp8_gemv: tiles {cfg} are for {'fp8' if cfg.a8 else 'bf16'} x, this call's is "
                          f"{'fp8 (fp8_gemv_a8)' if a8 else x.dtype}")
-    if cfg.programs_per_sm:
-        if not per_channel or a8:
-            raise ValueError(f"fp8_gemv: programs_per_sm={cfg.programs_per_sm} (the persistent grid) takes "
-                             f"per-channel weight scales and a 16-bit or fp32 x, got {group_n}x{group_k} scale "
-                             f"blocks{' and fp8 x' if a8 else ''}")
-        consts = persistent_constants(m, n, k, cfg.block_n, cfg.block_k, cfg.programs_per_sm, sm_count(x.device),
-                                      cfg.num_stages)
-        launch_persistent(x, w, w_scale, bias, out, consts, cfg.num_warps, split_counters(x.device, consts["PROGRAMS"]),
-                          silu_mul, norm_weight, eps, residual, residual_out)  # fmt: skip
-        return out
     tiles, consts = triton.cdiv(n, cfg.block_n), tile_constants(m, k, cfg, group_n, group_k, per_channel)
     split_k = consts["SPLIT_K"]
     if a8:

@@ -21,8 +21,7 @@ A kernel may instead wait first (``pdl_wait``) and let the next kernel launch on
 (``pdl_release``): the FP8 streaming matmul does, so the next kernel's programs take the SMs as its own
 finish streaming rather than sitting among them from its first wave on.
 
-One kernel is left out by default: the FP8 streaming matmul (kernels/fp8_gemv.py, and its persistent grid in
-kernels/fp8_gemv_persistent.py, which follows it). With it in (and releasing
+One kernel is left out by default: the FP8 streaming matmul (kernels/fp8_gemv.py). With it in (and releasing
 at its start, as pdl_enter does), an FP8 llama3-8b batch-1 step was slower with PDL than without; with it out,
 faster than without (``python3 -m benchmarks.pdl --models --fp8-models dummy:llama3-8b --bs 1 --skip
 _fp8_gemv_kernel``, benchmarks/results/pdl_fp8.json). Releasing after its main loop, it gains at some batch
@@ -56,7 +55,7 @@ except ImportError:  # a Triton without grid dependency control: _capable() is F
 
 ENV = "GRAPHSERVE_PDL"
 SKIP_ENV = "GRAPHSERVE_PDL_SKIP"
-DEFAULT_SKIP = frozenset({"_fp8_gemv_kernel", "_fp8_gemv_persistent_kernel"})
+DEFAULT_SKIP = frozenset({"_fp8_gemv_kernel"})
 _scoped: list[tuple[bool, frozenset[str]]] = []
 
 
