@@ -360,7 +360,7 @@ def test_fp8_dummy_model_generates_with_cuda_graphs() -> None:
     assert all(len(o.token_ids) == 16 for o in outs)
 
 
-A8_TILE = StreamConfig(64, 128, num_warps=4, num_stages=3, use_dot=True, split_k=4, fp8_dot=True, a8=True)
+O_PROJ_A8_TILE = StreamConfig(64, 128, num_warps=4, num_stages=3, use_dot=True, split_k=4, fp8_dot=True, a8=True)
 
 
 def _o_proj_route(model, rows: int, route: Route):
@@ -413,7 +413,7 @@ def test_attention_writes_o_proj_quantized_input(quantization: str, path: str, f
     model = load_model(EngineConfig(model="dummy:qwen3-0.6b", device="cuda", quantization=quantization,
                                     max_model_len=1024), DEV).model  # fmt: skip
     b = 32
-    o_proj = _o_proj_route(model, b, Route(path, A8_TILE if path == "stream" else None))
+    o_proj = _o_proj_route(model, b, Route(path, O_PROJ_A8_TILE if path == "stream" else None))
     harnesses = [PagedHarness(model, block_size=16, num_blocks=256, dtype=torch.bfloat16, device=DEV,
                               backend=TritonAttentionBackend()) for _ in range(2)]  # fmt: skip
     if fp8_kv:
@@ -445,7 +445,7 @@ def test_attention_writes_o_proj_quantized_input_under_cuda_graph_replay(quantiz
     bs, ctx = 32, 300
     cfg, loaded, kv_caches = decode_model("dummy:qwen3-0.6b", ctx, bs, quantization=quantization, max_model_len=512)
     model, info = loaded.model, loaded.info
-    _o_proj_route(model, bs, Route("stream", A8_TILE))
+    _o_proj_route(model, bs, Route("stream", O_PROJ_A8_TILE))
     backend = TritonAttentionBackend()
     fused_calls: list[bool] = []
     graphs = {}
