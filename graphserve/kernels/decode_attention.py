@@ -53,6 +53,11 @@ BLOCK_N = 64  # context tokens per inner step
 MIN_SPLIT_TOKENS = BLOCK_N
 MIN_SPLIT_LEN = BLOCK_N
 PROGRAMS_PER_SM = 2  # enough resident programs per SM to hide HBM latency
+# An fp8 cache's step widens K and V in registers before the tensor cores: more work between loads, so more
+# programs in flight. On an H200 at batch 64, context 2048, 8 kv heads (llama3-8b), one split (2 an SM) took
+# 154.8 us, three (8 an SM) 121.9 us, where the bf16 cache was fastest at one split (124.6 us)
+# (benchmarks/results/decode_splits.json).
+FP8_CACHE_PROGRAMS_PER_SM = 8
 NUM_WARPS, NUM_STAGES = 4, 3  # measured best of BLOCK_N 16..128, 2..8 warps, 2..4 stages on H200
 
 
@@ -185,39 +190,51 @@ def _decode_split_kernel(
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Splits per sequence so that batch * kv_heads * splits programs fill the GPU.
+def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int,
+                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Splits per sequence so that batch * kv_heads * splits programs fill the GPU, ``programs_per_sm`` to an SM
+    (``FP8_CACHE_PROGRAMS_PER_SM`` for an fp8 cache).
 
     Uses static sizes only (``max_context`` is the block-table capacity, not a seq_lens value), so
     a captured CUDA graph keeps a fixed grid whatever lengths are replayed through it.
     """
-    want = math.ceil(PROGRAMS_PER_SM * num_sms / max(1, batch_size * num_kv_heads))
+    want = math.ceil(programs_per_sm * num_sms / max(1, batch_size * num_kv_heads))
     useful = math.ceil(max_context / MIN_SPLIT_TOKENS)
     return max(1, min(want, useful, MAX_SPLITS))
 
 
-def _split_batches(num_kv_heads: int, num_sms: int):
+def cache_programs_per_sm(kv_dtype: torch.dtype) -> int:
+    return FP8_CACHE_PROGRAMS_PER_SM if kv_dtype == FP8_DTYPE else PROGRAMS_PER_SM
+
+
+def _split_batches(num_kv_heads: int, num_sms: int, programs_per_sm: int):
     """(batch, splits) for every batch size that splits its contexts at all (at any context length)."""
-    for batch in range(1, PROGRAMS_PER_SM * num_sms + 1):
-        splits = choose_num_splits(batch, num_kv_heads, 1 << 30, num_sms)
+    for batch in range(1, programs_per_sm * num_sms + 1):
+        splits = choose_num_splits(batch, num_kv_heads, 1 << 30, num_sms, programs_per_sm)
         if splits == 1:
             return
         yield batch, splits
 
 
+def _every_split_batch(num_kv_heads: int, num_sms: int):
+    """``_split_batches`` under both cache dtypes' programs per SM: one reservation serves either cache."""
+    for programs in (PROGRAMS_PER_SM, FP8_CACHE_PROGRAMS_PER_SM):
+        yield from _split_batches(num_kv_heads, num_sms, programs)
+
+
 def workspace_numel(num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int) -> int:
-    """fp32 scratch elements that cover every batch size at any context length.
+    """fp32 scratch elements that cover every batch size at any context length, bf16 or fp8 cache.
 
     Only batches with more than one split use scratch, and those are small: splits shrink as the
-    batch grows, so batch * splits stays near ``PROGRAMS_PER_SM * num_sms / num_kv_heads``.
+    batch grows, so batch * splits stays near ``programs per SM * num_sms / num_kv_heads``.
     """
-    rows = max((batch * splits for batch, splits in _split_batches(num_kv_heads, num_sms)), default=0)
+    rows = max((batch * splits for batch, splits in _every_split_batch(num_kv_heads, num_sms)), default=0)
     return rows * num_heads * (head_dim + 1)
 
 
 def counters_numel(num_kv_heads: int, num_sms: int) -> int:
     """int32 merge counters (one per sequence and kv head) that cover every batch size that splits."""
-    return max((batch * num_kv_heads for batch, _ in _split_batches(num_kv_heads, num_sms)), default=0)
+    return max((batch * num_kv_heads for batch, _ in _every_split_batch(num_kv_heads, num_sms)), default=0)
 
 
 def decode_attention(
@@ -288,7 +305,8 @@ def decode_attention(
     if batch == 0:
         return out
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, sm_count(q.device))
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, sm_count(q.device),
+                                       cache_programs_per_sm(kv_cache.dtype))
     direct = num_splits == 1
     mid_numel = batch * num_heads * num_splits * (head_dim + 1)
     if direct:

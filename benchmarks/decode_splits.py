@@ -1,0 +1,70 @@
+"""Decode attention by split count, bf16 and fp8 (e4m3) caches: what ``choose_num_splits`` picks against every
+count it could have picked.
+
+For Llama-3-8B's heads (32 query, 8 kv, head_dim 128) at context 2048 and Qwen3-30B-A3B's (32 / 4) at context
+1024, batches 1 to 256: each split count timed as one call's share of a CUDA graph of back-to-back calls. A
+layer's cache at batch 16 and up is larger than the L2, so those reads come from HBM; the smaller ones may not,
+and their rows show the split choice, not a bandwidth. ``ratio`` is the time against the cache bytes at the
+best read bandwidth of the run (benchmarks/roofline.py probes, and these rows where the cache is over 256 MB).
+
+Run on a GPU: python3 -m benchmarks.decode_splits   (writes benchmarks/results/decode_splits.json)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.common import print_table, write_result
+from benchmarks.kernels import graph_time_ms
+from benchmarks.roofline import measured_read_bw
+from graphserve.kernels.common import sm_count
+from graphserve.kernels.decode_attention import cache_programs_per_sm, choose_num_splits, decode_attention
+
+PAGE = 16
+SHAPES = {"llama3-8b": (32, 8, 128, 2048), "qwen3-30b-a3b": (32, 4, 128, 1024)}  # q heads, kv heads, dim, ctx
+BATCHES = [1, 4, 16, 64, 256]
+SPLITS = [1, 2, 3, 4, 6, 8, 16, 32]
+CACHES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+L2_SAFE_BYTES = 256 << 20
+COLS = ["shape", "cache", "bs", "ctx", "splits", "picked", "us", "floor_us", "ratio"]
+
+
+def measure(name: str, cache_name: str, batch: int, sms: int) -> list[dict]:
+    hq, hkv, d, ctx = SHAPES[name]
+    width = ctx // PAGE + 1  # the block table one block wider than the context, as a decode step's
+    cache = torch.randn(2, batch * width + 1, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16).to(CACHES[cache_name])
+    tables = (torch.randperm(batch * width, device="cuda").int() + 1).view(batch, width)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    counters = torch.zeros(batch * hkv, dtype=torch.int32, device="cuda")
+    picked = choose_num_splits(batch, hkv, width * PAGE, sms, cache_programs_per_sm(cache.dtype))
+    nbytes = batch * ctx * hkv * d * 2 * cache.element_size()
+    rows = []
+    for splits in sorted({*SPLITS, picked}):
+        if splits > -(-width * PAGE // 64):  # more splits than 64-token steps: the extra ones hold nothing
+            continue
+        us = graph_time_ms(lambda s=splits: decode_attention(q, cache, tables, lens, d**-0.5, num_splits=s,
+                                                             counters=counters)) * 1e3  # fmt: skip
+        rows.append({"shape": name, "cache": cache_name, "bs": batch, "ctx": ctx, "splits": splits,
+                     "picked": splits == picked, "us": us, "bytes": nbytes})
+    return rows
+
+
+def main() -> None:
+    sms = sm_count(torch.device("cuda"))
+    bw = measured_read_bw()
+    rows = [r for name in SHAPES for cache in CACHES for b in BATCHES for r in measure(name, cache, b, sms)]
+    for r in rows:
+        if r["bytes"] > L2_SAFE_BYTES:  # a cache the L2 could hold would report the L2's rate as HBM's
+            bw.observe(f"decode attention {r['shape']} {r['cache']} bs={r['bs']} splits={r['splits']}", r["bytes"],
+                       r["us"] / 1e3)
+    for r in rows:
+        r["floor_us"] = bw.floor_ms(r["bytes"]) * 1e3
+        r["ratio"] = r["us"] / r["floor_us"]
+    print(f"floor: {bw.describe()}")
+    print_table(rows, COLS)
+    write_result("decode_splits", {"read": bw.summary(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
