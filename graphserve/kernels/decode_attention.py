@@ -203,7 +203,8 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_
     return max(1, min(want, useful, MAX_SPLITS))
 
 
-def cache_programs_per_sm(kv_dtype: torch.dtype) -> int:
+def cache_programs_per_sm(kv_dtype: torch.dtype | None) -> int:
+    """Programs an SM the split count aims at for a cache of ``kv_dtype``."""
     return FP8_CACHE_PROGRAMS_PER_SM if kv_dtype == FP8_DTYPE else PROGRAMS_PER_SM
 
 
@@ -216,25 +217,23 @@ def _split_batches(num_kv_heads: int, num_sms: int, programs_per_sm: int):
         yield batch, splits
 
 
-def _every_split_batch(num_kv_heads: int, num_sms: int):
-    """``_split_batches`` under both cache dtypes' programs per SM: one reservation serves either cache."""
-    for programs in (PROGRAMS_PER_SM, FP8_CACHE_PROGRAMS_PER_SM):
-        yield from _split_batches(num_kv_heads, num_sms, programs)
-
-
-def workspace_numel(num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int) -> int:
-    """fp32 scratch elements that cover every batch size at any context length, bf16 or fp8 cache.
+def workspace_numel(num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int,
+                    kv_dtype: torch.dtype | None = None) -> int:
+    """fp32 scratch elements that cover every batch size at any context length, for a cache of ``kv_dtype``
+    (the model dtype when None; an fp8 cache splits more: ``cache_programs_per_sm``).
 
     Only batches with more than one split use scratch, and those are small: splits shrink as the
     batch grows, so batch * splits stays near ``programs per SM * num_sms / num_kv_heads``.
     """
-    rows = max((batch * splits for batch, splits in _every_split_batch(num_kv_heads, num_sms)), default=0)
+    programs = cache_programs_per_sm(kv_dtype)
+    rows = max((batch * splits for batch, splits in _split_batches(num_kv_heads, num_sms, programs)), default=0)
     return rows * num_heads * (head_dim + 1)
 
 
-def counters_numel(num_kv_heads: int, num_sms: int) -> int:
+def counters_numel(num_kv_heads: int, num_sms: int, kv_dtype: torch.dtype | None = None) -> int:
     """int32 merge counters (one per sequence and kv head) that cover every batch size that splits."""
-    return max((batch * num_kv_heads for batch, _ in _every_split_batch(num_kv_heads, num_sms)), default=0)
+    programs = cache_programs_per_sm(kv_dtype)
+    return max((batch * num_kv_heads for batch, _ in _split_batches(num_kv_heads, num_sms, programs)), default=0)
 
 
 def decode_attention(

@@ -39,20 +39,22 @@ class TritonAttentionBackend(AttentionBackend):
     fused_prologue = True  # the model's qk_norm_rope_kv_write kernel stores K/V; attend() reads them
 
     def __init__(self) -> None:
-        self._workspaces: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def reserve(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+        self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+        kv_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Allocate (once) and return the decode scratch and merge counters for this head layout."""
+        """Allocate (once) and return the decode scratch and merge counters for this head layout and cache dtype."""
         device = torch.device(device)
-        key = (device, num_heads, num_kv_heads, head_dim)
+        key = (device, num_heads, num_kv_heads, head_dim, kv_dtype)
         reserved = self._workspaces.get(key)
         if reserved is None:
-            numel = workspace_numel(num_heads, num_kv_heads, head_dim, sm_count(device))
+            numel = workspace_numel(num_heads, num_kv_heads, head_dim, sm_count(device), kv_dtype)
+            counters = counters_numel(num_kv_heads, sm_count(device), kv_dtype)
             reserved = (
                 torch.empty(max(1, numel), dtype=torch.float32, device=device),
-                torch.zeros(max(1, counters_numel(num_kv_heads, sm_count(device))), dtype=torch.int32, device=device),
+                torch.zeros(max(1, counters), dtype=torch.int32, device=device),
             )
             self._workspaces[key] = reserved
         return reserved
@@ -83,7 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
     def _decode(self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float, **out) -> torch.Tensor:
         """The split decode kernel on this layer's cache with the reserved scratch (``out``: its output keywords)."""
         kv_cache = batch.kv_caches[layer_idx]
-        ws, counters = self.reserve(q.shape[1], kv_cache.shape[3], q.shape[2], q.device)
+        ws, counters = self.reserve(q.shape[1], kv_cache.shape[3], q.shape[2], q.device, kv_cache.dtype)
         return decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws,
                                 counters=counters, **out)  # fmt: skip
 
