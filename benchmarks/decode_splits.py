@@ -18,11 +18,11 @@ from benchmarks.common import print_table, write_result
 from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import measured_read_bw
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.decode_attention import cache_programs_per_sm, choose_num_splits, decode_attention
+from graphserve.kernels.decode_attention import choose_num_splits, decode_attention
 
 PAGE = 16
 SHAPES = {"llama3-8b": (32, 8, 128, 2048), "qwen3-30b-a3b": (32, 4, 128, 1024)}  # q heads, kv heads, dim, ctx
-BATCHES = [1, 4, 16, 64, 256]
+BATCHES = [1, 4, 16, 32, 64, 128, 256]
 SPLITS = [1, 2, 3, 4, 6, 8, 16, 32]
 CACHES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 L2_SAFE_BYTES = 256 << 20
@@ -37,7 +37,7 @@ def measure(name: str, cache_name: str, batch: int, sms: int) -> list[dict]:
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
     counters = torch.zeros(batch * hkv, dtype=torch.int32, device="cuda")
-    picked = choose_num_splits(batch, hkv, width * PAGE, sms, cache_programs_per_sm(cache.dtype))
+    picked = choose_num_splits(batch, hkv, width * PAGE, sms, cache_name == "fp8_e4m3")
     nbytes = batch * ctx * hkv * d * 2 * cache.element_size()
     rows = []
     for splits in sorted({*SPLITS, picked}):
@@ -47,6 +47,8 @@ def measure(name: str, cache_name: str, batch: int, sms: int) -> list[dict]:
                                                              counters=counters)) * 1e3  # fmt: skip
         rows.append({"shape": name, "cache": cache_name, "bs": batch, "ctx": ctx, "splits": splits,
                      "picked": splits == picked, "us": us, "bytes": nbytes})
+        print(f"  {name} {cache_name} bs={batch} splits={splits}{' (picked)' if splits == picked else ''}: "
+              f"{us:.2f} us", flush=True)
     return rows
 
 

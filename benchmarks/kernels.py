@@ -49,6 +49,7 @@ def paged(batch: int, ctx: int):
 def graph_time_ms(fn, calls: int = 20, replays: int = 5) -> float:
     """GPU time of one ``fn()`` from a CUDA graph holding ``calls`` back-to-back calls."""
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs the caller just made on its own stream
     with torch.cuda.stream(stream):
         fn()  # compile and settle allocations outside the capture
     torch.cuda.synchronize()

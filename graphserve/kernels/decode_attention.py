@@ -53,11 +53,16 @@ BLOCK_N = 64  # context tokens per inner step
 MIN_SPLIT_TOKENS = BLOCK_N
 MIN_SPLIT_LEN = BLOCK_N
 PROGRAMS_PER_SM = 2  # enough resident programs per SM to hide HBM latency
-# An fp8 cache's step widens K and V in registers before the tensor cores: more work between loads, so more
-# programs in flight. On an H200 at batch 64, context 2048, 8 kv heads (llama3-8b), one split (2 an SM) took
-# 154.8 us, three (8 an SM) 121.9 us, where the bf16 cache was fastest at one split (124.6 us)
-# (benchmarks/results/decode_splits.json).
-FP8_CACHE_PROGRAMS_PER_SM = 8
+# An fp8 cache's step widens K and V in registers before the tensor cores: more work between loads, and at
+# batches the bf16 rule gives one or two splits, three measured faster. On an H200 (benchmarks/results/
+# decode_splits.json): llama3-8b's heads (8 kv) at batch 64, context 2048, 155.0 us at one split, 122.3 at three;
+# qwen3-30b-a3b's (4 kv) at batch 64, context 1024, 44.8 us at two, 39.6 at three. From 1024 (sequence, kv head)
+# pairs on one split was as fast or faster (qwen3 at batch 256: 129.0 us against 139.3), and at batch 16 the bf16
+# rule's count was faster than more splits; so the rule changes only between those, for 4 or more kv heads
+# (fewer would hold 3 splits of up to 1023 sequences in the reserved scratch).
+FP8_CACHE_SPLITS = 3
+FP8_CACHE_PAIRS = (256, 1024)  # (sequence, kv head) pairs where an fp8 cache takes FP8_CACHE_SPLITS
+FP8_CACHE_MIN_KV_HEADS = 4
 NUM_WARPS, NUM_STAGES = 4, 3  # measured best of BLOCK_N 16..128, 2..8 warps, 2..4 stages on H200
 
 
@@ -191,49 +196,49 @@ def _decode_split_kernel(
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int,
-                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Splits per sequence so that batch * kv_heads * splits programs fill the GPU, ``programs_per_sm`` to an SM
-    (``FP8_CACHE_PROGRAMS_PER_SM`` for an fp8 cache).
+                      fp8_cache: bool = False) -> int:
+    """Splits per sequence so that batch * kv_heads * splits programs fill the GPU (``fp8_cache``: at least
+    ``FP8_CACHE_SPLITS`` where the comment on it says).
 
     Uses static sizes only (``max_context`` is the block-table capacity, not a seq_lens value), so
     a captured CUDA graph keeps a fixed grid whatever lengths are replayed through it.
     """
-    want = math.ceil(programs_per_sm * num_sms / max(1, batch_size * num_kv_heads))
+    pairs = max(1, batch_size * num_kv_heads)
+    want = math.ceil(PROGRAMS_PER_SM * num_sms / pairs)
     useful = math.ceil(max_context / MIN_SPLIT_TOKENS)
-    return max(1, min(want, useful, MAX_SPLITS))
+    splits = max(1, min(want, useful, MAX_SPLITS))
+    if fp8_cache and num_kv_heads >= FP8_CACHE_MIN_KV_HEADS and FP8_CACHE_PAIRS[0] <= pairs < FP8_CACHE_PAIRS[1]:
+        splits = max(splits, min(FP8_CACHE_SPLITS, useful))
+    return splits
 
 
-def cache_programs_per_sm(kv_dtype: torch.dtype | None) -> int:
-    """Programs an SM the split count aims at for a cache of ``kv_dtype``."""
-    return FP8_CACHE_PROGRAMS_PER_SM if kv_dtype == FP8_DTYPE else PROGRAMS_PER_SM
-
-
-def _split_batches(num_kv_heads: int, num_sms: int, programs_per_sm: int):
-    """(batch, splits) for every batch size that splits its contexts at all (at any context length)."""
-    for batch in range(1, programs_per_sm * num_sms + 1):
-        splits = choose_num_splits(batch, num_kv_heads, 1 << 30, num_sms, programs_per_sm)
-        if splits == 1:
-            return
-        yield batch, splits
+def _split_batches(num_kv_heads: int, num_sms: int, fp8_cache: bool):
+    """(batch, splits) for every batch size that splits its contexts (at any context length)."""
+    last = max(PROGRAMS_PER_SM * num_sms, FP8_CACHE_PAIRS[1] // max(1, num_kv_heads) if fp8_cache else 0)
+    for batch in range(1, last + 1):
+        splits = choose_num_splits(batch, num_kv_heads, 1 << 30, num_sms, fp8_cache)
+        if splits > 1:
+            yield batch, splits
 
 
 def workspace_numel(num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int,
                     kv_dtype: torch.dtype | None = None) -> int:
     """fp32 scratch elements that cover every batch size at any context length, for a cache of ``kv_dtype``
-    (the model dtype when None; an fp8 cache splits more: ``cache_programs_per_sm``).
+    (the model dtype when None; an fp8 cache may split more, ``choose_num_splits``).
 
     Only batches with more than one split use scratch, and those are small: splits shrink as the
-    batch grows, so batch * splits stays near ``programs per SM * num_sms / num_kv_heads``.
+    batch grows, so batch * splits stays near ``PROGRAMS_PER_SM * num_sms / num_kv_heads`` (an fp8 cache: up to
+    ``FP8_CACHE_SPLITS * FP8_CACHE_PAIRS[1] / num_kv_heads``).
     """
-    programs = cache_programs_per_sm(kv_dtype)
-    rows = max((batch * splits for batch, splits in _split_batches(num_kv_heads, num_sms, programs)), default=0)
+    batches = _split_batches(num_kv_heads, num_sms, kv_dtype == FP8_DTYPE)
+    rows = max((batch * splits for batch, splits in batches), default=0)
     return rows * num_heads * (head_dim + 1)
 
 
 def counters_numel(num_kv_heads: int, num_sms: int, kv_dtype: torch.dtype | None = None) -> int:
     """int32 merge counters (one per sequence and kv head) that cover every batch size that splits."""
-    programs = cache_programs_per_sm(kv_dtype)
-    return max((batch * num_kv_heads for batch, _ in _split_batches(num_kv_heads, num_sms, programs)), default=0)
+    batches = _split_batches(num_kv_heads, num_sms, kv_dtype == FP8_DTYPE)
+    return max((batch * num_kv_heads for batch, _ in batches), default=0)
 
 
 def decode_attention(
@@ -305,7 +310,7 @@ def decode_attention(
         return out
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, sm_count(q.device),
-                                       cache_programs_per_sm(kv_cache.dtype))
+                                       kv_cache.dtype == FP8_DTYPE)
     direct = num_splits == 1
     mid_numel = batch * num_heads * num_splits * (head_dim + 1)
     if direct:
