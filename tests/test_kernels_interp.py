@@ -210,6 +210,24 @@ def test_num_splits_fill_the_gpu_from_static_sizes():
     assert counters_numel(8, sms) == 32 * 8
 
 
+def test_an_fp8_cache_takes_three_splits_only_where_it_measured_faster():
+    """An fp8 cache: 3 splits from 256 to 1023 (sequence, kv head) pairs where the bf16 rule gives fewer, with 4+
+    kv heads; the bf16 rule elsewhere. Its scratch and counters cover those batches, a bf16 cache's stay as
+    they were."""
+    sms, fp8 = 132, torch.float8_e4m3fn
+    for batch, kv_heads, want in ((64, 8, 3), (32, 8, 3), (127, 8, 3), (128, 8, 1), (64, 4, 3), (255, 4, 3),
+                                  (256, 4, 1), (16, 8, 3), (8, 8, 5), (300, 1, 1)):
+        bf16 = choose_num_splits(batch, kv_heads, 8192, sms)
+        assert choose_num_splits(batch, kv_heads, 8192, sms, fp8_cache=True) == max(bf16, want if bf16 < 3 and
+                                                                                      256 <= batch * kv_heads < 1024 and
+                                                                                      kv_heads >= 4 else bf16)
+    assert choose_num_splits(64, 8, 8192, sms, fp8_cache=True) == 3 and choose_num_splits(64, 8, 8192, sms) == 1
+    assert choose_num_splits(64, 8, 128, sms, fp8_cache=True) == 2  # never more splits than 64-token steps
+    assert workspace_numel(32, 8, 128, sms, fp8) == 127 * 3 * 32 * 129  # batch 127 at 3 splits
+    assert counters_numel(8, sms, fp8) == 127 * 8
+    assert workspace_numel(32, 8, 128, sms, torch.bfloat16) == workspace_numel(32, 8, 128, sms)
+
+
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "seq_lens", "query_lens"),
     [

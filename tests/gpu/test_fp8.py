@@ -485,6 +485,30 @@ def test_decode_attention_on_an_fp8_cache(seq_lens: list[int], widen: torch.dtyp
     assert rel(out, decode_attention_reference(q.float(), cache, tables, lens, 128**-0.5)) < TOL
 
 
+@pytest.mark.parametrize("batch,kv_heads", [(40, 8), (64, 4), (100, 4)])
+def test_decode_attention_on_an_fp8_cache_at_its_own_split_count(batch: int, kv_heads: int, gen: torch.Generator) -> None:
+    """Batches where an fp8 cache takes more splits than a bf16 one (kernels/decode_attention.choose_num_splits),
+    run on the scratch and counters the attention backend reserves for an fp8 cache, eager and replayed."""
+    from graphserve.kernels.decode_attention import choose_num_splits
+
+    seq_lens = [int(x) for x in torch.randint(1, 1500, (batch,), generator=gen, device=DEV)]
+    cache, tables, lens = _fp8_cache(seq_lens, kv_heads, gen)
+    splits = choose_num_splits(batch, kv_heads, tables.shape[1] * 16, torch.cuda.get_device_properties(DEV).multi_processor_count, True)
+    assert splits > choose_num_splits(batch, kv_heads, tables.shape[1] * 16, torch.cuda.get_device_properties(DEV).multi_processor_count)
+    q = torch.randn(batch, 32, 128, device=DEV, generator=gen, dtype=torch.bfloat16)
+    ws, counters = TritonAttentionBackend().reserve(32, kv_heads, 128, DEV, cache.dtype)
+    out = torch.empty_like(q)
+    decode_attention(q, cache, tables, lens, 128**-0.5, out=out, workspace=ws, counters=counters)
+    want = decode_attention_reference(q.float(), cache, tables, lens, 128**-0.5)
+    assert rel(out, want) < TOL
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, cache, tables, lens, 128**-0.5, out=out, workspace=ws, counters=counters)
+    out.zero_()
+    graph.replay()
+    assert rel(out, want) < TOL
+
+
 def test_extend_attention_on_an_fp8_cache(gen: torch.Generator) -> None:
     seq_lens, query_lens = [600, 1030, 77], [600, 30, 77]
     cache, tables, lens = _fp8_cache(seq_lens, 8, gen)
