@@ -7,10 +7,15 @@ layer's cache at batch 16 and up is larger than the L2, so those reads come from
 and their rows show the split choice, not a bandwidth. ``ratio`` is the time against the cache bytes at the
 best read bandwidth of the run (benchmarks/roofline.py probes, and these rows where the cache is over 256 MB).
 
-Run on a GPU: python3 -m benchmarks.decode_splits   (writes benchmarks/results/decode_splits.json)
+Run on a GPU: python3 -m benchmarks.decode_splits   (writes benchmarks/results/decode_splits.json: every row, and
+a summary per shape, cache and batch; ``--summarize FILE`` derives the summary of an earlier run's rows)
 """
 
 from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
 
 import torch
 
@@ -27,6 +32,7 @@ SPLITS = [1, 2, 3, 4, 6, 8, 16, 32]
 CACHES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 L2_SAFE_BYTES = 256 << 20
 COLS = ["shape", "cache", "bs", "ctx", "splits", "picked", "us", "floor_us", "ratio"]
+SUMMARY_COLS = ["shape", "cache", "bs", "ctx", "picked", "picked_us", "best", "best_us", "picked/best"]
 
 
 def measure(name: str, cache_name: str, batch: int, sms: int) -> list[dict]:
@@ -52,7 +58,33 @@ def measure(name: str, cache_name: str, batch: int, sms: int) -> list[dict]:
     return rows
 
 
+def summary(rows: list[dict]) -> list[dict]:
+    """Per shape, cache and batch: the count the rule picked and the fastest count timed, and their times."""
+    out = {}
+    for r in rows:
+        key = (r["shape"], r["cache"], r["bs"])
+        s = out.setdefault(key, {"shape": r["shape"], "cache": r["cache"], "bs": r["bs"], "ctx": r["ctx"]})
+        if r["picked"]:
+            s.update(picked=r["splits"], picked_us=r["us"])
+        if "best_us" not in s or r["us"] < s["best_us"]:
+            s.update(best=r["splits"], best_us=r["us"])
+    for s in out.values():
+        s["picked/best"] = s["picked_us"] / s["best_us"]
+    return list(out.values())
+
+
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--summarize", metavar="FILE", help="add the summary to a results file this module wrote, "
+                                                        "from its own rows, and measure nothing")
+    args = p.parse_args()
+    if args.summarize:
+        path = Path(args.summarize)
+        data = json.loads(path.read_text())
+        data["summary"] = summary(data["rows"])
+        path.write_text(json.dumps(data, indent=1))
+        print_table(data["summary"], SUMMARY_COLS)
+        return
     sms = sm_count(torch.device("cuda"))
     bw = measured_read_bw()
     rows = [r for name in SHAPES for cache in CACHES for b in BATCHES for r in measure(name, cache, b, sms)]
@@ -65,7 +97,8 @@ def main() -> None:
         r["ratio"] = r["us"] / r["floor_us"]
     print(f"floor: {bw.describe()}")
     print_table(rows, COLS)
-    write_result("decode_splits", {"read": bw.summary(), "rows": rows})
+    print_table(summary(rows), SUMMARY_COLS)
+    write_result("decode_splits", {"read": bw.summary(), "rows": rows, "summary": summary(rows)})
 
 
 if __name__ == "__main__":
