@@ -23,7 +23,8 @@ from benchmarks.common import print_table, write_result
 from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import measured_read_bw
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.decode_attention import choose_num_splits, decode_attention
+from graphserve.kernels.decode_attention import MIN_SPLIT_TOKENS, choose_num_splits, decode_attention
+from graphserve.kernels.fp8_quant import FP8_DTYPE
 
 PAGE = 16
 SHAPES = {"llama3-8b": (32, 8, 128, 2048), "qwen3-30b-a3b": (32, 4, 128, 1024)}  # q heads, kv heads, dim, ctx
@@ -43,11 +44,11 @@ def measure(name: str, cache_name: str, batch: int, sms: int) -> list[dict]:
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
     counters = torch.zeros(batch * hkv, dtype=torch.int32, device="cuda")
-    picked = choose_num_splits(batch, hkv, width * PAGE, sms, cache_name == "fp8_e4m3")
+    picked = choose_num_splits(batch, hkv, width * PAGE, sms, cache.dtype == FP8_DTYPE)  # as decode_attention
     nbytes = batch * ctx * hkv * d * 2 * cache.element_size()
     rows = []
     for splits in sorted({*SPLITS, picked}):
-        if splits > -(-width * PAGE // 64):  # more splits than 64-token steps: the extra ones hold nothing
+        if splits > -(-width * PAGE // MIN_SPLIT_TOKENS):  # more splits than inner steps: the extra ones hold nothing
             continue
         us = graph_time_ms(lambda s=splits: decode_attention(q, cache, tables, lens, d**-0.5, num_splits=s,
                                                              counters=counters)) * 1e3  # fmt: skip
@@ -96,9 +97,10 @@ def main() -> None:
         r["floor_us"] = bw.floor_ms(r["bytes"]) * 1e3
         r["ratio"] = r["us"] / r["floor_us"]
     print(f"floor: {bw.describe()}")
+    picks = summary(rows)
     print_table(rows, COLS)
-    print_table(summary(rows), SUMMARY_COLS)
-    write_result("decode_splits", {"read": bw.summary(), "rows": rows, "summary": summary(rows)})
+    print_table(picks, SUMMARY_COLS)
+    write_result("decode_splits", {"read": bw.summary(), "rows": rows, "summary": picks})
 
 
 if __name__ == "__main__":

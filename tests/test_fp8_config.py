@@ -64,7 +64,12 @@ def test_plan_counts_fp8_weight_bytes_and_scales():
     # activation width): 4 / 43008 a parameter, never more than the scales' real bytes (~172 KB a layer)
     channel = build_plan(hf, gpu_memory_gb=141, quantization="fp8")
     assert channel["weights_bytes"] == int(6_979_588_096 * (1 + 4 / 43008) + 1_050_673_152 * 2)
-    assert 6_979_588_096 * 4 / 43008 <= 32 * 4 * (6144 + 4096 + 28672 + 4096)
+    # the scales the plan counts are at most the real ones: 4 bytes per output row of qkv, o, gate_up and down
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    rows = ((hf["num_attention_heads"] + 2 * hf["num_key_value_heads"]) * head_dim + hf["hidden_size"]
+            + 2 * hf["intermediate_size"] + hf["hidden_size"])
+    counted = channel["weights_bytes"] - 6_979_588_096 - 1_050_673_152 * 2
+    assert 0 < counted <= 4 * rows * hf["num_hidden_layers"]
     assert fp8["memory"]["kv_tokens"] > plain["memory"]["kv_tokens"]
     # an FP8 checkpoint's config is counted in FP8 without the flag
     shipped = build_plan({**hf, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],

@@ -215,12 +215,14 @@ def test_an_fp8_cache_takes_three_splits_only_where_it_measured_faster():
     kv heads; the bf16 rule elsewhere. Its scratch and counters cover those batches, a bf16 cache's stay as
     they were."""
     sms, fp8 = 132, torch.float8_e4m3fn
-    for batch, kv_heads, want in ((64, 8, 3), (32, 8, 3), (127, 8, 3), (128, 8, 1), (64, 4, 3), (255, 4, 3),
-                                  (256, 4, 1), (16, 8, 3), (8, 8, 5), (300, 1, 1)):
-        bf16 = choose_num_splits(batch, kv_heads, 8192, sms)
-        assert choose_num_splits(batch, kv_heads, 8192, sms, fp8_cache=True) == max(bf16, want if bf16 < 3 and
-                                                                                      256 <= batch * kv_heads < 1024 and
-                                                                                      kv_heads >= 4 else bf16)
+    # (batch, kv heads): (bf16 splits, fp8 splits) on 132 SMs at an 8192-token block table
+    want = {(8, 8): (5, 5), (16, 8): (3, 3), (31, 8): (2, 2),  # under 256 pairs: the bf16 rule
+            (32, 8): (2, 3), (64, 8): (1, 3), (127, 8): (1, 3),  # 256-1023 pairs: 3 splits
+            (128, 8): (1, 1), (64, 4): (2, 3), (255, 4): (1, 3), (256, 4): (1, 1),  # from 1024 pairs: the bf16 rule
+            (200, 2): (1, 1), (300, 1): (1, 1)}  # under 4 kv heads: the bf16 rule
+    got = {key: (choose_num_splits(*key, 8192, sms), choose_num_splits(*key, 8192, sms, fp8_cache=True))
+           for key in want}
+    assert got == want
     assert choose_num_splits(64, 8, 8192, sms, fp8_cache=True) == 3 and choose_num_splits(64, 8, 8192, sms) == 1
     assert choose_num_splits(64, 8, 128, sms, fp8_cache=True) == 2  # never more splits than 64-token steps
     assert workspace_numel(32, 8, 128, sms, fp8) == 127 * 3 * 32 * 129  # batch 127 at 3 splits

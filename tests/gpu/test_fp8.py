@@ -389,12 +389,8 @@ def _unfused_in_head_groups(monkeypatch) -> None:
     """The separate quantization launch of a per-channel streaming o_proj in the groups the attention kernel
     writes (one a head) instead of per token, so a fused and an unfused step read the same fp8 values."""
     original = Fp8LinearMethod._quant_layout
-
-    def by_step(self, layer, route, k):
-        group, blockwise = original(self, layer, route, k)
-        return (route.config.block_k if route.path == "stream" and not self.config.block else group), blockwise
-
-    monkeypatch.setattr(Fp8LinearMethod, "_quant_layout", by_step)
+    monkeypatch.setattr(Fp8LinearMethod, "_quant_layout",
+                        lambda self, layer, route, k, producer=False: original(self, layer, route, k, producer=True))
 
 
 @pytest.mark.parametrize("quantization,path", [("fp8-block", "stream"), ("fp8-block", "w8a8"),
@@ -489,12 +485,13 @@ def test_decode_attention_on_an_fp8_cache(seq_lens: list[int], widen: torch.dtyp
 def test_decode_attention_on_an_fp8_cache_at_its_own_split_count(batch: int, kv_heads: int, gen: torch.Generator) -> None:
     """Batches where an fp8 cache takes more splits than a bf16 one (kernels/decode_attention.choose_num_splits),
     run on the scratch and counters the attention backend reserves for an fp8 cache, eager and replayed."""
+    from graphserve.kernels.common import sm_count
     from graphserve.kernels.decode_attention import choose_num_splits
 
     seq_lens = [int(x) for x in torch.randint(1, 1500, (batch,), generator=gen, device=DEV)]
     cache, tables, lens = _fp8_cache(seq_lens, kv_heads, gen)
-    splits = choose_num_splits(batch, kv_heads, tables.shape[1] * 16, torch.cuda.get_device_properties(DEV).multi_processor_count, True)
-    assert splits > choose_num_splits(batch, kv_heads, tables.shape[1] * 16, torch.cuda.get_device_properties(DEV).multi_processor_count)
+    capacity, sms = tables.shape[1] * 16, sm_count(DEV)
+    assert choose_num_splits(batch, kv_heads, capacity, sms, True) > choose_num_splits(batch, kv_heads, capacity, sms)
     q = torch.randn(batch, 32, 128, device=DEV, generator=gen, dtype=torch.bfloat16)
     ws, counters = TritonAttentionBackend().reserve(32, kv_heads, 128, DEV, cache.dtype)
     out = torch.empty_like(q)
