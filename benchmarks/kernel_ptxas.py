@@ -63,6 +63,7 @@ def attention_reports() -> list[dict]:
 
     from graphserve.kernels.decode_attention import BLOCK_N, NUM_STAGES, NUM_WARPS, _decode_split_kernel
     from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS
+    from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE
 
     types = {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "counter_ptr": "*i32", "block_tables_ptr": "*i32",
              "seq_lens_ptr": "*i32", "scale_log2": "fp32"}  # fmt: skip
@@ -72,7 +73,8 @@ def attention_reports() -> list[dict]:
         chunk = min(32, MERGE_TILE_ELEMS // (block_hm * 128))
         consts = {"GROUP": group, "BLOCK_H": max(16, block_hm), "HEAD_DIM": 128, "BLOCK_D": 128, "PAGE": 16,
                   "BLOCK_N": BLOCK_N, "DIRECT": False, "IEEE_DOT": False, "WHILE_LOOP": False, "PREFETCH_V": True,
-                  "FUSED_MERGE": True, "BLOCK_HM": block_hm, "CHUNK_S": chunk}  # fmt: skip
+                  "FUSED_MERGE": True, "BLOCK_HM": block_hm, "CHUNK_S": chunk, "WIDEN_FP16": False,
+                  "QUANT_OUT": False, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE, "PDL": False}  # fmt: skip
         row = compile_report(_decode_split_kernel, types, consts, NUM_WARPS, NUM_STAGES)
         rows.append({"kernel": "_decode_split_kernel", "shape": f"{model} group{group} merge_chunk{chunk}", **row})
     return rows
@@ -140,7 +142,8 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
             x_types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"} if cfg.a8 else {}
             tiles = tile_constants(m, k, cfg, *((1, k) if channel else (128, 128)), channel)
             consts = {"SILU_MUL": kind == "silu", "ADD_RESIDUAL": kind == "norm", "NORM": kind == "norm",
-                      "HAS_BIAS": False, "PDL": False, **tiles, "X_TOKEN": channel and cfg.a8}
+                      "HAS_BIAS": False, "PDL": False, **tiles, "X_TOKEN": channel and cfg.a8, "PREFETCH": False,
+                      "THREADS": 32 * cfg.num_warps}  # fmt: skip
             row = compile_report(_fp8_gemv_kernel, {**types, **x_types}, consts, cfg.num_warps, cfg.num_stages)
             split_k, programs = consts["SPLIT_K"], triton.cdiv(n, cfg.block_n) * consts["SPLIT_K"]
             mode = "a8 fp8 dot" if cfg.a8 else "fp8 dot" if cfg.fp8_dot else "dot" if cfg.use_dot else "fma"

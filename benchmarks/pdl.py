@@ -16,8 +16,10 @@ Run: python3 -m benchmarks.pdl [--models dummy:qwen3-30b-a3b dummy:llama3-8b dum
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
+from collections.abc import Callable
 
 import torch
 
@@ -36,6 +38,25 @@ COLS = ["model", "quantization", "bs", "ctx", "off_ms", "on_ms", "speedup", "flo
 
 def bench_model(name: str, quantization: str, sizes: list[int], ctx: int, rounds: int, bw,
                 skips: list[frozenset[str]]) -> list[dict]:
+    # variant: (PDL on, kernels left out); "off", "on", then "on except ..." per --skip list
+    variants = {"off": (False, frozenset()), "on": (True, DEFAULT_SKIP)}  # "on": as the engine runs
+    if DEFAULT_SKIP:
+        variants["on with every kernel"] = (True, frozenset())
+    variants.update({"on except " + ",".join(sorted(skip)): (True, skip) for skip in skips})
+    scopes = {label: (lambda e=enabled, s=skip: pdl(e, s)) for label, (enabled, skip) in variants.items()}
+    rows = timed_captures(name, quantization, sizes, ctx, rounds, bw, scopes)
+    for r in rows:
+        r["off_ms"], r["on_ms"] = r["variants_ms"]["off"], r["variants_ms"]["on"]
+        r["speedup"] = r["off_ms"] / r["on_ms"]
+    return rows
+
+
+def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rounds: int, bw,
+                   scopes: dict[str, Callable[[], contextlib.AbstractContextManager]]) -> list[dict]:
+    """One model load and KV cache, one CUDA-graph capture of the decode step per entry of ``scopes`` (captured
+    inside the context its factory makes), replayed in turns for ``rounds`` rounds; per batch size the median
+    of each variant's rounds (``variants_ms``), the bytes the step reads and whether every variant's greedy
+    tokens equal the first's."""
     device = torch.device("cuda")
     cfg = EngineConfig(model=name, device="cuda", quantization=quantization, max_model_len=ctx + 64)
     loaded = load_model(cfg, device)
@@ -46,23 +67,19 @@ def bench_model(name: str, quantization: str, sizes: list[int], ctx: int, rounds
     backend = TritonAttentionBackend()
     rows = []
     with torch.inference_mode():
-        # variant: (PDL on, kernels left out); "off", "on", then "on except ..." per --skip list
-        variants = {"off": (False, frozenset()), "on": (True, DEFAULT_SKIP)}  # "on": as the engine runs
-        if DEFAULT_SKIP:
-            variants["on with every kernel"] = (True, frozenset())
-        variants.update({"on except " + ",".join(sorted(skip)): (True, skip) for skip in skips})
         graphs = {}
-        for label, (enabled, skip) in variants.items():
-            with pdl(enabled, skip):
+        for label, scope in scopes.items():
+            with scope():
                 graphs[label] = GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // bsz + 1,
                                             cfg.max_model_len, device)  # fmt: skip
                 graphs[label].capture()
+        first = next(iter(scopes))
         for bs in sizes:
             batch = contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=info.vocab_size)
-            times: dict[str, list[float]] = {label: [] for label in variants}
-            tokens = {label: graphs[label].replay(batch).argmax(-1) for label in variants}
+            times: dict[str, list[float]] = {label: [] for label in scopes}
+            tokens = {label: graphs[label].replay(batch).argmax(-1) for label in scopes}
             for _ in range(rounds):
-                for label in variants:
+                for label in scopes:
                     step = lambda g=graphs[label], b=batch: g.replay(b).argmax(-1)  # noqa: E731
                     times[label].append(cuda_time_ms(step, warmup=2, iters=10))
             touched = experts_touched(layers) if layers else None
@@ -70,10 +87,9 @@ def bench_model(name: str, quantization: str, sizes: list[int], ctx: int, rounds
             med = {label: statistics.median(t) for label, t in times.items()}
             for ms in med.values():
                 bw.observe(f"{name} {quantization} decode bs={bs}", nbytes, ms)
-            off, on = med["off"], med["on"]
-            rows.append({"model": name, "quantization": quantization, "bs": bs, "ctx": ctx, "off_ms": off,
-                         "on_ms": on, "speedup": off / on, "bytes": nbytes, "experts_touched": touched,
-                         "same_tokens": all(torch.equal(tokens["off"], t) for t in tokens.values()),
+            rows.append({"model": name, "quantization": quantization, "bs": bs, "ctx": ctx, "bytes": nbytes,
+                         "experts_touched": touched,
+                         "same_tokens": all(torch.equal(tokens[first], t) for t in tokens.values()),
                          "variants_ms": med, "rounds_ms": times})
             print(f"{name} {quantization} bs={bs}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in med.items()))
         del graphs
