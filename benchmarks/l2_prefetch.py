@@ -29,6 +29,8 @@ def main() -> None:
     p.add_argument("--bs", nargs="+", type=int, default=[1])
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--mb", nargs="+", type=float, default=[0, 8, 16, 32], help="budgets per link, MB (0: off)")
+    p.add_argument("--variant", action="append", default=[], metavar="MB,MODE,LINKS",
+                   help="one more capture: MB budget, mode bulk|lines, links all|attention")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--result-name", default="l2_prefetch", help="benchmarks/results/NAME.json")
     args = p.parse_args()
@@ -42,6 +44,9 @@ def main() -> None:
     bw = measured_read_bw()
     print(bw.describe())
     scopes = {label(mb): (lambda mb=mb: l2_prefetch(mb)) for mb in sorted(set(args.mb))}
+    for spec in args.variant:
+        mb, mode, links = spec.split(",")
+        scopes[spec] = lambda mb=float(mb), mode=mode, links=links: l2_prefetch(mb, mode, links)
     rows = []
     for m in args.models:
         rows += timed_captures(m, "fp8", args.bs, args.ctx, args.rounds, bw, scopes)

@@ -69,6 +69,7 @@ from graphserve.kernels.fp8_config import (
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_rows
 from graphserve.kernels.gemv import _x_tile
 from graphserve.kernels.l2_prefetch import budget_bytes, issue_l2_prefetch
+from graphserve.kernels.l2_prefetch import options as pf_options
 from graphserve.kernels.l2_prefetch import plan as prefetch_plan
 from graphserve.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
@@ -86,7 +87,7 @@ def _fp8_gemv_kernel(
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
     FP8_DOT: tl.constexpr, A8: tl.constexpr, X_TOKEN: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr, PF_LINES: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid = tl.program_id(0)
@@ -185,7 +186,7 @@ def _fp8_gemv_kernel(
         acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=offs_m < M, other=0.0)[None, :]
     pdl_release(PDL)  # the next kernel's programs join as these finish streaming (kernels/pdl.py)
     if PREFETCH:  # this launch's last wave warms the next weight in L2 (kernels/l2_prefetch.py)
-        issue_l2_prefetch(pf_ptr, pf_bytes, pf_piece, pf_first, tl.program_id(1) * tl.num_programs(0) + pid, THREADS)
+        issue_l2_prefetch(pf_ptr, pf_bytes, pf_piece, pf_first, tl.program_id(1) * tl.num_programs(0) + pid, THREADS, PF_LINES)
     if SPLIT_K == 1:
         _epilogue(acc, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_wsn, stride_om, PER_CHANNEL, HAS_BIAS)
     else:
@@ -320,6 +321,7 @@ def _launch(
         residual_out.stride(0) if residual_out is not None else 0, w.stride(0), w_scale.stride(0), out.stride(0),
         float(eps), SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None, NORM=norm_weight is not None,
         HAS_BIAS=bias is not None, **consts, PREFETCH=warm is not None, THREADS=threads,
+        PF_LINES=pf_options()[0] == "lines",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, "_fp8_gemv_kernel"),
     )  # fmt: skip
     return out

@@ -35,12 +35,19 @@ import triton.language as tl
 from graphserve.kernels.common import interpreting
 
 ENV = "GRAPHSERVE_L2_PREFETCH_MB"
+MODES = ("bulk", "lines")  # one cp.async.bulk.prefetch.L2 per thread, or prefetch.global.L2 per 128-byte line
+LINKS = ("all", "attention")  # every link, or only those across attention (latency-bound kernels between)
 # cp.async.bulk.prefetch takes a 16-byte aligned address and a multiple of 16 bytes; pieces are whole 128-byte
 # lines, each at least 8 of them (a request per thread, the requests spread over one wave's programs)
 PIECE_ALIGN = 16
 LINE = 128
 MIN_PIECE = 8 * LINE
 _scoped: list[int] = []
+_options: list[tuple[str, str]] = []
+
+
+def options() -> tuple[str, str]:
+    return _options[-1] if _options else ("bulk", "all")
 
 
 def _parse_mb(text: str, where: str) -> int:
@@ -64,13 +71,17 @@ def budget_bytes() -> int:
 
 
 @contextlib.contextmanager
-def l2_prefetch(mb: float) -> Iterator[None]:
+def l2_prefetch(mb: float, mode: str = "bulk", links: str = "all") -> Iterator[None]:
     """Streaming matmuls launched (or captured) in this scope warm up to ``mb`` MB of the next weight."""
+    if mode not in MODES or links not in LINKS:
+        raise ValueError(f"l2_prefetch: mode={mode!r} must be one of {MODES}, links={links!r} one of {LINKS}")
     _scoped.append(_parse_mb(str(mb), "l2_prefetch(mb)"))
+    _options.append((mode, links))
     try:
         yield
     finally:
         _scoped.pop()
+        _options.pop()
 
 
 @functools.lru_cache(maxsize=8)
@@ -114,7 +125,7 @@ def plan(next_weight: torch.Tensor | None, programs: int, threads: int, budget: 
 
 
 @triton.jit
-def issue_l2_prefetch(pf_ptr, pf_bytes, pf_piece, pf_first, lin, THREADS: tl.constexpr):
+def issue_l2_prefetch(pf_ptr, pf_bytes, pf_piece, pf_first, lin, THREADS: tl.constexpr, LINES: tl.constexpr):
     """Program ``lin`` (launch order) of those from ``pf_first`` on asks L2 for its pieces of ``pf_ptr``'s
     first ``pf_bytes``: one bulk request per thread (``THREADS``: 32 x num_warps, one element each)."""
     if lin >= pf_first:
@@ -122,6 +133,12 @@ def issue_l2_prefetch(pf_ptr, pf_bytes, pf_piece, pf_first, lin, THREADS: tl.con
         offs = ((lin - pf_first) * THREADS + t).to(tl.int64) * pf_piece
         want = (offs < pf_bytes).to(tl.int32)
         ptrs = pf_ptr.to(tl.pointer_type(tl.int8)) + offs
+        if LINES:
+            for i in range(0, pf_piece, 128):
+                tl.inline_asm_elementwise(
+                    "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;\n\t}",
+                    "=r,l,r", [ptrs + i, want], dtype=tl.int32, is_pure=False, pack=1)
+            return
         tl.inline_asm_elementwise(
             "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t"
             "@p cp.async.bulk.prefetch.L2.global [$1], $3;\n\tmov.u32 $0, 0;\n\t}",

@@ -214,7 +214,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def weight_stream(self) -> list:
         """The projections in the order a step reads them (layers/quant/fp8.py link_weight_stream)."""
-        return [self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj]
+        return [self.self_attn.qkv_proj, "attention", self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj]
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch

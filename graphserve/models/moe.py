@@ -148,7 +148,7 @@ class MoEDecoderLayer(nn.Module):
     def weight_stream(self) -> list:
         """The projections in the order a step reads them; the routed experts after o_proj stream far more
         than L2 holds, so nothing is linked across them (layers/quant/fp8.py link_weight_stream)."""
-        return [self.self_attn.qkv_proj, self.self_attn.o_proj, None]
+        return [self.self_attn.qkv_proj, "attention", self.self_attn.o_proj, None]
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch

@@ -56,6 +56,7 @@ from graphserve.kernels.fp8_quant import (
     quantize_weight_channels,
     silu_mul_group_quant,
 )
+from graphserve.kernels.l2_prefetch import options
 from graphserve.layers.quant.config import Fp8Config
 
 if TYPE_CHECKING:
@@ -355,7 +356,9 @@ class Fp8LinearMethod:
 def _next_weight(layer: Linear) -> torch.Tensor | None:
     """The fp8 weight read after this layer's, where ``link_weight_stream`` linked one."""
     nxt = getattr(layer, "l2_next", None)
-    return nxt.weight if nxt is not None else None
+    if nxt is None or (options()[1] == "attention" and not layer.__dict__.get("l2_across_attention")):
+        return None
+    return nxt.weight
 
 
 def link_weight_stream(model: nn.Module) -> int:
@@ -368,9 +371,17 @@ def link_weight_stream(model: nn.Module) -> int:
         order = getattr(layer, "weight_stream", None)
         stream += order() if order is not None else [None]
     links = 0
-    for a, b in zip(stream, [*stream[1:], None]):
+    across = set()
+    for i, entry in enumerate(stream):
+        if entry == "attention":
+            across.add(i - 1)
+    marks = [i for i, e in enumerate(stream) if e == "attention"]
+    stream = [e for e in stream if e != "attention"]
+    across = {i - sum(m < i for m in marks) for i in across}
+    for i, (a, b) in enumerate(zip(stream, [*stream[1:], None])):
         if a is None:
             continue
+        a.__dict__["l2_across_attention"] = i in across
         fp8 = b is not None and isinstance(getattr(b, "quant_method", None), Fp8LinearMethod)
         # in __dict__, not as a submodule: the link must not put b's parameters under a's name
         a.__dict__["l2_next"] = b if fp8 else None
