@@ -68,9 +68,6 @@ from graphserve.kernels.fp8_config import (
 )
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_rows
 from graphserve.kernels.gemv import _x_tile
-from graphserve.kernels.l2_prefetch import budget_bytes, issue_l2_prefetch
-from graphserve.kernels.l2_prefetch import options as pf_options
-from graphserve.kernels.l2_prefetch import plan as prefetch_plan
 from graphserve.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 MAX_ROWS = MAX_STREAM_ROWS
@@ -81,13 +78,12 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr, xs_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, lock_ptr,
-    pf_ptr, pf_bytes, pf_piece, pf_first,
     M, N, stride_xm, stride_xsm, stride_xsk, stride_rm, stride_rom, stride_wn, stride_wsn, stride_om, eps,
     SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
     FP8_DOT: tl.constexpr, A8: tl.constexpr, X_TOKEN: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr, PF_LINES: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid = tl.program_id(0)
@@ -185,8 +181,6 @@ def _fp8_gemv_kernel(
     if X_TOKEN:
         acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=offs_m < M, other=0.0)[None, :]
     pdl_release(PDL)  # the next kernel's programs join as these finish streaming (kernels/pdl.py)
-    if PREFETCH:  # this launch's last wave warms the next weight in L2 (kernels/l2_prefetch.py)
-        issue_l2_prefetch(pf_ptr, pf_bytes, pf_piece, pf_first, tl.program_id(1) * tl.num_programs(0) + pid, THREADS, PF_LINES)
     if SPLIT_K == 1:
         _epilogue(acc, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_wsn, stride_om, PER_CHANNEL, HAS_BIAS)
     else:
@@ -266,7 +260,6 @@ def _launch(
     bias: torch.Tensor | None, config: StreamConfig | None, silu_mul: bool = False,
     norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     a8 = x_scale is not None
     per_channel = _check(x, k, w, w_scale, group_n, group_k, bias, a8)
@@ -309,19 +302,14 @@ def _launch(
     if split_k > 1:
         parts = torch.empty(tiles * split_k * cfg.block_n * consts["BLOCK_M"], dtype=torch.float32, device=x.device)
         locks = split_counters(x.device, tiles)
-    threads = 32 * cfg.num_warps
-    sms = sm_count(x.device)
-    warm = prefetch_plan(prefetch, tiles * split_k, threads, budget_bytes(), sms) if prefetch is not None else None
-    pf = warm.kernel_args() if warm else {"pf_ptr": placeholder, "pf_bytes": 0, "pf_piece": 0, "pf_first": 0}
     _fp8_gemv_kernel[(tiles, split_k)](
         x, x_scale if a8 else placeholder, residual if residual is not None else placeholder, norm_weight if norm_weight is not None else placeholder,
         residual_out if residual_out is not None else placeholder, w, w_scale, bias if bias is not None else placeholder,
-        out, parts, locks, pf["pf_ptr"], pf["pf_bytes"], pf["pf_piece"], pf["pf_first"], m, n, x.stride(0), x_scale.stride(0) if a8 else 0, x_scale.stride(1) if a8 else 0,
+        out, parts, locks, m, n, x.stride(0), x_scale.stride(0) if a8 else 0, x_scale.stride(1) if a8 else 0,
         residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, w.stride(0), w_scale.stride(0), out.stride(0),
         float(eps), SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None, NORM=norm_weight is not None,
-        HAS_BIAS=bias is not None, **consts, PREFETCH=warm is not None, THREADS=threads,
-        PF_LINES=pf_options()[0] == "lines",
+        HAS_BIAS=bias is not None, **consts,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, "_fp8_gemv_kernel"),
     )  # fmt: skip
     return out
@@ -344,20 +332,17 @@ def tile_constants(m: int, k: int, cfg: StreamConfig, group_n: int, group_k: int
 
 def fp8_gemv(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
-    bias: torch.Tensor | None = None, *, config: StreamConfig | None = None, prefetch: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, *, config: StreamConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``x`` [M <= 64, K] (bf16/fp16/fp32; above 16 rows the dot path, 16-bit x only) times fp8 ``w`` [N, K]
     with fp32 scales ``w_scale`` [ceil(N/group_n), ceil(K/group_k)]; per-channel scales: ``group_n=1, group_k=K``, ``w_scale`` [N, 1].
-    Output in x's dtype. ``config`` overrides the default tiles (the benchmark's sweep passes it). ``prefetch``: the
-    weight read next, whose first bytes this launch's tail asks L2 for (kernels/l2_prefetch.py); every
-    streaming entry point takes it."""
-    return _launch(x, x.shape[-1], w, w_scale, group_n, group_k, bias, config, prefetch=prefetch)
+    Output in x's dtype. ``config`` overrides the default tiles (the benchmark's sweep passes it)."""
+    return _launch(x, x.shape[-1], w, w_scale, group_n, group_k, bias, config)
 
 
 def fp8_gemv_a8(
     x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
     out_dtype: torch.dtype, bias: torch.Tensor | None = None, *, config: StreamConfig,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``dequant(x) @ dequant(w).T`` for x already quantized: fp8 [M <= 64, K] with fp32
     ``x_scale`` [>= M, ceil(K / config.block_k)] (kernels/fp8_quant.per_token_group_quant with the tile's K step:
@@ -365,26 +350,24 @@ def fp8_gemv_a8(
     ``config`` must be an FP8-dot tile with ``a8``. One quantization launch before (fused
     with the norm or SiLU·mul that makes x, kernels/fp8_quant.py) saves every program quantizing x's rows
     again, and reads half of bf16 x's bytes."""
-    return _launch(x, x.shape[-1], w, w_scale, group_n, group_k, bias, config, x_scale=x_scale, out_dtype=out_dtype,
-                   prefetch=prefetch)
+    return _launch(x, x.shape[-1], w, w_scale, group_n, group_k, bias, config, x_scale=x_scale, out_dtype=out_dtype)
 
 
 def fp8_silu_mul_gemv(
     gate_up: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
-    bias: torch.Tensor | None = None, *, config: StreamConfig | None = None, prefetch: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, *, config: StreamConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``fp8_gemv(silu(gate) * up, ...)`` for gate_up [M, 2K] = [gate | up]: the MLP's activation is
     computed in the loads (as kernels/gemv.py's silu_mul_gemv), saving a launch and a round trip."""
     if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
         raise ValueError(f"fp8_silu_mul_gemv takes gate_up [M, 2K], got {tuple(gate_up.shape)}")
-    return _launch(gate_up, gate_up.shape[-1] // 2, w, w_scale, group_n, group_k, bias, config, silu_mul=True,
-                   prefetch=prefetch)
+    return _launch(gate_up, gate_up.shape[-1] // 2, w, w_scale, group_n, group_k, bias, config, silu_mul=True)
 
 
 def fp8_norm_gemv(
     x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor, w_scale: torch.Tensor,
     group_n: int, group_k: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-    *, config: StreamConfig | None = None, prefetch: torch.Tensor | None = None,
+    *, config: StreamConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``(fp8_gemv(rms_norm(x [+ residual]), ...), x + residual or None)``, the norm in the loads with
     kernels/norm.py's numerics (as kernels/gemv.py's norm_gemv)."""
@@ -399,5 +382,5 @@ def fp8_norm_gemv(
                              f"{tuple(x.shape)} {x.dtype}, row-major")
         residual_out = torch.empty_like(x)
     out = _launch(x, k, w, w_scale, group_n, group_k, bias, config, norm_weight=norm_weight, eps=eps,
-                  residual=residual, residual_out=residual_out, prefetch=prefetch)
+                  residual=residual, residual_out=residual_out)
     return out, residual_out

@@ -212,10 +212,6 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
-    def weight_stream(self) -> list:
-        """The projections in the order a step reads them (layers/quant/fp8.py link_weight_stream)."""
-        return [self.self_attn.qkv_proj, "attention", self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj]
-
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:

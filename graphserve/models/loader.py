@@ -24,7 +24,7 @@ from graphserve.layers.quant.config import (
     quantized_description,
     resolve_quantization,
 )
-from graphserve.layers.quant.fp8 import link_weight_stream, quantize_linears
+from graphserve.layers.quant.fp8 import quantize_linears
 from graphserve.layers.quant.fp8_moe import quantize_experts
 from graphserve.models.builtin import ensure_builtin
 from graphserve.models.description import ModelDescription
@@ -217,9 +217,7 @@ def _quantize(model: nn.Module, quant: Fp8Config, dtype: torch.dtype) -> None:
         experts = quantize_experts(model, quant)
     except ValueError as e:
         raise ModelLoadError(f"{quant.name}: {e}", param="model") from e
-    links = link_weight_stream(model)
-    logger.info("quantization: %s on %d linear layers and %d routed-expert layers; %d projections linked for L2 "
-                "prefetch", quant.name, count, experts, links)
+    logger.info("quantization: %s on %d linear layers and %d routed-expert layers", quant.name, count, experts)
 
 
 @torch.no_grad()

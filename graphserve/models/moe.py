@@ -145,11 +145,6 @@ class MoEDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
-    def weight_stream(self) -> list:
-        """The projections in the order a step reads them; the routed experts after o_proj stream far more
-        than L2 holds, so nothing is linked across them (layers/quant/fp8.py link_weight_stream)."""
-        return [self.self_attn.qkv_proj, "attention", self.self_attn.o_proj, None]
-
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:

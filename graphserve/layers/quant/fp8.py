@@ -56,7 +56,6 @@ from graphserve.kernels.fp8_quant import (
     quantize_weight_channels,
     silu_mul_group_quant,
 )
-from graphserve.kernels.l2_prefetch import options
 from graphserve.layers.quant.config import Fp8Config
 
 if TYPE_CHECKING:
@@ -226,7 +225,7 @@ class Fp8LinearMethod:
         else:
             scale = self.scale(layer)
             out = fp8_silu_mul_gemv(rows, layer.weight, scale.view(scale.shape[0], -1), self.group_n,
-                                    self.group_k or k, layer.bias, config=route.config, prefetch=_next_weight(layer))
+                                    self.group_k or k, layer.bias, config=route.config)
         return out.view(*gate_up.shape[:-1], layer.out_features)
 
     def apply_norm(self, layer: Linear, norm: nn.Module, x: torch.Tensor,
@@ -248,8 +247,7 @@ class Fp8LinearMethod:
         else:
             scale = self.scale(layer)
             y, summed = fp8_norm_gemv(rows, norm.weight, norm.eps, layer.weight, scale.view(scale.shape[0], -1),
-                                      self.group_n, self.group_k or k, layer.bias, res_rows, config=route.config,
-                                      prefetch=_next_weight(layer))
+                                      self.group_n, self.group_k or k, layer.bias, res_rows, config=route.config)
         new_residual = summed.view(x.shape) if summed is not None else x
         return y.view(*x.shape[:-1], layer.out_features), new_residual
 
@@ -327,7 +325,7 @@ class Fp8LinearMethod:
         scale_2d = scale.view(scale.shape[0], -1)
         if route.path == "stream":
             return fp8_gemv_a8(a_q, a_s, w, scale_2d, self.group_n, group_k, out_dtype, layer.bias,
-                               config=route.config, prefetch=_next_weight(layer))
+                               config=route.config)
         if blockwise:
             out = scaled_mm_blockwise(a_q, a_s, w, self._scale_layout(layer), torch.bfloat16, rows=m)
             return out + layer.bias if layer.bias is not None else out
@@ -342,7 +340,7 @@ class Fp8LinearMethod:
         if route.path == "stream" and not route.config.a8:
             scale = self.scale(layer)
             return fp8_gemv(x, layer.weight, scale.view(scale.shape[0], -1), self.group_n, self.group_k or k,
-                            layer.bias, config=route.config, prefetch=_next_weight(layer))
+                            layer.bias, config=route.config)
         if self.config.activation_scheme == "static":
             a_scale = layer.input_scale.max()
             a_q = (x.float() / a_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -351,42 +349,6 @@ class Fp8LinearMethod:
         group, blockwise = self._quant_layout(layer, route, k)
         a_q, a_s = per_token_group_quant(x, group, **_layout(blockwise))
         return self._quantized_matmul(layer, route, a_q, a_s, m, x.dtype, blockwise)
-
-
-def _next_weight(layer: Linear) -> torch.Tensor | None:
-    """The fp8 weight read after this layer's, where ``link_weight_stream`` linked one."""
-    nxt = getattr(layer, "l2_next", None)
-    if nxt is None or (options()[1] == "attention" and not layer.__dict__.get("l2_across_attention")):
-        return None
-    return nxt.weight
-
-
-def link_weight_stream(model: nn.Module) -> int:
-    """Link each FP8 projection to the one the step streams next (``Linear.l2_next``), following the decoder
-    layers' ``weight_stream()`` (execution order; None where other work that reads many bytes comes between,
-    e.g. routed experts). The streaming matmul warms the linked weight from its tail (kernels/l2_prefetch.py).
-    The number of links."""
-    stream: list = []
-    for layer in getattr(getattr(model, "model", None), "layers", ()):
-        order = getattr(layer, "weight_stream", None)
-        stream += order() if order is not None else [None]
-    links = 0
-    across = set()
-    for i, entry in enumerate(stream):
-        if entry == "attention":
-            across.add(i - 1)
-    marks = [i for i, e in enumerate(stream) if e == "attention"]
-    stream = [e for e in stream if e != "attention"]
-    across = {i - sum(m < i for m in marks) for i in across}
-    for i, (a, b) in enumerate(zip(stream, [*stream[1:], None])):
-        if a is None:
-            continue
-        a.__dict__["l2_across_attention"] = i in across
-        fp8 = b is not None and isinstance(getattr(b, "quant_method", None), Fp8LinearMethod)
-        # in __dict__, not as a submodule: the link must not put b's parameters under a's name
-        a.__dict__["l2_next"] = b if fp8 else None
-        links += fp8
-    return links
 
 
 def _layout(blockwise: bool) -> dict:
