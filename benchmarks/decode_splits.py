@@ -23,7 +23,7 @@ from benchmarks.common import print_table, write_result
 from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import measured_read_bw
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.decode_attention import MIN_SPLIT_TOKENS, choose_num_splits, decode_attention
+from graphserve.kernels.decode_attention import DEFAULT_TILE, DecodeTile, choose_num_splits, decode_attention
 from graphserve.kernels.fp8_quant import FP8_DTYPE
 
 PAGE = 16
@@ -32,11 +32,25 @@ BATCHES = [1, 4, 16, 32, 64, 128, 256]
 SPLITS = [1, 2, 3, 4, 6, 8, 16, 32]
 CACHES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 L2_SAFE_BYTES = 256 << 20
-COLS = ["shape", "cache", "bs", "ctx", "splits", "picked", "us", "floor_us", "ratio"]
-SUMMARY_COLS = ["shape", "cache", "bs", "ctx", "picked", "picked_us", "best", "best_us", "picked/best"]
+COLS = ["shape", "cache", "bs", "ctx", "tile", "splits", "picked", "us", "floor_us", "ratio"]
+SUMMARY_COLS = ["shape", "cache", "bs", "ctx", "picked", "picked_us", "best_tile", "best", "best_us", "picked/best"]
 
 
-def measure(name: str, cache_name: str, batch: int, sms: int) -> list[dict]:
+def tile_name(tile: DecodeTile) -> str:
+    return f"{tile.block_n}x{tile.num_warps}w{tile.num_stages}s"
+
+
+def parse_tile(text: str) -> DecodeTile:
+    """``BLOCK_N,WARPS,STAGES`` as a checked DecodeTile."""
+    try:
+        tile = DecodeTile(*(int(v) for v in text.split(",")))
+        tile.validate()
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"--tiles {text!r}: BLOCK_N,WARPS,STAGES ({e})") from e
+    return tile
+
+
+def measure(name: str, cache_name: str, batch: int, sms: int, tiles: list[DecodeTile] | None = None) -> list[dict]:
     hq, hkv, d, ctx = SHAPES[name]
     width = ctx // PAGE + 1  # the block table one block wider than the context, as a decode step's
     cache = torch.randn(2, batch * width + 1, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16).to(CACHES[cache_name])
@@ -47,15 +61,17 @@ def measure(name: str, cache_name: str, batch: int, sms: int) -> list[dict]:
     picked = choose_num_splits(batch, hkv, width * PAGE, sms, cache.dtype == FP8_DTYPE)  # as decode_attention
     nbytes = batch * ctx * hkv * d * 2 * cache.element_size()
     rows = []
-    for splits in sorted({*SPLITS, picked}):
-        if splits > -(-width * PAGE // MIN_SPLIT_TOKENS):  # more splits than inner steps: the extra ones hold nothing
-            continue
-        us = graph_time_ms(lambda s=splits: decode_attention(q, cache, tables, lens, d**-0.5, num_splits=s,
-                                                             counters=counters)) * 1e3  # fmt: skip
-        rows.append({"shape": name, "cache": cache_name, "bs": batch, "ctx": ctx, "splits": splits,
-                     "picked": splits == picked, "us": us, "bytes": nbytes})
-        print(f"  {name} {cache_name} bs={batch} splits={splits}{' (picked)' if splits == picked else ''}: "
-              f"{us:.2f} us", flush=True)
+    for tile in tiles or [DEFAULT_TILE]:
+        for splits in sorted({*SPLITS, picked}):
+            if splits > -(-width * PAGE // tile.block_n):  # more splits than inner steps: the extra ones hold nothing
+                continue
+            us = graph_time_ms(lambda s=splits, t=tile: decode_attention(q, cache, tables, lens, d**-0.5, num_splits=s,
+                                                                         counters=counters, tile=t)) * 1e3  # fmt: skip
+            chosen = splits == picked and tile == DEFAULT_TILE
+            rows.append({"shape": name, "cache": cache_name, "bs": batch, "ctx": ctx, "tile": tile_name(tile),
+                         "splits": splits, "picked": chosen, "us": us, "bytes": nbytes})
+            print(f"  {name} {cache_name} bs={batch} tile={tile_name(tile)} splits={splits}"
+                  f"{' (picked)' if chosen else ''}: {us:.2f} us", flush=True)
     return rows
 
 
@@ -68,7 +84,7 @@ def summary(rows: list[dict]) -> list[dict]:
         if r["picked"]:
             s.update(picked=r["splits"], picked_us=r["us"])
         if "best_us" not in s or r["us"] < s["best_us"]:
-            s.update(best=r["splits"], best_us=r["us"])
+            s.update(best_tile=r.get("tile", "default"), best=r["splits"], best_us=r["us"])
     for s in out.values():
         s["picked/best"] = s["picked_us"] / s["best_us"]
     return list(out.values())
@@ -78,6 +94,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--summarize", metavar="FILE", help="add the summary to a results file this module wrote, "
                                                         "from its own rows, and measure nothing")
+    p.add_argument("--tiles", nargs="+", type=parse_tile, metavar="BLOCK_N,WARPS,STAGES",
+                   help="launch shapes to time (default: the one decode_attention runs)")
+    p.add_argument("--caches", nargs="+", choices=sorted(CACHES), default=sorted(CACHES))
+    p.add_argument("--result-name", default="decode_splits", help="benchmarks/results/NAME.json")
     args = p.parse_args()
     if args.summarize:
         path = Path(args.summarize)
@@ -88,7 +108,7 @@ def main() -> None:
         return
     sms = sm_count(torch.device("cuda"))
     bw = measured_read_bw()
-    rows = [r for name in SHAPES for cache in CACHES for b in BATCHES for r in measure(name, cache, b, sms)]
+    rows = [r for name in SHAPES for cache in args.caches for b in BATCHES for r in measure(name, cache, b, sms, args.tiles)]
     for r in rows:
         if r["bytes"] > L2_SAFE_BYTES:  # a cache the L2 could hold would report the L2's rate as HBM's
             bw.observe(f"decode attention {r['shape']} {r['cache']} bs={r['bs']} splits={r['splits']}", r["bytes"],
@@ -100,7 +120,7 @@ def main() -> None:
     picks = summary(rows)
     print_table(rows, COLS)
     print_table(picks, SUMMARY_COLS)
-    write_result("decode_splits", {"read": bw.summary(), "rows": rows, "summary": picks})
+    write_result(args.result_name, {"read": bw.summary(), "rows": rows, "summary": picks})
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ preallocated.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -64,6 +65,25 @@ FP8_CACHE_SPLITS = 3
 FP8_CACHE_PAIRS = (256, 1024)  # (sequence, kv head) pairs where an fp8 cache takes FP8_CACHE_SPLITS
 FP8_CACHE_MIN_KV_HEADS = 4
 NUM_WARPS, NUM_STAGES = 4, 3  # measured best of BLOCK_N 16..128, 2..8 warps, 2..4 stages on H200
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """The split kernel's launch shape: context tokens per inner step, warps, pipeline stages."""
+
+    block_n: int = BLOCK_N
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+
+    def validate(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"decode tile block_n={self.block_n} must be a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8) or self.num_stages < 1:
+            raise ValueError(f"decode tile num_warps={self.num_warps} must be 1, 2, 4 or 8 and num_stages="
+                             f"{self.num_stages} at least 1")
+
+
+DEFAULT_TILE = DecodeTile()
 
 
 @triton.jit
@@ -254,8 +274,9 @@ def decode_attention(
     counters: torch.Tensor | None = None,
     fused_merge: bool = True,
     fp8_widen: torch.dtype = torch.float16,
-    min_split_len: int = MIN_SPLIT_LEN,
+    min_split_len: int | None = None,
     out_scale: torch.Tensor | None = None,
+    tile: DecodeTile | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ([B, Hq, D], one token per sequence) over each sequence's paged context.
 
@@ -269,8 +290,9 @@ def decode_attention(
     e4m3x2 -> f16x2 conversion per two elements, exact, with q and the probabilities in fp16 too
     (for 16-bit q; fp32 q keeps fp32); bfloat16: q's dtype, a longer conversion chain per element
     (kept for comparison).
-    ``min_split_len``: the fewest context tokens a split takes on device, a positive multiple of
-    BLOCK_N (benchmarks.launches sweeps it).
+    ``min_split_len``: the fewest context tokens a split takes on device, a positive multiple of the tile's
+    block_n (benchmarks.launches sweeps it; None: one inner step).
+    ``tile``: the launch shape (``DecodeTile``; None: ``DEFAULT_TILE``; benchmarks.decode_splits --tiles sweeps it).
     ``out_scale``: write the output quantized for an FP8 projection that reads it in 128-column (here:
     one head) groups: ``out`` is then fp8 ``[>= B, Hq, D]`` and ``out_scale`` fp32 ``[>= B, Hq]`` (any strides),
     one scale per sequence and head, the values per_token_group_quant would make from the unquantized
@@ -283,8 +305,11 @@ def decode_attention(
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError(f"decode_attention needs head_dim contiguous (stride 1) in q and kv_cache, got strides "
                          f"q {q.stride()}, kv_cache {kv_cache.stride()}")
-    if min_split_len <= 0 or min_split_len % BLOCK_N:
-        raise ValueError(f"min_split_len={min_split_len} must be a positive multiple of BLOCK_N={BLOCK_N}")
+    tile = tile or DEFAULT_TILE
+    tile.validate()
+    min_split_len = tile.block_n if min_split_len is None else min_split_len
+    if min_split_len <= 0 or min_split_len % tile.block_n:
+        raise ValueError(f"min_split_len={min_split_len} must be a positive multiple of BLOCK_N={tile.block_n}")
     group = num_heads // num_kv_heads
     if fp8_widen not in (torch.float16, torch.bfloat16):
         raise ValueError(f"decode_attention: fp8_widen={fp8_widen} must be torch.float16 or torch.bfloat16")
@@ -351,11 +376,11 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=BLOCK_N,
+        PAGE=page, BLOCK_N=tile.block_n,
         DIRECT=direct, IEEE_DOT=q.dtype == torch.float32 and not widen_fp16, WHILE_LOOP=interpreting(), PREFETCH_V=not direct,
         FUSED_MERGE=fused_merge, BLOCK_HM=block_hm, CHUNK_S=chunk_s, WIDEN_FP16=widen_fp16,
         QUANT_OUT=quant_out, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_args(q.device, "_decode_split_kernel"),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(q.device, "_decode_split_kernel"),
     )  # fmt: skip
     if not direct and not fused_merge:
         _decode_merge_kernel[(batch, num_heads)](
