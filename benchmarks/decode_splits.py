@@ -23,7 +23,7 @@ from benchmarks.common import print_table, write_result
 from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import measured_read_bw
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.decode_attention import DEFAULT_TILE, DecodeTile, choose_num_splits, decode_attention
+from graphserve.kernels.decode_attention import DecodeTile, choose_num_splits, choose_tile, decode_attention
 from graphserve.kernels.fp8_quant import FP8_DTYPE
 
 PAGE = 16
@@ -58,16 +58,17 @@ def measure(name: str, cache_name: str, batch: int, sms: int, tiles: list[Decode
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
     counters = torch.zeros(batch * hkv, dtype=torch.int32, device="cuda")
-    picked = choose_num_splits(batch, hkv, width * PAGE, sms, cache.dtype == FP8_DTYPE)  # as decode_attention
+    fp8 = cache.dtype == FP8_DTYPE
+    picked, picked_tile = choose_num_splits(batch, hkv, width * PAGE, sms, fp8), choose_tile(batch, hkv, fp8)  # as decode_attention
     nbytes = batch * ctx * hkv * d * 2 * cache.element_size()
     rows = []
-    for tile in tiles or [DEFAULT_TILE]:
+    for tile in tiles or [picked_tile]:
         for splits in sorted({*SPLITS, picked}):
             if splits > -(-width * PAGE // tile.block_n):  # more splits than inner steps: the extra ones hold nothing
                 continue
             us = graph_time_ms(lambda s=splits, t=tile: decode_attention(q, cache, tables, lens, d**-0.5, num_splits=s,
                                                                          counters=counters, tile=t)) * 1e3  # fmt: skip
-            chosen = splits == picked and tile == DEFAULT_TILE
+            chosen = splits == picked and tile == picked_tile
             rows.append({"shape": name, "cache": cache_name, "bs": batch, "ctx": ctx, "tile": tile_name(tile),
                          "splits": splits, "picked": chosen, "us": us, "bytes": nbytes})
             print(f"  {name} {cache_name} bs={batch} tile={tile_name(tile)} splits={splits}"

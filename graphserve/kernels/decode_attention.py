@@ -54,15 +54,17 @@ BLOCK_N = 64  # context tokens per inner step
 MIN_SPLIT_TOKENS = BLOCK_N
 MIN_SPLIT_LEN = BLOCK_N
 PROGRAMS_PER_SM = 2  # enough resident programs per SM to hide HBM latency
-# An fp8 cache's step widens K and V in registers before the tensor cores: more work between loads, and at
-# batches the bf16 rule gives one or two splits, three measured faster. On an H200 (benchmarks/results/
-# decode_splits.json): llama3-8b's heads (8 kv) at batch 64, context 2048, 155.0 us at one split, 122.3 at three;
-# qwen3-30b-a3b's (4 kv) at batch 64, context 1024, 44.8 us at two, 39.6 at three. From 1024 (sequence, kv head)
-# pairs on one split was as fast or faster (qwen3 at batch 256: 129.0 us against 139.3), and at batch 16 the bf16
-# rule's count was faster than more splits; so the rule changes only between those, for 4 or more kv heads
-# (fewer would hold 3 splits of up to 1023 sequences in the reserved scratch).
+# An fp8 cache's step widens K and V in registers before the tensor cores: more work between loads. From 256
+# (sequence, kv head) pairs it runs the FP8_CACHE_TILE (2 warps, 2 stages: more programs resident an SM) at three
+# splits, which measured fastest or within 1% of the fastest of 4 launch shapes x 8 split counts at every such
+# batch of both head shapes on an H200 (benchmarks/results/decode_tiles.json: llama3-8b's heads, 8 kv, context
+# 2048, at batch 64 87.8 us against 120.6 with the bf16 tile at 3 splits and 152.6 at one; at batch 256 341.2
+# against 470.7 at the bf16 tile's one split; qwen3-30b-a3b's, 4 kv, context 1024, at batch 64 29.8 against
+# 37.0, within 4% of 128-token steps at 2 splits). Below 256 pairs the bf16 tile and rule, which measured as fast
+# or faster at batch 1 and 4. Past FP8_CACHE_PAIRS[1] pairs one split (the scratch for 3 splits grows with the
+# batch: up to 4095 pairs it holds 3 splits of 1023 sequences at 4 kv heads, FP8_CACHE_MIN_KV_HEADS).
 FP8_CACHE_SPLITS = 3
-FP8_CACHE_PAIRS = (256, 1024)  # (sequence, kv head) pairs where an fp8 cache takes FP8_CACHE_SPLITS
+FP8_CACHE_PAIRS = (256, 4096)  # (sequence, kv head) pairs where an fp8 cache takes FP8_CACHE_SPLITS
 FP8_CACHE_MIN_KV_HEADS = 4
 NUM_WARPS, NUM_STAGES = 4, 3  # measured best of BLOCK_N 16..128, 2..8 warps, 2..4 stages on H200
 
@@ -84,6 +86,13 @@ class DecodeTile:
 
 
 DEFAULT_TILE = DecodeTile()
+FP8_CACHE_TILE = DecodeTile(64, 2, 2)
+
+
+def choose_tile(batch_size: int, num_kv_heads: int, fp8_cache: bool = False) -> DecodeTile:
+    """The launch shape decode_attention runs: ``FP8_CACHE_TILE`` for an fp8 cache from ``FP8_CACHE_PAIRS[0]``
+    (sequence, kv head) pairs (the comment on FP8_CACHE_SPLITS says why), else ``DEFAULT_TILE``."""
+    return FP8_CACHE_TILE if fp8_cache and batch_size * num_kv_heads >= FP8_CACHE_PAIRS[0] else DEFAULT_TILE
 
 
 @triton.jit
@@ -292,7 +301,7 @@ def decode_attention(
     (kept for comparison).
     ``min_split_len``: the fewest context tokens a split takes on device, a positive multiple of the tile's
     block_n (benchmarks.launches sweeps it; None: one inner step).
-    ``tile``: the launch shape (``DecodeTile``; None: ``DEFAULT_TILE``; benchmarks.decode_splits --tiles sweeps it).
+    ``tile``: the launch shape (``DecodeTile``; None: ``choose_tile``'s; benchmarks.decode_splits --tiles sweeps it).
     ``out_scale``: write the output quantized for an FP8 projection that reads it in 128-column (here:
     one head) groups: ``out`` is then fp8 ``[>= B, Hq, D]`` and ``out_scale`` fp32 ``[>= B, Hq]`` (any strides),
     one scale per sequence and head, the values per_token_group_quant would make from the unquantized
@@ -305,7 +314,7 @@ def decode_attention(
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError(f"decode_attention needs head_dim contiguous (stride 1) in q and kv_cache, got strides "
                          f"q {q.stride()}, kv_cache {kv_cache.stride()}")
-    tile = tile or DEFAULT_TILE
+    tile = tile or choose_tile(batch, num_kv_heads, kv_cache.dtype == FP8_DTYPE)
     tile.validate()
     min_split_len = tile.block_n if min_split_len is None else min_split_len
     if min_split_len <= 0 or min_split_len % tile.block_n:
