@@ -47,3 +47,21 @@ def test_fp8_widen_dtype_is_checked() -> None:
     q = randn(1, 2, 32, gen=gen)
     with pytest.raises(ValueError, match="fp8_widen=torch.float32"):
         decode_attention(q, cache.to(FP8), tables, lens, 0.2, fp8_widen=torch.float32)
+
+
+@pytest.mark.parametrize("batch", [4, 32])
+def test_fp8_cache_at_its_own_launch_shapes(batch: int) -> None:
+    """The launch shape and split count an fp8 cache picks with 8 kv heads (kernels/decode_attention.choose_tile):
+    128-token steps at batch 4 (32 (sequence, kv head) pairs), the 2-warp 64-token tile at 3 splits at batch 32 (256
+    pairs); contexts from 1 token to past a 128-token step, merged in the kernel."""
+    from graphserve.kernels.decode_attention import DEFAULT_TILE, choose_num_splits, choose_tile
+
+    gen = torch.Generator().manual_seed(14)
+    seq_lens = [int(x) for x in torch.randint(1, 300, (batch,), generator=gen)]
+    cache, tables, lens = paged_setup(seq_lens, 8, 32, 16, gen)
+    cache = cache.to(FP8)
+    assert choose_tile(batch, 8, True) != DEFAULT_TILE
+    assert choose_num_splits(batch, 8, tables.shape[1] * 16, 132, True) > 1
+    q = randn(batch, 16, 32, gen=gen).to(torch.bfloat16)
+    out = decode_attention(q, cache, tables, lens, 32**-0.5)
+    assert rel_err(out, decode_attention_reference(q, cache, tables, lens, 32**-0.5)) < 1e-2

@@ -43,6 +43,7 @@ from graphserve.kernels.activation import silu_and_mul, silu_and_mul_reference  
 from graphserve.kernels.decode_attention import (  # noqa: E402
     DEFAULT_TILE,
     FP8_CACHE_TILE,
+    FP8_SMALL_TILE,
     choose_num_splits,
     choose_tile,
     counters_numel,
@@ -214,12 +215,13 @@ def test_num_splits_fill_the_gpu_from_static_sizes():
 
 
 def test_an_fp8_cache_takes_three_splits_only_where_it_measured_faster():
-    """An fp8 cache: 3 splits from 256 to 4095 (sequence, kv head) pairs where the bf16 rule gives fewer, with 4+
-    kv heads; the bf16 rule elsewhere. Its scratch and counters cover those batches, a bf16 cache's stay as
+    """An fp8 cache with 4+ kv heads: about 512 programs of 128-token steps from 32 to 255 (sequence, kv head) pairs,
+    3 splits from 256 to 4095 pairs where the bf16 rule gives fewer; the bf16 rule elsewhere. Its scratch and counters cover those batches, a bf16 cache's stay as
     they were."""
     sms, fp8 = 132, torch.float8_e4m3fn
     # (batch, kv heads): (bf16 splits, fp8 splits) on 132 SMs at an 8192-token block table
-    want = {(8, 8): (5, 5), (16, 8): (3, 3), (31, 8): (2, 2),  # under 256 pairs: the bf16 rule
+    want = {(2, 8): (17, 17), (3, 4): (22, 22),  # under 32 pairs: the bf16 rule
+            (4, 8): (9, 16), (8, 8): (5, 8), (16, 8): (3, 4), (31, 8): (2, 3),  # 32-255 pairs: 512 programs
             (32, 8): (2, 3), (64, 8): (1, 3), (511, 8): (1, 3),  # 256-4095 pairs: 3 splits
             (512, 8): (1, 1), (64, 4): (2, 3), (1023, 4): (1, 3), (1024, 4): (1, 1),  # from 4096 pairs: the bf16 rule
             (200, 2): (1, 1), (300, 1): (1, 1)}  # under 4 kv heads: the bf16 rule
@@ -230,10 +232,11 @@ def test_an_fp8_cache_takes_three_splits_only_where_it_measured_faster():
     assert choose_num_splits(64, 8, 128, sms, fp8_cache=True) == 2  # never more splits than 64-token steps
     assert workspace_numel(32, 8, 128, sms, fp8) == 511 * 3 * 32 * 129  # batch 511 at 3 splits
     assert counters_numel(8, sms, fp8) == 511 * 8
-    # the launch shape: the fp8 tile from 256 pairs at any kv heads, else the bf16 one
-    assert [choose_tile(b, h, True) for b, h in ((31, 8), (32, 8), (4096, 8), (256, 1))] == \
-        [DEFAULT_TILE, FP8_CACHE_TILE, FP8_CACHE_TILE, FP8_CACHE_TILE]
+    # the launch shape: 128-token steps from 32 pairs, the 2-warp 64-token tile from 256, with 4+ kv heads
+    assert [choose_tile(b, h, True) for b, h in ((3, 8), (4, 8), (31, 8), (32, 8), (4096, 8), (256, 1))] == \
+        [DEFAULT_TILE, FP8_SMALL_TILE, FP8_SMALL_TILE, FP8_CACHE_TILE, FP8_CACHE_TILE, DEFAULT_TILE]
     assert choose_tile(4096, 8) == DEFAULT_TILE
+    assert choose_num_splits(8, 4, 1040, sms, fp8_cache=True) == 9  # never more splits than 128-token steps
     assert workspace_numel(32, 8, 128, sms, torch.bfloat16) == workspace_numel(32, 8, 128, sms)
 
 

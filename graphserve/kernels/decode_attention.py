@@ -87,12 +87,31 @@ class DecodeTile:
 
 DEFAULT_TILE = DecodeTile()
 FP8_CACHE_TILE = DecodeTile(64, 2, 2)
+# Between FP8_SMALL_PAIRS and FP8_CACHE_PAIRS[0] (sequence, kv head) pairs an fp8 cache runs 128-token steps on 2
+# warps, split so that pairs * splits is about FP8_SMALL_PROGRAMS: the fastest of the 4 launch shapes x 8 split
+# counts timed, or within 8% of it, at those batches of both head shapes on an H200 (benchmarks/results/
+# decode_tiles.json: llama3-8b's heads at batch 4, 32 pairs, 10.9 us at 16 splits against 13.6 at the bf16
+# tile's 9; at batch 16, 29.7 against 35.3; qwen3-30b-a3b's at batch 32, 15.3 against 18.7). Below, where a
+# batch of 1-4 sequences has few (sequence, kv head) pairs, the bf16 tile's one-step splits measured faster.
+FP8_SMALL_TILE = DecodeTile(128, 2, 2)
+FP8_SMALL_PAIRS = 32
+FP8_SMALL_PROGRAMS = 512
+
+
+def _fp8_band(batch_size: int, num_kv_heads: int, fp8_cache: bool) -> str | None:
+    """Which of an fp8 cache's measured bands a call falls in: "small", "large" or None (the bf16 tile and rule)."""
+    pairs = batch_size * num_kv_heads
+    if not fp8_cache or num_kv_heads < FP8_CACHE_MIN_KV_HEADS or pairs < FP8_SMALL_PAIRS:
+        return None
+    return "small" if pairs < FP8_CACHE_PAIRS[0] else "large"
 
 
 def choose_tile(batch_size: int, num_kv_heads: int, fp8_cache: bool = False) -> DecodeTile:
-    """The launch shape decode_attention runs: ``FP8_CACHE_TILE`` for an fp8 cache from ``FP8_CACHE_PAIRS[0]``
-    (sequence, kv head) pairs (the comment on FP8_CACHE_SPLITS says why), else ``DEFAULT_TILE``."""
-    return FP8_CACHE_TILE if fp8_cache and batch_size * num_kv_heads >= FP8_CACHE_PAIRS[0] else DEFAULT_TILE
+    """The launch shape decode_attention runs: for an fp8 cache with 4+ kv heads ``FP8_SMALL_TILE`` from
+    ``FP8_SMALL_PAIRS`` (sequence, kv head) pairs and ``FP8_CACHE_TILE`` from ``FP8_CACHE_PAIRS[0]`` (the comments
+    on them say why), else ``DEFAULT_TILE``."""
+    band = _fp8_band(batch_size, num_kv_heads, fp8_cache)
+    return {"small": FP8_SMALL_TILE, "large": FP8_CACHE_TILE}.get(band, DEFAULT_TILE)
 
 
 @triton.jit
@@ -226,17 +245,21 @@ def _decode_split_kernel(
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int,
                       fp8_cache: bool = False) -> int:
-    """Splits per sequence so that batch * kv_heads * splits programs fill the GPU (``fp8_cache``: at least
-    ``FP8_CACHE_SPLITS`` where the comment on it says).
+    """Splits per sequence so that batch * kv_heads * splits programs fill the GPU; never more than the context has
+    inner steps of the launch shape ``choose_tile`` picks. An fp8 cache: ``FP8_SMALL_PROGRAMS`` programs in its small
+    band, at least ``FP8_CACHE_SPLITS`` in its large one (the comments on them say why).
 
     Uses static sizes only (``max_context`` is the block-table capacity, not a seq_lens value), so
     a captured CUDA graph keeps a fixed grid whatever lengths are replayed through it.
     """
     pairs = max(1, batch_size * num_kv_heads)
+    band = _fp8_band(batch_size, num_kv_heads, fp8_cache)
+    useful = math.ceil(max_context / choose_tile(batch_size, num_kv_heads, fp8_cache).block_n)
+    if band == "small":
+        return max(1, min(math.ceil(FP8_SMALL_PROGRAMS / pairs), useful, MAX_SPLITS))
     want = math.ceil(PROGRAMS_PER_SM * num_sms / pairs)
-    useful = math.ceil(max_context / MIN_SPLIT_TOKENS)
     splits = max(1, min(want, useful, MAX_SPLITS))
-    if fp8_cache and num_kv_heads >= FP8_CACHE_MIN_KV_HEADS and FP8_CACHE_PAIRS[0] <= pairs < FP8_CACHE_PAIRS[1]:
+    if band == "large" and pairs < FP8_CACHE_PAIRS[1]:
         splits = max(splits, min(FP8_CACHE_SPLITS, useful))
     return splits
 

@@ -481,7 +481,7 @@ def test_decode_attention_on_an_fp8_cache(seq_lens: list[int], widen: torch.dtyp
     assert rel(out, decode_attention_reference(q.float(), cache, tables, lens, 128**-0.5)) < TOL
 
 
-@pytest.mark.parametrize("batch,kv_heads", [(40, 8), (64, 4), (100, 4), (300, 8), (700, 4)])
+@pytest.mark.parametrize("batch,kv_heads", [(4, 8), (16, 8), (40, 8), (64, 4), (100, 4), (300, 8), (700, 4)])
 def test_decode_attention_on_an_fp8_cache_at_its_own_split_count(batch: int, kv_heads: int, gen: torch.Generator) -> None:
     """Batches where an fp8 cache takes more splits than a bf16 one (kernels/decode_attention.choose_num_splits)
     and its own launch shape (choose_tile), run on the scratch and counters the attention backend reserves for
