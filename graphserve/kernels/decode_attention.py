@@ -56,12 +56,11 @@ MIN_SPLIT_LEN = BLOCK_N
 PROGRAMS_PER_SM = 2  # enough resident programs per SM to hide HBM latency
 # An fp8 cache's step widens K and V in registers before the tensor cores: more work between loads. From 256
 # (sequence, kv head) pairs it runs the FP8_CACHE_TILE (2 warps, 2 stages: more programs resident an SM) at three
-# splits, which measured fastest or within 1% of the fastest of 4 launch shapes x 8 split counts at every such
-# batch of both head shapes on an H200 (benchmarks/results/decode_tiles.json: llama3-8b's heads, 8 kv, context
-# 2048, at batch 64 87.8 us against 120.6 with the bf16 tile at 3 splits and 152.6 at one; at batch 256 341.2
-# against 470.7 at the bf16 tile's one split; qwen3-30b-a3b's, 4 kv, context 1024, at batch 64 29.8 against
-# 37.0, within 4% of 128-token steps at 2 splits). Below 256 pairs the bf16 tile and rule, which measured as fast
-# or faster at batch 1 and 4. Past FP8_CACHE_PAIRS[1] pairs one split (the scratch for 3 splits grows with the
+# splits: of 6 launch shapes x 8 split counts on an H200 (benchmarks/results/decode_tiles.json) the fastest or
+# within 1% of it at every such batch of llama3-8b's heads (8 kv, context 2048: batch 64 87.8 us against 120.6 with
+# the bf16 tile at 3 splits and 152.6 at one; batch 256 341.2 against 470.7 at the bf16 tile's one split) and of
+# qwen3-30b-a3b's (4 kv, context 1024) at batch 128 and 256; at its batch 64, 29.8 us against 37.0, 3.3% behind
+# 128-token steps at 2 splits. Past FP8_CACHE_PAIRS[1] pairs one split (the scratch for 3 splits grows with the
 # batch: up to 4095 pairs it holds 3 splits of 1023 sequences at 4 kv heads, FP8_CACHE_MIN_KV_HEADS).
 FP8_CACHE_SPLITS = 3
 FP8_CACHE_PAIRS = (256, 4096)  # (sequence, kv head) pairs where an fp8 cache takes FP8_CACHE_SPLITS
@@ -88,7 +87,7 @@ class DecodeTile:
 DEFAULT_TILE = DecodeTile()
 FP8_CACHE_TILE = DecodeTile(64, 2, 2)
 # Between FP8_SMALL_PAIRS and FP8_CACHE_PAIRS[0] (sequence, kv head) pairs an fp8 cache runs 128-token steps on 2
-# warps, split so that pairs * splits is about FP8_SMALL_PROGRAMS: the fastest of the 4 launch shapes x 8 split
+# warps, split so that pairs * splits is about FP8_SMALL_PROGRAMS: the fastest of the 6 launch shapes x 8 split
 # counts timed, or within 8% of it, at those batches of both head shapes on an H200 (benchmarks/results/
 # decode_tiles.json: llama3-8b's heads at batch 4, 32 pairs, 10.9 us at 16 splits against 13.6 at the bf16
 # tile's 9; at batch 16, 29.7 against 35.3; qwen3-30b-a3b's at batch 32, 15.3 against 18.7). Below, where a
