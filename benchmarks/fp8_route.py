@@ -92,6 +92,17 @@ COLS = ["shape", "m", "prologue", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_
         "stream_bf16x_us", "stream_a8_groups_us", "stream/floor", "stream_GBps"]
 
 
+def power_of_two_grid(programs: int, split: int, sms: int) -> bool:
+    """A power-of-two split giving every SM one to four programs."""
+    return split & (split - 1) == 0 and sms <= programs <= 4 * sms
+
+
+def even_waves(programs: int, sms: int) -> bool:
+    """A grid filling 3/4 to all of one wave, or of two, of one program an SM: a grid just past a wave (160
+    programs on 132 SMs) leaves the SMs holding two programs to finish last; a whole number of waves does not."""
+    return any(0.75 * waves * sms <= programs <= waves * sms for waves in (1, 2))
+
+
 def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
     """Stream tiles to try at ``m`` rows of an [n, k] weight.
 
@@ -99,7 +110,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
     - 2 <= m <= 16: dot tiles 16-64 rows tall, whole or split 2 and 4 ways;
     - m > 16 (the dot path only): tiles of 64 and 128 rows (x is read again by every program, so taller
       tiles read it fewer times), 128 or 256 columns a step, split so the grid gives every SM one to four
-      programs;
+      programs, or (FP8 dot, x quantized before) into any count that fills one or two waves evenly
+      (``even_waves``);
     - m > 4: the FP8 dot in tiles of 32-128 rows (256 above 16 rows), one 128-column scale block a step,
       split likewise; each tile twice: x quantized in the kernel, and x quantized by the launch before (a8),
       the a8 tiles above 16 rows in three and four pipeline stages.
@@ -122,8 +134,12 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
             tiles = ((64, 128, False), (128, 128, False), (128, 256, False), (64, 128, True), (128, 128, True),
                      (256, 128, True))
         for bn, bk, fp8 in tiles:
-            for split in (1, 2, 4, 8, 16):
-                if k % bk or bk * (2 * split if split > 1 else 1) > k or not sms <= triton.cdiv(n, bn) * split <= 4 * sms:
+            for split in range(1, 17):
+                programs, steps = triton.cdiv(n, bn) * split, k // bk
+                if k % bk or bk * (2 * split if split > 1 else 1) > k or triton.cdiv(steps, triton.cdiv(steps, split)) != split:
+                    continue  # every split two or more K steps, and the launch runs this many (tile_constants)
+                pow2 = power_of_two_grid(programs, split, sms)
+                if not pow2 and not (fp8 and m > 16 and even_waves(programs, sms)):
                     continue
                 # FP8-dot tiles of 64-128 rows at 64 rows of x also in 4 warps: twice the registers a thread (no
                 # spill on sm_90 up to 128 rows), and ptxas's occupancy (benchmarks/kernel_ptxas.py) may then fit
@@ -131,7 +147,7 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
                 big = bn * block_m >= 64 * 64
                 warps = (8, 4) if big and fp8 and m > 32 and bn <= 128 else (8 if big else 4,)
                 # a8 tiles above 16 rows also with a fourth stage: one more weight and x step in flight
-                forms = [(a8, stages) for a8 in ((False, True) if fp8 else (False,))
+                forms = [(a8, stages) for a8 in ((False, True) if fp8 and pow2 else (True,) if fp8 else (False,))
                          for stages in ((3, 4) if a8 and m > 16 else (3,))]
                 out += [StreamConfig(bn, bk, num_warps=w, num_stages=stages, use_dot=True, split_k=split, fp8_dot=fp8,
                                      a8=a8) for w in warps for a8, stages in forms]
