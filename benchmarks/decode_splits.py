@@ -36,10 +36,6 @@ COLS = ["shape", "cache", "bs", "ctx", "tile", "splits", "picked", "us", "floor_
 SUMMARY_COLS = ["shape", "cache", "bs", "ctx", "picked", "picked_us", "best_tile", "best", "best_us", "picked/best"]
 
 
-def tile_name(tile: DecodeTile) -> str:
-    return f"{tile.block_n}x{tile.num_warps}w{tile.num_stages}s"
-
-
 def parse_tile(text: str) -> DecodeTile:
     """``BLOCK_N,WARPS,STAGES`` as a checked DecodeTile."""
     try:
@@ -69,9 +65,9 @@ def measure(name: str, cache_name: str, batch: int, sms: int, tiles: list[Decode
             us = graph_time_ms(lambda s=splits, t=tile: decode_attention(q, cache, tables, lens, d**-0.5, num_splits=s,
                                                                          counters=counters, tile=t)) * 1e3  # fmt: skip
             chosen = splits == picked and tile == picked_tile
-            rows.append({"shape": name, "cache": cache_name, "bs": batch, "ctx": ctx, "tile": tile_name(tile),
+            rows.append({"shape": name, "cache": cache_name, "bs": batch, "ctx": ctx, "tile": tile.label(),
                          "splits": splits, "picked": chosen, "us": us, "bytes": nbytes})
-            print(f"  {name} {cache_name} bs={batch} tile={tile_name(tile)} splits={splits}"
+            print(f"  {name} {cache_name} bs={batch} tile={tile.label()} splits={splits}"
                   f"{' (picked)' if chosen else ''}: {us:.2f} us", flush=True)
     return rows
 

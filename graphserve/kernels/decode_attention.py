@@ -22,6 +22,10 @@ An fp8 (e4m3) cache is widened in registers to fp16, with q and the probabilitie
 e4m3 -> fp16 conversion is one instruction per two elements and exact, where the chain to bf16 takes
 several per element, and fp16 holds p more finely than bf16. The bf16 path is untouched.
 
+Launch shape (``DecodeTile``: context tokens per inner step, warps, stages): one measured for a bf16 cache at
+every batch, and for an fp8 cache its own in two bands of (sequence, kv head) pairs, with the split counts that
+go with them (``choose_tile``, ``choose_num_splits``; benchmarks.decode_splits --tiles measures them).
+
 CUDA-graph safety: no host syncs and no allocation that depends on data. The grid depends only on
 static sizes (batch, kv heads and the split count, which comes from batch size, the block-table
 width and the SM count), never on ``seq_lens`` values; the scratch space and the counters can be
@@ -47,12 +51,11 @@ MAX_SPLITS = 32  # beyond this the merge costs more than the extra parallelism g
 BLOCK_N = 64  # context tokens per inner step
 # The launch may cut a context into splits of one inner step (the grid comes from the block-table
 # capacity, so a long context gets its parallelism), but on device a split never takes fewer than
-# MIN_SPLIT_LEN tokens: the splits past the context exit at once and the merge reads only the used
-# ones. One inner step per split measured fastest at batch 1 on the H200 (benchmarks.decode_latency,
-# results/decode_latency.json: a 1k context in 6.8-7.1 us at 64 tokens per split against 8.1-8.6 us at
-# 128 for the qwen3-30b-a3b and llama3-8b head shapes): more programs in flight beat a shorter merge.
-MIN_SPLIT_TOKENS = BLOCK_N
-MIN_SPLIT_LEN = BLOCK_N
+# ``min_split_len`` tokens (by default one inner step of the launch shape): the splits past the context
+# exit at once and the merge reads only the used ones. One inner step per split measured fastest at batch
+# 1 on the H200 (benchmarks.decode_latency, results/decode_latency.json: a 1k context in 6.8-7.1 us at 64
+# tokens per split against 8.1-8.6 us at 128 for the qwen3-30b-a3b and llama3-8b head shapes): more
+# programs in flight beat a shorter merge.
 PROGRAMS_PER_SM = 2  # enough resident programs per SM to hide HBM latency
 # An fp8 cache's step widens K and V in registers before the tensor cores: more work between loads. From 256
 # (sequence, kv head) pairs it runs the FP8_CACHE_TILE (2 warps, 2 stages: more programs resident an SM) at three
@@ -75,6 +78,10 @@ class DecodeTile:
     block_n: int = BLOCK_N
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
+
+    def label(self) -> str:
+        """``64x4w3s``: tokens per step, warps, stages (the benchmarks' rows name a shape so)."""
+        return f"{self.block_n}x{self.num_warps}w{self.num_stages}s"
 
     def validate(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):

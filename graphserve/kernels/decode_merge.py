@@ -23,7 +23,7 @@ from graphserve.kernels.pdl import pdl_enter
 
 # fp32 partials one in-kernel merge step holds ([heads of a kv head, splits, head_dim]): 128 per
 # thread at 4 warps, so a bs-1 merge of up to 16 splits x 8 heads x 128 (a 1k-2k context, see
-# MIN_SPLIT_LEN in kernels/decode_attention.py) is one L2 round trip. The split kernel then takes
+# min_split_len in kernels/decode_attention.py) is one L2 round trip. The split kernel then takes
 # 168 registers on sm_90 and no spills (benchmarks.kernel_ptxas; 128 at 8192 elements)
 MERGE_TILE_ELEMS = 16384
 
