@@ -28,6 +28,7 @@ from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
+from graphserve.kernels.argmax import greedy_argmax
 from graphserve.kernels.pdl import DEFAULT_SKIP, checked_skip, pdl, pdl_on
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.layers.forward_batch import contiguous_batch
@@ -77,10 +78,10 @@ def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rou
         for bs in sizes:
             batch = contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=info.vocab_size)
             times: dict[str, list[float]] = {label: [] for label in scopes}
-            tokens = {label: graphs[label].replay(batch).argmax(-1) for label in scopes}
+            tokens = {label: greedy_argmax(graphs[label].replay(batch)) for label in scopes}
             for _ in range(rounds):
                 for label in scopes:
-                    step = lambda g=graphs[label], b=batch: g.replay(b).argmax(-1)  # noqa: E731
+                    step = lambda g=graphs[label], b=batch: greedy_argmax(g.replay(b))  # noqa: E731
                     times[label].append(cuda_time_ms(step, warmup=2, iters=10))
             touched = experts_touched(layers) if layers else None
             nbytes = desc.decode_read_bytes(bs, bs * (ctx + 1), touched)

@@ -138,6 +138,10 @@ def test_shapes_that_do_not_fit_name_the_argument():
             stage(dst, num_valid.view(1), src, 4, 8)
         with pytest.raises(ValueError, match="src.positions is torch.float32"):
             stage(dst, num_valid, src._replace(positions=src.positions.float()), 4, 8)
+        with pytest.raises(ValueError, match=r"seq_lens must be a vector of the buffers' 16 rows, got shape \(15,\)"):
+            stage(dst._replace(seq_lens=dst.seq_lens[:15]), num_valid, src, 4, 8)
+        with pytest.raises(ValueError, match="block_tables is torch.float32"):
+            stage(dst._replace(block_tables=dst.block_tables.float()), num_valid, src, 4, 8)
 
 
 class _FakeGraph:

@@ -44,6 +44,7 @@ from graphserve.kernels.decode_attention import (  # noqa: E402
     DEFAULT_TILE,
     FP8_CACHE_TILE,
     FP8_SMALL_TILE,
+    DecodeTile,
     choose_num_splits,
     choose_tile,
     counters_numel,
@@ -184,6 +185,14 @@ def test_decode_attention_merges_in_kernel_and_leaves_counters_zero():
         decode_attention(q, cache, tables, lens, 0.1, num_splits=6, counters=counters[:2])
     with pytest.raises(ValueError, match="min_split_len=96 must be a positive multiple of BLOCK_N=64"):
         decode_attention(q, cache, tables, lens, 0.1, num_splits=6, min_split_len=96)
+    with pytest.raises(ValueError, match="min_split_len=64 must be a positive multiple of BLOCK_N=128"):
+        decode_attention(q, cache, tables, lens, 0.1, num_splits=6, min_split_len=64, tile=FP8_SMALL_TILE)
+    for bad, message in ((DecodeTile(96), r"block_n=96 must be a power of two in 16\.\.256"),
+                         (DecodeTile(512), r"block_n=512 must be a power of two in 16\.\.256"),
+                         (DecodeTile(64, 3), "num_warps=3 must be 1, 2, 4 or 8"),
+                         (DecodeTile(64, 4, 0), "num_stages=0 at least 1")):
+        with pytest.raises(ValueError, match=message):
+            decode_attention(q, cache, tables, lens, 0.1, tile=bad)
 
 
 def test_decode_attention_uses_given_workspace_and_checks_its_size():
@@ -237,6 +246,7 @@ def test_an_fp8_cache_takes_three_splits_only_where_it_measured_faster():
         [DEFAULT_TILE, FP8_SMALL_TILE, FP8_SMALL_TILE, FP8_CACHE_TILE, FP8_CACHE_TILE, DEFAULT_TILE]
     assert choose_tile(4096, 8) == DEFAULT_TILE
     assert choose_num_splits(8, 4, 1040, sms, fp8_cache=True) == 9  # never more splits than 128-token steps
+    assert choose_num_splits(1, 8, 1024, sms) == 16 and choose_num_splits(1, 8, 1024, sms, step=128) == 8  # a given step
     assert workspace_numel(32, 8, 128, sms, torch.bfloat16) == workspace_numel(32, 8, 128, sms)
 
 

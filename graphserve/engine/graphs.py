@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphserve.kernels.graph_inputs import DecodeInputs, pad_decode_rows, stage_decode_inputs
+from graphserve.kernels.graph_inputs import DecodeInputs, check_buffers, pad_decode_rows, stage_checked
 from graphserve.layers.forward_batch import DUMMY_BLOCK, ForwardBatch
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class GraphRunner:
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
         self.num_valid = torch.zeros((), dtype=torch.int64, device=device)  # real rows of the padded batch
         self.static = DecodeInputs(self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)
+        check_buffers(self.static, self.num_valid)  # once: a step then checks only its batch (stage_checked)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -142,7 +143,7 @@ class GraphRunner:
         launch where the inputs are on the runner's device (kernels/graph_inputs.py), where 6-11 copy_/fill_
         launches issued one by one cost 50-190 us per step on an H200."""
         src = DecodeInputs(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens, batch.block_tables)
-        stage_decode_inputs(self.static, self.num_valid, src, batch.num_seqs, ps)
+        stage_checked(self.static, self.num_valid, src, batch.num_seqs, ps)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Run a decode batch of at most ``max_bs`` rows through its padded graph; returns [bs, V] logits."""

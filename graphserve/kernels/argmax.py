@@ -122,14 +122,14 @@ def argmax_triton(logits: torch.Tensor, *, programs: int | None = None, block: i
     ``programs`` (partial programs aimed at; default PROGRAMS_PER_SM per SM) and ``block`` (a power of two)
     change the split, for tests that want many chunks of a short row and for timing other splits."""
     _check(logits)
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"greedy_argmax: block must be a power of two, got {block}")
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    if block < 1 or block & (block - 1):
-        raise ValueError(f"greedy_argmax: block must be a power of two, got {block}")
     if programs is None:
         programs = PROGRAMS_PER_SM * sm_count(logits.device)
     chunks, chunk = chunking(batch, vocab, programs, block)

@@ -71,6 +71,9 @@ FP8_CACHE_MIN_KV_HEADS = 4
 NUM_WARPS, NUM_STAGES = 4, 3  # a bf16 cache: the best of BLOCK_N 16..128, 2..8 warps, 2..4 stages on H200
 
 
+MAX_TILE_BLOCK_N = 256  # K and V tiles of 256 tokens x 128 dims already fill a program's shared memory at 2 stages
+
+
 @dataclass(frozen=True)
 class DecodeTile:
     """The split kernel's launch shape: context tokens per inner step, warps, pipeline stages."""
@@ -84,8 +87,8 @@ class DecodeTile:
         return f"{self.block_n}x{self.num_warps}w{self.num_stages}s"
 
     def validate(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"decode tile block_n={self.block_n} must be a power of two >= 16")
+        if not 16 <= self.block_n <= MAX_TILE_BLOCK_N or self.block_n & (self.block_n - 1):
+            raise ValueError(f"decode tile block_n={self.block_n} must be a power of two in 16..{MAX_TILE_BLOCK_N}")
         if self.num_warps not in (1, 2, 4, 8) or self.num_stages < 1:
             raise ValueError(f"decode tile num_warps={self.num_warps} must be 1, 2, 4 or 8 and num_stages="
                              f"{self.num_stages} at least 1")
@@ -250,9 +253,9 @@ def _decode_split_kernel(
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int,
-                      fp8_cache: bool = False) -> int:
+                      fp8_cache: bool = False, step: int | None = None) -> int:
     """Splits per sequence so that batch * kv_heads * splits programs fill the GPU; never more than the context has
-    inner steps of the launch shape ``choose_tile`` picks. An fp8 cache: ``FP8_SMALL_PROGRAMS`` programs in its small
+    inner steps of ``step`` tokens (the launch shape's; None: the one ``choose_tile`` picks). An fp8 cache: ``FP8_SMALL_PROGRAMS`` programs in its small
     band, at least ``FP8_CACHE_SPLITS`` in its large one (the comments on them say why).
 
     Uses static sizes only (``max_context`` is the block-table capacity, not a seq_lens value), so
@@ -260,7 +263,7 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_
     """
     pairs = max(1, batch_size * num_kv_heads)
     band = _fp8_band(batch_size, num_kv_heads, fp8_cache)
-    useful = math.ceil(max_context / choose_tile(batch_size, num_kv_heads, fp8_cache).block_n)
+    useful = math.ceil(max_context / (step or choose_tile(batch_size, num_kv_heads, fp8_cache).block_n))
     if band == "small":
         return max(1, min(math.ceil(FP8_SMALL_PROGRAMS / pairs), useful, MAX_SPLITS))
     want = math.ceil(PROGRAMS_PER_SM * num_sms / pairs)
@@ -343,8 +346,10 @@ def decode_attention(
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError(f"decode_attention needs head_dim contiguous (stride 1) in q and kv_cache, got strides "
                          f"q {q.stride()}, kv_cache {kv_cache.stride()}")
-    tile = tile or choose_tile(batch, num_kv_heads, kv_cache.dtype == FP8_DTYPE)
-    tile.validate()
+    if tile is None:
+        tile = choose_tile(batch, num_kv_heads, kv_cache.dtype == FP8_DTYPE)
+    else:
+        tile.validate()
     min_split_len = tile.block_n if min_split_len is None else min_split_len
     if min_split_len <= 0 or min_split_len % tile.block_n:
         raise ValueError(f"min_split_len={min_split_len} must be a positive multiple of BLOCK_N={tile.block_n}")
@@ -373,7 +378,7 @@ def decode_attention(
         return out
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, sm_count(q.device),
-                                       kv_cache.dtype == FP8_DTYPE)
+                                       kv_cache.dtype == FP8_DTYPE, tile.block_n)
     direct = num_splits == 1
     mid_numel = batch * num_heads * num_splits * (head_dim + 1)
     if direct:

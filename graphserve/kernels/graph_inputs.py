@@ -88,11 +88,19 @@ def _stage_decode_inputs_kernel(
 def stage_decode_inputs(dst: DecodeInputs, num_valid: torch.Tensor, src: DecodeInputs, bs: int, ps: int) -> None:
     """Write ``src``'s ``bs`` rows and ``ps - bs`` padding rows into the static buffers ``dst`` and ``bs`` into
     ``num_valid`` (a 0-d tensor beside them): one launch where every tensor is on the buffers' device, else (a
-    caller that hands sources from elsewhere, or buffers no Triton runs on) ``stage_decode_inputs_reference``."""
-    _check(dst, num_valid, src, bs, ps)
+    caller that hands sources from elsewhere, or buffers no Triton runs on) the ``copy_``/``fill_`` writes of
+    ``stage_decode_inputs_reference``."""
+    check_buffers(dst, num_valid)
+    stage_checked(dst, num_valid, src, bs, ps)
+
+
+def stage_checked(dst: DecodeInputs, num_valid: torch.Tensor, src: DecodeInputs, bs: int, ps: int) -> None:
+    """``stage_decode_inputs`` for buffers that passed ``check_buffers`` once (engine/graphs.GraphRunner's own,
+    fixed for its life): a step checks only its batch."""
+    _check_batch(dst, src, bs, ps)
     device = dst.input_ids.device
     if (device.type != "cuda" and not interpreting()) or any(t.device != device for t in (*src, num_valid)):
-        stage_decode_inputs_reference(dst, num_valid, src, bs, ps)
+        _copy_and_fill(dst, num_valid, src, bs, ps)
         return
     max_blocks = dst.block_tables.shape[1]
     block_w = max(16, min(triton.next_power_of_2(max_blocks), 1024))
@@ -124,7 +132,12 @@ def stage_decode_inputs_reference(
     dst: DecodeInputs, num_valid: torch.Tensor, src: DecodeInputs, bs: int, ps: int
 ) -> None:
     """Plain PyTorch: the same writes as ``copy_`` and ``fill_`` launches; sources may live on any device."""
-    _check(dst, num_valid, src, bs, ps)
+    check_buffers(dst, num_valid)
+    _check_batch(dst, src, bs, ps)
+    _copy_and_fill(dst, num_valid, src, bs, ps)
+
+
+def _copy_and_fill(dst: DecodeInputs, num_valid: torch.Tensor, src: DecodeInputs, bs: int, ps: int) -> None:
     dst.input_ids[:bs].copy_(src.input_ids, non_blocking=True)
     dst.positions[:bs].copy_(src.positions, non_blocking=True)
     dst.slot_mapping[:bs].copy_(src.slot_mapping, non_blocking=True)
@@ -134,31 +147,39 @@ def stage_decode_inputs_reference(
     num_valid.fill_(bs)
 
 
-def _check(dst: DecodeInputs, num_valid: torch.Tensor, src: DecodeInputs, bs: int, ps: int) -> None:
-    rows = min(t.shape[0] for t in dst)
+def check_buffers(dst: DecodeInputs, num_valid: torch.Tensor) -> None:
+    """The static buffers: integer vectors of one length, a block table of as many rows, a 0-d integer count."""
+    rows = dst.input_ids.shape[0] if dst.input_ids.dim() == 1 else -1
+    for name, t in _named(dst, "")[:4]:
+        if t.dim() != 1 or t.shape[0] != rows:
+            raise ValueError(f"{name} must be a vector of the buffers' {rows} rows, got shape {tuple(t.shape)}")
+    if dst.block_tables.dim() != 2 or dst.block_tables.shape[0] != rows:
+        raise ValueError(f"block_tables must be [{rows} rows, max_blocks], got shape {tuple(dst.block_tables.shape)}")
+    if num_valid.dim() != 0:
+        raise ValueError(f"num_valid must be a 0-d tensor, got shape {tuple(num_valid.shape)}")
+    for name, t in [*_named(dst, ""), ("num_valid", num_valid)]:
+        if t.dtype not in INDEX_DTYPES:
+            raise ValueError(f"{name} is {t.dtype}; staging needs integer tensors ({_names(INDEX_DTYPES)})")
+
+
+def _check_batch(dst: DecodeInputs, src: DecodeInputs, bs: int, ps: int) -> None:
+    rows = dst.input_ids.shape[0]
     if not 1 <= ps <= rows:
         raise ValueError(f"ps={ps} (the padded size) must lie in [1, {rows}], the static buffers' rows")
     if not 0 <= bs <= ps:
         raise ValueError(f"bs={bs} (the batch's rows) must lie in [0, ps={ps}]")
-    for name, t in _named(dst, "")[:4]:
-        if t.dim() != 1:
-            raise ValueError(f"{name} must be a vector, got shape {tuple(t.shape)}")
-    if dst.block_tables.dim() != 2:
-        raise ValueError(f"block_tables must be [rows, max_blocks], got shape {tuple(dst.block_tables.shape)}")
-    for name, t in _named(src, "src.")[:4]:
-        if tuple(t.shape) != (bs,):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({bs},): one value per row, bs={bs}")
+    if any(t.shape != (bs,) for t in src[:4]):  # the names are built only for the error
+        name, t = next((n, t) for n, t in _named(src, "src.")[:4] if t.shape != (bs,))
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({bs},): one value per row, bs={bs}")
     table = src.block_tables
     if table.dim() != 2 or table.shape[0] != bs:
         raise ValueError(f"src.block_tables has shape {tuple(table.shape)}, expected ({bs}, width)")
     if table.shape[1] > dst.block_tables.shape[1]:
         raise ValueError(f"src.block_tables width {table.shape[1]} exceeds the static block_tables width "
                          f"{dst.block_tables.shape[1]} (max blocks per sequence)")
-    if num_valid.dim() != 0:
-        raise ValueError(f"num_valid must be a 0-d tensor, got shape {tuple(num_valid.shape)}")
-    for name, t in [*_named(dst, ""), *_named(src, "src."), ("num_valid", num_valid)]:
-        if t.dtype not in INDEX_DTYPES:
-            raise ValueError(f"{name} is {t.dtype}; staging needs integer tensors ({_names(INDEX_DTYPES)})")
+    if any(t.dtype not in INDEX_DTYPES for t in src):
+        name, t = next((n, t) for n, t in _named(src, "src.") if t.dtype not in INDEX_DTYPES)
+        raise ValueError(f"{name} is {t.dtype}; staging needs integer tensors ({_names(INDEX_DTYPES)})")
 
 
 def _named(inputs: DecodeInputs, prefix: str) -> list[tuple[str, torch.Tensor]]:

@@ -88,7 +88,7 @@ def test_replay_after_one_launch_gives_the_logits_of_the_copy_path(monkeypatch, 
         runner.capture()
         # the copy path is reached only by hand below: replay() must stage through the kernel
         copy_path = stage_decode_inputs_reference
-        monkeypatch.setattr("graphserve.kernels.graph_inputs.stage_decode_inputs_reference", None)
+        monkeypatch.setattr("graphserve.kernels.graph_inputs._copy_and_fill", None)
         for bs in [8, 3, 1, 5, 4, 2, 8]:  # each batch after a larger or smaller one: stale rows to overwrite
             lens = [ctx + 1 - 7 * i for i in range(bs)]
             batch = _uploaded(contiguous_batch([1] * bs, lens, kv_caches, backend, vocab_size=info.vocab_size),
