@@ -17,12 +17,7 @@ Rows go to benchmarks/results/fp8_decode.json as {"model","bs","ctx","step_ms","
 "bf16_step_ms"} beside the rows already there (benchmarks/fp8.py writes the dense ones: run it
 first), and everything this run measured to benchmarks/results/moe_fp8.json.
 
-``scan_ms`` is ``layer_ms``'s tiles and mode with no sort launch (each GEMM program finds its own pairs,
-kernels/moe_fused.PairScan), up to the batches that path takes; ``--sort-too`` runs the FP8 steps once more
-with the sort at every batch (``sort_step_ms``), where the engine scans up to ``SCAN_MAX_BLOCK_P``.
-
-Run: python3 -m benchmarks.moe_fp8 [--quick] [--sort-too]  (about 2 minutes on an H200; --quick: uniform only,
-no kernel table)
+Run: python3 -m benchmarks.moe_fp8 [--quick]      (about 2 minutes on an H200; --quick: uniform only, no kernel table)
 """
 
 from __future__ import annotations
@@ -31,14 +26,12 @@ import argparse
 import gc
 
 import torch
-import triton
 
 from benchmarks.common import cuda_time_ms, merge_rows, print_table, write_result
 from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
-from graphserve.kernels import moe_fused
 from graphserve.kernels.argmax import greedy_argmax
 from graphserve.kernels.moe_fused import fused_experts, quantized_steps
 from graphserve.kernels.moe_routing import moe_softmax_topk
@@ -109,10 +102,6 @@ def kernel_rows(tokens: list[int], e: int = 128, h: int = 2048, i: int = 768, k:
             x, w13, w2, w, ids, path="gemm")), "w8a16_ms": cuda_time_ms(lambda f=fp8: f(False)),
             "w8a8_ms": cuda_time_ms(lambda f=fp8: f(True)), "layer_ms": cuda_time_ms(lambda f=fp8: f(None)),
             "picked": picked}  # fmt: skip
-        if triton.next_power_of_2(t) * triton.next_power_of_2(k) <= moe_fused.SCAN_MAX_BLOCK_P:
-            # the same tiles and mode without the sort launch: each GEMM program finds its pairs
-            row["scan_ms"] = cuda_time_ms(lambda x=x, w=w, ids=ids: fused_experts(
-                x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2, weight_block=(128, 128), path="scan"))
         rows.append(row)
     return rows
 
@@ -122,36 +111,27 @@ def main() -> None:
     p.add_argument("--bs", nargs="+", type=int, default=[1, 64])
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--quick", action="store_true", help="uniform routing only, no kernel table")
-    p.add_argument("--sort-too", action="store_true",
-                   help="the FP8 steps again with the experts' sort launch at every batch (no PairScan)")
     args = p.parse_args()
     routings = ["uniform"] if args.quick else ["skewed", "uniform"]
     bw = measured_read_bw()
     print(f"probes: {bw.describe()}")
-    kernels = [] if args.quick else kernel_rows([8, 16, 32, 64, 256, 1024, 2048, 4096, 8192])
+    kernels = [] if args.quick else kernel_rows([8, 64, 256, 1024, 2048, 4096, 8192])
     bf16 = decode_steps("none", args.bs, args.ctx, routings, bw)
     fp8 = decode_steps("fp8", args.bs, args.ctx, routings, bw)
-    sort = {}
-    if args.sort_too:
-        scan_limit, moe_fused.SCAN_MAX_BLOCK_P = moe_fused.SCAN_MAX_BLOCK_P, 0
-        sort = decode_steps("fp8", args.bs, args.ctx, routings, bw)
-        moe_fused.SCAN_MAX_BLOCK_P = scan_limit
     rows = []
     for (bs, routing), (ms, nbytes, touched) in fp8.items():
         row = {"model": f"{MODEL} --quantization fp8 ({routing} routing)", "bs": bs, "ctx": args.ctx,
                "routing": routing, "experts_touched": touched, "step_ms": ms, "read_bytes": nbytes,
                "bf16_step_ms": bf16[bs, routing][0], "bf16_read_bytes": bf16[bs, routing][1]}
-        if sort:
-            row["sort_step_ms"] = sort[bs, routing][0]
         rows.append(row)
     bw.probe_again()  # the probes again, after the work: each method's best of both rounds
     for r in rows:  # floors last: the best read rate of the whole run is the denominator
         r.update({key: v for key, v in bw.ratios(r["step_ms"], r["read_bytes"]).items() if key in ("floor_ms", "ratio")})
         r["vs_bf16"] = r["step_ms"] / r["bf16_step_ms"]
     print(f"\nfloor: {bw.describe()}")
-    print_table(rows, COLS + (["sort_step_ms"] if sort else []))
+    print_table(rows, COLS)
     if kernels:
-        print_table(kernels, ["tokens", "pairs", "bf16_ms", "w8a16_ms", "w8a8_ms", "layer_ms", "scan_ms", "picked"])
+        print_table(kernels, ["tokens", "pairs", "bf16_ms", "w8a16_ms", "w8a8_ms", "layer_ms", "picked"])
     merge_rows("fp8_decode", [{key: r[key] for key in ("model", "bs", "ctx", "step_ms", "floor_ms", "ratio",
                                                "bf16_step_ms")} for r in rows])  # fmt: skip
     write_result("moe_fp8", {"ceilings": {"read": bw.summary()}, "rows": rows, "kernels": kernels})

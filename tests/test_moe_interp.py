@@ -17,7 +17,6 @@ use_interpreter("graphserve.layers.moe")
 import pytest  # noqa: E402
 
 from graphserve.kernels import moe_align as moe_align_mod  # noqa: E402
-from graphserve.kernels import moe_fused as moe_fused_mod  # noqa: E402
 from graphserve.kernels.moe_align import moe_align  # noqa: E402
 from graphserve.kernels.moe_config import GemmTile, GemvTile  # noqa: E402
 from graphserve.kernels.moe_fused import fused_experts  # noqa: E402
@@ -157,7 +156,7 @@ def _weights(gen: torch.Generator, num_local: int = E, h: int = H, inter: int = 
 FUSED_CASES = [(7, 2, 0, E, False, H, INTER), (9, 3, 2, 3, True, H, INTER), (6, 2, 1, 4, True, 64, 32)]
 
 
-@pytest.mark.parametrize("path", ["gemm", "scan", "gemv"])
+@pytest.mark.parametrize("path", ["gemm", "gemv"])
 @pytest.mark.parametrize("t,k,expert_start,num_local,padded,h,inter", FUSED_CASES)
 def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, padded, h, inter):
     gen = torch.Generator().manual_seed(t * k + num_local)
@@ -176,65 +175,6 @@ def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, pa
     assert torch.equal(counts.cpu(), expert_counts_reference(topk_ids, valid, E).cpu())
     if padded:
         assert torch.equal(out[-2:].cpu(), torch.zeros(2, h))
-
-
-def _no_sort(*args, **kwargs):
-    raise AssertionError("the sort launched")
-
-
-# (tokens, k, experts, first local expert, local experts, hot): many tiles for one expert (the hot one gets
-# most rows: 40 at k = 3), an expert-parallel slice that leaves the hot expert to another rank, every expert
-SCAN_CASES = [(40, 3, 48, 0, 48, True), (40, 3, 48, 8, 40, True), (24, 4, 8, 0, 8, False)]
-
-
-@pytest.mark.parametrize("t,k,e,expert_start,num_local,hot", SCAN_CASES)
-def test_scan_path_matches_the_sorted_path_exactly(t, k, e, expert_start, num_local, hot, monkeypatch):
-    """Without the sort each GEMM program finds its expert's pairs itself: the same rows in the same 16-row
-    tiles as the sort puts them, so the same output bit for bit, the same counts, and no sort launched."""
-    gen = torch.Generator().manual_seed(t * k + e + expert_start)
-    w13, w2 = _weights(gen, num_local, 32, 16)
-    x = _randn(t, 32, gen=gen)
-    if hot:
-        ids = _hot_expert_ids(t, k, gen)
-    else:
-        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
-    ids = ids.to(DEVICE)
-    topk_w = torch.rand(t, k, generator=gen).to(DEVICE)
-    valid = torch.rand(t, generator=gen).to(DEVICE) < 0.9  # padding rows scattered through the batch
-    valid[0] = True
-    x[~valid] = float("nan")
-    tiles = (GemmTile(16, 16, 32, 1, 4, 2), GemmTile(16, 32, 16, 1, 4, 2))
-    outs, counts = {}, {}
-    for path in ("gemm", "scan"):
-        counts[path] = torch.full((e,), -7, dtype=torch.int32, device=DEVICE)
-        outs[path] = fused_experts(x, w13, w2, topk_w, ids, valid=valid, expert_start=expert_start,
-                                   counts=counts[path], path=path, gemm_tiles=tiles)  # fmt: skip
-    assert torch.equal(outs["scan"].cpu(), outs["gemm"].cpu())
-    assert torch.equal(counts["scan"].cpu(), expert_counts_reference(ids, valid, e).cpu())
-    want = experts_reference(x, w13, w2, topk_w, ids, valid, expert_start)
-    torch.testing.assert_close(outs["scan"], want, rtol=1e-4, atol=1e-5)
-    monkeypatch.setattr(moe_fused_mod, "moe_align", _no_sort)
-    again = fused_experts(x, w13, w2, topk_w, ids, valid=valid, expert_start=expert_start, path="scan",
-                          gemm_tiles=tiles)  # fmt: skip
-    assert torch.equal(again.cpu(), outs["scan"].cpu())
-
-
-def test_scan_path_is_the_default_up_to_its_limit_and_refused_past_it(monkeypatch):
-    gen = torch.Generator().manual_seed(3)
-    w13, w2 = _weights(gen)
-    monkeypatch.setattr(moe_fused_mod, "moe_align", _no_sort)
-    x = _randn(5, H, gen=gen)
-    topk_w, topk_ids = softmax_topk_reference(_randn(5, E, gen=gen), 2, True)
-    out = fused_experts(x, w13, w2, topk_w, topk_ids, gemm_tiles=GEMM)  # 5 tokens, k 2: 16 pairs a program
-    torch.testing.assert_close(out, experts_reference(x, w13, w2, topk_w, topk_ids, None, 0), rtol=1e-4, atol=1e-5)
-    t = moe_fused_mod.SCAN_MAX_BLOCK_P  # k = 2: twice the limit
-    x = _randn(t, H, gen=gen)
-    topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), 2, True)
-    with pytest.raises(ValueError, match=f"path='scan' reads {2 * t} pairs a program for {t} tokens at k=2; "
-                                         f"the limit is {t}"):  # fmt: skip
-        fused_experts(x, w13, w2, topk_w, topk_ids, path="scan", gemm_tiles=GEMM)
-    with pytest.raises(AssertionError, match="launched"):  # past the limit the default sorts
-        fused_experts(x, w13, w2, topk_w, topk_ids, gemm_tiles=GEMM)
 
 
 def test_fused_experts_refuses_bad_weights_by_name_and_value():

@@ -51,7 +51,7 @@ _PAIR_SLICE = 64
 
 
 @triton.jit
-def routed_local(ids_ptr, valid_ptr, offs, num_pairs, expert_start, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr,
+def _routed(ids_ptr, valid_ptr, offs, num_pairs, expert_start, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr,
             HAS_VALID: tl.constexpr):  # fmt: skip
     """(local expert id, routed mask) of pairs ``offs``: a real token, an expert on this rank."""
     mask = offs < num_pairs
@@ -76,7 +76,7 @@ def pair_histogram(ids_ptr, valid_ptr, num_pairs, expert_start, TOP_K: tl.conste
     p0 = tl.program_id(0) * 0
     while p0 < num_pairs:
         offs = p0 + tl.arange(0, BLOCK_P)
-        ids, mask = routed_local(ids_ptr, valid_ptr, offs, num_pairs, expert_start, TOP_K, NUM_BINS, HAS_VALID)
+        ids, mask = _routed(ids_ptr, valid_ptr, offs, num_pairs, expert_start, TOP_K, NUM_BINS, HAS_VALID)
         hist += tl.histogram(tl.where(mask, ids, 0), BLOCK_E, mask=mask)
         p0 += BLOCK_P
     return hist
@@ -95,7 +95,7 @@ def moe_count_kernel(ids_ptr, valid_ptr, counts_ptr, num_pairs, TOP_K: tl.conste
         tl.store(counts_ptr + experts, hist, mask=experts < E)
     else:
         offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-        ids, mask = routed_local(ids_ptr, valid_ptr, offs, num_pairs, 0, TOP_K, E, HAS_VALID)
+        ids, mask = _routed(ids_ptr, valid_ptr, offs, num_pairs, 0, TOP_K, E, HAS_VALID)
         hist = tl.histogram(tl.where(mask, ids, 0), BLOCK_E, mask=mask)
         tl.atomic_add(counts_ptr + experts, hist, mask=(experts < E) & (hist > 0))
 
@@ -114,7 +114,7 @@ def _place_pairs(ids_ptr, valid_ptr, sorted_ids_ptr, run_starts, num_pairs, expe
     first = tl.program_id(0) * SLICE
     if first < num_pairs:  # the grid also covers the tiles, which may outnumber the slices
         pairs = first + tl.arange(0, SLICE)
-        local, routed = routed_local(ids_ptr, valid_ptr, pairs, num_pairs, expert_start, TOP_K, E_LOCAL, HAS_VALID)
+        local, routed = _routed(ids_ptr, valid_ptr, pairs, num_pairs, expert_start, TOP_K, E_LOCAL, HAS_VALID)
         before = pair_histogram(ids_ptr, valid_ptr, first, expert_start, TOP_K, E_LOCAL, HAS_VALID, BLOCK_P,
                                 BLOCK_E)  # fmt: skip
         # the reductions run along axis 0: a thread then sums its own rows before any exchange between threads
@@ -188,7 +188,7 @@ def moe_align_scatter_kernel(
 ):  # fmt: skip
     pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    local, mask = routed_local(ids_ptr, valid_ptr, offs, num_pairs, expert_start, TOP_K, E_LOCAL, HAS_VALID)
+    local, mask = _routed(ids_ptr, valid_ptr, offs, num_pairs, expert_start, TOP_K, E_LOCAL, HAS_VALID)
     slot = tl.atomic_add(cursor_ptr + local, 1, mask=mask)
     tl.store(sorted_ids_ptr + slot, offs.to(tl.int32), mask=mask)
 

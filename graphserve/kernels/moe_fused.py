@@ -31,7 +31,7 @@ import torch
 import triton
 
 from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, per_token_group_quant
-from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, MoeAlignment, max_padded_pairs, moe_align
+from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
 from graphserve.kernels.moe_gemm import fused_moe_gemm_kernel, moe_sum_kernel
 from graphserve.kernels.moe_scales import ExpertScales, a8_problem, check_a8_tile, expert_scales, scale_args
@@ -39,12 +39,7 @@ from graphserve.kernels.moe_stream import fused_moe_gemv_down_kernel, fused_moe_
 from graphserve.kernels.pdl import pdl_args
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-PATHS = ("gemv", "gemm", "scan")
-# The grouped GEMM without the sort launch (``PairScan``) up to this many pairs read by each of its programs
-# (PairScan.block_p: 64 tokens at k = 8 read 512); past it the sort. Each program compares its expert against
-# every pair and picks its rows out of a [BLOCK_M, block_p] comparison, which grows with the batch while the
-# sort's launch does not: benchmarks/moe_fp8.py times both per batch.
-SCAN_MAX_BLOCK_P = 512
+PATHS = ("gemv", "gemm")
 FP8_DTYPE = torch.float8_e4m3fn
 # average (token, slot) pairs per local expert from which the FP8 grouped GEMM quantizes its
 # activations and runs W8A8 (module docstring); benchmarks/moe_fp8.py times both modes per batch
@@ -119,18 +114,13 @@ def fused_experts(
     tiles = tiles or moe_tiles(num_local, inter, h, w13.dtype if fp8 else dtype, device)
     valid_arg = topk_ids if valid is None else valid.view(torch.uint8)
     chosen, step_tiles, w8a8 = _plan(pairs, num_local, tiles, scales, path, w8a8, gemm_tiles)
-    block_p = triton.next_power_of_2(t) * triton.next_power_of_2(k)  # PairScan.block_p
-    if path == "scan" and block_p > SCAN_MAX_BLOCK_P:
-        raise ValueError(f"path='scan' reads {block_p} pairs a program for {t} tokens at k={k}; "
-                         f"the limit is {SCAN_MAX_BLOCK_P}")
-    scan = chosen == "gemm" and (path == "scan" or (path is None and block_p <= SCAN_MAX_BLOCK_P))
     if chosen == "gemv":
         _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
                         gemv_tiles or tiles.gemv_tiles(k, inter, h, weight_block[1] if weight_block else None),
                         scales)  # fmt: skip
     else:
         _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
-                           step_tiles, scales, w8a8, scan)  # fmt: skip
+                           step_tiles, scales, w8a8)  # fmt: skip
     return out
 
 
@@ -210,9 +200,8 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
 
 
 def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles,
-                       scales=None, w8a8=False, scan=False):  # fmt: skip
-    """Sort/align (unless ``scan``: each GEMM program finds its expert's pairs itself), gate_up and down grouped
-    GEMMs over [pairs] rows, then the slot sum.
+                       scales=None, w8a8=False):  # fmt: skip
+    """Sort/align, gate_up and down grouped GEMMs over [pairs] rows, then the slot sum.
 
     W8A8: x is quantized per token group before gate_up and the activated product before down,
     except for a step whose tile quantizes in the kernel (``GemmTile.a8``).
@@ -223,14 +212,11 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
     if gu.block_m != dn.block_m:
         raise ValueError(f"gate_up block_m={gu.block_m} and down block_m={dn.block_m} must match (one sort)")
     s13, s2 = scales or (None, None)
-    if scan:
-        rows = PairScan(topk_ids, valid_arg, valid is not None, expert_start, num_local, counts)
-    else:
-        rows = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
+    align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     down = torch.empty(pairs, h, dtype=hidden.dtype, device=hidden.device)
-    gemm_step(hidden, w13, s13, act, gu, rows, topk_weights, k, True, w8a8)
-    gemm_step(act, w2, s2, down, dn, rows, topk_weights, 1, False, w8a8)
+    gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8)
+    gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8)
     block_h = min(1024, triton.next_power_of_2(h))
     moe_sum_kernel[(t, triton.cdiv(h, block_h))](
         down, out, topk_ids, valid_arg, h, expert_start, down.stride(0), out.stride(0),
@@ -238,34 +224,11 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
     )  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class PairScan:
-    """What a grouped GEMM step needs to find its rows without the sort: the routing, this rank's experts, and
-    where the gate_up step stores the pairs per global expert (the sort's telemetry)."""
-
-    topk_ids: torch.Tensor  # int32 [T, k]
-    valid_arg: torch.Tensor  # uint8 [T] (or topk_ids where every row is real: never read then)
-    has_valid: bool
-    expert_start: int
-    num_local: int
-    counts: torch.Tensor  # int32 [E global]
-
-    @property
-    def block_p(self) -> int:
-        """The pairs one program reads: the token count's and k's powers of two, so every token count in a
-        power-of-two bucket compiles the same kernel (server/warmup.py runs one of each)."""
-        t, k = self.topk_ids.shape
-        return triton.next_power_of_2(t) * triton.next_power_of_2(k)
-
-
-def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torch.Tensor, tile: GemmTile,
-              rows: MoeAlignment | PairScan, topk_weights: torch.Tensor, a_row_div: int, gated: bool,
-              w8a8: bool) -> None:  # fmt: skip
-    """One grouped GEMM over the pairs: gate_up (``gated``: rows ``a[pair // a_row_div]``, silu * up
-    written) or down (rows ``a[pair]``, times the routing weight). The rows of each expert come from the sort
-    (``MoeAlignment``) or each program finds them (``PairScan``; gate_up also stores the counts). The step's
-    mode: ``tile.a8`` quantizes a in the kernel (A_QUANT), else ``w8a8`` quantizes it first (A_FP8), else
-    W8A16."""
+def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torch.Tensor, tile: GemmTile, align,
+              topk_weights: torch.Tensor, a_row_div: int, gated: bool, w8a8: bool) -> None:  # fmt: skip
+    """One grouped GEMM over the sorted pairs: gate_up (``gated``: rows ``a[pair // a_row_div]``, silu * up
+    written) or down (rows ``a[pair]``, times the routing weight). The step's mode: ``tile.a8``
+    quantizes a in the kernel (A_QUANT), else ``w8a8`` quantizes it first (A_FP8), else W8A16."""
     n, kk = b.shape[1] // (2 if gated else 1), b.shape[2]
     check_a8_tile(tile, sb)
     quantize_first = w8a8 and not tile.a8
@@ -279,29 +242,13 @@ def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torc
         block_k = sb.gemm_block_k(block_k, tile.block_n, fp8_dot)
     args = scale_args(sb, b)
     pairs = topk_weights.numel()
-    tiles_n = triton.cdiv(n, tile.block_n)
-    if isinstance(rows, PairScan):
-        scan = rows
-        grid, num_blocks_m = scan.num_local * tiles_n, 0
-        sorted_ids = expert_ids = num_post = scan.topk_ids  # unread when scanning
-        count_bins = scan.counts.numel() if gated else 0
-        scan_args = (scan.topk_ids, scan.valid_arg, scan.counts, scan.expert_start)
-        scan_consts = {"SCAN": True, "TOP_K": scan.topk_ids.shape[1], "E_LOCAL": scan.num_local,
-                       "HAS_VALID": scan.has_valid, "COUNT_BINS": count_bins, "BLOCK_P": scan.block_p,
-                       "BLOCK_EG": triton.next_power_of_2(scan.counts.numel())}
-    else:
-        grid, num_blocks_m = rows.max_blocks * tiles_n, rows.max_blocks
-        sorted_ids, expert_ids, num_post = rows.sorted_ids, rows.expert_ids, rows.num_post_padded
-        scan_args = (sorted_ids, sorted_ids, sorted_ids, 0)  # unread without SCAN
-        scan_consts = {"SCAN": False, "TOP_K": 1, "E_LOCAL": 1, "HAS_VALID": False, "COUNT_BINS": 0, "BLOCK_P": 1,
-                       "BLOCK_EG": 1}
-    fused_moe_gemm_kernel[(grid,)](
-        a, b, c, topk_weights, sorted_ids, expert_ids, num_post, a_scale, args["scale"], *scan_args,
-        pairs, n, num_blocks_m, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+    fused_moe_gemm_kernel[(align.max_blocks * triton.cdiv(n, tile.block_n),)](
+        a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, a_scale, args["scale"],
+        pairs, n, align.max_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         a_scale.stride(0), args["stride_e"], args["stride_n"], args["up_row"],
         K=kk, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated,
         IEEE=a.dtype == torch.float32 and not fp8_dot, B_FP8=sb is not None, A_FP8=quantize_first, **args["consts"],
-        K_SCALES=k_only, A_QUANT=tile.a8, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, **scan_consts,
+        K_SCALES=k_only, A_QUANT=tile.a8, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(a.device, "fused_moe_gemm_kernel"),
     )  # fmt: skip

@@ -50,7 +50,6 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.fp8_quant import quantize_rows
-from graphserve.kernels.moe_align import pair_histogram, routed_local
 from graphserve.kernels.pdl import pdl_enter
 
 
@@ -107,88 +106,34 @@ def _gemm_step(acc, a, b, a_s, bs_ptrs, ks, k0, IEEE: tl.constexpr, B_FP8: tl.co
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])  # batch-sized ints: see server/warmup.py
 def fused_moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, as_ptr, bs_ptr,
-    ids_ptr, valid_ptr, counts_ptr, expert_start,
     num_pairs, N, num_blocks_m, stride_am, stride_be, stride_bn, stride_cm,
     stride_asm, stride_bse, stride_bsn, scale_up_row,
     K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
     B_FP8: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     PER_CHANNEL: tl.constexpr, K_SCALES: tl.constexpr, A_QUANT: tl.constexpr, FP8_MAX_C: tl.constexpr,
     MIN_SCALE_C: tl.constexpr,
-    SCAN: tl.constexpr, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
-    COUNT_BINS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_EG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """The [BLOCK_M, BLOCK_N] output tiles of the experts' runs.
-
-    Sorted (``SCAN`` off): one tile a program, its rows from the sort (kernels/moe_align.py); the grid covers
-    the worst-case sort. ``SCAN`` (decode batches, up to ``BLOCK_P`` pairs): no sort. Program (expert, column
-    tile) reads the routed ids itself (``ids_ptr`` [pairs], ``valid_ptr`` per token), finds its expert's pairs
-    in pair order (a cumulative count over the pairs) and runs their tiles one after another, BLOCK_M rows
-    at a time: the second tile of an expert re-reads its weight columns from L2. ``COUNT_BINS`` > 0: program 0
-    also stores the routed pairs per global expert into ``counts_ptr``, the telemetry the sort would write.
-    """
+    """One [BLOCK_M, BLOCK_N] output tile of one expert's run; the grid covers the worst-case sort."""
     pdl_enter(PDL)
     if A_QUANT:  # a step's activation scale is its K step's amax: one weight scale block per step
         tl.static_assert(B_FP8 and not PER_CHANNEL and not A_FP8 and not K_SCALES)
         tl.static_assert(BLOCK_K == GROUP_K or BLOCK_K >= K)
+    A8: tl.constexpr = A_FP8 or A_QUANT  # the step runs on the FP8 tensor cores with both scales
     pid = tl.program_id(0)
     num_blocks_n = tl.cdiv(N, BLOCK_N)
-    if SCAN:
-        pid_n = pid % num_blocks_n
-        local_expert = pid // num_blocks_n
-        offs_p = tl.arange(0, BLOCK_P)
-        local, routed = routed_local(ids_ptr, valid_ptr, offs_p, num_pairs, expert_start, TOP_K, E_LOCAL, HAS_VALID)
-        mine = routed & (local == local_expert)
-        rank = tl.cumsum(mine.to(tl.int32), 0)  # inclusive: the n-th pair of this expert has rank n
-        count = tl.sum(mine.to(tl.int32), 0)
-        if COUNT_BINS > 0:
-            if pid == 0:
-                bins = tl.arange(0, BLOCK_EG)
-                hist = pair_histogram(ids_ptr, valid_ptr, num_pairs, 0, TOP_K, COUNT_BINS, HAS_VALID, BLOCK_P,
-                                      BLOCK_EG)  # fmt: skip
-                tl.store(counts_ptr + bins, hist, mask=bins < COUNT_BINS)
-        # a while loop: the interpreter takes no runtime bound in range() (kernels/common.py)
-        first = count * 0
-        while first < count:
-            want = first + 1 + tl.arange(0, BLOCK_M)
-            hit = mine[None, :] & (rank[None, :] == want[:, None])
-            pairs = tl.sum(tl.where(hit, offs_p[None, :], 0), axis=1)
-            pairs = tl.where(want <= count, pairs, num_pairs)
-            _expert_tile(a_ptr, b_ptr, c_ptr, weights_ptr, as_ptr, bs_ptr, pairs, local_expert.to(tl.int64), pid_n,
-                         num_pairs, N, stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse,
-                         stride_bsn, scale_up_row, K, A_ROW_DIV, GATED, MUL_WEIGHT, IEEE, B_FP8, A_FP8, GROUP_N,
-                         GROUP_K, PER_CHANNEL, K_SCALES, A_QUANT, FP8_MAX_C, MIN_SCALE_C, BLOCK_M, BLOCK_N,
-                         BLOCK_K)  # fmt: skip
-            first += BLOCK_M
-    else:
-        # GROUP_M tiles of M walk the same B columns one after another, so those stay in L2
-        per_group = GROUP_M * num_blocks_n
-        first_m = (pid // per_group) * GROUP_M
-        group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_size
-        pid_n = (pid % per_group) // group_size
-        if pid_m * BLOCK_M < tl.load(num_post_ptr):  # past the padded total a tile holds no pair: it exits
-            pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-            _expert_tile(a_ptr, b_ptr, c_ptr, weights_ptr, as_ptr, bs_ptr, pairs, expert, pid_n,
-                         num_pairs, N, stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse,
-                         stride_bsn, scale_up_row, K, A_ROW_DIV, GATED, MUL_WEIGHT, IEEE, B_FP8, A_FP8, GROUP_N,
-                         GROUP_K, PER_CHANNEL, K_SCALES, A_QUANT, FP8_MAX_C, MIN_SCALE_C, BLOCK_M, BLOCK_N,
-                         BLOCK_K)  # fmt: skip
-
-
-@triton.jit
-def _expert_tile(
-    a_ptr, b_ptr, c_ptr, weights_ptr, as_ptr, bs_ptr, pairs, expert, pid_n,
-    num_pairs, N, stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, scale_up_row,
-    K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
-    B_FP8: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, K_SCALES: tl.constexpr, A_QUANT: tl.constexpr, FP8_MAX_C: tl.constexpr,
-    MIN_SCALE_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """One output tile: rows ``pairs`` (``num_pairs`` marks an empty row) of ``expert``, columns tile ``pid_n``."""
-    A8: tl.constexpr = A_FP8 or A_QUANT  # the step runs on the FP8 tensor cores with both scales
+    # GROUP_M tiles of M walk the same B columns one after another, so those stay in L2
+    per_group = GROUP_M * num_blocks_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return  # past the padded total: this tile holds no pair (the cost of a bound-sized grid)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
     row_mask = pairs < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     a_rows = (pairs // A_ROW_DIV).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # columns past N re-read column N-1 so the weight loads need no mask along N; never stored

@@ -75,24 +75,6 @@ def test_both_paths_agree_at_small_batches(name, t, experts, gen):
         assert rel_err(fused_experts(x, w13, w2, w, ids, path=path), ref) < TOL, path
 
 
-@pytest.mark.parametrize("t", [16, 64])
-@pytest.mark.parametrize("name", list(MODELS))
-def test_scan_matches_the_sort_bit_for_bit_at_model_shapes(name, t, experts, gen):
-    """The grouped GEMM without the sort launch (kernels/moe_fused.PairScan) puts the same pairs in the same
-    tiles: the same output, and the same counts, with padding rows."""
-    e, h, _, k, renorm = MODELS[name]
-    w13, w2, _, _ = experts[name]
-    x = torch.randn(t, h, device="cuda", generator=gen).to(DT)
-    w, ids = moe_softmax_topk(torch.randn(t, e, device="cuda", generator=gen), k, renorm)
-    valid = torch.arange(t, device="cuda") < t - 3
-    outs, counts = [], []
-    for path in ("gemm", "scan"):
-        counts.append(torch.full((e,), -7, dtype=torch.int32, device="cuda"))
-        outs.append(fused_experts(x, w13, w2, w, ids, valid=valid, counts=counts[-1], path=path))
-    assert torch.equal(outs[0], outs[1])
-    assert torch.equal(counts[1], expert_counts_reference(ids, valid, e))
-
-
 # (experts, first local expert, local experts, tokens, k, block_m): qwen3-30b-a3b decode (512 pairs over
 # several programs of the offsets kernel), DeepSeek-V3's 256 experts, an expert-parallel slice, the
 # largest one-program count (1024 pairs) and the atomic count beyond it
