@@ -10,6 +10,7 @@ import torch
 from gpu_utils import decode_model, graph_runner
 
 from graphserve.engine.staging import HostStaging
+from graphserve.kernels import graph_inputs
 from graphserve.kernels.graph_inputs import DecodeInputs, stage_decode_inputs, stage_decode_inputs_reference
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.layers.forward_batch import ForwardBatch, contiguous_batch
@@ -87,8 +88,18 @@ def test_replay_after_one_launch_gives_the_logits_of_the_copy_path(monkeypatch, 
         runner = graph_runner(cfg, model, backend, kv_caches, sizes, ctx)
         runner.capture()
         # the copy path is reached only by hand below: replay() must stage through the kernel
-        copy_path = stage_decode_inputs_reference
-        monkeypatch.setattr("graphserve.kernels.graph_inputs._copy_and_fill", None)
+        copy_and_fill, by_hand = graph_inputs._copy_and_fill, [False]
+
+        def guarded(*args):
+            assert by_hand[0], "replay() staged through the copy path"
+            copy_and_fill(*args)
+
+        def copy_path(*args):
+            by_hand[0] = True
+            stage_decode_inputs_reference(*args)
+            by_hand[0] = False
+
+        monkeypatch.setattr(graph_inputs, "_copy_and_fill", guarded)
         for bs in [8, 3, 1, 5, 4, 2, 8]:  # each batch after a larger or smaller one: stale rows to overwrite
             lens = [ctx + 1 - 7 * i for i in range(bs)]
             batch = _uploaded(contiguous_batch([1] * bs, lens, kv_caches, backend, vocab_size=info.vocab_size),
