@@ -36,12 +36,12 @@ import time
 import torch
 
 from benchmarks.common import print_table, write_result
+from benchmarks.decode_setup import context_batch, context_kv_caches
 from benchmarks.kernels import graph_time_ms
 from benchmarks.moe import bench_decode, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.layers.attention_triton import TritonAttentionBackend
-from graphserve.layers.forward_batch import contiguous_batch
 from graphserve.layers.moe import FusedMoE
 from graphserve.models.loader import load_model
 
@@ -73,13 +73,12 @@ def bench_v3_layers(bw, sizes: list[int], ctx: int, routing: str) -> list[dict]:
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
     set_routing(model, routing)
-    bsz = cfg.block_size
-    kv_caches = info.kv.allocate(max(sizes) * (-(-(ctx + 1) // bsz)) + 2, bsz, device, fill="random")
+    kv_caches = context_kv_caches(info, max(sizes), ctx, cfg.block_size, device)
     backend = TritonAttentionBackend()
     rows = []
     with torch.inference_mode():
         for bs in sizes:
-            batch = contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=info.vocab_size)
+            batch = context_batch(bs, ctx, kv_caches, backend, info.vocab_size)
             hidden0 = torch.randn(bs, info.hidden_size, device=device, dtype=info.dtype)
             residual0 = torch.randn_like(hidden0)
             for idx in (0, 1):  # the dense layer, then the first MoE layer

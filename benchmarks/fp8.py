@@ -30,18 +30,17 @@ it they take kernels/fp8_config.py's defaults, and the run says so)
 from __future__ import annotations
 
 import argparse
-import gc
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.common import cuda_time_ms, merge_rows, print_table
 from benchmarks.decode import make_batch, step_cost
+from benchmarks.decode_setup import captured_graphs, release_gpu_memory
 from benchmarks.fp8_route import COLS as GEMM_COLS
 from benchmarks.fp8_route import SHAPES, measure
 from benchmarks.roofline import ReadBandwidth, matmul_tflops, measured_read_bw
 from graphserve.config import EngineConfig
-from graphserve.engine.graphs import GraphRunner
 from graphserve.kernels.argmax import greedy_argmax
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp8_config import rule_for
@@ -111,8 +110,7 @@ def run_model(name: str, quantization: str, cases: list[tuple[int, int]], bw: Re
     out = {"steps": {}}
     with torch.inference_mode():
         out["logits"] = reference_logits(model, kv_caches)
-        graphs = GraphRunner(model, backend, kv_caches, sizes, (max_ctx + 64) // bsz + 1, cfg.max_model_len, device)
-        graphs.capture()
+        graphs = captured_graphs(model, backend, kv_caches, sizes, max_ctx, cfg, device)
         for bs, ctx in cases:
             batch = make_batch(bs, ctx, kv_caches, backend)
             read, flops = step_cost(info, bs, ctx)
@@ -125,8 +123,7 @@ def run_model(name: str, quantization: str, cases: list[tuple[int, int]], bw: Re
         if prefill:
             out["prefill_ms"], out["prefill_tflops"] = prefill_tflops(model, info, kv_caches, *prefill)
     del model, loaded, kv_caches
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_gpu_memory()
     return out
 
 

@@ -26,6 +26,7 @@ import contextlib
 import torch
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
+from benchmarks.decode_setup import captured_graphs, context_batch, context_kv_caches
 from benchmarks.roofline import matmul_tflops, measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
@@ -96,9 +97,7 @@ def bench_decode(name: str, sizes: list[int], ctx: int, routings: list[str], bw,
     cfg = EngineConfig(model=name, device="cuda", max_model_len=ctx + 64)
     loaded = load_model(cfg, device)
     model, info, desc = loaded.model, loaded.info, loaded.info.description
-    bsz = cfg.block_size
-    num_blocks = max(sizes) * (-(-(ctx + 1) // bsz)) + 2
-    kv_caches = info.kv.allocate(num_blocks, bsz, device, fill="random")
+    kv_caches = context_kv_caches(info, max(sizes), ctx, cfg.block_size, device)
     backend = TritonAttentionBackend()
     rows = []
     with torch.inference_mode():
@@ -106,10 +105,9 @@ def bench_decode(name: str, sizes: list[int], ctx: int, routings: list[str], bw,
             # the routing mode is part of what a graph captures (a capture before the switch replays
             # the model's own routing under the "uniform" label): one capture per mode
             layers = set_routing(model, routing)
-            graphs = GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // bsz + 1, cfg.max_model_len, device)
-            graphs.capture()
+            graphs = captured_graphs(model, backend, kv_caches, sizes, ctx, cfg, device)
             for bs in sizes:
-                batch = contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=info.vocab_size)
+                batch = context_batch(bs, ctx, kv_caches, backend, info.vocab_size)
                 ms = cuda_time_ms(_replay(graphs, batch), warmup=3, iters=20)
                 touched = experts_touched(layers)  # the counts of the last replay: this batch's routing
                 nbytes = desc.decode_read_bytes(bs, bs * (ctx + 1), touched)

@@ -23,20 +23,18 @@ Run: python3 -m benchmarks.moe_fp8 [--quick]      (about 2 minutes on an H200; -
 from __future__ import annotations
 
 import argparse
-import gc
 
 import torch
 
 from benchmarks.common import cuda_time_ms, merge_rows, print_table, write_result
+from benchmarks.decode_setup import captured_graphs, context_batch, context_kv_caches, release_gpu_memory
 from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
-from graphserve.engine.graphs import GraphRunner
 from graphserve.kernels.argmax import greedy_argmax
 from graphserve.kernels.moe_fused import fused_experts, quantized_steps
 from graphserve.kernels.moe_routing import moe_softmax_topk
 from graphserve.layers.attention_triton import TritonAttentionBackend
-from graphserve.layers.forward_batch import contiguous_batch
 from graphserve.layers.quant.fp8_moe import quantize_stack
 from graphserve.models.loader import load_model
 
@@ -50,18 +48,16 @@ def decode_steps(quantization: str, sizes: list[int], ctx: int, routings: list[s
     cfg = EngineConfig(model=MODEL, device="cuda", quantization=quantization, max_model_len=ctx + 64)
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
-    bsz = cfg.block_size
-    kv_caches = info.kv.allocate(max(sizes) * (-(-(ctx + 1) // bsz)) + 2, bsz, device, fill="random")
+    kv_caches = context_kv_caches(info, max(sizes), ctx, cfg.block_size, device)
     backend = TritonAttentionBackend()
     out = {}
     with torch.inference_mode():
         for routing in routings:
             # the routing mode is part of what a graph captures: one capture per mode
             layers = set_routing(model, routing)
-            graphs = GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // bsz + 1, cfg.max_model_len, device)
-            graphs.capture()
+            graphs = captured_graphs(model, backend, kv_caches, sizes, ctx, cfg, device)
             for bs in sizes:
-                batch = contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=info.vocab_size)
+                batch = context_batch(bs, ctx, kv_caches, backend, info.vocab_size)
                 ms = cuda_time_ms(lambda g=graphs, b=batch: greedy_argmax(g.replay(b)), warmup=3, iters=20)
                 touched = experts_touched(layers)  # the last replay's routing
                 nbytes = info.description.decode_read_bytes(bs, bs * (ctx + 1), touched)
@@ -71,8 +67,7 @@ def decode_steps(quantization: str, sizes: list[int], ctx: int, routings: list[s
                       f"{nbytes / 1e9:.2f} GB to read")
             del graphs
     del model, loaded, kv_caches
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_gpu_memory()
     return out
 
 

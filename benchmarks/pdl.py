@@ -24,14 +24,13 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
+from benchmarks.decode_setup import captured_graphs, context_batch, context_kv_caches
 from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
-from graphserve.engine.graphs import GraphRunner
 from graphserve.kernels.argmax import greedy_argmax
 from graphserve.kernels.pdl import DEFAULT_SKIP, checked_skip, pdl, pdl_on
 from graphserve.layers.attention_triton import TritonAttentionBackend
-from graphserve.layers.forward_batch import contiguous_batch
 from graphserve.models.loader import load_model
 
 COLS = ["model", "quantization", "bs", "ctx", "off_ms", "on_ms", "speedup", "floor_ms", "ratio_off", "ratio_on"]
@@ -63,20 +62,17 @@ def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rou
     loaded = load_model(cfg, device)
     model, info, desc = loaded.model, loaded.info, loaded.info.description
     layers = set_routing(model, "uniform")
-    bsz = cfg.block_size
-    kv_caches = info.kv.allocate(max(sizes) * (-(-(ctx + 1) // bsz)) + 2, bsz, device, fill="random")
+    kv_caches = context_kv_caches(info, max(sizes), ctx, cfg.block_size, device)
     backend = TritonAttentionBackend()
     rows = []
     with torch.inference_mode():
         graphs = {}
         for label, scope in scopes.items():
             with scope():
-                graphs[label] = GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // bsz + 1,
-                                            cfg.max_model_len, device)  # fmt: skip
-                graphs[label].capture()
+                graphs[label] = captured_graphs(model, backend, kv_caches, sizes, ctx, cfg, device)
         first = next(iter(scopes))
         for bs in sizes:
-            batch = contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=info.vocab_size)
+            batch = context_batch(bs, ctx, kv_caches, backend, info.vocab_size)
             times: dict[str, list[float]] = {label: [] for label in scopes}
             tokens = {label: greedy_argmax(graphs[label].replay(batch)) for label in scopes}
             for _ in range(rounds):

@@ -6,6 +6,8 @@ beats is a wrong floor, so the read bandwidth is the best of several ways to rea
 - ``stream_read``: a Triton kernel that streams a buffer with wide loads (graphserve/kernels/stream_read.py);
 - ``torch.sum``: a reduction over the same buffer;
 - ``copy (read side)``: a device-to-device copy, counting only the bytes it reads;
+- ``matvec``: cuBLAS's one-row matmul over the buffer viewed as a weight (a decode step's access pattern:
+  cuBLAS picks TMA-fed kernels a reduction does not use), the best of a few weight widths;
 - and any rate a benchmark's own kernels reach in the run (``ReadBandwidth.observe``): when a decode
   step or an attention kernel reads faster than the probes, that rate becomes the floor.
 
@@ -158,11 +160,24 @@ def copy_read_gbs(bufs: list[torch.Tensor]) -> float:
     return nbytes / ms / 1e6
 
 
+def matvec_read_gbs(bufs: list[torch.Tensor]) -> float:
+    """One bf16 row times the buffer viewed as a [N, K] weight, K = 2048, 4096, 8192 (the hidden sizes of the
+    presets): the best rate."""
+    nbytes = bufs[0].numel() * bufs[0].element_size()
+    best = 0.0
+    for k in (2048, 4096, 8192):
+        weights = [b.view(-1, k) for b in bufs]
+        x = torch.randn(1, k, device=bufs[0].device, dtype=bufs[0].dtype)
+        ms = cuda_time_ms(_alternating(lambda w, x=x: torch.nn.functional.linear(x, w), weights), warmup=3, iters=20)
+        best = max(best, nbytes / ms / 1e6)
+    return best
+
+
 def measured_read_bw(nbytes: int = PROBE_BYTES) -> ReadBandwidth:
-    """Probe this GPU's read bandwidth three ways (same run, same buffers); see the module docstring."""
+    """Probe this GPU's read bandwidth four ways (same run, same buffers); see the module docstring."""
     bufs = _probe_buffers(nbytes)
     methods = {"stream_read": stream_read_gbs(bufs), "torch.sum": sum_read_gbs(bufs),
-               "copy (read side)": copy_read_gbs(bufs)}
+               "copy (read side)": copy_read_gbs(bufs), "matvec": matvec_read_gbs(bufs)}
     del bufs
     torch.cuda.empty_cache()
     props = torch.cuda.get_device_properties(0)
