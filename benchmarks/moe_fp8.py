@@ -8,10 +8,11 @@ experts actually routed to in that step, each with its fp32 block scales, bf16 e
 lm_head and router gates, and the KV in context) over the best read bandwidth measured in this
 run (benchmarks/roofline.py probes and the steps themselves). The bf16 model runs the same steps.
 
-Kernels: the experts of one Qwen3-30B-A3B layer at T tokens (top-8 of 128, random routing), bf16
-weights vs fp8 weights in W8A16 and in W8A8, and as the layer runs them (``layer_ms``: the W8A8 rule
-from ``W8A8_MIN_ROWS_PER_EXPERT`` pairs per expert, or the tuned table's tiles quantizing inside the
-GEMM; ``picked`` names the mode of each step, kernels/moe_fused.quantized_steps).
+Kernels: the experts of one Qwen3-30B-A3B layer at T tokens (top-8 of 128, random routing), each timed as a
+CUDA graph of back-to-back calls (benchmarks/kernels.graph_time_ms), bf16 weights vs fp8 weights in W8A16 and
+in W8A8, and as the layer runs them (``layer_ms``: the W8A8 rule from ``W8A8_MIN_ROWS_PER_EXPERT`` pairs per
+expert, or the tuned table's tiles quantizing inside the GEMM; ``picked`` names the mode of each step,
+kernels/moe_fused.quantized_steps).
 
 Rows go to benchmarks/results/fp8_decode.json as {"model","bs","ctx","step_ms","floor_ms","ratio",
 "bf16_step_ms"} beside the rows already there (benchmarks/fp8.py writes the dense ones: run it
@@ -28,6 +29,7 @@ import torch
 
 from benchmarks.common import cuda_time_ms, merge_rows, print_table, write_result
 from benchmarks.decode_setup import captured_graphs, context_batch, context_kv_caches, release_gpu_memory
+from benchmarks.kernels import graph_time_ms
 from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
@@ -93,9 +95,11 @@ def kernel_rows(tokens: list[int], e: int = 128, h: int = 2048, i: int = 768, k:
         quantized = quantized_steps(t, k, q13, q2, s13, s2, (128, 128), path="gemm")
         picked = "+".join(("a8" if q else "w8a16") for q in quantized) if quantized[0] != quantized[1] else (
             "w8a8" if quantized[0] else "w8a16")
-        row = {"tokens": t, "pairs": t * k, "bf16_ms": cuda_time_ms(lambda x=x, w=w, ids=ids: fused_experts(
-            x, w13, w2, w, ids, path="gemm")), "w8a16_ms": cuda_time_ms(lambda f=fp8: f(False)),
-            "w8a8_ms": cuda_time_ms(lambda f=fp8: f(True)), "layer_ms": cuda_time_ms(lambda f=fp8: f(None)),
+        # each a CUDA graph of back-to-back calls, as a decode step runs them: timed from the host, the small
+        # batches' launches would be what is measured
+        row = {"tokens": t, "pairs": t * k, "bf16_ms": graph_time_ms(lambda x=x, w=w, ids=ids: fused_experts(
+            x, w13, w2, w, ids, path="gemm")), "w8a16_ms": graph_time_ms(lambda f=fp8: f(False)),
+            "w8a8_ms": graph_time_ms(lambda f=fp8: f(True)), "layer_ms": graph_time_ms(lambda f=fp8: f(None)),
             "picked": picked}  # fmt: skip
         rows.append(row)
     return rows
@@ -110,7 +114,7 @@ def main() -> None:
     routings = ["uniform"] if args.quick else ["skewed", "uniform"]
     bw = measured_read_bw()
     print(f"probes: {bw.describe()}")
-    kernels = [] if args.quick else kernel_rows([8, 64, 256, 1024, 2048, 4096, 8192])
+    kernels = [] if args.quick else kernel_rows([8, 16, 32, 64, 256, 1024, 2048, 4096, 8192])
     bf16 = decode_steps("none", args.bs, args.ctx, routings, bw)
     fp8 = decode_steps("fp8", args.bs, args.ctx, routings, bw)
     rows = []
