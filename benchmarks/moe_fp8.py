@@ -33,6 +33,7 @@ from benchmarks.kernels import graph_time_ms
 from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
+from graphserve.kernels import moe_fused
 from graphserve.kernels.argmax import greedy_argmax
 from graphserve.kernels.moe_fused import fused_experts, quantized_steps
 from graphserve.kernels.moe_routing import moe_softmax_topk
@@ -110,25 +111,34 @@ def main() -> None:
     p.add_argument("--bs", nargs="+", type=int, default=[1, 64])
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--quick", action="store_true", help="uniform routing only, no kernel table")
+    p.add_argument("--w8a8-rows-per-expert", type=int, default=None, metavar="N",
+                   help="the FP8 steps again with the W8A8 rule at N pairs per expert (w8a8_step_ms beside step_ms)")
     args = p.parse_args()
     routings = ["uniform"] if args.quick else ["skewed", "uniform"]
     bw = measured_read_bw()
     print(f"probes: {bw.describe()}")
-    kernels = [] if args.quick else kernel_rows([8, 16, 32, 64, 256, 1024, 2048, 4096, 8192])
+    kernels = [] if args.quick else kernel_rows([8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192])
     bf16 = decode_steps("none", args.bs, args.ctx, routings, bw)
     fp8 = decode_steps("fp8", args.bs, args.ctx, routings, bw)
+    other = {}
+    if args.w8a8_rows_per_expert is not None:
+        rule, moe_fused.W8A8_MIN_ROWS_PER_EXPERT = moe_fused.W8A8_MIN_ROWS_PER_EXPERT, args.w8a8_rows_per_expert
+        other = decode_steps("fp8", args.bs, args.ctx, routings, bw)
+        moe_fused.W8A8_MIN_ROWS_PER_EXPERT = rule
     rows = []
     for (bs, routing), (ms, nbytes, touched) in fp8.items():
         row = {"model": f"{MODEL} --quantization fp8 ({routing} routing)", "bs": bs, "ctx": args.ctx,
                "routing": routing, "experts_touched": touched, "step_ms": ms, "read_bytes": nbytes,
                "bf16_step_ms": bf16[bs, routing][0], "bf16_read_bytes": bf16[bs, routing][1]}
+        if other:
+            row["w8a8_step_ms"] = other[bs, routing][0]
         rows.append(row)
     bw.probe_again()  # the probes again, after the work: each method's best of both rounds
     for r in rows:  # floors last: the best read rate of the whole run is the denominator
         r.update({key: v for key, v in bw.ratios(r["step_ms"], r["read_bytes"]).items() if key in ("floor_ms", "ratio")})
         r["vs_bf16"] = r["step_ms"] / r["bf16_step_ms"]
     print(f"\nfloor: {bw.describe()}")
-    print_table(rows, COLS)
+    print_table(rows, COLS + (["w8a8_step_ms"] if other else []))
     if kernels:
         print_table(kernels, ["tokens", "pairs", "bf16_ms", "w8a16_ms", "w8a8_ms", "layer_ms", "picked"])
     merge_rows("fp8_decode", [{key: r[key] for key in ("model", "bs", "ctx", "step_ms", "floor_ms", "ratio",
