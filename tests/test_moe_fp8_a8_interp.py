@@ -234,8 +234,11 @@ def test_tuner_writes_a8_tiles_that_the_table_path_runs(monkeypatch):
 @pytest.mark.parametrize("case", ["per_channel", "w8a16_asked"])
 def test_table_a8_tiles_run_without_a8_where_the_call_cannot_take_them(case, monkeypatch):
     """A tuned table's a8 tile met by per-channel expert scales (a8 needs block scales), or by a caller asking
-    for W8A16: the step runs the same tile without quantizing in the GEMM, quantized_steps says so, and the
-    product is the W8A16 reference's."""
+    for W8A16: the step runs the same tile without quantizing in the GEMM. Per channel the W8A8 rule still
+    holds (the activations quantized per token by a launch before the GEMM); asked for W8A16, nothing is
+    quantized. quantized_steps says which, and the product is that mode's reference."""
+    if DEVICE.type == "cpu":  # the interpreter's e4m3 rounding (test_fp8_experts_match_reference)
+        monkeypatch.setattr(moe_fused, "per_token_group_quant", per_token_group_quant_reference)
     h, inter, k, t = 64, 32, 2, 4
     table = MoeTiles(small_max_pairs=0, gemv_gate_up=None, gemv_down=None, buckets=(64,), gate_up=(A8,), down=(A8,))
     monkeypatch.setattr(moe_fused, "moe_tiles", lambda *args: table)
@@ -245,9 +248,11 @@ def test_table_a8_tiles_run_without_a8_where_the_call_cannot_take_them(case, mon
     x = _randn(t, h, gen=gen)
     topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), k, True)
     w8a8 = False if case == "w8a16_asked" else None
-    assert moe_fused.quantized_steps(t, k, w13, w2, s13, s2, block, w8a8=w8a8) == (False, False)
+    quantized = case == "per_channel"  # t * k pairs >= W8A8_MIN_ROWS_PER_EXPERT (0) per expert
+    assert moe_fused.W8A8_MIN_ROWS_PER_EXPERT == 0
+    assert moe_fused.quantized_steps(t, k, w13, w2, s13, s2, block, w8a8=w8a8) == (quantized, quantized)
     spy = _spy_a_quant(monkeypatch)
     out = fused_experts(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2, weight_block=block, w8a8=w8a8)
     assert spy == [False, False]
-    want = experts_fp8_reference(x, w13, w2, s13, s2, block, topk_w, topk_ids, w8a8=False)
+    want = experts_fp8_reference(x, w13, w2, s13, s2, block, topk_w, topk_ids, w8a8=quantized)
     assert _rel(out, want) < 1e-2

@@ -206,15 +206,16 @@ def test_dummy_fp8_experts_are_the_quantized_bf16_dummy(monkeypatch):
 
 
 def test_plan_reserves_the_w8a8_activation_copies():
-    """At a 2048-token prefill chunk qwen3-30b-a3b's fp8 experts run W8A8 (16384 pairs = 128 per expert):
-    the plan's MoE workspace adds the fp8 copies of x [T, H] and of the activation [pairs, I] with scales."""
+    """qwen3-30b-a3b's fp8 experts run W8A8 at every grouped-GEMM size (kernels/moe_fused.py's rule): the plan's
+    MoE workspace adds the fp8 copies of x [T, H] and of the activation [pairs, I] with their scales, at a
+    2048-token prefill chunk and at a decode batch of 64 alike."""
     from graphserve.analysis.plan import load_hf_config
     from graphserve.layers.quant.config import online_config, quantized_description
     from graphserve.models.registry import describe_model
 
     d = describe_model(load_hf_config("dummy:qwen3-30b-a3b"), torch.bfloat16, 1)
     fp8 = quantized_description(d, online_config("fp8"), torch.bfloat16)
-    t, pairs = 2048, 2048 * 8
-    extra = t * 2048 + pairs * 768 + 4 * (t * 16 + pairs * 6)
-    assert fp8.moe_workspace_bytes(t) - d.moe_workspace_bytes(t) == extra
-    assert fp8.moe_workspace_bytes(64) == d.moe_workspace_bytes(64)  # decode sizes stay W8A16
+    for t in (2048, 64):
+        pairs = t * 8
+        extra = t * 2048 + pairs * 768 + 4 * (t * 16 + pairs * 6)
+        assert fp8.moe_workspace_bytes(t) - d.moe_workspace_bytes(t) == extra

@@ -194,8 +194,10 @@ def test_fp8_experts_refuse_malformed_scales():
 
 
 @pytest.mark.parametrize("block", [(16, 32), None])
-def test_fp8_layer_kernel_path_matches_cpu_path(block):
+def test_fp8_layer_kernel_path_matches_cpu_path(block, monkeypatch):
     """An Fp8MoEMethod layer quantizing model-dtype experts at load: kernels vs dequantized CPU path."""
+    if DEVICE.type == "cpu":  # the interpreter's e4m3 rounding (test_fp8_experts_match_reference)
+        monkeypatch.setattr(moe_fused, "per_token_group_quant", per_token_group_quant_reference)
     gen = torch.Generator().manual_seed(21)
     h, inter = 64, 24
     layer = FusedMoE(E, 2, h, inter, SoftmaxTopK(E, 2, False), dtype=torch.float32).to(DEVICE)
@@ -214,8 +216,18 @@ def test_fp8_layer_kernel_path_matches_cpu_path(block):
     assert (bf[0] - w13).abs().max() <= w13.abs().max() * 2**-4 and (bf[1] - w2).abs().max() <= w2.abs().max() * 2**-4
     layer.use_kernels = True
     got = layer(x, logits, valid=torch.tensor(4, device=DEVICE))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert int(layer.expert_counts.sum()) == 8
+    # the kernels quantize the activations too (W8A8, kernels/moe_fused.py's rule): exactly their reference...
+    s13, s2 = layer.quant_method.scales(layer)
+    modes = moe_fused.quantized_steps(6, 2, layer.w13_weight, layer.w2_weight, s13, s2, block)
+    assert modes == (True, True)
+    w, ids = layer.route(logits)
+    valid = torch.arange(6, device=DEVICE) < 4
+    exact = experts_fp8_reference(x, layer.w13_weight, layer.w2_weight, s13, s2, block, w, ids, valid, w8a8=modes)
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
+    # ...and the CPU path, on unquantized activations, within their e4m3 rounding (2^-4 relative at most per
+    # element, far less over a dot product of 64 or 24)
+    assert (got - want).norm() <= 2**-4 * want.norm()
 
 
 def test_tuner_sweeps_fp8_experts_and_writes_a_table_the_kernels_accept(monkeypatch):
@@ -247,8 +259,12 @@ def test_tuner_sweeps_fp8_experts_and_writes_a_table_the_kernels_accept(monkeypa
     w13, w2, s13, s2 = _fp8_experts(gen, E, h, inter, (16, 32))
     x = _randn(5, h, gen=gen)
     topk_w, topk_ids = softmax_topk_reference(_randn(5, E, gen=gen), 2, True)
+    if DEVICE.type == "cpu":  # the interpreter's e4m3 rounding (test_fp8_experts_match_reference)
+        monkeypatch.setattr(moe_fused, "per_token_group_quant", per_token_group_quant_reference)
     out = fused_experts(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2, weight_block=(16, 32), tiles=again)
-    want = experts_fp8_reference(x, w13, w2, s13, s2, (16, 32), topk_w, topk_ids)
+    monkeypatch.setattr(moe_fused, "moe_tiles", lambda *args: again)
+    modes = moe_fused.quantized_steps(5, 2, w13, w2, s13, s2, (16, 32))  # the mode the table's path runs
+    want = experts_fp8_reference(x, w13, w2, s13, s2, (16, 32), topk_w, topk_ids, w8a8=modes)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 

@@ -9,18 +9,21 @@ Reference: kernels/moe_reference.experts_reference.
 
 FP8 expert weights (``w13_scale`` / ``w2_scale`` given, layout in layers/quant/fp8_moe.py) run in
 one of two modes, chosen from the shape alone (so a captured graph always replays the same one):
-- W8A16, the streaming path and the grouped GEMM up to ``W8A8_MIN_ROWS_PER_EXPERT`` pairs per
-  local expert on average: fp8 weights widened in registers against model-dtype activations. At
-  decode sizes the step is the weight stream; FP8 halves it, and quantizing the activations would
-  add two launches and an [pairs, I] round trip for tensor-core time that is not the bottleneck.
-- W8A8 beyond: activations quantized per token group (kernels/fp8_quant.py, groups of the weight
-  block's K), both operands on the FP8 tensor cores (twice bf16's peak). An expert that gets R rows
-  does 2·R FLOPs per fp8 weight byte; an H200 (989 bf16 TFLOP/s over 4.8 TB/s) turns compute-bound
-  at ~200 FLOP/byte, so from ~100 rows per expert (128: the largest row tile) the bf16 math, not
-  the weight stream, is the cost, and the extra quantization launches pay for themselves.
+- W8A16, the streaming path (up to the table's ``small_max_pairs``): fp8 weights widened in registers
+  against model-dtype activations, per pair. At those sizes the step is the weight stream.
+- W8A8, the grouped GEMM from ``W8A8_MIN_ROWS_PER_EXPERT`` pairs per local expert on average (0: every
+  call): activations quantized per token group (kernels/fp8_quant.py, groups of the weight block's K) by a
+  launch before each GEMM, both operands on the FP8 tensor cores. Widening instead (W8A16) converts every
+  weight element of a program's tile in registers before the MMA, and at 16-row tiles that conversion, not
+  the weight stream, set the time: timed as CUDA graphs on an H200 (qwen3-30b-a3b's experts, one layer,
+  benchmarks/moe_fp8.py's kernel rows at 1479366), W8A8 took 0.109 / 0.148 / 0.162 / 0.288 ms at 16 / 32 /
+  128 / 512 tokens where W8A16 took 0.207 / 0.312 / 0.316 / 0.418, and within 4% of it at 1024 tokens
+  (0.553 against 0.533); the decode step at batch 16 and 32 took 10.2 and 10.7 ms instead of 18.4 and 19.5
+  (uniform routing, ``--w8a8-rows-per-expert 0`` against 128, the rule before).
 A grouped GEMM tile with ``a8`` set (the tuned table's choice per bucket and step, block scales
-only) runs its step W8A8 at any size with the quantization inside the GEMM (kernels/moe_gemm.py's
-``A_QUANT``): no quantization launch and no fp8 copy of the activations, the same groups and rounding.
+only) quantizes inside the GEMM instead (kernels/moe_gemm.py's ``A_QUANT``): no quantization launch and
+no fp8 copy of the activations, the same groups and rounding. A caller may still ask for W8A16
+(``w8a8=False``: tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PATHS = ("gemv", "gemm")
 FP8_DTYPE = torch.float8_e4m3fn
 # average (token, slot) pairs per local expert from which the FP8 grouped GEMM quantizes its
-# activations and runs W8A8 (module docstring); benchmarks/moe_fp8.py times both modes per batch
-W8A8_MIN_ROWS_PER_EXPERT = 128
+# activations and runs W8A8: from the first (module docstring); benchmarks/moe_fp8.py times both modes per
+# batch, and its --w8a8-rows-per-expert runs the decode steps under another value
+W8A8_MIN_ROWS_PER_EXPERT = 0
 
 
 def _check(hidden, w13, w2, topk_weights, topk_ids, fp8: bool) -> None:

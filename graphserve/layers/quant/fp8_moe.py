@@ -11,9 +11,10 @@ Stored per layer: ``w13_weight`` fp8 e4m3 [E, 2I, H] (gate rows, then up rows), 
 
 From an FP8 checkpoint the scales are Parameters the checkpoint must fill (a missing one is refused
 by the loader by name); quantized at load (``--quantization``) they are buffers the weights' load
-fills. Activations are never quantized with a checkpoint's static scale: the kernels run W8A16 or
-quantize per token group (kernels/moe_fused.py), so ``activation_scheme: static`` is refused.
-The CPU path dequantizes (kernels/moe_fp8_reference.py).
+fills. Activations are never quantized with a checkpoint's static scale: the kernels run W8A16 (the
+small-batch path) or quantize per token group (the grouped GEMM; kernels/moe_fused.py), so
+``activation_scheme: static`` is refused. The CPU path dequantizes the weights and leaves the activations
+unquantized (kernels/moe_fp8_reference.py), as the dense layers' CPU path does.
 """
 
 from __future__ import annotations
