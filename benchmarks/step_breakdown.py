@@ -8,7 +8,8 @@ the same step from its CUDA graph (captured as the engine runs it) followed by t
 (kernels/argmax.py), as benchmarks.decode and benchmarks.fp8 time a step: step − kernel sum is the time the
 GPU sits between kernels, negative where PDL overlaps neighbours. The replay alone is shown beside it. Each family's bytes
 floor is shown beside it where it is a pure read of weights or KV, at the best read rate of the run: the
-probes', or a family's own where its kernels read faster.
+probes', or a family's own where its kernels read faster. A MoE model's weights are those of the experts the
+profiled step's router chose (its own counts), as benchmarks.moe and benchmarks.fp8 count them.
 
 Run: python3 -m benchmarks.step_breakdown [--model dummy:llama3-8b] [--bs 1] [--ctx 512]
      [--quantization fp8] [--kv-cache-dtype fp8_e4m3]
@@ -24,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.decode import make_batch
+from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
@@ -59,6 +61,7 @@ def main() -> None:
                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
+    moe_layers = set_routing(model, "skewed")  # the model's own router; [] for a dense model
     num_blocks = args.bs * (args.ctx // cfg.block_size + 2) + 2
     kv = info.kv.allocate(num_blocks, cfg.block_size, device, fill="random")
     backend = TritonAttentionBackend()
@@ -90,7 +93,9 @@ def main() -> None:
                 table[key][0] += evt.device_time_total / 1e3
                 table[key][1] += 1
     kv_bytes = args.bs * args.ctx * info.kv_bytes_per_token
-    weights = info.description.decode_read_bytes(args.bs, args.bs * args.ctx) - kv_bytes
+    # a MoE step reads the experts its router chose: the profiled step's own counts (it ran last)
+    touched = experts_touched(moe_layers) if moe_layers else None
+    weights = info.description.decode_read_bytes(args.bs, args.bs * args.ctx, touched) - kv_bytes
     # a family that read its bytes faster than the probes raises the floor of every family
     for fam, nbytes in (("matmul", weights), ("attention", kv_bytes)):
         if fam in per:
@@ -111,7 +116,8 @@ def main() -> None:
     print_table(kernels, ["kernel", "launches", "ms", "us_each"])
     variant = "".join(f"_{v}" for v in (args.quantization, args.kv_cache_dtype) if v not in ("none", "auto"))
     write_result(f"step_breakdown_{args.model.split(':')[-1]}{variant}_bs{args.bs}_ctx{args.ctx}",
-                 {"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "bs": args.bs, "ctx": args.ctx, "read": read.summary(), "rows": rows,
+                 {"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+                  "bs": args.bs, "ctx": args.ctx, "experts_touched": touched, "read": read.summary(), "rows": rows,
                   "kernels": kernels})
 
 
