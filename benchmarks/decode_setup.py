@@ -2,7 +2,7 @@
 the decode step captured as CUDA graphs for their batch sizes, and the batch of ``bs`` such sequences each
 decoding its next token.
 
-benchmarks/fp8.py, moe.py, moe_fp8.py, pdl.py and deepseek.py build their steps from these, so a step means the
+benchmarks/fp8.py, moe.py, moe_fp8.py, pdl.py and deepseek.py take what they need of these, so a step means the
 same thing in each of their tables: every sequence at position ``ctx`` over ``ctx`` cached tokens, the cache
 filled with random values (a real cache's bytes, not zeros), graphs with room for 64 tokens past ``ctx``.
 """
