@@ -86,8 +86,9 @@ def gemm_candidates(per_expert: float, gated: bool, quick: bool, fp8_block: tupl
     (W8A16, block_n dividing the block's N: kernels/moe_gemm.py's K_SCALES), up to 512 there;
     elsewhere the kernel would cap the step at the block's K, so such a tile would repeat one timed.
     fp8 weights also get the tiles that quantize the activations in the GEMM (``a8``, K step = the
-    block's K), at every bucket: they compete with W8A16 at decode sizes and with W8A8's separate
-    quantization launch beyond ``W8A8_MIN_ROWS_PER_EXPERT``.
+    block's K), at every bucket: they compete with the mode kernels/moe_fused.py's rule gives the bucket, W8A8's
+    separate quantization launch from ``W8A8_MIN_ROWS_PER_EXPERT`` pairs per expert (every bucket since it is 0),
+    W8A16 below.
     """
     cap = max(16, min(128, triton.next_power_of_2(max(1, int(per_expert))) * 2))
     weight_bytes = 1 if fp8_block else 2
