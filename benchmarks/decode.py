@@ -43,9 +43,10 @@ def step_cost(info, bs: int, ctx: int, experts_touched: int | None = None) -> tu
     return read, flops
 
 
-def make_batch(bs: int, ctx: int, kv_caches, backend) -> ForwardBatch:
-    """``bs`` sequences decoding their token at position ``ctx`` over ``ctx`` cached tokens."""
-    return contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=1000)
+def make_batch(bs: int, ctx: int, kv_caches, backend, vocab_size: int = 1000) -> ForwardBatch:
+    """``bs`` sequences decoding their token at position ``ctx`` over ``ctx`` cached tokens (input ids drawn from
+    ``[0, vocab_size)``)."""
+    return contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=vocab_size)
 
 
 def _step_fn(model, graphs: GraphRunner | None, batch: ForwardBatch):

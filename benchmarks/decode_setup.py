@@ -1,6 +1,6 @@
-"""What the decode-step benchmarks set up alike: a KV cache holding ``seqs`` sequences of ``ctx`` cached tokens,
-the decode step captured as CUDA graphs for their batch sizes, and the batch of ``bs`` such sequences each
-decoding its next token.
+"""What the decode-step benchmarks set up alike: a KV cache holding ``seqs`` sequences of ``ctx`` cached tokens
+and the decode step captured as CUDA graphs for their batch sizes (the batch of ``bs`` such sequences is
+benchmarks/decode.make_batch).
 
 benchmarks/fp8.py, moe.py, moe_fp8.py, pdl.py and deepseek.py take what they need of these, so a step means the
 same thing in each of their tables: every sequence at position ``ctx`` over ``ctx`` cached tokens, the cache
@@ -32,13 +32,6 @@ def captured_graphs(model, backend, kv_caches, sizes: list[int], ctx: int, cfg, 
                          cfg.max_model_len, device)  # fmt: skip
     graphs.capture()
     return graphs
-
-
-def context_batch(bs: int, ctx: int, kv_caches, backend, vocab_size: int):
-    """``bs`` sequences decoding their token at position ``ctx`` over ``ctx`` cached tokens."""
-    from graphserve.layers.forward_batch import contiguous_batch
-
-    return contiguous_batch([1] * bs, [ctx + 1] * bs, kv_caches, backend, vocab_size=vocab_size)
 
 
 def release_gpu_memory() -> None:

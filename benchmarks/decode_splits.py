@@ -23,7 +23,7 @@ from benchmarks.common import print_table, write_result
 from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import measured_read_bw
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.decode_attention import DecodeTile, choose_num_splits, choose_tile, decode_attention
+from graphserve.kernels.decode_attention import DecodeTile, decode_attention, decode_plan
 from graphserve.kernels.fp8_quant import FP8_DTYPE
 
 PAGE = 16
@@ -55,7 +55,7 @@ def measure(name: str, cache_name: str, batch: int, sms: int, tiles: list[Decode
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
     counters = torch.zeros(batch * hkv, dtype=torch.int32, device="cuda")
     fp8 = cache.dtype == FP8_DTYPE
-    picked, picked_tile = choose_num_splits(batch, hkv, width * PAGE, sms, fp8), choose_tile(batch, hkv, fp8)  # as decode_attention
+    picked_tile, picked = decode_plan(batch, hkv, width * PAGE, sms, fp8)
     nbytes = batch * ctx * hkv * d * 2 * cache.element_size()
     rows = []
     for tile in tiles or [picked_tile]:

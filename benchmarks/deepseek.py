@@ -36,7 +36,8 @@ import time
 import torch
 
 from benchmarks.common import print_table, write_result
-from benchmarks.decode_setup import context_batch, context_kv_caches
+from benchmarks.decode import make_batch
+from benchmarks.decode_setup import context_kv_caches
 from benchmarks.kernels import graph_time_ms
 from benchmarks.moe import bench_decode, set_routing
 from benchmarks.roofline import measured_read_bw
@@ -78,7 +79,7 @@ def bench_v3_layers(bw, sizes: list[int], ctx: int, routing: str) -> list[dict]:
     rows = []
     with torch.inference_mode():
         for bs in sizes:
-            batch = context_batch(bs, ctx, kv_caches, backend, info.vocab_size)
+            batch = make_batch(bs, ctx, kv_caches, backend, info.vocab_size)
             hidden0 = torch.randn(bs, info.hidden_size, device=device, dtype=info.dtype)
             residual0 = torch.randn_like(hidden0)
             for idx in (0, 1):  # the dense layer, then the first MoE layer

@@ -39,7 +39,7 @@ from benchmarks.decode import make_batch, step_cost
 from benchmarks.decode_setup import captured_graphs, release_gpu_memory
 from benchmarks.fp8_route import COLS as GEMM_COLS
 from benchmarks.fp8_route import SHAPES, measure
-from benchmarks.moe import experts_touched, set_routing
+from benchmarks.moe import experts_touched, moe_layers
 from benchmarks.roofline import ReadBandwidth, matmul_tflops, measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.kernels.argmax import greedy_argmax
@@ -103,7 +103,7 @@ def run_model(name: str, quantization: str, cases: list[tuple[int, int]], bw: Re
                        max_model_len=max(max_ctx, 2048) + 64)
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
-    moe_layers = set_routing(model, "skewed")  # the model's own router; [] for a dense model
+    routed = moe_layers(model)  # the model's own router; [] for a dense model
     bsz = cfg.block_size
     sizes = sorted({bs for bs, _ in cases})
     tokens = max(max(bs * (c + 2 * bsz) for bs, c in cases), prefill[0] * prefill[1] if prefill else 0)
@@ -117,7 +117,7 @@ def run_model(name: str, quantization: str, cases: list[tuple[int, int]], bw: Re
             batch = make_batch(bs, ctx, kv_caches, backend)
             ms = cuda_time_ms(lambda g=graphs, b=batch: greedy_argmax(g.replay(b)), warmup=3, iters=20)
             # a MoE step reads the experts its router chose: the counts of the last replay, this batch's
-            read, flops = step_cost(info, bs, ctx, experts_touched(moe_layers) if moe_layers else None)
+            read, flops = step_cost(info, bs, ctx, experts_touched(routed) if routed else None)
             bw.observe(f"{name} {quantization} decode bs={bs} ctx={ctx}", read, ms)
             out["steps"][(bs, ctx)] = {"step_ms": ms, "read_bytes": read, "flops": flops}
             print(f"{name} quantization={quantization} kv={kv_cache_dtype} bs={bs} ctx={ctx}: {ms:.3f} ms, "

@@ -2,8 +2,8 @@
 (32 query heads, 8 kv heads, head_dim 128, 16-token pages): does reading half the bytes make the
 kernel faster, and which widening of the fp8 values (fp16, the default; bf16, the earlier one) does.
 
-Each cache runs at the split count and launch shape decode_attention picks for it (``choose_num_splits``,
-``choose_tile``: an fp8 cache has its own). Each time is one call's share of a CUDA graph of back-to-back calls, each on the next of ``LAYERS``
+Each cache runs at the split count and launch shape decode_attention picks for it (``decode_plan``: an fp8
+cache has its own). Each time is one call's share of a CUDA graph of back-to-back calls, each on the next of ``LAYERS``
 caches (a model's layers), so the KV comes from device memory as in a decode step. ``GBps``: the
 KV bytes the call reads over its time; ``vs_floor``: time over those bytes at this run's read
 bandwidth (benchmarks.roofline's probes).
@@ -22,7 +22,7 @@ from benchmarks.common import print_table, write_result
 from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import measured_read_bw
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.decode_attention import choose_num_splits, choose_tile, decode_attention
+from graphserve.kernels.decode_attention import decode_attention, decode_plan
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 LAYERS = 32
@@ -43,7 +43,7 @@ def measure(bs: int, ctx: int, bw) -> list[dict]:
     rows = []
     for kind, (dtype, widen) in KINDS.items():
         fp8 = dtype == torch.float8_e4m3fn
-        splits, tile = choose_num_splits(bs, KV_HEADS, ctx, sms, fp8), choose_tile(bs, KV_HEADS, fp8)
+        tile, splits = decode_plan(bs, KV_HEADS, ctx, sms, fp8)
         caches = [(torch.randn(2, blocks, PAGE, KV_HEADS, HEAD_DIM, device="cuda") * 0.5).to(dtype)
                   for _ in range(layers)]
         nbytes = 2 * bs * ctx * KV_HEADS * HEAD_DIM * caches[0].element_size()

@@ -26,7 +26,8 @@ import contextlib
 import torch
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
-from benchmarks.decode_setup import captured_graphs, context_batch, context_kv_caches
+from benchmarks.decode import make_batch
+from benchmarks.decode_setup import captured_graphs, context_kv_caches
 from benchmarks.roofline import matmul_tflops, measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
@@ -39,8 +40,15 @@ from graphserve.models.loader import load_model
 COLS = ["model", "bs", "ctx", "routing", "experts_touched", "step_ms", "floor_ms", "ratio", "ratio_datasheet"]
 
 
+def moe_layers(model: torch.nn.Module) -> list[FusedMoE]:
+    """The model's routed-expert layers ([] for a dense model): whose counts ``experts_touched`` reads."""
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
 def set_routing(model: torch.nn.Module, routing: str) -> list[FusedMoE]:
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    """Every MoE layer on round-robin routing ("uniform") or its own router (anything else, "skewed" in the
+    tables); the layers."""
+    layers = moe_layers(model)
     for m in layers:
         m.routing_override = "uniform" if routing == "uniform" else None
     return layers
@@ -107,7 +115,7 @@ def bench_decode(name: str, sizes: list[int], ctx: int, routings: list[str], bw,
             layers = set_routing(model, routing)
             graphs = captured_graphs(model, backend, kv_caches, sizes, ctx, cfg, device)
             for bs in sizes:
-                batch = context_batch(bs, ctx, kv_caches, backend, info.vocab_size)
+                batch = make_batch(bs, ctx, kv_caches, backend, info.vocab_size)
                 ms = cuda_time_ms(_replay(graphs, batch), warmup=3, iters=20)
                 touched = experts_touched(layers)  # the counts of the last replay: this batch's routing
                 nbytes = desc.decode_read_bytes(bs, bs * (ctx + 1), touched)

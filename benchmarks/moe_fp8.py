@@ -28,7 +28,8 @@ import argparse
 import torch
 
 from benchmarks.common import cuda_time_ms, merge_rows, print_table, write_result
-from benchmarks.decode_setup import captured_graphs, context_batch, context_kv_caches, release_gpu_memory
+from benchmarks.decode import make_batch
+from benchmarks.decode_setup import captured_graphs, context_kv_caches, release_gpu_memory
 from benchmarks.kernels import graph_time_ms
 from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
@@ -60,7 +61,7 @@ def decode_steps(quantization: str, sizes: list[int], ctx: int, routings: list[s
             layers = set_routing(model, routing)
             graphs = captured_graphs(model, backend, kv_caches, sizes, ctx, cfg, device)
             for bs in sizes:
-                batch = context_batch(bs, ctx, kv_caches, backend, info.vocab_size)
+                batch = make_batch(bs, ctx, kv_caches, backend, info.vocab_size)
                 ms = cuda_time_ms(lambda g=graphs, b=batch: greedy_argmax(g.replay(b)), warmup=3, iters=20)
                 touched = experts_touched(layers)  # the last replay's routing
                 nbytes = info.description.decode_read_bytes(bs, bs * (ctx + 1), touched)
@@ -114,6 +115,8 @@ def main() -> None:
     p.add_argument("--w8a8-rows-per-expert", type=int, default=None, metavar="N",
                    help="the FP8 steps again with the W8A8 rule at N pairs per expert (w8a8_step_ms beside step_ms)")
     args = p.parse_args()
+    if args.w8a8_rows_per_expert is not None and args.w8a8_rows_per_expert < 0:
+        p.error(f"--w8a8-rows-per-expert {args.w8a8_rows_per_expert}: a pair count per expert, 0 or more")
     routings = ["uniform"] if args.quick else ["skewed", "uniform"]
     bw = measured_read_bw()
     print(f"probes: {bw.describe()}")
@@ -123,8 +126,10 @@ def main() -> None:
     other = {}
     if args.w8a8_rows_per_expert is not None:
         rule, moe_fused.W8A8_MIN_ROWS_PER_EXPERT = moe_fused.W8A8_MIN_ROWS_PER_EXPERT, args.w8a8_rows_per_expert
-        other = decode_steps("fp8", args.bs, args.ctx, routings, bw)
-        moe_fused.W8A8_MIN_ROWS_PER_EXPERT = rule
+        try:
+            other = decode_steps("fp8", args.bs, args.ctx, routings, bw)
+        finally:
+            moe_fused.W8A8_MIN_ROWS_PER_EXPERT = rule
     rows = []
     for (bs, routing), (ms, nbytes, touched) in fp8.items():
         row = {"model": f"{MODEL} --quantization fp8 ({routing} routing)", "bs": bs, "ctx": args.ctx,

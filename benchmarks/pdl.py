@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
-from benchmarks.decode_setup import captured_graphs, context_batch, context_kv_caches
+from benchmarks.decode import make_batch
+from benchmarks.decode_setup import captured_graphs, context_kv_caches
 from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
@@ -72,7 +73,7 @@ def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rou
                 graphs[label] = captured_graphs(model, backend, kv_caches, sizes, ctx, cfg, device)
         first = next(iter(scopes))
         for bs in sizes:
-            batch = context_batch(bs, ctx, kv_caches, backend, info.vocab_size)
+            batch = make_batch(bs, ctx, kv_caches, backend, info.vocab_size)
             times: dict[str, list[float]] = {label: [] for label in scopes}
             tokens = {label: greedy_argmax(graphs[label].replay(batch)) for label in scopes}
             for _ in range(rounds):

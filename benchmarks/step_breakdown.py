@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.decode import make_batch
-from benchmarks.moe import experts_touched, set_routing
+from benchmarks.moe import experts_touched, moe_layers
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
@@ -61,7 +61,7 @@ def main() -> None:
                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
-    moe_layers = set_routing(model, "skewed")  # the model's own router; [] for a dense model
+    routed = moe_layers(model)  # the model's own router; [] for a dense model
     num_blocks = args.bs * (args.ctx // cfg.block_size + 2) + 2
     kv = info.kv.allocate(num_blocks, cfg.block_size, device, fill="random")
     backend = TritonAttentionBackend()
@@ -94,7 +94,7 @@ def main() -> None:
                 table[key][1] += 1
     kv_bytes = args.bs * args.ctx * info.kv_bytes_per_token
     # a MoE step reads the experts its router chose: the profiled step's own counts (it ran last)
-    touched = experts_touched(moe_layers) if moe_layers else None
+    touched = experts_touched(routed) if routed else None
     weights = info.description.decode_read_bytes(args.bs, args.bs * args.ctx, touched) - kv_bytes
     # a family that read its bytes faster than the probes raises the floor of every family
     for fam, nbytes in (("matmul", weights), ("attention", kv_bytes)):

@@ -50,6 +50,7 @@ from graphserve.kernels.decode_attention import (  # noqa: E402
     counters_numel,
     decode_attention,
     decode_attention_reference,
+    decode_plan,
     workspace_numel,
 )
 from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
@@ -183,9 +184,9 @@ def test_decode_attention_merges_in_kernel_and_leaves_counters_zero():
         assert not counters.any()
     with pytest.raises(ValueError, match="counters hold 2 torch.int32"):
         decode_attention(q, cache, tables, lens, 0.1, num_splits=6, counters=counters[:2])
-    with pytest.raises(ValueError, match="min_split_len=96 must be a positive multiple of BLOCK_N=64"):
+    with pytest.raises(ValueError, match="min_split_len=96 must be a positive multiple of the tile's block_n=64"):
         decode_attention(q, cache, tables, lens, 0.1, num_splits=6, min_split_len=96)
-    with pytest.raises(ValueError, match="min_split_len=64 must be a positive multiple of BLOCK_N=128"):
+    with pytest.raises(ValueError, match="min_split_len=64 must be a positive multiple of the tile's block_n=128"):
         decode_attention(q, cache, tables, lens, 0.1, num_splits=6, min_split_len=64, tile=FP8_SMALL_TILE)
     for bad, message in ((DecodeTile(96), r"block_n=96 must be a power of two in 16\.\.256"),
                          (DecodeTile(512), r"block_n=512 must be a power of two in 16\.\.256"),
@@ -248,6 +249,10 @@ def test_an_fp8_cache_takes_three_splits_only_where_it_measured_faster():
     assert choose_num_splits(8, 4, 1040, sms, fp8_cache=True) == 9  # never more splits than 128-token steps
     assert choose_num_splits(1, 8, 1024, sms) == 16 and choose_num_splits(1, 8, 1024, sms, step=128) == 8  # a given step
     assert workspace_numel(32, 8, 128, sms, torch.bfloat16) == workspace_numel(32, 8, 128, sms)
+    # the pair decode_attention runs: each band's tile, and the splits at that tile's step
+    assert decode_plan(64, 8, 8192, sms, True) == (FP8_CACHE_TILE, 3)
+    assert decode_plan(8, 4, 1040, sms, True) == (FP8_SMALL_TILE, 9)
+    assert decode_plan(1, 8, 1024, sms) == (DEFAULT_TILE, 16)
 
 
 @pytest.mark.parametrize(

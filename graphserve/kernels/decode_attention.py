@@ -252,11 +252,20 @@ def _decode_split_kernel(
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
+def decode_plan(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int,
+                fp8_cache: bool = False) -> tuple[DecodeTile, int]:
+    """(launch shape, splits) that ``decode_attention`` runs by default: ``choose_tile`` and ``choose_num_splits`` at
+    that tile's step. Benchmarks that label their rows with the engine's choice call this too."""
+    tile = choose_tile(batch_size, num_kv_heads, fp8_cache)
+    return tile, choose_num_splits(batch_size, num_kv_heads, max_context, num_sms, fp8_cache, tile.block_n)
+
+
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int,
                       fp8_cache: bool = False, step: int | None = None) -> int:
-    """Splits per sequence so that batch * kv_heads * splits programs fill the GPU; never more than the context has
-    inner steps of ``step`` tokens (the launch shape's; None: the one ``choose_tile`` picks). An fp8 cache: ``FP8_SMALL_PROGRAMS`` programs in its small
-    band, at least ``FP8_CACHE_SPLITS`` in its large one (the comments on them say why).
+    """Splits per sequence so that batch * kv_heads * splits programs fill the GPU; never more than the context
+    has inner steps of ``step`` tokens (the launch shape's; None: the one ``choose_tile`` picks). An fp8 cache:
+    ``FP8_SMALL_PROGRAMS`` programs in its small band, at least ``FP8_CACHE_SPLITS`` in its large one (the
+    comments on them say why).
 
     Uses static sizes only (``max_context`` is the block-table capacity, not a seq_lens value), so
     a captured CUDA graph keeps a fixed grid whatever lengths are replayed through it.
@@ -346,13 +355,16 @@ def decode_attention(
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError(f"decode_attention needs head_dim contiguous (stride 1) in q and kv_cache, got strides "
                          f"q {q.stride()}, kv_cache {kv_cache.stride()}")
+    fp8_cache = kv_cache.dtype == FP8_DTYPE
     if tile is None:
-        tile = choose_tile(batch, num_kv_heads, kv_cache.dtype == FP8_DTYPE)
+        tile, planned = decode_plan(batch, num_kv_heads, block_tables.shape[1] * page, sm_count(q.device), fp8_cache)
+        num_splits = planned if num_splits is None else num_splits
     else:
         tile.validate()
     min_split_len = tile.block_n if min_split_len is None else min_split_len
     if min_split_len <= 0 or min_split_len % tile.block_n:
-        raise ValueError(f"min_split_len={min_split_len} must be a positive multiple of BLOCK_N={tile.block_n}")
+        raise ValueError(f"min_split_len={min_split_len} must be a positive multiple of the tile's "
+                         f"block_n={tile.block_n}")
     group = num_heads // num_kv_heads
     if fp8_widen not in (torch.float16, torch.bfloat16):
         raise ValueError(f"decode_attention: fp8_widen={fp8_widen} must be torch.float16 or torch.bfloat16")
@@ -376,9 +388,9 @@ def decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    if num_splits is None:
+    if num_splits is None:  # a caller's tile, the engine's split rule at its step
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, sm_count(q.device),
-                                       kv_cache.dtype == FP8_DTYPE, tile.block_n)
+                                       fp8_cache, tile.block_n)
     direct = num_splits == 1
     mid_numel = batch * num_heads * num_splits * (head_dim + 1)
     if direct:
