@@ -33,11 +33,7 @@ relative rounding x already carries. Per-channel scales multiply the fp32 accumu
 
 Prologues, as kernels/gemv.py's: ``fp8_silu_mul_gemv`` computes silu(gate) * up and ``fp8_norm_gemv``
 (residual add +) RMSNorm while loading x, so a decoder layer's norm and activation launches vanish
-at decode batch sizes. The norm's rstd is one factor per row of x: unsplit, a program reads all of x in
-its main loop anyway, sums the squares there and scales its accumulator by rstd after the loop, so its
-weight stream starts at once (split along K, each program first takes the statistics in a pass over x,
-as kernels/gemv.py does). The product then takes x * norm weight unrounded where the separate norm
-would round x * rstd to the activation dtype first: the two differ by that rounding.
+at decode batch sizes.
 
 Split-K. A tall-K projection (Llama-3-8B's down: K = 14336 against N = 4096) gives each program a long
 chain of dependent tile loads and too few programs to keep every SM's memory pipe full. With
@@ -100,15 +96,11 @@ def _fp8_gemv_kernel(
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     s_row = ws_ptr + ((pid * BLOCK_N) // GROUP_N) * stride_wsn  # this program's row of block scales
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    # One split: the program reads every column of x in its main loop, so the rows' sums of squares
-    # accumulate there and rstd, a factor per row, multiplies the accumulator once after it (``LATE_NORM``).
-    # The weight stream starts at once instead of after a pass over x.
-    LATE_NORM: tl.constexpr = NORM and SPLIT_K == 1
-    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM and not LATE_NORM:
+    if NORM:
         # as kernels/gemv.py: every program takes the rows' statistics itself (a few KB from L2, cheaper
         # than a norm launch); program 0 alone writes x + residual, into a buffer no program reads
         offs_kk = tl.arange(0, BLOCK_K)
+        sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + offs_kk[None, :]
             row_mask = (offs_m[:, None] < M) & (cols < K)
@@ -138,12 +130,6 @@ def _fp8_gemv_kernel(
                 if not X_TOKEN:
                     xs = tl.load(xs_ptr + offs_m * stride_xsm + (k0 // BLOCK_K) * stride_xsk, mask=offs_m < M,
                                  other=0.0)
-            elif LATE_NORM:
-                x, sq = _late_norm_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom,
-                                        offs_m[:, None], cols[None, :], x_mask, cols, k_mask, pid == 0, K,
-                                        ADD_RESIDUAL, x_ptr.dtype.element_ty)  # fmt: skip
-                sum_sq += tl.sum(sq, axis=1)
-                x = x.to(x_ptr.dtype.element_ty)
             else:
                 x = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols[None, :], x_mask,
                             rstd[:, None], K, SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty)  # fmt: skip
@@ -185,21 +171,13 @@ def _fp8_gemv_kernel(
                 piece = k0 + offs_b * SUB_K
                 ks = tl.load(s_row + piece // GROUP_K, mask=piece < K, other=0.0)
             for m in tl.static_range(BLOCK_M):
-                if LATE_NORM:
-                    xr, sq = _late_norm_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom,
-                                             m, cols, k_mask & (m < M), cols, k_mask, pid == 0, K, ADD_RESIDUAL,
-                                             x_ptr.dtype.element_ty)  # fmt: skip
-                    sum_sq += tl.where(offs_m == m, tl.sum(tl.sum(sq, axis=1), axis=0), 0.0)
-                else:
-                    rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
-                    xr = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols, k_mask & (m < M), rstd_m,
-                                 K, SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+                rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+                xr = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols, k_mask & (m < M), rstd_m, K,
+                             SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
                 if not PER_CHANNEL:
                     xr = xr * ks[:, None]
                 part = tl.sum(tl.sum(wf * xr[None, :, :], axis=2), axis=1)
                 acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
-    if LATE_NORM:
-        acc *= (1.0 / tl.sqrt(sum_sq / K + eps))[None, :]
     if X_TOKEN:
         acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=offs_m < M, other=0.0)[None, :]
     pdl_release(PDL)  # the next kernel's programs join as these finish streaming (kernels/pdl.py)
@@ -219,21 +197,6 @@ def _fp8_gemv_kernel(
             _epilogue(total, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_wsn, stride_om,
                       PER_CHANNEL, HAS_BIAS)  # fmt: skip
             tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _late_norm_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, stride_xm, stride_rm, stride_rom, rows, cols, mask, k_cols,
-                    k_mask, writer, K: tl.constexpr, ADD_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr):  # fmt: skip
-    """``(h * norm weight, h * h)`` in fp32 for h = x (+ residual) rounded as the separate add writes it: the
-    RMSNorm's input before its per-row rstd, which the caller applies to the accumulator. ``writer`` (program 0)
-    stores h, the new residual. ``k_cols``/``k_mask`` index the norm weight (one row of the tile's columns)."""
-    h = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, rows, cols, mask, 0.0, K, False, ADD_RESIDUAL, False,
-                OUT_DTYPE)  # fmt: skip
-    if ADD_RESIDUAL:
-        tl.store(res_out_ptr + rows * stride_rom + cols, h, mask=mask & writer)
-    hf = h.to(tl.float32)
-    nw = tl.load(nw_ptr + k_cols, mask=k_mask, other=0.0).to(tl.float32)
-    return hf * nw, hf * hf
 
 
 @triton.jit
@@ -406,9 +369,8 @@ def fp8_norm_gemv(
     group_n: int, group_k: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
     *, config: StreamConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """``(fp8_gemv(rms_norm(x [+ residual]), ...), x + residual or None)``, the norm in the loads (as
-    kernels/gemv.py's norm_gemv); unsplit, rstd scales the accumulator (module docstring). x + residual is
-    rounded as kernels/norm.py's fused add writes it, bit for bit."""
+    """``(fp8_gemv(rms_norm(x [+ residual]), ...), x + residual or None)``, the norm in the loads with
+    kernels/norm.py's numerics (as kernels/gemv.py's norm_gemv)."""
     m, k = x.shape
     if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
         raise ValueError(f"fp8_norm_gemv: norm weight must be contiguous with shape ({k},), got "
