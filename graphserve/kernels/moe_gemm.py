@@ -128,15 +128,12 @@ def fused_moe_gemm_kernel(
     group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_size
     pid_n = (pid % per_group) // group_size
-    # The tile's pairs and expert are read with the padded total, not after it: the three loads make one
-    # round trip before the weight stream can start instead of two. The sort's buffers cover every tile of
-    # the bound-sized grid, so the reads stay inside them; past the total they hold stale values, never used.
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ids_ptr + offs_m)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return  # past the padded total: this tile holds no pair (the cost of a bound-sized grid)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
     row_mask = pairs < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     a_rows = (pairs // A_ROW_DIV).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # columns past N re-read column N-1 so the weight loads need no mask along N; never stored
