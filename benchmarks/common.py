@@ -135,7 +135,7 @@ def median_difference_ci(a: list[float], b: list[float], resamples: int = 2000, 
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    widths = [max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in cols]  # no rows: the header alone
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
