@@ -297,6 +297,27 @@ def test_stream_fused_prologues_match_reference(cfg, group_n, group_k) -> None:
             torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("cfg", [FMA, DOT, dataclasses.replace(FMA, split_k=2), dataclasses.replace(DOT, split_k=2)],
+                         ids=["fma", "dot", "fma-split2", "dot-split2"])
+def test_stream_norm_prologue_rows_of_any_scale(cfg) -> None:
+    """Rows whose RMS is far from 1 and differs row to row (random rows have RMS near 1, where a lost or
+    misplaced rstd goes unseen), whole and split along K: the prologue equals norm-then-matmul."""
+    m, n, k = (3, 40, 128) if not cfg.use_dot else (6, 40, 128)
+    dtype = DOT_DTYPE if cfg.use_dot else torch.float32
+    tol = {"rtol": 1e-4, "atol": 1e-5} if not cfg.use_dot else {"rtol": 2e-2, "atol": 2e-2}
+    wq, ws = _weight(n, k, 16, 32, seed=41)
+    row_scale = torch.tensor([30.0, 0.05, 4.0, 200.0, 0.5, 9.0][:m], device=DEVICE)[:, None]
+    x = (_randn(m, k, seed=42) * row_scale).to(dtype)
+    res = (_randn(m, k, seed=43) * row_scale).to(dtype)
+    nw = (_randn(k, seed=44) + 1.0).to(dtype)
+    for residual in (None, res):
+        out, summed = fp8_norm_gemv(x, nw, 1e-6, wq, ws, 16, 32, residual=residual, config=cfg)
+        want, want_sum = fp8_norm_gemv_reference(x, nw, 1e-6, wq, ws, 16, 32, residual=residual)
+        torch.testing.assert_close(out.float(), want.float(), **tol)
+        if residual is not None:
+            torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
+
+
 def test_stream_default_config_matches_reference() -> None:
     wq, ws = _weight(50, 256, 16, 128, seed=3)
     x = _randn(4, 256, seed=4)
