@@ -91,7 +91,8 @@ def bench_v3_layers(bw, sizes: list[int], ctx: int, routing: str) -> list[dict]:
                     layer(batch.positions, hidden, residual, batch)
 
                 ms = graph_time_ms(step)
-                nbytes = _layer_bytes(layer, bs * (ctx + 1) * info.kv.bytes_per_token_per_layer)
+                # the cached tokens, as benchmarks.decode.step_cost counts them: the new token's K and V are made in the step
+                nbytes = _layer_bytes(layer, bs * ctx * info.kv.bytes_per_token_per_layer)
                 rows.append({"model": name, "layer": idx, "kind": "moe" if layer.is_moe else "dense", "bs": bs,
                              "ctx": ctx, "routing": routing, "layer_ms": ms, "bytes": nbytes})
                 print(f"{name} layer {idx} bs={bs}: {ms:.3f} ms")

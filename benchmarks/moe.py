@@ -26,7 +26,7 @@ import contextlib
 import torch
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
-from benchmarks.decode import make_batch
+from benchmarks.decode import make_batch, step_cost
 from benchmarks.decode_setup import captured_graphs, context_kv_caches
 from benchmarks.roofline import matmul_tflops, measured_read_bw
 from graphserve.config import EngineConfig
@@ -104,7 +104,7 @@ def bench_decode(name: str, sizes: list[int], ctx: int, routings: list[str], bw,
     device = torch.device("cuda")
     cfg = EngineConfig(model=name, device="cuda", max_model_len=ctx + 64)
     loaded = load_model(cfg, device)
-    model, info, desc = loaded.model, loaded.info, loaded.info.description
+    model, info = loaded.model, loaded.info
     kv_caches = context_kv_caches(info, max(sizes), ctx, cfg.block_size, device)
     backend = TritonAttentionBackend()
     rows = []
@@ -118,7 +118,7 @@ def bench_decode(name: str, sizes: list[int], ctx: int, routings: list[str], bw,
                 batch = make_batch(bs, ctx, kv_caches, backend, info.vocab_size)
                 ms = cuda_time_ms(_replay(graphs, batch), warmup=3, iters=20)
                 touched = experts_touched(layers)  # the counts of the last replay: this batch's routing
-                nbytes = desc.decode_read_bytes(bs, bs * (ctx + 1), touched)
+                nbytes = step_cost(info, bs, ctx, touched)[0]  # as every decode benchmark counts a step
                 bw.observe(f"{name} decode bs={bs} {routing}", nbytes, ms)
                 row = {"model": name, "bs": bs, "ctx": ctx, "routing": routing, "experts_touched": touched,
                        "step_ms": ms, "bytes": nbytes}

@@ -28,7 +28,7 @@ import argparse
 import torch
 
 from benchmarks.common import cuda_time_ms, merge_rows, print_table, write_result
-from benchmarks.decode import make_batch
+from benchmarks.decode import make_batch, step_cost
 from benchmarks.decode_setup import captured_graphs, context_kv_caches, release_gpu_memory
 from benchmarks.kernels import graph_time_ms
 from benchmarks.moe import experts_touched, set_routing
@@ -64,7 +64,7 @@ def decode_steps(quantization: str, sizes: list[int], ctx: int, routings: list[s
                 batch = make_batch(bs, ctx, kv_caches, backend, info.vocab_size)
                 ms = cuda_time_ms(lambda g=graphs, b=batch: greedy_argmax(g.replay(b)), warmup=3, iters=20)
                 touched = experts_touched(layers)  # the last replay's routing
-                nbytes = info.description.decode_read_bytes(bs, bs * (ctx + 1), touched)
+                nbytes = step_cost(info, bs, ctx, touched)[0]  # as benchmarks.fp8 counts a step
                 bw.observe(f"{MODEL} {quantization} decode bs={bs} {routing}", nbytes, ms)
                 out[bs, routing] = (ms, nbytes, touched)
                 print(f"{MODEL} --quantization {quantization} bs={bs} {routing}: {ms:.3f} ms, {touched} experts, "

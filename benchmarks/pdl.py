@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
-from benchmarks.decode import make_batch
+from benchmarks.decode import make_batch, step_cost
 from benchmarks.decode_setup import captured_graphs, context_kv_caches
 from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
@@ -61,7 +61,7 @@ def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rou
     device = torch.device("cuda")
     cfg = EngineConfig(model=name, device="cuda", quantization=quantization, max_model_len=ctx + 64)
     loaded = load_model(cfg, device)
-    model, info, desc = loaded.model, loaded.info, loaded.info.description
+    model, info = loaded.model, loaded.info
     layers = set_routing(model, "uniform")
     kv_caches = context_kv_caches(info, max(sizes), ctx, cfg.block_size, device)
     backend = TritonAttentionBackend()
@@ -81,7 +81,7 @@ def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rou
                     step = lambda g=graphs[label], b=batch: greedy_argmax(g.replay(b))  # noqa: E731
                     times[label].append(cuda_time_ms(step, warmup=2, iters=10))
             touched = experts_touched(layers) if layers else None
-            nbytes = desc.decode_read_bytes(bs, bs * (ctx + 1), touched)
+            nbytes = step_cost(info, bs, ctx, touched)[0]  # as every decode benchmark counts a step
             med = {label: statistics.median(t) for label, t in times.items()}
             for ms in med.values():
                 bw.observe(f"{name} {quantization} decode bs={bs}", nbytes, ms)
