@@ -273,8 +273,18 @@ def merge_tables(old: dict, new: MoeTiles, rows: list[dict], streaming: bool) ->
     source = new if streaming else before
     merged = MoeTiles(source.small_max_pairs, source.gemv_gate_up, source.gemv_down, tuple(buckets),
                       tuple(tiles[b][0] for b in buckets), tuple(tiles[b][1] for b in buckets))  # fmt: skip
-    kept = [r for r in old.get("measurements", []) if r.get("pairs") not in set(new.buckets)]
+    kept = [_with_run(r, old) for r in old.get("measurements", []) if r.get("pairs") not in set(new.buckets)]
     return merged, sorted(kept + rows, key=lambda r: r["pairs"])
+
+
+def _with_run(row: dict, table: dict) -> dict:
+    """A kept measurement with the run that timed it (``measured_at``): its own, else the earlier table's
+    environment where that table's run timed this bucket (a full run, or one of its ``retuned_buckets``); a row
+    older than both stays without one (git history holds the table it came from)."""
+    retuned = table.get("retuned_buckets")
+    if "measured_at" in row or "environment" not in table or (retuned is not None and row.get("pairs") not in retuned):
+        return row
+    return {**row, "measured_at": table["environment"]}
 
 
 def _short(tile: GemmTile | None) -> str:
@@ -335,6 +345,7 @@ def main() -> None:
             p.error(f"--buckets re-tunes part of a table, and there is none at {path}: run without --buckets first")
     print(f"tuning experts={e} hidden={h} intermediate={i} top_k={k} {args.dtype} on {torch.cuda.get_device_name(0)}")
     tiles, rows = tune(e, h, i, k, dtype, args.quick, args.budget_s, tokens)
+    rows = [{**r, "measured_at": environment()} for r in rows]  # a later --buckets run keeps them with their run
     if old is not None:
         tiles, rows = merge_tables(old, tiles, rows, streaming=tokens[0] == 1)
     payload = {"experts": e, "intermediate": i, "hidden": h, "dtype": args.dtype, "device": device, "top_k": k,

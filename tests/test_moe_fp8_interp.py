@@ -312,6 +312,17 @@ def test_tuner_retunes_some_buckets_and_keeps_the_others(monkeypatch):
     assert merged.buckets == (2, 8, 32) and merged.gate_up == (old_tile, tile, old_tile)
     assert (merged.small_max_pairs, merged.gemv_gate_up) == (2, GemvTile(4, 32, 4))
     assert [r["pairs"] for r in merged_rows] == [2, 8, 32] and merged_rows[1] is rows[0]
+    # kept rows name the run that timed them: the earlier table's where it timed that bucket, else their own
+    earlier = {"commit": "aaa"}
+    partial = {**old_json, "environment": earlier, "retuned_buckets": [32],
+               "measurements": [{"pairs": 2, "gemm_us": 1.0}, {"pairs": 32, "gemm_us": 1.0},
+                                {"pairs": 8, "gemm_us": 1.0}]}
+    _, kept_rows = moe_tune.merge_tables(partial, tiles, rows, streaming=False)
+    assert "measured_at" not in kept_rows[0] and kept_rows[2]["measured_at"] == earlier
+    full = {**old_json, "environment": earlier, "measurements": [{"pairs": 2, "gemm_us": 1.0, "measured_at": {"commit": "b"}},
+                                                                  {"pairs": 32, "gemm_us": 1.0}]}
+    _, kept_rows = moe_tune.merge_tables(full, tiles, rows, streaming=False)
+    assert kept_rows[0]["measured_at"] == {"commit": "b"} and kept_rows[2]["measured_at"] == earlier
 
     tiles, rows = moe_tune.tune(E, h, inter, k, torch.float8_e4m3fn, quick=False, budget_s=600, tokens=[1])
     merged, _ = moe_tune.merge_tables(old_json, tiles, rows, streaming=True)
