@@ -117,7 +117,7 @@ def run_model(name: str, quantization: str, cases: list[tuple[int, int]], bw: Re
             batch = make_batch(bs, ctx, kv_caches, backend)
             ms = cuda_time_ms(lambda g=graphs, b=batch: greedy_argmax(g.replay(b)), warmup=3, iters=20)
             # a MoE step reads the experts its router chose: the counts of the last replay, this batch's
-            read, flops = step_cost(info, bs, ctx, experts_touched(routed) if routed else None)
+            read, flops = step_cost(info, bs, ctx, experts_touched(routed))
             bw.observe(f"{name} {quantization} decode bs={bs} ctx={ctx}", read, ms)
             out["steps"][(bs, ctx)] = {"step_ms": ms, "read_bytes": read, "flops": flops}
             print(f"{name} quantization={quantization} kv={kv_cache_dtype} bs={bs} ctx={ctx}: {ms:.3f} ms, "

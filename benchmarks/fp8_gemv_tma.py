@@ -52,6 +52,9 @@ def tma_gemv_kernel(x_ptr, w_desc, ws_ptr, out_ptr, K: tl.constexpr, BLOCK_N: tl
 def tma_gemv(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, desc, out: torch.Tensor, bn: int, bk: int,
              stages: int, split: int) -> torch.Tensor:  # fmt: skip
     n, k = w.shape
+    if n % bn or k % (split * bk):  # the kernel has no masks: whole tiles only
+        raise ValueError(f"tma_gemv: the weight [{n}, {k}] must hold whole tiles: n a multiple of block_n={bn}, k a "
+                         f"multiple of split * block_k = {split} * {bk}")
     if split > 1:
         out.zero_()
     tma_gemv_kernel[(n // bn, split)](x, desc, ws, out, K=k, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPLIT=split,
@@ -70,13 +73,13 @@ def measure(name: str, bw) -> dict:
     row = {"shape": name, "n": n, "k": k, "weight_bytes": cold.nbytes,
            "engine_tiles": None if cfg is None else f"{cfg.block_n}x{cfg.block_k} split{cfg.split_k}",
            "engine_us": cold.time_us(lambda wt: fp8_gemv(x, wt[0], wt[1], 1, k, config=cfg))}
+    wq, ws, _ = cold.fp8[0]
+    want = x.float() @ (wq.float() * ws).T  # every candidate's check, on the first copy
     candidates = []
     for bn, bk, stages in TILES:
+        descs = {id(wt[0]): TensorDescriptor.from_tensor(wt[0], [bn, bk]) for wt in cold.fp8}
         for split in (1, 2) if n < 8192 else (1,):
-            descs = {id(wt[0]): TensorDescriptor.from_tensor(wt[0], [bn, bk]) for wt in cold.fp8}
             out = torch.empty(n, device="cuda", dtype=torch.float32)
-            wq, ws, _ = cold.fp8[0]
-            want = x.float() @ (wq.float() * ws).T
             got = tma_gemv(x, wq, ws.view(-1), descs[id(wq)], out, bn, bk, stages, split)
             err = float((got[None] - want).norm() / want.norm())
             if err > 1e-4:

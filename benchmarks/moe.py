@@ -54,7 +54,11 @@ def set_routing(model: torch.nn.Module, routing: str) -> list[FusedMoE]:
     return layers
 
 
-def experts_touched(layers: list[FusedMoE]) -> int:
+def experts_touched(layers: list[FusedMoE]) -> int | None:
+    """(layer, expert) pairs the last step routed to, from each layer's counts; None for a dense model (no
+    layers), which ``step_cost`` and ``decode_read_bytes`` take as "no routed experts to count"."""
+    if not layers:
+        return None
     return int(sum((m.expert_counts > 0).sum().item() for m in layers))
 
 

@@ -345,11 +345,12 @@ def main() -> None:
             p.error(f"--buckets re-tunes part of a table, and there is none at {path}: run without --buckets first")
     print(f"tuning experts={e} hidden={h} intermediate={i} top_k={k} {args.dtype} on {torch.cuda.get_device_name(0)}")
     tiles, rows = tune(e, h, i, k, dtype, args.quick, args.budget_s, tokens)
-    rows = [{**r, "measured_at": environment()} for r in rows]  # a later --buckets run keeps them with their run
+    run = environment()
+    rows = [{**r, "measured_at": run} for r in rows]  # a later --buckets run keeps them with their run
     if old is not None:
         tiles, rows = merge_tables(old, tiles, rows, streaming=tokens[0] == 1)
     payload = {"experts": e, "intermediate": i, "hidden": h, "dtype": args.dtype, "device": device, "top_k": k,
-               "quick": args.quick, "environment": environment(), **tiles.to_json(), "measurements": rows}  # fmt: skip
+               "quick": args.quick, "environment": run, **tiles.to_json(), "measurements": rows}  # fmt: skip
     if args.buckets:
         payload["retuned_buckets"] = [t * k for t in tokens]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,7 @@ def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rou
                 for label in scopes:
                     step = lambda g=graphs[label], b=batch: greedy_argmax(g.replay(b))  # noqa: E731
                     times[label].append(cuda_time_ms(step, warmup=2, iters=10))
-            touched = experts_touched(layers) if layers else None
+            touched = experts_touched(layers)
             nbytes = step_cost(info, bs, ctx, touched)[0]  # as every decode benchmark counts a step
             med = {label: statistics.median(t) for label, t in times.items()}
             for ms in med.values():

@@ -94,7 +94,7 @@ def main() -> None:
                 table[key][1] += 1
     kv_bytes = args.bs * args.ctx * info.kv_bytes_per_token
     # a MoE step reads the experts its router chose: the profiled step's own counts (it ran last)
-    touched = experts_touched(routed) if routed else None
+    touched = experts_touched(routed)
     weights = info.description.decode_read_bytes(args.bs, args.bs * args.ctx, touched) - kv_bytes
     # a family that read its bytes faster than the probes raises the floor of every family
     for fam, nbytes in (("matmul", weights), ("attention", kv_bytes)):

@@ -28,3 +28,11 @@ def test_tma_gemv_matches_the_dequantized_product(split: int) -> None:
     got = tma_gemv(x, wq, ws.reshape(-1).contiguous(), TensorDescriptor.from_tensor(wq, [bn, bk]), out, bn, bk, 4, split)
     want = x.float() @ (wq.float() * ws.reshape(-1, 1)).T
     torch.testing.assert_close(got[None], want, rtol=1e-5, atol=1e-5)
+
+
+def test_tma_gemv_refuses_partial_tiles() -> None:
+    wq, ws = quantize_weight_channels(torch.randn(40, 512).to(DEVICE))
+    x = torch.randn(1, 512).to(DEVICE, torch.bfloat16)
+    desc = TensorDescriptor.from_tensor(wq, [16, 128])
+    with pytest.raises(ValueError, match=r"n a multiple of block_n=16"):
+        tma_gemv(x, wq, ws.reshape(-1).contiguous(), desc, torch.empty(40, device=DEVICE), 16, 128, 4, 1)

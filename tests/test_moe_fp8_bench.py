@@ -42,3 +42,17 @@ def test_the_dense_run_keeps_the_moe_rows_and_replaces_its_own_tables(tmp_path, 
                                                                                       for b in (1, 256)]
     assert merged["rows"][0]["measured_at"] == {"commit": "moe-run"}
     assert merged["prefill"] == [{"model": "dummy:llama3-8b"}]
+
+
+def test_experts_touched_counts_routed_pairs_and_is_none_for_a_dense_model():
+    """benchmarks.moe.experts_touched: (layer, expert) pairs with a token in the last step; a dense model has no
+    such layers, and its None is what decode_read_bytes takes as nothing routed to count."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.moe import experts_touched
+
+    layers = [SimpleNamespace(expert_counts=torch.tensor([0, 3, 1, 0])), SimpleNamespace(expert_counts=torch.tensor([2, 0]))]
+    assert experts_touched(layers) == 3
+    assert experts_touched([]) is None

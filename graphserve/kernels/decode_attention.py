@@ -357,8 +357,7 @@ def decode_attention(
                          f"q {q.stride()}, kv_cache {kv_cache.stride()}")
     fp8_cache = kv_cache.dtype == FP8_DTYPE
     if tile is None:
-        tile, planned = decode_plan(batch, num_kv_heads, block_tables.shape[1] * page, sm_count(q.device), fp8_cache)
-        num_splits = planned if num_splits is None else num_splits
+        tile = choose_tile(batch, num_kv_heads, fp8_cache)
     else:
         tile.validate()
     min_split_len = tile.block_n if min_split_len is None else min_split_len
@@ -388,7 +387,7 @@ def decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    if num_splits is None:  # a caller's tile, the engine's split rule at its step
+    if num_splits is None:  # the split rule at the tile's step (with choose_tile's tile: decode_plan's pair)
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, sm_count(q.device),
                                        fp8_cache, tile.block_n)
     direct = num_splits == 1
