@@ -24,7 +24,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from graphserve.kernels.qk_rope_kv import qk_norm_rope_kv_write, qk_norm_rope_kv_write_reference  # noqa: E402
 from graphserve.kernels.rotary import rotary_cos_sin  # noqa: E402
 from graphserve.layers.attention import TorchAttentionBackend  # noqa: E402
-from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E402
+from graphserve.layers.attention_triton import TritonAttentionBackend, decode_prologue  # noqa: E402
 from graphserve.models.llama import LlamaForCausalLM, Qwen3ForCausalLM  # noqa: E402
 
 if isinstance(tl.standard.cdiv, InterpretedFunction):
@@ -159,8 +159,11 @@ def tiny_model(cls, config) -> torch.nn.Module:
     ],
     ids=["qwen3", "llama"],
 )
-def test_model_fused_path_matches_unfused_torch_path(cls, config):
-    """The Triton backend takes the fused prologue; logits and every layer's KV must match the CPU path."""
+@pytest.mark.parametrize("in_decode", [True, False], ids=["prologue-in-decode", "prologue-launch"])
+def test_model_fused_path_matches_unfused_torch_path(cls, config, in_decode):
+    """The Triton backend takes the fused prologue (in decode steps inside the decode kernel, or, in a
+    ``decode_prologue(fused=False)`` scope, as its own launch); logits and every layer's KV must match the CPU
+    path."""
     model = tiny_model(cls, config())
     harnesses = [
         PagedHarness(model, block_size=BLOCK_SIZE, num_blocks=16, device=DEVICE, backend=b)
@@ -173,7 +176,9 @@ def test_model_fused_path_matches_unfused_torch_path(cls, config):
     }
     steps = [[(s, p) for s, p in prompts.items()], [("a", [7]), ("b", [9])], [("a", [11]), ("b", [2])]]
     for chunks in steps:
-        fused, unfused = (torch.cat(h.step(chunks)) for h in harnesses)
+        with decode_prologue(in_decode):
+            fused = torch.cat(harnesses[0].step(chunks))
+        unfused = torch.cat(harnesses[1].step(chunks))
         assert relative_error(fused, unfused) < 1e-4
     for fused_kv, unfused_kv in zip(harnesses[0].kv_caches, harnesses[1].kv_caches):
         assert rel_err(fused_kv, unfused_kv) < 1e-5

@@ -44,7 +44,9 @@ import triton.language as tl
 from graphserve.kernels.common import interpreting, sm_count
 from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS, _decode_merge_kernel, merge_partials, store_heads
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from graphserve.kernels.kv_write import check_cache
 from graphserve.kernels.pdl import pdl_args, pdl_enter
+from graphserve.kernels.qk_rope_kv import check_qkv_args
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32  # beyond this the merge costs more than the extra parallelism gains
@@ -160,8 +162,31 @@ def _decode_step(
 
 
 @triton.jit
+def _new_token_rows(
+    ptrs, offs_d, partner, mask, w_ptr, cos, sin, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Heads of the new token at ``ptrs`` ([rows, 1] row starts, or one row's start), per-head RMSNorm'd
+    (``HAS_NORM``) and rotated, in fp32: kernels/qk_rope_kv.py's numerics (the norm rounded to the input dtype,
+    times the weight, rounded again; the rotation in fp32), each element against its rotate-half partner with
+    ``sin`` already signed."""
+    x = tl.load(ptrs + offs_d[None, :], mask=mask, other=0.0)
+    xp = tl.load(ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if HAS_NORM:
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps))[:, None]
+        d_mask = offs_d < HEAD_DIM
+        w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+        xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
+    return x * cos + xp * sin
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, out_scale_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr,
+    pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, stride_cos, stride_sin, eps,
     scale_log2,
     num_splits, min_split_len,
     stride_qt, stride_qh,
@@ -176,7 +201,7 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, PREFETCH_V: tl.constexpr,
     FUSED_MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, CHUNK_S: tl.constexpr,
     WIDEN_FP16: tl.constexpr, QUANT_OUT: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    PDL: tl.constexpr,
+    NEW_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     seq = tl.program_id(0)
@@ -194,11 +219,40 @@ def _decode_split_kernel(
     h_mask = offs_h < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + seq * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
+    loop_end = end
+    if NEW_TOKEN:
+        # q is the qkv projection's row: its heads normed and rotated here, and the program whose split holds
+        # the last position writes this step's K and V to the cache and attends to them from registers
+        half: tl.constexpr = HEAD_DIM // 2
+        first = offs_d < half
+        partner = tl.where(first, offs_d + half, offs_d - half)  # rotate-half: d pairs with d +- D/2
+        pos = tl.load(pos_ptr + seq).to(tl.int64)
+        angle = tl.where(first, offs_d, offs_d - half)
+        cos = tl.load(cos_ptr + pos * stride_cos + angle, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        sin = tl.load(sin_ptr + pos * stride_sin + angle, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        sin = tl.where(first[None, :], -sin, sin)  # x1 cos - x2 sin | x2 cos + x1 sin
+        row = q_ptr + seq * stride_qt
+        q = _new_token_rows(row + head[:, None] * stride_qh, offs_d, partner, h_mask[:, None] & d_mask[None, :],
+                            qw_ptr, cos, sin, eps, HAS_NORM, HEAD_DIM).to(q_ptr.dtype.element_ty)  # fmt: skip
+        k_row = row + (tl.num_programs(1) * GROUP + kv_head) * HEAD_DIM
+        k_new = _new_token_rows(k_row, offs_d, partner, d_mask[None, :], kw_ptr, cos, sin, eps, HAS_NORM, HEAD_DIM)
+        # rounded to the projection's dtype (what the unfused rotary stores), then to the cache's
+        cache_ty = kv_ptr.dtype.element_ty
+        k_new = k_new.to(q_ptr.dtype.element_ty).to(cache_ty)
+        v_new = tl.load(k_row + tl.num_programs(1) * HEAD_DIM + offs_d[None, :], mask=d_mask[None, :],
+                        other=0.0).to(cache_ty)  # fmt: skip
+        holds_new = (start <= seq_len - 1) & (seq_len - 1 < end)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        dst = kv_ptr + kv_head * stride_kvh + (slot // PAGE) * stride_blk + (slot % PAGE) * stride_off + offs_d[None, :]
+        tl.store(dst, k_new, mask=d_mask[None, :] & holds_new)
+        tl.store(dst + stride_kv, v_new, mask=d_mask[None, :] & holds_new)
+        loop_end = end - holds_new.to(tl.int32)  # the new token comes from registers after the loop
+    else:
+        q = tl.load(
+            q_ptr + seq * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=h_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
     if WIDEN_FP16:  # fp8 cache: the step widens K and V to q's dtype, fp16 here (clamped: q is bf16's range)
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
@@ -209,18 +263,28 @@ def _decode_split_kernel(
     kv_base = kv_ptr + kv_head * stride_kvh
     if WHILE_LOOP:
         n0 = start
-        while n0 < end:
+        while n0 < loop_end:
             m_i, l_i, acc = _decode_step(
-                q, m_i, l_i, acc, n0, end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
+                q, m_i, l_i, acc, n0, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
                 offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
-        for n0 in range(start, end, BLOCK_N):
+        for n0 in range(start, loop_end, BLOCK_N):
             m_i, l_i, acc = _decode_step(
-                q, m_i, l_i, acc, n0, end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
+                q, m_i, l_i, acc, n0, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
                 offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V,
             )  # fmt: skip
+    if NEW_TOKEN:  # one more online-softmax step: the new token's score and V, in fp32 (-inf where not this split's)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
+        s_new = tl.where(holds_new, s_new, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty split stays empty, never -inf - -inf
+        alpha = tl.exp2(m_i - m_ref)
+        p_new = tl.exp2(s_new - m_ref)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
+        m_i = m_new
 
     # an empty split (short sequence, or a padding row with seq_len 0) leaves l_i == 0
     o = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
@@ -327,6 +391,7 @@ def decode_attention(
     min_split_len: int | None = None,
     out_scale: torch.Tensor | None = None,
     tile: DecodeTile | None = None,
+    new_token: NewToken | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ([B, Hq, D], one token per sequence) over each sequence's paged context.
 
@@ -347,6 +412,7 @@ def decode_attention(
     one head) groups: ``out`` is then fp8 ``[>= B, Hq, D]`` and ``out_scale`` fp32 ``[>= B, Hq]`` (any strides),
     one scale per sequence and head, the values per_token_group_quant would make from the unquantized
     output (``store_heads`` in kernels/decode_merge.py). Rows past B are left as they are.
+    ``new_token``: ``decode_attention_qkv``'s (q is then the q columns of its qkv rows, not yet normed or rotated).
     """
     batch, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
@@ -418,8 +484,12 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     block_hm, block_s = triton.next_power_of_2(group), triton.next_power_of_2(num_splits)
     chunk_s = max(1, min(block_s, MERGE_TILE_ELEMS // (block_hm * block_d)))
+    new = new_token or NewToken(q, seq_lens, seq_lens, seq_lens, seq_lens)  # placeholders: never dereferenced
+    has_norm = new.q_norm_weight is not None
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, out_scale if quant_out else mid_lse, mid_o, mid_lse, counters,
+        new.positions, new.cos, new.sin, new.q_norm_weight if has_norm else q, new.k_norm_weight if has_norm else q,
+        new.slot_mapping, new.cos.stride(0), new.sin.stride(0), float(new.eps),
         scale * LOG2E,
         num_splits, min_split_len,
         q.stride(0), q.stride(1),
@@ -433,7 +503,8 @@ def decode_attention(
         PAGE=page, BLOCK_N=tile.block_n,
         DIRECT=direct, IEEE_DOT=q.dtype == torch.float32 and not widen_fp16, WHILE_LOOP=interpreting(), PREFETCH_V=not direct,
         FUSED_MERGE=fused_merge, BLOCK_HM=block_hm, CHUNK_S=chunk_s, WIDEN_FP16=widen_fp16,
-        QUANT_OUT=quant_out, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+        QUANT_OUT=quant_out, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, NEW_TOKEN=new_token is not None,
+        HAS_NORM=has_norm,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(q.device, "_decode_split_kernel"),
     )  # fmt: skip
     if not direct and not fused_merge:
@@ -447,6 +518,48 @@ def decode_attention(
             num_warps=4, **pdl_args(mid_o.device, "_decode_merge_kernel"),
         )  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class NewToken:
+    """This step's token as the qkv projection leaves it, for ``decode_attention_qkv``: kernels/qk_rope_kv.py's
+    inputs (``qkv`` [B, (Hq + 2 Hkv) D] rows, unit column stride; ``positions`` and ``slot_mapping`` [B];
+    ``cos``/``sin`` fp32 [max_position, D / 2]; optional per-head q/k RMSNorm weights [D] and their eps)."""
+
+    qkv: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+
+def decode_attention_qkv(
+    new_token: NewToken, num_heads: int, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, **kwargs,
+) -> torch.Tensor:  # fmt: skip
+    """``decode_attention`` with the attention prologue inside it: the q/k RMSNorm (with weights), rotary and
+    K/V cache write of kernels/qk_rope_kv.py, one launch where they were two.
+
+    Every program norms and rotates its q heads from the qkv row; the one whose split holds the last position
+    (``seq_lens - 1``) also rotates the new K, writes K and V at ``slot_mapping`` and takes them into its softmax
+    from registers, so no program reads what another writes in the same launch. The cache ends as the
+    separate prologue leaves it; the output differs from the two launches' by the new token's score, a sum of
+    fp32 products where the context's come from a dot. ``kwargs``: ``decode_attention``'s."""
+    qkv = new_token.qkv
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    check_qkv_args(qkv, new_token.cos, new_token.sin, num_heads, num_kv_heads, head_dim, new_token.q_norm_weight,
+                   new_token.k_norm_weight)  # fmt: skip
+    check_cache(kv_cache, num_kv_heads, head_dim)
+    batch = qkv.shape[0]
+    for name, t in (("positions", new_token.positions), ("slot_mapping", new_token.slot_mapping),
+                    ("seq_lens", seq_lens)):  # fmt: skip
+        if t.dim() != 1 or t.shape[0] != batch:
+            raise ValueError(f"decode_attention_qkv: {name} must be [{batch}] (one per qkv row), got {tuple(t.shape)}")
+    q = qkv[:, : num_heads * head_dim].unflatten(1, (num_heads, head_dim))
+    return decode_attention(q, kv_cache, block_tables, seq_lens, scale, new_token=new_token, **kwargs)
 
 
 def decode_attention_reference(

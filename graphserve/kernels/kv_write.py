@@ -48,7 +48,7 @@ def _kv_write_kernel(
 def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write ``k``, ``v`` ([T, num_kv_heads, head_dim]) into ``kv_cache`` at ``slot_mapping`` ([T] int64)."""
     num_tokens, num_kv_heads, head_dim = k.shape
-    _check_cache(kv_cache, num_kv_heads, head_dim)
+    check_cache(kv_cache, num_kv_heads, head_dim)
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError(f"kv_write needs head_dim contiguous in k and v, got strides {k.stride()} {v.stride()}")
     if num_tokens == 0:
@@ -72,7 +72,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     )
 
 
-def _check_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+def check_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim):
         raise ValueError(
             f"kv_cache shape {tuple(kv_cache.shape)} does not match "

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.kv_write import _check_cache, kv_write_reference
+from graphserve.kernels.kv_write import check_cache, kv_write_reference
 from graphserve.kernels.norm import rms_norm_reference
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 from graphserve.kernels.rotary import apply_rotary_reference
@@ -126,8 +126,8 @@ def qk_norm_rope_kv_write(
     and ``kv_cache`` ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. The normed, rotated K and
     the raw V are written at ``slot_mapping``. ``q_out`` may be preallocated (contiguous).
     """
-    _check_args(qkv, cos, sin, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight)
-    _check_cache(kv_cache, num_kv_heads, head_dim)
+    check_qkv_args(qkv, cos, sin, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight)
+    check_cache(kv_cache, num_kv_heads, head_dim)
     num_tokens = qkv.shape[0]
     if q_out is None:
         q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -154,7 +154,7 @@ def qk_norm_rope_kv_write(
     return q_out
 
 
-def _check_args(
+def check_qkv_args(
     qkv: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,

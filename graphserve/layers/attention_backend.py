@@ -26,8 +26,8 @@ class AttentionBackend:
     """
 
     name = "abstract"
-    # True when the model may write this step's K/V itself, fused with q/k norm and rotary
-    # (kernels/qk_rope_kv.py), and then call ``attend`` instead of ``forward``.
+    # True when the model may hand ``attend`` its qkv projection's output (kernels/decode_attention.NewToken)
+    # instead of calling ``forward``: the backend norms and rotates q/k and writes K/V itself.
     fused_prologue = False
 
     def forward(
@@ -41,8 +41,9 @@ class AttentionBackend:
     ) -> torch.Tensor:
         raise NotImplementedError
 
-    def attend(self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """Attention over a cache that already holds this step's K/V (backends with ``fused_prologue``)."""
+    def attend(self, q, layer_idx: int, batch: ForwardBatch, scale: float, num_heads: int | None = None) -> torch.Tensor:
+        """Attention from the qkv projection's output (a ``NewToken`` of ``num_heads`` query heads), K/V written
+        here (backends with ``fused_prologue``)."""
         raise NotImplementedError(f"the {self.name} attention backend has no fused prologue; call forward()")
 
     def quantizes_output(self, batch: ForwardBatch) -> bool:
@@ -51,8 +52,8 @@ class AttentionBackend:
         return False
 
     def attend_quantized(
-        self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int, pad_rows_to: int,
-        scales_column_major: bool,
+        self, q, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int, pad_rows_to: int,
+        scales_column_major: bool, num_heads: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """``attend``'s output [T, H * D] quantized per token and ``group_size`` columns as
         kernels/fp8_quant.per_token_group_quant lays it out (``(fp8 [T', H * D], fp32 scales [T', groups])``),

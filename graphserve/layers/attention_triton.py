@@ -1,7 +1,9 @@
 """The GPU attention backend: Triton kernels for the KV write, decode and prefill/extend.
 
-Models with a fused qkv projection skip ``forward``: one kernel (kernels/qk_rope_kv.py) norms and
-rotates q/k and writes K/V, then ``attend`` runs attention over the cache.
+Models with a fused qkv projection skip ``forward`` and hand ``attend`` the projection's output as a
+``NewToken``: in a decode step the decode kernel norms and rotates q/k and writes K/V itself
+(kernels/decode_attention.decode_attention_qkv, one launch a layer); prefill and mixed steps, or a
+scope of ``decode_prologue(fused=False)``, run the prologue kernel (kernels/qk_rope_kv.py) first.
 
 Decode steps take the split-KV decode kernel, whose grid and scratch depend only on static sizes,
 so the whole step can be captured in a CUDA graph; prefill and mixed steps take the extend kernel.
@@ -9,19 +11,55 @@ so the whole step can be captured in a CUDA graph; prefill and mixed steps take 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.decode_attention import counters_numel, decode_attention, workspace_numel
+from graphserve.kernels.decode_attention import (
+    NewToken,
+    counters_numel,
+    decode_attention,
+    decode_attention_qkv,
+    workspace_numel,
+)
 from graphserve.kernels.extend_attention import extend_attention
 from graphserve.kernels.fp8_quant import FP8_DTYPE
 from graphserve.kernels.kv_write import kv_write
+from graphserve.kernels.qk_rope_kv import qk_norm_rope_kv_write
 from graphserve.layers.attention_backend import AttentionBackend
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
+
+
+_prologue_scoped: list[bool] = []
+
+
+@contextlib.contextmanager
+def decode_prologue(fused: bool) -> Iterator[None]:
+    """Decode steps run (or captured) in this scope take the attention prologue inside the decode kernel
+    (``fused``, the default outside any scope) or as its own launch before it (benchmarks.decode_prologue
+    times the two)."""
+    _prologue_scoped.append(fused)
+    try:
+        yield
+    finally:
+        _prologue_scoped.pop()
+
+
+def prologue_in_decode() -> bool:
+    return _prologue_scoped[-1] if _prologue_scoped else True
+
+
+def run_prologue(new: NewToken, num_heads: int, kv_cache: torch.Tensor) -> torch.Tensor:
+    """The prologue as its own launch: q [T, H, D] normed and rotated, this step's K/V in the cache."""
+    return qk_norm_rope_kv_write(
+        new.qkv, new.positions, new.cos, new.sin, kv_cache, new.slot_mapping, num_heads, kv_cache.shape[3],
+        kv_cache.shape[4], new.q_norm_weight, new.k_norm_weight, new.eps,
+    )  # fmt: skip
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -36,7 +74,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
-    fused_prologue = True  # the model's qk_norm_rope_kv_write kernel stores K/V; attend() reads them
+    fused_prologue = True  # attend() takes the qkv projection's output (NewToken) and writes K/V itself
 
     def __init__(self) -> None:
         self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -74,18 +112,32 @@ class TritonAttentionBackend(AttentionBackend):
         kv_write(k, v, batch.kv_caches[layer_idx], batch.slot_mapping)
         return self.attend(q, layer_idx, batch, scale)
 
-    def attend(self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float,
+               num_heads: int | None = None) -> torch.Tensor:  # fmt: skip
+        """Attention of q [T, H, D] over a cache holding this step's K/V, or of a ``NewToken`` of ``num_heads``
+        query heads whose K/V this call writes (in the decode kernel itself where ``prologue_in_decode``)."""
+        kv_cache = batch.kv_caches[layer_idx]
+        if isinstance(q, NewToken):
+            if batch.mode == "decode" and prologue_in_decode():
+                return self._decode(q, layer_idx, batch, scale, num_heads)
+            q = run_prologue(q, num_heads, kv_cache)
         if batch.mode == "decode":
             return self._decode(q, layer_idx, batch, scale)
         return extend_attention(
-            q, batch.kv_caches[layer_idx], batch.block_tables, batch.seq_lens, batch.query_start_loc,
-            batch.max_query_len, scale,
+            q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.max_query_len, scale,
         )
 
-    def _decode(self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float, **out) -> torch.Tensor:
-        """The split decode kernel on this layer's cache with the reserved scratch (``out``: its output keywords)."""
+    def _decode(self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float,
+                num_heads: int | None = None, **out) -> torch.Tensor:  # fmt: skip
+        """The split decode kernel on this layer's cache with the reserved scratch (``out``: its output keywords);
+        for a ``NewToken``, with the prologue inside it."""
         kv_cache = batch.kv_caches[layer_idx]
-        ws, counters = self.reserve(q.shape[1], kv_cache.shape[3], q.shape[2], q.device, kv_cache.dtype)
+        _, _, _, num_kv_heads, head_dim = kv_cache.shape
+        heads = num_heads if isinstance(q, NewToken) else q.shape[1]
+        ws, counters = self.reserve(heads, num_kv_heads, head_dim, kv_cache.device, kv_cache.dtype)
+        if isinstance(q, NewToken):
+            return decode_attention_qkv(q, heads, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws,
+                                        counters=counters, **out)  # fmt: skip
         return decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws,
                                 counters=counters, **out)  # fmt: skip
 
@@ -93,20 +145,26 @@ class TritonAttentionBackend(AttentionBackend):
         return batch.mode == "decode"
 
     def attend_quantized(
-        self, q: torch.Tensor, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int, pad_rows_to: int,
-        scales_column_major: bool,
+        self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int,
+        pad_rows_to: int, scales_column_major: bool, num_heads: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """Decode steps whose groups are whole heads (``group_size`` = head_dim) and whose rows need no padding:
         the split kernel stores each head's output in fp8 with its scale (kernels/decode_merge.store_heads).
         Prefill and mixed steps, and padded layouts (cuBLASLt's rows padded to 4, whose padding rows the
         quantization launch zeroes), return None."""
-        t, num_heads, head_dim = q.shape
+        head_dim = batch.kv_caches[layer_idx].shape[4]
+        if isinstance(q, NewToken):
+            t, device = q.qkv.shape[0], q.qkv.device
+        else:
+            (t, num_heads, _), device = q.shape, q.device
         if not self.quantizes_output(batch) or group_size != head_dim or t % pad_rows_to:
             return None
-        out = torch.empty((t, num_heads * head_dim), dtype=FP8_DTYPE, device=q.device)
+        if isinstance(q, NewToken) and not prologue_in_decode():
+            q = run_prologue(q, num_heads, batch.kv_caches[layer_idx])
+        out = torch.empty((t, num_heads * head_dim), dtype=FP8_DTYPE, device=device)
         if scales_column_major:
-            scales = torch.empty((num_heads, t), dtype=torch.float32, device=q.device).t()
+            scales = torch.empty((num_heads, t), dtype=torch.float32, device=device).t()
         else:
-            scales = torch.empty((t, num_heads), dtype=torch.float32, device=q.device)
-        self._decode(q, layer_idx, batch, scale, out=out.view(t, num_heads, head_dim), out_scale=scales)
+            scales = torch.empty((t, num_heads), dtype=torch.float32, device=device)
+        self._decode(q, layer_idx, batch, scale, num_heads, out=out.view(t, num_heads, head_dim), out_scale=scales)
         return out, scales

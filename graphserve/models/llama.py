@@ -141,17 +141,18 @@ class LlamaAttention(nn.Module):
         """Attention from the q/k/v projection's output (the decoder layer fuses its norm into that projection)."""
         t = qkv.shape[0]
         if batch.attn_backend.fused_prologue and not self.full_norm and self.clip_qkv is None:
-            q = self.fused_prologue(qkv, positions, batch)
-            if batch.attn_backend.quantizes_output(batch):
+            new = self.new_token(qkv, positions, batch)
+            backend, heads = batch.attn_backend, self.num_heads
+            if backend.quantizes_output(batch):
                 # an FP8 o_proj that quantizes its input reads it from the attention kernel, already quantized
                 projected = quantized_input_linear(
-                    self.o_proj, t, q.dtype, q.device,
-                    lambda **layout: batch.attn_backend.attend_quantized(q, self.layer_idx, batch, self.scale,
-                                                                         **layout),
+                    self.o_proj, t, qkv.dtype, qkv.device,
+                    lambda **layout: backend.attend_quantized(new, self.layer_idx, batch, self.scale,
+                                                              num_heads=heads, **layout),
                 )  # fmt: skip
                 if projected is not None:
                     return projected
-            out = batch.attn_backend.attend(q, self.layer_idx, batch, self.scale)
+            out = backend.attend(new, self.layer_idx, batch, self.scale, num_heads=heads)
         else:
             q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
             if self.full_norm:
@@ -167,24 +168,19 @@ class LlamaAttention(nn.Module):
             out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
-    def fused_prologue(self, qkv: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """q/k norm, rotary and the K/V cache write in one kernel launch; returns q ``[T, H, D]``.
-
-        The unfused path costs four launches per layer (two norms, rotary, KV write), which at
-        small batch take longer than the work itself.
-        """
-        from graphserve.kernels.qk_rope_kv import qk_norm_rope_kv_write  # Triton, only for backends that fuse
+    def new_token(self, qkv: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
+        """What a backend with ``fused_prologue`` needs to norm and rotate q/k and write K/V itself
+        (kernels/decode_attention.NewToken): in a decode step inside its attention kernel, else in one
+        launch before it (kernels/qk_rope_kv.py). Unfused, that work is four launches a layer (two norms,
+        rotary, KV write), which at small batch take longer than the work itself."""
+        from graphserve.kernels.decode_attention import NewToken  # Triton, only for backends that fuse
 
         cos_sin = self.rotary[0].cos_sin_cache  # [max_positions, D]: cos of the D/2 angles, then their sin
         half = cos_sin.shape[1] // 2
-        q_weight = k_weight = None
-        eps = 0.0
+        norms = {}
         if self.q_norm is not None:
-            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-        return qk_norm_rope_kv_write(
-            qkv, positions, cos_sin[:, :half], cos_sin[:, half:], batch.kv_caches[self.layer_idx], batch.slot_mapping,
-            self.num_heads, self.num_kv_heads, self.head_dim, q_weight, k_weight, eps,
-        )  # fmt: skip
+            norms = {"q_norm_weight": self.q_norm.weight, "k_norm_weight": self.k_norm.weight, "eps": self.q_norm.eps}
+        return NewToken(qkv, positions, cos_sin[:, :half], cos_sin[:, half:], batch.slot_mapping, **norms)
 
 
 class LlamaMLP(nn.Module):

@@ -3,7 +3,8 @@
 Shapes follow Llama-3-8B (32 query heads, 8 kv heads, head_dim 128, hidden 4096, intermediate
 14336) with contexts up to 8k and batches up to 256. The decode kernel is also captured in a CUDA
 graph and replayed on new lengths and block tables, and must match an eager call bit for bit.
-The fused attention prologue runs at Qwen3-0.6B (16/8 heads, q/k norms) and Llama-3-8B (32/8) shapes.
+The fused attention prologue runs at Qwen3-0.6B (16/8 heads, q/k norms) and Llama-3-8B (32/8) shapes, as its
+own launch and inside decode attention (over bf16 and fp8 caches, eager and replayed in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ import pytest
 import torch
 
 from graphserve.kernels.activation import silu_and_mul, silu_and_mul_reference
-from graphserve.kernels.decode_attention import decode_attention, decode_attention_reference
+from graphserve.kernels.decode_attention import (
+    NewToken,
+    decode_attention,
+    decode_attention_qkv,
+    decode_attention_reference,
+)
 from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference
 from graphserve.kernels.kv_write import kv_write, kv_write_reference
 from graphserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference
@@ -298,4 +304,79 @@ def test_qk_norm_rope_kv_write_cuda_graph_replay_matches_eager(gen):
     torch.cuda.synchronize()
     eager_q = qk_norm_rope_kv_write(qkv, positions, cos, sin, eager_cache, slots, *args, **weights)
     assert torch.equal(q_out, eager_q)
+    assert torch.equal(cache, eager_cache)
+
+
+def prologue_step(batch: int, num_heads: int, num_kv_heads: int, norms: bool, cache_dtype: torch.dtype, gen):
+    """A decode step at model shapes: contexts up to 4096 in a paged cache, each sequence's last position the step's
+    token (its slot from the block table), the qkv rows a column slice of a wider bf16 buffer."""
+    d = 128
+    seq_lens = lengths(batch, 4096, gen)
+    cache, tables, lens = paged(seq_lens, num_kv_heads, d, torch.bfloat16, gen)
+    cache = cache.to(cache_dtype)
+    width = (num_heads + 2 * num_kv_heads) * d
+    qkv = (torch.randn(batch, width + 64, device="cuda", generator=gen) * 3).to(torch.bfloat16)[:, :width]
+    cos, sin = rotary_cos_sin(8192, d, base=500000.0, device="cuda")
+    last = lens.long() - 1
+    slots = tables.long().gather(1, (last // PAGE)[:, None])[:, 0] * PAGE + last % PAGE
+    weights = {}
+    if norms:
+        weights = {name: (1 + 0.2 * torch.randn(d, device="cuda", generator=gen)).to(torch.bfloat16)
+                   for name in ("q_norm_weight", "k_norm_weight")}  # fmt: skip
+    return NewToken(qkv, last, cos, sin, slots, **weights, eps=1e-6), cache, tables, lens
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "norms"), PROLOGUE_SHAPES, ids=["qwen3-0.6b", "llama3-8b"])
+def test_decode_attention_qkv_matches_the_two_launches(num_heads, num_kv_heads, norms, batch, cache_dtype, gen):
+    """The prologue inside decode attention against the prologue launch then decode attention: the output within
+    bf16's tolerance, V bit for bit, K with the prologue test's allowance (fp32 sums in another order may flip
+    one rounding), nothing else in the cache touched."""
+    new, cache, tables, lens = prologue_step(batch, num_heads, num_kv_heads, norms, cache_dtype, gen)
+    before, ref_cache = cache.clone(), cache.clone()
+    q = qk_norm_rope_kv_write(new.qkv, new.positions, new.cos, new.sin, ref_cache, new.slot_mapping, num_heads,
+                              num_kv_heads, 128, new.q_norm_weight, new.k_norm_weight, new.eps)  # fmt: skip
+    ref = decode_attention(q, ref_cache, tables, lens, 128**-0.5)
+    out = decode_attention_qkv(new, num_heads, cache, tables, lens, 128**-0.5)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    assert rel_err(out, decode_attention_reference(q, ref_cache, tables, lens, 128**-0.5)) < TOL[torch.bfloat16]
+    flat, ref_flat, old = (c.view(2, -1, num_kv_heads, 128).float() for c in (cache, ref_cache, before))
+    assert torch.equal(flat[1], ref_flat[1])
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device="cuda")
+    untouched[new.slot_mapping] = False
+    assert torch.equal(flat[0, untouched], old[0, untouched])
+    k, ref_k = flat[0, new.slot_mapping], ref_flat[0, new.slot_mapping]
+    diff = (k - ref_k).abs()
+    ulps = 2**-6 if cache_dtype == torch.bfloat16 else 2**-2  # e4m3: 3 mantissa bits
+    assert (diff <= ulps * ref_k.abs().amax(-1, keepdim=True)).all()
+    assert (diff > 0).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_decode_attention_qkv_cuda_graph_replay_matches_eager(batch, gen):
+    """Captured once, replayed on new rows, positions, lengths and slots: output and cache equal an eager call's."""
+    new, cache, tables, lens = prologue_step(batch, 16, 8, True, torch.bfloat16, gen)
+    backend = TritonAttentionBackend()
+    ws, counters = backend.reserve(16, 8, 128, torch.device("cuda"))
+    out = torch.empty(batch, 16, 128, dtype=torch.bfloat16, device="cuda")
+    kw = {"out": out, "workspace": ws, "counters": counters}
+    decode_attention_qkv(new, 16, cache.clone(), tables, lens, 128**-0.5, **kw)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention_qkv(new, 16, cache, tables, lens, 128**-0.5, **kw)
+    fresh, _, _, new_lens = prologue_step(batch, 16, 8, True, torch.bfloat16, gen)
+    lens.copy_(new_lens.clamp(max=(tables.shape[1] - 2) * PAGE))
+    last = lens.long() - 1
+    new.qkv.copy_(fresh.qkv)
+    new.positions.copy_(last)
+    new.slot_mapping.copy_(tables.long().gather(1, (last // PAGE)[:, None])[:, 0] * PAGE + last % PAGE)
+    eager_cache = cache.clone()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not counters.any()
+    eager = decode_attention_qkv(new, 16, eager_cache, tables, lens, 128**-0.5, workspace=ws, counters=counters)
+    assert torch.equal(out, eager)
     assert torch.equal(cache, eager_cache)

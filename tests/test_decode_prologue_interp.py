@@ -1,0 +1,127 @@
+"""Decode attention with the attention prologue inside it (kernels/decode_attention.decode_attention_qkv)
+against the two launches it replaces: kernels/qk_rope_kv.py's prologue, then decode attention on q.
+
+CPU through Triton's interpreter. The cache must end the same (K normed and rotated, V copied, at the
+step's slots only; K within 1e-6, the norm's sum of squares taken in another order) and the output within
+1e-5 in fp32 (the new token's score is a sum of fp32 products where the two launches take it from a dot
+over the cache), 1e-2 over an fp8 cache with bf16 rows (fp16 widening, bf16 output). Splits of every
+kind: one (direct store), several merged in the kernel or by the separate merge, splits the context does
+not reach, a one-token context, and a padding row of length 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# first: importing the kernel tests puts Triton under the interpreter when there is no GPU
+from tests.test_kernels_interp import DEVICE, paged_setup, randn, rel_err, slots_of
+
+FP8 = torch.float8_e4m3fn
+PAGE = 16
+
+from graphserve.kernels.decode_attention import (  # noqa: E402
+    NewToken,
+    decode_attention,
+    decode_attention_qkv,
+    decode_attention_reference,
+)
+from graphserve.kernels.qk_rope_kv import qk_norm_rope_kv_write  # noqa: E402
+from graphserve.kernels.rotary import rotary_cos_sin  # noqa: E402
+
+
+def step_inputs(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, norms: bool, seed: int):
+    """A cache holding each context but its last token, the step's qkv rows (a column slice of a wider
+    buffer), each row's position (its last) and slot (where that position lives in its block table)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache, tables, lens = paged_setup(seq_lens, num_kv_heads, head_dim, PAGE, gen)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (randn(len(seq_lens), width + 8, gen=gen) * 2)[:, 3 : 3 + width]
+    positions = torch.tensor([max(n - 1, 0) for n in seq_lens], device=DEVICE)
+    slots = torch.tensor([slots_of(tables, i, range(n - 1, n), PAGE)[0] if n else 0 for i, n in enumerate(seq_lens)],
+                         device=DEVICE)  # fmt: skip
+    cos, sin = rotary_cos_sin(max(seq_lens) + 1, head_dim, base=500.0, device=DEVICE)
+    weights = {}
+    if norms:
+        weights = {"q_norm_weight": 1 + 0.3 * randn(head_dim, gen=gen), "k_norm_weight": 1 + 0.3 * randn(head_dim, gen=gen),
+                   "eps": 1e-6}  # fmt: skip
+    return NewToken(qkv, positions, cos, sin, slots, **weights), cache, tables, lens
+
+
+def separate(new: NewToken, num_heads: int, cache: torch.Tensor, tables, lens, scale: float, **kwargs):
+    """The two launches: the prologue writes K/V and returns q; decode attention reads it all from the cache."""
+    q = qk_norm_rope_kv_write(new.qkv, new.positions, new.cos, new.sin, cache, new.slot_mapping, num_heads,
+                              cache.shape[3], cache.shape[4], new.q_norm_weight, new.k_norm_weight, new.eps)  # fmt: skip
+    return q, decode_attention(q, cache, tables, lens, scale, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "norms", "seq_lens", "num_splits", "fused_merge"),
+    [
+        (4, 2, 32, True, [5, 40, 17], 1, True),  # per-head norms (Qwen3), one split: the direct store
+        (6, 2, 16, False, [1, 33], None, True),  # Llama-like (a group of 3), a one-token context
+        (8, 2, 32, True, [150, 70, 9], 3, True),  # splits merged in the kernel: full, partial and unused
+        (8, 2, 32, False, [150, 70, 9], 3, False),  # the same through the separate merge launch
+        (4, 1, 32, True, [200, 0], 4, True),  # one kv head; a padding row of length 0 (slot 0, writes nothing)
+        (4, 2, 32, False, [64, 65, 128], 2, True),  # the new token first in its split, alone in its split, last
+    ],
+)
+def test_prologue_in_decode_matches_the_two_launches(num_heads, num_kv_heads, head_dim, norms, seq_lens, num_splits,
+                                                     fused_merge):  # fmt: skip
+    new, cache, tables, lens = step_inputs(seq_lens, num_heads, num_kv_heads, head_dim, norms, seed=len(seq_lens))
+    before = cache.clone()
+    ref_cache = cache.clone()
+    scale = head_dim**-0.5
+    kwargs = {"num_splits": num_splits, "fused_merge": fused_merge, "min_split_len": 64}
+    q, ref = separate(new, num_heads, ref_cache, tables, lens, scale, **kwargs)
+    out = decode_attention_qkv(new, num_heads, cache, tables, lens, scale, **kwargs)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, decode_attention_reference(q, ref_cache, tables, lens, scale)) < 1e-5
+    flat, ref_flat, old = (c.view(2, -1, num_kv_heads, head_dim) for c in (cache, ref_cache, before))
+    written = torch.tensor([s for s, n in zip(new.slot_mapping.tolist(), seq_lens) if n], device=DEVICE)
+    assert rel_err(flat[0, written], ref_flat[0, written]) < 1e-6  # K: normed and rotated
+    assert torch.equal(flat[1, written], ref_flat[1, written])  # V: copied as is
+    assert not torch.equal(flat[:, written], old[:, written])
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEVICE)
+    untouched[new.slot_mapping] = False
+    assert torch.equal(flat[:, untouched], old[:, untouched])
+
+
+def test_prologue_in_decode_over_an_fp8_cache_with_bf16_rows():
+    """bf16 qkv rows and an fp8 cache (the K/V cast as the prologue casts them, the context widened to fp16): the
+    cache bit for bit, the output within bf16's rounding."""
+    seq_lens = [150, 33]
+    new, cache, tables, lens = step_inputs(seq_lens, 8, 2, 32, True, seed=21)
+    new = NewToken(new.qkv.to(torch.bfloat16), new.positions, new.cos, new.sin, new.slot_mapping,
+                   new.q_norm_weight.to(torch.bfloat16), new.k_norm_weight.to(torch.bfloat16), new.eps)  # fmt: skip
+    cache = cache.to(FP8)
+    ref_cache = cache.clone()
+    _, ref = separate(new, 8, ref_cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
+    out = decode_attention_qkv(new, 8, cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref) < 1e-2
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+
+
+def test_prologue_in_decode_with_a_quantized_output():
+    """The output quantized per head for an FP8 o_proj (``out_scale``): dequantized, it matches the two launches'."""
+    seq_lens = [90, 20]
+    new, cache, tables, lens = step_inputs(seq_lens, 4, 2, 32, False, seed=22)
+    ref_cache = cache.clone()
+    _, ref = separate(new, 4, ref_cache, tables, lens, 0.3, num_splits=2, min_split_len=64)
+    out = torch.empty(2, 4, 32, dtype=FP8, device=DEVICE)
+    scales = torch.empty(2, 4, dtype=torch.float32, device=DEVICE)
+    decode_attention_qkv(new, 4, cache, tables, lens, 0.3, num_splits=2, min_split_len=64, out=out, out_scale=scales)
+    assert rel_err(out.float() * scales[:, :, None], ref) < 0.05  # e4m3: 3 mantissa bits
+
+
+def test_prologue_in_decode_refuses_mismatched_rows():
+    new, cache, tables, lens = step_inputs([20, 30], 4, 2, 32, False, seed=23)
+    with pytest.raises(ValueError, match=r"slot_mapping must be \[2\] \(one per qkv row\), got \(1,\)"):
+        decode_attention_qkv(NewToken(new.qkv, new.positions, new.cos, new.sin, new.slot_mapping[:1]), 4, cache,
+                             tables, lens, 0.2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"qkv must be \[T, 320\] = \[T, \(6 \+ 2 \* 2\) \* 32\]"):
+        decode_attention_qkv(new, 6, cache, tables, lens, 0.2)
+    with pytest.raises(ValueError, match=r"seq_lens must be \[2\]"):
+        decode_attention_qkv(new, 4, cache, tables, lens[:1], 0.2)
