@@ -129,20 +129,28 @@ def choose_tile(batch_size: int, num_kv_heads: int, fp8_cache: bool = False) -> 
 def _decode_step(
     q, m_i, l_i, acc, n0, end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
     offs_d, d_mask, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr, PREFETCH_V: tl.constexpr,
+    q_p, cos, sin, ROTATE: tl.constexpr, Q_DTYPE: tl.constexpr, WIDEN_FP16: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over context tokens [n0, n0 + BLOCK_N) gathered through the block table.
 
     PREFETCH_V issues the V load with the K load instead of after the scores: one memory round trip
     less per step, for a V tile held in registers meanwhile. Small batches (split contexts, a few
-    steps per program, where the step's latency is the kernel's time) take it."""
+    steps per program, where the step's latency is the kernel's time) take it.
+    ROTATE: q comes unrotated (fp32, with its rotate-half partner ``q_p``) and is rotated here, after the K
+    load is issued, so that the wait for the rotary table overlaps the block table's and K's."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
     block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
     row = block * stride_blk + (offs_n % PAGE) * stride_off
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(kv_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # fp8 cache: widen
+    k = tl.load(kv_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if PREFETCH_V:
-        v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if ROTATE:
+        q = _rotated(q, q_p, cos, sin, Q_DTYPE, WIDEN_FP16)
+    k = k.to(q.dtype)  # fp8 cache: widen
+    if PREFETCH_V:
+        v = v.to(q.dtype)
     if IEEE_DOT:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -162,17 +170,13 @@ def _decode_step(
 
 
 @triton.jit
-def _new_token_rows(
-    ptrs, offs_d, partner, mask, w_ptr, cos, sin, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    """Heads of the new token at ``ptrs`` ([rows, 1] row starts, or one row's start), per-head RMSNorm'd
-    (``HAS_NORM``) and rotated, in fp32: kernels/qk_rope_kv.py's numerics (the norm rounded to the input dtype,
-    times the weight, rounded again; the rotation in fp32), each element against its rotate-half partner with
-    ``sin`` already signed."""
-    x = tl.load(ptrs + offs_d[None, :], mask=mask, other=0.0)
-    xp = tl.load(ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+def _normed(x, xp, w_ptr, offs_d, partner, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Heads of the new token (``x`` [rows, D]) and their rotate-half partners in fp32, per-head RMSNorm'd with
+    ``HAS_NORM``: kernels/qk_rope_kv.py's numerics (the norm rounded to the input dtype, times the weight,
+    rounded again)."""
     dtype = x.dtype
     x = x.to(tl.float32)
+    xp = xp.to(tl.float32)
     if HAS_NORM:
         rstd = (1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps))[:, None]
         d_mask = offs_d < HEAD_DIM
@@ -180,7 +184,17 @@ def _new_token_rows(
         wp = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
         xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
-    return x * cos + xp * sin
+    return x, xp
+
+
+@triton.jit
+def _rotated(x, xp, cos, sin, DTYPE: tl.constexpr, WIDEN_FP16: tl.constexpr):
+    """Rotary on fp32 rows (``sin`` signed per half: x1 cos - x2 sin | x2 cos + x1 sin) rounded to ``DTYPE``, then,
+    for an fp8 cache's fp16 widening, clamped to fp16's range and rounded to fp16."""
+    r = (x * cos + xp * sin).to(DTYPE)
+    if WIDEN_FP16:
+        r = tl.minimum(tl.maximum(r.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return r
 
 
 @triton.jit
@@ -208,75 +222,83 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # splits are cut from the actual length (read on device), rounded to whole inner steps, no shorter
-    # than min_split_len (a multiple of BLOCK_N): a short context leaves the last splits empty
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-
     offs_h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + offs_h
     h_mask = offs_h < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    loop_end = end
+    qh_mask = h_mask[:, None] & d_mask[None, :]
     if NEW_TOKEN:
-        # q is the qkv projection's row: its heads normed and rotated here, and the program whose split holds
-        # the last position writes this step's K and V to the cache and attends to them from registers
+        # q is the qkv projection's row, normed and rotated here; the program whose split holds the last position
+        # writes this step's K and V to the cache and attends to them from registers. Every load that needs no
+        # length goes out with the length's, so the rotary table's row is the only wait the block table's lacks,
+        # and it is taken inside the first step (_decode_step's ROTATE), after that step's K load
         half: tl.constexpr = HEAD_DIM // 2
         first = offs_d < half
         partner = tl.where(first, offs_d + half, offs_d - half)  # rotate-half: d pairs with d +- D/2
         pos = tl.load(pos_ptr + seq).to(tl.int64)
+        row = q_ptr + seq * stride_qt
+        q_rows = row + head[:, None] * stride_qh
+        q = tl.load(q_rows + offs_d[None, :], mask=qh_mask, other=0.0)
+        q_p = tl.load(q_rows + partner[None, :], mask=qh_mask, other=0.0)
+        k_row = row + (tl.num_programs(1) * GROUP + kv_head) * HEAD_DIM
+        k_new = tl.load(k_row + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        k_p = tl.load(k_row + partner[None, :], mask=d_mask[None, :], other=0.0)
+        v_new = tl.load(k_row + tl.num_programs(1) * HEAD_DIM + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
         angle = tl.where(first, offs_d, offs_d - half)
         cos = tl.load(cos_ptr + pos * stride_cos + angle, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         sin = tl.load(sin_ptr + pos * stride_sin + angle, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         sin = tl.where(first[None, :], -sin, sin)  # x1 cos - x2 sin | x2 cos + x1 sin
-        row = q_ptr + seq * stride_qt
-        q = _new_token_rows(row + head[:, None] * stride_qh, offs_d, partner, h_mask[:, None] & d_mask[None, :],
-                            qw_ptr, cos, sin, eps, HAS_NORM, HEAD_DIM).to(q_ptr.dtype.element_ty)  # fmt: skip
-        k_row = row + (tl.num_programs(1) * GROUP + kv_head) * HEAD_DIM
-        k_new = _new_token_rows(k_row, offs_d, partner, d_mask[None, :], kw_ptr, cos, sin, eps, HAS_NORM, HEAD_DIM)
-        # rounded to the projection's dtype (what the unfused rotary stores), then to the cache's
-        cache_ty = kv_ptr.dtype.element_ty
-        k_new = k_new.to(q_ptr.dtype.element_ty).to(cache_ty)
-        v_new = tl.load(k_row + tl.num_programs(1) * HEAD_DIM + offs_d[None, :], mask=d_mask[None, :],
-                        other=0.0).to(cache_ty)  # fmt: skip
-        holds_new = (start <= seq_len - 1) & (seq_len - 1 < end)
-        slot = tl.load(slot_ptr + seq).to(tl.int64)
-        dst = kv_ptr + kv_head * stride_kvh + (slot // PAGE) * stride_blk + (slot % PAGE) * stride_off + offs_d[None, :]
-        tl.store(dst, k_new, mask=d_mask[None, :] & holds_new)
-        tl.store(dst + stride_kv, v_new, mask=d_mask[None, :] & holds_new)
-        loop_end = end - holds_new.to(tl.int32)  # the new token comes from registers after the loop
+        q, q_p = _normed(q, q_p, qw_ptr, offs_d, partner, eps, HAS_NORM, HEAD_DIM)
     else:
-        q = tl.load(
-            q_ptr + seq * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-            mask=h_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-    if WIDEN_FP16:  # fp8 cache: the step widens K and V to q's dtype, fp16 here (clamped: q is bf16's range)
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=qh_mask, other=0.0)
+        q_p, cos, sin = q, q, q  # placeholders: the steps do not rotate
+        if WIDEN_FP16:  # fp8 cache: the step widens K and V to q's dtype, fp16 here (clamped: q is bf16's range)
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    # splits are cut from the actual length (read on device), rounded to whole inner steps, no shorter
+    # than min_split_len (a multiple of BLOCK_N): a short context leaves the last splits empty
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    loop_end = end
+    if NEW_TOKEN:
+        holds_new = (start <= seq_len - 1) & (seq_len - 1 < end)
+        loop_end = end - holds_new.to(tl.int32)  # the new token comes from registers after the loop
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_base = kv_ptr + kv_head * stride_kvh
+    q_dtype: tl.constexpr = q_ptr.dtype.element_ty
     if WHILE_LOOP:
         n0 = start
         while n0 < loop_end:
             m_i, l_i, acc = _decode_step(
                 q, m_i, l_i, acc, n0, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
-                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V,
+                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, NEW_TOKEN, q_dtype, WIDEN_FP16,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(start, loop_end, BLOCK_N):
             m_i, l_i, acc = _decode_step(
                 q, m_i, l_i, acc, n0, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
-                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V,
+                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, NEW_TOKEN, q_dtype, WIDEN_FP16,
             )  # fmt: skip
-    if NEW_TOKEN:  # one more online-softmax step: the new token's score and V, in fp32 (-inf where not this split's)
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
+    if NEW_TOKEN:
+        # the new K rotated and rounded to the projection's dtype (what the separate prologue stores), then to the
+        # cache's; K and V stored by the program that holds the position; its score and V taken in one more
+        # online-softmax step in fp32 (-inf in every other program)
+        cache_ty = kv_ptr.dtype.element_ty
+        k_x, k_p = _normed(k_new, k_p, kw_ptr, offs_d, partner, eps, HAS_NORM, HEAD_DIM)
+        k_new = _rotated(k_x, k_p, cos, sin, q_dtype, False).to(cache_ty)
+        v_new = v_new.to(cache_ty)
+        dst = kv_ptr + kv_head * stride_kvh + (slot // PAGE) * stride_blk + (slot % PAGE) * stride_off + offs_d[None, :]
+        tl.store(dst, k_new, mask=d_mask[None, :] & holds_new)
+        tl.store(dst + stride_kv, v_new, mask=d_mask[None, :] & holds_new)
+        q_rot = _rotated(q, q_p, cos, sin, q_dtype, WIDEN_FP16)
+        s_new = tl.sum(q_rot.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
         s_new = tl.where(holds_new, s_new, float("-inf"))
         m_new = tl.maximum(m_i, s_new)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty split stays empty, never -inf - -inf
