@@ -64,6 +64,41 @@ def test_named_kernels_can_be_left_out(monkeypatch, env):
         assert not pdl_mod.pdl_on(dev, "_gemv_kernel") and pdl_mod.pdl_on(dev, "_fp8_gemv_kernel")
 
 
+def test_a_late_releasing_kernel_left_out_still_releases(monkeypatch, env):
+    """The FP8 streaming matmul, left out, launches without the attribute but keeps its release after the main
+    loop (so a decode kernel after it may launch during its tail), unless the scope or the environment says not;
+    with PDL off, or a kernel that releases at its start, nothing of it."""
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(pdl_mod, "_capable", lambda device: device.type == "cuda")
+    monkeypatch.delenv(pdl_mod.RELEASE_ENV, raising=False)
+    pdl_mod._release_env.cache_clear()
+    env(GRAPHSERVE_PDL=None, GRAPHSERVE_PDL_SKIP=None)
+    assert pdl_mod.pdl_args(dev, "_fp8_gemv_kernel") == {"PDL": True, "launch_pdl": False}
+    with pdl_mod.pdl_release_left_out(False):
+        assert pdl_mod.pdl_args(dev, "_fp8_gemv_kernel") == {"PDL": False, "launch_pdl": False}
+    with pdl_mod.pdl(True, skip={"_fp8_gemv_kernel", "_gemv_kernel"}):  # released at its start: never when left out
+        assert pdl_mod.pdl_args(dev, "_gemv_kernel") == {"PDL": False, "launch_pdl": False}
+    with pdl_mod.pdl(False):
+        assert pdl_mod.pdl_args(dev, "_fp8_gemv_kernel") == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setenv(pdl_mod.RELEASE_ENV, "0")
+    pdl_mod._release_env.cache_clear()
+    try:
+        assert pdl_mod.pdl_args(dev, "_fp8_gemv_kernel") == {"PDL": False, "launch_pdl": False}
+        with pdl_mod.pdl_release_left_out(True):  # a scope overrides the environment
+            assert pdl_mod.pdl_args(dev, "_fp8_gemv_kernel") == {"PDL": True, "launch_pdl": False}
+    finally:
+        monkeypatch.delenv(pdl_mod.RELEASE_ENV)
+        pdl_mod._release_env.cache_clear()
+    # every kernel that may release when left out waits first (pdl_wait) and releases after its main loop
+    firsts = {}
+    for path in sorted(KERNELS.glob("*.py")):
+        for fn in ast.parse(path.read_text()).body:
+            if isinstance(fn, ast.FunctionDef) and fn.name in pdl_mod.LATE_RELEASE:
+                body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
+                firsts[fn.name] = ast.unparse(body[0])
+    assert firsts == {name: "pdl_wait(PDL)" for name in pdl_mod.LATE_RELEASE}
+
+
 def test_every_launched_kernel_enters_through_pdl_enter():
     """A kernel launched with the attribute that skipped the wait could run ahead of the kernel before it: its
     first statement is pdl_enter, or pdl_wait with a pdl_release later."""

@@ -56,7 +56,14 @@ except ImportError:  # a Triton without grid dependency control: _capable() is F
 ENV = "GRAPHSERVE_PDL"
 SKIP_ENV = "GRAPHSERVE_PDL_SKIP"
 DEFAULT_SKIP = frozenset({"_fp8_gemv_kernel"})
+# Kernels that wait first and let the next kernel launch only after their main loop (pdl_wait, pdl_release). Left
+# out, such a kernel may still release (``releases_when_left_out``): launched without the attribute it starts only
+# after its predecessor, but a kernel after it that is launched with PDL is placed as its last programs finish
+# streaming, never among programs still to run.
+LATE_RELEASE = frozenset({"_fp8_gemv_kernel"})
+RELEASE_ENV = "GRAPHSERVE_PDL_RELEASE_LEFT_OUT"
 _scoped: list[tuple[bool, frozenset[str]]] = []
+_release_scoped: list[bool] = []
 
 
 def _triton_launches_pdl() -> bool:
@@ -117,10 +124,35 @@ def pdl_on(device: torch.device, kernel: str | None = None) -> bool:
     return wanted and kernel not in skip and _capable(device)
 
 
+def releases_when_left_out() -> bool:
+    """Whether a LATE_RELEASE kernel left out of PDL still lets the kernel after it launch early (scope
+    ``pdl_release_left_out``, else GRAPHSERVE_PDL_RELEASE_LEFT_OUT, read once; on unless it is "0")."""
+    return _release_scoped[-1] if _release_scoped else _release_env()
+
+
+@functools.lru_cache(maxsize=1)
+def _release_env() -> bool:
+    return os.environ.get(RELEASE_ENV, "1") != "0"
+
+
 def pdl_args(device: torch.device, kernel: str) -> dict[str, bool]:
-    """The launch keywords of ``kernel``, a kernel that starts with ``pdl_enter(PDL)``."""
+    """The launch keywords of ``kernel``, a kernel that starts with ``pdl_enter(PDL)`` or ``pdl_wait(PDL)``. A
+    LATE_RELEASE kernel left out keeps its release (``PDL``) without the launch attribute, where
+    ``releases_when_left_out``: its wait is then a no-op (nothing was launched early)."""
     on = pdl_on(device, kernel)
-    return {"PDL": on, "launch_pdl": on}
+    release = on or (kernel in LATE_RELEASE and releases_when_left_out() and pdl_on(device))
+    return {"PDL": release, "launch_pdl": on}
+
+
+@contextlib.contextmanager
+def pdl_release_left_out(enabled: bool) -> Iterator[None]:
+    """Kernels launched (or captured) in this scope: whether a LATE_RELEASE kernel left out of PDL still releases
+    the kernel after it (benchmarks.decode_prologue times both)."""
+    _release_scoped.append(enabled)
+    try:
+        yield
+    finally:
+        _release_scoped.pop()
 
 
 @contextlib.contextmanager
