@@ -1,6 +1,7 @@
 """Programmatic dependent launch on the H200: a chain of dependent kernels captured with PDL gives what it
 gives without it, and a whole decode step captured both ways gives the same logits, bit for bit (the kernels
-and their order are the same; only when each one may start changes)."""
+and their order are the same; only when each one may start changes). FP8 streaming matmuls likewise, launched
+with PDL or left out and releasing the kernel after them."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import pytest
 import torch
 from gpu_utils import capture, decode_model, graph_runner
 
+from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_norm_gemv
+from graphserve.kernels.fp8_quant import quantize_weight_blocks
 from graphserve.kernels.gemv import gemv, norm_gemv
 from graphserve.kernels.norm import rms_norm
-from graphserve.kernels.pdl import pdl, pdl_on
+from graphserve.kernels.pdl import pdl, pdl_on, pdl_release_left_out
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.layers.forward_batch import contiguous_batch
 
@@ -78,3 +81,36 @@ def test_decode_step_captured_with_pdl_gives_the_same_logits(name):
                 off = graphs[False].replay(batch).clone()
                 on = graphs[True].replay(batch).clone()
                 assert torch.equal(off, on), f"bs={bs}: max diff {(off.float() - on.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("release_left_out", [False, True])
+@pytest.mark.parametrize("m", [1, 4])
+def test_fp8_streaming_chain_on_pdl_matches_without(m, release_left_out):
+    """FP8 streaming matmuls reading each other's output, the matmul launched with PDL or left out and releasing
+    the kernel after it: every graph replay equals the chain without PDL."""
+    _needs_pdl()
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    k = 4096
+    weights = [quantize_weight_blocks(torch.randn(k, k, device="cuda", generator=gen) / k**0.5, 128, 128)
+               for _ in range(12)]  # fmt: skip
+    norm_w = torch.rand(k, device="cuda", dtype=torch.bfloat16, generator=gen) + 0.5
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def chain() -> torch.Tensor:
+        h = x
+        for i, (wq, ws) in enumerate(weights):
+            # a PDL kernel (the norm) right after a matmul reads what it wrote: what its release lets launch early
+            h = rms_norm(fp8_gemv(h, wq, ws, 128, 128), norm_w, 1e-6) if i % 2 else \
+                fp8_norm_gemv(h, norm_w, 1e-6, wq, ws, 128, 128)[0]
+        return h
+
+    skip = frozenset() if not release_left_out else frozenset({"_fp8_gemv_kernel"})
+    with pdl(True, skip=skip), pdl_release_left_out(release_left_out):
+        graph, out = capture(chain)
+    for trial in range(30):
+        x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen))
+        with pdl(False):
+            ref = chain()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref), f"replay {trial}: max diff {(out.float() - ref.float()).abs().max().item()}"
