@@ -129,15 +129,17 @@ def choose_tile(batch_size: int, num_kv_heads: int, fp8_cache: bool = False) -> 
 def _decode_step(
     q, m_i, l_i, acc, n0, end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
     offs_d, d_mask, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr, PREFETCH_V: tl.constexpr,
-    q_p, cos, sin, ROTATE: tl.constexpr, Q_DTYPE: tl.constexpr, WIDEN_FP16: tl.constexpr,
+    q_p, cos, sin, w, w_p, eps, ROTATE: tl.constexpr, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
+    Q_DTYPE: tl.constexpr, WIDEN_FP16: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over context tokens [n0, n0 + BLOCK_N) gathered through the block table.
 
     PREFETCH_V issues the V load with the K load instead of after the scores: one memory round trip
     less per step, for a V tile held in registers meanwhile. Small batches (split contexts, a few
     steps per program, where the step's latency is the kernel's time) take it.
-    ROTATE: q comes unrotated (fp32, with its rotate-half partner ``q_p``) and is rotated here, after the K
-    load is issued, so that the wait for the rotary table overlaps the block table's and K's."""
+    ROTATE: q comes as the projection wrote it (with its rotate-half partner ``q_p``) and is normed (``HAS_NORM``,
+    weights ``w``, ``w_p``) and rotated here, after the K load is issued, so that its waits overlap the block
+    table's and K's (a few hundred operations a step, while K is in flight)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
     block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
@@ -147,7 +149,7 @@ def _decode_step(
     if PREFETCH_V:
         v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if ROTATE:
-        q = _rotated(q, q_p, cos, sin, Q_DTYPE, WIDEN_FP16)
+        q = _rotated(*_normed(q, q_p, w, w_p, eps, HAS_NORM, HEAD_DIM), cos, sin, Q_DTYPE, WIDEN_FP16)
     k = k.to(q.dtype)  # fp8 cache: widen
     if PREFETCH_V:
         v = v.to(q.dtype)
@@ -170,18 +172,15 @@ def _decode_step(
 
 
 @triton.jit
-def _normed(x, xp, w_ptr, offs_d, partner, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _normed(x, xp, w, wp, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Heads of the new token (``x`` [rows, D]) and their rotate-half partners in fp32, per-head RMSNorm'd with
-    ``HAS_NORM``: kernels/qk_rope_kv.py's numerics (the norm rounded to the input dtype, times the weight,
-    rounded again)."""
+    ``HAS_NORM`` (weights ``w`` and, in partner order, ``wp``: fp32 [1, D]): kernels/qk_rope_kv.py's numerics (the
+    norm rounded to the input dtype, times the weight, rounded again)."""
     dtype = x.dtype
     x = x.to(tl.float32)
     xp = xp.to(tl.float32)
     if HAS_NORM:
         rstd = (1.0 / tl.sqrt(tl.sum(x * x, 1) / HEAD_DIM + eps))[:, None]
-        d_mask = offs_d < HEAD_DIM
-        w = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
         xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
     return x, xp
@@ -229,10 +228,10 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     qh_mask = h_mask[:, None] & d_mask[None, :]
     if NEW_TOKEN:
-        # q is the qkv projection's row, normed and rotated here; the program whose split holds the last position
-        # writes this step's K and V to the cache and attends to them from registers. Every load that needs no
-        # length goes out with the length's, so the rotary table's row is the only wait the block table's lacks,
-        # and it is taken inside the first step (_decode_step's ROTATE), after that step's K load
+        # q is the qkv projection's row; the program whose split holds the last position writes this step's K and
+        # V to the cache and attends to them from registers. Every load that needs no length goes out with the
+        # length's, and q is normed and rotated inside each step (_decode_step's ROTATE) after its K load, so the
+        # block table's and K's waits are the first the program takes
         half: tl.constexpr = HEAD_DIM // 2
         first = offs_d < half
         partner = tl.where(first, offs_d + half, offs_d - half)  # rotate-half: d pairs with d +- D/2
@@ -250,10 +249,15 @@ def _decode_split_kernel(
         cos = tl.load(cos_ptr + pos * stride_cos + angle, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         sin = tl.load(sin_ptr + pos * stride_sin + angle, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         sin = tl.where(first[None, :], -sin, sin)  # x1 cos - x2 sin | x2 cos + x1 sin
-        q, q_p = _normed(q, q_p, qw_ptr, offs_d, partner, eps, HAS_NORM, HEAD_DIM)
+        qw, qw_p, kw, kw_p = cos, cos, cos, cos  # placeholders without norms
+        if HAS_NORM:
+            qw = tl.load(qw_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            qw_p = tl.load(qw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            kw = tl.load(kw_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            kw_p = tl.load(kw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     else:
         q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=qh_mask, other=0.0)
-        q_p, cos, sin = q, q, q  # placeholders: the steps do not rotate
+        q_p, cos, sin, qw, qw_p = q, q, q, q, q  # placeholders: the steps do not rotate
         if WIDEN_FP16:  # fp8 cache: the step widens K and V to q's dtype, fp16 here (clamped: q is bf16's range)
             q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     # splits are cut from the actual length (read on device), rounded to whole inner steps, no shorter
@@ -277,27 +281,29 @@ def _decode_split_kernel(
         while n0 < loop_end:
             m_i, l_i, acc = _decode_step(
                 q, m_i, l_i, acc, n0, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
-                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, NEW_TOKEN, q_dtype, WIDEN_FP16,
+                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, qw, qw_p, eps, NEW_TOKEN, HAS_NORM,
+                HEAD_DIM, q_dtype, WIDEN_FP16,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(start, loop_end, BLOCK_N):
             m_i, l_i, acc = _decode_step(
                 q, m_i, l_i, acc, n0, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
-                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, NEW_TOKEN, q_dtype, WIDEN_FP16,
+                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, qw, qw_p, eps, NEW_TOKEN, HAS_NORM,
+                HEAD_DIM, q_dtype, WIDEN_FP16,
             )  # fmt: skip
     if NEW_TOKEN:
         # the new K rotated and rounded to the projection's dtype (what the separate prologue stores), then to the
         # cache's; K and V stored by the program that holds the position; its score and V taken in one more
         # online-softmax step in fp32 (-inf in every other program)
         cache_ty = kv_ptr.dtype.element_ty
-        k_x, k_p = _normed(k_new, k_p, kw_ptr, offs_d, partner, eps, HAS_NORM, HEAD_DIM)
+        k_x, k_p = _normed(k_new, k_p, kw, kw_p, eps, HAS_NORM, HEAD_DIM)
         k_new = _rotated(k_x, k_p, cos, sin, q_dtype, False).to(cache_ty)
         v_new = v_new.to(cache_ty)
         dst = kv_ptr + kv_head * stride_kvh + (slot // PAGE) * stride_blk + (slot % PAGE) * stride_off + offs_d[None, :]
         tl.store(dst, k_new, mask=d_mask[None, :] & holds_new)
         tl.store(dst + stride_kv, v_new, mask=d_mask[None, :] & holds_new)
-        q_rot = _rotated(q, q_p, cos, sin, q_dtype, WIDEN_FP16)
+        q_rot = _rotated(*_normed(q, q_p, qw, qw_p, eps, HAS_NORM, HEAD_DIM), cos, sin, q_dtype, WIDEN_FP16)
         s_new = tl.sum(q_rot.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
         s_new = tl.where(holds_new, s_new, float("-inf"))
         m_new = tl.maximum(m_i, s_new)
