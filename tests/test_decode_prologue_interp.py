@@ -125,3 +125,16 @@ def test_prologue_in_decode_refuses_mismatched_rows():
         decode_attention_qkv(new, 6, cache, tables, lens, 0.2)
     with pytest.raises(ValueError, match=r"seq_lens must be \[2\]"):
         decode_attention_qkv(new, 4, cache, tables, lens[:1], 0.2)
+
+
+def test_decode_steps_take_the_prologue_inside_for_heads_without_qk_norms():
+    """The backend's rule (measured: layers/attention_triton.py): inside decode attention without per-head q/k norms,
+    as its own launch with them; a ``decode_prologue`` scope decides instead."""
+    from graphserve.layers.attention_triton import decode_prologue, prologue_in_decode
+
+    plain, _, _, _ = step_inputs([8], 4, 2, 32, False, seed=24)
+    normed, _, _, _ = step_inputs([8], 4, 2, 32, True, seed=25)
+    assert prologue_in_decode(plain) and not prologue_in_decode(normed)
+    for fused in (True, False):
+        with decode_prologue(fused):
+            assert prologue_in_decode(plain) is fused and prologue_in_decode(normed) is fused

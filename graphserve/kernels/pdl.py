@@ -26,9 +26,18 @@ at its start, as pdl_enter does), an FP8 llama3-8b batch-1 step was slower with 
 faster than without (``python3 -m benchmarks.pdl --models --fp8-models dummy:llama3-8b --bs 1 --skip
 _fp8_gemv_kernel``, benchmarks/results/pdl_fp8.json). Releasing after its main loop, it gains at some batch
 sizes and loses at others (ctx 2048: results/pdl_fp8_release_bs1_64.json at batch 1 and 64,
-results/pdl_fp8_release.json at 4, 16 and 32, where batch 32 lost 0.35 ms), so it stays out.
+results/pdl_fp8_release.json at 4, 16 and 32, where batch 32 lost 0.35 ms), so it stays out. Left out, it
+still releases after its main loop (``LATE_RELEASE``): launched without the attribute it starts after its
+predecessor, but a PDL kernel after it (decode attention after the qkv projection, a norm) is placed as its
+last programs finish streaming. In two calls (benchmarks.decode_prologue, results/decode_prologue*.json, the
+step captured with and without the release and replayed in turns) that measured 2.742 against 2.841 ms and
+2.716 against 2.718 for FP8 llama3-8b at batch 1, 4.546 against 4.582 and 4.508 against 4.548 at batch 64, and
+10.967 against 11.019 and 10.662 against 10.716 for FP8 qwen3-30b-a3b at batch 64 (batch 1: 2.371 against
+2.369, 2.343 against 2.371). Loading a first weight tile before the wait, with the attribute on, lost
+(results/pdl_fp8_early.json: 2.857 against 2.770 ms at batch 1) and was not kept.
 
-``GRAPHSERVE_PDL=0`` turns it off (read once per process: a launch on the eager path pays a lookup, not a parse;
+``GRAPHSERVE_PDL_RELEASE_LEFT_OUT=0`` (or the scope ``pdl_release_left_out(False)``) keeps a left-out kernel from
+releasing. ``GRAPHSERVE_PDL=0`` turns it off (read once per process: a launch on the eager path pays a lookup, not a parse;
 a graph keeps the setting it was captured with);
 ``GRAPHSERVE_PDL_SKIP=name,name`` leaves the named kernels out instead of the default; ``pdl(False)`` and ``pdl(True, skip=...)`` do
 the same in a scope (benchmarks/pdl.py captures the same model several ways). Off the GPU, under the
