@@ -11,6 +11,8 @@ not reach, a one-token context, and a padding row of length 0.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,7 +47,7 @@ def step_inputs(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim
     if norms:
         weights = {"q_norm_weight": 1 + 0.3 * randn(head_dim, gen=gen), "k_norm_weight": 1 + 0.3 * randn(head_dim, gen=gen),
                    "eps": 1e-6}  # fmt: skip
-    return NewToken(qkv, positions, cos, sin, slots, **weights), cache, tables, lens
+    return NewToken(qkv, num_heads, positions, cos, sin, slots, **weights), cache, tables, lens
 
 
 def separate(new: NewToken, num_heads: int, cache: torch.Tensor, tables, lens, scale: float, **kwargs):
@@ -74,7 +76,7 @@ def test_prologue_in_decode_matches_the_two_launches(num_heads, num_kv_heads, he
     scale = head_dim**-0.5
     kwargs = {"num_splits": num_splits, "fused_merge": fused_merge, "min_split_len": 64}
     q, ref = separate(new, num_heads, ref_cache, tables, lens, scale, **kwargs)
-    out = decode_attention_qkv(new, num_heads, cache, tables, lens, scale, **kwargs)
+    out = decode_attention_qkv(new, cache, tables, lens, scale, **kwargs)
     assert not out.isnan().any()
     assert rel_err(out, ref) < 1e-5
     assert rel_err(out, decode_attention_reference(q, ref_cache, tables, lens, scale)) < 1e-5
@@ -93,12 +95,12 @@ def test_prologue_in_decode_over_an_fp8_cache_with_bf16_rows():
     cache bit for bit, the output within bf16's rounding."""
     seq_lens = [150, 33]
     new, cache, tables, lens = step_inputs(seq_lens, 8, 2, 32, True, seed=21)
-    new = NewToken(new.qkv.to(torch.bfloat16), new.positions, new.cos, new.sin, new.slot_mapping,
+    new = NewToken(new.qkv.to(torch.bfloat16), 8, new.positions, new.cos, new.sin, new.slot_mapping,
                    new.q_norm_weight.to(torch.bfloat16), new.k_norm_weight.to(torch.bfloat16), new.eps)  # fmt: skip
     cache = cache.to(FP8)
     ref_cache = cache.clone()
     _, ref = separate(new, 8, ref_cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
-    out = decode_attention_qkv(new, 8, cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
+    out = decode_attention_qkv(new, cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, ref) < 1e-2
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
@@ -112,19 +114,19 @@ def test_prologue_in_decode_with_a_quantized_output():
     _, ref = separate(new, 4, ref_cache, tables, lens, 0.3, num_splits=2, min_split_len=64)
     out = torch.empty(2, 4, 32, dtype=FP8, device=DEVICE)
     scales = torch.empty(2, 4, dtype=torch.float32, device=DEVICE)
-    decode_attention_qkv(new, 4, cache, tables, lens, 0.3, num_splits=2, min_split_len=64, out=out, out_scale=scales)
+    decode_attention_qkv(new, cache, tables, lens, 0.3, num_splits=2, min_split_len=64, out=out, out_scale=scales)
     assert rel_err(out.float() * scales[:, :, None], ref) < 0.05  # e4m3: 3 mantissa bits
 
 
 def test_prologue_in_decode_refuses_mismatched_rows():
     new, cache, tables, lens = step_inputs([20, 30], 4, 2, 32, False, seed=23)
     with pytest.raises(ValueError, match=r"slot_mapping must be \[2\] \(one per qkv row\), got \(1,\)"):
-        decode_attention_qkv(NewToken(new.qkv, new.positions, new.cos, new.sin, new.slot_mapping[:1]), 4, cache,
+        decode_attention_qkv(NewToken(new.qkv, 4, new.positions, new.cos, new.sin, new.slot_mapping[:1]), cache,
                              tables, lens, 0.2)  # fmt: skip
     with pytest.raises(ValueError, match=r"qkv must be \[T, 320\] = \[T, \(6 \+ 2 \* 2\) \* 32\]"):
-        decode_attention_qkv(new, 6, cache, tables, lens, 0.2)
+        decode_attention_qkv(dataclasses.replace(new, num_heads=6), cache, tables, lens, 0.2)
     with pytest.raises(ValueError, match=r"seq_lens must be \[2\]"):
-        decode_attention_qkv(new, 4, cache, tables, lens[:1], 0.2)
+        decode_attention_qkv(new, cache, tables, lens[:1], 0.2)
 
 
 def test_decode_steps_take_the_prologue_inside_for_heads_without_qk_norms():

@@ -512,7 +512,7 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     block_hm, block_s = triton.next_power_of_2(group), triton.next_power_of_2(num_splits)
     chunk_s = max(1, min(block_s, MERGE_TILE_ELEMS // (block_hm * block_d)))
-    new = new_token or NewToken(q, seq_lens, seq_lens, seq_lens, seq_lens)  # placeholders: never dereferenced
+    new = new_token or NewToken(q, num_heads, seq_lens, seq_lens, seq_lens, seq_lens)  # placeholders: never read
     has_norm = new.q_norm_weight is not None
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, out_scale if quant_out else mid_lse, mid_o, mid_lse, counters,
@@ -551,10 +551,12 @@ def decode_attention(
 @dataclass(frozen=True)
 class NewToken:
     """This step's token as the qkv projection leaves it, for ``decode_attention_qkv``: kernels/qk_rope_kv.py's
-    inputs (``qkv`` [B, (Hq + 2 Hkv) D] rows, unit column stride; ``positions`` and ``slot_mapping`` [B];
-    ``cos``/``sin`` fp32 [max_position, D / 2]; optional per-head q/k RMSNorm weights [D] and their eps)."""
+    inputs (``qkv`` [B, (Hq + 2 Hkv) D] rows of ``num_heads`` = Hq query heads, unit column stride; ``positions``
+    and ``slot_mapping`` [B]; ``cos``/``sin`` fp32 [max_position, D / 2]; optional per-head q/k RMSNorm weights
+    [D] and their eps)."""
 
     qkv: torch.Tensor
+    num_heads: int
     positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
@@ -565,8 +567,8 @@ class NewToken:
 
 
 def decode_attention_qkv(
-    new_token: NewToken, num_heads: int, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, **kwargs,
+    new_token: NewToken, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    **kwargs,
 ) -> torch.Tensor:  # fmt: skip
     """``decode_attention`` with the attention prologue inside it: the q/k RMSNorm (with weights), rotary and
     K/V cache write of kernels/qk_rope_kv.py, one launch where they were two.
@@ -576,7 +578,7 @@ def decode_attention_qkv(
     from registers, so no program reads what another writes in the same launch. The cache ends as the
     separate prologue leaves it; the output differs from the two launches' by the new token's score, a sum of
     fp32 products where the context's come from a dot. ``kwargs``: ``decode_attention``'s."""
-    qkv = new_token.qkv
+    qkv, num_heads = new_token.qkv, new_token.num_heads
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     check_qkv_args(qkv, new_token.cos, new_token.sin, num_heads, num_kv_heads, head_dim, new_token.q_norm_weight,
                    new_token.k_norm_weight)  # fmt: skip

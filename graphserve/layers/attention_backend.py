@@ -41,9 +41,9 @@ class AttentionBackend:
     ) -> torch.Tensor:
         raise NotImplementedError
 
-    def attend(self, q, layer_idx: int, batch: ForwardBatch, scale: float, num_heads: int | None = None) -> torch.Tensor:
-        """Attention from the qkv projection's output (a ``NewToken`` of ``num_heads`` query heads), K/V written
-        here (backends with ``fused_prologue``)."""
+    def attend(self, q, layer_idx: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Attention from the qkv projection's output (kernels/decode_attention.NewToken), K/V written here
+        (backends with ``fused_prologue``)."""
         raise NotImplementedError(f"the {self.name} attention backend has no fused prologue; call forward()")
 
     def quantizes_output(self, batch: ForwardBatch) -> bool:
@@ -53,7 +53,7 @@ class AttentionBackend:
 
     def attend_quantized(
         self, q, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int, pad_rows_to: int,
-        scales_column_major: bool, num_heads: int | None = None,
+        scales_column_major: bool,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """``attend``'s output [T, H * D] quantized per token and ``group_size`` columns as
         kernels/fp8_quant.per_token_group_quant lays it out (``(fp8 [T', H * D], fp32 scales [T', groups])``),

@@ -60,10 +60,10 @@ def prologue_in_decode(new: NewToken) -> bool:
     return _prologue_scoped[-1] if _prologue_scoped else new.q_norm_weight is None
 
 
-def run_prologue(new: NewToken, num_heads: int, kv_cache: torch.Tensor) -> torch.Tensor:
+def run_prologue(new: NewToken, kv_cache: torch.Tensor) -> torch.Tensor:
     """The prologue as its own launch: q [T, H, D] normed and rotated, this step's K/V in the cache."""
     return qk_norm_rope_kv_write(
-        new.qkv, new.positions, new.cos, new.sin, kv_cache, new.slot_mapping, num_heads, kv_cache.shape[3],
+        new.qkv, new.positions, new.cos, new.sin, kv_cache, new.slot_mapping, new.num_heads, kv_cache.shape[3],
         kv_cache.shape[4], new.q_norm_weight, new.k_norm_weight, new.eps,
     )  # fmt: skip
 
@@ -118,15 +118,14 @@ class TritonAttentionBackend(AttentionBackend):
         kv_write(k, v, batch.kv_caches[layer_idx], batch.slot_mapping)
         return self.attend(q, layer_idx, batch, scale)
 
-    def attend(self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float,
-               num_heads: int | None = None) -> torch.Tensor:  # fmt: skip
-        """Attention of q [T, H, D] over a cache holding this step's K/V, or of a ``NewToken`` of ``num_heads``
-        query heads whose K/V this call writes (in the decode kernel itself where ``prologue_in_decode``)."""
+    def attend(self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Attention of q [T, H, D] over a cache holding this step's K/V, or of a ``NewToken`` whose K/V this call
+        writes (in the decode kernel itself where ``prologue_in_decode``)."""
         kv_cache = batch.kv_caches[layer_idx]
         if isinstance(q, NewToken):
             if batch.mode == "decode" and prologue_in_decode(q):
-                return self._decode(q, layer_idx, batch, scale, num_heads)
-            q = run_prologue(q, num_heads, kv_cache)
+                return self._decode(q, layer_idx, batch, scale)
+            q = run_prologue(q, kv_cache)
         if batch.mode == "decode":
             return self._decode(q, layer_idx, batch, scale)
         return extend_attention(
@@ -134,15 +133,15 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def _decode(self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float,
-                num_heads: int | None = None, **out) -> torch.Tensor:  # fmt: skip
+                **out) -> torch.Tensor:  # fmt: skip
         """The split decode kernel on this layer's cache with the reserved scratch (``out``: its output keywords);
         for a ``NewToken``, with the prologue inside it."""
         kv_cache = batch.kv_caches[layer_idx]
         _, _, _, num_kv_heads, head_dim = kv_cache.shape
-        heads = num_heads if isinstance(q, NewToken) else q.shape[1]
+        heads = q.num_heads if isinstance(q, NewToken) else q.shape[1]
         ws, counters = self.reserve(heads, num_kv_heads, head_dim, kv_cache.device, kv_cache.dtype)
         if isinstance(q, NewToken):
-            return decode_attention_qkv(q, heads, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws,
+            return decode_attention_qkv(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws,
                                         counters=counters, **out)  # fmt: skip
         return decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws,
                                 counters=counters, **out)  # fmt: skip
@@ -152,7 +151,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def attend_quantized(
         self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int,
-        pad_rows_to: int, scales_column_major: bool, num_heads: int | None = None,
+        pad_rows_to: int, scales_column_major: bool,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """Decode steps whose groups are whole heads (``group_size`` = head_dim) and whose rows need no padding:
         the split kernel stores each head's output in fp8 with its scale (kernels/decode_merge.store_heads).
@@ -160,17 +159,17 @@ class TritonAttentionBackend(AttentionBackend):
         quantization launch zeroes), return None."""
         head_dim = batch.kv_caches[layer_idx].shape[4]
         if isinstance(q, NewToken):
-            t, device = q.qkv.shape[0], q.qkv.device
+            t, num_heads, device = q.qkv.shape[0], q.num_heads, q.qkv.device
         else:
             (t, num_heads, _), device = q.shape, q.device
         if not self.quantizes_output(batch) or group_size != head_dim or t % pad_rows_to:
             return None
         if isinstance(q, NewToken) and not prologue_in_decode(q):
-            q = run_prologue(q, num_heads, batch.kv_caches[layer_idx])
+            q = run_prologue(q, batch.kv_caches[layer_idx])
         out = torch.empty((t, num_heads * head_dim), dtype=FP8_DTYPE, device=device)
         if scales_column_major:
             scales = torch.empty((num_heads, t), dtype=torch.float32, device=device).t()
         else:
             scales = torch.empty((t, num_heads), dtype=torch.float32, device=device)
-        self._decode(q, layer_idx, batch, scale, num_heads, out=out.view(t, num_heads, head_dim), out_scale=scales)
+        self._decode(q, layer_idx, batch, scale, out=out.view(t, num_heads, head_dim), out_scale=scales)
         return out, scales

@@ -142,17 +142,16 @@ class LlamaAttention(nn.Module):
         t = qkv.shape[0]
         if batch.attn_backend.fused_prologue and not self.full_norm and self.clip_qkv is None:
             new = self.new_token(qkv, positions, batch)
-            backend, heads = batch.attn_backend, self.num_heads
+            backend = batch.attn_backend
             if backend.quantizes_output(batch):
                 # an FP8 o_proj that quantizes its input reads it from the attention kernel, already quantized
                 projected = quantized_input_linear(
                     self.o_proj, t, qkv.dtype, qkv.device,
-                    lambda **layout: backend.attend_quantized(new, self.layer_idx, batch, self.scale,
-                                                              num_heads=heads, **layout),
+                    lambda **layout: backend.attend_quantized(new, self.layer_idx, batch, self.scale, **layout),
                 )  # fmt: skip
                 if projected is not None:
                     return projected
-            out = backend.attend(new, self.layer_idx, batch, self.scale, num_heads=heads)
+            out = backend.attend(new, self.layer_idx, batch, self.scale)
         else:
             q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
             if self.full_norm:
@@ -180,7 +179,8 @@ class LlamaAttention(nn.Module):
         norms = {}
         if self.q_norm is not None:
             norms = {"q_norm_weight": self.q_norm.weight, "k_norm_weight": self.k_norm.weight, "eps": self.q_norm.eps}
-        return NewToken(qkv, positions, cos_sin[:, :half], cos_sin[:, half:], batch.slot_mapping, **norms)
+        return NewToken(qkv, self.num_heads, positions, cos_sin[:, :half], cos_sin[:, half:], batch.slot_mapping,
+                        **norms)  # fmt: skip
 
 
 class LlamaMLP(nn.Module):

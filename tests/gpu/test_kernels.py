@@ -323,7 +323,7 @@ def prologue_step(batch: int, num_heads: int, num_kv_heads: int, norms: bool, ca
     if norms:
         weights = {name: (1 + 0.2 * torch.randn(d, device="cuda", generator=gen)).to(torch.bfloat16)
                    for name in ("q_norm_weight", "k_norm_weight")}  # fmt: skip
-    return NewToken(qkv, last, cos, sin, slots, **weights, eps=1e-6), cache, tables, lens
+    return NewToken(qkv, num_heads, last, cos, sin, slots, **weights, eps=1e-6), cache, tables, lens
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
@@ -338,7 +338,7 @@ def test_decode_attention_qkv_matches_the_two_launches(num_heads, num_kv_heads, 
     q = qk_norm_rope_kv_write(new.qkv, new.positions, new.cos, new.sin, ref_cache, new.slot_mapping, num_heads,
                               num_kv_heads, 128, new.q_norm_weight, new.k_norm_weight, new.eps)  # fmt: skip
     ref = decode_attention(q, ref_cache, tables, lens, 128**-0.5)
-    out = decode_attention_qkv(new, num_heads, cache, tables, lens, 128**-0.5)
+    out = decode_attention_qkv(new, cache, tables, lens, 128**-0.5)
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     assert rel_err(out, decode_attention_reference(q, ref_cache, tables, lens, 128**-0.5)) < TOL[torch.bfloat16]
     flat, ref_flat, old = (c.view(2, -1, num_kv_heads, 128).float() for c in (cache, ref_cache, before))
@@ -361,11 +361,11 @@ def test_decode_attention_qkv_cuda_graph_replay_matches_eager(batch, gen):
     ws, counters = backend.reserve(16, 8, 128, torch.device("cuda"))
     out = torch.empty(batch, 16, 128, dtype=torch.bfloat16, device="cuda")
     kw = {"out": out, "workspace": ws, "counters": counters}
-    decode_attention_qkv(new, 16, cache.clone(), tables, lens, 128**-0.5, **kw)  # compile first
+    decode_attention_qkv(new, cache.clone(), tables, lens, 128**-0.5, **kw)  # compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        decode_attention_qkv(new, 16, cache, tables, lens, 128**-0.5, **kw)
+        decode_attention_qkv(new, cache, tables, lens, 128**-0.5, **kw)
     fresh, _, _, new_lens = prologue_step(batch, 16, 8, True, torch.bfloat16, gen)
     # no longer than each sequence's own blocks: past them a table holds the dummy block, which every sequence
     # would then write and read at once
@@ -379,6 +379,6 @@ def test_decode_attention_qkv_cuda_graph_replay_matches_eager(batch, gen):
     graph.replay()
     torch.cuda.synchronize()
     assert not counters.any()
-    eager = decode_attention_qkv(new, 16, eager_cache, tables, lens, 128**-0.5, workspace=ws, counters=counters)
+    eager = decode_attention_qkv(new, eager_cache, tables, lens, 128**-0.5, workspace=ws, counters=counters)
     assert torch.equal(out, eager)
     assert torch.equal(cache, eager_cache)
