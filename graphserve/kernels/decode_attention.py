@@ -18,6 +18,12 @@ The output can come out quantized (``out_scale``): fp8 with one scale per sequen
 an FP8 o_proj reads in 128-column groups (layers/quant/fp8.py), which saves that projection's
 quantization launch (kernels/decode_merge.store_heads).
 
+The kernel can also take the step's token as the qkv projection leaves it (``decode_attention_qkv``, a
+``NewToken``): each program norms (per-head q/k RMSNorm, where the model has it) and rotates its q heads inside
+its steps, after each K load; the program whose split holds the new position rotates the new K, writes K and V
+to the cache and takes them into its softmax from registers after its loop. That is kernels/qk_rope_kv.py's
+launch folded in, with its roundings (layers/attention_triton.py says where the engine uses it).
+
 An fp8 (e4m3) cache is widened in registers to fp16, with q and the probabilities in fp16 too: the
 e4m3 -> fp16 conversion is one instruction per two elements and exact, where the chain to bf16 takes
 several per element, and fp16 holds p more finely than bf16. The bf16 path is untouched.
