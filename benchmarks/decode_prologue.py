@@ -34,8 +34,7 @@ COLS = ["model", "quantization", "bs", "ctx", "launch_ms", "in_decode_ms", "laun
 # label: (prologue inside decode attention, a left-out streaming matmul releases the kernel after it)
 VARIANTS = {"launch": (False, False), "in decode": (True, False), "launch, release": (False, True),
             "in decode, release": (True, True)}
-KEYS = {"launch": "launch_ms", "in decode": "in_decode_ms", "launch, release": "launch_release_ms",
-        "in decode, release": "in_decode_release_ms"}
+KEYS = {label: label.replace(",", "").replace(" ", "_") + "_ms" for label in VARIANTS}  # "in decode" -> in_decode_ms
 
 
 @contextlib.contextmanager

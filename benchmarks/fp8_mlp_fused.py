@@ -22,6 +22,7 @@ Run: python3 -m benchmarks.fp8_mlp_fused   (writes benchmarks/results/fp8_mlp_fu
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.common import print_table, write_result
+from graphserve.kernels.common import sm_count
 
 HIDDEN, INTERMEDIATE = 4096, 14336  # llama3-8b
 COLD_BYTES = 256 << 20
@@ -133,6 +135,15 @@ def fused_mlp(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps
     if x.shape != (1, h) or wd.shape != (h, i) or i % bn_a or h % bk_a or h % bn_b or i % bk_b:
         raise ValueError(f"fused_mlp: one row of {h} against gate_up {tuple(wgu.shape)} and down {tuple(wd.shape)} in "
                          f"whole tiles ({bn_a}x{bk_a}, {bn_b}x{bk_b}), got x {tuple(x.shape)}")
+    if programs < 1:
+        raise ValueError(f"fused_mlp: programs={programs}, at least 1")
+    if not split_phases:  # the barrier waits for every program: all must be resident at once, one an SM
+        if not x.is_cuda:
+            raise ValueError("fused_mlp: the one launch needs a GPU (the interpreter runs programs one after another, "
+                             "so its barrier would never open): split_phases=True")
+        if programs > sm_count(x.device):
+            raise ValueError(f"fused_mlp: programs={programs} exceeds the {sm_count(x.device)} SMs; the one launch's "
+                             f"barrier needs every program resident")
     hbuf = torch.empty(i, device=x.device, dtype=torch.bfloat16)
     out = torch.empty(1, h, device=x.device, dtype=torch.bfloat16)
     args = (x, residual, norm_w, wgu, sgu, wd, sd, hbuf, out, sync, eps, programs)
@@ -153,7 +164,6 @@ def engine_mlp(x, residual, norm_w, eps, wgu, sgu, wd, sd, cfg_gu, cfg_d) -> tor
 def main() -> None:
     from benchmarks.kernels import graph_time_ms
     from benchmarks.roofline import measured_read_bw
-    from graphserve.kernels.common import sm_count
     from graphserve.kernels.fp8_config import rule_for
     from graphserve.kernels.fp8_quant import quantize_weight_channels
 
@@ -173,7 +183,7 @@ def main() -> None:
     rule = rule_for(dev)
     cfgs = [getattr(rule.route(1, n, k, "channel"), "config", None) for n, k in ((2 * i, h), (h, i))]
     nbytes = 3 * h * i + 4 * (2 * i + h)
-    step = iter(range(1 << 62))
+    step = itertools.count()  # each call on the next cold copy
 
     def engine() -> torch.Tensor:
         return engine_mlp(x, residual, norm_w, 1e-5, *layers[next(step) % copies], *cfgs)

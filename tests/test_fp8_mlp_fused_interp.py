@@ -49,8 +49,16 @@ def test_fused_mlp_matches_the_engine_and_the_references(tile, programs) -> None
     assert float((got.float() - want.float()).norm() / want.float().norm()) < 5e-2
 
 
-def test_fused_mlp_refuses_partial_tiles() -> None:
+def test_fused_mlp_refuses_partial_tiles_and_grids_its_barrier_cannot_hold() -> None:
     x, residual, norm_w, wgu, sgu, wd, sd = _inputs(1)
     sync = torch.zeros(2, device=DEVICE, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"in whole tiles \(24x128, 16x128\)"):
         fused_mlp(x, residual, norm_w, 1e-5, wgu, sgu, wd, sd, sync, 4, (24, 128, 16, 128, 4, 2), split_phases=True)
+    with pytest.raises(ValueError, match=r"programs=0, at least 1"):
+        fused_mlp(x, residual, norm_w, 1e-5, wgu, sgu, wd, sd, sync, 0, (8, 128, 16, 128, 4, 2), split_phases=True)
+    if DEVICE.type == "cpu":
+        with pytest.raises(ValueError, match=r"the one launch needs a GPU .*split_phases=True"):
+            fused_mlp(x, residual, norm_w, 1e-5, wgu, sgu, wd, sd, sync, 4, (8, 128, 16, 128, 4, 2))
+    else:
+        with pytest.raises(ValueError, match=r"programs=100000 exceeds the \d+ SMs"):
+            fused_mlp(x, residual, norm_w, 1e-5, wgu, sgu, wd, sd, sync, 100000, (8, 128, 16, 128, 4, 2))

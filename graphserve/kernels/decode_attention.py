@@ -518,12 +518,12 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     block_hm, block_s = triton.next_power_of_2(group), triton.next_power_of_2(num_splits)
     chunk_s = max(1, min(block_s, MERGE_TILE_ELEMS // (block_hm * block_d)))
-    new = new_token or NewToken(q, num_heads, seq_lens, seq_lens, seq_lens, seq_lens)  # placeholders: never read
-    has_norm = new.q_norm_weight is not None
+    # the prologue's pointers, strides and eps; without a new token, placeholders the kernel never reads
+    prologue = new_token.launch_args() if new_token is not None else (seq_lens,) * 6 + (0, 0, 0.0)
+    has_norm = new_token is not None and new_token.q_norm_weight is not None
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, out_scale if quant_out else mid_lse, mid_o, mid_lse, counters,
-        new.positions, new.cos, new.sin, new.q_norm_weight if has_norm else q, new.k_norm_weight if has_norm else q,
-        new.slot_mapping, new.cos.stride(0), new.sin.stride(0), float(new.eps),
+        *prologue,
         scale * LOG2E,
         num_splits, min_split_len,
         q.stride(0), q.stride(1),
@@ -570,6 +570,13 @@ class NewToken:
     q_norm_weight: torch.Tensor | None = None
     k_norm_weight: torch.Tensor | None = None
     eps: float = 0.0
+
+    def launch_args(self) -> tuple:
+        """The split kernel's prologue arguments: positions, cos, sin, the q and k norm weights (cos in their place
+        without norms: never read), slots, the two tables' row strides, eps."""
+        qw, kw = (self.q_norm_weight, self.k_norm_weight) if self.q_norm_weight is not None else (self.cos, self.cos)
+        return (self.positions, self.cos, self.sin, qw, kw, self.slot_mapping, self.cos.stride(0), self.sin.stride(0),
+                float(self.eps))
 
 
 def decode_attention_qkv(
