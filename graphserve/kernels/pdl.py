@@ -71,8 +71,14 @@ DEFAULT_SKIP = frozenset({"_fp8_gemv_kernel"})
 # streaming, never among programs still to run.
 LATE_RELEASE = frozenset({"_fp8_gemv_kernel"})
 RELEASE_ENV = "GRAPHSERVE_PDL_RELEASE_LEFT_OUT"
+# A call site may launch a left-out kernel with PDL after all (``pdl_joined``) where the kernel before it runs few
+# programs, so that its own programs wait on otherwise idle SMs: the output projection after decode attention.
+# Whether such sites join: ``pdl_joins``'s scope, else GRAPHSERVE_PDL_JOIN (off unless "1").
+JOIN_ENV = "GRAPHSERVE_PDL_JOIN"
 _scoped: list[tuple[bool, frozenset[str]]] = []
 _release_scoped: list[bool] = []
+_joined: list[frozenset[str]] = []
+_joins_scoped: list[bool] = []
 
 
 def _triton_launches_pdl() -> bool:
@@ -148,9 +154,50 @@ def pdl_args(device: torch.device, kernel: str) -> dict[str, bool]:
     """The launch keywords of ``kernel``, a kernel that starts with ``pdl_enter(PDL)`` or ``pdl_wait(PDL)``. A
     LATE_RELEASE kernel left out keeps its release (``PDL``) without the launch attribute, where
     ``releases_when_left_out``: its wait is then a no-op (nothing was launched early)."""
-    on = pdl_on(device, kernel)
+    on = pdl_on(device, kernel) or (kernel in joined_now() and pdl_on(device))
     release = on or (kernel in LATE_RELEASE and releases_when_left_out() and pdl_on(device))
     return {"PDL": release, "launch_pdl": on}
+
+
+def joined_now() -> frozenset[str]:
+    """The left-out kernels that launches here take PDL for: those the enclosing ``pdl_joined`` scopes name, where
+    call sites join (``joins_on``)."""
+    if not _joined or not joins_on():
+        return frozenset()
+    return frozenset().union(*_joined)
+
+
+def joins_on() -> bool:
+    """Whether ``pdl_joined`` scopes take effect: ``pdl_joins``'s scope, else GRAPHSERVE_PDL_JOIN (read once)."""
+    return _joins_scoped[-1] if _joins_scoped else _join_env()
+
+
+@functools.lru_cache(maxsize=1)
+def _join_env() -> bool:
+    return os.environ.get(JOIN_ENV, "0") == "1"
+
+
+@contextlib.contextmanager
+def pdl_joined(names: frozenset[str] | set[str]) -> Iterator[None]:
+    """Launches in this scope of the kernels ``names`` (each a kernel that waits first, ``pdl_wait``) use PDL even
+    where they are left out, when joining is on (``joins_on``): for a call site whose previous kernel runs few
+    programs."""
+    _joined.append(checked_skip(names, "pdl_joined(...)"))
+    try:
+        yield
+    finally:
+        _joined.pop()
+
+
+@contextlib.contextmanager
+def pdl_joins(enabled: bool) -> Iterator[None]:
+    """Whether ``pdl_joined`` scopes take effect for launches (and captures) in this scope (benchmarks.decode_overlap
+    times both)."""
+    _joins_scoped.append(enabled)
+    try:
+        yield
+    finally:
+        _joins_scoped.pop()
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ Parameter names follow the checkpoint's, except the fused ``qkv_proj`` and ``gat
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel
+from graphserve.kernels.pdl import pdl_joined
 from graphserve.layers.embedding import LMHead, VocabEmbedding
 from graphserve.layers.kv_layout import KVLayout
 from graphserve.layers.linear import (
@@ -109,6 +111,10 @@ def attention_params(s: Shape, tp: int) -> tuple[int, int]:
     return params, (q + 2 * kv) + q
 
 
+# The output projection's kernel at small batch (the FP8 streaming matmul, left out of PDL by default)
+AFTER_DECODE_ATTENTION = frozenset({"_fp8_gemv_kernel"})
+
+
 class LlamaAttention(nn.Module):
     """Attention over this rank's heads (all of them at tp 1). ``o_proj``'s output is this rank's
     partial sum: the caller all-reduces it."""
@@ -138,7 +144,13 @@ class LlamaAttention(nn.Module):
         return self.forward_qkv(positions, self.qkv_proj(hidden), batch)
 
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Attention from the q/k/v projection's output (the decoder layer fuses its norm into that projection)."""
+        """Attention from the q/k/v projection's output (the decoder layer fuses its norm into that projection).
+        In a decode step the output projection may launch with PDL (kernels/pdl.pdl_joined): decode attention
+        before it runs a few programs a sequence, so its programs can wait on the SMs attention leaves idle."""
+        with pdl_joined(AFTER_DECODE_ATTENTION) if batch.mode == "decode" else contextlib.nullcontext():
+            return self._attention(positions, qkv, batch)
+
+    def _attention(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = qkv.shape[0]
         if batch.attn_backend.fused_prologue and not self.full_norm and self.clip_qkv is None:
             new = self.new_token(qkv, positions, batch)

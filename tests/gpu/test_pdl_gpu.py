@@ -9,12 +9,13 @@ import pytest
 import torch
 from gpu_utils import capture, decode_model, graph_runner
 
+from graphserve.kernels.decode_attention import early_kv
 from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_norm_gemv
 from graphserve.kernels.fp8_quant import quantize_weight_blocks
 from graphserve.kernels.gemv import gemv, norm_gemv
 from graphserve.kernels.norm import rms_norm
-from graphserve.kernels.pdl import pdl, pdl_on, pdl_release_left_out
-from graphserve.layers.attention_triton import TritonAttentionBackend
+from graphserve.kernels.pdl import pdl, pdl_joins, pdl_on, pdl_release_left_out
+from graphserve.layers.attention_triton import TritonAttentionBackend, decode_prologue
 from graphserve.layers.forward_batch import contiguous_batch
 
 
@@ -114,3 +115,28 @@ def test_fp8_streaming_chain_on_pdl_matches_without(m, release_left_out):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, ref), f"replay {trial}: max diff {(out.float() - ref.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("name", ["dummy:qwen3-0.6b", "dummy:llama3.2-1b"])
+def test_fp8_decode_step_with_early_kv_and_a_joined_projection_gives_the_same_logits(name):
+    """The prologue inside decode attention, its first K/V tiles loaded before the PDL wait and the FP8 output
+    projection launched with PDL after it (kernels/decode_attention.early_kv, kernels/pdl.pdl_joined): the same
+    logits, bit for bit, as the capture with both off (only when kernels start changes)."""
+    _needs_pdl()
+    ctx, sizes = 300, [1, 4, 8]
+    cfg, loaded, kv_caches = decode_model(name, ctx, max(sizes), quantization="fp8")
+    model, info = loaded.model, loaded.info
+    backend = TritonAttentionBackend()
+    with torch.inference_mode():
+        graphs = {}
+        for on in (False, True):
+            with pdl(True), decode_prologue(True), early_kv(on), pdl_joins(on):
+                graphs[on] = graph_runner(cfg, model, backend, kv_caches, sizes, ctx)
+                graphs[on].capture()
+        for bs in sizes:
+            lens = [ctx + 1 - 7 * i for i in range(bs)]
+            batch = contiguous_batch([1] * bs, lens, kv_caches, backend, vocab_size=info.vocab_size)
+            for _ in range(5):
+                off = graphs[False].replay(batch).clone()
+                on = graphs[True].replay(batch).clone()
+                assert torch.equal(off, on), f"bs={bs}: max diff {(off.float() - on.float()).abs().max().item()}"
