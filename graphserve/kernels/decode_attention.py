@@ -200,8 +200,11 @@ def _decode_step(
         qk = tl.dot(q, tl.trans(k))
     qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    m_ref = m_new
+    if PRELOADED:  # the split's first step, taken even for an empty split: its -inf rows stay empty, never NaN
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if not (PREFETCH_V or PRELOADED):
         block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
@@ -348,13 +351,13 @@ def _decode_split_kernel(
     q_dtype: tl.constexpr = q_ptr.dtype.element_ty
     loop_start = start
     if EARLY_KV:
+        # the first step on the tiles already asked for (an empty split's are all masked: it stays empty)
         loop_start = start + BLOCK_N
-        if start < loop_end:  # an empty split takes no step (its scores would all be -inf)
-            m_i, l_i, acc = _decode_step(
-                q, m_i, l_i, acc, start, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
-                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, qw, qw_p, eps, NEW_TOKEN, HAS_NORM,
-                HEAD_DIM, q_dtype, WIDEN_FP16, k_first, v_first, True,
-            )  # fmt: skip
+        m_i, l_i, acc = _decode_step(
+            q, m_i, l_i, acc, start, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
+            offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, qw, qw_p, eps, NEW_TOKEN, HAS_NORM,
+            HEAD_DIM, q_dtype, WIDEN_FP16, k_first, v_first, True,
+        )  # fmt: skip
     if WHILE_LOOP:
         n0 = loop_start
         while n0 < loop_end:
