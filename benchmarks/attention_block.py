@@ -9,7 +9,9 @@ is never read warm; its time is one call's (one layer's) share, the median over 
 The floor divides the bytes a variant must read (the weights and their scales, the context's K and V) by the best
 read bandwidth measured in this run (benchmarks/roofline.py); ``gap_us`` is a chain's time less the sum of its
 pieces alone. Variants also run the projections with other streaming tiles than the routing table's, and the
-chain with the overlaps of kernels/decode_attention.early_kv and kernels/pdl.pdl_joined.
+chain with the output projection launched with PDL (kernels/pdl.pdl_joined) or not. Reads of the projections'
+byte counts by cuBLAS's bf16 matvec (the read probe's best method) over cold buffers of those sizes say what one
+launch of that size achieves at best: the floor's bandwidth is a long stream's.
 
 Run: python3 -m benchmarks.attention_block [--ctx 512] [--rounds 5]   (writes benchmarks/results/attention_block.json)
 """
@@ -36,7 +38,7 @@ O_TILES = [(4, 4096, 4, 2, 1), (16, 1024, 4, 2, 1), (8, 1024, 4, 3, 1), (8, 2048
 def main() -> None:
     from benchmarks.kernels import graph_time_ms
     from benchmarks.roofline import measured_read_bw
-    from graphserve.kernels.decode_attention import NewToken, decode_attention_qkv, early_kv
+    from graphserve.kernels.decode_attention import NewToken, decode_attention_qkv
     from graphserve.kernels.fp8_config import StreamConfig, rule_for
     from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_norm_gemv
     from graphserve.kernels.fp8_quant import quantize_weight_channels
@@ -108,25 +110,29 @@ def main() -> None:
         return fn
 
     nbytes = {"q": qkv_n * HIDDEN + 4 * qkv_n, "a": kv_bytes, "o": HIDDEN * HIDDEN + 4 * HIDDEN}
-    variants = {"qkv": ("q", None, None, False, False), "attention": ("a", None, None, False, False),
-                "o_proj": ("o", None, None, False, False), "qkv+attention": ("qa", None, None, False, False),
-                "attention+o_proj": ("ao", None, None, False, False), "block": ("qao", None, None, False, False),
-                "block, early kv": ("qao", None, None, True, False), "block, join": ("qao", None, None, False, True),
-                "block, both": ("qao", None, None, True, True)}  # fmt: skip
+    # name: (pieces, qkv tile, o_proj tile, the output projection joins PDL)
+    variants = {"qkv": ("q", None, None, False), "attention": ("a", None, None, False),
+                "o_proj": ("o", None, None, False), "qkv+attention": ("qa", None, None, False),
+                "attention+o_proj": ("ao", None, None, False), "attention+o_proj, join": ("ao", None, None, True),
+                "block": ("qao", None, None, False), "block, join": ("qao", None, None, True)}  # fmt: skip
     for t in QKV_TILES:
-        variants[f"qkv {t}"] = ("q", tile(t), None, False, False)
+        variants[f"qkv {t}"] = ("q", tile(t), None, False)
     for t in O_TILES:
-        variants[f"o_proj {t}"] = ("o", None, tile(t), False, False)
-        variants[f"attention+o_proj {t}"] = ("ao", None, tile(t), False, False)
-    graphs = {}
+        variants[f"o_proj {t}"] = ("o", None, tile(t), False)
+        variants[f"attention+o_proj {t}"] = ("ao", None, tile(t), False)
+    fns = {name: variant(pieces, cq, co) for name, (pieces, cq, co, _) in variants.items()}
+    # the projections' byte counts read by cuBLAS's bf16 matvec over cold buffers of those sizes
+    for piece, n in (("q", qkv_n), ("o", HIDDEN)):
+        bufs = [torch.randn(n // 2, HIDDEN, device=dev).to(torch.bfloat16) for _ in range(copies)]
+        name = f"read {nbytes[piece] >> 20} MiB ({'qkv' if piece == 'q' else 'o_proj'}'s bytes)"
+        variants[name] = (piece, None, None, False)
+        fns[name] = lambda b=bufs: torch.nn.functional.linear(x, b[next(step) % copies])
     calls = 2 * copies
-    for name, (pieces, cq, co, _, _) in variants.items():
-        graphs[name] = variant(pieces, cq, co)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
-        for name, (_, _, _, early, join) in variants.items():
-            with early_kv(early), pdl_joins(join):  # the scopes hold at capture, inside graph_time_ms
-                times[name].append(graph_time_ms(graphs[name], calls=calls) * 1e3)
+        for name, (_, _, _, join) in variants.items():
+            with pdl_joins(join):  # the scope holds at capture, inside graph_time_ms
+                times[name].append(graph_time_ms(fns[name], calls=calls) * 1e3)
     rows = []
     alone = {}
     for name, (pieces, *_) in variants.items():

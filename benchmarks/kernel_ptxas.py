@@ -60,8 +60,7 @@ def compile_report(fn, types: dict, constants: dict, num_warps: int, num_stages:
 def attention_reports() -> list[dict]:
     """The split-KV decode kernel at Qwen3-30B-A3B's and Llama-3-8B's head shapes (128-wide heads, pages
     of 16), the merge fused in, with the merge tile decode_attention picks for 32 splits; on q, and with the
-    attention prologue inside (decode_attention_qkv: Qwen3's per-head norms, Llama's none), and with it the first
-    K/V tiles loaded before the PDL wait (``early_kv``)."""
+    attention prologue inside (decode_attention_qkv: Qwen3's per-head norms, Llama's none)."""
     import triton
 
     from graphserve.kernels.decode_attention import BLOCK_N, NUM_STAGES, NUM_WARPS, _decode_split_kernel
@@ -72,17 +71,16 @@ def attention_reports() -> list[dict]:
              "seq_lens_ptr": "*i32", "scale_log2": "fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32",
              "sin_ptr": "*fp32", "eps": "fp32"}  # fmt: skip
     rows = []
-    variants = ((False, False), (True, False), (True, True))  # (new token, its first K/V tiles before the PDL wait)
-    for (model, group), (new_token, early) in itertools.product((("qwen3-30b-a3b", 8), ("llama3-8b", 4)), variants):
+    for (model, group), new_token in itertools.product((("qwen3-30b-a3b", 8), ("llama3-8b", 4)), (False, True)):
         block_hm = triton.next_power_of_2(group)
         chunk = min(32, MERGE_TILE_ELEMS // (block_hm * 128))
         consts = {"GROUP": group, "BLOCK_H": max(16, block_hm), "HEAD_DIM": 128, "BLOCK_D": 128, "PAGE": 16,
                   "BLOCK_N": BLOCK_N, "DIRECT": False, "IEEE_DOT": False, "WHILE_LOOP": False, "PREFETCH_V": True,
                   "FUSED_MERGE": True, "BLOCK_HM": block_hm, "CHUNK_S": chunk, "WIDEN_FP16": False,
                   "QUANT_OUT": False, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE, "NEW_TOKEN": new_token,
-                  "HAS_NORM": new_token and model.startswith("qwen3"), "EARLY_KV": early, "PDL": early}  # fmt: skip
+                  "HAS_NORM": new_token and model.startswith("qwen3"), "PDL": False}  # fmt: skip
         row = compile_report(_decode_split_kernel, types, consts, NUM_WARPS, NUM_STAGES)
-        shape = f"{model} group{group} merge_chunk{chunk}{' prologue' if new_token else ''}{' early_kv' if early else ''}"
+        shape = f"{model} group{group} merge_chunk{chunk}{' prologue' if new_token else ''}"
         rows.append({"kernel": "_decode_split_kernel", "shape": shape, **row})
     return rows
 

@@ -6,8 +6,7 @@ step's slots only; K within 1e-6, the norm's sum of squares taken in another ord
 1e-5 in fp32 (the new token's score is a sum of fp32 products where the two launches take it from a dot
 over the cache), 1e-2 over an fp8 cache with bf16 rows (fp16 widening, bf16 output). Splits of every
 kind: one (direct store), several merged in the kernel or by the separate merge, splits the context does
-not reach, a one-token context, and a padding row of length 0; each with the first K/V tiles loaded before
-the PDL wait (``early_kv``: the first step peeled) and after it.
+not reach, a one-token context, and a padding row of length 0.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from graphserve.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     decode_attention_qkv,
     decode_attention_reference,
-    early_kv,
 )
 from graphserve.kernels.qk_rope_kv import qk_norm_rope_kv_write  # noqa: E402
 from graphserve.kernels.rotary import rotary_cos_sin  # noqa: E402
@@ -70,17 +68,15 @@ def separate(new: NewToken, num_heads: int, cache: torch.Tensor, tables, lens, s
         (4, 2, 32, False, [64, 65, 128], 2, True),  # the new token first in its split, alone in its split, last
     ],
 )
-@pytest.mark.parametrize("early", [False, True], ids=["kv_after_wait", "early_kv"])
 def test_prologue_in_decode_matches_the_two_launches(num_heads, num_kv_heads, head_dim, norms, seq_lens, num_splits,
-                                                     fused_merge, early):  # fmt: skip
+                                                     fused_merge):  # fmt: skip
     new, cache, tables, lens = step_inputs(seq_lens, num_heads, num_kv_heads, head_dim, norms, seed=len(seq_lens))
     before = cache.clone()
     ref_cache = cache.clone()
     scale = head_dim**-0.5
     kwargs = {"num_splits": num_splits, "fused_merge": fused_merge, "min_split_len": 64}
     q, ref = separate(new, num_heads, ref_cache, tables, lens, scale, **kwargs)
-    with early_kv(early):  # the split's first K/V tiles loaded before the PDL wait, its first step peeled
-        out = decode_attention_qkv(new, cache, tables, lens, scale, **kwargs)
+    out = decode_attention_qkv(new, cache, tables, lens, scale, **kwargs)
     assert not out.isnan().any()
     assert rel_err(out, ref) < 1e-5
     assert rel_err(out, decode_attention_reference(q, ref_cache, tables, lens, scale)) < 1e-5
@@ -94,8 +90,7 @@ def test_prologue_in_decode_matches_the_two_launches(num_heads, num_kv_heads, he
     assert torch.equal(flat[:, untouched], old[:, untouched])
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["kv_after_wait", "early_kv"])
-def test_prologue_in_decode_over_an_fp8_cache_with_bf16_rows(early):
+def test_prologue_in_decode_over_an_fp8_cache_with_bf16_rows():
     """bf16 qkv rows and an fp8 cache (the K/V cast as the prologue casts them, the context widened to fp16): the
     cache bit for bit, the output within bf16's rounding."""
     seq_lens = [150, 33]
@@ -105,8 +100,7 @@ def test_prologue_in_decode_over_an_fp8_cache_with_bf16_rows(early):
     cache = cache.to(FP8)
     ref_cache = cache.clone()
     _, ref = separate(new, 8, ref_cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
-    with early_kv(early):
-        out = decode_attention_qkv(new, cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
+    out = decode_attention_qkv(new, cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, ref) < 1e-2
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))

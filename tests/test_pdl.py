@@ -99,6 +99,65 @@ def test_a_late_releasing_kernel_left_out_still_releases(monkeypatch, env):
     assert firsts == {name: "pdl_wait(PDL)" for name in pdl_mod.LATE_RELEASE}
 
 
+def test_a_joined_call_site_launches_a_left_out_kernel_with_pdl(monkeypatch, env):
+    """``pdl_joined`` launches the kernels it names with PDL where they are left out, when joining is on (the
+    environment, else a ``pdl_joins`` scope); never with PDL off, never a kernel it does not name, and a name that
+    is not a kernel is refused."""
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(pdl_mod, "_capable", lambda device: device.type == "cuda")
+    env(GRAPHSERVE_PDL=None, GRAPHSERVE_PDL_SKIP=None)
+    monkeypatch.setenv(pdl_mod.JOIN_ENV, "1")
+    pdl_mod._join_env.cache_clear()
+    left_out = {"PDL": True, "launch_pdl": False}  # launched plain, releasing after its loop
+    try:
+        with pdl_mod.pdl_joined({"_fp8_gemv_kernel"}):
+            assert pdl_mod.pdl_args(dev, "_fp8_gemv_kernel") == {"PDL": True, "launch_pdl": True}
+            assert pdl_mod.pdl_args(dev, "_gemv_kernel") == {"PDL": True, "launch_pdl": True}  # never left out
+            with pdl_mod.pdl(True, skip={"_fp8_gemv_kernel", "_w8a8_kernel"}):
+                assert pdl_mod.pdl_args(dev, "_w8a8_kernel") == {"PDL": False, "launch_pdl": False}
+            with pdl_mod.pdl_joins(False):
+                assert pdl_mod.pdl_args(dev, "_fp8_gemv_kernel") == left_out
+            with pdl_mod.pdl(False):
+                assert pdl_mod.pdl_args(dev, "_fp8_gemv_kernel") == {"PDL": False, "launch_pdl": False}
+        assert pdl_mod.pdl_args(dev, "_fp8_gemv_kernel") == left_out  # outside the scope
+        monkeypatch.setenv(pdl_mod.JOIN_ENV, "0")
+        pdl_mod._join_env.cache_clear()
+        with pdl_mod.pdl_joined({"_fp8_gemv_kernel"}):
+            assert pdl_mod.pdl_args(dev, "_fp8_gemv_kernel") == left_out
+            with pdl_mod.pdl_joins(True):  # a scope overrides the environment
+                assert pdl_mod.pdl_args(dev, "_fp8_gemv_kernel") == {"PDL": True, "launch_pdl": True}
+    finally:
+        monkeypatch.delenv(pdl_mod.JOIN_ENV, raising=False)
+        pdl_mod._join_env.cache_clear()
+    with pytest.raises(ValueError, match="_fp8_gemv: not a Triton kernel"):
+        with pdl_mod.pdl_joined({"_fp8_gemv"}):
+            pass
+
+
+def test_decode_attention_leaves_sms_idle_only_below_the_sm_count(monkeypatch):
+    """The call site's rule: a decode step whose split kernel's grid (rows x kv heads x splits, from static sizes)
+    is smaller than the SM count; prefill never."""
+    import graphserve.layers.attention_triton as triton_backend
+    from graphserve.kernels.decode_attention import decode_plan
+    from graphserve.layers.forward_batch import ForwardBatch
+
+    monkeypatch.setattr(triton_backend, "sm_count", lambda device: 132)
+    backend = triton_backend.TritonAttentionBackend()
+    cache = torch.zeros(2, 4, 16, 8, 8, dtype=torch.bfloat16)  # 8 kv heads, pages of 16
+    for rows in (1, 2, 4, 16, 64):
+        tables = torch.zeros(rows, 32, dtype=torch.int32)  # 512 tokens a row
+        batch = ForwardBatch.__new__(ForwardBatch)
+        batch.mode, batch.kv_caches, batch.block_tables = "decode", [cache], tables
+        _, splits = decode_plan(rows, 8, 512, 132)
+        assert backend.leaves_sms_idle(batch, 0) == (rows * 8 * splits < 132)
+        batch.mode = "prefill"
+        assert not backend.leaves_sms_idle(batch, 0)
+    batch.mode, batch.block_tables = "decode", torch.zeros(1, 32, dtype=torch.int32)
+    assert backend.leaves_sms_idle(batch, 0)  # batch 1: 8 kv heads x 8 splits of 64 tokens
+    batch.block_tables = torch.zeros(64, 32, dtype=torch.int32)
+    assert not backend.leaves_sms_idle(batch, 0)
+
+
 def test_every_launched_kernel_enters_through_pdl_enter():
     """A kernel launched with the attribute that skipped the wait could run ahead of the kernel before it: its
     first statement is pdl_enter, or pdl_wait with a pdl_release later."""

@@ -40,11 +40,7 @@ preallocated.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +51,7 @@ from graphserve.kernels.common import interpreting, sm_count
 from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS, _decode_merge_kernel, merge_partials, store_heads
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from graphserve.kernels.kv_write import check_cache
-from graphserve.kernels.pdl import pdl_args, pdl_enter, pdl_release, pdl_wait
+from graphserve.kernels.pdl import pdl_args, pdl_enter
 from graphserve.kernels.qk_rope_kv import check_qkv_args
 
 LOG2E = 1.4426950408889634
@@ -81,35 +77,6 @@ FP8_CACHE_SPLITS = 3
 FP8_CACHE_PAIRS = (256, 4096)  # (sequence, kv head) pairs where an fp8 cache takes FP8_CACHE_SPLITS
 FP8_CACHE_MIN_KV_HEADS = 4
 NUM_WARPS, NUM_STAGES = 4, 3  # a bf16 cache: the best of BLOCK_N 16..128, 2..8 warps, 2..4 stages on H200
-
-
-# With the prologue inside it (a NewToken), the split kernel can ask for its split's first K and V tiles before its
-# PDL wait, so that their latency overlaps the qkv projection's tail (``early_kv``; benchmarks.decode_overlap
-# times it). Off unless GRAPHSERVE_DECODE_EARLY_KV=1 or the scope says otherwise.
-EARLY_KV_ENV = "GRAPHSERVE_DECODE_EARLY_KV"
-_early_scoped: list[bool] = []
-
-
-@contextlib.contextmanager
-def early_kv(enabled: bool) -> Iterator[None]:
-    """Decode launches (and captures) in this scope with a new token load their first K/V tiles before the PDL wait
-    (``enabled``) or after it."""
-    _early_scoped.append(enabled)
-    try:
-        yield
-    finally:
-        _early_scoped.pop()
-
-
-def early_kv_on() -> bool:
-    """Whether a decode launch with a new token loads its first K/V tiles before its PDL wait: the scope's answer,
-    else GRAPHSERVE_DECODE_EARLY_KV (read once)."""
-    return _early_scoped[-1] if _early_scoped else _early_env()
-
-
-@functools.lru_cache(maxsize=1)
-def _early_env() -> bool:
-    return os.environ.get(EARLY_KV_ENV, "0") == "1"
 
 
 MAX_TILE_BLOCK_N = 256  # K and V tiles of 256 tokens x 128 dims already fill a program's shared memory at 2 stages
@@ -169,7 +136,7 @@ def _decode_step(
     q, m_i, l_i, acc, n0, end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
     offs_d, d_mask, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr, PREFETCH_V: tl.constexpr,
     q_p, cos, sin, w, w_p, eps, ROTATE: tl.constexpr, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
-    Q_DTYPE: tl.constexpr, WIDEN_FP16: tl.constexpr, k_pre=None, v_pre=None, PRELOADED: tl.constexpr = False,
+    Q_DTYPE: tl.constexpr, WIDEN_FP16: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over context tokens [n0, n0 + BLOCK_N) gathered through the block table.
 
@@ -178,21 +145,19 @@ def _decode_step(
     steps per program, where the step's latency is the kernel's time) take it.
     ROTATE: q comes as the projection wrote it (with its rotate-half partner ``q_p``) and is normed (``HAS_NORM``,
     weights ``w``, ``w_p``) and rotated here, after the K load is issued, so that its waits overlap the block
-    table's and K's (a few hundred operations a step, while K is in flight).
-    PRELOADED: the step's K and V tiles come as ``k_pre`` and ``v_pre`` (``_kv_tiles``, loaded before the kernel's
-    PDL wait) instead of being loaded here."""
+    table's and K's (a few hundred operations a step, while K is in flight)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
-    if PRELOADED:
-        k = k_pre
-        v = v_pre
-    else:
-        k, v = _kv_tiles(n0, end, bt_row, kv_base, stride_kv, stride_blk, stride_off, offs_d, d_mask, PAGE, BLOCK_N,
-                         PREFETCH_V)  # fmt: skip
+    block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    row = block * stride_blk + (offs_n % PAGE) * stride_off
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(kv_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if PREFETCH_V:
+        v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if ROTATE:
         q = _rotated(*_normed(q, q_p, w, w_p, eps, HAS_NORM, HEAD_DIM), cos, sin, Q_DTYPE, WIDEN_FP16)
     k = k.to(q.dtype)  # fp8 cache: widen
-    if PREFETCH_V or PRELOADED:
+    if PREFETCH_V:
         v = v.to(q.dtype)
     if IEEE_DOT:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -200,39 +165,16 @@ def _decode_step(
         qk = tl.dot(q, tl.trans(k))
     qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_ref = m_new
-    if PRELOADED:  # the split's first step, taken even for an empty split: its -inf rows stay empty, never NaN
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(qk - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if not (PREFETCH_V or PRELOADED):
-        block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        row = block * stride_blk + (offs_n % PAGE) * stride_off
-        v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
-                    other=0.0).to(q.dtype)
+    if not PREFETCH_V:
+        v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     if IEEE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _kv_tiles(n0, end, bt_row, kv_base, stride_kv, stride_blk, stride_off, offs_d, d_mask, PAGE: tl.constexpr,
-              BLOCK_N: tl.constexpr, WITH_V: tl.constexpr):  # fmt: skip
-    """The K tile of context tokens [n0, min(n0 + BLOCK_N, end)) through the block table, zeros past ``end``, and
-    (``WITH_V``) the V tile with it; without, ``v`` is K again (a placeholder the caller does not read)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < end
-    block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-    row = block * stride_blk + (offs_n % PAGE) * stride_off
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(kv_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = k
-    if WITH_V:
-        v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    return k, v
 
 
 @triton.jit
@@ -278,39 +220,18 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, PREFETCH_V: tl.constexpr,
     FUSED_MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, CHUNK_S: tl.constexpr,
     WIDEN_FP16: tl.constexpr, QUANT_OUT: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    NEW_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr, EARLY_KV: tl.constexpr, PDL: tl.constexpr,
+    NEW_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if EARLY_KV:
-        pdl_release(PDL)  # the wait comes after the first K/V tiles are asked for, below
-    else:
-        pdl_enter(PDL)
+    pdl_enter(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # splits are cut from the actual length (read on device), rounded to whole inner steps, no shorter
-    # than min_split_len (a multiple of BLOCK_N): a short context leaves the last splits empty
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    loop_end = end
-    if NEW_TOKEN:
-        holds_new = (start <= seq_len - 1) & (seq_len - 1 < end)
-        loop_end = end - holds_new.to(tl.int32)  # the new token comes from registers after the loop
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    kv_base = kv_ptr + kv_head * stride_kvh
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    if EARLY_KV:
-        # the split's first K and V tiles asked for before the PDL wait: the lengths, the block table and the cache
-        # before the new position are the step's inputs and earlier steps' writes, never a kernel of this forward's
-        # (kernels/pdl.py), so their loads overlap the kernel before (the qkv projection's tail)
-        k_first, v_first = _kv_tiles(start, loop_end, bt_row, kv_base, stride_kv, stride_blk, stride_off, offs_d,
-                                     d_mask, PAGE, BLOCK_N, True)  # fmt: skip
-        pdl_wait(PDL)
     offs_h = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + offs_h
     h_mask = offs_h < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
     qh_mask = h_mask[:, None] & d_mask[None, :]
     if NEW_TOKEN:
         # q is the qkv projection's row; the program whose split holds the last position writes this step's K and
@@ -345,21 +266,24 @@ def _decode_split_kernel(
         q_p, cos, sin, qw, qw_p = q, q, q, q, q  # placeholders: the steps do not rotate
         if WIDEN_FP16:  # fp8 cache: the step widens K and V to q's dtype, fp16 here (clamped: q is bf16's range)
             q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    # splits are cut from the actual length (read on device), rounded to whole inner steps, no shorter
+    # than min_split_len (a multiple of BLOCK_N): a short context leaves the last splits empty
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    loop_end = end
+    if NEW_TOKEN:
+        holds_new = (start <= seq_len - 1) & (seq_len - 1 < end)
+        loop_end = end - holds_new.to(tl.int32)  # the new token comes from registers after the loop
+
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_base = kv_ptr + kv_head * stride_kvh
     q_dtype: tl.constexpr = q_ptr.dtype.element_ty
-    loop_start = start
-    if EARLY_KV:
-        # the first step on the tiles already asked for (an empty split's are all masked: it stays empty)
-        loop_start = start + BLOCK_N
-        m_i, l_i, acc = _decode_step(
-            q, m_i, l_i, acc, start, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
-            offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, qw, qw_p, eps, NEW_TOKEN, HAS_NORM,
-            HEAD_DIM, q_dtype, WIDEN_FP16, k_first, v_first, True,
-        )  # fmt: skip
     if WHILE_LOOP:
-        n0 = loop_start
+        n0 = start
         while n0 < loop_end:
             m_i, l_i, acc = _decode_step(
                 q, m_i, l_i, acc, n0, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
@@ -368,7 +292,7 @@ def _decode_split_kernel(
             )  # fmt: skip
             n0 += BLOCK_N
     else:
-        for n0 in range(loop_start, loop_end, BLOCK_N):
+        for n0 in range(start, loop_end, BLOCK_N):
             m_i, l_i, acc = _decode_step(
                 q, m_i, l_i, acc, n0, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
                 offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, qw, qw_p, eps, NEW_TOKEN, HAS_NORM,
@@ -614,7 +538,7 @@ def decode_attention(
         DIRECT=direct, IEEE_DOT=q.dtype == torch.float32 and not widen_fp16, WHILE_LOOP=interpreting(), PREFETCH_V=not direct,
         FUSED_MERGE=fused_merge, BLOCK_HM=block_hm, CHUNK_S=chunk_s, WIDEN_FP16=widen_fp16,
         QUANT_OUT=quant_out, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, NEW_TOKEN=new_token is not None,
-        HAS_NORM=has_norm, EARLY_KV=new_token is not None and early_kv_on(),
+        HAS_NORM=has_norm,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(q.device, "_decode_split_kernel"),
     )  # fmt: skip
     if not direct and not fused_merge:

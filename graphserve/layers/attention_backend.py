@@ -46,6 +46,11 @@ class AttentionBackend:
         (backends with ``fused_prologue``)."""
         raise NotImplementedError(f"the {self.name} attention backend has no fused prologue; call forward()")
 
+    def leaves_sms_idle(self, batch: ForwardBatch, layer_idx: int) -> bool:
+        """Whether this step's attention kernel runs fewer programs than the GPU has SMs (a decode step at small
+        batch), so that the launch after it may start its programs beside it (kernels/pdl.pdl_joined)."""
+        return False
+
     def quantizes_output(self, batch: ForwardBatch) -> bool:
         """Whether ``attend_quantized`` may write this step's output quantized: a model asks before it works
         out the layout its projection wants, so steps no kernel writes so cost nothing."""

@@ -28,6 +28,7 @@ from graphserve.kernels.decode_attention import (
     counters_numel,
     decode_attention,
     decode_attention_qkv,
+    decode_plan,
     workspace_numel,
 )
 from graphserve.kernels.extend_attention import extend_attention
@@ -145,6 +146,18 @@ class TritonAttentionBackend(AttentionBackend):
                                         counters=counters, **out)  # fmt: skip
         return decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws,
                                 counters=counters, **out)  # fmt: skip
+
+    def leaves_sms_idle(self, batch: ForwardBatch, layer_idx: int) -> bool:
+        """A decode step whose split kernel's grid (sequences x kv heads x splits, static sizes only: the same at
+        capture and replay) is smaller than the SM count."""
+        if batch.mode != "decode":
+            return False
+        kv_cache = batch.kv_caches[layer_idx]
+        _, _, page, num_kv_heads, _ = kv_cache.shape
+        rows, sms = batch.block_tables.shape[0], sm_count(kv_cache.device)
+        _, splits = decode_plan(rows, num_kv_heads, batch.block_tables.shape[1] * page, sms,
+                                   kv_cache.dtype == FP8_DTYPE)  # fmt: skip
+        return rows * num_kv_heads * splits < sms
 
     def quantizes_output(self, batch: ForwardBatch) -> bool:
         return batch.mode == "decode"

@@ -145,9 +145,10 @@ class LlamaAttention(nn.Module):
 
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Attention from the q/k/v projection's output (the decoder layer fuses its norm into that projection).
-        In a decode step the output projection may launch with PDL (kernels/pdl.pdl_joined): decode attention
-        before it runs a few programs a sequence, so its programs can wait on the SMs attention leaves idle."""
-        with pdl_joined(AFTER_DECODE_ATTENTION) if batch.mode == "decode" else contextlib.nullcontext():
+        Where the attention kernel leaves SMs idle (a decode step at small batch), the output projection launches
+        with PDL (kernels/pdl.pdl_joined): its programs start on those SMs while attention runs."""
+        idle = batch.attn_backend.leaves_sms_idle(batch, self.layer_idx)
+        with pdl_joined(AFTER_DECODE_ATTENTION) if idle else contextlib.nullcontext():
             return self._attention(positions, qkv, batch)
 
     def _attention(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -18,7 +18,6 @@ from graphserve.kernels.decode_attention import (
     decode_attention,
     decode_attention_qkv,
     decode_attention_reference,
-    early_kv,
 )
 from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference
 from graphserve.kernels.kv_write import kv_write, kv_write_reference
@@ -327,22 +326,19 @@ def prologue_step(batch: int, num_heads: int, num_kv_heads: int, norms: bool, ca
     return NewToken(qkv, num_heads, last, cos, sin, slots, **weights, eps=1e-6), cache, tables, lens
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["kv_after_wait", "early_kv"])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("batch", [1, 8, 64])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "norms"), PROLOGUE_SHAPES, ids=["qwen3-0.6b", "llama3-8b"])
-def test_decode_attention_qkv_matches_the_two_launches(num_heads, num_kv_heads, norms, batch, cache_dtype, early, gen):
+def test_decode_attention_qkv_matches_the_two_launches(num_heads, num_kv_heads, norms, batch, cache_dtype, gen):
     """The prologue inside decode attention against the prologue launch then decode attention: the output within
     bf16's tolerance, V bit for bit, K with the prologue test's allowance (fp32 sums in another order may flip
-    one rounding), nothing else in the cache touched; with the first K/V tiles loaded before the PDL wait
-    (``early_kv``) and after it."""
+    one rounding), nothing else in the cache touched."""
     new, cache, tables, lens = prologue_step(batch, num_heads, num_kv_heads, norms, cache_dtype, gen)
     before, ref_cache = cache.clone(), cache.clone()
     q = qk_norm_rope_kv_write(new.qkv, new.positions, new.cos, new.sin, ref_cache, new.slot_mapping, num_heads,
                               num_kv_heads, 128, new.q_norm_weight, new.k_norm_weight, new.eps)  # fmt: skip
     ref = decode_attention(q, ref_cache, tables, lens, 128**-0.5)
-    with early_kv(early):
-        out = decode_attention_qkv(new, cache, tables, lens, 128**-0.5)
+    out = decode_attention_qkv(new, cache, tables, lens, 128**-0.5)
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     assert rel_err(out, decode_attention_reference(q, ref_cache, tables, lens, 128**-0.5)) < TOL[torch.bfloat16]
     flat, ref_flat, old = (c.view(2, -1, num_kv_heads, 128).float() for c in (cache, ref_cache, before))
@@ -357,16 +353,9 @@ def test_decode_attention_qkv_matches_the_two_launches(num_heads, num_kv_heads, 
     assert (diff > 0).float().mean().item() < 0.01
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["kv_after_wait", "early_kv"])
 @pytest.mark.parametrize("batch", [1, 64])
-def test_decode_attention_qkv_cuda_graph_replay_matches_eager(batch, early, gen):
-    """Captured once, replayed on new rows, positions, lengths and slots: output and cache equal an eager call's
-    (with the first K/V tiles loaded before the PDL wait, ``early_kv``, and after it)."""
-    with early_kv(early):
-        _replay_matches_eager(batch, gen)
-
-
-def _replay_matches_eager(batch, gen):
+def test_decode_attention_qkv_cuda_graph_replay_matches_eager(batch, gen):
+    """Captured once, replayed on new rows, positions, lengths and slots: output and cache equal an eager call's."""
     new, cache, tables, lens = prologue_step(batch, 16, 8, True, torch.bfloat16, gen)
     backend = TritonAttentionBackend()
     ws, counters = backend.reserve(16, 8, 128, torch.device("cuda"))

@@ -9,7 +9,6 @@ import pytest
 import torch
 from gpu_utils import capture, decode_model, graph_runner
 
-from graphserve.kernels.decode_attention import early_kv
 from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_norm_gemv
 from graphserve.kernels.fp8_quant import quantize_weight_blocks
 from graphserve.kernels.gemv import gemv, norm_gemv
@@ -118,10 +117,10 @@ def test_fp8_streaming_chain_on_pdl_matches_without(m, release_left_out):
 
 
 @pytest.mark.parametrize("name", ["dummy:qwen3-0.6b", "dummy:llama3.2-1b"])
-def test_fp8_decode_step_with_early_kv_and_a_joined_projection_gives_the_same_logits(name):
-    """The prologue inside decode attention, its first K/V tiles loaded before the PDL wait and the FP8 output
-    projection launched with PDL after it (kernels/decode_attention.early_kv, kernels/pdl.pdl_joined): the same
-    logits, bit for bit, as the capture with both off (only when kernels start changes)."""
+def test_fp8_decode_step_with_a_joined_output_projection_gives_the_same_logits(name):
+    """The FP8 output projection launched with PDL after decode attention where attention leaves SMs idle
+    (kernels/pdl.pdl_joined; batches 1-8 here), the prologue inside decode attention: the same logits, bit for
+    bit, as the capture without it (only when kernels start changes)."""
     _needs_pdl()
     ctx, sizes = 300, [1, 4, 8]
     cfg, loaded, kv_caches = decode_model(name, ctx, max(sizes), quantization="fp8")
@@ -130,7 +129,7 @@ def test_fp8_decode_step_with_early_kv_and_a_joined_projection_gives_the_same_lo
     with torch.inference_mode():
         graphs = {}
         for on in (False, True):
-            with pdl(True), decode_prologue(True), early_kv(on), pdl_joins(on):
+            with pdl(True), decode_prologue(True), pdl_joins(on):
                 graphs[on] = graph_runner(cfg, model, backend, kv_caches, sizes, ctx)
                 graphs[on].capture()
         for bs in sizes:
