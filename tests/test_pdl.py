@@ -106,12 +106,12 @@ def test_a_joined_call_site_launches_a_left_out_kernel_with_pdl(monkeypatch, env
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(pdl_mod, "_capable", lambda device: device.type == "cuda")
     env(GRAPHSERVE_PDL=None, GRAPHSERVE_PDL_SKIP=None)
-    monkeypatch.setenv(pdl_mod.JOIN_ENV, "1")
+    monkeypatch.delenv(pdl_mod.JOIN_ENV, raising=False)
     pdl_mod._join_env.cache_clear()
     left_out = {"PDL": True, "launch_pdl": False}  # launched plain, releasing after its loop
     try:
         with pdl_mod.pdl_joined({"_fp8_gemv_kernel"}):
-            assert pdl_mod.pdl_args(dev, "_fp8_gemv_kernel") == {"PDL": True, "launch_pdl": True}
+            assert pdl_mod.pdl_args(dev, "_fp8_gemv_kernel") == {"PDL": True, "launch_pdl": True}  # on by default
             assert pdl_mod.pdl_args(dev, "_gemv_kernel") == {"PDL": True, "launch_pdl": True}  # never left out
             with pdl_mod.pdl(True, skip={"_fp8_gemv_kernel", "_w8a8_kernel"}):
                 assert pdl_mod.pdl_args(dev, "_w8a8_kernel") == {"PDL": False, "launch_pdl": False}

@@ -36,6 +36,13 @@ step captured with and without the release and replayed in turns) that measured 
 2.369, 2.343 against 2.371). Loading a first weight tile before the wait, with the attribute on, lost
 (results/pdl_fp8_early.json: 2.857 against 2.770 ms at batch 1) and was not kept.
 
+A call site may still launch it with PDL (``pdl_joined``): the output projection right after decode attention,
+where attention's grid is smaller than the SM count (models/llama.AFTER_DECODE_ATTENTION,
+layers/attention_triton.leaves_sms_idle), so its programs are placed on the SMs attention leaves idle and wait
+there instead of launching after it. At batch 64, where attention fills the GPU, joining measured 2.2% slower
+for both FP8 models (results/decode_overlap.json), hence the rule; benchmarks.pdl_join times the step with and
+without it (results/pdl_join.json). ``GRAPHSERVE_PDL_JOIN=0`` or the scope ``pdl_joins(False)`` turns it off.
+
 ``GRAPHSERVE_PDL_RELEASE_LEFT_OUT=0`` (or the scope ``pdl_release_left_out(False)``) keeps a left-out kernel from
 releasing. ``GRAPHSERVE_PDL=0`` turns it off (read once per process: a launch on the eager path pays a lookup, not a parse;
 a graph keeps the setting it was captured with);
@@ -73,7 +80,7 @@ LATE_RELEASE = frozenset({"_fp8_gemv_kernel"})
 RELEASE_ENV = "GRAPHSERVE_PDL_RELEASE_LEFT_OUT"
 # A call site may launch a left-out kernel with PDL after all (``pdl_joined``) where the kernel before it runs few
 # programs, so that its own programs wait on otherwise idle SMs: the output projection after decode attention.
-# Whether such sites join: ``pdl_joins``'s scope, else GRAPHSERVE_PDL_JOIN (off unless "1").
+# Whether such sites join: ``pdl_joins``'s scope, else GRAPHSERVE_PDL_JOIN (on unless "0").
 JOIN_ENV = "GRAPHSERVE_PDL_JOIN"
 _scoped: list[tuple[bool, frozenset[str]]] = []
 _release_scoped: list[bool] = []
@@ -174,7 +181,7 @@ def joins_on() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _join_env() -> bool:
-    return os.environ.get(JOIN_ENV, "0") == "1"
+    return os.environ.get(JOIN_ENV, "1") != "0"
 
 
 @contextlib.contextmanager
