@@ -4,6 +4,7 @@ and the scope and the environment variable decide where the device allows it."""
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -89,14 +90,7 @@ def test_a_late_releasing_kernel_left_out_still_releases(monkeypatch, env):
     finally:
         monkeypatch.delenv(pdl_mod.RELEASE_ENV)
         pdl_mod._release_env.cache_clear()
-    # every kernel that may release when left out waits first (pdl_wait) and releases after its main loop
-    firsts = {}
-    for path in sorted(KERNELS.glob("*.py")):
-        for fn in ast.parse(path.read_text()).body:
-            if isinstance(fn, ast.FunctionDef) and fn.name in pdl_mod.LATE_RELEASE:
-                body = [st for st in fn.body if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]
-                firsts[fn.name] = ast.unparse(body[0])
-    assert firsts == {name: "pdl_wait(PDL)" for name in pdl_mod.LATE_RELEASE}
+    assert pdl_mod.LATE_RELEASE <= pdl_mod.kernel_names()  # and each waits, then releases: the test below
 
 
 def test_a_joined_call_site_launches_a_left_out_kernel_with_pdl(monkeypatch, env):
@@ -134,34 +128,37 @@ def test_a_joined_call_site_launches_a_left_out_kernel_with_pdl(monkeypatch, env
             pass
 
 
-def test_decode_attention_leaves_sms_idle_only_below_the_sm_count(monkeypatch):
+def test_decode_attention_leaves_room_up_to_one_wave(monkeypatch):
     """The call site's rule: a decode step whose split kernel's grid (rows x kv heads x splits, from static sizes)
-    is smaller than the SM count; prefill never."""
+    is at most PROGRAMS_PER_SM programs an SM; prefill never."""
     import graphserve.layers.attention_triton as triton_backend
-    from graphserve.kernels.decode_attention import decode_plan
+    from graphserve.kernels.decode_attention import PROGRAMS_PER_SM, decode_plan
     from graphserve.layers.forward_batch import ForwardBatch
 
     monkeypatch.setattr(triton_backend, "sm_count", lambda device: 132)
     backend = triton_backend.TritonAttentionBackend()
     cache = torch.zeros(2, 4, 16, 8, 8, dtype=torch.bfloat16)  # 8 kv heads, pages of 16
-    for rows in (1, 2, 4, 16, 64):
-        tables = torch.zeros(rows, 32, dtype=torch.int32)  # 512 tokens a row
+    seen = set()
+    for rows, width in itertools.product((1, 2, 4, 8, 16, 64), (32, 512)):  # 512 and 8192 tokens a row
         batch = ForwardBatch.__new__(ForwardBatch)
-        batch.mode, batch.kv_caches, batch.block_tables = "decode", [cache], tables
-        _, splits = decode_plan(rows, 8, 512, 132)
-        assert backend.leaves_sms_idle(batch, 0) == (rows * 8 * splits < 132)
+        batch.mode, batch.kv_caches = "decode", [cache]
+        batch.block_tables = torch.zeros(rows, width, dtype=torch.int32)
+        _, splits = decode_plan(rows, 8, width * 16, 132)
+        room = rows * 8 * splits <= PROGRAMS_PER_SM * 132
+        assert backend.leaves_room(batch, 0) == room
+        seen.add(room)
         batch.mode = "prefill"
-        assert not backend.leaves_sms_idle(batch, 0)
-    batch.mode, batch.block_tables = "decode", torch.zeros(1, 32, dtype=torch.int32)
-    assert backend.leaves_sms_idle(batch, 0)  # batch 1: 8 kv heads x 8 splits of 64 tokens
-    batch.block_tables = torch.zeros(64, 32, dtype=torch.int32)
-    assert not backend.leaves_sms_idle(batch, 0)
+        assert not backend.leaves_room(batch, 0)
+    assert seen == {True, False}
+    batch.mode, batch.block_tables = "decode", torch.zeros(1, 512, dtype=torch.int32)
+    assert backend.leaves_room(batch, 0)  # batch 1 at 8192 tokens: 8 kv heads x 32 splits = 256 programs
 
 
 def test_every_launched_kernel_enters_through_pdl_enter():
     """A kernel launched with the attribute that skipped the wait could run ahead of the kernel before it: its
     first statement is pdl_enter, or pdl_wait with a pdl_release later."""
     trees = {path.name: ast.parse(path.read_text()) for path in sorted(KERNELS.glob("*.py"))}
+    helpers = {fn.name: fn for tree in trees.values() for fn in tree.body if isinstance(fn, ast.FunctionDef)}
     launched = set()  # NAME[grid](..., **pdl_args(...)), in whichever file launches it
     for tree in trees.values():
         for node in ast.walk(tree):
@@ -181,13 +178,18 @@ def test_every_launched_kernel_enters_through_pdl_enter():
         for fn in tree.body:
             if isinstance(fn, ast.FunctionDef) and fn.name in launched:
                 body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-                first = body[0]
-                entry = getattr(first.value.func, "id", "") if isinstance(first, ast.Expr) and isinstance(
-                    first.value, ast.Call) else ""
-                # pdl_wait first lets the next kernel launch later, at its pdl_release, which it must then have
+                entries = [i for i, st in enumerate(body) if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call)
+                           and getattr(st.value.func, "id", "") in ("pdl_enter", "pdl_wait")]  # fmt: skip
+                entry = ast.unparse(body[entries[0]].value.func) if entries else ""
+                # pdl_wait lets the next kernel launch later, at its pdl_release, which it must then have
                 released = any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "pdl_release"
                                for n in ast.walk(fn))
-                ok = entry == "pdl_enter" or (entry == "pdl_wait" and released)
+                # before its wait a kernel may only read what no earlier kernel writes (a LATE_RELEASE kernel's
+                # weight): no store, no atomic, in it or in a helper it calls there
+                before = body[: entries[0]] if entries else body
+                writes = [ast.unparse(st) for st in before if _writes(st, helpers)]
+                ok = (entry == "pdl_enter" or (entry == "pdl_wait" and released)) and not writes and (
+                    not before or fn.name in pdl_mod.LATE_RELEASE)
                 checked += 1
                 if not ok:
                     missing.append(f"{name}:{fn.name}")
@@ -195,6 +197,17 @@ def test_every_launched_kernel_enters_through_pdl_enter():
     # every kernel launched by its own name is one a list of kernels to leave out may name
     defined = {fn.name for tree in trees.values() for fn in tree.body if isinstance(fn, ast.FunctionDef)}
     assert launched & defined <= pdl_mod.kernel_names(), sorted(launched & defined - pdl_mod.kernel_names())
+
+
+def _writes(node: ast.AST, helpers: dict[str, ast.FunctionDef], seen: frozenset[str] = frozenset()) -> bool:
+    """Whether ``node`` stores or runs an atomic, itself or through a helper function of graphserve.kernels."""
+    for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+        name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+        if name.startswith(("store", "atomic")):
+            return True
+        if name in helpers and name not in seen and _writes(helpers[name], helpers, seen | {name}):
+            return True
+    return False
 
 
 def test_a_kernel_list_must_name_kernels(monkeypatch, env):

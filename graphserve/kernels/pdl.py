@@ -33,15 +33,16 @@ last programs finish streaming. In two calls (benchmarks.decode_prologue, result
 step captured with and without the release and replayed in turns) that measured 2.742 against 2.841 ms and
 2.716 against 2.718 for FP8 llama3-8b at batch 1, 4.546 against 4.582 and 4.508 against 4.548 at batch 64, and
 10.967 against 11.019 and 10.662 against 10.716 for FP8 qwen3-30b-a3b at batch 64 (batch 1: 2.371 against
-2.369, 2.343 against 2.371). Loading a first weight tile before the wait, with the attribute on, lost
-(results/pdl_fp8_early.json: 2.857 against 2.770 ms at batch 1) and was not kept.
+2.369, 2.343 against 2.371). Launched with the attribute everywhere, with each FMA program's first weight tile
+asked for before its wait, it lost (results/pdl_fp8_early.json: 2.857 against 2.770 ms at batch 1).
 
 A call site may still launch it with PDL (``pdl_joined``): the output projection right after decode attention,
-where attention's grid is smaller than the SM count (models/llama.AFTER_DECODE_ATTENTION,
-layers/attention_triton.leaves_sms_idle), so its programs are placed on the SMs attention leaves idle and wait
-there instead of launching after it. At batch 64, where attention fills the GPU, joining measured 2.2% slower
-for both FP8 models (results/decode_overlap.json), hence the rule; benchmarks.pdl_join times the step with and
-without it (results/pdl_join.json). ``GRAPHSERVE_PDL_JOIN=0`` or the scope ``pdl_joins(False)`` turns it off.
+where attention's grid runs in one wave with room beside it (models/llama.AFTER_DECODE_ATTENTION,
+layers/attention_triton.leaves_room). Its programs are then placed while attention runs, ask for their first
+weight tile before they wait (the weight is no kernel's output), and start streaming as attention completes. At
+batch 64, where attention fills the GPU, joining (then without the early tile) measured 2.2% slower for both FP8
+models (results/decode_overlap.json), hence the rule; benchmarks.pdl_join times the step with and without it
+(results/pdl_join*.json). ``GRAPHSERVE_PDL_JOIN=0`` or the scope ``pdl_joins(False)`` turns it off.
 
 ``GRAPHSERVE_PDL_RELEASE_LEFT_OUT=0`` (or the scope ``pdl_release_left_out(False)``) keeps a left-out kernel from
 releasing. ``GRAPHSERVE_PDL=0`` turns it off (read once per process: a launch on the eager path pays a lookup, not a parse;

@@ -46,9 +46,10 @@ class AttentionBackend:
         (backends with ``fused_prologue``)."""
         raise NotImplementedError(f"the {self.name} attention backend has no fused prologue; call forward()")
 
-    def leaves_sms_idle(self, batch: ForwardBatch, layer_idx: int) -> bool:
-        """Whether this step's attention kernel runs fewer programs than the GPU has SMs (a decode step at small
-        batch), so that the launch after it may start its programs beside it (kernels/pdl.pdl_joined)."""
+    def leaves_room(self, batch: ForwardBatch, layer_idx: int) -> bool:
+        """Whether this step's attention kernel runs all its programs in one wave with room beside them (a decode
+        step at small batch), so that the launch after it may place its programs next to them without delaying
+        any of attention's (kernels/pdl.pdl_joined)."""
         return False
 
     def quantizes_output(self, batch: ForwardBatch) -> bool:

@@ -24,6 +24,7 @@ import torch
 
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.decode_attention import (
+    PROGRAMS_PER_SM,
     NewToken,
     counters_numel,
     decode_attention,
@@ -147,9 +148,10 @@ class TritonAttentionBackend(AttentionBackend):
         return decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, scale, workspace=ws,
                                 counters=counters, **out)  # fmt: skip
 
-    def leaves_sms_idle(self, batch: ForwardBatch, layer_idx: int) -> bool:
+    def leaves_room(self, batch: ForwardBatch, layer_idx: int) -> bool:
         """A decode step whose split kernel's grid (sequences x kv heads x splits, static sizes only: the same at
-        capture and replay) is smaller than the SM count."""
+        capture and replay) is at most ``PROGRAMS_PER_SM`` programs an SM, the residency its split rule counts on
+        (the kernel holds three an SM on an H200: benchmarks.kernel_ptxas)."""
         if batch.mode != "decode":
             return False
         kv_cache = batch.kv_caches[layer_idx]
@@ -157,7 +159,7 @@ class TritonAttentionBackend(AttentionBackend):
         rows, sms = batch.block_tables.shape[0], sm_count(kv_cache.device)
         _, splits = decode_plan(rows, num_kv_heads, batch.block_tables.shape[1] * page, sms,
                                    kv_cache.dtype == FP8_DTYPE)  # fmt: skip
-        return rows * num_kv_heads * splits < sms
+        return rows * num_kv_heads * splits <= PROGRAMS_PER_SM * sms
 
     def quantizes_output(self, batch: ForwardBatch) -> bool:
         return batch.mode == "decode"
