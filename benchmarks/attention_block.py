@@ -40,7 +40,7 @@ def main() -> None:
     from benchmarks.roofline import measured_read_bw
     from graphserve.kernels.decode_attention import NewToken, decode_attention_qkv
     from graphserve.kernels.fp8_config import StreamConfig, rule_for
-    from graphserve.kernels.fp8_gemv import early_weight_tile, fp8_gemv, fp8_norm_gemv
+    from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_norm_gemv
     from graphserve.kernels.fp8_quant import quantize_weight_channels
     from graphserve.kernels.pdl import pdl_joined, pdl_joins
     from graphserve.kernels.rotary import rotary_cos_sin
@@ -110,12 +110,11 @@ def main() -> None:
         return fn
 
     nbytes = {"q": qkv_n * HIDDEN + 4 * qkv_n, "a": kv_bytes, "o": HIDDEN * HIDDEN + 4 * HIDDEN}
-    # name: (pieces, qkv tile, o_proj tile, the output projection joins PDL: True, "late" without the early tile)
+    # name: (pieces, qkv tile, o_proj tile, the output projection joins PDL)
     variants = {"qkv": ("q", None, None, False), "attention": ("a", None, None, False),
                 "o_proj": ("o", None, None, False), "qkv+attention": ("qa", None, None, False),
                 "attention+o_proj": ("ao", None, None, False), "attention+o_proj, join": ("ao", None, None, True),
-                "block": ("qao", None, None, False), "block, join": ("qao", None, None, True),
-                "block, join, late tile": ("qao", None, None, "late")}  # fmt: skip
+                "block": ("qao", None, None, False), "block, join": ("qao", None, None, True)}  # fmt: skip
     for t in QKV_TILES:
         variants[f"qkv {t}"] = ("q", tile(t), None, False)
     for t in O_TILES:
@@ -132,8 +131,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, (_, _, _, join) in variants.items():
-            # the scopes hold at capture, inside graph_time_ms; "late": joined, the first weight tile after the wait
-            with pdl_joins(bool(join)), early_weight_tile(join != "late"):
+            with pdl_joins(join):  # the scope holds at capture, inside graph_time_ms
                 times[name].append(graph_time_ms(fns[name], calls=calls) * 1e3)
     rows = []
     alone = {}

@@ -147,7 +147,7 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
             x_types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"} if cfg.a8 else {}
             tiles = tile_constants(m, k, cfg, *((1, k) if channel else (128, 128)), channel)
             consts = {"SILU_MUL": kind == "silu", "ADD_RESIDUAL": kind == "norm", "NORM": kind == "norm",
-                      "HAS_BIAS": False, "PDL": False, "EARLY_W": False, **tiles, "X_TOKEN": channel and cfg.a8}
+                      "HAS_BIAS": False, "PDL": False, **tiles, "X_TOKEN": channel and cfg.a8}
             row = compile_report(_fp8_gemv_kernel, {**types, **x_types}, consts, cfg.num_warps, cfg.num_stages)
             split_k, programs = consts["SPLIT_K"], triton.cdiv(n, cfg.block_n) * consts["SPLIT_K"]
             mode = "a8 fp8 dot" if cfg.a8 else "fp8 dot" if cfg.fp8_dot else "dot" if cfg.use_dot else "fma"

@@ -1,14 +1,13 @@
-"""The output projection after decode attention launched with PDL, or not: the same decode step captured three
+"""The output projection after decode attention launched with PDL, or not: the same decode step captured both
 ways, timed in turns.
 
 Where decode attention's grid runs in one wave with room beside it (a decode step at small batch), the output
 projection that follows it launches with PDL although its kernel (the FP8 streaming matmul) is left out by
-default: its programs are placed while attention runs, ask for their first weight tile and wait
-(kernels/pdl.pdl_joined, models/llama.AFTER_DECODE_ATTENTION, layers/attention_triton.leaves_room). ``pdl_joins`` turns it off for
-the comparison; ``joined_late_tile`` joins with the programs asking for their first weight tile after the wait
-(kernels/fp8_gemv.early_weight_tile). At larger batches attention fills the GPU and the captures are the same step.
+default: its programs are placed while attention runs and wait there (kernels/pdl.pdl_joined,
+models/llama.AFTER_DECODE_ATTENTION, layers/attention_triton.leaves_room). ``pdl_joins`` turns it off for the
+comparison. At larger batches attention fills the GPU and the two captures are the same step.
 
-Per model, context and batch size: one model load and KV cache, three CUDA-graph captures of the decode step,
+Per model, context and batch size: one model load and KV cache, two CUDA-graph captures of the decode step,
 replayed alternately for ``--rounds`` rounds (benchmarks/pdl.timed_captures), each one's time the median of its
 rounds. The floor is the bytes the step must read over the best read bandwidth measured in this run
 (benchmarks/roofline.py). ``same_tokens``: whether every capture's greedy tokens agree.
@@ -19,24 +18,14 @@ Run: python3 -m benchmarks.pdl_join [--fp8-models dummy:llama3-8b dummy:qwen3-30
 from __future__ import annotations
 
 import argparse
-import contextlib
-from collections.abc import Iterator
 
 from benchmarks.common import print_table, write_result
 from benchmarks.pdl import timed_captures
 from benchmarks.roofline import measured_read_bw
-from graphserve.kernels.fp8_gemv import early_weight_tile
 from graphserve.kernels.pdl import pdl_joins
 
-COLS = ["model", "quantization", "bs", "ctx", "apart_ms", "joined_ms", "joined_late_tile_ms", "floor_ms", "ratio_apart", "ratio_joined",
+COLS = ["model", "quantization", "bs", "ctx", "apart_ms", "joined_ms", "floor_ms", "ratio_apart", "ratio_joined",
         "joined_vs_apart", "same_tokens"]
-
-
-@contextlib.contextmanager
-def joined_late() -> Iterator[None]:
-    """Joined, its programs asking for their first weight tile only after the wait."""
-    with pdl_joins(True), early_weight_tile(False):
-        yield
 
 
 def main() -> None:
@@ -53,7 +42,7 @@ def main() -> None:
         p.error(f"--rounds {args.rounds}, --ctx {args.ctx} and --bs {args.bs} must all be >= 1")
     bw = measured_read_bw()
     print(bw.describe())
-    scopes = {"apart": lambda: pdl_joins(False), "joined": lambda: pdl_joins(True), "joined_late_tile": joined_late}
+    scopes = {"apart": lambda: pdl_joins(False), "joined": lambda: pdl_joins(True)}
     rows = []
     for quantization, models in (("none", args.models), ("fp8", args.fp8_models)):
         for model in models:
@@ -61,7 +50,6 @@ def main() -> None:
                 rows += timed_captures(model, quantization, args.bs, ctx, args.rounds, bw, scopes)
     for r in rows:  # every row against the best rate of the whole run
         r["apart_ms"], r["joined_ms"] = r["variants_ms"]["apart"], r["variants_ms"]["joined"]
-        r["joined_late_tile_ms"] = r["variants_ms"]["joined_late_tile"]
         r["floor_ms"] = bw.floor_ms(r["bytes"])
         r["ratio_apart"], r["ratio_joined"] = r["apart_ms"] / r["floor_ms"], r["joined_ms"] / r["floor_ms"]
         r["joined_vs_apart"] = r["joined_ms"] / r["apart_ms"]

@@ -96,27 +96,6 @@ def test_stream_fma_matches_reference(m, n, k, group_n, group_k, cfg) -> None:
     torch.testing.assert_close(out, fp8_gemv_reference(x, wq, ws, group_n, group_k, bias), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("m,n,k,group_n,group_k", CASES)
-@pytest.mark.parametrize("split", [1, 2])
-def test_stream_fma_with_its_first_weight_tile_loaded_early(monkeypatch, m, n, k, group_n, group_k, split) -> None:
-    """Launched with PDL, an FMA program loads its first weight tile before the wait and takes it outside the
-    loop (EARLY_W): the same sums, whole and split along K, K with a tail, with the norm prologue too."""
-    from graphserve.kernels import fp8_gemv as mod
-
-    # EARLY_W on (the launch attribute asked for); under the interpreter PDL itself is a no-op
-    monkeypatch.setattr(mod, "pdl_args", lambda device, kernel: {"PDL": False, "launch_pdl": True})
-    wq, ws = _weight(n, k, group_n, group_k, seed=m + n)
-    cfg = dataclasses.replace(FMA, block_n=min(FMA.block_n, tile_cap(group_n, group_k, k)), split_k=split)
-    x = _randn(m, k, seed=k)
-    out = fp8_gemv(x, wq, ws, group_n, group_k, config=cfg)
-    torch.testing.assert_close(out, fp8_gemv_reference(x, wq, ws, group_n, group_k), rtol=1e-4, atol=1e-5)
-    norm_w, residual = 1 + 0.1 * _randn(k, seed=3), _randn(m, k, seed=4)
-    out, summed = fp8_norm_gemv(x, norm_w, 1e-6, wq, ws, group_n, group_k, residual=residual, config=cfg)
-    want, want_sum = fp8_norm_gemv_reference(x, norm_w, 1e-6, wq, ws, group_n, group_k, residual=residual)
-    torch.testing.assert_close(summed, want_sum)
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("m,n,k,group_n,group_k,split", [
     (5, 40, 96, 16, 32, 1), (16, 37, 200, 32, 128, 1), (7, 24, 72, 1, 72, 1),
     (17, 40, 96, 16, 32, 1), (33, 37, 200, 32, 128, 2), (64, 24, 128, 1, 128, 2),  # 32- and 64-row dot tiles

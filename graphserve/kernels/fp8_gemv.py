@@ -51,9 +51,7 @@ device and stream; the partials come from the caching allocator (no data-depende
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 
 import torch
 import triton
@@ -75,18 +73,6 @@ from graphserve.kernels.pdl import pdl_args, pdl_release, pdl_wait
 MAX_ROWS = MAX_STREAM_ROWS
 MAX_SPLIT_TILES = 4096  # split-K column tiles per launch (16 KB of counters); split-K pays where tiles are few
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_early_scoped: list[bool] = []
-
-
-@contextlib.contextmanager
-def early_weight_tile(enabled: bool) -> Iterator[None]:
-    """Whether an FMA program launched with PDL in this scope asks for its first weight tile before its wait (on
-    outside any scope; benchmarks.pdl_join times both)."""
-    _early_scoped.append(enabled)
-    try:
-        yield
-    finally:
-        _early_scoped.pop()
 
 
 @triton.jit
@@ -97,8 +83,9 @@ def _fp8_gemv_kernel(
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
     FP8_DOT: tl.constexpr, A8: tl.constexpr, X_TOKEN: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    PDL: tl.constexpr, EARLY_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     k_first = tl.program_id(1) * K_SPLIT  # this program's share of K: [k_first, k_first + K_SPLIT)
     # every split full and a whole number of tiles: unmasked weight loads
@@ -108,16 +95,6 @@ def _fp8_gemv_kernel(
     # rows past N re-read row N-1: unmasked, vectorised weight loads; those columns are never stored
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     s_row = ws_ptr + ((pid * BLOCK_N) // GROUP_N) * stride_wsn  # this program's row of block scales
-    # the FMA tile as [BLOCK_N, KB, SUB_K] (KB = BLOCK_K / SUB_K): one scale per SUB_K-long piece of K
-    offs_b = tl.arange(0, KB)
-    offs_s = tl.arange(0, SUB_K)
-    k2 = offs_b[:, None] * SUB_K + offs_s[None, :]  # [KB, SUB_K] column offsets within a tile
-    w_fma = w_ptr + w_rows[:, None, None] * stride_wn + k2[None, :, :]
-    if EARLY_W:
-        # launched early (PDL), the program's first weight tile is asked for before the wait: the weight is no
-        # earlier kernel's output, so its first bytes arrive while the kernel before drains
-        w_first = _fma_weight(w_fma, k_first, k2, K, FULL)
-    pdl_wait(PDL)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
         # as kernels/gemv.py: every program takes the rows' statistics itself (a few KB from L2, cheaper
@@ -176,15 +153,31 @@ def _fp8_gemv_kernel(
                     x = (x.to(tl.float32) * ks[None, :]).to(x_ptr.dtype.element_ty)
                 acc += tl.dot(w.to(x.dtype), tl.trans(x))
     else:
-        K_START: tl.constexpr = BLOCK_K if EARLY_W else 0  # the first tile, loaded before the wait, taken here
-        if EARLY_W:
-            acc = _fma_tile(acc, w_first, k_first, k2, offs_b, offs_m, rstd, s_row, x_ptr, res_ptr, nw_ptr, stride_xm,
-                            stride_rm, M, K, SUB_K, GROUP_K, PER_CHANNEL, BLOCK_M, SILU_MUL, ADD_RESIDUAL, NORM)  # fmt: skip
-        for kk in range(K_START, K_SPLIT, BLOCK_K):
+        # the tile as [BLOCK_N, KB, SUB_K] (KB = BLOCK_K / SUB_K): one scale per SUB_K-long piece of K
+        offs_b = tl.arange(0, KB)
+        offs_s = tl.arange(0, SUB_K)
+        k2 = offs_b[:, None] * SUB_K + offs_s[None, :]  # [KB, SUB_K] column offsets within a tile
+        w_ptrs = w_ptr + w_rows[:, None, None] * stride_wn + k2[None, :, :]
+        for kk in range(0, K_SPLIT, BLOCK_K):
             k0 = k_first + kk
-            w = _fma_weight(w_fma, k0, k2, K, FULL)
-            acc = _fma_tile(acc, w, k0, k2, offs_b, offs_m, rstd, s_row, x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm,
-                            M, K, SUB_K, GROUP_K, PER_CHANNEL, BLOCK_M, SILU_MUL, ADD_RESIDUAL, NORM)  # fmt: skip
+            cols = k0 + k2
+            k_mask = cols < K
+            if FULL:
+                w = tl.load(w_ptrs + k0)
+            else:
+                w = tl.load(w_ptrs + k0, mask=k_mask[None, :, :], other=0.0)
+            wf = w.to(tl.float32)
+            if not PER_CHANNEL:
+                piece = k0 + offs_b * SUB_K
+                ks = tl.load(s_row + piece // GROUP_K, mask=piece < K, other=0.0)
+            for m in tl.static_range(BLOCK_M):
+                rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+                xr = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols, k_mask & (m < M), rstd_m, K,
+                             SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+                if not PER_CHANNEL:
+                    xr = xr * ks[:, None]
+                part = tl.sum(tl.sum(wf * xr[None, :, :], axis=2), axis=1)
+                acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
     if X_TOKEN:
         acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=offs_m < M, other=0.0)[None, :]
     pdl_release(PDL)  # the next kernel's programs join as these finish streaming (kernels/pdl.py)
@@ -204,37 +197,6 @@ def _fp8_gemv_kernel(
             _epilogue(total, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_wsn, stride_om,
                       PER_CHANNEL, HAS_BIAS)  # fmt: skip
             tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _fma_weight(w_fma, k0, k2, K: tl.constexpr, FULL: tl.constexpr):
-    """The FMA path's [BLOCK_N, KB, SUB_K] fp8 weight tile at column ``k0`` (masked past K unless every tile is whole)."""
-    if FULL:
-        return tl.load(w_fma + k0)
-    return tl.load(w_fma + k0, mask=(k0 + k2 < K)[None, :, :], other=0.0)
-
-
-@triton.jit
-def _fma_tile(acc, w, k0, k2, offs_b, offs_m, rstd, s_row, x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, M,
-              K: tl.constexpr, SUB_K: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-              BLOCK_M: tl.constexpr, SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
-    """One weight tile on the CUDA cores: widened to fp32, one pass per row of x (its prologue applied in the
-    loads), each SUB_K piece of x scaled by its block scale; the rows' partial sums added to ``acc``."""
-    cols = k0 + k2
-    k_mask = cols < K
-    wf = w.to(tl.float32)
-    if not PER_CHANNEL:
-        piece = k0 + offs_b * SUB_K
-        ks = tl.load(s_row + piece // GROUP_K, mask=piece < K, other=0.0)
-    for m in tl.static_range(BLOCK_M):
-        rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
-        xr = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols, k_mask & (m < M), rstd_m, K,
-                     SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
-        if not PER_CHANNEL:
-            xr = xr * ks[:, None]
-        part = tl.sum(tl.sum(wf * xr[None, :, :], axis=2), axis=1)
-        acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
-    return acc
 
 
 @triton.jit
@@ -340,9 +302,6 @@ def _launch(
     if split_k > 1:
         parts = torch.empty(tiles * split_k * cfg.block_n * consts["BLOCK_M"], dtype=torch.float32, device=x.device)
         locks = split_counters(x.device, tiles)
-    # launched with PDL (left out by default; a call site that joins, kernels/pdl.pdl_joined), an FMA program asks
-    # for its first weight tile before it waits
-    launch = pdl_args(x.device, "_fp8_gemv_kernel")
     _fp8_gemv_kernel[(tiles, split_k)](
         x, x_scale if a8 else placeholder, residual if residual is not None else placeholder, norm_weight if norm_weight is not None else placeholder,
         residual_out if residual_out is not None else placeholder, w, w_scale, bias if bias is not None else placeholder,
@@ -351,8 +310,7 @@ def _launch(
         residual_out.stride(0) if residual_out is not None else 0, w.stride(0), w_scale.stride(0), out.stride(0),
         float(eps), SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None, NORM=norm_weight is not None,
         HAS_BIAS=bias is not None, **consts,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
-        EARLY_W=launch["launch_pdl"] and not cfg.use_dot and (_early_scoped[-1] if _early_scoped else True),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, "_fp8_gemv_kernel"),
     )  # fmt: skip
     return out
 

@@ -146,8 +146,7 @@ class LlamaAttention(nn.Module):
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Attention from the q/k/v projection's output (the decoder layer fuses its norm into that projection).
         Where the attention kernel leaves room beside its programs (a decode step at small batch), the output
-        projection launches with PDL (kernels/pdl.pdl_joined): its programs are placed while attention runs and
-        ask for their first weight tiles before they wait for it."""
+        projection launches with PDL (kernels/pdl.pdl_joined): its programs are placed while attention runs."""
         room = batch.attn_backend.leaves_room(batch, self.layer_idx)
         with pdl_joined(AFTER_DECODE_ATTENTION) if room else contextlib.nullcontext():
             return self._attention(positions, qkv, batch)

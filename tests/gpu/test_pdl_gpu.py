@@ -1,7 +1,7 @@
 """Programmatic dependent launch on the H200: a chain of dependent kernels captured with PDL gives what it
 gives without it, and a whole decode step captured both ways gives the same logits, bit for bit (the kernels
 and their order are the same; only when each one may start changes). FP8 streaming matmuls likewise, launched
-with PDL (the first weight tile loaded before the wait) or left out and releasing the kernel after them."""
+with PDL or left out and releasing the kernel after them."""
 
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def test_decode_step_captured_with_pdl_gives_the_same_logits(name):
 @pytest.mark.parametrize("release_left_out", [False, True])
 @pytest.mark.parametrize("m", [1, 4])
 def test_fp8_streaming_chain_on_pdl_matches_without(m, release_left_out):
-    """FP8 streaming matmuls reading each other's output, the matmul launched with PDL (its first weight tile
-    loaded before its wait at 1-4 rows) or left out and releasing: every graph replay equals the chain without PDL."""
+    """FP8 streaming matmuls reading each other's output, the matmul launched with PDL or left out and releasing
+    the kernel after it: every graph replay equals the chain without PDL."""
     _needs_pdl()
     gen = torch.Generator(device="cuda").manual_seed(m)
     k = 4096
