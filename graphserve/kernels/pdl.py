@@ -42,10 +42,11 @@ layers/attention_triton.leaves_room). Its programs are then placed while attenti
 completes: for the batch-1 attention block of llama3-8b (qkv, attention, o_proj over cold copies,
 benchmarks.attention_block) 24.97 against 26.14 us and 24.53 against 25.84 in two calls; for whole FP8 steps
 (benchmarks.pdl_join, results/pdl_join*.json and decode_overlap.json) within 1.2% either way, faster in 7 of
-the 8 batch-1 rows timed (llama3-8b, qwen3-30b-a3b; contexts 512 and 2048). At batch 64, where attention's grid fills the GPU, joining
-measured 2.2% slower for both models (results/decode_overlap.json), hence the rule. Asking for the first weight
-tile before the wait as well measured no better (24.53 us without it, 25.32 with it, in one call) and is not
-done. ``GRAPHSERVE_PDL_JOIN=0`` or the scope ``pdl_joins(False)`` turns it off.
+the 8 batch-1 rows timed (llama3-8b, qwen3-30b-a3b; contexts 512 and 2048), where two captures of one step
+differ by up to 1.9%. At batch 64, where attention's grid fills the GPU, joining measured 2.2% slower for both
+models (results/decode_overlap.json), hence the rule. Asking for the first weight tile before the wait as well
+measured no better (24.53 us without it, 25.32 with it, in one call) and is not done. ``GRAPHSERVE_PDL_JOIN=0``
+or the scope ``pdl_joins(False)`` turns it off.
 
 ``GRAPHSERVE_PDL_RELEASE_LEFT_OUT=0`` (or the scope ``pdl_release_left_out(False)``) keeps a left-out kernel from
 releasing. ``GRAPHSERVE_PDL=0`` turns it off (read once per process: a launch on the eager path pays a lookup, not a parse;
@@ -202,8 +203,8 @@ def pdl_joined(names: frozenset[str] | set[str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def pdl_joins(enabled: bool) -> Iterator[None]:
-    """Whether ``pdl_joined`` scopes take effect for launches (and captures) in this scope (benchmarks.decode_overlap
-    times both)."""
+    """Whether ``pdl_joined`` scopes take effect for launches (and captures) in this scope (benchmarks.pdl_join times
+    both)."""
     _joins_scoped.append(enabled)
     try:
         yield
