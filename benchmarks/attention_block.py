@@ -10,8 +10,8 @@ The floor divides the bytes a variant must read (the weights and their scales, t
 read bandwidth measured in this run (benchmarks/roofline.py); ``gap_us`` is a chain's time less the sum of its
 pieces alone. Variants also run the projections with other streaming tiles than the routing table's, and the
 chain with the output projection launched with PDL (kernels/pdl.pdl_joined) or not. Reads of the projections'
-byte counts by cuBLAS's bf16 matvec (the read probe's best method) over cold buffers of those sizes say what one
-launch of that size achieves at best: the floor's bandwidth is a long stream's.
+byte counts by cuBLAS's bf16 matvec (the read probe's best method) over cold buffers of those sizes say what a
+library's one launch of that size reaches, where the floor's bandwidth is a long stream's.
 
 Run: python3 -m benchmarks.attention_block [--ctx 512] [--rounds 5]   (writes benchmarks/results/attention_block.json)
 """
@@ -19,7 +19,6 @@ Run: python3 -m benchmarks.attention_block [--ctx 512] [--rounds 5]   (writes be
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import math
 import statistics
@@ -151,5 +150,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
-        main()
+    main()

@@ -17,6 +17,7 @@ so the whole step can be captured in a CUDA graph; prefill and mixed steps take 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,16 @@ def run_prologue(new: NewToken, kv_cache: torch.Tensor) -> torch.Tensor:
         new.qkv, new.positions, new.cos, new.sin, kv_cache, new.slot_mapping, new.num_heads, kv_cache.shape[3],
         kv_cache.shape[4], new.q_norm_weight, new.k_norm_weight, new.eps,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _one_wave(rows: int, num_kv_heads: int, max_context: int, sms: int, fp8_cache: bool) -> bool:
+    """Whether the split decode kernel's grid for these static sizes is at most PROGRAMS_PER_SM programs an SM (asked
+    per layer and step on the eager path: the answer is cached)."""
+    if rows * num_kv_heads > PROGRAMS_PER_SM * sms:  # at least one split each
+        return False
+    _, splits = decode_plan(rows, num_kv_heads, max_context, sms, fp8_cache)
+    return rows * num_kv_heads * splits <= PROGRAMS_PER_SM * sms
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -156,10 +167,8 @@ class TritonAttentionBackend(AttentionBackend):
             return False
         kv_cache = batch.kv_caches[layer_idx]
         _, _, page, num_kv_heads, _ = kv_cache.shape
-        rows, sms = batch.block_tables.shape[0], sm_count(kv_cache.device)
-        _, splits = decode_plan(rows, num_kv_heads, batch.block_tables.shape[1] * page, sms,
-                                   kv_cache.dtype == FP8_DTYPE)  # fmt: skip
-        return rows * num_kv_heads * splits <= PROGRAMS_PER_SM * sms
+        rows, width = batch.block_tables.shape
+        return _one_wave(rows, num_kv_heads, width * page, sm_count(kv_cache.device), kv_cache.dtype == FP8_DTYPE)
 
     def quantizes_output(self, batch: ForwardBatch) -> bool:
         return batch.mode == "decode"
