@@ -19,13 +19,10 @@ Run: python3 -m benchmarks.decode_prologue [--models dummy:llama3-8b] [--fp8-mod
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from collections.abc import Iterator
 
-from benchmarks.common import print_table, write_result
-from benchmarks.pdl import timed_captures
-from benchmarks.roofline import measured_read_bw
+from benchmarks.pdl import compare_captures
 from graphserve.kernels.pdl import pdl_release_left_out
 from graphserve.layers.attention_triton import decode_prologue
 
@@ -44,33 +41,15 @@ def variant(in_decode: bool, release: bool) -> Iterator[None]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="*", default=["dummy:llama3-8b"], help="run in the checkpoint's dtype")
-    p.add_argument("--fp8-models", nargs="*", default=["dummy:llama3-8b", "dummy:qwen3-30b-a3b"],
-                   help="run with --quantization fp8")
-    p.add_argument("--bs", nargs="+", type=int, default=[1, 64])
-    p.add_argument("--ctx", nargs="+", type=int, default=[512])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--result-name", default="decode_prologue", help="benchmarks/results/NAME.json")
-    args = p.parse_args()
-    if args.rounds < 1 or min(args.ctx) < 1 or min(args.bs) < 1:
-        p.error(f"--rounds {args.rounds}, --ctx {args.ctx} and --bs {args.bs} must all be >= 1")
-    bw = measured_read_bw()
-    print(bw.describe())
     scopes = {label: (lambda f=fused, r=release: variant(f, r)) for label, (fused, release) in VARIANTS.items()}
-    rows = []
-    for quantization, models in (("none", args.models), ("fp8", args.fp8_models)):
-        for model in models:
-            for ctx in args.ctx:
-                rows += timed_captures(model, quantization, args.bs, ctx, args.rounds, bw, scopes)
-    for r in rows:  # every row against the best rate of the whole run
+    _, rows, finish = compare_captures(__doc__, scopes, result_name="decode_prologue", models=["dummy:llama3-8b"],
+                                       fp8_models=["dummy:llama3-8b", "dummy:qwen3-30b-a3b"], bs=[1, 64])  # fmt: skip
+    for r in rows:
         r.update({KEYS[label]: ms for label, ms in r["variants_ms"].items()})
         r["best"] = min(r["variants_ms"], key=r["variants_ms"].get)
-        r["floor_ms"] = bw.floor_ms(r["bytes"])
         r["ratio_launch"] = r["launch_ms"] / r["floor_ms"]
         r["ratio_best"] = r["variants_ms"][r["best"]] / r["floor_ms"]
-    print_table(rows, COLS)
-    write_result(args.result_name, {"read_bandwidth": bw.summary(), "rounds": args.rounds, "rows": rows})
+    finish(COLS)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,40 @@ def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rou
     return rows
 
 
+def compare_captures(doc: str, scopes: dict[str, Callable[[], contextlib.AbstractContextManager]], *,
+                     result_name: str, models: list[str], fp8_models: list[str],
+                     bs: list[int]) -> tuple[argparse.Namespace, list[dict], Callable[[list[str]], None]]:  # fmt: skip
+    """A comparison script's common part: its command line (``--models``, ``--fp8-models``, ``--bs``, ``--ctx``,
+    ``--rounds``, ``--result-name``; the defaults given), the read probe, and ``timed_captures`` of ``scopes`` per
+    model, quantization and context. Returns the arguments, the rows (each with its ``floor_ms`` against the run's
+    best rate) and ``finish(columns)``, which prints the table and writes the result."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--models", nargs="*", default=models, help="run in the checkpoint's dtype")
+    p.add_argument("--fp8-models", nargs="*", default=fp8_models, help="run with --quantization fp8")
+    p.add_argument("--bs", nargs="+", type=int, default=bs)
+    p.add_argument("--ctx", nargs="+", type=int, default=[512])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--result-name", default=result_name, help="benchmarks/results/NAME.json")
+    args = p.parse_args()
+    if args.rounds < 1 or min(args.ctx) < 1 or min(args.bs) < 1:
+        p.error(f"--rounds {args.rounds}, --ctx {args.ctx} and --bs {args.bs} must all be >= 1")
+    bw = measured_read_bw()
+    print(bw.describe())
+    rows = []
+    for quantization, names in (("none", args.models), ("fp8", args.fp8_models)):
+        for name in names:
+            for ctx in args.ctx:
+                rows += timed_captures(name, quantization, args.bs, ctx, args.rounds, bw, scopes)
+    for r in rows:  # every row against the best rate of the whole run
+        r["floor_ms"] = bw.floor_ms(r["bytes"])
+
+    def finish(columns: list[str]) -> None:
+        print_table(rows, columns)
+        write_result(args.result_name, {"read_bandwidth": bw.summary(), "rounds": args.rounds, "rows": rows})
+
+    return args, rows, finish
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="*", default=["dummy:qwen3-30b-a3b", "dummy:llama3-8b", "dummy:deepseek-v2-lite"])

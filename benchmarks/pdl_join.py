@@ -17,11 +17,7 @@ Run: python3 -m benchmarks.pdl_join [--fp8-models dummy:llama3-8b dummy:qwen3-30
 
 from __future__ import annotations
 
-import argparse
-
-from benchmarks.common import print_table, write_result
-from benchmarks.pdl import timed_captures
-from benchmarks.roofline import measured_read_bw
+from benchmarks.pdl import compare_captures
 from graphserve.kernels.pdl import pdl_joins
 
 COLS = ["model", "quantization", "bs", "ctx", "apart_ms", "joined_ms", "floor_ms", "ratio_apart", "ratio_joined",
@@ -29,32 +25,14 @@ COLS = ["model", "quantization", "bs", "ctx", "apart_ms", "joined_ms", "floor_ms
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="*", default=[], help="run in the checkpoint's dtype")
-    p.add_argument("--fp8-models", nargs="*", default=["dummy:llama3-8b", "dummy:qwen3-30b-a3b"],
-                   help="run with --quantization fp8")
-    p.add_argument("--bs", nargs="+", type=int, default=[1, 8, 64])
-    p.add_argument("--ctx", nargs="+", type=int, default=[512])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--result-name", default="pdl_join", help="benchmarks/results/NAME.json")
-    args = p.parse_args()
-    if args.rounds < 1 or min(args.ctx) < 1 or min(args.bs) < 1:
-        p.error(f"--rounds {args.rounds}, --ctx {args.ctx} and --bs {args.bs} must all be >= 1")
-    bw = measured_read_bw()
-    print(bw.describe())
     scopes = {"apart": lambda: pdl_joins(False), "joined": lambda: pdl_joins(True)}
-    rows = []
-    for quantization, models in (("none", args.models), ("fp8", args.fp8_models)):
-        for model in models:
-            for ctx in args.ctx:
-                rows += timed_captures(model, quantization, args.bs, ctx, args.rounds, bw, scopes)
-    for r in rows:  # every row against the best rate of the whole run
+    _, rows, finish = compare_captures(__doc__, scopes, result_name="pdl_join", models=[],
+                                       fp8_models=["dummy:llama3-8b", "dummy:qwen3-30b-a3b"], bs=[1, 8, 64])  # fmt: skip
+    for r in rows:
         r["apart_ms"], r["joined_ms"] = r["variants_ms"]["apart"], r["variants_ms"]["joined"]
-        r["floor_ms"] = bw.floor_ms(r["bytes"])
         r["ratio_apart"], r["ratio_joined"] = r["apart_ms"] / r["floor_ms"], r["joined_ms"] / r["floor_ms"]
         r["joined_vs_apart"] = r["joined_ms"] / r["apart_ms"]
-    print_table(rows, COLS)
-    write_result(args.result_name, {"read_bandwidth": bw.summary(), "rounds": args.rounds, "rows": rows})
+    finish(COLS)
 
 
 if __name__ == "__main__":

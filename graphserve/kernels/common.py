@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def interpreting() -> bool:
@@ -24,3 +29,13 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the interpreter runs programs one after another; more of them buys nothing
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@contextlib.contextmanager
+def pushed(stack: list[T], value: T) -> Iterator[None]:
+    """``value`` on top of ``stack`` for the scope (a setting's scoped overrides: the top one holds)."""
+    stack.append(value)
+    try:
+        yield
+    finally:
+        stack.pop()

@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.common import interpreting
+from graphserve.kernels.common import interpreting, pushed
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -83,13 +83,13 @@ DEFAULT_SKIP = frozenset({"_fp8_gemv_kernel"})
 # streaming, never among programs still to run.
 LATE_RELEASE = frozenset({"_fp8_gemv_kernel"})
 RELEASE_ENV = "GRAPHSERVE_PDL_RELEASE_LEFT_OUT"
-# A call site may launch a left-out kernel with PDL after all (``pdl_joined``) where the kernel before it runs few
-# programs, so that its own programs wait on otherwise idle SMs: the output projection after decode attention.
-# Whether such sites join: ``pdl_joins``'s scope, else GRAPHSERVE_PDL_JOIN (on unless "0").
+# A call site may launch a left-out kernel with PDL after all (``pdl_joined``: the setting in force with those
+# kernels taken off its skip list) where the kernel before it leaves room beside its programs: the output
+# projection after decode attention. Whether such sites join: ``pdl_joins``'s scope, else GRAPHSERVE_PDL_JOIN (on
+# unless "0").
 JOIN_ENV = "GRAPHSERVE_PDL_JOIN"
 _scoped: list[tuple[bool, frozenset[str]]] = []
 _release_scoped: list[bool] = []
-_joined: list[frozenset[str]] = []
 _joins_scoped: list[bool] = []
 
 
@@ -145,9 +145,14 @@ def env_setting() -> tuple[bool, frozenset[str]]:
     return os.environ.get(ENV, "1") != "0", skip
 
 
+def _setting() -> tuple[bool, frozenset[str]]:
+    """(on, kernels left out) in force: the innermost scope's, else the environment's."""
+    return _scoped[-1] if _scoped else env_setting()
+
+
 def pdl_on(device: torch.device, kernel: str | None = None) -> bool:
     """Whether ``kernel`` (any kernel when None), launched now on ``device``, uses programmatic dependent launch."""
-    wanted, skip = _scoped[-1] if _scoped else env_setting()
+    wanted, skip = _setting()
     return wanted and kernel not in skip and _capable(device)
 
 
@@ -166,17 +171,9 @@ def pdl_args(device: torch.device, kernel: str) -> dict[str, bool]:
     """The launch keywords of ``kernel``, a kernel that starts with ``pdl_enter(PDL)`` or ``pdl_wait(PDL)``. A
     LATE_RELEASE kernel left out keeps its release (``PDL``) without the launch attribute, where
     ``releases_when_left_out``: its wait is then a no-op (nothing was launched early)."""
-    on = pdl_on(device, kernel) or (kernel in joined_now() and pdl_on(device))
+    on = pdl_on(device, kernel)
     release = on or (kernel in LATE_RELEASE and releases_when_left_out() and pdl_on(device))
     return {"PDL": release, "launch_pdl": on}
-
-
-def joined_now() -> frozenset[str]:
-    """The left-out kernels that launches here take PDL for: those the enclosing ``pdl_joined`` scopes name, where
-    call sites join (``joins_on``)."""
-    if not _joined or not joins_on():
-        return frozenset()
-    return frozenset().union(*_joined)
 
 
 def joins_on() -> bool:
@@ -191,47 +188,37 @@ def _join_env() -> bool:
 
 @contextlib.contextmanager
 def pdl_joined(names: frozenset[str] | set[str]) -> Iterator[None]:
-    """Launches in this scope of the kernels ``names`` (each a kernel that waits first, ``pdl_wait``) use PDL even
-    where they are left out, when joining is on (``joins_on``): for a call site whose previous kernel runs few
-    programs."""
-    _joined.append(checked_skip(names, "pdl_joined(...)"))
-    try:
+    """Launches in this scope use the setting in force with ``names`` (kernels that wait first, ``pdl_wait``) taken
+    off its skip list, where joining is on (``joins_on``, asked as the scope opens): for a call site whose previous
+    kernel leaves room beside its programs. Opened per layer and step, so ``names`` is checked once per set."""
+    if not joins_on():
         yield
-    finally:
-        _joined.pop()
-
-
-@contextlib.contextmanager
-def pdl_joins(enabled: bool) -> Iterator[None]:
-    """Whether ``pdl_joined`` scopes take effect for launches (and captures) in this scope (benchmarks.pdl_join times
-    both)."""
-    _joins_scoped.append(enabled)
-    try:
+        return
+    wanted, skip = _setting()
+    with pushed(_scoped, (wanted, skip - _known(frozenset(names)))):
         yield
-    finally:
-        _joins_scoped.pop()
 
 
-@contextlib.contextmanager
-def pdl_release_left_out(enabled: bool) -> Iterator[None]:
+@functools.lru_cache(maxsize=16)
+def _known(names: frozenset[str]) -> frozenset[str]:
+    return checked_skip(names, "pdl_joined(...)")
+
+
+def pdl_joins(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Whether ``pdl_joined`` scopes opened in this scope take effect (benchmarks.pdl_join times both)."""
+    return pushed(_joins_scoped, enabled)
+
+
+def pdl_release_left_out(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Kernels launched (or captured) in this scope: whether a LATE_RELEASE kernel left out of PDL still releases
     the kernel after it (benchmarks.decode_prologue times both)."""
-    _release_scoped.append(enabled)
-    try:
-        yield
-    finally:
-        _release_scoped.pop()
+    return pushed(_release_scoped, enabled)
 
 
-@contextlib.contextmanager
-def pdl(enabled: bool, skip: frozenset[str] | set[str] = DEFAULT_SKIP) -> Iterator[None]:
+def pdl(enabled: bool, skip: frozenset[str] | set[str] = DEFAULT_SKIP) -> contextlib.AbstractContextManager[None]:
     """Kernels launched (or captured) in this scope use PDL when ``enabled`` and the device allows it, except
     the kernels named in ``skip`` (by default, those left out by default)."""
-    _scoped.append((enabled, checked_skip(skip, "pdl(skip=...)")))
-    try:
-        yield
-    finally:
-        _scoped.pop()
+    return pushed(_scoped, (enabled, checked_skip(skip, "pdl(skip=...)")))
 
 
 @triton.jit

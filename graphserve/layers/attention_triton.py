@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 
-from graphserve.kernels.common import sm_count
+from graphserve.kernels.common import pushed, sm_count
 from graphserve.kernels.decode_attention import (
     PROGRAMS_PER_SM,
     NewToken,
@@ -46,15 +45,10 @@ if TYPE_CHECKING:
 _prologue_scoped: list[bool] = []
 
 
-@contextlib.contextmanager
-def decode_prologue(fused: bool) -> Iterator[None]:
+def decode_prologue(fused: bool) -> contextlib.AbstractContextManager[None]:
     """Decode steps run (or captured) in this scope take the attention prologue inside the decode kernel
     (``fused``) or as its own launch before it, whatever the heads (benchmarks.decode_prologue times the two)."""
-    _prologue_scoped.append(fused)
-    try:
-        yield
-    finally:
-        _prologue_scoped.pop()
+    return pushed(_prologue_scoped, fused)
 
 
 def prologue_in_decode(new: NewToken) -> bool:
