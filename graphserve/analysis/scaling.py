@@ -11,7 +11,9 @@ are analytic: t quantile × standard errors of the final weighted least-squares 
 Breaks: a Chow test at every split of the distinct N values (at least 3 distinct N each side);
 the split with the largest F is reported when p < 0.01 and the two-line fit removes at least
 half of the one-line residual sum of squares, i.e. only a real regime change (e.g. batches
-that leave the CUDA-graph path) is called a break.
+that leave the CUDA-graph path) is called a break. Each split's test leaves out the steps more than
+``OUTLIER_SCALES`` robust scales off a robust line on either side of it (stalls), as the fit itself
+down-weights them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from graphserve.errors import BadRequestError
 BREAK_P_VALUE = 0.01
 BREAK_MIN_SSE_DROP = 0.5
 MIN_SIDE = 3
+OUTLIER_SCALES = 4.0  # a break's test leaves out steps this many robust scales off both lines
 
 
 def line_text(a_ms: float, b_ms: float) -> str:
@@ -125,23 +128,24 @@ def _find_break(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> dict[str, float]
     levels = np.unique(x)
     if len(levels) < 2 * MIN_SIDE or len(x) < 2 * MIN_SIDE + 1:
         return None
-    sse_one, _ = _sse(x, y, w)
-    best: tuple[float, int, float, np.ndarray, np.ndarray] | None = None
+    best: tuple[float, int, float, float, int, np.ndarray, np.ndarray] | None = None
     for i in range(MIN_SIDE, len(levels) - MIN_SIDE + 1):
-        lo, hi = x < levels[i], x >= levels[i]
-        sse_lo, c_lo = _sse(x[lo], y[lo], w[lo])
-        sse_hi, c_hi = _sse(x[hi], y[hi], w[hi])
+        hi = x >= levels[i]
+        keep = _inliers(x, y, w, hi)
+        sse_one, _ = _sse(x[keep], y[keep], w[keep])
+        sse_lo, c_lo = _sse(x[keep & ~hi], y[keep & ~hi], w[keep & ~hi])
+        sse_hi, c_hi = _sse(x[keep & hi], y[keep & hi], w[keep & hi])
         sse_two = sse_lo + sse_hi
-        dof = len(x) - 4
+        dof = int(keep.sum()) - 4
         if dof <= 0:
             continue
         f = ((sse_one - sse_two) / 2.0) / max(sse_two / dof, 1e-300)
         if best is None or f > best[0]:
-            best = (f, i, sse_two, c_lo, c_hi)
+            best = (f, i, sse_one, sse_two, dof, c_lo, c_hi)
     if best is None:
         return None
-    f, i, sse_two, c_lo, c_hi = best
-    p = float(sps.f.sf(f, 2, len(x) - 4))
+    f, i, sse_one, sse_two, dof, c_lo, c_hi = best
+    p = float(sps.f.sf(f, 2, dof))
     if p >= BREAK_P_VALUE or sse_two > (1.0 - BREAK_MIN_SSE_DROP) * sse_one:
         return None
     at_n = float(levels[i])
@@ -154,6 +158,20 @@ def _find_break(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> dict[str, float]
         "f_stat": float(f),
         "p_value": p,
     }
+
+
+def _inliers(x: np.ndarray, y: np.ndarray, w: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The steps a split's Chow test counts: those within ``OUTLIER_SCALES`` robust scales of the two lines fitted
+    robustly on either side of it. A few stalled steps (GC, a late timer) would otherwise weigh in both sums of
+    squares by their square and hide a real break, as the one-line fit's Huber weights keep them from dragging it."""
+    resid = np.empty_like(y)
+    for side in (~hi, hi):
+        coef, _, _ = _huber_line(x[side], y[side], w[side])
+        resid[side] = y[side] - (coef[0] + coef[1] * x[side])
+    scale = mad_scale(resid)
+    if scale <= 1e-12:
+        return np.ones_like(hi)
+    return np.abs(resid) <= OUTLIER_SCALES * scale
 
 
 def fit_step_time(n: Sequence[float], step_ms: Sequence[float], weights: Sequence[float] | None = None) -> ScalingFit:
