@@ -33,10 +33,13 @@ from graphserve.kernels.fp8_config import (  # noqa: E402
 )
 from graphserve.kernels.fp8_gemm import w8a8_matmul, w8a8_matmul_reference  # noqa: E402
 from graphserve.kernels.fp8_gemv import (  # noqa: E402
+    early_weights,
     fp8_gemv,
     fp8_gemv_a8,
     fp8_norm_gemv,
     fp8_silu_mul_gemv,
+    loads_weights_early,
+    tile_constants,
 )
 from graphserve.kernels.fp8_quant import (  # noqa: E402
     dequantize_blocks,
@@ -316,6 +319,37 @@ def test_stream_norm_prologue_rows_of_any_scale(cfg) -> None:
         torch.testing.assert_close(out.float(), want.float(), **tol)
         if residual is not None:
             torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cfg, group, one_tile", [
+    (FMA_WIDE, (16, 32), True), (FMA_WIDE, (1, 96), True), (dataclasses.replace(DOT, block_k=128), (16, 32), True),
+    (dataclasses.replace(FMA, split_k=2), (16, 32), True), (FMA, (16, 32), False)],
+    ids=["fma-blocks", "fma-channel", "dot-blocks", "fma-split2", "fma-two-tiles"])  # fmt: skip
+def test_stream_weights_early_equal_weights_after(cfg, group, one_tile) -> None:
+    """The weight tile requested before the norm (where each split is one tile: K = 96 in one 128-wide tile, its
+    load masked, or two splits of one 64-wide tile) gives bit for bit what the load after the norm gives, with
+    and without the residual; the rule takes it exactly there, never for two tiles a split or without a norm."""
+    m, n, k = (3, 40, 96) if not cfg.use_dot else (6, 40, 96)
+    dtype = DOT_DTYPE if cfg.use_dot else torch.float32
+    group_n, group_k = group
+    channel = group_n == 1
+    wq, ws = _weight(n, k, group_n, group_k, seed=51)
+    x, res, nw = _randn(m, k, seed=52).to(dtype), _randn(m, k, seed=53).to(dtype), (_randn(k, seed=54) + 1).to(dtype)
+    consts = tile_constants(m, k, cfg, 1 if channel else group_n, k if channel else group_k, channel)
+    assert (consts["K_SPLIT"] == consts["BLOCK_K"]) == one_tile
+    for residual in (None, res):
+        outs = {}
+        for early in (False, True):
+            with early_weights(early):
+                assert loads_weights_early(True, consts) == (early and one_tile)
+                assert not loads_weights_early(False, consts)
+                outs[early] = fp8_norm_gemv(x, nw, 1e-6, wq, ws, group_n, group_k, residual=residual, config=cfg)
+        assert torch.equal(outs[True][0], outs[False][0])
+        if residual is not None:
+            assert torch.equal(outs[True][1], outs[False][1])
+        want, _ = fp8_norm_gemv_reference(x, nw, 1e-6, wq, ws, group_n, group_k, residual=residual)
+        tol = {"rtol": 1e-4, "atol": 1e-5} if not cfg.use_dot else {"rtol": 2e-2, "atol": 2e-2}
+        torch.testing.assert_close(outs[True][0].float(), want.float(), **tol)
 
 
 def test_stream_default_config_matches_reference() -> None:

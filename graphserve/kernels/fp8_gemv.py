@@ -51,13 +51,16 @@ device and stream; the partials come from the caching allocator (no data-depende
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.common import sm_count
+from graphserve.kernels.common import pushed, sm_count
 from graphserve.kernels.fp8_config import (
     MAX_BLOCK_N,
     MAX_FMA_ROWS,
@@ -83,7 +86,7 @@ def _fp8_gemv_kernel(
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
     FP8_DOT: tl.constexpr, A8: tl.constexpr, X_TOKEN: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    PDL: tl.constexpr,
+    EARLY_W: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid = tl.program_id(0)
@@ -95,6 +98,22 @@ def _fp8_gemv_kernel(
     # rows past N re-read row N-1: unmasked, vectorised weight loads; those columns are never stored
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     s_row = ws_ptr + ((pid * BLOCK_N) // GROUP_N) * stride_wsn  # this program's row of block scales
+    # the weight tile's pointers: [BLOCK_N, BLOCK_K] for the dot paths, [BLOCK_N, KB, SUB_K] for the FMA path
+    if USE_DOT:
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]
+    else:
+        offs_b = tl.arange(0, KB)
+        offs_s = tl.arange(0, SUB_K)
+        k2 = offs_b[:, None] * SUB_K + offs_s[None, :]  # [KB, SUB_K] column offsets within a tile
+        w_ptrs = w_ptr + w_rows[:, None, None] * stride_wn + k2[None, :, :]
+    # EARLY_W (a split of one tile behind a norm): the program's whole weight tile is requested before the
+    # norm's reads of x, so the stream's first latency overlaps the statistics instead of following them
+    if EARLY_W:
+        if USE_DOT:
+            w_early = tl.load(w_ptrs + k_first, mask=(k_first + offs_k < K)[None, :], other=0.0)
+        else:
+            w_early = tl.load(w_ptrs + k_first, mask=(k_first + k2 < K)[None, :, :], other=0.0)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
         # as kernels/gemv.py: every program takes the rows' statistics itself (a few KB from L2, cheaper
@@ -114,13 +133,13 @@ def _fp8_gemv_kernel(
         rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if USE_DOT:
-        offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]
         for kk in range(0, K_SPLIT, BLOCK_K):
             k0 = k_first + kk
             cols = k0 + offs_k
             k_mask = cols < K
-            if FULL:
+            if EARLY_W:
+                w = w_early
+            elif FULL:
                 w = tl.load(w_ptrs + k0)
             else:
                 w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
@@ -154,15 +173,13 @@ def _fp8_gemv_kernel(
                 acc += tl.dot(w.to(x.dtype), tl.trans(x))
     else:
         # the tile as [BLOCK_N, KB, SUB_K] (KB = BLOCK_K / SUB_K): one scale per SUB_K-long piece of K
-        offs_b = tl.arange(0, KB)
-        offs_s = tl.arange(0, SUB_K)
-        k2 = offs_b[:, None] * SUB_K + offs_s[None, :]  # [KB, SUB_K] column offsets within a tile
-        w_ptrs = w_ptr + w_rows[:, None, None] * stride_wn + k2[None, :, :]
         for kk in range(0, K_SPLIT, BLOCK_K):
             k0 = k_first + kk
             cols = k0 + k2
             k_mask = cols < K
-            if FULL:
+            if EARLY_W:
+                w = w_early
+            elif FULL:
                 w = tl.load(w_ptrs + k0)
             else:
                 w = tl.load(w_ptrs + k0, mask=k_mask[None, :, :], other=0.0)
@@ -210,6 +227,32 @@ def _epilogue(acc, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_m[None, :] < M))
+
+
+_early_scoped: list[bool] = []
+EARLY_ENV = "GRAPHSERVE_FP8_EARLY_WEIGHTS"
+
+
+def early_weights_on() -> bool:
+    """Whether a norm-prologue launch whose splits are one tile each requests that tile before the norm
+    (``EARLY_W``): ``early_weights``'s scope, else GRAPHSERVE_FP8_EARLY_WEIGHTS (read once; off unless "1")."""
+    return _early_scoped[-1] if _early_scoped else _early_env()
+
+
+@functools.lru_cache(maxsize=1)
+def _early_env() -> bool:
+    return os.environ.get(EARLY_ENV, "0") == "1"
+
+
+def loads_weights_early(norm: bool, consts: dict) -> bool:
+    """Whether a launch of ``tile_constants`` ``consts`` requests its weight tile before the norm: a norm in its
+    loads, every split one tile (the tile a program loads first is all it loads), and ``early_weights_on``."""
+    return norm and consts["K_SPLIT"] == consts["BLOCK_K"] and early_weights_on()
+
+
+def early_weights(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Launches (and captures) in this scope load the weight tile before the norm or not (benchmarks.fp8_early)."""
+    return pushed(_early_scoped, enabled)
 
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -297,6 +340,7 @@ def _launch(
                              f"{', or one per row with per-channel weight scales' if per_channel else ''}), "
                              f"got {tuple(x_scale.shape)}")
         consts["X_TOKEN"] = per_token
+    consts["EARLY_W"] = loads_weights_early(norm_weight is not None, consts)
     placeholder = out  # pointer arguments a disabled prologue (or split_k = 1) never dereferences
     parts, locks = placeholder, placeholder
     if split_k > 1:
@@ -327,7 +371,8 @@ def tile_constants(m: int, k: int, cfg: StreamConfig, group_n: int, group_k: int
             "PER_CHANNEL": per_channel, "USE_DOT": cfg.use_dot,
             "BLOCK_M": max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
             "BLOCK_N": cfg.block_n, "BLOCK_K": block_k, "SUB_K": sub_k, "KB": block_k // sub_k, "SPLIT_K": split_k,
-            "K_SPLIT": k_split, "FP8_DOT": cfg.fp8_dot, "A8": cfg.a8, "X_TOKEN": False, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE}  # fmt: skip
+            "K_SPLIT": k_split, "FP8_DOT": cfg.fp8_dot, "A8": cfg.a8, "X_TOKEN": False, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE,
+            "EARLY_W": False}  # fmt: skip
 
 
 def fp8_gemv(
