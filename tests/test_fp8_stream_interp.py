@@ -33,12 +33,12 @@ from graphserve.kernels.fp8_config import (  # noqa: E402
 )
 from graphserve.kernels.fp8_gemm import w8a8_matmul, w8a8_matmul_reference  # noqa: E402
 from graphserve.kernels.fp8_gemv import (  # noqa: E402
-    early_weights,
     fp8_gemv,
     fp8_gemv_a8,
     fp8_norm_gemv,
     fp8_silu_mul_gemv,
-    loads_weights_early,
+    one_read_norm,
+    reads_x_once,
     tile_constants,
 )
 from graphserve.kernels.fp8_quant import (  # noqa: E402
@@ -321,14 +321,15 @@ def test_stream_norm_prologue_rows_of_any_scale(cfg) -> None:
             torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("cfg, group, one_tile", [
+@pytest.mark.parametrize("cfg, group, whole", [
     (FMA_WIDE, (16, 32), True), (FMA_WIDE, (1, 96), True), (dataclasses.replace(DOT, block_k=128), (16, 32), True),
-    (dataclasses.replace(FMA, split_k=2), (16, 32), True), (FMA, (16, 32), False)],
+    (dataclasses.replace(FMA_WIDE, block_k=64, split_k=2), (16, 32), False), (FMA, (16, 32), False)],
     ids=["fma-blocks", "fma-channel", "dot-blocks", "fma-split2", "fma-two-tiles"])  # fmt: skip
-def test_stream_weights_early_equal_weights_after(cfg, group, one_tile) -> None:
-    """The weight tile requested before the norm (where each split is one tile: K = 96 in one 128-wide tile, its
-    load masked, or two splits of one 64-wide tile) gives bit for bit what the load after the norm gives, with
-    and without the residual; the rule takes it exactly there, never for two tiles a split or without a norm."""
+def test_stream_norm_one_read_equals_two(cfg, group, whole) -> None:
+    """The norm's rows read once and kept for the product (one tile holding all of K = 96, its loads masked;
+    with block scales the kept rows are cut into the tile's scale pieces) give bit for bit what the two reads
+    give, with and without the residual; the rule takes it exactly there, never for K split or in two tiles,
+    or without a norm."""
     m, n, k = (3, 40, 96) if not cfg.use_dot else (6, 40, 96)
     dtype = DOT_DTYPE if cfg.use_dot else torch.float32
     group_n, group_k = group
@@ -336,14 +337,13 @@ def test_stream_weights_early_equal_weights_after(cfg, group, one_tile) -> None:
     wq, ws = _weight(n, k, group_n, group_k, seed=51)
     x, res, nw = _randn(m, k, seed=52).to(dtype), _randn(m, k, seed=53).to(dtype), (_randn(k, seed=54) + 1).to(dtype)
     consts = tile_constants(m, k, cfg, 1 if channel else group_n, k if channel else group_k, channel)
-    assert (consts["K_SPLIT"] == consts["BLOCK_K"]) == one_tile
     for residual in (None, res):
         outs = {}
-        for early in (False, True):
-            with early_weights(early):
-                assert loads_weights_early(True, consts) == (early and one_tile)
-                assert not loads_weights_early(False, consts)
-                outs[early] = fp8_norm_gemv(x, nw, 1e-6, wq, ws, group_n, group_k, residual=residual, config=cfg)
+        for once in (False, True):
+            with one_read_norm(once):
+                assert reads_x_once(True, consts) == (once and whole)
+                assert not reads_x_once(False, consts)
+                outs[once] = fp8_norm_gemv(x, nw, 1e-6, wq, ws, group_n, group_k, residual=residual, config=cfg)
         assert torch.equal(outs[True][0], outs[False][0])
         if residual is not None:
             assert torch.equal(outs[True][1], outs[False][1])

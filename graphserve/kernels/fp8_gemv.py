@@ -86,7 +86,7 @@ def _fp8_gemv_kernel(
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
     FP8_DOT: tl.constexpr, A8: tl.constexpr, X_TOKEN: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    EARLY_W: tl.constexpr, PDL: tl.constexpr,
+    WHOLE_X: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid = tl.program_id(0)
@@ -98,48 +98,46 @@ def _fp8_gemv_kernel(
     # rows past N re-read row N-1: unmasked, vectorised weight loads; those columns are never stored
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     s_row = ws_ptr + ((pid * BLOCK_N) // GROUP_N) * stride_wsn  # this program's row of block scales
-    # the weight tile's pointers: [BLOCK_N, BLOCK_K] for the dot paths, [BLOCK_N, KB, SUB_K] for the FMA path
-    if USE_DOT:
-        offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]
-    else:
-        offs_b = tl.arange(0, KB)
-        offs_s = tl.arange(0, SUB_K)
-        k2 = offs_b[:, None] * SUB_K + offs_s[None, :]  # [KB, SUB_K] column offsets within a tile
-        w_ptrs = w_ptr + w_rows[:, None, None] * stride_wn + k2[None, :, :]
-    # EARLY_W (a split of one tile behind a norm): the program's whole weight tile is requested before the
-    # norm's reads of x, so the stream's first latency overlaps the statistics instead of following them
-    if EARLY_W:
-        if USE_DOT:
-            w_early = tl.load(w_ptrs + k_first, mask=(k_first + offs_k < K)[None, :], other=0.0)
-        else:
-            w_early = tl.load(w_ptrs + k_first, mask=(k_first + k2 < K)[None, :, :], other=0.0)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
         # as kernels/gemv.py: every program takes the rows' statistics itself (a few KB from L2, cheaper
         # than a norm launch); program 0 alone writes x + residual, into a buffer no program reads
         offs_kk = tl.arange(0, BLOCK_K)
         sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + offs_kk[None, :]
-            row_mask = (offs_m[:, None] < M) & (cols < K)
-            h = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols, row_mask, rstd[:, None],
-                        K, False, ADD_RESIDUAL, False, x_ptr.dtype.element_ty)  # fmt: skip
+        if WHOLE_X:
+            # one tile holds all of K: the rows read once, their sum kept in registers for the product below
+            # (the same roundings as _x_tile's, so the same numbers as reading them again)
+            whole_mask = (offs_m[:, None] < M) & (offs_kk[None, :] < K)
+            h = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], offs_kk[None, :], whole_mask,
+                        rstd[:, None], K, False, ADD_RESIDUAL, False, x_ptr.dtype.element_ty)  # fmt: skip
             if ADD_RESIDUAL:
-                tl.store(res_out_ptr + offs_m[:, None] * stride_rom + cols, h,
-                         mask=row_mask & (pid == 0) & (k_first == 0))
+                tl.store(res_out_ptr + offs_m[:, None] * stride_rom + offs_kk[None, :], h, mask=whole_mask & (pid == 0))
             hf = h.to(tl.float32)
-            sum_sq += tl.sum(hf * hf, axis=1)
-        rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
+            rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / K + eps)
+            nw = tl.load(nw_ptr + offs_kk, mask=offs_kk < K, other=0.0).to(tl.float32)
+            x_whole = ((hf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * nw[None, :])
+            x_whole = x_whole.to(x_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_K]: x normed, as _x_tile gives it
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + offs_kk[None, :]
+                row_mask = (offs_m[:, None] < M) & (cols < K)
+                h = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols, row_mask,
+                            rstd[:, None], K, False, ADD_RESIDUAL, False, x_ptr.dtype.element_ty)  # fmt: skip
+                if ADD_RESIDUAL:
+                    tl.store(res_out_ptr + offs_m[:, None] * stride_rom + cols, h,
+                             mask=row_mask & (pid == 0) & (k_first == 0))
+                hf = h.to(tl.float32)
+                sum_sq += tl.sum(hf * hf, axis=1)
+            rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if USE_DOT:
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]
         for kk in range(0, K_SPLIT, BLOCK_K):
             k0 = k_first + kk
             cols = k0 + offs_k
             k_mask = cols < K
-            if EARLY_W:
-                w = w_early
-            elif FULL:
+            if FULL:
                 w = tl.load(w_ptrs + k0)
             else:
                 w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
@@ -149,6 +147,8 @@ def _fp8_gemv_kernel(
                 if not X_TOKEN:
                     xs = tl.load(xs_ptr + offs_m * stride_xsm + (k0 // BLOCK_K) * stride_xsk, mask=offs_m < M,
                                  other=0.0)
+            elif WHOLE_X:
+                x = x_whole
             else:
                 x = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols[None, :], x_mask,
                             rstd[:, None], K, SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty)  # fmt: skip
@@ -173,13 +173,15 @@ def _fp8_gemv_kernel(
                 acc += tl.dot(w.to(x.dtype), tl.trans(x))
     else:
         # the tile as [BLOCK_N, KB, SUB_K] (KB = BLOCK_K / SUB_K): one scale per SUB_K-long piece of K
+        offs_b = tl.arange(0, KB)
+        offs_s = tl.arange(0, SUB_K)
+        k2 = offs_b[:, None] * SUB_K + offs_s[None, :]  # [KB, SUB_K] column offsets within a tile
+        w_ptrs = w_ptr + w_rows[:, None, None] * stride_wn + k2[None, :, :]
         for kk in range(0, K_SPLIT, BLOCK_K):
             k0 = k_first + kk
             cols = k0 + k2
             k_mask = cols < K
-            if EARLY_W:
-                w = w_early
-            elif FULL:
+            if FULL:
                 w = tl.load(w_ptrs + k0)
             else:
                 w = tl.load(w_ptrs + k0, mask=k_mask[None, :, :], other=0.0)
@@ -188,9 +190,13 @@ def _fp8_gemv_kernel(
                 piece = k0 + offs_b * SUB_K
                 ks = tl.load(s_row + piece // GROUP_K, mask=piece < K, other=0.0)
             for m in tl.static_range(BLOCK_M):
-                rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
-                xr = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols, k_mask & (m < M), rstd_m, K,
-                             SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+                if WHOLE_X:
+                    xr = tl.reshape(tl.sum(tl.where(offs_m[:, None] == m, x_whole.to(tl.float32), 0.0), axis=0),
+                                    (KB, SUB_K))  # fmt: skip
+                else:
+                    rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+                    xr = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols, k_mask & (m < M), rstd_m, K,
+                                 SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
                 if not PER_CHANNEL:
                     xr = xr * ks[:, None]
                 part = tl.sum(tl.sum(wf * xr[None, :, :], axis=2), axis=1)
@@ -229,30 +235,30 @@ def _epilogue(acc, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_m[None, :] < M))
 
 
-_early_scoped: list[bool] = []
-EARLY_ENV = "GRAPHSERVE_FP8_EARLY_WEIGHTS"
+_whole_scoped: list[bool] = []
+WHOLE_X_ENV = "GRAPHSERVE_FP8_NORM_ONE_READ"
 
 
-def early_weights_on() -> bool:
-    """Whether a norm-prologue launch whose splits are one tile each requests that tile before the norm
-    (``EARLY_W``): ``early_weights``'s scope, else GRAPHSERVE_FP8_EARLY_WEIGHTS (read once; off unless "1")."""
-    return _early_scoped[-1] if _early_scoped else _early_env()
+def reads_x_once(norm: bool, consts: dict) -> bool:
+    """Whether a launch of ``tile_constants`` ``consts`` reads x once (``WHOLE_X``): a norm in its loads, one
+    tile holding all of K (no split), and ``one_read_norm_on``. Otherwise the norm's statistics take one pass
+    over x and the product reads it again, tile by tile."""
+    return norm and consts["SPLIT_K"] == 1 and consts["BLOCK_K"] >= consts["K"] and one_read_norm_on()
+
+
+def one_read_norm_on() -> bool:
+    """``one_read_norm``'s scope, else GRAPHSERVE_FP8_NORM_ONE_READ (read once; off unless "1")."""
+    return _whole_scoped[-1] if _whole_scoped else _whole_env()
 
 
 @functools.lru_cache(maxsize=1)
-def _early_env() -> bool:
-    return os.environ.get(EARLY_ENV, "0") == "1"
+def _whole_env() -> bool:
+    return os.environ.get(WHOLE_X_ENV, "0") == "1"
 
 
-def loads_weights_early(norm: bool, consts: dict) -> bool:
-    """Whether a launch of ``tile_constants`` ``consts`` requests its weight tile before the norm: a norm in its
-    loads, every split one tile (the tile a program loads first is all it loads), and ``early_weights_on``."""
-    return norm and consts["K_SPLIT"] == consts["BLOCK_K"] and early_weights_on()
-
-
-def early_weights(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """Launches (and captures) in this scope load the weight tile before the norm or not (benchmarks.fp8_early)."""
-    return pushed(_early_scoped, enabled)
+def one_read_norm(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Launches (and captures) in this scope read x once where ``reads_x_once`` allows (benchmarks.fp8_norm_read)."""
+    return pushed(_whole_scoped, enabled)
 
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -340,7 +346,7 @@ def _launch(
                              f"{', or one per row with per-channel weight scales' if per_channel else ''}), "
                              f"got {tuple(x_scale.shape)}")
         consts["X_TOKEN"] = per_token
-    consts["EARLY_W"] = loads_weights_early(norm_weight is not None, consts)
+    consts["WHOLE_X"] = reads_x_once(norm_weight is not None, consts)
     placeholder = out  # pointer arguments a disabled prologue (or split_k = 1) never dereferences
     parts, locks = placeholder, placeholder
     if split_k > 1:
@@ -372,7 +378,7 @@ def tile_constants(m: int, k: int, cfg: StreamConfig, group_n: int, group_k: int
             "BLOCK_M": max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
             "BLOCK_N": cfg.block_n, "BLOCK_K": block_k, "SUB_K": sub_k, "KB": block_k // sub_k, "SPLIT_K": split_k,
             "K_SPLIT": k_split, "FP8_DOT": cfg.fp8_dot, "A8": cfg.a8, "X_TOKEN": False, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE,
-            "EARLY_W": False}  # fmt: skip
+            "WHOLE_X": False}  # fmt: skip
 
 
 def fp8_gemv(
