@@ -5,7 +5,9 @@ For each batch bucket (T tokens, k slots: T * k pairs) it times the whole expert
 weight copies so the routed experts come from HBM as in a decode step, not from L2. Per block_m
 it sweeps the gate_up tile with a default down tile, then the down tile with the best gate_up
 one; the per-pair streaming path is timed at the small buckets and wins its buckets while it is
-faster. The table goes to graphserve/kernels/moe_configs/ (and $OUT when set).
+faster. Each bucket also times the path the engine took before the run (``before_us``: the table it
+read at start, or the defaults where there was none) against the new table's (``tuned_us``), in the
+same process. The table goes to graphserve/kernels/moe_configs/ (and $OUT when set).
 
 Run: python3 -m benchmarks.moe_tune --model dummy:qwen3-30b-a3b       (about 5-8 minutes on an H200)
      python3 -m benchmarks.moe_tune --experts 128 --hidden 2048 --intermediate 768 --top-k 8 --dtype bfloat16
@@ -223,6 +225,7 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget
     small_max_pairs, gemv_best, gemv_winning = 0, None, tokens[0] == 1
     for t in tokens:
         bucket = _Bucket(sets, t, e, h, k, act_dtype, gen)
+        before_ms = bucket.ms()  # what the engine ran before this run: the table it read at start, or the defaults
         over_budget = time.monotonic() - start > budget_s
         if over_budget and gate_up:
             print(f"time budget {budget_s:.0f} s spent: bucket T={t} reuses the previous bucket's tiles")
@@ -242,11 +245,15 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget
         gate_up.append(best_gu)
         down.append(best_dn)
         row = {"tokens": t, "pairs": t * k, "gemm_us": best_ms * 1e3, "gemv_us": gemv_ms * 1e3,
-               "gate_up": _short(best_gu), "down": _short(best_dn), "elapsed_s": time.monotonic() - start}  # fmt: skip
+               "before_us": before_ms * 1e3, "gate_up": _short(best_gu), "down": _short(best_dn),
+               "elapsed_s": time.monotonic() - start}  # fmt: skip
         rows.append(row)
         print_table([row], list(row))
     gemv_best = gemv_best or default_gemv
     tiles = MoeTiles(small_max_pairs, gemv_best[0], gemv_best[1], tuple(buckets), tuple(gate_up), tuple(down))
+    for row in rows:  # the path the new table takes at each bucket, against what ran before
+        row["tuned_us"] = row["gemv_us"] if row["pairs"] <= small_max_pairs else row["gemm_us"]
+        row["tuned_vs_before"] = row["tuned_us"] / row["before_us"]
     return tiles, rows
 
 

@@ -102,9 +102,8 @@ def compare_captures(doc: str, scopes: dict[str, Callable[[], contextlib.Abstrac
                      bs: list[int]) -> tuple[argparse.Namespace, list[dict], Callable[[list[str]], None]]:  # fmt: skip
     """A comparison script's common part: its command line (``--models``, ``--fp8-models``, ``--bs``, ``--ctx``,
     ``--rounds``, ``--result-name``; the defaults given), the read probe, and ``timed_captures`` of ``scopes`` per
-    model, quantization and context. Returns the arguments (the run's read rate as ``bw``), the rows (each with
-    its ``floor_ms`` against the run's best rate) and ``finish(columns)``, which prints the table and writes the
-    result."""
+    model, quantization and context. Returns the arguments, the rows (each with its ``floor_ms`` against the run's
+    best rate) and ``finish(columns)``, which prints the table and writes the result."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--models", nargs="*", default=models, help="run in the checkpoint's dtype")
     p.add_argument("--fp8-models", nargs="*", default=fp8_models, help="run with --quantization fp8")
@@ -115,7 +114,7 @@ def compare_captures(doc: str, scopes: dict[str, Callable[[], contextlib.Abstrac
     args = p.parse_args()
     if args.rounds < 1 or min(args.ctx) < 1 or min(args.bs) < 1:
         p.error(f"--rounds {args.rounds}, --ctx {args.ctx} and --bs {args.bs} must all be >= 1")
-    bw = args.bw = measured_read_bw()
+    bw = measured_read_bw()
     print(bw.describe())
     rows = []
     for quantization, names in (("none", args.models), ("fp8", args.fp8_models)):

@@ -37,9 +37,6 @@ from graphserve.kernels.fp8_gemv import (  # noqa: E402
     fp8_gemv_a8,
     fp8_norm_gemv,
     fp8_silu_mul_gemv,
-    one_read_norm,
-    reads_x_once,
-    tile_constants,
 )
 from graphserve.kernels.fp8_quant import (  # noqa: E402
     dequantize_blocks,
@@ -319,37 +316,6 @@ def test_stream_norm_prologue_rows_of_any_scale(cfg) -> None:
         torch.testing.assert_close(out.float(), want.float(), **tol)
         if residual is not None:
             torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("cfg, group, whole", [
-    (FMA_WIDE, (16, 32), True), (FMA_WIDE, (1, 96), True), (dataclasses.replace(DOT, block_k=128), (16, 32), True),
-    (dataclasses.replace(FMA_WIDE, block_k=64, split_k=2), (16, 32), False), (FMA, (16, 32), False)],
-    ids=["fma-blocks", "fma-channel", "dot-blocks", "fma-split2", "fma-two-tiles"])  # fmt: skip
-def test_stream_norm_one_read_equals_two(cfg, group, whole) -> None:
-    """The norm's rows read once and kept for the product (one tile holding all of K = 96, its loads masked;
-    with block scales the kept rows are cut into the tile's scale pieces) give bit for bit what the two reads
-    give, with and without the residual; the rule takes it exactly there, never for K split or in two tiles,
-    or without a norm."""
-    m, n, k = (3, 40, 96) if not cfg.use_dot else (6, 40, 96)
-    dtype = DOT_DTYPE if cfg.use_dot else torch.float32
-    group_n, group_k = group
-    channel = group_n == 1
-    wq, ws = _weight(n, k, group_n, group_k, seed=51)
-    x, res, nw = _randn(m, k, seed=52).to(dtype), _randn(m, k, seed=53).to(dtype), (_randn(k, seed=54) + 1).to(dtype)
-    consts = tile_constants(m, k, cfg, 1 if channel else group_n, k if channel else group_k, channel)
-    for residual in (None, res):
-        outs = {}
-        for once in (False, True):
-            with one_read_norm(once):
-                assert reads_x_once(True, consts) == (once and whole)
-                assert not reads_x_once(False, consts)
-                outs[once] = fp8_norm_gemv(x, nw, 1e-6, wq, ws, group_n, group_k, residual=residual, config=cfg)
-        assert torch.equal(outs[True][0], outs[False][0])
-        if residual is not None:
-            assert torch.equal(outs[True][1], outs[False][1])
-        want, _ = fp8_norm_gemv_reference(x, nw, 1e-6, wq, ws, group_n, group_k, residual=residual)
-        tol = {"rtol": 1e-4, "atol": 1e-5} if not cfg.use_dot else {"rtol": 2e-2, "atol": 2e-2}
-        torch.testing.assert_close(outs[True][0].float(), want.float(), **tol)
 
 
 def test_stream_default_config_matches_reference() -> None:

@@ -363,6 +363,10 @@ def test_tuner_sweep_writes_a_table_the_kernels_accept(monkeypatch):
     assert tiles.buckets == (2, 8) and [r["tokens"] for r in rows] == [1, 4]
     assert all(g.block_m == d.block_m for g, d in zip(tiles.gate_up, tiles.down))
     assert tiles.small_max_pairs in (0, 2, 8) and tiles.gemv_gate_up in GEMV
+    for r in rows:  # each bucket against what ran before (the defaults: the interpreter has no table)
+        assert 0 < r["before_us"] < float("inf")
+        assert r["tuned_us"] == (r["gemv_us"] if r["pairs"] <= tiles.small_max_pairs else r["gemm_us"])
+        assert r["tuned_vs_before"] == r["tuned_us"] / r["before_us"]
     again = MoeTiles.from_json(json.loads(json.dumps(tiles.to_json())))
     assert again == tiles
     gen = torch.Generator().manual_seed(3)

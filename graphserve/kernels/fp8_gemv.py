@@ -51,16 +51,13 @@ device and stream; the partials come from the caching allocator (no data-depende
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.common import pushed, sm_count
+from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp8_config import (
     MAX_BLOCK_N,
     MAX_FMA_ROWS,
@@ -86,7 +83,7 @@ def _fp8_gemv_kernel(
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
     FP8_DOT: tl.constexpr, A8: tl.constexpr, X_TOKEN: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    WHOLE_X: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid = tl.program_id(0)
@@ -104,31 +101,17 @@ def _fp8_gemv_kernel(
         # than a norm launch); program 0 alone writes x + residual, into a buffer no program reads
         offs_kk = tl.arange(0, BLOCK_K)
         sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if WHOLE_X:
-            # one tile holds all of K: the rows read once, their sum kept in registers for the product below
-            # (the same roundings as _x_tile's, so the same numbers as reading them again)
-            whole_mask = (offs_m[:, None] < M) & (offs_kk[None, :] < K)
-            h = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], offs_kk[None, :], whole_mask,
-                        rstd[:, None], K, False, ADD_RESIDUAL, False, x_ptr.dtype.element_ty)  # fmt: skip
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs_kk[None, :]
+            row_mask = (offs_m[:, None] < M) & (cols < K)
+            h = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols, row_mask, rstd[:, None],
+                        K, False, ADD_RESIDUAL, False, x_ptr.dtype.element_ty)  # fmt: skip
             if ADD_RESIDUAL:
-                tl.store(res_out_ptr + offs_m[:, None] * stride_rom + offs_kk[None, :], h, mask=whole_mask & (pid == 0))
+                tl.store(res_out_ptr + offs_m[:, None] * stride_rom + cols, h,
+                         mask=row_mask & (pid == 0) & (k_first == 0))
             hf = h.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / K + eps)
-            nw = tl.load(nw_ptr + offs_kk, mask=offs_kk < K, other=0.0).to(tl.float32)
-            x_whole = ((hf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * nw[None, :])
-            x_whole = x_whole.to(x_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_K]: x normed, as _x_tile gives it
-        else:
-            for k0 in range(0, K, BLOCK_K):
-                cols = k0 + offs_kk[None, :]
-                row_mask = (offs_m[:, None] < M) & (cols < K)
-                h = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols, row_mask,
-                            rstd[:, None], K, False, ADD_RESIDUAL, False, x_ptr.dtype.element_ty)  # fmt: skip
-                if ADD_RESIDUAL:
-                    tl.store(res_out_ptr + offs_m[:, None] * stride_rom + cols, h,
-                             mask=row_mask & (pid == 0) & (k_first == 0))
-                hf = h.to(tl.float32)
-                sum_sq += tl.sum(hf * hf, axis=1)
-            rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
+            sum_sq += tl.sum(hf * hf, axis=1)
+        rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if USE_DOT:
         offs_k = tl.arange(0, BLOCK_K)
@@ -147,8 +130,6 @@ def _fp8_gemv_kernel(
                 if not X_TOKEN:
                     xs = tl.load(xs_ptr + offs_m * stride_xsm + (k0 // BLOCK_K) * stride_xsk, mask=offs_m < M,
                                  other=0.0)
-            elif WHOLE_X:
-                x = x_whole
             else:
                 x = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], cols[None, :], x_mask,
                             rstd[:, None], K, SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty)  # fmt: skip
@@ -190,13 +171,9 @@ def _fp8_gemv_kernel(
                 piece = k0 + offs_b * SUB_K
                 ks = tl.load(s_row + piece // GROUP_K, mask=piece < K, other=0.0)
             for m in tl.static_range(BLOCK_M):
-                if WHOLE_X:
-                    xr = tl.reshape(tl.sum(tl.where(offs_m[:, None] == m, x_whole.to(tl.float32), 0.0), axis=0),
-                                    (KB, SUB_K))  # fmt: skip
-                else:
-                    rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
-                    xr = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols, k_mask & (m < M), rstd_m, K,
-                                 SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+                rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+                xr = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols, k_mask & (m < M), rstd_m, K,
+                             SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
                 if not PER_CHANNEL:
                     xr = xr * ks[:, None]
                 part = tl.sum(tl.sum(wf * xr[None, :, :], axis=2), axis=1)
@@ -233,32 +210,6 @@ def _epilogue(acc, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_m[None, :] < M))
-
-
-_whole_scoped: list[bool] = []
-WHOLE_X_ENV = "GRAPHSERVE_FP8_NORM_ONE_READ"
-
-
-def reads_x_once(norm: bool, consts: dict) -> bool:
-    """Whether a launch of ``tile_constants`` ``consts`` reads x once (``WHOLE_X``): a norm in its loads, one
-    tile holding all of K (no split), and ``one_read_norm_on``. Otherwise the norm's statistics take one pass
-    over x and the product reads it again, tile by tile."""
-    return norm and consts["SPLIT_K"] == 1 and consts["BLOCK_K"] >= consts["K"] and one_read_norm_on()
-
-
-def one_read_norm_on() -> bool:
-    """``one_read_norm``'s scope, else GRAPHSERVE_FP8_NORM_ONE_READ (read once; off unless "1")."""
-    return _whole_scoped[-1] if _whole_scoped else _whole_env()
-
-
-@functools.lru_cache(maxsize=1)
-def _whole_env() -> bool:
-    return os.environ.get(WHOLE_X_ENV, "0") == "1"
-
-
-def one_read_norm(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """Launches (and captures) in this scope read x once where ``reads_x_once`` allows (benchmarks.fp8_norm_read)."""
-    return pushed(_whole_scoped, enabled)
 
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -346,7 +297,6 @@ def _launch(
                              f"{', or one per row with per-channel weight scales' if per_channel else ''}), "
                              f"got {tuple(x_scale.shape)}")
         consts["X_TOKEN"] = per_token
-    consts["WHOLE_X"] = reads_x_once(norm_weight is not None, consts)
     placeholder = out  # pointer arguments a disabled prologue (or split_k = 1) never dereferences
     parts, locks = placeholder, placeholder
     if split_k > 1:
@@ -377,8 +327,7 @@ def tile_constants(m: int, k: int, cfg: StreamConfig, group_n: int, group_k: int
             "PER_CHANNEL": per_channel, "USE_DOT": cfg.use_dot,
             "BLOCK_M": max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m),
             "BLOCK_N": cfg.block_n, "BLOCK_K": block_k, "SUB_K": sub_k, "KB": block_k // sub_k, "SPLIT_K": split_k,
-            "K_SPLIT": k_split, "FP8_DOT": cfg.fp8_dot, "A8": cfg.a8, "X_TOKEN": False, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE,
-            "WHOLE_X": False}  # fmt: skip
+            "K_SPLIT": k_split, "FP8_DOT": cfg.fp8_dot, "A8": cfg.a8, "X_TOKEN": False, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE}  # fmt: skip
 
 
 def fp8_gemv(

@@ -24,7 +24,7 @@ from model_utils import PagedHarness, make_hf_checkpoint  # noqa: E402
 from graphserve.config import EngineConfig  # noqa: E402
 from graphserve.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
-from graphserve.kernels.fp8_config import DEFAULT_STREAM_ROWS, SCALED_MM_MIN_ROWS, Route, StreamConfig, rule_for  # noqa: E402
+from graphserve.kernels.fp8_config import DEFAULT_STREAM_ROWS, SCALED_MM_MIN_ROWS, Route, StreamConfig  # noqa: E402
 from graphserve.kernels.fp8_gemm import (  # noqa: E402
     blockwise_scale_layout,
     blockwise_scaled_mm_available,
@@ -39,10 +39,7 @@ from graphserve.kernels.fp8_gemv import (  # noqa: E402
     fp8_gemv_a8,
     fp8_norm_gemv,
     fp8_silu_mul_gemv,
-    one_read_norm,
-    reads_x_once,
     split_counters,
-    tile_constants,
 )
 from graphserve.kernels.fp8_quant import (  # noqa: E402
     dequantize_blocks,
@@ -604,49 +601,3 @@ def test_fp8_checkpoint_on_the_gpu_tracks_the_cpu_reference(tmp_path) -> None:
     # bf16 rounding; over 7 projections a layer and 2 layers that compounds to ~10%; 0.2 leaves room
     # and still catches a misplaced scale block, which costs O(1)
     assert max(errors) < 0.2, errors
-
-
-@pytest.mark.parametrize("name", ["qkv", "gate_up"])
-def test_norm_stream_one_read_at_batch_one(name: str, gen: torch.Generator) -> None:
-    """The normed projections at one row with the routing table's tile, per-channel as ``--quantization fp8``
-    makes them: x read once for the norm and the product gives bit for bit what two reads give, eagerly and
-    from a CUDA graph replayed on new inputs, and both match the reference."""
-    n, k = SHAPES[name]
-    wq, ws = quantize_weight_channels(torch.randn(n, k, device=DEV, generator=gen) * 0.02)
-    ws = ws.view(-1, 1)
-    cfg = rule_for(DEV).route(1, n, k, "channel").config
-    consts = tile_constants(1, k, cfg, 1, k, True)
-    assert consts["BLOCK_K"] >= k, f"{name}'s one-row tile {cfg} does not hold all of K"
-    norm_w = (1 + 0.1 * torch.randn(k, device=DEV, generator=gen)).to(torch.bfloat16)
-    x, res = (torch.randn(1, k, device=DEV, generator=gen, dtype=torch.bfloat16) for _ in range(2))
-    outs, graphs = {}, {}
-    for once in (False, True):
-        with one_read_norm(once):
-            assert reads_x_once(True, consts) == once
-            outs[once] = fp8_norm_gemv(x, norm_w, 1e-5, wq, ws, 1, k, residual=res, config=cfg)
-            graphs[once] = graph_runner_of(lambda: fp8_norm_gemv(x, norm_w, 1e-5, wq, ws, 1, k, residual=res,
-                                                                 config=cfg))
-    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
-    want, _ = fp8_norm_gemv_reference(x, norm_w, 1e-5, wq, ws, 1, k, residual=res)
-    assert rel(outs[True][0], want) < TOL
-    x.copy_(torch.randn(1, k, device=DEV, generator=gen, dtype=torch.bfloat16))
-    replayed = {once: graphs[once]() for once in (False, True)}
-    assert torch.equal(replayed[True][0], replayed[False][0])
-    want, _ = fp8_norm_gemv_reference(x, norm_w, 1e-5, wq, ws, 1, k, residual=res)
-    assert rel(replayed[True][0], want) < TOL
-
-
-def graph_runner_of(fn):
-    """``fn`` captured once (after a warm-up call) in a CUDA graph; the returned callable replays it and returns
-    the captured outputs."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-
-    def replay():
-        graph.replay()
-        torch.cuda.synchronize()
-        return out
-    return replay
