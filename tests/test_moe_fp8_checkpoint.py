@@ -219,3 +219,21 @@ def test_plan_reserves_the_w8a8_activation_copies():
         pairs = t * 8
         extra = t * 2048 + pairs * 768 + 4 * (t * 16 + pairs * 6)
         assert fp8.moe_workspace_bytes(t) - d.moe_workspace_bytes(t) == extra
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-channel"])
+def test_dequantizing_in_place_leaves_the_logits(sources, quantization):
+    """benchmarks/fp8_accuracy's ``rounded`` model: every FP8 projection and expert stack dequantized in place and
+    run by the unquantized path gives the logits the FP8 model gives on CPU (which dequantizes per call), bit for
+    bit, and no quantized module or scale is left."""
+    from benchmarks.fp8_accuracy import dequantize_in_place
+
+    loaded = _load(sources["mixtral"], quantization=quantization)
+    want = _logits(loaded)
+    quantized = [m for m in loaded.model.modules() if getattr(m, "quant_method", None) is not None]
+    assert any(isinstance(m, FusedMoE) for m in quantized) and len(quantized) > len(_experts(loaded))
+    assert dequantize_in_place(loaded.model, loaded.info.dtype) == len(quantized)
+    assert all(getattr(m, "quant_method", None) is None for m in loaded.model.modules())
+    assert not any("scale" in name for name, _ in loaded.model.named_parameters())
+    assert all(p.dtype == loaded.info.dtype for m in quantized for p in m.parameters())
+    assert torch.equal(_logits(loaded), want)
