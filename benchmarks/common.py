@@ -57,15 +57,24 @@ def write_result(name: str, payload: dict) -> Path:
 def merge_rows(name: str, rows: list[dict], **tables) -> Path:
     """Write ``rows`` into benchmarks/results/NAME.json beside the rows of other models already there: a row
     of a model in ``rows`` replaces that model's earlier rows, the others stay. ``tables`` replace the file's
-    other keys of those names. The file's environment becomes this run's, so every row names the run that
-    measured it (``measured_at``); rows from before carry the environment of the file they came from."""
+    other keys of those names, but for a table of per-model entries (a list of dicts, each with a ``model``),
+    which merges as the rows do (an empty one keeps the file's; an old entry naming no model goes). The file's environment becomes this run's, so
+    every row names the run that measured it (``measured_at``); rows from before carry the environment of the
+    file they came from."""
     path = RESULTS_DIR / f"{name}.json"
     payload = json.loads(path.read_text()) if path.exists() else {}
     before = payload.pop("environment", {})  # write_result records this run's
-    models = {r["model"] for r in rows}
-    kept = [{"measured_at": before, **r} for r in payload.get("rows", []) if r.get("model") not in models]
-    payload.update(tables)
-    payload["rows"] = kept + [{**r, "measured_at": environment()} for r in rows]
+    now = environment()
+
+    def merged(old: list, new: list) -> list:
+        models = {r["model"] for r in new}
+        kept = [{"measured_at": before, **r} for r in old if "model" in r and r["model"] not in models]
+        return kept + [{**r, "measured_at": now} for r in new]
+
+    for key, table in tables.items():
+        per_model = isinstance(table, list) and all(isinstance(r, dict) and "model" in r for r in table)
+        payload[key] = merged(payload.get(key, []), table) if per_model else table
+    payload["rows"] = merged(payload.get("rows", []), rows)
     return write_result(name, payload)
 
 

@@ -41,7 +41,28 @@ def test_the_dense_run_keeps_the_moe_rows_and_replaces_its_own_tables(tmp_path, 
     assert [(r["model"], r["bs"]) for r in merged["rows"]] == [(moe["model"], 64)] + [(dense[0]["model"], b)
                                                                                       for b in (1, 256)]
     assert merged["rows"][0]["measured_at"] == {"commit": "moe-run"}
-    assert merged["prefill"] == [{"model": "dummy:llama3-8b"}]
+    assert merged["prefill"] == [{"model": "dummy:llama3-8b", "measured_at": merged["environment"]}]
+
+
+def test_per_model_tables_keep_the_other_models_entries(tmp_path, monkeypatch):
+    """A run of one model (benchmarks.fp8 --models dummy:mixtral-8x7b) replaces that model's accuracy rows and
+    keeps the others' with their run; its empty prefill table (a MoE model runs none) keeps the dense model's;
+    a table that is not per model (the GEMM rows) is replaced."""
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    llama = {"model": "dummy:llama3-8b --quantization fp8", "top1_agreement": 0.1}
+    old_mixtral = {"model": "dummy:mixtral-8x7b --quantization fp8", "top1_agreement": 0.5}
+    (tmp_path / "fp8_decode.json").write_text(json.dumps({
+        "environment": {"commit": "dense-run"}, "rows": [], "prefill": [{"model": "dummy:llama3-8b", "ratio": 0.7}],
+        "accuracy": [llama, old_mixtral], "small_batch": [{"shape": "qkv", "m": 1}]}))
+    mixtral = {"model": "dummy:mixtral-8x7b --quantization fp8", "top1_agreement": 0.003}
+    common.merge_rows("fp8_decode", [{"model": mixtral["model"], "bs": 1}], prefill=[], accuracy=[mixtral],
+                      small_batch=[{"shape": "o_proj", "m": 1}])  # fmt: skip
+    merged = json.loads((tmp_path / "fp8_decode.json").read_text())
+    assert merged["accuracy"] == [{**llama, "measured_at": {"commit": "dense-run"}},
+                                  {**mixtral, "measured_at": merged["environment"]}]
+    assert merged["prefill"] == [{"model": "dummy:llama3-8b", "ratio": 0.7, "measured_at": {"commit": "dense-run"}}]
+    assert merged["small_batch"] == [{"shape": "o_proj", "m": 1}]
 
 
 def test_experts_touched_counts_routed_pairs_and_is_none_for_a_dense_model():
