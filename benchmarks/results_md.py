@@ -2,7 +2,7 @@
 in RESULTS.md is typed by hand.
 
 Run: python3 -m benchmarks.results_md FILE[:KEY][=COL,COL,...] ...
-  FILE  a JSON under benchmarks/results/ (name without .json, or a path)
+  FILE  a JSON under benchmarks/results/ (name without .json), or a path to any JSON (ending in .json)
   KEY   the list of rows inside it (default "rows")
   COLS  the columns to show, in order (default: every column of the first row); rows lacking one are left out;
         a dotted column (``http_steps.busy``) reads a field of a nested object
@@ -46,10 +46,21 @@ def table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(lines)
 
 
+def parse(spec: str) -> tuple[Path, str, str]:
+    """(path, key, columns) of ``FILE[:KEY][=COLS]``; a FILE ending in .json may itself hold ``=`` and ``,`` (the
+    MoE tile tables' names do)."""
+    end = spec.find(".json")
+    if end >= 0:
+        name, rest = spec[: end + 5], spec[end + 5 :]
+    else:
+        cut = min((i for i in (spec.find(":"), spec.find("=")) if i >= 0), default=len(spec))
+        name, rest = spec[:cut], spec[cut:]
+    key, _, cols = rest.removeprefix(":").partition("=")
+    return (Path(name) if name.endswith(".json") else RESULTS_DIR / f"{name}.json"), key, cols
+
+
 def render(spec: str) -> str:
-    name, _, cols = spec.partition("=")
-    name, _, key = name.partition(":")
-    path = Path(name) if name.endswith(".json") else RESULTS_DIR / f"{name}.json"
+    path, key, cols = parse(spec)
     data = json.loads(path.read_text())
     rows = data.get(key or "rows", [])
     if isinstance(rows, dict):
@@ -59,7 +70,8 @@ def render(spec: str) -> str:
     columns = cols.split(",") if cols else list(rows[0])
     rows = [r for r in rows if all(field(r, c) is not _MISSING for c in columns)]  # rows that carry every column
     env = data.get("environment", {})
-    head = f"`results/{path.name}` · {env.get('device', '?')} · {env.get('date', '?')} · commit {env.get('commit', '?')}"
+    where = f"results/{path.name}" if path.resolve().parent == RESULTS_DIR.resolve() else str(path)
+    head = f"`{where}` · {env.get('device', '?')} · {env.get('date', '?')} · commit {env.get('commit', '?')}"
     return head + "\n\n" + table(rows, columns)
 
 

@@ -19,3 +19,22 @@ def test_dotted_columns_read_nested_fields_and_rows_without_them_drop(tmp_path):
     assert "| a | 0.500 | 0.250 |" in out
     assert "| b |" not in out
     assert "| b | 1.500 |" in render(f"{path}=model,ratio")
+
+
+def test_a_file_named_with_equals_signs_and_commas_parses(tmp_path):
+    """The MoE tile tables' names hold ``=`` and ``,``: FILE ends at .json, then the optional :KEY and =COLS."""
+    path = tmp_path / "E=8,I=16,H=32,dtype=bf16.json"
+    path.write_text(json.dumps({"environment": {"commit": "t"}, "rows": [{"pairs": 2, "us": 1.5}],
+                                "measurements": [{"pairs": 8, "us": 2.5}]}))
+    assert "| 8 | 2.500 |" in render(f"{path}:measurements=pairs,us")
+    assert "| 2 | 1.500 |" in render(f"{path}=pairs,us") and "| 2 | 1.500 |" in render(str(path))
+    assert f"`{path}` ·" in render(str(path))
+
+
+def test_names_under_results_take_key_and_columns(tmp_path, monkeypatch):
+    from benchmarks import results_md
+
+    monkeypatch.setattr(results_md, "RESULTS_DIR", tmp_path)
+    (tmp_path / "r.json").write_text(json.dumps({"rows": [{"a": 1}], "other": [{"a": 2, "b": 3}]}))
+    assert "| 2 | 3 |" in render("r:other=a,b") and "| 1 |" in render("r") and "| 2 |" in render("r:other")
+    assert "`results/r.json`" in render("r")
