@@ -58,9 +58,9 @@ def merge_rows(name: str, rows: list[dict], **tables) -> Path:
     """Write ``rows`` into benchmarks/results/NAME.json beside the rows of other models already there: a row
     of a model in ``rows`` replaces that model's earlier rows, the others stay. ``tables`` replace the file's
     other keys of those names, but for a table of per-model entries (a list of dicts, each with a ``model``),
-    which merges as the rows do (an empty one keeps the file's; an old entry naming no model goes). The file's environment becomes this run's, so
-    every row names the run that measured it (``measured_at``); rows from before carry the environment of the
-    file they came from."""
+    which merges as the rows do (an empty one keeps the file's; an old entry naming no model goes). The file's
+    environment becomes this run's, so every row names the run that measured it (``measured_at``); rows from
+    before carry the environment of the file they came from."""
     path = RESULTS_DIR / f"{name}.json"
     payload = json.loads(path.read_text()) if path.exists() else {}
     before = payload.pop("environment", {})  # write_result records this run's
