@@ -327,6 +327,14 @@ def main() -> None:
         if None in (args.experts, args.hidden, args.intermediate):
             p.error("give --model, or all of --experts, --hidden and --intermediate")
         e, h, i, k = args.experts, args.hidden, args.intermediate, args.top_k
+    for flag, value in (("--experts", e), ("--hidden", h), ("--intermediate", i), ("--top-k", k),
+                        ("--tp-size", args.tp_size)):  # fmt: skip
+        if value < 1:
+            p.error(f"{flag} {value} is invalid: must be >= 1")
+    if not args.budget_s > 0:
+        p.error(f"--budget-s {args.budget_s} is invalid: must be > 0")
+    if k > e:
+        p.error(f"--top-k {k} exceeds --experts {e}")
     if i % args.tp_size:
         p.error(f"--intermediate {i} is not divisible by --tp-size {args.tp_size}")
     i //= args.tp_size

@@ -16,6 +16,7 @@ import json
 
 import torch
 from interp_setup import kernel_device, use_interpreter
+from model_utils import relative_error
 
 use_interpreter()
 
@@ -31,10 +32,6 @@ DEVICE = kernel_device()
 E, H, INTER, TOP_K, TOKENS = 4, 256, 256, 2, 5
 BLOCK = (128, 128)
 TABLES = sorted(CONFIG_DIR.glob("*.json"))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def _table_cases() -> list:
@@ -74,9 +71,9 @@ def test_every_shipped_tile_computes_the_experts(fp8, path, pair):
         assert plain.abs().max() > 0.1
         # the interpreter's e4m3 rounding of the activations (a8 tiles, W8A8's launch): a bound a wrong scale
         # block, a missed K step or a lost tile exceeds many times
-        assert min(_rel(out, plain), _rel(out, quantized)) < 0.1
+        assert min(relative_error(out.float(), ref.float()) for ref in (plain, quantized)) < 0.1
     else:
         out = fused_experts(x, w13.to(DEVICE, dtype), w2.to(DEVICE, dtype), topk_w, topk_ids, path=path, **tiles)
         want = experts_reference(x.float(), w13.to(DEVICE), w2.to(DEVICE), topk_w, topk_ids)
         assert want.abs().max() > 0.1
-        assert _rel(out, want) < 2e-2
+        assert relative_error(out.float(), want.float()) < 2e-2
