@@ -118,11 +118,12 @@ def layer_stream_kernel(
     while layer < num_layers:
         base = layer * PER_LAYER
         c = cnt + layer * 4
+        wl = layer.to(tl.int64)  # a stack of gate_up weights passes 2^31 bytes
         # qkv: bf16(down[l] + rm[l]) -> ra[l]; RMSNorm; the projection
         t = _first(pid, base, G)
         while t < T0:
             rows = t * BN0 + tl.arange(0, BN0)
-            w = _weight(w_qkv + layer * (QKV_N * H), rows, H, H)
+            w = _weight(w_qkv + wl * (QKV_N * H), rows, H, H)
             s = tl.load(s_qkv + layer * QKV_N + rows)
             if layer > 0:
                 _wait(c - 4 + 3, T3, err, spin_cap)
@@ -136,7 +137,7 @@ def layer_stream_kernel(
         t = _first(pid, base, G)
         while t < T1:
             rows = t * BN1 + tl.arange(0, BN1)
-            w = _weight(w_o + layer * (H * H), rows, H, H)
+            w = _weight(w_o + wl * (H * H), rows, H, H)
             s = tl.load(s_o + layer * H + rows)
             _wait(c, T0, err, spin_cap)
             x = tl.load(qkv + layer * QKV_N + offs_h, cache_modifier=".cg").to(tl.float32)
@@ -149,8 +150,8 @@ def layer_stream_kernel(
         t = _first(pid, base, G)
         while t < T2:
             rows = t * BN2 + tl.arange(0, BN2)
-            wg = _weight(w_gu + layer * (2 * INTER * H), rows, H, H)
-            wu = _weight(w_gu + layer * (2 * INTER * H), INTER + rows, H, H)
+            wg = _weight(w_gu + wl * (2 * INTER * H), rows, H, H)
+            wu = _weight(w_gu + wl * (2 * INTER * H), INTER + rows, H, H)
             sg = tl.load(s_gu + layer * (2 * INTER) + rows)
             su = tl.load(s_gu + layer * (2 * INTER) + INTER + rows)
             _wait(c + 1, T1, err, spin_cap)
@@ -165,7 +166,7 @@ def layer_stream_kernel(
         t = _first(pid, base, G)
         while t < T3:
             rows = t * BN3 + tl.arange(0, BN3)
-            w = _weight(w_d + layer * (H * INTER), rows, INTER, BK_D)
+            w = _weight(w_d + wl * (H * INTER), rows, INTER, BK_D)
             s = tl.load(s_d + layer * H + rows)
             _wait(c + 2, T2, err, spin_cap)
             x = tl.load(act + layer * INTER + offs_i, mask=offs_i < INTER, other=0.0, cache_modifier=".cg")
