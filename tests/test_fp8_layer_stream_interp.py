@@ -22,7 +22,7 @@ from benchmarks.fp8_layer_stream import LayerStream, StreamTile, check, random_w
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.parametrize("tile", [StreamTile((8, 8, 4, 2), 4, 1), StreamTile((16, 4, 8, 8), 2, 1)])
+@pytest.mark.parametrize("tile", [StreamTile((8, 8, 4, 2), 4, 1, False), StreamTile((16, 4, 8, 8), 2, 1)])
 def test_one_program_matches_the_reference_layer_by_layer(tile) -> None:
     """Three layers of a small llama-shaped stack (down's K not a power of two: the padded, masked tile)."""
     w = random_weights(3, 64, 96, 96, DEVICE, seed=tile.bn[0])
@@ -42,7 +42,7 @@ def test_a_wait_that_never_opens_is_counted_not_hung() -> None:
     """Two programs under the interpreter: program 0 waits for program 1's qkv tiles, which run after it; the
     poll cap lets it give up and count the timeout, which ``check`` refuses."""
     w = random_weights(2, 64, 96, 96, DEVICE)
-    stream = LayerStream(w, StreamTile((8, 8, 4, 2), 4, 1), programs=2)
+    stream = LayerStream(w, StreamTile((8, 8, 4, 2), 4, 1, False), programs=2)
     stream(spin_cap=3)
     assert int(stream.err.item()) > 0
     with pytest.raises(AssertionError, match="timed out"):
