@@ -20,6 +20,11 @@ registers instead, with the norm taken once a projection and the next tile reque
 computed, every such tile spilled or fitted fewer programs an SM, and ran 1.7-8.8x the engine's time:
 results/fp8_layer_stream_registers.json.)
 
+Measured on an H200 (results/fp8_layer_stream.json): every tile of this form ran 1.7-2.6x the engine's four
+launches a layer. The row counts (eight release adds a tile on one address, where a block barrier and one add
+stood before) and one program an SM where the staged tiles fill shared memory cost more than the launches they
+replace: the engine's launches keep more weight bytes in flight an SM than one persistent program holds.
+
 Deadlock freedom: every item depends only on items earlier in the list and every program takes its items in list
 order, so the earliest unfinished item can always run, provided every program is resident at once (the grid is
 at most the SMs times the programs an SM holds, from the compiled kernel's registers and shared memory; nothing
