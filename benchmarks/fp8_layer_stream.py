@@ -21,9 +21,9 @@ computed, every such tile spilled or fitted fewer programs an SM, and ran 1.7-8.
 results/fp8_layer_stream_registers.json.)
 
 Measured on an H200 (results/fp8_layer_stream.json): every tile of this form ran 1.7-2.6x the engine's four
-launches a layer. The row counts (eight release adds a tile on one address, where a block barrier and one add
-stood before) and one program an SM where the staged tiles fill shared memory cost more than the launches they
-replace: the engine's launches keep more weight bytes in flight an SM than one persistent program holds.
+launches a layer, pipelined or not. What differs from the engine is what this form adds (a release add per row
+on one address, the waits, one program an SM where the staged tiles fill shared memory, 2-3 where they do not)
+against what it removes (a launch's start and tail); this run does not separate their costs, only their sum.
 
 Deadlock freedom: every item depends only on items earlier in the list and every program takes its items in list
 order, so the earliest unfinished item can always run, provided every program is resident at once (the grid is
