@@ -69,11 +69,13 @@ FP8 = torch.float8_e4m3fn
 FP8_BLOCK = (128, 128)  # what Qwen3-FP8 / DeepSeek-V3 ship and --quantization fp8 writes
 
 
-def gemv_candidates(top_k: int, max_block_k: int = 512) -> tuple[list[GemvTile], list[GemvTile]]:
-    """(gate_up, down) streaming tiles within the register budget for ``top_k`` slots (K steps of
-    at most ``max_block_k``: an fp8 step may not cross a scale block)."""
+def gemv_candidates(top_k: int, fp8_block: tuple[int, int] | None = None) -> tuple[list[GemvTile], list[GemvTile]]:
+    """(gate_up, down) streaming tiles within the register budget for ``top_k`` slots. With fp8 block scales
+    (``fp8_block``) a K step past the block's K needs the tile's rows in one block-scale row (the kernels then
+    scale the activation per column, kernels/moe_scales.ExpertScales.stream_k_scales); other tiles step one
+    block at a time, so a wider step of theirs would repeat a tile timed."""
     slots = triton.next_power_of_2(top_k)
-    tiles = [g for g in GEMV_TILES if g.block_k <= max_block_k]
+    tiles = [g for g in GEMV_TILES if fp8_block is None or g.block_k <= fp8_block[1] or fp8_block[0] % g.block_n == 0]
     gate_up = [g for g in tiles if 2 * g.block_n * g.block_k <= 64 * 32 * g.num_warps]
     down = [g for g in tiles if slots * g.block_n * g.block_k <= 64 * 32 * g.num_warps]
     return gate_up, down
@@ -201,8 +203,9 @@ def _tune_gemm(bucket: _Bucket, per_expert: float, quick: bool, space: dict) -> 
     return best
 
 
-def _tune_gemv(bucket: _Bucket, k: int, default_down: GemvTile, max_block_k: int) -> tuple[GemvTile, GemvTile]:
-    gate_up, down = gemv_candidates(k, max_block_k)
+def _tune_gemv(bucket: _Bucket, k: int, default_down: GemvTile, fp8_block: tuple[int, int] | None,
+               ) -> tuple[GemvTile, GemvTile]:  # fmt: skip
+    gate_up, down = gemv_candidates(k, fp8_block)
     gu_ms = {g: bucket.ms(path="gemv", gemv_tiles=(g, default_down)) for g in gate_up}
     gu = min(gu_ms, key=gu_ms.get)
     dn_ms = {g: bucket.ms(path="gemv", gemv_tiles=(gu, g)) for g in down}
@@ -219,8 +222,7 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget
     fp8 = dtype == FP8
     act_dtype = torch.bfloat16 if fp8 else dtype
     sets = [_weights(e, h, i, act_dtype, fp8, gen) for _ in range(2)]
-    max_block_k = FP8_BLOCK[1] if fp8 else 512
-    default_gemv = default_gemv_tiles(k, i, h, max_block_k)
+    default_gemv = default_gemv_tiles(k, i, h, FP8_BLOCK[1] if fp8 else 512)  # the defaults keep one block a step
     buckets, gate_up, down, rows = [], [], [], []
     small_max_pairs, gemv_best, gemv_winning = 0, None, tokens[0] == 1
     for t in tokens:
@@ -235,7 +237,7 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget
             best_gu, best_dn, best_ms = _tune_gemm(bucket, t * k / e, quick, space)
         gemv_ms = float("nan")
         if gemv_winning and t * k <= 256 and not over_budget:
-            gemv_best = gemv_best or _tune_gemv(bucket, k, default_gemv[1], max_block_k)
+            gemv_best = gemv_best or _tune_gemv(bucket, k, default_gemv[1], FP8_BLOCK if fp8 else None)
             gemv_ms = bucket.ms(path="gemv", gemv_tiles=gemv_best)
             if gemv_ms < best_ms:
                 small_max_pairs = t * k  # the streaming path wins every bucket up to here

@@ -75,6 +75,41 @@ CASES = [
 ]
 
 
+# streaming tiles whose K step spans several 32-wide scale blocks (their rows in one 16-row block: the scales
+# multiply the activation per column, K_SCALES), and a gate_up tile whose 32 rows span two block rows (its step
+# stays capped at one block)
+WIDE_STEPS = [
+    ((GemvTile(8, 64, 4), GemvTile(16, 128, 4)), 64, 96, 3),
+    ((GemvTile(4, 128, 4), GemvTile(8, 64, 4)), 96, 80, 2),
+    ((GemvTile(32, 64, 4), GemvTile(16, 64, 4)), 64, 64, 2),
+]
+
+
+@pytest.mark.parametrize("gemv,h,inter,k", WIDE_STEPS)
+def test_streaming_steps_across_scale_blocks_match_reference(gemv, h, inter, k, monkeypatch):
+    """K steps past the scale block (K tails included: 80 is no multiple of 64) against the reference; the launch
+    takes K_SCALES exactly where the tile's rows lie in one block-scale row and its step is wider than a block."""
+    block = (16, 32)
+    gen = torch.Generator().manual_seed(h + inter + k)
+    w13, w2, s13, s2 = _fp8_experts(gen, E, h, inter, block)
+    x = _randn(4, h, gen=gen)
+    topk_w, topk_ids = softmax_topk_reference(_randn(4, E, gen=gen), k, True)
+    spies = {name: _LaunchSpy(getattr(moe_fused, name))
+             for name in ("fused_moe_gemv_gate_up_kernel", "fused_moe_gemv_down_kernel")}  # fmt: skip
+    for name, spy in spies.items():
+        monkeypatch.setattr(moe_fused, name, spy)
+    out = fused_experts(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2, weight_block=block, path="gemv",
+                        gemv_tiles=gemv)  # fmt: skip
+    want = experts_fp8_reference(x, w13, w2, s13, s2, block, topk_w, topk_ids, None, 0)
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    for spy, tile, kk in zip(spies.values(), gemv, (h, inter)):
+        (launch,) = spy.launches
+        wide = block[0] % tile.block_n == 0 and min(tile.block_k, 1 << (kk - 1).bit_length()) > block[1]
+        assert launch["K_SCALES"] == wide
+        assert launch["BLOCK_K"] == (min(tile.block_k, 1 << (kk - 1).bit_length()) if wide else block[1])
+
+
 @pytest.mark.parametrize("path,w8a8,block,t,k,expert_start,num_local,padded,h,inter", CASES)
 def test_fp8_experts_match_reference(path, w8a8, block, t, k, expert_start, num_local, padded, h, inter,
                                      monkeypatch):  # fmt: skip
@@ -248,12 +283,12 @@ def test_tuner_sweeps_fp8_experts_and_writes_a_table_the_kernels_accept(monkeypa
     monkeypatch.setattr(moe_tune, "FP8_BLOCK", (16, 32))
     monkeypatch.setattr(moe_tune, "graph_ms", wall_ms)
     monkeypatch.setattr(moe_tune, "QUICK_TOKENS", [1, 4])
-    monkeypatch.setattr(moe_tune, "GEMV_TILES", [GemvTile(8, 32, 4), GemvTile(4, 64, 4)])
+    monkeypatch.setattr(moe_tune, "GEMV_TILES", [GemvTile(8, 32, 4), GemvTile(32, 64, 4)])
     one = [GemmTile(16, 16, 32, 1, 4, 3)]
     monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick, **space: one)
     tiles, rows = moe_tune.tune(E, h, inter, 2, torch.float8_e4m3fn, quick=True, budget_s=600)
     assert tiles.buckets == (2, 8) and [r["tokens"] for r in rows] == [1, 4]
-    assert tiles.gemv_gate_up == GemvTile(8, 32, 4)  # the 64-wide K step would cross a 32-wide scale block
+    assert tiles.gemv_gate_up == GemvTile(8, 32, 4)  # 32 rows over 16-row blocks: a 64-wide step is not taken
     again = MoeTiles.from_json(json.loads(json.dumps(tiles.to_json())))
     gen = torch.Generator().manual_seed(8)
     w13, w2, s13, s2 = _fp8_experts(gen, E, h, inter, (16, 32))
@@ -278,6 +313,20 @@ def test_tuner_fp8_tile_space_spans_scale_blocks_only_where_the_kernel_does():
     assert all(c.num_stages * (2 * c.block_m * c.block_k + 2 * c.block_k * c.block_n) <= SMEM_LIMIT for c in w8a16)
     assert max(c.block_k for c in gemm_candidates(4, True, False, fp8_block=(128, 128), w8a8=True)) == 128
     assert max(c.block_k for c in gemm_candidates(4, True, False)) == 256  # bf16 weights: as before
+
+
+def test_tuner_fp8_streaming_steps_span_scale_blocks_only_where_the_kernels_do():
+    """A streaming K step past the scale block only for tiles whose rows lie in one block-scale row
+    (ExpertScales.stream_k_scales); the others step one block at a time, so their wider steps are not timed."""
+    from benchmarks.moe_tune import GEMV_TILES, gemv_candidates
+
+    gate_up, down = gemv_candidates(2, (16, 32))
+    for tiles in (gate_up, down):
+        assert all(g.block_k <= 32 or 16 % g.block_n == 0 for g in tiles)
+    assert GemvTile(8, 512, 4) in gate_up and GemvTile(32, 512, 8) not in gate_up
+    assert {g.block_k for g in gate_up} == {128, 256, 512}
+    bf16 = gemv_candidates(2)
+    assert set(bf16[0]) == {g for g in GEMV_TILES if 2 * g.block_n * g.block_k <= 64 * 32 * g.num_warps}
 
 
 def test_tuner_retunes_some_buckets_and_keeps_the_others(monkeypatch):

@@ -182,8 +182,10 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
     s13, s2 = scales or (None, None)
     gu_k = min(gu.block_k, triton.next_power_of_2(h))
     dn_k = min(dn.block_k, triton.next_power_of_2(inter))
+    gu_ks = dn_ks = False
     if scales is not None:
-        gu_k, dn_k = s13.block_k(gu_k), s2.block_k(dn_k)
+        gu_ks, dn_ks = s13.stream_k_scales(gu_k, gu.block_n), s2.stream_k_scales(dn_k, dn.block_n)
+        gu_k, dn_k = s13.stream_block_k(gu_k, gu.block_n), s2.stream_block_k(dn_k, dn.block_n)
     a13, a2 = scale_args(s13, w13), scale_args(s2, w2)
     block_e = triton.next_power_of_2(counts.numel())
     act = torch.empty(t * k, inter, dtype=hidden.dtype, device=hidden.device)
@@ -191,14 +193,14 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
         hidden, w13, act, topk_ids, valid_arg, counts, a13["scale"], inter, expert_start, t * k,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), a13["stride_e"], a13["stride_n"],
         a13["up_row"], K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local, HAS_VALID=valid is not None,
-        W_FP8=scales is not None, **a13["consts"], BLOCK_N=gu.block_n, BLOCK_K=gu_k,
+        W_FP8=scales is not None, **a13["consts"], K_SCALES=gu_ks, BLOCK_N=gu.block_n, BLOCK_K=gu_k,
         BLOCK_P=HISTOGRAM_PAIRS, BLOCK_E=block_e, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_args(hidden.device, "fused_moe_gemv_gate_up_kernel"),
     )  # fmt: skip
     fused_moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
         act, w2, out, topk_weights, topk_ids, valid_arg, a2["scale"], h, expert_start,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), a2["stride_e"], a2["stride_n"],
         K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, W_FP8=scales is not None,
-        **a2["consts"], BLOCK_S=triton.next_power_of_2(k), BLOCK_N=dn.block_n, BLOCK_K=dn_k,
+        **a2["consts"], K_SCALES=dn_ks, BLOCK_S=triton.next_power_of_2(k), BLOCK_N=dn.block_n, BLOCK_K=dn_k,
         num_warps=dn.num_warps, num_stages=dn.num_stages, **pdl_args(act.device, "fused_moe_gemv_down_kernel"),
     )  # fmt: skip
 

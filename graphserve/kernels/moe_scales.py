@@ -49,6 +49,16 @@ class ExpertScales:
         """Block scales the grouped GEMM folds into an operand along k (module function k_only_scales)."""
         return not self.per_channel and k_only_scales(self.group_n, block_n, w8a8)
 
+    def stream_k_scales(self, block_k: int, block_n: int) -> bool:
+        """The streaming kernels' ``K_SCALES``: a K step past the scale block's K whose ``block_n`` rows lie in one
+        block-scale row, its scales then multiplying the activation per column (kernels/moe_stream.py). A step
+        of one block keeps the scale on each step's row sums, as before there was this mode."""
+        return not self.per_channel and self.group_n % block_n == 0 and block_k > self.group_k
+
+    def stream_block_k(self, block_k: int, block_n: int) -> int:
+        """The streaming kernels' K step: the tile's where ``stream_k_scales`` holds, else capped at the block."""
+        return block_k if self.stream_k_scales(block_k, block_n) else self.block_k(block_k)
+
     def gemm_block_k(self, block_k: int, block_n: int, w8a8: bool) -> int:
         """The grouped GEMM's K step: the tile's, capped at the scale block unless the scales vary along k only."""
         return block_k if self.k_only_scales(block_n, w8a8) else self.block_k(block_k)

@@ -37,13 +37,22 @@ def _row_scales(sg_ptrs, su_ptrs, k0, GROUP_K: tl.constexpr):
     return tl.load(sg_ptrs + k0 // GROUP_K), tl.load(su_ptrs + k0 // GROUP_K)
 
 
+@triton.jit
+def _k_scales(kg_row, ku_row, offs_k, k0, K: tl.constexpr, GROUP_K: tl.constexpr):
+    """K_SCALES: the gate's and the up rows' scale of each column of the K step at ``k0`` (one per block)."""
+    blocks = (k0 + offs_k) // GROUP_K
+    live = (k0 + offs_k) < K
+    return tl.load(kg_row + blocks, mask=live, other=0.0), tl.load(ku_row + blocks, mask=live, other=0.0)
+
+
 @triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see server/warmup.py
 def fused_moe_gemv_gate_up_kernel(
     x_ptr, w13_ptr, act_ptr, ids_ptr, valid_ptr, counts_ptr, ws_ptr, N, expert_start, num_pairs,
     stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_sn, scale_up_row,
     K: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
     W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    K_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """act[p, n-block] = silu(gate) * up for pair ``program_id(0)``: its expert's gate and up rows
     streamed once, FMA in fp32.
@@ -54,7 +63,9 @@ def fused_moe_gemv_gate_up_kernel(
     The next K step's tiles are loaded before the current ones are multiplied: a program then
     always has a load in flight, where a plain loop would leave HBM idle while it computes.
     FP8 weights are widened in registers against the model-dtype x (no activation quantization:
-    at a few tokens the weight stream is the cost); a block scale multiplies each step's row sums.
+    at a few tokens the weight stream is the cost); a block scale multiplies each step's row sums, or, with
+    ``K_SCALES`` (the program's rows in one row of scale blocks, a step spanning several blocks along K), x's
+    elements, each by its block's scale (the gate's and the up rows' apart).
     """
     pdl_enter(PDL)
     pair = tl.program_id(0)
@@ -76,12 +87,18 @@ def fused_moe_gemv_gate_up_kernel(
     u_ptrs = g_ptrs + N * stride_wn
     sg_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (rows // GROUP_N) * stride_sn
     su_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (scale_up_row + rows // GROUP_N) * stride_sn
-    BLOCK_SCALED: tl.constexpr = W_FP8 and not PER_CHANNEL
+    BLOCK_SCALED: tl.constexpr = W_FP8 and not PER_CHANNEL and not K_SCALES
+    if K_SCALES:  # the program's one row of scale blocks, for gate and for up
+        block_row = (tl.program_id(1) * BLOCK_N) // GROUP_N
+        kg_row = ws_ptr + expert.to(tl.int64) * stride_se + block_row * stride_sn
+        ku_row = ws_ptr + expert.to(tl.int64) * stride_se + (scale_up_row + block_row) * stride_sn
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     g, u, x = _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, 0, K, BLOCK_K)
     if BLOCK_SCALED:
         sg, su = _row_scales(sg_ptrs, su_ptrs, 0, GROUP_K)
+    if K_SCALES:
+        sg, su = _k_scales(kg_row, ku_row, offs_k, 0, K, GROUP_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         g_next, u_next, x_next = _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, k0, K, BLOCK_K)
         xf = x.to(tl.float32)[None, :]
@@ -89,6 +106,11 @@ def fused_moe_gemv_gate_up_kernel(
             sg_next, su_next = _row_scales(sg_ptrs, su_ptrs, k0, GROUP_K)
             acc_g += tl.sum(g.to(tl.float32) * xf, axis=1) * sg
             acc_u += tl.sum(u.to(tl.float32) * xf, axis=1) * su
+            sg, su = sg_next, su_next
+        elif K_SCALES:
+            sg_next, su_next = _k_scales(kg_row, ku_row, offs_k, k0, K, GROUP_K)
+            acc_g += tl.sum(g.to(tl.float32) * (xf * sg[None, :]), axis=1)
+            acc_u += tl.sum(u.to(tl.float32) * (xf * su[None, :]), axis=1)
             sg, su = sg_next, su_next
         else:
             acc_g += tl.sum(g.to(tl.float32) * xf, axis=1)
@@ -98,6 +120,9 @@ def fused_moe_gemv_gate_up_kernel(
     if BLOCK_SCALED:
         acc_g += tl.sum(g.to(tl.float32) * xf, axis=1) * sg
         acc_u += tl.sum(u.to(tl.float32) * xf, axis=1) * su
+    elif K_SCALES:
+        acc_g += tl.sum(g.to(tl.float32) * (xf * sg[None, :]), axis=1)
+        acc_u += tl.sum(u.to(tl.float32) * (xf * su[None, :]), axis=1)
     else:
         acc_g += tl.sum(g.to(tl.float32) * xf, axis=1)
         acc_u += tl.sum(u.to(tl.float32) * xf, axis=1)
@@ -127,12 +152,19 @@ def _down_tile(w_base, a_base, routed, offs_k, k0, K: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
+def _slot_k_scales(k_rows, routed, offs_k, k0, K: tl.constexpr, GROUP_K: tl.constexpr):
+    """K_SCALES: [slots, BLOCK_K] scales of the K step at ``k0``, each slot's expert's block row (0 unrouted)."""
+    cols = k0 + offs_k
+    return tl.load(k_rows[:, None] + (cols // GROUP_K)[None, :], mask=routed[:, None] & (cols < K)[None, :], other=0.0)
+
+
+@triton.jit
 def fused_moe_gemv_down_kernel(
     act_ptr, w2_ptr, out_ptr, weights_ptr, ids_ptr, valid_ptr, ws_ptr, H, expert_start,
     stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn,
     K: tl.constexpr, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
     W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    K_SCALES: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[t, n-block] = sum over token t's routed slots of weight * (w2[expert] @ act[pair]).
 
@@ -143,7 +175,9 @@ def fused_moe_gemv_down_kernel(
     many bytes in flight, and a per-step chain of id load -> weight load -> multiply leaves HBM
     idle (measured on an H200 at 1.2 TB/s). The routing weight scales the activation, so one fp32
     accumulator serves every slot. A padding row comes out as zeros. FP8 weights: each slot's
-    step sums take their block scales [BLOCK_S, BLOCK_N] (per-channel scales: once, at the end).
+    step sums take their block scales [BLOCK_S, BLOCK_N] (per-channel scales: once, at the end); with
+    ``K_SCALES`` (the program's rows in one row of scale blocks) the scales multiply the activation instead, one
+    per slot and column, so a step may span several blocks along K.
     """
     pdl_enter(PDL)
     t = tl.program_id(0)
@@ -162,23 +196,37 @@ def fused_moe_gemv_down_kernel(
     w_base = w2_ptr + expert.to(tl.int64)[:, None, None] * stride_we + rows[None, :, None] * stride_wn
     a_base = act_ptr + pairs.to(tl.int64)[:, None] * stride_am
     s_base = ws_ptr + expert.to(tl.int64)[:, None] * stride_se + (rows // GROUP_N)[None, :] * stride_sn
-    BLOCK_SCALED: tl.constexpr = W_FP8 and not PER_CHANNEL
+    BLOCK_SCALED: tl.constexpr = W_FP8 and not PER_CHANNEL and not K_SCALES
+    if K_SCALES:  # each slot's expert's row of scale blocks for the program's rows
+        k_rows = ws_ptr + expert.to(tl.int64) * stride_se + ((tl.program_id(1) * BLOCK_N) // GROUP_N) * stride_sn
     acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
     w, a = _down_tile(w_base, a_base, routed, offs_k, 0, K, BLOCK_K)
     if BLOCK_SCALED:
         s = tl.load(s_base, mask=routed[:, None], other=0.0)
+    if K_SCALES:
+        s = _slot_k_scales(k_rows, routed, offs_k, 0, K, GROUP_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_next, a_next = _down_tile(w_base, a_base, routed, offs_k, k0, K, BLOCK_K)
         if BLOCK_SCALED:
             s_next = tl.load(s_base + k0 // GROUP_K, mask=routed[:, None], other=0.0)
-        part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
+        if K_SCALES:
+            s_next = _slot_k_scales(k_rows, routed, offs_k, k0, K, GROUP_K)
+            part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None] * s)[:, None, :], axis=2)
+        else:
+            part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
         if BLOCK_SCALED:
             acc += part * s
+            s = s_next
+        elif K_SCALES:
+            acc += part
             s = s_next
         else:
             acc += part
         w, a = w_next, a_next
-    part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
+    if K_SCALES:
+        part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None] * s)[:, None, :], axis=2)
+    else:
+        part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
     if BLOCK_SCALED:
         acc += part * s
     else:
