@@ -179,6 +179,27 @@ def _plain_load(w_ptr, s_ptr, t, K: tl.constexpr, BN: tl.constexpr, BK: tl.const
 
 
 @triton.jit
+def _plain_phase(w_ptr, s_ptr, x_ptr, out_ptr, wait_ptr, wait_target, done_ptr, t, mine, G, err, spin_cap,
+                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, WHILE: tl.constexpr):
+    """A projection with no prologue (o, down): the first of the program's ``mine`` tiles requested, the wait
+    taken, that tile computed, the others in the loop Triton pipelines (WHILE: a plain loop, for the
+    interpreter)."""
+    w, s = _plain_load(w_ptr, s_ptr, t, K, BN, BK)
+    _wait(wait_ptr, wait_target, err, spin_cap)
+    _plain_out(w, s, t, x_ptr, out_ptr, done_ptr, K, BN, BK)
+    if WHILE:
+        i = 1
+        while i < mine:
+            w, s = _plain_load(w_ptr, s_ptr, t + i * G, K, BN, BK)
+            _plain_out(w, s, t + i * G, x_ptr, out_ptr, done_ptr, K, BN, BK)
+            i += 1
+    else:
+        for i in tl.range(1, mine, num_stages=STAGES):
+            w, s = _plain_load(w_ptr, s_ptr, t + i * G, K, BN, BK)
+            _plain_out(w, s, t + i * G, x_ptr, out_ptr, done_ptr, K, BN, BK)
+
+
+@triton.jit
 def layer_stream_kernel(
     w_qkv, s_qkv, w_o, s_o, w_gu, s_gu, w_d, s_d, n1, n2,
     down, rm, ra, qkv, o, act, cnt, err, eps, num_layers, G, spin_cap,
@@ -229,19 +250,7 @@ def layer_stream_kernel(
         t = _first(pid, base, G)
         mine = _mine(t, T1, G)
         if mine > 0:
-            w, s = _plain_load(wo, so, t, H, BN1, H)
-            _wait(c, QKV_N, err, spin_cap)
-            _plain_out(w, s, t, xo, oo, c + 1, H, BN1, H)
-            if WHILE:
-                i = 1
-                while i < mine:
-                    w, s = _plain_load(wo, so, t + i * G, H, BN1, H)
-                    _plain_out(w, s, t + i * G, xo, oo, c + 1, H, BN1, H)
-                    i += 1
-            else:
-                for i in tl.range(1, mine, num_stages=STAGES):
-                    w, s = _plain_load(wo, so, t + i * G, H, BN1, H)
-                    _plain_out(w, s, t + i * G, xo, oo, c + 1, H, BN1, H)
+            _plain_phase(wo, so, xo, oo, c, QKV_N, c + 1, t, mine, G, err, spin_cap, H, BN1, H, STAGES, WHILE)
         # gate_up: bf16(o[l] + ra[l]) -> rm[l + 1]; RMSNorm; gate and up rows of the tile; silu(gate) * up
         base += T1
         wg_ptr, sg_ptr = w_gu + wl * (2 * INTER * H), s_gu + layer * (2 * INTER)
@@ -268,19 +277,8 @@ def layer_stream_kernel(
         t = _first(pid, base, G)
         mine = _mine(t, T3, G)
         if mine > 0:
-            w, s = _plain_load(wd, sd, t, INTER, BN3, BK_D)
-            _wait(c + 2, INTER, err, spin_cap)
-            _plain_out(w, s, t, xd, od, c + 3, INTER, BN3, BK_D)
-            if WHILE:
-                i = 1
-                while i < mine:
-                    w, s = _plain_load(wd, sd, t + i * G, INTER, BN3, BK_D)
-                    _plain_out(w, s, t + i * G, xd, od, c + 3, INTER, BN3, BK_D)
-                    i += 1
-            else:
-                for i in tl.range(1, mine, num_stages=STAGES):
-                    w, s = _plain_load(wd, sd, t + i * G, INTER, BN3, BK_D)
-                    _plain_out(w, s, t + i * G, xd, od, c + 3, INTER, BN3, BK_D)
+            _plain_phase(wd, sd, xd, od, c + 2, INTER, c + 3, t, mine, G, err, spin_cap, INTER, BN3, BK_D, STAGES,
+                         WHILE)  # fmt: skip
         layer += 1
 
 
