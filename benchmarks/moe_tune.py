@@ -7,7 +7,8 @@ it sweeps the gate_up tile with a default down tile, then the down tile with the
 one; the per-pair streaming path is timed at the small buckets and wins its buckets while it is
 faster. Each bucket also times the path the engine took before the run (``before_us``: the table it
 read at start, or the defaults where there was none) against the new table's (``tuned_us``), in the
-same process. The table goes to graphserve/kernels/moe_configs/ (and $OUT when set).
+same process; where that run took the grouped GEMM and timed faster than every tile the sweep timed, the
+bucket keeps its tiles (``gemm_from``: "before"). The table goes to graphserve/kernels/moe_configs/ (and $OUT when set).
 
 Run: python3 -m benchmarks.moe_tune --model dummy:qwen3-30b-a3b       (about 5-8 minutes on an H200)
      python3 -m benchmarks.moe_tune --experts 128 --hidden 2048 --intermediate 768 --top-k 8 --dtype bfloat16
@@ -40,6 +41,7 @@ from graphserve.kernels.moe_config import (
     MoeTiles,
     default_gemv_tiles,
     device_name,
+    moe_tiles,
     table_path,
 )
 from graphserve.kernels.moe_fused import W8A8_MIN_ROWS_PER_EXPERT, fused_experts
@@ -223,6 +225,7 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget
     act_dtype = torch.bfloat16 if fp8 else dtype
     sets = [_weights(e, h, i, act_dtype, fp8, gen) for _ in range(2)]
     default_gemv = default_gemv_tiles(k, i, h, FP8_BLOCK[1] if fp8 else 512)  # the defaults keep one block a step
+    before = moe_tiles(e, i, h, dtype, DEVICE)  # what bucket.ms() runs with no overrides: the table read at start
     buckets, gate_up, down, rows = [], [], [], []
     small_max_pairs, gemv_best, gemv_winning = 0, None, tokens[0] == 1
     for t in tokens:
@@ -235,6 +238,9 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget
         else:
             space = {"fp8_block": FP8_BLOCK if fp8 else None, "w8a8": fp8 and t * k >= W8A8_MIN_ROWS_PER_EXPERT * e}
             best_gu, best_dn, best_ms = _tune_gemm(bucket, t * k / e, quick, space)
+        gemm_from = "this run"
+        if t * k > before.small_max_pairs and before_ms < best_ms:  # the grouped GEMM ran before, and faster
+            (best_gu, best_dn), best_ms, gemm_from = before.gemm_tiles(t * k), before_ms, "before"
         gemv_ms = float("nan")
         if gemv_winning and t * k <= 256 and not over_budget:
             gemv_best = gemv_best or _tune_gemv(bucket, k, default_gemv[1], FP8_BLOCK if fp8 else None)
@@ -247,7 +253,7 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, quick: bool, budget
         gate_up.append(best_gu)
         down.append(best_dn)
         row = {"tokens": t, "pairs": t * k, "gemm_us": best_ms * 1e3, "gemv_us": gemv_ms * 1e3,
-               "before_us": before_ms * 1e3, "gate_up": _short(best_gu), "down": _short(best_dn),
+               "before_us": before_ms * 1e3, "gemm_from": gemm_from, "gate_up": _short(best_gu), "down": _short(best_dn),
                "elapsed_s": time.monotonic() - start}  # fmt: skip
         rows.append(row)
         print_table([row], list(row))

@@ -17,6 +17,7 @@ import json
 
 import torch
 from interp_setup import kernel_device, use_interpreter
+from tune_utils import before_never_kept
 
 use_interpreter()
 
@@ -216,6 +217,7 @@ def test_tuner_writes_a8_tiles_that_the_table_path_runs(monkeypatch):
     monkeypatch.setattr(moe_tune, "FP8_BLOCK", BLOCK)
     monkeypatch.setattr(moe_tune, "graph_ms", wall_ms)
     monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick, **space: [A8])
+    monkeypatch.setattr(moe_tune._Bucket, "ms", before_never_kept(moe_tune._Bucket.ms))
     tiles, _ = moe_tune.tune(E, h, inter, k, torch.float8_e4m3fn, quick=False, budget_s=600, tokens=[4])
     assert tiles.gate_up == (A8,) and tiles.down == (A8,)
     again = MoeTiles.from_json(json.loads(json.dumps(tiles.to_json())))

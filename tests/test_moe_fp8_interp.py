@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from interp_setup import kernel_device, use_interpreter
+from tune_utils import before_never_kept
 
 use_interpreter("graphserve.layers.moe")
 
@@ -286,6 +287,7 @@ def test_tuner_sweeps_fp8_experts_and_writes_a_table_the_kernels_accept(monkeypa
     monkeypatch.setattr(moe_tune, "GEMV_TILES", [GemvTile(8, 32, 4), GemvTile(32, 64, 4)])
     one = [GemmTile(16, 16, 32, 1, 4, 3)]
     monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick, **space: one)
+    monkeypatch.setattr(moe_tune._Bucket, "ms", before_never_kept(moe_tune._Bucket.ms))
     tiles, rows = moe_tune.tune(E, h, inter, 2, torch.float8_e4m3fn, quick=True, budget_s=600)
     assert tiles.buckets == (2, 8) and [r["tokens"] for r in rows] == [1, 4]
     assert tiles.gemv_gate_up == GemvTile(8, 32, 4)  # 32 rows over 16-row blocks: a 64-wide step is not taken
@@ -355,6 +357,7 @@ def test_tuner_retunes_some_buckets_and_keeps_the_others(monkeypatch):
     old_json = {**old.to_json(), "measurements": [{"pairs": b, "gemm_us": 1.0} for b in (2, 8, 32)]}
     old_json = json.loads(json.dumps(old_json))
 
+    monkeypatch.setattr(moe_tune._Bucket, "ms", before_never_kept(moe_tune._Bucket.ms))
     tiles, rows = moe_tune.tune(E, h, inter, k, torch.float8_e4m3fn, quick=False, budget_s=600, tokens=[4])
     assert tiles.buckets == (8,) and [r["pairs"] for r in rows] == [8] and rows[0]["gemv_us"] != rows[0]["gemv_us"]
     merged, merged_rows = moe_tune.merge_tables(old_json, tiles, rows, streaming=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from interp_setup import kernel_device, use_interpreter
+from tune_utils import before_never_kept
 
 use_interpreter("graphserve.layers.moe")
 
@@ -359,6 +360,7 @@ def test_tuner_sweep_writes_a_table_the_kernels_accept(monkeypatch):
     monkeypatch.setattr(moe_tune, "QUICK_TOKENS", [1, 4])
     monkeypatch.setattr(moe_tune, "GEMV_TILES", list(GEMV))
     monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick, **space: small)
+    monkeypatch.setattr(moe_tune._Bucket, "ms", before_never_kept(moe_tune._Bucket.ms))
     tiles, rows = moe_tune.tune(E, H, INTER, 2, torch.float32, quick=True, budget_s=600)
     assert tiles.buckets == (2, 8) and [r["tokens"] for r in rows] == [1, 4]
     assert all(g.block_m == d.block_m for g, d in zip(tiles.gate_up, tiles.down))
@@ -374,6 +376,34 @@ def test_tuner_sweep_writes_a_table_the_kernels_accept(monkeypatch):
     topk_w, topk_ids = softmax_topk_reference(_randn(5, E, gen=gen), 2, True)
     out = fused_experts(x, w13, w2, topk_w, topk_ids, tiles=again)
     torch.testing.assert_close(out, experts_reference(x, w13, w2, topk_w, topk_ids), rtol=1e-4, atol=1e-5)
+
+
+def test_tuner_keeps_a_buckets_tiles_where_what_ran_before_timed_faster(monkeypatch):
+    """A bucket whose grouped GEMM, as the engine ran it before the sweep (the table read at start), times faster
+    than every tile the sweep timed keeps that table's tiles; the other buckets take the sweep's. Timings are
+    made up (the run before at 1.0 ms in bucket 8 only, every sweep candidate at 2.0), so which wins is fixed."""
+    from benchmarks import moe_tune
+    from graphserve.kernels.moe_config import MoeTiles
+
+    swept = GemmTile(16, 16, 32, 1, 4, 3)
+    old_tile = GemmTile(32, 32, 16, 1, 4, 3)
+    old = MoeTiles(0, None, None, (2, 8), (old_tile, old_tile), (old_tile, old_tile))
+    monkeypatch.setattr(moe_tune, "DEVICE", DEVICE)
+    monkeypatch.setattr(moe_tune, "moe_tiles", lambda *args: old)
+    monkeypatch.setattr(moe_tune, "GEMV_TILES", list(GEMV))
+    monkeypatch.setattr(moe_tune, "gemm_candidates", lambda per_expert, gated, quick, **space: [swept])
+    pairs_of = {}
+
+    def fake_ms(self, **overrides) -> float:
+        pairs = pairs_of.setdefault(id(self), self.ids.numel())
+        return 2.0 if overrides else (1.0 if pairs == 8 else 3.0)
+
+    monkeypatch.setattr(moe_tune._Bucket, "ms", fake_ms)
+    tiles, rows = moe_tune.tune(E, H, INTER, 2, torch.float32, quick=True, budget_s=600, tokens=[1, 4])
+    assert tiles.buckets == (2, 8) and tiles.small_max_pairs == 0  # the streaming path (2.0) never beat 2.0
+    assert (tiles.gate_up, tiles.down) == ((swept, old_tile), (swept, old_tile))
+    assert [(r["gemm_from"], r["gemm_us"], r["before_us"]) for r in rows] == [("this run", 2e3, 3e3), ("before", 1e3, 1e3)]
+    assert [r["tuned_vs_before"] for r in rows] == [2 / 3, 1.0]
 
 
 @pytest.mark.parametrize("argv,message", [
