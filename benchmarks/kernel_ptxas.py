@@ -157,11 +157,51 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
     return out
 
 
+def moe_stream_reports() -> list[dict]:
+    """The MoE small-batch streaming kernels (kernels/moe_stream.py) with the tiles every shipped FP8 expert table
+    gives them, at that table's expert shape, with the 128x128 block scales the tuner times them on: a step past
+    the block takes the per-column scales (``K_SCALES``, ExpertScales.stream_k_scales's rule)."""
+    import triton
+
+    from graphserve.kernels.moe_config import CONFIG_DIR, MoeTiles
+    from graphserve.kernels.moe_fused import HISTOGRAM_PAIRS
+    from graphserve.kernels.moe_stream import fused_moe_gemv_down_kernel, fused_moe_gemv_gate_up_kernel
+
+    block, f8, out = 128, "*fp8e4nv", []
+    for path in sorted(CONFIG_DIR.glob("*dtype=float8_e4m3fn*.json")):
+        raw = json.loads(path.read_text())
+        tiles = MoeTiles.from_json(raw)
+        if not tiles.small_max_pairs or tiles.gemv_gate_up is None or "top_k" not in raw:
+            continue
+        e, h, i, k = raw["experts"], raw["hidden"], raw["intermediate"], raw["top_k"]
+        scales = {"W_FP8": True, "GROUP_N": block, "GROUP_K": block, "PER_CHANNEL": False, "HAS_VALID": False,
+                  "PDL": False, "TOP_K": k, "E_LOCAL": e}  # fmt: skip
+        for name, tile, kk in (("gate_up", tiles.gemv_gate_up, h), ("down", tiles.gemv_down, i)):
+            step = min(tile.block_k, triton.next_power_of_2(kk))
+            wide = block % tile.block_n == 0 and step > block
+            step = step if wide else min(step, block)
+            if name == "gate_up":
+                fn = fused_moe_gemv_gate_up_kernel
+                types = {"x_ptr": "*bf16", "w13_ptr": f8, "act_ptr": "*bf16", "ids_ptr": "*i32", "valid_ptr": "*i32",
+                         "counts_ptr": "*i32", "ws_ptr": "*fp32"}  # fmt: skip
+                consts = {"K": kk, "E": e, "BLOCK_P": HISTOGRAM_PAIRS, "BLOCK_E": triton.next_power_of_2(e)}
+            else:
+                fn = fused_moe_gemv_down_kernel
+                types = {"act_ptr": "*bf16", "w2_ptr": f8, "out_ptr": "*bf16", "weights_ptr": "*fp32",
+                         "ids_ptr": "*i32", "valid_ptr": "*i32", "ws_ptr": "*fp32"}  # fmt: skip
+                consts = {"K": kk, "BLOCK_S": triton.next_power_of_2(k)}
+            consts.update(scales, K_SCALES=wide, BLOCK_N=tile.block_n, BLOCK_K=step)
+            row = compile_report(fn, types, consts, tile.num_warps, tile.num_stages)
+            out.append({"kernel": fn.__name__, "shape": f"E{e} H{h} I{i} k{k} {name} {tile.block_n}x{step}"
+                        f"{' k_scales' if wide else ''} w{tile.num_warps}", **row})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args()
-    for row in attention_reports() + gate_reports() + fp8_stream_reports():
+    for row in attention_reports() + gate_reports() + fp8_stream_reports() + moe_stream_reports():
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
 

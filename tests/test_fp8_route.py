@@ -96,3 +96,29 @@ def test_a_run_of_one_scale_kind_keeps_the_other_kinds_entries() -> None:
     n, k = SHAPES["llama3-8b qkv"]
     assert both.route(64, n, k, "block128").path == "scaled_mm" and both.route(1, n, k, "block128").config == fma
     assert both.route(64, n, k, "channel").config == a8 and both.route(65, n, k, "channel") is None
+
+
+def test_moe_streaming_tiles_of_the_fp8_tables_compile_for_hopper():
+    """The MoE streaming kernels with every shipped FP8 expert table's tiles at its shape, compiled for sm_90
+    without a GPU (benchmarks/kernel_ptxas.moe_stream_reports): every tile fits (shared memory, one program an SM
+    at least), and the tiles that step across scale blocks (``K_SCALES``, whose per-column scale loads add
+    registers) do not spill."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import json; from benchmarks.kernel_ptxas import moe_stream_reports\n"
+            "for r in moe_stream_reports(): print(json.dumps(r))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], check=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True).stdout
+    from benchmarks.kernel_ptxas import SM90_SHARED_BYTES
+
+    rows = [json.loads(line) for line in out.splitlines()]
+    wide = [r for r in rows if "k_scales" in r["shape"]]
+    assert wide and any("gate_up" in r["shape"] for r in wide) and any("down" in r["shape"] for r in wide), rows
+    for r in rows:
+        assert r["shared_bytes"] <= SM90_SHARED_BYTES and r["programs_per_sm"] >= 1, r
+    for r in wide:
+        assert r["spill_bytes"] == 0, r
