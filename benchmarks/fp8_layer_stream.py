@@ -11,16 +11,15 @@ until the projection its input comes from has counted all its rows done (an int3
 projection, polled with volatile loads, then an acquire and a block barrier), then reads its input from L2,
 computes, stores, and counts its rows done (a release add at GPU scope by each thread that stored a row: a block
 barrier there would keep Triton from pipelining the loop). The residual sums the norms read are stored the same
-way, each tile its rows' share of them. So while the last tiles of one
-projection finish, every program that is through with it already holds its next tile's weight in flight: the
-stream does not drain between projections, and the only wait left is the dependency itself. A program's other
-tiles of the projection run in a loop Triton pipelines (``stages``: their weights staged through shared memory
-that many tiles ahead), so it keeps more than one tile in flight without holding them in registers. (Held in
-registers instead, with the norm taken once a projection and the next tile requested before the held one is
-computed, every such tile spilled or fitted fewer programs an SM, and ran 1.7-8.8x the engine's time:
-results/fp8_layer_stream_registers.json.)
+way, each tile its rows' share of them. So while the last tiles of one projection finish, every program that is
+through with it already holds its next tile's weight in flight: the stream does not drain between projections,
+and the only wait left is the dependency itself. A program's other tiles of the projection run in a loop Triton
+pipelines (``stages``: their weights staged through shared memory that many tiles ahead), so it keeps more than
+one tile in flight without holding them in registers. (Held in registers instead, with the norm taken once a
+projection and the next tile requested before the held one is computed, the tiles took 128-255 registers a
+thread, one or two programs an SM, and ran 1.67-8.79x the engine's time: results/fp8_layer_stream_registers.json.)
 
-Measured on an H200 (results/fp8_layer_stream.json): every tile of this form ran 1.7-2.6x the engine's four
+Measured on an H200 (results/fp8_layer_stream.json): every tile of this form ran 1.68-2.59x the engine's four
 launches a layer, pipelined or not. What differs from the engine is what this form adds (a release add per row
 on one address, the waits, one program an SM where the staged tiles fill shared memory, 2-3 where they do not)
 against what it removes (a launch's start and tail); this run does not separate their costs, only their sum.
