@@ -109,7 +109,8 @@ class PagedHarness:
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual - expected).norm() / expected.norm())
+    """``|actual - expected| / |expected|`` (Frobenius norms), computed in fp32 whatever the inputs' dtype."""
+    return float((actual.float() - expected.float()).norm() / expected.float().norm())
 
 
 def apply_sampled(scheduler, out, sampled: list[int]) -> list:

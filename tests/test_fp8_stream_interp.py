@@ -16,6 +16,7 @@ import json
 
 import torch
 from interp_setup import use_interpreter
+from model_utils import relative_error
 
 use_interpreter()
 
@@ -67,10 +68,6 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 def _weight(n: int, k: int, group_n: int, group_k: int, seed: int):
     w = _randn(n, k, seed=seed) * 0.05
     if group_n == 1 and group_k >= k:
@@ -105,7 +102,7 @@ def test_stream_dot_matches_reference(m, n, k, group_n, group_k, split) -> None:
     x = _randn(m, k, seed=k).to(DOT_DTYPE)
     out = fp8_gemv(x, wq, ws, group_n, group_k, config=dataclasses.replace(DOT, split_k=split))
     assert out.dtype == DOT_DTYPE
-    assert _rel(out, fp8_gemv_reference(x.float(), wq, ws, group_n, group_k)) < 1e-2
+    assert relative_error(out, fp8_gemv_reference(x.float(), wq, ws, group_n, group_k)) < 1e-2
 
 
 def _quantized_x(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -132,8 +129,8 @@ def test_stream_fp8_dot_matches_the_quantized_reference(m, n, k, group_n, group_
     out = fp8_gemv(x, wq, ws, group_n, group_k, config=cfg)
     want = fp8_gemv_reference(_quantized_x(x.float(), block_k), wq, ws, group_n, group_k)
     assert out.dtype == DOT_DTYPE
-    assert _rel(out, want) < 0.1
-    assert _rel(out, fp8_gemv_reference(x.float(), wq, ws, group_n, group_k)) < 0.1
+    assert relative_error(out, want) < 0.1
+    assert relative_error(out, fp8_gemv_reference(x.float(), wq, ws, group_n, group_k)) < 0.1
 
 
 @pytest.mark.parametrize("split,block_n", [(1, 16), (2, 16), (1, 64)])
@@ -161,13 +158,13 @@ def test_stream_fp8_dot_prologues_match_reference() -> None:
     out, summed = fp8_norm_gemv(x, nw, 1e-6, wq, ws, 16, group, residual=res, config=cfg)
     h, want_sum = fused_add_rms_norm_reference(x, res, nw, 1e-6)
     want = fp8_gemv_reference(_quantized_x(h.float(), group), wq, ws, 16, group)
-    assert _rel(out, want) < 0.1  # the interpreter's e4m3 rounding (above)
+    assert relative_error(out, want) < 0.1  # the interpreter's e4m3 rounding (above)
     torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
     gate_up = _randn(m, 2 * k, seed=35).to(DOT_DTYPE)
     gate, up = gate_up.float().chunk(2, dim=-1)
     act = (torch.nn.functional.silu(gate) * up).to(DOT_DTYPE)
     want = fp8_gemv_reference(_quantized_x(act.float(), group), wq, ws, 16, group)
-    assert _rel(fp8_silu_mul_gemv(gate_up, wq, ws, 16, group, config=cfg), want) < 0.1
+    assert relative_error(fp8_silu_mul_gemv(gate_up, wq, ws, 16, group, config=cfg), want) < 0.1
 
 
 def test_stream_fp8_dot_refuses_a_step_across_scale_blocks() -> None:
@@ -244,7 +241,6 @@ def test_stream_a8_refuses_what_it_cannot_run() -> None:
         fp8_gemv_a8(q, s[:, :2], wq, ws, 16, 32, torch.float32, config=a8)
     with pytest.raises(ValueError, match="x one of"):
         fp8_gemv_a8(q.float(), s, wq, ws, 16, 32, torch.float32, config=a8)
-
 
 
 @pytest.mark.parametrize("m,k,group,pad", [(3, 96, 32, 4), (5, 200, 64, 1), (2, 72, 72, 1)])
@@ -350,7 +346,7 @@ def test_token_group_quant_padded_column_major(m, k, group, pad) -> None:
     # the interpreter's e4m3 rounding may drop a carry (tests/test_fp8_interp.py): compare dequantized
     back, want = q[:m].float() * s[:m].repeat_interleave(group, 1)[:, :k], q_ref.float() * s_ref.repeat_interleave(
         group, 1)[:, :k]
-    assert _rel(back, want) < 0.05
+    assert relative_error(back, want) < 0.05
     assert q[m:].float().abs().max().item() == 0 if rows > m else True
     # the W8A8 GEMM reads column-major scales too
     wq, ws = quantize_weight_blocks(_randn(24, k, seed=9) * 0.05, 8, group)

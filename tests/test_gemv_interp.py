@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from interp_setup import kernel_device, use_interpreter
+from model_utils import relative_error
 
 use_interpreter()
 
@@ -43,10 +44,6 @@ def randn(*shape: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(DEVICE)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
 @pytest.mark.parametrize(("n", "k"), [(70, 200), (33, 515)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -56,7 +53,7 @@ def test_gemv_matches_reference(m, n, k, with_bias):
     bias = randn(n, gen=gen) if with_bias else None
     out = torch.full((m, n), float("nan"), device=DEVICE)
     assert gemv(x, w, bias, out=out) is out
-    assert rel_err(out, gemv_reference(x, w, bias)) < RTOL
+    assert relative_error(out, gemv_reference(x, w, bias)) < RTOL
 
 
 @pytest.mark.parametrize("config", [FMA, DOT], ids=["fma", "dot"])
@@ -67,7 +64,7 @@ def test_both_inner_products_with_and_without_a_k_tail(config, m, n, k):
     x, w, bias = randn(m, k, gen=gen), randn(n, k, gen=gen), randn(n, gen=gen)
     out = gemv(x, w, bias, config=config)
     assert out.shape == (m, n) and not out.isnan().any()
-    assert rel_err(out, gemv_reference(x, w, bias)) < RTOL
+    assert relative_error(out, gemv_reference(x, w, bias)) < RTOL
 
 
 @pytest.mark.parametrize("config", [None, FMA, DOT], ids=["chosen", "fma", "dot"])
@@ -77,10 +74,10 @@ def test_silu_mul_gemv_matches_reference_and_the_unfused_path(config, m):
     n, k = 45, 160
     gate_up, w, bias = randn(m, 2 * k, gen=gen) * 3, randn(n, k, gen=gen), randn(n, gen=gen)
     out = silu_mul_gemv(gate_up, w, bias, config=config)
-    assert rel_err(out, silu_mul_gemv_reference(gate_up, w, bias)) < RTOL
+    assert relative_error(out, silu_mul_gemv_reference(gate_up, w, bias)) < RTOL
     # the prologue rounds silu(gate) * up as the activation kernel does, so both feed the same x
     unfused = gemv(silu_and_mul(gate_up), w, bias, config=config)
-    assert rel_err(out, unfused) < 1e-6
+    assert relative_error(out, unfused) < 1e-6
 
 
 @pytest.mark.parametrize("config", [None, FMA, DOT], ids=["chosen", "fma", "dot"])
@@ -99,7 +96,7 @@ def test_norm_gemv_matches_reference_and_the_unfused_path(config, m, with_residu
     y, summed = norm_gemv(x, norm_w, eps, w, bias, residual, residual_out=residual_out, out=out, config=config)
     assert y is out and summed is residual_out
     ref_y, ref_summed = norm_gemv_reference(x, norm_w, eps, w, bias, residual)
-    assert rel_err(y, ref_y) < RTOL
+    assert relative_error(y, ref_y) < RTOL
     if with_residual:
         assert torch.equal(summed, ref_summed)
         assert torch.equal(residual, old_residual)  # read by every program, never written
@@ -109,7 +106,7 @@ def test_norm_gemv_matches_reference_and_the_unfused_path(config, m, with_residu
         assert summed is None
         h = rms_norm(x, norm_w, eps)
     # the same normalised rows reach the matmul as through the separate norm kernel
-    assert rel_err(y, gemv(h, w, bias, config=config)) < 1e-6
+    assert relative_error(y, gemv(h, w, bias, config=config)) < 1e-6
 
 
 def test_norm_gemv_rejects_writing_over_the_residual_it_reads():
@@ -132,7 +129,7 @@ def test_strided_rows_in_and_out_touch_only_their_columns():
     buf = torch.full((m, n + 30), float("nan"), device=DEVICE)
     out = buf[:, 10 : 10 + n]
     gemv(x, w, out=out)
-    assert rel_err(out, gemv_reference(x, w)) < RTOL
+    assert relative_error(out, gemv_reference(x, w)) < RTOL
     assert buf[:, :10].isnan().all() and buf[:, 10 + n :].isnan().all()
 
 

@@ -10,6 +10,7 @@ import os
 import sys
 
 import torch
+from model_utils import relative_error
 
 
 def _use_interpreter() -> None:
@@ -87,10 +88,6 @@ def nans(*shape: int) -> torch.Tensor:
     return torch.full(shape, float("nan"), device=DEVICE)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 def paged_setup(seq_lens: list[int], num_kv_heads: int, head_dim: int, page: int, gen: torch.Generator):
     """A random cache and block tables that hand out shuffled blocks (never the dummy block 0)."""
     blocks_per_seq = [(n + page - 1) // page for n in seq_lens]
@@ -165,7 +162,7 @@ def test_decode_attention_matches_reference(
                      min_split_len=min_split_len)  # fmt: skip
     ref = decode_attention_reference(q, cache, tables, lens, scale)
     assert not out.isnan().any()
-    assert rel_err(out, ref) < RTOL
+    assert relative_error(out, ref) < RTOL
 
 
 def test_decode_attention_merges_in_kernel_and_leaves_counters_zero():
@@ -180,7 +177,7 @@ def test_decode_attention_merges_in_kernel_and_leaves_counters_zero():
         q = randn(3, 32, 128, gen=gen)
         out = decode_attention(q, cache, tables, lens, 0.1, num_splits=6, workspace=workspace, counters=counters,
                                min_split_len=64)  # fmt: skip
-        assert rel_err(out, decode_attention_reference(q, cache, tables, lens, 0.1)) < RTOL
+        assert relative_error(out, decode_attention_reference(q, cache, tables, lens, 0.1)) < RTOL
         assert not counters.any()
     with pytest.raises(ValueError, match="counters hold 2 torch.int32"):
         decode_attention(q, cache, tables, lens, 0.1, num_splits=6, counters=counters[:2])
@@ -204,7 +201,7 @@ def test_decode_attention_uses_given_workspace_and_checks_its_size():
     workspace = nans(need + 10)
     out = decode_attention(q, cache, tables, lens, 0.2, num_splits=3, workspace=workspace)
     assert not workspace[:need].isnan().any()  # the partials went to the caller's scratch
-    assert rel_err(out, decode_attention_reference(q, cache, tables, lens, 0.2)) < RTOL
+    assert relative_error(out, decode_attention_reference(q, cache, tables, lens, 0.2)) < RTOL
     with pytest.raises(ValueError, match="workspace holds 10"):
         decode_attention(q, cache, tables, lens, 0.2, num_splits=3, workspace=nans(10))
 
@@ -273,7 +270,7 @@ def test_extend_attention_matches_reference(num_heads, num_kv_heads, seq_lens, q
     extend_attention(q, cache, tables, lens, starts, max(query_lens), 0.25, out=out)
     ref = extend_attention_reference(q, cache, tables, lens, starts, 0.25)
     assert not out.isnan().any()
-    assert rel_err(out, ref) < RTOL
+    assert relative_error(out, ref) < RTOL
 
 
 def test_rms_norm_and_fused_add_match_reference():
@@ -283,12 +280,12 @@ def test_rms_norm_and_fused_add_match_reference():
     w = randn(96, gen=gen)
     out = torch.full_like(x, float("nan"))
     rms_norm(x, w, 1e-6, out=out)
-    assert not out.isnan().any() and rel_err(out, rms_norm_reference(x, w, 1e-6)) < RTOL
+    assert not out.isnan().any() and relative_error(out, rms_norm_reference(x, w, 1e-6)) < RTOL
     normed, new_res = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
     fused_add_rms_norm(x, res, w, 1e-5, out=normed, residual_out=new_res)
     ref_normed, ref_res = fused_add_rms_norm_reference(x, res, w, 1e-5)
     assert not normed.isnan().any() and not new_res.isnan().any()
-    assert rel_err(normed, ref_normed) < RTOL and rel_err(new_res, ref_res) < RTOL
+    assert relative_error(normed, ref_normed) < RTOL and relative_error(new_res, ref_res) < RTOL
 
 
 def test_rotary_in_place_matches_reference_with_partial_rotation():
@@ -299,7 +296,7 @@ def test_rotary_in_place_matches_reference_with_partial_rotation():
     ref_q, ref_k = apply_rotary_reference(q, k, positions, cos, sin)
     q_tail = q[..., 32:].clone()
     apply_rotary(q, k, positions, cos, sin)
-    assert rel_err(q, ref_q) < RTOL and rel_err(k, ref_k) < RTOL
+    assert relative_error(q, ref_q) < RTOL and relative_error(k, ref_k) < RTOL
     assert torch.equal(q[..., 32:], q_tail)
 
 
@@ -312,7 +309,7 @@ def test_rotary_on_strided_qkv_views():
     positions = torch.arange(5, device=DEVICE) * 3
     ref_q, ref_k = apply_rotary_reference(q, k, positions, cos, sin)
     apply_rotary(q, k, positions, cos, sin)
-    assert rel_err(q, ref_q) < RTOL and rel_err(k, ref_k) < RTOL
+    assert relative_error(q, ref_q) < RTOL and relative_error(k, ref_k) < RTOL
     assert torch.equal(qkv[:, 6:], v_before)
 
 
@@ -322,7 +319,7 @@ def test_silu_and_mul_matches_reference():
     out = nans(7, 1100)
     silu_and_mul(x, out=out)
     assert not out.isnan().any()
-    assert rel_err(out, silu_and_mul_reference(x)) < RTOL
+    assert relative_error(out, silu_and_mul_reference(x)) < RTOL
 
 
 def _batch(mode, q_lens, seq_lens, tables, cache, slots) -> ForwardBatch:
@@ -360,4 +357,4 @@ def test_triton_backend_matches_torch_backend(mode):
     for backend, c in zip((TritonAttentionBackend(), TorchAttentionBackend()), caches):
         outs.append(backend.forward(q, k, v, 0, _batch(mode, q_lens, seq_lens, tables, c, slots), 0.3))
     assert torch.equal(caches[0], caches[1])
-    assert rel_err(outs[0], outs[1]) < RTOL
+    assert relative_error(outs[0], outs[1]) < RTOL

@@ -14,6 +14,7 @@ import os
 import sys
 
 import torch
+from model_utils import relative_error
 
 
 def _use_interpreter() -> None:
@@ -42,10 +43,6 @@ from graphserve.layers.mla_triton import TritonMLABackend  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 RANK, ROPE, NOPE, HEADS = 24, 8, 8, 5
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def latent_setup(seq_lens: list[int], page: int, gen: torch.Generator):
@@ -78,9 +75,9 @@ def test_prologue_matches_reference(interleaved):
     cos_sin = rotary.cos_sin_cache.to(DEVICE)
     mla_prologue(q, kv_a, positions, cos_sin, weight, 1e-6, cache, slots, NOPE, interleaved)
     mla_prologue_reference(q_ref, kv_a, positions, cos_sin, weight, 1e-6, cache_ref, slots, NOPE, interleaved)
-    assert rel_err(q, q_ref) < 1e-5
+    assert relative_error(q, q_ref) < 1e-5
     flat, flat_ref = cache.view(-1, RANK + ROPE), cache_ref.view(-1, RANK + ROPE)
-    assert rel_err(flat[slots], flat_ref[slots]) < 1e-5
+    assert relative_error(flat[slots], flat_ref[slots]) < 1e-5
     assert int(flat.isnan().any(-1).sum()) == 48 - 5  # every other slot untouched
 
 
@@ -122,7 +119,7 @@ def test_decode_matches_reference(tile, heads, num_splits, monkeypatch):
     mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.3, max_query_len=1, out=out, num_splits=num_splits,
                   tile=tile)
     ref = absorbed_attention_reference(q_lat[:3], q_rope[:3], cache, tables, [1, 1, 1], seq_lens[:3], 0.3)
-    assert rel_err(out[:3], ref) < 1e-5
+    assert relative_error(out[:3], ref) < 1e-5
     assert torch.equal(out[3], torch.zeros_like(out[3]))
     assert merge.launches == (0 if num_splits == 1 else 1)
 
@@ -138,7 +135,7 @@ def test_decode_reads_an_fp8_cache(tile, num_splits):
     mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.3, max_query_len=1, out=out, num_splits=num_splits,
                   tile=tile)
     ref = absorbed_attention_reference(q_lat, q_rope, cache, tables, [1, 1, 1], seq_lens, 0.3)
-    assert rel_err(out, ref) < 1e-5
+    assert relative_error(out, ref) < 1e-5
 
 
 def test_decode_refuses_a_cache_in_another_wide_dtype():
@@ -160,7 +157,7 @@ def test_extend_over_a_cached_prefix_matches_reference(tile):
     out = torch.full((tokens, HEADS, RANK), float("nan"), device=DEVICE)
     mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.2, max_query_len=7, out=out, tile=tile)
     ref = absorbed_attention_reference(q_lat, q_rope, cache, tables, query_lens, seq_lens, 0.2)
-    assert rel_err(out, ref) < 1e-5
+    assert relative_error(out, ref) < 1e-5
 
 
 def test_deepseek_v3_on_the_triton_mla_backend_matches_transformers(tmp_path):
@@ -213,7 +210,7 @@ def test_a_tile_out_of_shared_memory_falls_back_once(monkeypatch, caplog):
     ref = absorbed_attention_reference(q_lat, q_rope, cache, tables, [1, 1], seq_lens, 0.3)
     for _ in range(2):
         out = mla_attention(q_lat, q_rope, cache, tables, lens, qsl, 0.3, max_query_len=1, tile=too_big)
-        assert rel_err(out, ref) < 1e-5
+        assert relative_error(out, ref) < 1e-5
     assert launched == [too_big, DECODE_FP32, DECODE_FP32]  # the fallback of fp32 queries
     assert sum("does not fit" in r.getMessage() for r in caplog.records) == 1
 
@@ -242,4 +239,4 @@ def test_extend_runs_chunks_expanded_and_single_rows_absorbed(cache_dtype):
     with torch.no_grad():
         out = TritonMLABackend().extend(layer, q, cache, batch)
         ref = expanded_attention(q, cache.float(), layer.w_kv_b(), tables, query_lens, seq_lens, NOPE, 0.25)
-    assert rel_err(out, ref) < 1e-5
+    assert relative_error(out, ref) < 1e-5

@@ -17,6 +17,7 @@ import json
 
 import torch
 from interp_setup import kernel_device, use_interpreter
+from model_utils import relative_error
 from tune_utils import before_never_kept
 
 use_interpreter()
@@ -43,10 +44,6 @@ W8A16 = GemmTile(16, 32, 32, 1, 4, 2)  # per-column scales (block_n past the sca
 
 def _randn(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=gen) * scale).to(DEVICE)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def _fp8_experts(gen, h, inter, block=BLOCK):
@@ -118,8 +115,8 @@ def test_a8_matches_the_quantized_reference(gate_up, down, w8a8, h, inter, monke
     assert quantized[:-2].abs().max() > 0.1
     # the interpreter's e4m3 rounding: the bound is the size of the activations' quantization error
     # (e4m3 keeps 3 mantissa bits), which a wrong scale block or a missed K step exceeds many times
-    assert _rel(out[:-2], quantized[:-2]) < 0.1
-    assert _rel(out[:-2], plain[:-2]) < 0.1
+    assert relative_error(out[:-2], quantized[:-2]) < 0.1
+    assert relative_error(out[:-2], plain[:-2]) < 0.1
 
 
 def test_a8_gate_up_is_exact_where_x_quantizes_exactly():
@@ -230,7 +227,7 @@ def test_tuner_writes_a8_tiles_that_the_table_path_runs(monkeypatch):
                         path="gemm")  # fmt: skip
     assert spy == [True, True]
     want = experts_fp8_reference(x, w13, w2, s13, s2, BLOCK, topk_w, topk_ids, w8a8=True)
-    assert _rel(out, want) < 0.1
+    assert relative_error(out, want) < 0.1
 
 
 @pytest.mark.parametrize("case", ["per_channel", "w8a16_asked"])
@@ -257,4 +254,4 @@ def test_table_a8_tiles_run_without_a8_where_the_call_cannot_take_them(case, mon
     out = fused_experts(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2, weight_block=block, w8a8=w8a8)
     assert spy == [False, False]
     want = experts_fp8_reference(x, w13, w2, s13, s2, block, topk_w, topk_ids, w8a8=quantized)
-    assert _rel(out, want) < 1e-2
+    assert relative_error(out, want) < 1e-2

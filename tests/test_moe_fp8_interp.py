@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from interp_setup import kernel_device, use_interpreter
+from model_utils import relative_error
 from tune_utils import before_never_kept
 
 use_interpreter("graphserve.layers.moe")
@@ -187,10 +188,6 @@ def test_w8a16_k_steps_across_scale_blocks_match_reference(block, h, inter, gate
     assert torch.equal(out[-1:].cpu(), torch.zeros(1, h))
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 def test_w8a16_k_scales_rounding_at_16_bits():
     """K_SCALES rounds w * s (gate_up) and x * s (down) to the activation dtype: one rounding per
     product more than the per-column path.
@@ -209,7 +206,7 @@ def test_w8a16_k_scales_rounding_at_16_bits():
         tile = GemmTile(16, bn, 128, 1, 4, 2)
         out = fused_experts(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2, weight_block=block,
                             path="gemm", w8a8=False, gemm_tiles=(tile, tile))  # fmt: skip
-        errs[name] = _rel(out, want)
+        errs[name] = relative_error(out, want)
     # the unit roundoff of fp16 is 2^-11: the extra rounding stays within a couple of them, as
     # rounding the output (which both paths do) already costs up to one
     assert errs["per_column"] < 2**-11 and errs["k_scales"] < 3 * 2**-11, errs

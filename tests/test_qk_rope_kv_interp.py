@@ -42,10 +42,6 @@ QWEN3_LIKE = (4, 2, 32, True)
 LLAMA_LIKE = (6, 2, 16, False)  # 6 query heads: not a power of two, so the head mask matters
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 def make_inputs(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, norms: bool, seed: int):
     gen = torch.Generator().manual_seed(seed)
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -81,9 +77,9 @@ def test_fused_prologue_matches_reference(shape, num_tokens):
     q = qk_norm_rope_kv_write(qkv, positions, cos, sin, cache, slots, *args, **weights, eps=1e-6, q_out=q_out)
     ref_q = qk_norm_rope_kv_write_reference(qkv, positions, cos, sin, ref_cache, slots, *args, **weights, eps=1e-6)
     assert q.data_ptr() == q_out.data_ptr() and not q.isnan().any()
-    assert rel_err(q, ref_q) < RTOL
+    assert relative_error(q, ref_q) < RTOL
     flat, ref_flat, old = (c.view(2, -1, num_kv_heads, head_dim) for c in (cache, ref_cache, before))
-    assert rel_err(flat[0, slots], ref_flat[0, slots]) < RTOL  # K: normed and rotated
+    assert relative_error(flat[0, slots], ref_flat[0, slots]) < RTOL  # K: normed and rotated
     assert torch.equal(flat[1, slots], ref_flat[1, slots])  # V: copied as is
     untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
@@ -181,4 +177,4 @@ def test_model_fused_path_matches_unfused_torch_path(cls, config, in_decode):
         unfused = torch.cat(harnesses[1].step(chunks))
         assert relative_error(fused, unfused) < 1e-4
     for fused_kv, unfused_kv in zip(harnesses[0].kv_caches, harnesses[1].kv_caches):
-        assert rel_err(fused_kv, unfused_kv) < 1e-5
+        assert relative_error(fused_kv, unfused_kv) < 1e-5

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_utils import rel_err
 
 from graphserve.kernels.activation import silu_and_mul, silu_and_mul_reference
 from graphserve.kernels.decode_attention import (
@@ -31,10 +32,6 @@ from graphserve.layers.forward_batch import ForwardBatch
 DTYPES = [torch.bfloat16, torch.float16]
 TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
 PAGE = 16
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def paged(seq_lens: list[int], num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator):
