@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_utils import relative_error
 
 # first: importing the kernel tests puts Triton under the interpreter when there is no GPU
-from tests.test_kernels_interp import DEVICE, paged_setup, randn, rel_err
+from tests.test_kernels_interp import DEVICE, paged_setup, randn
 
 FP8 = torch.float8_e4m3fn
 
@@ -29,7 +30,7 @@ def test_fp8_cache_fp16_widening_matches_reference(seq_lens: list[int], num_spli
     q = randn(len(seq_lens), 8, 32, gen=gen).to(torch.bfloat16)
     out = decode_attention(q, cache, tables, lens, 32**-0.5, num_splits=num_splits)
     assert out.dtype == torch.bfloat16 and out.device.type == DEVICE.type
-    assert rel_err(out, decode_attention_reference(q, cache, tables, lens, 32**-0.5)) < 1e-2
+    assert relative_error(out, decode_attention_reference(q, cache, tables, lens, 32**-0.5)) < 1e-2
 
 
 def test_fp8_cache_widened_to_q_dtype_matches_reference() -> None:
@@ -38,7 +39,7 @@ def test_fp8_cache_widened_to_q_dtype_matches_reference() -> None:
     cache = cache.to(FP8)
     q = randn(2, 4, 32, gen=gen)
     out = decode_attention(q, cache, tables, lens, 0.2, num_splits=2, fp8_widen=torch.bfloat16)
-    assert rel_err(out, decode_attention_reference(q, cache, tables, lens, 0.2)) < 1e-4
+    assert relative_error(out, decode_attention_reference(q, cache, tables, lens, 0.2)) < 1e-4
 
 
 def test_fp8_widen_dtype_is_checked() -> None:
@@ -64,4 +65,4 @@ def test_fp8_cache_at_its_own_launch_shapes(batch: int) -> None:
     assert choose_num_splits(batch, 8, tables.shape[1] * 16, 132, True) > 1
     q = randn(batch, 16, 32, gen=gen).to(torch.bfloat16)
     out = decode_attention(q, cache, tables, lens, 32**-0.5)
-    assert rel_err(out, decode_attention_reference(q, cache, tables, lens, 32**-0.5)) < 1e-2
+    assert relative_error(out, decode_attention_reference(q, cache, tables, lens, 32**-0.5)) < 1e-2

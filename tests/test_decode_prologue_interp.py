@@ -15,9 +15,10 @@ import dataclasses
 
 import pytest
 import torch
+from model_utils import relative_error
 
 # first: importing the kernel tests puts Triton under the interpreter when there is no GPU
-from tests.test_kernels_interp import DEVICE, paged_setup, randn, rel_err, slots_of
+from tests.test_kernels_interp import DEVICE, paged_setup, randn, slots_of
 
 FP8 = torch.float8_e4m3fn
 PAGE = 16
@@ -78,11 +79,11 @@ def test_prologue_in_decode_matches_the_two_launches(num_heads, num_kv_heads, he
     q, ref = separate(new, num_heads, ref_cache, tables, lens, scale, **kwargs)
     out = decode_attention_qkv(new, cache, tables, lens, scale, **kwargs)
     assert not out.isnan().any()
-    assert rel_err(out, ref) < 1e-5
-    assert rel_err(out, decode_attention_reference(q, ref_cache, tables, lens, scale)) < 1e-5
+    assert relative_error(out, ref) < 1e-5
+    assert relative_error(out, decode_attention_reference(q, ref_cache, tables, lens, scale)) < 1e-5
     flat, ref_flat, old = (c.view(2, -1, num_kv_heads, head_dim) for c in (cache, ref_cache, before))
     written = torch.tensor([s for s, n in zip(new.slot_mapping.tolist(), seq_lens) if n], device=DEVICE)
-    assert rel_err(flat[0, written], ref_flat[0, written]) < 1e-6  # K: normed and rotated
+    assert relative_error(flat[0, written], ref_flat[0, written]) < 1e-6  # K: normed and rotated
     assert torch.equal(flat[1, written], ref_flat[1, written])  # V: copied as is
     assert not torch.equal(flat[:, written], old[:, written])
     untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEVICE)
@@ -102,7 +103,7 @@ def test_prologue_in_decode_over_an_fp8_cache_with_bf16_rows():
     _, ref = separate(new, 8, ref_cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
     out = decode_attention_qkv(new, cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
     assert out.dtype == torch.bfloat16
-    assert rel_err(out, ref) < 1e-2
+    assert relative_error(out, ref) < 1e-2
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
 
 
@@ -115,7 +116,7 @@ def test_prologue_in_decode_with_a_quantized_output():
     out = torch.empty(2, 4, 32, dtype=FP8, device=DEVICE)
     scales = torch.empty(2, 4, dtype=torch.float32, device=DEVICE)
     decode_attention_qkv(new, cache, tables, lens, 0.3, num_splits=2, min_split_len=64, out=out, out_scale=scales)
-    assert rel_err(out.float() * scales[:, :, None], ref) < 0.05  # e4m3: 3 mantissa bits
+    assert relative_error(out.float() * scales[:, :, None], ref) < 0.05  # e4m3: 3 mantissa bits
 
 
 def test_prologue_in_decode_refuses_mismatched_rows():

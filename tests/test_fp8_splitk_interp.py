@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_utils import relative_error
 
 # first: importing the stream tests puts Triton under the interpreter when there is no GPU
-from tests.test_fp8_stream_interp import DEVICE, DOT_DTYPE, _randn, _rel, _weight
+from tests.test_fp8_stream_interp import DEVICE, DOT_DTYPE, _randn, _weight
 
 assert DEVICE.type in ("cpu", "cuda")
 
@@ -59,7 +60,7 @@ def test_split_k_dot_matches_reference() -> None:
     wq, ws = _weight(n, k, 16, 32, seed=31)
     x = _randn(m, k, seed=32).to(DOT_DTYPE)
     out = fp8_gemv(x, wq, ws, 16, 32, config=DOT_SPLIT)
-    assert _rel(out, fp8_gemv_reference(x.float(), wq, ws, 16, 32)) < 1e-2
+    assert relative_error(out, fp8_gemv_reference(x.float(), wq, ws, 16, 32)) < 1e-2
     assert _counters_zero(x.device)
 
 
