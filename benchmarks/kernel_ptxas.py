@@ -160,11 +160,12 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
 def moe_stream_reports() -> list[dict]:
     """The MoE small-batch streaming kernels (kernels/moe_stream.py) with the tiles every shipped FP8 expert table
     gives them, at that table's expert shape, with the 128x128 block scales the tuner times them on: a step past
-    the block takes the per-column scales (``K_SCALES``, ExpertScales.stream_k_scales's rule)."""
+    the block takes the per-column scales (``K_SCALES``, kernels/moe_scales.stream_step's rule, as moe_fused asks)."""
     import triton
 
     from graphserve.kernels.moe_config import CONFIG_DIR, MoeTiles
     from graphserve.kernels.moe_fused import HISTOGRAM_PAIRS
+    from graphserve.kernels.moe_scales import stream_step
     from graphserve.kernels.moe_stream import fused_moe_gemv_down_kernel, fused_moe_gemv_gate_up_kernel
 
     block, f8, out = 128, "*fp8e4nv", []
@@ -177,9 +178,7 @@ def moe_stream_reports() -> list[dict]:
         scales = {"W_FP8": True, "GROUP_N": block, "GROUP_K": block, "PER_CHANNEL": False, "HAS_VALID": False,
                   "PDL": False, "TOP_K": k, "E_LOCAL": e}  # fmt: skip
         for name, tile, kk in (("gate_up", tiles.gemv_gate_up, h), ("down", tiles.gemv_down, i)):
-            step = min(tile.block_k, triton.next_power_of_2(kk))
-            wide = block % tile.block_n == 0 and step > block
-            step = step if wide else min(step, block)
+            step, wide = stream_step(block, block, tile.block_n, min(tile.block_k, triton.next_power_of_2(kk)))
             if name == "gate_up":
                 fn = fused_moe_gemv_gate_up_kernel
                 types = {"x_ptr": "*bf16", "w13_ptr": f8, "act_ptr": "*bf16", "ids_ptr": "*i32", "valid_ptr": "*i32",

@@ -46,7 +46,7 @@ from graphserve.kernels.moe_config import (
 )
 from graphserve.kernels.moe_fused import W8A8_MIN_ROWS_PER_EXPERT, fused_experts
 from graphserve.kernels.moe_routing import moe_softmax_topk
-from graphserve.kernels.moe_scales import k_only_scales
+from graphserve.kernels.moe_scales import k_only_scales, stream_step
 from graphserve.layers.quant.fp8_moe import quantize_stack
 
 # expert shapes of the dummy presets: (experts, hidden, intermediate per expert, top_k)
@@ -73,11 +73,10 @@ FP8_BLOCK = (128, 128)  # what Qwen3-FP8 / DeepSeek-V3 ship and --quantization f
 
 def gemv_candidates(top_k: int, fp8_block: tuple[int, int] | None = None) -> tuple[list[GemvTile], list[GemvTile]]:
     """(gate_up, down) streaming tiles within the register budget for ``top_k`` slots. With fp8 block scales
-    (``fp8_block``) a K step past the block's K needs the tile's rows in one block-scale row (the kernels then
-    scale the activation per column, kernels/moe_scales.ExpertScales.stream_k_scales); other tiles step one
-    block at a time, so a wider step of theirs would repeat a tile timed."""
+    (``fp8_block``) only tiles whose step the kernels take as given (kernels/moe_scales.stream_step): a step they
+    would cap at the block's K would repeat a tile timed."""
     slots = triton.next_power_of_2(top_k)
-    tiles = [g for g in GEMV_TILES if fp8_block is None or g.block_k <= fp8_block[1] or fp8_block[0] % g.block_n == 0]
+    tiles = [g for g in GEMV_TILES if fp8_block is None or stream_step(*fp8_block, g.block_n, g.block_k)[0] == g.block_k]
     gate_up = [g for g in tiles if 2 * g.block_n * g.block_k <= 64 * 32 * g.num_warps]
     down = [g for g in tiles if slots * g.block_n * g.block_k <= 64 * 32 * g.num_warps]
     return gate_up, down

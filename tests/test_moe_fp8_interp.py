@@ -80,17 +80,21 @@ CASES = [
 # streaming tiles whose K step spans several 32-wide scale blocks (their rows in one 16-row block: the scales
 # multiply the activation per column, K_SCALES), and a gate_up tile whose 32 rows span two block rows (its step
 # stays capped at one block)
+# (gate_up and down tiles, hidden, intermediate, k, the launches' (K_SCALES, BLOCK_K) for gate_up and down): over
+# 16x32 blocks, case 1 steps 64 and 128 wide across blocks (down's 128 over an intermediate of 96, masked past it);
+# case 2 steps 128 over a hidden of 96 and 64 over an intermediate of 80 (a K tail); case 3's gate_up tile has 32
+# rows over 16-row blocks, so its step stays one block (32), beside a down step of 64 across blocks
 WIDE_STEPS = [
-    ((GemvTile(8, 64, 4), GemvTile(16, 128, 4)), 64, 96, 3),
-    ((GemvTile(4, 128, 4), GemvTile(8, 64, 4)), 96, 80, 2),
-    ((GemvTile(32, 64, 4), GemvTile(16, 64, 4)), 64, 64, 2),
+    ((GemvTile(8, 64, 4), GemvTile(16, 128, 4)), 64, 96, 3, [(True, 64), (True, 128)]),
+    ((GemvTile(4, 128, 4), GemvTile(8, 64, 4)), 96, 80, 2, [(True, 128), (True, 64)]),
+    ((GemvTile(32, 64, 4), GemvTile(16, 64, 4)), 64, 64, 2, [(False, 32), (True, 64)]),
 ]
 
 
-@pytest.mark.parametrize("gemv,h,inter,k", WIDE_STEPS)
-def test_streaming_steps_across_scale_blocks_match_reference(gemv, h, inter, k, monkeypatch):
-    """K steps past the scale block (K tails included: 80 is no multiple of 64) against the reference; the launch
-    takes K_SCALES exactly where the tile's rows lie in one block-scale row and its step is wider than a block."""
+@pytest.mark.parametrize("gemv,h,inter,k,launched", WIDE_STEPS)
+def test_streaming_steps_across_scale_blocks_match_reference(gemv, h, inter, k, launched, monkeypatch):
+    """K steps past the scale block, with K tails, against the reference; the launches take K_SCALES and the step
+    the case states."""
     block = (16, 32)
     gen = torch.Generator().manual_seed(h + inter + k)
     w13, w2, s13, s2 = _fp8_experts(gen, E, h, inter, block)
@@ -105,11 +109,22 @@ def test_streaming_steps_across_scale_blocks_match_reference(gemv, h, inter, k, 
     want = experts_fp8_reference(x, w13, w2, s13, s2, block, topk_w, topk_ids, None, 0)
     assert want.abs().max() > 0.1
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
-    for spy, tile, kk in zip(spies.values(), gemv, (h, inter)):
-        (launch,) = spy.launches
-        wide = block[0] % tile.block_n == 0 and min(tile.block_k, 1 << (kk - 1).bit_length()) > block[1]
-        assert launch["K_SCALES"] == wide
-        assert launch["BLOCK_K"] == (min(tile.block_k, 1 << (kk - 1).bit_length()) if wide else block[1])
+    assert [(spy.launches[0]["K_SCALES"], spy.launches[0]["BLOCK_K"]) for spy in spies.values()] == launched
+    assert [len(spy.launches) for spy in spies.values()] == [1, 1]
+
+
+def test_stream_step_rule():
+    """moe_scales.stream_step: a step past the block's K only where the tile's rows lie in one block-scale row;
+    per-channel scales take the tile's step as it is."""
+    from graphserve.kernels.moe_scales import ExpertScales, stream_step
+
+    assert stream_step(128, 128, 16, 256) == (256, True)
+    assert stream_step(128, 128, 16, 128) == (128, False)  # one block: the per-step row scales, as before
+    assert stream_step(128, 128, 16, 64) == (64, False)
+    assert stream_step(16, 32, 32, 64) == (32, False)  # 32 rows over 16-row blocks: capped at one block
+    assert stream_step(48, 32, 32, 64) == (32, False)  # rows 32-63 span two 48-row block rows: capped
+    channel = ExpertScales(torch.ones(1, 8, 1), 1, 512)
+    assert channel.per_channel and channel.stream_step(512, 32) == (512, False)
 
 
 @pytest.mark.parametrize("path,w8a8,block,t,k,expert_start,num_local,padded,h,inter", CASES)
@@ -315,17 +330,17 @@ def test_tuner_fp8_tile_space_spans_scale_blocks_only_where_the_kernel_does():
 
 
 def test_tuner_fp8_streaming_steps_span_scale_blocks_only_where_the_kernels_do():
-    """A streaming K step past the scale block only for tiles whose rows lie in one block-scale row
-    (ExpertScales.stream_k_scales); the others step one block at a time, so their wider steps are not timed."""
+    """Over 16x32 blocks every candidate step (128-512) is past the block's K, so only tiles of 2, 4, 8 or 16 rows
+    (dividing the 16-row block) are timed: a 32-row tile's step would be capped at 32, repeating a tile timed."""
     from benchmarks.moe_tune import GEMV_TILES, gemv_candidates
 
     gate_up, down = gemv_candidates(2, (16, 32))
-    for tiles in (gate_up, down):
-        assert all(g.block_k <= 32 or 16 % g.block_n == 0 for g in tiles)
+    assert {g.block_n for g in gate_up} == {g.block_n for g in down} == {2, 4, 8, 16}
     assert GemvTile(8, 512, 4) in gate_up and GemvTile(32, 512, 8) not in gate_up
     assert {g.block_k for g in gate_up} == {128, 256, 512}
     bf16 = gemv_candidates(2)
-    assert set(bf16[0]) == {g for g in GEMV_TILES if 2 * g.block_n * g.block_k <= 64 * 32 * g.num_warps}
+    assert {g.block_n for g in bf16[0]} == {2, 4, 8, 16, 32}  # bf16 weights: no scale blocks to keep to
+    assert len(bf16[0]) < len(GEMV_TILES)  # the register budget still prunes (2 x 32 x 512 on 4 warps)
 
 
 def test_tuner_retunes_some_buckets_and_keeps_the_others(monkeypatch):

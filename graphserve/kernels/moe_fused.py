@@ -184,8 +184,7 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
     dn_k = min(dn.block_k, triton.next_power_of_2(inter))
     gu_ks = dn_ks = False
     if scales is not None:
-        gu_ks, dn_ks = s13.stream_k_scales(gu_k, gu.block_n), s2.stream_k_scales(dn_k, dn.block_n)
-        gu_k, dn_k = s13.stream_block_k(gu_k, gu.block_n), s2.stream_block_k(dn_k, dn.block_n)
+        (gu_k, gu_ks), (dn_k, dn_ks) = s13.stream_step(gu_k, gu.block_n), s2.stream_step(dn_k, dn.block_n)
     a13, a2 = scale_args(s13, w13), scale_args(s2, w2)
     block_e = triton.next_power_of_2(counts.numel())
     act = torch.empty(t * k, inter, dtype=hidden.dtype, device=hidden.device)

@@ -24,6 +24,17 @@ def k_only_scales(group_n: int, block_n: int, w8a8: bool) -> bool:
     return not w8a8 and group_n % block_n == 0
 
 
+def stream_step(group_n: int, group_k: int, block_n: int, block_k: int) -> tuple[int, bool]:
+    """(K step, ``K_SCALES``) of the small-batch streaming kernels (kernels/moe_stream.py) for a tile of
+    ``block_n`` rows and ``block_k`` columns over ``[group_n, group_k]`` scale blocks: a step past the block's K
+    where the tile's rows lie in one block-scale row (each column's scale then multiplies the activation);
+    otherwise the step is capped at the block's K and a step's row sums take one scale, as before there was the
+    wider step. The tuner's streaming space follows the same rule."""
+    if group_n % block_n == 0 and block_k > group_k:
+        return block_k, True
+    return min(block_k, group_k), False
+
+
 @dataclass(frozen=True)
 class ExpertScales:
     """One weight's fp8 scales as the kernels read them: fp32 ``[E, SN, SK]``, one per
@@ -49,15 +60,10 @@ class ExpertScales:
         """Block scales the grouped GEMM folds into an operand along k (module function k_only_scales)."""
         return not self.per_channel and k_only_scales(self.group_n, block_n, w8a8)
 
-    def stream_k_scales(self, block_k: int, block_n: int) -> bool:
-        """The streaming kernels' ``K_SCALES``: a K step past the scale block's K whose ``block_n`` rows lie in one
-        block-scale row, its scales then multiplying the activation per column (kernels/moe_stream.py). A step
-        of one block keeps the scale on each step's row sums, as before there was this mode."""
-        return not self.per_channel and self.group_n % block_n == 0 and block_k > self.group_k
-
-    def stream_block_k(self, block_k: int, block_n: int) -> int:
-        """The streaming kernels' K step: the tile's where ``stream_k_scales`` holds, else capped at the block."""
-        return block_k if self.stream_k_scales(block_k, block_n) else self.block_k(block_k)
+    def stream_step(self, block_k: int, block_n: int) -> tuple[int, bool]:
+        """The streaming kernels' (K step, ``K_SCALES``) for a tile: the module function ``stream_step``'s for block
+        scales; per channel the tile's step, no per-column scales."""
+        return (block_k, False) if self.per_channel else stream_step(self.group_n, self.group_k, block_n, block_k)
 
     def gemm_block_k(self, block_k: int, block_n: int, w8a8: bool) -> int:
         """The grouped GEMM's K step: the tile's, capped at the scale block unless the scales vary along k only."""

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.moe_align import pair_histogram
-from graphserve.kernels.moe_gemm import gated_epilogue
+from graphserve.kernels.moe_gemm import _k_scales, gated_epilogue
 from graphserve.kernels.pdl import pdl_enter
 
 
@@ -38,11 +38,34 @@ def _row_scales(sg_ptrs, su_ptrs, k0, GROUP_K: tl.constexpr):
 
 
 @triton.jit
-def _k_scales(kg_row, ku_row, offs_k, k0, K: tl.constexpr, GROUP_K: tl.constexpr):
-    """K_SCALES: the gate's and the up rows' scale of each column of the K step at ``k0`` (one per block)."""
-    blocks = (k0 + offs_k) // GROUP_K
-    live = (k0 + offs_k) < K
-    return tl.load(kg_row + blocks, mask=live, other=0.0), tl.load(ku_row + blocks, mask=live, other=0.0)
+def _gate_up_scales(sg_ptrs, su_ptrs, kg_row, ku_row, offs_k, k0, K: tl.constexpr, GROUP_K: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr, K_SCALES: tl.constexpr):  # fmt: skip
+    """The gate's and the up rows' scales of the K step at ``k0``: with ``K_SCALES`` one per column along the
+    program's block rows ``kg_row`` / ``ku_row`` (the grouped GEMM's moe_gemm._k_scales), block-scaled one per
+    row, else none (1.0)."""
+    sg, su = 1.0, 1.0
+    if K_SCALES:
+        sg, su = _k_scales(kg_row, k0, offs_k, K, GROUP_K, BLOCK_K), _k_scales(ku_row, k0, offs_k, K, GROUP_K, BLOCK_K)
+    if BLOCK_SCALED:
+        sg, su = _row_scales(sg_ptrs, su_ptrs, k0, GROUP_K)
+    return sg, su
+
+
+@triton.jit
+def _gate_up_acc(acc_g, acc_u, g, u, xf, sg, su, BLOCK_SCALED: tl.constexpr, K_SCALES: tl.constexpr):
+    """The accumulators plus one K step's gate and up row sums in fp32 (``xf``: x widened, [1, BLOCK_K]), its
+    scales applied: to x per column (``K_SCALES``) or to the sums per row (block scales); per-channel scales wait
+    for the end."""
+    if K_SCALES:
+        acc_g += tl.sum(g.to(tl.float32) * (xf * sg[None, :]), axis=1)
+        acc_u += tl.sum(u.to(tl.float32) * (xf * su[None, :]), axis=1)
+    elif BLOCK_SCALED:
+        acc_g += tl.sum(g.to(tl.float32) * xf, axis=1) * sg
+        acc_u += tl.sum(u.to(tl.float32) * xf, axis=1) * su
+    else:
+        acc_g += tl.sum(g.to(tl.float32) * xf, axis=1)
+        acc_u += tl.sum(u.to(tl.float32) * xf, axis=1)
+    return acc_g, acc_u
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see server/warmup.py
@@ -88,44 +111,25 @@ def fused_moe_gemv_gate_up_kernel(
     sg_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (rows // GROUP_N) * stride_sn
     su_ptrs = ws_ptr + expert.to(tl.int64) * stride_se + (scale_up_row + rows // GROUP_N) * stride_sn
     BLOCK_SCALED: tl.constexpr = W_FP8 and not PER_CHANNEL and not K_SCALES
-    if K_SCALES:  # the program's one row of scale blocks, for gate and for up
+    kg_row, ku_row = sg_ptrs, su_ptrs  # K_SCALES: the program's one row of scale blocks, for gate and for up
+    if K_SCALES:
         block_row = (tl.program_id(1) * BLOCK_N) // GROUP_N
         kg_row = ws_ptr + expert.to(tl.int64) * stride_se + block_row * stride_sn
         ku_row = ws_ptr + expert.to(tl.int64) * stride_se + (scale_up_row + block_row) * stride_sn
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     g, u, x = _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, 0, K, BLOCK_K)
-    if BLOCK_SCALED:
-        sg, su = _row_scales(sg_ptrs, su_ptrs, 0, GROUP_K)
-    if K_SCALES:
-        sg, su = _k_scales(kg_row, ku_row, offs_k, 0, K, GROUP_K)
+    sg, su = _gate_up_scales(sg_ptrs, su_ptrs, kg_row, ku_row, offs_k, 0, K, GROUP_K, BLOCK_K, BLOCK_SCALED, K_SCALES)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         g_next, u_next, x_next = _gate_up_tile(g_ptrs, u_ptrs, x_row, offs_k, k0, K, BLOCK_K)
         xf = x.to(tl.float32)[None, :]
-        if BLOCK_SCALED:
-            sg_next, su_next = _row_scales(sg_ptrs, su_ptrs, k0, GROUP_K)
-            acc_g += tl.sum(g.to(tl.float32) * xf, axis=1) * sg
-            acc_u += tl.sum(u.to(tl.float32) * xf, axis=1) * su
-            sg, su = sg_next, su_next
-        elif K_SCALES:
-            sg_next, su_next = _k_scales(kg_row, ku_row, offs_k, k0, K, GROUP_K)
-            acc_g += tl.sum(g.to(tl.float32) * (xf * sg[None, :]), axis=1)
-            acc_u += tl.sum(u.to(tl.float32) * (xf * su[None, :]), axis=1)
-            sg, su = sg_next, su_next
-        else:
-            acc_g += tl.sum(g.to(tl.float32) * xf, axis=1)
-            acc_u += tl.sum(u.to(tl.float32) * xf, axis=1)
+        sg_next, su_next = _gate_up_scales(sg_ptrs, su_ptrs, kg_row, ku_row, offs_k, k0, K, GROUP_K, BLOCK_K,
+                                           BLOCK_SCALED, K_SCALES)  # fmt: skip
+        acc_g, acc_u = _gate_up_acc(acc_g, acc_u, g, u, xf, sg, su, BLOCK_SCALED, K_SCALES)
         g, u, x = g_next, u_next, x_next
-    xf = x.to(tl.float32)[None, :]
-    if BLOCK_SCALED:
-        acc_g += tl.sum(g.to(tl.float32) * xf, axis=1) * sg
-        acc_u += tl.sum(u.to(tl.float32) * xf, axis=1) * su
-    elif K_SCALES:
-        acc_g += tl.sum(g.to(tl.float32) * (xf * sg[None, :]), axis=1)
-        acc_u += tl.sum(u.to(tl.float32) * (xf * su[None, :]), axis=1)
-    else:
-        acc_g += tl.sum(g.to(tl.float32) * xf, axis=1)
-        acc_u += tl.sum(u.to(tl.float32) * xf, axis=1)
+        if BLOCK_SCALED or K_SCALES:  # unscaled, sg and su stay the constants they are (not carried by the loop)
+            sg, su = sg_next, su_next
+    acc_g, acc_u = _gate_up_acc(acc_g, acc_u, g, u, x.to(tl.float32)[None, :], sg, su, BLOCK_SCALED, K_SCALES)
     if W_FP8 and PER_CHANNEL:
         acc_g *= tl.load(sg_ptrs)
         acc_u *= tl.load(su_ptrs)
@@ -152,10 +156,33 @@ def _down_tile(w_base, a_base, routed, offs_k, k0, K: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
-def _slot_k_scales(k_rows, routed, offs_k, k0, K: tl.constexpr, GROUP_K: tl.constexpr):
-    """K_SCALES: [slots, BLOCK_K] scales of the K step at ``k0``, each slot's expert's block row (0 unrouted)."""
-    cols = k0 + offs_k
-    return tl.load(k_rows[:, None] + (cols // GROUP_K)[None, :], mask=routed[:, None] & (cols < K)[None, :], other=0.0)
+def _down_scales(s_base, k_rows, routed, offs_k, k0, K: tl.constexpr, GROUP_K: tl.constexpr,
+                 BLOCK_SCALED: tl.constexpr, K_SCALES: tl.constexpr):  # fmt: skip
+    """The K step at ``k0``'s scales: with ``K_SCALES`` [slots, BLOCK_K], one per slot and column (each slot's
+    expert's block row ``k_rows``); block-scaled [slots, BLOCK_N], one per slot and row; else none (1.0). An
+    unrouted slot's are 0."""
+    s = 1.0
+    if K_SCALES:
+        cols = k0 + offs_k
+        s = tl.load(k_rows[:, None] + (cols // GROUP_K)[None, :], mask=routed[:, None] & (cols < K)[None, :],
+                    other=0.0)  # fmt: skip
+    if BLOCK_SCALED:
+        s = tl.load(s_base + k0 // GROUP_K, mask=routed[:, None], other=0.0)
+    return s
+
+
+@triton.jit
+def _down_sums(w, a, weight, s, BLOCK_SCALED: tl.constexpr, K_SCALES: tl.constexpr):
+    """One K step's [slots, BLOCK_N] sums of every slot's tile against its activation times its routing weight,
+    its scales applied: to the activation per column (``K_SCALES``) or to the sums (block scales)."""
+    wf = w.to(tl.float32)
+    aw = a.to(tl.float32) * weight[:, None]
+    if K_SCALES:
+        aw = aw * s
+    part = tl.sum(wf * aw[:, None, :], axis=2)
+    if BLOCK_SCALED:
+        part = part * s
+    return part
 
 
 @triton.jit
@@ -197,40 +224,20 @@ def fused_moe_gemv_down_kernel(
     a_base = act_ptr + pairs.to(tl.int64)[:, None] * stride_am
     s_base = ws_ptr + expert.to(tl.int64)[:, None] * stride_se + (rows // GROUP_N)[None, :] * stride_sn
     BLOCK_SCALED: tl.constexpr = W_FP8 and not PER_CHANNEL and not K_SCALES
-    if K_SCALES:  # each slot's expert's row of scale blocks for the program's rows
+    k_rows = s_base  # K_SCALES: each slot's expert's row of scale blocks for the program's rows
+    if K_SCALES:
         k_rows = ws_ptr + expert.to(tl.int64) * stride_se + ((tl.program_id(1) * BLOCK_N) // GROUP_N) * stride_sn
     acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
     w, a = _down_tile(w_base, a_base, routed, offs_k, 0, K, BLOCK_K)
-    if BLOCK_SCALED:
-        s = tl.load(s_base, mask=routed[:, None], other=0.0)
-    if K_SCALES:
-        s = _slot_k_scales(k_rows, routed, offs_k, 0, K, GROUP_K)
+    s = _down_scales(s_base, k_rows, routed, offs_k, 0, K, GROUP_K, BLOCK_SCALED, K_SCALES)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_next, a_next = _down_tile(w_base, a_base, routed, offs_k, k0, K, BLOCK_K)
-        if BLOCK_SCALED:
-            s_next = tl.load(s_base + k0 // GROUP_K, mask=routed[:, None], other=0.0)
-        if K_SCALES:
-            s_next = _slot_k_scales(k_rows, routed, offs_k, k0, K, GROUP_K)
-            part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None] * s)[:, None, :], axis=2)
-        else:
-            part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
-        if BLOCK_SCALED:
-            acc += part * s
-            s = s_next
-        elif K_SCALES:
-            acc += part
-            s = s_next
-        else:
-            acc += part
+        s_next = _down_scales(s_base, k_rows, routed, offs_k, k0, K, GROUP_K, BLOCK_SCALED, K_SCALES)
+        acc += _down_sums(w, a, weight, s, BLOCK_SCALED, K_SCALES)
         w, a = w_next, a_next
-    if K_SCALES:
-        part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None] * s)[:, None, :], axis=2)
-    else:
-        part = tl.sum(w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :], axis=2)
-    if BLOCK_SCALED:
-        acc += part * s
-    else:
-        acc += part
+        if BLOCK_SCALED or K_SCALES:  # unscaled, s stays the constant it is (not carried by the loop)
+            s = s_next
+    acc += _down_sums(w, a, weight, s, BLOCK_SCALED, K_SCALES)
     if W_FP8 and PER_CHANNEL:
         acc *= tl.load(s_base, mask=routed[:, None], other=0.0)
     out = tl.sum(acc, axis=0)
