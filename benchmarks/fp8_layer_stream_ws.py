@@ -370,7 +370,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--calls", type=int, default=4, help="back-to-back steps per CUDA graph")
     ap.add_argument("--result-name", default="fp8_layer_stream_ws")
+    ap.add_argument("--tiles", nargs="*", default=None, help="bn,bk,nbuf,sub,warps each (default: TILES)")
     args = ap.parse_args()
+    tiles = [WsTile(*map(int, t.split(","))) for t in args.tiles] if args.tiles else TILES
 
     bw = measured_read_bw()
     print(f"probes: {bw.describe()}")
@@ -388,7 +390,7 @@ def main() -> None:
     print_table(rows, ["kernel", "tile", "ms"])
     sms = sm_count(dev)
     limit = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
-    for tile in TILES:
+    for tile in tiles:
         began = time.perf_counter()
         row = {"kernel": "one launch, TMA producer warp", "tile": tile.label()}
         try:
