@@ -9,14 +9,14 @@ stopped. Here each program (one an SM) is two partitions (Gluon ``warp_specializ
 
 - a **producer** warp walks the program's items in list order (layer, projection, row tile; program ``p`` takes
   every item whose index is ``p`` modulo the grid) and, for each, requests the tile's weight as ``[BN, BK]`` fp8
-  chunks by TMA into a ring of ``NBUF`` shared-memory slots, each completing on its own mbarrier. It never looks
-  at activations, so it waits only for a free slot: while the consumers wait for a dependency, up to
-  ``NBUF * BN * BK`` bytes of the weights they will need next keep arriving (with the default tile 184 KB an SM,
-  24 MB over the GPU: more than one o_proj).
+  boxes by TMA into a ring of ``NBUF`` shared-memory slots of ``SUB`` boxes, each slot completing on its own
+  mbarrier. It never looks at activations, so it waits only for a free slot: while the consumers wait for a dependency, up to
+  ``NBUF * SUB * BN * BK`` bytes of the weights they will need next keep arriving (with the first tile 184 KiB an
+  SM, about 25 MB over the GPU: more than one o_proj).
 - the **consumer** warps wait until the projection their input comes from has counted all its rows done (an
   int32 counter per layer and projection, polled, then an acquire), stage the input row in shared memory once per
-  projection (the residual add and RMSNorm for qkv and gate_up, SiLU(gate) * up for down), then for each chunk
-  wait on its slot's mbarrier, multiply-add it against the row in fp32, and hand the slot back; at a tile's end
+  projection (the residual add and RMSNorm for qkv and gate_up, SiLU(gate) * up for down), then for each slot
+  wait on its mbarrier, multiply-add its boxes against the row in fp32, and hand the slot back; at a tile's end
   they scale, store and count its rows done (one release add per row, by the thread that stored it).
 
 Deadlock freedom as in ``fp8_layer_stream``: every item depends only on earlier items, each program takes its
@@ -28,6 +28,13 @@ one projection of 2 x intermediate rows (its output the bf16 gate and up rows, a
 down applies SiLU(gate) * up as it stages its input, as the engine's ``fp8_silu_mul_gemv`` does. Numerics as
 ``fp8_layer_stream.reference_layer`` (per-channel FP8 weights, fp32 sums); ``check`` compares every stage of every
 layer against it from the launch's own inputs before timing.
+
+Measured on an H200 (results/fp8_layer_stream_ws_first.json, fp8_layer_stream_ws.json,
+fp8_layer_stream_ws_warps.json): every tile took 1.26-1.94x the engine's four launches a layer. With the waits
+skipped (``ms_no_waits``: ``spin_cap`` 0, output unchecked) the fastest tile streamed the weights in 2.023 ms
+against the engine's 2.209 with its dependencies, so this form's cost is the dependency chain (0.32-1.20 ms over
+the 128 projections: the last tile of each, then the wait, then the input staged before the first box of the
+next), not the stream.
 
 Run: python3 -m benchmarks.fp8_layer_stream_ws   (writes benchmarks/results/fp8_layer_stream_ws.json)
 """
@@ -285,20 +292,27 @@ class WsTile:
         return f"{self.bn}x{self.bk}x{self.sub}x{self.nbuf}/{self.warps}w"
 
     def shared_bytes(self, inter: int) -> int:
-        """The ring, the staged row (bf16, up to ``inter`` wide) and the barriers."""
-        return self.nbuf * self.sub * self.bn * self.bk + inter * 2 + self.nbuf * 16
+        """The ring, the staged row (bf16, ``inter`` wide in a power of two of ``bk``-wide rows) and the barriers:
+        what the kernel allocates, but for the compiler's scratch."""
+        return (
+            self.nbuf * self.sub * self.bn * self.bk
+            + triton.next_power_of_2(inter // self.bk) * self.bk * 2
+            + self.nbuf * 16
+        )
 
 
-def descriptors(w: Weights, bn: int, bk: int) -> list:
-    """The four stacked weights as ``[layers * rows, K]`` TMA descriptors of ``[bn, bk]`` boxes."""
+def box_descriptor(weight: torch.Tensor, bn: int, bk: int):
+    """A TMA descriptor of ``[bn, bk]`` fp8 boxes over a row-major ``[rows, K]`` weight (no swizzle: the
+    consumers read the boxes with their own layout)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-    out = []
-    for t in (w.w_qkv, w.w_o, w.w_gu, w.w_d):
-        flat = t.reshape(-1, t.shape[-1])
-        out.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [bn, bk], layout))
-    return out
+    return TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [bn, bk], layout)
+
+
+def descriptors(w: Weights, bn: int, bk: int) -> list:
+    """The four stacked weights as ``[layers * rows, K]`` descriptors of ``[bn, bk]`` boxes."""
+    return [box_descriptor(t.reshape(-1, t.shape[-1]), bn, bk) for t in (w.w_qkv, w.w_o, w.w_gu, w.w_d)]
 
 
 class LayerStreamWS:
