@@ -345,7 +345,28 @@ def random_weights(layers: int, hidden: int, qkv_rows: int, inter: int, device, 
     return Weights(w_qkv, s_qkv, w_o, s_o, w_gu, s_gu, w_d, s_d, *norms)
 
 
-class LayerStream:
+class StreamBuffers:
+    """A one-launch experiment's buffers for ``weights`` (one bf16 row; each layer's intermediates their own, the
+    rows-done counters, the timeout count): what ``check`` reads, but for the SiLU·mul row each form keeps its
+    own way."""
+
+    def __init__(self, name: str, weights: Weights, programs: int, eps: float) -> None:
+        if programs < 1:
+            raise ValueError(f"{name}: programs={programs}, at least 1")
+        (h, q, _), dev, layers = weights.dims, weights.w_qkv.device, weights.layers
+        self.weights, self.programs, self.eps = weights, programs, eps
+        bf = torch.bfloat16
+        self.down = torch.zeros(layers + 1, h, device=dev, dtype=bf)
+        self.rm = torch.zeros(layers + 1, h, device=dev, dtype=bf)
+        self.ra = torch.zeros(layers, h, device=dev, dtype=bf)
+        self.qkv = torch.zeros(layers, q, device=dev, dtype=bf)
+        self.o = torch.zeros(layers, h, device=dev, dtype=bf)
+        self.cnt = torch.zeros(layers, COUNTERS_PER_LAYER, device=dev, dtype=torch.int32)
+        self.err = torch.zeros(1, device=dev, dtype=torch.int32)
+        self.compiled = None
+
+
+class LayerStream(StreamBuffers):
     """The one launch's buffers for ``weights`` (one bf16 row), and the launch."""
 
     def __init__(self, weights: Weights, tile: StreamTile, programs: int, eps: float = 1e-5) -> None:
@@ -353,20 +374,9 @@ class LayerStream:
         n0, n1, n2, n3 = tile.bn
         if q % n0 or h % n1 or i % n2 or h % n3:
             raise ValueError(f"layer_stream: tile rows {tile.bn} must divide qkv {q}, o {h}, gate/up {i}, down {h}")
-        if programs < 1:
-            raise ValueError(f"layer_stream: programs={programs}, at least 1")
-        dev, layers = weights.w_qkv.device, weights.layers
-        self.weights, self.tile, self.programs, self.eps = weights, tile, programs, eps
-        bf = torch.bfloat16
-        self.down = torch.zeros(layers + 1, h, device=dev, dtype=bf)
-        self.rm = torch.zeros(layers + 1, h, device=dev, dtype=bf)
-        self.ra = torch.zeros(layers, h, device=dev, dtype=bf)
-        self.qkv = torch.zeros(layers, q, device=dev, dtype=bf)
-        self.o = torch.zeros(layers, h, device=dev, dtype=bf)
-        self.act = torch.zeros(layers, i, device=dev, dtype=bf)
-        self.cnt = torch.zeros(layers, COUNTERS_PER_LAYER, device=dev, dtype=torch.int32)
-        self.err = torch.zeros(1, device=dev, dtype=torch.int32)
-        self.compiled = None
+        super().__init__("layer_stream", weights, programs, eps)
+        self.tile = tile
+        self.act = torch.zeros(weights.layers, i, device=weights.w_qkv.device, dtype=torch.bfloat16)
 
     def __call__(self, spin_cap: int = SPIN_CAP) -> None:
         w, (h, q, i) = self.weights, self.weights.dims
@@ -453,6 +463,32 @@ def engine_layers(w: Weights, x: torch.Tensor, r: torch.Tensor, eps: float, cfgs
     return x
 
 
+def engine_baseline(layers: int, calls: int) -> tuple:
+    """What the one-launch experiments (this one and benchmarks/fp8_layer_stream_ws.py) time against, measured in
+    their own run: the read probe, llama3-8b-shaped random weights of ``layers`` layers, a bf16 input row, the
+    weights' floor and the engine's four launches a layer over them as CUDA graphs of ``calls`` steps (routing
+    table tiles). Returns (bw, weights, x, floor_ms, engine_ms, rows), the engine's row in ``rows``, printed."""
+    from benchmarks.kernels import graph_time_ms
+    from benchmarks.roofline import measured_read_bw
+    from graphserve.kernels.fp8_config import rule_for
+
+    bw = measured_read_bw()
+    print(f"probes: {bw.describe()}")
+    dev = torch.device("cuda")
+    w = random_weights(layers, HIDDEN, QKV_ROWS, INTERMEDIATE, dev)
+    h, q, i = w.dims
+    gen = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(1, h, device=dev, generator=gen).bfloat16()
+    r = torch.zeros(1, h, device=dev, dtype=torch.bfloat16)
+    rule = rule_for(dev)
+    cfgs = [getattr(rule.route(1, n, k, "channel"), "config", None) for n, k in ((q, h), (h, h), (2 * i, h), (h, i))]
+    floor_ms = bw.floor_ms(w.nbytes())
+    engine_ms = graph_time_ms(lambda: engine_layers(w, x, r, 1e-5, cfgs), calls=calls)
+    rows = [{"kernel": "engine: 4 launches a layer", "tile": "routing table", "programs": None, "ms": engine_ms}]
+    print_table(rows, ["kernel", "tile", "ms"])
+    return bw, w, x, floor_ms, engine_ms, rows
+
+
 TILES = [  # each fits the programs an SM it asks for on an H200 (benchmarks.kernel_ptxas: registers, shared memory)
     StreamTile((8, 8, 4, 2), 4, 3, 1),
     StreamTile((8, 8, 4, 2), 4, 1, 3),
@@ -467,9 +503,7 @@ TILES = [  # each fits the programs an SM it asks for on an H200 (benchmarks.ker
 
 def main() -> None:
     from benchmarks.kernels import graph_time_ms
-    from benchmarks.roofline import measured_read_bw
     from graphserve.kernels.common import sm_count
-    from graphserve.kernels.fp8_config import rule_for
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -477,20 +511,8 @@ def main() -> None:
     ap.add_argument("--result-name", default="fp8_layer_stream")
     args = ap.parse_args()
 
-    bw = measured_read_bw()
-    print(f"probes: {bw.describe()}")
-    dev = torch.device("cuda")
-    w = random_weights(args.layers, HIDDEN, QKV_ROWS, INTERMEDIATE, dev)
-    h, q, i = w.dims
-    gen = torch.Generator(device=dev).manual_seed(1)
-    x = torch.randn(1, h, device=dev, generator=gen).bfloat16()
-    r = torch.zeros(1, h, device=dev, dtype=torch.bfloat16)
-    rule = rule_for(dev)
-    cfgs = [getattr(rule.route(1, n, k, "channel"), "config", None) for n, k in ((q, h), (h, h), (2 * i, h), (h, i))]
-    floor_ms = bw.floor_ms(w.nbytes())
-    engine_ms = graph_time_ms(lambda: engine_layers(w, x, r, 1e-5, cfgs), calls=args.calls)
-    rows = [{"kernel": "engine: 4 launches a layer", "tile": "routing table", "programs": None, "ms": engine_ms}]
-    print_table(rows, ["kernel", "tile", "ms"])
+    bw, w, x, floor_ms, engine_ms, rows = engine_baseline(args.layers, args.calls)
+    dev = w.w_qkv.device
     sms = sm_count(dev)
     for tile in TILES:
         began = time.perf_counter()

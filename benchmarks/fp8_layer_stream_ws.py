@@ -53,9 +53,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from benchmarks.common import print_table, write_result
-from benchmarks.fp8_layer_stream import HIDDEN, INTERMEDIATE, QKV_ROWS, SPIN_CAP, Weights, check, random_weights
+from benchmarks.fp8_layer_stream import SPIN_CAP, StreamBuffers, Weights, check
 
-COUNTERS_PER_LAYER = 4  # qkv, o, gate_up, down: rows done
 PRODUCER_REGS = gl.constexpr(40)
 
 
@@ -150,13 +149,11 @@ def _consume(wbuf, ready, empty, xc, s_ptr, out_ptr, done_ptr, t, T, G, k,
 def _consumer(wbuf, ready, empty, xs, xc, s_qkv, s_o, s_gu, s_d, n1, n2, down, rm, ra, qkv, o, gu, cnt, err, eps,
               num_layers, G, spin_cap,
               H: gl.constexpr, QKV_N: gl.constexpr, INTER: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              NBUF: gl.constexpr, SUB: gl.constexpr):  # fmt: skip
+              NBUF: gl.constexpr, SUB: gl.constexpr, T0: gl.constexpr, T1: gl.constexpr, T2: gl.constexpr,
+              T3: gl.constexpr):  # fmt: skip
+    """The consumer warps; ``T0``-``T3``: the tiles of qkv, o, gate_up and down."""
     TPW_C: gl.constexpr = BK // 16
     L: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_C, TPW_C], [gl.num_warps(), 1], [1, 0])
-    T0: gl.constexpr = QKV_N // BN
-    T1: gl.constexpr = H // BN
-    T2: gl.constexpr = 2 * INTER // BN
-    T3: gl.constexpr = H // BN
     PER_LAYER: gl.constexpr = T0 + T1 + T2 + T3
     pid = gl.program_id(0)
     k = 0
@@ -225,11 +222,9 @@ def _produce(desc, wbuf, ready, empty, row0, t, T, G, k,
 @gluon.jit
 def _producer(d_qkv, d_o, d_gu, d_d, wbuf, ready, empty, num_layers, G,
               H: gl.constexpr, QKV_N: gl.constexpr, INTER: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              NBUF: gl.constexpr, SUB: gl.constexpr):  # fmt: skip
-    T0: gl.constexpr = QKV_N // BN
-    T1: gl.constexpr = H // BN
-    T2: gl.constexpr = 2 * INTER // BN
-    T3: gl.constexpr = H // BN
+              NBUF: gl.constexpr, SUB: gl.constexpr, T0: gl.constexpr, T1: gl.constexpr, T2: gl.constexpr,
+              T3: gl.constexpr):  # fmt: skip
+    """The producer warp; ``T0``-``T3`` as the consumers'."""
     PER_LAYER: gl.constexpr = T0 + T1 + T2 + T3
     pid = gl.program_id(0)
     k = 0
@@ -266,11 +261,16 @@ def layer_stream_ws_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
+    T0: gl.constexpr = QKV_N // BN  # each projection's tiles, as both partitions walk them
+    T1: gl.constexpr = H // BN
+    T2: gl.constexpr = 2 * INTER // BN
+    T3: gl.constexpr = H // BN
     gl.warp_specialize(
         [
-            (_consumer, (wbuf, ready, empty, xs, xs_chunks, s_qkv, s_o, s_gu, s_d, n1, n2, down, rm, ra, qkv, o, gu, cnt, err,
-                         eps, num_layers, G, spin_cap, H, QKV_N, INTER, BN, BK, NBUF, SUB)),
-            (_producer, (d_qkv, d_o, d_gu, d_d, wbuf, ready, empty, num_layers, G, H, QKV_N, INTER, BN, BK, NBUF, SUB)),
+            (_consumer, (wbuf, ready, empty, xs, xs_chunks, s_qkv, s_o, s_gu, s_d, n1, n2, down, rm, ra, qkv, o, gu, cnt,
+                         err, eps, num_layers, G, spin_cap, H, QKV_N, INTER, BN, BK, NBUF, SUB, T0, T1, T2, T3)),
+            (_producer, (d_qkv, d_o, d_gu, d_d, wbuf, ready, empty, num_layers, G, H, QKV_N, INTER, BN, BK, NBUF, SUB, T0,
+                         T1, T2, T3)),
         ],
         [1],
         [PRODUCER_REGS],
@@ -315,7 +315,7 @@ def descriptors(w: Weights, bn: int, bk: int) -> list:
     return [box_descriptor(t.reshape(-1, t.shape[-1]), bn, bk) for t in (w.w_qkv, w.w_o, w.w_gu, w.w_d)]
 
 
-class LayerStreamWS:
+class LayerStreamWS(StreamBuffers):
     """The one launch's buffers for ``weights`` (one bf16 row), and the launch. Its fields are those
     ``fp8_layer_stream.check`` reads (``act`` from the gate_up rows)."""
 
@@ -330,21 +330,10 @@ class LayerStreamWS:
                 f"layer_stream_ws: slot columns {tile.sub} x {tile.bk} must divide hidden {h} and intermediate {i}, "
                 f"box columns {tile.bk} intermediate / 8 {i // 8}"
             )
-        if programs < 1:
-            raise ValueError(f"layer_stream_ws: programs={programs}, at least 1")
-        dev, layers = weights.w_qkv.device, weights.layers
-        self.weights, self.tile, self.programs, self.eps = weights, tile, programs, eps
-        bf = torch.bfloat16
-        self.down = torch.zeros(layers + 1, h, device=dev, dtype=bf)
-        self.rm = torch.zeros(layers + 1, h, device=dev, dtype=bf)
-        self.ra = torch.zeros(layers, h, device=dev, dtype=bf)
-        self.qkv = torch.zeros(layers, q, device=dev, dtype=bf)
-        self.o = torch.zeros(layers, h, device=dev, dtype=bf)
-        self.gu = torch.zeros(layers, 2 * i, device=dev, dtype=bf)
-        self.cnt = torch.zeros(layers, COUNTERS_PER_LAYER, device=dev, dtype=torch.int32)
-        self.err = torch.zeros(1, device=dev, dtype=torch.int32)
+        super().__init__("layer_stream_ws", weights, programs, eps)
+        self.tile = tile
+        self.gu = torch.zeros(weights.layers, 2 * i, device=weights.w_qkv.device, dtype=torch.bfloat16)
         self.descs = descriptors(weights, tile.bn, tile.bk)
-        self.compiled = None
 
     @property
     def act(self) -> torch.Tensor:
@@ -374,11 +363,9 @@ TILES = [  # shared memory within an H200 SM's 227 KB a block with the staged ro
 
 
 def main() -> None:
-    from benchmarks.fp8_layer_stream import engine_layers
+    from benchmarks.fp8_layer_stream import engine_baseline
     from benchmarks.kernels import graph_time_ms
-    from benchmarks.roofline import measured_read_bw
     from graphserve.kernels.common import sm_count
-    from graphserve.kernels.fp8_config import rule_for
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -388,20 +375,8 @@ def main() -> None:
     args = ap.parse_args()
     tiles = [WsTile(*map(int, t.split(","))) for t in args.tiles] if args.tiles else TILES
 
-    bw = measured_read_bw()
-    print(f"probes: {bw.describe()}")
-    dev = torch.device("cuda")
-    w = random_weights(args.layers, HIDDEN, QKV_ROWS, INTERMEDIATE, dev)
-    h, q, i = w.dims
-    gen = torch.Generator(device=dev).manual_seed(1)
-    x = torch.randn(1, h, device=dev, generator=gen).bfloat16()
-    r = torch.zeros(1, h, device=dev, dtype=torch.bfloat16)
-    rule = rule_for(dev)
-    cfgs = [getattr(rule.route(1, n, k, "channel"), "config", None) for n, k in ((q, h), (h, h), (2 * i, h), (h, i))]
-    floor_ms = bw.floor_ms(w.nbytes())
-    engine_ms = graph_time_ms(lambda: engine_layers(w, x, r, 1e-5, cfgs), calls=args.calls)
-    rows = [{"kernel": "engine: 4 launches a layer", "tile": "routing table", "programs": None, "ms": engine_ms}]
-    print_table(rows, ["kernel", "tile", "ms"])
+    bw, w, x, floor_ms, engine_ms, rows = engine_baseline(args.layers, args.calls)
+    dev = w.w_qkv.device
     sms = sm_count(dev)
     limit = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
     for tile in tiles:

@@ -122,13 +122,8 @@ def gate_dot_reports(rows_per_call: tuple[int, ...] = (16, 64)) -> list[dict]:
     for t in rows_per_call:
         consts = {**dot_constants(h, e, k, True, *dot_tiles(t, e)), "PDL": False}
         row = compile_report(moe_gate_dot_softmax_topk_kernel, types, consts, dot_warps(e), 3)
-        rows.append(
-            {
-                "kernel": "moe_gate_dot_softmax_topk_kernel",
-                "shape": f"T{t} E{e} H{h} k{k} ep{consts['BLOCK_EP']} split{consts['SPLIT_K']}",
-                **row,
-            }
-        )
+        rows.append({"kernel": "moe_gate_dot_softmax_topk_kernel",
+                     "shape": f"T{t} E{e} H{h} k{k} ep{consts['BLOCK_EP']} split{consts['SPLIT_K']}", **row})
     return rows
 
 
@@ -156,28 +151,14 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
             kind = None if cfg.a8 else prologue(name, m)  # an a8 tile's prologue runs in the quantization before it
             x_types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"} if cfg.a8 else {}
             tiles = tile_constants(m, k, cfg, *((1, k) if channel else (128, 128)), channel)
-            consts = {
-                "SILU_MUL": kind == "silu",
-                "ADD_RESIDUAL": kind == "norm",
-                "NORM": kind == "norm",
-                "HAS_BIAS": False,
-                "PDL": False,
-                **tiles,
-                "X_TOKEN": channel and cfg.a8,
-            }
+            consts = {"SILU_MUL": kind == "silu", "ADD_RESIDUAL": kind == "norm", "NORM": kind == "norm",
+                      "HAS_BIAS": False, "PDL": False, **tiles, "X_TOKEN": channel and cfg.a8}
             row = compile_report(_fp8_gemv_kernel, {**types, **x_types}, consts, cfg.num_warps, cfg.num_stages)
             split_k, programs = consts["SPLIT_K"], triton.cdiv(n, cfg.block_n) * consts["SPLIT_K"]
             mode = "a8 fp8 dot" if cfg.a8 else "fp8 dot" if cfg.fp8_dot else "dot" if cfg.use_dot else "fma"
             tile = f"{mode} {cfg.block_n}x{consts['BLOCK_K']} split{split_k}"
-            out.append(
-                {
-                    "kernel": "_fp8_gemv_kernel",
-                    "shape": f"{name} {scales} m{m} {kind or 'plain'} {tile}",
-                    **row,
-                    "programs": programs,
-                    "waves": round(programs / (row["programs_per_sm"] * sms), 2),
-                }
-            )
+            out.append({"kernel": "_fp8_gemv_kernel", "shape": f"{name} {scales} m{m} {kind or 'plain'} {tile}", **row,
+                        "programs": programs, "waves": round(programs / (row["programs_per_sm"] * sms), 2)})
     return out
 
 
@@ -215,31 +196,19 @@ def moe_stream_reports() -> list[dict]:
                 consts = {"K": kk, "BLOCK_S": triton.next_power_of_2(k)}
             consts.update(scales, K_SCALES=wide, BLOCK_N=tile.block_n, BLOCK_K=step)
             row = compile_report(fn, types, consts, tile.num_warps, tile.num_stages)
-            out.append(
-                {
-                    "kernel": fn.__name__,
-                    "shape": f"E{e} H{h} I{i} k{k} {name} {tile.block_n}x{step}"
-                    f"{' k_scales' if wide else ''} w{tile.num_warps}",
-                    **row,
-                }
-            )
+            out.append({"kernel": fn.__name__, "shape": f"E{e} H{h} I{i} k{k} {name} {tile.block_n}x{step}"
+                        f"{' k_scales' if wide else ''} w{tile.num_warps}", **row})
     return out
 
 
 def layer_stream_ws_reports(tiles=None) -> list[dict]:
     """benchmarks/fp8_layer_stream_ws.py's Gluon kernel (a TMA producer warp and the consumer warps) at
-    llama3-8b's shapes, for ``tiles`` (default: the benchmark's), with the shared memory its tile asks for."""
+    llama3-8b's shapes, for ``tiles`` (default: the benchmark's), with the shared memory its tile plans for."""
     import torch
     from triton.runtime.jit import mangle_type
 
-    from benchmarks.fp8_layer_stream_ws import (
-        HIDDEN,
-        INTERMEDIATE,
-        QKV_ROWS,
-        TILES,
-        box_descriptor,
-        layer_stream_ws_kernel,
-    )
+    from benchmarks.fp8_layer_stream import HIDDEN, INTERMEDIATE, QKV_ROWS
+    from benchmarks.fp8_layer_stream_ws import TILES, box_descriptor, layer_stream_ws_kernel
 
     out = []
     for tile in tiles or TILES:
@@ -247,8 +216,8 @@ def layer_stream_ws_reports(tiles=None) -> list[dict]:
         descs = {name: mangle_type(box_descriptor(torch.zeros(tile.bn, k, dtype=torch.float8_e4m3fn), tile.bn, tile.bk))
                  for name, k in (("d_qkv", HIDDEN), ("d_o", HIDDEN), ("d_gu", HIDDEN), ("d_d", INTERMEDIATE))}  # fmt: skip
         types = {**descs, "s_qkv": "*fp32", "s_o": "*fp32", "s_gu": "*fp32", "s_d": "*fp32", "cnt": "*i32",
-                 "err": "*i32", "eps": "fp32", "num_layers": "i32", "G": "i32", "spin_cap": "i32"}  # fmt: skip
-        types.update({n: "*bf16" for n in ("n1", "n2", "down", "rm", "ra", "qkv", "o", "gu")})
+                 "err": "*i32", "eps": "fp32", "num_layers": "i32", "G": "i32", "spin_cap": "i32",
+                 **{n: "*bf16" for n in ("n1", "n2", "down", "rm", "ra", "qkv", "o", "gu")}}  # fmt: skip
         consts = {"H": HIDDEN, "QKV_N": QKV_ROWS, "INTER": INTERMEDIATE, "BN": tile.bn, "BK": tile.bk,
                   "NBUF": tile.nbuf, "SUB": tile.sub}  # fmt: skip
         row = compile_report(layer_stream_ws_kernel, types, consts, tile.warps, 1, gluon=True)
@@ -261,9 +230,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args()
-    for row in (
-        attention_reports() + gate_reports() + fp8_stream_reports() + moe_stream_reports() + layer_stream_ws_reports()
-    ):
+    reports = attention_reports() + gate_reports() + fp8_stream_reports() + moe_stream_reports()
+    for row in reports + layer_stream_ws_reports():
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
 

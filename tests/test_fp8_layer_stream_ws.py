@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.fp8_layer_stream import random_weights
-from benchmarks.fp8_layer_stream_ws import INTERMEDIATE, TILES, LayerStreamWS, WsTile
+from benchmarks.fp8_layer_stream import INTERMEDIATE, random_weights
+from benchmarks.fp8_layer_stream_ws import TILES, LayerStreamWS, WsTile
 
 ROOT = Path(__file__).resolve().parents[1]
 
