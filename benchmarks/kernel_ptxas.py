@@ -221,6 +221,9 @@ def layer_stream_ws_reports(tiles=None) -> list[dict]:
         consts = {"H": HIDDEN, "QKV_N": QKV_ROWS, "INTER": INTERMEDIATE, "BN": tile.bn, "BK": tile.bk,
                   "NBUF": tile.nbuf, "SUB": tile.sub}  # fmt: skip
         row = compile_report(layer_stream_ws_kernel, types, consts, tile.warps, 1, gluon=True)
+        # registers at launch follow the partitions' setmaxnreg, not the count compile_report divides by: an SM
+        # holds as many programs as its shared memory does
+        row["programs_per_sm"] = SM90_SHARED_BYTES // row["shared_bytes"]
         out.append({"kernel": "layer_stream_ws_kernel", "shape": tile.label(),
                     "planned_shared_bytes": tile.shared_bytes(INTERMEDIATE), **row})  # fmt: skip
     return out

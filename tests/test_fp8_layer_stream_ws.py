@@ -5,6 +5,7 @@ against benchmarks.fp8_layer_stream.reference_layer on the GPU before it times i
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks.fp8_layer_stream import INTERMEDIATE, random_weights
-from benchmarks.fp8_layer_stream_ws import TILES, LayerStreamWS, WsTile
+from benchmarks.fp8_layer_stream_ws import SCRATCH_BYTES, TILES, LayerStreamWS, WsTile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,24 +39,42 @@ def test_the_kernel_compiles_for_sm90_within_the_shared_memory_its_tile_plans() 
         rows[0]["planned_shared_bytes"] == TILES[0].shared_bytes(INTERMEDIATE) == 23 * 32 * 256 + 64 * 256 * 2 + 23 * 16
     )
     for r in rows:
-        assert r["planned_shared_bytes"] <= r["shared_bytes"] <= r["planned_shared_bytes"] + 1024, r
+        assert r["planned_shared_bytes"] <= r["shared_bytes"] <= r["planned_shared_bytes"] + SCRATCH_BYTES, r
         assert r["shared_bytes"] <= SM90_SHARED_BYTES and r["spill_bytes"] == 0, r
 
 
 def test_every_benchmark_tile_fits_an_h200_sm() -> None:
-    assert all(t.shared_bytes(INTERMEDIATE) + 1024 <= 232448 for t in TILES)
+    from benchmarks.kernel_ptxas import SM90_SHARED_BYTES
+
+    assert all(t.shared_bytes(INTERMEDIATE) + SCRATCH_BYTES <= SM90_SHARED_BYTES for t in TILES)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((48, 256, 4), "WsTile bn=48: must be a power of two >= 1"),
+        ((32, 512, 4), "WsTile bk=512: must be a power of two >= 16 and <= 256"),  # past one TMA box
+        ((32, 8, 4), "WsTile bk=8: must be a power of two >= 16 and <= 256"),
+        ((32, 256, 4, 3), "WsTile sub=3: must be a power of two >= 1"),
+        ((32, 256, 4, 1, 6), "WsTile warps=6: must be a power of two >= 1"),
+        ((32, 256, 0), "WsTile nbuf=0: at least 1 slot"),
+    ],
+)
+def test_a_tile_the_kernel_cannot_take_is_refused_naming_the_field(args, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        WsTile(*args)
 
 
 @pytest.mark.parametrize(
     "tile, field",
     [
-        (WsTile(48, 256, 4), "tile rows 48"),  # 48 does not divide 512
-        (WsTile(32, 256, 4, 4), "slot columns 4 x 256"),  # four boxes are 1024 columns: more than hidden 512
-        (WsTile(32, 512, 4), "slot columns 1 x 512"),  # intermediate 2048 is not 8 boxes of 512
+        (WsTile(64, 256, 4), "tile rows 64 must divide qkv 800"),
+        (WsTile(32, 256, 4, 4), "slot columns 4 x 256 must divide hidden 512"),  # 1024 columns a slot
+        (WsTile(32, 128, 4), "intermediate 1536 must be a multiple of 8 x bk 128"),  # 1536 = 12 x 128
     ],
 )
 def test_a_tile_the_weights_do_not_divide_is_refused(tile: WsTile, field: str) -> None:
-    w = random_weights(1, 512, 768, 2048, torch.device("cpu"))
+    w = random_weights(1, 512, 800, 1536, torch.device("cpu"))
     with pytest.raises(ValueError, match=field):
         LayerStreamWS(w, tile, 4)
 

@@ -28,8 +28,8 @@ def stream_step(group_n: int, group_k: int, block_n: int, block_k: int) -> tuple
     """(K step, ``K_SCALES``) of the small-batch streaming kernels (kernels/moe_stream.py) for a tile of
     ``block_n`` rows and ``block_k`` columns over ``[group_n, group_k]`` scale blocks: a step past the block's K
     where the tile's rows lie in one block-scale row (each column's scale then multiplies the activation);
-    otherwise the step is capped at the block's K and a step's row sums take one scale, as before there was the
-    wider step. The tuner's streaming space follows the same rule."""
+    otherwise the step is capped at the block's K and a step's row sums take one scale. The tuner's streaming space
+    follows the same rule."""
     if group_n % block_n == 0 and block_k > group_k:
         return block_k, True
     return min(block_k, group_k), False
