@@ -120,11 +120,6 @@ class EngineConfig:
         if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
             raise ConfigError(f"--ep={self.ep} with --tp={self.tp} is invalid: expert-parallel ranks are the "
                               f"tensor-parallel ranks, so use --ep {self.tp} (or --ep 1)", param="ep")
-        if self.quantization != "none" and max(self.tp, self.ep) > 1:
-            # the FP8 layers load whole tensors; their tensor-parallel slices (and block scales cut
-            # along with them) are not implemented, so refuse rather than run a wrong shard
-            raise ConfigError(f"--quantization={self.quantization} with --tp={self.tp} --ep={self.ep} is not "
-                              "supported: FP8 weights run on one GPU (use --tp 1 --ep 1)", param="quantization")
         if self.log_interval < 1:
             raise ConfigError(f"--log-interval={self.log_interval} is invalid: must be >= 1", param="log_interval")
         if self.max_queued_requests < 1:

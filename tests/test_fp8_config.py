@@ -140,8 +140,3 @@ def test_engine_serves_with_an_fp8_kv_cache():
     assert llm.engine.core.info.kv.dtype == llm.engine.core.runner.kv_caches[0].dtype == FP8_DTYPE
     out = llm.generate(["Hello there"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 8
-
-
-def test_fp8_with_tensor_parallelism_is_refused_by_name():
-    with pytest.raises(ConfigError, match="--quantization=fp8 with --tp=2 --ep=1 is not supported"):
-        EngineConfig(model="dummy:llama3-8b", quantization="fp8", tp=2)

@@ -15,11 +15,14 @@ Tensor parallelism (the parallel classes at the end): a column-parallel layer ke
 output rows, a row-parallel one a slice of the input columns, and each loads only its slice from the
 checkpoint tensor. They compute with ``Linear.forward`` (so the gemv routing is the same at every tp);
 the sum of a row-parallel layer's partial outputs is the caller's all-reduce (distributed/comm.py),
-issued once per block after whatever else joins it. At tp 1 they hold the whole weight.
+issued once per block after whatever else joins it. At tp 1 they hold the whole weight. An FP8 layer's
+quantization method takes the rank's part itself (``rank_slice``): the weight with its scales, cut in whole
+scale blocks (layers/quant/fp8.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -184,14 +187,38 @@ def _split(total: int, tp_size: int, what: str) -> int:
     return total // tp_size
 
 
-def _quantized(layer: Linear) -> bool:
-    """An FP8 layer loads through its quantization method; that method holds whole tensors, so a
-    quantized layer is only built at tp 1 (EngineConfig refuses --quantization with --tp/--ep above 1)."""
-    if layer.quant_method is None:
-        return False
-    if layer.tp_size != 1:
-        raise ValueError(f"an FP8 {type(layer).__name__} at tp_size={layer.tp_size}: FP8 weights run at tp 1 only")
-    return True
+@dataclass(frozen=True)
+class RankSlice:
+    """The part of a checkpoint tensor one rank holds: ``size`` output rows (``dim`` 0, a column-parallel
+    layer) or input columns (``dim`` 1, row-parallel) from ``start``, in the weight's coordinates."""
+
+    dim: int
+    start: int
+    size: int
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows or columns of ``t`` (a weight, or a per-row vector along dim 0)."""
+        if t.shape[self.dim] < self.start + self.size:
+            raise ValueError(f"has {t.shape[self.dim]} {self._what} where this rank's are [{self.start}, "
+                             f"{self.start + self.size})")
+        return t.narrow(self.dim, self.start, self.size)
+
+    def check_blocks(self, block: int, ends_the_weight: bool) -> None:
+        """Refuse a part that cuts the ``block``-wide fp8 scale tiles along ``dim``: it must start on a tile and
+        cover whole tiles, but for a last one that ends with the weight."""
+        if self.start % block or (self.size % block and not ends_the_weight):
+            raise ValueError(f"this rank's {self._what} [{self.start}, {self.start + self.size}) cut the fp8 scale "
+                             f"blocks of {block}: each rank's part must be whole blocks (a multiple of {block})")
+
+    def take_blocks(self, scales: torch.Tensor, block: int) -> torch.Tensor:
+        """This rank's scales of a weight scaled in ``block``-wide tiles along ``dim`` (whole tiles only)."""
+        tiles = RankSlice(self.dim, self.start // block, -(-self.size // block))
+        self.check_blocks(block, tiles.start + tiles.size == scales.shape[self.dim])
+        return tiles.take(scales)
+
+    @property
+    def _what(self) -> str:
+        return "rows" if self.dim == 0 else "columns"
 
 
 def _fit(target: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -207,12 +234,16 @@ class ColumnParallelLinear(Linear):
         super().__init__(in_features, _split(out_features, tp_size, "out_features"), bias=bias)
         self.tp_rank, self.tp_size = tp_rank, tp_size
 
+    def rank_slice(self, shard: int | None) -> RankSlice | None:
+        n = self.out_features
+        return RankSlice(0, self.tp_rank * n, n) if self.tp_size > 1 else None
+
     @torch.no_grad()
     def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
-        if _quantized(self):
+        if self.quant_method is not None:  # it takes this rank's part itself (rank_slice), scales included
             return self.quant_method.load_weight(self, param_name, param, loaded, shard)
-        n = param.shape[0]
-        _fit(param.data, loaded.narrow(0, self.tp_rank * n, n), f"{param_name} (rank {self.tp_rank}'s rows)")
+        part = self.rank_slice(shard)
+        _fit(param.data, part.take(loaded) if part else loaded, f"{param_name} (rank {self.tp_rank}'s rows)")
 
 
 class RowParallelLinear(Linear):
@@ -224,15 +255,19 @@ class RowParallelLinear(Linear):
         super().__init__(_split(in_features, tp_size, "in_features"), out_features, bias=bias)
         self.tp_rank, self.tp_size = tp_rank, tp_size
 
+    def rank_slice(self, shard: int | None) -> RankSlice | None:
+        k = self.in_features
+        return RankSlice(1, self.tp_rank * k, k) if self.tp_size > 1 else None
+
     @torch.no_grad()
     def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
-        if _quantized(self):
+        if self.quant_method is not None:
             return self.quant_method.load_weight(self, param_name, param, loaded, shard)
         if param_name == "bias":
             _fit(param.data, loaded if self.tp_rank == 0 else torch.zeros_like(loaded), "bias")
             return
-        n = param.shape[1]
-        _fit(param.data, loaded.narrow(1, self.tp_rank * n, n), f"{param_name} (rank {self.tp_rank}'s columns)")
+        part = self.rank_slice(shard)
+        _fit(param.data, part.take(loaded) if part else loaded, f"{param_name} (rank {self.tp_rank}'s columns)")
 
 
 class MergedColumnParallelLinear(MergedLinear):
@@ -250,11 +285,14 @@ class MergedColumnParallelLinear(MergedLinear):
         n = self.output_sizes[shard]
         return self.tp_rank * n, n
 
+    def rank_slice(self, shard: int | None) -> RankSlice | None:
+        return RankSlice(0, *self.shard_slice(shard)) if self.tp_size > 1 else None
+
     @torch.no_grad()
     def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         if shard is None:
             raise ValueError(f"a merged projection takes its {len(self.output_sizes)} parts one by one")
-        if _quantized(self):
+        if self.quant_method is not None:
             return self.quant_method.load_weight(self, param_name, param, loaded, shard)
         start, n = self.shard_slice(shard)
         _fit(param.data[self.shard_rows(shard)], loaded.narrow(0, start, n), f"shard {shard} (rank {self.tp_rank})")

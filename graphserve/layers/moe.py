@@ -24,6 +24,7 @@ from graphserve.kernels.moe_reference import (
     softmax_topk_reference,
     uniform_routing,
 )
+from graphserve.layers.linear import RankSlice
 
 ROUTING_OVERRIDES = (None, "uniform")
 
@@ -216,6 +217,14 @@ class FusedMoE(nn.Module):
             else:
                 rows = slice(0, il) if param == "w1" else slice(il, 2 * il)
                 self.w13_weight[local, rows].copy_(tensor[shard])
+
+    def rank_slice(self, part: str) -> RankSlice | None:
+        """This rank's part of an expert's checkpoint matrix ``part`` under tensor parallelism: rows of w1/w3
+        ``[I, H]``, columns of w2 ``[H, I]`` (None at tp 1: whole)."""
+        if self.tp_size == 1:
+            return None
+        il = self.intermediate_local
+        return RankSlice(0 if part in ("w1", "w3") else 1, self.tp_rank * il, il)
 
     # ---- the model loader's protocol (models/base.py): one shard per (expert, part) ----------------
     def weight_shards(self, param_name: str) -> list[tuple[int, str]]:

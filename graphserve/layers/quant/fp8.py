@@ -59,7 +59,7 @@ from graphserve.kernels.fp8_quant import (
 from graphserve.layers.quant.config import Fp8Config
 
 if TYPE_CHECKING:
-    from graphserve.layers.linear import Linear
+    from graphserve.layers.linear import Linear, RankSlice
 
 # Rows up to which the streaming kernel computes its input's prologue itself. Every program reads the rows
 # it multiplies again: a norm prologue reads whole rows (x and the residual) for the statistics, in every
@@ -114,17 +114,21 @@ class Fp8LinearMethod:
 
     def load_weight(self, layer: Linear, name: str, param: nn.Parameter, loaded: torch.Tensor,
                     shard: int | None) -> None:
-        """A checkpoint tensor (``weight``, its scale, ``input_scale`` or ``bias``) into its rows."""
+        """A checkpoint tensor (``weight``, its scale, ``input_scale`` or ``bias``) into its rows; of a
+        tensor-parallel layer, this rank's part of it (``rank_part``)."""
         start, stop = self._rows(layer, shard)
+        part = layer.rank_slice(shard) if hasattr(layer, "rank_slice") else None
         if name == "bias":
+            if part is not None:  # a row-parallel layer's bias is added once: rank 0 holds it
+                loaded = part.take(loaded) if part.dim == 0 else loaded if layer.tp_rank == 0 else torch.zeros_like(loaded)
             target = param.data[start:stop]
             if target.shape != loaded.shape:
                 raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
             target.copy_(loaded)
         elif name == "weight":
-            self._load_weight(layer, param, loaded, start, stop)
+            self._load_weight(layer, param, loaded, start, stop, part)
         elif name == self.scale_name:
-            self._load_scale(param, loaded, start, stop, layer.in_features)
+            self._load_scale(param, self.rank_part(part, name, loaded), start, stop, layer.in_features)
         elif name == "input_scale":
             if loaded.numel() != 1:
                 raise ValueError(f"input_scale has shape {tuple(loaded.shape)}, expected one value")
@@ -132,22 +136,48 @@ class Fp8LinearMethod:
         else:
             raise ValueError(f"an fp8 layer has no tensor {name!r}")
 
-    def _load_weight(self, layer: Linear, param: nn.Parameter, loaded: torch.Tensor, start: int, stop: int) -> None:
+    def rank_part(self, part: RankSlice | None, name: str, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a layer's fp8 weight or its scale (``name``), the layer split as ``part`` (None:
+        whole): weights and block scales in whole blocks only (a block two ranks would share is refused, naming
+        the rows or columns); a per-channel scale follows the output rows (a row-parallel rank keeps every row's)."""
+        if part is None:
+            return loaded
+        if name == "weight":
+            if self.config.block:
+                part.check_blocks(self.group_n if part.dim == 0 else self.group_k,
+                                  part.start + part.size == loaded.shape[part.dim])
+            return part.take(loaded)
+        if loaded.numel() == 1:  # per tensor: every rank's rows share it
+            return loaded
+        if self.config.block:
+            return part.take_blocks(loaded, self.group_n if part.dim == 0 else self.group_k)
+        return part.take(loaded) if part.dim == 0 else loaded
+
+    def _load_weight(self, layer: Linear, param: nn.Parameter, loaded: torch.Tensor, start: int, stop: int,
+                     part: RankSlice | None = None) -> None:
+        """A checkpoint weight (this rank's ``part`` of it) into rows ``[start, stop)``. A model-dtype weight is
+        quantized whole, as at tp 1, and then cut: every tp runs the same fp8 values and scales."""
         target = param.data[start:stop]
-        if target.shape != loaded.shape:
-            raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
         if self.config.serialized:
+            loaded = self.rank_part(part, "weight", loaded)
+            if target.shape != loaded.shape:
+                raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
             if loaded.dtype != FP8_DTYPE:
                 raise ValueError(f"dtype {loaded.dtype}, expected {FP8_DTYPE} (the config's quant_method is fp8)")
             target.copy_(loaded)
             return
         if self.config.block:
             q, s = quantize_weight_blocks(loaded.to(target.device), self.group_n, self.group_k)
-            self.scale(layer)[start // self.group_n: start // self.group_n + s.shape[0]].copy_(s)
         else:
             q, s = quantize_weight_channels(loaded.to(target.device))
-            self.scale(layer)[start:stop].copy_(s)
+        q, s = self.rank_part(part, "weight", q), self.rank_part(part, self.scale_name, s)
+        if target.shape != q.shape:
+            raise ValueError(f"shape {tuple(q.shape)}, expected {tuple(target.shape)}")
         target.copy_(q)
+        if self.config.block:
+            self.scale(layer)[start // self.group_n: start // self.group_n + s.shape[0]].copy_(s)
+        else:
+            self.scale(layer)[start:stop].copy_(s)
 
     def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor, start: int, stop: int, k: int) -> None:
         if not loaded.dtype.is_floating_point or loaded.dtype == FP8_DTYPE:

@@ -30,6 +30,7 @@ from graphserve.kernels.moe_fp8_reference import dequantize_experts
 from graphserve.layers.quant.config import Fp8Config
 
 if TYPE_CHECKING:
+    from graphserve.layers.linear import RankSlice
     from graphserve.layers.moe import FusedMoE
 
 WEIGHTS = ("w13_weight", "w2_weight")
@@ -71,8 +72,6 @@ class Fp8MoEMethod:
     # ---- construction -------------------------------------------------------------------------
     def create_weights(self, layer: FusedMoE) -> None:
         """Replace the layer's model-dtype expert stacks by fp8 storage and their scales (same device)."""
-        if layer.tp_size > 1:
-            raise ValueError(f"fp8 routed experts are built at tp_size 1, got tp_size={layer.tp_size}")
         e, h, i = layer.num_local_experts, layer.hidden_size, layer.intermediate_local
         device = layer.w13_weight.device
         self.act_dtype = layer.w13_weight.dtype  # the activations keep the model dtype
@@ -114,24 +113,41 @@ class Fp8MoEMethod:
         if not 0 <= local < layer.num_local_experts:
             return False
         n = rows.stop - rows.start
+        piece = layer.rank_slice(part)  # this rank's rows of w1/w3 or columns of w2 (None: whole)
         if param_name == weight:
-            if tuple(tensor.shape) != (n, k):
-                raise ValueError(f"shape {tuple(tensor.shape)}, expected {(n, k)} (expert {expert} {part})")
+            full = (n, k) if piece is None else (n * layer.tp_size, k) if piece.dim == 0 else (n, k * layer.tp_size)
+            if tuple(tensor.shape) != full:
+                raise ValueError(f"shape {tuple(tensor.shape)}, expected {full} (expert {expert} {part})")
             target = getattr(layer, weight).data[local, rows]
+            if piece is not None and self.block:
+                piece.check_blocks(self.block[piece.dim], piece.start + piece.size == tensor.shape[piece.dim])
             if self.config.serialized:
                 if tensor.dtype != FP8_DTYPE:
                     raise ValueError(f"dtype {tensor.dtype}, expected {FP8_DTYPE} (the config's quant_method is fp8)")
-                target.copy_(tensor)
+                target.copy_(piece.take(tensor) if piece is not None else tensor)
                 return True
+            # quantized whole, as at tp 1, then cut: every tp runs the same fp8 values and scales
             q, s = quantize_stack(tensor.to(target.device)[None], self.block)
-            target.copy_(q[0])
-            getattr(layer, self.scale_name(weight)).data[local, scale_rows].copy_(s[0])
+            q, s = q[0], s[0]
+            if piece is not None:
+                q, s = piece.take(q), self._scale_part(piece, s)
+            target.copy_(q)
+            getattr(layer, self.scale_name(weight)).data[local, scale_rows].copy_(s)
             return True
         if param_name != self.scale_name(weight):
             raise ValueError(f"an fp8 expert layer has no tensor {param_name!r} (its scales are "
                              f"{self.scale_name(weight)!r})")
+        if piece is not None and tensor.numel() > 1:
+            tensor = self._scale_part(piece, tensor)
         self._load_scale(getattr(layer, param_name).data[local, scale_rows], tensor, n, k)
         return True
+
+    def _scale_part(self, piece: RankSlice, scale: torch.Tensor) -> torch.Tensor:
+        """This rank's scales of an expert matrix cut as ``piece``: whole blocks, or per channel the rows of
+        w1/w3 (w2's rows, the hidden size, are whole on every rank)."""
+        if self.block:
+            return piece.take_blocks(scale, self.block[piece.dim])
+        return piece.take(scale) if piece.dim == 0 else scale
 
     def _load_scale(self, target: torch.Tensor, loaded: torch.Tensor, n: int, k: int) -> None:
         if not loaded.dtype.is_floating_point or loaded.dtype == FP8_DTYPE:
