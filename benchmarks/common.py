@@ -55,8 +55,9 @@ def write_result(name: str, payload: dict) -> Path:
 
 
 def merge_rows(name: str, rows: list[dict], **tables) -> Path:
-    """Write ``rows`` into benchmarks/results/NAME.json beside the rows of other models already there: a row
-    of a model in ``rows`` replaces that model's earlier rows, the others stay. ``tables`` replace the file's
+    """Write ``rows`` into benchmarks/results/NAME.json beside the rows already there: a row replaces the earlier
+    row of its case (model, batch size, context), every other row stays, so a run that measures a model at fewer
+    batch sizes than the file holds keeps the others, each naming its run. ``tables`` replace the file's
     other keys of those names, but for a table of per-model entries (a list of dicts, each with a ``model``),
     which merges as the rows do (an empty one keeps the file's; an old entry naming no model goes). The file's
     environment becomes this run's, so every row names the run that measured it (``measured_at``); rows from
@@ -66,9 +67,12 @@ def merge_rows(name: str, rows: list[dict], **tables) -> Path:
     before = payload.pop("environment", {})  # write_result records this run's
     now = environment()
 
+    def case(r: dict) -> tuple:
+        return r["model"], r.get("bs"), r.get("ctx")
+
     def merged(old: list, new: list) -> list:
-        models = {r["model"] for r in new}
-        kept = [{"measured_at": before, **r} for r in old if "model" in r and r["model"] not in models]
+        cases = {case(r) for r in new}
+        kept = [{"measured_at": before, **r} for r in old if "model" in r and case(r) not in cases]
         return kept + [{**r, "measured_at": now} for r in new]
 
     for key, table in tables.items():

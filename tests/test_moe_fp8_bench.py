@@ -44,6 +44,22 @@ def test_the_dense_run_keeps_the_moe_rows_and_replaces_its_own_tables(tmp_path, 
     assert merged["prefill"] == [{"model": "dummy:llama3-8b", "measured_at": merged["environment"]}]
 
 
+def test_a_run_of_fewer_batches_keeps_the_models_other_batches(tmp_path, monkeypatch):
+    """A --quick run measures batches 1 and 64 of a model whose batch-256 row an earlier full run wrote: that row
+    stays, naming its run; the measured cases are replaced, once each."""
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    model = "dummy:qwen3-30b-a3b --quantization fp8"
+    old = [{"model": model, "bs": b, "ctx": c, "step_ms": 1.0} for b, c in ((1, 512), (64, 2048), (256, 2048))]
+    (tmp_path / "fp8_decode.json").write_text(json.dumps({"environment": {"commit": "full"}, "rows": old}))
+    quick = [{"model": model, "bs": b, "ctx": c, "step_ms": 2.0} for b, c in ((1, 512), (64, 2048))]
+    common.merge_rows("fp8_decode", quick)
+    rows = json.loads((tmp_path / "fp8_decode.json").read_text())["rows"]
+    assert [(r["bs"], r["step_ms"], r["measured_at"].get("commit")) for r in rows] == [
+        (256, 1.0, "full"), (1, 2.0, rows[1]["measured_at"]["commit"]), (64, 2.0, rows[1]["measured_at"]["commit"])]
+    assert rows[1]["measured_at"]["commit"] != "full"
+
+
 def test_per_model_tables_keep_the_other_models_entries(tmp_path, monkeypatch):
     """A run of one model (benchmarks.fp8 --models dummy:mixtral-8x7b) replaces that model's accuracy rows and
     keeps the others' with their run; its empty prefill table (a MoE model runs none) keeps the dense model's;
