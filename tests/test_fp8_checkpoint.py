@@ -146,7 +146,9 @@ def test_quantization_flag_on_an_unquantized_checkpoint(source, tmp_path):
     desc, plain = loaded.info.description, load_model(EngineConfig(model=str(source)), CPU).info.description
     assert desc.dense_params == plain.dense_params
     # projections at one byte plus one fp32 scale per row, counted at the widest K (the activation width, never
-    # over-counting the scales); embedding and head stay fp32
+    # over-counting the scales); embedding, head and the norms (2 layers x 2 x 64 and the final 64) stay fp32
     per_param = 1 + 4 / desc.act_width
-    assert desc.weights_bytes == int(desc.dense_params * per_param + (desc.embed_params + desc.lm_head_params) * 4)
+    assert desc.model_dtype_params == 2 * 2 * 64 + 64
+    kept = desc.embed_params + desc.lm_head_params + desc.model_dtype_params
+    assert desc.weights_bytes == int((desc.dense_params - desc.model_dtype_params) * per_param + kept * 4)
     assert desc.weights_bytes < plain.weights_bytes / 1.8

@@ -11,11 +11,16 @@ Under ``--tp`` attention splits by heads over a replicated latent cache (layers/
 and shared experts split along their intermediate size, and routed experts split along theirs or, with
 ``--ep``, are placed whole (as in models/moe.py). Each layer issues two all-reduces: one after
 attention, one after the MLP or after the MoE block with its shared experts already added.
+
+FP8 checkpoints (DeepSeek-V3 / R1's) load their projections and routed experts in fp8 (layers/quant);
+their ``kv_b_proj``, stored in fp8 too, is dequantized to the model dtype as it loads, since attention
+reads it through per-head views (layers/mla.py, layers/quant/dequant_at_load.py).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +42,8 @@ from graphserve.layers.mla_rope import DeepseekRotary, softmax_scale
 from graphserve.layers.moe import FusedMoE, GroupedSigmoidTopK, Router, SoftmaxTopK
 from graphserve.layers.moe_router_deepseek import SoftmaxGroupTopK
 from graphserve.layers.norm import RMSNorm
+from graphserve.layers.quant.config import DEQUANTIZED_AT_LOAD, parse_quantization_config
+from graphserve.layers.quant.dequant_at_load import dequantize_at_load
 from graphserve.models.base import CausalLM, DecoderStack
 from graphserve.models.deepseek_shape import DeepseekShape, shape_from_config
 from graphserve.models.description import ModelDescription, split_evenly
@@ -176,6 +183,8 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.tied = self.shape.tie_word_embeddings
         if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
+        # how the checkpoint's tensors are stored (None: unquantized), which says how its kv_b_proj is scaled
+        self.checkpoint_quant = parse_quantization_config(getattr(config, "quantization_config", None))
 
     def needs_row_mask(self) -> bool:
         return bool(self.shape.moe_layers)
@@ -186,6 +195,12 @@ class DeepseekV2ForCausalLM(CausalLM):
             return None  # V3's multi-token-prediction layers sit past the last decoder layer; unused here
         name = name.replace(".mlp.gate.e_score_correction_bias", ".mlp.experts.router.e_score_correction_bias")
         return expert_param_name(name) or super().map_weight_name(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """As every family loads, with an fp8 ``kv_b_proj`` dequantized on the way; the tensors of layers this
+        model skips (V3's multi-token prediction) are dropped first, so none of theirs is held or dequantized."""
+        kept = ((name, t) for name, t in weights if self.map_weight_name(name) is not None)
+        return super().load_weights(dequantize_at_load(kept, DEQUANTIZED_AT_LOAD, self.checkpoint_quant))
 
     @classmethod
     def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:
@@ -220,6 +235,10 @@ class DeepseekV2ForCausalLM(CausalLM):
         # every MoE layer reads its gate, its correction bias (V3) and its shared experts whatever the routing
         moe_fixed = s.n_routed_experts * h + (s.n_routed_experts if s.scoring_func == "sigmoid" else 0) + shared
         dense_params = s.num_layers * (attn + 2 * h) + n_dense * dense_mlp + n_moe * moe_fixed + h
+        # kept in the model dtype under FP8: norms (the layers', q-a's, kv-a's, the final), routers, kv_b_proj
+        norms = s.num_layers * (2 * h + r + (s.q_lora_rank or 0)) + h
+        routers = n_moe * (s.n_routed_experts * h + (s.n_routed_experts if s.scoring_func == "sigmoid" else 0))
+        model_dtype = norms + routers + s.num_layers * r * heads * (nope + v)
         # a token at the attention peak: q, the kv-a output, q and output in latent space, the output heads
         attn_act = heads * qk + (r + d) + 2 * heads * r + heads * v
         moe_act = s.n_routed_experts + s.top_k * (3 * expert_inter + h) + 3 * shared_inter if n_moe else 0
@@ -231,6 +250,7 @@ class DeepseekV2ForCausalLM(CausalLM):
             expert_params=3 * h * expert_inter, local_experts=local_experts,
             num_experts=s.n_routed_experts if n_moe else 0, top_k=s.top_k if n_moe else 0, num_moe_layers=n_moe,
             act_width=max(attn_act, 3 * inter, moe_act), act_bytes_per_elem=dtype.itemsize,
+            model_dtype_params=model_dtype,
         )
 
 

@@ -52,9 +52,6 @@ def _refuse(field: str, value: Any, allowed: str) -> ModelLoadError:
 
 def shape_from_config(config: Any, version: int) -> DeepseekShape:
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
-    if get("quantization_config") is not None:
-        method = dict(get("quantization_config")).get("quant_method")
-        raise _refuse("quantization_config.quant_method", method, "only unquantized bf16/fp16/fp32 weights")
     if get("hidden_act", "silu") != "silu":
         raise _refuse("hidden_act", get("hidden_act"), "only 'silu'")
     topk_method = get("topk_method")

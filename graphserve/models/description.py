@@ -46,10 +46,20 @@ class ModelDescription:
     embed_bytes_per_param: float | None = None
     expert_bytes_per_param: float | None = None
     expert_fp8_group_k: int = 0  # fp8 routed experts: their scale block's K (hidden size per channel); 0: none
+    # among dense_params, those FP8 keeps in the model dtype (norms, router gates, MLA's kv_b_proj:
+    # layers/quant/config.py MODEL_DTYPE_LAYERS), priced like the embedding; biases are left among the rest
+    model_dtype_params: int = 0
 
     @property
     def _embed_bpp(self) -> float:
         return self.weight_bytes_per_param if self.embed_bytes_per_param is None else self.embed_bytes_per_param
+
+    @property
+    def dense_bytes(self) -> int:
+        """Every dense parameter: the projections at ``weight_bytes_per_param``, ``model_dtype_params`` at the
+        model dtype's (the same figure but under FP8)."""
+        kept = self.model_dtype_params
+        return int((self.dense_params - kept) * self.weight_bytes_per_param + kept * self._embed_bpp)
 
     @property
     def _expert_bpp(self) -> float:
@@ -69,7 +79,7 @@ class ModelDescription:
     def weights_bytes(self) -> int:
         experts = self.num_moe_layers * self.local_experts * self.expert_params * self._expert_bpp
         embed = (self.embed_params + self.lm_head_params) * self._embed_bpp
-        return int(self.dense_params * self.weight_bytes_per_param + embed + experts)
+        return int(self.dense_bytes + embed + experts)
 
     @property
     def expert_bytes(self) -> int:
@@ -90,7 +100,7 @@ class ModelDescription:
         """
         if experts_touched is None:
             experts_touched = self.num_moe_layers * min(self.local_experts, self.top_k)
-        weights = self.dense_params * self.weight_bytes_per_param + self.head_bytes()
+        weights = self.dense_bytes + self.head_bytes()
         rows = batch * self.hidden_size * self._embed_bpp  # the batch's embedding rows
         return int(weights + rows + experts_touched * self.expert_bytes + context_tokens * self.kv.bytes_per_token)
 

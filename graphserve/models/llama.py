@@ -301,6 +301,7 @@ class LlamaForCausalLM(CausalLM):
             embed_params=-(-s.vocab_size // tp) * s.hidden_size,
             lm_head_params=0 if s.tie_word_embeddings else -(-s.vocab_size // tp) * s.hidden_size,
             act_width=max(attn_act, 3 * inter), act_bytes_per_elem=dtype.itemsize,
+            model_dtype_params=s.num_layers * 2 * s.hidden_size + s.hidden_size,  # the norms
         )
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

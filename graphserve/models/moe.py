@@ -223,6 +223,8 @@ class MoEForCausalLM(CausalLM):
         # every sparse layer reads its router gate and shared expert whatever the routing
         sparse_fixed = m.num_experts * h + (3 * h * shared_inter + h if shared_inter else 0)
         dense_params = (s.num_layers * (attn + 2 * h) + n_dense * 3 * h * dense_inter + n_sparse * sparse_fixed + h)
+        # kept in the model dtype under FP8: norms (q/k norms among attn's, left with it), router and shared gates
+        model_dtype = s.num_layers * 2 * h + h + n_sparse * (m.num_experts * h + (h if shared_inter else 0))
         # a token at the peak of a sparse layer: router logits, k slots of gate/up (2I) and of the
         # activated product and down output (I + H), and the shared expert's 3·I_shared
         moe_act = m.num_experts + m.top_k * (3 * moe_inter + h) + 3 * shared_inter
@@ -233,7 +235,7 @@ class MoEForCausalLM(CausalLM):
             lm_head_params=0 if s.tie_word_embeddings else -(-s.vocab_size // tp) * h,
             expert_params=3 * h * moe_inter, local_experts=local_experts, num_experts=m.num_experts, top_k=m.top_k,
             num_moe_layers=n_sparse, act_width=max(attn_act, 3 * dense_inter, moe_act),
-            act_bytes_per_elem=dtype.itemsize,
+            act_bytes_per_elem=dtype.itemsize, model_dtype_params=model_dtype,
         )
 
 

@@ -28,10 +28,13 @@ DEFAULT_BLOCK = (128, 128)  # what DeepSeek-V3 and Qwen3-FP8 ship, and what --qu
 _KNOWN_KEYS = {"quant_method", "weight_block_size", "activation_scheme", "fmt", "ignored_layers",
                "modules_to_not_convert"}
 # Router gates choose experts: their logits are small and fp8 rounding flips choices; the shipped
-# FP8 checkpoints keep them in bf16, and so does --quantization. Multi-head latent attention reads
-# kv_b_proj's weight directly (absorbed into its q and output products), never through the layer's
-# matmul, so it stays in the model dtype too.
-ALWAYS_UNQUANTIZED = (".gate", ".shared_expert_gate", ".kv_b_proj")
+# FP8 checkpoints keep them in bf16, and so does --quantization.
+ROUTER_GATES = (".gate", ".shared_expert_gate")
+# Multi-head latent attention reads kv_b_proj's weight directly (absorbed into its q and output products),
+# never through the layer's matmul, so it runs in the model dtype. The shipped DeepSeek-V3 FP8 checkpoints
+# store it in fp8 with its scales all the same: it is dequantized as it loads (layers/quant/dequant_at_load.py).
+DEQUANTIZED_AT_LOAD = (".kv_b_proj",)
+MODEL_DTYPE_LAYERS = ROUTER_GATES + DEQUANTIZED_AT_LOAD  # never fp8 at run time, whatever the checkpoint stores
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class Fp8Config:
         return f"fp8 ({kind(self.block)}{experts}, {self.activation_scheme} activations)"
 
     def quantizes(self, module_name: str) -> bool:
-        if module_name.endswith(ALWAYS_UNQUANTIZED):
+        if module_name.endswith(MODEL_DTYPE_LAYERS):
             return False
         return not any(module_name == i or module_name.startswith(i + ".") or module_name.endswith("." + i)
                        for i in self.ignored)
@@ -146,10 +149,8 @@ def quantized_description(desc: Any, quant: Fp8Config | None, model_dtype: torch
                           experts_quantized: bool = True) -> Any:
     """``desc`` (a ModelDescription) with FP8 bytes for its projections and (unless a model keeps them in
     ``model_dtype``) its routed experts, their scales counted exactly; embedding and lm_head stay in
-    the model dtype. Norm weights and router gates, counted among
-    the dense parameters but kept in the model dtype, are then priced at one byte: norms are under
-    0.01% of a layer, a router gate (experts x hidden) about 1% of a Qwen3-30B-A3B layer's dense
-    part; the floor comes out that much lower, never higher."""
+    the model dtype, as do the dense parameters a family counts as ``model_dtype_params`` (norms, router
+    gates, MLA's kv_b_proj). Biases, a few thousand a layer, are priced with the projections."""
     if quant is None:
         return desc
     # per-channel scales: 4 bytes per output row, 4 / K per parameter; K taken no smaller than any projection's
