@@ -100,3 +100,16 @@ def test_a_split_that_does_not_divide_is_refused_naming_the_field_and_the_values
     assert e.param == "tp" and "num_attention_heads=4" in e.message and "[1, 2, 4]" in e.message
     e = refusal(tmp_path, "--ep", "3")
     assert e.param == "ep" and "n_routed_experts=8" in e.message and "[1, 2, 4, 8]" in e.message
+
+
+def test_v3_fp8_checkpoint_tp2_and_ep2_match_tp1(tmp_path):
+    """A V3 FP8 checkpoint in 8x8 blocks (q_a 24 and kv_a 40 rows fused, q_b 48 rows a rank, experts 16 rows a
+    rank: whole blocks): projections and experts cut with their scales, kv_b_proj dequantized whole and then cut
+    by heads."""
+    from graphserve.layers.quant.checkpoint import quantize_checkpoint
+
+    _save(tmp_path / "bf16", _v3())
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8", block=(8, 8))
+    reference = _generate(tmp_path / "fp8")
+    assert _generate(tmp_path / "fp8", tp=2) == reference
+    assert _generate(tmp_path / "fp8", ep=2) == reference
