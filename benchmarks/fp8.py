@@ -157,9 +157,8 @@ def main() -> None:
         fp8 = run_model(name, "fp8", cases, bw, (8, 2048) if dense else None)
         runs = [(f"{name} --quantization fp8", fp8, cases)]
         # and with the KV cache in fp8 too: the reads that dominate at long context halve as well; and the other
-        # layout, at the batches where it was closest. A model the setting does not fit is refused at load (a
-        # latent cache, MLA's, takes no fp8 KV; 128x128 blocks need projections of whole blocks) and its row is
-        # left out, saying why.
+        # layout, at the batches where it was closest. A model the setting does not fit is refused at load
+        # (128x128 blocks need projections of whole blocks) and its row is left out, saying why.
         block_cases = [c for c in cases if c[0] in (1, 64)]
         for label, quantization, kv, measured in (
                 (f"{name} --quantization fp8 --kv-cache-dtype fp8_e4m3", "fp8", "fp8_e4m3", cases),

@@ -1,7 +1,7 @@
 """The MLA kernels against their PyTorch references, on CPU through Triton's interpreter.
 
 fp32, tiny shapes whose sizes are not powers of two, fresh random inputs, outputs poisoned with NaN:
-the fused prologue (norm, both rotary layouts, cache write), absorbed attention for decode (one
+the fused prologue (norm, both rotary layouts, cache write, an fp8 cache saturating), absorbed attention for decode (one
 split written directly and several merged, one head block and several, both tile layouts, an fp8
 cache) and for extend over a cached prefix, and a whole DeepSeek-V3 model on the
 Triton MLA backend against transformers. The bf16 real-shape and CUDA-graph versions live in
@@ -79,6 +79,46 @@ def test_prologue_matches_reference(interleaved):
     flat, flat_ref = cache.view(-1, RANK + ROPE), cache_ref.view(-1, RANK + ROPE)
     assert relative_error(flat[slots], flat_ref[slots]) < 1e-5
     assert int(flat.isnan().any(-1).sum()) == 48 - 5  # every other slot untouched
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_prologue_writes_an_fp8_cache_saturating(model_dtype):
+    """An e4m3 cache: the latent normed in fp32, rounded to the model dtype, times the weight, then cast;
+    the rope key rotated, rounded to the model dtype, then cast. Values past +-448 (a large norm weight, a
+    large rope key) store as +-448, e4m3's largest finite value, never NaN."""
+    gen = torch.Generator().manual_seed(1)
+    tokens = 5
+    rotary = DeepseekRotary(ROPE, 64, {"rope_type": "default", "rope_theta": 10000.0}, 64, False)
+    q = torch.randn(tokens, HEADS, NOPE + ROPE, generator=gen).to(model_dtype).to(DEVICE)
+    kv_a = torch.randn(tokens, RANK + ROPE, generator=gen)
+    kv_a[:, 3] = torch.tensor([3.0, -3.0, 3.0, -3.0, 3.0])  # normed to about +-2.5, times 600 below
+    kv_a[1, RANK] = 1000.0  # the rope key's first element, at position 0: rotated by cos 1, sin 0
+    kv_a = kv_a.to(model_dtype).to(DEVICE)
+    weight = 1 + 0.2 * torch.randn(RANK, generator=gen)
+    weight[3] = 600.0
+    weight = weight.to(model_dtype).to(DEVICE)
+    positions = torch.tensor([7, 0, 33, 4, 63], device=DEVICE)
+    slots = torch.tensor([17, 3, 45, 40, 9], device=DEVICE)
+    cache = torch.full((6, 8, 1, RANK + ROPE), float("nan"), device=DEVICE).to(torch.float8_e4m3fn)
+    q_ref, cache_ref = q.clone(), cache.clone()
+    cos_sin = rotary.cos_sin_cache.to(DEVICE)
+    mla_prologue(q, kv_a, positions, cos_sin, weight, 1e-6, cache, slots, NOPE, False)
+    mla_prologue_reference(q_ref, kv_a, positions, cos_sin, weight, 1e-6, cache_ref, slots, NOPE, False)
+    assert relative_error(q, q_ref) < (1e-5 if model_dtype == torch.float32 else 1e-2)
+    got = cache.view(-1, RANK + ROPE)[slots].float()
+    want = cache_ref.view(-1, RANK + ROPE)[slots].float()
+    assert not got.isnan().any() and not want.isnan().any()
+    assert got[:, 3].tolist() == [448.0, -448.0, 448.0, -448.0, 448.0] and float(got[1, RANK]) == 448.0
+    if DEVICE.type == "cpu":  # Triton 3.6's interpreter drops the carry of an e4m3 rounding (test_fp8_interp.py)
+        carry = (got != want) & (want.abs().log2() == want.abs().log2().round()) & (got == want / 2)
+        got = torch.where(carry, want, got)
+    # the same roundings in the same order, so equal but where the two sides' fp32 (the kernel's sqrt and
+    # division, torch's rsqrt) or bf16 (the interpreter truncates, torch rounds to nearest) roundings differ
+    # next to an e4m3 midpoint: there one e4m3 step apart, 2^-3 relative, or 2^-9 (the smallest subnormal)
+    # absolute, where the interpreter gave -0.0 for torch's -2^-9 in fp32
+    assert ((got - want).abs() <= want.abs() * 2**-3 + 2**-9).all()
+    assert float((got == want).float().mean()) > (0.98 if model_dtype == torch.float32 else 0.9)
+    assert int(cache.view(-1, RANK + ROPE).float().isnan().any(-1).sum()) == 48 - 5  # every other slot untouched
 
 
 HEAD_MAJOR = MLATile(False, 16, 16, 4, 1)

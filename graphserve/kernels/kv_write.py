@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.pdl import pdl_args, pdl_enter
+from graphserve.layers.kv_layout import to_cache_dtype
 
 
 @triton.jit
@@ -87,7 +88,7 @@ def kv_write_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     """Plain PyTorch: the same writes through index_copy_ on a flat slot view."""
     _, num_kv_heads, head_dim = k.shape
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    k, v = to_cache_dtype(k, kv_cache.dtype), to_cache_dtype(v, kv_cache.dtype)
     if kv_cache.dtype.itemsize == 1:  # index_copy_ has no fp8 kernel: move the bytes
         flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     flat[0].index_copy_(0, slot_mapping, k)

@@ -6,6 +6,10 @@ cache write), which at decode batch sizes take longer than their few kilobytes o
 program per token: it reads the token's ``kv_a`` row (latent then rope key), writes
 ``cache[slot] = [rms_norm(latent) * w, rope(k_rope)]`` and rotates ``q[t, :, nope:]`` in place.
 Rotated dims come out in the rotate-half layout whatever the input layout (layers/mla_rope.py).
+
+Both cached parts are rounded to the model dtype (``kv_a``'s) as the PyTorch path computes them, then to
+the cache's: a no-op for a cache in the model dtype; for an fp8 cache (scale 1.0) clamped to +-448 first,
+as the PyTorch write saturates (layers/kv_layout.py), where Triton's interpreter would give NaN or wrap.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.fp8_quant import FP8_MAX
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 
@@ -29,12 +34,22 @@ def _rope_pairs(ptr, offs, INTERLEAVED: tl.constexpr, HALF: tl.constexpr, mask):
 
 
 @triton.jit
+def _to_cache(y, kv_a_ptr, cache_ptr, SATURATE: tl.constexpr, FP8_MAX_C: tl.constexpr):
+    """fp32 ``y`` rounded to the model dtype (``kv_a``'s), then to the cache's (clamped first when it is fp8)."""
+    y = y.to(kv_a_ptr.dtype.element_ty)
+    if SATURATE:
+        y = tl.clamp(y.to(tl.float32), -FP8_MAX_C, FP8_MAX_C)
+    return y.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _mla_prologue_kernel(
     q_ptr, kv_a_ptr, positions_ptr, cos_sin_ptr, norm_w_ptr, cache_ptr, slots_ptr,
     eps, num_heads,
     stride_qt, stride_qh, stride_kvt, stride_cs, stride_cache_slot,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, SATURATE: tl.constexpr, FP8_MAX_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -48,16 +63,18 @@ def _mla_prologue_kernel(
     x = tl.load(kv_a_ptr + t * stride_kvt + offs_r, mask=r_mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / RANK + eps)
     w = tl.load(norm_w_ptr + offs_r, mask=r_mask, other=0.0)
-    y = (x * rstd).to(cache_ptr.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
-    tl.store(dst + offs_r, y.to(cache_ptr.dtype.element_ty), mask=r_mask)
+    y = (x * rstd).to(kv_a_ptr.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
+    tl.store(dst + offs_r, _to_cache(y, kv_a_ptr, cache_ptr, SATURATE, FP8_MAX_C), mask=r_mask)
 
     offs_i = tl.arange(0, BLOCK_HALF)
     i_mask = offs_i < HALF
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i, mask=i_mask, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_i, mask=i_mask, other=0.0)
     k1, k2 = _rope_pairs(kv_a_ptr + t * stride_kvt + RANK, offs_i, INTERLEAVED, HALF, i_mask)
-    tl.store(dst + RANK + offs_i, (k1 * cos - k2 * sin).to(cache_ptr.dtype.element_ty), mask=i_mask)
-    tl.store(dst + RANK + HALF + offs_i, (k2 * cos + k1 * sin).to(cache_ptr.dtype.element_ty), mask=i_mask)
+    k_out1 = _to_cache(k1 * cos - k2 * sin, kv_a_ptr, cache_ptr, SATURATE, FP8_MAX_C)
+    k_out2 = _to_cache(k2 * cos + k1 * sin, kv_a_ptr, cache_ptr, SATURATE, FP8_MAX_C)
+    tl.store(dst + RANK + offs_i, k_out1, mask=i_mask)
+    tl.store(dst + RANK + HALF + offs_i, k_out2, mask=i_mask)
 
     # every head's rope query, in place (each program owns its token's heads)
     offs_h = tl.arange(0, BLOCK_H)
@@ -83,7 +100,8 @@ def mla_prologue(
     interleaved: bool,
 ) -> None:  # fmt: skip
     """``q [T, H, nope + d]`` (rope part rotated in place), ``kv_a [T, r + d]`` (strided rows allowed),
-    ``cos_sin_cache [max_positions, d]`` float32, ``cache [num_blocks, page, 1, r + d]``."""
+    ``cos_sin_cache [max_positions, d]`` float32, ``cache [num_blocks, page, 1, r + d]`` in kv_a's dtype or
+    float8_e4m3fn."""
     tokens, num_heads, qk = q.shape
     rope = qk - nope
     rank = kv_a.shape[1] - rope
@@ -102,7 +120,8 @@ def mla_prologue(
         q.stride(0), q.stride(1), kv_a.stride(0), cos_sin_cache.stride(0), cache.shape[-1],
         RANK=rank, BLOCK_R=triton.next_power_of_2(rank), NOPE=nope, HALF=rope // 2,
         BLOCK_HALF=triton.next_power_of_2(rope // 2), BLOCK_H=triton.next_power_of_2(num_heads),
-        INTERLEAVED=interleaved, num_warps=4, **pdl_args(q.device, "_mla_prologue_kernel"),
+        INTERLEAVED=interleaved, SATURATE=cache.dtype.itemsize == 1, FP8_MAX_C=FP8_MAX, num_warps=4,
+        **pdl_args(q.device, "_mla_prologue_kernel"),
     )  # fmt: skip
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from graphserve.layers.attention_backend import AttentionBackend
+from graphserve.layers.kv_layout import to_cache_dtype
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
@@ -19,7 +20,7 @@ __all__ = ["AttentionBackend", "TorchAttentionBackend", "batched_decode_attentio
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store ``k, v [T, Hkv, D]`` at flat slots ``slot_mapping [T]`` of ``kv_cache [2, blocks, block_size, Hkv, D]``."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    k, v = k.to(flat.dtype), v.to(flat.dtype)  # an fp8 cache: per-tensor scale 1.0, saturating at +-448
+    k, v = to_cache_dtype(k, flat.dtype), to_cache_dtype(v, flat.dtype)  # fp8: scale 1.0, saturating at +-448
     if flat.dtype.itemsize == 1:  # index_copy_ has no fp8 kernel: move the bytes
         flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     flat[0].index_copy_(0, slot_mapping, k)

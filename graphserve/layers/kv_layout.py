@@ -12,12 +12,15 @@ A model family describes its cache with a ``KVLayout``; the block pool, the memo
 Either way a token's *slot* is ``block_id * block_size + offset`` and block 0 is the dummy block
 (layers/forward_batch.py).
 
-``dtype`` is the model's (``--kv-cache-dtype auto``) or float8_e4m3fn (``fp8_e4m3``): half the bytes
-per token, so twice the tokens in the same pool and half the KV reads per decode step. FP8 entries
-are stored with a per-tensor scale of 1.0 (vLLM's default without calibrated scales): K and V are
-cast on the write, saturating at +-448 (e4m3's largest finite value), and widened to the query's
-dtype as the attention kernels load them. Post-norm, post-rotary K and V sit far inside that range;
-what FP8 costs is e4m3's 3 mantissa bits, a relative rounding of at most 2^-4 per element.
+``dtype`` is the model's (``--kv-cache-dtype auto``) or float8_e4m3fn (``fp8_e4m3``), for either kind:
+half the bytes per token, so twice the tokens in the same pool and half the KV reads per decode step.
+FP8 entries are stored with a per-tensor scale of 1.0 (vLLM's default without calibrated scales): K and
+V, or the latent and the rope key, are rounded to the model dtype as without fp8, then cast on the
+write, saturating at +-448 (e4m3's largest finite value), and widened to the query's dtype as the
+attention kernels load them. The PyTorch writes and the MLA prologue clamp before the cast
+(``to_cache_dtype``): torch's cast saturates on CPU but gives NaN on CUDA, as Triton's interpreter does.
+Post-norm, post-rotary K and V and the RMS-normed latent sit far inside that range; what FP8 costs is
+e4m3's 3 mantissa bits, a relative rounding of at most 2^-4 per element.
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # --kv-cache-dtype (besides
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the cache stores it: into fp8 (scale 1.0) clamped to the format's largest finite value first."""
+    if dtype.itemsize == 1:
+        x = x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+    return x.to(dtype)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from graphserve.kernels.mla_attention import mla_attention
+from graphserve.layers.mla_reference import gather_context
 
 if TYPE_CHECKING:
     from graphserve.kernels.mla_config import MLATile
@@ -40,13 +41,7 @@ WORKSPACE_BYTES = 256 << 20
 
 def context_rows(cache: torch.Tensor, block_row: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
     """The first ``length`` cache rows of one sequence as ``[length, r + d]`` in ``dtype`` (fp8 widened)."""
-    page = cache.shape[1]
-    blocks = block_row[: (length + page - 1) // page].long()
-    if cache.dtype.itemsize == 1:  # gather fp8 as bytes: indexing is not implemented for every fp8 type
-        rows = cache.view(torch.uint8)[blocks].view(cache.dtype)
-    else:
-        rows = cache[blocks]
-    return rows.reshape(-1, cache.shape[-1])[:length].to(dtype)
+    return gather_context(cache, block_row, length).to(dtype)
 
 
 def heads_per_pass(num_heads: int, context: int, nope: int, qk_dim: int, v_dim: int, itemsize: int) -> int:

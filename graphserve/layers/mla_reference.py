@@ -12,6 +12,10 @@ token the RMS-normed compressed KV (the "latent", ``c``) followed by the rotated
 The CPU backend uses the expanded form for prefill/extend (the reference: what transformers
 computes) and the absorbed form for decode (a few batched ops per step); the absorbed functions
 here are also the references of the Triton kernels (kernels/mla_attention.py).
+
+An fp8 cache (``--kv-cache-dtype fp8_e4m3``, layers/kv_layout.py) is written saturating at +-448 and
+read widened; its rows move as bytes, since ``index_copy_`` and indexing have no kernel for every fp8
+dtype on CPU.
 """
 
 from __future__ import annotations
@@ -19,18 +23,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from graphserve.layers.kv_layout import to_cache_dtype
+
 
 def write_latent_cache(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Store ``latent [T, r]`` and ``k_rope [T, d]`` at flat ``slots [T]`` of ``cache [blocks, page, 1, r + d]``."""
     flat = cache.view(-1, cache.shape[-1])
-    flat.index_copy_(0, slots, torch.cat((latent, k_rope), dim=-1).to(cache.dtype))
+    rows = to_cache_dtype(torch.cat((latent, k_rope), dim=-1), cache.dtype)  # fp8: scale 1.0, saturating
+    if cache.dtype.itemsize == 1:
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    flat.index_copy_(0, slots, rows)
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``cache[blocks]`` in the cache's dtype, an fp8 cache gathered as bytes."""
+    if cache.dtype.itemsize == 1:
+        return cache.view(torch.uint8)[blocks].view(cache.dtype)
+    return cache[blocks]
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` cache rows of one sequence, ``[length, r + d]``."""
     page = cache.shape[1]
     blocks = block_table[: (length + page - 1) // page].long()
-    return cache[blocks].reshape(-1, cache.shape[-1])[:length]
+    return gather_blocks(cache, blocks).reshape(-1, cache.shape[-1])[:length]
 
 
 def expanded_attention(
@@ -97,7 +113,7 @@ def absorbed_decode_batched(
     positions at or past its length: a few batched ops per step instead of a loop over sequences.
     """
     rank = q_lat.shape[-1]
-    rows = cache[block_tables.long()].flatten(1, 3).float()  # [B, L, r + d]
+    rows = gather_blocks(cache, block_tables.long()).flatten(1, 3).float()  # [B, L, r + d]
     latent, k_rope = rows[..., :rank], rows[..., rank:]
     visible = torch.arange(rows.shape[1], device=q_lat.device)[None, :] < seq_lens.to(q_lat.device)[:, None]
     scores = torch.einsum("bhr,blr->bhl", q_lat.float(), latent) + torch.einsum("bhd,bld->bhl", q_rope.float(), k_rope)

@@ -267,11 +267,7 @@ def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype
     description = model.describe(hf_config, dtype, tp=parallel.tp_size, ep=parallel.ep_size)
     experts_fp8 = any(m.quant_method is not None for m in model.modules() if isinstance(m, FusedMoE))
     description = quantized_description(description, quant, dtype, experts_quantized=experts_fp8)
-    if kv_dtype != "auto":
-        if description.kv.kind != "kv":
-            raise ConfigError(f"--kv-cache-dtype={kv_dtype} is implemented for paged K/V caches; this model's "
-                              f"cache is kind {description.kv.kind!r}: use --kv-cache-dtype auto",
-                              param="kv_cache_dtype")
+    if kv_dtype != "auto":  # a paged K/V cache or a latent one (MLA) alike: layers/kv_layout.py
         kv = dataclasses.replace(description.kv, dtype=kv_cache_dtype(kv_dtype, dtype))
         description = dataclasses.replace(description, kv=kv)
     info = ModelInfo(
