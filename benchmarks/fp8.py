@@ -167,7 +167,7 @@ def main() -> None:
                 runs.append((label, run_model(name, quantization, measured, bw, None, kv_cache_dtype=kv), measured))
             except (ConfigError, ModelLoadError) as e:
                 print(f"no row for {label}: {e}")
-            release_gpu_memory()  # what a refused load had allocated (run_model releases its own)
+                release_gpu_memory()  # what the refused load had allocated (run_model releases its own)
         for label, run, measured in runs:
             accuracy.append({"model": label, **agreement(bf16["logits"], run["logits"])})
             for bs, ctx in measured:
