@@ -3,7 +3,9 @@
 Inputs are in latent space: ``q_lat [T, H, r]`` (the query's no-rope part already multiplied by
 ``W_UK``), ``q_rope [T, H, d]`` (rotated) and the cache ``[num_blocks, page, 1, r + d]`` whose rows
 are the latent ``c`` then the rope key; bf16/fp16, or fp8 e4m3 (scale 1.0, layers/kv_layout.py)
-widened to the query's dtype as it loads. Scores are ``q_lat·c + q_rope·k_rope``; the values are
+widened as it loads: to the query's dtype, or, for bf16 queries, to fp16 with the queries rounded to fp16
+(clamped to its range) and the probabilities in fp16, as the dense decode kernel does
+(kernels/decode_attention.py: the e4m3 -> fp16 conversion is one instruction per two elements and exact). Scores are ``q_lat·c + q_rope·k_rope``; the values are
 the latents themselves, so one loaded tile ``[BLOCK_N, r + d]`` serves both products and every
 head of the program: a program owns ``BLOCK_T`` query tokens x ``BLOCK_H`` heads of one sequence
 (all of a model's heads when they fit one block) and reads each tile of its context once. The
@@ -75,7 +77,8 @@ def _mla_step(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
     base = block.to(tl.int64) * stride_cblk + (offs_n % PAGE) * stride_coff
-    # fp8 caches widen here; for a cache in the query's dtype the casts are no-ops
+    # fp8 caches widen here (to fp16 where the queries are bf16: one instruction per two elements, where the
+    # chain to bf16 takes several); for a cache in the query's dtype the casts are no-ops
     c = tl.load(cache_ptr + base[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
                 other=0.0).to(q_lat.dtype)
     k_rope = tl.load(cache_ptr + base[:, None] + RANK + offs_d[None, :],
@@ -115,7 +118,8 @@ def _mla_attention_kernel(
     stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-    TOKEN_MAJOR: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
+    TOKEN_MAJOR: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    WIDEN_FP16: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     # token/head blocks on axis 0 (up to 2^31 programs: a long chunk of V3's 128 heads exceeds the
@@ -158,6 +162,9 @@ def _mla_attention_kernel(
         q_lat = tl.load(q_lat_rows[:, None] + offs_r[None, :], mask=row_mask[:, None] & r_mask[None, :], other=0.0)
         q_rope = tl.load(q_rope_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
         acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_R], dtype=tl.float32)
+    if WIDEN_FP16:  # an fp8 cache widens to fp16 in the steps: the queries too, clamped to fp16's range
+        q_lat = tl.minimum(tl.maximum(q_lat.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q_rope = tl.minimum(tl.maximum(q_rope.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Each step's block ids are loaded one step ahead and carried into the next: when the tile's
     # address depends on a load in the same step, Triton's pipeliner gives the tile one shared-memory
@@ -322,7 +329,8 @@ def _launch(q_lat, q_rope, cache, block_tables, seq_lens, query_start_loc, scale
         RANK=rank, BLOCK_R=block_r, ROPE=q_rope.shape[-1], BLOCK_D=max(16, triton.next_power_of_2(q_rope.shape[-1])),
         PAGE=cache.shape[1], BLOCK_N=tile.block_n, BLOCK_H=tile.block_h, BLOCK_T=block_t,
         TOKEN_MAJOR=tile.token_major, DIRECT=direct, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
-        WHILE_LOOP=interpreting(), num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(q_lat.device, "_mla_attention_kernel"),
+        WHILE_LOOP=interpreting(), WIDEN_FP16=cache.dtype.itemsize == 1 and q_lat.dtype == torch.bfloat16,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(q_lat.device, "_mla_attention_kernel"),
     )  # fmt: skip
     if not direct:
         _mla_merge_kernel[(tokens, num_heads)](
