@@ -1,7 +1,8 @@
 """FP8 under tensor and expert parallelism on CPU (gloo, fp32). Each rank holds its part of every FP8 projection
 and expert: an FP8 checkpoint's weights cut with their scales (whole scale blocks only), a bf16 checkpoint's
-quantized whole as at --tp 1 and then cut, so every tp runs the same fp8 values and scales and --tp 2 / --ep 2
-engines produce the greedy tokens of --tp 1."""
+quantized whole as at --tp 1 and then cut (a part that would cut a block quantized on its own), so every tp runs
+the same fp8 values and scales where the parts are whole blocks, and --tp 2 / --ep 2 engines produce the greedy
+tokens of --tp 1."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from transformers import Qwen3Config, Qwen3MoeConfig
 from graphserve import SamplingParams
 from graphserve.kernels.fp8_quant import FP8_DTYPE, quantize_weight_blocks, quantize_weight_channels
 from graphserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from graphserve.layers.moe import FusedMoE, SoftmaxTopK
 from graphserve.layers.quant.checkpoint import quantize_checkpoint
 from graphserve.layers.quant.config import Fp8Config
 from graphserve.layers.quant.fp8 import Fp8LinearMethod
+from graphserve.layers.quant.fp8_moe import Fp8MoEMethod
 
 BLOCK = (16, 16)  # every tp-2 part below is whole 16x16 blocks
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "a", "fp8 ranks agree on every token"]
@@ -105,15 +108,62 @@ def test_fp8_qkv_parts_hold_their_heads_with_their_scales(scheme, heads, kv_head
         torch.testing.assert_close(v, v_all[kv_head * d:(kv_head + 1) * d], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("serialized", [True, False])
-def test_a_part_that_cuts_a_scale_block_is_refused_naming_its_columns(serialized):
-    """48 input columns over 2 ranks: rank 1's columns [24, 48) start inside the second 16-wide block."""
+def test_a_part_that_cuts_a_scale_block_is_refused_from_a_checkpoint_and_quantized_alone_at_load():
+    """48 input columns over 2 ranks: rank 1's columns [24, 48) start inside the second 16-wide block. An FP8
+    checkpoint's scales cannot be cut there: refused, naming the columns. Quantized at load, the rank's part is
+    quantized on its own, its blocks starting at its first column."""
     w = torch.randn(32, 48)
     row = RowParallelLinear(48, 32, False, 1, 2)
-    method = _fp8(row, BLOCK, serialized)
     with pytest.raises(ValueError, match=r"columns \[24, 48\) cut the fp8 scale blocks of 16: each rank's part "
                                          r"must be whole blocks \(a multiple of 16\)"):
-        _load(row, method, w, None, serialized)
+        _load(row, _fp8(row, BLOCK, True), w, None, True)
+    row = RowParallelLinear(48, 32, False, 1, 2)
+    method = _fp8(row, BLOCK, False)
+    _load(row, method, w, None, False)
+    q, s = quantize_weight_blocks(w[:, 24:], *BLOCK)
+    torch.testing.assert_close(row.weight.view(torch.uint8), q.view(torch.uint8), rtol=0, atol=0)
+    torch.testing.assert_close(row.weight_scale_inv, s, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block", [BLOCK, None], ids=["block", "channel"])
+def test_fp8_expert_parts_are_the_tp1_experts(block):
+    """An expert's w1/w3 rows and w2 columns on each rank, with their scales: the whole expert's (experts 32
+    wide, 16 a rank: whole blocks). Per channel, w2's scales are every hidden row's on each rank."""
+    gen = torch.Generator().manual_seed(2)
+    w1, w3, w2 = torch.randn(32, 64, generator=gen), torch.randn(32, 64, generator=gen), torch.randn(64, 32, generator=gen)
+    layers = {}
+    for tp, rank in ((1, 0), (2, 0), (2, 1)):
+        layer = FusedMoE(2, 1, 64, 32, SoftmaxTopK(2, 1, True), tp_rank=rank, tp_size=tp)
+        Fp8MoEMethod(Fp8Config(block=block, serialized=True)).create_weights(layer)
+        for part, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+            q, sc = quantize_weight_blocks(w, *block) if block else quantize_weight_channels(w)
+            name = "w2_weight" if part == "w2" else "w13_weight"
+            layer.load_weight(name, getattr(layer, name), q, (1, part))
+            scale = layer.quant_method.scale_name(name)
+            layer.load_weight(scale, getattr(layer, scale), sc, (1, part))
+        layers[tp, rank] = [t[1].float() for t in layer.quant_method.dequantized(layer, torch.float32)]
+    w13, w2_all = layers[1, 0]
+    for rank in range(2):
+        rows = slice(rank * 16, (rank + 1) * 16)
+        got13, got2 = layers[2, rank]
+        torch.testing.assert_close(got13, torch.cat((w13[rows], w13[32:][rows])), rtol=0, atol=0)
+        torch.testing.assert_close(got2, w2_all[:, rows], rtol=0, atol=0)
+
+
+def test_an_expert_part_that_cuts_a_scale_block_is_refused_from_a_checkpoint_and_quantized_alone_at_load():
+    """Experts 48 wide over 2 ranks: rank 1's rows [24, 48) of w1 start inside the second 16-row block."""
+    w1 = torch.randn(48, 64)
+    layer = FusedMoE(2, 1, 64, 48, SoftmaxTopK(2, 1, True), tp_rank=1, tp_size=2)
+    Fp8MoEMethod(Fp8Config(block=BLOCK, serialized=True)).create_weights(layer)
+    q, sc = quantize_weight_blocks(w1, *BLOCK)
+    with pytest.raises(ValueError, match=r"rows \[24, 48\) cut the fp8 scale blocks of 16"):
+        layer.load_weight("w13_weight", layer.w13_weight, q, (0, "w1"))
+    layer = FusedMoE(2, 1, 64, 48, SoftmaxTopK(2, 1, True), tp_rank=1, tp_size=2)
+    Fp8MoEMethod(Fp8Config(block=BLOCK, serialized=False)).create_weights(layer)
+    layer.load_weight("w13_weight", layer.w13_weight, w1, (0, "w1"))
+    q, sc = quantize_weight_blocks(w1[24:], *BLOCK)
+    torch.testing.assert_close(layer.w13_weight[0, :24].view(torch.uint8), q.view(torch.uint8), rtol=0, atol=0)
+    torch.testing.assert_close(layer.w13_weight_scale_inv[0, :2], sc, rtol=0, atol=0)
 
 
 def test_a_row_parallel_channel_scale_is_every_rows_on_each_rank():

@@ -203,10 +203,14 @@ class RankSlice:
                              f"{self.start + self.size})")
         return t.narrow(self.dim, self.start, self.size)
 
-    def check_blocks(self, block: int, ends_the_weight: bool) -> None:
-        """Refuse a part that cuts the ``block``-wide fp8 scale tiles along ``dim``: it must start on a tile and
+    def cuts_blocks(self, block: int, ends_the_weight: bool) -> bool:
+        """Whether the part cuts the ``block``-wide fp8 scale tiles along ``dim``: it must start on a tile and
         cover whole tiles, but for a last one that ends with the weight."""
-        if self.start % block or (self.size % block and not ends_the_weight):
+        return bool(self.start % block or (self.size % block and not ends_the_weight))
+
+    def check_blocks(self, block: int, ends_the_weight: bool) -> None:
+        """Refuse a part that cuts the scale tiles (``cuts_blocks``), naming its rows or columns."""
+        if self.cuts_blocks(block, ends_the_weight):
             raise ValueError(f"this rank's {self._what} [{self.start}, {self.start + self.size}) cut the fp8 scale "
                              f"blocks of {block}: each rank's part must be whole blocks (a multiple of {block})")
 

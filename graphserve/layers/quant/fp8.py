@@ -156,8 +156,13 @@ class Fp8LinearMethod:
     def _load_weight(self, layer: Linear, param: nn.Parameter, loaded: torch.Tensor, start: int, stop: int,
                      part: RankSlice | None = None) -> None:
         """A checkpoint weight (this rank's ``part`` of it) into rows ``[start, stop)``. A model-dtype weight is
-        quantized whole, as at tp 1, and then cut: every tp runs the same fp8 values and scales."""
+        quantized whole, as at tp 1, and then cut, so every tp runs the same fp8 values and scales; where the
+        part would cut a scale block, the part is quantized on its own (its blocks start at its first row or
+        column)."""
         target = param.data[start:stop]
+        if part is not None and not self.config.serialized and self.config.block and part.cuts_blocks(
+                self.group_n if part.dim == 0 else self.group_k, part.start + part.size == loaded.shape[part.dim]):
+            loaded, part = part.take(loaded), None
         if self.config.serialized:
             loaded = self.rank_part(part, "weight", loaded)
             if target.shape != loaded.shape:

@@ -119,14 +119,18 @@ class Fp8MoEMethod:
             if tuple(tensor.shape) != full:
                 raise ValueError(f"shape {tuple(tensor.shape)}, expected {full} (expert {expert} {part})")
             target = getattr(layer, weight).data[local, rows]
-            if piece is not None and self.block:
-                piece.check_blocks(self.block[piece.dim], piece.start + piece.size == tensor.shape[piece.dim])
+            ends = piece is not None and piece.start + piece.size == tensor.shape[piece.dim]
+            if piece is not None and self.block and piece.cuts_blocks(self.block[piece.dim], ends):
+                if self.config.serialized:
+                    piece.check_blocks(self.block[piece.dim], ends)  # refused, naming the rows or columns
+                tensor, piece = piece.take(tensor), None  # quantized at load: the part on its own
             if self.config.serialized:
                 if tensor.dtype != FP8_DTYPE:
                     raise ValueError(f"dtype {tensor.dtype}, expected {FP8_DTYPE} (the config's quant_method is fp8)")
                 target.copy_(piece.take(tensor) if piece is not None else tensor)
                 return True
-            # quantized whole, as at tp 1, then cut: every tp runs the same fp8 values and scales
+            # quantized whole, as at tp 1, then cut: every tp runs the same fp8 values and scales (but for a part
+            # that would cut a scale block, quantized on its own above)
             q, s = quantize_stack(tensor.to(target.device)[None], self.block)
             q, s = q[0], s[0]
             if piece is not None:
