@@ -143,3 +143,35 @@ def test_extend_attention_reads_an_fp8_cache():
     out = extend_attention(q, cache, tables, lens, starts, 20, 0.25)
     torch.testing.assert_close(out, extend_attention_reference(q, cache, tables, lens, starts, 0.25),
                                rtol=1e-4, atol=1e-5)
+
+
+def test_every_fp8_kv_write_saturates_where_the_pytorch_write_does():
+    """K/V past e4m3's largest finite value (448) are stored as +-448 by the Triton writes (kv_write, the fused
+    rotary prologue, decode attention's new-token write), as by the PyTorch reference: clamped before the cast,
+    so compiled and interpreted kernels agree (the interpreter's bare cast wraps such values)."""
+    from graphserve.kernels.decode_attention import NewToken, decode_attention_qkv
+    from graphserve.kernels.qk_rope_kv import qk_norm_rope_kv_write
+
+    heads, kv_heads, d = 4, 2, 32
+    k = torch.tensor([1000.0, -600.0, 449.5, 3.0]).repeat(kv_heads * d // 4).view(1, kv_heads, d).to(DEVICE)
+    cache, ref = (torch.zeros(2, 4, 16, kv_heads, d, dtype=FP8_DTYPE, device=DEVICE) for _ in range(2))
+    slots = torch.tensor([21], device=DEVICE)
+    kv_write(k, -k, cache, slots)
+    kv_write_reference(k, -k, ref, slots)
+    assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
+    assert cache.view(2, -1, kv_heads, d)[0, 21, 0, :4].float().tolist() == [448.0, -448.0, 448.0, 3.0]
+    # rotary at position 0 is the identity, so K and V reach the cache as the qkv row holds them
+    qkv = torch.cat((torch.ones(1, heads * d, device=DEVICE), k.view(1, -1), -k.view(1, -1)), dim=1)
+    cos = torch.ones(8, d // 2, device=DEVICE)
+    sin = torch.zeros(8, d // 2, device=DEVICE)
+    positions = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    fused = torch.zeros_like(ref)
+    qk_norm_rope_kv_write(qkv, positions, cos, sin, fused, slots, heads, kv_heads, d)
+    assert torch.equal(fused.view(torch.uint8), ref.view(torch.uint8))
+    new = torch.zeros_like(ref)
+    tables = torch.tensor([[1]], dtype=torch.int32, device=DEVICE)  # position 0: block 1, offset 0 = slot 16
+    token = NewToken(qkv, heads, positions, cos, sin, torch.tensor([16], device=DEVICE))
+    out = decode_attention_qkv(token, new, tables, torch.tensor([1], dtype=torch.int32, device=DEVICE), d**-0.5)
+    written = new.view(2, -1, kv_heads, d)[:, 16]
+    assert torch.equal(written.view(torch.uint8), ref.view(2, -1, kv_heads, d)[:, 21].view(torch.uint8))
+    assert torch.isfinite(out).all()

@@ -50,7 +50,7 @@ import triton.language as tl
 from graphserve.kernels.common import interpreting, sm_count
 from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS, _decode_merge_kernel, merge_partials, store_heads
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
-from graphserve.kernels.kv_write import check_cache
+from graphserve.kernels.kv_write import cache_value, check_cache
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 from graphserve.kernels.qk_rope_kv import check_qkv_args
 
@@ -302,10 +302,9 @@ def _decode_split_kernel(
         # the new K rotated and rounded to the projection's dtype (what the separate prologue stores), then to the
         # cache's; K and V stored by the program that holds the position; its score and V taken in one more
         # online-softmax step in fp32 (-inf in every other program)
-        cache_ty = kv_ptr.dtype.element_ty
         k_x, k_p = _normed(k_new, k_p, kw, kw_p, eps, HAS_NORM, HEAD_DIM)
-        k_new = _rotated(k_x, k_p, cos, sin, q_dtype, False).to(cache_ty)
-        v_new = v_new.to(cache_ty)
+        k_new = cache_value(_rotated(k_x, k_p, cos, sin, q_dtype, False), kv_ptr)
+        v_new = cache_value(v_new, kv_ptr)
         dst = kv_ptr + kv_head * stride_kvh + (slot // PAGE) * stride_blk + (slot % PAGE) * stride_off + offs_d[None, :]
         tl.store(dst, k_new, mask=d_mask[None, :] & holds_new)
         tl.store(dst + stride_kv, v_new, mask=d_mask[None, :] & holds_new)

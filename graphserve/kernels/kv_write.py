@@ -14,6 +14,19 @@ import triton.language as tl
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 from graphserve.layers.kv_layout import to_cache_dtype
 
+E4M3_MAX: tl.constexpr = tl.constexpr(448.0)  # e4m3's largest finite value
+
+
+@triton.jit
+def cache_value(x, cache_ptr):
+    """``x`` as the cache at ``cache_ptr`` stores it: cast to its dtype, an fp8 one (scale 1.0) clamped to +-448
+    first, so that it saturates as the PyTorch writes do (layers/kv_layout.to_cache_dtype) whether compiled or
+    interpreted (Triton's interpreter wraps out-of-range values)."""
+    ty: tl.constexpr = cache_ptr.dtype.element_ty
+    if ty.primitive_bitwidth == 8:
+        x = tl.clamp(x.to(tl.float32), -E4M3_MAX, E4M3_MAX)
+    return x.to(ty)
+
 
 @triton.jit
 def _kv_write_kernel(
@@ -42,8 +55,8 @@ def _kv_write_kernel(
     v = tl.load(v_ptr + t * stride_vt + head * stride_vh + dim, mask=mask)
     # the cache's (head, dim) dims are contiguous, so a slot's row is NUM_ELEMS consecutive elements
     dst = cache_ptr + slot * stride_slot + offs
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, cache_value(k, cache_ptr), mask=mask)
+    tl.store(dst + stride_kv, cache_value(v, cache_ptr), mask=mask)
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.kv_write import check_cache, kv_write_reference
+from graphserve.kernels.kv_write import cache_value, check_cache, kv_write_reference
 from graphserve.kernels.norm import rms_norm_reference
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 from graphserve.kernels.rotary import apply_rotary_reference
@@ -92,15 +92,14 @@ def _k_v_to_cache(
     )
     # rounded to the input dtype first (what the unfused rotary stores), then to the cache's dtype;
     # a slot's (head, dim) are contiguous in the cache, as in the qkv row
-    cache_ty = cache_ptr.dtype.element_ty
     dst = cache_ptr + slot * stride_slot + offs_h[:, None] * HEAD_DIM + offs_half[None, :]
-    tl.store(dst, k1.to(dtype).to(cache_ty), mask=mask)
-    tl.store(dst + HALF, k2.to(dtype).to(cache_ty), mask=mask)
+    tl.store(dst, cache_value(k1.to(dtype), cache_ptr), mask=mask)
+    tl.store(dst + HALF, cache_value(k2.to(dtype), cache_ptr), mask=mask)
 
     offs_v = tl.arange(0, BLOCK_KV)
     v_mask = offs_v < kv_elems
     v = tl.load(k_row + kv_elems + offs_v, mask=v_mask)
-    tl.store(cache_ptr + stride_kv + slot * stride_slot + offs_v, v.to(cache_ty), mask=v_mask)
+    tl.store(cache_ptr + stride_kv + slot * stride_slot + offs_v, cache_value(v, cache_ptr), mask=v_mask)
 
 
 def qk_norm_rope_kv_write(
