@@ -155,14 +155,12 @@ class Fp8LinearMethod:
 
     def _load_weight(self, layer: Linear, param: nn.Parameter, loaded: torch.Tensor, start: int, stop: int,
                      part: RankSlice | None = None) -> None:
-        """A checkpoint weight (this rank's ``part`` of it) into rows ``[start, stop)``. A model-dtype weight is
-        quantized whole, as at tp 1, and then cut, so every tp runs the same fp8 values and scales; where the
-        part would cut a scale block, the part is quantized on its own (its blocks start at its first row or
-        column)."""
+        """A checkpoint weight (this rank's ``part`` of it) into rows ``[start, stop)``. A model-dtype weight's
+        part is quantized by its rank: in whole scale blocks, or per channel its own rows, that is the same fp8
+        values and scales as tp 1's; a row-parallel part per channel is quantized with its whole rows (tp 1's
+        scales, which every rank then holds) and then cut; a part that would cut a scale block, on its own (its
+        blocks start at its first row or column)."""
         target = param.data[start:stop]
-        if part is not None and not self.config.serialized and self.config.block and part.cuts_blocks(
-                self.group_n if part.dim == 0 else self.group_k, part.start + part.size == loaded.shape[part.dim]):
-            loaded, part = part.take(loaded), None
         if self.config.serialized:
             loaded = self.rank_part(part, "weight", loaded)
             if target.shape != loaded.shape:
@@ -171,11 +169,14 @@ class Fp8LinearMethod:
                 raise ValueError(f"dtype {loaded.dtype}, expected {FP8_DTYPE} (the config's quant_method is fp8)")
             target.copy_(loaded)
             return
+        if part is not None and (self.config.block or part.dim == 0):
+            loaded, part = part.take(loaded), None
         if self.config.block:
             q, s = quantize_weight_blocks(loaded.to(target.device), self.group_n, self.group_k)
         else:
             q, s = quantize_weight_channels(loaded.to(target.device))
-        q, s = self.rank_part(part, "weight", q), self.rank_part(part, self.scale_name, s)
+        if part is not None:  # a row-parallel part per channel: its columns of the whole rows', every row's scale
+            q = part.take(q)
         if target.shape != q.shape:
             raise ValueError(f"shape {tuple(q.shape)}, expected {tuple(target.shape)}")
         target.copy_(q)

@@ -119,24 +119,23 @@ class Fp8MoEMethod:
             if tuple(tensor.shape) != full:
                 raise ValueError(f"shape {tuple(tensor.shape)}, expected {full} (expert {expert} {part})")
             target = getattr(layer, weight).data[local, rows]
-            ends = piece is not None and piece.start + piece.size == tensor.shape[piece.dim]
-            if piece is not None and self.block and piece.cuts_blocks(self.block[piece.dim], ends):
-                if self.config.serialized:
-                    piece.check_blocks(self.block[piece.dim], ends)  # refused, naming the rows or columns
-                tensor, piece = piece.take(tensor), None  # quantized at load: the part on its own
             if self.config.serialized:
+                if piece is not None:
+                    if self.block:
+                        piece.check_blocks(self.block[piece.dim], piece.start + piece.size == tensor.shape[piece.dim])
+                    tensor = piece.take(tensor)
                 if tensor.dtype != FP8_DTYPE:
                     raise ValueError(f"dtype {tensor.dtype}, expected {FP8_DTYPE} (the config's quant_method is fp8)")
-                target.copy_(piece.take(tensor) if piece is not None else tensor)
+                target.copy_(tensor)
                 return True
-            # quantized whole, as at tp 1, then cut: every tp runs the same fp8 values and scales (but for a part
-            # that would cut a scale block, quantized on its own above)
+            # quantized by this rank: its part in whole blocks, or per channel its own rows, are tp 1's values and
+            # scales; w2's columns per channel are quantized with their whole rows (tp 1's scales) and then cut; a
+            # part that would cut a scale block is quantized on its own
+            if piece is not None and (self.block or piece.dim == 0):
+                tensor, piece = piece.take(tensor), None
             q, s = quantize_stack(tensor.to(target.device)[None], self.block)
-            q, s = q[0], s[0]
-            if piece is not None:
-                q, s = piece.take(q), self._scale_part(piece, s)
-            target.copy_(q)
-            getattr(layer, self.scale_name(weight)).data[local, scale_rows].copy_(s)
+            target.copy_(piece.take(q[0]) if piece is not None else q[0])
+            getattr(layer, self.scale_name(weight)).data[local, scale_rows].copy_(s[0])
             return True
         if param_name != self.scale_name(weight):
             raise ValueError(f"an fp8 expert layer has no tensor {param_name!r} (its scales are "
