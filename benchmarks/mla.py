@@ -13,13 +13,16 @@ graphserve/kernels/mla_tiles.json (with the card's name; another card keeps the 
 The full sweep takes about 3 minutes on an H200 (most of it compiling the ~30 tile variants),
 ``--sweep --quick`` under a minute (a few points and tiles; its rule is not written unless
 ``--write-rule``). ``--rule-from FILE`` rewrites the rule from an earlier sweep's results, no GPU.
+``--sweep --cache fp8_e4m3`` sweeps over an fp8 latent cache: its winners become the rule's fp8 entries and
+the model-dtype cache's stay (a cache kind without entries of its own takes the model dtype's).
 
 Extend: one chunk on a cached prefix, the absorbed kernel against the expanded form the engine runs
 (layers/mla_expanded.py: ``kv_b_proj`` over the chunk and its prefix, then SDPA with 192-wide keys),
 to keep that choice measured.
 
 Run: python3 -m benchmarks.mla [--quick]            (writes benchmarks/results/mla.json)
-     python3 -m benchmarks.mla --sweep [--quick]    (benchmarks/results/mla_sweep.json and the rule)
+     python3 -m benchmarks.mla --sweep [--quick] [--cache fp8_e4m3]
+                                    (benchmarks/results/mla_sweep.json or mla_sweep_fp8.json, and the rule)
 """
 
 from __future__ import annotations
@@ -39,7 +42,14 @@ from benchmarks.roofline import measured_read_bw
 from graphserve.kernels import mla_attention as mla_kernels
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.mla_attention import mla_attention
-from graphserve.kernels.mla_config import RULE_PATH, MLATile, choose_num_splits, decode_tile, fallback_decode_tile
+from graphserve.kernels.mla_config import (
+    RULE_PATH,
+    MLATile,
+    cache_kind,
+    choose_num_splits,
+    decode_tile,
+    fallback_decode_tile,
+)
 from graphserve.layers.mla_expanded import expanded_extend
 from graphserve.layers.mla_reference import absorbed_decode_batched
 
@@ -148,7 +158,7 @@ class DecodeCase:
         ms = self.time_ms()
         if ms is None:
             return None
-        tile = decode_tile(self.heads, self.batch, self.capacity, DT, torch.device("cuda"))
+        tile = decode_tile(self.heads, self.batch, self.capacity, DT, torch.device("cuda"), cache_kind(self.cache_dtype))
         tile = fallback_decode_tile(DT) if tile in mla_kernels._UNFIT else tile
         return self.row(bw, tile, self.splits(tile), ms)
 
@@ -171,15 +181,16 @@ def setup(heads: int, batch: int, ctx: int, tokens: int | None = None, cache_dty
     return cache, tables, torch.full((batch,), ctx, dtype=torch.int32, device="cuda"), q_lat, q_rope
 
 
-def sweep(bw, quick: bool, rows: list[dict]) -> None:
-    """Every candidate tile at every point, each at the distinct split counts its occupancies give; rows
-    are appended as they are measured, so a SweepAborted leaves the ones before it."""
+def sweep(bw, quick: bool, rows: list[dict], cache_dtype: torch.dtype = DT) -> None:
+    """Every candidate tile at every point over a latent cache of ``cache_dtype``, each at the distinct split
+    counts its occupancies give; rows are appended as they are measured, so a SweepAborted leaves the ones
+    before it."""
     candidates, points = (QUICK_CANDIDATES, QUICK_POINTS) if quick else (CANDIDATES, SWEEP_POINTS)
     for heads, (batches, contexts) in points.items():
         tiles = [MLATile.parse(f"{name}o1") for name in candidates[heads]]
         for batch in batches:
             for ctx in contexts:
-                case = DecodeCase(heads, batch, ctx, check=True)
+                case = DecodeCase(heads, batch, ctx, cache_dtype, check=True)
                 for base in tiles:
                     seen = set()
                     for occupancy in OCCUPANCIES:
@@ -196,13 +207,18 @@ def sweep(bw, quick: bool, rows: list[dict]) -> None:
                 torch.cuda.empty_cache()
 
 
+def _cache(row: dict) -> str:
+    """A row's cache dtype (rows of sweeps before the cache was recorded: bf16)."""
+    return row.get("cache", "bfloat16")
+
+
 def fastest(rows: list[dict], n: int) -> list[dict]:
-    """The ``n`` fastest rows of each (heads, bs, ctx) point, points in order."""
-    ranked = sorted(rows, key=lambda r: (r["heads"], r["bs"], r["ctx"], r["ms"]))
+    """The ``n`` fastest rows of each (cache, heads, bs, ctx) point, points in order."""
+    ranked = sorted(rows, key=lambda r: (_cache(r), r["heads"], r["bs"], r["ctx"], r["ms"]))
     rank: dict[tuple, int] = {}
     out = []
     for r in ranked:
-        key = (r["heads"], r["bs"], r["ctx"])
+        key = (_cache(r), r["heads"], r["bs"], r["ctx"])
         rank[key] = rank.get(key, 0) + 1
         if rank[key] <= n:
             out.append(r)
@@ -210,33 +226,48 @@ def fastest(rows: list[dict], n: int) -> list[dict]:
 
 
 def winners(rows: list[dict]) -> list[dict]:
-    """Per (heads, bs, ctx): the fastest row, beside the code default's time at that point."""
+    """Per (cache, heads, bs, ctx): the fastest row, beside the code default's time at that point."""
     from graphserve.kernels.mla_config import default_decode_tile
 
     out = []
     for r in fastest(rows, 1):
-        key = (r["heads"], r["bs"], r["ctx"])
-        default = default_decode_tile(key[0], DT).name
-        at_default = [d["ms"] for d in rows if (d["heads"], d["bs"], d["ctx"]) == key and d["tile"] == default]
-        out.append({"heads": key[0], "bs": key[1], "ctx": key[2], "tile": r["tile"], "splits": r["splits"],
+        key = (_cache(r), r["heads"], r["bs"], r["ctx"])
+        default = default_decode_tile(r["heads"], DT).name
+        at_default = [d["ms"] for d in rows
+                      if (_cache(d), d["heads"], d["bs"], d["ctx"]) == key and d["tile"] == default]
+        out.append({"cache": _cache(r), "heads": r["heads"], "bs": r["bs"], "ctx": r["ctx"], "tile": r["tile"],
+                    "splits": r["splits"],
                     "us": r["us"], "pct_bw": r["pct_bw"], "tflops": r["tflops"], "default_tile": default,
                     "default_us": at_default[0] * 1e3 if at_default else None,
                     "speedup": at_default[0] / r["ms"] if at_default else None})
     return out
 
 
-def rule_from_sweep(payload: dict) -> dict:
+def rule_from_sweep(payload: dict, before: dict | None = None) -> dict:
+    """The rule of a sweep's winners, each entry naming its cache kind and the run that measured it; ``before``
+    (the rule file as it was): its entries of the cache kinds this sweep did not measure stay, on the same card
+    (a sweep of the fp8 cache keeps the model-dtype cache's tiles)."""
     env = payload.get("environment", {})
-    return {"device": env.get("device"), "written_by": "benchmarks/mla.py --sweep",
-            "measured": {key: env.get(key) for key in ("date", "commit", "torch", "triton")},
-            "rule": "MLA decode tile per (heads, bs, ctx = block-table capacity); between points the nearest "
-                    "(log scale, heads first)",
-            "entries": [{k: w[k] for k in ("heads", "bs", "ctx", "tile", "splits", "us", "pct_bw", "default_us")}
-                        for w in payload["winners"]]}  # fmt: skip
+    measured = {key: env.get(key) for key in ("date", "commit", "torch", "triton")}
+    entries = [{"cache": cache_kind(_CACHE_DTYPES[_cache(w)]),
+                **{k: w[k] for k in ("heads", "bs", "ctx", "tile", "splits", "us", "pct_bw", "default_us")},
+                "measured_at": measured} for w in payload["winners"]]  # fmt: skip
+    swept = {e["cache"] for e in entries}
+    if before and before.get("device") == env.get("device"):
+        entries = [{"cache": "model", "measured_at": before.get("measured"), **e} for e in before.get("entries", [])
+                   if e.get("cache", "model") not in swept] + entries
+    return {"device": env.get("device"), "written_by": "benchmarks/mla.py --sweep", "measured": measured,
+            "rule": "MLA decode tile per (cache kind, heads, bs, ctx = block-table capacity); between points the "
+                    "nearest (log scale, heads first); a cache kind without entries takes the model dtype's",
+            "entries": entries}
+
+
+_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def write_rule(payload: dict, path: Path = RULE_PATH) -> dict:
-    rule = rule_from_sweep(payload)
+    before = json.loads(path.read_text()) if path.exists() else None
+    rule = rule_from_sweep(payload, before)
     text = json.dumps(rule, indent=1) + "\n"
     path.write_text(text)
     if os.environ.get("OUT"):  # comes back from the GPU beside the results
@@ -294,6 +325,8 @@ def main() -> None:
     p.add_argument("--ctx", nargs="+", type=int, default=[1024, 4096, 16384])
     p.add_argument("--sweep", action="store_true", help="time the candidate tiles and write the rule (~3 min)")
     p.add_argument("--write-rule", action="store_true", help="with --sweep --quick: write the rule anyway")
+    p.add_argument("--cache", choices=["bf16", "fp8_e4m3"], default="bf16",
+                   help="with --sweep: the latent cache's dtype (the rule keeps the other kind's entries)")
     p.add_argument("--rule-from", default=None, metavar="RESULTS_JSON",
                    help="only rewrite graphserve/kernels/mla_tiles.json from an earlier --sweep results file")
     args = p.parse_args()
@@ -305,7 +338,7 @@ def main() -> None:
     if args.sweep:
         rows: list[dict] = []
         try:
-            sweep(bw, args.quick, rows)
+            sweep(bw, args.quick, rows, torch.float8_e4m3fn if args.cache == "fp8_e4m3" else DT)
         except SweepAborted as e:
             abort(e, rows, bw)
         finish(rows, bw)
@@ -313,10 +346,10 @@ def main() -> None:
         print("the 3 fastest tiles of each point:")
         print_table(fastest(rows, 3), COLS)
         print(f"\nwinners (% of the read bandwidth measured in this run, {bw.best_gbs:.0f} GB/s):")
-        print_table(best, ["heads", "bs", "ctx", "tile", "splits", "us", "pct_bw", "tflops", "default_tile",
+        print_table(best, ["cache", "heads", "bs", "ctx", "tile", "splits", "us", "pct_bw", "tflops", "default_tile",
                            "default_us", "speedup"])
         payload = {"read_bandwidth": bw.summary(), "sweep": rows, "winners": best}
-        write_result("mla_sweep", payload)
+        write_result("mla_sweep" if args.cache == "bf16" else "mla_sweep_fp8", payload)  # each kind's file stays
         if not args.quick or args.write_rule:
             write_rule({"environment": environment(), **payload})
         return

@@ -124,6 +124,33 @@ def test_sweep_winners_become_a_rule_the_kernel_reads(tmp_path, monkeypatch):
     assert rule.tile(16, 128, 8192) == MLATile(True, 16, 64, 4, 3, 2)
 
 
+def test_an_fp8_cache_sweep_adds_its_tiles_beside_the_model_dtype_caches(tmp_path, monkeypatch):
+    """``--sweep --cache fp8_e4m3``: its winners go into the rule as the fp8 cache's, the bf16 cache's entries stay
+    (each naming its run); a call on an fp8 cache takes the fp8 entries, and with none, the model dtype's."""
+    from benchmarks import mla
+
+    monkeypatch.delenv("OUT", raising=False)
+    path = tmp_path / "mla_tiles.json"
+    path.write_text(json.dumps({**_rule([(16, 64, 4096, "tm-h16n64w4s3o2")]), "measured": {"commit": "bf16-run"}}))
+    assert load_rule.__wrapped__(str(path)).tile(16, 64, 4096, "fp8") == MLATile(True, 16, 64, 4, 3, 2)
+    rows = [{"cache": "float8_e4m3fn", "heads": 16, "bs": 64, "ctx": 4096, "tile": tile, "splits": 4, "ms": ms,
+             "us": ms * 1e3, "pct_bw": 50.0, "tflops": 1.0, "bytes": 1.5e8, "flops": 1e10}
+            for tile, ms in (("hm-h16n16w4s2o2", 0.09), (DECODE_FEW_HEADS.name, 0.16))]
+    best = mla.winners(rows)
+    assert [(w["cache"], w["tile"]) for w in best] == [("float8_e4m3fn", "hm-h16n16w4s2o2")]
+    mla.write_rule({"environment": {"device": "NVIDIA H200", "commit": "fp8-run"}, "winners": best}, path)
+    written = json.loads(path.read_text())
+    assert [(e["cache"], e["tile"], e["measured_at"]["commit"]) for e in written["entries"]] == [
+        ("model", "tm-h16n64w4s3o2", "bf16-run"), ("fp8", "hm-h16n16w4s2o2", "fp8-run")]
+    rule = load_rule.__wrapped__(str(path))
+    assert rule.tile(16, 64, 4096, "fp8") == MLATile(False, 16, 16, 4, 2, 2)
+    assert rule.tile(16, 64, 4096) == rule.tile(16, 64, 4096, "model") == MLATile(True, 16, 64, 4, 3, 2)
+    written["entries"][1]["cache"] = "fp4"
+    path.write_text(json.dumps(written))
+    with pytest.raises(ValueError, match="cache='fp4': one of model, fp8"):
+        load_rule.__wrapped__(str(path))
+
+
 def test_default_tiles_fit_hopper_and_pipeline_their_loads():
     """Compiled for sm_90 without a GPU (Triton + ptxas, benchmarks/mla_ptxas.py): each default decode tile
     fits the shared memory, spills no registers, and fits as many programs per SM as its occupancy

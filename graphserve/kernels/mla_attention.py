@@ -44,6 +44,7 @@ from graphserve.kernels.common import interpreting, sm_count
 from graphserve.kernels.mla_config import (
     MAX_SPLITS,
     MLATile,
+    cache_kind,
     choose_num_splits,
     decode_tile,
     extend_tile,
@@ -282,7 +283,8 @@ def mla_attention(
     decode = max_query_len == 1
     if tile is None:
         capacity = block_tables.shape[1] * cache.shape[1]
-        tile = decode_tile(num_heads, batch, capacity, q_lat.dtype, q_lat.device) if decode else extend_tile(q_lat.dtype)
+        tile = decode_tile(num_heads, batch, capacity, q_lat.dtype, q_lat.device, cache_kind(cache.dtype)) \
+            if decode else extend_tile(q_lat.dtype)
     fallback = fallback_decode_tile(q_lat.dtype) if decode else extend_tile(torch.float32)
     if tile in _UNFIT:
         tile = fallback

@@ -143,34 +143,50 @@ def choose_num_splits(batch: int, head_blocks: int, max_context: int, num_sms: i
 RULE_PATH = Path(__file__).with_name("mla_tiles.json")
 
 
+CACHE_KINDS = ("model", "fp8")  # a latent cache in the model dtype, or in fp8 e4m3 (--kv-cache-dtype fp8_e4m3)
+
+
+def cache_kind(dtype: torch.dtype) -> str:
+    """The rule's name for a latent cache of ``dtype``."""
+    return "fp8" if dtype.itemsize == 1 else "model"
+
+
 @dataclass(frozen=True)
 class MLARule:
-    """Measured decode tiles per (heads, batch, context) on ``device``; calls between the measured
-    points take the nearest one (in log scale: heads first, then batch and context together)."""
+    """Measured decode tiles per (cache kind, heads, batch, context) on ``device``; calls between the measured
+    points take the nearest one (in log scale: heads first, then batch and context together). A cache kind
+    with no entries of its own takes the model-dtype cache's (an entry without ``cache`` is one)."""
 
     device: str
     entries: tuple[tuple[int, int, int, MLATile], ...]
+    caches: tuple[str, ...] = ()  # each entry's cache kind; empty: every entry is "model"
 
-    def tile(self, heads: int, batch: int, max_context: int) -> MLATile | None:
-        if not self.entries:
+    def tile(self, heads: int, batch: int, max_context: int, cache: str = "model") -> MLATile | None:
+        kinds = self.caches or ("model",) * len(self.entries)
+        entries = [e for e, k in zip(self.entries, kinds) if k == cache] or \
+            [e for e, k in zip(self.entries, kinds) if k == "model"]
+        if not entries:
             return None
 
         def dist(a: int, b: int) -> float:
             return abs(math.log2(max(a, 1)) - math.log2(max(b, 1)))
 
-        near_heads = min(dist(h, heads) for h, _, _, _ in self.entries)
-        rows = [e for e in self.entries if dist(e[0], heads) == near_heads]
+        near_heads = min(dist(h, heads) for h, _, _, _ in entries)
+        rows = [e for e in entries if dist(e[0], heads) == near_heads]
         return min(rows, key=lambda e: (dist(e[1], batch) + dist(e[2], max_context), -e[1], -e[2]))[3]
 
     @classmethod
     def from_json(cls, data: dict) -> MLARule:
-        entries = []
+        entries, caches = [], []
         for i, e in enumerate(data["entries"]):
             for key in ("heads", "bs", "ctx", "tile"):
                 if key not in e:
                     raise ValueError(f"{RULE_PATH.name} entries[{i}] has no {key!r}: {e}")
+            if e.get("cache", "model") not in CACHE_KINDS:
+                raise ValueError(f"{RULE_PATH.name} entries[{i}] cache={e['cache']!r}: one of {', '.join(CACHE_KINDS)}")
             entries.append((int(e["heads"]), int(e["bs"]), int(e["ctx"]), MLATile.parse(e["tile"])))
-        return cls(str(data["device"]), tuple(entries))
+            caches.append(e.get("cache", "model"))
+        return cls(str(data["device"]), tuple(entries), tuple(caches))
 
 
 _NO_RULE = MLARule("", ())
@@ -200,8 +216,10 @@ def rule_for(device: torch.device) -> MLARule:
 
 
 @functools.lru_cache(maxsize=4096)  # called per layer and step: eager decode must not search the rule each time
-def decode_tile(heads: int, batch: int, max_context: int, dtype: torch.dtype, device: torch.device) -> MLATile:
-    """The decode tile of a call: the measured rule's for this card, else the code default."""
+def decode_tile(heads: int, batch: int, max_context: int, dtype: torch.dtype, device: torch.device,
+                cache: str = "model") -> MLATile:
+    """The decode tile of a call (queries in ``dtype``, a latent cache of kind ``cache``): the measured rule's
+    for this card, else the code default."""
     if dtype == torch.float32:
         return DECODE_FP32
-    return rule_for(device).tile(heads, batch, max_context) or default_decode_tile(heads, dtype)
+    return rule_for(device).tile(heads, batch, max_context, cache) or default_decode_tile(heads, dtype)
