@@ -71,6 +71,7 @@ QUICK_CANDIDATES = {16: ["hm-h16n16w4s2", "hm-h16n32w4s3", "tm-h16n32w4s3", "tm-
                     128: ["hm-h64n32w8s2", "tm-h64n32w8s3"]}
 SWEEP_POINTS = {16: ([1, 4, 16, 64, 256], [1024, 4096, 16384]), 128: ([1, 8, 64], [1024, 4096, 16384])}
 QUICK_POINTS = {16: ([1, 64], [4096]), 128: ([64], [4096])}
+_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}  # a sweep row's "cache"
 OCCUPANCIES = (2, 1, 4)  # programs per SM the split count aims to fill; a tie in split count keeps the first
 
 
@@ -261,8 +262,6 @@ def rule_from_sweep(payload: dict, before: dict | None = None) -> dict:
                     "nearest (log scale, heads first); a cache kind without entries takes the model dtype's",
             "entries": entries}
 
-
-_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def write_rule(payload: dict, path: Path = RULE_PATH) -> dict:

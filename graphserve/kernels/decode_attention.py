@@ -49,7 +49,7 @@ import triton.language as tl
 
 from graphserve.kernels.common import interpreting, sm_count
 from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS, _decode_merge_kernel, merge_partials, store_heads
-from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, fp16_saturated
 from graphserve.kernels.kv_write import cache_value, check_cache
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 from graphserve.kernels.qk_rope_kv import check_qkv_args
@@ -198,7 +198,7 @@ def _rotated(x, xp, cos, sin, DTYPE: tl.constexpr, WIDEN_FP16: tl.constexpr):
     for an fp8 cache's fp16 widening, clamped to fp16's range and rounded to fp16."""
     r = (x * cos + xp * sin).to(DTYPE)
     if WIDEN_FP16:
-        r = tl.minimum(tl.maximum(r.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        r = fp16_saturated(r)
     return r
 
 
@@ -265,7 +265,7 @@ def _decode_split_kernel(
         q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=qh_mask, other=0.0)
         q_p, cos, sin, qw, qw_p = q, q, q, q, q  # placeholders: the steps do not rotate
         if WIDEN_FP16:  # fp8 cache: the step widens K and V to q's dtype, fp16 here (clamped: q is bf16's range)
-            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+            q = fp16_saturated(q)
     # splits are cut from the actual length (read on device), rounded to whole inner steps, no shorter
     # than min_split_len (a multiple of BLOCK_N): a short context leaves the last splits empty
     split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)

@@ -24,7 +24,15 @@ from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+FP16_MAX: tl.constexpr = tl.constexpr(torch.finfo(torch.float16).max)  # 65504
 MIN_SCALE = 1e-12  # amax below this (an all-zero group) quantizes to zeros, never NaN
+
+
+@triton.jit
+def fp16_saturated(x):
+    """``x`` in fp16, clamped to its range first: the operand an fp8 cache's fp16 widening meets (decode attention,
+    MLA), from bf16 values whose range is fp32's."""
+    return tl.minimum(tl.maximum(x.to(tl.float32), -FP16_MAX), FP16_MAX).to(tl.float16)
 
 
 @triton.jit

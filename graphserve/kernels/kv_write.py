@@ -11,10 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.fp8_quant import FP8_MAX
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 from graphserve.layers.kv_layout import to_cache_dtype
 
-E4M3_MAX: tl.constexpr = tl.constexpr(448.0)  # e4m3's largest finite value
+E4M3_MAX: tl.constexpr = tl.constexpr(FP8_MAX)  # e4m3's largest finite value, 448
 
 
 @triton.jit

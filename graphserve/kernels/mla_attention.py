@@ -5,7 +5,8 @@ Inputs are in latent space: ``q_lat [T, H, r]`` (the query's no-rope part alread
 are the latent ``c`` then the rope key; bf16/fp16, or fp8 e4m3 (scale 1.0, layers/kv_layout.py)
 widened as it loads: to the query's dtype, or, for bf16 queries, to fp16 with the queries rounded to fp16
 (clamped to its range) and the probabilities in fp16, as the dense decode kernel does
-(kernels/decode_attention.py: the e4m3 -> fp16 conversion is one instruction per two elements and exact). Scores are ``q_lat·c + q_rope·k_rope``; the values are
+(kernels/decode_attention.py: the e4m3 -> fp16 conversion is one instruction per two elements and exact).
+Scores are ``q_lat·c + q_rope·k_rope``; the values are
 the latents themselves, so one loaded tile ``[BLOCK_N, r + d]`` serves both products and every
 head of the program: a program owns ``BLOCK_T`` query tokens x ``BLOCK_H`` heads of one sequence
 (all of a model's heads when they fit one block) and reads each tile of its context once. The
@@ -41,6 +42,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from graphserve.kernels.common import interpreting, sm_count
+from graphserve.kernels.fp8_quant import fp16_saturated
 from graphserve.kernels.mla_config import (
     MAX_SPLITS,
     MLATile,
@@ -164,8 +166,7 @@ def _mla_attention_kernel(
         q_rope = tl.load(q_rope_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
         acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_R], dtype=tl.float32)
     if WIDEN_FP16:  # an fp8 cache widens to fp16 in the steps: the queries too, clamped to fp16's range
-        q_lat = tl.minimum(tl.maximum(q_lat.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-        q_rope = tl.minimum(tl.maximum(q_rope.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q_lat, q_rope = fp16_saturated(q_lat), fp16_saturated(q_rope)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Each step's block ids are loaded one step ahead and carried into the next: when the tile's
     # address depends on a load in the same step, Triton's pipeliner gives the tile one shared-memory

@@ -158,13 +158,10 @@ class MLARule:
     with no entries of its own takes the model-dtype cache's (an entry without ``cache`` is one)."""
 
     device: str
-    entries: tuple[tuple[int, int, int, MLATile], ...]
-    caches: tuple[str, ...] = ()  # each entry's cache kind; empty: every entry is "model"
+    entries: tuple[tuple[str, int, int, int, MLATile], ...]  # (cache kind, heads, batch, context, tile)
 
     def tile(self, heads: int, batch: int, max_context: int, cache: str = "model") -> MLATile | None:
-        kinds = self.caches or ("model",) * len(self.entries)
-        entries = [e for e, k in zip(self.entries, kinds) if k == cache] or \
-            [e for e, k in zip(self.entries, kinds) if k == "model"]
+        entries = [e[1:] for e in self.entries if e[0] == cache] or [e[1:] for e in self.entries if e[0] == "model"]
         if not entries:
             return None
 
@@ -177,16 +174,16 @@ class MLARule:
 
     @classmethod
     def from_json(cls, data: dict) -> MLARule:
-        entries, caches = [], []
+        entries = []
         for i, e in enumerate(data["entries"]):
             for key in ("heads", "bs", "ctx", "tile"):
                 if key not in e:
                     raise ValueError(f"{RULE_PATH.name} entries[{i}] has no {key!r}: {e}")
             if e.get("cache", "model") not in CACHE_KINDS:
                 raise ValueError(f"{RULE_PATH.name} entries[{i}] cache={e['cache']!r}: one of {', '.join(CACHE_KINDS)}")
-            entries.append((int(e["heads"]), int(e["bs"]), int(e["ctx"]), MLATile.parse(e["tile"])))
-            caches.append(e.get("cache", "model"))
-        return cls(str(data["device"]), tuple(entries), tuple(caches))
+            entries.append((e.get("cache", "model"), int(e["heads"]), int(e["bs"]), int(e["ctx"]),
+                            MLATile.parse(e["tile"])))
+        return cls(str(data["device"]), tuple(entries))
 
 
 _NO_RULE = MLARule("", ())

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.fp8_quant import FP8_MAX
+from graphserve.kernels.kv_write import cache_value
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 
@@ -34,12 +34,10 @@ def _rope_pairs(ptr, offs, INTERLEAVED: tl.constexpr, HALF: tl.constexpr, mask):
 
 
 @triton.jit
-def _to_cache(y, kv_a_ptr, cache_ptr, SATURATE: tl.constexpr, FP8_MAX_C: tl.constexpr):
-    """fp32 ``y`` rounded to the model dtype (``kv_a``'s), then to the cache's (clamped first when it is fp8)."""
-    y = y.to(kv_a_ptr.dtype.element_ty)
-    if SATURATE:
-        y = tl.clamp(y.to(tl.float32), -FP8_MAX_C, FP8_MAX_C)
-    return y.to(cache_ptr.dtype.element_ty)
+def _to_cache(y, kv_a_ptr, cache_ptr):
+    """fp32 ``y`` rounded to the model dtype (``kv_a``'s), then stored as the cache stores it (kv_write.cache_value:
+    an fp8 cache's values clamped first)."""
+    return cache_value(y.to(kv_a_ptr.dtype.element_ty), cache_ptr)
 
 
 @triton.jit
@@ -48,8 +46,7 @@ def _mla_prologue_kernel(
     eps, num_heads,
     stride_qt, stride_qh, stride_kvt, stride_cs, stride_cache_slot,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, SATURATE: tl.constexpr, FP8_MAX_C: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -64,15 +61,15 @@ def _mla_prologue_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / RANK + eps)
     w = tl.load(norm_w_ptr + offs_r, mask=r_mask, other=0.0)
     y = (x * rstd).to(kv_a_ptr.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
-    tl.store(dst + offs_r, _to_cache(y, kv_a_ptr, cache_ptr, SATURATE, FP8_MAX_C), mask=r_mask)
+    tl.store(dst + offs_r, _to_cache(y, kv_a_ptr, cache_ptr), mask=r_mask)
 
     offs_i = tl.arange(0, BLOCK_HALF)
     i_mask = offs_i < HALF
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_i, mask=i_mask, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_i, mask=i_mask, other=0.0)
     k1, k2 = _rope_pairs(kv_a_ptr + t * stride_kvt + RANK, offs_i, INTERLEAVED, HALF, i_mask)
-    k_out1 = _to_cache(k1 * cos - k2 * sin, kv_a_ptr, cache_ptr, SATURATE, FP8_MAX_C)
-    k_out2 = _to_cache(k2 * cos + k1 * sin, kv_a_ptr, cache_ptr, SATURATE, FP8_MAX_C)
+    k_out1 = _to_cache(k1 * cos - k2 * sin, kv_a_ptr, cache_ptr)
+    k_out2 = _to_cache(k2 * cos + k1 * sin, kv_a_ptr, cache_ptr)
     tl.store(dst + RANK + offs_i, k_out1, mask=i_mask)
     tl.store(dst + RANK + HALF + offs_i, k_out2, mask=i_mask)
 
@@ -120,8 +117,7 @@ def mla_prologue(
         q.stride(0), q.stride(1), kv_a.stride(0), cos_sin_cache.stride(0), cache.shape[-1],
         RANK=rank, BLOCK_R=triton.next_power_of_2(rank), NOPE=nope, HALF=rope // 2,
         BLOCK_HALF=triton.next_power_of_2(rope // 2), BLOCK_H=triton.next_power_of_2(num_heads),
-        INTERLEAVED=interleaved, SATURATE=cache.dtype.itemsize == 1, FP8_MAX_C=FP8_MAX, num_warps=4,
-        **pdl_args(q.device, "_mla_prologue_kernel"),
+        INTERLEAVED=interleaved, num_warps=4, **pdl_args(q.device, "_mla_prologue_kernel"),
     )  # fmt: skip
 
 

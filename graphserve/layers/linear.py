@@ -77,6 +77,11 @@ class Linear(nn.Linear):
             return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
+    def rank_slice(self, shard: int | None) -> RankSlice | None:
+        """The part of checkpoint tensor ``shard`` this rank holds (the tensor-parallel classes below); None:
+        whole."""
+        return None
+
     @torch.no_grad()
     def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         if self.quant_method is not None:
@@ -244,7 +249,7 @@ class ColumnParallelLinear(Linear):
 
     @torch.no_grad()
     def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
-        if self.quant_method is not None:  # it takes this rank's part itself (rank_slice), scales included
+        if self.quant_method is not None and param_name != "bias":  # it cuts the weight with its scales (rank_slice)
             return self.quant_method.load_weight(self, param_name, param, loaded, shard)
         part = self.rank_slice(shard)
         _fit(param.data, part.take(loaded) if part else loaded, f"{param_name} (rank {self.tp_rank}'s rows)")
@@ -265,11 +270,11 @@ class RowParallelLinear(Linear):
 
     @torch.no_grad()
     def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
-        if self.quant_method is not None:
-            return self.quant_method.load_weight(self, param_name, param, loaded, shard)
         if param_name == "bias":
             _fit(param.data, loaded if self.tp_rank == 0 else torch.zeros_like(loaded), "bias")
             return
+        if self.quant_method is not None:
+            return self.quant_method.load_weight(self, param_name, param, loaded, shard)
         part = self.rank_slice(shard)
         _fit(param.data, part.take(loaded) if part else loaded, f"{param_name} (rank {self.tp_rank}'s columns)")
 
@@ -296,10 +301,10 @@ class MergedColumnParallelLinear(MergedLinear):
     def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         if shard is None:
             raise ValueError(f"a merged projection takes its {len(self.output_sizes)} parts one by one")
-        if self.quant_method is not None:
+        if self.quant_method is not None and param_name != "bias":
             return self.quant_method.load_weight(self, param_name, param, loaded, shard)
-        start, n = self.shard_slice(shard)
-        _fit(param.data[self.shard_rows(shard)], loaded.narrow(0, start, n), f"shard {shard} (rank {self.tp_rank})")
+        part = RankSlice(0, *self.shard_slice(shard))
+        _fit(param.data[self.shard_rows(shard)], part.take(loaded), f"shard {shard} (rank {self.tp_rank})")
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

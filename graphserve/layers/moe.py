@@ -210,13 +210,14 @@ class FusedMoE(nn.Module):
         local = expert_id - self.expert_start
         if not 0 <= local < self.num_local_experts:
             return
-        shard = slice(self.tp_rank * il, (self.tp_rank + 1) * il)
+        part = self.rank_slice(param)
+        tensor = part.take(tensor) if part is not None else tensor
         with torch.no_grad():
             if param == "w2":
-                self.w2_weight[local].copy_(tensor[:, shard])
+                self.w2_weight[local].copy_(tensor)
             else:
                 rows = slice(0, il) if param == "w1" else slice(il, 2 * il)
-                self.w13_weight[local, rows].copy_(tensor[shard])
+                self.w13_weight[local, rows].copy_(tensor)
 
     def rank_slice(self, part: str) -> RankSlice | None:
         """This rank's part of an expert's checkpoint matrix ``part`` under tensor parallelism: rows of w1/w3

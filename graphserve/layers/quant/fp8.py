@@ -114,13 +114,12 @@ class Fp8LinearMethod:
 
     def load_weight(self, layer: Linear, name: str, param: nn.Parameter, loaded: torch.Tensor,
                     shard: int | None) -> None:
-        """A checkpoint tensor (``weight``, its scale, ``input_scale`` or ``bias``) into its rows; of a
-        tensor-parallel layer, this rank's part of it (``rank_part``)."""
+        """A checkpoint tensor (``weight``, its scale, ``input_scale`` or the bias of a layer that is not
+        tensor-parallel, whose own loading takes its bias) into its rows; of a tensor-parallel layer, this rank's
+        part of it (``rank_part``)."""
         start, stop = self._rows(layer, shard)
-        part = layer.rank_slice(shard) if hasattr(layer, "rank_slice") else None
+        part = layer.rank_slice(shard)
         if name == "bias":
-            if part is not None:  # a row-parallel layer's bias is added once: rank 0 holds it
-                loaded = part.take(loaded) if part.dim == 0 else loaded if layer.tp_rank == 0 else torch.zeros_like(loaded)
             target = param.data[start:stop]
             if target.shape != loaded.shape:
                 raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
