@@ -146,9 +146,14 @@ def test_quantization_flag_on_an_unquantized_checkpoint(source, tmp_path):
     desc, plain = loaded.info.description, load_model(EngineConfig(model=str(source)), CPU).info.description
     assert desc.dense_params == plain.dense_params
     # projections at one byte plus one fp32 scale per row, counted at the widest K (the activation width, never
-    # over-counting the scales); embedding, head and the norms (2 layers x 2 x 64 and the final 64) stay fp32
+    # over-counting the scales); embedding, head and the norms (2 layers x (2 x 64 and the q and k norms of 16)
+    # and the final 64) stay fp32
     per_param = 1 + 4 / desc.act_width
-    assert desc.model_dtype_params == 2 * 2 * 64 + 64
+    assert desc.model_dtype_params == 2 * (2 * 64 + 2 * 16) + 64
+    kept_loaded = sum(p.numel() for name, p in loaded.model.named_parameters()
+                      if p.dtype != FP8_DTYPE and not name.endswith("_scale") and "embed_tokens" not in name
+                      and "lm_head" not in name)
+    assert desc.model_dtype_params == kept_loaded, "the plan keeps in fp32 what the loaded model holds in fp32"
     kept = desc.embed_params + desc.lm_head_params + desc.model_dtype_params
     assert desc.weights_bytes == int((desc.dense_params - desc.model_dtype_params) * per_param + kept * 4)
     assert desc.weights_bytes < plain.weights_bytes / 1.8

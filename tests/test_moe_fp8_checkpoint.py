@@ -171,8 +171,9 @@ def test_plan_counts_fp8_expert_bytes_and_scales():
     # 128x128 block scales 2 * 6 * 16 + 16 * 6 = 288 fp32 = 1,152 bytes; 48 layers of 128 experts
     assert d.expert_params == 4_718_592
     expert = 4_718_592 + 1_152
-    # bf16: embedding, head, norms and routers (48 layers x (2 norms of 2048 + a 128 x 2048 router) + the final norm)
-    assert d.model_dtype_params == 48 * (2 * 2048 + 128 * 2048) + 2048
+    # bf16: embedding, head, norms and routers (48 layers x (2 norms of 2048, the q and k norms of 128 and a
+    # 128 x 2048 router) + the final norm)
+    assert d.model_dtype_params == 48 * (2 * 2048 + 2 * 128 + 128 * 2048) + 2048
     kept = (d.embed_params + d.lm_head_params + d.model_dtype_params) * 2
     projections = d.dense_params - d.model_dtype_params
     want = int(projections * (1 + 4 / 128**2) + kept + 48 * 128 * expert)

@@ -46,8 +46,8 @@ class ModelDescription:
     embed_bytes_per_param: float | None = None
     expert_bytes_per_param: float | None = None
     expert_fp8_group_k: int = 0  # fp8 routed experts: their scale block's K (hidden size per channel); 0: none
-    # among dense_params, those FP8 keeps in the model dtype (norms, router gates, MLA's kv_b_proj:
-    # layers/quant/config.py MODEL_DTYPE_LAYERS), priced like the embedding; biases are left among the rest
+    # among dense_params, those FP8 keeps in the model dtype (norms, biases, router gates, MLA's kv_b_proj:
+    # layers/quant/config.py MODEL_DTYPE_LAYERS), priced like the embedding
     model_dtype_params: int = 0
 
     @property

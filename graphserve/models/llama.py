@@ -102,13 +102,21 @@ def attention_params(s: Shape, tp: int) -> tuple[int, int]:
                          "num_attention_heads does not split, use --tp 1 (or --ep)")
     heads, kvh = s.num_heads // tp, local_kv_heads(s, tp)
     q, kv = heads * s.head_dim, kvh * s.head_dim
-    params = s.hidden_size * (q + 2 * kv) + q * s.hidden_size
-    params += (q + 2 * kv if s.qkv_bias else 0) + (s.hidden_size if s.o_bias else 0)
-    if s.qk_norm_full:
-        params += q + kv
-    elif s.qk_norm:
-        params += 2 * s.head_dim
+    params = s.hidden_size * (q + 2 * kv) + q * s.hidden_size + attention_kept_params(s, tp)
     return params, (q + 2 * kv) + q
+
+
+def attention_kept_params(s: Shape, tp: int) -> int:
+    """Those of one attention block's parameters on a rank that FP8 leaves in the model dtype: the projections'
+    biases and the q/k norms' weights."""
+    heads, kvh = s.num_heads // tp, local_kv_heads(s, tp)
+    q, kv = heads * s.head_dim, kvh * s.head_dim
+    kept = (q + 2 * kv if s.qkv_bias else 0) + (s.hidden_size if s.o_bias else 0)
+    if s.qk_norm_full:
+        kept += q + kv
+    elif s.qk_norm:
+        kept += 2 * s.head_dim
+    return kept
 
 
 # The output projection's kernel at small batch (the FP8 streaming matmul, left out of PDL by default)
@@ -301,7 +309,8 @@ class LlamaForCausalLM(CausalLM):
             embed_params=-(-s.vocab_size // tp) * s.hidden_size,
             lm_head_params=0 if s.tie_word_embeddings else -(-s.vocab_size // tp) * s.hidden_size,
             act_width=max(attn_act, 3 * inter), act_bytes_per_elem=dtype.itemsize,
-            model_dtype_params=s.num_layers * 2 * s.hidden_size + s.hidden_size,  # the norms
+            # norms, q/k norms and biases
+            model_dtype_params=s.num_layers * (2 * s.hidden_size + attention_kept_params(s, tp)) + s.hidden_size,
         )
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -39,6 +39,7 @@ from graphserve.models.llama import (
     LlamaModel,
     Qwen3ForCausalLM,
     Shape,
+    attention_kept_params,
     attention_params,
     kv_layout_of,
 )
@@ -223,8 +224,9 @@ class MoEForCausalLM(CausalLM):
         # every sparse layer reads its router gate and shared expert whatever the routing
         sparse_fixed = m.num_experts * h + (3 * h * shared_inter + h if shared_inter else 0)
         dense_params = (s.num_layers * (attn + 2 * h) + n_dense * 3 * h * dense_inter + n_sparse * sparse_fixed + h)
-        # kept in the model dtype under FP8: norms (q/k norms among attn's, left with it), router and shared gates
-        model_dtype = s.num_layers * 2 * h + h + n_sparse * (m.num_experts * h + (h if shared_inter else 0))
+        # kept in the model dtype under FP8: norms, q/k norms and biases, router and shared gates
+        model_dtype = (s.num_layers * (2 * h + attention_kept_params(s, tp)) + h
+                       + n_sparse * (m.num_experts * h + (h if shared_inter else 0)))
         # a token at the peak of a sparse layer: router logits, k slots of gate/up (2I) and of the
         # activated product and down output (I + H), and the shared expert's 3·I_shared
         moe_act = m.num_experts + m.top_k * (3 * moe_inter + h) + 3 * shared_inter

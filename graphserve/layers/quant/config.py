@@ -149,8 +149,8 @@ def quantized_description(desc: Any, quant: Fp8Config | None, model_dtype: torch
                           experts_quantized: bool = True) -> Any:
     """``desc`` (a ModelDescription) with FP8 bytes for its projections and (unless a model keeps them in
     ``model_dtype``) its routed experts, their scales counted exactly; embedding and lm_head stay in
-    the model dtype, as do the dense parameters a family counts as ``model_dtype_params`` (norms, router
-    gates, MLA's kv_b_proj). Biases, a few thousand a layer, are priced with the projections."""
+    the model dtype, as do the dense parameters a family counts as ``model_dtype_params`` (norms, biases, router
+    gates, MLA's kv_b_proj)."""
     if quant is None:
         return desc
     # per-channel scales: 4 bytes per output row, 4 / K per parameter; K taken no smaller than any projection's
