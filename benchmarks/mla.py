@@ -193,17 +193,18 @@ def sweep(bw, quick: bool, rows: list[dict], cache_dtype: torch.dtype = DT) -> N
             for ctx in contexts:
                 case = DecodeCase(heads, batch, ctx, cache_dtype, check=True)
                 for base in tiles:
-                    seen = set()
+                    timed: dict[int, dict] = {}  # split count -> its row: occupancies that give it share one timing
                     for occupancy in OCCUPANCIES:
                         tile = dataclasses.replace(base, occupancy=occupancy)
                         splits = case.splits(tile)
-                        if splits in seen:
+                        if splits in timed:
+                            timed[splits].setdefault("also", []).append(tile.name)
                             continue
-                        seen.add(splits)
                         ms = case.time_ms(tile, splits)
                         if ms is None:
                             break
-                        rows.append(case.row(bw, tile, splits, ms))
+                        timed[splits] = case.row(bw, tile, splits, ms)
+                        rows.append(timed[splits])
                 del case
                 torch.cuda.empty_cache()
 
@@ -234,8 +235,8 @@ def winners(rows: list[dict]) -> list[dict]:
     for r in fastest(rows, 1):
         key = (_cache(r), r["heads"], r["bs"], r["ctx"])
         default = default_decode_tile(r["heads"], DT).name
-        at_default = [d["ms"] for d in rows
-                      if (_cache(d), d["heads"], d["bs"], d["ctx"]) == key and d["tile"] == default]
+        at_default = [d["ms"] for d in rows  # the default's own row, or the row of the occupancy it shares splits with
+                      if (_cache(d), d["heads"], d["bs"], d["ctx"]) == key and default in (d["tile"], *d.get("also", ()))]
         out.append({"cache": _cache(r), "heads": r["heads"], "bs": r["bs"], "ctx": r["ctx"], "tile": r["tile"],
                     "splits": r["splits"],
                     "us": r["us"], "pct_bw": r["pct_bw"], "tflops": r["tflops"], "default_tile": default,

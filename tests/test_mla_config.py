@@ -124,6 +124,21 @@ def test_sweep_winners_become_a_rule_the_kernel_reads(tmp_path, monkeypatch):
     assert rule.tile(16, 128, 8192) == MLATile(True, 16, 64, 4, 3, 2)
 
 
+def test_sweep_winners_find_the_default_timed_under_another_occupancy():
+    """An occupancy whose split count an earlier one already gave is not timed again: its name goes to that row's
+    ``also``, and the winners still find the default's time there."""
+    from benchmarks import mla
+
+    default = DECODE_MANY_HEADS
+    other = dataclasses.replace(default, occupancy=2 if default.occupancy != 2 else 1)
+    rows = [{"heads": 128, "bs": 1, "ctx": 1024, "tile": tile, "splits": 14, "ms": ms, "us": ms * 1e3,
+             "pct_bw": 5.0, "tflops": 1.0, **extra}
+            for tile, ms, extra in ((other.name, 0.03, {"also": [default.name]}), ("tm-h64n32w8s3o1", 0.02, {}))]
+    (best,) = mla.winners(rows)
+    assert best["tile"] == "tm-h64n32w8s3o1" and best["default_tile"] == default.name
+    assert best["default_us"] == pytest.approx(30.0) and best["speedup"] == pytest.approx(1.5)
+
+
 def test_an_fp8_cache_sweep_adds_its_tiles_beside_the_model_dtype_caches(tmp_path, monkeypatch):
     """``--sweep --cache fp8_e4m3``: its winners go into the rule as the fp8 cache's, the bf16 cache's entries stay
     (each naming its run); a call on an fp8 cache takes the fp8 entries, and with none, the model dtype's."""
