@@ -18,18 +18,19 @@ _TINY = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_
 FAMILIES = {
     # q/k/v biases
     "qwen2": lambda: Qwen2Config(**_TINY),
-    # per-head q/k norms and an output bias
+    # per-head q/k norms, and q/k/v and output biases
     "qwen3-bias": lambda: Qwen3Config(**_TINY, head_dim=32, attention_bias=True),
     # q/k norms over the whole projections, and routers
     "olmoe": lambda: OlmoeConfig(**_TINY, num_experts=4, num_experts_per_tok=2),
     "qwen3-moe": lambda: Qwen3MoeConfig(**_TINY, head_dim=32, moe_intermediate_size=32, num_experts=4,
                                         num_experts_per_tok=2, mlp_only_layers=[1]),
-    # q-a and kv-a norms, kv_b_proj, routers with a correction bias, a shared expert and a dense first layer
+    # q-a and kv-a norms, kv_b_proj, attention biases, routers with a correction bias, a shared expert and a dense
+    # first layer
     "deepseek-v3": lambda: DeepseekV3Config(**{**_TINY, "intermediate_size": 96}, kv_lora_rank=32, q_lora_rank=32,
                                             qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                             n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
-                                            rope_theta=10000.0),
+                                            attention_bias=True, rope_theta=10000.0),
 }
 
 
