@@ -38,6 +38,16 @@ def make_hf_checkpoint(
     return model
 
 
+def make_hf_checkpoints(tmp_path_factory, makers: dict, seed: int = 0) -> dict[str, Path]:
+    """One ``make_hf_checkpoint`` folder per name of ``makers`` (name -> a function returning the config), for a
+    module-scoped fixture."""
+    folders = {}
+    for name, make in makers.items():
+        folders[name] = tmp_path_factory.mktemp(name)
+        make_hf_checkpoint(folders[name], make(), seed=seed)
+    return folders
+
+
 @torch.no_grad()
 def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """Float32 logits ``[len, vocab]`` of a full, uncached HF forward over ``token_ids``."""

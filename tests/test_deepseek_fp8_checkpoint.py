@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import PagedHarness, make_hf_checkpoint
+from model_utils import PagedHarness, make_hf_checkpoints
 from safetensors.torch import load_file, save_file
 from test_deepseek import _TINY
 from test_moe_fp8_checkpoint import _dequantized_copy
@@ -37,11 +37,7 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    folders = {}
-    for name, make in FAMILIES.items():
-        folders[name] = tmp_path_factory.mktemp(name)
-        make_hf_checkpoint(folders[name], make(), seed=5)
-    return folders
+    return make_hf_checkpoints(tmp_path_factory, FAMILIES, seed=5)
 
 
 def _load(folder):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from model_utils import PagedHarness, make_hf_checkpoint, relative_error
+from model_utils import PagedHarness, make_hf_checkpoints, relative_error
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, Qwen3MoeConfig
 
@@ -36,11 +36,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    folders = {}
-    for name, make in CONFIGS.items():
-        folders[name] = tmp_path_factory.mktemp(name)
-        make_hf_checkpoint(folders[name], make(), seed=5)
-    return folders
+    return make_hf_checkpoints(tmp_path_factory, CONFIGS, seed=5)
 
 
 def _dequantized_copy(fp8, dst) -> None:

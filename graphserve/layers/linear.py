@@ -22,6 +22,7 @@ scale blocks (layers/quant/fp8.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -208,22 +209,41 @@ class RankSlice:
                              f"{self.start + self.size})")
         return t.narrow(self.dim, self.start, self.size)
 
-    def cuts_blocks(self, block: int, ends_the_weight: bool) -> bool:
-        """Whether the part cuts the ``block``-wide fp8 scale tiles along ``dim``: it must start on a tile and
-        cover whole tiles, but for a last one that ends with the weight."""
-        return bool(self.start % block or (self.size % block and not ends_the_weight))
-
     def check_blocks(self, block: int, ends_the_weight: bool) -> None:
-        """Refuse a part that cuts the scale tiles (``cuts_blocks``), naming its rows or columns."""
-        if self.cuts_blocks(block, ends_the_weight):
+        """Refuse a part that cuts the ``block``-wide fp8 scale tiles along ``dim``, naming its rows or columns: it
+        must start on a tile and cover whole tiles, but for a last one that ends with the weight."""
+        if self.start % block or (self.size % block and not ends_the_weight):
             raise ValueError(f"this rank's {self._what} [{self.start}, {self.start + self.size}) cut the fp8 scale "
                              f"blocks of {block}: each rank's part must be whole blocks (a multiple of {block})")
 
-    def take_blocks(self, scales: torch.Tensor, block: int) -> torch.Tensor:
-        """This rank's scales of a weight scaled in ``block``-wide tiles along ``dim`` (whole tiles only)."""
+    def take_fp8(self, weight: torch.Tensor, block: int | None) -> torch.Tensor:
+        """This rank's part of an fp8 checkpoint weight scaled in ``block``-wide tiles along ``dim`` (whole tiles
+        only, ``check_blocks``), or per channel or tensor (``block`` None: any part)."""
+        if block:
+            self.check_blocks(block, self.start + self.size == weight.shape[self.dim])
+        return self.take(weight)
+
+    def take_scales(self, scales: torch.Tensor, block: int | None) -> torch.Tensor:
+        """This rank's scales of an fp8 weight: its whole ``block``-wide tiles along ``dim``; per channel (``block``
+        None) its output rows' (a row-parallel rank keeps every row's); one per tensor, whole."""
+        if scales.numel() == 1:
+            return scales
+        if not block:
+            return self.take(scales) if self.dim == 0 else scales
         tiles = RankSlice(self.dim, self.start // block, -(-self.size // block))
         self.check_blocks(block, tiles.start + tiles.size == scales.shape[self.dim])
         return tiles.take(scales)
+
+    def quantized(self, weight: torch.Tensor, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                  blocked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``quantize``'s (fp8 values, scales) for this rank's part of a model-dtype ``weight``, tp 1's where they
+        can be: a part quantized in whole scale blocks or per channel on its own rows gets tp 1's, and is quantized
+        alone (so is a part that would cut a block: its blocks then start at its first row or column); a
+        row-parallel part per channel is quantized with its whole rows (tp 1's scales, every row's) and then cut."""
+        if blocked or self.dim == 0:
+            return quantize(self.take(weight))
+        q, scales = quantize(weight)
+        return self.take(q), scales
 
     @property
     def _what(self) -> str:

@@ -230,18 +230,18 @@ class DeepseekV2ForCausalLM(CausalLM):
         # (o_proj's bias is held on every rank, zeros past rank 0)
         attn = q_params + h * (r + d) + bias * (r + d) + r + r * heads * (nope + v) + heads * v * h + bias * h
         mlp_bias = s.mlp_bias
-        dense_mlp = 3 * h * inter + mlp_bias * (2 * inter + h)
-        shared = 3 * h * shared_inter + mlp_bias * (2 * shared_inter + h) if shared_inter else 0
+        dense_bias, shared_bias = mlp_bias * (2 * inter + h), mlp_bias * (2 * shared_inter + h) if shared_inter else 0
+        dense_mlp = 3 * h * inter + dense_bias
+        shared = 3 * h * shared_inter + shared_bias if shared_inter else 0
         # every MoE layer reads its gate, its correction bias (V3) and its shared experts whatever the routing
-        moe_fixed = s.n_routed_experts * h + (s.n_routed_experts if s.scoring_func == "sigmoid" else 0) + shared
+        router = s.n_routed_experts * h + (s.n_routed_experts if s.scoring_func == "sigmoid" else 0)
+        moe_fixed = router + shared
         dense_params = s.num_layers * (attn + 2 * h) + n_dense * dense_mlp + n_moe * moe_fixed + h
         # kept in the model dtype under FP8: norms (the layers', q-a's, kv-a's, the final), routers, kv_b_proj and
         # the biases (attention's, the dense and shared MLPs')
         norms = s.num_layers * (2 * h + r + (s.q_lora_rank or 0)) + h
-        routers = n_moe * (s.n_routed_experts * h + (s.n_routed_experts if s.scoring_func == "sigmoid" else 0))
-        biases = (s.num_layers * bias * ((s.q_lora_rank or 0) + (r + d) + h) + n_dense * mlp_bias * (2 * inter + h)
-                  + (n_moe * mlp_bias * (2 * shared_inter + h) if shared_inter else 0))
-        model_dtype = norms + routers + biases + s.num_layers * r * heads * (nope + v)
+        biases = s.num_layers * bias * ((s.q_lora_rank or 0) + (r + d) + h) + n_dense * dense_bias + n_moe * shared_bias
+        model_dtype = norms + n_moe * router + biases + s.num_layers * r * heads * (nope + v)
         # a token at the attention peak: q, the kv-a output, q and output in latent space, the output heads
         attn_act = heads * qk + (r + d) + 2 * heads * r + heads * v
         moe_act = s.n_routed_experts + s.top_k * (3 * expert_inter + h) + 3 * shared_inter if n_moe else 0

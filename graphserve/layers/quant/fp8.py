@@ -116,7 +116,7 @@ class Fp8LinearMethod:
                     shard: int | None) -> None:
         """A checkpoint tensor (``weight``, its scale, ``input_scale`` or the bias of a layer that is not
         tensor-parallel, whose own loading takes its bias) into its rows; of a tensor-parallel layer, this rank's
-        part of it (``rank_part``)."""
+        part of it (``Linear.rank_slice``): a weight and its block scales in whole blocks only."""
         start, stop = self._rows(layer, shard)
         part = layer.rank_slice(shard)
         if name == "bias":
@@ -127,7 +127,8 @@ class Fp8LinearMethod:
         elif name == "weight":
             self._load_weight(layer, param, loaded, start, stop, part)
         elif name == self.scale_name:
-            self._load_scale(param, self.rank_part(part, name, loaded), start, stop, layer.in_features)
+            scales = part.take_scales(loaded, self._block(part)) if part is not None else loaded
+            self._load_scale(param, scales, start, stop, layer.in_features)
         elif name == "input_scale":
             if loaded.numel() != 1:
                 raise ValueError(f"input_scale has shape {tuple(loaded.shape)}, expected one value")
@@ -135,47 +136,30 @@ class Fp8LinearMethod:
         else:
             raise ValueError(f"an fp8 layer has no tensor {name!r}")
 
-    def rank_part(self, part: RankSlice | None, name: str, loaded: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a layer's fp8 weight or its scale (``name``), the layer split as ``part`` (None:
-        whole): weights and block scales in whole blocks only (a block two ranks would share is refused, naming
-        the rows or columns); a per-channel scale follows the output rows (a row-parallel rank keeps every row's)."""
-        if part is None:
-            return loaded
-        if name == "weight":
-            if self.config.block:
-                part.check_blocks(self.group_n if part.dim == 0 else self.group_k,
-                                  part.start + part.size == loaded.shape[part.dim])
-            return part.take(loaded)
-        if loaded.numel() == 1:  # per tensor: every rank's rows share it
-            return loaded
-        if self.config.block:
-            return part.take_blocks(loaded, self.group_n if part.dim == 0 else self.group_k)
-        return part.take(loaded) if part.dim == 0 else loaded
+    def _block(self, part: RankSlice) -> int | None:
+        """The scale tile's width along the dimension ``part`` cuts (None: per channel or tensor)."""
+        return (self.group_n if part.dim == 0 else self.group_k) if self.config.block else None
 
     def _load_weight(self, layer: Linear, param: nn.Parameter, loaded: torch.Tensor, start: int, stop: int,
                      part: RankSlice | None = None) -> None:
-        """A checkpoint weight (this rank's ``part`` of it) into rows ``[start, stop)``. A model-dtype weight's
-        part is quantized by its rank: in whole scale blocks, or per channel its own rows, that is the same fp8
-        values and scales as tp 1's; a row-parallel part per channel is quantized with its whole rows (tp 1's
-        scales, which every rank then holds) and then cut; a part that would cut a scale block, on its own (its
-        blocks start at its first row or column)."""
+        """A checkpoint weight (this rank's ``part`` of it: ``RankSlice.take_fp8``, or for a model-dtype weight
+        quantized here, ``RankSlice.quantized``) into rows ``[start, stop)``."""
         target = param.data[start:stop]
         if self.config.serialized:
-            loaded = self.rank_part(part, "weight", loaded)
+            loaded = part.take_fp8(loaded, self._block(part)) if part is not None else loaded
             if target.shape != loaded.shape:
                 raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
             if loaded.dtype != FP8_DTYPE:
                 raise ValueError(f"dtype {loaded.dtype}, expected {FP8_DTYPE} (the config's quant_method is fp8)")
             target.copy_(loaded)
             return
-        if part is not None and (self.config.block or part.dim == 0):
-            loaded, part = part.take(loaded), None
-        if self.config.block:
-            q, s = quantize_weight_blocks(loaded.to(target.device), self.group_n, self.group_k)
-        else:
-            q, s = quantize_weight_channels(loaded.to(target.device))
-        if part is not None:  # a row-parallel part per channel: its columns of the whole rows', every row's scale
-            q = part.take(q)
+
+        def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            w = w.to(target.device)
+            return quantize_weight_blocks(w, self.group_n, self.group_k) if self.config.block \
+                else quantize_weight_channels(w)
+
+        q, s = part.quantized(loaded, quantize, bool(self.config.block)) if part is not None else quantize(loaded)
         if target.shape != q.shape:
             raise ValueError(f"shape {tuple(q.shape)}, expected {tuple(target.shape)}")
         target.copy_(q)

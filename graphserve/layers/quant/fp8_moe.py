@@ -30,7 +30,6 @@ from graphserve.kernels.moe_fp8_reference import dequantize_experts
 from graphserve.layers.quant.config import Fp8Config
 
 if TYPE_CHECKING:
-    from graphserve.layers.linear import RankSlice
     from graphserve.layers.moe import FusedMoE
 
 WEIGHTS = ("w13_weight", "w2_weight")
@@ -114,43 +113,34 @@ class Fp8MoEMethod:
             return False
         n = rows.stop - rows.start
         piece = layer.rank_slice(part)  # this rank's rows of w1/w3 or columns of w2 (None: whole)
+        block = self.block[piece.dim] if self.block and piece is not None else None  # scale tile along the cut
         if param_name == weight:
             full = (n, k) if piece is None else (n * layer.tp_size, k) if piece.dim == 0 else (n, k * layer.tp_size)
             if tuple(tensor.shape) != full:
                 raise ValueError(f"shape {tuple(tensor.shape)}, expected {full} (expert {expert} {part})")
             target = getattr(layer, weight).data[local, rows]
             if self.config.serialized:
-                if piece is not None:
-                    if self.block:
-                        piece.check_blocks(self.block[piece.dim], piece.start + piece.size == tensor.shape[piece.dim])
-                    tensor = piece.take(tensor)
+                tensor = piece.take_fp8(tensor, block) if piece is not None else tensor
                 if tensor.dtype != FP8_DTYPE:
                     raise ValueError(f"dtype {tensor.dtype}, expected {FP8_DTYPE} (the config's quant_method is fp8)")
                 target.copy_(tensor)
                 return True
-            # quantized by this rank: its part in whole blocks, or per channel its own rows, are tp 1's values and
-            # scales; w2's columns per channel are quantized with their whole rows (tp 1's scales) and then cut; a
-            # part that would cut a scale block is quantized on its own
-            if piece is not None and (self.block or piece.dim == 0):
-                tensor, piece = piece.take(tensor), None
-            q, s = quantize_stack(tensor.to(target.device)[None], self.block)
-            target.copy_(piece.take(q[0]) if piece is not None else q[0])
-            getattr(layer, self.scale_name(weight)).data[local, scale_rows].copy_(s[0])
+
+            def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                q, s = quantize_stack(w.to(target.device)[None], self.block)
+                return q[0], s[0]
+
+            q, s = piece.quantized(tensor, quantize, bool(self.block)) if piece is not None else quantize(tensor)
+            target.copy_(q)
+            getattr(layer, self.scale_name(weight)).data[local, scale_rows].copy_(s)
             return True
         if param_name != self.scale_name(weight):
             raise ValueError(f"an fp8 expert layer has no tensor {param_name!r} (its scales are "
                              f"{self.scale_name(weight)!r})")
-        if piece is not None and tensor.numel() > 1:
-            tensor = self._scale_part(piece, tensor)
+        if piece is not None:
+            tensor = piece.take_scales(tensor, block)
         self._load_scale(getattr(layer, param_name).data[local, scale_rows], tensor, n, k)
         return True
-
-    def _scale_part(self, piece: RankSlice, scale: torch.Tensor) -> torch.Tensor:
-        """This rank's scales of an expert matrix cut as ``piece``: whole blocks, or per channel the rows of
-        w1/w3 (w2's rows, the hidden size, are whole on every rank)."""
-        if self.block:
-            return piece.take_blocks(scale, self.block[piece.dim])
-        return piece.take(scale) if piece.dim == 0 else scale
 
     def _load_scale(self, target: torch.Tensor, loaded: torch.Tensor, n: int, k: int) -> None:
         if not loaded.dtype.is_floating_point or loaded.dtype == FP8_DTYPE:
