@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from graphserve.kernels.fp8_quant import dequantize_blocks
 from graphserve.layers.attention import TorchAttentionBackend
 from graphserve.layers.forward_batch import DUMMY_BLOCK, ForwardBatch
 from graphserve.models.synthetic_tokenizer import CHATML_TEMPLATE, build_synthetic_tokenizer
@@ -46,6 +49,31 @@ def make_hf_checkpoints(tmp_path_factory, makers: dict, seed: int = 0) -> dict[s
         folders[name] = tmp_path_factory.mktemp(name)
         make_hf_checkpoint(folders[name], make(), seed=seed)
     return folders
+
+
+def dequantized_checkpoint(fp8: Path, dst: Path) -> None:
+    """Write to ``dst`` the FP8 checkpoint ``fp8`` with every quantized weight dequantized to fp32 (block-wise
+    ``weight_scale_inv`` or per-channel ``weight_scale``), its scale tensors dropped and no quantization_config;
+    the other files are copied."""
+    dst.mkdir()
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    config = json.loads((fp8 / "config.json").read_text())
+    block = config.pop("quantization_config").get("weight_block_size")
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(("weight_scale_inv", "weight_scale", "input_scale")):
+            continue
+        module = name.removesuffix(".weight")
+        if f"{module}.weight_scale_inv" in tensors:
+            t = dequantize_blocks(t, tensors[f"{module}.weight_scale_inv"], *block)
+        elif f"{module}.weight_scale" in tensors:
+            t = t.float() * tensors[f"{module}.weight_scale"][:, None]
+        out[name] = t
+    save_file(out, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(config))
+    for f in fp8.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            (dst / f.name).write_bytes(f.read_bytes())
 
 
 @torch.no_grad()

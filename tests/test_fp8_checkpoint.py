@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
-from model_utils import PagedHarness, make_hf_checkpoint, relative_error
+from model_utils import PagedHarness, dequantized_checkpoint, make_hf_checkpoint, relative_error
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from graphserve.config import EngineConfig
 from graphserve.errors import ModelLoadError
-from graphserve.kernels.fp8_quant import FP8_DTYPE, dequantize_blocks
+from graphserve.kernels.fp8_quant import FP8_DTYPE
 from graphserve.layers.quant.checkpoint import quantize_checkpoint
 from graphserve.models.loader import load_model
 
@@ -35,30 +35,6 @@ def source(tmp_path_factory):
     return folder
 
 
-def _dequantized_copy(fp8: object, dst: object) -> None:
-    """The FP8 checkpoint with every projection dequantized back to fp32 and no quantization_config."""
-    dst.mkdir()
-    tensors = load_file(str(fp8 / "model.safetensors"))
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith(("weight_scale_inv", "weight_scale", "input_scale")):
-            continue
-        module = name.removesuffix(".weight")
-        if f"{module}.weight_scale_inv" in tensors:
-            block = json.loads((fp8 / "config.json").read_text())["quantization_config"]["weight_block_size"]
-            t = dequantize_blocks(t, tensors[f"{module}.weight_scale_inv"], *block)
-        elif f"{module}.weight_scale" in tensors:
-            t = t.float() * tensors[f"{module}.weight_scale"][:, None]
-        out[name] = t
-    save_file(out, str(dst / "model.safetensors"))
-    config = json.loads((fp8 / "config.json").read_text())
-    del config["quantization_config"]
-    (dst / "config.json").write_text(json.dumps(config))
-    for f in fp8.iterdir():
-        if f.suffix != ".safetensors" and f.name != "config.json":
-            (dst / f.name).write_bytes(f.read_bytes())
-
-
 def _logits(folder, **kw) -> torch.Tensor:
     return PagedHarness(load_model(EngineConfig(model=str(folder), **kw), CPU).model).step([("s", TOKENS)])[0]
 
@@ -72,7 +48,7 @@ def test_fp8_checkpoint_matches_the_same_model_dequantized(source, tmp_path, blo
     stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
     assert stored["model.layers.0.mlp.down_proj.weight"].dtype == FP8_DTYPE
     assert stored["model.embed_tokens.weight"].dtype == torch.float32
-    _dequantized_copy(tmp_path / "fp8", tmp_path / "deq")
+    dequantized_checkpoint(tmp_path / "fp8", tmp_path / "deq")
     fp8, deq = _logits(tmp_path / "fp8"), _logits(tmp_path / "deq")
     # The CPU path multiplies by the dequantized fp32 weight, exactly the weights of the dequantized
     # checkpoint, in the same order of operations: only fp32 rounding of the dequantization itself

@@ -5,17 +5,15 @@ ones are refused naming the tensor."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from model_utils import PagedHarness, make_hf_checkpoints, relative_error
+from model_utils import PagedHarness, dequantized_checkpoint, make_hf_checkpoints, relative_error
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, Qwen3MoeConfig
 
 from graphserve.config import EngineConfig
 from graphserve.errors import ModelLoadError
-from graphserve.kernels.fp8_quant import FP8_DTYPE, dequantize_blocks
+from graphserve.kernels.fp8_quant import FP8_DTYPE
 from graphserve.layers.moe import FusedMoE
 from graphserve.layers.quant.checkpoint import quantize_checkpoint
 from graphserve.models.loader import load_model
@@ -39,29 +37,6 @@ def sources(tmp_path_factory):
     return make_hf_checkpoints(tmp_path_factory, CONFIGS, seed=5)
 
 
-def _dequantized_copy(fp8, dst) -> None:
-    """The FP8 checkpoint with every quantized tensor dequantized to fp32 and no quantization_config."""
-    dst.mkdir()
-    tensors = load_file(str(fp8 / "model.safetensors"))
-    config = json.loads((fp8 / "config.json").read_text())
-    block = config.pop("quantization_config").get("weight_block_size")
-    out = {}
-    for name, t in tensors.items():
-        module = name.removesuffix(".weight")
-        if name.endswith(("weight_scale_inv", "weight_scale")):
-            continue
-        if f"{module}.weight_scale_inv" in tensors:
-            t = dequantize_blocks(t, tensors[f"{module}.weight_scale_inv"], *block)
-        elif f"{module}.weight_scale" in tensors:
-            t = t.float() * tensors[f"{module}.weight_scale"][:, None]
-        out[name] = t
-    save_file(out, str(dst / "model.safetensors"))
-    (dst / "config.json").write_text(json.dumps(config))
-    for f in fp8.iterdir():
-        if f.suffix != ".safetensors" and f.name != "config.json":
-            (dst / f.name).write_bytes(f.read_bytes())
-
-
 def _load(folder, **kw):
     return load_model(EngineConfig(model=str(folder), **kw), CPU)
 
@@ -83,7 +58,7 @@ def test_fp8_moe_checkpoint_matches_the_same_model_dequantized(sources, tmp_path
         "model.layers.0.block_sparse_moe.experts.1.w1"
     assert stored[f"{prefix}.weight"].dtype == FP8_DTYPE
     assert f"{prefix}.weight_scale_inv" in stored if block else f"{prefix}.weight_scale" in stored
-    _dequantized_copy(tmp_path / "fp8", tmp_path / "deq")
+    dequantized_checkpoint(tmp_path / "fp8", tmp_path / "deq")
     fp8 = _load(tmp_path / "fp8")
     layers = _experts(fp8)
     assert layers and all(m.w13_weight.dtype == FP8_DTYPE and m.w2_weight.dtype == FP8_DTYPE for m in layers)
@@ -103,7 +78,7 @@ def test_fp8_moe_checkpoint_matches_the_same_model_dequantized(sources, tmp_path
 def test_quantization_flag_quantizes_the_experts_at_load(sources, tmp_path):
     """``--quantization fp8-channel`` on the bf16 checkpoint = the per-channel FP8 checkpoint dequantized."""
     quantize_checkpoint(sources["mixtral"], tmp_path / "fp8", block=None)
-    _dequantized_copy(tmp_path / "fp8", tmp_path / "deq")
+    dequantized_checkpoint(tmp_path / "fp8", tmp_path / "deq")
     online = _load(sources["mixtral"], quantization="fp8-channel")
     assert all(m.w13_weight.dtype == FP8_DTYPE and m.quant_method is not None for m in _experts(online))
     torch.testing.assert_close(_logits(online), _logits(_load(tmp_path / "deq")), rtol=1e-5, atol=1e-5)
