@@ -14,7 +14,7 @@ The floor is the bytes the step must read over the best read bandwidth measured 
 summed in another order inside the decode kernel, so a near tie may not).
 
 Run: python3 -m benchmarks.decode_prologue [--models dummy:llama3-8b] [--fp8-models dummy:llama3-8b
-     dummy:qwen3-30b-a3b] [--bs 1 64] [--ctx 512 2048]
+     dummy:qwen3-30b-a3b] [--bs 1 64] [--ctx 512 2048] [--kv-cache-dtype fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from benchmarks.pdl import compare_captures
 from graphserve.kernels.pdl import pdl_release_left_out
 from graphserve.layers.attention_triton import decode_prologue
 
-COLS = ["model", "quantization", "bs", "ctx", "launch_ms", "in_decode_ms", "launch_release_ms", "in_decode_release_ms",
+COLS = ["model", "quantization", "kv_cache_dtype", "bs", "ctx", "launch_ms", "in_decode_ms", "launch_release_ms", "in_decode_release_ms",
         "floor_ms", "ratio_launch", "ratio_best", "best", "same_tokens"]
 # label: (prologue inside decode attention, a left-out streaming matmul releases the kernel after it)
 VARIANTS = {"launch": (False, False), "in decode": (True, False), "launch, release": (False, True),

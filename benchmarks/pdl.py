@@ -53,13 +53,15 @@ def bench_model(name: str, quantization: str, sizes: list[int], ctx: int, rounds
 
 
 def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rounds: int, bw,
-                   scopes: dict[str, Callable[[], contextlib.AbstractContextManager]]) -> list[dict]:
+                   scopes: dict[str, Callable[[], contextlib.AbstractContextManager]],
+                   kv_cache_dtype: str = "auto") -> list[dict]:  # fmt: skip
     """One model load and KV cache, one CUDA-graph capture of the decode step per entry of ``scopes`` (captured
     inside the context its factory makes), replayed in turns for ``rounds`` rounds; per batch size the median
     of each variant's rounds (``variants_ms``), the bytes the step reads and whether every variant's greedy
     tokens equal the first's."""
     device = torch.device("cuda")
-    cfg = EngineConfig(model=name, device="cuda", quantization=quantization, max_model_len=ctx + 64)
+    cfg = EngineConfig(model=name, device="cuda", quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                       max_model_len=ctx + 64)  # fmt: skip
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
     layers = set_routing(model, "uniform")
@@ -85,7 +87,8 @@ def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rou
             med = {label: statistics.median(t) for label, t in times.items()}
             for ms in med.values():
                 bw.observe(f"{name} {quantization} decode bs={bs}", nbytes, ms)
-            rows.append({"model": name, "quantization": quantization, "bs": bs, "ctx": ctx, "bytes": nbytes,
+            rows.append({"model": name, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype, "bs": bs,
+                         "ctx": ctx, "bytes": nbytes,
                          "experts_touched": touched,
                          "same_tokens": all(torch.equal(tokens[first], t) for t in tokens.values()),
                          "variants_ms": med, "rounds_ms": times})
@@ -101,8 +104,8 @@ def compare_captures(doc: str, scopes: dict[str, Callable[[], contextlib.Abstrac
                      result_name: str, models: list[str], fp8_models: list[str],
                      bs: list[int]) -> tuple[argparse.Namespace, list[dict], Callable[[list[str]], None]]:  # fmt: skip
     """A comparison script's common part: its command line (``--models``, ``--fp8-models``, ``--bs``, ``--ctx``,
-    ``--rounds``, ``--result-name``; the defaults given), the read probe, and ``timed_captures`` of ``scopes`` per
-    model, quantization and context. Returns the arguments, the rows (each with its ``floor_ms`` against the run's
+    ``--rounds``, ``--kv-cache-dtype``, ``--result-name``; the defaults given), the read probe, and
+    ``timed_captures`` of ``scopes`` per model, quantization and context. Returns the arguments, the rows (each with its ``floor_ms`` against the run's
     best rate) and ``finish(columns)``, which prints the table and writes the result."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--models", nargs="*", default=models, help="run in the checkpoint's dtype")
@@ -110,6 +113,7 @@ def compare_captures(doc: str, scopes: dict[str, Callable[[], contextlib.Abstrac
     p.add_argument("--bs", nargs="+", type=int, default=bs)
     p.add_argument("--ctx", nargs="+", type=int, default=[512])
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     p.add_argument("--result-name", default=result_name, help="benchmarks/results/NAME.json")
     args = p.parse_args()
     if args.rounds < 1 or min(args.ctx) < 1 or min(args.bs) < 1:
@@ -120,7 +124,7 @@ def compare_captures(doc: str, scopes: dict[str, Callable[[], contextlib.Abstrac
     for quantization, names in (("none", args.models), ("fp8", args.fp8_models)):
         for name in names:
             for ctx in args.ctx:
-                rows += timed_captures(name, quantization, args.bs, ctx, args.rounds, bw, scopes)
+                rows += timed_captures(name, quantization, args.bs, ctx, args.rounds, bw, scopes, args.kv_cache_dtype)
     for r in rows:  # every row against the best rate of the whole run
         r["floor_ms"] = bw.floor_ms(r["bytes"])
 
