@@ -67,9 +67,6 @@ def separate(new: NewToken, num_heads: int, cache: torch.Tensor, tables, lens, s
         (8, 2, 32, False, [150, 70, 9], 3, False),  # the same through the separate merge launch
         (4, 1, 32, True, [200, 0], 4, True),  # one kv head; a padding row of length 0 (slot 0, writes nothing)
         (4, 2, 32, False, [64, 65, 128], 2, True),  # the new token first in its split, alone in its split, last
-        # several steps a program: the first rotates q, the later ones take it rotated
-        (4, 2, 32, True, [300, 130, 64], 1, True),
-        (8, 2, 32, False, [400, 200, 3], 2, True),  # a full, a half-used and an empty second split
     ],
 )
 def test_prologue_in_decode_matches_the_two_launches(num_heads, num_kv_heads, head_dim, norms, seq_lens, num_splits,
@@ -94,18 +91,17 @@ def test_prologue_in_decode_matches_the_two_launches(num_heads, num_kv_heads, he
     assert torch.equal(flat[:, untouched], old[:, untouched])
 
 
-@pytest.mark.parametrize("num_splits", [3, 1])  # one step a program; five steps in the longer one
-def test_prologue_in_decode_over_an_fp8_cache_with_bf16_rows(num_splits):
+def test_prologue_in_decode_over_an_fp8_cache_with_bf16_rows():
     """bf16 qkv rows and an fp8 cache (the K/V cast as the prologue casts them, the context widened to fp16): the
     cache bit for bit, the output within bf16's rounding."""
-    seq_lens = [300, 33]
+    seq_lens = [150, 33]
     new, cache, tables, lens = step_inputs(seq_lens, 8, 2, 32, True, seed=21)
     new = NewToken(new.qkv.to(torch.bfloat16), 8, new.positions, new.cos, new.sin, new.slot_mapping,
                    new.q_norm_weight.to(torch.bfloat16), new.k_norm_weight.to(torch.bfloat16), new.eps)  # fmt: skip
     cache = cache.to(FP8)
     ref_cache = cache.clone()
-    _, ref = separate(new, 8, ref_cache, tables, lens, 0.2, num_splits=num_splits, min_split_len=64)
-    out = decode_attention_qkv(new, cache, tables, lens, 0.2, num_splits=num_splits, min_split_len=64)
+    _, ref = separate(new, 8, ref_cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
+    out = decode_attention_qkv(new, cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
     assert out.dtype == torch.bfloat16
     assert relative_error(out, ref) < 1e-2
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))

@@ -20,9 +20,8 @@ quantization launch (kernels/decode_merge.store_heads).
 
 The kernel can also take the step's token as the qkv projection leaves it (``decode_attention_qkv``, a
 ``NewToken``): each program norms (per-head q/k RMSNorm, where the model has it) and rotates its q heads inside
-its first step, after that step's K load, and its later steps take the rotated q; the program whose split holds
-the new position rotates the new K, writes K and V to the cache and takes them into its softmax from registers
-after its loop. That is kernels/qk_rope_kv.py's
+its steps, after each K load; the program whose split holds the new position rotates the new K, writes K and V
+to the cache and takes them into its softmax from registers after its loop. That is kernels/qk_rope_kv.py's
 launch folded in, with its roundings (layers/attention_triton.py says where the engine uses it).
 
 An fp8 (e4m3) cache is widened in registers to fp16, with q and the probabilities in fp16 too: the
@@ -139,16 +138,14 @@ def _decode_step(
     q_p, cos, sin, w, w_p, eps, ROTATE: tl.constexpr, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
     Q_DTYPE: tl.constexpr, WIDEN_FP16: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step over context tokens [n0, n0 + BLOCK_N) gathered through the block table; returns
-    (m, l, acc, q), q as the step used it.
+    """One online-softmax step over context tokens [n0, n0 + BLOCK_N) gathered through the block table.
 
     PREFETCH_V issues the V load with the K load instead of after the scores: one memory round trip
     less per step, for a V tile held in registers meanwhile. Small batches (split contexts, a few
     steps per program, where the step's latency is the kernel's time) take it.
     ROTATE: q comes as the projection wrote it (with its rotate-half partner ``q_p``) and is normed (``HAS_NORM``,
     weights ``w``, ``w_p``) and rotated here, after the K load is issued, so that its waits overlap the block
-    table's and K's. Only a program's first step rotates: the later ones take the q it returns. A rotating step
-    may hold no token (an empty split): its row maxima stay -inf and it adds nothing."""
+    table's and K's (a few hundred operations a step, while K is in flight)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
     block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
@@ -168,11 +165,8 @@ def _decode_step(
         qk = tl.dot(q, tl.trans(k))
     qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_ref = m_new
-    if ROTATE:  # the first step may be empty: never -inf - -inf
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(qk - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if not PREFETCH_V:
         v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
@@ -180,7 +174,7 @@ def _decode_step(
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv, q
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -288,28 +282,20 @@ def _decode_split_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_base = kv_ptr + kv_head * stride_kvh
     q_dtype: tl.constexpr = q_ptr.dtype.element_ty
-    first = start
-    if NEW_TOKEN:  # the first step norms and rotates q (after its K load); the loop takes the rotated q
-        m_i, l_i, acc, q = _decode_step(
-            q, m_i, l_i, acc, start, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
-            offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, qw, qw_p, eps, True, HAS_NORM,
-            HEAD_DIM, q_dtype, WIDEN_FP16,
-        )  # fmt: skip
-        first = start + BLOCK_N
     if WHILE_LOOP:
-        n0 = first
+        n0 = start
         while n0 < loop_end:
-            m_i, l_i, acc, _ = _decode_step(
+            m_i, l_i, acc = _decode_step(
                 q, m_i, l_i, acc, n0, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
-                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, qw, qw_p, eps, False, HAS_NORM,
+                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, qw, qw_p, eps, NEW_TOKEN, HAS_NORM,
                 HEAD_DIM, q_dtype, WIDEN_FP16,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
-        for n0 in range(first, loop_end, BLOCK_N):
-            m_i, l_i, acc, _ = _decode_step(
+        for n0 in range(start, loop_end, BLOCK_N):
+            m_i, l_i, acc = _decode_step(
                 q, m_i, l_i, acc, n0, loop_end, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
-                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, qw, qw_p, eps, False, HAS_NORM,
+                offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, qw, qw_p, eps, NEW_TOKEN, HAS_NORM,
                 HEAD_DIM, q_dtype, WIDEN_FP16,
             )  # fmt: skip
     if NEW_TOKEN:
@@ -322,7 +308,8 @@ def _decode_split_kernel(
         dst = kv_ptr + kv_head * stride_kvh + (slot // PAGE) * stride_blk + (slot % PAGE) * stride_off + offs_d[None, :]
         tl.store(dst, k_new, mask=d_mask[None, :] & holds_new)
         tl.store(dst + stride_kv, v_new, mask=d_mask[None, :] & holds_new)
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
+        q_rot = _rotated(*_normed(q, q_p, qw, qw_p, eps, HAS_NORM, HEAD_DIM), cos, sin, q_dtype, WIDEN_FP16)
+        s_new = tl.sum(q_rot.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
         s_new = tl.where(holds_new, s_new, float("-inf"))
         m_new = tl.maximum(m_i, s_new)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty split stays empty, never -inf - -inf
