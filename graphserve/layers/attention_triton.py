@@ -51,10 +51,12 @@ def decode_prologue(fused: bool) -> contextlib.AbstractContextManager[None]:
     return pushed(_prologue_scoped, fused)
 
 
-def prologue_in_decode(new: NewToken) -> bool:
+def prologue_in_decode(new: NewToken, kv_cache: torch.Tensor) -> bool:
     """Whether a decode step takes ``new``'s prologue inside the decode kernel: the scope's answer, else where its
-    heads carry no per-head q/k norms (the module's docstring gives the measurements)."""
-    return _prologue_scoped[-1] if _prologue_scoped else new.q_norm_weight is None
+    heads carry no per-head q/k norms and the cache is not fp8 (the module's docstring gives the measurements)."""
+    if _prologue_scoped:
+        return _prologue_scoped[-1]
+    return new.q_norm_weight is None and kv_cache.dtype.itemsize > 1
 
 
 def run_prologue(new: NewToken, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -130,7 +132,7 @@ class TritonAttentionBackend(AttentionBackend):
         writes (in the decode kernel itself where ``prologue_in_decode``)."""
         kv_cache = batch.kv_caches[layer_idx]
         if isinstance(q, NewToken):
-            if batch.mode == "decode" and prologue_in_decode(q):
+            if batch.mode == "decode" and prologue_in_decode(q, kv_cache):
                 return self._decode(q, layer_idx, batch, scale)
             q = run_prologue(q, kv_cache)
         if batch.mode == "decode":
@@ -182,7 +184,7 @@ class TritonAttentionBackend(AttentionBackend):
             (t, num_heads, _), device = q.shape, q.device
         if not self.quantizes_output(batch) or group_size != head_dim or t % pad_rows_to:
             return None
-        if isinstance(q, NewToken) and not prologue_in_decode(q):
+        if isinstance(q, NewToken) and not prologue_in_decode(q, batch.kv_caches[layer_idx]):
             q = run_prologue(q, batch.kv_caches[layer_idx])
         out = torch.empty((t, num_heads * head_dim), dtype=FP8_DTYPE, device=device)
         if scales_column_major:
