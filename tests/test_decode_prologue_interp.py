@@ -67,6 +67,8 @@ def separate(new: NewToken, num_heads: int, cache: torch.Tensor, tables, lens, s
         (8, 2, 32, False, [150, 70, 9], 3, False),  # the same through the separate merge launch
         (4, 1, 32, True, [200, 0], 4, True),  # one kv head; a padding row of length 0 (slot 0, writes nothing)
         (4, 2, 32, False, [64, 65, 128], 2, True),  # the new token first in its split, alone in its split, last
+        (4, 2, 32, True, [300, 130, 64], 1, True),  # several steps a program
+        (8, 2, 32, False, [400, 200, 3], 2, True),  # several steps; a full, a half-used and an empty second split
     ],
 )
 def test_prologue_in_decode_matches_the_two_launches(num_heads, num_kv_heads, head_dim, norms, seq_lens, num_splits,
@@ -91,17 +93,19 @@ def test_prologue_in_decode_matches_the_two_launches(num_heads, num_kv_heads, he
     assert torch.equal(flat[:, untouched], old[:, untouched])
 
 
-def test_prologue_in_decode_over_an_fp8_cache_with_bf16_rows():
+@pytest.mark.parametrize("num_splits", [3, 1])  # one step a program; five steps in the longer one
+def test_prologue_in_decode_over_an_fp8_cache_with_bf16_rows(num_splits):
     """bf16 qkv rows and an fp8 cache (the K/V cast as the prologue casts them, the context widened to fp16): the
-    cache bit for bit, the output within bf16's rounding."""
-    seq_lens = [150, 33]
+    cache bit for bit, the output within bf16's rounding. (The engine takes the prologue's own launch over an fp8
+    cache, layers/attention_triton.py; ``decode_prologue(True)`` still runs this.)"""
+    seq_lens = [300, 33]
     new, cache, tables, lens = step_inputs(seq_lens, 8, 2, 32, True, seed=21)
     new = NewToken(new.qkv.to(torch.bfloat16), 8, new.positions, new.cos, new.sin, new.slot_mapping,
                    new.q_norm_weight.to(torch.bfloat16), new.k_norm_weight.to(torch.bfloat16), new.eps)  # fmt: skip
     cache = cache.to(FP8)
     ref_cache = cache.clone()
-    _, ref = separate(new, 8, ref_cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
-    out = decode_attention_qkv(new, cache, tables, lens, 0.2, num_splits=3, min_split_len=64)
+    _, ref = separate(new, 8, ref_cache, tables, lens, 0.2, num_splits=num_splits, min_split_len=64)
+    out = decode_attention_qkv(new, cache, tables, lens, 0.2, num_splits=num_splits, min_split_len=64)
     assert out.dtype == torch.bfloat16
     assert relative_error(out, ref) < 1e-2
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
@@ -130,14 +134,18 @@ def test_prologue_in_decode_refuses_mismatched_rows():
         decode_attention_qkv(new, cache, tables, lens[:1], 0.2)
 
 
-def test_decode_steps_take_the_prologue_inside_for_heads_without_qk_norms():
-    """The backend's rule (measured: layers/attention_triton.py): inside decode attention without per-head q/k norms,
-    as its own launch with them; a ``decode_prologue`` scope decides instead."""
+def test_decode_steps_take_the_prologue_inside_for_heads_without_qk_norms_over_a_16_bit_cache():
+    """The backend's rule (measured: layers/attention_triton.py): inside decode attention without per-head q/k norms
+    over a bf16/fp16/fp32 cache; as its own launch with them, or over an fp8 cache; a ``decode_prologue`` scope
+    decides instead."""
     from graphserve.layers.attention_triton import decode_prologue, prologue_in_decode
 
-    plain, _, _, _ = step_inputs([8], 4, 2, 32, False, seed=24)
+    plain, cache, _, _ = step_inputs([8], 4, 2, 32, False, seed=24)
     normed, _, _, _ = step_inputs([8], 4, 2, 32, True, seed=25)
-    assert prologue_in_decode(plain) and not prologue_in_decode(normed)
+    fp8 = cache.to(FP8)
+    assert prologue_in_decode(plain, cache) and not prologue_in_decode(normed, cache)
+    assert not prologue_in_decode(plain, fp8) and not prologue_in_decode(normed, fp8)
     for fused in (True, False):
         with decode_prologue(fused):
-            assert prologue_in_decode(plain) is fused and prologue_in_decode(normed) is fused
+            for c in (cache, fp8):
+                assert prologue_in_decode(plain, c) is fused and prologue_in_decode(normed, c) is fused
