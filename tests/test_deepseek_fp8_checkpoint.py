@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import PagedHarness, make_hf_checkpoints
+from model_utils import PagedHarness, dequantized_checkpoint, make_hf_checkpoints
 from safetensors.torch import load_file, save_file
 from test_deepseek import _TINY
-from test_moe_fp8_checkpoint import _dequantized_copy
 from transformers import DeepseekV2Config, DeepseekV3Config
 
 from graphserve.config import EngineConfig
@@ -59,7 +58,7 @@ def test_fp8_checkpoint_matches_the_same_model_dequantized(sources, tmp_path, fa
     assert (scale in stored) != bool(unquantized)
     assert stored["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].dtype == FP8_DTYPE
     assert stored["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # the router gate stays unquantized
-    _dequantized_copy(tmp_path / "fp8", tmp_path / "deq")
+    dequantized_checkpoint(tmp_path / "fp8", tmp_path / "deq")
     fp8 = _load(tmp_path / "fp8")
     attn = fp8.model.model.layers[0].self_attn
     assert attn.fused_qkv_a_proj.weight.dtype == FP8_DTYPE and attn.o_proj.weight.dtype == FP8_DTYPE
