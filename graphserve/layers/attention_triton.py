@@ -5,13 +5,15 @@ Models with a fused qkv projection skip ``forward`` and hand ``attend`` the proj
 write) and then attention; decode steps of heads without per-head q/k norms, over a cache of 16 or 32-bit
 elements, take the prologue inside the decode kernel (kernels/decode_attention.decode_attention_qkv, one launch a
 layer where there were two). Measured on an H200 (benchmarks.decode_prologue, results/decode_prologue*.json, the
-two ways captured in one call and replayed in turns): llama3-8b FP8 at batch 64 4.441 against 4.508 ms and 4.481
-against 4.546 in two calls, at batch 1 within 0.2% (context 512); at context 2048 7.398 against 7.567 at batch 64,
-5.151 against 5.207 at batch 8, within 0.1% at batch 256. qwen3-30b-a3b FP8, whose heads carry q/k norms, 0.2-0.7%
-slower inside (batch 1 2.360 against 2.343 ms, batch 64 10.682 against 10.662), so it keeps the launch. Over an
-fp8 cache the launch is faster (llama3-8b FP8, context 2048: batch 64 6.170 against 6.727 ms inside, batch 256
-16.726 against 18.658, batch 8 5.026 against 5.144; batch 1 at context 512 within 0.1%): the fp8 cache's decode
-steps widen K and V in registers and are bound by their arithmetic, to which the prologue inside adds its own.
+two ways captured in one call and replayed in turns, the FP8 matmul releasing the kernel after it as by default):
+llama3-8b FP8 at batch 64 4.441 against 4.508 ms and 4.481 against 4.546 in two calls, at batch 1 within 0.2%
+(context 512); at context 2048 7.359 against 7.497 at batch 64, 5.136 against 5.158 at batch 8, 21.015 against
+21.111 at batch 256. qwen3-30b-a3b FP8, whose heads carry q/k norms, 0.2-0.7% slower inside (batch 1 2.360 against
+2.343 ms, batch 64 10.682 against 10.662), so it keeps the launch. Over an fp8 cache the launch is faster
+(context 2048: llama3-8b FP8 at batch 64 6.175 against 6.728 ms inside, at batch 256 16.541 against 18.598, at
+batch 8 5.023 against 5.051; mixtral-8x7b FP8 at batch 64 17.384 against 17.859; llama3-8b at batch 1, context
+512, within 0.2%): the fp8 cache's decode steps widen K and V in registers and are bound by their arithmetic, to
+which the prologue inside adds its own.
 ``decode_prologue(fused)`` decides instead within its scope.
 
 Decode steps take the split-KV decode kernel, whose grid and scratch depend only on static sizes,
