@@ -26,8 +26,8 @@ from benchmarks.pdl import compare_captures
 from graphserve.kernels.pdl import pdl_release_left_out
 from graphserve.layers.attention_triton import decode_prologue
 
-COLS = ["model", "quantization", "kv_cache_dtype", "bs", "ctx", "launch_ms", "in_decode_ms", "launch_release_ms", "in_decode_release_ms",
-        "floor_ms", "ratio_launch", "ratio_best", "best", "same_tokens"]
+COLS = ["model", "quantization", "kv_cache_dtype", "bs", "ctx", "launch_ms", "in_decode_ms", "launch_release_ms",
+        "in_decode_release_ms", "floor_ms", "ratio_launch", "ratio_best", "best", "same_tokens"]
 # label: (prologue inside decode attention, a left-out streaming matmul releases the kernel after it)
 VARIANTS = {"launch": (False, False), "in decode": (True, False), "launch, release": (False, True),
             "in decode, release": (True, True)}

@@ -105,8 +105,9 @@ def compare_captures(doc: str, scopes: dict[str, Callable[[], contextlib.Abstrac
                      bs: list[int]) -> tuple[argparse.Namespace, list[dict], Callable[[list[str]], None]]:  # fmt: skip
     """A comparison script's common part: its command line (``--models``, ``--fp8-models``, ``--bs``, ``--ctx``,
     ``--rounds``, ``--kv-cache-dtype``, ``--result-name``; the defaults given), the read probe, and
-    ``timed_captures`` of ``scopes`` per model, quantization and context. Returns the arguments, the rows (each with its ``floor_ms`` against the run's
-    best rate) and ``finish(columns)``, which prints the table and writes the result."""
+    ``timed_captures`` of ``scopes`` per model, quantization and context. Returns the arguments, the rows (each
+    with its ``floor_ms`` against the run's best rate) and ``finish(columns)``, which prints the table and writes
+    the result."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--models", nargs="*", default=models, help="run in the checkpoint's dtype")
     p.add_argument("--fp8-models", nargs="*", default=fp8_models, help="run with --quantization fp8")

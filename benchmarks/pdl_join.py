@@ -20,8 +20,8 @@ from __future__ import annotations
 from benchmarks.pdl import compare_captures
 from graphserve.kernels.pdl import pdl_joins
 
-COLS = ["model", "quantization", "bs", "ctx", "apart_ms", "joined_ms", "floor_ms", "ratio_apart", "ratio_joined",
-        "joined_vs_apart", "same_tokens"]
+COLS = ["model", "quantization", "kv_cache_dtype", "bs", "ctx", "apart_ms", "joined_ms", "floor_ms", "ratio_apart",
+        "ratio_joined", "joined_vs_apart", "same_tokens"]
 
 
 def main() -> None:

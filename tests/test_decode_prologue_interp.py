@@ -96,8 +96,8 @@ def test_prologue_in_decode_matches_the_two_launches(num_heads, num_kv_heads, he
 @pytest.mark.parametrize("num_splits", [3, 1])  # one step a program; five steps in the longer one
 def test_prologue_in_decode_over_an_fp8_cache_with_bf16_rows(num_splits):
     """bf16 qkv rows and an fp8 cache (the K/V cast as the prologue casts them, the context widened to fp16): the
-    cache bit for bit, the output within bf16's rounding. (The engine takes the prologue's own launch over an fp8
-    cache, layers/attention_triton.py; ``decode_prologue(True)`` still runs this.)"""
+    cache bit for bit, the output within bf16's rounding. (The engine runs the prologue's own launch over an fp8
+    cache, layers/attention_triton.prologue_in_decode, unless a ``decode_prologue(True)`` scope asks for this.)"""
     seq_lens = [300, 33]
     new, cache, tables, lens = step_inputs(seq_lens, 8, 2, 32, True, seed=21)
     new = NewToken(new.qkv.to(torch.bfloat16), 8, new.positions, new.cos, new.sin, new.slot_mapping,

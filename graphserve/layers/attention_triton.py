@@ -183,15 +183,16 @@ class TritonAttentionBackend(AttentionBackend):
         the split kernel stores each head's output in fp8 with its scale (kernels/decode_merge.store_heads).
         Prefill and mixed steps, and padded layouts (cuBLASLt's rows padded to 4, whose padding rows the
         quantization launch zeroes), return None."""
-        head_dim = batch.kv_caches[layer_idx].shape[4]
+        kv_cache = batch.kv_caches[layer_idx]
+        head_dim = kv_cache.shape[4]
         if isinstance(q, NewToken):
             t, num_heads, device = q.qkv.shape[0], q.num_heads, q.qkv.device
         else:
             (t, num_heads, _), device = q.shape, q.device
         if not self.quantizes_output(batch) or group_size != head_dim or t % pad_rows_to:
             return None
-        if isinstance(q, NewToken) and not prologue_in_decode(q, batch.kv_caches[layer_idx]):
-            q = run_prologue(q, batch.kv_caches[layer_idx])
+        if isinstance(q, NewToken) and not prologue_in_decode(q, kv_cache):
+            q = run_prologue(q, kv_cache)
         out = torch.empty((t, num_heads * head_dim), dtype=FP8_DTYPE, device=device)
         if scales_column_major:
             scales = torch.empty((num_heads, t), dtype=torch.float32, device=device).t()
