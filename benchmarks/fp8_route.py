@@ -92,6 +92,15 @@ COLS = ["shape", "m", "prologue", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_
         "stream_bf16x_us", "stream_a8_groups_us", "stream/floor", "stream_GBps"]
 
 
+# FMA tiles swept at 1-4 rows: (block_n, weight bytes a thread a step, split_k, warps, stages). The first five
+# are the tiles the table was first measured over (4 warps, 2 stages); the others add eight- and two-warp
+# programs, deeper pipelines of smaller steps, and 4-way splits for tall K.
+FMA_TILES = ((8, 128, 1, 4, 2), (8, 256, 1, 4, 2), (16, 128, 1, 4, 2), (8, 128, 2, 4, 2), (16, 128, 2, 4, 2),
+             (8, 64, 1, 4, 4), (16, 64, 1, 4, 4), (8, 64, 2, 4, 4), (8, 128, 1, 4, 3), (16, 128, 1, 4, 3),
+             (16, 128, 1, 8, 2), (32, 128, 1, 8, 2), (16, 256, 1, 8, 2), (16, 128, 2, 8, 2), (32, 128, 2, 8, 2),
+             (4, 128, 1, 2, 2), (8, 128, 1, 2, 2), (4, 256, 1, 4, 2), (8, 128, 4, 4, 2), (16, 128, 4, 4, 2))
+
+
 def power_of_two_grid(programs: int, split: int, sms: int) -> bool:
     """A power-of-two split giving every SM one to four programs."""
     return split & (split - 1) == 0 and sms <= programs <= 4 * sms
@@ -106,7 +115,8 @@ def even_waves(programs: int, sms: int) -> bool:
 def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
     """Stream tiles to try at ``m`` rows of an [n, k] weight.
 
-    - m <= 4: FMA tiles of 128-256 weight bytes per thread, whole or split 2 ways along K;
+    - m <= 4: FMA tiles (``FMA_TILES``): 4-32 rows, 64-256 weight bytes a thread, 2-8 warps, 2-4 stages,
+      whole or split 2 and 4 ways along K;
     - 2 <= m <= 16: dot tiles 16-64 rows tall, whole or split 2 and 4 ways;
     - m > 16 (the dot path only): tiles of 64 and 128 rows (x is read again by every program, so taller
       tiles read it fewer times), 128 or 256 columns a step, split so the grid gives every SM one to four
@@ -117,11 +127,11 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
       the a8 tiles above 16 rows in three and four pipeline stages.
     Every split keeps at least two tiles of K; each distinct tile is one more compile."""
     out = []
-    if m <= 4:  # (block_n, weight bytes per thread of 4 warps, split_k)
-        for bn, per_thread, split in ((8, 128, 1), (8, 256, 1), (16, 128, 1), (8, 128, 2), (16, 128, 2)):
-            bk = per_thread * 128 // bn
+    if m <= 4:
+        for bn, per_thread, split, warps, stages in FMA_TILES:
+            bk = per_thread * 32 * warps // bn
             if bk * (2 * split if split > 1 else 1) <= k and k % bk == 0:
-                out.append(StreamConfig(bn, bk, num_warps=4, num_stages=2, use_dot=False, split_k=split))
+                out.append(StreamConfig(bn, bk, num_warps=warps, num_stages=stages, use_dot=False, split_k=split))
     if 2 <= m <= 16:
         for bn, bk, split in ((16, 256, 1), (32, 256, 1), (64, 256, 1), (32, 256, 2), (32, 256, 4), (64, 256, 2),
                               (64, 128, 4)):
