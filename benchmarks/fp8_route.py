@@ -190,6 +190,12 @@ class ColdWeights:
         return graph_time_ms(lambda: fn(pool[next(step) % len(pool)]), calls=max(20, len(pool))) * 1e3
 
 
+def tile_label(c: StreamConfig) -> str:
+    """A stream tile as the sweep prints it: rows x columns a step, warps, stages, splits, and its inner product."""
+    return (f"{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} split{c.split_k}"
+            f"{' dot' if c.use_dot else ''}{' fp8' if c.fp8_dot else ''}{' a8' if c.a8 else ''}")
+
+
 def prologue(name: str, m: int) -> str | None:
     """What the model computes right before this projection inside the streaming kernel at ``m`` rows
     (layers/quant/fp8.py's limits): "norm" (residual add + RMSNorm: qkv, gate_up), "silu" (down), or None."""
@@ -250,10 +256,8 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
                 print(f"  {name} m={m} skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
         best = min(tried, key=tried.get)
         if sweep:
-            print(f"  {name} m={m}: " + "; ".join(
-                f"{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} split{c.split_k}"
-                f"{' dot' if c.use_dot else ''}{' fp8' if c.fp8_dot else ''}{' a8' if c.a8 else ''}"
-                f" {us:.2f}" for c, us in tried.items()))
+            print(f"  {name} m={m}: " + "; ".join(f"{tile_label(c)} {us:.2f}" for c, us in tried.items()))
+            r["tiles"] = [{"tile": tile_label(c), "us": us} for c, us in tried.items()]
         r.update(stream_us=tried[best], stream_default_us=tried.get(chosen), stream_config=vars(best))
         a8 = [c for c in tried if c.a8]
         if 0 < len(a8) < len(tried):  # the best of each kind, for the table's readers

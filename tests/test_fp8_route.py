@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.fp8_route import SHAPES, candidates, rule_from_rows
+from benchmarks.fp8_route import SHAPES, candidates, rule_from_rows, tile_label
 from graphserve.kernels.fp8_config import MAX_BLOCK_N, MAX_FMA_ROWS, Fp8Rule, StreamConfig, tile_cap
 
 ENV = {"device": "NVIDIA H200", "date": "2026-12-01", "commit": "abc1234", "torch": "2.11", "triton": "3.6"}
@@ -17,8 +17,10 @@ def test_swept_tiles_are_valid_for_the_kernel(name: str, m: int) -> None:
     n, k = SHAPES[name]
     tiles = candidates(m, n, k, sms=132)
     assert tiles, (name, m)
+    labels = [tile_label(c) for c in tiles]
     for cfg in tiles:
         cfg.validate()  # what the routing table's loader checks
+        assert labels.count(tile_label(cfg)) == 1, tile_label(cfg)  # the result file's times name their tile
         assert cfg.block_n <= (MAX_BLOCK_N if cfg.fp8_dot else tile_cap(128, 128, k)) and k % cfg.block_k == 0
         assert cfg.split_k == 1 or cfg.block_k * 2 * cfg.split_k <= k  # every split keeps two tiles of K
         assert m <= MAX_FMA_ROWS or (cfg.use_dot and cfg.block_n >= 16)
