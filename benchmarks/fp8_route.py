@@ -297,24 +297,34 @@ def measure(name: str, rows: list[int], sweep: bool, scaled_mm_ok: bool, sms: in
 
 
 def rule_from_rows(rows: list[dict], env: dict, earlier: dict | None) -> dict:
-    """The table for the shapes measured here, plus an earlier table's other shapes from the same card."""
+    """The table for the shapes measured here, plus an earlier table's other shapes from the same card.
+
+    Every entry says which run measured it (``measured_at``: commit and date). An earlier table's entry that
+    carries no stamp was measured at or before that table's own ``measured`` run, and is stamped so
+    (``at_or_before``)."""
     measured = {(r["shape"], r["scales"]) for r in rows}
     same_card = (earlier or {}).get("device") == env["device"]
-    before = {(s["name"], s["scales"]): s for s in (earlier or {}).get("shapes", []) if same_card}
+    run = (earlier or {}).get("measured", {})
+    inherited = {"commit": run.get("commit"), "date": run.get("date"), "at_or_before": True}
+    before = {(s["name"], s["scales"]): {**s, "rows": [e if "measured_at" in e else {**e, "measured_at": inherited}
+                                                       for e in s["rows"]]}
+              for s in (earlier or {}).get("shapes", []) if same_card}
+    stamp = {"commit": env.get("commit"), "date": env.get("date")}
     shapes = [s for key, s in before.items() if key not in measured]
     for key in dict.fromkeys((r["shape"], r["scales"]) for r in rows):
         # row counts this run measured take its winner; the earlier table's other counts stay
         entries = {e["m"]: e for e in before.get(key, {}).get("rows", [])}
         for r in (r for r in rows if (r["shape"], r["scales"]) == key):
             cfg = StreamConfig(**r["stream_config"]) if r["best"] == "stream" else None
-            entries[r["m"]] = {"m": r["m"], **Route(r["best"], cfg).to_json()}
+            entries[r["m"]] = {"m": r["m"], **Route(r["best"], cfg).to_json(), "measured_at": stamp}
         entries = [entries[m] for m in sorted(entries)]
         first = next(r for r in rows if (r["shape"], r["scales"]) == key)
         shapes.append({"name": key[0], "n": first["n"], "k": first["k"], "scales": key[1], "rows": entries})
     return {"device": env["device"], "written_by": "benchmarks/fp8_route.py",
             "measured": {key: env.get(key) for key in ("date", "commit", "torch", "triton")},
             "rule": "per (n, k, scales), a call of m rows takes the entry of the smallest measured m >= it; "
-                    "above the largest, the defaults of kernels/fp8_config.py",
+                    "above the largest, the defaults of kernels/fp8_config.py; 'measured' is the run that last "
+                    "wrote the table, each entry's 'measured_at' the run that measured it",
             "shapes": shapes}
 
 

@@ -124,3 +124,27 @@ def test_moe_streaming_tiles_of_the_fp8_tables_compile_for_hopper():
         assert r["shared_bytes"] <= SM90_SHARED_BYTES and r["programs_per_sm"] >= 1, r
     for r in wide:
         assert r["spill_bytes"] == 0, r
+
+
+def test_every_entry_names_the_run_that_measured_it() -> None:
+    """A partial run stamps the entries it writes with its own commit; the entries it keeps carry theirs, and an
+    earlier table's unstamped entry is stamped as measured at or before that table's run."""
+    fma = StreamConfig(8, 2048, 4, 2, False)
+    first = rule_from_rows([_row("llama3-8b qkv", 1, "stream", fma), _row("llama3-8b down", 1, "w8a8")], ENV, None)
+    assert all(e["measured_at"] == {"commit": "abc1234", "date": "2026-12-01"} for s in first["shapes"]
+               for e in s["rows"])
+    legacy = {**first, "shapes": [{**s, "rows": [{k: v for k, v in e.items() if k != "measured_at"}
+                                                 for e in s["rows"]]} for s in first["shapes"]]}
+    later = {**ENV, "commit": "def5678", "date": "2026-12-02"}
+    second = rule_from_rows([_row("llama3-8b qkv", 2, "stream", fma)], later, legacy)
+    stamps = {(s["name"], e["m"]): e["measured_at"] for s in second["shapes"] for e in s["rows"]}
+    assert stamps[("llama3-8b qkv", 2)] == {"commit": "def5678", "date": "2026-12-02"}
+    inherited = {"commit": "abc1234", "date": "2026-12-01", "at_or_before": True}
+    assert stamps[("llama3-8b qkv", 1)] == stamps[("llama3-8b down", 1)] == inherited
+    assert second["measured"]["commit"] == "def5678"
+    # a stamped entry keeps its own stamp through a later run
+    third = rule_from_rows([_row("llama3-8b down", 1, "scaled_mm")], {**later, "commit": "0123abc"}, second)
+    again = {(s["name"], e["m"]): e["measured_at"] for s in third["shapes"] for e in s["rows"]}
+    assert again[("llama3-8b qkv", 2)]["commit"] == "def5678" and again[("llama3-8b down", 1)]["commit"] == "0123abc"
+    assert "at_or_before" not in again[("llama3-8b down", 1)]
+    assert Fp8Rule.from_json(third).route(2, *SHAPES["llama3-8b qkv"], "block128").config == fma  # still loads
