@@ -101,6 +101,12 @@ FMA_TILES = ((8, 128, 1, 4, 2), (8, 256, 1, 4, 2), (16, 128, 1, 4, 2), (8, 128, 
              (4, 128, 1, 2, 2), (8, 128, 1, 2, 2), (16, 128, 4, 4, 2))
 
 
+def fma_config(block_n: int, per_thread: int, split_k: int, warps: int, stages: int) -> StreamConfig:
+    """The FMA tile an ``FMA_TILES`` entry names: its step ``block_k`` from the weight bytes a thread loads."""
+    return StreamConfig(block_n, per_thread * 32 * warps // block_n, num_warps=warps, num_stages=stages,
+                        use_dot=False, split_k=split_k)
+
+
 def power_of_two_grid(programs: int, split: int, sms: int) -> bool:
     """A power-of-two split giving every SM one to four programs."""
     return split & (split - 1) == 0 and sms <= programs <= 4 * sms
@@ -128,10 +134,10 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
     Every split keeps at least two tiles of K; each distinct tile is one more compile."""
     out = []
     if m <= 4:
-        for bn, per_thread, split, warps, stages in FMA_TILES:
-            bk = per_thread * 32 * warps // bn
+        for cfg in (fma_config(*entry) for entry in FMA_TILES):
+            bk, split = cfg.block_k, cfg.split_k
             if bk * (2 * split if split > 1 else 1) <= k and k % bk == 0:
-                out.append(StreamConfig(bn, bk, num_warps=warps, num_stages=stages, use_dot=False, split_k=split))
+                out.append(cfg)
     if 2 <= m <= 16:
         for bn, bk, split in ((16, 256, 1), (32, 256, 1), (64, 256, 1), (32, 256, 2), (32, 256, 4), (64, 256, 2),
                               (64, 128, 4)):
@@ -301,13 +307,13 @@ def rule_from_rows(rows: list[dict], env: dict, earlier: dict | None) -> dict:
 
     Every entry says which run measured it (``measured_at``: commit and date). An earlier table's entry that
     carries no stamp was measured at or before that table's own ``measured`` run, and is stamped so
-    (``at_or_before``)."""
+    (``at_or_before``); where that table names no run, the entry stays unstamped rather than stamped with nothing."""
     measured = {(r["shape"], r["scales"]) for r in rows}
     same_card = (earlier or {}).get("device") == env["device"]
-    run = (earlier or {}).get("measured", {})
-    inherited = {"commit": run.get("commit"), "date": run.get("date"), "at_or_before": True}
-    before = {(s["name"], s["scales"]): {**s, "rows": [e if "measured_at" in e else {**e, "measured_at": inherited}
-                                                       for e in s["rows"]]}
+    run = (earlier or {}).get("measured") or {}
+    inherited = {"commit": run["commit"], "date": run.get("date"), "at_or_before": True} if run.get("commit") else None
+    before = {(s["name"], s["scales"]): {**s, "rows": [e if "measured_at" in e or not inherited
+                                                       else {**e, "measured_at": inherited} for e in s["rows"]]}
               for s in (earlier or {}).get("shapes", []) if same_card}
     stamp = {"commit": env.get("commit"), "date": env.get("date")}
     shapes = [s for key, s in before.items() if key not in measured]

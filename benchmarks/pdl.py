@@ -28,7 +28,7 @@ from benchmarks.decode import make_batch, step_cost
 from benchmarks.decode_setup import captured_graphs, context_kv_caches
 from benchmarks.moe import experts_touched, set_routing
 from benchmarks.roofline import measured_read_bw
-from graphserve.config import EngineConfig
+from graphserve.config import KV_CACHE_DTYPES, EngineConfig
 from graphserve.kernels.argmax import greedy_argmax
 from graphserve.kernels.pdl import DEFAULT_SKIP, checked_skip, pdl, pdl_on
 from graphserve.layers.attention_triton import TritonAttentionBackend
@@ -114,7 +114,7 @@ def compare_captures(doc: str, scopes: dict[str, Callable[[], contextlib.Abstrac
     p.add_argument("--bs", nargs="+", type=int, default=bs)
     p.add_argument("--ctx", nargs="+", type=int, default=[512])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--result-name", default=result_name, help="benchmarks/results/NAME.json")
     args = p.parse_args()
     if args.rounds < 1 or min(args.ctx) < 1 or min(args.bs) < 1:

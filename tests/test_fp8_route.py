@@ -148,14 +148,16 @@ def test_every_entry_names_the_run_that_measured_it() -> None:
     assert again[("llama3-8b qkv", 2)]["commit"] == "def5678" and again[("llama3-8b down", 1)]["commit"] == "0123abc"
     assert "at_or_before" not in again[("llama3-8b down", 1)]
     assert Fp8Rule.from_json(third).route(2, *SHAPES["llama3-8b qkv"], "block128").config == fma  # still loads
+    # an earlier table that names no run leaves its entries unstamped, not stamped with nothing
+    nameless = rule_from_rows([_row("llama3-8b qkv", 2, "stream", fma)], later, {**legacy, "measured": {}})
+    assert all("measured_at" not in e for s in nameless["shapes"] if s["name"] == "llama3-8b down" for e in s["rows"])
 
 
 def test_every_fma_tile_is_swept_for_some_shape() -> None:
     """A tile no shape can take (its step wider than K, or a split leaving under two steps) is never compiled nor
     timed: the list holds none."""
-    from benchmarks.fp8_route import FMA_TILES
+    from benchmarks.fp8_route import FMA_TILES, fma_config
 
-    swept = {(c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages)
-             for n, k in SHAPES.values() for c in candidates(1, n, k, sms=132) if not c.use_dot}
-    for bn, per_thread, split, warps, stages in FMA_TILES:
-        assert (bn, per_thread * 32 * warps // bn, split, warps, stages) in swept, (bn, per_thread, split, warps, stages)
+    swept = {c for n, k in SHAPES.values() for c in candidates(1, n, k, sms=132)}
+    for entry in FMA_TILES:
+        assert fma_config(*entry) in swept, entry
