@@ -22,7 +22,7 @@
 Decode rows go to benchmarks/results/fp8_decode.json as {"model","bs","ctx","step_ms","floor_ms",
 "ratio","bf16_step_ms"}; the other tables ride along in the same file.
 
-Run: python3 -m benchmarks.fp8 [--quick] [--models dummy:llama3-8b dummy:qwen3-30b-a3b]
+Run: python3 -m benchmarks.fp8 [--quick] [--models dummy:llama3-8b dummy:qwen3-30b-a3b] [--result-name fp8_decode]
 (after python3 -m benchmarks.fp8_route, which writes the routing table the FP8 layers read; without
 it they take kernels/fp8_config.py's defaults, and the run says so)
 """
@@ -141,6 +141,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["dummy:llama3-8b"])
     p.add_argument("--quick", action="store_true", help="bs 1 ctx 512 and bs 64 ctx 2048 only; no bs 256")
+    p.add_argument("--result-name", default="fp8_decode",
+                   help="benchmarks/results/NAME.json (rows merge into the file's, per model and case)")
     args = p.parse_args()
     cases = [(1, 512), (64, 2048)] + ([] if args.quick else [(256, 2048)])
     bw, bf16_peak, fp8_peak = measured_read_bw(), matmul_tflops(), fp8_matmul_tflops()
@@ -191,7 +193,7 @@ def main() -> None:
     print_table(prefill, ["model", "shape", "fp8_ms", "bf16_ms", "fp8_tflops", "fp8_peak_tflops", "ratio"])
     print_table(accuracy, ["model", "top1_agreement", "mean_kl", "rows"])
     # the rows of models this run did not measure (benchmarks.moe_fp8's) stay, each naming its own run
-    merge_rows("fp8_decode", decode,
+    merge_rows(args.result_name, decode,
                ceilings={"read": bw.summary(), "bf16_matmul_tflops": bf16_peak, "fp8_matmul_tflops": fp8_peak},
                prefill=prefill, accuracy=accuracy, small_batch=small)
 
