@@ -13,6 +13,8 @@ others over the same cold weights:
   to speak of), the step's launch count;
 - ``one launch of the same bytes``: the probe's single stream over one buffer of the reads' total size.
 
+FP8 weights are read as 16-bit elements (``as_wide``), so every row's reader loads the same bytes a thread.
+
 Every row's ``ratio`` is against the floor of its own bytes at the best read rate of the run (the engine row's
 bytes are benchmarks/decode.step_cost's: weights, scales and KV). Where the reads with the step's launches take
 ``x`` times the floor, a step of separate launches a projection cannot take less than ``x`` without overlapping
@@ -57,6 +59,13 @@ def step_weights(model) -> list[list[torch.Tensor]]:
     return layers + [[model.lm_head.weight]]
 
 
+def as_wide(w: torch.Tensor) -> torch.Tensor:
+    """A one-byte weight viewed as half as many 16-bit elements (its values do not matter, only that every byte
+    is loaded): stream_read's loads are a fixed count of elements a thread, so one-byte elements would load half
+    the bytes a 16-bit buffer does and read more slowly for it."""
+    return w.view(-1).view(torch.bfloat16) if w.element_size() == 1 and w.numel() % 2 == 0 else w
+
+
 def skeleton(weights: list[list[torch.Tensor]], grid: tuple[int, int, int], sms: int,
              small: torch.Tensor | None) -> Callable[[], torch.Tensor]:  # fmt: skip
     """The step's reads as one function to capture: every weight streamed once, in order; with ``small``, one
@@ -67,7 +76,7 @@ def skeleton(weights: list[list[torch.Tensor]], grid: tuple[int, int, int], sms:
     def run():
         for group in weights:
             for j, w in enumerate(group):
-                stream_read(w, per_sm * sms, block=block, num_warps=warps, out=out)
+                stream_read(as_wide(w), per_sm * sms, block=block, num_warps=warps, out=out)
                 if small is not None and j == 0 and len(group) > 1:
                     stream_read(small, sms, block=SMALL_READ_ELEMS, num_warps=4, out=out[:sms])
         return out
@@ -108,7 +117,7 @@ def main() -> None:
                                  fill="random")  # fmt: skip
     backend = TritonAttentionBackend()
     small = torch.randn(SMALL_READ_ELEMS * sms, device=device)
-    flat = torch.empty(read, dtype=torch.uint8, device=device)  # one buffer of the reads' bytes
+    flat = torch.empty(read // 2, dtype=torch.bfloat16, device=device)  # one buffer of the reads' bytes
     with torch.inference_mode():
         engine = captured_graphs(model, backend, kv_caches, [1], args.ctx, cfg, device)
         batch = make_batch(1, args.ctx, kv_caches, backend, info.vocab_size)

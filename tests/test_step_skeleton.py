@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.step_skeleton import step_weights
+from benchmarks.step_skeleton import as_wide, step_weights
 from graphserve.config import EngineConfig
 from graphserve.models.loader import load_model
 from graphserve.models.presets import PRESETS
@@ -42,3 +42,12 @@ def test_a_model_with_routed_experts_is_refused_naming_the_layer(monkeypatch):
     model = load_model(EngineConfig(model=name), CPU).model
     with pytest.raises(ValueError, match="layer 0 has routed experts"):
         step_weights(model)
+
+
+def test_one_byte_weights_are_read_as_16_bit_elements_of_the_same_bytes():
+    w = torch.randn(8, 6).to(torch.float8_e4m3fn)
+    wide = as_wide(w)
+    assert wide.dtype == torch.bfloat16 and wide.numel() * 2 == w.numel()
+    assert wide.data_ptr() == w.data_ptr()  # a view: the same bytes, no copy
+    h = torch.randn(8, 6, dtype=torch.bfloat16)
+    assert as_wide(h) is h
