@@ -7,7 +7,8 @@ tensor the engine's launch reads, in the engine's order. The rows, each one CUDA
 others over the same cold weights:
 
 - ``engine step``: the engine's own captured decode step (graph replay and greedy argmax), bs 1;
-- ``reads, one launch a weight`` for each of the read probe's grid shapes: one streaming read per projection
+- ``reads, one launch a weight`` for each of the read probe's grid shapes, and one program a 4096-element block
+  (as the projections' grids are): one streaming read per projection
   weight and one for the lm_head, in the step's order;
 - the same with one small launch a layer where attention runs (a read of a few KB: a launch with no bytes
   to speak of), the step's launch count;
@@ -43,7 +44,9 @@ from graphserve.kernels.stream_read import stream_read
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.models.loader import load_model
 
-GRIDS = ((4, 4096, 8), (8, 2048, 4), (2, 8192, 8))  # the read probe's shapes: programs an SM, block, warps
+# the read probe's shapes (programs an SM, block, warps), and one program a block of 4096 elements, as the
+# projections' grids are (0 programs an SM: as many as the buffer has blocks, one pass each)
+GRIDS = ((4, 4096, 8), (8, 2048, 4), (2, 8192, 8), (0, 4096, 4))
 SMALL_READ_ELEMS = 1024  # the stand-in launch in attention's place
 
 
@@ -71,12 +74,15 @@ def skeleton(weights: list[list[torch.Tensor]], grid: tuple[int, int, int], sms:
     """The step's reads as one function to capture: every weight streamed once, in order; with ``small``, one
     read of it after each layer's first weight (where attention runs)."""
     per_sm, block, warps = grid
-    out = torch.empty(per_sm * sms, dtype=torch.float32, device="cuda")
+    wide = [[as_wide(w) for w in group] for group in weights]
+    grids = [[per_sm * sms if per_sm else -(-w.numel() // block) for w in group] for group in wide]
+    outs = {n: torch.empty(n, dtype=torch.float32, device="cuda") for g in grids for n in g}
+    out = outs[max(outs)]
 
     def run():
-        for group in weights:
-            for j, w in enumerate(group):
-                stream_read(as_wide(w), per_sm * sms, block=block, num_warps=warps, out=out)
+        for group, programs in zip(wide, grids, strict=True):
+            for j, (w, n) in enumerate(zip(group, programs, strict=True)):
+                stream_read(w, n, block=block, num_warps=warps, out=outs[n])
                 if small is not None and j == 0 and len(group) > 1:
                     stream_read(small, sms, block=SMALL_READ_ELEMS, num_warps=4, out=out[:sms])
         return out
@@ -124,7 +130,7 @@ def main() -> None:
         variants = {"engine step": (lambda g=engine, b=batch: greedy_argmax(g.replay(b)), step_cost(info, 1, args.ctx)[0],
                                     None)}  # fmt: skip
         for grid in GRIDS:
-            label = "{}x{}x{}w".format(*grid)
+            label = "{}x{}x{}w".format(*grid) if grid[0] else "a program a block x{}x{}w".format(*grid[1:])
             g = graph_of(skeleton(weights, grid, sms, None))
             variants[f"reads, one launch a weight ({label})"] = (g.replay, read, launches)
             g = graph_of(skeleton(weights, grid, sms, small))
