@@ -3,7 +3,8 @@
 The other benchmarks divide by these numbers, measured in the same run. A floor that some kernel
 beats is a wrong floor, so the read bandwidth is the best of several ways to read memory:
 
-- ``stream_read``: a Triton kernel that streams a buffer with wide loads (graphserve/kernels/stream_read.py);
+- ``stream_read``: a Triton kernel that streams a buffer with wide loads (graphserve/kernels/stream_read.py), the
+  best of a few grids (``STREAM_GRIDS``: persistent, and one program a block);
 - ``torch.sum``: a reduction over the same buffer;
 - ``copy (read side)``: a device-to-device copy, counting only the bytes it reads;
 - ``matvec``: cuBLAS's one-row matmul over the buffer viewed as a weight (a decode step's access pattern:
@@ -130,17 +131,29 @@ def _alternating(fn, bufs: list[torch.Tensor]):
     return run
 
 
+# stream_read's grid shapes: (programs an SM, block, warps). A persistent grid of a few programs an SM striding over
+# the buffer, or (0 programs an SM) one program a block, each one pass: the projections' kind of grid, which
+# benchmarks.step_skeleton found reading faster than every persistent shape
+STREAM_GRIDS = ((4, 4096, 8), (8, 2048, 4), (2, 8192, 8), (0, 4096, 4))
+
+
+def stream_programs(per_sm: int, sms: int, numel: int, block: int) -> int:
+    """The grid of a ``STREAM_GRIDS`` shape over ``numel`` elements: ``per_sm`` programs an SM, or with 0 one a block."""
+    return per_sm * sms if per_sm else -(-numel // block)
+
+
 def stream_read_gbs(bufs: list[torch.Tensor]) -> float:
-    """The Triton streaming read; the best of a few grid shapes (programs per SM, block, warps)."""
+    """The Triton streaming read; the best of ``STREAM_GRIDS``."""
     from graphserve.kernels.common import sm_count
     from graphserve.kernels.stream_read import stream_read
 
     sms = sm_count(bufs[0].device)
     nbytes = bufs[0].numel() * bufs[0].element_size()
     best = 0.0
-    for per_sm, block, warps in ((4, 4096, 8), (8, 2048, 4), (2, 8192, 8)):
-        out = torch.empty(per_sm * sms, dtype=torch.float32, device="cuda")
-        ms = cuda_time_ms(_alternating(lambda b, o=out, p=per_sm * sms, bl=block, w=warps:
+    for per_sm, block, warps in STREAM_GRIDS:
+        programs = stream_programs(per_sm, sms, bufs[0].numel(), block)
+        out = torch.empty(programs, dtype=torch.float32, device="cuda")
+        ms = cuda_time_ms(_alternating(lambda b, o=out, p=programs, bl=block, w=warps:
                                        stream_read(b, p, block=bl, num_warps=w, out=o), bufs), warmup=3, iters=20)
         best = max(best, nbytes / ms / 1e6)
     return best

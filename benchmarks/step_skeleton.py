@@ -7,9 +7,8 @@ tensor the engine's launch reads, in the engine's order. The rows, each one CUDA
 others over the same cold weights:
 
 - ``engine step``: the engine's own captured decode step (graph replay and greedy argmax), bs 1;
-- ``reads, one launch a weight`` for each of the read probe's grid shapes, and one program a 4096-element block
-  (as the projections' grids are): one streaming read per projection
-  weight and one for the lm_head, in the step's order;
+- ``reads, one launch a weight`` for each of the read probe's grid shapes (benchmarks/roofline.STREAM_GRIDS):
+  one streaming read per projection weight and one for the lm_head, in the step's order;
 - the same with one small launch a layer where attention runs (a read of a few KB: a launch with no bytes
   to speak of), the step's launch count;
 - ``one launch of the same bytes``: the probe's single stream over one buffer of the reads' total size.
@@ -36,7 +35,7 @@ import torch
 from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.decode import make_batch, step_cost
 from benchmarks.decode_setup import captured_graphs, release_gpu_memory
-from benchmarks.roofline import measured_read_bw
+from benchmarks.roofline import STREAM_GRIDS, measured_read_bw, stream_programs
 from graphserve.config import QUANTIZATIONS, EngineConfig
 from graphserve.kernels.argmax import greedy_argmax
 from graphserve.kernels.common import sm_count
@@ -44,9 +43,6 @@ from graphserve.kernels.stream_read import stream_read
 from graphserve.layers.attention_triton import TritonAttentionBackend
 from graphserve.models.loader import load_model
 
-# the read probe's shapes (programs an SM, block, warps), and one program a block of 4096 elements, as the
-# projections' grids are (0 programs an SM: as many as the buffer has blocks, one pass each)
-GRIDS = ((4, 4096, 8), (8, 2048, 4), (2, 8192, 8), (0, 4096, 4))
 SMALL_READ_ELEMS = 1024  # the stand-in launch in attention's place
 
 
@@ -75,7 +71,7 @@ def skeleton(weights: list[list[torch.Tensor]], grid: tuple[int, int, int], sms:
     read of it after each layer's first weight (where attention runs)."""
     per_sm, block, warps = grid
     wide = [[as_wide(w) for w in group] for group in weights]
-    grids = [[per_sm * sms if per_sm else -(-w.numel() // block) for w in group] for group in wide]
+    grids = [[stream_programs(per_sm, sms, w.numel(), block) for w in group] for group in wide]
     outs = {n: torch.empty(n, dtype=torch.float32, device="cuda") for g in grids for n in g}
     out = outs[max(outs)]
 
@@ -123,13 +119,13 @@ def main() -> None:
                                  fill="random")  # fmt: skip
     backend = TritonAttentionBackend()
     small = torch.randn(SMALL_READ_ELEMS * sms, device=device)
-    flat = torch.empty(read // 2, dtype=torch.bfloat16, device=device)  # one buffer of the reads' bytes
+    flat = torch.randn(read // 2, dtype=torch.bfloat16, device=device)  # one buffer of the reads' bytes
     with torch.inference_mode():
         engine = captured_graphs(model, backend, kv_caches, [1], args.ctx, cfg, device)
         batch = make_batch(1, args.ctx, kv_caches, backend, info.vocab_size)
         variants = {"engine step": (lambda g=engine, b=batch: greedy_argmax(g.replay(b)), step_cost(info, 1, args.ctx)[0],
                                     None)}  # fmt: skip
-        for grid in GRIDS:
+        for grid in STREAM_GRIDS:
             label = "{}x{}x{}w".format(*grid) if grid[0] else "a program a block x{}x{}w".format(*grid[1:])
             g = graph_of(skeleton(weights, grid, sms, None))
             variants[f"reads, one launch a weight ({label})"] = (g.replay, read, launches)

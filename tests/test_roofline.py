@@ -45,3 +45,12 @@ def test_ratios_take_the_compute_floor_and_the_datasheet():
     assert r["ratio"] == pytest.approx(2.0 / 1.2) and r["ratio_datasheet"] == pytest.approx(2.0)
     unknown = ReadBandwidth({"stream_read": 4000.0}, None, L2).ratios(2.0, 4e9)
     assert unknown["datasheet_floor_ms"] is None and unknown["ratio_datasheet"] is None
+
+
+def test_stream_grids_are_persistent_or_one_program_a_block():
+    from benchmarks.roofline import STREAM_GRIDS, stream_programs
+
+    assert stream_programs(4, 132, 10_000, 4096) == 528  # a few programs an SM, whatever the size
+    assert stream_programs(0, 132, 10_000, 4096) == 3  # one a block: the last one partly masked
+    assert stream_programs(0, 132, 8192, 4096) == 2
+    assert any(per_sm == 0 for per_sm, _, _ in STREAM_GRIDS) and any(per_sm > 0 for per_sm, _, _ in STREAM_GRIDS)

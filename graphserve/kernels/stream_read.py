@@ -4,8 +4,9 @@ A decode step is a read of weights and KV, so its floor is bytes / the best read
 shows. ``torch.sum`` is one way to read a buffer, but the decode-attention kernel read faster
 than it (ratios 0.94-0.98 "of the floor"), so a floor built on it alone can be beaten. This kernel
 reads with the widest loads Triton emits (each thread owns ``BLOCK / (32 * num_warps)``
-contiguous elements: 16-32 bytes in bf16), from a persistent grid of a few programs per SM that
-stride over the buffer, and reduces in fp32 so the compiler cannot drop a load. Each program
+contiguous elements: 16-32 bytes in bf16), from the grid the caller picks (a persistent one of a few programs
+per SM that stride over the buffer, or one program a block, each a single pass: benchmarks/roofline.py tries
+both), and reduces in fp32 so the compiler cannot drop a load. Each program
 writes one partial sum; their total equals the buffer's sum, which is what its test checks.
 """
 
