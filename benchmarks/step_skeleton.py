@@ -86,13 +86,20 @@ def skeleton(weights: list[list[torch.Tensor]], grid: tuple[int, int, int], sms:
     return run
 
 
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    fn()  # compile and warm outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+class Captured:
+    """``fn`` captured in a CUDA graph. It holds ``fn`` too: the graph writes to the buffers ``fn`` closes over,
+    which must outlive every replay (freed, the allocator could hand them out or unmap them)."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor]):
+        self.fn = fn
+        fn()  # compile and warm outside the capture
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            fn()
+
+    def __call__(self) -> None:
+        self.graph.replay()
 
 
 def main() -> None:
@@ -127,15 +134,17 @@ def main() -> None:
                                     None)}  # fmt: skip
         for grid in STREAM_GRIDS:
             label = "{}x{}x{}w".format(*grid) if grid[0] else "a program a block x{}x{}w".format(*grid[1:])
-            g = graph_of(skeleton(weights, grid, sms, None))
-            variants[f"reads, one launch a weight ({label})"] = (g.replay, read, launches)
-            g = graph_of(skeleton(weights, grid, sms, small))
-            variants[f"reads + a small launch a layer ({label})"] = (g.replay, read, launches + len(weights) - 1)
-            g = graph_of(skeleton([[flat]], grid, sms, None))
-            variants[f"one launch of the same bytes ({label})"] = (g.replay, read, 1)
+            variants[f"reads, one launch a weight ({label})"] = (Captured(skeleton(weights, grid, sms, None)), read,
+                                                                 launches)  # fmt: skip
+            variants[f"reads + a small launch a layer ({label})"] = (Captured(skeleton(weights, grid, sms, small)),
+                                                                     read, launches + len(weights) - 1)  # fmt: skip
+            variants[f"one launch of the same bytes ({label})"] = (Captured(skeleton([[flat]], grid, sms, None)),
+                                                                   read, 1)  # fmt: skip
         times: dict[str, list[float]] = {label: [] for label in variants}
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             for label, (fn, _, _) in variants.items():
+                if round_ == 0:
+                    print(f"timing {label}", flush=True)
                 times[label].append(cuda_time_ms(fn, warmup=2, iters=10))
     rows = []
     for label, (_, nbytes, count) in variants.items():
