@@ -20,7 +20,9 @@ computes them (layers/quant/fp8.py's limits), in the input's quantization launch
 quantize it (a8 stream tiles, ``w8a8``, ``scaled_mm``), else in a separate launch before. Each
 time is one call's share of a CUDA graph of back-to-back calls cycling through enough weight copies (>= 256 MB) that every call reads
 its weight from device memory, as decode does. ``stream/floor``: the stream time over the weight's
-bytes (fp8 + scales) at the best read bandwidth of this run (benchmarks.roofline's probes).
+bytes (fp8 + scales) at the best read bandwidth of this run (benchmarks.roofline's probes). ``read_us``: a bare
+read of the same weight's bytes in the same graph, launch for launch (``bare_read_us``); ``stream/read`` what the
+streaming kernel takes over it.
 
 Per (shape, m) the table keeps the fastest fp8 path (and the stream tiles that won); a call of m rows
 takes the entry of the smallest measured count >= m, above the largest the code's defaults.
@@ -43,7 +45,7 @@ import triton
 
 from benchmarks.common import environment, print_table, write_result
 from benchmarks.kernels import graph_time_ms
-from benchmarks.roofline import measured_read_bw
+from benchmarks.roofline import STREAM_GRIDS, measured_read_bw, stream_programs
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp8_config import (
     MAX_STREAM_ROWS,
@@ -89,7 +91,7 @@ QUICK_ROWS = [1, 2, 4, 8, 16, 64, 256]
 COLD_BYTES = 256 << 20
 BLOCK = 128
 COLS = ["shape", "m", "prologue", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_us", "best", "stream_a8_us",
-        "stream_bf16x_us", "stream_a8_groups_us", "stream/floor", "stream_GBps"]
+        "stream_bf16x_us", "stream_a8_groups_us", "stream/floor", "stream_GBps", "read_us", "stream/read"]
 
 
 # FMA tiles swept at 1-4 rows: (block_n, weight bytes a thread a step, split_k, warps, stages). The first five
@@ -294,9 +296,28 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
     return r
 
 
+def bare_read_us(cold: ColdWeights) -> float:
+    """One call's share of the same graph of back-to-back calls over the same cold copies, each call a bare read of
+    its fp8 weight's bytes: kernels/stream_read.py on one program a 4,096-element block (the read probe's fastest
+    grid, benchmarks.roofline.STREAM_GRIDS), the bytes viewed as 16-bit elements. What a projection's kernel could
+    take if it did nothing but read its weight, launch for launch."""
+    from graphserve.kernels.stream_read import stream_read
+
+    per_sm, block, warps = next(g for g in STREAM_GRIDS if g[0] == 0)
+    programs = stream_programs(per_sm, 0, cold.fp8[0][0].numel() // 2, block)
+    out = torch.empty(programs, dtype=torch.float32, device="cuda")
+    return cold.time_us(lambda w: stream_read(w[0].view(-1).view(torch.bfloat16), programs, block=block,
+                                              num_warps=warps, out=out))  # fmt: skip
+
+
 def measure(name: str, rows: list[int], sweep: bool, scaled_mm_ok: bool, sms: int, channel: bool = False) -> list[dict]:
     cold = ColdWeights(*SHAPES[name], channel=channel)
     out = [measure_row(name, m, cold, sweep, scaled_mm_ok, sms, channel) for m in rows]
+    read_us = bare_read_us(cold)
+    for r in out:
+        r["read_us"] = read_us
+        if r.get("stream_us"):
+            r["stream/read"] = r["stream_us"] / read_us
     del cold
     torch.cuda.empty_cache()
     return out
