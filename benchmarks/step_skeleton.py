@@ -47,9 +47,9 @@ SMALL_READ_ELEMS = 1024  # the stand-in launch in attention's place
 
 
 def step_weights(model) -> list[list[torch.Tensor]]:
-    """Each decoder layer's 2-D ``weight`` parameters (not their scales) in the order a decode step reads them (the projections as the layer
-    registers them: qkv, o, gate_up, down for the Llama family), then ``[lm_head]``. A model with routed
-    experts is refused: which experts a step reads depends on its router."""
+    """Each decoder layer's 2-D ``weight`` parameters (not their scales) in the order a decode step reads them
+    (the projections as the layer registers them: qkv, o, gate_up, down for the Llama family), then
+    ``[lm_head]``. A model with routed experts is refused: which experts a step reads depends on its router."""
     layers = []
     for i, layer in enumerate(model.model.layers):
         if any("experts" in n for n, _ in layer.named_modules()):
