@@ -45,7 +45,7 @@ import triton
 
 from benchmarks.common import environment, print_table, write_result
 from benchmarks.kernels import graph_time_ms
-from benchmarks.roofline import STREAM_GRIDS, measured_read_bw, stream_programs
+from benchmarks.roofline import BLOCK_GRID, measured_read_bw, stream_programs, wide_view
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp8_config import (
     MAX_STREAM_ROWS,
@@ -296,24 +296,23 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
     return r
 
 
-def bare_read_us(cold: ColdWeights) -> float:
+def bare_read_us(cold: ColdWeights, sms: int) -> float:
     """One call's share of the same graph of back-to-back calls over the same cold copies, each call a bare read of
-    its fp8 weight's bytes: kernels/stream_read.py on one program a 4,096-element block (the read probe's fastest
-    grid, benchmarks.roofline.STREAM_GRIDS), the bytes viewed as 16-bit elements. What a projection's kernel could
-    take if it did nothing but read its weight, launch for launch."""
+    its fp8 weight's bytes: kernels/stream_read.py on one program a block (``roofline.BLOCK_GRID``, the read probe's
+    fastest grid), the bytes viewed as 16-bit elements. What a projection's kernel could take if it did nothing but
+    read its weight, launch for launch."""
     from graphserve.kernels.stream_read import stream_read
 
-    per_sm, block, warps = next(g for g in STREAM_GRIDS if g[0] == 0)
-    programs = stream_programs(per_sm, 0, cold.fp8[0][0].numel() // 2, block)
+    per_sm, block, warps = BLOCK_GRID
+    programs = stream_programs(per_sm, sms, wide_view(cold.fp8[0][0]).numel(), block)
     out = torch.empty(programs, dtype=torch.float32, device="cuda")
-    return cold.time_us(lambda w: stream_read(w[0].view(-1).view(torch.bfloat16), programs, block=block,
-                                              num_warps=warps, out=out))  # fmt: skip
+    return cold.time_us(lambda w: stream_read(wide_view(w[0]), programs, block=block, num_warps=warps, out=out))
 
 
 def measure(name: str, rows: list[int], sweep: bool, scaled_mm_ok: bool, sms: int, channel: bool = False) -> list[dict]:
     cold = ColdWeights(*SHAPES[name], channel=channel)
     out = [measure_row(name, m, cold, sweep, scaled_mm_ok, sms, channel) for m in rows]
-    read_us = bare_read_us(cold)
+    read_us = bare_read_us(cold, sms)
     for r in out:
         r["read_us"] = read_us
         if r.get("stream_us"):

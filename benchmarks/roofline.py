@@ -134,12 +134,26 @@ def _alternating(fn, bufs: list[torch.Tensor]):
 # stream_read's grid shapes: (programs an SM, block, warps). A persistent grid of a few programs an SM striding over
 # the buffer, or (0 programs an SM) one program a block, each one pass: the projections' kind of grid, which
 # benchmarks.step_skeleton found reading faster than every persistent shape
-STREAM_GRIDS = ((4, 4096, 8), (8, 2048, 4), (2, 8192, 8), (0, 4096, 4))
+BLOCK_GRID = (0, 4096, 4)  # one program a 4,096-element block
+STREAM_GRIDS = ((4, 4096, 8), (8, 2048, 4), (2, 8192, 8), BLOCK_GRID)
 
 
 def stream_programs(per_sm: int, sms: int, numel: int, block: int) -> int:
     """The grid of a ``STREAM_GRIDS`` shape over ``numel`` elements: ``per_sm`` programs an SM, or with 0 one a block."""
     return per_sm * sms if per_sm else -(-numel // block)
+
+
+def wide_view(x: torch.Tensor) -> torch.Tensor:
+    """A buffer of one-byte elements (an fp8 weight) viewed as half as many 16-bit ones, for kernels/stream_read.py:
+    its threads load a fixed count of elements, so one-byte elements would load half the bytes a 16-bit buffer does
+    and read more slowly for it. The values do not matter to a read, only that every byte is loaded. Other buffers
+    come back as they are."""
+    if x.element_size() != 1:
+        return x
+    if x.numel() % 2:
+        raise ValueError(f"wide_view: a one-byte buffer of {x.numel()} elements (odd) has no 16-bit view; "
+                         "its element count must be even")
+    return x.view(-1).view(torch.bfloat16)
 
 
 def stream_read_gbs(bufs: list[torch.Tensor]) -> float:

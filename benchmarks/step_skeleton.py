@@ -13,13 +13,14 @@ others over the same cold weights:
   to speak of), the step's launch count;
 - ``one launch of the same bytes``: the probe's single stream over one buffer of the reads' total size.
 
-FP8 weights are read as 16-bit elements (``as_wide``), so every row's reader loads the same bytes a thread.
+FP8 weights are read as 16-bit elements (``roofline.wide_view``), so every row's reader loads the same bytes a
+thread.
 
 Every row's ``ratio`` is against the floor of its own bytes at the best read rate of the run (the engine row's
 bytes are benchmarks/decode.step_cost's: weights, scales and KV). Where the reads with the step's launches take
-``x`` times the floor, a step of separate launches a projection cannot take less than ``x`` without overlapping
-its launches, however fast its matmuls; ``engine / skeleton`` is what the matmuls, attention and norms cost above
-the bare reads.
+``x`` times the floor, a step of separate launches a projection would need a reader faster than this one to take
+less than ``x`` without overlapping its launches, however fast its matmuls; ``vs_skeleton`` of the engine row is
+what the matmuls, attention and norms cost above the bare reads.
 
 Run: python3 -m benchmarks.step_skeleton [--model dummy:llama3-8b] [--quantization fp8] [--ctx 512] [--rounds 5]
 """
@@ -35,7 +36,8 @@ import torch
 from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.decode import make_batch, step_cost
 from benchmarks.decode_setup import captured_graphs, release_gpu_memory
-from benchmarks.roofline import STREAM_GRIDS, measured_read_bw, stream_programs
+from benchmarks.kernels import CapturedCalls
+from benchmarks.roofline import STREAM_GRIDS, measured_read_bw, stream_programs, wide_view
 from graphserve.config import QUANTIZATIONS, EngineConfig
 from graphserve.kernels.argmax import greedy_argmax
 from graphserve.kernels.common import sm_count
@@ -58,48 +60,25 @@ def step_weights(model) -> list[list[torch.Tensor]]:
     return layers + [[model.lm_head.weight]]
 
 
-def as_wide(w: torch.Tensor) -> torch.Tensor:
-    """A one-byte weight viewed as half as many 16-bit elements (its values do not matter, only that every byte
-    is loaded): stream_read's loads are a fixed count of elements a thread, so one-byte elements would load half
-    the bytes a 16-bit buffer does and read more slowly for it."""
-    return w.view(-1).view(torch.bfloat16) if w.element_size() == 1 and w.numel() % 2 == 0 else w
-
-
 def skeleton(weights: list[list[torch.Tensor]], grid: tuple[int, int, int], sms: int,
              small: torch.Tensor | None) -> Callable[[], torch.Tensor]:  # fmt: skip
-    """The step's reads as one function to capture: every weight streamed once, in order; with ``small``, one
-    read of it after each layer's first weight (where attention runs)."""
+    """The step's reads as one function to capture: every weight streamed once, in order (one-byte weights as
+    16-bit elements, ``roofline.wide_view``); with ``small``, one read of it after each layer's first weight
+    (where attention runs). Every launch writes its partial sums to the front of one buffer."""
     per_sm, block, warps = grid
-    wide = [[as_wide(w) for w in group] for group in weights]
+    wide = [[wide_view(w) for w in group] for group in weights]
     grids = [[stream_programs(per_sm, sms, w.numel(), block) for w in group] for group in wide]
-    outs = {n: torch.empty(n, dtype=torch.float32, device="cuda") for g in grids for n in g}
-    out = outs[max(outs)]
+    out = torch.empty(max(sms, *(n for g in grids for n in g)), dtype=torch.float32, device=weights[0][0].device)
 
     def run():
         for group, programs in zip(wide, grids, strict=True):
             for j, (w, n) in enumerate(zip(group, programs, strict=True)):
-                stream_read(w, n, block=block, num_warps=warps, out=outs[n])
+                stream_read(w, n, block=block, num_warps=warps, out=out[:n])
                 if small is not None and j == 0 and len(group) > 1:
                     stream_read(small, sms, block=SMALL_READ_ELEMS, num_warps=4, out=out[:sms])
         return out
 
     return run
-
-
-class Captured:
-    """``fn`` captured in a CUDA graph. It holds ``fn`` too: the graph writes to the buffers ``fn`` closes over,
-    which must outlive every replay (freed, the allocator could hand them out or unmap them)."""
-
-    def __init__(self, fn: Callable[[], torch.Tensor]):
-        self.fn = fn
-        fn()  # compile and warm outside the capture
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            fn()
-
-    def __call__(self) -> None:
-        self.graph.replay()
 
 
 def main() -> None:
@@ -130,28 +109,32 @@ def main() -> None:
     with torch.inference_mode():
         engine = captured_graphs(model, backend, kv_caches, [1], args.ctx, cfg, device)
         batch = make_batch(1, args.ctx, kv_caches, backend, info.vocab_size)
-        variants = {"engine step": (lambda g=engine, b=batch: greedy_argmax(g.replay(b)), step_cost(info, 1, args.ctx)[0],
-                                    None)}  # fmt: skip
+        # (label, kind, graph or step, bytes, launches); kind "skeleton" marks the reads with the step's launches
+        variants = [("engine step", "engine", lambda g=engine, b=batch: greedy_argmax(g.replay(b)),
+                     step_cost(info, 1, args.ctx)[0], None)]  # fmt: skip
         for grid in STREAM_GRIDS:
             label = "{}x{}x{}w".format(*grid) if grid[0] else "a program a block x{}x{}w".format(*grid[1:])
-            variants[f"reads, one launch a weight ({label})"] = (Captured(skeleton(weights, grid, sms, None)), read,
-                                                                 launches)  # fmt: skip
-            variants[f"reads + a small launch a layer ({label})"] = (Captured(skeleton(weights, grid, sms, small)),
-                                                                     read, launches + len(weights) - 1)  # fmt: skip
-            variants[f"one launch of the same bytes ({label})"] = (Captured(skeleton([[flat]], grid, sms, None)),
-                                                                   read, 1)  # fmt: skip
-        times: dict[str, list[float]] = {label: [] for label in variants}
+            variants += [
+                (f"reads, one launch a weight ({label})", "reads", CapturedCalls(skeleton(weights, grid, sms, None)),
+                 read, launches),
+                (f"reads + a small launch a layer ({label})", "skeleton",
+                 CapturedCalls(skeleton(weights, grid, sms, small)), read, launches + len(weights) - 1),
+                (f"one launch of the same bytes ({label})", "one launch",
+                 CapturedCalls(skeleton([[flat]], grid, sms, None)), read, 1),
+            ]  # fmt: skip
+        times: dict[str, list[float]] = {v[0]: [] for v in variants}
         for round_ in range(args.rounds):
-            for label, (fn, _, _) in variants.items():
+            for label, _, fn, _, _ in variants:
                 if round_ == 0:
                     print(f"timing {label}", flush=True)
                 times[label].append(cuda_time_ms(fn, warmup=2, iters=10))
     rows = []
-    for label, (_, nbytes, count) in variants.items():
+    for label, kind, _, nbytes, count in variants:
         ms = statistics.median(times[label])
         bw.observe(f"step skeleton: {label}", nbytes, ms)
-        rows.append({"variant": label, "launches": count, "bytes": nbytes, "ms": ms, "rounds_ms": times[label]})
-    skeleton_ms = min(r["ms"] for r in rows if r["variant"].startswith("reads + a small"))
+        rows.append({"variant": label, "kind": kind, "launches": count, "bytes": nbytes, "ms": ms,
+                     "rounds_ms": times[label]})  # fmt: skip
+    skeleton_ms = min(r["ms"] for r in rows if r["kind"] == "skeleton")
     for r in rows:
         r["floor_ms"] = bw.floor_ms(r["bytes"])
         r["ratio"] = r["ms"] / r["floor_ms"]

@@ -185,3 +185,15 @@ def check_paged_parity(model: torch.nn.Module, hf: torch.nn.Module, name: str, t
         want = torch.stack([hf_logits(hf, seqs[s])[-1] for s in seqs])
         err = relative_error(got, want)
         assert err < tol, f"{name} decode step {step}: relative error {err:.2e}"
+
+
+def dummy_preset(monkeypatch, base: str, name: str, **config) -> str:
+    """``dummy:<name>``: preset ``base`` with ``config``'s fields over its config.json (small sizes for a CPU test),
+    registered for the test's duration."""
+    from graphserve.models.presets import PRESETS
+
+    spec = {**PRESETS[base]}
+    spec["config"] = {**spec["config"], **config}
+    monkeypatch.setitem(PRESETS, name, spec)
+    return f"dummy:{name}"
+

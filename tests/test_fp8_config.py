@@ -6,14 +6,13 @@ import argparse
 
 import pytest
 import torch
-from model_utils import PagedHarness
+from model_utils import PagedHarness, dummy_preset
 
 from graphserve.analysis.plan import build_plan, load_hf_config
 from graphserve.config import EngineConfig, add_engine_args, config_from_args
 from graphserve.errors import ConfigError, ModelLoadError
 from graphserve.kernels.fp8_quant import FP8_DTYPE, dequantize_blocks
 from graphserve.models.loader import load_model
-from graphserve.models.presets import PRESETS
 
 CPU = torch.device("cpu")
 
@@ -21,12 +20,9 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def tiny_preset(monkeypatch):
     """qwen3-0.6b's layout at a size the CPU runs in a second; fused parts multiples of 128."""
-    tiny = {**PRESETS["qwen3-0.6b"]}
-    tiny["config"] = {**tiny["config"], "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-                      "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
-                      "max_position_embeddings": 256}
-    monkeypatch.setitem(PRESETS, "tiny-fp8", tiny)
-    return "dummy:tiny-fp8"
+    return dummy_preset(monkeypatch, "qwen3-0.6b", "tiny-fp8", hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                        max_position_embeddings=256)  # fmt: skip
 
 
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-block"])
@@ -91,10 +87,8 @@ def test_quantization_flag_is_validated_and_parsed():
 
 
 def test_block_quantization_refuses_fused_parts_off_the_block(monkeypatch):
-    tiny = {**PRESETS["qwen3-0.6b"]}
-    tiny["config"] = {**tiny["config"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
-                      "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
-    monkeypatch.setitem(PRESETS, "tiny-odd", tiny)
+    dummy_preset(monkeypatch, "qwen3-0.6b", "tiny-odd", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # fmt: skip
     with pytest.raises(ModelLoadError, match=r"qkv_proj: a fused projection's parts \[64, 32, 32\] must be multiples"):
         load_model(EngineConfig(model="dummy:tiny-odd", quantization="fp8-block"), CPU)
     # per-channel scales (``fp8``'s dense projections, ``fp8-channel``) have no block to align with

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from model_utils import PagedHarness, hf_logits, make_hf_checkpoint, relative_error
+from model_utils import PagedHarness, dummy_preset, hf_logits, make_hf_checkpoint, relative_error
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
@@ -15,7 +15,7 @@ from graphserve.config import EngineConfig
 from graphserve.errors import ModelLoadError
 from graphserve.models.builtin import ensure_builtin
 from graphserve.models.loader import load_model, resolve_dtype
-from graphserve.models.presets import PRESETS, get_preset_config
+from graphserve.models.presets import get_preset_config
 from graphserve.models.registry import supported_architectures
 
 CPU = torch.device("cpu")
@@ -161,10 +161,8 @@ def test_dummy_qwen3_shapes_on_meta_device():
 
 
 def test_dummy_weights_are_random_finite_and_seeded(monkeypatch):
-    tiny = {**PRESETS["qwen2.5-0.5b"]}
-    tiny["config"] = {**tiny["config"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-                      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-    monkeypatch.setitem(PRESETS, "tiny-test", tiny)
+    dummy_preset(monkeypatch, "qwen2.5-0.5b", "tiny-test", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
     a = load_model(EngineConfig(model="dummy:tiny-test", seed=1), CPU)
     b = load_model(EngineConfig(model="dummy:tiny-test", seed=1), CPU)
     wa = a.model.model.layers[1].mlp.down_proj.weight

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import PagedHarness, dequantized_checkpoint, make_hf_checkpoints, relative_error
+from model_utils import PagedHarness, dequantized_checkpoint, dummy_preset, make_hf_checkpoints, relative_error
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, Qwen3MoeConfig
 
@@ -159,13 +159,9 @@ def test_plan_counts_fp8_expert_bytes_and_scales():
 def test_dummy_fp8_experts_are_the_quantized_bf16_dummy(monkeypatch):
     """``dummy: --quantization fp8``: the experts draw the bf16 dummy's values (same seed), then quantize."""
     from graphserve.kernels.moe_fp8_reference import dequantize_experts
-    from graphserve.models.presets import PRESETS
-
-    tiny = {**PRESETS["qwen3-30b-a3b"]}
-    tiny["config"] = {**tiny["config"], "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128,
-                      "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "num_experts": 4,
-                      "num_experts_per_tok": 2, "max_position_embeddings": 256}
-    monkeypatch.setitem(PRESETS, "tiny-moe-fp8", tiny)
+    dummy_preset(monkeypatch, "qwen3-30b-a3b", "tiny-moe-fp8", hidden_size=128, intermediate_size=256,
+                 moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 num_experts=4, num_experts_per_tok=2, max_position_embeddings=256)  # fmt: skip
     plain = load_model(EngineConfig(model="dummy:tiny-moe-fp8", seed=4), CPU)
     fp8 = load_model(EngineConfig(model="dummy:tiny-moe-fp8", seed=4, quantization="fp8"), CPU)
     # ``fp8`` keeps 128x128 blocks for the experts and quantizes dense projections per channel

@@ -54,3 +54,18 @@ def test_stream_grids_are_persistent_or_one_program_a_block():
     assert stream_programs(0, 132, 10_000, 4096) == 3  # one a block: the last one partly masked
     assert stream_programs(0, 132, 8192, 4096) == 2
     assert any(per_sm == 0 for per_sm, _, _ in STREAM_GRIDS) and any(per_sm > 0 for per_sm, _, _ in STREAM_GRIDS)
+
+
+def test_one_byte_buffers_are_read_as_16_bit_elements_of_the_same_bytes():
+    import torch
+
+    from benchmarks.roofline import wide_view
+
+    w = torch.randn(8, 6).to(torch.float8_e4m3fn)
+    wide = wide_view(w)
+    assert wide.dtype == torch.bfloat16 and wide.numel() * 2 == w.numel()
+    assert wide.data_ptr() == w.data_ptr()  # a view: the same bytes, no copy
+    h = torch.randn(8, 6, dtype=torch.bfloat16)
+    assert wide_view(h) is h
+    with pytest.raises(ValueError, match="of 7 elements"):
+        wide_view(torch.zeros(7, dtype=torch.uint8))

@@ -43,3 +43,21 @@ def test_bad_arguments_name_the_limit():
         stream_read(torch.ones(8, 8, device=DEVICE).t(), 2)
     with pytest.raises(ValueError, match=r"out must be \[2\] float32"):
         stream_read(x, 2, out=torch.empty(3, device=DEVICE))
+
+
+@pytest.mark.parametrize("grid", [(0, 64, 1), (2, 32, 1)], ids=["a-program-a-block", "persistent"])
+def test_step_skeleton_reads_each_weight_in_turn(grid):
+    """benchmarks.step_skeleton's captured function, run eagerly: every launch's grid and partial-sum slice fit, fp8
+    weights go through as 16-bit elements, and the last launch (the lm_head) leaves its own partials in front."""
+    from benchmarks.step_skeleton import SMALL_READ_ELEMS, skeleton
+
+    gen = torch.Generator().manual_seed(1)
+    layer = [torch.randn(6, 40, generator=gen).to(torch.float8_e4m3fn), torch.randn(5, 30, generator=gen)]
+    head = (torch.rand(9, 20, generator=gen) + 0.5).to(torch.bfloat16)
+    weights = [[w.to(DEVICE) for w in layer], [w.to(DEVICE) for w in layer], [head.to(DEVICE)]]
+    sms = 2
+    small = torch.ones(SMALL_READ_ELEMS * sms, device=DEVICE)
+    out = skeleton(weights, grid, sms, small)()
+    per_sm, block, _ = grid
+    n = per_sm * sms if per_sm else -(-head.numel() // block)
+    torch.testing.assert_close(out[:n].sum(), head.float().sum(), rtol=1e-3, atol=0)
