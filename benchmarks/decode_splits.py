@@ -8,7 +8,9 @@ and their rows show the split choice, not a bandwidth. ``ratio`` is the time aga
 best read bandwidth of the run (benchmarks/roofline.py probes, and these rows where the cache is over 256 MB).
 
 Run on a GPU: python3 -m benchmarks.decode_splits   (writes benchmarks/results/decode_splits.json: every row, and
-a summary per shape, cache and batch; ``--summarize FILE`` derives the summary of an earlier run's rows)
+a summary per shape, cache and batch; ``--summarize FILE`` derives the summary of an earlier run's rows).
+``--shapes``, ``--batches`` and ``--ctx`` narrow the grid (``--ctx`` sets every shape's context), ``--tiles`` times
+other launch shapes than the one decode_attention runs, ``--result-name`` writes another file.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ def parse_tile(text: str) -> DecodeTile:
     return tile
 
 
-def measure(name: str, cache_name: str, batch: int, sms: int, tiles: list[DecodeTile] | None = None) -> list[dict]:
-    hq, hkv, d, ctx = SHAPES[name]
+def measure(name: str, cache_name: str, batch: int, sms: int, tiles: list[DecodeTile] | None = None,
+            ctx: int | None = None) -> list[dict]:
+    hq, hkv, d, shape_ctx = SHAPES[name]
+    ctx = ctx or shape_ctx
     width = ctx // PAGE + 1  # the block table one block wider than the context, as a decode step's
     cache = torch.randn(2, batch * width + 1, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16).to(CACHES[cache_name])
     tables = (torch.randperm(batch * width, device="cuda").int() + 1).view(batch, width)
@@ -94,6 +98,9 @@ def main() -> None:
     p.add_argument("--tiles", nargs="+", type=parse_tile, metavar="BLOCK_N,WARPS,STAGES",
                    help="launch shapes to time (default: the one decode_attention runs)")
     p.add_argument("--caches", nargs="+", choices=sorted(CACHES), default=sorted(CACHES))
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    p.add_argument("--batches", nargs="+", type=int, default=BATCHES)
+    p.add_argument("--ctx", type=int, help="context of every row (default: each shape's own)")
     p.add_argument("--result-name", default="decode_splits", help="benchmarks/results/NAME.json")
     args = p.parse_args()
     if args.summarize:
@@ -105,7 +112,8 @@ def main() -> None:
         return
     sms = sm_count(torch.device("cuda"))
     bw = measured_read_bw()
-    rows = [r for name in SHAPES for cache in args.caches for b in BATCHES for r in measure(name, cache, b, sms, args.tiles)]
+    rows = [r for name in args.shapes for cache in args.caches for b in args.batches
+            for r in measure(name, cache, b, sms, args.tiles, args.ctx)]
     for r in rows:
         if r["bytes"] > L2_SAFE_BYTES:  # a cache the L2 could hold would report the L2's rate as HBM's
             bw.observe(f"decode attention {r['shape']} {r['cache']} bs={r['bs']} splits={r['splits']}", r["bytes"],
