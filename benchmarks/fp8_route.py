@@ -103,6 +103,11 @@ FMA_TILES = ((8, 128, 1, 4, 2), (8, 256, 1, 4, 2), (16, 128, 1, 4, 2), (8, 128, 
              (4, 128, 1, 2, 2), (8, 128, 1, 2, 2), (16, 128, 4, 4, 2))
 
 
+# Per-channel a8 tiles with K steps past one 128-column block, (rows, K step, FP8 dot) -> the stage counts
+# whose shared memory (stages x (rows + 64 rows of x) x step bytes) fits an H200's 227 KB.
+WIDE_STEP_TILES = {(64, 256, True): (2, 3), (128, 256, True): (2, 3), (64, 512, True): (2, 3)}
+
+
 def fma_config(block_n: int, per_thread: int, split_k: int, warps: int, stages: int) -> StreamConfig:
     """The FMA tile an ``FMA_TILES`` entry names: its step ``block_k`` from the weight bytes a thread loads."""
     return StreamConfig(block_n, per_thread * 32 * warps // block_n, num_warps=warps, num_stages=stages,
@@ -120,7 +125,7 @@ def even_waves(programs: int, sms: int) -> bool:
     return any(0.75 * waves * sms <= programs <= waves * sms for waves in (1, 2))
 
 
-def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
+def candidates(m: int, n: int, k: int, sms: int, channel: bool = False) -> list[StreamConfig]:
     """Stream tiles to try at ``m`` rows of an [n, k] weight.
 
     - m <= 4: FMA tiles (``FMA_TILES``): 4-32 rows, 64-256 weight bytes a thread, 2-8 warps, 2-4 stages,
@@ -132,7 +137,10 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
       (``even_waves``);
     - m > 4: the FP8 dot in tiles of 32-128 rows (256 above 16 rows), one 128-column scale block a step,
       split likewise; each tile twice: x quantized in the kernel, and x quantized by the launch before (a8),
-      the a8 tiles above 16 rows in three and four pipeline stages.
+      the a8 tiles above 16 rows in three and four pipeline stages;
+    - m > 16 with per-channel scales (``channel``): a8 tiles of 64 and 128 rows also 256 and 512 columns a
+      step. x then comes quantized per token, so no scale varies along K and the step is free of the scale
+      block (kernels/fp8_gemv.py's X_TOKEN): a wider step puts more bytes in flight a program.
     Every split keeps at least two tiles of K; each distinct tile is one more compile."""
     out = []
     if m <= 4:
@@ -151,6 +159,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
         if m > 16:
             tiles = ((64, 128, False), (128, 128, False), (128, 256, False), (64, 128, True), (128, 128, True),
                      (256, 128, True))
+            if channel:
+                tiles += tuple(WIDE_STEP_TILES)
         for bn, bk, fp8 in tiles:
             for split in range(1, 17):
                 programs, steps = triton.cdiv(n, bn) * split, k // bk
@@ -165,8 +175,10 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[StreamConfig]:
                 big = bn * block_m >= 64 * 64
                 warps = (8, 4) if big and fp8 and m > 32 and bn <= 128 else (8 if big else 4,)
                 # a8 tiles above 16 rows also with a fourth stage: one more weight and x step in flight
-                forms = [(a8, stages) for a8 in ((False, True) if fp8 and pow2 else (True,) if fp8 else (False,))
-                         for stages in ((3, 4) if a8 and m > 16 else (3,))]
+                wide = WIDE_STEP_TILES.get((bn, bk, fp8))
+                a8_forms = (True,) if wide or (fp8 and not pow2) else (False, True) if fp8 else (False,)
+                forms = [(a8, stages) for a8 in a8_forms
+                         for stages in (wide or ((3, 4) if a8 and m > 16 else (3,)))]
                 out += [StreamConfig(bn, bk, num_warps=w, num_stages=stages, use_dot=True, split_k=split, fp8_dot=fp8,
                                      a8=a8) for w in warps for a8, stages in forms]
     return out
@@ -257,7 +269,7 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
         widening = default_stream_config(m, n, k, tile_cap(gn, gk, k), sms)
         chosen = default_route(m, n, k, gn, gk, False, sms).config if channel else widening
         tried = {}
-        for cfg in dict.fromkeys([chosen, widening, *(candidates(m, n, k, sms) if sweep else [])]):
+        for cfg in dict.fromkeys([chosen, widening, *(candidates(m, n, k, sms, channel) if sweep else [])]):
             try:
                 tried[cfg] = cold.time_us(lambda w, c=cfg: stream(w, c))
             except Exception as e:  # a tile this card cannot hold (shared memory, registers): skipped, said so

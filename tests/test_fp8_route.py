@@ -11,11 +11,12 @@ from graphserve.kernels.fp8_config import MAX_BLOCK_N, MAX_FMA_ROWS, Fp8Rule, St
 ENV = {"device": "NVIDIA H200", "date": "2026-12-01", "commit": "abc1234", "torch": "2.11", "triton": "3.6"}
 
 
+@pytest.mark.parametrize("channel", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 4, 16, 32, 64])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_swept_tiles_are_valid_for_the_kernel(name: str, m: int) -> None:
+def test_swept_tiles_are_valid_for_the_kernel(name: str, m: int, channel: bool) -> None:
     n, k = SHAPES[name]
-    tiles = candidates(m, n, k, sms=132)
+    tiles = candidates(m, n, k, sms=132, channel=channel)
     assert tiles, (name, m)
     labels = [tile_label(c) for c in tiles]
     for cfg in tiles:
@@ -24,6 +25,8 @@ def test_swept_tiles_are_valid_for_the_kernel(name: str, m: int) -> None:
         assert cfg.block_n <= (MAX_BLOCK_N if cfg.fp8_dot else tile_cap(128, 128, k)) and k % cfg.block_k == 0
         assert cfg.split_k == 1 or cfg.block_k * 2 * cfg.split_k <= k  # every split keeps two tiles of K
         assert m <= MAX_FMA_ROWS or (cfg.use_dot and cfg.block_n >= 16)
+        # an FP8-dot step past the 128-column scale block only where x comes quantized per token
+        assert not cfg.fp8_dot or cfg.block_k <= 128 or (channel and cfg.a8 and m > 16)
         if m > MAX_FMA_ROWS:  # one to four programs an SM, or an even wave or two of the FP8 dot on quantized x
             programs = cfg.num_programs(n)
             steps = k // cfg.block_k

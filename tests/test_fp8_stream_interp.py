@@ -197,6 +197,7 @@ def test_stream_a8_matches_the_w8a8_reference(m, n, k, group_n, group_k, block_k
     (1, 40, 96, 32, 1, 16),  # one row, N tail
     (5, 37, 200, 64, 2, 64),  # N and K tails, split K
     (40, 24, 128, 32, 2, 16),  # a 64-row tile
+    (64, 40, 1024, 256, 2, 32),  # a step of two 128-column blocks (the sweep's per-channel wide steps)
 ])
 def test_stream_a8_per_token_x_takes_the_scales_after_one_dot_chain(m, n, k, block_k, split, block_n) -> None:
     """Per-channel weights with x quantized per token (``x_scale`` [M, 1]): the kernel accumulates every K
