@@ -42,6 +42,7 @@ from graphserve.kernels.fp8_gemv import (  # noqa: E402
 from graphserve.kernels.fp8_quant import (  # noqa: E402
     dequantize_blocks,
     norm_group_quant,
+    norm_group_quant_keep,
     per_token_group_quant,
     per_token_group_quant_reference,
     quantize_weight_blocks,
@@ -270,6 +271,27 @@ def test_prologue_quant_matches_the_separate_launches(m, k, group, pad) -> None:
             assert summed is None
         else:
             torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m,k,group", [(3, 96, 32), (5, 200, 64)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_quant_keeping_the_normed_rows_matches_the_separate_launches(m, k, group, with_residual) -> None:
+    """norm_group_quant_keep: the normed rows it writes are rms_norm's / fused_add_rms_norm's bit for bit, and
+    its fp8 values, scales and residual sum are norm_group_quant's."""
+    dtype = torch.bfloat16
+    x, res, nw = _randn(m, k, seed=k + 5).to(dtype), _randn(m, k, seed=k + 6).to(dtype), _randn(k, seed=k + 7).to(dtype)
+    residual = res if with_residual else None
+    normed, q, s, summed = norm_group_quant_keep(x, nw, 1e-6, group, residual)
+    q_ref, s_ref, summed_ref = norm_group_quant(x, nw, 1e-6, group, residual)
+    want = fused_add_rms_norm(x, res, nw, 1e-6)[0] if with_residual else rms_norm(x, nw, 1e-6)
+    assert normed.dtype == dtype and normed.shape == (m, k)
+    torch.testing.assert_close(normed, want, rtol=0, atol=0)
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=0, atol=0)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    if with_residual:
+        torch.testing.assert_close(summed, summed_ref, rtol=0, atol=0)
+    else:
+        assert summed is None and summed_ref is None
 
 
 @pytest.mark.parametrize("cfg", [FMA, DOT], ids=["fma", "dot"])

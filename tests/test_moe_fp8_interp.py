@@ -278,6 +278,51 @@ def test_fp8_layer_kernel_path_matches_cpu_path(block, monkeypatch):
     assert (got - want).norm() <= 2**-4 * want.norm()
 
 
+@pytest.mark.parametrize("block", [(16, 32), None])
+def test_fp8_layer_norms_and_quantizes_hidden_in_one_launch(block, monkeypatch):
+    """Past the router's add-norm rows, W8A8 experts take hidden quantized by the norm's launch
+    (kernels/fp8_quant.norm_group_quant_keep) and launch no quantization of their own before gate_up: the
+    same output, bit for bit, as the same normed hidden quantized by that launch, and the normed rows and the
+    residual sum rms_norm's."""
+    from graphserve.kernels import fp8_quant
+    from graphserve.layers.linear import Linear
+    from graphserve.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(23)
+    h, inter, t = 64, 24, 6
+    layer = FusedMoE(E, 2, h, inter, SoftmaxTopK(E, 2, False), dtype=torch.float32).to(DEVICE)
+    Fp8MoEMethod(Fp8Config(block=block, serialized=False)).create_weights(layer)
+    w13, w2 = _randn(E, 2 * inter, h, gen=gen, scale=0.3), _randn(E, h, inter, gen=gen, scale=0.3)
+    for e in range(E):
+        layer.load_weight("w13_weight", layer.w13_weight, w13[e, :inter], (e, "w1"))
+        layer.load_weight("w13_weight", layer.w13_weight, w13[e, inter:], (e, "w3"))
+        layer.load_weight("w2_weight", layer.w2_weight, w2[e], (e, "w2"))
+    layer.use_kernels = True
+    norm, gate = RMSNorm(h, 1e-6).to(DEVICE), Linear(h, E, bias=True).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(_randn(h, gen=gen))
+        gate.weight.copy_(_randn(E, h, gen=gen, scale=0.2))
+        gate.bias.copy_(_randn(E, gen=gen, scale=0.2))
+    x, residual = _randn(t, h, gen=gen), _randn(t, h, gen=gen)
+    assert layer._hidden_quant_group(x) == (block[1] if block else h)
+    quant_launches = []
+    real_quant = moe_fused.per_token_group_quant
+    monkeypatch.setattr(moe_fused, "per_token_group_quant", lambda *a, **kw: quant_launches.append(1) or real_quant(*a, **kw))
+    out, hidden, summed = layer.forward_add_norm_gate(x, residual, norm, gate)
+    assert len(quant_launches) == 1  # down's input only: gate_up's came from the norm's launch
+    want_hidden, want_summed = norm(x, residual)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(summed, want_summed, rtol=0, atol=0)
+    quant_launches.clear()
+    want = layer.forward_gate(hidden, gate)  # the experts quantizing the same hidden themselves
+    assert len(quant_launches) == 2
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    # a launch of other quantization cannot stand in for the experts' own
+    q, scales, _ = fp8_quant.norm_group_quant(x, norm.weight, 1e-6, 16 if block else h // 2, residual)
+    with pytest.raises(ValueError, match="pre-quantized activations"):
+        layer.forward_gate(hidden, gate, hidden_q=(q, scales))
+
+
 def test_tuner_sweeps_fp8_experts_and_writes_a_table_the_kernels_accept(monkeypatch):
     """``moe_tune --dtype float8_e4m3fn``'s control flow on the interpreter (wall-clock timing, two tiles)."""
     import json

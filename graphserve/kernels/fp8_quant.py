@@ -46,10 +46,11 @@ def quantize_rows(xf, OUT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCAL
 
 @triton.jit(do_not_specialize=["M"])  # batch-sized ints: see server/warmup.py
 def _token_group_quant_kernel(
-    x_ptr, res_ptr, nw_ptr, res_out_ptr, q_ptr, s_ptr, M, stride_xm, stride_rm, stride_rom, stride_qm, stride_sm,
-    stride_sg, eps, K: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-    GROUPS_PER_PROG: tl.constexpr, SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
-    STAT_BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, res_ptr, nw_ptr, res_out_ptr, q_ptr, s_ptr, made_ptr, M, stride_xm, stride_rm, stride_rom, stride_qm,
+    stride_sm, stride_sg, stride_mm, eps, K: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    NORM: tl.constexpr, KEEP_MADE: tl.constexpr, STAT_BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr,
+    MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     row = tl.program_id(0)
@@ -73,7 +74,10 @@ def _token_group_quant_kernel(
                     x_ptr.dtype.element_ty)  # fmt: skip
         tl.store(res_out_ptr + row * stride_rom + cols, h, mask=mask)
     x = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, row, cols, mask, rstd, K, SILU_MUL, ADD_RESIDUAL,
-                NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+                NORM, x_ptr.dtype.element_ty)  # fmt: skip
+    if KEEP_MADE:  # the unquantized input too (the prologue's output, already in x's dtype), for another reader
+        tl.store(made_ptr + row * stride_mm + cols, x, mask=mask)
+    x = x.to(tl.float32)
     q, scale = quantize_rows(x, q_ptr.dtype.element_ty, FP8_MAX_C, MIN_SCALE_C)
     tl.store(q_ptr + row * stride_qm + cols, q, mask=in_row)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < GROUPS)
@@ -82,7 +86,10 @@ def _token_group_quant_kernel(
 def _quant_launch(
     x: torch.Tensor, k: int, group_size: int, pad_rows_to: int, scales_column_major: bool, silu_mul: bool = False,
     norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+    made: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The launch behind this module's activation quantizers; ``made`` [M, k] in x's dtype, where given, receives
+    the quantized input unquantized (the prologue's output)."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"per_token_group_quant takes a row-major [M, K] tensor, got shape {tuple(x.shape)}")
     if group_size < 1:
@@ -107,11 +114,12 @@ def _quant_launch(
     placeholder = x  # pointers a disabled prologue never dereferences
     _token_group_quant_kernel[(rows, triton.cdiv(groups, per_prog))](
         x, residual if residual is not None else placeholder, norm_weight if norm_weight is not None else placeholder,
-        residual_out if residual_out is not None else placeholder, q, scales, m, x.stride(0),
-        residual.stride(0) if residual is not None else 0, residual_out.stride(0) if residual_out is not None else 0,
-        q.stride(0), scales.stride(0), scales.stride(1), float(eps), K=k, GROUPS=groups, GROUP=group_size, BLOCK=block,
+        residual_out if residual_out is not None else placeholder, q, scales, made if made is not None else placeholder,
+        m, x.stride(0), residual.stride(0) if residual is not None else 0,
+        residual_out.stride(0) if residual_out is not None else 0, q.stride(0), scales.stride(0), scales.stride(1),
+        made.stride(0) if made is not None else 0, float(eps), K=k, GROUPS=groups, GROUP=group_size, BLOCK=block,
         GROUPS_PER_PROG=per_prog, SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None, NORM=norm_weight is not None,
-        STAT_BLOCK=min(2048, triton.next_power_of_2(k)), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, num_warps=warps,
+        KEEP_MADE=made is not None, STAT_BLOCK=min(2048, triton.next_power_of_2(k)), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, num_warps=warps,
         **pdl_args(x.device, "_token_group_quant_kernel"),
     )  # fmt: skip
     return q, scales, residual_out
@@ -148,6 +156,26 @@ def norm_group_quant(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``(q, scales, x + residual or None)``: (residual add +) RMSNorm with kernels/norm.py's numerics, then
     ``per_token_group_quant``, in one launch (the normed rows are never written)."""
+    _check_norm_args(x, norm_weight, residual)
+    k = x.shape[-1]
+    return _quant_launch(x, k, group_size, pad_rows_to, scales_column_major, norm_weight=norm_weight, eps=eps,
+                         residual=residual)
+
+
+def norm_group_quant_keep(
+    x: torch.Tensor, norm_weight: torch.Tensor, eps: float, group_size: int, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``(normed, q, scales, x + residual or None)``: ``norm_group_quant`` that also writes the normed rows
+    (x's dtype), for a layer with two readers of them, one quantized (a routed block's experts) and one not
+    (its router): one launch where a norm and a quantization launch ran."""
+    _check_norm_args(x, norm_weight, residual)
+    normed = torch.empty_like(x)
+    q, scales, summed = _quant_launch(x, x.shape[-1], group_size, 1, False, norm_weight=norm_weight, eps=eps,
+                                      residual=residual, made=normed)  # fmt: skip
+    return normed, q, scales, summed
+
+
+def _check_norm_args(x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     if x.dim() != 2:
         raise ValueError(f"norm_group_quant takes x [M, K], got {tuple(x.shape)}")
     k = x.shape[-1]
@@ -157,8 +185,6 @@ def norm_group_quant(
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
         raise ValueError(f"norm_group_quant: residual {tuple(residual.shape)} {residual.dtype} must match x "
                          f"{tuple(x.shape)} {x.dtype}, row-major")
-    return _quant_launch(x, k, group_size, pad_rows_to, scales_column_major, norm_weight=norm_weight, eps=eps,
-                         residual=residual)
 
 
 def per_token_group_quant_reference(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

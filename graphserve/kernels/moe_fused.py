@@ -88,13 +88,16 @@ def fused_experts(
     w8a8: bool | None = None,
     gemm_tiles: tuple[GemmTile, GemmTile] | None = None,
     gemv_tiles: tuple[GemvTile, GemvTile] | None = None,
+    hidden_q: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum over slots of weight * down(silu(gate(x)) * up(x)) over this rank's experts, [T, H].
 
     ``valid`` (bool [T]) marks real rows; ``counts`` (int32 [E global]) receives pairs per expert.
     ``w13_scale`` / ``w2_scale``: the fp32 scales of fp8 ``w13`` / ``w2`` (``weight_block`` (bn, bk)
     blocks, or None: per output channel). ``path`` / ``w8a8`` / ``gemm_tiles`` / ``gemv_tiles``
-    override the table and the W8A8 rule (tests, tuner, benchmarks).
+    override the table and the W8A8 rule (tests, tuner, benchmarks). ``hidden_q``: ``hidden`` already
+    quantized as ``hidden_quant_group`` says (fp8 [T, H], fp32 scales [T, groups]), by the launch that made it;
+    gate_up reads it where it would quantize ``hidden`` by a launch of its own (elsewhere it is not read).
     """
     fp8 = w13_scale is not None or w2_scale is not None
     _check(hidden, w13, w2, topk_weights, topk_ids, fp8)
@@ -124,8 +127,24 @@ def fused_experts(
                         scales)  # fmt: skip
     else:
         _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
-                           step_tiles, scales, w8a8)  # fmt: skip
+                           step_tiles, scales, w8a8, hidden_q)  # fmt: skip
     return out
+
+
+def hidden_quant_group(t: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                       w2_scale: torch.Tensor | None, weight_block: tuple[int, int] | None) -> int | None:  # fmt: skip
+    """The group size in which ``fused_experts`` quantizes ``hidden`` by a launch of its own before gate_up, for a
+    call of ``t`` tokens on these experts (W8A8 grouped GEMM whose gate_up tile does not quantize inside); None
+    where it does not. The launch that makes ``hidden`` may then write it quantized so (``hidden_q``)."""
+    if w13_scale is None or t == 0:
+        return None
+    num_local, inter, h = w13.shape[0], w2.shape[2], w2.shape[1]
+    scales = expert_scales(w13, w2, w13_scale, w2_scale, weight_block)
+    tiles = moe_tiles(num_local, inter, h, w13.dtype, w13.device)
+    chosen, step_tiles, w8a8 = _plan(t * top_k, num_local, tiles, scales, None, None, None)
+    if chosen != "gemm" or not w8a8 or step_tiles[0].a8:
+        return None
+    return scales[0].group_k
 
 
 def _plan(pairs: int, num_local: int, tiles: MoeTiles, scales: ExpertScales | None, path: str | None,
@@ -205,11 +224,11 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
 
 
 def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles,
-                       scales=None, w8a8=False):  # fmt: skip
+                       scales=None, w8a8=False, hidden_q=None):  # fmt: skip
     """Sort/align, gate_up and down grouped GEMMs over [pairs] rows, then the slot sum.
 
-    W8A8: x is quantized per token group before gate_up and the activated product before down,
-    except for a step whose tile quantizes in the kernel (``GemmTile.a8``).
+    W8A8: x is quantized per token group before gate_up (or comes so, ``hidden_q``) and the activated
+    product before down, except for a step whose tile quantizes in the kernel (``GemmTile.a8``).
     """
     (t, h), (num_local, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     inter, pairs = two_i // 2, t * k
@@ -220,7 +239,7 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
     align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     down = torch.empty(pairs, h, dtype=hidden.dtype, device=hidden.device)
-    gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8)
+    gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8, hidden_q)
     gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8)
     block_h = min(1024, triton.next_power_of_2(h))
     moe_sum_kernel[(t, triton.cdiv(h, block_h))](
@@ -230,15 +249,24 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
 
 
 def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torch.Tensor, tile: GemmTile, align,
-              topk_weights: torch.Tensor, a_row_div: int, gated: bool, w8a8: bool) -> None:  # fmt: skip
+              topk_weights: torch.Tensor, a_row_div: int, gated: bool, w8a8: bool,
+              a_quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
     """One grouped GEMM over the sorted pairs: gate_up (``gated``: rows ``a[pair // a_row_div]``, silu * up
     written) or down (rows ``a[pair]``, times the routing weight). The step's mode: ``tile.a8``
-    quantizes a in the kernel (A_QUANT), else ``w8a8`` quantizes it first (A_FP8), else W8A16."""
+    quantizes a in the kernel (A_QUANT), else ``w8a8`` quantizes it first (A_FP8; ``a_quantized``: a already
+    quantized so, by its producer), else W8A16."""
     n, kk = b.shape[1] // (2 if gated else 1), b.shape[2]
     check_a8_tile(tile, sb)
     quantize_first = w8a8 and not tile.a8
     a_scale = a  # unread unless W8A8
-    if quantize_first:
+    if quantize_first and a_quantized is not None:
+        a, a_scale = a_quantized
+        rows, groups = topk_weights.numel() // a_row_div, triton.cdiv(kk, sb.group_k)
+        if (a.dtype != FP8_DTYPE or a.shape != (rows, kk) or a.stride(1) != 1 or a_scale.dim() != 2
+                or a_scale.shape != (rows, groups)):  # fmt: skip
+            raise ValueError(f"pre-quantized activations must be fp8 [{rows}, {kk}] with scales [{rows}, {groups}] "
+                             f"(groups of {sb.group_k}), got {a.dtype} {tuple(a.shape)} and {tuple(a_scale.shape)}")
+    elif quantize_first:
         a, a_scale = per_token_group_quant(a, sb.group_k)
     fp8_dot = w8a8 or tile.a8
     block_k = min(tile.block_k, max(32 if fp8_dot else 16, triton.next_power_of_2(kk)))

@@ -288,18 +288,23 @@ class FusedMoE(nn.Module):
             raise ValueError(f"router_logits must be [{t}, {self.num_experts}], got {tuple(router_logits.shape)}")
         return self._experts(hidden, *self.route(router_logits), valid)
 
-    def forward_gate(self, hidden: torch.Tensor, gate: nn.Linear, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_gate(self, hidden: torch.Tensor, gate: nn.Linear, valid: torch.Tensor | None = None,
+                     hidden_q: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
         """``forward(hidden, gate(hidden), valid)``, with the gate projection and the routing in one
         launch (kernels/moe_gate.py) where it applies: decode-sized batches on the kernel path (up to
         MAX_ROWS rows, up to DOT_MAX_ROWS in 16 bits), softmax top-k routing, a gate without bias.
-        ``gate`` keeps the checkpoint's weight."""
+        ``gate`` keeps the checkpoint's weight. ``hidden_q``: hidden quantized as ``_hidden_quant_group`` said
+        (fused_experts' ``hidden_q``)."""
         if self._gate_fusable(hidden, gate):
             from graphserve.kernels.moe_gate import moe_gate_softmax_topk
 
             routing = moe_gate_softmax_topk(hidden, gate.weight, self.top_k, self.router.renormalize,
                                             self.gate_counters)  # fmt: skip
-            return self._experts(hidden, *routing, valid)
-        return self.forward(hidden, gate(hidden), valid)
+            return self._experts(hidden, *routing, valid, hidden_q)
+        router_logits = gate(hidden)
+        if hidden_q is None:
+            return self.forward(hidden, router_logits, valid)
+        return self._experts(hidden, *self.route(router_logits), valid, hidden_q)
 
     def forward_add_norm_gate(
         self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gate: nn.Linear, valid: torch.Tensor | None = None
@@ -307,7 +312,9 @@ class FusedMoE(nn.Module):
         """``(forward_gate(h, gate, valid), h, x + residual)`` with ``h = norm(x + residual)``: a decoder
         layer's post-attention residual add and RMSNorm (``norm``, layers/norm.RMSNorm) ahead of the routed
         experts. Where ``forward_gate`` fuses its gate, the add and the norm join that launch too
-        (``h`` is what the router and any shared expert read); otherwise the norm runs first on its own."""
+        (``h`` is what the router and any shared expert read); otherwise the norm runs first, in the launch that
+        quantizes ``h`` for the experts where they would quantize it by a launch of their own (W8A8 fp8 experts,
+        kernels/fp8_quant.norm_group_quant_keep), else on its own."""
         from graphserve.kernels.moe_gate import ADD_NORM_MAX_ROWS, moe_add_norm_gate_softmax_topk
 
         if (x.shape[0] <= ADD_NORM_MAX_ROWS and self._gate_fusable(x, gate) and residual.shape == x.shape
@@ -317,8 +324,25 @@ class FusedMoE(nn.Module):
                 self.gate_counters,
             )  # fmt: skip
             return self._experts(hidden, weights, ids, valid), hidden, summed
+        group = self._hidden_quant_group(x)
+        if group is not None and residual.shape == x.shape and residual.dtype == x.dtype:
+            from graphserve.kernels.fp8_quant import norm_group_quant_keep
+
+            hidden, q, scales, residual = norm_group_quant_keep(x, norm.weight, norm.eps, group, residual)
+            return self.forward_gate(hidden, gate, valid, hidden_q=(q, scales)), hidden, residual
         hidden, residual = norm(x, residual)
         return self.forward_gate(hidden, gate, valid), hidden, residual
+
+    def _hidden_quant_group(self, x: torch.Tensor) -> int | None:
+        """The group size in which the experts would quantize a call of ``x``'s rows by a launch of their own
+        (kernels/moe_fused.hidden_quant_group), None where they would not or the call takes no kernels."""
+        use_kernels = x.is_cuda if self.use_kernels is None else self.use_kernels
+        if not use_kernels or self.quant_method is None or x.dim() != 2 or x.stride(-1) != 1:
+            return None
+        from graphserve.kernels.moe_fused import hidden_quant_group
+
+        return hidden_quant_group(x.shape[0], self.top_k, self.w13_weight, self.w2_weight,
+                                  **self.quant_method.kernel_args(self))  # fmt: skip
 
     def _gate_fusable(self, hidden: torch.Tensor, gate: nn.Linear) -> bool:
         use_kernels = hidden.is_cuda if self.use_kernels is None else self.use_kernels
@@ -330,8 +354,9 @@ class FusedMoE(nn.Module):
         return gate_fusable(hidden, gate.weight) and gate.weight.shape[0] == self.num_experts
 
     def _experts(
-        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor | None
-    ) -> torch.Tensor:
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, valid: torch.Tensor | None,
+        hidden_q: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         valid = _valid_mask(valid, hidden.shape[0], hidden.device)
         use_kernels = hidden.is_cuda if self.use_kernels is None else self.use_kernels
         if use_kernels:
@@ -340,7 +365,7 @@ class FusedMoE(nn.Module):
             quant = self.quant_method.kernel_args(self) if self.quant_method is not None else {}
             return fused_experts(
                 hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                valid=valid, expert_start=self.expert_start, counts=self.expert_counts, **quant,
+                valid=valid, expert_start=self.expert_start, counts=self.expert_counts, hidden_q=hidden_q, **quant,
             )  # fmt: skip
         self.expert_counts.copy_(expert_counts_reference(topk_ids, valid, self.num_experts))
         w13, w2 = self.w13_weight, self.w2_weight
