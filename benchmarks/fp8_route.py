@@ -24,6 +24,9 @@ bytes (fp8 + scales) at the best read bandwidth of this run (benchmarks.roofline
 read of the same weight's bytes in the same graph, launch for launch (``bare_read_us``); ``stream/read`` what the
 streaming kernel takes over it.
 
+o_proj per channel is timed a second way: its input as decode attention writes it (fp8 in one group a head, no
+quantization launch), through the fastest a8 tile whose K step is one head; where that beats the stream time above
+(a wider K step on x quantized per token by a launch), the table keeps that tile (``stream_input``: "attention").
 Per (shape, m) the table keeps the fastest fp8 path (and the stream tiles that won); a call of m rows
 takes the entry of the smallest measured count >= m, above the largest the code's defaults.
 Run: python3 -m benchmarks.fp8_route [--quick] [--scales block128|channel] [--shapes NAME ...] [--rows M ...]
@@ -86,6 +89,7 @@ SHAPES = {
 }
 DEFAULT_SHAPES = [name for name in SHAPES if name.startswith("llama3-8b")]
 PROLOGUES = {"qkv": "norm", "gate_up": "norm", "down": "silu"}  # by projection: what precedes it in a layer
+HEAD_DIM = 128  # both models' head size: the group in which decode attention writes o_proj's input quantized
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
 QUICK_ROWS = [1, 2, 4, 8, 16, 64, 256]
 COLD_BYTES = 256 << 20
@@ -283,13 +287,17 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
         if 0 < len(a8) < len(tried):  # the best of each kind, for the table's readers
             r["stream_a8_us"] = min(tried[c] for c in a8)
             r["stream_bf16x_us"] = min(tried[c] for c in tried if not c.a8)
-        if channel and a8 and name.endswith("o_proj"):
-            # o_proj's input as the attention kernel writes it in a decode step: fp8 in one group a head (the
-            # tile's K step), no quantization launch to time (layers/quant/fp8.py input_quant)
-            best_a8 = min(a8, key=tried.get)
-            q, s = per_token_group_quant(x, best_a8.block_k)
+        fed = [c for c in a8 if c.block_k == HEAD_DIM]
+        if channel and fed and name.endswith("o_proj"):
+            # o_proj's input as the attention kernel writes it in a decode step: fp8 in one group a head, which an
+            # a8 tile whose K step is one head reads with no quantization launch (layers/quant/fp8.py input_quant);
+            # a wider step takes x from a launch of its own, as timed above. The faster of the two is kept.
+            best_fed = min(fed, key=tried.get)
+            q, s = per_token_group_quant(x, HEAD_DIM)
             r["stream_a8_groups_us"] = cold.time_us(
-                lambda w: fp8_gemv_a8(q, s, w[0], w[1], gn, gk, torch.bfloat16, config=best_a8))
+                lambda w: fp8_gemv_a8(q, s, w[0], w[1], gn, gk, torch.bfloat16, config=best_fed))
+            if r["stream_a8_groups_us"] < r["stream_us"]:
+                r.update(stream_us=r["stream_a8_groups_us"], stream_config=vars(best_fed), stream_input="attention")
 
     def w8a8(w):
         if channel and scaled_mm_supported(m, n, k, x.device):  # as the layer's w8a8 path runs per channel
