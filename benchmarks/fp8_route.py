@@ -107,8 +107,9 @@ FMA_TILES = ((8, 128, 1, 4, 2), (8, 256, 1, 4, 2), (16, 128, 1, 4, 2), (8, 128, 
              (4, 128, 1, 2, 2), (8, 128, 1, 2, 2), (16, 128, 4, 4, 2))
 
 
-# Per-channel a8 tiles with K steps past one 128-column block, (rows, K step, FP8 dot) -> the stage counts
-# whose shared memory (stages x (rows + 64 rows of x) x step bytes) fits an H200's 227 KB.
+# Per-channel a8 tiles with K steps past one 128-column block, (rows, K step, FP8 dot) -> the stage counts swept:
+# two and three, where a stage holds (rows + up to 64 rows of x) x step bytes (three of 64x512: 192 KB of an
+# H200's 227 KB; a tile that does not fit is skipped by the sweep, said so).
 WIDE_STEP_TILES = {(64, 256, True): (2, 3), (128, 256, True): (2, 3), (64, 512, True): (2, 3)}
 
 

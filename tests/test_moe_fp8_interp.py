@@ -308,6 +308,8 @@ def test_fp8_layer_norms_and_quantizes_hidden_in_one_launch(block, monkeypatch):
     quant_launches = []
     real_quant = moe_fused.per_token_group_quant
     monkeypatch.setattr(moe_fused, "per_token_group_quant", lambda *a, **kw: quant_launches.append(1) or real_quant(*a, **kw))
+    # the answer is kept per row count: the layer asks every step, the experts' plan never changes after loading
+    monkeypatch.setattr(moe_fused, "hidden_quant_group", lambda *a, **kw: pytest.fail("asked the plan again"))
     out, hidden, summed = layer.forward_add_norm_gate(x, residual, norm, gate)
     assert len(quant_launches) == 1  # down's input only: gate_up's came from the norm's launch
     want_hidden, want_summed = norm(x, residual)

@@ -138,13 +138,19 @@ def hidden_quant_group(t: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, 
     where it does not. The launch that makes ``hidden`` may then write it quantized so (``hidden_q``)."""
     if w13_scale is None or t == 0:
         return None
-    num_local, inter, h = w13.shape[0], w2.shape[2], w2.shape[1]
-    scales = expert_scales(w13, w2, w13_scale, w2_scale, weight_block)
-    tiles = moe_tiles(num_local, inter, h, w13.dtype, w13.device)
-    chosen, step_tiles, w8a8 = _plan(t * top_k, num_local, tiles, scales, None, None, None)
+    scales, (chosen, step_tiles, w8a8) = _fp8_plan(t, top_k, w13, w2, w13_scale, w2_scale, weight_block, None, None)
     if chosen != "gemm" or not w8a8 or step_tiles[0].a8:
         return None
     return scales[0].group_k
+
+
+def _fp8_plan(t, top_k, w13, w2, w13_scale, w2_scale, weight_block, path, w8a8):
+    """(scales, ``_plan``) of a call of ``t`` tokens on these fp8 experts with the device's table, as
+    ``fused_experts`` makes them: what ``quantized_steps`` and ``hidden_quant_group`` ask of it."""
+    num_local, inter, h = w13.shape[0], w2.shape[2], w2.shape[1]
+    scales = expert_scales(w13, w2, w13_scale, w2_scale, weight_block)
+    tiles = moe_tiles(num_local, inter, h, w13.dtype, w13.device)
+    return scales, _plan(t * top_k, num_local, tiles, scales, path, w8a8, None)
 
 
 def _plan(pairs: int, num_local: int, tiles: MoeTiles, scales: ExpertScales | None, path: str | None,
@@ -180,10 +186,7 @@ def quantized_steps(t: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, w13
     """Whether ``fused_experts`` quantizes the activations of its gate_up and its down step for a call of
     ``t`` tokens on these fp8 experts (by a launch, W8A8, or inside the GEMM, an ``a8`` tile): what
     kernels/moe_fp8_reference.experts_fp8_reference must do to compute the same product."""
-    num_local, inter, h = w13.shape[0], w2.shape[2], w2.shape[1]
-    scales = expert_scales(w13, w2, w13_scale, w2_scale, weight_block)
-    tiles = moe_tiles(num_local, inter, h, w13.dtype, w13.device)
-    chosen, step_tiles, w8a8 = _plan(t * top_k, num_local, tiles, scales, path, w8a8, None)
+    _, (chosen, step_tiles, w8a8) = _fp8_plan(t, top_k, w13, w2, w13_scale, w2_scale, weight_block, path, w8a8)
     if chosen == "gemv":
         return False, False
     return w8a8 or step_tiles[0].a8, w8a8 or step_tiles[1].a8

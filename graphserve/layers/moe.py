@@ -182,6 +182,7 @@ class FusedMoE(nn.Module):
         )
         self.routing_override: str | None = None
         self.use_kernels: bool | None = None  # None: the fused kernels exactly when the input is on CUDA
+        self._quant_groups: dict[tuple[int, torch.device], int | None] = {}  # _hidden_quant_group's answers
         # layers/quant/fp8_moe.Fp8MoEMethod when the experts are stored in fp8: it owns their loading
         self.quant_method = None
 
@@ -273,20 +274,22 @@ class FusedMoE(nn.Module):
         return self.router(router_logits)
 
     def forward(
-        self, hidden: torch.Tensor, router_logits: torch.Tensor, valid: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self, hidden: torch.Tensor, router_logits: torch.Tensor, valid: torch.Tensor | None = None,
+        hidden_q: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """The routed experts' weighted sum [T, H] for hidden [T, H] and router logits [T, E].
 
         ``valid`` marks real rows when the batch is padded (CUDA-graph sizes): a bool mask [T], or
         the number of real rows as an integer tensor on the device. Padding rows route nowhere,
-        cost nothing, are not counted, and come out as zeros.
+        cost nothing, are not counted, and come out as zeros. ``hidden_q``: hidden already quantized as
+        ``_hidden_quant_group`` says, by the launch that made it (kernels/moe_fused.fused_experts' ``hidden_q``).
         """
         t = hidden.shape[0]
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
             raise ValueError(f"hidden must be [T, {self.hidden_size}], got {tuple(hidden.shape)}")
         if router_logits.shape != (t, self.num_experts):
             raise ValueError(f"router_logits must be [{t}, {self.num_experts}], got {tuple(router_logits.shape)}")
-        return self._experts(hidden, *self.route(router_logits), valid)
+        return self._experts(hidden, *self.route(router_logits), valid, hidden_q)
 
     def forward_gate(self, hidden: torch.Tensor, gate: nn.Linear, valid: torch.Tensor | None = None,
                      hidden_q: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
@@ -301,10 +304,7 @@ class FusedMoE(nn.Module):
             routing = moe_gate_softmax_topk(hidden, gate.weight, self.top_k, self.router.renormalize,
                                             self.gate_counters)  # fmt: skip
             return self._experts(hidden, *routing, valid, hidden_q)
-        router_logits = gate(hidden)
-        if hidden_q is None:
-            return self.forward(hidden, router_logits, valid)
-        return self._experts(hidden, *self.route(router_logits), valid, hidden_q)
+        return self.forward(hidden, gate(hidden), valid, hidden_q)
 
     def forward_add_norm_gate(
         self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gate: nn.Linear, valid: torch.Tensor | None = None
@@ -335,14 +335,19 @@ class FusedMoE(nn.Module):
 
     def _hidden_quant_group(self, x: torch.Tensor) -> int | None:
         """The group size in which the experts would quantize a call of ``x``'s rows by a launch of their own
-        (kernels/moe_fused.hidden_quant_group), None where they would not or the call takes no kernels."""
+        (kernels/moe_fused.hidden_quant_group), None where they would not or the call takes no kernels. A
+        function of the row count and the device alone once the weights are loaded: asked once each, as every
+        layer asks it every eager step."""
         use_kernels = x.is_cuda if self.use_kernels is None else self.use_kernels
         if not use_kernels or self.quant_method is None or x.dim() != 2 or x.stride(-1) != 1:
             return None
-        from graphserve.kernels.moe_fused import hidden_quant_group
+        key = (x.shape[0], x.device)
+        if key not in self._quant_groups:
+            from graphserve.kernels.moe_fused import hidden_quant_group
 
-        return hidden_quant_group(x.shape[0], self.top_k, self.w13_weight, self.w2_weight,
-                                  **self.quant_method.kernel_args(self))  # fmt: skip
+            self._quant_groups[key] = hidden_quant_group(x.shape[0], self.top_k, self.w13_weight, self.w2_weight,
+                                                         **self.quant_method.kernel_args(self))  # fmt: skip
+        return self._quant_groups[key]
 
     def _gate_fusable(self, hidden: torch.Tensor, gate: nn.Linear) -> bool:
         use_kernels = hidden.is_cuda if self.use_kernels is None else self.use_kernels
