@@ -325,6 +325,63 @@ def test_fp8_layer_norms_and_quantizes_hidden_in_one_launch(block, monkeypatch):
         layer.forward_gate(hidden, gate, hidden_q=(q, scales))
 
 
+# (scale block, intermediate, gate_up tile): gate_up's tile one of down's 32-wide activation groups; intermediate 24
+# is one partial group (columns 24-31 re-read weights the epilogue must not count), 48 a whole and a partial one
+QUANT_OUT_CASES = [((16, 32), 24, GemmTile(16, 32, 32, 1, 4, 2)), ((16, 32), 48, GemmTile(16, 32, 32, 2, 4, 2))]
+
+
+@pytest.mark.parametrize("block,inter,gate_up", QUANT_OUT_CASES)
+def test_w8a8_gate_up_quantizes_down_input_in_its_epilogue(block, inter, gate_up, monkeypatch):
+    """W8A8 with gate_up's tile one activation group wide: gate_up writes down's fp8 input and scales
+    (``QUANT_OUT``) and no quantization launch runs before down; the output equals, bit for bit, the same tiles
+    with that launch (the one rounding, kernels/fp8_quant.quantize_rows, in both), padding rows poisoned."""
+    spy = _LaunchSpy(moe_fused.fused_moe_gemm_kernel)
+    monkeypatch.setattr(moe_fused, "fused_moe_gemm_kernel", spy)
+    quant_launches = []
+    real_quant = moe_fused.per_token_group_quant
+    monkeypatch.setattr(moe_fused, "per_token_group_quant", lambda a, g: quant_launches.append(g) or real_quant(a, g))
+    gen = torch.Generator().manual_seed(inter + gate_up.group_m)
+    h, t, k = 64, 9, 3
+    w13, w2, s13, s2 = _fp8_experts(gen, E, h, inter, block)
+    x = _randn(t, h, gen=gen)
+    topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), k, True)
+    valid = torch.arange(t, device=DEVICE) < t - 1
+    x[-1:] = float("nan")
+    topk_w[-1:] = float("nan")
+    down = GemmTile(gate_up.block_m, 16, 32, 1, 4, 2)
+    args = dict(valid=valid, w13_scale=s13, w2_scale=s2, weight_block=block, path="gemm", w8a8=True,
+                gemm_tiles=(gate_up, down))  # fmt: skip
+    fused = fused_experts(x, w13, w2, topk_w, topk_ids, **args)
+    assert [c["QUANT_OUT"] for c in spy.launches] == [True, False] and quant_launches == [block[1]]
+    assert spy.launches[1]["A_FP8"]  # down reads the epilogue's fp8 rows and scales
+    spy.launches.clear()
+    quant_launches.clear()
+    monkeypatch.setattr(moe_fused, "quant_out_group", lambda *a: False)
+    apart = fused_experts(x, w13, w2, topk_w, topk_ids, **args)
+    assert [c["QUANT_OUT"] for c in spy.launches] == [False, False] and quant_launches == [block[1]] * 2
+    assert torch.isfinite(fused[:-1]).all() and torch.equal(fused[-1:].cpu(), torch.zeros(1, h))
+    torch.testing.assert_close(fused, apart, rtol=0, atol=0)
+    want = experts_fp8_reference(x, w13, w2, s13, s2, block, topk_w, topk_ids, valid, w8a8=True)
+    # the interpreter rounds to e4m3 its own way (test_fp8_experts_match_reference): the bound is the size of the
+    # activations' quantization error (3 mantissa bits), which a wrong group or scale exceeds many times
+    assert want[:-1].abs().max() > 0.1 and relative_error(fused[:-1], want[:-1]) < 0.1
+
+
+def test_quant_out_group_rule():
+    """The epilogue quantizes only where down runs W8A8 by a launch and gate_up's tile is one group wide."""
+    from graphserve.kernels.moe_fused import quant_out_group
+    from graphserve.kernels.moe_scales import ExpertScales
+
+    blocks, channel = ExpertScales(torch.ones(2, 4, 4), 128, 128), ExpertScales(torch.ones(2, 512, 1), 1, 768)
+    gu, dn = GemmTile(16, 128, 128, 1, 4, 3), GemmTile(16, 64, 128, 1, 4, 3)
+    assert quant_out_group(gu, dn, blocks, True)
+    assert not quant_out_group(gu, dn, blocks, False)  # W8A16: down reads the activation dtype
+    assert not quant_out_group(GemmTile(16, 64, 128, 1, 4, 3), dn, blocks, True)  # half a group a tile
+    assert not quant_out_group(gu, GemmTile(16, 64, 128, 1, 4, 3, a8=True), blocks, True)  # down quantizes itself
+    assert not quant_out_group(gu, dn, channel, True)  # per channel: the group is the whole row
+    assert not quant_out_group(gu, dn, None, True)
+
+
 def test_tuner_sweeps_fp8_experts_and_writes_a_table_the_kernels_accept(monkeypatch):
     """``moe_tune --dtype float8_e4m3fn``'s control flow on the interpreter (wall-clock timing, two tiles)."""
     import json

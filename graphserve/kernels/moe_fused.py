@@ -32,6 +32,7 @@ import dataclasses
 
 import torch
 import triton
+import triton.language as tl
 
 from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, per_token_group_quant
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, max_padded_pairs, moe_align
@@ -44,6 +45,7 @@ from graphserve.kernels.pdl import pdl_args
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PATHS = ("gemv", "gemm")
 FP8_DTYPE = torch.float8_e4m3fn
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # average (token, slot) pairs per local expert from which the FP8 grouped GEMM quantizes its
 # activations and runs W8A8: from the first (module docstring); benchmarks/moe_fp8.py times both modes per
 # batch, and its --w8a8-rows-per-expert runs the decode steps under another value
@@ -240,10 +242,17 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
         raise ValueError(f"gate_up block_m={gu.block_m} and down block_m={dn.block_m} must match (one sort)")
     s13, s2 = scales or (None, None)
     align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
-    act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     down = torch.empty(pairs, h, dtype=hidden.dtype, device=hidden.device)
-    gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8, hidden_q)
-    gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8)
+    if quant_out_group(gu, dn, s2, w8a8):
+        # gate_up's tile is one of down's activation groups: its epilogue writes the fp8 groups and scales
+        act = torch.empty(pairs, inter, dtype=FP8_DTYPE, device=hidden.device)
+        act_s = torch.empty(pairs, triton.cdiv(inter, s2.group_k), dtype=torch.float32, device=hidden.device)
+        gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8, hidden_q, c_scale=act_s)
+        gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8, (act, act_s))
+    else:
+        act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
+        gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8, hidden_q)
+        gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8)
     block_h = min(1024, triton.next_power_of_2(h))
     moe_sum_kernel[(t, triton.cdiv(h, block_h))](
         down, out, topk_ids, valid_arg, h, expert_start, down.stride(0), out.stride(0),
@@ -251,15 +260,32 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
     )  # fmt: skip
 
 
+def quant_out_group(gate_up: GemmTile, down: GemmTile, s2: ExpertScales | None, w8a8: bool) -> bool:
+    """Whether gate_up's epilogue quantizes the activation for down (``QUANT_OUT``): down runs W8A8 by a
+    quantization launch and gate_up's tile is exactly one of its activation groups wide (the scale block's K
+    of w2), so each tile holds whole groups and the launch has nothing left to do."""
+    return w8a8 and s2 is not None and not down.a8 and gate_up.block_n == s2.group_k
+
+
 def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torch.Tensor, tile: GemmTile, align,
               topk_weights: torch.Tensor, a_row_div: int, gated: bool, w8a8: bool,
-              a_quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+              a_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+              c_scale: torch.Tensor | None = None) -> None:  # fmt: skip
     """One grouped GEMM over the sorted pairs: gate_up (``gated``: rows ``a[pair // a_row_div]``, silu * up
     written) or down (rows ``a[pair]``, times the routing weight). The step's mode: ``tile.a8``
     quantizes a in the kernel (A_QUANT), else ``w8a8`` quantizes it first (A_FP8; ``a_quantized``: a already
-    quantized so, by its producer), else W8A16."""
+    quantized so, by its producer), else W8A16. ``c_scale`` (gate_up, fp32 [pairs, N / block_n]): c is fp8 and
+    each tile's rows are quantized as one group, the scales written there (``quant_out_group``)."""
     n, kk = b.shape[1] // (2 if gated else 1), b.shape[2]
     check_a8_tile(tile, sb)
+    act_dtype = TL_DTYPES[a.dtype if a.dtype in TL_DTYPES else c.dtype]  # rounding before QUANT_OUT quantizes
+    if c_scale is not None:
+        groups = triton.cdiv(n, tile.block_n)
+        if (not gated or c.dtype != FP8_DTYPE or c_scale.dtype != torch.float32 or c_scale.dim() != 2
+                or c_scale.shape[1] != groups or c_scale.stride(1) != 1 or c_scale.shape[0] != c.shape[0]):  # fmt: skip
+            raise ValueError(f"a quantized gate_up output needs fp8 c with fp32 scales [{c.shape[0]}, {groups}] "
+                             f"(groups of block_n={tile.block_n}), got c {c.dtype}, scales {c_scale.dtype} "
+                             f"{tuple(c_scale.shape)}, gated={gated}")
     quantize_first = w8a8 and not tile.a8
     a_scale = a  # unread unless W8A8
     if quantize_first and a_quantized is not None:
@@ -280,11 +306,13 @@ def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torc
     pairs = topk_weights.numel()
     fused_moe_gemm_kernel[(align.max_blocks * triton.cdiv(n, tile.block_n),)](
         a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, a_scale, args["scale"],
+        a_scale if c_scale is None else c_scale,
         pairs, n, align.max_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        a_scale.stride(0), args["stride_e"], args["stride_n"], args["up_row"],
+        a_scale.stride(0), args["stride_e"], args["stride_n"], 0 if c_scale is None else c_scale.stride(0),
+        args["up_row"],
         K=kk, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated,
         IEEE=a.dtype == torch.float32 and not fp8_dot, B_FP8=sb is not None, A_FP8=quantize_first, **args["consts"],
-        K_SCALES=k_only, A_QUANT=tile.a8, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+        K_SCALES=k_only, A_QUANT=tile.a8, QUANT_OUT=c_scale is not None, ACT_DTYPE=act_dtype, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(a.device, "fused_moe_gemm_kernel"),
     )  # fmt: skip

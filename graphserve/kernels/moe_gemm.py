@@ -22,6 +22,9 @@ and ``A_QUANT`` (grouped GEMM, block scales) is W8A8 with the quantization insid
 loaded in the activation dtype and each row of each K step (one scale block wide) quantized in
 registers as kernels/fp8_quant.per_token_group_quant does, as kernels/fp8_gemv.py's FP8 dot does for
 the dense projections; no quantization launch and no fp8 copy of a in memory, the same step math.
+On the producing side, ``QUANT_OUT`` lets gate_up write down's W8A8 input itself: where its tile is one
+activation group wide, the epilogue quantizes silu * up per row as that launch would and stores fp8 and
+the group's scale, and the launch between the two GEMMs does not run (kernels/moe_fused.quant_out_group).
 
 Where the block scales go in the grouped GEMM:
 - W8A16 with a tile's BLOCK_N columns inside one scale row (``K_SCALES``: BLOCK_N divides GROUP_N,
@@ -105,20 +108,27 @@ def _gemm_step(acc, a, b, a_s, bs_ptrs, ks, k0, IEEE: tl.constexpr, B_FP8: tl.co
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])  # batch-sized ints: see server/warmup.py
 def fused_moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, as_ptr, bs_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, as_ptr, bs_ptr, cs_ptr,
     num_pairs, N, num_blocks_m, stride_am, stride_be, stride_bn, stride_cm,
-    stride_asm, stride_bse, stride_bsn, scale_up_row,
+    stride_asm, stride_bse, stride_bsn, stride_csm, scale_up_row,
     K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
     B_FP8: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, K_SCALES: tl.constexpr, A_QUANT: tl.constexpr, FP8_MAX_C: tl.constexpr,
-    MIN_SCALE_C: tl.constexpr,
+    PER_CHANNEL: tl.constexpr, K_SCALES: tl.constexpr, A_QUANT: tl.constexpr, QUANT_OUT: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One [BLOCK_M, BLOCK_N] output tile of one expert's run; the grid covers the worst-case sort."""
+    """One [BLOCK_M, BLOCK_N] output tile of one expert's run; the grid covers the worst-case sort.
+
+    ``QUANT_OUT`` (gate_up): the tile's BLOCK_N columns are one activation group of the down step's W8A8; the
+    epilogue quantizes each row of silu * up (rounded to ``ACT_DTYPE`` first, as it would be stored) and
+    writes fp8 into ``c_ptr`` with the group's fp32 scale at ``cs_ptr`` [pairs, groups]: what the quantization
+    launch would make of the stored tile, so that launch does not run."""
     pdl_enter(PDL)
     if A_QUANT:  # a step's activation scale is its K step's amax: one weight scale block per step
         tl.static_assert(B_FP8 and not PER_CHANNEL and not A_FP8 and not K_SCALES)
         tl.static_assert(BLOCK_K == GROUP_K or BLOCK_K >= K)
+    if QUANT_OUT:
+        tl.static_assert(GATED)
     A8: tl.constexpr = A_FP8 or A_QUANT  # the step runs on the FP8 tensor cores with both scales
     pid = tl.program_id(0)
     num_blocks_n = tl.cdiv(N, BLOCK_N)
@@ -193,9 +203,17 @@ def fused_moe_gemm_kernel(
     w = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
-    out = gated_epilogue(acc_g, acc_u, w, GATED, MUL_WEIGHT, c_ptr.dtype.element_ty)
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, out, mask=row_mask[:, None] & (offs_n[None, :] < N))
+    if QUANT_OUT:
+        out = gated_epilogue(acc_g, acc_u, w, GATED, MUL_WEIGHT, ACT_DTYPE).to(tl.float32)
+        # columns past N hold re-read weights: zeros there, as the launch's group past K would load
+        out = tl.where((offs_n < N)[None, :], out, 0.0)
+        q, c_s = quantize_rows(out, c_ptr.dtype.element_ty, FP8_MAX_C, MIN_SCALE_C)
+        tl.store(c_ptrs, q, mask=row_mask[:, None] & (offs_n[None, :] < N))
+        tl.store(cs_ptr + pairs.to(tl.int64) * stride_csm + pid_n, c_s, mask=row_mask)
+    else:
+        out = gated_epilogue(acc_g, acc_u, w, GATED, MUL_WEIGHT, c_ptr.dtype.element_ty)
+        tl.store(c_ptrs, out, mask=row_mask[:, None] & (offs_n[None, :] < N))
 
 
 @triton.jit

@@ -5,7 +5,8 @@ Fresh random bf16 activations against the dequantizing reference (kernels/moe_fp
 which quantizes the activations the same way where the layer does (the W8A8 rule, ``t * k >=
 W8A8_MIN_ROWS_PER_EXPERT * E``, or the tuned table's ``a8`` tiles: kernels/moe_fused.quantized_steps); 128x128 block and per-channel scales; the streaming path, the
 grouped GEMM in W8A16 and in W8A8 forced at small batches, and with the activations quantized inside
-it (``GemmTile.a8``); FusedMoE with fp8 experts captured into a CUDA graph with padding rows and
+it (``GemmTile.a8``) or by gate_up's epilogue for down (``QUANT_OUT``); FusedMoE with fp8 experts
+captured into a CUDA graph with padding rows and
 replayed on new inputs (equal to eager bit for bit, padding rows zero and uncounted), including a
 size that takes the W8A8 path; the workspace bound.
 """
@@ -134,6 +135,29 @@ def test_a8_tiles_quantize_in_the_gemm(name, t, experts, gen):
                             w8a8=w8a8, gemm_tiles=tiles)  # fmt: skip
         assert not out.isnan().any(), tiles
         assert rel_err(out, ref) < TOL, (tiles, w8a8)
+
+
+@pytest.mark.parametrize("t", [7, 64, 256])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_gate_up_epilogue_quantizes_down_input(name, t, experts, gen, monkeypatch):
+    """W8A8 with a gate_up tile one activation group wide (128): gate_up's epilogue writes down's fp8 input
+    (``QUANT_OUT``) in place of the quantization launch, equal bit for bit to the same tiles with the launch,
+    gate_up quantizing its own input or not, and within the W8A8 tolerance of the reference."""
+    from graphserve.kernels import moe_fused
+
+    w13, w2, s13, s2 = experts[name, "block"]
+    x, w, ids = _routing(t, name, gen)
+    ref = experts_fp8_reference(x, w13, w2, s13, s2, BLOCK, w, ids, w8a8=True)
+    for gate_up in (GemmTile(16, 128, 128, 1, 4, 3), GemmTile(16, 128, 128, 1, 8, 4, a8=True)):
+        args = dict(w13_scale=s13, w2_scale=s2, weight_block=BLOCK, path="gemm", w8a8=True,
+                    gemm_tiles=(gate_up, PLAIN))  # fmt: skip
+        assert moe_fused.quant_out_group(gate_up, PLAIN, moe_fused.expert_scales(w13, w2, s13, s2, BLOCK)[1], True)
+        fused = fused_experts(x, w13, w2, w, ids, **args)
+        with monkeypatch.context() as m:
+            m.setattr(moe_fused, "quant_out_group", lambda *a: False)
+            apart = fused_experts(x, w13, w2, w, ids, **args)
+        assert torch.equal(fused, apart), gate_up
+        assert rel_err(fused, ref) < TOL, gate_up
 
 
 def _fp8_layer(name, kind, experts) -> FusedMoE:
