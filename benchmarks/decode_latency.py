@@ -8,6 +8,8 @@ real step, not from an L2 warmed by the previous layer):
   ``min_split_len`` (64 reproduces the one-step splits of the launch; 128 is the default);
 - the MoE router gate + softmax top-k at one row of Qwen3-30B-A3B's router (128 x 2048, k 8), plain
   and with the add + RMSNorm, for gate rows per program and the top-k tail (ranks or argmax rounds);
+- ``--only router-select``: the tensor-core gate + top-k at 16, 32 and 64 rows, and the standalone top-k, for
+  each way of selecting the k largest (kernels/moe_routing.TOPK_SELECTS), at k 8 and k 1;
 - the streaming experts (gate_up + down) at one token of Qwen3-30B-A3B (k 8 of 128 experts, random
   routing per layer) for a few gate_up tiles, with the table's down tile; ``gbps`` counts the
   routed experts' bytes.
@@ -28,6 +30,8 @@ from graphserve.kernels.decode_attention import choose_num_splits, counters_nume
 from graphserve.kernels.moe_config import GemvTile, moe_tiles
 from graphserve.kernels.moe_fused import fused_experts
 from graphserve.kernels.moe_gate import moe_add_norm_gate_softmax_topk, moe_gate_softmax_topk
+from graphserve.kernels.moe_gate_dot import GATE_COUNTERS, moe_gate_dot_softmax_topk
+from graphserve.kernels.moe_routing import TOPK_SELECTS, moe_softmax_topk
 
 DT = torch.bfloat16
 PAGE = 16
@@ -93,6 +97,27 @@ def bench_gate(block_eps: list[int], layers: int) -> list[dict]:
     return rows
 
 
+def bench_router_select(rows_list: list[int], layers: int) -> list[dict]:
+    """The tensor-core gate (kernels/moe_gate_dot.py) at decode batches of Qwen3-30B-A3B's router, and the
+    standalone top-k on fp32 logits, for each of kernels/moe_routing.TOPK_SELECTS; top-1 too, where the
+    selection is one round whatever it is (what the k rounds cost over it)."""
+    e, h, k = ROUTER
+    rows = []
+    for t in rows_list:
+        xs = [torch.randn(t, h, device="cuda", dtype=DT) for _ in range(layers)]
+        gates = [(torch.randn(e, h, device="cuda") * h**-0.5).to(DT) for _ in range(layers)]
+        logits = [torch.randn(t, e, device="cuda") for _ in range(layers)]
+        counters = [torch.zeros(GATE_COUNTERS, dtype=torch.int32, device="cuda") for _ in range(layers)]
+        for top_k in (1, k):
+            for select in TOPK_SELECTS:
+                calls = [lambda x=x, g=g, c=c, s=select, kk=top_k: moe_gate_dot_softmax_topk(x, g, kk, True, c, select=s)
+                         for x, g, c in zip(xs, gates, counters)]  # fmt: skip
+                rows.append(_row("moe_gate_dot", f"T{t} E{e} H{h} k{top_k}", f"select={select}", per_call_us(calls)))
+                calls = [lambda lg=lg, s=select, kk=top_k: moe_softmax_topk(lg, kk, True, select=s) for lg in logits]
+                rows.append(_row("moe_softmax_topk", f"T{t} E{e} k{top_k}", f"select={select}", per_call_us(calls)))
+    return rows
+
+
 def bench_experts(tiles: list[GemvTile], layers: int) -> list[dict]:
     e, h, inter, k = EXPERTS
     w13s = [torch.randn(e, 2 * inter, h, device="cuda", dtype=DT) * 0.02 for _ in range(layers)]
@@ -129,7 +154,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="batch 1 attention at 1024 tokens, fewer knobs")
     p.add_argument("--layers", type=int, default=48, help="calls per graph, each on its own buffers")
+    p.add_argument("--only", choices=["router-select"], help="one section: the router's top-k selections at "
+                   "decode batches (writes decode_latency_router_select.json)")  # fmt: skip
     args = p.parse_args()
+    if args.only == "router-select":
+        with torch.inference_mode():
+            rows = bench_router_select([16, 32, 64], args.layers)
+        write_result("decode_latency_router_select", {"layers": args.layers, "rows": rows})
+        return
     split_lens = [64, 128] if args.quick else [64, 128, 256]
     attention = [(1, 1024, 1088), (1, 1024, 8192)] + ([] if args.quick else [(4, 1024, 1088), (1, 4096, 8192)])
     rows = []

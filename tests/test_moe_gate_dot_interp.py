@@ -96,6 +96,40 @@ def test_dot_gate_tiles_override(t, h, block_ep, split_k):
     assert torch.equal(counter, torch.zeros_like(counter))
 
 
+@pytest.mark.parametrize("select", ["packed", "bitonic"])
+@pytest.mark.parametrize("t,e,k", [(64, 128, 8), (33, 60, 4), (16, 64, 6)])
+def test_dot_gate_selections_give_the_rounds_outputs(t, e, k, select):
+    """The packed-key selections (kernels/moe_routing.TOPK_SELECTS) write the argmax rounds' weights and ids bit
+    for bit, ties included (the grid's rounded logits tie), with k not a power of two too."""
+    x, gate = _grid_inputs(t, e, 256, seed=t + e + k)
+    counter = torch.zeros(GATE_COUNTERS, dtype=torch.int32, device=DEVICE)
+    w0, ids0 = moe_gate_dot_softmax_topk(x, gate, k, True, counter, select="rounds")
+    w, ids = moe_gate_dot_softmax_topk(x, gate, k, True, counter, select=select)
+    assert torch.equal(ids, ids0) and torch.equal(w, w0)
+    _check_routing(x, gate, k, True, w, ids)
+
+
+@pytest.mark.parametrize("select", ["rounds", "packed", "bitonic"])
+def test_softmax_topk_selections_agree_with_ties_and_padding(select):
+    """moe_softmax_topk by each selection: the stable order of the probabilities (a tie to the lower expert),
+    experts past E (60 in a 64-wide tile) never chosen, rows past T untouched."""
+    from graphserve.kernels.moe_routing import moe_softmax_topk
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 60, generator=gen)
+    logits[0, 3] = logits[0, 41] = logits[0, 7] = logits[0].max() + 1.0  # a three-way tie at the top
+    logits[1] = -30.0  # every probability equal
+    logits = logits.to(DEVICE)
+    w, ids = moe_softmax_topk(logits, 6, False, select=select)
+    probs = torch.softmax(logits.float(), dim=-1)
+    stable = torch.sort(probs, dim=1, descending=True, stable=True)
+    assert torch.equal(ids, stable.indices[:, :6].to(torch.int32))
+    assert torch.equal(ids[1].cpu(), torch.arange(6, dtype=torch.int32))
+    torch.testing.assert_close(w, stable.values[:, :6], rtol=1e-6, atol=0)  # the kernel's own exp and sum
+    with pytest.raises(ValueError, match=r"select='sorted' must be one of \('rounds', 'packed', 'bitonic'\)"):
+        moe_softmax_topk(logits, 6, False, select="sorted")
+
+
 def test_dot_gate_refuses_by_name_and_limit():
     x, gate = _grid_inputs(DOT_MAX_ROWS + 1, 16, 64, seed=1)
     counter = torch.zeros(GATE_COUNTERS, dtype=torch.int32, device=DEVICE)

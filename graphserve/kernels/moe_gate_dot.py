@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.moe_routing import MAX_EXPERTS, _softmax_topk_store
+from graphserve.kernels.moe_routing import MAX_EXPERTS, _softmax_topk_store, topk_select
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 # The tensor-core path takes 16-bit activations up to this many rows (a decode batch); past it the gate is a
@@ -41,7 +41,7 @@ def moe_gate_dot_softmax_topk_kernel(
     x_ptr, gate_ptr, partial_ptr, counter_ptr, weights_ptr, ids_ptr, T, stride_xt, stride_ge,
     E: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_EP: tl.constexpr, SPLIT_K: tl.constexpr, K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, EVEN_H: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, EVEN_H: tl.constexpr, SELECT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, expert block, split): the fp32 partial logits of its rows and experts over columns
     [split * K_SPAN, (split + 1) * K_SPAN) of H, into ``partial_ptr`` [SPLIT_K, T, E]. The row block's last
@@ -83,7 +83,7 @@ def moe_gate_dot_softmax_topk_kernel(
         # rounded where the separate gate projection would write its output
         logits = summed.to(x_ptr.dtype.element_ty).to(tl.float32)
         _softmax_topk_store(logits, rows, row_mask, cols, weights_ptr, ids_ptr,
-                            E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_TOPK)  # fmt: skip
+                            E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_TOPK, SELECT)  # fmt: skip
         tl.atomic_xchg(counter_ptr + pid_t, 0, sem="relaxed", scope="gpu")
 
 
@@ -115,13 +115,14 @@ def dot_tiles(rows: int, num_experts: int) -> tuple[int, int]:
 
 def moe_gate_dot_softmax_topk(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, counter: torch.Tensor,
-    *, block_ep: int | None = None, split_k: int | None = None,
+    *, block_ep: int | None = None, split_k: int | None = None, select: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``moe_gate_softmax_topk`` on the tensor cores, for 16-bit x [T, H] with T <= DOT_MAX_ROWS: one launch.
 
     ``counter`` is int32 with one entry per row block of ``DOT_BLOCK_T`` rows (``GATE_COUNTERS`` cover any T),
     zero before the call; the kernel leaves it zero. ``block_ep`` (experts per program, a power of two >= 16)
-    and ``split_k`` (splits of H) override ``dot_tiles`` (tests, benchmarks).
+    and ``split_k`` (splits of H) override ``dot_tiles`` (tests, benchmarks); ``select``: the top-k's selection
+    (kernels/moe_routing.TOPK_SELECTS, default ``TOPK_SELECT``).
     """
     t, h, e = checked_gate_args(x, gate_weight, top_k, DOT_MAX_ROWS)
     if x.dtype not in DOT_DTYPES:
@@ -135,7 +136,7 @@ def moe_gate_dot_softmax_topk(
         raise ValueError(f"block_ep={block_ep} must be a power of two >= 16 (tl.dot's smallest N)")
     if split_k < 1:
         raise ValueError(f"split_k={split_k} must be >= 1")
-    consts = dot_constants(h, e, top_k, renormalize, block_ep, split_k)
+    consts = dot_constants(h, e, top_k, renormalize, block_ep, split_k, select)
     if x.stride(1) != 1:
         x = x.contiguous()
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
@@ -149,7 +150,8 @@ def moe_gate_dot_softmax_topk(
     return weights, ids
 
 
-def dot_constants(h: int, e: int, top_k: int, renormalize: bool, block_ep: int, split_k: int) -> dict:
+def dot_constants(h: int, e: int, top_k: int, renormalize: bool, block_ep: int, split_k: int,
+                  select: str | None = None) -> dict:  # fmt: skip
     """The kernel's constexprs for a gate of ``e`` experts over ``h`` columns in ``split_k`` splits (fewer where a
     split would start past H, which would only add zeros); benchmarks/kernel_ptxas.py compiles the same ones."""
     block_k = max(16, min(DOT_BLOCK_K, triton.next_power_of_2(triton.cdiv(h, split_k))))
@@ -157,7 +159,7 @@ def dot_constants(h: int, e: int, top_k: int, renormalize: bool, block_ep: int, 
     splits = triton.cdiv(h, k_span)
     return {"E": e, "H": h, "TOP_K": top_k, "RENORMALIZE": renormalize, "BLOCK_T": DOT_BLOCK_T, "BLOCK_EP": block_ep,
             "SPLIT_K": splits, "K_SPAN": k_span, "BLOCK_K": block_k, "BLOCK_E": triton.next_power_of_2(e),
-            "BLOCK_TOPK": triton.next_power_of_2(top_k), "EVEN_H": splits * k_span == h}
+            "BLOCK_TOPK": triton.next_power_of_2(top_k), "EVEN_H": splits * k_span == h, "SELECT": topk_select(select)}
 
 
 def dot_warps(e: int) -> int:

@@ -20,12 +20,31 @@ from graphserve.kernels.pdl import pdl_args, pdl_enter
 MAX_EXPERTS = 1024
 
 
+# How _softmax_topk_store picks the k largest of a row (the same weights and ids either way):
+# "rounds": k rounds of argmax, each a reduction carrying value and index;
+# "packed": k rounds of max over one int64 key per expert, the probability's bits above the complement of its
+#   column (probabilities are >= 0, so their bits order as the floats do; a tie goes to the lower column);
+# "bitonic": tl.topk (a bitonic sort network cut to k) over the same keys.
+TOPK_SELECTS = ("rounds", "packed", "bitonic")
+TOPK_SELECT = "rounds"
+
+
+def topk_select(select: str | None) -> str:
+    """``select``, or the module's ``TOPK_SELECT``; anything else is refused by name."""
+    select = TOPK_SELECT if select is None else select
+    if select not in TOPK_SELECTS:
+        raise ValueError(f"select={select!r} must be one of {TOPK_SELECTS}")
+    return select
+
+
 @triton.jit
 def _softmax_topk_store(
     logits, rows, row_mask, cols, weights_ptr, ids_ptr,
     E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    SELECT: tl.constexpr = "rounds",
 ):  # fmt: skip
-    """Softmax over the fp32 logits [BLOCK_T, BLOCK_E] of ``rows``, the k largest, written once."""
+    """Softmax over the fp32 logits [BLOCK_T, BLOCK_E] of ``rows``, the k largest, written once (``SELECT``: one
+    of ``TOPK_SELECTS``)."""
     mask = row_mask[:, None] & (cols[None, :] < E)
     logits = tl.where(mask, logits, float("-inf"))
     row_max = tl.max(logits, axis=1)
@@ -36,12 +55,28 @@ def _softmax_topk_store(
     slots = tl.arange(0, BLOCK_K)
     top_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     top_i = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
-    for s in tl.static_range(TOP_K):
-        # value and index in one reduction (the first index wins a tie)
-        best_p, best = tl.max(p, axis=1, return_indices=True, return_indices_tie_break_left=True)
-        top_w = tl.where(slots[None, :] == s, best_p[:, None], top_w)
-        top_i = tl.where(slots[None, :] == s, best[:, None].to(tl.int32), top_i)
-        p = tl.where(cols[None, :] == best[:, None], -1.0, p)
+    if SELECT == "rounds":
+        for s in tl.static_range(TOP_K):
+            # value and index in one reduction (the first index wins a tie)
+            best_p, best = tl.max(p, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            top_w = tl.where(slots[None, :] == s, best_p[:, None], top_w)
+            top_i = tl.where(slots[None, :] == s, best[:, None].to(tl.int32), top_i)
+            p = tl.where(cols[None, :] == best[:, None], -1.0, p)
+    else:
+        # -1.0 (padding) has the sign bit: its key is negative, below every probability's
+        last: tl.constexpr = cols.shape[0] - 1
+        low = (last - cols.to(tl.int64)) + 0  # tensor arithmetic (+ 0: a tensor in the interpreter too)
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low[None, :]
+        if SELECT == "packed":
+            top = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
+            for s in tl.static_range(TOP_K):
+                best_key = tl.max(key, axis=1)
+                top = tl.where(slots[None, :] == s, best_key[:, None], top)
+                key = tl.where(key == best_key[:, None], -(1 << 62), key)
+        else:
+            top = tl.topk(key, BLOCK_K)  # descending
+        top_w = tl.where(slots[None, :] < TOP_K, (top >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+        top_i = tl.where(slots[None, :] < TOP_K, -(top & 0xFFFFFFFF).to(tl.int32) + last, 0)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]
     out_mask = row_mask[:, None] & (slots[None, :] < TOP_K)
@@ -54,7 +89,7 @@ def _softmax_topk_store(
 def moe_softmax_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, T, stride_t,
     E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SELECT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -63,7 +98,7 @@ def moe_softmax_topk_kernel(
     mask = row_mask[:, None] & (cols[None, :] < E)
     logits = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :], mask=mask, other=float("-inf"))
     _softmax_topk_store(logits.to(tl.float32), rows, row_mask, cols, weights_ptr, ids_ptr,
-                        E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_K)  # fmt: skip
+                        E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_K, SELECT)  # fmt: skip
 
 
 def _num_experts(logits: torch.Tensor) -> int:
@@ -95,9 +130,10 @@ def _route(kernel, logits: torch.Tensor, top_k: int, block_t: int | None, logits
 
 
 def moe_softmax_topk(
-    logits: torch.Tensor, top_k: int, renormalize: bool, *, block_t: int | None = None
+    logits: torch.Tensor, top_k: int, renormalize: bool, *, block_t: int | None = None, select: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights fp32 [T, k], expert ids int32 [T, k]) of the k most probable experts of each row."""
+    """(weights fp32 [T, k], expert ids int32 [T, k]) of the k most probable experts of each row (``select``: one of
+    ``TOPK_SELECTS``, default ``TOPK_SELECT``)."""
     e = _num_experts(logits)
     if not 0 < e <= MAX_EXPERTS:
         raise ValueError(f"num_experts={e} must be in 1..{MAX_EXPERTS} for the routing kernel")
@@ -105,7 +141,8 @@ def moe_softmax_topk(
         raise ValueError(f"top_k={top_k} must be in 1..num_experts={e}")
     # about 128 logits a program (one row of E = 128, one warp): the k rounds of argmax are a chain of
     # reductions, so a decode batch spreads over many programs rather than a few programs of many rows
-    return _route(moe_softmax_topk_kernel, logits, top_k, block_t, 128, RENORMALIZE=renormalize)
+    return _route(moe_softmax_topk_kernel, logits, top_k, block_t, 128, RENORMALIZE=renormalize,
+                  SELECT=topk_select(select))
 
 
 @triton.jit(do_not_specialize=["T"])  # batch-sized ints: see server/warmup.py
