@@ -178,6 +178,29 @@ def test_tensor_core_gate_exact_at_qwen3_router(t, gen):
         assert torch.equal(eager[0], w_out) and torch.equal(eager[1], ids_out)
 
 
+@pytest.mark.parametrize("t", [9, 64, 2048])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_topk_selections_give_the_rounds_outputs(name, t, gen):
+    """Every selection of kernels/moe_routing.TOPK_SELECTS writes the argmax rounds' weights and ids bit for bit:
+    the standalone top-k at every model's router, and the tensor-core gate at its rows (qwen3's exact grid, where
+    bf16 logits tie)."""
+    from graphserve.kernels.moe_gate_dot import moe_gate_dot_softmax_topk
+    from graphserve.kernels.moe_routing import TOPK_SELECTS
+
+    e, h, _, k, renorm = MODELS[name]
+    logits = torch.randn(t, e, device="cuda", generator=gen) * 2
+    want = moe_softmax_topk(logits, k, renorm, select="rounds")
+    counter = torch.zeros(GATE_COUNTERS, dtype=torch.int32, device="cuda")
+    x, gate = _grid_gate_inputs(min(t, 64), e, h, gen)
+    want_gate = moe_gate_dot_softmax_topk(x, gate, k, renorm, counter, select="rounds")
+    for select in TOPK_SELECTS:
+        got = moe_softmax_topk(logits, k, renorm, select=select)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), select
+        got = moe_gate_dot_softmax_topk(x, gate, k, renorm, counter, select=select)
+        assert torch.equal(got[0], want_gate[0]) and torch.equal(got[1], want_gate[1]), select
+        assert not counter.any()
+
+
 @pytest.mark.parametrize("block_ep", [1, 2])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_gate_rank_tail_agrees_with_argmax_rounds(name, block_ep, gen):
