@@ -18,6 +18,9 @@ Rows go to benchmarks/results/fp8_decode.json as {"model","bs","ctx","step_ms","
 "bf16_step_ms"} beside the rows already there (benchmarks/fp8.py writes the dense ones: run it
 first), and everything this run measured to benchmarks/results/moe_fp8.json.
 
+``--quant-out``: only the experts of one layer at 32, 64 and 128 tokens, W8A8, for a few gate_up tiles: down's
+input quantized by gate_up's epilogue (128-wide tiles) or by a launch (benchmarks/results/moe_fp8_quant_out.json).
+
 Run: python3 -m benchmarks.moe_fp8 [--quick]      (about 2 minutes on an H200; --quick: uniform only, no kernel table)
 """
 
@@ -36,6 +39,7 @@ from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.kernels import moe_fused
 from graphserve.kernels.argmax import greedy_argmax
+from graphserve.kernels.moe_config import GemmTile, moe_tiles
 from graphserve.kernels.moe_fused import fused_experts, quantized_steps
 from graphserve.kernels.moe_routing import moe_softmax_topk
 from graphserve.layers.attention_triton import TritonAttentionBackend
@@ -107,6 +111,56 @@ def kernel_rows(tokens: list[int], e: int = 128, h: int = 2048, i: int = 768, k:
     return rows
 
 
+QUANT_OUT_GATE_UP = [GemmTile(16, 32, 128, 1, 4, 4), GemmTile(16, 128, 128, 1, 4, 3), GemmTile(16, 128, 128, 1, 4, 4),
+                     GemmTile(16, 128, 128, 1, 8, 3), GemmTile(16, 128, 128, 1, 8, 4)]  # fmt: skip
+
+
+def quant_out_rows(tokens: list[int], e: int = 128, h: int = 2048, i: int = 768, k: int = 8) -> list[dict]:
+    """One Qwen3-30B-A3B layer's W8A8 experts at T tokens for a few gate_up tiles beside the table's down tile:
+    each 128-wide tile (one of down's activation groups) with gate_up's epilogue quantizing down's input
+    (``QUANT_OUT``, kernels/moe_fused.quant_out_group) and with the quantization launch instead; the 32-wide one
+    can only launch. Each a CUDA graph of back-to-back calls, alternating two weight copies (the second call's
+    experts are not in L2)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sets = []
+    for _ in range(2):
+        w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h**-0.5).to(torch.bfloat16)
+        w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i**-0.5).to(torch.bfloat16)
+        qg, sg = quantize_stack(w13[:, :i], (128, 128))
+        qu, su = quantize_stack(w13[:, i:], (128, 128))
+        q2, s2 = quantize_stack(w2, (128, 128))
+        sets.append((torch.cat([qg, qu], 1), q2, torch.cat([sg, su], 1).contiguous(), s2.contiguous()))
+        del w13, w2
+    table = moe_tiles(e, i, h, torch.float8_e4m3fn, torch.device("cuda"))
+    rule = moe_fused.quant_out_group
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+        w, ids = moe_softmax_topk(torch.randn(t, e, device="cuda", generator=gen), k, True)
+        down = table.gemm_tiles(t * k)[1]
+        for gate_up in QUANT_OUT_GATE_UP:
+            def both(tiles=(gate_up, down), x=x, w=w, ids=ids):
+                for q13, q2, s13, s2 in sets:
+                    fused_experts(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2, weight_block=(128, 128),
+                                  path="gemm", w8a8=True, gemm_tiles=tiles)  # fmt: skip
+
+            for epilogue in (True, False) if gate_up.block_n == 128 else (False,):
+                moe_fused.quant_out_group = rule if epilogue else (lambda *a: False)
+                try:
+                    us = graph_time_ms(both) / len(sets) * 1e3
+                finally:
+                    moe_fused.quant_out_group = rule
+                row = {"tokens": t, "pairs": t * k, "gate_up": _tile(gate_up), "down": _tile(down),
+                       "down_input": "gate_up epilogue" if epilogue else "quantization launch", "layer_us": us}
+                print_table([row], list(row))
+                rows.append(row)
+    return rows
+
+
+def _tile(t: GemmTile) -> str:
+    return f"{t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}{' a8' if t.a8 else ''}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--bs", nargs="+", type=int, default=[1, 64])
@@ -114,7 +168,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="uniform routing only, no kernel table")
     p.add_argument("--w8a8-rows-per-expert", type=int, default=None, metavar="N",
                    help="the FP8 steps again with the W8A8 rule at N pairs per expert (w8a8_step_ms beside step_ms)")
+    p.add_argument("--quant-out", action="store_true", help="only the experts of one layer at 32, 64 and 128 tokens: "
+                   "down's input quantized by gate_up's epilogue or by a launch (writes moe_fp8_quant_out.json)")
     args = p.parse_args()
+    if args.quant_out:
+        write_result("moe_fp8_quant_out", {"rows": quant_out_rows([32, 64, 128])})
+        return
     if args.w8a8_rows_per_expert is not None and args.w8a8_rows_per_expert < 0:
         p.error(f"--w8a8-rows-per-expert {args.w8a8_rows_per_expert}: a pair count per expert, 0 or more")
     routings = ["uniform"] if args.quick else ["skewed", "uniform"]
