@@ -19,8 +19,7 @@ Rows go to benchmarks/results/fp8_decode.json as {"model","bs","ctx","step_ms","
 first), and everything this run measured to benchmarks/results/moe_fp8.json.
 
 ``--quant-out``: only the experts of one layer at 32, 64 and 128 tokens, W8A8, for a few gate_up tiles: down's
-input quantized by gate_up's epilogue (128-wide tiles) or by a launch; then the table's tiles with the slot sum
-by moe_sum_kernel or by the down step (``SUM_OUT``) (benchmarks/results/moe_fp8_quant_out.json).
+input quantized by gate_up's epilogue (128-wide tiles) or by a launch (benchmarks/results/moe_fp8_quant_out.json).
 
 Run: python3 -m benchmarks.moe_fp8 [--quick]      (about 2 minutes on an H200; --quick: uniform only, no kernel table)
 """
@@ -155,25 +154,6 @@ def quant_out_rows(tokens: list[int], e: int = 128, h: int = 2048, i: int = 768,
                        "down_input": "gate_up epilogue" if epilogue else "quantization launch", "layer_us": us}
                 print_table([row], list(row))
                 rows.append(row)
-        # the table's tiles: the slot sum by moe_sum_kernel, or by the down step itself (SUM_OUT)
-        counter = torch.zeros(moe_fused.sum_counter_numel(t, h), dtype=torch.int32, device="cuda")
-        for in_down in (False, True):
-            def table_tiles(x=x, w=w, ids=ids, counter=counter):
-                for q13, q2, s13, s2 in sets:
-                    fused_experts(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2, weight_block=(128, 128),
-                                  sum_counter=counter)  # fmt: skip
-
-            limit = moe_fused.SUM_IN_DOWN_MAX_TOKENS
-            moe_fused.SUM_IN_DOWN_MAX_TOKENS = t if in_down else 0
-            try:
-                us = graph_time_ms(table_tiles) / len(sets) * 1e3
-            finally:
-                moe_fused.SUM_IN_DOWN_MAX_TOKENS = limit
-            gate_up, down = table.gemm_tiles(t * k)
-            row = {"tokens": t, "pairs": t * k, "gate_up": _tile(gate_up), "down": _tile(down),
-                   "slot_sum": "down step" if in_down else "moe_sum launch", "layer_us": us}
-            print_table([row], list(row))
-            rows.append(row)
     return rows
 
 

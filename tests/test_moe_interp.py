@@ -178,53 +178,6 @@ def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, pa
         assert torch.equal(out[-2:].cpu(), torch.zeros(2, h))
 
 
-# (tokens, k, first local expert, local experts, padding rows, down tile's block_n): every token routed here;
-# padding rows; expert-parallel slices where some tokens have no slot on this rank (their rows are zeros)
-SLOT_SUM_CASES = [(7, 2, 0, E, False, 32), (9, 3, 2, 3, True, 16), (11, 2, 4, 2, True, 32)]
-
-
-@pytest.mark.parametrize("t,k,expert_start,num_local,padded,block_n", SLOT_SUM_CASES)
-def test_down_step_writes_the_slot_sum(t, k, expert_start, num_local, padded, block_n, monkeypatch):
-    """The down step's ``SUM_OUT``: the same output, bit for bit, as moe_sum_kernel after the same GEMMs, no
-    moe_sum launch, zeros for tokens routed nowhere here, and the counters back at zero for the next call."""
-    from graphserve.kernels import moe_fused
-
-    sums = []
-    real_sum = moe_fused.moe_sum_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            sums.append(grid)
-            return real_sum[grid]
-
-    monkeypatch.setattr(moe_fused, "moe_sum_kernel", Spy())
-    gen = torch.Generator().manual_seed(t * k + num_local + block_n)
-    w13, w2 = _weights(gen, num_local)
-    x = _randn(t, H, gen=gen)
-    topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), k, True)
-    valid = (torch.arange(t, device=DEVICE) < t - 2) if padded else None
-    if padded:
-        x[-2:] = float("nan")
-        topk_w[-2:] = float("nan")
-    tiles = (GEMM[0], GemmTile(16, block_n, 16, 1, 4, 2))
-    counter = torch.zeros(moe_fused.sum_counter_numel(t, H), dtype=torch.int32, device=DEVICE)
-    args = dict(valid=valid, expert_start=expert_start, path="gemm", gemm_tiles=tiles)
-    apart = fused_experts(x, w13, w2, topk_w, topk_ids, **args, sum_counter=counter)  # past the limit: moe_sum
-    assert len(sums) == 1
-    monkeypatch.setattr(moe_fused, "SUM_IN_DOWN_MAX_TOKENS", t)
-    for _ in range(2):  # the second call finds the counters the first left
-        out = fused_experts(x, w13, w2, topk_w, topk_ids, **args, sum_counter=counter)
-        assert len(sums) == 1 and torch.equal(out, apart)
-        assert not counter.any()
-    local = (topk_ids >= expert_start) & (topk_ids < expert_start + num_local)
-    nowhere = ~local.any(dim=1) | (~valid if padded else False)
-    assert nowhere.any() == (padded or num_local < E) and torch.equal(out[nowhere].cpu(), torch.zeros(int(nowhere.sum()), H))
-    torch.testing.assert_close(out, experts_reference(x, w13, w2, topk_w, topk_ids, valid, expert_start), rtol=1e-4,
-                               atol=1e-5)  # fmt: skip
-    with pytest.raises(ValueError, match=r"slot sum needs int32 counters \[>= "):
-        fused_experts(x, w13, w2, topk_w, topk_ids, **args, sum_counter=counter[:3])
-
-
 def test_fused_experts_refuses_bad_weights_by_name_and_value():
     gen = torch.Generator().manual_seed(3)
     w13, w2 = _weights(gen)

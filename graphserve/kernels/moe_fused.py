@@ -91,7 +91,6 @@ def fused_experts(
     gemm_tiles: tuple[GemmTile, GemmTile] | None = None,
     gemv_tiles: tuple[GemvTile, GemvTile] | None = None,
     hidden_q: tuple[torch.Tensor, torch.Tensor] | None = None,
-    sum_counter: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum over slots of weight * down(silu(gate(x)) * up(x)) over this rank's experts, [T, H].
 
@@ -101,8 +100,6 @@ def fused_experts(
     override the table and the W8A8 rule (tests, tuner, benchmarks). ``hidden_q``: ``hidden`` already
     quantized as ``hidden_quant_group`` says (fp8 [T, H], fp32 scales [T, groups]), by the launch that made it;
     gate_up reads it where it would quantize ``hidden`` by a launch of its own (elsewhere it is not read).
-    ``sum_counter``: int32 zeros of at least ``sum_counter_numel(T, H)`` entries, left zero, lent so that the grouped
-    GEMM's down step writes the slot sum itself up to ``SUM_IN_DOWN_MAX_TOKENS`` tokens (no moe_sum launch).
     """
     fp8 = w13_scale is not None or w2_scale is not None
     _check(hidden, w13, w2, topk_weights, topk_ids, fp8)
@@ -132,7 +129,7 @@ def fused_experts(
                         scales)  # fmt: skip
     else:
         _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
-                           step_tiles, scales, w8a8, hidden_q, sum_counter)  # fmt: skip
+                           step_tiles, scales, w8a8, hidden_q)  # fmt: skip
     return out
 
 
@@ -232,7 +229,7 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
 
 
 def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles,
-                       scales=None, w8a8=False, hidden_q=None, sum_counter=None):  # fmt: skip
+                       scales=None, w8a8=False, hidden_q=None):  # fmt: skip
     """Sort/align, gate_up and down grouped GEMMs over [pairs] rows, then the slot sum.
 
     W8A8: x is quantized per token group before gate_up (or comes so, ``hidden_q``) and the activated
@@ -246,58 +243,21 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
     s13, s2 = scales or (None, None)
     align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
     down = torch.empty(pairs, h, dtype=hidden.dtype, device=hidden.device)
-    slot_sum = None
-    if sum_counter is not None and t <= min(SUM_IN_DOWN_MAX_TOKENS, SUM_IN_DOWN_LIMIT):
-        slot_sum = SlotSum(out, topk_ids, valid_arg, sum_counter, valid is not None, expert_start, num_local, k)
     if quant_out_group(gu, dn, s2, w8a8):
         # gate_up's tile is one of down's activation groups: its epilogue writes the fp8 groups and scales
         act = torch.empty(pairs, inter, dtype=FP8_DTYPE, device=hidden.device)
         act_s = torch.empty(pairs, triton.cdiv(inter, s2.group_k), dtype=torch.float32, device=hidden.device)
         gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8, hidden_q, c_scale=act_s)
-        gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8, (act, act_s), slot_sum=slot_sum)
+        gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8, (act, act_s))
     else:
         act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
         gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8, hidden_q)
-        gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8, slot_sum=slot_sum)
-    if slot_sum is not None:
-        return
+        gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8)
     block_h = min(1024, triton.next_power_of_2(h))
     moe_sum_kernel[(t, triton.cdiv(h, block_h))](
         down, out, topk_ids, valid_arg, h, expert_start, down.stride(0), out.stride(0),
         TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, BLOCK_H=block_h, num_warps=4, **pdl_args(down.device, "moe_sum_kernel"),
     )  # fmt: skip
-
-
-# Up to this many tokens the down step writes the slot sum itself (``SUM_OUT``) where the caller lends a counter
-# buffer (``fused_experts``' ``sum_counter``), and moe_sum_kernel does not run: a decode batch. 0: never.
-SUM_IN_DOWN_MAX_TOKENS = 0
-SUM_IN_DOWN_LIMIT = 256  # the zero-fill takes every token in one tile of the first row of down's tiles
-
-
-def sum_counter_numel(num_tokens: int, hidden: int) -> int:
-    """Entries of the counter buffer a down step summing ``num_tokens`` tokens needs at any tile (block_n >= 16)."""
-    return num_tokens * triton.cdiv(hidden, 16)
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotSum:
-    """What the down step needs to write the slot sum (``SUM_OUT``): the [T, H] output, the routing, the valid
-    mask's bytes (or any tensor when ``has_valid`` is False) and the zeroed int32 counters."""
-
-    out: torch.Tensor
-    topk_ids: torch.Tensor
-    valid: torch.Tensor
-    counter: torch.Tensor
-    has_valid: bool
-    expert_start: int
-    num_local: int
-    top_k: int
-
-    def check(self, n: int, block_n: int, gated: bool) -> None:
-        needed = self.out.shape[0] * triton.cdiv(n, block_n)
-        if gated or self.counter.dtype != torch.int32 or self.counter.numel() < needed or not self.counter.is_contiguous():
-            raise ValueError(f"the down step's slot sum needs int32 counters [>= {needed}] (tokens x column blocks), "
-                             f"got {self.counter.dtype} {tuple(self.counter.shape)}; gated={gated}")
 
 
 def quant_out_group(gate_up: GemmTile, down: GemmTile, s2: ExpertScales | None, w8a8: bool) -> bool:
@@ -310,13 +270,12 @@ def quant_out_group(gate_up: GemmTile, down: GemmTile, s2: ExpertScales | None, 
 def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torch.Tensor, tile: GemmTile, align,
               topk_weights: torch.Tensor, a_row_div: int, gated: bool, w8a8: bool,
               a_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
-              c_scale: torch.Tensor | None = None, slot_sum: SlotSum | None = None) -> None:  # fmt: skip
+              c_scale: torch.Tensor | None = None) -> None:  # fmt: skip
     """One grouped GEMM over the sorted pairs: gate_up (``gated``: rows ``a[pair // a_row_div]``, silu * up
     written) or down (rows ``a[pair]``, times the routing weight). The step's mode: ``tile.a8``
     quantizes a in the kernel (A_QUANT), else ``w8a8`` quantizes it first (A_FP8; ``a_quantized``: a already
     quantized so, by its producer), else W8A16. ``c_scale`` (gate_up, fp32 [pairs, N / block_n]): c is fp8 and
-    each tile's rows are quantized as one group, the scales written there (``quant_out_group``). ``slot_sum``
-    (down): the step also writes the slot sum (``SUM_OUT``), in place of moe_sum_kernel."""
+    each tile's rows are quantized as one group, the scales written there (``quant_out_group``)."""
     n, kk = b.shape[1] // (2 if gated else 1), b.shape[2]
     check_a8_tile(tile, sb)
     act_dtype = TL_DTYPES[a.dtype if a.dtype in TL_DTYPES else c.dtype]  # rounding before QUANT_OUT quantizes
@@ -345,17 +304,12 @@ def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torc
         block_k = sb.gemm_block_k(block_k, tile.block_n, fp8_dot)
     args = scale_args(sb, b)
     pairs = topk_weights.numel()
-    ss = slot_sum or SlotSum(c, align.sorted_ids, align.sorted_ids, align.sorted_ids, False, 0, 1, 1)
-    if slot_sum is not None:
-        slot_sum.check(n, tile.block_n, gated)
     fused_moe_gemm_kernel[(align.max_blocks * triton.cdiv(n, tile.block_n),)](
         a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, a_scale, args["scale"],
-        a_scale if c_scale is None else c_scale, ss.out, ss.topk_ids, ss.valid, ss.counter,
+        a_scale if c_scale is None else c_scale,
         pairs, n, align.max_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         a_scale.stride(0), args["stride_e"], args["stride_n"], 0 if c_scale is None else c_scale.stride(0),
-        args["up_row"], ss.out.stride(0), ss.out.shape[0] if slot_sum else 0, ss.expert_start,
-        SUM_OUT=slot_sum is not None, TOP_K=ss.top_k, E_LOCAL=ss.num_local, HAS_VALID=ss.has_valid,
-        ZERO_ROWS=triton.next_power_of_2(max(1, ss.out.shape[0])) if slot_sum else 1,
+        args["up_row"],
         K=kk, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated,
         IEEE=a.dtype == torch.float32 and not fp8_dot, B_FP8=sb is not None, A_FP8=quantize_first, **args["consts"],
         K_SCALES=k_only, A_QUANT=tile.a8, QUANT_OUT=c_scale is not None, ACT_DTYPE=act_dtype, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,

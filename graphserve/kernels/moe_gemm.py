@@ -106,38 +106,15 @@ def _gemm_step(acc, a, b, a_s, bs_ptrs, ks, k0, IEEE: tl.constexpr, B_FP8: tl.co
     return tl.dot(a, b, acc)
 
 
-@triton.jit
-def _slot_routed(ids_ptr, valid_ptr, tok, tok_mask, s, expert_start, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr,
-                 HAS_VALID: tl.constexpr):  # fmt: skip
-    """Whether slot ``s`` of each token ``tok`` is routed here: a real token, an expert of this rank."""
-    local = tl.load(ids_ptr + tok * TOP_K + s, mask=tok_mask, other=-1) - expert_start
-    routed = tok_mask & (local >= 0) & (local < E_LOCAL)
-    if HAS_VALID:
-        routed = routed & (tl.load(valid_ptr + tok, mask=tok_mask, other=0) != 0)
-    return routed
-
-
-@triton.jit
-def _routed_count(ids_ptr, valid_ptr, tok, tok_mask, expert_start, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr,
-                  HAS_VALID: tl.constexpr):  # fmt: skip
-    n = tl.zeros(tok.shape, dtype=tl.int32)
-    for s in tl.static_range(TOP_K):
-        n += _slot_routed(ids_ptr, valid_ptr, tok, tok_mask, s, expert_start, TOP_K, E_LOCAL, HAS_VALID).to(tl.int32)
-    return n
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m", "num_tokens"])  # batch-sized ints: server/warmup.py
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])  # batch-sized ints: see server/warmup.py
 def fused_moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, as_ptr, bs_ptr, cs_ptr,
-    out_ptr, ids_ptr, valid_ptr, sum_cnt_ptr,
     num_pairs, N, num_blocks_m, stride_am, stride_be, stride_bn, stride_cm,
-    stride_asm, stride_bse, stride_bsn, stride_csm, scale_up_row, stride_om, num_tokens, expert_start,
+    stride_asm, stride_bse, stride_bsn, stride_csm, scale_up_row,
     K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
     B_FP8: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     PER_CHANNEL: tl.constexpr, K_SCALES: tl.constexpr, A_QUANT: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    SUM_OUT: tl.constexpr, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
-    ZERO_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] output tile of one expert's run; the grid covers the worst-case sort.
@@ -145,13 +122,7 @@ def fused_moe_gemm_kernel(
     ``QUANT_OUT`` (gate_up): the tile's BLOCK_N columns are one activation group of the down step's W8A8; the
     epilogue quantizes each row of silu * up (rounded to ``ACT_DTYPE`` first, as it would be stored) and
     writes fp8 into ``c_ptr`` with the group's fp32 scale at ``cs_ptr`` [pairs, groups]: what the quantization
-    launch would make of the stored tile, so that launch does not run.
-
-    ``SUM_OUT`` (down): the slot sum too, in place of ``moe_sum_kernel``. After storing its rows a tile counts
-    each row's token done for its columns (``sum_cnt_ptr`` [tokens, column blocks], zero between launches); the
-    tile that brings a token's count to its routed slots adds the token's rows for those columns in slot order,
-    in fp32, as moe_sum_kernel does, writes ``out_ptr`` and puts the count back to zero. The first row of
-    tiles also writes zeros for the tokens routed nowhere here (padding rows, other ranks' experts)."""
+    launch would make of the stored tile, so that launch does not run."""
     pdl_enter(PDL)
     if A_QUANT:  # a step's activation scale is its K step's amax: one weight scale block per step
         tl.static_assert(B_FP8 and not PER_CHANNEL and not A_FP8 and not K_SCALES)
@@ -167,17 +138,6 @@ def fused_moe_gemm_kernel(
     group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_size
     pid_n = (pid % per_group) // group_size
-    if SUM_OUT:
-        tl.static_assert(MUL_WEIGHT and not GATED)
-        if pid_m == 0:  # tokens no tile will sum: zeros, as moe_sum_kernel writes them
-            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            tok = tl.arange(0, ZERO_ROWS)  # every token: ZERO_ROWS >= num_tokens
-            tok_mask = tok < num_tokens
-            unrouted = tok_mask & (_routed_count(ids_ptr, valid_ptr, tok, tok_mask, expert_start, TOP_K, E_LOCAL,
-                                                 HAS_VALID) == 0)  # fmt: skip
-            tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_om + cols[None, :],
-                     tl.zeros((ZERO_ROWS, BLOCK_N), dtype=out_ptr.dtype.element_ty),
-                     mask=unrouted[:, None] & (cols < N)[None, :])  # fmt: skip
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return  # past the padded total: this tile holds no pair (the cost of a bound-sized grid)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -254,26 +214,6 @@ def fused_moe_gemm_kernel(
     else:
         out = gated_epilogue(acc_g, acc_u, w, GATED, MUL_WEIGHT, c_ptr.dtype.element_ty)
         tl.store(c_ptrs, out, mask=row_mask[:, None] & (offs_n[None, :] < N))
-    if SUM_OUT:
-        tl.debug_barrier()  # every thread's rows are stored before the tile counts them done
-        tok = pairs // TOP_K  # one row per token at most: a token's slots go to distinct experts
-        cnt_ptrs = sum_cnt_ptr + tok.to(tl.int64) * num_blocks_n + pid_n
-        done = tl.atomic_add(cnt_ptrs, 1, mask=row_mask, sem="acq_rel", scope="gpu")
-        routed = _routed_count(ids_ptr, valid_ptr, tok, row_mask, expert_start, TOP_K, E_LOCAL, HAS_VALID)
-        last = row_mask & (done == routed - 1)
-        if tl.max(last.to(tl.int32), axis=0) > 0:
-            n_mask = (offs_n < N)[None, :]
-            summed = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(TOP_K):
-                take = last & _slot_routed(ids_ptr, valid_ptr, tok, row_mask, s, expert_start, TOP_K, E_LOCAL,
-                                           HAS_VALID)  # fmt: skip
-                # .cg: from L2, where the other tiles' stores are, never from a stale L1 line
-                rows = tl.load(c_ptr + (tok * TOP_K + s).to(tl.int64)[:, None] * stride_cm + offs_n[None, :],
-                               mask=take[:, None] & n_mask, other=0.0, cache_modifier=".cg")  # fmt: skip
-                summed += rows.to(tl.float32)
-            tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-                     summed.to(out_ptr.dtype.element_ty), mask=last[:, None] & n_mask)  # fmt: skip
-            tl.store(cnt_ptrs, 0, mask=last)  # zero again for the next launch
 
 
 @triton.jit

@@ -180,12 +180,6 @@ class FusedMoE(nn.Module):
         self.register_buffer(
             "gate_counters", torch.zeros(GATE_COUNTERS, dtype=torch.int32, device=device), persistent=False
         )
-        from graphserve.kernels.moe_fused import SUM_IN_DOWN_LIMIT, sum_counter_numel
-
-        # the down step's per-(token, column block) counts when it writes the slot sum (kernels/moe_fused.py's
-        # SUM_IN_DOWN_MAX_TOKENS): zero between launches
-        self.register_buffer("sum_counters", torch.zeros(sum_counter_numel(SUM_IN_DOWN_LIMIT, hidden_size),
-                                                         dtype=torch.int32, device=device), persistent=False)  # fmt: skip
         self.routing_override: str | None = None
         self.use_kernels: bool | None = None  # None: the fused kernels exactly when the input is on CUDA
         self._quant_groups: dict[tuple[int, torch.device], int | None] = {}  # _hidden_quant_group's answers
@@ -193,9 +187,8 @@ class FusedMoE(nn.Module):
         self.quant_method = None
 
     def rebuild(self, device: torch.device) -> None:
-        """After the loader's ``to_empty``: the buffers hold garbage; the kernels' counters must be zero."""
+        """After the loader's ``to_empty``: the buffers hold garbage; the gate kernels' counters must be zero."""
         self.gate_counters.zero_()
-        self.sum_counters.zero_()
         self.expert_counts.zero_()
 
     def load_expert_weight(self, param: str, expert_id: int, tensor: torch.Tensor) -> None:
@@ -377,8 +370,7 @@ class FusedMoE(nn.Module):
             quant = self.quant_method.kernel_args(self) if self.quant_method is not None else {}
             return fused_experts(
                 hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                valid=valid, expert_start=self.expert_start, counts=self.expert_counts, hidden_q=hidden_q,
-                sum_counter=self.sum_counters, **quant,
+                valid=valid, expert_start=self.expert_start, counts=self.expert_counts, hidden_q=hidden_q, **quant,
             )  # fmt: skip
         self.expert_counts.copy_(expert_counts_reference(topk_ids, valid, self.num_experts))
         w13, w2 = self.w13_weight, self.w2_weight

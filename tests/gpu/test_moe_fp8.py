@@ -226,21 +226,3 @@ def test_fp8_workspace_bound_covers_what_a_forward_allocates(name, experts, gen)
         # the caching allocator rounds each of the ~12 buffers up to 512 bytes
         bound = moe_workspace_bytes(t, k, e, i, h, DT, fp8_group_k=BLOCK[1]) + 12 * 512
         assert out.numel() and used <= bound, (t, used, bound)
-
-
-@pytest.mark.parametrize("t", [7, 64])
-@pytest.mark.parametrize("kind", list(SCALES))
-def test_fp8_down_step_slot_sum(kind, t, experts, gen, monkeypatch):
-    """fp8 experts (the table's tiles, W8A8 at these sizes) with the slot sum written by the down step: equal bit
-    for bit to moe_sum_kernel's, the counters back at zero."""
-    from graphserve.kernels import moe_fused
-
-    w13, w2, s13, s2 = experts["qwen3-30b-a3b", kind]
-    x, w, ids = _routing(t, "qwen3-30b-a3b", gen)
-    counter = torch.zeros(moe_fused.sum_counter_numel(t, x.shape[1]), dtype=torch.int32, device="cuda")
-    args = dict(w13_scale=s13, w2_scale=s2, weight_block=SCALES[kind], sum_counter=counter)
-    want = fused_experts(x, w13, w2, w, ids, **args)
-    monkeypatch.setattr(moe_fused, "SUM_IN_DOWN_MAX_TOKENS", t)
-    for _ in range(2):
-        assert torch.equal(fused_experts(x, w13, w2, w, ids, **args), want)
-        assert not counter.any()
