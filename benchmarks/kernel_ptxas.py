@@ -104,7 +104,7 @@ def gate_reports() -> list[dict]:
         for rank in (True, False):
             consts = {"E": e, "H": h, "TOP_K": k, "RENORMALIZE": True, "NORM": norm, "BLOCK_T": 1, "BLOCK_EP": block_ep,
                       "BLOCK_H": block_h, "BLOCK_E": e, "BLOCK_K": k, "EVEN_H": True, "ONE_TILE": h <= block_h,
-                      "W_IN_LOOP": not norm or h > block_h, "RANK_TOPK": rank}  # fmt: skip
+                      "W_IN_LOOP": not norm or h > block_h, "RANK_TOPK": rank, "SELECT": 0}  # fmt: skip
             row = compile_report(moe_gate_softmax_topk_kernel, types, consts, 4, 3)
             shape = f"T1 E{e} H{h} k{k} {'add+norm ' if norm else ''}tail={'rank' if rank else 'argmax'}"
             rows.append({"kernel": "moe_gate_softmax_topk_kernel", "shape": shape, **row})

@@ -116,7 +116,7 @@ def moe_gate_softmax_topk_kernel(
     E: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_H: tl.constexpr, ONE_TILE: tl.constexpr, W_IN_LOOP: tl.constexpr,
-    RANK_TOPK: tl.constexpr, PDL: tl.constexpr,
+    RANK_TOPK: tl.constexpr, SELECT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     pid = tl.program_id(0)
@@ -179,7 +179,7 @@ def moe_gate_softmax_topk_kernel(
             all_logits = tl.load(logits_ptr + rows[:, None] * E + cols[None, :], mask=mask, other=float("-inf"),
                                  cache_modifier=".cg")  # fmt: skip
             _softmax_topk_store(all_logits, rows, row_mask, cols, weights_ptr, ids_ptr,
-                                E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_K)  # fmt: skip
+                                E, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_K, SELECT)  # fmt: skip
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
@@ -291,7 +291,7 @@ def _launch(x, gate_weight, top_k, renormalize, counter, norm, block_ep=None, ra
         BLOCK_T=block_t, BLOCK_EP=block_ep, BLOCK_H=block_h,
         BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
         EVEN_H=h % block_h == 0, ONE_TILE=h <= block_h, W_IN_LOOP=norm is None or h > block_h,
-        RANK_TOPK=rank_topk, num_warps=4, **pdl_args(x.device, "moe_gate_softmax_topk_kernel"),
+        RANK_TOPK=rank_topk, SELECT=0, num_warps=4, **pdl_args(x.device, "moe_gate_softmax_topk_kernel"),
     )  # fmt: skip
     return weights, ids, normed, summed
 

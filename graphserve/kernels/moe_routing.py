@@ -29,22 +29,22 @@ TOPK_SELECTS = ("rounds", "packed", "bitonic")
 TOPK_SELECT = "rounds"
 
 
-def topk_select(select: str | None) -> str:
-    """``select``, or the module's ``TOPK_SELECT``; anything else is refused by name."""
+def topk_select(select: str | None) -> int:
+    """The kernels' ``SELECT`` for ``select``, or for the module's ``TOPK_SELECT``; anything else is refused by name."""
     select = TOPK_SELECT if select is None else select
     if select not in TOPK_SELECTS:
         raise ValueError(f"select={select!r} must be one of {TOPK_SELECTS}")
-    return select
+    return TOPK_SELECTS.index(select)
 
 
 @triton.jit
 def _softmax_topk_store(
     logits, rows, row_mask, cols, weights_ptr, ids_ptr,
     E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    SELECT: tl.constexpr = "rounds",
+    SELECT: tl.constexpr,
 ):  # fmt: skip
-    """Softmax over the fp32 logits [BLOCK_T, BLOCK_E] of ``rows``, the k largest, written once (``SELECT``: one
-    of ``TOPK_SELECTS``)."""
+    """Softmax over the fp32 logits [BLOCK_T, BLOCK_E] of ``rows``, the k largest, written once (``SELECT``: the
+    index in ``TOPK_SELECTS`` of the way to pick them)."""
     mask = row_mask[:, None] & (cols[None, :] < E)
     logits = tl.where(mask, logits, float("-inf"))
     row_max = tl.max(logits, axis=1)
@@ -55,7 +55,7 @@ def _softmax_topk_store(
     slots = tl.arange(0, BLOCK_K)
     top_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     top_i = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
-    if SELECT == "rounds":
+    if SELECT == 0:  # rounds
         for s in tl.static_range(TOP_K):
             # value and index in one reduction (the first index wins a tie)
             best_p, best = tl.max(p, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -67,14 +67,14 @@ def _softmax_topk_store(
         last: tl.constexpr = cols.shape[0] - 1
         low = (last - cols.to(tl.int64)) + 0  # tensor arithmetic (+ 0: a tensor in the interpreter too)
         key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low[None, :]
-        if SELECT == "packed":
+        if SELECT == 1:  # packed
             top = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
             for s in tl.static_range(TOP_K):
                 best_key = tl.max(key, axis=1)
                 top = tl.where(slots[None, :] == s, best_key[:, None], top)
                 key = tl.where(key == best_key[:, None], -(1 << 62), key)
         else:
-            top = tl.topk(key, BLOCK_K)  # descending
+            top = tl.topk(key, BLOCK_K)  # bitonic, descending
         top_w = tl.where(slots[None, :] < TOP_K, (top >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
         top_i = tl.where(slots[None, :] < TOP_K, -(top & 0xFFFFFFFF).to(tl.int32) + last, 0)
     if RENORMALIZE:
