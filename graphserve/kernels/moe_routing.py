@@ -67,7 +67,7 @@ def _softmax_topk_store(
         last: tl.constexpr = cols.shape[0] - 1
         low = (last - cols.to(tl.int64)) + 0  # tensor arithmetic (+ 0: a tensor in the interpreter too)
         key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low[None, :]
-        if SELECT == 1:  # packed
+        if SELECT == 1 or BLOCK_T == 1 or BLOCK_K == 1:  # packed (tl.topk fails to compile on a 1-wide dim)
             top = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
             for s in tl.static_range(TOP_K):
                 best_key = tl.max(key, axis=1)
