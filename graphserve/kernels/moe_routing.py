@@ -25,8 +25,11 @@ MAX_EXPERTS = 1024
 # "packed": k rounds of max over one int64 key per expert, the probability's bits above the complement of its
 #   column (probabilities are >= 0, so their bits order as the floats do; a tie goes to the lower column);
 # "bitonic": tl.topk (a bitonic sort network cut to k) over the same keys.
+# The default, by `python3 -m benchmarks.decode_latency --only router-select` on an H200 (da8f5ad, each a CUDA graph of
+# 48 layers' calls): in the tensor-core gate at k 8, bitonic took 7.73 / 8.26 / 11.52 us at 16 / 32 / 64 rows where
+# the rounds took 8.35 / 8.84 / 11.53 and packed 8.58 / 9.21 / 11.87; standalone at 64 rows 2.03 against 2.10 / 2.03.
 TOPK_SELECTS = ("rounds", "packed", "bitonic")
-TOPK_SELECT = "rounds"
+TOPK_SELECT = "bitonic"
 
 
 def topk_select(select: str | None) -> int:
