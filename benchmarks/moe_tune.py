@@ -4,8 +4,9 @@ For each batch bucket (T tokens, k slots: T * k pairs) it times the whole expert
 (sort/align, gate_up, down, slot sum) inside CUDA graphs on random routing, alternating two
 weight copies so the routed experts come from HBM as in a decode step, not from L2. Per block_m
 it sweeps the gate_up tile with a default down tile, then the down tile with the best gate_up
-one; the per-pair streaming path is timed at the small buckets and wins its buckets while it is
-faster. Each bucket also times the path the engine took before the run (``before_us``: the table it
+one (a W8A8 gate_up tile one activation group wide runs with its epilogue quantizing down's input, as the
+engine would run it: kernels/moe_fused.quant_out_group); the per-pair streaming path is timed at the small
+buckets and wins its buckets while it is faster. Each bucket also times the path the engine took before the run (``before_us``: the table it
 read at start, or the defaults where there was none) against the new table's (``tuned_us``), in the
 same process; where that run took the grouped GEMM and timed faster than every tile the sweep timed, the
 bucket keeps its tiles (``gemm_from``: "before"). The table goes to graphserve/kernels/moe_configs/ (and $OUT when set).

@@ -28,6 +28,7 @@ MAX_EXPERTS = 1024
 # The default, by `python3 -m benchmarks.decode_latency --only router-select` on an H200 (da8f5ad, each a CUDA graph of
 # 48 layers' calls): in the tensor-core gate at k 8, bitonic took 7.73 / 8.26 / 11.52 us at 16 / 32 / 64 rows where
 # the rounds took 8.35 / 8.84 / 11.53 and packed 8.58 / 9.21 / 11.87; standalone at 64 rows 2.03 against 2.10 / 2.03.
+# The FMA gate (kernels/moe_gate.py, up to its few rows) keeps the rounds: not measured there.
 TOPK_SELECTS = ("rounds", "packed", "bitonic")
 TOPK_SELECT = "bitonic"
 
@@ -66,15 +67,19 @@ def _softmax_topk_store(
             top_i = tl.where(slots[None, :] == s, best[:, None].to(tl.int32), top_i)
             p = tl.where(cols[None, :] == best[:, None], -1.0, p)
     else:
-        # -1.0 (padding) has the sign bit: its key is negative, below every probability's
+        # key: the probability's bits over (BLOCK_E - 1) - column, so a tie goes to the lower column. -1.0 (padding)
+        # has the sign bit: its key is negative, below every probability's
         last: tl.constexpr = cols.shape[0] - 1
-        low = (last - cols.to(tl.int64)) + 0  # tensor arithmetic (+ 0: a tensor in the interpreter too)
+        low = (last - cols.to(tl.int64)) + 0  # + 0: Triton's interpreter keeps constexpr - tensor a constexpr
         key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low[None, :]
-        if SELECT == 1 or BLOCK_T == 1 or BLOCK_K == 1:  # packed (tl.topk fails to compile on a 1-wide dim)
+        # one-row tiles keep the rounds of max: tl.topk of a [1, E] tile cut to one element does not compile
+        # (Triton 3.6), and those tiles were measured so
+        if SELECT == 1 or BLOCK_T == 1 or BLOCK_K == 1:
             top = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
             for s in tl.static_range(TOP_K):
                 best_key = tl.max(key, axis=1)
                 top = tl.where(slots[None, :] == s, best_key[:, None], top)
+                # a taken key drops below every probability's (above padding's; k <= E, so never taken again)
                 key = tl.where(key == best_key[:, None], -(1 << 62), key)
         else:
             top = tl.topk(key, BLOCK_K)  # bitonic, descending
