@@ -35,6 +35,8 @@ from benchmarks.decode import make_batch, step_cost
 from benchmarks.decode_setup import captured_graphs, context_kv_caches, release_gpu_memory
 from benchmarks.kernels import graph_time_ms
 from benchmarks.moe import experts_touched, set_routing
+from benchmarks.moe_tune import _Bucket as TuneBucket
+from benchmarks.moe_tune import _weights as tune_weights
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.kernels import moe_fused
@@ -119,35 +121,20 @@ def quant_out_rows(tokens: list[int], e: int = 128, h: int = 2048, i: int = 768,
     """One Qwen3-30B-A3B layer's W8A8 experts at T tokens for a few gate_up tiles beside the table's down tile:
     each 128-wide tile (one of down's activation groups) with gate_up's epilogue quantizing down's input
     (``QUANT_OUT``, kernels/moe_fused.quant_out_group) and with the quantization launch instead; the 32-wide one
-    can only launch. Each a CUDA graph of back-to-back calls, alternating two weight copies (the second call's
-    experts are not in L2)."""
+    can only launch. Timed as benchmarks/moe_tune.py times its tiles (CUDA graphs, two weight copies)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    sets = []
-    for _ in range(2):
-        w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h**-0.5).to(torch.bfloat16)
-        w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i**-0.5).to(torch.bfloat16)
-        qg, sg = quantize_stack(w13[:, :i], (128, 128))
-        qu, su = quantize_stack(w13[:, i:], (128, 128))
-        q2, s2 = quantize_stack(w2, (128, 128))
-        sets.append((torch.cat([qg, qu], 1), q2, torch.cat([sg, su], 1).contiguous(), s2.contiguous()))
-        del w13, w2
+    sets = [tune_weights(e, h, i, torch.bfloat16, True, gen) for _ in range(2)]
     table = moe_tiles(e, i, h, torch.float8_e4m3fn, torch.device("cuda"))
     rule = moe_fused.quant_out_group
     rows = []
     for t in tokens:
-        x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
-        w, ids = moe_softmax_topk(torch.randn(t, e, device="cuda", generator=gen), k, True)
+        bucket = TuneBucket(sets, t, e, h, k, torch.bfloat16, gen)
         down = table.gemm_tiles(t * k)[1]
         for gate_up in QUANT_OUT_GATE_UP:
-            def both(tiles=(gate_up, down), x=x, w=w, ids=ids):
-                for q13, q2, s13, s2 in sets:
-                    fused_experts(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2, weight_block=(128, 128),
-                                  path="gemm", w8a8=True, gemm_tiles=tiles)  # fmt: skip
-
             for epilogue in (True, False) if gate_up.block_n == 128 else (False,):
                 moe_fused.quant_out_group = rule if epilogue else (lambda *a: False)
                 try:
-                    us = graph_time_ms(both) / len(sets) * 1e3
+                    us = bucket.ms(path="gemm", w8a8=True, gemm_tiles=(gate_up, down)) * 1e3
                 finally:
                     moe_fused.quant_out_group = rule
                 row = {"tokens": t, "pairs": t * k, "gate_up": _tile(gate_up), "down": _tile(down),

@@ -112,7 +112,8 @@ def test_dot_gate_selections_give_the_rounds_outputs(t, e, k, select):
 @pytest.mark.parametrize("select", ["rounds", "packed", "bitonic"])
 def test_softmax_topk_selections_agree_with_ties_and_padding(select):
     """moe_softmax_topk by each selection: the stable order of the probabilities (a tie to the lower expert),
-    experts past E (60 in a 64-wide tile) never chosen, rows past T untouched."""
+    experts past E (60 in a 64-wide tile) never chosen, an all-equal row in expert order; an unknown selection is
+    refused by name."""
     from graphserve.kernels.moe_routing import moe_softmax_topk
 
     gen = torch.Generator().manual_seed(5)

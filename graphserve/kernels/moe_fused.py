@@ -243,16 +243,13 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
     s13, s2 = scales or (None, None)
     align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
     down = torch.empty(pairs, h, dtype=hidden.dtype, device=hidden.device)
-    if quant_out_group(gu, dn, s2, w8a8):
-        # gate_up's tile is one of down's activation groups: its epilogue writes the fp8 groups and scales
-        act = torch.empty(pairs, inter, dtype=FP8_DTYPE, device=hidden.device)
-        act_s = torch.empty(pairs, triton.cdiv(inter, s2.group_k), dtype=torch.float32, device=hidden.device)
-        gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8, hidden_q, c_scale=act_s)
-        gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8, (act, act_s))
-    else:
-        act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
-        gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8, hidden_q)
-        gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8)
+    # where gate_up's tile is one of down's activation groups, its epilogue writes down's input as fp8 groups
+    quant_out = quant_out_group(gu, dn, s2, w8a8)
+    act = torch.empty(pairs, inter, dtype=FP8_DTYPE if quant_out else hidden.dtype, device=hidden.device)
+    act_s = torch.empty(pairs, triton.cdiv(inter, s2.group_k), dtype=torch.float32, device=hidden.device) \
+        if quant_out else None  # fmt: skip
+    gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8, hidden_q, c_scale=act_s)
+    gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8, (act, act_s) if quant_out else None)
     block_h = min(1024, triton.next_power_of_2(h))
     moe_sum_kernel[(t, triton.cdiv(h, block_h))](
         down, out, topk_ids, valid_arg, h, expert_start, down.stride(0), out.stride(0),
@@ -278,7 +275,8 @@ def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torc
     each tile's rows are quantized as one group, the scales written there (``quant_out_group``)."""
     n, kk = b.shape[1] // (2 if gated else 1), b.shape[2]
     check_a8_tile(tile, sb)
-    act_dtype = TL_DTYPES[a.dtype if a.dtype in TL_DTYPES else c.dtype]  # rounding before QUANT_OUT quantizes
+    # the activation dtype, where the epilogue rounds: c's, or a's where c is the fp8 that QUANT_OUT writes
+    act_dtype = TL_DTYPES[c.dtype if c_scale is None else a.dtype]
     if c_scale is not None:
         groups = triton.cdiv(n, tile.block_n)
         if (not gated or c.dtype != FP8_DTYPE or c_scale.dtype != torch.float32 or c_scale.dim() != 2
