@@ -372,7 +372,9 @@ def rule_from_rows(rows: list[dict], env: dict, earlier: dict | None) -> dict:
             "rule": "per (n, k, scales), a call of m rows takes the entry of the smallest measured m >= it; "
                     "above the largest, the defaults of kernels/fp8_config.py; 'measured' is the run that last "
                     "wrote the table, each entry's 'measured_at' the run that measured it",
-            "shapes": shapes}
+            "shapes": shapes,
+            # the gated MLPs' pairs (benchmarks/fp8_gated_mlp.py writes them) stay as they were
+            **({"mlps": earlier["mlps"]} if same_card and earlier.get("mlps") else {})}
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -144,6 +144,40 @@ class Route:
 
 
 @dataclass(frozen=True)
+class GatedMlp:
+    """A gated MLP's two streaming tiles where gate_up's epilogue makes down's input (kernels/fp8_gemv.fp8_gate_up_a8):
+    ``gate_up`` an a8 FP8-dot tile of ``block_n / 2`` gate rows and as many up rows, which writes silu·up quantized in
+    groups of ``block_n / 2`` columns; ``down`` an a8 FP8-dot tile whose K step is that group."""
+
+    gate_up: StreamConfig
+    down: StreamConfig
+
+    def validate(self) -> None:
+        for name, cfg in (("gate_up", self.gate_up), ("down", self.down)):
+            cfg.validate()
+            if not (cfg.fp8_dot and cfg.a8):
+                raise ValueError(f"{name} tile {cfg} must be an a8 FP8-dot tile")
+        if self.gate_up.block_n < 32 or self.down.block_k != self.gate_up.block_n // 2:
+            raise ValueError(f"gate_up's block_n={self.gate_up.block_n} must be at least 32 and twice down's "
+                             f"block_k={self.down.block_k} (its output groups are down's K steps)")
+
+    def to_json(self) -> dict:
+        return {"gate_up": asdict(self.gate_up), "down": asdict(self.down)}
+
+    @classmethod
+    def from_json(cls, mlp: dict, row: dict) -> GatedMlp | None:
+        """A table row's pair (None: the unfused launches won there), refused by name where no call can run it."""
+        if row.get("gate_up") is None:
+            return None
+        try:
+            tiles = cls(StreamConfig(**row["gate_up"]), StreamConfig(**row["down"]))
+            tiles.validate()
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{RULE_PATH.name}: gated tiles for {mlp.get('name')} m={row.get('m')}: {e}") from e
+        return tiles
+
+
+@dataclass(frozen=True)
 class Fp8Rule:
     """Per (N, K, scale kind): row counts measured, ascending, each with the path that won there.
 
@@ -153,6 +187,9 @@ class Fp8Rule:
 
     device: str
     shapes: dict[tuple[int, int, str], list[tuple[int, Route]]]
+    # per gated MLP (hidden size, intermediate size, scale kind): row counts measured, ascending, each with the tile
+    # pair that won there (``GatedMlp``) or None where the unfused launches won
+    mlps: dict[tuple[int, int, str], list[tuple[int, GatedMlp | None]]] = field(default_factory=dict)
 
     def route(self, m: int, n: int, k: int, kind: str) -> Route | None:
         for rows, route in self.shapes.get((n, k, kind), ()):
@@ -160,10 +197,21 @@ class Fp8Rule:
                 return route
         return None
 
+    def gated_mlp(self, m: int, hidden: int, inter: int, kind: str) -> GatedMlp | None:
+        """The tile pair of the smallest measured count >= m; None there or above the largest (unmeasured)."""
+        for rows, tiles in self.mlps.get((hidden, inter, kind), ()):
+            if m <= rows:
+                return tiles
+        return None
+
     @classmethod
     def from_json(cls, data: dict) -> Fp8Rule:
         shapes = {}
+        mlps = {(int(mlp["hidden"]), int(mlp["intermediate"]), str(mlp["scales"])):
+                sorted(((int(row["m"]), GatedMlp.from_json(mlp, row)) for row in mlp["rows"]), key=lambda e: e[0])
+                for mlp in data.get("mlps", [])}  # fmt: skip
         for shape in data["shapes"]:
+            key = (int(shape["n"]), int(shape["k"]), str(shape["scales"]))
             entries = []
             for row in shape["rows"]:
                 if row["path"] not in PATHS:
@@ -178,8 +226,8 @@ class Fp8Rule:
                         raise ValueError(f"{RULE_PATH.name}: stream tiles for {shape.get('name')} m={row['m']}: "
                                          f"{e}") from e
                 entries.append((int(row["m"]), Route(row["path"], cfg)))
-            shapes[(int(shape["n"]), int(shape["k"]), str(shape["scales"]))] = sorted(entries, key=lambda e: e[0])
-        return cls(str(data["device"]), shapes)
+            shapes[key] = sorted(entries, key=lambda e: e[0])
+        return cls(str(data["device"]), shapes, mlps)
 
 
 _NO_RULE = Fp8Rule("", {})
@@ -204,6 +252,16 @@ def rule_for(device: torch.device) -> Fp8Rule:
                        "(python3 -m benchmarks.fp8_route measures this card)", rule.device, name)
         return _NO_RULE
     return rule
+
+
+def gated_mlp(m: int, hidden: int, inter: int, group_n: int, group_k: int, device: torch.device) -> GatedMlp | None:
+    """The measured tile pair for ``m`` rows of a gated MLP (hidden -> 2 x inter -> hidden) whose gate_up has
+    ``group_n`` x ``group_k`` scales, or None: where the table has no pair for the call the unfused launches run (no
+    default: the fusion is taken only where it measured faster)."""
+    kind = scale_kind(group_n, group_k, hidden)
+    if kind is None or device.type != "cuda" or m > MAX_STREAM_ROWS:
+        return None
+    return rule_for(device).gated_mlp(m, hidden, inter, kind)
 
 
 def scale_kind(group_n: int, group_k: int, k: int) -> str | None:

@@ -66,7 +66,7 @@ from graphserve.kernels.fp8_config import (
     default_stream_config,
     tile_cap,
 )
-from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_rows
+from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, TL_DTYPES, quantize_rows
 from graphserve.kernels.gemv import _x_tile
 from graphserve.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
@@ -77,9 +77,10 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, xs_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, lock_ptr,
-    M, N, stride_xm, stride_xsm, stride_xsk, stride_rm, stride_rom, stride_wn, stride_wsn, stride_om, eps,
-    SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
+    x_ptr, xs_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, os_ptr, part_ptr, lock_ptr,
+    M, N, stride_xm, stride_xsm, stride_xsk, stride_rm, stride_rom, stride_wn, stride_wsn, stride_om, stride_osm, eps,
+    SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+    QUANT_OUT: tl.constexpr, ACT_DTYPE: tl.constexpr,
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
     FP8_DOT: tl.constexpr, A8: tl.constexpr, X_TOKEN: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
@@ -90,11 +91,18 @@ def _fp8_gemv_kernel(
     k_first = tl.program_id(1) * K_SPLIT  # this program's share of K: [k_first, k_first + K_SPLIT)
     # every split full and a whole number of tiles: unmasked weight loads
     FULL: tl.constexpr = K % K_SPLIT == 0
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    # GATED: the tile's top half is gate rows, its bottom half the up rows N further on, for HALF output columns
+    HALF: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+    offs_n = pid * HALF + tl.arange(0, HALF)  # the program's output columns
     offs_m = tl.arange(0, BLOCK_M)
     # rows past N re-read row N-1: unmasked, vectorised weight loads; those columns are never stored
-    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    s_row = ws_ptr + ((pid * BLOCK_N) // GROUP_N) * stride_wsn  # this program's row of block scales
+    if GATED:
+        r = tl.arange(0, BLOCK_N)
+        w_rows = (tl.minimum(pid * HALF + r % HALF, N - 1) + tl.where(r < HALF, 0, N)).to(tl.int64)
+    else:
+        w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    s_row = ws_ptr + ((pid * HALF) // GROUP_N) * stride_wsn  # this program's row of block scales (gate rows')
+    s_row_up = ws_ptr + ((N + pid * HALF) // GROUP_N) * stride_wsn  # GATED: the up rows' (N a multiple of GROUP_N)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
         # as kernels/gemv.py: every program takes the rows' statistics itself (a few KB from L2, cheaper
@@ -142,7 +150,11 @@ def _fp8_gemv_kernel(
                     xq, xs = quantize_rows(x.to(tl.float32), w.dtype, FP8_MAX_C, MIN_SCALE_C)
                 part = tl.dot(w, tl.trans(xq)) * xs[None, :]
                 if not PER_CHANNEL:
-                    if GROUP_N % BLOCK_N == 0:  # one weight scale for the step: the program's row, this K block
+                    if GATED and GROUP_N % HALF == 0:  # one scale for the gate half, one for the up half
+                        up_half = tl.arange(0, BLOCK_N) >= HALF
+                        part *= tl.where(up_half, tl.load(s_row_up + k0 // GROUP_K),
+                                         tl.load(s_row + k0 // GROUP_K))[:, None]
+                    elif not GATED and GROUP_N % BLOCK_N == 0:  # one weight scale for the step: the program's row
                         part *= tl.load(s_row + k0 // GROUP_K)
                     else:  # a tile across scale blocks: each row its block's scale
                         part *= tl.load(ws_ptr + (w_rows // GROUP_N) * stride_wsn + k0 // GROUP_K)[:, None]
@@ -182,7 +194,9 @@ def _fp8_gemv_kernel(
         acc *= tl.load(xs_ptr + offs_m * stride_xsm, mask=offs_m < M, other=0.0)[None, :]
     pdl_release(PDL)  # the next kernel's programs join as these finish streaming (kernels/pdl.py)
     if SPLIT_K == 1:
-        _epilogue(acc, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_wsn, stride_om, PER_CHANNEL, HAS_BIAS)
+        _epilogue(acc, ws_ptr, b_ptr, out_ptr, os_ptr, offs_m, offs_n, w_rows, pid, M, N, stride_wsn, stride_om,
+                  stride_osm, PER_CHANNEL, HAS_BIAS, GATED, QUANT_OUT, ACT_DTYPE, HALF, BLOCK_M, FP8_MAX_C,
+                  MIN_SCALE_C)  # fmt: skip
     else:
         # partials as [column tile, split, BLOCK_N, BLOCK_M] fp32: each program's own contiguous piece
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
@@ -194,22 +208,47 @@ def _fp8_gemv_kernel(
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):  # split order, whichever program came last: deterministic
                 total += tl.load(parts + s * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
-            _epilogue(total, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_wsn, stride_om,
-                      PER_CHANNEL, HAS_BIAS)  # fmt: skip
+            _epilogue(total, ws_ptr, b_ptr, out_ptr, os_ptr, offs_m, offs_n, w_rows, pid, M, N, stride_wsn,
+                      stride_om, stride_osm, PER_CHANNEL, HAS_BIAS, GATED, QUANT_OUT, ACT_DTYPE, HALF, BLOCK_M,
+                      FP8_MAX_C, MIN_SCALE_C)  # fmt: skip
             tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _epilogue(acc, ws_ptr, b_ptr, out_ptr, offs_m, offs_n, w_rows, M, N, stride_wsn, stride_om,
-              PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
-    """Per-channel scale, bias, and the store of the [BLOCK_N, BLOCK_M] fp32 tile in the output dtype."""
+def _epilogue(acc, ws_ptr, b_ptr, out_ptr, os_ptr, offs_m, offs_n, w_rows, pid, M, N, stride_wsn, stride_om, stride_osm,
+              PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, QUANT_OUT: tl.constexpr,
+              ACT_DTYPE: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, FP8_MAX_C: tl.constexpr,
+              MIN_SCALE_C: tl.constexpr):  # fmt: skip
+    """Per-channel scale, bias, and the store of the fp32 tile ([BLOCK_N, BLOCK_M], rows the output columns).
+
+    GATED: the tile's two halves are gate and up for the same HALF columns; each is rounded to ``ACT_DTYPE``
+    as the gate_up projection would store it and silu(gate) * up is rounded again as kernels/gemv.py's
+    SiLU·mul prologue and kernels/fp8_quant.silu_mul_group_quant round it. QUANT_OUT: those HALF columns are
+    one activation group of the next projection's W8A8 input: each row quantized as that launch would
+    (kernels/fp8_quant.quantize_rows), fp8 into ``out_ptr`` and the group's scale into ``os_ptr`` [M, groups]."""
     n_mask = offs_n < N
     if PER_CHANNEL:
         acc *= tl.load(ws_ptr + w_rows * stride_wsn)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_m[None, :] < M))
+    if GATED:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))
+        g = gate.to(ACT_DTYPE).to(tl.float32)
+        u = up.to(ACT_DTYPE).to(tl.float32)
+        h = (g / (1.0 + tl.exp(-g)) * u).to(ACT_DTYPE)
+        if QUANT_OUT:
+            # columns past N hold re-read weights: zeros there, as the launch's group past K would load
+            hf = tl.where(n_mask[:, None], h.to(tl.float32), 0.0)
+            q, scale = quantize_rows(tl.trans(hf), out_ptr.dtype.element_ty, FP8_MAX_C, MIN_SCALE_C)
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], q,
+                     mask=(offs_m[:, None] < M) & n_mask[None, :])
+            tl.store(os_ptr + offs_m * stride_osm + pid, scale, mask=offs_m < M)
+        else:
+            tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], h,
+                     mask=n_mask[:, None] & (offs_m[None, :] < M))
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_m[None, :] < M))
 
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -260,13 +299,21 @@ def _launch(
     bias: torch.Tensor | None, config: StreamConfig | None, silu_mul: bool = False,
     norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:  # fmt: skip
+    gated: bool = False, quant_group: int = 0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     a8 = x_scale is not None
     per_channel = _check(x, k, w, w_scale, group_n, group_k, bias, a8)
-    m, n = x.shape[0], w.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    m, n = x.shape[0], w.shape[0] // 2 if gated else w.shape[0]
+    if gated and (w.shape[0] % 2 or (not per_channel and n % group_n) or bias is not None):
+        raise ValueError(f"fp8_gemv gated: w [{w.shape[0]}, K] must be [gate | up] with each half a whole number of "
+                         f"{group_n}-row scale blocks, and no bias")
+    if quant_group:
+        out = torch.empty((m, n), dtype=FP8_DTYPE, device=x.device)
+        out_scale = torch.empty((m, triton.cdiv(n, quant_group)), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return out
+        return (out, out_scale) if quant_group else out
     cap = tile_cap(group_n, group_k, k)
     cfg = config or default_stream_config(m, n, k, cap, sm_count(x.device))
     try:
@@ -287,7 +334,14 @@ def _launch(
     if cfg.a8 != a8:
         raise ValueError(f"fp8_gemv: tiles {cfg} are for {'fp8' if cfg.a8 else 'bf16'} x, this call's is "
                          f"{'fp8 (fp8_gemv_a8)' if a8 else x.dtype}")
-    tiles, consts = triton.cdiv(n, cfg.block_n), tile_constants(m, k, cfg, group_n, group_k, per_channel)
+    half = cfg.block_n // 2 if gated else cfg.block_n  # output columns a program
+    if gated and not (cfg.fp8_dot and cfg.block_n >= 32):
+        raise ValueError(f"fp8_gemv gated: tiles must be FP8-dot tiles at least 32 rows tall (16 gate, 16 up), got "
+                         f"{cfg}")
+    if quant_group and not (gated and half == quant_group):
+        raise ValueError(f"fp8_gemv: quant_group={quant_group} needs a gated tile of {quant_group} columns "
+                         f"(block_n {2 * quant_group}), got block_n {cfg.block_n}{'' if gated else ' ungated'}")
+    tiles, consts = triton.cdiv(n, half), tile_constants(m, k, cfg, group_n, group_k, per_channel)
     split_k = consts["SPLIT_K"]
     if a8:
         want = triton.cdiv(k, consts["BLOCK_K"])
@@ -302,17 +356,23 @@ def _launch(
     if split_k > 1:
         parts = torch.empty(tiles * split_k * cfg.block_n * consts["BLOCK_M"], dtype=torch.float32, device=x.device)
         locks = split_counters(x.device, tiles)
+    act_dtype = out_dtype or x.dtype
+    if act_dtype not in TL_DTYPES:
+        raise ValueError(f"fp8_gemv: output dtype {act_dtype} is not one of {tuple(TL_DTYPES)}")
     _fp8_gemv_kernel[(tiles, split_k)](
         x, x_scale if a8 else placeholder, residual if residual is not None else placeholder, norm_weight if norm_weight is not None else placeholder,
         residual_out if residual_out is not None else placeholder, w, w_scale, bias if bias is not None else placeholder,
-        out, parts, locks, m, n, x.stride(0), x_scale.stride(0) if a8 else 0, x_scale.stride(1) if a8 else 0,
+        out, out_scale if quant_group else placeholder, parts, locks, m, n, x.stride(0),
+        x_scale.stride(0) if a8 else 0, x_scale.stride(1) if a8 else 0,
         residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, w.stride(0), w_scale.stride(0), out.stride(0),
+        out_scale.stride(0) if quant_group else 0,
         float(eps), SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None, NORM=norm_weight is not None,
+        GATED=gated, QUANT_OUT=bool(quant_group), ACT_DTYPE=TL_DTYPES[act_dtype],
         HAS_BIAS=bias is not None, **consts,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, "_fp8_gemv_kernel"),
     )  # fmt: skip
-    return out
+    return (out, out_scale) if quant_group else out
 
 
 def tile_constants(m: int, k: int, cfg: StreamConfig, group_n: int, group_k: int, per_channel: bool) -> dict:
@@ -351,6 +411,22 @@ def fp8_gemv_a8(
     with the norm or SiLU·mul that makes x, kernels/fp8_quant.py) saves every program quantizing x's rows
     again, and reads half of bf16 x's bytes."""
     return _launch(x, x.shape[-1], w, w_scale, group_n, group_k, bias, config, x_scale=x_scale, out_dtype=out_dtype)
+
+
+def fp8_gate_up_a8(
+    x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group_n: int, group_k: int,
+    act_dtype: torch.dtype, *, config: StreamConfig, quant_group: int = 0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``silu(x @ gate.T) * (x @ up.T)`` for ``w`` = [gate | up] [2N, K] (an MLP's merged gate_up projection) on x
+    quantized as ``fp8_gemv_a8`` takes it: each program's tile holds ``config.block_n / 2`` gate rows and the up
+    rows N further on, so the activation is computed in the epilogue and gate_up's [M, 2N] output is never
+    written. Gate and up are each rounded to ``act_dtype`` first, as the projection would store them.
+
+    Returns silu·up [M, N] in ``act_dtype``; with ``quant_group`` (= block_n / 2: one group a program), the next
+    projection's W8A8 input instead: (fp8 [M, N], fp32 scales [M, N / quant_group]) as
+    kernels/fp8_quant.silu_mul_group_quant would write it, and that launch is saved."""
+    return _launch(x, x.shape[-1], w, w_scale, group_n, group_k, None, config, x_scale=x_scale, out_dtype=act_dtype,
+                   gated=True, quant_group=quant_group)
 
 
 def fp8_silu_mul_gemv(

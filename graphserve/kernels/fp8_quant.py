@@ -26,6 +26,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 FP16_MAX: tl.constexpr = tl.constexpr(torch.finfo(torch.float16).max)  # 65504
 MIN_SCALE = 1e-12  # amax below this (an all-zero group) quantizes to zeros, never NaN
+# the activation dtypes as Triton names them, for epilogues that round to the model's dtype while writing fp8
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit

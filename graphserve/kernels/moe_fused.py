@@ -32,9 +32,8 @@ import dataclasses
 
 import torch
 import triton
-import triton.language as tl
 
-from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, per_token_group_quant
+from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, TL_DTYPES, per_token_group_quant
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
 from graphserve.kernels.moe_gemm import fused_moe_gemm_kernel, moe_sum_kernel
@@ -45,7 +44,6 @@ from graphserve.kernels.pdl import pdl_args
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PATHS = ("gemv", "gemm")
 FP8_DTYPE = torch.float8_e4m3fn
-TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # average (token, slot) pairs per local expert from which the FP8 grouped GEMM quantizes its
 # activations and runs W8A8: from the first (module docstring); benchmarks/moe_fp8.py times both modes per
 # batch, and its --w8a8-rows-per-expert runs the decode steps under another value

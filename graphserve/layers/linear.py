@@ -157,6 +157,20 @@ def norm_linear(
     return linear(h), residual
 
 
+def norm_mlp(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, gate_up: nn.Linear, down: nn.Linear
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(down(silu_and_mul(gate_up(norm(x [+ residual])))), new residual)``: a decoder layer's post-attention norm
+    and gated MLP. An FP8 gate_up with a measured gated tile for the call computes silu·up in its epilogue and
+    writes it quantized as ``down`` reads it (layers/quant/fp8.py ``apply_norm_mlp``); otherwise ``norm_linear``
+    then ``silu_mul_linear``, each with the fusions it finds."""
+    fuse = getattr(getattr(gate_up, "quant_method", None), "apply_norm_mlp", None)  # FP8: layers/quant/fp8.py
+    if fuse is not None and (fused := fuse(gate_up, norm, x, residual, down)) is not None:
+        return fused
+    h, residual = norm_linear(norm, x, residual, gate_up)
+    return silu_mul_linear(h, down), residual
+
+
 class MergedLinear(Linear):
     """``Linear`` whose output rows are ``output_sizes`` stacked in order."""
 

@@ -35,6 +35,7 @@ from graphserve.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
     norm_linear,
+    norm_mlp,
     silu_mul_linear,
 )
 from graphserve.layers.mla import MLAttention
@@ -152,8 +153,9 @@ class DeepseekDecoderLayer(nn.Module):
         hidden = all_reduce(self.self_attn(positions, fused, batch))
         if self.is_moe:  # the router, the routed and the shared experts all read the normed input
             return self.mlp.forward_add_norm(hidden, residual, self.post_attention_layernorm, batch)
-        gate_up, residual = norm_linear(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj)
-        return all_reduce(silu_mul_linear(gate_up, self.mlp.down_proj)), residual
+        out, residual = norm_mlp(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj,
+                                 self.mlp.down_proj)
+        return all_reduce(out), residual
 
 
 class DeepseekModel(DecoderStack):

@@ -24,6 +24,7 @@ from graphserve.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     norm_linear,
+    norm_mlp,
     quantized_input_linear,
     silu_mul_linear,
 )
@@ -217,8 +218,15 @@ class LlamaMLP(nn.Module):
         return self.forward_gate_up(self.gate_up_proj(x))
 
     def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP from the gate/up projection's output (the decoder layer fuses its norm into that projection)."""
+        """The MLP from the gate/up projection's output."""
         return silu_mul_linear(gate_up, self.down_proj)
+
+    def forward_norm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(forward(norm(x [+ residual])), new residual)``: the decoder layer's post-attention norm rides in the
+        MLP's launches (layers/linear.py ``norm_mlp``)."""
+        return norm_mlp(norm, x, residual, self.gate_up_proj, self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -237,8 +245,8 @@ class LlamaDecoderLayer(nn.Module):
         # attention and MLP outputs are partial sums: one all-reduce each (no-ops at tp 1).
         qkv, residual = norm_linear(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
         hidden = all_reduce(self.self_attn.forward_qkv(positions, qkv, batch))
-        gate_up, residual = norm_linear(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj)
-        return all_reduce(self.mlp.forward_gate_up(gate_up)), residual
+        out, residual = self.mlp.forward_norm(self.post_attention_layernorm, hidden, residual)
+        return all_reduce(out), residual
 
 
 class LlamaModel(DecoderStack):

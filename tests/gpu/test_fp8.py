@@ -292,6 +292,56 @@ def test_norm_and_silu_linear_fuse_into_fp8_layers(m: int, gen: torch.Generator)
 
 
 A8_TILE = StreamConfig(128, 128, 8, 3, True, split_k=4, fp8_dot=True, a8=True)
+GATED_PAIRS = [  # (gate_up tile, down tile): 128 and 64 columns a program, one and two splits
+    (StreamConfig(256, 128, 8, 3, True, split_k=1, fp8_dot=True, a8=True),
+     StreamConfig(64, 128, 4, 3, True, split_k=2, fp8_dot=True, a8=True)),
+    (StreamConfig(128, 128, 4, 3, True, split_k=2, fp8_dot=True, a8=True),
+     StreamConfig(64, 64, 4, 4, True, split_k=4, fp8_dot=True, a8=True)),
+]
+
+
+@pytest.mark.parametrize("pair", GATED_PAIRS, ids=["half128", "half64_split"])
+@pytest.mark.parametrize("block", [True, False], ids=["block", "channel"])
+@pytest.mark.parametrize("m", [16, 64])
+def test_gated_mlp_under_cuda_graph_replay(pair, block: bool, m: int, gen: torch.Generator, monkeypatch) -> None:
+    """layers/linear.norm_mlp with a table pair for the call (gate_up's epilogue writing down's quantized input,
+    kernels/fp8_gemv.fp8_gate_up_a8) at Llama-3-8B's MLP, replayed from a CUDA graph on new inputs, against the
+    unfused launches (norm_linear, silu_mul_linear) on the same input: both quantize the same bf16 silu·up, so
+    they agree to summation order and a rare flipped fp8 rounding."""
+    from graphserve.kernels import fp8_config
+    from graphserve.kernels.fp8_config import Fp8Rule, GatedMlp
+    from graphserve.layers.linear import norm_linear, norm_mlp, silu_mul_linear
+    from graphserve.layers.norm import RMSNorm
+
+    tiles = GatedMlp(*pair)
+    if block and tiles.down.block_k != 128:
+        pytest.skip("block scales: down's K step is the 128-column scale block")
+    kind = "block128" if block else "channel"
+    rule = Fp8Rule("card", {}, {(4096, 14336, kind): [(64, tiles)]})
+    monkeypatch.setattr(fp8_config, "rule_for", lambda device: rule)
+    gate_up, down = _fp8_layer(28672, 4096, block, gen), _fp8_layer(4096, 14336, block, gen)
+    norm = RMSNorm(4096, 1e-6).to(DEV, torch.bfloat16)
+    norm.weight.data.normal_(1.0, 0.1, generator=gen)
+    x, res = (torch.zeros(m, 4096, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        norm_mlp(norm, x, res, gate_up, down)  # compile outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out, new_res = norm_mlp(norm, x, res, gate_up, down)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        x.copy_(torch.randn(m, 4096, device=DEV, generator=gen, dtype=torch.bfloat16))
+        res.copy_(torch.randn(m, 4096, device=DEV, generator=gen, dtype=torch.bfloat16))
+        graph.replay()
+        with torch.inference_mode():
+            h, want_res = norm_linear(norm, x, res, gate_up)
+            want = silu_mul_linear(h, down)
+        assert rel(out, want) < 5e-3 and torch.equal(new_res, want_res)
+        exact = norm(x, res.clone())[0].float() @ gate_up.quant_method.dequantized_weight(gate_up, torch.float32).T
+        act = torch.nn.functional.silu(exact[:, :14336]) * exact[:, 14336:]
+        assert rel(out, act @ down.quant_method.dequantized_weight(down, torch.float32).T) < 0.05
 
 
 @pytest.mark.parametrize("route", [Route("stream", A8_TILE), Route("w8a8"), Route("scaled_mm")],

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.fp8_config import Route, choose_route
+from graphserve.kernels.fp8_config import Route, choose_route, gated_mlp
 from graphserve.kernels.fp8_gemm import (
     blockwise_scale_layout,
     blockwise_scaled_mm_available,
@@ -45,7 +45,7 @@ from graphserve.kernels.fp8_gemm import (
     scaled_mm_supported,
     w8a8_matmul,
 )
-from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_a8, fp8_norm_gemv, fp8_silu_mul_gemv
+from graphserve.kernels.fp8_gemv import fp8_gate_up_a8, fp8_gemv, fp8_gemv_a8, fp8_norm_gemv, fp8_silu_mul_gemv
 from graphserve.kernels.fp8_quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -269,6 +269,38 @@ class Fp8LinearMethod:
                                       self.group_n, self.group_k or k, layer.bias, res_rows, config=route.config)
         new_residual = summed.view(x.shape) if summed is not None else x
         return y.view(*x.shape[:-1], layer.out_features), new_residual
+
+    def apply_norm_mlp(self, layer: Linear, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                       down: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(down(silu_and_mul(layer(norm(x [+ residual])))), new residual)`` for a merged [gate | up] ``layer``
+        and its MLP's ``down`` (quantized alike), where the measured table has a tile pair for the call
+        (kernels/fp8_config.gated_mlp): the norm rides in the launch that quantizes gate_up's input, gate_up's
+        epilogue computes silu·up and writes it quantized in groups of down's K step
+        (kernels/fp8_gemv.fp8_gate_up_a8), and down reads it: silu_mul_group_quant's launch and gate_up's [M, 2N]
+        output are saved. None elsewhere (the caller runs the steps)."""
+        rows = x.reshape(-1, x.shape[-1])
+        k, inter = layer.in_features, layer.out_features // 2
+        if (not x.is_cuda or rows.shape[-1] != k or not rows.is_contiguous() or layer.bias is not None
+                or self.config.activation_scheme != "dynamic" or (torch.is_grad_enabled() and x.requires_grad)
+                or getattr(down, "quant_method", None) is None or down.quant_method.config != self.config
+                or down.in_features != inter or down.out_features != k):  # fmt: skip
+            return None
+        m = rows.shape[0]
+        tiles = gated_mlp(m, k, inter, self.group_n, self.group_k or k, x.device)
+        if tiles is None:
+            return None
+        res_rows = residual.reshape(rows.shape) if residual is not None else None
+        # gate_up's input as its a8 tile reads it: groups of the K step, or per token for per-channel weights
+        group = tiles.gate_up.block_k if self.config.block else k
+        a_q, a_s, summed = norm_group_quant(rows, norm.weight, norm.eps, group, res_rows)
+        scale, down_scale = self.scale(layer), self.scale(down)
+        h_q, h_s = fp8_gate_up_a8(a_q, a_s, layer.weight, scale.view(scale.shape[0], -1), self.group_n,
+                                  self.group_k or k, x.dtype, config=tiles.gate_up,
+                                  quant_group=tiles.gate_up.block_n // 2)  # fmt: skip
+        out = fp8_gemv_a8(h_q, h_s, down.weight, down_scale.view(down_scale.shape[0], -1), self.group_n,
+                          self.group_k or inter, x.dtype, down.bias, config=tiles.down)  # fmt: skip
+        new_residual = summed.view(x.shape) if summed is not None else x
+        return out.view(*x.shape[:-1], k), new_residual
 
     def input_quant(self, layer: Linear, m: int, dtype: torch.dtype, device: torch.device) -> dict | None:
         """How a call of ``m`` rows of ``dtype`` quantizes its input by a launch of its own (per_token_group_quant's

@@ -1,0 +1,235 @@
+"""The gated FP8 MLP at decode rows: gate_up's epilogue computing silu·up and writing it quantized for down
+(kernels/fp8_gemv.fp8_gate_up_a8) against the launches the engine runs without it, and the table entries
+(graphserve/kernels/fp8_rule.json, ``mlps``) written from what was measured.
+
+Per scale kind (``--scales channel``: ``--quantization fp8``'s dense projections; ``block128``: the shipped
+checkpoints and ``fp8-block``) and row count m, on Llama-3-8B's MLP (4096 -> 2 x 14336 -> 4096):
+- ``unfused_us``: the post-attention norm and the MLP as layers/linear.norm_mlp runs them without a pair in the
+  table (norm_linear, then silu_mul_linear, through real fp8 ``Linear`` layers on their table routes): the norm
+  in gate_up's input quantization, gate_up's [M, 2N] output written, SiLU·mul in down's input quantization;
+- ``gated_us``: the norm's quantization launch, a gated gate_up tile (``block_n / 2`` gate rows and as many up
+  rows a program; silu·up quantized in groups of ``block_n / 2`` columns) and a down tile whose K step is that
+  group, as layers/quant/fp8.apply_norm_mlp runs them: the gated tiles and the down tiles swept apart (each with
+  the launches around it), the best of each timed together;
+- ``engine_us``: norm_mlp after the table is rewritten, the path the engine takes (the pair where it won).
+The pair's output is checked against the unfused launches' before anything is timed. Each time is one call's
+share
+of a CUDA graph of back-to-back calls cycling through copies of the MLP's weights (over 256 MB in all), so every
+call reads its weights from device memory as decode does; ``/floor``: over the two weights' bytes (fp8 + scales)
+at the best read bandwidth of this run.
+Run: python3 -m benchmarks.fp8_gated_mlp [--scales channel|block128] [--rows M ...] [--no-rule]
+(writes benchmarks/results/fp8_gated_mlp[_block128].json and the table's ``mlps`` entries for what it measured)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import environment, print_table, write_result
+from benchmarks.kernels import graph_time_ms
+from benchmarks.roofline import measured_read_bw
+from graphserve.kernels import fp8_config
+from graphserve.kernels.fp8_config import RULE_PATH, GatedMlp, StreamConfig
+from graphserve.kernels.fp8_gemv import fp8_gate_up_a8, fp8_gemv_a8
+from graphserve.kernels.fp8_quant import norm_group_quant
+from graphserve.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    norm_linear,
+    norm_mlp,
+    silu_mul_linear,
+)
+from graphserve.layers.norm import RMSNorm
+from graphserve.layers.quant.config import Fp8Config
+from graphserve.layers.quant.fp8 import Fp8LinearMethod
+
+HIDDEN, INTER = 4096, 14336
+NAME = "llama3-8b mlp"
+ROWS = [16, 32, 64]
+COLD_BYTES = 256 << 20
+# gated gate_up tiles swept, (block_n, warps, split_k): 64 or 128 output columns a program (half the rows), one
+# 128-column K step, three stages
+GATE_UP_TILES = ((128, 4, 1), (128, 8, 1), (128, 4, 2), (256, 8, 1), (256, 8, 2), (256, 4, 1))
+# down tiles swept for a K step of one group, (block_n, split_k, stages), four warps
+DOWN_TILES = ((64, 2, 3), (64, 4, 3), (32, 4, 3), (64, 2, 4), (128, 2, 3))
+COLS = ["scales", "m", "unfused_us", "gated_us", "engine_us", "gated/unfused", "unfused/floor", "gated/floor",
+        "gate_up_tile", "down_tile"]
+
+
+def gated_tile(block_n: int, warps: int, split: int) -> StreamConfig:
+    return StreamConfig(block_n, 128, num_warps=warps, num_stages=3, use_dot=True, split_k=split, fp8_dot=True, a8=True)
+
+
+def down_tile(group: int, block_n: int, split: int, stages: int) -> StreamConfig:
+    return StreamConfig(block_n, group, num_warps=4, num_stages=stages, use_dot=True, split_k=split, fp8_dot=True,
+                        a8=True)
+
+
+def label(c: StreamConfig) -> str:
+    return f"{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} split{c.split_k}"
+
+
+class ColdMlps:
+    """Copies of the MLP (fp8 gate_up and down layers, quantized at load as the engine does), enough that
+    back-to-back calls never find theirs in L2."""
+
+    def __init__(self, block: tuple[int, int] | None) -> None:
+        self.config = Fp8Config(block=block, serialized=False)
+        copies = max(2, math.ceil(COLD_BYTES / (3 * HIDDEN * INTER)))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        self.layers = []
+        for _ in range(copies):
+            with torch.device("cuda"):
+                gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], False)
+                down = RowParallelLinear(INTER, HIDDEN, False)
+            for layer in (gate_up, down):
+                method = Fp8LinearMethod(self.config)
+                method.create_weights(layer)
+                method.init_random(layer, torch.bfloat16, gen)
+            self.layers.append((gate_up, down))
+        gate_up, down = self.layers[0]
+        self.nbytes = sum(t.numel() * t.element_size() for layer in (gate_up, down)
+                          for t in (layer.weight, layer.quant_method.scale(layer)))
+
+    def time_us(self, fn) -> float:
+        """Microseconds per ``fn(gate_up, down)``, each call on the next copy."""
+        step = itertools.count()
+        return graph_time_ms(lambda: fn(*self.layers[next(step) % len(self.layers)]),
+                             calls=max(20, len(self.layers))) * 1e3
+
+
+def scales_2d(layer) -> torch.Tensor:
+    s = layer.quant_method.scale(layer)
+    return s.view(s.shape[0], -1)
+
+
+def check(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
+    """The gated MLP's relative error against the unfused launches', refused past 2e-2: both quantize the same
+    bf16-rounded silu·up, so they differ by summation order and an fp8 rounding flipped here and there (~1e-3);
+    a wrong scale or a missed tile is off by order 1."""
+    err = ((got - want).norm() / want.norm()).item()
+    if not err <= 2e-2:
+        raise AssertionError(f"gated MLP {what} is off the unfused launches by {err:.3g}")
+    return err
+
+
+def measure_row(cold: ColdMlps, m: int) -> dict:
+    block = cold.config.block
+    gn, gk = block if block else (1, 0)
+    norm = RMSNorm(HIDDEN, 1e-5).cuda().to(torch.bfloat16)
+    x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+
+    def unfused(gate_up, down):
+        h, _ = norm_linear(norm, x, residual, gate_up)
+        return silu_mul_linear(h, down)
+
+    def gated_input(gate_up, tiles: GatedMlp):
+        group = tiles.gate_up.block_k if block else HIDDEN
+        a_q, a_s, _ = norm_group_quant(x, norm.weight, norm.eps, group, residual)
+        return fp8_gate_up_a8(a_q, a_s, gate_up.weight, scales_2d(gate_up), gn, gk or HIDDEN, torch.bfloat16,
+                              config=tiles.gate_up, quant_group=tiles.gate_up.block_n // 2)  # fmt: skip
+
+    def gated(gate_up, down, tiles: GatedMlp):
+        h_q, h_s = gated_input(gate_up, tiles)
+        return fp8_gemv_a8(h_q, h_s, down.weight, scales_2d(down), gn, gk or INTER, torch.bfloat16,
+                           config=tiles.down)  # fmt: skip
+
+    r = {"shape": NAME, "scales": "block128" if block else "channel", "hidden": HIDDEN, "intermediate": INTER, "m": m,
+         "weight_bytes": cold.nbytes, "unfused_us": cold.time_us(unfused)}
+    want = unfused(*cold.layers[0]).float()
+    first_down = {half: down_tile(half, *DOWN_TILES[0]) for half in {bn // 2 for bn, _, _ in GATE_UP_TILES}}
+    gate_up_us = {}
+    for bn, warps, split in GATE_UP_TILES:
+        tiles = GatedMlp(gated_tile(bn, warps, split), first_down[bn // 2])
+        try:
+            got = gated(*cold.layers[0], tiles).float()
+        except Exception as e:  # a tile this card or these scales cannot take (shared memory, K step): said so
+            print(f"  m={m} skip gate_up {label(tiles.gate_up)}: {type(e).__name__}: {str(e)[:80]}")
+            continue
+        check(got, want, f"m={m} {label(tiles.gate_up)}")
+        gate_up_us[tiles.gate_up] = cold.time_us(lambda g, d, t=tiles: gated_input(g, t))
+    best_gate_up = min(gate_up_us, key=gate_up_us.get)
+    half = best_gate_up.block_n // 2
+    h_q, h_s = gated_input(cold.layers[0][0], GatedMlp(best_gate_up, first_down[half]))
+    down_us = {}
+    for bn, split, stages in DOWN_TILES:
+        tile = down_tile(half, bn, split, stages)
+        try:
+            down_us[tile] = cold.time_us(lambda g, d, t=tile: fp8_gemv_a8(
+                h_q, h_s, d.weight, scales_2d(d), gn, gk or INTER, torch.bfloat16, config=t))
+        except Exception as e:
+            print(f"  m={m} skip down {label(tile)}: {type(e).__name__}: {str(e)[:80]}")
+    best = GatedMlp(best_gate_up, min(down_us, key=down_us.get))
+    r["gated_error"] = check(gated(*cold.layers[0], best).float(), want, f"m={m} pair")
+    r["gated_us"] = cold.time_us(lambda g, d: gated(g, d, best))
+    r.update({"gated/unfused": r["gated_us"] / r["unfused_us"], "gate_up_tile": label(best.gate_up),
+              "down_tile": label(best.down), "pair": best.to_json(),
+              "gate_up_tiles": [{"tile": label(c), "us": us} for c, us in gate_up_us.items()],
+              "down_tiles": [{"tile": label(c), "us": us} for c, us in down_us.items()]})
+    print(f"  m={m}: unfused {r['unfused_us']:.2f} us; gate_up "
+          + "; ".join(f"{label(c)} {us:.2f}" for c, us in gate_up_us.items())
+          + "; down " + "; ".join(f"{label(c)} {us:.2f}" for c, us in down_us.items())
+          + f"; pair {r['gated_us']:.2f} us")
+    r["engine"] = lambda g, d: norm_mlp(norm, x, residual, g, d)[0]
+    return r
+
+
+def table_with(rows: list[dict], env: dict, earlier: dict) -> dict:
+    """The routing table with this run's ``mlps`` rows: the pair where it beat the unfused launches, else null; the
+    table's other entries (and its other row counts) as they were."""
+    stamp = {"commit": env.get("commit"), "date": env.get("date")}
+    mlps = {(e["name"], e["scales"]): e for e in earlier.get("mlps", [])}
+    for r in rows:
+        key = (r["shape"], r["scales"])
+        entry = mlps.setdefault(key, {"name": r["shape"], "hidden": r["hidden"], "intermediate": r["intermediate"],
+                                      "scales": r["scales"], "rows": []})
+        won = r["gated_us"] < r["unfused_us"]
+        by_m = {e["m"]: e for e in entry["rows"]}
+        by_m[r["m"]] = {"m": r["m"], **(r["pair"] if won else {"gate_up": None, "down": None}), "measured_at": stamp}
+        entry["rows"] = [by_m[m] for m in sorted(by_m)]
+    return {**earlier, "mlps": list(mlps.values())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--scales", choices=("channel", "block128"), default="channel",
+                   help="the weights' scales: one per output channel (--quantization fp8), or 128x128 blocks")
+    p.add_argument("--rows", nargs="+", type=int, default=ROWS, metavar="M")
+    p.add_argument("--no-rule", action="store_true", help="measure and print, but leave fp8_rule.json as it is")
+    args = p.parse_args()
+    if not all(1 <= m <= fp8_config.MAX_STREAM_ROWS for m in args.rows):
+        p.error(f"--rows {args.rows}: each must be in 1..{fp8_config.MAX_STREAM_ROWS} (the streaming kernel's rows)")
+    bw = measured_read_bw()
+    cold = ColdMlps((128, 128) if args.scales == "block128" else None)
+    with torch.no_grad():
+        rows = [measure_row(cold, m) for m in args.rows]
+        env = environment()
+        if not args.no_rule:
+            rule = table_with(rows, env, json.loads(RULE_PATH.read_text()))
+            text = json.dumps(rule, indent=1) + "\n"
+            RULE_PATH.write_text(text)
+            if os.environ.get("OUT"):  # a copy that comes back from a remote GPU run, as write_result's
+                Path(os.environ["OUT"], RULE_PATH.name).write_text(text)
+            fp8_config.load_rule.cache_clear()
+            fp8_config.rule_for.cache_clear()
+        for r in rows:
+            r["engine_us"] = cold.time_us(r.pop("engine"))
+            floor_us = bw.floor_ms(r["weight_bytes"]) * 1e3
+            r.update({"unfused/floor": r["unfused_us"] / floor_us, "gated/floor": r["gated_us"] / floor_us,
+                      "floor_us": floor_us})
+    print(f"\nfloor: {bw.describe()}")
+    print_table(rows, COLS)
+    write_result("fp8_gated_mlp" + ("" if args.scales == "channel" else "_block128"),
+                 {"read": bw.summary(), "rows": rows, "rule_written": not args.no_rule})
+
+
+if __name__ == "__main__":
+    main()
