@@ -133,6 +133,7 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
     scales, with the prologue the layer fuses at that row count (layers/quant/fp8.py), and its grid: programs,
     and the waves they take at the compiled occupancy on ``sms`` SMs (an H100/H200 has 132)."""
     import triton
+    import triton.language as tl
 
     from benchmarks.fp8_route import SHAPES, prologue
     from graphserve.kernels.fp8_config import load_rule
@@ -152,13 +153,45 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
             x_types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32"} if cfg.a8 else {}
             tiles = tile_constants(m, k, cfg, *((1, k) if channel else (128, 128)), channel)
             consts = {"SILU_MUL": kind == "silu", "ADD_RESIDUAL": kind == "norm", "NORM": kind == "norm",
-                      "HAS_BIAS": False, "PDL": False, **tiles, "X_TOKEN": channel and cfg.a8}
+                      "HAS_BIAS": False, "PDL": False, **tiles, "X_TOKEN": channel and cfg.a8,
+                      "GATED": False, "QUANT_OUT": False, "ACT_DTYPE": tl.bfloat16}
             row = compile_report(_fp8_gemv_kernel, {**types, **x_types}, consts, cfg.num_warps, cfg.num_stages)
             split_k, programs = consts["SPLIT_K"], triton.cdiv(n, cfg.block_n) * consts["SPLIT_K"]
             mode = "a8 fp8 dot" if cfg.a8 else "fp8 dot" if cfg.fp8_dot else "dot" if cfg.use_dot else "fma"
             tile = f"{mode} {cfg.block_n}x{consts['BLOCK_K']} split{split_k}"
             out.append({"kernel": "_fp8_gemv_kernel", "shape": f"{name} {scales} m{m} {kind or 'plain'} {tile}", **row,
                         "programs": programs, "waves": round(programs / (row["programs_per_sm"] * sms), 2)})
+    for (hidden, inter, scales), entries in rule.mlps.items():
+        for m, pair in entries:
+            if pair is not None:
+                out += gated_reports(m, hidden, inter, scales, pair.gate_up, pair.down, sms)
+    return out
+
+
+def gated_reports(m: int, hidden: int, inter: int, scales: str, gate_up, down, sms: int = 132) -> list[dict]:
+    """A gated MLP pair's two launches (kernels/fp8_gemv.fp8_gate_up_a8 writing down's quantized input, then down
+    reading it in groups of its K step) at ``m`` rows, compiled as the layer runs them (layers/quant/fp8.py
+    apply_norm_mlp), with their grids."""
+    import triton
+    import triton.language as tl
+
+    from graphserve.kernels.fp8_gemv import _fp8_gemv_kernel, tile_constants
+
+    channel = scales == "channel"
+    types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "part_ptr": "*fp32",
+             "lock_ptr": "*i32", "os_ptr": "*fp32", "eps": "fp32"}
+    out = []
+    for what, n, k, cfg, gated in (("gate_up", inter, hidden, gate_up, True), ("down", hidden, inter, down, False)):
+        tiles = tile_constants(m, k, cfg, *((1, k) if channel else (128, 128)), channel)
+        consts = {"SILU_MUL": False, "ADD_RESIDUAL": False, "NORM": False, "HAS_BIAS": False, "PDL": False, **tiles,
+                  "X_TOKEN": channel and gated, "GATED": gated, "QUANT_OUT": gated, "ACT_DTYPE": tl.bfloat16}
+        row = compile_report(_fp8_gemv_kernel, {**types, **({"out_ptr": "*fp8e4nv"} if gated else {})}, consts,
+                             cfg.num_warps, cfg.num_stages)  # fmt: skip
+        programs = triton.cdiv(n, cfg.block_n // 2 if gated else cfg.block_n) * consts["SPLIT_K"]
+        tile = f"{'gated ' if gated else ''}a8 fp8 dot {cfg.block_n}x{consts['BLOCK_K']} w{cfg.num_warps} " \
+               f"s{cfg.num_stages} split{consts['SPLIT_K']}"
+        out.append({"kernel": "_fp8_gemv_kernel", "shape": f"mlp {hidden}x{inter} {scales} m{m} {what} {tile}", **row,
+                    "programs": programs, "waves": round(programs / (row["programs_per_sm"] * sms), 2)})
     return out
 
 
