@@ -54,7 +54,8 @@ from graphserve.layers.quant.fp8 import Fp8LinearMethod
 
 HIDDEN, INTER = 4096, 14336
 NAME = "llama3-8b mlp"
-ROWS = [16, 32, 64]
+ROWS = [1, 2, 4, 8, 16, 32, 64]  # every count the table routes by up to the streaming limit: below the first
+# measured count a call would take its pair unmeasured
 COLD_BYTES = 256 << 20
 # gated gate_up tiles swept, (block_n, warps, split_k): 64 or 128 output columns a program (half the rows), one
 # 128-column K step, three stages
