@@ -13,6 +13,10 @@ Three paths (layers/quant/fp8.py runs them):
 - ``scaled_mm``: the same quantization, then ``torch._scaled_mm``'s block-scaled mode (cuBLASLt;
   128x128 weight blocks only, where this torch/CUDA build has it).
 
+Gated MLPs have entries of their own (``mlps``, benchmarks/fp8_gated_mlp.py writes them): per row count, the
+pair of streaming tiles with which gate_up's epilogue makes down's quantized input (``GatedMlp``), or none where
+the unfused launches measured faster. They have no default: unmeasured, the MLP runs unfused.
+
 No autotuning at run time (unsafe inside CUDA-graph capture): the table is read once per process.
 """
 

@@ -35,6 +35,13 @@ Prologues, as kernels/gemv.py's: ``fp8_silu_mul_gemv`` computes silu(gate) * up 
 (residual add +) RMSNorm while loading x, so a decoder layer's norm and activation launches vanish
 at decode batch sizes.
 
+Gated (``fp8_gate_up_a8``, the a8 FP8 dot on an MLP's merged [gate | up] weight): a program's tile is BLOCK_N / 2
+gate rows stacked on the up rows N further on, one tall dot a step, so the epilogue holds gate and up for the same
+columns and computes silu(gate) * up (each rounded as the unfused launches round it). With ``QUANT_OUT`` those
+BLOCK_N / 2 columns are one group of the down projection's W8A8 input: the epilogue quantizes each row of them
+(kernels/fp8_quant.quantize_rows) and writes fp8 plus the group's scale, so gate_up's [M, 2N] output and the
+SiLU·mul quantization launch between the two projections are never needed. Split-K sums both halves before it.
+
 Split-K. A tall-K projection (Llama-3-8B's down: K = 14336 against N = 4096) gives each program a long
 chain of dependent tile loads and too few programs to keep every SM's memory pipe full. With
 ``split_k`` > 1 the grid is (column tiles, splits); each program streams its [BLOCK_N, K / split_k] slab

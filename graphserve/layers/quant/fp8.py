@@ -24,7 +24,10 @@ per projection shape and row count, else its defaults):
   rowwise for per-channel scales where the shape takes it, else the Triton W8A8 kernel.
 Where a path quantizes its input dynamically, the norm or SiLU·mul that makes the input runs in that
 quantization's launch (kernels/fp8_quant.norm_group_quant / silu_mul_group_quant): the normed or activated
-rows are never written, and the layer launches one kernel fewer.
+rows are never written, and the layer launches one kernel fewer. A gated MLP whose table has a tile pair for
+the call goes one step further (``apply_norm_mlp``, which layers/linear.py's norm_mlp calls): gate_up's tile holds
+gate and up rows, its epilogue computes silu·up and writes it quantized as down reads it, so neither gate_up's
+[M, 2N] output nor silu_mul_group_quant's launch is left (benchmarks/fp8_gated_mlp.py measures the pairs).
 """
 
 from __future__ import annotations
