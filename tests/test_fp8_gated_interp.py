@@ -173,10 +173,12 @@ def test_the_benchmark_writes_a_pair_where_it_won_and_keeps_the_rest() -> None:
                          "rows": [{"m": 8, "gate_up": None, "down": None}, {"m": 64, **PAIR.to_json()}]}]}
     row = {"shape": "llama3-8b mlp", "scales": "channel", "hidden": 4096, "intermediate": 14336, "pair": PAIR.to_json()}
     table = table_with([{**row, "m": 16, "gated_us": 90.0, "unfused_us": 100.0},
+                        {**row, "m": 32, "gated_us": 99.0, "unfused_us": 100.0},
                         {**row, "m": 64, "gated_us": 101.0, "unfused_us": 100.0}], {"commit": "c", "date": "d"}, earlier)
     assert table["shapes"] == [kept]
     rows = {r["m"]: r for r in table["mlps"][0]["rows"]}
-    assert sorted(rows) == [8, 16, 64] and rows[8] == earlier["mlps"][0]["rows"][0]
+    assert sorted(rows) == [8, 16, 32, 64] and rows[8] == earlier["mlps"][0]["rows"][0]
+    assert rows[32]["gate_up"] is None  # 1% faster: within what one row moves between runs, not kept
     assert rows[16]["gate_up"] == PAIR.to_json()["gate_up"] and rows[16]["measured_at"] == {"commit": "c", "date": "d"}
     assert rows[64]["gate_up"] is None and rows[64]["down"] is None  # the unfused launches won: no pair
     rule = Fp8Rule.from_json(table)
