@@ -166,6 +166,17 @@ def test_rule_refuses_gated_pairs_no_call_can_run(change, message) -> None:
         Fp8Rule.from_json(_mlps([{"m": 64, **PAIR.to_json(), **change}]))
 
 
+def test_rule_refuses_block_scaled_pairs_whose_steps_are_not_the_scale_block() -> None:
+    """With 128x128 weight blocks both tiles step one block along K (kernels/fp8_gemv.py refuses any other step
+    at the call, which would be inside a graph capture): the table is refused at load instead."""
+    half = GatedMlp(_tile(128, 128), _tile(64, 64))  # 64 output columns: down would step 64 columns
+    data = _mlps([{"m": 8, **half.to_json()}])
+    Fp8Rule.from_json(data)  # per channel any step runs
+    data["mlps"][0]["scales"] = "block128"
+    with pytest.raises(ValueError, match="gated tiles for mlp m=8: down tile's block_k=64 must be the 128-column"):
+        Fp8Rule.from_json(data)
+
+
 def test_the_benchmark_writes_a_pair_where_it_won_and_keeps_the_rest() -> None:
     kept = {"name": "kept", "n": 64, "k": 64, "scales": "channel", "rows": [{"m": 1, "path": "scaled_mm"}]}
     earlier = {"device": "card", "shapes": [kept],

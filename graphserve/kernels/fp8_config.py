@@ -156,11 +156,14 @@ class GatedMlp:
     gate_up: StreamConfig
     down: StreamConfig
 
-    def validate(self) -> None:
+    def validate(self, scales: str = "channel") -> None:
+        """Refuse a pair no call of a table with ``scales`` can run, naming the field and the limit."""
         for name, cfg in (("gate_up", self.gate_up), ("down", self.down)):
             cfg.validate()
             if not (cfg.fp8_dot and cfg.a8):
                 raise ValueError(f"{name} tile {cfg} must be an a8 FP8-dot tile")
+            if scales == "block128" and cfg.block_k != 128:
+                raise ValueError(f"{name} tile's block_k={cfg.block_k} must be the 128-column scale block's K")
         if self.gate_up.block_n < 32 or self.down.block_k != self.gate_up.block_n // 2:
             raise ValueError(f"gate_up's block_n={self.gate_up.block_n} must be at least 32 and twice down's "
                              f"block_k={self.down.block_k} (its output groups are down's K steps)")
@@ -175,7 +178,7 @@ class GatedMlp:
             return None
         try:
             tiles = cls(StreamConfig(**row["gate_up"]), StreamConfig(**row["down"]))
-            tiles.validate()
+            tiles.validate(str(mlp["scales"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{RULE_PATH.name}: gated tiles for {mlp.get('name')} m={row.get('m')}: {e}") from e
         return tiles
