@@ -9,14 +9,13 @@ checkpoints and ``fp8-block``) and row count m, on Llama-3-8B's MLP (4096 -> 2 x
   in gate_up's input quantization, gate_up's [M, 2N] output written, SiLU·mul in down's input quantization;
 - ``gated_us``: the norm's quantization launch, a gated gate_up tile (``block_n / 2`` gate rows and as many up
   rows a program; silu·up quantized in groups of ``block_n / 2`` columns) and a down tile whose K step is that
-  group, as layers/quant/fp8.apply_norm_mlp runs them: the gated tiles and the down tiles swept apart (each with
-  the launches around it), the best of each timed together;
+  group, every pair run by the engine's own code (layers/quant/fp8.norm_mlp_with): the gate_up tiles swept with
+  the first down tile of their group, then the down tiles with the fastest gate_up tile (the result files of
+  43d5c33 and 2a30f0a timed gate_up's launches and down's apart in the sweeps, the best pair together);
 - ``unfused_error``, ``gated_error``: each path's output against the MLP in fp32 on the dequantized weights (both
   quantize the activations, in different groups: per token for per-channel down, down's K step for the pair);
 - ``engine_us``: norm_mlp after the table is rewritten, the path the engine takes (the pair where it won).
-Every tile's output is checked against that fp32 MLP before it is timed. Each time is one call's
-share
-of a CUDA graph of back-to-back calls cycling through copies of the MLP's weights (over 256 MB in all), so every
+Every pair's output is checked against that fp32 MLP before it is timed. Each time is one call's share of a CUDA graph of back-to-back calls cycling through copies of the MLP's weights (over 256 MB in all), so every
 call reads its weights from device memory as decode does; ``/floor``: over the two weights' bytes (fp8 + scales)
 at the best read bandwidth of this run.
 Run: python3 -m benchmarks.fp8_gated_mlp [--scales channel|block128] [--rows M ...] [--no-rule | --rule-from RESULT]
@@ -39,8 +38,6 @@ from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import measured_read_bw
 from graphserve.kernels import fp8_config
 from graphserve.kernels.fp8_config import RULE_PATH, GatedMlp, StreamConfig
-from graphserve.kernels.fp8_gemv import fp8_gate_up_a8, fp8_gemv_a8
-from graphserve.kernels.fp8_quant import norm_group_quant
 from graphserve.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
@@ -112,11 +109,6 @@ class ColdMlps:
                              calls=max(20, len(self.layers))) * 1e3
 
 
-def scales_2d(layer) -> torch.Tensor:
-    s = layer.quant_method.scale(layer)
-    return s.view(s.shape[0], -1)
-
-
 def check(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
     """The gated MLP's relative error against the MLP on the dequantized weights with unquantized activations,
     refused past 5e-2: what its two activation quantizations cost (x in gate_up's groups, silu·up in groups of
@@ -136,9 +128,8 @@ def exact_mlp(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, gate_up, d
     return act @ down.quant_method.dequantized_weight(down, torch.float32).T
 
 
-def measure_row(cold: ColdMlps, m: int) -> dict:
-    block = cold.config.block
-    gn, gk = block if block else (1, 0)
+def measure_row(cold: ColdMlps, m: int) -> tuple[dict, object]:
+    """One row count's times and errors, and the engine's call (``norm_mlp``) for timing after the table is written."""
     norm = RMSNorm(HIDDEN, 1e-5).cuda().to(torch.bfloat16)
     x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn_like(x)
@@ -147,56 +138,43 @@ def measure_row(cold: ColdMlps, m: int) -> dict:
         h, _ = norm_linear(norm, x, residual, gate_up)
         return silu_mul_linear(h, down)
 
-    def gated_input(gate_up, tiles: GatedMlp):
-        group = tiles.gate_up.block_k if block else HIDDEN
-        a_q, a_s, _ = norm_group_quant(x, norm.weight, norm.eps, group, residual)
-        return fp8_gate_up_a8(a_q, a_s, gate_up.weight, scales_2d(gate_up), gn, gk or HIDDEN, torch.bfloat16,
-                              config=tiles.gate_up, quant_group=tiles.gate_up.block_n // 2)  # fmt: skip
+    def gated(gate_up, down, tiles: GatedMlp):  # the engine's fused path on these tiles
+        return gate_up.quant_method.norm_mlp_with(tiles, gate_up, norm, x, residual, down)[0]
 
-    def gated(gate_up, down, tiles: GatedMlp):
-        h_q, h_s = gated_input(gate_up, tiles)
-        return fp8_gemv_a8(h_q, h_s, down.weight, scales_2d(down), gn, gk or INTER, torch.bfloat16,
-                           config=tiles.down)  # fmt: skip
+    def sweep(candidates: list[GatedMlp], what: str) -> dict[GatedMlp, float]:
+        """Each pair checked against the fp32 MLP, then timed; a pair this card or these scales cannot take (shared
+        memory, a K step off the scale block) is skipped, said so."""
+        times = {}
+        for tiles in candidates:
+            try:
+                got = gated(*cold.layers[0], tiles).float()
+            except Exception as e:
+                print(f"  m={m} skip {what} {label(getattr(tiles, what))}: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            check(got, want, f"m={m} {label(tiles.gate_up)} + {label(tiles.down)}")
+            times[tiles] = cold.time_us(lambda g, d, t=tiles: gated(g, d, t))
+        return times
 
-    r = {"shape": NAME, "scales": "block128" if block else "channel", "hidden": HIDDEN, "intermediate": INTER, "m": m,
-         "weight_bytes": cold.nbytes, "unfused_us": cold.time_us(unfused)}
+    r = {"shape": NAME, "scales": "block128" if cold.config.block else "channel", "hidden": HIDDEN,
+         "intermediate": INTER, "m": m, "weight_bytes": cold.nbytes, "unfused_us": cold.time_us(unfused)}
     want = exact_mlp(x, residual, norm, *cold.layers[0])
     r["unfused_error"] = check(unfused(*cold.layers[0]).float(), want, f"m={m} unfused")
-    first_down = {half: down_tile(half, *DOWN_TILES[0]) for half in {bn // 2 for bn, _, _ in GATE_UP_TILES}}
-    gate_up_us = {}
-    for bn, warps, split in GATE_UP_TILES:
-        tiles = GatedMlp(gated_tile(bn, warps, split), first_down[bn // 2])
-        try:
-            got = gated(*cold.layers[0], tiles).float()
-        except Exception as e:  # a tile this card or these scales cannot take (shared memory, K step): said so
-            print(f"  m={m} skip gate_up {label(tiles.gate_up)}: {type(e).__name__}: {str(e)[:80]}")
-            continue
-        check(got, want, f"m={m} {label(tiles.gate_up)}")
-        gate_up_us[tiles.gate_up] = cold.time_us(lambda g, d, t=tiles: gated_input(g, t))
-    best_gate_up = min(gate_up_us, key=gate_up_us.get)
-    half = best_gate_up.block_n // 2
-    h_q, h_s = gated_input(cold.layers[0][0], GatedMlp(best_gate_up, first_down[half]))
-    down_us = {}
-    for bn, split, stages in DOWN_TILES:
-        tile = down_tile(half, bn, split, stages)
-        try:
-            down_us[tile] = cold.time_us(lambda g, d, t=tile: fp8_gemv_a8(
-                h_q, h_s, d.weight, scales_2d(d), gn, gk or INTER, torch.bfloat16, config=t))
-        except Exception as e:
-            print(f"  m={m} skip down {label(tile)}: {type(e).__name__}: {str(e)[:80]}")
-    best = GatedMlp(best_gate_up, min(down_us, key=down_us.get))
+    # gate_up tiles, each with the first down tile of its group; then down tiles with the fastest gate_up
+    gate_up_us = sweep([GatedMlp(gated_tile(bn, warps, split), down_tile(bn // 2, *DOWN_TILES[0]))
+                        for bn, warps, split in GATE_UP_TILES], "gate_up")
+    best_gate_up = min(gate_up_us, key=gate_up_us.get).gate_up
+    down_us = sweep([GatedMlp(best_gate_up, down_tile(best_gate_up.block_n // 2, *t)) for t in DOWN_TILES], "down")
+    best = min(down_us, key=down_us.get)
     r["gated_error"] = check(gated(*cold.layers[0], best).float(), want, f"m={m} pair")
-    r["gated_us"] = cold.time_us(lambda g, d: gated(g, d, best))
+    r["gated_us"] = down_us[best]
     r.update({"gated/unfused": r["gated_us"] / r["unfused_us"], "gate_up_tile": label(best.gate_up),
               "down_tile": label(best.down), "pair": best.to_json(),
-              "gate_up_tiles": [{"tile": label(c), "us": us} for c, us in gate_up_us.items()],
-              "down_tiles": [{"tile": label(c), "us": us} for c, us in down_us.items()]})
-    print(f"  m={m}: unfused {r['unfused_us']:.2f} us; gate_up "
-          + "; ".join(f"{label(c)} {us:.2f}" for c, us in gate_up_us.items())
-          + "; down " + "; ".join(f"{label(c)} {us:.2f}" for c, us in down_us.items())
-          + f"; pair {r['gated_us']:.2f} us")
-    r["engine"] = lambda g, d: norm_mlp(norm, x, residual, g, d)[0]
-    return r
+              "gate_up_tiles": [{"tile": label(t.gate_up), "us": us} for t, us in gate_up_us.items()],
+              "down_tiles": [{"tile": label(t.down), "us": us} for t, us in down_us.items()]})
+    print(f"  m={m}: unfused {r['unfused_us']:.2f} us; pairs by gate_up "
+          + "; ".join(f"{label(t.gate_up)} {us:.2f}" for t, us in gate_up_us.items())
+          + "; by down " + "; ".join(f"{label(t.down)} {us:.2f}" for t, us in down_us.items()))
+    return r, lambda g, d: norm_mlp(norm, x, residual, g, d)[0]
 
 
 def table_with(rows: list[dict], env: dict, earlier: dict) -> dict:
@@ -235,7 +213,7 @@ def main() -> None:
     bw = measured_read_bw()
     cold = ColdMlps((128, 128) if args.scales == "block128" else None)
     with torch.no_grad():
-        rows = [measure_row(cold, m) for m in args.rows]
+        rows, engine = zip(*(measure_row(cold, m) for m in args.rows))
         env = environment()
         if not args.no_rule:
             rule = table_with(rows, env, json.loads(RULE_PATH.read_text()))
@@ -245,15 +223,15 @@ def main() -> None:
                 Path(os.environ["OUT"], RULE_PATH.name).write_text(text)
             fp8_config.load_rule.cache_clear()
             fp8_config.rule_for.cache_clear()
-        for r in rows:
-            r["engine_us"] = cold.time_us(r.pop("engine"))
+        for r, call in zip(rows, engine):
+            r["engine_us"] = cold.time_us(call)
             floor_us = bw.floor_ms(r["weight_bytes"]) * 1e3
             r.update({"unfused/floor": r["unfused_us"] / floor_us, "gated/floor": r["gated_us"] / floor_us,
                       "floor_us": floor_us})
     print(f"\nfloor: {bw.describe()}")
     print_table(rows, COLS)
     write_result("fp8_gated_mlp" + ("" if args.scales == "channel" else "_block128"),
-                 {"read": bw.summary(), "rows": rows, "rule_written": not args.no_rule})
+                 {"read": bw.summary(), "rows": list(rows), "rule_written": not args.no_rule})
 
 
 if __name__ == "__main__":

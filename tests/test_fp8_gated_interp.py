@@ -127,8 +127,11 @@ def test_gated_gate_up_refuses_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="quant_group=32 needs a gated tile of 32 columns \\(block_n 64\\), got block_n 32"):
         fp8_gate_up_a8(q, s, wq, ws, 16, 32, torch.float32, config=_tile(32, 32), quant_group=32)
     odd_q, odd_s = quantize_weight_blocks(_randn(48, 64, seed=8), 16, 32)  # halves of 24 rows: not whole 16-row blocks
-    with pytest.raises(ValueError, match="each half a whole number of 16-row scale blocks"):
+    with pytest.raises(ValueError, match="each half of w has 24 rows, must be a multiple of the 16-row scale block"):
         fp8_gate_up_a8(q, s, odd_q, odd_s, 16, 32, torch.float32, config=_tile(32, 32))
+    odd_rows, odd_scales = quantize_weight_channels(_randn(47, 64, seed=9))
+    with pytest.raises(ValueError, match="w has 47 rows, must be \\[gate \\| up\\]: an even count"):
+        fp8_gate_up_a8(q, s, odd_rows, odd_scales.view(-1, 1), 1, 64, torch.float32, config=_tile(32, 32))
     with pytest.raises(ValueError, match="output dtype torch.float8_e4m3fn is not one of"):
         fp8_gate_up_a8(q, s, wq, ws, 16, 32, q.dtype, config=_tile(32, 32))
 
@@ -159,7 +162,8 @@ def test_rule_takes_the_pair_of_the_smallest_measured_count_and_none_where_unfus
     ({"down": {**PAIR.to_json()["down"], "block_k": 256}}, "twice down's block_k=256"),
     ({"gate_up": {**PAIR.to_json()["gate_up"], "a8": False}}, "gate_up tile .* must be an a8 FP8-dot tile"),
     ({"gate_up": {**PAIR.to_json()["gate_up"], "block_n": 512}}, "block_n=512 exceeds 256"),
-    ({"down": None}, "'NoneType' object is not a mapping|argument after \\*\\* must be a mapping"),
+    ({"down": None}, "down is None: a pair names both tiles"),
+    ({"gate_up": None}, "gate_up is None: a pair names both tiles"),
 ])
 def test_rule_refuses_gated_pairs_no_call_can_run(change, message) -> None:
     with pytest.raises(ValueError, match=f"gated tiles for mlp m=64: .*{message}"):
@@ -194,3 +198,37 @@ def test_the_benchmark_writes_a_pair_where_it_won_and_keeps_the_rest() -> None:
     assert rows[64]["gate_up"] is None and rows[64]["down"] is None  # the unfused launches won: no pair
     rule = Fp8Rule.from_json(table)
     assert rule.gated_mlp(16, 4096, 14336, "channel") == PAIR and rule.gated_mlp(64, 4096, 14336, "channel") is None
+
+
+@pytest.mark.parametrize("block", [(32, 32), None], ids=["block", "channel"])
+def test_the_layer_path_runs_the_pair_as_the_unfused_launches_would(block) -> None:
+    """Fp8LinearMethod.norm_mlp_with (what apply_norm_mlp runs where the table has a pair) on real fp8 layers: the
+    norm in gate_up's input quantization (groups of the tile's K step, or per token for per-channel weights), the
+    gated tile, down's tile on the quantized silu·up. Against the same launches unfused (gate_up's [M, 2N] output,
+    silu_mul_group_quant, the same down tile), which round and quantize alike: only summation order differs."""
+    from graphserve.kernels.fp8_quant import norm_group_quant
+    from graphserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from graphserve.layers.norm import RMSNorm
+    from graphserve.layers.quant.config import Fp8Config
+    from graphserve.layers.quant.fp8 import Fp8LinearMethod
+
+    hidden, inter, m = 64, 64, 3
+    gen = torch.Generator().manual_seed(11)
+    gate_up, down = MergedColumnParallelLinear(hidden, [inter, inter], False), RowParallelLinear(inter, hidden, False)
+    for layer in (gate_up, down):
+        Fp8LinearMethod(Fp8Config(block=block, serialized=False)).create_weights(layer)
+        layer.quant_method.init_random(layer, torch.float32, gen)
+    norm = RMSNorm(hidden, 1e-6)
+    x, residual = _randn(m, hidden, seed=12), _randn(m, hidden, seed=13)
+    tiles = GatedMlp(_tile(64, 32), _tile(16, 32))
+    out, new_residual = gate_up.quant_method.norm_mlp_with(tiles, gate_up, norm, x, residual, down)
+    torch.testing.assert_close(new_residual, x + residual)
+    gn, gk = block or (1, hidden)
+    a_q, a_s, _ = norm_group_quant(x, norm.weight, norm.eps, 32 if block else hidden, residual)
+    scale = gate_up.quant_method.scale(gate_up).view(2 * inter // gn if block else 2 * inter, -1)
+    h = fp8_gemv_a8(a_q, a_s, gate_up.weight, scale, gn, gk, torch.float32, config=_tile(32, 32))
+    h_q, h_s = silu_mul_group_quant(h, 32)
+    down_scale = down.quant_method.scale(down).view(hidden // gn if block else hidden, -1)
+    want = fp8_gemv_a8(h_q, h_s, down.weight, down_scale, gn, gk if block else inter, torch.float32,
+                       config=_tile(16, 32))
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)

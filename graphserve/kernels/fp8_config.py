@@ -174,9 +174,13 @@ class GatedMlp:
     @classmethod
     def from_json(cls, mlp: dict, row: dict) -> GatedMlp | None:
         """A table row's pair (None: the unfused launches won there), refused by name where no call can run it."""
-        if row.get("gate_up") is None:
+        if row.get("gate_up") is None and row.get("down") is None:
             return None
         try:
+            for part in ("gate_up", "down"):
+                if not isinstance(row.get(part), dict):
+                    raise ValueError(f"{part} is {row.get(part)!r}: a pair names both tiles (or neither, where the "
+                                     f"unfused launches won)")
             tiles = cls(StreamConfig(**row["gate_up"]), StreamConfig(**row["down"]))
             tiles.validate(str(mlp["scales"]))
         except (KeyError, TypeError, ValueError) as e:

@@ -103,13 +103,13 @@ def _fp8_gemv_kernel(
     offs_n = pid * HALF + tl.arange(0, HALF)  # the program's output columns
     offs_m = tl.arange(0, BLOCK_M)
     # rows past N re-read row N-1: unmasked, vectorised weight loads; those columns are never stored
+    s_row = ws_ptr + ((pid * HALF) // GROUP_N) * stride_wsn  # this program's row of block scales (gate rows')
     if GATED:
         r = tl.arange(0, BLOCK_N)
         w_rows = (tl.minimum(pid * HALF + r % HALF, N - 1) + tl.where(r < HALF, 0, N)).to(tl.int64)
+        s_row_up = ws_ptr + ((N + pid * HALF) // GROUP_N) * stride_wsn  # the up rows' (N a multiple of GROUP_N)
     else:
         w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    s_row = ws_ptr + ((pid * HALF) // GROUP_N) * stride_wsn  # this program's row of block scales (gate rows')
-    s_row_up = ws_ptr + ((N + pid * HALF) // GROUP_N) * stride_wsn  # GATED: the up rows' (N a multiple of GROUP_N)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
         # as kernels/gemv.py: every program takes the rows' statistics itself (a few KB from L2, cheaper
@@ -311,9 +311,14 @@ def _launch(
     a8 = x_scale is not None
     per_channel = _check(x, k, w, w_scale, group_n, group_k, bias, a8)
     m, n = x.shape[0], w.shape[0] // 2 if gated else w.shape[0]
-    if gated and (w.shape[0] % 2 or (not per_channel and n % group_n) or bias is not None):
-        raise ValueError(f"fp8_gemv gated: w [{w.shape[0]}, K] must be [gate | up] with each half a whole number of "
-                         f"{group_n}-row scale blocks, and no bias")
+    if gated:
+        if w.shape[0] % 2:
+            raise ValueError(f"fp8_gemv gated: w has {w.shape[0]} rows, must be [gate | up]: an even count")
+        if not per_channel and n % group_n:
+            raise ValueError(f"fp8_gemv gated: each half of w has {n} rows, must be a multiple of the "
+                             f"{group_n}-row scale block (the up rows start a block)")
+        if bias is not None:
+            raise ValueError("fp8_gemv gated: takes no bias (silu·up would need gate's and up's before the product)")
     if quant_group:
         out = torch.empty((m, n), dtype=FP8_DTYPE, device=x.device)
         out_scale = torch.empty((m, triton.cdiv(n, quant_group)), dtype=torch.float32, device=x.device)

@@ -221,13 +221,6 @@ class LlamaMLP(nn.Module):
         """The MLP from the gate/up projection's output."""
         return silu_mul_linear(gate_up, self.down_proj)
 
-    def forward_norm(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(forward(norm(x [+ residual])), new residual)``: the decoder layer's post-attention norm rides in the
-        MLP's launches (layers/linear.py ``norm_mlp``)."""
-        return norm_mlp(norm, x, residual, self.gate_up_proj, self.down_proj)
-
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, s: Shape, layer_idx: int, rotary: RotaryEmbedding) -> None:
@@ -245,7 +238,9 @@ class LlamaDecoderLayer(nn.Module):
         # attention and MLP outputs are partial sums: one all-reduce each (no-ops at tp 1).
         qkv, residual = norm_linear(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
         hidden = all_reduce(self.self_attn.forward_qkv(positions, qkv, batch))
-        out, residual = self.mlp.forward_norm(self.post_attention_layernorm, hidden, residual)
+        # the post-attention norm rides in the MLP's launches (layers/linear.py norm_mlp)
+        out, residual = norm_mlp(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj,
+                                 self.mlp.down_proj)
         return all_reduce(out), residual
 
 

@@ -327,7 +327,8 @@ def test_gated_mlp_under_cuda_graph_replay(pair, block: bool, m: int, gen: torch
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.inference_mode():
-        norm_mlp(norm, x, res, gate_up, down)  # compile outside capture
+        # the table's pair is what the call takes (else this would test the unfused launches against themselves)
+        assert gate_up.quant_method.apply_norm_mlp(gate_up, norm, x, res, down) is not None  # compiles, outside capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             out, new_res = norm_mlp(norm, x, res, gate_up, down)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.fp8_config import Route, choose_route, gated_mlp
+from graphserve.kernels.fp8_config import GatedMlp, Route, choose_route, gated_mlp
 from graphserve.kernels.fp8_gemm import (
     blockwise_scale_layout,
     blockwise_scaled_mm_available,
@@ -275,33 +275,35 @@ class Fp8LinearMethod:
 
     def apply_norm_mlp(self, layer: Linear, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
                        down: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(down(silu_and_mul(layer(norm(x [+ residual])))), new residual)`` for a merged [gate | up] ``layer``
-        and its MLP's ``down`` (quantized alike), where the measured table has a tile pair for the call
-        (kernels/fp8_config.gated_mlp): the norm rides in the launch that quantizes gate_up's input, gate_up's
-        epilogue computes silu·up and writes it quantized in groups of down's K step
-        (kernels/fp8_gemv.fp8_gate_up_a8), and down reads it: silu_mul_group_quant's launch and gate_up's [M, 2N]
-        output are saved. None elsewhere (the caller runs the steps)."""
-        rows = x.reshape(-1, x.shape[-1])
+        """``(down(silu_and_mul(layer(norm(x [+ residual])))), new residual)`` for a merged [gate | up] ``layer`` and
+        its MLP's ``down`` (quantized alike), through ``norm_mlp_with`` where the measured table has a tile pair for
+        the call (kernels/fp8_config.gated_mlp); None elsewhere (the caller runs the steps)."""
         k, inter = layer.in_features, layer.out_features // 2
-        if (not x.is_cuda or rows.shape[-1] != k or not rows.is_contiguous() or layer.bias is not None
-                or self.config.activation_scheme != "dynamic" or (torch.is_grad_enabled() and x.requires_grad)
+        if (not x.is_cuda or x.shape[-1] != k or layer.bias is not None or self.config.activation_scheme != "dynamic"
                 or getattr(down, "quant_method", None) is None or down.quant_method.config != self.config
                 or down.in_features != inter or down.out_features != k):  # fmt: skip
             return None
-        m = rows.shape[0]
-        tiles = gated_mlp(m, k, inter, self.group_n, self.group_k or k, x.device)
-        if tiles is None:
+        tiles = gated_mlp(x.numel() // k, k, inter, self.group_n, self.group_k or k, x.device)
+        if tiles is None or (torch.is_grad_enabled() and x.requires_grad):
             return None
+        return self.norm_mlp_with(tiles, layer, norm, x, residual, down)
+
+    def norm_mlp_with(self, tiles: GatedMlp, layer: Linear, norm: nn.Module, x: torch.Tensor,
+                      residual: torch.Tensor | None, down: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """``apply_norm_mlp`` on the pair ``tiles`` (benchmarks/fp8_gated_mlp.py times candidates through it): the
+        norm rides in the launch that quantizes gate_up's input as its a8 tile reads it, gate_up's epilogue computes
+        silu·up and writes it quantized in groups of down's K step (kernels/fp8_gemv.fp8_gate_up_a8), and down's
+        tile reads that: silu_mul_group_quant's launch and gate_up's [M, 2N] output are saved."""
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        k, m = rows.shape[1], rows.shape[0]
+        group = self._quant_layout(layer, Route("stream", tiles.gate_up), k)[0]
         res_rows = residual.reshape(rows.shape) if residual is not None else None
-        # gate_up's input as its a8 tile reads it: groups of the K step, or per token for per-channel weights
-        group = tiles.gate_up.block_k if self.config.block else k
         a_q, a_s, summed = norm_group_quant(rows, norm.weight, norm.eps, group, res_rows)
-        scale, down_scale = self.scale(layer), self.scale(down)
+        scale = self.scale(layer)
         h_q, h_s = fp8_gate_up_a8(a_q, a_s, layer.weight, scale.view(scale.shape[0], -1), self.group_n,
                                   self.group_k or k, x.dtype, config=tiles.gate_up,
                                   quant_group=tiles.gate_up.block_n // 2)  # fmt: skip
-        out = fp8_gemv_a8(h_q, h_s, down.weight, down_scale.view(down_scale.shape[0], -1), self.group_n,
-                          self.group_k or inter, x.dtype, down.bias, config=tiles.down)  # fmt: skip
+        out = down.quant_method._quantized_matmul(down, Route("stream", tiles.down), h_q, h_s, m, x.dtype)
         new_residual = summed.view(x.shape) if summed is not None else x
         return out.view(*x.shape[:-1], k), new_residual
 
