@@ -10,8 +10,7 @@ best read bandwidth of the run (benchmarks/roofline.py probes, and these rows wh
 Run on a GPU: python3 -m benchmarks.decode_splits   (writes benchmarks/results/decode_splits.json: every row, and
 a summary per shape, cache and batch; ``--summarize FILE`` derives the summary of an earlier run's rows).
 ``--shapes``, ``--batches`` and ``--ctx`` narrow the grid (``--ctx`` sets every shape's context), ``--tiles`` times
-other launch shapes than the one decode_attention runs, ``--orders`` the grid orders (kernels/decode_attention.py's
-GRID_ORDERS; default: the engine's), ``--tables`` how the pages lie: ``random`` (a shuffled pool, the default) or
+other launch shapes than the one decode_attention runs, ``--tables`` how the pages lie: ``random`` (a shuffled pool, the default) or
 ``contiguous`` (each sequence's pages in order, one sequence after the other, as a fresh pool hands them out),
 ``--result-name`` writes another file.
 """
@@ -28,7 +27,7 @@ from benchmarks.common import print_table, write_result
 from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import measured_read_bw
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.decode_attention import GRID_ORDER, GRID_ORDERS, DecodeTile, decode_attention, decode_plan
+from graphserve.kernels.decode_attention import DecodeTile, decode_attention, decode_plan
 from graphserve.kernels.fp8_quant import FP8_DTYPE
 
 PAGE = 16
@@ -38,9 +37,9 @@ SPLITS = [1, 2, 3, 4, 6, 8, 16, 32]
 CACHES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 TABLES = ("random", "contiguous")
 L2_SAFE_BYTES = 256 << 20
-COLS = ["shape", "cache", "tables", "bs", "ctx", "order", "tile", "splits", "picked", "us", "floor_us", "ratio"]
-SUMMARY_COLS = ["shape", "cache", "tables", "bs", "ctx", "picked", "picked_us", "best_order", "best_tile", "best",
-                "best_us", "picked/best"]
+COLS = ["shape", "cache", "tables", "bs", "ctx", "tile", "splits", "picked", "us", "floor_us", "ratio"]
+SUMMARY_COLS = ["shape", "cache", "tables", "bs", "ctx", "picked", "picked_us", "best_tile", "best", "best_us",
+                "picked/best"]
 
 
 def parse_tile(text: str) -> DecodeTile:
@@ -54,7 +53,7 @@ def parse_tile(text: str) -> DecodeTile:
 
 
 def measure(name: str, cache_name: str, batch: int, sms: int, tiles: list[DecodeTile] | None = None,
-            ctx: int | None = None, orders: list[str] | None = None, tables_kind: str = "random") -> list[dict]:
+            ctx: int | None = None, tables_kind: str = "random") -> list[dict]:
     hq, hkv, d, shape_ctx = SHAPES[name]
     ctx = ctx or shape_ctx
     width = ctx // PAGE + 1  # the block table one block wider than the context, as a decode step's
@@ -69,19 +68,17 @@ def measure(name: str, cache_name: str, batch: int, sms: int, tiles: list[Decode
     picked_tile, picked = decode_plan(batch, hkv, width * PAGE, sms, fp8)
     nbytes = batch * ctx * hkv * d * 2 * cache.element_size()
     rows = []
-    for order in orders or [GRID_ORDER]:
-        for tile in tiles or [picked_tile]:
-            for splits in sorted({*SPLITS, picked}):
-                if splits > -(-width * PAGE // tile.block_n):  # more splits than inner steps: the extra hold nothing
-                    continue
-                us = graph_time_ms(lambda s=splits, t=tile, o=order: decode_attention(
-                    q, cache, tables, lens, d**-0.5, num_splits=s, counters=counters, tile=t, grid_order=o)) * 1e3
-                chosen = splits == picked and tile == picked_tile and order == GRID_ORDER
-                rows.append({"shape": name, "cache": cache_name, "tables": tables_kind, "bs": batch, "ctx": ctx,
-                             "order": order, "tile": tile.label(), "splits": splits, "picked": chosen, "us": us,
-                             "bytes": nbytes})
-                print(f"  {name} {cache_name} {tables_kind} bs={batch} order={order} tile={tile.label()} "
-                      f"splits={splits}{' (picked)' if chosen else ''}: {us:.2f} us", flush=True)
+    for tile in tiles or [picked_tile]:
+        for splits in sorted({*SPLITS, picked}):
+            if splits > -(-width * PAGE // tile.block_n):  # more splits than inner steps: the extra ones hold nothing
+                continue
+            us = graph_time_ms(lambda s=splits, t=tile: decode_attention(q, cache, tables, lens, d**-0.5, num_splits=s,
+                                                                         counters=counters, tile=t)) * 1e3  # fmt: skip
+            chosen = splits == picked and tile == picked_tile
+            rows.append({"shape": name, "cache": cache_name, "tables": tables_kind, "bs": batch, "ctx": ctx,
+                         "tile": tile.label(), "splits": splits, "picked": chosen, "us": us, "bytes": nbytes})
+            print(f"  {name} {cache_name} {tables_kind} bs={batch} tile={tile.label()} splits={splits}"
+                  f"{' (picked)' if chosen else ''}: {us:.2f} us", flush=True)
     return rows
 
 
@@ -96,10 +93,9 @@ def summary(rows: list[dict]) -> list[dict]:
         if r["picked"]:
             s.update(picked=r["splits"], picked_us=r["us"])
         if "best_us" not in s or r["us"] < s["best_us"]:
-            s.update(best_order=r.get("order", "seq"), best_tile=r.get("tile", "default"), best=r["splits"],
-                     best_us=r["us"])
+            s.update(best_tile=r.get("tile", "default"), best=r["splits"], best_us=r["us"])
     for s in out.values():
-        s["picked/best"] = s["picked_us"] / s["best_us"] if "picked_us" in s else None
+        s["picked/best"] = s["picked_us"] / s["best_us"]
     return list(out.values())
 
 
@@ -109,7 +105,6 @@ def main() -> None:
                                                         "from its own rows, and measure nothing")
     p.add_argument("--tiles", nargs="+", type=parse_tile, metavar="BLOCK_N,WARPS,STAGES",
                    help="launch shapes to time (default: the one decode_attention runs)")
-    p.add_argument("--orders", nargs="+", choices=GRID_ORDERS, help="grid orders to time (default: the engine's)")
     p.add_argument("--tables", nargs="+", choices=TABLES, default=["random"], help="how each sequence's pages lie")
     p.add_argument("--caches", nargs="+", choices=sorted(CACHES), default=sorted(CACHES))
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
@@ -127,10 +122,10 @@ def main() -> None:
     sms = sm_count(torch.device("cuda"))
     bw = measured_read_bw()
     rows = [r for name in args.shapes for cache in args.caches for kind in args.tables for b in args.batches
-            for r in measure(name, cache, b, sms, args.tiles, args.ctx, args.orders, kind)]
+            for r in measure(name, cache, b, sms, args.tiles, args.ctx, kind)]
     for r in rows:
         if r["bytes"] > L2_SAFE_BYTES:  # a cache the L2 could hold would report the L2's rate as HBM's
-            bw.observe(f"decode attention {r['shape']} {r['cache']} bs={r['bs']} {r['order']} splits={r['splits']}", r["bytes"],
+            bw.observe(f"decode attention {r['shape']} {r['cache']} bs={r['bs']} splits={r['splits']}", r["bytes"],
                        r["us"] / 1e3)
     for r in rows:
         r["floor_us"] = bw.floor_ms(r["bytes"]) * 1e3

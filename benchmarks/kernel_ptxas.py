@@ -68,13 +68,7 @@ def attention_reports() -> list[dict]:
     attention prologue inside (decode_attention_qkv: Qwen3's per-head norms, Llama's none)."""
     import triton
 
-    from graphserve.kernels.decode_attention import (
-        BLOCK_N,
-        GRID_ORDER,
-        NUM_STAGES,
-        NUM_WARPS,
-        _decode_split_kernel,
-    )
+    from graphserve.kernels.decode_attention import BLOCK_N, NUM_STAGES, NUM_WARPS, _decode_split_kernel
     from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS
     from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE
 
@@ -89,8 +83,7 @@ def attention_reports() -> list[dict]:
                   "BLOCK_N": BLOCK_N, "DIRECT": False, "IEEE_DOT": False, "WHILE_LOOP": False, "PREFETCH_V": True,
                   "FUSED_MERGE": True, "BLOCK_HM": block_hm, "CHUNK_S": chunk, "WIDEN_FP16": False,
                   "QUANT_OUT": False, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE, "NEW_TOKEN": new_token,
-                  "HAS_NORM": new_token and model.startswith("qwen3"), "HEAD_MAJOR": GRID_ORDER == "head",
-                  "PDL": False}  # fmt: skip
+                  "HAS_NORM": new_token and model.startswith("qwen3"), "PDL": False}  # fmt: skip
         row = compile_report(_decode_split_kernel, types, consts, NUM_WARPS, NUM_STAGES)
         shape = f"{model} group{group} merge_chunk{chunk}{' prologue' if new_token else ''}"
         rows.append({"kernel": "_decode_split_kernel", "shape": shape, **row})

@@ -79,11 +79,6 @@ FP8_CACHE_MIN_KV_HEADS = 4
 NUM_WARPS, NUM_STAGES = 4, 3  # a bf16 cache: the best of BLOCK_N 16..128, 2..8 warps, 2..4 stages on H200
 
 
-# The grid's order: "seq" dispatches (sequence, kv head, split) with the sequence fastest, "head" with the kv head
-# fastest, so the programs that read one page's rows (a token's kv heads lie side by side in a page) run together.
-GRID_ORDERS = ("seq", "head")
-GRID_ORDER = "seq"
-
 MAX_TILE_BLOCK_N = 256  # K and V tiles of 256 tokens x 128 dims already fill a program's shared memory at 2 stages
 
 
@@ -225,13 +220,11 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, PREFETCH_V: tl.constexpr,
     FUSED_MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, CHUNK_S: tl.constexpr,
     WIDEN_FP16: tl.constexpr, QUANT_OUT: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    NEW_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr, HEAD_MAJOR: tl.constexpr, PDL: tl.constexpr,
+    NEW_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
-    # HEAD_MAJOR: the grid is (kv head, sequence, split), so a sequence's kv heads are dispatched side by side
-    seq = tl.program_id(1 if HEAD_MAJOR else 0)
-    kv_head = tl.program_id(0 if HEAD_MAJOR else 1)
-    num_kv_heads = tl.num_programs(0 if HEAD_MAJOR else 1)
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     offs_h = tl.arange(0, BLOCK_H)
@@ -253,10 +246,10 @@ def _decode_split_kernel(
         q_rows = row + head[:, None] * stride_qh
         q = tl.load(q_rows + offs_d[None, :], mask=qh_mask, other=0.0)
         q_p = tl.load(q_rows + partner[None, :], mask=qh_mask, other=0.0)
-        k_row = row + (num_kv_heads * GROUP + kv_head) * HEAD_DIM
+        k_row = row + (tl.num_programs(1) * GROUP + kv_head) * HEAD_DIM
         k_new = tl.load(k_row + offs_d[None, :], mask=d_mask[None, :], other=0.0)
         k_p = tl.load(k_row + partner[None, :], mask=d_mask[None, :], other=0.0)
-        v_new = tl.load(k_row + num_kv_heads * HEAD_DIM + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        v_new = tl.load(k_row + tl.num_programs(1) * HEAD_DIM + offs_d[None, :], mask=d_mask[None, :], other=0.0)
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         angle = tl.where(first, offs_d, offs_d - half)
         cos = tl.load(cos_ptr + pos * stride_cos + angle, mask=d_mask, other=0.0).to(tl.float32)[None, :]
@@ -338,7 +331,7 @@ def _decode_split_kernel(
         tl.store(mid_lse_ptr + seq * stride_ml_b + head * stride_ml_h + split, lse, mask=h_mask)
         if FUSED_MERGE:
             tl.debug_barrier()  # every thread's partials are written before the block counts itself done
-            counter = counter_ptr + seq * num_kv_heads + kv_head
+            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == num_splits - 1:
                 heads = kv_head * GROUP + tl.arange(0, BLOCK_HM)
@@ -432,7 +425,6 @@ def decode_attention(
     out_scale: torch.Tensor | None = None,
     tile: DecodeTile | None = None,
     new_token: NewToken | None = None,
-    grid_order: str | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ([B, Hq, D], one token per sequence) over each sequence's paged context.
 
@@ -454,13 +446,8 @@ def decode_attention(
     one scale per sequence and head, the values per_token_group_quant would make from the unquantized
     output (``store_heads`` in kernels/decode_merge.py). Rows past B are left as they are.
     ``new_token``: ``decode_attention_qkv``'s (q is then the q columns of its qkv rows, not yet normed or rotated).
-    ``grid_order``: one of ``GRID_ORDERS`` (None: ``GRID_ORDER``), the order programs are dispatched in; the
-    result does not depend on it.
     """
     batch, num_heads, head_dim = q.shape
-    grid_order = GRID_ORDER if grid_order is None else grid_order
-    if grid_order not in GRID_ORDERS:
-        raise ValueError(f"decode_attention: grid_order={grid_order!r} must be one of {GRID_ORDERS}")
     _, _, page, num_kv_heads, _ = kv_cache.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -533,9 +520,7 @@ def decode_attention(
     # the prologue's pointers, strides and eps; without a new token, placeholders the kernel never reads
     prologue = new_token.launch_args() if new_token is not None else (seq_lens,) * 6 + (0, 0, 0.0)
     has_norm = new_token is not None and new_token.q_norm_weight is not None
-    head_major = grid_order == "head"
-    grid = (num_kv_heads, batch, num_splits) if head_major else (batch, num_kv_heads, num_splits)
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, out_scale if quant_out else mid_lse, mid_o, mid_lse, counters,
         *prologue,
         scale * LOG2E,
@@ -552,7 +537,7 @@ def decode_attention(
         DIRECT=direct, IEEE_DOT=q.dtype == torch.float32 and not widen_fp16, WHILE_LOOP=interpreting(), PREFETCH_V=not direct,
         FUSED_MERGE=fused_merge, BLOCK_HM=block_hm, CHUNK_S=chunk_s, WIDEN_FP16=widen_fp16,
         QUANT_OUT=quant_out, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, NEW_TOKEN=new_token is not None,
-        HAS_NORM=has_norm, HEAD_MAJOR=head_major,
+        HAS_NORM=has_norm,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(q.device, "_decode_split_kernel"),
     )  # fmt: skip
     if not direct and not fused_merge:
