@@ -65,27 +65,31 @@ def compile_report(fn, types: dict, constants: dict, num_warps: int, num_stages:
 def attention_reports() -> list[dict]:
     """The split-KV decode kernel at Qwen3-30B-A3B's and Llama-3-8B's head shapes (128-wide heads, pages
     of 16), the merge fused in, with the merge tile decode_attention picks for 32 splits; on q, and with the
-    attention prologue inside (decode_attention_qkv: Qwen3's per-head norms, Llama's none)."""
+    attention prologue inside (decode_attention_qkv: Qwen3's per-head norms, Llama's none); each in the model dtype
+    and fp8 with one scale per sequence (the last kv head's program quantizes the 32 x 128 row)."""
     import triton
 
-    from graphserve.kernels.decode_attention import BLOCK_N, NUM_STAGES, NUM_WARPS, _decode_split_kernel
+    from graphserve.kernels.decode_attention import BLOCK_N, NUM_STAGES, NUM_WARPS, ROW_CHUNK, _decode_split_kernel
     from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS
     from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE
 
     types = {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "counter_ptr": "*i32", "block_tables_ptr": "*i32",
              "seq_lens_ptr": "*i32", "scale_log2": "fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32",
-             "sin_ptr": "*fp32", "eps": "fp32"}  # fmt: skip
+             "sin_ptr": "*fp32", "eps": "fp32", "row_counter_ptr": "*i32", "out_scale_ptr": "*fp32"}  # fmt: skip
     rows = []
-    for (model, group), new_token in itertools.product((("qwen3-30b-a3b", 8), ("llama3-8b", 4)), (False, True)):
+    for (model, group), new_token, quant_row in itertools.product((("qwen3-30b-a3b", 8), ("llama3-8b", 4)),
+                                                                  (False, True), (False, True)):
         block_hm = triton.next_power_of_2(group)
         chunk = min(32, MERGE_TILE_ELEMS // (block_hm * 128))
         consts = {"GROUP": group, "BLOCK_H": max(16, block_hm), "HEAD_DIM": 128, "BLOCK_D": 128, "PAGE": 16,
                   "BLOCK_N": BLOCK_N, "DIRECT": False, "IEEE_DOT": False, "WHILE_LOOP": False, "PREFETCH_V": True,
                   "FUSED_MERGE": True, "BLOCK_HM": block_hm, "CHUNK_S": chunk, "WIDEN_FP16": False,
-                  "QUANT_OUT": False, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE, "NEW_TOKEN": new_token,
-                  "HAS_NORM": new_token and model.startswith("qwen3"), "PDL": False}  # fmt: skip
-        row = compile_report(_decode_split_kernel, types, consts, NUM_WARPS, NUM_STAGES)
-        shape = f"{model} group{group} merge_chunk{chunk}{' prologue' if new_token else ''}"
+                  "QUANT_OUT": quant_row, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE, "NEW_TOKEN": new_token,
+                  "HAS_NORM": new_token and model.startswith("qwen3"), "QUANT_ROW": quant_row,
+                  "ROW": 32 * 128 if quant_row else 1, "ROW_CHUNK": ROW_CHUNK, "PDL": False}  # fmt: skip
+        out_type = {"out_ptr": "*fp8e4nv"} if quant_row else {}
+        row = compile_report(_decode_split_kernel, {**types, **out_type}, consts, NUM_WARPS, NUM_STAGES)
+        shape = f"{model} group{group} merge_chunk{chunk}{' prologue' if new_token else ''}{' quant_row' if quant_row else ''}"
         rows.append({"kernel": "_decode_split_kernel", "shape": shape, **row})
     return rows
 

@@ -1,19 +1,25 @@
 """Decode attention writing its output quantized for an FP8 o_proj (``out_scale``), on CPU through Triton's
 interpreter: the fp8 values and scales must be exactly those per_token_group_quant makes from the unquantized
 output with one group per head (the split kernel rounds to q's dtype first, as the unquantized store does), in
-the direct store and the in-kernel merge, over bf16 and fp8 caches, with row-major and column-major scales."""
+the direct store and the in-kernel merge, over bf16 and fp8 caches, with row-major and column-major scales; and with
+one scale per sequence (``out_scale`` [B, 1]) those of per_token_group_quant over the whole row, the kv heads' programs
+meeting on a counter that the call leaves at zero."""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import pytest
 import torch
 
 # first: importing the kernel tests puts Triton under the interpreter when there is no GPU
+from tests.test_decode_prologue_interp import step_inputs
 from tests.test_kernels_interp import DEVICE, paged_setup, randn
 
 HEADS, KV_HEADS, D = 8, 2, 32
 
-from graphserve.kernels.decode_attention import decode_attention  # noqa: E402
+from graphserve.kernels.decode_attention import decode_attention, decode_attention_qkv  # noqa: E402
 from graphserve.kernels.fp8_quant import FP8_DTYPE, per_token_group_quant  # noqa: E402
 
 
@@ -46,6 +52,44 @@ def test_quantized_output_equals_quantizing_the_output(seq_lens, num_splits, fp8
     assert torch.equal(scales, want_s)
 
 
+@pytest.mark.parametrize(
+    ("seq_lens", "num_splits", "fp8_cache", "prologue"),
+    [
+        ([5, 40, 17], 1, False, False),  # one split: the kv heads' direct stores meet in the scratch row
+        ([150, 70, 9], 3, False, False),  # three splits: each kv head's merging program stores, the last quantizes
+        ([150, 0, 90], 3, True, False),  # an fp8 cache; a padding row of length 0 (zeros, smallest scale)
+        ([70, 130, 3], 2, False, True),  # the attention prologue inside the kernel (decode_attention_qkv)
+    ],
+)
+def test_one_scale_per_sequence_equals_quantizing_each_row(seq_lens, num_splits, fp8_cache, prologue):
+    gen = torch.Generator().manual_seed(23)
+    heads, kv_heads, d = HEADS, KV_HEADS, D
+    cache, tables, lens = paged_setup(seq_lens, kv_heads, d, 16, gen)
+    if fp8_cache:
+        cache = cache.to(FP8_DTYPE)
+    b = len(seq_lens)
+    if prologue:
+        new, cache, tables, lens = step_inputs(seq_lens, heads, kv_heads, d, True, seed=5)
+        new = dataclasses.replace(new, qkv=new.qkv.to(torch.bfloat16))
+        run = functools.partial(decode_attention_qkv, new)
+        plain = run(cache.clone(), tables, lens, d**-0.5, num_splits=num_splits)
+    else:
+        q = randn(b, heads, d, gen=gen).to(torch.bfloat16)
+        run = functools.partial(decode_attention, q)
+        plain = run(cache, tables, lens, d**-0.5, num_splits=num_splits)
+    want_q, want_s = per_token_group_quant(plain.reshape(b, heads * d), heads * d)
+
+    counters = torch.zeros(b + 2, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # the counters come back to zero: a second call (the next layer, a replay) on the same ones
+        out = torch.empty(b, heads * d, dtype=FP8_DTYPE, device=DEVICE)
+        scales = torch.full((b, 1), float("nan"), device=DEVICE)
+        run(cache.clone(), tables, lens, d**-0.5, num_splits=num_splits, out=out.view(b, heads, d), out_scale=scales,
+            row_counters=counters)  # fmt: skip
+        assert torch.equal(out.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(scales, want_s)
+        assert not counters.any()
+
+
 def test_quantized_output_refusals_name_the_operand():
     gen = torch.Generator().manual_seed(22)
     cache, tables, lens = paged_setup([20, 30], 2, 32, 16, gen)
@@ -58,3 +102,13 @@ def test_quantized_output_refusals_name_the_operand():
         decode_attention(q, cache, tables, lens, 0.2, out=out, out_scale=scales[:, :3])
     with pytest.raises(ValueError, match="fused_merge=True"):
         decode_attention(q, cache, tables, lens, 0.2, num_splits=2, out=out, out_scale=scales, fused_merge=False)
+    row_scale = torch.empty(2, 1, device=DEVICE)
+    with pytest.raises(ValueError, match=r"row_counters hold 1 torch.int32 on .*, need 2 int32"):
+        decode_attention(q, cache, tables, lens, 0.2, out=out, out_scale=row_scale,
+                         row_counters=torch.zeros(1, dtype=torch.int32, device=DEVICE))  # fmt: skip
+    with pytest.raises(ValueError, match=r"row_workspace holds 10 torch.bfloat16, needs 256 contiguous"):
+        decode_attention(q, cache, tables, lens, 0.2, out=out, out_scale=row_scale,
+                         row_workspace=torch.empty(10, dtype=torch.bfloat16, device=DEVICE))  # fmt: skip
+    spread = torch.empty(2, 4, 64, dtype=FP8_DTYPE, device=DEVICE)[:, :, :32]
+    with pytest.raises(ValueError, match=r"needs out's heads side by side \(stride 32 along heads\), got strides \(256, 64, 1\)"):
+        decode_attention(q, cache, tables, lens, 0.2, out=spread, out_scale=row_scale)

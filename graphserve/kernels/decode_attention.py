@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.common import interpreting, sm_count
-from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS, _decode_merge_kernel, merge_partials, store_heads
+from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS, _decode_merge_kernel, emit_heads, merge_partials
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, fp16_saturated
 from graphserve.kernels.kv_write import cache_value, check_cache
 from graphserve.kernels.pdl import pdl_args, pdl_enter
@@ -78,6 +78,10 @@ FP8_CACHE_PAIRS = (256, 4096)  # (sequence, kv head) pairs where an fp8 cache ta
 FP8_CACHE_MIN_KV_HEADS = 4
 NUM_WARPS, NUM_STAGES = 4, 3  # a bf16 cache: the best of BLOCK_N 16..128, 2..8 warps, 2..4 stages on H200
 
+
+# One scale per sequence (``out_scale`` [B, 1]): the last kv head's program quantizes the row, ROW_CHUNK values a step
+MAX_QUANT_ROW = 16384
+ROW_CHUNK = 1024
 
 MAX_TILE_BLOCK_N = 256  # K and V tiles of 256 tokens x 128 dims already fill a program's shared memory at 2 stages
 
@@ -220,7 +224,8 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr, IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, PREFETCH_V: tl.constexpr,
     FUSED_MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, CHUNK_S: tl.constexpr,
     WIDEN_FP16: tl.constexpr, QUANT_OUT: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    NEW_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
+    NEW_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr, row_ptr, row_counter_ptr, QUANT_ROW: tl.constexpr,
+    ROW: tl.constexpr, ROW_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     seq = tl.program_id(0)
@@ -321,9 +326,13 @@ def _decode_split_kernel(
 
     # an empty split (short sequence, or a padding row with seq_len 0) leaves l_i == 0
     o = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    # QUANT_ROW: one scale per sequence, so a row's kv heads meet in its scratch row and the last quantizes it
+    row_base = row_ptr + seq * ROW
+    row_counter = row_counter_ptr + seq
     if DIRECT:
-        store_heads(out_ptr + seq * stride_ot, out_scale_ptr + seq * stride_st, head, h_mask, offs_d, d_mask, o,
-                    stride_oh, stride_sh, QUANT_OUT, q_ptr.dtype.element_ty, FP8_MAX_C, MIN_SCALE_C)  # fmt: skip
+        emit_heads(out_ptr + seq * stride_ot, out_scale_ptr + seq * stride_st, row_base, row_counter,
+                   tl.num_programs(1), head, h_mask, offs_d, d_mask, o, stride_oh, stride_sh, QUANT_OUT, QUANT_ROW,
+                   q_ptr.dtype.element_ty, ROW, ROW_CHUNK, FP8_MAX_C, MIN_SCALE_C)  # fmt: skip
     else:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         base_o = mid_o_ptr + seq * stride_mo_b + split * stride_mo_s
@@ -343,9 +352,9 @@ def _decode_split_kernel(
                     mid_o_ptr + seq * stride_mo_b, mid_lse_ptr + seq * stride_ml_b, heads, hm_mask, offs_d, d_mask,
                     used, stride_mo_h, stride_mo_s, stride_ml_h, BLOCK_HM, BLOCK_D, CHUNK_S,
                 )  # fmt: skip
-                store_heads(out_ptr + seq * stride_ot, out_scale_ptr + seq * stride_st, heads, hm_mask, offs_d,
-                            d_mask, merged, stride_oh, stride_sh, QUANT_OUT, q_ptr.dtype.element_ty, FP8_MAX_C,
-                            MIN_SCALE_C)  # fmt: skip
+                emit_heads(out_ptr + seq * stride_ot, out_scale_ptr + seq * stride_st, row_base, row_counter,
+                           tl.num_programs(1), heads, hm_mask, offs_d, d_mask, merged, stride_oh, stride_sh, QUANT_OUT,
+                           QUANT_ROW, q_ptr.dtype.element_ty, ROW, ROW_CHUNK, FP8_MAX_C, MIN_SCALE_C)  # fmt: skip
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -425,6 +434,8 @@ def decode_attention(
     out_scale: torch.Tensor | None = None,
     tile: DecodeTile | None = None,
     new_token: NewToken | None = None,
+    row_workspace: torch.Tensor | None = None,
+    row_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ([B, Hq, D], one token per sequence) over each sequence's paged context.
 
@@ -444,7 +455,12 @@ def decode_attention(
     ``out_scale``: write the output quantized for an FP8 projection that reads it in 128-column (here:
     one head) groups: ``out`` is then fp8 ``[>= B, Hq, D]`` and ``out_scale`` fp32 ``[>= B, Hq]`` (any strides),
     one scale per sequence and head, the values per_token_group_quant would make from the unquantized
-    output (``store_heads`` in kernels/decode_merge.py). Rows past B are left as they are.
+    output (``store_heads`` in kernels/decode_merge.py). Rows past B are left as they are. ``out_scale``
+    ``[>= B, 1]`` asks for one scale per sequence (per_token_group_quant's group the whole row, for an o_proj that
+    reads its input per token; ``out``'s heads then contiguous in a row): the kv heads' programs meet in
+    ``row_workspace`` (q's dtype, >= B * Hq * D elements; allocated when None) and on ``row_counters`` (int32 [>= B],
+    zero before the call and left zero; a zeroed buffer is allocated when None), and the last quantizes the row
+    (``emit_heads``).
     ``new_token``: ``decode_attention_qkv``'s (q is then the q columns of its qkv rows, not yet normed or rotated).
     """
     batch, num_heads, head_dim = q.shape
@@ -476,12 +492,33 @@ def decode_attention(
                              f"with head_dim contiguous, got "
                              f"{None if out is None else (out.dtype, tuple(out.shape), out.stride())}")
         if out_scale.dtype != torch.float32 or out_scale.dim() != 2 or out_scale.shape[0] < batch or \
-                out_scale.shape[1] != num_heads:
+                out_scale.shape[1] not in (num_heads, 1):
             raise ValueError(f"decode_attention: out_scale must be float32 [>= {batch}, {num_heads}] (one scale per "
-                             f"sequence and head), got {out_scale.dtype} {tuple(out_scale.shape)}")
+                             f"sequence and head) or [>= {batch}, 1] (one per sequence), got {out_scale.dtype} "
+                             f"{tuple(out_scale.shape)}")
         if not fused_merge:
             raise ValueError("decode_attention: a quantized output is written by the split kernel itself "
                              "(fused_merge=True)")
+    quant_row = quant_out and out_scale.shape[1] == 1 and num_heads > 1
+    row = num_heads * head_dim
+    if quant_row:
+        if out.stride(1) != head_dim:
+            raise ValueError(f"decode_attention: one scale per sequence needs out's heads side by side (stride "
+                             f"{head_dim} along heads), got strides {out.stride()}")
+        if row > MAX_QUANT_ROW:
+            raise ValueError(f"decode_attention: one scale per sequence quantizes a row of {num_heads} x {head_dim} = "
+                             f"{row} values in one program, at most {MAX_QUANT_ROW}")
+        if row_workspace is None:
+            row_workspace = torch.empty(batch * row, dtype=q.dtype, device=q.device)
+        elif row_workspace.dtype != q.dtype or row_workspace.numel() < batch * row or not row_workspace.is_contiguous():
+            raise ValueError(f"decode_attention: row_workspace holds {row_workspace.numel()} {row_workspace.dtype}, "
+                             f"needs {batch * row} contiguous {q.dtype} for batch={batch}, heads={num_heads}, "
+                             f"head_dim={head_dim}")
+        if row_counters is None:
+            row_counters = torch.zeros(batch, dtype=torch.int32, device=q.device)
+        elif row_counters.dtype != torch.int32 or row_counters.numel() < batch or row_counters.device != q.device:
+            raise ValueError(f"decode_attention: row_counters hold {row_counters.numel()} {row_counters.dtype} on "
+                             f"{row_counters.device}, need {batch} int32 on {q.device}")
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -538,6 +575,8 @@ def decode_attention(
         FUSED_MERGE=fused_merge, BLOCK_HM=block_hm, CHUNK_S=chunk_s, WIDEN_FP16=widen_fp16,
         QUANT_OUT=quant_out, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, NEW_TOKEN=new_token is not None,
         HAS_NORM=has_norm,
+        row_ptr=row_workspace if quant_row else out, row_counter_ptr=row_counters if quant_row else seq_lens,
+        QUANT_ROW=quant_row, ROW=row if quant_row else 1, ROW_CHUNK=min(ROW_CHUNK, triton.next_power_of_2(row)),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(q.device, "_decode_split_kernel"),
     )  # fmt: skip
     if not direct and not fused_merge:

@@ -11,6 +11,11 @@ in the output dtype, or as fp8 with one scale per head (``QUANT``), the form an 
 its input is quantized per 128-column group and a head is one group. The rows are first rounded to
 the dtype the unquantized store would write, so the fp8 values and scales are those that
 kernels/fp8_quant.per_token_group_quant would make from that store, bit for bit.
+
+``emit_heads`` adds the row form (``QUANT_ROW``): one scale per sequence over all its heads, the input an FP8
+o_proj reads per token (one dot chain over K, kernels/fp8_gemv.py's X_TOKEN). A row's heads come from one program a
+kv head, so each stores its heads rounded to the output dtype into a scratch row, counts itself done on the
+sequence's counter, and the last quantizes the whole row from L2 (a few KB) and resets the counter.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphserve.kernels.fp8_quant import quantize_rows
+from graphserve.kernels.fp8_quant import quantize_rows, quantized, scale_of
 from graphserve.kernels.pdl import pdl_enter
 
 # fp32 partials one in-kernel merge step holds ([heads of a kv head, splits, head_dim]): 128 per
@@ -71,6 +76,42 @@ def store_heads(
         tl.store(s_base + heads * stride_sh, scale, mask=h_mask)
     else:
         tl.store(ptrs, o.to(o_base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def emit_heads(
+    o_base, s_base, row_base, row_counter, parts, heads, h_mask, offs_d, d_mask, o, stride_oh, stride_sh,
+    QUANT: tl.constexpr, QUANT_ROW: tl.constexpr, ROUND: tl.constexpr, ROW: tl.constexpr, ROW_CHUNK: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
+):  # fmt: skip
+    """``store_heads``, or with ``QUANT_ROW`` the heads into the sequence's scratch row (``row_base``, ``ROUND``
+    dtype, heads of ``stride_oh`` elements side by side) and, in the last of the row's ``parts`` programs to
+    arrive on ``row_counter``, the whole row (``ROW`` elements) quantized with one scale: fp8 at ``o_base``
+    (contiguous across heads), the scale at ``s_base``."""
+    if QUANT_ROW:
+        store_heads(row_base, s_base, heads, h_mask, offs_d, d_mask, o, stride_oh, 0, False, ROUND, FP8_MAX_C,
+                    MIN_SCALE_C)  # fmt: skip
+        tl.debug_barrier()  # every thread's heads are in the row before the block counts itself done
+        done = tl.atomic_add(row_counter, 1, sem="acq_rel", scope="gpu")
+        if done == parts - 1:
+            # two passes over the row from L2 (.cg: where the other programs' stores are, never a stale L1 line),
+            # ROW_CHUNK values a step, so the tail holds no whole row in registers beside the kernel's own state
+            cols = tl.arange(0, ROW_CHUNK)
+            amax = tl.zeros((ROW_CHUNK,), dtype=tl.float32)
+            for c0 in tl.static_range(0, ROW, ROW_CHUNK):
+                x = tl.load(row_base + c0 + cols, mask=c0 + cols < ROW, other=0.0, cache_modifier=".cg")
+                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+            scale = scale_of(tl.max(amax, axis=0), FP8_MAX_C, MIN_SCALE_C)
+            for c0 in tl.static_range(0, ROW, ROW_CHUNK):
+                in_row = c0 + cols < ROW
+                x = tl.load(row_base + c0 + cols, mask=in_row, other=0.0, cache_modifier=".cg")
+                tl.store(o_base + c0 + cols, quantized(x.to(tl.float32), scale, o_base.dtype.element_ty, FP8_MAX_C),
+                         mask=in_row)  # fmt: skip
+            tl.store(s_base, scale)
+            tl.atomic_xchg(row_counter, 0, sem="relaxed", scope="gpu")
+    else:
+        store_heads(o_base, s_base, heads, h_mask, offs_d, d_mask, o, stride_oh, stride_sh, QUANT, ROUND, FP8_MAX_C,
+                    MIN_SCALE_C)  # fmt: skip
 
 
 @triton.jit

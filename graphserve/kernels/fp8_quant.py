@@ -42,8 +42,20 @@ def quantize_rows(xf, OUT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCAL
     """Each row of the fp32 tile ``xf`` [R, G] as one group: (q [R, G] in ``OUT_DTYPE``, fp32 scale [R]), scale
     amax / 448 clamped from below. The one rounding every fp8 activation path shares: this module's launches,
     kernels/fp8_gemv.py's FP8 dot and kernels/moe_gemm.py's A_QUANT quantize in registers with it."""
-    scale = tl.maximum(tl.max(tl.abs(xf), axis=1) / FP8_MAX_C, MIN_SCALE_C)
-    return tl.clamp(xf / scale[:, None], -FP8_MAX_C, FP8_MAX_C).to(OUT_DTYPE), scale
+    scale = scale_of(tl.max(tl.abs(xf), axis=1), FP8_MAX_C, MIN_SCALE_C)
+    return quantized(xf, scale[:, None], OUT_DTYPE, FP8_MAX_C), scale
+
+
+@triton.jit
+def scale_of(amax, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr):
+    """A group's scale from its amax (``quantize_rows``'s, for callers that take the amax in pieces)."""
+    return tl.maximum(amax / FP8_MAX_C, MIN_SCALE_C)
+
+
+@triton.jit
+def quantized(xf, scale, OUT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr):
+    """fp32 values divided by their group's ``scale`` (broadcast to them) and saturated to fp8 (``quantize_rows``'s)."""
+    return tl.clamp(xf / scale, -FP8_MAX_C, FP8_MAX_C).to(OUT_DTYPE)
 
 
 @triton.jit(do_not_specialize=["M"])  # batch-sized ints: see server/warmup.py

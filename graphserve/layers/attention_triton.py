@@ -30,6 +30,7 @@ import torch
 
 from graphserve.kernels.common import pushed, sm_count
 from graphserve.kernels.decode_attention import (
+    MAX_QUANT_ROW,
     PROGRAMS_PER_SM,
     NewToken,
     counters_numel,
@@ -47,6 +48,9 @@ from graphserve.layers.attention_backend import AttentionBackend
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
 
+# Sequences a decode step may hold to write its output with one scale per sequence (16 KB of counters a device); a
+# larger batch takes the quantization launch
+ROW_COUNTERS = 4096
 
 _prologue_scoped: list[bool] = []
 
@@ -99,6 +103,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._row_counters: dict[torch.device, torch.Tensor] = {}
+
+    def row_counters(self, device: torch.device) -> torch.Tensor:
+        """The zeroed counters (one per sequence, ``ROW_COUNTERS``) on which a decode step writing its output with one
+        scale per sequence meets its kv heads; allocated once per device, left at zero by every launch."""
+        device = torch.device(device)
+        if device not in self._row_counters:
+            self._row_counters[device] = torch.zeros(ROW_COUNTERS, dtype=torch.int32, device=device)
+        return self._row_counters[device]
 
     def reserve(
         self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
@@ -119,7 +132,8 @@ class TritonAttentionBackend(AttentionBackend):
         return reserved
 
     def workspace_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self._workspaces.values() for t in pair)
+        return (sum(t.numel() * t.element_size() for pair in self._workspaces.values() for t in pair)
+                + sum(t.numel() * t.element_size() for t in self._row_counters.values()))
 
     def forward(
         self,
@@ -179,24 +193,31 @@ class TritonAttentionBackend(AttentionBackend):
         self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int,
         pad_rows_to: int, scales_column_major: bool,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """Decode steps whose groups are whole heads (``group_size`` = head_dim) and whose rows need no padding:
-        the split kernel stores each head's output in fp8 with its scale (kernels/decode_merge.store_heads).
-        Prefill and mixed steps, and padded layouts (cuBLASLt's rows padded to 4, whose padding rows the
-        quantization launch zeroes), return None."""
+        """Decode steps whose groups are whole heads (``group_size`` = head_dim) or whole rows (``group_size`` =
+        heads x head_dim: one scale per token, up to ``ROW_COUNTERS`` rows of at most ``MAX_QUANT_ROW`` values) and whose
+        rows need no padding: the split kernel stores each head's output in fp8 with its scale, or the last of a
+        sequence's kv heads quantizes its row (kernels/decode_merge.emit_heads). Prefill and mixed steps, other
+        groups, and padded layouts (cuBLASLt's rows padded to 4, whose padding rows the quantization launch
+        zeroes), return None."""
         kv_cache = batch.kv_caches[layer_idx]
         head_dim = kv_cache.shape[4]
         if isinstance(q, NewToken):
             t, num_heads, device = q.qkv.shape[0], q.num_heads, q.qkv.device
         else:
             (t, num_heads, _), device = q.shape, q.device
-        if not self.quantizes_output(batch) or group_size != head_dim or t % pad_rows_to:
+        per_row = group_size == num_heads * head_dim and num_heads > 1
+        if per_row and (t > ROW_COUNTERS or group_size > MAX_QUANT_ROW):
+            return None
+        if not self.quantizes_output(batch) or not (group_size == head_dim or per_row) or t % pad_rows_to:
             return None
         if isinstance(q, NewToken) and not prologue_in_decode(q, kv_cache):
             q = run_prologue(q, kv_cache)
         out = torch.empty((t, num_heads * head_dim), dtype=FP8_DTYPE, device=device)
+        groups = 1 if per_row else num_heads
         if scales_column_major:
-            scales = torch.empty((num_heads, t), dtype=torch.float32, device=device).t()
+            scales = torch.empty((groups, t), dtype=torch.float32, device=device).t()
         else:
-            scales = torch.empty((t, num_heads), dtype=torch.float32, device=device)
-        self._decode(q, layer_idx, batch, scale, out=out.view(t, num_heads, head_dim), out_scale=scales)
+            scales = torch.empty((t, groups), dtype=torch.float32, device=device)
+        rows = {"row_counters": self.row_counters(device)} if per_row else {}
+        self._decode(q, layer_idx, batch, scale, out=out.view(t, num_heads, head_dim), out_scale=scales, **rows)
         return out, scales

@@ -440,27 +440,17 @@ def _attention_quantizes(monkeypatch, on: bool, calls: list[bool]) -> None:
     monkeypatch.setattr(TritonAttentionBackend, "attend_quantized", counted if on else lambda self, *a, **k: None)
 
 
-def _unfused_in_head_groups(monkeypatch) -> None:
-    """The separate quantization launch of a per-channel streaming o_proj in the groups the attention kernel
-    writes (one a head) instead of per token, so a fused and an unfused step read the same fp8 values."""
-    original = Fp8LinearMethod._quant_layout
-    monkeypatch.setattr(Fp8LinearMethod, "_quant_layout",
-                        lambda self, layer, route, k, producer=False: original(self, layer, route, k, producer=True))
-
-
 @pytest.mark.parametrize("quantization,path", [("fp8-block", "stream"), ("fp8-block", "w8a8"),
-                                               ("fp8-block", "scaled_mm"), ("fp8", "stream")])
+                                               ("fp8-block", "scaled_mm"), ("fp8", "stream"), ("fp8", "w8a8")])
 @pytest.mark.parametrize("fp8_kv", [False, True])
 def test_attention_writes_o_proj_quantized_input(quantization: str, path: str, fp8_kv: bool, monkeypatch) -> None:
     """A decode step whose o_proj quantizes its input takes it from the attention kernel, already quantized
     (layers/linear.quantized_input_linear): the same fp8 values and scales as the separate quantization
-    launch, so the logits are bit for bit those of the unfused step, on each quantizing route. Per-channel
-    weights (``fp8``) take it in head groups, their streaming tile's K step; the unfused step is made to
-    quantize the same way (it runs per token, one dot chain), so the two stay comparable bit for bit."""
+    launch, so the logits are bit for bit those of the unfused step, on each quantizing route. Block-scaled
+    weights (``fp8-block``) take it in head groups (their 128-column scale blocks), per-channel weights (``fp8``)
+    per token: the last of a sequence's kv heads in the attention kernel quantizes its whole row."""
     if path == "scaled_mm" and not blockwise_scaled_mm_available(DEV):
         pytest.skip("this torch build has no block-scaled torch._scaled_mm")
-    if quantization == "fp8":
-        _unfused_in_head_groups(monkeypatch)
     model = load_model(EngineConfig(model="dummy:qwen3-0.6b", device="cuda", quantization=quantization,
                                     max_model_len=1024), DEV).model  # fmt: skip
     b = 32
@@ -491,8 +481,6 @@ def test_attention_writes_o_proj_quantized_input_under_cuda_graph_replay(quantiz
     captured without give the same logits bit for bit, replay after replay."""
     from graphserve.layers.forward_batch import contiguous_batch
 
-    if quantization == "fp8":
-        _unfused_in_head_groups(monkeypatch)
     bs, ctx = 32, 300
     cfg, loaded, kv_caches = decode_model("dummy:qwen3-0.6b", ctx, bs, quantization=quantization, max_model_len=512)
     model, info = loaded.model, loaded.info

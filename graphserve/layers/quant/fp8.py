@@ -317,7 +317,7 @@ class Fp8LinearMethod:
         route = self._route_for(m, layer.out_features, k, dtype, device)
         if not self._quantizes_input(route):
             return None
-        group, blockwise = self._quant_layout(layer, route, k, producer=True)
+        group, blockwise = self._quant_layout(layer, route, k)
         return {"group_size": group, **_layout(blockwise)}
 
     def apply_quantized(self, layer: Linear, a_q: torch.Tensor, a_s: torch.Tensor, m: int,
@@ -359,17 +359,16 @@ class Fp8LinearMethod:
         layer._fp8_scale_layout = ((scale.data_ptr(), scale._version), layout)
         return layout
 
-    def _quant_layout(self, layer: Linear, route: Route, k: int, producer: bool = False) -> tuple[int, bool]:
-        """(group size, blockwise) of the input quantization this route reads: a streaming A8 tile's K step,
-        else the weight's scale block along K (the whole row: per token); blockwise where the call takes
-        cuBLASLt's block-scaled GEMM, which wants rows padded to 4 and column-major scales.
+    def _quant_layout(self, layer: Linear, route: Route, k: int) -> tuple[int, bool]:
+        """(group size, blockwise) of the input quantization this route reads: a streaming A8 tile of a block-scaled
+        weight its K step, else the weight's scale block along K (the whole row: per token); blockwise where the call
+        takes cuBLASLt's block-scaled GEMM, which wants rows padded to 4 and column-major scales.
 
-        A streaming A8 tile of a per-channel weight reads either: x per token (one dot chain over K, both
-        scales after it: kernels/fp8_gemv.py's X_TOKEN) from its own quantization launch, or, for a
-        ``producer`` that writes x itself (``input_quant``: the attention kernel, one group a head), the K step,
-        which saves that launch."""
+        A streaming A8 tile of a per-channel weight reads x per token: one dot chain over K, both scales after it
+        (kernels/fp8_gemv.py's X_TOKEN). A producer that writes x itself (``input_quant``: the attention kernel)
+        writes it so too, one scale a row, which saves the quantization launch (kernels/decode_merge.emit_heads)."""
         if route.path == "stream":
-            return (route.config.block_k if self.config.block or producer else k), False
+            return (route.config.block_k if self.config.block else k), False
         return self.group_k or k, route.path == "scaled_mm" and self._scale_layout(layer) is not None
 
     def _quantized_matmul(self, layer: Linear, route: Route, a_q: torch.Tensor, a_s: torch.Tensor, m: int,
