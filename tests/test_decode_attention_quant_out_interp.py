@@ -23,6 +23,13 @@ from graphserve.kernels.decode_attention import decode_attention, decode_attenti
 from graphserve.kernels.fp8_quant import FP8_DTYPE, per_token_group_quant  # noqa: E402
 
 
+def cached_contexts(seq_lens: list[int], fp8_cache: bool, seed: int):
+    """(generator, cache, block tables, lengths) of random contexts, the cache cast to fp8 for ``fp8_cache``."""
+    gen = torch.Generator().manual_seed(seed)
+    cache, tables, lens = paged_setup(seq_lens, KV_HEADS, D, 16, gen)
+    return gen, cache.to(FP8_DTYPE) if fp8_cache else cache, tables, lens
+
+
 @pytest.mark.parametrize(
     ("seq_lens", "num_splits", "fp8_cache", "column_major"),
     [
@@ -33,12 +40,8 @@ from graphserve.kernels.fp8_quant import FP8_DTYPE, per_token_group_quant  # noq
     ],
 )
 def test_quantized_output_equals_quantizing_the_output(seq_lens, num_splits, fp8_cache, column_major):
-    gen = torch.Generator().manual_seed(21)
-    heads, kv_heads, d = HEADS, KV_HEADS, D
-    cache, tables, lens = paged_setup(seq_lens, kv_heads, d, 16, gen)
-    if fp8_cache:
-        cache = cache.to(FP8_DTYPE)
-    b = len(seq_lens)
+    gen, cache, tables, lens = cached_contexts(seq_lens, fp8_cache, seed=21)
+    heads, d, b = HEADS, D, len(seq_lens)
     q = randn(b, heads, d, gen=gen).to(torch.bfloat16)
     plain = decode_attention(q, cache, tables, lens, d**-0.5, num_splits=num_splits)
     want_q, want_s = per_token_group_quant(plain.reshape(b, heads * d), d)
@@ -62,12 +65,8 @@ def test_quantized_output_equals_quantizing_the_output(seq_lens, num_splits, fp8
     ],
 )
 def test_one_scale_per_sequence_equals_quantizing_each_row(seq_lens, num_splits, fp8_cache, prologue):
-    gen = torch.Generator().manual_seed(23)
-    heads, kv_heads, d = HEADS, KV_HEADS, D
-    cache, tables, lens = paged_setup(seq_lens, kv_heads, d, 16, gen)
-    if fp8_cache:
-        cache = cache.to(FP8_DTYPE)
-    b = len(seq_lens)
+    gen, cache, tables, lens = cached_contexts(seq_lens, fp8_cache, seed=23)
+    heads, kv_heads, d, b = HEADS, KV_HEADS, D, len(seq_lens)
     if prologue:
         new, cache, tables, lens = step_inputs(seq_lens, heads, kv_heads, d, True, seed=5)
         new = dataclasses.replace(new, qkv=new.qkv.to(torch.bfloat16))
