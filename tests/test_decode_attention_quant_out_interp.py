@@ -65,17 +65,14 @@ def test_quantized_output_equals_quantizing_the_output(seq_lens, num_splits, fp8
     ],
 )
 def test_one_scale_per_sequence_equals_quantizing_each_row(seq_lens, num_splits, fp8_cache, prologue):
-    gen, cache, tables, lens = cached_contexts(seq_lens, fp8_cache, seed=23)
-    heads, kv_heads, d, b = HEADS, KV_HEADS, D, len(seq_lens)
+    heads, d, b = HEADS, D, len(seq_lens)
     if prologue:
-        new, cache, tables, lens = step_inputs(seq_lens, heads, kv_heads, d, True, seed=5)
-        new = dataclasses.replace(new, qkv=new.qkv.to(torch.bfloat16))
-        run = functools.partial(decode_attention_qkv, new)
-        plain = run(cache.clone(), tables, lens, d**-0.5, num_splits=num_splits)
+        new, cache, tables, lens = step_inputs(seq_lens, heads, KV_HEADS, d, True, seed=5)
+        run = functools.partial(decode_attention_qkv, dataclasses.replace(new, qkv=new.qkv.to(torch.bfloat16)))
     else:
-        q = randn(b, heads, d, gen=gen).to(torch.bfloat16)
-        run = functools.partial(decode_attention, q)
-        plain = run(cache, tables, lens, d**-0.5, num_splits=num_splits)
+        gen, cache, tables, lens = cached_contexts(seq_lens, fp8_cache, seed=23)
+        run = functools.partial(decode_attention, randn(b, heads, d, gen=gen).to(torch.bfloat16))
+    plain = run(cache.clone(), tables, lens, d**-0.5, num_splits=num_splits)
     want_q, want_s = per_token_group_quant(plain.reshape(b, heads * d), heads * d)
 
     counters = torch.zeros(b + 2, dtype=torch.int32, device=DEVICE)
@@ -87,6 +84,32 @@ def test_one_scale_per_sequence_equals_quantizing_each_row(seq_lens, num_splits,
         assert torch.equal(out.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(scales, want_s)
         assert not counters.any()
+
+
+def test_backend_writes_o_proj_input_per_token_where_it_can(monkeypatch):
+    """TritonAttentionBackend.attend_quantized asked for the whole row as one group (a per-channel o_proj's
+    per-token input): fp8 and scales equal to quantizing its unquantized decode output per row, its own row counters
+    left at zero; None where the step has more sequences than it holds counters for, or for a group that is neither
+    a head nor the row (the caller then runs the quantization launch)."""
+    from graphserve.layers import attention_triton
+    from tests.test_kernels_interp import _batch, slots_of
+
+    gen, cache, tables, lens = cached_contexts([40, 90, 17], False, seed=24)
+    b, row = 3, HEADS * D
+    slots = [slots_of(tables, i, range(n - 1, n), 16)[0] for i, n in enumerate(lens.tolist())]
+    batch = _batch("decode", [1] * b, lens.tolist(), tables, cache, slots)
+    q = randn(b, HEADS, D, gen=gen).to(torch.bfloat16)
+    backend = attention_triton.TritonAttentionBackend()
+    want_q, want_s = per_token_group_quant(backend.attend(q, 0, batch, D**-0.5).reshape(b, row), row)
+    layout = {"pad_rows_to": 1, "scales_column_major": False}
+    got_q, got_s = backend.attend_quantized(q, 0, batch, D**-0.5, group_size=row, **layout)
+    assert got_s.shape == (b, 1)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got_s, want_s)
+    assert not backend.row_counters(DEVICE).any()
+    assert backend.attend_quantized(q, 0, batch, D**-0.5, group_size=2 * D, **layout) is None
+    monkeypatch.setattr(attention_triton, "ROW_COUNTERS", b - 1)
+    assert backend.attend_quantized(q, 0, batch, D**-0.5, group_size=row, **layout) is None
 
 
 def test_quantized_output_refusals_name_the_operand():

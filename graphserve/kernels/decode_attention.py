@@ -14,9 +14,10 @@ per layer on an H200 for a merge that reads a few tens of KB. The counter's atom
 that orders the block's stores; the last program resets it, so it is zero for the next layer and
 the next graph replay.
 
-The output can come out quantized (``out_scale``): fp8 with one scale per sequence and head, the input
-an FP8 o_proj reads in 128-column groups (layers/quant/fp8.py), which saves that projection's
-quantization launch (kernels/decode_merge.store_heads).
+The output can come out quantized (``out_scale``), which saves the FP8 o_proj's quantization launch
+(layers/quant/fp8.py): fp8 with one scale per sequence and head, the input a block-scaled o_proj reads in
+128-column groups (kernels/decode_merge.store_heads), or with one scale per sequence, the input a per-channel o_proj
+reads per token: the last of a sequence's kv-head programs quantizes its row (kernels/decode_merge.emit_heads).
 
 The kernel can also take the step's token as the qkv projection leaves it (``decode_attention_qkv``, a
 ``NewToken``): each program norms (per-head q/k RMSNorm, where the model has it) and rotates its q heads inside

@@ -205,9 +205,8 @@ class TritonAttentionBackend(AttentionBackend):
             t, num_heads, device = q.qkv.shape[0], q.num_heads, q.qkv.device
         else:
             (t, num_heads, _), device = q.shape, q.device
-        per_row = group_size == num_heads * head_dim and num_heads > 1
-        if per_row and (t > ROW_COUNTERS or group_size > MAX_QUANT_ROW):
-            return None
+        # one scale a row where the row is more than one head and the kernel and the counters take it
+        per_row = num_heads > 1 and group_size == num_heads * head_dim <= MAX_QUANT_ROW and t <= ROW_COUNTERS
         if not self.quantizes_output(batch) or not (group_size == head_dim or per_row) or t % pad_rows_to:
             return None
         if isinstance(q, NewToken) and not prologue_in_decode(q, kv_cache):
