@@ -11,6 +11,12 @@ floor is shown beside it where it is a pure read of weights or KV, at the best r
 probes', or a family's own where its kernels read faster. A MoE model's weights are those of the experts the
 profiled step's router chose (its own counts), as benchmarks.moe and benchmarks.fp8 count them.
 
+The captured step is also profiled as it replays (``boundaries``): its kernels in launch order, with PDL as the engine
+captures it, and at each kernel boundary the time from one kernel's end to the next one's start, summed over the
+step's layers per pair of kernel names. A positive sum is time the GPU held no kernel of the step; a negative one is
+overlap (a kernel launched early waits inside itself, so its time in the replay counts that wait: ``graph_ms`` beside
+the eager ``ms`` of each kernel).
+
 Run: python3 -m benchmarks.step_breakdown [--model dummy:llama3-8b] [--bs 1] [--ctx 512]
      [--quantization fp8] [--kv-cache-dtype fp8_e4m3]
 """
@@ -85,6 +91,10 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 greedy_argmax(model.compute_logits(model.forward(batch.input_ids, batch.positions, batch)))
                 torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as replayed:
+            greedy_argmax(graphs.replay(batch))
+            torch.cuda.synchronize()
     per = collections.defaultdict(lambda: [0.0, 0])
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for evt in prof.events():
@@ -114,11 +124,36 @@ def main() -> None:
     kernels = [{"kernel": k, "launches": v[1], "ms": v[0], "us_each": 1e3 * v[0] / v[1]}
                for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])]
     print_table(kernels, ["kernel", "launches", "ms", "us_each"])
+    boundaries, in_graph = replay_boundaries(replayed)
+    for k in kernels:
+        k["graph_ms"] = in_graph.get(k["kernel"])
+    print_table(boundaries[:12], ["boundary", "count", "gap_ms", "idle_ms", "overlap_ms"])
     variant = "".join(f"_{v}" for v in (args.quantization, args.kv_cache_dtype) if v not in ("none", "auto"))
     write_result(f"step_breakdown_{args.model.split(':')[-1]}{variant}_bs{args.bs}_ctx{args.ctx}",
                  {"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                   "bs": args.bs, "ctx": args.ctx, "experts_touched": touched, "read": read.summary(), "rows": rows,
-                  "kernels": kernels})
+                  "kernels": kernels, "boundaries": boundaries})
+
+
+def replay_boundaries(prof) -> tuple[list[dict], dict[str, float]]:
+    """The profiled replay's kernels in start order: per (kernel, next kernel) pair of names, how often the step
+    crosses that boundary and the sum of next start - this end over those crossings (``gap_ms``), split into its
+    positive part (``idle_ms``: no kernel of the step running) and negative part (``overlap_ms``); and each kernel
+    name's summed time in the replay. Empty where the profiler saw no kernel inside the graph."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:90]) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    pairs = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    in_graph = collections.defaultdict(float)
+    for start, end, name in spans:
+        in_graph[name] += (end - start) / 1e3
+    for (_, end, name), (start, _, after) in zip(spans, spans[1:]):
+        gap = (start - end) / 1e3
+        entry = pairs[f"{name[:40]} -> {after[:40]}"]
+        entry[0] += 1
+        entry[1 if gap > 0 else 2] += gap
+    rows = [{"boundary": k, "count": c, "gap_ms": idle + over, "idle_ms": idle, "overlap_ms": over}
+            for k, (c, idle, over) in pairs.items()]
+    return sorted(rows, key=lambda r: -r["idle_ms"]), dict(in_graph)
 
 
 if __name__ == "__main__":

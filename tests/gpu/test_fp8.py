@@ -171,7 +171,7 @@ def test_fp8_gemv_per_token_x_every_swept_tile(m: int, gen: torch.Generator) -> 
         x = torch.randn(m, k, device=DEV, generator=gen, dtype=torch.bfloat16)
         q, s = per_token_group_quant(x, k)
         ref = fp8_gemv_reference(dequantize_blocks(q, s, 1, k), wq, ws, 1, k)
-        tiles = [c for c in candidates(m, n, k, sms) if c.a8] + [per_token_stream_config(m, n, k, sms)]
+        tiles = [c for c in candidates(m, n, k, sms, channel=True) if c.a8] + [per_token_stream_config(m, n, k, sms)]
         assert len(tiles) > 1 or m <= 4  # the sweep tries A8 tiles above 4 rows
         for cfg in tiles:
             assert rel(fp8_gemv_a8(q, s, wq, ws, 1, k, torch.bfloat16, config=cfg), ref) < TOL, cfg
