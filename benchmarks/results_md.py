@@ -2,7 +2,8 @@
 in RESULTS.md is typed by hand.
 
 Run: python3 -m benchmarks.results_md FILE[:KEY][=COL,COL,...] ...
-  FILE  a JSON under benchmarks/results/ (name without .json), or a path to any JSON (ending in .json)
+  FILE  a JSON under benchmarks/results/ (name without .json), or a path to any JSON (ending in .json); a file
+        whose top level is a list is its rows
   KEY   the list of rows inside it (default "rows")
   COLS  the columns to show, in order (default: every column of the first row); rows lacking one are left out;
         a dotted column (``http_steps.busy``) reads a field of a nested object
@@ -62,6 +63,8 @@ def parse(spec: str) -> tuple[Path, str, str]:
 def render(spec: str) -> str:
     path, key, cols = parse(spec)
     data = json.loads(path.read_text())
+    if isinstance(data, list):  # a file that is its rows alone (a run that wrote no environment)
+        data = {"rows": data}
     rows = data.get(key or "rows", [])
     if isinstance(rows, dict):
         rows = [rows]
@@ -71,7 +74,8 @@ def render(spec: str) -> str:
     rows = [r for r in rows if all(field(r, c) is not _MISSING for c in columns)]  # rows that carry every column
     env = data.get("environment", {})
     where = f"results/{path.name}" if path.resolve().parent == RESULTS_DIR.resolve() else str(path)
-    head = f"`{where}` · {env.get('device', '?')} · {env.get('date', '?')} · commit {env.get('commit', '?')}"
+    head = (f"`{where}` · {env.get('device', '?')} · {env.get('date', '?')} · commit {env.get('commit', '?')}" if env
+            else f"`{where}` · no environment recorded in the file (the section names the run)")
     return head + "\n\n" + table(rows, columns)
 
 

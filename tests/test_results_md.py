@@ -38,3 +38,11 @@ def test_names_under_results_take_key_and_columns(tmp_path, monkeypatch):
     (tmp_path / "r.json").write_text(json.dumps({"rows": [{"a": 1}], "other": [{"a": 2, "b": 3}]}))
     assert "| 2 | 3 |" in render("r:other=a,b") and "| 1 |" in render("r") and "| 2 |" in render("r:other")
     assert "`results/r.json`" in render("r")
+
+
+def test_a_file_that_is_a_list_is_its_rows_and_says_it_names_no_run(tmp_path):
+    path = tmp_path / "scratch.json"
+    path.write_text(json.dumps([{"bs": 1, "ms": 2.5}, {"bs": 64, "ms": 7.25}]))
+    out = render(f"{path}=bs,ms")
+    assert "| 1 | 2.500 |" in out and "| 64 | 7.250 |" in out
+    assert "no environment recorded" in out and "commit ?" not in out
