@@ -110,7 +110,7 @@ FMA_TILES = ((8, 128, 1, 4, 2), (8, 256, 1, 4, 2), (16, 128, 1, 4, 2), (8, 128, 
 # Per-channel a8 tiles with K steps past one 128-column block, (rows, K step, FP8 dot) -> the stage counts swept,
 # where a stage holds (rows + up to 64 rows of x) x step bytes (three of 64x512: 192 KB of an H200's 227 KB; a tile
 # that does not fit is skipped by the sweep, said so). 64x256 also four and five deep: at 64 rows of x o_proj and
-# down ran one 64x512 program an SM at 32-60% of DRAM's peak (benchmarks/results/ncu_kernels.json), and five stages
+# down ran one 64x512 program an SM at 32% and 59% of DRAM's peak (benchmarks/results/ncu_kernels.json), and five stages
 # of 64x256 keep more of the weight in flight in less shared memory (160 KB).
 WIDE_STEP_TILES = {(64, 256, True): (2, 3, 4, 5), (128, 256, True): (2, 3), (64, 512, True): (2, 3)}
 
