@@ -324,12 +324,24 @@ def bare_read_us(cold: ColdWeights, sms: int) -> float:
     its fp8 weight's bytes: kernels/stream_read.py on one program a block (``roofline.BLOCK_GRID``, the read probe's
     fastest grid), the bytes viewed as 16-bit elements. What a projection's kernel could take if it did nothing but
     read its weight, launch for launch."""
+    read = bare_read(cold.fp8[0][0], sms)
+    return cold.time_us(lambda w: read(w[0]))
+
+
+def bare_read(w: torch.Tensor, sms: int):
+    """A function reading a weight of ``w``'s size and device (the argument, ``w`` by default) as the read probe's
+    fastest grid does: kernels/stream_read.py on one program a block (``roofline.BLOCK_GRID``), the bytes viewed as
+    16-bit elements, its partial sums into one buffer allocated here."""
     from graphserve.kernels.stream_read import stream_read
 
     per_sm, block, warps = BLOCK_GRID
-    programs = stream_programs(per_sm, sms, wide_view(cold.fp8[0][0]).numel(), block)
-    out = torch.empty(programs, dtype=torch.float32, device="cuda")
-    return cold.time_us(lambda w: stream_read(wide_view(w[0]), programs, block=block, num_warps=warps, out=out))
+    programs = stream_programs(per_sm, sms, wide_view(w).numel(), block)
+    out = torch.empty(programs, dtype=torch.float32, device=w.device)
+
+    def read(weight: torch.Tensor = w) -> torch.Tensor:
+        return stream_read(wide_view(weight), programs, block=block, num_warps=warps, out=out)
+
+    return read
 
 
 def measure(name: str, rows: list[int], sweep: bool, scaled_mm_ok: bool, sms: int, channel: bool = False) -> list[dict]:

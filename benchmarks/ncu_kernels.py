@@ -53,14 +53,12 @@ SCALE = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "byte/block": 1.0, "Kbyte/block": 1e3
 
 def cases() -> list[tuple[str, object]]:
     """(label, a function making one launch of the case's kernel), in launch order."""
-    from benchmarks.fp8_route import SHAPES
-    from benchmarks.roofline import BLOCK_GRID, stream_programs, wide_view
+    from benchmarks.fp8_route import SHAPES, bare_read, prologue
     from graphserve.kernels.common import sm_count
     from graphserve.kernels.decode_attention import counters_numel, decode_attention, workspace_numel
     from graphserve.kernels.fp8_config import choose_route
     from graphserve.kernels.fp8_gemv import fp8_gemv, fp8_gemv_a8, fp8_norm_gemv, fp8_silu_mul_gemv
     from graphserve.kernels.fp8_quant import per_token_group_quant, quantize_weight_channels
-    from graphserve.kernels.stream_read import stream_read
 
     dev = torch.device("cuda")
     sms = sm_count(dev)
@@ -70,31 +68,27 @@ def cases() -> list[tuple[str, object]]:
         n, k = SHAPES[name]
         wq, ws = quantize_weight_channels(torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02)
         ws = ws.view(n, 1)
-        kind = name.split()[-1]
         for m in ROWS:
             cfg = choose_route(m, n, k, 1, k, False, dev, sms).config
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
-            label = f"{name} m{m}"
             if cfg is None:
                 continue  # a row count the table routes to cuBLAS: not this harness's kernels
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
+            label = f"{name} m{m}"
+            kind = prologue(name, m)  # what the layer fuses into the kernel's loads at m rows
             if cfg.a8:  # x quantized per token by the launch before (layers/quant/fp8.py)
                 fn = partial(fp8_gemv_a8, *per_token_group_quant(x, k), wq, ws, 1, k, torch.bfloat16, config=cfg)
-            elif kind in ("qkv", "gate_up"):  # the residual add + RMSNorm in the loads
+            elif kind == "norm":  # the residual add + RMSNorm in the loads
                 norm = torch.randn(k, device=dev, dtype=torch.bfloat16, generator=gen)
                 fn = partial(fp8_norm_gemv, x, norm, 1e-6, wq, ws, 1, k, residual=torch.randn_like(x), config=cfg)
                 label += " +norm"
-            elif kind == "down":  # SiLU·mul in the loads
+            elif kind == "silu":  # SiLU·mul in the loads
                 gate_up = torch.randn(m, 2 * k, device=dev, dtype=torch.bfloat16, generator=gen)
                 fn = partial(fp8_silu_mul_gemv, gate_up, wq, ws, 1, k, config=cfg)
                 label += " +silu"
             else:
                 fn = partial(fp8_gemv, x, wq, ws, 1, k, config=cfg)
             out.append((f"{label} {cfg.block_n}x{cfg.block_k} s{cfg.num_stages} split{cfg.split_k}", fn))
-        per_sm, block, warps = BLOCK_GRID
-        view = wide_view(wq)
-        programs = stream_programs(per_sm, sms, view.numel(), block)
-        sums = torch.empty(programs, dtype=torch.float32, device=dev)
-        out.append((f"{name} bare read", partial(stream_read, view, programs, block=block, num_warps=warps, out=sums)))
+        out.append((f"{name} bare read", bare_read(wq, sms)))
     for model, hq, hkv, bs, ctx in ATTENTION:
         page, d = 16, 128
         blocks = bs * ctx // page

@@ -125,12 +125,18 @@ def test_quantized_output_refusals_name_the_operand():
     with pytest.raises(ValueError, match="fused_merge=True"):
         decode_attention(q, cache, tables, lens, 0.2, num_splits=2, out=out, out_scale=scales, fused_merge=False)
     row_scale = torch.empty(2, 1, device=DEVICE)
-    with pytest.raises(ValueError, match=r"row_counters hold 1 torch.int32 on .*, need 2 int32"):
+    with pytest.raises(ValueError, match=r"row_counters hold 1 torch.int32 on .*, need 2 contiguous int32"):
         decode_attention(q, cache, tables, lens, 0.2, out=out, out_scale=row_scale,
                          row_counters=torch.zeros(1, dtype=torch.int32, device=DEVICE))  # fmt: skip
-    with pytest.raises(ValueError, match=r"row_workspace holds 10 torch.bfloat16, needs 256 contiguous"):
+    with pytest.raises(ValueError, match=r"row_counters hold 2 torch.int32 on .* \(stride \(2,\)\), need 2 contiguous"):
+        decode_attention(q, cache, tables, lens, 0.2, out=out, out_scale=row_scale,
+                         row_counters=torch.zeros(4, dtype=torch.int32, device=DEVICE)[::2])  # fmt: skip
+    with pytest.raises(ValueError, match=r"row_workspace holds 10 torch.bfloat16 on .*, needs 256 contiguous"):
         decode_attention(q, cache, tables, lens, 0.2, out=out, out_scale=row_scale,
                          row_workspace=torch.empty(10, dtype=torch.bfloat16, device=DEVICE))  # fmt: skip
+    with pytest.raises(ValueError, match=r"row_workspace holds 256 torch.bfloat16 on meta, needs 256 contiguous"):
+        decode_attention(q, cache, tables, lens, 0.2, out=out, out_scale=row_scale,
+                         row_workspace=torch.empty(256, dtype=torch.bfloat16, device="meta"))  # fmt: skip
     spread = torch.empty(2, 4, 64, dtype=FP8_DTYPE, device=DEVICE)[:, :, :32]
     with pytest.raises(ValueError, match=r"needs out's heads side by side \(stride 32 along heads\), got strides \(256, 64, 1\)"):
         decode_attention(q, cache, tables, lens, 0.2, out=spread, out_scale=row_scale)

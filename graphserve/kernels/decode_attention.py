@@ -511,15 +511,19 @@ def decode_attention(
                              f"{row} values in one program, at most {MAX_QUANT_ROW}")
         if row_workspace is None:
             row_workspace = torch.empty(batch * row, dtype=q.dtype, device=q.device)
-        elif row_workspace.dtype != q.dtype or row_workspace.numel() < batch * row or not row_workspace.is_contiguous():
-            raise ValueError(f"decode_attention: row_workspace holds {row_workspace.numel()} {row_workspace.dtype}, "
-                             f"needs {batch * row} contiguous {q.dtype} for batch={batch}, heads={num_heads}, "
-                             f"head_dim={head_dim}")
+        elif (row_workspace.dtype != q.dtype or row_workspace.numel() < batch * row
+              or not row_workspace.is_contiguous() or row_workspace.device != q.device):
+            raise ValueError(f"decode_attention: row_workspace holds {row_workspace.numel()} {row_workspace.dtype} on "
+                             f"{row_workspace.device}, needs {batch * row} contiguous {q.dtype} on {q.device} for "
+                             f"batch={batch}, heads={num_heads}, head_dim={head_dim}")
         if row_counters is None:
             row_counters = torch.zeros(batch, dtype=torch.int32, device=q.device)
-        elif row_counters.dtype != torch.int32 or row_counters.numel() < batch or row_counters.device != q.device:
+        elif (row_counters.dtype != torch.int32 or row_counters.numel() < batch or row_counters.device != q.device
+              or not row_counters.is_contiguous()):
+            # the kernel finds sequence i's counter at row_counters + i
             raise ValueError(f"decode_attention: row_counters hold {row_counters.numel()} {row_counters.dtype} on "
-                             f"{row_counters.device}, need {batch} int32 on {q.device}")
+                             f"{row_counters.device} (stride {row_counters.stride()}), need {batch} contiguous int32 "
+                             f"on {q.device}")
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
