@@ -16,7 +16,7 @@ use_interpreter()
 
 import pytest  # noqa: E402
 
-from graphserve.kernels.argmax import argmax_reference, argmax_triton, chunking, greedy_argmax  # noqa: E402
+from graphserve.kernels.argmax import argmax_triton, chunking, greedy_argmax  # noqa: E402
 
 DEVICE = kernel_device()
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -74,7 +74,23 @@ def test_default_split(dtype):
     gen = torch.Generator().manual_seed(7)
     x = planted(3, 4099, dtype, 4096, gen)
     check(x)
-    assert torch.equal(greedy_argmax(x), argmax_reference(x))  # off CUDA: torch's argmax itself
+
+
+def test_greedy_argmax_dispatch(monkeypatch):
+    """Off CUDA greedy_argmax never reaches the Triton pair; on CUDA it runs it (the spy records the call)."""
+    import graphserve.kernels.argmax as argmax_mod
+
+    calls = []
+
+    def spy(logits, **kw):
+        calls.append(logits.device.type)
+        return argmax_triton(logits, **kw)
+
+    monkeypatch.setattr(argmax_mod, "argmax_triton", spy)
+    x = planted(3, 4099, torch.float32, 4096, torch.Generator().manual_seed(8))
+    assert greedy_argmax(x).tolist() == torch.argmax(x, dim=-1).tolist() and calls == []
+    if torch.cuda.is_available():
+        assert greedy_argmax(x.cuda()).cpu().tolist() == torch.argmax(x, dim=-1).tolist() and calls == ["cuda"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -124,10 +124,12 @@ def test_random_text_has_exact_token_length_with_a_tokenizer():
     from graphserve.bench.datasets import load_tokenizer
 
     tok = load_tokenizer("builtin:tiny-llama")
-    reqs = random_requests(8, 40, 4, 0.5, "sglang", np.random.default_rng(2), tok)
-    exact = [len(tok.encode(r.prompt, add_special_tokens=False)) == r.input_len for r in reqs]
-    assert sum(exact) >= 7
-    assert all(20 <= r.input_len <= 40 for r in reqs)
+    for seed in range(6):
+        targets = sample_lengths(np.random.default_rng(seed), 16, 120, 0.2, "sglang")  # the draw random_requests makes first
+        reqs = random_requests(16, 120, 4, 0.2, "sglang", np.random.default_rng(seed), tok)
+        assert [len(tok.encode(r.prompt, add_special_tokens=False)) for r in reqs] == targets
+        assert [r.input_len for r in reqs] == targets
+        assert len({r.prompt for r in reqs}) == 16
 
 
 def test_sharegpt_from_local_file(tmp_path):

@@ -36,6 +36,24 @@ FMA_SPLIT = StreamConfig(block_n=8, block_k=32, num_warps=4, num_stages=2, use_d
 DOT_SPLIT = StreamConfig(block_n=16, block_k=32, num_warps=4, num_stages=2, use_dot=True, split_k=2)
 
 
+class _GridSpy:
+    """Wraps the gemv kernel: records each launch's grid, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def grids(monkeypatch) -> list:
+    spy = _GridSpy(gemv_mod._fp8_gemv_kernel)
+    monkeypatch.setattr(gemv_mod, "_fp8_gemv_kernel", spy)
+    return spy.grids
+
+
 def _counters_zero(device: torch.device) -> bool:
     assert gemv_mod._COUNTERS, "no split-K counters were allocated: the launch did not split"
     return all(int(c.abs().sum()) == 0 for (dev, _), c in gemv_mod._COUNTERS.items() if dev == device)
@@ -44,7 +62,7 @@ def _counters_zero(device: torch.device) -> bool:
 # (m, n, k, group_n, group_k): K = 200 in 7 tiles of 32 -> splits of 3, 3, 1 tiles, the last one
 # ending past K; K = 96 -> 3 whole tiles, one per split; per-channel scales with a K tail
 @pytest.mark.parametrize("m,n,k,group_n,group_k", [(1, 40, 200, 16, 32), (3, 37, 96, 8, 16), (2, 24, 136, 1, 136)])
-def test_split_k_fma_matches_reference_and_leaves_counters_zero(m, n, k, group_n, group_k) -> None:
+def test_split_k_fma_matches_reference_and_leaves_counters_zero(m, n, k, group_n, group_k, grids) -> None:
     wq, ws = _weight(n, k, group_n, group_k, seed=m + k)
     bias = _randn(n, seed=3)
     for call in range(2):  # the second call finds the counters the first one reset
@@ -53,14 +71,16 @@ def test_split_k_fma_matches_reference_and_leaves_counters_zero(m, n, k, group_n
         want = fp8_gemv_reference(x, wq, ws, group_n, group_k, bias)
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
         assert _counters_zero(x.device)
+    assert grids == [(-(-n // FMA_SPLIT.block_n), 3)] * 2  # both calls launched three splits
 
 
-def test_split_k_dot_matches_reference() -> None:
+def test_split_k_dot_matches_reference(grids) -> None:
     m, n, k = 5, 40, 200
     wq, ws = _weight(n, k, 16, 32, seed=31)
     x = _randn(m, k, seed=32).to(DOT_DTYPE)
     out = fp8_gemv(x, wq, ws, 16, 32, config=DOT_SPLIT)
     assert relative_error(out, fp8_gemv_reference(x.float(), wq, ws, 16, 32)) < 1e-2
+    assert grids == [(3, 2)]  # 40 columns in tiles of 16, K in two splits
     assert _counters_zero(x.device)
 
 
@@ -79,13 +99,14 @@ def test_split_k_fused_prologues_match_reference() -> None:
     torch.testing.assert_close(summed, want_sum, rtol=0, atol=0)
 
 
-def test_split_k_count_beyond_the_tiles_of_k_is_cut_to_them() -> None:
+def test_split_k_count_beyond_the_tiles_of_k_is_cut_to_them(grids) -> None:
     """split_k = 8 against K = 64 in two tiles of 32 runs as two splits, never an empty one."""
     wq, ws = _weight(24, 64, 8, 32, seed=51)
     x = _randn(2, 64, seed=52)
     cfg = StreamConfig(block_n=8, block_k=32, num_warps=4, num_stages=2, use_dot=False, split_k=8)
     torch.testing.assert_close(fp8_gemv(x, wq, ws, 8, 32, config=cfg), fp8_gemv_reference(x, wq, ws, 8, 32),
                                rtol=1e-4, atol=1e-5)
+    assert grids == [(3, 2)]  # 24 columns in tiles of 8; eight splits asked, two tiles of K to cut
 
 
 def test_split_k_bad_counts_name_the_limit() -> None:

@@ -143,14 +143,19 @@ def test_streamed_deltas_rebuild_the_calls():
     assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas) == '{"x": 12}'
 
 
-def test_noise_never_reaches_one_so_masked_tokens_never_win():
-    """A uniform of exactly 1.0 gives +inf Gumbel noise and NaN on a masked (-inf) logit, which argmax picks."""
-    from graphserve.layers.sampler import uniform_noise
+def test_noise_never_reaches_one_so_masked_tokens_never_win(monkeypatch):
+    """A uniform of exactly 1.0 gives +inf Gumbel noise and NaN on a masked (-inf) logit, which argmax picks. The
+    hash's extremes (every bit set, none set) are forced, so the largest and smallest draws are the ones checked,
+    not whichever a sample happens to reach."""
+    from graphserve.layers import sampler
 
-    u = uniform_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), 1 << 16)
-    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
-    top = torch.full((1,), (1 << 23) - 1, dtype=torch.float32)
-    assert float((top + 0.5) * (1.0 / (1 << 23))) < 1.0
+    seeds, steps = torch.arange(4), torch.zeros(4, dtype=torch.int64)
+    u = sampler.uniform_noise(seeds, steps, 1 << 16)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0 and float(u.std()) > 0.25
+    monkeypatch.setattr(sampler, "_mix", lambda z: torch.full_like(z, -1))  # every bit of the hash set
+    assert float(sampler.uniform_noise(seeds, steps, 8).max()) < 1.0
+    monkeypatch.setattr(sampler, "_mix", torch.zeros_like)  # none set
+    assert float(sampler.uniform_noise(seeds, steps, 8).min()) > 0.0
 
 
 def test_chat_chunks_rewritten_for_tools_keep_the_role_first():

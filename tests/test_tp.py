@@ -13,7 +13,7 @@ from graphserve import LLM, SamplingParams
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError
 from graphserve.layers.embedding import LMHead, VocabEmbedding
-from graphserve.layers.linear import ColumnParallelLinear, Linear, QKVParallelLinear, RowParallelLinear
+from graphserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 _TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -81,8 +81,15 @@ def test_vocab_parallel_embedding_and_head_cover_a_vocab_that_does_not_divide():
 
 
 def test_tp1_layers_are_the_plain_linear():
-    layer = ColumnParallelLinear(8, 12, False)
-    assert isinstance(layer, Linear) and layer.weight.shape == (12, 8)  # Linear.forward: the gemv routing
+    """At tp 1 both split layers hold the whole checkpoint tensor and compute the plain linear of it."""
+    torch.manual_seed(1)
+    x = torch.randn(3, 8)
+    for layer, w, b in ((ColumnParallelLinear(8, 12, True), torch.randn(12, 8), torch.randn(12)),
+                        (RowParallelLinear(8, 12, True), torch.randn(12, 8), torch.randn(12))):
+        assert layer.rank_slice(None) is None and layer.weight.shape == (12, 8)
+        layer.load_weight("weight", layer.weight, w, None)
+        layer.load_weight("bias", layer.bias, b, None)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, b))
 
 
 # ---- engines: --tp N greedy tokens == --tp 1 ------------------------------------------------------------

@@ -69,19 +69,42 @@ def _usable_ids(tokenizer: Any) -> np.ndarray:
     return np.array([i for i in range(vocab) if i not in special], dtype=np.int64)
 
 
+def _text_ids(tokenizer: Any) -> np.ndarray:
+    """The usable ids that decode alone to printable text: a lone byte-fallback token decodes to U+FFFD, which
+    re-encodes as three tokens, so a prompt built from one could not keep its length."""
+    ids = _usable_ids(tokenizer)
+    pieces = tokenizer.batch_decode([[int(i)] for i in ids])
+    keep = [i for i, p in zip(ids, pieces) if p and "\ufffd" not in p and p.isprintable()]
+    return np.array(keep, dtype=np.int64) if keep else ids
+
+
+def _filler_id(tokenizer: Any) -> int | None:
+    """A token that re-encodes as itself when repeated after any text (a space-led common word), or None."""
+    for word in (" the", " a", " x"):
+        ids = tokenizer.encode(word, add_special_tokens=False)
+        if len(ids) == 1 and tokenizer.encode(word * 4, add_special_tokens=False) == ids * 4:
+            return ids[0]
+    return None
+
+
 def _exact_text(tokenizer: Any, ids: list[int], target: int, rng: np.random.Generator, pool: np.ndarray) -> tuple[str, int]:
-    """Decode ids to text whose re-encoding is ``target`` tokens: decode/encode can merge or split
-    tokens, so trim or top up and retry a few times; returns the text and its measured length."""
+    """Decode ids to text whose re-encoding is ``target`` tokens. Decode/encode can merge or split tokens, so trim
+    or top up and re-measure: random tokens first, then a filler word that does not merge with its neighbours.
+    Returns the text and its measured length (the target unless the tokenizer allows no such text)."""
     text = tokenizer.decode(ids)
-    n = len(ids)
-    for _ in range(8):
+    filler = _filler_id(tokenizer)
+    for attempt in range(16):
         enc = tokenizer.encode(text, add_special_tokens=False)
-        n = len(enc)
-        if n == target:
-            break
-        enc = enc[:target] if n > target else enc + [int(x) for x in rng.choice(pool, size=target - n)]
+        if len(enc) == target:
+            return text, target
+        if len(enc) > target:
+            enc = enc[:target]
+        elif attempt < 8 or filler is None:
+            enc = enc + [int(x) for x in rng.choice(pool, size=target - len(enc))]
+        else:
+            enc = enc + [filler] * (target - len(enc))
         text = tokenizer.decode(enc)
-    return text, n
+    return text, len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def random_requests(
@@ -90,7 +113,7 @@ def random_requests(
     in_lens = sample_lengths(rng, n, input_len, ratio, rule)
     out_lens = sample_lengths(rng, n, output_len, ratio, rule, "random_output_len")
     reqs = []
-    pool = _usable_ids(tokenizer) if tokenizer is not None else None
+    pool = _text_ids(tokenizer) if tokenizer is not None else None
     for i, (li, lo) in enumerate(zip(in_lens, out_lens)):
         if tokenizer is None:
             # A leading index keeps prompts distinct, so no prefix cache turns the run into a cache test.
