@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -25,8 +27,25 @@ def git_commit() -> str:
         return "unknown"
 
 
+_RUN: dict[str, str] = {}
+
+
+def start_run() -> dict[str, str]:
+    """A new run: a fresh id (uuid4 hex) and its start time (UTC). A process is one run, started at its first
+    ``environment()``; tests call this to stand for a second run."""
+    _RUN.clear()
+    _RUN.update(run_id=uuid.uuid4().hex,
+                started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    return dict(_RUN)
+
+
 def environment() -> dict:
+    """This run: date, commit, versions, device, and its ``run_id`` and ``started`` time, the same for every file and
+    row the process writes, so rows merged into one file say which run (and so which ceilings) measured them."""
+    if not _RUN:
+        start_run()
     env = {
+        **_RUN,
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
         "torch": torch.__version__,
@@ -54,18 +73,23 @@ def write_result(name: str, payload: dict) -> Path:
     return path
 
 
-def merge_rows(name: str, rows: list[dict], **tables) -> Path:
+def merge_rows(name: str, rows: list[dict], ceilings: dict | None = None, **tables) -> Path:
     """Write ``rows`` into benchmarks/results/NAME.json beside the rows already there: a row replaces the earlier
     row of its case (model, batch size, context), every other row stays, so a run that measures a model at fewer
     batch sizes than the file holds keeps the others, each naming its run. ``tables`` replace the file's
     other keys of those names, but for a table of per-model entries (a list of dicts, each with a ``model``),
     which merges as the rows do (an empty one keeps the file's; an old entry naming no model goes). The file's
-    environment becomes this run's, so every row names the run that measured it (``measured_at``); rows from
-    before carry the environment of the file they came from."""
+    environment becomes this run's, so every row names the run that measured it (``measured_at``, with its
+    ``run_id``); rows from before carry the environment of the file they came from.
+
+    ``ceilings`` (the read bandwidth and matmul peaks this run divided by) join the file's ceilings of earlier
+    runs, one entry a run (``run_ceilings``), and an entry whose run has no row left in the file goes: each row's
+    denominators stay beside it however many runs the file merges (``ceilings_for``)."""
     path = RESULTS_DIR / f"{name}.json"
     payload = json.loads(path.read_text()) if path.exists() else {}
     before = payload.pop("environment", {})  # write_result records this run's
     now = environment()
+    kept_ceilings = run_ceilings(payload.pop("ceilings", None), before)
 
     def case(r: dict) -> tuple:
         return r["model"], r.get("bs"), r.get("ctx")
@@ -79,7 +103,39 @@ def merge_rows(name: str, rows: list[dict], **tables) -> Path:
         per_model = isinstance(table, list) and all(isinstance(r, dict) and "model" in r for r in table)
         payload[key] = merged(payload.get(key, []), table) if per_model else table
     payload["rows"] = merged(payload.get("rows", []), rows)
+    if ceilings is not None:
+        kept_ceilings[run_key(now)] = {"measured_at": now, **ceilings}
+    # the runs with a row left in the file, and this one, whose environment the file's other tables carry
+    runs = [now] + [r["measured_at"] for table in payload.values() if isinstance(table, list)
+                    for r in table if isinstance(r, dict) and "measured_at" in r]
+    kept_ceilings = {key: c for key, c in kept_ceilings.items() if c["measured_at"] in runs}
+    if kept_ceilings:
+        payload["ceilings"] = kept_ceilings
     return write_result(name, payload)
+
+
+def run_key(env: dict) -> str:
+    """The key of a run's entry in a merged file's ``ceilings``: its ``run_id``, or for a run from before run ids
+    its date and commit (its entry's ``measured_at`` then tells it apart)."""
+    return env.get("run_id") or f"before run ids: {env.get('date', '?')} {env.get('commit', '?')}"
+
+
+def run_ceilings(ceilings: dict | None, env: dict) -> dict[str, dict]:
+    """A result file's ``ceilings`` one entry a run, each with the ``measured_at`` of its run: as merge_rows keeps
+    them, or (a file from before) the one run's ceilings, which belong to the file's environment ``env``."""
+    if not ceilings:
+        return {}
+    if all(isinstance(c, dict) and "measured_at" in c for c in ceilings.values()):
+        return dict(ceilings)
+    return {run_key(env): {"measured_at": env, **ceilings}}
+
+
+def ceilings_for(payload: dict, row: dict) -> dict | None:
+    """The ceilings of the run that measured ``row`` in a merged result file, or None where the file kept none
+    for it (a row older than the file's first merge that kept ceilings per run)."""
+    at = row.get("measured_at", payload.get("environment", {}))
+    runs = run_ceilings(payload.get("ceilings"), payload.get("environment", {}))
+    return next((c for c in runs.values() if c["measured_at"] == at), None)
 
 
 class PrefillProbe:
@@ -148,15 +204,38 @@ def median_difference_ci(a: list[float], b: list[float], resamples: int = 2000, 
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:
-    widths = [max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in cols]  # no rows: the header alone
+    widths = [max([len(c)] + [len(_fmt(r.get(c), c)) for r in rows]) for c in cols]  # no rows: the header alone
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
     for r in rows:
-        print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
+        print("  ".join(_fmt(r.get(c), c).rjust(w) for c, w in zip(cols, widths)))
 
 
-def _fmt(v) -> str:
+# a column named a quotient ("stream/floor") or holding one of these words (ratio, bf16_ratio, vs_bf16, dram_pct) is a
+# ratio, read against targets; words, so that duration_us is not one
+RATIO_WORDS = {"ratio", "vs", "pct", "share"}
+
+
+def is_ratio_column(col: str) -> bool:
+    return "/" in col or not RATIO_WORDS.isdisjoint(re.split(r"[^a-z0-9]+", col.lower()))
+
+
+def ratio_text(v: float, thousands: bool = False) -> str:
+    """A ratio with 4 decimals, and more where 4 would end in a 0 the value is not: a rendering never lands on a
+    3-decimal number (a target such as 1.3 or 0.45) that the value misses, so 1.3004 reads 1.3004 and 1.30004
+    reads 1.30004, never 1.300 or 1.3000."""
+    sep = "," if thousands else ""
+    for digits in range(4, 13):
+        text = f"{v:{sep}.{digits}f}"
+        if not text.endswith("0") or float(text.replace(",", "")) == v:
+            return text
+    return f"{v:{sep}}"  # Python's shortest text that reads back as v: 1.3000000000000003
+
+
+def _fmt(v, col: str = "") -> str:
     if v is None:
         return "-"
+    if isinstance(v, float) and is_ratio_column(col):
+        return ratio_text(v)
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)

@@ -20,13 +20,17 @@ computes them (layers/quant/fp8.py's limits), in the input's quantization launch
 quantize it (a8 stream tiles, ``w8a8``, ``scaled_mm``), else in a separate launch before. Each
 time is one call's share of a CUDA graph of back-to-back calls cycling through enough weight copies (>= 256 MB) that every call reads
 its weight from device memory, as decode does. ``stream/floor``: the stream time over the weight's
-bytes (fp8 + scales) at the best read bandwidth of this run (benchmarks.roofline's probes). ``read_us``: a bare
-read of the same weight's bytes in the same graph, launch for launch (``bare_read_us``); ``stream/read`` what the
-streaming kernel takes over it.
+bytes (fp8 + scales) at the best read bandwidth of this run: benchmarks.roofline's probes, run again after the
+work, and every rate this run's own calls reached (``observe_rows``: a path that read its weights faster than the
+probes raises the floor). ``read_us``: a bare read of the same weight's bytes in the same graph, launch for launch
+(``bare_read_us``); ``stream/read`` what the streaming kernel takes over it. Each row names the floor it was divided
+by (``floor_gbs``, ``floor_method``).
 
-o_proj per channel is timed a second way: its input as decode attention writes it (fp8 in one group a head, no
-quantization launch), through the fastest a8 tile whose K step is one head; where that beats the stream time above
-(a wider K step on x quantized per token by a launch), the table keeps that tile (``stream_input``: "attention").
+o_proj's input comes from decode attention, which writes it already quantized where o_proj's path quantizes its
+input (layers/quant/fp8.py ``input_quant``; layers/attention_triton.py ``attend_quantized``): per channel one scale a
+row (group k), with 128x128 blocks one a head (``HEAD_DIM``). Its a8 tiles and its ``w8a8`` path are therefore timed
+on x quantized once so, outside the timed calls (``attention_group``); the row says so (``quantized_input``:
+"attention", ``quantized_input_group``; else "launch": the quantization is inside the timed call).
 Per (shape, m) the table keeps the fastest fp8 path (and the stream tiles that won); a call of m rows
 takes the entry of the smallest measured count >= m, above the largest the code's defaults.
 Run: python3 -m benchmarks.fp8_route [--quick] [--scales block128|channel] [--shapes NAME ...] [--rows M ...]
@@ -50,6 +54,7 @@ from benchmarks.common import environment, print_table, write_result
 from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import BLOCK_GRID, measured_read_bw, stream_programs, wide_view
 from graphserve.kernels.common import sm_count
+from graphserve.kernels.decode_attention import MAX_QUANT_ROW
 from graphserve.kernels.fp8_config import (
     MAX_STREAM_ROWS,
     RULE_PATH,
@@ -77,6 +82,7 @@ from graphserve.kernels.fp8_quant import (
 )
 from graphserve.kernels.norm import fused_add_rms_norm
 from graphserve.layers.activation import silu_and_mul
+from graphserve.layers.attention_triton import ROW_COUNTERS
 from graphserve.layers.quant.fp8 import NORM_PROLOGUE_MAX_ROWS, SILU_PROLOGUE_MAX_ROWS
 
 SHAPES = {
@@ -89,13 +95,13 @@ SHAPES = {
 }
 DEFAULT_SHAPES = [name for name in SHAPES if name.startswith("llama3-8b")]
 PROLOGUES = {"qkv": "norm", "gate_up": "norm", "down": "silu"}  # by projection: what precedes it in a layer
-HEAD_DIM = 128  # both models' head size: the group in which decode attention writes o_proj's input quantized
+HEAD_DIM = 128  # both models' head size: the group of decode attention's quantized output with 128x128 blocks
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
 QUICK_ROWS = [1, 2, 4, 8, 16, 64, 256]
 COLD_BYTES = 256 << 20
 BLOCK = 128
 COLS = ["shape", "m", "prologue", "stream_us", "w8a8_us", "scaled_mm_us", "bf16_us", "best", "stream_a8_us",
-        "stream_bf16x_us", "stream_a8_groups_us", "stream/floor", "stream_GBps", "read_us", "stream/read"]
+        "stream_bf16x_us", "quantized_input", "stream/floor", "stream_GBps", "read_us", "stream/read"]
 
 
 # FMA tiles swept at 1-4 rows: (block_n, weight bytes a thread a step, split_k, warps, stages). The first five
@@ -232,17 +238,34 @@ def prologue(name: str, m: int) -> str | None:
     return None
 
 
+def attention_group(name: str, channel: bool, m: int, k: int) -> int | None:
+    """The group in which decode attention writes this projection's input already quantized at ``m`` rows, for a
+    path that quantizes its input (layers/attention_triton.py ``attend_quantized``): o_proj's per channel one scale a
+    row (group ``k``, up to ``ROW_COUNTERS`` rows of at most ``MAX_QUANT_ROW`` values), with 128x128 blocks one a
+    head (``HEAD_DIM``), which only a path quantizing in groups of one head takes. None for every other projection
+    (its input comes from a norm or SiLU·mul, quantized by the launch that makes it) and past those limits."""
+    if not name.endswith("o_proj"):
+        return None
+    if channel:
+        return k if m <= ROW_COUNTERS and k <= MAX_QUANT_ROW else None
+    return HEAD_DIM
+
+
 def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok: bool, sms: int,
                 channel: bool = False) -> dict:
     n, k = SHAPES[name]
     gn, gk = (1, k) if channel else (BLOCK, BLOCK)  # the kernels' scale block: per channel, one row by all of K
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     r = {"shape": name, "scales": "channel" if channel else "block128", "n": n, "k": k, "m": m,
-         "weight_bytes": cold.nbytes}
+         "weight_bytes": cold.nbytes, "pool": len(cold.fp8), "bf16_pool": len(cold.bf16)}
+    # o_proj's input as decode attention writes it, quantized once here, outside every timed call
+    fed = attention_group(name, channel, m, k)
+    r["quantized_input"], r["quantized_input_group"] = ("attention", fed) if fed else ("launch", None)
+    attention_written = per_token_group_quant(x, fed) if fed else None
     # every path is timed with the making of its input, as the layer runs it: the norm before qkv and
     # gate_up, SiLU·mul before down, in the streaming kernel's loads (at the rows where it computes them,
-    # r["prologue"]), in the launch that quantizes the input (a8 tiles, w8a8, scaled_mm), or else in a
-    # separate launch
+    # r["prologue"]), in the launch that quantizes the input (a8 tiles, w8a8, scaled_mm; o_proj's excepted where
+    # the attention kernel writes it quantized: attention_written), or else in a separate launch
     kind = PROLOGUES.get(name.split()[-1])
     r["prologue"] = prologue(name, m)
     residual = torch.randn_like(x) if kind == "norm" else None
@@ -255,6 +278,8 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
         return silu_and_mul(gate_up) if kind == "silu" else x
 
     def quantized(group: int, blockwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if group == fed and not blockwise:  # written by the attention kernel before the call: no launch to time
+            return attention_written
         layout = {"pad_rows_to": 4 if blockwise else 1, "scales_column_major": blockwise}
         if kind == "norm":
             return norm_group_quant(x, norm_w, 1e-6, group, residual, **layout)[:2]
@@ -290,17 +315,6 @@ def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok:
         if 0 < len(a8) < len(tried):  # the best of each kind, for the table's readers
             r["stream_a8_us"] = min(tried[c] for c in a8)
             r["stream_bf16x_us"] = min(tried[c] for c in tried if not c.a8)
-        fed = [c for c in a8 if c.block_k == HEAD_DIM]
-        if channel and fed and name.endswith("o_proj"):
-            # o_proj's input as the attention kernel writes it in a decode step: fp8 in one group a head, which an
-            # a8 tile whose K step is one head reads with no quantization launch (layers/quant/fp8.py input_quant);
-            # a wider step takes x from a launch of its own, as timed above. The faster of the two is kept.
-            best_fed = min(fed, key=tried.get)
-            q, s = per_token_group_quant(x, HEAD_DIM)
-            r["stream_a8_groups_us"] = cold.time_us(
-                lambda w: fp8_gemv_a8(q, s, w[0], w[1], gn, gk, torch.bfloat16, config=best_fed))
-            if r["stream_a8_groups_us"] < r["stream_us"]:
-                r.update(stream_us=r["stream_a8_groups_us"], stream_config=vars(best_fed), stream_input="attention")
 
     def w8a8(w):
         if channel and scaled_mm_supported(m, n, k, x.device):  # as the layer's w8a8 path runs per channel
@@ -355,6 +369,38 @@ def measure(name: str, rows: list[int], sweep: bool, scaled_mm_ok: bool, sms: in
     del cold
     torch.cuda.empty_cache()
     return out
+
+
+def observe_rows(bw, rows: list[dict]) -> None:
+    """Every rate the rows' calls reached reading their weights, offered to ``bw`` (roofline.ReadBandwidth.observe):
+    one copy's bytes over one call's time is a read rate the floor must not be below. Offered as the whole cycled pool
+    (every copy's bytes over every call's time, the same rate), which is what the timed graph read from device memory:
+    one copy alone is under ``observe``'s twice-the-L2 bound, and would be ignored."""
+    for r in rows:
+        for path in ("stream", "w8a8", "scaled_mm", "read", "bf16"):
+            us = r.get(f"{path}_us")
+            if us:
+                bf16 = path == "bf16"
+                pool, nbytes = (r["bf16_pool"], 2 * r["n"] * r["k"]) if bf16 else (r["pool"], r["weight_bytes"])
+                bw.observe(f"{r['shape']} m={r['m']} {path}", nbytes * pool, us * pool / 1e3)
+
+
+def stream_ratios(rows: list[dict], bw) -> None:
+    """Each stream time over its floor at ``bw``'s best rate, naming that floor; call it once the rates are settled
+    (``settle_floor``)."""
+    for r in rows:
+        if r.get("stream_us"):
+            r["stream_GBps"] = r["weight_bytes"] / r["stream_us"] / 1e3
+            r["stream/floor"] = r["stream_us"] / (bw.floor_ms(r["weight_bytes"]) * 1e3)
+            r["floor_gbs"], r["floor_method"] = bw.best_gbs, bw.best_method
+
+
+def settle_floor(rows: list[dict], bw) -> None:
+    """The floors of ``rows``, last: the rates their own calls reached (``observe_rows``), the probes once more
+    (the first ones may have run on a GPU still clocking up), then the ratios (``stream_ratios``)."""
+    observe_rows(bw, rows)
+    bw.probe_again()
+    stream_ratios(rows, bw)
 
 
 def rule_from_rows(rows: list[dict], env: dict, earlier: dict | None) -> dict:
@@ -412,10 +458,7 @@ def main() -> None:
     counts = sorted(set(args.rows)) if args.rows else QUICK_ROWS if args.quick else ROWS
     channel = args.scales == "channel"
     rows = [r for name in args.shapes for r in measure(name, counts, not args.quick, scaled_mm_ok, sms, channel)]
-    for r in rows:
-        if r.get("stream_us"):
-            r["stream_GBps"] = r["weight_bytes"] / r["stream_us"] / 1e3
-            r["stream/floor"] = r["stream_us"] / (bw.floor_ms(r["weight_bytes"]) * 1e3)
+    settle_floor(rows, bw)
     print(f"\nfloor: {bw.describe()}")
     print_table(rows, COLS)
     earlier = json.loads(RULE_PATH.read_text()) if RULE_PATH.exists() else None

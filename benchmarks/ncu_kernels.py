@@ -9,7 +9,8 @@ launch with the caches flushed first, so every weight comes from device memory, 
 ``Duration`` is the kernel alone, without the launch.
 
 Per case the results keep the duration, DRAM throughput (% of peak and GB/s), the grid and its waves, registers,
-shared memory, theoretical and achieved occupancy, and the three most sampled warp stall reasons.
+shared memory, theoretical and achieved occupancy, and the three most sampled warp stall reasons as shares of all
+samples (None where ncu sampled none).
 
 Run (on the GPU; ncu from the CUDA toolkit, found on PATH or under /usr/local/cuda/bin):
     python3 -m benchmarks.ncu_kernels                 # profiles itself under ncu, then writes the results
@@ -138,8 +139,10 @@ def read_report(details: str, raw: str, labels: list[str]) -> list[dict]:
         if row is None:
             continue
         counts = {header[i][len(STALL):]: number(line[i]) for i in stalls}
-        total = sum(counts.values()) or 1.0
-        row["stalls"] = {k: round(v / total, 3) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:3]}
+        total = sum(counts.values())
+        # no samples (or a counter ncu left n/a, NaN): no shares to give, rather than shares of 0.0
+        row["stalls"] = ({k: round(v / total, 3) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:3]}
+                         if total > 0 else None)
         if "dram__bytes_read.sum" in header:
             col = header.index("dram__bytes_read.sum")
             row["dram_read_mb"] = number(line[col]) * SCALE.get(lines[1][col], 1.0)

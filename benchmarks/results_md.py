@@ -7,6 +7,11 @@ Run: python3 -m benchmarks.results_md FILE[:KEY][=COL,COL,...] ...
   KEY   the list of rows inside it (default "rows")
   COLS  the columns to show, in order (default: every column of the first row); rows lacking one are left out;
         a dotted column (``http_steps.busy``) reads a field of a nested object
+
+Numbers read as they were written: a ratio column (a quotient's name, "stream/floor", or one holding the word ratio,
+vs, pct or share: ``common.is_ratio_column``) with 4 decimals, more where 4 would round it onto a 3-decimal number it is not
+(``common.ratio_text``: 1.3004 is never shown as 1.300 against a 1.3 target); other floats with 3 decimals, 1
+above 100; None (no floor, no samples) as "—".
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR
+from benchmarks.common import RESULTS_DIR, is_ratio_column, ratio_text
 
 
-def _fmt(v) -> str:
+def _fmt(v, col: str = "") -> str:
+    if isinstance(v, float) and is_ratio_column(col):
+        return ratio_text(v, thousands=True)
     if isinstance(v, float):
         return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.1f}"
     if isinstance(v, int) and not isinstance(v, bool):
@@ -43,7 +50,7 @@ def field(row: dict, col: str):
 
 def table(rows: list[dict], cols: list[str]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(field(r, c)) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(_fmt(field(r, c), c) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -66,8 +73,9 @@ def render(spec: str) -> str:
     if isinstance(data, list):  # a file that is its rows alone (a run that wrote no environment)
         data = {"rows": data}
     rows = data.get(key or "rows", [])
-    if isinstance(rows, dict):
-        rows = [rows]
+    if isinstance(rows, dict):  # one object; or a merged file's ceilings, one entry a run (common.merge_rows)
+        per_run = rows and all(isinstance(v, dict) and "measured_at" in v for v in rows.values())
+        rows = list(rows.values()) if per_run else [rows]
     if not rows:
         return f"`{path.name}`: no rows under {key or 'rows'!r}"
     columns = cols.split(",") if cols else list(rows[0])

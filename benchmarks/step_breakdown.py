@@ -7,9 +7,10 @@ SiLU·mul, activation quantization, the greedy sample's argmax, other), and comp
 the same step from its CUDA graph (captured as the engine runs it) followed by the sampler's greedy argmax
 (kernels/argmax.py), as benchmarks.decode and benchmarks.fp8 time a step: step − kernel sum is the time the
 GPU sits between kernels, negative where PDL overlaps neighbours. The replay alone is shown beside it. Each family's bytes
-floor is shown beside it where it is a pure read of weights or KV, at the best read rate of the run: the
-probes', or a family's own where its kernels read faster. A MoE model's weights are those of the experts the
-profiled step's router chose (its own counts), as benchmarks.moe and benchmarks.fp8 count them.
+floor is shown beside it where it is a pure read of weights or KV (None where it is not), at the best read rate of the
+run: the probes' (run again after the work), or a family's or the whole step's own where it read faster. A MoE model's
+weights are those of the experts the profiled step's router chose (its own counts), as benchmarks.moe and
+benchmarks.fp8 count them.
 
 The captured step is also profiled as it replays (``boundaries``): its kernels in launch order, with PDL as the engine
 captures it, and at each kernel boundary the time from one kernel's end to the next one's start, summed over the
@@ -106,19 +107,7 @@ def main() -> None:
     # a MoE step reads the experts its router chose: the profiled step's own counts (it ran last)
     touched = experts_touched(routed)
     weights = info.description.decode_read_bytes(args.bs, args.bs * args.ctx, touched) - kv_bytes
-    # a family that read its bytes faster than the probes raises the floor of every family
-    for fam, nbytes in (("matmul", weights), ("attention", kv_bytes)):
-        if fam in per:
-            read.observe(f"{fam} kernels, profiled", nbytes, per[fam][0])
-    floors = {"matmul": read.floor_ms(weights), "attention": read.floor_ms(kv_bytes)}
-    rows = [{"family": k, "kernels": v[1], "ms": v[0], "floor_ms": floors.get(k, 0.0)} for k, v in sorted(per.items())]
-    kernel_sum = sum(r["ms"] for r in rows)
-    launches = sum(v[1] for v in per.values())
-    rows.append({"family": "between kernels (step - sum)", "kernels": 0, "ms": step_ms - kernel_sum, "floor_ms": 0.0})
-    rows.append({"family": "step: graph replay + argmax", "kernels": launches, "ms": step_ms,
-                 "floor_ms": sum(floors.values())})
-    rows.append({"family": "graph replay alone", "kernels": launches - per["sampling (argmax)"][1], "ms": replay_ms,
-                 "floor_ms": sum(floors.values())})
+    rows = family_rows(per, step_ms, replay_ms, weights, kv_bytes, read)
     print_table(rows, ["family", "kernels", "ms", "floor_ms"])
     # each kernel by name: how many launches a step makes and their mean time (what fusion would remove)
     kernels = [{"kernel": k, "launches": v[1], "ms": v[0], "us_each": 1e3 * v[0] / v[1]}
@@ -133,6 +122,33 @@ def main() -> None:
                  {"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                   "bs": args.bs, "ctx": args.ctx, "experts_touched": touched, "read": read.summary(), "rows": rows,
                   "kernels": kernels, "boundaries": boundaries})
+
+
+def family_rows(per: dict[str, list], step_ms: float, replay_ms: float, weights: float, kv_bytes: float,
+                read) -> list[dict]:
+    """One row per kernel family (``per``: family -> [ms, launches] of the profiled eager step), then the gap between
+    kernels, the step (graph replay + argmax, ``step_ms``) and the replay alone. ``floor_ms`` where the family is a
+    pure read: the weights for the matmuls, the KV for attention, both for the step; None where no floor is known.
+
+    The floors come last, at the best read rate of the run (``read``: benchmarks.roofline.ReadBandwidth): first the
+    rates this run's own work reached (each read family's bytes over its time, the whole step's over the step's),
+    then the probes once more, so a GPU that clocked up after the first probes does not leave the floors generous."""
+    for fam, nbytes in (("matmul", weights), ("attention", kv_bytes)):
+        if fam in per:
+            read.observe(f"{fam} kernels, profiled", nbytes, per[fam][0])
+    read.observe("decode step (graph replay + argmax)", weights + kv_bytes, step_ms)
+    read.observe("decode step (graph replay)", weights + kv_bytes, replay_ms)
+    read.probe_again()
+    floors = {"matmul": read.floor_ms(weights), "attention": read.floor_ms(kv_bytes)}
+    rows = [{"family": k, "kernels": v[1], "ms": v[0], "floor_ms": floors.get(k)} for k, v in sorted(per.items())]
+    kernel_sum = sum(r["ms"] for r in rows)
+    launches = sum(v[1] for v in per.values())
+    step_floor = read.floor_ms(weights + kv_bytes)
+    rows.append({"family": "between kernels (step - sum)", "kernels": 0, "ms": step_ms - kernel_sum, "floor_ms": None})
+    rows.append({"family": "step: graph replay + argmax", "kernels": launches, "ms": step_ms, "floor_ms": step_floor})
+    rows.append({"family": "graph replay alone", "kernels": launches - per.get("sampling (argmax)", [0.0, 0])[1],
+                 "ms": replay_ms, "floor_ms": step_floor})
+    return rows
 
 
 def replay_boundaries(prof) -> tuple[list[dict], dict[str, float]]:

@@ -31,4 +31,4 @@ def test_a_table_without_rows_prints_its_header(capsys) -> None:
     print_table([{"model": "m", "ratio": 1.25}], ["model", "ratio"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["model", "ratio"] and lines[1].split() == ["model", "ratio"]
-    assert lines[2].split() == ["m", "1.250"]
+    assert lines[2].split() == ["m", "1.2500"]  # a ratio column: 4 decimals (common.ratio_text)

@@ -16,9 +16,9 @@ def test_dotted_columns_read_nested_fields_and_rows_without_them_drop(tmp_path):
     ]}))
     out = render(f"{path}=model,ratio,steps.busy")
     assert "commit c" in out
-    assert "| a | 0.500 | 0.250 |" in out
+    assert "| a | 0.5000 | 0.250 |" in out  # a ratio column with 4 decimals, any other float with 3
     assert "| b |" not in out
-    assert "| b | 1.500 |" in render(f"{path}=model,ratio")
+    assert "| b | 1.5000 |" in render(f"{path}=model,ratio")
 
 
 def test_a_file_named_with_equals_signs_and_commas_parses(tmp_path):
@@ -46,3 +46,16 @@ def test_a_file_that_is_a_list_is_its_rows_and_says_it_names_no_run(tmp_path):
     out = render(f"{path}=bs,ms")
     assert "| 1 | 2.500 |" in out and "| 64 | 7.250 |" in out
     assert "no environment recorded" in out and "commit ?" not in out
+
+
+def test_ratios_are_not_rounded_onto_a_target_and_none_reads_as_a_dash(tmp_path):
+    """1.3004 against a <= 1.3 target must not read 1.300; a row with no floor (None) shows a dash, not 0.000."""
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps({"environment": {"commit": "x"}, "rows": [
+        {"model": "a", "ratio": 1.3004, "vs_bf16": 0.60049, "stream/floor": 1.30004, "floor_ms": None, "ms": 2.0004},
+        {"model": "b", "ratio": 1.2996, "vs_bf16": 0.5996, "stream/floor": 1.2, "floor_ms": 1.8376, "ms": 12345.678},
+    ]}))
+    out = render(f"{path}=model,ratio,vs_bf16,stream/floor,floor_ms,ms")
+    assert "| a | 1.3004 | 0.6005 | 1.30004 | — | 2.000 |" in out
+    assert "| b | 1.2996 | 0.5996 | 1.2000 | 1.838 | 12,345.7 |" in out
+    assert "1.300 " not in out and "| 0.000 |" not in out
