@@ -26,9 +26,9 @@ def _v2() -> DeepseekV2Config:
                             routed_scaling_factor=1.7, mlp_bias=True, rope_theta=10000.0)
 
 
-def _v3() -> DeepseekV3Config:
+def _v3(q_lora_rank: int = 24) -> DeepseekV3Config:
     # q LoRA (q_a_proj whole, q_b_proj split by heads), grouped sigmoid routing, o_proj's bias added once
-    return DeepseekV3Config(**_TINY, q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
+    return DeepseekV3Config(**_TINY, q_lora_rank=q_lora_rank, n_group=4, topk_group=2, norm_topk_prob=True,
                             routed_scaling_factor=2.5, attention_bias=True, rope_theta=10000.0)
 
 
@@ -103,13 +103,13 @@ def test_a_split_that_does_not_divide_is_refused_naming_the_field_and_the_values
 
 
 def test_v3_fp8_checkpoint_tp2_and_ep2_match_tp1(tmp_path):
-    """A V3 FP8 checkpoint in 8x8 blocks (q_a 24 and kv_a 40 rows fused, q_b 48 rows a rank, experts 16 rows a
-    rank: whole blocks): projections and experts cut with their scales, kv_b_proj dequantized whole and then cut
-    by heads."""
+    """A V3 FP8 checkpoint in 16x16 blocks, the smallest the FP8 kernels take (q_a 32 and kv_a 40 rows fused, q_b 48
+    rows a rank, experts 16 rows a rank: whole blocks but kv_a's last): projections and experts cut with their
+    scales, kv_b_proj dequantized whole and then cut by heads."""
     from graphserve.layers.quant.checkpoint import quantize_checkpoint
 
-    _save(tmp_path / "bf16", _v3())
-    quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8", block=(8, 8))
+    _save(tmp_path / "bf16", _v3(q_lora_rank=32))
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8", block=(16, 16))
     reference = _generate(tmp_path / "fp8")
     assert _generate(tmp_path / "fp8", tp=2) == reference
     assert _generate(tmp_path / "fp8", ep=2) == reference

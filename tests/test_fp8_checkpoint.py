@@ -39,17 +39,34 @@ def _logits(folder, **kw) -> torch.Tensor:
     return PagedHarness(load_model(EngineConfig(model=str(folder), **kw), CPU).model).step([("s", TOKENS)])[0]
 
 
+# each merged projection of a layer: its checkpoint modules, in shard order
+_INPUT_SHARDS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                 "mlp.down_proj": ("mlp.down_proj",)}
+
+
 @pytest.mark.parametrize("block,amax", [((32, 32), None), (None, None), (None, 4.0)],
                          ids=["block", "channel-dynamic", "channel-static"])
 def test_fp8_checkpoint_matches_the_same_model_dequantized(source, tmp_path, block, amax):
     names = [n for n in load_file(str(source / "model.safetensors")) if n.endswith("_proj.weight")]
-    input_amax = {n.removesuffix(".weight"): amax for n in names} if amax else None
+    # static: a different activation amax per projection, so that each merged shard's input_scale is told apart
+    input_amax = {n.removesuffix(".weight"): amax * (1 + i / 16) for i, n in enumerate(names)} if amax else None
     quantize_checkpoint(source, tmp_path / "fp8", block=block, input_amax=input_amax)
     stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
     assert stored["model.layers.0.mlp.down_proj.weight"].dtype == FP8_DTYPE
     assert stored["model.embed_tokens.weight"].dtype == torch.float32
     dequantized_checkpoint(tmp_path / "fp8", tmp_path / "deq")
-    fp8, deq = _logits(tmp_path / "fp8"), _logits(tmp_path / "deq")
+    model = load_model(EngineConfig(model=str(tmp_path / "fp8")), CPU).model
+    if amax:  # the CPU path leaves activations unquantized: the scales are checked as loaded, shard by shard
+        for i, layer in enumerate(model.model.layers):
+            for fused, parts in _INPUT_SHARDS.items():
+                want = torch.stack([stored[f"model.layers.{i}.{part}.input_scale"] for part in parts])
+                assert want.unique().numel() == len(parts)
+                assert torch.equal(layer.get_submodule(fused).input_scale, want), (i, fused)
+    else:
+        assert not any(name.endswith("input_scale") for name, _ in model.named_parameters())
+    fp8 = PagedHarness(model).step([("s", TOKENS)])[0]
+    deq = _logits(tmp_path / "deq")
     # The CPU path multiplies by the dequantized fp32 weight, exactly the weights of the dequantized
     # checkpoint, in the same order of operations: only fp32 rounding of the dequantization itself
     # (q * scale, computed once per side) can differ, ~1e-7 relative per weight.

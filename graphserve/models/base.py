@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from graphserve.errors import ModelLoadError
+from graphserve.layers.quant.config import scale_has_no_place
 
 
 def _default_load(param: nn.Parameter, tensor: torch.Tensor) -> None:
@@ -113,8 +114,11 @@ class CausalLM(nn.Module):
                 continue
             name, shard = mapped
             param = params.get(name)
-            if param is None:
-                raise ModelLoadError(f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__}")
+            if param is None:  # a scale graphserve does not load is named as such
+                module = dict(self.named_modules()).get(name.rpartition(".")[0])
+                raise ModelLoadError(scale_has_no_place(ckpt_name, module)
+                                     or f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__}",
+                                     param="model")
             owner, leaf = self._owner(name)
             try:
                 with torch.no_grad():

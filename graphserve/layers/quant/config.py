@@ -6,7 +6,10 @@ Accepted, ``quant_method: "fp8"`` (e4m3) only:
   layout, ``*.weight`` fp8 and ``*.weight_scale_inv`` fp32 ``[ceil(N/bn), ceil(K/bk)]``, activations
   quantized per token in groups of ``bk``;
 - no block size: per-tensor or per-channel ``*.weight_scale`` (shape ``[]``/``[1]`` or ``[N]``/``[N, 1]``),
-  activations quantized per token ("dynamic") or by the checkpoint's ``*.input_scale`` ("static").
+  activations quantized per token ("dynamic") or by the checkpoint's ``*.input_scale`` ("static");
+- ``ignored_layers`` / ``modules_to_not_convert`` (both read): checkpoint module names kept in the model dtype.
+  graphserve fuses q/k/v, gate/up and a layer's experts, so a fused layer is kept when every checkpoint module it
+  fuses is listed (``IgnoreList``), and refused when some are.
 
 Anything else — another quant_method, an unknown key, another fp8 format — is a ModelLoadError
 naming the field: a model is never run in bf16 while its config says it is quantized.
@@ -15,7 +18,8 @@ naming the field: a model is never run in bf16 while its config says it is quant
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +29,17 @@ from graphserve.config import QUANTIZATIONS
 from graphserve.errors import ConfigError, ModelLoadError
 
 DEFAULT_BLOCK = (128, 128)  # what DeepSeek-V3 and Qwen3-FP8 ship, and what --quantization fp8 writes
-_KNOWN_KEYS = {"quant_method", "weight_block_size", "activation_scheme", "fmt", "ignored_layers",
-               "modules_to_not_convert"}
+_IGNORE_KEYS = ("ignored_layers", "modules_to_not_convert")  # vLLM's name, transformers'
+# what transformers' FineGrainedFP8Config writes beside the keys above, each at the one value that changes nothing
+# here: the weights stay fp8 (dequantize), every projection not ignored is fp8 (modules_to_convert), scales are
+# plain floats (scale_fmt; DeepSeek-V3.1's "ue8m0" rounds them to powers of two, which graphserve does not model)
+_NO_OP_KEYS: dict[str, Any] = {"dequantize": False, "modules_to_convert": None, "scale_fmt": "float"}
+_KNOWN_KEYS = {"quant_method", "weight_block_size", "activation_scheme", "fmt", *_IGNORE_KEYS, *_NO_OP_KEYS}
+# the CUDA kernels read a scale tile's rows and columns in steps of at least 16 (tl.dot's smallest), by powers of two
+MIN_BLOCK = 16
+# attention scales some FP8 exporters store beside the K/V projections (vLLM reads them for a scaled fp8 KV cache);
+# graphserve's fp8 KV cache (--kv-cache-dtype) is unscaled, so a checkpoint holding them is refused by name
+KV_CACHE_SCALES = ("k_scale", "v_scale", "kv_scale", "q_scale", "prob_scale")
 # Router gates choose experts: their logits are small and fp8 rounding flips choices; the shipped
 # FP8 checkpoints keep them in bf16, and so does --quantization.
 ROUTER_GATES = (".gate", ".shared_expert_gate")
@@ -42,7 +55,8 @@ class Fp8Config:
     block: tuple[int, int] | None  # (block_n, block_k) weight scale tiles; None: one scale per channel
     activation_scheme: str = "dynamic"  # "dynamic" (per token (group), each forward) or "static" (input_scale)
     serialized: bool = True  # the checkpoint stores fp8 weights (else: model-dtype weights quantized at load)
-    ignored: tuple[str, ...] = ()  # module names kept in the model dtype
+    ignored: tuple[str, ...] = ()  # checkpoint module names kept in the model dtype (IgnoreList matches them)
+    ignored_field: str = "quantization_config.ignored_layers"  # the key(s) ``ignored`` came from, for errors
     # the routed experts' weight scale tiles where they differ from the dense projections' ("dense": as
     # ``block``); ``--quantization fp8`` quantizes dense projections per channel and experts in 128x128 blocks
     expert_block: tuple[int, int] | None | str = "dense"
@@ -59,12 +73,6 @@ class Fp8Config:
 
         experts = f", experts {kind(self.experts)}" if self.experts != self.block else ""
         return f"fp8 ({kind(self.block)}{experts}, {self.activation_scheme} activations)"
-
-    def quantizes(self, module_name: str) -> bool:
-        if module_name.endswith(MODEL_DTYPE_LAYERS):
-            return False
-        return not any(module_name == i or module_name.startswith(i + ".") or module_name.endswith("." + i)
-                       for i in self.ignored)
 
     def weight_bytes_per_param(self, in_features: int) -> float:
         """One fp8 byte per weight plus its share of the fp32 scales (block: 4 / (bn·bk); channel: 4 / K)."""
@@ -83,6 +91,91 @@ class Fp8Config:
         return 1.0 + 4.0 * scales / (3 * hidden * intermediate)
 
 
+class IgnoreList:
+    """A config's ignored modules in the model's own names, for deciding which layers run in fp8.
+
+    A checkpoint lists its own module names (``model.layers.0.self_attn.q_proj``, ``...mlp.experts.3.down_proj``),
+    a module above them (``model.layers.0``) or their last dotted parts (``o_proj``); graphserve fuses some of them
+    into one layer (qkv_proj, gate_up_proj, a layer's ``mlp.experts``). Each entry goes through the family's own
+    checkpoint-name mapping (``CausalLM.map_weight_name``, what the loader places tensors by), so an entry names a
+    layer whole, or one part (the loader's shard id) of a fused one. A fused layer is kept in the model dtype when
+    every part is listed; some of them is refused by name, as one weight cannot be partly fp8.
+    """
+
+    def __init__(self, config: Fp8Config, map_weight_name: Callable[[str], tuple[str, Any] | None],
+                 stacked: Mapping[str, tuple[str, Any]]) -> None:
+        self.field = config.ignored_field
+        self.stacked = stacked  # the family's checkpoint fragment -> (fused fragment, shard), to name unlisted parts
+        self.entries: list[tuple[str, Any, str]] = []  # (module, shard or None for the whole module, entry)
+        for entry in config.ignored:
+            # with a leading dot, as the mapping matches fragments such as ".q_proj.": an entry that is a name's
+            # last parts maps too; a tensor the family drops (a tied lm_head) names no layer
+            mapped = map_weight_name(f".{entry}.weight")
+            if mapped is not None:
+                self.entries.append((mapped[0].removeprefix(".").rpartition(".")[0], mapped[1], entry))
+
+    def keeps(self, name: str, shards: Collection[Any] | None = None) -> bool:
+        """Whether projection ``name`` stays in the model dtype: it always does (MODEL_DTYPE_LAYERS), or the list
+        names it or a module above it, or every one of its ``shards`` (a fused layer's parts, its ``weight_shards``).
+        A list naming some of a fused layer's parts is refused naming the listed and the unlisted ones."""
+        if name.endswith(MODEL_DTYPE_LAYERS) or self._names_whole(name):
+            return True
+        listed = self._listed_parts(name)
+        if not listed:
+            return False
+        if shards is not None and set(listed) >= set(shards):
+            return True
+        named = " and ".join(repr(entry) for entry in dict.fromkeys(listed.values()))
+        unlisted = " and ".join(self._part_names(name, shard) for shard in shards or () if shard not in listed)
+        raise ModelLoadError(f"{self.field} lists {named} but not {unlisted or 'its other parts'}, which graphserve "
+                             f"fuses with {'it' if len(listed) == 1 else 'them'} into {name}: list all of its parts "
+                             "(kept in the model dtype) or none (fp8)", param="model")
+
+    def keeps_experts(self, name: str, shards: Collection[Any]) -> bool:
+        """Whether the routed experts ``name`` (one stacked tensor per layer) stay in the model dtype: the list names
+        the layer's experts whole or a module above them, or every part of every expert (``shards``: the loader's
+        (expert, part) ids). A list naming some of them is refused by name: one stack cannot be partly fp8."""
+        if self._names_whole(name):
+            return True
+        listed = self._listed_parts(name)
+        inside = [entry for module, shard, entry in self.entries if shard is None and _inside(module, name)]
+        if not listed and not inside:
+            return False
+        if not inside and set(listed) >= set(shards):
+            return True
+        named = ", ".join(repr(entry) for entry in dict.fromkeys([*listed.values(), *inside]))
+        raise ModelLoadError(f"{self.field} lists {named} of the routed experts {name}: keeping single experts "
+                             f"unquantized is not supported (a layer's experts are one fp8 stack); list {name!r} "
+                             "whole to keep all of them in the model dtype, or none of them", param="model")
+
+    def _names_whole(self, name: str) -> bool:
+        return any(shard is None and _names(module, name) for module, shard, _ in self.entries)
+
+    def _listed_parts(self, name: str) -> dict[Any, str]:
+        """Shard -> the entry naming that part of fused layer ``name``."""
+        return {shard: entry for module, shard, entry in self.entries
+                if shard is not None and (name == module or name.endswith("." + module))}
+
+    def _part_names(self, name: str, shard: Any) -> str:
+        """The checkpoint module(s) filling part ``shard`` of fused layer ``name`` (DeepSeek's shard 0: q_proj or
+        q_a_proj)."""
+        path = name + "."
+        names = [path[: -len(fused)] + fragment.rstrip(".") for fragment, (fused, s) in self.stacked.items()
+                 if s == shard and path.endswith(fused)]
+        return " / ".join(repr(n) for n in names) or f"part {shard!r}"
+
+
+def _names(entry: str, name: str) -> bool:
+    """Whether an ignore-list module ``entry`` names module ``name``: whole, a module above it, or its last parts."""
+    return name == entry or name.startswith(entry + ".") or name.endswith("." + entry)
+
+
+def _inside(entry: str, name: str) -> bool:
+    """Whether ``entry`` names a module inside ``name`` (``mlp.experts.3`` inside ``model.layers.0.mlp.experts``)."""
+    heads = [entry[:i] for i, c in enumerate(entry) if c == "."]
+    return any(name == head or name.endswith("." + head) for head in heads)
+
+
 def parse_quantization_config(raw: Mapping[str, Any] | None) -> Fp8Config | None:
     """A checkpoint's ``quantization_config`` (config.json) as an Fp8Config, None when absent."""
     if raw is None:
@@ -97,6 +190,11 @@ def parse_quantization_config(raw: Mapping[str, Any] | None) -> Fp8Config | None
     if unknown:
         raise ModelLoadError(f"quantization_config.{unknown[0]}={raw[unknown[0]]!r} is not supported: an fp8 config "
                              f"may name {', '.join(sorted(_KNOWN_KEYS))}", param="model")
+    for key, no_op in _NO_OP_KEYS.items():
+        value = raw.get(key, no_op)
+        if value != no_op or type(value) is not type(no_op):
+            raise ModelLoadError(f"quantization_config.{key}={value!r} is not supported: graphserve accepts only "
+                                 f"{json.dumps(no_op)} (transformers' default)", param="model")
     fmt = raw.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ModelLoadError(f"quantization_config.fmt={fmt!r} is not supported: only e4m3", param="model")
@@ -106,16 +204,49 @@ def parse_quantization_config(raw: Mapping[str, Any] | None) -> Fp8Config | None
                              param="model")
     block = raw.get("weight_block_size")
     if block is not None:
+        # bool is an int subclass: JSON's true is refused, not read as a block of 1
         if (not isinstance(block, (list, tuple)) or len(block) != 2
-                or not all(isinstance(b, int) and b > 0 and not b & (b - 1) for b in block)):
-            raise ModelLoadError(f"quantization_config.weight_block_size={block!r} is invalid: two powers of two, "
-                                 "e.g. [128, 128]", param="model")
+                or not all(type(b) is int and b >= MIN_BLOCK and not b & (b - 1) for b in block)):
+            raise ModelLoadError(f"quantization_config.weight_block_size={block!r} is invalid: two powers of two "
+                                 f">= {MIN_BLOCK}, e.g. [128, 128]", param="model")
         if scheme != "dynamic":
             raise ModelLoadError(f"quantization_config.activation_scheme={scheme!r} with weight_block_size is not "
                                  "supported: block-wise checkpoints quantize activations dynamically", param="model")
         block = (int(block[0]), int(block[1]))
-    ignored = tuple(raw.get("ignored_layers") or raw.get("modules_to_not_convert") or ())
-    return Fp8Config(block=block, activation_scheme=scheme, serialized=True, ignored=ignored)
+    lists = {key: _module_names(raw, key) for key in _IGNORE_KEYS if raw.get(key) is not None}
+    ignored = tuple(dict.fromkeys(name for names in lists.values() for name in names))  # both, in order, once
+    field = {"ignored_field": " / ".join(f"quantization_config.{key}" for key in lists)} if lists else {}
+    return Fp8Config(block=block, activation_scheme=scheme, serialized=True, ignored=ignored, **field)
+
+
+def _module_names(raw: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = raw[key]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ModelLoadError(f"quantization_config.{key}={value!r} is invalid: expected a list of module names "
+                             '(strings), e.g. ["lm_head"], or null', param="model")
+    return tuple(value)
+
+
+def scale_has_no_place(ckpt_name: str, owner: Any) -> str | None:
+    """Why checkpoint tensor ``ckpt_name``, a scale, has no parameter to load into (the loader's error), naming the
+    scales graphserve loads; None where the tensor is no scale. ``owner``: the module its name maps into, if any."""
+    leaf = ckpt_name.rpartition(".")[2]
+    loaded = ("graphserve loads an fp8 checkpoint's weight_scale_inv (with weight_block_size), weight_scale (per "
+              "channel or tensor) and input_scale (with activation_scheme 'static')")
+    if leaf in KV_CACHE_SCALES:
+        return (f"checkpoint tensor {ckpt_name!r} is a KV-cache scale, which graphserve does not load (its fp8 KV "
+                f"cache, --kv-cache-dtype fp8_e4m3, is unscaled): {loaded}")
+    if leaf not in ("weight_scale_inv", "weight_scale", "input_scale"):
+        return None
+    method = getattr(owner, "quant_method", None)
+    if method is None:
+        return (f"checkpoint tensor {ckpt_name!r} scales a layer graphserve holds in the model dtype (config.json has "
+                "no quantization_config, or its ignored_layers / modules_to_not_convert name the layer): expected no "
+                f"{leaf} for it")
+    if leaf == "input_scale":
+        return (f"checkpoint tensor {ckpt_name!r} is a static activation scale, but quantization_config."
+                f"activation_scheme={method.config.activation_scheme!r}: input_scale needs activation_scheme 'static'")
+    return f"checkpoint tensor {ckpt_name!r} is no scale of {method.config.name}: {loaded}"
 
 
 def online_config(quantization: str) -> Fp8Config | None:

@@ -21,6 +21,7 @@ import torch
 from graphserve.errors import ModelLoadError
 from graphserve.kernels.fp8_quant import FP8_DTYPE, dequantize_blocks
 from graphserve.layers.quant.config import Fp8Config
+from graphserve.layers.quant.fp8 import check_scales
 
 _SCALES = ("weight_scale_inv", "weight_scale")
 
@@ -59,7 +60,7 @@ def dequantize_at_load(weights: Iterable[tuple[str, torch.Tensor]], modules: tup
     ``input_scale`` (static activations) is dropped: its input is never quantized. A weight already in a float
     dtype passes unchanged. Refused, naming the tensor: an fp8 weight without its scale anywhere in the
     checkpoint (or without any quantization_config), a scale without an fp8 weight, a scale of the wrong
-    name, dtype or shape, or one that is not finite.
+    name, dtype or shape, or one that is not finite and positive.
     """
     scale_name = "weight_scale_inv" if quant is not None and quant.block else "weight_scale"
     block = quant.block if quant is not None else None
@@ -88,10 +89,10 @@ def dequantize_at_load(weights: Iterable[tuple[str, torch.Tensor]], modules: tup
                     f"quantization_config.weight_block_size={list(block) if block else None}"
                 raise _refuse(f"checkpoint tensor '{name}' is not this checkpoint's scale: with {layout}, "
                               f"expected '{module}.{scale_name}'")
-            if not tensor.dtype.is_floating_point or tensor.dtype == FP8_DTYPE:
-                raise _refuse(f"checkpoint tensor '{name}' has dtype {tensor.dtype}, expected a float32 scale")
-            if not torch.isfinite(tensor).all():
-                raise _refuse(f"checkpoint tensor '{name}' holds scales that are not finite")
+            try:
+                check_scales(tensor)
+            except ValueError as e:
+                raise _refuse(f"checkpoint tensor '{name}': {e}") from e
             if module in plain:
                 raise _refuse(f"checkpoint tensor '{name}' scales '{module}.weight', which is stored in "
                               f"{plain[module]}: a scale goes with an {FP8_DTYPE} weight")

@@ -59,10 +59,11 @@ from graphserve.kernels.fp8_quant import (
     quantize_weight_channels,
     silu_mul_group_quant,
 )
-from graphserve.layers.quant.config import Fp8Config
+from graphserve.layers.quant.config import Fp8Config, IgnoreList
 
 if TYPE_CHECKING:
     from graphserve.layers.linear import Linear, RankSlice
+    from graphserve.models.base import CausalLM
 
 # Rows up to which the streaming kernel computes its input's prologue itself. Every program reads the rows
 # it multiplies again: a norm prologue reads whole rows (x and the residual) for the statistics, in every
@@ -72,6 +73,20 @@ if TYPE_CHECKING:
 # separate launch (one read and one write of the rows) costs less.
 NORM_PROLOGUE_MAX_ROWS = 2
 SILU_PROLOGUE_MAX_ROWS = 4
+
+
+def check_scales(scales: torch.Tensor) -> None:
+    """Refuse checkpoint scales (``weight_scale_inv``, ``weight_scale``, ``input_scale``) not in a float dtype, or not
+    finite and positive, by a ValueError its caller prefixes with the tensor's name: an fp8 scale is an amax / 448,
+    and a NaN, infinite, zero or negative one would load quietly and turn the layer's output into NaN, zero or its
+    negative."""
+    if not scales.dtype.is_floating_point or scales.dtype == FP8_DTYPE:
+        raise ValueError(f"dtype {scales.dtype}, expected a float32 scale")
+    bad = ~(torch.isfinite(scales) & (scales > 0))
+    if bad.any():
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{int(bad.sum())} of {scales.numel()} scales are not finite and > 0 (the first, at "
+                         f"{index}, is {scales[index].item()}): an fp8 scale is a positive amax / 448")
 
 
 class Fp8LinearMethod:
@@ -130,11 +145,13 @@ class Fp8LinearMethod:
         elif name == "weight":
             self._load_weight(layer, param, loaded, start, stop, part)
         elif name == self.scale_name:
+            check_scales(loaded)
             scales = part.take_scales(loaded, self._block(part)) if part is not None else loaded
             self._load_scale(param, scales, start, stop, layer.in_features)
         elif name == "input_scale":
             if loaded.numel() != 1:
                 raise ValueError(f"input_scale has shape {tuple(loaded.shape)}, expected one value")
+            check_scales(loaded)
             param.data[shard or 0] = loaded.reshape(()).float()
         else:
             raise ValueError(f"an fp8 layer has no tensor {name!r}")
@@ -172,8 +189,6 @@ class Fp8LinearMethod:
             self.scale(layer)[start:stop].copy_(s)
 
     def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor, start: int, stop: int, k: int) -> None:
-        if not loaded.dtype.is_floating_point or loaded.dtype == FP8_DTYPE:
-            raise ValueError(f"dtype {loaded.dtype}, expected a float32 scale")
         if self.config.block:
             rows = slice(start // self.group_n, -(-stop // self.group_n))
             target = param.data[rows]
@@ -412,14 +427,19 @@ def _layout(blockwise: bool) -> dict:
     return {"pad_rows_to": 4 if blockwise else 1, "scales_column_major": blockwise}
 
 
-def quantize_linears(model: nn.Module, config: Fp8Config) -> int:
-    """Attach an Fp8LinearMethod to every ``Linear`` the config quantizes; the number attached."""
+def quantize_linears(model: CausalLM, config: Fp8Config) -> int:
+    """Attach an Fp8LinearMethod to every ``Linear`` the config does not keep in the model dtype (``IgnoreList``:
+    a fused layer by the checkpoint modules it fuses); the number attached."""
     from graphserve.layers.linear import Linear
 
     method = Fp8LinearMethod(config)
+    ignore = IgnoreList(config, model.map_weight_name, model.stacked_params)
     count = 0
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and config.quantizes(name):
+        if not isinstance(module, Linear):
+            continue
+        shards = module.weight_shards("weight") if hasattr(module, "weight_shards") else None
+        if not ignore.keeps(name, shards):
             try:
                 method.create_weights(module)
             except ValueError as e:

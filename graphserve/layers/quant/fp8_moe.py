@@ -27,10 +27,12 @@ from torch import nn
 
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from graphserve.kernels.moe_fp8_reference import dequantize_experts
-from graphserve.layers.quant.config import Fp8Config
+from graphserve.layers.quant.config import Fp8Config, IgnoreList
+from graphserve.layers.quant.fp8 import check_scales
 
 if TYPE_CHECKING:
     from graphserve.layers.moe import FusedMoE
+    from graphserve.models.base import CausalLM
 
 WEIGHTS = ("w13_weight", "w2_weight")
 
@@ -137,16 +139,13 @@ class Fp8MoEMethod:
         if param_name != self.scale_name(weight):
             raise ValueError(f"an fp8 expert layer has no tensor {param_name!r} (its scales are "
                              f"{self.scale_name(weight)!r})")
+        check_scales(tensor)
         if piece is not None:
             tensor = piece.take_scales(tensor, block)
         self._load_scale(getattr(layer, param_name).data[local, scale_rows], tensor, n, k)
         return True
 
     def _load_scale(self, target: torch.Tensor, loaded: torch.Tensor, n: int, k: int) -> None:
-        if not loaded.dtype.is_floating_point or loaded.dtype == FP8_DTYPE:
-            raise ValueError(f"dtype {loaded.dtype}, expected a float32 scale")
-        if not torch.isfinite(loaded).all():
-            raise ValueError("a scale is not finite (inf or NaN)")
         if self.block:
             if tuple(loaded.shape) != tuple(target.shape):
                 raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)} (one scale per "
@@ -190,11 +189,19 @@ class Fp8MoEMethod:
                 dequantize_experts(layer.w2_weight, w2_scale, self.block).to(dtype))  # fmt: skip
 
 
-def quantize_experts(model: nn.Module, config: Fp8Config) -> int:
-    """Attach an Fp8MoEMethod to every ``FusedMoE`` the config quantizes; the number attached."""
+def quantize_experts(model: CausalLM, config: Fp8Config) -> int:
+    """Attach an Fp8MoEMethod to every ``FusedMoE`` the config does not keep in the model dtype (``IgnoreList``: the
+    layer's experts whole, or every part of each); the number attached."""
     from graphserve.layers.moe import FusedMoE
 
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, FusedMoE) and config.quantizes(name)]
+    ignore = IgnoreList(config, model.map_weight_name, model.stacked_params)
+
+    def every_part(layer: FusedMoE) -> set[tuple[int, str]]:  # of every expert, this rank's or not
+        parts = {part for weight in WEIGHTS for _, part in layer.weight_shards(weight)}
+        return {(expert, part) for expert in range(layer.num_experts) for part in parts}
+
+    layers = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, FusedMoE) and not ignore.keeps_experts(name, every_part(m))]
     if not layers:
         return 0
     method = Fp8MoEMethod(config)
