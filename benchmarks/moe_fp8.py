@@ -187,13 +187,14 @@ def main() -> None:
     bw.probe_again()  # the probes again, after the work: each method's best of both rounds
     for r in rows:  # floors last: the best read rate of the whole run is the denominator
         r.update({key: v for key, v in bw.ratios(r["step_ms"], r["read_bytes"]).items() if key in ("floor_ms", "ratio")})
-        r["vs_bf16"] = r["step_ms"] / r["bf16_step_ms"]
+        r.update(vs_bf16=r["step_ms"] / r["bf16_step_ms"], floor_gbs=bw.best_gbs, floor_method=bw.best_method)
     print(f"\nfloor: {bw.describe()}")
     print_table(rows, COLS + (["w8a8_step_ms"] if other else []))
     if kernels:
         print_table(kernels, ["tokens", "pairs", "bf16_ms", "w8a16_ms", "w8a8_ms", "layer_ms", "picked"])
     merge_rows("fp8_decode", [{key: r[key] for key in ("model", "bs", "ctx", "step_ms", "floor_ms", "ratio",
-                                               "bf16_step_ms")} for r in rows])  # fmt: skip
+                                               "bf16_step_ms", "floor_gbs", "floor_method")} for r in rows],
+               ceilings={"read": bw.summary()})  # fmt: skip
     write_result("moe_fp8", {"ceilings": {"read": bw.summary()}, "rows": rows, "kernels": kernels})
 
 
