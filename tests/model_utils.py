@@ -76,6 +76,14 @@ def dequantized_checkpoint(fp8: Path, dst: Path) -> None:
             (dst / f.name).write_bytes(f.read_bytes())
 
 
+def held_weight_bytes(model: torch.nn.Module) -> int:
+    """What a loaded model holds as weights: its parameters (tied ones once) and the fp8 scales quantized at load,
+    which are buffers; the other buffers (rotary tables, MoE counters) are no weights."""
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    return held + sum(b.numel() * b.element_size() for name, b in model.named_buffers()
+                      if name.endswith(("_scale", "_scale_inv")))
+
+
 @torch.no_grad()
 def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """Float32 logits ``[len, vocab]`` of a full, uncached HF forward over ``token_ids``."""

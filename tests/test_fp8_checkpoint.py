@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from model_utils import PagedHarness, dequantized_checkpoint, make_hf_checkpoint, relative_error
+from model_utils import PagedHarness, dequantized_checkpoint, held_weight_bytes, make_hf_checkpoint, relative_error
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
@@ -56,7 +56,10 @@ def test_fp8_checkpoint_matches_the_same_model_dequantized(source, tmp_path, blo
     assert stored["model.layers.0.mlp.down_proj.weight"].dtype == FP8_DTYPE
     assert stored["model.embed_tokens.weight"].dtype == torch.float32
     dequantized_checkpoint(tmp_path / "fp8", tmp_path / "deq")
-    model = load_model(EngineConfig(model=str(tmp_path / "fp8")), CPU).model
+    loaded = load_model(EngineConfig(model=str(tmp_path / "fp8")), CPU)
+    model = loaded.model
+    # the description counts what the model holds to the byte: fp8 weights, their scales, the static input scales
+    assert loaded.info.description.weights_bytes == held_weight_bytes(model)
     if amax:  # the CPU path leaves activations unquantized: the scales are checked as loaded, shard by shard
         for i, layer in enumerate(model.model.layers):
             for fused, parts in _INPUT_SHARDS.items():
@@ -138,15 +141,16 @@ def test_quantization_flag_on_an_unquantized_checkpoint(source, tmp_path):
     torch.testing.assert_close(online, _logits(tmp_path / "fp8"), rtol=1e-5, atol=1e-5)
     desc, plain = loaded.info.description, load_model(EngineConfig(model=str(source)), CPU).info.description
     assert desc.dense_params == plain.dense_params
-    # projections at one byte plus one fp32 scale per row, counted at the widest K (the activation width, never
-    # over-counting the scales); embedding, head and the norms (2 layers x (2 x 64 and the q and k norms of 16)
-    # and the final 64) stay fp32
-    per_param = 1 + 4 / desc.act_width
+    # projections at one byte plus one fp32 scale per output row (qkv 128, o 64, gate_up 192, down 64, in each of
+    # 2 layers); embedding, head and the norms (2 layers x (2 x 64 and the q and k norms of 16) and the final 64)
+    # stay fp32
+    assert desc.dense_scale_bytes == 2 * 4 * (128 + 64 + 192 + 64)
     assert desc.model_dtype_params == 2 * (2 * 64 + 2 * 16) + 64
     kept_loaded = sum(p.numel() for name, p in loaded.model.named_parameters()
                       if p.dtype != FP8_DTYPE and not name.endswith("_scale") and "embed_tokens" not in name
                       and "lm_head" not in name)
     assert desc.model_dtype_params == kept_loaded, "the plan keeps in fp32 what the loaded model holds in fp32"
     kept = desc.embed_params + desc.lm_head_params + desc.model_dtype_params
-    assert desc.weights_bytes == int((desc.dense_params - desc.model_dtype_params) * per_param + kept * 4)
+    assert desc.weights_bytes == desc.dense_params - desc.model_dtype_params + desc.dense_scale_bytes + kept * 4
+    assert desc.weights_bytes == held_weight_bytes(loaded.model)
     assert desc.weights_bytes < plain.weights_bytes / 1.8

@@ -53,20 +53,18 @@ def test_plan_counts_fp8_weight_bytes_and_scales():
     plain = build_plan(hf, gpu_memory_gb=141)
     fp8 = build_plan(hf, gpu_memory_gb=141, quantization="fp8-block")
     # Llama-3-8B: 1,050,673,152 embedding + head parameters and the 266,240 of the norms (32 layers x 2 x 4096
-    # and the final 4096) stay bf16; the other 6,979,321,856 take one byte and a 4-byte scale per 128x128 block
+    # and the final 4096) stay bf16; the other 6,979,321,856 take one byte, and a 4-byte scale per 128x128 block
+    # of each layer's qkv [6144, 4096], o [4096, 4096], gate_up [28672, 4096] and down [4096, 14336]
     assert plain["weights_bytes"] == 8_030_261_248 * 2
     kept = (1_050_673_152 + 266_240) * 2
-    assert fp8["weights_bytes"] == int(6_979_321_856 * (1 + 4 / 128**2) + kept)
-    # per channel (``fp8``): a 4-byte scale per output row, counted at the widest K (3 x 14336, the plan's
-    # activation width): 4 / 43008 a parameter, never more than the scales' real bytes (~172 KB a layer)
+    assert fp8["weights_bytes"] == 6_979_321_856 + 32 * 4 * (48 * 32 + 32 * 32 + 224 * 32 + 32 * 112) + kept
+    # per channel (``fp8``): a 4-byte scale per output row of each layer's qkv, o, gate_up and down
     channel = build_plan(hf, gpu_memory_gb=141, quantization="fp8")
-    assert channel["weights_bytes"] == int(6_979_321_856 * (1 + 4 / 43008) + kept)
-    # the scales the plan counts are at most the real ones: 4 bytes per output row of qkv, o, gate_up and down
     head_dim = hf["hidden_size"] // hf["num_attention_heads"]
     rows = ((hf["num_attention_heads"] + 2 * hf["num_key_value_heads"]) * head_dim + hf["hidden_size"]
             + 2 * hf["intermediate_size"] + hf["hidden_size"])
-    counted = channel["weights_bytes"] - 6_979_588_096 - 1_050_673_152 * 2
-    assert 0 < counted <= 4 * rows * hf["num_hidden_layers"]
+    assert rows == 43_008
+    assert channel["weights_bytes"] == 6_979_321_856 + 4 * rows * hf["num_hidden_layers"] + kept
     assert fp8["memory"]["kv_tokens"] > plain["memory"]["kv_tokens"]
     # an FP8 checkpoint's config is counted in FP8 without the flag
     shipped = build_plan({**hf, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],

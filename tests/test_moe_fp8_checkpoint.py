@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import PagedHarness, dequantized_checkpoint, dummy_preset, make_hf_checkpoints, relative_error
+from model_utils import (
+    PagedHarness,
+    dequantized_checkpoint,
+    dummy_preset,
+    held_weight_bytes,
+    make_hf_checkpoints,
+    relative_error,
+)
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, Qwen3MoeConfig
 
@@ -70,9 +77,10 @@ def test_fp8_moe_checkpoint_matches_the_same_model_dequantized(sources, tmp_path
     # and a token whose two best router scores lie within that of each other may pick another
     # expert; through two layers of random weights the logits move by ~10%, never by their size
     assert relative_error(got, _logits(_load(sources[family]))) < 0.25
-    # the description counts one byte per expert weight plus the fp32 scales
+    # the description counts one byte per expert weight plus the fp32 scales, and every other byte the model holds
     d = fp8.info.description
     assert 1.0 < d.expert_bytes / d.expert_params < 1.2
+    assert d.weights_bytes == held_weight_bytes(fp8.model)
 
 
 def test_quantization_flag_quantizes_the_experts_at_load(sources, tmp_path):
@@ -147,12 +155,11 @@ def test_plan_counts_fp8_expert_bytes_and_scales():
     assert d.model_dtype_params == 48 * (2 * 2048 + 2 * 128 + 128 * 2048) + 2048
     kept = (d.embed_params + d.lm_head_params + d.model_dtype_params) * 2
     projections = d.dense_params - d.model_dtype_params
-    want = int(projections * (1 + 4 / 128**2) + kept + 48 * 128 * expert)
-    assert abs(fp8["weights_bytes"] - want) <= 1
-    # ``fp8``: the same experts, dense projections per channel (4 / K a parameter, K at the activation width)
+    # each layer's qkv [(32 + 2 x 4) x 128, 2048] and o [2048, 32 x 128]: 40 x 16 + 16 x 32 blocks of 128x128
+    assert fp8["weights_bytes"] == projections + 48 * 4 * (40 * 16 + 16 * 32) + kept + 48 * 128 * expert
+    # ``fp8``: the same experts, dense projections per channel (a 4-byte scale per output row: 5120 of qkv, 2048 of o)
     mixed = build_plan(hf, gpu_memory_gb=141, quantization="fp8")
-    want = int(projections * (1 + 4 / d.act_width) + kept + 48 * 128 * expert)
-    assert abs(mixed["weights_bytes"] - want) <= 1
+    assert mixed["weights_bytes"] == projections + 48 * 4 * (5120 + 2048) + kept + 48 * 128 * expert
     assert build_plan(hf, gpu_memory_gb=141)["weights_bytes"] > 1.9 * fp8["weights_bytes"]
 
 

@@ -9,6 +9,7 @@ its ``describe(config, dtype, tp, ep)`` classmethod, counting per rank:
   (attention, dense MLPs, norms, router gates, shared experts), the embedding table (a step reads
   one row per token), the lm_head (read whole; 0 when tied, then the step reads the embedding
   table as the head), and routed experts (a step reads only the experts its tokens were routed to);
+- the dense projections FP8 quantizes, each by its shape, so their scales are counted exactly;
 - the widest activations one token holds inside a layer, for the activation estimate.
 
 The engine measures weights, activations and graphs at start-up; these figures are the
@@ -19,10 +20,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from graphserve.layers.kv_layout import KVLayout
+
+
+class Projection(NamedTuple):
+    """``count`` copies (one per layer holding it) of one dense projection on a rank: its weight is
+    ``[out_features, in_features]`` and fuses ``parts`` checkpoint modules (q/k/v: 3, gate/up: 2)."""
+
+    out_features: int
+    in_features: int
+    parts: int = 1
+    count: int = 1
+
+    @property
+    def params(self) -> int:
+        return self.count * self.out_features * self.in_features
 
 
 @dataclass(frozen=True)
@@ -30,7 +46,7 @@ class ModelDescription:
     kv: KVLayout
     hidden_size: int
     vocab_size: int  # full vocabulary (logits are gathered to it)
-    weight_bytes_per_param: float  # bytes of one stored parameter (1 for FP8 plus its scales, 2 for bf16)
+    weight_bytes_per_param: int  # bytes of one stored projection parameter (1 for FP8, 2 for bf16), scales apart
     dense_params: int
     embed_params: int  # embedding table on this rank
     lm_head_params: int  # 0 when tied to the embedding
@@ -43,26 +59,40 @@ class ModelDescription:
     act_bytes_per_elem: int = 2
     # with FP8 projections the embedding table and lm_head stay in the model dtype, and routed experts
     # may too (layers/quant/config.py quantized_description); None: weight_bytes_per_param
-    embed_bytes_per_param: float | None = None
-    expert_bytes_per_param: float | None = None
+    embed_bytes_per_param: int | None = None
+    expert_bytes_per_param: int | None = None
     expert_fp8_group_k: int = 0  # fp8 routed experts: their scale block's K (hidden size per channel); 0: none
     # among dense_params, those FP8 keeps in the model dtype (norms, biases, router gates, MLA's kv_b_proj:
     # layers/quant/config.py MODEL_DTYPE_LAYERS), priced like the embedding
     model_dtype_params: int = 0
+    # the rest of dense_params: the projections FP8 quantizes (attention's, the dense and shared MLPs'), whose
+    # scales depend on each one's shape (4 bytes per output row per channel, per tile with blocks)
+    projections: tuple[Projection, ...] = ()
+    dense_scale_bytes: int = 0  # FP8: the scales of ``projections`` (and static input scales), in bytes
+    expert_scale_bytes: int = 0  # FP8: the scales of one routed expert of one layer, in bytes
+
+    def __post_init__(self) -> None:
+        # a family that lists its projections short would price the missing ones' scales at nothing
+        listed = sum(p.params for p in self.projections)
+        if listed != self.dense_params - self.model_dtype_params:
+            raise ValueError(f"the description's projections hold {listed} parameters, but dense_params - "
+                             f"model_dtype_params = {self.dense_params - self.model_dtype_params}: the family's "
+                             "describe() counts them differently")
 
     @property
-    def _embed_bpp(self) -> float:
+    def _embed_bpp(self) -> int:
         return self.weight_bytes_per_param if self.embed_bytes_per_param is None else self.embed_bytes_per_param
 
     @property
     def dense_bytes(self) -> int:
-        """Every dense parameter: the projections at ``weight_bytes_per_param``, ``model_dtype_params`` at the
-        model dtype's (the same figure but under FP8)."""
+        """Every dense parameter: the projections at ``weight_bytes_per_param`` and their scales,
+        ``model_dtype_params`` at the model dtype's (the same figure but under FP8)."""
         kept = self.model_dtype_params
-        return int((self.dense_params - kept) * self.weight_bytes_per_param + kept * self._embed_bpp)
+        return (self.dense_params - kept) * self.weight_bytes_per_param + self.dense_scale_bytes + \
+            kept * self._embed_bpp
 
     @property
-    def _expert_bpp(self) -> float:
+    def _expert_bpp(self) -> int:
         return self.weight_bytes_per_param if self.expert_bytes_per_param is None else self.expert_bytes_per_param
 
     # ---- weights ---------------------------------------------------------------------------
@@ -77,19 +107,19 @@ class ModelDescription:
 
     @property
     def weights_bytes(self) -> int:
-        experts = self.num_moe_layers * self.local_experts * self.expert_params * self._expert_bpp
+        experts = self.num_moe_layers * self.local_experts * self.expert_bytes
         embed = (self.embed_params + self.lm_head_params) * self._embed_bpp
-        return int(self.dense_bytes + embed + experts)
+        return self.dense_bytes + embed + experts
 
     @property
     def expert_bytes(self) -> int:
-        """One routed expert of one layer."""
-        return int(self.expert_params * self._expert_bpp)
+        """One routed expert of one layer, with its scales."""
+        return self.expert_params * self._expert_bpp + self.expert_scale_bytes
 
     # ---- what a decode step must read --------------------------------------------------------
     def head_bytes(self) -> int:
         """The lm_head, or the tied embedding table acting as the head."""
-        return int((self.lm_head_params or self.embed_params) * self._embed_bpp)
+        return (self.lm_head_params or self.embed_params) * self._embed_bpp
 
     def decode_read_bytes(self, batch: int, context_tokens: int, experts_touched: int | None = None) -> int:
         """Bytes a decode step of ``batch`` tokens must read from device memory, each at least once.

@@ -31,7 +31,7 @@ from graphserve.layers.linear import (
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
 from graphserve.models.base import CausalLM, DecoderStack
-from graphserve.models.description import ModelDescription, split_evenly
+from graphserve.models.description import ModelDescription, Projection, split_evenly
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
@@ -105,6 +105,17 @@ def attention_params(s: Shape, tp: int) -> tuple[int, int]:
     q, kv = heads * s.head_dim, kvh * s.head_dim
     params = s.hidden_size * (q + 2 * kv) + q * s.hidden_size + attention_kept_params(s, tp)
     return params, (q + 2 * kv) + q
+
+
+def attention_projections(s: Shape, tp: int, layers: int) -> list[Projection]:
+    """``layers`` attention blocks' projections on a rank: qkv_proj (q, k, v fused) and o_proj."""
+    q, kv = s.num_heads // tp * s.head_dim, local_kv_heads(s, tp) * s.head_dim
+    return [Projection(q + 2 * kv, s.hidden_size, 3, layers), Projection(s.hidden_size, q, 1, layers)]
+
+
+def mlp_projections(hidden: int, inter: int, layers: int) -> list[Projection]:
+    """``layers`` gated MLPs' projections on a rank (``inter`` its intermediate size): gate_up_proj and down_proj."""
+    return [Projection(2 * inter, hidden, 2, layers), Projection(hidden, inter, 1, layers)] if layers and inter else []
 
 
 def attention_kept_params(s: Shape, tp: int) -> int:
@@ -314,7 +325,10 @@ class LlamaForCausalLM(CausalLM):
             act_width=max(attn_act, 3 * inter), act_bytes_per_elem=dtype.itemsize,
             # norms, q/k norms and biases
             model_dtype_params=s.num_layers * (2 * s.hidden_size + attention_kept_params(s, tp)) + s.hidden_size,
+            projections=(*attention_projections(s, tp, s.num_layers),
+                         *mlp_projections(s.hidden_size, inter, s.num_layers)),
         )
+
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2/2.5: bias on q/k/v only."""

@@ -41,7 +41,9 @@ from graphserve.models.llama import (
     Shape,
     attention_kept_params,
     attention_params,
+    attention_projections,
     kv_layout_of,
+    mlp_projections,
 )
 
 if TYPE_CHECKING:
@@ -238,6 +240,8 @@ class MoEForCausalLM(CausalLM):
             expert_params=3 * h * moe_inter, local_experts=local_experts, num_experts=m.num_experts, top_k=m.top_k,
             num_moe_layers=n_sparse, act_width=max(attn_act, 3 * dense_inter, moe_act),
             act_bytes_per_elem=dtype.itemsize, model_dtype_params=model_dtype,
+            projections=(*attention_projections(s, tp, s.num_layers), *mlp_projections(h, dense_inter, n_dense),
+                         *mlp_projections(h, shared_inter, n_sparse)),
         )
 
 

@@ -74,21 +74,25 @@ class Fp8Config:
         experts = f", experts {kind(self.experts)}" if self.experts != self.block else ""
         return f"fp8 ({kind(self.block)}{experts}, {self.activation_scheme} activations)"
 
-    def weight_bytes_per_param(self, in_features: int) -> float:
-        """One fp8 byte per weight plus its share of the fp32 scales (block: 4 / (bn·bk); channel: 4 / K)."""
-        if self.block:
-            return 1.0 + 4.0 / (self.block[0] * self.block[1])
-        return 1.0 + 4.0 / in_features
+    def projection_scale_bytes(self, out_features: int, in_features: int, parts: int = 1) -> int:
+        """The fp32 scales of one dense projection in fp8 (layers/quant/fp8.py): one per (bn, bk) tile, or one per
+        output row; with static activations a serialized layer also holds an ``input_scale`` per fused part."""
+        inputs = parts if self.serialized and self.activation_scheme == "static" else 0
+        return 4 * (weight_scales(self.block, out_features, in_features) + inputs)
 
-    def expert_bytes_per_param(self, hidden: int, intermediate: int) -> float:
-        """A routed expert's gate, up [I, H] and down [H, I] in fp8 with their fp32 scales
-        (layers/quant/fp8_moe.py: gate and up blocked apart), per parameter."""
-        if self.experts:
-            bn, bk = self.experts
-            scales = 2 * -(-intermediate // bn) * -(-hidden // bk) + -(-hidden // bn) * -(-intermediate // bk)
-        else:
-            scales = 2 * intermediate + hidden
-        return 1.0 + 4.0 * scales / (3 * hidden * intermediate)
+    def expert_scale_bytes(self, hidden: int, intermediate: int) -> int:
+        """The fp32 scales of one routed expert's gate, up [I, H] and down [H, I] in fp8 (layers/quant/fp8_moe.py:
+        gate and up blocked apart)."""
+        block = self.experts
+        return 4 * (2 * weight_scales(block, intermediate, hidden) + weight_scales(block, hidden, intermediate))
+
+
+def weight_scales(block: tuple[int, int] | None, out_features: int, in_features: int) -> int:
+    """How many fp32 scales an fp8 ``[out_features, in_features]`` weight holds: ``ceil(N/bn)·ceil(K/bk)`` tiles
+    with ``block`` (bn, bk), else one per output row."""
+    if block:
+        return -(-out_features // block[0]) * -(-in_features // block[1])
+    return out_features
 
 
 class IgnoreList:
@@ -279,19 +283,19 @@ def resolve_quantization(checkpoint: Fp8Config | None, quantization: str) -> Fp8
 def quantized_description(desc: Any, quant: Fp8Config | None, model_dtype: torch.dtype,
                           experts_quantized: bool = True) -> Any:
     """``desc`` (a ModelDescription) with FP8 bytes for its projections and (unless a model keeps them in
-    ``model_dtype``) its routed experts, their scales counted exactly; embedding and lm_head stay in
-    the model dtype, as do the dense parameters a family counts as ``model_dtype_params`` (norms, biases, router
-    gates, MLA's kv_b_proj)."""
+    ``model_dtype``) its routed experts, their scales counted exactly from each one's shape; embedding and lm_head
+    stay in the model dtype, as do the dense parameters a family counts as ``model_dtype_params`` (norms, biases,
+    router gates, MLA's kv_b_proj)."""
     if quant is None:
         return desc
-    # per-channel scales: 4 bytes per output row, 4 / K per parameter; K taken no smaller than any projection's
-    # (the activation width bounds the MLP's), so the scales are never over-counted
-    per_param = quant.weight_bytes_per_param(max(desc.hidden_size, desc.act_width))
-    expert, group_k = float(model_dtype.itemsize), 0
+    scales = sum(p.count * quant.projection_scale_bytes(p.out_features, p.in_features, p.parts)
+                 for p in desc.projections)
+    expert, expert_scales, group_k = model_dtype.itemsize, 0, 0
     if experts_quantized and desc.expert_params:
-        expert = quant.expert_bytes_per_param(desc.hidden_size, desc.expert_params // (3 * desc.hidden_size))
+        expert = 1
+        expert_scales = quant.expert_scale_bytes(desc.hidden_size, desc.expert_params // (3 * desc.hidden_size))
         group_k = quant.experts[1] if quant.experts else desc.hidden_size
     return dataclasses.replace(
-        desc, weight_bytes_per_param=per_param, embed_bytes_per_param=model_dtype.itemsize,
-        expert_bytes_per_param=expert, expert_fp8_group_k=group_k,
+        desc, weight_bytes_per_param=1, dense_scale_bytes=scales, embed_bytes_per_param=model_dtype.itemsize,
+        expert_bytes_per_param=expert, expert_scale_bytes=expert_scales, expert_fp8_group_k=group_k,
     )
