@@ -54,7 +54,6 @@ from benchmarks.common import environment, print_table, write_result
 from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import BLOCK_GRID, measured_read_bw, stream_programs, wide_view
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.decode_attention import MAX_QUANT_ROW
 from graphserve.kernels.fp8_config import (
     MAX_STREAM_ROWS,
     RULE_PATH,
@@ -82,7 +81,7 @@ from graphserve.kernels.fp8_quant import (
 )
 from graphserve.kernels.norm import fused_add_rms_norm
 from graphserve.layers.activation import silu_and_mul
-from graphserve.layers.attention_triton import ROW_COUNTERS
+from graphserve.layers.attention_triton import output_scale_groups
 from graphserve.layers.quant.fp8 import NORM_PROLOGUE_MAX_ROWS, SILU_PROLOGUE_MAX_ROWS
 
 SHAPES = {
@@ -240,15 +239,14 @@ def prologue(name: str, m: int) -> str | None:
 
 def attention_group(name: str, channel: bool, m: int, k: int) -> int | None:
     """The group in which decode attention writes this projection's input already quantized at ``m`` rows, for a
-    path that quantizes its input (layers/attention_triton.py ``attend_quantized``): o_proj's per channel one scale a
-    row (group ``k``, up to ``ROW_COUNTERS`` rows of at most ``MAX_QUANT_ROW`` values), with 128x128 blocks one a
-    head (``HEAD_DIM``), which only a path quantizing in groups of one head takes. None for every other projection
-    (its input comes from a norm or SiLU·mul, quantized by the launch that makes it) and past those limits."""
+    path that quantizes its input: o_proj's per channel one scale a row (group ``k``), with 128x128 blocks one a head
+    (``HEAD_DIM``), where the attention kernel takes that group (layers/attention_triton.output_scale_groups, the rule
+    ``attend_quantized`` applies). None for every other projection (its input comes from a norm or SiLU·mul,
+    quantized by the launch that makes it) and where the kernel takes no such group."""
     if not name.endswith("o_proj"):
         return None
-    if channel:
-        return k if m <= ROW_COUNTERS and k <= MAX_QUANT_ROW else None
-    return HEAD_DIM
+    group = k if channel else HEAD_DIM
+    return group if output_scale_groups(k // HEAD_DIM, HEAD_DIM, group, m) is not None else None
 
 
 def measure_row(name: str, m: int, cold: ColdWeights, sweep: bool, scaled_mm_ok: bool, sms: int,

@@ -112,6 +112,22 @@ def test_backend_writes_o_proj_input_per_token_where_it_can(monkeypatch):
     assert backend.attend_quantized(q, 0, batch, D**-0.5, group_size=row, **layout) is None
 
 
+def test_output_scale_groups_limits():
+    """The one rule for which groups decode attention writes quantized (attend_quantized and benchmarks.fp8_route
+    both ask it): a head's, or the row's within the kernel's width and the row counters; nothing else."""
+    from graphserve.kernels.decode_attention import MAX_QUANT_ROW
+    from graphserve.layers.attention_triton import ROW_COUNTERS, output_scale_groups
+
+    assert output_scale_groups(32, 128, 128, 10**6) == 32  # one a head, at any batch
+    assert output_scale_groups(32, 128, 4096, ROW_COUNTERS) == 1  # one a row, up to the counters
+    assert output_scale_groups(32, 128, 4096, ROW_COUNTERS + 1) is None
+    heads = MAX_QUANT_ROW // 128
+    assert output_scale_groups(heads, 128, heads * 128, 1) == 1
+    assert output_scale_groups(2 * heads, 128, 2 * heads * 128, 1) is None  # wider than the kernel quantizes a row
+    assert output_scale_groups(1, 128, 128, 1) == 1  # a single head: its head's group
+    assert output_scale_groups(32, 128, 256, 1) is None  # two heads a group: neither a head nor the row
+
+
 def test_quantized_output_refusals_name_the_operand():
     gen = torch.Generator().manual_seed(22)
     cache, tables, lens = paged_setup([20, 30], 2, 32, 16, gen)

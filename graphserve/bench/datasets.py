@@ -87,12 +87,12 @@ def _filler_id(tokenizer: Any) -> int | None:
     return None
 
 
-def _exact_text(tokenizer: Any, ids: list[int], target: int, rng: np.random.Generator, pool: np.ndarray) -> tuple[str, int]:
+def _exact_text(tokenizer: Any, ids: list[int], target: int, rng: np.random.Generator, pool: np.ndarray,
+                filler: int | None) -> tuple[str, int]:
     """Decode ids to text whose re-encoding is ``target`` tokens. Decode/encode can merge or split tokens, so trim
-    or top up and re-measure: random tokens first, then a filler word that does not merge with its neighbours.
-    Returns the text and its measured length (the target unless the tokenizer allows no such text)."""
+    or top up and re-measure: random tokens first, then ``filler`` (``_filler_id``), a word that does not merge with
+    its neighbours. Returns the text and its measured length (the target unless the tokenizer allows no such text)."""
     text = tokenizer.decode(ids)
-    filler = _filler_id(tokenizer)
     for attempt in range(16):
         enc = tokenizer.encode(text, add_special_tokens=False)
         if len(enc) == target:
@@ -114,6 +114,7 @@ def random_requests(
     out_lens = sample_lengths(rng, n, output_len, ratio, rule, "random_output_len")
     reqs = []
     pool = _text_ids(tokenizer) if tokenizer is not None else None
+    filler = _filler_id(tokenizer) if tokenizer is not None else None
     for i, (li, lo) in enumerate(zip(in_lens, out_lens)):
         if tokenizer is None:
             # A leading index keeps prompts distinct, so no prefix cache turns the run into a cache test.
@@ -121,7 +122,7 @@ def random_requests(
             reqs.append(BenchRequest(" ".join(words), li, lo))
         else:
             ids = [int(x) for x in rng.choice(pool, size=li)]
-            text, measured = _exact_text(tokenizer, ids, li, rng, pool)
+            text, measured = _exact_text(tokenizer, ids, li, rng, pool, filler)
             reqs.append(BenchRequest(text, measured, lo))
     return reqs
 

@@ -55,6 +55,18 @@ ROW_COUNTERS = 4096
 _prologue_scoped: list[bool] = []
 
 
+def output_scale_groups(num_heads: int, head_dim: int, group_size: int, rows: int) -> int | None:
+    """Scales per row of a decode step's attention output written quantized in groups of ``group_size``: one a head
+    (``group_size`` = head_dim), or one a row where the row is more than one head, the kernel takes its width
+    (``MAX_QUANT_ROW``) and the row counters its rows (``ROW_COUNTERS``); None where the kernel writes no such groups
+    (the projection then quantizes its input in a launch of its own)."""
+    if group_size == head_dim:
+        return num_heads
+    if num_heads > 1 and group_size == num_heads * head_dim <= MAX_QUANT_ROW and rows <= ROW_COUNTERS:
+        return 1
+    return None
+
+
 def decode_prologue(fused: bool) -> contextlib.AbstractContextManager[None]:
     """Decode steps run (or captured) in this scope take the attention prologue inside the decode kernel
     (``fused``) or as its own launch before it, whatever the heads (benchmarks.decode_prologue times the two)."""
@@ -205,14 +217,13 @@ class TritonAttentionBackend(AttentionBackend):
             t, num_heads, device = q.qkv.shape[0], q.num_heads, q.qkv.device
         else:
             (t, num_heads, _), device = q.shape, q.device
-        # one scale a row where the row is more than one head and the kernel and the counters take it
-        per_row = num_heads > 1 and group_size == num_heads * head_dim <= MAX_QUANT_ROW and t <= ROW_COUNTERS
-        if not self.quantizes_output(batch) or not (group_size == head_dim or per_row) or t % pad_rows_to:
+        groups = output_scale_groups(num_heads, head_dim, group_size, t)
+        if not self.quantizes_output(batch) or groups is None or t % pad_rows_to:
             return None
+        per_row = group_size != head_dim
         if isinstance(q, NewToken) and not prologue_in_decode(q, kv_cache):
             q = run_prologue(q, kv_cache)
         out = torch.empty((t, num_heads * head_dim), dtype=FP8_DTYPE, device=device)
-        groups = 1 if per_row else num_heads
         if scales_column_major:
             scales = torch.empty((groups, t), dtype=torch.float32, device=device).t()
         else:
