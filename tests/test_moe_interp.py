@@ -178,57 +178,6 @@ def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, pa
         assert torch.equal(out[-2:].cpu(), torch.zeros(2, h))
 
 
-@pytest.mark.parametrize("routing", ["scan", "sort"])
-@pytest.mark.parametrize("hot,padded", [(False, False), (True, True)])
-def test_grouped_gemm_reads_the_routing_itself_or_the_sort(routing, hot, padded, monkeypatch):
-    """Up to SCAN_MAX_PAIRS the grouped GEMMs find each expert's pairs themselves and no sort runs; past it (here
-    forced to 0) the sort does. Hot: one expert takes every token's first slot, 37 pairs, three tiles of 16 rows
-    walked by one program; the counts the gate_up step stores then match the sort's."""
-    from graphserve.kernels import moe_fused
-
-    monkeypatch.setattr(moe_fused, "SCAN_MAX_PAIRS", 1024 if routing == "scan" else 0)
-    monkeypatch.setattr(moe_fused, "SCAN_MAX_ROWS_PER_EXPERT", 1024)
-    sorts = []
-    real_align = moe_fused.moe_align
-    monkeypatch.setattr(moe_fused, "moe_align", lambda *a, **kw: sorts.append(1) or real_align(*a, **kw))
-    t, k = 37, 3
-    gen = torch.Generator().manual_seed(41 + hot)
-    w13, w2 = _weights(gen)
-    x = _randn(t, H, gen=gen)
-    logits = _randn(t, E, gen=gen)
-    if hot:
-        logits[:, 1] += 50.0
-    topk_w, topk_ids = softmax_topk_reference(logits, k, True)
-    valid = (torch.arange(t, device=DEVICE) < t - 3) if padded else None
-    if padded:
-        x[-3:] = float("nan")
-    counts = torch.full((E,), -1, dtype=torch.int32, device=DEVICE)
-    out = fused_experts(x, w13, w2, topk_w, topk_ids, valid=valid, counts=counts, path="gemm", gemm_tiles=GEMM)
-    want = experts_reference(x, w13, w2, topk_w, topk_ids, valid, 0)
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
-    assert torch.equal(counts.cpu(), expert_counts_reference(topk_ids, valid, E).cpu())
-    if hot:
-        assert counts[1].item() == t - 3 if padded else t
-    assert sorts == ([] if routing == "scan" else [1])
-    if padded:
-        assert torch.equal(out[-3:].cpu(), torch.zeros(3, H))
-
-
-def test_routing_scan_rule():
-    """The scan takes decode-sized calls of few rows per expert on a rank that holds every expert; an
-    expert-parallel slice sorts."""
-    from graphserve.kernels.moe_fused import SCAN_MAX_PAIRS, SCAN_MAX_ROWS_PER_EXPERT, scans_routing
-
-    counts = torch.zeros(128, dtype=torch.int32)
-    assert scans_routing(SCAN_MAX_PAIRS, 128, 0, counts)
-    assert not scans_routing(SCAN_MAX_PAIRS + 1, 128, 0, counts)
-    counts = torch.zeros(8, dtype=torch.int32)
-    assert scans_routing(8 * SCAN_MAX_ROWS_PER_EXPERT, 8, 0, counts)
-    assert not scans_routing(8 * SCAN_MAX_ROWS_PER_EXPERT + 1, 8, 0, counts)
-    assert not scans_routing(16, 4, 4, counts)
-    assert not scans_routing(16, 4, 0, counts)
-
-
 def test_fused_experts_refuses_bad_weights_by_name_and_value():
     gen = torch.Generator().manual_seed(3)
     w13, w2 = _weights(gen)

@@ -34,7 +34,7 @@ import torch
 import triton
 
 from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, TL_DTYPES, per_token_group_quant
-from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, MoeAlignment, max_padded_pairs, moe_align
+from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
 from graphserve.kernels.moe_gemm import fused_moe_gemm_kernel, moe_sum_kernel
 from graphserve.kernels.moe_scales import ExpertScales, a8_problem, check_a8_tile, expert_scales, scale_args
@@ -48,36 +48,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 # activations and runs W8A8: from the first (module docstring); benchmarks/moe_fp8.py times both modes per
 # batch, and its --w8a8-rows-per-expert runs the decode steps under another value
 W8A8_MIN_ROWS_PER_EXPERT = 0
-# Up to this many (token, slot) pairs the grouped GEMMs read the routing themselves (``RouteScan``) and the sort
-# does not run: each program scans every pair for its expert's, a [BLOCK_M, pairs] comparison per tile of rows.
-SCAN_MAX_PAIRS = 512
-
-
-@dataclasses.dataclass(frozen=True)
-class RouteScan:
-    """The routing as the grouped GEMM reads it without a sort (kernels/moe_gemm.py's ``SCAN``): the router's ids
-    [T, k] (pair p is ``topk_ids.view(-1)[p]``), the real-row mask as bytes (``has_valid``), the counts the gate_up
-    step stores, one program per local expert and column tile."""
-
-    topk_ids: torch.Tensor
-    valid: torch.Tensor
-    has_valid: bool
-    counts: torch.Tensor
-    expert_start: int
-    num_local: int
-
-
-# ... and up to this many pairs per local expert on average: one program walks all of its expert's rows, one
-# tile after another, where the sort gives each tile its own program
-SCAN_MAX_ROWS_PER_EXPERT = 16
-
-
-def scans_routing(pairs: int, num_local: int, expert_start: int, counts: torch.Tensor) -> bool:
-    """Whether a grouped-GEMM call of ``pairs`` reads the routing itself instead of a sort: a decode-sized call
-    (``SCAN_MAX_PAIRS``, ``SCAN_MAX_ROWS_PER_EXPERT``) on a rank that holds every expert (the counts it stores
-    are then all of them, as the sort's are)."""
-    return (pairs <= SCAN_MAX_PAIRS and pairs <= SCAN_MAX_ROWS_PER_EXPERT * num_local and expert_start == 0
-            and num_local == counts.numel())  # fmt: skip
 
 
 def _check(hidden, w13, w2, topk_weights, topk_ids, fp8: bool) -> None:
@@ -269,10 +239,7 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
     if gu.block_m != dn.block_m:
         raise ValueError(f"gate_up block_m={gu.block_m} and down block_m={dn.block_m} must match (one sort)")
     s13, s2 = scales or (None, None)
-    if scans_routing(pairs, num_local, expert_start, counts):
-        align = RouteScan(topk_ids, valid_arg, valid is not None, counts, expert_start, num_local)
-    else:
-        align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
+    align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
     down = torch.empty(pairs, h, dtype=hidden.dtype, device=hidden.device)
     # where gate_up's tile is one of down's activation groups, its epilogue writes down's input as fp8 groups
     quant_out = quant_out_group(gu, dn, s2, w8a8)
@@ -295,16 +262,14 @@ def quant_out_group(gate_up: GemmTile, down: GemmTile, s2: ExpertScales | None, 
     return w8a8 and s2 is not None and not down.a8 and gate_up.block_n == s2.group_k
 
 
-def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torch.Tensor, tile: GemmTile,
-              align: MoeAlignment | RouteScan,
+def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torch.Tensor, tile: GemmTile, align,
               topk_weights: torch.Tensor, a_row_div: int, gated: bool, w8a8: bool,
               a_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
               c_scale: torch.Tensor | None = None) -> None:  # fmt: skip
     """One grouped GEMM over the sorted pairs: gate_up (``gated``: rows ``a[pair // a_row_div]``, silu * up
     written) or down (rows ``a[pair]``, times the routing weight). The step's mode: ``tile.a8``
     quantizes a in the kernel (A_QUANT), else ``w8a8`` quantizes it first (A_FP8; ``a_quantized``: a already
-    quantized so, by its producer), else W8A16. ``align``: the sort, or the routing each program scans itself
-    (``RouteScan``; gate_up then stores the counts). ``c_scale`` (gate_up, fp32 [pairs, N / block_n]): c is fp8 and
+    quantized so, by its producer), else W8A16. ``c_scale`` (gate_up, fp32 [pairs, N / block_n]): c is fp8 and
     each tile's rows are quantized as one group, the scales written there (``quant_out_group``)."""
     n, kk = b.shape[1] // (2 if gated else 1), b.shape[2]
     check_a8_tile(tile, sb)
@@ -335,24 +300,13 @@ def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torc
         block_k = sb.gemm_block_k(block_k, tile.block_n, fp8_dot)
     args = scale_args(sb, b)
     pairs = topk_weights.numel()
-    scan = isinstance(align, RouteScan)
-    if scan:
-        sort = (align.topk_ids,) * 3  # unread
-        routing = (align.topk_ids, align.valid, align.counts)
-        blocks_m, expert_start, programs_m = 0, align.expert_start, align.num_local
-    else:
-        sort = (align.sorted_ids, align.expert_ids, align.num_post_padded)
-        routing = (align.sorted_ids,) * 3  # unread
-        blocks_m, expert_start, programs_m = align.max_blocks, 0, align.max_blocks
-    fused_moe_gemm_kernel[(programs_m * triton.cdiv(n, tile.block_n),)](
-        a, b, c, topk_weights, *sort, a_scale, args["scale"], a_scale if c_scale is None else c_scale, *routing,
-        pairs, n, blocks_m, expert_start, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+    fused_moe_gemm_kernel[(align.max_blocks * triton.cdiv(n, tile.block_n),)](
+        a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, a_scale, args["scale"],
+        a_scale if c_scale is None else c_scale,
+        pairs, n, align.max_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         a_scale.stride(0), args["stride_e"], args["stride_n"], 0 if c_scale is None else c_scale.stride(0),
         args["up_row"],
         K=kk, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated,
-        SCAN=scan, TOP_K=align.topk_ids.shape[1] if scan else 1,
-        HAS_VALID=scan and align.has_valid, WRITE_COUNTS=scan and gated,
-        BLOCK_P=triton.next_power_of_2(pairs) if scan else 1,
         IEEE=a.dtype == torch.float32 and not fp8_dot, B_FP8=sb is not None, A_FP8=quantize_first, **args["consts"],
         K_SCALES=k_only, A_QUANT=tile.a8, QUANT_OUT=c_scale is not None, ACT_DTYPE=act_dtype, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,

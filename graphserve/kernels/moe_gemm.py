@@ -106,28 +106,18 @@ def _gemm_step(acc, a, b, a_s, bs_ptrs, ks, k0, IEEE: tl.constexpr, B_FP8: tl.co
     return tl.dot(a, b, acc)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m", "expert_start"])  # batch-sized ints: server/warmup.py
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])  # batch-sized ints: see server/warmup.py
 def fused_moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, as_ptr, bs_ptr, cs_ptr,
-    ids_ptr, valid_ptr, counts_ptr,
-    num_pairs, N, num_blocks_m, expert_start, stride_am, stride_be, stride_bn, stride_cm,
+    num_pairs, N, num_blocks_m, stride_am, stride_be, stride_bn, stride_cm,
     stride_asm, stride_bse, stride_bsn, stride_csm, scale_up_row,
     K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
     B_FP8: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     PER_CHANNEL: tl.constexpr, K_SCALES: tl.constexpr, A_QUANT: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    SCAN: tl.constexpr, TOP_K: tl.constexpr, HAS_VALID: tl.constexpr, WRITE_COUNTS: tl.constexpr,
-    BLOCK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """[BLOCK_M, BLOCK_N] output tiles of one expert's pairs.
-
-    Sorted (``SCAN`` off): one tile of one run of the sort (kernels/moe_align.py); the grid covers the
-    worst-case sort. ``SCAN`` (small batches, kernels/moe_fused.SCAN_MAX_PAIRS): no sort. The grid is (local
-    expert, column tile); each program reads the routing itself (``ids_ptr`` [pairs], ``valid_ptr`` [T]: the
-    pairs of a real token routed to its expert), takes its expert's pairs in pair order BLOCK_M at a time, and
-    with ``WRITE_COUNTS`` its first column tile stores the expert's pair count in ``counts_ptr`` (the
-    telemetry the sort writes otherwise).
+    """One [BLOCK_M, BLOCK_N] output tile of one expert's run; the grid covers the worst-case sort.
 
     ``QUANT_OUT`` (gate_up): the tile's BLOCK_N columns are one activation group of the down step's W8A8; the
     epilogue quantizes each row of silu * up (rounded to ``ACT_DTYPE`` first, as it would be stored) and
@@ -139,65 +129,21 @@ def fused_moe_gemm_kernel(
         tl.static_assert(BLOCK_K == GROUP_K or BLOCK_K >= K)
     if QUANT_OUT:
         tl.static_assert(GATED)
+    A8: tl.constexpr = A_FP8 or A_QUANT  # the step runs on the FP8 tensor cores with both scales
     pid = tl.program_id(0)
     num_blocks_n = tl.cdiv(N, BLOCK_N)
-    if SCAN:
-        expert = pid // num_blocks_n
-        pid_n = pid % num_blocks_n
-        offs_p = tl.arange(0, BLOCK_P)
-        in_range = offs_p < num_pairs
-        mine = in_range & (tl.load(ids_ptr + offs_p, mask=in_range, other=-1) == expert_start + expert)
-        if HAS_VALID:
-            mine = mine & (tl.load(valid_ptr + offs_p // TOP_K, mask=in_range, other=0) != 0)
-        mine_i = mine.to(tl.int32)
-        rank = tl.cumsum(mine_i, 0)  # a pair's place among its expert's pairs, from 1
-        count = tl.sum(mine_i, axis=0)
-        if WRITE_COUNTS:
-            if pid_n == 0:
-                tl.store(counts_ptr + expert_start + expert, count)
-        # a while loop: the interpreter takes no runtime scalar as a range bound (kernels/common.py)
-        m0 = count * 0
-        while m0 < count:
-            want = m0 + 1 + tl.arange(0, BLOCK_M)
-            row_mask = want <= count
-            hit = mine[None, :] & (rank[None, :] == want[:, None])
-            pairs = tl.where(row_mask, tl.sum(tl.where(hit, offs_p[None, :], 0), axis=1), num_pairs)
-            _tile(a_ptr, b_ptr, c_ptr, weights_ptr, as_ptr, bs_ptr, cs_ptr, pairs, row_mask, expert.to(tl.int64),
-                  pid_n, N, stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
-                  stride_csm, scale_up_row, K, A_ROW_DIV, GATED, MUL_WEIGHT, IEEE, B_FP8, A_FP8, GROUP_N, GROUP_K,
-                  PER_CHANNEL, K_SCALES, A_QUANT, QUANT_OUT, ACT_DTYPE, FP8_MAX_C, MIN_SCALE_C, BLOCK_M,
-                  BLOCK_N, BLOCK_K)  # fmt: skip
-            m0 += BLOCK_M
-    else:
-        # GROUP_M tiles of M walk the same B columns one after another, so those stay in L2
-        per_group = GROUP_M * num_blocks_n
-        first_m = (pid // per_group) * GROUP_M
-        group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_size
-        pid_n = (pid % per_group) // group_size
-        if pid_m * BLOCK_M >= tl.load(num_post_ptr):
-            return  # past the padded total: this tile holds no pair (the cost of a bound-sized grid)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_ids_ptr + offs_m)
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        _tile(a_ptr, b_ptr, c_ptr, weights_ptr, as_ptr, bs_ptr, cs_ptr, pairs, pairs < num_pairs, expert, pid_n,
-              N, stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_csm,
-              scale_up_row, K, A_ROW_DIV, GATED, MUL_WEIGHT, IEEE, B_FP8, A_FP8, GROUP_N, GROUP_K, PER_CHANNEL,
-              K_SCALES, A_QUANT, QUANT_OUT, ACT_DTYPE, FP8_MAX_C, MIN_SCALE_C, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-
-
-@triton.jit
-def _tile(
-    a_ptr, b_ptr, c_ptr, weights_ptr, as_ptr, bs_ptr, cs_ptr, pairs, row_mask, expert, pid_n, N,
-    stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_csm, scale_up_row,
-    K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
-    B_FP8: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, K_SCALES: tl.constexpr, A_QUANT: tl.constexpr, QUANT_OUT: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """The output tile of rows ``pairs`` (``row_mask``: real pairs) and column tile ``pid_n`` of ``expert``."""
-    A8: tl.constexpr = A_FP8 or A_QUANT  # the step runs on the FP8 tensor cores with both scales
+    # GROUP_M tiles of M walk the same B columns one after another, so those stay in L2
+    per_group = GROUP_M * num_blocks_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return  # past the padded total: this tile holds no pair (the cost of a bound-sized grid)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
+    row_mask = pairs < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     a_rows = (pairs // A_ROW_DIV).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # columns past N re-read column N-1 so the weight loads need no mask along N; never stored
