@@ -79,6 +79,7 @@ from graphserve.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 MAX_ROWS = MAX_STREAM_ROWS
 PREFETCH_LINE = 128  # bytes an L2 prefetch asks for: 128 fp8 weights
+_LINE = tl.constexpr(PREFETCH_LINE)
 # K-steps of each program's slab asked of L2 before its prologue (0: none). Each resident program holds that much
 # of L2 ahead of its loads (at 4 programs an SM of 16 rows x 2 steps of 1024: about 17 MB of the H200's 50).
 PREFETCH_STEPS = 2
@@ -232,7 +233,7 @@ def prefetch_l2(w_ptr, w_rows, stride_wn, k_first, K: tl.constexpr, PREFETCH_K: 
     """Ask L2 for columns [k_first, k_first + PREFETCH_K) of weight rows ``w_rows``, one ``prefetch.global.L2`` per
     128-byte line (of fp8: 128 columns), clamped to the row's last line past K. Nothing waits on it: the loads
     that follow find the lines in L2, or already on their way there."""
-    cols = tl.minimum(k_first + tl.arange(0, PREFETCH_K // PREFETCH_LINE) * PREFETCH_LINE, K - 1)
+    cols = tl.minimum(k_first + tl.arange(0, PREFETCH_K // _LINE) * _LINE, K - 1)
     ptrs = w_ptr + w_rows[:, None] * stride_wn + cols[None, :]
     tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
