@@ -141,7 +141,7 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
 
     from benchmarks.fp8_route import SHAPES, prologue
     from graphserve.kernels.fp8_config import load_rule
-    from graphserve.kernels.fp8_gemv import _fp8_gemv_kernel, prefetch_columns, tile_constants
+    from graphserve.kernels.fp8_gemv import _fp8_gemv_kernel, tile_constants
 
     types = {"w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "part_ptr": "*fp32", "lock_ptr": "*i32", "eps": "fp32"}
     rule, out = load_rule(), []
@@ -158,7 +158,7 @@ def fp8_stream_reports(rows_per_call: tuple[int, ...] = (1, 16, 32, 64), sms: in
             tiles = tile_constants(m, k, cfg, *((1, k) if channel else (128, 128)), channel)
             consts = {"SILU_MUL": kind == "silu", "ADD_RESIDUAL": kind == "norm", "NORM": kind == "norm",
                       "HAS_BIAS": False, "PDL": False, **tiles, "X_TOKEN": channel and cfg.a8,
-                      "GATED": False, "QUANT_OUT": False, "ACT_DTYPE": tl.bfloat16, "PREFETCH_K": prefetch_columns(tiles)}
+                      "GATED": False, "QUANT_OUT": False, "ACT_DTYPE": tl.bfloat16}
             row = compile_report(_fp8_gemv_kernel, {**types, **x_types}, consts, cfg.num_warps, cfg.num_stages)
             split_k, programs = consts["SPLIT_K"], triton.cdiv(n, cfg.block_n) * consts["SPLIT_K"]
             mode = "a8 fp8 dot" if cfg.a8 else "fp8 dot" if cfg.fp8_dot else "dot" if cfg.use_dot else "fma"
@@ -179,7 +179,7 @@ def gated_reports(m: int, hidden: int, inter: int, scales: str, gate_up, down, s
     import triton
     import triton.language as tl
 
-    from graphserve.kernels.fp8_gemv import _fp8_gemv_kernel, prefetch_columns, tile_constants
+    from graphserve.kernels.fp8_gemv import _fp8_gemv_kernel, tile_constants
 
     channel = scales == "channel"
     types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "part_ptr": "*fp32",
@@ -188,8 +188,7 @@ def gated_reports(m: int, hidden: int, inter: int, scales: str, gate_up, down, s
     for what, n, k, cfg, gated in (("gate_up", inter, hidden, gate_up, True), ("down", hidden, inter, down, False)):
         tiles = tile_constants(m, k, cfg, *((1, k) if channel else (128, 128)), channel)
         consts = {"SILU_MUL": False, "ADD_RESIDUAL": False, "NORM": False, "HAS_BIAS": False, "PDL": False, **tiles,
-                  "X_TOKEN": channel and gated, "GATED": gated, "QUANT_OUT": gated, "ACT_DTYPE": tl.bfloat16,
-                  "PREFETCH_K": prefetch_columns(tiles)}
+                  "X_TOKEN": channel and gated, "GATED": gated, "QUANT_OUT": gated, "ACT_DTYPE": tl.bfloat16}
         row = compile_report(_fp8_gemv_kernel, {**types, **({"out_ptr": "*fp8e4nv"} if gated else {})}, consts,
                              cfg.num_warps, cfg.num_stages)  # fmt: skip
         programs = triton.cdiv(n, cfg.block_n // 2 if gated else cfg.block_n) * consts["SPLIT_K"]

@@ -133,23 +133,3 @@ def test_engine_serves_with_an_fp8_kv_cache():
     assert llm.engine.core.info.kv.dtype == llm.engine.core.runner.kv_caches[0].dtype == FP8_DTYPE
     out = llm.generate(["Hello there"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 8
-
-
-def test_prefetch_columns_cover_the_first_steps_in_whole_lines(monkeypatch):
-    """Each program asks L2 for PREFETCH_STEPS K-steps of its slab, a power of two of columns, whole 128-byte lines,
-    never more than its share of K rounded up; nothing off the GPU or under the interpreter."""
-    from graphserve.kernels import fp8_gemv
-
-    monkeypatch.setattr(fp8_gemv, "interpreting", lambda: False)
-    monkeypatch.setattr(fp8_gemv, "PREFETCH_STEPS", 2)
-    assert fp8_gemv.prefetch_columns({"K_SPLIT": 4096, "BLOCK_K": 2048}) == 4096
-    assert fp8_gemv.prefetch_columns({"K_SPLIT": 7168, "BLOCK_K": 1024}) == 2048
-    assert fp8_gemv.prefetch_columns({"K_SPLIT": 1024, "BLOCK_K": 128}) == 256
-    assert fp8_gemv.prefetch_columns({"K_SPLIT": 64, "BLOCK_K": 32}) == fp8_gemv.PREFETCH_LINE
-    assert fp8_gemv.prefetch_columns({"K_SPLIT": 3072, "BLOCK_K": 3072}) == 4096  # a power of two, clamped to K
-    assert fp8_gemv.prefetch_columns({"K_SPLIT": 4096, "BLOCK_K": 2048}, on_gpu=False) == 0
-    monkeypatch.setattr(fp8_gemv, "PREFETCH_STEPS", 0)
-    assert fp8_gemv.prefetch_columns({"K_SPLIT": 4096, "BLOCK_K": 2048}) == 0
-    monkeypatch.setattr(fp8_gemv, "PREFETCH_STEPS", 2)
-    monkeypatch.setattr(fp8_gemv, "interpreting", lambda: True)
-    assert fp8_gemv.prefetch_columns({"K_SPLIT": 4096, "BLOCK_K": 2048}) == 0

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.common import interpreting, sm_count
+from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp8_config import (
     MAX_BLOCK_N,
     MAX_FMA_ROWS,
@@ -78,11 +78,6 @@ from graphserve.kernels.gemv import _x_tile
 from graphserve.kernels.pdl import pdl_args, pdl_release, pdl_wait
 
 MAX_ROWS = MAX_STREAM_ROWS
-PREFETCH_LINE = 128  # bytes an L2 prefetch asks for: 128 fp8 weights
-_LINE = tl.constexpr(PREFETCH_LINE)
-# K-steps of each program's slab asked of L2 before its prologue (0: none). Each resident program holds that much
-# of L2 ahead of its loads (at 4 programs an SM of 16 rows x 2 steps of 1024: about 17 MB of the H200's 50).
-PREFETCH_STEPS = 2
 MAX_SPLIT_TILES = 4096  # split-K column tiles per launch (16 KB of counters); split-K pays where tiles are few
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -96,8 +91,9 @@ def _fp8_gemv_kernel(
     K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, KB: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
     FP8_DOT: tl.constexpr, A8: tl.constexpr, X_TOKEN: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    PREFETCH_K: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     k_first = tl.program_id(1) * K_SPLIT  # this program's share of K: [k_first, k_first + K_SPLIT)
     # every split full and a whole number of tiles: unmasked weight loads
@@ -114,9 +110,6 @@ def _fp8_gemv_kernel(
         s_row_up = ws_ptr + ((N + pid * HALF) // GROUP_N) * stride_wsn  # the up rows' (N a multiple of GROUP_N)
     else:
         w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    if PREFETCH_K:  # the weight is no earlier kernel's output: asked of L2 before the wait and the prologues
-        prefetch_l2(w_ptr, w_rows, stride_wn, k_first, K, PREFETCH_K)
-    pdl_wait(PDL)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:
         # as kernels/gemv.py: every program takes the rows' statistics itself (a few KB from L2, cheaper
@@ -226,17 +219,6 @@ def _fp8_gemv_kernel(
                       stride_om, stride_osm, PER_CHANNEL, HAS_BIAS, GATED, QUANT_OUT, ACT_DTYPE, HALF, BLOCK_M,
                       FP8_MAX_C, MIN_SCALE_C)  # fmt: skip
             tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def prefetch_l2(w_ptr, w_rows, stride_wn, k_first, K: tl.constexpr, PREFETCH_K: tl.constexpr):
-    """Ask L2 for columns [k_first, k_first + PREFETCH_K) of weight rows ``w_rows``, one ``prefetch.global.L2`` per
-    128-byte line (of fp8: 128 columns), clamped to the row's last line past K. Nothing waits on it: the loads
-    that follow find the lines in L2, or already on their way there."""
-    cols = tl.minimum(k_first + tl.arange(0, PREFETCH_K // _LINE) * _LINE, K - 1)
-    ptrs = w_ptr + w_rows[:, None] * stride_wn + cols[None, :]
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -399,19 +381,10 @@ def _launch(
         out_scale.stride(0) if quant_group else 0,
         float(eps), SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None, NORM=norm_weight is not None,
         GATED=gated, QUANT_OUT=bool(quant_group), ACT_DTYPE=TL_DTYPES[act_dtype],
-        HAS_BIAS=bias is not None, **consts, PREFETCH_K=prefetch_columns(consts, x.is_cuda),
+        HAS_BIAS=bias is not None, **consts,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device, "_fp8_gemv_kernel"),
     )  # fmt: skip
     return (out, out_scale) if quant_group else out
-
-
-def prefetch_columns(consts: dict, on_gpu: bool = True) -> int:
-    """Columns of its slab each program asks of L2 before its prologue (``PREFETCH_STEPS`` K-steps, a power of two,
-    at least one 128-column line), for the tile constants ``consts``; 0 off the GPU (the interpreter runs no PTX)."""
-    if PREFETCH_STEPS == 0 or not on_gpu or interpreting():
-        return 0
-    span = min(consts["K_SPLIT"], PREFETCH_STEPS * consts["BLOCK_K"])
-    return max(PREFETCH_LINE, triton.next_power_of_2(span))
 
 
 def tile_constants(m: int, k: int, cfg: StreamConfig, group_n: int, group_k: int, per_channel: bool) -> dict:
