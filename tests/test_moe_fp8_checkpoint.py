@@ -131,12 +131,79 @@ def test_unquantized_expert_under_an_fp8_config_is_named(sources, tmp_path):
         _load(folder)
 
 
-def test_static_activation_scales_are_refused_for_experts(sources, tmp_path):
-    src = sources["qwen3-moe"]
-    names = [n for n in load_file(str(src / "model.safetensors")) if n.endswith("_proj.weight")]
-    quantize_checkpoint(src, tmp_path / "fp8", block=None, input_amax={n.removesuffix(".weight"): 4.0 for n in names})
-    with pytest.raises(ModelLoadError, match=r"activation_scheme='static' is not supported for routed experts"):
-        _load(tmp_path / "fp8")
+def _static_folder(source, tmp_path, amax: float = 4.0, change=None):
+    """A per-channel FP8 checkpoint with static activation scales (``input_scale`` = amax / 448) on every
+    projection, the experts' included, as Mixtral-8x7B-FP8 ships them."""
+    names = [n for n in load_file(str(source / "model.safetensors")) if n.endswith(("_proj.weight", ".w1.weight",
+                                                                                     ".w2.weight", ".w3.weight"))]
+    folder = tmp_path / "fp8-static"
+    quantize_checkpoint(source, folder, block=None, input_amax={n.removesuffix(".weight"): amax for n in names})
+    if change:
+        tensors = load_file(str(folder / "model.safetensors"))
+        change(tensors)
+        save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_static_activation_scales_load_for_experts(sources, family, tmp_path):
+    """Each expert part's input_scale lands in its place, the layer keeps the largest (what the kernels apply),
+    the description counts them, and the CPU path (activations unquantized) gives the dequantized model's
+    logits."""
+    per_expert = {}
+
+    def vary(tensors):  # a different scale per expert and part: the largest must win, each must land in place
+        for name in tensors:
+            if ".experts." in name and name.endswith("input_scale"):
+                tensors[name] = torch.tensor(0.01 * (1 + len(per_expert)), dtype=torch.float32)
+                per_expert[name] = tensors[name].item()
+
+    folder = _static_folder(sources[family], tmp_path, change=vary)
+    fp8 = _load(folder)
+    layers = _experts(fp8)
+    assert layers
+    for index, m in enumerate(layers):
+        prefix = next(n for n in per_expert if f"layers.{index}." in n).split(".experts.")[0]
+        w1, w2, w3 = ("gate_proj", "down_proj", "up_proj") if family == "qwen3-moe" else ("w1", "w2", "w3")
+        for e in range(m.num_experts):
+            assert m.w13_input_scale[e, 0].item() == pytest.approx(per_expert[f"{prefix}.experts.{e}.{w1}.input_scale"])
+            assert m.w13_input_scale[e, 1].item() == pytest.approx(per_expert[f"{prefix}.experts.{e}.{w3}.input_scale"])
+            assert m.w2_input_scale[e, 0].item() == pytest.approx(per_expert[f"{prefix}.experts.{e}.{w2}.input_scale"])
+        assert m.w13_input_scale_max.item() == m.w13_input_scale.max().item()
+        assert m.w2_input_scale_max.item() == m.w2_input_scale.max().item()
+        assert "input_scales" in m.quant_method.kernel_args(m)
+    assert fp8.info.description.weights_bytes == held_weight_bytes(fp8.model)
+    dequantized_checkpoint(folder, tmp_path / "deq")
+    torch.testing.assert_close(_logits(fp8), _logits(_load(tmp_path / "deq")), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("value,message", [
+    (torch.tensor(0.0), r"1 of 1 scales are not finite and > 0 \(the first, at \(\), is 0\.0\)"),
+    (torch.tensor(float("nan")), r"1 of 1 scales are not finite and > 0 \(the first, at \(\), is nan\)"),
+    (torch.ones(2), r"shape \(2,\), expected one value"),
+], ids=["zero", "nan", "shape"])
+def test_malformed_expert_input_scale_is_named(sources, tmp_path, value, message):
+    name = "model.layers.0.mlp.experts.2.up_proj.input_scale"
+    folder = _static_folder(sources["qwen3-moe"], tmp_path, change=lambda t: t.__setitem__(name, value))
+    with pytest.raises(ModelLoadError, match=rf"{name}.*{message}"):
+        _load(folder)
+
+
+def test_missing_expert_input_scale_is_named(sources, tmp_path):
+    folder = _static_folder(sources["qwen3-moe"], tmp_path,
+                            change=lambda t: t.pop("model.layers.0.mlp.experts.1.down_proj.input_scale"))
+    with pytest.raises(ModelLoadError, match=r"lacks 1 tensors: model\.layers\.0\.mlp\.experts\.w2_input_scale"
+                                             r"#\(1, 'w2'\)"):  # fmt: skip
+        _load(folder)
+
+
+def test_static_activation_scales_with_block_scaled_experts_are_refused():
+    from graphserve.layers.quant.config import Fp8Config
+    from graphserve.layers.quant.fp8_moe import Fp8MoEMethod
+
+    with pytest.raises(ValueError, match=r"activation_scheme='static' with weight_block_size=\[32, 32\] is not "
+                                         r"supported for routed experts"):  # fmt: skip
+        Fp8MoEMethod(Fp8Config(block=(32, 32), activation_scheme="static", serialized=True))
 
 
 def test_plan_counts_fp8_expert_bytes_and_scales():

@@ -155,6 +155,75 @@ def test_fp8_experts_match_reference(path, w8a8, block, t, k, expert_start, num_
         assert torch.equal(out[-2:].cpu(), torch.zeros(2, h))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_static_activation_scales_match_reference(padded):
+    """W8A8 with static activation scales (per-channel weights): x and the activated product quantized with one
+    scale each, exactly as the reference does; the scales chosen small enough that some values clip at 448."""
+    gen = torch.Generator().manual_seed(31 + padded)
+    t, k, h, inter = 9, 2, 64, 24
+    w13, w2, s13, s2 = _fp8_experts(gen, E, h, inter, None)
+    x = _randn(t, h, gen=gen)
+    topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), k, True)
+    valid = (torch.arange(t, device=DEVICE) < t - 2) if padded else None
+    if padded:
+        x[-2:] = float("nan")
+    scales = (torch.tensor([x[: t - 2].abs().max().item() / 500.0], device=DEVICE),
+              torch.tensor([0.002], device=DEVICE))  # fmt: skip
+    assert (x[: t - 2].abs() / scales[0] > 448).any()  # some of x clips
+    out = fused_experts(x, w13, w2, topk_w, topk_ids, valid=valid, w13_scale=s13, w2_scale=s2, path="gemm",
+                        w8a8=True, gemm_tiles=GEMM, input_scales=scales)  # fmt: skip
+    want = experts_fp8_reference(x, w13, w2, s13, s2, None, topk_w, topk_ids, valid, w8a8=True, input_scales=scales)
+    dynamic = experts_fp8_reference(x, w13, w2, s13, s2, None, topk_w, topk_ids, valid, w8a8=True)
+    assert want.abs().max() > 0.1 and not torch.allclose(want, dynamic, rtol=1e-3, atol=1e-3)  # the scales matter
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    if padded:
+        assert torch.equal(out[-2:].cpu(), torch.zeros(2, h))
+
+
+def test_static_activation_scales_are_refused_where_they_cannot_apply():
+    gen = torch.Generator().manual_seed(33)
+    w13, w2, s13, s2 = _fp8_experts(gen, E, 32, 16, (16, 16))
+    x = _randn(4, 32, gen=gen)
+    topk_w, topk_ids = softmax_topk_reference(_randn(4, E, gen=gen), 2, True)
+    one = torch.ones(1, device=DEVICE)
+    with pytest.raises(ValueError, match=r"input_scales \(static activation scales\) need fp8 experts with "
+                                         r"per-channel scales .* weight_block=\(16, 16\)"):  # fmt: skip
+        fused_experts(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2, weight_block=(16, 16),
+                      input_scales=(one, one))
+    w13, w2, s13, s2 = _fp8_experts(gen, E, 32, 16, None)
+    with pytest.raises(ValueError, match=r"as two one-element fp32 tensors; .*\[\(\(2,\), torch.float32\)"):
+        fused_experts(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2, input_scales=(one.repeat(2), one))
+
+
+def test_static_fp8_layer_kernel_path_applies_the_largest_scales():
+    """A layer holding a checkpoint's static scales: the kernel path quantizes with the largest of the layer's
+    (``*_input_scale_max``), takes no norm-quantized hidden, and matches the reference with those scales."""
+    gen = torch.Generator().manual_seed(35)
+    h, inter, t = 64, 24, 6
+    layer = FusedMoE(E, 2, h, inter, SoftmaxTopK(E, 2, False), dtype=torch.float32).to(DEVICE)
+    Fp8MoEMethod(Fp8Config(block=None, activation_scheme="static", serialized=True)).create_weights(layer)
+    w13, w2, s13, s2 = _fp8_experts(gen, E, h, inter, None)
+    for e in range(E):
+        for part, rows in (("w1", slice(0, inter)), ("w3", slice(inter, 2 * inter))):
+            layer.load_weight("w13_weight", layer.w13_weight, w13[e, rows], (e, part))
+            layer.load_weight("w13_weight_scale", layer.w13_weight_scale, s13[e, rows, 0], (e, part))
+            layer.load_weight("w13_input_scale", layer.w13_input_scale, torch.tensor(0.01 + 0.001 * e), (e, part))
+        layer.load_weight("w2_weight", layer.w2_weight, w2[e], (e, "w2"))
+        layer.load_weight("w2_weight_scale", layer.w2_weight_scale, s2[e, :, 0], (e, "w2"))
+        layer.load_weight("w2_input_scale", layer.w2_input_scale, torch.tensor(0.002 * (e + 1)), (e, "w2"))
+    assert layer.w13_input_scale_max.item() == pytest.approx(0.01 + 0.001 * (E - 1))
+    assert layer.w2_input_scale_max.item() == pytest.approx(0.002 * E)
+    assert layer._hidden_quant_group(_randn(t, h, gen=gen)) is None
+    layer.use_kernels = True
+    x, logits = _randn(t, h, gen=gen), _randn(t, E, gen=gen)
+    got = layer(x, logits)
+    w, ids = layer.route(logits)
+    scales = (layer.w13_input_scale_max, layer.w2_input_scale_max)
+    want = experts_fp8_reference(x, layer.w13_weight, layer.w2_weight, layer.w13_weight_scale, layer.w2_weight_scale,
+                                 None, w, ids, w8a8=True, input_scales=scales)  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 class _LaunchSpy:
     """Wraps a Triton kernel: records each launch's keyword arguments (the constexprs), then launches."""
 

@@ -152,6 +152,14 @@ def per_token_group_quant(
     return q, scales
 
 
+def static_quant(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] quantized with a checkpoint's static per-tensor activation scale (``scale``: one fp32 value on
+    x's device) -> (fp8 [M, K], the scale as per-row scales [M, 1], every row the same element): what the W8A8
+    kernels read as one scale per row of x."""
+    q = (x.float() / scale.reshape(())).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale.reshape(1, 1).expand(x.shape[0], 1)
+
+
 def silu_mul_group_quant(
     gate_up: torch.Tensor, group_size: int, *, pad_rows_to: int = 1, scales_column_major: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:

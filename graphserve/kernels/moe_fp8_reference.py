@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from graphserve.kernels.fp8_quant import dequantize_blocks, per_token_group_quant_reference
+from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, dequantize_blocks, per_token_group_quant_reference
 from graphserve.kernels.moe_reference import _silu_mul, routed_pairs
 
 
@@ -30,8 +30,12 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, i
     return out
 
 
-def _quant_dequant(x: torch.Tensor, group_k: int) -> torch.Tensor:
-    """fp32 ``x`` after per-token-group fp8 quantization (what the W8A8 kernels multiply)."""
+def _quant_dequant(x: torch.Tensor, group_k: int, static: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``x`` after per-token-group fp8 quantization, or with one ``static`` scale (what the W8A8 kernels
+    multiply)."""
+    if static is not None:
+        scale = static.float().reshape(())
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale
     q, s = per_token_group_quant_reference(x, group_k)
     return dequantize_blocks(q, s, 1, group_k)
 
@@ -40,12 +44,15 @@ def experts_fp8_reference(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
     block: tuple[int, int] | None, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     valid: torch.Tensor | None = None, expert_start: int = 0, w8a8: bool | tuple[bool, bool] = False,
+    input_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The experts of moe_reference.experts_reference on the dequantized weights, one expert at a
     time (so memory stays one expert's fp32 weights at any shape); ``w8a8``: x and the activated
     product also go through per-token-group fp8 quantization (groups of the block's K, or whole
     rows per channel), as the W8A8 grouped GEMM computes; a pair (gate_up's, down's) for a call whose
-    steps differ (kernels/moe_fused.quantized_steps). Reads the routing on the host."""
+    steps differ (kernels/moe_fused.quantized_steps); ``input_scales``: those steps quantize with these static
+    scales instead. Reads the routing on the host."""
+    static13, static2 = input_scales or (None, None)
     quant13, quant2 = (w8a8, w8a8) if isinstance(w8a8, bool) else w8a8
     t, h = hidden.shape
     k = topk_ids.shape[1]
@@ -62,10 +69,10 @@ def experts_fp8_reference(
         d2 = dequantize_experts(w2[e : e + 1], w2_scale[e : e + 1], block)[0]
         rows = hidden[pairs // k].float()
         if quant13:
-            rows = _quant_dequant(rows, gk13)
+            rows = _quant_dequant(rows, gk13, static13)
         act = _silu_mul(rows @ d13.T, hidden.dtype).float()
         if quant2:
-            act = _quant_dequant(act, gk2)
+            act = _quant_dequant(act, gk2, static2)
         down = (act @ d2.T) * topk_weights.reshape(-1)[pairs].float()[:, None]
         out[pairs] = down.to(hidden.dtype).float()
     return out.view(t, k, h).sum(dim=1).to(hidden.dtype)

@@ -20,6 +20,10 @@ one of two modes, chosen from the shape alone (so a captured graph always replay
   128 / 512 tokens where W8A16 took 0.207 / 0.312 / 0.316 / 0.418, and within 4% of it at 1024 tokens
   (0.553 against 0.533); the decode step at batch 16 and 32 took 10.2 and 10.7 ms instead of 18.4 and 19.5
   (uniform routing, ``--w8a8-rows-per-expert 0`` against 128, the rule before).
+Static activation scales (a checkpoint's ``input_scale``, per-channel or per-tensor weights: ``input_scales``)
+replace the per-token-group quantization of the W8A8 grouped GEMM: x and the activated product are quantized with
+one fp32 scale each (kernels/fp8_quant.static_quant), read by the kernel as every row's scale. The streaming path
+reads none, as the dense layers' streaming path does not.
 A grouped GEMM tile with ``a8`` set (the tuned table's choice per bucket and step, block scales
 only) quantizes inside the GEMM instead (kernels/moe_gemm.py's ``A_QUANT``): no quantization launch and
 no fp8 copy of the activations, the same groups and rounding. A caller may still ask for W8A16
@@ -33,7 +37,7 @@ import dataclasses
 import torch
 import triton
 
-from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, TL_DTYPES, per_token_group_quant
+from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, TL_DTYPES, per_token_group_quant, static_quant
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
 from graphserve.kernels.moe_gemm import fused_moe_gemm_kernel, moe_sum_kernel
@@ -89,6 +93,7 @@ def fused_experts(
     gemm_tiles: tuple[GemmTile, GemmTile] | None = None,
     gemv_tiles: tuple[GemvTile, GemvTile] | None = None,
     hidden_q: tuple[torch.Tensor, torch.Tensor] | None = None,
+    input_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum over slots of weight * down(silu(gate(x)) * up(x)) over this rank's experts, [T, H].
 
@@ -98,8 +103,16 @@ def fused_experts(
     override the table and the W8A8 rule (tests, tuner, benchmarks). ``hidden_q``: ``hidden`` already
     quantized as ``hidden_quant_group`` says (fp8 [T, H], fp32 scales [T, groups]), by the launch that made it;
     gate_up reads it where it would quantize ``hidden`` by a launch of its own (elsewhere it is not read).
+    ``input_scales``: static activation scales (one fp32 value each, on the device) of gate_up's input and of
+    down's, with per-channel weight scales; W8A8 then quantizes with them instead of per token group.
     """
     fp8 = w13_scale is not None or w2_scale is not None
+    if input_scales is not None and (not fp8 or weight_block is not None or hidden_q is not None
+                                     or any(s.numel() != 1 or s.dtype != torch.float32 for s in input_scales)):
+        raise ValueError("input_scales (static activation scales) need fp8 experts with per-channel scales and no "
+                         "hidden_q, as two one-element fp32 tensors; got weight_block="
+                         f"{weight_block}, hidden_q {'given' if hidden_q is not None else 'None'}, "
+                         f"{[(tuple(s.shape), s.dtype) for s in input_scales]}")
     _check(hidden, w13, w2, topk_weights, topk_ids, fp8)
     scales = expert_scales(w13, w2, w13_scale, w2_scale, weight_block) if fp8 else None
     if path not in (None, *PATHS):
@@ -127,16 +140,18 @@ def fused_experts(
                         scales)  # fmt: skip
     else:
         _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
-                           step_tiles, scales, w8a8, hidden_q)  # fmt: skip
+                           step_tiles, scales, w8a8, hidden_q, input_scales)  # fmt: skip
     return out
 
 
 def hidden_quant_group(t: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
-                       w2_scale: torch.Tensor | None, weight_block: tuple[int, int] | None) -> int | None:  # fmt: skip
+                       w2_scale: torch.Tensor | None, weight_block: tuple[int, int] | None,
+                       input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> int | None:  # fmt: skip
     """The group size in which ``fused_experts`` quantizes ``hidden`` by a launch of its own before gate_up, for a
     call of ``t`` tokens on these experts (W8A8 grouped GEMM whose gate_up tile does not quantize inside); None
-    where it does not. The launch that makes ``hidden`` may then write it quantized so (``hidden_q``)."""
-    if w13_scale is None or t == 0:
+    where it does not, and under static scales (``input_scales``), which no group size describes. The launch that
+    makes ``hidden`` may then write it quantized so (``hidden_q``)."""
+    if w13_scale is None or t == 0 or input_scales is not None:
         return None
     scales, (chosen, step_tiles, w8a8) = _fp8_plan(t, top_k, w13, w2, w13_scale, w2_scale, weight_block, None, None)
     if chosen != "gemm" or not w8a8 or step_tiles[0].a8:
@@ -227,12 +242,14 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
 
 
 def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles,
-                       scales=None, w8a8=False, hidden_q=None):  # fmt: skip
+                       scales=None, w8a8=False, hidden_q=None, input_scales=None):  # fmt: skip
     """Sort/align, gate_up and down grouped GEMMs over [pairs] rows, then the slot sum.
 
     W8A8: x is quantized per token group before gate_up (or comes so, ``hidden_q``) and the activated
-    product before down, except for a step whose tile quantizes in the kernel (``GemmTile.a8``).
+    product before down, except for a step whose tile quantizes in the kernel (``GemmTile.a8``); with static
+    scales (``input_scales``) each with its one scale.
     """
+    static13, static2 = input_scales or (None, None)
     (t, h), (num_local, two_i, _), k = hidden.shape, w13.shape, topk_ids.shape[1]
     inter, pairs = two_i // 2, t * k
     gu, dn = tiles
@@ -242,12 +259,14 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
     align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu.block_m)
     down = torch.empty(pairs, h, dtype=hidden.dtype, device=hidden.device)
     # where gate_up's tile is one of down's activation groups, its epilogue writes down's input as fp8 groups
-    quant_out = quant_out_group(gu, dn, s2, w8a8)
+    quant_out = quant_out_group(gu, dn, s2, w8a8) and input_scales is None
     act = torch.empty(pairs, inter, dtype=FP8_DTYPE if quant_out else hidden.dtype, device=hidden.device)
     act_s = torch.empty(pairs, triton.cdiv(inter, s2.group_k), dtype=torch.float32, device=hidden.device) \
         if quant_out else None  # fmt: skip
-    gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8, hidden_q, c_scale=act_s)
-    gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8, (act, act_s) if quant_out else None)
+    gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8, hidden_q, c_scale=act_s,
+              static_scale=static13)
+    gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8, (act, act_s) if quant_out else None,
+              static_scale=static2)
     block_h = min(1024, triton.next_power_of_2(h))
     moe_sum_kernel[(t, triton.cdiv(h, block_h))](
         down, out, topk_ids, valid_arg, h, expert_start, down.stride(0), out.stride(0),
@@ -265,12 +284,13 @@ def quant_out_group(gate_up: GemmTile, down: GemmTile, s2: ExpertScales | None, 
 def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torch.Tensor, tile: GemmTile, align,
               topk_weights: torch.Tensor, a_row_div: int, gated: bool, w8a8: bool,
               a_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
-              c_scale: torch.Tensor | None = None) -> None:  # fmt: skip
+              c_scale: torch.Tensor | None = None, static_scale: torch.Tensor | None = None) -> None:  # fmt: skip
     """One grouped GEMM over the sorted pairs: gate_up (``gated``: rows ``a[pair // a_row_div]``, silu * up
     written) or down (rows ``a[pair]``, times the routing weight). The step's mode: ``tile.a8``
     quantizes a in the kernel (A_QUANT), else ``w8a8`` quantizes it first (A_FP8; ``a_quantized``: a already
     quantized so, by its producer), else W8A16. ``c_scale`` (gate_up, fp32 [pairs, N / block_n]): c is fp8 and
-    each tile's rows are quantized as one group, the scales written there (``quant_out_group``)."""
+    each tile's rows are quantized as one group, the scales written there (``quant_out_group``). ``static_scale``
+    (W8A8 with per-channel weight scales): a quantized with that one scale instead of per token group."""
     n, kk = b.shape[1] // (2 if gated else 1), b.shape[2]
     check_a8_tile(tile, sb)
     # the activation dtype, where the epilogue rounds: c's, or a's where c is the fp8 that QUANT_OUT writes
@@ -291,6 +311,10 @@ def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torc
                 or a_scale.shape != (rows, groups)):  # fmt: skip
             raise ValueError(f"pre-quantized activations must be fp8 [{rows}, {kk}] with scales [{rows}, {groups}] "
                              f"(groups of {sb.group_k}), got {a.dtype} {tuple(a.shape)} and {tuple(a_scale.shape)}")
+    elif quantize_first and static_scale is not None:
+        if not sb.per_channel:
+            raise ValueError("a static activation scale needs per-channel weight scales (one activation scale a row)")
+        a, a_scale = static_quant(a, static_scale)
     elif quantize_first:
         a, a_scale = per_token_group_quant(a, sb.group_k)
     fp8_dot = w8a8 or tile.a8

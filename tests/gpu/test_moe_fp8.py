@@ -226,3 +226,25 @@ def test_fp8_workspace_bound_covers_what_a_forward_allocates(name, experts, gen)
         # the caching allocator rounds each of the ~12 buffers up to 512 bytes
         bound = moe_workspace_bytes(t, k, e, i, h, DT, fp8_group_k=BLOCK[1]) + 12 * 512
         assert out.numel() and used <= bound, (t, used, bound)
+
+
+@pytest.mark.parametrize("t", [7, 64, 256])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_static_activation_scales_model_shapes(name, t, experts, gen):
+    """Per-channel experts with a checkpoint's static activation scales: the grouped GEMM quantizes x and the
+    activated product with them (eager and replayed from a CUDA graph alike), as the reference does; the
+    streaming path reads none."""
+    w13, w2, s13, s2 = experts[name, "channel"]
+    x, w, ids = _routing(t, name, gen)
+    scales = (torch.tensor([x.abs().max().item() / 448.0], device="cuda"), torch.tensor([0.05 / 448.0], device="cuda"))
+    out = fused_experts(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2, path="gemm", input_scales=scales)
+    ref = experts_fp8_reference(x, w13, w2, s13, s2, None, w, ids, w8a8=True, input_scales=scales)
+    assert not out.isnan().any() and rel_err(out, ref) < TOL
+    graph, held = capture(lambda: fused_experts(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2, path="gemm",
+                                                input_scales=scales))  # fmt: skip
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(held, out)
+    stream = fused_experts(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2, path="gemv", input_scales=scales)
+    unscaled = experts_fp8_reference(x, w13, w2, s13, s2, None, w, ids)
+    assert rel_err(stream, unscaled) < TOL

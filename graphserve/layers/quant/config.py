@@ -82,9 +82,12 @@ class Fp8Config:
 
     def expert_scale_bytes(self, hidden: int, intermediate: int) -> int:
         """The fp32 scales of one routed expert's gate, up [I, H] and down [H, I] in fp8 (layers/quant/fp8_moe.py:
-        gate and up blocked apart)."""
+        gate and up blocked apart); with static activations a serialized layer also holds one ``input_scale`` per
+        part."""
         block = self.experts
-        return 4 * (2 * weight_scales(block, intermediate, hidden) + weight_scales(block, hidden, intermediate))
+        inputs = 3 if self.serialized and self.activation_scheme == "static" else 0
+        return 4 * (2 * weight_scales(block, intermediate, hidden) + weight_scales(block, hidden, intermediate)
+                    + inputs)
 
 
 def weight_scales(block: tuple[int, int] | None, out_features: int, in_features: int) -> int:

@@ -51,13 +51,13 @@ from graphserve.kernels.fp8_gemm import (
 from graphserve.kernels.fp8_gemv import fp8_gate_up_a8, fp8_gemv, fp8_gemv_a8, fp8_norm_gemv, fp8_silu_mul_gemv
 from graphserve.kernels.fp8_quant import (
     FP8_DTYPE,
-    FP8_MAX,
     dequantize_blocks,
     norm_group_quant,
     per_token_group_quant,
     quantize_weight_blocks,
     quantize_weight_channels,
     silu_mul_group_quant,
+    static_quant,
 )
 from graphserve.layers.quant.config import Fp8Config, IgnoreList
 
@@ -412,10 +412,8 @@ class Fp8LinearMethod:
             return fp8_gemv(x, layer.weight, scale.view(scale.shape[0], -1), self.group_n, self.group_k or k,
                             layer.bias, config=route.config)
         if self.config.activation_scheme == "static":
-            a_scale = layer.input_scale.max()
-            a_q = (x.float() / a_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-            a_s = a_scale.expand(m, 1).contiguous()
-            return self._quantized_matmul(layer, Route("w8a8"), a_q, a_s, m, x.dtype)
+            a_q, a_s = static_quant(x, layer.input_scale.max())
+            return self._quantized_matmul(layer, Route("w8a8"), a_q, a_s.contiguous(), m, x.dtype)
         group, blockwise = self._quant_layout(layer, route, k)
         a_q, a_s = per_token_group_quant(x, group, **_layout(blockwise))
         return self._quantized_matmul(layer, route, a_q, a_s, m, x.dtype, blockwise)

@@ -11,9 +11,12 @@ Stored per layer: ``w13_weight`` fp8 e4m3 [E, 2I, H] (gate rows, then up rows), 
 
 From an FP8 checkpoint the scales are Parameters the checkpoint must fill (a missing one is refused
 by the loader by name); quantized at load (``--quantization``) they are buffers the weights' load
-fills. Activations are never quantized with a checkpoint's static scale: the kernels run W8A16 (the
-small-batch path) or quantize per token group (the grouped GEMM; kernels/moe_fused.py), so
-``activation_scheme: static`` is refused. The CPU path dequantizes the weights and leaves the activations
+fills. The kernels run W8A16 (the small-batch path) or W8A8 (the grouped GEMM; kernels/moe_fused.py), which
+quantizes activations per token group, or, with ``activation_scheme: static`` (per-channel or per-tensor
+weights, as Mixtral-8x7B-FP8 ships them), with the checkpoint's ``experts.N.*.input_scale``: held per expert
+and part (``w13_input_scale`` [E, 2], gate's then up's; ``w2_input_scale`` [E, 1]), and applied as the largest of
+the layer's (``*_input_scale_max``, kept as the scales load), so no expert's activations clip. Static scales
+with block-scaled weights are refused. The CPU path dequantizes the weights and leaves the activations
 unquantized (kernels/moe_fp8_reference.py), as the dense layers' CPU path does.
 """
 
@@ -52,13 +55,18 @@ def quantize_stack(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torc
     return q[:, :n, :k].to(FP8_DTYPE), scale
 
 
+INPUT_SCALES = ("w13_input_scale", "w2_input_scale")  # static activation scales, per expert and part
+
+
 class Fp8MoEMethod:
     def __init__(self, config: Fp8Config) -> None:
-        if config.activation_scheme != "dynamic":
-            raise ValueError(f"activation_scheme={config.activation_scheme!r} is not supported for routed experts: "
-                             "the fused MoE quantizes activations per token group (dynamic) or not at all")
         self.config = config
         self.block = config.experts
+        self.static = config.activation_scheme == "static"
+        if self.static and self.block:
+            raise ValueError(f"activation_scheme='static' with weight_block_size={list(self.block)} is not supported "
+                             "for routed experts: block-scaled experts quantize activations per token group "
+                             "(activation_scheme 'dynamic'); static scales go with per-channel or per-tensor weights")
         self.act_dtype: torch.dtype | None = None  # the model dtype, read from the first layer built
 
     def scale_name(self, weight: str) -> str:
@@ -85,6 +93,13 @@ class Fp8MoEMethod:
                 layer.register_parameter(self.scale_name(weight), nn.Parameter(scale, requires_grad=False))
             else:
                 layer.register_buffer(self.scale_name(weight), scale)
+        if self.static:  # only a checkpoint has static scales (--quantization quantizes activations per token)
+            for name, parts in zip(INPUT_SCALES, (2, 1)):
+                layer.register_parameter(name, nn.Parameter(torch.empty(e, parts, dtype=torch.float32, device=device),
+                                                            requires_grad=False))  # fmt: skip
+                # the largest of the layer's, what the kernels apply: updated as each expert's scale loads
+                layer.register_buffer(f"{name}_max", torch.empty(1, dtype=torch.float32, device=device),
+                                      persistent=False)  # fmt: skip
         layer.quant_method = self
 
     def scales(self, layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +121,8 @@ class Fp8MoEMethod:
         if part not in ("w1", "w2", "w3"):
             raise ValueError(f"expert weight {part!r} is not one of 'w1', 'w2', 'w3'")
         weight, rows, scale_rows, k = self._part(layer, part)
+        if self.static and param_name in INPUT_SCALES:
+            return self._load_input_scale(layer, param_name, tensor, expert, part)
         if not param_name.startswith(weight):
             raise ValueError(f"expert part {part!r} does not belong in {param_name}")
         if not 0 <= expert < layer.num_experts:
@@ -145,6 +162,27 @@ class Fp8MoEMethod:
         self._load_scale(getattr(layer, param_name).data[local, scale_rows], tensor, n, k)
         return True
 
+    def _load_input_scale(self, layer: FusedMoE, name: str, tensor: torch.Tensor, expert: int, part: str) -> bool:
+        """One expert part's static activation scale (a single value) into ``name`` [E, parts], and the layer's
+        largest so far into ``{name}_max``; False when another rank holds the expert."""
+        if (part == "w2") != (name == "w2_input_scale"):
+            raise ValueError(f"expert part {part!r} does not belong in {name}")
+        if not 0 <= expert < layer.num_experts:
+            raise ValueError(f"expert index {expert} is out of range for num_experts={layer.num_experts}")
+        local = expert - layer.expert_start
+        if not 0 <= local < layer.num_local_experts:
+            return False
+        if tensor.numel() != 1:
+            raise ValueError(f"input_scale has shape {tuple(tensor.shape)}, expected one value (per tensor)")
+        check_scales(tensor)
+        held, entry = getattr(layer, name), (local, 1 if part == "w3" else 0)
+        held.data[entry] = tensor.reshape(()).to(torch.float32)
+        loaded = layer.__dict__.setdefault(f"_{name}_loaded", set())  # until all are, the others hold no value
+        loaded.add(entry)
+        if len(loaded) == held.numel():
+            getattr(layer, f"{name}_max").copy_(held.data.amax().reshape(1))
+        return True
+
     def _load_scale(self, target: torch.Tensor, loaded: torch.Tensor, n: int, k: int) -> None:
         if self.block:
             if tuple(loaded.shape) != tuple(target.shape):
@@ -180,7 +218,10 @@ class Fp8MoEMethod:
     def kernel_args(self, layer: FusedMoE) -> dict:
         """What kernels/moe_fused.fused_experts takes beside the fp8 weights."""
         w13_scale, w2_scale = self.scales(layer)
-        return {"w13_scale": w13_scale, "w2_scale": w2_scale, "weight_block": self.block}
+        args = {"w13_scale": w13_scale, "w2_scale": w2_scale, "weight_block": self.block}
+        if self.static:
+            args["input_scales"] = (layer.w13_input_scale_max, layer.w2_input_scale_max)
+        return args
 
     def dequantized(self, layer: FusedMoE, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) in ``dtype``: the CPU path's weights."""
