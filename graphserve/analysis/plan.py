@@ -23,7 +23,7 @@ from graphserve.engine.memory import RESERVE_BYTES, gib, plan_memory
 from graphserve.errors import BadRequestError, ModelLoadError, bad_field
 from graphserve.layers.kv_layout import kv_cache_dtype
 from graphserve.layers.quant.config import parse_quantization_config, quantized_description, resolve_quantization
-from graphserve.models.registry import describe_model
+from graphserve.models.registry import describe_model, ignore_list
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -63,7 +63,7 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
         raise BadRequestError(f"--oversize={oversize!r} is invalid: choose split or eager", param="oversize")
     # an FP8 checkpoint's own quantization_config, else --quantization (what the loader applies)
     quant = resolve_quantization(parse_quantization_config(hf.get("quantization_config")), quantization)
-    model = quantized_description(describe_model(hf, DTYPES[dtype], tp), quant, DTYPES[dtype])
+    model = quantized_description(describe_model(hf, DTYPES[dtype], tp), quant, DTYPES[dtype], ignore_list(hf, quant))
     if kv_cache_dtype_name not in KV_CACHE_DTYPES:
         raise BadRequestError(f"--kv-cache-dtype={kv_cache_dtype_name!r} is invalid: choose one of "
                               f"{', '.join(KV_CACHE_DTYPES)}", param="kv_cache_dtype")

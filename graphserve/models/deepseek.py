@@ -47,7 +47,7 @@ from graphserve.layers.quant.config import DEQUANTIZED_AT_LOAD, parse_quantizati
 from graphserve.layers.quant.dequant_at_load import dequantize_at_load
 from graphserve.models.base import CausalLM, DecoderStack
 from graphserve.models.deepseek_shape import DeepseekShape, shape_from_config
-from graphserve.models.description import ModelDescription, Projection, split_evenly
+from graphserve.models.description import ModelDescription, Projection, layer_modules, split_evenly
 from graphserve.models.llama import mlp_projections
 from graphserve.models.moe import expert_param_name
 
@@ -250,9 +250,13 @@ class DeepseekV2ForCausalLM(CausalLM):
         moe_act = s.n_routed_experts + s.top_k * (3 * expert_inter + h) + 3 * shared_inter if n_moe else 0
         # what FP8 quantizes: q_proj or q_a_proj fused with kv_a_proj_with_mqa, q_b_proj, o_proj, the MLPs
         q_rows = heads * qk if s.q_lora_rank is None else s.q_lora_rank
-        projections = (Projection(q_rows + r + d, h, 2, s.num_layers), Projection(h, heads * v, 1, s.num_layers),
-                       *([Projection(heads * qk, s.q_lora_rank, 1, s.num_layers)] if s.q_lora_rank else []),
-                       *mlp_projections(h, inter, n_dense), *mlp_projections(h, shared_inter, n_moe))
+        layers, dense = range(s.num_layers), [i for i in range(s.num_layers) if i not in s.moe_layers]
+        projections = (Projection(q_rows + r + d, h, 2, layer_modules(layers, "self_attn.fused_qkv_a_proj")),
+                       Projection(h, heads * v, 1, layer_modules(layers, "self_attn.o_proj")),
+                       *([Projection(heads * qk, s.q_lora_rank, 1, layer_modules(layers, "self_attn.q_b_proj"))]
+                         if s.q_lora_rank else []),
+                       *mlp_projections(h, inter, dense), *mlp_projections(h, shared_inter, s.moe_layers,
+                                                                           "mlp.shared_experts"))
         vocab_rows = -(-s.vocab_size // tp)
         return ModelDescription(
             kv=KVLayout("latent", s.num_layers, 1, r + d, dtype), hidden_size=h, vocab_size=s.vocab_size,
@@ -262,6 +266,7 @@ class DeepseekV2ForCausalLM(CausalLM):
             num_experts=s.n_routed_experts if n_moe else 0, top_k=s.top_k if n_moe else 0, num_moe_layers=n_moe,
             act_width=max(attn_act, 3 * inter, moe_act), act_bytes_per_elem=dtype.itemsize,
             model_dtype_params=model_dtype, projections=projections,
+            expert_layers=layer_modules(s.moe_layers, "mlp.experts"),
         )
 
 

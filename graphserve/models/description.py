@@ -9,7 +9,9 @@ its ``describe(config, dtype, tp, ep)`` classmethod, counting per rank:
   (attention, dense MLPs, norms, router gates, shared experts), the embedding table (a step reads
   one row per token), the lm_head (read whole; 0 when tied, then the step reads the embedding
   table as the head), and routed experts (a step reads only the experts its tokens were routed to);
-- the dense projections FP8 quantizes, each by its shape, so their scales are counted exactly;
+- the dense projections FP8 quantizes, each by its shape and the modules holding it, and the routed-expert
+  layers by name, so their scales are counted exactly and a checkpoint's ignore list can keep some in the
+  model dtype (layers/quant/config.py quantized_description);
 - the widest activations one token holds inside a layer, for the activation estimate.
 
 The engine measures weights, activations and graphs at start-up; these figures are the
@@ -18,27 +20,44 @@ estimates `graphserve plan` prints before any GPU is touched, and the bytes a st
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from graphserve.layers.kv_layout import KVLayout
 
 
-class Projection(NamedTuple):
-    """``count`` copies (one per layer holding it) of one dense projection on a rank: its weight is
-    ``[out_features, in_features]`` and fuses ``parts`` checkpoint modules (q/k/v: 3, gate/up: 2)."""
+@dataclass(frozen=True)
+class Projection:
+    """One dense projection on a rank, held by each module of ``names`` (one per layer holding it): its weight is
+    ``[out_features, in_features]`` and fuses ``parts`` checkpoint modules (q/k/v: 3, gate/up: 2). The names are
+    the model's own (``model.layers.0.self_attn.qkv_proj``), which an FP8 ignore list is matched against."""
 
     out_features: int
     in_features: int
-    parts: int = 1
-    count: int = 1
+    parts: int
+    names: tuple[str, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
 
     @property
     def params(self) -> int:
         return self.count * self.out_features * self.in_features
+
+    @property
+    def shards(self) -> list[int] | None:
+        """The fused parts' shard ids, as the module names them (layers/linear.py MergedLinear.weight_shards);
+        None for a projection of one checkpoint module."""
+        return list(range(self.parts)) if self.parts > 1 else None
+
+
+def layer_modules(layers: Iterable[int], module: str) -> tuple[str, ...]:
+    """The model's names of ``module`` (a path inside a decoder layer: ``self_attn.qkv_proj``) in each of
+    ``layers``."""
+    return tuple(f"model.layers.{i}.{module}" for i in sorted(layers))
 
 
 @dataclass(frozen=True)
@@ -63,13 +82,19 @@ class ModelDescription:
     expert_bytes_per_param: int | None = None
     expert_fp8_group_k: int = 0  # fp8 routed experts: their scale block's K (hidden size per channel); 0: none
     # among dense_params, those FP8 keeps in the model dtype (norms, biases, router gates, MLA's kv_b_proj:
-    # layers/quant/config.py MODEL_DTYPE_LAYERS), priced like the embedding
+    # layers/quant/config.py MODEL_DTYPE_LAYERS; and the projections a checkpoint's ignore list keeps), priced like
+    # the embedding
     model_dtype_params: int = 0
     # the rest of dense_params: the projections FP8 quantizes (attention's, the dense and shared MLPs'), whose
     # scales depend on each one's shape (4 bytes per output row per channel, per tile with blocks)
     projections: tuple[Projection, ...] = ()
     dense_scale_bytes: int = 0  # FP8: the scales of ``projections`` (and static input scales), in bytes
     expert_scale_bytes: int = 0  # FP8: the scales of one routed expert of one layer, in bytes
+    expert_layers: tuple[str, ...] = ()  # the model's routed-expert modules, one per MoE layer, in layer order
+    # FP8: those of ``expert_layers`` whose experts a checkpoint's ignore list keeps in the model dtype while the
+    # others' are fp8; priced like the embedding, with no scales. (When no layer's experts are fp8, the expert_*
+    # fields above price the model dtype and this stays empty.)
+    kept_expert_layers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # a family that lists its projections short would price the missing ones' scales at nothing
@@ -78,6 +103,13 @@ class ModelDescription:
             raise ValueError(f"the description's projections hold {listed} parameters, but dense_params - "
                              f"model_dtype_params = {self.dense_params - self.model_dtype_params}: the family's "
                              "describe() counts them differently")
+        # an ignore list is matched against the layers' names: every MoE layer needs its own
+        if len(self.expert_layers) != self.num_moe_layers:
+            raise ValueError(f"the description names {len(self.expert_layers)} routed-expert layers, but "
+                             f"num_moe_layers = {self.num_moe_layers}: the family's describe() counts them differently")
+        stray = sorted(set(self.kept_expert_layers) - set(self.expert_layers))
+        if stray:
+            raise ValueError(f"kept_expert_layers names {stray[0]!r}, which is none of the description's expert_layers")
 
     @property
     def _embed_bpp(self) -> int:
@@ -107,32 +139,51 @@ class ModelDescription:
 
     @property
     def weights_bytes(self) -> int:
-        experts = self.num_moe_layers * self.local_experts * self.expert_bytes
+        experts = self.local_experts * sum(self._layer_expert_bytes(name) for name in self.expert_layers)
         embed = (self.embed_params + self.lm_head_params) * self._embed_bpp
         return self.dense_bytes + embed + experts
 
     @property
     def expert_bytes(self) -> int:
-        """One routed expert of one layer, with its scales."""
+        """One routed expert of one layer, with its scales (a layer of ``kept_expert_layers`` apart)."""
         return self.expert_params * self._expert_bpp + self.expert_scale_bytes
+
+    def _layer_expert_bytes(self, layer: str) -> int:
+        """One routed expert of MoE layer ``layer``: in the model dtype without scales when the layer is kept."""
+        return self.expert_params * self._embed_bpp if layer in self.kept_expert_layers else self.expert_bytes
 
     # ---- what a decode step must read --------------------------------------------------------
     def head_bytes(self) -> int:
         """The lm_head, or the tied embedding table acting as the head."""
         return (self.lm_head_params or self.embed_params) * self._embed_bpp
 
-    def decode_read_bytes(self, batch: int, context_tokens: int, experts_touched: int | None = None) -> int:
+    def decode_read_bytes(self, batch: int, context_tokens: int,
+                          experts_touched: int | Sequence[int] | None = None) -> int:
         """Bytes a decode step of ``batch`` tokens must read from device memory, each at least once.
 
         ``context_tokens``: KV positions attended over, summed across the batch. ``experts_touched``:
-        distinct (layer, expert) pairs the router chose in that step, summed over MoE layers; when
-        unknown, the fewest that ``batch`` tokens can touch (top_k of them per layer) — a floor.
+        distinct (layer, expert) pairs the router chose in that step, summed over MoE layers, or one count
+        per MoE layer (``expert_layers``' order), which a model whose layers price experts apart
+        (``kept_expert_layers``) needs; when unknown, the fewest that ``batch`` tokens can touch (top_k of
+        them per layer) — a floor.
         """
-        if experts_touched is None:
-            experts_touched = self.num_moe_layers * min(self.local_experts, self.top_k)
         weights = self.dense_bytes + self.head_bytes()
         rows = batch * self.hidden_size * self._embed_bpp  # the batch's embedding rows
-        return int(weights + rows + experts_touched * self.expert_bytes + context_tokens * self.kv.bytes_per_token)
+        return int(weights + rows + self._experts_read(experts_touched) + context_tokens * self.kv.bytes_per_token)
+
+    def _experts_read(self, touched: int | Sequence[int] | None) -> int:
+        if touched is None:
+            touched = [min(self.local_experts, self.top_k)] * self.num_moe_layers
+        elif isinstance(touched, int):
+            if self.kept_expert_layers:
+                raise ValueError(f"experts_touched={touched} sums the MoE layers, but {len(self.kept_expert_layers)} "
+                                 f"of the {self.num_moe_layers} keep their experts in the model dtype: pass one "
+                                 "count per MoE layer")
+            return touched * self.expert_bytes
+        if len(touched) != self.num_moe_layers:
+            raise ValueError(f"experts_touched has {len(touched)} counts: expected one per MoE layer "
+                             f"({self.num_moe_layers})")
+        return sum(n * self._layer_expert_bytes(name) for name, n in zip(self.expert_layers, touched))
 
     # ---- what a step holds ----------------------------------------------------------------------
     def activation_bytes(self, tokens: int, sampled_rows: int | None = None, context_tokens: int = 0) -> int:

@@ -8,6 +8,7 @@ Parameter names follow the checkpoint's, except the fused ``qkv_proj`` and ``gat
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ from graphserve.layers.linear import (
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
 from graphserve.models.base import CausalLM, DecoderStack
-from graphserve.models.description import ModelDescription, Projection, split_evenly
+from graphserve.models.description import ModelDescription, Projection, layer_modules, split_evenly
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
@@ -107,15 +108,20 @@ def attention_params(s: Shape, tp: int) -> tuple[int, int]:
     return params, (q + 2 * kv) + q
 
 
-def attention_projections(s: Shape, tp: int, layers: int) -> list[Projection]:
-    """``layers`` attention blocks' projections on a rank: qkv_proj (q, k, v fused) and o_proj."""
+def attention_projections(s: Shape, tp: int, layers: Iterable[int]) -> list[Projection]:
+    """The attention projections of ``layers`` on a rank: qkv_proj (q, k, v fused) and o_proj."""
     q, kv = s.num_heads // tp * s.head_dim, local_kv_heads(s, tp) * s.head_dim
-    return [Projection(q + 2 * kv, s.hidden_size, 3, layers), Projection(s.hidden_size, q, 1, layers)]
+    return [Projection(q + 2 * kv, s.hidden_size, 3, layer_modules(layers, "self_attn.qkv_proj")),
+            Projection(s.hidden_size, q, 1, layer_modules(layers, "self_attn.o_proj"))]
 
 
-def mlp_projections(hidden: int, inter: int, layers: int) -> list[Projection]:
-    """``layers`` gated MLPs' projections on a rank (``inter`` its intermediate size): gate_up_proj and down_proj."""
-    return [Projection(2 * inter, hidden, 2, layers), Projection(hidden, inter, 1, layers)] if layers and inter else []
+def mlp_projections(hidden: int, inter: int, layers: Collection[int], module: str = "mlp") -> list[Projection]:
+    """The gated MLP ``module`` of ``layers`` on a rank (``inter`` its intermediate size): gate_up_proj and
+    down_proj."""
+    if not layers or not inter:
+        return []
+    return [Projection(2 * inter, hidden, 2, layer_modules(layers, f"{module}.gate_up_proj")),
+            Projection(hidden, inter, 1, layer_modules(layers, f"{module}.down_proj"))]
 
 
 def attention_kept_params(s: Shape, tp: int) -> int:
@@ -325,8 +331,8 @@ class LlamaForCausalLM(CausalLM):
             act_width=max(attn_act, 3 * inter), act_bytes_per_elem=dtype.itemsize,
             # norms, q/k norms and biases
             model_dtype_params=s.num_layers * (2 * s.hidden_size + attention_kept_params(s, tp)) + s.hidden_size,
-            projections=(*attention_projections(s, tp, s.num_layers),
-                         *mlp_projections(s.hidden_size, inter, s.num_layers)),
+            projections=(*attention_projections(s, tp, range(s.num_layers)),
+                         *mlp_projections(s.hidden_size, inter, range(s.num_layers))),
         )
 
 

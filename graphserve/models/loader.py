@@ -19,6 +19,7 @@ from graphserve.layers.kv_layout import KVLayout, kv_cache_dtype
 from graphserve.layers.moe import FusedMoE
 from graphserve.layers.quant.config import (
     Fp8Config,
+    IgnoreList,
     online_config,
     parse_quantization_config,
     quantized_description,
@@ -265,8 +266,9 @@ def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype
 
     parallel = get_parallel()  # this rank's share: its KV heads size the pool, its weights the plan
     description = model.describe(hf_config, dtype, tp=parallel.tp_size, ep=parallel.ep_size)
-    experts_fp8 = any(m.quant_method is not None for m in model.modules() if isinstance(m, FusedMoE))
-    description = quantized_description(description, quant, dtype, experts_quantized=experts_fp8)
+    # priced by the ignore list the layers were quantized by (layers/quant/fp8.py quantize_linears)
+    ignore = IgnoreList(quant, model.map_weight_name, model.stacked_params) if quant is not None else None
+    description = quantized_description(description, quant, dtype, ignore)
     if kv_dtype != "auto":  # a paged K/V cache or a latent one (MLA) alike: layers/kv_layout.py
         kv = dataclasses.replace(description.kv, dtype=kv_cache_dtype(kv_dtype, dtype))
         description = dataclasses.replace(description, kv=kv)

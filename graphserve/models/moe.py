@@ -29,7 +29,7 @@ from graphserve.layers.moe import FusedMoE, SoftmaxTopK
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
 from graphserve.models.base import CausalLM
-from graphserve.models.description import ModelDescription, split_evenly
+from graphserve.models.description import ModelDescription, layer_modules, split_evenly
 from graphserve.models.llama import (
     _STACKED,
     LlamaAttention,
@@ -223,6 +223,7 @@ class MoEForCausalLM(CausalLM):
         local_experts = split_evenly(m.num_experts, ep, "num_experts")
         shared_inter = m.shared_intermediate_size // tp
         n_sparse, n_dense = len(m.sparse_layers), s.num_layers - len(m.sparse_layers)
+        dense = [i for i in range(s.num_layers) if i not in m.sparse_layers]
         # every sparse layer reads its router gate and shared expert whatever the routing
         sparse_fixed = m.num_experts * h + (3 * h * shared_inter + h if shared_inter else 0)
         dense_params = (s.num_layers * (attn + 2 * h) + n_dense * 3 * h * dense_inter + n_sparse * sparse_fixed + h)
@@ -240,8 +241,9 @@ class MoEForCausalLM(CausalLM):
             expert_params=3 * h * moe_inter, local_experts=local_experts, num_experts=m.num_experts, top_k=m.top_k,
             num_moe_layers=n_sparse, act_width=max(attn_act, 3 * dense_inter, moe_act),
             act_bytes_per_elem=dtype.itemsize, model_dtype_params=model_dtype,
-            projections=(*attention_projections(s, tp, s.num_layers), *mlp_projections(h, dense_inter, n_dense),
-                         *mlp_projections(h, shared_inter, n_sparse)),
+            projections=(*attention_projections(s, tp, range(s.num_layers)), *mlp_projections(h, dense_inter, dense),
+                         *mlp_projections(h, shared_inter, m.sparse_layers, "mlp.shared_expert")),
+            expert_layers=layer_modules(m.sparse_layers, "mlp.experts"),
         )
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from graphserve.errors import ModelLoadError
+from graphserve.layers.quant.config import Fp8Config, IgnoreList
 from graphserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from graphserve.models.description import ModelDescription
 from graphserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -54,6 +55,19 @@ def hf_config_object(hf: Mapping[str, Any] | Any) -> Any:
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"config.json model_type={hf.get('model_type')!r} cannot be read: {e}",
                              param="model") from e
+
+
+def ignore_list(hf: Mapping[str, Any] | Any, quant: Fp8Config | None) -> IgnoreList | None:
+    """``quant``'s ignore list in the family's own module names, what the loader quantizes by; None when it lists
+    nothing. The family maps checkpoint names with its model's ``map_weight_name``: the model is assembled on the
+    meta device, which holds no memory."""
+    if quant is None or not quant.ignored:
+        return None
+    config = hf_config_object(hf)
+    model_cls = resolve_model_class(getattr(config, "architectures", None))
+    with torch.device("meta"):
+        model = model_cls(config, config.max_position_embeddings)
+    return IgnoreList(quant, model.map_weight_name, model.stacked_params)
 
 
 def describe_model(hf: Mapping[str, Any] | Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:

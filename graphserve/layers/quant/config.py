@@ -48,6 +48,8 @@ ROUTER_GATES = (".gate", ".shared_expert_gate")
 # store it in fp8 with its scales all the same: it is dequantized as it loads (layers/quant/dequant_at_load.py).
 DEQUANTIZED_AT_LOAD = (".kv_b_proj",)
 MODEL_DTYPE_LAYERS = ROUTER_GATES + DEQUANTIZED_AT_LOAD  # never fp8 at run time, whatever the checkpoint stores
+# the parts of one routed expert, as FusedMoE's shard ids name them (layers/moe.py weight_shards): gate, up, down
+EXPERT_PARTS = ("w1", "w3", "w2")
 
 
 @dataclass(frozen=True)
@@ -138,17 +140,18 @@ class IgnoreList:
                              f"fuses with {'it' if len(listed) == 1 else 'them'} into {name}: list all of its parts "
                              "(kept in the model dtype) or none (fp8)", param="model")
 
-    def keeps_experts(self, name: str, shards: Collection[Any]) -> bool:
-        """Whether the routed experts ``name`` (one stacked tensor per layer) stay in the model dtype: the list names
-        the layer's experts whole or a module above them, or every part of every expert (``shards``: the loader's
-        (expert, part) ids). A list naming some of them is refused by name: one stack cannot be partly fp8."""
+    def keeps_experts(self, name: str, num_experts: int) -> bool:
+        """Whether the routed experts ``name`` (one stacked tensor per layer, of ``num_experts`` in the model) stay in
+        the model dtype: the list names the layer's experts whole or a module above them, or every part of every
+        expert (the loader's (expert, part) ids). A list naming some of them is refused by name: one stack cannot be
+        partly fp8."""
         if self._names_whole(name):
             return True
         listed = self._listed_parts(name)
         inside = [entry for module, shard, entry in self.entries if shard is None and _inside(module, name)]
         if not listed and not inside:
             return False
-        if not inside and set(listed) >= set(shards):
+        if not inside and set(listed) >= {(e, part) for e in range(num_experts) for part in EXPERT_PARTS}:
             return True
         named = ", ".join(repr(entry) for entry in dict.fromkeys([*listed.values(), *inside]))
         raise ModelLoadError(f"{self.field} lists {named} of the routed experts {name}: keeping single experts "
@@ -284,21 +287,37 @@ def resolve_quantization(checkpoint: Fp8Config | None, quantization: str) -> Fp8
 
 
 def quantized_description(desc: Any, quant: Fp8Config | None, model_dtype: torch.dtype,
-                          experts_quantized: bool = True) -> Any:
-    """``desc`` (a ModelDescription) with FP8 bytes for its projections and (unless a model keeps them in
-    ``model_dtype``) its routed experts, their scales counted exactly from each one's shape; embedding and lm_head
-    stay in the model dtype, as do the dense parameters a family counts as ``model_dtype_params`` (norms, biases,
-    router gates, MLA's kv_b_proj)."""
+                          ignore: IgnoreList | None = None) -> Any:
+    """``desc`` (a ModelDescription) as the loader holds it under ``quant``: each projection and each MoE layer's
+    routed experts in fp8 with their scales, counted exactly from each one's shape, unless ``ignore`` (the config's
+    ignore list through the family's names: ``IgnoreList``, which the loader decides by too) keeps them in
+    ``model_dtype``, unscaled. Embedding and lm_head stay in the model dtype, as do the dense parameters a family
+    counts as ``model_dtype_params`` (norms, biases, router gates, MLA's kv_b_proj), which the kept projections
+    join. ``ignore`` may be left out only when the config ignores nothing."""
     if quant is None:
         return desc
-    scales = sum(p.count * quant.projection_scale_bytes(p.out_features, p.in_features, p.parts)
-                 for p in desc.projections)
-    expert, expert_scales, group_k = model_dtype.itemsize, 0, 0
-    if experts_quantized and desc.expert_params:
+    if ignore is None:
+        if quant.ignored:
+            raise ValueError(f"{quant.ignored_field} names modules kept in the model dtype: pricing them needs the "
+                             "family's names (IgnoreList)")
+        ignore = IgnoreList(quant, lambda name: None, {})
+    projections, kept = [], 0
+    for p in desc.projections:
+        fp8 = tuple(name for name in p.names if not ignore.keeps(name, p.shards))
+        kept += (p.count - len(fp8)) * p.out_features * p.in_features
+        if fp8:
+            projections.append(dataclasses.replace(p, names=fp8))
+    scales = sum(p.count * quant.projection_scale_bytes(p.out_features, p.in_features, p.parts) for p in projections)
+    fp8_layers = [name for name in desc.expert_layers if not ignore.keeps_experts(name, desc.num_experts)]
+    expert, expert_scales, group_k, kept_layers = model_dtype.itemsize, 0, 0, ()
+    if fp8_layers and desc.expert_params:
         expert = 1
         expert_scales = quant.expert_scale_bytes(desc.hidden_size, desc.expert_params // (3 * desc.hidden_size))
         group_k = quant.experts[1] if quant.experts else desc.hidden_size
+        kept_layers = tuple(name for name in desc.expert_layers if name not in fp8_layers)
     return dataclasses.replace(
         desc, weight_bytes_per_param=1, dense_scale_bytes=scales, embed_bytes_per_param=model_dtype.itemsize,
+        model_dtype_params=desc.model_dtype_params + kept, projections=tuple(projections),
         expert_bytes_per_param=expert, expert_scale_bytes=expert_scales, expert_fp8_group_k=group_k,
+        kept_expert_layers=kept_layers,
     )

@@ -236,13 +236,8 @@ def quantize_experts(model: CausalLM, config: Fp8Config) -> int:
     from graphserve.layers.moe import FusedMoE
 
     ignore = IgnoreList(config, model.map_weight_name, model.stacked_params)
-
-    def every_part(layer: FusedMoE) -> set[tuple[int, str]]:  # of every expert, this rank's or not
-        parts = {part for weight in WEIGHTS for _, part in layer.weight_shards(weight)}
-        return {(expert, part) for expert in range(layer.num_experts) for part in parts}
-
     layers = [(name, m) for name, m in model.named_modules()
-              if isinstance(m, FusedMoE) and not ignore.keeps_experts(name, every_part(m))]
+              if isinstance(m, FusedMoE) and not ignore.keeps_experts(name, m.num_experts)]
     if not layers:
         return 0
     method = Fp8MoEMethod(config)
