@@ -133,3 +133,20 @@ def test_engine_serves_with_an_fp8_kv_cache():
     assert llm.engine.core.info.kv.dtype == llm.engine.core.runner.kv_caches[0].dtype == FP8_DTYPE
     out = llm.generate(["Hello there"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 8
+
+
+def test_static_quant_saturates_and_refuses_what_it_cannot_take():
+    """Off the GPU ``static_quant`` is its reference: x / scale saturated at ±448, the scale as every row's; shapes
+    and scales it cannot take are refused by name."""
+    import pytest
+
+    from graphserve.kernels.fp8_quant import FP8_DTYPE, static_quant
+
+    x = torch.tensor([[1.0, -2.0, 1000.0], [0.25, -1000.0, 0.0]])
+    q, s = static_quant(x, torch.tensor([0.5]))
+    assert q.dtype == FP8_DTYPE and q.float().tolist() == [[2.0, -4.0, 448.0], [0.5, -448.0, 0.0]]
+    assert s.shape == (2, 1) and s.flatten().tolist() == [0.5, 0.5]
+    with pytest.raises(ValueError, match=r"static_quant takes a row-major \[M, K\] x and one fp32 scale"):
+        static_quant(x, torch.tensor([0.5, 1.0]))
+    with pytest.raises(ValueError, match=r"one fp32 scale, got x \(3, 2\) strides \(1, 3\)"):
+        static_quant(x.t(), torch.tensor([0.5]))

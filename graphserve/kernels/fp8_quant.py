@@ -152,12 +152,43 @@ def per_token_group_quant(
     return q, scales
 
 
+@triton.jit(do_not_specialize=["M"])  # batch-sized ints: see server/warmup.py
+def _static_quant_kernel(x_ptr, s_ptr, q_ptr, M, stride_xm, stride_qm, K: tl.constexpr, BLOCK: tl.constexpr,
+                         FP8_MAX_C: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * stride_qm + cols, quantized(x, tl.load(s_ptr), q_ptr.dtype.element_ty, FP8_MAX_C),
+             mask=mask)  # fmt: skip
+
+
 def static_quant(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] quantized with a checkpoint's static per-tensor activation scale (``scale``: one fp32 value on
     x's device) -> (fp8 [M, K], the scale as per-row scales [M, 1], every row the same element): what the W8A8
-    kernels read as one scale per row of x."""
-    q = (x.float() / scale.reshape(())).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale.reshape(1, 1).expand(x.shape[0], 1)
+    kernels read as one scale per row of x. On the GPU one launch, which holds nothing beside the fp8 copy (the
+    memory plan counts that); elsewhere ``static_quant_reference``."""
+    if x.dim() != 2 or x.stride(-1) != 1 or scale.numel() != 1 or scale.dtype != torch.float32:
+        raise ValueError(f"static_quant takes a row-major [M, K] x and one fp32 scale, got x {tuple(x.shape)} "
+                         f"strides {x.stride()}, scale {scale.dtype} {tuple(scale.shape)}")
+    scales = scale.reshape(1, 1).expand(x.shape[0], 1)
+    if not x.is_cuda:
+        return static_quant_reference(x, scale), scales
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    if m and k:
+        block = min(2048, triton.next_power_of_2(k))
+        _static_quant_kernel[(m, triton.cdiv(k, block))](
+            x, scale, q, m, x.stride(0), q.stride(0), K=k, BLOCK=block, FP8_MAX_C=FP8_MAX,
+            num_warps=4 if block >= 1024 else 1, **pdl_args(x.device, "_static_quant_kernel"),
+        )  # fmt: skip
+    return q, scales
+
+
+def static_quant_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 ``x / scale`` saturated at ±448: what ``static_quant`` stores."""
+    return (x.float() / scale.reshape(())).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def silu_mul_group_quant(

@@ -627,6 +627,27 @@ def test_static_activation_scales_on_the_gpu(gen: torch.Generator) -> None:
     assert rel(out, xq @ layer.quant_method.dequantized_weight(layer, torch.float32).T) < TOL
 
 
+@pytest.mark.parametrize("m,k", [(1, 4096), (7, 14336), (64, 2048), (300, 768), (5, 100)])
+def test_static_quant_kernel_matches_reference_bitwise(m, k, gen: torch.Generator) -> None:
+    """The static quantization launch stores what its reference stores, values past ±448 saturated included, and
+    replays from a CUDA graph to the same bytes."""
+    from graphserve.kernels.fp8_quant import static_quant, static_quant_reference
+
+    x = (torch.randn(m, k, device=DEV, generator=gen) * 3).to(torch.bfloat16)
+    scale = torch.tensor([x.abs().max().item() / 600.0], device=DEV)  # some of x saturates
+    q, s = static_quant(x, scale)
+    want = static_quant_reference(x, scale)
+    assert (x.float().abs() / scale > 448).any()
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)) and s.shape == (m, 1) and torch.equal(s[:, 0], scale.expand(m))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        held, _ = static_quant(x, scale)
+    x.copy_((torch.randn(m, k, device=DEV, generator=gen) * 3).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(held.view(torch.uint8), static_quant_reference(x, scale).view(torch.uint8))
+
+
 def test_fp8_checkpoint_on_the_gpu_tracks_the_cpu_reference(tmp_path) -> None:
     """A block-wise checkpoint written by our quantizer, loaded on CUDA (W8A8 prefill, gemv decode,
     bf16) against the same checkpoint on the CPU path (dequantized fp32 weights, fp32 activations)."""
