@@ -14,6 +14,7 @@ Run: python3 -m benchmarks.decode [--models dummy:qwen3-0.6b dummy:llama3-8b] [-
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 import torch
 
@@ -27,13 +28,13 @@ from graphserve.layers.forward_batch import ForwardBatch, contiguous_batch
 from graphserve.models.loader import load_model
 
 
-def step_cost(info, bs: int, ctx: int, experts_touched: int | None = None) -> tuple[int, int]:
+def step_cost(info, bs: int, ctx: int, experts_touched: int | Sequence[int] | None = None) -> tuple[int, int]:
     """(bytes read, FLOPs) of one decode step of ``bs`` rows over ``ctx`` cached tokens each.
 
     The bytes are the model's own description (models/description.py: every weight the step reads,
     the batch's embedding rows, the KV in context): the same figures `graphserve plan` prints. A MoE
-    model's step reads the experts its router chose (``experts_touched``, (layer, expert) pairs, from the
-    step's own counts: benchmarks/moe.experts_touched); without it, the fewest a step can touch.
+    model's step reads the experts its router chose (``experts_touched``: one count per MoE layer from the
+    step's own counts, benchmarks/moe.experts_touched, or their sum); without it, the fewest a step can touch.
     FLOPs: each matmul weight once per row, attention 4·ctx·heads·head_dim per row and layer."""
     desc = info.description
     read = desc.decode_read_bytes(bs, bs * ctx, experts_touched)

@@ -54,12 +54,18 @@ def set_routing(model: torch.nn.Module, routing: str) -> list[FusedMoE]:
     return layers
 
 
-def experts_touched(layers: list[FusedMoE]) -> int | None:
-    """(layer, expert) pairs the last step routed to, from each layer's counts; None for a dense model (no
-    layers), which ``step_cost`` and ``decode_read_bytes`` take as "no routed experts to count"."""
+def experts_touched(layers: list[FusedMoE]) -> list[int] | None:
+    """The experts the last step routed to in each MoE layer, from each layer's counts (``decode_read_bytes`` prices
+    them per layer: a checkpoint's ignore list may keep some layers' experts in the model dtype); None for a dense
+    model (no layers), which ``step_cost`` and ``decode_read_bytes`` take as "no routed experts to count"."""
     if not layers:
         return None
-    return int(sum((m.expert_counts > 0).sum().item() for m in layers))
+    return [int((m.expert_counts > 0).sum().item()) for m in layers]
+
+
+def touched_total(touched: list[int] | None) -> int | None:
+    """The (layer, expert) pairs of ``experts_touched``, summed over the layers: what a result row records."""
+    return None if touched is None else sum(touched)
 
 
 @contextlib.contextmanager
@@ -124,7 +130,7 @@ def bench_decode(name: str, sizes: list[int], ctx: int, routings: list[str], bw,
                 touched = experts_touched(layers)  # the counts of the last replay: this batch's routing
                 nbytes = step_cost(info, bs, ctx, touched)[0]  # as every decode benchmark counts a step
                 bw.observe(f"{name} decode bs={bs} {routing}", nbytes, ms)
-                row = {"model": name, "bs": bs, "ctx": ctx, "routing": routing, "experts_touched": touched,
+                row = {"model": name, "bs": bs, "ctx": ctx, "routing": routing, "experts_touched": touched_total(touched),
                        "step_ms": ms, "bytes": nbytes}
                 if bs in loop_bs:
                     eager = _eager(model, batch)
@@ -133,7 +139,7 @@ def bench_decode(name: str, sizes: list[int], ctx: int, routings: list[str], bw,
                         row["loop_eager_ms"] = cuda_time_ms(eager, warmup=1, iters=3)
                     row["speedup_vs_loop"] = row["loop_eager_ms"] / ms
                 rows.append(row)
-                print(f"{name} bs={bs} {routing}: {ms:.3f} ms, {touched} experts touched")
+                print(f"{name} bs={bs} {routing}: {ms:.3f} ms, {touched_total(touched)} experts touched")
             del graphs  # its pool goes back before the next mode's capture
     return rows
 

@@ -34,7 +34,7 @@ from benchmarks.common import cuda_time_ms, merge_rows, print_table, write_resul
 from benchmarks.decode import make_batch, step_cost
 from benchmarks.decode_setup import captured_graphs, context_kv_caches, release_gpu_memory
 from benchmarks.kernels import graph_time_ms
-from benchmarks.moe import experts_touched, set_routing
+from benchmarks.moe import experts_touched, set_routing, touched_total
 from benchmarks.moe_tune import _Bucket as TuneBucket
 from benchmarks.moe_tune import _weights as tune_weights
 from benchmarks.roofline import measured_read_bw
@@ -69,8 +69,9 @@ def decode_steps(quantization: str, sizes: list[int], ctx: int, routings: list[s
             for bs in sizes:
                 batch = make_batch(bs, ctx, kv_caches, backend, info.vocab_size)
                 ms = cuda_time_ms(lambda g=graphs, b=batch: greedy_argmax(g.replay(b)), warmup=3, iters=20)
-                touched = experts_touched(layers)  # the last replay's routing
-                nbytes = step_cost(info, bs, ctx, touched)[0]  # as benchmarks.fp8 counts a step
+                per_layer = experts_touched(layers)  # the last replay's routing
+                nbytes = step_cost(info, bs, ctx, per_layer)[0]  # as benchmarks.fp8 counts a step
+                touched = touched_total(per_layer)
                 bw.observe(f"{MODEL} {quantization} decode bs={bs} {routing}", nbytes, ms)
                 out[bs, routing] = (ms, nbytes, touched)
                 print(f"{MODEL} --quantization {quantization} bs={bs} {routing}: {ms:.3f} ms, {touched} experts, "

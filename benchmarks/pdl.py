@@ -26,7 +26,7 @@ import torch
 from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.decode import make_batch, step_cost
 from benchmarks.decode_setup import captured_graphs, context_kv_caches
-from benchmarks.moe import experts_touched, set_routing
+from benchmarks.moe import experts_touched, set_routing, touched_total
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import KV_CACHE_DTYPES, EngineConfig
 from graphserve.kernels.argmax import greedy_argmax
@@ -89,7 +89,7 @@ def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rou
                 bw.observe(f"{name} {quantization} decode bs={bs}", nbytes, ms)
             rows.append({"model": name, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype, "bs": bs,
                          "ctx": ctx, "bytes": nbytes,
-                         "experts_touched": touched,
+                         "experts_touched": touched_total(touched),
                          "same_tokens": all(torch.equal(tokens[first], t) for t in tokens.values()),
                          "variants_ms": med, "rounds_ms": times})
             print(f"{name} {quantization} bs={bs}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in med.items()))

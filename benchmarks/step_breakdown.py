@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import cuda_time_ms, print_table, write_result
 from benchmarks.decode import make_batch
-from benchmarks.moe import experts_touched, moe_layers
+from benchmarks.moe import experts_touched, moe_layers, touched_total
 from benchmarks.roofline import measured_read_bw
 from graphserve.config import EngineConfig
 from graphserve.engine.graphs import GraphRunner
@@ -120,7 +120,7 @@ def main() -> None:
     variant = "".join(f"_{v}" for v in (args.quantization, args.kv_cache_dtype) if v not in ("none", "auto"))
     write_result(f"step_breakdown_{args.model.split(':')[-1]}{variant}_bs{args.bs}_ctx{args.ctx}",
                  {"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-                  "bs": args.bs, "ctx": args.ctx, "experts_touched": touched, "read": read.summary(), "rows": rows,
+                  "bs": args.bs, "ctx": args.ctx, "experts_touched": touched_total(touched), "read": read.summary(), "rows": rows,
                   "kernels": kernels, "boundaries": boundaries})
 
 

@@ -82,14 +82,40 @@ def test_per_model_tables_keep_the_other_models_entries(tmp_path, monkeypatch):
 
 
 def test_experts_touched_counts_routed_pairs_and_is_none_for_a_dense_model():
-    """benchmarks.moe.experts_touched: (layer, expert) pairs with a token in the last step; a dense model has no
-    such layers, and its None is what decode_read_bytes takes as nothing routed to count."""
+    """benchmarks.moe.experts_touched: the experts with a token in the last step, per MoE layer (rows record their
+    sum); a dense model has no such layers, and its None is what decode_read_bytes takes as nothing routed to
+    count."""
     from types import SimpleNamespace
 
     import torch
 
-    from benchmarks.moe import experts_touched
+    from benchmarks.moe import experts_touched, touched_total
 
     layers = [SimpleNamespace(expert_counts=torch.tensor([0, 3, 1, 0])), SimpleNamespace(expert_counts=torch.tensor([2, 0]))]
-    assert experts_touched(layers) == 3
-    assert experts_touched([]) is None
+    assert experts_touched(layers) == [2, 1]
+    assert touched_total(experts_touched(layers)) == 3
+    assert experts_touched([]) is None and touched_total(None) is None
+
+
+def test_step_cost_prices_each_layers_experts_as_the_layer_holds_them():
+    """A MoE description whose second layer's experts an ignore list keeps in bf16: step_cost takes the per-layer
+    counts benchmarks.moe.experts_touched gives and prices that layer's experts at 2 bytes a weight, unscaled."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.decode import step_cost
+    from graphserve.layers.kv_layout import KVLayout
+    from graphserve.models.description import ModelDescription
+
+    kv = KVLayout("kv", num_layers=2, num_heads=1, head_dim=8, dtype=torch.bfloat16)
+    desc = ModelDescription(kv=kv, hidden_size=16, vocab_size=32, weight_bytes_per_param=1, dense_params=0,
+                            embed_params=512, lm_head_params=0, expert_params=768, local_experts=4, num_experts=4,
+                            top_k=2, num_moe_layers=2, embed_bytes_per_param=2, expert_bytes_per_param=1,
+                            expert_scale_bytes=12, expert_layers=("model.layers.0.mlp.experts",
+                                                                  "model.layers.1.mlp.experts"),
+                            kept_expert_layers=("model.layers.1.mlp.experts",))  # fmt: skip
+    info = SimpleNamespace(description=desc, num_layers=2, num_heads=1, head_dim=8)
+    base = step_cost(info, 1, 4, [0, 0])[0]
+    assert step_cost(info, 1, 4, [3, 0])[0] - base == 3 * (768 + 12)
+    assert step_cost(info, 1, 4, [0, 3])[0] - base == 3 * 768 * 2
