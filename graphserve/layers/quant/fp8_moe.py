@@ -97,9 +97,11 @@ class Fp8MoEMethod:
             for name, parts in zip(INPUT_SCALES, (2, 1)):
                 layer.register_parameter(name, nn.Parameter(torch.empty(e, parts, dtype=torch.float32, device=device),
                                                             requires_grad=False))  # fmt: skip
-                # the largest of the layer's, what the kernels apply: updated as each expert's scale loads
+                # the largest of the layer's, what the kernels apply: taken once every expert's scale has loaded
                 layer.register_buffer(f"{name}_max", torch.empty(1, dtype=torch.float32, device=device),
                                       persistent=False)  # fmt: skip
+            # the (expert, part) entries loaded so far, per scale: until all are, the others hold no value
+            layer.input_scales_loaded = {name: set() for name in INPUT_SCALES}
         layer.quant_method = self
 
     def scales(self, layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +179,7 @@ class Fp8MoEMethod:
         check_scales(tensor)
         held, entry = getattr(layer, name), (local, 1 if part == "w3" else 0)
         held.data[entry] = tensor.reshape(()).to(torch.float32)
-        loaded = layer.__dict__.setdefault(f"_{name}_loaded", set())  # until all are, the others hold no value
+        loaded = layer.input_scales_loaded[name]
         loaded.add(entry)
         if len(loaded) == held.numel():
             getattr(layer, f"{name}_max").copy_(held.data.amax().reshape(1))
