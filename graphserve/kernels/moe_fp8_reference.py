@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, dequantize_blocks, per_token_group_quant_reference
+from graphserve.kernels.fp8_quant import dequantize_blocks, per_token_group_quant_reference, static_quant_reference
 from graphserve.kernels.moe_reference import _silu_mul, routed_pairs
 
 
@@ -34,8 +34,7 @@ def _quant_dequant(x: torch.Tensor, group_k: int, static: torch.Tensor | None = 
     """fp32 ``x`` after per-token-group fp8 quantization, or with one ``static`` scale (what the W8A8 kernels
     multiply)."""
     if static is not None:
-        scale = static.float().reshape(())
-        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale
+        return static_quant_reference(x, static).float() * static.float().reshape(())
     q, s = per_token_group_quant_reference(x, group_k)
     return dequantize_blocks(q, s, 1, group_k)
 

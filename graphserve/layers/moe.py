@@ -25,6 +25,7 @@ from graphserve.kernels.moe_reference import (
     uniform_routing,
 )
 from graphserve.layers.linear import RankSlice
+from graphserve.layers.quant.config import DOWN_PARTS, EXPERT_PARTS, GATE_UP_PARTS
 
 ROUTING_OVERRIDES = (None, "uniform")
 
@@ -197,8 +198,8 @@ class FusedMoE(nn.Module):
         w1 is the gate projection (Qwen's gate_proj), w3 the up projection (up_proj), w2 the down
         projection (down_proj). Experts held by another rank are skipped.
         """
-        if param not in ("w1", "w2", "w3"):
-            raise ModelLoadError(f"expert weight {param!r} is not one of 'w1', 'w2', 'w3'")
+        if param not in EXPERT_PARTS:
+            raise ModelLoadError(f"expert weight {param!r} is not one of {EXPERT_PARTS}")
         if not 0 <= expert_id < self.num_experts:
             raise ModelLoadError(f"expert index {expert_id} is out of range for num_experts={self.num_experts}")
         h, i, il = self.hidden_size, self.intermediate_size, self.intermediate_local
@@ -226,12 +227,12 @@ class FusedMoE(nn.Module):
         if self.tp_size == 1:
             return None
         il = self.intermediate_local
-        return RankSlice(0 if part in ("w1", "w3") else 1, self.tp_rank * il, il)
+        return RankSlice(0 if part in GATE_UP_PARTS else 1, self.tp_rank * il, il)
 
     # ---- the model loader's protocol (models/base.py): one shard per (expert, part) ----------------
     def weight_shards(self, param_name: str) -> list[tuple[int, str]]:
         experts = range(self.expert_start, self.expert_start + self.num_local_experts)
-        parts = ("w2",) if param_name.startswith("w2_") else ("w1", "w3")  # w2_weight and its fp8 scale
+        parts = DOWN_PARTS if param_name.startswith("w2_") else GATE_UP_PARTS  # w2_weight and its fp8 scales
         return [(e, part) for e in experts for part in parts]
 
     def load_weight(self, param_name: str, param: nn.Parameter, tensor: torch.Tensor, shard: tuple[int, str]) -> bool:

@@ -48,8 +48,9 @@ ROUTER_GATES = (".gate", ".shared_expert_gate")
 # store it in fp8 with its scales all the same: it is dequantized as it loads (layers/quant/dequant_at_load.py).
 DEQUANTIZED_AT_LOAD = (".kv_b_proj",)
 MODEL_DTYPE_LAYERS = ROUTER_GATES + DEQUANTIZED_AT_LOAD  # never fp8 at run time, whatever the checkpoint stores
-# the parts of one routed expert, as FusedMoE's shard ids name them (layers/moe.py weight_shards): gate, up, down
-EXPERT_PARTS = ("w1", "w3", "w2")
+# the parts of one routed expert, FusedMoE's shard ids (layers/moe.py weight_shards): gate and up stacked in w13, down
+GATE_UP_PARTS, DOWN_PARTS = ("w1", "w3"), ("w2",)
+EXPERT_PARTS = GATE_UP_PARTS + DOWN_PARTS
 
 
 @dataclass(frozen=True)

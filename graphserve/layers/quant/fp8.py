@@ -75,6 +75,29 @@ NORM_PROLOGUE_MAX_ROWS = 2
 SILU_PROLOGUE_MAX_ROWS = 4
 
 
+def add_input_scales(layer: nn.Module, shapes: dict[str, tuple[int, ...]], device: torch.device) -> None:
+    """A checkpoint's static activation scales on ``layer``: a Parameter per name of ``shapes`` (one entry per fused
+    part, or per expert and part) for the checkpoint to fill, and beside each the buffer ``{name}_max``, their
+    largest: the one scale the kernels apply, so no part's activations clip (``record_input_scale`` fills it)."""
+    for name, shape in shapes.items():
+        layer.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device),
+                                                    requires_grad=False))  # fmt: skip
+        layer.register_buffer(f"{name}_max", torch.empty(1, dtype=torch.float32, device=device), persistent=False)
+    # the entries loaded so far, per name: until all are, the others hold no value
+    layer.input_scales_loaded = {name: set() for name in shapes}
+
+
+def record_input_scale(layer: nn.Module, name: str, entry: int | tuple[int, ...], loaded: torch.Tensor) -> None:
+    """One loaded static activation scale (checked: one value, finite and > 0) into entry ``entry`` of ``name``; once
+    every entry has loaded, their largest into ``{name}_max``, at load, so no step takes it again."""
+    held = getattr(layer, name)
+    held.data[entry] = loaded.reshape(()).to(torch.float32)
+    seen = layer.input_scales_loaded[name]
+    seen.add(entry)
+    if len(seen) == held.numel():
+        getattr(layer, f"{name}_max").copy_(held.data.amax().reshape(1))
+
+
 def check_scales(scales: torch.Tensor) -> None:
     """Refuse checkpoint scales (``weight_scale_inv``, ``weight_scale``, ``input_scale``) not in a float dtype, or not
     finite and positive, by a ValueError its caller prefixes with the tensor's name: an fp8 scale is an amax / 448,
@@ -114,8 +137,7 @@ class Fp8LinearMethod:
         if self.config.serialized:
             layer.register_parameter(self.scale_name, nn.Parameter(scale, requires_grad=False))
             if self.config.activation_scheme == "static":
-                input_scale = torch.empty(len(sizes), dtype=torch.float32, device=device)
-                layer.register_parameter("input_scale", nn.Parameter(input_scale, requires_grad=False))
+                add_input_scales(layer, {"input_scale": (len(sizes),)}, device)
         else:
             layer.register_buffer(self.scale_name, scale)
         layer.quant_method = self
@@ -152,7 +174,7 @@ class Fp8LinearMethod:
             if loaded.numel() != 1:
                 raise ValueError(f"input_scale has shape {tuple(loaded.shape)}, expected one value")
             check_scales(loaded)
-            param.data[shard or 0] = loaded.reshape(()).float()
+            record_input_scale(layer, "input_scale", shard or 0, loaded)
         else:
             raise ValueError(f"an fp8 layer has no tensor {name!r}")
 
@@ -412,7 +434,7 @@ class Fp8LinearMethod:
             return fp8_gemv(x, layer.weight, scale.view(scale.shape[0], -1), self.group_n, self.group_k or k,
                             layer.bias, config=route.config)
         if self.config.activation_scheme == "static":
-            a_q, a_s = static_quant(x, layer.input_scale.max())
+            a_q, a_s = static_quant(x, layer.input_scale_max)
             return self._quantized_matmul(layer, Route("w8a8"), a_q, a_s.contiguous(), m, x.dtype)
         group, blockwise = self._quant_layout(layer, route, k)
         a_q, a_s = per_token_group_quant(x, group, **_layout(blockwise))

@@ -30,8 +30,8 @@ from torch import nn
 
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from graphserve.kernels.moe_fp8_reference import dequantize_experts
-from graphserve.layers.quant.config import Fp8Config, IgnoreList
-from graphserve.layers.quant.fp8 import check_scales
+from graphserve.layers.quant.config import EXPERT_PARTS, Fp8Config, IgnoreList
+from graphserve.layers.quant.fp8 import add_input_scales, check_scales, record_input_scale
 
 if TYPE_CHECKING:
     from graphserve.layers.moe import FusedMoE
@@ -94,14 +94,7 @@ class Fp8MoEMethod:
             else:
                 layer.register_buffer(self.scale_name(weight), scale)
         if self.static:  # only a checkpoint has static scales (--quantization quantizes activations per token)
-            for name, parts in zip(INPUT_SCALES, (2, 1)):
-                layer.register_parameter(name, nn.Parameter(torch.empty(e, parts, dtype=torch.float32, device=device),
-                                                            requires_grad=False))  # fmt: skip
-                # the largest of the layer's, what the kernels apply: taken once every expert's scale has loaded
-                layer.register_buffer(f"{name}_max", torch.empty(1, dtype=torch.float32, device=device),
-                                      persistent=False)  # fmt: skip
-            # the (expert, part) entries loaded so far, per scale: until all are, the others hold no value
-            layer.input_scales_loaded = {name: set() for name in INPUT_SCALES}
+            add_input_scales(layer, {"w13_input_scale": (e, 2), "w2_input_scale": (e, 1)}, device)
         layer.quant_method = self
 
     def scales(self, layer: FusedMoE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,18 +113,22 @@ class Fp8MoEMethod:
     def load_weight(self, layer: FusedMoE, param_name: str, tensor: torch.Tensor, shard: tuple[int, str]) -> bool:
         """One expert's checkpoint weight or scale into its slice; False when another rank holds the expert."""
         expert, part = shard
-        if part not in ("w1", "w2", "w3"):
-            raise ValueError(f"expert weight {part!r} is not one of 'w1', 'w2', 'w3'")
+        if part not in EXPERT_PARTS:
+            raise ValueError(f"expert weight {part!r} is not one of {EXPERT_PARTS}")
         weight, rows, scale_rows, k = self._part(layer, part)
-        if self.static and param_name in INPUT_SCALES:
-            return self._load_input_scale(layer, param_name, tensor, expert, part)
-        if not param_name.startswith(weight):
+        if not param_name.startswith(weight.removesuffix("weight")):  # w13_* or w2_*: weight, scale, input scale
             raise ValueError(f"expert part {part!r} does not belong in {param_name}")
         if not 0 <= expert < layer.num_experts:
             raise ValueError(f"expert index {expert} is out of range for num_experts={layer.num_experts}")
         local = expert - layer.expert_start
         if not 0 <= local < layer.num_local_experts:
             return False
+        if self.static and param_name in INPUT_SCALES:
+            if tensor.numel() != 1:
+                raise ValueError(f"input_scale has shape {tuple(tensor.shape)}, expected one value (per tensor)")
+            check_scales(tensor)
+            record_input_scale(layer, param_name, (local, 1 if part == "w3" else 0), tensor)
+            return True
         n = rows.stop - rows.start
         piece = layer.rank_slice(part)  # this rank's rows of w1/w3 or columns of w2 (None: whole)
         block = self.block[piece.dim] if self.block and piece is not None else None  # scale tile along the cut
@@ -162,27 +159,6 @@ class Fp8MoEMethod:
         if piece is not None:
             tensor = piece.take_scales(tensor, block)
         self._load_scale(getattr(layer, param_name).data[local, scale_rows], tensor, n, k)
-        return True
-
-    def _load_input_scale(self, layer: FusedMoE, name: str, tensor: torch.Tensor, expert: int, part: str) -> bool:
-        """One expert part's static activation scale (a single value) into ``name`` [E, parts], and the layer's
-        largest so far into ``{name}_max``; False when another rank holds the expert."""
-        if (part == "w2") != (name == "w2_input_scale"):
-            raise ValueError(f"expert part {part!r} does not belong in {name}")
-        if not 0 <= expert < layer.num_experts:
-            raise ValueError(f"expert index {expert} is out of range for num_experts={layer.num_experts}")
-        local = expert - layer.expert_start
-        if not 0 <= local < layer.num_local_experts:
-            return False
-        if tensor.numel() != 1:
-            raise ValueError(f"input_scale has shape {tuple(tensor.shape)}, expected one value (per tensor)")
-        check_scales(tensor)
-        held, entry = getattr(layer, name), (local, 1 if part == "w3" else 0)
-        held.data[entry] = tensor.reshape(()).to(torch.float32)
-        loaded = layer.input_scales_loaded[name]
-        loaded.add(entry)
-        if len(loaded) == held.numel():
-            getattr(layer, f"{name}_max").copy_(held.data.amax().reshape(1))
         return True
 
     def _load_scale(self, target: torch.Tensor, loaded: torch.Tensor, n: int, k: int) -> None:
