@@ -124,7 +124,8 @@ def gate_dot_reports(rows_per_call: tuple[int, ...] = (16, 64)) -> list[dict]:
     e, h, k = 128, 2048, 8
     rows = []
     for t in rows_per_call:
-        consts = {**dot_constants(h, e, k, True, *dot_tiles(t, e)), "PDL": False}
+        consts = {**dot_constants(h, e, k, True, *dot_tiles(t, e)), "PREFETCH": False, "PF_THREADS": 32 * dot_warps(e),
+                  "PDL": False}
         row = compile_report(moe_gate_dot_softmax_topk_kernel, types, consts, dot_warps(e), 3)
         rows.append({"kernel": "moe_gate_dot_softmax_topk_kernel",
                      "shape": f"T{t} E{e} H{h} k{k} ep{consts['BLOCK_EP']} split{consts['SPLIT_K']}", **row})

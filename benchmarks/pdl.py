@@ -54,17 +54,18 @@ def bench_model(name: str, quantization: str, sizes: list[int], ctx: int, rounds
 
 def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rounds: int, bw,
                    scopes: dict[str, Callable[[], contextlib.AbstractContextManager]],
-                   kv_cache_dtype: str = "auto") -> list[dict]:  # fmt: skip
+                   kv_cache_dtype: str = "auto", routing: str = "uniform") -> list[dict]:  # fmt: skip
     """One model load and KV cache, one CUDA-graph capture of the decode step per entry of ``scopes`` (captured
     inside the context its factory makes), replayed in turns for ``rounds`` rounds; per batch size the median
     of each variant's rounds (``variants_ms``), the bytes the step reads and whether every variant's greedy
-    tokens equal the first's."""
+    tokens equal the first's. ``routing``: MoE layers route "uniform"ly, or by their own router (anything else:
+    benchmarks/moe.set_routing)."""
     device = torch.device("cuda")
     cfg = EngineConfig(model=name, device="cuda", quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                        max_model_len=ctx + 64)  # fmt: skip
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
-    layers = set_routing(model, "uniform")
+    layers = set_routing(model, routing)
     kv_caches = context_kv_caches(info, max(sizes), ctx, cfg.block_size, device)
     backend = TritonAttentionBackend()
     rows = []
@@ -88,7 +89,7 @@ def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rou
             for ms in med.values():
                 bw.observe(f"{name} {quantization} decode bs={bs}", nbytes, ms)
             rows.append({"model": name, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype, "bs": bs,
-                         "ctx": ctx, "bytes": nbytes,
+                         "ctx": ctx, "bytes": nbytes, "routing": routing,
                          "experts_touched": touched_total(touched),
                          "same_tokens": all(torch.equal(tokens[first], t) for t in tokens.values()),
                          "variants_ms": med, "rounds_ms": times})
@@ -102,7 +103,8 @@ def timed_captures(name: str, quantization: str, sizes: list[int], ctx: int, rou
 
 def compare_captures(doc: str, scopes: dict[str, Callable[[], contextlib.AbstractContextManager]], *,
                      result_name: str, models: list[str], fp8_models: list[str],
-                     bs: list[int]) -> tuple[argparse.Namespace, list[dict], Callable[[list[str]], None]]:  # fmt: skip
+                     bs: list[int], routing: str = "uniform",
+                     ) -> tuple[argparse.Namespace, list[dict], Callable[[list[str]], None]]:  # fmt: skip
     """A comparison script's common part: its command line (``--models``, ``--fp8-models``, ``--bs``, ``--ctx``,
     ``--rounds``, ``--kv-cache-dtype``, ``--result-name``; the defaults given), the read probe, and
     ``timed_captures`` of ``scopes`` per model, quantization and context. Returns the arguments, the rows (each
@@ -125,7 +127,8 @@ def compare_captures(doc: str, scopes: dict[str, Callable[[], contextlib.Abstrac
     for quantization, names in (("none", args.models), ("fp8", args.fp8_models)):
         for name in names:
             for ctx in args.ctx:
-                rows += timed_captures(name, quantization, args.bs, ctx, args.rounds, bw, scopes, args.kv_cache_dtype)
+                rows += timed_captures(name, quantization, args.bs, ctx, args.rounds, bw, scopes, args.kv_cache_dtype,
+                                       routing)  # fmt: skip
     for r in rows:  # every row against the best rate of the whole run
         r["floor_ms"] = bw.floor_ms(r["bytes"])
 

@@ -159,6 +159,13 @@ def hidden_quant_group(t: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, 
     return scales[0].group_k
 
 
+def runs_grouped_gemm(t: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether ``fused_experts`` takes the grouped GEMM (not the per-pair streaming path) for ``t`` tokens on these
+    experts, by the device's table."""
+    tiles = moe_tiles(w13.shape[0], w2.shape[2], w2.shape[1], w13.dtype, w13.device)
+    return t * top_k > tiles.small_max_pairs
+
+
 def _fp8_plan(t, top_k, w13, w2, w13_scale, w2_scale, weight_block, path, w8a8):
     """(scales, ``_plan``) of a call of ``t`` tokens on these fp8 experts with the device's table, as
     ``fused_experts`` makes them: what ``quantized_steps`` and ``hidden_quant_group`` ask of it."""

@@ -205,7 +205,7 @@ def experts_per_program(num_experts: int) -> int:
 
 def moe_gate_softmax_topk(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, counter: torch.Tensor,
-    *, block_ep: int | None = None, rank_topk: bool | None = None,
+    *, block_ep: int | None = None, rank_topk: bool | None = None, prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """softmax top-k of ``x @ gate_weight.T`` (rounded to x's dtype): (weights fp32 [T, k], ids int32 [T, k]).
 
@@ -213,12 +213,14 @@ def moe_gate_softmax_topk(
     call; the kernel leaves it zero. One launch; x [T, H] with T <= MAX_ROWS, or 16-bit x with
     T <= DOT_MAX_ROWS (``moe_gate_dot_softmax_topk``). ``block_ep`` (gate rows per program, a power of two,
     at least 16 past MAX_ROWS) and ``rank_topk`` (the ranking tail, one row only) override the shape's choice
-    (tests, benchmarks).
+    (tests, benchmarks). ``prefetch``: the experts' weight the tensor-core launch asks L2 for (kernels/l2_prefetch.py);
+    up to MAX_ROWS rows too few experts are touched for that to pay, and the FMA launch asks for nothing.
     """
     if x.dim() == 2 and x.shape[0] > MAX_ROWS:
         if rank_topk:
             raise ValueError(f"rank_topk takes 1 row of at most {RANK_TOPK_MAX_EXPERTS} experts, got T={x.shape[0]}")
-        return moe_gate_dot_softmax_topk(x, gate_weight, top_k, renormalize, counter, block_ep=block_ep)
+        return moe_gate_dot_softmax_topk(x, gate_weight, top_k, renormalize, counter, block_ep=block_ep,
+                                         prefetch=prefetch)
     weights, ids, _, _ = _launch(x, gate_weight, top_k, renormalize, counter, None, block_ep, rank_topk)
     return weights, ids
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.l2_prefetch import issue_l2_prefetch, no_prefetch_args
+from graphserve.kernels.l2_prefetch import plan as prefetch_plan
 from graphserve.kernels.moe_routing import MAX_EXPERTS, _softmax_topk_store, topk_select
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
@@ -39,14 +41,22 @@ DOT_BLOCK_K = 256  # columns per K step: 16 KB of x and weight tile a step at 16
 @triton.jit(do_not_specialize=["T"])  # batch-sized ints: see server/warmup.py
 def moe_gate_dot_softmax_topk_kernel(
     x_ptr, gate_ptr, partial_ptr, counter_ptr, weights_ptr, ids_ptr, T, stride_xt, stride_ge,
+    pf_ptr, pf_bytes, pf_piece,
     E: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_EP: tl.constexpr, SPLIT_K: tl.constexpr, K_SPAN: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, EVEN_H: tl.constexpr, SELECT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, EVEN_H: tl.constexpr, SELECT: tl.constexpr,
+    PREFETCH: tl.constexpr, PF_THREADS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, expert block, split): the fp32 partial logits of its rows and experts over columns
     [split * K_SPAN, (split + 1) * K_SPAN) of H, into ``partial_ptr`` [SPLIT_K, T, E]. The row block's last
     program sums the splits in order (the same sum at every launch and replay), rounds them as the gate
-    projection writes its output, and runs the softmax top-k of the row block."""
+    projection writes its output, and runs the softmax top-k of the row block. ``PREFETCH``: first the program
+    asks L2 for its share of the experts' first weights (kernels/l2_prefetch.py), before its PDL wait: no launch
+    writes a weight."""
+    if PREFETCH:
+        issue_l2_prefetch(pf_ptr, pf_bytes, pf_piece,
+                          (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
+                          + tl.program_id(2), PF_THREADS)  # fmt: skip
     pdl_enter(PDL)
     pid_t, pid_e, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -116,13 +126,16 @@ def dot_tiles(rows: int, num_experts: int) -> tuple[int, int]:
 def moe_gate_dot_softmax_topk(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, counter: torch.Tensor,
     *, block_ep: int | None = None, split_k: int | None = None, select: str | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``moe_gate_softmax_topk`` on the tensor cores, for 16-bit x [T, H] with T <= DOT_MAX_ROWS: one launch.
 
     ``counter`` is int32 with one entry per row block of ``DOT_BLOCK_T`` rows (``GATE_COUNTERS`` cover any T),
     zero before the call; the kernel leaves it zero. ``block_ep`` (experts per program, a power of two >= 16)
     and ``split_k`` (splits of H) override ``dot_tiles`` (tests, benchmarks); ``select``: the top-k's selection
-    (kernels/moe_routing.TOPK_SELECTS, default ``TOPK_SELECT``).
+    (kernels/moe_routing.TOPK_SELECTS, default ``TOPK_SELECT``). ``prefetch``: a weight whose first bytes the
+    launch asks L2 for under the setting in force (kernels/l2_prefetch.py: the experts' ``w13``, which the
+    grouped GEMM after the routing reads first).
     """
     t, h, e = checked_gate_args(x, gate_weight, top_k, DOT_MAX_ROWS)
     if x.dtype not in DOT_DTYPES:
@@ -142,10 +155,14 @@ def moe_gate_dot_softmax_topk(
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
     partial = torch.empty(consts["SPLIT_K"], t, e, dtype=torch.float32, device=x.device)
-    moe_gate_dot_softmax_topk_kernel[(row_blocks, triton.cdiv(e, block_ep), consts["SPLIT_K"])](
-        x, gate_weight, partial, counter, weights, ids, t, x.stride(0), gate_weight.stride(0), **consts,
+    grid = (row_blocks, triton.cdiv(e, block_ep), consts["SPLIT_K"])
+    warps = dot_warps(e)
+    pf = prefetch_plan(prefetch, grid[0] * grid[1] * grid[2], 32 * warps)
+    moe_gate_dot_softmax_topk_kernel[grid](
+        x, gate_weight, partial, counter, weights, ids, t, x.stride(0), gate_weight.stride(0),
+        **(pf.kernel_args() if pf is not None else no_prefetch_args(x)), PF_THREADS=32 * warps, **consts,
         # the tail holds [16, E] fp32 a few times over: at 1024 experts 4 warps spill (256 bytes, sm_90 ptxas), 8 do not
-        num_warps=dot_warps(e), num_stages=3, **pdl_args(x.device, "moe_gate_dot_softmax_topk_kernel"),
+        num_warps=warps, num_stages=3, **pdl_args(x.device, "moe_gate_dot_softmax_topk_kernel"),
     )  # fmt: skip
     return weights, ids
 

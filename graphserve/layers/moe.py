@@ -184,6 +184,7 @@ class FusedMoE(nn.Module):
         self.routing_override: str | None = None
         self.use_kernels: bool | None = None  # None: the fused kernels exactly when the input is on CUDA
         self._quant_groups: dict[tuple[int, torch.device], int | None] = {}  # _hidden_quant_group's answers
+        self._prefetches: dict[tuple[int, torch.device], bool] = {}  # _prefetch_target's answers
         # layers/quant/fp8_moe.Fp8MoEMethod when the experts are stored in fp8: it owns their loading
         self.quant_method = None
 
@@ -303,7 +304,7 @@ class FusedMoE(nn.Module):
             from graphserve.kernels.moe_gate import moe_gate_softmax_topk
 
             routing = moe_gate_softmax_topk(hidden, gate.weight, self.top_k, self.router.renormalize,
-                                            self.gate_counters)  # fmt: skip
+                                            self.gate_counters, prefetch=self._prefetch_target(hidden))  # fmt: skip
             return self._experts(hidden, *routing, valid, hidden_q)
         return self.forward(hidden, gate(hidden), valid, hidden_q)
 
@@ -349,6 +350,19 @@ class FusedMoE(nn.Module):
             self._quant_groups[key] = hidden_quant_group(x.shape[0], self.top_k, self.w13_weight, self.w2_weight,
                                                          **self.quant_method.kernel_args(self))  # fmt: skip
         return self._quant_groups[key]
+
+    def _prefetch_target(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The weight whose first bytes the gate launch asks L2 for (kernels/l2_prefetch.py): ``w13`` where a call
+        of ``hidden``'s rows runs the grouped GEMM and touches nearly every local expert, so the lowest ones the
+        GEMM reads first are almost surely read; None elsewhere. A function of the row count and device alone."""
+        key = (hidden.shape[0], hidden.device)
+        if key not in self._prefetches:
+            from graphserve.kernels.l2_prefetch import worth_prefetching
+            from graphserve.kernels.moe_fused import runs_grouped_gemm
+
+            self._prefetches[key] = (runs_grouped_gemm(hidden.shape[0], self.top_k, self.w13_weight, self.w2_weight)
+                                     and worth_prefetching(hidden.shape[0], self.top_k, self.num_experts))  # fmt: skip
+        return self.w13_weight if self._prefetches[key] else None
 
     def _gate_fusable(self, hidden: torch.Tensor, gate: nn.Linear) -> bool:
         use_kernels = hidden.is_cuda if self.use_kernels is None else self.use_kernels

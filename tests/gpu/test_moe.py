@@ -335,3 +335,33 @@ def test_workspace_bound_covers_what_a_forward_allocates(name, experts, gen):
         used = torch.cuda.max_memory_allocated() - base
         # the caching allocator rounds each of the ~8 buffers up to 512 bytes
         assert out.numel() and used <= moe_workspace_bytes(t, k, e, i, h, DT) + 8 * 512, (t, used)
+
+
+@pytest.mark.parametrize("t", [16, 64])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+@torch.inference_mode()
+def test_gate_asking_l2_for_the_experts_changes_nothing(name, t, experts, gen):
+    """The tensor-core gate with the experts' first weights asked of L2 (kernels/l2_prefetch.py), up to the
+    largest budget, eager and replayed: the routing bit for bit as without, the weight untouched."""
+    from graphserve.kernels.l2_prefetch import MAX_MB, expert_prefetch, plan
+    from graphserve.kernels.moe_gate_dot import moe_gate_dot_softmax_topk
+
+    e, h, _, k, renorm = MODELS[name]
+    w13 = experts[name][0]
+    before = w13.clone()
+    counter = torch.zeros(GATE_COUNTERS, dtype=torch.int32, device="cuda")
+    x, gate = _grid_gate_inputs(t, e, h, gen)
+    want = moe_gate_dot_softmax_topk(x, gate, k, renorm, counter)
+    with expert_prefetch(MAX_MB):
+        asked = plan(w13, 128, 128)
+        assert asked is not None and 0 < asked.nbytes <= min(MAX_MB * 2**20, w13.numel() * w13.element_size())
+        got = moe_gate_dot_softmax_topk(x, gate, k, renorm, counter, prefetch=w13)
+        graph, out = capture(lambda: moe_gate_dot_softmax_topk(x, gate, k, renorm, counter, prefetch=w13))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    x2, _ = _grid_gate_inputs(t, e, h, gen)
+    x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    again = moe_gate_dot_softmax_topk(x, gate, k, renorm, counter)
+    assert torch.equal(out[0], again[0]) and torch.equal(out[1], again[1])
+    assert not counter.any() and torch.equal(w13, before)

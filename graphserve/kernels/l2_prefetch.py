@@ -1,0 +1,140 @@
+"""The routed experts' first weights asked of L2 while the router decides where the tokens go.
+
+At decode batches past the streaming path (qwen3-30b-a3b at 64 tokens: 512 pairs over 128 experts) the
+grouped GEMM reads nearly every expert's weights, 400 MB of fp8 gate_up a layer. Before it runs a chain of
+small launches that read little from DRAM: the norm and the activations' quantization, the router's gate and
+top-k, the sort (kernels/moe_align.py). About 15 us a layer on an H200 (benchmarks/RESULTS.md, decode steps
+by kernel) in which the memory system idles.
+
+The gate kernel (kernels/moe_gate_dot.py) can fill that time: each of its programs issues
+``cp.async.bulk.prefetch.L2`` requests for a share of the first bytes of this rank's ``w13`` stack. Nothing
+waits on them and no register holds their data. Which bytes: the grouped GEMM's programs walk the sorted
+pairs' tiles in order, and the sort orders the runs by expert id, so its first wave reads the lowest local
+experts' weights. The routing is not known yet when the requests go out, but at these batches a given
+expert is touched with probability 1 - (1 - k/E)^T (0.98 at 64 tokens, top-8 of 128), so few bytes are
+wasted; a request for an expert the batch does not touch costs only the bytes it moved, and the floors
+(models/description.decode_read_bytes) never count them.
+
+A weight is never written during a step, so the requests go out before the kernel's PDL wait, and they also
+overlap the tail of the launches before it
+(the output projection, the norm and quantization of the experts' input); issued after the program's own dot
+products instead, they delayed the routing's tail more than they saved: every budget measured slower than none
+(benchmarks/RESULTS.md, the experts' first weights asked of L2).
+
+``PREFETCH_MB`` is the budget a layer (``GRAPHSERVE_EXPERT_PREFETCH_MB`` overrides it, 0 turns it off); it
+is capped below L2's size so the requested lines are not evicted by each other before the GEMM reads them.
+``expert_prefetch(mb)`` sets the budget in a scope (benchmarks capture one graph per budget; a graph keeps the
+setting it was captured with).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from graphserve.kernels.common import interpreting, pushed
+
+ENV = "GRAPHSERVE_EXPERT_PREFETCH_MB"
+PREFETCH_MB = 32.0  # qwen3-30b-a3b fp8 at batch 64, ctx 2048, H200: benchmarks.expert_prefetch
+MAX_MB = 48.0  # below an H200's 50 MB L2: more would evict its own first lines before the GEMM reads them
+# a call asks only where an expert is this likely to be touched (64 tokens, top-8 of 128: 0.98; 32 tokens: 0.87)
+MIN_TOUCHED = 0.9
+# cp.async.bulk.prefetch takes a 16-byte aligned address and a size that is a multiple of 16 bytes; each
+# request is whole 128-byte lines, at least 8 of them
+LINE = 128
+MIN_PIECE = 8 * LINE
+_scoped: list[int] = []
+
+
+def _parse_mb(text: str, where: str) -> int:
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = -1.0
+    if not 0 <= mb <= MAX_MB:
+        raise ValueError(f"{where}={text!r}: the expert prefetch budget must be a number of MB in 0..{MAX_MB:g}")
+    return int(mb * (1 << 20))
+
+
+@functools.lru_cache(maxsize=1)
+def env_budget() -> int:
+    """Bytes a layer from GRAPHSERVE_EXPERT_PREFETCH_MB, read once per process; PREFETCH_MB when unset."""
+    return _parse_mb(os.environ.get(ENV, str(PREFETCH_MB)), ENV)
+
+
+def budget_bytes() -> int:
+    """Bytes a layer in force: the innermost scope's, else the environment's."""
+    return _scoped[-1] if _scoped else env_budget()
+
+
+@contextlib.contextmanager
+def expert_prefetch(mb: float) -> Iterator[None]:
+    """Gate launches made (or captured) in this scope ask L2 for up to ``mb`` MB of the experts' first weights."""
+    with pushed(_scoped, _parse_mb(str(mb), "expert_prefetch(mb)")):
+        yield
+
+
+def worth_prefetching(tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether a call of ``tokens`` tokens touches each expert with probability at least ``MIN_TOUCHED`` under
+    routing spread evenly: the experts asked for are then almost surely read."""
+    return 1.0 - (1.0 - top_k / num_experts) ** tokens >= MIN_TOUCHED
+
+
+@functools.lru_cache(maxsize=8)
+def _capable(device: torch.device) -> bool:
+    # the bulk prefetch is Hopper's (sm_90); the interpreter runs no PTX
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@dataclass(frozen=True)
+class PrefetchPlan:
+    """``programs`` x ``threads`` requests of ``piece`` bytes each cover ``weight``'s first ``nbytes``."""
+
+    weight: torch.Tensor
+    nbytes: int
+    piece: int
+
+    def kernel_args(self) -> dict:
+        return {"pf_ptr": self.weight, "pf_bytes": self.nbytes, "pf_piece": self.piece, "PREFETCH": True}
+
+
+def plan(weight: torch.Tensor | None, programs: int, threads: int) -> PrefetchPlan | None:
+    """How a launch of ``programs`` programs of ``threads`` threads asks for the first bytes of ``weight`` under
+    the budget in force; None where there is nothing to ask (no weight, no budget, a device without the bulk
+    prefetch)."""
+    budget = budget_bytes()
+    if weight is None or budget <= 0 or programs <= 0 or not _capable(weight.device):
+        return None
+    if not weight.is_contiguous() or weight.data_ptr() % 16:
+        raise ValueError(f"expert prefetch: the weight must be contiguous and 16-byte aligned, got strides "
+                         f"{weight.stride()} at {weight.data_ptr():#x}")  # fmt: skip
+    total = min(budget, weight.numel() * weight.element_size())
+    piece = max(MIN_PIECE, triton.cdiv(triton.cdiv(total, programs * threads), LINE) * LINE)
+    nbytes = total // piece * piece  # whole pieces only: no request reaches past the weight
+    return PrefetchPlan(weight, nbytes, piece) if nbytes else None
+
+
+def no_prefetch_args(like: torch.Tensor) -> dict:
+    """The kernel arguments of a launch that asks for nothing."""
+    return {"pf_ptr": like, "pf_bytes": 0, "pf_piece": LINE, "PREFETCH": False}
+
+
+@triton.jit
+def issue_l2_prefetch(pf_ptr, pf_bytes, pf_piece, program, THREADS: tl.constexpr):
+    """Program ``program`` (its linear index in the grid) asks L2 for its pieces of ``pf_ptr``'s first
+    ``pf_bytes``: one bulk request per thread (``THREADS``: 32 x num_warps, one element each)."""
+    offs = (program * THREADS + tl.arange(0, THREADS)).to(tl.int64) * pf_piece
+    want = (offs < pf_bytes).to(tl.int32)
+    ptrs = pf_ptr.to(tl.pointer_type(tl.int8)) + offs
+    tl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $3;\n\t"
+        "mov.u32 $0, 0;\n\t}",
+        "=r,l,r,r", [ptrs, want, tl.full([THREADS], 0, tl.int32) + pf_piece], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
