@@ -42,8 +42,10 @@ import triton.language as tl
 from graphserve.kernels.common import interpreting, pushed
 
 ENV = "GRAPHSERVE_EXPERT_PREFETCH_MB"
-PREFETCH_MB = 32.0  # qwen3-30b-a3b fp8 at batch 64, ctx 2048, H200: benchmarks.expert_prefetch
-MAX_MB = 48.0  # below an H200's 50 MB L2: more would evict its own first lines before the GEMM reads them
+# qwen3-30b-a3b fp8, batch 64, ctx 2048, one H200 (benchmarks.expert_prefetch, results/expert_prefetch.json): the
+# step took 13.270 ms asking nothing, 13.050 / 13.047 / 13.075 / 13.102 / 13.149 ms asking 16 / 24 / 32 / 40 / 48 MB
+PREFETCH_MB = 24.0
+MAX_MB = 48.0  # below an H200's 60 MB L2: more would evict its own first lines before the GEMM reads them
 # a call asks only where an expert is this likely to be touched (64 tokens, top-8 of 128: 0.98; 32 tokens: 0.87)
 MIN_TOUCHED = 0.9
 # cp.async.bulk.prefetch takes a 16-byte aligned address and a size that is a multiple of 16 bytes; each
