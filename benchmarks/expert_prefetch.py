@@ -1,4 +1,5 @@
-"""The experts' first weights asked of L2 by the router's gate launch (kernels/l2_prefetch.py), by budget.
+"""The experts' first weights asked of L2 by the router's gate launch, and the next layer's qkv weight by the slot
+sum's (kernels/l2_prefetch.py), by budget.
 
 For each model and batch size: one model load, one CUDA-graph capture of the decode step per setting
 (``expert_prefetch(mb)``; "off" asks for nothing), replayed in turns for ``--rounds`` rounds
@@ -8,7 +9,7 @@ that asks is the router's own, which uniform routing replaces). The floor is the
 best read bandwidth measured in this run (benchmarks/roofline.py); ``ratio X`` is each variant's ratio to it.
 
 Run: python3 -m benchmarks.expert_prefetch [--fp8-models dummy:qwen3-30b-a3b] [--bs 64] [--ctx 2048]
-     [--mb 16 32 48]
+     [--mb 16 32 48] [--only 24]  (--only: those budgets on each link alone too)
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ def main() -> None:
     # --mb is this script's own; the rest is compare_captures' command line
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--mb", nargs="+", type=float, default=DEFAULT_MB, help=f"budgets a layer, 0..{MAX_MB:g} MB")
+    pre.add_argument("--only", nargs="*", type=float, default=[], help="budgets to time on each link alone too")
     own, rest = pre.parse_known_args()
-    if not all(0 <= mb <= MAX_MB for mb in own.mb):
-        pre.error(f"--mb {own.mb}: every budget must be in 0..{MAX_MB:g} MB")
+    if not all(0 < mb <= MAX_MB for mb in own.only) or not all(0 <= mb <= MAX_MB for mb in own.mb):
+        pre.error(f"--mb {own.mb} / --only {own.only}: every budget must be in 0..{MAX_MB:g} MB (--only: above 0)")
     sys.argv = [sys.argv[0], *rest]
     scopes = {label(mb): (lambda mb=mb: expert_prefetch(mb)) for mb in sorted({0.0, *own.mb})}
+    # each budget on one link alone
+    scopes.update({f"{label(mb)} experts only": (lambda mb=mb: expert_prefetch(mb, 0)) for mb in own.only})
+    scopes.update({f"{label(mb)} next only": (lambda mb=mb: expert_prefetch(0, mb)) for mb in own.only})
     args, rows, finish = compare_captures(__doc__, scopes, result_name="expert_prefetch", models=[],
                                           fp8_models=["dummy:qwen3-30b-a3b"], bs=[64], routing="router")
     for r in rows:

@@ -123,3 +123,21 @@ def test_runs_grouped_gemm_follows_the_table():
     small = moe_tiles(128, 32, 64, torch.bfloat16, w13.device).small_max_pairs
     assert not runs_grouped_gemm(small // 8, 8, w13, w2)
     assert runs_grouped_gemm(small // 8 + 1, 8, w13, w2)
+
+
+def test_each_link_has_its_own_budget_in_a_scope(capable):
+    weight = torch.empty(2**22, dtype=torch.uint8)
+    with expert_prefetch(2, 0):
+        assert budget_bytes("experts") == 2 << 20 and budget_bytes("next") == 0
+        assert plan(weight, 128, 128, "next") is None
+        assert plan(weight, 128, 128).nbytes == 2 << 20
+    with expert_prefetch(0, 3):
+        assert plan(weight, 128, 128) is None
+        assert plan(weight, 128, 128, "next").nbytes == 3 << 20
+    with expert_prefetch(1):  # one budget for both
+        assert budget_bytes("experts") == budget_bytes("next") == 1 << 20
+    with pytest.raises(ValueError, match=r"link='qkv' must be one of \('experts', 'next'\)"):
+        budget_bytes("qkv")
+    with pytest.raises(ValueError, match=r"expert_prefetch\(next_mb\)='99'"):
+        with expert_prefetch(1, 99):
+            pass

@@ -203,3 +203,24 @@ def test_padded_decode_rows_route_nowhere_and_leave_the_batch_unchanged(variant)
     assert batch.num_valid_tokens is count
     torch.testing.assert_close(padded[:3], full[:3], rtol=0, atol=0, msg=name)
     assert all(int(m.expert_counts.sum()) == 3 * top_k for m in model.moe_layers())
+
+
+def test_each_routed_block_reads_the_next_layers_qkv_next(variant):
+    """The slot sum's L2 link (kernels/l2_prefetch.py): each MoE layer's experts name the following layer's qkv
+    projection, the last names nothing, and the link holds the loaded module (its current weight), not a copy."""
+    _, _, loaded, _ = variant
+    layers = loaded.model.model.layers
+    linked = 0
+    for i, layer in enumerate(layers):
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if experts is None or not hasattr(experts, "read_next"):
+            continue
+        if i + 1 < len(layers):
+            assert experts.read_next == (layers[i + 1].self_attn.qkv_proj,)
+            assert experts.read_next[0].weight is layers[i + 1].self_attn.qkv_proj.weight
+            linked += 1
+        else:
+            assert experts.read_next == ()
+    assert linked >= 1
+    # the link is no submodule: the module tree and the state dict are as before
+    assert not any(".read_next" in name for name, _ in loaded.model.named_modules())

@@ -21,7 +21,11 @@ overlap the tail of the launches before it
 products instead, they delayed the routing's tail more than they saved: every budget measured slower than none
 (benchmarks/RESULTS.md, the experts' first weights asked of L2).
 
-``PREFETCH_MB`` is the budget a layer (``GRAPHSERVE_EXPERT_PREFETCH_MB`` overrides it, 0 turns it off); it
+The same requests serve one more gap: after the experts, the slot sum (kernels/moe_gemm.moe_sum_kernel) and the
+next layer's norm run before its qkv projection streams its weight; the slot-sum launch asks for that weight's
+first bytes (``FusedMoE.read_next``, linked by models/moe.py), on the grouped GEMM path at any batch.
+
+``PREFETCH_MB`` is the budget a layer and link (``GRAPHSERVE_EXPERT_PREFETCH_MB`` overrides it, 0 turns it off); it
 is capped below L2's size so the requested lines are not evicted by each other before the GEMM reads them.
 ``expert_prefetch(mb)`` sets the budget in a scope (benchmarks capture one graph per budget; a graph keeps the
 setting it was captured with).
@@ -52,7 +56,8 @@ MIN_TOUCHED = 0.9
 # request is whole 128-byte lines, at least 8 of them
 LINE = 128
 MIN_PIECE = 8 * LINE
-_scoped: list[int] = []
+_scoped: list[dict[str, int]] = []
+LINKS = ("experts", "next")  # the gate's request for the experts' w13, the slot sum's for the next weight
 
 
 def _parse_mb(text: str, where: str) -> int:
@@ -71,15 +76,20 @@ def env_budget() -> int:
     return _parse_mb(os.environ.get(ENV, str(PREFETCH_MB)), ENV)
 
 
-def budget_bytes() -> int:
-    """Bytes a layer in force: the innermost scope's, else the environment's."""
-    return _scoped[-1] if _scoped else env_budget()
+def budget_bytes(link: str = "experts") -> int:
+    """Bytes a layer in force for ``link`` (``LINKS``): the innermost scope's, else the environment's."""
+    if link not in LINKS:
+        raise ValueError(f"link={link!r} must be one of {LINKS}")
+    return _scoped[-1][link] if _scoped else env_budget()
 
 
 @contextlib.contextmanager
-def expert_prefetch(mb: float) -> Iterator[None]:
-    """Gate launches made (or captured) in this scope ask L2 for up to ``mb`` MB of the experts' first weights."""
-    with pushed(_scoped, _parse_mb(str(mb), "expert_prefetch(mb)")):
+def expert_prefetch(mb: float, next_mb: float | None = None) -> Iterator[None]:
+    """Launches made (or captured) in this scope ask L2 for up to ``mb`` MB of the experts' first weights, and for
+    up to ``next_mb`` MB (``mb`` if None) of the weight read after the experts."""
+    budgets = {"experts": _parse_mb(str(mb), "expert_prefetch(mb)"),
+               "next": _parse_mb(str(mb if next_mb is None else next_mb), "expert_prefetch(next_mb)")}
+    with pushed(_scoped, budgets):
         yield
 
 
@@ -107,11 +117,11 @@ class PrefetchPlan:
         return {"pf_ptr": self.weight, "pf_bytes": self.nbytes, "pf_piece": self.piece, "PREFETCH": True}
 
 
-def plan(weight: torch.Tensor | None, programs: int, threads: int) -> PrefetchPlan | None:
+def plan(weight: torch.Tensor | None, programs: int, threads: int, link: str = "experts") -> PrefetchPlan | None:
     """How a launch of ``programs`` programs of ``threads`` threads asks for the first bytes of ``weight`` under
-    the budget in force; None where there is nothing to ask (no weight, no budget, a device without the bulk
+    ``link``'s budget in force; None where there is nothing to ask (no weight, no budget, a device without the bulk
     prefetch)."""
-    budget = budget_bytes()
+    budget = budget_bytes(link)
     if weight is None or budget <= 0 or programs <= 0 or not _capable(weight.device):
         return None
     if not weight.is_contiguous() or weight.data_ptr() % 16:

@@ -38,6 +38,8 @@ import torch
 import triton
 
 from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, TL_DTYPES, per_token_group_quant, static_quant
+from graphserve.kernels.l2_prefetch import no_prefetch_args
+from graphserve.kernels.l2_prefetch import plan as prefetch_plan
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
 from graphserve.kernels.moe_gemm import fused_moe_gemm_kernel, moe_sum_kernel
@@ -47,6 +49,7 @@ from graphserve.kernels.pdl import pdl_args
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PATHS = ("gemv", "gemm")
+_SUM_WARPS = 4  # the slot sum's warps
 FP8_DTYPE = torch.float8_e4m3fn
 # average (token, slot) pairs per local expert from which the FP8 grouped GEMM quantizes its
 # activations and runs W8A8: from the first (module docstring); benchmarks/moe_fp8.py times both modes per
@@ -94,6 +97,7 @@ def fused_experts(
     gemv_tiles: tuple[GemvTile, GemvTile] | None = None,
     hidden_q: tuple[torch.Tensor, torch.Tensor] | None = None,
     input_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    read_next: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum over slots of weight * down(silu(gate(x)) * up(x)) over this rank's experts, [T, H].
 
@@ -105,6 +109,8 @@ def fused_experts(
     gate_up reads it where it would quantize ``hidden`` by a launch of its own (elsewhere it is not read).
     ``input_scales``: static activation scales (one fp32 value each, on the device) of gate_up's input and of
     down's, with per-channel weight scales; W8A8 then quantizes with them instead of per token group.
+    ``read_next``: the weight the step reads after the experts (the next layer's qkv projection); on the grouped
+    GEMM path the slot-sum launch asks L2 for its first bytes under kernels/l2_prefetch.py's budget.
     """
     fp8 = w13_scale is not None or w2_scale is not None
     if input_scales is not None and (not fp8 or weight_block is not None or hidden_q is not None
@@ -140,7 +146,7 @@ def fused_experts(
                         scales)  # fmt: skip
     else:
         _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
-                           step_tiles, scales, w8a8, hidden_q, input_scales)  # fmt: skip
+                           step_tiles, scales, w8a8, hidden_q, input_scales, read_next)  # fmt: skip
     return out
 
 
@@ -249,8 +255,9 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
 
 
 def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles,
-                       scales=None, w8a8=False, hidden_q=None, input_scales=None):  # fmt: skip
-    """Sort/align, gate_up and down grouped GEMMs over [pairs] rows, then the slot sum.
+                       scales=None, w8a8=False, hidden_q=None, input_scales=None, read_next=None):  # fmt: skip
+    """Sort/align, gate_up and down grouped GEMMs over [pairs] rows, then the slot sum (which asks L2 for the first
+    bytes of ``read_next``, kernels/l2_prefetch.py).
 
     W8A8: x is quantized per token group before gate_up (or comes so, ``hidden_q``) and the activated
     product before down, except for a step whose tile quantizes in the kernel (``GemmTile.a8``); with static
@@ -275,9 +282,13 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
     gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8, (act, act_s) if quant_out else None,
               static_scale=static2)
     block_h = min(1024, triton.next_power_of_2(h))
-    moe_sum_kernel[(t, triton.cdiv(h, block_h))](
+    grid = (t, triton.cdiv(h, block_h))
+    pf = prefetch_plan(read_next, grid[0] * grid[1], 32 * _SUM_WARPS, "next")
+    moe_sum_kernel[grid](
         down, out, topk_ids, valid_arg, h, expert_start, down.stride(0), out.stride(0),
-        TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, BLOCK_H=block_h, num_warps=4, **pdl_args(down.device, "moe_sum_kernel"),
+        **(pf.kernel_args() if pf is not None else no_prefetch_args(down)), PF_THREADS=32 * _SUM_WARPS,
+        TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, BLOCK_H=block_h, num_warps=_SUM_WARPS,
+        **pdl_args(down.device, "moe_sum_kernel"),
     )  # fmt: skip
 
 

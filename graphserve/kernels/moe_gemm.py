@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.fp8_quant import quantize_rows
+from graphserve.kernels.l2_prefetch import issue_l2_prefetch
 from graphserve.kernels.pdl import pdl_enter
 
 
@@ -218,10 +219,15 @@ def fused_moe_gemm_kernel(
 
 @triton.jit
 def moe_sum_kernel(
-    c_ptr, out_ptr, ids_ptr, valid_ptr, H, expert_start, stride_cm, stride_om,
-    TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    c_ptr, out_ptr, ids_ptr, valid_ptr, H, expert_start, stride_cm, stride_om, pf_ptr, pf_bytes, pf_piece,
+    TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_H: tl.constexpr,
+    PREFETCH: tl.constexpr, PF_THREADS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """out[t] = sum of token t's routed pair rows, in fp32; padding rows and unrouted tokens get zeros."""
+    """out[t] = sum of token t's routed pair rows, in fp32; padding rows and unrouted tokens get zeros.
+    ``PREFETCH``: first the program asks L2 for its share of the weight the step reads next (kernels/l2_prefetch.py)."""
+    if PREFETCH:
+        issue_l2_prefetch(pf_ptr, pf_bytes, pf_piece, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+                          PF_THREADS)  # fmt: skip
     pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)

@@ -185,6 +185,9 @@ class FusedMoE(nn.Module):
         self.use_kernels: bool | None = None  # None: the fused kernels exactly when the input is on CUDA
         self._quant_groups: dict[tuple[int, torch.device], int | None] = {}  # _hidden_quant_group's answers
         self._prefetches: dict[tuple[int, torch.device], bool] = {}  # _prefetch_target's answers
+        # the projection the step reads after these experts (the next layer's qkv; a tuple, so no submodule): the
+        # slot-sum launch asks L2 for its weight's first bytes (kernels/l2_prefetch.py)
+        self.read_next: tuple[nn.Module, ...] = ()
         # layers/quant/fp8_moe.Fp8MoEMethod when the experts are stored in fp8: it owns their loading
         self.quant_method = None
 
@@ -386,6 +389,7 @@ class FusedMoE(nn.Module):
             return fused_experts(
                 hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                 valid=valid, expert_start=self.expert_start, counts=self.expert_counts, hidden_q=hidden_q, **quant,
+                read_next=self.read_next[0].weight if self.read_next else None,
             )  # fmt: skip
         self.expert_counts.copy_(expert_counts_reference(topk_ids, valid, self.num_experts))
         w13, w2 = self.w13_weight, self.w2_weight

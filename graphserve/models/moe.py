@@ -197,6 +197,10 @@ class MoEForCausalLM(CausalLM):
             return MoEDecoderLayer(s, m, i, rotary) if i in m.sparse_layers else LlamaDecoderLayer(s, i, rotary)
 
         self.model = LlamaModel(s, max_positions, make_layer)
+        # each routed block's slot sum asks L2 for the next layer's qkv weight (kernels/l2_prefetch.py)
+        for layer, after in zip(self.model.layers, self.model.layers[1:]):
+            if isinstance(layer, MoEDecoderLayer):
+                layer.mlp.experts.read_next = (after.self_attn.qkv_proj,)
         ps = get_parallel()
         self.lm_head = LMHead(s.hidden_size, s.vocab_size, ps.tp_rank, ps.tp_size)
         self.tied = s.tie_word_embeddings

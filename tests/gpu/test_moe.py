@@ -365,3 +365,29 @@ def test_gate_asking_l2_for_the_experts_changes_nothing(name, t, experts, gen):
     again = moe_gate_dot_softmax_topk(x, gate, k, renorm, counter)
     assert torch.equal(out[0], again[0]) and torch.equal(out[1], again[1])
     assert not counter.any() and torch.equal(w13, before)
+
+
+@pytest.mark.parametrize("t", [7, 64, 256])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+@torch.inference_mode()
+def test_slot_sum_asking_l2_for_the_next_weight_changes_nothing(name, t, experts, gen):
+    """fused_experts with ``read_next`` under the largest budget: the output bit for bit as without, eager and
+    replayed, on both paths (the streaming path has no slot-sum launch and asks nothing)."""
+    from graphserve.kernels.l2_prefetch import MAX_MB, expert_prefetch
+
+    e, h, _, k, _ = MODELS[name]
+    w13, w2 = experts[name][:2]
+    nxt = torch.randn(6 * h, h, device="cuda", generator=gen).to(DT)  # a qkv weight
+    before = nxt.clone()
+    x = torch.randn(t, h, device="cuda", generator=gen).to(DT)
+    w = torch.rand(t, k, device="cuda", generator=gen)
+    ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    want = fused_experts(x, w13, w2, w, ids)
+    with expert_prefetch(MAX_MB):
+        got = fused_experts(x, w13, w2, w, ids, read_next=nxt)
+        graph, out = capture(lambda: fused_experts(x, w13, w2, w, ids, read_next=nxt))
+    assert torch.equal(got, want)
+    x.copy_(torch.randn(t, h, device="cuda", generator=gen).to(DT))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_experts(x, w13, w2, w, ids)) and torch.equal(nxt, before)
