@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphserve.kernels import l2_prefetch
+from graphserve.kernels import l2_prefetch as l2_prefetch_module
 from graphserve.kernels.l2_prefetch import (
+    DEFAULT_MB,
     LINE,
+    LINKS,
     MAX_MB,
     MIN_PIECE,
     budget_bytes,
-    expert_prefetch,
+    l2_prefetch,
     plan,
     worth_prefetching,
 )
@@ -22,45 +24,67 @@ from graphserve.layers.moe import FusedMoE, SoftmaxTopK
 @pytest.fixture
 def capable(monkeypatch):
     """plan() as on a Hopper GPU, for a CPU tensor."""
-    monkeypatch.setattr(l2_prefetch, "_capable", lambda device: True)
+    monkeypatch.setattr(l2_prefetch_module, "_capable", lambda device: True)
 
 
-def test_scopes_set_the_budget_innermost_first():
-    outer = budget_bytes()
-    with expert_prefetch(16):
-        assert budget_bytes() == 16 << 20
-        with expert_prefetch(2.5):
-            assert budget_bytes() == int(2.5 * 2**20)
-        assert budget_bytes() == 16 << 20
-    assert budget_bytes() == outer
+def test_scopes_set_budgets_innermost_first():
+    outside = {link: budget_bytes(link) for link in LINKS}
+    with l2_prefetch(16):
+        assert all(budget_bytes(link) == 16 << 20 for link in LINKS)
+        with l2_prefetch(attention=2.5):
+            assert budget_bytes("attention") == int(2.5 * 2**20)
+            assert budget_bytes("gate") == budget_bytes("slot_sum") == 16 << 20  # kept from the scope outside
+        with l2_prefetch(0, gate=3):
+            assert (budget_bytes("gate"), budget_bytes("slot_sum"), budget_bytes("attention")) == (3 << 20, 0, 0)
+        assert budget_bytes("attention") == 16 << 20
+    assert {link: budget_bytes(link) for link in LINKS} == outside
+
+
+def test_the_defaults_are_the_measured_budgets(monkeypatch):
+    monkeypatch.delenv(l2_prefetch_module.ENV, raising=False)
+    l2_prefetch_module.env_budgets.cache_clear()
+    try:
+        assert {link: budget_bytes(link) for link in LINKS} == {
+            link: int(mb * 2**20) for link, mb in DEFAULT_MB.items()}
+        assert set(DEFAULT_MB) == set(LINKS)
+    finally:
+        l2_prefetch_module.env_budgets.cache_clear()
 
 
 @pytest.mark.parametrize("mb", [-1, MAX_MB + 1, "lots"])
 def test_a_budget_out_of_range_is_refused_by_name(mb):
-    with pytest.raises(ValueError, match=rf"expert_prefetch\(mb\)={str(mb)!r}.*0\.\.{MAX_MB:g}"):
-        with expert_prefetch(mb):
+    with pytest.raises(ValueError, match=rf"l2_prefetch\(gate\)={str(mb)!r}.*0\.\.{MAX_MB:g}"):
+        with l2_prefetch(mb):
             pass
 
 
-def test_the_environment_sets_the_default_and_is_checked(monkeypatch):
-    l2_prefetch.env_budget.cache_clear()
+def test_an_unknown_link_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"qkv is not a link; links: \('gate', 'slot_sum', 'attention'\)"):
+        with l2_prefetch(qkv=4):
+            pass
+    with pytest.raises(ValueError, match=r"link='qkv' must be one of"):
+        budget_bytes("qkv")
+
+
+def test_the_environment_sets_every_link_and_is_checked(monkeypatch):
+    l2_prefetch_module.env_budgets.cache_clear()
     try:
-        monkeypatch.setenv(l2_prefetch.ENV, "12")
-        assert budget_bytes() == 12 << 20
-        l2_prefetch.env_budget.cache_clear()
-        monkeypatch.setenv(l2_prefetch.ENV, "100")
-        with pytest.raises(ValueError, match=rf"{l2_prefetch.ENV}='100'"):
-            budget_bytes()
+        monkeypatch.setenv(l2_prefetch_module.ENV, "12")
+        assert all(budget_bytes(link) == 12 << 20 for link in LINKS)
+        l2_prefetch_module.env_budgets.cache_clear()
+        monkeypatch.setenv(l2_prefetch_module.ENV, "100")
+        with pytest.raises(ValueError, match=rf"{l2_prefetch_module.ENV}='100'"):
+            budget_bytes("gate")
     finally:
-        l2_prefetch.env_budget.cache_clear()
+        l2_prefetch_module.env_budgets.cache_clear()
 
 
 @pytest.mark.parametrize("mb,programs,threads,numel", [(32, 128, 128, 128 * 1536 * 2048), (48, 128, 256, 10**8),
                                                         (16, 7, 96, 5 * 2**20 + 48), (1, 128, 128, 3000)])
 def test_a_plan_asks_whole_lines_within_budget_weight_and_grid(capable, mb, programs, threads, numel):
     weight = torch.empty(numel, dtype=torch.uint8)
-    with expert_prefetch(mb):
-        p = plan(weight, programs, threads)
+    with l2_prefetch(mb):
+        p = plan(weight, programs, threads, "gate")
     if numel < MIN_PIECE:
         assert p is None
         return
@@ -75,19 +99,21 @@ def test_a_plan_asks_whole_lines_within_budget_weight_and_grid(capable, mb, prog
 
 
 def test_nothing_is_asked_without_budget_weight_or_device(capable):
-    weight = torch.empty(2**20, dtype=torch.uint8)
-    with expert_prefetch(0):
-        assert plan(weight, 128, 128) is None
-    with expert_prefetch(8):
-        assert plan(None, 128, 128) is None
-        assert plan(weight, 0, 128) is None
+    weight = torch.empty(2**24, dtype=torch.uint8)
+    with l2_prefetch(0):
+        assert plan(weight, 128, 128, "gate") is None
+    with l2_prefetch(8, slot_sum=0):
+        assert plan(weight, 128, 128, "slot_sum") is None
+        assert plan(weight, 128, 128, "attention").nbytes == 8 << 20
+        assert plan(None, 128, 128, "gate") is None
+        assert plan(weight, 0, 128, "gate") is None
         with pytest.raises(ValueError, match="contiguous and 16-byte aligned"):
-            plan(torch.empty(1024, 1024, dtype=torch.uint8).t(), 128, 128)
+            plan(torch.empty(1024, 1024, dtype=torch.uint8).t(), 128, 128, "gate")
 
 
 def test_a_cpu_or_interpreted_launch_asks_nothing():
-    with expert_prefetch(8):
-        assert plan(torch.empty(2**20, dtype=torch.uint8), 128, 128) is None
+    with l2_prefetch(8):
+        assert plan(torch.empty(2**20, dtype=torch.uint8), 128, 128, "gate") is None
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,want", [
@@ -125,19 +151,3 @@ def test_runs_grouped_gemm_follows_the_table():
     assert runs_grouped_gemm(small // 8 + 1, 8, w13, w2)
 
 
-def test_each_link_has_its_own_budget_in_a_scope(capable):
-    weight = torch.empty(2**22, dtype=torch.uint8)
-    with expert_prefetch(2, 0):
-        assert budget_bytes("experts") == 2 << 20 and budget_bytes("next") == 0
-        assert plan(weight, 128, 128, "next") is None
-        assert plan(weight, 128, 128).nbytes == 2 << 20
-    with expert_prefetch(0, 3):
-        assert plan(weight, 128, 128) is None
-        assert plan(weight, 128, 128, "next").nbytes == 3 << 20
-    with expert_prefetch(1):  # one budget for both
-        assert budget_bytes("experts") == budget_bytes("next") == 1 << 20
-    with pytest.raises(ValueError, match=r"link='qkv' must be one of \('experts', 'next'\)"):
-        budget_bytes("qkv")
-    with pytest.raises(ValueError, match=r"expert_prefetch\(next_mb\)='99'"):
-        with expert_prefetch(1, 99):
-            pass

@@ -1,34 +1,34 @@
-"""The routed experts' first weights asked of L2 while the router decides where the tokens go.
+"""Weights asked of L2 ahead of the launch that reads them, from a launch that leaves the memory system idle.
 
-At decode batches past the streaming path (qwen3-30b-a3b at 64 tokens: 512 pairs over 128 experts) the
-grouped GEMM reads nearly every expert's weights, 400 MB of fp8 gate_up a layer. Before it runs a chain of
-small launches that read little from DRAM: the norm and the activations' quantization, the router's gate and
-top-k, the sort (kernels/moe_align.py). About 15 us a layer on an H200 (benchmarks/RESULTS.md, decode steps
-by kernel) in which the memory system idles.
+A decode step is a chain of launches. The large ones stream weights; between them run small ones (routing,
+sums, norms, attention at small batch) that read little from DRAM. A small launch can ask L2 for the first bytes
+of the weight the step streams next: each of its programs issues ``cp.async.bulk.prefetch.L2`` requests for a
+share of them. Nothing waits on the requests and no register holds their data; the next weight stream then finds
+its first lines in L2. A weight is never written during a step, so no request can read a stale value, and one
+for bytes the step does not read costs only the bytes it moved (the floors, models/description.decode_read_bytes,
+never count them). Three links (``LINKS``), each with its own budget a layer:
 
-The gate kernel (kernels/moe_gate_dot.py) can fill that time: each of its programs issues
-``cp.async.bulk.prefetch.L2`` requests for a share of the first bytes of this rank's ``w13`` stack. Nothing
-waits on them and no register holds their data. Which bytes: the grouped GEMM's programs walk the sorted
-pairs' tiles in order, and the sort orders the runs by expert id, so its first wave reads the lowest local
-experts' weights. The routing is not known yet when the requests go out, but at these batches a given
-expert is touched with probability 1 - (1 - k/E)^T (0.98 at 64 tokens, top-8 of 128), so few bytes are
-wasted; a request for an expert the batch does not touch costs only the bytes it moved, and the floors
-(models/description.decode_read_bytes) never count them.
+- ``gate``: the router's tensor-core gate (kernels/moe_gate_dot.py) asks for the first bytes of this rank's ``w13``
+  stack. At decode batches past the streaming path (qwen3-30b-a3b at 64 tokens: 512 pairs over 128 experts) the
+  grouped GEMM reads nearly every expert, 400 MB of fp8 gate_up a layer, after a chain of small launches (the
+  norm and the activations' quantization, the gate and top-k, the sort: about 15 us a layer on an H200,
+  benchmarks/RESULTS.md, decode steps by kernel). Its programs walk the sorted pairs' tiles in order and the sort
+  orders the runs by expert id, so its first wave reads the lowest local experts. The routing is not known when
+  the requests go out, but a given expert is touched with probability 1 - (1 - k/E)^T (0.98 at 64 tokens, top-8
+  of 128): calls below ``MIN_TOUCHED`` do not ask. The requests go out before the gate's PDL wait, overlapping the
+  tail of the launches before it; issued after the program's own dot products instead, they delayed the routing's
+  tail more than they saved (every budget measured slower than none: results/expert_prefetch_places.json).
+- ``slot_sum``: after the experts, the slot sum (kernels/moe_gemm.moe_sum_kernel) and the next layer's norm run
+  before its qkv projection streams; the slot sum asks, before its wait, for that weight (``FusedMoE.read_next``,
+  linked by models/moe.py), on the grouped GEMM path at any batch.
+- ``attention``: decode attention (kernels/decode_attention.py) asks for the output projection's weight
+  (``NewToken.read_next``), each program after its own loads: at small batch attention is a chain of latencies
+  over a few MB, and its programs finish while the projection's first programs are placed.
 
-A weight is never written during a step, so the requests go out before the kernel's PDL wait, and they also
-overlap the tail of the launches before it
-(the output projection, the norm and quantization of the experts' input); issued after the program's own dot
-products instead, they delayed the routing's tail more than they saved: every budget measured slower than none
-(benchmarks/RESULTS.md, the experts' first weights asked of L2).
-
-The same requests serve one more gap: after the experts, the slot sum (kernels/moe_gemm.moe_sum_kernel) and the
-next layer's norm run before its qkv projection streams its weight; the slot-sum launch asks for that weight's
-first bytes (``FusedMoE.read_next``, linked by models/moe.py), on the grouped GEMM path at any batch.
-
-``PREFETCH_MB`` is the budget a layer and link (``GRAPHSERVE_EXPERT_PREFETCH_MB`` overrides it, 0 turns it off); it
-is capped below L2's size so the requested lines are not evicted by each other before the GEMM reads them.
-``expert_prefetch(mb)`` sets the budget in a scope (benchmarks capture one graph per budget; a graph keeps the
-setting it was captured with).
+``DEFAULT_MB`` holds the budgets measured best; ``GRAPHSERVE_L2_PREFETCH_MB`` sets every link's (0 turns them
+off). Budgets are capped below L2's size so the requested lines are not evicted by each other before they are
+read. ``l2_prefetch(mb, **per_link)`` sets them in a scope (benchmarks capture one graph per setting; a graph
+keeps the setting it was captured with).
 """
 
 from __future__ import annotations
@@ -45,10 +45,15 @@ import triton.language as tl
 
 from graphserve.kernels.common import interpreting, pushed
 
-ENV = "GRAPHSERVE_EXPERT_PREFETCH_MB"
-# qwen3-30b-a3b fp8, batch 64, ctx 2048, one H200 (benchmarks.expert_prefetch, results/expert_prefetch.json): the
-# step took 13.270 ms asking nothing, 13.050 / 13.047 / 13.075 / 13.102 / 13.149 ms asking 16 / 24 / 32 / 40 / 48 MB
-PREFETCH_MB = 24.0
+ENV = "GRAPHSERVE_L2_PREFETCH_MB"
+# The launches that ask, and for which weight: the router's gate for the experts' w13, the slot sum for the next
+# layer's qkv, decode attention (after its own loads) for the output projection.
+LINKS = ("gate", "slot_sum", "attention")
+# MB a layer each link asks for. qwen3-30b-a3b fp8, batch 64, ctx 2048, one H200 (benchmarks.expert_prefetch,
+# results/expert_prefetch_budgets.json): the step took 13.270 ms with the gate asking nothing, 13.050 / 13.047 /
+# 13.075 / 13.102 / 13.149 ms asking 16 / 24 / 32 / 40 / 48 MB; with the slot sum asking 24 MB as well, 12.832 ms
+# against 13.100 with neither (results/expert_prefetch_links.json).
+DEFAULT_MB = {"gate": 24.0, "slot_sum": 24.0, "attention": 0.0}
 MAX_MB = 48.0  # below an H200's 60 MB L2: more would evict its own first lines before the GEMM reads them
 # a call asks only where an expert is this likely to be touched (64 tokens, top-8 of 128: 0.98; 32 tokens: 0.87)
 MIN_TOUCHED = 0.9
@@ -57,7 +62,6 @@ MIN_TOUCHED = 0.9
 LINE = 128
 MIN_PIECE = 8 * LINE
 _scoped: list[dict[str, int]] = []
-LINKS = ("experts", "next")  # the gate's request for the experts' w13, the slot sum's for the next weight
 
 
 def _parse_mb(text: str, where: str) -> int:
@@ -66,29 +70,38 @@ def _parse_mb(text: str, where: str) -> int:
     except ValueError:
         mb = -1.0
     if not 0 <= mb <= MAX_MB:
-        raise ValueError(f"{where}={text!r}: the expert prefetch budget must be a number of MB in 0..{MAX_MB:g}")
+        raise ValueError(f"{where}={text!r}: an L2 prefetch budget must be a number of MB in 0..{MAX_MB:g}")
     return int(mb * (1 << 20))
 
 
 @functools.lru_cache(maxsize=1)
-def env_budget() -> int:
-    """Bytes a layer from GRAPHSERVE_EXPERT_PREFETCH_MB, read once per process; PREFETCH_MB when unset."""
-    return _parse_mb(os.environ.get(ENV, str(PREFETCH_MB)), ENV)
+def env_budgets() -> dict[str, int]:
+    """Bytes a layer per link: every link GRAPHSERVE_L2_PREFETCH_MB where set (read once per process), else
+    ``DEFAULT_MB``."""
+    if ENV in os.environ:
+        return dict.fromkeys(LINKS, _parse_mb(os.environ[ENV], ENV))
+    return {link: _parse_mb(str(mb), f"DEFAULT_MB[{link!r}]") for link, mb in DEFAULT_MB.items()}
 
 
-def budget_bytes(link: str = "experts") -> int:
+def budget_bytes(link: str) -> int:
     """Bytes a layer in force for ``link`` (``LINKS``): the innermost scope's, else the environment's."""
     if link not in LINKS:
         raise ValueError(f"link={link!r} must be one of {LINKS}")
-    return _scoped[-1][link] if _scoped else env_budget()
+    return (_scoped[-1] if _scoped else env_budgets())[link]
 
 
 @contextlib.contextmanager
-def expert_prefetch(mb: float, next_mb: float | None = None) -> Iterator[None]:
-    """Launches made (or captured) in this scope ask L2 for up to ``mb`` MB of the experts' first weights, and for
-    up to ``next_mb`` MB (``mb`` if None) of the weight read after the experts."""
-    budgets = {"experts": _parse_mb(str(mb), "expert_prefetch(mb)"),
-               "next": _parse_mb(str(mb if next_mb is None else next_mb), "expert_prefetch(next_mb)")}
+def l2_prefetch(mb: float | None = None, **per_link: float) -> Iterator[None]:
+    """Launches made (or captured) in this scope ask L2 for up to ``mb`` MB on every link, ``per_link`` naming a
+    link's own (``l2_prefetch(attention=16)``); a link named in neither keeps the budget in force outside."""
+    unknown = sorted(set(per_link) - set(LINKS))
+    if unknown:
+        raise ValueError(f"l2_prefetch: {', '.join(unknown)} is not a link; links: {LINKS}")
+    budgets = {link: budget_bytes(link) for link in LINKS}
+    for link in LINKS:
+        value = per_link.get(link, mb)
+        if value is not None:
+            budgets[link] = _parse_mb(str(value), f"l2_prefetch({link})")
     with pushed(_scoped, budgets):
         yield
 
@@ -117,7 +130,7 @@ class PrefetchPlan:
         return {"pf_ptr": self.weight, "pf_bytes": self.nbytes, "pf_piece": self.piece, "PREFETCH": True}
 
 
-def plan(weight: torch.Tensor | None, programs: int, threads: int, link: str = "experts") -> PrefetchPlan | None:
+def plan(weight: torch.Tensor | None, programs: int, threads: int, link: str) -> PrefetchPlan | None:
     """How a launch of ``programs`` programs of ``threads`` threads asks for the first bytes of ``weight`` under
     ``link``'s budget in force; None where there is nothing to ask (no weight, no budget, a device without the bulk
     prefetch)."""

@@ -283,7 +283,7 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
               static_scale=static2)
     block_h = min(1024, triton.next_power_of_2(h))
     grid = (t, triton.cdiv(h, block_h))
-    pf = prefetch_plan(read_next, grid[0] * grid[1], 32 * _SUM_WARPS, "next")
+    pf = prefetch_plan(read_next, grid[0] * grid[1], 32 * _SUM_WARPS, "slot_sum")
     moe_sum_kernel[grid](
         down, out, topk_ids, valid_arg, h, expert_start, down.stride(0), out.stride(0),
         **(pf.kernel_args() if pf is not None else no_prefetch_args(down)), PF_THREADS=32 * _SUM_WARPS,

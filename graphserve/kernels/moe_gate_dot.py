@@ -157,7 +157,7 @@ def moe_gate_dot_softmax_topk(
     partial = torch.empty(consts["SPLIT_K"], t, e, dtype=torch.float32, device=x.device)
     grid = (row_blocks, triton.cdiv(e, block_ep), consts["SPLIT_K"])
     warps = dot_warps(e)
-    pf = prefetch_plan(prefetch, grid[0] * grid[1] * grid[2], 32 * warps)
+    pf = prefetch_plan(prefetch, grid[0] * grid[1] * grid[2], 32 * warps, "gate")
     moe_gate_dot_softmax_topk_kernel[grid](
         x, gate_weight, partial, counter, weights, ids, t, x.stride(0), gate_weight.stride(0),
         **(pf.kernel_args() if pf is not None else no_prefetch_args(x)), PF_THREADS=32 * warps, **consts,

@@ -343,7 +343,7 @@ def test_workspace_bound_covers_what_a_forward_allocates(name, experts, gen):
 def test_gate_asking_l2_for_the_experts_changes_nothing(name, t, experts, gen):
     """The tensor-core gate with the experts' first weights asked of L2 (kernels/l2_prefetch.py), up to the
     largest budget, eager and replayed: the routing bit for bit as without, the weight untouched."""
-    from graphserve.kernels.l2_prefetch import MAX_MB, expert_prefetch, plan
+    from graphserve.kernels.l2_prefetch import MAX_MB, l2_prefetch, plan
     from graphserve.kernels.moe_gate_dot import moe_gate_dot_softmax_topk
 
     e, h, _, k, renorm = MODELS[name]
@@ -352,8 +352,8 @@ def test_gate_asking_l2_for_the_experts_changes_nothing(name, t, experts, gen):
     counter = torch.zeros(GATE_COUNTERS, dtype=torch.int32, device="cuda")
     x, gate = _grid_gate_inputs(t, e, h, gen)
     want = moe_gate_dot_softmax_topk(x, gate, k, renorm, counter)
-    with expert_prefetch(MAX_MB):
-        asked = plan(w13, 128, 128)
+    with l2_prefetch(MAX_MB):
+        asked = plan(w13, 128, 128, "gate")
         assert asked is not None and 0 < asked.nbytes <= min(MAX_MB * 2**20, w13.numel() * w13.element_size())
         got = moe_gate_dot_softmax_topk(x, gate, k, renorm, counter, prefetch=w13)
         graph, out = capture(lambda: moe_gate_dot_softmax_topk(x, gate, k, renorm, counter, prefetch=w13))
@@ -373,7 +373,7 @@ def test_gate_asking_l2_for_the_experts_changes_nothing(name, t, experts, gen):
 def test_slot_sum_asking_l2_for_the_next_weight_changes_nothing(name, t, experts, gen):
     """fused_experts with ``read_next`` under the largest budget: the output bit for bit as without, eager and
     replayed, on both paths (the streaming path has no slot-sum launch and asks nothing)."""
-    from graphserve.kernels.l2_prefetch import MAX_MB, expert_prefetch
+    from graphserve.kernels.l2_prefetch import MAX_MB, l2_prefetch
 
     e, h, _, k, _ = MODELS[name]
     w13, w2 = experts[name][:2]
@@ -383,7 +383,7 @@ def test_slot_sum_asking_l2_for_the_next_weight_changes_nothing(name, t, experts
     w = torch.rand(t, k, device="cuda", generator=gen)
     ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:k] for _ in range(t)]).to(torch.int32)
     want = fused_experts(x, w13, w2, w, ids)
-    with expert_prefetch(MAX_MB):
+    with l2_prefetch(MAX_MB):
         got = fused_experts(x, w13, w2, w, ids, read_next=nxt)
         graph, out = capture(lambda: fused_experts(x, w13, w2, w, ids, read_next=nxt))
     assert torch.equal(got, want)
