@@ -75,8 +75,7 @@ def attention_reports() -> list[dict]:
 
     types = {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "counter_ptr": "*i32", "block_tables_ptr": "*i32",
              "seq_lens_ptr": "*i32", "scale_log2": "fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32",
-             "sin_ptr": "*fp32", "eps": "fp32", "row_counter_ptr": "*i32", "out_scale_ptr": "*fp32",
-             "pf_ptr": "*fp8e4nv", "pf_bytes": "i64"}  # fmt: skip
+             "sin_ptr": "*fp32", "eps": "fp32", "row_counter_ptr": "*i32", "out_scale_ptr": "*fp32"}  # fmt: skip
     rows = []
     for (model, group), new_token, quant_row in itertools.product((("qwen3-30b-a3b", 8), ("llama3-8b", 4)),
                                                                   (False, True), (False, True)):
@@ -87,8 +86,7 @@ def attention_reports() -> list[dict]:
                   "FUSED_MERGE": True, "BLOCK_HM": block_hm, "CHUNK_S": chunk, "WIDEN_FP16": False,
                   "QUANT_OUT": quant_row, "FP8_MAX_C": FP8_MAX, "MIN_SCALE_C": MIN_SCALE, "NEW_TOKEN": new_token,
                   "HAS_NORM": new_token and model.startswith("qwen3"), "QUANT_ROW": quant_row,
-                  "ROW": 32 * 128 if quant_row else 1, "ROW_CHUNK": ROW_CHUNK, "PREFETCH": new_token,
-                  "PF_THREADS": 32 * NUM_WARPS, "PDL": False}  # fmt: skip
+                  "ROW": 32 * 128 if quant_row else 1, "ROW_CHUNK": ROW_CHUNK, "PDL": False}  # fmt: skip
         out_type = {"out_ptr": "*fp8e4nv"} if quant_row else {}
         row = compile_report(_decode_split_kernel, {**types, **out_type}, consts, NUM_WARPS, NUM_STAGES)
         shape = f"{model} group{group} merge_chunk{chunk}{' prologue' if new_token else ''}{' quant_row' if quant_row else ''}"

@@ -31,12 +31,12 @@ def test_scopes_set_budgets_innermost_first():
     outside = {link: budget_bytes(link) for link in LINKS}
     with l2_prefetch(16):
         assert all(budget_bytes(link) == 16 << 20 for link in LINKS)
-        with l2_prefetch(attention=2.5):
-            assert budget_bytes("attention") == int(2.5 * 2**20)
-            assert budget_bytes("gate") == budget_bytes("slot_sum") == 16 << 20  # kept from the scope outside
+        with l2_prefetch(slot_sum=2.5):
+            assert budget_bytes("slot_sum") == int(2.5 * 2**20)
+            assert budget_bytes("gate") == 16 << 20  # kept from the scope outside
         with l2_prefetch(0, gate=3):
-            assert (budget_bytes("gate"), budget_bytes("slot_sum"), budget_bytes("attention")) == (3 << 20, 0, 0)
-        assert budget_bytes("attention") == 16 << 20
+            assert (budget_bytes("gate"), budget_bytes("slot_sum")) == (3 << 20, 0)
+        assert budget_bytes("slot_sum") == 16 << 20
     assert {link: budget_bytes(link) for link in LINKS} == outside
 
 
@@ -59,7 +59,7 @@ def test_a_budget_out_of_range_is_refused_by_name(mb):
 
 
 def test_an_unknown_link_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"qkv is not a link; links: \('gate', 'slot_sum', 'attention'\)"):
+    with pytest.raises(ValueError, match=r"qkv is not a link; links: \('gate', 'slot_sum'\)"):
         with l2_prefetch(qkv=4):
             pass
     with pytest.raises(ValueError, match=r"link='qkv' must be one of"):
@@ -104,7 +104,7 @@ def test_nothing_is_asked_without_budget_weight_or_device(capable):
         assert plan(weight, 128, 128, "gate") is None
     with l2_prefetch(8, slot_sum=0):
         assert plan(weight, 128, 128, "slot_sum") is None
-        assert plan(weight, 128, 128, "attention").nbytes == 8 << 20
+        assert plan(weight, 128, 128, "gate").nbytes == 8 << 20
         assert plan(None, 128, 128, "gate") is None
         assert plan(weight, 0, 128, "gate") is None
         with pytest.raises(ValueError, match="contiguous and 16-byte aligned"):

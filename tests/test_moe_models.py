@@ -224,15 +224,3 @@ def test_each_routed_block_reads_the_next_layers_qkv_next(variant):
     assert linked >= 1
     # the link is no submodule: the module tree and the state dict are as before
     assert not any(".read_next" in name for name, _ in loaded.model.named_modules())
-
-
-def test_decode_attention_is_told_the_output_projection_comes_next(variant):
-    """The attention link (kernels/l2_prefetch.py): the new token each attention layer hands its backend names that
-    layer's own o_proj weight."""
-    _, _, loaded, _ = variant
-    kv = loaded.info.kv.allocate(4, 16, torch.device("cpu"), fill="random")
-    batch = contiguous_batch([1], [5], kv, TorchAttentionBackend(), vocab_size=320)
-    for layer in loaded.model.model.layers:
-        attn = layer.self_attn
-        qkv = torch.zeros(1, sum(attn.qkv_proj.output_sizes))
-        assert attn.new_token(qkv, batch.positions, batch).read_next is attn.o_proj.weight

@@ -52,8 +52,6 @@ from graphserve.kernels.common import interpreting, sm_count
 from graphserve.kernels.decode_merge import MERGE_TILE_ELEMS, _decode_merge_kernel, emit_heads, merge_partials
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, fp16_saturated
 from graphserve.kernels.kv_write import cache_value, check_cache
-from graphserve.kernels.l2_prefetch import issue_l2_prefetch, no_prefetch_args
-from graphserve.kernels.l2_prefetch import plan as prefetch_plan
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 from graphserve.kernels.qk_rope_kv import check_qkv_args
 
@@ -228,8 +226,7 @@ def _decode_split_kernel(
     FUSED_MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, CHUNK_S: tl.constexpr,
     WIDEN_FP16: tl.constexpr, QUANT_OUT: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
     NEW_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr, row_ptr, row_counter_ptr, QUANT_ROW: tl.constexpr,
-    ROW: tl.constexpr, ROW_CHUNK: tl.constexpr, pf_ptr, pf_bytes, pf_piece, PREFETCH: tl.constexpr,
-    PF_THREADS: tl.constexpr, PDL: tl.constexpr,
+    ROW: tl.constexpr, ROW_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     seq = tl.program_id(0)
@@ -307,9 +304,6 @@ def _decode_split_kernel(
                 offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT, PREFETCH_V, q_p, cos, sin, qw, qw_p, eps, NEW_TOKEN, HAS_NORM,
                 HEAD_DIM, q_dtype, WIDEN_FP16,
             )  # fmt: skip
-    if PREFETCH:  # its own loads done: the program asks L2 for its share of the weight read next
-        issue_l2_prefetch(pf_ptr, pf_bytes, pf_piece, (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split,
-                          PF_THREADS)  # fmt: skip
     if NEW_TOKEN:
         # the new K rotated and rounded to the projection's dtype (what the separate prologue stores), then to the
         # cache's; K and V stored by the program that holds the position; its score and V taken in one more
@@ -443,7 +437,6 @@ def decode_attention(
     new_token: NewToken | None = None,
     row_workspace: torch.Tensor | None = None,
     row_counters: torch.Tensor | None = None,
-    read_next: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ([B, Hq, D], one token per sequence) over each sequence's paged context.
 
@@ -470,8 +463,6 @@ def decode_attention(
     zero before the call and left zero; a zeroed buffer is allocated when None), and the last quantizes the row
     (``emit_heads``).
     ``new_token``: ``decode_attention_qkv``'s (q is then the q columns of its qkv rows, not yet normed or rotated).
-    ``read_next``: the weight the step reads after attention; each program asks L2 for a share of its first bytes
-    once its own loads are done, under kernels/l2_prefetch.py's ``attention`` budget.
     """
     batch, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
@@ -571,7 +562,6 @@ def decode_attention(
     # the prologue's pointers, strides and eps; without a new token, placeholders the kernel never reads
     prologue = new_token.launch_args() if new_token is not None else (seq_lens,) * 6 + (0, 0, 0.0)
     has_norm = new_token is not None and new_token.q_norm_weight is not None
-    pf = prefetch_plan(read_next, batch * num_kv_heads * num_splits, 32 * tile.num_warps, "attention")
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, out_scale if quant_out else mid_lse, mid_o, mid_lse, counters,
         *prologue,
@@ -592,7 +582,6 @@ def decode_attention(
         HAS_NORM=has_norm,
         row_ptr=row_workspace if quant_row else out, row_counter_ptr=row_counters if quant_row else seq_lens,
         QUANT_ROW=quant_row, ROW=row if quant_row else 1, ROW_CHUNK=min(ROW_CHUNK, triton.next_power_of_2(row)),
-        **(pf.kernel_args() if pf is not None else no_prefetch_args(q)), PF_THREADS=32 * tile.num_warps,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(q.device, "_decode_split_kernel"),
     )  # fmt: skip
     if not direct and not fused_merge:
@@ -624,7 +613,6 @@ class NewToken:
     q_norm_weight: torch.Tensor | None = None
     k_norm_weight: torch.Tensor | None = None
     eps: float = 0.0
-    read_next: torch.Tensor | None = None  # the weight the step reads after attention (kernels/l2_prefetch.py)
 
     def launch_args(self) -> tuple:
         """The split kernel's prologue arguments: positions, cos, sin, the q and k norm weights (cos in their place
@@ -657,8 +645,7 @@ def decode_attention_qkv(
         if t.dim() != 1 or t.shape[0] != batch:
             raise ValueError(f"decode_attention_qkv: {name} must be [{batch}] (one per qkv row), got {tuple(t.shape)}")
     q = qkv[:, : num_heads * head_dim].unflatten(1, (num_heads, head_dim))
-    return decode_attention(q, kv_cache, block_tables, seq_lens, scale, new_token=new_token,
-                            read_next=new_token.read_next, **kwargs)
+    return decode_attention(q, kv_cache, block_tables, seq_lens, scale, new_token=new_token, **kwargs)
 
 
 def decode_attention_reference(

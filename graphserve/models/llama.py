@@ -219,7 +219,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             norms = {"q_norm_weight": self.q_norm.weight, "k_norm_weight": self.k_norm.weight, "eps": self.q_norm.eps}
         return NewToken(qkv, self.num_heads, positions, cos_sin[:, :half], cos_sin[:, half:], batch.slot_mapping,
-                        **norms, read_next=self.o_proj.weight)  # fmt: skip
+                        **norms)  # fmt: skip
 
 
 class LlamaMLP(nn.Module):
