@@ -5,8 +5,9 @@ Run: python3 -m benchmarks.results_md FILE[:KEY][=COL,COL,...] ...
   FILE  a JSON under benchmarks/results/ (name without .json), or a path to any JSON (ending in .json); a file
         whose top level is a list is its rows
   KEY   the list of rows inside it (default "rows")
-  COLS  the columns to show, in order (default: every column of the first row); rows lacking one are left out;
-        a dotted column (``http_steps.busy``) reads a field of a nested object
+  COLS  the columns to show, in order (default: every column of the first row), separated by commas, or by "|"
+        where a column's name holds a comma; rows lacking one are left out; a dotted column (``http_steps.busy``)
+        reads a field of a nested object
 
 Numbers read as they were written: a ratio column (a quotient's name, "stream/floor", or one holding the word ratio,
 vs, pct or share: ``common.is_ratio_column``) with 4 decimals, more where 4 would round it onto a 3-decimal number it is not
@@ -78,7 +79,7 @@ def render(spec: str) -> str:
         rows = list(rows.values()) if per_run else [rows]
     if not rows:
         return f"`{path.name}`: no rows under {key or 'rows'!r}"
-    columns = cols.split(",") if cols else list(rows[0])
+    columns = cols.split("|" if "|" in cols else ",") if cols else list(rows[0])
     rows = [r for r in rows if all(field(r, c) is not _MISSING for c in columns)]  # rows that carry every column
     env = data.get("environment", {})
     where = f"results/{path.name}" if path.resolve().parent == RESULTS_DIR.resolve() else str(path)

@@ -59,3 +59,11 @@ def test_ratios_are_not_rounded_onto_a_target_and_none_reads_as_a_dash(tmp_path)
     assert "| a | 1.3004 | 0.6005 | 1.30004 | — | 2.000 |" in out
     assert "| b | 1.2996 | 0.5996 | 1.2000 | 1.838 | 12,345.7 |" in out
     assert "1.300 " not in out and "| 0.000 |" not in out
+
+
+def test_columns_whose_names_hold_commas_are_separated_by_bars(tmp_path):
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"environment": {"commit": "c"}, "rows": [{"model": "m", "32,after": 13.25,
+                                                                          "32,before": 13.0}]}))
+    out = render(f"{path}=model|32,after|32,before")
+    assert "| model | 32,after | 32,before |" in out and "| m | 13.250 | 13.000 |" in out
