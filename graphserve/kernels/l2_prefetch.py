@@ -6,7 +6,7 @@ of the weight the step streams next: each of its programs issues ``cp.async.bulk
 share of them. Nothing waits on the requests and no register holds their data; the next weight stream then finds
 its first lines in L2. A weight is never written during a step, so no request can read a stale value, and one
 for bytes the step does not read costs only the bytes it moved (the floors, models/description.decode_read_bytes,
-never count them). Three links (``LINKS``), each with its own budget a layer:
+never count them). Two links (``LINKS``), each with its own budget a layer:
 
 - ``gate``: the router's tensor-core gate (kernels/moe_gate_dot.py) asks for the first bytes of this rank's ``w13``
   stack. At decode batches past the streaming path (qwen3-30b-a3b at 64 tokens: 512 pairs over 128 experts) the
@@ -21,13 +21,11 @@ never count them). Three links (``LINKS``), each with its own budget a layer:
 - ``slot_sum``: after the experts, the slot sum (kernels/moe_gemm.moe_sum_kernel) and the next layer's norm run
   before its qkv projection streams; the slot sum asks, before its wait, for that weight (``FusedMoE.read_next``,
   linked by models/moe.py), on the grouped GEMM path at any batch.
-- ``down``: the down GEMM's first-wave programs (one per SM) ask, before their PDL wait, for the first bytes of
-  ``w2``, which they read first, while gate_up drains and down's input is quantized; where most experts are
-  touched, as for ``gate``.
 
-A third link, decode attention asking for the output projection's weight after its own loads, measured no gain
-(llama3-8b fp8 at batch 1 and 64, qwen3-30b-a3b fp8 at batch 64: results/l2_prefetch_attention_bs*.json) and is
-not kept.
+Two more links measured no gain and are not kept: decode attention asking for the output projection's weight
+after its own loads (llama3-8b fp8 at batch 1 and 64, qwen3-30b-a3b fp8 at batch 64:
+results/l2_prefetch_attention_bs*.json), and the down GEMM's first wave asking for its own first ``w2`` bytes before
+its wait, while gate_up drains (qwen3-30b-a3b fp8 at batch 64: results/l2_prefetch_down.json).
 
 ``DEFAULT_MB`` holds the budgets measured best; ``GRAPHSERVE_L2_PREFETCH_MB`` sets every link's (0 turns them
 off). Budgets are capped below L2's size so the requested lines are not evicted by each other before they are
@@ -51,13 +49,13 @@ from graphserve.kernels.common import interpreting, pushed
 
 ENV = "GRAPHSERVE_L2_PREFETCH_MB"
 # The launches that ask, and for which weight: the router's gate for the experts' w13, the slot sum for the next
-# layer's qkv, the down GEMM's first wave for its own w2.
-LINKS = ("gate", "slot_sum", "down")
+# layer's qkv.
+LINKS = ("gate", "slot_sum")
 # MB a layer each link asks for. qwen3-30b-a3b fp8, batch 64, ctx 2048, one H200 (benchmarks.expert_prefetch,
 # results/expert_prefetch_budgets.json): the step took 13.270 ms with the gate asking nothing, 13.050 / 13.047 /
 # 13.075 / 13.102 / 13.149 ms asking 16 / 24 / 32 / 40 / 48 MB; with the slot sum asking 24 MB as well, 12.832 ms
 # against 13.100 with neither (results/expert_prefetch_links.json).
-DEFAULT_MB = {"gate": 24.0, "slot_sum": 24.0, "down": 0.0}
+DEFAULT_MB = {"gate": 24.0, "slot_sum": 24.0}
 MAX_MB = 48.0  # below an H200's 60 MB L2: more would evict its own first lines before the GEMM reads them
 # a call asks only where an expert is this likely to be touched (64 tokens, top-8 of 128: 0.98; 32 tokens: 0.87)
 MIN_TOUCHED = 0.9

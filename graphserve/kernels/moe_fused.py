@@ -37,9 +37,8 @@ import dataclasses
 import torch
 import triton
 
-from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, TL_DTYPES, per_token_group_quant, static_quant
-from graphserve.kernels.l2_prefetch import no_prefetch_args, worth_prefetching
+from graphserve.kernels.l2_prefetch import no_prefetch_args
 from graphserve.kernels.l2_prefetch import plan as prefetch_plan
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
@@ -280,9 +279,8 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
         if quant_out else None  # fmt: skip
     gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8, hidden_q, c_scale=act_s,
               static_scale=static13)
-    # down's first wave asks for its own first experts' weights while gate_up drains (nearly every expert is read)
     gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8, (act, act_s) if quant_out else None,
-              static_scale=static2, prefetch="down" if worth_prefetching(t, k, counts.numel()) else None)
+              static_scale=static2)
     block_h = min(1024, triton.next_power_of_2(h))
     grid = (t, triton.cdiv(h, block_h))
     pf = prefetch_plan(read_next, grid[0] * grid[1], 32 * _SUM_WARPS, "slot_sum")
@@ -304,16 +302,13 @@ def quant_out_group(gate_up: GemmTile, down: GemmTile, s2: ExpertScales | None, 
 def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torch.Tensor, tile: GemmTile, align,
               topk_weights: torch.Tensor, a_row_div: int, gated: bool, w8a8: bool,
               a_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
-              c_scale: torch.Tensor | None = None, static_scale: torch.Tensor | None = None,
-              prefetch: str | None = None) -> None:  # fmt: skip
+              c_scale: torch.Tensor | None = None, static_scale: torch.Tensor | None = None) -> None:  # fmt: skip
     """One grouped GEMM over the sorted pairs: gate_up (``gated``: rows ``a[pair // a_row_div]``, silu * up
     written) or down (rows ``a[pair]``, times the routing weight). The step's mode: ``tile.a8``
     quantizes a in the kernel (A_QUANT), else ``w8a8`` quantizes it first (A_FP8; ``a_quantized``: a already
     quantized so, by its producer), else W8A16. ``c_scale`` (gate_up, fp32 [pairs, N / block_n]): c is fp8 and
     each tile's rows are quantized as one group, the scales written there (``quant_out_group``). ``static_scale``
-    (W8A8 with per-channel weight scales): a quantized with that one scale instead of per token group.
-    ``prefetch``: a link of kernels/l2_prefetch.py under whose budget the first wave's programs ask L2, before their
-    PDL wait, for the first bytes of b (the experts they read first)."""
+    (W8A8 with per-channel weight scales): a quantized with that one scale instead of per token group."""
     n, kk = b.shape[1] // (2 if gated else 1), b.shape[2]
     check_a8_tile(tile, sb)
     # the activation dtype, where the epilogue rounds: c's, or a's where c is the fp8 that QUANT_OUT writes
@@ -347,14 +342,13 @@ def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torc
         block_k = sb.gemm_block_k(block_k, tile.block_n, fp8_dot)
     args = scale_args(sb, b)
     pairs = topk_weights.numel()
-    pf = prefetch_plan(b, sm_count(b.device), 32 * tile.num_warps, prefetch) if prefetch else None
     fused_moe_gemm_kernel[(align.max_blocks * triton.cdiv(n, tile.block_n),)](
         a, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, a_scale, args["scale"],
         a_scale if c_scale is None else c_scale,
         pairs, n, align.max_blocks, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         a_scale.stride(0), args["stride_e"], args["stride_n"], 0 if c_scale is None else c_scale.stride(0),
-        args["up_row"], **(pf.kernel_args() if pf is not None else no_prefetch_args(b)),
-        PF_THREADS=32 * tile.num_warps, K=kk, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated,
+        args["up_row"],
+        K=kk, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated,
         IEEE=a.dtype == torch.float32 and not fp8_dot, B_FP8=sb is not None, A_FP8=quantize_first, **args["consts"],
         K_SCALES=k_only, A_QUANT=tile.a8, QUANT_OUT=c_scale is not None, ACT_DTYPE=act_dtype, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,

@@ -111,23 +111,19 @@ def _gemm_step(acc, a, b, a_s, bs_ptrs, ks, k0, IEEE: tl.constexpr, B_FP8: tl.co
 def fused_moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, as_ptr, bs_ptr, cs_ptr,
     num_pairs, N, num_blocks_m, stride_am, stride_be, stride_bn, stride_cm,
-    stride_asm, stride_bse, stride_bsn, stride_csm, scale_up_row, pf_ptr, pf_bytes, pf_piece,
+    stride_asm, stride_bse, stride_bsn, stride_csm, scale_up_row,
     K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
     B_FP8: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     PER_CHANNEL: tl.constexpr, K_SCALES: tl.constexpr, A_QUANT: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PREFETCH: tl.constexpr, PF_THREADS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] output tile of one expert's run; the grid covers the worst-case sort.
 
     ``QUANT_OUT`` (gate_up): the tile's BLOCK_N columns are one activation group of the down step's W8A8; the
     epilogue quantizes each row of silu * up (rounded to ``ACT_DTYPE`` first, as it would be stored) and
     writes fp8 into ``c_ptr`` with the group's fp32 scale at ``cs_ptr`` [pairs, groups]: what the quantization
-    launch would make of the stored tile, so that launch does not run. ``PREFETCH``: first the program asks L2 for
-    its share of the weight's first bytes (kernels/l2_prefetch.py; only the first wave's programs hold a share)."""
-    if PREFETCH:
-        issue_l2_prefetch(pf_ptr, pf_bytes, pf_piece, tl.program_id(0), PF_THREADS)
+    launch would make of the stored tile, so that launch does not run."""
     pdl_enter(PDL)
     if A_QUANT:  # a step's activation scale is its K step's amax: one weight scale block per step
         tl.static_assert(B_FP8 and not PER_CHANNEL and not A_FP8 and not K_SCALES)

@@ -371,9 +371,8 @@ def test_gate_asking_l2_for_the_experts_changes_nothing(name, t, experts, gen):
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
 @torch.inference_mode()
 def test_slot_sum_asking_l2_for_the_next_weight_changes_nothing(name, t, experts, gen):
-    """fused_experts with ``read_next`` under the largest budget on every link (the slot sum asking for it, the down
-    GEMM's first wave for w2's first bytes): the output bit for bit as without, eager and replayed, on both paths
-    (the streaming path has neither launch and asks nothing)."""
+    """fused_experts with ``read_next`` under the largest budget: the output bit for bit as without, eager and
+    replayed, on both paths (the streaming path has no slot-sum launch and asks nothing)."""
     from graphserve.kernels.l2_prefetch import MAX_MB, l2_prefetch
 
     e, h, _, k, _ = MODELS[name]
