@@ -1,0 +1,103 @@
+"""The FP4 weight layout the kernels read, its checks, and the widening every FP4 kernel shares.
+
+Layout (the contract with the loading side, kernels/fp4_reference.py): E2M1 codes, two a byte, element 2i in
+the low nibble of byte i, bit 3 the sign; ``packed`` [..., N, K/2] uint8. NVFP4: one float8_e4m3fn scale per
+16 elements along K ([..., N, K/16]) and an fp32 global scale (a scalar, or per expert [E, 2] for w13 (gate's,
+up's) and [E, 1] for w2). MXFP4: one E8M0 (uint8, 2^(s - 127)) scale per 32 elements ([..., N, K/32]), no
+global scale.
+
+Widening. A nibble's three magnitude bits placed at bits 9-11 of an fp16 (the sign at bit 15) make an fp16
+whose value is exactly the E2M1 value times 2^-14 (code 1, 0.5, lands on the subnormal 2^-15, which fp16
+keeps); placed at bits 2-4 of an e4m3 byte (sign at bit 7) they make the E2M1 value times 2^-6. So widening
+is integer masks and shifts, no table, and the power of two goes into the block scale. E2M1 times an e4m3
+scale has at most 5 significant bits and times an E8M0 scale 2: every dequantized weight is a bf16 value
+(bf16 keeps fp32's exponent range), so a tile widened and scaled in registers feeds the bf16 tensor cores
+without rounding. The global scale multiplies the fp32 accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FORMATS = ("nvfp4", "mxfp4")
+GROUP = {"nvfp4": 16, "mxfp4": 32}  # elements along K per block scale
+SCALE_DTYPE = {"nvfp4": torch.float8_e4m3fn, "mxfp4": torch.uint8}
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP16_UNIT_LOG2 = 14  # the fp16 bit placement's value is e2m1 * 2^-14
+FP8_UNIT_LOG2 = 6  # the e4m3 bit placement's value is e2m1 * 2^-6
+
+
+@triton.jit
+def widen_fp16(b):
+    """Bytes (int32) -> (low, high) nibbles as fp16 holding e2m1 * 2^-14, exactly."""
+    lo = (((b & 0x8) << 12) | ((b & 0x7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def widen_fp8(b):
+    """Bytes (int32) -> (low, high) nibbles as e4m3 holding e2m1 * 2^-6, exactly."""
+    lo = (((b & 0x8) << 4) | ((b & 0x7) << 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    hi = ((b & 0x80) | ((b & 0x70) >> 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def block_scale(s, MX: tl.constexpr, UNIT_LOG2: tl.constexpr):
+    """Loaded block scales (uint8) -> fp32 times 2^UNIT_LOG2 (the widening's unit folded in). E8M0 becomes an fp32
+    exponent field; a checkpoint's scales stay far below 255 - UNIT_LOG2 (fp4_check refuses 255, NaN)."""
+    if MX:
+        return ((s.to(tl.int32) + UNIT_LOG2) << 23).to(tl.float32, bitcast=True)
+    sf = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # the kernels take e4m3 scales as their bytes
+    if UNIT_LOG2 == 14:
+        return sf * 16384.0
+    return sf * 64.0
+
+
+def fp4_check(name: str, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None, fmt: str,
+              k: int | None = None, lead: tuple[int, ...] = ()) -> tuple[int, int]:
+    """Validate one FP4 weight ([*lead, N, K/2] with its scales); returns (N, K). ``k``: the K the caller's
+    input has. The errors name the tensor, the value and the limit."""
+    if fmt not in FORMATS:
+        raise ValueError(f"{name}: fmt={fmt!r} must be one of {FORMATS}")
+    if packed.dtype != torch.uint8 or packed.dim() != len(lead) + 2 or tuple(packed.shape[:-2]) != lead:
+        raise ValueError(f"{name}: packed weight must be uint8 [{', '.join(map(str, lead)) + ', ' if lead else ''}"
+                         f"N, K/2], got {packed.dtype} {tuple(packed.shape)}")
+    if not packed.is_contiguous():
+        raise ValueError(f"{name}: packed weight must be contiguous, got strides {packed.stride()}")
+    n, kk = packed.shape[-2], packed.shape[-1] * 2
+    g = GROUP[fmt]
+    if k is not None and kk != k:
+        raise ValueError(f"{name}: packed weight holds K = {kk} (2 x {packed.shape[-1]} bytes), the input has {k}")
+    if kk % g:
+        raise ValueError(f"{name}: K = {kk} must be a multiple of the {fmt} scale block ({g})")
+    want = (*lead, n, kk // g)
+    if scale.dtype != SCALE_DTYPE[fmt] or tuple(scale.shape) != want or not scale.is_contiguous():
+        raise ValueError(f"{name}: {fmt} scale must be contiguous {SCALE_DTYPE[fmt]} {want}, got {scale.dtype} "
+                         f"{tuple(scale.shape)}")
+    if fmt == "nvfp4":
+        if global_scale is None or global_scale.dtype != torch.float32:
+            raise ValueError(f"{name}: nvfp4 needs an fp32 global scale (weight_scale_2), got "
+                             f"{None if global_scale is None else global_scale.dtype}")
+    elif global_scale is not None:
+        raise ValueError(f"{name}: mxfp4 has no global scale, got one of shape {tuple(global_scale.shape)}")
+    return n, kk
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None, fmt: str) -> torch.Tensor:
+    """fp32 [..., N, K] from the layout above (the kernels' plain-PyTorch side); ``global_scale`` broadcasts
+    against the leading dims ([E, 1, 1] for per-expert scales) or is a scalar."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=packed.device)
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+    w = table[codes]
+    if fmt == "mxfp4":
+        s = torch.exp2(scale.float() - 127.0)
+    else:
+        s = scale.float()
+    w = (w.unflatten(-1, (scale.shape[-1], -1)) * s[..., None]).flatten(-2)
+    if global_scale is not None:
+        w = w * global_scale.float()
+    return w
