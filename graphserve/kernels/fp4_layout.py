@@ -39,9 +39,10 @@ def widen_fp16(b):
 
 @triton.jit
 def widen_fp8(b):
-    """Bytes (int32) -> (low, high) nibbles as e4m3 holding e2m1 * 2^-6, exactly."""
-    lo = (((b & 0x8) << 4) | ((b & 0x7) << 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    hi = ((b & 0x80) | ((b & 0x70) >> 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    """Bytes (int32) -> (low, high) nibbles as the uint8 bits of e4m3 values holding e2m1 * 2^-6, exactly
+    (bytes, so that they can be interleaved before the bitcast)."""
+    lo = (((b & 0x8) << 4) | ((b & 0x7) << 2)).to(tl.uint8)
+    hi = ((b & 0x80) | ((b & 0x70) >> 2)).to(tl.uint8)
     return lo, hi
 
 
