@@ -1,0 +1,410 @@
+"""FP4 routed experts: ``fp4_fused_experts``, the FP4 counterpart of kernels/moe_fused.fused_experts.
+
+Weights as the loading side stores them (kernels/fp4_layout.py): w13 [E, 2I, H/2] (gate rows, then up rows),
+w2 [E, H, I/2], block scales [E, rows, K/group], NVFP4 global scales [E, 2] (gate's, up's) and [E, 1]; optional
+biases w13_bias [E, 2I] (added to gate and up before the activation) and w2_bias [E, H] (added to each
+expert's down output before its routing weight). Activations: "silu" (silu(gate) * up) or gpt-oss's
+"swiglu_oai" (gate = min(gate, limit); up = clamp(up, -limit, limit); (up + 1) * gate * sigmoid(alpha * gate)),
+gate and up rounded to the activation dtype first, as a separate projection would store them.
+
+Two paths, chosen from the shape alone (a captured graph replays one):
+- streaming (up to ``STREAM_MAX_PAIRS`` (token, slot) pairs), as kernels/moe_stream.py: gate_up per pair, its
+  expert's gate and up rows streamed once and widened in registers, the activation in the epilogue; down per
+  token, each slot's rows against its activation row, times its routing weight, summed in registers. Two
+  launches; program (0, 0) of the first writes the per-expert counts.
+- grouped GEMM, as kernels/moe_gemm.py over kernels/moe_align.py's sort: tiles of one expert's pairs, the FP4
+  tile widened and scaled to bf16 in registers for the bf16 tensor cores (fp4_gemm.py's "bf16" variant),
+  then kernels/moe_gemm.moe_sum_kernel adds each token's slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphserve.kernels.fp4_layout import GROUP, block_scale, dequantize, fp4_check, widen_fp16
+from graphserve.kernels.l2_prefetch import no_prefetch_args
+from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, moe_align, pair_histogram
+from graphserve.kernels.moe_gemm import moe_sum_kernel
+from graphserve.kernels.pdl import pdl_args, pdl_enter
+
+ACTIVATIONS = ("silu", "swiglu_oai")
+PATHS = ("stream", "gemm")
+X_DTYPES = (torch.bfloat16, torch.float16)
+# (token, slot) pairs up to which the streaming path runs: each pair streams its expert's rows, so past a few
+# tokens per expert the grouped GEMM's one read per tile wins; benchmarks/fp4.py times both per batch
+STREAM_MAX_PAIRS = 32
+_SUM_WARPS = 4
+
+
+@triton.jit
+def _activate(g, u, alpha, limit, SWIGLU_OAI: tl.constexpr, DTYPE: tl.constexpr):
+    """gate and up (fp32, rounded to DTYPE first as the projection would store them) -> the activation in DTYPE."""
+    g = g.to(DTYPE).to(tl.float32)
+    u = u.to(DTYPE).to(tl.float32)
+    if SWIGLU_OAI:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        out = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    else:
+        out = g / (1.0 + tl.exp(-g)) * u
+    return out.to(DTYPE)
+
+
+@triton.jit
+def _row_sums(w_ptrs, s_ptrs, x_row, byte3, k0, ok, g_mask, K: tl.constexpr, GROUP_K: tl.constexpr,
+              MX: tl.constexpr):  # fmt: skip
+    """One K step's [BLOCK_N] sums of FP4 rows (bytes [BLOCK_N, KB, G2] at ``w_ptrs``) against an x row."""
+    m3 = g_mask[None, :, None] & ok
+    b = tl.load(w_ptrs + k0 // 2, mask=m3, other=0)
+    s = tl.load(s_ptrs + k0 // GROUP_K, mask=g_mask[None, :] & ok, other=0)
+    lo, hi = widen_fp16(b.to(tl.int32))
+    cols = k0 + 2 * byte3
+    x_mask = (g_mask[:, None] & (byte3 >= 0)) & ok
+    xe = tl.load(x_row + cols, mask=x_mask, other=0.0).to(tl.float32)
+    xo = tl.load(x_row + cols + 1, mask=x_mask, other=0.0).to(tl.float32)
+    part = tl.sum(lo.to(tl.float32) * xe[None, :, :] + hi.to(tl.float32) * xo[None, :, :], axis=2)
+    return tl.sum(part * block_scale(s, MX, 14), axis=1)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _fp4_stream_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, act_ptr, ids_ptr, valid_ptr, counts_ptr, N, expert_start, num_pairs,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_gse, stride_be, stride_am, alpha, limit,
+    K: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
+    GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SWIGLU_OAI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """act[pair, n-block] = activation(gate, up) for pair ``program_id(0)``; an unrouted pair reads nothing."""
+    pdl_enter(PDL)
+    pair = tl.program_id(0)
+    if (pair == 0) & (tl.program_id(1) == 0):
+        hist = pair_histogram(ids_ptr, valid_ptr, num_pairs, 0, TOP_K, E, HAS_VALID, BLOCK_P, BLOCK_E)
+        tl.store(counts_ptr + tl.arange(0, BLOCK_E), hist, mask=tl.arange(0, BLOCK_E) < E)
+    expert = tl.load(ids_ptr + pair) - expert_start
+    skip = (expert < 0) | (expert >= E_LOCAL)
+    if HAS_VALID:
+        skip = skip | (tl.load(valid_ptr + pair // TOP_K) == 0)
+    if skip:
+        return
+    KB: tl.constexpr = BLOCK_K // GROUP_K
+    G2: tl.constexpr = GROUP_K // 2
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read row N-1; never stored
+    offs_g = tl.arange(0, KB)
+    byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
+    e = expert.to(tl.int64)
+    g_ptrs = w_ptr + e * stride_we + rows[:, None, None] * stride_wn + byte3[None, :, :]
+    u_ptrs = g_ptrs + N * stride_wn
+    sg_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
+    su_ptrs = sg_ptrs + N * stride_sn
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g_mask = (k0 // GROUP_K + offs_g) < K // GROUP_K
+        acc_g += _row_sums(g_ptrs, sg_ptrs, x_row, byte3, k0, True, g_mask, K, GROUP_K, MX)
+        acc_u += _row_sums(u_ptrs, su_ptrs, x_row, byte3, k0, True, g_mask, K, GROUP_K, MX)
+    if HAS_GLOBAL:
+        acc_g *= tl.load(gs_ptr + e * stride_gse)
+        acc_u *= tl.load(gs_ptr + e * stride_gse + 1)
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + e * stride_be + rows).to(tl.float32)
+        acc_u += tl.load(b_ptr + e * stride_be + N + rows).to(tl.float32)
+    out = _activate(acc_g, acc_u, alpha, limit, SWIGLU_OAI, act_ptr.dtype.element_ty)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, out, mask=offs_n < N)
+
+
+@triton.jit
+def _fp4_stream_down_kernel(
+    act_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, weights_ptr, ids_ptr, valid_ptr, H, expert_start,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_gse, stride_be, stride_om,
+    K: tl.constexpr, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, GROUP_K: tl.constexpr,
+    MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """out[t, n-block] = sum over token t's routed slots of weight * (w2[expert] @ act[pair] + w2_bias[expert]);
+    an unrouted slot reads nothing (its masked loads move no bytes) and a padding row comes out as zeros."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    KB: tl.constexpr = BLOCK_K // GROUP_K
+    G2: tl.constexpr = GROUP_K // 2
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, H - 1).to(tl.int64)
+    offs_g = tl.arange(0, KB)
+    byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
+    token_ok = True
+    if HAS_VALID:
+        token_ok = tl.load(valid_ptr + t) != 0
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = t * TOP_K + slot
+        expert = tl.load(ids_ptr + pair) - expert_start
+        routed = (expert >= 0) & (expert < E_LOCAL) & token_ok
+        e = tl.where(routed, expert, 0).to(tl.int64)
+        # a padding row's router output may be NaN; 0 * NaN would leak into its zero output
+        weight = tl.where(routed, tl.load(weights_ptr + pair), 0.0)
+        w_ptrs = w_ptr + e * stride_we + rows[:, None, None] * stride_wn + byte3[None, :, :]
+        s_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
+        a_row = act_ptr + pair.to(tl.int64) * stride_am
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            g_mask = (k0 // GROUP_K + offs_g) < K // GROUP_K
+            acc += _row_sums(w_ptrs, s_ptrs, a_row, byte3, k0, routed, g_mask, K, GROUP_K, MX)
+        if HAS_GLOBAL:
+            acc *= tl.load(gs_ptr + e * stride_gse, mask=routed, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e * stride_be + rows, mask=routed, other=0.0).to(tl.float32)
+        out += weight * acc
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+
+
+@triton.jit
+def _widened_tile(w_ptrs, s_ptrs, k0, offs_g, K: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """The FP4 tile at K offset ``k0`` dequantized to DTYPE [BLOCK_N, BLOCK_K] (exact in bf16), in K order."""
+    if K % BLOCK_K == 0:
+        b = tl.load(w_ptrs + k0 // 2)
+        s = tl.load(s_ptrs + k0 // GROUP_K)
+    else:
+        g_ok = (k0 // GROUP_K + offs_g) < K // GROUP_K
+        b = tl.load(w_ptrs + k0 // 2, mask=g_ok[None, :, None], other=0)
+        s = tl.load(s_ptrs + k0 // GROUP_K, mask=g_ok[None, :], other=0)
+    lo, hi = widen_fp16(b.to(tl.int32))
+    sf = block_scale(s, MX, 14)[:, :, None]
+    w = tl.interleave((lo.to(tl.float32) * sf).to(DTYPE), (hi.to(tl.float32) * sf).to(DTYPE))
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
+def _fp4_moe_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
+    num_pairs, N, num_blocks_m, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_gse, stride_be,
+    stride_cm, alpha, limit,
+    K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    SWIGLU_OAI: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_M, BLOCK_N] tile of one expert's sorted pairs (kernels/moe_gemm.fused_moe_gemm_kernel's grid):
+    gate_up (GATED, the activation in the epilogue) or down (MUL_WEIGHT: bias, then the routing weight)."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    num_blocks_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_blocks_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return  # past the padded total: no pair here (the cost of a bound-sized grid)
+    KB: tl.constexpr = BLOCK_K // GROUP_K
+    G2: tl.constexpr = GROUP_K // 2
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
+    row_mask = pairs < num_pairs
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    a_rows = (pairs // A_ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, KB)
+    byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    g_ptrs = w_ptr + e * stride_we + rows[:, None, None] * stride_wn + byte3[None, :, :]
+    sg_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if K % BLOCK_K == 0:
+            a = tl.load(a_ptrs + k0, mask=row_mask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+        wg = _widened_tile(g_ptrs, sg_ptrs, k0, offs_g, K, GROUP_K, MX, BLOCK_N, BLOCK_K, a.dtype)
+        acc_g = tl.dot(a, tl.trans(wg), acc_g)
+        if GATED:
+            wu = _widened_tile(g_ptrs + N * stride_wn, sg_ptrs + N * stride_sn, k0, offs_g, K, GROUP_K, MX, BLOCK_N,
+                               BLOCK_K, a.dtype)  # fmt: skip
+            acc_u = tl.dot(a, tl.trans(wu), acc_u)
+    if HAS_GLOBAL:
+        acc_g *= tl.load(gs_ptr + e * stride_gse)
+        if GATED:
+            acc_u *= tl.load(gs_ptr + e * stride_gse + 1)
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + e * stride_be + rows).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_ptr + e * stride_be + N + rows).to(tl.float32)[None, :]
+    if GATED:
+        out = _activate(acc_g, acc_u, alpha, limit, SWIGLU_OAI, c_ptr.dtype.element_ty)
+    else:
+        out = acc_g
+        if MUL_WEIGHT:
+            out = out * tl.load(weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+        out = out.to(c_ptr.dtype.element_ty)
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out, mask=row_mask[:, None] & (offs_n[None, :] < N))
+
+
+def _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, topk_weights, topk_ids, w13_bias, w2_bias,
+           activation):  # fmt: skip
+    if x.dim() != 2 or x.dtype not in X_DTYPES:
+        raise ValueError(f"fp4_fused_experts: x must be [T, H] in one of {X_DTYPES}, got {x.dtype} {tuple(x.shape)}")
+    if w13.dim() != 3:
+        raise ValueError(f"fp4_fused_experts: w13 must be [E, 2I, H/2], got {tuple(w13.shape)}")
+    e, h = w13.shape[0], x.shape[1]
+    two_i, _ = fp4_check("fp4_fused_experts w13", w13, w13_scale, w13_global, fmt, h, (e,))
+    if two_i % 2:
+        raise ValueError(f"fp4_fused_experts: w13 has {two_i} rows, must be [gate; up]: an even count")
+    inter = two_i // 2
+    h2, _ = fp4_check("fp4_fused_experts w2", w2, w2_scale, w2_global, fmt, inter, (e,))
+    if h2 != h:
+        raise ValueError(f"fp4_fused_experts: w2 has {h2} rows, the hidden size is {h}")
+    for name, g, cols in (("w13_global", w13_global, 2), ("w2_global", w2_global, 1)):
+        if fmt == "nvfp4":
+            if g is None or g.dtype != torch.float32 or tuple(g.shape) != (e, cols) or not g.is_contiguous():
+                raise ValueError(f"fp4_fused_experts: nvfp4 {name} must be contiguous fp32 [{e}, {cols}], got "
+                                 f"{None if g is None else (g.dtype, tuple(g.shape))}")
+        elif g is not None:
+            raise ValueError(f"fp4_fused_experts: mxfp4 takes no {name}, got shape {tuple(g.shape)}")
+    for name, b, n in (("w13_bias", w13_bias, two_i), ("w2_bias", w2_bias, h)):
+        if b is not None and (tuple(b.shape) != (e, n) or not b.is_contiguous()):
+            raise ValueError(f"fp4_fused_experts: {name} must be contiguous [{e}, {n}], got {tuple(b.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fp4_fused_experts: activation={activation!r} must be one of {ACTIVATIONS}")
+    if topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_ids must be int32 and topk_weights fp32, got {topk_ids.dtype}, {topk_weights.dtype}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must be "
+                         f"[{x.shape[0]}, k]")
+
+
+def _gemm_block_m(pairs: int, num_local: int) -> int:
+    """Rows a tile: about the pairs an expert gets, so few rows of a tile are padding."""
+    per_expert = pairs / max(num_local, 1)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+
+
+def fp4_fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w13_global: torch.Tensor | None,
+    w2: torch.Tensor, w2_scale: torch.Tensor, w2_global: torch.Tensor | None, fmt: str,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, valid: torch.Tensor | None = None,
+    expert_start: int = 0, counts: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+    path: str | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """sum over slots of weight * (down(act(gate_up(x) + w13_bias)) + w2_bias) over this rank's experts, [T, H].
+
+    ``valid`` (bool [T]) marks real rows; ``counts`` (int32 [E global]) receives the pairs per expert;
+    ``expert_start``: the first local expert's global id (expert parallel). ``path`` ("stream" | "gemm")
+    overrides the rule (tests, benchmarks)."""
+    _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, topk_weights, topk_ids, w13_bias, w2_bias,
+           activation)  # fmt: skip
+    if path not in (None, *PATHS):
+        raise ValueError(f"fp4_fused_experts: path={path!r} must be one of {PATHS}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+    t, h = x.shape
+    num_local, inter, k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
+    pairs, device = t * k, x.device
+    if counts is None:
+        counts = torch.empty(expert_start + num_local, dtype=torch.int32, device=device)
+    out = torch.empty(t, h, dtype=x.dtype, device=device)
+    if t == 0:
+        counts.zero_()
+        return out
+    group, mx = GROUP[fmt], fmt == "mxfp4"
+    valid_arg = topk_ids if valid is None else valid.view(torch.uint8)
+    placeholder = out
+    g13 = w13_global if w13_global is not None else placeholder
+    g2 = w2_global if w2_global is not None else placeholder
+    b13 = w13_bias if w13_bias is not None else placeholder
+    b2 = w2_bias if w2_bias is not None else placeholder
+    s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+    common = dict(GROUP_K=group, MX=mx, HAS_GLOBAL=w13_global is not None)
+    swiglu = activation == "swiglu_oai"
+    if (path or ("stream" if pairs <= STREAM_MAX_PAIRS else "gemm")) == "stream":
+        act = torch.empty(pairs, inter, dtype=x.dtype, device=device)
+        bn = 32
+        _fp4_stream_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
+            x, w13, s13, g13, b13, act, topk_ids, valid_arg, counts, inter, expert_start, pairs,
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), 2, 2 * inter, act.stride(0),
+            float(alpha), float(limit), K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local,
+            HAS_VALID=valid is not None, HAS_BIAS=w13_bias is not None, SWIGLU_OAI=swiglu, BLOCK_N=bn,
+            BLOCK_K=max(group, min(256, triton.next_power_of_2(h))), BLOCK_P=HISTOGRAM_PAIRS,
+            BLOCK_E=triton.next_power_of_2(counts.numel()), num_warps=4, **common,
+            **pdl_args(device, "_fp4_stream_gate_up_kernel"),
+        )  # fmt: skip
+        _fp4_stream_down_kernel[(t, triton.cdiv(h, bn))](
+            act, w2, s2, g2, b2, out, topk_weights, topk_ids, valid_arg, h, expert_start,
+            act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), 1, h, out.stride(0),
+            K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, HAS_BIAS=w2_bias is not None,
+            BLOCK_N=bn, BLOCK_K=max(group, min(256, triton.next_power_of_2(inter))), num_warps=4, **common,
+            **pdl_args(device, "_fp4_stream_down_kernel"),
+        )  # fmt: skip
+        return out
+    block_m, block_n = _gemm_block_m(pairs, num_local), 64
+    align = moe_align(topk_ids, valid, counts, expert_start, num_local, block_m)
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=device)
+    down = torch.empty(pairs, h, dtype=x.dtype, device=device)
+    for a, w, s, g, b, c, n, kk, gated in ((x, w13, s13, g13, b13, act, inter, h, True),
+                                           (act, w2, s2, g2, b2, down, h, inter, False)):
+        grid = (align.max_blocks * triton.cdiv(n, block_n),)
+        _fp4_moe_gemm_kernel[grid](
+            a, w, s, g, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, pairs, n,
+            align.max_blocks, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), 2 if gated else 1,
+            2 * n if gated else n, c.stride(0), float(alpha), float(limit),
+            K=kk, A_ROW_DIV=k if gated else 1, GATED=gated, MUL_WEIGHT=not gated, SWIGLU_OAI=swiglu,
+            HAS_BIAS=(w13_bias if gated else w2_bias) is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=max(group, min(128, triton.next_power_of_2(kk))), GROUP_M=8, num_warps=4, num_stages=3,
+            **common, **pdl_args(device, "_fp4_moe_gemm_kernel"),
+        )  # fmt: skip
+    block_h = min(1024, triton.next_power_of_2(h))
+    moe_sum_kernel[(t, triton.cdiv(h, block_h))](
+        down, out, topk_ids, valid_arg, h, expert_start, down.stride(0), out.stride(0), **no_prefetch_args(down),
+        PF_THREADS=32 * _SUM_WARPS, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, BLOCK_H=block_h,
+        num_warps=_SUM_WARPS, **pdl_args(device, "moe_sum_kernel"),
+    )  # fmt: skip
+    return out
+
+
+def fp4_experts_reference(
+    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w13_global: torch.Tensor | None,
+    w2: torch.Tensor, w2_scale: torch.Tensor, w2_global: torch.Tensor | None, fmt: str,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, valid: torch.Tensor | None = None,
+    expert_start: int = 0, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+    activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+) -> torch.Tensor:  # fmt: skip
+    """fp32 experts on weights dequantized from FP4, gate and up rounded to x's dtype before the activation and
+    the activation rounded after (as the kernels store it); padding rows and other ranks' experts give zeros."""
+    e = w13.shape[0]
+    w13f = dequantize(w13, w13_scale, None, fmt)
+    w2f = dequantize(w2, w2_scale, None, fmt)
+    if w13_global is not None:
+        inter = w13.shape[1] // 2
+        w13f = w13f * torch.repeat_interleave(w13_global.float(), inter, dim=1)[:, :, None]
+        w2f = w2f * w2_global.float()[:, :, None]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        if valid is not None and not bool(valid[t]):
+            continue
+        for slot in range(topk_ids.shape[1]):
+            ex = int(topk_ids[t, slot]) - expert_start
+            if not 0 <= ex < e:
+                continue
+            gu = w13f[ex] @ x[t].float()
+            if w13_bias is not None:
+                gu = gu + w13_bias[ex].float()
+            g, u = gu.to(x.dtype).float().chunk(2)
+            if activation == "swiglu_oai":
+                g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+                a = (u + 1) * g * torch.sigmoid(alpha * g)
+            else:
+                a = torch.nn.functional.silu(g) * u
+            y = w2f[ex] @ a.to(x.dtype).float()
+            if w2_bias is not None:
+                y = y + w2_bias[ex].float()
+            out[t] += float(topk_weights[t, slot]) * y
+    return out
