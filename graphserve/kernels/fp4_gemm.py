@@ -94,17 +94,19 @@ def _fp4_gemm_kernel(
         s_ptrs = s_ptr + w_rows * stride_sn
         low_half = (offs_k < 16)[None, :]
         for k0 in range(0, K, BLOCK_K):  # BLOCK_K = 32 (one MMA) divides K (a multiple of 32 here)
-            a = tl.load(x_ptrs + k0)
+            a = tl.load(x_ptrs + k0)  # x's fp8 bytes (uint8): selected as integers, then bitcast
             lo, hi = widen_fp8(tl.load(w_ptrs + k0 // 2).to(tl.int32))
             w = tl.reshape(tl.interleave(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
             if GROUP_K == BLOCK_K:
-                acc += tl.dot(a, tl.trans(w)) * block_scale(tl.load(s_ptrs + k0 // GROUP_K), MX, 6)[None, :]
+                part = tl.dot(a.to(tl.float8e4nv, bitcast=True), tl.trans(w))
+                acc += part * block_scale(tl.load(s_ptrs + k0 // GROUP_K), MX, 6)[None, :]
             else:  # two 16-column groups: two MMAs, each over one half of x's columns
                 s0 = block_scale(tl.load(s_ptrs + k0 // GROUP_K), MX, 6)
                 s1 = block_scale(tl.load(s_ptrs + k0 // GROUP_K + 1), MX, 6)
-                zero = tl.zeros_like(a)
-                acc += tl.dot(tl.where(low_half, a, zero), tl.trans(w)) * s0[None, :]
-                acc += tl.dot(tl.where(low_half, zero, a), tl.trans(w)) * s1[None, :]
+                a_lo = tl.where(low_half, a, 0).to(tl.float8e4nv, bitcast=True)
+                a_hi = tl.where(low_half, 0, a).to(tl.float8e4nv, bitcast=True)
+                acc += tl.dot(a_lo, tl.trans(w)) * s0[None, :]
+                acc += tl.dot(a_hi, tl.trans(w)) * s1[None, :]
         acc *= tl.load(xs_ptr + x_rows * stride_xsm)[:, None]
     else:
         KB: tl.constexpr = BLOCK_K // GROUP_K
@@ -167,6 +169,7 @@ def fp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
             raise ValueError(f"fp4_gemm fp8: steps of {FP8_STEP} columns over K a multiple of {FP8_STEP}, got "
                              f"block_k={cfg.block_k}, K={k}")
         xq, xs = per_token_group_quant(x, k)
+        xq = xq.view(torch.uint8)
     else:
         if cfg.block_k % group or cfg.block_k & (cfg.block_k - 1):
             raise ValueError(f"fp4_gemm: block_k={cfg.block_k} must be a power of two and a multiple of {group}")

@@ -377,34 +377,33 @@ def fp4_experts_reference(
     expert_start: int = 0, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
     activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
 ) -> torch.Tensor:  # fmt: skip
-    """fp32 experts on weights dequantized from FP4, gate and up rounded to x's dtype before the activation and
-    the activation rounded after (as the kernels store it); padding rows and other ranks' experts give zeros."""
-    e = w13.shape[0]
-    w13f = dequantize(w13, w13_scale, None, fmt)
-    w2f = dequantize(w2, w2_scale, None, fmt)
-    if w13_global is not None:
-        inter = w13.shape[1] // 2
-        w13f = w13f * torch.repeat_interleave(w13_global.float(), inter, dim=1)[:, :, None]
-        w2f = w2f * w2_global.float()[:, :, None]
+    """fp32 experts on weights dequantized from FP4 (one expert at a time: only the experts the tokens chose),
+    gate and up rounded to x's dtype before the activation and the activation rounded after (as the kernels
+    store it); padding rows and other ranks' experts give zeros."""
+    e, inter = w13.shape[0], w13.shape[1] // 2
+    local = topk_ids.long() - expert_start
+    routed = (local >= 0) & (local < e)
+    if valid is not None:
+        routed &= valid[:, None]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for t in range(x.shape[0]):
-        if valid is not None and not bool(valid[t]):
-            continue
-        for slot in range(topk_ids.shape[1]):
-            ex = int(topk_ids[t, slot]) - expert_start
-            if not 0 <= ex < e:
-                continue
-            gu = w13f[ex] @ x[t].float()
-            if w13_bias is not None:
-                gu = gu + w13_bias[ex].float()
-            g, u = gu.to(x.dtype).float().chunk(2)
-            if activation == "swiglu_oai":
-                g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-                a = (u + 1) * g * torch.sigmoid(alpha * g)
-            else:
-                a = torch.nn.functional.silu(g) * u
-            y = w2f[ex] @ a.to(x.dtype).float()
-            if w2_bias is not None:
-                y = y + w2_bias[ex].float()
-            out[t] += float(topk_weights[t, slot]) * y
+    for ex in torch.unique(local[routed]).tolist():
+        tok, slot = torch.nonzero(routed & (local == ex), as_tuple=True)
+        w13f = dequantize(w13[ex], w13_scale[ex], None, fmt)
+        w2f = dequantize(w2[ex], w2_scale[ex], None, fmt)
+        if w13_global is not None:
+            w13f = w13f * torch.repeat_interleave(w13_global[ex].float(), inter)[:, None]
+            w2f = w2f * w2_global[ex].float()
+        gu = x[tok].float() @ w13f.T
+        if w13_bias is not None:
+            gu = gu + w13_bias[ex].float()
+        g, u = gu.to(x.dtype).float().chunk(2, dim=-1)
+        if activation == "swiglu_oai":
+            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+            a = (u + 1) * g * torch.sigmoid(alpha * g)
+        else:
+            a = torch.nn.functional.silu(g) * u
+        y = a.to(x.dtype).float() @ w2f.T
+        if w2_bias is not None:
+            y = y + w2_bias[ex].float()
+        out.index_add_(0, tok, topk_weights[tok, slot].float()[:, None] * y)
     return out
