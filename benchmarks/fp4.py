@@ -192,6 +192,7 @@ def main() -> None:
     card = torch.cuda.get_device_name(0)
     bw = measured_read_bw()
     rows, prefill = projection_rows(card, args.quick)
+    write_result("fp4_kernels", {"partial": "projections only", "rows": rows, "prefill_8x2048": prefill, "card": card})
     moe = [] if args.skip_moe else moe_rows(card)
     bw.probe_again()
     for r in rows + moe:
