@@ -39,14 +39,22 @@ MOE_TOKENS = (1, 4, 8, 16, 64, 256)
 DT = torch.bfloat16
 
 
+ERRORS: list[str] = []  # kernels that failed to build or run: their rows time inf, and the JSON says why
+
+
 def graph_ms(calls: list) -> float:
     """Median ms of one call: a graph runs every call (one per weight copy) once, replayed 20 times."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.synchronize()
+    try:
+        with torch.cuda.stream(stream):
+            for c in calls:
+                c()
+        torch.cuda.synchronize()
+    except Exception as e:  # a kernel that does not compile here costs its rows, not the run
+        ERRORS.append(f"{calls[0]}: {type(e).__name__}: {str(e)[:300]}")
+        print(ERRORS[-1], flush=True)
+        return float("inf")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         for c in calls:
@@ -122,6 +130,7 @@ def projection_rows(card: str, quick: bool) -> tuple[list[dict], dict]:
                                  for p, s, g in ws[: 2 if m >= 1024 else len(ws)]]  # fmt: skip
                         rows.append(_row(shape, f"fp4 gemm {variant}", fmt, graph_ms(calls), fp4_bytes(n, k, fmt)))
             print(f"{proj} m={m} done", flush=True)
+        write_result("fp4_kernels", {"partial": f"projections up to {proj}", "rows": rows, "errors": ERRORS})
         del bf16_w, fp8_block, fp4
         torch.cuda.empty_cache()
     for r in rows:
@@ -183,6 +192,21 @@ def derive_rule(rows: list[dict], card: str) -> dict:
     return {"device": card, "source": "benchmarks/fp4.py", "shapes": shapes}
 
 
+def moe_stream_pairs(moe: list[dict]) -> dict[str, int]:
+    """Per model: the most (token, slot) pairs up to which the streaming path beat the grouped GEMM at every
+    measured count (fp4_moe.STREAM_MAX_PAIRS is set from these)."""
+    out = {}
+    for name in {r["model"] for r in moe}:
+        ms = {(r["path"], r["pairs"]): r["ms"] for r in moe if r["model"] == name}
+        best = 0
+        for pairs in sorted({p for path, p in ms if path == "stream"}):
+            if ms[("stream", pairs)] > ms.get(("gemm", pairs), float("inf")):
+                break
+            best = pairs
+        out[name] = best
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write-rule", action="store_true", help="write graphserve/kernels/fp4_rule.json")
@@ -191,14 +215,16 @@ def main() -> None:
     args = ap.parse_args()
     card = torch.cuda.get_device_name(0)
     bw = measured_read_bw()
-    rows, prefill = projection_rows(card, args.quick)
-    write_result("fp4_kernels", {"partial": "projections only", "rows": rows, "prefill_8x2048": prefill, "card": card})
     moe = [] if args.skip_moe else moe_rows(card)
+    write_result("fp4_kernels", {"partial": "experts only", "moe": moe, "errors": ERRORS})
+    rows, prefill = projection_rows(card, args.quick)
     bw.probe_again()
     for r in rows + moe:
         r["ratio"] = r["ms"] / bw.floor_ms(r["bytes"])
     rule = derive_rule(rows, card)
-    payload = {"read_bw": bw.summary(), "rows": rows, "prefill_8x2048": prefill, "moe": moe, "rule": rule, "card": card}
+    payload = {"read_bw": bw.summary(), "rows": rows, "prefill_8x2048": prefill, "moe": moe, "rule": rule, "card": card,
+               "moe_stream_max_pairs": moe_stream_pairs(moe),
+               "errors": ERRORS}
     write_result("fp4_kernels", payload)
     if args.write_rule:
         RULE_PATH.write_text(json.dumps(rule, indent=1) + "\n")
@@ -209,6 +235,7 @@ def main() -> None:
     for key, v in sorted(prefill.items(), key=lambda kv: kv[1]["ms"]):
         print(f"  {key}: {v['ms']:.2f} ms, {v['tok_s']:.0f} tok/s")
     print(json.dumps(rule))
+    print("experts: streaming path up to pairs", moe_stream_pairs(moe))
 
 
 if __name__ == "__main__":

@@ -56,12 +56,13 @@ class Fp4GemmConfig:
 
 
 def gemm_config(m: int, variant: str) -> Fp4GemmConfig:
-    """A pure function of the rows: 64-row tiles up to 64 rows, else 128 (the widening amortized over more
-    rows); the fp8 variant steps one 32-column MMA at a time, 4 stages deep to keep its loads ahead."""
+    """A pure function of the rows: 64 weight rows a tile (the MMA's M side, one warpgroup), 64 rows of x up to
+    64 rows, else 128 (the widening amortized over more rows); the fp8 variant steps one 32-column MMA at a
+    time, 4 stages deep to keep its loads ahead."""
     block_m = 64 if m <= 64 else 128
     if variant == "fp8":
-        return Fp4GemmConfig(block_m, 128, FP8_STEP, num_warps=8 if block_m == 128 else 4, num_stages=4)
-    return Fp4GemmConfig(block_m, 128, 128, num_warps=8 if block_m == 128 else 4, num_stages=3)
+        return Fp4GemmConfig(block_m, 64, FP8_STEP, num_warps=4, num_stages=4)
+    return Fp4GemmConfig(block_m, 64, 256, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -85,12 +86,13 @@ def _fp4_gemm_kernel(
     row_ok = offs_m < M
     x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)  # rows past M re-read row M-1; never stored
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # the widened weight is the MMA's first operand, straight from registers, and x the second: a widened tile as
+    # the second operand (through shared memory) failed to compile at 128 columns (Triton 3.6, sm_90)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if FP8:
-        offs_b = tl.arange(0, BLOCK_K // 2)
-        w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_b[None, :]
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
+        w_ptrs = w_ptr + w_rows[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
         s_ptrs = s_ptr + w_rows * stride_sn
         low_half = (offs_k < 16)[None, :]
         for k0 in range(0, K, BLOCK_K):  # BLOCK_K = 32 (one MMA) divides K (a multiple of 32 here)
@@ -98,17 +100,18 @@ def _fp4_gemm_kernel(
             lo, hi = widen_fp8(tl.load(w_ptrs + k0 // 2).to(tl.int32))
             w = tl.reshape(tl.interleave(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
             if GROUP_K == BLOCK_K:
-                part = tl.dot(a.to(tl.float8e4nv, bitcast=True), tl.trans(w))
-                acc += part * block_scale(tl.load(s_ptrs + k0 // GROUP_K), MX, 6)[None, :]
+                part = tl.dot(w, tl.trans(a.to(tl.float8e4nv, bitcast=True)))
+                acc += part * block_scale(tl.load(s_ptrs + k0 // GROUP_K), MX, 6)[:, None]
             else:  # two 16-column groups: two MMAs, each over one half of x's columns
                 s0 = block_scale(tl.load(s_ptrs + k0 // GROUP_K), MX, 6)
                 s1 = block_scale(tl.load(s_ptrs + k0 // GROUP_K + 1), MX, 6)
                 a_lo = tl.where(low_half, a, 0).to(tl.float8e4nv, bitcast=True)
                 a_hi = tl.where(low_half, 0, a).to(tl.float8e4nv, bitcast=True)
-                acc += tl.dot(a_lo, tl.trans(w)) * s0[None, :]
-                acc += tl.dot(a_hi, tl.trans(w)) * s1[None, :]
-        acc *= tl.load(xs_ptr + x_rows * stride_xsm)[:, None]
+                acc += tl.dot(w, tl.trans(a_lo)) * s0[:, None]
+                acc += tl.dot(w, tl.trans(a_hi)) * s1[:, None]
+        acc *= tl.load(xs_ptr + x_rows * stride_xsm)[None, :]
     else:
+        # as kernels/fp4_gemv.py's dot path: the low and high nibbles' tiles apart, against x's even and odd columns
         KB: tl.constexpr = BLOCK_K // GROUP_K
         G2: tl.constexpr = GROUP_K // 2
         offs_g = tl.arange(0, KB)
@@ -116,26 +119,31 @@ def _fp4_gemm_kernel(
         w_ptrs = w_ptr + w_rows[:, None, None] * stride_wn + byte3[None, :, :]
         s_ptrs = s_ptr + w_rows[:, None] * stride_sn + offs_g[None, :]
         for k0 in range(0, K, BLOCK_K):
+            g_ok = (k0 // GROUP_K + offs_g) < K // GROUP_K  # K is whole groups: a tail is masked by group
             if K % BLOCK_K == 0:
-                a = tl.load(x_ptrs + k0)
                 b = tl.load(w_ptrs + k0 // 2)
                 s = tl.load(s_ptrs + k0 // GROUP_K)
-            else:  # K is whole groups: the tail is masked by group
-                g_ok = (k0 // GROUP_K + offs_g) < K // GROUP_K
-                a = tl.load(x_ptrs + k0, mask=(k0 + offs_k < K)[None, :], other=0.0)
+            else:
                 b = tl.load(w_ptrs + k0 // 2, mask=g_ok[None, :, None], other=0)
                 s = tl.load(s_ptrs + k0 // GROUP_K, mask=g_ok[None, :], other=0)
             lo, hi = widen_fp16(b.to(tl.int32))
             sf = block_scale(s, MX, 14)[:, :, None]
-            w = tl.interleave((lo.to(tl.float32) * sf).to(a.dtype), (hi.to(tl.float32) * sf).to(a.dtype))
-            acc = tl.dot(a, tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K))), acc)
+            wl = tl.reshape((lo.to(tl.float32) * sf).to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCK_K // 2))
+            wh = tl.reshape((hi.to(tl.float32) * sf).to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCK_K // 2))
+            ce = tl.reshape(k0 + 2 * byte3, (BLOCK_K // 2,))
+            cm = tl.reshape(g_ok[:, None] & (byte3 >= 0), (BLOCK_K // 2,))
+            xe_ptrs = x_ptr + x_rows[:, None] * stride_xm + ce[None, :]
+            xe = tl.load(xe_ptrs, mask=cm[None, :], other=0.0)
+            xo = tl.load(xe_ptrs + 1, mask=cm[None, :], other=0.0)
+            acc = tl.dot(wl, tl.trans(xe), acc)
+            acc = tl.dot(wh, tl.trans(xo), acc)
     if HAS_GLOBAL:
         acc *= tl.load(gs_ptr)
     n_ok = offs_n < N
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & n_ok[:, None])
 
 
 def fp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
