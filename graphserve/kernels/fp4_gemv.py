@@ -15,6 +15,13 @@ Prologues as kernels/gemv.py's (``_x_tile``): ``fp4_silu_mul_gemv`` computes sil
 projection), reduced in the same launch by the last program of each column tile (kernels/fp8_gemv.py's
 counters, shared). PDL: waits first and releases the next kernel after its main loop, as the FP8 stream does.
 Tiles are a pure function of the shape (``stream_config``): no autotuning, safe in CUDA-graph capture.
+
+Measured on an H100 (benchmarks/results/fp4_kernels.json, llama3-8b's projections, 3.11 TB/s probed): at one row
+0.85-1.18 TB/s (qkv 17 us against the FP8 stream's 12; gate_up 53-70 us against 44), so not yet at its bytes:
+the widening's integer, conversion and scale work per byte sets the time. The dot path falls further behind
+(qkv at 32 rows: 0.18-0.20 ms against the FP8 stream's 0.024), where the tiled GEMM's fp8 variant takes over
+(kernels/fp4_rule.json). Where the cost goes next: the per-group 3-D tile and its reshape before the dot, the fp32
+scale multiply per element (a bf16 product is exact), x's even and odd columns loaded apart.
 """
 
 from __future__ import annotations
