@@ -34,6 +34,7 @@ from graphserve.layers.quant.fp4 import (
     SCALE_DTYPES,
     check_block_scales,
     check_global_scale,
+    check_rank_groups,
     quantize_fp4,
     take_groups,
 )
@@ -62,6 +63,7 @@ class Fp4MoEMethod:
     # ---- construction -------------------------------------------------------------------------
     def create_weights(self, layer: FusedMoE) -> None:
         e, h, i = layer.num_local_experts, layer.hidden_size, layer.intermediate_local
+        check_rank_groups(layer.rank_slice("w2"), self.group)  # down's K columns on this rank
         for what, k in (("hidden_size", h), ("moe_intermediate_size per rank", i)):
             if k % self.group:
                 raise ValueError(f"{what}={k} is not a multiple of the {self.fmt} scale group {self.group}")
