@@ -90,7 +90,7 @@ def _load_meta(monkeypatch, model: str, quantization: str, tp: int = 1, ep: int 
 
 
 @pytest.mark.parametrize("preset,fmt,tp,ep", [
-    ("llama3-8b", "nvfp4", 2, 1), ("qwen3-30b-a3b", "nvfp4", 1, 2), ("qwen3-30b-a3b", "mxfp4", 2, 1),
+    ("llama3-8b", "nvfp4", 2, 1), ("olmoe-1b-7b", "nvfp4", 1, 2), ("qwen3-30b-a3b", "mxfp4", 2, 1),
     ("deepseek-v3-l4", "nvfp4", 1, 1), ("mixtral-8x7b", "mxfp4", 1, 1),
 ])  # fmt: skip
 def test_the_description_counts_the_fp4_bytes_each_rank_holds(monkeypatch, preset, fmt, tp, ep):
