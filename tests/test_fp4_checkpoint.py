@@ -199,3 +199,47 @@ def test_hf_quant_config_group_size_and_a_flag_conflict_are_refused(sources, tmp
     path.write_text(json.dumps(raw))
     with pytest.raises(ModelLoadError, match=r"hf_quant_config.json quantization.group_size=32 is not supported"):
         _load(tmp_path / "fp4")
+
+
+def test_deepseek_nvfp4_checkpoint_dequantizes_kv_b_proj_at_load(tmp_path):
+    """DeepSeek-V3 in NVFP4 with its quantization in hf_quant_config.json: projections, shared and routed experts
+    load in FP4 (q_a_proj and kv_a_proj_with_mqa fused, each with its own global), kv_b_proj (read directly by
+    latent attention) dequantized into the model dtype; the greedy tokens of the dequantized model."""
+    from model_utils import make_hf_checkpoint
+    from test_deepseek import _TINY as DEEPSEEK
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(**{**DEEPSEEK, "num_hidden_layers": 2, "kv_lora_rank": 48, "v_head_dim": 16},
+                              q_lora_rank=32, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                              rope_theta=10000.0)
+    make_hf_checkpoint(tmp_path / "src", config, seed=5)
+    quantize_checkpoint_nvfp4(tmp_path / "src", tmp_path / "fp4", exclude=("lm_head", "model.layers.*.mlp.gate"),
+                              in_file=True)
+    stored = load_file(str(tmp_path / "fp4" / "model.safetensors"))
+    assert stored["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.uint8
+    dequantized(tmp_path / "fp4", tmp_path / "deq")
+    loaded = _load(tmp_path / "fp4")
+    attn = loaded.model.model.layers[0].self_attn
+    assert attn.kv_b_proj.quant_method is None and attn.kv_b_proj.weight.dtype == torch.float32
+    assert attn.fused_qkv_a_proj.weight.dtype == torch.uint8 and attn.fused_qkv_a_proj.weight_scale_2.unique().numel() == 2
+    assert loaded.info.description.weights_bytes == held_weight_bytes(loaded.model)
+    fp4_tokens, fp4_logits = greedy(loaded.model)
+    deq_tokens, deq_logits = greedy(_load(tmp_path / "deq").model)
+    assert fp4_tokens == deq_tokens
+    torch.testing.assert_close(fp4_logits, deq_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_an_nvfp4_kv_b_proj_without_its_global_is_refused_naming_it():
+    from graphserve.kernels.fp4_reference import nvfp4_quantize
+    from graphserve.layers.quant.fp4_dequant_at_load import dequantize_fp4_at_load
+
+    kv_b = "model.layers.0.self_attn.kv_b_proj"
+    packed, scale, g = nvfp4_quantize(torch.randn(32, 48))
+    tensors = [(f"{kv_b}.weight_scale", scale), ("model.norm.weight", torch.ones(4)), (f"{kv_b}.weight", packed)]
+    with pytest.raises(ModelLoadError, match=rf"checkpoint has '{kv_b}.weight_scale', '{kv_b}.weight' but not "
+                                             rf"'{kv_b}.weight_scale_2'"):
+        list(dequantize_fp4_at_load(tensors, (".kv_b_proj",)))
+    out = dict(dequantize_fp4_at_load([*tensors, (f"{kv_b}.weight_scale_2", g)], (".kv_b_proj",)))
+    assert torch.equal(out[f"{kv_b}.weight"], nvfp4_dequantize(packed, scale, g)) and "model.norm.weight" in out
+    with pytest.raises(ModelLoadError, match=rf"'{kv_b}.weight_scale_2': .* is 0.0"):
+        list(dequantize_fp4_at_load([(f"{kv_b}.weight_scale_2", torch.tensor(0.0))], (".kv_b_proj",)))
