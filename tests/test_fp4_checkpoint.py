@@ -181,7 +181,7 @@ def test_a_malformed_nvfp4_checkpoint_is_refused_naming_the_tensor(llama_fp4, tm
     (lambda q: q.__setitem__("kv_cache_quant_algo", "FP8"), r"quantization_config.kv_cache_quant_algo='FP8'"),
     (lambda q: q.__setitem__("ignore", ["model.layers.0.self_attn.q_proj"]),
      r"lists 'model.layers.0.self_attn.q_proj' but not 'model.layers.0.self_attn.k_proj' and "
-     r"'model.layers.0.self_attn.v_proj', which graphserve fuses"),
+     r"'model.layers.0.self_attn.v_proj', which graphserve fuses .* or none \(FP4\)"),
     (lambda q: q.__setitem__("smoothing", True), r"quantization_config.smoothing=True is not supported"),
 ], ids=["group-32", "algo", "kv-cache", "partly-fused", "unknown-key"])  # fmt: skip
 def test_a_bad_modelopt_config_is_refused_naming_the_field(llama_fp4, tmp_path, config_edit, message):

@@ -143,6 +143,8 @@ class GlobIgnoreList(IgnoreList):
     """IgnoreList over ModelOpt's globs: an entry (through the family's names, ``*`` kept) names a module when it
     matches the module's name, a module above it, or its last dotted parts."""
 
+    FORMAT = "FP4"
+
     def _names_whole(self, name: str) -> bool:
         return any(shard is None and _glob_names(module, name) for module, shard, _ in self.entries)
 
