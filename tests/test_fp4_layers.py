@@ -297,7 +297,8 @@ def test_a_cuda_card_that_cannot_run_fp4_is_refused_naming_it(monkeypatch):
                                              r"Tesla T4 has 7.5"):
         check_fp4_device(quant, torch.device("cuda"))
     monkeypatch.setattr(fp4_config, "cuda_card", lambda device: ("NVIDIA H100 80GB HBM3", (9, 0)))
-    monkeypatch.setitem(sys.modules, "graphserve.kernels.fp4_gemv", None)  # a build without the FP4 kernels
+    for module in ("fp4_gemv", "fp4_gemm", "fp4_moe"):  # a build without the FP4 kernels
+        monkeypatch.setitem(sys.modules, f"graphserve.kernels.{module}", None)
     with pytest.raises(ModelLoadError, match=r"weights on NVIDIA H100 80GB HBM3: this build has no FP4 kernels"):
         check_fp4_device(quant, torch.device("cuda"))
     check_fp4_device(quant, torch.device("cpu"))  # CPU runs the references

@@ -79,6 +79,16 @@ def take_groups(part: RankSlice | None, t: torch.Tensor, per_byte: int, group: i
     return t.narrow(1, part.start // per_byte, part.size // per_byte)
 
 
+def cuda_fp4_linear() -> Callable:
+    """The kernels' ``fp4_linear`` (streaming kernel or tiled GEMM by rows): kernels/fp4_gemm.py, which routes between
+    them, or kernels/fp4_gemv.py where that module carries it. ImportError when this build has neither."""
+    try:
+        from graphserve.kernels.fp4_gemm import fp4_linear
+    except ImportError:
+        from graphserve.kernels.fp4_gemv import fp4_linear
+    return fp4_linear
+
+
 def check_rank_groups(part: RankSlice | None, group: int) -> None:
     """Refuse a rank's K columns that do not start and end on an FP4 scale group, naming them."""
     if part is not None and part.dim == 1 and (part.start % group or part.size % group):
@@ -205,8 +215,7 @@ class Fp4LinearMethod:
             # fp4_linear_reference's order: the fp32 dequantized weight, the product in fp32, rounded once
             out = F.linear(x.float(), self.dequantized_weight(layer, torch.float32), None)
             return (out + layer.bias.float() if layer.bias is not None else out).to(x.dtype)
-        from graphserve.kernels.fp4_gemv import fp4_linear
-
+        fp4_linear = cuda_fp4_linear()
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
             rows = rows.contiguous()
