@@ -1,9 +1,9 @@
 """FP4 kernels (streaming matmul, tiled GEMM, routed experts) against plain PyTorch, on CPU through Triton's
 interpreter.
 
-Weights are random bytes (every E2M1 code, -0 included) with random block scales, dequantized here by a
-table of their own (low nibble first), so the kernels' bit tricks are checked against the format's
-definition, not against themselves. Shapes are tiny and not multiples of the tiles (N past the last tile, K
+Weights are random bytes (every E2M1 code, -0 included) with random block scales, dequantized by the contract's
+reference (kernels/fp4_reference.py), so the kernels' bit tricks are checked against the format's definition, not
+against themselves. Shapes are tiny and not multiples of the tiles (N past the last tile, K
 a whole number of scale groups but not of steps); outputs are poisoned with NaN before the call and x's rows
 past M are NaN. The dot paths and the prologues run fp16 x here: the interpreter's bf16 dot computes on the raw
 bits and its bf16 roundings are not the GPU's (the GPU tests run bf16). The fp8 GEMM variant takes x whose rows quantize exactly (values on the e4m3 grid, each row's
@@ -22,6 +22,7 @@ use_interpreter()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from graphserve.kernels.fp4_experts_reference import fp4_fused_experts_reference  # noqa: E402
 from graphserve.kernels.fp4_gemm import Fp4GemmConfig, Fp4Rule, fp4_gemm, fp4_linear  # noqa: E402
 from graphserve.kernels.fp4_gemv import (  # noqa: E402
     Fp4StreamConfig,
@@ -30,23 +31,16 @@ from graphserve.kernels.fp4_gemv import (  # noqa: E402
     fp4_norm_gemv_reference,
     fp4_silu_mul_gemv,
 )
-from graphserve.kernels.fp4_layout import dequantize, widen_fp8, widen_fp16  # noqa: E402
-from graphserve.kernels.fp4_moe import fp4_experts_reference, fp4_fused_experts  # noqa: E402
+from graphserve.kernels.fp4_layout import widen_fp8, widen_fp16  # noqa: E402
+from graphserve.kernels.fp4_moe import fp4_fused_experts  # noqa: E402
+from graphserve.kernels.fp4_reference import fp4_codes_to_float, fp4_dequantize, unpack_fp4  # noqa: E402
 
 DEVICE = kernel_device()
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
 def _dequant(packed, scale, global_scale, fmt):
-    """fp32 weights by the format's definition: element 2i in byte i's low nibble, bit 3 the sign."""
-    codes = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=torch.long)
-    codes[..., 0::2] = (packed & 0xF).long()
-    codes[..., 1::2] = (packed >> 4).long()
-    w = torch.tensor(E2M1)[codes]
-    group = 16 if fmt == "nvfp4" else 32
-    s = scale.float() if fmt == "nvfp4" else torch.exp2(scale.float() - 127)
-    w = w * s.repeat_interleave(group, dim=-1)
-    return w * global_scale.float() if global_scale is not None else w
+    """fp32 weights by the contract's reference (kernels/fp4_reference.py)."""
+    return fp4_dequantize(packed, scale, global_scale, fmt)
 
 
 def _weight(gen, lead, n, k, fmt):
@@ -91,13 +85,8 @@ def test_widening_is_exact_for_every_byte():
     o16 = torch.full((512,), float("nan"), device=DEVICE)
     o8 = torch.full((512,), float("nan"), device=DEVICE)
     _widen_kernel[(1,)](b, o16, o8)
-    want = _dequant(b.cpu()[None], torch.ones(1, 32).to(torch.float8_e4m3fn), None, "nvfp4")[0]
+    want = fp4_codes_to_float(unpack_fp4(b.cpu()))
     assert torch.equal(o16.cpu() * 2**14, want) and torch.equal(o8.cpu() * 2**6, want)
-    gen = torch.Generator().manual_seed(1)
-    for fmt in ("nvfp4", "mxfp4"):
-        packed, scale = _weight(gen, (2,), 8, 64, fmt)
-        gs = torch.tensor([[[0.3]], [[1.7]]])
-        assert torch.equal(dequantize(packed, scale, gs, fmt), _dequant(packed, scale, gs, fmt))
 
 
 # (fmt, rows, N, K, tiles, bias); K 224 / 160 are whole groups, not whole 64- or 128-wide steps
@@ -221,10 +210,8 @@ def test_fp4_fused_experts_match_reference(fmt, path, activation, t, k, start, l
     valid = torch.ones(t, dtype=torch.bool)
     valid[-1] = False  # a padding row: NaN input and router output, zeros out
     x[-1], weights[-1] = float("nan"), float("nan")
-    ref = fp4_experts_reference(x, w13, s13, g13, w2, s2, g2, fmt, weights, ids, valid=valid, expert_start=start,
-                                w13_bias=b13, w2_bias=b2, activation=activation)  # fmt: skip
-    # the reference's weights, dequantized by this file's table
-    assert relative_error(dequantize(w13, s13, None, fmt), _dequant(w13, s13, None, fmt)) == 0
+    ref = fp4_fused_experts_reference(x, w13, s13, g13, w2, s2, g2, fmt, weights, ids, valid=valid,
+                                      expert_start=start, w13_bias=b13, w2_bias=b2, activation=activation)  # fmt: skip
     want_counts = torch.bincount(ids[valid].flatten().long(), minlength=total).int()
     counts = torch.full((total,), -1, dtype=torch.int32)
     args = _dev(x, w13, s13, g13, w2, s2, g2, weights, ids, valid, counts, b13, b2)

@@ -3,9 +3,9 @@
 Hopper multiplies no FP4, so a tile of packed weights becomes a tensor-core operand in registers. Two ways:
 
 - ``"bf16"`` (W4A16): each [BLOCK_N, BLOCK_K] tile widened (kernels/fp4_layout.py), multiplied by its block
-  scales in fp32 and rounded to bf16 (exact: every dequantized FP4 weight is a bf16 value), interleaved back
-  into K order and fed to the bf16 tensor cores against x as it is. The widening is CUDA-core work per
-  weight element per M tile: it is amortized over BLOCK_M rows.
+  scales in fp32 and rounded to bf16 (exact: every dequantized FP4 weight is a bf16 value), its low and high
+  nibbles' tiles fed to the bf16 tensor cores against x's even and odd columns (kernels/fp4_gemv.py's dot
+  path). The widening is CUDA-core work per weight element per M tile: it is amortized over BLOCK_M rows.
 - ``"fp8"`` (W4A8): E2M1 is exact in e4m3, so the tile becomes fp8 by masks and shifts alone (no float
   arithmetic on the weight) and runs on the FP8 tensor cores against x quantized per token (one scale a row,
   kernels/fp8_quant.per_token_group_quant with the group K: one launch before). A block scale varies every
@@ -41,7 +41,8 @@ import triton.language as tl
 
 from graphserve.kernels.fp4_gemv import MAX_ROWS as STREAM_MAX_ROWS
 from graphserve.kernels.fp4_gemv import fp4_gemv
-from graphserve.kernels.fp4_layout import GROUP, block_scale, dequantize, fp4_check, widen_fp8, widen_fp16
+from graphserve.kernels.fp4_layout import GROUP, block_scale, fp4_check, widen_fp8, widen_fp16
+from graphserve.kernels.fp4_reference import fp4_dequantize
 from graphserve.kernels.fp8_quant import FP8_DTYPE, per_token_group_quant
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
@@ -210,7 +211,7 @@ def fp4_gemm_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     if variant == "fp8":
         s = (xf.abs().amax(dim=1, keepdim=True) / torch.finfo(FP8_DTYPE).max).clamp(min=1e-12)
         xf = (xf / s).clamp(-448.0, 448.0).to(FP8_DTYPE).float() * s
-    out = xf @ dequantize(packed, scale, global_scale, fmt).T
+    out = xf @ fp4_dequantize(packed, scale, global_scale, fmt).T
     return out + bias.float() if bias is not None else out
 
 

@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.fp4_layout import GROUP, block_scale, dequantize, fp4_check, widen_fp16
+from graphserve.kernels.fp4_layout import GROUP, block_scale, fp4_check, widen_fp16
+from graphserve.kernels.fp4_reference import fp4_dequantize
 from graphserve.kernels.fp8_gemv import split_counters
 from graphserve.kernels.gemv import _x_tile
 from graphserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
@@ -273,8 +274,8 @@ def fp4_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, packed
 
 def fp4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                        global_scale: torch.Tensor | None, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 ``x @ dequant(w).T (+ bias)``."""
-    out = x.float() @ dequantize(packed, scale, global_scale, fmt).T
+    """fp32 ``x @ dequant(w).T (+ bias)`` (kernels/fp4_reference.fp4_linear_reference before its rounding)."""
+    out = x.float() @ fp4_dequantize(packed, scale, global_scale, fmt).T
     return out + bias.float() if bias is not None else out
 
 

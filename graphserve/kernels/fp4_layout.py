@@ -1,6 +1,6 @@
 """The FP4 weight layout the kernels read, its checks, and the widening every FP4 kernel shares.
 
-Layout (the contract with the loading side, kernels/fp4_reference.py): E2M1 codes, two a byte, element 2i in
+Layout (the contract with the loading side, kernels/fp4_reference.py, whose dequantization the kernels' references use): E2M1 codes, two a byte, element 2i in
 the low nibble of byte i, bit 3 the sign; ``packed`` [..., N, K/2] uint8. NVFP4: one float8_e4m3fn scale per
 16 elements along K ([..., N, K/16]) and an fp32 global scale (a scalar, or per expert [E, 2] for w13 (gate's,
 up's) and [E, 1] for w2). MXFP4: one E8M0 (uint8, 2^(s - 127)) scale per 32 elements ([..., N, K/32]), no
@@ -24,7 +24,6 @@ import triton.language as tl
 FORMATS = ("nvfp4", "mxfp4")
 GROUP = {"nvfp4": 16, "mxfp4": 32}  # elements along K per block scale
 SCALE_DTYPE = {"nvfp4": torch.float8_e4m3fn, "mxfp4": torch.uint8}
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP16_UNIT_LOG2 = 14  # the fp16 bit placement's value is e2m1 * 2^-14
 FP8_UNIT_LOG2 = 6  # the e4m3 bit placement's value is e2m1 * 2^-6
 
@@ -87,18 +86,3 @@ def fp4_check(name: str, packed: torch.Tensor, scale: torch.Tensor, global_scale
         raise ValueError(f"{name}: mxfp4 has no global scale, got one of shape {tuple(global_scale.shape)}")
     return n, kk
 
-
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None, fmt: str) -> torch.Tensor:
-    """fp32 [..., N, K] from the layout above (the kernels' plain-PyTorch side); ``global_scale`` broadcasts
-    against the leading dims ([E, 1, 1] for per-expert scales) or is a scalar."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=packed.device)
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
-    w = table[codes]
-    if fmt == "mxfp4":
-        s = torch.exp2(scale.float() - 127.0)
-    else:
-        s = scale.float()
-    w = (w.unflatten(-1, (scale.shape[-1], -1)) * s[..., None]).flatten(-2)
-    if global_scale is not None:
-        w = w * global_scale.float()
-    return w

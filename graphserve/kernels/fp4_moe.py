@@ -15,6 +15,7 @@ Two paths, chosen from the shape alone (a captured graph replays one):
 - grouped GEMM, as kernels/moe_gemm.py over kernels/moe_align.py's sort: tiles of one expert's pairs, the FP4
   tile widened and scaled to bf16 in registers for the bf16 tensor cores (fp4_gemm.py's "bf16" variant),
   then kernels/moe_gemm.moe_sum_kernel adds each token's slots.
+Reference: kernels/fp4_experts_reference.fp4_fused_experts_reference (same arguments).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.fp4_layout import GROUP, block_scale, dequantize, fp4_check, widen_fp16
+from graphserve.kernels.fp4_layout import GROUP, block_scale, fp4_check, widen_fp16
 from graphserve.kernels.l2_prefetch import no_prefetch_args
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, moe_align, pair_histogram
 from graphserve.kernels.moe_gemm import moe_sum_kernel
@@ -372,41 +373,3 @@ def fp4_fused_experts(
     )  # fmt: skip
     return out
 
-
-def fp4_experts_reference(
-    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w13_global: torch.Tensor | None,
-    w2: torch.Tensor, w2_scale: torch.Tensor, w2_global: torch.Tensor | None, fmt: str,
-    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, valid: torch.Tensor | None = None,
-    expert_start: int = 0, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-    activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
-) -> torch.Tensor:  # fmt: skip
-    """fp32 experts on weights dequantized from FP4 (one expert at a time: only the experts the tokens chose),
-    gate and up rounded to x's dtype before the activation and the activation rounded after (as the kernels
-    store it); padding rows and other ranks' experts give zeros."""
-    e, inter = w13.shape[0], w13.shape[1] // 2
-    local = topk_ids.long() - expert_start
-    routed = (local >= 0) & (local < e)
-    if valid is not None:
-        routed &= valid[:, None]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for ex in torch.unique(local[routed]).tolist():
-        tok, slot = torch.nonzero(routed & (local == ex), as_tuple=True)
-        w13f = dequantize(w13[ex], w13_scale[ex], None, fmt)
-        w2f = dequantize(w2[ex], w2_scale[ex], None, fmt)
-        if w13_global is not None:
-            w13f = w13f * torch.repeat_interleave(w13_global[ex].float(), inter)[:, None]
-            w2f = w2f * w2_global[ex].float()
-        gu = x[tok].float() @ w13f.T
-        if w13_bias is not None:
-            gu = gu + w13_bias[ex].float()
-        g, u = gu.to(x.dtype).float().chunk(2, dim=-1)
-        if activation == "swiglu_oai":
-            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-            a = (u + 1) * g * torch.sigmoid(alpha * g)
-        else:
-            a = torch.nn.functional.silu(g) * u
-        y = a.to(x.dtype).float() @ w2f.T
-        if w2_bias is not None:
-            y = y + w2_bias[ex].float()
-        out.index_add_(0, tok, topk_weights[tok, slot].float()[:, None] * y)
-    return out

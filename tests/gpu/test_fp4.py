@@ -3,8 +3,9 @@ variants, gpt-oss-120b's experts (MXFP4, swiglu_oai, biases; hidden 2880, interm
 and Qwen3-30B-A3B's (NVFP4, SiLU) through both expert paths, and CUDA-graph replay equal to eager.
 
 Fresh random bf16 activations and random FP4 bytes with random block scales, against the dequantizing
-references beside the kernels (fp32 matmul; for the fp8 GEMM variant x quantized per token as the kernel's
-input is); bf16 output rounding sets the thresholds.
+references beside the kernels (kernels/fp4_reference.py's dequantization, fp32 matmul; for the fp8 GEMM variant x
+quantized per token as the kernel's input is) and kernels/fp4_experts_reference.py; bf16 output rounding sets the
+thresholds.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 from gpu_utils import capture, rel_err
 
+from graphserve.kernels.fp4_experts_reference import fp4_fused_experts_reference
 from graphserve.kernels.fp4_gemm import fp4_gemm, fp4_gemm_reference, fp4_linear
 from graphserve.kernels.fp4_gemv import (
     fp4_gemv,
@@ -22,7 +24,7 @@ from graphserve.kernels.fp4_gemv import (
     fp4_silu_mul_gemv,
     fp4_silu_mul_gemv_reference,
 )
-from graphserve.kernels.fp4_moe import fp4_experts_reference, fp4_fused_experts
+from graphserve.kernels.fp4_moe import fp4_fused_experts
 
 DT = torch.bfloat16
 LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -116,7 +118,7 @@ def test_fp4_experts_at_model_shapes(name, t, path):
     out = fp4_fused_experts(x, w["w13"], w["w13_scale"], w["w13_global"], w["w2"], w["w2_scale"], w["w2_global"],
                             w["fmt"], weights, ids, counts=counts, w13_bias=w["w13_bias"], w2_bias=w["w2_bias"],
                             activation=w["activation"], path=path)  # fmt: skip
-    ref = fp4_experts_reference(x, w["w13"], w["w13_scale"], w["w13_global"], w["w2"], w["w2_scale"],
+    ref = fp4_fused_experts_reference(x, w["w13"], w["w13_scale"], w["w13_global"], w["w2"], w["w2_scale"],
                                 w["w2_global"], w["fmt"], weights, ids, w13_bias=w["w13_bias"],
                                 w2_bias=w["w2_bias"], activation=w["activation"])  # fmt: skip
     assert rel_err(out, ref) < 1.5e-2, (name, t, path)
