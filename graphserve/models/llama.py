@@ -18,6 +18,7 @@ from torch import nn
 from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel
 from graphserve.kernels.pdl import pdl_joined
+from graphserve.layers.attention import Attention
 from graphserve.layers.embedding import LMHead, VocabEmbedding
 from graphserve.layers.kv_layout import KVLayout
 from graphserve.layers.linear import (
@@ -68,6 +69,8 @@ class Shape:
     # OLMoE: q/k RMSNorm over the whole projection (not per head), and q/k/v clamped to +-clip_qkv
     qk_norm_full: bool = False
     clip_qkv: float | None = None
+    # each layer's attention window (None: full causal), as transformers builds the layer; empty: all full
+    layer_windows: tuple[int | None, ...] = ()
 
 
 def head_dim_of(config: Any) -> int:
@@ -148,6 +151,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, s: Shape, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         tp_rank, tp = get_parallel().tp_rank, get_parallel().tp_size
+        window = s.layer_windows[layer_idx] if s.layer_windows else None
         self.layer_idx = layer_idx
         self.qkv_proj = QKVParallelLinear(s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.qkv_bias,
                                           tp_rank, tp)
@@ -165,6 +169,7 @@ class LlamaAttention(nn.Module):
         if s.qk_norm_full:
             self.q_norm, self.k_norm = RMSNorm(q_size, s.rms_norm_eps), RMSNorm(kv_size, s.rms_norm_eps)
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
+        self.attn = Attention(layer_idx, self.num_heads, self.scale, window=window, tp_rank=tp_rank, tp_size=tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.forward_qkv(positions, self.qkv_proj(hidden), batch)
@@ -173,7 +178,7 @@ class LlamaAttention(nn.Module):
         """Attention from the q/k/v projection's output (the decoder layer fuses its norm into that projection).
         Where the attention kernel leaves room beside its programs (a decode step at small batch), the output
         projection launches with PDL (kernels/pdl.pdl_joined): its programs are placed while attention runs."""
-        room = batch.attn_backend.leaves_room(batch, self.layer_idx)
+        room = self.attn.leaves_room(batch)
         with pdl_joined(AFTER_DECODE_ATTENTION) if room else contextlib.nullcontext():
             return self._attention(positions, qkv, batch)
 
@@ -186,11 +191,11 @@ class LlamaAttention(nn.Module):
                 # an FP8 o_proj that quantizes its input reads it from the attention kernel, already quantized
                 projected = quantized_input_linear(
                     self.o_proj, t, qkv.dtype, qkv.device,
-                    lambda **layout: backend.attend_quantized(new, self.layer_idx, batch, self.scale, **layout),
+                    lambda **layout: self.attn.attend_quantized(new, batch, **layout),
                 )  # fmt: skip
                 if projected is not None:
                     return projected
-            out = backend.attend(new, self.layer_idx, batch, self.scale)
+            out = self.attn.attend(new, batch)
         else:
             q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
             if self.full_norm:
@@ -203,7 +208,7 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None and not self.full_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary[0](positions, q, k)
-            out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch, self.scale)
+            out = self.attn(q, k, v, batch)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def new_token(self, qkv: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
