@@ -8,6 +8,7 @@ Parameter names follow the checkpoint's, except the fused ``qkv_proj`` and ``gat
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ from torch import nn
 
 from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel
+from graphserve.errors import ModelLoadError
 from graphserve.kernels.pdl import pdl_joined
 from graphserve.layers.attention import Attention
 from graphserve.layers.embedding import LMHead, VocabEmbedding
@@ -84,6 +86,36 @@ def sliding_window_of(config: Any) -> int | None:
     if window is not None and layer_types is not None and "sliding_attention" not in layer_types:
         return None
     return window
+
+
+def layer_windows_of(config: Any, by_layer_types: bool) -> tuple[int | None, ...]:
+    """Each layer's attention window as transformers builds the layer (empty: none windowed). Mistral
+    (``by_layer_types`` False) windows every layer with ``sliding_window``; Qwen2 and Qwen3 window the layers that
+    ``layer_types`` names "sliding_attention", with ``sliding_window``, which their configs set to None unless
+    ``use_sliding_window`` (their default ``layer_types`` windows the layers from ``max_window_layers`` on)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"sliding_window={window!r} must be an integer >= 1", param="model")
+    if not by_layer_types:
+        return (window,) * config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or [])
+    if len(types) != config.num_hidden_layers:
+        raise ModelLoadError(f"layer_types has {len(types)} entries, num_hidden_layers={config.num_hidden_layers}",
+                             param="model")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ModelLoadError(f"layer_types holds {unknown}: only 'sliding_attention' and 'full_attention' are built",
+                             param="model")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def binding_windows(windows: tuple[int | None, ...], max_len: int) -> tuple[int | None, ...]:
+    """``windows`` with those that never bind over ``max_len`` positions (window >= max_len) set to None; empty
+    where none binds."""
+    kept = tuple(w if w is not None and w < max_len else None for w in windows)
+    return kept if any(w is not None for w in kept) else ()
 
 
 def local_kv_heads(s: Shape, tp: int) -> int:
@@ -273,6 +305,8 @@ class LlamaModel(DecoderStack):
     def __init__(self, s: Shape, max_positions: int, make_layer=None) -> None:
         super().__init__()
         ps = get_parallel()
+        # a window at least as long as the longest sequence never binds: such layers attend in full
+        s = dataclasses.replace(s, layer_windows=binding_windows(s.layer_windows, max_positions))
         self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, ps.tp_rank, ps.tp_size)
         self.rotary_emb = RotaryEmbedding(s.head_dim, max_positions, s.rope_parameters)
         make_layer = make_layer or (lambda i, rotary: LlamaDecoderLayer(s, i, rotary))
@@ -284,6 +318,9 @@ class LlamaForCausalLM(CausalLM):
     """Llama 2/3 (attention_bias / mlp_bias flags honoured)."""
 
     stacked_params = _STACKED
+    # whether the family attends through the windows its config declares (the loader refuses a binding window
+    # otherwise)
+    builds_windows = False
 
     @classmethod
     def shape_from_config(cls, config: Any) -> Shape:
@@ -291,7 +328,8 @@ class LlamaForCausalLM(CausalLM):
         return cls._shape(config, qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
 
     @staticmethod
-    def _shape(config: Any, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool = False, qk_norm: bool = False) -> Shape:
+    def _shape(config: Any, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool = False, qk_norm: bool = False,
+               windows: tuple[int | None, ...] = ()) -> Shape:  # fmt: skip
         rope = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
         return Shape(
             hidden_size=config.hidden_size,
@@ -308,6 +346,7 @@ class LlamaForCausalLM(CausalLM):
             mlp_bias=mlp_bias,
             qk_norm=qk_norm,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            layer_windows=windows,
         )
 
     def __init__(self, config: Any, max_positions: int) -> None:
@@ -342,11 +381,13 @@ class LlamaForCausalLM(CausalLM):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2/2.5: bias on q/k/v only."""
+    """Qwen2/2.5: bias on q/k/v only; sliding windows on the layers ``layer_types`` names."""
+
+    builds_windows = True
 
     @classmethod
     def shape_from_config(cls, config: Any) -> Shape:
-        return cls._shape(config, qkv_bias=True, o_bias=False)
+        return cls._shape(config, qkv_bias=True, o_bias=False, windows=layer_windows_of(config, by_layer_types=True))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -355,8 +396,16 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def shape_from_config(cls, config: Any) -> Shape:
         bias = bool(getattr(config, "attention_bias", False))
-        return cls._shape(config, qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return cls._shape(config, qkv_bias=bias, o_bias=bias, qk_norm=True,
+                          windows=layer_windows_of(config, by_layer_types=True))  # fmt: skip
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama with a sliding window, accepted only when it never binds (checked at load)."""
+    """Mistral: Llama whose every layer attends through ``sliding_window`` (None in v0.2 and later)."""
+
+    builds_windows = True
+
+    @classmethod
+    def shape_from_config(cls, config: Any) -> Shape:
+        bias = bool(getattr(config, "attention_bias", False))
+        return cls._shape(config, qkv_bias=bias, o_bias=bias, windows=layer_windows_of(config, by_layer_types=False))
