@@ -6,27 +6,40 @@ heads, head_dim 64, window 128, sinks). Every cache position wholly before a que
 blocks wholly before it point at the dummy block 0 (NaN too), as the engine leaves a windowed sequence whose
 blocks went back to the pool: a kernel that read one would put NaN in its output. The decode kernel is captured in
 a CUDA graph with padding rows and replayed on new lengths, tables and queries, and must match an eager call bit for
-bit.
+bit. Tiny sliding-window checkpoints (tests/test_models_window.py) run through the Triton backend against
+transformers, and through the engine with CUDA graphs on a pool they fit only by giving back blocks outside their
+windows.
 """
 
 from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from gpu_utils import capture, rel_err
 
-from graphserve.kernels.decode_attention import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model_utils import PagedHarness, hf_logits, make_hf_checkpoint, relative_error  # noqa: E402
+from test_models_window import CONFIGS  # noqa: E402
+
+from graphserve import LLM, SamplingParams  # noqa: E402
+from graphserve.config import EngineConfig  # noqa: E402
+from graphserve.kernels.decode_attention import (  # noqa: E402
     NewToken,
     decode_attention,
     decode_attention_qkv,
     decode_attention_reference,
 )
-from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference
-from graphserve.kernels.qk_rope_kv import qk_norm_rope_kv_write
-from graphserve.kernels.rotary import rotary_cos_sin
-from graphserve.layers.attention import TorchAttentionBackend
-from graphserve.layers.attention_triton import TritonAttentionBackend
-from graphserve.layers.forward_batch import ForwardBatch
+from graphserve.kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
+from graphserve.kernels.qk_rope_kv import qk_norm_rope_kv_write  # noqa: E402
+from graphserve.kernels.rotary import rotary_cos_sin  # noqa: E402
+from graphserve.layers.attention import TorchAttentionBackend  # noqa: E402
+from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E402
+from graphserve.layers.forward_batch import ForwardBatch  # noqa: E402
+from graphserve.models.loader import load_model  # noqa: E402
 
 DT = torch.bfloat16
 TOL = 2e-2
@@ -216,3 +229,66 @@ def test_triton_backend_matches_torch_backend(model, mode, gen):
             for backend, c in zip((TritonAttentionBackend(), TorchAttentionBackend()), caches)]  # fmt: skip
     assert torch.equal(caches[0], caches[1])
     assert rel_err(outs[0], outs[1]) < TOL
+
+
+@pytest.fixture
+def _release_engines():
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_windowed_checkpoints_in_bf16_match_transformers_past_the_window(name, tmp_path):
+    hf = make_hf_checkpoint(tmp_path, CONFIGS[name]())
+    loaded = load_model(EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cuda"), torch.device("cuda"))
+    harness = PagedHarness(loaded.model, block_size=16, num_blocks=32, dtype=DT, device="cuda",
+                           backend=TritonAttentionBackend())  # fmt: skip
+    gen = torch.Generator().manual_seed(7)
+    seqs = {s: torch.randint(4, 320, (n,), generator=gen).tolist() for s, n in (("a", 21), ("b", 37), ("c", 26))}
+    with torch.inference_mode():
+        harness.step([("b", seqs["b"][:13])])
+        out = harness.step([("a", seqs["a"]), ("b", seqs["b"][13:]), ("c", seqs["c"])])
+        for (seq, start), got in zip((("a", 0), ("b", 13), ("c", 0)), out):
+            err = relative_error(got.float().cpu(), hf_logits(hf, seqs[seq])[start:])
+            assert err < TOL, f"{name} prefill {seq}: relative error {err:.2e}"
+        for step in range(4):
+            for s in seqs:
+                seqs[s].append(int(torch.randint(4, 320, (1,), generator=gen)))
+            got = torch.cat(harness.step([(s, [seqs[s][-1]]) for s in seqs])).float().cpu()
+            err = relative_error(got, torch.stack([hf_logits(hf, seqs[s])[-1] for s in seqs]))
+            assert err < TOL, f"{name} decode step {step}: relative error {err:.2e}"
+
+
+@pytest.mark.usefixtures("_release_engines")
+def test_engine_with_graphs_gives_back_blocks_and_matches_eager_and_transformers(tmp_path):
+    """fp32 Mistral (window 8) on a 10-block pool of 16 tokens: three requests of 44-64 tokens would need 12 blocks
+    without giving back those outside their windows. CUDA graphs with padding (3 rows in a graph of 4) and eager
+    steps give the same greedy tokens, and those of transformers' generate."""
+    hf = make_hf_checkpoint(tmp_path, CONFIGS["mistral"]())
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 320, (n,), generator=gen).tolist() for n in (20, 29, 40)]
+    new_tokens = 24
+    expected = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)  # fmt: skip
+        expected.append(out[0, len(ids) :].tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
+    runs = {}
+    for graphs in (True, False):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16, chunked_prefill_size=16,
+                  num_kv_tokens=160, cuda_graph_max_bs=4, disable_cuda_graph=not graphs)  # fmt: skip
+        runs[graphs] = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]  # fmt: skip
+        core = llm.engine.core
+        assert core.block_manager.window == 8 and core.block_manager.num_released > 0
+        core.block_manager.check_no_leak()
+        if graphs:
+            decode = [r for r in core.telemetry.records() if r.kind == "decode"]
+            assert decode and any(r.graph for r in decode)
+        del llm, core
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert runs[True] == runs[False] == expected
