@@ -185,3 +185,15 @@ def test_partly_windowed_models_keep_their_blocks(tmp_path):
     assert llm.engine.core.block_manager.window is None
     with pytest.raises(BadRequestError, match=r"= 120 tokens does not fit the KV pool of 96 tokens"):
         llm.generate([{"prompt_token_ids": list(range(4, 104))}], SamplingParams(max_tokens=20), use_tqdm=False)
+
+
+def test_graphserve_plan_counts_a_windowed_request_by_its_window():
+    from graphserve.analysis.plan import build_plan
+    from graphserve.models.presets import get_preset_config
+
+    v01, v02 = get_preset_config("mistral-7b-v0.1"), get_preset_config("mistral-7b")
+    kw = dict(gpu_memory_gb=80, input_len=30000, output_len=2000, concurrency=[32], chunked_prefill_size=2048)
+    windowed, full = build_plan(v01, **kw), build_plan(v02, **kw)
+    assert windowed["verdicts"][0]["kv_tokens_needed"] == 32 * (4096 + 2048 + 16)
+    assert full["verdicts"][0]["kv_tokens_needed"] == 32 * 32000
+    assert windowed["verdicts"][0]["verdict"] == "fits" and full["verdicts"][0]["verdict"] == "preempts"
