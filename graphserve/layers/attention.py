@@ -184,6 +184,14 @@ class Attention(nn.Module):
             raise ValueError(f"shape {tuple(tensor.shape)}, expected ({total},): one sink logit per attention head")
         param.data.copy_(tensor[self.tp_rank * self.num_heads : (self.tp_rank + 1) * self.num_heads])
 
+    def _apply(self, fn, recurse=True):
+        # the model is cast to its dtype as a whole (models/loader.py); the sinks stay float32, as the kernels read
+        # them, so no step converts them again
+        super()._apply(fn, recurse)
+        if self.sinks is not None and self.sinks.dtype != torch.float32 and self.sinks.is_floating_point():
+            self.sinks.data = self.sinks.data.float()
+        return self
+
     def _sinks(self) -> torch.Tensor | None:
         return None if self.sinks is None else self.sinks.float()
 
