@@ -197,3 +197,22 @@ def test_graphserve_plan_counts_a_windowed_request_by_its_window():
     assert windowed["verdicts"][0]["kv_tokens_needed"] == 32 * (4096 + 2048 + 16)
     assert full["verdicts"][0]["kv_tokens_needed"] == 32 * 32000
     assert windowed["verdicts"][0]["verdict"] == "fits" and full["verdicts"][0]["verdict"] == "preempts"
+
+
+def test_a_block_released_before_its_commit_is_never_cached():
+    """With the overlap schedule a block can leave the window before the step that filled it is read back and
+    committed: its hash still chains the later blocks, but no cache entry names the dummy block or the reused id."""
+    bm = BlockManager(16, BS, True, window=WINDOW)
+    seq = _seq("a", 30, max_tokens=4)
+    assert bm.allocate_slots(seq, 24)
+    seq.num_computed_tokens = 24
+    first = list(seq.block_table)
+    assert bm.release_outside_window(seq) == (24 - WINDOW + 1) // BS == 4
+    bm.commit(seq)
+    assert len(seq.block_hashes) == 6 and DUMMY_BLOCK not in bm.block_hash
+    assert set(bm.block_hash) == set(first[4:6])  # only the blocks the sequence still holds
+    other = _seq("b", 30, max_tokens=4)
+    assert bm.match_prefix(other) == 0  # the chain's first blocks are gone: nothing matches
+    bm.free(other)
+    bm.free(seq)
+    bm.check_no_leak()
