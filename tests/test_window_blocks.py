@@ -143,6 +143,9 @@ def test_the_memory_plan_counts_per_layer_type():
     tight = dict(common, total_bytes=19 << 30)  # 1.1 GiB of KV: 8.8k tokens, not one 32k request
     assert not plan_memory(**tight).fits
     assert plan_memory(**tight, request_tokens=all_windowed.held_tokens(32768, 16, 2048)).fits
+    tighter = plan_memory(**dict(tight, total_bytes=int(17.9 * (1 << 30))), request_tokens=6160)
+    assert not tighter.fits and "6160 tokens" in tighter.refusal
+    assert "lower --chunked-prefill-size" in tighter.refusal and "--max-model-len from" not in tighter.refusal
 
 
 _TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
