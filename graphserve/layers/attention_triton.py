@@ -155,28 +155,35 @@ class TritonAttentionBackend(AttentionBackend):
         layer_idx: int,
         batch: ForwardBatch,
         scale: float,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kv_write(k, v, batch.kv_caches[layer_idx], batch.slot_mapping)
-        return self.attend(q, layer_idx, batch, scale)
+        return self.attend(q, layer_idx, batch, scale, window=window, sinks=sinks)
 
-    def attend(self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float, *,
+        window: int | None = None, sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Attention of q [T, H, D] over a cache holding this step's K/V, or of a ``NewToken`` whose K/V this call
         writes (in the decode kernel itself where ``prologue_in_decode``)."""
         kv_cache = batch.kv_caches[layer_idx]
+        kind = {"window": window, "sinks": sinks}
         if isinstance(q, NewToken):
             if batch.mode == "decode" and prologue_in_decode(q, kv_cache):
-                return self._decode(q, layer_idx, batch, scale)
+                return self._decode(q, layer_idx, batch, scale, **kind)
             q = run_prologue(q, kv_cache)
         if batch.mode == "decode":
-            return self._decode(q, layer_idx, batch, scale)
+            return self._decode(q, layer_idx, batch, scale, **kind)
         return extend_attention(
-            q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.max_query_len, scale,
+            q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.max_query_len, scale, **kind,
         )
 
     def _decode(self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float,
                 **out) -> torch.Tensor:  # fmt: skip
-        """The split decode kernel on this layer's cache with the reserved scratch (``out``: its output keywords);
-        for a ``NewToken``, with the prologue inside it."""
+        """The split decode kernel on this layer's cache with the reserved scratch (``out``: its output keywords,
+        and the layer's window and sinks); for a ``NewToken``, with the prologue inside it."""
         kv_cache = batch.kv_caches[layer_idx]
         _, _, _, num_kv_heads, head_dim = kv_cache.shape
         heads = q.num_heads if isinstance(q, NewToken) else q.shape[1]
@@ -203,7 +210,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def attend_quantized(
         self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int,
-        pad_rows_to: int, scales_column_major: bool,
+        pad_rows_to: int, scales_column_major: bool, *, window: int | None = None, sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """Decode steps whose groups are whole heads (``group_size`` = head_dim) or whole rows (``group_size`` =
         heads x head_dim: one scale per token, up to ``ROW_COUNTERS`` rows of at most ``MAX_QUANT_ROW`` values) and whose
@@ -229,5 +236,6 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             scales = torch.empty((t, groups), dtype=torch.float32, device=device)
         rows = {"row_counters": self.row_counters(device)} if per_row else {}
-        self._decode(q, layer_idx, batch, scale, out=out.view(t, num_heads, head_dim), out_scale=scales, **rows)
+        self._decode(q, layer_idx, batch, scale, out=out.view(t, num_heads, head_dim), out_scale=scales, window=window,
+                     sinks=sinks, **rows)  # fmt: skip
         return out, scales
