@@ -12,6 +12,14 @@ A model family describes its cache with a ``KVLayout``; the block pool, the memo
 Either way a token's *slot* is ``block_id * block_size + offset`` and block 0 is the dummy block
 (layers/forward_batch.py).
 
+Sparse attention (DeepSeek-V3.2, GLM-5) adds an indexer key cache to the latent: one key of
+``index_head_dim`` per token for each of ``index_layers`` layers (those that own an indexer), paged by
+the same block tables, so the prefix cache, preemption and the pool's sizing treat a token's latent and
+its index keys as one. ``allocate`` returns the ``num_layers`` attention caches followed by the
+``index_layers`` indexer caches ``[num_blocks, block_size, index_head_dim]`` in layer order: every step
+already carries that one list (``ForwardBatch.kv_caches``), and a model finds its indexer caches at
+``num_layers + i``. They stay in ``index_dtype`` (the model's) whatever ``--kv-cache-dtype`` says.
+
 ``dtype`` is the model's (``--kv-cache-dtype auto``) or float8_e4m3fn (``fp8_e4m3``), for either kind:
 half the bytes per token, so twice the tokens in the same pool and half the KV reads per decode step.
 FP8 entries are stored with a per-tensor scale of 1.0 (vLLM's default without calibrated scales): K and
@@ -52,12 +60,18 @@ class KVLayout:
     num_heads: int  # cached heads per token and layer on this rank (1 for a latent cache)
     head_dim: int  # width of one cached head (K and V for "kv"; latent + rope key for "latent")
     dtype: torch.dtype
+    index_layers: int = 0  # layers with an indexer key cache (sparse attention), 0 for none
+    index_head_dim: int = 0
+    index_dtype: torch.dtype | None = None  # the indexer keys' dtype (the model's); None without indexer
 
     def __post_init__(self) -> None:
         if self.kind not in ("kv", "latent"):
             raise ValueError(f"KVLayout.kind={self.kind!r}: choose 'kv' or 'latent'")
         if self.kind == "latent" and self.num_heads != 1:
             raise ValueError(f"a latent KV cache has one shared head per token, got num_heads={self.num_heads}")
+        if self.index_layers and (self.index_head_dim < 1 or self.index_dtype is None):
+            raise ValueError(f"an indexer key cache needs index_head_dim >= 1 and index_dtype, got "
+                             f"{self.index_head_dim} / {self.index_dtype}")
 
     @property
     def entries(self) -> int:
@@ -69,9 +83,14 @@ class KVLayout:
         return self.entries * self.num_heads * self.head_dim * self.dtype.itemsize
 
     @property
+    def index_bytes_per_token(self) -> int:
+        """Every indexer layer's key for one token (0 without sparse attention)."""
+        return self.index_layers * self.index_head_dim * self.index_dtype.itemsize if self.index_layers else 0
+
+    @property
     def bytes_per_token(self) -> int:
-        """Every layer's cache for one token: what the KV pool is sized by."""
-        return self.num_layers * self.bytes_per_token_per_layer
+        """Every layer's cache for one token, indexer keys included: what the KV pool is sized by."""
+        return self.num_layers * self.bytes_per_token_per_layer + self.index_bytes_per_token
 
     def layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         if self.kind == "kv":
@@ -80,10 +99,11 @@ class KVLayout:
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device | str,
                  fill: str = "zeros") -> list[torch.Tensor]:
-        """One cache tensor per layer. ``fill="random"`` draws N(0, 0.5²) (benchmarks: never time on zeros)."""
-        shape = self.layer_shape(num_blocks, block_size)
+        """One cache tensor per layer, then one per indexer layer. ``fill="random"`` draws N(0, 0.5²)
+        (benchmarks: never time on zeros)."""
+        parts = [(self.layer_shape(num_blocks, block_size), self.dtype)] * self.num_layers
+        parts += [((num_blocks, block_size, self.index_head_dim), self.index_dtype)] * self.index_layers
         if fill == "random":  # drawn in bf16 where the cache dtype (fp8) has no random generator
-            draw = self.dtype if self.dtype.itemsize > 1 else torch.bfloat16
-            return [torch.randn(shape, dtype=draw, device=device).mul_(0.5).to(self.dtype)
-                    for _ in range(self.num_layers)]
-        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+            return [torch.randn(shape, dtype=dtype if dtype.itemsize > 1 else torch.bfloat16, device=device)
+                    .mul_(0.5).to(dtype) for shape, dtype in parts]
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in parts]

@@ -189,6 +189,12 @@ class DeepseekV2ForCausalLM(CausalLM):
         # how the checkpoint's tensors are stored (None: unquantized), which says how its kv_b_proj is scaled
         self.checkpoint_quant = parse_quantization_config(getattr(config, "quantization_config", None))
 
+    @classmethod
+    def config_shape(cls, config: Any) -> DeepseekShape:
+        """What ``describe`` counts by: the config's MLA and MoE shape (a sparse-attention family's MoE layers
+        follow its ``mlp_layer_types``: models/deepseek_dsa.py)."""
+        return shape_from_config(config, cls.version)
+
     def needs_row_mask(self) -> bool:
         return bool(self.shape.moe_layers)
 
@@ -210,7 +216,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         """Per rank: ``num_attention_heads / tp`` heads, the whole latent cache (one 576-wide head for
         V2/V3 at every tp), dense and shared MLPs split by ``tp``, routed experts split by ``tp`` or
         placed by ``ep``. A split that does not divide is refused naming the field."""
-        s = shape_from_config(config, cls.version)
+        s = cls.config_shape(config)
         h, r, d, nope, v = s.hidden_size, s.kv_lora_rank, s.qk_rope_head_dim, s.qk_nope_head_dim, s.v_head_dim
         heads = split_evenly(s.num_heads, tp, "num_attention_heads")  # this rank's
         n_moe = len(s.moe_layers)

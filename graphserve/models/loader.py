@@ -194,6 +194,9 @@ def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, d
         raise ConfigError(
             f"--max-model-len={max_len} is invalid: the model supports at most {max_pos} positions", param="max_model_len"
         )
+    check_block_size = getattr(model_cls, "check_block_size", None)  # a family whose kernels take some pages only
+    if check_block_size is not None:
+        check_block_size(config.block_size)
     window = sliding_window_of(hf_config)
     if window is not None and max_len > window:
         raise ConfigError(

@@ -1,0 +1,146 @@
+"""DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) matches transformers logit for logit (CPU, float32) on a paged
+latent + indexer key cache, with contexts longer than index_topk so the indexer really drops positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import check_paged_parity, make_hf_checkpoint
+from transformers import DeepseekV32Config, GlmMoeDsaConfig
+
+from graphserve import LLM, SamplingParams
+from graphserve.config import EngineConfig
+from graphserve.errors import ConfigError, ModelLoadError
+from graphserve.models.loader import load_model
+from graphserve.models.registry import describe_model
+
+TOL = 1e-4
+TOPK = 8
+_TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+             num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+             norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=256, rms_norm_eps=1e-6,
+             index_n_heads=8, index_head_dim=16, index_topk=TOPK, bos_token_id=0, eos_token_id=1)
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+
+VARIANTS = {
+    # an indexer in every layer, rope in two halves; YaRN's attention factor reaches the indexer's rope too
+    "v32": lambda: DeepseekV32Config(**_TINY, num_hidden_layers=3, first_k_dense_replace=1, rope_parameters=_YARN),
+    # interleaved indexer rope; "shared" layers (one after a full layer, two in a row) and dense/MoE interleaved
+    "glm5": lambda: GlmMoeDsaConfig(**_TINY, num_hidden_layers=5,
+                                    indexer_types=["full", "shared", "full", "shared", "shared"],
+                                    mlp_layer_types=["dense", "sparse", "dense", "sparse", "sparse"]),
+}
+
+
+def _checkpoint(folder, name):
+    hf = make_hf_checkpoint(folder, VARIANTS[name]())
+    with torch.no_grad():
+        for buf_name, buf in hf.named_buffers():
+            if buf_name.endswith("e_score_correction_bias"):
+                buf.copy_(0.3 * torch.randn_like(buf))  # large enough to change which experts win
+    hf.save_pretrained(folder)
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = _checkpoint(folder, request.param)
+    loaded = load_model(EngineConfig(model=str(folder), dtype="float32", max_model_len=128, block_size=4),
+                        torch.device("cpu"))
+    return request.param, hf, loaded, folder
+
+
+def test_prefill_chunked_and_decode_match_transformers(variant):
+    """A 11-token prefill, then a batch of two whole prompts (7 and 12 tokens) with the last 8 of a 19-token one
+    on its cached prefix, then decode steps: every logit row within 1e-4 of transformers' uncached forward."""
+    name, hf, loaded, _ = variant
+    check_paged_parity(loaded.model, hf, name, TOL)
+
+
+def test_layers_follow_indexer_and_mlp_types(variant):
+    name, hf, loaded, _ = variant
+    cfg, layers = hf.config, loaded.model.model.layers
+    types = getattr(cfg, "indexer_types", None) if name == "glm5" else ["full"] * cfg.num_hidden_layers
+    assert [layer.self_attn.indexer is not None for layer in layers] == [t == "full" for t in types]
+    assert [layer.is_moe for layer in layers] == [t == "sparse" for t in cfg.mlp_layer_types]
+    assert all(layer.self_attn.indexer.interleaved == (name == "glm5") for layer in layers
+               if layer.self_attn.indexer is not None)
+
+
+def test_description_counts_the_indexer_cache_and_every_parameter(variant):
+    name, hf, loaded, _ = variant
+    cfg, d = hf.config, loaded.info.description
+    full = sum(t == "full" for t in getattr(cfg, "indexer_types", None) or ["full"] * cfg.num_hidden_layers) \
+        if name == "glm5" else cfg.num_hidden_layers
+    latent = cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    assert d.kv.index_layers == full and d.kv.index_head_dim == cfg.index_head_dim
+    assert d.kv.index_bytes_per_token == full * cfg.index_head_dim * 4
+    assert d.kv.bytes_per_token == latent + full * cfg.index_head_dim * 4
+    hf_params = sum(p.numel() for p in hf.parameters())
+    hf_params += sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert d.num_params == hf_params == sum(p.numel() for p in loaded.model.parameters())
+    # the pool allocates the latents, then one key cache per indexer layer, on the same blocks
+    caches = d.kv.allocate(5, 4, "cpu")
+    assert len(caches) == cfg.num_hidden_layers + full
+    assert all(c.shape == (5, 4, cfg.index_head_dim) for c in caches[cfg.num_hidden_layers:])
+
+
+def test_greedy_matches_transformers_generate_under_continuous_batching(variant):
+    """Prompts of 9, 23 and 37 tokens (chunked by 16) batched together, 12 greedy tokens each; then a prompt that
+    shares the 37-token one's first 32 tokens takes its latent and index blocks from the prefix cache."""
+    name, hf, _, folder = variant
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 320, (n,), generator=gen).tolist() for n in (9, 23, 37)]
+
+    def expected(ids: list[int]) -> list[int]:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    llm = LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [expected(p) for p in prompts], name
+    shared = prompts[2][:32] + [7, 8, 9]
+    manager = llm.engine.core.block_manager
+    hits = manager.hit_tokens
+    assert llm.generate([{"prompt_token_ids": shared}], params, use_tqdm=False)[0].token_ids == expected(shared)
+    assert manager.hit_tokens - hits == 32
+    manager.check_no_leak()
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("indexer_types", ["full", "sparse", "full"], "indexer_types='sparse'"),
+    ("indexer_types", ["shared", "full", "full"], r"indexer_types\[0\]='shared'"),
+    ("mlp_layer_types", ["dense", "moe", "dense"], "mlp_layer_types="),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "rope_type='dynamic'"),
+    ("index_head_dim", 4, "index_head_dim=4"),
+])  # fmt: skip
+def test_unbuilt_config_values_are_refused_by_name(field, value, match):
+    cfg = GlmMoeDsaConfig(**_TINY, num_hidden_layers=3, architectures=["GlmMoeDsaForCausalLM"])
+    setattr(cfg, field, value)
+    with pytest.raises(ModelLoadError, match=match):
+        describe_model(cfg, torch.float32)
+
+
+def test_an_unbuilt_block_size_is_refused_at_load():
+    with pytest.raises(ConfigError, match="--block-size=128") as e:
+        load_model(EngineConfig(model="dummy:deepseek-v3.2-l4", block_size=128), torch.device("meta"))
+    assert e.value.param == "block_size"
+
+
+@pytest.mark.parametrize(("preset", "layers", "indexers", "heads", "moe"), [
+    ("glm-5-l5", 5, 5, 32, 2), ("deepseek-v3.2-l4", 4, 4, 64, 3),
+])  # fmt: skip
+def test_presets_count_their_indexer_keys(preset, layers, indexers, heads, moe):
+    from graphserve.models.presets import get_preset_config
+
+    cfg = get_preset_config(preset)
+    d = describe_model(cfg, torch.bfloat16)
+    assert d.kv.bytes_per_token == layers * 576 * 2 + indexers * 128 * 2
+    assert d.kv.index_bytes_per_token == indexers * 256 and d.num_moe_layers == moe
+    assert cfg["index_n_heads"] == heads and cfg["index_topk"] == 2048
