@@ -144,3 +144,19 @@ def test_presets_count_their_indexer_keys(preset, layers, indexers, heads, moe):
     assert d.kv.bytes_per_token == layers * 576 * 2 + indexers * 128 * 2
     assert d.kv.index_bytes_per_token == indexers * 256 and d.num_moe_layers == moe
     assert cfg["index_n_heads"] == heads and cfg["index_topk"] == 2048
+
+
+def test_plan_sizes_the_pool_with_the_indexer_keys_and_names_them():
+    """`graphserve plan` and the start-up budget table divide the KV pool by the latent and the indexer keys; with
+    --kv-cache-dtype fp8_e4m3 the latent halves and the indexer keys stay bf16."""
+    from graphserve.analysis.plan import build_plan, format_plan, load_hf_config
+
+    hf = load_hf_config("dummy:glm-5-l5")
+    p = build_plan(hf, gpu_memory_gb=141, cuda_graph_max_bs=8, block_size=64)
+    m = p["memory"]
+    assert p["kv_bytes_per_token"] == 5 * 576 * 2 + 5 * 128 * 2 and p["kv_index_bytes_per_token"] == 5 * 128 * 2
+    assert m["kv_tokens"] == m["kv_pool_bytes"] // p["kv_bytes_per_token"] // 64 * 64
+    assert "indexer keys        1280 B/token" in p["table"] and "latent              5760 B/token" in p["table"]
+    assert "indexer keys 1280 B of it" in format_plan(p)
+    fp8 = build_plan(hf, gpu_memory_gb=141, cuda_graph_max_bs=8, block_size=64, kv_cache_dtype_name="fp8_e4m3")
+    assert fp8["kv_bytes_per_token"] == 5 * 576 + 5 * 128 * 2

@@ -85,7 +85,8 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
     pool = model.graph_pool_bytes(sizes)
     mp = plan_memory(int(gpu_memory_gb * GB), mem_fraction_static, weights, (prefill_act, decode_act), pool,
                      int(reserve_gb * GiB_), kv_tok, block_size, max_len, max_running, tp=tp,
-                     activation_parts=[("MoE workspace", model.moe_workspace_bytes(chunk))] if model.is_moe else ())
+                     activation_parts=[("MoE workspace", model.moe_workspace_bytes(chunk))] if model.is_moe else (),
+                     kv_parts=kv.parts())
 
     verdicts = []
     for c in concurrency or [1, 8, 32, 64]:
@@ -125,7 +126,8 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
         "model": hf.get("_name_or_path") or hf.get("model_type"),
         "dtype": dtype, "quantization": quant.name if quant else "none",
         "kv_cache_dtype": str(kv.dtype).removeprefix("torch."), "tp": tp, "captured_sizes": sizes, "oversize": oversize,
-        "weights_bytes": weights, "kv_bytes_per_token": kv_tok, "graph_pool_bytes": pool,
+        "weights_bytes": weights, "kv_bytes_per_token": kv_tok, "kv_index_bytes_per_token": kv.index_bytes_per_token,
+        "graph_pool_bytes": pool,
         "prefill_activation_bytes": prefill_act, "decode_activation_bytes": decode_act,
         "memory": mp.to_dict(), "table": mp.table(), "verdicts": verdicts,
     }
@@ -137,7 +139,9 @@ def format_plan(p: dict[str, Any]) -> str:
     lines = [
         f"weights per GPU      {gib(p['weights_bytes']):.2f} GiB (tp {p['tp']}, {p['dtype']}, "
         f"quantization {p['quantization']})",
-        f"KV bytes per token   {p['kv_bytes_per_token']} B ({p['kv_cache_dtype']})",
+        f"KV bytes per token   {p['kv_bytes_per_token']} B ({p['kv_cache_dtype']}"
+        + (f"; indexer keys {p['kv_index_bytes_per_token']} B of it" if p.get("kv_index_bytes_per_token") else "")
+        + ")",
         f"cuda graph pool      {gib(p['graph_pool_bytes']):.2f} GiB for sizes "
         f"{p['captured_sizes'][:6]}{'...' if len(p['captured_sizes']) > 6 else ''} (largest {max(p['captured_sizes'], default=0)})",
         f"activation peak      prefill {gib(p['prefill_activation_bytes']):.3f} GiB, "

@@ -234,7 +234,7 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     parts = [("MoE workspace", moe[0].workspace_bytes(chunk + max_running - 1))] if moe else []
     plan = plan_memory(total, cfg.mem_fraction_static, weights, [mixed, decode], pool, RESERVE_BYTES + workspace,
                        loaded.info.kv_bytes_per_token, cfg.block_size, max_model_len, max_running,
-                       activation_parts=parts)
+                       activation_parts=parts, kv_parts=loaded.info.kv.parts())
     for line in plan.table().splitlines():
         logger.info(line)
     if not plan.fits:

@@ -92,6 +92,13 @@ class KVLayout:
         """Every layer's cache for one token, indexer keys included: what the KV pool is sized by."""
         return self.num_layers * self.bytes_per_token_per_layer + self.index_bytes_per_token
 
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        """A token's bytes by cache, where there is more than one (the memory plan's table names them)."""
+        if not self.index_layers:
+            return ()
+        return (("latent" if self.kind == "latent" else "K/V", self.num_layers * self.bytes_per_token_per_layer),
+                ("indexer keys", self.index_bytes_per_token))
+
     def layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         if self.kind == "kv":
             return (2, num_blocks, block_size, self.num_heads, self.head_dim)
