@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 
 # transformers' DeepseekV32Indexer builds k_norm with this eps whatever rms_norm_eps says
 K_NORM_EPS = 1e-6
+# A prefill chunk scores its rows in slices of this many: the scores are [rows, context] fp32, which for 2048
+# rows over a 160k context would be 1.3 GB; 256 rows hold it to 160 MB, and each slice is still a large launch
+INDEXER_ROWS = 256
 
 
 def dsa_ops(batch: ForwardBatch) -> ModuleType:
@@ -105,5 +108,10 @@ class DsaIndexer(nn.Module):
         ops = dsa_ops(batch)
         cache = batch.kv_caches[self.cache_index]
         ops.write_index_cache(k, cache, batch.slot_mapping)
-        return ops.indexer_topk(q, weights, cache, batch.block_tables, step.row_seq, step.row_pos, step.max_len,
-                                self.topk)
+        if t <= INDEXER_ROWS:  # decode and graph-captured steps: one call, no Python loop
+            return ops.indexer_topk(q, weights, cache, batch.block_tables, step.row_seq, step.row_pos, step.max_len,
+                                    self.topk)
+        return torch.cat([ops.indexer_topk(q[i : i + INDEXER_ROWS], weights[i : i + INDEXER_ROWS], cache,
+                                           batch.block_tables, step.row_seq[i : i + INDEXER_ROWS],
+                                           step.row_pos[i : i + INDEXER_ROWS], step.max_len, self.topk)
+                          for i in range(0, t, INDEXER_ROWS)])  # fmt: skip
