@@ -24,8 +24,8 @@ import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_BYTES = 4  # the FP8 form's per-token fp32 scale
-# a token of all-zero keys would give scale 0 and 0/0 on the way in; its bytes decode to zeros either way
-MIN_AMAX = 1e-12
+# the scale's floor, as kernels/fp8_quant.py has it: an all-zero key quantizes to zeros, never 0/0
+MIN_SCALE = 1e-12
 
 
 def index_cache_shape(
@@ -48,7 +48,7 @@ def index_head_dim(index_cache: torch.Tensor) -> int:
 def quantize_index_keys(k: torch.Tensor) -> torch.Tensor:
     """``k [T, D]`` -> ``[T, D + 4]`` uint8 rows of the FP8 form: e4m3 of ``k / scale``, then the fp32 scale."""
     kf = k.float()
-    scale = kf.abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX) / FP8_MAX
+    scale = (kf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
     q = (kf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
 
