@@ -164,3 +164,15 @@ def test_plan_sizes_the_pool_with_the_indexer_keys_and_names_them():
     assert "indexer keys 1280 B of it" in format_plan(p)
     fp8 = build_plan(hf, gpu_memory_gb=141, cuda_graph_max_bs=8, block_size=64, kv_cache_dtype_name="fp8_e4m3")
     assert fp8["kv_bytes_per_token"] == 5 * 576 + 5 * 128 * 2
+
+
+def test_decode_floor_reads_every_indexer_key_and_at_most_topk_latents():
+    from graphserve.models.presets import get_preset_config
+
+    d = describe_model(get_preset_config("glm-5-l5"), torch.bfloat16)
+    fixed = d.decode_read_bytes(2, 0)
+    latent, keys = 5 * 576 * 2, 5 * 128 * 2
+    assert d.attn_topk == 2048
+    assert d.decode_read_bytes(2, 2 * 1000) - fixed == 2 * 1000 * (latent + keys)  # short contexts: all of it
+    assert d.decode_read_bytes(2, 2 * 8000) - fixed == 2 * (8000 * keys + 2048 * latent)
+    assert d.decode_read_bytes(2, [1000, 15000]) - fixed == 16000 * keys + (1000 + 2048) * latent

@@ -153,7 +153,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         kv = dataclasses.replace(d.kv, index_layers=n, index_head_dim=dim, index_dtype=dtype)
         # a token at the indexer's peak: its query heads, its key and its head weights (fp32)
         act = heads * dim + dim + 2 * heads
-        return dataclasses.replace(d, kv=kv, dense_params=d.dense_params + n * indexer,
+        return dataclasses.replace(d, kv=kv, attn_topk=ds.index_topk, dense_params=d.dense_params + n * indexer,
                                    model_dtype_params=d.model_dtype_params + n * indexer,
                                    act_width=max(d.act_width, act))
 
