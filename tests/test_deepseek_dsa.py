@@ -176,3 +176,22 @@ def test_decode_floor_reads_every_indexer_key_and_at_most_topk_latents():
     assert d.decode_read_bytes(2, 2 * 1000) - fixed == 2 * 1000 * (latent + keys)  # short contexts: all of it
     assert d.decode_read_bytes(2, 2 * 8000) - fixed == 2 * (8000 * keys + 2048 * latent)
     assert d.decode_read_bytes(2, [1000, 15000]) - fixed == 16000 * keys + (1000 + 2048) * latent
+
+
+def test_profile_names_the_indexer_and_top_k_time(monkeypatch):
+    """`graphserve profile` on a sparse-attention model: the indexer's scores and key writes, the top-k and the
+    sparse MLA each land in their own category, and the DSA functions are unwrapped afterwards."""
+    from model_utils import dummy_preset
+
+    from graphserve.analysis.profile import profile_in_process
+    from graphserve.engine.core import EngineCore
+    from graphserve.kernels import dsa_reference
+
+    tiny = {k: v for k, v in _TINY.items() if k not in ("bos_token_id", "eos_token_id")}
+    name = dummy_preset(monkeypatch, "glm-5-l5", "glm-5-tiny", **tiny, num_hidden_layers=3,
+                        mlp_layer_types=["dense", "sparse", "sparse"], indexer_types=["full", "shared", "full"])
+    core = EngineCore(EngineConfig(model=name, dtype="float32", max_model_len=128, num_kv_tokens=1024))
+    prof = profile_in_process(core, 2, 3, 24)
+    cats = prof["phases"][0]["categories_ms"]
+    assert cats["indexer"] > 0 and cats["topk"] > 0 and cats["attention"] > 0, cats
+    assert dsa_reference.topk_indices.__module__ == dsa_reference.__name__  # the wrapper is gone
