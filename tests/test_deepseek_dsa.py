@@ -195,3 +195,36 @@ def test_profile_names_the_indexer_and_top_k_time(monkeypatch):
     cats = prof["phases"][0]["categories_ms"]
     assert cats["indexer"] > 0 and cats["topk"] > 0 and cats["attention"] > 0, cats
     assert dsa_reference.topk_indices.__module__ == dsa_reference.__name__  # the wrapper is gone
+
+
+def test_fp8_checkpoint_dequantizes_the_indexer_and_matches_the_same_model_dequantized(tmp_path):
+    """DeepSeek-V3.2 ships its projections in fp8 (128 x 128 blocks; 32 x 32 here), the indexer's among them: they
+    load dequantized into the model dtype (the indexer never runs an fp8 matmul), the other projections in fp8,
+    and the logits over a context past index_topk are those of the same checkpoint dequantized."""
+    from model_utils import PagedHarness, dequantized_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    from graphserve.kernels.fp8_quant import FP8_DTYPE, quantize_weight_blocks
+    from graphserve.layers.quant.checkpoint import quantize_checkpoint
+
+    # q LoRA 32: the fused q-a / kv-a matmul's first part is whole 32-row blocks
+    make_hf_checkpoint(tmp_path / "src", DeepseekV32Config(**{**_TINY, "q_lora_rank": 32}, num_hidden_layers=2,
+                                                           first_k_dense_replace=1, rope_theta=10000.0))
+    quantize_checkpoint(tmp_path / "src", tmp_path / "fp8", block=(32, 32))
+    path = tmp_path / "fp8" / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in [n for n in tensors if ".indexer.w" in n and n.endswith(("wq_b.weight", "wk.weight"))]:
+        tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")] = \
+            quantize_weight_blocks(tensors[name], 32, 32)  # our quantizer names only *_proj modules
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    assert tensors["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == FP8_DTYPE
+    dequantized_checkpoint(tmp_path / "fp8", tmp_path / "deq")
+    tokens = list(range(7, 37))
+    logits = []
+    for folder in ("fp8", "deq"):
+        loaded = load_model(EngineConfig(model=str(tmp_path / folder), block_size=4), torch.device("cpu"))
+        attn = loaded.model.model.layers[1].self_attn
+        assert attn.indexer.wq_b.weight.dtype == attn.indexer.wk.weight.dtype == torch.float32
+        assert attn.o_proj.weight.dtype == (FP8_DTYPE if folder == "fp8" else torch.float32)
+        logits.append(PagedHarness(loaded.model).step([("s", tokens)])[0])
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)

@@ -175,6 +175,8 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     stacked_params = _STACKED
     version = 2
+    # modules whose fp8 checkpoint weights are dequantized to the model dtype as they load
+    dequantized_at_load = DEQUANTIZED_AT_LOAD
 
     def __init__(self, config: Any, max_positions: int) -> None:
         super().__init__()
@@ -209,7 +211,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         """As every family loads, with an fp8 ``kv_b_proj`` dequantized on the way; the tensors of layers this
         model skips (V3's multi-token prediction) are dropped first, so none of theirs is held or dequantized."""
         kept = ((name, t) for name, t in weights if self.map_weight_name(name) is not None)
-        return super().load_weights(dequantize_at_load(kept, DEQUANTIZED_AT_LOAD, self.checkpoint_quant))
+        return super().load_weights(dequantize_at_load(kept, self.dequantized_at_load, self.checkpoint_quant))
 
     @classmethod
     def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:

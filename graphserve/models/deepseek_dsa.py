@@ -32,7 +32,7 @@ from graphserve.layers.embedding import LMHead, VocabEmbedding
 from graphserve.layers.linear import norm_mlp
 from graphserve.layers.mla_rope import DeepseekRotary, softmax_scale
 from graphserve.layers.norm import RMSNorm
-from graphserve.layers.quant.config import parse_quantization_config
+from graphserve.layers.quant.config import DEQUANTIZED_AT_LOAD, parse_quantization_config
 from graphserve.models.base import CausalLM, DecoderStack
 from graphserve.models.deepseek import DeepseekMLP, DeepseekMoE, DeepseekV3ForCausalLM
 from graphserve.models.deepseek_dsa_shape import DsaShape, dsa_shape_from_config
@@ -111,6 +111,9 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
 
     index_rope_interleave = False
     shared_indexers = False  # whether config.indexer_types is read
+    # the indexer runs in the model dtype (layers/dsa_indexer.py): an FP8 checkpoint's indexer projections are
+    # dequantized as they load, as MLA's kv_b_proj is
+    dequantized_at_load = DEQUANTIZED_AT_LOAD + (".indexer.wq_b", ".indexer.wk", ".indexer.weights_proj")
 
     def __init__(self, config: Any, max_positions: int) -> None:
         CausalLM.__init__(self)
