@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import check_paged_parity, make_hf_checkpoint
+from model_utils import check_paged_parity, make_hf_checkpoint, relative_error
 from transformers import DeepseekV32Config, GlmMoeDsaConfig
 
 from graphserve import LLM, SamplingParams
@@ -152,7 +152,7 @@ def test_presets_count_their_indexer_keys(preset, layers, indexers, heads, moe):
 
 def test_plan_sizes_the_pool_with_the_indexer_keys_and_names_them():
     """`graphserve plan` and the start-up budget table divide the KV pool by the latent and the indexer keys; with
-    --kv-cache-dtype fp8_e4m3 the latent halves and the indexer keys stay bf16."""
+    --kv-cache-dtype fp8_e4m3 the latent halves and each indexer key takes 128 e4m3 bytes and a 4-byte scale."""
     from graphserve.analysis.plan import build_plan, format_plan, load_hf_config
 
     hf = load_hf_config("dummy:glm-5-l5")
@@ -163,7 +163,7 @@ def test_plan_sizes_the_pool_with_the_indexer_keys_and_names_them():
     assert "indexer keys        1280 B/token" in p["table"] and "latent              5760 B/token" in p["table"]
     assert "indexer keys 1280 B of it" in format_plan(p)
     fp8 = build_plan(hf, gpu_memory_gb=141, cuda_graph_max_bs=8, block_size=64, kv_cache_dtype_name="fp8_e4m3")
-    assert fp8["kv_bytes_per_token"] == 5 * 576 + 5 * 128 * 2
+    assert fp8["kv_bytes_per_token"] == 5 * 576 + 5 * 132  # e4m3 latents; index keys in the 132-byte FP8 form
 
 
 def test_decode_floor_reads_every_indexer_key_and_at_most_topk_latents():
@@ -228,3 +228,36 @@ def test_fp8_checkpoint_dequantizes_the_indexer_and_matches_the_same_model_dequa
         assert attn.o_proj.weight.dtype == (FP8_DTYPE if folder == "fp8" else torch.float32)
         logits.append(PagedHarness(loaded.model).step([("s", tokens)])[0])
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_kv_cache_stores_index_keys_in_the_fp8_form(tmp_path):
+    """--kv-cache-dtype fp8_e4m3 stores e4m3 latents and index keys of D e4m3 bytes plus an fp32 scale. With the
+    index keys alone in that form: rows whose context fits index_topk select everything (their logits unchanged),
+    the keys read back within e4m3's rounding, and the longer rows' logits move by a changed selection at most.
+    (The latents' e4m3 rounding is MLA's: tests/test_mla_fp8_kv.py.)"""
+    import dataclasses
+
+    from model_utils import PagedHarness
+    from test_mla_fp8_kv import LOGITS_TOL
+
+    from graphserve.kernels.dsa_reference import dequantize_index_rows
+
+    _checkpoint(tmp_path, "glm5")
+    fp8 = load_model(EngineConfig(model=str(tmp_path), dtype="float32", block_size=4, kv_cache_dtype="fp8_e4m3"),
+                     torch.device("cpu"))
+    kv = fp8.info.kv
+    assert kv.dtype == torch.float8_e4m3fn and kv.index_dtype == torch.uint8 and kv.index_bytes_per_token == 2 * 20
+    caches = kv.allocate(64, 4, "cpu")
+    assert caches[0].dtype == torch.float8_e4m3fn and len(caches) == 5 + 2
+    assert all(c.dtype == torch.uint8 and c.shape == (64, 4, 16 + 4) for c in caches[5:])
+    runs = [PagedHarness(fp8.model), PagedHarness(fp8.model)]
+    runs[1].kv_caches = dataclasses.replace(kv, dtype=torch.float32).allocate(64, 4, "cpu")  # FP8 index keys only
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(4, 320, (23,), generator=gen).tolist()
+    ref, got = (h.step([("a", tokens)])[0] for h in runs)
+    torch.testing.assert_close(got[:TOPK], ref[:TOPK], rtol=1e-5, atol=1e-5)
+    assert relative_error(got, ref) < LOGITS_TOL
+    slots = torch.tensor([runs[1].tables["a"][p // 4] * 4 + p % 4 for p in range(23)])
+    for plain, packed in zip(runs[0].kv_caches[5:], runs[1].kv_caches[5:]):
+        keys = plain.view(-1, 16)[slots]
+        assert 1e-3 < relative_error(dequantize_index_rows(packed.view(-1, 20)[slots]), keys) < 2**-4

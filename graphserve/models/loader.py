@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError, ModelLoadError
-from graphserve.layers.kv_layout import KVLayout, kv_cache_dtype
+from graphserve.layers.kv_layout import KVLayout, with_cache_dtype
 from graphserve.layers.moe import FusedMoE
 from graphserve.layers.quant.config import (
     Fp8Config,
@@ -273,7 +273,7 @@ def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype
     ignore = IgnoreList(quant, model.map_weight_name, model.stacked_params) if quant is not None else None
     description = quantized_description(description, quant, dtype, ignore)
     if kv_dtype != "auto":  # a paged K/V cache or a latent one (MLA) alike: layers/kv_layout.py
-        kv = dataclasses.replace(description.kv, dtype=kv_cache_dtype(kv_dtype, dtype))
+        kv = with_cache_dtype(description.kv, kv_dtype)
         description = dataclasses.replace(description, kv=kv)
     info = ModelInfo(
         architecture=type(model).__name__,
