@@ -162,6 +162,10 @@ def test_plan_sizes_the_pool_with_the_indexer_keys_and_names_them():
     assert m["kv_tokens"] == m["kv_pool_bytes"] // p["kv_bytes_per_token"] // 64 * 64
     assert "indexer keys        1280 B/token" in p["table"] and "latent              5760 B/token" in p["table"]
     assert "indexer keys 1280 B of it" in format_plan(p)
+    # a 2048-token chunk's indexer at the 202,752-token context: 256 rows at a time, fp32 scores and int64 keys
+    scores = 256 * 202752 * 12
+    assert dict(m["activation_parts"])["indexer scores"] == scores
+    assert p["prefill_activation_bytes"] >= scores and "indexer scores" in p["table"]
     fp8 = build_plan(hf, gpu_memory_gb=141, cuda_graph_max_bs=8, block_size=64, kv_cache_dtype_name="fp8_e4m3")
     assert fp8["kv_bytes_per_token"] == 5 * 576 + 5 * 132  # e4m3 latents; index keys in the 132-byte FP8 form
 

@@ -78,14 +78,17 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
     weights = model.weights_bytes
     kv_tok = model.kv.bytes_per_token
     chunk = min(chunked_prefill_size, max_running * input_len)
-    prefill_act = model.activation_bytes(chunk, sampled_rows=max(1, math.ceil(chunk / input_len)))
+    index_scores = model.index_scores_bytes(chunk, max_len)  # a chunk's indexer at the longest context
+    prefill_act = model.activation_bytes(chunk, sampled_rows=max(1, math.ceil(chunk / input_len))) + index_scores
     # Graph-covered decode batches draw on the graph pool; the largest eager one is reserved here.
     eager_decode_bs = 0 if sizes and (oversize == "split" or max_running <= largest) else (largest or max_running)
     decode_act = model.activation_bytes(eager_decode_bs) if eager_decode_bs else 0
-    pool = model.graph_pool_bytes(sizes)
+    # decode graphs are captured at the widest block tables: their indexer scores span --max-model-len
+    pool = model.graph_pool_bytes(sizes) + model.index_scores_bytes(largest, max_len)
     mp = plan_memory(int(gpu_memory_gb * GB), mem_fraction_static, weights, (prefill_act, decode_act), pool,
                      int(reserve_gb * GiB_), kv_tok, block_size, max_len, max_running, tp=tp,
-                     activation_parts=[("MoE workspace", model.moe_workspace_bytes(chunk))] if model.is_moe else (),
+                     activation_parts=([("MoE workspace", model.moe_workspace_bytes(chunk))] if model.is_moe else []) +
+                     ([("indexer scores", index_scores)] if index_scores else []),
                      kv_parts=kv.parts())
 
     verdicts = []

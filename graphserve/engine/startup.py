@@ -232,6 +232,11 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     # 4. the plan
     moe = loaded.model.moe_layers()  # the layer's own figure; `graphserve plan` estimates it from the description
     parts = [("MoE workspace", moe[0].workspace_bytes(chunk + max_running - 1))] if moe else []
+    # the profile's synthetic prefill had short contexts; a chunk's indexer at --max-model-len holds more
+    index_scores = loaded.info.description.index_scores_bytes(chunk, max_model_len)
+    if index_scores:
+        mixed += index_scores
+        parts.append(("indexer scores", index_scores))
     plan = plan_memory(total, cfg.mem_fraction_static, weights, [mixed, decode], pool, RESERVE_BYTES + workspace,
                        loaded.info.kv_bytes_per_token, cfg.block_size, max_model_len, max_running,
                        activation_parts=parts, kv_parts=loaded.info.kv.parts())

@@ -27,7 +27,7 @@ from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel
 from graphserve.errors import ConfigError
 from graphserve.layers.dsa_attention import DsaAttention
-from graphserve.layers.dsa_indexer import DsaIndexer, DsaStep
+from graphserve.layers.dsa_indexer import INDEXER_ROWS, DsaIndexer, DsaStep
 from graphserve.layers.embedding import LMHead, VocabEmbedding
 from graphserve.layers.linear import norm_mlp
 from graphserve.layers.mla_rope import DeepseekRotary, softmax_scale
@@ -156,7 +156,8 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         kv = dataclasses.replace(d.kv, index_layers=n, index_head_dim=dim, index_dtype=dtype)
         # a token at the indexer's peak: its query heads, its key and its head weights (fp32)
         act = heads * dim + dim + 2 * heads
-        return dataclasses.replace(d, kv=kv, attn_topk=ds.index_topk, dense_params=d.dense_params + n * indexer,
+        return dataclasses.replace(d, kv=kv, attn_topk=ds.index_topk, index_score_rows=INDEXER_ROWS,
+                                   dense_params=d.dense_params + n * indexer,
                                    model_dtype_params=d.model_dtype_params + n * indexer,
                                    act_width=max(d.act_width, act))
 

@@ -98,6 +98,8 @@ class ModelDescription:
     # sparse attention (DeepSeek-V3.2, GLM-5): a query reads at most this many latent rows per layer, whatever its
     # context (it reads every indexer key of its context); 0: dense attention, the whole context
     attn_topk: int = 0
+    # sparse attention: query rows the indexer scores per call (layers/dsa_indexer.INDEXER_ROWS); 0: no indexer
+    index_score_rows: int = 0
 
     def __post_init__(self) -> None:
         # a family that lists its projections short would price the missing ones' scales at nothing
@@ -213,6 +215,15 @@ class ModelDescription:
         gather = context_tokens * self.kv.bytes_per_token_per_layer
         rows = tokens if sampled_rows is None else sampled_rows
         return int(per_layer + gather + rows * self.vocab_size * 4)
+
+    def index_scores_bytes(self, tokens: int, max_len: int) -> int:
+        """What one indexer call over ``tokens`` rows holds at a context bound of ``max_len`` (the block tables' width,
+        up to --max-model-len): fp32 scores per row and position, and the int64 keys the torch.topk form of the top-k
+        sorts (kernels/dsa_topk.py). A prefill at a long context holds far more than the start-up profile's short
+        synthetic sequences did, so the plan adds it; 0 without an indexer."""
+        if not self.index_score_rows:
+            return 0
+        return min(tokens, self.index_score_rows) * max_len * (4 + 8)
 
     def moe_workspace_bytes(self, tokens: int) -> int:
         """What one MoE layer's fused path allocates for ``tokens`` rows (layers run one at a time,
