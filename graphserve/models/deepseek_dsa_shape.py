@@ -40,9 +40,9 @@ def dsa_shape_from_config(config: Any, arch: str, index_rope_interleave: bool, s
     layer."""
     base = shape_from_config(config, 3)
     n = base.num_layers
-    mlp_types = list(getattr(config, "mlp_layer_types", None) or
-                     ["dense"] * min(int(getattr(config, "first_k_dense_replace", 0) or 0), n) +
-                     ["sparse"] * max(0, n - int(getattr(config, "first_k_dense_replace", 0) or 0)))
+    # transformers fills mlp_layer_types from first_k_dense_replace when a config.json leaves it out
+    first_dense = min(int(getattr(config, "first_k_dense_replace", 0) or 0), n)
+    mlp_types = list(getattr(config, "mlp_layer_types", None) or ["dense"] * first_dense + ["sparse"] * (n - first_dense))
     if len(mlp_types) != n or any(t not in MLP_LAYER_TYPES for t in mlp_types):
         raise _refuse(arch, "mlp_layer_types", mlp_types, f"one of {MLP_LAYER_TYPES} for each of the {n} layers")
     moe_layers = frozenset(i for i, t in enumerate(mlp_types) if t == "sparse")
