@@ -21,7 +21,7 @@ import torch
 from graphserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, default_cuda_graph_sizes
 from graphserve.engine.memory import RESERVE_BYTES, gib, plan_memory
 from graphserve.errors import BadRequestError, ModelLoadError, bad_field
-from graphserve.layers.kv_layout import kv_cache_dtype
+from graphserve.layers.kv_layout import with_cache_dtype
 from graphserve.layers.quant.config import parse_quantization_config, quantized_description, resolve_quantization
 from graphserve.models.registry import describe_model, ignore_list
 
@@ -67,7 +67,7 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
     if kv_cache_dtype_name not in KV_CACHE_DTYPES:
         raise BadRequestError(f"--kv-cache-dtype={kv_cache_dtype_name!r} is invalid: choose one of "
                               f"{', '.join(KV_CACHE_DTYPES)}", param="kv_cache_dtype")
-    kv = dataclasses.replace(model.kv, dtype=kv_cache_dtype(kv_cache_dtype_name, model.kv.dtype))
+    kv = with_cache_dtype(model.kv, kv_cache_dtype_name)
     model = dataclasses.replace(model, kv=kv)
     sizes = [] if disable_cuda_graph else sorted(set(cuda_graph_bs or default_cuda_graph_sizes(cuda_graph_max_bs)))
     largest = sizes[-1] if sizes else 0
@@ -78,14 +78,18 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
     weights = model.weights_bytes
     kv_tok = model.kv.bytes_per_token
     chunk = min(chunked_prefill_size, max_running * input_len)
-    prefill_act = model.activation_bytes(chunk, sampled_rows=max(1, math.ceil(chunk / input_len)))
+    index_scores = model.index_scores_bytes(chunk, max_len)  # a chunk's indexer at the longest context
+    prefill_act = model.activation_bytes(chunk, sampled_rows=max(1, math.ceil(chunk / input_len))) + index_scores
     # Graph-covered decode batches draw on the graph pool; the largest eager one is reserved here.
     eager_decode_bs = 0 if sizes and (oversize == "split" or max_running <= largest) else (largest or max_running)
     decode_act = model.activation_bytes(eager_decode_bs) if eager_decode_bs else 0
-    pool = model.graph_pool_bytes(sizes)
+    # decode graphs are captured at the widest block tables: their indexer scores span --max-model-len
+    pool = model.graph_pool_bytes(sizes) + model.index_scores_bytes(largest, max_len)
     mp = plan_memory(int(gpu_memory_gb * GB), mem_fraction_static, weights, (prefill_act, decode_act), pool,
                      int(reserve_gb * GiB_), kv_tok, block_size, max_len, max_running, tp=tp,
-                     activation_parts=[("MoE workspace", model.moe_workspace_bytes(chunk))] if model.is_moe else (),
+                     activation_parts=([("MoE workspace", model.moe_workspace_bytes(chunk))] if model.is_moe else []) +
+                     ([("indexer scores", index_scores)] if index_scores else []),
+                     kv_parts=kv.parts(),
                      request_tokens=model.kv.held_tokens(max_len, block_size, chunked_prefill_size))
 
     verdicts = []
@@ -128,7 +132,8 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
         "model": hf.get("_name_or_path") or hf.get("model_type"),
         "dtype": dtype, "quantization": quant.name if quant else "none",
         "kv_cache_dtype": str(kv.dtype).removeprefix("torch."), "tp": tp, "captured_sizes": sizes, "oversize": oversize,
-        "weights_bytes": weights, "kv_bytes_per_token": kv_tok, "graph_pool_bytes": pool,
+        "weights_bytes": weights, "kv_bytes_per_token": kv_tok, "kv_index_bytes_per_token": kv.index_bytes_per_token,
+        "graph_pool_bytes": pool,
         "prefill_activation_bytes": prefill_act, "decode_activation_bytes": decode_act,
         "memory": mp.to_dict(), "table": mp.table(), "verdicts": verdicts,
     }
@@ -140,7 +145,9 @@ def format_plan(p: dict[str, Any]) -> str:
     lines = [
         f"weights per GPU      {gib(p['weights_bytes']):.2f} GiB (tp {p['tp']}, {p['dtype']}, "
         f"quantization {p['quantization']})",
-        f"KV bytes per token   {p['kv_bytes_per_token']} B ({p['kv_cache_dtype']})",
+        f"KV bytes per token   {p['kv_bytes_per_token']} B ({p['kv_cache_dtype']}"
+        + (f"; indexer keys {p['kv_index_bytes_per_token']} B of it" if p.get("kv_index_bytes_per_token") else "")
+        + ")",
         f"cuda graph pool      {gib(p['graph_pool_bytes']):.2f} GiB for sizes "
         f"{p['captured_sizes'][:6]}{'...' if len(p['captured_sizes']) > 6 else ''} (largest {max(p['captured_sizes'], default=0)})",
         f"activation peak      prefill {gib(p['prefill_activation_bytes']):.3f} GiB, "

@@ -23,12 +23,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-CATEGORIES = ("dense_gemm", "moe", "attention", "norm_elementwise", "communication", "sampling", "other",
-              "gaps_host")
+CATEGORIES = ("dense_gemm", "moe", "attention", "indexer", "topk", "norm_elementwise", "communication", "sampling",
+              "other", "gaps_host")
 LABELS = {
     "dense_gemm": "dense GEMMs",
     "moe": "MoE (router, sort, grouped GEMMs)",
-    "attention": "attention (incl. KV write)",
+    "attention": "attention (incl. KV write, sparse MLA)",
+    "indexer": "sparse-attention indexer (scores, key write)",
+    "topk": "sparse-attention top-k",
     "norm_elementwise": "norms and elementwise",
     "communication": "communication",
     "sampling": "sampling",
@@ -38,9 +40,12 @@ LABELS = {
 NAME_RULES = (
     ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "gloo",
                        "c10d::")),
+    # DeepSeek sparse attention's kernels (kernels/dsa.py), before the MoE rule, whose "topk" would take them
+    ("indexer", ("indexer_scores", "write_index")),
+    ("topk", ("radix_topk", "dsa_topk")),
     # fused_moe*, moe_align*, moe_route*, moe_gemv* and torch's own router pieces
     ("moe", ("moe", "router", "topk", "top_k", "align", "grouped")),
-    ("attention", ("attention", "attn", "flash", "_decode_split", "_decode_merge", "_extend_kernel", "kv_write",
+    ("attention", ("attention", "attn", "flash", "sparse_mla", "_decode_split", "_decode_merge", "_extend_kernel", "kv_write",
                    "qk_norm_rope", "paged")),
     ("dense_gemm", ("gemm", "gemv", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
                     "cutlass", "cublas", "xmma", "nvjet", "splitk", "sm90_", "sm80_", "ampere_", "hopper_")),
@@ -49,7 +54,8 @@ NAME_RULES = (
                           "aten::sub", "aten::div", "aten::neg", "aten::exp", "aten::sigmoid", "aten::cos",
                           "aten::sin", "aten::cat", "aten::to", "aten::_to_copy", "aten::copy_", "aten::where")),
 )
-SCOPES = {"graphserve.sampling": "sampling", "graphserve.attention": "attention", "graphserve.moe": "moe"}
+SCOPES = {"graphserve.sampling": "sampling", "graphserve.attention": "attention", "graphserve.moe": "moe",
+          "graphserve.indexer": "indexer", "graphserve.topk": "topk"}
 ITERATION, LAUNCH = "graphserve.iteration", "graphserve.launch"
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 

@@ -46,6 +46,8 @@ class MemoryPlan:
     refusal: str | None
     # parts of the activation peak worth naming (e.g. the MoE layers' routing and expert buffers)
     activation_parts: tuple[tuple[str, int], ...] = ()
+    # a token's KV bytes by cache, where a layout has more than one (sparse attention's indexer keys)
+    kv_parts: tuple[tuple[str, int], ...] = ()
 
     def lines(self) -> list[tuple[str, int]]:
         return [
@@ -67,6 +69,7 @@ class MemoryPlan:
                 rows += [f"    {part:<14} {gib(b):>9.2f} GiB" for part, b in self.activation_parts]
         rows.append(f"  {'kv tokens':<16} {self.kv_tokens:>9d}   ({self.num_blocks} blocks of {self.block_size}, "
                     f"{self.kv_bytes_per_token} B/token)")
+        rows += [f"    {part:<14} {b:>9d} B/token" for part, b in self.kv_parts]
         rows.append(f"  {'max concurrent':<16} {self.max_concurrent_at_max_len:>9d}   requests of "
                     f"--max-model-len {self.max_model_len}")
         if self.refusal:
@@ -110,7 +113,8 @@ def _refusal(total: int, frac: float, fixed: int, kv_pool: int, kv_tokens: int, 
 def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int, activation_bytes: int | Sequence[int],
                 graph_pool_bytes: int, reserve_bytes: int, kv_bytes_per_token: int, block_size: int,
                 max_model_len: int, max_running_requests: int, tp: int = 1,
-                activation_parts: Sequence[tuple[str, int]] = (), request_tokens: int | None = None) -> MemoryPlan:
+                activation_parts: Sequence[tuple[str, int]] = (), request_tokens: int | None = None,
+                kv_parts: Sequence[tuple[str, int]] = ()) -> MemoryPlan:
     """Size the KV pool from what the static budget leaves (see module docstring).
 
     ``activation_bytes`` is the activation peak, or several peaks (prefill chunk, decode batch):
@@ -141,4 +145,5 @@ def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int
         max_model_len=max_model_len, max_running_requests=max_running_requests,
         max_concurrent_at_max_len=int(min(kv_tokens // need_tokens, max_running_requests)),
         fits=fits, refusal=refusal, activation_parts=tuple((n, int(b)) for n, b in activation_parts),
+        kv_parts=tuple((n, int(b)) for n, b in kv_parts),
     )

@@ -233,9 +233,14 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     held = loaded.info.kv.held_tokens(max_model_len, cfg.block_size, chunk)
     moe = loaded.model.moe_layers()  # the layer's own figure; `graphserve plan` estimates it from the description
     parts = [("MoE workspace", moe[0].workspace_bytes(chunk + max_running - 1))] if moe else []
+    # the profile's synthetic prefill had short contexts; a chunk's indexer at --max-model-len holds more
+    index_scores = loaded.info.description.index_scores_bytes(chunk, max_model_len)
+    if index_scores:
+        mixed += index_scores
+        parts.append(("indexer scores", index_scores))
     plan = plan_memory(total, cfg.mem_fraction_static, weights, [mixed, decode], pool, RESERVE_BYTES + workspace,
                        loaded.info.kv_bytes_per_token, cfg.block_size, max_model_len, max_running,
-                       activation_parts=parts, request_tokens=held)
+                       activation_parts=parts, request_tokens=held, kv_parts=loaded.info.kv.parts())
     for line in plan.table().splitlines():
         logger.info(line)
     if not plan.fits:

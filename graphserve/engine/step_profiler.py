@@ -188,6 +188,21 @@ class StepProfiler:
         for module in runner.model.modules():
             if type(module).__name__ in MOE_MODULES:
                 self._wrap(module, "forward", "graphserve.moe")
+        if any(type(m).__name__ == "DsaIndexer" for m in runner.model.modules()):
+            self._hook_sparse_attention(runner)
+
+    def _hook_sparse_attention(self, runner: Any) -> None:
+        """The DSA functions of the step's backend (kernels/dsa.py or its references), wrapped in their module, where
+        the layers and ``indexer_topk`` look them up: none of them calls another wrapped one, so the ranges never
+        nest. The indexer's projections and rope stay dense GEMMs and elementwise work."""
+        from types import SimpleNamespace
+
+        from graphserve.layers.dsa_indexer import dsa_ops
+
+        ops = dsa_ops(SimpleNamespace(attn_backend=runner.attn_backend))
+        for name, label in (("write_index_cache", "graphserve.indexer"), ("indexer_scores", "graphserve.indexer"),
+                            ("topk_indices", "graphserve.topk"), ("sparse_mla", "graphserve.attention")):
+            self._wrap(ops, name, label)
 
     def _wrap(self, obj: Any, name: str, label: str, after: Callable[[Any], None] | None = None) -> None:
         inner = getattr(obj, name)

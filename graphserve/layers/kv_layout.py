@@ -19,6 +19,17 @@ wholly outside the window of a running sequence go back to the pool (engine/kv_c
 (gpt-oss alternates), a full-attention layer still needs every block, so they are kept and the windowed layers
 merely skip them.
 
+Sparse attention (DeepSeek-V3.2, GLM-5) adds an indexer key cache to the latent: one key of
+``index_head_dim`` per token for each of ``index_layers`` layers (those that own an indexer), paged by
+the same block tables, so the prefix cache, preemption and the pool's sizing treat a token's latent and
+its index keys as one. ``allocate`` returns the ``num_layers`` attention caches followed by the
+``index_layers`` indexer caches ``[num_blocks, block_size, index_head_dim]`` in layer order: every step
+already carries that one list (``ForwardBatch.kv_caches``), and a model finds its indexer caches at
+``num_layers + i``. Their ``index_dtype`` is the model's, or with ``--kv-cache-dtype fp8_e4m3`` the FP8 form
+(``index_dtype`` uint8): per token ``index_head_dim`` e4m3 bytes then one fp32 scale (amax / 448), 132 bytes
+for a 128-dim key instead of 256 (kernels/dsa_reference.py writes and reads it). A per-token scale rather than
+the latent's fixed 1.0, since the keys are LayerNorm outputs whose range the indexer's ranking depends on.
+
 ``dtype`` is the model's (``--kv-cache-dtype auto``) or float8_e4m3fn (``fp8_e4m3``), for either kind:
 half the bytes per token, so twice the tokens in the same pool and half the KV reads per decode step.
 FP8 entries are stored with a per-tensor scale of 1.0 (vLLM's default without calibrated scales): K and
@@ -32,6 +43,7 @@ e4m3's 3 mantissa bits, a relative rounding of at most 2^-4 per element.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,10 +51,20 @@ import torch
 
 KVKind = Literal["kv", "latent"]
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # --kv-cache-dtype (besides "auto": the model dtype)
+INDEX_SCALE_BYTES = 4  # the FP8 index key form's per-token fp32 scale
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
+
+
+def with_cache_dtype(layout: KVLayout, name: str) -> KVLayout:
+    """``layout`` as ``--kv-cache-dtype name`` stores it: the attention caches in that dtype, and the indexer keys
+    (if any) in their FP8 form under an fp8 name."""
+    if name == "auto":
+        return layout
+    index = torch.uint8 if layout.index_layers else layout.index_dtype
+    return dataclasses.replace(layout, dtype=KV_CACHE_DTYPES[name], index_dtype=index)
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -61,6 +83,9 @@ class KVLayout:
     dtype: torch.dtype
     # each layer's attention window (None: full attention); empty: every layer attends in full
     windows: tuple[int | None, ...] = ()
+    index_layers: int = 0  # layers with an indexer key cache (sparse attention), 0 for none
+    index_head_dim: int = 0
+    index_dtype: torch.dtype | None = None  # the model's, or uint8 for the FP8 form; None without indexer
 
     def __post_init__(self) -> None:
         if self.kind not in ("kv", "latent"):
@@ -69,6 +94,9 @@ class KVLayout:
             raise ValueError(f"a latent KV cache has one shared head per token, got num_heads={self.num_heads}")
         if self.windows and len(self.windows) != self.num_layers:
             raise ValueError(f"KVLayout.windows names {len(self.windows)} layers, the cache has {self.num_layers}")
+        if self.index_layers and (self.index_head_dim < 1 or self.index_dtype is None):
+            raise ValueError(f"an indexer key cache needs index_head_dim >= 1 and index_dtype, got "
+                             f"{self.index_head_dim} / {self.index_dtype}")
 
     @property
     def release_window(self) -> int | None:
@@ -99,9 +127,26 @@ class KVLayout:
         return self.entries * self.num_heads * self.head_dim * self.dtype.itemsize
 
     @property
+    def index_row_width(self) -> int:
+        """Elements of one cached indexer key: the key, or in the FP8 form its bytes and its scale's."""
+        return self.index_head_dim + (INDEX_SCALE_BYTES if self.index_dtype == torch.uint8 else 0)
+
+    @property
+    def index_bytes_per_token(self) -> int:
+        """Every indexer layer's key for one token (0 without sparse attention)."""
+        return self.index_layers * self.index_row_width * self.index_dtype.itemsize if self.index_layers else 0
+
+    @property
     def bytes_per_token(self) -> int:
-        """Every layer's cache for one token: what the KV pool is sized by."""
-        return self.num_layers * self.bytes_per_token_per_layer
+        """Every layer's cache for one token, indexer keys included: what the KV pool is sized by."""
+        return self.num_layers * self.bytes_per_token_per_layer + self.index_bytes_per_token
+
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        """A token's bytes by cache, where there is more than one (the memory plan's table names them)."""
+        if not self.index_layers:
+            return ()
+        return (("latent" if self.kind == "latent" else "K/V", self.num_layers * self.bytes_per_token_per_layer),
+                ("indexer keys", self.index_bytes_per_token))
 
     def layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         if self.kind == "kv":
@@ -110,10 +155,20 @@ class KVLayout:
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device | str,
                  fill: str = "zeros") -> list[torch.Tensor]:
-        """One cache tensor per layer. ``fill="random"`` draws N(0, 0.5²) (benchmarks: never time on zeros)."""
-        shape = self.layer_shape(num_blocks, block_size)
-        if fill == "random":  # drawn in bf16 where the cache dtype (fp8) has no random generator
-            draw = self.dtype if self.dtype.itemsize > 1 else torch.bfloat16
-            return [torch.randn(shape, dtype=draw, device=device).mul_(0.5).to(self.dtype)
-                    for _ in range(self.num_layers)]
-        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        """One cache tensor per layer, then one per indexer layer. ``fill="random"`` draws N(0, 0.5²)
+        (benchmarks: never time on zeros)."""
+        parts = [(self.layer_shape(num_blocks, block_size), self.dtype)] * self.num_layers
+        parts += [((num_blocks, block_size, self.index_row_width), self.index_dtype)] * self.index_layers
+        if fill != "random":
+            return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in parts]
+        caches = []
+        for shape, dtype in parts:  # drawn in bf16 where the cache dtype (fp8) has no random generator
+            if dtype == torch.uint8:  # FP8 index keys: quantized draws, so every row's scale is a real one
+                from graphserve.kernels.dsa_reference import quantize_index_keys
+
+                keys = torch.randn(*shape[:-1], self.index_head_dim, dtype=torch.bfloat16, device=device)
+                caches.append(quantize_index_keys(keys.mul_(0.5).flatten(0, 1)).view(shape))
+            else:
+                caches.append(torch.randn(shape, dtype=dtype if dtype.itemsize > 1 else torch.bfloat16,
+                                          device=device).mul_(0.5).to(dtype))
+        return caches

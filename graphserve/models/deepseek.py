@@ -175,6 +175,8 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     stacked_params = _STACKED
     version = 2
+    # modules whose fp8 checkpoint weights are dequantized to the model dtype as they load
+    dequantized_at_load = DEQUANTIZED_AT_LOAD
 
     def __init__(self, config: Any, max_positions: int) -> None:
         super().__init__()
@@ -188,6 +190,12 @@ class DeepseekV2ForCausalLM(CausalLM):
             self.lm_head.tie_to(self.model.embed_tokens)
         # how the checkpoint's tensors are stored (None: unquantized), which says how its kv_b_proj is scaled
         self.checkpoint_quant = parse_quantization_config(getattr(config, "quantization_config", None))
+
+    @classmethod
+    def config_shape(cls, config: Any) -> DeepseekShape:
+        """What ``describe`` counts by: the config's MLA and MoE shape (a sparse-attention family's MoE layers
+        follow its ``mlp_layer_types``: models/deepseek_dsa.py)."""
+        return shape_from_config(config, cls.version)
 
     def needs_row_mask(self) -> bool:
         return bool(self.shape.moe_layers)
@@ -206,15 +214,15 @@ class DeepseekV2ForCausalLM(CausalLM):
         if getattr(self.checkpoint_quant, "fmt", None) == "nvfp4":  # an NVFP4 kv_b_proj: layers/quant/fp4_*.py
             from graphserve.layers.quant.fp4_dequant_at_load import dequantize_fp4_at_load
 
-            return super().load_weights(dequantize_fp4_at_load(kept, DEQUANTIZED_AT_LOAD))
-        return super().load_weights(dequantize_at_load(kept, DEQUANTIZED_AT_LOAD, self.checkpoint_quant))
+            return super().load_weights(dequantize_fp4_at_load(kept, self.dequantized_at_load))
+        return super().load_weights(dequantize_at_load(kept, self.dequantized_at_load, self.checkpoint_quant))
 
     @classmethod
     def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:
         """Per rank: ``num_attention_heads / tp`` heads, the whole latent cache (one 576-wide head for
         V2/V3 at every tp), dense and shared MLPs split by ``tp``, routed experts split by ``tp`` or
         placed by ``ep``. A split that does not divide is refused naming the field."""
-        s = shape_from_config(config, cls.version)
+        s = cls.config_shape(config)
         h, r, d, nope, v = s.hidden_size, s.kv_lora_rank, s.qk_rope_head_dim, s.qk_nope_head_dim, s.v_head_dim
         heads = split_evenly(s.num_heads, tp, "num_attention_heads")  # this rank's
         n_moe = len(s.moe_layers)

@@ -96,6 +96,11 @@ class ModelDescription:
     # others' are fp8; priced like the embedding, with no scales. (When no layer's experts are fp8, the expert_*
     # fields above price the model dtype and this stays empty.)
     kept_expert_layers: tuple[str, ...] = ()
+    # sparse attention (DeepSeek-V3.2, GLM-5): a query reads at most this many latent rows per layer, whatever its
+    # context (it reads every indexer key of its context); 0: dense attention, the whole context
+    attn_topk: int = 0
+    # sparse attention: query rows the indexer scores per call (layers/dsa_indexer.INDEXER_ROWS); 0: no indexer
+    index_score_rows: int = 0
 
     def __post_init__(self) -> None:
         # a family that lists its projections short would price the missing ones' scales at nothing
@@ -158,11 +163,12 @@ class ModelDescription:
         """The lm_head, or the tied embedding table acting as the head."""
         return (self.lm_head_params or self.embed_params) * self._embed_bpp
 
-    def decode_read_bytes(self, batch: int, context_tokens: int,
+    def decode_read_bytes(self, batch: int, context_tokens: int | Sequence[int],
                           experts_touched: int | Sequence[int] | None = None) -> int:
         """Bytes a decode step of ``batch`` tokens must read from device memory, each at least once.
 
-        ``context_tokens``: KV positions attended over, summed across the batch. ``experts_touched``:
+        ``context_tokens``: KV positions attended over, summed across the batch, or one count per sequence (a
+        sparse-attention model's floor needs them when they differ: ``kv_read_bytes``). ``experts_touched``:
         distinct (layer, expert) pairs the router chose in that step, summed over MoE layers, or one count
         per MoE layer (``expert_layers``' order), which a model whose layers price experts apart
         (``kept_expert_layers``) needs; when unknown, the fewest that ``batch`` tokens can touch (top_k of
@@ -170,7 +176,19 @@ class ModelDescription:
         """
         weights = self.dense_bytes + self.head_bytes()
         rows = batch * self.hidden_size * self._embed_bpp  # the batch's embedding rows
-        return int(weights + rows + self._experts_read(experts_touched) + context_tokens * self.kv.bytes_per_token)
+        return int(weights + rows + self._experts_read(experts_touched) + self.kv_read_bytes(batch, context_tokens))
+
+    def kv_read_bytes(self, batch: int, context_tokens: int | Sequence[int]) -> int:
+        """The KV a decode step of ``batch`` sequences must read: every cached byte of their contexts, or with sparse
+        attention every indexer key but at most ``attn_topk`` latent rows a sequence and layer. A summed count is
+        taken as ``batch`` equal contexts (how the benchmarks build their batches); since ``min(c, k)`` is concave,
+        unequal contexts read less, so pass one count per sequence for them."""
+        per_seq = [context_tokens / max(batch, 1)] * batch if isinstance(context_tokens, int) else list(context_tokens)
+        total = sum(per_seq)
+        if not self.attn_topk:
+            return int(total * self.kv.bytes_per_token)
+        latent = self.kv.bytes_per_token - self.kv.index_bytes_per_token
+        return int(total * self.kv.index_bytes_per_token + sum(min(c, self.attn_topk) for c in per_seq) * latent)
 
     def _experts_read(self, touched: int | Sequence[int] | None) -> int:
         if touched is None:
@@ -198,6 +216,15 @@ class ModelDescription:
         gather = context_tokens * self.kv.bytes_per_token_per_layer
         rows = tokens if sampled_rows is None else sampled_rows
         return int(per_layer + gather + rows * self.vocab_size * 4)
+
+    def index_scores_bytes(self, tokens: int, max_len: int) -> int:
+        """What one indexer call over ``tokens`` rows holds at a context bound of ``max_len`` (the block tables' width,
+        up to --max-model-len): fp32 scores per row and position, and the int64 keys the torch.topk form of the top-k
+        sorts (kernels/dsa_topk.py). A prefill at a long context holds far more than the start-up profile's short
+        synthetic sequences did, so the plan adds it; 0 without an indexer."""
+        if not self.index_score_rows:
+            return 0
+        return min(tokens, self.index_score_rows) * max_len * (4 + 8)
 
     def moe_workspace_bytes(self, tokens: int) -> int:
         """What one MoE layer's fused path allocates for ``tokens`` rows (layers run one at a time,

@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError, ModelLoadError
-from graphserve.layers.kv_layout import KVLayout, kv_cache_dtype
+from graphserve.layers.kv_layout import KVLayout, with_cache_dtype
 from graphserve.layers.moe import FusedMoE
 from graphserve.layers.quant.config import (
     Fp8Config,
@@ -202,6 +202,9 @@ def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, d
         raise ConfigError(
             f"--max-model-len={max_len} is invalid: the model supports at most {max_pos} positions", param="max_model_len"
         )
+    check_block_size = getattr(model_cls, "check_block_size", None)  # a family whose kernels take some pages only
+    if check_block_size is not None:
+        check_block_size(config.block_size)
     window = sliding_window_of(hf_config)
     if window is not None and max_len > window and not getattr(model_cls, "builds_windows", False):
         raise ConfigError(
@@ -282,7 +285,7 @@ def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype
         IgnoreList(quant, model.map_weight_name, model.stacked_params)
     description = quantized_description(description, quant, dtype, ignore)
     if kv_dtype != "auto":  # a paged K/V cache or a latent one (MLA) alike: layers/kv_layout.py
-        kv = dataclasses.replace(description.kv, dtype=kv_cache_dtype(kv_dtype, dtype))
+        kv = with_cache_dtype(description.kv, kv_dtype)
         description = dataclasses.replace(description, kv=kv)
     info = ModelInfo(
         architecture=type(model).__name__,

@@ -11,6 +11,7 @@ from torch import nn
 from graphserve.errors import ModelLoadError
 from graphserve.layers.quant.config import Fp8Config, IgnoreList
 from graphserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from graphserve.models.deepseek_dsa import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from graphserve.models.description import ModelDescription
 from graphserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from graphserve.models.moe import MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -26,6 +27,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+    "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
 }
 
 
