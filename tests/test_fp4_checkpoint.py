@@ -13,6 +13,7 @@ from model_utils import PagedHarness, held_weight_bytes, make_hf_checkpoints, re
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, Qwen3MoeConfig
 
+from graphserve.analysis.plan import build_plan, load_hf_config
 from graphserve.config import EngineConfig
 from graphserve.errors import ModelLoadError
 from graphserve.kernels.fp4_reference import nvfp4_dequantize
@@ -90,6 +91,9 @@ def test_nvfp4_checkpoint_gives_the_tokens_of_the_dequantized_model(sources, tmp
     loaded = _load(tmp_path / "fp4")
     model = loaded.model
     assert loaded.info.description.weights_bytes == held_weight_bytes(model)
+    # `graphserve plan` reads the folder's quantization (config.json's or hf_quant_config.json) to the same bytes
+    assert build_plan(load_hf_config(str(tmp_path / "fp4")), gpu_memory_gb=80, dtype="fp32")["weights_bytes"] == \
+        held_weight_bytes(model)
     fp4_linears = {n for n, m in model.named_modules() if isinstance(m, Linear) and m.quant_method is not None}
     fp4_experts = {n for n, m in model.named_modules() if isinstance(m, FusedMoE) and m.quant_method is not None}
     assert "model.layers.0.self_attn.qkv_proj" in fp4_linears and "model.layers.1.mlp.gate_up_proj" in fp4_linears
