@@ -247,3 +247,18 @@ def test_an_nvfp4_kv_b_proj_without_its_global_is_refused_naming_it():
     assert torch.equal(out[f"{kv_b}.weight"], nvfp4_dequantize(packed, scale, g)) and "model.norm.weight" in out
     with pytest.raises(ModelLoadError, match=rf"'{kv_b}.weight_scale_2': .* is 0.0"):
         list(dequantize_fp4_at_load([(f"{kv_b}.weight_scale_2", torch.tensor(0.0))], (".kv_b_proj",)))
+
+
+def test_quantization_flag_on_a_bf16_folder_is_the_nvfp4_checkpoint(sources, llama_fp4):
+    """``--quantization nvfp4`` on the unquantized folder holds the codes, scales and globals the ModelOpt-layout
+    checkpoint stores (one recipe), so both give the same logits; the checkpoint alone holds input scales."""
+    online = _load(sources["llama"], quantization="nvfp4").model
+    stored = _load(llama_fp4).model
+    for name, module in stored.named_modules():
+        if isinstance(module, Linear) and module.quant_method is not None:
+            twin = online.get_submodule(name)
+            assert torch.equal(twin.weight, module.weight), name
+            assert torch.equal(twin.weight_scale.view(torch.uint8), module.weight_scale.view(torch.uint8)), name
+            assert torch.equal(twin.weight_scale_2, module.weight_scale_2), name
+            assert not hasattr(twin, "input_scale") and module.input_scale.shape == module.weight_scale_2.shape
+    assert torch.equal(greedy(online)[1], greedy(stored)[1])
