@@ -64,5 +64,7 @@ def test_mistral_sliding_window_longer_context_is_refused(tmp_path):
 
 
 def test_unsupported_rope_type_is_refused():
-    with pytest.raises(ModelLoadError, match="yarn"):
+    with pytest.raises(ModelLoadError, match="dynamic"):
+        rope_inv_freq(16, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="yarn' needs rope_scaling.original_max_position_embeddings"):
         rope_inv_freq(16, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
