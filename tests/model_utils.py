@@ -172,18 +172,20 @@ def apply_sampled(scheduler, out, sampled: list[int]) -> list:
 
 
 def check_paged_parity(model: torch.nn.Module, hf: torch.nn.Module, name: str, tol: float = 1e-4,
-                       vocab: int = 320, decode_steps: int = 4, **harness_kwargs) -> None:
+                       vocab: int = 320, decode_steps: int = 4, lengths: tuple[int, int, int] = (7, 19, 12),
+                       prefix: int = 11, **harness_kwargs) -> None:  # fmt: skip
     """``model`` on a paged cache against ``hf``'s uncached forward: a prefill, then a batch mixing two
-    whole prompts with the rest of a third on its cached 11-token prefix, then ``decode_steps`` decode steps
-    of all three; every logit row within ``tol`` relative error."""
+    whole prompts (``lengths[0]``, ``lengths[2]`` tokens) with the rest of a third (``lengths[1]``) on its cached
+    ``prefix``-token prefix, then ``decode_steps`` decode steps of all three; every logit row within ``tol``
+    relative error."""
     gen = torch.Generator().manual_seed(3)
-    seqs = {s: torch.randint(4, vocab, (n,), generator=gen).tolist() for s, n in (("a", 7), ("b", 19), ("c", 12))}
+    seqs = {s: torch.randint(4, vocab, (n,), generator=gen).tolist() for s, n in zip("abc", lengths)}
     harness = PagedHarness(model, **harness_kwargs)
-    first = harness.step([("b", seqs["b"][:11])])[0]
-    err = relative_error(first, hf_logits(hf, seqs["b"][:11]))
+    first = harness.step([("b", seqs["b"][:prefix])])[0]
+    err = relative_error(first, hf_logits(hf, seqs["b"][:prefix]))
     assert err < tol, f"{name} first prefill: relative error {err:.2e}"
-    out = harness.step([("a", seqs["a"]), ("b", seqs["b"][11:]), ("c", seqs["c"])])
-    for (seq, start), got in zip((("a", 0), ("b", 11), ("c", 0)), out):
+    out = harness.step([("a", seqs["a"]), ("b", seqs["b"][prefix:]), ("c", seqs["c"])])
+    for (seq, start), got in zip((("a", 0), ("b", prefix), ("c", 0)), out):
         err = relative_error(got, hf_logits(hf, seqs[seq])[start:])
         assert err < tol, f"{name} prefill {seq}: relative error {err:.2e}"
     for step in range(decode_steps):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_utils import check_paged_parity, make_hf_checkpoint
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config
 
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError, ModelLoadError
@@ -54,9 +54,12 @@ def test_loaded_shapes_follow_config(variant):
     assert info.eos_token_ids == expected_eos + ([1] if 1 not in expected_eos else [])
 
 
-def test_mistral_sliding_window_longer_context_is_refused(tmp_path):
-    make_hf_checkpoint(tmp_path, VARIANTS["mistral"]())
-    with pytest.raises(ConfigError, match="sliding_window=128"):
+def test_sliding_window_of_a_family_without_windows_is_refused(tmp_path):
+    """Mistral and Qwen2/Qwen3 attend through their windows (tests/test_models_window.py); a family that does not
+    (Mixtral's experts) is refused when its window binds."""
+    make_hf_checkpoint(tmp_path, MixtralConfig(**{**_TINY, "max_position_embeddings": 256}, sliding_window=128,
+                                               num_local_experts=4, num_experts_per_tok=2))  # fmt: skip
+    with pytest.raises(ConfigError, match="sliding_window=128, which graphserve does not implement for Mixtral"):
         load_model(EngineConfig(model=str(tmp_path), max_model_len=200), torch.device("cpu"))
     # without --max-model-len the model's 256 positions exceed the window too
     with pytest.raises(ConfigError, match="--max-model-len"):

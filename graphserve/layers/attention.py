@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from graphserve.layers.attention_backend import AttentionBackend
 from graphserve.layers.kv_layout import to_cache_dtype
@@ -13,8 +14,8 @@ from graphserve.layers.kv_layout import to_cache_dtype
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
 
-__all__ = ["AttentionBackend", "TorchAttentionBackend", "batched_decode_attention", "reference_paged_attention",
-           "write_kv_cache"]
+__all__ = ["Attention", "AttentionBackend", "TorchAttentionBackend", "batched_decode_attention",
+           "reference_paged_attention", "softmax_with_sinks", "window_mask", "write_kv_cache"]
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -27,6 +28,27 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     flat[1].index_copy_(0, slot_mapping, v)
 
 
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Bool [Q, K]: which keys each query sees. Causal, and with a window the query at position p sees
+    p - window < j <= p: the window counts the query itself. This is transformers' sliding_window_overlay
+    (masking_utils: ``kv_idx > q_idx - sliding_window``), the mask Mistral, Qwen2 and gpt-oss train with."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of float32 ``scores``, each row's sink logit (``sinks``, broadcastable to
+    ``scores[..., :1]``) joining the denominator only: p_j = exp(s_j - m) / (exp(sink - m) + sum_i exp(s_i - m)),
+    m the max over the scores and the sink. This is gpt-oss (transformers models/gpt_oss eager_attention_forward
+    appends the sink as one more column and drops it after the softmax)."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+
+
 def reference_paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -35,6 +57,8 @@ def reference_paged_attention(
     query_lens: list[int],
     seq_lens: list[int],
     scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention over a paged KV cache, one sequence at a time, in float32.
 
@@ -42,7 +66,8 @@ def reference_paged_attention(
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]`` and already contain the new
     tokens' K/V; sequence i's context is its first ``seq_lens[i]`` cache positions, read through
     ``block_tables[i]``. New token j of sequence i sits at position ``seq_lens[i] - query_lens[i] + j``
-    and sees positions up to and including its own. Returns ``[T, H, D]`` in q's dtype.
+    and sees positions up to and including its own (the last ``window`` of them with a window; ``sinks [H]``
+    join each head's softmax denominator). Returns ``[T, H, D]`` in q's dtype.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -62,8 +87,12 @@ def reference_paged_attention(
         # The new tokens are the last qlen of the context: row j may see keys 0 .. ctx - qlen + j.
         q_pos = torch.arange(ctx - qlen, ctx, device=q.device)
         k_pos = torch.arange(ctx, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        mask = window_mask(q_pos, k_pos, window)
+        if sinks is None:
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        else:
+            scores = (qi @ ki.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+            o = softmax_with_sinks(scores, sinks.view(1, -1, 1, 1)) @ vi
         out[start : start + qlen] = o[0].transpose(0, 1).to(q.dtype)
         start += qlen
     return out
@@ -71,9 +100,10 @@ def reference_paged_attention(
 
 def batched_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence, every sequence at once (float32).
+    """One query token per sequence, every sequence at once (float32); ``window`` and ``sinks`` as in
+    ``reference_paged_attention``.
 
     Each row gathers its whole block table (padding entries point at the dummy block) and masks
     positions at or past its length, so a decode step costs a few batched ops instead of a
@@ -85,11 +115,15 @@ def batched_decode_attention(
     tables = block_tables.long()
     k = k_cache[tables].flatten(1, 2).float()  # [B, L, Hkv, D]
     v = v_cache[tables].flatten(1, 2).float()
-    visible = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens.to(q.device)[:, None]  # [B, L]
+    pos, lens = torch.arange(k.shape[1], device=q.device)[None, :], seq_lens.to(q.device)[:, None]
+    visible = pos < lens  # [B, L]
+    if window is not None:
+        visible &= pos >= lens - window
     qg = q.float().view(batch, num_kv_heads, group, head_dim)
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(dim=-1), v)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(1, num_kv_heads, group, 1))
+    out = torch.einsum("bkgl,blkd->bkgd", probs, v)
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
@@ -106,11 +140,69 @@ class TorchAttentionBackend(AttentionBackend):
         layer_idx: int,
         batch: ForwardBatch,
         scale: float,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kv_cache = batch.kv_caches[layer_idx]
         write_kv_cache(k, v, kv_cache, batch.slot_mapping)
         if batch.mode == "decode":
-            return batched_decode_attention(q, kv_cache[0], kv_cache[1], batch.block_tables, batch.seq_lens, scale)
+            return batched_decode_attention(q, kv_cache[0], kv_cache[1], batch.block_tables, batch.seq_lens, scale,
+                                            window, sinks)  # fmt: skip
         query_lens = batch.query_lens_cpu or torch.diff(batch.query_start_loc).tolist()
         seq_lens = batch.seq_lens_cpu or batch.seq_lens.tolist()
-        return reference_paged_attention(q, kv_cache[0], kv_cache[1], batch.block_tables, query_lens, seq_lens, scale)
+        return reference_paged_attention(q, kv_cache[0], kv_cache[1], batch.block_tables, query_lens, seq_lens, scale,
+                                         window, sinks)  # fmt: skip
+
+
+class Attention(nn.Module):
+    """One layer's attention over the paged cache as the model declares it, once: its query heads on this rank,
+    scale, window and sinks. It hands them to the step's backend (``batch.attn_backend``) on every call.
+
+    ``window``: the query at position p sees keys p - window < j <= p (None: full causal). ``sinks``: whether the
+    layer has a learned per-head sink logit (gpt-oss); then ``self.sinks`` is a float32 parameter over this rank's
+    heads, loaded from a checkpoint tensor over all ``num_heads * tp_size`` heads (``load_weight`` takes the rank's
+    slice).
+    """
+
+    def __init__(
+        self, layer_idx: int, num_heads: int, scale: float, *, window: int | None = None, sinks: bool = False,
+        tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"layer {layer_idx}: sliding_window={window!r}, it must be an integer >= 1 (or None)")
+        self.layer_idx, self.num_heads, self.scale, self.window = layer_idx, num_heads, scale, window
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False) if sinks else None
+
+    def load_weight(self, name: str, param: nn.Parameter, tensor: torch.Tensor, shard) -> None:
+        if shard is not None:
+            raise ValueError(f"Attention takes no shard {shard!r}")
+        total = self.num_heads * self.tp_size
+        if name != "sinks" or tuple(tensor.shape) != (total,):
+            raise ValueError(f"shape {tuple(tensor.shape)}, expected ({total},): one sink logit per attention head")
+        param.data.copy_(tensor[self.tp_rank * self.num_heads : (self.tp_rank + 1) * self.num_heads])
+
+    def _sinks(self) -> torch.Tensor | None:
+        return None if self.sinks is None else self.sinks.float()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] (rotated): writes K/V into the cache, returns [T, H, D]."""
+        return batch.attn_backend.forward(q, k, v, self.layer_idx, batch, self.scale, window=self.window,
+                                          sinks=self._sinks())  # fmt: skip
+
+    def attend(self, new, batch: ForwardBatch) -> torch.Tensor:
+        """From the qkv projection's output (backends with ``fused_prologue``; kernels/decode_attention.NewToken)."""
+        return batch.attn_backend.attend(new, self.layer_idx, batch, self.scale, window=self.window,
+                                         sinks=self._sinks())  # fmt: skip
+
+    def attend_quantized(self, new, batch: ForwardBatch, **layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return batch.attn_backend.attend_quantized(new, self.layer_idx, batch, self.scale, window=self.window,
+                                                   sinks=self._sinks(), **layout)  # fmt: skip
+
+    def leaves_room(self, batch: ForwardBatch) -> bool:
+        return batch.attn_backend.leaves_room(batch, self.layer_idx)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_idx}, heads={self.num_heads}, window={self.window}, sinks={self.sinks is not None}"

@@ -23,6 +23,15 @@ class AttentionBackend:
     positions ``seq_lens[i] - qlen_i + j``; token j attends causally to cache positions
     ``0 .. seq_lens[i] - qlen_i + j`` of its block table (cached prefix + new tokens).
     Returns ``[T, num_heads, head_dim]`` in q's dtype.
+
+    Every attending method takes two keywords, the layer's kind of attention:
+    - ``window``: the query at absolute position p sees keys p - window < j <= p, the window counting the query
+      itself (transformers' sliding_window_overlay, ``kv_idx > q_idx - sliding_window``, as Mistral, Qwen2 and
+      gpt-oss train). None: full causal.
+    - ``sinks``: float32 ``[num_heads of this rank]``, a learned per-head logit that joins the softmax denominator
+      only: p_j = exp(s_j - m) / (exp(sink - m) + sum_i exp(s_i - m)), m the max over the scores and the sink
+      (gpt-oss). None: no sink.
+    A backend that cannot honour one raises, naming it; it never attends as if it were absent.
     """
 
     name = "abstract"
@@ -38,10 +47,16 @@ class AttentionBackend:
         layer_idx: int,
         batch: ForwardBatch,
         scale: float,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
-    def attend(self, q, layer_idx: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def attend(
+        self, q, layer_idx: int, batch: ForwardBatch, scale: float, *, window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Attention from the qkv projection's output (kernels/decode_attention.NewToken), K/V written here
         (backends with ``fused_prologue``)."""
         raise NotImplementedError(f"the {self.name} attention backend has no fused prologue; call forward()")
@@ -59,7 +74,7 @@ class AttentionBackend:
 
     def attend_quantized(
         self, q, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int, pad_rows_to: int,
-        scales_column_major: bool,
+        scales_column_major: bool, *, window: int | None = None, sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """``attend``'s output [T, H * D] quantized per token and ``group_size`` columns as
         kernels/fp8_quant.per_token_group_quant lays it out (``(fp8 [T', H * D], fp32 scales [T', groups])``),

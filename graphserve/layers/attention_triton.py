@@ -155,13 +155,21 @@ class TritonAttentionBackend(AttentionBackend):
         layer_idx: int,
         batch: ForwardBatch,
         scale: float,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kv_write(k, v, batch.kv_caches[layer_idx], batch.slot_mapping)
-        return self.attend(q, layer_idx, batch, scale)
+        return self.attend(q, layer_idx, batch, scale, window=window, sinks=sinks)
 
-    def attend(self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float, *,
+        window: int | None = None, sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Attention of q [T, H, D] over a cache holding this step's K/V, or of a ``NewToken`` whose K/V this call
         writes (in the decode kernel itself where ``prologue_in_decode``)."""
+        if window is not None or sinks is not None:
+            raise NotImplementedError("the triton attention backend takes no window or sinks yet; use the torch one")
         kv_cache = batch.kv_caches[layer_idx]
         if isinstance(q, NewToken):
             if batch.mode == "decode" and prologue_in_decode(q, kv_cache):
@@ -203,7 +211,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def attend_quantized(
         self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float, group_size: int,
-        pad_rows_to: int, scales_column_major: bool,
+        pad_rows_to: int, scales_column_major: bool, *, window: int | None = None, sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """Decode steps whose groups are whole heads (``group_size`` = head_dim) or whole rows (``group_size`` =
         heads x head_dim: one scale per token, up to ``ROW_COUNTERS`` rows of at most ``MAX_QUANT_ROW`` values) and whose

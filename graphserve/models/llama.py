@@ -8,6 +8,7 @@ Parameter names follow the checkpoint's, except the fused ``qkv_proj`` and ``gat
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,9 @@ from torch import nn
 
 from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel
+from graphserve.errors import ModelLoadError
 from graphserve.kernels.pdl import pdl_joined
+from graphserve.layers.attention import Attention
 from graphserve.layers.embedding import LMHead, VocabEmbedding
 from graphserve.layers.kv_layout import KVLayout
 from graphserve.layers.linear import (
@@ -68,6 +71,8 @@ class Shape:
     # OLMoE: q/k RMSNorm over the whole projection (not per head), and q/k/v clamped to +-clip_qkv
     qk_norm_full: bool = False
     clip_qkv: float | None = None
+    # each layer's attention window (None: full causal), as transformers builds the layer; empty: all full
+    layer_windows: tuple[int | None, ...] = ()
 
 
 def head_dim_of(config: Any) -> int:
@@ -81,6 +86,36 @@ def sliding_window_of(config: Any) -> int | None:
     if window is not None and layer_types is not None and "sliding_attention" not in layer_types:
         return None
     return window
+
+
+def layer_windows_of(config: Any, by_layer_types: bool) -> tuple[int | None, ...]:
+    """Each layer's attention window as transformers builds the layer (empty: none windowed). Mistral
+    (``by_layer_types`` False) windows every layer with ``sliding_window``; Qwen2 and Qwen3 window the layers that
+    ``layer_types`` names "sliding_attention", with ``sliding_window``, which their configs set to None unless
+    ``use_sliding_window`` (their default ``layer_types`` windows the layers from ``max_window_layers`` on)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"sliding_window={window!r} must be an integer >= 1", param="model")
+    if not by_layer_types:
+        return (window,) * config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or [])
+    if len(types) != config.num_hidden_layers:
+        raise ModelLoadError(f"layer_types has {len(types)} entries, num_hidden_layers={config.num_hidden_layers}",
+                             param="model")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ModelLoadError(f"layer_types holds {unknown}: only 'sliding_attention' and 'full_attention' are built",
+                             param="model")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def binding_windows(windows: tuple[int | None, ...], max_len: int) -> tuple[int | None, ...]:
+    """``windows`` with those that never bind over ``max_len`` positions (window >= max_len) set to None; empty
+    where none binds."""
+    kept = tuple(w if w is not None and w < max_len else None for w in windows)
+    return kept if any(w is not None for w in kept) else ()
 
 
 def local_kv_heads(s: Shape, tp: int) -> int:
@@ -148,6 +183,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, s: Shape, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         tp_rank, tp = get_parallel().tp_rank, get_parallel().tp_size
+        window = s.layer_windows[layer_idx] if s.layer_windows else None
         self.layer_idx = layer_idx
         self.qkv_proj = QKVParallelLinear(s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.qkv_bias,
                                           tp_rank, tp)
@@ -165,6 +201,7 @@ class LlamaAttention(nn.Module):
         if s.qk_norm_full:
             self.q_norm, self.k_norm = RMSNorm(q_size, s.rms_norm_eps), RMSNorm(kv_size, s.rms_norm_eps)
         self.rotary = [rotary]  # a list, so the shared module is not registered once per layer
+        self.attn = Attention(layer_idx, self.num_heads, self.scale, window=window, tp_rank=tp_rank, tp_size=tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.forward_qkv(positions, self.qkv_proj(hidden), batch)
@@ -173,7 +210,7 @@ class LlamaAttention(nn.Module):
         """Attention from the q/k/v projection's output (the decoder layer fuses its norm into that projection).
         Where the attention kernel leaves room beside its programs (a decode step at small batch), the output
         projection launches with PDL (kernels/pdl.pdl_joined): its programs are placed while attention runs."""
-        room = batch.attn_backend.leaves_room(batch, self.layer_idx)
+        room = self.attn.leaves_room(batch)
         with pdl_joined(AFTER_DECODE_ATTENTION) if room else contextlib.nullcontext():
             return self._attention(positions, qkv, batch)
 
@@ -186,11 +223,11 @@ class LlamaAttention(nn.Module):
                 # an FP8 o_proj that quantizes its input reads it from the attention kernel, already quantized
                 projected = quantized_input_linear(
                     self.o_proj, t, qkv.dtype, qkv.device,
-                    lambda **layout: backend.attend_quantized(new, self.layer_idx, batch, self.scale, **layout),
+                    lambda **layout: self.attn.attend_quantized(new, batch, **layout),
                 )  # fmt: skip
                 if projected is not None:
                     return projected
-            out = backend.attend(new, self.layer_idx, batch, self.scale)
+            out = self.attn.attend(new, batch)
         else:
             q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
             if self.full_norm:
@@ -203,7 +240,7 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None and not self.full_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary[0](positions, q, k)
-            out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch, self.scale)
+            out = self.attn(q, k, v, batch)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def new_token(self, qkv: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
@@ -268,6 +305,8 @@ class LlamaModel(DecoderStack):
     def __init__(self, s: Shape, max_positions: int, make_layer=None) -> None:
         super().__init__()
         ps = get_parallel()
+        # a window at least as long as the longest sequence never binds: such layers attend in full
+        s = dataclasses.replace(s, layer_windows=binding_windows(s.layer_windows, max_positions))
         self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, ps.tp_rank, ps.tp_size)
         self.rotary_emb = RotaryEmbedding(s.head_dim, max_positions, s.rope_parameters)
         make_layer = make_layer or (lambda i, rotary: LlamaDecoderLayer(s, i, rotary))
@@ -279,6 +318,9 @@ class LlamaForCausalLM(CausalLM):
     """Llama 2/3 (attention_bias / mlp_bias flags honoured)."""
 
     stacked_params = _STACKED
+    # whether the family attends through the windows its config declares (the loader refuses a binding window
+    # otherwise)
+    builds_windows = False
 
     @classmethod
     def shape_from_config(cls, config: Any) -> Shape:
@@ -286,7 +328,8 @@ class LlamaForCausalLM(CausalLM):
         return cls._shape(config, qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
 
     @staticmethod
-    def _shape(config: Any, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool = False, qk_norm: bool = False) -> Shape:
+    def _shape(config: Any, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool = False, qk_norm: bool = False,
+               windows: tuple[int | None, ...] = ()) -> Shape:  # fmt: skip
         rope = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
         return Shape(
             hidden_size=config.hidden_size,
@@ -303,6 +346,7 @@ class LlamaForCausalLM(CausalLM):
             mlp_bias=mlp_bias,
             qk_norm=qk_norm,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            layer_windows=windows,
         )
 
     def __init__(self, config: Any, max_positions: int) -> None:
@@ -337,11 +381,13 @@ class LlamaForCausalLM(CausalLM):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2/2.5: bias on q/k/v only."""
+    """Qwen2/2.5: bias on q/k/v only; sliding windows on the layers ``layer_types`` names."""
+
+    builds_windows = True
 
     @classmethod
     def shape_from_config(cls, config: Any) -> Shape:
-        return cls._shape(config, qkv_bias=True, o_bias=False)
+        return cls._shape(config, qkv_bias=True, o_bias=False, windows=layer_windows_of(config, by_layer_types=True))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -350,8 +396,16 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def shape_from_config(cls, config: Any) -> Shape:
         bias = bool(getattr(config, "attention_bias", False))
-        return cls._shape(config, qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return cls._shape(config, qkv_bias=bias, o_bias=bias, qk_norm=True,
+                          windows=layer_windows_of(config, by_layer_types=True))  # fmt: skip
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama with a sliding window, accepted only when it never binds (checked at load)."""
+    """Mistral: Llama whose every layer attends through ``sliding_window`` (None in v0.2 and later)."""
+
+    builds_windows = True
+
+    @classmethod
+    def shape_from_config(cls, config: Any) -> Shape:
+        bias = bool(getattr(config, "attention_bias", False))
+        return cls._shape(config, qkv_bias=bias, o_bias=bias, windows=layer_windows_of(config, by_layer_types=False))

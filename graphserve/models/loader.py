@@ -195,10 +195,10 @@ def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, d
             f"--max-model-len={max_len} is invalid: the model supports at most {max_pos} positions", param="max_model_len"
         )
     window = sliding_window_of(hf_config)
-    if window is not None and max_len > window:
+    if window is not None and max_len > window and not getattr(model_cls, "builds_windows", False):
         raise ConfigError(
             f"--max-model-len={max_len} exceeds the model's sliding_window={window}, which graphserve does not "
-            f"implement: set --max-model-len <= {window}",
+            f"implement for {model_cls.__name__}: set --max-model-len <= {window}",
             param="max_model_len",
         )
     dtype = resolve_dtype(config.dtype, hf_config, device)
