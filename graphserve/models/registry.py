@@ -12,6 +12,7 @@ from graphserve.errors import ModelLoadError
 from graphserve.layers.quant.config import Fp8Config, IgnoreList
 from graphserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from graphserve.models.description import ModelDescription
+from graphserve.models.gpt_oss import GptOssForCausalLM
 from graphserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from graphserve.models.moe import MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -26,6 +27,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 
