@@ -18,7 +18,7 @@ MOE_ROUTING_MODES = ("model", "uniform")
 # routed experts (each the faster on an H200); "fp8-block": 128x128 block weight scales everywhere,
 # per-token-group activations (as the shipped FP8 checkpoints); "fp8-channel": per-channel everywhere
 # (layers/quant/config.py)
-QUANTIZATIONS = ("none", "fp8", "fp8-block", "fp8-channel")
+QUANTIZATIONS = ("none", "fp8", "fp8-block", "fp8-channel", "nvfp4", "mxfp4")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype (layers/kv_layout.py)
 # The string fields that take one of a fixed set: checked in __post_init__, offered as argparse choices.
 _CHOICES = {"overlap_schedule": OVERLAP_MODES, "moe_routing": MOE_ROUTING_MODES, "quantization": QUANTIZATIONS,
@@ -158,7 +158,8 @@ _HELP = {
     "disable_custom_all_reduce": "all-reduce with NCCL only (no one-shot kernel over peer memory for small messages)",
     "moe_routing": "MoE routing: model (the router's choice) or uniform (round-robin over experts; dummy: models only)",
     "quantization": "quantize weights at load: fp8 (dense projections per channel, routed experts in 128x128 "
-                    "blocks), fp8-block (128x128 block scales) or fp8-channel (per-channel scales)",
+                    "blocks), fp8-block (128x128 block scales), fp8-channel (per-channel scales), nvfp4 (E2M1 "
+                    "with e4m3 scales per 16 and a global scale) or mxfp4 (E2M1 with E8M0 scales per 32)",
     "kv_cache_dtype": "KV cache dtype: auto (the model dtype) or fp8_e4m3 (half the bytes; scale 1.0)",
     "log_interval": "decode steps between step-log lines",
     "max_queued_requests": "bound of the waiting queue; past it requests get 429",

@@ -81,7 +81,7 @@ def held_weight_bytes(model: torch.nn.Module) -> int:
     which are buffers; the other buffers (rotary tables, MoE counters) are no weights."""
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     return held + sum(b.numel() * b.element_size() for name, b in model.named_buffers()
-                      if name.endswith(("_scale", "_scale_inv")))
+                      if name.endswith(("_scale", "_scale_inv", "_scale_2")))
 
 
 @torch.no_grad()

@@ -315,7 +315,7 @@ class FusedMoE(nn.Module):
     @property
     def fp8_group_k(self) -> int:
         """The fp8 scale block's K (the hidden size per channel), 0 for unquantized experts."""
-        if self.quant_method is None:
+        if self.quant_method is None or not hasattr(self.quant_method, "block"):  # FP4 reads bf16 activations
             return 0
         return self.quant_method.block[1] if self.quant_method.block else self.hidden_size
 
@@ -395,6 +395,8 @@ class FusedMoE(nn.Module):
         use_kernels = x.is_cuda if self.use_kernels is None else self.use_kernels
         if not use_kernels or self.quant_method is None or x.dim() != 2 or x.stride(-1) != 1:
             return None
+        if hasattr(self.quant_method, "apply_experts"):  # FP4 experts read the activations unquantized
+            return None
         key = (x.shape[0], x.device)
         if key not in self._quant_groups:
             from graphserve.kernels.moe_fused import hidden_quant_group
@@ -407,6 +409,8 @@ class FusedMoE(nn.Module):
         """The weight whose first bytes the gate launch asks L2 for (kernels/l2_prefetch.py): ``w13`` where a call
         of ``hidden``'s rows runs the grouped GEMM and touches nearly every local expert, so the lowest ones the
         GEMM reads first are almost surely read; None elsewhere. A function of the row count and device alone."""
+        if hasattr(self.quant_method, "apply_experts"):  # FP4 experts: their own kernels, no prefetch link
+            return None
         key = (hidden.shape[0], hidden.device)
         if key not in self._prefetches:
             from graphserve.kernels.l2_prefetch import worth_prefetching
@@ -431,6 +435,9 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         valid = _valid_mask(valid, hidden.shape[0], hidden.device)
         use_kernels = hidden.is_cuda if self.use_kernels is None else self.use_kernels
+        apply = getattr(self.quant_method, "apply_experts", None)  # FP4: layers/quant/fp4_moe.py
+        if apply is not None:
+            return apply(self, hidden, topk_weights, topk_ids, valid, use_kernels)
         if use_kernels:
             from graphserve.kernels.moe_fused import fused_experts
 

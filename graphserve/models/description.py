@@ -65,7 +65,8 @@ class ModelDescription:
     kv: KVLayout
     hidden_size: int
     vocab_size: int  # full vocabulary (logits are gathered to it)
-    weight_bytes_per_param: int  # bytes of one stored projection parameter (1 for FP8, 2 for bf16), scales apart
+    # bytes of one stored projection parameter (1 for FP8, 2 for bf16, 0.5 for FP4: two codes a byte), scales apart
+    weight_bytes_per_param: float
     dense_params: int
     embed_params: int  # embedding table on this rank
     lm_head_params: int  # 0 when tied to the embedding
@@ -79,7 +80,7 @@ class ModelDescription:
     # with FP8 projections the embedding table and lm_head stay in the model dtype, and routed experts
     # may too (layers/quant/config.py quantized_description); None: weight_bytes_per_param
     embed_bytes_per_param: int | None = None
-    expert_bytes_per_param: int | None = None
+    expert_bytes_per_param: float | None = None
     expert_fp8_group_k: int = 0  # fp8 routed experts: their scale block's K (hidden size per channel); 0: none
     # among dense_params, those FP8 keeps in the model dtype (norms, biases, router gates, MLA's kv_b_proj:
     # layers/quant/config.py MODEL_DTYPE_LAYERS; and the projections a checkpoint's ignore list keeps), priced like
@@ -120,7 +121,7 @@ class ModelDescription:
         """Every dense parameter: the projections at ``weight_bytes_per_param`` and their scales,
         ``model_dtype_params`` at the model dtype's (the same figure but under FP8)."""
         kept = self.model_dtype_params
-        return (self.dense_params - kept) * self.weight_bytes_per_param + self.dense_scale_bytes + \
+        return int((self.dense_params - kept) * self.weight_bytes_per_param) + self.dense_scale_bytes + \
             kept * self._embed_bpp
 
     @property
@@ -146,7 +147,7 @@ class ModelDescription:
     @property
     def expert_bytes(self) -> int:
         """One routed expert of one layer, with its scales (a layer of ``kept_expert_layers`` apart)."""
-        return self.expert_params * self._expert_bpp + self.expert_scale_bytes
+        return int(self.expert_params * self._expert_bpp) + self.expert_scale_bytes
 
     def _layer_expert_bytes(self, layer: str) -> int:
         """One routed expert of MoE layer ``layer``: in the model dtype without scales when the layer is kept."""

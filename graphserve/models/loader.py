@@ -25,6 +25,9 @@ from graphserve.layers.quant.config import (
     quantized_description,
     resolve_quantization,
 )
+from graphserve.layers.quant.fp4 import quantize_fp4_linears
+from graphserve.layers.quant.fp4_config import Fp4Config, check_fp4_device, fp4_ignore_list, modelopt_file_config
+from graphserve.layers.quant.fp4_moe import quantize_fp4_experts
 from graphserve.layers.quant.fp8 import quantize_linears
 from graphserve.layers.quant.fp8_moe import quantize_experts
 from graphserve.models.builtin import ensure_builtin
@@ -154,7 +157,9 @@ def _load_folder(config: EngineConfig, folder: Path, device: torch.device) -> Lo
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"model folder {folder} cannot be read by transformers: {e}", param="model") from e
-    quant = resolve_quantization(parse_quantization_config(raw.get("quantization_config")), config.quantization)
+    # ModelOpt writes its quantization beside config.json (hf_quant_config.json) where config.json has none
+    raw_quant = raw.get("quantization_config") or modelopt_file_config(folder)
+    quant = resolve_quantization(parse_quantization_config(raw_quant), config.quantization)
     model, dtype = _build(model_cls, hf_config, config, device, quant)
     loaded = model.load_weights(iter_safetensors(files))
     missing = sorted(model.expected_weights() - loaded)
@@ -206,16 +211,19 @@ def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, d
         model = model_cls(hf_config, max_len)
     model = model.to(dtype=dtype)
     if quant is not None:  # after the dtype cast, which would widen fp8 storage back to ``dtype``
+        if isinstance(quant, Fp4Config):
+            check_fp4_device(quant, device)
         _quantize(model, quant, dtype)
     model = model.to_empty(device=device)
     model.finish_materialize(device)
     return model.eval().requires_grad_(False), dtype
 
 
-def _quantize(model: nn.Module, quant: Fp8Config, dtype: torch.dtype) -> None:
+def _quantize(model: nn.Module, quant: Fp8Config | Fp4Config, dtype: torch.dtype) -> None:
+    fp4 = isinstance(quant, Fp4Config)
     try:
-        count = quantize_linears(model, quant)
-        experts = quantize_experts(model, quant)
+        count = (quantize_fp4_linears if fp4 else quantize_linears)(model, quant)
+        experts = (quantize_fp4_experts if fp4 else quantize_experts)(model, quant)
     except ValueError as e:
         raise ModelLoadError(f"{quant.name}: {e}", param="model") from e
     logger.info("quantization: %s on %d linear layers and %d routed-expert layers", quant.name, count, experts)
@@ -267,7 +275,8 @@ def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype
     parallel = get_parallel()  # this rank's share: its KV heads size the pool, its weights the plan
     description = model.describe(hf_config, dtype, tp=parallel.tp_size, ep=parallel.ep_size)
     # priced by the ignore list the layers were quantized by (layers/quant/fp8.py quantize_linears)
-    ignore = IgnoreList(quant, model.map_weight_name, model.stacked_params) if quant is not None else None
+    ignore = None if quant is None else fp4_ignore_list(quant, model) if isinstance(quant, Fp4Config) else \
+        IgnoreList(quant, model.map_weight_name, model.stacked_params)
     description = quantized_description(description, quant, dtype, ignore)
     if kv_dtype != "auto":  # a paged K/V cache or a latent one (MLA) alike: layers/kv_layout.py
         kv = dataclasses.replace(description.kv, dtype=kv_cache_dtype(kv_dtype, dtype))

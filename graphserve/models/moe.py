@@ -52,9 +52,10 @@ if TYPE_CHECKING:
 # checkpoint expert tensor -> (stacked parameter, which part): gate/up are w1/w3, down is w2; an FP8
 # checkpoint's scales (weight_scale_inv: block-wise, weight_scale: per channel or tensor) go to the
 # stacked weight's scale of the same name (layers/quant/fp8_moe.py), an input_scale to one that no
-# layer has, so the loader refuses it by name
+# layer has, so the loader refuses it by name; NVFP4's weight_scale_2 (global) and input_scale go to the FP4
+# experts' stacks of those names (layers/quant/fp4_moe.py)
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\."
-                     r"(weight|weight_scale_inv|weight_scale|input_scale)$")
+                     r"(weight|weight_scale_inv|weight_scale_2|weight_scale|input_scale)$")
 _EXPERT_PART = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 
 

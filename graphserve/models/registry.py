@@ -69,6 +69,10 @@ def ignore_list(hf: Mapping[str, Any] | Any, quant: Fp8Config | None) -> IgnoreL
     model_cls = resolve_model_class(getattr(config, "architectures", None))
     with torch.device("meta"):
         model = model_cls(config, config.max_position_embeddings)
+    if getattr(quant, "fmt", None) is not None:  # FP4's globs: layers/quant/fp4_config.py
+        from graphserve.layers.quant.fp4_config import fp4_ignore_list
+
+        return fp4_ignore_list(quant, model)
     return IgnoreList(quant, model.map_weight_name, model.stacked_params)
 
 

@@ -194,9 +194,13 @@ def parse_quantization_config(raw: Mapping[str, Any] | None) -> Fp8Config | None
     if not isinstance(raw, Mapping):
         raise ModelLoadError(f"quantization_config={raw!r} is not an object", param="model")
     method = raw.get("quant_method")
+    if method in ("modelopt", "mxfp4"):  # FP4: layers/quant/fp4_config.py
+        from graphserve.layers.quant.fp4_config import parse_fp4_config
+
+        return parse_fp4_config(raw)
     if method != "fp8":
         raise ModelLoadError(f"quantization_config.quant_method={method!r} is not supported: graphserve loads "
-                             "quant_method 'fp8' checkpoints only", param="model")
+                             "quant_method 'fp8', 'modelopt' (NVFP4) and 'mxfp4' checkpoints", param="model")
     unknown = sorted(set(raw) - _KNOWN_KEYS)
     if unknown:
         raise ModelLoadError(f"quantization_config.{unknown[0]}={raw[unknown[0]]!r} is not supported: an fp8 config "
@@ -273,6 +277,10 @@ def online_config(quantization: str) -> Fp8Config | None:
         return Fp8Config(block=DEFAULT_BLOCK, serialized=False)
     if quantization == "fp8-channel":
         return Fp8Config(block=None, serialized=False)
+    if quantization in ("nvfp4", "mxfp4"):
+        from graphserve.layers.quant.fp4_config import online_fp4_config
+
+        return online_fp4_config(quantization)
     raise ConfigError(f"--quantization={quantization!r} is invalid: choose one of {', '.join(QUANTIZATIONS)}",
                       param="quantization")
 
@@ -280,7 +288,11 @@ def online_config(quantization: str) -> Fp8Config | None:
 def resolve_quantization(checkpoint: Fp8Config | None, quantization: str) -> Fp8Config | None:
     """The checkpoint's own quantization wins; ``--quantization`` only applies to unquantized checkpoints."""
     if checkpoint is not None:
-        if quantization not in ("none", "fp8"):
+        fp4 = getattr(checkpoint, "fmt", None)  # an Fp4Config (layers/quant/fp4_config.py)
+        if fp4 is not None and quantization not in ("none", fp4):
+            raise ConfigError(f"--quantization={quantization} conflicts with the checkpoint's {checkpoint.name}: "
+                              "drop the flag", param="quantization")
+        if fp4 is None and quantization not in ("none", "fp8"):
             raise ConfigError(f"--quantization={quantization} conflicts with the checkpoint's {checkpoint.name}: "
                               "drop the flag", param="quantization")
         return checkpoint
@@ -297,6 +309,10 @@ def quantized_description(desc: Any, quant: Fp8Config | None, model_dtype: torch
     join. ``ignore`` may be left out only when the config ignores nothing."""
     if quant is None:
         return desc
+    if getattr(quant, "fmt", None) is not None:  # FP4: layers/quant/fp4_config.py
+        from graphserve.layers.quant.fp4_config import fp4_description
+
+        return fp4_description(desc, quant, model_dtype, ignore)
     if ignore is None:
         if quant.ignored:
             raise ValueError(f"{quant.ignored_field} names modules kept in the model dtype: pricing them needs the "

@@ -1,0 +1,258 @@
+"""FP4 linear layers: the quantization method a ``Linear`` / ``MergedLinear`` (layers/linear.py) delegates its stored
+weight, its loading and its matmul to (the layout: kernels/fp4_reference.py).
+
+Stored per layer [N, K]: ``weight`` uint8 [N, K/2] (two E2M1 codes a byte, low nibble first), ``weight_scale``
+[N, K/G] (NVFP4: float8_e4m3fn, G = 16; MXFP4: E8M0 uint8, G = 32) and, NVFP4 only, ``weight_scale_2`` float32
+[parts]: one global scale per fused checkpoint module (q, k, v; gate, up), as ModelOpt exports each part with its
+own; from a checkpoint also ``input_scale`` [parts], held and checked (activations stay in the model dtype). From a
+checkpoint these are Parameters it must fill; quantized at load (``--quantization nvfp4``/``mxfp4``) the scales are
+buffers the weight's load fills.
+
+Tensor parallelism: a column-parallel rank takes whole rows (every row has its own scales); a row-parallel rank takes
+K columns, which must start and end on a scale group: a group two ranks would share is refused naming the columns.
+A weight quantized here is quantized whole (each part with its own global scale) and then cut, so every rank holds
+exactly tp 1's codes and scales.
+
+The matmul: on CPU ``fp4_linear_reference``'s dequantize-then-multiply; on CUDA kernels/fp4_gemv.fp4_linear. A fused
+layer whose parts' global scales differ runs the kernel with a global of 1 and multiplies each output column by its
+part's global (one elementwise pass; equal globals, the usual ModelOpt export, pass as one scalar).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphserve.kernels.fp4_reference import E8M0_NAN, fp4_dequantize, mxfp4_quantize, nvfp4_quantize
+from graphserve.layers.quant.fp4_config import Fp4Config, GlobIgnoreList
+
+if TYPE_CHECKING:
+    from graphserve.layers.linear import Linear, RankSlice
+    from graphserve.models.base import CausalLM
+
+SCALE_DTYPES = {"nvfp4": torch.float8_e4m3fn, "mxfp4": torch.uint8}
+
+
+def quantize_fp4(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(packed, scale, global or None) of a model-dtype weight [..., N, K]."""
+    if fmt == "nvfp4":
+        return nvfp4_quantize(w)
+    packed, scale = mxfp4_quantize(w)
+    return packed, scale, None
+
+
+def check_global_scale(t: torch.Tensor) -> None:
+    """A global (``weight_scale_2``) or input scale: one float value, finite and > 0; a ValueError its caller
+    prefixes with the tensor's name."""
+    if not t.dtype.is_floating_point or t.dtype == torch.float8_e4m3fn:
+        raise ValueError(f"dtype {t.dtype}, expected a float32 scale")
+    bad = ~(torch.isfinite(t.float()) & (t.float() > 0))
+    if bad.any():
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{int(bad.sum())} of {t.numel()} scales are not finite and > 0 (the first, at {index}, is "
+                         f"{t.float()[index].item()}): a global scale is amax / (448 * 6) > 0")
+
+
+def check_block_scales(t: torch.Tensor, fmt: str) -> None:
+    """FP4 group scales: float8_e4m3fn (NVFP4) or E8M0 uint8 (MXFP4), none NaN (e4m3's 0x7f, E8M0's 255)."""
+    want = SCALE_DTYPES[fmt]
+    if t.dtype != want:
+        raise ValueError(f"dtype {t.dtype}, expected {want} ({fmt} group scales)")
+    bad = torch.isnan(t.float()) if fmt == "nvfp4" else t == E8M0_NAN
+    if bad.any():
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{int(bad.sum())} of {t.numel()} group scales are NaN (the first at {index})")
+
+
+def take_groups(part: RankSlice | None, t: torch.Tensor, per_byte: int, group: int) -> torch.Tensor:
+    """This rank's part of a packed weight (``per_byte`` 2: two columns a byte) or of its group scales (``per_byte``
+    = the group size) along K or rows; a K cut that splits a scale group is refused naming the columns."""
+    if part is None:
+        return t
+    if part.dim == 1 and (part.start % group or part.size % group):
+        raise ValueError(f"this rank's columns [{part.start}, {part.start + part.size}) cut the FP4 scale groups of "
+                         f"{group}: each rank's part of K must be whole groups (a multiple of {group})")
+    if part.dim == 0:
+        return part.take(t)
+    return t.narrow(1, part.start // per_byte, part.size // per_byte)
+
+
+class Fp4LinearMethod:
+    def __init__(self, config: Fp4Config) -> None:
+        self.config = config
+        self.fmt, self.group = config.fmt, config.group
+
+    # ---- construction -------------------------------------------------------------------------
+    def create_weights(self, layer: Linear) -> None:
+        n, k = layer.out_features, layer.in_features
+        device = layer.weight.device
+        if k % self.group:
+            raise ValueError(f"in_features={k} is not a multiple of the {self.fmt} scale group {self.group}")
+        parts = len(getattr(layer, "output_sizes", [n]))
+        layer.weight = nn.Parameter(torch.empty(n, k // 2, dtype=torch.uint8, device=device), requires_grad=False)
+        tensors = {"weight_scale": torch.empty(n, k // self.group, dtype=SCALE_DTYPES[self.fmt], device=device)}
+        if self.config.global_scale:
+            tensors["weight_scale_2"] = torch.ones(parts, dtype=torch.float32, device=device)
+            if self.config.serialized:
+                tensors["input_scale"] = torch.ones(parts, dtype=torch.float32, device=device)
+        for name, t in tensors.items():
+            if self.config.serialized:
+                layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
+            else:
+                layer.register_buffer(name, t)
+        layer.fp4_row_global = None  # per output row, where the parts' global scales differ (``_set_global``)
+        layer.quant_method = self
+
+    # ---- loading --------------------------------------------------------------------------------
+    def _rows(self, layer: Linear, shard: int | None) -> tuple[int, int]:
+        if shard is None:
+            return 0, layer.out_features
+        rows = layer.shard_rows(shard)
+        return rows.start, rows.stop
+
+    def load_weight(self, layer: Linear, name: str, param: nn.Parameter, loaded: torch.Tensor,
+                    shard: int | None) -> None:
+        start, stop = self._rows(layer, shard)
+        part = layer.rank_slice(shard)
+        if name == "bias":
+            target = param.data[start:stop]
+            if target.shape != loaded.shape:
+                raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+            target.copy_(loaded)
+        elif name == "weight":
+            if self.config.serialized:
+                self._load_packed(layer, loaded, start, stop, part)
+            else:
+                self._quantize_into(layer, loaded, start, stop, shard or 0, part)
+        elif name == "weight_scale":
+            check_block_scales(loaded, self.fmt)
+            k = layer.in_features * (layer.tp_size if part is not None and part.dim == 1 else 1)
+            _check_full(loaded, (stop - start, k // self.group), part, "scales", self.group)
+            _fit(param.data[start:stop], take_groups(part, loaded, self.group, self.group), self.group)
+        elif name in ("weight_scale_2", "input_scale") and self.config.global_scale:
+            if loaded.numel() != 1:
+                raise ValueError(f"shape {tuple(loaded.shape)}, expected one value (one per checkpoint module)")
+            check_global_scale(loaded)
+            param.data[shard or 0] = loaded.reshape(()).float()
+            if name == "weight_scale_2":
+                self._set_global(layer)
+        else:
+            raise ValueError(f"an {self.fmt} layer has no tensor {name!r}")
+
+    def _load_packed(self, layer: Linear, loaded: torch.Tensor, start: int, stop: int, part: RankSlice | None) -> None:
+        if loaded.dtype != torch.uint8:
+            raise ValueError(f"dtype {loaded.dtype}, expected torch.uint8 (two E2M1 codes a byte; {self.fmt})")
+        k = layer.in_features * (layer.tp_size if part is not None and part.dim == 1 else 1)
+        _check_full(loaded, (stop - start, k // 2), part, "packed codes", self.group)
+        _fit(layer.weight.data[start:stop], take_groups(part, loaded, 2, self.group), self.group)
+
+    def _quantize_into(self, layer: Linear, w: torch.Tensor, start: int, stop: int, shard: int,
+                       part: RankSlice | None) -> None:
+        """A model-dtype weight (the whole checkpoint module) quantized whole, then this rank's part of it."""
+        device = layer.weight.device
+        packed, scale, global_ = quantize_fp4(w.to(device), self.fmt)
+        _fit(layer.weight.data[start:stop], take_groups(part, packed, 2, self.group), self.group)
+        _fit(layer.weight_scale.data[start:stop], take_groups(part, scale, self.group, self.group), self.group)
+        if global_ is not None:
+            layer.weight_scale_2.data[shard] = global_
+            self._set_global(layer)
+
+    def _set_global(self, layer: Linear) -> None:
+        g = layer.weight_scale_2.data
+        sizes = getattr(layer, "output_sizes", None)
+        if sizes is None or bool((g == g[0]).all()):
+            layer.fp4_row_global = None
+            return
+        layer.fp4_row_global = g.repeat_interleave(torch.tensor(sizes, device=g.device))
+
+    @torch.no_grad()
+    def init_random(self, layer: Linear, dtype: torch.dtype, generator: torch.Generator) -> None:
+        """dummy: models: a normal(0, 0.02) [N, K] weight in ``dtype`` (the unquantized model's draw), each fused
+        part quantized with its own global scale as a checkpoint's would be."""
+        n, k = layer.out_features, layer.in_features
+        w = torch.empty(n, k, dtype=dtype, device=layer.weight.device).normal_(0.0, 0.02, generator=generator)
+        sizes = getattr(layer, "output_sizes", [n])
+        start = 0
+        for shard, size in enumerate(sizes):
+            self._quantize_into(layer, w[start : start + size], start, start + size, shard, None)
+            start += size
+
+    # ---- forward --------------------------------------------------------------------------------
+    def global_rows(self, layer: Linear) -> torch.Tensor | None:
+        """The global scale per output row (NVFP4), None for MXFP4."""
+        if not self.config.global_scale:
+            return None
+        g = layer.weight_scale_2
+        sizes = getattr(layer, "output_sizes", [layer.out_features])
+        return g.repeat_interleave(torch.tensor(sizes, device=g.device)) if g.numel() > 1 else g.reshape(())
+
+    def dequantized_weight(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        return fp4_dequantize(layer.weight, layer.weight_scale, self.global_rows(layer), self.fmt, dtype)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda:
+            # fp4_linear_reference's order: the fp32 dequantized weight, the product in fp32, rounded once
+            out = F.linear(x.float(), self.dequantized_weight(layer, torch.float32), None)
+            return (out + layer.bias.float() if layer.bias is not None else out).to(x.dtype)
+        from graphserve.kernels.fp4_gemv import fp4_linear
+
+        rows = x.reshape(-1, x.shape[-1])
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        if not self.config.global_scale:
+            out = fp4_linear(rows, layer.weight, layer.weight_scale, None, self.fmt, layer.bias)
+        elif layer.fp4_row_global is None:
+            out = fp4_linear(rows, layer.weight, layer.weight_scale, layer.weight_scale_2[0], self.fmt, layer.bias)
+        else:
+            out = fp4_linear(rows, layer.weight, layer.weight_scale, self._one(layer), self.fmt)
+            out = out * layer.fp4_row_global.to(out.dtype) if layer.bias is None else \
+                torch.addcmul(layer.bias, out, layer.fp4_row_global.to(out.dtype))
+        return out.view(*x.shape[:-1], layer.out_features)
+
+    @staticmethod
+    def _one(layer: Linear) -> torch.Tensor:
+        one = getattr(layer, "_fp4_one", None)
+        if one is None:
+            one = layer._fp4_one = torch.ones(1, dtype=torch.float32, device=layer.weight.device)
+        return one
+
+
+def _check_full(loaded: torch.Tensor, local: tuple[int, int], part: RankSlice | None, what: str, group: int) -> None:
+    """The checkpoint tensor's own shape: its K side exactly the model's (packed: K/2), its rows at least this rank's."""
+    if loaded.dim() != 2 or loaded.shape[1] != local[1] or (part is None or part.dim == 1) and loaded.shape[0] != local[0]:
+        raise ValueError(f"{what} have shape {tuple(loaded.shape)}, expected {local} (K packed two codes a byte, "
+                         f"one scale per {group} elements)")
+
+
+def _fit(target: torch.Tensor, loaded: torch.Tensor, group: int) -> None:
+    if target.shape != loaded.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+    target.copy_(loaded)
+
+
+def quantize_fp4_linears(model: CausalLM, config: Fp4Config,
+                         ignore_cls: Callable[..., GlobIgnoreList] = GlobIgnoreList) -> int:
+    """Attach an Fp4LinearMethod to every ``Linear`` the config does not keep (``GlobIgnoreList``; none when the
+    config's projections stay dense, as gpt-oss's MXFP4); the number attached."""
+    from graphserve.layers.linear import Linear
+
+    if not config.dense:
+        return 0
+    method = Fp4LinearMethod(config)
+    ignore = ignore_cls(config, model.map_weight_name, model.stacked_params)
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        shards = module.weight_shards("weight") if hasattr(module, "weight_shards") else None
+        if not ignore.keeps(name, shards):
+            try:
+                method.create_weights(module)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
+            count += 1
+    return count
