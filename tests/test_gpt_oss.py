@@ -140,3 +140,44 @@ def test_stacked_expert_tensor_of_the_wrong_shape_is_refused(checkpoint):
     bad = torch.zeros(5, 64, 64)
     with pytest.raises(ModelLoadError, match=r"gate_up_proj' has shape \(5, 64, 64\), the config's \(6, 64, 64\)"):
         loaded.model.load_weights([("model.layers.0.mlp.experts.gate_up_proj", bad)])
+
+
+def test_mxfp4_checkpoint_matches_the_model_holding_its_dequantized_weights(tmp_path):
+    """OpenAI's layout: experts as MXFP4 ``*_blocks`` / ``*_scales`` stacks (rows interleaved), biases and every
+    other tensor in the model dtype. Loaded through the FP4 experts' method, the model matches transformers holding
+    the dequantized weights."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from graphserve.kernels.fp4_reference import mxfp4_dequantize, mxfp4_quantize
+    from graphserve.layers.quant.fp4_moe import Fp4MoEMethod
+
+    hf = make_hf_checkpoint(tmp_path, _config(num_hidden_layers=2))
+    stacks = {}
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            experts = layer.mlp.experts
+            experts.gate_up_proj.mul_(12.0)  # so the clamp binds
+            for name in ("gate_up_proj", "down_proj"):
+                w = getattr(experts, name).transpose(1, 2)  # [E, N, K] as the blocks store it (x @ stored)
+                packed, scales = mxfp4_quantize(w)
+                getattr(experts, name).copy_(mxfp4_dequantize(packed, scales).transpose(1, 2))
+                key = f"model.layers.{i}.mlp.experts.{name}"
+                stacks[f"{key}_blocks"] = packed.reshape(*packed.shape[:2], -1, 16).contiguous()
+                stacks[f"{key}_scales"] = scales
+    hf.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        del tensors[name]
+    save_file({**tensors, **stacks}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    loaded = load_model(EngineConfig(model=str(tmp_path), dtype="float32"), torch.device("cpu"))
+    experts = loaded.model.moe_layers()
+    assert all(isinstance(m.quant_method, Fp4MoEMethod) and m.w13_weight.dtype == torch.uint8 for m in experts)
+    assert all(m.w13_bias.dtype == torch.float32 for m in experts)
+    check_paged_parity(loaded.model, hf, "gpt-oss mxfp4", TOL, decode_steps=2, lengths=(21, 30, 12), prefix=13)

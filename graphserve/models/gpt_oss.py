@@ -15,7 +15,10 @@ Checkpoint names: the experts of a layer are stored stacked, ``mlp.experts.gate_
 gate and up columns interleaved: gate 0, up 0, gate 1, ...), ``gate_up_proj_bias [E, 2I]`` (interleaved alike),
 ``down_proj [E, I, H]`` and ``down_proj_bias [E, H]``. The loader splits them per expert, transposes to the
 [out, in] rows FusedMoE keeps and de-interleaves gate/up into [gate rows; up rows], so the kernels see the layout
-of every other MoE family.
+of every other MoE family. OpenAI's checkpoints store the expert matrices in MXFP4 instead (config.json
+``quantization_config.quant_method: "mxfp4"``): ``gate_up_proj_blocks [E, 2I, H/32, 16]`` / ``gate_up_proj_scales
+[E, 2I, H/32]`` (rows interleaved alike) and ``down_proj_blocks`` / ``down_proj_scales``, which the FP4 experts'
+method (layers/quant/fp4_moe.Fp4MoEMethod.load_gpt_oss) takes whole; the biases stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ DEFAULT_SWIGLU_LIMIT = 7.0  # GptOssExperts.limit, config.json's swiglu_limit wh
 # one expert's tensor, as the loader hands it on after splitting the stacks (see _split_experts)
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w3|w2)\.(weight|bias)$")
 _STACK = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_MXFP4_STACK = re.compile(r"\.mlp\.experts\.((gate_up_proj|down_proj)_(blocks|scales))$")
 
 
 class GptOssAttention(LlamaAttention):
@@ -173,7 +177,33 @@ class GptOssForCausalLM(CausalLM):
         return super().map_weight_name(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._split_experts(weights))
+        whole: set[str] = set()  # the keys of the MXFP4 stacks, loaded here whole
+        loaded = super().load_weights(self._split_experts(self._mxfp4_stacks(weights, whole)))
+        return loaded | whole
+
+    def _mxfp4_stacks(self, weights: Iterable[tuple[str, torch.Tensor]], whole: set[str]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+        """Hands each MXFP4 expert stack to its layer's FP4 method, adding the (expert, part) keys it fills to
+        ``whole``; every other tensor passes on."""
+        for name, tensor in weights:
+            hit = _MXFP4_STACK.search(name)
+            if hit is None:
+                yield name, tensor
+                continue
+            module = name[: hit.start()] + ".mlp.experts"
+            layer = self.get_submodule(module)
+            load = getattr(layer.quant_method, "load_gpt_oss", None)
+            if load is None:
+                raise ModelLoadError(f"checkpoint tensor {name!r} holds MXFP4 experts, but {module} is not FP4: the "
+                                     "checkpoint's config.json needs quantization_config.quant_method 'mxfp4'",
+                                     param="model")  # fmt: skip
+            try:
+                load(layer, hit.group(1), tensor)
+            except ValueError as e:
+                raise ModelLoadError(f"checkpoint tensor {name!r} does not fit {module}: {e}", param="model") from e
+            gate_up, kind = hit.group(2) == "gate_up_proj", hit.group(3)
+            param = f"{module}.{'w13_' if gate_up else 'w2_'}{'weight' if kind == 'blocks' else 'weight_scale'}"
+            whole.update(f"{param}#{shard}" for shard in layer.weight_shards(param.rpartition(".")[2]))
 
     def _split_experts(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The stacked expert tensors as one tensor per (expert, part), in FusedMoE's [out, in] rows with gate/up
@@ -217,15 +247,14 @@ class GptOssForCausalLM(CausalLM):
         router = m.num_experts * h + m.num_experts
         # kept in the model dtype under FP8: norms, attention biases and sinks, the router
         model_dtype = layers * (2 * h + attention_kept_params(s, tp) + sinks + router) + h
-        # an expert is its three matrices and its biases (gate/up [2I], down [H]): a step reads them together
-        expert = 3 * h * moe_inter + 2 * moe_inter + h
         return ModelDescription(
             kv=kv_layout_of(s, dtype, tp), hidden_size=h, vocab_size=s.vocab_size,
             weight_bytes_per_param=dtype.itemsize,
             dense_params=layers * (attn + sinks + 2 * h + router) + h,
             embed_params=-(-s.vocab_size // tp) * h,
             lm_head_params=0 if s.tie_word_embeddings else -(-s.vocab_size // tp) * h,
-            expert_params=expert, local_experts=local_experts, num_experts=m.num_experts, top_k=m.top_k,
+            # an expert's biases (gate/up [2I], down [H]) are read with it, in the model dtype whatever its matrices
+            expert_params=3 * h * moe_inter, expert_bias_params=2 * moe_inter + h, local_experts=local_experts, num_experts=m.num_experts, top_k=m.top_k,
             num_moe_layers=layers, act_width=max(attn_act, m.num_experts + m.top_k * (3 * moe_inter + h)),
             act_bytes_per_elem=dtype.itemsize, model_dtype_params=model_dtype,
             projections=tuple(attention_projections(s, tp, range(layers))),
