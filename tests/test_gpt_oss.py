@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import check_paged_parity, make_hf_checkpoint
+from model_utils import check_paged_parity, held_weight_bytes, make_hf_checkpoint
 from transformers import GptOssConfig
 
 from graphserve import LLM, SamplingParams
@@ -102,9 +102,10 @@ def test_description_counts_the_checkpoint(checkpoint):
     assert d.num_moe_layers == 3 and d.num_experts == 6 and d.top_k == 2
 
 
-@pytest.mark.parametrize("preset, layers, experts, params_b", [("gpt-oss-20b", 24, 32, 20.91),
-                                                               ("gpt-oss-120b", 36, 128, 116.83)])
-def test_presets_have_the_published_shapes_and_parameter_counts(preset, layers, experts, params_b):
+# openai/gpt-oss-20b and -120b's model card: parameters (billions) and checkpoint size (GiB), experts in MXFP4
+@pytest.mark.parametrize("preset, layers, experts, params_b, gib", [("gpt-oss-20b", 24, 32, 20.91, 12.8),
+                                                                    ("gpt-oss-120b", 36, 128, 116.83, 60.8)])
+def test_presets_have_the_published_shapes_and_parameter_counts(preset, layers, experts, params_b, gib):
     from graphserve.models.presets import get_preset_config
 
     raw = get_preset_config(preset)
@@ -112,14 +113,22 @@ def test_presets_have_the_published_shapes_and_parameter_counts(preset, layers, 
     assert abs(d.num_params / 1e9 - params_b) < 0.005, d.num_params
     assert (d.num_moe_layers, d.num_experts, d.top_k, d.hidden_size, d.vocab_size) == (layers, experts, 4, 2880,
                                                                                          201088)  # fmt: skip
-    # the model assembled on the meta device holds exactly what the description counts
-    loaded = load_model(EngineConfig(model=f"dummy:{preset}"), torch.device("meta"))
-    assert sum(p.numel() for p in loaded.model.parameters()) == d.num_params
+    loaded = load_model(EngineConfig(model=f"dummy:{preset}", dtype="bfloat16"), torch.device("meta"))
     attn = [layer.self_attn.attn for layer in loaded.model.model.layers]
     assert [a.window for a in attn] == [128 if i % 2 == 0 else None for i in range(layers)]
     assert all(a.sinks is not None and a.sinks.shape == (64,) for a in attn)
     rotary = loaded.model.model.rotary_emb
     assert abs(rotary.attention_factor - (0.1 * torch.log(torch.tensor(32.0)).item() + 1)) < 1e-6
+    # the experts are MXFP4 as the checkpoints ship them, the rest bf16: the published size
+    from graphserve.layers.quant.fp4_moe import Fp4MoEMethod
+
+    assert all(isinstance(m.quant_method, Fp4MoEMethod) and m.quant_method.fmt == "mxfp4"
+               for m in loaded.model.moe_layers())  # fmt: skip
+    assert all(m.w13_bias.dtype == torch.bfloat16 for m in loaded.model.moe_layers())
+    assert loaded.info.description.num_params == d.num_params
+    # the model assembled on the meta device holds exactly the bytes the description prices
+    assert held_weight_bytes(loaded.model) == loaded.info.description.weights_bytes
+    assert abs(loaded.info.description.weights_bytes / 2**30 - gib) < 0.1, loaded.info.description.weights_bytes
 
 
 def _refusal(tmp_path, **over):

@@ -26,7 +26,8 @@ _HARMONY_SPECIALS = {199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002:
 
 
 def _gpt_oss(layers: int, experts: int) -> dict[str, Any]:
-    """openai/gpt-oss-20b and -120b's config.json: they differ in depth and expert count only."""
+    """openai/gpt-oss-20b and -120b's config.json: they differ in depth and expert count only. Their experts are
+    MXFP4 (as the checkpoints ship), so a ``dummy:`` run draws them in the model dtype and quantizes them at load."""
     return {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
         "intermediate_size": 2880, "num_hidden_layers": layers, "num_attention_heads": 64,
@@ -39,6 +40,9 @@ def _gpt_oss(layers: int, experts: int) -> dict[str, Any]:
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
         "attention_bias": True, "swiglu_limit": 7.0, "hidden_act": "silu", "tie_word_embeddings": False,
         "eos_token_id": 200002, "pad_token_id": 199999, "torch_dtype": "bfloat16",
+        # the routed experts ship as MXFP4, everything else in bf16
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
     }  # fmt: skip
 
 
