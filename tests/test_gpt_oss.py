@@ -190,3 +190,23 @@ def test_mxfp4_checkpoint_matches_the_model_holding_its_dequantized_weights(tmp_
     assert all(isinstance(m.quant_method, Fp4MoEMethod) and m.w13_weight.dtype == torch.uint8 for m in experts)
     assert all(m.w13_bias.dtype == torch.float32 for m in experts)
     check_paged_parity(loaded.model, hf, "gpt-oss mxfp4", TOL, decode_steps=2, lengths=(21, 30, 12), prefix=13)
+
+
+def test_fp8_quantization_keeps_the_router_and_the_expert_biases_in_the_model_dtype(tmp_path):
+    """``--quantization fp8``: the projections and expert matrices go fp8, the router (it picks the experts) and the
+    biases stay; the logits stay near the unquantized model's (weights of the usual scale: the module's checkpoint
+    scales gate/up up to bind the clamp, which fp8's rounding then amplifies)."""
+    from model_utils import PagedHarness, relative_error
+
+    make_hf_checkpoint(tmp_path, _config())
+    loaded = load_model(EngineConfig(model=str(tmp_path), dtype="float32"), torch.device("cpu"))
+    fp8 = load_model(EngineConfig(model=str(tmp_path), dtype="float32", quantization="fp8"), torch.device("cpu"))
+    for layer in fp8.model.model.layers:
+        assert layer.mlp.router.quant_method is None and layer.mlp.router.weight.dtype == torch.float32
+        assert layer.mlp.experts.w13_weight.dtype == torch.float8_e4m3fn
+        assert layer.mlp.experts.w13_bias.dtype == layer.mlp.experts.w2_bias.dtype == torch.float32
+    ids = torch.randint(4, 320, (26,), generator=torch.Generator().manual_seed(7)).tolist()
+    want = PagedHarness(loaded.model).step([("a", ids)])[0]
+    err = relative_error(PagedHarness(fp8.model).step([("a", ids)])[0], want)
+    # fp8's rounding (up to 1/16 of each weight) flips a few top-k choices in a random model: near, not equal
+    assert 0 < err < 0.25, err
