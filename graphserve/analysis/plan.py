@@ -85,7 +85,8 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
     pool = model.graph_pool_bytes(sizes)
     mp = plan_memory(int(gpu_memory_gb * GB), mem_fraction_static, weights, (prefill_act, decode_act), pool,
                      int(reserve_gb * GiB_), kv_tok, block_size, max_len, max_running, tp=tp,
-                     activation_parts=[("MoE workspace", model.moe_workspace_bytes(chunk))] if model.is_moe else ())
+                     activation_parts=[("MoE workspace", model.moe_workspace_bytes(chunk))] if model.is_moe else (),
+                     request_tokens=model.kv.held_tokens(max_len, block_size, chunked_prefill_size))
 
     verdicts = []
     for c in concurrency or [1, 8, 32, 64]:

@@ -71,7 +71,9 @@ class EngineCore:
         if self.ranks is not None:
             self.runner.peers = StepSender()
             self._finalizer = weakref.finalize(self, stop_ranks, self.ranks, self.runner)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # a model whose every layer is windowed gives back the blocks outside its running sequences' windows
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          window=self.info.kv.release_window)  # fmt: skip
         self.scheduler = Scheduler(config, self.block_manager, max_running)
         self.telemetry = Telemetry()
         self._rng = random.Random(config.seed)  # seeds of unseeded requests: varied, yet reproducible per run
@@ -108,8 +110,10 @@ class EngineCore:
             raise BadRequestError(f"request_id={req.request_id!r} is already running", param="request_id")
         p = req.params
         # InputProcessor refused requests that cannot fit the pool; one that got here anyway is a caller bug
-        assert self.block_manager.blocks_needed(len(req.prompt_token_ids) + (p.max_tokens or 0)) \
-            <= self.block_manager.num_usable_blocks, f"{req.request_id}: does not fit the KV pool"
+        held = self.info.kv.held_tokens(len(req.prompt_token_ids) + (p.max_tokens or 0), self.config.block_size,
+                                        self.config.chunked_prefill_size)  # fmt: skip
+        assert self.block_manager.blocks_needed(held) <= self.block_manager.num_usable_blocks, \
+            f"{req.request_id}: does not fit the KV pool"
         base = (p.seed if p.seed is not None else self._rng.getrandbits(63)) & SEED_MASK
         seqs: list[Sequence] = []
         for i in range(p.n):

@@ -5,6 +5,14 @@ is computed gets a hash that chains over every token before it, ``hash((parent_h
 so equal hashes mean equal prefixes. Cached blocks nobody references stay in an LRU list and are
 reused (evicted) only when the free list is empty, so a later request with the same prefix can
 pick them up for free.
+
+With ``window`` (a model whose every layer attends through a sliding window of that many tokens, the largest of
+its windows), a running sequence's blocks that lie wholly before the window of its next token go back to the pool
+(``release_outside_window``). Its block table keeps their positions, the entries pointing at the dummy block, so a
+position still finds its block by index and the attention kernels, which start at the window's first block, never
+read them. A released block in the prefix cache stays there, unreferenced, for another request with the same
+prefix, as any freed block does; the sequence itself never matches it again (it matches only at admission, and a
+preempted sequence starts over from an empty table).
 """
 
 from __future__ import annotations
@@ -21,12 +29,17 @@ _ROOT_HASH = 0x5EED
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):  # fmt: skip
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is the reserved dummy block)")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        if window is not None and window < 1:
+            raise ValueError(f"window={window}: a sliding window holds at least 1 token")
+        self.window = window
+        self.num_released = 0  # blocks given back from outside running sequences' windows, since start
         self.ref_counts = [0] * num_blocks
         # Pop from the end: lower block ids are handed out first (easier to read in logs).
         self.free_blocks: list[int] = list(range(num_blocks - 1, DUMMY_BLOCK, -1))
@@ -103,6 +116,8 @@ class BlockManager:
             block = seq.block_table[i]
             seq.block_hashes.append(h)
             parent = h
+            if block == DUMMY_BLOCK:  # released before it was committed: nothing left to cache
+                continue
             if h not in self.cached and block not in self.block_hash:
                 self.cached[h] = block
                 self.block_hash[block] = h
@@ -157,20 +172,47 @@ class BlockManager:
             seq.block_table.append(block)
         return True
 
+    def _drop(self, seq: Sequence, block: int) -> None:
+        assert self.ref_counts[block] > 0, f"{seq}: block {block} freed twice"
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if block in self.block_hash:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks (finish, abort or preemption)."""
         # Tail blocks first into the LRU: they are the least likely to be shared, so evict them first.
         for block in reversed(seq.block_table):
-            assert self.ref_counts[block] > 0, f"{seq}: block {block} freed twice"
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if block in self.block_hash:
-                    self.evictable[block] = None
-                else:
-                    self.free_blocks.append(block)
+            if block != DUMMY_BLOCK:  # released already (outside the window)
+                self._drop(seq, block)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        seq.num_released_blocks = 0
+
+    def release_outside_window(self, seq: Sequence) -> int:
+        """Give back the blocks of ``seq`` that lie wholly before the window of its next token (position
+        ``num_computed_tokens``, which sees positions > num_computed_tokens - window): every later token's window
+        starts later still. Their table entries point at the dummy block from then on; the table is a new list,
+        so the runner's copy of it is refreshed (engine/seq_rows.py). Returns the blocks released."""
+        if self.window is None:
+            return 0
+        first_kept = min((seq.num_computed_tokens - self.window + 1) // self.block_size, len(seq.block_table))
+        done = seq.num_released_blocks
+        if first_kept <= done:
+            return 0
+        table = list(seq.block_table)
+        # later blocks first into the LRU, as ``free`` puts them: the front of a prefix, most likely shared, goes last
+        for i in range(first_kept - 1, done - 1, -1):
+            if table[i] != DUMMY_BLOCK:
+                self._drop(seq, table[i])
+            table[i] = DUMMY_BLOCK
+        seq.block_table = table
+        seq.num_released_blocks = first_kept
+        self.num_released += first_kept - done
+        return first_kept - done
 
     def check_no_leak(self) -> None:
         """Every block is free or only held by the prefix cache (call when no request is live)."""

@@ -107,11 +107,14 @@ def _refusal(total: int, frac: float, fixed: int, kv_pool: int, kv_tokens: int, 
 def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int, activation_bytes: int | Sequence[int],
                 graph_pool_bytes: int, reserve_bytes: int, kv_bytes_per_token: int, block_size: int,
                 max_model_len: int, max_running_requests: int, tp: int = 1,
-                activation_parts: Sequence[tuple[str, int]] = ()) -> MemoryPlan:
+                activation_parts: Sequence[tuple[str, int]] = (), request_tokens: int | None = None) -> MemoryPlan:
     """Size the KV pool from what the static budget leaves (see module docstring).
 
     ``activation_bytes`` is the activation peak, or several peaks (prefill chunk, decode batch):
     they never run at once, so the budget reserves their maximum.
+    ``request_tokens``: the KV tokens one request of ``max_model_len`` holds at once, counted per layer type
+    (layers/kv_layout.KVLayout.held_tokens: a model whose every layer is windowed holds its window, not its
+    length); None: ``max_model_len``.
     """
     act = max(activation_bytes) if isinstance(activation_bytes, Sequence) else activation_bytes
     static = int(total_bytes * mem_fraction_static)
@@ -120,7 +123,8 @@ def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int
     kv_tokens = 0
     if kv_pool > 0 and kv_bytes_per_token > 0:
         kv_tokens = (kv_pool // kv_bytes_per_token) // block_size * block_size
-    need_tokens = math.ceil(max_model_len / block_size) * block_size
+    held = max_model_len if request_tokens is None else min(request_tokens, max_model_len)
+    need_tokens = math.ceil(held / block_size) * block_size
     fits = kv_tokens >= need_tokens
     refusal = None
     if not fits:

@@ -32,6 +32,7 @@ class InputProcessor:
         self.info = info
         self.max_model_len = resolve_max_model_len(config, info)
         self.kv_blocks = kv_blocks
+        self.chunk = config.chunked_prefill_size
 
     def tokenize(self, prompt: Any) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -55,13 +56,16 @@ class InputProcessor:
         return ids
 
     def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
-        """A request must fit the whole KV pool alone, or it could never run (checked before a 200 goes out)."""
+        """A request must fit the whole KV pool alone, or it could never run (checked before a 200 goes out). Where
+        every layer is windowed, it holds its window's blocks at most (layers/kv_layout.KVLayout.held_tokens)."""
         usable, block_size = self.kv_blocks
         total = num_prompt + max_tokens
-        if -(-total // block_size) > usable:
+        held = self.info.kv.held_tokens(total, block_size, self.chunk)
+        if -(-held // block_size) > usable:
+            window = f", of which it holds at most {held} at once" if held < total else ""
             raise BadRequestError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} tokens does not fit the KV pool "
-                f"of {usable * block_size} tokens (raise it with --num-kv-tokens or --kv-cache-gb)",
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} tokens{window} does not fit the "
+                f"KV pool of {usable * block_size} tokens (raise it with --num-kv-tokens or --kv-cache-gb)",
                 param="max_tokens",
             )
 

@@ -6,6 +6,10 @@ per-step prefill budget ``chunked_prefill_size``. When the KV pool runs out, the
 arrived running sequence is preempted by recompute: its blocks are freed and it goes back to
 the front of the waiting queue with its output tokens, to re-prefill later. The oldest running
 sequence therefore always progresses; one that cannot fit even alone is failed, not retried.
+
+Where every layer of the model is windowed, each running sequence first gives back the blocks wholly before the
+window of its next token (engine/kv_cache.release_outside_window), before any block is asked for: a long
+sequence holds its window's blocks, not its length's.
 """
 
 from __future__ import annotations
@@ -136,9 +140,12 @@ class Scheduler:
         block_size = bm.block_size
         running_status = SequenceStatus.RUNNING
         partial: list[Sequence] = []  # running prompts part-way through their prefill
+        windowed = bm.window is not None
         for seq in list(self.running):
             if seq.status is not running_status:
                 continue  # preempted earlier in this pass
+            if windowed:
+                bm.release_outside_window(seq)
             computed = seq.num_computed_tokens
             total = len(seq.prompt_token_ids) + len(seq.output_token_ids)
             if total >= seq.max_total:
@@ -185,6 +192,8 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             self.block_manager.match_prefix(seq)
+            if windowed:  # a long cached prefix: its blocks before the window go straight back
+                bm.release_outside_window(seq)
             if seq.num_preemptions == 0 and seq.first_scheduled_time is None:
                 seq.num_cached_tokens = seq.num_computed_tokens
             n = min(seq.num_pending_tokens, budget)

@@ -229,12 +229,13 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     del prof
     torch.cuda.empty_cache()
 
-    # 4. the plan
+    # 4. the plan (one request holds its window's blocks where every layer is windowed)
+    held = loaded.info.kv.held_tokens(max_model_len, cfg.block_size, chunk)
     moe = loaded.model.moe_layers()  # the layer's own figure; `graphserve plan` estimates it from the description
     parts = [("MoE workspace", moe[0].workspace_bytes(chunk + max_running - 1))] if moe else []
     plan = plan_memory(total, cfg.mem_fraction_static, weights, [mixed, decode], pool, RESERVE_BYTES + workspace,
                        loaded.info.kv_bytes_per_token, cfg.block_size, max_model_len, max_running,
-                       activation_parts=parts)
+                       activation_parts=parts, request_tokens=held)
     for line in plan.table().splitlines():
         logger.info(line)
     if not plan.fits:
@@ -246,7 +247,7 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     if num_blocks < plan.num_blocks:
         logger.warning("KV pool cut from %d to %d blocks: only %.2f GiB free on the device (another process?)",
                        plan.num_blocks, num_blocks, free / GiB)
-        if num_blocks * cfg.block_size < max_model_len:
+        if num_blocks * cfg.block_size < held:
             raise ConfigError(
                 f"only {free / GiB:.2f} GiB of GPU memory is free, which holds {num_blocks * cfg.block_size} KV tokens: "
                 f"less than one request of --max-model-len {max_model_len}; free the GPU or lower --max-model-len",
@@ -257,7 +258,7 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
         logger.info("KV pool capped by --num-kv-tokens/--kv-cache-gb at %d tokens (the plan allows %d)",
                     cap, num_blocks * cfg.block_size)
         num_blocks = cap // cfg.block_size
-        if num_blocks * cfg.block_size < max_model_len:
+        if num_blocks * cfg.block_size < held:
             raise ConfigError(f"--num-kv-tokens/--kv-cache-gb give {num_blocks * cfg.block_size} KV tokens, less than "
                               f"one request of --max-model-len {max_model_len}", param="num_kv_tokens")
 

@@ -210,6 +210,7 @@ def _rotated(x, xp, cos, sin, DTYPE: tl.constexpr, WIDEN_FP16: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, out_scale_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr,
+    sinks_ptr, window,
     pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, stride_cos, stride_sin, eps,
     scale_log2,
     num_splits, min_split_len,
@@ -226,7 +227,8 @@ def _decode_split_kernel(
     FUSED_MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, CHUNK_S: tl.constexpr,
     WIDEN_FP16: tl.constexpr, QUANT_OUT: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
     NEW_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr, row_ptr, row_counter_ptr, QUANT_ROW: tl.constexpr,
-    ROW: tl.constexpr, ROW_CHUNK: tl.constexpr, PDL: tl.constexpr,
+    ROW: tl.constexpr, ROW_CHUNK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     seq = tl.program_id(0)
@@ -273,9 +275,14 @@ def _decode_split_kernel(
         if WIDEN_FP16:  # fp8 cache: the step widens K and V to q's dtype, fp16 here (clamped: q is bf16's range)
             q = fp16_saturated(q)
     # splits are cut from the actual length (read on device), rounded to whole inner steps, no shorter
-    # than min_split_len (a multiple of BLOCK_N): a short context leaves the last splits empty
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
-    start = split * split_len
+    # than min_split_len (a multiple of BLOCK_N): a short context leaves the last splits empty. With a window the
+    # length is the window's: the splits start at its first key (lo), so no block wholly before it is read (a
+    # sequence's blocks there may have gone back to the pool and point at the dummy block)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     loop_end = end
     if NEW_TOKEN:
@@ -324,6 +331,17 @@ def _decode_split_kernel(
         l_i = l_i * alpha + p_new
         acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
         m_i = m_new
+    if HAS_SINKS:
+        # the sink joins the denominator once: split 0's (never empty for a real row), whose lse then carries it
+        # into the merge, which needs nothing more
+        sink = tl.load(sinks_ptr + head, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        sink = tl.where(split == 0, sink, float("-inf"))
+        m_new = tl.maximum(m_i, sink)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.exp2(sink - m_ref)
+        acc = acc * alpha[:, None]
+        m_i = m_new
 
     # an empty split (short sequence, or a padding row with seq_len 0) leaves l_i == 0
     o = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
@@ -347,7 +365,7 @@ def _decode_split_kernel(
                 heads = kv_head * GROUP + tl.arange(0, BLOCK_HM)
                 # only the splits the context reaches hold a partial: a short context (min_split_len,
                 # or a bs-1 graph captured for a long max context) uses fewer pieces than it launches
-                used = tl.minimum(num_splits, tl.cdiv(seq_len, split_len))
+                used = tl.minimum(num_splits, tl.cdiv(seq_len - lo, split_len))
                 hm_mask = tl.arange(0, BLOCK_HM) < GROUP
                 merged = merge_partials(
                     mid_o_ptr + seq * stride_mo_b, mid_lse_ptr + seq * stride_ml_b, heads, hm_mask, offs_d, d_mask,
@@ -357,6 +375,16 @@ def _decode_split_kernel(
                            tl.num_programs(1), heads, hm_mask, offs_d, d_mask, merged, stride_oh, stride_sh, QUANT_OUT,
                            QUANT_ROW, q_ptr.dtype.element_ty, ROW, ROW_CHUNK, FP8_MAX_C, MIN_SCALE_C)  # fmt: skip
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+def check_window_sinks(window: int | None, sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
+    """Refuse a window or sinks the attention kernels cannot take, naming the value and the limit."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < 2**31):
+        raise ValueError(f"window={window!r} must be an integer in 1 .. 2**31 - 1 (or None)")
+    if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_heads,)
+                              or sinks.stride(0) != 1 or sinks.device != torch.device(device)):  # fmt: skip
+        raise ValueError(f"sinks must be contiguous float32 [{num_heads}] on {device} (one per query head), got "
+                         f"{sinks.dtype} {tuple(sinks.shape)} stride {sinks.stride()} on {sinks.device}")
 
 
 def decode_plan(batch_size: int, num_kv_heads: int, max_context: int, num_sms: int,
@@ -437,6 +465,8 @@ def decode_attention(
     new_token: NewToken | None = None,
     row_workspace: torch.Tensor | None = None,
     row_counters: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ([B, Hq, D], one token per sequence) over each sequence's paged context.
 
@@ -463,6 +493,9 @@ def decode_attention(
     zero before the call and left zero; a zeroed buffer is allocated when None), and the last quantizes the row
     (``emit_heads``).
     ``new_token``: ``decode_attention_qkv``'s (q is then the q columns of its qkv rows, not yet normed or rotated).
+    ``window``: the token at position p = seq_len - 1 attends keys p - window < j <= p only; the programs' splits
+    cover those keys alone and no earlier block is read (layers/attention_backend.py states the contract).
+    ``sinks``: float32 [Hq], a logit per query head that joins its softmax denominator only (gpt-oss).
     """
     batch, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
@@ -472,6 +505,7 @@ def decode_attention(
         raise ValueError(f"decode_attention needs head_dim contiguous (stride 1) in q and kv_cache, got strides "
                          f"q {q.stride()}, kv_cache {kv_cache.stride()}")
     fp8_cache = kv_cache.dtype == FP8_DTYPE
+    check_window_sinks(window, sinks, num_heads, q.device)
     if tile is None:
         tile = choose_tile(batch, num_kv_heads, fp8_cache)
     else:
@@ -529,8 +563,9 @@ def decode_attention(
     if batch == 0:
         return out
     if num_splits is None:  # the split rule at the tile's step (with choose_tile's tile: decode_plan's pair)
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, sm_count(q.device),
-                                       fp8_cache, tile.block_n)
+        # a window bounds the keys a program reads whatever the table's width: a static size too
+        context = block_tables.shape[1] * page if window is None else min(block_tables.shape[1] * page, window)
+        num_splits = choose_num_splits(batch, num_kv_heads, context, sm_count(q.device), fp8_cache, tile.block_n)
     direct = num_splits == 1
     mid_numel = batch * num_heads * num_splits * (head_dim + 1)
     if direct:
@@ -564,6 +599,7 @@ def decode_attention(
     has_norm = new_token is not None and new_token.q_norm_weight is not None
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, out_scale if quant_out else mid_lse, mid_o, mid_lse, counters,
+        sinks if sinks is not None else seq_lens, window or 0,
         *prologue,
         scale * LOG2E,
         num_splits, min_split_len,
@@ -582,6 +618,7 @@ def decode_attention(
         HAS_NORM=has_norm,
         row_ptr=row_workspace if quant_row else out, row_counter_ptr=row_counters if quant_row else seq_lens,
         QUANT_ROW=quant_row, ROW=row if quant_row else 1, ROW_CHUNK=min(ROW_CHUNK, triton.next_power_of_2(row)),
+        HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(q.device, "_decode_split_kernel"),
     )  # fmt: skip
     if not direct and not fused_merge:
@@ -649,14 +686,16 @@ def decode_attention_qkv(
 
 
 def decode_attention_reference(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 attention over the context gathered from the cache through each block table."""
+    """fp32 attention over the context gathered from the cache through each block table (the last ``window``
+    positions with a window; ``sinks`` [Hq] joining each head's denominator)."""
     num_heads = q.shape[1]
     page = kv_cache.shape[2]
     out = torch.empty_like(q)
     for i, n in enumerate(seq_lens.tolist()):
-        pos = torch.arange(n, device=q.device)
+        pos = torch.arange(0 if window is None else max(0, n - window), n, device=q.device)
         blocks = block_tables[i, pos // page].long()
         k = kv_cache[0, blocks, pos % page].float()  # [n, Hkv, D]
         v = kv_cache[1, blocks, pos % page].float()
@@ -664,5 +703,7 @@ def decode_attention_reference(
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
-        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
+        if sinks is not None:  # one more column that takes its share of the softmax and carries no value
+            scores = torch.cat([scores, sinks.float()[:, None]], dim=1)
+        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1)[:, : pos.shape[0]], v).to(q.dtype)
     return out

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.common import interpreting
+from graphserve.kernels.decode_attention import check_window_sinks
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 LOG2E = 1.4426950408889634
@@ -23,9 +24,11 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _extend_step(
     q, m_i, l_i, acc, n0, key_end, q_pos, bt_row, kv_base, scale_log2, stride_kv, stride_blk, stride_off,
-    offs_d, d_mask, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr,
+    offs_d, d_mask, window, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step of a query tile over keys [n0, n0 + BLOCK_N), causal by position."""
+    """One online-softmax step of a query tile over keys [n0, n0 + BLOCK_N), causal by position (and within
+    ``window`` of it with HAS_WINDOW)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < key_end
     block = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
@@ -37,11 +40,19 @@ def _extend_step(
     else:
         qk = tl.dot(q, tl.trans(k))
     visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
     qk = tl.where(visible, qk * scale_log2, float("-inf"))
-    # key 0 is visible to every row and comes first, so m_new is finite from the first step on
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    if HAS_WINDOW:
+        # a row may see none of the tile's first keys (its window starts later): keep its reference at 0 until it
+        # does, so no -inf - -inf appears
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        # key 0 is visible to every row and comes first, so m_new is finite from the first step on
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(kv_base + stride_kv + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     if IEEE_DOT:
@@ -53,8 +64,8 @@ def _extend_step(
 
 @triton.jit(do_not_specialize=["stride_bt"])  # batch-sized ints: see server/warmup.py
 def _extend_kernel(
-    q_ptr, kv_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale_log2,
+    q_ptr, kv_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, sinks_ptr,
+    scale_log2, window,
     stride_qt, stride_qh,
     stride_kv, stride_blk, stride_off, stride_kvh,
     stride_bt,
@@ -62,7 +73,8 @@ def _extend_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
+    IEEE_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
     tile = tl.program_id(0)
@@ -89,22 +101,34 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # the tile's last row sees keys up to its own position; nothing later is read
     key_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
+    # with a window the tile's first row sees nothing before its window: no block wholly before it is read
+    key_start = 0
+    if HAS_WINDOW:
+        key_start = tl.maximum(prefix + tile * BLOCK_M - window + 1, 0)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_base = kv_ptr + (head // GROUP) * stride_kvh
     if WHILE_LOOP:
-        n0 = 0
+        n0 = key_start
         while n0 < key_end:
             m_i, l_i, acc = _extend_step(
                 q, m_i, l_i, acc, n0, key_end, q_pos, bt_row, kv_base, scale_log2, stride_kv, stride_blk,
-                stride_off, offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT,
+                stride_off, offs_d, d_mask, window, PAGE, BLOCK_N, IEEE_DOT, HAS_WINDOW,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
-        for n0 in range(0, key_end, BLOCK_N):
+        for n0 in range(key_start, key_end, BLOCK_N):
             m_i, l_i, acc = _extend_step(
                 q, m_i, l_i, acc, n0, key_end, q_pos, bt_row, kv_base, scale_log2, stride_kv, stride_blk,
-                stride_off, offs_d, d_mask, PAGE, BLOCK_N, IEEE_DOT,
+                stride_off, offs_d, d_mask, window, PAGE, BLOCK_N, IEEE_DOT, HAS_WINDOW,
             )  # fmt: skip
+    if HAS_SINKS:  # the head's sink joins each row's denominator, with no value
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+    if HAS_WINDOW and not HAS_SINKS:  # rows past the sequence's tokens may have seen no key; they are not stored
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=io_mask)  # fmt: skip
@@ -120,9 +144,14 @@ def extend_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the new tokens ``q`` ([T, Hq, D]) over cached prefix + new K/V in ``kv_cache``."""
+    """Causal attention of the new tokens ``q`` ([T, Hq, D]) over cached prefix + new K/V in ``kv_cache``; the
+    token at position p sees p - ``window`` < j <= p only with a window (no block wholly before a query tile's
+    windows is read); ``sinks`` float32 [Hq] join each head's softmax denominator."""
     num_tokens, num_heads, head_dim = q.shape
+    check_window_sinks(window, sinks, num_heads, q.device)
     _, _, page, num_kv_heads, _ = kv_cache.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -140,8 +169,8 @@ def extend_attention(
     block_n = 64 if block_d <= 128 else 32
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _extend_kernel[grid](
-        q, kv_cache, out, block_tables, seq_lens, query_start_loc,
-        scale * LOG2E,
+        q, kv_cache, out, block_tables, seq_lens, query_start_loc, sinks if sinks is not None else seq_lens,
+        scale * LOG2E, window or 0,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
@@ -150,6 +179,7 @@ def extend_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE_DOT=q.dtype == torch.float32, WHILE_LOOP=interpreting(),
+        HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
         num_warps=4, num_stages=2, **pdl_args(q.device, "_extend_kernel"),
     )  # fmt: skip
     return out
@@ -162,8 +192,11 @@ def extend_attention_reference(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 causal attention per sequence over K/V gathered from the cache through its block table."""
+    """fp32 causal attention per sequence over K/V gathered from the cache through its block table (within
+    ``window`` with a window; ``sinks`` [Hq] joining each head's denominator)."""
     page = kv_cache.shape[2]
     num_heads = q.shape[1]
     out = torch.empty_like(q)
@@ -181,6 +214,11 @@ def extend_attention_reference(
         v = v.repeat_interleave(group, dim=1)
         q_pos = torch.arange(n - (qe - qs), n, device=q.device)
         scores = torch.einsum("thd,nhd->htn", q[qs:qe].float(), k) * scale
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[qs:qe] = torch.einsum("htn,nhd->thd", scores.softmax(-1), v).to(q.dtype)
+        hidden = pos[None, None, :] > q_pos[None, :, None]
+        if window is not None:
+            hidden |= pos[None, None, :] <= q_pos[None, :, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:  # one more column that takes its share of the softmax and carries no value
+            scores = torch.cat([scores, sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)], dim=-1)
+        out[qs:qe] = torch.einsum("htn,nhd->thd", scores.softmax(-1)[..., :n], v).to(q.dtype)
     return out

@@ -168,23 +168,22 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # fmt: skip
         """Attention of q [T, H, D] over a cache holding this step's K/V, or of a ``NewToken`` whose K/V this call
         writes (in the decode kernel itself where ``prologue_in_decode``)."""
-        if window is not None or sinks is not None:
-            raise NotImplementedError("the triton attention backend takes no window or sinks yet; use the torch one")
         kv_cache = batch.kv_caches[layer_idx]
+        kind = {"window": window, "sinks": sinks}
         if isinstance(q, NewToken):
             if batch.mode == "decode" and prologue_in_decode(q, kv_cache):
-                return self._decode(q, layer_idx, batch, scale)
+                return self._decode(q, layer_idx, batch, scale, **kind)
             q = run_prologue(q, kv_cache)
         if batch.mode == "decode":
-            return self._decode(q, layer_idx, batch, scale)
+            return self._decode(q, layer_idx, batch, scale, **kind)
         return extend_attention(
-            q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.max_query_len, scale,
+            q, kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.max_query_len, scale, **kind,
         )
 
     def _decode(self, q: torch.Tensor | NewToken, layer_idx: int, batch: ForwardBatch, scale: float,
                 **out) -> torch.Tensor:  # fmt: skip
-        """The split decode kernel on this layer's cache with the reserved scratch (``out``: its output keywords);
-        for a ``NewToken``, with the prologue inside it."""
+        """The split decode kernel on this layer's cache with the reserved scratch (``out``: its output keywords,
+        and the layer's window and sinks); for a ``NewToken``, with the prologue inside it."""
         kv_cache = batch.kv_caches[layer_idx]
         _, _, _, num_kv_heads, head_dim = kv_cache.shape
         heads = q.num_heads if isinstance(q, NewToken) else q.shape[1]
@@ -237,5 +236,6 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             scales = torch.empty((t, groups), dtype=torch.float32, device=device)
         rows = {"row_counters": self.row_counters(device)} if per_row else {}
-        self._decode(q, layer_idx, batch, scale, out=out.view(t, num_heads, head_dim), out_scale=scales, **rows)
+        self._decode(q, layer_idx, batch, scale, out=out.view(t, num_heads, head_dim), out_scale=scales, window=window,
+                     sinks=sinks, **rows)  # fmt: skip
         return out, scales

@@ -12,6 +12,13 @@ A model family describes its cache with a ``KVLayout``; the block pool, the memo
 Either way a token's *slot* is ``block_id * block_size + offset`` and block 0 is the dummy block
 (layers/forward_batch.py).
 
+Layers come in types by their attention window (``windows``, one per layer: None for full attention). A block
+id indexes every layer's cache at once, so what one sequence holds is the most any of its layer types needs: the
+memory plan counts per layer type (``held_tokens``). Where every layer is windowed (Mistral-7B v0.1), blocks
+wholly outside the window of a running sequence go back to the pool (engine/kv_cache.py); where only some are
+(gpt-oss alternates), a full-attention layer still needs every block, so they are kept and the windowed layers
+merely skip them.
+
 ``dtype`` is the model's (``--kv-cache-dtype auto``) or float8_e4m3fn (``fp8_e4m3``), for either kind:
 half the bytes per token, so twice the tokens in the same pool and half the KV reads per decode step.
 FP8 entries are stored with a per-tensor scale of 1.0 (vLLM's default without calibrated scales): K and
@@ -52,12 +59,35 @@ class KVLayout:
     num_heads: int  # cached heads per token and layer on this rank (1 for a latent cache)
     head_dim: int  # width of one cached head (K and V for "kv"; latent + rope key for "latent")
     dtype: torch.dtype
+    # each layer's attention window (None: full attention); empty: every layer attends in full
+    windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("kv", "latent"):
             raise ValueError(f"KVLayout.kind={self.kind!r}: choose 'kv' or 'latent'")
         if self.kind == "latent" and self.num_heads != 1:
             raise ValueError(f"a latent KV cache has one shared head per token, got num_heads={self.num_heads}")
+        if self.windows and len(self.windows) != self.num_layers:
+            raise ValueError(f"KVLayout.windows names {len(self.windows)} layers, the cache has {self.num_layers}")
+
+    @property
+    def release_window(self) -> int | None:
+        """The window outside which a running sequence's blocks can go back to the pool: the largest, where every
+        layer is windowed; None where some layer attends in full (it reads every block)."""
+        if not self.windows or any(w is None for w in self.windows):
+            return None
+        return max(self.windows)
+
+    def held_tokens(self, num_tokens: int, block_size: int, chunk: int = 1) -> int:
+        """The most KV tokens (whole blocks) one sequence of ``num_tokens`` holds at once, computing at most
+        ``chunk`` tokens a step, counted per layer type: a full-attention type holds every token; a windowed one
+        (all layers windowed, blocks released) its window, the chunk, and a block where each edge falls mid-block.
+        The types share block ids, so the largest count is what the pool must give."""
+        full = -(-num_tokens // block_size) * block_size
+        window = self.release_window
+        if window is None:
+            return full
+        return min(full, (-(-(window + max(chunk, 1) - 1) // block_size) + 1) * block_size)
 
     @property
     def entries(self) -> int:

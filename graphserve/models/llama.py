@@ -129,7 +129,7 @@ def local_kv_heads(s: Shape, tp: int) -> int:
 
 
 def kv_layout_of(s: Shape, dtype: torch.dtype, tp: int = 1) -> KVLayout:
-    return KVLayout("kv", s.num_layers, local_kv_heads(s, tp), s.head_dim, dtype)
+    return KVLayout("kv", s.num_layers, local_kv_heads(s, tp), s.head_dim, dtype, s.layer_windows)
 
 
 def attention_params(s: Shape, tp: int) -> tuple[int, int]:
