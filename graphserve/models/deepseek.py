@@ -203,6 +203,10 @@ class DeepseekV2ForCausalLM(CausalLM):
         """As every family loads, with an fp8 ``kv_b_proj`` dequantized on the way; the tensors of layers this
         model skips (V3's multi-token prediction) are dropped first, so none of theirs is held or dequantized."""
         kept = ((name, t) for name, t in weights if self.map_weight_name(name) is not None)
+        if getattr(self.checkpoint_quant, "fmt", None) == "nvfp4":  # an NVFP4 kv_b_proj: layers/quant/fp4_*.py
+            from graphserve.layers.quant.fp4_dequant_at_load import dequantize_fp4_at_load
+
+            return super().load_weights(dequantize_fp4_at_load(kept, DEQUANTIZED_AT_LOAD))
         return super().load_weights(dequantize_at_load(kept, DEQUANTIZED_AT_LOAD, self.checkpoint_quant))
 
     @classmethod

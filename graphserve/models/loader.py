@@ -157,8 +157,11 @@ def _load_folder(config: EngineConfig, folder: Path, device: torch.device) -> Lo
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"model folder {folder} cannot be read by transformers: {e}", param="model") from e
-    # ModelOpt writes its quantization beside config.json (hf_quant_config.json) where config.json has none
+    # ModelOpt writes its quantization beside config.json (hf_quant_config.json) where config.json has none; the
+    # family reads it from its config as it would config.json's (DeepSeek's kv_b_proj, dequantized at load)
     raw_quant = raw.get("quantization_config") or modelopt_file_config(folder)
+    if raw_quant is not None and getattr(hf_config, "quantization_config", None) is None:
+        hf_config.quantization_config = raw_quant
     quant = resolve_quantization(parse_quantization_config(raw_quant), config.quantization)
     model, dtype = _build(model_cls, hf_config, config, device, quant)
     loaded = model.load_weights(iter_safetensors(files))

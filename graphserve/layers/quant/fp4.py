@@ -73,12 +73,17 @@ def take_groups(part: RankSlice | None, t: torch.Tensor, per_byte: int, group: i
     = the group size) along K or rows; a K cut that splits a scale group is refused naming the columns."""
     if part is None:
         return t
-    if part.dim == 1 and (part.start % group or part.size % group):
-        raise ValueError(f"this rank's columns [{part.start}, {part.start + part.size}) cut the FP4 scale groups of "
-                         f"{group}: each rank's part of K must be whole groups (a multiple of {group})")
+    check_rank_groups(part, group)
     if part.dim == 0:
         return part.take(t)
     return t.narrow(1, part.start // per_byte, part.size // per_byte)
+
+
+def check_rank_groups(part: RankSlice | None, group: int) -> None:
+    """Refuse a rank's K columns that do not start and end on an FP4 scale group, naming them."""
+    if part is not None and part.dim == 1 and (part.start % group or part.size % group):
+        raise ValueError(f"this rank's columns [{part.start}, {part.start + part.size}) cut the FP4 scale groups of "
+                         f"{group}: each rank's part of K must be whole groups (a multiple of {group})")
 
 
 class Fp4LinearMethod:
@@ -90,6 +95,8 @@ class Fp4LinearMethod:
     def create_weights(self, layer: Linear) -> None:
         n, k = layer.out_features, layer.in_features
         device = layer.weight.device
+        if not hasattr(layer, "output_sizes"):  # a row-parallel rank's K columns, named where they cut a group
+            check_rank_groups(layer.rank_slice(None), self.group)
         if k % self.group:
             raise ValueError(f"in_features={k} is not a multiple of the {self.fmt} scale group {self.group}")
         parts = len(getattr(layer, "output_sizes", [n]))

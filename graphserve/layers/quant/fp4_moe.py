@@ -34,6 +34,7 @@ from graphserve.layers.quant.fp4 import (
     SCALE_DTYPES,
     check_block_scales,
     check_global_scale,
+    check_rank_groups,
     quantize_fp4,
     take_groups,
 )
@@ -62,6 +63,7 @@ class Fp4MoEMethod:
     # ---- construction -------------------------------------------------------------------------
     def create_weights(self, layer: FusedMoE) -> None:
         e, h, i = layer.num_local_experts, layer.hidden_size, layer.intermediate_local
+        check_rank_groups(layer.rank_slice("w2"), self.group)  # down's K columns on this rank
         for what, k in (("hidden_size", h), ("moe_intermediate_size per rank", i)):
             if k % self.group:
                 raise ValueError(f"{what}={k} is not a multiple of the {self.fmt} scale group {self.group}")
@@ -149,10 +151,13 @@ class Fp4MoEMethod:
 
     # ---- loading: gpt-oss's whole stacks (MXFP4) -----------------------------------------------
     @torch.no_grad()
-    def load_gpt_oss(self, layer: FusedMoE, name: str, tensor: torch.Tensor) -> None:
+    def load_gpt_oss(self, layer: FusedMoE, name: str, tensor: torch.Tensor) -> list[str]:
         """One of gpt-oss's expert tensors (``GPT_OSS``: the name's last part, ``mlp.experts.<name>``) for all
         experts at once, into this rank's experts and rows: gate/up de-interleaved, down's columns cut on scale
-        groups. Biases go to the layer's ``w13_bias`` [E, 2I] / ``w2_bias`` [E, H], which the family creates."""
+        groups. Biases go to the layer's ``w13_bias`` [E, 2I] / ``w2_bias`` [E, H], which the family creates.
+        Returns the keys it filled, as ``CausalLM.load_weights`` counts them (``<param>#<shard>`` for each of the
+        layer's ``weight_shards``, or ``<param>`` for a parameter the layer does not shard), relative to the
+        layer: the family prefixes its name."""
         if self.fmt != "mxfp4":
             raise ValueError(f"gpt-oss's {name} holds MXFP4 experts; this layer's experts are {self.fmt}")
         if name not in GPT_OSS:
@@ -190,6 +195,8 @@ class Fp4MoEMethod:
         if not hasattr(layer, target):
             raise ValueError(f"{name}: the layer has no {target} (a gpt-oss family's FusedMoE holds its biases)")
         _copy(getattr(layer, target).data, t)
+        shards = layer.weight_shards(target) if target != f"{stack}bias" else None
+        return [target] if shards is None else [f"{target}#{s}" for s in shards]
 
     @torch.no_grad()
     def init_random(self, layer: FusedMoE, weight: str, dtype: torch.dtype, generator: torch.Generator) -> None:
