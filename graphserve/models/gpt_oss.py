@@ -198,12 +198,10 @@ class GptOssForCausalLM(CausalLM):
                                      "checkpoint's config.json needs quantization_config.quant_method 'mxfp4'",
                                      param="model")  # fmt: skip
             try:
-                load(layer, hit.group(1), tensor)
+                filled = load(layer, hit.group(1), tensor)
             except ValueError as e:
                 raise ModelLoadError(f"checkpoint tensor {name!r} does not fit {module}: {e}", param="model") from e
-            gate_up, kind = hit.group(2) == "gate_up_proj", hit.group(3)
-            param = f"{module}.{'w13_' if gate_up else 'w2_'}{'weight' if kind == 'blocks' else 'weight_scale'}"
-            whole.update(f"{param}#{shard}" for shard in layer.weight_shards(param.rpartition(".")[2]))
+            whole.update(f"{module}.{key}" for key in filled)
 
     def _split_experts(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The stacked expert tensors as one tensor per (expert, part), in FusedMoE's [out, in] rows with gate/up
