@@ -236,6 +236,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "config": _gpt_oss(36, 128),
         "specials": _HARMONY_SPECIALS, "bos": "<|startoftext|>", "eos": "<|return|>", "chat": "harmony",
     },
+    "gpt-oss-20b-bf16": {  # gpt-oss-20b with bf16 experts (the bf16 expert kernels; 42 GB of weights)
+        "config": {k: v for k, v in _gpt_oss(24, 32).items() if k != "quantization_config"},
+        "specials": _HARMONY_SPECIALS, "bos": "<|startoftext|>", "eos": "<|return|>", "chat": "harmony",
+    },
 }
 
 
