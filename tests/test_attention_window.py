@@ -157,6 +157,10 @@ def test_attention_layer_slices_sinks_by_rank_and_refuses_bad_declarations():
     with pytest.raises(ValueError, match=r"shape \(4,\), expected \(8,\)"):
         layer.load_weight("sinks", layer.sinks, full[:4], None)
     assert Attention(0, 4, 1.0).sinks is None
+    # the model is cast to bf16 as a whole; the sinks stay float32, on meta and once materialised alike
+    with torch.device("meta"):
+        cast = Attention(0, 4, 1.0, sinks=True).to(torch.bfloat16)
+    assert cast.sinks.dtype == torch.float32 and cast.to_empty(device="cpu").sinks.dtype == torch.float32
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match=f"layer 2: sliding_window={bad!r}, it must be an integer >= 1"):
             Attention(2, 4, 1.0, window=bad)

@@ -182,3 +182,27 @@ def test_kernels_refuse_bad_windows_and_sinks():
     with pytest.raises(ValueError, match=r"sinks must be contiguous float32 \[4\]"):
         extend_attention(q, cache, tables, lens, starts, 1, 0.3, sinks=torch.zeros(4, dtype=torch.float64,
                                                                                   device=DEVICE))  # fmt: skip
+
+
+@pytest.mark.parametrize(("num_splits", "per_row"), [(1, False), (3, False), (3, True)])
+def test_quantized_output_with_window_and_sinks_equals_quantizing_the_output(num_splits, per_row):
+    """The output written in fp8 for an FP8 o_proj (one scale per head, or per sequence) is, bit for bit, the
+    quantization of the unquantized windowed output with sinks."""
+    from graphserve.kernels.fp8_quant import FP8_DTYPE, per_token_group_quant
+
+    gen = torch.Generator().manual_seed(60 + num_splits)
+    heads, kv_heads, dim, window = 8, 2, 32, 30
+    seq_lens = [120, 64, 11]
+    cache, tables, lens = paged_setup(seq_lens, kv_heads, dim, PAGE, gen)
+    poison_before(cache, tables, seq_lens, [max(0, n - window) for n in seq_lens])
+    q = randn(len(seq_lens), heads, dim, gen=gen).to(torch.bfloat16)
+    sinks, b = sinks_of(heads, gen), len(seq_lens)
+    kw = {"num_splits": num_splits, "tile": TILE, "window": window, "sinks": sinks}
+    plain = decode_attention(q, cache, tables, lens, dim**-0.5, **kw)
+    assert not plain.isnan().any()
+    want_q, want_s = per_token_group_quant(plain.reshape(b, heads * dim), heads * dim if per_row else dim)
+    out = torch.empty(b, heads, dim, dtype=FP8_DTYPE, device=DEVICE)
+    scales = torch.empty(b, 1 if per_row else heads, device=DEVICE)
+    decode_attention(q, cache, tables, lens, dim**-0.5, out=out, out_scale=scales, **kw)
+    assert torch.equal(out.view(b, -1).view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales, want_s)

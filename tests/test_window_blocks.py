@@ -143,6 +143,9 @@ def test_the_memory_plan_counts_per_layer_type():
     tight = dict(common, total_bytes=19 << 30)  # 1.1 GiB of KV: 8.8k tokens, not one 32k request
     assert not plan_memory(**tight).fits
     assert plan_memory(**tight, request_tokens=all_windowed.held_tokens(32768, 16, 2048)).fits
+    tighter = plan_memory(**dict(tight, total_bytes=int(17.9 * (1 << 30))), request_tokens=6160)
+    assert not tighter.fits and "6160 tokens" in tighter.refusal
+    assert "lower --chunked-prefill-size" in tighter.refusal and "--max-model-len from" not in tighter.refusal
 
 
 _TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -185,3 +188,34 @@ def test_partly_windowed_models_keep_their_blocks(tmp_path):
     assert llm.engine.core.block_manager.window is None
     with pytest.raises(BadRequestError, match=r"= 120 tokens does not fit the KV pool of 96 tokens"):
         llm.generate([{"prompt_token_ids": list(range(4, 104))}], SamplingParams(max_tokens=20), use_tqdm=False)
+
+
+def test_graphserve_plan_counts_a_windowed_request_by_its_window():
+    from graphserve.analysis.plan import build_plan
+    from graphserve.models.presets import get_preset_config
+
+    v01, v02 = get_preset_config("mistral-7b-v0.1"), get_preset_config("mistral-7b")
+    kw = dict(gpu_memory_gb=80, input_len=30000, output_len=2000, concurrency=[32], chunked_prefill_size=2048)
+    windowed, full = build_plan(v01, **kw), build_plan(v02, **kw)
+    assert windowed["verdicts"][0]["kv_tokens_needed"] == 32 * (4096 + 2048 + 16)
+    assert full["verdicts"][0]["kv_tokens_needed"] == 32 * 32000
+    assert windowed["verdicts"][0]["verdict"] == "fits" and full["verdicts"][0]["verdict"] == "preempts"
+
+
+def test_a_block_released_before_its_commit_is_never_cached():
+    """With the overlap schedule a block can leave the window before the step that filled it is read back and
+    committed: its hash still chains the later blocks, but no cache entry names the dummy block or the reused id."""
+    bm = BlockManager(16, BS, True, window=WINDOW)
+    seq = _seq("a", 30, max_tokens=4)
+    assert bm.allocate_slots(seq, 24)
+    seq.num_computed_tokens = 24
+    first = list(seq.block_table)
+    assert bm.release_outside_window(seq) == (24 - WINDOW + 1) // BS == 4
+    bm.commit(seq)
+    assert len(seq.block_hashes) == 6 and DUMMY_BLOCK not in bm.block_hash
+    assert set(bm.block_hash) == set(first[4:6])  # only the blocks the sequence still holds
+    other = _seq("b", 30, max_tokens=4)
+    assert bm.match_prefix(other) == 0  # the chain's first blocks are gone: nothing matches
+    bm.free(other)
+    bm.free(seq)
+    bm.check_no_leak()

@@ -89,9 +89,11 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
                      request_tokens=model.kv.held_tokens(max_len, block_size, chunked_prefill_size))
 
     verdicts = []
+    # what one request holds at once: its length, or its window where every layer is windowed
+    per_request = _blocks(model.kv.held_tokens(seq_len, block_size, chunked_prefill_size), block_size)
     for c in concurrency or [1, 8, 32, 64]:
         batch = min(c, max_running)
-        need_tokens = batch * _blocks(seq_len, block_size)
+        need_tokens = batch * per_request
         v: dict[str, Any] = {"concurrency": c, "batch": batch, "kv_tokens_needed": need_tokens}
         notes = []
         if c > max_running:
@@ -115,7 +117,7 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
                 notes.append(mp.refusal or "")
             elif need_tokens > mp.kv_tokens:
                 v["verdict"] = "preempts"
-                held = mp.kv_tokens // _blocks(seq_len, block_size)
+                held = mp.kv_tokens // per_request
                 notes.append(f"KV pool holds {mp.kv_tokens} tokens = {held} requests of {seq_len} tokens, "
                              f"{batch} need {need_tokens}")
             else:

@@ -80,7 +80,8 @@ class MemoryPlan:
 
 
 def _refusal(total: int, frac: float, fixed: int, kv_pool: int, kv_tokens: int, need_tokens: int,
-             kv_bytes_per_token: int, weights: int, graph_pool: int, max_model_len: int, tp: int) -> str:
+             kv_bytes_per_token: int, weights: int, graph_pool: int, max_model_len: int, tp: int,
+             windowed: bool = False) -> str:
     need_kv = need_tokens * kv_bytes_per_token
     short = need_kv - kv_pool
     fixes = []
@@ -89,7 +90,9 @@ def _refusal(total: int, frac: float, fixed: int, kv_pool: int, kv_tokens: int, 
         fixes.append(f"raise --mem-fraction-static from {frac:g} to at least {math.ceil(frac_needed * 100) / 100:.2f}")
     else:
         fixes.append(f"--mem-fraction-static cannot fix it alone (it would need {frac_needed:.2f} of the GPU)")
-    if kv_tokens > 0:
+    if windowed:  # a request holds its window and the chunk it computes, whatever its length
+        fixes.append("lower --chunked-prefill-size (a windowed request holds its window and one prefill chunk)")
+    elif kv_tokens > 0:
         fixes.append(f"lower --max-model-len from {max_model_len} to at most {kv_tokens}")
     if graph_pool > 0 and short <= graph_pool:
         fixes.append(f"lower --cuda-graph-max-bs so the graph pool shrinks by {gib(short):.2f} GiB "
@@ -129,7 +132,7 @@ def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int
     refusal = None
     if not fits:
         refusal = _refusal(total_bytes, mem_fraction_static, fixed, kv_pool, kv_tokens, need_tokens,
-                           kv_bytes_per_token, weights_bytes, graph_pool_bytes, max_model_len, tp)
+                           kv_bytes_per_token, weights_bytes, graph_pool_bytes, max_model_len, tp, held < max_model_len)
     return MemoryPlan(
         total_bytes=int(total_bytes), mem_fraction_static=mem_fraction_static, static_bytes=static,
         weights_bytes=int(weights_bytes), activation_bytes=int(act), graph_pool_bytes=int(graph_pool_bytes),

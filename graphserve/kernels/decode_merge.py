@@ -5,6 +5,8 @@ kernel, in the program that finishes last, for the query heads of its kv head; `
 is the separate launch (one program per sequence and query head) it replaced, kept so the two can
 be timed against each other (benchmarks.launches). The weights are ``exp2(lse - max lse)``; an empty
 split has lse -inf and weight 0, and a row whose splits are all empty (a padding row) comes out 0.
+A sliding window or attention sinks change nothing here: the split kernel cuts its splits from the window's first
+key, and folds each head's sink into split 0's sum, whose log-sum-exp then carries it into these weights.
 
 ``store_heads`` writes the heads' output rows, for the split kernel's direct store and its merge alike:
 in the output dtype, or as fp8 with one scale per head (``QUANT``), the form an FP8 o_proj reads when

@@ -107,15 +107,24 @@ def batched_decode_attention(
 
     Each row gathers its whole block table (padding entries point at the dummy block) and masks
     positions at or past its length, so a decode step costs a few batched ops instead of a
-    Python loop over sequences — on CPU that loop, not the math, dominated decode steps.
+    Python loop over sequences — on CPU that loop, not the math, dominated decode steps. With a window each row
+    gathers only the blocks its window touches, from the first one on, as the Triton kernel reads them (those
+    before may have gone back to the pool).
     """
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     tables = block_tables.long()
+    lens = seq_lens.to(q.device).long()[:, None]
+    first = torch.zeros_like(lens)  # each row's first gathered position
+    if window is not None:
+        span = min(tables.shape[1], -(-(window - 1) // page) + 1)  # blocks a window touches at most
+        start = ((lens - window).clamp(min=0) // page).clamp(max=tables.shape[1] - span)
+        tables = tables.gather(1, start + torch.arange(span, device=q.device))
+        first = start * page
     k = k_cache[tables].flatten(1, 2).float()  # [B, L, Hkv, D]
     v = v_cache[tables].flatten(1, 2).float()
-    pos, lens = torch.arange(k.shape[1], device=q.device)[None, :], seq_lens.to(q.device)[:, None]
+    pos = first + torch.arange(k.shape[1], device=q.device)[None, :]
     visible = pos < lens  # [B, L]
     if window is not None:
         visible &= pos >= lens - window
@@ -183,6 +192,14 @@ class Attention(nn.Module):
         if name != "sinks" or tuple(tensor.shape) != (total,):
             raise ValueError(f"shape {tuple(tensor.shape)}, expected ({total},): one sink logit per attention head")
         param.data.copy_(tensor[self.tp_rank * self.num_heads : (self.tp_rank + 1) * self.num_heads])
+
+    def _apply(self, fn, recurse=True):
+        # the model is cast to its dtype as a whole (models/loader.py); the sinks stay float32, as the kernels read
+        # them, so no step converts them again
+        super()._apply(fn, recurse)
+        if self.sinks is not None and self.sinks.dtype != torch.float32 and self.sinks.is_floating_point():
+            self.sinks.data = self.sinks.data.float()
+        return self
 
     def _sinks(self) -> torch.Tensor | None:
         return None if self.sinks is None else self.sinks.float()

@@ -141,6 +141,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "specials": {0: "<unk>", 1: "<s>", 2: "</s>"}, "bos": "<s>", "eos": "</s>", "chat": "mistral",
     },
+    "mistral-7b-v0.1": {  # Mistral-7B-v0.1: every layer attends through a 4096-token sliding window
+        "config": {
+            "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 4096,
+            "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "hidden_act": "silu",
+        },
+        "specials": {0: "<unk>", 1: "<s>", 2: "</s>"}, "bos": "<s>", "eos": "</s>", "chat": "mistral",
+    },
     # ---- mixture-of-experts ---------------------------------------------------------------------
     "qwen3-30b-a3b": {  # Qwen3-30B-A3B: 48 sparse layers, 128 experts of 768, top-8 renormalised
         "config": {

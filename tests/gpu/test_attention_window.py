@@ -176,7 +176,7 @@ def test_prologue_in_decode_with_window_and_sinks(model, batch, gen):
     cache, tables, lens = paged(seq_lens, hkv, d, gen)
     qkv = torch.randn(batch, (hq + 2 * hkv) * d, device="cuda", generator=gen).to(DT)
     positions = (lens - 1).long()
-    slots = (tables.gather(1, (positions // PAGE)[:, None].int()).squeeze(1).long() * PAGE + positions % PAGE)
+    slots = tables.gather(1, (positions // PAGE)[:, None]).squeeze(1).long() * PAGE + positions % PAGE
     cos, sin = rotary_cos_sin(max(seq_lens) + 1, d, base=150000.0, device="cuda")
     new = NewToken(qkv, hq, positions, cos, sin, slots)
     sinks = sinks_for(hq, with_sinks, gen)
