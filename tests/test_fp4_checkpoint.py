@@ -13,6 +13,7 @@ from model_utils import PagedHarness, held_weight_bytes, make_hf_checkpoints, re
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, Qwen3MoeConfig
 
+from graphserve.analysis.plan import build_plan, load_hf_config
 from graphserve.config import EngineConfig
 from graphserve.errors import ModelLoadError
 from graphserve.kernels.fp4_reference import nvfp4_dequantize
@@ -90,6 +91,9 @@ def test_nvfp4_checkpoint_gives_the_tokens_of_the_dequantized_model(sources, tmp
     loaded = _load(tmp_path / "fp4")
     model = loaded.model
     assert loaded.info.description.weights_bytes == held_weight_bytes(model)
+    # `graphserve plan` reads the folder's quantization (config.json's or hf_quant_config.json) to the same bytes
+    assert build_plan(load_hf_config(str(tmp_path / "fp4")), gpu_memory_gb=80, dtype="fp32")["weights_bytes"] == \
+        held_weight_bytes(model)
     fp4_linears = {n for n, m in model.named_modules() if isinstance(m, Linear) and m.quant_method is not None}
     fp4_experts = {n for n, m in model.named_modules() if isinstance(m, FusedMoE) and m.quant_method is not None}
     assert "model.layers.0.self_attn.qkv_proj" in fp4_linears and "model.layers.1.mlp.gate_up_proj" in fp4_linears
@@ -181,7 +185,7 @@ def test_a_malformed_nvfp4_checkpoint_is_refused_naming_the_tensor(llama_fp4, tm
     (lambda q: q.__setitem__("kv_cache_quant_algo", "FP8"), r"quantization_config.kv_cache_quant_algo='FP8'"),
     (lambda q: q.__setitem__("ignore", ["model.layers.0.self_attn.q_proj"]),
      r"lists 'model.layers.0.self_attn.q_proj' but not 'model.layers.0.self_attn.k_proj' and "
-     r"'model.layers.0.self_attn.v_proj', which graphserve fuses"),
+     r"'model.layers.0.self_attn.v_proj', which graphserve fuses .* or none \(FP4\)"),
     (lambda q: q.__setitem__("smoothing", True), r"quantization_config.smoothing=True is not supported"),
 ], ids=["group-32", "algo", "kv-cache", "partly-fused", "unknown-key"])  # fmt: skip
 def test_a_bad_modelopt_config_is_refused_naming_the_field(llama_fp4, tmp_path, config_edit, message):
@@ -243,3 +247,18 @@ def test_an_nvfp4_kv_b_proj_without_its_global_is_refused_naming_it():
     assert torch.equal(out[f"{kv_b}.weight"], nvfp4_dequantize(packed, scale, g)) and "model.norm.weight" in out
     with pytest.raises(ModelLoadError, match=rf"'{kv_b}.weight_scale_2': .* is 0.0"):
         list(dequantize_fp4_at_load([(f"{kv_b}.weight_scale_2", torch.tensor(0.0))], (".kv_b_proj",)))
+
+
+def test_quantization_flag_on_a_bf16_folder_is_the_nvfp4_checkpoint(sources, llama_fp4):
+    """``--quantization nvfp4`` on the unquantized folder holds the codes, scales and globals the ModelOpt-layout
+    checkpoint stores (one recipe), so both give the same logits; the checkpoint alone holds input scales."""
+    online = _load(sources["llama"], quantization="nvfp4").model
+    stored = _load(llama_fp4).model
+    for name, module in stored.named_modules():
+        if isinstance(module, Linear) and module.quant_method is not None:
+            twin = online.get_submodule(name)
+            assert torch.equal(twin.weight, module.weight), name
+            assert torch.equal(twin.weight_scale.view(torch.uint8), module.weight_scale.view(torch.uint8)), name
+            assert torch.equal(twin.weight_scale_2, module.weight_scale_2), name
+            assert not hasattr(twin, "input_scale") and module.input_scale.shape == module.weight_scale_2.shape
+    assert torch.equal(greedy(online)[1], greedy(stored)[1])

@@ -37,7 +37,14 @@ def load_hf_config(model: str) -> dict[str, Any]:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return json.loads(path.read_text())
+        hf = json.loads(path.read_text())
+        if hf.get("quantization_config") is None:  # ModelOpt's quantization beside config.json, as the loader reads
+            from graphserve.layers.quant.fp4_config import modelopt_file_config
+
+            modelopt = modelopt_file_config(path.parent)
+            if modelopt is not None:
+                hf["quantization_config"] = modelopt
+        return hf
     if ":" in model:
         from graphserve.models.presets import get_preset_config  # written alongside the models; load lazily
 

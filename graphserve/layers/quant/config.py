@@ -112,6 +112,8 @@ class IgnoreList:
     every part is listed; some of them is refused by name, as one weight cannot be partly fp8.
     """
 
+    FORMAT = "fp8"  # what the listed layers are not, in the refusals (layers/quant/fp4_config.py: FP4)
+
     def __init__(self, config: Fp8Config, map_weight_name: Callable[[str], tuple[str, Any] | None],
                  stacked: Mapping[str, tuple[str, Any]]) -> None:
         self.field = config.ignored_field
@@ -139,7 +141,7 @@ class IgnoreList:
         unlisted = " and ".join(self._part_names(name, shard) for shard in shards or () if shard not in listed)
         raise ModelLoadError(f"{self.field} lists {named} but not {unlisted or 'its other parts'}, which graphserve "
                              f"fuses with {'it' if len(listed) == 1 else 'them'} into {name}: list all of its parts "
-                             "(kept in the model dtype) or none (fp8)", param="model")
+                             f"(kept in the model dtype) or none ({self.FORMAT})", param="model")
 
     def keeps_experts(self, name: str, num_experts: int) -> bool:
         """Whether the routed experts ``name`` (one stacked tensor per layer, of ``num_experts`` in the model) stay in
@@ -156,7 +158,7 @@ class IgnoreList:
             return True
         named = ", ".join(repr(entry) for entry in dict.fromkeys([*listed.values(), *inside]))
         raise ModelLoadError(f"{self.field} lists {named} of the routed experts {name}: keeping single experts "
-                             f"unquantized is not supported (a layer's experts are one fp8 stack); list {name!r} "
+                             f"unquantized is not supported (a layer's experts are one {self.FORMAT} stack); list {name!r} "
                              "whole to keep all of them in the model dtype, or none of them", param="model")
 
     def _names_whole(self, name: str) -> bool:

@@ -79,6 +79,16 @@ def take_groups(part: RankSlice | None, t: torch.Tensor, per_byte: int, group: i
     return t.narrow(1, part.start // per_byte, part.size // per_byte)
 
 
+def cuda_fp4_linear() -> Callable:
+    """The kernels' ``fp4_linear`` (streaming kernel or tiled GEMM by rows): kernels/fp4_gemm.py, which routes between
+    them, or kernels/fp4_gemv.py where that module carries it. ImportError when this build has neither."""
+    try:
+        from graphserve.kernels.fp4_gemm import fp4_linear
+    except ImportError:
+        from graphserve.kernels.fp4_gemv import fp4_linear
+    return fp4_linear
+
+
 def check_rank_groups(part: RankSlice | None, group: int) -> None:
     """Refuse a rank's K columns that do not start and end on an FP4 scale group, naming them."""
     if part is not None and part.dim == 1 and (part.start % group or part.size % group):
@@ -139,7 +149,7 @@ class Fp4LinearMethod:
             check_block_scales(loaded, self.fmt)
             k = layer.in_features * (layer.tp_size if part is not None and part.dim == 1 else 1)
             _check_full(loaded, (stop - start, k // self.group), part, "scales", self.group)
-            _fit(param.data[start:stop], take_groups(part, loaded, self.group, self.group), self.group)
+            _fit(param.data[start:stop], take_groups(part, loaded, self.group, self.group))
         elif name in ("weight_scale_2", "input_scale") and self.config.global_scale:
             if loaded.numel() != 1:
                 raise ValueError(f"shape {tuple(loaded.shape)}, expected one value (one per checkpoint module)")
@@ -155,15 +165,15 @@ class Fp4LinearMethod:
             raise ValueError(f"dtype {loaded.dtype}, expected torch.uint8 (two E2M1 codes a byte; {self.fmt})")
         k = layer.in_features * (layer.tp_size if part is not None and part.dim == 1 else 1)
         _check_full(loaded, (stop - start, k // 2), part, "packed codes", self.group)
-        _fit(layer.weight.data[start:stop], take_groups(part, loaded, 2, self.group), self.group)
+        _fit(layer.weight.data[start:stop], take_groups(part, loaded, 2, self.group))
 
     def _quantize_into(self, layer: Linear, w: torch.Tensor, start: int, stop: int, shard: int,
                        part: RankSlice | None) -> None:
         """A model-dtype weight (the whole checkpoint module) quantized whole, then this rank's part of it."""
         device = layer.weight.device
         packed, scale, global_ = quantize_fp4(w.to(device), self.fmt)
-        _fit(layer.weight.data[start:stop], take_groups(part, packed, 2, self.group), self.group)
-        _fit(layer.weight_scale.data[start:stop], take_groups(part, scale, self.group, self.group), self.group)
+        _fit(layer.weight.data[start:stop], take_groups(part, packed, 2, self.group))
+        _fit(layer.weight_scale.data[start:stop], take_groups(part, scale, self.group, self.group))
         if global_ is not None:
             layer.weight_scale_2.data[shard] = global_
             self._set_global(layer)
@@ -205,8 +215,7 @@ class Fp4LinearMethod:
             # fp4_linear_reference's order: the fp32 dequantized weight, the product in fp32, rounded once
             out = F.linear(x.float(), self.dequantized_weight(layer, torch.float32), None)
             return (out + layer.bias.float() if layer.bias is not None else out).to(x.dtype)
-        from graphserve.kernels.fp4_gemv import fp4_linear
-
+        fp4_linear = cuda_fp4_linear()
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
             rows = rows.contiguous()
@@ -235,14 +244,13 @@ def _check_full(loaded: torch.Tensor, local: tuple[int, int], part: RankSlice | 
                          f"one scale per {group} elements)")
 
 
-def _fit(target: torch.Tensor, loaded: torch.Tensor, group: int) -> None:
+def _fit(target: torch.Tensor, loaded: torch.Tensor) -> None:
     if target.shape != loaded.shape:
         raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
     target.copy_(loaded)
 
 
-def quantize_fp4_linears(model: CausalLM, config: Fp4Config,
-                         ignore_cls: Callable[..., GlobIgnoreList] = GlobIgnoreList) -> int:
+def quantize_fp4_linears(model: CausalLM, config: Fp4Config) -> int:
     """Attach an Fp4LinearMethod to every ``Linear`` the config does not keep (``GlobIgnoreList``; none when the
     config's projections stay dense, as gpt-oss's MXFP4); the number attached."""
     from graphserve.layers.linear import Linear
@@ -250,7 +258,7 @@ def quantize_fp4_linears(model: CausalLM, config: Fp4Config,
     if not config.dense:
         return 0
     method = Fp4LinearMethod(config)
-    ignore = ignore_cls(config, model.map_weight_name, model.stacked_params)
+    ignore = GlobIgnoreList(config, model.map_weight_name, model.stacked_params)
     count = 0
     for name, module in model.named_modules():
         if not isinstance(module, Linear):

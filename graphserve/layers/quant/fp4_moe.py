@@ -156,8 +156,7 @@ class Fp4MoEMethod:
         experts at once, into this rank's experts and rows: gate/up de-interleaved, down's columns cut on scale
         groups. Biases go to the layer's ``w13_bias`` [E, 2I] / ``w2_bias`` [E, H], which the family creates.
         Returns the keys it filled, as ``CausalLM.load_weights`` counts them (``<param>#<shard>`` for each of the
-        layer's ``weight_shards``, or ``<param>`` for a parameter the layer does not shard), relative to the
-        layer: the family prefixes its name."""
+        layer's ``weight_shards``), relative to the layer: the family prefixes its name."""
         if self.fmt != "mxfp4":
             raise ValueError(f"gpt-oss's {name} holds MXFP4 experts; this layer's experts are {self.fmt}")
         if name not in GPT_OSS:
@@ -192,11 +191,10 @@ class Fp4MoEMethod:
             t = torch.zeros_like(t)
         stack = "w13_" if gate_up else "w2_"
         target = {"blocks": f"{stack}weight", "scales": f"{stack}weight_scale", "bias": f"{stack}bias"}[kind]
-        if not hasattr(layer, target):
+        if getattr(layer, target, None) is None:
             raise ValueError(f"{name}: the layer has no {target} (a gpt-oss family's FusedMoE holds its biases)")
         _copy(getattr(layer, target).data, t)
-        shards = layer.weight_shards(target) if target != f"{stack}bias" else None
-        return [target] if shards is None else [f"{target}#{s}" for s in shards]
+        return [f"{target}#{s}" for s in layer.weight_shards(target)]
 
     @torch.no_grad()
     def init_random(self, layer: FusedMoE, weight: str, dtype: torch.dtype, generator: torch.Generator) -> None:
