@@ -88,6 +88,9 @@ class ModelDescription:
     # layers/quant/config.py MODEL_DTYPE_LAYERS; and the projections a checkpoint's ignore list keeps), priced like
     # the embedding
     model_dtype_params: int = 0
+    # among model_dtype_params, those stored in float32 whatever the model dtype (attention sinks:
+    # layers/attention.Attention keeps them so)
+    float32_params: int = 0
     # the rest of dense_params: the projections FP8 quantizes (attention's, the dense and shared MLPs'), whose
     # scales depend on each one's shape (4 bytes per output row per channel, per tile with blocks)
     projections: tuple[Projection, ...] = ()
@@ -121,10 +124,10 @@ class ModelDescription:
     @property
     def dense_bytes(self) -> int:
         """Every dense parameter: the projections at ``weight_bytes_per_param`` and their scales,
-        ``model_dtype_params`` at the model dtype's (the same figure but under FP8)."""
+        ``model_dtype_params`` at the model dtype's (the same figure but under FP8), ``float32_params`` at 4 bytes."""
         kept = self.model_dtype_params
         return int((self.dense_params - kept) * self.weight_bytes_per_param) + self.dense_scale_bytes + \
-            kept * self._embed_bpp
+            (kept - self.float32_params) * self._embed_bpp + 4 * self.float32_params
 
     @property
     def _expert_bpp(self) -> int:

@@ -243,7 +243,7 @@ class GptOssForCausalLM(CausalLM):
         local_experts = split_evenly(m.num_experts, ep, "num_local_experts")
         sinks = s.num_heads // tp
         router = m.num_experts * h + m.num_experts
-        # kept in the model dtype under FP8: norms, attention biases and sinks, the router
+        # kept in the model dtype under FP8: norms, attention biases and sinks (these in float32), the router
         model_dtype = layers * (2 * h + attention_kept_params(s, tp) + sinks + router) + h
         return ModelDescription(
             kv=kv_layout_of(s, dtype, tp), hidden_size=h, vocab_size=s.vocab_size,
@@ -254,7 +254,7 @@ class GptOssForCausalLM(CausalLM):
             # an expert's biases (gate/up [2I], down [H]) are read with it, in the model dtype whatever its matrices
             expert_params=3 * h * moe_inter, expert_bias_params=2 * moe_inter + h, local_experts=local_experts, num_experts=m.num_experts, top_k=m.top_k,
             num_moe_layers=layers, act_width=max(attn_act, m.num_experts + m.top_k * (3 * moe_inter + h)),
-            act_bytes_per_elem=dtype.itemsize, model_dtype_params=model_dtype,
+            act_bytes_per_elem=dtype.itemsize, model_dtype_params=model_dtype, float32_params=layers * sinks,
             projections=tuple(attention_projections(s, tp, range(layers))),
             expert_layers=layer_modules(range(layers), "mlp.experts"),
         )  # fmt: skip
