@@ -232,7 +232,9 @@ def moe_stream_reports() -> list[dict]:
                 types = {"act_ptr": "*bf16", "w2_ptr": f8, "out_ptr": "*bf16", "weights_ptr": "*fp32",
                          "ids_ptr": "*i32", "valid_ptr": "*i32", "ws_ptr": "*fp32"}  # fmt: skip
                 consts = {"K": kk, "BLOCK_S": triton.next_power_of_2(k)}
-            consts.update(scales, K_SCALES=wide, BLOCK_N=tile.block_n, BLOCK_K=step)
+            consts.update(scales, K_SCALES=wide, BLOCK_N=tile.block_n, BLOCK_K=step, HAS_BIAS=False)
+            if name == "gate_up":
+                consts.update(ACT=0, ALPHA=1.702, LIMIT=7.0)
             row = compile_report(fn, types, consts, tile.num_warps, tile.num_stages)
             out.append({"kernel": fn.__name__, "shape": f"E{e} H{h} I{i} k{k} {name} {tile.block_n}x{step}"
                         f"{' k_scales' if wide else ''} w{tile.num_warps}", **row})

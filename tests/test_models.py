@@ -67,5 +67,7 @@ def test_sliding_window_of_a_family_without_windows_is_refused(tmp_path):
 
 
 def test_unsupported_rope_type_is_refused():
-    with pytest.raises(ModelLoadError, match="yarn"):
+    with pytest.raises(ModelLoadError, match="dynamic"):
+        rope_inv_freq(16, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="yarn' needs rope_scaling.original_max_position_embeddings"):
         rope_inv_freq(16, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})

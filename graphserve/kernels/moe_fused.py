@@ -42,7 +42,8 @@ from graphserve.kernels.l2_prefetch import no_prefetch_args
 from graphserve.kernels.l2_prefetch import plan as prefetch_plan
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
-from graphserve.kernels.moe_gemm import fused_moe_gemm_kernel, moe_sum_kernel
+from graphserve.kernels.moe_gemm import SILU, SWIGLU_OAI, fused_moe_gemm_kernel, moe_sum_kernel
+from graphserve.kernels.moe_reference import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 from graphserve.kernels.moe_scales import ExpertScales, a8_problem, check_a8_tile, expert_scales, scale_args
 from graphserve.kernels.moe_stream import fused_moe_gemv_down_kernel, fused_moe_gemv_gate_up_kernel
 from graphserve.kernels.pdl import pdl_args
@@ -55,6 +56,16 @@ FP8_DTYPE = torch.float8_e4m3fn
 # activations and runs W8A8: from the first (module docstring); benchmarks/moe_fp8.py times both modes per
 # batch, and its --w8a8-rows-per-expert runs the decode steps under another value
 W8A8_MIN_ROWS_PER_EXPERT = 0
+
+
+def _check_epilogue(hidden, w13, w2, w13_bias, w2_bias, activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
+    e, two_i, h = w13.shape
+    for name, bias, shape in (("w13_bias", w13_bias, (e, two_i)), ("w2_bias", w2_bias, (e, h))):
+        if bias is not None and (tuple(bias.shape) != shape or bias.dtype != hidden.dtype or not bias.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous {hidden.dtype} {list(shape)}, got {bias.dtype} "
+                             f"{list(bias.shape)}")
 
 
 def _check(hidden, w13, w2, topk_weights, topk_ids, fp8: bool) -> None:
@@ -98,8 +109,17 @@ def fused_experts(
     hidden_q: tuple[torch.Tensor, torch.Tensor] | None = None,
     input_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     read_next: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = SWIGLU_ALPHA,
+    limit: float = SWIGLU_LIMIT,
 ) -> torch.Tensor:
     """sum over slots of weight * down(silu(gate(x)) * up(x)) over this rank's experts, [T, H].
+
+    gpt-oss: ``w13_bias [E_local, 2I]`` (gate's, then up's) and ``w2_bias [E_local, H]`` in the activation dtype
+    join gate/up before the activation and down before the routing weight; ``activation="swiglu_oai"`` with its
+    ``alpha`` and ``limit`` (kernels/moe_reference.activation_reference) replaces silu(gate) * up.
 
     ``valid`` (bool [T]) marks real rows; ``counts`` (int32 [E global]) receives pairs per expert.
     ``w13_scale`` / ``w2_scale``: the fp32 scales of fp8 ``w13`` / ``w2`` (``weight_block`` (bn, bk)
@@ -120,6 +140,8 @@ def fused_experts(
                          f"{weight_block}, hidden_q {'given' if hidden_q is not None else 'None'}, "
                          f"{[(tuple(s.shape), s.dtype) for s in input_scales]}")
     _check(hidden, w13, w2, topk_weights, topk_ids, fp8)
+    _check_epilogue(hidden, w13, w2, w13_bias, w2_bias, activation)
+    epilogue = {"act": SWIGLU_OAI if activation == "swiglu_oai" else SILU, "alpha": float(alpha), "limit": float(limit)}
     scales = expert_scales(w13, w2, w13_scale, w2_scale, weight_block) if fp8 else None
     if path not in (None, *PATHS):
         raise ValueError(f"path={path!r} must be one of {PATHS}")
@@ -143,10 +165,11 @@ def fused_experts(
     if chosen == "gemv":
         _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
                         gemv_tiles or tiles.gemv_tiles(k, inter, h, weight_block[1] if weight_block else None),
-                        scales)  # fmt: skip
+                        scales, (w13_bias, w2_bias), epilogue)  # fmt: skip
     else:
         _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
-                           step_tiles, scales, w8a8, hidden_q, input_scales, read_next)  # fmt: skip
+                           step_tiles, scales, w8a8, hidden_q, input_scales, read_next, (w13_bias, w2_bias),
+                           epilogue)  # fmt: skip
     return out
 
 
@@ -221,7 +244,7 @@ def quantized_steps(t: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, w13
 
 
 def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles,
-                    scales=None):  # fmt: skip
+                    scales=None, biases=(None, None), epilogue=None):  # fmt: skip
     """Three launches in all with the router: gate_up per pair (+ counts), down per token (+ slot sum).
 
     Tiles come from the table or, where it has none, from the shape (moe_config.default_gemv_tiles).
@@ -238,12 +261,16 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
     a13, a2 = scale_args(s13, w13), scale_args(s2, w2)
     block_e = triton.next_power_of_2(counts.numel())
     act = torch.empty(t * k, inter, dtype=hidden.dtype, device=hidden.device)
+    b13, b2 = biases
+    epilogue = epilogue or {"act": SILU, "alpha": SWIGLU_ALPHA, "limit": SWIGLU_LIMIT}
     fused_moe_gemv_gate_up_kernel[(t * k, triton.cdiv(inter, gu.block_n))](
         hidden, w13, act, topk_ids, valid_arg, counts, a13["scale"], inter, expert_start, t * k,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), a13["stride_e"], a13["stride_n"],
         a13["up_row"], K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local, HAS_VALID=valid is not None,
         W_FP8=scales is not None, **a13["consts"], K_SCALES=gu_ks, BLOCK_N=gu.block_n, BLOCK_K=gu_k,
         BLOCK_P=HISTOGRAM_PAIRS, BLOCK_E=block_e, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_args(hidden.device, "fused_moe_gemv_gate_up_kernel"),
+        b13_ptr=w13 if b13 is None else b13, stride_b13e=0 if b13 is None else b13.stride(0),
+        HAS_BIAS=b13 is not None, ACT=epilogue["act"], ALPHA=epilogue["alpha"], LIMIT=epilogue["limit"],
     )  # fmt: skip
     fused_moe_gemv_down_kernel[(t, triton.cdiv(h, dn.block_n))](
         act, w2, out, topk_weights, topk_ids, valid_arg, a2["scale"], h, expert_start,
@@ -251,11 +278,13 @@ def _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, e
         K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, W_FP8=scales is not None,
         **a2["consts"], K_SCALES=dn_ks, BLOCK_S=triton.next_power_of_2(k), BLOCK_N=dn.block_n, BLOCK_K=dn_k,
         num_warps=dn.num_warps, num_stages=dn.num_stages, **pdl_args(act.device, "fused_moe_gemv_down_kernel"),
+        b2_ptr=w2 if b2 is None else b2, stride_b2e=0 if b2 is None else b2.stride(0), HAS_BIAS=b2 is not None,
     )  # fmt: skip
 
 
 def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out, tiles,
-                       scales=None, w8a8=False, hidden_q=None, input_scales=None, read_next=None):  # fmt: skip
+                       scales=None, w8a8=False, hidden_q=None, input_scales=None, read_next=None, biases=(None, None),
+                       epilogue=None):  # fmt: skip
     """Sort/align, gate_up and down grouped GEMMs over [pairs] rows, then the slot sum (which asks L2 for the first
     bytes of ``read_next``, kernels/l2_prefetch.py).
 
@@ -277,10 +306,11 @@ def _grouped_gemm_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg
     act = torch.empty(pairs, inter, dtype=FP8_DTYPE if quant_out else hidden.dtype, device=hidden.device)
     act_s = torch.empty(pairs, triton.cdiv(inter, s2.group_k), dtype=torch.float32, device=hidden.device) \
         if quant_out else None  # fmt: skip
+    epilogue = epilogue or {}
     gemm_step(hidden, w13, s13, act, gu, align, topk_weights, k, True, w8a8, hidden_q, c_scale=act_s,
-              static_scale=static13)
+              static_scale=static13, bias=biases[0], **epilogue)
     gemm_step(act, w2, s2, down, dn, align, topk_weights, 1, False, w8a8, (act, act_s) if quant_out else None,
-              static_scale=static2)
+              static_scale=static2, bias=biases[1])
     block_h = min(1024, triton.next_power_of_2(h))
     grid = (t, triton.cdiv(h, block_h))
     pf = prefetch_plan(read_next, grid[0] * grid[1], 32 * _SUM_WARPS, "slot_sum")
@@ -302,13 +332,17 @@ def quant_out_group(gate_up: GemmTile, down: GemmTile, s2: ExpertScales | None, 
 def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torch.Tensor, tile: GemmTile, align,
               topk_weights: torch.Tensor, a_row_div: int, gated: bool, w8a8: bool,
               a_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
-              c_scale: torch.Tensor | None = None, static_scale: torch.Tensor | None = None) -> None:  # fmt: skip
+              c_scale: torch.Tensor | None = None, static_scale: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None, act: int = SILU, alpha: float = SWIGLU_ALPHA,
+              limit: float = SWIGLU_LIMIT) -> None:  # fmt: skip
     """One grouped GEMM over the sorted pairs: gate_up (``gated``: rows ``a[pair // a_row_div]``, silu * up
     written) or down (rows ``a[pair]``, times the routing weight). The step's mode: ``tile.a8``
     quantizes a in the kernel (A_QUANT), else ``w8a8`` quantizes it first (A_FP8; ``a_quantized``: a already
     quantized so, by its producer), else W8A16. ``c_scale`` (gate_up, fp32 [pairs, N / block_n]): c is fp8 and
     each tile's rows are quantized as one group, the scales written there (``quant_out_group``). ``static_scale``
-    (W8A8 with per-channel weight scales): a quantized with that one scale instead of per token group."""
+    (W8A8 with per-channel weight scales): a quantized with that one scale instead of per token group.
+    ``bias``: the experts' bias rows ([E, 2I] gate_up, [E, H] down); ``act``/``alpha``/``limit``: gate_up's
+    activation (moe_gemm.gated_epilogue)."""
     n, kk = b.shape[1] // (2 if gated else 1), b.shape[2]
     check_a8_tile(tile, sb)
     # the activation dtype, where the epilogue rounds: c's, or a's where c is the fp8 that QUANT_OUT writes
@@ -353,6 +387,8 @@ def gemm_step(a: torch.Tensor, b: torch.Tensor, sb: ExpertScales | None, c: torc
         K_SCALES=k_only, A_QUANT=tile.a8, QUANT_OUT=c_scale is not None, ACT_DTYPE=act_dtype, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(a.device, "fused_moe_gemm_kernel"),
+        bias_ptr=b if bias is None else bias, stride_bias_e=0 if bias is None else bias.stride(0),
+        HAS_BIAS=bias is not None, ACT=act, ALPHA=alpha, LIMIT=limit,
     )  # fmt: skip
 
 

@@ -10,7 +10,9 @@ and skips pairs that were not routed (padding rows, other ranks' experts); their
 written.
 
 gate and up are rounded to the activation dtype before silu * up, as when the two projections and
-the activation run apart. References: kernels/moe_reference.experts_reference.
+the activation run apart. gpt-oss's experts (``HAS_BIAS``, ``ACT`` SWIGLU_OAI) add a bias row to each
+accumulator and take their clamped activation in the same epilogue; with neither the kernel compiles to
+what it was. References: kernels/moe_reference.experts_reference.
 
 FP8 expert weights (``B_FP8`` / ``W_FP8``): e4m3 weights with fp32 scales ``[E, SN, SK]``, one per
 ``[GROUP_N, GROUP_K]`` block (128x128 as DeepSeek-V3 / Qwen3-FP8 ship them; gate's row blocks, then
@@ -56,13 +58,23 @@ from graphserve.kernels.fp8_quant import quantize_rows
 from graphserve.kernels.l2_prefetch import issue_l2_prefetch
 from graphserve.kernels.pdl import pdl_enter
 
+SILU, SWIGLU_OAI = 0, 1  # the kernels' ACT: kernels/moe_reference.ACTIVATIONS in order
+
 
 @triton.jit
-def gated_epilogue(acc_g, acc_u, w, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, DTYPE: tl.constexpr):
+def gated_epilogue(acc_g, acc_u, w, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, DTYPE: tl.constexpr,
+                   ACT: tl.constexpr = 0, ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0):  # fmt: skip
+    """``ACT`` SILU: silu(g) * u; SWIGLU_OAI (gpt-oss): g clamped above at LIMIT, u to +-LIMIT,
+    (u + 1) * g * sigmoid(ALPHA * g). g and u are rounded to DTYPE first either way."""
     if GATED:
         g = acc_g.to(DTYPE).to(tl.float32)
         u = acc_u.to(DTYPE).to(tl.float32)
-        out = g / (1.0 + tl.exp(-g)) * u
+        if ACT == 1:
+            g = tl.minimum(g, LIMIT)
+            u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+            out = g / (1.0 + tl.exp(-ALPHA * g)) * (u + 1.0)
+        else:
+            out = g / (1.0 + tl.exp(-g)) * u
     else:
         out = acc_g
     if MUL_WEIGHT:
@@ -117,8 +129,13 @@ def fused_moe_gemm_kernel(
     PER_CHANNEL: tl.constexpr, K_SCALES: tl.constexpr, A_QUANT: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    bias_ptr, stride_bias_e, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] output tile of one expert's run; the grid covers the worst-case sort.
+
+    ``HAS_BIAS`` (gpt-oss): the expert's bias row (gate_up: [2I], gate's then up's; down: [H]) joins the fp32
+    accumulators after the weight scales, before the activation and before the routing weight. ``ACT``:
+    gated_epilogue's activation.
 
     ``QUANT_OUT`` (gate_up): the tile's BLOCK_N columns are one activation group of the down step's W8A8; the
     epilogue quantizes each row of silu * up (rounded to ``ACT_DTYPE`` first, as it would be stored) and
@@ -201,19 +218,24 @@ def fused_moe_gemm_kernel(
         acc_g *= tl.load(bsg_ptrs)[None, :]
         if GATED:
             acc_u *= tl.load(bsu_ptrs)[None, :]
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_bias_e
+        acc_g += tl.load(bias_row + b_rows)[None, :].to(tl.float32)
+        if GATED:
+            acc_u += tl.load(bias_row + N + b_rows)[None, :].to(tl.float32)
     w = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     if QUANT_OUT:
-        out = gated_epilogue(acc_g, acc_u, w, GATED, MUL_WEIGHT, ACT_DTYPE).to(tl.float32)
+        out = gated_epilogue(acc_g, acc_u, w, GATED, MUL_WEIGHT, ACT_DTYPE, ACT, ALPHA, LIMIT).to(tl.float32)
         # columns past N hold re-read weights: zeros there, as the launch's group past K would load
         out = tl.where((offs_n < N)[None, :], out, 0.0)
         q, c_s = quantize_rows(out, c_ptr.dtype.element_ty, FP8_MAX_C, MIN_SCALE_C)
         tl.store(c_ptrs, q, mask=row_mask[:, None] & (offs_n[None, :] < N))
         tl.store(cs_ptr + pairs.to(tl.int64) * stride_csm + pid_n, c_s, mask=row_mask)
     else:
-        out = gated_epilogue(acc_g, acc_u, w, GATED, MUL_WEIGHT, c_ptr.dtype.element_ty)
+        out = gated_epilogue(acc_g, acc_u, w, GATED, MUL_WEIGHT, c_ptr.dtype.element_ty, ACT, ALPHA, LIMIT)
         tl.store(c_ptrs, out, mask=row_mask[:, None] & (offs_n[None, :] < N))
 
 

@@ -8,6 +8,11 @@ rounded per (token, slot) pair; the k pairs of a token are summed in fp32. (The 
 streaming kernels skip the per-pair rounding: they sum the slots in fp32 and round once.) In fp32
 this is transformers' Qwen3-MoE/Mixtral/OLMoE/Qwen2-MoE expert computation exactly.
 
+gpt-oss's experts add two things, both optional here: biases (``w13_bias [E, 2I]`` added to the gate/up
+accumulators before they are rounded, ``w2_bias [E, H]`` to the down accumulator before the routing weight)
+and the ``swiglu_oai`` activation (``activation_reference``), on gate/up rows already de-interleaved into
+[gate rows; up rows] at load. In fp32 that is transformers' ``GptOssExperts`` exactly.
+
 A (token, slot) pair p = t * top_k + s is *routed* when token t is valid (not a padding row of a
 CUDA-graph batch) and its expert lies in this rank's range [expert_start, expert_start + E_local).
 Pairs that are not routed contribute nothing and are not counted.
@@ -112,9 +117,30 @@ def moe_align_reference(
     return sorted_ids, expert_ids, pos
 
 
+ACTIVATIONS = ("silu", "swiglu_oai")
+SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope (transformers GptOssExperts.alpha)
+SWIGLU_LIMIT = 7.0  # its clamp (config.json swiglu_limit)
+
+
 def _silu_mul(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     gate, up = gate_up.to(dtype).float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(dtype)
+
+
+def activation_reference(gate_up: torch.Tensor, dtype: torch.dtype, activation: str = "silu",
+                         alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+    """The gated activation of ``gate_up [..., 2I]`` ([gate; up] along the last dim), gate and up rounded to
+    ``dtype`` first, the product computed in fp32 and rounded to ``dtype``.
+
+    ``silu``: silu(gate) * up. ``swiglu_oai`` (gpt-oss): gate clamped above at ``limit``, up to +-``limit``,
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    if activation == "silu":
+        return _silu_mul(gate_up, dtype)
+    if activation != "swiglu_oai":
+        raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
+    gate, up = gate_up.to(dtype).float().chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return ((up + 1) * gate * torch.sigmoid(alpha * gate)).to(dtype)
 
 
 def experts_reference(
@@ -126,12 +152,19 @@ def experts_reference(
     valid: torch.Tensor | None = None,
     expert_start: int = 0,
     pairs_per_chunk: int | None = None,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = SWIGLU_ALPHA,
+    limit: float = SWIGLU_LIMIT,
 ) -> torch.Tensor:
-    """sum over slots of weight * down(silu(gate(x)) * up(x)) for each token's routed experts.
+    """sum over slots of weight * down(act(gate(x), up(x))) for each token's routed experts.
 
     Vectorised over pairs: each routed pair gathers its expert's weights and the pairs go through
     one batched matmul, ``pairs_per_chunk`` at a time (by default as many as keep the gathered
-    fp32 weights near 256 MiB) so memory stays bounded at any batch.
+    fp32 weights near 256 MiB) so memory stays bounded at any batch. ``w13_bias [E_local, 2I]`` /
+    ``w2_bias [E_local, H]``: added to gate/up and to down's output (before the routing weight).
     """
     if pairs_per_chunk is None:
         pairs_per_chunk = max(1, min(256, (64 << 20) // (w13[0].numel() + w2[0].numel())))
@@ -146,8 +179,13 @@ def experts_reference(
     for c in range(0, pair_ids.numel(), pairs_per_chunk):
         e = experts[c : c + pairs_per_chunk]
         x = rows[c : c + pairs_per_chunk, :, None]
-        act = _silu_mul(torch.bmm(w13[e].float(), x)[..., 0], hidden.dtype)
+        gate_up = torch.bmm(w13[e].float(), x)[..., 0]
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[e].float()
+        act = activation_reference(gate_up, hidden.dtype, activation, alpha, limit)
         down = torch.bmm(w2[e].float(), act.float()[..., None])[..., 0]
+        if w2_bias is not None:
+            down = down + w2_bias[e].float()
         w = topk_weights.reshape(-1)[pair_ids[c : c + pairs_per_chunk]].float()
         out[pair_ids[c : c + pairs_per_chunk]] = (down * w[:, None]).to(hidden.dtype).float()
     return out.view(t, k, h).sum(dim=1).to(hidden.dtype)

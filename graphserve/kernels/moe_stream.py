@@ -6,7 +6,8 @@ formed in registers (gate and up rounded to the activation dtype first, as the g
 epilogue does) and [pairs, I] written. down runs per token: its k slots' rows of ``w2`` and the
 routing weights, the slot sum in registers, so no moe_sum launch follows. FP8 weights (``W_FP8``)
 are widened in registers against model-dtype activations, a block scale multiplying each K step's
-row sums (per channel: the row's scale once). References: kernels/moe_reference.experts_reference,
+row sums (per channel: the row's scale once). gpt-oss's expert biases (``HAS_BIAS``) join the accumulators
+after the scales and its activation is gated_epilogue's ``ACT``. References: kernels/moe_reference.experts_reference,
 kernels/moe_fp8_reference.py.
 """
 
@@ -75,7 +76,8 @@ def fused_moe_gemv_gate_up_kernel(
     K: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
     W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
     K_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, PDL: tl.constexpr, b13_ptr, stride_b13e, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
     """act[p, n-block] = silu(gate) * up for pair ``program_id(0)``: its expert's gate and up rows
     streamed once, FMA in fp32.
@@ -133,7 +135,11 @@ def fused_moe_gemv_gate_up_kernel(
     if W_FP8 and PER_CHANNEL:
         acc_g *= tl.load(sg_ptrs)
         acc_u *= tl.load(su_ptrs)
-    out = gated_epilogue(acc_g, acc_u, 0.0, True, False, act_ptr.dtype.element_ty)
+    if HAS_BIAS:  # gpt-oss: the expert's gate and up biases, before the activation
+        b_row = b13_ptr + expert.to(tl.int64) * stride_b13e
+        acc_g += tl.load(b_row + rows).to(tl.float32)
+        acc_u += tl.load(b_row + N + rows).to(tl.float32)
+    out = gated_epilogue(acc_g, acc_u, 0.0, True, False, act_ptr.dtype.element_ty, ACT, ALPHA, LIMIT)
     tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, out, mask=offs_n < N)
 
 
@@ -192,6 +198,7 @@ def fused_moe_gemv_down_kernel(
     K: tl.constexpr, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
     W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
     K_SCALES: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    b2_ptr, stride_b2e, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """out[t, n-block] = sum over token t's routed slots of weight * (w2[expert] @ act[pair]).
 
@@ -240,5 +247,9 @@ def fused_moe_gemv_down_kernel(
     acc += _down_sums(w, a, weight, s, BLOCK_SCALED, K_SCALES)
     if W_FP8 and PER_CHANNEL:
         acc *= tl.load(s_base, mask=routed[:, None], other=0.0)
+    if HAS_BIAS:  # gpt-oss: each slot's expert's down bias, weighted as its product is
+        bias = tl.load(b2_ptr + expert.to(tl.int64)[:, None] * stride_b2e + rows[None, :], mask=routed[:, None],
+                       other=0.0)  # fmt: skip
+        acc += bias.to(tl.float32) * weight[:, None]
     out = tl.sum(acc, axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)

@@ -18,6 +18,9 @@ from torch import nn
 
 from graphserve.errors import ModelLoadError
 from graphserve.kernels.moe_reference import (
+    ACTIVATIONS,
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
     expert_counts_reference,
     experts_reference,
     grouped_sigmoid_topk_reference,
@@ -125,6 +128,11 @@ class FusedMoE(nn.Module):
     them. Either way the output is a partial sum that the caller all-reduces. FP8 experts (an FP8
     checkpoint or ``--quantization``): ``quant_method`` (layers/quant/fp8_moe.py) stores the stacks
     in fp8 with their scales and owns their loading.
+
+    gpt-oss's experts: ``bias`` adds ``w13_bias [E_local, 2 * I_local]`` and ``w2_bias [E_local, H]`` (in the
+    model dtype whatever stores the weights), ``activation="swiglu_oai"`` its clamped SwiGLU with
+    ``swiglu_alpha`` and ``swiglu_limit`` (kernels/moe_reference.activation_reference). Under --tp the down
+    bias is held by tensor-parallel rank 0 alone (zeros elsewhere): the ranks' outputs are summed.
     """
 
     def __init__(
@@ -142,10 +150,16 @@ class FusedMoE(nn.Module):
         activation: str = "silu",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        bias: bool = False,
+        swiglu_alpha: float = SWIGLU_ALPHA,
+        swiglu_limit: float = SWIGLU_LIMIT,
     ):
         super().__init__()
-        if activation != "silu":
-            raise ModelLoadError(f"hidden_act={activation!r} is not supported for experts; supported: 'silu'")
+        if activation not in ACTIVATIONS:
+            raise ModelLoadError(f"hidden_act={activation!r} is not supported for experts; supported: "
+                                 f"{', '.join(repr(a) for a in ACTIVATIONS)}")
+        if not swiglu_limit > 0:
+            raise ModelLoadError(f"swiglu_limit={swiglu_limit} must be positive")
         if router.num_experts != num_experts or router.top_k != top_k:
             raise ModelLoadError(
                 f"router has num_experts={router.num_experts}, top_k={router.top_k}; "
@@ -170,6 +184,11 @@ class FusedMoE(nn.Module):
             torch.empty(e, 2 * i, hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype, device=device), requires_grad=False)
+        self.activation, self.swiglu_alpha, self.swiglu_limit = activation, float(swiglu_alpha), float(swiglu_limit)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype, device=device), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(e, hidden_size, dtype=dtype, device=device), requires_grad=False)
         # pairs per global expert in the last forward, written on the device by the routing path
         # itself so it stays valid under CUDA-graph replay; padding rows are not counted
         self.register_buffer(
@@ -239,8 +258,38 @@ class FusedMoE(nn.Module):
         parts = DOWN_PARTS if param_name.startswith("w2_") else GATE_UP_PARTS  # w2_weight and its fp8 scales
         return [(e, part) for e in experts for part in parts]
 
+    def load_expert_bias(self, part: str, expert_id: int, tensor: torch.Tensor) -> bool:
+        """Copy one expert's checkpoint bias (w1/w3 [I], w2 [H]) into this rank's slice; False when the expert
+        lives on another rank."""
+        if part not in EXPERT_PARTS or self.w13_bias is None:
+            raise ModelLoadError(f"expert bias {part!r} has no place: these experts have "
+                                 f"{'biases w1, w3, w2' if self.w13_bias is not None else 'no biases'}")
+        if not 0 <= expert_id < self.num_experts:
+            raise ModelLoadError(f"expert index {expert_id} is out of range for num_experts={self.num_experts}")
+        expected = (self.hidden_size if part == "w2" else self.intermediate_size,)
+        if tuple(tensor.shape) != expected:
+            raise ModelLoadError(f"expert {expert_id} {part} bias: checkpoint shape {tuple(tensor.shape)} does not "
+                                 f"match the config's {expected}")
+        local = expert_id - self.expert_start
+        if not 0 <= local < self.num_local_experts:
+            return False
+        il = self.intermediate_local
+        with torch.no_grad():
+            if part == "w2":  # added once to the ranks' sum
+                self.w2_bias[local].copy_(tensor if self.tp_rank == 0 else torch.zeros_like(tensor))
+            else:
+                part_slice = self.rank_slice(part)
+                rows = slice(0, il) if part == "w1" else slice(il, 2 * il)
+                self.w13_bias[local, rows].copy_(part_slice.take(tensor) if part_slice is not None else tensor)
+        return True
+
     def load_weight(self, param_name: str, param: nn.Parameter, tensor: torch.Tensor, shard: tuple[int, str]) -> bool:
         """Place one expert's checkpoint matrix; False when the expert lives on another rank."""
+        if param_name in ("w13_bias", "w2_bias"):  # the model dtype, whatever stores the weights
+            expert, part = shard
+            if (part == "w2") != (param_name == "w2_bias"):
+                raise ValueError(f"expert part {part!r} does not belong in {param_name}")
+            return self.load_expert_bias(part, expert, tensor)
         if self.quant_method is not None:
             return self.quant_method.load_weight(self, param_name, tensor, shard)
         expert, part = shard
@@ -396,13 +445,22 @@ class FusedMoE(nn.Module):
             return fused_experts(
                 hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                 valid=valid, expert_start=self.expert_start, counts=self.expert_counts, hidden_q=hidden_q, **quant,
-                read_next=self.read_next[0].weight if self.read_next else None,
+                read_next=self.read_next[0].weight if self.read_next else None, **self._epilogue(),
             )  # fmt: skip
         self.expert_counts.copy_(expert_counts_reference(topk_ids, valid, self.num_experts))
         w13, w2 = self.w13_weight, self.w2_weight
         if self.quant_method is not None:  # the CPU path: dequantize, then the model-dtype experts
             w13, w2 = self.quant_method.dequantized(self, hidden.dtype)
-        return experts_reference(hidden, w13, w2, topk_weights, topk_ids, valid, self.expert_start)
+        return experts_reference(hidden, w13, w2, topk_weights, topk_ids, valid, self.expert_start,
+                                 **self._epilogue())
+
+    def _epilogue(self) -> dict:
+        """The experts' biases and activation, as fused_experts and experts_reference take them (nothing for
+        the plain SiLU experts, whose calls stay as they were)."""
+        if self.activation == "silu" and self.w13_bias is None:
+            return {}
+        return {"w13_bias": self.w13_bias, "w2_bias": self.w2_bias, "activation": self.activation,
+                "alpha": self.swiglu_alpha, "limit": self.swiglu_limit}
 
 
 def _valid_mask(valid: torch.Tensor | None, num_rows: int, device: torch.device) -> torch.Tensor | None:

@@ -1,8 +1,11 @@
 """Rotary position embedding (the rotate-half layout Llama, Qwen and Mistral checkpoints use).
 
-Supported ``rope_type``s: ``default``, ``linear`` and ``llama3`` (Llama 3.1+ frequency
-smoothing). Others (yarn, dynamic, longrope...) change attention scaling or depend on the
-sequence length; they are refused at load time rather than silently computed wrong.
+Supported ``rope_type``s: ``default``, ``linear``, ``llama3`` (Llama 3.1+ frequency
+smoothing) and ``yarn`` (gpt-oss: blended frequencies and an attention factor that multiplies cos and
+sin, folded into the cache, so every path that reads the cache applies it; the frequencies are
+layers/mla_rope.yarn_inv_freq's, transformers' ``_compute_yarn_parameters``, ``truncate`` honoured).
+Others (dynamic, longrope...) depend on the sequence length; they are refused at load time rather
+than silently computed wrong.
 """
 
 from __future__ import annotations
@@ -15,12 +18,34 @@ from torch import nn
 
 from graphserve.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_inv_freq(head_dim: int, rope_parameters: dict[str, Any]) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` (float32, CPU) for a HF ``rope_parameters`` dict."""
+    return rope_tables(head_dim, rope_parameters)[0]
+
+
+def rope_tables(head_dim: int, rope_parameters: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies ``[head_dim // 2]`` float32 on CPU, the factor cos and sin are multiplied by)."""
     rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+    if rope_type == "yarn":
+        return _yarn(head_dim, rope_parameters)
+    return _inv_freq(head_dim, rope_parameters, rope_type), 1.0
+
+
+def _yarn(head_dim: int, p: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    from graphserve.layers.mla_rope import yarn_inv_freq
+
+    for field in ("factor", "original_max_position_embeddings", "rope_theta"):
+        if p.get(field) is None:
+            raise ModelLoadError(f"rope_scaling.rope_type='yarn' needs rope_scaling.{field}", param="rope_scaling")
+    if float(p["factor"]) < 1:
+        raise ModelLoadError(f"rope_scaling.factor={p['factor']} must be at least 1 for yarn", param="rope_scaling")
+    return yarn_inv_freq(head_dim, p, int(p["original_max_position_embeddings"]))
+
+
+def _inv_freq(head_dim: int, rope_parameters: dict[str, Any], rope_type: str) -> torch.Tensor:
     base = float(rope_parameters["rope_theta"])
     # always on CPU: the model may be assembled under a meta-device context
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
@@ -82,7 +107,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.max_positions = max_positions
-        self.inv_freq = rope_inv_freq(head_dim, rope_parameters)
+        self.inv_freq, self.attention_factor = rope_tables(head_dim, rope_parameters)
         # Built on the ambient default device: meta when the model is assembled shape-only first.
         self.register_buffer("cos_sin_cache", self._build_cache(torch.empty(0).device), persistent=False)
 
@@ -91,7 +116,8 @@ class RotaryEmbedding(nn.Module):
             return torch.empty(self.max_positions, self.head_dim, device=device)
         t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         angles = torch.outer(t, self.inv_freq.to(device))
-        return torch.cat((angles.cos(), angles.sin()), dim=-1)
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        return cos_sin * self.attention_factor if self.attention_factor != 1.0 else cos_sin
 
     def rebuild(self, device: torch.device) -> None:
         """Recompute the cache on ``device`` (after the model was materialised with ``to_empty``)."""

@@ -70,7 +70,9 @@ class ModelDescription:
     dense_params: int
     embed_params: int  # embedding table on this rank
     lm_head_params: int  # 0 when tied to the embedding
-    expert_params: int = 0  # one routed expert of one MoE layer on this rank
+    expert_params: int = 0  # one routed expert of one MoE layer on this rank: its three matrices
+    # one routed expert's biases (gpt-oss: gate/up's and down's), read with it, kept in the model dtype
+    expert_bias_params: int = 0
     local_experts: int = 0  # routed experts per MoE layer held on this rank
     num_experts: int = 0  # routed experts per MoE layer in the model
     top_k: int = 0
@@ -86,6 +88,9 @@ class ModelDescription:
     # layers/quant/config.py MODEL_DTYPE_LAYERS; and the projections a checkpoint's ignore list keeps), priced like
     # the embedding
     model_dtype_params: int = 0
+    # among model_dtype_params, those stored in float32 whatever the model dtype (attention sinks:
+    # layers/attention.Attention keeps them so)
+    float32_params: int = 0
     # the rest of dense_params: the projections FP8 quantizes (attention's, the dense and shared MLPs'), whose
     # scales depend on each one's shape (4 bytes per output row per channel, per tile with blocks)
     projections: tuple[Projection, ...] = ()
@@ -124,10 +129,10 @@ class ModelDescription:
     @property
     def dense_bytes(self) -> int:
         """Every dense parameter: the projections at ``weight_bytes_per_param`` and their scales,
-        ``model_dtype_params`` at the model dtype's (the same figure but under FP8)."""
+        ``model_dtype_params`` at the model dtype's (the same figure but under FP8), ``float32_params`` at 4 bytes."""
         kept = self.model_dtype_params
         return int((self.dense_params - kept) * self.weight_bytes_per_param) + self.dense_scale_bytes + \
-            kept * self._embed_bpp
+            (kept - self.float32_params) * self._embed_bpp + 4 * self.float32_params
 
     @property
     def _expert_bpp(self) -> int:
@@ -140,7 +145,7 @@ class ModelDescription:
 
     @property
     def num_params(self) -> int:
-        experts = self.num_moe_layers * self.local_experts * self.expert_params
+        experts = self.num_moe_layers * self.local_experts * (self.expert_params + self.expert_bias_params)
         return self.dense_params + self.embed_params + self.lm_head_params + experts
 
     @property
@@ -152,11 +157,14 @@ class ModelDescription:
     @property
     def expert_bytes(self) -> int:
         """One routed expert of one layer, with its scales (a layer of ``kept_expert_layers`` apart)."""
-        return int(self.expert_params * self._expert_bpp) + self.expert_scale_bytes
+        return int(self.expert_params * self._expert_bpp) + self.expert_scale_bytes + \
+            self.expert_bias_params * self._embed_bpp
 
     def _layer_expert_bytes(self, layer: str) -> int:
         """One routed expert of MoE layer ``layer``: in the model dtype without scales when the layer is kept."""
-        return self.expert_params * self._embed_bpp if layer in self.kept_expert_layers else self.expert_bytes
+        if layer in self.kept_expert_layers:
+            return (self.expert_params + self.expert_bias_params) * self._embed_bpp
+        return self.expert_bytes
 
     # ---- what a decode step must read --------------------------------------------------------
     def head_bytes(self) -> int:

@@ -178,7 +178,11 @@ def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> Load
     model_cls = resolve_model_class(raw["architectures"])
     hf_config = AutoConfig.for_model(**raw)
     tokenizer = _dummy_tokenizer(preset, hf_config)
-    quant = online_config(config.quantization)
+    # a preset of a checkpoint that ships quantized (gpt-oss's MXFP4 experts) is quantized so: random weights
+    # drawn in the model dtype and quantized at load
+    shipped = parse_quantization_config(raw.get("quantization_config"))
+    quant = online_config(config.quantization) if shipped is None else \
+        resolve_quantization(dataclasses.replace(shipped, serialized=False), config.quantization)
     model, dtype = _build(model_cls, hf_config, config, device, quant)
     if device.type != "meta":
         _init_random(model, config.seed, device, dtype)

@@ -19,6 +19,33 @@ _QWEN_SPECIALS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im
 _DEEPSEEK_SPECIALS = {100000: "<｜begin▁of▁sentence｜>", 100001: "<｜end▁of▁sentence｜>",
                       100002: "<|im_start|>", 100003: "<|im_end|>"}
 _DEEPSEEK_V3_SPECIALS = {0: "<｜begin▁of▁sentence｜>", 1: "<｜end▁of▁sentence｜>", 2: "<|im_start|>", 3: "<|im_end|>"}
+# o200k_harmony's special tokens (gpt-oss): <|return|> ends an assistant turn, <|call|> a tool call
+_HARMONY_SPECIALS = {199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>",
+                     200003: "<|constrain|>", 200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>",
+                     200008: "<|message|>", 200012: "<|call|>"}
+
+
+def _gpt_oss(layers: int, experts: int) -> dict[str, Any]:
+    """openai/gpt-oss-20b and -120b's config.json: they differ in depth and expert count only. Their experts are
+    MXFP4 (as the checkpoints ship), so a ``dummy:`` run draws them in the model dtype and quantizes them at load."""
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": layers, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": experts, "num_experts_per_tok": 4,
+        "experts_per_token": 4, "vocab_size": 201088, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                "beta_slow": 1.0, "truncate": False,
+                                                "original_max_position_embeddings": 4096},
+        "sliding_window": 128, "initial_context_length": 4096,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "attention_bias": True, "swiglu_limit": 7.0, "hidden_act": "silu", "tie_word_embeddings": False,
+        "eos_token_id": 200002, "pad_token_id": 199999, "torch_dtype": "bfloat16",
+        # the routed experts ship as MXFP4, everything else in bf16
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+    }  # fmt: skip
+
+
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
 
@@ -248,6 +275,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "specials": _DEEPSEEK_V3_SPECIALS, "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>",
         "chat": "chatml",
+    },
+    # ---- gpt-oss: sinks, windows of 128 on alternate layers, biased clamped-SwiGLU experts ---------------------
+    "gpt-oss-20b": {  # openai/gpt-oss-20b: 24 layers, 32 experts of 2880, top-4
+        "config": _gpt_oss(24, 32),
+        "specials": _HARMONY_SPECIALS, "bos": "<|startoftext|>", "eos": "<|return|>", "chat": "harmony",
+    },
+    "gpt-oss-120b": {  # openai/gpt-oss-120b: 36 layers, 128 experts of 2880, top-4
+        "config": _gpt_oss(36, 128),
+        "specials": _HARMONY_SPECIALS, "bos": "<|startoftext|>", "eos": "<|return|>", "chat": "harmony",
+    },
+    "gpt-oss-20b-bf16": {  # gpt-oss-20b with bf16 experts (the bf16 expert kernels; 42 GB of weights)
+        "config": {k: v for k, v in _gpt_oss(24, 32).items() if k != "quantization_config"},
+        "specials": _HARMONY_SPECIALS, "bos": "<|startoftext|>", "eos": "<|return|>", "chat": "harmony",
     },
 }
 

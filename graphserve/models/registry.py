@@ -13,6 +13,7 @@ from graphserve.layers.quant.config import Fp8Config, IgnoreList
 from graphserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from graphserve.models.deepseek_dsa import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from graphserve.models.description import ModelDescription
+from graphserve.models.gpt_oss import GptOssForCausalLM
 from graphserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from graphserve.models.moe import MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -29,6 +30,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

@@ -59,4 +59,13 @@ MISTRAL_TEMPLATE = (
     "{% endfor %}"
 )
 
-CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "llama3": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE}
+# gpt-oss's harmony messages, without channels: <|start|>role<|message|>content<|end|>
+HARMONY_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"
+)
+
+CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "llama3": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE,
+                  "harmony": HARMONY_TEMPLATE}

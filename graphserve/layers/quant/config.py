@@ -41,8 +41,8 @@ MIN_BLOCK = 16
 # graphserve's fp8 KV cache (--kv-cache-dtype) is unscaled, so a checkpoint holding them is refused by name
 KV_CACHE_SCALES = ("k_scale", "v_scale", "kv_scale", "q_scale", "prob_scale")
 # Router gates choose experts: their logits are small and fp8 rounding flips choices; the shipped
-# FP8 checkpoints keep them in bf16, and so does --quantization.
-ROUTER_GATES = (".gate", ".shared_expert_gate")
+# FP8 checkpoints keep them in bf16, and so does --quantization (gpt-oss names its gate ``mlp.router``).
+ROUTER_GATES = (".gate", ".shared_expert_gate", ".router")
 # Multi-head latent attention reads kv_b_proj's weight directly (absorbed into its q and output products),
 # never through the layer's matmul, so it runs in the model dtype. The shipped DeepSeek-V3 FP8 checkpoints
 # store it in fp8 with its scales all the same: it is dequantized as it loads (layers/quant/dequant_at_load.py).
