@@ -101,7 +101,13 @@ def _indexer_scores_kernel(
         visible = (offs_n <= pos) & (offs_n // PAGE < max_blocks)
         block = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=visible, other=0).to(tl.int64)
         slot = block * PAGE + offs_n % PAGE
-        k = tl.load(val_ptr + slot[:, None] * stride_vslot + offs_d[None, :], mask=visible[:, None] & d_mask[None, :],
+        row = slot * stride_vslot
+        if FP8:
+            # an FP8 row starts every D + 4 bytes, 4-aligned only; without the hint Triton takes the alignment of the
+            # first slot of each page (16 slots in a row) for every slot and loads 16 bytes at a time, a misaligned
+            # address on the GPU
+            row = tl.multiple_of(row, 4)
+        k = tl.load(val_ptr + row[:, None] + offs_d[None, :], mask=visible[:, None] & d_mask[None, :],
                     other=0.0).to(q.dtype)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
         if FP8:
