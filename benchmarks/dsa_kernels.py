@@ -39,8 +39,9 @@ from benchmarks.common import print_table, write_result
 from benchmarks.kernels import graph_time_ms
 from benchmarks.roofline import matmul_tflops, measured_read_bw
 from graphserve.kernels import dsa
+from graphserve.kernels.common import sm_count
 from graphserve.kernels.dsa_reference import index_cache_shape
-from graphserve.kernels.dsa_topk import topk_indices_torch, topk_indices_triton
+from graphserve.kernels.dsa_topk import choose_topk_method, topk_indices_torch, topk_indices_triton
 from graphserve.kernels.mla_attention import mla_attention
 from graphserve.kernels.mla_config import MLATile
 
@@ -154,7 +155,8 @@ def bench_point(pool: Pool, model: str, bs: int, ctx: int, l2: int, tiles: list[
         out_rows.append(row(model, "indexer_scores", form, bs, ctx, ms, key_bytes, **extra))
         ms = timed(lambda s, c=cache: dsa.indexer_topk(q, w, c, views[s], row_seq, row_pos, ctx, TOPK), isets,
                    key_bytes)  # fmt: skip
-        out_rows.append(row(model, "indexer_topk", form, bs, ctx, ms, key_bytes, topk=dsa.TOPK_METHOD, **extra))
+        method = choose_topk_method(bs, ctx, sm_count(q.device)) if dsa.TOPK_METHOD == "auto" else dsa.TOPK_METHOD
+        out_rows.append(row(model, "indexer_topk", form, bs, ctx, ms, key_bytes, topk=method, **extra))
         if form == "fp8":
             continue  # top-k alone does not depend on the cache form
         topk_out = torch.empty(bs, TOPK, dtype=torch.int32, device="cuda")

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 
 from graphserve.kernels import dsa  # noqa: E402
 from graphserve.kernels import dsa_reference as ref  # noqa: E402
-from graphserve.kernels.dsa_topk import topk_indices_triton  # noqa: E402
+from graphserve.kernels.dsa_topk import choose_topk_method, topk_indices_triton  # noqa: E402
 from graphserve.kernels.mla_config import MLATile  # noqa: E402
 
 DEVICE = kernel_device()
@@ -130,6 +130,16 @@ def test_topk_matches_reference(method):
         got = dsa.topk_indices(scores, pos, k, method="torch")
     assert got.dtype == torch.int32 and got.shape == (8, k)
     assert same_sets(got, want)
+
+
+@pytest.mark.parametrize(
+    ("rows", "length", "method"),
+    [(1, 4096, "triton"), (64, 4096, "triton"), (1, 32768, "torch"), (16, 32768, "triton"), (1, 131072, "torch"),
+     (16, 131072, "torch"), (64, 131072, "triton"), (2048, 32768, "triton")],
+)  # fmt: skip
+def test_topk_method_follows_measurement(rows, length, method):
+    """The faster select of each point benchmarks/dsa_kernels.py measured on an H100 (132 SMs), and a prefill chunk."""
+    assert choose_topk_method(rows, length, 132) == method
 
 
 def test_topk_long_row_default_step():
