@@ -6,12 +6,13 @@ poisoned with NaN: the index cache write (plain and FP8), indexer scores over bo
 extend and padding rows, the radix top-k (ties, rows shorter than k, rows crossing the select's step edges,
 -inf and negative scores) and its torch.topk twin, and sparse MLA (one split and several, both tile layouts,
 an fp8 latent cache, -1 entries, shuffled index order). The real-shape, bf16 and CUDA-graph versions live
-in tests/gpu/test_dsa.py.
+in tests/gpu/test_dsa.py. Every access of every launch is bounds-checked (tests/interp_bounds.py).
 """
 
 from __future__ import annotations
 
 import torch
+from interp_bounds import bounds_checked
 from interp_setup import kernel_device, use_interpreter
 from model_utils import relative_error
 
@@ -21,11 +22,22 @@ import pytest  # noqa: E402
 
 from graphserve.kernels import dsa  # noqa: E402
 from graphserve.kernels import dsa_reference as ref  # noqa: E402
-from graphserve.kernels.dsa_topk import topk_indices_triton  # noqa: E402
+from graphserve.kernels.dsa_topk import choose_topk_method, topk_indices_triton  # noqa: E402
 from graphserve.kernels.mla_config import MLATile  # noqa: E402
 
 DEVICE = kernel_device()
 D, HI, RANK, ROPE, HEADS, PAGE = 24, 3, 24, 8, 5, 4
+
+
+@pytest.fixture(autouse=True)
+def _bounds():
+    """Under the interpreter, every masked-in lane of every launch must fall inside the launch's tensors
+    (tests/interp_bounds.py): a stray read there is an illegal address, or another sequence's row, on the GPU."""
+    if DEVICE.type == "cuda":
+        yield
+        return
+    with bounds_checked():
+        yield
 
 
 def paged(seq_lens: list[int], gen: torch.Generator):
@@ -132,6 +144,16 @@ def test_topk_matches_reference(method):
     assert same_sets(got, want)
 
 
+@pytest.mark.parametrize(
+    ("rows", "length", "method"),
+    [(1, 4096, "triton"), (64, 4096, "triton"), (1, 32768, "torch"), (16, 32768, "triton"), (1, 131072, "torch"),
+     (16, 131072, "torch"), (64, 131072, "triton"), (2048, 32768, "triton")],
+)  # fmt: skip
+def test_topk_method_follows_measurement(rows, length, method):
+    """The faster select of each point benchmarks/dsa_kernels.py measured on an H100 (132 SMs), and a prefill chunk."""
+    assert choose_topk_method(rows, length, 132) == method
+
+
 def test_topk_long_row_default_step():
     gen = torch.Generator().manual_seed(13)
     k, length = 40, 5000  # two 4096-key steps a pass
@@ -195,3 +217,15 @@ def test_indexer_topk_exact_ties():
     want = ref.indexer_topk(q, weights, cache, tables, seq, pos, 64, k)
     got = dsa.indexer_topk(q, weights, cache, tables, seq, pos, 64, k)
     assert same_sets(got, want)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter's accesses (CPU only)")
+def test_bounds_checker_is_live():
+    """A position past the block table's last column is caught, so the checks above are in force."""
+    gen = torch.Generator().manual_seed(16)
+    cache, tables = latent_cache([8], gen, fp8=False)
+    q_lat, q_rope = torch.randn(1, HEADS, RANK, generator=gen), torch.randn(1, HEADS, ROPE, generator=gen)
+    idx = torch.tensor([[0, 5, tables.shape[1] * PAGE + 64]], dtype=torch.int32)
+    with pytest.raises(Exception, match="out of bounds"):
+        dsa.sparse_mla(q_lat, q_rope, cache, tables, torch.zeros(1, dtype=torch.int32), idx, 0.4,
+                       tile=MLATile(False, 16, 16, 4, 1), num_splits=1)  # fmt: skip

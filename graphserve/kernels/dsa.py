@@ -8,24 +8,25 @@ one key and one latent row that exist and write outputs nobody reads.
 ``token_rows`` is the reference's: a handful of elementwise ops and one ``searchsorted`` on ``[T]`` ints,
 already on the device and capturable.
 
-``topk_indices`` runs the Triton radix select by default; ``TOPK_METHOD = "torch"`` (or the ``method``
-argument) takes ``torch.topk`` over tie-exact int64 keys instead (kernels/dsa_topk.py), which
-benchmarks/dsa_kernels.py times beside it.
+``topk_indices`` picks, from the static shape, the Triton radix select or ``torch.topk`` over tie-exact int64
+keys, whichever the measured cost models of kernels/dsa_topk.py say is faster (``TOPK_METHOD`` or the ``method``
+argument force one); benchmarks/dsa_kernels.py times both. Both return the same set.
 """
 
 from __future__ import annotations
 
 import torch
 
+from graphserve.kernels.common import sm_count
 from graphserve.kernels.dsa_indexer import indexer_scores, write_index_cache
 from graphserve.kernels.dsa_reference import index_cache_shape, token_rows
-from graphserve.kernels.dsa_topk import TOPK_METHODS, topk_indices_torch, topk_indices_triton
+from graphserve.kernels.dsa_topk import TOPK_METHODS, choose_topk_method, topk_indices_torch, topk_indices_triton
 from graphserve.kernels.sparse_mla import sparse_mla
 
 __all__ = ["index_cache_shape", "indexer_scores", "indexer_topk", "sparse_mla", "token_rows", "topk_indices",
            "write_index_cache"]  # fmt: skip
 
-TOPK_METHOD = "triton"
+TOPK_METHOD = "auto"
 
 
 def topk_indices(scores: torch.Tensor, row_pos: torch.Tensor, k: int, method: str | None = None) -> torch.Tensor:
@@ -36,6 +37,8 @@ def topk_indices(scores: torch.Tensor, row_pos: torch.Tensor, k: int, method: st
         raise ValueError(f"top-k method {method!r}: one of {TOPK_METHODS}")
     if k < 1:
         raise ValueError(f"top-k k={k}: must be >= 1")
+    if method == "auto":
+        method = choose_topk_method(scores.shape[0], scores.shape[1], sm_count(scores.device))
     if method == "torch":
         return topk_indices_torch(scores, row_pos, k)
     return topk_indices_triton(scores, row_pos, k)

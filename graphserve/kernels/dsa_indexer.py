@@ -11,7 +11,9 @@ is the fp32 element ``D / 4`` of its row).
 score per key before anything is written, so only ``[T, max_len]`` fp32 leaves the kernel. An FP8 key is
 widened to the queries' dtype (exact) and its scale multiplies the product (the scale is positive, so it
 passes through the ReLU). Tiles past the row's position write ``-inf`` without loading anything: the
-static ``max_len`` a CUDA graph needs costs stores, not reads or products.
+static ``max_len`` a CUDA graph needs costs stores, not reads or products. An FP8 row starts every D + 4
+bytes, so its keys load 4 bytes at a time (the alignment every row has): left to itself, Triton's alignment
+analysis took every row for 16-byte aligned (16-byte loads in the PTX) and the loads faulted on the GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import triton.language as tl
 from graphserve.kernels.dsa_reference import FP8_MAX, MIN_SCALE, SCALE_BYTES, index_head_dim, is_fp8_index_cache
 from graphserve.kernels.fp8_quant import quantize_rows
 
-# 64 keys x 128 dims is 16 KiB of bf16 a tile; 64 or 128 key tiles did not differ enough to tune per card
+# 64 keys x 128 dims is 16 KiB of bf16 a tile. Not tuned: at bs 64 the bf16 form read at 73-92% of the H100's read
+# bandwidth (GLM-5, 4k-128k) and the FP8 form at 42-51% (benchmarks/results/dsa_kernels.json)
 SCORE_BLOCK_N = 64
 
 
@@ -101,7 +104,13 @@ def _indexer_scores_kernel(
         visible = (offs_n <= pos) & (offs_n // PAGE < max_blocks)
         block = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=visible, other=0).to(tl.int64)
         slot = block * PAGE + offs_n % PAGE
-        k = tl.load(val_ptr + slot[:, None] * stride_vslot + offs_d[None, :], mask=visible[:, None] & d_mask[None, :],
+        row = slot * stride_vslot
+        if FP8:
+            # an FP8 row starts every D + 4 bytes, 4-aligned only; without the hint Triton took every row for 16-byte
+            # aligned (the slots of a page count up from a multiple of 16) and loaded 16 bytes at a time, a misaligned
+            # address on the GPU
+            row = tl.multiple_of(row, 4)
+        k = tl.load(val_ptr + row[:, None] + offs_d[None, :], mask=visible[:, None] & d_mask[None, :],
                     other=0.0).to(q.dtype)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
         if FP8:

@@ -1,5 +1,5 @@
 """Top-k selection of the DSA indexer's scores on the device, with no host sync: a Triton radix select, and
-``torch.topk`` over keys that make the tie rule exact, kept to time against it.
+``torch.topk`` over keys that make the tie rule exact; ``choose_topk_method`` picks the faster for the shape.
 
 Both take each row's positions ``0..row_pos[t]`` only and break ties toward the lower position, so the
 selected SET is the reference's (kernels/dsa_reference.topk_indices); the order inside a row is free.
@@ -9,8 +9,9 @@ orders as the floats do; four passes over the row each histogram one byte of the
 the prefix chosen so far (256 bins) and fix the next byte of the k-th largest key, so after the fourth the
 threshold key is exact and the count of its equals still to take is known. A last pass writes every
 position above the threshold and the lowest-positioned equals, compacted by a running count. A row with
-at most k positions writes them all and -1 after. The row (at most 512 KiB at 128k) is read five times,
-from L2 after the first pass at the batch sizes of decode.
+at most k positions writes them all and -1 after. The row (512 KiB at 128k) is read five times by one program,
+so the select's time grows with the row and stays flat with the row count while rows fit one wave (H100: 16 us
+at 4k, 104 at 32k, ~420 at 128k for bs 1 to 64).
 
 ``torch.topk`` form (``topk_indices_torch``): the score's ordered bits in the high 32 bits of an int64 and
 the inverted position in the low 32, so equal scores order by position and ``torch.topk`` on the int64
@@ -26,7 +27,24 @@ import triton.language as tl
 from graphserve.kernels.common import interpreting
 
 RADIX_BLOCK = 4096  # keys per step of a pass: 16 KiB of fp32, 16 per thread at 8 warps
-TOPK_METHODS = ("triton", "torch")
+TOPK_METHODS = ("auto", "triton", "torch")
+
+# Cost models of the two selects at k = 2048, fitted to benchmarks/results/dsa_kernels.json (H100, commit 0db958d,
+# CUDA-graph replay): the radix select runs one program a row, so its time grows with the row and not with the row
+# count while rows fill one wave (16 us at 4k, 104 at 32k, 420 at 128k, the same at bs 1, 16, 64); torch.topk over
+# the int64 keys grows with the elements (50-62 us at 4k, 97/119/192 at 32k and 125/202/650 at 128k for bs 1/16/64)
+RADIX_US_PER_KEY = 3.25e-3
+TORCH_US = 90.0
+TORCH_US_PER_ELEMENT = 6.3e-5
+
+
+def choose_topk_method(rows: int, length: int, sms: int) -> str:
+    """The faster select by the cost models above, from static sizes only (a captured step keeps its choice):
+    the radix select for short rows and for batches that fill the SMs, torch.topk for long rows of few sequences
+    (bs 1 at 32k, bs 1-16 at 128k). torch's choice also bounds its int64 temporaries: it only wins below ~50 rows."""
+    radix = RADIX_US_PER_KEY * length * -(-rows // max(sms, 1))
+    torch_us = TORCH_US + TORCH_US_PER_ELEMENT * rows * length
+    return "torch" if torch_us < radix else "triton"
 
 
 @triton.jit

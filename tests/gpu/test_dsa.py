@@ -191,7 +191,8 @@ def test_dsa_step_graph_replay_equals_eager(gen, model):
         replay_idx, replay_out, replay_cache = g_idx.clone(), g_out.clone(), idx_cache.clone()
         idx_cache.copy_(saved)
         e_idx, e_out = step()
-        assert torch.equal(replay_cache, idx_cache)
+        # block 0 left out: both padding rows write the dummy slot, and which lands last is up to the GPU
+        assert torch.equal(replay_cache[1:], idx_cache[1:])
         assert torch.equal(replay_idx, e_idx) and torch.equal(replay_out, e_out)
         assert not replay_out.isnan().any() and (replay_idx[:real] >= 0).all()
         # the reference's selection from the kernel's own scores (test_indexer_scores compares the scores): fp32
