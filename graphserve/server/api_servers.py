@@ -21,6 +21,7 @@ supervisor that serves no HTTP itself:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -95,9 +96,7 @@ class Supervisor:
         self.inbox.cancel_join_thread()  # never block the exit on a dead engine's queue
         self.queued = ctx.Value("q", 0)
         self.ready = ctx.Value("i", 0)
-        self.guards = GuardOptions(api_key=guards.api_key, max_body_bytes=guards.max_body_bytes,
-                                   read_timeout_s=guards.read_timeout_s, max_connections=guards.max_connections,
-                                   open_connections=ctx.Value("q", 0))
+        self.guards = dataclasses.replace(guards, open_connections=ctx.Value("q", 0))
         self.engine: Any = None
         self.frontends: list[Any] = []
         self.signals = 0

@@ -23,6 +23,7 @@ from graphserve.errors import NotFoundError, ServiceUnavailableError
 from graphserve.sampling_params import SamplingParams
 from graphserve.server import serving_native, serving_openai
 from graphserve.server.errors import error_response, install_error_handlers
+from graphserve.server.grammar_work import GrammarWork
 from graphserve.server.guards import GuardMiddleware, GuardOptions
 from graphserve.server.model_info import model_cards, model_info, server_info
 from graphserve.server.prompts import parse_body
@@ -60,13 +61,16 @@ def create_app(state: ServerState, guards: GuardOptions | None = None) -> FastAP
         try:
             yield
         finally:
+            state.grammar.close()
             state.engine.shutdown()
 
     app = FastAPI(title="graphserve", summary="OpenAI-compatible and SGLang-native LLM serving",
                   lifespan=lifespan)
     app.state.graphserve = state
+    guards = guards or GuardOptions()
+    state.grammar = GrammarWork(guards.max_schema_depth, guards.max_schema_chars, guards.max_grammar_builds_per_client)
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, options=guards or GuardOptions(), metrics=state.metrics)
+    app.add_middleware(GuardMiddleware, options=guards, metrics=state.metrics)
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, GenerateRequest])
 
     @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))

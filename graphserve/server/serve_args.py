@@ -11,7 +11,9 @@ import os
 
 from graphserve.config import add_engine_args
 from graphserve.errors import ConfigError
+from graphserve.server.grammar_work import MAX_GRAMMAR_BUILDS_PER_CLIENT
 from graphserve.server.guards import GuardOptions
+from graphserve.structured.constraint import MAX_SCHEMA_DEPTH, MAX_SCHEMA_DEPTH_FLAG, MAX_SPEC_CHARS
 
 API_KEY_ENVS = ("VLLM_API_KEY", "GRAPHSERVE_API_KEY")
 
@@ -47,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve POST /v1/profile, which profiles the next decode steps (graphserve profile)")
     parser.add_argument("--engine-in-process", action="store_true",
                         help="run the engine on a thread of the server process instead of its own process")
+    parser.add_argument("--max-schema-depth", type=int, default=MAX_SCHEMA_DEPTH,
+                        help="a response_format / guided / tool schema nesting deeper (JSON levels) gets 400")
+    parser.add_argument("--max-schema-chars", type=int, default=MAX_SPEC_CHARS,
+                        help="a schema, regex or grammar longer than this gets 400")
+    parser.add_argument("--max-grammar-builds-per-client", type=int, default=MAX_GRAMMAR_BUILDS_PER_CLIENT,
+                        help="requests of one client (API key, else address) whose new grammar is being built "
+                             "at once; past this, 429")
     parser.add_argument("--api-server-count", default="1", metavar="N",
                         help="HTTP front-end processes sharing the one engine process (each its own event loop "
                              "and GIL; the kernel spreads connections over them); 'auto' takes a quarter of the "
@@ -59,9 +68,18 @@ def guard_options(args: argparse.Namespace) -> GuardOptions:
     for flag, value in bounds:
         if not value > 0:
             raise ConfigError(f"{flag}={value} is invalid: must be > 0", param=flag)
+    if not 1 <= args.max_schema_depth <= MAX_SCHEMA_DEPTH_FLAG:
+        raise ConfigError(f"--max-schema-depth={args.max_schema_depth} is invalid: must be between 1 and "
+                          f"{MAX_SCHEMA_DEPTH_FLAG}", param="--max-schema-depth")
+    for flag, value in (("--max-schema-chars", args.max_schema_chars),
+                        ("--max-grammar-builds-per-client", args.max_grammar_builds_per_client)):
+        if value < 1:
+            raise ConfigError(f"{flag}={value} is invalid: must be >= 1", param=flag)
     key = args.api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), None)
     return GuardOptions(api_key=key, max_body_bytes=int(args.max_request_body_mb * 1024 * 1024),
-                        read_timeout_s=args.request_read_timeout, max_connections=args.max_connections)
+                        read_timeout_s=args.request_read_timeout, max_connections=args.max_connections,
+                        max_schema_depth=args.max_schema_depth, max_schema_chars=args.max_schema_chars,
+                        max_grammar_builds_per_client=args.max_grammar_builds_per_client)
 
 
 def api_server_count(value: str, engine_in_process: bool = False) -> int:

@@ -1,0 +1,95 @@
+"""The server as a hostile client and an operator find it: deep schemas never hold the event loop, a client's
+grammar builds are bounded. Real HTTP against a real server process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import httpx
+import pytest
+from server_utils import ServerProcess
+
+
+def nested_schema(levels: int, leaf: str = "a") -> dict:
+    """An object schema ``levels`` objects deep (two JSON levels each), ending in a string property."""
+    schema: dict = {"type": "string", "maxLength": 2}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {leaf: schema}, "required": [leaf], "additionalProperties": False}
+    return schema
+
+
+def schema_chat(schema: dict) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("hardening"), "--max-schema-depth", "500",
+                        "--max-grammar-builds-per-client", "2").start()
+    yield srv
+    srv.stop()
+
+
+def test_deep_schemas_never_hold_health(server):
+    """20 clients send 200-level schemas and 20 send plain requests; /health answers within 100 ms at p99."""
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=server.base_url, timeout=10) as c:
+            while not stop.is_set():
+                start = time.perf_counter()
+                assert c.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - start)
+                time.sleep(0.01)
+
+    def deep(i: int) -> int:
+        # two schemas, ten clients each: each is built once, the other nine wait for it
+        body = schema_chat(nested_schema(200, leaf="ab"[i % 2]))
+        return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120).status_code
+
+    def plain(_: int) -> int:
+        body = {"prompt": "hello", "max_tokens": 4}
+        return httpx.post(server.base_url + "/v1/completions", json=body, timeout=120).status_code
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(40) as pool:
+            codes = list(pool.map(deep, range(20))) + list(pool.map(plain, range(20)))
+    finally:
+        stop.set()
+        prober.join()
+    assert codes == [200] * 40
+    latencies.sort()
+    p99 = latencies[int(0.99 * (len(latencies) - 1))]
+    print(f"/health under the schema load: {len(latencies)} probes, p99 {p99 * 1e3:.1f} ms")
+    assert len(latencies) >= 20 and p99 < 0.1, latencies[-5:]
+
+
+def test_schema_past_the_depth_bound_is_400_naming_it(server):
+    body = schema_chat(nested_schema(260))  # 521 JSON levels, the bound is 500
+    resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "response_format.json_schema.schema" and "--max-schema-depth" in err["message"]
+    assert "500" in err["message"]
+
+
+def test_a_clients_grammar_builds_are_bounded(server):
+    """Six new schemas at once from one client: two are built, the rest get 429 naming the bound."""
+
+    def send(i: int) -> httpx.Response:
+        body = schema_chat(nested_schema(120, leaf=f"k{i}"))
+        return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(send, range(6)))
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) == {200, 429} and codes.count(200) >= 2, codes
+    refused = next(r for r in responses if r.status_code == 429)
+    assert "--max-grammar-builds-per-client=2" in refused.json()["error"]["message"]
+    assert refused.headers["retry-after"] == "1"
