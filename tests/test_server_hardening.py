@@ -1,15 +1,19 @@
 """The server as a hostile client and an operator find it: deep schemas never hold the event loop, a client's
-grammar builds are bounded. Real HTTP against a real server process."""
+grammar builds are bounded; a dead engine ends the server. Real HTTP against a real server process."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import signal
 import threading
 import time
 
 import httpx
 import pytest
-from server_utils import ServerProcess
+from server_utils import ServerProcess, engine_child, stream_until_first_event
+
+from graphserve.server.launch import ENGINE_DIED_EXIT_CODE
 
 
 def nested_schema(levels: int, leaf: str = "a") -> dict:
@@ -93,3 +97,30 @@ def test_a_clients_grammar_builds_are_bounded(server):
     refused = next(r for r in responses if r.status_code == 429)
     assert "--max-grammar-builds-per-client=2" in refused.json()["error"]["message"]
     assert refused.headers["retry-after"] == "1"
+
+
+def test_engine_death_ends_the_server(tmp_path):
+    """The engine dies mid-stream: the stream gets its error event, /health says 503, and the server process
+    exits non-zero within --engine-death-grace, its last log line saying why."""
+    srv = ServerProcess(tmp_path, "--engine-death-grace", "1").start()
+    try:
+        engine = engine_child(srv)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            started: concurrent.futures.Future = concurrent.futures.Future()
+            body = {"prompt": "long", "max_tokens": 400, "ignore_eos": True}
+            streamed = pool.submit(stream_until_first_event, srv.base_url, body, started)
+            started.result(timeout=30)
+            killed_at = time.monotonic()
+            engine.send_signal(signal.SIGKILL)
+            events = streamed.result(timeout=30)
+        assert events[-1] == "[DONE]" and "engine process died" in json.loads(events[-2])["error"]["message"]
+        health = httpx.get(srv.base_url + "/health", timeout=10)
+        assert health.status_code == 503 and "engine process died" in health.json()["error"]["message"]
+        code = srv.wait(15)
+        exit_s = time.monotonic() - killed_at
+        print(f"exited {exit_s:.2f} s after the engine kill (--engine-death-grace 1)")
+        assert code == ENGINE_DIED_EXIT_CODE and exit_s < 1 + 3
+        last = srv.log().strip().splitlines()[-1]
+        assert f"exiting with code {ENGINE_DIED_EXIT_CODE}" in last and "engine process died" in last, last
+    finally:
+        srv.stop()

@@ -100,6 +100,7 @@ class Supervisor:
         self.engine: Any = None
         self.frontends: list[Any] = []
         self.signals = 0
+        self.engine_exit: int | None = None  # set when the engine exited while the front-ends served
 
     def start(self) -> None:
         pipes = [self.ctx.Pipe(duplex=False) for _ in range(self.count)]
@@ -139,6 +140,7 @@ class Supervisor:
             multiprocessing.connection.wait(waits)
             if not engine_seen and self.engine.exitcode is not None:
                 engine_seen = True
+                self.engine_exit = self.engine.exitcode
                 logger.error("the engine process exited with code %s: the front-ends fail its requests",
                              self.engine.exitcode)
             for proc in [p for p in running if p.exitcode is not None]:
@@ -192,4 +194,7 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig, guards: Guar
             signal.signal(s, handler)
     if forced and code == 0:  # a forced stop cut streams: never read it as clean
         code = FORCED_EXIT_CODE
+    if sup.engine_exit is not None:
+        logger.error("exiting with code %d: the engine process exited with code %s; restart the server", code,
+                     sup.engine_exit)
     return code

@@ -38,6 +38,8 @@ from graphserve.server.steplog import JsonlStepSink, StepLogger
 logger = logging.getLogger("graphserve.server")
 # A forced stop (second SIGTERM/SIGINT) cut streams mid-body: a service manager must not read it as clean.
 FORCED_EXIT_CODE = 1
+# The engine process died while serving: the HTTP process exits too, so that a supervisor restarts the server.
+ENGINE_DIED_EXIT_CODE = 3
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 
 
@@ -87,10 +89,13 @@ def build_state(
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float):
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float,
+                 engine_death_grace: float = 5.0):
         super().__init__(config)
         self.state = state
         self.shutdown_timeout = shutdown_timeout
+        self.engine_death_grace = engine_death_grace
+        self.engine_died_at: float | None = None
         self.drain_requested = False
         self.failed = False
         self.forced = False
@@ -116,7 +121,22 @@ class GracefulServer(uvicorn.Server):
             self._drain = asyncio.ensure_future(self.drain())
         if self.state.engine.load_error is not None and not self.failed:
             self.failed = self.should_exit = True
+        self._check_engine_death()
         return await super().on_tick(counter)
+
+    def _check_engine_death(self) -> None:
+        """A dead engine ends the server: its in-flight requests have their error events (engine_events.py)
+        and /health says 503 meanwhile; after ``engine_death_grace`` seconds for those to reach the clients,
+        the process exits non-zero instead of answering 503 forever."""
+        error = self.state.engine.engine_error
+        if error is None or self.should_exit:
+            return
+        now = time.monotonic()
+        if self.engine_died_at is None:
+            self.engine_died_at = now
+            logger.error("the engine is gone: exiting within %.1f s (--engine-death-grace)", self.engine_death_grace)
+        if now - self.engine_died_at >= self.engine_death_grace:
+            self.should_exit = True
 
     async def drain(self) -> None:
         state = self.state
@@ -160,7 +180,7 @@ def serve_http(args: argparse.Namespace, state: ServerState, closers: list[Any],
     """Run the HTTP server until it exits; returns the process's exit code."""
     app = create_app(state, guards)
     server = GracefulServer(uvicorn_config(app, args.host, args.port, args.log_level, guards, state.metrics), state,
-                            args.shutdown_timeout)
+                            args.shutdown_timeout, args.engine_death_grace)
     if on_server is not None:
         on_server(server)
     try:
@@ -171,6 +191,9 @@ def serve_http(args: argparse.Namespace, state: ServerState, closers: list[Any],
     if server.failed or state.engine.load_error is not None:
         logger.error("engine failed to start: %s", state.engine.load_error)
         return 1
+    if state.engine.engine_error is not None:
+        logger.error("exiting with code %d: %s", ENGINE_DIED_EXIT_CODE, state.engine.engine_error)
+        return ENGINE_DIED_EXIT_CODE
     if server.forced:
         return FORCED_EXIT_CODE
     return 0

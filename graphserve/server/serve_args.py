@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="open connections past this bound get 503 and are closed")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    parser.add_argument("--engine-death-grace", type=float, default=5.0, metavar="SECONDS",
+                        help="after the engine process dies, exit non-zero within SECONDS (time for in-flight "
+                             "requests' error events to reach their clients)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
                         help="stream an event every TOKENS tokens per request (a client that falls behind gets "
@@ -65,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def guard_options(args: argparse.Namespace) -> GuardOptions:
     bounds = (("--max-request-body-mb", args.max_request_body_mb),
               ("--request-read-timeout", args.request_read_timeout), ("--max-connections", args.max_connections))
+    if not args.engine_death_grace >= 0:
+        raise ConfigError(f"--engine-death-grace={args.engine_death_grace} is invalid: must be >= 0",
+                          param="--engine-death-grace")
     for flag, value in bounds:
         if not value > 0:
             raise ConfigError(f"{flag}={value} is invalid: must be > 0", param=flag)
