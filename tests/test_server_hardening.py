@@ -6,12 +6,13 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
+import socket
 import threading
 import time
 
 import httpx
 import pytest
-from server_utils import ServerProcess, engine_child, stream_until_first_event
+from server_utils import ServerProcess, engine_child, metrics, stream_until_first_event, wait_for
 
 from graphserve.server.launch import ENGINE_DIED_EXIT_CODE
 
@@ -97,6 +98,27 @@ def test_a_clients_grammar_builds_are_bounded(server):
     refused = next(r for r in responses if r.status_code == 429)
     assert "--max-grammar-builds-per-client=2" in refused.json()["error"]["message"]
     assert refused.headers["retry-after"] == "1"
+
+
+def test_a_client_that_leaves_mid_upload_is_a_499_in_one_line(server):
+    """Five clients send their headers and part of a body, then close: five 499s, no 500, no traceback."""
+    errors = 'graphserve:request_errors_total{code=%s,reason=%s}'
+    before = metrics(server.base_url)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n")
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(head + b'{"prompt": "hello", "max_')
+            time.sleep(0.05)  # the server is waiting for the rest of the body when the client goes
+
+    def count(code: str, reason: str) -> float:
+        return metrics(server.base_url).get(errors % (code, reason), 0.0) - before.get(errors % (code, reason), 0.0)
+
+    assert wait_for(lambda: count("499", "client_disconnected") == 5, timeout=10)
+    assert count("500", "internal_error") == 0
+    log = server.log()
+    assert "Traceback" not in log and "ClientDisconnect" not in log
+    assert log.count("status=499 reason=client_disconnected field=body") == 5
 
 
 def test_engine_death_ends_the_server(tmp_path):

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from graphserve.errors import (
     BadRequestError,
@@ -28,6 +29,14 @@ from graphserve.errors import (
 
 logger = logging.getLogger("graphserve.server")
 T = TypeVar("T")
+
+
+class ClientDisconnectedError(GraphserveError):
+    """The client closed the connection before its request was read: its doing, not the server's (nginx's 499).
+    Counted and logged in one line like any 4xx; nobody is left to receive the response."""
+
+    http_status = 499
+    error_type = "client_disconnected"
 
 
 def retry_after_header(exc: GraphserveError) -> dict[str, str]:
@@ -144,6 +153,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return recorded_response(request, validation_error(exc))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _disconnected(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        return recorded_response(request, ClientDisconnectedError(
+            "the client closed the connection before the request body was read", param="body"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
