@@ -121,11 +121,62 @@ def test_a_client_that_leaves_mid_upload_is_a_499_in_one_line(server):
     assert log.count("status=499 reason=client_disconnected field=body") == 5
 
 
+@pytest.mark.parametrize("value", [True, "5"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "top_k", "n", "seed", "max_tokens"])
+def test_numbers_are_numbers_on_every_route(server, field, value):
+    plain = {"prompt": "hi", "max_tokens": 2, field: value}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    native_field = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}.get(field, field)
+    native = {"text": "hi", "sampling_params": {"max_new_tokens": 2, native_field: value}}
+    for path, body, param in (("/v1/completions", plain, field), ("/v1/chat/completions", chat, field),
+                              ("/generate", native, f"sampling_params.{native_field}")):
+        resp = httpx.post(server.base_url + path, json=body, timeout=30)
+        assert resp.status_code == 400, (path, resp.text)
+        assert resp.json()["error"]["param"] == param, (path, resp.text)
+
+
+def test_only_json_bodies_are_taken(server):
+    body = json.dumps({"prompt": "hi", "max_tokens": 2})
+    for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+        resp = httpx.post(server.base_url + "/v1/completions", content=body, headers={"content-type": ctype},
+                          timeout=30)
+        assert resp.status_code == 415 and "application/json" in resp.json()["error"]["message"], resp.text
+    ok = httpx.post(server.base_url + "/v1/completions", content=body,
+                    headers={"content-type": "application/json; charset=utf-8"}, timeout=30)
+    assert ok.status_code == 200, ok.text
+
+
+def test_errors_name_the_field_as_sent(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}
+    resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
+    err = resp.json()["error"]
+    assert resp.status_code == 400 and err["param"] == "max_completion_tokens", resp.text
+    assert err["message"].startswith("max_completion_tokens=5000") and "max_tokens" not in err["message"]
+    native = {"text": "hi", "sampling_params": {"max_new_tokens": 5000}}
+    err = httpx.post(server.base_url + "/generate", json=native, timeout=30).json()["error"]
+    assert err["param"] == "sampling_params.max_new_tokens" and "max_tokens" not in err["message"], err
+
+
+def test_unknown_openai_fields_are_warned_once_and_listed(server):
+    body = {"prompt": "hi", "max_tokens": 2, "user": "u1", "frobnicate_level": 3}
+    for _ in range(2):
+        resp = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 200
+        assert resp.headers["x-graphserve-ignored-fields"] == "user, frobnicate_level"
+    assert server.log().count("ignoring the unknown field 'frobnicate_level'") == 1
+    known = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert "x-graphserve-ignored-fields" not in known.headers
+
+
 def test_engine_death_ends_the_server(tmp_path):
-    """The engine dies mid-stream: the stream gets its error event, /health says 503, and the server process
+    """(With --strict-api, an unknown field is refused.) The engine dies mid-stream: the stream gets its error event, /health says 503, and the server process
     exits non-zero within --engine-death-grace, its last log line saying why."""
-    srv = ServerProcess(tmp_path, "--engine-death-grace", "1").start()
+    srv = ServerProcess(tmp_path, "--engine-death-grace", "1", "--strict-api").start()
     try:
+        # this server also runs with --strict-api: an unknown field is a 400 naming it
+        refused = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "hi", "frobnicate_level": 3},
+                             timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "frobnicate_level", refused.text
         engine = engine_child(srv)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             started: concurrent.futures.Future = concurrent.futures.Future()

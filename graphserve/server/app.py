@@ -26,7 +26,7 @@ from graphserve.server.errors import error_response, install_error_handlers
 from graphserve.server.grammar_work import GrammarWork
 from graphserve.server.guards import GuardMiddleware, GuardOptions
 from graphserve.server.model_info import model_cards, model_info, server_info
-from graphserve.server.prompts import parse_body
+from graphserve.server.prompts import IGNORED_FIELDS_HEADER, parse_body
 from graphserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from graphserve.server.protocol_native import GenerateRequest
 from graphserve.server.state import ServerState
@@ -54,6 +54,15 @@ def _install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def _with_ignored(request: Request, response: Response) -> Response:
+    ignored = getattr(request.state, "ignored_fields", None)
+    if ignored:
+        # a header holds printable ASCII only: other names (any JSON key may arrive) are shown escaped
+        shown = [name[:64].encode("unicode_escape").decode("ascii") for name in ignored[:32]]
+        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(shown)
+    return response
+
+
 def create_app(state: ServerState, guards: GuardOptions | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -75,19 +84,21 @@ def create_app(state: ServerState, guards: GuardOptions | None = None) -> FastAP
 
     @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        req = await parse_body(request, CompletionRequest, state)
+        req = await parse_body(request, CompletionRequest, state, openai_route=True)
         state.check_ready()
-        return await serving_openai.create_completion(req, request, state)
+        return _with_ignored(request, await serving_openai.create_completion(req, request, state))
 
     @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        req = await parse_body(request, ChatCompletionRequest, state)
+        req = await parse_body(request, ChatCompletionRequest, state, openai_route=True)
+        request.state.field_names = req.field_names()
         state.check_ready()
-        return await serving_openai.create_chat_completion(req, request, state)
+        return _with_ignored(request, await serving_openai.create_chat_completion(req, request, state))
 
     @app.post("/generate", openapi_extra=_body(GenerateRequest))
     async def generate(request: Request) -> Response:
         req = await parse_body(request, GenerateRequest, state)
+        request.state.field_names = req.field_names()
         state.check_ready()
         return await serving_native.generate(req, request, state)
 

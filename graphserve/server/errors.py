@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -81,6 +82,17 @@ async def recorded_events(request: Request, events: AsyncIterator[T]) -> AsyncIt
         raise
 
 
+def as_sent(exc: GraphserveError, names: dict[str, str] | None) -> GraphserveError:
+    """``exc`` naming its field as the client sent it: the engine checks max_tokens, the client may have sent
+    max_completion_tokens (``names``: engine field -> the request's name for it)."""
+    if not names or exc.param not in names:
+        return exc
+    sent = names[exc.param]
+    exc.message = re.sub(rf"(?<![\w.]){re.escape(exc.param)}(?!\w)", sent, exc.message)
+    exc.param = sent
+    return exc
+
+
 def recorded_response(request: Request, exc: GraphserveError) -> JSONResponse:
     record_error(request.app.state.graphserve.metrics, exc, request_id_of(request), request.url.path)
     return error_response(exc)
@@ -148,7 +160,7 @@ def _from_http_exception(exc: StarletteHTTPException) -> GraphserveError:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(GraphserveError)
     async def _graphserve(request: Request, exc: GraphserveError) -> JSONResponse:
-        return recorded_response(request, exc)
+        return recorded_response(request, as_sent(exc, getattr(request.state, "field_names", None)))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

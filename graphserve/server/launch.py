@@ -168,10 +168,13 @@ def build_state_from_args(args: argparse.Namespace, config: EngineConfig, channe
                           ) -> tuple[ServerState, list[Any]]:
     if args.step_log_max_mb <= 0:
         raise ConfigError(f"--step-log-max-mb={args.step_log_max_mb} is invalid: must be > 0")
-    return build_state(config, args.served_model_name, args.step_log, separate_process=not args.engine_in_process,
-                       stream_interval=args.stream_interval, stream_stall_timeout=args.stream_stall_timeout,
-                       profile_endpoint=args.enable_profile_endpoint,
-                       step_log_max_bytes=int(args.step_log_max_mb * 1024 * 1024), channel=channel)
+    state, closers = build_state(config, args.served_model_name, args.step_log,
+                                 separate_process=not args.engine_in_process, stream_interval=args.stream_interval,
+                                 stream_stall_timeout=args.stream_stall_timeout,
+                                 profile_endpoint=args.enable_profile_endpoint,
+                                 step_log_max_bytes=int(args.step_log_max_mb * 1024 * 1024), channel=channel)
+    state.strict_api = args.strict_api
+    return state, closers
 
 
 def serve_http(args: argparse.Namespace, state: ServerState, closers: list[Any], guards: GuardOptions,

@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-grammar-builds-per-client", type=int, default=MAX_GRAMMAR_BUILDS_PER_CLIENT,
                         help="requests of one client (API key, else address) whose new grammar is being built "
                              "at once; past this, 429")
+    parser.add_argument("--strict-api", action="store_true",
+                        help="refuse unknown fields on the OpenAI routes with 400 (by default they are ignored, "
+                             "warned about once per name, and listed in the X-Graphserve-Ignored-Fields header)")
     parser.add_argument("--api-server-count", default="1", metavar="N",
                         help="HTTP front-end processes sharing the one engine process (each its own event loop "
                              "and GIL; the kernel spreads connections over them); 'auto' takes a quarter of the "
