@@ -40,6 +40,8 @@ logger = logging.getLogger("graphserve.server")
 FORCED_EXIT_CODE = 1
 # The engine process died while serving: the HTTP process exits too, so that a supervisor restarts the server.
 ENGINE_DIED_EXIT_CODE = 3
+# After a forced stop fails the in-flight requests, the time their error responses get to leave before exit.
+FORCED_FLUSH_S = 0.3
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 
 
@@ -112,9 +114,31 @@ class GracefulServer(uvicorn.Server):
         self.drain_requested = True
 
     def force(self) -> None:
-        if not self.forced:
-            logger.warning("second signal: exiting now, cutting %d request(s)", self.state.engine.num_inflight)
-        self.force_exit = self.should_exit = self.forced = True
+        """Exit now, but first answer every in-flight request in the OpenAI error shape: a JSON 503 for a
+        unary one, an error event for a stream (uvicorn alone would send a plain-text 500 or cut the body)."""
+        if self.forced:
+            self.force_exit = self.should_exit = True  # a third signal: no more waiting
+            return
+        self.forced = True
+        logger.warning("second signal: exiting now, failing %d request(s)", self.state.engine.num_inflight)
+        try:
+            loop = asyncio.get_running_loop()  # a signal handler runs on the loop's thread
+        except RuntimeError:
+            loop = None
+        if loop is None or not loop.is_running():
+            self.force_exit = self.should_exit = True
+            return
+        loop.call_soon_threadsafe(self._fail_inflight_then_exit, loop)
+
+    def _fail_inflight_then_exit(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.state.draining = True
+        failed = self.state.engine.abort_all(ServiceUnavailableError(
+            "the server was stopped (a second SIGTERM/SIGINT) before this request finished", retry_after=1))
+
+        def exit_now() -> None:
+            self.force_exit = self.should_exit = True
+
+        loop.call_later(FORCED_FLUSH_S if failed else 0.0, exit_now)
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_requested and self._drain is None:
