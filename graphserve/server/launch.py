@@ -226,11 +226,20 @@ def serve_http(args: argparse.Namespace, state: ServerState, closers: list[Any],
     return 0
 
 
+def _check_host_memory(config: EngineConfig) -> None:
+    """Before the engine process spawns: a CPU model too large for this machine is refused within a second."""
+    from graphserve.engine.core import resolve_device
+    from graphserve.models.host_memory import check_host_memory
+
+    check_host_memory(config, resolve_device(config.device))
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
     try:
         config = config_from_args(args, args.model)
         guards = guard_options(args)
+        _check_host_memory(config)
         count = api_server_count(args.api_server_count, args.engine_in_process)
         if count > 1:
             from graphserve.server.api_servers import run_api_servers
