@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from server_utils import ServerProcess, engine_child, metrics, stream_until_first_event, wait_for
+from server_utils import MODEL, ServerProcess, engine_child, metrics, stream_until_first_event, wait_for
 
 from graphserve.server.launch import ENGINE_DIED_EXIT_CODE
 
@@ -166,6 +166,27 @@ def test_unknown_openai_fields_are_warned_once_and_listed(server):
     assert server.log().count("ignoring the unknown field 'frobnicate_level'") == 1
     known = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert "x-graphserve-ignored-fields" not in known.headers
+
+
+def test_builtin_models_are_named_by_a_tokenizer_folder_tools_can_load(server):
+    """guidellm and SGLang's bench_serving load their tokenizer from /v1/models' first id; builtin:NAME is no
+    path they can load, so a built-in model is served under its folder (its own name is still accepted)."""
+    from transformers import AutoTokenizer
+
+    from graphserve.bench.datasets import load_tokenizer
+
+    served = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    info = httpx.get(server.base_url + "/get_model_info", timeout=10).json()
+    server_info = httpx.get(server.base_url + "/get_server_info", timeout=10).json()
+    assert served == info["tokenizer_path"] == server_info["tokenizer_path"] and info["model_path"] == MODEL
+    text = "Hello, world: 12345"
+    ids = AutoTokenizer.from_pretrained(served)(text).input_ids
+    assert load_tokenizer(served)(text).input_ids == ids  # graphserve bench / sweep --tokenizer take it too
+    for name in (served, MODEL):
+        resp = httpx.post(server.base_url + "/v1/completions", json={"model": name, "prompt": text, "max_tokens": 1},
+                          timeout=30)
+        assert resp.status_code == 200 and resp.json()["model"] == served
+        assert resp.json()["usage"]["prompt_tokens"] == len(ids)
 
 
 def test_engine_death_ends_the_server(tmp_path):

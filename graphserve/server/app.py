@@ -25,7 +25,7 @@ from graphserve.server import serving_native, serving_openai
 from graphserve.server.errors import error_response, install_error_handlers
 from graphserve.server.grammar_work import GrammarWork
 from graphserve.server.guards import GuardMiddleware, GuardOptions
-from graphserve.server.model_info import model_cards, model_info, server_info
+from graphserve.server.model_info import model_cards, model_info, server_info, tokenizer_path
 from graphserve.server.prompts import IGNORED_FIELDS_HEADER, parse_body
 from graphserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from graphserve.server.protocol_native import GenerateRequest
@@ -54,6 +54,14 @@ def _install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+async def _save_tokenizer(state: ServerState) -> None:
+    """Once the engine is up, put a dummy: model's tokenizer where its served name (the folder) points."""
+    while not state.engine.ready.is_set():
+        await asyncio.sleep(0.1)
+    if state.engine.load_error is None and state.engine.config.model.startswith("dummy:"):
+        await asyncio.to_thread(tokenizer_path, state)
+
+
 def _with_ignored(request: Request, response: Response) -> Response:
     ignored = getattr(request.state, "ignored_fields", None)
     if ignored:
@@ -67,9 +75,11 @@ def create_app(state: ServerState, guards: GuardOptions | None = None) -> FastAP
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.engine.start(asyncio.get_running_loop())
+        saver = asyncio.ensure_future(_save_tokenizer(state))
         try:
             yield
         finally:
+            saver.cancel()
             state.grammar.close()
             state.engine.shutdown()
 

@@ -27,6 +27,7 @@ from graphserve.server.app import create_app
 from graphserve.server.async_engine import AsyncEngine
 from graphserve.server.guards import MAX_HEAD_BYTES, GuardOptions, guarded_protocol
 from graphserve.server.metrics import ServerMetrics
+from graphserve.server.model_info import default_served_name
 from graphserve.server.serve_args import (
     add_arguments,  # noqa: F401 - the `serve` command's flags (cli.py)
     api_server_count,
@@ -84,7 +85,7 @@ def build_state(
         listeners.append(sink.on_step)
         closers.append(sink)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    names = names or [config.model]
+    names = names or [default_served_name(config.model)]
     state = ServerState(engine, metrics, model_name=names[0], accepted_names={*names, config.model},
                         profile_endpoint=profile_endpoint)
     return state, closers
