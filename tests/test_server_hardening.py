@@ -189,6 +189,43 @@ def test_builtin_models_are_named_by_a_tokenizer_folder_tools_can_load(server):
         assert resp.json()["usage"]["prompt_tokens"] == len(ids)
 
 
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+    for name in ("get_time", "get_date")]
+
+
+def test_cut_calls_report_the_complete_ones_and_the_one_cut():
+    from graphserve.structured.tool_calls import ToolChoice, parse_tool_calls
+
+    choice = ToolChoice("required", ("get_time", "get_date"))
+    text = '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_date", "parameters": {"zo'
+    content, calls = parse_tool_calls(text, choice)
+    assert content is None
+    assert [c["function"] for c in calls] == [{"name": "get_time", "arguments": '{"zone": "UTC"}'},
+                                              {"name": "get_date", "arguments": '{"zo'}]
+    assert [c["function"] for c in parse_tool_calls('[{"name": "get_da', choice)[1]] == [
+        {"name": "get_da", "arguments": ""}]
+    assert parse_tool_calls("[", choice) == (None, [])
+
+
+def test_required_tool_choice_cut_by_max_tokens_and_parallel_off(server):
+    body = {"messages": [{"role": "user", "content": "time?"}], "tools": TOOLS, "tool_choice": "required",
+            "max_tokens": 10, "seed": 1}
+    cut = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] is None, cut
+    for call in cut["message"].get("tool_calls", []):
+        assert any(n.startswith(call["function"]["name"]) for n in ("get_time", "get_date")), call
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=60) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks), chunks
+    one = httpx.post(server.base_url + "/v1/chat/completions",
+                     json={**body, "max_tokens": 200, "parallel_tool_calls": False}, timeout=60).json()["choices"][0]
+    assert one["finish_reason"] == "tool_calls" and len(one["message"]["tool_calls"]) == 1, one
+    assert json.loads(one["message"]["tool_calls"][0]["function"]["arguments"])["zone"] in ("UTC", "CET")
+
+
 def test_engine_death_ends_the_server(tmp_path):
     """(With --strict-api, an unknown field is refused.) The engine dies mid-stream: the stream gets its error event, /health says 503, and the server process
     exits non-zero within --engine-death-grace, its last log line saying why."""
