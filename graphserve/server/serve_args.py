@@ -18,13 +18,25 @@ from graphserve.structured.constraint import MAX_SCHEMA_DEPTH, MAX_SCHEMA_DEPTH_
 API_KEY_ENVS = ("VLLM_API_KEY", "GRAPHSERVE_API_KEY")
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in --help, unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = DefaultsHelpFormatter
     parser.add_argument("model", help="HF folder, builtin:NAME or dummy:PRESET")
     add_engine_args(parser)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=30000, help="TCP port to listen on")
     parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="names clients use in the model field (default: MODEL)")
+                        help="names clients use in the model field (default: MODEL; for builtin: and dummy: "
+                             "models, their tokenizer folder, which benchmark tools load)")
     parser.add_argument("--step-log", default=None, metavar="FILE", help="append every step record as JSONL")
     parser.add_argument("--step-log-max-mb", type=float, default=100.0,
                         help="rotate --step-log to FILE.1 (one backup kept) when it grows past this size")
@@ -42,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-death-grace", type=float, default=5.0, metavar="SECONDS",
                         help="after the engine process dies, exit non-zero within SECONDS (time for in-flight "
                              "requests' error events to reach their clients)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="the least severe log lines printed")
     parser.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
                         help="stream an event every TOKENS tokens per request (a client that falls behind gets "
                              "several tokens per event anyway)")
