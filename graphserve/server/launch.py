@@ -193,6 +193,9 @@ def build_state_from_args(args: argparse.Namespace, config: EngineConfig, channe
                           ) -> tuple[ServerState, list[Any]]:
     if args.step_log_max_mb <= 0:
         raise ConfigError(f"--step-log-max-mb={args.step_log_max_mb} is invalid: must be > 0")
+    if not args.engine_death_grace >= 0:
+        raise ConfigError(f"--engine-death-grace={args.engine_death_grace} is invalid: must be >= 0",
+                          param="--engine-death-grace")
     state, closers = build_state(config, args.served_model_name, args.step_log,
                                  separate_process=not args.engine_in_process, stream_interval=args.stream_interval,
                                  stream_stall_timeout=args.stream_stall_timeout,

@@ -84,24 +84,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def guard_options(args: argparse.Namespace) -> GuardOptions:
     bounds = (("--max-request-body-mb", args.max_request_body_mb),
               ("--request-read-timeout", args.request_read_timeout), ("--max-connections", args.max_connections))
-    if not args.engine_death_grace >= 0:
-        raise ConfigError(f"--engine-death-grace={args.engine_death_grace} is invalid: must be >= 0",
-                          param="--engine-death-grace")
     for flag, value in bounds:
         if not value > 0:
             raise ConfigError(f"{flag}={value} is invalid: must be > 0", param=flag)
-    if not 1 <= args.max_schema_depth <= MAX_SCHEMA_DEPTH_FLAG:
-        raise ConfigError(f"--max-schema-depth={args.max_schema_depth} is invalid: must be between 1 and "
-                          f"{MAX_SCHEMA_DEPTH_FLAG}", param="--max-schema-depth")
-    for flag, value in (("--max-schema-chars", args.max_schema_chars),
-                        ("--max-grammar-builds-per-client", args.max_grammar_builds_per_client)):
+    # getattr: a Namespace built by hand (not by the parser) may lack the grammar flags; their defaults hold
+    depth = getattr(args, "max_schema_depth", MAX_SCHEMA_DEPTH)
+    chars = getattr(args, "max_schema_chars", MAX_SPEC_CHARS)
+    builds = getattr(args, "max_grammar_builds_per_client", MAX_GRAMMAR_BUILDS_PER_CLIENT)
+    if not 1 <= depth <= MAX_SCHEMA_DEPTH_FLAG:
+        raise ConfigError(f"--max-schema-depth={depth} is invalid: must be between 1 and {MAX_SCHEMA_DEPTH_FLAG}",
+                          param="--max-schema-depth")
+    for flag, value in (("--max-schema-chars", chars), ("--max-grammar-builds-per-client", builds)):
         if value < 1:
             raise ConfigError(f"{flag}={value} is invalid: must be >= 1", param=flag)
     key = args.api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), None)
     return GuardOptions(api_key=key, max_body_bytes=int(args.max_request_body_mb * 1024 * 1024),
                         read_timeout_s=args.request_read_timeout, max_connections=args.max_connections,
-                        max_schema_depth=args.max_schema_depth, max_schema_chars=args.max_schema_chars,
-                        max_grammar_builds_per_client=args.max_grammar_builds_per_client)
+                        max_schema_depth=depth, max_schema_chars=chars, max_grammar_builds_per_client=builds)
 
 
 def api_server_count(value: str, engine_in_process: bool = False) -> int:
