@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import shutil
 import signal
 import time
 
@@ -136,10 +137,23 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path):
 
 
 def test_model_that_fails_to_load_exits_1(tmp_path):
+    # An unknown name is refused by the launcher, before an engine process starts (the exit code of a bad flag)
     srv = ServerProcess(tmp_path, model="builtin:no-such-model")
-    with pytest.raises(RuntimeError, match="exited with 1"):
+    with pytest.raises(RuntimeError, match="exited with 2"):
         srv.start(timeout=60)
     assert "no-such-model" in srv.log()
+    # A folder whose config reads but whose weights are missing fails in the engine process: exit 1
+    from graphserve.models.builtin import ensure_builtin
+
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    for f in ensure_builtin("tiny-llama").iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, folder / f.name)
+    srv = ServerProcess(tmp_path, model=str(folder))
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        srv.start(timeout=60)
+    assert "safetensors" in srv.log()
 
 
 def test_second_sigterm_answers_in_flight_requests_then_exits_non_zero(tmp_path):
