@@ -26,7 +26,7 @@ def nested_schema(levels: int, leaf: str = "a") -> dict:
 
 
 def schema_chat(schema: dict) -> dict:
-    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}
 
 
@@ -88,7 +88,7 @@ def test_a_clients_grammar_builds_are_bounded(server):
     """Six new schemas at once from one client: two are built, the rest get 429 naming the bound."""
 
     def send(i: int) -> httpx.Response:
-        body = schema_chat(nested_schema(120, leaf=f"k{i}"))
+        body = schema_chat(nested_schema(80, leaf=f"k{i}"))
         return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
