@@ -82,8 +82,8 @@ def check_unknown_fields(request: Request, model: type[BaseModel], data: Any, st
 
 
 async def parse_body(request: Request, model: type[M], state: ServerState, openai_route: bool = False) -> M:
+    body = await request.body()  # read even when refused below: an unread body would leave the connection unusable
     check_json_body(request)
-    body = await request.body()
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
