@@ -82,6 +82,10 @@ def test_schema_past_the_depth_bound_is_400_naming_it(server):
     err = resp.json()["error"]
     assert err["param"] == "response_format.json_schema.schema" and "--max-schema-depth" in err["message"]
     assert "500" in err["message"]
+    # a schema sent as JSON text, nested past what Python's parser takes
+    native = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "json_schema": "[" * 5000}}
+    resp = httpx.post(server.base_url + "/generate", json=native, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "sampling_params.json_schema", resp.text
 
 
 def test_a_clients_grammar_builds_are_bounded(server):

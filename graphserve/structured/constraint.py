@@ -94,6 +94,9 @@ def json_schema(schema: Any, field: str) -> StructuredOutput:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
             raise BadRequestError(f"{field} is not valid JSON: {exc}", param=field) from exc
+        except RecursionError:  # past ~1000 levels Python's parser gives up
+            raise BadRequestError(f"{field} nests more than {LIMITS.get().max_depth} levels deep, the limit "
+                                  "(raise it with --max-schema-depth)", param=field) from None
     if not isinstance(schema, (dict, bool)):
         raise BadRequestError(f"{field} must be a JSON schema object, got {type(schema).__name__}", param=field)
     limit = LIMITS.get().max_depth
