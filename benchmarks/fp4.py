@@ -96,9 +96,14 @@ def _fp8_rowwise(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Ten
     return scaled_mm_rowwise(a, a_s, w, s, DT)
 
 
-def projection_rows(card: str, quick: bool) -> tuple[list[dict], dict]:
+def projection_rows(card: str, quick: bool, projections: list[str] | None = None,
+                    checkpoint: bool = True) -> tuple[list[dict], dict]:  # fmt: skip
+    """Every kernel at every row count of Llama-3-8B's ``projections`` (default: all); ``checkpoint``: write the rows
+    so far to benchmarks/results/fp4_kernels.json after each projection (graphserve tune writes only its tables)."""
     rows, prefill = [], {}
     for proj, (n, k) in LLAMA3_8B.items():
+        if projections is not None and proj not in projections:
+            continue
         wb = torch.randn(n, k, device="cuda", dtype=DT) * 0.02
         bf16_w = [wb.clone() for _ in range(copies_for(n * k * 2))]
         q8, s8 = quantize_weight_blocks(wb, 128, 128)
@@ -130,7 +135,8 @@ def projection_rows(card: str, quick: bool) -> tuple[list[dict], dict]:
                                  for p, s, g in ws[: 2 if m >= 1024 else len(ws)]]  # fmt: skip
                         rows.append(_row(shape, f"fp4 gemm {variant}", fmt, graph_ms(calls), fp4_bytes(n, k, fmt)))
             print(f"{proj} m={m} done", flush=True)
-        write_result("fp4_kernels", {"partial": f"projections up to {proj}", "rows": rows, "errors": ERRORS})
+        if checkpoint:
+            write_result("fp4_kernels", {"partial": f"projections up to {proj}", "rows": rows, "errors": ERRORS})
         del bf16_w, fp8_block, fp4
         torch.cuda.empty_cache()
     for r in rows:

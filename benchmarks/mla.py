@@ -182,11 +182,14 @@ def setup(heads: int, batch: int, ctx: int, tokens: int | None = None, cache_dty
     return cache, tables, torch.full((batch,), ctx, dtype=torch.int32, device="cuda"), q_lat, q_rope
 
 
-def sweep(bw, quick: bool, rows: list[dict], cache_dtype: torch.dtype = DT) -> None:
+def sweep(bw, quick: bool, rows: list[dict], cache_dtype: torch.dtype = DT,
+          points: dict[int, tuple[list[int], list[int]]] | None = None) -> None:  # fmt: skip
     """Every candidate tile at every point over a latent cache of ``cache_dtype``, each at the distinct split
     counts its occupancies give; rows are appended as they are measured, so a SweepAborted leaves the ones
-    before it."""
-    candidates, points = (QUICK_CANDIDATES, QUICK_POINTS) if quick else (CANDIDATES, SWEEP_POINTS)
+    before it. ``points``: heads -> (batches, contexts) instead of the sweep's own (graphserve tune measures one
+    point at a time, to bound its time)."""
+    candidates, default_points = (QUICK_CANDIDATES, QUICK_POINTS) if quick else (CANDIDATES, SWEEP_POINTS)
+    points = points or default_points
     for heads, (batches, contexts) in points.items():
         tiles = [MLATile.parse(f"{name}o1") for name in candidates[heads]]
         for batch in batches:

@@ -309,6 +309,13 @@ def _short(tile: GemmTile | None) -> str:
     return f"{tile.block_m}x{tile.block_n}x{tile.block_k} g{tile.group_m} w{tile.num_warps} s{tile.num_stages}{a8}"
 
 
+def table_payload(e: int, i: int, h: int, k: int, dtype: str, device: str, quick: bool, run: dict, tiles: MoeTiles,
+                  rows: list[dict]) -> dict:  # fmt: skip
+    """The table file kernels/moe_config.py reads, with the run that measured it and its measurements."""
+    return {"experts": e, "intermediate": i, "hidden": h, "dtype": dtype, "device": device, "top_k": k,
+            "quick": quick, "environment": run, **tiles.to_json(), "measurements": rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help=f"a dummy preset's expert shape: {', '.join('dummy:' + s for s in SHAPES)}")
@@ -372,8 +379,7 @@ def main() -> None:
     rows = [{**r, "measured_at": run} for r in rows]  # a later --buckets run keeps them with their run
     if old is not None:
         tiles, rows = merge_tables(old, tiles, rows, streaming=tokens[0] == 1)
-    payload = {"experts": e, "intermediate": i, "hidden": h, "dtype": args.dtype, "device": device, "top_k": k,
-               "quick": args.quick, "environment": run, **tiles.to_json(), "measurements": rows}  # fmt: skip
+    payload = table_payload(e, i, h, k, args.dtype, device, args.quick, run, tiles, rows)
     if args.buckets:
         payload["retuned_buckets"] = [t * k for t in tokens]
     path.parent.mkdir(parents=True, exist_ok=True)
