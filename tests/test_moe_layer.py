@@ -241,7 +241,7 @@ def test_tile_tables_load_by_shape_and_fall_back_with_the_tuning_command(monkeyp
     monkeypatch.setenv("GRAPHSERVE_CACHE_DIR", str(tmp_path / "cache"))
     tables.clear()
     moe_config._load.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="graphserve.kernels.moe_config"):
+    with caplog.at_level(logging.INFO, logger="graphserve.kernels.moe_config"):
         tiles = moe_config._load(128, 768, 2048, torch.bfloat16, "NVIDIA_H200")
     assert tiles == moe_config.default_tiles(128)
     assert "graphserve tune --tables moe --experts 128 --intermediate 768 --hidden 2048 --dtype bfloat16" in caplog.text

@@ -269,3 +269,47 @@ class _NoBar:
 
     def update(self, _n):
         pass
+
+
+def test_plans_cut_each_table_into_the_models_shapes_and_derive_rules_as_the_benchmarks_do(monkeypatch):
+    """The plans over the benchmarks' measurement functions, built with the GPU's answers faked: their units, and
+    the rules their finish derives from rows shaped as the benchmarks' (the timings themselves need a GPU)."""
+    from graphserve.tuning import measure
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: CARD)
+    monkeypatch.setattr("graphserve.kernels.common.sm_count", lambda device: 132)
+    monkeypatch.setattr("graphserve.kernels.fp8_gemm.blockwise_scaled_mm_available", lambda device: True)
+    monkeypatch.setattr(measure, "environment", lambda: {"device": CARD, "date": "d", "commit": "c"})
+    plans = {p.table: p for p in measure.build_plans(list(measure.TABLES), list(measure.QUICK_MODELS), True,
+                                                     [(64, 2048, 1408, 6)], None)}  # fmt: skip
+    assert set(plans) == {"gemv", "fp8", "moe", "fp4"}  # no latent attention in these presets
+    assert plans["gemv"].units[:4] == ["llama3-8b qkv", "llama3-8b o_proj", "llama3-8b gate_up", "llama3-8b down"]
+    assert plans["gemv"].units[4:] == ["qwen3-30b-a3b qkv", "qwen3-30b-a3b o_proj", "qwen3-30b-a3b router"]
+    assert plans["fp8"].units[0] == "llama3-8b qkv block128" and len(plans["fp8"].units) == 6
+    assert plans["moe"].units == ["E=128 H=2048 I=768 k=8 bfloat16", "E=64 H=2048 I=1408 k=6 bfloat16"]
+    assert plans["fp4"].units == ["qkv", "o", "gate_up", "down"]
+    mla = measure.mla_plan(["dummy:deepseek-v2-lite", "dummy:deepseek-v3-l4", "dummy:llama3-8b"], quick=True)
+    assert mla.units == ["heads=16 bs=1 ctx=4096 cache=bf16", "heads=16 bs=64 ctx=4096 cache=bf16",
+                         "heads=128 bs=64 ctx=4096 cache=bf16"]  # fmt: skip
+
+    # gemv: per shape the largest row count up to which gemv won at every count; an earlier table's other shapes stay
+    wins = {1: 0.5, 2: 0.7, 4: 1.2, 8: 0.9, 16: 1.1}
+    rows = [{"shape": "llama3-8b qkv", "M": m, "N": 6144, "K": 4096, "gemv/cublas": r} for m, r in wins.items()]
+    fused = [{"shape": "llama3-8b qkv", "M": m, "N": 6144, "K": 4096, "kind": "norm", "fused/unfused": 0.9 if m < 8
+              else 1.0} for m in wins]  # fmt: skip
+    earlier = {"shapes": [{"name": "qwen3-0.6b qkv", "n": 4096, "k": 1024, "linear": 8},
+                          {"name": "llama3-8b qkv", "n": 6144, "k": 4096, "linear": 16}]}  # fmt: skip
+    [(name, rule)] = plans["gemv"].finish([("llama3-8b qkv", {"rows": rows, "fused": fused})], lambda _: earlier)
+    assert name == "gemv_rule.json" and rule["device"] == CARD
+    assert rule["shapes"] == [earlier["shapes"][0], {"name": "llama3-8b qkv", "n": 6144, "k": 4096, "linear": 2,
+                                                     "norm": 4}]  # fmt: skip
+
+    # fp4: only the measured projections get entries (an unmeasured one would read "never stream")
+    fp4_rows = [{"fmt": fmt, "n": 6144, "k": 4096, "kernel": kernel, "m": m, "ms": ms}
+                for fmt in ("nvfp4", "mxfp4") for kernel, m, ms in
+                (("fp4 stream", 1, 1.0), ("fp4 stream", 8, 2.0), ("fp4 gemm bf16", 8, 1.5), ("fp4 gemm fp8", 8, 1.0),
+                 ("fp4 gemm bf16", 32, 2.0), ("fp4 gemm fp8", 32, 1.0))]  # fmt: skip
+    kept = {"fmt": "nvfp4", "n": 4096, "k": 14336, "stream_max_rows": 8, "fp8_min_rows": 32}
+    [(name, rule)] = plans["fp4"].finish([("qkv", fp4_rows)], lambda _: {"shapes": [kept]})
+    assert name == "fp4_rule.json" and rule["shapes"] == [kept] + [
+        {"fmt": fmt, "n": 6144, "k": 4096, "stream_max_rows": 1, "fp8_min_rows": 8} for fmt in ("nvfp4", "mxfp4")]

@@ -189,7 +189,7 @@ def table_label(num_experts: int, intermediate: int, hidden: int, dtype: torch.d
 @functools.lru_cache(maxsize=64)
 def _load(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, device: str) -> MoeTiles:
     """This card's table (kernels/tables.py: the tune cache, then the shipped tables), else the defaults: the
-    start-up line names the shapes that fell back, and this warning the command that tunes this one."""
+    start-up line names the shapes that fell back, and this log line the command that tunes this one."""
     if device == "cpu":
         return default_tiles(num_experts)
     path = table_path(num_experts, intermediate, hidden, dtype, device)
@@ -197,7 +197,9 @@ def _load(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, 
                         table_label(num_experts, intermediate, hidden, dtype), legacy=path)  # fmt: skip
     if found:
         return found.table
-    logger.warning(
+    # the start-up line (kernels/tables.py) is the warning; this names the command for this one shape, which a
+    # checkpoint that is not a preset needs
+    logger.info(
         "no MoE tile table for experts=%d intermediate=%d hidden=%d dtype=%s on %s; using defaults; "
         "tune with: %s", num_experts, intermediate, hidden, dtype, device,
         tune_command(num_experts, intermediate, hidden, dtype),

@@ -194,6 +194,6 @@ def startup_line(card: str, model: str | None = None) -> str | None:
     line = f"kernel tables on {card}: tuned: {', '.join(served) or 'none'}"
     if defaults:
         only = "--tables " + " ".join(sorted({d.split()[0] for d in defaults}))
-        target = f" --model {model}" if model else ""
+        target = f" --model {model}" if model and model.startswith("dummy:") else ""  # tune measures presets' shapes
         line += f"; defaults: {', '.join(defaults)} (measure them: {TUNE_COMMAND}{target} {only})"
     return line
