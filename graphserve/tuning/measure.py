@@ -1,9 +1,7 @@
-"""The five tables as ``TablePlan``s over the benchmarks' own measurement functions (benchmarks/gemv.py,
-fp8_route.py, mla.py, moe_tune.py, fp4.py): the same timings and the same rule derivations that wrote the
-shipped tables, cut into units so that ``graphserve tune`` can bound each table's time.
-
-These run on the GPU only; the benchmarks are imported when a plan is built (a source checkout: they live
-in benchmarks/, beside the package).
+"""The five tables as ``TablePlan``s over the measurement functions of graphserve/tuning/gemv.py, fp8_route.py,
+mla.py, moe_tune.py and fp4.py (``python3 -m benchmarks.gemv`` and the others run the same modules): the same
+timings and rule derivations that wrote the shipped tables, cut into units so that ``graphserve tune`` can bound
+each table's time. They run on the GPU only; each module is imported when its plan is built.
 """
 
 from __future__ import annotations
@@ -29,14 +27,14 @@ def bare(model: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def environment() -> dict:
-    from benchmarks.common import environment as env
+    from graphserve.tuning.timing import environment as env
 
     return env()
 
 
 def gemv_plan(models: list[str], quick: bool) -> TablePlan | None:
-    from benchmarks import gemv as bench
     from graphserve.kernels.common import sm_count
+    from graphserve.tuning import gemv as bench
 
     shapes = list(dict.fromkeys(s for m in models for s in bench.MODEL_SHAPES.get(m, ())))
     if not shapes:
@@ -63,9 +61,9 @@ def gemv_plan(models: list[str], quick: bool) -> TablePlan | None:
 
 
 def fp8_plan(models: list[str], quick: bool) -> TablePlan | None:
-    from benchmarks import fp8_route as bench
     from graphserve.kernels.common import sm_count
     from graphserve.kernels.fp8_gemm import blockwise_scaled_mm_available
+    from graphserve.tuning import fp8_route as bench
 
     # mixtral-8x7b's attention has llama3-8b's projections
     prefixes = {bare(m).replace("mixtral-8x7b", "llama3-8b") for m in models}
@@ -100,8 +98,8 @@ def mla_heads(model: str) -> int | None:
 
 
 def mla_plan(models: list[str], quick: bool) -> TablePlan | None:
-    from benchmarks import mla as bench
-    from benchmarks.roofline import measured_read_bw
+    from graphserve.tuning import mla as bench
+    from graphserve.tuning.roofline import measured_read_bw
 
     heads = sorted({h for m in models if (h := mla_heads(m))})
     if not heads:
@@ -134,8 +132,8 @@ def mla_plan(models: list[str], quick: bool) -> TablePlan | None:
 def moe_plan(models: list[str], quick: bool, shapes: list[tuple[int, int, int, int]] = (),
              dtypes: tuple[str, ...] | None = None) -> TablePlan | None:  # fmt: skip
     """Expert shapes (experts, hidden, intermediate, top_k) of the models' presets and ``shapes``, per dtype."""
-    from benchmarks import moe_tune as bench
     from graphserve.kernels.moe_config import device_name, table_path
+    from graphserve.tuning import moe_tune as bench
 
     found = [bench.SHAPES[bare(m)] for m in models if bare(m) in bench.SHAPES] + list(shapes)
     dtypes = dtypes or (("bfloat16",) if quick else ("bfloat16", "float8_e4m3fn"))
@@ -160,7 +158,7 @@ def moe_plan(models: list[str], quick: bool, shapes: list[tuple[int, int, int, i
 
 
 def fp4_plan(models: list[str], quick: bool) -> TablePlan | None:
-    from benchmarks import fp4 as bench
+    from graphserve.tuning import fp4 as bench
 
     if "dummy:llama3-8b" not in models:  # the rule's shapes are Llama-3-8B's projections
         return None
