@@ -313,3 +313,17 @@ def test_plans_cut_each_table_into_the_models_shapes_and_derive_rules_as_the_ben
     [(name, rule)] = plans["fp4"].finish([("qkv", fp4_rows)], lambda _: {"shapes": [kept]})
     assert name == "fp4_rule.json" and rule["shapes"] == [kept] + [
         {"fmt": fmt, "n": 6144, "k": 4096, "stream_max_rows": 1, "fp8_min_rows": 8} for fmt in ("nvfp4", "mxfp4")]
+
+
+def test_a_benchmark_run_on_another_card_writes_beside_the_first_cards_table_never_over_it(dirs):
+    assert tables.shipped_path("gemv_rule.json", CARD) == dirs / "kernels" / "gemv_rule.json"  # none yet
+    write(dirs / "kernels" / "gemv_rule.json", gemv_table(OTHER, 4))
+    assert tables.shipped_path("gemv_rule.json", OTHER) == dirs / "kernels" / "gemv_rule.json"
+    assert tables.shipped_path("gemv_rule.json", CARD) == dirs / "shipped" / "NVIDIA_H100_80GB_HBM3" / "gemv_rule.json"
+    from graphserve.tuning import gemv as bench
+
+    rows = [{"shape": "llama3-8b qkv", "M": m, "N": 6144, "K": 4096, "gemv/cublas": 0.5} for m in (1, 2)]
+    bench.write_rule({"environment": {"device": CARD}, "rows": rows})
+    found = tables.find("gemv_rule.json", CARD, gemv_config.GemvRule.from_json, "gemv")
+    assert found.source == "shipped" and found.table.max_rows("linear", 6144, 4096) == 2
+    assert json.loads((dirs / "kernels" / "gemv_rule.json").read_text())["device"] == OTHER

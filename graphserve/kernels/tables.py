@@ -132,6 +132,20 @@ def refusal(data: Any, path: Path, card: str, source: str, v: dict[str, str] | N
     return None
 
 
+def shipped_path(name: str, card: str) -> Path:
+    """Where a benchmark run on ``card`` writes its table into the source tree: beside the reader where that file
+    is absent or is this card's (the first tables measured), else ``tables/<card>/``, so that measuring another
+    card never overwrites one card's table with another's."""
+    beside = KERNELS_DIR / name
+    try:
+        device = json.loads(beside.read_text()).get("device") if beside.is_file() else None
+    except (OSError, json.JSONDecodeError, AttributeError):
+        device = None
+    if device is None or card_key(str(device)) == card_key(card):
+        return beside
+    return SHIPPED_DIR / card_key(card) / name
+
+
 # what each table's lookup found this process, by label: (source, path) or ("defaults", None)
 RESOLVED: dict[str, tuple[str, Path | None]] = {}
 _PASSED: set[str] = set()

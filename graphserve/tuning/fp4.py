@@ -21,6 +21,7 @@ from functools import partial
 
 import torch
 
+from graphserve.kernels import tables
 from graphserve.kernels.fp4_gemm import RULE_PATH, fp4_gemm
 from graphserve.kernels.fp4_gemv import fp4_gemv
 from graphserve.kernels.fp4_moe import fp4_fused_experts
@@ -242,7 +243,9 @@ def main() -> None:
                "errors": ERRORS}
     write_result("fp4_kernels", payload)
     if args.write_rule:
-        RULE_PATH.write_text(json.dumps(rule, indent=1) + "\n")
+        rule_path = tables.shipped_path(RULE_PATH.name, card)  # this card's, never another's
+        rule_path.parent.mkdir(parents=True, exist_ok=True)
+        rule_path.write_text(json.dumps(rule, indent=1) + "\n")
     print_table([r for r in rows if r["m"] <= 64], ["proj", "m", "fmt", "kernel", "ms", "gbs", "ratio"])
     print_table([r for r in rows if r["m"] > 64], ["proj", "m", "fmt", "kernel", "ms", "tflops"])
     print_table(moe, ["model", "tokens", "path", "ms", "gbs", "ratio"])

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from graphserve.kernels import tables
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp8_config import (
     MAX_STREAM_ROWS,
@@ -467,17 +468,19 @@ def main() -> None:
     settle_floor(rows, bw)
     print(f"\nfloor: {bw.describe()}")
     print_table(rows, COLS)
-    earlier = json.loads(RULE_PATH.read_text()) if RULE_PATH.exists() else None
+    rule_path = tables.shipped_path(RULE_PATH.name, environment()["device"])  # this card's, never another's
+    earlier = json.loads(rule_path.read_text()) if rule_path.exists() else None
     rule = rule_from_rows(rows, environment(), earlier)
     write_result(args.result_name or ("fp8_route_channel" if channel else "fp8_route"),
                  {"read": bw.summary(), "scales": args.scales, "scaled_mm_blockwise": scaled_mm_ok, "rows": rows,
                   "rule": rule})
     if not args.no_rule:
         text = json.dumps(rule, indent=1) + "\n"
-        RULE_PATH.write_text(text)
+        rule_path.parent.mkdir(parents=True, exist_ok=True)
+        rule_path.write_text(text)
         if os.environ.get("OUT"):  # a copy that comes back from a remote GPU run, as write_result's
             Path(os.environ["OUT"], RULE_PATH.name).write_text(text)
-        print(f"routing table for {rule['device']} written to {RULE_PATH}")
+        print(f"routing table for {rule['device']} written to {rule_path}")
 
 
 if __name__ == "__main__":

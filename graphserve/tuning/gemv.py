@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from graphserve.kernels import tables
 from graphserve.kernels.activation import silu_and_mul
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.gemv import gemv, norm_gemv, silu_mul_gemv
@@ -228,8 +229,11 @@ def merge_with_earlier(payload: dict, earlier: dict | None) -> dict:
     return {**payload, "rows": carried["rows"] + payload["rows"], "fused": carried["fused"] + payload["fused"]}
 
 
-def write_rule(payload: dict, path: Path = RULE_PATH) -> dict:
+def write_rule(payload: dict, path: Path | None = None) -> dict:
+    """The rule of ``payload`` written to ``path``, by default this card's shipped table (kernels/tables.py)."""
     rule = rule_from_results(payload)
+    path = path or tables.shipped_path(RULE_PATH.name, str(rule["device"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rule, indent=1) + "\n")
     print(f"routing rule for {rule['device']} written to {path}")
     return rule

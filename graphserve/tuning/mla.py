@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from graphserve.kernels import mla_attention as mla_kernels
+from graphserve.kernels import tables
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.mla_attention import mla_attention
 from graphserve.kernels.mla_config import (
@@ -268,8 +269,12 @@ def rule_from_sweep(payload: dict, before: dict | None = None) -> dict:
 
 
 
-def write_rule(payload: dict, path: Path = RULE_PATH) -> dict:
+def write_rule(payload: dict, path: Path | None = None) -> dict:
+    """The rule of a sweep's winners written to ``path``, by default this card's shipped table (kernels/tables.py),
+    keeping its entries of the cache kinds this sweep did not measure."""
+    path = path or tables.shipped_path(RULE_PATH.name, str(payload.get("environment", {}).get("device")))
     before = json.loads(path.read_text()) if path.exists() else None
+    path.parent.mkdir(parents=True, exist_ok=True)
     rule = rule_from_sweep(payload, before)
     text = json.dumps(rule, indent=1) + "\n"
     path.write_text(text)
