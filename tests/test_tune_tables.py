@@ -162,8 +162,8 @@ def test_tune_arguments_are_checked_by_flag_and_limit():
     assert shapes == []
     models, budget, _ = tune_cli.check_args(_args(model=["qwen3-0.6b"], budget_s=12))
     assert models == ["dummy:qwen3-0.6b"] and budget == 12
-    _, _, shapes = tune_cli.check_args(_args(tables=["moe"], experts=64, hidden=2048, intermediate=1408, top_k=6))
-    assert shapes == [(64, 2048, 1408, 6)]
+    models, _, shapes = tune_cli.check_args(_args(tables=["moe"], experts=64, hidden=2048, intermediate=1408, top_k=6))
+    assert shapes == [(64, 2048, 1408, 6)] and models == []  # that shape alone, not the presets' as well
     for kw, field in [({"model": ["dummy:nope"]}, "--model dummy:nope is not a preset"),
                       ({"budget_s": 0}, "--budget-s 0.0 is invalid"),
                       ({"experts": 8, "tables": ["moe"]}, "needs all of --experts, --hidden and --intermediate"),

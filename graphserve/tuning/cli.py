@@ -74,6 +74,8 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], float, list[tuple[i
             raise ConfigError("--experts/--hidden/--intermediate describe a MoE table: add moe to --tables",
                               param="tables")
         shapes.append((args.experts, args.hidden, args.intermediate, args.top_k))
+        if not args.models:  # an expert shape alone: that table only, not the default presets' as well
+            models = []
     return models, budget, shapes
 
 
@@ -91,13 +93,13 @@ def run(args: argparse.Namespace) -> int:
     out = output_dir(args.out, card)
     dtypes = (args.dtype,) if args.dtype else None
     plans = build_plans(args.tables, models, args.quick, shapes, dtypes)
-    print(f"tuning {', '.join(p.table for p in plans) or 'nothing'} for {', '.join(models)} on {card}, "
+    print(f"tuning {', '.join(p.table for p in plans) or 'nothing'} for {', '.join(models) or 'the expert shape'} on {card}, "
           f"at most {budget:.0f} s a table; tables go to {out}", flush=True)
     reports = [run_table(plan, budget, out, card) for plan in plans]
     for report in reports:
         print(report.line())
     tables.clear()
     if not plans:
-        print(f"no table has shapes of {', '.join(models)}: nothing measured")
+        print(f"no table of {', '.join(args.tables)} has shapes of {', '.join(models)}: nothing measured")
         return 1
     return 0 if any(r.files for r in reports) else 1
