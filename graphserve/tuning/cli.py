@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     out = output_dir(args.out, card)
     dtypes = (args.dtype,) if args.dtype else None
     plans = build_plans(args.tables, models, args.quick, shapes, dtypes)
-    print(f"tuning {', '.join(p.table for p in plans) or 'nothing'} for {', '.join(models) or 'the expert shape'} on {card}, "
+    target = ", ".join(models) or "the expert shape"
+    print(f"tuning {', '.join(p.table for p in plans) or 'nothing'} for {target} on {card}, "
           f"at most {budget:.0f} s a table; tables go to {out}", flush=True)
     reports = [run_table(plan, budget, out, card) for plan in plans]
     for report in reports:
