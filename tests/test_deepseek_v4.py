@@ -1,0 +1,132 @@
+"""DeepSeek-V4 matches transformers logit for logit (CPU, float32) on its paged latent and compressor row caches:
+sliding, compressed-sparse (CSA, the indexer keeping fewer entries than a query has seen) and heavily compressed
+(HCA) layers, contexts several windows long, hash-routed and score-routed MoE layers, hyper-connections."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import check_paged_parity, make_hf_checkpoint
+from transformers import DeepseekV4Config
+
+from graphserve import LLM, SamplingParams
+from graphserve.config import EngineConfig
+from graphserve.errors import ModelLoadError
+from graphserve.models.loader import load_model
+from graphserve.models.registry import describe_model
+
+TOL = 1e-4
+_TINY = dict(vocab_size=320, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
+             q_lora_rank=24, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8, o_groups=2,
+             o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=3, sliding_window=8, hc_mult=2,
+             hc_sinkhorn_iters=5, max_position_embeddings=512, swiglu_limit=0.5, bos_token_id=0, eos_token_id=1,
+             architectures=["DeepseekV4ForCausalLM"])
+_TYPES = ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+          "compressed_sparse_attention"]
+
+
+def _config(hca_rate: int = 16) -> DeepseekV4Config:
+    return DeepseekV4Config(**_TINY, num_hidden_layers=4, layer_types=_TYPES,
+                            mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+                            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": hca_rate})
+
+
+def _checkpoint(folder, config):
+    hf = make_hf_checkpoint(folder, config)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, buf in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))  # large enough to change which experts win
+            elif name.endswith("tid2eid"):  # distinct experts per token, as a trained table has them
+                buf.copy_(torch.stack([torch.randperm(buf.shape[1] * 4, generator=gen)[: buf.shape[1]]
+                                       for _ in range(buf.shape[0])]))
+        for name, p in hf.named_parameters():
+            if name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    hf.save_pretrained(folder)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("v4")
+    hf = _checkpoint(folder, _config())
+    loaded = load_model(EngineConfig(model=str(folder), dtype="float32", max_model_len=256, block_size=4),
+                        torch.device("cpu"))
+    return hf, loaded, folder
+
+
+def test_prefill_chunked_and_decode_match_transformers(v4):
+    """Prompts of 37, 41 (the last 22 on a cached 19-token prefix: groups straddle the chunk edge) and 29 tokens,
+    then decode steps across group edges: every logit row within 1e-4 of transformers' uncached forward."""
+    hf, loaded, _ = v4
+    check_paged_parity(loaded.model, hf, "deepseek-v4", TOL, lengths=(37, 41, 29), prefix=19, decode_steps=5,
+                       num_blocks=96)
+
+
+def test_a_long_context_reads_its_window_and_every_heavily_compressed_group(tmp_path):
+    """HCA at its built 128:1 over a 300-token prompt (two closed groups, a partial third), chunked at 100 tokens."""
+    hf = _checkpoint(tmp_path, _config(hca_rate=128))
+    loaded = load_model(EngineConfig(model=str(tmp_path), dtype="float32", max_model_len=512, block_size=8),
+                        torch.device("cpu"))
+    check_paged_parity(loaded.model, hf, "deepseek-v4 hca128", TOL, lengths=(9, 300, 5), prefix=100,
+                       decode_steps=2, num_blocks=64, block_size=8)
+
+
+def test_greedy_matches_transformers_generate_under_continuous_batching(v4):
+    """Prompts of 9, 23 and 37 tokens (chunked by 16) batched together, 10 greedy tokens each; then a prompt sharing
+    the 37-token one's first 32 tokens takes its latent and compressor rows from the prefix cache."""
+    hf, _, folder = v4
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 320, (n,), generator=gen).tolist() for n in (9, 23, 37)]
+
+    def expected(ids: list[int]) -> list[int]:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                              pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    llm = LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [expected(p) for p in prompts]
+    shared = prompts[2][:32] + [7, 8, 9]
+    manager = llm.engine.core.block_manager
+    hits = manager.hit_tokens
+    assert llm.generate([{"prompt_token_ids": shared}], params, use_tqdm=False)[0].token_ids == expected(shared)
+    assert manager.hit_tokens - hits == 32
+    manager.check_no_leak()
+
+
+def test_description_counts_every_parameter_and_each_cache_part(v4):
+    hf, loaded, _ = v4
+    d, cfg = loaded.info.description, hf.config
+    assert d.num_params == sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in loaded.model.parameters())
+    # per token: a latent per layer; CSA rows: kv+gate in two series (4*32) and the indexer's (4*16), then the entry
+    # (32) and its indexer key (16); HCA rows: kv+gate (2*32) and the entry (32). float32: 4 bytes each
+    state, entries = 2 * (4 * 32 + 4 * 16) + 2 * 32, 2 * (32 + 16) + 32
+    assert d.kv.row_widths == (2 * 32 + 32, 4 * 32 + 4 * 16 + 32 + 16, 4 * 32 + 4 * 16 + 32 + 16)
+    assert d.kv.bytes_per_token == 4 * (4 * 32 + state + entries)
+    assert dict(d.kv.parts()) == {"latent": 4 * 4 * 32, "compressor state": 4 * state,
+                                  "compressed entries": 4 * entries}
+    caches = d.kv.allocate(5, 4, "cpu")
+    assert [c.shape for c in caches[cfg.num_hidden_layers:]] == [(5, 4, w) for w in d.kv.row_widths]
+    assert [layer.self_attn.cache_index for layer in loaded.model.model.layers] == [4, 5, None, 6]
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("scoring_func", "softmax", "scoring_func='softmax'"),
+    ("layer_types", ["full_attention"] * 4, r"layer_types\[0\]='full_attention'"),
+    ("compress_rates", {"compressed_sparse_attention": 3, "heavily_compressed_attention": 16},
+     r"compress_rates\['compressed_sparse_attention'\]=3"),
+    ("compress_rates", {"compressed_sparse_attention": 4, "heavily_compressed_attention": 256},
+     r"compress_rates\['heavily_compressed_attention'\]=256"),
+    ("mlp_layer_types", ["dense"] * 4, r"mlp_layer_types\[0\]='dense'"),
+    ("hidden_act", "gelu", "hidden_act='gelu'"),
+])  # fmt: skip
+def test_unbuilt_config_values_are_refused_by_name(field, value, match):
+    cfg = _config()
+    object.__setattr__(cfg, field, value)
+    with pytest.raises(ModelLoadError, match=match):
+        describe_model(cfg, torch.float32)
