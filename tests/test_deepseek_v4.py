@@ -6,18 +6,28 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import check_paged_parity, make_hf_checkpoint
+from model_utils import (
+    PagedHarness,
+    check_paged_parity,
+    held_weight_bytes,
+    hf_logits,
+    make_hf_checkpoint,
+    relative_error,
+)
 from transformers import DeepseekV4Config
 
 from graphserve import LLM, SamplingParams
 from graphserve.config import EngineConfig
 from graphserve.errors import ModelLoadError
+from graphserve.layers.linear import Linear
+from graphserve.layers.moe import FusedMoE
 from graphserve.models.loader import load_model
+from graphserve.models.presets import get_preset_config
 from graphserve.models.registry import describe_model
 
 TOL = 1e-4
 _TINY = dict(vocab_size=320, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
-             q_lora_rank=24, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8, o_groups=2,
+             q_lora_rank=32, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8, o_groups=2,
              o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=3, sliding_window=8, hc_mult=2,
              hc_sinkhorn_iters=5, max_position_embeddings=512, swiglu_limit=0.5, bos_token_id=0, eos_token_id=1,
              architectures=["DeepseekV4ForCausalLM"])
@@ -130,3 +140,62 @@ def test_unbuilt_config_values_are_refused_by_name(field, value, match):
     object.__setattr__(cfg, field, value)
     with pytest.raises(ModelLoadError, match=match):
         describe_model(cfg, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_experts_and_projections_run_their_dequantized_weights(v4, fmt):
+    """``--quantization nvfp4|mxfp4`` on the checkpoint: every routed-expert layer and projection goes through the
+    FP4 methods (the clamped SwiGLU in the FP4 experts' reference), and gives the fp32 model's logits once that model
+    holds the dequantized weights; the description prices the bytes held."""
+    hf, _, folder = v4
+    plain = load_model(EngineConfig(model=str(folder), dtype="float32", max_model_len=256), torch.device("cpu"))
+    fp4 = load_model(EngineConfig(model=str(folder), dtype="float32", max_model_len=256, quantization=fmt),
+                     torch.device("cpu"))
+    assert fp4.info.description.weights_bytes == held_weight_bytes(fp4.model)
+    modules, experts, linears = dict(plain.model.named_modules()), 0, 0
+    for name, m in fp4.model.named_modules():
+        if isinstance(m, FusedMoE):
+            w13, w2 = m.quant_method.dequantized(m, torch.float32)
+            modules[name].w13_weight.data.copy_(w13)
+            modules[name].w2_weight.data.copy_(w2)
+            experts += 1
+        elif isinstance(m, Linear) and m.quant_method is not None:
+            modules[name].weight.data.copy_(m.quant_method.dequantized_weight(m, torch.float32))
+            linears += 1
+    assert experts == 4 and linears > 40
+    ids = torch.randint(4, 320, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    got, want = PagedHarness(fp4.model).step([("a", ids)])[0], PagedHarness(plain.model).step([("a", ids)])[0]
+    assert relative_error(got, want) < TOL
+    assert relative_error(got, hf_logits(hf, ids)) > 1e-3  # the weights really were quantized
+
+
+def test_presets_are_the_published_shapes_and_count_284b_parameters():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    full = get_preset_config("deepseek-v4-flash")
+    d = describe_model(full, torch.bfloat16)
+    assert abs(d.num_params / 284e9 - 1) < 0.005  # the published 284B
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**full))
+    assert d.num_params == sum(p.numel() for p in hf.parameters())
+    l6 = describe_model(get_preset_config("deepseek-v4-flash-l6"), torch.bfloat16)
+    assert l6.num_moe_layers == 6 and l6.local_experts == 256 and l6.top_k == 6
+    assert l6.kv.row_widths == (3 * 512,) * 3 + (4 * 512 + 4 * 128 + 512 + 128, 3 * 512, 4 * 512 + 4 * 128 + 640)
+    # under --tp 4 the experts split (their intermediate size), attention stays whole on every rank
+    tp4 = describe_model(full, torch.bfloat16, tp=4)
+    assert tp4.expert_params * 4 == d.expert_params and tp4.dense_params == d.dense_params
+
+
+def test_plan_answers_the_first_story_for_its_own_model():
+    """``graphserve plan dummy:deepseek-v4-flash --tp 4 --gpu-memory-gb 96 --quantization nvfp4`` sizes the pool by
+    each cache part and gives a verdict for 64 concurrent requests."""
+    from graphserve.analysis.plan import build_plan, load_hf_config
+
+    p = build_plan(load_hf_config("dummy:deepseek-v4-flash"), gpu_memory_gb=96, tp=4, mem_fraction_static=0.70,
+                   cuda_graph_max_bs=64, quantization="nvfp4", concurrency=[64], max_model_len=4096)
+    d = describe_model(get_preset_config("deepseek-v4-flash"), torch.bfloat16, tp=4)
+    assert p["kv_bytes_per_token"] == d.kv.bytes_per_token == 43 * 1024 + sum(d.kv.row_widths) * 2
+    for part in ("latent", "compressor state", "compressed entries"):
+        assert part in p["table"]
+    assert p["memory"]["kv_tokens"] > 0 and len(p["verdicts"]) == 1
+

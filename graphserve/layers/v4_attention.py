@@ -122,7 +122,10 @@ class V4Attention(nn.Module):
                                      rows, block_size)  # fmt: skip
         out = rope_trailing(out.to(x.dtype), positions, self.inv_freq, sign=-1.0)
         grouped = out.view(t, self.groups, -1).transpose(0, 1)  # [groups, T, heads * head_dim / groups]
-        w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
+        w = self.o_a_proj.weight
+        if self.o_a_proj.quant_method is not None:  # FP4/FP8: the block-diagonal product reads its dequantized rows
+            w = self.o_a_proj.quant_method.dequantized_weight(self.o_a_proj, x.dtype)
+        w = w.view(self.groups, -1, grouped.shape[-1])
         mixed = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(t, -1)
         return self.o_b_proj(mixed)
 
