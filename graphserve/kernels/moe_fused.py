@@ -60,7 +60,8 @@ W8A8_MIN_ROWS_PER_EXPERT = 0
 
 def _check_epilogue(hidden, w13, w2, w13_bias, w2_bias, activation: str) -> None:
     if activation not in KERNEL_ACTIVATIONS:  # silu_clamp (DeepSeek-V4) runs on the reference path only so far
-        raise ValueError(f"activation={activation!r} has no expert kernel: the kernels build {KERNEL_ACTIVATIONS}")
+        raise ValueError(f"activation={activation!r} must be one of {KERNEL_ACTIVATIONS}: the ones the expert "
+                         "kernels build")
     e, two_i, h = w13.shape
     for name, bias, shape in (("w13_bias", w13_bias, (e, two_i)), ("w2_bias", w2_bias, (e, h))):
         if bias is not None and (tuple(bias.shape) != shape or bias.dtype != hidden.dtype or not bias.is_contiguous()):

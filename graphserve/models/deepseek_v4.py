@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphserve.distributed.state import get_parallel
-from graphserve.errors import ModelLoadError
+from graphserve.errors import ConfigError, ModelLoadError
 from graphserve.layers.embedding import LMHead, VocabEmbedding
 from graphserve.layers.hyper_connection import HyperConnection, HyperHead
 from graphserve.layers.kv_layout import KVLayout
@@ -208,6 +208,15 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def needs_row_mask(self) -> bool:
         return True
+
+    @classmethod
+    def check_device(cls, device: torch.device) -> None:
+        """Refuses a CUDA device at load, before any weight is allocated: the compressed attention and the clamped
+        SwiGLU experts have no kernels yet, and their PyTorch reference is no serving path there."""
+        if device.type == "cuda":
+            raise ConfigError("DeepseekV4ForCausalLM runs on the CPU reference path only so far: the compressed "
+                              "attention (CSA/HCA compression, decode and extend) and the clamped SwiGLU experts have "
+                              "no CUDA kernels yet; graphserve plan prices the model without a GPU", param="device")
 
     # ---- loading ---------------------------------------------------------------------------------
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
