@@ -210,3 +210,15 @@ def test_a_cuda_device_is_refused_at_load_by_name():
         DeepseekV4ForCausalLM.check_device(torch.device("cuda"))
     assert e.value.param == "device"
     DeepseekV4ForCausalLM.check_device(torch.device("cpu"))
+
+
+def test_bf16_keeps_sinks_hyper_connections_and_position_biases_float32_as_described(v4):
+    hf, _, folder = v4
+    loaded = load_model(EngineConfig(model=str(folder), dtype="bfloat16", max_model_len=256), torch.device("cpu"))
+    kept = {n for n, p in loaded.model.named_parameters() if p.dtype == torch.float32}
+    assert kept and all(n.endswith(("sinks", "position_bias", "_hc.fn", "_hc.base", "_hc.scale", "hc_fn", "hc_base",
+                                    "hc_scale")) for n in kept)  # fmt: skip
+    assert loaded.info.description.weights_bytes == held_weight_bytes(loaded.model)
+    ids = list(range(4, 40))
+    logits = PagedHarness(loaded.model, dtype=torch.bfloat16).step([("a", ids)])[0]
+    assert relative_error(logits, hf_logits(hf, ids)) < 3e-2  # bf16 rounding of the fp32 reference's weights

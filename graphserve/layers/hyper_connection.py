@@ -14,11 +14,29 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class Float32Params(nn.Module):
+    """A module whose parameters named in ``float32_params`` stay float32 when the model is cast to its dtype as a
+    whole (models/loader.py), as transformers keeps them (``_keep_in_fp32_modules_strict``) and the description
+    prices them (``ModelDescription.float32_params``)."""
+
+    float32_params: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name in self.float32_params:
+            p = getattr(self, name)
+            if p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+        return self
+
+
 def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-class HyperConnection(nn.Module):
+class HyperConnection(Float32Params):
+    float32_params = ("fn", "base", "scale")
+
     def __init__(self, hc: int, hidden: int, iters: int, hc_eps: float, norm_eps: float) -> None:
         super().__init__()
         self.hc, self.iters, self.hc_eps, self.norm_eps = hc, iters, hc_eps, norm_eps
@@ -51,7 +69,9 @@ class HyperConnection(nn.Module):
                                                                               streams)
 
 
-class HyperHead(nn.Module):
+class HyperHead(Float32Params):
+    float32_params = ("hc_fn", "hc_base", "hc_scale")
+
     def __init__(self, hc: int, hidden: int, hc_eps: float, norm_eps: float) -> None:
         super().__init__()
         self.hc_eps, self.norm_eps = hc_eps, norm_eps

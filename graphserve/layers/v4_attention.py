@@ -23,6 +23,7 @@ from torch import nn
 from graphserve.errors import ConfigError
 from graphserve.kernels.dsa_reference import topk_indices
 from graphserve.layers.attention import softmax_with_sinks
+from graphserve.layers.hyper_connection import Float32Params
 from graphserve.layers.kv_layout import to_cache_dtype
 from graphserve.layers.linear import Linear
 from graphserve.layers.norm import RMSNorm
@@ -36,8 +37,10 @@ if TYPE_CHECKING:
 QUERY_ROWS = 256  # query rows scored at once: bounds the gathered [rows, window + entries, head_dim] keys
 
 
-class V4Compressor(nn.Module):
+class V4Compressor(Float32Params):
     """A compressed layer's learned pooling (``compressor.*``; in CSA also ``compressor.indexer.*``)."""
+
+    float32_params = ("position_bias",)
 
     def __init__(self, s: V4Shape, layer: int, width: int, dim: int, overlap: bool) -> None:
         super().__init__()
@@ -59,7 +62,9 @@ class V4Indexer(V4Compressor):
         self.scorer.weights_proj = Linear(s.hidden_size, s.index_n_heads, bias=False)
 
 
-class V4Attention(nn.Module):
+class V4Attention(Float32Params):
+    float32_params = ("sinks",)
+
     def __init__(self, s: V4Shape, layer: int, cache_index: int | None) -> None:
         super().__init__()
         self.layer, self.layer_type, self.cache_index = layer, s.layer_types[layer], cache_index
