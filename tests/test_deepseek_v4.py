@@ -222,3 +222,18 @@ def test_bf16_keeps_sinks_hyper_connections_and_position_biases_float32_as_descr
     ids = list(range(4, 40))
     logits = PagedHarness(loaded.model, dtype=torch.bfloat16).step([("a", ids)])[0]
     assert relative_error(logits, hf_logits(hf, ids)) < 3e-2  # bf16 rounding of the fp32 reference's weights
+
+
+def test_decode_floor_reads_the_window_the_chosen_entries_and_every_indexer_key():
+    d = describe_model(get_preset_config("deepseek-v4-flash-l6"), torch.bfloat16)
+    # 6 layers: HCA at 0, 1, 2, 4; CSA at 3, 5 (rates 4 and 128, window 128, topk 512, latent 512, keys 128)
+    hca_state, csa_state = 2 * 512, 4 * 512 + 4 * 128
+
+    def per_seq(c: int) -> int:
+        hca = 4 * (min(c, 128) * 512 + c // 128 * 512 + 128 * hca_state)
+        csa = 2 * (min(c, 128) * 512 + c // 4 * 128 + min(c // 4, 512) * 512 + 2 * 4 * csa_state)
+        return 2 * (hca + csa)
+
+    assert d.kv_read_bytes(1, 64000) == per_seq(64000)
+    assert d.kv_read_bytes(2, [100, 4096]) == per_seq(100) + per_seq(4096)
+    assert d.decode_read_bytes(1, 64000) - d.decode_read_bytes(1, [0]) == per_seq(64000) - per_seq(0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -316,5 +317,23 @@ class DeepseekV4ForCausalLM(CausalLM):
             expert_params=3 * h * inter, local_experts=split_evenly(s.num_experts, ep, "n_routed_experts"),
             num_experts=s.num_experts, top_k=s.top_k, num_moe_layers=n, act_width=act, act_bytes_per_elem=b,
             model_dtype_params=kept, float32_params=float32, projections=projections,
-            expert_layers=layer_modules(layers, "mlp.experts"), attn_topk=s.index_topk,
+            expert_layers=layer_modules(layers, "mlp.experts"), kv_read_per_seq=partial(decode_kv_read, s, b),
         )  # fmt: skip
+
+
+def decode_kv_read(s: V4Shape, itemsize: int, context: int) -> int:
+    """The cache bytes one decode query at ``context`` tokens must read, summed over layers: its window's latents;
+    HCA every compressed entry; CSA every indexer key and the ``index_topk`` entries chosen; a compressed layer also
+    the state of the group its token may close (a group's ``m`` rows, the previous group's in CSA)."""
+    total = 0
+    for i, t in enumerate(s.layer_types):
+        total += min(context, s.sliding_window) * s.head_dim
+        m = s.rate(i)
+        if not m:
+            continue
+        entries = context // m
+        if t == CSA:
+            total += entries * s.index_head_dim + min(entries, s.index_topk) * s.head_dim + 2 * m * s.state_width(i)
+        else:
+            total += entries * s.head_dim + m * s.state_width(i)
+    return total * itemsize
