@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
 
 QUERY_ROWS = 256  # query rows scored at once: bounds the gathered [rows, window + entries, head_dim] keys
+# the indexer's gathered keys [rows, entries, index_head_dim] and dots [rows, heads, entries] (fp32) at once: 256 MiB
+SCORE_ELEMENTS = 1 << 26
 
 
 class V4Compressor(Float32Params):
@@ -121,8 +123,13 @@ class V4Attention(Float32Params):
             rows = batch.kv_caches[self.cache_index].view(-1, batch.kv_caches[self.cache_index].shape[-1])
             self._compress(x, positions, batch, row_seq, rows, block_size)
         out = torch.empty(t, self.heads, self.head_dim, dtype=torch.float32, device=x.device)
-        for lo in range(0, t, QUERY_ROWS):
-            part = slice(lo, min(t, lo + QUERY_ROWS))
+        width = self.window
+        if self.compressor is not None:
+            entries = batch.max_seq_len // self.compressor.rate
+            width += min(entries, self.compressor.indexer.topk) if len(self.branches) > 1 else entries
+        step = max(1, min(QUERY_ROWS, SCORE_ELEMENTS // (width * max(self.head_dim, self.heads))))
+        for lo in range(0, t, step):
+            part = slice(lo, min(t, lo + step))
             out[part] = self._attend(q[part], q_res[part], x[part], positions[part], row_seq[part], batch, flat,
                                      rows, block_size)  # fmt: skip
         out = rope_trailing(out.to(x.dtype), positions, self.inv_freq, sign=-1.0)
@@ -189,8 +196,13 @@ class V4Attention(Float32Params):
         ix = self.compressor.indexer
         q = ix.q_b_proj(q_res).view(-1, ix.heads, ix.dim)
         q = rope_trailing(q, positions, self.inv_freq).float()
-        keys = self.branches[1].entries(rows, ent_slots).float()
-        dots = torch.einsum("thd,tkd->thk", q, keys).relu_() * ix.dim**-0.5
         weights = ix.scorer.weights_proj(x).float() * ix.heads**-0.5
-        scores = torch.einsum("th,thk->tk", weights, dots)
-        return topk_indices(scores, visible - 1, min(ix.topk, keys.shape[1]))
+        n = ent_slots.shape[1]
+        scores = torch.empty(q.shape[0], n, dtype=torch.float32, device=q.device)
+        step = max(1, SCORE_ELEMENTS // (n * max(ix.heads, ix.dim)))  # rows whose keys and dots fit the bound
+        for lo in range(0, q.shape[0], step):
+            part = slice(lo, lo + step)
+            keys = self.branches[1].entries(rows, ent_slots[part]).float()
+            dots = torch.einsum("thd,tkd->thk", q[part], keys).relu_() * ix.dim**-0.5
+            scores[part] = torch.einsum("th,thk->tk", weights[part], dots)
+        return topk_indices(scores, visible - 1, min(ix.topk, n))
