@@ -181,6 +181,21 @@ def test_presets_are_the_published_shapes_and_count_284b_parameters():
     l6 = describe_model(get_preset_config("deepseek-v4-flash-l6"), torch.bfloat16)
     assert l6.num_moe_layers == 6 and l6.local_experts == 256 and l6.top_k == 6
     assert l6.kv.row_widths == (3 * 512,) * 3 + (4 * 512 + 4 * 128 + 512 + 128, 3 * 512, 4 * 512 + 4 * 128 + 640)
+    # as shipped, NVFP4 routed experts and the rest bf16: 23.8 GiB, so one 80 GB card holds it with a KV pool
+    from graphserve.analysis.plan import build_plan, load_hf_config
+
+    plan = build_plan(load_hf_config("dummy:deepseek-v4-flash-l6"), gpu_memory_gb=80, concurrency=[64],
+                      max_model_len=65536)
+    assert plan["quantization"].startswith("nvfp4") and plan["memory"]["weights_bytes"] < 25 * 2**30
+    assert plan["memory"]["kv_tokens"] > 64 * 4096
+    from graphserve.layers.quant.config import parse_quantization_config
+    from graphserve.models.registry import ignore_list
+
+    cfg = get_preset_config("deepseek-v4-flash-l6")
+    kept = ignore_list(cfg, parse_quantization_config(cfg["quantization_config"]))
+    assert all(kept.keeps(f"model.layers.3.{m}") for m in ("self_attn.q_a_proj", "self_attn.compressor.indexer.q_b_proj",
+                                                         "mlp.shared_experts.down_proj", "mlp.gate"))
+    assert not kept.keeps_experts("model.layers.3.mlp.experts", 256)
     # under --tp 4 the experts split (their intermediate size), attention stays whole on every rank
     tp4 = describe_model(full, torch.bfloat16, tp=4)
     assert tp4.expert_params * 4 == d.expert_params and tp4.dense_params == d.dense_params

@@ -73,11 +73,17 @@ _RENAMES = tuple((re.compile(a), b) for a, b in (
 
 def module_name(name: str) -> str:
     """A checkpoint tensor's name in the model: DeepSeek's names (``layers.0.attn.wq_a.weight``, with or without
-    ``model.``) renamed as transformers renames them; transformers' own names unchanged."""
-    n = name.removeprefix("model.")
+    ``model.``) renamed as transformers renames them; transformers' own names unchanged. A name with a leading dot
+    (a fragment: quantization ignore lists map their entries so) keeps it, and gains no ``model.``."""
+    lead = "." if name.startswith(".") else ""
+    n = name[len(lead):]
+    prefixed = n.startswith("model.")
+    n = n.removeprefix("model.")
     for pattern, repl in _RENAMES:
         n = pattern.sub(repl, n)
-    return n if n == "lm_head.weight" else f"model.{n}"
+    if n == "lm_head.weight" or (lead and not prefixed):
+        return lead + n
+    return f"{lead}model.{n}"
 
 
 class SqrtSoftplusTopK(Router):

@@ -307,7 +307,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "chat": "chatml",
     },
     "deepseek-v4-flash-l6": {  # its first 6 layers: 3 hash-MoE, HCA x3 then CSA/HCA alternating
-        "config": _deepseek_v4(6),
+        # NVFP4 routed experts (as the first story serves V4-Flash), everything else bf16: 23 GB of weights, not 81
+        "config": {**_deepseek_v4(6), "quantization_config": {
+            "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": [
+                "model.layers.*.self_attn.*", "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_experts.*",
+                "model.embed_tokens", "lm_head"]}},
         "specials": _DEEPSEEK_V3_SPECIALS, "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>",
         "chat": "chatml",
     },
