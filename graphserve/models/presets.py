@@ -70,6 +70,11 @@ def _deepseek_v4(layers: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# V4 as the first story serves it: NVFP4 routed experts (ModelOpt's form), everything else bf16
+_V4_NVFP4_EXPERTS = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": [
+    "model.layers.*.self_attn.*", "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_experts.*",
+    "model.embed_tokens", "lm_head"]}
+
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
 
@@ -302,16 +307,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # ---- DeepSeek-V4: compressed sparse / heavily compressed attention beside windows, hyper-connections ------
     "deepseek-v4-flash": {  # deepseek-ai/DeepSeek-V4-Flash: 43 layers (graphserve plan; --tp at load)
-        "config": _deepseek_v4(43),
+        "config": {**_deepseek_v4(43), "quantization_config": _V4_NVFP4_EXPERTS},
         "specials": _DEEPSEEK_V3_SPECIALS, "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>",
         "chat": "chatml",
     },
     "deepseek-v4-flash-l6": {  # its first 6 layers: 3 hash-MoE, HCA x3 then CSA/HCA alternating
-        # NVFP4 routed experts (as the first story serves V4-Flash), everything else bf16: 23 GB of weights, not 81
-        "config": {**_deepseek_v4(6), "quantization_config": {
-            "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": [
-                "model.layers.*.self_attn.*", "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_experts.*",
-                "model.embed_tokens", "lm_head"]}},
+        "config": {**_deepseek_v4(6), "quantization_config": _V4_NVFP4_EXPERTS},
         "specials": _DEEPSEEK_V3_SPECIALS, "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>",
         "chat": "chatml",
     },
