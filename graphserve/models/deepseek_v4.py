@@ -11,7 +11,8 @@
 Cache (layers/kv_layout.py): per layer a latent per token (the window reads the last ``sliding_window``), and per
 compressed layer one row cache holding each token's compressor state and, at the token closing a group, the group's
 compressed entry and (CSA) indexer key (layers/v4_compressor.py). The MTP layers (``num_nextn_predict_layers``) are
-not loaded: nothing runs them until speculative decoding exists, and start-up says so.
+not loaded: nothing runs them until speculative decoding exists, and start-up says so. Checkpoints load in
+DeepSeek's own names or transformers' (models/deepseek_v4_names.py).
 
 Every attention path here is the PyTorch reference: CUDA inputs are refused by name (layers/v4_attention.py), and
 so are the clamped SwiGLU experts by the fused kernels (kernels/moe_fused.py). ``--tp``/``--ep`` are refused at
@@ -40,6 +41,7 @@ from graphserve.layers.moe import FusedMoE, Router
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.v4_attention import V4Attention
 from graphserve.models.base import CausalLM
+from graphserve.models.deepseek_v4_names import module_name
 from graphserve.models.deepseek_v4_shape import CSA, V4Shape, v4_shape_from_config
 from graphserve.models.description import ModelDescription, Projection, layer_modules, split_evenly
 
@@ -51,41 +53,6 @@ logger = logging.getLogger(__name__)
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w3|w2)\.weight$")
 _STACK = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _BUFFERS = (".mlp.gate.e_score_correction_bias", ".mlp.gate.tid2eid")
-# DeepSeek's checkpoint names -> transformers' module names (transformers' conversion_mapping "deepseek_v4"), in
-# its order: the mid-name renames first, so ".indexer.compressor." has become ".compressor.indexer." before
-# ".norm." turns into ".kv_norm."
-_RENAMES = tuple((re.compile(a), b) for a, b in (
-    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
-    (r"^embed\.weight$", "embed_tokens.weight"), (r"^head\.weight$", "lm_head.weight"),
-    (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"), (r"\.attn_norm\.", ".input_layernorm."),
-    (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.hc_attn_(fn|base|scale)$", r".attn_hc.\1"),
-    (r"\.hc_ffn_(fn|base|scale)$", r".ffn_hc.\1"), (r"\.attn_sink$", ".sinks"),
-    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
-    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."),
-    (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
-    (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."),
-    (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
-    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
-    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
-))  # fmt: skip
-
-
-def module_name(name: str) -> str:
-    """A checkpoint tensor's name in the model: DeepSeek's names (``layers.0.attn.wq_a.weight``, with or without
-    ``model.``) renamed as transformers renames them; transformers' own names unchanged. A name with a leading dot
-    (a fragment: quantization ignore lists map their entries so) keeps it, and gains no ``model.``."""
-    lead = "." if name.startswith(".") else ""
-    n = name[len(lead):]
-    prefixed = n.startswith("model.")
-    n = n.removeprefix("model.")
-    for pattern, repl in _RENAMES:
-        n = pattern.sub(repl, n)
-    if n == "lm_head.weight" or (lead and not prefixed):
-        return lead + n
-    return f"{lead}model.{n}"
-
-
 class SqrtSoftplusTopK(Router):
     """``sqrt(softplus(logit))`` scores; the top-k by score + ``e_score_correction_bias`` (the choice only); the
     chosen scores renormalised and times ``routed_scaling_factor``. With ``table`` (hash_moe) the experts are
