@@ -86,7 +86,8 @@ def test_a_long_context_reads_its_window_and_every_heavily_compressed_group(tmp_
 
 def test_greedy_matches_transformers_generate_under_continuous_batching(v4):
     """Prompts of 9, 23 and 37 tokens (chunked by 16) batched together, 10 greedy tokens each; then a prompt sharing
-    the 37-token one's first 32 tokens takes its latent and compressor rows from the prefix cache."""
+    the 37-token one's first 32 tokens takes its latent and compressor rows from the prefix cache; then the three
+    again on a pool too small for all of them at once (preemption by recompute)."""
     hf, _, folder = v4
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, 320, (n,), generator=gen).tolist() for n in (9, 23, 37)]
@@ -100,13 +101,20 @@ def test_greedy_matches_transformers_generate_under_continuous_batching(v4):
     llm = LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32", max_model_len=256)
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.token_ids for o in outs] == [expected(p) for p in prompts]
+    want = [expected(p) for p in prompts]
+    assert [o.token_ids for o in outs] == want
     shared = prompts[2][:32] + [7, 8, 9]
     manager = llm.engine.core.block_manager
     hits = manager.hit_tokens
     assert llm.generate([{"prompt_token_ids": shared}], params, use_tqdm=False)[0].token_ids == expected(shared)
     assert manager.hit_tokens - hits == 32
     manager.check_no_leak()
+    # 80 tokens of cache: each prompt fits alone, not all three at once, so some are preempted and recomputed
+    small = LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32", max_model_len=256,
+                num_kv_tokens=80, enable_prefix_caching=False)
+    outs = small.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert small.engine.stats().num_preemptions > 0
+    assert [o.token_ids for o in outs] == want
 
 
 def test_description_counts_every_parameter_and_each_cache_part(v4):
