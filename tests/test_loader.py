@@ -102,7 +102,7 @@ def test_unknown_architecture_lists_the_supported(checkpoint, tmp_path):
         "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
         "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
         "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
-        "GptOssForCausalLM"}
+        "GptOssForCausalLM", "DeepseekV4ForCausalLM"}
 
 
 def test_unknown_builtin_and_dummy_names_list_the_choices():

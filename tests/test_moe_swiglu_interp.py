@@ -89,6 +89,9 @@ def test_fused_experts_refuses_a_bias_of_the_wrong_shape_by_name():
         fused_experts(x, w13, w2, topk_w, topk_ids, w2_bias=torch.zeros(E, INTER, device=DEVICE))
     with pytest.raises(ValueError, match=r"activation='gelu' must be one of \('silu', 'swiglu_oai'\)"):
         fused_experts(x, w13, w2, topk_w, topk_ids, activation="gelu")
+    # DeepSeek-V4's clamped SiLU runs on the reference path only: the kernels refuse it rather than run plain SiLU
+    with pytest.raises(ValueError, match=r"activation='silu_clamp' must be one of \('silu', 'swiglu_oai'\)"):
+        fused_experts(x, w13, w2, topk_w, topk_ids, activation="silu_clamp")
 
 
 def test_layer_with_biases_kernel_path_matches_cpu_path():

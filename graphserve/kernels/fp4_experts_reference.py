@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from graphserve.kernels.fp4_reference import fp4_dequantize
 from graphserve.kernels.moe_reference import routed_pairs
 
-ACTIVATIONS = ("silu", "swiglu_oai")
+ACTIVATIONS = ("silu", "swiglu_oai", "silu_clamp")
 
 
 def fp4_activation(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
@@ -26,6 +26,8 @@ def fp4_activation(gate_up: torch.Tensor, activation: str, alpha: float, limit: 
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
+    if activation == "silu_clamp":  # DeepSeek-V4: fp4_moe's kernels do not build it yet
+        return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
     if activation == "swiglu_oai":
         gate = gate.clamp(max=limit)
         up = up.clamp(-limit, limit)

@@ -43,7 +43,7 @@ from graphserve.kernels.l2_prefetch import plan as prefetch_plan
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
 from graphserve.kernels.moe_gemm import SILU, SWIGLU_OAI, fused_moe_gemm_kernel, moe_sum_kernel
-from graphserve.kernels.moe_reference import ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
+from graphserve.kernels.moe_reference import KERNEL_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 from graphserve.kernels.moe_scales import ExpertScales, a8_problem, check_a8_tile, expert_scales, scale_args
 from graphserve.kernels.moe_stream import fused_moe_gemv_down_kernel, fused_moe_gemv_gate_up_kernel
 from graphserve.kernels.pdl import pdl_args
@@ -59,8 +59,9 @@ W8A8_MIN_ROWS_PER_EXPERT = 0
 
 
 def _check_epilogue(hidden, w13, w2, w13_bias, w2_bias, activation: str) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
+    if activation not in KERNEL_ACTIVATIONS:  # silu_clamp (DeepSeek-V4) runs on the reference path only so far
+        raise ValueError(f"activation={activation!r} must be one of {KERNEL_ACTIVATIONS}: the ones the expert "
+                         "kernels build")
     e, two_i, h = w13.shape
     for name, bias, shape in (("w13_bias", w13_bias, (e, two_i)), ("w2_bias", w2_bias, (e, h))):
         if bias is not None and (tuple(bias.shape) != shape or bias.dtype != hidden.dtype or not bias.is_contiguous()):

@@ -117,7 +117,8 @@ def moe_align_reference(
     return sorted_ids, expert_ids, pos
 
 
-ACTIVATIONS = ("silu", "swiglu_oai")
+ACTIVATIONS = ("silu", "swiglu_oai", "silu_clamp")
+KERNEL_ACTIVATIONS = ("silu", "swiglu_oai")  # those the Triton expert kernels build (moe_gemm's ACT, fp4_moe's)
 SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope (transformers GptOssExperts.alpha)
 SWIGLU_LIMIT = 7.0  # its clamp (config.json swiglu_limit)
 
@@ -133,9 +134,12 @@ def activation_reference(gate_up: torch.Tensor, dtype: torch.dtype, activation: 
     ``dtype`` first, the product computed in fp32 and rounded to ``dtype``.
 
     ``silu``: silu(gate) * up. ``swiglu_oai`` (gpt-oss): gate clamped above at ``limit``, up to +-``limit``,
-    (up + 1) * gate * sigmoid(alpha * gate)."""
+    (up + 1) * gate * sigmoid(alpha * gate). ``silu_clamp`` (DeepSeek-V4): silu(gate) * up clamped alike."""
     if activation == "silu":
         return _silu_mul(gate_up, dtype)
+    if activation == "silu_clamp":
+        gate, up = gate_up.to(dtype).float().chunk(2, dim=-1)
+        return (F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)).to(dtype)
     if activation != "swiglu_oai":
         raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
     gate, up = gate_up.to(dtype).float().chunk(2, dim=-1)

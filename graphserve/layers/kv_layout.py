@@ -30,6 +30,11 @@ already carries that one list (``ForwardBatch.kv_caches``), and a model finds it
 for a 128-dim key instead of 256 (kernels/dsa_reference.py writes and reads it). A per-token scale rather than
 the latent's fixed 1.0, since the keys are LayerNorm outputs whose range the indexer's ranking depends on.
 
+Compressed attention (DeepSeek-V4) adds ``row_caches``: one ``[num_blocks, block_size, width]`` cache per entry of
+``row_widths``, in ``row_dtype`` (the model's, whatever ``--kv-cache-dtype`` says), after the indexer caches in
+``allocate``'s list. Each row is a token's part of a per-layer state the family defines (models/deepseek_v4.py);
+``row_parts`` names each part and its bytes per token, for the memory plan's table.
+
 ``dtype`` is the model's (``--kv-cache-dtype auto``) or float8_e4m3fn (``fp8_e4m3``), for either kind:
 half the bytes per token, so twice the tokens in the same pool and half the KV reads per decode step.
 FP8 entries are stored with a per-tensor scale of 1.0 (vLLM's default without calibrated scales): K and
@@ -86,6 +91,9 @@ class KVLayout:
     index_layers: int = 0  # layers with an indexer key cache (sparse attention), 0 for none
     index_head_dim: int = 0
     index_dtype: torch.dtype | None = None  # the model's, or uint8 for the FP8 form; None without indexer
+    row_widths: tuple[int, ...] = ()  # elements per token of each row cache (compressed attention), none for most
+    row_dtype: torch.dtype | None = None
+    row_parts: tuple[tuple[str, int], ...] = ()  # (name, bytes per token) of the row caches, by part
 
     def __post_init__(self) -> None:
         if self.kind not in ("kv", "latent"):
@@ -139,14 +147,19 @@ class KVLayout:
     @property
     def bytes_per_token(self) -> int:
         """Every layer's cache for one token, indexer keys included: what the KV pool is sized by."""
-        return self.num_layers * self.bytes_per_token_per_layer + self.index_bytes_per_token
+        return self.num_layers * self.bytes_per_token_per_layer + self.index_bytes_per_token + self.row_bytes_per_token
+
+    @property
+    def row_bytes_per_token(self) -> int:
+        return sum(self.row_widths) * self.row_dtype.itemsize if self.row_widths else 0
 
     def parts(self) -> tuple[tuple[str, int], ...]:
         """A token's bytes by cache, where there is more than one (the memory plan's table names them)."""
-        if not self.index_layers:
+        if not self.index_layers and not self.row_widths:
             return ()
-        return (("latent" if self.kind == "latent" else "K/V", self.num_layers * self.bytes_per_token_per_layer),
-                ("indexer keys", self.index_bytes_per_token))
+        main = (("latent" if self.kind == "latent" else "K/V", self.num_layers * self.bytes_per_token_per_layer),)
+        index = (("indexer keys", self.index_bytes_per_token),) if self.index_layers else ()
+        return main + index + self.row_parts
 
     def layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         if self.kind == "kv":
@@ -159,6 +172,7 @@ class KVLayout:
         (benchmarks: never time on zeros)."""
         parts = [(self.layer_shape(num_blocks, block_size), self.dtype)] * self.num_layers
         parts += [((num_blocks, block_size, self.index_row_width), self.index_dtype)] * self.index_layers
+        parts += [((num_blocks, block_size, w), self.row_dtype) for w in self.row_widths]
         if fill != "random":
             return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in parts]
         caches = []

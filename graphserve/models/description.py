@@ -20,7 +20,7 @@ estimates `graphserve plan` prints before any GPU is touched, and the bytes a st
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +106,9 @@ class ModelDescription:
     attn_topk: int = 0
     # sparse attention: query rows the indexer scores per call (layers/dsa_indexer.INDEXER_ROWS); 0: no indexer
     index_score_rows: int = 0
+    # the cache bytes one decode query of a given context must read, where that is no multiple of the bytes a token
+    # leaves (DeepSeek-V4: a window, compressed entries, indexer keys); None: kv_read_bytes' own rule
+    kv_read_per_seq: Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:
         # a family that lists its projections short would price the missing ones' scales at nothing
@@ -192,6 +195,8 @@ class ModelDescription:
         taken as ``batch`` equal contexts (how the benchmarks build their batches); since ``min(c, k)`` is concave,
         unequal contexts read less, so pass one count per sequence for them."""
         per_seq = [context_tokens / max(batch, 1)] * batch if isinstance(context_tokens, int) else list(context_tokens)
+        if self.kv_read_per_seq is not None:
+            return sum(self.kv_read_per_seq(int(c)) for c in per_seq)
         total = sum(per_seq)
         if not self.attn_topk:
             return int(total * self.kv.bytes_per_token)

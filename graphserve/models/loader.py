@@ -231,6 +231,9 @@ def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, d
     check_block_size = getattr(model_cls, "check_block_size", None)  # a family whose kernels take some pages only
     if check_block_size is not None:
         check_block_size(config.block_size)
+    check_device = getattr(model_cls, "check_device", None)  # a family whose layers have no kernels on some devices
+    if check_device is not None:
+        check_device(device)
     window = sliding_window_of(hf_config)
     if window is not None and max_len > window and not getattr(model_cls, "builds_windows", False):
         raise ConfigError(

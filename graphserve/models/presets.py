@@ -46,6 +46,35 @@ def _gpt_oss(layers: int, experts: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _deepseek_v4(layers: int) -> dict[str, Any]:
+    """deepseek-ai/DeepSeek-V4-Flash's shape as transformers' DeepseekV4Config defaults give it (43 layers, hidden
+    4096, 64 heads of one shared 512-dim latent, 256 experts of 2048 top-6, vocab 129,280), cut to ``layers``: the
+    layer types are the config's default schedule (two HCA, then CSA and HCA alternating), the first three MoE
+    layers hash-routed; yarn (factor 16) on the compressed branches' rope."""
+    hca, csa = "heavily_compressed_attention", "compressed_sparse_attention"
+    types = [hca] * min(layers, 2) + [csa if i % 2 else hca for i in range(max(layers - 2, 0))]
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
+        "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": layers, "num_attention_heads": 64,
+        "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 1024, "partial_rotary_factor": 0.125,
+        "num_experts_per_tok": 6, "n_routed_experts": 256, "n_shared_experts": 1, "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True, "routed_scaling_factor": 1.5, "max_position_embeddings": 1048576,
+        "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "layer_types": types,
+        "compress_rates": {csa: 4, hca: 128}, "mlp_layer_types": ["hash_moe"] * min(layers, 3) +
+        ["moe"] * max(layers - 3, 0), "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "swiglu_limit": 10.0,
+        "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128,
+        "index_topk": 512, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                            "beta_fast": 32.0, "beta_slow": 1.0},
+        "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+
+
+# V4 as the first story serves it: NVFP4 routed experts (ModelOpt's form), everything else bf16
+_V4_NVFP4_EXPERTS = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": [
+    "model.layers.*.self_attn.*", "model.layers.*.mlp.gate", "model.layers.*.mlp.shared_experts.*",
+    "model.embed_tokens", "lm_head"]}
+
 _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 8192}
 
@@ -273,6 +302,17 @@ PRESETS: dict[str, dict[str, Any]] = {
             "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
             "hidden_act": "silu", "attention_bias": False,
         },
+        "specials": _DEEPSEEK_V3_SPECIALS, "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>",
+        "chat": "chatml",
+    },
+    # ---- DeepSeek-V4: compressed sparse / heavily compressed attention beside windows, hyper-connections ------
+    "deepseek-v4-flash": {  # deepseek-ai/DeepSeek-V4-Flash: 43 layers (graphserve plan; --tp at load)
+        "config": {**_deepseek_v4(43), "quantization_config": _V4_NVFP4_EXPERTS},
+        "specials": _DEEPSEEK_V3_SPECIALS, "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>",
+        "chat": "chatml",
+    },
+    "deepseek-v4-flash-l6": {  # its first 6 layers: 3 hash-MoE, HCA x3 then CSA/HCA alternating
+        "config": {**_deepseek_v4(6), "quantization_config": _V4_NVFP4_EXPERTS},
         "specials": _DEEPSEEK_V3_SPECIALS, "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>",
         "chat": "chatml",
     },

@@ -12,6 +12,7 @@ from graphserve.errors import ModelLoadError
 from graphserve.layers.quant.config import Fp8Config, IgnoreList
 from graphserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from graphserve.models.deepseek_dsa import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
+from graphserve.models.deepseek_v4 import DeepseekV4ForCausalLM
 from graphserve.models.description import ModelDescription
 from graphserve.models.gpt_oss import GptOssForCausalLM
 from graphserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -31,6 +32,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
 
 
