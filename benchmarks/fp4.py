@@ -32,8 +32,8 @@ from benchmarks.common import cuda_times_ms, print_table, write_result
 from benchmarks.roofline import measured_read_bw
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp4_gemm import RULE_PATH, fp4_gemm
-from graphserve.kernels.fp4_gemv import WIDENINGS, fp4_gemv, stream_config
-from graphserve.kernels.fp4_layout import GROUP
+from graphserve.kernels.fp4_gemv import fp4_gemv, stream_config
+from graphserve.kernels.fp4_layout import GROUP, WIDENINGS
 from graphserve.kernels.fp4_moe import fp4_fused_experts
 from graphserve.kernels.fp8_gemm import scaled_mm_rowwise
 from graphserve.kernels.fp8_gemv import fp8_gemv

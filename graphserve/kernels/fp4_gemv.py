@@ -33,7 +33,14 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.fp4_layout import GROUP, block_scale, fp4_check, widen_fp16
+from graphserve.kernels.fp4_layout import (
+    GROUP,
+    WIDEN_UNIT_LOG2,
+    block_scale,
+    fp4_check,
+    widen_code,
+    widen_fp16,
+)
 from graphserve.kernels.fp4_reference import fp4_dequantize
 from graphserve.kernels.fp4_words import word_dot_step, word_fma_step, words_of
 from graphserve.kernels.fp8_gemv import split_counters
@@ -44,7 +51,6 @@ from graphserve.kernels.pdl import pdl_args, pdl_release, pdl_wait
 MAX_ROWS = 64
 FMA_MAX_ROWS = 4  # from 5 rows on, M fp32 FMAs per widened weight approach the CUDA cores' peak (gemv_config)
 X_DTYPES = (torch.bfloat16, torch.float16)
-WIDENINGS = ("byte", "word")
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,7 @@ class Fp4StreamConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 2
-    widen: str = "byte"  # "byte" (below) or "word" (kernels/fp4_words.py: int32 words, x loaded once a step)
+    widen: str = "byte"  # "byte" (below) or fp4_layout.WIDENINGS' others (kernels/fp4_words.py: int32 words)
 
 
 def stream_config(m: int, n: int, k: int, group: int, sms: int, widen: str = "byte") -> Fp4StreamConfig:
@@ -84,7 +90,7 @@ def _fp4_gemv_kernel(
     K: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    K_SPLIT: tl.constexpr, WORDS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    K_SPLIT: tl.constexpr, WIDEN: tl.constexpr, UNIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid = tl.program_id(0)
@@ -118,14 +124,14 @@ def _fp4_gemv_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kk in range(0, K_SPLIT, BLOCK_K):
         k0 = k_first + kk
-        if WORDS and USE_DOT:  # w_ptr holds int32 words here (kernels/fp4_words.py)
+        if WIDEN > 0 and USE_DOT:  # w_ptr holds int32 words here (kernels/fp4_words.py)
             acc = word_dot_step(acc, x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, w_rows, offs_m, rstd, M, k0, stride_xm,
                                 stride_rm, stride_wn, stride_sn, K, GROUP_K, MX, SILU_MUL, ADD_RESIDUAL, NORM,
-                                BLOCK_M, BLOCK_K, EVEN_K)  # fmt: skip
-        elif WORDS:
+                                BLOCK_M, BLOCK_K, EVEN_K, WIDEN, UNIT)  # fmt: skip
+        elif WIDEN > 0:
             acc = word_fma_step(acc, x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, w_rows, offs_m, rstd, M, k0, stride_xm,
                                 stride_rm, stride_wn, stride_sn, K, GROUP_K, MX, SILU_MUL, ADD_RESIDUAL, NORM,
-                                BLOCK_M, BLOCK_K, EVEN_K)  # fmt: skip
+                                BLOCK_M, BLOCK_K, EVEN_K, WIDEN, UNIT)  # fmt: skip
         else:
             groups = k0 // GROUP_K + offs_g
             g_mask = groups < K // GROUP_K  # K is whole groups: a tail is masked by group
@@ -222,12 +228,11 @@ def _launch(x: torch.Tensor, k: int, packed: torch.Tensor, scale: torch.Tensor, 
         raise ValueError(f"fp4_gemv: the dot path needs block_n >= 16, got {cfg.block_n}")
     if not cfg.use_dot and m > 16:
         raise ValueError(f"fp4_gemv: {m} rows take the dot path (the FMA path unrolls at most 16)")
-    if cfg.widen not in WIDENINGS:
-        raise ValueError(f"fp4_gemv: widen={cfg.widen!r} must be one of {WIDENINGS}")
-    words = cfg.widen == "word"
+    widen = widen_code("fp4_gemv", cfg.widen, x.device)
+    words = widen > 0
     if words and cfg.use_dot and cfg.block_k < 128:
-        raise ValueError(f"fp4_gemv: widen='word' on the dot path needs block_k >= 128 (each of its eight dots takes "
-                         f"block_k / 8 >= 16 columns), got {cfg.block_k}")
+        raise ValueError(f"fp4_gemv: widen={cfg.widen!r} on the dot path needs block_k >= 128 (each of its eight dots "
+                         f"takes block_k / 8 >= 16 columns), got {cfg.block_k}")
     block_k = min(cfg.block_k, max(group, triton.next_power_of_2(k)))
     steps = triton.cdiv(k, block_k)
     k_split = triton.cdiv(steps, min(cfg.split_k, steps)) * block_k
@@ -249,7 +254,8 @@ def _launch(x: torch.Tensor, k: int, packed: torch.Tensor, scale: torch.Tensor, 
         float(eps), K=k, GROUP_K=group, MX=fmt == "mxfp4", HAS_GLOBAL=global_scale is not None,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None,
         NORM=norm_weight is not None, USE_DOT=cfg.use_dot, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        SPLIT_K=split_k, K_SPLIT=k_split, WORDS=words, EVEN_K=k % k_split == 0 and k_split % block_k == 0,
+        SPLIT_K=split_k, K_SPLIT=k_split, WIDEN=widen, UNIT=WIDEN_UNIT_LOG2[widen],
+        EVEN_K=k % k_split == 0 and k_split % block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(x.device, "_fp4_gemv_kernel"),
     )  # fmt: skip

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.fp4_layout import GROUP, block_scale, fp4_check, widen_fp16
+from graphserve.kernels.fp4_layout import GROUP, WIDEN_UNIT_LOG2, block_scale, fp4_check, widen_code, widen_fp16
 from graphserve.kernels.fp4_words import word_row_sums, words_of
 from graphserve.kernels.l2_prefetch import no_prefetch_args
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, moe_align, pair_histogram
@@ -33,7 +33,6 @@ from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 ACTIVATIONS = ("silu", "swiglu_oai")
 PATHS = ("stream", "gemm")
-WIDENINGS = ("byte", "word")  # the streaming path's (kernels/fp4_words.py); "byte" until measured faster
 X_DTYPES = (torch.bfloat16, torch.float16)
 # (token, slot) pairs up to which the streaming path runs: each pair streams its expert's rows, so past a few
 # tokens per expert the grouped GEMM's one read per tile wins. benchmarks/fp4.py on an H100 (results/fp4_kernels.json):
@@ -81,7 +80,7 @@ def _fp4_stream_gate_up_kernel(
     K: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
     GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SWIGLU_OAI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_E: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, WIDEN: tl.constexpr, UNIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n-block] = activation(gate, up) for pair ``program_id(0)``; an unrouted pair reads nothing."""
     pdl_enter(PDL)
@@ -109,11 +108,12 @@ def _fp4_stream_gate_up_kernel(
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    gw_rows = w_ptr + e * stride_we + rows * stride_wn  # WORDS: w_ptr holds int32 words (kernels/fp4_words.py)
+    gw_rows = w_ptr + e * stride_we + rows * stride_wn  # WIDEN > 0: w_ptr holds int32 words (kernels/fp4_words.py)
     for k0 in range(0, K, BLOCK_K):
-        if WORDS:
-            acc_g += word_row_sums(gw_rows, sg_ptrs, x_row, k0, True, K, GROUP_K, MX, BLOCK_K)
-            acc_u += word_row_sums(gw_rows + N * stride_wn, su_ptrs, x_row, k0, True, K, GROUP_K, MX, BLOCK_K)
+        if WIDEN > 0:
+            acc_g += word_row_sums(gw_rows, sg_ptrs, x_row, k0, True, K, GROUP_K, MX, BLOCK_K, WIDEN, UNIT)
+            acc_u += word_row_sums(gw_rows + N * stride_wn, su_ptrs, x_row, k0, True, K, GROUP_K, MX, BLOCK_K, WIDEN,
+                                   UNIT)
         else:
             g_mask = (k0 // GROUP_K + offs_g) < K // GROUP_K
             acc_g += _row_sums(g_ptrs, sg_ptrs, x_row, byte3, k0, True, g_mask, K, GROUP_K, MX)
@@ -134,7 +134,7 @@ def _fp4_stream_down_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_gse, stride_be, stride_om,
     K: tl.constexpr, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, GROUP_K: tl.constexpr,
     MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    WORDS: tl.constexpr, PDL: tl.constexpr,
+    WIDEN: tl.constexpr, UNIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[t, n-block] = sum over token t's routed slots of weight * (w2[expert] @ act[pair] + w2_bias[expert]);
     an unrouted slot reads nothing (its masked loads move no bytes) and a padding row comes out as zeros."""
@@ -162,9 +162,9 @@ def _fp4_stream_down_kernel(
         a_row = act_ptr + pair.to(tl.int64) * stride_am
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if WORDS:
+            if WIDEN > 0:
                 acc += word_row_sums(w_ptr + e * stride_we + rows * stride_wn, s_ptrs, a_row, k0, routed, K, GROUP_K,
-                                     MX, BLOCK_K)  # fmt: skip
+                                     MX, BLOCK_K, WIDEN, UNIT)  # fmt: skip
             else:
                 g_mask = (k0 // GROUP_K + offs_g) < K // GROUP_K
                 acc += _row_sums(w_ptrs, s_ptrs, a_row, byte3, k0, routed, g_mask, K, GROUP_K, MX)
@@ -313,14 +313,13 @@ def fp4_fused_experts(
 
     ``valid`` (bool [T]) marks real rows; ``counts`` (int32 [E global]) receives the pairs per expert;
     ``expert_start``: the first local expert's global id (expert parallel). ``path`` ("stream" | "gemm")
-    overrides the rule (tests, benchmarks). ``widen`` ("byte" | "word"): the streaming path's widening
+    overrides the rule (tests, benchmarks). ``widen`` (fp4_layout.WIDENINGS): the streaming path's widening
     (kernels/fp4_words.py); the grouped GEMM ignores it."""
     _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, topk_weights, topk_ids, w13_bias, w2_bias,
            activation)  # fmt: skip
     if path not in (None, *PATHS):
         raise ValueError(f"fp4_fused_experts: path={path!r} must be one of {PATHS}")
-    if widen not in WIDENINGS:
-        raise ValueError(f"fp4_fused_experts: widen={widen!r} must be one of {WIDENINGS}")
+    widen_id = widen_code("fp4_fused_experts", widen, x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
@@ -345,7 +344,8 @@ def fp4_fused_experts(
     swiglu = activation == "swiglu_oai"
     if (path or ("stream" if pairs <= STREAM_MAX_PAIRS else "gemm")) == "stream":
         act = torch.empty(pairs, inter, dtype=x.dtype, device=device)
-        bn, words = 32, widen == "word"
+        bn, words = 32, widen_id > 0
+        unit = WIDEN_UNIT_LOG2[widen_id]
         w13s = words_of(w13, "fp4_fused_experts: w13") if words else w13
         w2s = words_of(w2, "fp4_fused_experts: w2") if words else w2
         _fp4_stream_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
@@ -354,15 +354,15 @@ def fp4_fused_experts(
             float(alpha), float(limit), K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local,
             HAS_VALID=valid is not None, HAS_BIAS=w13_bias is not None, SWIGLU_OAI=swiglu, BLOCK_N=bn,
             BLOCK_K=max(group, min(256, triton.next_power_of_2(h))), BLOCK_P=HISTOGRAM_PAIRS,
-            BLOCK_E=triton.next_power_of_2(counts.numel()), WORDS=words, num_warps=4, **common,
+            BLOCK_E=triton.next_power_of_2(counts.numel()), WIDEN=widen_id, UNIT=unit, num_warps=4, **common,
             **pdl_args(device, "_fp4_stream_gate_up_kernel"),
         )  # fmt: skip
         _fp4_stream_down_kernel[(t, triton.cdiv(h, bn))](
             act, w2s, s2, g2, b2, out, topk_weights, topk_ids, valid_arg, h, expert_start,
             act.stride(0), w2s.stride(0), w2s.stride(1), s2.stride(0), s2.stride(1), 1, h, out.stride(0),
             K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, HAS_BIAS=w2_bias is not None,
-            BLOCK_N=bn, BLOCK_K=max(group, min(256, triton.next_power_of_2(inter))), WORDS=words, num_warps=4,
-            **common,
+            BLOCK_N=bn, BLOCK_K=max(group, min(256, triton.next_power_of_2(inter))), WIDEN=widen_id, UNIT=unit,
+            num_warps=4, **common,
             **pdl_args(device, "_fp4_stream_down_kernel"),
         )  # fmt: skip
         return out

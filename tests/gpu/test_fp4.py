@@ -10,8 +10,12 @@ thresholds.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 from gpu_utils import capture, rel_err
 
 from graphserve.kernels.common import sm_count
@@ -26,8 +30,9 @@ from graphserve.kernels.fp4_gemv import (
     fp4_silu_mul_gemv_reference,
     stream_config,
 )
-from graphserve.kernels.fp4_layout import GROUP
+from graphserve.kernels.fp4_layout import GROUP, widen8
 from graphserve.kernels.fp4_moe import fp4_fused_experts
+from graphserve.kernels.fp4_reference import fp4_codes_to_float, unpack_fp4
 
 DT = torch.bfloat16
 LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -166,7 +171,38 @@ def test_fp4_graph_replay_equals_eager():
 
 
 # the streaming kernels' widenings (kernels/fp4_words.py): each against the reference and against the default
-WIDENINGS = ("word",)
+WIDENINGS = ("word", "e4m3", "e4m3_ptx")
+
+
+@triton.jit
+def _widen8_kernel(w_ptr, o_ptr, WIDEN: tl.constexpr):
+    i = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    v0, v1, v2, v3, v4, v5, v6, v7 = widen8(tl.load(w_ptr + i), WIDEN)
+    tl.store(o_ptr + 8 * i, v0)
+    tl.store(o_ptr + 8 * i + 1, v1)
+    tl.store(o_ptr + 8 * i + 2, v2)
+    tl.store(o_ptr + 8 * i + 3, v3)
+    tl.store(o_ptr + 8 * i + 4, v4)
+    tl.store(o_ptr + 8 * i + 5, v5)
+    tl.store(o_ptr + 8 * i + 6, v6)
+    tl.store(o_ptr + 8 * i + 7, v7)
+
+
+def test_ptx_widening_equals_its_twin_bit_for_bit():
+    """"e4m3_ptx" (inline PTX) and "e4m3" (Triton) give the same fp16 bits for every byte in every position of a
+    word and for random words; both are the format's values times 2^-6."""
+    ramp = torch.arange(256, dtype=torch.uint8, device="cuda")
+    raw = torch.stack([ramp, ramp.roll(64), ramp.roll(128), ramp.roll(192)], dim=1).flatten()
+    gen = torch.Generator("cuda").manual_seed(8)
+    raw = torch.cat([raw, torch.randint(0, 256, (4 * 1024 * 64 - raw.numel(),), dtype=torch.uint8, device="cuda",
+                                        generator=gen)])  # fmt: skip
+    words = raw.view(torch.int32)
+    outs = {}
+    for code in (2, 3):
+        outs[code] = torch.full((words.numel() * 8,), float("nan"), dtype=torch.float16, device="cuda")
+        _widen8_kernel[(words.numel() // 1024,)](words, outs[code], WIDEN=code)
+    assert torch.equal(outs[2].view(torch.int16), outs[3].view(torch.int16))
+    assert torch.equal(outs[3].float() * 2**6, fp4_codes_to_float(unpack_fp4(raw)))
 
 
 @pytest.mark.parametrize("widen", WIDENINGS)
@@ -185,6 +221,9 @@ def test_fp4_stream_widenings_at_llama3_8b_shapes(fmt, widen):
                                                                                   sm_count(x.device)))
             ref = fp4_gemv_reference(x, packed, scale, gs, fmt, bias)
             assert rel_err(out, ref) < 1e-2 and rel_err(out, byte) < 1e-2, (proj, m, widen)
+            if widen == "e4m3_ptx":  # and its pure-Triton twin, the same values in the same order
+                twin = fp4_gemv(x, packed, scale, gs, fmt, bias, config=dataclasses.replace(cfg, widen="e4m3"))
+                assert rel_err(out, twin) < 1e-3, (proj, m)
     n, k = LLAMA3_8B["down"]
     packed, scale, gs = fp4_weight((), n, k, fmt, gen)
     for m in (2, 16):  # both prologues on both paths
