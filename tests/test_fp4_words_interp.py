@@ -30,7 +30,7 @@ from graphserve.kernels.fp4_gemv import (  # noqa: E402
     fp4_silu_mul_gemv,
     stream_config,
 )
-from graphserve.kernels.fp4_layout import split8, widen8  # noqa: E402
+from graphserve.kernels.fp4_layout import DEFAULT_WIDEN, default_widen, split8, widen8  # noqa: E402
 from graphserve.kernels.fp4_moe import fp4_fused_experts  # noqa: E402
 from graphserve.kernels.fp4_reference import fp4_codes_to_float, fp4_dequantize, unpack_fp4  # noqa: E402
 
@@ -155,9 +155,12 @@ def test_word_widening_refusals_name_the_field_and_limit():
         fp4_gemv(x[:1], shifted, scale, None, "mxfp4", config=Fp4StreamConfig(8, 64, 1, False, widen="word"))
     with pytest.raises(ValueError, match="widen='e4m3_ptx' runs inline PTX, CUDA only"):
         fp4_gemv(x[:1], packed, scale, None, "mxfp4", config=Fp4StreamConfig(8, 64, 1, False, widen="e4m3_ptx"))
-    # the tile function keeps the byte widening unless asked
-    assert stream_config(1, 4096, 4096, 16, 132).widen == "byte"
+    # the byte widening stays the default until measured; a PTX widening off CUDA becomes its Triton twin
+    assert DEFAULT_WIDEN == "byte" and stream_config(1, 4096, 4096, 16, 132).widen == "byte"
     assert stream_config(1, 4096, 4096, 16, 132, widen="word").widen == "word"
+    cpu = torch.device("cpu")
+    assert default_widen(cpu) == "byte" and default_widen(cpu, "e4m3_ptx") == "e4m3"
+    assert default_widen(cpu, "word") == "word"
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # swiglu_oai's sigmoid of a large negative gate: 0

@@ -34,9 +34,11 @@ import triton.language as tl
 
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp4_layout import (
+    DEFAULT_WIDEN,
     GROUP,
     WIDEN_UNIT_LOG2,
     block_scale,
+    default_widen,
     fp4_check,
     widen_code,
     widen_fp16,
@@ -66,7 +68,7 @@ class Fp4StreamConfig:
     widen: str = "byte"  # "byte" (below) or fp4_layout.WIDENINGS' others (kernels/fp4_words.py: int32 words)
 
 
-def stream_config(m: int, n: int, k: int, group: int, sms: int, widen: str = "byte") -> Fp4StreamConfig:
+def stream_config(m: int, n: int, k: int, group: int, sms: int, widen: str = DEFAULT_WIDEN) -> Fp4StreamConfig:
     """Enough programs for every SM: the widest tile that still gives one per SM, then split-K until about
     two per SM. About 8 KB of packed bytes a tile keeps each thread's loads 16 bytes wide and several in
     flight; the dot tiles stay smaller in K (two widened bf16 copies live in registers)."""
@@ -221,7 +223,7 @@ def _launch(x: torch.Tensor, k: int, packed: torch.Tensor, scale: torch.Tensor, 
     if m == 0 or n == 0:
         return out
     group = GROUP[fmt]
-    cfg = config or stream_config(m, n, k, group, sm_count(x.device))
+    cfg = config or stream_config(m, n, k, group, sm_count(x.device), widen=default_widen(x.device))
     if cfg.block_k % group or cfg.block_k & (cfg.block_k - 1):
         raise ValueError(f"fp4_gemv: block_k={cfg.block_k} must be a power of two and a multiple of {group}")
     if cfg.use_dot and cfg.block_n < 16:

@@ -30,6 +30,21 @@ FP8_UNIT_LOG2 = 6  # the e4m3 bit placement's value is e2m1 * 2^-6
 WIDENINGS = ("byte", "word", "e4m3", "e4m3_ptx")
 WIDEN_UNIT_LOG2 = (FP16_UNIT_LOG2, FP16_UNIT_LOG2, FP8_UNIT_LOG2, FP8_UNIT_LOG2)
 PTX_WIDENINGS = ("e4m3_ptx",)  # inline PTX: CUDA sm_89+ only
+E4M3_WIDENINGS = ("e4m3", "e4m3_ptx")  # e4m3 -> fp16 conversions: sm_89+ on CUDA
+# the widening the streaming kernels take when the caller names none: the byte widening until
+# ``python3 -m benchmarks.fp4 --variants`` measures another faster on the GPU (set it here; default_widen adapts it)
+DEFAULT_WIDEN = "byte"
+
+
+def default_widen(device: torch.device, widen: str | None = None) -> str:
+    """``widen`` (default ``DEFAULT_WIDEN``) where ``device`` runs it, else the nearest that does: inline PTX off CUDA
+    becomes its Triton twin "e4m3"; an e4m3 widening below sm_89 (no e4m3 conversion) the fp16 placement "word"."""
+    widen = widen or DEFAULT_WIDEN
+    if widen in PTX_WIDENINGS and device.type != "cuda":
+        return "e4m3"
+    if widen in E4M3_WIDENINGS and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return "word"
+    return widen
 
 
 def widen_code(name: str, widen: str, device: torch.device) -> int:

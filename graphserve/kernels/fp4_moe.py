@@ -24,7 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.fp4_layout import GROUP, WIDEN_UNIT_LOG2, block_scale, fp4_check, widen_code, widen_fp16
+from graphserve.kernels.fp4_layout import (
+    GROUP,
+    WIDEN_UNIT_LOG2,
+    block_scale,
+    default_widen,
+    fp4_check,
+    widen_code,
+    widen_fp16,
+)
 from graphserve.kernels.fp4_words import word_row_sums, words_of
 from graphserve.kernels.l2_prefetch import no_prefetch_args
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, moe_align, pair_histogram
@@ -307,19 +315,19 @@ def fp4_fused_experts(
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, valid: torch.Tensor | None = None,
     expert_start: int = 0, counts: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
-    path: str | None = None, widen: str = "byte",
+    path: str | None = None, widen: str | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """sum over slots of weight * (down(act(gate_up(x) + w13_bias)) + w2_bias) over this rank's experts, [T, H].
 
     ``valid`` (bool [T]) marks real rows; ``counts`` (int32 [E global]) receives the pairs per expert;
     ``expert_start``: the first local expert's global id (expert parallel). ``path`` ("stream" | "gemm")
-    overrides the rule (tests, benchmarks). ``widen`` (fp4_layout.WIDENINGS): the streaming path's widening
-    (kernels/fp4_words.py); the grouped GEMM ignores it."""
+    overrides the rule (tests, benchmarks). ``widen`` (fp4_layout.WIDENINGS; None: fp4_layout.default_widen): the
+    streaming path's widening (kernels/fp4_words.py); the grouped GEMM ignores it."""
     _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, topk_weights, topk_ids, w13_bias, w2_bias,
            activation)  # fmt: skip
     if path not in (None, *PATHS):
         raise ValueError(f"fp4_fused_experts: path={path!r} must be one of {PATHS}")
-    widen_id = widen_code("fp4_fused_experts", widen, x.device)
+    widen_id = widen_code("fp4_fused_experts", widen or default_widen(x.device), x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
