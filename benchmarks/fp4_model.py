@@ -18,8 +18,12 @@
 Rows go to benchmarks/results/fp4_decode.json (``--result-name``), each with its card, its same-run floor and
 ceilings, the issue's target and ``meets_target`` (decided on unrounded numbers; None where no target is set).
 
-Run: python3 -m benchmarks.fp4_model [--quick] [--skip-gpt-oss]
-(--quick: under ~4 minutes on an H100; MXFP4 llama3-8b at bs 1 only)
+``--widenings W ...`` runs the NVFP4 llama3-8b decode again with each of the streaming kernels' other widenings as
+the default (kernels/fp4_layout.DEFAULT_WIDEN; kernels/fp4_words.py), rows labelled ``[widen=W]`` with the same
+targets: the model-level measurement that decides the default.
+
+Run: python3 -m benchmarks.fp4_model [--quick] [--skip-gpt-oss] [--widenings word e4m3_ptx]
+(--quick: under ~4 minutes on an H100; MXFP4 llama3-8b at bs 1 only; each extra widening adds a load, ~30 s)
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from benchmarks.fp8 import (
     settle_ceilings,
 )
 from benchmarks.roofline import ReadBandwidth, matmul_tflops, measured_read_bw
+from graphserve.kernels import fp4_layout
 
 LLAMA = "dummy:llama3-8b"
 GPT_OSS = "dummy:gpt-oss-120b"
@@ -85,7 +90,7 @@ def add_ratios(decode: list[dict], prefill: list[dict], bw: ReadBandwidth, bf16:
             if f"{name}_step_ms" in r:
                 r[f"vs_{name}"] = r["step_ms"] / r[f"{name}_step_ms"]
                 r[f"{name}_floor_ms"] = bw.floor_ms(r[f"{name}_read_bytes"])
-        r["target"] = DECODE_TARGETS.get((r["model"], r["bs"], r["ctx"]))
+        r["target"] = DECODE_TARGETS.get((r["model"].split(" [widen=")[0], r["bs"], r["ctx"]))
         r["meets_target"] = meets_target(r, r["target"])
     for r in prefill:
         r["target"] = PREFILL_TARGET if r["model"].endswith("nvfp4") else None
@@ -118,6 +123,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="MXFP4 llama3-8b at bs 1 only; gpt-oss-120b at bs 1 only")
     p.add_argument("--skip-gpt-oss", action="store_true", help="no gpt-oss-120b rows (a card under ~80 GB)")
+    p.add_argument("--widenings", nargs="*", default=[], choices=[w for w in fp4_layout.WIDENINGS if w != "byte"],
+                   help="NVFP4 llama3-8b decode again with each of these streaming widenings as the default")
     p.add_argument("--result-name", default="fp4_decode",
                    help="benchmarks/results/NAME.json (rows merge into the file's, per model and case)")
     args = p.parse_args()
@@ -148,6 +155,20 @@ def main() -> None:
     bf16_peak.observe(f"{LLAMA} bf16 prefill", by_quant["none"]["tflops"])
     fp8_peak.observe(f"{LLAMA} fp8 prefill", by_quant["fp8"]["tflops"])
     del runs, mxfp4
+    default = fp4_layout.DEFAULT_WIDEN
+    for widen in args.widenings:  # the layers' kernels read the default at each call, so at capture
+        fp4_layout.DEFAULT_WIDEN = widen
+        try:
+            run = run_model(LLAMA, "nvfp4", cases, bw, None)
+        finally:
+            fp4_layout.DEFAULT_WIDEN = default
+        rows = decode_rows(f"{LLAMA} --quantization nvfp4 [widen={widen}]", run, cases, card)
+        for r in rows:  # beside the same run's bf16 and FP8 steps
+            base = next(d for d in decode if d["model"] == f"{LLAMA} --quantization nvfp4" and d["bs"] == r["bs"]
+                        and d["ctx"] == r["ctx"])  # fmt: skip
+            r.update({key: base[key] for key in ("bf16_step_ms", "bf16_read_bytes", "fp8_step_ms", "fp8_read_bytes")})
+        decode += rows
+        del run
 
     errors = []
     if not args.skip_gpt_oss:
