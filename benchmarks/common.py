@@ -2,62 +2,27 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import re
-import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import torch
 
+from graphserve.tuning.timing import (  # noqa: F401  (re-exported: the benchmarks import them from here)
+    RATIO_WORDS,
+    _fmt,
+    cuda_time_ms,
+    cuda_times_ms,
+    environment,
+    git_commit,
+    is_ratio_column,
+    print_table,
+    ratio_text,
+    start_run,
+)
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-def git_commit() -> str:
-    """The commit measured: $GRAPHSERVE_COMMIT (set it where the tree travels without .git), else git."""
-    if os.environ.get("GRAPHSERVE_COMMIT"):
-        return os.environ["GRAPHSERVE_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except Exception:
-        return "unknown"
-
-
-_RUN: dict[str, str] = {}
-
-
-def start_run() -> dict[str, str]:
-    """A new run: a fresh id (uuid4 hex) and its start time (UTC). A process is one run, started at its first
-    ``environment()``; tests call this to stand for a second run."""
-    _RUN.clear()
-    _RUN.update(run_id=uuid.uuid4().hex,
-                started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    return dict(_RUN)
-
-
-def environment() -> dict:
-    """This run: date, commit, versions, device, and its ``run_id`` and ``started`` time, the same for every file and
-    row the process writes, so rows merged into one file say which run (and so which ceilings) measured them."""
-    if not _RUN:
-        start_run()
-    env = {
-        **_RUN,
-        "date": datetime.date.today().isoformat(),
-        "commit": git_commit(),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-    }
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return env
 
 
 def write_result(name: str, payload: dict) -> Path:
@@ -161,37 +126,6 @@ class PrefillProbe:
         return wall_ms, sum(r.step_ms for r in telemetry.records() if r.step > last and r.prefill_tokens > 0)
 
 
-def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
-    """Median wall time of ``fn()`` in ms, measured with CUDA events (GPU) or perf_counter (CPU)."""
-    import statistics
-
-    return statistics.median(cuda_times_ms(fn, warmup, iters))
-
-
-def cuda_times_ms(fn, warmup: int = 3, iters: int = 20) -> list[float]:
-    """Each of ``iters`` timed calls of ``fn()`` in ms (CUDA events on a GPU, perf_counter on CPU)."""
-    import time
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
 def median_difference_ci(a: list[float], b: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """95% bootstrap interval of median(a) - median(b): the resolution of a difference of two medians."""
     import random
@@ -201,41 +135,3 @@ def median_difference_ci(a: list[float], b: list[float], resamples: int = 2000, 
     diffs = sorted(statistics.median(rng.choices(a, k=len(a))) - statistics.median(rng.choices(b, k=len(b)))
                    for _ in range(resamples))
     return diffs[int(0.025 * resamples)], diffs[int(0.975 * resamples) - 1]
-
-
-def print_table(rows: list[dict], cols: list[str]) -> None:
-    widths = [max([len(c)] + [len(_fmt(r.get(c), c)) for r in rows]) for c in cols]  # no rows: the header alone
-    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(_fmt(r.get(c), c).rjust(w) for c, w in zip(cols, widths)))
-
-
-# a column named a quotient ("stream/floor") or holding one of these words (ratio, bf16_ratio, vs_bf16, dram_pct) is a
-# ratio, read against targets; words, so that duration_us is not one
-RATIO_WORDS = {"ratio", "vs", "pct", "share"}
-
-
-def is_ratio_column(col: str) -> bool:
-    return "/" in col or not RATIO_WORDS.isdisjoint(re.split(r"[^a-z0-9]+", col.lower()))
-
-
-def ratio_text(v: float, thousands: bool = False) -> str:
-    """A ratio with 4 decimals, and more where 4 would end in a 0 the value is not: a rendering never lands on a
-    3-decimal number (a target such as 1.3 or 0.45) that the value misses, so 1.3004 reads 1.3004 and 1.30004
-    reads 1.30004, never 1.300 or 1.3000."""
-    sep = "," if thousands else ""
-    for digits in range(4, 13):
-        text = f"{v:{sep}.{digits}f}"
-        if not text.endswith("0") or float(text.replace(",", "")) == v:
-            return text
-    return f"{v:{sep}}"  # Python's shortest text that reads back as v: 1.3000000000000003
-
-
-def _fmt(v, col: str = "") -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float) and is_ratio_column(col):
-        return ratio_text(v)
-    if isinstance(v, float):
-        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
-    return str(v)

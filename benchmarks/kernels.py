@@ -33,6 +33,7 @@ from graphserve.kernels.extend_attention import extend_attention, extend_attenti
 from graphserve.kernels.kv_write import kv_write, kv_write_reference
 from graphserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_reference
 from graphserve.kernels.rotary import apply_rotary, apply_rotary_reference, rotary_cos_sin
+from graphserve.tuning.timing import CapturedCalls, graph_time_ms  # noqa: F401  (re-exported for the benchmarks)
 
 DT = torch.bfloat16
 HQ, HKV, D, PAGE = 32, 8, 128, 16  # Llama-3-8B attention shape
@@ -44,32 +45,6 @@ def paged(batch: int, ctx: int):
     cache = torch.randn(2, batch * blocks + 1, PAGE, HKV, D, device="cuda", dtype=DT)
     tables = (torch.randperm(batch * blocks, device="cuda").int() + 1).view(batch, blocks)
     return cache, tables, torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-
-
-class CapturedCalls:
-    """``calls`` back-to-back calls of ``fn`` captured in one CUDA graph; calling it replays the graph. It holds
-    ``fn``: the graph reads and writes the buffers ``fn`` closes over, which must outlive every replay (freed, the
-    caching allocator may hand them to another tensor or release them)."""
-
-    def __init__(self, fn, calls: int = 1):
-        self.fn, self.calls = fn, calls
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())  # the inputs the caller just made on its own stream
-        with torch.cuda.stream(stream):
-            fn()  # compile and settle allocations outside the capture
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream):
-            for _ in range(calls):
-                fn()
-
-    def __call__(self) -> None:
-        self.graph.replay()
-
-
-def graph_time_ms(fn, calls: int = 20, replays: int = 5) -> float:
-    """GPU time of one ``fn()`` from a CUDA graph holding ``calls`` back-to-back calls."""
-    return cuda_time_ms(CapturedCalls(fn, calls), warmup=2, iters=replays) / calls
 
 
 def row(kernel: str, shape: str, fast, ref, nbytes: float, flops: float = 0.0, ref_iters: int = 10) -> dict:

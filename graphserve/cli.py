@@ -17,6 +17,7 @@ COMMANDS = {
     "doctor": ("graphserve.analysis.doctor", "diagnose a graphserve, SGLang or vLLM server log"),
     "profile": ("graphserve.analysis.profile", "where a decode step goes: graph replay and eager, per category"),
     "demo": ("graphserve.demo", "the embedded default, end to end on CPU"),
+    "tune": ("graphserve.tuning.cli", "measure this card's kernel tables into the per-user cache"),
 }
 
 

@@ -163,6 +163,7 @@ _HELP = {
     "kv_cache_dtype": "KV cache dtype: auto (the model dtype) or fp8_e4m3 (half the bytes; scale 1.0)",
     "log_interval": "decode steps between step-log lines",
     "max_queued_requests": "bound of the waiting queue; past it requests get 429",
+    "seed": "seed of a dummy: model's random weights and of the sampling of requests that give no seed",
 }
 
 

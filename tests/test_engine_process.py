@@ -9,6 +9,8 @@ import signal
 import httpx
 from server_utils import ServerProcess, engine_child, engine_processes, metrics, stream_until_first_event, wait_for
 
+from graphserve.server.launch import ENGINE_DIED_EXIT_CODE
+
 
 def test_engine_process_death_fails_in_flight_requests_and_health(tmp_path):
     srv = ServerProcess(tmp_path, "--max-running-requests", "1").start()
@@ -45,7 +47,7 @@ def test_engine_process_death_fails_in_flight_requests_and_health(tmp_path):
         assert m["graphserve:kv_cache_usage_perc"] == 0
     finally:
         srv.stop()
-    assert srv.wait(10) == 0  # still drains and exits cleanly on SIGTERM
+    assert srv.wait(10) == ENGINE_DIED_EXIT_CODE  # a dead engine is never a clean exit
 
 
 def test_engine_in_process_flag_keeps_the_core_in_the_server(tmp_path):

@@ -234,16 +234,17 @@ def test_tile_tables_load_by_shape_and_fall_back_with_the_tuning_command(monkeyp
     import json
     import logging
 
-    from graphserve.kernels import moe_config
+    from graphserve.kernels import moe_config, tables
 
     monkeypatch.setattr(moe_config, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(tables, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.setenv("GRAPHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    tables.clear()
     moe_config._load.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="graphserve.kernels.moe_config"):
+    with caplog.at_level(logging.INFO, logger="graphserve.kernels.moe_config"):
         tiles = moe_config._load(128, 768, 2048, torch.bfloat16, "NVIDIA_H200")
     assert tiles == moe_config.default_tiles(128)
-    assert (
-        "python3 -m benchmarks.moe_tune --experts 128 --intermediate 768 --hidden 2048 --dtype bfloat16" in caplog.text
-    )
+    assert "graphserve tune --tables moe --experts 128 --intermediate 768 --hidden 2048 --dtype bfloat16" in caplog.text
     tuned = moe_config.MoeTiles(
         small_max_pairs=16,
         gemv_gate_up=moe_config.GemvTile(32, 256, 4),
@@ -254,10 +255,12 @@ def test_tile_tables_load_by_shape_and_fall_back_with_the_tuning_command(monkeyp
     )
     path = moe_config.table_path(128, 768, 2048, torch.bfloat16, "NVIDIA_H200")
     assert path.name == "E=128,I=768,H=2048,dtype=bfloat16,device=NVIDIA_H200.json"
-    path.write_text(json.dumps({"experts": 128, **tuned.to_json()}))
+    path.write_text(json.dumps({"experts": 128, "device": "NVIDIA_H200", **tuned.to_json()}))
+    tables.clear()
     moe_config._load.cache_clear()
     loaded = moe_config._load(128, 768, 2048, torch.bfloat16, "NVIDIA_H200")
     moe_config._load.cache_clear()
+    tables.clear()
     assert loaded == tuned
     assert loaded.gemm_tiles(8) == (tuned.gate_up[0], tuned.down[0])
     assert loaded.gemm_tiles(9) == (tuned.gate_up[1], tuned.down[1])

@@ -17,6 +17,7 @@ from server_utils import ServerProcess, metrics, wait_for
 from test_server_lifecycle import stream_events
 
 from graphserve.errors import ConfigError
+from graphserve.server.launch import ENGINE_DIED_EXIT_CODE
 from graphserve.server.serve_args import api_server_count
 
 RUNNING, QUEUED = 2, 6
@@ -113,7 +114,8 @@ def pids(srv: ServerProcess) -> tuple[int, list[int]]:
 
 
 def test_engine_death_fails_every_front_ends_streams(tmp_path):
-    srv = ServerProcess(tmp_path, "--api-server-count", "2", "--max-running-requests", "8").start()
+    srv = ServerProcess(tmp_path, "--api-server-count", "2", "--max-running-requests", "8",
+                        "--engine-death-grace", "10").start()
     long = {"prompt": "long", "max_tokens": 480, "ignore_eos": True}
     try:
         engine, frontends = pids(srv)
@@ -134,7 +136,10 @@ def test_engine_death_fails_every_front_ends_streams(tmp_path):
             assert r.status_code == 503 and "engine process died" in r.json()["error"]["message"]
         m = metrics(srv.base_url)
         assert m["graphserve:engine_alive"] == 0 and m["graphserve:num_requests_running"] == 0
-        assert all(_alive(p) for p in frontends)  # still up, answering 503 until restarted
+        # then the whole server exits non-zero, so that its supervisor restarts it
+        assert srv.wait(30) == ENGINE_DIED_EXIT_CODE
+        assert not any(_alive(p) for p in frontends)
+        assert "exiting with code 3: the engine process exited with code -9" in srv.log().strip().splitlines()[-1]
     finally:
         srv.stop()
 

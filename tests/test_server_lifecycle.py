@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import shutil
 import signal
 import time
 
@@ -136,30 +137,48 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path):
 
 
 def test_model_that_fails_to_load_exits_1(tmp_path):
+    # An unknown name is refused by the launcher, before an engine process starts (the exit code of a bad flag)
     srv = ServerProcess(tmp_path, model="builtin:no-such-model")
-    with pytest.raises(RuntimeError, match="exited with 1"):
+    with pytest.raises(RuntimeError, match="exited with 2"):
         srv.start(timeout=60)
     assert "no-such-model" in srv.log()
+    # A folder whose config reads but whose weights are missing fails in the engine process: exit 1
+    from graphserve.models.builtin import ensure_builtin
+
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    for f in ensure_builtin("tiny-llama").iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, folder / f.name)
+    srv = ServerProcess(tmp_path, model=str(folder))
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        srv.start(timeout=60)
+    assert "safetensors" in srv.log()
 
 
-def test_second_sigterm_exits_non_zero(tmp_path):
-    # The drain would wait 60 s; a second signal cuts the in-flight stream, and the exit code must say so.
-    srv = ServerProcess(tmp_path, "--shutdown-timeout", "60").start()
+def test_second_sigterm_answers_in_flight_requests_then_exits_non_zero(tmp_path):
+    # The drain would wait 60 s; a second signal ends the in-flight requests at once, each answered in the
+    # OpenAI error shape (a JSON 503; an error event before the stream closes), and the exit code says so.
+    srv = ServerProcess(tmp_path, "--shutdown-timeout", "60", "--max-running-requests", "2").start()
     long = {"prompt": "long", "max_tokens": 480, "ignore_eos": True}
     try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
             started = concurrent.futures.Future()
             stream = pool.submit(stream_events, srv.base_url, long, started)
             started.result(timeout=30)
+            unary = pool.submit(httpx.post, srv.base_url + "/v1/completions", json=long, timeout=60)
+            assert wait_for(lambda: metrics(srv.base_url)["graphserve:num_requests_running"] == 2, timeout=20)
             srv.signal(signal.SIGTERM)
             time.sleep(0.5)
             srv.signal(signal.SIGTERM)
             assert srv.wait(timeout=30) != 0
-            try:
-                status, events, _ = stream.result(timeout=30)
-                assert events[-1] != "[DONE]" or "error" in json.loads(events[-2])  # cut, never a clean end
-            except httpx.TransportError:
-                pass  # the connection dropped mid-body: what a forced stop does
+            status, events, _ = stream.result(timeout=30)
+            resp = unary.result(timeout=30)
+        assert status == 200 and events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == 503 and "second SIGTERM" in err["message"], err
+        assert resp.status_code == 503 and resp.headers["content-type"] == "application/json", resp.text
+        assert "second SIGTERM" in resp.json()["error"]["message"]
     finally:
         srv.stop()
 

@@ -11,9 +11,12 @@ import time
 import httpx
 from server_utils import ServerProcess, engine_child, stream_until_first_event, wait_for
 
+from graphserve.server.launch import ENGINE_DIED_EXIT_CODE
+
 
 def test_serve_tp2_answers_streams_and_fails_cleanly_when_a_rank_dies(tmp_path):
-    srv = ServerProcess(tmp_path, "--tp", "2", "--max-running-requests", "2").start(timeout=300)
+    srv = ServerProcess(tmp_path, "--tp", "2", "--max-running-requests", "2",
+                        "--engine-death-grace", "10").start(timeout=300)
     try:
         engine = engine_child(srv)
         ranks = [p for p in engine.children() if "graphserve.engine.ranks" in " ".join(p.cmdline())]
@@ -42,6 +45,8 @@ def test_serve_tp2_answers_streams_and_fails_cleanly_when_a_rank_dies(tmp_path):
         assert health.status_code == 503
         assert wait_for(lambda: not engine.is_running(), timeout=10), "the engine process must exit"
         assert "rank 1 (pid" in srv.log() and "exited with code -9" in srv.log()
+        assert srv.wait(30) == ENGINE_DIED_EXIT_CODE  # and the server with it: a supervisor restarts it
+        assert "engine process died" in srv.log().strip().splitlines()[-1]
     finally:
         srv.stop()
     assert not any(p.is_running() for p in ranks)

@@ -55,6 +55,10 @@ class RunData:
 
     @classmethod
     def from_result(cls, result: dict[str, Any], name: str = "result") -> RunData:
+        if "requests" not in result and ("points" in result or "configurations" in result):
+            raise BadRequestError(f"{name} is a sweep's summary ({_sweep_kind(result)}): compare takes result files "
+                                  f"with per-request records, from graphserve bench --output-file or a sweep's "
+                                  f"levels/ folder ({_level_files(result, name)})", param="requests")
         reqs = [r for r in result.get("requests", []) if r.get("ok", True)]
         if not reqs:
             raise BadRequestError(f"{name} has no successful requests to compare", param="requests")
@@ -160,6 +164,21 @@ def compare_runs(a_runs: Sequence[RunData], b_runs: Sequence[RunData], metrics: 
         rel = point_b / point_a - 1.0 if point_a else float("nan")
         out.append(MetricComparison(m, point_a, point_b, point_b - point_a, diff_ci, rel, rel_ci, verdict))
     return out
+
+
+def _sweep_kind(result: dict[str, Any]) -> str:
+    return "a grid of configurations" if "configurations" in result else "one line per concurrency level"
+
+
+def _level_files(result: dict[str, Any], name: str) -> str:
+    """The per-level result files a sweep's results.json points at, as paths beside it (three at most)."""
+    configs = result.get("configurations") or [result]
+    files = [p["result_file"] for c in configs for p in (c.get("points") or []) if p.get("result_file")]
+    if not files:
+        return "e.g. levels/c8.json"
+    base = Path(name).parent
+    shown = ", ".join(str(base / f) for f in files[:3])
+    return f"e.g. {shown}" + (f" and {len(files) - 3} more" if len(files) > 3 else "")
 
 
 def format_table(rows: Sequence[MetricComparison]) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from graphserve.analysis.compare import RunData, compare_runs
+from graphserve.analysis.scaling import ceiling_doubt
 from graphserve.errors import GraphserveError
 
 VERDICT_METRICS = ("output_throughput", "tpot_p50", "ttft_p50")
@@ -60,6 +61,9 @@ def fit_quality(fit: Mapping[str, Any] | None, distinct_n: int, non_decode_share
                        f"steps around them")
     if fit.get("b_ms") is not None and fit["b_ms"] <= 0:
         reasons.append(f"b = {fit['b_ms']:.3f} ms <= 0: no per-request cost was seen, so no ceiling")
+    doubt = ceiling_doubt(fit["b_ms"], fit["b_ci"]) if fit.get("b_ms") is not None and fit.get("b_ci") else None
+    if doubt is not None:
+        reasons.append(doubt)
     return {"reliable": not reasons, "reasons": reasons}
 
 

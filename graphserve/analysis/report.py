@@ -81,7 +81,13 @@ def fit_text(fit: Mapping[str, Any] | None, quality: Mapping[str, Any] | None, e
     if quality and not quality["reliable"]:
         return line + "; unreliable, no ceiling quoted: " + "; ".join(quality["reasons"])
     if fit.get("asymptote_tok_s"):
-        line += f"; ceiling 1000/b = {fit['asymptote_tok_s']:.1f} tok/s, 90% of it at N ≈ {fit['n_at_90pct']:.1f}"
+        line += f"; ceiling 1000/b = {fit['asymptote_tok_s']:.1f} tok/s"
+        if fit.get("ceiling_ci_tok_s"):
+            lo, hi = fit["ceiling_ci_tok_s"]
+            line += f" (95% CI [{lo:.0f}, {'∞' if hi is None else f'{hi:.0f}'}])"
+        line += f", 90% of it at N ≈ {fit['n_at_90pct']:.1f}"
+        if quality:
+            line += "; fit reliable (R², the slope's interval and the batch sizes seen all pass)"
     for br in fit.get("breaks", []):
         line += f"; regime break at N = {br['at_n']:g}: step jumps {br['jump_ms']:+.1f} ms (p = {br['p_value']:.1e})"
     return line

@@ -35,6 +35,26 @@ MIN_SIDE = 3
 OUTLIER_SCALES = 4.0  # a break's test leaves out steps this many robust scales off both lines
 
 
+# b's 95% CI half-width over b past which the ceiling 1000/b is not pinned down by the data: the demo's
+# ceiling swung between 458 and 2,097 tok/s from run to run with nothing saying so.
+MAX_SLOPE_SPREAD = 0.3
+
+
+def ceiling_doubt(b_ms: float, b_ci: Sequence[float]) -> str | None:
+    """Why the data cannot support the ceiling 1000/b, or None when it can (or when b <= 0: no ceiling)."""
+    if b_ms <= 0:
+        return None
+    lo, hi = b_ci
+    if lo <= 0:
+        return (f"b's 95% CI [{lo:.3f}, {hi:.3f}] ms reaches 0: the ceiling could be anything above "
+                f"{1000.0 / hi:.0f} tok/s")
+    spread = (hi - lo) / 2 / b_ms
+    if spread > MAX_SLOPE_SPREAD:
+        return (f"b's 95% CI is ±{spread:.0%} of b (over {MAX_SLOPE_SPREAD:.0%}): the ceiling lies anywhere in "
+                f"[{1000.0 / hi:.0f}, {1000.0 / lo:.0f}] tok/s")
+    return None
+
+
 def line_text(a_ms: float, b_ms: float) -> str:
     """``a + b·N ms`` with the slope's sign folded in (a negative slope read "66.1 + -21.91·N")."""
     return f"{a_ms:.1f} {'-' if b_ms < 0 else '+'} {abs(b_ms):.2f}·N ms"
@@ -63,6 +83,17 @@ class ScalingFit:
             return None
         return 9.0 * max(self.a_ms, 0.0) / self.b_ms
 
+    @property
+    def ceiling_doubt(self) -> str | None:
+        return ceiling_doubt(self.b_ms, self.b_ci)
+
+    @property
+    def ceiling_ci_tok_s(self) -> tuple[float, float | None] | None:
+        """95% CI of the ceiling, 1000/b over b's CI (its top unbounded when b's CI reaches 0)."""
+        if self.b_ms <= 0 or self.b_ci[1] <= 0:
+            return None
+        return 1000.0 / self.b_ci[1], (1000.0 / self.b_ci[0] if self.b_ci[0] > 0 else None)
+
     def step_ms(self, n: float) -> float:
         return self.a_ms + self.b_ms * n
 
@@ -71,8 +102,13 @@ class ScalingFit:
 
     def summary(self) -> str:
         line = f"step_time = {line_text(self.a_ms, self.b_ms)} (R² {self.r2:.3f})"
-        if self.asymptote_tok_s is not None:
-            line += f"; ceiling {self.asymptote_tok_s:.1f} tok/s, 90% of it at N ≈ {self.n_at_90pct:.1f}"
+        doubt = self.ceiling_doubt
+        if doubt is not None:
+            line += f"; ceiling not supported by the data: {doubt}"
+        elif self.asymptote_tok_s is not None:
+            lo, hi = self.ceiling_ci_tok_s
+            line += (f"; ceiling {self.asymptote_tok_s:.1f} tok/s (95% CI [{lo:.0f}, {hi:.0f}]), 90% of it at "
+                     f"N ≈ {self.n_at_90pct:.1f}")
         for br in self.breaks:
             line += f"; break at N={br['at_n']:g}: step jumps {br['jump_ms']:+.1f} ms"
         return line
@@ -85,6 +121,8 @@ class ScalingFit:
             "a_ci": list(self.a_ci),
             "b_ci": list(self.b_ci),
             "asymptote_tok_s": self.asymptote_tok_s,
+            "ceiling_ci_tok_s": list(self.ceiling_ci_tok_s) if self.ceiling_ci_tok_s else None,
+            "ceiling_doubt": self.ceiling_doubt,
             "n_at_90pct": self.n_at_90pct,
             "n_points": self.n_points,
             "n_range": list(self.n_range),

@@ -35,6 +35,7 @@ from graphserve.engine.step_sync import StepSender
 from graphserve.engine.telemetry import EngineStats, Telemetry
 from graphserve.errors import BadRequestError
 from graphserve.layers.sampler import SEED_MASK, SamplerOutput
+from graphserve.models.host_memory import check_host_memory
 from graphserve.models.loader import load_model
 from graphserve.outputs import TokenLogprob
 from graphserve.structured.manager import StructuredOutputManager
@@ -52,6 +53,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
+        check_host_memory(config, self.device)  # refused here, not by the kernel's OOM killer mid-load
         # --tp/--ep: this process is rank 0 (the driver); the other ranks run engine/rank_worker.py
         self.ranks = start_ranks(config, self.device)
         try:

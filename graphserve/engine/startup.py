@@ -207,6 +207,16 @@ def _full_graph_ms(runner: ModelRunner, batch: ForwardBatch, eager_peak: int) ->
     return ms
 
 
+def log_tables(device: torch.device, model: str | None) -> None:
+    """One line: which measured tables serve this card and which fell back to the defaults (a warning, with the
+    command that measures them)."""
+    from graphserve.kernels import tables
+
+    line = tables.startup_line(torch.cuda.get_device_name(device), model)
+    if line:
+        (logger.warning if "; defaults:" in line else logger.info)(line)
+
+
 def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, max_model_len: int) -> GpuStartup:
     sizes, max_running = resolve_batch_limits(config)
     cfg = config.replace(max_model_len=max_model_len, max_running_requests=max_running)
@@ -227,6 +237,7 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
         pool = prof.capture_graphs(sizes, max_model_len).pool_bytes
     workspace = prof.attn_backend.workspace_bytes() if hasattr(prof.attn_backend, "workspace_bytes") else 0
     del prof
+    log_tables(device, config.model)  # the profiling steps ran every kernel the model takes, so each read its table
     torch.cuda.empty_cache()
 
     # 4. the plan (one request holds its window's blocks where every layer is windowed)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels import tables
 from graphserve.kernels.fp4_gemv import MAX_ROWS as STREAM_MAX_ROWS
 from graphserve.kernels.fp4_gemv import fp4_gemv
 from graphserve.kernels.fp4_layout import GROUP, block_scale, fp4_check, widen_fp8, widen_fp16
@@ -51,7 +51,6 @@ FP8_STEP = 32  # the fp8 MMA's K
 DEFAULT_STREAM_ROWS = 8  # the H100 measurements' crossovers (module docstring), for shapes and cards not measured
 DEFAULT_FP8_ROWS = 32
 X_DTYPES = (torch.bfloat16, torch.float16)
-logger = logging.getLogger("graphserve.fp4")
 
 
 @dataclass(frozen=True)
@@ -252,16 +251,13 @@ def _load_rule(path: str = str(RULE_PATH)) -> Fp4Rule:
 
 @functools.lru_cache(maxsize=16)
 def rule_for(device: torch.device) -> Fp4Rule:
-    """The measured rule where ``device`` is the card it was measured on, else the defaults (with a warning)."""
+    """This card's measured rule (kernels/tables.py: the tune cache, then the shipped tables), else the defaults
+    (streaming up to DEFAULT_STREAM_ROWS, the fp8 GEMM from DEFAULT_FP8_ROWS; the start-up line names the
+    command that measures it)."""
     if device.type != "cuda":
         return _DEFAULT_RULE
-    rule, name = _load_rule(), torch.cuda.get_device_name(device)
-    if rule.device != name:
-        logger.warning("fp4 routing was measured on %r, this is %s: defaults (streaming up to %d rows, the fp8 GEMM "
-                       "from %d); python3 -m benchmarks.fp4 --write-rule measures this card",
-                       rule.device, name, DEFAULT_STREAM_ROWS, DEFAULT_FP8_ROWS)
-        return _DEFAULT_RULE
-    return rule
+    found = tables.find(RULE_PATH.name, torch.cuda.get_device_name(device), Fp4Rule.from_json, "fp4")
+    return found.table if found else _DEFAULT_RULE
 
 
 def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import triton
+
+from graphserve.kernels import tables
 
 MAX_STREAM_ROWS = 64  # the streaming kernel's dot path pads x to one tensor-core tile of 16, 32 or 64 rows
 MAX_FMA_ROWS = 16  # its FMA path makes one pass over the weight tile per row of x, unrolled
@@ -41,8 +42,6 @@ RULE_PATH = Path(__file__).with_name("fp8_rule.json")
 # Llama-3-8B projections on an H200, benchmarks/results/fp8_decode.json), the Triton GEMM in between
 DEFAULT_STREAM_ROWS = 8
 SCALED_MM_MIN_ROWS = 128
-
-logger = logging.getLogger("graphserve.fp8")
 
 
 @dataclass(frozen=True)
@@ -253,16 +252,10 @@ def load_rule(path: str = str(RULE_PATH)) -> Fp8Rule:
 
 @functools.lru_cache(maxsize=16)
 def rule_for(device: torch.device) -> Fp8Rule:
-    """The measured table when ``device`` is the card it was measured on, else none (the defaults)."""
-    rule = load_rule()
-    if not rule.shapes:
-        return rule
-    name = torch.cuda.get_device_name(device)
-    if name != rule.device:
-        logger.warning("fp8 routing was measured on %s, this is %s: default routes "
-                       "(python3 -m benchmarks.fp8_route measures this card)", rule.device, name)
-        return _NO_RULE
-    return rule
+    """This card's measured table (kernels/tables.py: the tune cache, then the shipped tables), else none (the
+    defaults; the start-up line names the command that measures it)."""
+    found = tables.find(RULE_PATH.name, torch.cuda.get_device_name(device), Fp8Rule.from_json, "fp8")
+    return found.table if found else _NO_RULE
 
 
 def gated_mlp(m: int, hidden: int, inter: int, group_n: int, group_k: int, device: torch.device) -> GatedMlp | None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import triton
+
+from graphserve.kernels import tables
 
 MAX_M = 16
 DOT_MIN_M = 5  # from 5 rows on, M fp32 FMAs per weight element approach the CUDA cores' peak
@@ -82,12 +83,10 @@ def choose_config(m: int, n: int, k: int, sms: int) -> GemvConfig:
 # -- routing: where gemv beats cuBLAS, as measured ---------------------------------------------------
 # benchmarks/gemv.py times each projection shape at 1-16 rows against cuBLAS and writes, per shape and
 # kind of call, the largest row count up to which gemv won at every measured count, with the card it
-# ran on, into gemv_rule.json beside this file. layers/linear.py routes by that table alone: a shape
-# or card it does not list stays on cuBLAS.
+# ran on, into gemv_rule.json beside this file (``graphserve tune``: into the per-user cache, kernels/tables.py).
+# layers/linear.py routes by this card's table alone: a shape or card it does not list stays on cuBLAS.
 RULE_PATH = Path(__file__).with_name("gemv_rule.json")
 RULE_KINDS = ("linear", "silu_mul", "norm")  # plain projection; SiLU·mul fused in its loads; RMSNorm fused
-
-logger = logging.getLogger("graphserve.gemv")
 
 
 @dataclass(frozen=True)
@@ -120,11 +119,7 @@ _NO_RULE = GemvRule("", {})
 
 @functools.lru_cache(maxsize=16)
 def rule_for(device: torch.device) -> GemvRule:
-    """The measured rule when ``device`` is the card it was measured on; otherwise every call on cuBLAS."""
-    rule = load_rule()
-    name = torch.cuda.get_device_name(device)
-    if name != rule.device:
-        logger.warning("gemv routing was measured on %s, this is %s: projections stay on cuBLAS "
-                       "(python3 -m benchmarks.gemv measures this card and rewrites %s)", rule.device, name, RULE_PATH.name)
-        return _NO_RULE
-    return rule
+    """This card's measured rule (kernels/tables.py: the tune cache, then the shipped tables); where none
+    serves it, every call on cuBLAS (the start-up line names the command that measures it)."""
+    found = tables.find(RULE_PATH.name, torch.cuda.get_device_name(device), GemvRule.from_json, "gemv")
+    return found.table if found else _NO_RULE

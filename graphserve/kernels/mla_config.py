@@ -5,14 +5,14 @@ Kept apart from the kernel so the choice can be read, tested and swept without t
 runtime autotuning: tuning inside a CUDA-graph capture is unsafe. Every input of the choice is a
 static size of the step -- heads, batch (the captured size under graphs) and the block-table
 capacity in tokens (``max_model_len`` under graphs) -- so a captured grid never changes on replay.
-Without the JSON, or on another card than the one it was measured on, the code defaults below apply.
+Where no table serves this card (kernels/tables.py: the tune cache, then the shipped tables), the code
+defaults below apply.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import logging
 import math
 import re
 from dataclasses import dataclass
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("graphserve.mla")
+from graphserve.kernels import tables
 
 # At small batch a split's time is load latency (queries, block ids, then a few tiles in flight),
 # not bandwidth, so short splits over many programs beat long ones: a bs-1 step at 16k context takes
@@ -200,16 +200,12 @@ def load_rule(path: str = str(RULE_PATH)) -> MLARule:
 
 @functools.lru_cache(maxsize=16)
 def rule_for(device: torch.device) -> MLARule:
-    """The measured rule when ``device`` is the card it was measured on, else none."""
+    """This card's measured rule (kernels/tables.py: the tune cache, then the shipped tables), else none (the
+    code defaults; the start-up line names the command that measures it)."""
     if device.type != "cuda":
         return _NO_RULE
-    rule = load_rule()
-    name = torch.cuda.get_device_name(device)
-    if rule.entries and name != rule.device:
-        logger.warning("MLA decode tiles were measured on %s, this is %s: using the code defaults "
-                       "(python3 -m benchmarks.mla --sweep measures this card)", rule.device, name)
-        return _NO_RULE
-    return rule
+    found = tables.find(RULE_PATH.name, torch.cuda.get_device_name(device), MLARule.from_json, "mla")
+    return found.table if found else _NO_RULE
 
 
 @functools.lru_cache(maxsize=4096)  # called per layer and step: eager decode must not search the rule each time

@@ -1,6 +1,7 @@
 """Tiles of the MoE expert kernels per (experts, intermediate size, hidden size, dtype, GPU, batch bucket).
 
-The tables are JSON files under kernels/moe_configs/, written by ``python3 -m benchmarks.moe_tune``
+The tables are JSON files under kernels/moe_configs/ (or the tune cache: kernels/tables.py), written by
+``graphserve tune --tables moe`` or ``python3 -m benchmarks.moe_tune``
 (never tuned at run time: autotuning inside a CUDA-graph capture is unsafe, and a serving process
 should start the same way every time). A bucket is the number of (token, slot) pairs T * k: the
 rows the grouped GEMM gathers depend on it, not on T and k apart. Up to ``small_max_pairs`` pairs
@@ -11,12 +12,13 @@ winning). A shape with no table gets the defaults below and one warning naming t
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from graphserve.kernels import tables
 
 logger = logging.getLogger(__name__)
 
@@ -175,25 +177,36 @@ def default_gemv_tiles(top_k: int, intermediate: int, hidden: int, max_block_k: 
 def tune_command(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype) -> str:
     dtype_name = str(dtype).removeprefix("torch.")
     return (
-        f"python3 -m benchmarks.moe_tune --experts {num_experts} --intermediate {intermediate} "
+        f"{tables.TUNE_COMMAND} --tables moe --experts {num_experts} --intermediate {intermediate} "
         f"--hidden {hidden} --dtype {dtype_name}"
     )
 
 
+def table_label(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype) -> str:
+    return f"moe E={num_experts},I={intermediate},H={hidden},{str(dtype).removeprefix('torch.')}"
+
+
 @functools.lru_cache(maxsize=64)
 def _load(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, device: str) -> MoeTiles:
+    """This card's table (kernels/tables.py: the tune cache, then the shipped tables), else the defaults: the
+    start-up line names the shapes that fell back, and this log line the command that tunes this one."""
+    if device == "cpu":
+        return default_tiles(num_experts)
     path = table_path(num_experts, intermediate, hidden, dtype, device)
-    if path.exists():
-        return MoeTiles.from_json(json.loads(path.read_text()))
-    if device != "cpu":
-        logger.warning(
-            "no MoE tile table for experts=%d intermediate=%d hidden=%d dtype=%s on %s; using defaults; "
-            "tune with: %s", num_experts, intermediate, hidden, dtype, device,
-            tune_command(num_experts, intermediate, hidden, dtype),
-        )  # fmt: skip
+    found = tables.find(f"{CONFIG_DIR.name}/{path.name}", device, MoeTiles.from_json,
+                        table_label(num_experts, intermediate, hidden, dtype), legacy=path)  # fmt: skip
+    if found:
+        return found.table
+    # the start-up line (kernels/tables.py) is the warning; this names the command for this one shape, which a
+    # checkpoint that is not a preset needs
+    logger.info(
+        "no MoE tile table for experts=%d intermediate=%d hidden=%d dtype=%s on %s; using defaults; "
+        "tune with: %s", num_experts, intermediate, hidden, dtype, device,
+        tune_command(num_experts, intermediate, hidden, dtype),
+    )  # fmt: skip
     return default_tiles(num_experts)
 
 
 def moe_tiles(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, device: torch.device) -> MoeTiles:
-    """The tile table for this rank's expert shapes on ``device``: tuned if a table exists, else defaults."""
+    """The tile table for this rank's expert shapes on ``device``: tuned if a table serves this card, else defaults."""
     return _load(num_experts, intermediate, hidden, dtype, device_name(device))

@@ -110,6 +110,28 @@ def load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
     return _load_folder(config, Path(source).expanduser(), device)
 
 
+def meta_model(config: EngineConfig) -> nn.Module:
+    """The model ``load_model`` would build for a CPU, on the meta device: its sizes, with no weight allocated
+    or read (host_memory.py checks them against the machine before a load)."""
+    source = config.model
+    quant = online_config(config.quantization)
+    if source.startswith("dummy:"):
+        raw = get_preset_config(source.removeprefix("dummy:"))
+        hf_config = AutoConfig.for_model(**raw)
+    else:
+        folder = ensure_builtin(source.removeprefix("builtin:")) if source.startswith("builtin:") else \
+            Path(source).expanduser()
+        _check_folder(folder)
+        raw = json.loads((folder / "config.json").read_text())
+        try:
+            hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"model folder {folder} cannot be read by transformers: {e}", param="model") from e
+        quant = resolve_quantization(parse_quantization_config(raw.get("quantization_config")), config.quantization)
+    model, _ = _build(resolve_model_class(raw.get("architectures")), hf_config, config, torch.device("meta"), quant)
+    return model
+
+
 def load_tokenizer(source: str) -> Any:
     """The tokenizer ``load_model`` would pair with ``source`` (an HF folder, ``builtin:NAME`` or
     ``dummy:PRESET``), without building the model or reading any weights.

@@ -21,6 +21,7 @@ supervisor that serves no HTTP itself:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -95,12 +96,11 @@ class Supervisor:
         self.inbox.cancel_join_thread()  # never block the exit on a dead engine's queue
         self.queued = ctx.Value("q", 0)
         self.ready = ctx.Value("i", 0)
-        self.guards = GuardOptions(api_key=guards.api_key, max_body_bytes=guards.max_body_bytes,
-                                   read_timeout_s=guards.read_timeout_s, max_connections=guards.max_connections,
-                                   open_connections=ctx.Value("q", 0))
+        self.guards = dataclasses.replace(guards, open_connections=ctx.Value("q", 0))
         self.engine: Any = None
         self.frontends: list[Any] = []
         self.signals = 0
+        self.engine_exit: int | None = None  # set when the engine exited while the front-ends served
 
     def start(self) -> None:
         pipes = [self.ctx.Pipe(duplex=False) for _ in range(self.count)]
@@ -140,6 +140,7 @@ class Supervisor:
             multiprocessing.connection.wait(waits)
             if not engine_seen and self.engine.exitcode is not None:
                 engine_seen = True
+                self.engine_exit = self.engine.exitcode
                 logger.error("the engine process exited with code %s: the front-ends fail its requests",
                              self.engine.exitcode)
             for proc in [p for p in running if p.exitcode is not None]:
@@ -193,4 +194,7 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig, guards: Guar
             signal.signal(s, handler)
     if forced and code == 0:  # a forced stop cut streams: never read it as clean
         code = FORCED_EXIT_CODE
+    if sup.engine_exit is not None:
+        logger.error("exiting with code %d: the engine process exited with code %s; restart the server", code,
+                     sup.engine_exit)
     return code

@@ -23,9 +23,10 @@ from graphserve.errors import NotFoundError, ServiceUnavailableError
 from graphserve.sampling_params import SamplingParams
 from graphserve.server import serving_native, serving_openai
 from graphserve.server.errors import error_response, install_error_handlers
+from graphserve.server.grammar_work import GrammarWork
 from graphserve.server.guards import GuardMiddleware, GuardOptions
-from graphserve.server.model_info import model_cards, model_info, server_info
-from graphserve.server.prompts import parse_body
+from graphserve.server.model_info import model_cards, model_info, server_info, tokenizer_path
+from graphserve.server.prompts import IGNORED_FIELDS_HEADER, parse_body
 from graphserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from graphserve.server.protocol_native import GenerateRequest
 from graphserve.server.state import ServerState
@@ -53,37 +54,61 @@ def _install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+async def _save_tokenizer(state: ServerState) -> None:
+    """Once the engine is up, put a dummy: model's tokenizer where its served name (the folder) points."""
+    while not state.engine.ready.is_set():
+        await asyncio.sleep(0.1)
+    if state.engine.load_error is None and state.engine.config.model.startswith("dummy:"):
+        await asyncio.to_thread(tokenizer_path, state)
+
+
+def _with_ignored(request: Request, response: Response) -> Response:
+    ignored = getattr(request.state, "ignored_fields", None)
+    if ignored:
+        # a header holds printable ASCII only: other names (any JSON key may arrive) are shown escaped
+        shown = [name[:64].encode("unicode_escape").decode("ascii") for name in ignored[:32]]
+        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(shown)
+    return response
+
+
 def create_app(state: ServerState, guards: GuardOptions | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.engine.start(asyncio.get_running_loop())
+        saver = asyncio.ensure_future(_save_tokenizer(state))
         try:
             yield
         finally:
+            saver.cancel()
+            state.grammar.close()
             state.engine.shutdown()
 
     app = FastAPI(title="graphserve", summary="OpenAI-compatible and SGLang-native LLM serving",
                   lifespan=lifespan)
     app.state.graphserve = state
+    guards = guards or GuardOptions()
+    state.grammar = GrammarWork(guards.max_schema_depth, guards.max_schema_chars, guards.max_grammar_builds_per_client)
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, options=guards or GuardOptions(), metrics=state.metrics)
+    app.add_middleware(GuardMiddleware, options=guards, metrics=state.metrics)
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest, GenerateRequest])
 
     @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        req = await parse_body(request, CompletionRequest, state)
+        req = await parse_body(request, CompletionRequest, state, openai_route=True)
         state.check_ready()
-        return await serving_openai.create_completion(req, request, state)
+        return _with_ignored(request, await serving_openai.create_completion(req, request, state))
 
     @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        req = await parse_body(request, ChatCompletionRequest, state)
+        req = await parse_body(request, ChatCompletionRequest, state, openai_route=True)
+        request.state.field_names = req.field_names()
         state.check_ready()
-        return await serving_openai.create_chat_completion(req, request, state)
+        return _with_ignored(request, await serving_openai.create_chat_completion(req, request, state))
 
     @app.post("/generate", openapi_extra=_body(GenerateRequest))
     async def generate(request: Request) -> Response:
         req = await parse_body(request, GenerateRequest, state)
+        request.state.field_names = req.field_names()
         state.check_ready()
         return await serving_native.generate(req, request, state)
 

@@ -20,6 +20,8 @@ from typing import Any
 
 from graphserve.errors import BadRequestError, GraphserveError, ServiceUnavailableError
 from graphserve.server.errors import error_response, record_error
+from graphserve.server.grammar_work import MAX_GRAMMAR_BUILDS_PER_CLIENT
+from graphserve.structured.constraint import MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS
 
 MAX_HEAD_BYTES = 100 * 1024  # request line + headers; real clients send a few hundred bytes
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers never carry the key
@@ -56,6 +58,10 @@ class GuardOptions:
     # With several front-end processes, a shared count (multiprocessing.Value) of the connections all of them
     # hold: --max-connections bounds the server, not each front-end.
     open_connections: Any = None
+    # A request's grammar (graphserve/server/grammar_work.py): its bounds and the builds a client may run at once.
+    max_schema_depth: int = MAX_SCHEMA_DEPTH
+    max_schema_chars: int = MAX_SPEC_CHARS
+    max_grammar_builds_per_client: int = MAX_GRAMMAR_BUILDS_PER_CLIENT
 
 
 class GuardMiddleware:

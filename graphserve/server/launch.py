@@ -27,6 +27,7 @@ from graphserve.server.app import create_app
 from graphserve.server.async_engine import AsyncEngine
 from graphserve.server.guards import MAX_HEAD_BYTES, GuardOptions, guarded_protocol
 from graphserve.server.metrics import ServerMetrics
+from graphserve.server.model_info import default_served_name
 from graphserve.server.serve_args import (
     add_arguments,  # noqa: F401 - the `serve` command's flags (cli.py)
     api_server_count,
@@ -38,6 +39,10 @@ from graphserve.server.steplog import JsonlStepSink, StepLogger
 logger = logging.getLogger("graphserve.server")
 # A forced stop (second SIGTERM/SIGINT) cut streams mid-body: a service manager must not read it as clean.
 FORCED_EXIT_CODE = 1
+# The engine process died while serving: the HTTP process exits too, so that a supervisor restarts the server.
+ENGINE_DIED_EXIT_CODE = 3
+# After a forced stop fails the in-flight requests, the time their error responses get to leave before exit.
+FORCED_FLUSH_S = 0.3
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 
 
@@ -80,17 +85,20 @@ def build_state(
         listeners.append(sink.on_step)
         closers.append(sink)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    names = names or [config.model]
+    names = names or [default_served_name(config.model)]
     state = ServerState(engine, metrics, model_name=names[0], accepted_names={*names, config.model},
                         profile_endpoint=profile_endpoint)
     return state, closers
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float):
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float,
+                 engine_death_grace: float = 5.0):
         super().__init__(config)
         self.state = state
         self.shutdown_timeout = shutdown_timeout
+        self.engine_death_grace = engine_death_grace
+        self.engine_died_at: float | None = None
         self.drain_requested = False
         self.failed = False
         self.forced = False
@@ -107,16 +115,53 @@ class GracefulServer(uvicorn.Server):
         self.drain_requested = True
 
     def force(self) -> None:
-        if not self.forced:
-            logger.warning("second signal: exiting now, cutting %d request(s)", self.state.engine.num_inflight)
-        self.force_exit = self.should_exit = self.forced = True
+        """Exit now, but first answer every in-flight request in the OpenAI error shape: a JSON 503 for a
+        unary one, an error event for a stream (uvicorn alone would send a plain-text 500 or cut the body)."""
+        if self.forced:
+            self.force_exit = self.should_exit = True  # a third signal: no more waiting
+            return
+        self.forced = True
+        logger.warning("second signal: exiting now, failing %d request(s)", self.state.engine.num_inflight)
+        try:
+            loop = asyncio.get_running_loop()  # a signal handler runs on the loop's thread
+        except RuntimeError:
+            loop = None
+        if loop is None or not loop.is_running():
+            self.force_exit = self.should_exit = True
+            return
+        loop.call_soon_threadsafe(self._fail_inflight_then_exit, loop)
+
+    def _fail_inflight_then_exit(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.state.draining = True
+        failed = self.state.engine.abort_all(ServiceUnavailableError(
+            "the server was stopped (a second SIGTERM/SIGINT) before this request finished", retry_after=1))
+
+        def exit_now() -> None:
+            self.force_exit = self.should_exit = True
+
+        loop.call_later(FORCED_FLUSH_S if failed else 0.0, exit_now)
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_requested and self._drain is None:
             self._drain = asyncio.ensure_future(self.drain())
         if self.state.engine.load_error is not None and not self.failed:
             self.failed = self.should_exit = True
+        self._check_engine_death()
         return await super().on_tick(counter)
+
+    def _check_engine_death(self) -> None:
+        """A dead engine ends the server: its in-flight requests have their error events (engine_events.py)
+        and /health says 503 meanwhile; after ``engine_death_grace`` seconds for those to reach the clients,
+        the process exits non-zero instead of answering 503 forever."""
+        error = self.state.engine.engine_error
+        if error is None or self.should_exit:
+            return
+        now = time.monotonic()
+        if self.engine_died_at is None:
+            self.engine_died_at = now
+            logger.error("the engine is gone: exiting within %.1f s (--engine-death-grace)", self.engine_death_grace)
+        if now - self.engine_died_at >= self.engine_death_grace:
+            self.should_exit = True
 
     async def drain(self) -> None:
         state = self.state
@@ -148,10 +193,16 @@ def build_state_from_args(args: argparse.Namespace, config: EngineConfig, channe
                           ) -> tuple[ServerState, list[Any]]:
     if args.step_log_max_mb <= 0:
         raise ConfigError(f"--step-log-max-mb={args.step_log_max_mb} is invalid: must be > 0")
-    return build_state(config, args.served_model_name, args.step_log, separate_process=not args.engine_in_process,
-                       stream_interval=args.stream_interval, stream_stall_timeout=args.stream_stall_timeout,
-                       profile_endpoint=args.enable_profile_endpoint,
-                       step_log_max_bytes=int(args.step_log_max_mb * 1024 * 1024), channel=channel)
+    if not args.engine_death_grace >= 0:
+        raise ConfigError(f"--engine-death-grace={args.engine_death_grace} is invalid: must be >= 0",
+                          param="--engine-death-grace")
+    state, closers = build_state(config, args.served_model_name, args.step_log,
+                                 separate_process=not args.engine_in_process, stream_interval=args.stream_interval,
+                                 stream_stall_timeout=args.stream_stall_timeout,
+                                 profile_endpoint=args.enable_profile_endpoint,
+                                 step_log_max_bytes=int(args.step_log_max_mb * 1024 * 1024), channel=channel)
+    state.strict_api = args.strict_api
+    return state, closers
 
 
 def serve_http(args: argparse.Namespace, state: ServerState, closers: list[Any], guards: GuardOptions,
@@ -160,7 +211,7 @@ def serve_http(args: argparse.Namespace, state: ServerState, closers: list[Any],
     """Run the HTTP server until it exits; returns the process's exit code."""
     app = create_app(state, guards)
     server = GracefulServer(uvicorn_config(app, args.host, args.port, args.log_level, guards, state.metrics), state,
-                            args.shutdown_timeout)
+                            args.shutdown_timeout, args.engine_death_grace)
     if on_server is not None:
         on_server(server)
     try:
@@ -171,9 +222,20 @@ def serve_http(args: argparse.Namespace, state: ServerState, closers: list[Any],
     if server.failed or state.engine.load_error is not None:
         logger.error("engine failed to start: %s", state.engine.load_error)
         return 1
+    if state.engine.engine_error is not None:
+        logger.error("exiting with code %d: %s", ENGINE_DIED_EXIT_CODE, state.engine.engine_error)
+        return ENGINE_DIED_EXIT_CODE
     if server.forced:
         return FORCED_EXIT_CODE
     return 0
+
+
+def _check_host_memory(config: EngineConfig) -> None:
+    """Before the engine process spawns: a CPU model too large for this machine is refused within a second."""
+    from graphserve.engine.core import resolve_device
+    from graphserve.models.host_memory import check_host_memory
+
+    check_host_memory(config, resolve_device(config.device))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args, args.model)
         guards = guard_options(args)
+        _check_host_memory(config)
         count = api_server_count(args.api_server_count, args.engine_in_process)
         if count > 1:
             from graphserve.server.api_servers import run_api_servers

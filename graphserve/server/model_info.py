@@ -25,24 +25,41 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GRAPHSERVE_CACHE", Path.home() / ".cache" / "graphserve"))
 
 
-def tokenizer_path(state: ServerState) -> str:
-    """A folder AutoTokenizer.from_pretrained loads this server's tokenizer from."""
-    source = state.engine.config.model
+def tokenizer_folder(source: str) -> str:
+    """Where the tokenizer of a model source lies on disk (a dummy: preset's once tokenizer_path saved it)."""
     if source.startswith("builtin:"):
         from graphserve.models.builtin import ensure_builtin
 
         return str(ensure_builtin(source.removeprefix("builtin:")))
     if source.startswith("dummy:"):
-        folder = cache_dir() / "tokenizers" / source.replace(":", "-")
+        return str(cache_dir() / "tokenizers" / source.replace(":", "-"))
+    return str(Path(source).expanduser().resolve())
+
+
+def default_served_name(source: str) -> str:
+    """The name /v1/models gives a model served without --served-model-name. Benchmark tools (guidellm, SGLang's
+    bench_serving) load their tokenizer from it, and ``builtin:NAME`` is no path they can load: built-in and
+    dummy models are named by their tokenizer folder (requests may still say ``builtin:NAME``)."""
+    if source.startswith(("builtin:", "dummy:")):
+        return tokenizer_folder(source)
+    return source
+
+
+def tokenizer_path(state: ServerState) -> str:
+    """A folder AutoTokenizer.from_pretrained loads this server's tokenizer from."""
+    source = state.engine.config.model
+    if source.startswith("dummy:"):
+        folder = Path(tokenizer_folder(source))
         if not folder.exists():  # written aside, then renamed: two servers starting together never mix files
             staging = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+            staging.parent.mkdir(parents=True, exist_ok=True)
             state.engine.tokenizer.save_pretrained(str(staging))
             try:
                 staging.rename(folder)
             except OSError:
                 shutil.rmtree(staging, ignore_errors=True)  # the other server got there first
         return str(folder)
-    return str(Path(source).expanduser().resolve())
+    return tokenizer_folder(source)
 
 
 def max_model_len(state: ServerState) -> int | None:

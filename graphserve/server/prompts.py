@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -23,6 +24,7 @@ from graphserve.server.state import ServerState
 from graphserve.server.tokens import TokenTable
 
 M = TypeVar("M", bound=BaseModel)
+logger = logging.getLogger("graphserve.server")
 # Below this many characters tokenizing takes microseconds: a thread hop would cost more than it saves.
 INLINE_TOKENIZE_CHARS = 4096
 _tables: dict[int, TokenTable] = {}
@@ -42,8 +44,46 @@ def limits(state: ServerState) -> ValidationLimits | None:
     return None if processor is None else ValidationLimits(max_model_len=processor.max_model_len)
 
 
-async def parse_body(request: Request, model: type[M], state: ServerState) -> M:
-    body = await request.body()
+_warned_unknown: set[str] = set()  # unknown field names already warned about (one line per name per process)
+IGNORED_FIELDS_HEADER = "X-Graphserve-Ignored-Fields"
+
+
+class UnsupportedMediaTypeError(BadRequestError):
+    http_status = 415
+
+
+def check_json_body(request: Request) -> None:
+    ctype = request.headers.get("content-type")
+    media = (ctype or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        said = f"Content-Type {ctype!r}" if ctype else "no Content-Type"
+        raise UnsupportedMediaTypeError(f"request body must be JSON sent as Content-Type: application/json, got "
+                                        f"{said}", param="body")
+
+
+def check_unknown_fields(request: Request, model: type[BaseModel], data: Any, strict_api: bool) -> None:
+    """Top-level fields the route does not know: refused under --strict-api; else ignored, warned about once
+    per name per process, and listed in the response's IGNORED_FIELDS_HEADER (request.state.ignored_fields)."""
+    if not isinstance(data, dict):
+        return
+    unknown = [k for k in data if k not in model.model_fields]
+    if not unknown:
+        return
+    if strict_api:
+        name = unknown[0]
+        raise BadRequestError(f"{name} is not a field of {request.url.path} (this server runs with --strict-api; "
+                              f"{len(unknown)} unknown field(s))", param=name[:64])
+    for name in unknown:
+        if name not in _warned_unknown and len(_warned_unknown) < 1000:
+            _warned_unknown.add(name)
+            logger.warning("ignoring the unknown field %r of %s (warned once per field name)", name[:64],
+                           request.url.path)
+    request.state.ignored_fields = unknown
+
+
+async def parse_body(request: Request, model: type[M], state: ServerState, openai_route: bool = False) -> M:
+    body = await request.body()  # read even when refused below: an unread body would leave the connection unusable
+    check_json_body(request)
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -51,9 +91,12 @@ async def parse_body(request: Request, model: type[M], state: ServerState) -> M:
     except RecursionError:  # "[[[[...": Python's parser gives up past ~1000 levels; no request nests so deep
         raise BadRequestError("request body is not valid JSON: it nests too deeply", param="body") from None
     try:
-        return model.model_validate(data, context={"limits": limits(state)})
+        parsed = model.model_validate(data, context={"limits": limits(state)})
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from None
+    if openai_route:
+        check_unknown_fields(request, model, data, state.strict_api)
+    return parsed
 
 
 async def loaded_token_table(state: ServerState) -> TokenTable:

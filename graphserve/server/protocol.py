@@ -122,8 +122,9 @@ def prompt_list(field: str, value: str | list[Any]) -> list[str | list[int]]:
 
 
 class _Strict(BaseModel):
-    # Unknown fields are ignored (clients send user, metadata, store...); NaN and inf are rejected.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Unknown fields are ignored (clients send user, metadata, store...: prompts.parse_body warns and lists
+    # them); NaN and inf are rejected. strict: a number is a number (JSON true and "5" are not 1 and 5).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Strict):
@@ -291,6 +292,10 @@ class ChatCompletionRequest(_SamplingFields):
         tools = tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)[1]
         return openai_constraint(self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar,
                                  self.response_format, tools)
+
+    def field_names(self) -> dict[str, str]:
+        """Engine field -> the name this request gave it, for errors found after validation."""
+        return {"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {}
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -54,7 +54,7 @@ def _refuse_extra(prefix: str, extra: dict[str, Any] | None) -> None:
 class NativeSamplingParams(_Knobs):
     """SGLang's ``sampling_params`` object."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     # 0: prefill only (SGLang's meaning): the prompt is computed and cached, no token is returned.
     max_new_tokens: int | None = Field(128, ge=0)
@@ -67,7 +67,7 @@ class NativeSamplingParams(_Knobs):
 
 
 class GenerateRequest(_Strict):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     text: TextOrTexts | None = None
     input_ids: InputIdsField | None = None
@@ -89,6 +89,13 @@ class GenerateRequest(_Strict):
             return prompt_list("text", self.text), not isinstance(self.text, str)
         prompts = prompt_list("input_ids", self.input_ids)
         return prompts, isinstance(self.input_ids[0], list)
+
+    @staticmethod
+    def field_names() -> dict[str, str]:
+        """Engine field -> the name SGLang's request gives it, for errors found after validation."""
+        return {**{k: f"sampling_params.{k}" for k in _Knobs.model_fields},
+                "max_tokens": "sampling_params.max_new_tokens", "min_tokens": "sampling_params.min_new_tokens",
+                "seed": "sampling_params.sampling_seed"}
 
     @property
     def prefill_only(self) -> bool:

@@ -92,7 +92,7 @@ class _Renderer:
 
 
 async def generate(req: GenerateRequest, request: Request, state: ServerState) -> Response:
-    params = req.to_sampling_params()
+    params = await state.grammar.run(request, req.to_sampling_params)
     prompts, batched = req.prompts()
     prompts = await engine_prompts(state, "text" if req.text is not None else "input_ids", prompts)
     req.check_logprob_start([len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) for p in prompts])

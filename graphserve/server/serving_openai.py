@@ -60,7 +60,7 @@ def _chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict[str, Any
 
 async def create_completion(req: CompletionRequest, request: Request, state: ServerState) -> Response:
     state.check_model(req.model)
-    params = req.to_sampling_params()
+    params = await state.grammar.run(request, req.to_sampling_params)
     prompts = await engine_prompts(state, "prompt", req.prompts())
     rid = new_id("cmpl")
     jobs = start_jobs(state.engine, state.metrics, rid, prompts, params)
@@ -112,8 +112,7 @@ async def _completion_chunks(
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
     state.check_model(req.model)
-    params = req.to_sampling_params()
-    tools = req.tool_choice_mode()
+    params, tools = await state.grammar.run(request, lambda: (req.to_sampling_params(), req.tool_choice_mode()))
     prompt = await chat_engine_prompt(state, req.template_messages(), req.add_generation_prompt, req.tools)
     rid = new_id("chatcmpl")
     jobs = start_jobs(state.engine, state.metrics, rid, [prompt], params)

@@ -7,6 +7,7 @@ from typing import Any
 
 from graphserve.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from graphserve.server.async_engine import AsyncEngine
+from graphserve.server.grammar_work import GrammarWork
 from graphserve.server.metrics import ServerMetrics
 
 
@@ -19,6 +20,8 @@ class ServerState:
     draining: bool = False
     profile_endpoint: bool = False  # POST /v1/profile exists (--enable-profile-endpoint)
     drain_retry_after: float = 5.0
+    strict_api: bool = False  # unknown fields on the OpenAI routes are a 400 (--strict-api)
+    grammar: GrammarWork = field(default_factory=GrammarWork)  # request grammars, off the loop
     _token_text: dict[int, str] = field(default_factory=dict)
 
     def check_ready(self) -> None:

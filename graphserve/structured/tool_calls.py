@@ -109,6 +109,34 @@ def _json_calls(text: str, names: tuple[str, ...]) -> list[dict[str, Any]] | Non
     return calls or None
 
 
+_NAME_THEN_ARGS = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"?\s*(?:,\s*"parameters"\s*:\s*(.*))?', re.S)
+
+
+def _cut_calls(text: str) -> list[dict[str, Any]]:
+    """The calls of a "required" output (a JSON array of {"name", "parameters"}, in that order: the grammar
+    writes properties as the schema lists them) that max_tokens cut short: the complete ones, then the one
+    it stopped inside, with its name so far and its arguments text so far, as OpenAI reports a call cut by
+    its length limit (never the raw array as content)."""
+    decoder = json.JSONDecoder()
+    pos = text.find("[") + 1
+    calls: list[dict[str, Any]] = []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return calls
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break
+        calls.append(_call(item["name"], item["parameters"]))
+    partial = _NAME_THEN_ARGS.match(text, pos)
+    if partial is not None:
+        name, args = partial.group(1), partial.group(2) or ""
+        calls.append({"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}})
+    return calls
+
+
 def parse_tool_calls(text: str, choice: ToolChoice) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a finished output; content None when the output is only calls."""
     if choice.mode == "named":
@@ -117,7 +145,7 @@ def parse_tool_calls(text: str, choice: ToolChoice) -> tuple[str | None, list[di
         try:
             items = json.loads(text)
         except json.JSONDecodeError:
-            return text, []  # cut short by max_tokens: returned as text, finish_reason "length"
+            return None, _cut_calls(text)  # cut short by max_tokens (finish_reason "length")
         return None, [_call(it["name"], it["parameters"]) for it in items]
     if choice.mode != "auto":
         return text, []

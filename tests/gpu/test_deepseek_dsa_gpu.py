@@ -1,4 +1,4 @@
-"""DeepSeek sparse attention models (DeepSeek-V3.2, GLM-5) on the GPU: the tiny checkpoints in bf16 on the Triton
+"""DeepSeek sparse attention models (DeepSeek-V3.2, GLM-5) on the GPU: the tiny checkpoints in fp32 on the Triton
 DSA kernels against the same model on the PyTorch references, decode replayed from CUDA graphs against eager
 through the engine (fp32), and dummy:glm-5-l5 at its real shapes served with graphs over a prompt longer than
 its index_topk. (Logits and greedy tokens against transformers are checked on CPU: tests/test_deepseek_dsa.py.)"""
@@ -22,7 +22,12 @@ from graphserve.layers.attention import TorchAttentionBackend  # noqa: E402
 from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E402
 from graphserve.models.loader import load_model  # noqa: E402
 
-BF16_TOL = 2e-2
+# fp32 throughout: on an H100 the two paths agreed to 6e-7 with the same selections in every layer and step. In bf16
+# the indexer's scores round differently in the two paths, a row's top-k then differs by a position now and then
+# (1-2 rows of 26 in some steps), and every later step reads caches written from other hidden states, so the logits
+# part by 1e-2 to 3e-1: that is the selection's discontinuity, not the kernels, which tests/gpu/test_dsa.py holds to
+# their references in bf16 at the real shapes.
+FP32_TOL = 1e-5
 
 
 @pytest.fixture(autouse=True)
@@ -33,13 +38,13 @@ def _release():
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_bf16_model_on_dsa_kernels_matches_the_references(name, tmp_path):
+def test_model_on_dsa_kernels_matches_the_references(name, tmp_path):
     """A 17-token prefill, then a whole prompt beside the rest of a 37-token one, then decode steps (index_topk 8:
     every step past the first drops positions); the kernels' and the references' logits step for step."""
     _checkpoint(tmp_path, name)
-    loaded = load_model(EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cuda", max_model_len=128),
+    loaded = load_model(EngineConfig(model=str(tmp_path), dtype="float32", device="cuda", max_model_len=128),
                         torch.device("cuda"))
-    harnesses = [PagedHarness(loaded.model, block_size=16, num_blocks=32, dtype=torch.bfloat16, device="cuda",
+    harnesses = [PagedHarness(loaded.model, block_size=16, num_blocks=32, dtype=torch.float32, device="cuda",
                               backend=backend) for backend in (TorchAttentionBackend(), TritonAttentionBackend())]
     g = torch.Generator().manual_seed(7)
     seqs = {s: torch.randint(4, 320, (n,), generator=g).tolist() for s, n in (("a", 9), ("b", 37))}
@@ -48,7 +53,7 @@ def test_bf16_model_on_dsa_kernels_matches_the_references(name, tmp_path):
     with torch.inference_mode():
         for i, chunks in enumerate(steps):
             ref, got = (torch.cat(h.step(chunks)).float().cpu() for h in harnesses)
-            assert relative_error(got, ref) < BF16_TOL, f"{name} step {i}"
+            assert relative_error(got, ref) < FP32_TOL, f"{name} step {i}"
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], n: int = 16) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """DeepSeek at --tp 2 / --ep 2 on two GPUs: the Triton MLA kernels over each rank's heads and the replicated
 latent cache, NCCL (and the one-shot all-reduce) captured in CUDA graphs. Greedy tokens equal --tp 1's on
-tiny fp32 checkpoints, and dummy:deepseek-v2-lite serves at --tp 2 with graphs on. Needs 2 GPUs (the 2×H200
+tiny fp32 checkpoints, and dummy:deepseek-v2-lite serves at --tp 2 with graphs on. Needs 2 GPUs (a two-GPU
 machine); on one GPU each test says so and is skipped."""
 
 from __future__ import annotations

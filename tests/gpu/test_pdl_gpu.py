@@ -1,4 +1,4 @@
-"""Programmatic dependent launch on the H200: a chain of dependent kernels captured with PDL gives what it
+"""Programmatic dependent launch (sm_90 and later): a chain of dependent kernels captured with PDL gives what it
 gives without it, and a whole decode step captured both ways gives the same logits, bit for bit (the kernels
 and their order are the same; only when each one may start changes). FP8 streaming matmuls likewise, launched
 with PDL or left out and releasing the kernel after them."""

@@ -1,6 +1,6 @@
 """--tp 2 on two GPUs (NCCL, CUDA graphs with the collectives captured, the one-shot all-reduce for small
 messages): greedy tokens equal --tp 1's on tiny fp32 checkpoints, and the engine starts, serves and stops
-without hanging. Needs 2 GPUs (the 2×H200 machine); on one GPU each test says so and is skipped.
+without hanging. Needs 2 GPUs (a two-GPU machine); on one GPU each test says so and is skipped.
 
 The driver rank runs in this test process, which joins a process group once per engine: the first tp-2 engine
 sets up the one-shot all-reduce, later ones find its peer memory registered under the same group name and

@@ -1,0 +1,213 @@
+"""Where the measured routing rules and tile tables come from, per card: the per-user cache that
+``graphserve tune`` writes, then the tables shipped with the package, then the code defaults.
+
+Every table is a JSON file named as its reader names it (``gemv_rule.json``, ``fp8_rule.json``,
+``mla_tiles.json``, ``fp4_rule.json``, ``moe_configs/E=...,device=....json``). Lookup, first found wins:
+
+1. the cache: ``<cache root>/tables/<card>/<torch-…_triton-…_graphserve-…>/<name>``. The cache root is
+   ``$GRAPHSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/graphserve``, else ``~/.cache/graphserve``; never inside the
+   installed package. A cached table must name this card (``device``) and the versions it was measured
+   with (``versions``): a kernel's best tile moves with the Triton that compiles it.
+2. shipped, per card: ``graphserve/kernels/tables/<card>/<name>`` (``graphserve tune --out graphserve/kernels/tables``).
+3. shipped beside the readers: ``graphserve/kernels/<name>``, one card each (the first tables measured).
+
+A table for another card, or (in the cache) another version, is passed over with a message naming the
+file and the field; one the reader cannot parse likewise. No runtime autotuning: a table is read once
+per process, before any CUDA-graph capture, so a captured grid never changes on replay.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("graphserve.tables")
+
+KERNELS_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = KERNELS_DIR.parent
+SHIPPED_DIR = KERNELS_DIR / "tables"
+TUNE_COMMAND = "graphserve tune"
+VERSIONED = ("torch", "triton", "graphserve")  # what a cached table's tiles depend on besides the card
+
+
+def card_key(name: str) -> str:
+    """A card's name as a path component: ``NVIDIA H100 80GB HBM3`` -> ``NVIDIA_H100_80GB_HBM3``."""
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", name.strip()).strip("_") or "unknown"
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__, "graphserve": graphserve_version()}
+
+
+@functools.lru_cache(maxsize=1)
+def graphserve_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("graphserve")
+    except PackageNotFoundError:  # a source tree on sys.path without an install: its pyproject says
+        project = PACKAGE_DIR.parent / "pyproject.toml"
+        match = re.search(r'^version = "([^"]+)"', project.read_text(), re.M) if project.is_file() else None
+        return match.group(1) if match else "unknown"
+
+
+def version_key(v: dict[str, str]) -> str:
+    return card_key("_".join(f"{name}-{v[name]}" for name in VERSIONED))
+
+
+def cache_root() -> Path:
+    env = os.environ.get("GRAPHSERVE_CACHE_DIR")
+    if env:
+        root = Path(env).expanduser()
+    elif os.environ.get("XDG_CACHE_HOME"):
+        root = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "graphserve"
+    else:
+        root = Path.home() / ".cache" / "graphserve"
+    return root.resolve()
+
+
+def cache_dir(card: str, v: dict[str, str] | None = None) -> Path:
+    """The folder of this card's tables measured with versions ``v`` (default: this process's)."""
+    return cache_root() / "tables" / card_key(card) / version_key(v or versions())
+
+
+def inside_package(path: Path) -> bool:
+    path = path.resolve()
+    return path == PACKAGE_DIR or PACKAGE_DIR in path.parents
+
+
+def installed_package() -> bool:
+    """True where graphserve runs from an installed wheel (site-packages), not a source checkout."""
+    return any(part in ("site-packages", "dist-packages") for part in PACKAGE_DIR.parts)
+
+
+def stamp(card: str) -> dict[str, Any]:
+    """The fields every table ``graphserve tune`` writes carries, checked when it is read back."""
+    return {"device": card, "versions": versions()}
+
+
+@dataclass(frozen=True)
+class Found:
+    """A table that serves this card: its parsed form, file and source ("cache" or "shipped")."""
+
+    table: Any
+    path: Path
+    source: str
+
+
+def candidates(name: str, card: str, legacy: Path | None = None) -> list[tuple[Path, str]]:
+    """Where a table named ``name`` may be, in lookup order (``legacy``: the file beside its reader, when that
+    is not ``kernels/<name>``)."""
+    return [(cache_dir(card) / name, "cache"), (SHIPPED_DIR / card_key(card) / name, "shipped"),
+            (legacy or KERNELS_DIR / name, "shipped")]  # fmt: skip
+
+
+def refusal(data: Any, path: Path, card: str, source: str, v: dict[str, str] | None = None) -> str | None:
+    """Why ``data`` (the JSON of ``path``) cannot serve ``card``, naming the file and field; None when it can."""
+    if not isinstance(data, dict):
+        return f"{path}: not a JSON object"
+    device = data.get("device")
+    if device is None:
+        return f"{path}: field 'device' is missing (the card it was measured on)"
+    if card_key(str(device)) != card_key(card):
+        return f"{path}: field 'device' is {device!r}, this card is {card!r}"
+    if source == "cache":
+        written = data.get("versions")
+        if not isinstance(written, dict):
+            return f"{path}: field 'versions' is missing (the torch, triton and graphserve it was measured with)"
+        v = v or versions()
+        for key in VERSIONED:
+            if str(written.get(key)) != v[key]:
+                return f"{path}: field 'versions.{key}' is {written.get(key)!r}, this process runs {v[key]!r}"
+    return None
+
+
+def shipped_path(name: str, card: str) -> Path:
+    """Where a benchmark run on ``card`` writes its table into the source tree: beside the reader where that file
+    is absent or is this card's (the first tables measured), else ``tables/<card>/``, so that measuring another
+    card never overwrites one card's table with another's."""
+    beside = KERNELS_DIR / name
+    try:
+        device = json.loads(beside.read_text()).get("device") if beside.is_file() else None
+    except (OSError, json.JSONDecodeError, AttributeError):
+        device = None
+    if device is None or card_key(str(device)) == card_key(card):
+        return beside
+    return SHIPPED_DIR / card_key(card) / name
+
+
+# what each table's lookup found this process, by label: (source, path) or ("defaults", None)
+RESOLVED: dict[str, tuple[str, Path | None]] = {}
+_PASSED: set[str] = set()
+
+
+def _pass_over(message: str, source: str) -> None:
+    if message in _PASSED:
+        return
+    _PASSED.add(message)
+    # the shipped tables of other cards are expected (one file per card); a cache entry that does not fit is not
+    (logger.warning if source == "cache" else logger.info)("table passed over: %s", message)
+
+
+def find(name: str, card: str, parse: Callable[[dict], Any], label: str | None = None,
+         legacy: Path | None = None) -> Found | None:  # fmt: skip
+    """The first table named ``name`` that serves ``card`` (cache, then shipped), parsed by ``parse``;
+    None when none does (the reader's defaults). Recorded under ``label`` for the start-up line."""
+    return _find(name, card, parse, label or name.removesuffix(".json"), legacy)
+
+
+@functools.lru_cache(maxsize=256)
+def _find(name: str, card: str, parse: Callable[[dict], Any], label: str, legacy: Path | None) -> Found | None:
+    for path, source in candidates(name, card, legacy):
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            _pass_over(f"{path}: not readable JSON ({e})", source)
+            continue
+        why = refusal(data, path, card, source)
+        if why:
+            _pass_over(why, source)
+            continue
+        try:
+            table = parse(data)
+        except (KeyError, TypeError, ValueError) as e:
+            _pass_over(f"{path}: {type(e).__name__}: {e}", source)
+            continue
+        RESOLVED[label] = (source, path)
+        return Found(table, path, source)
+    RESOLVED[label] = ("defaults", None)
+    return None
+
+
+def clear() -> None:
+    """Forget every lookup (tests; a process that just tuned)."""
+    _find.cache_clear()
+    RESOLVED.clear()
+    _PASSED.clear()
+
+
+def startup_line(card: str, model: str | None = None) -> str | None:
+    """One line: which tables serve this card (and from where) and which fell back to the defaults, with
+    the command that measures them. None when no table was looked up (CPU, or no Triton path taken)."""
+    if not RESOLVED:
+        return None
+    served = [f"{label} ({source})" for label, (source, _) in sorted(RESOLVED.items()) if source != "defaults"]
+    defaults = sorted(label for label, (source, _) in RESOLVED.items() if source == "defaults")
+    line = f"kernel tables on {card}: tuned: {', '.join(served) or 'none'}"
+    if defaults:
+        only = "--tables " + " ".join(sorted({d.split()[0] for d in defaults}))
+        target = f" --model {model}" if model and model.startswith("dummy:") else ""  # tune measures presets' shapes
+        line += f"; defaults: {', '.join(defaults)} (measure them: {TUNE_COMMAND}{target} {only})"
+    return line

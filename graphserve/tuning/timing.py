@@ -1,0 +1,152 @@
+"""Timing and run records shared by `graphserve tune` and the benchmarks (benchmarks/common.py and kernels.py
+re-export them): CUDA-event timing, calls captured in one CUDA graph, the run's environment, and the tables
+printed as each measurement lands."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import subprocess
+import time
+import uuid
+
+import torch
+
+
+def git_commit() -> str:
+    """The commit measured: $GRAPHSERVE_COMMIT (set it where the tree travels without .git), else git."""
+    if os.environ.get("GRAPHSERVE_COMMIT"):
+        return os.environ["GRAPHSERVE_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+_RUN: dict[str, str] = {}
+
+
+def start_run() -> dict[str, str]:
+    """A new run: a fresh id (uuid4 hex) and its start time (UTC). A process is one run, started at its first
+    ``environment()``; tests call this to stand for a second run."""
+    _RUN.clear()
+    _RUN.update(run_id=uuid.uuid4().hex,
+                started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    return dict(_RUN)
+
+
+def environment() -> dict:
+    """This run: date, commit, versions, device, and its ``run_id`` and ``started`` time, the same for every file and
+    row the process writes, so rows merged into one file say which run (and so which ceilings) measured them."""
+    if not _RUN:
+        start_run()
+    env = {
+        **_RUN,
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Median wall time of ``fn()`` in ms, measured with CUDA events (GPU) or perf_counter (CPU)."""
+    import statistics
+
+    return statistics.median(cuda_times_ms(fn, warmup, iters))
+
+
+def cuda_times_ms(fn, warmup: int = 3, iters: int = 20) -> list[float]:
+    """Each of ``iters`` timed calls of ``fn()`` in ms (CUDA events on a GPU, perf_counter on CPU)."""
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+class CapturedCalls:
+    """``calls`` back-to-back calls of ``fn`` captured in one CUDA graph; calling it replays the graph. It holds
+    ``fn``: the graph reads and writes the buffers ``fn`` closes over, which must outlive every replay (freed, the
+    caching allocator may hand them to another tensor or release them)."""
+
+    def __init__(self, fn, calls: int = 1):
+        self.fn, self.calls = fn, calls
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())  # the inputs the caller just made on its own stream
+        with torch.cuda.stream(stream):
+            fn()  # compile and settle allocations outside the capture
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=stream):
+            for _ in range(calls):
+                fn()
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+
+def graph_time_ms(fn, calls: int = 20, replays: int = 5) -> float:
+    """GPU time of one ``fn()`` from a CUDA graph holding ``calls`` back-to-back calls."""
+    return cuda_time_ms(CapturedCalls(fn, calls), warmup=2, iters=replays) / calls
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    widths = [max([len(c)] + [len(_fmt(r.get(c), c)) for r in rows]) for c in cols]  # no rows: the header alone
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c), c).rjust(w) for c, w in zip(cols, widths)))
+
+
+# a column named a quotient ("stream/floor") or holding one of these words (ratio, bf16_ratio, vs_bf16, dram_pct) is a
+# ratio, read against targets; words, so that duration_us is not one
+RATIO_WORDS = {"ratio", "vs", "pct", "share"}
+
+
+def is_ratio_column(col: str) -> bool:
+    return "/" in col or not RATIO_WORDS.isdisjoint(re.split(r"[^a-z0-9]+", col.lower()))
+
+
+def ratio_text(v: float, thousands: bool = False) -> str:
+    """A ratio with 4 decimals, and more where 4 would end in a 0 the value is not: a rendering never lands on a
+    3-decimal number (a target such as 1.3 or 0.45) that the value misses, so 1.3004 reads 1.3004 and 1.30004
+    reads 1.30004, never 1.300 or 1.3000."""
+    sep = "," if thousands else ""
+    for digits in range(4, 13):
+        text = f"{v:{sep}.{digits}f}"
+        if not text.endswith("0") or float(text.replace(",", "")) == v:
+            return text
+    return f"{v:{sep}}"  # Python's shortest text that reads back as v: 1.3000000000000003
+
+
+def _fmt(v, col: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and is_ratio_column(col):
+        return ratio_text(v)
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)
