@@ -67,6 +67,7 @@ PREFILL_TARGET = {"ratio_min": 0.45}  # the FP8 prefill's TFLOP/s over the FP8 m
 # the matmul probes, each run before and after the work (``MatmulPeak``'s labels)
 FP8_PROBE = "torch._scaled_mm 8192^3 (per-tensor scales)"
 BF16_PROBE = "bf16 matmul 8192^3"
+REFERENCE_SEQS, REFERENCE_LEN = 4, 256  # the sequences whose logits the accuracy rows compare
 
 
 def decode_target(row: dict) -> dict | None:
@@ -161,7 +162,7 @@ def prefill_tflops(model, info, kv_caches, n: int, length: int) -> tuple[float, 
     return ms, flops / (ms / 1e3) / 1e12
 
 
-def reference_logits(model, kv_caches, seqs: int = 4, length: int = 256) -> torch.Tensor:
+def reference_logits(model, kv_caches, seqs: int = REFERENCE_SEQS, length: int = REFERENCE_LEN) -> torch.Tensor:
     torch.manual_seed(0)  # contiguous_batch draws the token ids from torch's global generator
     batch = contiguous_batch([length] * seqs, [length] * seqs, kv_caches, TritonAttentionBackend(), vocab_size=1000)
     return model.compute_logits(model.forward(batch.input_ids, batch.positions, batch)).float()
@@ -178,7 +179,9 @@ def run_model(name: str, quantization: str, cases: list[tuple[int, int]], bw: Re
     routed = moe_layers(model)  # the model's own router; [] for a dense model
     bsz = cfg.block_size
     sizes = sorted({bs for bs, _ in cases})
-    tokens = max(max(bs * (c + 2 * bsz) for bs, c in cases), prefill[0] * prefill[1] if prefill else 0)
+    # the KV slots of the widest work: a decode case, the prefill, or the reference logits' sequences
+    tokens = max(max(bs * (c + 2 * bsz) for bs, c in cases), prefill[0] * prefill[1] if prefill else 0,
+                 REFERENCE_SEQS * (REFERENCE_LEN + bsz))
     kv_caches = info.kv.allocate(tokens // bsz + 2, bsz, device, fill="random")
     backend = TritonAttentionBackend()
     out = {"steps": {}}

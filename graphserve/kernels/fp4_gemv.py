@@ -33,8 +33,18 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.fp4_layout import GROUP, block_scale, fp4_check, widen_fp16
+from graphserve.kernels.fp4_layout import (
+    DEFAULT_WIDEN,
+    GROUP,
+    WIDEN_UNIT_LOG2,
+    block_scale,
+    default_widen,
+    fp4_check,
+    widen_code,
+    widen_fp16,
+)
 from graphserve.kernels.fp4_reference import fp4_dequantize
+from graphserve.kernels.fp4_words import word_dot_step, word_fma_step, words_of
 from graphserve.kernels.fp8_gemv import split_counters
 from graphserve.kernels.gemv import _x_tile
 from graphserve.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
@@ -55,9 +65,10 @@ class Fp4StreamConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 2
+    widen: str = "byte"  # "byte" (below) or fp4_layout.WIDENINGS' others (kernels/fp4_words.py: int32 words)
 
 
-def stream_config(m: int, n: int, k: int, group: int, sms: int) -> Fp4StreamConfig:
+def stream_config(m: int, n: int, k: int, group: int, sms: int, widen: str = DEFAULT_WIDEN) -> Fp4StreamConfig:
     """Enough programs for every SM: the widest tile that still gives one per SM, then split-K until about
     two per SM. About 8 KB of packed bytes a tile keeps each thread's loads 16 bytes wide and several in
     flight; the dot tiles stay smaller in K (two widened bf16 copies live in registers)."""
@@ -70,7 +81,8 @@ def stream_config(m: int, n: int, k: int, group: int, sms: int) -> Fp4StreamConf
     split_k = 1
     if tiles < 2 * sms:
         split_k = max(1, min(steps, 16, triton.cdiv(2 * sms, tiles)))
-    return Fp4StreamConfig(block_n, block_k, split_k, use_dot, num_warps=4, num_stages=3 if use_dot else 2)
+    return Fp4StreamConfig(block_n, block_k, split_k, use_dot, num_warps=4, num_stages=3 if use_dot else 2,
+                           widen=widen)
 
 
 @triton.jit
@@ -80,7 +92,7 @@ def _fp4_gemv_kernel(
     K: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    K_SPLIT: tl.constexpr, PDL: tl.constexpr,
+    K_SPLIT: tl.constexpr, WIDEN: tl.constexpr, UNIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
     pid = tl.program_id(0)
@@ -114,41 +126,50 @@ def _fp4_gemv_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kk in range(0, K_SPLIT, BLOCK_K):
         k0 = k_first + kk
-        groups = k0 // GROUP_K + offs_g
-        g_mask = groups < K // GROUP_K  # K is whole groups: a tail is masked by group
-        if K % K_SPLIT == 0 and K_SPLIT % BLOCK_K == 0:
-            b = tl.load(w_ptrs + k0 // 2)
-            s = tl.load(s_ptrs + k0 // GROUP_K)
+        if WIDEN > 0 and USE_DOT:  # w_ptr holds int32 words here (kernels/fp4_words.py)
+            acc = word_dot_step(acc, x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, w_rows, offs_m, rstd, M, k0, stride_xm,
+                                stride_rm, stride_wn, stride_sn, K, GROUP_K, MX, SILU_MUL, ADD_RESIDUAL, NORM,
+                                BLOCK_M, BLOCK_K, EVEN_K, WIDEN, UNIT)  # fmt: skip
+        elif WIDEN > 0:
+            acc = word_fma_step(acc, x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, w_rows, offs_m, rstd, M, k0, stride_xm,
+                                stride_rm, stride_wn, stride_sn, K, GROUP_K, MX, SILU_MUL, ADD_RESIDUAL, NORM,
+                                BLOCK_M, BLOCK_K, EVEN_K, WIDEN, UNIT)  # fmt: skip
         else:
-            b = tl.load(w_ptrs + k0 // 2, mask=g_mask[None, :, None], other=0)
-            s = tl.load(s_ptrs + k0 // GROUP_K, mask=g_mask[None, :], other=0)
-        lo, hi = widen_fp16(b.to(tl.int32))
-        sf = block_scale(s, MX, 14)  # [BLOCK_N, KB], the fp16 unit (2^14) folded in
-        cols = k0 + 2 * byte3  # [KB, G2] the even columns (low nibbles); odd ones one further
-        k_mask = g_mask[:, None] & (offs_j[None, :] < G2)
-        if USE_DOT:
-            wl = tl.reshape((lo.to(tl.float32) * sf[:, :, None]).to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCK_K // 2))
-            wh = tl.reshape((hi.to(tl.float32) * sf[:, :, None]).to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCK_K // 2))
-            ce = tl.reshape(cols, (BLOCK_K // 2,))
-            cm = tl.reshape(k_mask, (BLOCK_K // 2,))
-            x_mask = (offs_m[:, None] < M) & cm[None, :]
-            xe = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], ce[None, :], x_mask,
-                         rstd[:, None], K, SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty)  # fmt: skip
-            xo = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], ce[None, :] + 1, x_mask,
-                         rstd[:, None], K, SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty)  # fmt: skip
-            acc = tl.dot(wl, tl.trans(xe), acc)
-            acc = tl.dot(wh, tl.trans(xo), acc)
-        else:
-            lof, hif = lo.to(tl.float32), hi.to(tl.float32)
-            for m in tl.static_range(BLOCK_M):
-                rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
-                row_mask = k_mask & (m < M)
-                xe = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols, row_mask, rstd_m, K,
-                             SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
-                xo = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols + 1, row_mask, rstd_m, K,
-                             SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
-                part = tl.sum(tl.sum(lof * xe[None, :, :] + hif * xo[None, :, :], axis=2) * sf, axis=1)
-                acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
+            groups = k0 // GROUP_K + offs_g
+            g_mask = groups < K // GROUP_K  # K is whole groups: a tail is masked by group
+            if EVEN_K:
+                b = tl.load(w_ptrs + k0 // 2)
+                s = tl.load(s_ptrs + k0 // GROUP_K)
+            else:
+                b = tl.load(w_ptrs + k0 // 2, mask=g_mask[None, :, None], other=0)
+                s = tl.load(s_ptrs + k0 // GROUP_K, mask=g_mask[None, :], other=0)
+            lo, hi = widen_fp16(b.to(tl.int32))
+            sf = block_scale(s, MX, 14)  # [BLOCK_N, KB], the fp16 unit (2^14) folded in
+            cols = k0 + 2 * byte3  # [KB, G2] the even columns (low nibbles); odd ones one further
+            k_mask = g_mask[:, None] & (offs_j[None, :] < G2)
+            if USE_DOT:
+                wl = tl.reshape((lo.to(tl.float32) * sf[:, :, None]).to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCK_K // 2))
+                wh = tl.reshape((hi.to(tl.float32) * sf[:, :, None]).to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCK_K // 2))
+                ce = tl.reshape(cols, (BLOCK_K // 2,))
+                cm = tl.reshape(k_mask, (BLOCK_K // 2,))
+                x_mask = (offs_m[:, None] < M) & cm[None, :]
+                xe = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], ce[None, :], x_mask,
+                             rstd[:, None], K, SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty)  # fmt: skip
+                xo = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, offs_m[:, None], ce[None, :] + 1, x_mask,
+                             rstd[:, None], K, SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty)  # fmt: skip
+                acc = tl.dot(wl, tl.trans(xe), acc)
+                acc = tl.dot(wh, tl.trans(xo), acc)
+            else:
+                lof, hif = lo.to(tl.float32), hi.to(tl.float32)
+                for m in tl.static_range(BLOCK_M):
+                    rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+                    row_mask = k_mask & (m < M)
+                    xe = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols, row_mask, rstd_m, K,
+                                 SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+                    xo = _x_tile(x_ptr, res_ptr, nw_ptr, stride_xm, stride_rm, m, cols + 1, row_mask, rstd_m, K,
+                                 SILU_MUL, ADD_RESIDUAL, NORM, x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+                    part = tl.sum(tl.sum(lof * xe[None, :, :] + hif * xo[None, :, :], axis=2) * sf, axis=1)
+                    acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
     pdl_release(PDL)
     if SPLIT_K == 1:
         _epilogue(acc, gs_ptr, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_GLOBAL, HAS_BIAS)
@@ -202,13 +223,18 @@ def _launch(x: torch.Tensor, k: int, packed: torch.Tensor, scale: torch.Tensor, 
     if m == 0 or n == 0:
         return out
     group = GROUP[fmt]
-    cfg = config or stream_config(m, n, k, group, sm_count(x.device))
+    cfg = config or stream_config(m, n, k, group, sm_count(x.device), widen=default_widen(x.device))
     if cfg.block_k % group or cfg.block_k & (cfg.block_k - 1):
         raise ValueError(f"fp4_gemv: block_k={cfg.block_k} must be a power of two and a multiple of {group}")
     if cfg.use_dot and cfg.block_n < 16:
         raise ValueError(f"fp4_gemv: the dot path needs block_n >= 16, got {cfg.block_n}")
     if not cfg.use_dot and m > 16:
         raise ValueError(f"fp4_gemv: {m} rows take the dot path (the FMA path unrolls at most 16)")
+    widen = widen_code("fp4_gemv", cfg.widen, x.device)
+    words = widen > 0
+    if words and cfg.use_dot and cfg.block_k < 128:
+        raise ValueError(f"fp4_gemv: widen={cfg.widen!r} on the dot path needs block_k >= 128 (each of its eight dots "
+                         f"takes block_k / 8 >= 16 columns), got {cfg.block_k}")
     block_k = min(cfg.block_k, max(group, triton.next_power_of_2(k)))
     steps = triton.cdiv(k, block_k)
     k_split = triton.cdiv(steps, min(cfg.split_k, steps)) * block_k
@@ -220,16 +246,19 @@ def _launch(x: torch.Tensor, k: int, packed: torch.Tensor, scale: torch.Tensor, 
     if split_k > 1:
         parts = torch.empty(tiles * split_k * cfg.block_n * block_m, dtype=torch.float32, device=x.device)
         locks = split_counters(x.device, tiles)
+    w = words_of(packed, "fp4_gemv") if words else packed
     _fp4_gemv_kernel[(tiles, split_k)](
         x, residual if residual is not None else placeholder, norm_weight if norm_weight is not None else placeholder,
-        residual_out if residual_out is not None else placeholder, packed, scale.view(torch.uint8),
+        residual_out if residual_out is not None else placeholder, w, scale.view(torch.uint8),
         global_scale if global_scale is not None else placeholder, bias if bias is not None else placeholder,
         out, parts, locks, m, n, x.stride(0), residual.stride(0) if residual is not None else 0,
-        residual_out.stride(0) if residual_out is not None else 0, packed.stride(0), scale.stride(0), out.stride(0),
+        residual_out.stride(0) if residual_out is not None else 0, w.stride(0), scale.stride(0), out.stride(0),
         float(eps), K=k, GROUP_K=group, MX=fmt == "mxfp4", HAS_GLOBAL=global_scale is not None,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None,
         NORM=norm_weight is not None, USE_DOT=cfg.use_dot, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        SPLIT_K=split_k, K_SPLIT=k_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_K=split_k, K_SPLIT=k_split, WIDEN=widen, UNIT=WIDEN_UNIT_LOG2[widen],
+        EVEN_K=k % k_split == 0 and k_split % block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(x.device, "_fp4_gemv_kernel"),
     )  # fmt: skip
     return out

@@ -26,6 +26,40 @@ GROUP = {"nvfp4": 16, "mxfp4": 32}  # elements along K per block scale
 SCALE_DTYPE = {"nvfp4": torch.float8_e4m3fn, "mxfp4": torch.uint8}
 FP16_UNIT_LOG2 = 14  # the fp16 bit placement's value is e2m1 * 2^-14
 FP8_UNIT_LOG2 = 6  # the e4m3 bit placement's value is e2m1 * 2^-6
+# the streaming kernels' widenings (kernels/fp4_words.py), by code: 0 byte-wise (fp4_gemv.py's own loop), 1-3 ``widen8``
+WIDENINGS = ("byte", "word", "e4m3", "e4m3_ptx")
+WIDEN_UNIT_LOG2 = (FP16_UNIT_LOG2, FP16_UNIT_LOG2, FP8_UNIT_LOG2, FP8_UNIT_LOG2)
+PTX_WIDENINGS = ("e4m3_ptx",)  # inline PTX: CUDA sm_89+ only
+E4M3_WIDENINGS = ("e4m3", "e4m3_ptx")  # e4m3 -> fp16 conversions: sm_89+ on CUDA
+# the widening the streaming kernels take when the caller names none: the byte widening until
+# ``python3 -m benchmarks.fp4 --variants`` measures another faster on the GPU (set it here; default_widen adapts it)
+DEFAULT_WIDEN = "byte"
+
+
+def default_widen(device: torch.device, widen: str | None = None) -> str:
+    """``widen`` (default ``DEFAULT_WIDEN``) where ``device`` runs it, else the nearest that does: inline PTX off CUDA
+    becomes its Triton twin "e4m3"; an e4m3 widening below sm_89 (no e4m3 conversion) the fp16 placement "word"."""
+    widen = widen or DEFAULT_WIDEN
+    if widen in PTX_WIDENINGS and device.type != "cuda":
+        return "e4m3"
+    if widen in E4M3_WIDENINGS and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return "word"
+    return widen
+
+
+def widen_code(name: str, widen: str, device: torch.device) -> int:
+    """``widen``'s code for the kernels; a ValueError naming the caller, the value and the limit where it is not one
+    of ``WIDENINGS`` or cannot run on ``device``."""
+    if widen not in WIDENINGS:
+        raise ValueError(f"{name}: widen={widen!r} must be one of {WIDENINGS}")
+    if widen in PTX_WIDENINGS:
+        if device.type != "cuda":
+            raise ValueError(f"{name}: widen={widen!r} runs inline PTX, CUDA only (device {device}); 'e4m3' computes "
+                             "the same values anywhere")
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"{name}: widen={widen!r} needs cvt.rn.f16x2.e4m3x2 (sm_89 or later), this GPU is "
+                             f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}")
+    return WIDENINGS.index(widen)
 
 
 @triton.jit
@@ -34,6 +68,100 @@ def widen_fp16(b):
     lo = (((b & 0x8) << 12) | ((b & 0x7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
     hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
     return lo, hi
+
+
+@triton.jit
+def widen_word(w, J: tl.constexpr):
+    """int32 words of packed FP4 (four bytes: element 8i + j in nibble j of word i) -> nibbles J and J + 4 of each
+    word as fp16 holding e2m1 * 2^-14, exactly (``widen_fp16``'s placement). One mask-and-shift pass over the word
+    places both: nibble J lands in its low half and nibble J + 4 in its high half, so a word's eight values take four
+    passes of about five integer operations, where byte-wise widening takes about five a value."""
+    t = w >> (4 * J)  # arithmetic: the sign copies fill bits 20 and up, which the masks drop
+    f = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
+    lo = f.to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (f >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _e4m3_byte(v, BYTE: tl.constexpr):
+    return ((v >> (8 * BYTE)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def widen_word_e4m3(w):
+    """int32 words of packed FP4 -> their eight values in element order as fp16 holding e2m1 * 2^-6, exactly:
+    ``widen_fp8``'s placement done on the four bytes of a word at once (the low nibbles, elements 0 2 4 6, then the
+    high ones), each e4m3 byte then converted to fp16 (on sm_89+ the conversion is ``cvt.rn.f16x2.e4m3x2``, two a
+    instruction). The pure-Triton twin of ``widen_word_e4m3_ptx``."""
+    u = w.to(tl.uint32, bitcast=True)
+    lo = ((u << 4) & 0x80808080) | ((u << 2) & 0x1C1C1C1C)
+    hi = (u & 0x80808080) | ((u >> 2) & 0x1C1C1C1C)
+    return (_e4m3_byte(lo, 0), _e4m3_byte(hi, 0), _e4m3_byte(lo, 1), _e4m3_byte(hi, 1), _e4m3_byte(lo, 2),
+            _e4m3_byte(hi, 2), _e4m3_byte(lo, 3), _e4m3_byte(hi, 3))
+
+
+@triton.jit
+def widen_word_e4m3_ptx(w):
+    """``widen_word_e4m3`` in inline PTX (sm_89+, CUDA only: Triton's interpreter cannot run it): the two e4m3 words
+    by shifts and masks (ptxas folds them into ``lop3``), four ``cvt.rn.f16x2.e4m3x2``, and the fp16 halves handed out
+    as registers, without the byte extraction the Triton version goes through. The same eight values in the same
+    order (tests/gpu/test_fp4.py compares the two bit for bit)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, b, lo, hi, p0, p1, p2, p3;
+        .reg .b16 l0, l1, h0, h1;
+        shl.b32 a, $8, 4;
+        shl.b32 b, $8, 2;
+        and.b32 a, a, 0x80808080;
+        and.b32 b, b, 0x1C1C1C1C;
+        or.b32 lo, a, b;
+        shr.u32 b, $8, 2;
+        and.b32 a, $8, 0x80808080;
+        and.b32 b, b, 0x1C1C1C1C;
+        or.b32 hi, a, b;
+        mov.b32 {l0, l1}, lo;
+        mov.b32 {h0, h1}, hi;
+        cvt.rn.f16x2.e4m3x2 p0, l0;
+        cvt.rn.f16x2.e4m3x2 p1, l1;
+        cvt.rn.f16x2.e4m3x2 p2, h0;
+        cvt.rn.f16x2.e4m3x2 p3, h1;
+        mov.b32 {$0, $2}, p0;
+        mov.b32 {$4, $6}, p1;
+        mov.b32 {$1, $3}, p2;
+        mov.b32 {$5, $7}, p3;
+        }""",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def widen8(w, WIDEN: tl.constexpr):
+    """int32 words -> their eight values as fp16 in element order, by the widening ``WIDEN`` (1 "word": fp16
+    placement, unit 2^-14; 2 "e4m3" and 3 "e4m3_ptx": e4m3 placement, unit 2^-6; ``WIDEN_UNIT_LOG2``)."""
+    if WIDEN == 1:
+        v0, v4 = widen_word(w, 0)
+        v1, v5 = widen_word(w, 1)
+        v2, v6 = widen_word(w, 2)
+        v3, v7 = widen_word(w, 3)
+    elif WIDEN == 2:
+        v0, v1, v2, v3, v4, v5, v6, v7 = widen_word_e4m3(w)
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = widen_word_e4m3_ptx(w)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def split8(x, A: tl.constexpr, B: tl.constexpr):
+    """[A, B, 8] -> its eight [A, B] slices along the last axis, in order: x loaded once, wide, and taken apart in
+    registers rather than loaded as eight strided tiles."""
+    ev, od = tl.split(tl.reshape(x, (A, B, 4, 2)))  # elements 0 2 4 6 and 1 3 5 7
+    e04, e26 = tl.split(tl.reshape(ev, (A, B, 2, 2)))
+    o15, o37 = tl.split(tl.reshape(od, (A, B, 2, 2)))
+    x0, x4 = tl.split(e04)
+    x2, x6 = tl.split(e26)
+    x1, x5 = tl.split(o15)
+    x3, x7 = tl.split(o37)
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit

@@ -24,7 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-from graphserve.kernels.fp4_layout import GROUP, block_scale, fp4_check, widen_fp16
+from graphserve.kernels.fp4_layout import (
+    GROUP,
+    WIDEN_UNIT_LOG2,
+    block_scale,
+    default_widen,
+    fp4_check,
+    widen_code,
+    widen_fp16,
+)
+from graphserve.kernels.fp4_words import word_row_sums, words_of
 from graphserve.kernels.l2_prefetch import no_prefetch_args
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, moe_align, pair_histogram
 from graphserve.kernels.moe_gemm import moe_sum_kernel
@@ -79,7 +88,7 @@ def _fp4_stream_gate_up_kernel(
     K: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
     GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SWIGLU_OAI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, WIDEN: tl.constexpr, UNIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n-block] = activation(gate, up) for pair ``program_id(0)``; an unrouted pair reads nothing."""
     pdl_enter(PDL)
@@ -107,10 +116,16 @@ def _fp4_stream_gate_up_kernel(
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    gw_rows = w_ptr + e * stride_we + rows * stride_wn  # WIDEN > 0: w_ptr holds int32 words (kernels/fp4_words.py)
     for k0 in range(0, K, BLOCK_K):
-        g_mask = (k0 // GROUP_K + offs_g) < K // GROUP_K
-        acc_g += _row_sums(g_ptrs, sg_ptrs, x_row, byte3, k0, True, g_mask, K, GROUP_K, MX)
-        acc_u += _row_sums(u_ptrs, su_ptrs, x_row, byte3, k0, True, g_mask, K, GROUP_K, MX)
+        if WIDEN > 0:
+            acc_g += word_row_sums(gw_rows, sg_ptrs, x_row, k0, True, K, GROUP_K, MX, BLOCK_K, WIDEN, UNIT)
+            acc_u += word_row_sums(gw_rows + N * stride_wn, su_ptrs, x_row, k0, True, K, GROUP_K, MX, BLOCK_K, WIDEN,
+                                   UNIT)
+        else:
+            g_mask = (k0 // GROUP_K + offs_g) < K // GROUP_K
+            acc_g += _row_sums(g_ptrs, sg_ptrs, x_row, byte3, k0, True, g_mask, K, GROUP_K, MX)
+            acc_u += _row_sums(u_ptrs, su_ptrs, x_row, byte3, k0, True, g_mask, K, GROUP_K, MX)
     if HAS_GLOBAL:
         acc_g *= tl.load(gs_ptr + e * stride_gse)
         acc_u *= tl.load(gs_ptr + e * stride_gse + 1)
@@ -127,7 +142,7 @@ def _fp4_stream_down_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_gse, stride_be, stride_om,
     K: tl.constexpr, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, GROUP_K: tl.constexpr,
     MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    WIDEN: tl.constexpr, UNIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[t, n-block] = sum over token t's routed slots of weight * (w2[expert] @ act[pair] + w2_bias[expert]);
     an unrouted slot reads nothing (its masked loads move no bytes) and a padding row comes out as zeros."""
@@ -155,8 +170,12 @@ def _fp4_stream_down_kernel(
         a_row = act_ptr + pair.to(tl.int64) * stride_am
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            g_mask = (k0 // GROUP_K + offs_g) < K // GROUP_K
-            acc += _row_sums(w_ptrs, s_ptrs, a_row, byte3, k0, routed, g_mask, K, GROUP_K, MX)
+            if WIDEN > 0:
+                acc += word_row_sums(w_ptr + e * stride_we + rows * stride_wn, s_ptrs, a_row, k0, routed, K, GROUP_K,
+                                     MX, BLOCK_K, WIDEN, UNIT)  # fmt: skip
+            else:
+                g_mask = (k0 // GROUP_K + offs_g) < K // GROUP_K
+                acc += _row_sums(w_ptrs, s_ptrs, a_row, byte3, k0, routed, g_mask, K, GROUP_K, MX)
         if HAS_GLOBAL:
             acc *= tl.load(gs_ptr + e * stride_gse, mask=routed, other=0.0)
         if HAS_BIAS:
@@ -296,17 +315,19 @@ def fp4_fused_experts(
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, valid: torch.Tensor | None = None,
     expert_start: int = 0, counts: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
-    path: str | None = None,
+    path: str | None = None, widen: str | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """sum over slots of weight * (down(act(gate_up(x) + w13_bias)) + w2_bias) over this rank's experts, [T, H].
 
     ``valid`` (bool [T]) marks real rows; ``counts`` (int32 [E global]) receives the pairs per expert;
     ``expert_start``: the first local expert's global id (expert parallel). ``path`` ("stream" | "gemm")
-    overrides the rule (tests, benchmarks)."""
+    overrides the rule (tests, benchmarks). ``widen`` (fp4_layout.WIDENINGS; None: fp4_layout.default_widen): the
+    streaming path's widening (kernels/fp4_words.py); the grouped GEMM ignores it."""
     _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, topk_weights, topk_ids, w13_bias, w2_bias,
            activation)  # fmt: skip
     if path not in (None, *PATHS):
         raise ValueError(f"fp4_fused_experts: path={path!r} must be one of {PATHS}")
+    widen_id = widen_code("fp4_fused_experts", widen or default_widen(x.device), x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
@@ -331,21 +352,25 @@ def fp4_fused_experts(
     swiglu = activation == "swiglu_oai"
     if (path or ("stream" if pairs <= STREAM_MAX_PAIRS else "gemm")) == "stream":
         act = torch.empty(pairs, inter, dtype=x.dtype, device=device)
-        bn = 32
+        bn, words = 32, widen_id > 0
+        unit = WIDEN_UNIT_LOG2[widen_id]
+        w13s = words_of(w13, "fp4_fused_experts: w13") if words else w13
+        w2s = words_of(w2, "fp4_fused_experts: w2") if words else w2
         _fp4_stream_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
-            x, w13, s13, g13, b13, act, topk_ids, valid_arg, counts, inter, expert_start, pairs,
-            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), 2, 2 * inter, act.stride(0),
+            x, w13s, s13, g13, b13, act, topk_ids, valid_arg, counts, inter, expert_start, pairs,
+            x.stride(0), w13s.stride(0), w13s.stride(1), s13.stride(0), s13.stride(1), 2, 2 * inter, act.stride(0),
             float(alpha), float(limit), K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local,
             HAS_VALID=valid is not None, HAS_BIAS=w13_bias is not None, SWIGLU_OAI=swiglu, BLOCK_N=bn,
             BLOCK_K=max(group, min(256, triton.next_power_of_2(h))), BLOCK_P=HISTOGRAM_PAIRS,
-            BLOCK_E=triton.next_power_of_2(counts.numel()), num_warps=4, **common,
+            BLOCK_E=triton.next_power_of_2(counts.numel()), WIDEN=widen_id, UNIT=unit, num_warps=4, **common,
             **pdl_args(device, "_fp4_stream_gate_up_kernel"),
         )  # fmt: skip
         _fp4_stream_down_kernel[(t, triton.cdiv(h, bn))](
-            act, w2, s2, g2, b2, out, topk_weights, topk_ids, valid_arg, h, expert_start,
-            act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), 1, h, out.stride(0),
+            act, w2s, s2, g2, b2, out, topk_weights, topk_ids, valid_arg, h, expert_start,
+            act.stride(0), w2s.stride(0), w2s.stride(1), s2.stride(0), s2.stride(1), 1, h, out.stride(0),
             K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, HAS_BIAS=w2_bias is not None,
-            BLOCK_N=bn, BLOCK_K=max(group, min(256, triton.next_power_of_2(inter))), num_warps=4, **common,
+            BLOCK_N=bn, BLOCK_K=max(group, min(256, triton.next_power_of_2(inter))), WIDEN=widen_id, UNIT=unit,
+            num_warps=4, **common,
             **pdl_args(device, "_fp4_stream_down_kernel"),
         )  # fmt: skip
         return out

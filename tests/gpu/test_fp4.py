@@ -10,10 +10,15 @@ thresholds.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 from gpu_utils import capture, rel_err
 
+from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp4_experts_reference import fp4_fused_experts_reference
 from graphserve.kernels.fp4_gemm import fp4_gemm, fp4_gemm_reference, fp4_linear, rule_for
 from graphserve.kernels.fp4_gemv import (
@@ -23,8 +28,11 @@ from graphserve.kernels.fp4_gemv import (
     fp4_norm_gemv_reference,
     fp4_silu_mul_gemv,
     fp4_silu_mul_gemv_reference,
+    stream_config,
 )
+from graphserve.kernels.fp4_layout import GROUP, widen8
 from graphserve.kernels.fp4_moe import fp4_fused_experts
+from graphserve.kernels.fp4_reference import fp4_codes_to_float, unpack_fp4
 
 DT = torch.bfloat16
 LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -160,3 +168,95 @@ def test_fp4_graph_replay_equals_eager():
             eager = step()
             assert torch.equal(out, eager), t
             assert not out[-1].any()
+
+
+# the streaming kernels' widenings (kernels/fp4_words.py): each against the reference and against the default
+WIDENINGS = ("word", "e4m3", "e4m3_ptx")
+
+
+@triton.jit
+def _widen8_kernel(w_ptr, o_ptr, WIDEN: tl.constexpr):
+    i = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    v0, v1, v2, v3, v4, v5, v6, v7 = widen8(tl.load(w_ptr + i), WIDEN)
+    tl.store(o_ptr + 8 * i, v0)
+    tl.store(o_ptr + 8 * i + 1, v1)
+    tl.store(o_ptr + 8 * i + 2, v2)
+    tl.store(o_ptr + 8 * i + 3, v3)
+    tl.store(o_ptr + 8 * i + 4, v4)
+    tl.store(o_ptr + 8 * i + 5, v5)
+    tl.store(o_ptr + 8 * i + 6, v6)
+    tl.store(o_ptr + 8 * i + 7, v7)
+
+
+def test_ptx_widening_equals_its_twin_bit_for_bit():
+    """"e4m3_ptx" (inline PTX) and "e4m3" (Triton) give the same fp16 bits for every byte in every position of a
+    word and for random words; both are the format's values times 2^-6."""
+    ramp = torch.arange(256, dtype=torch.uint8, device="cuda")
+    raw = torch.stack([ramp, ramp.roll(64), ramp.roll(128), ramp.roll(192)], dim=1).flatten()
+    gen = torch.Generator("cuda").manual_seed(8)
+    raw = torch.cat([raw, torch.randint(0, 256, (4 * 1024 * 64 - raw.numel(),), dtype=torch.uint8, device="cuda",
+                                        generator=gen)])  # fmt: skip
+    words = raw.view(torch.int32)
+    outs = {}
+    for code in (2, 3):
+        outs[code] = torch.full((words.numel() * 8,), float("nan"), dtype=torch.float16, device="cuda")
+        _widen8_kernel[(words.numel() // 1024,)](words, outs[code], WIDEN=code)
+    assert torch.equal(outs[2].view(torch.int16), outs[3].view(torch.int16))
+    assert torch.equal(outs[3].float() * 2**6, fp4_codes_to_float(unpack_fp4(raw)))
+
+
+@pytest.mark.parametrize("widen", WIDENINGS)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_stream_widenings_at_llama3_8b_shapes(fmt, widen):
+    for proj, (n, k) in LLAMA3_8B.items():
+        gen = torch.Generator("cuda").manual_seed(n + k + len(fmt) + len(widen))
+        packed, scale, gs = fp4_weight((), n, k, fmt, gen)
+        bias = torch.randn(n, device="cuda", dtype=DT, generator=gen)
+        for m in (1, 3, 8, 64) if proj == "qkv" else (1, 8):  # FMA at 1 and 3 rows, dot at 8 and 64
+            x = torch.randn(m, k, device="cuda", dtype=DT, generator=gen)
+            cfg = stream_config(m, n, k, GROUP[fmt], sm_count(x.device), widen=widen)
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=DT)
+            fp4_gemv(x, packed, scale, gs, fmt, bias, out, config=cfg)
+            byte = fp4_gemv(x, packed, scale, gs, fmt, bias, config=stream_config(m, n, k, GROUP[fmt],
+                                                                                  sm_count(x.device)))
+            ref = fp4_gemv_reference(x, packed, scale, gs, fmt, bias)
+            assert rel_err(out, ref) < 1e-2 and rel_err(out, byte) < 1e-2, (proj, m, widen)
+            if widen == "e4m3_ptx":  # and its pure-Triton twin, the same values in the same order
+                twin = fp4_gemv(x, packed, scale, gs, fmt, bias, config=dataclasses.replace(cfg, widen="e4m3"))
+                assert rel_err(out, twin) < 1e-3, (proj, m)
+    n, k = LLAMA3_8B["down"]
+    packed, scale, gs = fp4_weight((), n, k, fmt, gen)
+    for m in (2, 16):  # both prologues on both paths
+        cfg = stream_config(m, n, k, GROUP[fmt], sm_count(torch.device("cuda")), widen=widen)
+        x, res = (torch.randn(m, k, device="cuda", dtype=DT, generator=gen) for _ in range(2))
+        nw = torch.rand(k, device="cuda", dtype=DT, generator=gen) + 0.5
+        out, summed = fp4_norm_gemv(x, nw, 1e-5, packed, scale, gs, fmt, residual=res, config=cfg)
+        ref, ref_sum = fp4_norm_gemv_reference(x, nw, 1e-5, packed, scale, gs, fmt, None, res)
+        assert rel_err(out, ref) < 1e-2 and torch.equal(summed, ref_sum), m
+        gate_up = torch.randn(m, 2 * k, device="cuda", dtype=DT, generator=gen)
+        cfg = stream_config(m, n, k, GROUP[fmt], sm_count(torch.device("cuda")), widen=widen)
+        out = fp4_silu_mul_gemv(gate_up, packed, scale, gs, fmt, config=cfg)
+        assert rel_err(out, fp4_silu_mul_gemv_reference(gate_up, packed, scale, gs, fmt)) < 1e-2, m
+    x = torch.randn(1, k, device="cuda", dtype=DT, generator=gen)
+    cfg = stream_config(1, n, k, GROUP[fmt], sm_count(x.device), widen=widen)
+    graph, out = capture(lambda: fp4_gemv(x, packed, scale, gs, fmt, config=cfg))
+    x.copy_(torch.randn(1, k, device="cuda", dtype=DT, generator=gen))
+    graph.replay()
+    assert torch.equal(out, fp4_gemv(x, packed, scale, gs, fmt, config=cfg))
+
+
+@pytest.mark.parametrize("widen", WIDENINGS)
+@pytest.mark.parametrize("name", list(MOE))
+def test_fp4_experts_stream_widenings_at_model_shapes(name, widen):
+    gen = torch.Generator("cuda").manual_seed(len(name) + len(widen))
+    w, (e, h, k) = _experts(name, gen)
+    for t in (1, 4):
+        x = torch.randn(t, h, device="cuda", dtype=DT, generator=gen)
+        weights, ids = _routing(t, e, k, gen)
+        args = (x, w["w13"], w["w13_scale"], w["w13_global"], w["w2"], w["w2_scale"], w["w2_global"], w["fmt"],
+                weights, ids)
+        opts = dict(w13_bias=w["w13_bias"], w2_bias=w["w2_bias"], activation=w["activation"], path="stream")
+        out = fp4_fused_experts(*args, **opts, widen=widen)
+        ref = fp4_fused_experts_reference(*args, w13_bias=w["w13_bias"], w2_bias=w["w2_bias"],
+                                          activation=w["activation"])  # fmt: skip
+        assert rel_err(out, ref) < 1.5e-2 and rel_err(out, fp4_fused_experts(*args, **opts)) < 1.5e-2, (name, t)

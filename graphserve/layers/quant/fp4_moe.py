@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from graphserve.layers.moe import FusedMoE
     from graphserve.models.base import CausalLM
 
+INIT_CHUNK_ELEMENTS = 1 << 27  # dummy weights quantized this many elements (a few experts) at a time
 WEIGHTS = ("w13_weight", "w2_weight")
 GPT_OSS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias", "down_proj_blocks",
            "down_proj_scales", "down_proj_bias")
@@ -206,12 +207,18 @@ class Fp4MoEMethod:
                                                                                          generator=generator)
         stack = weight.removesuffix("weight")
         parts = ((slice(0, i), 0), (slice(i, 2 * i), 1)) if weight == "w13_weight" else ((slice(0, h), 0),)
-        for rows, slot in parts:
-            packed, scale, global_ = quantize_fp4(w[:, rows], self.fmt)
-            getattr(layer, weight).data[:, rows] = packed
-            getattr(layer, f"{stack}weight_scale").data[:, rows] = scale
-            if global_ is not None:
-                getattr(layer, f"{stack}weight_scale_2").data[:, slot] = global_
+        # a few experts at a time: the quantization's fp32 temporaries of a whole stack (gpt-oss-120b's w13: 1.1G
+        # elements, ~13 GB) would not fit beside the loaded model on an 80 GB card. Each expert's scales are its
+        # own, so the result is the same.
+        chunk = max(1, INIT_CHUNK_ELEMENTS // (shape[1] * shape[2]))
+        for e0 in range(0, e, chunk):
+            ex = slice(e0, min(e, e0 + chunk))
+            for rows, slot in parts:
+                packed, scale, global_ = quantize_fp4(w[ex, rows], self.fmt)
+                getattr(layer, weight).data[ex, rows] = packed
+                getattr(layer, f"{stack}weight_scale").data[ex, rows] = scale
+                if global_ is not None:
+                    getattr(layer, f"{stack}weight_scale_2").data[ex, slot] = global_
 
     # ---- forward --------------------------------------------------------------------------------
     def apply_experts(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,

@@ -1,0 +1,44 @@
+"""benchmarks/fp4_model.py on CPU: the rows' ratios, comparisons and targets from given step times and ceilings (no
+GPU), judged on unrounded numbers; the gpt-oss reference figure is never a measured row."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.fp4_model import DECODE_TARGETS, GPT_OSS, LLAMA, add_ratios, decode_rows, prefill_rows
+from benchmarks.fp8 import MatmulPeak
+from benchmarks.roofline import ReadBandwidth
+
+
+def _run(step_ms: float, read: float, prefill_ms: float | None = None) -> dict:
+    steps = {(1, 512): {"step_ms": step_ms, "read_bytes": read, "flops": 2e10},
+             (64, 2048): {"step_ms": 8 * step_ms, "read_bytes": 4 * read, "flops": 1e12}}
+    return {"steps": steps, "prefill_ms": prefill_ms, "prefill_tflops": 400.0}
+
+
+def test_fp4_rows_meet_targets_on_unrounded_numbers():
+    bw = ReadBandwidth({"stream_read": 3000.0})  # GB/s: 3e9 bytes a ms
+    bf16, fp8 = MatmulPeak({"probe": 700.0}), MatmulPeak({"probe": 1400.0})
+    cases = [(1, 512), (64, 2048)]
+    none, fp8_run = _run(6.0, 16e9, 100.0), _run(3.5, 9e9, 60.0)
+    nvfp4 = _run(2.7, 5.4e9, 119.0)  # bs 1: exactly 1.5 x its floor (5.4 GB at 3 TB/s = 1.8 ms)
+    label = f"{LLAMA} --quantization nvfp4"
+    rows = decode_rows(label, nvfp4, cases, "card", none, fp8_run)
+    rows += decode_rows(f"{GPT_OSS} (mxfp4 experts as published)", _run(4.0, 6e9), [(1, 512)], "card")
+    prefill = prefill_rows({"nvfp4": nvfp4, "fp8": fp8_run, "none": none}, "card")
+    add_ratios(rows, prefill, bw, bf16, fp8)
+    bs1, bs64, oss = rows
+    assert bs1["floor_ms"] == pytest.approx(1.8) and bs1["ratio"] == pytest.approx(1.5)
+    assert bs1["vs_bf16"] == pytest.approx(0.45) and bs1["vs_fp8"] == pytest.approx(2.7 / 3.5)
+    assert bs1["target"] == DECODE_TARGETS[(label, 1, 512)]
+    assert bs1["meets_target"] is (bs1["ratio"] <= 1.5 and bs1["vs_bf16"] <= 0.45)
+    # bs 64: 21.6 GB read in 21.6 ms at 3 TB/s is 7.2 ms; 1e12 FLOPs at 700 TFLOP/s is 1.43 ms: read-bound, 3x
+    assert bs64["floor_bound"] == "read" and bs64["ratio"] == pytest.approx(3.0) and bs64["meets_target"] is False
+    assert oss["ratio"] == pytest.approx(2.0) and oss["meets_target"] is False and "vs_bf16" not in oss
+    fp4_prefill = next(r for r in prefill if r["model"] == label)
+    assert fp4_prefill["vs_fp8"] == pytest.approx(60.0 / 119.0) and fp4_prefill["meets_target"] is True
+    assert next(r for r in prefill if r["model"].endswith("fp8"))["meets_target"] is None
+    # the same step a little slower fails the bound it sat on
+    slow = decode_rows(label, _run(2.7001, 5.4e9, 119.0), cases[:1], "card", none, fp8_run)
+    add_ratios(slow, [], bw, bf16, fp8)
+    assert slow[0]["meets_target"] is False
