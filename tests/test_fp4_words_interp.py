@@ -155,11 +155,11 @@ def test_word_widening_refusals_name_the_field_and_limit():
         fp4_gemv(x[:1], shifted, scale, None, "mxfp4", config=Fp4StreamConfig(8, 64, 1, False, widen="word"))
     with pytest.raises(ValueError, match="widen='e4m3_ptx' runs inline PTX, CUDA only"):
         fp4_gemv(x[:1], packed, scale, None, "mxfp4", config=Fp4StreamConfig(8, 64, 1, False, widen="e4m3_ptx"))
-    # the byte widening stays the default until measured; a PTX widening off CUDA becomes its Triton twin
-    assert DEFAULT_WIDEN == "byte" and stream_config(1, 4096, 4096, 16, 132).widen == "byte"
+    # the word widening is the default, by measurement on an H100; a PTX widening off CUDA becomes its Triton twin
+    assert DEFAULT_WIDEN == "word" and stream_config(1, 4096, 4096, 16, 132).widen == "word"
     assert stream_config(1, 4096, 4096, 16, 132, widen="word").widen == "word"
     cpu = torch.device("cpu")
-    assert default_widen(cpu) == "byte" and default_widen(cpu, "e4m3_ptx") == "e4m3"
+    assert default_widen(cpu) == "word" and default_widen(cpu, "e4m3_ptx") == "e4m3"
     assert default_widen(cpu, "word") == "word"
 
 

@@ -31,9 +31,10 @@ WIDENINGS = ("byte", "word", "e4m3", "e4m3_ptx")
 WIDEN_UNIT_LOG2 = (FP16_UNIT_LOG2, FP16_UNIT_LOG2, FP8_UNIT_LOG2, FP8_UNIT_LOG2)
 PTX_WIDENINGS = ("e4m3_ptx",)  # inline PTX: CUDA sm_89+ only
 E4M3_WIDENINGS = ("e4m3", "e4m3_ptx")  # e4m3 -> fp16 conversions: sm_89+ on CUDA
-# the widening the streaming kernels take when the caller names none: the byte widening until
-# ``python3 -m benchmarks.fp4 --variants`` measures another faster on the GPU (set it here; default_widen adapts it)
-DEFAULT_WIDEN = "byte"
+# the widening the streaming kernels take when the caller names none (default_widen adapts it to the device): "word"
+# by measurement, llama3-8b NVFP4 decode on an H100 (results/fp4_decode.json at d7f8134, one run): bs 1 ctx 512 took
+# 4.718 ms with "word", 5.103 with "e4m3_ptx", 5.337 with "byte"; at bs 64 ctx 2048 all three 32.41-32.46 ms
+DEFAULT_WIDEN = "word"
 
 
 def default_widen(device: torch.device, widen: str | None = None) -> str:
