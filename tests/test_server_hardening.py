@@ -39,7 +39,10 @@ def server(tmp_path_factory):
 
 
 def test_deep_schemas_never_hold_health(server):
-    """20 clients send 200-level schemas and 20 send plain requests; /health answers within 100 ms at p99."""
+    """20 clients send 200-level schemas and 20 send plain requests; /health keeps answering. Before the grammar work
+    left the event loop /health timed out at 10 s under this load; after, its p99 measured 44-73 ms on a loaded 2-core
+    machine. The bound is 0.5 s so a CI machine's scheduling noise (client, server and engine share its 2 cores)
+    cannot fail it, while a loop held by grammar work still does."""
     latencies: list[float] = []
     stop = threading.Event()
 
@@ -72,7 +75,7 @@ def test_deep_schemas_never_hold_health(server):
     latencies.sort()
     p99 = latencies[int(0.99 * (len(latencies) - 1))]
     print(f"/health under the schema load: {len(latencies)} probes, p99 {p99 * 1e3:.1f} ms")
-    assert len(latencies) >= 20 and p99 < 0.1, latencies[-5:]
+    assert len(latencies) >= 20 and p99 < 0.5, latencies[-5:]
 
 
 def test_schema_past_the_depth_bound_is_400_naming_it(server):
