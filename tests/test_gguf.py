@@ -8,7 +8,9 @@ import torch
 
 pytest.importorskip("gguf", reason="GGUF checkpoints need the gguf package (requirements-cpu.txt)")
 
+import httpx  # noqa: E402
 from gguf_utils import CHATML, write_gguf  # noqa: E402
+from server_utils import ServerProcess  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from graphserve import LLM, SamplingParams  # noqa: E402
@@ -85,3 +87,24 @@ def test_unsupported_type_architecture_and_missing_fields_are_refused(tmp_path):
     missing = write_gguf(tmp_path / "missing.gguf", skip_tensor="blk.1.ffn_down.weight")
     with pytest.raises(ModelLoadError, match=r"missing\.gguf lacks 1 tensors: model\.layers\.1\.mlp\.down_proj"):
         LLM(str(missing))
+
+
+def test_serve_a_gguf_file(tmp_path):
+    """``graphserve serve model.gguf``: completions, and the tokenizer folder SGLang's bench loads."""
+    path = write_gguf(tmp_path / "served.gguf")
+    srv = ServerProcess(tmp_path, model=str(path)).start()
+    try:
+        info = httpx.get(srv.base_url + "/get_model_info", timeout=10).json()
+        tok = AutoTokenizer.from_pretrained(info["tokenizer_path"])
+        assert tok.encode("the weather", add_special_tokens=False) == \
+            load_tokenizer(str(path)).encode("the weather", add_special_tokens=False)
+        body = {"model": info["model_path"], "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.0,
+                "ignore_eos": True}
+        r = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        served = r.json()["choices"][0]["text"]
+        offline = LLM(str(path)).generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                        ignore_eos=True), use_tqdm=False)
+        assert served == offline[0].text and r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        srv.stop()

@@ -27,7 +27,12 @@ def cache_dir() -> Path:
 
 def tokenizer_path(state: ServerState) -> str:
     """A folder AutoTokenizer.from_pretrained loads this server's tokenizer from."""
-    source = state.engine.config.model
+    from graphserve.models.gguf_checkpoint import is_gguf, tokenizer_cache
+    from graphserve.models.trained import resolve_source
+
+    source = resolve_source(state.engine.config.model)
+    if is_gguf(source):  # the tokenizer converted from the file's metadata, saved when the model loaded
+        return str(tokenizer_cache(Path(source).expanduser()))
     if source.startswith("builtin:"):
         from graphserve.models.builtin import ensure_builtin
 
