@@ -76,3 +76,18 @@ def test_word_followed_by_digit_bytes_stays_two_tokens():
     assert tok.encode(text, add_special_tokens=False) == [word, digit, digit]
     with pytest.raises(ValueError, match="vocab_size=259 is too small"):
         build_synthetic_tokenizer(259, {0: "<s>", 1: "</s>"}, "<s>", "</s>")
+
+
+def test_graphserve_bench_random_ids_as_text_arrive_at_their_length():
+    """``graphserve bench --dataset-name random-ids --random-ids-as text`` against a dummy: server."""
+    from types import SimpleNamespace
+
+    from graphserve.bench.datasets import build_requests
+
+    tok = load_tokenizer("dummy:llama3-8b")
+    args = SimpleNamespace(dataset_name="random-ids", random_input_len=256, random_output_len=8,
+                           random_range_ratio=0.5, length_rule="sglang", random_ids_as="text")
+    reqs = build_requests(args, 16, np.random.default_rng(2), tok)
+    for r in reqs:
+        assert isinstance(r.prompt, str)
+        assert len(tok.encode(r.prompt, add_special_tokens=False)) == r.input_len
