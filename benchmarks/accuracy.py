@@ -67,6 +67,7 @@ CONFIGS = {
 }
 REFERENCE = "bf16"
 TARGETS = {"fp8": {"top1_agreement": 0.9, "ppl_ratio_within": 0.03}}
+PARA_COLS = ["top1_agreement", "top1_se", "mean_kl", "perplexity", "ppl_ratio", "positions"]
 COLS = ["config", "dtype", "quantization", "kv_cache_dtype", "top1_agreement", "top1_se", "mean_kl", "perplexity",
         "ppl_ratio"]
 
@@ -147,8 +148,11 @@ def main() -> None:
             row["meets_target"] = row["top1_agreement"] >= target["top1_agreement"] and \
                 abs(row["ppl_ratio"] - 1) <= target["ppl_ratio_within"]
     print_table(rows, COLS)
+    per_paragraph = [{"config": r["config"], "paragraph": k + 1, **{c: para[c] for c in PARA_COLS}}
+                     for r in rows for k, para in enumerate(r["paragraphs"])]
     path = write_result(args.output, {"model": args.model, "reference": REFERENCE, "device": args.device,
-                                      "paragraph_tokens": [len(i) for i in ids], "rows": rows})
+                                      "paragraph_tokens": [len(i) for i in ids], "rows": rows,
+                                      "per_paragraph": per_paragraph})
     print(f"wrote {path}")
 
 
