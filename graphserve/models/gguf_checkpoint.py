@@ -164,6 +164,8 @@ class GGUFFile:
                 i = self.field(key, None)
                 if i is not None:
                     setattr(tok, attr, tok.convert_ids_to_tokens(int(i)))
+            # transformers ignores clean-up for a BPE tokenizer, and warns at every load where it is set
+            tok.clean_up_tokenization_spaces = False
             template = self.field("tokenizer.chat_template", None)
             if template is not None:
                 tok.chat_template = template
