@@ -108,3 +108,14 @@ def test_serve_a_gguf_file(tmp_path):
         assert served == offline[0].text and r.json()["usage"]["completion_tokens"] == 8
     finally:
         srv.stop()
+
+
+def test_tp_is_checked_against_the_files_metadata(tmp_path):
+    from graphserve.config import EngineConfig
+    from graphserve.distributed.validate import check_parallel
+    from graphserve.errors import ConfigError
+
+    path = write_gguf(tmp_path / "tp.gguf")  # 4 heads, 2 KV heads
+    with pytest.raises(ConfigError) as e:
+        check_parallel(EngineConfig(model=str(path), tp=3, device="cpu"))
+    assert e.value.param == "tp" and "num_attention_heads=4" in e.value.message
