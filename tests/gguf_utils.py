@@ -74,9 +74,9 @@ def permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
 def write_gguf(path: Path, arch: str = "llama", hidden: int = 256, inter: int = 512, layers: int = 2,
                heads: int = 4, kv_heads: int = 2, seed: int = 0, types: list[str] | None = None,
                tied: bool = False, embed_type: str = "Q8_0", skip_tensor: str | None = None,
-               metadata: dict | None = None) -> Path:
+               metadata: dict | None = None, extra: dict | None = None) -> Path:
     """A ``arch`` model (llama, qwen2, qwen3) with random weights. ``types`` replaces LAYER_TYPES; ``skip_tensor``
-    leaves one tensor out; ``metadata`` adds or overrides keys (None removes one)."""
+    leaves one tensor out; ``metadata`` adds or overrides keys (None removes one); ``extra`` adds float32 tensors."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -146,6 +146,8 @@ def write_gguf(path: Path, arch: str = "llama", hidden: int = 256, inter: int = 
         if arch == "qwen3":
             add(p + "attn_q_norm.weight", 1.0 + normal(head_dim, std=0.2))
             add(p + "attn_k_norm.weight", 1.0 + normal(head_dim, std=0.2))
+    for name, data in (extra or {}).items():
+        add(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,6 +85,9 @@ def test_unsupported_type_architecture_and_missing_fields_are_refused(tmp_path):
     scaled = write_gguf(tmp_path / "yarn.gguf", metadata={"llama.rope.scaling.type": ("string", "yarn")})
     with pytest.raises(ModelLoadError, match=r"yarn\.gguf: llama\.rope\.scaling\.type='yarn'"):
         LLM(str(scaled))
+    llama31 = write_gguf(tmp_path / "l31.gguf", extra={"rope_freqs.weight": np.ones(32, np.float32)})
+    with pytest.raises(ModelLoadError, match=r"l31\.gguf: tensor rope_freqs\.weight \(Llama 3\.1-style rope scaling\)"):
+        LLM(str(llama31))
     missing = write_gguf(tmp_path / "missing.gguf", skip_tensor="blk.1.ffn_down.weight")
     with pytest.raises(ModelLoadError, match=r"missing\.gguf lacks 1 tensors: model\.layers\.1\.mlp\.down_proj"):
         LLM(str(missing))

@@ -107,11 +107,21 @@ class GGUFFile:
                                  f"(only unscaled rotary)", param="model")
         head_dim = self.field(f"{a}.attention.key_length", None) or \
             (self.field(f"{a}.rope.dimension_count", None) if a == "llama" else None) or hidden // heads
-        names = {t.name for t in self.reader.tensors}
+        tensors = {t.name: t for t in self.reader.tensors}
+        if "rope_freqs.weight" in tensors:  # llama.cpp's form of Llama 3.1's rope scaling: per-frequency factors
+            raise ModelLoadError(f"GGUF file {self.path}: tensor rope_freqs.weight (Llama 3.1-style rope scaling) "
+                                 f"is not supported", param="model")
+        if "token_embd.weight" not in tensors:
+            raise ModelLoadError(f"GGUF file {self.path} lacks the tensor token_embd.weight", param="model")
+        rows = int(tensors["token_embd.weight"].shape[-1])  # may exceed the token list (padded), never fall short
+        if len(tokens) > rows:
+            raise ModelLoadError(f"GGUF file {self.path}: tokenizer.ggml.tokens holds {len(tokens)} tokens, more than "
+                                 f"token_embd.weight's {rows} rows", param="model")
+        names = set(tensors)
         cfg = {
             "architectures": [ARCHITECTURES[a]],
             "model_type": a,
-            "vocab_size": int(self.field(f"{a}.vocab_size", len(tokens))),
+            "vocab_size": rows,
             "hidden_size": hidden,
             "intermediate_size": int(self.field(f"{a}.feed_forward_length")),
             "num_hidden_layers": int(self.field(f"{a}.block_count")),
