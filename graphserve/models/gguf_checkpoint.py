@@ -188,6 +188,19 @@ class GGUFFile:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
+def gguf_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a GGUF file; from its converted copy when there is one, without parsing the file (a server's
+    front-end and a bench client load it so, beside the engine that reads the weights)."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        folder = tokenizer_cache(path)
+        if folder.is_dir():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    return GGUFFile(path).tokenizer()
+
+
 def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]

@@ -32,7 +32,7 @@ from graphserve.layers.quant.fp8 import quantize_linears
 from graphserve.layers.quant.fp8_moe import quantize_experts
 from graphserve.models.builtin import ensure_builtin
 from graphserve.models.description import ModelDescription
-from graphserve.models.gguf_checkpoint import GGUFFile, is_gguf
+from graphserve.models.gguf_checkpoint import GGUFFile, gguf_tokenizer, is_gguf
 from graphserve.models.llama import sliding_window_of
 from graphserve.models.presets import get_preset_config, get_preset_tokenizer_spec
 from graphserve.models.registry import resolve_model_class
@@ -125,7 +125,7 @@ def load_tokenizer(source: str) -> Any:
         preset = source.removeprefix("dummy:")
         return _dummy_tokenizer(preset, AutoConfig.for_model(**get_preset_config(preset)))
     if is_gguf(source):
-        return GGUFFile(source).tokenizer()
+        return gguf_tokenizer(source)
     folder = ensure_builtin(source.removeprefix("builtin:")) if source.startswith("builtin:") else \
         Path(source).expanduser()
     _check_folder(folder, config=False)  # a tokenizer-only folder (what /get_model_info hands out) is enough
