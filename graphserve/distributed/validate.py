@@ -17,10 +17,15 @@ if TYPE_CHECKING:
 def model_hf_config(source: str) -> dict[str, Any]:
     """config.json of a model source (HF folder, ``builtin:``, ``dummy:``), without loading weights."""
     from graphserve.models.builtin import ensure_builtin
+    from graphserve.models.gguf_checkpoint import GGUFFile, is_gguf
     from graphserve.models.presets import get_preset_config
+    from graphserve.models.trained import resolve_source
 
+    source = resolve_source(source)
     if source.startswith("dummy:"):
         return dict(get_preset_config(source.removeprefix("dummy:")))
+    if is_gguf(source):
+        return GGUFFile(source).hf_config()
     folder = ensure_builtin(source.removeprefix("builtin:")) if source.startswith("builtin:") else \
         Path(source).expanduser()
     path = folder / "config.json"

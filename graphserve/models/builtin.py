@@ -116,8 +116,11 @@ BUILTINS: dict[str, Callable[[Path], None]] = {"tiny-llama": write_tiny_llama}
 def ensure_builtin(name: str) -> Path:
     """Return the folder of ``builtin:<name>``, creating it on first use."""
     if name not in BUILTINS:
+        from graphserve.models.trained import TRAINED  # trained checkpoints come as GGUF files, not folders
+
         raise ModelLoadError(
-            f"model='builtin:{name}' is unknown: choose one of {', '.join('builtin:' + b for b in sorted(BUILTINS))}",
+            f"model='builtin:{name}' is unknown: choose one of "
+            f"{', '.join('builtin:' + b for b in sorted([*BUILTINS, *TRAINED]))}",
             param="model",
         )
     folder = cache_root() / name

@@ -32,10 +32,12 @@ from graphserve.layers.quant.fp8 import quantize_linears
 from graphserve.layers.quant.fp8_moe import quantize_experts
 from graphserve.models.builtin import ensure_builtin
 from graphserve.models.description import ModelDescription
+from graphserve.models.gguf_checkpoint import GGUFFile, gguf_tokenizer, is_gguf
 from graphserve.models.llama import sliding_window_of
 from graphserve.models.presets import get_preset_config, get_preset_tokenizer_spec
 from graphserve.models.registry import resolve_model_class
 from graphserve.models.synthetic_tokenizer import CHAT_TEMPLATES, build_synthetic_tokenizer
+from graphserve.models.trained import resolve_source
 from graphserve.models.weights import iter_safetensors, safetensors_files
 
 logger = logging.getLogger("graphserve.models")
@@ -102,9 +104,11 @@ def resolve_dtype(requested: str, hf_config: PretrainedConfig, device: torch.dev
 
 def load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
     device = torch.device(device)
-    source = config.model
+    source = resolve_source(config.model)
     if source.startswith("dummy:"):
         return _load_dummy(config, source.removeprefix("dummy:"), device)
+    if is_gguf(source):
+        return _load_gguf(config, GGUFFile(source), device)
     if source.startswith("builtin:"):
         return _load_folder(config, ensure_builtin(source.removeprefix("builtin:")), device)
     return _load_folder(config, Path(source).expanduser(), device)
@@ -138,9 +142,12 @@ def load_tokenizer(source: str) -> Any:
 
     A server that runs the engine in another process, and the bench client, tokenize with this.
     """
+    source = resolve_source(source)
     if source.startswith("dummy:"):
         preset = source.removeprefix("dummy:")
         return _dummy_tokenizer(preset, AutoConfig.for_model(**get_preset_config(preset)))
+    if is_gguf(source):
+        return gguf_tokenizer(source)
     folder = ensure_builtin(source.removeprefix("builtin:")) if source.startswith("builtin:") else \
         Path(source).expanduser()
     _check_folder(folder, config=False)  # a tokenizer-only folder (what /get_model_info hands out) is enough
@@ -193,6 +200,23 @@ def _load_folder(config: EngineConfig, folder: Path, device: torch.device) -> Lo
         raise ModelLoadError(f"checkpoint in {folder} lacks {len(missing)} tensors: {shown}", param="model")
     eos = _eos_ids(hf_config, tokenizer, _generation_eos(folder))
     return _finish(model, hf_config, tokenizer, dtype, eos, quant, config.kv_cache_dtype)
+
+
+def _load_gguf(config: EngineConfig, file: GGUFFile, device: torch.device) -> LoadedModel:
+    """A GGUF file: its metadata is the config, its tensors are dequantized to the model dtype as they load."""
+    raw = file.hf_config()
+    model_cls = resolve_model_class(raw["architectures"])
+    hf_config = AutoConfig.for_model(**raw)
+    tokenizer = file.tokenizer()
+    quant = online_config(config.quantization)
+    model, dtype = _build(model_cls, hf_config, config, device, quant)
+    loaded = model.load_weights(file.tensors(dtype))
+    missing = sorted(model.expected_weights() - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"GGUF file {file.path} lacks {len(missing)} tensors: {shown}", param="model")
+    return _finish(model, hf_config, tokenizer, dtype, _eos_ids(hf_config, tokenizer, None), quant,
+                   config.kv_cache_dtype)
 
 
 def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> LoadedModel:

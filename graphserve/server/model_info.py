@@ -26,7 +26,14 @@ def cache_dir() -> Path:
 
 
 def tokenizer_folder(source: str) -> str:
-    """Where the tokenizer of a model source lies on disk (a dummy: preset's once tokenizer_path saved it)."""
+    """Where the tokenizer of a model source lies on disk (a dummy: preset's once tokenizer_path saved it; a GGUF
+    file's, converted from its metadata, once the model loaded)."""
+    from graphserve.models.gguf_checkpoint import is_gguf, tokenizer_cache
+    from graphserve.models.trained import resolve_source
+
+    source = resolve_source(source)
+    if is_gguf(source):
+        return str(tokenizer_cache(Path(source).expanduser()))
     if source.startswith("builtin:"):
         from graphserve.models.builtin import ensure_builtin
 
