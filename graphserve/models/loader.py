@@ -117,10 +117,13 @@ def load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
 def meta_model(config: EngineConfig) -> nn.Module:
     """The model ``load_model`` would build for a CPU, on the meta device: its sizes, with no weight allocated
     or read (host_memory.py checks them against the machine before a load)."""
-    source = config.model
+    source = resolve_source(config.model)
     quant = online_config(config.quantization)
     if source.startswith("dummy:"):
         raw = get_preset_config(source.removeprefix("dummy:"))
+        hf_config = AutoConfig.for_model(**raw)
+    elif is_gguf(source):  # the file's metadata is its config; its tensors are not read
+        raw = GGUFFile(source).hf_config()
         hf_config = AutoConfig.for_model(**raw)
     else:
         folder = ensure_builtin(source.removeprefix("builtin:")) if source.startswith("builtin:") else \
