@@ -30,6 +30,7 @@ from torch import nn
 
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from graphserve.kernels.moe_fp8_reference import dequantize_experts
+from graphserve.layers.quant.attach import attach_to_experts
 from graphserve.layers.quant.config import EXPERT_PARTS, Fp8Config, IgnoreList
 from graphserve.layers.quant.fp8 import add_input_scales, check_scales, record_input_scale
 
@@ -211,17 +212,5 @@ class Fp8MoEMethod:
 def quantize_experts(model: CausalLM, config: Fp8Config) -> int:
     """Attach an Fp8MoEMethod to every ``FusedMoE`` the config does not keep in the model dtype (``IgnoreList``: the
     layer's experts whole, or every part of each); the number attached."""
-    from graphserve.layers.moe import FusedMoE
-
     ignore = IgnoreList(config, model.map_weight_name, model.stacked_params)
-    layers = [(name, m) for name, m in model.named_modules()
-              if isinstance(m, FusedMoE) and not ignore.keeps_experts(name, m.num_experts)]
-    if not layers:
-        return 0
-    method = Fp8MoEMethod(config)
-    for name, module in layers:
-        try:
-            method.create_weights(module)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from e
-    return len(layers)
+    return attach_to_experts(model, ignore, lambda: Fp8MoEMethod(config))
