@@ -28,7 +28,7 @@ from torch import nn
 
 from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel
-from graphserve.layers.embedding import LMHead, VocabEmbedding
+from graphserve.layers.embedding import VocabEmbedding
 from graphserve.layers.kv_layout import KVLayout
 from graphserve.layers.linear import (
     Linear,
@@ -181,15 +181,16 @@ class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, config: Any, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.shape = shape_from_config(config, self.version)
-        self.model = DeepseekModel(self.shape, max_positions)
-        ps = get_parallel()
-        self.lm_head = LMHead(self.shape.hidden_size, self.shape.vocab_size, ps.tp_rank, ps.tp_size)
-        self.tied = self.shape.tie_word_embeddings
-        if self.tied:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.model = self.build_model(config, max_positions)
+        self.add_lm_head(self.shape.hidden_size, self.shape.vocab_size, self.shape.tie_word_embeddings)
         # how the checkpoint's tensors are stored (None: unquantized), which says how its kv_b_proj is scaled
         self.checkpoint_quant = parse_quantization_config(getattr(config, "quantization_config", None))
+
+    def build_model(self, config: Any, max_positions: int) -> nn.Module:
+        """The decoder stack; sets ``self.shape`` (a family with sparse attention builds its own:
+        models/deepseek_dsa.py)."""
+        self.shape = shape_from_config(config, self.version)
+        return DeepseekModel(self.shape, max_positions)
 
     @classmethod
     def config_shape(cls, config: Any) -> DeepseekShape:

@@ -34,7 +34,6 @@ from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel
 from graphserve.errors import ModelLoadError
 from graphserve.layers.attention import Attention
-from graphserve.layers.embedding import LMHead
 from graphserve.layers.linear import Linear, norm_linear
 from graphserve.layers.moe import FusedMoE, SoftmaxTopK
 from graphserve.layers.norm import RMSNorm
@@ -53,7 +52,7 @@ from graphserve.models.llama import (
     kv_layout_of,
     layer_windows_of,
 )
-from graphserve.models.moe import MoEShape
+from graphserve.models.moe import MoEShape, prefetch_next_qkv
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
@@ -153,14 +152,8 @@ class GptOssForCausalLM(CausalLM):
         self.shape, self.moe_shape = s, m
         limit = swiglu_limit_of(config)
         self.model = LlamaModel(s, max_positions, lambda i, rotary: GptOssDecoderLayer(s, m, i, rotary, limit))
-        # each layer's slot sum asks L2 for the next layer's qkv weight (kernels/l2_prefetch.py)
-        for layer, after in zip(self.model.layers, self.model.layers[1:]):
-            layer.mlp.experts.read_next = (after.self_attn.qkv_proj,)
-        ps = get_parallel()
-        self.lm_head = LMHead(s.hidden_size, s.vocab_size, ps.tp_rank, ps.tp_size)
-        self.tied = s.tie_word_embeddings
-        if self.tied:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        prefetch_next_qkv(self.model.layers)
+        self.add_lm_head(s.hidden_size, s.vocab_size, s.tie_word_embeddings)
 
     def needs_row_mask(self) -> bool:
         return True

@@ -23,7 +23,6 @@ from torch import nn
 from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel
 from graphserve.errors import ModelLoadError
-from graphserve.layers.embedding import LMHead
 from graphserve.layers.linear import Linear, norm_linear
 from graphserve.layers.moe import FusedMoE, SoftmaxTopK
 from graphserve.layers.norm import RMSNorm
@@ -157,6 +156,13 @@ class MoEDecoderLayer(nn.Module):
         return self.mlp.forward_add_norm(hidden, residual, self.post_attention_layernorm, batch)
 
 
+def prefetch_next_qkv(layers: nn.ModuleList) -> None:
+    """Each routed block's slot sum asks L2 for the next layer's qkv weight (kernels/l2_prefetch.py)."""
+    for layer, after in zip(layers, layers[1:]):
+        if isinstance(getattr(layer.mlp, "experts", None), FusedMoE):
+            layer.mlp.experts.read_next = (after.self_attn.qkv_proj,)
+
+
 class MoEForCausalLM(CausalLM):
     """Base of the four checkpoints; subclasses say how their config reads."""
 
@@ -198,15 +204,8 @@ class MoEForCausalLM(CausalLM):
             return MoEDecoderLayer(s, m, i, rotary) if i in m.sparse_layers else LlamaDecoderLayer(s, i, rotary)
 
         self.model = LlamaModel(s, max_positions, make_layer)
-        # each routed block's slot sum asks L2 for the next layer's qkv weight (kernels/l2_prefetch.py)
-        for layer, after in zip(self.model.layers, self.model.layers[1:]):
-            if isinstance(layer, MoEDecoderLayer):
-                layer.mlp.experts.read_next = (after.self_attn.qkv_proj,)
-        ps = get_parallel()
-        self.lm_head = LMHead(s.hidden_size, s.vocab_size, ps.tp_rank, ps.tp_size)
-        self.tied = s.tie_word_embeddings
-        if self.tied:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        prefetch_next_qkv(self.model.layers)
+        self.add_lm_head(s.hidden_size, s.vocab_size, s.tie_word_embeddings)
 
     def needs_row_mask(self) -> bool:
         return True
