@@ -22,10 +22,16 @@ import torch
 from gpu_utils import capture, rel_err
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model_utils import PagedHarness, hf_logits, make_hf_checkpoint, relative_error  # noqa: E402
+from model_utils import (  # noqa: E402
+    check_paged_parity,
+    engine_greedy,
+    hf_greedy,
+    make_hf_checkpoint,
+    random_prompts,
+)
 from test_models_window import CONFIGS  # noqa: E402
 
-from graphserve import LLM, SamplingParams  # noqa: E402
+from graphserve import LLM  # noqa: E402
 from graphserve.config import EngineConfig  # noqa: E402
 from graphserve.kernels.decode_attention import (  # noqa: E402
     NewToken,
@@ -231,57 +237,28 @@ def test_triton_backend_matches_torch_backend(model, mode, gen):
     assert rel_err(outs[0], outs[1]) < TOL
 
 
-@pytest.fixture
-def _release_engines():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_windowed_checkpoints_in_bf16_match_transformers_past_the_window(name, tmp_path):
     hf = make_hf_checkpoint(tmp_path, CONFIGS[name]())
     loaded = load_model(EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cuda"), torch.device("cuda"))
-    harness = PagedHarness(loaded.model, block_size=16, num_blocks=32, dtype=DT, device="cuda",
-                           backend=TritonAttentionBackend())  # fmt: skip
-    gen = torch.Generator().manual_seed(7)
-    seqs = {s: torch.randint(4, 320, (n,), generator=gen).tolist() for s, n in (("a", 21), ("b", 37), ("c", 26))}
-    with torch.inference_mode():
-        harness.step([("b", seqs["b"][:13])])
-        out = harness.step([("a", seqs["a"]), ("b", seqs["b"][13:]), ("c", seqs["c"])])
-        for (seq, start), got in zip((("a", 0), ("b", 13), ("c", 0)), out):
-            err = relative_error(got.float().cpu(), hf_logits(hf, seqs[seq])[start:])
-            assert err < TOL, f"{name} prefill {seq}: relative error {err:.2e}"
-        for step in range(4):
-            for s in seqs:
-                seqs[s].append(int(torch.randint(4, 320, (1,), generator=gen)))
-            got = torch.cat(harness.step([(s, [seqs[s][-1]]) for s in seqs])).float().cpu()
-            err = relative_error(got, torch.stack([hf_logits(hf, seqs[s])[-1] for s in seqs]))
-            assert err < TOL, f"{name} decode step {step}: relative error {err:.2e}"
+    check_paged_parity(loaded.model, hf, name, TOL, lengths=(21, 37, 26), prefix=13, seed=7, check_prefix=False,
+                       block_size=16, num_blocks=32, dtype=DT, device="cuda", backend=TritonAttentionBackend())
 
 
-@pytest.mark.usefixtures("_release_engines")
+@pytest.mark.usefixtures("release_engines")
 def test_engine_with_graphs_gives_back_blocks_and_matches_eager_and_transformers(tmp_path):
     """fp32 Mistral (window 8) on a 10-block pool of 16 tokens: three requests of 44-64 tokens would need 12 blocks
     without giving back those outside their windows. CUDA graphs with padding (3 rows in a graph of 4) and eager
     steps give the same greedy tokens, and those of transformers' generate."""
     hf = make_hf_checkpoint(tmp_path, CONFIGS["mistral"]())
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(4, 320, (n,), generator=gen).tolist() for n in (20, 29, 40)]
+    prompts = random_prompts((20, 29, 40))
     new_tokens = 24
-    expected = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, pad_token_id=0)  # fmt: skip
-        expected.append(out[0, len(ids) :].tolist())
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
+    expected = [hf_greedy(hf, ids, new_tokens) for ids in prompts]
     runs = {}
     for graphs in (True, False):
         llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16, chunked_prefill_size=16,
                   num_kv_tokens=160, cuda_graph_max_bs=4, disable_cuda_graph=not graphs)  # fmt: skip
-        runs[graphs] = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                          use_tqdm=False)]  # fmt: skip
+        runs[graphs] = engine_greedy(llm, prompts, new_tokens)
         core = llm.engine.core
         assert core.block_manager.window == 8 and core.block_manager.num_released > 0
         core.block_manager.check_no_leak()
