@@ -8,8 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from graphserve.layers.quant.config import EXPERT_PARTS
+
 if TYPE_CHECKING:
     from graphserve.layers.linear import Linear
+    from graphserve.layers.moe import FusedMoE
     from graphserve.models.base import CausalLM
 
 
@@ -26,6 +29,20 @@ def part_rows(layer: Linear, shard: int | None) -> tuple[int, int]:
         return 0, layer.out_features
     rows = layer.shard_rows(shard)
     return rows.start, rows.stop
+
+
+def local_expert(layer: FusedMoE, param_name: str, shard: tuple[int, str]) -> int | None:
+    """This rank's index of checkpoint expert ``shard`` = (expert, part), the part checked to belong in
+    ``param_name`` (w1/w3 in ``w13_*``, w2 in ``w2_*``) and the expert to exist; None where another rank holds it."""
+    expert, part = shard
+    if part not in EXPERT_PARTS:
+        raise ValueError(f"expert weight {part!r} is not one of {EXPERT_PARTS}")
+    if not param_name.startswith("w2_" if part == "w2" else "w13_"):
+        raise ValueError(f"expert part {part!r} does not belong in {param_name}")
+    if not 0 <= expert < layer.num_experts:
+        raise ValueError(f"expert index {expert} is out of range for num_experts={layer.num_experts}")
+    local = expert - layer.expert_start
+    return local if 0 <= local < layer.num_local_experts else None
 
 
 def attach_to_linears(model: CausalLM, method: Any, ignore: Any) -> int:

@@ -29,8 +29,7 @@ from torch import nn
 
 from graphserve.kernels.fp4_experts_reference import fp4_fused_experts_reference
 from graphserve.kernels.moe_reference import expert_counts_reference
-from graphserve.layers.quant.attach import attach_to_experts, copy_checked
-from graphserve.layers.quant.config import EXPERT_PARTS
+from graphserve.layers.quant.attach import attach_to_experts, copy_checked, local_expert
 from graphserve.layers.quant.fp4 import (
     SCALE_DTYPES,
     check_block_scales,
@@ -100,16 +99,10 @@ class Fp4MoEMethod:
         """One expert's checkpoint weight, scale, global or input scale into its place; False when another rank
         holds the expert."""
         expert, part = shard
-        if part not in EXPERT_PARTS:
-            raise ValueError(f"expert weight {part!r} is not one of {EXPERT_PARTS}")
-        stack = "w2_" if part == "w2" else "w13_"
-        if not param_name.startswith(stack):
-            raise ValueError(f"expert part {part!r} does not belong in {param_name}")
-        if not 0 <= expert < layer.num_experts:
-            raise ValueError(f"expert index {expert} is out of range for num_experts={layer.num_experts}")
-        local = expert - layer.expert_start
-        if not 0 <= local < layer.num_local_experts:
+        local = local_expert(layer, param_name, shard)
+        if local is None:
             return False
+        stack = "w2_" if part == "w2" else "w13_"
         h, i = layer.hidden_size, layer.intermediate_local
         rows = slice(0, h) if part == "w2" else slice(0, i) if part == "w1" else slice(i, 2 * i)
         piece = layer.rank_slice(part)
