@@ -13,25 +13,22 @@ windows.
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from gpu_utils import capture, rel_err
+from gpu_utils import capture, greedy_with_and_without_graphs, rel_err
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_utils import (  # noqa: E402
     check_paged_parity,
-    engine_greedy,
     hf_greedy,
     make_hf_checkpoint,
     random_prompts,
 )
 from test_models_window import CONFIGS  # noqa: E402
 
-from graphserve import LLM  # noqa: E402
 from graphserve.config import EngineConfig  # noqa: E402
 from graphserve.kernels.decode_attention import (  # noqa: E402
     NewToken,
@@ -254,18 +251,9 @@ def test_engine_with_graphs_gives_back_blocks_and_matches_eager_and_transformers
     prompts = random_prompts((20, 29, 40))
     new_tokens = 24
     expected = [hf_greedy(hf, ids, new_tokens) for ids in prompts]
-    runs = {}
-    for graphs in (True, False):
-        llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16, chunked_prefill_size=16,
-                  num_kv_tokens=160, cuda_graph_max_bs=4, disable_cuda_graph=not graphs)  # fmt: skip
-        runs[graphs] = engine_greedy(llm, prompts, new_tokens)
-        core = llm.engine.core
+
+    def gave_back_blocks(core) -> None:
         assert core.block_manager.window == 8 and core.block_manager.num_released > 0
-        core.block_manager.check_no_leak()
-        if graphs:
-            decode = [r for r in core.telemetry.records() if r.kind == "decode"]
-            assert decode and any(r.graph for r in decode)
-        del llm, core
-        gc.collect()
-        torch.cuda.empty_cache()
+
+    runs = greedy_with_and_without_graphs(tmp_path, prompts, new_tokens, gave_back_blocks, num_kv_tokens=160)
     assert runs[True] == runs[False] == expected

@@ -10,24 +10,22 @@ fp32 with CUDA graphs (padding rows) and without, greedy tokens equal to each ot
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
 import torch
+from gpu_utils import greedy_with_and_without_graphs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_utils import (  # noqa: E402
     check_paged_parity,
-    engine_greedy,
     hf_greedy,
     make_hf_checkpoint,
     random_prompts,
 )
 from test_gpt_oss import _config  # noqa: E402
 
-from graphserve import LLM  # noqa: E402
 from graphserve.config import EngineConfig  # noqa: E402
 from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E402
 from graphserve.models.loader import load_model  # noqa: E402
@@ -48,17 +46,5 @@ def test_engine_with_graphs_matches_eager_and_transformers_generate(tmp_path):
     prompts = random_prompts((20, 29, 40))
     new_tokens = 16
     expected = [hf_greedy(hf, ids, new_tokens) for ids in prompts]
-    runs = {}
-    for graphs in (True, False):
-        llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16, chunked_prefill_size=16,
-                  cuda_graph_max_bs=4, disable_cuda_graph=not graphs)  # fmt: skip
-        runs[graphs] = engine_greedy(llm, prompts, new_tokens)
-        core = llm.engine.core
-        core.block_manager.check_no_leak()
-        if graphs:
-            decode = [r for r in core.telemetry.records() if r.kind == "decode"]
-            assert decode and any(r.graph for r in decode)
-        del llm, core
-        gc.collect()
-        torch.cuda.empty_cache()
+    runs = greedy_with_and_without_graphs(tmp_path, prompts, new_tokens)
     assert runs[True] == runs[False] == expected
