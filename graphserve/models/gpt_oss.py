@@ -34,7 +34,7 @@ from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel
 from graphserve.errors import ModelLoadError
 from graphserve.layers.attention import Attention
-from graphserve.layers.linear import Linear, norm_linear
+from graphserve.layers.linear import Linear
 from graphserve.layers.moe import FusedMoE, SoftmaxTopK
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
@@ -52,7 +52,7 @@ from graphserve.models.llama import (
     kv_layout_of,
     layer_windows_of,
 )
-from graphserve.models.moe import MoEShape, prefetch_next_qkv
+from graphserve.models.moe import MoEDecoderLayer, MoEShape, prefetch_next_qkv
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
@@ -98,20 +98,16 @@ class GptOssMoeBlock(nn.Module):
         return all_reduce(out, over="experts"), residual
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(MoEDecoderLayer):
+    """MoEDecoderLayer's forward over gpt-oss's attention (windows, sinks) and routed block (biased router,
+    clamped SwiGLU)."""
+
     def __init__(self, s: Shape, m: MoEShape, layer_idx: int, rotary: RotaryEmbedding, swiglu_limit: float) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.self_attn = GptOssAttention(s, layer_idx, rotary)
         self.mlp = GptOssMoeBlock(s, m, swiglu_limit)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = norm_linear(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
-        hidden = all_reduce(self.self_attn.forward_qkv(positions, qkv, batch))
-        return self.mlp.forward_add_norm(hidden, residual, self.post_attention_layernorm, batch)
 
 
 def swiglu_limit_of(config: Any) -> float:
