@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from gpu_utils import capture, greedy_with_and_without_graphs, rel_err
+from test_kernels import PAGE, lengths, paged
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_utils import (  # noqa: E402
@@ -46,23 +47,8 @@ from graphserve.models.loader import load_model  # noqa: E402
 
 DT = torch.bfloat16
 TOL = 2e-2
-PAGE = 16
 # (query heads, kv heads, head_dim, window, sinks)
 SHAPES = {"mistral-7b-v0.1": (32, 8, 128, 4096, False), "gpt-oss": (64, 8, 64, 128, True)}
-
-
-def paged(seq_lens: list[int], num_kv_heads: int, head_dim: int, gen: torch.Generator):
-    """Random cache and block tables handing out shuffled blocks (block 0 stays the dummy block)."""
-    per_seq = [(n + PAGE - 1) // PAGE for n in seq_lens]
-    num_blocks = sum(per_seq) + 8
-    cache = torch.randn(2, num_blocks, PAGE, num_kv_heads, head_dim, device="cuda", generator=gen).to(DT)
-    order = torch.randperm(num_blocks - 1, device="cuda", generator=gen).int() + 1
-    tables = torch.zeros(len(seq_lens), max(per_seq) + 2, dtype=torch.int32, device="cuda")
-    used = 0
-    for i, nb in enumerate(per_seq):
-        tables[i, :nb] = order[used : used + nb]
-        used += nb
-    return cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
 
 
 def released(cache, tables, first_seen):
@@ -78,12 +64,6 @@ def released(cache, tables, first_seen):
     return cache, tables
 
 
-def lengths(batch: int, max_ctx: int, gen: torch.Generator) -> list[int]:
-    lens = torch.randint(1, max_ctx + 1, (batch,), device="cuda", generator=gen).tolist()
-    lens[0] = max_ctx
-    return lens
-
-
 def sinks_for(heads: int, with_sinks: bool, gen: torch.Generator) -> torch.Tensor | None:
     return torch.randn(heads, device="cuda", generator=gen) * 2 if with_sinks else None
 
@@ -93,7 +73,7 @@ def sinks_for(heads: int, with_sinks: bool, gen: torch.Generator) -> torch.Tenso
 def test_decode_attention_reads_only_the_window(model, batch, max_ctx, gen):
     hq, hkv, d, window, with_sinks = SHAPES[model]
     seq_lens = lengths(batch, max_ctx, gen)
-    cache, tables, lens = paged(seq_lens, hkv, d, gen)
+    cache, tables, lens = paged(seq_lens, hkv, d, DT, gen)
     q = torch.randn(batch, hq, d, device="cuda", generator=gen).to(DT)
     sinks = sinks_for(hq, with_sinks, gen)
     ref = decode_attention_reference(q, cache, tables, lens, d**-0.5, window, sinks)
@@ -116,7 +96,7 @@ def test_decode_attention_reads_only_the_window(model, batch, max_ctx, gen):
 )
 def test_extend_attention_reads_only_the_windows(model, seq_lens, query_lens, gen):
     hq, hkv, d, window, with_sinks = SHAPES[model]
-    cache, tables, lens = paged(seq_lens, hkv, d, gen)
+    cache, tables, lens = paged(seq_lens, hkv, d, DT, gen)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     q = torch.randn(int(starts[-1]), hq, d, device="cuda", generator=gen).to(DT)
     sinks = sinks_for(hq, with_sinks, gen)
@@ -141,7 +121,7 @@ def test_decode_cuda_graph_replay_with_padding_rows_matches_eager(model, batch, 
     sinks = sinks_for(hq, with_sinks, gen)
 
     def inputs():
-        cache, tables, lens = paged(lengths(real, ctx, gen) + [0] * padding, hkv, d, gen)
+        cache, tables, lens = paged(lengths(real, ctx, gen) + [0] * padding, hkv, d, DT, gen)
         tables[real:] = 0
         return cache, tables, lens, torch.randn(batch, hq, d, device="cuda", generator=gen).to(DT)
 
@@ -176,7 +156,7 @@ def test_prologue_in_decode_with_window_and_sinks(model, batch, gen):
     """The fused-prologue decode against the prologue's own launch then the reference; eager and replayed alike."""
     hq, hkv, d, window, with_sinks = SHAPES[model]
     seq_lens = lengths(batch, window * 2 + 37, gen)
-    cache, tables, lens = paged(seq_lens, hkv, d, gen)
+    cache, tables, lens = paged(seq_lens, hkv, d, DT, gen)
     qkv = torch.randn(batch, (hq + 2 * hkv) * d, device="cuda", generator=gen).to(DT)
     positions = (lens - 1).long()
     slots = tables.gather(1, (positions // PAGE)[:, None]).squeeze(1).long() * PAGE + positions % PAGE
@@ -220,7 +200,7 @@ def test_triton_backend_matches_torch_backend(model, mode, gen):
     hq, hkv, d, window, with_sinks = SHAPES[model]
     seq_lens = [window + 300, 2 * window + 5, 40]
     q_lens = [1, 1, 1] if mode == "decode" else [window + 300, 77, 40]
-    cache, tables, _ = paged(seq_lens, hkv, d, gen)
+    cache, tables, _ = paged(seq_lens, hkv, d, DT, gen)
     slots = []
     for i, (n, ql) in enumerate(zip(seq_lens, q_lens)):
         slots += [int(tables[i, p // PAGE]) * PAGE + p % PAGE for p in range(n - ql, n)]
