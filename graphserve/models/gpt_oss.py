@@ -35,7 +35,7 @@ from graphserve.distributed.state import get_parallel
 from graphserve.errors import ModelLoadError
 from graphserve.layers.attention import Attention
 from graphserve.layers.linear import Linear
-from graphserve.layers.moe import FusedMoE, SoftmaxTopK
+from graphserve.layers.moe import FusedMoE, SoftmaxTopK, expert_split
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
 from graphserve.models.base import CausalLM
@@ -82,13 +82,11 @@ class GptOssMoeBlock(nn.Module):
 
     def __init__(self, s: Shape, m: MoEShape, swiglu_limit: float) -> None:
         super().__init__()
-        ps = get_parallel()
-        split = {"ep_rank": ps.ep_rank, "ep_size": ps.ep_size} if ps.ep_size > 1 else \
-            {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size}
         self.router = Linear(s.hidden_size, m.num_experts, bias=True)
         self.experts = FusedMoE(m.num_experts, m.top_k, s.hidden_size, m.moe_intermediate_size,
                                 SoftmaxTopK(m.num_experts, m.top_k, renormalize=True), activation="swiglu_oai",
-                                bias=True, swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=swiglu_limit, **split)  # fmt: skip
+                                bias=True, swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=swiglu_limit,
+                                **expert_split())  # fmt: skip
 
     def forward_add_norm(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, batch: ForwardBatch

@@ -24,7 +24,7 @@ from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel
 from graphserve.errors import ModelLoadError
 from graphserve.layers.linear import Linear, norm_linear
-from graphserve.layers.moe import FusedMoE, SoftmaxTopK
+from graphserve.layers.moe import FusedMoE, SoftmaxTopK, expert_split
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
 from graphserve.models.base import CausalLM
@@ -99,13 +99,9 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, s: Shape, m: MoEShape) -> None:
         super().__init__()
         ps = get_parallel()
-        # every rank routes every token (the gate is replicated); --tp splits each expert along its
-        # intermediate size, --ep places whole experts: either way this rank's output is a partial sum
-        split = {"ep_rank": ps.ep_rank, "ep_size": ps.ep_size} if ps.ep_size > 1 else \
-            {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size}
         self.gate = Linear(s.hidden_size, m.num_experts, bias=False)
         self.experts = FusedMoE(m.num_experts, m.top_k, s.hidden_size, m.moe_intermediate_size,
-                                SoftmaxTopK(m.num_experts, m.top_k, renormalize=m.renormalize), **split)
+                                SoftmaxTopK(m.num_experts, m.top_k, renormalize=m.renormalize), **expert_split())
         # the shared expert is tensor-parallel like a dense MLP (a partial sum at --tp N); at --tp 1 with
         # --ep N it is whole on every rank, so one rank adds it before the experts' all-reduce
         self.add_shared = ps.tp_size > 1 or ps.rank == 0
