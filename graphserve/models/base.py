@@ -48,8 +48,8 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Base of every family. Subclasses set ``self.model`` (a ``DecoderStack``), ``self.lm_head`` and
-    ``self.tied``, and implement ``describe``."""
+    """Base of every family. Subclasses set ``self.model`` (a ``DecoderStack``), then ``self.lm_head`` and
+    ``self.tied`` (``add_lm_head``), and implement ``describe``."""
 
     tied: bool = False
     # checkpoint name fragment -> (parameter fragment, shard id): tensors fused into one parameter
