@@ -16,7 +16,18 @@ from functools import partial
 import torch
 
 from benchmarks.common import print_table, write_result
-from benchmarks.fp4 import DT, ERRORS, LLAMA3_8B, MOE, _row, copies_for, fp4_bytes, fp4_weights, graph_ms
+from benchmarks.fp4 import (
+    DT,
+    ERRORS,
+    LLAMA3_8B,
+    MOE,
+    _row,
+    copies_for,
+    fp4_bytes,
+    fp4_expert_weights,
+    fp4_weights,
+    graph_ms,
+)
 from benchmarks.roofline import measured_read_bw
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp4_gemv import fp4_gemv, stream_config
@@ -73,12 +84,7 @@ def moe_variant_rows(card: str, calls: int = 8) -> list[dict]:
     random experts (gpt-oss-120b: 8 x 4 experts, ~420 MB, past L2)."""
     rows = []
     for name, (e, h, inter, topk, fmt, act) in MOE.items():
-        w13 = fp4_weights(2 * inter * e, h, fmt, 1)[0]
-        w2 = fp4_weights(h * e, inter, fmt, 1)[0]
-        w13p, w13s = w13[0].view(e, 2 * inter, h // 2), w13[1].view(e, 2 * inter, -1)
-        w2p, w2s = w2[0].view(e, h, inter // 2), w2[1].view(e, h, -1)
-        g13 = torch.full((e, 2), 1e-3, device="cuda") if fmt == "nvfp4" else None
-        g2 = torch.full((e, 1), 1e-3, device="cuda") if fmt == "nvfp4" else None
+        w13p, w13s, g13, w2p, w2s, g2 = fp4_expert_weights(e, h, inter, fmt)
         x = torch.randn(1, h, device="cuda", dtype=DT)
         routes = [torch.softmax(torch.randn(1, e, device="cuda"), -1).topk(topk, dim=-1) for _ in range(calls)]
         routes = [(wts, ids.int()) for wts, ids in routes]
@@ -98,7 +104,7 @@ def moe_variant_rows(card: str, calls: int = 8) -> list[dict]:
             rows.append({"card": card, "model": name, "fmt": fmt, "tokens": 1, "experts_read": experts,
                          "path": "stream", "widen": widen, "ms": ms, "bytes": wbytes, "gbs": wbytes / ms / 1e6,
                          "rel_diff_vs_default": diff})
-        del w13, w2, w13p, w13s, w2p, w2s
+        del w13p, w13s, w2p, w2s
         torch.cuda.empty_cache()
     return rows
 

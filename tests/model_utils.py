@@ -41,6 +41,21 @@ def make_hf_checkpoint(
     return model
 
 
+def bias_routers(hf: torch.nn.Module, folder: Path) -> torch.nn.Module:
+    """Give the routers' ``e_score_correction_bias`` buffers (zeros from HF's init, and buffers, which
+    ``make_hf_checkpoint`` leaves) random values large enough to change which experts win, and save ``hf`` to
+    ``folder`` again where it has any; return ``hf``."""
+    biased = False
+    with torch.no_grad():
+        for name, buf in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.3 * torch.randn_like(buf))
+                biased = True
+    if biased:
+        hf.save_pretrained(folder)
+    return hf
+
+
 def make_hf_checkpoints(tmp_path_factory, makers: dict, seed: int = 0) -> dict[str, Path]:
     """One ``make_hf_checkpoint`` folder per name of ``makers`` (name -> a function returning the config), for a
     module-scoped fixture."""
@@ -88,6 +103,29 @@ def held_weight_bytes(model: torch.nn.Module) -> int:
 def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """Float32 logits ``[len, vocab]`` of a full, uncached HF forward over ``token_ids``."""
     return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def random_prompts(lengths: tuple[int, ...], seed: int = 5, vocab: int = 320) -> list[list[int]]:
+    """One prompt of random token ids (none of the four special ones) per length, from a generator seeded ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, token_ids: list[int], new_tokens: int) -> list[int]:
+    """The ``new_tokens`` greedy tokens transformers' ``generate`` appends to ``token_ids`` (eos banned until then,
+    as ``min_tokens`` bans it in the engine)."""
+    out = model.generate(torch.tensor([token_ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0)  # fmt: skip
+    return out[0, len(token_ids) :].tolist()
+
+
+def engine_greedy(llm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The engine's ``new_tokens`` greedy tokens for each prompt, all submitted together."""
+    from graphserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
+    return [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
 class PagedHarness:
@@ -173,25 +211,28 @@ def apply_sampled(scheduler, out, sampled: list[int]) -> list:
 
 def check_paged_parity(model: torch.nn.Module, hf: torch.nn.Module, name: str, tol: float = 1e-4,
                        vocab: int = 320, decode_steps: int = 4, lengths: tuple[int, int, int] = (7, 19, 12),
-                       prefix: int = 11, **harness_kwargs) -> None:  # fmt: skip
+                       prefix: int = 11, seed: int = 3, check_prefix: bool = True,
+                       **harness_kwargs) -> None:  # fmt: skip
     """``model`` on a paged cache against ``hf``'s uncached forward: a prefill, then a batch mixing two
     whole prompts (``lengths[0]``, ``lengths[2]`` tokens) with the rest of a third (``lengths[1]``) on its cached
     ``prefix``-token prefix, then ``decode_steps`` decode steps of all three; every logit row within ``tol``
-    relative error."""
-    gen = torch.Generator().manual_seed(3)
+    relative error (the first prefill's too, unless ``check_prefix`` is off). ``harness_kwargs`` go to
+    ``PagedHarness``: a GPU test names its device and backend there."""
+    gen = torch.Generator().manual_seed(seed)
     seqs = {s: torch.randint(4, vocab, (n,), generator=gen).tolist() for s, n in zip("abc", lengths)}
     harness = PagedHarness(model, **harness_kwargs)
     first = harness.step([("b", seqs["b"][:prefix])])[0]
-    err = relative_error(first, hf_logits(hf, seqs["b"][:prefix]))
-    assert err < tol, f"{name} first prefill: relative error {err:.2e}"
+    if check_prefix:
+        err = relative_error(first.cpu(), hf_logits(hf, seqs["b"][:prefix]))
+        assert err < tol, f"{name} first prefill: relative error {err:.2e}"
     out = harness.step([("a", seqs["a"]), ("b", seqs["b"][prefix:]), ("c", seqs["c"])])
     for (seq, start), got in zip((("a", 0), ("b", prefix), ("c", 0)), out):
-        err = relative_error(got, hf_logits(hf, seqs[seq])[start:])
+        err = relative_error(got.cpu(), hf_logits(hf, seqs[seq])[start:])
         assert err < tol, f"{name} prefill {seq}: relative error {err:.2e}"
     for step in range(decode_steps):
         for s in seqs:
             seqs[s].append(int(torch.randint(4, vocab, (1,), generator=gen)))
-        got = torch.cat(harness.step([(s, [seqs[s][-1]]) for s in seqs]))
+        got = torch.cat(harness.step([(s, [seqs[s][-1]]) for s in seqs])).cpu()
         want = torch.stack([hf_logits(hf, seqs[s])[-1] for s in seqs])
         err = relative_error(got, want)
         assert err < tol, f"{name} decode step {step}: relative error {err:.2e}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import check_paged_parity, make_hf_checkpoint
+from model_utils import bias_routers, check_paged_parity, make_hf_checkpoint
 from transformers import DeepseekV2Config, DeepseekV3Config
 
 from graphserve import LLM, SamplingParams
@@ -46,16 +46,7 @@ VARIANTS = {
 
 
 def _checkpoint(folder, name):
-    hf = make_hf_checkpoint(folder, VARIANTS[name]())
-    biased = False
-    with torch.no_grad():
-        for buf_name, buf in hf.named_buffers():
-            if buf_name.endswith("e_score_correction_bias"):
-                buf.copy_(0.3 * torch.randn_like(buf))  # large enough to change which experts win
-                biased = True
-    if biased:
-        hf.save_pretrained(folder)
-    return hf
+    return bias_routers(make_hf_checkpoint(folder, VARIANTS[name]()), folder)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

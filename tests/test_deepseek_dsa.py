@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import check_paged_parity, make_hf_checkpoint, relative_error
+from model_utils import (
+    bias_routers,
+    check_paged_parity,
+    engine_greedy,
+    hf_greedy,
+    make_hf_checkpoint,
+    random_prompts,
+    relative_error,
+)
 from transformers import DeepseekV32Config, GlmMoeDsaConfig
 
-from graphserve import LLM, SamplingParams
+from graphserve import LLM
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError, ModelLoadError
 from graphserve.models.loader import load_model
@@ -35,13 +43,7 @@ VARIANTS = {
 
 
 def _checkpoint(folder, name):
-    hf = make_hf_checkpoint(folder, VARIANTS[name]())
-    with torch.no_grad():
-        for buf_name, buf in hf.named_buffers():
-            if buf_name.endswith("e_score_correction_bias"):
-                buf.copy_(0.3 * torch.randn_like(buf))  # large enough to change which experts win
-    hf.save_pretrained(folder)
-    return hf
+    return bias_routers(make_hf_checkpoint(folder, VARIANTS[name]()), folder)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -96,23 +98,13 @@ def test_greedy_matches_transformers_generate_under_continuous_batching(variant)
     """Prompts of 9, 23 and 37 tokens (chunked by 16) batched together, 12 greedy tokens each; then a prompt that
     shares the 37-token one's first 32 tokens takes its latent and index blocks from the prefix cache."""
     name, hf, _, folder = variant
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(4, 320, (n,), generator=gen).tolist() for n in (9, 23, 37)]
-
-    def expected(ids: list[int]) -> list[int]:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                              pad_token_id=0)
-        return out[0, len(ids):].tolist()
-
+    prompts = random_prompts((9, 23, 37))
     llm = LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32")
-    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.token_ids for o in outs] == [expected(p) for p in prompts], name
+    assert engine_greedy(llm, prompts, 12) == [hf_greedy(hf, p, 12) for p in prompts], name
     shared = prompts[2][:32] + [7, 8, 9]
     manager = llm.engine.core.block_manager
     hits = manager.hit_tokens
-    assert llm.generate([{"prompt_token_ids": shared}], params, use_tqdm=False)[0].token_ids == expected(shared)
+    assert engine_greedy(llm, [shared], 12) == [hf_greedy(hf, shared, 12)]
     assert manager.hit_tokens - hits == 32
     manager.check_no_leak()
 

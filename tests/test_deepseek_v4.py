@@ -9,14 +9,17 @@ import torch
 from model_utils import (
     PagedHarness,
     check_paged_parity,
+    engine_greedy,
     held_weight_bytes,
+    hf_greedy,
     hf_logits,
     make_hf_checkpoint,
+    random_prompts,
     relative_error,
 )
 from transformers import DeepseekV4Config
 
-from graphserve import LLM, SamplingParams
+from graphserve import LLM
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError, ModelLoadError
 from graphserve.layers.linear import Linear
@@ -89,32 +92,22 @@ def test_greedy_matches_transformers_generate_under_continuous_batching(v4):
     the 37-token one's first 32 tokens takes its latent and compressor rows from the prefix cache; then the three
     again on a pool too small for all of them at once (preemption by recompute)."""
     hf, _, folder = v4
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(4, 320, (n,), generator=gen).tolist() for n in (9, 23, 37)]
-
-    def expected(ids: list[int]) -> list[int]:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                              pad_token_id=0)
-        return out[0, len(ids):].tolist()
-
+    prompts = random_prompts((9, 23, 37))
     llm = LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32", max_model_len=256)
-    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    want = [expected(p) for p in prompts]
-    assert [o.token_ids for o in outs] == want
+    want = [hf_greedy(hf, p, 10) for p in prompts]
+    assert engine_greedy(llm, prompts, 10) == want
     shared = prompts[2][:32] + [7, 8, 9]
     manager = llm.engine.core.block_manager
     hits = manager.hit_tokens
-    assert llm.generate([{"prompt_token_ids": shared}], params, use_tqdm=False)[0].token_ids == expected(shared)
+    assert engine_greedy(llm, [shared], 10) == [hf_greedy(hf, shared, 10)]
     assert manager.hit_tokens - hits == 32
     manager.check_no_leak()
     # 80 tokens of cache: each prompt fits alone, not all three at once, so some are preempted and recomputed
     small = LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32", max_model_len=256,
                 num_kv_tokens=80, enable_prefix_caching=False)
-    outs = small.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got = engine_greedy(small, prompts, 10)
     assert small.engine.stats().num_preemptions > 0
-    assert [o.token_ids for o in outs] == want
+    assert got == want
 
 
 def test_description_counts_every_parameter_and_each_cache_part(v4):

@@ -69,6 +69,69 @@ def _dev(*ts):
     return [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in ts]
 
 
+def check_gemv(gen, fmt, m, n, k, cfg, with_bias):
+    """fp4_gemv under ``cfg`` (fp16 x on the dot path, bf16 on FMA) against the reference, into a NaN-poisoned
+    output."""
+    dtype = torch.float16 if cfg.use_dot else torch.bfloat16
+    packed, scale = _weight(gen, (), n, k, fmt)
+    gs = torch.tensor(0.7) if fmt == "nvfp4" else None
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    x = _x(gen, m, k, dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    ref = _ref(x, packed, scale, gs, fmt, bias)
+    x, packed, scale, gs, bias, out = _dev(x, packed, scale, gs, bias, out)
+    fp4_gemv(x, packed, scale, gs, fmt, bias, out, config=cfg)
+    assert not out.isnan().any()
+    assert relative_error(out.cpu(), ref) < 8e-3
+
+
+def check_prologues(gen, fmt, m, n, k, cfg):
+    """fp4_norm_gemv (with a residual) and fp4_silu_mul_gemv under ``cfg`` against the reference, in fp16: the
+    prologue rounds intermediates, which the interpreter's bf16 does not as the GPU does."""
+    dtype = torch.float16
+    packed, scale = _weight(gen, (), n, k, fmt)
+    gs = torch.tensor(1.3) if fmt == "nvfp4" else None
+    x, res = _x(gen, m, k, dtype), torch.randn(m, k, generator=gen).to(dtype)
+    nw = (torch.rand(k, generator=gen) + 0.5).to(dtype)
+    ref, summed = fp4_norm_gemv_reference(x, nw, 1e-6, packed, scale, gs, fmt, None, res)
+    gate_up = _x(gen, m, 2 * k, dtype)
+    g, u = gate_up.float().chunk(2, dim=-1)
+    silu_ref = _ref((torch.nn.functional.silu(g) * u).to(dtype), packed, scale, gs, fmt)
+    x, res, nw, packed, scale, gs, gate_up = _dev(x, res, nw, packed, scale, gs, gate_up)
+    out, res_out = fp4_norm_gemv(x, nw, 1e-6, packed, scale, gs, fmt, residual=res, config=cfg)
+    assert relative_error(out.cpu(), ref) < 8e-3 and torch.equal(res_out.cpu(), summed)
+    out = fp4_silu_mul_gemv(gate_up, packed, scale, gs, fmt, config=cfg)
+    assert relative_error(out.cpu(), silu_ref) < 8e-3
+
+
+def experts_case(gen, fmt, activation, t, k, start, local, h, inter):
+    """Random biased experts ``[start, start + local)`` of ``start + local + 1`` (one past this rank's: its pairs
+    are not ours), fp16 tokens whose last is a NaN padding row; the reference's output and the inputs, on CPU:
+    (x, w13, s13, g13, w2, s2, g2, weights, ids, valid, b13, b2)."""
+    total = start + local + 1
+    w13, s13 = _weight(gen, (local,), 2 * inter, h, fmt)
+    w2, s2 = _weight(gen, (local,), h, inter, fmt)
+    g13 = torch.rand(local, 2, generator=gen) + 0.5 if fmt == "nvfp4" else None
+    g2 = torch.rand(local, 1, generator=gen) + 0.5 if fmt == "nvfp4" else None
+    b13 = torch.randn(local, 2 * inter, generator=gen).half()
+    b2 = torch.randn(local, h, generator=gen).half()
+    x = torch.randn(t, h, generator=gen).half() * 2
+    ids = torch.stack([torch.randperm(total, generator=gen)[:k] for _ in range(t)]).int()
+    weights = torch.rand(t, k, generator=gen)
+    valid = torch.ones(t, dtype=torch.bool)
+    valid[-1] = False  # a padding row: NaN input and router output, zeros out
+    x[-1], weights[-1] = float("nan"), float("nan")
+    ref = fp4_fused_experts_reference(x, w13, s13, g13, w2, s2, g2, fmt, weights, ids, valid=valid,
+                                      expert_start=start, w13_bias=b13, w2_bias=b2, activation=activation)  # fmt: skip
+    return ref, (x, w13, s13, g13, w2, s2, g2, weights, ids, valid, b13, b2)
+
+
+def check_experts_out(out, ref):
+    """No NaN, zeros on the padding row, within fp16's error of the reference."""
+    assert not out.isnan().any() and torch.equal(out[-1].cpu(), torch.zeros(out.shape[1], dtype=out.dtype))
+    assert relative_error(out.cpu(), ref) < 5e-3
+
+
 @triton.jit
 def _widen_kernel(b_ptr, o16_ptr, o8_ptr):
     i = tl.arange(0, 256)
@@ -102,39 +165,14 @@ STREAM_CASES = [
 
 @pytest.mark.parametrize("fmt,m,n,k,cfg,with_bias", STREAM_CASES)
 def test_fp4_gemv_matches_reference(fmt, m, n, k, cfg, with_bias):
-    gen = torch.Generator().manual_seed(m * 131 + n + k)
-    dtype = torch.float16 if cfg.use_dot else torch.bfloat16
-    packed, scale = _weight(gen, (), n, k, fmt)
-    gs = torch.tensor(0.7) if fmt == "nvfp4" else None
-    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    x = _x(gen, m, k, dtype)
-    out = torch.full((m, n), float("nan"), dtype=dtype)
-    ref = _ref(x, packed, scale, gs, fmt, bias)
-    x, packed, scale, gs, bias, out = _dev(x, packed, scale, gs, bias, out)
-    fp4_gemv(x, packed, scale, gs, fmt, bias, out, config=cfg)
-    assert not out.isnan().any()
-    assert relative_error(out.cpu(), ref) < 8e-3
+    check_gemv(torch.Generator().manual_seed(m * 131 + n + k), fmt, m, n, k, cfg, with_bias)
 
 
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_fp4_gemv_prologues_match_reference(use_dot):
-    gen = torch.Generator().manual_seed(7 + use_dot)
-    dtype = torch.float16  # the prologue rounds intermediates, which the interpreter's bf16 does not as the GPU does
     m, n, k, fmt = (6, 24, 96, "mxfp4") if use_dot else (2, 24, 96, "nvfp4")
-    cfg = Fp4StreamConfig(16 if use_dot else 8, 64, 2, use_dot)
-    packed, scale = _weight(gen, (), n, k, fmt)
-    gs = torch.tensor(1.3) if fmt == "nvfp4" else None
-    x, res = _x(gen, m, k, dtype), torch.randn(m, k, generator=gen).to(dtype)
-    nw = (torch.rand(k, generator=gen) + 0.5).to(dtype)
-    ref, summed = fp4_norm_gemv_reference(x, nw, 1e-6, packed, scale, gs, fmt, None, res)
-    gate_up = _x(gen, m, 2 * k, dtype)
-    g, u = gate_up.float().chunk(2, dim=-1)
-    silu_ref = _ref((torch.nn.functional.silu(g) * u).to(dtype), packed, scale, gs, fmt)
-    x, res, nw, packed, scale, gs, gate_up = _dev(x, res, nw, packed, scale, gs, gate_up)
-    out, res_out = fp4_norm_gemv(x, nw, 1e-6, packed, scale, gs, fmt, residual=res, config=cfg)
-    assert relative_error(out.cpu(), ref) < 8e-3 and torch.equal(res_out.cpu(), summed)
-    out = fp4_silu_mul_gemv(gate_up, packed, scale, gs, fmt, config=cfg)
-    assert relative_error(out.cpu(), silu_ref) < 8e-3
+    check_prologues(torch.Generator().manual_seed(7 + use_dot), fmt, m, n, k,
+                    Fp4StreamConfig(16 if use_dot else 8, 64, 2, use_dot))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -211,27 +249,12 @@ MOE_CASES = [
 @pytest.mark.parametrize("fmt,path,activation,t,k,start,local,h,inter", MOE_CASES)
 def test_fp4_fused_experts_match_reference(fmt, path, activation, t, k, start, local, h, inter):
     gen = torch.Generator().manual_seed(t * 17 + h + inter + k)
-    total = start + local + 1  # one expert past this rank's: its pairs are not ours
-    w13, s13 = _weight(gen, (local,), 2 * inter, h, fmt)
-    w2, s2 = _weight(gen, (local,), h, inter, fmt)
-    g13 = torch.rand(local, 2, generator=gen) + 0.5 if fmt == "nvfp4" else None
-    g2 = torch.rand(local, 1, generator=gen) + 0.5 if fmt == "nvfp4" else None
-    b13 = torch.randn(local, 2 * inter, generator=gen).half()
-    b2 = torch.randn(local, h, generator=gen).half()
-    x = torch.randn(t, h, generator=gen).half() * 2
-    ids = torch.stack([torch.randperm(total, generator=gen)[:k] for _ in range(t)]).int()
-    weights = torch.rand(t, k, generator=gen)
-    valid = torch.ones(t, dtype=torch.bool)
-    valid[-1] = False  # a padding row: NaN input and router output, zeros out
-    x[-1], weights[-1] = float("nan"), float("nan")
-    ref = fp4_fused_experts_reference(x, w13, s13, g13, w2, s2, g2, fmt, weights, ids, valid=valid,
-                                      expert_start=start, w13_bias=b13, w2_bias=b2, activation=activation)  # fmt: skip
+    ref, inputs = experts_case(gen, fmt, activation, t, k, start, local, h, inter)
+    ids, valid, total = inputs[8], inputs[9], start + local + 1
     want_counts = torch.bincount(ids[valid].flatten().long(), minlength=total).int()
-    counts = torch.full((total,), -1, dtype=torch.int32)
-    args = _dev(x, w13, s13, g13, w2, s2, g2, weights, ids, valid, counts, b13, b2)
-    x, w13, s13, g13, w2, s2, g2, weights, ids, valid, counts, b13, b2 = args
+    x, w13, s13, g13, w2, s2, g2, weights, ids, valid, b13, b2 = _dev(*inputs)
+    counts = torch.full((total,), -1, dtype=torch.int32, device=DEVICE)
     out = fp4_fused_experts(x, w13, s13, g13, w2, s2, g2, fmt, weights, ids, valid=valid, expert_start=start,
                             counts=counts, w13_bias=b13, w2_bias=b2, activation=activation, path=path)  # fmt: skip
-    assert not out.isnan().any() and torch.equal(out[-1].cpu(), torch.zeros(h, dtype=out.dtype))
-    assert relative_error(out.cpu(), ref) < 5e-3
+    check_experts_out(out, ref)
     assert torch.equal(counts.cpu()[start:start + local], want_counts[start:start + local])

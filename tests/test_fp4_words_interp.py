@@ -14,27 +14,29 @@ import dataclasses
 import pytest
 import torch
 from interp_setup import kernel_device, use_interpreter
-from model_utils import relative_error
 
 use_interpreter()
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from graphserve.kernels.fp4_experts_reference import fp4_fused_experts_reference  # noqa: E402
 from graphserve.kernels.fp4_gemv import (  # noqa: E402
     Fp4StreamConfig,
     fp4_gemv,
-    fp4_norm_gemv,
-    fp4_norm_gemv_reference,
-    fp4_silu_mul_gemv,
     stream_config,
 )
 from graphserve.kernels.fp4_layout import DEFAULT_WIDEN, default_widen, split8, widen8  # noqa: E402
 from graphserve.kernels.fp4_moe import fp4_fused_experts  # noqa: E402
-from graphserve.kernels.fp4_reference import fp4_codes_to_float, fp4_dequantize, unpack_fp4  # noqa: E402
+from graphserve.kernels.fp4_reference import fp4_codes_to_float, unpack_fp4  # noqa: E402
 
-from test_fp4_interp import _dev, _weight, _x  # noqa: E402  # isort: skip
+from test_fp4_interp import (  # noqa: E402  # isort: skip
+    _dev,
+    _weight,
+    check_experts_out,
+    check_gemv,
+    check_prologues,
+    experts_case,
+)
 
 DEVICE = kernel_device()
 
@@ -105,42 +107,16 @@ WORD_CASES = [
 @pytest.mark.parametrize("widen", WIDENINGS)
 @pytest.mark.parametrize("fmt,m,n,k,tiles,with_bias", WORD_CASES)
 def test_fp4_gemv_word_widenings_match_reference(fmt, m, n, k, tiles, with_bias, widen):
-    cfg = dataclasses.replace(tiles, widen=widen)
     gen = torch.Generator().manual_seed(m * 131 + n + k + len(widen))
-    dtype = torch.float16 if cfg.use_dot else torch.bfloat16
-    packed, scale = _weight(gen, (), n, k, fmt)
-    gs = torch.tensor(0.7) if fmt == "nvfp4" else None
-    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    x = _x(gen, m, k, dtype)
-    out = torch.full((m, n), float("nan"), dtype=dtype)
-    ref = x.float() @ fp4_dequantize(packed, scale, gs, fmt).T + (bias.float() if with_bias else 0.0)
-    x, packed, scale, gs, bias, out = _dev(x, packed, scale, gs, bias, out)
-    fp4_gemv(x, packed, scale, gs, fmt, bias, out, config=cfg)
-    assert not out.isnan().any()
-    assert relative_error(out.cpu(), ref) < 8e-3
+    check_gemv(gen, fmt, m, n, k, dataclasses.replace(tiles, widen=widen), with_bias)
 
 
 @pytest.mark.parametrize("widen", WIDENINGS)
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_fp4_gemv_word_widening_prologues(use_dot, widen):
-    gen = torch.Generator().manual_seed(17 + use_dot + len(widen))
-    dtype = torch.float16
     m, n, k, fmt = (6, 24, 160, "mxfp4") if use_dot else (2, 24, 96, "nvfp4")
-    cfg = Fp4StreamConfig(16 if use_dot else 8, 128 if use_dot else 64, 2, use_dot, widen=widen)
-    packed, scale = _weight(gen, (), n, k, fmt)
-    gs = torch.tensor(1.3) if fmt == "nvfp4" else None
-    x, res = _x(gen, m, k, dtype), torch.randn(m, k, generator=gen).to(dtype)
-    nw = (torch.rand(k, generator=gen) + 0.5).to(dtype)
-    ref, summed = fp4_norm_gemv_reference(x, nw, 1e-6, packed, scale, gs, fmt, None, res)
-    gate_up = _x(gen, m, 2 * k, dtype)
-    g, u = gate_up.float().chunk(2, dim=-1)
-    silu_x = (torch.nn.functional.silu(g) * u).to(dtype)
-    silu_ref = silu_x.float() @ fp4_dequantize(packed, scale, gs, fmt).T
-    x, res, nw, packed, scale, gs, gate_up = _dev(x, res, nw, packed, scale, gs, gate_up)
-    out, res_out = fp4_norm_gemv(x, nw, 1e-6, packed, scale, gs, fmt, residual=res, config=cfg)
-    assert relative_error(out.cpu(), ref) < 8e-3 and torch.equal(res_out.cpu(), summed)
-    out = fp4_silu_mul_gemv(gate_up, packed, scale, gs, fmt, config=cfg)
-    assert relative_error(out.cpu(), silu_ref) < 8e-3
+    check_prologues(torch.Generator().manual_seed(17 + use_dot + len(widen)), fmt, m, n, k,
+                    Fp4StreamConfig(16 if use_dot else 8, 128 if use_dot else 64, 2, use_dot, widen=widen))
 
 
 def test_word_widening_refusals_name_the_field_and_limit():
@@ -170,27 +146,11 @@ def test_word_widening_refusals_name_the_field_and_limit():
     ("mxfp4", "swiglu_oai", 3, 3, 1, 4, 64, 96),
 ])  # fmt: skip
 def test_fp4_experts_stream_word_widenings_match_reference(fmt, activation, t, k, start, local, h, inter, widen):
-    gen = torch.Generator().manual_seed(t * 19 + h + inter)
-    total = start + local + 1  # one expert past this rank's: its pairs are not ours
-    w13, s13 = _weight(gen, (local,), 2 * inter, h, fmt)
-    w2, s2 = _weight(gen, (local,), h, inter, fmt)
-    g13 = torch.rand(local, 2, generator=gen) + 0.5 if fmt == "nvfp4" else None
-    g2 = torch.rand(local, 1, generator=gen) + 0.5 if fmt == "nvfp4" else None
-    b13 = torch.randn(local, 2 * inter, generator=gen).half()
-    b2 = torch.randn(local, h, generator=gen).half()
-    x = torch.randn(t, h, generator=gen).half() * 2
-    ids = torch.stack([torch.randperm(total, generator=gen)[:k] for _ in range(t)]).int()
-    weights = torch.rand(t, k, generator=gen)
-    valid = torch.ones(t, dtype=torch.bool)
-    valid[-1] = False  # a padding row: NaN input and router output, zeros out
-    x[-1], weights[-1] = float("nan"), float("nan")
-    ref = fp4_fused_experts_reference(x, w13, s13, g13, w2, s2, g2, fmt, weights, ids, valid=valid,
-                                      expert_start=start, w13_bias=b13, w2_bias=b2, activation=activation)  # fmt: skip
-    args = _dev(x, w13, s13, g13, w2, s2, g2, weights, ids, valid, b13, b2)
-    x, w13, s13, g13, w2, s2, g2, weights, ids, valid, b13, b2 = args
+    ref, inputs = experts_case(torch.Generator().manual_seed(t * 19 + h + inter), fmt, activation, t, k, start,
+                               local, h, inter)  # fmt: skip
+    x, w13, s13, g13, w2, s2, g2, weights, ids, valid, b13, b2 = _dev(*inputs)
     out = fp4_fused_experts(x, w13, s13, g13, w2, s2, g2, fmt, weights, ids, valid=valid, expert_start=start,
                             w13_bias=b13, w2_bias=b2, activation=activation, path="stream", widen=widen)  # fmt: skip
-    assert not out.isnan().any() and torch.equal(out[-1].cpu(), torch.zeros(h, dtype=out.dtype))
-    assert relative_error(out.cpu(), ref) < 5e-3
+    check_experts_out(out, ref)
     with pytest.raises(ValueError, match="widen='half' must be one of"):
         fp4_fused_experts(x, w13, s13, g13, w2, s2, g2, fmt, weights, ids, path="stream", widen="half")

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import check_paged_parity, make_hf_checkpoint
+from model_utils import check_paged_parity, engine_greedy, hf_greedy, make_hf_checkpoint, random_prompts
 from transformers import MistralConfig, Qwen2Config
 
-from graphserve import LLM, SamplingParams
+from graphserve import LLM
 from graphserve.config import EngineConfig
 from graphserve.errors import ModelLoadError
 from graphserve.models.loader import load_model
@@ -53,20 +53,12 @@ def test_prefill_chunked_prefill_and_decode_match_transformers_past_the_window(c
 
 def test_greedy_generation_matches_transformers_under_continuous_batching(checkpoint):
     name, folder, hf = checkpoint
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(4, 320, (n,), generator=gen).tolist() for n in (20, 29, 40)]
+    prompts = random_prompts((20, 29, 40))
     new_tokens = 12
-    expected = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, pad_token_id=0)  # fmt: skip
-        expected.append(out[0, len(ids) :].tolist())
+    expected = [hf_greedy(hf, ids, new_tokens) for ids in prompts]
     # 16-token chunks: the 29 and 40-token prompts prefill across steps beside other requests' decodes
     llm = LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32")
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.token_ids for o in outs] == expected
+    assert engine_greedy(llm, prompts, new_tokens) == expected
     llm.engine.core.block_manager.check_no_leak()
 
 

@@ -35,14 +35,11 @@ from graphserve.layers.moe import FusedMoE, SoftmaxTopK  # noqa: E402
 from graphserve.layers.quant.config import Fp8Config  # noqa: E402
 from graphserve.layers.quant.fp8_moe import Fp8MoEMethod, quantize_stack  # noqa: E402
 
+from test_moe_interp import E, _randn, routed_tokens  # noqa: E402  # isort: skip
+
 DEVICE = kernel_device()
-E = 6
 GEMM = (GemmTile(16, 16, 32, 2, 4, 2), GemmTile(16, 32, 32, 1, 4, 2))
 GEMV = (GemvTile(8, 32, 4), GemvTile(16, 32, 4))
-
-
-def _randn(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE)
 
 
 def _fp8_experts(gen, num_local, h, inter, block):
@@ -137,12 +134,7 @@ def test_fp8_experts_match_reference(path, w8a8, block, t, k, expert_start, num_
         monkeypatch.setattr(moe_fused, "per_token_group_quant", per_token_group_quant_reference)
     gen = torch.Generator().manual_seed(t * k + num_local + h)
     w13, w2, s13, s2 = _fp8_experts(gen, num_local, h, inter, block)
-    x = _randn(t, h, gen=gen)
-    topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), k, True)
-    valid = (torch.arange(t, device=DEVICE) < t - 2) if padded else None
-    if padded:  # padding rows hold whatever the batch buffer held: nothing of them may leak
-        x[-2:] = float("nan")
-        topk_w[-2:] = float("nan")
+    x, topk_w, topk_ids, valid = routed_tokens(gen, t, h, k, padded)
     counts = torch.full((E,), -1, dtype=torch.int32, device=DEVICE)
     out = fused_experts(x, w13, w2, topk_w, topk_ids, valid=valid, expert_start=expert_start, counts=counts,
                         w13_scale=s13, w2_scale=s2, weight_block=block, path=path, w8a8=w8a8 if path == "gemm"

@@ -46,6 +46,18 @@ def _randn(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tenso
     return (torch.randn(*shape, generator=gen) * scale).to(DEVICE)
 
 
+def routed_tokens(gen: torch.Generator, t: int, h: int, k: int, padded: bool):
+    """``t`` tokens routed to ``k`` of ``E`` experts: (x, topk_w, topk_ids, valid). Where ``padded``, the last two
+    are padding rows holding NaN, as whatever the batch buffer held: nothing of them may leak."""
+    x = _randn(t, h, gen=gen)
+    topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), k, True)
+    valid = (torch.arange(t, device=DEVICE) < t - 2) if padded else None
+    if padded:
+        x[-2:] = float("nan")
+        topk_w[-2:] = float("nan")
+    return x, topk_w, topk_ids, valid
+
+
 @pytest.mark.parametrize("t,e,k,renorm", [(1, 8, 2, True), (5, 60, 4, False), (19, 6, 3, True)])
 def test_softmax_topk_matches_reference(t, e, k, renorm):
     gen = torch.Generator().manual_seed(t * 100 + e)
@@ -162,12 +174,7 @@ FUSED_CASES = [(7, 2, 0, E, False, H, INTER), (9, 3, 2, 3, True, H, INTER), (6, 
 def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, padded, h, inter):
     gen = torch.Generator().manual_seed(t * k + num_local)
     w13, w2 = _weights(gen, num_local, h, inter)
-    x = _randn(t, h, gen=gen)
-    topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), k, True)
-    valid = (torch.arange(t, device=DEVICE) < t - 2) if padded else None
-    if padded:  # padding rows hold whatever the batch buffer held: nothing of them may leak
-        x[-2:] = float("nan")
-        topk_w[-2:] = float("nan")
+    x, topk_w, topk_ids, valid = routed_tokens(gen, t, h, k, padded)
     counts = torch.full((E,), -1, dtype=torch.int32, device=DEVICE)
     out = fused_experts(x, w13, w2, topk_w, topk_ids, valid=valid, expert_start=expert_start, counts=counts,
                         path=path, gemm_tiles=GEMM, gemv_tiles=GEMV)  # fmt: skip

@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
-from model_utils import check_paged_parity, make_hf_checkpoint
+from model_utils import check_paged_parity, engine_greedy, hf_greedy, make_hf_checkpoint, random_prompts
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from graphserve import LLM, SamplingParams
+from graphserve import LLM
 from graphserve.config import EngineConfig
 from graphserve.errors import ModelLoadError
 from graphserve.layers.attention import TorchAttentionBackend
@@ -69,19 +69,11 @@ def test_description_counts_the_checkpoint(variant):
 
 def test_greedy_matches_transformers_generate_under_continuous_batching(variant):
     name, hf, _, folder = variant
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(4, 320, (n,), generator=gen).tolist() for n in (3, 11, 26)]
+    prompts = random_prompts((3, 11, 26))
     new_tokens = 12
-    expected = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, pad_token_id=0)
-        expected.append(out[0, len(ids):].tolist())
+    expected = [hf_greedy(hf, ids, new_tokens) for ids in prompts]
     llm = LLM(str(folder), block_size=4, chunked_prefill_size=16)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.token_ids for o in outs] == expected, name
+    assert engine_greedy(llm, prompts, new_tokens) == expected, name
     llm.engine.core.block_manager.check_no_leak()
     # every step's record carries its routing: k pairs per token in each MoE layer
     moe = llm.engine.core.runner.expert_probe.layers

@@ -12,7 +12,6 @@ use_interpreter("graphserve.layers.moe")
 
 import pytest  # noqa: E402
 
-from graphserve.kernels.moe_config import GemmTile, GemvTile  # noqa: E402
 from graphserve.kernels.moe_fused import fused_experts  # noqa: E402
 from graphserve.kernels.moe_reference import (  # noqa: E402
     activation_reference,
@@ -22,15 +21,10 @@ from graphserve.kernels.moe_reference import (  # noqa: E402
 )
 from graphserve.layers.moe import FusedMoE, SoftmaxTopK  # noqa: E402
 
+from test_moe_interp import E, GEMM, GEMV, H, INTER, _randn, routed_tokens  # noqa: E402  # isort: skip
+
 DEVICE = kernel_device()
-H, INTER, E = 40, 24, 6
-GEMM = (GemmTile(16, 16, 32, 2, 4, 2), GemmTile(16, 32, 16, 1, 4, 2))
-GEMV = (GemvTile(8, 16, 4), GemvTile(16, 16, 4))
 LIMIT = 1.5  # below the spread of gate/up at these scales, so both clamps cut some values
-
-
-def _randn(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE)
 
 
 def test_swiglu_oai_reference_is_transformers_gpt_oss_activation():
@@ -56,12 +50,7 @@ def test_fused_experts_with_biases_and_swiglu_oai_match_reference(path, t, k, ex
     gen = torch.Generator().manual_seed(t * k + num_local)
     w13, w2 = _randn(num_local, 2 * inter, h, gen=gen, scale=0.3), _randn(num_local, h, inter, gen=gen, scale=0.3)
     b13, b2 = _randn(num_local, 2 * inter, gen=gen), _randn(num_local, h, gen=gen)
-    x = _randn(t, h, gen=gen)
-    topk_w, topk_ids = softmax_topk_reference(_randn(t, E, gen=gen), k, True)
-    valid = (torch.arange(t, device=DEVICE) < t - 2) if padded else None
-    if padded:  # padding rows hold whatever the batch buffer held: nothing of them may leak
-        x[-2:] = float("nan")
-        topk_w[-2:] = float("nan")
+    x, topk_w, topk_ids, valid = routed_tokens(gen, t, h, k, padded)
     counts = torch.full((E,), -1, dtype=torch.int32, device=DEVICE)
     epilogue = {"w13_bias": b13, "w2_bias": b2, "activation": "swiglu_oai", "alpha": 1.702, "limit": LIMIT}
     out = fused_experts(x, w13, w2, topk_w, topk_ids, valid=valid, expert_start=expert_start, counts=counts,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import apply_sampled, make_hf_checkpoint
+from model_utils import apply_sampled, engine_greedy, hf_greedy, make_hf_checkpoint, random_prompts
 from transformers import MistralConfig, Qwen2Config
 
 from graphserve import LLM, SamplingParams
@@ -156,27 +156,19 @@ def test_engine_serves_requests_longer_than_its_pool_through_their_windows(tmp_p
     """A 24-block pool (96 tokens) serves three requests of 52-60 tokens at once (168 tokens in all), each holding
     its window's blocks; greedy tokens equal transformers' generate."""
     hf = make_hf_checkpoint(tmp_path, MistralConfig(**_TINY, sliding_window=WINDOW, rope_theta=10000.0))
-    gen = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(4, 320, (n,), generator=gen).tolist() for n in (40, 33, 36)]
+    prompts = random_prompts((40, 33, 36), seed=8)
     new_tokens = 20
-    expected = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, pad_token_id=0)  # fmt: skip
-        expected.append(out[0, len(ids) :].tolist())
+    expected = [hf_greedy(hf, ids, new_tokens) for ids in prompts]
     llm = LLM(str(tmp_path), block_size=BS, chunked_prefill_size=8, num_kv_tokens=96, dtype="float32")
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.token_ids for o in outs] == expected
+    assert engine_greedy(llm, prompts, new_tokens) == expected
     core = llm.engine.core
     assert core.block_manager.window == WINDOW and core.block_manager.num_released >= 3 * (52 - WINDOW) // BS - 3
     assert core.scheduler.num_preemptions == 0
     core.block_manager.check_no_leak()
     # a request that could not hold even its window is still refused, by name
     with pytest.raises(BadRequestError, match=r"of which it holds at most 20 at once does not fit the KV pool of 16"):
-        LLM(str(tmp_path), block_size=BS, chunked_prefill_size=8, num_kv_tokens=16,
-            dtype="float32").generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # fmt: skip
+        engine_greedy(LLM(str(tmp_path), block_size=BS, chunked_prefill_size=8, num_kv_tokens=16, dtype="float32"),
+                      prompts[:1], new_tokens)  # fmt: skip
 
 
 def test_partly_windowed_models_keep_their_blocks(tmp_path):

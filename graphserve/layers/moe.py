@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphserve.distributed.state import get_parallel
 from graphserve.errors import ModelLoadError
 from graphserve.kernels.moe_reference import (
     ACTIVATIONS,
@@ -108,6 +109,15 @@ class GroupedSigmoidTopK(Router):
             router_logits, self.top_k, self.e_score_correction_bias, self.n_group, self.topk_group,
             self.renormalize, self.routed_scaling_factor,
         )  # fmt: skip
+
+
+def expert_split() -> dict[str, int]:
+    """This rank's share of a FusedMoE: whole experts under --ep, each expert split along its intermediate size
+    under --tp. Every rank routes every token (the gate is replicated), so either way its output is a partial sum."""
+    ps = get_parallel()
+    if ps.ep_size > 1:
+        return {"ep_rank": ps.ep_rank, "ep_size": ps.ep_size}
+    return {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size}
 
 
 def make_router(scoring_func: str, num_experts: int, top_k: int, **options) -> Router:

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphserve.distributed.state import get_parallel
 from graphserve.errors import ModelLoadError
+from graphserve.layers.embedding import LMHead
 from graphserve.layers.quant.config import scale_has_no_place
 
 
@@ -46,8 +48,8 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Base of every family. Subclasses set ``self.model`` (a ``DecoderStack``), ``self.lm_head`` and
-    ``self.tied``, and implement ``describe``."""
+    """Base of every family. Subclasses set ``self.model`` (a ``DecoderStack``), then ``self.lm_head`` and
+    ``self.tied`` (``add_lm_head``), and implement ``describe``."""
 
     tied: bool = False
     # checkpoint name fragment -> (parameter fragment, shard id): tensors fused into one parameter
@@ -73,6 +75,15 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def add_lm_head(self, hidden_size: int, vocab_size: int, tie_word_embeddings: bool) -> None:
+        """``self.lm_head`` over this rank's vocabulary rows (``--tp``), tied to ``self.model.embed_tokens`` where
+        the config ties them; ``self.model`` is built first."""
+        ps = get_parallel()
+        self.lm_head = LMHead(hidden_size, vocab_size, ps.tp_rank, ps.tp_size)
+        self.tied = tie_word_embeddings
+        if self.tied:
+            self.lm_head.tie_to(self.model.embed_tokens)
 
     def moe_layers(self) -> list[nn.Module]:
         """The routed-expert layers (empty for a dense model)."""

@@ -28,7 +28,7 @@ from torch import nn
 
 from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel
-from graphserve.layers.embedding import LMHead, VocabEmbedding
+from graphserve.layers.embedding import VocabEmbedding
 from graphserve.layers.kv_layout import KVLayout
 from graphserve.layers.linear import (
     Linear,
@@ -40,7 +40,7 @@ from graphserve.layers.linear import (
 )
 from graphserve.layers.mla import MLAttention
 from graphserve.layers.mla_rope import DeepseekRotary, softmax_scale
-from graphserve.layers.moe import FusedMoE, GroupedSigmoidTopK, Router, SoftmaxTopK
+from graphserve.layers.moe import FusedMoE, GroupedSigmoidTopK, Router, SoftmaxTopK, expert_split
 from graphserve.layers.moe_router_deepseek import SoftmaxGroupTopK
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.quant.config import DEQUANTIZED_AT_LOAD, parse_quantization_config
@@ -96,8 +96,6 @@ class DeepseekMoE(nn.Module):
     def __init__(self, s: DeepseekShape) -> None:
         super().__init__()
         ps = get_parallel()
-        split = {"ep_rank": ps.ep_rank, "ep_size": ps.ep_size} if ps.ep_size > 1 else \
-            {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size}
         self.gate = Linear(s.hidden_size, s.n_routed_experts, bias=False)
         self.routed_scale = 1.0  # what the router leaves to the output
         router: Router
@@ -110,7 +108,7 @@ class DeepseekMoE(nn.Module):
         else:
             router = SoftmaxGroupTopK(s.n_routed_experts, s.top_k, s.n_group, s.topk_group, s.routed_scaling_factor)
         self.experts = FusedMoE(s.n_routed_experts, s.top_k, s.hidden_size, s.moe_intermediate_size, router,
-                                **split)
+                                **expert_split())
         self.add_shared = ps.tp_size > 1 or ps.rank == 0
         self.shared_experts = None
         if s.n_shared_experts:
@@ -181,15 +179,16 @@ class DeepseekV2ForCausalLM(CausalLM):
     def __init__(self, config: Any, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.shape = shape_from_config(config, self.version)
-        self.model = DeepseekModel(self.shape, max_positions)
-        ps = get_parallel()
-        self.lm_head = LMHead(self.shape.hidden_size, self.shape.vocab_size, ps.tp_rank, ps.tp_size)
-        self.tied = self.shape.tie_word_embeddings
-        if self.tied:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.model = self.build_model(config, max_positions)
+        self.add_lm_head(self.shape.hidden_size, self.shape.vocab_size, self.shape.tie_word_embeddings)
         # how the checkpoint's tensors are stored (None: unquantized), which says how its kv_b_proj is scaled
         self.checkpoint_quant = parse_quantization_config(getattr(config, "quantization_config", None))
+
+    def build_model(self, config: Any, max_positions: int) -> nn.Module:
+        """The decoder stack; sets ``self.shape`` (a family with sparse attention builds its own:
+        models/deepseek_dsa.py)."""
+        self.shape = shape_from_config(config, self.version)
+        return DeepseekModel(self.shape, max_positions)
 
     @classmethod
     def config_shape(cls, config: Any) -> DeepseekShape:

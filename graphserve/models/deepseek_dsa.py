@@ -28,12 +28,12 @@ from graphserve.distributed.state import get_parallel
 from graphserve.errors import ConfigError
 from graphserve.layers.dsa_attention import DsaAttention
 from graphserve.layers.dsa_indexer import INDEXER_ROWS, DsaIndexer, DsaStep
-from graphserve.layers.embedding import LMHead, VocabEmbedding
+from graphserve.layers.embedding import VocabEmbedding
 from graphserve.layers.linear import norm_mlp
 from graphserve.layers.mla_rope import DeepseekRotary, softmax_scale
 from graphserve.layers.norm import RMSNorm
-from graphserve.layers.quant.config import DEQUANTIZED_AT_LOAD, parse_quantization_config
-from graphserve.models.base import CausalLM, DecoderStack
+from graphserve.layers.quant.config import DEQUANTIZED_AT_LOAD
+from graphserve.models.base import DecoderStack
 from graphserve.models.deepseek import DeepseekMLP, DeepseekMoE, DeepseekV3ForCausalLM
 from graphserve.models.deepseek_dsa_shape import DsaShape, dsa_shape_from_config
 from graphserve.models.deepseek_shape import DeepseekShape
@@ -115,18 +115,10 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     # dequantized as they load, as MLA's kv_b_proj is
     dequantized_at_load = DEQUANTIZED_AT_LOAD + (".indexer.wq_b", ".indexer.wk", ".indexer.weights_proj")
 
-    def __init__(self, config: Any, max_positions: int) -> None:
-        CausalLM.__init__(self)
-        self.config = config
+    def build_model(self, config: Any, max_positions: int) -> nn.Module:
         self.dsa = self.dsa_shape(config)
         self.shape = self.dsa.base
-        self.model = DsaModel(self.dsa, max_positions)
-        ps = get_parallel()
-        self.lm_head = LMHead(self.shape.hidden_size, self.shape.vocab_size, ps.tp_rank, ps.tp_size)
-        self.tied = self.shape.tie_word_embeddings
-        if self.tied:
-            self.lm_head.tie_to(self.model.embed_tokens)
-        self.checkpoint_quant = parse_quantization_config(getattr(config, "quantization_config", None))
+        return DsaModel(self.dsa, max_positions)
 
     @classmethod
     def dsa_shape(cls, config: Any) -> DsaShape:

@@ -33,7 +33,7 @@ from torch import nn
 
 from graphserve.distributed.state import get_parallel
 from graphserve.errors import ConfigError, ModelLoadError
-from graphserve.layers.embedding import LMHead, VocabEmbedding
+from graphserve.layers.embedding import VocabEmbedding
 from graphserve.layers.hyper_connection import HyperConnection, HyperHead
 from graphserve.layers.kv_layout import KVLayout
 from graphserve.layers.linear import Linear
@@ -172,10 +172,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.config = config
         self.shape = s = v4_shape_from_config(config)
         self.model = V4Model(s)
-        self.lm_head = LMHead(s.hidden_size, s.vocab_size, 0, 1)
-        self.tied = s.tie_word_embeddings
-        if self.tied:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.add_lm_head(s.hidden_size, s.vocab_size, s.tie_word_embeddings)
         if s.num_nextn_predict_layers:
             logger.info("DeepseekV4: %d MTP layer(s) in the checkpoint are not loaded: nothing runs them until "
                         "speculative decoding exists", s.num_nextn_predict_layers)  # fmt: skip

@@ -34,9 +34,8 @@ from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel
 from graphserve.errors import ModelLoadError
 from graphserve.layers.attention import Attention
-from graphserve.layers.embedding import LMHead
-from graphserve.layers.linear import Linear, norm_linear
-from graphserve.layers.moe import FusedMoE, SoftmaxTopK
+from graphserve.layers.linear import Linear
+from graphserve.layers.moe import FusedMoE, SoftmaxTopK, expert_split
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
 from graphserve.models.base import CausalLM
@@ -53,7 +52,7 @@ from graphserve.models.llama import (
     kv_layout_of,
     layer_windows_of,
 )
-from graphserve.models.moe import MoEShape
+from graphserve.models.moe import MoEDecoderLayer, MoEShape, prefetch_next_qkv
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
@@ -83,13 +82,11 @@ class GptOssMoeBlock(nn.Module):
 
     def __init__(self, s: Shape, m: MoEShape, swiglu_limit: float) -> None:
         super().__init__()
-        ps = get_parallel()
-        split = {"ep_rank": ps.ep_rank, "ep_size": ps.ep_size} if ps.ep_size > 1 else \
-            {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size}
         self.router = Linear(s.hidden_size, m.num_experts, bias=True)
         self.experts = FusedMoE(m.num_experts, m.top_k, s.hidden_size, m.moe_intermediate_size,
                                 SoftmaxTopK(m.num_experts, m.top_k, renormalize=True), activation="swiglu_oai",
-                                bias=True, swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=swiglu_limit, **split)  # fmt: skip
+                                bias=True, swiglu_alpha=SWIGLU_ALPHA, swiglu_limit=swiglu_limit,
+                                **expert_split())  # fmt: skip
 
     def forward_add_norm(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, batch: ForwardBatch
@@ -99,20 +96,16 @@ class GptOssMoeBlock(nn.Module):
         return all_reduce(out, over="experts"), residual
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(MoEDecoderLayer):
+    """MoEDecoderLayer's forward over gpt-oss's attention (windows, sinks) and routed block (biased router,
+    clamped SwiGLU)."""
+
     def __init__(self, s: Shape, m: MoEShape, layer_idx: int, rotary: RotaryEmbedding, swiglu_limit: float) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.self_attn = GptOssAttention(s, layer_idx, rotary)
         self.mlp = GptOssMoeBlock(s, m, swiglu_limit)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = norm_linear(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
-        hidden = all_reduce(self.self_attn.forward_qkv(positions, qkv, batch))
-        return self.mlp.forward_add_norm(hidden, residual, self.post_attention_layernorm, batch)
 
 
 def swiglu_limit_of(config: Any) -> float:
@@ -153,14 +146,8 @@ class GptOssForCausalLM(CausalLM):
         self.shape, self.moe_shape = s, m
         limit = swiglu_limit_of(config)
         self.model = LlamaModel(s, max_positions, lambda i, rotary: GptOssDecoderLayer(s, m, i, rotary, limit))
-        # each layer's slot sum asks L2 for the next layer's qkv weight (kernels/l2_prefetch.py)
-        for layer, after in zip(self.model.layers, self.model.layers[1:]):
-            layer.mlp.experts.read_next = (after.self_attn.qkv_proj,)
-        ps = get_parallel()
-        self.lm_head = LMHead(s.hidden_size, s.vocab_size, ps.tp_rank, ps.tp_size)
-        self.tied = s.tie_word_embeddings
-        if self.tied:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        prefetch_next_qkv(self.model.layers)
+        self.add_lm_head(s.hidden_size, s.vocab_size, s.tie_word_embeddings)
 
     def needs_row_mask(self) -> bool:
         return True

@@ -21,7 +21,7 @@ from graphserve.distributed.state import get_parallel
 from graphserve.errors import ModelLoadError
 from graphserve.kernels.pdl import pdl_joined
 from graphserve.layers.attention import Attention
-from graphserve.layers.embedding import LMHead, VocabEmbedding
+from graphserve.layers.embedding import VocabEmbedding
 from graphserve.layers.kv_layout import KVLayout
 from graphserve.layers.linear import (
     MergedColumnParallelLinear,
@@ -354,11 +354,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.shape = self.shape_from_config(config)
         self.model = LlamaModel(self.shape, max_positions)
-        ps = get_parallel()
-        self.lm_head = LMHead(self.shape.hidden_size, self.shape.vocab_size, ps.tp_rank, ps.tp_size)
-        self.tied = self.shape.tie_word_embeddings
-        if self.tied:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.add_lm_head(self.shape.hidden_size, self.shape.vocab_size, self.shape.tie_word_embeddings)
 
     @classmethod
     def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:

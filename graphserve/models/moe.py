@@ -23,9 +23,8 @@ from torch import nn
 from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel
 from graphserve.errors import ModelLoadError
-from graphserve.layers.embedding import LMHead
 from graphserve.layers.linear import Linear, norm_linear
-from graphserve.layers.moe import FusedMoE, SoftmaxTopK
+from graphserve.layers.moe import FusedMoE, SoftmaxTopK, expert_split
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
 from graphserve.models.base import CausalLM
@@ -100,13 +99,9 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, s: Shape, m: MoEShape) -> None:
         super().__init__()
         ps = get_parallel()
-        # every rank routes every token (the gate is replicated); --tp splits each expert along its
-        # intermediate size, --ep places whole experts: either way this rank's output is a partial sum
-        split = {"ep_rank": ps.ep_rank, "ep_size": ps.ep_size} if ps.ep_size > 1 else \
-            {"tp_rank": ps.tp_rank, "tp_size": ps.tp_size}
         self.gate = Linear(s.hidden_size, m.num_experts, bias=False)
         self.experts = FusedMoE(m.num_experts, m.top_k, s.hidden_size, m.moe_intermediate_size,
-                                SoftmaxTopK(m.num_experts, m.top_k, renormalize=m.renormalize), **split)
+                                SoftmaxTopK(m.num_experts, m.top_k, renormalize=m.renormalize), **expert_split())
         # the shared expert is tensor-parallel like a dense MLP (a partial sum at --tp N); at --tp 1 with
         # --ep N it is whole on every rank, so one rank adds it before the experts' all-reduce
         self.add_shared = ps.tp_size > 1 or ps.rank == 0
@@ -157,6 +152,13 @@ class MoEDecoderLayer(nn.Module):
         return self.mlp.forward_add_norm(hidden, residual, self.post_attention_layernorm, batch)
 
 
+def prefetch_next_qkv(layers: nn.ModuleList) -> None:
+    """Each routed block's slot sum asks L2 for the next layer's qkv weight (kernels/l2_prefetch.py)."""
+    for layer, after in zip(layers, layers[1:]):
+        if isinstance(getattr(layer.mlp, "experts", None), FusedMoE):
+            layer.mlp.experts.read_next = (after.self_attn.qkv_proj,)
+
+
 class MoEForCausalLM(CausalLM):
     """Base of the four checkpoints; subclasses say how their config reads."""
 
@@ -198,15 +200,8 @@ class MoEForCausalLM(CausalLM):
             return MoEDecoderLayer(s, m, i, rotary) if i in m.sparse_layers else LlamaDecoderLayer(s, i, rotary)
 
         self.model = LlamaModel(s, max_positions, make_layer)
-        # each routed block's slot sum asks L2 for the next layer's qkv weight (kernels/l2_prefetch.py)
-        for layer, after in zip(self.model.layers, self.model.layers[1:]):
-            if isinstance(layer, MoEDecoderLayer):
-                layer.mlp.experts.read_next = (after.self_attn.qkv_proj,)
-        ps = get_parallel()
-        self.lm_head = LMHead(s.hidden_size, s.vocab_size, ps.tp_rank, ps.tp_size)
-        self.tied = s.tie_word_embeddings
-        if self.tied:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        prefetch_next_qkv(self.model.layers)
+        self.add_lm_head(s.hidden_size, s.vocab_size, s.tie_word_embeddings)
 
     def needs_row_mask(self) -> bool:
         return True

@@ -84,6 +84,18 @@ def fp4_weights(n: int, k: int, fmt: str, copies: int):
     return out
 
 
+def fp4_expert_weights(e: int, h: int, inter: int, fmt: str):
+    """``e`` random experts on the GPU as the FP4 MoE kernels take them: (w13 codes, w13 scales, w13 globals,
+    w2 codes, w2 scales, w2 globals), the globals None under MXFP4."""
+    w13 = fp4_weights(2 * inter * e, h, fmt, 1)[0]
+    w2 = fp4_weights(h * e, inter, fmt, 1)[0]
+    w13p, w13s = w13[0].view(e, 2 * inter, h // 2), w13[1].view(e, 2 * inter, -1)
+    w2p, w2s = w2[0].view(e, h, inter // 2), w2[1].view(e, h, -1)
+    g13 = torch.full((e, 2), 1e-3, device="cuda") if fmt == "nvfp4" else None
+    g2 = torch.full((e, 1), 1e-3, device="cuda") if fmt == "nvfp4" else None
+    return w13p, w13s, g13, w2p, w2s, g2
+
+
 def fp4_bytes(n: int, k: int, fmt: str) -> int:
     return n * k // 2 + n * k // (16 if fmt == "nvfp4" else 32) + (4 if fmt == "nvfp4" else 0)
 
@@ -154,12 +166,7 @@ def projection_rows(card: str, quick: bool, projections: list[str] | None = None
 def moe_rows(card: str) -> list[dict]:
     rows = []
     for name, (e, h, inter, topk, fmt, act) in MOE.items():
-        w13 = fp4_weights(2 * inter * e, h, fmt, 1)[0]
-        w2 = fp4_weights(h * e, inter, fmt, 1)[0]
-        w13p, w13s = w13[0].view(e, 2 * inter, h // 2), w13[1].view(e, 2 * inter, -1)
-        w2p, w2s = w2[0].view(e, h, inter // 2), w2[1].view(e, h, -1)
-        g13 = torch.full((e, 2), 1e-3, device="cuda") if fmt == "nvfp4" else None
-        g2 = torch.full((e, 1), 1e-3, device="cuda") if fmt == "nvfp4" else None
+        w13p, w13s, g13, w2p, w2s, g2 = fp4_expert_weights(e, h, inter, fmt)
         for t in MOE_TOKENS:
             x = torch.randn(t, h, device="cuda", dtype=DT)
             wts, ids = torch.softmax(torch.randn(t, e, device="cuda"), -1).topk(topk, dim=-1)

@@ -6,6 +6,7 @@ Without CUDA every test here is skipped with one stated reason; on a GPU every t
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -29,6 +30,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _compiled_kernels() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.fail("tests/gpu must run compiled: unset TRITON_INTERPRET and run `pytest tests/gpu` on its own")
+
+
+@pytest.fixture
+def release_engines():
+    """Engines and models take most of the GPU: make sure a test's are gone before the next one plans."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.fixture

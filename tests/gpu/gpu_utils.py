@@ -59,3 +59,33 @@ def graph_runner(cfg, model, backend, kv_caches, sizes: list[int], ctx: int):
 
     return GraphRunner(model, backend, kv_caches, sizes, (ctx + 64) // cfg.block_size + 1, cfg.max_model_len,
                        torch.device("cuda"))
+
+
+def greedy_with_and_without_graphs(folder, prompts: list[list[int]], new_tokens: int, check: Callable | None = None,
+                                   **engine_args) -> dict[bool, list[list[int]]]:  # fmt: skip
+    """The fp32 engine's greedy tokens for ``prompts`` (16-token blocks and chunks) with CUDA graphs (up to 4 rows,
+    so 3 prompts replay with a padding row) and without: {graphs: tokens}. After each run ``check(core)`` where
+    given, no block leaks, and with graphs some decode step replayed one; each engine is gone before the next.
+    The caller has put tests/ on sys.path (model_utils)."""
+    import gc
+
+    from model_utils import engine_greedy
+
+    from graphserve import LLM
+
+    runs = {}
+    for graphs in (True, False):
+        llm = LLM(str(folder), device="cuda", dtype="float32", block_size=16, chunked_prefill_size=16,
+                  cuda_graph_max_bs=4, disable_cuda_graph=not graphs, **engine_args)  # fmt: skip
+        runs[graphs] = engine_greedy(llm, prompts, new_tokens)
+        core = llm.engine.core
+        if check is not None:
+            check(core)
+        core.block_manager.check_no_leak()
+        if graphs:
+            decode = [r for r in core.telemetry.records() if r.kind == "decode"]
+            assert decode and any(r.graph for r in decode)
+        del llm, core
+        gc.collect()
+        torch.cuda.empty_cache()
+    return runs

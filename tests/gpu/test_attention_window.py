@@ -13,19 +13,23 @@ windows.
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from gpu_utils import capture, rel_err
+from gpu_utils import capture, greedy_with_and_without_graphs, rel_err
+from test_kernels import PAGE, lengths, paged
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model_utils import PagedHarness, hf_logits, make_hf_checkpoint, relative_error  # noqa: E402
+from model_utils import (  # noqa: E402
+    check_paged_parity,
+    hf_greedy,
+    make_hf_checkpoint,
+    random_prompts,
+)
 from test_models_window import CONFIGS  # noqa: E402
 
-from graphserve import LLM, SamplingParams  # noqa: E402
 from graphserve.config import EngineConfig  # noqa: E402
 from graphserve.kernels.decode_attention import (  # noqa: E402
     NewToken,
@@ -43,23 +47,8 @@ from graphserve.models.loader import load_model  # noqa: E402
 
 DT = torch.bfloat16
 TOL = 2e-2
-PAGE = 16
 # (query heads, kv heads, head_dim, window, sinks)
 SHAPES = {"mistral-7b-v0.1": (32, 8, 128, 4096, False), "gpt-oss": (64, 8, 64, 128, True)}
-
-
-def paged(seq_lens: list[int], num_kv_heads: int, head_dim: int, gen: torch.Generator):
-    """Random cache and block tables handing out shuffled blocks (block 0 stays the dummy block)."""
-    per_seq = [(n + PAGE - 1) // PAGE for n in seq_lens]
-    num_blocks = sum(per_seq) + 8
-    cache = torch.randn(2, num_blocks, PAGE, num_kv_heads, head_dim, device="cuda", generator=gen).to(DT)
-    order = torch.randperm(num_blocks - 1, device="cuda", generator=gen).int() + 1
-    tables = torch.zeros(len(seq_lens), max(per_seq) + 2, dtype=torch.int32, device="cuda")
-    used = 0
-    for i, nb in enumerate(per_seq):
-        tables[i, :nb] = order[used : used + nb]
-        used += nb
-    return cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
 
 
 def released(cache, tables, first_seen):
@@ -75,12 +64,6 @@ def released(cache, tables, first_seen):
     return cache, tables
 
 
-def lengths(batch: int, max_ctx: int, gen: torch.Generator) -> list[int]:
-    lens = torch.randint(1, max_ctx + 1, (batch,), device="cuda", generator=gen).tolist()
-    lens[0] = max_ctx
-    return lens
-
-
 def sinks_for(heads: int, with_sinks: bool, gen: torch.Generator) -> torch.Tensor | None:
     return torch.randn(heads, device="cuda", generator=gen) * 2 if with_sinks else None
 
@@ -90,7 +73,7 @@ def sinks_for(heads: int, with_sinks: bool, gen: torch.Generator) -> torch.Tenso
 def test_decode_attention_reads_only_the_window(model, batch, max_ctx, gen):
     hq, hkv, d, window, with_sinks = SHAPES[model]
     seq_lens = lengths(batch, max_ctx, gen)
-    cache, tables, lens = paged(seq_lens, hkv, d, gen)
+    cache, tables, lens = paged(seq_lens, hkv, d, DT, gen)
     q = torch.randn(batch, hq, d, device="cuda", generator=gen).to(DT)
     sinks = sinks_for(hq, with_sinks, gen)
     ref = decode_attention_reference(q, cache, tables, lens, d**-0.5, window, sinks)
@@ -113,7 +96,7 @@ def test_decode_attention_reads_only_the_window(model, batch, max_ctx, gen):
 )
 def test_extend_attention_reads_only_the_windows(model, seq_lens, query_lens, gen):
     hq, hkv, d, window, with_sinks = SHAPES[model]
-    cache, tables, lens = paged(seq_lens, hkv, d, gen)
+    cache, tables, lens = paged(seq_lens, hkv, d, DT, gen)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     q = torch.randn(int(starts[-1]), hq, d, device="cuda", generator=gen).to(DT)
     sinks = sinks_for(hq, with_sinks, gen)
@@ -138,7 +121,7 @@ def test_decode_cuda_graph_replay_with_padding_rows_matches_eager(model, batch, 
     sinks = sinks_for(hq, with_sinks, gen)
 
     def inputs():
-        cache, tables, lens = paged(lengths(real, ctx, gen) + [0] * padding, hkv, d, gen)
+        cache, tables, lens = paged(lengths(real, ctx, gen) + [0] * padding, hkv, d, DT, gen)
         tables[real:] = 0
         return cache, tables, lens, torch.randn(batch, hq, d, device="cuda", generator=gen).to(DT)
 
@@ -173,7 +156,7 @@ def test_prologue_in_decode_with_window_and_sinks(model, batch, gen):
     """The fused-prologue decode against the prologue's own launch then the reference; eager and replayed alike."""
     hq, hkv, d, window, with_sinks = SHAPES[model]
     seq_lens = lengths(batch, window * 2 + 37, gen)
-    cache, tables, lens = paged(seq_lens, hkv, d, gen)
+    cache, tables, lens = paged(seq_lens, hkv, d, DT, gen)
     qkv = torch.randn(batch, (hq + 2 * hkv) * d, device="cuda", generator=gen).to(DT)
     positions = (lens - 1).long()
     slots = tables.gather(1, (positions // PAGE)[:, None]).squeeze(1).long() * PAGE + positions % PAGE
@@ -217,7 +200,7 @@ def test_triton_backend_matches_torch_backend(model, mode, gen):
     hq, hkv, d, window, with_sinks = SHAPES[model]
     seq_lens = [window + 300, 2 * window + 5, 40]
     q_lens = [1, 1, 1] if mode == "decode" else [window + 300, 77, 40]
-    cache, tables, _ = paged(seq_lens, hkv, d, gen)
+    cache, tables, _ = paged(seq_lens, hkv, d, DT, gen)
     slots = []
     for i, (n, ql) in enumerate(zip(seq_lens, q_lens)):
         slots += [int(tables[i, p // PAGE]) * PAGE + p % PAGE for p in range(n - ql, n)]
@@ -231,64 +214,26 @@ def test_triton_backend_matches_torch_backend(model, mode, gen):
     assert rel_err(outs[0], outs[1]) < TOL
 
 
-@pytest.fixture
-def _release_engines():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_windowed_checkpoints_in_bf16_match_transformers_past_the_window(name, tmp_path):
     hf = make_hf_checkpoint(tmp_path, CONFIGS[name]())
     loaded = load_model(EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cuda"), torch.device("cuda"))
-    harness = PagedHarness(loaded.model, block_size=16, num_blocks=32, dtype=DT, device="cuda",
-                           backend=TritonAttentionBackend())  # fmt: skip
-    gen = torch.Generator().manual_seed(7)
-    seqs = {s: torch.randint(4, 320, (n,), generator=gen).tolist() for s, n in (("a", 21), ("b", 37), ("c", 26))}
-    with torch.inference_mode():
-        harness.step([("b", seqs["b"][:13])])
-        out = harness.step([("a", seqs["a"]), ("b", seqs["b"][13:]), ("c", seqs["c"])])
-        for (seq, start), got in zip((("a", 0), ("b", 13), ("c", 0)), out):
-            err = relative_error(got.float().cpu(), hf_logits(hf, seqs[seq])[start:])
-            assert err < TOL, f"{name} prefill {seq}: relative error {err:.2e}"
-        for step in range(4):
-            for s in seqs:
-                seqs[s].append(int(torch.randint(4, 320, (1,), generator=gen)))
-            got = torch.cat(harness.step([(s, [seqs[s][-1]]) for s in seqs])).float().cpu()
-            err = relative_error(got, torch.stack([hf_logits(hf, seqs[s])[-1] for s in seqs]))
-            assert err < TOL, f"{name} decode step {step}: relative error {err:.2e}"
+    check_paged_parity(loaded.model, hf, name, TOL, lengths=(21, 37, 26), prefix=13, seed=7, check_prefix=False,
+                       block_size=16, num_blocks=32, dtype=DT, device="cuda", backend=TritonAttentionBackend())
 
 
-@pytest.mark.usefixtures("_release_engines")
+@pytest.mark.usefixtures("release_engines")
 def test_engine_with_graphs_gives_back_blocks_and_matches_eager_and_transformers(tmp_path):
     """fp32 Mistral (window 8) on a 10-block pool of 16 tokens: three requests of 44-64 tokens would need 12 blocks
     without giving back those outside their windows. CUDA graphs with padding (3 rows in a graph of 4) and eager
     steps give the same greedy tokens, and those of transformers' generate."""
     hf = make_hf_checkpoint(tmp_path, CONFIGS["mistral"]())
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(4, 320, (n,), generator=gen).tolist() for n in (20, 29, 40)]
+    prompts = random_prompts((20, 29, 40))
     new_tokens = 24
-    expected = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, pad_token_id=0)  # fmt: skip
-        expected.append(out[0, len(ids) :].tolist())
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens)
-    runs = {}
-    for graphs in (True, False):
-        llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16, chunked_prefill_size=16,
-                  num_kv_tokens=160, cuda_graph_max_bs=4, disable_cuda_graph=not graphs)  # fmt: skip
-        runs[graphs] = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                          use_tqdm=False)]  # fmt: skip
-        core = llm.engine.core
+    expected = [hf_greedy(hf, ids, new_tokens) for ids in prompts]
+
+    def gave_back_blocks(core) -> None:
         assert core.block_manager.window == 8 and core.block_manager.num_released > 0
-        core.block_manager.check_no_leak()
-        if graphs:
-            decode = [r for r in core.telemetry.records() if r.kind == "decode"]
-            assert decode and any(r.graph for r in decode)
-        del llm, core
-        gc.collect()
-        torch.cuda.empty_cache()
+
+    runs = greedy_with_and_without_graphs(tmp_path, prompts, new_tokens, gave_back_blocks, num_kv_tokens=160)
     assert runs[True] == runs[False] == expected

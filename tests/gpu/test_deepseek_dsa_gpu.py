@@ -30,11 +30,7 @@ from graphserve.models.loader import load_model  # noqa: E402
 FP32_TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _release():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
+pytestmark = pytest.mark.usefixtures("release_engines")
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
@@ -31,12 +30,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _release_engines():
-    """Each test's engines take most of the GPU: make sure they are gone before the next one plans."""
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
+pytestmark = pytest.mark.usefixtures("release_engines")
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

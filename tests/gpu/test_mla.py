@@ -42,11 +42,7 @@ _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_m
          "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
 
 
-@pytest.fixture(autouse=True)
-def _release():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
+pytestmark = pytest.mark.usefixtures("release_engines")
 
 
 def latent_cache(seq_lens: list[int], gen: torch.Generator):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphserve.kernels.fp4_reference import E8M0_NAN, fp4_dequantize, mxfp4_quantize, nvfp4_quantize
+from graphserve.layers.quant.attach import attach_to_linears, copy_checked, part_rows
 from graphserve.layers.quant.fp4_config import Fp4Config, GlobIgnoreList
 
 if TYPE_CHECKING:
@@ -125,21 +126,12 @@ class Fp4LinearMethod:
         layer.quant_method = self
 
     # ---- loading --------------------------------------------------------------------------------
-    def _rows(self, layer: Linear, shard: int | None) -> tuple[int, int]:
-        if shard is None:
-            return 0, layer.out_features
-        rows = layer.shard_rows(shard)
-        return rows.start, rows.stop
-
     def load_weight(self, layer: Linear, name: str, param: nn.Parameter, loaded: torch.Tensor,
                     shard: int | None) -> None:
-        start, stop = self._rows(layer, shard)
+        start, stop = part_rows(layer, shard)
         part = layer.rank_slice(shard)
         if name == "bias":
-            target = param.data[start:stop]
-            if target.shape != loaded.shape:
-                raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
-            target.copy_(loaded)
+            copy_checked(param.data[start:stop], loaded)
         elif name == "weight":
             if self.config.serialized:
                 self._load_packed(layer, loaded, start, stop, part)
@@ -149,7 +141,7 @@ class Fp4LinearMethod:
             check_block_scales(loaded, self.fmt)
             k = layer.in_features * (layer.tp_size if part is not None and part.dim == 1 else 1)
             _check_full(loaded, (stop - start, k // self.group), part, "scales", self.group)
-            _fit(param.data[start:stop], take_groups(part, loaded, self.group, self.group))
+            copy_checked(param.data[start:stop], take_groups(part, loaded, self.group, self.group))
         elif name in ("weight_scale_2", "input_scale") and self.config.global_scale:
             if loaded.numel() != 1:
                 raise ValueError(f"shape {tuple(loaded.shape)}, expected one value (one per checkpoint module)")
@@ -165,15 +157,15 @@ class Fp4LinearMethod:
             raise ValueError(f"dtype {loaded.dtype}, expected torch.uint8 (two E2M1 codes a byte; {self.fmt})")
         k = layer.in_features * (layer.tp_size if part is not None and part.dim == 1 else 1)
         _check_full(loaded, (stop - start, k // 2), part, "packed codes", self.group)
-        _fit(layer.weight.data[start:stop], take_groups(part, loaded, 2, self.group))
+        copy_checked(layer.weight.data[start:stop], take_groups(part, loaded, 2, self.group))
 
     def _quantize_into(self, layer: Linear, w: torch.Tensor, start: int, stop: int, shard: int,
                        part: RankSlice | None) -> None:
         """A model-dtype weight (the whole checkpoint module) quantized whole, then this rank's part of it."""
         device = layer.weight.device
         packed, scale, global_ = quantize_fp4(w.to(device), self.fmt)
-        _fit(layer.weight.data[start:stop], take_groups(part, packed, 2, self.group))
-        _fit(layer.weight_scale.data[start:stop], take_groups(part, scale, self.group, self.group))
+        copy_checked(layer.weight.data[start:stop], take_groups(part, packed, 2, self.group))
+        copy_checked(layer.weight_scale.data[start:stop], take_groups(part, scale, self.group, self.group))
         if global_ is not None:
             layer.weight_scale_2.data[shard] = global_
             self._set_global(layer)
@@ -244,30 +236,10 @@ def _check_full(loaded: torch.Tensor, local: tuple[int, int], part: RankSlice | 
                          f"one scale per {group} elements)")
 
 
-def _fit(target: torch.Tensor, loaded: torch.Tensor) -> None:
-    if target.shape != loaded.shape:
-        raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
-    target.copy_(loaded)
-
-
 def quantize_fp4_linears(model: CausalLM, config: Fp4Config) -> int:
     """Attach an Fp4LinearMethod to every ``Linear`` the config does not keep (``GlobIgnoreList``; none when the
     config's projections stay dense, as gpt-oss's MXFP4); the number attached."""
-    from graphserve.layers.linear import Linear
-
     if not config.dense:
         return 0
-    method = Fp4LinearMethod(config)
-    ignore = GlobIgnoreList(config, model.map_weight_name, model.stacked_params)
-    count = 0
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear):
-            continue
-        shards = module.weight_shards("weight") if hasattr(module, "weight_shards") else None
-        if not ignore.keeps(name, shards):
-            try:
-                method.create_weights(module)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from e
-            count += 1
-    return count
+    return attach_to_linears(model, Fp4LinearMethod(config), GlobIgnoreList(config, model.map_weight_name,
+                                                                            model.stacked_params))

@@ -29,7 +29,7 @@ from torch import nn
 
 from graphserve.kernels.fp4_experts_reference import fp4_fused_experts_reference
 from graphserve.kernels.moe_reference import expert_counts_reference
-from graphserve.layers.quant.config import EXPERT_PARTS
+from graphserve.layers.quant.attach import attach_to_experts, copy_checked, local_expert
 from graphserve.layers.quant.fp4 import (
     SCALE_DTYPES,
     check_block_scales,
@@ -99,16 +99,10 @@ class Fp4MoEMethod:
         """One expert's checkpoint weight, scale, global or input scale into its place; False when another rank
         holds the expert."""
         expert, part = shard
-        if part not in EXPERT_PARTS:
-            raise ValueError(f"expert weight {part!r} is not one of {EXPERT_PARTS}")
-        stack = "w2_" if part == "w2" else "w13_"
-        if not param_name.startswith(stack):
-            raise ValueError(f"expert part {part!r} does not belong in {param_name}")
-        if not 0 <= expert < layer.num_experts:
-            raise ValueError(f"expert index {expert} is out of range for num_experts={layer.num_experts}")
-        local = expert - layer.expert_start
-        if not 0 <= local < layer.num_local_experts:
+        local = local_expert(layer, param_name, shard)
+        if local is None:
             return False
+        stack = "w2_" if part == "w2" else "w13_"
         h, i = layer.hidden_size, layer.intermediate_local
         rows = slice(0, h) if part == "w2" else slice(0, i) if part == "w1" else slice(i, 2 * i)
         piece = layer.rank_slice(part)
@@ -142,12 +136,12 @@ class Fp4MoEMethod:
                              f"[{full_n}, {full_k}] packed two codes a byte, one scale per {self.group})")
         target = getattr(layer, f"{stack}{leaf}").data[local, rows]
         per_byte = 2 if leaf == "weight" else self.group
-        _copy(target, take_groups(piece, tensor, per_byte, self.group))
+        copy_checked(target, take_groups(piece, tensor, per_byte, self.group))
         return True
 
     def _place(self, layer: FusedMoE, stack: str, local: int, rows: slice, piece, packed, scale) -> None:
-        _copy(getattr(layer, f"{stack}weight").data[local, rows], take_groups(piece, packed, 2, self.group))
-        _copy(getattr(layer, f"{stack}weight_scale").data[local, rows],
+        copy_checked(getattr(layer, f"{stack}weight").data[local, rows], take_groups(piece, packed, 2, self.group))
+        copy_checked(getattr(layer, f"{stack}weight_scale").data[local, rows],
               take_groups(piece, scale, self.group, self.group))
 
     # ---- loading: gpt-oss's whole stacks (MXFP4) -----------------------------------------------
@@ -194,7 +188,7 @@ class Fp4MoEMethod:
         target = {"blocks": f"{stack}weight", "scales": f"{stack}weight_scale", "bias": f"{stack}bias"}[kind]
         if getattr(layer, target, None) is None:
             raise ValueError(f"{name}: the layer has no {target} (a gpt-oss family's FusedMoE holds its biases)")
-        _copy(getattr(layer, target).data, t)
+        copy_checked(getattr(layer, target).data, t)
         return [f"{target}#{s}" for s in layer.weight_shards(target)]
 
     @torch.no_grad()
@@ -245,26 +239,8 @@ class Fp4MoEMethod:
                 fp4_dequantize(layer.w2_weight, layer.w2_weight_scale, g2, self.fmt, dtype))
 
 
-def _copy(target: torch.Tensor, loaded: torch.Tensor) -> None:
-    if target.shape != loaded.shape:
-        raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
-    target.copy_(loaded)
-
-
 def quantize_fp4_experts(model: CausalLM, config: Fp4Config) -> int:
     """Attach an Fp4MoEMethod to every ``FusedMoE`` the config does not keep in the model dtype; the number
     attached."""
-    from graphserve.layers.moe import FusedMoE
-
     ignore = GlobIgnoreList(config, model.map_weight_name, model.stacked_params)
-    layers = [(name, m) for name, m in model.named_modules()
-              if isinstance(m, FusedMoE) and not ignore.keeps_experts(name, m.num_experts)]
-    if not layers:
-        return 0
-    method = Fp4MoEMethod(config)
-    for name, module in layers:
-        try:
-            method.create_weights(module)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from e
-    return len(layers)
+    return attach_to_experts(model, ignore, lambda: Fp4MoEMethod(config))

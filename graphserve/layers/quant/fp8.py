@@ -59,6 +59,7 @@ from graphserve.kernels.fp8_quant import (
     silu_mul_group_quant,
     static_quant,
 )
+from graphserve.layers.quant.attach import attach_to_linears, copy_checked, part_rows
 from graphserve.layers.quant.config import Fp8Config, IgnoreList
 
 if TYPE_CHECKING:
@@ -146,24 +147,15 @@ class Fp8LinearMethod:
         return getattr(layer, self.scale_name)
 
     # ---- loading --------------------------------------------------------------------------------
-    def _rows(self, layer: Linear, shard: int | None) -> tuple[int, int]:
-        if shard is None:
-            return 0, layer.out_features
-        rows = layer.shard_rows(shard)
-        return rows.start, rows.stop
-
     def load_weight(self, layer: Linear, name: str, param: nn.Parameter, loaded: torch.Tensor,
                     shard: int | None) -> None:
         """A checkpoint tensor (``weight``, its scale, ``input_scale`` or the bias of a layer that is not
         tensor-parallel, whose own loading takes its bias) into its rows; of a tensor-parallel layer, this rank's
         part of it (``Linear.rank_slice``): a weight and its block scales in whole blocks only."""
-        start, stop = self._rows(layer, shard)
+        start, stop = part_rows(layer, shard)
         part = layer.rank_slice(shard)
         if name == "bias":
-            target = param.data[start:stop]
-            if target.shape != loaded.shape:
-                raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
-            target.copy_(loaded)
+            copy_checked(param.data[start:stop], loaded)
         elif name == "weight":
             self._load_weight(layer, param, loaded, start, stop, part)
         elif name == self.scale_name:
@@ -450,19 +442,5 @@ def _layout(blockwise: bool) -> dict:
 def quantize_linears(model: CausalLM, config: Fp8Config) -> int:
     """Attach an Fp8LinearMethod to every ``Linear`` the config does not keep in the model dtype (``IgnoreList``:
     a fused layer by the checkpoint modules it fuses); the number attached."""
-    from graphserve.layers.linear import Linear
-
-    method = Fp8LinearMethod(config)
-    ignore = IgnoreList(config, model.map_weight_name, model.stacked_params)
-    count = 0
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear):
-            continue
-        shards = module.weight_shards("weight") if hasattr(module, "weight_shards") else None
-        if not ignore.keeps(name, shards):
-            try:
-                method.create_weights(module)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from e
-            count += 1
-    return count
+    return attach_to_linears(model, Fp8LinearMethod(config), IgnoreList(config, model.map_weight_name,
+                                                                        model.stacked_params))

@@ -30,7 +30,8 @@ from torch import nn
 
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from graphserve.kernels.moe_fp8_reference import dequantize_experts
-from graphserve.layers.quant.config import EXPERT_PARTS, Fp8Config, IgnoreList
+from graphserve.layers.quant.attach import attach_to_experts, local_expert
+from graphserve.layers.quant.config import Fp8Config, IgnoreList
 from graphserve.layers.quant.fp8 import add_input_scales, check_scales, record_input_scale
 
 if TYPE_CHECKING:
@@ -113,16 +114,10 @@ class Fp8MoEMethod:
     def load_weight(self, layer: FusedMoE, param_name: str, tensor: torch.Tensor, shard: tuple[int, str]) -> bool:
         """One expert's checkpoint weight or scale into its slice; False when another rank holds the expert."""
         expert, part = shard
-        if part not in EXPERT_PARTS:
-            raise ValueError(f"expert weight {part!r} is not one of {EXPERT_PARTS}")
-        weight, rows, scale_rows, k = self._part(layer, part)
-        if not param_name.startswith(weight.removesuffix("weight")):  # w13_* or w2_*: weight, scale, input scale
-            raise ValueError(f"expert part {part!r} does not belong in {param_name}")
-        if not 0 <= expert < layer.num_experts:
-            raise ValueError(f"expert index {expert} is out of range for num_experts={layer.num_experts}")
-        local = expert - layer.expert_start
-        if not 0 <= local < layer.num_local_experts:
+        local = local_expert(layer, param_name, shard)  # w13_* or w2_*: weight, scale, input scale
+        if local is None:
             return False
+        weight, rows, scale_rows, k = self._part(layer, part)
         if self.static and param_name in INPUT_SCALES:
             if tensor.numel() != 1:
                 raise ValueError(f"input_scale has shape {tuple(tensor.shape)}, expected one value (per tensor)")
@@ -211,17 +206,5 @@ class Fp8MoEMethod:
 def quantize_experts(model: CausalLM, config: Fp8Config) -> int:
     """Attach an Fp8MoEMethod to every ``FusedMoE`` the config does not keep in the model dtype (``IgnoreList``: the
     layer's experts whole, or every part of each); the number attached."""
-    from graphserve.layers.moe import FusedMoE
-
     ignore = IgnoreList(config, model.map_weight_name, model.stacked_params)
-    layers = [(name, m) for name, m in model.named_modules()
-              if isinstance(m, FusedMoE) and not ignore.keeps_experts(name, m.num_experts)]
-    if not layers:
-        return 0
-    method = Fp8MoEMethod(config)
-    for name, module in layers:
-        try:
-            method.create_weights(module)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from e
-    return len(layers)
+    return attach_to_experts(model, ignore, lambda: Fp8MoEMethod(config))
