@@ -6,7 +6,7 @@ Each kernel is compiled by Triton for sm_90 and assembled by the ptxas Triton bu
 counts are static (a loop body counts once), so they compare widenings of one kernel at one tile, not times: the
 integer (LOP3, SHF, PRMT, IMAD), conversion (F2F, HADD2.F32, I2F) and FMA work per K step that, on the H100, bounds
 the byte widening below the read rate (benchmarks/results/fp4_kernels.json). Times come from
-``python3 -m benchmarks.fp4 --variants`` on the GPU.
+``python3 -m benchmarks.fp4_variants`` on the GPU.
 
 Run (any machine with Triton's NVIDIA backend): python3 -m benchmarks.fp4_sass [--json]
 """

@@ -1,12 +1,11 @@
-"""The FP4 streaming kernels' widenings side by side in one GPU run (``python3 -m benchmarks.fp4 --variants``, or this
-module): kernels/fp4_words.py's widenings against the byte widening (kernels/fp4_layout.WIDENINGS), at Llama-3-8B's
+"""The FP4 streaming kernels' widenings side by side in one GPU run: kernels/fp4_words.py's widenings against the byte widening (kernels/fp4_layout.WIDENINGS), at Llama-3-8B's
 projections at 1 and 8 rows (FMA and dot paths) in both formats beside the FP8 stream on the same shape, and the
 routed experts' streaming path at 1 token (gpt-oss-120b's MXFP4, Qwen3-30B-A3B's NVFP4), each call routed to its own
 random experts so that the experts read pass L2. Timing as benchmarks/fp4.py's (graph replays over weight copies
 past L2); each row carries its relative difference from the default widening's output on the same input. Written
 to benchmarks/results/fp4_variants.json; the default (fp4_layout.DEFAULT_WIDEN) changes only from these numbers.
 
-Run: python3 -m benchmarks.fp4 --variants   (or python3 -m benchmarks.fp4_variants)
+Run: python3 -m benchmarks.fp4_variants
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ conversion work rather than by memory (benchmarks/results/fp4_kernels.json: 0.85
   K = words against x's matching columns: the dot's sum over K does not depend on the order of K.
 Compiled for sm_90 (benchmarks/fp4_sass.py, results/fp4_sass.json) they take up to 38% fewer SASS instructions and
 25-74% fewer integer ones than the byte widening ("e4m3_ptx" fewest); their times on the GPU come from
-``python3 -m benchmarks.fp4 --variants``. The numbers are the byte widening's: the same exact values, the same
+``python3 -m benchmarks.fp4_variants``. The numbers are the byte widening's: the same exact values, the same
 scales, fp32 accumulation (the order of the additions differs).
 """
 

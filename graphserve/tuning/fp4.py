@@ -9,10 +9,9 @@ packed weight, scales, x and the output once. ``ratio`` is time over bytes at th
 (benchmarks/roofline.py, probed before and after). With ``--write-rule`` the measured crossovers become
 graphserve/kernels/fp4_rule.json (streaming rows, the fp8 variant's first rows, per format and shape).
 
-With ``--variants`` (alone: nothing else is measured) the streaming kernels' widenings side by side instead
-(benchmarks/fp4_variants.py, results/fp4_variants.json).
+The streaming kernels' widenings side by side: ``python3 -m benchmarks.fp4_variants`` (results/fp4_variants.json).
 
-Run: python3 -m benchmarks.fp4 [--write-rule] [--quick] | python3 -m benchmarks.fp4 --variants
+Run: python3 -m benchmarks.fp4 [--write-rule] [--quick]
 """
 
 from __future__ import annotations
@@ -238,15 +237,8 @@ def main() -> None:
     ap.add_argument("--write-rule", action="store_true", help="write graphserve/kernels/fp4_rule.json")
     ap.add_argument("--quick", action="store_true", help="rows 1, 32, 1024 and the prefill only")
     ap.add_argument("--skip-moe", action="store_true")
-    ap.add_argument("--variants", action="store_true",
-                    help="only the streaming kernels' widenings side by side (benchmarks/fp4_variants.py)")
     args = ap.parse_args()
     card = torch.cuda.get_device_name(0)
-    if args.variants:  # a benchmark of a source checkout, as write_result below
-        from benchmarks.fp4_variants import run_variants
-
-        run_variants(card)
-        return
     bw = measured_read_bw()
     moe = [] if args.skip_moe else moe_rows(card)
     write_result("fp4_kernels", {"partial": "experts only", "moe": moe, "errors": ERRORS})
