@@ -175,6 +175,19 @@ def test_unknown_openai_fields_are_warned_once_and_listed(server):
     assert "x-graphserve-ignored-fields" not in known.headers
 
 
+def test_unknown_field_names_no_header_can_hold_are_encoded(server):
+    """Any JSON key may arrive: the empty name, white space at either end, control and non-ASCII characters. A
+    header value that ended in ", " (the empty name last) made the HTTP layer drop the connection unanswered."""
+    from urllib.parse import unquote
+
+    names = ["ok", " lead", "trail ", "\u0014z", "1\u00ed\u00f6", "\U0001f600", ""]
+    body = {"prompt": "hi", "max_tokens": 2, **{n: 1 for n in names}}
+    resp = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    shown = resp.headers["x-graphserve-ignored-fields"].split(", ")
+    assert [unquote(n) if n != '""' else "" for n in shown] == names
+
+
 def test_builtin_models_are_named_by_a_tokenizer_folder_tools_can_load(server):
     """guidellm and SGLang's bench_serving load their tokenizer from /v1/models' first id; builtin:NAME is no
     path they can load, so a built-in model is served under its folder (its own name is still accepted)."""

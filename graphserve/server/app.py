@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
@@ -65,8 +66,9 @@ async def _save_tokenizer(state: ServerState) -> None:
 def _with_ignored(request: Request, response: Response) -> Response:
     ignored = getattr(request.state, "ignored_fields", None)
     if ignored:
-        # a header holds printable ASCII only: other names (any JSON key may arrive) are shown escaped
-        shown = [name[:64].encode("unicode_escape").decode("ascii") for name in ignored[:32]]
+        # a header value is visible ASCII and may not start or end with white space, and any JSON key may arrive
+        # (control characters, spaces, the empty name): each name is percent-encoded, the empty one shown as ""
+        shown = [quote(name[:64], safe="") or '""' for name in ignored[:32]]
         response.headers[IGNORED_FIELDS_HEADER] = ", ".join(shown)
     return response
 
