@@ -20,7 +20,6 @@ part's global (one elementwise pass; equal globals, the usual ModelOpt export, p
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,16 +77,6 @@ def take_groups(part: RankSlice | None, t: torch.Tensor, per_byte: int, group: i
     if part.dim == 0:
         return part.take(t)
     return t.narrow(1, part.start // per_byte, part.size // per_byte)
-
-
-def cuda_fp4_linear() -> Callable:
-    """The kernels' ``fp4_linear`` (streaming kernel or tiled GEMM by rows): kernels/fp4_gemm.py, which routes between
-    them, or kernels/fp4_gemv.py where that module carries it. ImportError when this build has neither."""
-    try:
-        from graphserve.kernels.fp4_gemm import fp4_linear
-    except ImportError:
-        from graphserve.kernels.fp4_gemv import fp4_linear
-    return fp4_linear
 
 
 def check_rank_groups(part: RankSlice | None, group: int) -> None:
@@ -207,7 +196,8 @@ class Fp4LinearMethod:
             # fp4_linear_reference's order: the fp32 dequantized weight, the product in fp32, rounded once
             out = F.linear(x.float(), self.dequantized_weight(layer, torch.float32), None)
             return (out + layer.bias.float() if layer.bias is not None else out).to(x.dtype)
-        fp4_linear = cuda_fp4_linear()
+        from graphserve.kernels.fp4_gemm import fp4_linear
+
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
             rows = rows.contiguous()

@@ -209,10 +209,8 @@ def check_fp4_device(quant: Fp4Config, device: torch.device) -> None:
                              f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}; {name} has {capability[0]}.{capability[1]}: "
                              "run on a newer card, or on CPU (--device cpu)", param="model")
     try:
+        import graphserve.kernels.fp4_gemm  # noqa: F401
         import graphserve.kernels.fp4_moe  # noqa: F401
-        from graphserve.layers.quant.fp4 import cuda_fp4_linear
-
-        cuda_fp4_linear()
     except ImportError as e:
         raise ModelLoadError(f"{quant.name} weights on {name}: this build has no FP4 kernels "
                              f"(graphserve.kernels.fp4_gemm / fp4_moe: {e}); run on CPU", param="model") from e
