@@ -17,8 +17,9 @@ from server_utils import wait_for  # noqa: E402
 
 from graphserve import cli  # noqa: E402
 from graphserve.analysis.profile import profile_in_process  # noqa: E402
-from graphserve.analysis.step_trace import CATEGORIES, breakdown, classify, unmatched_device_work  # noqa: E402
 from graphserve.config import EngineConfig  # noqa: E402
+from graphserve.engine.step_trace import breakdown, unmatched_device_work  # noqa: E402
+from graphserve.engine.trace_categories import CATEGORIES, WORK_CATEGORIES, classify  # noqa: E402
 
 MODEL = "builtin:tiny-llama"
 SMALL = dict(max_model_len=512, num_kv_tokens=8192)
@@ -66,6 +67,8 @@ def test_device_trace_steps_are_kernels_plus_gaps():
     assert c["other"] == pytest.approx(0.005) and c["dense_gemm"] == 0.0
     assert c["gaps_host"] == pytest.approx((370 - 80) / 1e3)
     assert sum(c.values()) == pytest.approx(second.span_ms) and second.kernels == 4
+    # nothing overlaps here: each category's wall time is its summed kernel time
+    assert second.busy_ms == pytest.approx({k: c[k] for k in WORK_CATEGORIES}) and second.overlapped_ms == 0.0
     assert unmatched_device_work(ev) == 1  # the orphan, named in the profile's notes
 
 
@@ -87,7 +90,12 @@ def _check_adds_up(profile: dict, batch_size: int) -> None:
     assert phase["batch_size"] == batch_size and phase["run_as"] == ["eager"]
     cats = phase["categories_ms"]
     assert set(cats) == set(CATEGORIES) and set(phase["categories_pct"]) == set(CATEGORIES)
-    assert phase["categories_pct"]["dense_gemm"] == pytest.approx(100 * cats["dense_gemm"] / phase["step_ms"])
+    # shares of the wall time on the step's timeline, which add up to it
+    assert phase["categories_pct"]["dense_gemm"] == pytest.approx(100 * cats["dense_gemm"] / phase["span_ms"])
+    assert abs(sum(phase["categories_pct"].values()) - 100.0) < 2.0
+    assert set(phase["busy_ms"]) == set(WORK_CATEGORIES)
+    for c in WORK_CATEGORIES:  # one thread's outermost ops never overlap: busy and wall agree
+        assert phase["busy_ms"][c] == pytest.approx(cats[c], rel=1e-6, abs=1e-9)
     # the categories come from the trace, the step time from the engine's own clock (telemetry)
     assert abs(sum(cats.values()) - phase["step_ms"]) <= 0.10 * phase["step_ms"]
     for s in phase["per_step"]:
@@ -180,6 +188,7 @@ def test_cli_in_process_writes_json_and_png(tmp_path, capsys):
     assert (tmp_path / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "gaps between kernels / host" in out and "measured step time" in out
+    assert "busy ms" in out and "split evenly among them" in out and "ms wall per step" in out
     assert cli.main(["profile", "--model", MODEL, "--steps", "0"]) == 2
     assert "steps=0 is invalid" in capsys.readouterr().err
     # an engine flag against a server would change nothing: refused by name before anything connects

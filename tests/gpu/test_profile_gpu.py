@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from graphserve.analysis.profile import profile_in_process
-from graphserve.analysis.step_trace import CATEGORIES
 from graphserve.config import EngineConfig
 from graphserve.engine.core import EngineCore
+from graphserve.engine.trace_categories import CATEGORIES
 
 
 @pytest.fixture(scope="module")
