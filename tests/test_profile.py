@@ -84,6 +84,35 @@ def test_cpu_trace_counts_outermost_ops_once():
     assert c["gaps_host"] == pytest.approx(0.65) and step.span_ms == pytest.approx(1.0)
 
 
+def _phase(mode: str, step_ms: float, kernels: float, wall: dict[str, float]) -> dict:
+    cats = {**dict.fromkeys(CATEGORIES, 0.0), **wall}
+    return {"mode": mode, "batch_size": 1, "step_ms": step_ms, "span_ms": sum(cats.values()), "categories_ms": cats,
+            "busy_ms": {c: 1.5 * cats[c] for c in WORK_CATEGORIES}, "overlapped_ms": 0.4, "kernels_per_step": kernels,
+            "top_kernels": [{"name": "fused_moe_kernel", "ms": 0.9}], "attribution": "measured"}
+
+
+@pytest.mark.parametrize("graph_step_ms", [3.0, 1.5])
+def test_graph_phase_borrowing_eager_kernel_times_still_adds_up(graph_step_ms):
+    """Where graph replays hide their kernels, the graph phase takes the eager phase's wall shares and busy
+    times; its shares add up to 100% whether those fill its measured step (gaps make up the rest) or not."""
+    from types import SimpleNamespace
+
+    from graphserve.engine.step_profiler import StepProfiler
+
+    core = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cuda"), graphs=object()),
+                           config=SimpleNamespace(model="dummy:olmoe-1b-7b"))
+    prof = StepProfiler(core, 4, lambda r: None)
+    eager = _phase("eager", 9.0, 400, {"moe": 1.2, "dense_gemm": 0.6, "gaps_host": 7.0})
+    prof.results = [_phase("graph", graph_step_ms, 3, {"other": 0.01, "gaps_host": graph_step_ms - 0.01}), eager]
+    graph = prof._result()["phases"][0]
+    assert graph["attribution"] == "eager" and graph["busy_ms"] == eager["busy_ms"]
+    assert graph["categories_ms"]["moe"] == 1.2 and graph["categories_ms"]["dense_gemm"] == 0.6
+    assert graph["categories_ms"]["gaps_host"] == pytest.approx(max(0.0, graph_step_ms - 1.8))
+    assert sum(graph["categories_pct"].values()) == pytest.approx(100.0)
+    notes = prof._result()["notes"]
+    assert any("more than the replayed step" in n for n in notes) == (graph_step_ms < 1.8)
+
+
 def _check_adds_up(profile: dict, batch_size: int) -> None:
     (phase,) = profile["phases"]  # CPU: eager only, and the result says so
     assert phase["mode"] == "eager" and "no CUDA graphs" in profile["notes"][0]
@@ -226,3 +255,23 @@ def test_profile_arguments_are_refused_by_name_and_limit():
         with pytest.raises(BadRequestError, match="batch_size") as err:
             parse_batch_sizes(bad)
         assert str(MAX_BATCH_SIZE) in str(err.value) or "integers" in str(err.value)
+
+
+def test_report_leads_with_wall_shares_and_reads_profiles_written_before_them():
+    from graphserve.analysis.profile import format_profile, profile_rows
+
+    graph = _phase("graph", 2.9, 300, {"moe": 1.5, "dense_gemm": 0.8, "attention": 0.4, "gaps_host": 0.3})
+    graph.update(step_ms_median=2.9, step_ms_range=[2.8, 3.0])
+    text = format_profile({"phases": [graph], "notes": []})
+    assert text.splitlines()[0].startswith("graph (batch 1): MoE (router, sort, grouped GEMMs) 50.0%")
+    assert "split evenly among them" in text and "busy ms per step" in text
+    head, rows = profile_rows({"phases": [graph]})
+    by_label = {r[0]: r[1:] for r in rows}
+    assert by_label["MoE (router, sort, grouped GEMMs)"] == ["1.500", "50.0", "2.250"]  # wall, %, busy
+    assert by_label["sum: the step's span"][:2] == ["3.000", "100.0"]
+    assert by_label["gaps between kernels / host"][2] == ""  # idle time has no busy time
+    # a file from before: summed kernel times, no busy column, fewer categories; said so, not mistaken for wall
+    old = {"phases": [{k: v for k, v in graph.items() if k not in ("busy_ms", "overlapped_ms")}]}
+    old["phases"][0]["categories_ms"] = {c: v for c, v in graph["categories_ms"].items() if c not in ("indexer", "topk")}
+    text = format_profile(old)
+    assert "predates wall-time attribution" in text and "split evenly" not in text

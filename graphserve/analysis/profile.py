@@ -168,13 +168,23 @@ WALL_TIME_NOTE = ("shares are of each step's wall time on its timeline (on the G
                   "kernel")
 
 
+SUMMED_NOTE = ("this profile predates wall-time attribution: its categories sum kernel durations, so time during "
+               "which kernels overlapped is counted more than once")
+
+
+def attribution_note(profile: Mapping[str, Any]) -> str:
+    """What the shares of ``profile`` are: wall time, or (in files written before it was) summed kernel time."""
+    phases = [p for p in profile.get("phases", []) if "error" not in p]
+    return WALL_TIME_NOTE if all("busy_ms" in p for p in phases) else SUMMED_NOTE
+
+
 def _span_ms(phase: Mapping[str, Any]) -> float:
     return phase.get("span_ms") or phase["step_ms"]
 
 
 def profile_rows(profile: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Table of one profile: a row per category, its wall ms, its % of the step's span and its busy ms, per
-    phase. Profiles written before busy time was kept show no busy column values."""
+    phase. Profiles written before busy time was kept show no busy values, and 0 for categories added since."""
     phases = [p for p in profile.get("phases", []) if "error" not in p]
     head = ["per step (wall time, overlaps split)"] + [f"{p['mode']} (batch {p['batch_size']}) {u}" for p in phases
                                                        for u in ("ms", "%", "busy ms")]
@@ -185,7 +195,7 @@ def profile_rows(profile: Mapping[str, Any]) -> tuple[list[str], list[list[str]]
     rows = []
     for c in CATEGORIES:
         rows.append([LABELS[c]] + [x for p in phases for x in cells(
-            p, p["categories_ms"][c], None if c == GAPS else p.get("busy_ms", {}).get(c))])
+            p, p["categories_ms"].get(c, 0.0), None if c == GAPS else p.get("busy_ms", {}).get(c))])
     rows.append(["sum: the step's span"] + [x for p in phases for x in cells(
         p, sum(p["categories_ms"].values()), sum(p["busy_ms"].values()) if "busy_ms" in p else None)])
     if all("overlapped_ms" in p for p in phases):
@@ -213,7 +223,7 @@ def format_profile(profile: Mapping[str, Any]) -> str:
     lines = [headline(p) for p in profile.get("phases", []) if "error" not in p]
     lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
               for r in table]
-    lines.append(WALL_TIME_NOTE)
+    lines.append(attribution_note(profile))
     for p in profile.get("phases", []):
         if "error" in p:
             lines.append(f"{p['mode']}: {p['error']}")
@@ -240,7 +250,7 @@ def plot_profiles(profiles: Sequence[Mapping[str, Any]], path: str) -> None:
     for y, (_, ph) in enumerate(bars):
         left = 0.0
         for k, c in enumerate(CATEGORIES):
-            w = ph["categories_ms"][c]
+            w = ph["categories_ms"].get(c, 0.0)
             ax.barh(y, w, left=left, color=f"C{k}", label=LABELS[c] if y == 0 else None)
             left += w
         ax.plot([ph["step_ms"]] * 2, [y - 0.4, y + 0.4], "k-", lw=2, label="measured step" if y == 0 else None)

@@ -320,6 +320,10 @@ class StepProfiler:
                              f"{eager['kernels_per_step']:.0f} eager (torch {torch.__version__} hides kernels "
                              "inside CUDA graphs): the graph phase's kernel times are the eager phase's on the "
                              "same batch, and its gaps are its measured step time minus them")
+                if sum(cats.values()) > graph["step_ms"]:
+                    notes.append(f"the eager phase's kernels cover {sum(cats.values()):.3f} ms, more than the "
+                                 f"replayed step's {graph['step_ms']:.3f} ms: the graph phase's shares are of the "
+                                 "former")
         for p in self.results:
             if "categories_ms" in p:  # shares of the step's wall time on its timeline: they add up to 100
                 p["categories_pct"] = {c: 100.0 * v / p["span_ms"] for c, v in p["categories_ms"].items()}
