@@ -166,8 +166,6 @@ WALL_TIME_NOTE = ("shares are of each step's wall time on its timeline (on the G
                   "overlap (programmatic dependent launch, several streams) is split evenly among them, so the "
                   "shares add up to 100%; busy ms sums each category's kernel time, overlaps counted once per "
                   "kernel")
-
-
 SUMMED_NOTE = ("this profile predates wall-time attribution: its categories sum kernel durations, so time during "
                "which kernels overlapped is counted more than once")
 
