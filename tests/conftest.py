@@ -21,3 +21,18 @@ def graphserve_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     if "GRAPHSERVE_CACHE" not in os.environ:
         os.environ["GRAPHSERVE_CACHE"] = str(tmp_path_factory.mktemp("graphserve_cache"))
     return os.environ["GRAPHSERVE_CACHE"]
+
+
+def _runs_the_interpreter(module: object) -> bool:
+    return any(getattr(v, "__module__", None) == "interp_setup" or getattr(v, "__name__", None) == "interp_setup"
+               for v in vars(module).values())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Triton's interpreter runs a kernel one program at a time in Python: these modules hold most of the CPU suite's
+    # time, and `make test-fast` (-m "not slow") leaves them out. A module is one by what it imports (interp_setup),
+    # so a new kernel test is marked without anyone remembering to.
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and _runs_the_interpreter(module):
+            item.add_marker(pytest.mark.slow)
