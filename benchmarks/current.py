@@ -50,10 +50,10 @@ BENCHMARKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "http_overhead": (SERVE, ("http_idle_ttft",)),
     "idle_wake": (SERVE, ()),
     "kernels": (KERNELS, ()),
-    "l2_prefetch": (STEP, ("expert_prefetch",)),
+    "l2_prefetch": (STEP, ()),
     "launches": (KERNELS, ()),
     "mla": (TUNED, ("mla_sweep",)),
-    "moe": (STEP, ("moe_decode", "moe_scan")),
+    "moe": (STEP, ("moe_decode",)),
     "moe_fp8": (STEP, ()),
     "moe_kernels": (KERNELS, ("moe_gemv_sweep",)),
     "moe_swiglu": (KERNELS, ()),
@@ -71,9 +71,11 @@ BENCHMARKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "structured": (SERVE, ()),
     "tp": (STEP, ()),
     "xcheck": (("graphserve/bench",), ("xcheck_bench_serving",)),
+    # the files of modules that have left the tree (JOURNAL.md names the commit that removed each)
+    "retired": (STEP, ("expert_prefetch", "fp8_early", "fp8_norm_read", "gemv_prefetch", "moe_scan")),
 }
 # what reruns a benchmark that is no module of benchmarks/
-COMMANDS = {"profile": "graphserve profile"}
+COMMANDS = {"profile": "graphserve profile", "retired": "no command: the module is gone, JOURNAL.md says where"}
 # The fields that say which case a row measured (the rest are what it measured).
 CASE_FIELDS = ("quantization", "kv_cache_dtype", "bs", "ctx", "graph", "routing", "mode", "concurrency", "client",
                "api_server_count", "case", "variant", "kernel", "shape", "family", "method", "fusion", "cache",
@@ -81,7 +83,7 @@ CASE_FIELDS = ("quantization", "kv_cache_dtype", "bs", "ctx", "graph", "routing"
                "config", "dtype", "comparison", "gap_ms", "wait", "round", "overlap", "batch", "temperature", "scales",
                "tokens", "pairs", "gate_up", "down", "down_input", "run", "backend", "heads", "prologue", "knobs",
                "pieces", "tp", "ep", "topk", "chunks_per_req", "label")
-# A benchmark with more current rows than this is summarised one line a file (tile sweeps, per-kernel tables).
+# A result file with more newest rows than this is summarised in one line a run (tile sweeps, per-kernel tables).
 MAX_ROWS = 40
 SHOWN_MEASURES = 5
 
@@ -208,18 +210,25 @@ def section(bench: str, rows: list[Row], history: History) -> list[str]:
              f"`{command}` · {current} of {len(rows)} rows current · its code "
              f"({', '.join(paths)}) last changed at {history.last_change(paths) or '?'}", ""]
     rows = sorted(rows, key=lambda r: (r.status != "current", r.file, r.model, r.card, r.case))
-    if len(rows) > MAX_ROWS:
-        lines += ["| file | card | cases | commit | date | status |", "|---|---|---|---|---|---|"]
-        groups: dict[tuple[str, str, str, str, str], int] = {}
-        for r in rows:
-            key = (r.file, r.card, r.commit, r.date, r.status)
-            groups[key] = groups.get(key, 0) + 1
-        lines += [f"| `results/{f}` | {c} | {n} | {commit} | {d} | {s} |" for (f, c, commit, d, s), n in groups.items()]
-    else:
+    per_file: dict[str, int] = {}
+    for r in rows:
+        per_file[r.file] = per_file.get(r.file, 0) + 1
+    shown = [r for r in rows if per_file[r.file] <= MAX_ROWS]
+    if shown:
         lines += ["| card | model | case | measured | commit | date | file | status |", "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r.card} | {_cell(r.model)} | {_cell(r.case)} | {_cell(r.measures)} | {r.commit} | {r.date} | "
-                  f"`results/{r.file}` | {r.status} |" for r in rows]
-    return lines + [""]
+                  f"`results/{r.file}` | {r.status} |" for r in shown]
+        lines += [""]
+    if len(shown) < len(rows):
+        groups: dict[tuple[str, str, str, str, str], int] = {}
+        for r in rows:
+            if per_file[r.file] > MAX_ROWS:
+                key = (r.file, r.card, r.commit, r.date, r.status)
+                groups[key] = groups.get(key, 0) + 1
+        lines += ["| file | card | cases | commit | date | status |", "|---|---|---|---|---|---|"]
+        lines += [f"| `results/{f}` | {c} | {n} | {commit} | {d} | {s} |" for (f, c, commit, d, s), n in groups.items()]
+        lines += [""]
+    return lines
 
 
 def current_page(results: Path | None = None, root: Path | None = None) -> str:
