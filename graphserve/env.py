@@ -97,7 +97,8 @@ def main() -> None:
         print(markdown())
     else:
         for s in SWITCHES.values():
-            print(f"{s.name}={os.environ.get(s.name, '')!s:<12} default {s.default}  {s.doc}")
+            value = os.environ.get(s.name, "(unset)")
+            print(f"{s.name:<32} {value:<20} default {s.default or 'unset'}")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,21 @@ def test_merged_rows_carry_their_own_run(history):
     assert _line(page, "kernel=new").endswith(f"| {second} | 2026-12-02 | `results/kernels.json` | current |")
 
 
+def test_a_sweep_file_is_summarised_one_line_a_run(history, monkeypatch):
+    from benchmarks import current
+
+    root, results, first, second = history
+    _result(results, "decode_splits", {"device": "NVIDIA H200", "date": "2026-12-01", "commit": first},
+            [{"shape": "llama", "splits": s, "us": 10.0 + s} for s in range(1, 6)])
+    _result(results, "kernels", {"device": "NVIDIA H200", "date": "2026-12-01", "commit": second},
+            [{"kernel": "norm", "us": 3.5}])
+    monkeypatch.setattr(current, "MAX_ROWS", 3)
+    page = current_page(results, root)
+    assert "splits=1" not in page and "| `results/decode_splits.json` | NVIDIA H200 | 5 | " in page
+    assert _line(page, "decode_splits.json").endswith(f"| 5 | {first} | 2026-12-01 | stale: code changed at {second} |")
+    assert _line(page, "kernel=norm").endswith("current |")  # a small file beside it is shown row by row
+
+
 def test_result_files_map_to_the_benchmark_that_wrote_them():
     assert benchmark_of("decode_splits_fp8") == "decode_splits"
     assert benchmark_of("decode_bs1") == "decode"
