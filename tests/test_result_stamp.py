@@ -92,3 +92,13 @@ def test_write_result_refuses_a_dirty_checkout(repo, tmp_path, monkeypatch):
     monkeypatch.setenv("GRAPHSERVE_ALLOW_DIRTY", "1")
     path = common.write_result("stamp", {"rows": []})
     assert json.loads(path.read_text())["environment"]["commit"] == f"{head}-dirty"
+
+
+def test_stamp_command_for_a_tree_that_travels(repo, monkeypatch, capsys):
+    root, head = repo
+    monkeypatch.setattr(timing, "REPO", root)
+    timing.main()
+    assert capsys.readouterr().out.strip() == head
+    (root / "graphserve/engine.py").write_text("x = 4\n")
+    with pytest.raises(SystemExit, match="refusing to stamp results"):
+        timing.main()

@@ -187,3 +187,16 @@ def _fmt(v, col: str = "") -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)
+
+
+def main() -> None:
+    """Print the stamp results written now would carry, or refuse (exit 1) where the checkout holds uncommitted code:
+    ``GRAPHSERVE_COMMIT=$(python3 -m graphserve.tuning.timing)`` names the commit for a tree copied without .git."""
+    try:
+        print(git_commit())
+    except DirtyTreeError as e:
+        raise SystemExit(str(e)) from None
+
+
+if __name__ == "__main__":
+    main()
