@@ -18,7 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 # The graphserve/ code each benchmark exercises, coarse on purpose: a row is current only if none of it changed after
 # the commit that measured it.
 KERNELS = ("graphserve/kernels", "graphserve/layers")
-STEP = (*KERNELS, "graphserve/models", "graphserve/engine", "graphserve/distributed", "graphserve/config.py")
+# env.py holds the switches' defaults (PDL, L2 prefetch), which change what a step runs
+STEP = (*KERNELS, "graphserve/models", "graphserve/engine", "graphserve/distributed", "graphserve/config.py",
+        "graphserve/env.py")
 SERVE = (*STEP, "graphserve/server", "graphserve/structured", "graphserve/llm.py", "graphserve/outputs.py",
          "graphserve/bench")
 TUNED = (*KERNELS, "graphserve/tuning")

@@ -48,7 +48,7 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "error path."),
     Switch("GRAPHSERVE_COMMIT", None,
            "The commit benchmark and tuning results are stamped with, for a tree that travels without `.git` "
-           "(unset: `git rev-parse --short HEAD`)."),
+           "(unset: `git rev-parse --short HEAD`); `python3 -m graphserve.tuning.timing` prints the stamp, checked."),
     Switch("GRAPHSERVE_ALLOW_DIRTY", "0",
            "`1` lets results be written from a tree with uncommitted changes under `graphserve/` or "
            "`benchmarks/`, their commit stamped `-dirty`."),
