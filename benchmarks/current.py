@@ -85,6 +85,18 @@ CASE_FIELDS = ("quantization", "kv_cache_dtype", "bs", "ctx", "graph", "routing"
                "config", "dtype", "comparison", "gap_ms", "wait", "round", "overlap", "batch", "temperature", "scales",
                "tokens", "pairs", "gate_up", "down", "down_input", "run", "backend", "heads", "prologue", "knobs",
                "pieces", "tp", "ep", "topk", "chunks_per_req", "label")
+# The cases README.md quotes under "Performance": (benchmark, model, case), every card's row of each, as the page has it
+HEADLINES = (
+    ("decode", "dummy:llama3-8b", "bs=1 ctx=512 graph=True"),
+    ("decode", "dummy:llama3-8b", "bs=64 ctx=2048 graph=True"),
+    ("fp8", "dummy:llama3-8b --quantization fp8", "bs=1 ctx=512"),
+    ("fp8", "dummy:llama3-8b --quantization fp8", "bs=64 ctx=2048"),
+    ("moe", "dummy:qwen3-30b-a3b", "bs=64 ctx=1024 routing=uniform"),
+    ("fp8", "dummy:qwen3-30b-a3b --quantization fp8", "bs=64 ctx=2048"),
+    ("deepseek", "dummy:deepseek-v2-lite", "bs=64 ctx=1024 routing=router"),
+    ("http_overhead", "dummy:llama3-8b", "mode=stream concurrency=64 client=every-event api_server_count=1"),
+)
+TABLE_HEAD = "| card | model | case | measured | commit | date | file | status |\n|---|---|---|---|---|---|---|---|"
 # A result file with more newest rows than this is summarised in one line a run (tile sweeps, per-kernel tables).
 MAX_ROWS = 40
 SHOWN_MEASURES = 5
@@ -217,7 +229,7 @@ def section(bench: str, rows: list[Row], history: History) -> list[str]:
         per_file[r.file] = per_file.get(r.file, 0) + 1
     shown = [r for r in rows if per_file[r.file] <= MAX_ROWS]
     if shown:
-        lines += ["| card | model | case | measured | commit | date | file | status |", "|---|---|---|---|---|---|---|---|"]
+        lines += TABLE_HEAD.split("\n")
         lines += [f"| {r.card} | {_cell(r.model)} | {_cell(r.case)} | {_cell(r.measures)} | {r.commit} | {r.date} | "
                   f"`results/{r.file}` | {r.status} |" for r in shown]
         lines += [""]
@@ -255,3 +267,18 @@ def current_page(results: Path | None = None, root: Path | None = None) -> str:
     for bench in sorted(by_bench):
         lines += section(bench, by_bench[bench], history)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def headlines(page: str) -> str:
+    """README.md's performance table: the HEADLINES rows exactly as the current page ``page`` shows them."""
+    bench, found = "", {}
+    for line in page.splitlines():
+        if line.startswith("## "):
+            bench = line[3:].strip()
+        elif line.startswith("| ") and not line.startswith(("| card |", "| file |")):
+            cells = line.split(" | ")
+            found.setdefault((bench, cells[1], cells[2]), []).append(line)
+    missing = [h for h in HEADLINES if (h[0], _cell(h[1]), _cell(h[2])) not in found]
+    if missing:
+        raise KeyError(f"the current page has no row for {missing}")
+    return "\n".join([TABLE_HEAD] + [row for h in HEADLINES for row in found[(h[0], _cell(h[1]), _cell(h[2]))]])

@@ -126,3 +126,14 @@ def test_results_md_is_the_current_page():
     assert "python3 -m benchmarks.results_md --current" in text
     journal = (ROOT / "benchmarks" / "JOURNAL.md").read_text()
     assert journal.count("\n## 20") >= 27  # the dated sittings moved whole
+
+
+def test_headlines_are_refused_where_the_page_lacks_a_case():
+    from benchmarks.current import HEADLINES, TABLE_HEAD, headlines
+
+    rows = {h: f"| NVIDIA H200 | {h[1]} | {h[2]} | step_ms 1.250 | abc1234 | 2026-12-01 | `results/x.json` | current |"
+            for h in HEADLINES}
+    page = "\n\n".join(f"## {h[0]}\n\n{TABLE_HEAD}\n{row}" for h, row in rows.items())
+    assert headlines(page).splitlines()[2:] == [rows[h] for h in HEADLINES]
+    with pytest.raises(KeyError, match="the current page has no row for"):
+        headlines(page.replace(f"| {HEADLINES[0][2]} |", "| bs=3 |"))
