@@ -94,7 +94,6 @@ HEADLINES = (
     ("moe", "dummy:qwen3-30b-a3b", "bs=64 ctx=1024 routing=uniform"),
     ("fp8", "dummy:qwen3-30b-a3b --quantization fp8", "bs=64 ctx=2048"),
     ("deepseek", "dummy:deepseek-v2-lite", "bs=64 ctx=1024 routing=router"),
-    ("http_overhead", "dummy:llama3-8b", "mode=stream concurrency=64 client=every-event api_server_count=1"),
 )
 TABLE_HEAD = "| card | model | case | measured | commit | date | file | status |\n|---|---|---|---|---|---|---|---|"
 # A result file with more newest rows than this is summarised in one line a run (tile sweeps, per-kernel tables).
