@@ -117,8 +117,10 @@ class Row:
 
 def benchmark_of(stem: str) -> str:
     """The benchmark that wrote results/STEM.json: the longest module name or result name that STEM is, or starts
-    with followed by ``_`` (``decode_splits_fp8`` is decode_splits', ``decode_bs1`` decode's)."""
+    with followed by ``_`` (``decode_splits_fp8`` is decode_splits', ``decode_bs1`` decode's); "other" for none."""
     names = [(name, bench) for bench, (_, extra) in BENCHMARKS.items() for name in (bench, *extra)]
+    # a module not listed above is still a benchmark (its code taken as the whole step's, STEP)
+    names += [(m.stem, m.stem) for m in Path(__file__).parent.glob("*.py") if m.stem not in BENCHMARKS]
     hits = [(name, bench) for name, bench in names if stem == name or stem.startswith(name + "_")]
     return max(hits, key=lambda h: len(h[0]))[1] if hits else "other"
 
