@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from graphserve import env
+
 logger = logging.getLogger("graphserve.tables")
 
 KERNELS_DIR = Path(__file__).resolve().parent
@@ -66,9 +68,8 @@ def version_key(v: dict[str, str]) -> str:
 
 
 def cache_root() -> Path:
-    env = os.environ.get("GRAPHSERVE_CACHE_DIR")
-    if env:
-        root = Path(env).expanduser()
+    if env.path("GRAPHSERVE_CACHE_DIR"):
+        root = env.path("GRAPHSERVE_CACHE_DIR")
     elif os.environ.get("XDG_CACHE_HOME"):
         root = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "graphserve"
     else:

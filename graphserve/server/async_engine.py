@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from graphserve import env
 from graphserve.config import EngineConfig
 from graphserve.errors import (
     BadRequestError,
@@ -76,7 +76,7 @@ class AsyncEngine:
         self._id_prefix = "" if channel is None else f"{channel.index}."
         self._all_frontends_ready = channel is None
         self._watchdog: asyncio.Task[None] | None = None
-        self._fault_marker = os.environ.get(FAULT_ENV) or None
+        self._fault_marker = env.get(FAULT_ENV) or None
         self._kv_blocks = (0, 1)  # (usable blocks, tokens per block) of the KV pool
         from graphserve.server.profile_route import ProfileBroker
 
