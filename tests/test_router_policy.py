@@ -161,3 +161,37 @@ def test_worker_pool_follows_snapshots_events_and_restarts():
     assert w.since == -1 and policy.indexes["http://w"].hashes == {2, 5}
     pool._apply(w, {**base, "epoch": "e2", "snapshot": [7], "events": [], "next": 9})
     assert policy.indexes["http://w"].hashes == {7} and w.since == 9
+
+
+def test_a_busy_holder_loses_its_prefix_past_the_balance_threshold():
+    prompt = list(range(3 * BS + 1))
+    for threshold, load, expected in ((2, {"a": 2, "b": 0}, "a"), (2, {"a": 3, "b": 0}, "b"),
+                                      (None, {"a": 100, "b": 0}, "a"), (0, {"a": 1, "b": 1}, "a")):
+        policy = RoutingPolicy(["a", "b"], block_size=BS, balance_threshold=threshold)
+        policy.apply("a", [(STORED, h, None) for h in block_hashes(prompt, BS)])
+        choice = policy.choose([prompt], ["a", "b"], load)
+        assert choice.replica == expected, (threshold, load)
+        assert choice.by_prefix == (expected == "a")
+    with pytest.raises(ValueError, match="balance_threshold=-1"):
+        RoutingPolicy(balance_threshold=-1)
+
+
+def test_router_flags_and_mismatched_workers_are_refused_by_name():
+    import argparse
+
+    from graphserve.errors import ConfigError
+    from graphserve.router.launch import add_arguments, check_args, check_models
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    ok = parser.parse_args(["--worker", "http://h1:30001/", "--worker", "http://h2:30001"])
+    assert check_args(ok) == ["http://h1:30001", "http://h2:30001"]
+    for argv, message in ((["--worker", "h1:30001"], "--worker='h1:30001' is invalid"),
+                          (["--worker", "http://h:1", "--worker", "http://h:1/"], "given twice"),
+                          (["--worker", "http://h:1", "--balance-threshold", "-1"], "--balance-threshold=-1"),
+                          (["--worker", "http://h:1", "--health-interval", "0"], "--health-interval=0.0")):
+        with pytest.raises(ConfigError, match=message):
+            check_args(parser.parse_args(argv))
+    assert check_models({"http://a": "builtin:tiny-llama", "http://b": "builtin:tiny-llama"}) == "builtin:tiny-llama"
+    with pytest.raises(ConfigError, match="http://a serves model='m1' but --worker http://b serves model='m2'"):
+        check_models({"http://a": "m1", "http://b": "m2"})

@@ -134,7 +134,7 @@ def create_app(pool: WorkerPool, tokens: PromptTokens) -> FastAPI:
                     worker.retried += 1
                     continue
                 if stream and upstream.status_code == 200:
-                    rest = upstream.aiter_raw()
+                    rest = upstream.aiter_bytes()  # decoded: content-encoding is not forwarded
                     try:  # the first bytes: until they come, the request can move to another worker
                         first = await rest.__anext__()
                     except StopAsyncIteration:

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from graphserve.errors import ConfigError
+from graphserve.router.policy import DEFAULT_BALANCE_THRESHOLD, RoutingPolicy
 
 logger = logging.getLogger("graphserve.router")
 
@@ -35,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait at start for a worker to say which model it serves")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds a worker may take between two bytes of a response")
+    parser.add_argument("--balance-threshold", type=int, default=DEFAULT_BALANCE_THRESHOLD,
+                        help="requests in flight by which the workers holding a request's prefix may exceed the "
+                             "least loaded worker before the request goes to the least loaded instead")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -50,6 +54,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
         if url in urls:
             raise ConfigError(f"--worker={url!r} is given twice: each worker once", param="worker")
         urls.append(url)
+    if args.balance_threshold < 0:
+        raise ConfigError(f"--balance-threshold={args.balance_threshold} is invalid: must be >= 0",
+                          param="balance_threshold")
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port={args.port} is invalid: must be in [1, 65535]", param="port")
     for flag in ("health_interval", "startup_timeout", "request_timeout"):
@@ -100,7 +107,6 @@ async def serve(args: argparse.Namespace, urls: list[str]) -> None:
 
     from graphserve.models.loader import load_tokenizer
     from graphserve.router.app import create_app
-    from graphserve.router.policy import RoutingPolicy
     from graphserve.router.tokens import PromptTokens
     from graphserve.router.workers import WorkerPool
 
@@ -109,7 +115,8 @@ async def serve(args: argparse.Namespace, urls: list[str]) -> None:
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = check_models(await worker_models(client, urls, args.startup_timeout))
         tokenizer = await asyncio.to_thread(load_tokenizer, args.tokenizer or model)
-        pool = WorkerPool(urls, model, client, RoutingPolicy(), args.health_interval)
+        policy = RoutingPolicy(balance_threshold=args.balance_threshold)
+        pool = WorkerPool(urls, model, client, policy, args.health_interval)
         pool.start()
         app = create_app(pool, PromptTokens(tokenizer))
         logger.info("routing for model %s over %d worker(s): %s", model, len(urls), ", ".join(urls))

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 from graphserve.engine.kv_cache import CLEARED, REMOVED, ROOT_HASH, STORED, chain_hash
 
+# Requests in flight. A guess, not a measurement: past it a busier holder's queue is taken to cost more than
+# recomputing the prefix elsewhere (`graphserve router --balance-threshold` sets it).
+DEFAULT_BALANCE_THRESHOLD = 32
+
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """The chain hashes of the blocks of a prompt the engine could serve from its cache: full blocks before its
@@ -77,8 +81,14 @@ class Choice:
 class RoutingPolicy:
     """Prefix indexes of the replicas, and the choice among those that can serve now."""
 
-    def __init__(self, replicas: Iterable[Hashable] = (), block_size: int = 16):
+    def __init__(self, replicas: Iterable[Hashable] = (), block_size: int = 16,
+                 balance_threshold: int | None = DEFAULT_BALANCE_THRESHOLD):
         self.indexes: dict[Hashable, PrefixIndex] = {r: PrefixIndex(block_size) for r in replicas}
+        # A prefix every request shares (a system prompt) would otherwise send all of them to its first holder
+        # while the others idle: past this many requests in flight more than the least loaded, load decides.
+        if balance_threshold is not None and balance_threshold < 0:
+            raise ValueError(f"balance_threshold={balance_threshold} is invalid: must be >= 0 (or None: never)")
+        self.balance_threshold = balance_threshold
         self._turn = 0  # breaks load ties in turn, so equal replicas share an idle start
 
     def add(self, replica: Hashable, block_size: int = 16) -> None:
@@ -108,11 +118,17 @@ class RoutingPolicy:
                load: dict[Hashable, int]) -> Choice:
         """``prompts``: the request's prompts as token ids (empty when they are unknown); ``available``: the
         replicas that can serve now, in a fixed order; ``load``: each one's requests in flight. The longest
-        cached prefix wins; ties and no hit go to the least loaded, then in turn."""
+        cached prefix wins, unless its holders are all more than ``balance_threshold`` requests busier than
+        the least loaded; ties and no hit go to the least loaded, then in turn."""
         if not available:
             raise ValueError("no replica is available to choose from")
         hits = self.hits(prompts, available)
         best = max(hits.values())
+        if best and self.balance_threshold is not None:
+            floor = min(load.get(r, 0) for r in available)
+            if min(load.get(r, 0) for r in available if hits[r] == best) > floor + self.balance_threshold:
+                hits = dict.fromkeys(available, 0)
+                best = 0
         tied = [r for r in available if hits[r] == best]
         least = min(load.get(r, 0) for r in tied)
         tied = [r for r in tied if load.get(r, 0) == least]

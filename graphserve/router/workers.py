@@ -84,37 +84,49 @@ class WorkerPool:
                 if ok and worker.model is None:
                     await self._check_model(worker)
                 reason = f"/health answered {resp.status_code}"
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, ValueError, KeyError) as exc:  # down, or not a graphserve worker
                 ok, reason = False, f"{type(exc).__name__}: {exc}"
             if ok and not worker.healthy and worker.refused is None:
                 logger.info("worker %s is healthy", worker.url)
             if not ok:
                 self.mark_dead(worker, reason)
+                worker.model = None  # what comes back up may serve another model: asked again
             worker.healthy = ok
             await asyncio.sleep(self.health_interval)
 
     async def _events_loop(self, worker: Worker) -> None:
-        while True:
-            if worker.refused is not None:
-                return
-            try:
-                resp = await self.client.get(worker.url + "/v1/cache_events",
-                                             params={"since": worker.since, "timeout": EVENTS_WAIT_S},
-                                             timeout=EVENTS_WAIT_S + 10.0)
-            except httpx.HTTPError:
-                await asyncio.sleep(self.health_interval)
-                continue
-            if resp.status_code != 200:  # loading, draining or an older server without the route
-                await asyncio.sleep(self.health_interval)
-                continue
-            body = resp.json()
-            if body.get("hash_probe") != HASH_PROBE:
-                logger.error("worker %s hashes blocks unlike this router (probe %s, here %s: another Python "
-                             "version?): its prefixes are not indexed, requests go to it by load alone",
-                             worker.url, body.get("hash_probe"), HASH_PROBE)
-                self.policy.reset(worker.url)
-                return
-            self._apply(worker, body)
+        # One connection of its own: behind several HTTP front-ends on one port (--api-server-count), each with
+        # its own event log and epoch, polls that landed on alternate front-ends would take a snapshot each.
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1)) as client:
+            while worker.refused is None:
+                try:
+                    resp = await client.get(worker.url + "/v1/cache_events",
+                                            params={"since": worker.since, "timeout": EVENTS_WAIT_S},
+                                            timeout=EVENTS_WAIT_S + 10.0)
+                except httpx.HTTPError:
+                    await asyncio.sleep(self.health_interval)
+                    continue
+                if resp.status_code not in (200, 404):  # loading or draining
+                    await asyncio.sleep(self.health_interval)
+                    continue
+                if not self._take(worker, resp):
+                    return
+
+    def _take(self, worker: Worker, resp: httpx.Response) -> bool:
+        """Apply one /v1/cache_events answer; False when this worker's events cannot be used at all."""
+        if resp.status_code == 404:
+            logger.error("worker %s has no /v1/cache_events (an older graphserve?): requests go to it by load "
+                         "alone", worker.url)
+            return False
+        body = resp.json()
+        if body.get("hash_probe") != HASH_PROBE:
+            logger.error("worker %s hashes blocks unlike this router (probe %s, here %s: another Python "
+                         "version?): its prefixes are not indexed, requests go to it by load alone",
+                         worker.url, body.get("hash_probe"), HASH_PROBE)
+            self.policy.reset(worker.url)
+            return False
+        self._apply(worker, body)
+        return True
 
     def _apply(self, worker: Worker, body: dict) -> None:
         if body.get("epoch") != worker.epoch:
