@@ -145,6 +145,22 @@ def test_repeated_prefixes_go_to_the_worker_holding_them(cluster):
     assert _metric(router, "prefix_hits_total", holder) == hits + 1
 
 
+def test_a_client_that_leaves_aborts_its_request_on_the_worker(cluster):
+    a, b, router = cluster
+
+    def running() -> float:
+        return sum(metrics(w.base_url).get("graphserve:num_requests_running", 0.0) for w in (a, b))
+
+    body = {"prompt": "Leaving early", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # plain: the router waits on the whole response when the client goes
+        httpx.post(router.base_url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    assert wait_for(lambda: running() == 0, timeout=4), "the worker still runs a request nobody waits for"
+    with httpx.stream("POST", router.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        next(r.iter_lines())  # streaming: leave after the first event
+    assert wait_for(lambda: running() == 0, timeout=4)
+    assert wait_for(lambda: sum(_metric(router, "requests_in_flight", w.base_url) for w in (a, b)) == 0, 4)
+
+
 def test_killed_workers_requests_not_yet_streamed_move_and_health_follows(cluster):
     a, b, router = cluster
     body = {"sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from graphserve.errors import ServiceUnavailableError
+from graphserve.router.policy import Choice
 from graphserve.router.tokens import CHAT, COMPLETIONS, GENERATE, PromptTokens
 from graphserve.router.workers import Worker, WorkerPool
 
@@ -32,6 +33,7 @@ WORKER_HEADER = "X-Graphserve-Worker"
 PREFIX = "graphserve:router_"
 # Prompts longer than this are tokenized on a thread: a long one would hold every stream on the loop.
 INLINE_TOKENIZE_CHARS = 4096
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 # Not forwarded: they describe one hop (or a body length that httpx and the ASGI server set themselves).
 HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
                "proxy-authorization", "proxy-connection", "accept-encoding", "content-encoding"}
@@ -122,15 +124,14 @@ def create_app(pool: WorkerPool, tokens: PromptTokens) -> FastAPI:
             worker = next(w for w in candidates if w.url == choice.replica)
             tried.append(worker.url)
             worker.inflight += 1
-            upstream = None
+            upstream: httpx.Response | None = None
+            owned = True  # this attempt closes the upstream and counts the request out; a started stream takes over
             try:
                 upstream = await pool.client.send(
                     pool.client.build_request("POST", worker.url + path, content=raw, headers=headers), stream=True)
                 if upstream.status_code == 503:  # loading or draining: another worker may serve it now
                     await upstream.aread()
                     last_503 = upstream
-                    await upstream.aclose()
-                    worker.inflight -= 1
                     worker.retried += 1
                     continue
                 if stream and upstream.status_code == 200:
@@ -139,27 +140,30 @@ def create_app(pool: WorkerPool, tokens: PromptTokens) -> FastAPI:
                         first = await rest.__anext__()
                     except StopAsyncIteration:
                         first = b""
-                else:
-                    await upstream.aread()
+                    _count(worker, choice)
+                    owned = False
+                    return StreamingResponse(stream_from(worker, upstream, first, rest), status_code=200,
+                                             headers={**_response_headers(upstream), WORKER_HEADER: worker.url})
+                if not await _read_unless_gone(request, upstream):
+                    # closing the connection makes the worker abort the request and free its KV blocks
+                    return Response(status_code=499)
+                _count(worker, choice)
+                return Response(upstream.content, status_code=upstream.status_code,
+                                headers={**_response_headers(upstream), WORKER_HEADER: worker.url})
             except httpx.HTTPError as exc:
-                if upstream is not None:
-                    await upstream.aclose()
-                worker.inflight -= 1
+                if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+                    # slow, not dead: running the request again elsewhere would double its work
+                    return _gateway_timeout(f"worker {worker.url} sent nothing for --request-timeout "
+                                            f"({type(exc).__name__}); the request was not retried")
                 worker.retried += 1
                 pool.mark_dead(worker, f"{path} failed before any byte reached the client "
                                        f"({type(exc).__name__}: {exc}); retrying on another worker")
                 continue
-            worker.routed += 1
-            if choice.by_prefix:
-                worker.prefix_hits += 1
-                worker.hit_blocks += choice.hit_blocks
-            out_headers = {**_response_headers(upstream), WORKER_HEADER: worker.url}
-            if stream and upstream.status_code == 200:
-                return StreamingResponse(stream_from(worker, upstream, first, rest), status_code=200,
-                                         headers=out_headers)
-            worker.inflight -= 1
-            await upstream.aclose()
-            return Response(upstream.content, status_code=upstream.status_code, headers=out_headers)
+            finally:
+                if owned:
+                    worker.inflight -= 1
+                    if upstream is not None:
+                        await upstream.aclose()
 
     @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
@@ -174,10 +178,11 @@ def create_app(pool: WorkerPool, tokens: PromptTokens) -> FastAPI:
         return await proxy(request, GENERATE)
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         for worker in pool.available():
             try:
-                resp = await pool.client.get(worker.url + "/v1/models", timeout=5.0)
+                resp = await pool.client.get(worker.url + "/v1/models", timeout=5.0, headers=headers)
             except httpx.HTTPError as exc:
                 pool.mark_dead(worker, f"/v1/models failed ({type(exc).__name__}: {exc})")
                 continue
@@ -196,6 +201,32 @@ def create_app(pool: WorkerPool, tokens: PromptTokens) -> FastAPI:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _count(worker: Worker, choice: Choice) -> None:
+    worker.routed += 1
+    if choice.by_prefix:
+        worker.prefix_hits += 1
+        worker.hit_blocks += choice.hit_blocks
+
+
+async def _read_unless_gone(request: Request, upstream: httpx.Response) -> bool:
+    """Read the whole response; False, having stopped reading, if the client leaves first."""
+    read = asyncio.ensure_future(upstream.aread())
+    while True:
+        done, _ = await asyncio.wait({read}, timeout=DISCONNECT_POLL_S)
+        if done:
+            read.result()  # raises what the read raised
+            return True
+        if await request.is_disconnected():
+            read.cancel()
+            await asyncio.gather(read, return_exceptions=True)
+            return False
+
+
+def _gateway_timeout(message: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": "gateway_timeout", "param": None, "code": None}}
+    return JSONResponse(body, status_code=504)
 
 
 def _response_headers(resp: httpx.Response) -> dict[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 from urllib.parse import urlsplit
 
@@ -18,6 +19,7 @@ import httpx
 
 from graphserve.errors import ConfigError
 from graphserve.router.policy import DEFAULT_BALANCE_THRESHOLD, RoutingPolicy
+from graphserve.server.serve_args import API_KEY_ENVS
 
 logger = logging.getLogger("graphserve.router")
 
@@ -31,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=30000, help="TCP port to listen on")
     parser.add_argument("--tokenizer", default=None,
                         help="model source whose tokenizer hashes prompts (default: the workers' model)")
+    parser.add_argument("--api-key", default=None,
+                        help="the workers' --api-key, sent on the router's own calls to them (default: "
+                             "$VLLM_API_KEY or $GRAPHSERVE_API_KEY); a client's request carries its own key")
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between /health checks")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds to wait at start for a worker to say which model it serves")
@@ -66,7 +71,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
     return urls
 
 
-async def worker_models(client: httpx.AsyncClient, urls: list[str], timeout: float) -> dict[str, str]:
+async def worker_models(client: httpx.AsyncClient, urls: list[str], timeout: float,
+                        headers: dict[str, str] | None = None) -> dict[str, str]:
     """The model each worker serves, for those that answer: all of them, or those that did by STRAGGLER_S after
     the first (the rest are taken in when they come up). None answering within ``timeout`` s is an error."""
     deadline = time.monotonic() + timeout
@@ -77,7 +83,7 @@ async def worker_models(client: httpx.AsyncClient, urls: list[str], timeout: flo
             if url in models:
                 continue
             try:
-                resp = await client.get(url + "/get_model_info", timeout=5.0)
+                resp = await client.get(url + "/get_model_info", timeout=5.0, headers=headers)
             except httpx.HTTPError:
                 continue
             if resp.status_code == 200:
@@ -112,11 +118,14 @@ async def serve(args: argparse.Namespace, urls: list[str]) -> None:
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(args.request_timeout, connect=5.0)
+    key = args.api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), None)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    # no default key on this client: it carries clients' requests, each with the key its client sent
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        model = check_models(await worker_models(client, urls, args.startup_timeout))
+        model = check_models(await worker_models(client, urls, args.startup_timeout, headers))
         tokenizer = await asyncio.to_thread(load_tokenizer, args.tokenizer or model)
         policy = RoutingPolicy(balance_threshold=args.balance_threshold)
-        pool = WorkerPool(urls, model, client, policy, args.health_interval)
+        pool = WorkerPool(urls, model, client, policy, args.health_interval, headers)
         pool.start()
         app = create_app(pool, PromptTokens(tokenizer))
         logger.info("routing for model %s over %d worker(s): %s", model, len(urls), ", ".join(urls))

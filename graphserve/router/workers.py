@@ -40,12 +40,13 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, urls: list[str], model: str, client: httpx.AsyncClient, policy: RoutingPolicy,
-                 health_interval: float = 1.0):
+                 health_interval: float = 1.0, headers: dict[str, str] | None = None):
         self.workers = [Worker(url) for url in urls]
         self.model = model  # the model source every worker must serve
         self.client = client
         self.policy = policy
         self.health_interval = health_interval
+        self.headers = headers or {}  # on the router's own calls (the workers' --api-key)
         for w in self.workers:
             policy.add(w.url)
         self._tasks: list[asyncio.Task[None]] = []
@@ -69,7 +70,7 @@ class WorkerPool:
         worker.healthy = False
 
     async def _check_model(self, worker: Worker) -> None:
-        resp = await self.client.get(worker.url + "/get_model_info", timeout=5.0)
+        resp = await self.client.get(worker.url + "/get_model_info", timeout=5.0, headers=self.headers)
         resp.raise_for_status()
         worker.model = resp.json().get("model_path")
         if worker.model != self.model:
@@ -97,7 +98,7 @@ class WorkerPool:
     async def _events_loop(self, worker: Worker) -> None:
         # One connection of its own: behind several HTTP front-ends on one port (--api-server-count), each with
         # its own event log and epoch, polls that landed on alternate front-ends would take a snapshot each.
-        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1)) as client:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1), headers=self.headers) as client:
             while worker.refused is None:
                 try:
                     resp = await client.get(worker.url + "/v1/cache_events",
@@ -106,7 +107,7 @@ class WorkerPool:
                 except httpx.HTTPError:
                     await asyncio.sleep(self.health_interval)
                     continue
-                if resp.status_code not in (200, 404):  # loading or draining
+                if resp.status_code not in (200, 401, 403, 404):  # loading or draining
                     await asyncio.sleep(self.health_interval)
                     continue
                 if not self._take(worker, resp):
@@ -114,9 +115,10 @@ class WorkerPool:
 
     def _take(self, worker: Worker, resp: httpx.Response) -> bool:
         """Apply one /v1/cache_events answer; False when this worker's events cannot be used at all."""
-        if resp.status_code == 404:
-            logger.error("worker %s has no /v1/cache_events (an older graphserve?): requests go to it by load "
-                         "alone", worker.url)
+        if resp.status_code != 200:
+            why = "no /v1/cache_events (an older graphserve?)" if resp.status_code == 404 else \
+                f"refused the router's key ({resp.status_code}: set --api-key)"
+            logger.error("worker %s: %s; requests go to it by load alone", worker.url, why)
             return False
         body = resp.json()
         if body.get("hash_probe") != HASH_PROBE:

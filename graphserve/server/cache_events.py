@@ -30,7 +30,7 @@ from graphserve.engine.kv_cache import CLEARED, REMOVED, ROOT_HASH, STORED, chai
 if TYPE_CHECKING:
     from graphserve.server.state import ServerState
 
-MAX_EVENTS = 100_000  # kept for routers that fall behind; one further back gets a snapshot instead
+MAX_EVENTS = 32_768  # kept for routers that fall behind (a few MB); one further back gets a snapshot instead
 MAX_WAIT_S = 60.0
 # A fixed block's hash: a router whose Python hashes tuples otherwise cannot match this worker's hashes.
 HASH_PROBE = chain_hash(ROOT_HASH, (1, 2, 3))
