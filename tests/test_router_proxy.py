@@ -33,6 +33,8 @@ def _run(handler, urls: list[str], requests: list[tuple[str, dict]]) -> tuple[li
             for path, body in requests:
                 if path == "GET":
                     out.append(await client.get(body["url"]))
+                elif path == "POST":
+                    out.append(await client.post(body["url"]))
                 else:
                     out.append(await client.post(path, json=body))
         await upstream.aclose()
@@ -103,3 +105,19 @@ def test_a_stream_that_started_is_not_retried_and_a_worker_400_passes_through():
     assert stream.text.count("data: ") == 4 and stream.text.endswith("data: [DONE]\n\n")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
     assert pool.workers[0].retried == 0 and pool.workers[0].inflight == 0
+
+
+def test_flush_cache_reaches_every_worker_and_model_questions_one():
+    seen: list[tuple[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.host, request.url.path))
+        if request.url.path == "/get_model_info":
+            return httpx.Response(200, json={"model_path": "m"})
+        return httpx.Response(200, json={"status": "ok"})
+
+    (flush, info), _ = _run(handler, ["http://a", "http://b"], [("POST", {"url": "/flush_cache"}),
+                                                                ("GET", {"url": "/get_model_info"})])
+    assert flush.status_code == 200 and "2 worker(s)" in flush.json()["message"]
+    assert sorted(h for h, p in seen if p == "/flush_cache") == ["a", "b"]
+    assert info.json() == {"model_path": "m"} and [p for _, p in seen].count("/get_model_info") == 1

@@ -177,17 +177,42 @@ def create_app(pool: WorkerPool, tokens: PromptTokens) -> FastAPI:
     async def generate(request: Request) -> Response:
         return await proxy(request, GENERATE)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
+    async def from_any_worker(request: Request, path: str) -> Response:
+        """A question every worker answers alike (the model they serve): asked of the first healthy one."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         for worker in pool.available():
             try:
-                resp = await pool.client.get(worker.url + "/v1/models", timeout=5.0, headers=headers)
+                resp = await pool.client.get(worker.url + path, timeout=10.0, headers=headers)
             except httpx.HTTPError as exc:
-                pool.mark_dead(worker, f"/v1/models failed ({type(exc).__name__}: {exc})")
+                pool.mark_dead(worker, f"{path} failed ({type(exc).__name__}: {exc})")
                 continue
-            return Response(resp.content, status_code=resp.status_code, headers=_response_headers(resp))
-        return _unavailable("no worker can serve: none is healthy")
+            return Response(resp.content, status_code=resp.status_code,
+                            headers={**_response_headers(resp), WORKER_HEADER: worker.url})
+        return _unavailable(f"no worker can serve: 0 of {len(pool.workers)} healthy")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await from_any_worker(request, "/v1/models")
+
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request) -> Response:
+        return await from_any_worker(request, "/get_model_info")
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> Response:
+        """Every healthy worker drops its prefix cache (benchmarks call this between runs)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        workers = pool.available()
+        if not workers:
+            return _unavailable(f"no worker can serve: 0 of {len(pool.workers)} healthy")
+        answers = await asyncio.gather(*(pool.client.post(w.url + "/flush_cache", timeout=10.0, headers=headers)
+                                         for w in workers), return_exceptions=True)
+        failed = {w.url: (a if isinstance(a, Exception) else a.status_code) for w, a in zip(workers, answers)
+                  if isinstance(a, Exception) or a.status_code != 200}
+        if failed:
+            return _unavailable(f"/flush_cache failed on {len(failed)} of {len(workers)} worker(s): "
+                                + ", ".join(f"{url} ({why})" for url, why in failed.items()))
+        return JSONResponse({"status": "ok", "message": f"prefix cache flushed on {len(workers)} worker(s)"})
 
     @app.get("/health")
     async def health() -> Response:
