@@ -32,7 +32,7 @@ class RouterProcess:
         self.port = free_port()
         self.log_path = log_dir / f"router-{self.port}.log"
         self.args = [sys.executable, "-m", "graphserve.cli", "router", "--port", str(self.port),
-                     "--health-interval", "0.3", "--startup-timeout", "60"]
+                     "--health-interval", "0.3", "--startup-timeout", "170"]
         for url in workers:
             self.args += ["--worker", url]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -41,7 +41,7 @@ class RouterProcess:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> RouterProcess:
+    def start(self, timeout: float = 180.0) -> RouterProcess:
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child holds it; closed with the process
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
         ok = wait_for(lambda: self.proc.poll() is not None or _status(self.base_url + "/health") == 200, timeout)
@@ -71,15 +71,15 @@ def cluster(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("router")
     a = ServerProcess(log_dir, "--engine-in-process")
     b = ServerProcess(log_dir)
-    router = None
+    # the router starts beside the workers (its imports and tokenizer overlap their warm-up) and waits for them
+    router = RouterProcess(log_dir, [a.base_url, b.base_url])
     try:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda s: s.start(), [a, b]))
-        router = RouterProcess(log_dir, [a.base_url, b.base_url]).start()
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda s: s.start(), [router, a, b]))
+        assert wait_for(lambda: all(_metric(router, "worker_healthy", w.base_url) == 1 for w in (a, b)), 30)
         yield a, b, router
     finally:
-        if router is not None:
-            router.stop()
+        router.stop()
         for srv in (a, b):
             srv.stop()
 
