@@ -195,3 +195,17 @@ def test_router_flags_and_mismatched_workers_are_refused_by_name():
     assert check_models({"http://a": "builtin:tiny-llama", "http://b": "builtin:tiny-llama"}) == "builtin:tiny-llama"
     with pytest.raises(ConfigError, match="http://a serves model='m1' but --worker http://b serves model='m2'"):
         check_models({"http://a": "m1", "http://b": "m2"})
+
+
+def test_a_dropped_worker_forgets_its_index_until_a_fresh_snapshot():
+    policy = RoutingPolicy()
+    pool = WorkerPool(["http://w"], "m", client=None, policy=policy)  # type: ignore[arg-type]
+    w = pool.workers[0]
+    base = {"hash_probe": HASH_PROBE, "block_size": BS, "epoch": "e1"}
+    pool._apply(w, {**base, "snapshot": [1, 2], "events": [], "next": 3})
+    pool.mark_dead(w, "connection refused")
+    assert policy.indexes["http://w"].hashes == set() and w.since == -1
+    pool._apply(w, {**base, "events": [["stored", 4, 2]], "next": 4})  # a poll sent before the drop
+    assert policy.indexes["http://w"].hashes == set() and w.since == -1
+    pool._apply(w, {**base, "snapshot": [1, 2, 4], "events": [], "next": 4})
+    assert policy.indexes["http://w"].hashes == {1, 2, 4} and w.since == 4

@@ -68,6 +68,11 @@ class WorkerPool:
         if worker.healthy:
             logger.warning("worker %s dropped: %s", worker.url, reason)
         worker.healthy = False
+        # what comes back may have restarted with an empty cache: its index waits for a fresh snapshot (an
+        # answer of the old epoch still in flight is dropped, see _apply)
+        self.policy.reset(worker.url)
+        worker.epoch = None
+        worker.since = -1
 
     async def _check_model(self, worker: Worker) -> None:
         resp = await self.client.get(worker.url + "/get_model_info", timeout=5.0, headers=self.headers)
