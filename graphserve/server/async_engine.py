@@ -30,6 +30,7 @@ from graphserve.errors import (
     ServiceUnavailableError,
 )
 from graphserve.sampling_params import SamplingParams
+from graphserve.server.cache_events import CacheEventLog
 from graphserve.server.core_driver import FAULT_ENV, CoreDriver
 from graphserve.server.deltas import DeltaProcessor, RequestDelta
 from graphserve.server.engine_events import EngineEvents
@@ -78,6 +79,7 @@ class AsyncEngine:
         self._watchdog: asyncio.Task[None] | None = None
         self._fault_marker = env.get(FAULT_ENV) or None
         self._kv_blocks = (0, 1)  # (usable blocks, tokens per block) of the KV pool
+        self.cache_events = CacheEventLog()  # the prefix cache's changes, for GET /v1/cache_events
         from graphserve.server.profile_route import ProfileBroker
 
         self.profiles = ProfileBroker(self)  # POST /v1/profile, when the server enables it
