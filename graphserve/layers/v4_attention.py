@@ -4,7 +4,7 @@ As transformers' ``DeepseekV4Attention`` computes it: q through a LoRA (``q_a_pr
 and a per-head unweighted RMSNorm; the latent ``kv_norm(kv_proj(x))``; both rotated on their trailing ``rope_dim``
 dims as interleaved pairs. Each query attends, with its head's sink logit in the denominator, over the last
 ``sliding_window`` latents (itself included) and, per layer type, the compressed entries of groups it has seen
-(layers/v4_compressor.py): every one (HCA) or the ``index_topk`` its lightning indexer scores highest (CSA). Values
+(kernels/v4_reference.py): every one (HCA) or the ``index_topk`` its lightning indexer scores highest (CSA). Values
 are the keys, so the output's rope part is rotated back at the query's position before the grouped low-rank output
 projection (``o_groups`` blocks of ``o_a_proj``, then ``o_b_proj``). Sliding-only layers rotate with the "main" rope,
 compressed ones with the "compress" rope.
@@ -21,14 +21,14 @@ import torch
 from torch import nn
 
 from graphserve.errors import ConfigError
+from graphserve.kernels import v4_reference as ref
 from graphserve.kernels.dsa_reference import topk_indices
-from graphserve.layers.attention import softmax_with_sinks
+from graphserve.kernels.v4_reference import CompressorBranch, rope_trailing
 from graphserve.layers.hyper_connection import Float32Params
 from graphserve.layers.kv_layout import to_cache_dtype
 from graphserve.layers.linear import Linear
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import rope_tables
-from graphserve.layers.v4_compressor import CompressorBranch, rope_trailing, token_slots
 from graphserve.models.deepseek_v4_shape import CSA, SLIDING, V4Shape
 
 if TYPE_CHECKING:
@@ -148,45 +148,25 @@ class V4Attention(Float32Params):
         modules = [c] + ([c.indexer] if len(self.branches) > 1 else [])
         for branch, m in zip(self.branches, modules):
             branch.write_state(rows, batch.slot_mapping, m.kv_proj(x), m.gate_proj(x))
-        m_rate = c.rate
-        closing = ((positions + 1) % m_rate == 0).nonzero().flatten()
-        if closing.numel() == 0:
-            return
-        first = positions[closing] + 1 - m_rate  # each closed group's first position
-        seq = row_seq[closing]
-        span = torch.arange(m_rate, device=x.device)
-        group = token_slots(batch.block_tables, seq, first[:, None] + span, block_size)
-        prev = token_slots(batch.block_tables, seq, first[:, None] - m_rate + span, block_size)
         for branch, m in zip(self.branches, modules):
-            branch.close_groups(rows, group, prev, first > 0, batch.slot_mapping[closing], m.position_bias,
-                                m.kv_norm.weight, self.eps, first, self.inv_freq)  # fmt: skip
+            ref.compress_groups(rows, branch, batch.block_tables, row_seq, positions, batch.slot_mapping, c.rate,
+                                m.position_bias, m.kv_norm.weight, self.eps, self.inv_freq, block_size)
 
     def _attend(self, q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                 row_seq: torch.Tensor, batch: ForwardBatch, latents: torch.Tensor, rows: torch.Tensor | None,
                 block_size: int) -> torch.Tensor:  # fmt: skip
         """fp32 ``[rows, heads, head_dim]``: each query over its window's latents and its compressed entries."""
-        pos = positions.long()
-        window_pos = pos[:, None] - torch.arange(self.window - 1, -1, -1, device=q.device)
-        keys = latents[token_slots(batch.block_tables, row_seq, window_pos, block_size)].float()
-        seen = window_pos >= 0
-        if rows is not None:
-            rate = self.compressor.rate
-            visible = (pos + 1) // rate  # entries of the groups this query has seen
+        rate = self.compressor.rate if rows is not None else 0
+        idx = None
+        if len(self.branches or ()) > 1:  # CSA: the indexer keeps the index_topk best-scored entries
+            visible = (positions.long() + 1) // rate
             n = int(visible.max())
             if n > 0:
-                ent_pos = (torch.arange(n, device=q.device) + 1) * rate - 1
-                ent_slots = token_slots(batch.block_tables, row_seq, ent_pos.expand(len(pos), -1), block_size)
-                ent_seen = torch.arange(n, device=q.device)[None, :] < visible[:, None]
-                if len(self.branches) > 1:  # CSA: the indexer keeps the index_topk best-scored entries
-                    picked = self._select(q_res, x, positions, rows, ent_slots, visible)
-                    ent_seen = picked >= 0
-                    ent_slots = ent_slots.gather(1, picked.long().clamp(min=0))
-                entries = self.branches[0].entries(rows, ent_slots).float()
-                keys, seen = torch.cat([keys, entries], dim=1), torch.cat([seen, ent_seen], dim=1)
-        scores = torch.einsum("thd,tkd->thk", q.float(), keys) * self.scale
-        scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
-        probs = softmax_with_sinks(scores, self.sinks.view(1, -1, 1))
-        return torch.einsum("thk,tkd->thd", probs, keys)
+                ent_slots = ref.entry_slots(batch.block_tables, row_seq, rate, n, block_size)
+                idx = self._select(q_res, x, positions, rows, ent_slots, visible)
+        entry_at = self.branches[0].entry_at if rows is not None else 0
+        return ref.v4_attention(q, latents, rows, entry_at, batch.block_tables, row_seq, positions, self.sinks,
+                                self.scale, self.window, rate, block_size, idx)
 
     def _select(self, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                 ent_slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -202,7 +182,6 @@ class V4Attention(Float32Params):
         step = max(1, SCORE_ELEMENTS // (n * max(ix.heads, ix.dim)))  # rows whose keys and dots fit the bound
         for lo in range(0, q.shape[0], step):
             part = slice(lo, lo + step)
-            keys = self.branches[1].entries(rows, ent_slots[part]).float()
-            dots = torch.einsum("thd,tkd->thk", q[part], keys).relu_() * ix.dim**-0.5
-            scores[part] = torch.einsum("th,thk->tk", weights[part], dots)
+            keys = self.branches[1].entries(rows, ent_slots[part])
+            scores[part] = ref.indexer_scores(q[part], weights[part], keys, visible[part])
         return topk_indices(scores, visible - 1, min(ix.topk, n))

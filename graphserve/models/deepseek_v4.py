@@ -10,7 +10,7 @@
 
 Cache (layers/kv_layout.py): per layer a latent per token (the window reads the last ``sliding_window``), and per
 compressed layer one row cache holding each token's compressor state and, at the token closing a group, the group's
-compressed entry and (CSA) indexer key (layers/v4_compressor.py). The MTP layers (``num_nextn_predict_layers``) are
+compressed entry and (CSA) indexer key (kernels/v4_reference.py). The MTP layers (``num_nextn_predict_layers``) are
 not loaded: nothing runs them until speculative decoding exists, and start-up says so. Checkpoints load in
 DeepSeek's own names or transformers' (models/deepseek_v4_names.py).
 
