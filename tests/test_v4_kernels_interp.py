@@ -18,7 +18,7 @@ use_interpreter()
 
 import pytest  # noqa: E402
 
-from graphserve.kernels import v4_compress  # noqa: E402
+from graphserve.kernels import dsa_indexer, v4_attention, v4_compress  # noqa: E402
 from graphserve.kernels import v4_reference as ref  # noqa: E402
 
 DEVICE = kernel_device()
@@ -98,3 +98,57 @@ def test_compression_writes_every_closed_group_as_the_reference(kind, rate, exte
     assert not torch.isclose(want[region], before[region]).any()  # the reference did write every entry
     assert torch.equal(rows[~region], want[~region])  # state and other rows untouched, padding rows included
     assert relative_error(rows[region], want[region]) < 1e-5
+
+
+def attention_case(seed: int, extend: bool):
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [37, 5, 23, 50]
+    query_lens = [6, 5, 1, 2] if extend else [1, 1, 1, 1]
+    num_blocks, tables = paged(seq_lens, gen)
+    row_seq, positions, _ = step_rows(query_lens, seq_lens, tables, padding=2)
+    latents = torch.randn(num_blocks * PAGE, D, generator=gen).to(DEVICE)
+    rows = torch.randn(num_blocks * PAGE, row_width("csa"), generator=gen).to(DEVICE)
+    q = torch.randn(row_seq.shape[0], HEADS, D, generator=gen).to(DEVICE)
+    sinks = torch.randn(HEADS, generator=gen).to(DEVICE)
+    return gen, tables, row_seq, positions, latents, rows, q, sinks
+
+
+HEADS, WINDOW, RATE = 5, 6, 4
+
+
+def test_compressed_indexer_scores_match_the_reference():
+    gen, tables, row_seq, positions, _, rows, _, _ = attention_case(30, extend=True)
+    t, hi = row_seq.shape[0], 3
+    key_at = 4 * D + 4 * DI + D  # CSA's indexer key, after the entry (layers/v4_attention.py)
+    n = tables.shape[1] * PAGE // RATE  # the block tables hold a spare column: columns past every row
+    q = torch.randn(t, hi, DI, generator=gen).to(DEVICE)
+    weights = torch.randn(t, hi, generator=gen).to(DEVICE)
+    visible = (positions + 1) // RATE
+    keys = rows[ref.entry_slots(tables, row_seq, RATE, n, PAGE), key_at : key_at + DI]
+    want = ref.indexer_scores(q, weights, keys, visible)
+    got = torch.full((t, n), float("nan"), device=DEVICE)
+    dsa_indexer.compressed_indexer_scores(q, weights, rows, key_at, RATE, PAGE, tables, row_seq,
+                                          (visible - 1).int(), n, out=got)  # fmt: skip
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and not got.isnan().any()
+    finite = torch.isfinite(want)
+    assert int(finite.sum()) > t and relative_error(got[finite], want[finite]) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
+@pytest.mark.parametrize("extend,splits", [(False, 1), (False, 3), (True, 2)])
+def test_attention_matches_the_reference(kind, extend, splits):
+    gen, tables, row_seq, positions, latents, rows, q, sinks = attention_case(40 + splits, extend)
+    entry_at = 4 * D + 4 * DI
+    rate = {"sliding": 0, "hca": RATE, "csa": RATE}[kind]
+    idx = None
+    if kind == "csa":  # a selection with -1 holes and some entries not yet visible, which must be skipped
+        k = 5
+        n = (positions + 1) // RATE
+        idx = (torch.rand(row_seq.shape[0], k, generator=gen).to(DEVICE) * (n[:, None] + 2)).int() - 1
+        idx[0, 0] = -1
+    args = (q, latents, rows if rate else None, entry_at, tables, row_seq, positions, sinks, D**-0.5, WINDOW, rate,
+            PAGE, idx)  # fmt: skip
+    want = ref.v4_attention(*args)
+    got = torch.full_like(want, float("nan"))
+    v4_attention.v4_attention(*args, out=got, num_splits=splits)
+    assert relative_error(got, want) < 1e-5
