@@ -9,8 +9,6 @@ import torch
 
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError
-from graphserve.kernels.moe_fused import fused_experts
-from graphserve.kernels.moe_reference import softmax_topk_reference
 from graphserve.models.loader import load_model
 
 
@@ -19,12 +17,3 @@ def test_loading_on_cuda_is_refused_by_name_before_allocating():
     with pytest.raises(ConfigError, match="CPU reference path only") as e:
         load_model(EngineConfig(model="dummy:deepseek-v4-flash-l6"), torch.device("cuda"))
     assert e.value.param == "device" and torch.cuda.memory_allocated() == before
-
-
-def test_expert_kernels_refuse_the_clamped_silu(gen):
-    x = torch.randn(4, 64, device="cuda", generator=gen)
-    w13 = torch.randn(4, 64, 64, device="cuda", generator=gen)
-    w2 = torch.randn(4, 64, 32, device="cuda", generator=gen)
-    weights, ids = softmax_topk_reference(torch.randn(4, 4, device="cuda", generator=gen), 2, True)
-    with pytest.raises(ValueError, match="activation='silu_clamp' must be one of"):
-        fused_experts(x, w13, w2, weights, ids, activation="silu_clamp")
