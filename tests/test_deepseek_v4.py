@@ -21,7 +21,7 @@ from transformers import DeepseekV4Config
 
 from graphserve import LLM
 from graphserve.config import EngineConfig
-from graphserve.errors import ConfigError, ModelLoadError
+from graphserve.errors import ModelLoadError
 from graphserve.layers.linear import Linear
 from graphserve.layers.moe import FusedMoE
 from graphserve.models.loader import load_model
@@ -215,17 +215,6 @@ def test_plan_answers_the_first_story_for_its_own_model():
     for part in ("latent", "compressor state", "compressed entries"):
         assert part in p["table"]
     assert p["memory"]["kv_tokens"] > 0 and [v["concurrency"] for v in p["verdicts"]] == [64]
-
-
-def test_a_cuda_device_is_refused_at_load_by_name():
-    """No CUDA kernel exists yet for the compressed attention or the clamped SwiGLU experts: the loader refuses the
-    device before assembling anything (tests/gpu/test_deepseek_v4_gpu.py runs it on a GPU)."""
-    from graphserve.models.deepseek_v4 import DeepseekV4ForCausalLM
-
-    with pytest.raises(ConfigError, match="CPU reference path only") as e:
-        DeepseekV4ForCausalLM.check_device(torch.device("cuda"))
-    assert e.value.param == "device"
-    DeepseekV4ForCausalLM.check_device(torch.device("cpu"))
 
 
 def test_bf16_keeps_sinks_hyper_connections_and_position_biases_float32_as_described(v4):
