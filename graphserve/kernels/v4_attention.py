@@ -134,8 +134,9 @@ def _v4_attention_kernel(
         tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :], o, mask=mask)
     else:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        # an empty split (a short row in a batch sized for the longest) writes its lse alone: the merge skips it
         tl.store(mid_o_ptr + tok * stride_mo_t + head[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
-                 o, mask=mask)  # fmt: skip
+                 o, mask=mask & (l_i > 0)[:, None])  # fmt: skip
         tl.store(mid_lse_ptr + tok * stride_ml_t + head * stride_ml_h + split, lse, mask=h_mask)
 
 
