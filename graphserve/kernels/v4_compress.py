@@ -62,7 +62,7 @@ def _v4_compress_kernel(
     rows_ptr, bt_ptr, row_seq_ptr, pos_ptr, slot_ptr, bias_ptr, norm_ptr, inv_freq_ptr, eps,
     stride_row, stride_bt, stride_bias,
     RATE: tl.constexpr, STATE_AT: tl.constexpr, WIDTH: tl.constexpr, ENTRY_AT: tl.constexpr, DIM: tl.constexpr,
-    ROPE_PAIRS: tl.constexpr, OVERLAP: tl.constexpr, PAGE: tl.constexpr, BLOCK_I: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr, OVERLAP: tl.constexpr, OWN_AT: tl.constexpr, PAGE: tl.constexpr, BLOCK_I: tl.constexpr,
     BLOCK_M: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
@@ -94,19 +94,18 @@ def _v4_compress_kernel(
                     m_e, m_o, l_e, l_o, a_e, a_o = _pool_step(
                         rows_ptr, bt_row, first - RATE, j0, lo, stride_row, STATE_AT, STATE_AT + WIDTH, bias_ptr, 0,
                         stride_bias, offs_i, i_mask, m_e, m_o, l_e, l_o, a_e, a_o, RATE, PAGE, BLOCK_M)
-        half = DIM if OVERLAP else 0  # the group's own series: the second halves (Cb) in CSA, the only one in HCA
         if WHILE_LOOP:
             j0 = 0
             while j0 < RATE:
                 m_e, m_o, l_e, l_o, a_e, a_o = _pool_step(
-                    rows_ptr, bt_row, first, j0, 0, stride_row, STATE_AT + half, STATE_AT + WIDTH + half, bias_ptr,
-                    half, stride_bias, offs_i, i_mask, m_e, m_o, l_e, l_o, a_e, a_o, RATE, PAGE, BLOCK_M)
+                    rows_ptr, bt_row, first, j0, 0, stride_row, STATE_AT + OWN_AT, STATE_AT + WIDTH + OWN_AT, bias_ptr,
+                    OWN_AT, stride_bias, offs_i, i_mask, m_e, m_o, l_e, l_o, a_e, a_o, RATE, PAGE, BLOCK_M)
                 j0 += BLOCK_M
         else:
             for j0 in range(0, RATE, BLOCK_M):
                 m_e, m_o, l_e, l_o, a_e, a_o = _pool_step(
-                    rows_ptr, bt_row, first, j0, 0, stride_row, STATE_AT + half, STATE_AT + WIDTH + half, bias_ptr,
-                    half, stride_bias, offs_i, i_mask, m_e, m_o, l_e, l_o, a_e, a_o, RATE, PAGE, BLOCK_M)
+                    rows_ptr, bt_row, first, j0, 0, stride_row, STATE_AT + OWN_AT, STATE_AT + WIDTH + OWN_AT, bias_ptr,
+                    OWN_AT, stride_bias, offs_i, i_mask, m_e, m_o, l_e, l_o, a_e, a_o, RATE, PAGE, BLOCK_M)
         x_e = tl.where(i_mask, a_e / tl.where(i_mask, l_e, 1.0), 0.0)
         x_o = tl.where(i_mask, a_o / tl.where(i_mask, l_o, 1.0), 0.0)
         r = 1.0 / tl.sqrt((tl.sum(x_e * x_e, 0) + tl.sum(x_o * x_o, 0)) / DIM + eps)
@@ -147,7 +146,8 @@ def compress_groups(rows: torch.Tensor, branch, block_tables: torch.Tensor, row_
         rows, block_tables, row_seq, positions, slot_mapping, bias, norm_weight, inv_freq.float().contiguous(),
         float(eps), rows.stride(0), block_tables.stride(0), bias.stride(0),
         RATE=rate, STATE_AT=branch.state_at, WIDTH=branch.width, ENTRY_AT=branch.entry_at, DIM=d,
-        ROPE_PAIRS=inv_freq.shape[0], OVERLAP=branch.overlap, PAGE=block_size,
+        # the group's own series: the second halves (Cb) of each token's kv and gate in CSA, the only one in HCA
+        ROPE_PAIRS=inv_freq.shape[0], OVERLAP=branch.overlap, OWN_AT=d if branch.overlap else 0, PAGE=block_size,
         BLOCK_I=max(16, triton.next_power_of_2(d // 2)), BLOCK_M=min(BLOCK_M, triton.next_power_of_2(rate)),
         WHILE_LOOP=interpreting(), num_warps=4,
     )  # fmt: skip
