@@ -131,7 +131,8 @@ def _v4_attention_kernel(
     o = acc * inv_l[:, None]
     mask = h_mask[:, None] & d_mask[None, :]
     if DIRECT:
-        tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :], o, mask=mask)
+        tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
     else:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         # an empty split (a short row in a batch sized for the longest) writes its lse alone: the merge skips it
@@ -158,7 +159,7 @@ def v4_attention(
     block_size: int, idx: torch.Tensor | None = None, *, out: torch.Tensor | None = None, tile: MLATile | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """kernels/v4_reference.v4_attention: fp32 ``[T, H, D]``; ``latents [slots, D]``, ``rows [slots, width]``
+    """kernels/v4_reference.v4_attention: ``[T, H, D]`` (fp32, or ``out``'s dtype); ``latents [slots, D]``, ``rows [slots, width]``
     (None with ``rate`` 0: a sliding-only layer), ``idx [T, K]`` int32 for CSA. ``tile`` and ``num_splits``
     override the defaults (tests, the benchmark)."""
     tokens, heads, d = q.shape

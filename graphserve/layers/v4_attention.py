@@ -140,7 +140,7 @@ class V4Attention(Float32Params):
 
     def _forward_kernels(self, q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                          batch: ForwardBatch, flat: torch.Tensor, block_size: int) -> torch.Tensor:  # fmt: skip
-        """fp32 ``[T, heads, head_dim]`` on the Triton kernels: no host sync, static shapes."""
+        """``[T, heads, head_dim]`` in the model dtype on the Triton kernels: no host sync, static shapes."""
         from graphserve.kernels import dsa, v4_attention, v4_compress
         from graphserve.kernels.dsa_indexer import compressed_indexer_scores
 
@@ -172,8 +172,11 @@ class V4Attention(Float32Params):
                                                        keys)  # fmt: skip
                     parts.append(dsa.topk_indices(scores, last[part], ix.topk))
                 idx = parts[0] if len(parts) == 1 else torch.cat(parts)
+        # written in the model dtype, the rounding the reference applies before rotating back: a prefill chunk's
+        # fp32 output would be twice the bytes (1 GiB at 8k rows) and one more pass
+        out = torch.empty(q.shape, dtype=x.dtype, device=x.device)
         return v4_attention.v4_attention(q.contiguous(), flat, rows, entry_at, batch.block_tables, row_seq, positions,
-                                         self.sinks, self.scale, self.window, rate, block_size, idx)  # fmt: skip
+                                         self.sinks, self.scale, self.window, rate, block_size, idx, out=out)
 
     def _forward_reference(self, q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                            batch: ForwardBatch, flat: torch.Tensor, block_size: int) -> torch.Tensor:  # fmt: skip

@@ -137,6 +137,9 @@ def test_attention_at_real_shapes(kind, seq_lens, query_lens, gen):
     want = ref.v4_attention(*args)
     got = v4_attention.v4_attention(*args)
     assert rel_err(got, want) < BF16_TOL
+    # the layer's form: written in bf16 by the kernel (or the merge), the reference's rounding before the rope back
+    got16 = v4_attention.v4_attention(*args, out=torch.empty(want.shape, dtype=torch.bfloat16, device="cuda"))
+    assert torch.equal(got16, got.bfloat16())
 
 
 def test_compressed_indexer_and_topk_at_real_shapes(gen):
