@@ -11,12 +11,13 @@ is the fp32 element ``D / 4`` of its row).
 score per key before anything is written, so only ``[T, max_len]`` fp32 leaves the kernel. An FP8 key is
 widened to the queries' dtype (exact) and its scale multiplies the product (the scale is positive, so it
 passes through the ReLU). Tiles past the row's position write ``-inf`` without loading anything: the
-static ``max_len`` a CUDA graph needs costs stores, not reads or products. ``compressed_indexer_scores`` runs the
-same kernel over DeepSeek-V4's compressed keys (``RATE``: key ``n`` in the row of the token closing group ``n``;
-``KEY_AT``: its column in that layer's row cache); DSA's own call compiles with ``RATE`` 1 and ``KEY_AT`` 0 to what it
-was. An FP8 row starts every D + 4
+static ``max_len`` a CUDA graph needs costs stores, not reads or products. An FP8 row starts every D + 4
 bytes, so its keys load 4 bytes at a time (the alignment every row has): left to itself, Triton's alignment
 analysis took every row for 16-byte aligned (16-byte loads in the PTX) and the loads faulted on the GPU.
+
+``compressed_indexer_scores`` runs the same kernel over DeepSeek-V4's compressed keys (``RATE``: key ``n`` sits in
+the row of the token closing group ``n``; ``KEY_AT``: its column in that layer's row cache); DSA's own call compiles
+with ``RATE`` 1 and ``KEY_AT`` 0 to what it was.
 """
 
 from __future__ import annotations
