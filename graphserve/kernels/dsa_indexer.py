@@ -89,8 +89,7 @@ def _indexer_scores_kernel(
     max_len, num_heads, max_blocks,
     stride_qt, stride_qh, stride_wt, stride_vslot, stride_sslot, stride_bt, stride_ot,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, RATE: tl.constexpr = 1,
-    KEY_AT: tl.constexpr = 0,
+    PAGE: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, RATE: tl.constexpr, KEY_AT: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(1)
     n0 = tl.program_id(0) * BLOCK_N
@@ -156,7 +155,7 @@ def indexer_scores(
         q.stride(0), q.stride(1), weights.stride(0), stride_v, stride_s, block_tables.stride(0), out.stride(0),
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_N=SCORE_BLOCK_N, PAGE=index_cache.shape[1], FP8=fp8,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, RATE=1, KEY_AT=0,
     )  # fmt: skip
     return out
 
