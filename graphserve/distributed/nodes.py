@@ -8,15 +8,21 @@ node 0's is the engine's driver (rank 0, scheduler and HTTP server), the others'
 The leaders meet in a TCPStore that node 0's driver serves at ``--dist-init-addr``. Before any process
 group exists each leader writes the flags that must agree and compares them with every other node's: a
 mismatch there would otherwise surface as a hang in ``init_process_group`` (different world sizes) or as
-silently wrong tokens (different models, dtypes, block sizes). The same store then carries a heartbeat per
-node: a node whose counter stops for ``NODE_LOST_S`` is lost, and a store that stops answering means node 0
-is gone. Either way the watcher's callback ends the process, as a dead local rank does (engine/ranks.py).
+silently wrong tokens (different models, dtypes, block sizes).
+
+Then each leader other than node 0's holds a TCP connection to node 0's watcher: a process that dies has
+its sockets closed by the kernel, so either end learns of the other's death at once, even while no
+collective runs (an idle server). A heartbeat counter per node in the store covers a node that hangs
+alive: silent for ``NODE_LOST_S``, it is lost. Either way the watcher's callback ends the process, as a
+dead local rank does (engine/ranks.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -143,10 +149,51 @@ class NodeWatch:
         self.addr = str(config.dist_init_addr)
         self.on_lost = on_lost
         self._stop = threading.Event()
+        self._lost_once = threading.Lock()
         # a client of its own: the process group's store is not shared with a second thread
         self._store = connect_store(config, max(config.tp, config.ep), master=False)
-        self._thread = threading.Thread(target=self._run, name="graphserve-node-watch", daemon=True)
-        self._thread.start()
+        if self.node == 0:
+            self._listener = socket.create_server(("", 0))
+            self._store.set(f"{_KEY}watch_port", str(self._listener.getsockname()[1]))
+            target = self._watch_connections
+        else:
+            port = int(self._store.get(f"{_KEY}watch_port"))
+            self._conn = socket.create_connection((split_addr(self.addr)[0], port), timeout=config.dist_timeout)
+            self._conn.sendall(bytes([self.node % 256]))
+            target = self._watch_node0
+        threading.Thread(target=self._run, name="graphserve-node-heartbeat", daemon=True).start()
+        threading.Thread(target=target, name="graphserve-node-watch", daemon=True).start()
+
+    def _watch_connections(self) -> None:
+        """Node 0: accept every other leader's connection, then wait for one to close."""
+        conns: dict[socket.socket, int] = {}
+        self._listener.settimeout(1.0)
+        while len(conns) < self.nnodes - 1 and not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(None)
+            first = conn.recv(1)  # the node's rank, for the log line
+            conns[conn] = first[0] if first else -1
+        while conns and not self._stop.is_set():
+            ready, _, _ = select.select(list(conns), [], [], 0.5)
+            for conn in ready:
+                try:
+                    data = conn.recv(64)
+                except OSError:
+                    data = b""
+                if not data and not self._stop.is_set():
+                    self._lost(f"node {conns[conn]}'s connection closed (its process ended)")
+                    return
+
+    def _watch_node0(self) -> None:
+        try:
+            data = self._conn.recv(64)  # node 0 never writes: this returns when it goes away
+        except OSError:
+            data = b""
+        if not data and not self._stop.is_set():
+            self._lost("node 0's connection closed (its process ended)")
 
     def _run(self) -> None:
         seen: dict[int, tuple[int, float]] = {}
@@ -170,6 +217,8 @@ class NodeWatch:
                 return
 
     def _lost(self, reason: str) -> None:
+        if not self._lost_once.acquire(blocking=False):
+            return
         logger.error("node %d: %s: ending this node", self.node, reason)
         self.on_lost(reason)
 

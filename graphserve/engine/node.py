@@ -44,7 +44,7 @@ def run_node(config: EngineConfig) -> int:
                 layout.first_rank, layout.local_ranks[-1], device, config.dist_init_addr)
     try:
         worker = RankWorker(layout.first_rank, config, init_method, rank_device(device, 0), store=store)
-        worker.serve(on_shutdown=pool.expect_exit)
+        worker.serve(on_shutdown=lambda: (pool.node_watch.stop(), pool.expect_exit()))
     except BaseException:  # noqa: BLE001 - node 0 or a peer is gone mid-collective: this node ends too
         logger.exception("node %d: rank %d failed", config.node_rank, layout.first_rank)
         pool.node_watch.stop()

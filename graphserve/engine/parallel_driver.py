@@ -72,15 +72,15 @@ def stop_ranks(pool: RankPool, runner: ModelRunner | None) -> None:
     from graphserve.engine.rank_worker import release_runner
     from graphserve.engine.step_sync import StepSender
 
+    if pool.node_watch is not None:  # from here on another node's exit is a departure, not a loss
+        pool.node_watch.stop()
     if pool.failure is None and get_parallel().distributed and runner is not None:
         try:
             StepSender().shutdown()
         except Exception:  # noqa: BLE001 - a rank died meanwhile: stop() kills what is left
             logger.exception("sending shutdown to the ranks failed")
-    if pool.node_watch is not None:  # the other nodes leave on the shutdown header: the store must outlive them
-        if pool.failure is None and runner is not None:
+        if pool.node_watch is not None:  # the other nodes leave on the header: the store must outlive them
             pool.node_watch.wait_for_others()
-        pool.node_watch.stop()
     if runner is not None:
         release_runner(runner)
     pool.stop(timeout=20.0 if runner is not None else 0.0)  # no runner: the ranks are mid start-up, kill them
