@@ -159,14 +159,18 @@ class AllReduceRouter:
     """``ParallelState.custom_all_reduce``: the peer-memory path the table chose for a message's size
     (comm.py sends every other message to NCCL)."""
 
-    def __init__(self, impl: Any, table: PathTable) -> None:
+    def __init__(self, impl: Any, table: PathTable, world: int) -> None:
         self.impl, self.table = impl, table
+        # the two-shot splits a message into one 16-byte-aligned slice per rank; a message that does not split
+        # so (odd decode batches of odd widths) takes the one-shot, which reads whole buffers
+        self._two_shot_align = 16 * world
 
     def accepts(self, x: torch.Tensor) -> bool:
         return self.impl.accepts(x) and self.table.path_for(x.numel() * x.element_size()) != "nccl"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.table.path_for(x.numel() * x.element_size()) == "twoshot":
+        nbytes = x.numel() * x.element_size()
+        if self.table.path_for(nbytes) == "twoshot" and nbytes % self._two_shot_align == 0:
             return self.impl.two_shot(x)
         return self.impl.all_reduce(x)
 
@@ -271,7 +275,7 @@ def choose_all_reduce(parallel: ParallelState, config: EngineConfig, device: tor
     elif reason:
         table.note = f": peer-memory paths off ({reason})"
     if impl is not None and any(p != "nccl" for p in table.chosen):
-        set_custom_all_reduce(AllReduceRouter(impl, table))
+        set_custom_all_reduce(AllReduceRouter(impl, table, parallel.world_size))
     elif impl is not None:
         impl.close()
     _log(table, topology, f"tp={config.tp}, {str(dtype).removeprefix('torch.')}, eager")
