@@ -2,7 +2,7 @@
 
 The one-shot kernel's switch point to NCCL was measured over NVLink; over PCIe peer-to-peer (the stories'
 8-GPU boxes) or with no peer access at all, the fastest path per size differs, and vLLM turns its own
-one-shot off on PCIe at 4 and 8 ranks. So every start with ``--tp > 1`` on CUDA:
+one-shot off on PCIe at 4 and 8 ranks. So every start with ``--tp``/``--ep`` > 1 on CUDA:
 - finds the topology: peer access between the node's GPUs (``torch.cuda.can_device_access_peer``) and, when
   ``nvidia-smi`` is present, the link of each pair from ``nvidia-smi topo -m`` (NV# is NVLink; PIX, PXB,
   PHB, NODE and SYS are PCIe paths);
@@ -226,7 +226,7 @@ def _agrees(impl: Any, group: Any, device: torch.device) -> bool:
 
 def choose_all_reduce(parallel: ParallelState, config: EngineConfig, device: torch.device) -> PathTable | None:
     """Measure, choose and install the all-reduce path per size; every rank calls it at the same point."""
-    if not parallel.distributed or config.tp == 1:
+    if not parallel.distributed:  # --ep alone all-reduces the experts' outputs over every rank too
         return None
     forced = forced_path()
     group = parallel.device_group
@@ -235,7 +235,7 @@ def choose_all_reduce(parallel: ParallelState, config: EngineConfig, device: tor
         table.choose()
         table.note = ": gloo only (no peer memory on CPU)"
         _log(table, Topology("cpu", f"{parallel.world_size} ranks over gloo/TCP, --nnodes={config.nnodes}"),
-             f"tp={config.tp}, float32, eager")
+             f"tp={config.tp} ep={config.ep}, float32, eager")
         return table
     from graphserve.distributed.custom_all_reduce import SymmMemAllReduce, _agrees_with_nccl, _all_ranks, model_dtype
     from graphserve.distributed.state import set_custom_all_reduce
@@ -278,7 +278,7 @@ def choose_all_reduce(parallel: ParallelState, config: EngineConfig, device: tor
         set_custom_all_reduce(AllReduceRouter(impl, table, parallel.world_size))
     elif impl is not None:
         impl.close()
-    _log(table, topology, f"tp={config.tp}, {str(dtype).removeprefix('torch.')}, eager")
+    _log(table, topology, f"tp={config.tp} ep={config.ep}, {str(dtype).removeprefix('torch.')}, eager")
     return table
 
 

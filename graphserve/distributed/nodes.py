@@ -150,8 +150,11 @@ class NodeWatch:
         self.on_lost = on_lost
         self._stop = threading.Event()
         self._lost_once = threading.Lock()
-        # a client of its own: the process group's store is not shared with a second thread
+        # a client of its own: the process group's store is not shared with a second thread; and this one is
+        # used by the heartbeat thread and the shutdown path, one call at a time (a TCPStore client is not
+        # thread-safe: two calls at once can leave both waiting forever)
         self._store = connect_store(config, max(config.tp, config.ep), master=False)
+        self._store_lock = threading.Lock()
         if self.node == 0:
             self._listener = socket.create_server(("", 0))
             self._store.set(f"{_KEY}watch_port", str(self._listener.getsockname()[1]))
@@ -199,12 +202,12 @@ class NodeWatch:
         seen: dict[int, tuple[int, float]] = {}
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                self._store.add(f"{_KEY}heartbeat/{self.node}", 1)
+                self._add(f"{_KEY}heartbeat/{self.node}", 1)
                 if self.node != 0:
                     continue
                 now = time.monotonic()
                 for n in range(1, self.nnodes):
-                    beat = self._store.add(f"{_KEY}heartbeat/{n}", 0)
+                    beat = self._add(f"{_KEY}heartbeat/{n}", 0)
                     last = seen.get(n)
                     if last is None or beat != last[0]:
                         seen[n] = (beat, now)
@@ -216,6 +219,10 @@ class NodeWatch:
                     self._lost(f"node 0's store at {self.addr} stopped answering ({type(e).__name__})")
                 return
 
+    def _add(self, key: str, value: int) -> int:
+        with self._store_lock:
+            return self._store.add(key, value)
+
     def _lost(self, reason: str) -> None:
         if not self._lost_once.acquire(blocking=False):
             return
@@ -226,7 +233,7 @@ class NodeWatch:
         """A node whose ranks left cleanly says so, so node 0 can wait for it before closing the store."""
         self.stop()
         try:
-            self._store.add(f"{_KEY}left", 1)
+            self._add(f"{_KEY}left", 1)
         except Exception:  # noqa: BLE001 - node 0 already gone: nothing is waiting for this
             pass
 
@@ -236,7 +243,7 @@ class NodeWatch:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if self._store.add(f"{_KEY}left", 0) >= self.nnodes - 1:
+                if self._add(f"{_KEY}left", 0) >= self.nnodes - 1:
                     return
             except Exception:  # noqa: BLE001
                 return

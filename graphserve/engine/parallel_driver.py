@@ -31,9 +31,6 @@ def start_ranks(config: EngineConfig, device: torch.device) -> RankPool | None:
                           f"`graphserve serve {config.model} --nnodes {config.nnodes} --node-rank {config.node_rank} "
                           "...` (graphserve.engine.node.run_node)", param="node_rank")
     check_parallel(config)  # the split and the GPU count, as the server checked before binding its port
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        cpu_threads_per_rank(world)
     store, ranks, init_method = None, None, None
     if config.nnodes > 1:  # this node's ranks after the driver; the other nodes start their own (engine/node.py)
         from graphserve.distributed.nodes import connect_store, exchange_flags, node_layout
@@ -41,6 +38,9 @@ def start_ranks(config: EngineConfig, device: torch.device) -> RankPool | None:
         store = connect_store(config, world, master=True)
         exchange_flags(store, config)
         ranks, init_method = range(1, node_layout(config).per_node), f"tcp://{config.dist_init_addr}"
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        cpu_threads_per_rank(world)
     pool = RankPool(config, world, device, ranks, init_method)
     pool.restore_threads = threads
     try:
