@@ -91,3 +91,42 @@ def test_the_forcing_switch_is_read_and_a_bad_value_refused(monkeypatch):
     with pytest.raises(ConfigError) as e:
         forced_path()
     assert e.value.param == ENV and "'ring'" in e.value.message and "nccl, oneshot, twoshot" in e.value.message
+
+
+class _PeerPaths:
+    """Peer-memory paths that sum like the real ones would (every rank holding the same message) and record
+    which one ran."""
+
+    def __init__(self, world: int, max_bytes: int) -> None:
+        self.world, self.max_bytes, self.ran = world, max_bytes, []
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        return 0 < x.numel() * x.element_size() <= self.max_bytes
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.ran.append("oneshot")
+        return x * self.world
+
+    def two_shot(self, x: torch.Tensor) -> torch.Tensor:
+        self.ran.append("twoshot")
+        return two_shot_reference([x] * self.world)[0]
+
+
+def test_router_runs_the_chosen_path_and_sends_unsliceable_messages_elsewhere():
+    from graphserve.distributed.allreduce_choice import AllReduceRouter
+
+    table = PathTable([4096, 65536], {"nccl": [19.0, 25.0], "oneshot": [4.0, 30.0], "twoshot": [6.0, 21.0]})
+    table.choose()
+    peers = _PeerPaths(world=4, max_bytes=65536)
+    router = AllReduceRouter(peers, table, world=4)
+    small, large, odd = torch.randn(256), torch.randn(8192), torch.randn(4100)  # 1 KiB, 32 KiB, 16400 B
+    for x in (small, large, odd):
+        assert router.accepts(x)
+        torch.testing.assert_close(router.all_reduce(x), x * 4)
+    # 16400 B does not split into 4 slices of whole 16-byte units: the one-shot runs it
+    assert peers.ran == ["oneshot", "twoshot", "oneshot"]
+    assert not router.accepts(torch.randn(65536))  # above the table: NCCL
+    no_oneshot = PathTable([65536], {"nccl": [25.0], "twoshot": [21.0]})
+    no_oneshot.choose()
+    router = AllReduceRouter(_PeerPaths(world=4, max_bytes=65536), no_oneshot, world=4)
+    assert router.accepts(large) and not router.accepts(odd)  # no one-shot to fall back on: NCCL

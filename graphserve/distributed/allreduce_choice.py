@@ -162,11 +162,17 @@ class AllReduceRouter:
     def __init__(self, impl: Any, table: PathTable, world: int) -> None:
         self.impl, self.table = impl, table
         # the two-shot splits a message into one 16-byte-aligned slice per rank; a message that does not split
-        # so (odd decode batches of odd widths) takes the one-shot, which reads whole buffers
+        # so (odd decode batches of odd widths) takes the one-shot, which reads whole buffers, when it passed
+        # its start-up check, else NCCL
         self._two_shot_align = 16 * world
+        self._has_oneshot = "oneshot" in table.times_us
 
     def accepts(self, x: torch.Tensor) -> bool:
-        return self.impl.accepts(x) and self.table.path_for(x.numel() * x.element_size()) != "nccl"
+        nbytes = x.numel() * x.element_size()
+        path = self.table.path_for(nbytes)
+        if path == "twoshot" and nbytes % self._two_shot_align and not self._has_oneshot:
+            return False
+        return self.impl.accepts(x) and path != "nccl"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         nbytes = x.numel() * x.element_size()
@@ -181,7 +187,11 @@ class AllReduceRouter:
 def _time_us(fn: Any, x: torch.Tensor, group: Any, iters: int) -> float:
     """Mean µs per call on this rank, then the slowest rank's (a MAX over the group)."""
     fn(x.clone())  # warm-up: the first NCCL call of a size sets up its channels
-    dist.barrier(group=group) if x.device.type == "cpu" else torch.cuda.synchronize(x.device)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    dist.barrier(group=group)  # every rank starts its clock together: a late peer would count as slow
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
     start = time.perf_counter()
     for _ in range(iters):
         fn(x)
@@ -208,20 +218,39 @@ def measure(group: Any, device: torch.device, dtype: torch.dtype, paths: dict[st
 
 
 def _agrees(impl: Any, group: Any, device: torch.device) -> bool:
-    """The two-shot result against NCCL's on random data, on every rank (a collective)."""
+    """The two-shot result against NCCL's on random data, eager and replayed from a CUDA graph (decode runs it
+    inside graphs), on every rank together: each step is agreed before the next, since a rank that replays a
+    peer kernel its peers do not would wait for them forever."""
+    from graphserve.distributed.custom_all_reduce import _all_ranks
+
     gen = torch.Generator(device=device).manual_seed(99 + dist.get_rank(group))
     x = torch.randn(64, 1024, generator=gen, device=device).to(impl.dtype)
     expected = x.float()
     dist.all_reduce(expected, group=group)
     tol = 1e-5 if impl.dtype == torch.float32 else 2e-2
+
+    def close(got: torch.Tensor) -> bool:
+        return torch.allclose(got.float(), expected, rtol=tol, atol=tol * 4)
+
     try:
-        ok = torch.allclose(impl.two_shot(x.clone()).float(), expected, rtol=tol, atol=tol * 4)
+        ok = close(impl.two_shot(x.clone()))
     except Exception:  # noqa: BLE001 - an op this PyTorch lacks or refuses: the two-shot is left out
         logger.exception("the two-shot all-reduce raised at its start-up check")
         ok = False
-    flag = torch.tensor([int(ok)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+    if not _all_ranks(ok, group, device):
+        return False
+    graph, out = torch.cuda.CUDAGraph(), None
+    try:  # capture only records: nothing waits on a peer until the replay below
+        with torch.cuda.graph(graph):
+            out = impl.two_shot(x)
+    except Exception:  # noqa: BLE001 - not capturable here: the two-shot would break decode's graphs
+        logger.exception("the two-shot all-reduce could not be captured in a CUDA graph")
+    if not _all_ranks(out is not None, group, device):
+        return False
+    graph.replay()
+    torch.cuda.synchronize(device)
+    assert out is not None
+    return _all_ranks(close(out), group, device)
 
 
 def choose_all_reduce(parallel: ParallelState, config: EngineConfig, device: torch.device) -> PathTable | None:
