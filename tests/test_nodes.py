@@ -134,6 +134,43 @@ def test_node0_declares_a_node_lost_when_its_heartbeat_stops(monkeypatch):
     del store
 
 
+def test_node1_declares_node0_lost_when_its_process_dies(tmp_path):
+    """Node 0's process (its store and its watcher) killed: node 1's watcher sees the connection close at once."""
+    import threading
+
+    from graphserve.distributed import nodes
+
+    addr = f"127.0.0.1:{free_port()}"
+    script = ("import sys, time\n"
+              "from graphserve.config import EngineConfig\n"
+              "from graphserve.distributed import nodes\n"
+              f"config = EngineConfig(device='cpu', tp=2, nnodes=2, dist_init_addr='{addr}')\n"
+              "store = nodes.connect_store(config, 2, master=True)\n"
+              "watch = nodes.NodeWatch(config, lambda reason: None)\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(120)\n")
+    node0 = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                             stdout=subprocess.PIPE)
+    try:
+        assert node0.stdout is not None and node0.stdout.readline().strip() == b"ready"
+        lost: list[str] = []
+        done = threading.Event()
+        config = EngineConfig(device="cpu", tp=2, nnodes=2, node_rank=1, dist_init_addr=addr)
+        watch = nodes.NodeWatch(config, lambda reason: (lost.append(reason), done.set()))
+        time.sleep(0.5)
+        assert not lost
+        node0.kill()
+        killed = time.monotonic()
+        assert done.wait(5.0)
+        assert time.monotonic() - killed < 2.0
+        assert lost[0] == "node 0's connection closed (its process ended)"
+        watch.stop()
+    finally:
+        if node0.poll() is None:
+            node0.kill()
+        node0.wait()
+
+
 def test_mismatched_flags_are_refused_on_both_nodes_naming_the_flag_and_both_values(tmp_path):
     make_hf_checkpoint(tmp_path, LlamaConfig(**_TINY, rope_theta=10000.0))
     addr = f"127.0.0.1:{free_port()}"
