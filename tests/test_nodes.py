@@ -205,6 +205,17 @@ def test_an_unreachable_dist_init_addr_is_refused_within_dist_timeout():
     assert time.monotonic() - start < 1.5 + 3.0
     assert e.value.param == "dist_init_addr"
     assert f"--dist-init-addr={addr}" in e.value.message and "--dist-timeout=1.5 s" in e.value.message
+    # node 0 waits as long for the others to join, and names the missing ones
+    start = time.monotonic()
+    try:
+        with pytest.raises(ConfigError) as e:
+            LLM("builtin:tiny-llama", **ENGINE, tp=2, nnodes=2, dist_init_addr=addr, dist_timeout=1.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert time.monotonic() - start < 1.5 + 3.0
+    assert e.value.param == "dist_timeout"
+    assert e.value.message == (f"node(s) [1] did not join --dist-init-addr={addr} within --dist-timeout=1.5 s "
+                               "(--nnodes=2)")
 
 
 @pytest.mark.parametrize(("kw", "param", "words"), [
