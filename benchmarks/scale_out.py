@@ -95,7 +95,7 @@ def engine_main(args: argparse.Namespace) -> None:
     kw = dict(tp=2, dtype="bfloat16", max_model_len=1024, cuda_graph_max_bs=max(args.batch, 1))
     if args.nnodes > 1:
         kw.update(nnodes=args.nnodes, node_rank=0, dist_init_addr=args.addr, dist_timeout=300)
-    llm = LLM(MODEL, **kw)
+    llm = LLM(args.model, **kw)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     prompts = [[1 + (i * 7 + j) % 1000 for j in range(32)] for i in range(args.batch)]
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # warm: graphs, allocator
@@ -108,9 +108,9 @@ def engine_main(args: argparse.Namespace) -> None:
           flush=True)
 
 
-def _engine(nnodes: int, batch: int, tokens: int, env: dict[str, str], addr: str = "") -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.scale_out", "_engine", "--nnodes", str(nnodes), "--batch", str(batch),
-           "--tokens", str(tokens), "--addr", addr]
+def _engine(model: str, nnodes: int, batch: int, tokens: int, env: dict[str, str], addr: str = "") -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.scale_out", "_engine", "--model", model, "--nnodes", str(nnodes),
+           "--batch", str(batch), "--tokens", str(tokens), "--addr", addr]
     out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=1200)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
@@ -118,19 +118,19 @@ def _engine(nnodes: int, batch: int, tokens: int, env: dict[str, str], addr: str
     return json.loads(line.removeprefix("RESULT "))
 
 
-def node_rows(batches: list[int], tokens: int) -> list[dict]:
+def node_rows(batches: list[int], tokens: int, model: str = MODEL) -> list[dict]:
     from graphserve.engine.ranks import free_tcp_address
 
     rows = []
     for batch in batches:
-        one = _engine(1, batch, tokens, {"CUDA_VISIBLE_DEVICES": "0,1"})
+        one = _engine(model, 1, batch, tokens, {"CUDA_VISIBLE_DEVICES": "0,1"})
         addr = free_tcp_address().removeprefix("tcp://")
-        node1 = subprocess.Popen([sys.executable, "-m", "graphserve.cli", "serve", MODEL, "--tp", "2", "--dtype",
+        node1 = subprocess.Popen([sys.executable, "-m", "graphserve.cli", "serve", model, "--tp", "2", "--dtype",
                                   "bfloat16", "--max-model-len", "1024", "--cuda-graph-max-bs", str(max(batch, 1)),
                                   "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr, "--dist-timeout", "300"],
                                  cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"})
         try:
-            two = _engine(2, batch, tokens, {"CUDA_VISIBLE_DEVICES": "0"}, addr)
+            two = _engine(model, 2, batch, tokens, {"CUDA_VISIBLE_DEVICES": "0"}, addr)
             node1.wait(60)
         finally:
             if node1.poll() is None:
@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=("allreduce", "nodes"), default=["allreduce", "nodes"])
     parser.add_argument("--gpus", type=int, default=2, help="ranks of the all-reduce table")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", default=MODEL, help="the nodes part's model")
     args = parser.parse_args()
     if torch.cuda.device_count() < max(2, args.gpus):
         raise SystemExit(f"needs {max(2, args.gpus)} GPUs, {torch.cuda.device_count()} visible")
@@ -163,7 +164,8 @@ def main() -> None:
         payload["allreduce"] = rows
         payload["topology"] = topologies
     if "nodes" in args.parts:
-        rows = node_rows([1, 32] if args.quick else [1, 8, 32, 64], tokens=64 if args.quick else 128)
+        rows = node_rows([1, 32] if args.quick else [1, 8, 32, 64], tokens=64 if args.quick else 128,
+                         model=args.model)
         print_table(rows, NODE_COLS)
         payload["nodes"] = rows
         payload["nodes_target"] = "vs_one_node <= 1.05"
@@ -175,6 +177,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_engine":
         p = argparse.ArgumentParser()
         p.add_argument("_engine")
+        p.add_argument("--model", default=MODEL)
         p.add_argument("--nnodes", type=int, default=1)
         p.add_argument("--batch", type=int, default=8)
         p.add_argument("--tokens", type=int, default=128)
