@@ -6,8 +6,10 @@ each rank copies its input into a buffer every rank has mapped (PyTorch's symmet
 once at start-up), and one kernel on each rank reads all ranks' buffers and writes the sum: one launch,
 one barrier through signal pads, no proxy thread. It is an ordinary kernel, so CUDA graphs capture it.
 
-Messages above ``CUSTOM_ALL_REDUCE_MAX_BYTES`` (bandwidth-bound: reading every peer's whole buffer loses
-to NCCL's ring/tree) go to NCCL. The limit is the switch point benchmarks/tp.py measures on a 2-GPU
+The engine measures per message size which of NCCL, one-shot and two-shot runs it (allreduce_choice.py).
+``maybe_enable_custom_all_reduce`` (benchmarks/tp.py) keeps the fixed rule: messages above
+``CUSTOM_ALL_REDUCE_MAX_BYTES`` (bandwidth-bound: reading every peer's whole buffer loses to NCCL's
+ring/tree) go to NCCL. The limit is the switch point benchmarks/tp.py measures on a 2-GPU
 machine (its ``allreduce`` table); NVLink multicast is never used (state.py sets it off).
 
 The two-shot variant (``SymmMemAllReduce.two_shot``) splits the message in one slice per rank: each rank
