@@ -242,6 +242,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
     try:
         config = config_from_args(args, args.model)
+        if config.node_rank > 0:  # ranks only: node 0 serves HTTP and schedules (engine/node.py)
+            from graphserve.engine.node import run_node
+
+            return run_node(config)
         guards = guard_options(args)
         _check_host_memory(config)
         count = api_server_count(args.api_server_count, args.engine_in_process)
