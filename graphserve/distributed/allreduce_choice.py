@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from graphserve import env
 from graphserve.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ _PCIE_LINKS = ("PIX", "PXB", "PHB", "NODE", "SYS")
 
 def forced_path() -> str | None:
     """The path ``GRAPHSERVE_ALLREDUCE`` forces, None when unset; an unknown value is refused by name."""
-    value = os.environ.get(ENV, "").strip().lower()
+    value = (env.get(ENV) or "").strip().lower()
     if not value:
         return None
     if value not in PATHS:
