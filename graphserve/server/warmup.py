@@ -15,7 +15,13 @@ process drives the core through synthetic requests that cover:
   again with more tokens after it, alone and beside a prompt with no hit: an extend over cached KV;
 - prefill arriving while others decode (mixed steps);
 - decode at every captured batch size (requests that finish one per step walk the batch down);
-- sampling with every knob: greedy, temperature with top-p/top-k/min-p and a seed, penalties, logprobs.
+- sampling with every knob: greedy, temperature with top-p/top-k/min-p and a seed, penalties, logprobs;
+- launches the model's layers ask for (``warmup_work``) beside the steps: kernels whose tile a card's measured
+  rule picks from sizes the steps above do not all reach. MLA's decode tile follows the step's batch and
+  block-table width (kernels/mla_config.py), and a short prompt's table is one block wide, so a step at
+  longer context would compile its tile in service: the layer launches every tile the rule may pick, once.
+  The token-count rules need none: the gemv and fp4 routes switch at row counts the prefill lengths and the
+  ladder pass on both sides, and the fp8 routes and MoE tiles have buckets of doubling row or pair counts.
 
 Afterwards the core's counters are reset: the warm-up is not served traffic.
 
@@ -120,6 +126,7 @@ class _Driver:
 def warm_up(core: Any) -> dict[str, float]:
     """Run the warm-up on ``core`` (idle, just built); returns what it ran, for the ready log line."""
     t0 = time.perf_counter()
+    launches = kernel_warmups(core)
     d = _Driver(core)
     cfg = core.config
     max_prompt = core.max_model_len - 8
@@ -160,7 +167,26 @@ def warm_up(core: Any) -> dict[str, float]:
     _reset_counters(core)
     seconds = time.perf_counter() - t0
     return {"requests": d.count, "steps": d.steps, "seconds": seconds, "prefill_lengths": len(lengths),
-            "decode_sizes": largest, "prefix_hit_tokens": hit_tokens}
+            "decode_sizes": largest, "prefix_hit_tokens": hit_tokens, "kernel_warmups": launches}
+
+
+def kernel_warmups(core: Any) -> int:
+    """Run the launches the model's layers ask for before serving (``warmup_work(attn_backend, kv_caches,
+    max_model_len)``, each a list of ``(key, run)``), each key once: every layer of a shape asks for the same.
+    The layers ask their attention backend, so nothing here names a kernel family. Returns the runs made."""
+    runner = core.runner
+    model = getattr(runner, "model", None)
+    if model is None:
+        return 0
+    work: dict[Any, Any] = {}
+    for module in model.modules():
+        hook = getattr(module, "warmup_work", None)
+        if hook is not None:
+            for key, run in hook(runner.attn_backend, runner.kv_caches, core.max_model_len):
+                work.setdefault(key, run)
+    for run in work.values():
+        run()
+    return len(work)
 
 
 def prefix_lengths(block_size: int, max_prompt: int) -> list[int]:
