@@ -119,3 +119,25 @@ def test_the_warm_up_runs_each_tile_once_through_the_layers(rule_in_cache, monke
     core.runner.attn_backend = SimpleNamespace(name="torch")  # the PyTorch backend: nothing to compile
     assert warmup.kernel_warmups(core) == 0 and calls == []
     assert warmup.kernel_warmups(SimpleNamespace(runner=SimpleNamespace(), max_model_len=64)) == 0
+
+
+def test_the_token_count_tables_switch_where_the_ladder_reaches():
+    """The other measured rules pick by a step's row (or pair) count, not its context, and are measured at doubling
+    counts: each bucket (previous count, count] holds a power of two the warm-up's ladder runs, and each route
+    switches at a power of two its prefill lengths pass on both sides. A table measured elsewhere would leave a
+    bucket to be compiled in service."""
+    from graphserve.tuning import fp4, fp8_route, gemv
+
+    ladder = set(warmup.token_ladder(2048)) | set(warmup.prefill_lengths(2048, 16, 4000))
+    shipped = sorted(mla_config.RULE_PATH.parent.glob("**/*_rule.json"))
+    assert len(shipped) >= 6
+    counts = [gemv.BATCHES, fp8_route.ROWS, fp8_route.QUICK_ROWS, fp4.STREAM_ROWS, fp4.GEMM_ROWS]
+    for path in shipped:
+        data = json.loads(path.read_text())
+        for shape in data.get("shapes", []) + data.get("mlps", []):
+            counts.append(sorted(int(row["m"]) for row in shape.get("rows", [])))
+            limits = [shape.get(k) for k in ("linear", "silu_mul", "norm", "stream_max_rows", "fp8_min_rows")]
+            assert all(n & (n - 1) == 0 for n in limits if n), (path.name, shape)
+    for rows in counts:
+        for low, high in zip([0, *rows], rows):
+            assert any(low < t <= high for t in ladder), (rows, low, high)

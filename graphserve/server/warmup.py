@@ -18,10 +18,12 @@ process drives the core through synthetic requests that cover:
 - sampling with every knob: greedy, temperature with top-p/top-k/min-p and a seed, penalties, logprobs;
 - launches the model's layers ask for (``warmup_work``) beside the steps: kernels whose tile a card's measured
   rule picks from sizes the steps above do not all reach. MLA's decode tile follows the step's batch and
-  block-table width (kernels/mla_config.py), and a short prompt's table is one block wide, so a step at
-  longer context would compile its tile in service: the layer launches every tile the rule may pick, once.
-  The token-count rules need none: the gemv and fp4 routes switch at row counts the prefill lengths and the
-  ladder pass on both sides, and the fp8 routes and MoE tiles have buckets of doubling row or pair counts.
+  block-table width (kernels/mla_config.py), and the steps above meet a few (batch, width) pairs of the many a
+  server sees (an H100's rule gave a 64-token tile at batch 4 and 1k context, first compiled in service), so
+  the layer launches every tile the rule may pick, once each, written directly and merged.
+  The rules that pick by a step's row or pair count need none: they are measured at doubling counts
+  (graphserve/tuning), so the gemv and fp4 routes switch where the prefill lengths and the ladder pass on both
+  sides, and every fp8 route and MoE bucket holds a power of two the ladder runs (tests/test_mla_warm_tiles.py).
 
 Afterwards the core's counters are reset: the warm-up is not served traffic.
 
