@@ -41,6 +41,7 @@ import time
 from typing import Any
 
 from graphserve.engine.request import EngineRequest
+from graphserve.layers.warmup_work import run_warmup_work
 from graphserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("graphserve.server")
@@ -173,22 +174,11 @@ def warm_up(core: Any) -> dict[str, float]:
 
 
 def kernel_warmups(core: Any) -> int:
-    """Run the launches the model's layers ask for before serving (``warmup_work(attn_backend, kv_caches,
-    max_model_len)``, each a list of ``(key, run)``), each key once: every layer of a shape asks for the same.
-    The layers ask their attention backend, so nothing here names a kernel family. Returns the runs made."""
+    """Run the launches the model's layers ask for before serving (layers/warmup_work.py), on this process's
+    runner (the other ranks run theirs as they start); returns how many ran."""
     runner = core.runner
-    model = getattr(runner, "model", None)
-    if model is None:
-        return 0
-    work: dict[Any, Any] = {}
-    for module in model.modules():
-        hook = getattr(module, "warmup_work", None)
-        if hook is not None:
-            for key, run in hook(runner.attn_backend, runner.kv_caches, core.max_model_len):
-                work.setdefault(key, run)
-    for run in work.values():
-        run()
-    return len(work)
+    return run_warmup_work(getattr(runner, "model", None), getattr(runner, "attn_backend", None),
+                           getattr(runner, "kv_caches", []), core.max_model_len)  # fmt: skip
 
 
 def prefix_lengths(block_size: int, max_prompt: int) -> list[int]:
