@@ -22,9 +22,8 @@ from graphserve.kernels.mla_config import (
     default_decode_tile,
     warm_split_counts,
 )
-from graphserve.layers import mla_triton
 from graphserve.layers.dsa_attention import DsaAttention
-from graphserve.layers.mla import MLAttention
+from graphserve.layers.mla import MLAttention, mla_backend
 from graphserve.layers.mla_rope import DeepseekRotary
 from graphserve.server import warmup
 
@@ -100,9 +99,13 @@ def _mla_model(dtype: torch.dtype) -> tuple[nn.Module, list[torch.Tensor]]:
 def test_the_warm_up_runs_each_tile_once_through_the_layers(rule_in_cache, monkeypatch):
     rule = mla_config.rule_for(CUDA)
     assert len(rule.entries) == len(ENTRIES)
-    monkeypatch.setattr(mla_config, "rule_for", lambda device: rule)  # the caches live on the CPU here
+    # patched where the backend the layers reach looks them up (a module the interpreter tests imported again
+    # would hold other copies); the rule is given for the CPU the caches live on here
+    backend = type(mla_backend(SimpleNamespace(name="triton")))
+    hook_globals = backend.warmup_work.__globals__
+    monkeypatch.setitem(hook_globals["decode_tiles"].__globals__, "rule_for", lambda device: rule)
     calls = []
-    monkeypatch.setattr(mla_triton, "warm_tiles", lambda tiles, *shape: calls.append((tiles, shape)) or 1)
+    monkeypatch.setitem(hook_globals, "warm_tiles", lambda tiles, *shape: calls.append((tiles, shape)) or 1)
     model, caches = _mla_model(torch.bfloat16)
     core = SimpleNamespace(max_model_len=4000, runner=SimpleNamespace(
         model=model, attn_backend=SimpleNamespace(name="triton"), kv_caches=caches))
@@ -113,7 +116,7 @@ def test_the_warm_up_runs_each_tile_once_through_the_layers(rule_in_cache, monke
     assert max_context >= 4000 and device.type == "cpu"
     calls.clear()
     fixed = MLATile(False, 16, 32, 4, 2)  # a backend given a tile warms that one alone
-    core.runner.attn_backend = SimpleNamespace(name="triton", mla=mla_triton.TritonMLABackend(fixed))
+    core.runner.attn_backend = SimpleNamespace(name="triton", mla=backend(fixed))
     assert warmup.kernel_warmups(core) == 1 and calls[0][0] == (fixed,)
     calls.clear()
     core.runner.attn_backend = SimpleNamespace(name="torch")  # the PyTorch backend: nothing to compile

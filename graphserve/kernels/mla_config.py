@@ -247,4 +247,4 @@ def warm_split_counts(max_context: int) -> list[int]:
     next power of two of the count, each power of two up to that of the most useful splits."""
     useful = min(MAX_SPLITS, max(1, math.ceil(max_context / MIN_SPLIT_TOKENS)))
     top = 1 << (useful - 1).bit_length()
-    return [1] + [1 << i for i in range(1, top.bit_length()) if 1 << i <= min(top, MAX_SPLITS)]
+    return [1] + [1 << i for i in range(1, top.bit_length())]
