@@ -1,6 +1,7 @@
 """After kernels/mla_attention.warm_tiles has run the tiles this card's rule may pick, MLA decode calls at any
 batch and block-table width compile nothing: the tile each picks was warmed, written directly or merged, and the
-split count and the table's width are no specialization of their own. Each call is checked against the reference."""
+split count, the table's width and where an eager step's upload puts the table are no specialization of their
+own. Each call is checked against the reference."""
 
 from __future__ import annotations
 
@@ -33,13 +34,17 @@ def test_decode_calls_after_warm_tiles_compile_nothing(heads, cache_dtype):
             for width in (1, 2, 5, 16, 37, 64, 100, 256, max_blocks + 1):
                 if batch * width > 8 * max_blocks:
                     continue
-                tables = (torch.randperm(cache.shape[0] - 1, generator=gen, device=dev)[: batch * width] + 1)
-                tables = tables.view(batch, width).int()
+                ids = (torch.randperm(cache.shape[0] - 1, generator=gen, device=dev)[: batch * width] + 1).int()
                 lens = torch.randint(1, width * PAGE + 1, (batch,), generator=gen, device=dev, dtype=torch.int32)
+                qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+                # laid out as an eager decode step uploads them (engine/runner.py): lens, query starts, then the
+                # tables, in one int32 buffer, so the last two start at offsets that follow the batch
+                upload = torch.cat((lens, qsl, ids))
+                lens, qsl = upload[:batch], upload[batch : 2 * batch + 1]
+                tables = upload[2 * batch + 1 :].view(batch, width)
                 q = torch.randn(batch, heads, NOPE + ROPE, generator=gen, device=dev, dtype=dt)
                 q_lat = torch.randn(heads, batch, RANK, generator=gen, device=dev, dtype=dt)
                 o_lat = torch.full_like(q_lat, float("nan"))
-                qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
                 mla_attention(q_lat.transpose(0, 1), q[..., NOPE:], cache, tables, lens, qsl, 0.07, max_query_len=1,
                               out=o_lat.transpose(0, 1))  # fmt: skip
                 ref = absorbed_decode_batched(q_lat.transpose(0, 1), q[..., NOPE:], cache, tables, lens, 0.07)
