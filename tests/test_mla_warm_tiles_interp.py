@@ -36,3 +36,25 @@ def test_warm_tiles_launches_each_tile_direct_and_merged(cache_dtype, monkeypatc
     # 3 heads, rank 32, rope 16, pages of 16 tokens; 128 tokens of capacity allow two splits of 64
     n = mla_kernels.warm_tiles(TILES, 3, 8, 32, 16, 16, torch.float32, cache_dtype, device, 128)
     assert n == 4 and launched == [(16, False, 1), (16, False, 2), (32, True, 1), (32, True, 2)]
+
+
+def test_the_layers_warm_up_work_reaches_the_kernel(monkeypatch):
+    """layers/warmup_work.py over two MLA layers of one shape on the Triton backend: one tile (fp32 queries take
+    DECODE_FP32 whatever the rule), launched written directly and merged, once for both layers."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from graphserve.kernels.mla_config import DECODE_FP32
+    from graphserve.layers.mla import MLAttention
+    from graphserve.layers.mla_rope import DeepseekRotary
+    from graphserve.layers.warmup_work import run_warmup_work
+
+    launched = []
+    real_launch = mla_kernels._launch
+    monkeypatch.setattr(mla_kernels, "_launch", lambda *args: launched.append((args[-1], args[-2])) or real_launch(*args))
+    rotary = DeepseekRotary(8, 64, {"rope_type": "default", "rope_theta": 10000.0}, 64, False)
+    layers = nn.ModuleList(MLAttention(32, 3, None, 32, 8, 8, 8, False, rotary, 0.3, layer_idx=i) for i in range(2))
+    caches = [torch.zeros(2, 16, 1, 40) for _ in layers]
+    assert run_warmup_work(layers, SimpleNamespace(name="triton"), caches, 64) == 1
+    assert launched == [(DECODE_FP32, 1), (DECODE_FP32, 2)]
