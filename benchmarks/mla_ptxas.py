@@ -51,8 +51,11 @@ def compile_report(name: str, direct: bool = False, fp8: bool = False, dtype: st
                  "WHILE_LOOP": False}  # fmt: skip
     signature.update({k: "constexpr" for k in constants})
     names = list(signature)
-    # what the launcher specialises at run time: 16-byte aligned pointers, strides divisible by 16
-    aligned = [i for i, n in enumerate(names) if n in _POINTERS or (n in _STRIDES and n != "stride_bt")]
+    # what the launcher specialises at run time: 16-byte aligned pointers, strides divisible by 16, but for what
+    # the kernel leaves unspecialized (the batch- and context-sized ones, kernels/mla_attention.py)
+    params = {p.name: p for p in _mla_attention_kernel.params}
+    aligned = [i for i, n in enumerate(names) if (n in _POINTERS and not params[n].do_not_specialize_on_alignment)
+               or (n in _STRIDES and not params[n].do_not_specialize)]  # fmt: skip
     src = ASTSource(fn=_mla_attention_kernel, signature=signature,
                     constexprs={(names.index(k),): v for k, v in constants.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})

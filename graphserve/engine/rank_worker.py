@@ -21,6 +21,7 @@ import torch
 from graphserve.distributed.comm import agree
 from graphserve.distributed.state import destroy_parallel, init_parallel
 from graphserve.engine.runner import ModelRunner, cpu_kv_tokens
+from graphserve.layers.warmup_work import run_warmup_work
 
 if TYPE_CHECKING:
     from graphserve.config import EngineConfig
@@ -74,7 +75,10 @@ class RankWorker:
 
         choose_all_reduce(parallel, config, device)
         loaded = load_model(config, device)
-        self.runner = start_runner(config, loaded, device, resolve_max_model_len(config, loaded.info)).runner
+        max_model_len = resolve_max_model_len(config, loaded.info)
+        self.runner = start_runner(config, loaded, device, max_model_len).runner
+        # rank 0's warm-up (server/warmup.py) runs these on its own device only
+        run_warmup_work(self.runner.model, self.runner.attn_backend, self.runner.kv_caches, max_model_len)
         from graphserve.engine.step_sync import StepReceiver
 
         self.receiver = StepReceiver(device, self.runner.kv_caches, self.runner.attn_backend)

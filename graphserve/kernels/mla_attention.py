@@ -35,6 +35,7 @@ prefill and extend and this path stays as the absorbed form's reference point, t
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -51,6 +52,7 @@ from graphserve.kernels.mla_config import (
     decode_tile,
     extend_tile,
     fallback_decode_tile,
+    warm_split_counts,
 )
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
@@ -111,7 +113,12 @@ def _mla_step(
     return m_new, l_i, acc
 
 
-@triton.jit
+# Batch- and context-sized ints (the split count, the block-table width, the lse strides that follow the split
+# count) stay unspecialized, and so does the alignment of the per-sequence int32 rows (an eager decode step's block
+# table and query starts are views into one upload at offsets that follow the batch, engine/runner.py): a compile
+# per tile then serves every batch and context (server/warmup.py)
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_ml_t", "stride_ml_h"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "q_start_ptr"])
 def _mla_attention_kernel(
     q_lat_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q_start_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     scale_log2, num_splits, num_heads,
@@ -215,7 +222,7 @@ def _mla_attention_kernel(
         tl.store(mid_lse_ptr + tok * stride_ml_t + head * stride_ml_h + split, lse, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_ml_t", "stride_ml_h"])  # as the attention kernel's
 def _mla_merge_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, num_splits,
     stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h, stride_ot, stride_oh,
@@ -342,3 +349,28 @@ def _launch(q_lat, q_rope, cache, block_tables, seq_lens, query_start_loc, scale
             out.stride(0), out.stride(1),
             RANK=rank, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_S=8, num_warps=4, **pdl_args(mid_o.device, "_mla_merge_kernel"),
         )  # fmt: skip
+
+
+def warm_tiles(tiles: Sequence[MLATile], num_heads: int, nope: int, rank: int, rope: int, page: int,
+               dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device, max_context: int) -> int:  # fmt: skip
+    """Compile the decode kernel for each of ``tiles`` before serving: one launch per tile and split count of
+    ``warm_split_counts(max_context)`` over one sequence of one block, fresh random inputs laid out as the MLA
+    layer passes them (``q_lat`` a transposed ``[H, T, r]``, ``q_rope`` a slice of the ``[T, H, nope + rope]``
+    query). Triton compiles a kernel per tile, and per written-directly or merged; the merge kernel, per
+    power of two of the split count. A tile that does not fit this card falls back here, as it would in a
+    served step. Returns the launches made."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, num_heads, nope + rope, generator=gen, device=device, dtype=dtype)
+    q_lat = torch.randn(num_heads, 1, rank, generator=gen, device=device, dtype=dtype)
+    cache = torch.randn(2, page, 1, rank + rope, generator=gen, device=device, dtype=dtype).to(cache_dtype)
+    block_tables = torch.ones(1, 1, dtype=torch.int32, device=device)  # block 1: block 0 is the dummy
+    seq_lens = torch.full((1,), page, dtype=torch.int32, device=device)
+    qsl = torch.arange(2, dtype=torch.int32, device=device)
+    o_lat = torch.empty_like(q_lat)
+    launches = 0
+    for tile in tiles:
+        for splits in warm_split_counts(max_context):
+            mla_attention(q_lat.transpose(0, 1), q[..., nope:], cache, block_tables, seq_lens, qsl, 0.1,
+                          max_query_len=1, out=o_lat.transpose(0, 1), num_splits=splits, tile=tile)  # fmt: skip
+            launches += 1
+    return launches

@@ -151,6 +151,10 @@ def cache_kind(dtype: torch.dtype) -> str:
     return "fp8" if dtype.itemsize == 1 else "model"
 
 
+def _dist(a: int, b: int) -> float:
+    return abs(math.log2(max(a, 1)) - math.log2(max(b, 1)))
+
+
 @dataclass(frozen=True)
 class MLARule:
     """Measured decode tiles per (cache kind, heads, batch, context) on ``device``; calls between the measured
@@ -161,16 +165,24 @@ class MLARule:
     entries: tuple[tuple[str, int, int, int, MLATile], ...]  # (cache kind, heads, batch, context, tile)
 
     def tile(self, heads: int, batch: int, max_context: int, cache: str = "model") -> MLATile | None:
+        rows = self._rows(heads, cache)
+        if not rows:
+            return None
+        return min(rows, key=lambda e: (_dist(e[1], batch) + _dist(e[2], max_context), -e[1], -e[2]))[3]
+
+    def tiles_for(self, heads: int, cache: str = "model") -> tuple[MLATile, ...]:
+        """Every tile ``tile`` may return for ``heads`` and ``cache`` at some batch and context, each once (by
+        name): a served step's batch and block-table width are any the scheduler makes, so the warm-up
+        (server/warmup.py) compiles them all rather than the few its short prompts reach. Empty: no rule."""
+        return tuple(sorted({e[3] for e in self._rows(heads, cache)}, key=lambda t: t.name))
+
+    def _rows(self, heads: int, cache: str) -> list[tuple[int, int, int, MLATile]]:
+        """The entries of ``cache`` (else the model dtype's) at the measured head count nearest ``heads``."""
         entries = [e[1:] for e in self.entries if e[0] == cache] or [e[1:] for e in self.entries if e[0] == "model"]
         if not entries:
-            return None
-
-        def dist(a: int, b: int) -> float:
-            return abs(math.log2(max(a, 1)) - math.log2(max(b, 1)))
-
-        near_heads = min(dist(h, heads) for h, _, _, _ in entries)
-        rows = [e for e in entries if dist(e[0], heads) == near_heads]
-        return min(rows, key=lambda e: (dist(e[1], batch) + dist(e[2], max_context), -e[1], -e[2]))[3]
+            return []
+        near_heads = min(_dist(h, heads) for h, _, _, _ in entries)
+        return [e for e in entries if _dist(e[0], heads) == near_heads]
 
     @classmethod
     def from_json(cls, data: dict) -> MLARule:
@@ -219,3 +231,20 @@ def decode_tile(heads: int, batch: int, max_context: int, dtype: torch.dtype, de
     if dtype == torch.float32:
         return DECODE_FP32
     return rule_for(device).tile(heads, batch, max_context, cache) or default_decode_tile(heads, dtype)
+
+
+def decode_tiles(heads: int, dtype: torch.dtype, device: torch.device, cache: str = "model") -> tuple[MLATile, ...]:
+    """Every tile ``decode_tile`` may return for ``heads``, ``dtype`` and ``cache`` on ``device``, whatever the
+    batch and context: what the warm-up compiles (kernels/mla_attention.warm_tiles)."""
+    if dtype == torch.float32:
+        return (DECODE_FP32,)
+    return rule_for(device).tiles_for(heads, cache) or (default_decode_tile(heads, dtype),)
+
+
+def warm_split_counts(max_context: int) -> list[int]:
+    """Split counts that reach every specialization a decode call up to ``max_context`` tokens of block-table
+    capacity compiles: one (the kernel writes the output itself) and, for the merge, whose ``BLOCK_S`` is the
+    next power of two of the count, each power of two up to that of the most useful splits."""
+    useful = min(MAX_SPLITS, max(1, math.ceil(max_context / MIN_SPLIT_TOKENS)))
+    top = 1 << (useful - 1).bit_length()
+    return [1] + [1 << i for i in range(1, top.bit_length())]

@@ -31,6 +31,10 @@ class DsaAttention(MLAttention):
         super().__init__(*args, **kwargs)
         self.indexer = indexer
 
+    def warmup_work(self, attn_backend, kv_caches: list[torch.Tensor], max_model_len: int) -> list[tuple]:
+        # sparse_mla, not the dense decode kernel, and its tile is the code default per head count: the steps reach it
+        return []
+
     def forward(self, positions: torch.Tensor, fused: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                 step: DsaStep) -> torch.Tensor:  # fmt: skip
         """Attention from the fused q-a/kv-a projection's output ``[T, q_lora + r + d]`` and the normed hidden

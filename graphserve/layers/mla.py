@@ -114,6 +114,12 @@ class MLAttention(nn.Module):
         torch.bmm(o_lat, self.w_uv().transpose(1, 2), out=out.transpose(0, 1))
         return out
 
+    def warmup_work(self, attn_backend, kv_caches: list[torch.Tensor], max_model_len: int) -> list[tuple]:
+        """Launches to run once before serving (server/warmup.py), as ``(key, run)`` pairs: whatever the MLA
+        backend serving ``attn_backend`` asks for, for this layer's shapes; pairs of one key run once."""
+        work = getattr(mla_backend(attn_backend), "warmup_work", None)
+        return work(self, kv_caches[self.layer_idx], max_model_len) if work is not None else []
+
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, positions: torch.Tensor, fused: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Attention from the fused q/kv-a projection's output ``[T, first + r + d]``; returns ``[T, hidden]``."""
@@ -157,11 +163,16 @@ _TRITON = None
 def mla_backend_for(batch: ForwardBatch):
     """The MLA backend matching the step's attention backend: Triton kernels exactly when the engine
     chose its Triton backend, so a GPU run on the Torch backend stays a pure-PyTorch reference."""
+    return mla_backend(batch.attn_backend)
+
+
+def mla_backend(attn_backend):
+    """``mla_backend_for`` from the engine's attention backend itself (the warm-up has no step)."""
     global _TRITON
-    explicit = getattr(batch.attn_backend, "mla", None)
+    explicit = getattr(attn_backend, "mla", None)
     if explicit is not None:
         return explicit
-    if getattr(batch.attn_backend, "name", "torch") != "triton":
+    if getattr(attn_backend, "name", "torch") != "triton":
         return _TORCH
     if _TRITON is None:
         from graphserve.layers.mla_triton import TritonMLABackend

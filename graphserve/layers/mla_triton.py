@@ -10,12 +10,13 @@ mixed step through the decode kernel (layers/mla_expanded.py says why, with the 
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 
-from graphserve.kernels.mla_attention import mla_attention
-from graphserve.kernels.mla_config import MLATile
+from graphserve.kernels.mla_attention import mla_attention, warm_tiles
+from graphserve.kernels.mla_config import MLATile, cache_kind, decode_tiles
 from graphserve.kernels.mla_prologue import mla_prologue
 from graphserve.layers.mla_expanded import absorbed_rows, expanded_extend
 
@@ -30,6 +31,17 @@ class TritonMLABackend:
     def __init__(self, decode_tile: MLATile | None = None) -> None:
         # a decode tile override; None: kernels/mla_config.py's choice (the measured rule, else the code defaults)
         self.decode_tile = decode_tile
+
+    def warmup_work(self, layer: MLAttention, cache: torch.Tensor, max_model_len: int) -> list[tuple]:
+        """One ``(key, run)`` per decode tile the card's rule may pick for this layer's heads and cache: the tile
+        follows the step's batch and block-table width, which served traffic takes wider than the warm-up's
+        steps do (kernels/mla_config.decode_tiles)."""
+        dtype, page = layer.w_uk().dtype, cache.shape[1]
+        tiles = (self.decode_tile,) if self.decode_tile is not None else \
+            decode_tiles(layer.num_heads, dtype, cache.device, cache_kind(cache.dtype))
+        shape = (layer.num_heads, layer.nope, layer.kv_lora_rank, layer.rope, page, dtype, cache.dtype, cache.device,
+                 max_model_len + page)  # a block table holds up to a block past the longest sequence
+        return [(("mla_decode", tile, *shape), functools.partial(warm_tiles, (tile,), *shape)) for tile in tiles]
 
     def forward(self, layer: MLAttention, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:  # fmt: skip

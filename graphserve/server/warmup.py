@@ -15,7 +15,15 @@ process drives the core through synthetic requests that cover:
   again with more tokens after it, alone and beside a prompt with no hit: an extend over cached KV;
 - prefill arriving while others decode (mixed steps);
 - decode at every captured batch size (requests that finish one per step walk the batch down);
-- sampling with every knob: greedy, temperature with top-p/top-k/min-p and a seed, penalties, logprobs.
+- sampling with every knob: greedy, temperature with top-p/top-k/min-p and a seed, penalties, logprobs;
+- launches the model's layers ask for (``warmup_work``) beside the steps: kernels whose tile a card's measured
+  rule picks from sizes the steps above do not all reach. MLA's decode tile follows the step's batch and
+  block-table width (kernels/mla_config.py), and the steps above meet a few (batch, width) pairs of the many a
+  server sees (an H100's rule gave a 64-token tile at batch 4 and 1k context, first compiled in service), so
+  the layer launches every tile the rule may pick, once each, written directly and merged.
+  The rules that pick by a step's row or pair count need none: they are measured at doubling counts
+  (graphserve/tuning), so the gemv and fp4 routes switch where the prefill lengths and the ladder pass on both
+  sides, and every fp8 route and MoE bucket holds a power of two the ladder runs (tests/test_mla_warm_tiles.py).
 
 Afterwards the core's counters are reset: the warm-up is not served traffic.
 
@@ -33,6 +41,7 @@ import time
 from typing import Any
 
 from graphserve.engine.request import EngineRequest
+from graphserve.layers.warmup_work import run_warmup_work
 from graphserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("graphserve.server")
@@ -120,6 +129,7 @@ class _Driver:
 def warm_up(core: Any) -> dict[str, float]:
     """Run the warm-up on ``core`` (idle, just built); returns what it ran, for the ready log line."""
     t0 = time.perf_counter()
+    launches = kernel_warmups(core)
     d = _Driver(core)
     cfg = core.config
     max_prompt = core.max_model_len - 8
@@ -160,7 +170,15 @@ def warm_up(core: Any) -> dict[str, float]:
     _reset_counters(core)
     seconds = time.perf_counter() - t0
     return {"requests": d.count, "steps": d.steps, "seconds": seconds, "prefill_lengths": len(lengths),
-            "decode_sizes": largest, "prefix_hit_tokens": hit_tokens}
+            "decode_sizes": largest, "prefix_hit_tokens": hit_tokens, "kernel_warmups": launches}
+
+
+def kernel_warmups(core: Any) -> int:
+    """Run the launches the model's layers ask for before serving (layers/warmup_work.py), on this process's
+    runner (the other ranks run theirs as they start); returns how many ran."""
+    runner = core.runner
+    return run_warmup_work(getattr(runner, "model", None), getattr(runner, "attn_backend", None),
+                           getattr(runner, "kv_caches", []), core.max_model_len)  # fmt: skip
 
 
 def prefix_lengths(block_size: int, max_prompt: int) -> list[int]:
