@@ -173,7 +173,8 @@ def _quality(cfg: dict, key: str) -> dict:
 
 
 def print_results(results: dict) -> None:
-    from graphserve.analysis.report import doctor_text, fit_text, format_table, host_share_text
+    from graphserve.analysis.report import doctor_text, format_table, host_share_text
+    from graphserve.analysis.report_text import fit_text
 
     for cfg in results.get("configurations") or [results]:
         if cfg.get("params"):
