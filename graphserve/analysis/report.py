@@ -64,7 +64,7 @@ def views(sweep: Mapping[str, Any]) -> list[dict]:
 
 
 def host_share_text(shares: Mapping[str, float | None] | None) -> str | None:
-    """The telemetry's host share per step kind (bench/sweep.host_share) as one line; None without data."""
+    """The telemetry's host share per step kind (bench/levels.host_share) as one line; None without data."""
     known = {k: x for k, x in (shares or {}).items() if x is not None}
     if not known:
         return None
