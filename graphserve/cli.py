@@ -8,7 +8,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "serve": ("graphserve.server.launch", "start the OpenAI-compatible HTTP server"),
+    "serve": ("graphserve.server.serve_command", "start the OpenAI-compatible HTTP server"),
     "bench": ("graphserve.bench.client", "run a load generator against a server"),
     "sweep": ("graphserve.bench.sweep", "concurrency sweep + scaling fit + report folder"),
     "report": ("graphserve.analysis.report", "Markdown/HTML report and plots from result files"),
