@@ -4,14 +4,13 @@ and at the end, stop them in the order that cannot hang (graphs, then ranks, the
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
 from graphserve.distributed.state import destroy_parallel, get_parallel, init_parallel, world_size_of
 from graphserve.distributed.validate import check_parallel
-from graphserve.engine.ranks import RankPool
+from graphserve.engine.ranks import RankPool, cpu_threads_per_rank
 
 if TYPE_CHECKING:
     from graphserve.config import EngineConfig
@@ -42,12 +41,6 @@ def start_ranks(config: EngineConfig, device: torch.device) -> RankPool | None:
         raise
     logger.info("%d ranks joined (tp=%d, ep=%d, %s)", world, config.tp, config.ep, parallel.backend)
     return pool
-
-
-def cpu_threads_per_rank(world: int) -> None:
-    """CPU ranks share the host's cores: without a split each would start one thread per core, and the
-    ranks' collectives would wait on threads the OS has descheduled."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
 
 def stop_ranks(pool: RankPool, runner: ModelRunner | None) -> None:

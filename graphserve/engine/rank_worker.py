@@ -19,6 +19,7 @@ import torch
 
 from graphserve.distributed.comm import agree
 from graphserve.distributed.state import destroy_parallel, init_parallel
+from graphserve.engine.ranks import cpu_threads_per_rank
 from graphserve.engine.runner import ModelRunner, cpu_kv_tokens
 
 if TYPE_CHECKING:
@@ -64,8 +65,6 @@ class RankWorker:
 
         self.rank = rank
         if device.type == "cpu":
-            from graphserve.engine.parallel_driver import cpu_threads_per_rank
-
             cpu_threads_per_rank(max(config.tp, config.ep))
         parallel = init_parallel(rank, config.tp, config.ep, init_method, device)
         if device.type == "cuda":
