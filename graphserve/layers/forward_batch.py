@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from graphserve.kernels.paged_kv import DUMMY_BLOCK
+
 if TYPE_CHECKING:
     from graphserve.layers.attention import AttentionBackend
-
-DUMMY_BLOCK = 0
 
 Mode = Literal["prefill", "decode", "mixed"]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphserve.layers.kv_layout import to_cache_dtype
+from graphserve.kernels.paged_kv import to_cache_dtype
 
 
 def write_latent_cache(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:

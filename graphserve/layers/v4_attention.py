@@ -22,9 +22,9 @@ from torch import nn
 
 from graphserve.errors import ConfigError
 from graphserve.kernels.dsa_reference import topk_indices
+from graphserve.kernels.paged_kv import to_cache_dtype
 from graphserve.layers.attention import softmax_with_sinks
 from graphserve.layers.hyper_connection import Float32Params
-from graphserve.layers.kv_layout import to_cache_dtype
 from graphserve.layers.linear import Linear
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import rope_tables
