@@ -1,6 +1,6 @@
 """DeepSeek-V4 (``DeepseekV4ForCausalLM``), as transformers' ``models/deepseek_v4`` specifies it.
 
-- attention (layers/v4_attention.py): one shared K=V latent head, partial interleaved rope, q LoRA, sinks, a
+- attention (models/deepseek_v4_attention.py): one shared K=V latent head, partial interleaved rope, q LoRA, sinks, a
   sliding window beside compressed entries per ``layer_types`` (CSA with its lightning indexer, HCA), a grouped
   low-rank output projection;
 - hyper-connections (layers/hyper_connection.py): ``hc_mult`` residual streams, Sinkhorn-mixed around each sublayer;
@@ -14,7 +14,7 @@ compressed entry and (CSA) indexer key (layers/v4_compressor.py). The MTP layers
 not loaded: nothing runs them until speculative decoding exists, and start-up says so. Checkpoints load in
 DeepSeek's own names or transformers' (models/deepseek_v4_names.py).
 
-Every attention path here is the PyTorch reference: CUDA inputs are refused by name (layers/v4_attention.py), and
+Every attention path here is the PyTorch reference: CUDA inputs are refused by name (models/deepseek_v4_attention.py), and
 so are the clamped SwiGLU experts by the fused kernels (kernels/moe_fused.py). ``--tp``/``--ep`` are refused at
 load; ``describe`` prices them (transformers' plan: attention replicated, experts split) for ``graphserve plan``.
 """
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphserve.distributed.state import get_parallel
+from graphserve.distributed.state import get_parallel, split_evenly
 from graphserve.errors import ConfigError, ModelLoadError
 from graphserve.layers.embedding import VocabEmbedding
 from graphserve.layers.hyper_connection import HyperConnection, HyperHead
@@ -39,11 +39,11 @@ from graphserve.layers.kv_layout import KVLayout
 from graphserve.layers.linear import Linear
 from graphserve.layers.moe import FusedMoE, Router
 from graphserve.layers.norm import RMSNorm
-from graphserve.layers.v4_attention import V4Attention
 from graphserve.models.base import CausalLM
+from graphserve.models.deepseek_v4_attention import V4Attention
 from graphserve.models.deepseek_v4_names import module_name
 from graphserve.models.deepseek_v4_shape import CSA, V4Shape, v4_shape_from_config
-from graphserve.models.description import ModelDescription, Projection, layer_modules, split_evenly
+from graphserve.models.description import ModelDescription, Projection, layer_modules
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch

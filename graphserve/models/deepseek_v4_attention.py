@@ -10,7 +10,8 @@ projection (``o_groups`` blocks of ``o_a_proj``, then ``o_b_proj``). Sliding-onl
 compressed ones with the "compress" rope.
 
 This runs on the PyTorch reference path only: the Triton kernels for compression and for CSA/HCA decode and extend
-do not exist yet, and the layer refuses CUDA inputs by name rather than run this path there.
+do not exist yet, and the layer refuses CUDA inputs by name rather than run this path there. It is built from the
+family's V4Shape (deepseek_v4_shape.py), so it sits beside the family rather than among the shared layers.
 """
 
 from __future__ import annotations
