@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphserve.distributed.state import destroy_parallel, get_parallel, init_parallel, world_size_of
-from graphserve.distributed.validate import check_parallel
 from graphserve.engine.ranks import RankPool, cpu_threads_per_rank
+from graphserve.models.parallel_check import check_parallel, model_dtype
 
 if TYPE_CHECKING:
     from graphserve.config import EngineConfig
@@ -35,7 +35,7 @@ def start_ranks(config: EngineConfig, device: torch.device) -> RankPool | None:
         if device.type == "cuda":
             from graphserve.distributed.custom_all_reduce import maybe_enable_custom_all_reduce
 
-            maybe_enable_custom_all_reduce(parallel, config, device)
+            maybe_enable_custom_all_reduce(parallel, config, device, model_dtype(config))
     except BaseException:
         stop_ranks(pool, None)
         raise

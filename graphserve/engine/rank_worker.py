@@ -21,6 +21,7 @@ from graphserve.distributed.comm import agree
 from graphserve.distributed.state import destroy_parallel, init_parallel
 from graphserve.engine.ranks import cpu_threads_per_rank
 from graphserve.engine.runner import ModelRunner, cpu_kv_tokens
+from graphserve.models.parallel_check import model_dtype
 
 if TYPE_CHECKING:
     from graphserve.config import EngineConfig
@@ -70,7 +71,7 @@ class RankWorker:
         if device.type == "cuda":
             from graphserve.distributed.custom_all_reduce import maybe_enable_custom_all_reduce
 
-            maybe_enable_custom_all_reduce(parallel, config, device)
+            maybe_enable_custom_all_reduce(parallel, config, device, model_dtype(config))
         loaded = load_model(config, device)
         self.runner = start_runner(config, loaded, device, resolve_max_model_len(config, loaded.info)).runner
         from graphserve.engine.step_sync import StepReceiver

@@ -23,6 +23,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError, ServiceUnavailableError, bad_field
+from graphserve.models.parallel_check import check_parallel
 from graphserve.server.app import create_app
 from graphserve.server.async_engine import AsyncEngine
 from graphserve.server.guards import MAX_HEAD_BYTES, GuardOptions, guarded_protocol
@@ -243,6 +244,7 @@ class ServerThread:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 600.0) -> ServerThread:
+        check_parallel(self.config)  # as `graphserve serve` does: a split that cannot run never takes a port
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))

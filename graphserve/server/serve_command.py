@@ -9,6 +9,7 @@ import sys
 
 from graphserve.config import EngineConfig, config_from_args
 from graphserve.errors import GraphserveError
+from graphserve.models.parallel_check import check_parallel
 from graphserve.server.api_servers import run_api_servers
 from graphserve.server.launch import LOG_FORMAT, build_state_from_args, serve_http
 from graphserve.server.serve_args import add_arguments, api_server_count, guard_options
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
     try:
         config = config_from_args(args, args.model)
+        check_parallel(config)  # the split and the GPU count, before a port binds or a rank spawns
         guards = guard_options(args)
         _check_host_memory(config)
         count = api_server_count(args.api_server_count, args.engine_in_process)
