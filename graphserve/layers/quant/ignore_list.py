@@ -6,12 +6,19 @@ the FP8 config (config.py) and the FP4 one read it."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from graphserve.errors import ModelLoadError
 
-if TYPE_CHECKING:
-    from graphserve.layers.quant.config import Fp8Config
+
+class IgnoringConfig(Protocol):
+    """What an ignore list reads of a quantization config (an Fp8Config or an Fp4Config)."""
+
+    @property
+    def ignored(self) -> tuple[str, ...]: ...  # checkpoint module names (or globs) kept in the model dtype
+
+    @property
+    def ignored_field(self) -> str: ...  # the config key(s) they came from, for errors
 
 # Router gates choose experts: their logits are small and fp8 rounding flips choices; the shipped
 # FP8 checkpoints keep them in bf16, and so does --quantization (gpt-oss names its gate ``mlp.router``).
@@ -39,7 +46,7 @@ class IgnoreList:
 
     FORMAT = "fp8"  # what the listed layers are not, in the refusals (layers/quant/fp4_config.py: FP4)
 
-    def __init__(self, config: Fp8Config, map_weight_name: Callable[[str], tuple[str, Any] | None],
+    def __init__(self, config: IgnoringConfig, map_weight_name: Callable[[str], tuple[str, Any] | None],
                  stacked: Mapping[str, tuple[str, Any]]) -> None:
         self.field = config.ignored_field
         self.stacked = stacked  # the family's checkpoint fragment -> (fused fragment, shard), to name unlisted parts
