@@ -17,7 +17,7 @@ import torch
 from graphserve.kernels.paged_kv import DUMMY_BLOCK
 
 if TYPE_CHECKING:
-    from graphserve.layers.attention import AttentionBackend
+    from graphserve.layers.attention_backend import AttentionBackend
 
 Mode = Literal["prefill", "decode", "mixed"]
 
