@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphserve.distributed.state import destroy_parallel, get_parallel, init_parallel, world_size_of
+from graphserve.engine.rank_worker import release_runner
 from graphserve.engine.ranks import RankPool, cpu_threads_per_rank
+from graphserve.engine.step_sync import StepSender
 from graphserve.models.parallel_check import check_parallel, model_dtype
 
 if TYPE_CHECKING:
@@ -46,9 +48,6 @@ def start_ranks(config: EngineConfig, device: torch.device) -> RankPool | None:
 def stop_ranks(pool: RankPool, runner: ModelRunner | None) -> None:
     """Tell the ranks to stop (when they are alive and in the group), release this rank's graphs, wait
     for them, leave the group."""
-    from graphserve.engine.rank_worker import release_runner
-    from graphserve.engine.step_sync import StepSender
-
     if pool.failure is None and get_parallel().distributed and runner is not None:
         try:
             StepSender().shutdown()
