@@ -25,6 +25,7 @@ from graphserve.bench.client import (
     target_server,
 )
 from graphserve.bench.levels import sweep_levels
+from graphserve.bench.server_grid import run_configurations
 from graphserve.errors import GraphserveError, bad_field
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -119,7 +120,6 @@ def run(args: argparse.Namespace) -> int:
         results: dict[str, Any] = {"config": run_config(args, levels), "environment": environment()}
         if args.server_cmd:
             from graphserve.analysis.grid_compare import compare_configurations
-            from graphserve.bench.server_grid import run_configurations
 
             results["configurations"] = run_configurations(args, levels, output_dir, tokenizer)
             first = next((c for c in results["configurations"] if c.get("points")), None)
