@@ -3,7 +3,7 @@
 The layers, lowest first (a module may import from its own group and from any lower tier; the groups of one
 tier are peers that do not import each other):
 
-  errors.py                                   the exception hierarchy everything raises
+  errors.py, env.py                           the exception hierarchy everything raises; the GRAPHSERVE_* switches
   outputs.py, structured/                     finished-request records; output constraints (xgrammar)
   sampling_params.py, config.py               what a request asks for; EngineConfig and its flags
   distributed/                                process groups and collectives
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Lowest tier first; each tier is a tuple of peer groups, each group a tuple of module prefixes.
 TIERS: tuple[tuple[tuple[str, ...], ...], ...] = (
-    (("graphserve.errors",),),
+    (("graphserve.errors",), ("graphserve.env",)),
     (("graphserve.outputs",), ("graphserve.structured",)),
     (("graphserve.sampling_params",), ("graphserve.config",)),
     (("graphserve.distributed",),),
@@ -165,12 +165,13 @@ def circles(modules: set[str], imports: list[Import]) -> list[list[str]]:
 
 
 def place(module: str, tiers=TIERS) -> tuple[int, str] | None:
-    """(tier, group) of a module: the group whose prefix matches it longest."""
+    """(tier, group) of a module: the group whose prefix matches it longest. The root package (``graphserve``,
+    its __init__.py) matches itself only, so that a new top-level module is placed by hand, not by default."""
     best: tuple[int, str, int] | None = None
     for tier, groups in enumerate(tiers):
         for group in groups:
             for prefix in group:
-                if module == prefix or module.startswith(prefix + "."):
+                if module == prefix or ("." in prefix and module.startswith(prefix + ".")):
                     if best is None or len(prefix) > best[2]:
                         best = (tier, group[0], len(prefix))
     return None if best is None else best[:2]
@@ -248,6 +249,7 @@ def test_the_reader_finds_circles_upward_imports_and_skips_type_checking(tmp_pat
     assert sorted(circles(modules, imports)) == [["pkg.high.c", "pkg.low.d"], ["pkg.low.a", "pkg.low.b"]]
     tiers = ((("pkg.low",),), (("pkg.high",), ("pkg",)))
     assert place("pkg.high.c", tiers) == (1, "pkg.high") and place("pkg", tiers) == (1, "pkg")
+    assert place("pkg.new", tiers) is None  # a module of no declared layer is not the root package's
     up = wrong_way(imports, tiers)
     assert [(i.source, i.target) for i in up] == [("pkg.low.d", "pkg.high.c")]
     assert wrong_way(imports, tiers, known={("pkg.low.d", "pkg.high.c")}) == []
