@@ -12,7 +12,8 @@ tier are peers that do not import each other):
   models/                                     families, their descriptions, loaders, the parallel check
   engine/                                     scheduler, KV pool, runner, graphs, ranks, the core
   server/, llm.py, analysis/                  HTTP front-end; offline LLM; the analyzer
-  bench/                                      load generator and sweeps (starts servers, runs the analyzer)
+  bench/, router/                             load generator and sweeps (start servers, run the analyzer); the
+                                              prefix-aware router over `serve` workers
   tuning/, cli.py, demo.py, graphserve/__init__.py   the commands and the package face
 
 Every ``import`` counts, at module level and inside functions (an in-function import that only hides a
@@ -39,7 +40,7 @@ TIERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("graphserve.models",),),
     (("graphserve.engine",),),
     (("graphserve.server",), ("graphserve.llm",), ("graphserve.analysis",)),
-    (("graphserve.bench",),),
+    (("graphserve.bench",), ("graphserve.router",)),
     (("graphserve.tuning",), ("graphserve.cli",), ("graphserve.demo",), ("graphserve",)),
 )
 
