@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint gpu-test clean
+.PHONY: demo test test-fast lint gpu-test clean
 
 $(STAMP): requirements-cpu.txt requirements-dev.txt requirements-trained.txt pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -20,6 +20,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check graphserve tests benchmarks
 	$(BIN)/python -m pytest -q tests --ignore=tests/gpu
+
+# The CPU suite without the Triton-interpreter kernel tests (marked slow in tests/conftest.py): a quick check while
+# working; `make test` (CI) runs them all.
+test-fast: $(STAMP)
+	$(BIN)/ruff check graphserve tests benchmarks
+	$(BIN)/python -m pytest -q tests --ignore=tests/gpu -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check graphserve tests benchmarks

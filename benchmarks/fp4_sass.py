@@ -104,7 +104,7 @@ def moe_rows(widenings) -> list[dict]:
         code = WIDENINGS.index(widen)
         for fn, consts in (
             (_fp4_stream_gate_up_kernel, dict(K=h, TOP_K=topk, E=e, E_LOCAL=e, HAS_VALID=False, GROUP_K=32, MX=True,
-                                              HAS_GLOBAL=False, HAS_BIAS=True, SWIGLU_OAI=True, BLOCK_N=32,
+                                              HAS_GLOBAL=False, HAS_BIAS=True, ACT=1, BLOCK_N=32,
                                               BLOCK_K=256, BLOCK_P=256, BLOCK_E=128)),
             (_fp4_stream_down_kernel, dict(K=inter, TOP_K=topk, E_LOCAL=e, HAS_VALID=False, GROUP_K=32, MX=True,
                                            HAS_GLOBAL=False, HAS_BIAS=True, BLOCK_N=32, BLOCK_K=256)),

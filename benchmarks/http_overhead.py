@@ -95,7 +95,13 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
     warm_up(llm.engine.core)  # the server warms up before ready: so does the baseline
     freeze_heap()  # and then freezes its heap (server/engine_loop.py); unfrozen below, before the LLM goes
     vocab = llm.engine.info.vocab_size
-    prompts = workload(args.num_prompts, args.input_len, vocab)
+    prompts: list[Any] = workload(args.num_prompts, args.input_len, vocab)
+    if args.prompts_as == "text":
+        # as SGLang's bench_serving, guidellm and `vllm bench serve` send random ids: decoded to text, which the
+        # server tokenizes again; both sides then run the prompts as text, so they run the same tokens
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer.decode(p) for p in prompts]
+    inputs = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {"prompts": prompts, "tok_s": {}, "steps": {}}
     for c in args.levels:
@@ -104,7 +110,7 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
         before = telemetry.last_step()  # step ids count from 1
         sync()
         t0, wall0 = time.perf_counter(), time.time()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = llm.generate(inputs, params, use_tqdm=False)
         sync()
         seconds = time.perf_counter() - t0
         out["tok_s"][c] = sum(len(o.token_ids) for o in outs) / seconds
@@ -116,6 +122,8 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
                                "run fewer --num-prompts per level")
         out["steps"][c] = step_timeline(records, wall0, wall0 + seconds, c)
         out.setdefault("tokens", sum(len(o.token_ids) for o in outs))
+        # the prompt length the engine ran: the asked input_len when text round-trips through the tokenizer
+        out.setdefault("prompt_tokens_mean", statistics.mean(len(o.prompt_token_ids) for o in outs))
     # The engine's own prefill time is its prefill step's step_ms (median of 7, the first dropped): a whole
     # LLM.generate call also holds request set-up and output handling, and its best-of-N read far apart
     # between runs on the H200.
@@ -133,7 +141,7 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
     return out
 
 
-def http_throughput(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int,
+def http_throughput(base_url: str, prompts: list[Any], output_len: int, concurrency: int,
                     stream: bool) -> tuple[float, int, int, float, float, float]:
     """(output tok/s, tokens, events, wall start, wall end, seconds between the first and the last client process
     starting) with ``concurrency`` streams spread over client processes."""
@@ -262,6 +270,7 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[lis
                     rows.append({"model": model, "concurrency": c, "mode": "stream" if stream else "non-stream",
                                  "client": "every-event", "ratio": tok_s / off["tok_s"][c], "http_tok_s": tok_s,
                                  "offline_tok_s": off["tok_s"][c], "api_server_count": count,
+                                 "prompts_as": args.prompts_as, "prompt_tokens_mean": off["prompt_tokens_mean"],
                                  "events_per_token": events / tokens, "client_start_spread_s": spread,
                                  "offline_steps": off["steps"][c]})
                     windows.append((rows[-1], start, end))
@@ -290,6 +299,8 @@ def main() -> int:
     p.add_argument("--ready-max-input", type=int, default=1500, help="longest prompt of the ready-warm requests")
     p.add_argument("--api-server-count", type=int, nargs="+", default=[1],
                    help="HTTP front-end processes of the server; several values run one server each")
+    p.add_argument("--prompts-as", choices=("ids", "text"), default="ids",
+                   help="send the random-id prompts as ids, or decoded to text as text-based clients do")
     p.add_argument("--result-name", default="http_overhead", help="benchmarks/results/NAME.json")
     p.add_argument("--skip-ready-warm", action="store_true", help="skip the first-32-after-ready measurement")
     p.add_argument("--latency-only", action="store_true", help="only ready-warm and idle TTFT, no throughput rows")

@@ -61,7 +61,7 @@ def server(model: str, engine_args: str, extra: tuple[str, ...] = ()) -> Iterato
             proc.kill()
 
 
-async def one_request(session: Any, base_url: str, prompt: list[int], output_len: int, stream: bool,
+async def one_request(session: Any, base_url: str, prompt: str | list[int], output_len: int, stream: bool,
                       knobs: dict[str, Any]) -> tuple[float, int, int]:
     """(TTFT s, output tokens, events) of one /v1/completions request; TTFT is the first event with text."""
     from graphserve.bench.backends import iter_sse_data
@@ -102,7 +102,7 @@ def set_start_barrier(barrier: Any) -> None:
     _START = barrier
 
 
-def client_worker(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int,
+def client_worker(base_url: str, prompts: list[str] | list[list[int]], output_len: int, concurrency: int,
                   stream: bool) -> tuple[float, float, int, int]:
     """One client process: ``concurrency`` streams over ``prompts``, sent once every client process has warmed
     its connection path and passed the start barrier (shared by them all: a process that took longer to spawn

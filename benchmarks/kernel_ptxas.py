@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the decode-latency kernels on Hopper, without a GPU: the
-split-KV decode attention, the fused MoE router, the FP8 streaming matmul as the routing table runs it, the MoE
-streaming kernels, and the experimental one-launch FP8 decoder stream of benchmarks/fp8_layer_stream_ws.py.
+split-KV decode attention, the fused MoE router, the FP8 streaming matmul as the routing table runs it, and the MoE
+streaming kernels.
 
 Each kernel is compiled for sm_90 by Triton and its PTX assembled by the ptxas Triton bundles (as
 benchmarks/mla_ptxas.py does for MLA). A kernel that spills pays a local-memory round trip per
@@ -25,16 +25,12 @@ SM90_SHARED_BYTES = 232448
 REGISTERS_PER_SM = 65536
 
 
-def compile_report(fn, types: dict, constants: dict, num_warps: int, num_stages: int, gluon: bool = False) -> dict:
+def compile_report(fn, types: dict, constants: dict, num_warps: int, num_stages: int) -> dict:
     """Compile ``fn`` with ``types`` (Triton type strings per runtime argument; any argument named
-    ``*_ptr`` defaults to ``*bf16``, any other to ``i32``) and ``constants`` (its constexprs); ``gluon``: a
-    ``gluon.jit`` kernel."""
+    ``*_ptr`` defaults to ``*bf16``, any other to ``i32``) and ``constants`` (its constexprs)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    if gluon:
-        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource  # noqa: N814
 
     signature = {}
     for name in fn.arg_names:
@@ -241,40 +237,12 @@ def moe_stream_reports() -> list[dict]:
     return out
 
 
-def layer_stream_ws_reports(tiles=None) -> list[dict]:
-    """benchmarks/fp8_layer_stream_ws.py's Gluon kernel (a TMA producer warp and the consumer warps) at
-    llama3-8b's shapes, for ``tiles`` (default: the benchmark's), with the shared memory its tile plans for."""
-    import torch
-    from triton.runtime.jit import mangle_type
-
-    from benchmarks.fp8_layer_stream import HIDDEN, INTERMEDIATE, QKV_ROWS
-    from benchmarks.fp8_layer_stream_ws import TILES, box_descriptor, layer_stream_ws_kernel
-
-    out = []
-    for tile in tiles or TILES:
-        # a descriptor's type names its box and layout only: a few rows of each width stand for the stacked weights
-        descs = {name: mangle_type(box_descriptor(torch.zeros(tile.bn, k, dtype=torch.float8_e4m3fn), tile.bn, tile.bk))
-                 for name, k in (("d_qkv", HIDDEN), ("d_o", HIDDEN), ("d_gu", HIDDEN), ("d_d", INTERMEDIATE))}  # fmt: skip
-        types = {**descs, "s_qkv": "*fp32", "s_o": "*fp32", "s_gu": "*fp32", "s_d": "*fp32", "cnt": "*i32",
-                 "err": "*i32", "eps": "fp32", "num_layers": "i32", "G": "i32", "spin_cap": "i32",
-                 **{n: "*bf16" for n in ("n1", "n2", "down", "rm", "ra", "qkv", "o", "gu")}}  # fmt: skip
-        consts = {"H": HIDDEN, "QKV_N": QKV_ROWS, "INTER": INTERMEDIATE, "BN": tile.bn, "BK": tile.bk,
-                  "NBUF": tile.nbuf, "SUB": tile.sub}  # fmt: skip
-        row = compile_report(layer_stream_ws_kernel, types, consts, tile.warps, 1, gluon=True)
-        # registers at launch follow the partitions' setmaxnreg, not the count compile_report divides by: an SM
-        # holds as many programs as its shared memory does
-        row["programs_per_sm"] = SM90_SHARED_BYTES // row["shared_bytes"]
-        out.append({"kernel": "layer_stream_ws_kernel", "shape": tile.label(),
-                    "planned_shared_bytes": tile.shared_bytes(INTERMEDIATE), **row})  # fmt: skip
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args()
     reports = attention_reports() + gate_reports() + fp8_stream_reports() + moe_stream_reports()
-    for row in reports + layer_stream_ws_reports():
+    for row in reports:
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
 

@@ -1,7 +1,9 @@
-"""Markdown tables for benchmarks/RESULTS.md, rendered from the result files themselves, so no number
-in RESULTS.md is typed by hand.
+"""Markdown tables for benchmarks/JOURNAL.md's sittings and the generated current page, benchmarks/RESULTS.md,
+rendered from the result files themselves, so no number in either is typed by hand.
 
 Run: python3 -m benchmarks.results_md FILE[:KEY][=COL,COL,...] ...
+     python3 -m benchmarks.results_md --current > benchmarks/RESULTS.md   (the current page: benchmarks/current.py)
+     python3 -m benchmarks.results_md --headlines   (README.md's performance table, from RESULTS.md as it stands)
   FILE  a JSON under benchmarks/results/ (name without .json), or a path to any JSON (ending in .json); a file
         whose top level is a list is its rows
   KEY   the list of rows inside it (default "rows")
@@ -90,8 +92,25 @@ def render(spec: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("specs", nargs="+")
-    for spec in p.parse_args().specs:
+    p.add_argument("specs", nargs="*")
+    p.add_argument("--current", action="store_true",
+                   help="print benchmarks/RESULTS.md: the newest row per case, stale ones marked (benchmarks/current.py)")
+    p.add_argument("--headlines", action="store_true",
+                   help="print README.md's performance table: its cases' rows as benchmarks/RESULTS.md shows them")
+    args = p.parse_args()
+    if args.headlines:
+        from benchmarks.current import headlines
+
+        print(headlines((RESULTS_DIR.parent / "RESULTS.md").read_text()))
+        return
+    if args.current:
+        from benchmarks.current import current_page
+
+        print(current_page(), end="")
+        return
+    if not args.specs:
+        p.error("name result files to render, or --current")
+    for spec in args.specs:
         print(render(spec))
         print()
 

@@ -9,6 +9,7 @@ import sys
 
 COMMANDS = {
     "serve": ("graphserve.server.serve_command", "start the OpenAI-compatible HTTP server"),
+    "router": ("graphserve.router.launch", "route requests over `serve` workers by their cached prefixes"),
     "bench": ("graphserve.bench.client", "run a load generator against a server"),
     "sweep": ("graphserve.bench.sweep", "concurrency sweep + scaling fit + report folder"),
     "report": ("graphserve.analysis.report", "Markdown/HTML report and plots from result files"),

@@ -11,6 +11,9 @@ import torch
 # anything (transformers, through torch._dynamo) imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests write result files into temporary folders from a checkout that may hold work in progress; a real run refuses
+# to stamp such a tree (graphserve.tuning.timing.git_commit), tests/test_result_stamp.py checks that on its own repo.
+os.environ.setdefault("GRAPHSERVE_ALLOW_DIRTY", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -18,3 +21,18 @@ def graphserve_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     if "GRAPHSERVE_CACHE" not in os.environ:
         os.environ["GRAPHSERVE_CACHE"] = str(tmp_path_factory.mktemp("graphserve_cache"))
     return os.environ["GRAPHSERVE_CACHE"]
+
+
+def _runs_the_interpreter(module: object) -> bool:
+    return any(getattr(v, "__module__", None) == "interp_setup" or getattr(v, "__name__", None) == "interp_setup"
+               for v in vars(module).values())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Triton's interpreter runs a kernel one program at a time in Python: these modules hold most of the CPU suite's
+    # time, and `make test-fast` (-m "not slow") leaves them out. A module is one by what it imports (interp_setup),
+    # so a new kernel test is marked without anyone remembering to.
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and _runs_the_interpreter(module):
+            item.add_marker(pytest.mark.slow)

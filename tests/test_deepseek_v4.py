@@ -21,7 +21,7 @@ from transformers import DeepseekV4Config
 
 from graphserve import LLM
 from graphserve.config import EngineConfig
-from graphserve.errors import ConfigError, ModelLoadError
+from graphserve.errors import ModelLoadError
 from graphserve.layers.linear import Linear
 from graphserve.layers.moe import FusedMoE
 from graphserve.models.loader import load_model
@@ -217,17 +217,6 @@ def test_plan_answers_the_first_story_for_its_own_model():
     assert p["memory"]["kv_tokens"] > 0 and [v["concurrency"] for v in p["verdicts"]] == [64]
 
 
-def test_a_cuda_device_is_refused_at_load_by_name():
-    """No CUDA kernel exists yet for the compressed attention or the clamped SwiGLU experts: the loader refuses the
-    device before assembling anything (tests/gpu/test_deepseek_v4_gpu.py runs it on a GPU)."""
-    from graphserve.models.deepseek_v4 import DeepseekV4ForCausalLM
-
-    with pytest.raises(ConfigError, match="CPU reference path only") as e:
-        DeepseekV4ForCausalLM.check_device(torch.device("cuda"))
-    assert e.value.param == "device"
-    DeepseekV4ForCausalLM.check_device(torch.device("cpu"))
-
-
 def test_bf16_keeps_sinks_hyper_connections_and_position_biases_float32_as_described(v4):
     hf, _, folder = v4
     loaded = load_model(EngineConfig(model=str(folder), dtype="bfloat16", max_model_len=256), torch.device("cpu"))
@@ -253,3 +242,18 @@ def test_decode_floor_reads_the_window_the_chosen_entries_and_every_indexer_key(
     assert d.kv_read_bytes(1, 64000) == per_seq(64000)
     assert d.kv_read_bytes(2, [100, 4096]) == per_seq(100) + per_seq(4096)
     assert d.decode_read_bytes(1, 64000) - d.decode_read_bytes(1, [0]) == per_seq(64000) - per_seq(0)
+
+
+def test_decode_benchmark_floor_charges_a_group_s_state_only_in_the_step_that_closes_it():
+    """benchmarks/v4_decode.py's cache bytes: the description's (above) in a step whose token closes a group, and
+    without the groups' state in every other step, where no kernel reads it (a floor a kernel beats is wrong)."""
+    from benchmarks.v4_decode import attention_bytes, step_cache_bytes
+    from graphserve.models.deepseek_v4 import decode_kv_read
+    from graphserve.models.deepseek_v4_shape import v4_shape_from_config
+
+    s = v4_shape_from_config(_config())  # HCA at 16, CSA at 4 (index_topk 3), one sliding layer; window 8, dim 32
+    for ctx in (15, 63):  # position 15 closes HCA's group 0 and CSA's group 3
+        assert step_cache_bytes(s, ctx, 4) == decode_kv_read(s, 4, ctx + 1)
+    # position 17 closes nothing: 4 windows of 8, HCA's 1 entry, each CSA layer's 4 indexer keys and 3 chosen entries
+    want = 4 * (4 * 8 * 32 + 1 * 32 + 2 * (4 * 16 + 3 * 32))
+    assert step_cache_bytes(s, 17, 4) == attention_bytes(s, 17, 4) == want < decode_kv_read(s, 4, 18)

@@ -242,6 +242,8 @@ MOE_CASES = [
     ("mxfp4", "stream", "swiglu_oai", 3, 3, 1, 4, 64, 96),
     ("nvfp4", "gemm", "swiglu_oai", 7, 2, 0, 5, 96, 48),
     ("mxfp4", "gemm", "silu", 6, 2, 2, 3, 64, 64),
+    ("nvfp4", "stream", "silu_clamp", 3, 2, 0, 4, 64, 64),  # DeepSeek-V4's experts
+    ("mxfp4", "gemm", "silu_clamp", 6, 2, 1, 3, 64, 64),
 ]
 
 

@@ -76,11 +76,23 @@ def test_fused_experts_refuses_a_bias_of_the_wrong_shape_by_name():
     topk_w, topk_ids = softmax_topk_reference(_randn(4, E, gen=gen), 2, True)
     with pytest.raises(ValueError, match=r"w2_bias must be a contiguous torch.float32 \[6, 40\], got .* \[6, 24\]"):
         fused_experts(x, w13, w2, topk_w, topk_ids, w2_bias=torch.zeros(E, INTER, device=DEVICE))
-    with pytest.raises(ValueError, match=r"activation='gelu' must be one of \('silu', 'swiglu_oai'\)"):
+    with pytest.raises(ValueError, match=r"activation='gelu' must be one of \('silu', 'swiglu_oai', 'silu_clamp'\)"):
         fused_experts(x, w13, w2, topk_w, topk_ids, activation="gelu")
-    # DeepSeek-V4's clamped SiLU runs on the reference path only: the kernels refuse it rather than run plain SiLU
-    with pytest.raises(ValueError, match=r"activation='silu_clamp' must be one of \('silu', 'swiglu_oai'\)"):
-        fused_experts(x, w13, w2, topk_w, topk_ids, activation="silu_clamp")
+
+
+@pytest.mark.parametrize("path", ["gemm", "gemv"])
+def test_fused_experts_with_deepseek_v4_clamped_silu_match_reference(path):
+    gen = torch.Generator().manual_seed(21)
+    t, k = 7, 2
+    w13, w2 = _randn(E, 2 * INTER, H, gen=gen, scale=0.3), _randn(E, H, INTER, gen=gen, scale=0.3)
+    x, topk_w, topk_ids, valid = routed_tokens(gen, t, H, k, True)
+    out = fused_experts(x, w13, w2, topk_w, topk_ids, valid=valid, path=path, gemm_tiles=GEMM, gemv_tiles=GEMV,
+                        activation="silu_clamp", limit=LIMIT)  # fmt: skip
+    want = experts_reference(x, w13, w2, topk_w, topk_ids, valid, 0, activation="silu_clamp", limit=LIMIT)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    plain = experts_reference(x, w13, w2, topk_w, topk_ids, valid, 0)  # the clamps bind: plain SiLU differs
+    assert not torch.allclose(plain[: t - 2], want[: t - 2], rtol=1e-2)
+    assert torch.equal(out[-2:].cpu(), torch.zeros(2, H))
 
 
 def test_layer_with_biases_kernel_path_matches_cpu_path():

@@ -17,8 +17,9 @@ from server_utils import wait_for  # noqa: E402
 
 from graphserve import cli  # noqa: E402
 from graphserve.analysis.profile import profile_in_process  # noqa: E402
-from graphserve.analysis.step_trace import CATEGORIES, breakdown, classify, unmatched_device_work  # noqa: E402
 from graphserve.config import EngineConfig  # noqa: E402
+from graphserve.engine.step_trace import breakdown, unmatched_device_work  # noqa: E402
+from graphserve.engine.trace_categories import CATEGORIES, WORK_CATEGORIES, classify  # noqa: E402
 
 MODEL = "builtin:tiny-llama"
 SMALL = dict(max_model_len=512, num_kv_tokens=8192)
@@ -66,6 +67,8 @@ def test_device_trace_steps_are_kernels_plus_gaps():
     assert c["other"] == pytest.approx(0.005) and c["dense_gemm"] == 0.0
     assert c["gaps_host"] == pytest.approx((370 - 80) / 1e3)
     assert sum(c.values()) == pytest.approx(second.span_ms) and second.kernels == 4
+    # nothing overlaps here: each category's wall time is its summed kernel time
+    assert second.busy_ms == pytest.approx({k: c[k] for k in WORK_CATEGORIES}) and second.overlapped_ms == 0.0
     assert unmatched_device_work(ev) == 1  # the orphan, named in the profile's notes
 
 
@@ -81,13 +84,47 @@ def test_cpu_trace_counts_outermost_ops_once():
     assert c["gaps_host"] == pytest.approx(0.65) and step.span_ms == pytest.approx(1.0)
 
 
+def _phase(mode: str, step_ms: float, kernels: float, wall: dict[str, float]) -> dict:
+    cats = {**dict.fromkeys(CATEGORIES, 0.0), **wall}
+    return {"mode": mode, "batch_size": 1, "step_ms": step_ms, "span_ms": sum(cats.values()), "categories_ms": cats,
+            "busy_ms": {c: 1.5 * cats[c] for c in WORK_CATEGORIES}, "overlapped_ms": 0.4, "kernels_per_step": kernels,
+            "top_kernels": [{"name": "fused_moe_kernel", "ms": 0.9}], "attribution": "measured"}
+
+
+@pytest.mark.parametrize("graph_step_ms", [3.0, 1.5])
+def test_graph_phase_borrowing_eager_kernel_times_still_adds_up(graph_step_ms):
+    """Where graph replays hide their kernels, the graph phase takes the eager phase's wall shares and busy
+    times; its shares add up to 100% whether those fill its measured step (gaps make up the rest) or not."""
+    from types import SimpleNamespace
+
+    from graphserve.engine.step_profiler import StepProfiler
+
+    core = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cuda"), graphs=object()),
+                           config=SimpleNamespace(model="dummy:olmoe-1b-7b"))
+    prof = StepProfiler(core, 4, lambda r: None)
+    eager = _phase("eager", 9.0, 400, {"moe": 1.2, "dense_gemm": 0.6, "gaps_host": 7.0})
+    prof.results = [_phase("graph", graph_step_ms, 3, {"other": 0.01, "gaps_host": graph_step_ms - 0.01}), eager]
+    graph = prof._result()["phases"][0]
+    assert graph["attribution"] == "eager" and graph["busy_ms"] == eager["busy_ms"]
+    assert graph["categories_ms"]["moe"] == 1.2 and graph["categories_ms"]["dense_gemm"] == 0.6
+    assert graph["categories_ms"]["gaps_host"] == pytest.approx(max(0.0, graph_step_ms - 1.8))
+    assert sum(graph["categories_pct"].values()) == pytest.approx(100.0)
+    notes = prof._result()["notes"]
+    assert any("more than the replayed step" in n for n in notes) == (graph_step_ms < 1.8)
+
+
 def _check_adds_up(profile: dict, batch_size: int) -> None:
     (phase,) = profile["phases"]  # CPU: eager only, and the result says so
     assert phase["mode"] == "eager" and "no CUDA graphs" in profile["notes"][0]
     assert phase["batch_size"] == batch_size and phase["run_as"] == ["eager"]
     cats = phase["categories_ms"]
     assert set(cats) == set(CATEGORIES) and set(phase["categories_pct"]) == set(CATEGORIES)
-    assert phase["categories_pct"]["dense_gemm"] == pytest.approx(100 * cats["dense_gemm"] / phase["step_ms"])
+    # shares of the wall time on the step's timeline, which add up to it
+    assert phase["categories_pct"]["dense_gemm"] == pytest.approx(100 * cats["dense_gemm"] / phase["span_ms"])
+    assert abs(sum(phase["categories_pct"].values()) - 100.0) < 2.0
+    assert set(phase["busy_ms"]) == set(WORK_CATEGORIES)
+    for c in WORK_CATEGORIES:  # one thread's outermost ops never overlap: busy and wall agree
+        assert phase["busy_ms"][c] == pytest.approx(cats[c], rel=1e-6, abs=1e-9)
     # the categories come from the trace, the step time from the engine's own clock (telemetry)
     assert abs(sum(cats.values()) - phase["step_ms"]) <= 0.10 * phase["step_ms"]
     for s in phase["per_step"]:
@@ -180,6 +217,7 @@ def test_cli_in_process_writes_json_and_png(tmp_path, capsys):
     assert (tmp_path / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "gaps between kernels / host" in out and "measured step time" in out
+    assert "busy ms" in out and "split evenly among them" in out and "ms wall per step" in out
     assert cli.main(["profile", "--model", MODEL, "--steps", "0"]) == 2
     assert "steps=0 is invalid" in capsys.readouterr().err
     # an engine flag against a server would change nothing: refused by name before anything connects
@@ -217,3 +255,23 @@ def test_profile_arguments_are_refused_by_name_and_limit():
         with pytest.raises(BadRequestError, match="batch_size") as err:
             parse_batch_sizes(bad)
         assert str(MAX_BATCH_SIZE) in str(err.value) or "integers" in str(err.value)
+
+
+def test_report_leads_with_wall_shares_and_reads_profiles_written_before_them():
+    from graphserve.analysis.profile import format_profile, profile_rows
+
+    graph = _phase("graph", 2.9, 300, {"moe": 1.5, "dense_gemm": 0.8, "attention": 0.4, "gaps_host": 0.3})
+    graph.update(step_ms_median=2.9, step_ms_range=[2.8, 3.0])
+    text = format_profile({"phases": [graph], "notes": []})
+    assert text.splitlines()[0].startswith("graph (batch 1): MoE (router, sort, grouped GEMMs) 50.0%")
+    assert "split evenly among them" in text and "busy ms per step" in text
+    head, rows = profile_rows({"phases": [graph]})
+    by_label = {r[0]: r[1:] for r in rows}
+    assert by_label["MoE (router, sort, grouped GEMMs)"] == ["1.500", "50.0", "2.250"]  # wall, %, busy
+    assert by_label["sum: the step's span"][:2] == ["3.000", "100.0"]
+    assert by_label["gaps between kernels / host"][2] == ""  # idle time has no busy time
+    # a file from before: summed kernel times, no busy column, fewer categories; said so, not mistaken for wall
+    old = {"phases": [{k: v for k, v in graph.items() if k not in ("busy_ms", "overlapped_ms")}]}
+    old["phases"][0]["categories_ms"] = {c: v for c, v in graph["categories_ms"].items() if c not in ("indexer", "topk")}
+    text = format_profile(old)
+    assert "predates wall-time attribution" in text and "split evenly" not in text

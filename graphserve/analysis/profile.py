@@ -2,6 +2,10 @@
 norms and elementwise, communication, sampling, other work, and gaps between kernels / host time,
 with graph replay on and the same batch eager (engine/step_profiler.py does the measuring).
 
+The shares are of wall time on each step's timeline: time during which kernels of several categories
+overlap (programmatic dependent launch, several streams) is split evenly among them, so the shares add
+up to 100% of the step's span; each category's summed kernel time is reported beside it as "busy".
+
     graphserve profile --model dummy:llama3-8b --batch-size 1,64 --steps 20 --output-dir prof
     graphserve profile --base-url http://127.0.0.1:30000 [--batch-size 8] --output-dir prof
 
@@ -20,7 +24,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from graphserve.analysis.step_trace import CATEGORIES, LABELS
+from graphserve.engine.trace_categories import CATEGORIES, GAPS, LABELS
 from graphserve.errors import BadRequestError, bad_field
 
 MAX_STEPS = 1000
@@ -157,28 +161,67 @@ def profile_level(base_url: str, concurrency: int, steps: int, input_len: int, o
 
 # -- output -----------------------------------------------------------------------------------------
 
-def profile_rows(profile: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Table of one profile: a row per category, ms and % of the measured step per phase."""
+WALL_TIME_NOTE = ("shares are of each step's wall time on its timeline (on the GPU from the previous step's last "
+                  "kernel to its own last; on CPU its iteration); time during which kernels of several categories "
+                  "overlap (programmatic dependent launch, several streams) is split evenly among them, so the "
+                  "shares add up to 100%; busy ms sums each category's kernel time, overlaps counted once per "
+                  "kernel")
+SUMMED_NOTE = ("this profile predates wall-time attribution: its categories sum kernel durations, so time during "
+               "which kernels overlapped is counted more than once")
+
+
+def attribution_note(profile: Mapping[str, Any]) -> str:
+    """What the shares of ``profile`` are: wall time, or (in files written before it was) summed kernel time."""
     phases = [p for p in profile.get("phases", []) if "error" not in p]
-    head = ["per step"] + [f"{p['mode']} (batch {p['batch_size']}) {u}" for p in phases for u in ("ms", "%")]
+    return WALL_TIME_NOTE if all("busy_ms" in p for p in phases) else SUMMED_NOTE
+
+
+def _span_ms(phase: Mapping[str, Any]) -> float:
+    return phase.get("span_ms") or phase["step_ms"]
+
+
+def profile_rows(profile: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Table of one profile: a row per category, its wall ms, its % of the step's span and its busy ms, per
+    phase. Profiles written before busy time was kept show no busy values, and 0 for categories added since."""
+    phases = [p for p in profile.get("phases", []) if "error" not in p]
+    head = ["per step (wall time, overlaps split)"] + [f"{p['mode']} (batch {p['batch_size']}) {u}" for p in phases
+                                                       for u in ("ms", "%", "busy ms")]
+
+    def cells(p: Mapping[str, Any], ms: float, busy: float | None) -> tuple[str, str, str]:
+        return f"{ms:.3f}", f"{100 * ms / _span_ms(p):.1f}", "" if busy is None else f"{busy:.3f}"
+
     rows = []
     for c in CATEGORIES:
-        rows.append([LABELS[c]] + [x for p in phases for x in (f"{p['categories_ms'][c]:.3f}",
-                                                                 f"{100 * p['categories_ms'][c] / p['step_ms']:.1f}")])
-    rows.append(["sum of the above"] + [x for p in phases for x in (f"{sum(p['categories_ms'].values()):.3f}",
-                                                                      f"{100 * sum(p['categories_ms'].values()) / p['step_ms']:.1f}")])
-    rows.append(["measured step time (mean)"] + [x for p in phases for x in (f"{p['step_ms']:.3f}", "100.0")])
+        rows.append([LABELS[c]] + [x for p in phases for x in cells(
+            p, p["categories_ms"].get(c, 0.0), None if c == GAPS else p.get("busy_ms", {}).get(c))])
+    rows.append(["sum: the step's span"] + [x for p in phases for x in cells(
+        p, sum(p["categories_ms"].values()), sum(p["busy_ms"].values()) if "busy_ms" in p else None)])
+    if all("overlapped_ms" in p for p in phases):
+        rows.append(["  of it 2+ kernels at once (split)"] + [x for p in phases
+                                                              for x in cells(p, p["overlapped_ms"], None)])
+    rows.append(["measured step time (mean)"] + [x for p in phases for x in cells(p, p["step_ms"], None)])
     if all("step_ms_median" in p for p in phases):  # profiles written before the median was kept lack it
         rows.append(["  median [min-max]"] + [x for p in phases for x in (
-            f"{p['step_ms_median']:.3f}", "[{:.2f}-{:.2f}]".format(*p["step_ms_range"]))])
+            f"{p['step_ms_median']:.3f}", "[{:.2f}-{:.2f}]".format(*p["step_ms_range"]), "")])
     return head, rows
+
+
+def headline(phase: Mapping[str, Any], top: int = 4) -> str:
+    """The phase's largest wall-time shares, in one line."""
+    span = _span_ms(phase)
+    cats = sorted(phase["categories_ms"].items(), key=lambda kv: -kv[1])[:top]
+    shares = ", ".join(f"{LABELS[c]} {100 * v / span:.1f}%" for c, v in cats)
+    return f"{phase['mode']} (batch {phase['batch_size']}): {shares} of {span:.3f} ms wall per step"
 
 
 def format_profile(profile: Mapping[str, Any]) -> str:
     head, rows = profile_rows(profile)
     table = [head] + rows
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table]
+    lines = [headline(p) for p in profile.get("phases", []) if "error" not in p]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+              for r in table]
+    lines.append(attribution_note(profile))
     for p in profile.get("phases", []):
         if "error" in p:
             lines.append(f"{p['mode']}: {p['error']}")
@@ -186,13 +229,13 @@ def format_profile(profile: Mapping[str, Any]) -> str:
         if p.get("attribution") == "eager":
             lines.append(f"{p['mode']}: kernel times attributed from the eager phase (see note)")
         top = ", ".join(f"{k['name'][:48]} {k['ms']:.3f}" for k in p.get("top_kernels", [])[:5])
-        lines.append(f"{p['mode']} top kernels/ops (ms per step): {top}")
+        lines.append(f"{p['mode']} top kernels/ops (busy ms per step): {top}")
     lines += [f"note: {n}" for n in profile.get("notes", [])]
     return "\n".join(lines)
 
 
 def plot_profiles(profiles: Sequence[Mapping[str, Any]], path: str) -> None:
-    """One stacked bar per (batch size, phase): ms per category, the measured step time marked."""
+    """One stacked bar per (batch size, phase): wall ms per category, the measured step time marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -205,13 +248,13 @@ def plot_profiles(profiles: Sequence[Mapping[str, Any]], path: str) -> None:
     for y, (_, ph) in enumerate(bars):
         left = 0.0
         for k, c in enumerate(CATEGORIES):
-            w = ph["categories_ms"][c]
+            w = ph["categories_ms"].get(c, 0.0)
             ax.barh(y, w, left=left, color=f"C{k}", label=LABELS[c] if y == 0 else None)
             left += w
         ax.plot([ph["step_ms"]] * 2, [y - 0.4, y + 0.4], "k-", lw=2, label="measured step" if y == 0 else None)
     ax.set_yticks(range(len(bars)), [b for b, _ in bars])
     ax.invert_yaxis()
-    ax.set_xlabel("ms per decode step")
+    ax.set_xlabel("wall ms per decode step (overlapped kernels' time split among their categories)")
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

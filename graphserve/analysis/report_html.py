@@ -145,7 +145,7 @@ def _configuration(v: Mapping[str, Any], single: bool, paths: Mapping[str, Path]
 def _profiles(v: Mapping[str, Any], base: Path) -> str:
     if not any(p.get("profile") for p in v["points"]):
         return ""
-    from graphserve.analysis.profile import profile_rows
+    from graphserve.analysis.profile import attribution_note, profile_rows
 
     parts = []
     for p in v["points"]:
@@ -158,7 +158,7 @@ def _profiles(v: Mapping[str, Any], base: Path) -> str:
             continue
         head, rows = profile_rows(prof)
         parts.append(_table(head, rows))
-        parts += [f"<p><small>{escape(n)}</small></p>" for n in prof.get("notes", [])]
+        parts += [f"<p><small>{escape(n)}</small></p>" for n in [attribution_note(prof), *prof.get("notes", [])]]
         png = prof.get("png")
         parts.append(_img(base / png if png else None, f"profile C={p['concurrency']}"))
     return "".join(parts)

@@ -13,6 +13,10 @@ position still finds its block by index and the attention kernels, which start a
 read them. A released block in the prefix cache stays there, unreferenced, for another request with the same
 prefix, as any freed block does; the sequence itself never matches it again (it matches only at admission, and a
 preempted sequence starts over from an empty table).
+
+Cache events (``record_events``): every hash that enters the prefix cache ("stored") or leaves it ("removed",
+"cleared") is logged for whoever drains ``take_events``, so a router in front of several engines keeps each one's
+prefix index from the engine's own changes (graphserve/router/policy.py hashes prompts with ``chain_hash``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,17 @@ if TYPE_CHECKING:
     from graphserve.engine.request import Sequence
 
 _ROOT_HASH = 0x5EED
+ROOT_HASH = _ROOT_HASH
+
+# Events, as plain tuples (pickled to the server, JSON to a router): (STORED, hash, parent hash),
+# (REMOVED, hash), (CLEARED,).
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
+
+
+def chain_hash(parent: int, tokens: list[int] | tuple[int, ...]) -> int:
+    """The hash of a full block given its parent's: equal hashes mean equal prefixes. Python's hash of a tuple
+    of ints does not depend on PYTHONHASHSEED, so every process of one Python version agrees on it."""
+    return hash((parent, tuple(tokens)))
 
 
 class BlockManager:
@@ -49,6 +64,7 @@ class BlockManager:
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.events: list[tuple] | None = None  # cache events since the last take_events; None: not recorded
 
     # ---- capacity -------------------------------------------------------------------------
     @property
@@ -75,7 +91,21 @@ class BlockManager:
 
     # ---- prefix cache -----------------------------------------------------------------------
     def _chain(self, parent: int, tokens: list[int] | tuple[int, ...]) -> int:
-        return hash((parent, tuple(tokens)))
+        return chain_hash(parent, tokens)
+
+    def record_events(self) -> None:
+        """Log cache events from now on, starting with a "stored" event for every hash already cached (the
+        warm-up's), so a reader that applies every event knows exactly what is cached."""
+        if self.events is None:
+            self.events = [(STORED, h, None) for h in self.cached]
+
+    def take_events(self) -> list[tuple]:
+        """The events since the previous call (none when not recorded)."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
 
     def match_prefix(self, seq: Sequence) -> int:
         """At admission: take the cached blocks matching the sequence's leading full blocks.
@@ -122,6 +152,8 @@ class BlockManager:
                 self.cached[h] = block
                 self.block_hash[block] = h
                 self.block_tokens[block] = tokens
+                if self.events is not None:
+                    self.events.append((STORED, h, seq.block_hashes[-2] if i else _ROOT_HASH))
             # else: another sequence computed the same prefix first; keep its block as the cached one
 
     def reset_prefix_cache(self) -> int:
@@ -136,6 +168,8 @@ class BlockManager:
         self.block_hash.clear()
         self.block_tokens.clear()
         self.cached.clear()
+        if self.events is not None:
+            self.events.append((CLEARED,))
         return dropped
 
     # ---- allocation -------------------------------------------------------------------------
@@ -152,6 +186,8 @@ class BlockManager:
             h = self.block_hash.pop(block)
             del self.cached[h]
             del self.block_tokens[block]
+            if self.events is not None:
+                self.events.append((REMOVED, h))
         assert self.ref_counts[block] == 0, f"block {block} handed out while referenced ({self.ref_counts[block]})"
         self.ref_counts[block] = 1
         return block

@@ -20,8 +20,10 @@ With the overlap schedule and a host-bound step (eager), a step's record is most
 the next step, so a per-step row pairs a device span with its neighbour's host time; over the phase's
 window the means and medians agree.
 
-The trace is read by analysis/step_trace.py. Some torch/CUDA versions do not show the kernels inside a
-graph replay; then the graph phase's kernel times come from the eager phase (the same
+The trace is read by engine/step_trace.py: each step's categories are its wall time on the timeline, where
+overlapping kernels (programmatic dependent launch) share the time they overlap, so they add up to the
+span; ``busy_ms`` keeps each category's summed kernel time. Some torch/CUDA versions do not show the
+kernels inside a graph replay; then the graph phase's kernel times come from the eager phase (the same
 kernels on the same batch) and its gaps are its measured step time minus them; the result says so.
 """
 
@@ -40,7 +42,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from graphserve.analysis.step_trace import CATEGORIES, ITERATION, LAUNCH, breakdown, unmatched_device_work
+from graphserve.engine.step_trace import breakdown, unmatched_device_work
+from graphserve.engine.trace_categories import CATEGORIES, GAPS, ITERATION, LAUNCH, WORK_CATEGORIES
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +271,8 @@ class StepProfiler:
             "span_ms": mean(bd.span_ms for _, bd, _ in rows),
             "span_ms_median": statistics.median(bd.span_ms for _, bd, _ in rows),
             "categories_ms": {c: mean(bd.categories_ms.get(c, 0.0) for _, bd, _ in rows) for c in CATEGORIES},
+            "busy_ms": {c: mean(bd.busy_ms.get(c, 0.0) for _, bd, _ in rows) for c in WORK_CATEGORIES},
+            "overlapped_ms": mean(bd.overlapped_ms for _, bd, _ in rows),
             "kernels_per_step": mean(bd.kernels for _, bd, _ in rows),
             "per_step": [{"step_ms": rec.step_ms, "span_ms": bd.span_ms, "batch_size": rec.batch_size}
                          for _, bd, rec in rows],
@@ -305,16 +310,22 @@ class StepProfiler:
         if graph and eager and "error" not in graph and "error" not in eager:
             if graph["kernels_per_step"] < GRAPH_VISIBLE_SHARE * eager["kernels_per_step"]:
                 seen = graph["kernels_per_step"]
-                cats = {c: eager["categories_ms"][c] for c in CATEGORIES if c != "gaps_host"}
-                cats["gaps_host"] = max(0.0, graph["step_ms"] - sum(cats.values()))
-                graph.update({"categories_ms": cats, "span_ms": graph["step_ms"], "attribution": "eager",
-                              "kernels_seen_per_step": seen, "top_kernels": eager["top_kernels"]})
+                cats = {c: eager["categories_ms"][c] for c in WORK_CATEGORIES}
+                cats[GAPS] = max(0.0, graph["step_ms"] - sum(cats.values()))
+                graph.update({"categories_ms": cats, "span_ms": max(graph["step_ms"], sum(cats.values())),
+                              "busy_ms": eager["busy_ms"], "overlapped_ms": eager["overlapped_ms"],
+                              "attribution": "eager", "kernels_seen_per_step": seen,
+                              "top_kernels": eager["top_kernels"]})
                 notes.append(f"the profiler saw {seen:.0f} kernels per graph replay step against "
                              f"{eager['kernels_per_step']:.0f} eager (torch {torch.__version__} hides kernels "
                              "inside CUDA graphs): the graph phase's kernel times are the eager phase's on the "
                              "same batch, and its gaps are its measured step time minus them")
+                if sum(cats.values()) > graph["step_ms"]:
+                    notes.append(f"the eager phase's kernels cover {sum(cats.values()):.3f} ms, more than the "
+                                 f"replayed step's {graph['step_ms']:.3f} ms: the graph phase's shares are of the "
+                                 "former")
         for p in self.results:
-            if "categories_ms" in p:  # shares of the step the engine measured, as printed
-                p["categories_pct"] = {c: 100.0 * v / p["step_ms"] for c, v in p["categories_ms"].items()}
+            if "categories_ms" in p:  # shares of the step's wall time on its timeline: they add up to 100
+                p["categories_pct"] = {c: 100.0 * v / p["span_ms"] for c, v in p["categories_ms"].items()}
         return {"device": self.device, "model": self.core.config.model, "steps_requested": self.steps,
                 "torch": torch.__version__, "phases": self.results, "notes": notes}

@@ -159,9 +159,10 @@ def _decode_merge_kernel(
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights all 0, output 0
     w = tl.exp2(lse - m)
+    # an empty split (lse -inf, weight 0) is not read: a split kernel may leave its partial unwritten
     o = tl.load(
         mid_o_ptr + seq * stride_mo_b + head * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
+        mask=(s_mask & (lse > float("-inf")))[:, None] & d_mask[None, :],
         other=0.0,
     )
     total = tl.sum(w, 0)

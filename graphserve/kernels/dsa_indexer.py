@@ -14,6 +14,10 @@ passes through the ReLU). Tiles past the row's position write ``-inf`` without l
 static ``max_len`` a CUDA graph needs costs stores, not reads or products. An FP8 row starts every D + 4
 bytes, so its keys load 4 bytes at a time (the alignment every row has): left to itself, Triton's alignment
 analysis took every row for 16-byte aligned (16-byte loads in the PTX) and the loads faulted on the GPU.
+
+``compressed_indexer_scores`` runs the same kernel over DeepSeek-V4's compressed keys (``RATE``: key ``n`` sits in
+the row of the token closing group ``n``; ``KEY_AT``: its column in that layer's row cache); DSA's own call compiles
+with ``RATE`` 1 and ``KEY_AT`` 0 to what it was.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def _indexer_scores_kernel(
     max_len, num_heads, max_blocks,
     stride_qt, stride_qh, stride_wt, stride_vslot, stride_sslot, stride_bt, stride_ot,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, RATE: tl.constexpr, KEY_AT: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(1)
     n0 = tl.program_id(0) * BLOCK_N
@@ -101,10 +105,12 @@ def _indexer_scores_kernel(
         q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
         w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=h_mask, other=0.0)
-        visible = (offs_n <= pos) & (offs_n // PAGE < max_blocks)
-        block = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=visible, other=0).to(tl.int64)
-        slot = block * PAGE + offs_n % PAGE
-        row = slot * stride_vslot
+        # key n of a compressed cache (RATE > 1) sits in the row of the token closing its group
+        tok = offs_n * RATE + RATE - 1
+        visible = (offs_n <= pos) & (tok // PAGE < max_blocks)
+        block = tl.load(bt_ptr + seq * stride_bt + tok // PAGE, mask=visible, other=0).to(tl.int64)
+        slot = block * PAGE + tok % PAGE
+        row = slot * stride_vslot + KEY_AT
         if FP8:
             # an FP8 row starts every D + 4 bytes, 4-aligned only; without the hint Triton took every row for 16-byte
             # aligned (the slots of a page count up from a multiple of 16) and loaded 16 bytes at a time, a misaligned
@@ -149,6 +155,36 @@ def indexer_scores(
         q.stride(0), q.stride(1), weights.stride(0), stride_v, stride_s, block_tables.stride(0), out.stride(0),
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_N=SCORE_BLOCK_N, PAGE=index_cache.shape[1], FP8=fp8,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, RATE=1, KEY_AT=0,
+    )  # fmt: skip
+    return out
+
+
+def compressed_indexer_scores(
+    q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, key_at: int, rate: int, block_size: int,
+    block_tables: torch.Tensor, row_seq: torch.Tensor, last: torch.Tensor, num_keys: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``indexer_scores`` over a compressed cache (DeepSeek-V4's CSA): key ``n`` is the ``q.shape[-1]`` columns from
+    ``key_at`` of the row (``rows [slots, width]``) of the token closing group ``n``, position ``(n + 1) * rate -
+    1``; ``last [T]`` is each row's last visible key (-1: none). ``[T, num_keys]`` fp32, -inf past ``last``."""
+    tokens, heads, d = q.shape
+    if q.stride(-1) != 1 or rows.stride(-1) != 1 or rows.dtype != q.dtype or key_at + d > rows.shape[-1]:
+        raise ValueError(f"queries {tuple(q.shape)} {q.dtype} against rows {tuple(rows.shape)} {rows.dtype} at "
+                         f"column {key_at}: same dtype, last dims contiguous, the key inside the row")  # fmt: skip
+    if weights.shape != (tokens, heads) or weights.dtype != torch.float32 or weights.stride(-1) != 1:
+        raise ValueError(f"weights {tuple(weights.shape)} {weights.dtype}: expected ({tokens}, {heads}) float32, "
+                         "last dim contiguous")  # fmt: skip
+    if out is None:
+        out = torch.empty(tokens, num_keys, dtype=torch.float32, device=q.device)
+    if tokens == 0 or num_keys == 0:
+        return out
+    _indexer_scores_kernel[(triton.cdiv(num_keys, SCORE_BLOCK_N), tokens)](
+        q, weights, rows, rows, block_tables, row_seq, last, out,
+        num_keys, heads, block_tables.shape[1],
+        q.stride(0), q.stride(1), weights.stride(0), rows.stride(0), 0, block_tables.stride(0), out.stride(0),
+        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        BLOCK_N=SCORE_BLOCK_N, PAGE=block_size, FP8=False,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, RATE=rate, KEY_AT=key_at,
     )  # fmt: skip
     return out

@@ -26,7 +26,7 @@ def fp4_activation(gate_up: torch.Tensor, activation: str, alpha: float, limit: 
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
-    if activation == "silu_clamp":  # DeepSeek-V4: fp4_moe's kernels do not build it yet
+    if activation == "silu_clamp":  # DeepSeek-V4
         return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
     if activation == "swiglu_oai":
         gate = gate.clamp(max=limit)

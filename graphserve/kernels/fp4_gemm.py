@@ -242,6 +242,7 @@ class Fp4Rule:
 _DEFAULT_RULE = Fp4Rule("", {})
 
 
+@tables.reader_cache
 @functools.lru_cache(maxsize=1)
 def _load_rule(path: str = str(RULE_PATH)) -> Fp4Rule:
     if not Path(path).exists():
@@ -249,6 +250,7 @@ def _load_rule(path: str = str(RULE_PATH)) -> Fp4Rule:
     return Fp4Rule.from_json(json.loads(Path(path).read_text()))
 
 
+@tables.reader_cache
 @functools.lru_cache(maxsize=16)
 def rule_for(device: torch.device) -> Fp4Rule:
     """This card's measured rule (kernels/tables.py: the tune cache, then the shipped tables), else the defaults

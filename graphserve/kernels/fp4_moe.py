@@ -5,7 +5,8 @@ w2 [E, H, I/2], block scales [E, rows, K/group], NVFP4 global scales [E, 2] (gat
 biases w13_bias [E, 2I] (added to gate and up before the activation) and w2_bias [E, H] (added to each
 expert's down output before its routing weight). Activations: "silu" (silu(gate) * up) or gpt-oss's
 "swiglu_oai" (gate = min(gate, limit); up = clamp(up, -limit, limit); (up + 1) * gate * sigmoid(alpha * gate)),
-gate and up rounded to the activation dtype first, as a separate projection would store them.
+or DeepSeek-V4's "silu_clamp" (silu(gate) * up on the same clamps), gate and up rounded to the activation dtype
+first, as a separate projection would store them.
 
 Two paths, chosen from the shape alone (a captured graph replays one):
 - streaming (up to ``STREAM_MAX_PAIRS`` (token, slot) pairs), as kernels/moe_stream.py: gate_up per pair, its
@@ -39,7 +40,7 @@ from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, moe_align, pair_histog
 from graphserve.kernels.moe_gemm import moe_sum_kernel
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
-ACTIVATIONS = ("silu", "swiglu_oai")
+ACTIVATIONS = ("silu", "swiglu_oai", "silu_clamp")  # ACT 0, 1, 2: kernels/moe_gemm.py's
 PATHS = ("stream", "gemm")
 X_DTYPES = (torch.bfloat16, torch.float16)
 # (token, slot) pairs up to which the streaming path runs: each pair streams its expert's rows, so past a few
@@ -52,14 +53,18 @@ _SUM_WARPS = 4
 
 
 @triton.jit
-def _activate(g, u, alpha, limit, SWIGLU_OAI: tl.constexpr, DTYPE: tl.constexpr):
+def _activate(g, u, alpha, limit, ACT: tl.constexpr, DTYPE: tl.constexpr):
     """gate and up (fp32, rounded to DTYPE first as the projection would store them) -> the activation in DTYPE."""
     g = g.to(DTYPE).to(tl.float32)
     u = u.to(DTYPE).to(tl.float32)
-    if SWIGLU_OAI:
+    if ACT == 1:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
         out = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    elif ACT == 2:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        out = g / (1.0 + tl.exp(-g)) * u
     else:
         out = g / (1.0 + tl.exp(-g)) * u
     return out.to(DTYPE)
@@ -87,7 +92,7 @@ def _fp4_stream_gate_up_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_gse, stride_be, stride_am, alpha, limit,
     K: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
     GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SWIGLU_OAI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_E: tl.constexpr, WIDEN: tl.constexpr, UNIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n-block] = activation(gate, up) for pair ``program_id(0)``; an unrouted pair reads nothing."""
@@ -132,7 +137,7 @@ def _fp4_stream_gate_up_kernel(
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + e * stride_be + rows).to(tl.float32)
         acc_u += tl.load(b_ptr + e * stride_be + N + rows).to(tl.float32)
-    out = _activate(acc_g, acc_u, alpha, limit, SWIGLU_OAI, act_ptr.dtype.element_ty)
+    out = _activate(acc_g, acc_u, alpha, limit, ACT, act_ptr.dtype.element_ty)
     tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, out, mask=offs_n < N)
 
 
@@ -207,7 +212,7 @@ def _fp4_moe_gemm_kernel(
     num_pairs, N, num_blocks_m, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_gse, stride_be,
     stride_cm, alpha, limit,
     K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    SWIGLU_OAI: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    ACT: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -260,7 +265,7 @@ def _fp4_moe_gemm_kernel(
         if GATED:
             acc_u += tl.load(b_ptr + e * stride_be + N + rows).to(tl.float32)[None, :]
     if GATED:
-        out = _activate(acc_g, acc_u, alpha, limit, SWIGLU_OAI, c_ptr.dtype.element_ty)
+        out = _activate(acc_g, acc_u, alpha, limit, ACT, c_ptr.dtype.element_ty)
     else:
         out = acc_g
         if MUL_WEIGHT:
@@ -349,7 +354,7 @@ def fp4_fused_experts(
     b2 = w2_bias if w2_bias is not None else placeholder
     s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     common = dict(GROUP_K=group, MX=mx, HAS_GLOBAL=w13_global is not None)
-    swiglu = activation == "swiglu_oai"
+    act_id = ACTIVATIONS.index(activation)
     if (path or ("stream" if pairs <= STREAM_MAX_PAIRS else "gemm")) == "stream":
         act = torch.empty(pairs, inter, dtype=x.dtype, device=device)
         bn, words = 32, widen_id > 0
@@ -360,7 +365,7 @@ def fp4_fused_experts(
             x, w13s, s13, g13, b13, act, topk_ids, valid_arg, counts, inter, expert_start, pairs,
             x.stride(0), w13s.stride(0), w13s.stride(1), s13.stride(0), s13.stride(1), 2, 2 * inter, act.stride(0),
             float(alpha), float(limit), K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local,
-            HAS_VALID=valid is not None, HAS_BIAS=w13_bias is not None, SWIGLU_OAI=swiglu, BLOCK_N=bn,
+            HAS_VALID=valid is not None, HAS_BIAS=w13_bias is not None, ACT=act_id, BLOCK_N=bn,
             BLOCK_K=max(group, min(256, triton.next_power_of_2(h))), BLOCK_P=HISTOGRAM_PAIRS,
             BLOCK_E=triton.next_power_of_2(counts.numel()), WIDEN=widen_id, UNIT=unit, num_warps=4, **common,
             **pdl_args(device, "_fp4_stream_gate_up_kernel"),
@@ -385,7 +390,7 @@ def fp4_fused_experts(
             a, w, s, g, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, pairs, n,
             align.max_blocks, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), 2 if gated else 1,
             2 * n if gated else n, c.stride(0), float(alpha), float(limit),
-            K=kk, A_ROW_DIV=k if gated else 1, GATED=gated, MUL_WEIGHT=not gated, SWIGLU_OAI=swiglu,
+            K=kk, A_ROW_DIV=k if gated else 1, GATED=gated, MUL_WEIGHT=not gated, ACT=act_id,
             HAS_BIAS=(w13_bias if gated else w2_bias) is not None, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=max(group, min(128, triton.next_power_of_2(kk))), GROUP_M=8, num_warps=4, num_stages=3,
             **common, **pdl_args(device, "_fp4_moe_gemm_kernel"),

@@ -243,6 +243,7 @@ class Fp8Rule:
 _NO_RULE = Fp8Rule("", {})
 
 
+@tables.reader_cache
 @functools.lru_cache(maxsize=1)
 def load_rule(path: str = str(RULE_PATH)) -> Fp8Rule:
     if not Path(path).exists():
@@ -250,6 +251,7 @@ def load_rule(path: str = str(RULE_PATH)) -> Fp8Rule:
     return Fp8Rule.from_json(json.loads(Path(path).read_text()))
 
 
+@tables.reader_cache
 @functools.lru_cache(maxsize=16)
 def rule_for(device: torch.device) -> Fp8Rule:
     """This card's measured table (kernels/tables.py: the tune cache, then the shipped tables), else none (the

@@ -109,6 +109,7 @@ class GemvRule:
         return cls(str(data["device"]), limits)
 
 
+@tables.reader_cache
 @functools.lru_cache(maxsize=1)
 def load_rule(path: str = str(RULE_PATH)) -> GemvRule:
     return GemvRule.from_json(json.loads(Path(path).read_text()))
@@ -117,6 +118,7 @@ def load_rule(path: str = str(RULE_PATH)) -> GemvRule:
 _NO_RULE = GemvRule("", {})
 
 
+@tables.reader_cache
 @functools.lru_cache(maxsize=16)
 def rule_for(device: torch.device) -> GemvRule:
     """This card's measured rule (kernels/tables.py: the tune cache, then the shipped tables); where none

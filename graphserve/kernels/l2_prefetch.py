@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -45,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve import env
 from graphserve.kernels.common import interpreting, pushed
 
 ENV = "GRAPHSERVE_L2_PREFETCH_MB"
@@ -80,8 +80,8 @@ def _parse_mb(text: str, where: str) -> int:
 def env_budgets() -> dict[str, int]:
     """Bytes a layer per link: every link GRAPHSERVE_L2_PREFETCH_MB where set (read once per process), else
     ``DEFAULT_MB``."""
-    if ENV in os.environ:
-        return dict.fromkeys(LINKS, _parse_mb(os.environ[ENV], ENV))
+    if env.is_set(ENV):
+        return dict.fromkeys(LINKS, _parse_mb(env.get(ENV), ENV))
     return {link: _parse_mb(str(mb), f"DEFAULT_MB[{link!r}]") for link, mb in DEFAULT_MB.items()}
 
 

@@ -189,6 +189,7 @@ class MLARule:
 _NO_RULE = MLARule("", ())
 
 
+@tables.reader_cache
 @functools.lru_cache(maxsize=1)
 def load_rule(path: str = str(RULE_PATH)) -> MLARule:
     """The rule file, or no rule when it does not exist (the code defaults apply)."""
@@ -198,6 +199,7 @@ def load_rule(path: str = str(RULE_PATH)) -> MLARule:
     return MLARule.from_json(json.loads(file.read_text()))
 
 
+@tables.reader_cache
 @functools.lru_cache(maxsize=16)
 def rule_for(device: torch.device) -> MLARule:
     """This card's measured rule (kernels/tables.py: the tune cache, then the shipped tables), else none (the
@@ -208,6 +210,7 @@ def rule_for(device: torch.device) -> MLARule:
     return found.table if found else _NO_RULE
 
 
+@tables.reader_cache
 @functools.lru_cache(maxsize=4096)  # called per layer and step: eager decode must not search the rule each time
 def decode_tile(heads: int, batch: int, max_context: int, dtype: torch.dtype, device: torch.device,
                 cache: str = "model") -> MLATile:

@@ -186,6 +186,7 @@ def table_label(num_experts: int, intermediate: int, hidden: int, dtype: torch.d
     return f"moe E={num_experts},I={intermediate},H={hidden},{str(dtype).removeprefix('torch.')}"
 
 
+@tables.reader_cache
 @functools.lru_cache(maxsize=64)
 def _load(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, device: str) -> MoeTiles:
     """This card's table (kernels/tables.py: the tune cache, then the shipped tables), else the defaults: the

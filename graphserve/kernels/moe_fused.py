@@ -42,7 +42,7 @@ from graphserve.kernels.l2_prefetch import no_prefetch_args
 from graphserve.kernels.l2_prefetch import plan as prefetch_plan
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, max_padded_pairs, moe_align
 from graphserve.kernels.moe_config import GemmTile, GemvTile, MoeTiles, moe_tiles
-from graphserve.kernels.moe_gemm import SILU, SWIGLU_OAI, fused_moe_gemm_kernel, moe_sum_kernel
+from graphserve.kernels.moe_gemm import SILU, SILU_CLAMP, SWIGLU_OAI, fused_moe_gemm_kernel, moe_sum_kernel
 from graphserve.kernels.moe_reference import KERNEL_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT
 from graphserve.kernels.moe_scales import ExpertScales, a8_problem, check_a8_tile, expert_scales, scale_args
 from graphserve.kernels.moe_stream import fused_moe_gemv_down_kernel, fused_moe_gemv_gate_up_kernel
@@ -59,7 +59,7 @@ W8A8_MIN_ROWS_PER_EXPERT = 0
 
 
 def _check_epilogue(hidden, w13, w2, w13_bias, w2_bias, activation: str) -> None:
-    if activation not in KERNEL_ACTIVATIONS:  # silu_clamp (DeepSeek-V4) runs on the reference path only so far
+    if activation not in KERNEL_ACTIVATIONS:
         raise ValueError(f"activation={activation!r} must be one of {KERNEL_ACTIVATIONS}: the ones the expert "
                          "kernels build")
     e, two_i, h = w13.shape
@@ -120,7 +120,8 @@ def fused_experts(
 
     gpt-oss: ``w13_bias [E_local, 2I]`` (gate's, then up's) and ``w2_bias [E_local, H]`` in the activation dtype
     join gate/up before the activation and down before the routing weight; ``activation="swiglu_oai"`` with its
-    ``alpha`` and ``limit`` (kernels/moe_reference.activation_reference) replaces silu(gate) * up.
+    ``alpha`` and ``limit`` (kernels/moe_reference.activation_reference) replaces silu(gate) * up; DeepSeek-V4's
+    ``"silu_clamp"`` clamps gate and up at ``limit`` before it.
 
     ``valid`` (bool [T]) marks real rows; ``counts`` (int32 [E global]) receives pairs per expert.
     ``w13_scale`` / ``w2_scale``: the fp32 scales of fp8 ``w13`` / ``w2`` (``weight_block`` (bn, bk)
@@ -142,7 +143,8 @@ def fused_experts(
                          f"{[(tuple(s.shape), s.dtype) for s in input_scales]}")
     _check(hidden, w13, w2, topk_weights, topk_ids, fp8)
     _check_epilogue(hidden, w13, w2, w13_bias, w2_bias, activation)
-    epilogue = {"act": SWIGLU_OAI if activation == "swiglu_oai" else SILU, "alpha": float(alpha), "limit": float(limit)}
+    act = {"silu": SILU, "swiglu_oai": SWIGLU_OAI, "silu_clamp": SILU_CLAMP}[activation]
+    epilogue = {"act": act, "alpha": float(alpha), "limit": float(limit)}
     scales = expert_scales(w13, w2, w13_scale, w2_scale, weight_block) if fp8 else None
     if path not in (None, *PATHS):
         raise ValueError(f"path={path!r} must be one of {PATHS}")

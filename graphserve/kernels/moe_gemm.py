@@ -58,14 +58,15 @@ from graphserve.kernels.fp8_quant import quantize_rows
 from graphserve.kernels.l2_prefetch import issue_l2_prefetch
 from graphserve.kernels.pdl import pdl_enter
 
-SILU, SWIGLU_OAI = 0, 1  # the kernels' ACT: kernels/moe_reference.ACTIVATIONS in order
+SILU, SWIGLU_OAI, SILU_CLAMP = 0, 1, 2  # the kernels' ACT: kernels/moe_reference.ACTIVATIONS in order
 
 
 @triton.jit
 def gated_epilogue(acc_g, acc_u, w, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, DTYPE: tl.constexpr,
                    ACT: tl.constexpr = 0, ALPHA: tl.constexpr = 1.702, LIMIT: tl.constexpr = 7.0):  # fmt: skip
     """``ACT`` SILU: silu(g) * u; SWIGLU_OAI (gpt-oss): g clamped above at LIMIT, u to +-LIMIT,
-    (u + 1) * g * sigmoid(ALPHA * g). g and u are rounded to DTYPE first either way."""
+    (u + 1) * g * sigmoid(ALPHA * g); SILU_CLAMP (DeepSeek-V4): silu(g) * u clamped alike. g and u are rounded to
+    DTYPE first every way."""
     if GATED:
         g = acc_g.to(DTYPE).to(tl.float32)
         u = acc_u.to(DTYPE).to(tl.float32)
@@ -73,6 +74,10 @@ def gated_epilogue(acc_g, acc_u, w, GATED: tl.constexpr, MUL_WEIGHT: tl.constexp
             g = tl.minimum(g, LIMIT)
             u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
             out = g / (1.0 + tl.exp(-ALPHA * g)) * (u + 1.0)
+        elif ACT == 2:
+            g = tl.minimum(g, LIMIT)
+            u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+            out = g / (1.0 + tl.exp(-g)) * u
         else:
             out = g / (1.0 + tl.exp(-g)) * u
     else:

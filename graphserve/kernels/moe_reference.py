@@ -118,7 +118,7 @@ def moe_align_reference(
 
 
 ACTIVATIONS = ("silu", "swiglu_oai", "silu_clamp")
-KERNEL_ACTIVATIONS = ("silu", "swiglu_oai")  # those the Triton expert kernels build (moe_gemm's ACT, fp4_moe's)
+KERNEL_ACTIVATIONS = ACTIVATIONS  # those the Triton expert kernels build (moe_gemm's ACT, fp4_moe's), all of them
 SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope (transformers GptOssExperts.alpha)
 SWIGLU_LIMIT = 7.0  # its clamp (config.json swiglu_limit)
 

@@ -60,13 +60,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 
+from graphserve import env
 from graphserve.kernels.common import interpreting, pushed
 
 try:
@@ -139,10 +139,10 @@ def checked_skip(names: frozenset[str] | set[str], where: str) -> frozenset[str]
 def env_setting() -> tuple[bool, frozenset[str]]:
     """(on, kernels left out) from GRAPHSERVE_PDL and GRAPHSERVE_PDL_SKIP, read once per process."""
     skip = DEFAULT_SKIP
-    if SKIP_ENV in os.environ:
-        skip = checked_skip({n.strip() for n in os.environ[SKIP_ENV].split(",") if n.strip()},
-                            f"{SKIP_ENV}={os.environ[SKIP_ENV]!r}")
-    return os.environ.get(ENV, "1") != "0", skip
+    if env.is_set(SKIP_ENV):
+        skip = checked_skip({n.strip() for n in env.get(SKIP_ENV).split(",") if n.strip()},
+                            f"{SKIP_ENV}={env.get(SKIP_ENV)!r}")
+    return env.flag(ENV), skip
 
 
 def _setting() -> tuple[bool, frozenset[str]]:
@@ -164,7 +164,7 @@ def releases_when_left_out() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _release_env() -> bool:
-    return os.environ.get(RELEASE_ENV, "1") != "0"
+    return env.flag(RELEASE_ENV)
 
 
 def pdl_args(device: torch.device, kernel: str) -> dict[str, bool]:
@@ -183,7 +183,7 @@ def joins_on() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _join_env() -> bool:
-    return os.environ.get(JOIN_ENV, "1") != "0"
+    return env.flag(JOIN_ENV)
 
 
 @contextlib.contextmanager

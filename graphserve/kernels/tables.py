@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from graphserve import env
+
 logger = logging.getLogger("graphserve.tables")
 
 KERNELS_DIR = Path(__file__).resolve().parent
@@ -66,9 +68,8 @@ def version_key(v: dict[str, str]) -> str:
 
 
 def cache_root() -> Path:
-    env = os.environ.get("GRAPHSERVE_CACHE_DIR")
-    if env:
-        root = Path(env).expanduser()
+    if env.path("GRAPHSERVE_CACHE_DIR"):
+        root = env.path("GRAPHSERVE_CACHE_DIR")
     elif os.environ.get("XDG_CACHE_HOME"):
         root = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "graphserve"
     else:
@@ -191,9 +192,22 @@ def _find(name: str, card: str, parse: Callable[[dict], Any], label: str, legacy
     return None
 
 
+# the readers' own caches of what they looked up here (gemv_config.rule_for, moe_config._load, ...): clear() forgets
+# them too, or a process that just tuned would keep serving the defaults it had looked up before the tables existed
+_READER_CACHES: list[Callable[[], None]] = []
+
+
+def reader_cache(fn: Callable) -> Callable:
+    """Registers an ``lru_cache``-wrapped reader of these tables, so ``clear`` empties it; returns it unchanged."""
+    _READER_CACHES.append(fn.cache_clear)
+    return fn
+
+
 def clear() -> None:
-    """Forget every lookup (tests; a process that just tuned)."""
+    """Forget every lookup, the readers' cached ones included (tests; a process that just tuned)."""
     _find.cache_clear()
+    for forget in _READER_CACHES:
+        forget()
     RESOLVED.clear()
     _PASSED.clear()
 

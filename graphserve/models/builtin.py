@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
+from graphserve import env
 from graphserve.errors import ModelLoadError
 from graphserve.models.builtin_corpus import CORPUS
 
@@ -33,9 +34,7 @@ TINY_CHAT_TEMPLATE = (
 
 
 def cache_root() -> Path:
-    env = os.environ.get("GRAPHSERVE_CACHE")
-    root = Path(env) if env else Path.home() / ".cache" / "graphserve"
-    return root / "builtin"
+    return env.path("GRAPHSERVE_CACHE") / "builtin"
 
 
 def train_tiny_tokenizer() -> PreTrainedTokenizerFast:

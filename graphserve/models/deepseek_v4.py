@@ -10,12 +10,13 @@
 
 Cache (layers/kv_layout.py): per layer a latent per token (the window reads the last ``sliding_window``), and per
 compressed layer one row cache holding each token's compressor state and, at the token closing a group, the group's
-compressed entry and (CSA) indexer key (layers/v4_compressor.py). The MTP layers (``num_nextn_predict_layers``) are
+compressed entry and (CSA) indexer key (kernels/v4_reference.py). The MTP layers (``num_nextn_predict_layers``) are
 not loaded: nothing runs them until speculative decoding exists, and start-up says so. Checkpoints load in
 DeepSeek's own names or transformers' (models/deepseek_v4_names.py).
 
-Every attention path here is the PyTorch reference: CUDA inputs are refused by name (models/deepseek_v4_attention.py), and
-so are the clamped SwiGLU experts by the fused kernels (kernels/moe_fused.py). ``--tp``/``--ep`` are refused at
+On the GPU the attention runs on its Triton kernels (kernels/v4_compress.py, kernels/v4_attention.py, the DSA
+indexer and top-k) and the experts, the clamped SwiGLU included, on the fused MoE kernels (bf16/FP8:
+kernels/moe_fused.py; FP4: kernels/fp4_moe.py); decode captures in CUDA graphs. ``--tp``/``--ep`` are refused at
 load; ``describe`` prices them (transformers' plan: attention replicated, experts split) for ``graphserve plan``.
 """
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphserve.distributed.state import get_parallel, split_evenly
-from graphserve.errors import ConfigError, ModelLoadError
+from graphserve.errors import ModelLoadError
 from graphserve.layers.embedding import VocabEmbedding
 from graphserve.layers.hyper_connection import HyperConnection, HyperHead
 from graphserve.layers.kv_layout import KVLayout
@@ -179,15 +180,6 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def needs_row_mask(self) -> bool:
         return True
-
-    @classmethod
-    def check_device(cls, device: torch.device) -> None:
-        """Refuses a CUDA device at load, before any weight is allocated: the compressed attention and the clamped
-        SwiGLU experts have no kernels yet, and their PyTorch reference is no serving path there."""
-        if device.type == "cuda":
-            raise ConfigError("DeepseekV4ForCausalLM runs on the CPU reference path only so far: the compressed "
-                              "attention (CSA/HCA compression, decode and extend) and the clamped SwiGLU experts have "
-                              "no CUDA kernels yet; graphserve plan prices the model without a GPU", param="device")
 
     # ---- loading ---------------------------------------------------------------------------------
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:

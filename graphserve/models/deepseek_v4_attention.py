@@ -4,14 +4,22 @@ As transformers' ``DeepseekV4Attention`` computes it: q through a LoRA (``q_a_pr
 and a per-head unweighted RMSNorm; the latent ``kv_norm(kv_proj(x))``; both rotated on their trailing ``rope_dim``
 dims as interleaved pairs. Each query attends, with its head's sink logit in the denominator, over the last
 ``sliding_window`` latents (itself included) and, per layer type, the compressed entries of groups it has seen
-(layers/v4_compressor.py): every one (HCA) or the ``index_topk`` its lightning indexer scores highest (CSA). Values
+(kernels/v4_reference.py): every one (HCA) or the ``index_topk`` its lightning indexer scores highest (CSA). Values
 are the keys, so the output's rope part is rotated back at the query's position before the grouped low-rank output
 projection (``o_groups`` blocks of ``o_a_proj``, then ``o_b_proj``). Sliding-only layers rotate with the "main" rope,
 compressed ones with the "compress" rope.
 
-This runs on the PyTorch reference path only: the Triton kernels for compression and for CSA/HCA decode and extend
-do not exist yet, and the layer refuses CUDA inputs by name rather than run this path there. It is built from the
-family's V4Shape (deepseek_v4_shape.py), so it sits beside the family rather than among the shared layers.
+Two paths, chosen as layers/dsa_indexer.dsa_ops chooses: the Triton kernels exactly when the step's attention
+backend is the Triton one, else kernels/v4_reference.py. The kernel path reads nothing back to the host and has
+static shapes (the block tables' width bounds every list), so a decode step captures in a CUDA graph: the
+compressor state is written by index, kernels/v4_compress.py closes the groups on the device, CSA's indexer scores
+every compressed key (kernels/dsa_indexer.compressed_indexer_scores) and keeps ``index_topk`` by kernels/dsa.py's
+top-k, and kernels/v4_attention.py attends over window + entries + sinks, split and merged. It serves decode and
+extend alike: each row gathers its own keys (a batched gather, one program per row and head block), so an extend
+chunk is the same launch with more rows. Padding rows of a graph batch sit at position 0 on the dummy block: they
+close no group and write only the dummy block's first slot.
+It is built from the family's V4Shape (deepseek_v4_shape.py), so it sits beside the family rather than among
+the shared layers.
 """
 
 from __future__ import annotations
@@ -21,15 +29,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from graphserve.errors import ConfigError
-from graphserve.kernels.dsa_reference import topk_indices
+from graphserve.kernels import v4_reference as ref
+from graphserve.kernels.dsa_reference import token_rows, topk_indices
 from graphserve.kernels.paged_kv import to_cache_dtype
-from graphserve.layers.attention import softmax_with_sinks
+from graphserve.kernels.v4_reference import CompressorBranch, rope_trailing
 from graphserve.layers.hyper_connection import Float32Params
 from graphserve.layers.linear import Linear
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import rope_tables
-from graphserve.layers.v4_compressor import CompressorBranch, rope_trailing, token_slots
 from graphserve.models.deepseek_v4_shape import CSA, SLIDING, V4Shape
 
 if TYPE_CHECKING:
@@ -38,6 +45,13 @@ if TYPE_CHECKING:
 QUERY_ROWS = 256  # query rows scored at once: bounds the gathered [rows, window + entries, head_dim] keys
 # the indexer's gathered keys [rows, entries, index_head_dim] and dots [rows, heads, entries] (fp32) at once: 256 MiB
 SCORE_ELEMENTS = 1 << 26
+# kernel path: rows whose [rows, entries] fp32 scores exist at once (at 512k tokens, 128k entries: 128 MiB)
+INDEXER_ROWS = 256
+
+
+def use_kernels(batch: ForwardBatch) -> bool:
+    """The Triton kernels exactly when the engine chose its Triton backend (layers/dsa_indexer.dsa_ops's rule)."""
+    return getattr(batch.attn_backend, "name", "torch") == "triton"
 
 
 class V4Compressor(Float32Params):
@@ -103,10 +117,6 @@ class V4Attention(Float32Params):
         self.inv_freq = rope_tables(*self._rope)[0].to(device)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if x.is_cuda:
-            raise ConfigError(f"DeepseekV4 layer {self.layer} ({self.layer_type}): the compressed and windowed "
-                              "latent attention has no CUDA kernel yet; it runs on the CPU reference path only",
-                              param="device")  # fmt: skip
         t = x.shape[0]
         q_res = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_res).view(t, self.heads, self.head_dim)
@@ -117,6 +127,63 @@ class V4Attention(Float32Params):
         block_size = latents.shape[1]
         flat = latents.view(-1, self.head_dim)
         flat[batch.slot_mapping] = to_cache_dtype(kv, flat.dtype)
+        if use_kernels(batch):
+            out = self._forward_kernels(q, q_res, x, positions, batch, flat, block_size)
+        else:
+            out = self._forward_reference(q, q_res, x, positions, batch, flat, block_size)
+        out = rope_trailing(out.to(x.dtype), positions, self.inv_freq, sign=-1.0)
+        grouped = out.view(t, self.groups, -1).transpose(0, 1)  # [groups, T, heads * head_dim / groups]
+        w = self.o_a_proj.weight
+        if self.o_a_proj.quant_method is not None:  # FP4/FP8: the block-diagonal product reads its dequantized rows
+            w = self.o_a_proj.quant_method.dequantized_weight(self.o_a_proj, x.dtype)
+        w = w.view(self.groups, -1, grouped.shape[-1])
+        mixed = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(t, -1)
+        return self.o_b_proj(mixed)
+
+    def _forward_kernels(self, q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+                         batch: ForwardBatch, flat: torch.Tensor, block_size: int) -> torch.Tensor:  # fmt: skip
+        """``[T, heads, head_dim]`` in the model dtype on the Triton kernels: no host sync, static shapes."""
+        from graphserve.kernels import dsa, v4_attention, v4_compress
+        from graphserve.kernels.dsa_indexer import compressed_indexer_scores
+
+        row_seq, _ = token_rows(batch.query_start_loc, batch.seq_lens, x.shape[0])
+        rows, rate, entry_at, idx = None, 0, 0, None
+        if self.compressor is not None:
+            c = self.compressor
+            rows = batch.kv_caches[self.cache_index].view(-1, batch.kv_caches[self.cache_index].shape[-1])
+            rate, entry_at = c.rate, self.branches[0].entry_at
+            modules = [c] + ([c.indexer] if len(self.branches) > 1 else [])
+            for branch, m in zip(self.branches, modules):
+                branch.write_state(rows, batch.slot_mapping, m.kv_proj(x), m.gate_proj(x))
+            for branch, m in zip(self.branches, modules):
+                v4_compress.compress_groups(rows, branch, batch.block_tables, row_seq, positions, batch.slot_mapping,
+                                            rate, m.position_bias, m.kv_norm.weight, self.eps, self.inv_freq,
+                                            block_size)  # fmt: skip
+            if len(self.branches) > 1:
+                ix = c.indexer
+                qi = rope_trailing(ix.q_b_proj(q_res).view(-1, ix.heads, ix.dim), positions, self.inv_freq)
+                # relu(s) * c == relu(s * c) for c > 0: the key-dim scale joins the head weights
+                weights = (ix.scorer.weights_proj(x).float() * (ix.heads**-0.5 * ix.dim**-0.5)).contiguous()
+                last = ((positions + 1) // rate - 1).to(torch.int32)
+                keys = batch.block_tables.shape[1] * block_size // rate  # static: every entry a table can hold
+                parts = []
+                for lo in range(0, x.shape[0], INDEXER_ROWS):
+                    part = slice(lo, lo + INDEXER_ROWS)
+                    scores = compressed_indexer_scores(qi[part], weights[part], rows, self.branches[1].entry_at, rate,
+                                                       block_size, batch.block_tables, row_seq[part], last[part],
+                                                       keys)  # fmt: skip
+                    parts.append(dsa.topk_indices(scores, last[part], ix.topk))
+                idx = parts[0] if len(parts) == 1 else torch.cat(parts)
+        # written in the model dtype, the rounding the reference applies before rotating back: a prefill chunk's
+        # fp32 output would be twice the bytes (1 GiB at 8k rows) and one more pass
+        out = torch.empty(q.shape, dtype=x.dtype, device=x.device)
+        return v4_attention.v4_attention(q.contiguous(), flat, rows, entry_at, batch.block_tables, row_seq, positions,
+                                         self.sinks, self.scale, self.window, rate, block_size, idx, out=out)
+
+    def _forward_reference(self, q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+                           batch: ForwardBatch, flat: torch.Tensor, block_size: int) -> torch.Tensor:  # fmt: skip
+        """fp32 ``[T, heads, head_dim]`` on kernels/v4_reference.py, in slices of rows that bound the gathers."""
+        t = x.shape[0]
         row_seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=x.device),
                                           torch.diff(batch.query_start_loc.long()), output_size=t)  # fmt: skip
         rows = None
@@ -133,14 +200,7 @@ class V4Attention(Float32Params):
             part = slice(lo, min(t, lo + step))
             out[part] = self._attend(q[part], q_res[part], x[part], positions[part], row_seq[part], batch, flat,
                                      rows, block_size)  # fmt: skip
-        out = rope_trailing(out.to(x.dtype), positions, self.inv_freq, sign=-1.0)
-        grouped = out.view(t, self.groups, -1).transpose(0, 1)  # [groups, T, heads * head_dim / groups]
-        w = self.o_a_proj.weight
-        if self.o_a_proj.quant_method is not None:  # FP4/FP8: the block-diagonal product reads its dequantized rows
-            w = self.o_a_proj.quant_method.dequantized_weight(self.o_a_proj, x.dtype)
-        w = w.view(self.groups, -1, grouped.shape[-1])
-        mixed = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(t, -1)
-        return self.o_b_proj(mixed)
+        return out
 
     def _compress(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, row_seq: torch.Tensor,
                   rows: torch.Tensor, block_size: int) -> None:  # fmt: skip
@@ -149,45 +209,25 @@ class V4Attention(Float32Params):
         modules = [c] + ([c.indexer] if len(self.branches) > 1 else [])
         for branch, m in zip(self.branches, modules):
             branch.write_state(rows, batch.slot_mapping, m.kv_proj(x), m.gate_proj(x))
-        m_rate = c.rate
-        closing = ((positions + 1) % m_rate == 0).nonzero().flatten()
-        if closing.numel() == 0:
-            return
-        first = positions[closing] + 1 - m_rate  # each closed group's first position
-        seq = row_seq[closing]
-        span = torch.arange(m_rate, device=x.device)
-        group = token_slots(batch.block_tables, seq, first[:, None] + span, block_size)
-        prev = token_slots(batch.block_tables, seq, first[:, None] - m_rate + span, block_size)
         for branch, m in zip(self.branches, modules):
-            branch.close_groups(rows, group, prev, first > 0, batch.slot_mapping[closing], m.position_bias,
-                                m.kv_norm.weight, self.eps, first, self.inv_freq)  # fmt: skip
+            ref.compress_groups(rows, branch, batch.block_tables, row_seq, positions, batch.slot_mapping, c.rate,
+                                m.position_bias, m.kv_norm.weight, self.eps, self.inv_freq, block_size)
 
     def _attend(self, q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                 row_seq: torch.Tensor, batch: ForwardBatch, latents: torch.Tensor, rows: torch.Tensor | None,
                 block_size: int) -> torch.Tensor:  # fmt: skip
         """fp32 ``[rows, heads, head_dim]``: each query over its window's latents and its compressed entries."""
-        pos = positions.long()
-        window_pos = pos[:, None] - torch.arange(self.window - 1, -1, -1, device=q.device)
-        keys = latents[token_slots(batch.block_tables, row_seq, window_pos, block_size)].float()
-        seen = window_pos >= 0
-        if rows is not None:
-            rate = self.compressor.rate
-            visible = (pos + 1) // rate  # entries of the groups this query has seen
+        rate = self.compressor.rate if rows is not None else 0
+        idx = None
+        if len(self.branches or ()) > 1:  # CSA: the indexer keeps the index_topk best-scored entries
+            visible = (positions.long() + 1) // rate
             n = int(visible.max())
             if n > 0:
-                ent_pos = (torch.arange(n, device=q.device) + 1) * rate - 1
-                ent_slots = token_slots(batch.block_tables, row_seq, ent_pos.expand(len(pos), -1), block_size)
-                ent_seen = torch.arange(n, device=q.device)[None, :] < visible[:, None]
-                if len(self.branches) > 1:  # CSA: the indexer keeps the index_topk best-scored entries
-                    picked = self._select(q_res, x, positions, rows, ent_slots, visible)
-                    ent_seen = picked >= 0
-                    ent_slots = ent_slots.gather(1, picked.long().clamp(min=0))
-                entries = self.branches[0].entries(rows, ent_slots).float()
-                keys, seen = torch.cat([keys, entries], dim=1), torch.cat([seen, ent_seen], dim=1)
-        scores = torch.einsum("thd,tkd->thk", q.float(), keys) * self.scale
-        scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
-        probs = softmax_with_sinks(scores, self.sinks.view(1, -1, 1))
-        return torch.einsum("thk,tkd->thd", probs, keys)
+                ent_slots = ref.entry_slots(batch.block_tables, row_seq, rate, n, block_size)
+                idx = self._select(q_res, x, positions, rows, ent_slots, visible)
+        entry_at = self.branches[0].entry_at if rows is not None else 0
+        return ref.v4_attention(q, latents, rows, entry_at, batch.block_tables, row_seq, positions, self.sinks,
+                                self.scale, self.window, rate, block_size, idx)
 
     def _select(self, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                 ent_slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -203,7 +243,6 @@ class V4Attention(Float32Params):
         step = max(1, SCORE_ELEMENTS // (n * max(ix.heads, ix.dim)))  # rows whose keys and dots fit the bound
         for lo in range(0, q.shape[0], step):
             part = slice(lo, lo + step)
-            keys = self.branches[1].entries(rows, ent_slots[part]).float()
-            dots = torch.einsum("thd,tkd->thk", q[part], keys).relu_() * ix.dim**-0.5
-            scores[part] = torch.einsum("th,thk->tk", weights[part], dots)
+            keys = self.branches[1].entries(rows, ent_slots[part])
+            scores[part] = ref.indexer_scores(q[part], weights[part], keys, visible[part])
         return topk_indices(scores, visible - 1, min(ix.topk, n))

@@ -23,6 +23,7 @@ from pydantic.json_schema import models_json_schema
 from graphserve.errors import NotFoundError, ServiceUnavailableError
 from graphserve.sampling_params import SamplingParams
 from graphserve.server import serving_native, serving_openai
+from graphserve.server.cache_events import add_cache_event_route
 from graphserve.server.errors import error_response, install_error_handlers
 from graphserve.server.grammar_work import GrammarWork
 from graphserve.server.guards import GuardMiddleware, GuardOptions
@@ -174,6 +175,8 @@ def create_app(state: ServerState, guards: GuardOptions | None = None) -> FastAP
                           timeout: float = Query(120.0, description="seconds to wait for them")) -> JSONResponse:
             state.check_ready()
             return JSONResponse(await state.engine.profiles.profile(steps, timeout))
+
+    add_cache_event_route(app, state)
 
     @app.get("/v1/telemetry")
     async def telemetry(

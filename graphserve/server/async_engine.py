@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from graphserve import env
 from graphserve.config import EngineConfig
 from graphserve.errors import (
     BadRequestError,
@@ -30,6 +30,7 @@ from graphserve.errors import (
     ServiceUnavailableError,
 )
 from graphserve.sampling_params import SamplingParams
+from graphserve.server.cache_events import CacheEventLog
 from graphserve.server.core_driver import FAULT_ENV, CoreDriver
 from graphserve.server.deltas import DeltaProcessor, RequestDelta
 from graphserve.server.engine_events import EngineEvents
@@ -76,8 +77,9 @@ class AsyncEngine:
         self._id_prefix = "" if channel is None else f"{channel.index}."
         self._all_frontends_ready = channel is None
         self._watchdog: asyncio.Task[None] | None = None
-        self._fault_marker = os.environ.get(FAULT_ENV) or None
+        self._fault_marker = env.get(FAULT_ENV) or None
         self._kv_blocks = (0, 1)  # (usable blocks, tokens per block) of the KV pool
+        self.cache_events = CacheEventLog()  # the prefix cache's changes, for GET /v1/cache_events
         from graphserve.server.profile_route import ProfileBroker
 
         self.profiles = ProfileBroker(self)  # POST /v1/profile, when the server enables it

@@ -31,6 +31,7 @@ class EngineEvents:
             engine.stats = msg.stats
             if engine._pump is not None:  # tokens first: the output thread detokenizes while the listeners run
                 engine._pump.push(msg.outputs, msg.failed)
+            engine.cache_events.extend(msg.cache_events)
             if msg.records and engine.core is not None:
                 engine.core.telemetry.extend(msg.records)  # listeners (metrics, step log) run here, off the loop
         elif isinstance(msg, EngineReady):

@@ -201,6 +201,7 @@ def engine_main(config: EngineConfig, inbox: Any, outboxes: list[Connection], lo
     records: list[Any] = []
     core.telemetry.add_listener(records.append)
     bm = core.block_manager
+    bm.record_events()
     ready = EngineReady(core.info, core.chat_template, core.max_model_len, bm.num_usable_blocks, bm.block_size,
                         core.stats(), warm)
     for outbox in outboxes:
@@ -275,8 +276,10 @@ def serve(core: Any, driver: Any, inbox: Any, senders: list[_Sender], records: l
         waiting = int(stats.waiting)
         batch_records = records[:]
         records.clear()
+        cache_events = core.block_manager.take_events()
         for sender, (flat, fails) in zip(senders, router.split(outputs, failed, refused)):
-            sender.put(StepBatch(flat, fails, stats, list(batch_records)))  # own list: batches merge in place
+            # own lists: batches merge in place
+            sender.put(StepBatch(flat, fails, stats, list(batch_records), list(cache_events)))
 
 
 def start_profile(driver: Any, msg: ProfileSteps, send: Callable[[Any], None]) -> None:

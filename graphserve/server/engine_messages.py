@@ -69,12 +69,14 @@ class StepBatch:
     failed: dict[str, str]  # request id -> why it failed
     stats: Any  # EngineStats after the latest iteration
     records: list[Any]  # StepRecords of the steps since the previous batch
+    cache_events: list[Any] = field(default_factory=list)  # the prefix cache's changes (engine/kv_cache.py)
 
     def merge(self, later: StepBatch) -> None:
         self.outputs.extend(later.outputs)
         self.failed.update(later.failed)
         self.stats = later.stats
         self.records += later.records
+        self.cache_events += later.cache_events
 
 
 @dataclass

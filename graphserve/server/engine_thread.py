@@ -78,6 +78,7 @@ class EngineThread:
         if self._watch is not None:
             self._watch.ready()
         self.driver = CoreDriver(core)
+        core.block_manager.record_events()
         engine._serving(core, core.block_manager.num_usable_blocks, core.block_manager.block_size)
         if engine._on_step is not None:
             core.telemetry.add_listener(engine._on_step)
@@ -116,6 +117,7 @@ class EngineThread:
             if flush:
                 driver.flush_prefix_cache()
             outputs, failed = driver.iterate(new, aborts, faulty)
+            engine.cache_events.extend(driver.core.block_manager.take_events())
             engine.stats = driver.core.stats()
             self._waiting_in_core = int(engine.stats.waiting)
             if outputs or failed:

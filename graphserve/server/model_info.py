@@ -16,13 +16,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from graphserve import env
 from graphserve.server.state import ServerState
 
 STARTED = int(time.time())
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("GRAPHSERVE_CACHE", Path.home() / ".cache" / "graphserve"))
+    return env.path("GRAPHSERVE_CACHE")
 
 
 def tokenizer_folder(source: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from graphserve import env
 from graphserve.config import add_engine_args
 from graphserve.errors import ConfigError
 from graphserve.server.grammar_work import MAX_GRAMMAR_BUILDS_PER_CLIENT
@@ -97,7 +98,7 @@ def guard_options(args: argparse.Namespace) -> GuardOptions:
     for flag, value in (("--max-schema-chars", chars), ("--max-grammar-builds-per-client", builds)):
         if value < 1:
             raise ConfigError(f"{flag}={value} is invalid: must be >= 1", param=flag)
-    key = args.api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)), None)
+    key = args.api_key or os.environ.get("VLLM_API_KEY") or env.get("GRAPHSERVE_API_KEY") or None
     return GuardOptions(api_key=key, max_body_bytes=int(args.max_request_body_mb * 1024 * 1024),
                         read_timeout_s=args.request_read_timeout, max_connections=args.max_connections,
                         max_schema_depth=depth, max_schema_chars=chars, max_grammar_builds_per_client=builds)

@@ -5,24 +5,61 @@ printed as each measurement lands."""
 from __future__ import annotations
 
 import datetime
-import os
 import re
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import torch
 
+from graphserve import env
 
-def git_commit() -> str:
-    """The commit measured: $GRAPHSERVE_COMMIT (set it where the tree travels without .git), else git."""
-    if os.environ.get("GRAPHSERVE_COMMIT"):
-        return os.environ["GRAPHSERVE_COMMIT"]
+REPO = Path(__file__).resolve().parents[2]
+# Files the runs themselves write (result files, RESULTS.md, the per-card tables `graphserve tune` and the rule
+# writers leave under graphserve/kernels): a tree holding new ones still runs the committed code.
+WRITTEN_BY_RUNS = (":(exclude)benchmarks/results", ":(exclude,glob)**/*.md", ":(exclude,glob)graphserve/kernels/**/*.json")
+
+
+class DirtyTreeError(RuntimeError):
+    """Results would be stamped with a commit whose code is not what ran."""
+
+
+def _git(root: Path, *args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except Exception:
-        return "unknown"
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
+                              timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def tree_changes(root: Path | None = None) -> list[str] | None:
+    """``git status --porcelain`` lines of uncommitted changes to the code under graphserve/ and benchmarks/; None
+    where ``root`` is not the top of a git checkout (a tree copied without .git, or a package installed inside
+    some other repository)."""
+    root = root or REPO
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is None or Path(top.strip()).resolve() != root.resolve():
+        return None
+    status = _git(root, "status", "--porcelain", "--", "graphserve", "benchmarks", *WRITTEN_BY_RUNS)
+    return None if status is None else status.splitlines()
+
+
+def git_commit(root: Path | None = None) -> str:
+    """The commit measured: $GRAPHSERVE_COMMIT (set it where the tree travels without .git), else git's HEAD.
+
+    A checkout with uncommitted changes under graphserve/ or benchmarks/ is refused (DirtyTreeError): its numbers
+    would be credited to a commit that does not hold the code that made them. GRAPHSERVE_ALLOW_DIRTY=1 stamps it
+    ``<commit>-dirty`` instead."""
+    root = root or REPO
+    changes = tree_changes(root)
+    if changes and not env.flag("GRAPHSERVE_ALLOW_DIRTY"):
+        shown = "; ".join(line.strip() for line in changes[:5]) + ("; ..." if len(changes) > 5 else "")
+        raise DirtyTreeError(f"refusing to stamp results with a commit: {len(changes)} uncommitted change(s) under "
+                             f"graphserve/ or benchmarks/ ({shown}); commit them, or set GRAPHSERVE_ALLOW_DIRTY=1 "
+                             f"to stamp the commit '-dirty'")
+    commit = env.get("GRAPHSERVE_COMMIT") or (_git(root, "rev-parse", "--short", "HEAD") or "unknown").strip()
+    return f"{commit}-dirty" if changes and not commit.endswith("-dirty") else commit
 
 
 _RUN: dict[str, str] = {}
@@ -150,3 +187,16 @@ def _fmt(v, col: str = "") -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)
+
+
+def main() -> None:
+    """Print the stamp results written now would carry, or refuse (exit 1) where the checkout holds uncommitted code:
+    ``GRAPHSERVE_COMMIT=$(python3 -m graphserve.tuning.timing)`` names the commit for a tree copied without .git."""
+    try:
+        print(git_commit())
+    except DirtyTreeError as e:
+        raise SystemExit(str(e)) from None
+
+
+if __name__ == "__main__":
+    main()

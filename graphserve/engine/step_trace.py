@@ -11,9 +11,13 @@ every step launch (``graphserve.launch``) and the sampling, attention and MoE ca
   last kernel to the end of its own, and the part of the span where no kernel of it runs is the gap
   between kernels, i.e. time the GPU waited for the host.
 
-Each piece of work is put in one category, by the range it was called from (sampling, attention),
-else by its name (NAME_RULES, first match wins). The chrome trace is used rather than
-``prof.events()`` because its layout has stayed the same across torch versions.
+Each piece of work is put in one category (engine/trace_categories.py), by the range it was called from
+(sampling, attention), else by its name (NAME_RULES, first match wins). The span's wall time is then shared
+among the categories on the timeline, overlapped time split evenly and time no work covers counted as
+gaps (``trace_categories.wall_shares``): the categories add up to the span even where kernels overlap
+(programmatic dependent launch, several streams). Each category's summed work is kept beside its share.
+The chrome trace is used rather than ``prof.events()`` because its layout has stayed the same across
+torch versions.
 """
 
 from __future__ import annotations
@@ -23,51 +27,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-CATEGORIES = ("dense_gemm", "moe", "attention", "indexer", "topk", "norm_elementwise", "communication", "sampling",
-              "other", "gaps_host")
-LABELS = {
-    "dense_gemm": "dense GEMMs",
-    "moe": "MoE (router, sort, grouped GEMMs)",
-    "attention": "attention (incl. KV write, sparse MLA)",
-    "indexer": "sparse-attention indexer (scores, key write)",
-    "topk": "sparse-attention top-k",
-    "norm_elementwise": "norms and elementwise",
-    "communication": "communication",
-    "sampling": "sampling",
-    "other": "other (copies, embedding, indexing)",
-    "gaps_host": "gaps between kernels / host",
-}
-NAME_RULES = (
-    ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "gloo",
-                       "c10d::")),
-    # DeepSeek sparse attention's kernels (kernels/dsa.py), before the MoE rule, whose "topk" would take them
-    ("indexer", ("indexer_scores", "write_index")),
-    ("topk", ("radix_topk", "dsa_topk")),
-    # fused_moe*, moe_align*, moe_route*, moe_gemv* and torch's own router pieces
-    ("moe", ("moe", "router", "topk", "top_k", "align", "grouped")),
-    ("attention", ("attention", "attn", "flash", "sparse_mla", "_decode_split", "_decode_merge", "_extend_kernel", "kv_write",
-                   "qk_norm_rope", "paged")),
-    ("dense_gemm", ("gemm", "gemv", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
-                    "cutlass", "cublas", "xmma", "nvjet", "splitk", "sm90_", "sm80_", "ampere_", "hopper_")),
-    ("norm_elementwise", ("norm", "rms", "silu", "gelu", "rotary", "rope", "elementwise", "vectorized",
-                          "reduce_kernel", "aten::mul", "aten::add", "aten::pow", "aten::mean", "aten::rsqrt",
-                          "aten::sub", "aten::div", "aten::neg", "aten::exp", "aten::sigmoid", "aten::cos",
-                          "aten::sin", "aten::cat", "aten::to", "aten::_to_copy", "aten::copy_", "aten::where")),
-)
-SCOPES = {"graphserve.sampling": "sampling", "graphserve.attention": "attention", "graphserve.moe": "moe",
-          "graphserve.indexer": "indexer", "graphserve.topk": "topk"}
-ITERATION, LAUNCH = "graphserve.iteration", "graphserve.launch"
+from graphserve.engine.trace_categories import ITERATION, LAUNCH, SCOPES, WORK_CATEGORIES, classify, wall_shares
+
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def classify(name: str, scope: str | None = None) -> str:
-    if scope:
-        return scope
-    low = name.lower()
-    for cat, keys in NAME_RULES:
-        if any(k in low for k in keys):
-            return cat
-    return "other"
 
 
 @dataclass
@@ -85,12 +47,15 @@ class _Ev:
 
 @dataclass
 class StepBreakdown:
-    """One step: ms per category (``gaps_host`` included), the step's own measured time, its kernels."""
+    """One step: wall ms per category (``gaps_host`` included), which add up to ``span_ms``; summed work per
+    category (``busy_ms``, overlaps counted once per kernel); the time two or more kernels ran at once."""
 
     categories_ms: dict[str, float]
     span_ms: float  # what the categories add up to: the iteration (CPU) or the device span (CUDA)
     kernels: int
-    kernel_ms: dict[str, float] = field(default_factory=dict)  # by name
+    kernel_ms: dict[str, float] = field(default_factory=dict)  # summed work by name
+    busy_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WORK_CATEGORIES, 0.0))
+    overlapped_ms: float = 0.0
 
 
 def _ranges(events: Sequence[Mapping[str, Any]]) -> dict[str, list[_Ev]]:
@@ -173,6 +138,16 @@ def _match(r: dict[str, list[_Ev]]) -> tuple[list[list[tuple[_Ev, str | None]]],
     return per_step, unmatched
 
 
+def _step(work: Sequence[tuple[_Ev, str]], lo: float, hi: float, kernels: int) -> StepBreakdown:
+    """``work``'s (event, category) on the timeline ``[lo, hi]`` (µs), in ms."""
+    shares = wall_shares(((ev.ts, ev.end, cat) for ev, cat in work), lo, hi)
+    by_name: dict[str, float] = {}
+    for ev, _ in work:
+        by_name[ev.name] = by_name.get(ev.name, 0.0) + max(0.0, min(ev.end, hi) - max(ev.ts, lo)) / 1e3
+    return StepBreakdown({c: v / 1e3 for c, v in shares.wall.items()}, (hi - lo) / 1e3, kernels, by_name,
+                         {c: v / 1e3 for c, v in shares.busy.items()}, shares.overlapped / 1e3)
+
+
 def _cpu_steps(r: dict[str, list[_Ev]]) -> list[StepBreakdown | None]:
     scopes = r["scope"]
     scope_starts = [s.ts for s in scopes]
@@ -180,23 +155,15 @@ def _cpu_steps(r: dict[str, list[_Ev]]) -> list[StepBreakdown | None]:
     tid = iters[0].tid if iters else None
     ops = _top_level([o for o in r["cpu_op"] if o.tid == tid])
     starts = [o.ts for o in ops]
-    steps = []
+    steps: list[StepBreakdown | None] = []
     for launch in r["launch"]:
         it = next((i for i in iters if i.ts <= launch.ts <= i.end), None)
         if it is None:
             steps.append(None)
             continue
-        cats = dict.fromkeys(CATEGORIES, 0.0)
-        by_name: dict[str, float] = {}
         lo, hi = bisect.bisect_left(starts, it.ts), bisect.bisect_right(starts, it.end)
-        busy = 0.0
-        for op in ops[lo:hi]:
-            dur = min(op.end, it.end) - op.ts
-            cats[classify(op.name, _scope_at(scopes, scope_starts, op.ts))] += dur / 1e3
-            by_name[op.name] = by_name.get(op.name, 0.0) + dur / 1e3
-            busy += dur
-        cats["gaps_host"] = (it.dur - busy) / 1e3
-        steps.append(StepBreakdown(cats, it.dur / 1e3, hi - lo, by_name))
+        work = [(op, classify(op.name, _scope_at(scopes, scope_starts, op.ts))) for op in ops[lo:hi]]
+        steps.append(_step(work, it.ts, it.end, hi - lo))
     return steps
 
 
@@ -210,17 +177,9 @@ def _device_steps(r: dict[str, list[_Ev]]) -> list[StepBreakdown | None]:
             steps.append(None)
             prev_end = end
             continue
-        cats = dict.fromkeys(CATEGORIES, 0.0)
-        by_name: dict[str, float] = {}
-        busy = 0.0
-        for ev, scope in work:
-            dur = max(0.0, ev.end - max(ev.ts, prev_end))  # only what falls inside this step's span
-            cats[classify(ev.name, scope)] += dur / 1e3
-            by_name[ev.name] = by_name.get(ev.name, 0.0) + dur / 1e3
-            busy += dur
-        span = end - prev_end
-        cats["gaps_host"] = max(0.0, span - busy) / 1e3
         kernels = sum(1 for ev, _ in work if not ev.name.lower().startswith("memcpy"))
-        steps.append(StepBreakdown(cats, span / 1e3, kernels, by_name))
+        # a kernel launched early (PDL) may start before the previous step's last one ends: only what falls
+        # inside this step's span is its own
+        steps.append(_step([(ev, classify(ev.name, scope)) for ev, scope in work], prev_end, end, kernels))
         prev_end = end
     return steps

@@ -1,0 +1,258 @@
+"""The router's HTTP front: the OpenAI and SGLang generation routes, proxied to the worker the policy picks.
+
+A request goes to the worker holding the longest cached prefix of it (router/policy.py), else to the least
+loaded. Nothing reaches the client before the worker has answered with a status and, for a stream, its first
+bytes: until then a worker that fails (connection refused or dropped, or a 503) is dropped and the request goes
+to another. Once a stream has started, a worker that dies ends it: its tokens cannot be taken back. Each response
+names its worker in ``X-Graphserve-Worker``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from graphserve.errors import ServiceUnavailableError
+from graphserve.router.policy import Choice
+from graphserve.router.tokens import CHAT, COMPLETIONS, GENERATE, PromptTokens
+from graphserve.router.workers import Worker, WorkerPool
+
+logger = logging.getLogger("graphserve.router")
+
+WORKER_HEADER = "X-Graphserve-Worker"
+PREFIX = "graphserve:router_"
+# Prompts longer than this are tokenized on a thread: a long one would hold every stream on the loop.
+INLINE_TOKENIZE_CHARS = 4096
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+# Not forwarded: they describe one hop (or a body length that httpx and the ASGI server set themselves).
+HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+               "proxy-authorization", "proxy-connection", "accept-encoding", "content-encoding"}
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+
+    def collect(self) -> Iterator[Any]:
+        families = [
+            (CounterMetricFamily, "requests", "Requests routed to the worker (answered by it).", "routed"),
+            (CounterMetricFamily, "prefix_hits", "Requests routed to the worker for a prefix it caches.",
+             "prefix_hits"),
+            (CounterMetricFamily, "prefix_hit_blocks", "Leading prompt blocks the worker cached when chosen.",
+             "hit_blocks"),
+            (CounterMetricFamily, "retries", "Requests moved to another worker after this one failed them.",
+             "retried"),
+            (CounterMetricFamily, "cache_events", "Cache events applied to the worker's prefix index.", "events"),
+            (GaugeMetricFamily, "requests_in_flight", "Requests the worker is serving for this router.", "inflight"),
+        ]
+        for kind, name, doc, attr in families:
+            fam = kind(PREFIX + name, doc, labels=["worker"])
+            for w in self.pool.workers:
+                fam.add_metric([w.url], float(getattr(w, attr)))
+            yield fam
+        healthy = GaugeMetricFamily(PREFIX + "worker_healthy", "1 while the worker can serve.", labels=["worker"])
+        blocks = GaugeMetricFamily(PREFIX + "cached_blocks", "Block hashes in the worker's prefix index.",
+                                   labels=["worker"])
+        for w in self.pool.workers:
+            healthy.add_metric([w.url], 1.0 if w.healthy and w.refused is None else 0.0)
+            blocks.add_metric([w.url], float(len(self.pool.policy.indexes[w.url])))
+        yield healthy
+        yield blocks
+
+
+def _unavailable(message: str) -> JSONResponse:
+    exc = ServiceUnavailableError(message, retry_after=1)
+    return JSONResponse(exc.to_openai(), status_code=503, headers={"Retry-After": "1"})
+
+
+def create_app(pool: WorkerPool, tokens: PromptTokens) -> FastAPI:
+    app = FastAPI(title="graphserve router", summary="cache-aware routing over graphserve workers")
+    registry = CollectorRegistry()
+    registry.register(_PoolCollector(pool))
+
+    async def prompt_ids(path: str, raw: bytes) -> list[list[int]]:
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return []  # the worker answers the malformed body with its own 400
+        if len(raw) <= INLINE_TOKENIZE_CHARS:
+            return tokens.prompts(path, body)
+        return await asyncio.to_thread(tokens.prompts, path, body)
+
+    async def stream_from(worker: Worker, upstream: httpx.Response, first: bytes,
+                          rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            if first:
+                yield first
+            async for chunk in rest:
+                yield chunk
+        except httpx.HTTPError as exc:  # the client saw tokens already: its stream ends here
+            pool.mark_dead(worker, f"the stream broke mid-response ({type(exc).__name__}: {exc})")
+        finally:
+            await upstream.aclose()
+            worker.inflight -= 1
+
+    async def proxy(request: Request, path: str) -> Response:
+        raw = await request.body()
+        prompts = await prompt_ids(path, raw)
+        try:
+            stream = bool(json.loads(raw).get("stream"))
+        except (ValueError, AttributeError):
+            stream = False
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        tried: list[str] = []
+        last_503: httpx.Response | None = None
+        while True:
+            candidates = [w for w in pool.available() if w.url not in tried]
+            if not candidates:
+                if last_503 is not None:  # every worker said why it cannot serve: pass the last one on
+                    return Response(last_503.content, status_code=503, headers=_response_headers(last_503))
+                tried_text = f" (tried {', '.join(tried)})" if tried else ""
+                return _unavailable(f"no worker can serve this request{tried_text}: "
+                                    f"{len(pool.workers)} configured, {len(pool.available())} healthy")
+            choice = pool.policy.choose(prompts, [w.url for w in candidates], {w.url: w.inflight for w in candidates})
+            worker = next(w for w in candidates if w.url == choice.replica)
+            tried.append(worker.url)
+            worker.inflight += 1
+            upstream: httpx.Response | None = None
+            owned = True  # this attempt closes the upstream and counts the request out; a started stream takes over
+            try:
+                upstream = await pool.client.send(
+                    pool.client.build_request("POST", worker.url + path, content=raw, headers=headers), stream=True)
+                if upstream.status_code == 503:  # loading or draining: another worker may serve it now
+                    await upstream.aread()
+                    last_503 = upstream
+                    worker.retried += 1
+                    continue
+                if stream and upstream.status_code == 200:
+                    rest = upstream.aiter_bytes()  # decoded: content-encoding is not forwarded
+                    try:  # the first bytes: until they come, the request can move to another worker
+                        first = await rest.__anext__()
+                    except StopAsyncIteration:
+                        first = b""
+                    _count(worker, choice)
+                    owned = False
+                    return StreamingResponse(stream_from(worker, upstream, first, rest), status_code=200,
+                                             headers={**_response_headers(upstream), WORKER_HEADER: worker.url})
+                if not await _read_unless_gone(request, upstream):
+                    # closing the connection makes the worker abort the request and free its KV blocks
+                    return Response(status_code=499)
+                _count(worker, choice)
+                return Response(upstream.content, status_code=upstream.status_code,
+                                headers={**_response_headers(upstream), WORKER_HEADER: worker.url})
+            except httpx.HTTPError as exc:
+                if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+                    # slow, not dead: running the request again elsewhere would double its work
+                    return _gateway_timeout(f"worker {worker.url} sent nothing for --request-timeout "
+                                            f"({type(exc).__name__}); the request was not retried")
+                worker.retried += 1
+                pool.mark_dead(worker, f"{path} failed before any byte reached the client "
+                                       f"({type(exc).__name__}: {exc}); retrying on another worker")
+                continue
+            finally:
+                if owned:
+                    worker.inflight -= 1
+                    if upstream is not None:
+                        await upstream.aclose()
+
+    @app.post(COMPLETIONS)
+    async def completions(request: Request) -> Response:
+        return await proxy(request, COMPLETIONS)
+
+    @app.post(CHAT)
+    async def chat_completions(request: Request) -> Response:
+        return await proxy(request, CHAT)
+
+    @app.post(GENERATE)
+    async def generate(request: Request) -> Response:
+        return await proxy(request, GENERATE)
+
+    async def from_any_worker(request: Request, path: str) -> Response:
+        """A question every worker answers alike (the model they serve): asked of the first healthy one."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        for worker in pool.available():
+            try:
+                resp = await pool.client.get(worker.url + path, timeout=10.0, headers=headers)
+            except httpx.HTTPError as exc:
+                pool.mark_dead(worker, f"{path} failed ({type(exc).__name__}: {exc})")
+                continue
+            return Response(resp.content, status_code=resp.status_code,
+                            headers={**_response_headers(resp), WORKER_HEADER: worker.url})
+        return _unavailable(f"no worker can serve: 0 of {len(pool.workers)} healthy")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await from_any_worker(request, "/v1/models")
+
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request) -> Response:
+        return await from_any_worker(request, "/get_model_info")
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> Response:
+        """Every healthy worker drops its prefix cache (benchmarks call this between runs)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        workers = pool.available()
+        if not workers:
+            return _unavailable(f"no worker can serve: 0 of {len(pool.workers)} healthy")
+        answers = await asyncio.gather(*(pool.client.post(w.url + "/flush_cache", timeout=10.0, headers=headers)
+                                         for w in workers), return_exceptions=True)
+        failed = {w.url: (a if isinstance(a, Exception) else a.status_code) for w, a in zip(workers, answers)
+                  if isinstance(a, Exception) or a.status_code != 200}
+        if failed:
+            return _unavailable(f"/flush_cache failed on {len(failed)} of {len(workers)} worker(s): "
+                                + ", ".join(f"{url} ({why})" for url, why in failed.items()))
+        return JSONResponse({"status": "ok", "message": f"prefix cache flushed on {len(workers)} worker(s)"})
+
+    @app.get("/health")
+    async def health() -> Response:
+        available = pool.available()
+        if not available:
+            return _unavailable(f"no worker can serve: 0 of {len(pool.workers)} healthy")
+        return JSONResponse({"status": "ok", "workers": len(pool.workers), "healthy": len(available)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def _count(worker: Worker, choice: Choice) -> None:
+    worker.routed += 1
+    if choice.by_prefix:
+        worker.prefix_hits += 1
+        worker.hit_blocks += choice.hit_blocks
+
+
+async def _read_unless_gone(request: Request, upstream: httpx.Response) -> bool:
+    """Read the whole response; False, having stopped reading, if the client leaves first."""
+    read = asyncio.ensure_future(upstream.aread())
+    while True:
+        done, _ = await asyncio.wait({read}, timeout=DISCONNECT_POLL_S)
+        if done:
+            read.result()  # raises what the read raised
+            return True
+        if await request.is_disconnected():
+            read.cancel()
+            await asyncio.gather(read, return_exceptions=True)
+            return False
+
+
+def _gateway_timeout(message: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": "gateway_timeout", "param": None, "code": None}}
+    return JSONResponse(body, status_code=504)
+
+
+def _response_headers(resp: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
