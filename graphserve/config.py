@@ -61,6 +61,13 @@ class EngineConfig:
     ep: int = 1  # expert parallelism: whole routed experts placed on ranks (MoE models)
     # The one-shot all-reduce over peer memory for small messages (CUDA, tp > 1); NCCL does the rest.
     disable_custom_all_reduce: bool = False
+    # ranks across machines (SGLang's names): node 0 runs the scheduler, the HTTP server and the first
+    # world/nnodes ranks; node R runs the next world/nnodes ranks only. All meet at dist_init_addr
+    # (HOST:PORT on node 0), each within dist_timeout seconds.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: float = 300.0
     # "uniform" spreads (token, slot) pairs over the experts round-robin: random weights route
     # unevenly, so benchmarks on dummy: models can show the balanced case too. Refused elsewhere.
     moe_routing: str = "model"
@@ -120,12 +127,34 @@ class EngineConfig:
         if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
             raise ConfigError(f"--ep={self.ep} with --tp={self.tp} is invalid: expert-parallel ranks are the "
                               f"tensor-parallel ranks, so use --ep {self.tp} (or --ep 1)", param="ep")
+        self._check_nodes()
         if self.log_interval < 1:
             raise ConfigError(f"--log-interval={self.log_interval} is invalid: must be >= 1", param="log_interval")
         if self.max_queued_requests < 1:
             raise ConfigError(
                 f"--max-queued-requests={self.max_queued_requests} is invalid: must be >= 1", param="max_queued_requests"
             )
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes={self.nnodes} is invalid: must be >= 1", param="nnodes")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank={self.node_rank} is invalid: must be in [0, --nnodes={self.nnodes})",
+                              param="node_rank")
+        if not self.dist_timeout > 0:
+            raise ConfigError(f"--dist-timeout={self.dist_timeout} is invalid: must be > 0 seconds", param="dist_timeout")
+        if self.nnodes == 1:
+            return
+        addr = self.dist_init_addr or ""
+        host, _, port = addr.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--dist-init-addr={self.dist_init_addr!r} is invalid: --nnodes={self.nnodes} needs "
+                              "HOST:PORT of node 0, the same on every node", param="dist_init_addr")
+        world = max(self.tp, self.ep)
+        if world % self.nnodes or world < self.nnodes:
+            raise ConfigError(f"--tp={self.tp} --ep={self.ep} runs {world} rank(s), which --nnodes={self.nnodes} "
+                              f"cannot split evenly: use a --tp/--ep that is a multiple of {self.nnodes} "
+                              "(nnodes x GPUs per node)", param="nnodes")
 
     def graph_sizes(self) -> list[int]:
         """The decode batch sizes to capture, ascending (empty when graphs are off)."""
@@ -156,6 +185,10 @@ _HELP = {
     "tp": "tensor-parallel size: ranks (one process and device each) that split every layer",
     "ep": "expert-parallel size (MoE): ranks that hold whole experts; equal to --tp when both are set",
     "disable_custom_all_reduce": "all-reduce with NCCL only (no one-shot kernel over peer memory for small messages)",
+    "nnodes": "machines the --tp/--ep ranks span (each runs --tp/--nnodes ranks, one per GPU)",
+    "node_rank": "this machine's index among --nnodes: 0 runs the scheduler and the HTTP server, the others ranks only",
+    "dist_init_addr": "HOST:PORT on node 0 where every node's ranks meet (torch.distributed), the same on every node",
+    "dist_timeout": "seconds a node waits to reach --dist-init-addr and for the other nodes to join",
     "moe_routing": "MoE routing: model (the router's choice) or uniform (round-robin over experts; dummy: models only)",
     "quantization": "quantize weights at load: fp8 (dense projections per channel, routed experts in 128x128 "
                     "blocks), fp8-block (128x128 block scales), fp8-channel (per-channel scales), nvfp4 (E2M1 "

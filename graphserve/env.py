@@ -41,6 +41,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("GRAPHSERVE_PDL_JOIN", "1",
            "`0`: the output projection after decode attention stays off PDL even where attention runs in one "
            "wave."),
+    Switch("GRAPHSERVE_ALLREDUCE", None,
+           "`nccl`, `oneshot` or `twoshot`: the all-reduce path for every message size it can take, for A/B runs "
+           "(unset: each size takes the path measured fastest at start-up)."),
     Switch("GRAPHSERVE_L2_PREFETCH_MB", None,
            "MB a layer that each MoE L2-prefetch link asks for, 0..48 (unset: 24 each; `0` turns both off)."),
     Switch("GRAPHSERVE_FAULT_INJECT", None,

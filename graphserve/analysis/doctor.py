@@ -5,7 +5,9 @@ It reads the step lines (graphserve and SGLang share ``Decode batch, #running-re
 prints ``Avg generation throughput: ... Running: N reqs``), CUDA-graph capture lines and the
 server-args dump, PyTorch OOM messages and preemption warnings, graphserve's start-up
 calibration of decode batches above the largest captured size, and its warnings of kernels compiled
-after ready. A clean log gives no findings.
+after ready; NCCL's INFO lines (``NCCL_DEBUG=INFO``), ``nvidia-smi topo -m`` pasted into the log and
+graphserve's all-reduce topology and table (distributed/allreduce_choice.py), to name an all-reduce over PCIe
+as the bottleneck. A clean log gives no findings.
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ OVERSIZE_COSTS = re.compile(r"decode batches above (\d+) \(up to --max-running-r
                             r"split-graph " + NUM + r" ms, eager " + NUM + r" ms, full graph " + NUM + r" ms at batch (\d+)")
 # server/compile_watch.py's warning: a Triton kernel compiled after the server said ready
 LATE_COMPILE = re.compile(r"kernel (\S+) compiled after ready")
+# The ranks and the links of their all-reduce: SGLang's/vLLM's args dump or graphserve's ready line; NCCL's
+# INFO lines; nvidia-smi's matrix rows; graphserve's own all-reduce block
+TP_SIZE = re.compile(r"\btp_size=(\d+)|tensor_parallel_size=(\d+)|engine ready: .*\btp=(\d+)|nRanks (\d+)")
+NCCL_HOST_PATH = re.compile(r"NCCL INFO (?:Channel \S+ : .* via SHM|Could not enable P2P)|NCCL_P2P_DISABLE=1")
+NCCL_NVLINK = re.compile(r"NCCL INFO .*(?:NVLS|NVLink|via P2P/.*NVL)")
+TOPO_ROW = re.compile(r"^\s*(?:\S+\s+)?GPU(\d+)\s+((?:X|NV\d+|PIX|PXB|PHB|NODE|SYS)(?:\s+(?:X|NV\d+|PIX|PXB|PHB|NODE|SYS))+)")
+GS_TOPOLOGY = re.compile(r"all-reduce topology: ([a-z-]+)")
+GS_ALLREDUCE_ROW = re.compile(r"all-reduce +(\d+ [KM]iB): (.*) -> (\w+)")
+GRAPHS_DID_NOT_HELP = 1.05  # graphs on within 5% of graphs off: launch overhead is not what bounds the step
 FULL_GRAPH_MIN_GAIN = 1.05  # below this the split path costs too little to be worth a larger graph pool
 
 
@@ -272,6 +283,64 @@ def _late_compiles(lines: list[str]) -> Finding | None:
                    [], _evidence([(i, t) for i, t, _ in late]))
 
 
+def _tp_size(lines: list[str]) -> tuple[int, tuple[int, str] | None]:
+    best, where = 1, None
+    for i, line in enumerate(lines, 1):
+        if (m := TP_SIZE.search(line)) and (n := int(next(g for g in m.groups() if g))) > best:
+            best, where = n, (i, line.rstrip())
+    return best, where
+
+
+def _links(lines: list[str]) -> tuple[str | None, list[tuple[int, str]]]:
+    """"pcie" (peer-to-peer or through host memory), "nvlink" or None, and the lines that say so."""
+    pcie: list[tuple[int, str]] = []
+    for i, line in enumerate(lines, 1):
+        text = line.rstrip()
+        if NCCL_NVLINK.search(line) or ((m := GS_TOPOLOGY.search(line)) and m.group(1) == "nvlink"):
+            return "nvlink", [(i, text)]
+        if (m := TOPO_ROW.search(line)) and any(c.startswith("NV") for c in m.group(2).split()):
+            return "nvlink", [(i, text)]
+        if NCCL_HOST_PATH.search(line) or TOPO_ROW.search(line) or \
+                ((m := GS_TOPOLOGY.search(line)) and m.group(1).startswith(("pcie", "no-peer"))):
+            pcie.append((i, text))
+    return ("pcie", pcie) if pcie else (None, [])
+
+
+def _pcie_all_reduce(steps: list[StepLine], lines: list[str]) -> Finding | None:
+    tp, tp_line = _tp_size(lines)
+    kind, link_lines = _links(lines)
+    if tp < 2 or kind != "pcie":
+        return None
+    host = any(NCCL_HOST_PATH.search(t) for _, t in link_lines)
+    how = "NCCL through host memory (no peer-to-peer)" if host else "PCIe, no NVLink"
+    on = [s for s in steps if s.graph is True and s.gen_tok_s]
+    off = [s for s in steps if s.graph is False and s.gen_tok_s]
+    graphs = ""
+    ev = ([tp_line] if tp_line else []) + link_lines[:3]
+    if on and off:
+        on_tok, off_tok = (sum(s.gen_tok_s or 0.0 for s in x) / len(x) for x in (on, off))
+        if on_tok <= off_tok * GRAPHS_DID_NOT_HELP:
+            graphs = (f" CUDA graphs did not help ({off_tok:.0f} tok/s without, {on_tok:.0f} tok/s with): kernel "
+                      "launches are not what bounds the step.")
+            ev += [(off[0].line_no, off[0].text), (on[0].line_no, on[0].text)]
+    rows = [(i, ln.rstrip()) for i, ln in enumerate(lines, 1) if GS_ALLREDUCE_ROW.search(ln)]
+    if rows:
+        ev.append(rows[0])
+    return Finding(
+        "allreduce_pcie", "warning",
+        f"decode is bound by the all-reduce over PCIe: {tp} ranks, {how}",
+        f"Each decode step all-reduces the hidden state about twice per layer across all {tp} GPUs. Decode's "
+        f"messages are a few KB, so each all-reduce costs its latency, which over PCIe is several times NVLink's "
+        f"(a published PCIe measurement at 4 KB: NCCL 19 µs, a one-shot push 4 µs){' and more again when every message is staged through host memory' if host else ''}.{graphs} "
+        f"Fewer ranks per all-reduce, or fewer all-reduces per step, is what moves throughput.",
+        [f"--tp (lower it, {tp} → {max(1, tp // 2)}, and run --dp replicas for the remaining GPUs)",
+         "--ep / --ep-size (experts placed whole: one all-reduce per MoE layer instead of a split one)",
+         "GRAPHSERVE_ALLREDUCE=oneshot|twoshot (graphserve: A/B the peer-memory paths against the measured choice)",
+         "peer-to-peer between the GPUs (BIOS/hypervisor ACS and IOMMU settings), so NCCL stops going through host "
+         "memory" if host else "NCCL_P2P_LEVEL (check that NCCL uses PCIe peer-to-peer)"],
+        ev)
+
+
 def diagnose_lines(lines: list[str]) -> list[Finding]:
     steps = parse_steps(lines)
     eager, largest = _eager_oversize(steps, lines)
@@ -288,6 +357,8 @@ def diagnose_lines(lines: list[str]) -> list[Finding]:
     findings += _kv_and_queue(steps, lines)
     if plat := _plateau(steps):
         findings.append(plat)
+    if pcie := _pcie_all_reduce(steps, lines):
+        findings.append(pcie)
     return findings
 
 

@@ -173,6 +173,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="config.json, HF model folder, or preset (dummy:llama3-8b)")
     parser.add_argument("--gpu-memory-gb", type=float, default=141.0, help="GPU memory in GB (1e9 bytes)")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (placement only)")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines the ranks span: what each GPU holds")
     parser.add_argument("--mem-fraction-static", type=float, default=0.88)
     parser.add_argument("--cuda-graph-max-bs", type=int, default=256)
     parser.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None)
@@ -199,7 +201,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> list[int]:
     """The engine's own flag checks (EngineConfig validates once, in one place) plus plan's; returns the levels."""
-    EngineConfig(tp=args.tp, mem_fraction_static=args.mem_fraction_static, cuda_graph_max_bs=args.cuda_graph_max_bs,
+    # plan has no rendezvous: a placeholder address lets EngineConfig check the --nnodes split
+    EngineConfig(tp=getattr(args, "tp", 1), ep=getattr(args, "ep", 1), nnodes=getattr(args, "nnodes", 1),
+                 dist_init_addr="node0:29500" if getattr(args, "nnodes", 1) > 1 else None,
+                 mem_fraction_static=args.mem_fraction_static, cuda_graph_max_bs=args.cuda_graph_max_bs,
                  cuda_graph_bs=tuple(args.cuda_graph_bs) if args.cuda_graph_bs else None, block_size=args.block_size,
                  chunked_prefill_size=args.chunked_prefill_size, max_model_len=args.max_model_len,
                  max_running_requests=args.max_running_requests)
@@ -228,6 +233,13 @@ def run(args: argparse.Namespace) -> int:
                    chunked_prefill_size=args.chunked_prefill_size, block_size=args.block_size,
                    reserve_gb=args.reserve_gb, oversize=args.oversize, quantization=args.quantization,
                    kv_cache_dtype_name=args.kv_cache_dtype)
-    print(json.dumps(p, indent=2) if args.json else format_plan(p))
+    ep, nnodes = getattr(args, "ep", 1), getattr(args, "nnodes", 1)
+    text = format_plan(p)
+    if max(args.tp, ep) > 1:
+        from graphserve.analysis.plan_nodes import format_placement, placement
+
+        p["placement"] = placement(load_hf_config(args.model), args.tp, ep, nnodes, p["weights_bytes"])
+        text += "\n" + format_placement(p["placement"], args.tp, ep, nnodes)
+    print(json.dumps(p, indent=2) if args.json else text)
     # Non-zero when the engine would refuse to start or a concurrency would crash it.
     return 0 if p["memory"]["fits"] and all(v["verdict"] != "out of memory" for v in p["verdicts"]) else 1

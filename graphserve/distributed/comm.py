@@ -5,8 +5,8 @@ runs at tp 1 with no communication. On CUDA they are issued on the current strea
 capture stream while a CUDA graph is recorded: NCCL kernels (and the one-shot peer-memory kernel)
 are captured with the rest of the step and replayed with it.
 
-``all_reduce`` picks the one-shot kernel over peer memory (custom_all_reduce.py) for messages up to
-its size limit when the device group has one, NCCL otherwise.
+``all_reduce`` hands a message to the peer-memory path (one-shot or two-shot, custom_all_reduce.py) that the
+start-up measurement chose for its size (allreduce_choice.py) when the device group has one, NCCL otherwise.
 
 The tally counts collectives and their bytes as Python issues them: eager steps count themselves;
 a CUDA graph's tally is taken while it is captured and added by the runner on every replay

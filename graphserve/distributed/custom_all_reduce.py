@@ -6,9 +6,18 @@ each rank copies its input into a buffer every rank has mapped (PyTorch's symmet
 once at start-up), and one kernel on each rank reads all ranks' buffers and writes the sum: one launch,
 one barrier through signal pads, no proxy thread. It is an ordinary kernel, so CUDA graphs capture it.
 
-Messages above ``CUSTOM_ALL_REDUCE_MAX_BYTES`` (bandwidth-bound: reading every peer's whole buffer loses
-to NCCL's ring/tree) go to NCCL. The limit is the switch point benchmarks/tp.py measures on a 2-GPU
+The engine measures per message size which of NCCL, one-shot and two-shot runs it (allreduce_choice.py).
+``maybe_enable_custom_all_reduce`` (benchmarks/tp.py) keeps the fixed rule: messages above
+``CUSTOM_ALL_REDUCE_MAX_BYTES`` (bandwidth-bound: reading every peer's whole buffer loses to NCCL's
+ring/tree) go to NCCL. The limit is the switch point benchmarks/tp.py measures on a 2-GPU
 machine (its ``allreduce`` table); NVLink multicast is never used (state.py sets it off).
+
+The two-shot variant (``SymmMemAllReduce.two_shot``) splits the message in one slice per rank: each rank
+sums its slice over every peer's buffer (a reduce-scatter) and then reads every rank's summed slice (an
+all-gather). Each rank reads 2·(W−1)/W of the message instead of (W−1) messages, which wins where peer
+reads are slow or the message large (PCIe, 4 and 8 ranks); ``two_shot_reference`` is the same arithmetic in
+plain PyTorch. Which of NCCL, one-shot and two-shot runs each message size is measured at start-up
+(allreduce_choice.py).
 
 At start-up the kernel's result is checked against NCCL on random data; a mismatch, a missing op (older
 PyTorch) or peers that cannot map each other's memory leave NCCL alone in charge, with a log line.
@@ -47,6 +56,7 @@ class SymmMemAllReduce:
             raise RuntimeError(f"peer memory is already registered for a process group named {self.group_name!r}")
         self.dtype, self.max_bytes = dtype, max_bytes
         self._op = torch.ops.symm_mem.one_shot_all_reduce_copy_out  # missing in older PyTorch: raises here
+        self._two_shot_op = getattr(torch.ops.symm_mem, "two_shot_all_reduce_out", None)
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
             symm_mem.enable_symm_mem_for_group(self.group_name)
         # one buffer in the model's dtype: the op reads a prefix of it, starting at the mapped base
@@ -69,8 +79,41 @@ class SymmMemAllReduce:
         self._op(self.buffer[: flat.numel()], flat, "sum", self.group_name, out)
         return out.view(x.shape)
 
+    @property
+    def has_two_shot(self) -> bool:
+        return self._two_shot_op is not None
+
+    def two_shot(self, x: torch.Tensor) -> torch.Tensor:
+        """Reduce-scatter then all-gather through the mapped buffers (the op overwrites its symmetric input,
+        so the message is staged into the buffer first)."""
+        flat = x.view(-1)
+        staged = self.buffer[: flat.numel()]
+        staged.copy_(flat)
+        out = torch.empty_like(flat)
+        self._two_shot_op(staged, "sum", self.group_name, out)
+        return out.view(x.shape)
+
     def close(self) -> None:
         self.buffer = None
+
+
+def two_shot_reference(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What ``two_shot`` computes, rank by rank: ``inputs[r]`` is rank r's message; each rank sums its own
+    slice of every rank's message (slices of ceil(n / W) elements, the last one short), then gathers every
+    rank's summed slice. Returns each rank's output (all equal to the sum, in the slices' summation order)."""
+    world = len(inputs)
+    flat = [x.reshape(-1) for x in inputs]
+    n = flat[0].numel()
+    step = -(-n // world)
+    reduced = []
+    for r in range(world):  # the reduce-scatter: rank r owns elements [r*step, (r+1)*step)
+        lo, hi = min(r * step, n), min((r + 1) * step, n)
+        acc = flat[0][lo:hi].float().clone()
+        for peer in range(1, world):
+            acc += flat[peer][lo:hi].float()
+        reduced.append(acc.to(flat[0].dtype))
+    gathered = torch.cat(reduced)  # the all-gather: every rank reads every owner's slice
+    return [gathered.view(inputs[0].shape).clone() for _ in range(world)]
 
 
 def _agrees_with_nccl(impl: SymmMemAllReduce, group: Any, device: torch.device) -> bool:

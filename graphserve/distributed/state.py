@@ -87,8 +87,12 @@ def split_evenly(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-def init_parallel(rank: int, tp: int, ep: int, init_method: str, device: torch.device) -> ParallelState:
-    """Join the process group of ``max(tp, ep)`` ranks; NCCL for the device group on CUDA, else gloo."""
+def init_parallel(rank: int, tp: int, ep: int, init_method: str, device: torch.device, store: Any = None
+                  ) -> ParallelState:
+    """Join the process group of ``max(tp, ep)`` ranks; NCCL for the device group on CUDA, else gloo.
+
+    ``store``: the rendezvous a node leader already holds (distributed/nodes.py, --nnodes), used instead of
+    ``init_method``."""
     global _STATE
     world = world_size_of(tp, ep)
     if world == 1:
@@ -102,7 +106,8 @@ def init_parallel(rank: int, tp: int, ep: int, init_method: str, device: torch.d
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+    kwargs.update({"store": store} if store is not None else {"init_method": init_method})
+    dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=DEVICE_TIMEOUT if backend == "nccl" else IDLE_TIMEOUT, **kwargs)
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(list(range(world)), backend="gloo", timeout=IDLE_TIMEOUT) if backend == "nccl" \

@@ -14,7 +14,6 @@ import threading
 import torch
 
 from graphserve.engine.rank_worker import RankWorker
-from graphserve.engine.ranks import rank_device
 
 
 def _exit_when_driver_dies() -> None:
@@ -31,7 +30,7 @@ def worker_main() -> None:
     logging.basicConfig(level=level, format=f"[%(asctime)s rank{rank}] %(message)s", force=True)
     code = 0
     try:
-        RankWorker(rank, config, init_method, rank_device(torch.device(device_name), rank)).serve()
+        RankWorker(rank, config, init_method, torch.device(device_name)).serve()
     except BaseException:  # noqa: BLE001 - logged; the driver sees the exit code and fails the engine
         logging.getLogger("graphserve.ranks").exception("rank %d failed", rank)
         code = 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,18 +61,18 @@ def release_runner(runner: ModelRunner) -> None:
 
 
 class RankWorker:
-    def __init__(self, rank: int, config: EngineConfig, init_method: str, device: torch.device) -> None:
+    def __init__(self, rank: int, config: EngineConfig, init_method: str, device: torch.device,
+                 store: Any = None) -> None:
         from graphserve.engine.processor import resolve_max_model_len
         from graphserve.models.loader import load_model
 
         self.rank = rank
         if device.type == "cpu":
             cpu_threads_per_rank(max(config.tp, config.ep))
-        parallel = init_parallel(rank, config.tp, config.ep, init_method, device)
-        if device.type == "cuda":
-            from graphserve.distributed.custom_all_reduce import maybe_enable_custom_all_reduce
+        parallel = init_parallel(rank, config.tp, config.ep, init_method, device, store=store)
+        from graphserve.distributed.allreduce_choice import choose_all_reduce
 
-            maybe_enable_custom_all_reduce(parallel, config, device, model_dtype(config))
+        choose_all_reduce(parallel, config, device, model_dtype(config))
         loaded = load_model(config, device)
         self.runner = start_runner(config, loaded, device, resolve_max_model_len(config, loaded.info)).runner
         from graphserve.engine.step_sync import StepReceiver
@@ -80,10 +81,12 @@ class RankWorker:
         logger.info("rank %d ready on %s", rank, device)
 
     @torch.inference_mode()
-    def serve(self) -> None:
+    def serve(self, on_shutdown: Callable[[], None] | None = None) -> None:
         while True:
             batch = self.receiver.recv()
             if batch is None:
+                if on_shutdown is not None:  # a node leader: its own ranks got the same header
+                    on_shutdown()
                 break
             self.runner.forward_logits(batch)
         release_runner(self.runner)

@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -59,36 +59,48 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
 
 
 class RankPool:
-    """The driver's handle on ranks 1..world-1."""
+    """A node leader's handle on its node's other ranks: 1..world-1 on one host; with --nnodes, ``ranks``
+    (this node's after its leader, ``first + 1 ..``), meeting at ``init_method`` (--dist-init-addr)."""
 
-    def __init__(self, config: EngineConfig, world_size: int, device: torch.device) -> None:
-        self.init_method = free_tcp_address()
+    def __init__(self, config: EngineConfig, world_size: int, device: torch.device, ranks: range | None = None,
+                 init_method: str | None = None) -> None:
+        self.init_method = init_method or free_tcp_address()
+        ranks = ranks if ranks is not None else range(1, world_size)
+        self.ranks = list(ranks)
         self.failure: str | None = None
+        # a process that only runs ranks exits on a failure; the user's own process (LLM) marks the engine dead
+        self.exit_on_failure = multiprocessing.current_process().name == ENGINE_PROCESS_NAME
+        self.node_watch: Any = None  # distributed/nodes.py NodeWatch with --nnodes > 1
         self.restore_threads = torch.get_num_threads()  # the driver's intra-op threads before the ranks shared the host
         self._stopping = False
         self._lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
         level = logging.getLogger().getEffectiveLevel()
-        for rank in range(1, world_size):
+        for rank in ranks:
             proc = subprocess.Popen([sys.executable, "-m", "graphserve.engine.rank_main"], stdin=subprocess.PIPE)
             assert proc.stdin is not None
-            proc.stdin.write(pickle.dumps((rank, config, self.init_method, str(device), level)))
+            local_device = rank_device(device, rank - ranks.start + 1)  # the node's GPUs, from its leader's
+            proc.stdin.write(pickle.dumps((rank, config, self.init_method, str(local_device), level)))
             proc.stdin.flush()
             self.procs.append(proc)
             logger.info("tp/ep rank %d started: pid %d", rank, proc.pid)
-        for rank, proc in enumerate(self.procs, start=1):
+        for rank, proc in zip(self.ranks, self.procs):
             threading.Thread(target=self._watch, args=(rank, proc), name=f"graphserve-rank{rank}-watch",
                              daemon=True).start()
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
+        self.fail(f"rank {rank} (pid {proc.pid}) exited with code {code}")
+
+    def fail(self, reason: str) -> None:
+        """A rank or a node is lost: stop this node's ranks, then exit or mark the engine dead (once)."""
         with self._lock:
             if self._stopping or self.failure is not None:
                 return
-            self.failure = f"rank {rank} (pid {proc.pid}) exited with code {code}"
+            self.failure = reason
         logger.error("%s: the engine cannot continue; stopping the other ranks", self.failure)
         self._kill_all()
-        if multiprocessing.current_process().name == ENGINE_PROCESS_NAME:
+        if self.exit_on_failure:
             os._exit(RANK_FAILURE_EXIT)  # the server's engine process: the server reports the death
         from graphserve.distributed.state import get_parallel
 
@@ -108,10 +120,14 @@ class RankPool:
             if proc.poll() is None:
                 proc.kill()
 
-    def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
-        """After the shutdown header was sent: wait for the ranks to leave, kill those that do not."""
+    def expect_exit(self) -> None:
+        """The shutdown header is out: the ranks' exits from here on are no failure."""
         with self._lock:
             self._stopping = True
+
+    def stop(self, timeout: float = _STOP_TIMEOUT_S) -> None:
+        """After the shutdown header was sent: wait for the ranks to leave, kill those that do not."""
+        self.expect_exit()
         for proc in self.procs:
             if timeout <= 0:
                 proc.kill()

@@ -105,12 +105,20 @@ def _indexer_scores_kernel(
         q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
         w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=h_mask, other=0.0)
-        # key n of a compressed cache (RATE > 1) sits in the row of the token closing its group
-        tok = offs_n * RATE + RATE - 1
-        visible = (offs_n <= pos) & (tok // PAGE < max_blocks)
-        block = tl.load(bt_ptr + seq * stride_bt + tok // PAGE, mask=visible, other=0).to(tl.int64)
-        slot = block * PAGE + tok % PAGE
-        row = slot * stride_vslot + KEY_AT
+        if RATE == 1:
+            # DSA's own cache, compiled exactly as before the compressed form existed: the FP8 rows' alignment
+            # below was measured on this form (an H100 faulted with a misaligned address on the general one)
+            visible = (offs_n <= pos) & (offs_n // PAGE < max_blocks)
+            block = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=visible, other=0).to(tl.int64)
+            slot = block * PAGE + offs_n % PAGE
+            row = slot * stride_vslot
+        else:
+            # key n of a compressed cache sits in the row of the token closing its group
+            tok = offs_n * RATE + RATE - 1
+            visible = (offs_n <= pos) & (tok // PAGE < max_blocks)
+            block = tl.load(bt_ptr + seq * stride_bt + tok // PAGE, mask=visible, other=0).to(tl.int64)
+            slot = block * PAGE + tok % PAGE
+            row = slot * stride_vslot + KEY_AT
         if FP8:
             # an FP8 row starts every D + 4 bytes, 4-aligned only; without the hint Triton took every row for 16-byte
             # aligned (the slots of a page count up from a multiple of 16) and loaded 16 bytes at a time, a misaligned

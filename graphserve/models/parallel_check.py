@@ -68,11 +68,14 @@ def check_parallel(config: EngineConfig) -> None:
         value = config.ep if flag == "--ep" else config.tp
         raise ConfigError(f"{flag}={value} does not fit {config.model}: {e.message}", param=flag[2:]) from e
     world = max(config.tp, config.ep)
+    per_node = world // config.nnodes  # EngineConfig refused a world that --nnodes does not divide
     on_cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
     first = int(config.device.split(":")[1]) if config.device.startswith("cuda:") else 0
-    if on_cuda and torch.cuda.device_count() < first + world:
-        raise ConfigError(f"--tp={config.tp} --ep={config.ep} runs {world} ranks, one GPU each from cuda:{first}, "
-                          f"but {torch.cuda.device_count()} GPU(s) are visible", param="tp")
+    if on_cuda and torch.cuda.device_count() < first + per_node:
+        nodes = f" over --nnodes={config.nnodes} ({per_node} on this node)" if config.nnodes > 1 else ""
+        raise ConfigError(f"--tp={config.tp} --ep={config.ep} runs {world} ranks{nodes}, one GPU each from "
+                          f"cuda:{first}, but {torch.cuda.device_count()} GPU(s) are visible: --tp x --ep must be "
+                          f"--nnodes x GPUs per node", param="tp")
     if config.ep > 1 and not description.is_moe:
         raise ConfigError(f"--ep={config.ep} places experts on ranks, but {config.model} has no experts: "
                           f"use --tp", param="ep")

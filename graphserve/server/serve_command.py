@@ -31,6 +31,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args, args.model)
         check_parallel(config)  # the split and the GPU count, before a port binds or a rank spawns
+        if config.node_rank > 0:  # ranks only: node 0 serves HTTP and schedules (engine/node.py)
+            from graphserve.engine.node import run_node  # torch and the engine load here, never in a front-end
+
+            return run_node(config)
         guards = guard_options(args)
         _check_host_memory(config)
         count = api_server_count(args.api_server_count, args.engine_in_process)
