@@ -13,6 +13,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.common import is_ratio_column, ratio_text
+
 REPO = Path(__file__).resolve().parents[1]
 
 # The graphserve/ code each benchmark exercises, coarse on purpose: a row is current only if none of it changed after
@@ -138,9 +140,18 @@ def _text(v) -> str:
     return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v)
 
 
-def rows_of(path: Path) -> list[Row]:
-    from benchmarks.results_md import _fmt
+def cell_text(v, col: str = "") -> str:
+    """A measured value as a cell of the current page and of results_md's tables."""
+    if isinstance(v, float) and is_ratio_column(col):
+        return ratio_text(v, thousands=True)
+    if isinstance(v, float):
+        return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.1f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return "—" if v is None else str(v)
 
+
+def rows_of(path: Path) -> list[Row]:
     rows, env = table_of(json.loads(path.read_text()))
     out = []
     for r in rows:
@@ -151,7 +162,7 @@ def rows_of(path: Path) -> list[Row]:
         out.append(Row(benchmark_of(path.stem), path.name, str(r.get("model", "—")),
                        str(r.get("card") or at.get("device") or "?"), case, str(at.get("commit", "?")),
                        str(at.get("date", "?")), str(at.get("started", "")),
-                       " · ".join(f"{c} {_fmt(r[c], c)}" for c in shown)))
+                       " · ".join(f"{c} {cell_text(r[c], c)}" for c in shown)))
     return out
 
 

@@ -23,18 +23,8 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, is_ratio_column, ratio_text
-
-
-def _fmt(v, col: str = "") -> str:
-    if isinstance(v, float) and is_ratio_column(col):
-        return ratio_text(v, thousands=True)
-    if isinstance(v, float):
-        return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.1f}"
-    if isinstance(v, int) and not isinstance(v, bool):
-        return f"{v:,}"
-    return "—" if v is None else str(v)
-
+from benchmarks.common import RESULTS_DIR
+from benchmarks.current import cell_text, current_page, headlines
 
 _MISSING = object()
 
@@ -53,7 +43,7 @@ def field(row: dict, col: str):
 
 def table(rows: list[dict], cols: list[str]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(field(r, c), c) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell_text(field(r, c), c) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -99,13 +89,9 @@ def main() -> None:
                    help="print README.md's performance table: its cases' rows as benchmarks/RESULTS.md shows them")
     args = p.parse_args()
     if args.headlines:
-        from benchmarks.current import headlines
-
         print(headlines((RESULTS_DIR.parent / "RESULTS.md").read_text()))
         return
     if args.current:
-        from benchmarks.current import current_page
-
         print(current_page(), end="")
         return
     if not args.specs:

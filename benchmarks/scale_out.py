@@ -51,12 +51,13 @@ def _allreduce_rank(rank: int, world: int, init_method: str, p2p: bool, out_path
     from graphserve.config import EngineConfig
     from graphserve.distributed.allreduce_choice import choose_all_reduce, detect_topology
     from graphserve.distributed.state import destroy_parallel, init_parallel
+    from graphserve.models.parallel_check import model_dtype
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     config = EngineConfig(model=MODEL, dtype="bfloat16", tp=world, device=f"cuda:{rank}")
     parallel = init_parallel(rank, world, 1, init_method, device)
-    table = choose_all_reduce(parallel, config, device)
+    table = choose_all_reduce(parallel, config, device, model_dtype(config))
     topology = detect_topology(list(range(world)))
     torch.cuda.synchronize()
     destroy_parallel()

@@ -72,10 +72,11 @@ def _step_rows(s: dict, device: torch.device, iters: int) -> list[dict]:
     from graphserve.engine.runner import ModelRunner
     from graphserve.layers.forward_batch import contiguous_batch
     from graphserve.models.loader import load_model
+    from graphserve.models.parallel_check import model_dtype
 
     config = EngineConfig(model=s["model"], dtype="bfloat16", tp=s["tp"], ep=s["ep"], max_model_len=CTX + 64,
                           disable_custom_all_reduce=not s["custom"], device=str(device))
-    maybe_enable_custom_all_reduce(get_parallel(), config, device)
+    maybe_enable_custom_all_reduce(get_parallel(), config, device, model_dtype(config))
     loaded = load_model(config, device)
     batches = s["batches"]
     runner = ModelRunner(config, loaded, max(batches) * -(-CTX // config.block_size) + 2, device)

@@ -8,7 +8,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "serve": ("graphserve.server.launch", "start the OpenAI-compatible HTTP server"),
+    "serve": ("graphserve.server.serve_command", "start the OpenAI-compatible HTTP server"),
     "router": ("graphserve.router.launch", "route requests over `serve` workers by their cached prefixes"),
     "bench": ("graphserve.bench.client", "run a load generator against a server"),
     "sweep": ("graphserve.bench.sweep", "concurrency sweep + scaling fit + report folder"),
@@ -61,8 +61,8 @@ def check_flags(name: str, parser: argparse.ArgumentParser, args: argparse.Names
                 f"server's flags where it is started: its own command line or --server-cmd)",
                 param=given[0].lstrip("-").replace("-", "_"))
     # --tp/--ep run (graphserve/distributed): a degree that does not split the model, or needs more GPUs than
-    # are visible, is refused when the command builds its EngineConfig (config.config_from_args), before
-    # any server binds its port
+    # are visible, is refused by models/parallel_check.check_parallel, which `serve` runs before it binds its
+    # port and every engine runs before it spawns a rank
 
 
 def _usage() -> str:

@@ -237,11 +237,6 @@ def config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
             if f.name == "cuda_graph_bs" and v is not None:
                 v = tuple(v)
             kw[f.name] = v
-    config = EngineConfig(model=model, **kw)
-    if config.tp > 1 or config.ep > 1:  # refused here, before a server binds its port or spawns a rank
-        from graphserve.distributed.validate import check_parallel
-
-        check_parallel(config)
-    return config
+    return EngineConfig(model=model, **kw)
 
 

@@ -10,8 +10,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from graphserve.kernels.fp8_quant import dequantize_blocks
+from graphserve.kernels.paged_kv import DUMMY_BLOCK
 from graphserve.layers.attention import TorchAttentionBackend
-from graphserve.layers.forward_batch import DUMMY_BLOCK, ForwardBatch
+from graphserve.layers.forward_batch import ForwardBatch
 from graphserve.models.synthetic_tokenizer import CHATML_TEMPLATE, build_synthetic_tokenizer
 
 

@@ -201,7 +201,7 @@ def test_fp8_checkpoint_dequantizes_the_indexer_and_matches_the_same_model_dequa
     from safetensors.torch import load_file, save_file
 
     from graphserve.kernels.fp8_quant import FP8_DTYPE, quantize_weight_blocks
-    from graphserve.layers.quant.checkpoint import quantize_checkpoint
+    from graphserve.models.fp8_checkpoint import quantize_checkpoint
 
     # q LoRA 32: the fused q-a / kv-a matmul's first part is whole 32-row blocks
     make_hf_checkpoint(tmp_path / "src", DeepseekV32Config(**{**_TINY, "q_lora_rank": 32}, num_hidden_layers=2,

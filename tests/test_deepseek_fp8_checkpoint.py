@@ -15,9 +15,9 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from graphserve.config import EngineConfig
 from graphserve.errors import ModelLoadError
 from graphserve.kernels.fp8_quant import FP8_DTYPE, dequantize_blocks, quantize_weight_blocks
-from graphserve.layers.quant.checkpoint import quantize_checkpoint
 from graphserve.layers.quant.config import DEQUANTIZED_AT_LOAD, Fp8Config
 from graphserve.layers.quant.dequant_at_load import dequantize_at_load
+from graphserve.models.fp8_checkpoint import quantize_checkpoint
 from graphserve.models.loader import load_model
 
 CPU = torch.device("cpu")

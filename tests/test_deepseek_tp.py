@@ -106,7 +106,7 @@ def test_v3_fp8_checkpoint_tp2_and_ep2_match_tp1(tmp_path):
     """A V3 FP8 checkpoint in 16x16 blocks, the smallest the FP8 kernels take (q_a 32 and kv_a 40 rows fused, q_b 48
     rows a rank, experts 16 rows a rank: whole blocks but kv_a's last): projections and experts cut with their
     scales, kv_b_proj dequantized whole and then cut by heads."""
-    from graphserve.layers.quant.checkpoint import quantize_checkpoint
+    from graphserve.models.fp8_checkpoint import quantize_checkpoint
 
     _save(tmp_path / "bf16", _v3(q_lora_rank=32))
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8", block=(16, 16))

@@ -19,7 +19,7 @@ from graphserve.errors import ModelLoadError
 from graphserve.kernels.fp4_reference import nvfp4_dequantize
 from graphserve.layers.linear import Linear
 from graphserve.layers.moe import FusedMoE
-from graphserve.layers.quant.fp4_checkpoint import quantize_checkpoint_nvfp4
+from graphserve.models.fp4_checkpoint import quantize_checkpoint_nvfp4
 from graphserve.models.loader import load_model
 
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ from tp_utils import generate_on_ranks
 from transformers import Qwen3MoeConfig
 
 from graphserve import SamplingParams
-from graphserve.layers.quant.fp4_checkpoint import quantize_checkpoint_nvfp4
+from graphserve.models.fp4_checkpoint import quantize_checkpoint_nvfp4
 
 PROMPTS = ["The quick brown fox jumps over", "nvfp4 ranks agree"]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -19,9 +19,9 @@ from graphserve.config import EngineConfig
 from graphserve.distributed import state
 from graphserve.errors import ModelLoadError
 from graphserve.kernels.fp8_quant import FP8_DTYPE
-from graphserve.layers.quant.checkpoint import quantize_checkpoint
 from graphserve.layers.quant.config import DEQUANTIZED_AT_LOAD, Fp8Config, parse_quantization_config
 from graphserve.layers.quant.dequant_at_load import dequantize_at_load
+from graphserve.models.fp8_checkpoint import quantize_checkpoint
 from graphserve.models.loader import load_model
 
 CPU = torch.device("cpu")

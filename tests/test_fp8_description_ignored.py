@@ -24,7 +24,6 @@ from graphserve.errors import ModelLoadError
 from graphserve.kernels.fp8_quant import FP8_DTYPE
 from graphserve.layers.linear import Linear
 from graphserve.layers.moe import FusedMoE
-from graphserve.layers.quant.checkpoint import quantize_checkpoint
 from graphserve.layers.quant.config import (
     EXPERT_PARTS,
     MODEL_DTYPE_LAYERS,
@@ -32,6 +31,7 @@ from graphserve.layers.quant.config import (
     quantized_description,
 )
 from graphserve.models import loader
+from graphserve.models.fp8_checkpoint import quantize_checkpoint
 from graphserve.models.loader import load_model
 from graphserve.models.registry import describe_model, hf_config_object, ignore_list, resolve_model_class
 

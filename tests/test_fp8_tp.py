@@ -16,10 +16,10 @@ from graphserve import SamplingParams
 from graphserve.kernels.fp8_quant import FP8_DTYPE, quantize_weight_blocks, quantize_weight_channels
 from graphserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from graphserve.layers.moe import FusedMoE, SoftmaxTopK
-from graphserve.layers.quant.checkpoint import quantize_checkpoint
 from graphserve.layers.quant.config import Fp8Config
 from graphserve.layers.quant.fp8 import Fp8LinearMethod
 from graphserve.layers.quant.fp8_moe import Fp8MoEMethod
+from graphserve.models.fp8_checkpoint import quantize_checkpoint
 
 BLOCK = (16, 16)  # every tp-2 part below is whole 16x16 blocks
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "a", "fp8 ranks agree on every token"]

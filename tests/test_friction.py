@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from graphserve.analysis.grid_compare import fit_quality
-from graphserve.analysis.report import fit_text
+from graphserve.analysis.report_text import fit_text
 from graphserve.analysis.scaling import fit_step_time
 from graphserve.cli import main
 

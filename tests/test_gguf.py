@@ -116,8 +116,8 @@ def test_serve_a_gguf_file(tmp_path):
 
 def test_tp_is_checked_against_the_files_metadata(tmp_path):
     from graphserve.config import EngineConfig
-    from graphserve.distributed.validate import check_parallel
     from graphserve.errors import ConfigError
+    from graphserve.models.parallel_check import check_parallel
 
     path = write_gguf(tmp_path / "tp.gguf")  # 4 heads, 2 KV heads
     with pytest.raises(ConfigError) as e:

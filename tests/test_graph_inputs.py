@@ -21,7 +21,8 @@ from graphserve.kernels.graph_inputs import (  # noqa: E402
     stage_decode_inputs,
     stage_decode_inputs_reference,
 )
-from graphserve.layers.forward_batch import DUMMY_BLOCK, ForwardBatch  # noqa: E402
+from graphserve.kernels.paged_kv import DUMMY_BLOCK  # noqa: E402
+from graphserve.layers.forward_batch import ForwardBatch  # noqa: E402
 
 DEVICE = kernel_device()
 ROWS, MAX_BLOCKS = 16, 37  # a width that is no power of two: the tail chunk is masked

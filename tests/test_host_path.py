@@ -17,7 +17,7 @@ from graphserve.engine.runner import ModelRunner
 from graphserve.engine.sampling_inputs import tensors_from_sequences
 from graphserve.engine.scheduler import Scheduler
 from graphserve.engine.seq_rows import SequenceRows
-from graphserve.layers.forward_batch import DUMMY_BLOCK
+from graphserve.kernels.paged_kv import DUMMY_BLOCK
 from graphserve.layers.kv_layout import KVLayout
 from graphserve.sampling_params import SamplingParams
 

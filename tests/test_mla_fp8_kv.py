@@ -12,12 +12,8 @@ from test_deepseek import VARIANTS, _checkpoint
 from graphserve import LLM, SamplingParams
 from graphserve.analysis.plan import build_plan, load_hf_config
 from graphserve.config import EngineConfig
-from graphserve.layers.mla_reference import (
-    absorbed_decode_batched,
-    expanded_attention,
-    gather_context,
-    write_latent_cache,
-)
+from graphserve.kernels.mla_prologue import write_latent_cache
+from graphserve.layers.mla_reference import absorbed_decode_batched, expanded_attention, gather_context
 from graphserve.models.loader import load_model
 
 CPU = torch.device("cpu")

@@ -22,7 +22,7 @@ from graphserve.config import EngineConfig
 from graphserve.errors import ModelLoadError
 from graphserve.kernels.fp8_quant import FP8_DTYPE
 from graphserve.layers.moe import FusedMoE
-from graphserve.layers.quant.checkpoint import quantize_checkpoint
+from graphserve.models.fp8_checkpoint import quantize_checkpoint
 from graphserve.models.loader import load_model
 
 CPU = torch.device("cpu")

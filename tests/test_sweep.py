@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_server import FakeServer  # noqa: E402
 
-from graphserve.bench import sweep  # noqa: E402
+from graphserve.bench import levels, sweep  # noqa: E402
 from graphserve.bench.server_grid import parse_grid, render_command  # noqa: E402
 from graphserve.errors import BadRequestError  # noqa: E402
 
@@ -51,7 +51,7 @@ def test_sweep_flags_a_break(tmp_path):
     # Steps jump by 15 ms above 4 requests; varied output lengths make the drains visit N = 5..7.
     with FakeServer("--a-ms", "20", "--b-ms", "2", "--break-at", "4", "--break-ms", "15") as url:
         args = _args("--base-url", url, "--random-range-ratio", "0.5", *LEVELS)
-        out = sweep.sweep_levels(args, url, [1, 2, 4, 8], str(tmp_path))
+        out = levels.sweep_levels(args, url, [1, 2, 4, 8], str(tmp_path))
     breaks = out["telemetry_fit"]["breaks"]
     assert len(breaks) == 1
     assert 4 <= breaks[0]["at_n"] <= 5 and breaks[0]["jump_ms"] == pytest.approx(15.0, abs=4.0)
@@ -94,7 +94,7 @@ def test_grid_parsing_and_placeholders():
     with pytest.raises(BadRequestError, match="placeholder"):
         render_command("srv {missing}", {}, "127.0.0.1", 1)
     assert sweep.parse_levels("8,1,2") == [1, 2, 8]
-    assert sweep.prompts_for_level(8, 16) == 40 and sweep.prompts_for_level(2, 16) == 16
+    assert levels.prompts_for_level(8, 16) == 40 and levels.prompts_for_level(2, 16) == 16
 
 
 def test_grid_on_the_real_cpu_server_with_profiles(tmp_path):
@@ -130,7 +130,7 @@ def test_host_share_is_the_median_launch_share_per_step_kind():
                {"kind": "decode", "step_ms": 10.0, "launch_ms": 2.0}, {"kind": "prefill", "step_ms": 15.0, "launch_ms": 14.7},
                {"kind": "decode", "step_ms": 0.0, "launch_ms": 1.0},  # no time: no share
                {"kind": "mixed", "step_ms": 9.0}]  # a server older than launch_ms
-    shares = sweep.host_share(records)
+    shares = levels.host_share(records)
     assert shares == {"decode": pytest.approx(0.2), "prefill": pytest.approx(0.98), "mixed": None}
     from graphserve.analysis.report import host_share_text
 

@@ -182,7 +182,7 @@ def test_a_dead_rank_fails_the_next_step_instead_of_hanging(tmp_path):
 
 
 def test_custom_all_reduce_buffer_takes_the_model_dtype():
-    from graphserve.distributed.custom_all_reduce import model_dtype
+    from graphserve.models.parallel_check import model_dtype
 
     assert model_dtype(EngineConfig(model="dummy:llama3-8b")) == torch.bfloat16  # the checkpoint's
     assert model_dtype(EngineConfig(model="dummy:llama3-8b", dtype="float16")) == torch.float16

@@ -19,7 +19,7 @@ def test_serve_tp2_answers_streams_and_fails_cleanly_when_a_rank_dies(tmp_path):
                         "--engine-death-grace", "10").start(timeout=300)
     try:
         engine = engine_child(srv)
-        ranks = [p for p in engine.children() if "graphserve.engine.ranks" in " ".join(p.cmdline())]
+        ranks = [p for p in engine.children() if "graphserve.engine.rank_main" in " ".join(p.cmdline())]
         assert len(ranks) == 1, "--tp 2: the engine process is rank 0 and starts one more"
         body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         ok = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=120)

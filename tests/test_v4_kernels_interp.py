@@ -61,7 +61,7 @@ def step_rows(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor, 
 
 
 def branches(kind: str) -> list[ref.CompressorBranch]:
-    """The layer's layout (layers/v4_attention.py): CSA's two overlapping series, HCA's one."""
+    """The layer's layout (models/deepseek_v4_attention.py): CSA's two overlapping series, HCA's one."""
     if kind == "csa":
         state = 4 * D + 4 * DI
         return [ref.CompressorBranch(0, 2 * D, state, D, True), ref.CompressorBranch(4 * D, 2 * DI, state + D, DI, True)]
@@ -119,7 +119,7 @@ HEADS, WINDOW, RATE = 5, 6, 4
 def test_compressed_indexer_scores_match_the_reference():
     gen, tables, row_seq, positions, _, rows, _, _ = attention_case(30, extend=True)
     t, hi = row_seq.shape[0], 3
-    key_at = 4 * D + 4 * DI + D  # CSA's indexer key, after the entry (layers/v4_attention.py)
+    key_at = 4 * D + 4 * DI + D  # CSA's indexer key, after the entry (models/deepseek_v4_attention.py)
     n = tables.shape[1] * PAGE // RATE  # the block tables hold a spare column: columns past every row
     q = torch.randn(t, hi, DI, generator=gen).to(DEVICE)
     weights = torch.randn(t, hi, generator=gen).to(DEVICE)

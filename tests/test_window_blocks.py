@@ -16,7 +16,7 @@ from graphserve.engine.memory import plan_memory
 from graphserve.engine.request import Sequence
 from graphserve.engine.scheduler import Scheduler
 from graphserve.errors import BadRequestError
-from graphserve.layers.forward_batch import DUMMY_BLOCK
+from graphserve.kernels.paged_kv import DUMMY_BLOCK
 from graphserve.layers.kv_layout import KVLayout
 
 BS, WINDOW = 4, 8

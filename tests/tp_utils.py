@@ -12,6 +12,7 @@ import pytest
 from graphserve import LLM, SamplingParams
 from graphserve.config import add_engine_args, config_from_args
 from graphserve.errors import ConfigError
+from graphserve.models.parallel_check import check_parallel
 
 # (layers, MoE layers) of a built model: where they are counted differs by architecture
 LayerCounts = Callable[[object], tuple[int, int]]
@@ -52,5 +53,5 @@ def refusal(folder: Path, *flags: str) -> ConfigError:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     with pytest.raises(ConfigError) as e:
-        config_from_args(parser.parse_args(list(flags)), str(folder))
+        check_parallel(config_from_args(parser.parse_args(list(flags)), str(folder)))
     return e.value

@@ -17,31 +17,22 @@ from typing import Any
 
 from graphserve.analysis.grid_compare import fit_quality, headline, labels
 from graphserve.analysis.report_html import render_html
-from graphserve.analysis.report_plots import plot_latency, plot_scaling, stat
-from graphserve.analysis.scaling import fit_from_sweep, line_text
+from graphserve.analysis.report_plots import plot_latency, plot_scaling
+from graphserve.analysis.report_text import COLUMNS, fit_text, point_row, ratio_text
+from graphserve.analysis.scaling import fit_from_sweep
 from graphserve.errors import BadRequestError
-
-COLUMNS = ("C", "achieved", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ok", "failed")
-
-
-def _row(p: Mapping[str, Any]) -> list[str]:
-    s = p.get("summary", {})
-    return [f"{p.get('concurrency', '-')}", f"{p.get('achieved_concurrency', float('nan')):.1f}",
-            f"{s.get('output_throughput', float('nan')):.1f}", f"{stat(s, 'ttft_ms', 'median'):.1f}",
-            f"{stat(s, 'ttft_ms', 'p99'):.1f}", f"{stat(s, 'tpot_ms', 'median'):.2f}", f"{stat(s, 'tpot_ms', 'p99'):.2f}",
-            f"{s.get('completed', '-')}", f"{s.get('failed', '-')}"]
 
 
 def format_table(points: Sequence[Mapping[str, Any]]) -> str:
     """Console table of sweep points (latencies in ms)."""
-    rows = [list(COLUMNS)] + [_row(p) for p in points]
+    rows = [list(COLUMNS)] + [point_row(p) for p in points]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 
 
 def _markdown_table(points: Sequence[Mapping[str, Any]]) -> str:
     rows = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    rows += ["| " + " | ".join(_row(p)) + " |" for p in points]
+    rows += ["| " + " | ".join(point_row(p)) + " |" for p in points]
     return "\n".join(rows)
 
 
@@ -72,29 +63,8 @@ def views(sweep: Mapping[str, Any]) -> list[dict]:
     return out
 
 
-def fit_text(fit: Mapping[str, Any] | None, quality: Mapping[str, Any] | None, error: str | None = None) -> str:
-    """The fit as a sentence: with its ceiling where it can be trusted, otherwise why it cannot."""
-    if not fit:
-        return f"no fit ({error})" if error else "no fit"
-    line = (f"step_time = {line_text(fit['a_ms'], fit['b_ms'])} (R² {fit['r2']:.2f}, "
-            f"b 95% CI [{fit['b_ci'][0]:.3f}, {fit['b_ci'][1]:.3f}])")
-    if quality and not quality["reliable"]:
-        return line + "; unreliable, no ceiling quoted: " + "; ".join(quality["reasons"])
-    if fit.get("asymptote_tok_s"):
-        line += f"; ceiling 1000/b = {fit['asymptote_tok_s']:.1f} tok/s"
-        if fit.get("ceiling_ci_tok_s"):
-            lo, hi = fit["ceiling_ci_tok_s"]
-            line += f" (95% CI [{lo:.0f}, {'∞' if hi is None else f'{hi:.0f}'}])"
-        line += f", 90% of it at N ≈ {fit['n_at_90pct']:.1f}"
-        if quality:
-            line += "; fit reliable (R², the slope's interval and the batch sizes seen all pass)"
-    for br in fit.get("breaks", []):
-        line += f"; regime break at N = {br['at_n']:g}: step jumps {br['jump_ms']:+.1f} ms (p = {br['p_value']:.1e})"
-    return line
-
-
 def host_share_text(shares: Mapping[str, float | None] | None) -> str | None:
-    """The telemetry's host share per step kind (bench/sweep.host_share) as one line; None without data."""
+    """The telemetry's host share per step kind (bench/levels.host_share) as one line; None without data."""
     known = {k: x for k, x in (shares or {}).items() if x is not None}
     if not known:
         return None
@@ -106,10 +76,6 @@ def host_share_text(shares: Mapping[str, float | None] | None) -> str | None:
 def doctor_text(d: Mapping[str, Any]) -> str:
     change = f"; change: {', '.join(d['flags'])}" if d["flags"] else ""
     return f"doctor [{d['severity']}]: {d['title']}{change}"
-
-
-def ratio_text(m: Mapping[str, Any] | None) -> str:
-    return "—" if not m else f"{m['ratio']:.2f}× [{m['ratio_ci'][0]:.2f}, {m['ratio_ci'][1]:.2f}]"
 
 
 def _markdown(sweep: Mapping[str, Any], vs: Sequence[Mapping[str, Any]]) -> str:

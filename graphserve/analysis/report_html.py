@@ -13,6 +13,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from graphserve.analysis.report_text import COLUMNS, fit_text, point_row, ratio_text
+
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1150px;margin:24px auto;padding:0 16px;
 color:#1d2330;line-height:1.45}
@@ -57,8 +59,6 @@ def _img(path: Path | None, alt: str) -> str:
 
 
 def _fit_html(label: str, fit: Mapping[str, Any] | None, quality: Mapping[str, Any] | None, error: str | None) -> str:
-    from graphserve.analysis.report import fit_text
-
     cls = ' class="unreliable"' if fit and quality and not quality["reliable"] else ""
     return f"<li><b>{escape(label)}</b>: <span{cls}>{escape(fit_text(fit, quality, error))}</span></li>"
 
@@ -98,8 +98,6 @@ def _answer(sweep: Mapping[str, Any], vs: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _comparison(sweep: Mapping[str, Any], paths: Mapping[str, Path]) -> str:
-    from graphserve.analysis.report import ratio_text
-
     rows = []
     for r in sweep.get("comparison") or []:
         m = r["metrics"]
@@ -123,9 +121,7 @@ def _comparison(sweep: Mapping[str, Any], paths: Mapping[str, Path]) -> str:
 
 
 def _points_table(points: Sequence[Mapping[str, Any]]) -> str:
-    from graphserve.analysis.report import COLUMNS, _row
-
-    return _table(list(COLUMNS), [_row(p) for p in points], text_cols=0)
+    return _table(list(COLUMNS), [point_row(p) for p in points], text_cols=0)
 
 
 def _configuration(v: Mapping[str, Any], single: bool, paths: Mapping[str, Path], source_dir: Path) -> str:

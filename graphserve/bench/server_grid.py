@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from graphserve.bench.levels import sweep_levels
 from graphserve.bench.scrape import healthy
 from graphserve.errors import bad_field
 
@@ -129,8 +130,6 @@ def diagnose_log(text: str) -> list[dict]:
 
 
 def run_configurations(args: argparse.Namespace, levels: list[int], output_dir: str, tokenizer: Any = None) -> list[dict]:
-    from graphserve.bench.sweep import sweep_levels
-
     host = "127.0.0.1"
     os.makedirs(output_dir, exist_ok=True)
     configs = []

@@ -254,8 +254,10 @@ def _agrees(impl: Any, group: Any, device: torch.device) -> bool:
     return _all_ranks(close(out), group, device)
 
 
-def choose_all_reduce(parallel: ParallelState, config: EngineConfig, device: torch.device) -> PathTable | None:
-    """Measure, choose and install the all-reduce path per size; every rank calls it at the same point."""
+def choose_all_reduce(parallel: ParallelState, config: EngineConfig, device: torch.device, dtype: torch.dtype
+                      ) -> PathTable | None:
+    """Measure, choose and install the all-reduce path per size; every rank calls it at the same point.
+    ``dtype``: the model's activations' (models/parallel_check.model_dtype), which the messages carry."""
     if not parallel.distributed:  # --ep alone all-reduces the experts' outputs over every rank too
         return None
     forced = forced_path()
@@ -267,10 +269,9 @@ def choose_all_reduce(parallel: ParallelState, config: EngineConfig, device: tor
         _log(table, Topology("cpu", f"{parallel.world_size} ranks over gloo/TCP, --nnodes={config.nnodes}"),
              f"tp={config.tp} ep={config.ep}, float32, eager")
         return table
-    from graphserve.distributed.custom_all_reduce import SymmMemAllReduce, _agrees_with_nccl, _all_ranks, model_dtype
+    from graphserve.distributed.custom_all_reduce import SymmMemAllReduce, _agrees_with_nccl, _all_ranks
     from graphserve.distributed.state import set_custom_all_reduce
 
-    dtype = model_dtype(config)
     per_node = parallel.world_size // config.nnodes
     first = (device.index or 0) - parallel.rank % per_node  # this node's GPUs, from its leader's
     local = list(range(first, first + per_node))

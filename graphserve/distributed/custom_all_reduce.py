@@ -116,18 +116,6 @@ def two_shot_reference(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [gathered.view(inputs[0].shape).clone() for _ in range(world)]
 
 
-def model_dtype(config: EngineConfig) -> torch.dtype:
-    """The dtype the model's activations will have on CUDA: the loader's own rule, read from config.json
-    before the model is loaded."""
-    from types import SimpleNamespace
-
-    from graphserve.distributed.validate import model_hf_config
-    from graphserve.models.loader import resolve_dtype
-
-    stored = model_hf_config(config.model) if config.dtype == "auto" else {}
-    return resolve_dtype(config.dtype, SimpleNamespace(**stored), torch.device("cuda"))
-
-
 def _agrees_with_nccl(impl: SymmMemAllReduce, group: Any, device: torch.device) -> bool:
     gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank(group))
     inputs = [torch.randn(rows, 1024, generator=gen, device=device).to(impl.dtype) for rows in (1, 7, 64)]
@@ -152,8 +140,10 @@ def _all_ranks(ok: bool, group: Any, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def maybe_enable_custom_all_reduce(parallel: ParallelState, config: EngineConfig, device: torch.device) -> None:
+def maybe_enable_custom_all_reduce(parallel: ParallelState, config: EngineConfig, device: torch.device,
+                                   dtype: torch.dtype) -> None:
     """Install the one-shot all-reduce for this rank's device group, or leave NCCL alone (said in the log).
+    ``dtype``: the model's activations' (models/parallel_check.model_dtype), which its buffer holds.
 
     Every rank calls it at the same point of start-up: the rendezvous and the check are collectives."""
     from graphserve.distributed.state import set_custom_all_reduce
@@ -164,7 +154,7 @@ def maybe_enable_custom_all_reduce(parallel: ParallelState, config: EngineConfig
     impl: SymmMemAllReduce | None = None
     reason = ""
     try:  # local steps only: every rank learns whether all could, before the collective rendezvous
-        impl = SymmMemAllReduce(group, device, model_dtype(config))
+        impl = SymmMemAllReduce(group, device, dtype)
     except Exception as e:  # noqa: BLE001 - no symmetric memory here: NCCL does every all-reduce
         reason = f"{type(e).__name__}: {e}"
     if _all_ranks(impl is not None, group, device):

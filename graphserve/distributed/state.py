@@ -79,6 +79,14 @@ def world_size_of(tp: int, ep: int) -> int:
     return max(tp, ep)
 
 
+def split_evenly(total: int, parts: int, what: str) -> int:
+    """``total / parts`` when it divides, else a ValueError naming the field and the values that work."""
+    if parts < 1 or total % parts:
+        ok = [p for p in range(1, min(total, 64) + 1) if total % p == 0]
+        raise ValueError(f"{what}={total} does not split over {parts} ranks: use one of {ok}")
+    return total // parts
+
+
 def init_parallel(rank: int, tp: int, ep: int, init_method: str, device: torch.device, store: Any = None
                   ) -> ParallelState:
     """Join the process group of ``max(tp, ep)`` ranks; NCCL for the device group on CUDA, else gloo.

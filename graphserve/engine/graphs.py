@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphserve.kernels.graph_inputs import DecodeInputs, check_buffers, pad_decode_rows, stage_checked
-from graphserve.layers.forward_batch import DUMMY_BLOCK, ForwardBatch
+from graphserve.kernels.paged_kv import DUMMY_BLOCK
+from graphserve.layers.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from graphserve.layers.attention_backend import AttentionBackend

@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING
 
-from graphserve.layers.forward_batch import DUMMY_BLOCK
+from graphserve.kernels.paged_kv import DUMMY_BLOCK
 
 if TYPE_CHECKING:
     from graphserve.engine.request import Sequence

@@ -13,7 +13,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from graphserve.distributed.nodes import NodeWatch, connect_store, exchange_flags, node_layout
-from graphserve.engine.ranks import RANK_FAILURE_EXIT, RankPool, rank_device
+from graphserve.engine.ranks import RANK_FAILURE_EXIT, RankPool, cpu_threads_per_rank, rank_device
+from graphserve.models.parallel_check import check_parallel
 
 if TYPE_CHECKING:
     from graphserve.config import EngineConfig
@@ -23,9 +24,7 @@ logger = logging.getLogger("graphserve.nodes")
 
 def run_node(config: EngineConfig) -> int:
     """Run this node's ranks until node 0 stops them; returns the process's exit code."""
-    from graphserve.distributed.validate import check_parallel
     from graphserve.engine.core import resolve_device
-    from graphserve.engine.parallel_driver import cpu_threads_per_rank
     from graphserve.engine.rank_worker import RankWorker
 
     layout = node_layout(config)

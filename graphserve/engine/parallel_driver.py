@@ -4,15 +4,16 @@ and at the end, stop them in the order that cannot hang (graphs, then ranks, the
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
 from graphserve.distributed.state import destroy_parallel, get_parallel, init_parallel, world_size_of
-from graphserve.distributed.validate import check_parallel
-from graphserve.engine.ranks import RankPool
+from graphserve.engine.rank_worker import release_runner
+from graphserve.engine.ranks import RankPool, cpu_threads_per_rank
+from graphserve.engine.step_sync import StepSender
 from graphserve.errors import ConfigError
+from graphserve.models.parallel_check import check_parallel, model_dtype
 
 if TYPE_CHECKING:
     from graphserve.config import EngineConfig
@@ -51,7 +52,7 @@ def start_ranks(config: EngineConfig, device: torch.device) -> RankPool | None:
         parallel = init_parallel(0, config.tp, config.ep, pool.init_method, device, store=store)
         from graphserve.distributed.allreduce_choice import choose_all_reduce
 
-        choose_all_reduce(parallel, config, device)
+        choose_all_reduce(parallel, config, device, model_dtype(config))
     except BaseException:
         stop_ranks(pool, None)
         raise
@@ -60,18 +61,9 @@ def start_ranks(config: EngineConfig, device: torch.device) -> RankPool | None:
     return pool
 
 
-def cpu_threads_per_rank(world: int) -> None:
-    """CPU ranks share the host's cores: without a split each would start one thread per core, and the
-    ranks' collectives would wait on threads the OS has descheduled."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-
-
 def stop_ranks(pool: RankPool, runner: ModelRunner | None) -> None:
     """Tell the ranks to stop (when they are alive and in the group), release this rank's graphs, wait
     for them, leave the group."""
-    from graphserve.engine.rank_worker import release_runner
-    from graphserve.engine.step_sync import StepSender
-
     if pool.node_watch is not None:  # from here on another node's exit is a departure, not a loss
         pool.node_watch.stop()
     if pool.failure is None and get_parallel().distributed and runner is not None:

@@ -20,8 +20,10 @@ import torch
 
 from graphserve.distributed.comm import agree
 from graphserve.distributed.state import destroy_parallel, init_parallel
+from graphserve.engine.ranks import cpu_threads_per_rank
 from graphserve.engine.runner import ModelRunner, cpu_kv_tokens
 from graphserve.layers.warmup_work import run_warmup_work
+from graphserve.models.parallel_check import model_dtype
 
 if TYPE_CHECKING:
     from graphserve.config import EngineConfig
@@ -67,13 +69,11 @@ class RankWorker:
 
         self.rank = rank
         if device.type == "cpu":
-            from graphserve.engine.parallel_driver import cpu_threads_per_rank
-
             cpu_threads_per_rank(max(config.tp, config.ep))
         parallel = init_parallel(rank, config.tp, config.ep, init_method, device, store=store)
         from graphserve.distributed.allreduce_choice import choose_all_reduce
 
-        choose_all_reduce(parallel, config, device)
+        choose_all_reduce(parallel, config, device, model_dtype(config))
         loaded = load_model(config, device)
         max_model_len = resolve_max_model_len(config, loaded.info)
         self.runner = start_runner(config, loaded, device, max_model_len).runner

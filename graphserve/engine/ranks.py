@@ -22,7 +22,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -78,7 +77,7 @@ class RankPool:
         self.procs: list[subprocess.Popen] = []
         level = logging.getLogger().getEffectiveLevel()
         for rank in ranks:
-            proc = subprocess.Popen([sys.executable, "-m", "graphserve.engine.ranks"], stdin=subprocess.PIPE)
+            proc = subprocess.Popen([sys.executable, "-m", "graphserve.engine.rank_main"], stdin=subprocess.PIPE)
             assert proc.stdin is not None
             local_device = rank_device(device, rank - ranks.start + 1)  # the node's GPUs, from its leader's
             proc.stdin.write(pickle.dumps((rank, config, self.init_method, str(local_device), level)))
@@ -142,30 +141,7 @@ class RankPool:
                 proc.stdin.close()
 
 
-def _exit_when_driver_dies() -> None:
-    sys.stdin.buffer.read()  # returns at end-of-file: the driver closed the pipe or died
-    os._exit(0)
-
-
-def worker_main() -> None:
-    """A rank other than the driver: join the group, load its shard, then run the driver's steps."""
-    # Ctrl-C reaches the whole process group: the driver decides what happens, then stops its ranks
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    rank, config, init_method, device_name, level = pickle.load(sys.stdin.buffer)
-    threading.Thread(target=_exit_when_driver_dies, name="graphserve-driver-watch", daemon=True).start()
-    logging.basicConfig(level=level, format=f"[%(asctime)s rank{rank}] %(message)s", force=True)
-    code = 0
-    try:
-        from graphserve.engine.rank_worker import RankWorker
-
-        RankWorker(rank, config, init_method, torch.device(device_name)).serve()
-    except BaseException:  # noqa: BLE001 - logged; the driver sees the exit code and fails the engine
-        logging.getLogger("graphserve.ranks").exception("rank %d failed", rank)
-        code = 1
-    logging.shutdown()
-    # skip interpreter teardown: it would wait on the thread reading stdin, CUDA or gloo threads
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    worker_main()
+def cpu_threads_per_rank(world: int) -> None:
+    """CPU ranks share the host's cores: without a split each would start one thread per core, and the
+    ranks' collectives would wait on threads the OS has descheduled."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

@@ -27,8 +27,9 @@ from graphserve.engine.graphs import GraphRunner, split_sizes
 from graphserve.engine.sampling_inputs import tensors_from_rows
 from graphserve.engine.seq_rows import BatchRows, SequenceRows
 from graphserve.engine.staging import HostStaging
+from graphserve.kernels.paged_kv import DUMMY_BLOCK
 from graphserve.layers.attention import TorchAttentionBackend
-from graphserve.layers.forward_batch import DUMMY_BLOCK, ForwardBatch
+from graphserve.layers.forward_batch import ForwardBatch
 from graphserve.layers.sampler import PendingSample, Sampler, SamplerOutput, SamplingTensors
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from graphserve.engine.sampling_inputs import knob_row
-from graphserve.layers.forward_batch import DUMMY_BLOCK
+from graphserve.kernels.paged_kv import DUMMY_BLOCK
 from graphserve.layers.sampler import NUM_FLOAT_KNOBS, NUM_INT_KNOBS
 
 if TYPE_CHECKING:

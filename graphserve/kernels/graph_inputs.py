@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.common import interpreting
+from graphserve.kernels.paged_kv import DUMMY_BLOCK
 from graphserve.kernels.pdl import pdl_args, pdl_enter
-from graphserve.layers.forward_batch import DUMMY_BLOCK
 
 INDEX_DTYPES = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
 

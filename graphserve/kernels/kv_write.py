@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.fp8_quant import FP8_MAX
+from graphserve.kernels.paged_kv import to_cache_dtype
 from graphserve.kernels.pdl import pdl_args, pdl_enter
-from graphserve.layers.kv_layout import to_cache_dtype
 
 E4M3_MAX: tl.constexpr = tl.constexpr(FP8_MAX)  # e4m3's largest finite value, 448
 
@@ -21,7 +21,7 @@ E4M3_MAX: tl.constexpr = tl.constexpr(FP8_MAX)  # e4m3's largest finite value, 4
 @triton.jit
 def cache_value(x, cache_ptr):
     """``x`` as the cache at ``cache_ptr`` stores it: cast to its dtype, an fp8 one (scale 1.0) clamped to +-448
-    first, so that it saturates as the PyTorch writes do (layers/kv_layout.to_cache_dtype) whether compiled or
+    first, so that it saturates as the PyTorch writes do (paged_kv.to_cache_dtype) whether compiled or
     interpreted (Triton's interpreter wraps out-of-range values)."""
     ty: tl.constexpr = cache_ptr.dtype.element_ty
     if ty.primitive_bitwidth == 8:

@@ -10,6 +10,9 @@ Rotated dims come out in the rotate-half layout whatever the input layout (layer
 Both cached parts are rounded to the model dtype (``kv_a``'s) as the PyTorch path computes them, then to
 the cache's: a no-op for a cache in the model dtype; for an fp8 cache (scale 1.0) clamped to +-448 first,
 as the PyTorch write saturates (layers/kv_layout.py), where Triton's interpreter would give NaN or wrap.
+
+The PyTorch reference is made of the CPU backend's own steps, kept here beside the kernel: ``rotate`` (the rope
+rotation, layers/mla_rope.py and the DSA indexer use it too) and ``write_latent_cache``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels.kv_write import cache_value
+from graphserve.kernels.paged_kv import to_cache_dtype
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 
@@ -121,15 +125,37 @@ def mla_prologue(
     )  # fmt: skip
 
 
+def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate ``x [T, n, D]`` by ``positions [T]`` (PyTorch, float32 math); returns the rotate-half layout.
+
+    ``cos_sin_cache`` ``[max_positions, D]``: cos of the D/2 angles then their sin, attention factor included.
+    """
+    half = x.shape[-1] // 2
+    xf = x.float()
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    else:
+        x1, x2 = xf[..., :half], xf[..., half:]
+    cs = cos_sin_cache.index_select(0, positions)
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def write_latent_cache(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store ``latent [T, r]`` and ``k_rope [T, d]`` at flat ``slots [T]`` of ``cache [blocks, page, 1, r + d]``."""
+    flat = cache.view(-1, cache.shape[-1])
+    rows = to_cache_dtype(torch.cat((latent, k_rope), dim=-1), cache.dtype)  # fp8: scale 1.0, saturating
+    if cache.dtype.itemsize == 1:
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    flat.index_copy_(0, slots, rows)
+
+
 def mla_prologue_reference(
     q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     norm_weight: torch.Tensor, eps: float, cache: torch.Tensor, slot_mapping: torch.Tensor, nope: int,
     interleaved: bool,
 ) -> None:  # fmt: skip
     """The same in PyTorch (the CPU backend's own steps), in place on ``q`` and ``cache``."""
-    from graphserve.layers.mla_reference import write_latent_cache
-    from graphserve.layers.mla_rope import rotate
-
     rope = q.shape[-1] - nope
     rank = kv_a.shape[1] - rope
     x = kv_a[:, :rank].float()

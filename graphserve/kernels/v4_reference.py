@@ -1,5 +1,5 @@
 """DeepSeek-V4's compression and attention maths in plain PyTorch: the reference of kernels/v4_compress.py and
-kernels/v4_attention.py, and the path the layer (layers/v4_attention.py) runs on the CPU.
+kernels/v4_attention.py, and the path the layer (models/deepseek_v4_attention.py) runs on the CPU.
 
 Compression. A compressed layer pools each group of ``m`` consecutive tokens (``m`` = the layer type's
 ``compress_rates``) into one entry: ``entry_w = rmsnorm(sum_j softmax_j(gate_j + bias_j) * kv_j)``, rotated at

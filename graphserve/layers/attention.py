@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphserve.kernels.paged_kv import to_cache_dtype
 from graphserve.layers.attention_backend import AttentionBackend
-from graphserve.layers.kv_layout import to_cache_dtype
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from graphserve.kernels.mla_prologue import write_latent_cache
 from graphserve.layers.dsa_indexer import DsaIndexer, DsaStep, dsa_ops
 from graphserve.layers.mla import MLAttention
-from graphserve.layers.mla_reference import write_latent_cache
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch

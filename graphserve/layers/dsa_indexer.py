@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from graphserve.layers.mla_rope import rotate
+from graphserve.kernels.mla_prologue import rotate
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch

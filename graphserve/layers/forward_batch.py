@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-if TYPE_CHECKING:
-    from graphserve.layers.attention import AttentionBackend
+from graphserve.kernels.paged_kv import DUMMY_BLOCK
 
-DUMMY_BLOCK = 0
+if TYPE_CHECKING:
+    from graphserve.layers.attention_backend import AttentionBackend
 
 Mode = Literal["prefill", "decode", "mixed"]
 

@@ -41,7 +41,7 @@ FP8 entries are stored with a per-tensor scale of 1.0 (vLLM's default without ca
 V, or the latent and the rope key, are rounded to the model dtype as without fp8, then cast on the
 write, saturating at +-448 (e4m3's largest finite value), and widened to the query's dtype as the
 attention kernels load them. The PyTorch writes and the MLA prologue clamp before the cast
-(``to_cache_dtype``): torch's cast saturates on CPU but gives NaN on CUDA, as Triton's interpreter does.
+(kernels/paged_kv.py's ``to_cache_dtype``): torch's cast saturates on CPU but gives NaN on CUDA, as Triton's interpreter does.
 Post-norm, post-rotary K and V and the RMS-normed latent sit far inside that range; what FP8 costs is
 e4m3's 3 mantissa bits, a relative rounding of at most 2^-4 per element.
 """
@@ -70,13 +70,6 @@ def with_cache_dtype(layout: KVLayout, name: str) -> KVLayout:
         return layout
     index = torch.uint8 if layout.index_layers else layout.index_dtype
     return dataclasses.replace(layout, dtype=KV_CACHE_DTYPES[name], index_dtype=index)
-
-
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as the cache stores it: into fp8 (scale 1.0) clamped to the format's largest finite value first."""
-    if dtype.itemsize == 1:
-        x = x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
-    return x.to(dtype)
 
 
 @dataclass(frozen=True)

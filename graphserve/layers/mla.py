@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from graphserve.distributed.state import split_evenly
+from graphserve.kernels.mla_prologue import write_latent_cache
 from graphserve.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
-from graphserve.layers.mla_reference import absorbed_decode_batched, expanded_attention, write_latent_cache
+from graphserve.layers.mla_reference import absorbed_decode_batched, expanded_attention
 from graphserve.layers.norm import RMSNorm
-from graphserve.models.description import split_evenly
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch

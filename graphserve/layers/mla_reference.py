@@ -23,17 +23,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphserve.layers.kv_layout import to_cache_dtype
-
-
-def write_latent_cache(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store ``latent [T, r]`` and ``k_rope [T, d]`` at flat ``slots [T]`` of ``cache [blocks, page, 1, r + d]``."""
-    flat = cache.view(-1, cache.shape[-1])
-    rows = to_cache_dtype(torch.cat((latent, k_rope), dim=-1), cache.dtype)  # fp8: scale 1.0, saturating
-    if cache.dtype.itemsize == 1:
-        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
-    flat.index_copy_(0, slots, rows)
-
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """``cache[blocks]`` in the cache's dtype, an fp8 cache gathered as bytes."""

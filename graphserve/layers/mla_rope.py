@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from graphserve.errors import ModelLoadError
+from graphserve.kernels.mla_prologue import rotate
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
@@ -90,22 +91,6 @@ def rope_inv_freq(dim: int, rope: dict[str, Any], max_position_embeddings: int) 
         return yarn_inv_freq(dim, rope, max_position_embeddings)
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
     return 1.0 / (float(rope["rope_theta"]) ** exponents), 1.0
-
-
-def rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate ``x [T, n, D]`` by ``positions [T]`` (PyTorch, float32 math); returns the rotate-half layout.
-
-    ``cos_sin_cache`` ``[max_positions, D]``: cos of the D/2 angles then their sin, attention factor included.
-    """
-    half = x.shape[-1] // 2
-    xf = x.float()
-    if interleaved:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    else:
-        x1, x2 = xf[..., :half], xf[..., half:]
-    cs = cos_sin_cache.index_select(0, positions)
-    cos, sin = cs[:, None, :half], cs[:, None, half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class DeepseekRotary(nn.Module):

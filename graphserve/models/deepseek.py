@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from graphserve.distributed.comm import all_reduce
-from graphserve.distributed.state import get_parallel
+from graphserve.distributed.state import get_parallel, split_evenly
 from graphserve.layers.embedding import VocabEmbedding
 from graphserve.layers.kv_layout import KVLayout
 from graphserve.layers.linear import (
@@ -47,7 +47,7 @@ from graphserve.layers.quant.config import DEQUANTIZED_AT_LOAD, parse_quantizati
 from graphserve.layers.quant.dequant_at_load import dequantize_at_load
 from graphserve.models.base import CausalLM, DecoderStack
 from graphserve.models.deepseek_shape import DeepseekShape, shape_from_config
-from graphserve.models.description import ModelDescription, Projection, layer_modules, split_evenly
+from graphserve.models.description import ModelDescription, Projection, layer_modules
 from graphserve.models.llama import mlp_projections
 from graphserve.models.moe import expert_param_name
 

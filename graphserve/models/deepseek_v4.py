@@ -1,6 +1,6 @@
 """DeepSeek-V4 (``DeepseekV4ForCausalLM``), as transformers' ``models/deepseek_v4`` specifies it.
 
-- attention (layers/v4_attention.py): one shared K=V latent head, partial interleaved rope, q LoRA, sinks, a
+- attention (models/deepseek_v4_attention.py): one shared K=V latent head, partial interleaved rope, q LoRA, sinks, a
   sliding window beside compressed entries per ``layer_types`` (CSA with its lightning indexer, HCA), a grouped
   low-rank output projection;
 - hyper-connections (layers/hyper_connection.py): ``hc_mult`` residual streams, Sinkhorn-mixed around each sublayer;
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphserve.distributed.state import get_parallel
+from graphserve.distributed.state import get_parallel, split_evenly
 from graphserve.errors import ModelLoadError
 from graphserve.layers.embedding import VocabEmbedding
 from graphserve.layers.hyper_connection import HyperConnection, HyperHead
@@ -40,11 +40,11 @@ from graphserve.layers.kv_layout import KVLayout
 from graphserve.layers.linear import Linear
 from graphserve.layers.moe import FusedMoE, Router
 from graphserve.layers.norm import RMSNorm
-from graphserve.layers.v4_attention import V4Attention
 from graphserve.models.base import CausalLM
+from graphserve.models.deepseek_v4_attention import V4Attention
 from graphserve.models.deepseek_v4_names import module_name
 from graphserve.models.deepseek_v4_shape import CSA, V4Shape, v4_shape_from_config
-from graphserve.models.description import ModelDescription, Projection, layer_modules, split_evenly
+from graphserve.models.description import ModelDescription, Projection, layer_modules
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch

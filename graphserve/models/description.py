@@ -259,11 +259,3 @@ class ModelDescription:
         peak = self.activation_bytes(max(sizes), context_tokens=context_tokens)
         outputs = sum(bs * (self.vocab_size * 4 + self.hidden_size * self.act_bytes_per_elem) for bs in sizes)
         return int(peak + outputs)
-
-
-def split_evenly(total: int, parts: int, what: str) -> int:
-    """``total / parts`` when it divides, else a ValueError naming the field and the values that work."""
-    if parts < 1 or total % parts:
-        ok = [p for p in range(1, min(total, 64) + 1) if total % p == 0]
-        raise ValueError(f"{what}={total} does not split over {parts} ranks: use one of {ok}")
-    return total // parts

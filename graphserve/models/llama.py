@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from graphserve.distributed.comm import all_reduce
-from graphserve.distributed.state import get_parallel
+from graphserve.distributed.state import get_parallel, split_evenly
 from graphserve.errors import ModelLoadError
 from graphserve.kernels.pdl import pdl_joined
 from graphserve.layers.attention import Attention
@@ -35,7 +35,7 @@ from graphserve.layers.linear import (
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
 from graphserve.models.base import CausalLM, DecoderStack
-from graphserve.models.description import ModelDescription, Projection, layer_modules, split_evenly
+from graphserve.models.description import ModelDescription, Projection, layer_modules
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch

@@ -21,14 +21,14 @@ import torch
 from torch import nn
 
 from graphserve.distributed.comm import all_reduce
-from graphserve.distributed.state import get_parallel
+from graphserve.distributed.state import get_parallel, split_evenly
 from graphserve.errors import ModelLoadError
 from graphserve.layers.linear import Linear, norm_linear
 from graphserve.layers.moe import FusedMoE, SoftmaxTopK, expert_split
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import RotaryEmbedding
 from graphserve.models.base import CausalLM
-from graphserve.models.description import ModelDescription, layer_modules, split_evenly
+from graphserve.models.description import ModelDescription, layer_modules
 from graphserve.models.llama import (
     _STACKED,
     LlamaAttention,

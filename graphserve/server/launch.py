@@ -1,10 +1,11 @@
-"""`graphserve serve MODEL`: build the app, run it under uvicorn, drain on SIGTERM/SIGINT.
+"""The server of `graphserve serve MODEL`: build the app, run it under uvicorn, drain on SIGTERM/SIGINT.
 
 Draining keeps the socket open so new requests get a 503 with Retry-After (a closed port looks like a
 crash to a load balancer), lets in-flight requests finish within ``--shutdown-timeout``, then fails the
 rest with an error event and exits 0; a second signal skips the drain and exits 1. The engine core runs in a
 process of its own (``--engine-in-process`` keeps it on a thread). ``ServerThread`` runs the same server,
-engine included, in-process on a thread. The flags and their checks are in serve_args.py.
+engine included, in-process on a thread. The flags and their checks are in serve_args.py, the command in
+serve_command.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import argparse
 import asyncio
 import logging
 import socket
-import sys
 import threading
 import time
 from typing import Any
@@ -21,18 +21,14 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from graphserve.config import EngineConfig, config_from_args
-from graphserve.errors import ConfigError, GraphserveError, ServiceUnavailableError, bad_field
+from graphserve.config import EngineConfig
+from graphserve.errors import ConfigError, ServiceUnavailableError, bad_field
+from graphserve.models.parallel_check import check_parallel
 from graphserve.server.app import create_app
 from graphserve.server.async_engine import AsyncEngine
 from graphserve.server.guards import MAX_HEAD_BYTES, GuardOptions, guarded_protocol
 from graphserve.server.metrics import ServerMetrics
 from graphserve.server.model_info import default_served_name
-from graphserve.server.serve_args import (
-    add_arguments,  # noqa: F401 - the `serve` command's flags (cli.py)
-    api_server_count,
-    guard_options,
-)
 from graphserve.server.state import ServerState
 from graphserve.server.steplog import JsonlStepSink, StepLogger
 
@@ -230,37 +226,6 @@ def serve_http(args: argparse.Namespace, state: ServerState, closers: list[Any],
     return 0
 
 
-def _check_host_memory(config: EngineConfig) -> None:
-    """Before the engine process spawns: a CPU model too large for this machine is refused within a second."""
-    from graphserve.engine.core import resolve_device
-    from graphserve.models.host_memory import check_host_memory
-
-    check_host_memory(config, resolve_device(config.device))
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
-    try:
-        config = config_from_args(args, args.model)
-        if config.node_rank > 0:  # ranks only: node 0 serves HTTP and schedules (engine/node.py)
-            from graphserve.engine.node import run_node
-
-            return run_node(config)
-        guards = guard_options(args)
-        _check_host_memory(config)
-        count = api_server_count(args.api_server_count, args.engine_in_process)
-        if count > 1:
-            from graphserve.server.api_servers import run_api_servers
-
-            return run_api_servers(args, config, guards, count)
-        state, closers = build_state_from_args(args, config)
-    except GraphserveError as exc:
-        print(f"graphserve serve: {exc.message}", file=sys.stderr)
-        return 2
-    logger.info("serving %s on http://%s:%d", config.model, args.host, args.port)
-    return serve_http(args, state, closers, guards)
-
-
 class ServerThread:
     """The whole server in-process on a background thread: ``with ServerThread(cfg) as s: s.base_url``."""
 
@@ -279,6 +244,7 @@ class ServerThread:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 600.0) -> ServerThread:
+        check_parallel(self.config)  # as `graphserve serve` does: a split that cannot run never takes a port
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))

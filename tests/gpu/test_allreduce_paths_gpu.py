@@ -31,7 +31,8 @@ def _rank(rank: int, init_method: str, forced: str, out: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     parallel = init_parallel(rank, 2, 1, init_method, device)
-    table = choose_all_reduce(parallel, EngineConfig(model="dummy:qwen3-0.6b", dtype="bfloat16", tp=2), device)
+    table = choose_all_reduce(parallel, EngineConfig(model="dummy:qwen3-0.6b", dtype="bfloat16", tp=2), device,
+                              torch.bfloat16)
     router = get_parallel().custom_all_reduce
     gen = torch.Generator(device=device).manual_seed(100 + rank)
     errors = {}

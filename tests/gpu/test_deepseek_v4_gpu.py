@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("release_engines")
 
 
 def branches(kind: str) -> list[ref.CompressorBranch]:
-    """layers/v4_attention.py's layout at the real shapes."""
+    """models/deepseek_v4_attention.py's layout at the real shapes."""
     if kind == "csa":
         state = 4 * D + 4 * DI
         return [ref.CompressorBranch(0, 2 * D, state, D, True), ref.CompressorBranch(4 * D, 2 * DI, state + D, DI, True)]

@@ -103,7 +103,7 @@ def test_nvfp4_checkpoint_on_cuda_matches_the_cpu_reference(tmp_path):
     from transformers import Qwen3MoeConfig
 
     from graphserve.config import EngineConfig
-    from graphserve.layers.quant.fp4_checkpoint import quantize_checkpoint_nvfp4
+    from graphserve.models.fp4_checkpoint import quantize_checkpoint_nvfp4
     from graphserve.models.loader import load_model
 
     config = Qwen3MoeConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,

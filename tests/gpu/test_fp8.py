@@ -56,9 +56,9 @@ from graphserve.kernels.fp8_reference import (  # noqa: E402
 from graphserve.kernels.qk_rope_kv import qk_norm_rope_kv_write, qk_norm_rope_kv_write_reference  # noqa: E402
 from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E402
 from graphserve.layers.linear import Linear, MergedLinear  # noqa: E402
-from graphserve.layers.quant.checkpoint import quantize_checkpoint  # noqa: E402
 from graphserve.layers.quant.config import Fp8Config  # noqa: E402
 from graphserve.layers.quant.fp8 import Fp8LinearMethod  # noqa: E402
+from graphserve.models.fp8_checkpoint import quantize_checkpoint  # noqa: E402
 from graphserve.models.loader import load_model  # noqa: E402
 
 DEV = torch.device("cuda")

@@ -76,7 +76,7 @@ def test_fp8_checkpoint_tp2_and_ep2_track_tp1_on_gpu(tmp_path):
     scale blocks of its part (experts 256 wide: 128 per rank). bf16 sums the ranks' partial products in
     another order than one GPU does, so a greedy token of a random model may flip where two logits nearly tie
     and the sequence then differs: every prompt's first token must agree, and most tokens."""
-    from graphserve.layers.quant.checkpoint import quantize_checkpoint
+    from graphserve.models.fp8_checkpoint import quantize_checkpoint
 
     config = Qwen2MoeConfig(vocab_size=320, hidden_size=256, num_hidden_layers=3, num_attention_heads=2,
                             num_key_value_heads=2, head_dim=128, max_position_embeddings=512, intermediate_size=512,

@@ -29,7 +29,7 @@ import torch
 
 from graphserve.errors import ModelLoadError
 from graphserve.kernels.fp4_reference import FP4_GROUPS
-from graphserve.layers.quant.config import IgnoreList
+from graphserve.layers.quant.ignore_list import IgnoreList
 
 HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's own file beside config.json
 # keys ModelOpt writes that change nothing here (who made the checkpoint; config_groups restates algo and group size,

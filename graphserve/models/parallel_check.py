@@ -1,16 +1,23 @@
-"""``--tp``/``--ep`` checked against the model before anything starts (the server calls this before it
-binds its port): the family's own ``describe`` splits heads, KV heads, intermediate sizes and experts,
-and a split that does not divide is refused naming the field and the sizes that would work."""
+"""What a model source says before its weights load: its config.json, its activations' dtype, and whether
+``--tp``/``--ep`` split it. ``check_parallel`` runs before anything starts (``graphserve serve`` calls it before it
+binds its port, the engine before it spawns a rank): the family's own ``describe`` splits heads, KV heads,
+intermediate sizes and experts, and a split that does not divide is refused naming the field and the sizes
+that would work."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from graphserve.errors import ConfigError, ModelLoadError
 
+# The HTTP front-end imports this module (server/serve_command.py) and never imports torch: torch, the families,
+# the loader and Triton behind them (seconds of imports) load inside the functions, when a split is checked.
 if TYPE_CHECKING:
+    import torch
+
     from graphserve.config import EngineConfig
 
 
@@ -32,6 +39,17 @@ def model_hf_config(source: str) -> dict[str, Any]:
     if not path.is_file():
         raise ModelLoadError(f"config.json is missing from model folder {folder}", param="model")
     return json.loads(path.read_text())
+
+
+def model_dtype(config: EngineConfig) -> torch.dtype:
+    """The dtype the model's activations will have on CUDA: the loader's own rule, read from config.json
+    before the model is loaded."""
+    import torch
+
+    from graphserve.models.loader import resolve_dtype
+
+    stored = model_hf_config(config.model) if config.dtype == "auto" else {}
+    return resolve_dtype(config.dtype, SimpleNamespace(**stored), torch.device("cuda"))
 
 
 def check_parallel(config: EngineConfig) -> None:

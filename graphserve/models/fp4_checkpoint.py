@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from graphserve.kernels.fp4_reference import E2M1_MAX, E4M3_MAX, nvfp4_quantize
-from graphserve.layers.quant.checkpoint import is_projection
+from graphserve.models.fp8_checkpoint import is_projection
 from graphserve.models.weights import iter_safetensors, safetensors_files
 
 

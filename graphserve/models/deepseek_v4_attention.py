@@ -18,6 +18,8 @@ top-k, and kernels/v4_attention.py attends over window + entries + sinks, split 
 extend alike: each row gathers its own keys (a batched gather, one program per row and head block), so an extend
 chunk is the same launch with more rows. Padding rows of a graph batch sit at position 0 on the dummy block: they
 close no group and write only the dummy block's first slot.
+It is built from the family's V4Shape (deepseek_v4_shape.py), so it sits beside the family rather than among
+the shared layers.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from torch import nn
 
 from graphserve.kernels import v4_reference as ref
 from graphserve.kernels.dsa_reference import token_rows, topk_indices
+from graphserve.kernels.paged_kv import to_cache_dtype
 from graphserve.kernels.v4_reference import CompressorBranch, rope_trailing
 from graphserve.layers.hyper_connection import Float32Params
-from graphserve.layers.kv_layout import to_cache_dtype
 from graphserve.layers.linear import Linear
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import rope_tables
