@@ -48,8 +48,7 @@ class LLM:
         added: list[str] = []
         try:
             for r in requests:
-                self.engine.core.add_request(r)
-                self.engine.output_processor.add(r)
+                self.engine.add_processed(r)
                 added.append(r.request_id)
         except BaseException:
             for rid in added:

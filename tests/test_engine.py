@@ -182,7 +182,7 @@ def test_logprobs(make_llm, prompts, alone):
 
 def test_abort_frees_blocks_and_reports_abort(make_llm, prompts):
     engine = make_llm().engine
-    engine.output_processor.stream = True  # outputs of unfinished requests too, as a server sees them
+    engine.stream_outputs = True  # outputs of unfinished requests too, as a server sees them
     engine.add_request("a", {"prompt_token_ids": prompts[1]}, GREEDY)
     engine.add_request("b", {"prompt_token_ids": prompts[2]}, GREEDY)
     delivered = [o for _ in range(3) for o in engine.step() if o.request_id == "a"]
@@ -246,7 +246,7 @@ def test_penalties_beside_plain_requests_match_each_request_alone(make_llm, mode
 
 def test_overlap_schedule_keeps_one_step_in_flight(make_llm, prompts):
     engine = make_llm().engine
-    engine.output_processor.stream = True
+    engine.stream_outputs = True
     engine.add_request("a", {"prompt_token_ids": prompts[0]}, GREEDY)
     first = engine.step()
     overlap = engine.core.overlap

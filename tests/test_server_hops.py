@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import torch
 
+from graphserve.engine.output_processor import OutputProcessor
 from graphserve.engine.request import CoreOutput, EngineRequest
 from graphserve.models.loader import load_tokenizer
 from graphserve.sampling_params import SamplingParams
 from graphserve.server import engine_loop
 from graphserve.server.core_driver import CoreDriver
-from graphserve.server.deltas import DeltaProcessor
 from graphserve.server.engine_messages import AddRequests, Shutdown, StepBatch
 from graphserve.server.engine_process import EngineChannel, EngineLink
 from graphserve.server.output_pump import OutputPump
@@ -78,15 +78,15 @@ def test_request_path_is_event_driven_for_each_front_end(monkeypatch, tokenizer)
     got: list[asyncio.Queue] = []
     links = []
     for i, (r, _) in enumerate(pipes):
-        processor = DeltaProcessor(tokenizer)
+        processor = OutputProcessor(tokenizer)
         arrived: asyncio.Queue = asyncio.Queue()
         got.append(arrived)
 
-        def deliver(deltas: list, _aborts: list, _failed: dict, arrived: asyncio.Queue = arrived) -> None:
+        def deliver(deltas: list, _failed: dict, arrived: asyncio.Queue = arrived) -> None:
             for d in deltas:
                 arrived.put_nowait((time.monotonic(), d))
 
-        pump = OutputPump(processor, loop, deliver, lambda ids: None)
+        pump = OutputPump(processor, loop, deliver)
 
         def on_message(msg: Any, pump: OutputPump = pump) -> None:
             if isinstance(msg, StepBatch):

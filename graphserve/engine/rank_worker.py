@@ -59,7 +59,7 @@ def release_runner(runner: ModelRunner) -> None:
 
 class RankWorker:
     def __init__(self, rank: int, config: EngineConfig, init_method: str, device: torch.device) -> None:
-        from graphserve.engine.processor import resolve_max_model_len
+        from graphserve.engine.input_processor import resolve_max_model_len
         from graphserve.models.loader import load_model
 
         self.rank = rank

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from graphserve.config import EngineConfig
+from graphserve.engine.output_processor import OutputProcessor, RequestDelta
 from graphserve.errors import (
     BadRequestError,
     GraphserveError,
@@ -31,7 +32,6 @@ from graphserve.errors import (
 )
 from graphserve.sampling_params import SamplingParams
 from graphserve.server.core_driver import FAULT_ENV, CoreDriver
-from graphserve.server.deltas import DeltaProcessor, RequestDelta
 from graphserve.server.engine_events import EngineEvents
 from graphserve.server.engine_messages import AbortRequests, AddRequests, FlushPrefixCache
 from graphserve.server.engine_process import EngineChannel, EngineLink, EngineProcess
@@ -68,7 +68,7 @@ class AsyncEngine:
         self._thread = None if self.separate_process else EngineThread(self)
         self._process: EngineProcess | EngineLink | None = None
         self._pump: OutputPump | None = None
-        self._processor: DeltaProcessor | None = None
+        self._processor: OutputProcessor | None = None
         self._streams: dict[str, RequestStream] = {}  # engine id -> stream; loop thread only
         self._client_ids: dict[str, str] = {}  # in-flight client rid -> engine id
         self._ids = itertools.count()
@@ -134,12 +134,12 @@ class AsyncEngine:
         return None if self._thread is None else self._thread.driver
 
     def _serving(self, core: Any, num_usable_blocks: int, block_size: int) -> None:
-        from graphserve.engine.processor import InputProcessor
+        from graphserve.engine.input_processor import InputProcessor
 
         self.input_processor = InputProcessor(core.tokenizer, core.info, self.config, (num_usable_blocks, block_size))
-        self._processor = DeltaProcessor(core.tokenizer)
+        self._processor = OutputProcessor(core.tokenizer)
         assert self._loop is not None
-        self._pump = OutputPump(self._processor, self._loop, self._deliver, self._send_aborts)
+        self._pump = OutputPump(self._processor, self._loop, self._deliver)
         self._kv_blocks = (num_usable_blocks, block_size)
         self.core = core
 
@@ -273,8 +273,8 @@ class AsyncEngine:
             self.abort(rid, error)
         return len(ids)
 
-    def _deliver(self, deltas: list[RequestDelta], to_abort: list[str], failed: dict[str, str]) -> None:
-        """Loop thread: fan the output thread's deltas out to the streams (its stop-string aborts already went)."""
+    def _deliver(self, deltas: list[RequestDelta], failed: dict[str, str]) -> None:
+        """Loop thread: fan the output thread's deltas out to the streams."""
         for rid, message in failed.items():
             self.abort(rid, InternalError(f"engine fault while running request {rid}: {message}"))
         for d in deltas:

@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from graphserve.config import EngineConfig
+from graphserve.engine.step_outputs import StepOutputs
 from graphserve.server.engine_messages import (
     AbortRequests,
     AddRequests,
@@ -35,7 +36,6 @@ from graphserve.server.engine_messages import (
     Shutdown,
     StepBatch,
 )
-from graphserve.server.step_outputs import StepOutputs
 
 logger = logging.getLogger("graphserve.server")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphserve.engine.step_outputs import StepOutputs
 from graphserve.engine.telemetry import Telemetry
-from graphserve.server.step_outputs import StepOutputs
 
 # -- server -> engine ----------------------------------------------------------------------------------------
 

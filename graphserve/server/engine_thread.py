@@ -11,8 +11,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from graphserve.engine.step_outputs import StepOutputs
 from graphserve.server.core_driver import CoreDriver
-from graphserve.server.step_outputs import StepOutputs
 
 if TYPE_CHECKING:
     from graphserve.server.async_engine import AsyncEngine

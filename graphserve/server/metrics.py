@@ -24,8 +24,8 @@ from prometheus_client import multiprocess as prometheus_multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from graphserve.engine.output_processor import RequestDelta
 from graphserve.engine.telemetry import StepRecord
-from graphserve.server.deltas import RequestDelta
 
 PREFIX = "graphserve:"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"

@@ -15,8 +15,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from graphserve.engine.output_processor import RequestDelta
 from graphserve.errors import GraphserveError
-from graphserve.server.deltas import RequestDelta
 
 if TYPE_CHECKING:
     from graphserve.server.async_engine import AsyncEngine

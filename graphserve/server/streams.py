@@ -18,11 +18,11 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from graphserve.engine.output_processor import ChoiceDelta, RequestDelta
 from graphserve.errors import BadRequestError, GraphserveError, InternalError
 from graphserve.outputs import CompletionOutput, TokenLogprob
 from graphserve.sampling_params import SamplingParams
 from graphserve.server.async_engine import AsyncEngine
-from graphserve.server.deltas import ChoiceDelta, RequestDelta
 from graphserve.server.errors import sse_error_event
 from graphserve.server.metrics import RequestTimer, ServerMetrics
 from graphserve.server.request_stream import RequestStream

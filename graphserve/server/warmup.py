@@ -120,6 +120,7 @@ class _Driver:
 def warm_up(core: Any) -> dict[str, float]:
     """Run the warm-up on ``core`` (idle, just built); returns what it ran, for the ready log line."""
     t0 = time.perf_counter()
+    core.stop_checker.prepare()  # the token table of the stop-string check: built now, not in a serving step
     d = _Driver(core)
     cfg = core.config
     max_prompt = core.max_model_len - 8
