@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from graphserve.config import EngineConfig
-from graphserve.server import compile_watch
+from graphserve.engine import compile_watch
 
 MODEL = "builtin:tiny-llama"
 

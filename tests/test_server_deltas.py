@@ -155,7 +155,7 @@ def test_an_error_naming_a_field_reaches_the_client_as_a_400_and_counts_as_an_ab
 
     async def run() -> None:
         eng = AsyncEngine(EngineConfig(model="builtin:tiny-llama"))
-        eng._send_aborts = lambda ids: None  # no engine behind it
+        eng.client.abort = lambda ids: None  # no engine behind it
         aborted: list[tuple[str, object]] = []
         eng.on_abort = lambda rid, err: aborted.append((rid, err))
         streams = {}

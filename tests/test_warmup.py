@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from graphserve.config import EngineConfig
+from graphserve.engine import warmup
 from graphserve.engine.core import EngineCore
-from graphserve.server import warmup
 
 MODEL = "builtin:tiny-llama"
 SMALL = dict(max_model_len=512, num_kv_tokens=8192)

@@ -1,6 +1,6 @@
-"""What the engine process tells a front-end, applied to the front-end's AsyncEngine.
+"""What the engine tells a front-end, applied to the front-end's AsyncEngine.
 
-The reader thread of the engine's pipe (engine_process.py) calls these, off the event loop: step outputs go
+A thread of the engine client (engine/client.py) calls these, off the event loop: step outputs go
 to the output thread and the step records to the telemetry listeners from here; the engine's death reaches
 the loop through ``call_soon_threadsafe``.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from graphserve.engine.messages import CoreView, EngineLoadFailed, EngineReady, ProfileSteps, StepBatch
 from graphserve.errors import InternalError, ModelLoadError
-from graphserve.server.engine_messages import CoreView, EngineLoadFailed, EngineReady, ProfileSteps, StepBatch
 
 if TYPE_CHECKING:
     from graphserve.server.async_engine import AsyncEngine
@@ -20,7 +20,7 @@ logger = logging.getLogger("graphserve.server")
 
 
 class EngineEvents:
-    """The message and exit handlers an EngineProcess or EngineLink is built with, for ``engine``."""
+    """The message and exit handlers the engine client is built with, for ``engine``."""
 
     def __init__(self, engine: AsyncEngine):
         self.engine = engine

@@ -1,4 +1,6 @@
-"""The engine process's side: load, warm up, report ready, then loop ``core.step()`` for one or more front-ends.
+"""The engine's serve loop: load, warm up, report ready, then loop ``core.step()`` for one or more front-ends,
+in an engine process of its own (``engine_main``, process_client.py) or on a thread of the server's
+(thread_client.py).
 
 Every HTTP front-end process puts its requests on one shared queue (tagged with its index) and reads its
 own pipe. Each iteration's outputs are split by owner into one ``StepBatch`` per front-end (flat columns,
@@ -25,8 +27,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from graphserve.config import EngineConfig
-from graphserve.engine.step_outputs import StepOutputs
-from graphserve.server.engine_messages import (
+from graphserve.engine.core_driver import CoreDriver
+from graphserve.engine.messages import (
     AbortRequests,
     AddRequests,
     EngineLoadFailed,
@@ -36,8 +38,9 @@ from graphserve.server.engine_messages import (
     Shutdown,
     StepBatch,
 )
+from graphserve.engine.step_outputs import StepOutputs
 
-logger = logging.getLogger("graphserve.server")
+logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 1.0  # an idle engine blocks on its queue this long, then checks that its parent is alive
 # After its last step a GPU engine polls its queue without sleeping for this long before it blocks: a host
@@ -51,7 +54,7 @@ IDLE_SPIN_S = 2.0
 SWITCH_INTERVAL_S = 0.0005
 
 
-class _Sender:
+class Sender:
     """Writes batches to one front-end's pipe on a thread of its own; ``put`` merges into the pending batch
     and returns. Every other engine -> front-end message goes through ``send_message``: one writer thread,
     so messages never interleave on the pipe, and each goes out after the batches put before it."""
@@ -170,47 +173,64 @@ class OutputRouter:
 
 def engine_main(config: EngineConfig, inbox: Any, outboxes: list[Connection], log_level: int,
                 log_format: str | None, queued: Any) -> None:
-    """The engine process: load the model, warm up, report ready to every front-end, then serve iterations
-    until Shutdown (or until no front-end is left)."""
+    """The engine process: serve its front-ends (``run_engine``) until Shutdown, or until none is left."""
     logging.basicConfig(level=log_level, format=log_format or logging.BASIC_FORMAT, force=True)
     # Ctrl-C (and a service manager's SIGTERM) reach the whole process group: the server drains its requests,
     # then sends Shutdown. A server that dies without doing so is noticed through the queue and the pipes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    senders = [Sender(outbox, i) for i, outbox in enumerate(outboxes)]
+    try:
+        run_engine(config, inbox, senders, queued, own_process=True)
+    finally:
+        for sender in senders:
+            sender.close()
+
+
+def run_engine(config: EngineConfig, inbox: Any, senders: list[Sender], queued: Any, own_process: bool,
+               on_driver: Callable[[CoreDriver], None] | None = None) -> None:
+    """Load the model, warm up, report ready through every sender, then serve iterations until Shutdown.
+    ``own_process``: this process is the engine's alone, so its heap is frozen once loaded (gc_clock.py).
+    ``on_driver`` gets the driver before the first iteration (the in-process client keeps it)."""
+    from graphserve.engine.compile_watch import watch_compiles
     from graphserve.engine.core import EngineCore
     from graphserve.engine.gc_clock import freeze_heap
-    from graphserve.server.compile_watch import watch_compiles
-    from graphserve.server.core_driver import CoreDriver
-    from graphserve.server.warmup import warm_up
+    from graphserve.engine.warmup import warm_up
 
+    watch = None
     try:
         watch = watch_compiles(config)
         core = EngineCore(config)
         warm = warm_up(core)
-    except BaseException as exc:  # noqa: BLE001 - reported to the server, which exits non-zero
+    except BaseException as exc:  # noqa: BLE001 - reported to the front-ends, whose launcher exits non-zero
         logger.exception("engine failed to load %s", config.model)
-        for outbox in outboxes:
-            outbox.send(EngineLoadFailed(f"{type(exc).__name__}: {getattr(exc, 'message', None) or exc}"))
-        return
-    logger.info("warm-up finished: %d requests, %d steps, %d prefill lengths, decode sizes up to %d in %.2f s",
-                warm["requests"], warm["steps"], warm["prefill_lengths"], warm["decode_sizes"], warm["seconds"])
-    if watch is not None:
-        watch.ready()
-    freeze_heap()  # what lives now lives as long as this process: the collector need not walk it again
-    records: list[Any] = []
-    core.telemetry.add_listener(records.append)
-    bm = core.block_manager
-    ready = EngineReady(core.info, core.chat_template, core.max_model_len, bm.num_usable_blocks, bm.block_size,
-                        core.stats(), warm)
-    for outbox in outboxes:
-        outbox.send(ready)
-    senders = [_Sender(outbox, i) for i, outbox in enumerate(outboxes)]
-    try:
-        serve(core, CoreDriver(core), inbox, senders, records, queued)
-    finally:
         for sender in senders:
-            sender.close()
+            sender.send_message(EngineLoadFailed(f"{type(exc).__name__}: {getattr(exc, 'message', None) or exc}"))
+        if watch is not None:
+            watch.close()
+        return
+    try:
+        logger.info("warm-up finished: %d requests, %d steps, %d prefill lengths, decode sizes up to %d in %.2f s",
+                    warm["requests"], warm["steps"], warm["prefill_lengths"], warm["decode_sizes"], warm["seconds"])
+        if watch is not None:
+            watch.ready()
+        if own_process:
+            freeze_heap()  # what lives now lives as long as this process: the collector need not walk it again
+        records: list[Any] = []
+        core.telemetry.add_listener(records.append)
+        bm = core.block_manager
+        ready = EngineReady(core.info, core.chat_template, core.max_model_len, bm.num_usable_blocks, bm.block_size,
+                            core.stats(), warm)
+        for sender in senders:
+            sender.send_message(ready)
+        driver = CoreDriver(core)
+        if on_driver is not None:
+            on_driver(driver)
+        serve(core, driver, inbox, senders, records, queued, idle_spin=own_process)
+    finally:  # the compile hook is process-wide: an in-process engine's ends with it
+        if watch is not None:
+            watch.close()
 
 
 def spin_until_message(inbox: Any, seconds: float) -> bool:
@@ -222,11 +242,13 @@ def spin_until_message(inbox: Any, seconds: float) -> bool:
     return False
 
 
-def serve(core: Any, driver: Any, inbox: Any, senders: list[_Sender], records: list[Any], queued: Any) -> None:
+def serve(core: Any, driver: Any, inbox: Any, senders: list[Sender], records: list[Any], queued: Any,
+          idle_spin: bool = True) -> None:
+    """``idle_spin=False``: never poll without sleeping (an engine on a thread would hold its server's GIL)."""
     parent = multiprocessing.parent_process()
     router = OutputRouter(len(senders))
     waiting = 0  # sequences the core held waiting after the previous iteration
-    spin_s = IDLE_SPIN_S if core.device.type == "cuda" else 0.0
+    spin_s = IDLE_SPIN_S if core.device.type == "cuda" and idle_spin else 0.0
     worked = False  # the previous iteration ran a step: spin before blocking
     while not all(s.broken for s in senders):
         messages = []

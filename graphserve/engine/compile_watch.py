@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-logger = logging.getLogger("graphserve.server")
+logger = logging.getLogger(__name__)
 
 
 class CompileWatch:

@@ -35,7 +35,7 @@ from typing import Any
 from graphserve.engine.request import EngineRequest
 from graphserve.sampling_params import SamplingParams
 
-logger = logging.getLogger("graphserve.server")
+logger = logging.getLogger(__name__)
 
 WARMUP_PREFIX = "warmup-"
 # CPU runs plain PyTorch: no graphs, no JIT to pay for. A short pass runs each code path once (prefill,
