@@ -2,8 +2,8 @@
 needs no second process.
 
 The thread runs the serve loop an engine process runs (serve_loop.run_engine), fed from a queue of the same
-messages; the core has no locks, so only that thread touches it. Its messages back go through a sender
-thread, as an engine process's go through its pipe, so ``on_message`` never runs on the engine's thread.
+messages; the core has no locks, so only that thread touches it. Its messages back reach ``on_message`` on
+that thread: ``on_message`` hands step outputs to the output thread and returns.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from graphserve.config import EngineConfig
 from graphserve.engine.client import MessageClient, OnExit, OnMessage
-from graphserve.engine.messages import Shutdown
+from graphserve.engine.messages import Shutdown, StepBatch
 
 if TYPE_CHECKING:
     from graphserve.engine.core_driver import CoreDriver
@@ -35,11 +35,24 @@ class LocalCount:
         return self._lock
 
 
-class _Deliver:
-    """The ``send`` end that a serve-loop sender writes to: it hands each message straight to ``on_message``."""
+class DirectSender:
+    """The serve loop's sender for an engine on a thread: each batch and message goes to ``on_message`` on the
+    engine's thread, with no thread between (an engine process needs one for its pipe; here ``on_message`` only
+    appends to the output thread's queue and runs the step listeners, as the core's own listeners would)."""
+
+    broken = False
 
     def __init__(self, on_message: OnMessage):
-        self.send = on_message
+        self._on_message = on_message
+
+    def put(self, batch: StepBatch) -> None:
+        self._on_message(batch)
+
+    def send_message(self, message: object) -> None:
+        self._on_message(message)
+
+    def close(self, timeout: float = 5.0) -> None:
+        pass
 
 
 class ThreadClient(MessageClient):
@@ -78,11 +91,11 @@ class ThreadClient(MessageClient):
         self.driver = driver
 
     def _run(self) -> None:
-        from graphserve.engine.serve_loop import Sender, run_engine
+        from graphserve.engine.serve_loop import run_engine
 
-        sender = Sender(_Deliver(self._on_message))  # type: ignore[arg-type]  # a Connection's send is all it uses
+        sender = DirectSender(self._on_message)
         try:
-            run_engine(self.config, self._inbox, [sender], self.queued, own_process=False,
+            run_engine(self.config, self._inbox, [sender], self.queued, own_process=False,  # type: ignore[list-item]
                        on_driver=self._keep_driver)
         except BaseException:  # noqa: BLE001 - a fault outside any step: the engine is gone, the front-end is told
             logger.exception("the engine thread failed")
