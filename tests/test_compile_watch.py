@@ -1,4 +1,4 @@
-"""server/compile_watch.py: how Triton specialized a kernel, what sets a late compile apart, and that only
+"""engine/compile_watch.py: how Triton specialized a kernel, what sets a late compile apart, and that only
 compiles after ready are reported."""
 
 from __future__ import annotations

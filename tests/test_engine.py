@@ -17,7 +17,7 @@ from model_utils import make_hf_checkpoint
 from transformers import LlamaConfig
 
 from graphserve import LLM, SamplingParams
-from graphserve.engine.engine import LLMEngine
+from graphserve.engine.offline import OfflineDriver
 
 NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -87,7 +87,7 @@ def test_chunked_prefill_at_16(make_llm, prompts, alone):
 
 
 def test_staggered_arrival_continuous_batching(make_llm, prompts, alone):
-    engine: LLMEngine = make_llm(chunked_prefill_size=16).engine
+    engine: OfflineDriver = make_llm(chunked_prefill_size=16).engine
     arrivals = {0: [0, 1], 3: [2], 5: [3], 9: [4]}
     results, step = {}, 0
     while step <= max(arrivals) or engine.has_unfinished_requests():

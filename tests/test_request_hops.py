@@ -21,19 +21,19 @@ from graphserve.engine.core import EngineCore
 from graphserve.engine.core_driver import CoreDriver
 from graphserve.engine.output_processor import OutputProcessor
 from graphserve.engine.thread_client import ThreadClient
-from graphserve.server.async_engine import AsyncEngine
+from graphserve.server.frontend import Frontend
 from graphserve.server.launch import ServerThread
 from graphserve.server.output_pump import OutputPump
 from graphserve.server.request_stream import RequestStream
 
 STAGES = [  # (stage, the method that marks it)
-    ("HTTP handler -> engine", AsyncEngine, "add_request"),
+    ("HTTP handler -> engine", Frontend, "add_request"),
     ("engine client", ThreadClient, "add"),
     ("serve loop", CoreDriver, "iterate"),
     ("core", EngineCore, "step"),
     ("to the output thread", OutputPump, "push"),
     ("output processor", OutputProcessor, "process"),
-    ("to the streams", AsyncEngine, "_deliver"),
+    ("to the streams", Frontend, "_deliver"),
     ("stream", RequestStream, "push"),
 ]
 PATH = [(name, where) for (name, _, _), where in zip(STAGES, ["loop", "loop", "engine", "engine", "engine", "output",

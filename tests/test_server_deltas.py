@@ -138,7 +138,7 @@ def test_stream_merges_unread_deltas_and_honours_the_interval():
 def test_an_error_naming_a_field_reaches_the_client_as_a_400_and_counts_as_an_abort(tokenizer):
     from graphserve.config import EngineConfig
     from graphserve.errors import BadRequestError, InternalError
-    from graphserve.server.async_engine import AsyncEngine
+    from graphserve.server.frontend import Frontend
 
     proc = OutputProcessor(tokenizer)
     for rid in ("bad", "broken"):
@@ -154,7 +154,7 @@ def test_an_error_naming_a_field_reaches_the_client_as_a_400_and_counts_as_an_ab
     assert (by_id["bad"].error_param, by_id["broken"].error_param) == ("guided_regex", None)
 
     async def run() -> None:
-        eng = AsyncEngine(EngineConfig(model="builtin:tiny-llama"))
+        eng = Frontend(EngineConfig(model="builtin:tiny-llama"))
         eng.client.abort = lambda ids: None  # no engine behind it
         aborted: list[tuple[str, object]] = []
         eng.on_abort = lambda rid, err: aborted.append((rid, err))
@@ -184,7 +184,7 @@ def test_a_request_discarded_while_its_rows_are_processed_costs_no_other_request
     detokenize = proc._detokenize
 
     def discard_midway(work, outs):
-        proc.discard("gone")  # what AsyncEngine does on the loop thread when the request fails
+        proc.discard("gone")  # what Frontend does on the loop thread when the request fails
         return detokenize(work, outs)
 
     monkeypatch.setattr(proc, "_detokenize", discard_midway)

@@ -103,7 +103,7 @@ def test_request_path_is_event_driven_for_each_front_end(monkeypatch, tokenizer)
         engine_id = f"req-{serial}#{frontend}.{serial}"
         params = SamplingParams(max_tokens=1, ignore_eos=True)
         processor.add(engine_id, [1, 2, 3], params)
-        with queued.get_lock():  # the front-end's reservation (AsyncEngine._reserve)
+        with queued.get_lock():  # the front-end's reservation (Frontend._reserve)
             queued.value += params.n
         sent = time.monotonic()
         link.add([EngineRequest(engine_id, [1, 2, 3], params, sent)])

@@ -1,4 +1,4 @@
-"""The warm-up before ready (server/warmup.py) on CPU: its token ladder meets every tile bucket, it reaches
+"""The warm-up before ready (engine/warmup.py) on CPU: its token ladder meets every tile bucket, it reaches
 the prefix-cache paths, then resets the counters."""
 
 from __future__ import annotations

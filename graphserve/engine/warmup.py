@@ -21,7 +21,7 @@ Afterwards the core's counters are reset: the warm-up is not served traffic.
 
 Integers that follow the batch (token and pair counts, a block table's width) are left unspecialized in the
 kernels that see them eagerly (``do_not_specialize``), so one compile serves every batch; what the warm-up
-covers is what remains specialized. server/compile_watch.py checks it in service, and
+covers is what remains specialized. engine/compile_watch.py checks it in service, and
 tests/gpu/test_warmup_gpu.py drives served traffic after the warm-up and expects no compile.
 """
 

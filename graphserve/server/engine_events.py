@@ -1,4 +1,4 @@
-"""What the engine tells a front-end, applied to the front-end's AsyncEngine.
+"""What the engine tells a front-end, applied to the front-end's Frontend.
 
 A thread of the engine client (engine/client.py) calls these, off the event loop: step outputs go
 to the output thread and the step records to the telemetry listeners from here; the engine's death reaches
@@ -14,7 +14,7 @@ from graphserve.engine.messages import CoreView, EngineLoadFailed, EngineReady, 
 from graphserve.errors import InternalError, ModelLoadError
 
 if TYPE_CHECKING:
-    from graphserve.server.async_engine import AsyncEngine
+    from graphserve.server.frontend import Frontend
 
 logger = logging.getLogger("graphserve.server")
 
@@ -22,7 +22,7 @@ logger = logging.getLogger("graphserve.server")
 class EngineEvents:
     """The message and exit handlers the engine client is built with, for ``engine``."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: Frontend):
         self.engine = engine
 
     def on_message(self, msg: Any) -> None:

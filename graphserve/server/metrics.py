@@ -113,7 +113,7 @@ class ServerMetrics:
             self.decode_steps.labels(graph=graph)
 
     def on_abort(self, request_id: str, error: Any) -> None:
-        """AsyncEngine hook (loop thread): a request stopped before it finished."""
+        """Frontend hook (loop thread): a request stopped before it finished."""
         self.request_aborted.labels(reason="cancelled" if error is None else error.error_type).inc()
 
     def on_step(self, rec: StepRecord) -> None:

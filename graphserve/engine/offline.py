@@ -1,4 +1,4 @@
-"""LLMEngine: input processor + core + output processor, driven synchronously by the caller (``LLM``).
+"""OfflineDriver: input processor + core + output processor, driven synchronously by the caller (``LLM``).
 
 The core decides when each request finishes; the output processor (the server's too) turns its token rows into
 text deltas, which ``_Collected`` folds into the cumulative ``RequestOutput`` that offline callers read.
@@ -68,7 +68,7 @@ class _Collected:
                              self.finished, dataclasses.replace(self.metrics), self.error, self.error_param)
 
 
-class LLMEngine:
+class OfflineDriver:
     """``stream_outputs=False``: ``step`` returns a request's output only once it has finished (and its text is
     decoded then, in one pass)."""
 

@@ -46,7 +46,7 @@ from graphserve.server.request_stream import RequestStream
 logger = logging.getLogger("graphserve.server")
 
 
-class AsyncEngine:
+class Frontend:
     def __init__(self, config: EngineConfig, *, on_step: Callable[[Any], None] | None = None,
                  separate_process: bool = False, stream_interval: int = 1, stream_stall_timeout: float = 30.0,
                  channel: EngineChannel | None = None):
