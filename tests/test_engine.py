@@ -158,6 +158,10 @@ def test_stop_token_id_and_stop_string(make_llm, prompts, alone):
                        use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
     assert out.text == full[: full.index(stop)]
+    # the engine finished it on the token that completed the stop string: none made past it, no abort needed
+    tok = llm.get_tokenizer()
+    ends = next(i for i in range(1, NEW + 1) if stop in tok.decode(alone[1][:i], skip_special_tokens=True))
+    assert out.token_ids == alone[1][:ends]
 
 
 def test_min_tokens_holds_back_stop_ids(make_llm, prompts, alone):
