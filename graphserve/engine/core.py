@@ -264,7 +264,7 @@ class EngineCore:
         tokens = sampled.token_ids
         finished = SequenceStatus.FINISHED
         outputs: list[CoreOutput] = []
-        watched: list[tuple[int, Sequence, int, list[TokenLogprob] | None]] = []  # stop strings decide these
+        watched: list[tuple[Sequence, int, CoreOutput]] = []  # running on; their stop strings decide below
         for row, seq, index in step.completed:
             if seq.status is finished:
                 continue  # aborted (or finished by an earlier token) while the step ran
@@ -282,20 +282,19 @@ class EngineCore:
             if ended is not None:  # the grammar is complete, or the token breaks it
                 reason, error = ended
                 stop_reason = None
-            if reason is None and seq.stop_watch is not None:
-                watched.append((len(outputs), seq, index, logprobs))
-                outputs.append(None)  # type: ignore[arg-type]  # filled below, once the stop strings are checked
-                continue
             if reason is not None:
                 self._finish(seq, index, reason, stop_reason)
-            outputs.append(CoreOutput.of(seq, [token], logprobs, error=error))
+            out = CoreOutput.of(seq, [token], logprobs, error=error)
+            outputs.append(out)
+            if reason is None and seq.stop_watch is not None:
+                watched.append((seq, index, out))
         if watched:
             stops = self.stop_checker.check([(seq.stop_watch, seq.output_token_ids[index])
-                                             for _, seq, index, _ in watched])  # fmt: skip
-            for (pos, seq, index, logprobs), stop in zip(watched, stops):
+                                             for seq, index, _ in watched])  # fmt: skip
+            for (seq, index, out), stop in zip(watched, stops):
                 if stop is not None:
                     self._finish(seq, index, "stop", stop)
-                outputs[pos] = CoreOutput.of(seq, [seq.output_token_ids[index]], logprobs)
+                    out.finish_reason, out.stop_reason = "stop", stop
         return outputs
 
     def _finish(self, seq: Sequence, index: int, reason: str, stop_reason: str | int | None) -> None:
