@@ -62,12 +62,13 @@ class EngineEvents:
 
     def on_exit(self, exitcode: int | None) -> None:
         engine = self.engine
+        where = "process" if engine.separate_process else "thread"
         if not engine.ready.is_set():
-            engine.load_error = ModelLoadError(f"the engine process exited with code {exitcode} while loading")
+            engine.load_error = ModelLoadError(f"the engine {where} exited with code {exitcode} while loading")
             engine.ready.set()
             return
         code = "" if exitcode is None else f" (exit code {exitcode})"
-        engine.engine_error = f"the engine process died{code}; restart the server"
+        engine.engine_error = f"the engine {where} died{code}; restart the server"
         logger.error("%s: failing %d in-flight request(s)", engine.engine_error, engine.num_inflight)
         assert engine._loop is not None
         engine._loop.call_soon_threadsafe(engine.abort_all, InternalError(engine.engine_error))
