@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_server_hops import OneTokenCore  # noqa: E402
 
 from graphserve import SamplingParams  # noqa: E402
-from graphserve.engine import serve_loop  # noqa: E402
+from graphserve.engine import output_router, serve_loop  # noqa: E402
 from graphserve.engine.core_driver import CoreDriver  # noqa: E402
 from graphserve.engine.messages import AddRequests, Shutdown, StepBatch  # noqa: E402
 from graphserve.engine.request import EngineRequest  # noqa: E402
@@ -42,7 +42,7 @@ def test_serve_spins_after_a_step_only_on_cuda(monkeypatch, device):
     ctx = multiprocessing.get_context("spawn")
     inbox, queued = ctx.Queue(), ctx.Value("q", 0)
     reader, writer = ctx.Pipe(duplex=False)
-    sender = serve_loop.Sender(writer)
+    sender = output_router.Sender(writer)
     core = OneTokenCore()
     core.device = torch.device(device)  # the fake stays on the host: only the loop's choice reads this
     params = SamplingParams(max_tokens=1, ignore_eos=True)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from graphserve.config import EngineConfig
-from graphserve.engine import serve_loop
+from graphserve.engine import output_router, serve_loop
 from graphserve.engine.core_driver import CoreDriver
 from graphserve.engine.messages import Shutdown, StepBatch
 from graphserve.engine.output_processor import OutputProcessor
@@ -70,7 +70,7 @@ def test_request_path_is_event_driven_for_each_front_end(monkeypatch, tokenizer)
     ctx = multiprocessing.get_context("spawn")
     inbox, queued, ready = ctx.Queue(), ctx.Value("q", 0), ctx.Value("i", 0)
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    senders = [serve_loop.Sender(w, i) for i, (_, w) in enumerate(pipes)]
+    senders = [output_router.Sender(w, i) for i, (_, w) in enumerate(pipes)]
     core = OneTokenCore()
     engine = threading.Thread(target=serve_loop.serve, args=(core, CoreDriver(core), inbox, senders, [], queued),
                               daemon=True)

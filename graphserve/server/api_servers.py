@@ -12,7 +12,7 @@ supervisor that serves no HTTP itself:
   outputs, one batch per step;
 - what must hold for the whole server is shared: the queue bound counts every front-end's sequences
   (engine/serve_loop.py), --max-connections every front-end's connections (guards.py), the metrics are summed over
-  the front-ends (metrics.py), a client rid is unique over all of them (engine/serve_loop.OutputRouter);
+  the front-ends (metrics.py), a client rid is unique over all of them (engine/output_router.OutputRouter);
 - the first SIGTERM/SIGINT asks every front-end to drain (SIGUSR1), a second to stop now (SIGUSR2); once
   they have all exited the engine is told to stop. A front-end that exits alone takes the server down with
   it; an engine that dies is seen by every front-end as the end of its pipe (streams fail, /health 503).
