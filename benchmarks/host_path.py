@@ -4,7 +4,8 @@ Builds an EngineCore on CPU (``builtin:tiny-llama`` by default) and replaces the
 with a preallocated random logits tensor of the right shape, so each ``core.step()`` is the
 engine's own host work: ``Scheduler.schedule``, ``ModelRunner.prepare_inputs``, the sampling
 tensors, the step's bookkeeping once its ids are known (``Scheduler.advance``, ``EngineCore._emit``,
-the prefix-cache commit) and the telemetry record.
+the prefix-cache commit), the stop-string check of the requests that have stop strings
+(``--stop-strings half``: every other request has two that never match) and the telemetry record.
 The sampler itself runs too, but on CPU its tensor math stands in for what is device work on a
 GPU, so it is reported apart and left out of the host total.
 
@@ -30,7 +31,7 @@ from graphserve.engine.core import EngineCore
 from graphserve.engine.request import EngineRequest
 from graphserve.sampling_params import SamplingParams
 
-PIECES = ["schedule", "prepare_inputs", "sampling_tensors", "advance", "record", "other"]
+PIECES = ["schedule", "prepare_inputs", "sampling_tensors", "advance", "stop_strings", "record", "other"]
 
 
 class PieceTimer:
@@ -69,10 +70,16 @@ def instrument(core: EngineCore, timer: PieceTimer, vocab: int, batch: int) -> N
     scheduler.advance = timer.wrap("advance", scheduler.advance)
     scheduler.commit_full_blocks = timer.wrap("advance", scheduler.commit_full_blocks)
     core._emit = timer.wrap("advance", core._emit)
+    core.stop_checker.check = timer.wrap("stop_strings", core.stop_checker.check)  # inside _emit: taken out below
     core._record = timer.wrap("record", core._record)
 
 
-def add_requests(core: EngineCore, batch: int, prompt_len: int, max_tokens: int, sampling: str) -> None:
+# Stop strings the random model never writes: the engine checks them every step and the batch stays full.
+NEVER_STOPS = ["<|no such end|>", "\n\n\n\n\n"]
+
+
+def add_requests(core: EngineCore, batch: int, prompt_len: int, max_tokens: int, sampling: str,
+                 stop_strings: str = "none") -> None:
     gen = torch.Generator().manual_seed(1)
     vocab = core.info.vocab_size
     for i in range(batch):
@@ -82,17 +89,20 @@ def add_requests(core: EngineCore, batch: int, prompt_len: int, max_tokens: int,
         else:  # a mix: greedy and nucleus rows in one batch, as a server sees them
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % 2 else 0.8, top_p=0.95,
                                     seed=i, ignore_eos=True)
+        if stop_strings == "all" or (stop_strings == "half" and i % 2 == 0):
+            params.stop = list(NEVER_STOPS)
         core.add_request(EngineRequest(f"r{i}", prompt, params, arrival_time=time.monotonic()))
 
 
-def measure(model: str, batch: int, steps: int, prompt_len: int, sampling: str) -> dict[str, float]:
+def measure(model: str, batch: int, steps: int, prompt_len: int, sampling: str, stop_strings: str = "none"
+            ) -> dict[str, float]:
     """µs per step for each piece (median over ``steps`` full-batch decode steps)."""
     # sequences admitted early decode while later ones prefill: leave room for those tokens too
     max_tokens = steps + 16 + batch * prompt_len // EngineConfig().chunked_prefill_size
     core = build_core(model, batch, prompt_len, max_tokens)
     timer = PieceTimer()
     instrument(core, timer, core.info.vocab_size, batch)
-    add_requests(core, batch, prompt_len, max_tokens, sampling)
+    add_requests(core, batch, prompt_len, max_tokens, sampling, stop_strings)
     while len(core.scheduler.running) < batch or any(s.num_pending_tokens != 1 for s in core.scheduler.running):
         core.step()  # admission and prefill (the forward is fake, so this is quick)
     for _ in range(3):  # warm-up decode steps
@@ -110,7 +120,8 @@ def measure(model: str, batch: int, steps: int, prompt_len: int, sampling: str) 
             "prepare_inputs": t["prepare_inputs"],
             # what launch does besides preparing, the (fake) forward and the sampler's math
             "sampling_tensors": t["launch"] - t["prepare_inputs"] - t["forward"] - t["sampler"],
-            "advance": t["advance"],
+            "advance": t["advance"] - t["stop_strings"],
+            "stop_strings": t["stop_strings"],
             "record": t["record"],
         }
         host = total - t["sampler"] - t["forward"]
@@ -133,12 +144,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="fresh engines per batch size; the median is reported")
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--sampling", choices=["greedy", "mixed"], default="greedy")
+    p.add_argument("--stop-strings", choices=["none", "half", "all"], default="none",
+                   help="which requests carry stop strings (that never match): the engine's per-step check")
     p.add_argument("--name", default="host_path", help="result file name under benchmarks/results")
     args = p.parse_args()
     torch.set_num_threads(1)  # host work is single-threaded; keep the sampler's math from taking the cores
     rows = []
     for bs in args.batch_sizes:
-        runs = [measure(args.model, bs, args.steps, args.prompt_len, args.sampling) for _ in range(args.repeats)]
+        runs = [measure(args.model, bs, args.steps, args.prompt_len, args.sampling, args.stop_strings) for _ in range(args.repeats)]
         row = {"bs": bs}
         for k in [*PIECES, "host_total", "sampler"]:
             row[k] = statistics.median(r[k] for r in runs)
@@ -146,7 +159,8 @@ def main() -> None:
         rows.append(row)
     print("µs per decode step (median); host_total excludes the sampler's tensor math")
     print_table(rows, list(rows[0]))
-    write_result(args.name, {"model": args.model, "sampling": args.sampling, "prompt_len": args.prompt_len,
+    write_result(args.name, {"model": args.model, "sampling": args.sampling, "stop_strings": args.stop_strings,
+                             "prompt_len": args.prompt_len,
                              "steps": args.steps, "repeats": args.repeats, "rows": rows})
 
 

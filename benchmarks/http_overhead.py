@@ -85,7 +85,7 @@ def read_step_log(path: str) -> list[dict[str, Any]]:
 def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[str, Any]:
     """Offline output tok/s per concurrency, the engine's prefill time for a 256-token prompt, the prompts."""
     from graphserve.engine.gc_clock import freeze_heap
-    from graphserve.server.warmup import warm_up
+    from graphserve.engine.warmup import warm_up
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -93,7 +93,7 @@ def run_offline(model: str, engine_args: str, args: argparse.Namespace) -> dict[
     kwargs = {k: v for k, v in vars(config).items() if k != "model"}
     llm = LLM(model, **kwargs)
     warm_up(llm.engine.core)  # the server warms up before ready: so does the baseline
-    freeze_heap()  # and then freezes its heap (server/engine_loop.py); unfrozen below, before the LLM goes
+    freeze_heap()  # and then freezes its heap (engine/serve_loop.py); unfrozen below, before the LLM goes
     vocab = llm.engine.info.vocab_size
     prompts: list[Any] = workload(args.num_prompts, args.input_len, vocab)
     if args.prompts_as == "text":

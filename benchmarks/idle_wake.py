@@ -60,7 +60,7 @@ def main() -> None:
         p.error(f"--gaps-ms {args.gaps_ms} is invalid: every gap must be >= 0")
 
     from graphserve import LLM
-    from graphserve.server.warmup import warm_up
+    from graphserve.engine.warmup import warm_up
 
     llm = LLM(args.model, max_model_len=2048)
     limit = llm.engine.core.max_model_len

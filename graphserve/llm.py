@@ -8,7 +8,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from graphserve.config import EngineConfig
-from graphserve.engine.engine import LLMEngine
+from graphserve.engine.offline import OfflineDriver
 from graphserve.outputs import RequestOutput
 from graphserve.sampling_params import SamplingParams
 
@@ -18,7 +18,7 @@ Prompt = str | dict[str, Any] | list[int]
 class LLM:
     def __init__(self, model: str = "builtin:tiny-llama", **engine_args: Any):
         self.config = EngineConfig(model=model, **engine_args)
-        self.engine = LLMEngine(self.config, stream_outputs=False)  # generate returns finished requests only
+        self.engine = OfflineDriver(self.config, stream_outputs=False)  # generate returns finished requests only
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -48,8 +48,7 @@ class LLM:
         added: list[str] = []
         try:
             for r in requests:
-                self.engine.core.add_request(r)
-                self.engine.output_processor.add(r)
+                self.engine.add_processed(r)
                 added.append(r.request_id)
         except BaseException:
             for rid in added:

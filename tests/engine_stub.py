@@ -7,7 +7,7 @@ from typing import Any
 
 
 def idle_engine(config: Any, inbox: Any, outboxes: Any, log_level: int, log_format: str | None, queued: Any) -> None:
-    from graphserve.server.engine_process import Shutdown
+    from graphserve.engine.process_client import Shutdown
 
     while not isinstance(inbox.get(), Shutdown):
         pass

@@ -1,4 +1,4 @@
-"""server/compile_watch.py: how Triton specialized a kernel, what sets a late compile apart, and that only
+"""engine/compile_watch.py: how Triton specialized a kernel, what sets a late compile apart, and that only
 compiles after ready are reported."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from graphserve.config import EngineConfig
-from graphserve.server import compile_watch
+from graphserve.engine import compile_watch
 
 MODEL = "builtin:tiny-llama"
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from graphserve.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, earliest_stop
-from graphserve.engine.request import CoreOutput, EngineRequest
+from graphserve.engine.output_processor import OutputProcessor
+from graphserve.engine.request import CoreOutput
+from graphserve.engine.step_outputs import StepOutputs
+from graphserve.engine.stop_strings import StopChecker
 from graphserve.models.synthetic_tokenizer import build_synthetic_tokenizer
 from graphserve.outputs import TokenLogprob
 from graphserve.sampling_params import SamplingParams
@@ -68,87 +73,122 @@ def test_leading_space_survives_sentencepiece_style_decoding():
     assert _feed(detok, [2, 3]) == [" world", " again"]  # ...but not with context
 
 
-# ---- OutputProcessor --------------------------------------------------------------------------
+# ---- OutputProcessor (the one output path of LLM and the server) -----------------------------------------
 
 
-def _processor(tok, params: SamplingParams, rid="r1"):
-    from graphserve.engine.processor import OutputProcessor
-
-    proc = OutputProcessor(tok)
-    proc.add(EngineRequest(rid, [0], params, arrival_time=0.0, prompt_text="p"))
-    return proc
-
-
-def _stream(proc, tok, text: str, rid="r1", index=0, finish_last=None):
-    outs = []
-    ids = tok.encode(text, add_special_tokens=False)
-    for i, t in enumerate(ids):
-        finish = finish_last if i == len(ids) - 1 else None
-        outs.append(proc.process([CoreOutput(rid, index, [t], finish_reason=finish)]))
-    return outs
-
-
-def test_stop_string_cuts_text_and_asks_the_core_to_abort(byte_tok):
-    proc = _processor(byte_tok, SamplingParams(stop=["STOP", "wörld"], max_tokens=100))
-    results = _stream(proc, byte_tok, "hello wörld and more")
-    texts = [r[0][0].text for r in results if r[0]]
-    finished = [(r[0][0], r[1]) for r in results if r[0] and r[0][0].finished]
-    out, to_abort = finished[0]
-    assert out.text == "hello " and out.finish_reason == "stop"
-    assert out.outputs[0].stop_reason == "wörld" and to_abort == ["r1"]
-    for a, b in zip(texts, texts[1:]):  # streamed text only ever grows: nothing is retracted
-        assert b.startswith(a)
-    assert all("w" not in t for t in texts)  # a possible stop prefix is held back
-    assert not proc.has_unfinished()
+def _rows(*outputs: CoreOutput) -> StepOutputs:
+    rows = StepOutputs()
+    rows.add_core_outputs(list(outputs), set())
+    return rows
 
 
 def test_core_finish_reason_and_logprobs_pass_through(byte_tok):
-    proc = _processor(byte_tok, SamplingParams(logprobs=1, max_tokens=2))
-    lp = TokenLogprob(5, -0.5, [(5, -0.5)])
-    outs, to_abort = proc.process([CoreOutput("r1", 0, [byte_tok.encode("a", add_special_tokens=False)[0]],
-                                              new_logprobs=[lp], finish_reason="length", num_cached_tokens=3)])
-    out = outs[0]
-    assert out.finished and out.finish_reason == "length" and out.text == "a" and to_abort == []
-    assert out.outputs[0].logprobs == [lp] and out.metrics.num_cached_tokens == 3
-    assert out.metrics.first_token_time is not None and out.metrics.finished_time is not None
+    proc = OutputProcessor(byte_tok)
+    proc.add("r1", [0], SamplingParams(logprobs=1, max_tokens=2))
+    (a,) = byte_tok.encode("a", add_special_tokens=False)
+    lp = TokenLogprob(a, -0.5, [(a, -0.5), (7, -1.5)])
+    (d,) = proc.process(_rows(CoreOutput("r1", 0, [a], new_logprobs=[lp], finish_reason="length",
+                                         num_cached_tokens=3)))
+    c = d.choices[0]
+    assert d.finished and c.finish_reason == "length" and c.text == "a"
+    assert c.logprobs == [lp] and d.num_cached_tokens == 3 and len(proc) == 0
 
 
 def test_n_choices_finish_independently(byte_tok):
-    proc = _processor(byte_tok, SamplingParams(n=2, stop=["x"], max_tokens=5))
+    proc = OutputProcessor(byte_tok)
+    proc.add("r1", [0], SamplingParams(n=2, stop=["x"], max_tokens=5))
     a, x = byte_tok.encode("ax", add_special_tokens=False)
-    outs, to_abort = proc.process([CoreOutput("r1", 0, [a]), CoreOutput("r1", 1, [x])])
-    assert [o.finish_reason for o in outs[0].outputs] == [None, "stop"] and not outs[0].finished
-    assert to_abort == []
-    outs, to_abort = proc.process([CoreOutput("r1", 0, [a], finish_reason="length"), CoreOutput("r1", 1, [a])])
-    assert outs[0].finished and [o.text for o in outs[0].outputs] == ["aa", ""]
-    assert to_abort == ["r1"]  # choice 1 is still running in the core
+    (d,) = proc.process(_rows(CoreOutput("r1", 0, [a]), CoreOutput("r1", 1, [x], finish_reason="stop",
+                                                                      stop_reason="x")))
+    assert (d.choices[1].finish_reason, d.choices[1].stop_reason, d.choices[1].text) == ("stop", "x", "")
+    assert d.choices[0].finish_reason is None and d.choices[0].text == "a" and not d.finished
+    (d,) = proc.process(_rows(CoreOutput("r1", 0, [a], finish_reason="length")))
+    assert d.finished and d.choices[0].text == "a" and 1 not in d.choices and len(proc) == 0
 
 
 def test_error_output_finishes_the_request(byte_tok):
-    proc = _processor(byte_tok, SamplingParams(n=2))
-    outs, _ = proc.process([CoreOutput("r1", 0, [], finish_reason="abort", error="RuntimeError: boom")])
-    assert outs[0].finished and outs[0].error == "RuntimeError: boom"
-    assert [o.finish_reason for o in outs[0].outputs] == ["abort", "abort"]
+    proc = OutputProcessor(byte_tok)
+    proc.add("r1", [0], SamplingParams(n=2))
+    (d,) = proc.process(_rows(CoreOutput("r1", 0, [], finish_reason="abort", error="RuntimeError: boom")))
+    assert d.finished and d.error == "RuntimeError: boom" and len(proc) == 0
 
 
 @pytest.mark.parametrize("text", [TEXT, "ok日"[:3]])
 def test_offline_outputs_decode_once_at_the_end_to_the_streamed_text(byte_tok, text):
-    from graphserve.engine.processor import OutputProcessor
-
     params = SamplingParams(max_tokens=100)
     ids = byte_tok.encode(text, add_special_tokens=False)
     if text != TEXT:
         ids = ids[:-1]  # ends inside a multi-byte character: the flush shows it as U+FFFD
     finals = {}
     for stream in (True, False):
-        proc = OutputProcessor(byte_tok, stream=stream)
-        proc.add(EngineRequest("r", [0], params, arrival_time=0.0))
-        per_step = [proc.process([CoreOutput("r", 0, [t], finish_reason="length" if i == len(ids) - 1 else None)])[0]
-                    for i, t in enumerate(ids)]
-        assert all(per_step[i] for i in range(len(ids))) if stream else not any(per_step[:-1])
-        finals[stream] = per_step[-1][0]
-    assert finals[False].text == finals[True].text == byte_tok.decode(ids)
-    assert finals[False].outputs[0].token_ids == ids and finals[False].finished
+        proc = OutputProcessor(byte_tok)
+        proc.add("r", [0], params, stream=stream)
+        pieces = [proc.process(_rows(CoreOutput("r", 0, [t], finish_reason="length" if i == len(ids) - 1 else None)))
+                  for i, t in enumerate(ids)]
+        texts = [d[0].choices[0].text if d and 0 in d[0].choices else "" for d in pieces]
+        assert any(texts[:-1]) if stream else not any(texts[:-1])
+        finals[stream] = "".join(texts)
+    assert finals[False] == finals[True] == byte_tok.decode(ids)
+
+
+# ---- the engine's stop-string check --------------------------------------------------------------------------
+
+
+def _first_stop(tok, ids: list[int], stops: list[str]) -> tuple[int, str] | None:
+    """Brute force: the first token after which the decoded output holds a stop string, and which one."""
+    for i in range(len(ids)):
+        best = earliest_stop(tok.decode(ids[: i + 1], skip_special_tokens=True), stops)
+        if best is not None:
+            return i, best[1]
+    return None
+
+
+def _check_each(checker: StopChecker, prompt: list[int], ids: list[int], stops: list[str]):
+    watch = checker.watch(prompt, stops, True)
+    for i, t in enumerate(ids):
+        (found,) = checker.check([(watch, t)])
+        if found is not None:
+            return i, found
+    return None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stop_check_finds_the_token_that_completes_a_stop_string(byte_tok, seed):
+    rng = random.Random(seed)
+    alphabet = "ab日ö🙂 \n"
+    text = "".join(rng.choice(alphabet) for _ in range(60))
+    stops = [text[k : k + rng.randint(1, 4)] for k in (rng.randrange(20, 55), rng.randrange(5, 55))]
+    ids = byte_tok.encode(text, add_special_tokens=False)
+    want = _first_stop(byte_tok, ids, stops)
+    assert want is not None
+    assert _check_each(StopChecker(byte_tok), [5], ids, stops) == want
+
+
+def test_stop_check_decodes_only_tokens_holding_part_of_a_character(byte_tok, monkeypatch):
+    from graphserve.engine import stop_strings
+
+    checker = StopChecker(byte_tok)
+    checker.prepare()  # the token table: one decode of the whole vocabulary, before the count
+    calls = []
+    real = stop_strings.decode_windows
+    monkeypatch.setattr(stop_strings, "decode_windows", lambda tok, w, skip: calls.append(len(w)) or real(tok, w, skip))
+    ids = byte_tok.encode("aaaa aaaa aaaa aaXd", add_special_tokens=False)
+    assert _check_each(checker, [5], ids, ["Xd"]) == (len(ids) - 1, "Xd")
+    assert calls == []  # whole characters: each token reads as its table text
+    ids = byte_tok.encode("a日Xd", add_special_tokens=False)
+    assert len(ids) == 6 and _check_each(checker, [5], ids, ["日X"]) == (4, "日X")
+    assert calls == [2, 2, 2]  # the three bytes of 日 each decode a window; "a", "X" and "d" do not
+
+
+def test_stop_check_keeps_a_sentencepiece_tokens_leading_space():
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁again": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok)
+    checker = StopChecker(hf)
+    assert _check_each(checker, [1], [3, 2, 3], ["n world"]) == (1, "n world")  # " world": its space counts
+    assert _check_each(checker, [1], [3, 3], ["n "]) == (1, "n ")  # the space that ends "n " is the 2nd token's
 
 
 def test_earliest_stop_takes_the_first_occurrence_from_start():

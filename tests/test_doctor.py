@@ -115,9 +115,9 @@ def test_cli_json_and_exit_code(capsys):
 
 
 def test_compiles_after_ready_are_one_finding_naming_the_kernels(tmp_path, caplog):
-    from graphserve.server.compile_watch import log_late_compile
+    from graphserve.engine.compile_watch import log_late_compile
 
-    with caplog.at_level("WARNING", logger="graphserve.server"):
+    with caplog.at_level("WARNING", logger="graphserve.engine"):
         log_late_compile("_extend_kernel", "stride_bt: i32 divisibility=16 -> i32")
         log_late_compile("fused_moe_gemm_kernel", "BLOCK_N: constexpr=256 -> constexpr=128")
         log_late_compile("_extend_kernel", "stride_bt: constexpr=1 -> i32")

@@ -17,7 +17,7 @@ from model_utils import make_hf_checkpoint
 from transformers import LlamaConfig
 
 from graphserve import LLM, SamplingParams
-from graphserve.engine.engine import LLMEngine
+from graphserve.engine.offline import OfflineDriver
 
 NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -87,7 +87,7 @@ def test_chunked_prefill_at_16(make_llm, prompts, alone):
 
 
 def test_staggered_arrival_continuous_batching(make_llm, prompts, alone):
-    engine: LLMEngine = make_llm(chunked_prefill_size=16).engine
+    engine: OfflineDriver = make_llm(chunked_prefill_size=16).engine
     arrivals = {0: [0, 1], 3: [2], 5: [3], 9: [4]}
     results, step = {}, 0
     while step <= max(arrivals) or engine.has_unfinished_requests():
@@ -158,6 +158,10 @@ def test_stop_token_id_and_stop_string(make_llm, prompts, alone):
                        use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
     assert out.text == full[: full.index(stop)]
+    # the engine finished it on the token that completed the stop string: none made past it, no abort needed
+    tok = llm.get_tokenizer()
+    ends = next(i for i in range(1, NEW + 1) if stop in tok.decode(alone[1][:i], skip_special_tokens=True))
+    assert out.token_ids == alone[1][:ends]
 
 
 def test_min_tokens_holds_back_stop_ids(make_llm, prompts, alone):
@@ -182,7 +186,7 @@ def test_logprobs(make_llm, prompts, alone):
 
 def test_abort_frees_blocks_and_reports_abort(make_llm, prompts):
     engine = make_llm().engine
-    engine.output_processor.stream = True  # outputs of unfinished requests too, as a server sees them
+    engine.stream_outputs = True  # outputs of unfinished requests too, as a server sees them
     engine.add_request("a", {"prompt_token_ids": prompts[1]}, GREEDY)
     engine.add_request("b", {"prompt_token_ids": prompts[2]}, GREEDY)
     delivered = [o for _ in range(3) for o in engine.step() if o.request_id == "a"]
@@ -246,7 +250,7 @@ def test_penalties_beside_plain_requests_match_each_request_alone(make_llm, mode
 
 def test_overlap_schedule_keeps_one_step_in_flight(make_llm, prompts):
     engine = make_llm().engine
-    engine.output_processor.stream = True
+    engine.stream_outputs = True
     engine.add_request("a", {"prompt_token_ids": prompts[0]}, GREEDY)
     first = engine.step()
     overlap = engine.core.overlap

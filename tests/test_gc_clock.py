@@ -6,11 +6,11 @@ from __future__ import annotations
 import gc
 
 from graphserve.config import EngineConfig
+from graphserve.engine import warmup
 from graphserve.engine.core import EngineCore
 from graphserve.engine.gc_clock import freeze_heap, gc_clock
 from graphserve.engine.request import EngineRequest
 from graphserve.sampling_params import SamplingParams
-from graphserve.server import warmup
 
 
 class _Node:

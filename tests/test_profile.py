@@ -147,7 +147,7 @@ def test_in_process_profile_adds_up_and_leaves_the_engine_as_it_was():
     assert out == []
 
     # a profile whose own machinery fails ends with an error; the step it was wrapping runs all the same
-    from graphserve.engine.processor import InputProcessor
+    from graphserve.engine.input_processor import InputProcessor
     from graphserve.engine.step_profiler import StepProfiler
     from graphserve.sampling_params import SamplingParams
 

@@ -7,13 +7,13 @@ import random
 
 import pytest
 
+from graphserve.engine.output_processor import OutputProcessor, RequestDelta
 from graphserve.engine.request import CoreOutput
+from graphserve.engine.step_outputs import StepOutputs
 from graphserve.models.loader import load_tokenizer
 from graphserve.outputs import TokenLogprob
 from graphserve.sampling_params import SamplingParams
-from graphserve.server.deltas import DeltaProcessor, RequestDelta
 from graphserve.server.request_stream import RequestStream
-from graphserve.server.step_outputs import StepOutputs
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +21,15 @@ def tokenizer():
     return load_tokenizer("builtin:tiny-llama")
 
 
-def rows(rid: str, tokens: list[int], finish: str | None = None, logprob: bool = False) -> StepOutputs:
+def rows(rid: str, tokens: list[int], finish: str | None = None, logprob: bool = False,
+         stop_reason: str | None = None) -> StepOutputs:
     out = StepOutputs()
     reported: set[str] = set()
     for i, t in enumerate(tokens):
         last = i == len(tokens) - 1
         lp = [TokenLogprob(t, -0.5, [(t, -0.5)])] if logprob else None
-        out.add_core_outputs([CoreOutput(rid, 0, [t], lp, finish if last else None, None, 3, 1)], reported)
+        out.add_core_outputs([CoreOutput(rid, 0, [t], lp, finish if last else None, stop_reason if last else None,
+                                         3, 1)], reported)
     return out
 
 
@@ -48,7 +50,7 @@ def test_step_outputs_merge_keeps_each_rows_extras():
 def test_deltas_join_to_the_tokenizers_text(tokenizer, merge):
     rng = random.Random(merge)
     ids = [rng.randrange(3, 1300) for _ in range(40)]
-    proc = DeltaProcessor(tokenizer)
+    proc = OutputProcessor(tokenizer)
     proc.add("r", [1, 2, 3], SamplingParams(max_tokens=40, logprobs=1))
     batches = [rows("r", ids[i:i + 1], "length" if i == len(ids) - 1 else None, logprob=True)
                for i in range(len(ids))]
@@ -59,9 +61,7 @@ def test_deltas_join_to_the_tokenizers_text(tokenizer, merge):
         batches = [merged]
     text, got_ids, lps, finish = "", [], 0, None
     for b in batches:
-        deltas, to_abort = proc.process(b)
-        assert to_abort == []
-        for d in deltas:
+        for d in proc.process(b):
             c = d.choices[0]
             text += c.text
             got_ids += c.token_ids
@@ -72,18 +72,28 @@ def test_deltas_join_to_the_tokenizers_text(tokenizer, merge):
     assert len(proc) == 0  # finished requests are forgotten
 
 
-def test_stop_string_cuts_across_deltas_and_asks_the_core_to_drop_it(tokenizer):
+@pytest.mark.parametrize("stream", [True, False])
+def test_text_ends_where_the_engine_reported_the_stop_string(tokenizer, stream):
+    """The engine finishes the request on the token that completes "world"; the text streamed before it never
+    holds a piece of the stop string (it may still complete), and the final text ends just before it."""
     ids = tokenizer.encode("hello wonderful world, hello again", add_special_tokens=False)
-    proc = DeltaProcessor(tokenizer)
-    proc.add("r", [1], SamplingParams(max_tokens=100, stop=["world"]))
-    text, aborted, finish = "", [], None
-    for t in ids:
-        deltas, to_abort = proc.process(rows("r", [t]))
-        aborted += to_abort
-        for d in deltas:
-            text += d.choices[0].text
+    text = ""
+    for end in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:end], skip_special_tokens=True)
+        if "world" in text:
+            break
+    ids = ids[:end]
+    proc = OutputProcessor(tokenizer)
+    proc.add("r", [1], SamplingParams(max_tokens=100, stop=["world", "xyzzy"]), stream=stream)
+    streamed, finish = [], None
+    for i, t in enumerate(ids):
+        last = i == len(ids) - 1
+        for d in proc.process(rows("r", [t], "stop" if last else None, stop_reason="world" if last else None)):
+            streamed.append(d.choices[0].text)
             finish = (d.choices[0].finish_reason, d.choices[0].stop_reason) if d.finished else finish
-    assert text == "hello wonderful " and finish == ("stop", "world") and aborted == ["r"]
+    assert "".join(streamed) == "hello wonderful " and finish == ("stop", "world") and len(proc) == 0
+    # streamed: text went out while running (the join above shows none of "world" did); offline: decoded once
+    assert any(streamed[:-1]) if stream else not any(streamed[:-1])
 
 
 class _Engine:
@@ -95,7 +105,7 @@ class _Engine:
 
 
 def delta(n: int, finished: bool = False) -> RequestDelta:
-    from graphserve.server.deltas import ChoiceDelta
+    from graphserve.engine.output_processor import ChoiceDelta
 
     return RequestDelta("e", {0: ChoiceDelta(0, "x" * n, list(range(n)))}, finished=finished)
 
@@ -128,9 +138,9 @@ def test_stream_merges_unread_deltas_and_honours_the_interval():
 def test_an_error_naming_a_field_reaches_the_client_as_a_400_and_counts_as_an_abort(tokenizer):
     from graphserve.config import EngineConfig
     from graphserve.errors import BadRequestError, InternalError
-    from graphserve.server.async_engine import AsyncEngine
+    from graphserve.server.frontend import Frontend
 
-    proc = DeltaProcessor(tokenizer)
+    proc = OutputProcessor(tokenizer)
     for rid in ("bad", "broken"):
         proc.add(rid, [1, 2, 3], SamplingParams(max_tokens=8))
     outs = rows("bad", [9])  # a token first: the error row comes in a later, merged step
@@ -139,20 +149,20 @@ def test_an_error_naming_a_field_reaches_the_client_as_a_400_and_counts_as_an_ab
                                          error_param="guided_regex"),
                               CoreOutput("broken", 0, [], None, "abort", None, 3, 0, error="step raised")], set())
     outs.extend(failing)
-    deltas, _ = proc.process(outs)
+    deltas = proc.process(outs)
     by_id = {d.request_id: d for d in deltas}
     assert (by_id["bad"].error_param, by_id["broken"].error_param) == ("guided_regex", None)
 
     async def run() -> None:
-        eng = AsyncEngine(EngineConfig(model="builtin:tiny-llama"))
-        eng._send_aborts = lambda ids: None  # no engine behind it
+        eng = Frontend(EngineConfig(model="builtin:tiny-llama"))
+        eng.client.abort = lambda ids: None  # no engine behind it
         aborted: list[tuple[str, object]] = []
         eng.on_abort = lambda rid, err: aborted.append((rid, err))
         streams = {}
         for engine_id, client_id in (("bad", "client-a"), ("broken", "client-b")):
             streams[engine_id] = eng._streams[engine_id] = RequestStream(eng, client_id, engine_id, 3)
             eng._client_ids[client_id] = engine_id
-        eng._deliver(deltas, [], {})
+        eng._deliver(deltas, {})
         with pytest.raises(BadRequestError) as bad:
             await streams["bad"].next()
         assert bad.value.param == "guided_regex" and bad.value.http_status == 400
@@ -166,7 +176,7 @@ def test_an_error_naming_a_field_reaches_the_client_as_a_400_and_counts_as_an_ab
 def test_a_request_discarded_while_its_rows_are_processed_costs_no_other_request(tokenizer, monkeypatch):
     """The loop thread discards a failed request while the output thread processes a batch holding its rows
     (an injected engine fault did this): the batch still yields every other request's delta."""
-    proc = DeltaProcessor(tokenizer)
+    proc = OutputProcessor(tokenizer)
     proc.add("gone", [1, 2, 3], SamplingParams(max_tokens=4))
     proc.add("ok", [1, 2, 3], SamplingParams(max_tokens=4))
     batch = rows("gone", [7], "length")
@@ -174,11 +184,11 @@ def test_a_request_discarded_while_its_rows_are_processed_costs_no_other_request
     detokenize = proc._detokenize
 
     def discard_midway(work, outs):
-        proc.discard("gone")  # what AsyncEngine does on the loop thread when the request fails
+        proc.discard("gone")  # what Frontend does on the loop thread when the request fails
         return detokenize(work, outs)
 
     monkeypatch.setattr(proc, "_detokenize", discard_midway)
-    deltas, to_abort = proc.process(batch)
-    assert {d.request_id for d in deltas} == {"gone", "ok"} and to_abort == []
+    deltas = proc.process(batch)
+    assert {d.request_id for d in deltas} == {"gone", "ok"}
     assert next(d for d in deltas if d.request_id == "ok").finished is False
     assert len(proc) == 1  # "ok" stays; "gone" is not brought back

@@ -19,14 +19,15 @@ from typing import Any
 import pytest
 import torch
 
+from graphserve.config import EngineConfig
+from graphserve.engine import output_router, serve_loop
+from graphserve.engine.core_driver import CoreDriver
+from graphserve.engine.messages import Shutdown, StepBatch
+from graphserve.engine.output_processor import OutputProcessor
+from graphserve.engine.process_client import EngineChannel, ProcessClient
 from graphserve.engine.request import CoreOutput, EngineRequest
 from graphserve.models.loader import load_tokenizer
 from graphserve.sampling_params import SamplingParams
-from graphserve.server import engine_loop
-from graphserve.server.core_driver import CoreDriver
-from graphserve.server.deltas import DeltaProcessor
-from graphserve.server.engine_messages import AddRequests, Shutdown, StepBatch
-from graphserve.server.engine_process import EngineChannel, EngineLink
 from graphserve.server.output_pump import OutputPump
 
 POLL_S = 60.0
@@ -65,34 +66,35 @@ def tokenizer():
 
 
 def test_request_path_is_event_driven_for_each_front_end(monkeypatch, tokenizer):
-    monkeypatch.setattr(engine_loop, "_IDLE_POLL_S", POLL_S)
+    monkeypatch.setattr(serve_loop, "_IDLE_POLL_S", POLL_S)
     ctx = multiprocessing.get_context("spawn")
     inbox, queued, ready = ctx.Queue(), ctx.Value("q", 0), ctx.Value("i", 0)
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    senders = [engine_loop._Sender(w, i) for i, (_, w) in enumerate(pipes)]
+    senders = [output_router.Sender(w, i) for i, (_, w) in enumerate(pipes)]
     core = OneTokenCore()
-    engine = threading.Thread(target=engine_loop.serve, args=(core, CoreDriver(core), inbox, senders, [], queued),
+    engine = threading.Thread(target=serve_loop.serve, args=(core, CoreDriver(core), inbox, senders, [], queued),
                               daemon=True)
     engine.start()
     loop = asyncio.new_event_loop()
     got: list[asyncio.Queue] = []
     links = []
     for i, (r, _) in enumerate(pipes):
-        processor = DeltaProcessor(tokenizer)
+        processor = OutputProcessor(tokenizer)
         arrived: asyncio.Queue = asyncio.Queue()
         got.append(arrived)
 
-        def deliver(deltas: list, _aborts: list, _failed: dict, arrived: asyncio.Queue = arrived) -> None:
+        def deliver(deltas: list, _failed: dict, arrived: asyncio.Queue = arrived) -> None:
             for d in deltas:
                 arrived.put_nowait((time.monotonic(), d))
 
-        pump = OutputPump(processor, loop, deliver, lambda ids: None)
+        pump = OutputPump(processor, loop, deliver)
 
         def on_message(msg: Any, pump: OutputPump = pump) -> None:
             if isinstance(msg, StepBatch):
                 pump.push(msg.outputs, msg.failed)
 
-        link = EngineLink(EngineChannel(inbox, r, i, queued, ready, 2), on_message, lambda code: None)
+        link = ProcessClient(EngineConfig(), on_message, lambda code: None,
+                             channel=EngineChannel(inbox, r, i, queued, ready, 2))
         link.start()
         links.append((link, processor, pump))
 
@@ -101,10 +103,10 @@ def test_request_path_is_event_driven_for_each_front_end(monkeypatch, tokenizer)
         engine_id = f"req-{serial}#{frontend}.{serial}"
         params = SamplingParams(max_tokens=1, ignore_eos=True)
         processor.add(engine_id, [1, 2, 3], params)
-        with queued.get_lock():  # the front-end's reservation (AsyncEngine._reserve)
+        with queued.get_lock():  # the front-end's reservation (Frontend._reserve)
             queued.value += params.n
         sent = time.monotonic()
-        link.send(AddRequests([EngineRequest(engine_id, [1, 2, 3], params, sent)], frontend=frontend))
+        link.add([EngineRequest(engine_id, [1, 2, 3], params, sent)])
         when, delta = await asyncio.wait_for(got[frontend].get(), POLL_S / 2)
         assert delta.request_id == engine_id and delta.finished
         assert delta.choices[0].token_ids == [42]

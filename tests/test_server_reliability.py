@@ -20,7 +20,7 @@ from engine_stub import idle_engine
 from server_utils import ServerProcess, metrics, wait_for
 
 from graphserve.config import EngineConfig
-from graphserve.server.engine_process import EngineProcess
+from graphserve.engine.process_client import ProcessClient
 
 STALL_S = 2.0
 
@@ -164,10 +164,10 @@ def test_one_owner_reaps_the_engine_process(monkeypatch, caplog):
     monkeypatch.setattr(multiprocessing.popen_fork.os, "waitpid", slow_waitpid)
     exits = []
     for _ in range(2):
-        proc = EngineProcess(EngineConfig(model="builtin:tiny-llama"), lambda msg: None, exits.append,
+        proc = ProcessClient(EngineConfig(model="builtin:tiny-llama"), lambda msg: None, exits.append,
                              target=idle_engine)
         proc.start()
-        with caplog.at_level(logging.WARNING, logger="graphserve.server"):
+        with caplog.at_level(logging.WARNING, logger="graphserve.engine"):
             proc.shutdown(timeout=10)
         assert not proc.killed and proc.exitcode == 0 and not proc.alive
         assert "killing it" not in caplog.text

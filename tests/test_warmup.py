@@ -1,4 +1,4 @@
-"""The warm-up before ready (server/warmup.py) on CPU: its token ladder meets every tile bucket, it reaches
+"""The warm-up before ready (engine/warmup.py) on CPU: its token ladder meets every tile bucket, it reaches
 the prefix-cache paths, then resets the counters."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from graphserve.config import EngineConfig
+from graphserve.engine import warmup
 from graphserve.engine.core import EngineCore
-from graphserve.server import warmup
 
 MODEL = "builtin:tiny-llama"
 SMALL = dict(max_model_len=512, num_kv_tokens=8192)

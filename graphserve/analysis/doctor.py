@@ -50,7 +50,7 @@ GRAPHSERVE_MARKS = re.compile(r"\] serving \S+ on http://|engine ready: model=\S
 # engine/startup.py's calibration line (OversizeCalibration.log_line)
 OVERSIZE_COSTS = re.compile(r"decode batches above (\d+) \(up to --max-running-requests (\d+)\) run as ([a-z-]+): "
                             r"split-graph " + NUM + r" ms, eager " + NUM + r" ms, full graph " + NUM + r" ms at batch (\d+)")
-# server/compile_watch.py's warning: a Triton kernel compiled after the server said ready
+# engine/compile_watch.py's warning: a Triton kernel compiled after the server said ready
 LATE_COMPILE = re.compile(r"kernel (\S+) compiled after ready")
 # The ranks and the links of their all-reduce: SGLang's/vLLM's args dump or graphserve's ready line; NCCL's
 # INFO lines; nvidia-smi's matrix rows; graphserve's own all-reduce block

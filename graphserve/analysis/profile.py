@@ -77,7 +77,7 @@ def max_tokens_for(steps: int) -> int:
 
 def profile_in_process(core: Any, batch_size: int, steps: int, input_len: int, seed: int = 0) -> dict:
     """Hold ``batch_size`` requests in decode on ``core`` and profile ``steps`` of its decode steps."""
-    from graphserve.engine.processor import InputProcessor
+    from graphserve.engine.input_processor import InputProcessor
     from graphserve.engine.step_profiler import StepProfiler
     from graphserve.sampling_params import SamplingParams
 

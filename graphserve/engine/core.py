@@ -1,7 +1,7 @@
 """EngineCore: the token loop. Schedules a step, runs it, decides which sequences finished.
 
-It speaks token ids only (no text): detokenization and stop strings live in processor.py,
-so the server can run them off this loop.
+It speaks token ids, but for the stop strings (stop_strings.py): a request finishes here, in the step that
+made its last token, whatever ended it. Streaming text is the output processor's work, off this loop.
 
 With the overlap schedule (on CUDA by default) a call to ``step`` schedules and launches step N+1
 before it waits for step N's ids, so the host's work for N+1 runs while the device computes N.
@@ -25,13 +25,14 @@ import torch
 from graphserve.config import EngineConfig
 from graphserve.engine.gc_clock import gc_clock
 from graphserve.engine.inflight import InFlightStep
+from graphserve.engine.input_processor import resolve_max_model_len
 from graphserve.engine.kv_cache import BlockManager
 from graphserve.engine.parallel_driver import start_ranks, stop_ranks
-from graphserve.engine.processor import resolve_max_model_len
 from graphserve.engine.rank_worker import start_runner
 from graphserve.engine.request import CoreOutput, EngineRequest, Sequence, SequenceStatus
 from graphserve.engine.scheduler import Scheduler, SchedulerOutput
 from graphserve.engine.step_sync import StepSender
+from graphserve.engine.stop_strings import StopChecker
 from graphserve.engine.telemetry import EngineStats, Telemetry
 from graphserve.errors import BadRequestError
 from graphserve.layers.sampler import SEED_MASK, SamplerOutput
@@ -88,6 +89,7 @@ class EngineCore:
         self._gc_clock = gc_clock()
         self._gc_ms_seen = self._gc_clock.total_ms  # the collector's running total at the last record
         self._penalized = 0  # live requests whose sampling counts their own output tokens
+        self.stop_checker = StopChecker(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.info.vocab_size, list(self.info.eos_token_ids))
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -123,6 +125,8 @@ class EngineCore:
             seq = Sequence(req.request_id, i, req.prompt_token_ids, p, seed, req.arrival_time,
                            parent=seqs[0] if seqs else None)
             seq.max_total = min(seq.max_total, self.max_model_len)
+            if p.stop:
+                seq.stop_watch = self.stop_checker.watch(req.prompt_token_ids, p.stop, p.skip_special_tokens)
             seqs.append(seq)
             if p.structured is None:
                 self.scheduler.add(seq)
@@ -259,7 +263,8 @@ class EngineCore:
     def _emit(self, step: InFlightStep, sampled: SamplerOutput) -> list[CoreOutput]:
         tokens = sampled.token_ids
         finished = SequenceStatus.FINISHED
-        outputs = []
+        outputs: list[CoreOutput] = []
+        watched: list[tuple[Sequence, int, CoreOutput]] = []  # running on; their stop strings decide below
         for row, seq, index in step.completed:
             if seq.status is finished:
                 continue  # aborted (or finished by an earlier token) while the step ran
@@ -278,11 +283,25 @@ class EngineCore:
                 reason, error = ended
                 stop_reason = None
             if reason is not None:
-                del seq.output_token_ids[index + 1 :]  # a token of a step launched meanwhile
-                self.scheduler.finish(seq, reason, stop_reason)
-                self._forget(seq)
-            outputs.append(CoreOutput.of(seq, [token], logprobs, error=error))
+                self._finish(seq, index, reason, stop_reason)
+            out = CoreOutput.of(seq, [token], logprobs, error=error)
+            outputs.append(out)
+            if reason is None and seq.stop_watch is not None:
+                watched.append((seq, index, out))
+        if watched:
+            stops = self.stop_checker.check([(seq.stop_watch, seq.output_token_ids[index])
+                                             for seq, index, _ in watched])  # fmt: skip
+            for (seq, index, out), stop in zip(watched, stops):
+                if stop is not None:
+                    self._finish(seq, index, "stop", stop)
+                    out.finish_reason, out.stop_reason = "stop", stop
         return outputs
+
+    def _finish(self, seq: Sequence, index: int, reason: str, stop_reason: str | int | None) -> None:
+        """End ``seq`` at its ``index``-th output token."""
+        del seq.output_token_ids[index + 1 :]  # a token of a step launched meanwhile
+        self.scheduler.finish(seq, reason, stop_reason)
+        self._forget(seq)
 
     def _finish_reason(self, seq: Sequence, token: int, num_output: int) -> tuple[str | None, int | None]:
         """Why the sequence ends with ``token``, its ``num_output``-th output token (None: it goes on)."""

@@ -40,9 +40,14 @@ class IncrementalDetokenizer:
         self.ids.extend(new_token_ids)
         return self.ids[self.prefix_offset : self.read_offset], self.ids[self.prefix_offset :]
 
-    def accept(self, prefix_text: str, full_text: str) -> str:
-        """The second half of ``add``: the decoded windows in, the newly completed text out."""
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+    def accept(self, prefix_text: str, full_text: str, settle_after: int | None = None) -> str:
+        """The second half of ``add``: the decoded windows in, the newly completed text out. With
+        ``settle_after``, a tail still unfinished after that many tokens is taken as it reads (U+FFFD): no
+        character spans more than 4 byte tokens, so it is invalid bytes, and the window stops growing."""
+        if len(full_text) <= len(prefix_text):
+            return ""
+        if full_text.endswith(REPLACEMENT_CHAR) and (settle_after is None
+                                                     or len(self.ids) - self.read_offset <= settle_after):
             return ""
         delta = full_text[len(prefix_text) :]
         # Slide the window: the text up to read_offset is settled.
@@ -65,6 +70,11 @@ class IncrementalDetokenizer:
         return delta
 
 
+# Up to this many windows, one Rust decode each beats the batch call, whose thread pool costs ~8 µs a call
+# (2 windows: 1.5 against 8.5 µs; 32: 22 against 33 µs, on a loaded 2-core host).
+_FEW_WINDOWS = 16
+
+
 def decode_windows(tokenizer: Any, windows: list[list[int]], skip_special_tokens: bool) -> list[str]:
     """Decode many id windows at once. A fast tokenizer without a clean-up pass decodes exactly as the Rust
     tokenizer does, so its batch call serves them all (one call instead of two Python decodes per request per
@@ -72,6 +82,8 @@ def decode_windows(tokenizer: Any, windows: list[list[int]], skip_special_tokens
     rust = getattr(tokenizer, "_tokenizer", None)
     if rust is not None and hasattr(rust, "decode_batch") and not getattr(tokenizer, "clean_up_tokenization_spaces",
                                                                            False):
+        if len(windows) <= _FEW_WINDOWS:
+            return [rust.decode(w, skip_special_tokens=skip_special_tokens) for w in windows]
         return rust.decode_batch(windows, skip_special_tokens=skip_special_tokens)
     return [tokenizer.decode(w, skip_special_tokens=skip_special_tokens) for w in windows]
 

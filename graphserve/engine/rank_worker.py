@@ -64,7 +64,7 @@ def release_runner(runner: ModelRunner) -> None:
 class RankWorker:
     def __init__(self, rank: int, config: EngineConfig, init_method: str, device: torch.device,
                  store: Any = None) -> None:
-        from graphserve.engine.processor import resolve_max_model_len
+        from graphserve.engine.input_processor import resolve_max_model_len
         from graphserve.models.loader import load_model
 
         self.rank = rank
@@ -77,7 +77,7 @@ class RankWorker:
         loaded = load_model(config, device)
         max_model_len = resolve_max_model_len(config, loaded.info)
         self.runner = start_runner(config, loaded, device, max_model_len).runner
-        # rank 0's warm-up (server/warmup.py) runs these on its own device only
+        # rank 0's warm-up (engine/warmup.py) runs these on its own device only
         run_warmup_work(self.runner.model, self.runner.attn_backend, self.runner.kv_caches, max_model_len)
         from graphserve.engine.step_sync import StepReceiver
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("graphserve.ranks")
 
 RANK_FAILURE_EXIT = 75
-# The server's engine process (server/engine_process.py names it so): a process that only runs the engine.
+# The server's engine process (engine/process_client.py names it so): a process that only runs the engine.
 ENGINE_PROCESS_NAME = "graphserve-engine"
 _STOP_TIMEOUT_S = 20.0
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from graphserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from graphserve.engine.stop_strings import StopWatch
     from graphserve.structured.compiler import GrammarState
 
 _seq_counter = itertools.count()
@@ -83,6 +84,8 @@ class Sequence:
         self.error: str | None = None
         # structured output: the matcher following this sequence's output (set once its grammar is compiled)
         self.grammar: GrammarState | None = None
+        # stop strings: the tail of the output text the engine searches (set by the engine when it has some)
+        self.stop_watch: StopWatch | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,7 +1,7 @@
 """Profile the next N decode steps of a live engine with torch.profiler: where does a step go?
 
 The serving loop hands each engine iteration to ``StepProfiler.iteration`` while a profile runs
-(server/core_driver.py; `graphserve profile --model` drives a core itself). Phases, in order:
+(engine/core_driver.py; `graphserve profile --model` drives a core itself). Phases, in order:
 
 - ``graph``: the steps as they run (CUDA graphs replayed), when the engine captured graphs;
 - ``eager``: the same requests with graph replay switched off (runner.graphs set aside), after a few

@@ -66,7 +66,7 @@ def _lane_best(row_ptr, cols, V, best, best_idx):
 
 
 # The split follows the batch (``chunking``): CHUNKS and CHUNK stay unspecialized runtime values, so one compile
-# serves every batch size and a batch the warm-up did not sample compiles nothing (server/warmup.py).
+# serves every batch size and a batch the warm-up did not sample compiles nothing (engine/warmup.py).
 @triton.jit(do_not_specialize=["CHUNKS", "CHUNK"])
 def _argmax_partial_kernel(x_ptr, part_ptr, V, stride_row, CHUNKS, CHUNK, BLOCK: tl.constexpr,
                            WHILE_LOOP: tl.constexpr):  # fmt: skip

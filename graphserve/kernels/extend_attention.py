@@ -62,7 +62,7 @@ def _extend_step(
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # batch-sized ints: see server/warmup.py
+@triton.jit(do_not_specialize=["stride_bt"])  # batch-sized ints: see engine/warmup.py
 def _extend_kernel(
     q_ptr, kv_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, sinks_ptr,
     scale_log2, window,

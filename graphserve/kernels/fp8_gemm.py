@@ -31,7 +31,7 @@ from graphserve.kernels.pdl import pdl_args, pdl_enter
 logger = logging.getLogger("graphserve.fp8")
 
 
-@triton.jit(do_not_specialize=["M"])  # batch-sized ints: see server/warmup.py
+@triton.jit(do_not_specialize=["M"])  # batch-sized ints: see engine/warmup.py
 def _w8a8_kernel(
     a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, bias_ptr, M, N,
     stride_am, stride_wn, stride_cm, stride_asm, stride_ask, stride_wsn,

@@ -58,7 +58,7 @@ def quantized(xf, scale, OUT_DTYPE: tl.constexpr, FP8_MAX_C: tl.constexpr):
     return tl.clamp(xf / scale, -FP8_MAX_C, FP8_MAX_C).to(OUT_DTYPE)
 
 
-@triton.jit(do_not_specialize=["M"])  # batch-sized ints: see server/warmup.py
+@triton.jit(do_not_specialize=["M"])  # batch-sized ints: see engine/warmup.py
 def _token_group_quant_kernel(
     x_ptr, res_ptr, nw_ptr, res_out_ptr, q_ptr, s_ptr, made_ptr, M, stride_xm, stride_rm, stride_rom, stride_qm,
     stride_sm, stride_sg, stride_mm, eps, K: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
@@ -152,7 +152,7 @@ def per_token_group_quant(
     return q, scales
 
 
-@triton.jit(do_not_specialize=["M"])  # batch-sized ints: see server/warmup.py
+@triton.jit(do_not_specialize=["M"])  # batch-sized ints: see engine/warmup.py
 def _static_quant_kernel(x_ptr, s_ptr, q_ptr, M, stride_xm, stride_qm, K: tl.constexpr, BLOCK: tl.constexpr,
                          FP8_MAX_C: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pdl_enter(PDL)

@@ -41,7 +41,7 @@ class DecodeInputs(NamedTuple):
 
 
 # Everything that follows the batch stays unspecialized (pointer alignment and integer values alike), so one
-# compile serves every batch size and table width: see server/warmup.py.
+# compile serves every batch size and table width: see engine/warmup.py.
 @triton.jit(do_not_specialize=["src_ids_ptr", "src_pos_ptr", "src_slot_ptr", "src_lens_ptr", "src_table_ptr",
                                "src_ids_stride", "src_pos_stride", "src_slot_stride", "src_lens_stride",
                                "src_table_stride_r", "src_table_stride_c", "bs", "width"])

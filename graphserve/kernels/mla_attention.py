@@ -116,7 +116,7 @@ def _mla_step(
 # Batch- and context-sized ints (the split count, the block-table width, the lse strides that follow the split
 # count) stay unspecialized, and so does the alignment of the per-sequence int32 rows (an eager decode step's block
 # table and query starts are views into one upload at offsets that follow the batch, engine/runner.py): a compile
-# per tile then serves every batch and context (server/warmup.py)
+# per tile then serves every batch and context (engine/warmup.py)
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_ml_t", "stride_ml_h"],
             do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "q_start_ptr"])
 def _mla_attention_kernel(

@@ -173,7 +173,7 @@ class MLARule:
     def tiles_for(self, heads: int, cache: str = "model") -> tuple[MLATile, ...]:
         """Every tile ``tile`` may return for ``heads`` and ``cache`` at some batch and context, each once (by
         name): a served step's batch and block-table width are any the scheduler makes, so the warm-up
-        (server/warmup.py) compiles them all rather than the few its short prompts reach. Empty: no rule."""
+        (engine/warmup.py) compiles them all rather than the few its short prompts reach. Empty: no rule."""
         return tuple(sorted({e[3] for e in self._rows(heads, cache)}, key=lambda t: t.name))
 
     def _rows(self, heads: int, cache: str) -> list[tuple[int, int, int, MLATile]]:

@@ -82,7 +82,7 @@ def pair_histogram(ids_ptr, valid_ptr, num_pairs, expert_start, TOP_K: tl.conste
     return hist
 
 
-@triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see server/warmup.py
+@triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see engine/warmup.py
 def moe_count_kernel(ids_ptr, valid_ptr, counts_ptr, num_pairs, TOP_K: tl.constexpr, E: tl.constexpr,
                      HAS_VALID: tl.constexpr, SINGLE: tl.constexpr, BLOCK_P: tl.constexpr,
                      BLOCK_E: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
@@ -125,7 +125,7 @@ def _place_pairs(ids_ptr, valid_ptr, sorted_ids_ptr, run_starts, num_pairs, expe
         tl.store(sorted_ids_ptr + slot, pairs, mask=routed)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])  # batch-sized ints: see server/warmup.py
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])  # batch-sized ints: see engine/warmup.py
 def moe_align_offsets_kernel(
     ids_ptr, valid_ptr, counts_ptr, cursor_ptr, expert_ids_ptr, sorted_ids_ptr, num_post_ptr,
     expert_start, num_pairs, max_blocks,
@@ -181,7 +181,7 @@ def moe_align_offsets_kernel(
                      BLOCK_E, BLOCK_P, PAIR_SLICE)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see server/warmup.py
+@triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see engine/warmup.py
 def moe_align_scatter_kernel(
     ids_ptr, valid_ptr, cursor_ptr, sorted_ids_ptr, num_pairs, expert_start,
     TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,

@@ -109,7 +109,7 @@ def _add_norm_tile(
     return normed
 
 
-@triton.jit(do_not_specialize=["T"])  # batch-sized ints: see server/warmup.py
+@triton.jit(do_not_specialize=["T"])  # batch-sized ints: see engine/warmup.py
 def moe_gate_softmax_topk_kernel(
     x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, gate_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr,
     T, stride_xt, stride_rt, stride_ge, eps,

@@ -38,7 +38,7 @@ DOT_MAX_SPLIT_K = 4
 DOT_BLOCK_K = 256  # columns per K step: 16 KB of x and weight tile a step at 16 rows and 16 experts
 
 
-@triton.jit(do_not_specialize=["T"])  # batch-sized ints: see server/warmup.py
+@triton.jit(do_not_specialize=["T"])  # batch-sized ints: see engine/warmup.py
 def moe_gate_dot_softmax_topk_kernel(
     x_ptr, gate_ptr, partial_ptr, counter_ptr, weights_ptr, ids_ptr, T, stride_xt, stride_ge,
     pf_ptr, pf_bytes, pf_piece,
@@ -110,7 +110,7 @@ def dot_tiles(rows: int, num_experts: int) -> tuple[int, int]:
     of 512 columns is two steps, both in flight in the pipeline's three stages.
 
     The rows enter as their power-of-two bucket (row blocks of 16, 32, 64 rows): the warm-up runs a power of
-    two in every bucket, so it compiles every variant (server/warmup.py). At qwen3-30b-a3b's router (E 128,
+    two in every bucket, so it compiles every variant (engine/warmup.py). At qwen3-30b-a3b's router (E 128,
     H 2048) that is 4 splits of 512 columns, 32 / 64 / 128 programs at 16 / 32 / 64 rows. On an H200 (a device
     log at d3a3710: block_ep 16, 32, 64 x splits 1, 2, 4, 8 through the overrides of
     ``moe_gate_dot_softmax_topk``, each timed as a CUDA graph of back-to-back calls without PDL) this pick was

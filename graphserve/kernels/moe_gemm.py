@@ -124,7 +124,7 @@ def _gemm_step(acc, a, b, a_s, bs_ptrs, ks, k0, IEEE: tl.constexpr, B_FP8: tl.co
     return tl.dot(a, b, acc)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])  # batch-sized ints: see server/warmup.py
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])  # batch-sized ints: see engine/warmup.py
 def fused_moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, as_ptr, bs_ptr, cs_ptr,
     num_pairs, N, num_blocks_m, stride_am, stride_be, stride_bn, stride_cm,

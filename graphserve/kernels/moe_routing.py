@@ -93,7 +93,7 @@ def _softmax_topk_store(
     tl.store(ids_ptr + offs, top_i, mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["T"])  # batch-sized ints: see server/warmup.py
+@triton.jit(do_not_specialize=["T"])  # batch-sized ints: see engine/warmup.py
 def moe_softmax_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, T, stride_t,
     E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -153,7 +153,7 @@ def moe_softmax_topk(
                   SELECT=topk_select(select))
 
 
-@triton.jit(do_not_specialize=["T"])  # batch-sized ints: see server/warmup.py
+@triton.jit(do_not_specialize=["T"])  # batch-sized ints: see engine/warmup.py
 def moe_grouped_topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, scaling,
     E: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,

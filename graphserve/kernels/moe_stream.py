@@ -69,7 +69,7 @@ def _gate_up_acc(acc_g, acc_u, g, u, xf, sg, su, BLOCK_SCALED: tl.constexpr, K_S
     return acc_g, acc_u
 
 
-@triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see server/warmup.py
+@triton.jit(do_not_specialize=["num_pairs"])  # batch-sized ints: see engine/warmup.py
 def fused_moe_gemv_gate_up_kernel(
     x_ptr, w13_ptr, act_ptr, ids_ptr, valid_ptr, counts_ptr, ws_ptr, N, expert_start, num_pairs,
     stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_sn, scale_up_row,

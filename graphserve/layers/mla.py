@@ -116,7 +116,7 @@ class MLAttention(nn.Module):
         return out
 
     def warmup_work(self, attn_backend, kv_caches: list[torch.Tensor], max_model_len: int) -> list[tuple]:
-        """Launches to run once before serving (server/warmup.py), as ``(key, run)`` pairs: whatever the MLA
+        """Launches to run once before serving (engine/warmup.py), as ``(key, run)`` pairs: whatever the MLA
         backend serving ``attn_backend`` asks for, for this layer's shapes; pairs of one key run once."""
         work = getattr(mla_backend(attn_backend), "warmup_work", None)
         return work(self, kv_caches[self.layer_idx], max_model_len) if work is not None else []

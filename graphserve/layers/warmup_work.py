@@ -1,4 +1,4 @@
-"""Launches a model's layers ask for before serving, beside the warm-up's steps (server/warmup.py).
+"""Launches a model's layers ask for before serving, beside the warm-up's steps (engine/warmup.py).
 
 Some kernels pick their tile from a card's measured rule by sizes a served step has and the warm-up's steps may
 not (MLA's decode tile follows the batch and the block-table width). A layer that has such a kernel answers

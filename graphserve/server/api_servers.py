@@ -4,15 +4,15 @@ One front-end process is one event loop and one GIL: at high concurrency with cl
 its per-token work (detokenization, JSON, SSE) caps the server below the engine. So this process becomes a
 supervisor that serves no HTTP itself:
 
-- it starts the engine process (engine_loop.py) with one pipe per front-end and one shared request queue,
+- it starts the engine process (engine/serve_loop.py) with one pipe per front-end and one shared request queue,
   then N front-end processes (spawned: nothing of this process is forked into them);
 - each front-end listens on the same host:port with SO_REUSEPORT, so the kernel spreads new connections
   over them by their address hash (one shared socket would let whichever loop wakes first take a whole
   burst); a front-end tokenizes, detokenizes and streams its own requests, and the engine sends it only their
   outputs, one batch per step;
 - what must hold for the whole server is shared: the queue bound counts every front-end's sequences
-  (engine_loop.py), --max-connections every front-end's connections (guards.py), the metrics are summed over
-  the front-ends (metrics.py), a client rid is unique over all of them (engine_loop.OutputRouter);
+  (engine/serve_loop.py), --max-connections every front-end's connections (guards.py), the metrics are summed over
+  the front-ends (metrics.py), a client rid is unique over all of them (engine/output_router.OutputRouter);
 - the first SIGTERM/SIGINT asks every front-end to drain (SIGUSR1), a second to stop now (SIGUSR2); once
   they have all exited the engine is told to stop. A front-end that exits alone takes the server down with
   it; an engine that dies is seen by every front-end as the end of its pipe (streams fail, /health 503).
@@ -35,8 +35,8 @@ import threading
 from typing import Any
 
 from graphserve.config import EngineConfig
-from graphserve.server.engine_loop import engine_main
-from graphserve.server.engine_process import EngineChannel, Shutdown, log_setup
+from graphserve.engine.process_client import EngineChannel, Shutdown, log_setup
+from graphserve.engine.serve_loop import engine_main
 from graphserve.server.guards import GuardOptions
 from graphserve.server.launch import FORCED_EXIT_CODE, LOG_FORMAT, build_state_from_args, serve_http
 from graphserve.server.metrics import MULTIPROC_ENV

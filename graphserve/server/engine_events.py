@@ -1,6 +1,6 @@
-"""What the engine process tells a front-end, applied to the front-end's AsyncEngine.
+"""What the engine tells a front-end, applied to the front-end's Frontend.
 
-The reader thread of the engine's pipe (engine_process.py) calls these, off the event loop: step outputs go
+A thread of the engine client (engine/client.py) calls these, off the event loop: step outputs go
 to the output thread and the step records to the telemetry listeners from here; the engine's death reaches
 the loop through ``call_soon_threadsafe``.
 """
@@ -10,19 +10,19 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from graphserve.engine.messages import CoreView, EngineLoadFailed, EngineReady, ProfileSteps, StepBatch
 from graphserve.errors import InternalError, ModelLoadError
-from graphserve.server.engine_messages import CoreView, EngineLoadFailed, EngineReady, ProfileSteps, StepBatch
 
 if TYPE_CHECKING:
-    from graphserve.server.async_engine import AsyncEngine
+    from graphserve.server.frontend import Frontend
 
 logger = logging.getLogger("graphserve.server")
 
 
 class EngineEvents:
-    """The message and exit handlers an EngineProcess or EngineLink is built with, for ``engine``."""
+    """The message and exit handlers the engine client is built with, for ``engine``."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: Frontend):
         self.engine = engine
 
     def on_message(self, msg: Any) -> None:
@@ -63,12 +63,13 @@ class EngineEvents:
 
     def on_exit(self, exitcode: int | None) -> None:
         engine = self.engine
+        where = "process" if engine.separate_process else "thread"
         if not engine.ready.is_set():
-            engine.load_error = ModelLoadError(f"the engine process exited with code {exitcode} while loading")
+            engine.load_error = ModelLoadError(f"the engine {where} exited with code {exitcode} while loading")
             engine.ready.set()
             return
         code = "" if exitcode is None else f" (exit code {exitcode})"
-        engine.engine_error = f"the engine process died{code}; restart the server"
+        engine.engine_error = f"the engine {where} died{code}; restart the server"
         logger.error("%s: failing %d in-flight request(s)", engine.engine_error, engine.num_inflight)
         assert engine._loop is not None
         engine._loop.call_soon_threadsafe(engine.abort_all, InternalError(engine.engine_error))

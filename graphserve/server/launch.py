@@ -25,7 +25,7 @@ from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError, ServiceUnavailableError, bad_field
 from graphserve.models.parallel_check import check_parallel
 from graphserve.server.app import create_app
-from graphserve.server.async_engine import AsyncEngine
+from graphserve.server.frontend import Frontend
 from graphserve.server.guards import MAX_HEAD_BYTES, GuardOptions, guarded_protocol
 from graphserve.server.metrics import ServerMetrics
 from graphserve.server.model_info import default_served_name
@@ -68,7 +68,7 @@ def build_state(
         raise bad_field("stream_interval", stream_interval, "must be >= 1 token")
     if not stream_stall_timeout > 0:
         raise bad_field("stream_stall_timeout", stream_stall_timeout, "must be > 0 seconds")
-    engine = AsyncEngine(config, on_step=on_step, separate_process=separate_process, stream_interval=stream_interval,
+    engine = Frontend(config, on_step=on_step, separate_process=separate_process, stream_interval=stream_interval,
                          stream_stall_timeout=stream_stall_timeout, channel=channel)
     index = 0 if channel is None else channel.index
     metrics = ServerMetrics(lambda: engine.stats, lambda: engine.alive, api_server=index,

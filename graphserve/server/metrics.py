@@ -24,8 +24,8 @@ from prometheus_client import multiprocess as prometheus_multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from graphserve.engine.output_processor import RequestDelta
 from graphserve.engine.telemetry import StepRecord
-from graphserve.server.deltas import RequestDelta
 
 PREFIX = "graphserve:"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -113,7 +113,7 @@ class ServerMetrics:
             self.decode_steps.labels(graph=graph)
 
     def on_abort(self, request_id: str, error: Any) -> None:
-        """AsyncEngine hook (loop thread): a request stopped before it finished."""
+        """Frontend hook (loop thread): a request stopped before it finished."""
         self.request_aborted.labels(reason="cancelled" if error is None else error.error_type).inc()
 
     def on_step(self, rec: StepRecord) -> None:

@@ -2,7 +2,7 @@
 
 Whoever receives the engine's batches (the pipe reader, or the in-process engine thread) only appends them
 here and returns at once. This thread takes everything that accumulated, merges it into one batch,
-detokenizes (deltas.py) and hands the deltas to the loop in one callback. If the loop or this thread falls
+detokenizes (engine/output_processor.py) and hands the deltas to the loop in one callback. If the loop or this thread falls
 behind, batches merge and each choice is detokenized once for several tokens: the server coalesces, the
 engine never waits.
 """
@@ -14,27 +14,25 @@ import logging
 import threading
 from collections.abc import Callable
 
-from graphserve.server.deltas import DeltaProcessor, RequestDelta
-from graphserve.server.step_outputs import StepOutputs
+from graphserve.engine.output_processor import OutputProcessor, RequestDelta
+from graphserve.engine.step_outputs import StepOutputs
 
 logger = logging.getLogger("graphserve.server")
 
-# (deltas, ids the core must abort, failed id -> why) -> None, called on the loop
-Deliver = Callable[[list[RequestDelta], list[str], dict[str, str]], None]
+# (deltas, failed id -> why) -> None, called on the loop
+Deliver = Callable[[list[RequestDelta], dict[str, str]], None]
 
 
 class OutputPump:
-    def __init__(self, processor: DeltaProcessor, loop: asyncio.AbstractEventLoop, deliver: Deliver,
-                 send_aborts: Callable[[list[str]], None]):
+    def __init__(self, processor: OutputProcessor, loop: asyncio.AbstractEventLoop, deliver: Deliver):
         self.processor = processor
         self._loop = loop
         self._deliver = deliver
-        self._send_aborts = send_aborts
         self._cond = threading.Condition()
         self._outputs = StepOutputs()
         self._failed: dict[str, str] = {}
         self._stopped = False
-        self._ready: list[tuple[list[RequestDelta], list[str], dict[str, str]]] = []
+        self._ready: list[tuple[list[RequestDelta], dict[str, str]]] = []
         self._ready_lock = threading.Lock()
         self._callback_pending = False
         self._thread = threading.Thread(target=self._run, name="graphserve-output", daemon=True)
@@ -66,20 +64,18 @@ class OutputPump:
                 outputs, self._outputs = self._outputs, StepOutputs()
                 failed, self._failed = self._failed, {}
             try:
-                deltas, to_abort = self.processor.process(outputs)
+                deltas = self.processor.process(outputs)
             except Exception as exc:  # noqa: BLE001 - detokenization broke: fail these requests, never hang them
                 logger.exception("output processing failed")
                 reason = f"output processing failed: {type(exc).__name__}: {exc}"
-                deltas, to_abort = [], []
+                deltas = []
                 failed.update({rid: reason for rid in set(outputs.request_ids)})
-            if to_abort:
-                self._send_aborts(to_abort)  # stop strings: free the blocks now, not after the loop's turn
-            self._hand_over(deltas, to_abort, failed)
+            self._hand_over(deltas, failed)
 
-    def _hand_over(self, deltas: list[RequestDelta], to_abort: list[str], failed: dict[str, str]) -> None:
+    def _hand_over(self, deltas: list[RequestDelta], failed: dict[str, str]) -> None:
         # One loop callback for however many batches are waiting: a busy loop takes them all in one turn.
         with self._ready_lock:
-            self._ready.append((deltas, to_abort, failed))
+            self._ready.append((deltas, failed))
             if self._callback_pending:
                 return
             self._callback_pending = True
@@ -92,5 +88,5 @@ class OutputPump:
         with self._ready_lock:
             ready, self._ready = self._ready, []
             self._callback_pending = False
-        for deltas, to_abort, failed in ready:
-            self._deliver(deltas, to_abort, failed)
+        for deltas, failed in ready:
+            self._deliver(deltas, failed)

@@ -11,15 +11,15 @@ import asyncio
 import itertools
 from typing import Any
 
+from graphserve.engine.messages import ProfileSteps
 from graphserve.errors import InternalError, OverloadedError, ServiceUnavailableError, bad_field
-from graphserve.server.engine_messages import ProfileSteps
 
 MAX_STEPS = 1000
 MAX_TIMEOUT_S = 3600.0
 
 
 class ProfileBroker:
-    """The server's side: one profile at a time, sent to the engine process or set on the in-process driver."""
+    """The server's side: one profile at a time, asked of the engine through its client."""
 
     def __init__(self, engine: Any):
         self.engine = engine
@@ -37,25 +37,11 @@ class ProfileBroker:
         token = next(self._tokens)
         fut = loop.create_future()
         self._waiting[token] = fut
-        process, driver = self.engine._process, self.engine._driver
-        profiler = None
-        if process is not None:
-            process.send(ProfileSteps(token, steps, frontend=process.frontend))
-        elif driver.profiler is not None and driver.profiler.active:  # a cancelled one not yet wound down
-            self._waiting.pop(token)
-            raise OverloadedError("the previous profile is still winding down: retry", retry_after=1)
-        else:
-            from graphserve.engine.step_profiler import StepProfiler
-
-            profiler = StepProfiler(driver.core, steps, lambda r: loop.call_soon_threadsafe(self._resolve, token, r))
-            driver.profiler = profiler  # the engine thread picks it up at its next step
+        self.engine.client.profile(ProfileSteps(token, steps))
         try:
             result = await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
-            if process is not None:
-                process.send(ProfileSteps(token, 0, frontend=process.frontend))
-            elif profiler is not None:
-                profiler.cancel()
+            self.engine.client.profile(ProfileSteps(token, 0))
             raise ServiceUnavailableError(
                 f"{steps} decode steps did not run within timeout={timeout_s:g} s: the profile needs load on the "
                 f"server (send requests, or run `graphserve profile --batch-size B`, which holds B requests)",
@@ -69,7 +55,7 @@ class ProfileBroker:
         return result
 
     def on_result(self, msg: ProfileSteps) -> None:
-        """Reader thread: the engine process answered."""
+        """A client thread: the engine answered."""
         loop = self.engine._loop
         if loop is not None:
             loop.call_soon_threadsafe(self._resolve, msg.token, msg.result)

@@ -15,17 +15,17 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from graphserve.engine.output_processor import RequestDelta
 from graphserve.errors import GraphserveError
-from graphserve.server.deltas import RequestDelta
 
 if TYPE_CHECKING:
-    from graphserve.server.async_engine import AsyncEngine
+    from graphserve.server.frontend import Frontend
 
 
 class RequestStream:
     """Iterate with ``async for`` to get RequestDeltas; the last one has ``finished`` set."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, engine_id: str, num_prompt_tokens: int,
+    def __init__(self, engine: Frontend, request_id: str, engine_id: str, num_prompt_tokens: int,
                  stream_interval: int = 1):
         self.engine = engine
         self.request_id = request_id  # what the client sees (its rid, or ours)

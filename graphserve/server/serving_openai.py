@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from graphserve.engine.output_processor import ChoiceDelta
 from graphserve.outputs import TokenLogprob
-from graphserve.server.deltas import ChoiceDelta
 from graphserve.server.errors import SSE_HEADERS, recorded_events
 from graphserve.server.prompts import chat_engine_prompt, engine_prompts, token_table
 from graphserve.server.protocol import ChatCompletionRequest, CompletionRequest

@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graphserve.errors import BadRequestError, NotFoundError, ServiceUnavailableError
-from graphserve.server.async_engine import AsyncEngine
+from graphserve.server.frontend import Frontend
 from graphserve.server.grammar_work import GrammarWork
 from graphserve.server.metrics import ServerMetrics
 
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: Frontend
     metrics: ServerMetrics
     model_name: str  # the name responses carry (first of --served-model-name)
     accepted_names: set[str] = field(default_factory=set)  # names a request may ask for

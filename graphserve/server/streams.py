@@ -18,12 +18,12 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from graphserve.engine.output_processor import ChoiceDelta, RequestDelta
 from graphserve.errors import BadRequestError, GraphserveError, InternalError
 from graphserve.outputs import CompletionOutput, TokenLogprob
 from graphserve.sampling_params import SamplingParams
-from graphserve.server.async_engine import AsyncEngine
-from graphserve.server.deltas import ChoiceDelta, RequestDelta
 from graphserve.server.errors import sse_error_event
+from graphserve.server.frontend import Frontend
 from graphserve.server.metrics import RequestTimer, ServerMetrics
 from graphserve.server.request_stream import RequestStream
 
@@ -98,7 +98,7 @@ class Job:
 
 
 def start_jobs(
-    engine: AsyncEngine, metrics: ServerMetrics, base_id: str, prompts: list[Any], params: SamplingParams
+    engine: Frontend, metrics: ServerMetrics, base_id: str, prompts: list[Any], params: SamplingParams
 ) -> list[Job]:
     """Add one request per prompt; if any is refused, abort the ones already added and re-raise."""
     limit = engine.config.max_queued_requests

@@ -9,10 +9,10 @@ import pytest
 import torch
 from gpu_utils import rel_err
 
+from graphserve.engine.compile_watch import CompileWatch
 from graphserve.kernels.mla_attention import mla_attention, warm_tiles
 from graphserve.kernels.mla_config import cache_kind, decode_tiles
 from graphserve.layers.mla_reference import absorbed_decode_batched
-from graphserve.server.compile_watch import CompileWatch
 
 RANK, ROPE, NOPE, PAGE, MAX_MODEL_LEN = 512, 64, 128, 16, 4096
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from graphserve.config import EngineConfig
+from graphserve.engine.compile_watch import CompileWatch
 from graphserve.engine.core import EngineCore
 from graphserve.engine.request import EngineRequest
+from graphserve.engine.warmup import warm_up
 from graphserve.sampling_params import SamplingParams
-from graphserve.server.compile_watch import CompileWatch
-from graphserve.server.warmup import warm_up
 
 
 def _traffic(core: EngineCore, seed: int) -> int:

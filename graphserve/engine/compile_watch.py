@@ -1,6 +1,6 @@
 """Which Triton kernels compile after the server said ready, and why.
 
-The warm-up (server/warmup.py) runs every step shape the scheduler can produce, so that no request after
+The warm-up (engine/warmup.py) runs every step shape the scheduler can produce, so that no request after
 /health says 200 waits for the compiler. Whether it did is checked here, in service: ``CompileWatch``
 records every specialization compiled while the engine loads and warms up, and after ``ready()`` reports
 each new one with the arguments whose specialization (type, constant value, divisibility or alignment) sets
@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-logger = logging.getLogger("graphserve.server")
+logger = logging.getLogger(__name__)
 
 
 class CompileWatch:

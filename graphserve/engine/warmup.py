@@ -29,7 +29,7 @@ Afterwards the core's counters are reset: the warm-up is not served traffic.
 
 Integers that follow the batch (token and pair counts, a block table's width) are left unspecialized in the
 kernels that see them eagerly (``do_not_specialize``), so one compile serves every batch; what the warm-up
-covers is what remains specialized. server/compile_watch.py checks it in service, and
+covers is what remains specialized. engine/compile_watch.py checks it in service, and
 tests/gpu/test_warmup_gpu.py drives served traffic after the warm-up and expects no compile.
 """
 
@@ -44,7 +44,7 @@ from graphserve.engine.request import EngineRequest
 from graphserve.layers.warmup_work import run_warmup_work
 from graphserve.sampling_params import SamplingParams
 
-logger = logging.getLogger("graphserve.server")
+logger = logging.getLogger(__name__)
 
 WARMUP_PREFIX = "warmup-"
 # CPU runs plain PyTorch: no graphs, no JIT to pay for. A short pass runs each code path once (prefill,
@@ -129,6 +129,7 @@ class _Driver:
 def warm_up(core: Any) -> dict[str, float]:
     """Run the warm-up on ``core`` (idle, just built); returns what it ran, for the ready log line."""
     t0 = time.perf_counter()
+    core.stop_checker.prepare()  # the token table of the stop-string check: built now, not in a serving step
     launches = kernel_warmups(core)
     d = _Driver(core)
     cfg = core.config

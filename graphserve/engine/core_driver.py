@@ -11,7 +11,7 @@ from typing import Any
 
 from graphserve.errors import GraphserveError
 
-logger = logging.getLogger("graphserve.server")
+logger = logging.getLogger(__name__)
 
 # Test-only: a request whose prompt contains this marker makes the next engine step raise.
 FAULT_ENV = "GRAPHSERVE_FAULT_INJECT"

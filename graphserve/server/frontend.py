@@ -1,10 +1,11 @@
 """The engine behind the server, fed from the asyncio loop.
 
-The core runs in its own process by default (``separate_process``, see engine_process.py; what it sends back
-is applied in engine_events.py), or on a thread of the server process (engine_thread.py). Either way its
-outputs go to the output thread (output_pump.py), which detokenizes off the event loop and hands the loop
-per-request deltas, which it fans out to the streams. This class is the loop's side: it validates, admits
-and aborts requests, bounds the queue, and watches for clients that stopped reading.
+The engine runs behind an ``EngineClient`` (engine/client.py): in its own process by default
+(``separate_process``, engine/process_client.py), or on a thread of the server process
+(engine/thread_client.py). What it sends back is applied in engine_events.py; its outputs go to the output
+thread (output_pump.py), which detokenizes off the event loop and hands the loop per-request deltas, which it
+fans out to the streams. This class is the loop's side: it validates, admits and aborts requests, bounds the
+queue, and watches for clients that stopped reading.
 
 Requests are keyed in the engine by ids of our own, unique for the server's life: a client's ``rid`` is
 only a label, so reusing one can never reach another request's state.
@@ -22,6 +23,14 @@ from typing import Any
 
 from graphserve import env
 from graphserve.config import EngineConfig
+from graphserve.engine.client import EngineClient
+from graphserve.engine.core_driver import FAULT_ENV, CoreDriver
+from graphserve.engine.input_processor import InputProcessor
+from graphserve.engine.messages import CoreView
+from graphserve.engine.output_processor import OutputProcessor, RequestDelta
+from graphserve.engine.process_client import EngineChannel, ProcessClient
+from graphserve.engine.telemetry import EngineStats
+from graphserve.engine.thread_client import ThreadClient
 from graphserve.errors import (
     BadRequestError,
     GraphserveError,
@@ -31,19 +40,14 @@ from graphserve.errors import (
 )
 from graphserve.sampling_params import SamplingParams
 from graphserve.server.cache_events import CacheEventLog
-from graphserve.server.core_driver import FAULT_ENV, CoreDriver
-from graphserve.server.deltas import DeltaProcessor, RequestDelta
 from graphserve.server.engine_events import EngineEvents
-from graphserve.server.engine_messages import AbortRequests, AddRequests, FlushPrefixCache
-from graphserve.server.engine_process import EngineChannel, EngineLink, EngineProcess
-from graphserve.server.engine_thread import EngineThread
 from graphserve.server.output_pump import OutputPump
 from graphserve.server.request_stream import RequestStream
 
 logger = logging.getLogger("graphserve.server")
 
 
-class AsyncEngine:
+class Frontend:
     def __init__(self, config: EngineConfig, *, on_step: Callable[[Any], None] | None = None,
                  separate_process: bool = False, stream_interval: int = 1, stream_stall_timeout: float = 30.0,
                  channel: EngineChannel | None = None):
@@ -52,24 +56,26 @@ class AsyncEngine:
         self.channel = channel  # set in a front-end of several (--api-server-count): the engine is not ours
         self.stream_interval = stream_interval
         self.stream_stall_timeout = stream_stall_timeout
-        self.core: Any = None  # the EngineCore in-process; a CoreView of the engine process otherwise
-        self.input_processor: Any = None
+        self.core: CoreView | None = None  # what the front-end keeps of the engine, once it serves
+        self.input_processor: InputProcessor | None = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self.engine_error: str | None = None  # set when the engine process died while serving
-        self.stats: Any = None  # last EngineStats, refreshed after every engine iteration
+        self.stats: EngineStats | None = None  # refreshed after every engine iteration
         self.warmup: dict[str, float] = {}
         self._on_step = on_step
         # Called on the loop as on_abort(request_id, error) for a request stopped before it finished.
         self.on_abort: Callable[[str, GraphserveError | None], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
-        # where the core runs: on a thread here, or in a process (ours, or one shared by several front-ends)
-        # that start() connects to; requests, aborts and flushes go to whichever it is
-        self._thread = None if self.separate_process else EngineThread(self)
-        self._process: EngineProcess | EngineLink | None = None
+        events = EngineEvents(self)
+        self.client: EngineClient
+        if self.separate_process:
+            self.client = ProcessClient(config, events.on_message, events.on_exit, channel=channel)
+        else:
+            self.client = ThreadClient(config, events.on_message, events.on_exit)
         self._pump: OutputPump | None = None
-        self._processor: DeltaProcessor | None = None
+        self._processor: OutputProcessor | None = None
         self._streams: dict[str, RequestStream] = {}  # engine id -> stream; loop thread only
         self._client_ids: dict[str, str] = {}  # in-flight client rid -> engine id
         self._ids = itertools.count()
@@ -90,24 +96,13 @@ class AsyncEngine:
         """Start the engine (its process, or a thread here); ``ready`` is set once it serves."""
         self._loop = loop
         self._watchdog = loop.create_task(self._watch_stalls())
-        if self._thread is not None:
-            self._thread.start()
-            return
-        events = EngineEvents(self)
-        if self.channel is not None:
-            self._process = EngineLink(self.channel, events.on_message, events.on_exit)
-        else:
-            self._process = EngineProcess(self.config, events.on_message, events.on_exit)
-        self._process.start()
+        self.client.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped = True
-        if self._thread is not None:
-            self._thread.shutdown(timeout)
         if self._watchdog is not None:
             self._watchdog.cancel()
-        if self._process is not None:
-            self._process.shutdown(timeout)
+        self.client.shutdown(timeout)
         if self._pump is not None:
             self._pump.stop()
 
@@ -116,10 +111,11 @@ class AsyncEngine:
         """The engine serves: loaded, not dead, not stopped."""
         if not self.ready.is_set() or self.load_error is not None or self.engine_error is not None or self._stopped:
             return False
-        return self._process is None or self._process.alive
+        return self.client.alive
 
     @property
     def tokenizer(self) -> Any:
+        assert self.core is not None
         return self.core.tokenizer
 
     def kv_capacity_tokens(self) -> int:
@@ -132,16 +128,14 @@ class AsyncEngine:
 
     @property
     def _driver(self) -> CoreDriver | None:
-        """The in-process engine's driver, once loaded (the profile route hands it a profiler)."""
-        return None if self._thread is None else self._thread.driver
+        """The in-process engine's driver, once loaded (tests reach the core through it)."""
+        return self.client.driver if isinstance(self.client, ThreadClient) else None
 
-    def _serving(self, core: Any, num_usable_blocks: int, block_size: int) -> None:
-        from graphserve.engine.processor import InputProcessor
-
+    def _serving(self, core: CoreView, num_usable_blocks: int, block_size: int) -> None:
         self.input_processor = InputProcessor(core.tokenizer, core.info, self.config, (num_usable_blocks, block_size))
-        self._processor = DeltaProcessor(core.tokenizer)
+        self._processor = OutputProcessor(core.tokenizer)
         assert self._loop is not None
-        self._pump = OutputPump(self._processor, self._loop, self._deliver, self._send_aborts)
+        self._pump = OutputPump(self._processor, self._loop, self._deliver)
         self._kv_blocks = (num_usable_blocks, block_size)
         self.core = core
 
@@ -167,10 +161,8 @@ class AsyncEngine:
             self._all_frontends_ready = True
 
     def queued_sequences(self) -> int:
-        if self._process is not None:  # shared with the engine (and every other front-end): engine_loop.py
-            return int(self._process.queued.value)
-        assert self._thread is not None
-        return self._thread.queued_sequences()
+        """Sequences sent and not scheduled yet, over every front-end (serve_loop.py keeps the count)."""
+        return int(self.client.queued.value)
 
     def _overloaded(self, queued: int, n: int) -> OverloadedError:
         return OverloadedError(f"{queued} sequences are waiting and this request adds {n}: the bound is "
@@ -179,8 +171,7 @@ class AsyncEngine:
     def _reserve(self, n: int) -> None:
         """Count ``n`` sequences into the shared queue bound, or refuse: check and add under one lock, so
         front-ends that race for the last places never pass the bound together."""
-        assert self._process is not None
-        queued = self._process.queued
+        queued = self.client.queued
         with queued.get_lock():
             if queued.value + n > self.config.max_queued_requests:
                 raise self._overloaded(queued.value, n)
@@ -202,22 +193,18 @@ class AsyncEngine:
             raise BadRequestError(f"rid={request_id!r} is invalid: a request with this id is in flight", param="rid")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         engine_id = f"{request_id}#{self._id_prefix}{next(self._ids)}"
+        assert self.input_processor is not None
         req = self.input_processor.process(engine_id, prompt, params, arrival)
         self._check_n_fits(len(req.prompt_token_ids), req.params)
         text = req.prompt_text if req.prompt_text is not None else (prompt if isinstance(prompt, str) else "")
         faulty = {engine_id} if self._fault_marker is not None and self._fault_marker in text else set()
-        if self._process is not None:
-            self._reserve(params.n)
+        self._reserve(params.n)
         stream = RequestStream(self, request_id, engine_id, len(req.prompt_token_ids), self.stream_interval)
         assert self._processor is not None
         self._processor.add(engine_id, req.prompt_token_ids, req.params)
         self._streams[engine_id] = stream
         self._client_ids[request_id] = engine_id
-        if self._process is not None:
-            self._process.send(AddRequests([req], faulty, frontend=self._process.frontend))
-            return stream
-        assert self._thread is not None
-        self._thread.add(req, faulty)
+        self.client.add([req], faulty)
         return stream
 
     def _check_n_fits(self, num_prompt: int, params: SamplingParams) -> None:
@@ -244,7 +231,7 @@ class AsyncEngine:
             stream.finished = True
             if self.on_abort is not None:
                 self.on_abort(stream.request_id, error)
-        self._send_aborts([engine_id])
+        self.client.abort([engine_id])
 
     def _forget(self, engine_id: str) -> RequestStream | None:
         stream = self._streams.pop(engine_id, None)
@@ -254,20 +241,9 @@ class AsyncEngine:
             self._processor.discard(engine_id)
         return stream
 
-    def _send_aborts(self, ids: list[str]) -> None:
-        if self._process is not None:
-            self._process.send(AbortRequests(ids))
-            return
-        assert self._thread is not None
-        self._thread.abort(ids)
-
     def flush_prefix_cache(self) -> None:
         """Drop the prefix cache before the engine's next step; requests added after this call see it empty."""
-        if self._process is not None:
-            self._process.send(FlushPrefixCache())
-            return
-        assert self._thread is not None
-        self._thread.flush_prefix_cache()
+        self.client.flush_cache()
 
     def abort_all(self, error: GraphserveError) -> int:
         ids = list(self._streams)
@@ -275,8 +251,8 @@ class AsyncEngine:
             self.abort(rid, error)
         return len(ids)
 
-    def _deliver(self, deltas: list[RequestDelta], to_abort: list[str], failed: dict[str, str]) -> None:
-        """Loop thread: fan the output thread's deltas out to the streams (its stop-string aborts already went)."""
+    def _deliver(self, deltas: list[RequestDelta], failed: dict[str, str]) -> None:
+        """Loop thread: fan the output thread's deltas out to the streams."""
         for rid, message in failed.items():
             self.abort(rid, InternalError(f"engine fault while running request {rid}: {message}"))
         for d in deltas:

@@ -1,14 +1,14 @@
-"""The messages between the HTTP front-end process(es) and the engine process, and what a front-end keeps
-of the core. Small dataclasses, pickled through a queue (front-ends -> engine) and pipes (engine -> each
-front-end)."""
+"""The messages between the HTTP front-end(s) and the engine's serve loop, and what a front-end keeps of the
+core. Small dataclasses: pickled through a queue (front-ends -> engine) and pipes (engine -> each front-end)
+when the engine has a process of its own, handed over as they are when it runs on a thread (client.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphserve.engine.step_outputs import StepOutputs
 from graphserve.engine.telemetry import Telemetry
-from graphserve.server.step_outputs import StepOutputs
 
 # -- server -> engine ----------------------------------------------------------------------------------------
 
@@ -81,7 +81,7 @@ class StepBatch:
 
 @dataclass
 class CoreView:
-    """What the server keeps of a core that lives in the engine process; the routes read it as ``engine.core``."""
+    """What the server keeps of the core, wherever it runs; the routes read it as ``engine.core``."""
 
     tokenizer: Any
     info: Any  # ModelInfo

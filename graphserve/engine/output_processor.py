@@ -1,12 +1,15 @@
-"""Token rows in, per-request deltas out: detokenization and stop strings for the server.
+"""Token rows in, per-request deltas out: the one output path of ``LLM`` and the server.
 
-The server's streams only ever need what is new since they last looked, so this keeps per choice the
-incremental detokenizer and the text held back for a possible stop string, and emits deltas (new text,
-new token ids, new logprobs). Nothing cumulative is copied per step: memory per request is linear in its
-output, and a stream that falls behind merges its pending deltas into one.
+Detokenization, the text cut at a stop string, logprobs and the n choices of a request. The engine decides
+when a request finishes (stop strings included, engine/stop_strings.py); this only formats: it keeps per
+choice the incremental detokenizer and, while a stop string may still complete, the text held back so that
+streamed text is never retracted, and emits what is new (text, token ids, logprobs). Nothing cumulative is
+copied per step: memory per request is linear in its output, and a consumer that falls behind merges its
+pending deltas into one. A request added with ``stream=False`` (offline generation) is decoded once, when
+it finishes: the same text, in one pass.
 
-It runs on the server's output thread (see output_pump.py), off the HTTP event loop. The loop registers
-requests (``add``) and forgets them (``discard``); both are single dict operations, atomic under the GIL.
+In the server it runs on the output thread (server/output_pump.py), off the HTTP event loop, which registers
+requests (``add``) and forgets them (``discard``): both single dict operations, atomic under the GIL.
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphserve.engine.detokenizer import IncrementalDetokenizer, decode_windows, earliest_stop
+from graphserve.engine.detokenizer import IncrementalDetokenizer, decode_windows
+from graphserve.engine.step_outputs import NO_TOKEN, StepOutputs
 from graphserve.outputs import TokenLogprob
 from graphserve.sampling_params import SamplingParams
-from graphserve.server.step_outputs import NO_TOKEN, StepOutputs
 
 
 @dataclass
@@ -75,27 +78,25 @@ class RequestDelta:
 
 
 class _Choice:
-    __slots__ = ("detok", "held", "finish_reason", "stop_reason", "core_done")
+    __slots__ = ("detok", "held", "finish_reason", "unread")
 
-    def __init__(self, detok: IncrementalDetokenizer):
+    def __init__(self, detok: IncrementalDetokenizer, stream: bool):
         self.detok = detok
         self.held = ""  # decoded text not sent yet: it may be the start of a stop string
         self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-        self.core_done = False  # the core finished (or was told to drop) this sequence
+        self.unread: list[int] | None = None if stream else []  # not streamed: the ids decoded at the finish
 
 
 class _Request:
-    __slots__ = ("params", "choices", "stops", "hold", "want_logprobs")
+    __slots__ = ("params", "choices", "hold", "want_logprobs")
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams, stream: bool):
         self.params = params
-        self.choices = [_Choice(IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens))
-                        for _ in range(params.n)]
-        self.stops = list(params.stop)
+        self.choices = [_Choice(IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens),
+                                stream) for _ in range(params.n)]
         # Characters held back while running: one less than the longest stop string, so streamed text is
-        # never retracted when a stop string completes.
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        # never retracted when the engine reports that a stop string completed.
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
         self.want_logprobs = params.logprobs is not None
 
     @property
@@ -103,13 +104,13 @@ class _Request:
         return all(c.finish_reason is not None for c in self.choices)
 
 
-class DeltaProcessor:
+class OutputProcessor:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self._requests: dict[str, _Request] = {}
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._requests[request_id] = _Request(self.tokenizer, prompt_token_ids, params)
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: bool = True) -> None:
+        self._requests[request_id] = _Request(self.tokenizer, prompt_token_ids, params, stream)
 
     def discard(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -117,8 +118,8 @@ class DeltaProcessor:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def process(self, outs: StepOutputs) -> tuple[list[RequestDelta], list[str]]:
-        """Deltas of the requests these rows touch, and the ids the core must drop (stopped by a stop string)."""
+    def process(self, outs: StepOutputs) -> list[RequestDelta]:
+        """Deltas of the requests these rows touch; a request whose delta is ``finished`` is forgotten."""
         now = time.monotonic()
         # Group each choice's new tokens first, so a batch that merged several steps detokenizes once per choice.
         grouped: dict[tuple[str, int], list[int]] = {}
@@ -134,7 +135,7 @@ class DeltaProcessor:
         for (rid, idx), rows in grouped.items():
             req = reqs.get(rid) or self._requests.get(rid)
             if req is None:
-                continue  # finished here (stop string) or aborted: the core's late rows are dropped
+                continue  # aborted by its consumer: the engine's late rows are dropped
             reqs[rid] = req
             d = deltas.get(rid)
             if d is None:
@@ -146,24 +147,21 @@ class DeltaProcessor:
         texts = self._detokenize(work, outs)
         for (req, idx, rows, d), text in zip(work, texts):
             self._apply(req, idx, rows, outs, d, text)
-        to_abort: list[str] = []
         for rid, d in deltas.items():
-            req = reqs[rid]
-            if req.finished or d.error is not None:
+            if reqs[rid].finished or d.error is not None:
                 d.finished = True
                 self._requests.pop(rid, None)
-                if not all(c.core_done for c in req.choices):
-                    to_abort.append(rid)
-        return list(deltas.values()), to_abort
+        return list(deltas.values())
 
     def _detokenize(self, work: list[tuple[_Request, int, list[int], RequestDelta]], outs: StepOutputs
                     ) -> list[str]:
-        """The new text of every choice in ``work``, all windows decoded in one batch call per skip mode."""
+        """The new text of every streamed choice in ``work``, all windows decoded in one batch call per skip
+        mode."""
         pending: dict[bool, list[tuple[int, list[int], list[int]]]] = {}
         texts = [""] * len(work)
         for k, (req, idx, rows, _) in enumerate(work):
             c = req.choices[idx]
-            if c.finish_reason is not None or any(r in outs.errors for r in rows):
+            if c.finish_reason is not None or c.unread is not None or any(r in outs.errors for r in rows):
                 continue
             tokens = [outs.token_ids[r] for r in rows if outs.token_ids[r] != NO_TOKEN]
             if tokens:
@@ -180,33 +178,38 @@ class DeltaProcessor:
                text: str) -> None:
         c = req.choices[idx]
         error_row = next((r for r in rows if r in outs.errors), None)
-        error = None if error_row is None else outs.errors[error_row]
-        finish = next((outs.finishes[r] for r in rows if r in outs.finishes), None)
-        if finish is not None or error is not None:
-            c.core_done = True
-        if error is not None:
-            d.error, d.error_param = error, outs.error_params.get(error_row)
+        if error_row is not None:
+            d.error, d.error_param = outs.errors[error_row], outs.error_params.get(error_row)
             for other in req.choices:
                 if other.finish_reason is None:
                     other.finish_reason = "abort"
             return
         if c.finish_reason is not None:
-            return  # stopped here by a stop string; the core is dropping it
+            return  # a late row of a choice that ended (a sibling's error)
+        finish = next((outs.finishes[r] for r in rows if r in outs.finishes), None)
         cd = ChoiceDelta(idx)
         tokens = [outs.token_ids[r] for r in rows if outs.token_ids[r] != NO_TOKEN]
         if tokens:
             cd.token_ids = tokens
             if req.want_logprobs:
                 cd.logprobs = [TokenLogprob(outs.token_ids[r], *outs.logprobs[r]) for r in rows if r in outs.logprobs]
+            if c.unread is not None:
+                c.unread += tokens
             c.held += text
-            if req.stops and self._cut_at_stop(req, c, cd):
-                d.choices[idx] = cd
-                return
         if finish is not None:
+            if c.unread:
+                c.held += c.detok.add(c.unread)
             c.held += c.detok.flush()
+            reason, stop_reason = finish
+            if isinstance(stop_reason, str):
+                # The engine stopped at the token completing this stop string; nothing of it was sent, as the
+                # held text keeps every place it may start. Its first occurrence there is where it stopped.
+                at = c.held.find(stop_reason)
+                if at >= 0:
+                    c.held = c.held[:at]
             cd.text, c.held = c.held, ""
-            c.finish_reason, c.stop_reason = finish
-            cd.finish_reason, cd.stop_reason = finish
+            c.finish_reason = reason
+            cd.finish_reason, cd.stop_reason = reason, stop_reason
         elif c.held:
             keep = req.hold
             cut = len(c.held) - keep if keep else len(c.held)
@@ -214,14 +217,3 @@ class DeltaProcessor:
                 cd.text, c.held = c.held[:cut], c.held[cut:]
         if cd.token_ids or cd.text or cd.finish_reason is not None:
             d.choices[idx] = cd
-
-    @staticmethod
-    def _cut_at_stop(req: _Request, c: _Choice, cd: ChoiceDelta) -> bool:
-        """End the choice at the earliest stop string in the held text (it holds every possible start)."""
-        best = earliest_stop(c.held, req.stops)
-        if best is None:
-            return False
-        cd.text, c.held = c.held[: best[0]], ""
-        c.finish_reason = cd.finish_reason = "stop"
-        c.stop_reason = cd.stop_reason = best[1]
-        return True
