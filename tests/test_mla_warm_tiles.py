@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from graphserve.engine import warmup
 from graphserve.kernels import mla_config, tables
 from graphserve.kernels.mla_config import (
     DECODE_FP32,
@@ -25,7 +26,6 @@ from graphserve.kernels.mla_config import (
 from graphserve.layers.dsa_attention import DsaAttention
 from graphserve.layers.mla import MLAttention, mla_backend
 from graphserve.layers.mla_rope import DeepseekRotary
-from graphserve.server import warmup
 
 CARD = "NVIDIA H100 80GB HBM3"
 CUDA = torch.device("cuda")  # only named: the lookup asks the card's name, which the tests give
