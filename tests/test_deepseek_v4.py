@@ -4,6 +4,8 @@ sliding, compressed-sparse (CSA, the indexer keeping fewer entries than a query 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from model_utils import (
@@ -197,9 +199,12 @@ def test_presets_are_the_published_shapes_and_count_284b_parameters():
     assert all(kept.keeps(f"model.layers.3.{m}") for m in ("self_attn.q_a_proj", "self_attn.compressor.indexer.q_b_proj",
                                                          "mlp.shared_experts.down_proj", "mlp.gate"))
     assert not kept.keeps_experts("model.layers.3.mlp.experts", 256)
-    # under --tp 4 the experts split (their intermediate size), attention stays whole on every rank
+    # under --tp 4 the experts split (their intermediate size), and so do attention's output groups
     tp4 = describe_model(full, torch.bfloat16, tp=4)
-    assert tp4.expert_params * 4 == d.expert_params and tp4.dense_params == d.dense_params
+    assert tp4.expert_params * 4 == d.expert_params and tp4.dense_params < d.dense_params
+    # the MTP layer is held (one sliding-window layer of the main kind) but is no part of the published count
+    assert d.kept_unused.num_moe_layers == 1 and l6.kept_unused is None
+    assert d.weights_bytes == d.kept_unused.weights_bytes + dataclasses.replace(d, kept_unused=None).weights_bytes
 
 
 def test_plan_answers_the_first_story_for_its_own_model():

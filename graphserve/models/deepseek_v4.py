@@ -10,14 +10,23 @@
 
 Cache (layers/kv_layout.py): per layer a latent per token (the window reads the last ``sliding_window``), and per
 compressed layer one row cache holding each token's compressor state and, at the token closing a group, the group's
-compressed entry and (CSA) indexer key (kernels/v4_reference.py). The MTP layers (``num_nextn_predict_layers``) are
-not loaded: nothing runs them until speculative decoding exists, and start-up says so. Checkpoints load in
-DeepSeek's own names or transformers' (models/deepseek_v4_names.py).
+compressed entry and (CSA) indexer key (kernels/v4_reference.py). The MTP layers (``num_nextn_predict_layers``,
+models/deepseek_v4_mtp.py) are loaded and kept, counted in the description apart from what a step reads: nothing runs
+them until speculative decoding exists, and start-up says so. Checkpoints load in DeepSeek's own names or
+transformers' (models/deepseek_v4_names.py).
 
 On the GPU the attention runs on its Triton kernels (kernels/v4_compress.py, kernels/v4_attention.py, the DSA
 indexer and top-k) and the experts, the clamped SwiGLU included, on the fused MoE kernels (bf16/FP8:
-kernels/moe_fused.py; FP4: kernels/fp4_moe.py); decode captures in CUDA graphs. ``--tp``/``--ep`` are refused at
-load; ``describe`` prices them (transformers' plan: attention replicated, experts split) for ``graphserve plan``.
+kernels/moe_fused.py; FP4: kernels/fp4_moe.py); decode captures in CUDA graphs.
+
+``--tp N`` splits attention by whole output groups, as SGLang splits V3's MLA by heads: a rank holds its
+``o_groups / N`` groups' heads of ``q_b_proj`` and the sinks, their rows of ``o_a_proj`` and columns of ``o_b_proj``;
+``q_a_proj``, the one K=V latent (and its cache), the compressor and the indexer are replicated, so the attention
+kernels run unchanged on every rank and every rank's indexer picks the same entries (transformers' plan splits the
+indexer's heads instead, which adds an all-reduce of every query's scores over all compressed entries). The
+embedding and lm_head split the vocabulary, the shared expert its intermediate size; routed experts split theirs,
+or with ``--ep`` are placed whole (the hash layers' token->expert table is global, so every rank routes alike).
+Hyper-connections are replicated: they read the all-reduced outputs. Two all-reduces a layer, as V3's.
 """
 
 from __future__ import annotations
@@ -32,19 +41,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel, split_evenly
 from graphserve.errors import ModelLoadError
 from graphserve.layers.embedding import VocabEmbedding
 from graphserve.layers.hyper_connection import HyperConnection, HyperHead
 from graphserve.layers.kv_layout import KVLayout
-from graphserve.layers.linear import Linear
-from graphserve.layers.moe import FusedMoE, Router
+from graphserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+from graphserve.layers.moe import FusedMoE, Router, expert_split
 from graphserve.layers.norm import RMSNorm
 from graphserve.models.base import CausalLM
 from graphserve.models.deepseek_v4_attention import V4Attention
+from graphserve.models.deepseek_v4_mtp import mtp_module_name, mtp_shape
 from graphserve.models.deepseek_v4_names import module_name
 from graphserve.models.deepseek_v4_shape import CSA, V4Shape, v4_shape_from_config
-from graphserve.models.description import ModelDescription, Projection, layer_modules
+from graphserve.models.description import ModelDescription, Projection
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
@@ -92,12 +103,16 @@ class V4Gate(Linear):
 
 
 class V4SharedExpert(nn.Module):
+    """The always-on expert over this rank's slice of its intermediate size (whole at ``--tp 1``)."""
+
     def __init__(self, s: V4Shape) -> None:
         super().__init__()
         self.limit = s.swiglu_limit
-        self.gate_proj = Linear(s.hidden_size, s.moe_intermediate_size, bias=False)
-        self.up_proj = Linear(s.hidden_size, s.moe_intermediate_size, bias=False)
-        self.down_proj = Linear(s.moe_intermediate_size, s.hidden_size, bias=False)
+        tp_rank, tp = get_parallel().tp_rank, get_parallel().tp_size
+        h, i = s.hidden_size, s.moe_intermediate_size
+        self.gate_proj = ColumnParallelLinear(h, i, False, tp_rank, tp)
+        self.up_proj = ColumnParallelLinear(h, i, False, tp_rank, tp)
+        self.down_proj = RowParallelLinear(i, h, False, tp_rank, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x).clamp(max=self.limit)
@@ -110,8 +125,11 @@ class V4MoE(nn.Module):
         self.gate = V4Gate(s, s.mlp_layer_types[layer] == "hash_moe")
         router = SqrtSoftplusTopK(s.num_experts, s.top_k, s.routed_scaling_factor)
         self.experts = FusedMoE(s.num_experts, s.top_k, s.hidden_size, s.moe_intermediate_size, router,
-                                activation="silu_clamp", swiglu_limit=s.swiglu_limit)  # fmt: skip
+                                activation="silu_clamp", swiglu_limit=s.swiglu_limit, **expert_split())  # fmt: skip
         self.shared_experts = V4SharedExpert(s)
+        # at --tp 1 --ep N the shared expert is whole on every rank: rank 0 alone adds it to the summed output
+        ps = get_parallel()
+        self.add_shared = ps.tp_size > 1 or ps.rank == 0
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         logits = self.gate(x)
@@ -119,7 +137,10 @@ class V4MoE(nn.Module):
             weights, ids = self.experts.router(logits, self.gate.tid2eid[input_ids])
         else:
             weights, ids = self.experts.route(logits)
-        return self.experts._experts(x, weights, ids, batch.num_valid_tokens) + self.shared_experts(x)
+        out = self.experts._experts(x, weights, ids, batch.num_valid_tokens)
+        if self.add_shared:
+            out = out + self.shared_experts(x)
+        return all_reduce(out, over="experts")
 
 
 class V4DecoderLayer(nn.Module):
@@ -135,18 +156,35 @@ class V4DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
         post, comb, x = self.attn_hc(streams)
-        out = self.self_attn(positions, self.input_layernorm(x), batch)
+        out = all_reduce(self.self_attn(positions, self.input_layernorm(x), batch))  # this rank's groups' sum
         streams = HyperConnection.merge(streams, out, post, comb)
         post, comb, x = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(x), input_ids, batch)
         return HyperConnection.merge(streams, out, post, comb)
 
 
+class V4MTPLayer(V4DecoderLayer):
+    """MTP layer ``index`` (models/deepseek_v4_mtp.py): a decoder layer at position ``num_layers + index`` of
+    ``mtp_shape``'s layer types, with its input projections and norms, its hyper-connection head and final norm."""
+
+    def __init__(self, s: V4Shape, index: int) -> None:
+        super().__init__(s, s.num_layers + index, None)
+        h = s.hidden_size
+        self.e_proj = Linear(h, h, bias=False)
+        self.h_proj = Linear(h, h, bias=False)
+        self.enorm, self.hnorm, self.norm = (RMSNorm(h, s.rms_norm_eps) for _ in range(3))
+        self.hc_head = HyperHead(s.hc_mult, h, s.hc_eps, s.rms_norm_eps)
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        raise NotImplementedError("DeepSeek-V4's MTP layer is kept for speculative decoding, which does not exist yet")
+
+
 class V4Model(nn.Module):
     def __init__(self, s: V4Shape) -> None:
         super().__init__()
         self.hc = s.hc_mult
-        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, 0, 1)
+        ps = get_parallel()
+        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, ps.tp_rank, ps.tp_size)
         # compressed layers' row caches follow the latents in the pool's list (KVLayout.row_widths)
         rows = {layer: s.num_layers + i for i, layer in enumerate(s.compressed_layers)}
         self.layers = nn.ModuleList(V4DecoderLayer(s, i, rows.get(i)) for i in range(s.num_layers))
@@ -166,26 +204,37 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def __init__(self, config: Any, max_positions: int) -> None:
         super().__init__()
-        ps = get_parallel()
-        if ps.tp_size > 1 or ps.ep_size > 1:
-            raise ModelLoadError(f"DeepseekV4ForCausalLM runs at --tp 1 --ep 1 so far (got --tp {ps.tp_size} --ep "
-                                 f"{ps.ep_size}); graphserve plan prices larger ones", param="tp")  # fmt: skip
         self.config = config
         self.shape = s = v4_shape_from_config(config)
+        try:
+            self.describe(config, torch.float32, get_parallel().tp_size, get_parallel().ep_size)
+        except ValueError as e:  # a split that does not divide, named by its field
+            raise ModelLoadError(str(e), param="tp") from e
         self.model = V4Model(s)
         self.add_lm_head(s.hidden_size, s.vocab_size, s.tie_word_embeddings)
-        if s.num_nextn_predict_layers:
-            logger.info("DeepseekV4: %d MTP layer(s) in the checkpoint are not loaded: nothing runs them until "
-                        "speculative decoding exists", s.num_nextn_predict_layers)  # fmt: skip
+        # kept beside the decoder stack, never in its loop: nothing runs them until speculative decoding exists
+        self.mtp = nn.ModuleList(V4MTPLayer(mtp_shape(s), i) for i in range(s.num_nextn_predict_layers)) \
+            if s.num_nextn_predict_layers else None  # fmt: skip
+        if self.mtp is not None:
+            logger.info("DeepseekV4: %d MTP layer(s) (num_nextn_predict_layers) are built and kept, %d parameters "
+                        "on this rank: unused until speculative decoding exists", len(self.mtp),
+                        sum(p.numel() for p in self.mtp.parameters()))  # fmt: skip
 
     def needs_row_mask(self) -> bool:
         return True
 
     # ---- loading ---------------------------------------------------------------------------------
+    def _module_name(self, name: str) -> str | None:
+        """The model's name of a checkpoint tensor; None for an MTP layer's when the model keeps none."""
+        mtp = mtp_module_name(name)
+        if mtp is None:
+            return module_name(name)
+        return mtp if self.mtp is not None else None
+
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
-        if name.startswith(("mtp.", "model.mtp.")):
+        name = self._module_name(name)
+        if name is None:
             return None
-        name = module_name(name)
         hit = _EXPERT.search(name)
         if hit is not None:
             param = "w2_weight" if hit.group(2) == "w2" else "w13_weight"
@@ -193,15 +242,33 @@ class DeepseekV4ForCausalLM(CausalLM):
         return super().map_weight_name(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._split(weights))
+        self._mtp_buffers = 0
+        loaded = super().load_weights(self._split(weights))
+        if self.mtp is None:
+            return loaded
+        if not any(key.startswith("mtp.") for key in loaded) and not self._mtp_buffers:
+            # transformers saves no MTP layer (it drops ``mtp.*`` as it loads): the model holds what the checkpoint
+            # has, and its config says so, which the description is computed from
+            logger.info("DeepseekV4: the checkpoint holds no MTP layer (num_nextn_predict_layers=%d): none kept",
+                        len(self.mtp))
+            self.mtp = None
+            self.config.num_nextn_predict_layers = 0
+            self.shape = v4_shape_from_config(self.config)
+            return loaded
+        logger.info("DeepseekV4: %d MTP layer(s) loaded and kept: unused until speculative decoding exists",
+                    len(self.mtp))
+        return loaded
 
     def _split(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Expert stacks (``gate_up_proj [E, 2I, H]``: gate rows then up rows; ``down_proj [E, H, I]``) as one
         tensor per (expert, part); the routing buffers copied in place; every other tensor as it comes."""
         s = self.shape
         for ckpt_name, tensor in weights:
-            name = module_name(ckpt_name)
+            name = self._module_name(ckpt_name)
+            if name is None:
+                continue
             if name.endswith(_BUFFERS):
+                self._mtp_buffers += name.startswith("mtp.")
                 owner, _, leaf = name.rpartition(".")
                 buf = getattr(self.get_submodule(owner), leaf, None) if leaf == "tid2eid" else \
                     self.get_submodule(owner.replace(".gate", ".experts.router")).e_score_correction_bias
@@ -233,54 +300,93 @@ class DeepseekV4ForCausalLM(CausalLM):
     # ---- what the engine reads -------------------------------------------------------------------
     @classmethod
     def describe(cls, config: Any, dtype: torch.dtype, tp: int = 1, ep: int = 1) -> ModelDescription:
-        """Per rank under transformers' plan for V4 (attention, shared experts and routers on every rank; routed
-        experts split by ``--ep``, or their intermediate size by ``--tp``)."""
+        """Per rank: this rank's ``o_groups / tp`` output groups (their heads of ``q_b_proj``, the sinks, their rows
+        of ``o_a_proj`` and columns of ``o_b_proj``), the shared expert's ``1 / tp`` and the vocabulary's; the rest
+        of attention (q LoRA down, the latent, compressors, indexers), norms, routers and hyper-connections whole;
+        routed experts split along their intermediate size by ``--tp`` or placed by ``--ep``. The MTP layers are
+        described apart (``kept_unused``): held, but read by no step. A split that does not divide is refused
+        naming the field."""
         s = v4_shape_from_config(config)
-        h, n, d, di, q = s.hidden_size, s.num_layers, s.head_dim, s.index_head_dim, s.q_lora_rank
-        inter = s.moe_intermediate_size if ep > 1 else split_evenly(s.moe_intermediate_size, tp, "moe_intermediate_size")
-        layers = range(n)
-        proj: list[tuple[int, int, Iterable[int], str]] = [
-            (q, h, layers, "self_attn.q_a_proj"), (s.num_heads * d, q, layers, "self_attn.q_b_proj"),
-            (d, h, layers, "self_attn.kv_proj"),
-            (s.o_groups * s.o_lora_rank, s.num_heads * d // s.o_groups, layers, "self_attn.o_a_proj"),
-            (h, s.o_groups * s.o_lora_rank, layers, "self_attn.o_b_proj"),
-            (s.moe_intermediate_size, h, layers, "mlp.shared_experts.gate_proj"),
-            (s.moe_intermediate_size, h, layers, "mlp.shared_experts.up_proj"),
-            (h, s.moe_intermediate_size, layers, "mlp.shared_experts.down_proj"),
-        ]  # fmt: skip
-        csa = [i for i in layers if s.layer_types[i] == CSA]
-        hca = [i for i in s.compressed_layers if i not in csa]
-        for part in ("kv_proj", "gate_proj"):
-            proj += [(2 * d, h, csa, f"self_attn.compressor.{part}"), (d, h, hca, f"self_attn.compressor.{part}"),
-                     (2 * di, h, csa, f"self_attn.compressor.indexer.{part}")]  # fmt: skip
-        proj += [(s.index_n_heads * di, q, csa, "self_attn.compressor.indexer.q_b_proj"),
-                 (s.index_n_heads, h, csa, "self_attn.compressor.indexer.scorer.weights_proj")]  # fmt: skip
-        projections = tuple(Projection(o, i, 1, layer_modules(ls, m)) for o, i, ls, m in proj if ls)
-        hc_mix = (2 + s.hc_mult) * s.hc_mult
-        # float32 whatever the model dtype, as transformers keeps them: sinks, hyper-connections, position biases
-        biases = sum(s.rate(i) * ((2 * d + 2 * di) if i in csa else d) for i in s.compressed_layers)
-        float32 = n * (s.num_heads + 2 * (hc_mix * s.hc_mult * h + hc_mix + 3)) + biases + \
-            s.hc_mult * s.hc_mult * h + s.hc_mult + 1  # fmt: skip
-        # the rest of the non-projections: norms (the compressors' too) and the router gates
-        kept = float32 + n * (2 * h + q + d + s.num_experts * h) + h + len(s.compressed_layers) * d + len(csa) * di
-        listed = sum(p.params for p in projections)
-        states = tuple(s.state_width(i) + s.entry_width(i) for i in s.compressed_layers)
+        h, n, hc = s.hidden_size, s.num_layers, s.hc_mult
+        split_evenly(s.o_groups, tp, "o_groups")
+        shared = split_evenly(s.moe_intermediate_size, tp, "moe_intermediate_size")
+        inter = s.moe_intermediate_size if ep > 1 else shared
+        local_experts = split_evenly(s.num_experts, ep, "n_routed_experts")
+        vocab_rows = -(-s.vocab_size // tp)
+        projections, kept, float32 = _layer_params(s, range(n), "model.layers.{}.", tp, shared)
+        kept += h  # the final norm
+        float32 += hc * hc * h + hc + 1  # the hyper-connection head
         b = dtype.itemsize
+        states = tuple(s.state_width(i) + s.entry_width(i) for i in s.compressed_layers)
         row_parts = (("compressor state", sum(s.state_width(i) for i in s.compressed_layers) * b),
                      ("compressed entries", sum(s.entry_width(i) for i in s.compressed_layers) * b))
-        kv = KVLayout(kind="latent", num_layers=n, num_heads=1, head_dim=d, dtype=dtype, row_widths=states,
+        kv = KVLayout(kind="latent", num_layers=n, num_heads=1, head_dim=s.head_dim, dtype=dtype, row_widths=states,
                       row_dtype=dtype, row_parts=row_parts)  # fmt: skip
-        act = max(s.num_heads * d * 2 + q, s.num_experts + s.top_k * 3 * inter + 2 * s.moe_intermediate_size,
-                  s.hc_mult * h * 2)  # fmt: skip
+        heads = s.num_heads // tp
+        act = max(heads * s.head_dim * 2 + s.q_lora_rank, s.num_experts + s.top_k * 3 * inter + 2 * shared, hc * h * 2)
+        common = dict(hidden_size=h, vocab_size=s.vocab_size, weight_bytes_per_param=b, expert_params=3 * h * inter,
+                      local_experts=local_experts, num_experts=s.num_experts, top_k=s.top_k, act_width=act,
+                      act_bytes_per_elem=b)  # fmt: skip
+        mtp = None
+        if s.num_nextn_predict_layers:
+            ms, k = mtp_shape(s), s.num_nextn_predict_layers
+            m_proj, m_kept, m_float32 = _layer_params(ms, range(n, n + k), "mtp.{}.", tp, shared, first=n)
+            mtp_names = tuple(f"mtp.{i}." for i in range(k))
+            m_proj += (Projection(h, h, 1, tuple(p + "e_proj" for p in mtp_names)),
+                       Projection(h, h, 1, tuple(p + "h_proj" for p in mtp_names)))  # fmt: skip
+            m_kept += k * 3 * h  # enorm, hnorm, norm
+            m_float32 += k * (hc * hc * h + hc + 1)  # its hyper-connection head
+            m_kept += m_float32
+            mtp = ModelDescription(
+                kv=kv, dense_params=sum(p.params for p in m_proj) + m_kept, embed_params=0, lm_head_params=0,
+                num_moe_layers=k, model_dtype_params=m_kept, float32_params=m_float32, projections=m_proj,
+                expert_layers=tuple(p + "mlp.experts" for p in mtp_names), **common,
+            )  # fmt: skip
+        kept += float32
         return ModelDescription(
-            kv=kv, hidden_size=h, vocab_size=s.vocab_size, weight_bytes_per_param=b,
-            dense_params=listed + kept, embed_params=s.vocab_size * h,
-            lm_head_params=0 if s.tie_word_embeddings else s.vocab_size * h,
-            expert_params=3 * h * inter, local_experts=split_evenly(s.num_experts, ep, "n_routed_experts"),
-            num_experts=s.num_experts, top_k=s.top_k, num_moe_layers=n, act_width=act, act_bytes_per_elem=b,
+            kv=kv, dense_params=sum(p.params for p in projections) + kept, embed_params=vocab_rows * h,
+            lm_head_params=0 if s.tie_word_embeddings else vocab_rows * h, num_moe_layers=n,
             model_dtype_params=kept, float32_params=float32, projections=projections,
-            expert_layers=layer_modules(layers, "mlp.experts"), kv_read_per_seq=partial(decode_kv_read, s, b),
+            expert_layers=tuple(f"model.layers.{i}.mlp.experts" for i in range(n)),
+            kv_read_per_seq=partial(decode_kv_read, s, b), kept_unused=mtp, **common,
         )  # fmt: skip
+
+
+def _layer_params(s: V4Shape, layers: range, prefix: str, tp: int, shared: int, first: int = 0
+                  ) -> tuple[tuple[Projection, ...], int, int]:  # fmt: skip
+    """The projections of decoder ``layers`` (indices into ``s.layer_types``; module names ``prefix`` formatted with
+    the index less ``first``) on one rank of ``tp``, and their other parameters: (projections, model-dtype ones
+    (norms, router gates), float32 ones (sinks, hyper-connections, position biases))."""
+    h, d, di, q = s.hidden_size, s.head_dim, s.index_head_dim, s.q_lora_rank
+    heads, groups = s.num_heads // tp, s.o_groups // tp
+
+    def names(ls: Iterable[int], module: str) -> tuple[str, ...]:
+        return tuple(prefix.format(i - first) + module for i in ls)
+
+    csa = [i for i in layers if s.layer_types[i] == CSA]
+    compressed = [i for i in layers if s.rate(i)]
+    hca = [i for i in compressed if i not in csa]
+    proj: list[tuple[int, int, Iterable[int], str]] = [
+        (q, h, layers, "self_attn.q_a_proj"), (heads * d, q, layers, "self_attn.q_b_proj"),
+        (d, h, layers, "self_attn.kv_proj"),
+        (groups * s.o_lora_rank, s.num_heads * d // s.o_groups, layers, "self_attn.o_a_proj"),
+        (h, groups * s.o_lora_rank, layers, "self_attn.o_b_proj"),
+        (shared, h, layers, "mlp.shared_experts.gate_proj"), (shared, h, layers, "mlp.shared_experts.up_proj"),
+        (h, shared, layers, "mlp.shared_experts.down_proj"),
+    ]  # fmt: skip
+    for part in ("kv_proj", "gate_proj"):
+        proj += [(2 * d, h, csa, f"self_attn.compressor.{part}"), (d, h, hca, f"self_attn.compressor.{part}"),
+                 (2 * di, h, csa, f"self_attn.compressor.indexer.{part}")]  # fmt: skip
+    proj += [(s.index_n_heads * di, q, csa, "self_attn.compressor.indexer.q_b_proj"),
+             (s.index_n_heads, h, csa, "self_attn.compressor.indexer.scorer.weights_proj")]  # fmt: skip
+    projections = tuple(Projection(o, i, 1, names(ls, m)) for o, i, ls, m in proj if ls)
+    mix = (2 + s.hc_mult) * s.hc_mult
+    # float32 whatever the model dtype, as transformers keeps them: sinks, hyper-connections, position biases
+    biases = sum(s.rate(i) * ((2 * d + 2 * di) if i in csa else d) for i in compressed)
+    float32 = len(layers) * (heads + 2 * (mix * s.hc_mult * h + mix + 3)) + biases
+    # norms (the compressors' too) and the router gates
+    kept = len(layers) * (2 * h + q + d + s.num_experts * h) + len(compressed) * d + len(csa) * di
+    return projections, kept, float32
 
 
 def decode_kv_read(s: V4Shape, itemsize: int, context: int) -> int:

@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from graphserve.distributed.state import get_parallel, split_evenly
 from graphserve.kernels import v4_reference as ref
 from graphserve.kernels.dsa_reference import token_rows, topk_indices
 from graphserve.kernels.paged_kv import to_cache_dtype
 from graphserve.kernels.v4_reference import CompressorBranch, rope_trailing
 from graphserve.layers.hyper_connection import Float32Params
-from graphserve.layers.linear import Linear
+from graphserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from graphserve.layers.norm import RMSNorm
 from graphserve.layers.rotary import rope_tables
 from graphserve.models.deepseek_v4_shape import CSA, SLIDING, V4Shape
@@ -85,18 +86,25 @@ class V4Attention(Float32Params):
     def __init__(self, s: V4Shape, layer: int, cache_index: int | None) -> None:
         super().__init__()
         self.layer, self.layer_type, self.cache_index = layer, s.layer_types[layer], cache_index
-        self.heads, self.head_dim, self.window, self.groups = s.num_heads, s.head_dim, s.sliding_window, s.o_groups
+        # --tp splits whole output groups (and so their heads); the latent, the compressor and the indexer are
+        # replicated, so every rank's kernels see the tp-1 cache and choose the same entries
+        tp_rank, tp = get_parallel().tp_rank, get_parallel().tp_size
+        groups = split_evenly(s.o_groups, tp, "o_groups")
+        self.tp_rank, self.heads, self.groups = tp_rank, s.num_heads // tp, groups
+        self.head_dim, self.window = s.head_dim, s.sliding_window
         self.eps, self.scale = s.rms_norm_eps, s.head_dim**-0.5
         h = s.hidden_size
         self.q_a_proj = Linear(h, s.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(s.q_lora_rank, s.rms_norm_eps)
-        self.q_b_proj = Linear(s.q_lora_rank, s.num_heads * s.head_dim, bias=False)
+        self.q_b_proj = ColumnParallelLinear(s.q_lora_rank, s.num_heads * s.head_dim, False, tp_rank, tp)
         self.kv_proj = Linear(h, s.head_dim, bias=False)
         self.kv_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
-        # the grouped projection's weight: group g's rows [g * o_lora, (g + 1) * o_lora) read its heads' outputs
-        self.o_a_proj = Linear(s.num_heads * s.head_dim // s.o_groups, s.o_groups * s.o_lora_rank, bias=False)
-        self.o_b_proj = Linear(s.o_groups * s.o_lora_rank, h, bias=False)
-        self.sinks = nn.Parameter(torch.zeros(s.num_heads, dtype=torch.float32))
+        # the grouped projection's weight: group g's rows [g * o_lora, (g + 1) * o_lora) read its heads' outputs;
+        # a rank holds its groups' rows of o_a_proj and their columns of o_b_proj, whose sum the layer all-reduces
+        in_per_group = s.num_heads * s.head_dim // s.o_groups
+        self.o_a_proj = ColumnParallelLinear(in_per_group, s.o_groups * s.o_lora_rank, False, tp_rank, tp)
+        self.o_b_proj = RowParallelLinear(s.o_groups * s.o_lora_rank, h, False, tp_rank, tp)
+        self.sinks = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
         rope = s.rope_main if self.layer_type == SLIDING else s.rope_compress
         # V4 leaves yarn's attention factor at 1 (transformers' config sets it): only the frequencies are used
         self._rope = (s.rope_dim, rope)
@@ -111,6 +119,14 @@ class V4Attention(Float32Params):
             if csa:
                 self.compressor.indexer = V4Indexer(s, layer)
                 self.branches.append(CompressorBranch(4 * d, 2 * di, state + d, di, True))
+
+    @torch.no_grad()
+    def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        """``sinks``: this rank's heads' slice of the checkpoint's one logit per head."""
+        whole = self.heads * get_parallel().tp_size
+        if param_name != "sinks" or shard is not None or tuple(loaded.shape) != (whole,):
+            raise ValueError(f"shape {tuple(loaded.shape)}, expected ({whole},)")
+        param.data.copy_(loaded[self.tp_rank * self.heads : (self.tp_rank + 1) * self.heads])
 
     def rebuild(self, device: torch.device) -> None:
         """After the loader's ``to_empty``: the frequencies are not a parameter, so they are computed again."""

@@ -109,6 +109,9 @@ class ModelDescription:
     # the cache bytes one decode query of a given context must read, where that is no multiple of the bytes a token
     # leaves (DeepSeek-V4: a window, compressed entries, indexer keys); None: kv_read_bytes' own rule
     kv_read_per_seq: Callable[[int], int] | None = None
+    # weights loaded and held but read by no step (DeepSeek-V4's MTP layers until speculative decoding exists),
+    # described apart: in ``weights_bytes`` (the memory plan), not in ``num_params`` nor in what a step reads
+    kept_unused: ModelDescription | None = None
 
     def __post_init__(self) -> None:
         # a family that lists its projections short would price the missing ones' scales at nothing
@@ -155,7 +158,8 @@ class ModelDescription:
     def weights_bytes(self) -> int:
         experts = self.local_experts * sum(self._layer_expert_bytes(name) for name in self.expert_layers)
         embed = (self.embed_params + self.lm_head_params) * self._embed_bpp
-        return self.dense_bytes + embed + experts
+        unused = self.kept_unused.weights_bytes if self.kept_unused is not None else 0
+        return self.dense_bytes + embed + experts + unused
 
     @property
     def expert_bytes(self) -> int:

@@ -46,11 +46,11 @@ def _gpt_oss(layers: int, experts: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _deepseek_v4(layers: int) -> dict[str, Any]:
+def _deepseek_v4(layers: int, mtp: int = 1) -> dict[str, Any]:
     """deepseek-ai/DeepSeek-V4-Flash's shape as transformers' DeepseekV4Config defaults give it (43 layers, hidden
     4096, 64 heads of one shared 512-dim latent, 256 experts of 2048 top-6, vocab 129,280), cut to ``layers``: the
     layer types are the config's default schedule (two HCA, then CSA and HCA alternating), the first three MoE
-    layers hash-routed; yarn (factor 16) on the compressed branches' rope."""
+    layers hash-routed; yarn (factor 16) on the compressed branches' rope; ``mtp`` MTP layers (kept, unused)."""
     hca, csa = "heavily_compressed_attention", "compressed_sparse_attention"
     types = [hca] * min(layers, 2) + [csa if i % 2 else hca for i in range(max(layers - 2, 0))]
     return {
@@ -63,7 +63,7 @@ def _deepseek_v4(layers: int) -> dict[str, Any]:
         "compress_rates": {csa: 4, hca: 128}, "mlp_layer_types": ["hash_moe"] * min(layers, 3) +
         ["moe"] * max(layers - 3, 0), "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "swiglu_limit": 10.0,
         "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128,
-        "index_topk": 512, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "index_topk": 512, "num_nextn_predict_layers": mtp, "rms_norm_eps": 1e-6, "hidden_act": "silu",
         "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
                             "beta_fast": 32.0, "beta_slow": 1.0},
         "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
@@ -311,8 +311,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "specials": _DEEPSEEK_V3_SPECIALS, "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>",
         "chat": "chatml",
     },
-    "deepseek-v4-flash-l6": {  # its first 6 layers: 3 hash-MoE, HCA x3 then CSA/HCA alternating
-        "config": {**_deepseek_v4(6), "quantization_config": _V4_NVFP4_EXPERTS},
+    "deepseek-v4-flash-l6": {  # its first 6 layers: 3 hash-MoE, HCA x3 then CSA/HCA alternating; no MTP layer
+        "config": {**_deepseek_v4(6, mtp=0), "quantization_config": _V4_NVFP4_EXPERTS},
         "specials": _DEEPSEEK_V3_SPECIALS, "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>",
         "chat": "chatml",
     },

@@ -221,6 +221,9 @@ def quantized_description(desc: Any, quant: Fp8Config | None, model_dtype: torch
     join. ``ignore`` may be left out only when the config ignores nothing."""
     if quant is None:
         return desc
+    if getattr(desc, "kept_unused", None) is not None:  # held apart (an MTP layer), quantized as the loader does it
+        desc = dataclasses.replace(desc, kept_unused=quantized_description(desc.kept_unused, quant, model_dtype,
+                                                                           ignore))
     if getattr(quant, "fmt", None) is not None:  # FP4: layers/quant/fp4_config.py
         return fp4_description(desc, quant, model_dtype, ignore)
     if ignore is None:
