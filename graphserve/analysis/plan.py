@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from graphserve.analysis.plan_answer import answer
 from graphserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, default_cuda_graph_sizes
 from graphserve.engine.memory import RESERVE_BYTES, gib, plan_memory
 from graphserve.errors import BadRequestError, ModelLoadError, bad_field
@@ -58,7 +59,7 @@ def _blocks(tokens: int, block: int) -> int:
     return math.ceil(tokens / block) * block
 
 
-def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fraction_static: float = 0.88,
+def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, ep: int = 1, mem_fraction_static: float = 0.88,
                cuda_graph_max_bs: int = 256, cuda_graph_bs: list[int] | None = None, disable_cuda_graph: bool = False,
                max_running_requests: int | None = None, input_len: int = 1024, output_len: int = 1024,
                dtype: str = "bf16", concurrency: list[int] | None = None, max_model_len: int | None = None,
@@ -70,7 +71,8 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
         raise BadRequestError(f"--oversize={oversize!r} is invalid: choose split or eager", param="oversize")
     # an FP8 checkpoint's own quantization_config, else --quantization (what the loader applies)
     quant = resolve_quantization(parse_quantization_config(hf.get("quantization_config")), quantization)
-    model = quantized_description(describe_model(hf, DTYPES[dtype], tp), quant, DTYPES[dtype], ignore_list(hf, quant))
+    model = quantized_description(describe_model(hf, DTYPES[dtype], tp, ep), quant, DTYPES[dtype],
+                                  ignore_list(hf, quant))
     if kv_cache_dtype_name not in KV_CACHE_DTYPES:
         raise BadRequestError(f"--kv-cache-dtype={kv_cache_dtype_name!r} is invalid: choose one of "
                               f"{', '.join(KV_CACHE_DTYPES)}", param="kv_cache_dtype")
@@ -135,7 +137,7 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
                 v["verdict"] = "fits"
         v["notes"] = notes
         verdicts.append(v)
-    return {
+    plan = {
         "model": hf.get("_name_or_path") or hf.get("model_type"),
         "dtype": dtype, "quantization": quant.name if quant else "none",
         "kv_cache_dtype": str(kv.dtype).removeprefix("torch."), "tp": tp, "captured_sizes": sizes, "oversize": oversize,
@@ -144,6 +146,8 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, mem_fra
         "prefill_activation_bytes": prefill_act, "decode_activation_bytes": decode_act,
         "memory": mp.to_dict(), "table": mp.table(), "verdicts": verdicts,
     }
+    plan["answers"] = answer(plan, input_len, output_len)
+    return plan
 
 
 
@@ -166,6 +170,7 @@ def format_plan(p: dict[str, Any]) -> str:
     ]
     for v in p["verdicts"]:
         lines.append(f"{v['concurrency']:>6}  {v['verdict']:<14} {'; '.join(v['notes'])}")
+    lines += ["", *(a["text"] for a in p.get("answers", ()))]
     return "\n".join(lines)
 
 
@@ -188,7 +193,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="KV cache dtype: auto (the model dtype) or fp8_e4m3")
     parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated concurrency levels")
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int, default=None,
+                        help="the longest request the engine admits (SGLang's --context-length)")
     parser.add_argument("--chunked-prefill-size", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--reserve-gb", type=float, default=RESERVE_BYTES / GiB_,
@@ -225,7 +231,7 @@ def check_args(args: argparse.Namespace) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     conc = check_args(args)
-    p = build_plan(load_hf_config(args.model), gpu_memory_gb=args.gpu_memory_gb, tp=args.tp,
+    p = build_plan(load_hf_config(args.model), gpu_memory_gb=args.gpu_memory_gb, tp=args.tp, ep=getattr(args, "ep", 1),
                    mem_fraction_static=args.mem_fraction_static, cuda_graph_max_bs=args.cuda_graph_max_bs,
                    cuda_graph_bs=args.cuda_graph_bs, disable_cuda_graph=args.disable_cuda_graph,
                    max_running_requests=args.max_running_requests, input_len=args.input_len, output_len=args.output_len,
