@@ -47,6 +47,14 @@ def test_v4_tp2_and_ep2_match_tp1(tmp_path):
     _same(_run(tmp_path, ep=2), reference)  # attention replicated, 4 of the 8 experts a rank, hash layers too
 
 
+def test_v4_nvfp4_tp2_matches_tp1(tmp_path):
+    """The story serves V4 in NVFP4 at --tp 4: each rank's FP4 projections and experts are cut with their scales
+    (o_b_proj and the shared expert's down projection in whole groups of 16 columns, the experts' 32 rows of
+    intermediate size in two halves)."""
+    _checkpoint(tmp_path, _config())
+    _same(_run(tmp_path, tp=2, quantization="nvfp4"), _run(tmp_path, quantization="nvfp4"))
+
+
 @pytest.mark.parametrize(("tp", "ep"), [(2, 1), (1, 2), (2, 2)])
 def test_each_rank_holds_what_its_description_counts(monkeypatch, tp, ep):
     """A rank's modules (the MTP layer's apart) hold exactly the parameters its description counts: its output
