@@ -17,9 +17,8 @@ from graphserve.models.registry import describe_model
 def placement(hf: dict[str, Any], tp: int, ep: int, nnodes: int, weights_bytes: int) -> list[dict[str, Any]]:
     world = max(tp, ep)
     per_node = world // nnodes
+    # the memory plan's weights are this split's (--ep included), quantized as the loader holds them
     desc = describe_model(hf, torch.bfloat16, tp=tp, ep=ep)
-    if ep > 1:  # the memory plan splits by --tp only: with whole experts placed, count this split's own bytes
-        weights_bytes = desc.weights_bytes
     heads = int(hf.get("num_attention_heads") or 0)
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     rows = []
