@@ -1,4 +1,4 @@
-"""DeepSeek-V4 matches transformers logit for logit (CPU, float32) on its paged latent and compressor row caches:
+"""DeepSeek-V4 matches transformers logit for logit (CPU, float32) on its paged latents and compact compressed pages:
 sliding, compressed-sparse (CSA, the indexer keeping fewer entries than a query has seen) and heavily compressed
 (HCA) layers, contexts several windows long, hash-routed and score-routed MoE layers, hyper-connections."""
 
@@ -90,18 +90,19 @@ def test_a_long_context_reads_its_window_and_every_heavily_compressed_group(tmp_
 
 def test_greedy_matches_transformers_generate_under_continuous_batching(v4):
     """Prompts of 9, 23 and 37 tokens (chunked by 16) batched together, 10 greedy tokens each; then a prompt sharing
-    the 37-token one's first 32 tokens takes its latent and compressor rows from the prefix cache; then the three
-    again on a pool too small for all of them at once (preemption by recompute)."""
+    the 37-token one's first 36 tokens takes its latents, entries and the checkpoint at the end of its last shared
+    block from the prefix cache (36 is mid-group for HCA's rate 16: the open group goes on from that checkpoint);
+    then the three again on a pool too small for all of them at once (preemption by recompute)."""
     hf, _, folder = v4
     prompts = random_prompts((9, 23, 37))
     llm = LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32", max_model_len=256)
     want = [hf_greedy(hf, p, 10) for p in prompts]
     assert engine_greedy(llm, prompts, 10) == want
-    shared = prompts[2][:32] + [7, 8, 9]
+    shared = prompts[2][:36] + [7, 8, 9]
     manager = llm.engine.core.block_manager
     hits = manager.hit_tokens
     assert engine_greedy(llm, [shared], 10) == [hf_greedy(hf, shared, 10)]
-    assert manager.hit_tokens - hits == 32
+    assert manager.hit_tokens - hits == 36
     manager.check_no_leak()
     # 80 tokens of cache: each prompt fits alone, not all three at once, so some are preempted and recomputed
     small = LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32", max_model_len=256,

@@ -2,8 +2,8 @@
 
 Each row (a decode token or a row of an extend chunk) attends, in the absorbed form the layer computes (every head's
 query against the one shared 512-wide K=V latent), over a virtual key list: its window, ``window`` latents of
-positions ``p - window + 1 .. p`` from the latent cache, then its compressed entries from the layer's row cache
-(kernels/v4_reference.py: the entry rows of the compact pages): every visible one (HCA), or the ``K`` the indexer
+positions ``p - window + 1 .. p`` from the latent cache, then its compressed entries from the layer's compact pages
+(kernels/v4_reference.py: one entry row per group): every visible one (HCA), or the ``K`` the indexer
 chose (CSA, ``idx [T, K]``, -1 none).
 A key's address is computed per lane, from one of the two caches, so one tile may hold both kinds.
 
