@@ -18,7 +18,7 @@ every compressed key (kernels/dsa_indexer.compressed_indexer_scores) and keeps `
 top-k, and kernels/v4_attention.py attends over window + entries + sinks, split and merged. It serves decode and
 extend alike: each row gathers its own keys (a batched gather, one program per row and head block), so an extend
 chunk is the same launch with more rows. Padding rows of a graph batch sit at position 0 on the dummy block: they
-close no group and write only the dummy block's first slot.
+write only the dummy block's first latent slot, and, lying past the batch's last real row, no entry or checkpoint.
 It is built from the family's V4Shape (deepseek_v4_shape.py), so it sits beside the family rather than among
 the shared layers.
 """
