@@ -17,8 +17,8 @@ lays them out (layers/kv_layout.CompactCache: a checkpoint and one entry row per
 latent cache that all layers share (a layer reads only its 128-token window of it: 2 MB at bs 16, the only bytes a
 later layer may find in L2), so 512k tokens at bs 16 fit one GPU.
 
-Pool: the compact layout keeps 10,496 B a token over the six layers at the default ``--block-size 16`` (31,232 B
-when every token's row kept its compressor state), so bs 64 x ctx 64k (4.2M tokens) needs a 41.0 GiB pool beside
+Pool: the compact layout keeps 9,344 B a token over the six layers at the default ``--block-size 16`` (31,232 B
+when every token's row kept its compressor state), so bs 64 x ctx 64k (4.2M tokens) needs a 36.5 GiB pool beside
 23.8 GiB of weights: an 80 GB card holds it (122 GiB before).
 
 Targets (printed, written under ``targets``): the bs-64 ctx-64k step <= 1.4 x floor; attention at bs 16 ctx 512k

@@ -117,9 +117,9 @@ def test_description_counts_every_parameter_and_each_cache_part(v4):
     d, cfg = loaded.info.description, hf.config
     assert d.num_params == sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in loaded.model.parameters())
     # per token (blocks of 4, float32): a latent per layer; per block and compressed layer a page: the checkpoint
-    # (CSA: cur and next accumulators of max, sum, weighted sum for the latent (32) and the indexer key (16); HCA: one
-    # for the latent), then one entry row per rate tokens (CSA at 4: one a block, latent + key; HCA at 16: one)
-    hca, csa = 3 * 32, 6 * (32 + 16)
+    # (CSA: cur and next accumulators of log-sum-exp and weighted mean for the latent (32) and the indexer key (16);
+    # HCA: one for the latent), then one entry row per rate tokens (CSA at 4: one a block, latent + key; HCA at 16: one)
+    hca, csa = 2 * 32, 4 * (32 + 16)
     assert d.kv.compact == (CompactCache(16, 32, 4 * hca), CompactCache(4, 48, 4 * csa), CompactCache(4, 48, 4 * csa))
     assert d.kv.block_size == 4
     state, entries = hca + 2 * csa, 32 + 2 * 48  # a block's, in floats
@@ -185,13 +185,13 @@ def test_presets_are_the_published_shapes_and_count_284b_parameters():
     assert d.num_params == sum(p.numel() for p in hf.parameters())
     l6 = describe_model(get_preset_config("deepseek-v4-flash-l6"), torch.bfloat16)
     assert l6.num_moe_layers == 6 and l6.local_experts == 256 and l6.top_k == 6
-    hca, csa = CompactCache(128, 512, 4 * 3 * 512), CompactCache(4, 640, 4 * 6 * 640)
+    hca, csa = CompactCache(128, 512, 4 * 2 * 512), CompactCache(4, 640, 4 * 4 * 640)
     assert l6.kv.compact == (hca,) * 3 + (csa, hca, csa)
     # bytes a token over the six layers: 31,232 when each token's row kept its compressor state and entry columns;
-    # now the latents (6 x 1024) and, per block, the pages: 10,496 at --block-size 16, 7,712 at 64
-    assert with_block_size(l6.kv, 16).bytes_per_token == 6 * 1024 + -(-(4 * (6144 + 1024) + 2 * (15360 + 4 * 1280))
-                                                                       // 16) == 10496  # fmt: skip
-    assert with_block_size(l6.kv, 64).bytes_per_token == 7712
+    # now the latents (6 x 1024) and, per block, the pages: 9,344 at --block-size 16, 7,424 at 64
+    assert with_block_size(l6.kv, 16).bytes_per_token == 6 * 1024 + (4 * (4096 + 1024) + 2 * (10240 + 4 * 1280)) // 16 \
+        == 9344  # fmt: skip
+    assert with_block_size(l6.kv, 64).bytes_per_token == 7424
     # as shipped, NVFP4 routed experts and the rest bf16: 23.8 GiB, so one 80 GB card holds it with a KV pool
     from graphserve.analysis.plan import build_plan, load_hf_config
 
@@ -221,7 +221,7 @@ def test_plan_answers_the_first_story_for_its_own_model():
                    cuda_graph_max_bs=64, concurrency=[64], max_model_len=4096, input_len=1024, output_len=1024)
     d = describe_model(get_preset_config("deepseek-v4-flash"), torch.bfloat16, tp=4)
     assert p["quantization"].startswith("nvfp4")
-    assert p["kv_bytes_per_token"] == d.kv.bytes_per_token == 43 * 1024 + d.kv.row_bytes_per_token == 79936
+    assert p["kv_bytes_per_token"] == d.kv.bytes_per_token == 43 * 1024 + d.kv.row_bytes_per_token == 70592
     for part in ("latent", "compressor state", "compressed entries"):
         assert part in p["table"]
     # C=64 of 2048-token requests needs 131,072 tokens: the pool holds them at the compact layout's bytes a token
@@ -229,7 +229,7 @@ def test_plan_answers_the_first_story_for_its_own_model():
     [v] = p["verdicts"]
     pool = p["memory"]["kv_pool_bytes"]
     assert v["concurrency"] == 64 and v["kv_tokens_needed"] == 64 * 2048 and v["verdict"] == "fits"
-    assert p["memory"]["kv_tokens"] == pool // 79936 // 16 * 16 >= 64 * 2048 > pool // 242688
+    assert p["memory"]["kv_tokens"] == pool // 70592 // 16 * 16 >= 64 * 2048 > pool // 242688
 
 
 def test_plan_cli_answers_whether_c64_fits_for_the_story_s_model(capsys):
@@ -239,9 +239,9 @@ def test_plan_cli_answers_whether_c64_fits_for_the_story_s_model(capsys):
             "--mem-fraction-static", "0.70", "--cuda-graph-max-bs", "64", "--max-model-len", "4096"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "79936 B/token" in out and "compressor state" in out
-    assert main(args + ["--block-size", "64"]) == 0  # fewer checkpoints a token: 57,808 B
-    assert "57808 B/token" in capsys.readouterr().out
+    assert "70592 B/token" in out and "compressor state" in out
+    assert main(args + ["--block-size", "64"]) == 0  # fewer checkpoints a token: 55,472 B
+    assert "55472 B/token" in capsys.readouterr().out
 
 
 def test_bf16_keeps_sinks_hyper_connections_and_position_biases_float32_as_described(v4):
@@ -259,8 +259,8 @@ def test_bf16_keeps_sinks_hyper_connections_and_position_biases_float32_as_descr
 def test_decode_floor_reads_the_window_the_chosen_entries_and_every_indexer_key():
     d = describe_model(get_preset_config("deepseek-v4-flash-l6"), torch.bfloat16)
     # 6 layers: HCA at 0, 1, 2, 4; CSA at 3, 5 (rates 4 and 128, window 128, topk 512, latent 512, keys 128), and
-    # each compressed layer's fp32 checkpoint (HCA: one accumulator of 3 x 512; CSA: two of 3 x (512 + 128))
-    hca_state, csa_state = 4 * 3 * 512, 4 * 6 * 640
+    # each compressed layer's fp32 checkpoint (HCA: one accumulator of 2 x 512; CSA: two of 2 x (512 + 128))
+    hca_state, csa_state = 4 * 2 * 512, 4 * 4 * 640
 
     def per_seq(c: int) -> int:
         hca = 4 * (min(c, 128) * 512 + c // 128 * 512)
@@ -285,4 +285,4 @@ def test_decode_benchmark_floor_reads_the_checkpoints_every_step_and_the_descrip
     # position 17: 4 windows of 8, HCA's 1 entry, each CSA layer's 4 indexer keys and 3 chosen entries
     want = 4 * (4 * 8 * 32 + 1 * 32 + 2 * (4 * 16 + 3 * 32))
     assert attention_bytes(s, 17, 4) == want
-    assert step_cache_bytes(s, 17, 4) == want + 4 * (3 * 32 + 2 * 6 * (32 + 16))
+    assert step_cache_bytes(s, 17, 4) == want + 4 * (2 * 32 + 2 * 4 * (32 + 16))

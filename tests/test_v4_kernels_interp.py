@@ -66,24 +66,19 @@ def step_rows(query_lens: list[int], seq_lens: list[int], padding: int):
 def branches(kind: str) -> list[ref.CompressorBranch]:
     """The layer's layout (models/deepseek_v4_attention.py): CSA's two overlapping series, HCA's one."""
     if kind == "csa":
-        return [ref.CompressorBranch(2 * D, D, True, 0, 0), ref.CompressorBranch(2 * DI, DI, True, D, 6 * D)]
+        return [ref.CompressorBranch(2 * D, D, True, 0, 0), ref.CompressorBranch(2 * DI, DI, True, D, 4 * D)]
     return [ref.CompressorBranch(D, D, False, 0, 0)]
 
 
 def layout(kind: str) -> tuple[int, int]:
     """(checkpoint floats, entry width): models/deepseek_v4_shape.V4Shape's state_floats and entry_width."""
-    return (6 * (D + DI), D + DI) if kind == "csa" else (3 * D, D)
+    return (4 * (D + DI), D + DI) if kind == "csa" else (2 * D, D)
 
 
 def random_pages(kind: str, rate: int, num_blocks: int, page: int, gen: torch.Generator) -> torch.Tensor:
-    """Fresh random entries, and checkpoints that are real accumulators (a max, a positive sum, a weighted sum)."""
+    """Fresh random entries behind fresh random checkpoints (any log-sum-exp and weighted mean is an accumulator)."""
     sf, ew = layout(kind)
-    pages = torch.randn(num_blocks, CompactCache(rate, ew, 4 * sf).page_width(page, 4), generator=gen)
-    for b in branches(kind):
-        for acc in range(2 if b.overlap else 1):
-            at = b.ckpt_at + 3 * acc * b.dim
-            pages[:, at + b.dim : at + 2 * b.dim] = 0.5 + torch.rand(num_blocks, b.dim, generator=gen)
-    return pages.to(DEVICE)
+    return torch.randn(num_blocks, CompactCache(rate, ew, 4 * sf).page_width(page, 4), generator=gen).to(DEVICE)
 
 
 def projections(kind: str, rate: int, t: int, gen: torch.Generator) -> list[tuple[torch.Tensor, ...]]:

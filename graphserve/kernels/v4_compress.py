@@ -59,28 +59,32 @@ def _pool_step(kv_ptr, gate_ptr, t, p, s0, group, j0, stride_t, col, bias_ptr, s
 
 @triton.jit
 def _load_acc(ptr, use, offs_i, i_mask, DIM: tl.constexpr):
-    """An accumulator ``[max, sum, weighted sum]`` of ``DIM`` channels (max in natural log units) as the kernel holds
-    it: even/odd halves, max in log2 units; the empty one where not ``use``."""
+    """An accumulator kept as ``[log-sum-exp, weighted mean]`` of ``DIM`` channels (natural log units) as the kernel
+    folds it: even/odd halves of (max in log2 units, sum, weighted sum); the empty one where not ``use``."""
     ok = i_mask & use
     even = 2 * offs_i
-    m_e = tl.load(ptr + even, mask=ok, other=float("-inf")) * 1.4426950408889634
-    m_o = tl.load(ptr + even + 1, mask=ok, other=float("-inf")) * 1.4426950408889634
-    l_e = tl.load(ptr + DIM + even, mask=ok, other=0.0)
-    l_o = tl.load(ptr + DIM + even + 1, mask=ok, other=0.0)
-    a_e = tl.load(ptr + 2 * DIM + even, mask=ok, other=0.0)
-    a_o = tl.load(ptr + 2 * DIM + even + 1, mask=ok, other=0.0)
-    return m_e, m_o, l_e, l_o, a_e, a_o
+    lse_e = tl.load(ptr + even, mask=ok, other=float("-inf"))
+    lse_o = tl.load(ptr + even + 1, mask=ok, other=float("-inf"))
+    some_e = lse_e > float("-inf")
+    some_o = lse_o > float("-inf")
+    a_e = tl.where(some_e, tl.load(ptr + DIM + even, mask=ok, other=0.0), 0.0)
+    a_o = tl.where(some_o, tl.load(ptr + DIM + even + 1, mask=ok, other=0.0), 0.0)
+    return (lse_e * 1.4426950408889634, lse_o * 1.4426950408889634, tl.where(some_e, 1.0, 0.0),
+            tl.where(some_o, 1.0, 0.0), a_e, a_o)
 
 
 @triton.jit
 def _store_acc(ptr, offs_i, i_mask, m_e, m_o, l_e, l_o, a_e, a_o, DIM: tl.constexpr):
+    """Keeps (max, sum, weighted sum) as (log-sum-exp, weighted mean): two floats a channel, not three."""
     even = 2 * offs_i
-    tl.store(ptr + even, m_e * 0.6931471805599453, mask=i_mask)
-    tl.store(ptr + even + 1, m_o * 0.6931471805599453, mask=i_mask)
-    tl.store(ptr + DIM + even, l_e, mask=i_mask)
-    tl.store(ptr + DIM + even + 1, l_o, mask=i_mask)
-    tl.store(ptr + 2 * DIM + even, a_e, mask=i_mask)
-    tl.store(ptr + 2 * DIM + even + 1, a_o, mask=i_mask)
+    some_e = l_e > 0
+    some_o = l_o > 0
+    lse_e = tl.where(some_e, (m_e + tl.log2(tl.where(some_e, l_e, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse_o = tl.where(some_o, (m_o + tl.log2(tl.where(some_o, l_o, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(ptr + even, lse_e, mask=i_mask)
+    tl.store(ptr + even + 1, lse_o, mask=i_mask)
+    tl.store(ptr + DIM + even, tl.where(some_e, a_e / tl.where(some_e, l_e, 1.0), 0.0), mask=i_mask)
+    tl.store(ptr + DIM + even + 1, tl.where(some_o, a_o / tl.where(some_o, l_o, 1.0), 0.0), mask=i_mask)
 
 
 @triton.jit
@@ -115,7 +119,7 @@ def _v4_compress_kernel(
             # cur: entry g's Ca side (group g - 1) then Cb side (group g); starts from the checkpoint's cur (g is the
             # group in progress before the step) or its next (group g - 1 was)
             from_cur = has & (g == big_g)
-            at = tl.where(from_cur, 0, 3 * DIM)
+            at = tl.where(from_cur, 0, 2 * DIM)
             m_e, m_o, l_e, l_o, a_e, a_o = _load_acc(init_row + at, has & (g <= big_g + 1), offs_i, i_mask, DIM)
             for j0 in range(0, RATE, BLOCK_M):
                 m_e, m_o, l_e, l_o, a_e, a_o = _pool_step(
@@ -127,12 +131,12 @@ def _v4_compress_kernel(
                     m_e, m_o, l_e, l_o, a_e, a_o, RATE, BLOCK_M)
             if writes:
                 # next: entry g + 1's Ca side so far, the group in progress
-                n_e, n_o, nl_e, nl_o, na_e, na_o = _load_acc(init_row + 3 * DIM, from_cur, offs_i, i_mask, DIM)
+                n_e, n_o, nl_e, nl_o, na_e, na_o = _load_acc(init_row + 2 * DIM, from_cur, offs_i, i_mask, DIM)
                 for j0 in range(0, RATE, BLOCK_M):
                     n_e, n_o, nl_e, nl_o, na_e, na_o = _pool_step(
                         kv_ptr, gate_ptr, t, p, s0, g, j0, stride_t, 0, bias_ptr, stride_bias, offs_i, i_mask,
                         n_e, n_o, nl_e, nl_o, na_e, na_o, RATE, BLOCK_M)
-                _store_acc(ckpt_ptr + block * stride_ckpt + CKPT_AT + 3 * DIM, offs_i, i_mask, n_e, n_o, nl_e, nl_o,
+                _store_acc(ckpt_ptr + block * stride_ckpt + CKPT_AT + 2 * DIM, offs_i, i_mask, n_e, n_o, nl_e, nl_o,
                            na_e, na_o, DIM)  # fmt: skip
         else:
             m_e, m_o, l_e, l_o, a_e, a_o = _load_acc(init_row, has & (g == big_g), offs_i, i_mask, DIM)

@@ -10,7 +10,8 @@ transformers' ``DeepseekV4CSACompressor`` / ``DeepseekV4HCACompressor`` / ``Deep
 
 Cache: one compact page per block and compressed layer (layers/kv_layout.CompactCache), by the block tables like
 every other cache. A page starts with the layer's compressor checkpoint: fp32 online-softmax accumulators (per
-channel the running max, sum and weighted sum) of the groups still open after the last token written into the
+channel the log-sum-exp of the gate logits folded so far and their softmax-weighted kv, two floats a channel) of
+the groups still open after the last token written into the
 block; then its entry rows, one per ``m`` tokens of the block (one where a block holds fewer): entry ``w`` (and in
 CSA its indexer key) sits in the block holding its group's last token ``(w + 1) * m - 1``, at row ``(that token %
 block_size) // m``. Open accumulators: HCA's group ``g`` (``cur``); CSA's ``cur`` (entry ``g``: the ``Ca`` halves of
@@ -77,15 +78,15 @@ def token_slots(block_tables: torch.Tensor, rows: torch.Tensor, positions: torch
 class CompressorBranch:
     """One series (the attention's, or CSA's indexer's) of a compressed layer: its ``kv`` and ``gate`` projections
     are ``width`` wide (``series * dim``), its entry sits at ``[entry_at, entry_at + dim)`` of an entry row, its
-    accumulators (``cur``, and ``next`` with overlap; each ``[max, sum, weighted sum]`` of ``dim``) at ``ckpt_at`` of
-    the page's fp32 checkpoint."""
+    accumulators (``cur``, and ``next`` with overlap; each ``[log-sum-exp, weighted mean]`` of ``dim``) at ``ckpt_at``
+    of the page's fp32 checkpoint."""
 
     def __init__(self, width: int, dim: int, overlap: bool, entry_at: int, ckpt_at: int) -> None:
         self.width, self.dim, self.overlap, self.entry_at, self.ckpt_at = width, dim, overlap, entry_at, ckpt_at
 
     @property
     def ckpt_floats(self) -> int:
-        return (2 if self.overlap else 1) * 3 * self.dim
+        return (2 if self.overlap else 1) * 2 * self.dim
 
 
 def checkpoints(pages: torch.Tensor, state_floats: int) -> torch.Tensor:
@@ -142,6 +143,13 @@ def _fold(m: torch.Tensor, total: torch.Tensor, a: torch.Tensor, logits: torch.T
     return new, total * alpha + p.sum(dim=1), a * alpha + (p * torch.where(ok[..., None], values, 0.0)).sum(dim=1)
 
 
+def _stored(m: torch.Tensor, total: torch.Tensor, a: torch.Tensor) -> list[torch.Tensor]:
+    """An accumulator as the checkpoint keeps it: (log-sum-exp, weighted mean), (-inf, 0) where empty."""
+    some = total > 0
+    return [m + torch.log(torch.where(some, total, 1.0)).masked_fill(~some, float("-inf")),
+            torch.where(some, a / torch.where(some, total, 1.0), 0.0)]
+
+
 def compress_groups(pages: torch.Tensor, branch: CompressorBranch, kv: torch.Tensor, gate: torch.Tensor,
                     init: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor,
                     query_start_loc: torch.Tensor, rate: int, bias: torch.Tensor, norm_weight: torch.Tensor,
@@ -164,9 +172,10 @@ def compress_groups(pages: torch.Tensor, branch: CompressorBranch, kv: torch.Ten
     ckpt_in = init.float()[seq]
 
     def acc(at: int, use: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        m, total, a = ckpt_in[:, at:at + d], ckpt_in[:, at + d:at + 2 * d], ckpt_in[:, at + 2 * d:at + 3 * d]
-        use = (use & has)[:, None]
-        return (torch.where(use, m, float("-inf")), torch.where(use, total, 0.0), torch.where(use, a, 0.0))
+        """(max, sum, weighted sum) from a stored (log-sum-exp, weighted mean): max = lse, sum = 1 (0 if empty)."""
+        lse, mean = ckpt_in[:, at:at + d], ckpt_in[:, at + d:at + 2 * d]
+        use = (use & has)[:, None] & (lse > float("-inf"))
+        return (torch.where(use, lse, float("-inf")), use.float().expand_as(lse), torch.where(use, mean, 0.0))
 
     def tokens(group: torch.Tensor, col: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits, values, which count) of group ``group``'s tokens from ``s0`` to ``p``, columns from ``col``."""
@@ -179,10 +188,10 @@ def compress_groups(pages: torch.Tensor, branch: CompressorBranch, kv: torch.Ten
     own = d if branch.overlap else 0
     if branch.overlap:
         cur = acc(ckpt_at, g == big_g)
-        nxt = acc(ckpt_at + 3 * d, g == big_g + 1)
+        nxt = acc(ckpt_at + 2 * d, g == big_g + 1)
         cur = tuple(torch.where((g == big_g)[:, None], x, y) for x, y in zip(cur, nxt))
         cur = _fold(*cur, *tokens(g - 1, 0))
-        nxt = _fold(*acc(ckpt_at + 3 * d, g == big_g), *tokens(g, 0))
+        nxt = _fold(*acc(ckpt_at + 2 * d, g == big_g), *tokens(g, 0))
     else:
         cur = acc(ckpt_at, g == big_g)
     cur = _fold(*cur, *tokens(g, own))
@@ -197,7 +206,7 @@ def compress_groups(pages: torch.Tensor, branch: CompressorBranch, kv: torch.Ten
         rows[block, (tok % block_size) // rate, branch.entry_at:branch.entry_at + d] = entry.to(pages.dtype)
     put = writes[act]
     if bool(put.any()):
-        state = torch.cat(list(cur) + (list(nxt) if branch.overlap else []), dim=-1)[put]
+        state = torch.cat(_stored(*cur) + (_stored(*nxt) if branch.overlap else []), dim=-1)[put]
         tok = p[put]
         block = block_tables[seq[put], tok // block_size].long()
         ckpt = checkpoints(pages, state_floats)

@@ -221,6 +221,7 @@ class KVLayout:
                 caches.append(torch.randn(shape, dtype=dtype if dtype.itemsize > 1 else torch.bfloat16,
                                           device=device).mul_(0.5).to(dtype))
         for c, page in zip(self.compact, caches[len(caches) - len(self.compact):]):
-            # random bits are no fp32 accumulator (NaN, inf): zeros are an empty one, which a group folds into
+            # random bits are no fp32 accumulator (NaN, inf): zeros are a finite one (a zero-valued token at logit 0),
+            # all a benchmark's first step reads
             page[:, :c.state_bytes // b].zero_()
         return caches

@@ -112,7 +112,7 @@ class V4Attention(Float32Params):
             self.branches = [CompressorBranch(self.compressor.width, d, csa, 0, 0)]
             if csa:
                 self.compressor.indexer = V4Indexer(s, layer)
-                self.branches.append(CompressorBranch(2 * di, di, True, d, 6 * d))
+                self.branches.append(CompressorBranch(2 * di, di, True, d, 4 * d))
 
     def rebuild(self, device: torch.device) -> None:
         """After the loader's ``to_empty``: the frequencies are not a parameter, so they are computed again."""
