@@ -6,16 +6,20 @@ they would need), every sequence decoding its token at position ``ctx`` over ``c
 (``--routing router`` takes the random router's choice), one step replayed from its graph. Floor: the dense weights,
 the lm_head and the batch's embedding rows, the routed experts touched (``ModelDescription.decode_read_bytes`` less
 its KV term), and the cache bytes each layer must read for each sequence (``step_cache_bytes``): the window's
-latents; HCA every compressed entry; CSA every indexer key and the ``index_topk`` entries chosen; and, only where the
-step's token closes a group, that group's compressor state. Over the best read bandwidth measured in the same run.
+latents; HCA every compressed entry; CSA every indexer key and the ``index_topk`` entries chosen; and each
+compressed layer's compressor checkpoint (the fp32 accumulators of the sequence's open groups, read every step; the
+step's own projections never leave it). Over the best read bandwidth measured in the same run.
 
 Attention alone (``attention_alone``): per layer, CSA's indexer scores and top-k and every layer's attention kernel,
 on random queries at the step's shapes, replayed from one CUDA graph of all six layers' calls, against its bytes
-(``attention_bytes``: the step's cache bytes without the state). The row caches at 512k tokens and bs 16 do not fit
-one GPU as the engine lays them out (each token's row keeps its compressor state: 31 KB a token over the six
-layers), so this measurement allocates only what attention reads: a row cache per layer narrowed to its entry (and
-CSA's indexer key), and one latent cache that all layers share (a layer reads only its 128-token window of it:
-2 MB at bs 16, the only bytes a later layer may find in L2).
+(``attention_bytes``: the step's cache bytes without the checkpoints). It reads the compact pages as the engine
+lays them out (layers/kv_layout.CompactCache: a checkpoint and one entry row per ``rate`` tokens a block) and one
+latent cache that all layers share (a layer reads only its 128-token window of it: 2 MB at bs 16, the only bytes a
+later layer may find in L2), so 512k tokens at bs 16 fit one GPU.
+
+Pool: the compact layout keeps 9,344 B a token over the six layers at the default ``--block-size 16`` (31,232 B
+when every token's row kept its compressor state), so bs 64 x ctx 64k (4.2M tokens) needs a 36.5 GiB pool beside
+23.8 GiB of weights: an 80 GB card holds it (122 GiB before).
 
 Targets (printed, written under ``targets``): the bs-64 ctx-64k step <= 1.4 x floor; attention at bs 16 ctx 512k
 <= 1.5 x its bytes at the measured rate.
@@ -42,6 +46,7 @@ from graphserve.config import EngineConfig
 from graphserve.kernels import dsa, v4_attention
 from graphserve.kernels.dsa_indexer import compressed_indexer_scores
 from graphserve.layers.attention_triton import TritonAttentionBackend
+from graphserve.layers.kv_layout import CompactCache
 from graphserve.models.deepseek_v4_shape import CSA, SLIDING, V4Shape, v4_shape_from_config
 from graphserve.models.loader import load_model
 from graphserve.models.presets import get_preset_config
@@ -71,14 +76,8 @@ def attention_bytes(s: V4Shape, ctx: int, itemsize: int) -> int:
 
 
 def step_cache_bytes(s: V4Shape, ctx: int, itemsize: int) -> int:
-    """``attention_bytes`` and, in each compressed layer whose group the token at ``ctx`` closes, that group's state
-    (``m`` rows; CSA's overlap the previous group's too)."""
-    state = 0
-    for i, t in enumerate(s.layer_types):
-        m = s.rate(i)
-        if m and (ctx + 1) % m == 0:
-            state += (2 if t == CSA else 1) * m * s.state_width(i)
-    return attention_bytes(s, ctx, itemsize) + state * itemsize
+    """``attention_bytes`` and each compressed layer's compressor checkpoint (fp32), which every step reads."""
+    return attention_bytes(s, ctx, itemsize) + sum(4 * s.state_floats(i) for i in s.compressed_layers)
 
 
 def pool_bytes(info, bs: int, ctx: int, block_size: int) -> int:
@@ -150,36 +149,44 @@ def attention_alone(s: V4Shape, bs: int, ctx: int, block_size: int, device: str 
     calls = []
     for i, t in enumerate(s.layer_types):
         m = s.rate(i)
-        width = 0 if t == SLIDING else s.head_dim + (s.index_head_dim if t == CSA else 0)
-        rows = torch.randn(slots, width, device=device, dtype=dtype).mul_(0.5) if width else None
+        rows = None
+        if t != SLIDING:  # random entries; the checkpoint ahead of them is never read here
+            rows = torch.randn(slots // block_size, page_width(s, i, block_size, dtype), device=device, dtype=dtype)
+            rows.mul_(0.5)
         q = torch.randn(bs, s.num_heads, s.head_dim, device=device, dtype=dtype)
         sinks = torch.randn(s.num_heads, device=device)
         ix = None
         if t == CSA:
             ix = (torch.randn(bs, s.index_n_heads, s.index_head_dim, device=device, dtype=dtype),
                   torch.rand(bs, s.index_n_heads, device=device) * (s.index_n_heads * s.index_head_dim) ** -0.5)
-        calls.append((m, rows, q, sinks, ix))
+        calls.append((m, rows, q, sinks, ix, s.state_floats(i), s.entry_width(i)))
     keys_of = {m: table.shape[1] * block_size // m for m, *_ in calls if m}
     lasts = {m: ((positions + 1) // m - 1).int() for m in keys_of}
 
     def step():
-        for m, rows, q, sinks, ix in calls:
+        for m, rows, q, sinks, ix, sf, ew in calls:
             idx = None
             if ix is not None:
                 scores = compressed_indexer_scores(ix[0], ix[1], rows, s.head_dim, m, block_size, table, row_seq,
-                                                   lasts[m], keys_of[m])  # fmt: skip
+                                                   lasts[m], keys_of[m], state_floats=sf, entry_width=ew)  # fmt: skip
                 idx = dsa.topk_indices(scores, lasts[m], s.index_topk)
             v4_attention.v4_attention(q, latents, rows, 0, table, row_seq, positions, sinks, s.head_dim**-0.5,
-                                      s.sliding_window, m, block_size, idx)  # fmt: skip
+                                      s.sliding_window, m, block_size, idx, sf, ew)  # fmt: skip
 
     ms = graph_time_ms(step, calls=2, replays=5)
     return ms, bs * attention_bytes(s, ctx, dtype.itemsize)
 
 
-def attention_memory(s: V4Shape, bs: int, ctx: int, block_size: int) -> int:
-    slots = (bs * -(-(ctx + 1) // block_size) + 1) * block_size
-    widths = [s.head_dim] + [s.head_dim + (s.index_head_dim if t == CSA else 0) for t in s.layer_types if t != SLIDING]
-    return slots * sum(widths) * 2
+def page_width(s: V4Shape, layer: int, block_size: int, dtype: torch.dtype) -> int:
+    """Elements of one block's compact page of ``layer`` (as KVLayout.allocate lays it out)."""
+    return CompactCache(s.rate(layer), s.entry_width(layer), 4 * s.state_floats(layer)).page_width(block_size,
+                                                                                                   dtype.itemsize)
+
+
+def attention_memory(s: V4Shape, bs: int, ctx: int, block_size: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    blocks = bs * -(-(ctx + 1) // block_size) + 1
+    pages = sum(page_width(s, i, block_size, dtype) for i in s.compressed_layers)
+    return (blocks * block_size * s.head_dim + blocks * pages) * dtype.itemsize
 
 
 def targets(rows: list[dict], attn: list[dict]) -> dict:

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 matches transformers logit for logit (CPU, float32) on its paged latent and compressor row caches:
+"""DeepSeek-V4 matches transformers logit for logit (CPU, float32) on its paged latents and compact compressed pages:
 sliding, compressed-sparse (CSA, the indexer keeping fewer entries than a query has seen) and heavily compressed
 (HCA) layers, contexts several windows long, hash-routed and score-routed MoE layers, hyper-connections."""
 
@@ -24,6 +24,7 @@ from transformers import DeepseekV4Config
 from graphserve import LLM
 from graphserve.config import EngineConfig
 from graphserve.errors import ModelLoadError
+from graphserve.layers.kv_layout import CompactCache, with_block_size
 from graphserve.layers.linear import Linear
 from graphserve.layers.moe import FusedMoE
 from graphserve.models.loader import load_model
@@ -91,18 +92,19 @@ def test_a_long_context_reads_its_window_and_every_heavily_compressed_group(tmp_
 
 def test_greedy_matches_transformers_generate_under_continuous_batching(v4):
     """Prompts of 9, 23 and 37 tokens (chunked by 16) batched together, 10 greedy tokens each; then a prompt sharing
-    the 37-token one's first 32 tokens takes its latent and compressor rows from the prefix cache; then the three
-    again on a pool too small for all of them at once (preemption by recompute)."""
+    the 37-token one's first 36 tokens takes its latents, entries and the checkpoint at the end of its last shared
+    block from the prefix cache (36 is mid-group for HCA's rate 16: the open group goes on from that checkpoint);
+    then the three again on a pool too small for all of them at once (preemption by recompute)."""
     hf, _, folder = v4
     prompts = random_prompts((9, 23, 37))
     llm = LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32", max_model_len=256)
     want = [hf_greedy(hf, p, 10) for p in prompts]
     assert engine_greedy(llm, prompts, 10) == want
-    shared = prompts[2][:32] + [7, 8, 9]
+    shared = prompts[2][:36] + [7, 8, 9]
     manager = llm.engine.core.block_manager
     hits = manager.hit_tokens
     assert engine_greedy(llm, [shared], 10) == [hf_greedy(hf, shared, 10)]
-    assert manager.hit_tokens - hits == 32
+    assert manager.hit_tokens - hits == 36
     manager.check_no_leak()
     # 80 tokens of cache: each prompt fits alone, not all three at once, so some are preempted and recomputed
     small = LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32", max_model_len=256,
@@ -116,15 +118,17 @@ def test_description_counts_every_parameter_and_each_cache_part(v4):
     hf, loaded, _ = v4
     d, cfg = loaded.info.description, hf.config
     assert d.num_params == sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in loaded.model.parameters())
-    # per token: a latent per layer; CSA rows: kv+gate in two series (4*32) and the indexer's (4*16), then the entry
-    # (32) and its indexer key (16); HCA rows: kv+gate (2*32) and the entry (32). float32: 4 bytes each
-    state, entries = 2 * (4 * 32 + 4 * 16) + 2 * 32, 2 * (32 + 16) + 32
-    assert d.kv.row_widths == (2 * 32 + 32, 4 * 32 + 4 * 16 + 32 + 16, 4 * 32 + 4 * 16 + 32 + 16)
-    assert d.kv.bytes_per_token == 4 * (4 * 32 + state + entries)
-    assert dict(d.kv.parts()) == {"latent": 4 * 4 * 32, "compressor state": 4 * state,
-                                  "compressed entries": 4 * entries}
+    # per token (blocks of 4, float32): a latent per layer; per block and compressed layer a page: the checkpoint
+    # (CSA: cur and next accumulators of log-sum-exp and weighted mean for the latent (32) and the indexer key (16);
+    # HCA: one for the latent), then one entry row per rate tokens (CSA at 4: one a block, latent + key; HCA at 16: one)
+    hca, csa = 2 * 32, 4 * (32 + 16)
+    assert d.kv.compact == (CompactCache(16, 32, 4 * hca), CompactCache(4, 48, 4 * csa), CompactCache(4, 48, 4 * csa))
+    assert d.kv.block_size == 4
+    state, entries = hca + 2 * csa, 32 + 2 * 48  # a block's, in floats
+    assert d.kv.bytes_per_token == 4 * 4 * 32 + (state + entries)  # 4 bytes a float over 4 tokens a block
+    assert dict(d.kv.parts()) == {"latent": 4 * 4 * 32, "compressor state": state, "compressed entries": entries}
     caches = d.kv.allocate(5, 4, "cpu")
-    assert [c.shape for c in caches[cfg.num_hidden_layers:]] == [(5, 4, w) for w in d.kv.row_widths]
+    assert [c.shape for c in caches[cfg.num_hidden_layers:]] == [(5, hca + 32), (5, csa + 48), (5, csa + 48)]
     assert [layer.self_attn.cache_index for layer in loaded.model.model.layers] == [4, 5, None, 6]
 
 
@@ -183,7 +187,13 @@ def test_presets_are_the_published_shapes_and_count_284b_parameters():
     assert d.num_params == sum(p.numel() for p in hf.parameters())
     l6 = describe_model(get_preset_config("deepseek-v4-flash-l6"), torch.bfloat16)
     assert l6.num_moe_layers == 6 and l6.local_experts == 256 and l6.top_k == 6
-    assert l6.kv.row_widths == (3 * 512,) * 3 + (4 * 512 + 4 * 128 + 512 + 128, 3 * 512, 4 * 512 + 4 * 128 + 640)
+    hca, csa = CompactCache(128, 512, 4 * 2 * 512), CompactCache(4, 640, 4 * 4 * 640)
+    assert l6.kv.compact == (hca,) * 3 + (csa, hca, csa)
+    # bytes a token over the six layers: 31,232 when each token's row kept its compressor state and entry columns;
+    # now the latents (6 x 1024) and, per block, the pages: 9,344 at --block-size 16, 7,424 at 64
+    assert with_block_size(l6.kv, 16).bytes_per_token == 6 * 1024 + (4 * (4096 + 1024) + 2 * (10240 + 4 * 1280)) // 16 \
+        == 9344  # fmt: skip
+    assert with_block_size(l6.kv, 64).bytes_per_token == 7424
     # as shipped, NVFP4 routed experts and the rest bf16: 23.8 GiB, so one 80 GB card holds it with a KV pool
     from graphserve.analysis.plan import build_plan, load_hf_config
 
@@ -216,10 +226,27 @@ def test_plan_answers_the_first_story_for_its_own_model():
                    cuda_graph_max_bs=64, concurrency=[64], max_model_len=4096, input_len=1024, output_len=1024)
     d = describe_model(get_preset_config("deepseek-v4-flash"), torch.bfloat16, tp=4)
     assert p["quantization"].startswith("nvfp4")
-    assert p["kv_bytes_per_token"] == d.kv.bytes_per_token == 43 * 1024 + sum(d.kv.row_widths) * 2
+    assert p["kv_bytes_per_token"] == d.kv.bytes_per_token == 43 * 1024 + d.kv.row_bytes_per_token == 70592
     for part in ("latent", "compressor state", "compressed entries"):
         assert part in p["table"]
-    assert p["memory"]["kv_tokens"] > 0 and [v["concurrency"] for v in p["verdicts"]] == [64]
+    # C=64 of 2048-token requests needs 131,072 tokens: the pool holds them at the compact layout's bytes a token
+    # (at the 242,688 B a token each token's compressor state cost, the same pool held 49k)
+    [v] = p["verdicts"]
+    pool = p["memory"]["kv_pool_bytes"]
+    assert v["concurrency"] == 64 and v["kv_tokens_needed"] == 64 * 2048 and v["verdict"] == "fits"
+    assert p["memory"]["kv_tokens"] == pool // 70592 // 16 * 16 >= 64 * 2048 > pool // 242688
+
+
+def test_plan_cli_answers_whether_c64_fits_for_the_story_s_model(capsys):
+    from graphserve.cli import main
+
+    args = ["plan", "dummy:deepseek-v4-flash", "--tp", "4", "--gpu-memory-gb", "96", "--concurrency", "64",
+            "--mem-fraction-static", "0.70", "--cuda-graph-max-bs", "64", "--max-model-len", "4096"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "70592 B/token" in out and "compressor state" in out
+    assert main(args + ["--block-size", "64"]) == 0  # fewer checkpoints a token: 55,472 B
+    assert "55472 B/token" in capsys.readouterr().out
 
 
 def test_bf16_keeps_sinks_hyper_connections_and_position_biases_float32_as_described(v4):
@@ -236,29 +263,31 @@ def test_bf16_keeps_sinks_hyper_connections_and_position_biases_float32_as_descr
 
 def test_decode_floor_reads_the_window_the_chosen_entries_and_every_indexer_key():
     d = describe_model(get_preset_config("deepseek-v4-flash-l6"), torch.bfloat16)
-    # 6 layers: HCA at 0, 1, 2, 4; CSA at 3, 5 (rates 4 and 128, window 128, topk 512, latent 512, keys 128)
-    hca_state, csa_state = 2 * 512, 4 * 512 + 4 * 128
+    # 6 layers: HCA at 0, 1, 2, 4; CSA at 3, 5 (rates 4 and 128, window 128, topk 512, latent 512, keys 128), and
+    # each compressed layer's fp32 checkpoint (HCA: one accumulator of 2 x 512; CSA: two of 2 x (512 + 128))
+    hca_state, csa_state = 4 * 2 * 512, 4 * 4 * 640
 
     def per_seq(c: int) -> int:
-        hca = 4 * (min(c, 128) * 512 + c // 128 * 512 + 128 * hca_state)
-        csa = 2 * (min(c, 128) * 512 + c // 4 * 128 + min(c // 4, 512) * 512 + 2 * 4 * csa_state)
-        return 2 * (hca + csa)
+        hca = 4 * (min(c, 128) * 512 + c // 128 * 512)
+        csa = 2 * (min(c, 128) * 512 + c // 4 * 128 + min(c // 4, 512) * 512)
+        return 2 * (hca + csa) + 4 * hca_state + 2 * csa_state
 
     assert d.kv_read_bytes(1, 64000) == per_seq(64000)
     assert d.kv_read_bytes(2, [100, 4096]) == per_seq(100) + per_seq(4096)
     assert d.decode_read_bytes(1, 64000) - d.decode_read_bytes(1, [0]) == per_seq(64000) - per_seq(0)
 
 
-def test_decode_benchmark_floor_charges_a_group_s_state_only_in_the_step_that_closes_it():
-    """benchmarks/v4_decode.py's cache bytes: the description's (above) in a step whose token closes a group, and
-    without the groups' state in every other step, where no kernel reads it (a floor a kernel beats is wrong)."""
+def test_decode_benchmark_floor_reads_the_checkpoints_every_step_and_the_description_s_bytes():
+    """benchmarks/v4_decode.py's cache bytes: the description's (above) at every position, a group's closing one or
+    not (each step folds its token into the checkpoint it read), and attention's alone without the checkpoints."""
     from benchmarks.v4_decode import attention_bytes, step_cache_bytes
     from graphserve.models.deepseek_v4 import decode_kv_read
     from graphserve.models.deepseek_v4_shape import v4_shape_from_config
 
     s = v4_shape_from_config(_config())  # HCA at 16, CSA at 4 (index_topk 3), one sliding layer; window 8, dim 32
-    for ctx in (15, 63):  # position 15 closes HCA's group 0 and CSA's group 3
+    for ctx in (15, 17, 63):  # position 15 closes HCA's group 0 and CSA's group 3; 17 closes nothing
         assert step_cache_bytes(s, ctx, 4) == decode_kv_read(s, 4, ctx + 1)
-    # position 17 closes nothing: 4 windows of 8, HCA's 1 entry, each CSA layer's 4 indexer keys and 3 chosen entries
+    # position 17: 4 windows of 8, HCA's 1 entry, each CSA layer's 4 indexer keys and 3 chosen entries
     want = 4 * (4 * 8 * 32 + 1 * 32 + 2 * (4 * 16 + 3 * 32))
-    assert step_cache_bytes(s, 17, 4) == attention_bytes(s, 17, 4) == want < decode_kv_read(s, 4, 18)
+    assert attention_bytes(s, 17, 4) == want
+    assert step_cache_bytes(s, 17, 4) == want + 4 * (2 * 32 + 2 * 4 * (32 + 16))

@@ -64,7 +64,7 @@ def test_the_verdict_follows_the_description(capsys, monkeypatch):
 
         def latent_only(cls, config, dtype, tp=1, ep=1, widen=widen):  # noqa: ANN001
             d = describe(cls, config, dtype, tp, ep)
-            kv = dataclasses.replace(d.kv, head_dim=d.kv.head_dim * widen, row_widths=(), row_parts=())
+            kv = dataclasses.replace(d.kv, head_dim=d.kv.head_dim * widen, compact=())
             return dataclasses.replace(d, kv=kv)
 
         monkeypatch.setattr(DeepseekV4ForCausalLM, "describe", classmethod(latent_only))

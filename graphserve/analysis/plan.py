@@ -22,7 +22,7 @@ from graphserve.analysis.plan_answer import answer
 from graphserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, default_cuda_graph_sizes
 from graphserve.engine.memory import RESERVE_BYTES, gib, plan_memory
 from graphserve.errors import BadRequestError, ModelLoadError, bad_field
-from graphserve.layers.kv_layout import with_cache_dtype
+from graphserve.layers.kv_layout import with_block_size, with_cache_dtype
 from graphserve.layers.quant.config import parse_quantization_config, quantized_description, resolve_quantization
 from graphserve.models.registry import describe_model, ignore_list
 
@@ -76,7 +76,7 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, ep: int
     if kv_cache_dtype_name not in KV_CACHE_DTYPES:
         raise BadRequestError(f"--kv-cache-dtype={kv_cache_dtype_name!r} is invalid: choose one of "
                               f"{', '.join(KV_CACHE_DTYPES)}", param="kv_cache_dtype")
-    kv = with_cache_dtype(model.kv, kv_cache_dtype_name)
+    kv = with_block_size(with_cache_dtype(model.kv, kv_cache_dtype_name), block_size)
     model = dataclasses.replace(model, kv=kv)
     sizes = [] if disable_cuda_graph else sorted(set(cuda_graph_bs or default_cuda_graph_sizes(cuda_graph_max_bs)))
     largest = sizes[-1] if sizes else 0

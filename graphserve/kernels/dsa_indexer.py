@@ -16,7 +16,7 @@ bytes, so its keys load 4 bytes at a time (the alignment every row has): left to
 analysis took every row for 16-byte aligned (16-byte loads in the PTX) and the loads faulted on the GPU.
 
 ``compressed_indexer_scores`` runs the same kernel over DeepSeek-V4's compressed keys (``RATE``: key ``n`` sits in
-the row of the token closing group ``n``; ``KEY_AT``: its column in that layer's row cache); DSA's own call compiles
+the entry row of group ``n``'s last token in that block's compact page; ``KEY_AT``: its column in the page); DSA's own call compiles
 with ``RATE`` 1 and ``KEY_AT`` 0 to what it was.
 """
 
@@ -90,6 +90,7 @@ def _indexer_scores_kernel(
     stride_qt, stride_qh, stride_wt, stride_vslot, stride_sslot, stride_bt, stride_ot,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, RATE: tl.constexpr, KEY_AT: tl.constexpr,
+    ENTRY_WIDTH: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(1)
     n0 = tl.program_id(0) * BLOCK_N
@@ -113,12 +114,13 @@ def _indexer_scores_kernel(
             slot = block * PAGE + offs_n % PAGE
             row = slot * stride_vslot
         else:
-            # key n of a compressed cache sits in the row of the token closing its group
+            # key n of a compressed cache sits in the entry row of its group's last token, in that block's page
+            # (stride_vslot: the page; KEY_AT: past the page's checkpoint; kernels/v4_reference.entry_index)
             tok = offs_n * RATE + RATE - 1
             visible = (offs_n <= pos) & (tok // PAGE < max_blocks)
             block = tl.load(bt_ptr + seq * stride_bt + tok // PAGE, mask=visible, other=0).to(tl.int64)
-            slot = block * PAGE + tok % PAGE
-            row = slot * stride_vslot + KEY_AT
+            slot = block
+            row = block * stride_vslot + ((tok % PAGE) // RATE) * ENTRY_WIDTH + KEY_AT
         if FP8:
             # an FP8 row starts every D + 4 bytes, 4-aligned only; without the hint Triton took every row for 16-byte
             # aligned (the slots of a page count up from a multiple of 16) and loaded 16 bytes at a time, a misaligned
@@ -163,7 +165,7 @@ def indexer_scores(
         q.stride(0), q.stride(1), weights.stride(0), stride_v, stride_s, block_tables.stride(0), out.stride(0),
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_N=SCORE_BLOCK_N, PAGE=index_cache.shape[1], FP8=fp8,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, RATE=1, KEY_AT=0,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, RATE=1, KEY_AT=0, ENTRY_WIDTH=0,
     )  # fmt: skip
     return out
 
@@ -171,15 +173,19 @@ def indexer_scores(
 def compressed_indexer_scores(
     q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, key_at: int, rate: int, block_size: int,
     block_tables: torch.Tensor, row_seq: torch.Tensor, last: torch.Tensor, num_keys: int,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, state_floats: int = 0, entry_width: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """``indexer_scores`` over a compressed cache (DeepSeek-V4's CSA): key ``n`` is the ``q.shape[-1]`` columns from
-    ``key_at`` of the row (``rows [slots, width]``) of the token closing group ``n``, position ``(n + 1) * rate -
-    1``; ``last [T]`` is each row's last visible key (-1: none). ``[T, num_keys]`` fp32, -inf past ``last``."""
+    ``key_at`` of the ``entry_width``-wide entry row of group ``n`` in the compact pages ``rows [num_blocks, page]``
+    (after ``state_floats`` of checkpoint; kernels/v4_reference.entry_index); ``last [T]`` is each row's last
+    visible key (-1: none). ``[T, num_keys]`` fp32, -inf past ``last``."""
     tokens, heads, d = q.shape
-    if q.stride(-1) != 1 or rows.stride(-1) != 1 or rows.dtype != q.dtype or key_at + d > rows.shape[-1]:
-        raise ValueError(f"queries {tuple(q.shape)} {q.dtype} against rows {tuple(rows.shape)} {rows.dtype} at "
-                         f"column {key_at}: same dtype, last dims contiguous, the key inside the row")  # fmt: skip
+    base = state_floats * 4 // rows.element_size()
+    if q.stride(-1) != 1 or rows.stride(-1) != 1 or rows.dtype != q.dtype or key_at + d > entry_width or \
+            base + entry_width > rows.shape[-1]:  # fmt: skip
+        raise ValueError(f"queries {tuple(q.shape)} {q.dtype} against pages {tuple(rows.shape)} {rows.dtype} at "
+                         f"column {key_at} of {entry_width}-wide rows after {base}: same dtype, last dims "
+                         "contiguous, the key inside the row")  # fmt: skip
     if weights.shape != (tokens, heads) or weights.dtype != torch.float32 or weights.stride(-1) != 1:
         raise ValueError(f"weights {tuple(weights.shape)} {weights.dtype}: expected ({tokens}, {heads}) float32, "
                          "last dim contiguous")  # fmt: skip
@@ -193,6 +199,7 @@ def compressed_indexer_scores(
         q.stride(0), q.stride(1), weights.stride(0), rows.stride(0), 0, block_tables.stride(0), out.stride(0),
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_N=SCORE_BLOCK_N, PAGE=block_size, FP8=False,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, RATE=rate, KEY_AT=key_at,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, RATE=rate, KEY_AT=base + key_at,
+        ENTRY_WIDTH=entry_width,
     )  # fmt: skip
     return out

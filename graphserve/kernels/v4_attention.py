@@ -2,8 +2,9 @@
 
 Each row (a decode token or a row of an extend chunk) attends, in the absorbed form the layer computes (every head's
 query against the one shared 512-wide K=V latent), over a virtual key list: its window, ``window`` latents of
-positions ``p - window + 1 .. p`` from the latent cache, then its compressed entries from the layer's row cache
-(kernels/v4_reference.py): every visible one (HCA), or the ``K`` the indexer chose (CSA, ``idx [T, K]``, -1 none).
+positions ``p - window + 1 .. p`` from the latent cache, then its compressed entries from the layer's compact pages
+(kernels/v4_reference.py: one entry row per group): every visible one (HCA), or the ``K`` the indexer
+chose (CSA, ``idx [T, K]``, -1 none).
 A key's address is computed per lane, from one of the two caches, so one tile may hold both kinds.
 
 A program owns one row x ``BLOCK_H`` heads x one split of that row's list. The row's length is read on the device
@@ -31,7 +32,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _keys(lat_ptr, rows_ptr, bt_row, idx_row, pos, visible, v, end, stride_lat, stride_row, offs_d, d_mask,
           WINDOW: tl.constexpr, RATE: tl.constexpr, ENTRY_AT: tl.constexpr, HAS_IDX: tl.constexpr,
-          PAGE: tl.constexpr):  # fmt: skip
+          PAGE: tl.constexpr, ENTRY_BASE: tl.constexpr, ENTRY_WIDTH: tl.constexpr):  # fmt: skip
     """(keys ``[BLOCK_N, BLOCK_D]``, which exist) of the virtual keys ``v``: window latents, then entries."""
     in_list = v < end
     is_win = v < WINDOW
@@ -48,12 +49,14 @@ def _keys(lat_ptr, rows_ptr, bt_row, idx_row, pos, visible, v, end, stride_lat, 
         tok = win_pos
         ok = ok_win
     tok = tl.where(ok, tok, 0)
-    slot = tl.load(bt_row + tok // PAGE, mask=ok, other=0).to(tl.int64) * PAGE + tok % PAGE
+    block = tl.load(bt_row + tok // PAGE, mask=ok, other=0).to(tl.int64)
+    slot = block * PAGE + tok % PAGE
     mask = d_mask[None, :]
     k = tl.load(lat_ptr + slot[:, None] * stride_lat + offs_d[None, :], mask=ok_win[:, None] & mask, other=0.0)
     if RATE > 0:
-        k += tl.load(rows_ptr + slot[:, None] * stride_row + ENTRY_AT + offs_d[None, :], mask=ok_ent[:, None] & mask,
-                     other=0.0)  # fmt: skip
+        # the entry row of the group's last token in its block's page (kernels/v4_reference.entry_index)
+        ent = block * stride_row + ENTRY_BASE + ((tok % PAGE) // RATE) * ENTRY_WIDTH + ENTRY_AT
+        k += tl.load(rows_ptr + ent[:, None] + offs_d[None, :], mask=ok_ent[:, None] & mask, other=0.0)
     return k, ok
 
 
@@ -79,7 +82,7 @@ def _v4_attention_kernel(
     stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
     WINDOW: tl.constexpr, RATE: tl.constexpr, ENTRY_AT: tl.constexpr, HAS_IDX: tl.constexpr, DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr, ENTRY_BASE: tl.constexpr, ENTRY_WIDTH: tl.constexpr,
 ):  # fmt: skip
     n_hblocks = tl.cdiv(num_heads, BLOCK_H)
     tok = (tl.program_id(0) // n_hblocks).to(tl.int64)
@@ -118,13 +121,15 @@ def _v4_attention_kernel(
         n0 = start
         while n0 < end:
             k, ok = _keys(lat_ptr, rows_ptr, bt_row, idx_row, pos, visible, n0 + tl.arange(0, BLOCK_N), end,
-                          stride_lat, stride_row, offs_d, d_mask, WINDOW, RATE, ENTRY_AT, HAS_IDX, PAGE)
+                          stride_lat, stride_row, offs_d, d_mask, WINDOW, RATE, ENTRY_AT, HAS_IDX, PAGE, ENTRY_BASE,
+                          ENTRY_WIDTH)
             m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale_log2, DOT_PRECISION)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
             k, ok = _keys(lat_ptr, rows_ptr, bt_row, idx_row, pos, visible, n0 + tl.arange(0, BLOCK_N), end,
-                          stride_lat, stride_row, offs_d, d_mask, WINDOW, RATE, ENTRY_AT, HAS_IDX, PAGE)
+                          stride_lat, stride_row, offs_d, d_mask, WINDOW, RATE, ENTRY_AT, HAS_IDX, PAGE, ENTRY_BASE,
+                          ENTRY_WIDTH)
             m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
     inv_l = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
@@ -156,19 +161,22 @@ def key_count(window: int, rate: int, max_len: int, num_idx: int | None) -> int:
 def v4_attention(
     q: torch.Tensor, latents: torch.Tensor, rows: torch.Tensor | None, entry_at: int, block_tables: torch.Tensor,
     row_seq: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, scale: float, window: int, rate: int,
-    block_size: int, idx: torch.Tensor | None = None, *, out: torch.Tensor | None = None, tile: MLATile | None = None,
-    num_splits: int | None = None,
+    block_size: int, idx: torch.Tensor | None = None, state_floats: int = 0, entry_width: int = 0, *,
+    out: torch.Tensor | None = None, tile: MLATile | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """kernels/v4_reference.v4_attention: ``[T, H, D]`` (fp32, or ``out``'s dtype); ``latents [slots, D]``, ``rows [slots, width]``
-    (None with ``rate`` 0: a sliding-only layer), ``idx [T, K]`` int32 for CSA. ``tile`` and ``num_splits``
-    override the defaults (tests, the benchmark)."""
+    """kernels/v4_reference.v4_attention: ``[T, H, D]`` (fp32, or ``out``'s dtype); ``latents [slots, D]``, ``rows``
+    the compact pages ``[num_blocks, page]`` (None with ``rate`` 0: a sliding-only layer; entries of
+    ``entry_width`` after ``state_floats`` of checkpoint), ``idx [T, K]`` int32 for CSA. ``tile`` and
+    ``num_splits`` override the defaults (tests, the benchmark)."""
     tokens, heads, d = q.shape
     if latents.shape[-1] != d or latents.stride(-1) != 1 or q.stride(-1) != 1 or latents.dtype != q.dtype:
         raise ValueError(f"queries {tuple(q.shape)} {q.dtype} against latents {tuple(latents.shape)} "
                          f"{latents.dtype}: same dtype and head dim, last dims contiguous")  # fmt: skip
-    if rate > 0 and (rows is None or rows.stride(-1) != 1 or rows.dtype != q.dtype or entry_at + d > rows.shape[-1]):
-        raise ValueError(f"rate {rate} needs the row cache in {q.dtype}, last dim contiguous, with the entry at "
-                         f"columns [{entry_at}, {entry_at + d})")  # fmt: skip
+    entry_base = state_floats * 4 // q.dtype.itemsize
+    if rate > 0 and (rows is None or rows.stride(-1) != 1 or rows.dtype != q.dtype or entry_at + d > entry_width
+                     or entry_base + entry_width > rows.shape[-1]):  # fmt: skip
+        raise ValueError(f"rate {rate} needs the pages in {q.dtype}, last dim contiguous, with the entry at columns "
+                         f"[{entry_at}, {entry_at + d}) of {entry_width}-wide rows after {entry_base}")  # fmt: skip
     if idx is not None and (idx.dtype != torch.int32 or idx.shape[0] != tokens or idx.stride(-1) != 1 or rate == 0):
         raise ValueError(f"idx {tuple(idx.shape)} {idx.dtype}: ({tokens}, K) int32 of a compressed layer")
     if sinks.dtype != torch.float32 or tuple(sinks.shape) != (heads,) or not sinks.is_contiguous():
@@ -202,7 +210,7 @@ def v4_attention(
         WINDOW=window, RATE=rate, ENTRY_AT=entry_at, HAS_IDX=idx is not None, DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), PAGE=block_size, BLOCK_N=tile.block_n, BLOCK_H=tile.block_h,
         DIRECT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=interpreting(),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        ENTRY_BASE=entry_base if rate else 0, ENTRY_WIDTH=entry_width, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if not direct:
         _decode_merge_kernel[(tokens, heads)](

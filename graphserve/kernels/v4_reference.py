@@ -8,11 +8,20 @@ entry ``w`` pools the ``Ca`` halves of group ``w - 1`` with the ``Cb`` halves of
 no ``Ca`` side), and its lightning indexer pools its own keys the same way at ``index_head_dim``. This is
 transformers' ``DeepseekV4CSACompressor`` / ``DeepseekV4HCACompressor`` / ``DeepseekV4Indexer``.
 
-Cache: one row cache per compressed layer, ``[num_blocks, block_size, state + entry]`` by the block tables like
-every other cache: a token's row holds its compressor state (its kv and gate projections, from which the group it
-closes is pooled), and the row of the token that closes group ``w`` (position ``(w + 1) * m - 1``) holds entry
-``w`` (and in CSA its indexer key). An entry is written in the step its group completes, the partial group staying
-as state until then, so chunked prefill, decode, the prefix cache and preemption see one function of the tokens.
+Cache: one compact page per block and compressed layer (layers/kv_layout.CompactCache), by the block tables like
+every other cache. A page starts with the layer's compressor checkpoint: fp32 online-softmax accumulators (per
+channel the log-sum-exp of the gate logits folded so far and their softmax-weighted kv, two floats a channel) of
+the groups still open after the last token written into the
+block; then its entry rows, one per ``m`` tokens of the block (one where a block holds fewer): entry ``w`` (and in
+CSA its indexer key) sits in the block holding its group's last token ``(w + 1) * m - 1``, at row ``(that token %
+block_size) // m``. Open accumulators: HCA's group ``g`` (``cur``); CSA's ``cur`` (entry ``g``: the ``Ca`` halves of
+group ``g - 1`` and the ``Cb`` halves of group ``g`` so far) and ``next`` (entry ``g + 1``: the ``Ca`` halves of group
+``g`` so far). A step folds its own tokens' projections (never stored) into the checkpoint of the block holding the
+position before its first one, writes the entry of each group one of its tokens closes, and a checkpoint where a
+block ends and at its last token. So the state of a sequence is its blocks' checkpoints (a few KB each) rather than
+every token's projections, and a block, once full, holds the state at its end: the prefix cache shares it with the
+block, and chunked prefill, decode and preemption see one function of the tokens. An entry is written in the step
+its group completes, the partial group staying in the checkpoint until then.
 
 Attention. A query at position ``p`` attends, with its head's sink logit in the denominator, over the latents of
 positions ``p - window + 1 .. p`` and the entries of the groups it has seen (``(p + 1) // m`` of them): every one
@@ -67,60 +76,148 @@ def token_slots(block_tables: torch.Tensor, rows: torch.Tensor, positions: torch
 
 
 class CompressorBranch:
-    """Where one series (the attention's, or CSA's indexer's) sits in a compressed layer's rows, and how its groups
-    pool: its state at ``[state_at, state_at + 2w)`` of a token's row (kv then gate, ``w`` wide each), its entry
-    at ``[entry_at, entry_at + d)``."""
+    """One series (the attention's, or CSA's indexer's) of a compressed layer: its ``kv`` and ``gate`` projections
+    are ``width`` wide (``series * dim``), its entry sits at ``[entry_at, entry_at + dim)`` of an entry row, its
+    accumulators (``cur``, and ``next`` with overlap; each ``[log-sum-exp, weighted mean]`` of ``dim``) at ``ckpt_at``
+    of the page's fp32 checkpoint."""
 
-    def __init__(self, state_at: int, width: int, entry_at: int, dim: int, overlap: bool) -> None:
-        self.state_at, self.width, self.entry_at, self.dim, self.overlap = state_at, width, entry_at, dim, overlap
+    def __init__(self, width: int, dim: int, overlap: bool, entry_at: int, ckpt_at: int) -> None:
+        self.width, self.dim, self.overlap, self.entry_at, self.ckpt_at = width, dim, overlap, entry_at, ckpt_at
 
-    def write_state(self, rows: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor) -> None:
-        rows[slots, self.state_at:self.state_at + 2 * self.width] = torch.cat([kv, gate], dim=-1).to(rows.dtype)
-
-    def close_groups(self, rows: torch.Tensor, group_slots: torch.Tensor, prev_slots: torch.Tensor,
-                     has_prev: torch.Tensor, out_slots: torch.Tensor, bias: torch.Tensor, norm_weight: torch.Tensor,
-                     eps: float, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:  # fmt: skip
-        """Pool the groups whose tokens sit at ``group_slots [N, m]`` (previous group's at ``prev_slots``) and
-        write each entry into the row at ``out_slots [N]``."""
-        w, at = self.width, self.state_at
-
-        def read(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            state = rows[slots, at:at + 2 * w].float()
-            return state[..., :w], state[..., w:] + bias.float()
-
-        kv, gate = read(group_slots)
-        prev_kv = prev_gate = None
-        if self.overlap:
-            prev_kv, prev_gate = read(prev_slots)
-        entry = pool_groups(kv, gate, prev_kv, prev_gate, has_prev, norm_weight, eps, positions, inv_freq)
-        rows[out_slots, self.entry_at:self.entry_at + self.dim] = entry.to(rows.dtype)
-
-    def entries(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return rows[slots, self.entry_at:self.entry_at + self.dim]
+    @property
+    def ckpt_floats(self) -> int:
+        return (2 if self.overlap else 1) * 2 * self.dim
 
 
-def compress_groups(rows: torch.Tensor, branch: CompressorBranch, block_tables: torch.Tensor, row_seq: torch.Tensor,
-                    positions: torch.Tensor, slot_mapping: torch.Tensor, rate: int, bias: torch.Tensor,
-                    norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, block_size: int) -> None:  # fmt: skip
-    """Pool every group a row of the step closes (``(position + 1) % rate == 0``) from the state already in
-    ``rows [slots, width]`` and write its entry into the closing token's row (``slot_mapping``)."""
-    closing = ((positions + 1) % rate == 0).nonzero().flatten()
-    if closing.numel() == 0:
+def checkpoints(pages: torch.Tensor, state_floats: int) -> torch.Tensor:
+    """``[num_blocks, state_floats]`` fp32: the checkpoint at the head of each page ``pages [num_blocks, page]``."""
+    return pages.view(torch.float32)[:, :state_floats]
+
+
+def entry_rows(pages: torch.Tensor, state_floats: int, entry_width: int) -> torch.Tensor:
+    """``[num_blocks, rows, entry_width]``: the entry rows after each page's checkpoint."""
+    head = state_floats * 4 // pages.dtype.itemsize
+    return pages[:, head:].unflatten(1, (-1, entry_width))
+
+
+def entry_index(block_tables: torch.Tensor, seqs: torch.Tensor, n: torch.Tensor, rate: int, block_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(block, row) of entries ``n [N, K]`` (clamped at 0) of the sequences ``seqs [N]``: the block holding the
+    group's last token, at row ``(token % block_size) // rate`` (0 where a block holds fewer than ``rate``)."""
+    tok = n.long().clamp(min=0) * rate + rate - 1
+    return block_tables[seqs.long()[:, None], tok // block_size].long(), (tok % block_size) // rate
+
+
+def step_starts(positions: torch.Tensor, query_start_loc: torch.Tensor, row_seq: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(each row's sequence's first position in the step, whether the row is its sequence's last, whether it is a
+    real row): padding rows past ``query_start_loc[-1]`` are no sequence's."""
+    t = positions.shape[0]
+    rows = torch.arange(t, device=positions.device)
+    seq = row_seq.long()
+    first = query_start_loc.long()[seq]
+    real = rows < query_start_loc[-1].long()
+    return positions.long() - (rows - first), real & (rows + 1 == query_start_loc.long()[seq + 1]), real
+
+
+def start_checkpoints(ckpt: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
+                      query_start_loc: torch.Tensor, block_size: int) -> torch.Tensor:  # fmt: skip
+    """``[B, state_floats]`` fp32: each sequence's checkpoint before the step (the page of the block holding the
+    position before its first new token). Gathered before the step writes any, so no row reads a checkpoint another
+    row of the step is writing. Garbage where the step starts at position 0 (no row reads it then)."""
+    b = query_start_loc.shape[0] - 1
+    first = query_start_loc[:-1].long().clamp(max=max(positions.shape[0] - 1, 0))
+    prev = (positions.long()[first] - 1).clamp(min=0) if positions.shape[0] else first
+    blocks = block_tables[torch.arange(b, device=block_tables.device), prev // block_size].long()
+    return ckpt[blocks]
+
+
+def _fold(m: torch.Tensor, total: torch.Tensor, a: torch.Tensor, logits: torch.Tensor, values: torch.Tensor,
+          ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Online softmax over tokens, per channel: the accumulators ``[N, d]`` after the tokens ``[N, K, d]`` where
+    ``ok [N, K]``."""
+    logits = logits.masked_fill(~ok[..., None], float("-inf"))
+    new = torch.maximum(m, logits.amax(dim=1))
+    safe = torch.where(new == float("-inf"), torch.zeros_like(new), new)
+    alpha, p = torch.exp(m - safe), torch.exp(logits - safe[:, None])
+    return new, total * alpha + p.sum(dim=1), a * alpha + (p * torch.where(ok[..., None], values, 0.0)).sum(dim=1)
+
+
+def _stored(m: torch.Tensor, total: torch.Tensor, a: torch.Tensor) -> list[torch.Tensor]:
+    """An accumulator as the checkpoint keeps it: (log-sum-exp, weighted mean), (-inf, 0) where empty."""
+    some = total > 0
+    return [m + torch.log(torch.where(some, total, 1.0)).masked_fill(~some, float("-inf")),
+            torch.where(some, a / torch.where(some, total, 1.0), 0.0)]
+
+
+def compress_groups(pages: torch.Tensor, branch: CompressorBranch, kv: torch.Tensor, gate: torch.Tensor,
+                    init: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor,
+                    query_start_loc: torch.Tensor, rate: int, bias: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, inv_freq: torch.Tensor, block_size: int, state_floats: int,
+                    entry_width: int) -> None:  # fmt: skip
+    """Fold the step's projections ``kv, gate [T, width]`` into the open groups, from ``init`` (start_checkpoints),
+    write the entry of every group a row closes (``(position + 1) % rate == 0``) and the checkpoint of every block
+    a row ends, or the sequence's step does."""
+    p = positions.long()
+    s0, last, real = step_starts(positions, query_start_loc, row_seq)
+    closes = real & ((p + 1) % rate == 0)
+    writes = last | (real & (p % block_size == block_size - 1))
+    act = (closes | writes).nonzero().flatten()
+    if act.numel() == 0:
         return
-    first = positions[closing].long() + 1 - rate  # each closed group's first position
-    seq = row_seq[closing].long()
-    span = torch.arange(rate, device=rows.device)
-    group = token_slots(block_tables, seq, first[:, None] + span, block_size)
-    prev = token_slots(block_tables, seq, first[:, None] - rate + span, block_size)
-    branch.close_groups(rows, group, prev, first > 0, slot_mapping[closing], bias, norm_weight, eps, first, inv_freq)
+    p, s0, seq = p[act], s0[act], row_seq.long()[act]
+    d, ckpt_at = branch.dim, branch.ckpt_at
+    g, big_g, has = p // rate, torch.div(s0 - 1, rate, rounding_mode="floor"), s0 > 0
+    span = torch.arange(rate, device=p.device)
+    ckpt_in = init.float()[seq]
+
+    def acc(at: int, use: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(max, sum, weighted sum) from a stored (log-sum-exp, weighted mean): max = lse, sum = 1 (0 if empty)."""
+        lse, mean = ckpt_in[:, at:at + d], ckpt_in[:, at + d:at + 2 * d]
+        use = (use & has)[:, None] & (lse > float("-inf"))
+        return (torch.where(use, lse, float("-inf")), use.float().expand_as(lse), torch.where(use, mean, 0.0))
+
+    def tokens(group: torch.Tensor, col: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits, values, which count) of group ``group``'s tokens from ``s0`` to ``p``, columns from ``col``."""
+        q = group[:, None] * rate + span
+        ok = (q >= s0[:, None]) & (q <= p[:, None]) & (q >= 0)
+        rows = (act[:, None] - (p[:, None] - q)).clamp(0, kv.shape[0] - 1)
+        logits = gate[rows, col:col + d].float() + bias[:, col:col + d].float()
+        return logits, kv[rows, col:col + d].float(), ok
+
+    own = d if branch.overlap else 0
+    if branch.overlap:
+        cur = acc(ckpt_at, g == big_g)
+        nxt = acc(ckpt_at + 2 * d, g == big_g + 1)
+        cur = tuple(torch.where((g == big_g)[:, None], x, y) for x, y in zip(cur, nxt))
+        cur = _fold(*cur, *tokens(g - 1, 0))
+        nxt = _fold(*acc(ckpt_at + 2 * d, g == big_g), *tokens(g, 0))
+    else:
+        cur = acc(ckpt_at, g == big_g)
+    cur = _fold(*cur, *tokens(g, own))
+    done = closes[act]
+    if bool(done.any()):
+        _, total, a = (x[done] for x in cur)
+        first = (g[done] * rate).long()
+        entry = rope_trailing(rms_normed(a / total, norm_weight, eps), first, inv_freq)
+        tok = p[done]
+        block = block_tables[seq[done], tok // block_size].long()
+        rows = entry_rows(pages, state_floats, entry_width)
+        rows[block, (tok % block_size) // rate, branch.entry_at:branch.entry_at + d] = entry.to(pages.dtype)
+    put = writes[act]
+    if bool(put.any()):
+        state = torch.cat(_stored(*cur) + (_stored(*nxt) if branch.overlap else []), dim=-1)[put]
+        tok = p[put]
+        block = block_tables[seq[put], tok // block_size].long()
+        ckpt = checkpoints(pages, state_floats)
+        ckpt[block, ckpt_at:ckpt_at + branch.ckpt_floats] = state
 
 
-def entry_slots(block_tables: torch.Tensor, row_seq: torch.Tensor, rate: int, n: int, block_size: int
-                ) -> torch.Tensor:  # fmt: skip
-    """``[T, n]`` slots of entries ``0..n-1`` of each row's sequence: entry ``w`` sits in the row of the token that
-    closed its group, position ``(w + 1) * rate - 1``."""
-    ent_pos = (torch.arange(n, device=row_seq.device) + 1) * rate - 1
-    return token_slots(block_tables, row_seq.long(), ent_pos.expand(len(row_seq), -1), block_size)
+def entries(pages: torch.Tensor, block_tables: torch.Tensor, seqs: torch.Tensor, n: torch.Tensor, rate: int,
+            block_size: int, state_floats: int, entry_width: int, at: int, dim: int) -> torch.Tensor:  # fmt: skip
+    """fp32 ``[N, K, dim]``: columns ``[at, at + dim)`` of entries ``n [N, K]`` (clamped at 0) of ``seqs [N]``."""
+    block, row = entry_index(block_tables, seqs, n, rate, block_size)
+    return entry_rows(pages, state_floats, entry_width)[block, row, at:at + dim].float()
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -152,26 +249,27 @@ def attend(q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, sinks: torch
     return torch.einsum("thk,tkd->thd", probs, keys)
 
 
-def v4_attention(q: torch.Tensor, latents: torch.Tensor, rows: torch.Tensor | None, entry_at: int,
+def v4_attention(q: torch.Tensor, latents: torch.Tensor, pages: torch.Tensor | None, entry_at: int,
                  block_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor,
-                 scale: float, window: int, rate: int, block_size: int, idx: torch.Tensor | None = None
-                 ) -> torch.Tensor:  # fmt: skip
+                 scale: float, window: int, rate: int, block_size: int, idx: torch.Tensor | None = None,
+                 state_floats: int = 0, entry_width: int = 0) -> torch.Tensor:  # fmt: skip
     """fp32 ``[T, H, D]``: each row's window over ``latents [slots, D]`` and, with ``rate`` > 0, the compressed
-    entries of ``rows [slots, width]`` (at column ``entry_at``): every visible one, or the entry indices ``idx
-    [T, K]`` chose (-1: none). Reads the largest visible count back to the host: a reference, not a graph path."""
+    entries of the compact ``pages`` (column ``entry_at`` of ``entry_width``-wide rows after ``state_floats`` of
+    checkpoint): every visible one, or the entry indices ``idx [T, K]`` chose (-1: none). Reads the largest visible
+    count back to the host: a reference, not a graph path."""
     keys, seen = window_keys(latents, block_tables, row_seq, positions, window, block_size)
-    if rows is not None and rate > 0:
+    if pages is not None and rate > 0:
         visible = (positions.long() + 1) // rate
         n = int(visible.max()) if idx is None else 0
         if idx is not None:
             picked = idx.long()
             ent_seen = (picked >= 0) & (picked < visible[:, None])
-            ent_slots = token_slots(block_tables, row_seq.long(), (picked.clamp(min=0) + 1) * rate - 1, block_size)
         elif n > 0:
-            ent_slots = entry_slots(block_tables, row_seq, rate, n, block_size)
-            ent_seen = torch.arange(n, device=q.device)[None, :] < visible[:, None]
+            picked = torch.arange(n, device=q.device).expand(q.shape[0], -1)
+            ent_seen = picked < visible[:, None]
         if idx is not None or n > 0:
             d = latents.shape[-1]
-            entries = rows[ent_slots, entry_at:entry_at + d].float()
-            keys, seen = torch.cat([keys, entries], dim=1), torch.cat([seen, ent_seen], dim=1)
+            ents = entries(pages, block_tables, row_seq, picked, rate, block_size, state_floats, entry_width, entry_at,
+                           d)  # fmt: skip
+            keys, seen = torch.cat([keys, ents], dim=1), torch.cat([seen, ent_seen], dim=1)
     return attend(q, keys, seen, sinks, scale)

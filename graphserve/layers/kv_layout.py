@@ -30,10 +30,14 @@ already carries that one list (``ForwardBatch.kv_caches``), and a model finds it
 for a 128-dim key instead of 256 (kernels/dsa_reference.py writes and reads it). A per-token scale rather than
 the latent's fixed 1.0, since the keys are LayerNorm outputs whose range the indexer's ranking depends on.
 
-Compressed attention (DeepSeek-V4) adds ``row_caches``: one ``[num_blocks, block_size, width]`` cache per entry of
-``row_widths``, in ``row_dtype`` (the model's, whatever ``--kv-cache-dtype`` says), after the indexer caches in
-``allocate``'s list. Each row is a token's part of a per-layer state the family defines (models/deepseek_v4.py);
-``row_parts`` names each part and its bytes per token, for the memory plan's table.
+Compressed attention (DeepSeek-V4) adds one compact page cache per entry of ``compact``: ``[num_blocks, page]``
+in ``row_dtype`` (the model's, whatever ``--kv-cache-dtype`` says), after the indexer caches in ``allocate``'s
+list. A block's page holds, first, the layer's compressor checkpoint (``state_bytes`` of fp32 accumulators, the
+state after the last token written into the block) and then ``max(1, block_size // rate)`` compressed entries of
+``entry_width`` (models/deepseek_v4.py, kernels/v4_reference.py): one entry per ``rate`` tokens and one checkpoint
+per block, where a row per token (the state of every token, an entry column in every row) cost ~30 KB a token.
+A page's size depends on the block size, so ``bytes_per_token`` counts the pages at ``block_size`` (the engine's
+``--block-size``, set by ``with_block_size``), rounded up to whole bytes.
 
 ``dtype`` is the model's (``--kv-cache-dtype auto``) or float8_e4m3fn (``fp8_e4m3``), for either kind:
 half the bytes per token, so twice the tokens in the same pool and half the KV reads per decode step.
@@ -57,6 +61,28 @@ import torch
 KVKind = Literal["kv", "latent"]
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # --kv-cache-dtype (besides "auto": the model dtype)
 INDEX_SCALE_BYTES = 4  # the FP8 index key form's per-token fp32 scale
+
+
+@dataclass(frozen=True)
+class CompactCache:
+    """One compressed layer's page: a ``state_bytes`` checkpoint, then one ``entry_width`` row per ``rate`` tokens of
+    the block (one row where a block holds fewer than ``rate`` tokens: the block holding a group's last token)."""
+
+    rate: int
+    entry_width: int  # elements (row dtype) of one compressed entry
+    state_bytes: int  # the block's compressor checkpoint, fp32 accumulators
+
+    def entries_per_block(self, block_size: int) -> int:
+        return max(1, block_size // self.rate)
+
+    def page_width(self, block_size: int, itemsize: int) -> int:
+        """Elements (row dtype) of one block's page."""
+        return self.state_bytes // itemsize + self.entries_per_block(block_size) * self.entry_width
+
+
+def with_block_size(layout: KVLayout, block_size: int) -> KVLayout:
+    """``layout`` counted at ``--block-size`` (only compact pages depend on it)."""
+    return dataclasses.replace(layout, block_size=block_size) if layout.compact else layout
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -84,9 +110,9 @@ class KVLayout:
     index_layers: int = 0  # layers with an indexer key cache (sparse attention), 0 for none
     index_head_dim: int = 0
     index_dtype: torch.dtype | None = None  # the model's, or uint8 for the FP8 form; None without indexer
-    row_widths: tuple[int, ...] = ()  # elements per token of each row cache (compressed attention), none for most
+    compact: tuple[CompactCache, ...] = ()  # one page cache per compressed layer (compressed attention)
     row_dtype: torch.dtype | None = None
-    row_parts: tuple[tuple[str, int], ...] = ()  # (name, bytes per token) of the row caches, by part
+    block_size: int = 16  # what compact pages are counted at (with_block_size)
 
     def __post_init__(self) -> None:
         if self.kind not in ("kv", "latent"):
@@ -142,17 +168,32 @@ class KVLayout:
         """Every layer's cache for one token, indexer keys included: what the KV pool is sized by."""
         return self.num_layers * self.bytes_per_token_per_layer + self.index_bytes_per_token + self.row_bytes_per_token
 
+    def _per_token(self, page_bytes: int) -> int:
+        return -(-page_bytes // self.block_size)
+
     @property
     def row_bytes_per_token(self) -> int:
-        return sum(self.row_widths) * self.row_dtype.itemsize if self.row_widths else 0
+        """The compact pages' bytes per token at ``block_size``, rounded up."""
+        if not self.compact:
+            return 0
+        b = self.row_dtype.itemsize
+        return self._per_token(sum(c.page_width(self.block_size, b) for c in self.compact) * b)
+
+    def row_parts(self) -> tuple[tuple[str, int], ...]:
+        if not self.compact:
+            return ()
+        b, bs = self.row_dtype.itemsize, self.block_size
+        return (("compressor state", self._per_token(sum(c.state_bytes for c in self.compact))),
+                ("compressed entries", self._per_token(sum(c.entries_per_block(bs) * c.entry_width
+                                                           for c in self.compact) * b)))  # fmt: skip
 
     def parts(self) -> tuple[tuple[str, int], ...]:
         """A token's bytes by cache, where there is more than one (the memory plan's table names them)."""
-        if not self.index_layers and not self.row_widths:
+        if not self.index_layers and not self.compact:
             return ()
         main = (("latent" if self.kind == "latent" else "K/V", self.num_layers * self.bytes_per_token_per_layer),)
         index = (("indexer keys", self.index_bytes_per_token),) if self.index_layers else ()
-        return main + index + self.row_parts
+        return main + index + self.row_parts()
 
     def layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         if self.kind == "kv":
@@ -165,7 +206,8 @@ class KVLayout:
         (benchmarks: never time on zeros)."""
         parts = [(self.layer_shape(num_blocks, block_size), self.dtype)] * self.num_layers
         parts += [((num_blocks, block_size, self.index_row_width), self.index_dtype)] * self.index_layers
-        parts += [((num_blocks, block_size, w), self.row_dtype) for w in self.row_widths]
+        b = self.row_dtype.itemsize if self.compact else 1
+        parts += [((num_blocks, c.page_width(block_size, b)), self.row_dtype) for c in self.compact]
         if fill != "random":
             return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in parts]
         caches = []
@@ -178,4 +220,8 @@ class KVLayout:
             else:
                 caches.append(torch.randn(shape, dtype=dtype if dtype.itemsize > 1 else torch.bfloat16,
                                           device=device).mul_(0.5).to(dtype))
+        for c, page in zip(self.compact, caches[len(caches) - len(self.compact):]):
+            # random bits are no fp32 accumulator (NaN, inf): zeros are a finite one (a zero-valued token at logit 0),
+            # all a benchmark's first step reads
+            page[:, :c.state_bytes // b].zero_()
         return caches

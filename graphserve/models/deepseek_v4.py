@@ -9,8 +9,9 @@
   shared expert; experts and shared expert clamp gate and up at ``swiglu_limit`` (FusedMoE ``silu_clamp``).
 
 Cache (layers/kv_layout.py): per layer a latent per token (the window reads the last ``sliding_window``), and per
-compressed layer one row cache holding each token's compressor state and, at the token closing a group, the group's
-compressed entry and (CSA) indexer key (kernels/v4_reference.py). The MTP layers (``num_nextn_predict_layers``,
+compressed layer one compact page a block (layers/kv_layout.CompactCache): the compressor checkpoint (fp32
+accumulators of the open groups) and one row per ``rate`` tokens holding the group's compressed entry and (CSA)
+indexer key (kernels/v4_reference.py). The MTP layers (``num_nextn_predict_layers``,
 models/deepseek_v4_mtp.py) are loaded and kept, counted in the description apart from what a step reads: nothing runs
 them until speculative decoding exists, and start-up says so. Checkpoints load in DeepSeek's own names or
 transformers' (models/deepseek_v4_names.py).
@@ -46,7 +47,7 @@ from graphserve.distributed.state import get_parallel, split_evenly
 from graphserve.errors import ModelLoadError
 from graphserve.layers.embedding import VocabEmbedding
 from graphserve.layers.hyper_connection import HyperConnection, HyperHead
-from graphserve.layers.kv_layout import KVLayout
+from graphserve.layers.kv_layout import CompactCache, KVLayout
 from graphserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from graphserve.layers.moe import FusedMoE, Router, expert_split
 from graphserve.layers.norm import RMSNorm
@@ -185,7 +186,7 @@ class V4Model(nn.Module):
         self.hc = s.hc_mult
         ps = get_parallel()
         self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, ps.tp_rank, ps.tp_size)
-        # compressed layers' row caches follow the latents in the pool's list (KVLayout.row_widths)
+        # compressed layers' compact pages follow the latents in the pool's list (KVLayout.compact)
         rows = {layer: s.num_layers + i for i, layer in enumerate(s.compressed_layers)}
         self.layers = nn.ModuleList(V4DecoderLayer(s, i, rows.get(i)) for i in range(s.num_layers))
         self.hc_head = HyperHead(s.hc_mult, s.hidden_size, s.hc_eps, s.rms_norm_eps)
@@ -317,11 +318,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         kept += h  # the final norm
         float32 += hc * hc * h + hc + 1  # the hyper-connection head
         b = dtype.itemsize
-        states = tuple(s.state_width(i) + s.entry_width(i) for i in s.compressed_layers)
-        row_parts = (("compressor state", sum(s.state_width(i) for i in s.compressed_layers) * b),
-                     ("compressed entries", sum(s.entry_width(i) for i in s.compressed_layers) * b))
-        kv = KVLayout(kind="latent", num_layers=n, num_heads=1, head_dim=s.head_dim, dtype=dtype, row_widths=states,
-                      row_dtype=dtype, row_parts=row_parts)  # fmt: skip
+        compact = tuple(CompactCache(s.rate(i), s.entry_width(i), 4 * s.state_floats(i)) for i in s.compressed_layers)
+        kv = KVLayout(kind="latent", num_layers=n, num_heads=1, head_dim=s.head_dim, dtype=dtype, compact=compact,
+                      row_dtype=dtype)  # fmt: skip
         heads = s.num_heads // tp
         act = max(heads * s.head_dim * 2 + s.q_lora_rank, s.num_experts + s.top_k * 3 * inter + 2 * shared, hc * h * 2)
         common = dict(hidden_size=h, vocab_size=s.vocab_size, weight_bytes_per_param=b, expert_params=3 * h * inter,
@@ -392,16 +391,18 @@ def _layer_params(s: V4Shape, layers: range, prefix: str, tp: int, shared: int, 
 def decode_kv_read(s: V4Shape, itemsize: int, context: int) -> int:
     """The cache bytes one decode query at ``context`` tokens must read, summed over layers: its window's latents;
     HCA every compressed entry; CSA every indexer key and the ``index_topk`` entries chosen; a compressed layer also
-    the state of the group its token may close (a group's ``m`` rows, the previous group's in CSA)."""
-    total = 0
+    its compressor checkpoint (the fp32 accumulators of the open groups, one a block: the step's own projections
+    never leave the step)."""
+    total = state = 0
     for i, t in enumerate(s.layer_types):
         total += min(context, s.sliding_window) * s.head_dim
         m = s.rate(i)
         if not m:
             continue
         entries = context // m
+        state += 4 * s.state_floats(i)
         if t == CSA:
-            total += entries * s.index_head_dim + min(entries, s.index_topk) * s.head_dim + 2 * m * s.state_width(i)
+            total += entries * s.index_head_dim + min(entries, s.index_topk) * s.head_dim
         else:
-            total += entries * s.head_dim + m * s.state_width(i)
-    return total * itemsize
+            total += entries * s.head_dim
+    return total * itemsize + state

@@ -11,13 +11,14 @@ compressed ones with the "compress" rope.
 
 Two paths, chosen as layers/dsa_indexer.dsa_ops chooses: the Triton kernels exactly when the step's attention
 backend is the Triton one, else kernels/v4_reference.py. The kernel path reads nothing back to the host and has
-static shapes (the block tables' width bounds every list), so a decode step captures in a CUDA graph: the
-compressor state is written by index, kernels/v4_compress.py closes the groups on the device, CSA's indexer scores
+static shapes (the block tables' width bounds every list), so a decode step captures in a CUDA graph: each
+sequence's compressor checkpoint is gathered by index, kernels/v4_compress.py folds the step's projections into it,
+closes the groups and writes the blocks' checkpoints on the device, CSA's indexer scores
 every compressed key (kernels/dsa_indexer.compressed_indexer_scores) and keeps ``index_topk`` by kernels/dsa.py's
 top-k, and kernels/v4_attention.py attends over window + entries + sinks, split and merged. It serves decode and
 extend alike: each row gathers its own keys (a batched gather, one program per row and head block), so an extend
 chunk is the same launch with more rows. Padding rows of a graph batch sit at position 0 on the dummy block: they
-close no group and write only the dummy block's first slot.
+write only the dummy block's first latent slot, and, lying past the batch's last real row, no entry or checkpoint.
 It is built from the family's V4Shape (deepseek_v4_shape.py), so it sits beside the family rather than among
 the shared layers.
 """
@@ -114,11 +115,12 @@ class V4Attention(Float32Params):
             csa = self.layer_type == CSA
             d, di = s.head_dim, s.index_head_dim
             self.compressor = V4Compressor(s, layer, 2 * d if csa else d, d, overlap=csa)
-            state = s.state_width(layer)
-            self.branches = [CompressorBranch(0, self.compressor.width, state, d, csa)]
+            # the compact page's layout (layers/kv_layout.CompactCache): checkpoint, then entry rows [latent | key]
+            self.state_floats, self.entry_width = s.state_floats(layer), s.entry_width(layer)
+            self.branches = [CompressorBranch(self.compressor.width, d, csa, 0, 0)]
             if csa:
                 self.compressor.indexer = V4Indexer(s, layer)
-                self.branches.append(CompressorBranch(4 * d, 2 * di, state + d, di, True))
+                self.branches.append(CompressorBranch(2 * di, di, True, d, 4 * d))
 
     @torch.no_grad()
     def load_weight(self, param_name: str, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
@@ -163,18 +165,17 @@ class V4Attention(Float32Params):
         from graphserve.kernels.dsa_indexer import compressed_indexer_scores
 
         row_seq, _ = token_rows(batch.query_start_loc, batch.seq_lens, x.shape[0])
-        rows, rate, entry_at, idx = None, 0, 0, None
+        pages, rate, sf, ew, idx = None, 0, 0, 0, None
         if self.compressor is not None:
             c = self.compressor
-            rows = batch.kv_caches[self.cache_index].view(-1, batch.kv_caches[self.cache_index].shape[-1])
-            rate, entry_at = c.rate, self.branches[0].entry_at
+            pages, rate, sf, ew = batch.kv_caches[self.cache_index], c.rate, self.state_floats, self.entry_width
+            init = ref.start_checkpoints(ref.checkpoints(pages, sf), batch.block_tables, positions,
+                                         batch.query_start_loc, block_size)  # fmt: skip
             modules = [c] + ([c.indexer] if len(self.branches) > 1 else [])
             for branch, m in zip(self.branches, modules):
-                branch.write_state(rows, batch.slot_mapping, m.kv_proj(x), m.gate_proj(x))
-            for branch, m in zip(self.branches, modules):
-                v4_compress.compress_groups(rows, branch, batch.block_tables, row_seq, positions, batch.slot_mapping,
-                                            rate, m.position_bias, m.kv_norm.weight, self.eps, self.inv_freq,
-                                            block_size)  # fmt: skip
+                v4_compress.compress_groups(pages, branch, m.kv_proj(x), m.gate_proj(x), init, batch.block_tables,
+                                            row_seq, positions, batch.query_start_loc, rate, m.position_bias,
+                                            m.kv_norm.weight, self.eps, self.inv_freq, block_size, sf, ew)  # fmt: skip
             if len(self.branches) > 1:
                 ix = c.indexer
                 qi = rope_trailing(ix.q_b_proj(q_res).view(-1, ix.heads, ix.dim), positions, self.inv_freq)
@@ -185,16 +186,16 @@ class V4Attention(Float32Params):
                 parts = []
                 for lo in range(0, x.shape[0], INDEXER_ROWS):
                     part = slice(lo, lo + INDEXER_ROWS)
-                    scores = compressed_indexer_scores(qi[part], weights[part], rows, self.branches[1].entry_at, rate,
+                    scores = compressed_indexer_scores(qi[part], weights[part], pages, self.branches[1].entry_at, rate,
                                                        block_size, batch.block_tables, row_seq[part], last[part],
-                                                       keys)  # fmt: skip
+                                                       keys, state_floats=sf, entry_width=ew)  # fmt: skip
                     parts.append(dsa.topk_indices(scores, last[part], ix.topk))
                 idx = parts[0] if len(parts) == 1 else torch.cat(parts)
         # written in the model dtype, the rounding the reference applies before rotating back: a prefill chunk's
         # fp32 output would be twice the bytes (1 GiB at 8k rows) and one more pass
         out = torch.empty(q.shape, dtype=x.dtype, device=x.device)
-        return v4_attention.v4_attention(q.contiguous(), flat, rows, entry_at, batch.block_tables, row_seq, positions,
-                                         self.sinks, self.scale, self.window, rate, block_size, idx, out=out)
+        return v4_attention.v4_attention(q.contiguous(), flat, pages, 0, batch.block_tables, row_seq, positions,
+                                         self.sinks, self.scale, self.window, rate, block_size, idx, sf, ew, out=out)
 
     def _forward_reference(self, q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                            batch: ForwardBatch, flat: torch.Tensor, block_size: int) -> torch.Tensor:  # fmt: skip
@@ -204,7 +205,7 @@ class V4Attention(Float32Params):
                                           torch.diff(batch.query_start_loc.long()), output_size=t)  # fmt: skip
         rows = None
         if self.compressor is not None:
-            rows = batch.kv_caches[self.cache_index].view(-1, batch.kv_caches[self.cache_index].shape[-1])
+            rows = batch.kv_caches[self.cache_index]
             self._compress(x, positions, batch, row_seq, rows, block_size)
         out = torch.empty(t, self.heads, self.head_dim, dtype=torch.float32, device=x.device)
         width = self.window
@@ -220,14 +221,16 @@ class V4Attention(Float32Params):
 
     def _compress(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, row_seq: torch.Tensor,
                   rows: torch.Tensor, block_size: int) -> None:  # fmt: skip
-        """Write the new tokens' compressor state, then pool every group one of them completes."""
+        """Fold the new tokens into the sequences' compressor checkpoints: the entry of every group one of them
+        completes, the checkpoint of every block one ends or the step ends in."""
         c = self.compressor
+        init = ref.start_checkpoints(ref.checkpoints(rows, self.state_floats), batch.block_tables, positions,
+                                     batch.query_start_loc, block_size)  # fmt: skip
         modules = [c] + ([c.indexer] if len(self.branches) > 1 else [])
         for branch, m in zip(self.branches, modules):
-            branch.write_state(rows, batch.slot_mapping, m.kv_proj(x), m.gate_proj(x))
-        for branch, m in zip(self.branches, modules):
-            ref.compress_groups(rows, branch, batch.block_tables, row_seq, positions, batch.slot_mapping, c.rate,
-                                m.position_bias, m.kv_norm.weight, self.eps, self.inv_freq, block_size)
+            ref.compress_groups(rows, branch, m.kv_proj(x), m.gate_proj(x), init, batch.block_tables, row_seq,
+                                positions, batch.query_start_loc, c.rate, m.position_bias, m.kv_norm.weight, self.eps,
+                                self.inv_freq, block_size, self.state_floats, self.entry_width)  # fmt: skip
 
     def _attend(self, q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                 row_seq: torch.Tensor, batch: ForwardBatch, latents: torch.Tensor, rows: torch.Tensor | None,
@@ -239,14 +242,14 @@ class V4Attention(Float32Params):
             visible = (positions.long() + 1) // rate
             n = int(visible.max())
             if n > 0:
-                ent_slots = ref.entry_slots(batch.block_tables, row_seq, rate, n, block_size)
-                idx = self._select(q_res, x, positions, rows, ent_slots, visible)
-        entry_at = self.branches[0].entry_at if rows is not None else 0
-        return ref.v4_attention(q, latents, rows, entry_at, batch.block_tables, row_seq, positions, self.sinks,
-                                self.scale, self.window, rate, block_size, idx)
+                idx = self._select(q_res, x, positions, rows, batch.block_tables, row_seq, n, block_size, visible)
+        sf, ew = (self.state_floats, self.entry_width) if rows is not None else (0, 0)
+        return ref.v4_attention(q, latents, rows, 0, batch.block_tables, row_seq, positions, self.sinks,
+                                self.scale, self.window, rate, block_size, idx, sf, ew)
 
-    def _select(self, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                ent_slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def _select(self, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, pages: torch.Tensor,
+                block_tables: torch.Tensor, row_seq: torch.Tensor, n: int, block_size: int,
+                visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """The lightning indexer's choice ``[rows, k]`` (indices into the entries, -1 where fewer are visible):
         ``sum_h w_h * relu(q_h . key) / sqrt(index_head_dim)`` with ``w = weights_proj(x) / sqrt(index_n_heads)``,
         the top ``index_topk`` among the visible ones (kernels/dsa_reference.topk_indices)."""
@@ -254,11 +257,13 @@ class V4Attention(Float32Params):
         q = ix.q_b_proj(q_res).view(-1, ix.heads, ix.dim)
         q = rope_trailing(q, positions, self.inv_freq).float()
         weights = ix.scorer.weights_proj(x).float() * ix.heads**-0.5
-        n = ent_slots.shape[1]
         scores = torch.empty(q.shape[0], n, dtype=torch.float32, device=q.device)
         step = max(1, SCORE_ELEMENTS // (n * max(ix.heads, ix.dim)))  # rows whose keys and dots fit the bound
+        every = torch.arange(n, device=q.device)
         for lo in range(0, q.shape[0], step):
             part = slice(lo, lo + step)
-            keys = self.branches[1].entries(rows, ent_slots[part])
+            seqs = row_seq[part]
+            keys = ref.entries(pages, block_tables, seqs, every.expand(len(seqs), -1), self.compressor.rate,
+                               block_size, self.state_floats, self.entry_width, self.branches[1].entry_at, ix.dim)  # fmt: skip
             scores[part] = ref.indexer_scores(q[part], weights[part], keys, visible[part])
         return topk_indices(scores, visible - 1, min(ix.topk, n))

@@ -62,11 +62,12 @@ class V4Shape:
     def compressed_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t != SLIDING)
 
-    def state_width(self, layer: int) -> int:
-        """Elements one token leaves in the layer's compressor state: its kv and gate projections (two series of
-        ``head_dim`` each in CSA, one in HCA) and in CSA the indexer's (two of ``index_head_dim``)."""
+    def state_floats(self, layer: int) -> int:
+        """fp32 values of the layer's compressor checkpoint (one a block): online-softmax accumulators (log-sum-exp
+        and weighted mean per channel) of the open groups, CSA's two (cur, next) for the latent and the indexer key,
+        HCA's one for the latent (kernels/v4_reference.py)."""
         t = self.layer_types[layer]
-        return 4 * self.head_dim + 4 * self.index_head_dim if t == CSA else 2 * self.head_dim if t == HCA else 0
+        return 4 * (self.head_dim + self.index_head_dim) if t == CSA else 2 * self.head_dim if t == HCA else 0
 
     def entry_width(self, layer: int) -> int:
         """Elements of one compressed entry: the latent, and in CSA the indexer key."""

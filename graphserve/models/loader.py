@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError, ModelLoadError
-from graphserve.layers.kv_layout import KVLayout, with_cache_dtype
+from graphserve.layers.kv_layout import KVLayout, with_block_size, with_cache_dtype
 from graphserve.layers.moe import FusedMoE
 from graphserve.layers.quant.config import (
     Fp8Config,
@@ -202,7 +202,7 @@ def _load_folder(config: EngineConfig, folder: Path, device: torch.device) -> Lo
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"checkpoint in {folder} lacks {len(missing)} tensors: {shown}", param="model")
     eos = _eos_ids(hf_config, tokenizer, _generation_eos(folder))
-    return _finish(model, hf_config, tokenizer, dtype, eos, quant, config.kv_cache_dtype)
+    return _finish(model, hf_config, tokenizer, dtype, eos, quant, config.kv_cache_dtype, config.block_size)
 
 
 def _load_gguf(config: EngineConfig, file: GGUFFile, device: torch.device) -> LoadedModel:
@@ -219,7 +219,7 @@ def _load_gguf(config: EngineConfig, file: GGUFFile, device: torch.device) -> Lo
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"GGUF file {file.path} lacks {len(missing)} tensors: {shown}", param="model")
     return _finish(model, hf_config, tokenizer, dtype, _eos_ids(hf_config, tokenizer, None), quant,
-                   config.kv_cache_dtype)
+                   config.kv_cache_dtype, config.block_size)
 
 
 def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> LoadedModel:
@@ -243,7 +243,7 @@ def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> Load
         for m in experts:
             m.routing_override = config.moe_routing
     return _finish(model, hf_config, tokenizer, dtype, _eos_ids(hf_config, tokenizer, None), quant,
-                   config.kv_cache_dtype)
+                   config.kv_cache_dtype, config.block_size)
 
 
 def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, device: torch.device,
@@ -331,7 +331,7 @@ def _eos_ids(hf_config: PretrainedConfig, tokenizer: Any, generation_eos: Any) -
 
 
 def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype: torch.dtype, eos: list[int],
-            quant: Fp8Config | None = None, kv_dtype: str = "auto"):
+            quant: Fp8Config | None = None, kv_dtype: str = "auto", block_size: int = 16):
     from graphserve.distributed.state import get_parallel
 
     parallel = get_parallel()  # this rank's share: its KV heads size the pool, its weights the plan
@@ -343,6 +343,8 @@ def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype
     if kv_dtype != "auto":  # a paged K/V cache or a latent one (MLA) alike: layers/kv_layout.py
         kv = with_cache_dtype(description.kv, kv_dtype)
         description = dataclasses.replace(description, kv=kv)
+    # compact pages (compressed attention) are counted per block: their bytes a token depend on --block-size
+    description = dataclasses.replace(description, kv=with_block_size(description.kv, block_size))
     info = ModelInfo(
         architecture=type(model).__name__,
         num_layers=hf_config.num_hidden_layers,

@@ -8,6 +8,7 @@ relative error or an equality. (Logits against transformers are checked on CPU: 
 from __future__ import annotations
 
 import gc
+import itertools
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from graphserve.kernels import dsa_reference as dsa_ref  # noqa: E402
 from graphserve.kernels import v4_reference as ref  # noqa: E402
 from graphserve.layers.attention import TorchAttentionBackend  # noqa: E402
 from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E402
+from graphserve.layers.kv_layout import CompactCache  # noqa: E402
 from graphserve.models import presets  # noqa: E402
 from graphserve.models.loader import load_model  # noqa: E402
 
@@ -40,13 +42,13 @@ pytestmark = pytest.mark.usefixtures("release_engines")
 def branches(kind: str) -> list[ref.CompressorBranch]:
     """models/deepseek_v4_attention.py's layout at the real shapes."""
     if kind == "csa":
-        state = 4 * D + 4 * DI
-        return [ref.CompressorBranch(0, 2 * D, state, D, True), ref.CompressorBranch(4 * D, 2 * DI, state + D, DI, True)]
-    return [ref.CompressorBranch(0, D, 2 * D, D, False)]
+        return [ref.CompressorBranch(2 * D, D, True, 0, 0), ref.CompressorBranch(2 * DI, DI, True, D, 4 * D)]
+    return [ref.CompressorBranch(D, D, False, 0, 0)]
 
 
-def row_width(kind: str) -> int:
-    return 4 * D + 4 * DI + D + DI if kind == "csa" else 3 * D
+def layout(kind: str) -> tuple[int, int]:
+    """(checkpoint floats, entry width) of a compact page (models/deepseek_v4_shape.V4Shape)."""
+    return (4 * (D + DI), D + DI) if kind == "csa" else (2 * D, D)
 
 
 def paged(seq_lens: list[int], gen: torch.Generator) -> tuple[int, torch.Tensor]:
@@ -62,17 +64,55 @@ def paged(seq_lens: list[int], gen: torch.Generator) -> tuple[int, torch.Tensor]
     return num_blocks, tables
 
 
-def step_rows(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor, padding: int = 0):
-    """(row_seq int32, positions int64, slots int64) of a step, padding rows last (position 0, slot 0)."""
+def step_rows(query_lens: list[int], seq_lens: list[int], padding: int = 0):
+    """(row_seq int32, positions int64, query_start_loc int32) of a step, padding rows last (position 0)."""
     seq, pos = [], []
     for i, (q, n) in enumerate(zip(query_lens, seq_lens)):
         seq += [i] * q
         pos += range(n - q, n)
     row_seq = torch.tensor(seq + [len(seq_lens) - 1] * padding, dtype=torch.int32, device="cuda")
     positions = torch.tensor(pos + [0] * padding, dtype=torch.int64, device="cuda")
-    slots = ref.token_slots(tables, row_seq.long(), positions[:, None], PAGE)[:, 0]
-    slots[len(pos):] = 0
-    return row_seq, positions, slots
+    qsl = torch.tensor([0] + list(itertools.accumulate(query_lens)), dtype=torch.int32, device="cuda")
+    return row_seq, positions, qsl
+
+
+def random_pages(kind: str, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """bf16 pages of fresh random entries behind fresh random fp32 checkpoints (log-sum-exp, weighted mean)."""
+    sf, ew = layout(kind)
+    rate = RATES.get(kind, RATES["csa"])
+    width = CompactCache(rate, ew, 4 * sf).page_width(PAGE, 2)
+    pages = torch.randn(num_blocks, width, generator=gen, device="cuda").bfloat16()
+    ref.checkpoints(pages, sf).copy_(torch.randn(num_blocks, sf, generator=gen, device="cuda"))
+    return pages
+
+
+def projections(kind: str, rows: int, gen: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
+    """Per branch (kv, gate) bf16 ``[rows, width]`` and (position bias fp32, norm weight bf16)."""
+    rate = RATES[kind]
+    return [(torch.randn(rows, b.width, generator=gen, device="cuda").bfloat16(),
+             torch.randn(rows, b.width, generator=gen, device="cuda").bfloat16(),
+             torch.randn(rate, b.width, generator=gen, device="cuda"),
+             (1 + 0.3 * torch.randn(b.dim, generator=gen, device="cuda")).bfloat16()) for b in branches(kind)]
+
+
+def compress(impl, kind: str, pages, proj, tables, row_seq, positions, qsl) -> None:
+    sf, ew = layout(kind)
+    init = ref.start_checkpoints(ref.checkpoints(pages, sf), tables, positions, qsl, PAGE)
+    for b, (kv, gate, bias, weight) in zip(branches(kind), proj):
+        impl.compress_groups(pages, b, kv, gate, init, tables, row_seq, positions, qsl, RATES[kind], bias, weight,
+                             1e-6, inv_freq(), PAGE, sf, ew)  # fmt: skip
+
+
+def same_pages(kind: str, got: torch.Tensor, want: torch.Tensor, before: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Over ``blocks``: untouched blocks bitwise, checkpoints within fp32 rounding, entries within bf16's."""
+    sf, ew = layout(kind)
+    touched = (want != before).any(dim=1) & blocks
+    assert int(touched.sum()) > 0 and torch.equal(got[blocks & ~touched], before[blocks & ~touched])
+    cg, cw = ref.checkpoints(got, sf)[blocks], ref.checkpoints(want, sf)[blocks]
+    assert torch.equal(torch.isinf(cg), torch.isinf(cw))
+    finite = torch.isfinite(cw)
+    assert rel_err(cg[finite], cw[finite]) < FP32_TOL
+    assert rel_err(ref.entry_rows(got, sf, ew)[blocks], ref.entry_rows(want, sf, ew)[blocks]) < BF16_TOL
 
 
 def inv_freq() -> torch.Tensor:
@@ -86,32 +126,24 @@ def test_compression_at_real_shapes(kind, extend, gen):
     seq_lens = [3 * rate, 5 * rate + 1, 2 * rate, 9 * rate]
     query_lens = [2 * rate + 3, 7, rate - 1, 1] if extend else [1] * 4
     num_blocks, tables = paged(seq_lens, gen)
-    rows = torch.randn(num_blocks * PAGE, row_width(kind), generator=gen, device="cuda").bfloat16()
-    row_seq, positions, slots = step_rows(query_lens, seq_lens, tables, padding=3)
-    want = rows.clone()
-    for branch in branches(kind):
-        bias = torch.randn(rate, branch.width, generator=gen, device="cuda")
-        weight = (1 + 0.3 * torch.randn(branch.dim, generator=gen, device="cuda")).bfloat16()
-        ref.compress_groups(want, branch, tables, row_seq, positions, slots, rate, bias, weight, 1e-6, inv_freq(), PAGE)
-        v4_compress.compress_groups(rows, branch, tables, row_seq, positions, slots, rate, bias, weight, 1e-6,
-                                    inv_freq(), PAGE)  # fmt: skip
-    closing = slots[(positions + 1) % rate == 0]
-    assert closing.numel() >= (3 if extend else 1)
-    region = torch.zeros_like(rows, dtype=torch.bool)
-    for branch in branches(kind):
-        region[closing, branch.entry_at : branch.entry_at + branch.dim] = True
-    assert torch.equal(rows[~region], want[~region])
-    assert rel_err(rows[region], want[region]) < BF16_TOL
+    pages = random_pages(kind, num_blocks, gen)
+    row_seq, positions, qsl = step_rows(query_lens, seq_lens, padding=3)
+    proj = projections(kind, row_seq.shape[0], gen)
+    want, got = pages.clone(), pages.clone()
+    compress(ref, kind, want, proj, tables, row_seq, positions, qsl)
+    compress(v4_compress, kind, got, proj, tables, row_seq, positions, qsl)
+    assert int(((positions[: int(qsl[-1])] + 1) % rate == 0).sum()) >= (3 if extend else 1)
+    same_pages(kind, got, want, pages, torch.ones(num_blocks, dtype=torch.bool, device="cuda"))
 
 
 def attention_inputs(kind: str, seq_lens: list[int], query_lens: list[int], gen: torch.Generator, padding: int = 0):
     num_blocks, tables = paged(seq_lens, gen)
-    row_seq, positions, slots = step_rows(query_lens, seq_lens, tables, padding)
+    row_seq, positions, qsl = step_rows(query_lens, seq_lens, padding)
     latents = torch.randn(num_blocks * PAGE, D, generator=gen, device="cuda").bfloat16()
-    rows = torch.randn(num_blocks * PAGE, row_width(kind), generator=gen, device="cuda").bfloat16()
+    pages = random_pages(kind if kind != "sliding" else "hca", num_blocks, gen)
     q = torch.randn(row_seq.shape[0], HEADS, D, generator=gen, device="cuda").bfloat16()
     sinks = torch.randn(HEADS, generator=gen, device="cuda")
-    return tables, row_seq, positions, slots, latents, rows, q, sinks
+    return tables, row_seq, positions, qsl, latents, pages, q, sinks
 
 
 def selection(positions: torch.Tensor, rate: int, gen: torch.Generator) -> torch.Tensor:
@@ -129,11 +161,12 @@ def selection(positions: torch.Tensor, rate: int, gen: torch.Generator) -> torch
                                                  ([3000, 5000], [40, 300])])
 def test_attention_at_real_shapes(kind, seq_lens, query_lens, gen):
     """bs 1 at 64k (the key list split over the SMs), bs 16 of mixed lengths, an extend of two chunks."""
-    tables, row_seq, positions, _, latents, rows, q, sinks = attention_inputs(kind, seq_lens, query_lens, gen, 1)
+    tables, row_seq, positions, _, latents, pages, q, sinks = attention_inputs(kind, seq_lens, query_lens, gen, 1)
     rate = RATES.get(kind, 0)
+    sf, ew = layout(kind) if rate else (0, 0)
     idx = selection(positions, rate, gen) if kind == "csa" else None
-    args = (q, latents, rows if rate else None, 4 * D + 4 * DI if kind == "csa" else 2 * D, tables, row_seq,
-            positions, sinks, D**-0.5, WINDOW, rate, PAGE, idx)  # fmt: skip
+    args = (q, latents, pages if rate else None, 0, tables, row_seq, positions, sinks, D**-0.5, WINDOW, rate, PAGE,
+            idx, sf, ew)  # fmt: skip
     want = ref.v4_attention(*args)
     got = v4_attention.v4_attention(*args)
     assert rel_err(got, want) < BF16_TOL
@@ -144,16 +177,17 @@ def test_attention_at_real_shapes(kind, seq_lens, query_lens, gen):
 
 def test_compressed_indexer_and_topk_at_real_shapes(gen):
     seq_lens, query_lens = [9000, 2100, 33000, 600], [1, 1, 1, 1]
-    tables, row_seq, positions, _, _, rows, _, _ = attention_inputs("csa", seq_lens, query_lens, gen, 1)
-    rate, key_at = RATES["csa"], 4 * D + 4 * DI + D
+    tables, row_seq, positions, _, _, pages, _, _ = attention_inputs("csa", seq_lens, query_lens, gen, 1)
+    rate, (sf, ew) = RATES["csa"], layout("csa")
     n = tables.shape[1] * PAGE // rate
     q = torch.randn(row_seq.shape[0], HI, DI, generator=gen, device="cuda").bfloat16()
     weights = torch.randn(row_seq.shape[0], HI, generator=gen, device="cuda")
     visible = (positions + 1) // rate
-    want = ref.indexer_scores(q, weights, rows[ref.entry_slots(tables, row_seq, rate, n, PAGE), key_at:key_at + DI],
-                              visible)  # fmt: skip
-    got = dsa_indexer.compressed_indexer_scores(q, weights, rows, key_at, rate, PAGE, tables, row_seq,
-                                                (visible - 1).int(), n)  # fmt: skip
+    every = torch.arange(n, device="cuda").expand(row_seq.shape[0], -1)
+    keys = ref.entries(pages, tables, row_seq, every, rate, PAGE, sf, ew, D, DI)
+    want = ref.indexer_scores(q, weights, keys, visible)
+    got = dsa_indexer.compressed_indexer_scores(q, weights, pages, D, rate, PAGE, tables, row_seq,
+                                                (visible - 1).int(), n, state_floats=sf, entry_width=ew)  # fmt: skip
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got)) and rel_err(got[finite], want[finite]) < BF16_TOL
     picked = dsa.topk_indices(got, (visible - 1).int(), TOPK)
@@ -162,55 +196,42 @@ def test_compressed_indexer_and_topk_at_real_shapes(gen):
 
 
 @pytest.mark.parametrize("kind", ["hca", "csa"])
-def test_decode_step_replays_from_a_graph_and_padding_rows_write_no_real_row(kind, gen):
-    """A step's state write, compression and attention captured for 8 rows with 5 real ones, then replayed a step
-    later with new inputs in the static buffers (four rows closing a group): the real rows' outputs match the
-    reference, and every cache row outside the dummy block holds what the reference wrote there."""
+def test_decode_step_replays_from_a_graph_and_padding_rows_write_no_real_block(kind, gen):
+    """A step's compression (checkpoint gather, fold, entries, checkpoints) and attention captured for 8 rows with 5
+    real ones, then replayed a step later with new inputs in the static buffers (four rows closing a group): the
+    real rows' outputs match the reference, and every page outside the dummy block holds what the reference wrote."""
     rate = RATES[kind]
     seq_lens = [1024, 4096, 131, 512, 2048]
-    tables, row_seq, positions, slots, latents, rows, q, sinks = attention_inputs(kind, seq_lens, [1] * 5, gen, 3)
-    layout = branches(kind)
-    params = [(torch.randn(rate, b.width, generator=gen, device="cuda"),
-               (1 + 0.3 * torch.randn(b.dim, generator=gen, device="cuda")).bfloat16()) for b in layout]
-    width = sum(2 * b.width for b in layout)
+    tables, row_seq, positions, qsl, latents, pages, q, sinks = attention_inputs(kind, seq_lens, [1] * 5, gen, 3)
+    sf, ew = layout(kind)
     prev = positions.clone()
     prev[:5] -= 1
-    buf = {"q": q.clone(), "positions": prev,
-           "slots": torch.where(prev > 0, ref.token_slots(tables, row_seq.long(), prev[:, None], PAGE)[:, 0], 0),
-           "state": torch.randn(8, width, generator=gen, device="cuda").bfloat16(),
+    buf = {"q": q.clone(), "positions": prev, "proj": projections(kind, 8, gen),
            "idx": selection(prev, rate, gen) if kind == "csa" else None}
 
-    def step(flat_rows, compress, attend):
-        at = 0
-        for branch, (bias, weight) in zip(layout, params):
-            part = buf["state"][:, at : at + 2 * branch.width]
-            branch.write_state(flat_rows, buf["slots"], part[:, : branch.width], part[:, branch.width :])
-            at += 2 * branch.width
-            compress(flat_rows, branch, tables, row_seq, buf["positions"], buf["slots"], rate, bias, weight, 1e-6,
-                     inv_freq(), PAGE)  # fmt: skip
-        return attend(buf["q"], latents, flat_rows, layout[0].entry_at, tables, row_seq, buf["positions"], sinks,
-                      D**-0.5, WINDOW, rate, PAGE, buf["idx"])  # fmt: skip
+    def step(pages_, impl, attend):
+        compress(impl, kind, pages_, buf["proj"], tables, row_seq, buf["positions"], qsl)
+        return attend(buf["q"], latents, pages_, 0, tables, row_seq, buf["positions"], sinks, D**-0.5, WINDOW, rate,
+                      PAGE, buf["idx"], sf, ew)  # fmt: skip
 
-    graph, out = capture(lambda: step(rows, v4_compress.compress_groups, v4_attention.v4_attention))
+    graph, out = capture(lambda: step(pages, v4_compress, v4_attention.v4_attention))
     buf["positions"].copy_(positions)
-    buf["slots"].copy_(slots)
     buf["q"].copy_(torch.randn(q.shape, generator=gen, device="cuda").bfloat16())
-    buf["state"].copy_(torch.randn(8, width, generator=gen, device="cuda").bfloat16())
+    for kv, gate, _, _ in buf["proj"]:
+        kv.copy_(torch.randn(kv.shape, generator=gen, device="cuda").bfloat16())
+        gate.copy_(torch.randn(gate.shape, generator=gen, device="cuda").bfloat16())
     if kind == "csa":
         buf["idx"].copy_(selection(positions, rate, gen))
-    want_rows = rows.clone()
-    want = step(want_rows, ref.compress_groups, ref.v4_attention)
+    before = pages.clone()
+    want_pages = pages.clone()
+    want = step(want_pages, ref, ref.v4_attention)
     graph.replay()
     torch.cuda.synchronize()
     assert int(((positions[:5] + 1) % rate == 0).sum()) == 4
     assert rel_err(out[:5], want[:5]) < BF16_TOL
-    real = torch.ones(rows.shape[0], dtype=torch.bool, device="cuda")
-    real[:PAGE] = False  # the dummy block, where padding rows write
-    entry = torch.zeros(rows.shape[1], dtype=torch.bool, device="cuda")
-    for branch in layout:
-        entry[branch.entry_at : branch.entry_at + branch.dim] = True
-    assert torch.equal(rows[real][:, ~entry], want_rows[real][:, ~entry])
-    assert rel_err(rows[real][:, entry], want_rows[real][:, entry]) < BF16_TOL
+    real = torch.ones(pages.shape[0], dtype=torch.bool, device="cuda")
+    real[0] = False  # the dummy block
+    same_pages(kind, pages, want_pages, before, real)
 
 
 def test_tiny_model_on_the_kernels_matches_the_reference(tmp_path):
