@@ -202,9 +202,10 @@ def convert_fp4_model(model: nn.Module, quant: Fp4Config) -> tuple[int, int]:
             convert_experts(module, experts)
             after += _bytes(module)
             counts[1] += 1
-    logger.info("fp4-load-as fp8: %d linear and %d routed-expert layers of %s converted to %s: their weights "
-                "%.2f GiB -> %.2f GiB (x%.2f: FP8 doubles FP4's bytes)", counts[0], counts[1], quant.name,
-                FP8_LAYOUT.name, before / 2**30, after / 2**30, after / max(before, 1))
+    logger.info("fp4-load-as fp8: %d linear and %d routed-expert layers of %s converted to %s: their weights and "
+                "scales %.3f GiB -> %.3f GiB (x%.2f: a byte a weight against FP4's half byte and group scales)",
+                counts[0], counts[1], quant.name, FP8_LAYOUT.name, before / 2**30, after / 2**30,
+                after / max(before, 1))
     return counts[0], counts[1]
 
 
