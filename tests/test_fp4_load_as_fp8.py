@@ -9,6 +9,7 @@ import pytest
 import torch
 from model_utils import dummy_preset, held_weight_bytes, relative_error
 
+from graphserve.analysis.plan import build_plan, load_hf_config
 from graphserve.config import EngineConfig
 from graphserve.errors import ConfigError
 from graphserve.kernels.fp4_reference import fp4_dequantize, mxfp4_quantize, nvfp4_quantize
@@ -46,7 +47,7 @@ def _weights(model) -> dict[str, tuple[torch.Tensor, ...]]:
     return out
 
 
-def _check_converted(fp4, fp8, exact: bool) -> None:
+def _check_converted(fp4, fp8, exact: bool, source: str, quantization: str = "none") -> None:
     """The same layers, now FP8 (per channel / 128x128 blocks), within e4m3's half-ulp of the FP4 weights (``exact``:
     equal), held at the bytes the description counts, about twice FP4's."""
     fp4_w, fp8_w = _weights(fp4.model), _weights(fp8.model)
@@ -67,6 +68,8 @@ def _check_converted(fp4, fp8, exact: bool) -> None:
                 assert relative_error(a, b) < 3e-2, name
     held = held_weight_bytes(fp8.model)
     assert fp8.info.description.weights_bytes == held
+    assert build_plan(load_hf_config(source), gpu_memory_gb=80, dtype="fp32", quantization=quantization,
+                      fp4_load_as="fp8")["weights_bytes"] == held  # `graphserve plan --fp4-load-as fp8` prices the same
     assert fp4.info.description.weights_bytes < held < fp8.info.description.weights_bytes + 1  # noqa: PLR2004
 
 
@@ -76,7 +79,7 @@ def test_dummy_fp4_as_fp8_gives_the_fp4_models_logits(monkeypatch, fmt):
     fp4 = load_model(EngineConfig(model=model, seed=4, quantization=fmt), CPU)
     fp8 = load_model(EngineConfig(model=model, seed=4, quantization=fmt, fp4_load_as="fp8"), CPU)
     exact = fmt == "mxfp4"  # E8M0 group scales are powers of two: every value lands in e4m3 (the module's note)
-    _check_converted(fp4, fp8, exact)
+    _check_converted(fp4, fp8, exact, model, fmt)
     fp4_tokens, fp4_logits = greedy(fp4.model)
     fp8_tokens, fp8_logits = greedy(fp8.model)
     if exact:
@@ -94,7 +97,7 @@ def test_nvfp4_checkpoint_as_fp8_folds_each_parts_global(sources, tmp_path):  # 
                               in_file=True)
     fp4 = load_model(EngineConfig(model=str(tmp_path / "fp4")), CPU)
     fp8 = load_model(EngineConfig(model=str(tmp_path / "fp4"), fp4_load_as="fp8"), CPU)
-    _check_converted(fp4, fp8, exact=False)
+    _check_converted(fp4, fp8, False, str(tmp_path / "fp4"))
     qkv4 = fp4.model.get_submodule("model.layers.0.self_attn.qkv_proj")
     qkv8 = fp8.model.get_submodule("model.layers.0.self_attn.qkv_proj")
     ratio = qkv8.weight_scale / qkv4.quant_method.global_rows(qkv4)
@@ -126,5 +129,7 @@ def test_fp4_load_as_without_fp4_weights_is_refused_naming_the_flag(monkeypatch)
         with pytest.raises(ConfigError, match=rf"--fp4-load-as=fp8 needs FP4 weights .* loads with {has}") as e:
             load_model(EngineConfig(model=model, quantization=quantization, fp4_load_as="fp8"), CPU)
         assert e.value.param == "fp4_load_as"
+    with pytest.raises(ConfigError, match="--fp4-load-as=fp8 needs FP4 weights .* no quantization"):
+        build_plan(load_hf_config(model), gpu_memory_gb=80, fp4_load_as="fp8")
     with pytest.raises(ConfigError, match="--fp4-load-as='fp16' is invalid"):
         EngineConfig(model=model, fp4_load_as="fp16")

@@ -347,7 +347,7 @@ def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype
     parallel = get_parallel()  # this rank's share: its KV heads size the pool, its weights the plan
     description = model.describe(hf_config, dtype, tp=parallel.tp_size, ep=parallel.ep_size)
     if fp4_as_fp8:  # --fp4-load-as fp8: the FP4 layers now hold FP8 (layers/quant/fp4_to_fp8.py)
-        description = fp8_description(description, quant, model, dtype)
+        description = fp8_description(description, quant, dtype, fp4_ignore_list(quant, model))
     else:
         # priced by the ignore list the layers were quantized by (layers/quant/fp8.py quantize_linears)
         ignore = None if quant is None else fp4_ignore_list(quant, model) if isinstance(quant, Fp4Config) else \

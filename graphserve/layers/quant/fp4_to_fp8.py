@@ -40,7 +40,7 @@ from graphserve.kernels.fp4_reference import fp4_dequantize
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX
 from graphserve.layers.quant.config import DEFAULT_BLOCK, Fp8Config, quantized_description
 from graphserve.layers.quant.fp4 import Fp4LinearMethod
-from graphserve.layers.quant.fp4_config import Fp4Config, fp4_ignore_list
+from graphserve.layers.quant.fp4_config import Fp4Config, GlobIgnoreList
 from graphserve.layers.quant.fp4_moe import Fp4MoEMethod
 from graphserve.layers.quant.fp8 import Fp8LinearMethod
 from graphserve.layers.quant.fp8_moe import Fp8MoEMethod
@@ -210,11 +210,11 @@ def convert_fp4_model(model: nn.Module, quant: Fp4Config) -> tuple[int, int]:
 
 
 class _Fp4Layers:
-    """The layers ``quant`` made FP4, which ``convert_fp4_model`` made FP8: its ignore list, and with a config
+    """The layers an FP4 config made FP4, which ``convert_fp4_model`` made FP8: its ignore list, and with a config
     whose dense projections stay in the model dtype (gpt-oss's MXFP4) every projection kept."""
 
-    def __init__(self, quant: Fp4Config, model: Any) -> None:
-        self.ignore, self.dense = fp4_ignore_list(quant, model), quant.dense
+    def __init__(self, ignore: Any, dense: bool) -> None:
+        self.ignore, self.dense = ignore, dense
 
     def keeps(self, name: str, shards: Any = None) -> bool:
         return not self.dense or self.ignore.keeps(name, shards)
@@ -223,6 +223,13 @@ class _Fp4Layers:
         return self.ignore.keeps_experts(name, num_experts)
 
 
-def fp8_description(desc: Any, quant: Fp4Config, model: Any, model_dtype: torch.dtype) -> Any:
-    """``desc`` as held after ``convert_fp4_model``: the FP4 layers at FP8's bytes and scales, the rest as before."""
-    return quantized_description(desc, FP8_LAYOUT, model_dtype, _Fp4Layers(quant, model))
+def fp8_description(desc: Any, quant: Fp4Config, model_dtype: torch.dtype, ignore: Any | None) -> Any:
+    """``desc`` as held after ``convert_fp4_model``: the FP4 layers at FP8's bytes and scales, the rest as before.
+    ``ignore``: the FP4 config's ignore list through the family's names (``fp4_ignore_list``; None where it lists
+    nothing)."""
+    if ignore is None:
+        if quant.ignored:
+            raise ValueError(f"{quant.ignored_field} names modules kept in the model dtype: pricing them needs the "
+                             "family's names (GlobIgnoreList)")
+        ignore = GlobIgnoreList(quant, lambda name: None, {})
+    return quantized_description(desc, FP8_LAYOUT, model_dtype, _Fp4Layers(ignore, quant.dense))
