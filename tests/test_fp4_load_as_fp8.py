@@ -20,7 +20,7 @@ from graphserve.layers.quant.fp4_to_fp8 import exactness, pow2_fp8
 from graphserve.layers.quant.fp8 import Fp8LinearMethod
 from graphserve.layers.quant.fp8_moe import Fp8MoEMethod
 from graphserve.models.fp4_checkpoint import quantize_checkpoint_nvfp4
-from graphserve.models.loader import load_model
+from graphserve.models.loader import load_model, meta_model
 
 from test_fp4_checkpoint import greedy, sources  # noqa: F401  isort: skip
 
@@ -80,6 +80,9 @@ def test_dummy_fp4_as_fp8_gives_the_fp4_models_logits(monkeypatch, fmt):
     fp8 = load_model(EngineConfig(model=model, seed=4, quantization=fmt, fp4_load_as="fp8"), CPU)
     exact = fmt == "mxfp4"  # E8M0 group scales are powers of two: every value lands in e4m3 (the module's note)
     _check_converted(fp4, fp8, exact, model, fmt)
+    # the host-memory check before a load sizes the FP8 model too
+    meta = meta_model(EngineConfig(model=model, seed=4, quantization=fmt, fp4_load_as="fp8"))
+    assert held_weight_bytes(meta) == held_weight_bytes(fp8.model)
     fp4_tokens, fp4_logits = greedy(fp4.model)
     fp8_tokens, fp8_logits = greedy(fp8.model)
     if exact:

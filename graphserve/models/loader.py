@@ -137,6 +137,8 @@ def meta_model(config: EngineConfig) -> nn.Module:
             raise ModelLoadError(f"model folder {folder} cannot be read by transformers: {e}", param="model") from e
         quant = resolve_quantization(parse_quantization_config(raw.get("quantization_config")), config.quantization)
     model, _ = _build(resolve_model_class(raw.get("architectures")), hf_config, config, torch.device("meta"), quant)
+    if check_fp4_load_as(config.fp4_load_as, quant, source):
+        convert_fp4_model(model, quant)  # the FP8 it will hold
     return model
 
 

@@ -113,23 +113,25 @@ def convert_linear(layer: Linear, fp8: Fp8LinearMethod) -> None:
     fp4: Fp4LinearMethod = layer.quant_method
     n = layer.out_features
     device = layer.weight.device
-    globals_ = fp4.global_rows(layer)
-    q = torch.empty(n, layer.in_features, dtype=FP8_DTYPE, device=device)
-    scale = torch.empty(n, dtype=torch.float32, device=device)
-    step = max(1, CHUNK_ELEMENTS // layer.in_features)
-    for r in range(0, n, step):
-        rows = slice(r, min(n, r + step))
-        v = fp4_dequantize(layer.weight[rows], layer.weight_scale[rows], _unit(fp4, (), device), fp4.fmt)
-        part_q, part_scale = pow2_fp8(v[None], None)
-        q[rows], scale[rows] = part_q[0], part_scale.reshape(-1)
-    if globals_ is not None:
-        scale *= globals_.float().expand(n) if globals_.dim() == 0 else globals_.float()
+    if device.type != "meta":  # on meta (host_memory's sizes before a load) only the storage changes
+        globals_ = fp4.global_rows(layer)
+        q = torch.empty(n, layer.in_features, dtype=FP8_DTYPE, device=device)
+        scale = torch.empty(n, dtype=torch.float32, device=device)
+        step = max(1, CHUNK_ELEMENTS // layer.in_features)
+        for r in range(0, n, step):
+            rows = slice(r, min(n, r + step))
+            v = fp4_dequantize(layer.weight[rows], layer.weight_scale[rows], _unit(fp4, (), device), fp4.fmt)
+            part_q, part_scale = pow2_fp8(v[None], None)
+            q[rows], scale[rows] = part_q[0], part_scale.reshape(-1)
+        if globals_ is not None:
+            scale *= globals_.float().expand(n) if globals_.dim() == 0 else globals_.float()
     for name in _FP4_LINEAR:
         _drop(layer, name)
     layer.fp4_row_global = None
     fp8.create_weights(layer)
-    layer.weight.data.copy_(q)
-    fp8.scale(layer).copy_(scale)
+    if device.type != "meta":
+        layer.weight.data.copy_(q)
+        fp8.scale(layer).copy_(scale)
 
 
 @torch.no_grad()
@@ -141,9 +143,9 @@ def convert_experts(layer: FusedMoE, fp8: Fp8MoEMethod) -> None:
     device = layer.w13_weight.device
     g13, g2 = fp4.globals_(layer)
     block = fp8.block
+    stacks = (("w13_", ((slice(0, i), 0), (slice(i, 2 * i), 1)), g13), ("w2_", ((slice(0, h), 0),), g2))
     converted = {}
-    for stack, parts, globals_ in (("w13_", ((slice(0, i), 0), (slice(i, 2 * i), 1)), g13),
-                                   ("w2_", ((slice(0, h), 0),), g2)):
+    for stack, parts, globals_ in () if device.type == "meta" else stacks:  # meta: the storage changes only
         packed, groups = getattr(layer, f"{stack}weight"), getattr(layer, f"{stack}weight_scale")
         n, k = packed.shape[1], packed.shape[2] * 2
         q = torch.empty(e, n, k, dtype=FP8_DTYPE, device=device)
@@ -184,7 +186,8 @@ def _bytes(module: nn.Module) -> int:
 
 def convert_fp4_model(model: nn.Module, quant: Fp4Config) -> tuple[int, int]:
     """Every FP4 linear and routed-expert layer of ``model`` (as loaded under ``quant``) to FP8; logs the layers
-    and the weight bytes before and after. Returns (linear layers, expert layers) converted."""
+    and the weight bytes before and after (not for a model on the meta device: sizes only). Returns (linear
+    layers, expert layers) converted."""
     from graphserve.layers.linear import Linear
     from graphserve.layers.moe import FusedMoE
 
@@ -202,6 +205,8 @@ def convert_fp4_model(model: nn.Module, quant: Fp4Config) -> tuple[int, int]:
             convert_experts(module, experts)
             after += _bytes(module)
             counts[1] += 1
+    if next(model.parameters()).device.type == "meta":
+        return counts[0], counts[1]
     logger.info("fp4-load-as fp8: %d linear and %d routed-expert layers of %s converted to %s: their weights and "
                 "scales %.3f GiB -> %.3f GiB (x%.2f: a byte a weight against FP4's half byte and group scales)",
                 counts[0], counts[1], quant.name, FP8_LAYOUT.name, before / 2**30, after / 2**30,
