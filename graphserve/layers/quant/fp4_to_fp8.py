@@ -75,7 +75,7 @@ def pow2_fp8(v: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tens
     """``v`` fp32 [E, N, K] -> (e4m3 [E, N, K], fp32 scales [E, N, 1] per channel or [E, ceil(N/bn), ceil(K/bk)] per
     block) with ``v ~= q * scale``, every scale the smallest power of two that keeps its values within 448: the
     division shifts exponents only (the module's note says when the result is exact). An all-zero row or block
-    takes scale 1."""
+    takes scale 1 (frexp(0) = (0, 0))."""
     e, n, k = v.shape
     if block is None:
         amax = v.abs().amax(dim=2, keepdim=True)
@@ -84,8 +84,11 @@ def pow2_fp8(v: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tens
         nb, kb = -(-n // bn), -(-k // bk)
         tiles = nn.functional.pad(v, (0, kb * bk - k, 0, nb * bn - n)).view(e, nb, bn, kb, bk)
         amax = tiles.abs().amax(dim=(2, 4))
-    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX))), torch.ones_like(amax))
-    scale = torch.where(amax / scale > FP8_MAX, scale * 2, scale)  # log2 rounded down past a power of two
+    # the exponent by frexp, exact integer work on every device (a log2 may differ by an ulp between CPU and CUDA
+    # and round to another power); amax / 448 = m * 2^e with m in [0.5, 1): the power is 2^e, or 2^(e-1) at m = 0.5
+    mantissa, exponent = torch.frexp(amax / FP8_MAX)
+    scale = torch.ldexp(torch.ones_like(amax), torch.where(mantissa == 0.5, exponent - 1, exponent))
+    scale = torch.where(amax / scale > FP8_MAX, scale * 2, scale)  # amax / 448 rounded down onto a power of two
     full = scale if block is None else scale.repeat_interleave(block[0], 1)[:, :n].repeat_interleave(block[1], 2)[..., :k]
     return (v / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
