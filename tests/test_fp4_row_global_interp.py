@@ -1,7 +1,7 @@
-"""Per-output-row NVFP4 global scales in the FP4 streaming kernel and tiled GEMM, against the reference, on CPU
-through Triton's interpreter: a fused q/k/v or gate/up whose parts carry different globals scales each row in the
-kernels' epilogue (no launch after them). Inputs as tests/test_fp4_interp.py makes them: random bytes and scales,
-NaN rows past M, outputs poisoned with NaN."""
+"""Per-output-row NVFP4 global scales in the FP4 streaming kernel, tiled GEMM and routed experts, against the
+reference, on CPU through Triton's interpreter: a fused q/k/v or gate/up whose parts carry different globals scales
+each row in the kernels' epilogue (no launch after them). Inputs as tests/test_fp4_interp.py makes them: random
+bytes and scales, NaN rows past M, outputs poisoned with NaN."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from model_utils import relative_error
 
 use_interpreter()
 
+from graphserve.kernels.fp4_experts_reference import fp4_fused_experts_reference  # noqa: E402
 from graphserve.kernels.fp4_gemm import Fp4GemmConfig, fp4_gemm  # noqa: E402
 from graphserve.kernels.fp4_gemv import Fp4StreamConfig, fp4_gemv  # noqa: E402
+from graphserve.kernels.fp4_moe import fp4_fused_experts  # noqa: E402
 from graphserve.kernels.fp4_reference import fp4_dequantize  # noqa: E402
 
 DEVICE = kernel_device()
@@ -70,3 +72,27 @@ def test_a_global_of_another_shape_is_refused():
         fp4_gemv(x, packed, scale, rows[:20], "nvfp4")
     with pytest.raises(ValueError, match=r"fp4_gemm: the global scale .* got shape \(40, 1\)"):
         fp4_gemm(x, packed, scale, rows.view(40, 1), "nvfp4")
+
+
+@pytest.mark.parametrize("path", ["stream", "gemm"])
+def test_fp4_fused_experts_take_a_global_per_row(path):
+    """Routed experts whose w13 carries one global per row ([E, 2I]) and w2 one per row ([E, H]), applied in the
+    kernels' epilogues, against the reference (fp16 tokens, a NaN padding row)."""
+    gen = torch.Generator().manual_seed(5 + len(path))
+    e, t, k, h, inter = 3, 4, 2, 64, 48
+    w13 = torch.randint(0, 256, (e, 2 * inter, h // 2), dtype=torch.uint8, generator=gen)
+    s13 = (torch.rand(e, 2 * inter, h // 16, generator=gen) * 0.6 + 0.02).to(torch.float8_e4m3fn)
+    w2 = torch.randint(0, 256, (e, h, inter // 2), dtype=torch.uint8, generator=gen)
+    s2 = (torch.rand(e, h, inter // 16, generator=gen) * 0.6 + 0.02).to(torch.float8_e4m3fn)
+    g13, g2 = torch.rand(e, 2 * inter, generator=gen) + 0.25, torch.rand(e, h, generator=gen) + 0.25
+    x = torch.randn(t, h, generator=gen).half()
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
+    weights = torch.rand(t, k, generator=gen)
+    valid = torch.ones(t, dtype=torch.bool)
+    valid[-1] = False
+    x[-1], weights[-1] = float("nan"), float("nan")
+    ref = fp4_fused_experts_reference(x, w13, s13, g13, w2, s2, g2, "nvfp4", weights, ids, valid=valid)
+    args = [a.to(DEVICE) for a in (x, w13, s13, g13, w2, s2, g2)]
+    out = fp4_fused_experts(*args[:7], "nvfp4", weights.to(DEVICE), ids.to(DEVICE), valid=valid.to(DEVICE), path=path)
+    assert not out.isnan().any() and not out[-1].any()
+    assert relative_error(out.cpu(), ref) < 5e-3
