@@ -1,4 +1,4 @@
-"""On CUDA: the FP4 kernels' per-output-row global scales under CUDA-graph replay, and ``--fp4-load-as fp8`` (an
+"""On CUDA: the FP4 kernels' per-output-row global scales (dense under CUDA-graph replay, routed experts), and ``--fp4-load-as fp8`` (an
 NVFP4 checkpoint and ``--quantization nvfp4`` converted to FP8 at load) running the FP8 kernels, against the same
 conversion's CPU reference and through the engine with CUDA graphs."""
 
@@ -41,6 +41,26 @@ def test_per_row_globals_match_the_reference_and_replay(m):
         s = (xr.abs().amax(dim=1, keepdim=True) / torch.finfo(FP8_DTYPE).max).clamp(min=1e-12)
         xr = (xr / s).clamp(-448.0, 448.0).to(FP8_DTYPE).float() * s
     assert rel_err(out, fp4_linear_reference(xr, packed, scale, rows, "nvfp4")) < 2e-2
+
+
+@pytest.mark.parametrize("t,path", [(2, "stream"), (64, "gemm")])
+def test_per_row_expert_globals_match_the_reference(t, path):
+    """Experts at qwen3-30b-a3b's shapes (8 of its 128) with one global per w13 and w2 row, on both paths."""
+    from graphserve.kernels.fp4_experts_reference import fp4_fused_experts_reference
+    from graphserve.kernels.fp4_moe import fp4_fused_experts
+
+    gen = torch.Generator("cuda").manual_seed(t)
+    e, h, i, k = 8, 2048, 768, 4
+    w13, s13, _ = nvfp4_quantize(torch.randn(e, 2 * i, h, device=CUDA, generator=gen) * 0.05)
+    w2, s2, _ = nvfp4_quantize(torch.randn(e, h, i, device=CUDA, generator=gen) * 0.05)
+    g13 = torch.rand(e, 2 * i, device=CUDA, generator=gen) + 0.25
+    g2 = torch.rand(e, h, device=CUDA, generator=gen) + 0.25
+    x = torch.randn(t, h, device=CUDA, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, device=CUDA, generator=gen)[:k] for _ in range(t)]).int()
+    weights = torch.rand(t, k, device=CUDA, generator=gen)
+    out = fp4_fused_experts(x, w13, s13, g13, w2, s2, g2, "nvfp4", weights, ids, path=path)
+    want = fp4_fused_experts_reference(x, w13, s13, g13, w2, s2, g2, "nvfp4", weights, ids)
+    assert rel_err(out, want) < 1.5e-2  # as tests/gpu/test_fp4.py holds the per-part globals
 
 
 def test_nvfp4_checkpoint_as_fp8_tracks_its_cpu_reference(tmp_path):
