@@ -136,3 +136,19 @@ def test_fp4_load_as_without_fp4_weights_is_refused_naming_the_flag(monkeypatch)
         build_plan(load_hf_config(model), gpu_memory_gb=80, fp4_load_as="fp8")
     with pytest.raises(ConfigError, match="--fp4-load-as='fp16' is invalid"):
         EngineConfig(model=model, fp4_load_as="fp16")
+
+
+def test_gpt_oss_mxfp4_experts_as_fp8(monkeypatch):
+    """gpt-oss's preset ships MXFP4 experts only (biases, swiglu_oai) and keeps every dense projection in the model
+    dtype: only the experts convert, exactly (E8M0 scales), keeping their biases and activation, and the description
+    prices just them as FP8."""
+    model = dummy_preset(monkeypatch, "gpt-oss-20b", "tiny-gpt-oss-fp4fp8", hidden_size=64, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_local_experts=4, num_experts_per_tok=2, experts_per_token=2, max_position_embeddings=256,
+                         layer_types=["sliding_attention", "full_attention"])
+    fp4 = load_model(EngineConfig(model=model, seed=2, max_model_len=64), CPU)
+    fp8 = load_model(EngineConfig(model=model, seed=2, max_model_len=64, fp4_load_as="fp8"), CPU)
+    assert fp8.model.get_submodule("model.layers.0.self_attn.qkv_proj").quant_method is None
+    _check_converted(fp4, fp8, True, model)  # equal weights: the CPU path's logits are the FP4 model's
+    experts = fp8.model.get_submodule("model.layers.0.mlp.experts")
+    assert experts.w13_bias is not None and experts.activation == "swiglu_oai"
