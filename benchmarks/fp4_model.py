@@ -11,6 +11,9 @@
   floor counts the experts the step's router chose. Its tok/s is printed beside SGLang's published 318.5 tok/s at
   bs 1 on 8 x H100: a figure from elsewhere on eight GPUs, for scale only, not measured here.
 - prefill 8 x 2048 tokens of llama3-8b with NVFP4 weights: tok/s against the FP8 prefill of the same run.
+- ``--quantization nvfp4 --fp4-load-as fp8`` (layers/quant/fp4_to_fp8.py): the same NVFP4 llama3-8b converted to FP8
+  at load, decode at both cases and the 8 x 2048 prefill, beside FP4 and FP8: its floor counts the FP8 bytes it
+  holds (twice FP4's), ``vs_nvfp4`` its step over the FP4 model's, and its accuracy row the FP4 rounding plus e4m3's.
 - accuracy: top-1 agreement and mean KL(bf16 || quantized) over 4 x 256 tokens of the NVFP4, MXFP4 and FP8 models
   against the bf16 model with the same random weights. Random weights, not a trained model: these say the
   quantized models compute the same function within FP4's rounding, not how a trained model's quality changes.
@@ -23,7 +26,8 @@ the default (kernels/fp4_layout.DEFAULT_WIDEN; kernels/fp4_words.py), rows label
 targets: the model-level measurement that decides the default.
 
 Run: python3 -m benchmarks.fp4_model [--quick] [--skip-gpt-oss] [--widenings word e4m3_ptx]
-(--quick: under ~4 minutes on an H100; MXFP4 llama3-8b at bs 1 only; each extra widening adds a load, ~30 s)
+(--quick: under ~4 minutes on an H100; no MXFP4 llama3-8b; gpt-oss-120b at bs 1 only; each extra widening adds a
+load, ~30 s)
 """
 
 from __future__ import annotations
@@ -55,20 +59,21 @@ DECODE_TARGETS = {(f"{LLAMA} --quantization nvfp4", 1, 512): {"ratio_max": 1.5, 
                   (f"{LLAMA} --quantization nvfp4", 64, 2048): {"ratio_max": 1.3},
                   (f"{GPT_OSS} (mxfp4 experts as published)", 1, 512): {"ratio_max": 1.5}}
 PREFILL_TARGET = {"vs_fp8_min": 0.5}  # NVFP4 prefill tok/s over FP8's, same run
+AS_FP8 = "nvfp4 --fp4-load-as fp8"  # the NVFP4 model converted to FP8 at load: its label after "--quantization "
 # SGLang's published gpt-oss-120b decode at batch 1 on 8 x H100: a reference figure, never measured by this benchmark
 SGLANG_GPT_OSS_120B = {"tok_s": 318.5, "bs": 1, "gpus": "8 x H100", "source": "SGLang's published gpt-oss-120b figure"}
 
 
 def decode_rows(label: str, run: dict, cases: list[tuple[int, int]], card: str, bf16: dict | None = None,
-                fp8: dict | None = None) -> list[dict]:
-    """One row a case of ``run`` (benchmarks.fp8.run_model's result), with the same case's bf16 and FP8 steps where
-    those models ran it."""
+                fp8: dict | None = None, nvfp4: dict | None = None) -> list[dict]:
+    """One row a case of ``run`` (benchmarks.fp8.run_model's result), with the same case's bf16, FP8 (and for the
+    converted model, NVFP4) steps where those models ran it."""
     rows = []
     for bs, ctx in cases:
         s = run["steps"][(bs, ctx)]
         row = {"model": label, "card": card, "bs": bs, "ctx": ctx, "step_ms": s["step_ms"],
                "tok_s": bs / s["step_ms"] * 1e3, "read_bytes": s["read_bytes"], "flops": s["flops"]}
-        for name, other in (("bf16", bf16), ("fp8", fp8)):
+        for name, other in (("bf16", bf16), ("fp8", fp8), ("nvfp4", nvfp4)):
             if other is not None and (bs, ctx) in other["steps"]:
                 row[f"{name}_step_ms"] = other["steps"][(bs, ctx)]["step_ms"]
                 row[f"{name}_read_bytes"] = other["steps"][(bs, ctx)]["read_bytes"]
@@ -81,12 +86,12 @@ def add_ratios(decode: list[dict], prefill: list[dict], bw: ReadBandwidth, bf16:
     the bf16 matmul peak as their compute ceiling (the FP4 kernels' dots run on bf16 tensor cores), FP8 rows the FP8
     peak."""
     for r in decode:
-        peak = fp8 if "--quantization fp8" in r["model"] else bf16
+        peak = fp8 if "--quantization fp8" in r["model"] or "--fp4-load-as fp8" in r["model"] else bf16
         got = bw.ratios(r["step_ms"], r["read_bytes"], r["flops"], peak.tflops)
         r.update(floor_ms=got["floor_ms"], ratio=got["ratio"], floor_gbs=bw.best_gbs, floor_method=bw.best_method,
                  peak_tflops=peak.tflops, peak_method=peak.method,
                  floor_bound="read" if bw.floor_ms(r["read_bytes"]) >= got["floor_ms"] else "compute")
-        for name in ("bf16", "fp8"):
+        for name in ("bf16", "fp8", "nvfp4"):
             if f"{name}_step_ms" in r:
                 r[f"vs_{name}"] = r["step_ms"] / r[f"{name}_step_ms"]
                 r[f"{name}_floor_ms"] = bw.floor_ms(r[f"{name}_read_bytes"])
@@ -121,7 +126,7 @@ def run_gpt_oss(cases: list[tuple[int, int]], bw: ReadBandwidth) -> tuple[dict |
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="MXFP4 llama3-8b at bs 1 only; gpt-oss-120b at bs 1 only")
+    p.add_argument("--quick", action="store_true", help="no MXFP4 llama3-8b; gpt-oss-120b at bs 1 only")
     p.add_argument("--skip-gpt-oss", action="store_true", help="no gpt-oss-120b rows (a card under ~80 GB)")
     p.add_argument("--widenings", nargs="*", default=[], choices=[w for w in fp4_layout.WIDENINGS if w != "byte"],
                    help="NVFP4 llama3-8b decode again with each of these streaming widenings as the default")
@@ -137,21 +142,26 @@ def main() -> None:
           "TFLOP/s", flush=True)
 
     runs = {q: run_model(LLAMA, q, cases, bw, PREFILL) for q in ("none", "fp8", "nvfp4")}
-    mx_cases = cases[:1] if args.quick else cases
-    mxfp4 = run_model(LLAMA, "mxfp4", mx_cases, bw, None)
+    runs[AS_FP8] = run_model(LLAMA, "nvfp4", cases, bw, PREFILL, fp4_load_as="fp8")
+    # --quick leaves MXFP4 llama3-8b out: the converted model's load takes its place in the time
+    mxfp4 = None if args.quick else run_model(LLAMA, "mxfp4", cases, bw, None)
     decode = []
-    for quant, run, measured in (("nvfp4", runs["nvfp4"], cases), ("mxfp4", mxfp4, mx_cases),
-                                 ("fp8", runs["fp8"], cases), ("none", runs["none"], cases)):  # fmt: skip
+    for quant, run in (("nvfp4", runs["nvfp4"]), (AS_FP8, runs[AS_FP8]), ("mxfp4", mxfp4), ("fp8", runs["fp8"]),
+                       ("none", runs["none"])):  # fmt: skip
+        if run is None:
+            continue
         label = f"{LLAMA} --quantization {quant}"
-        decode += decode_rows(label, run, measured, card, runs["none"] if quant != "none" else None,
-                              runs["fp8"] if quant in ("nvfp4", "mxfp4") else None)
+        decode += decode_rows(label, run, cases, card, runs["none"] if quant != "none" else None,
+                              runs["fp8"] if quant in ("nvfp4", "mxfp4", AS_FP8) else None,
+                              runs["nvfp4"] if quant == AS_FP8 else None)
     accuracy = [{"model": f"{LLAMA} --quantization {quant}", "card": card, "weights": "random (dummy:, seed 0)",
                  **agreement(runs["none"]["logits"], run["logits"])}
-                for quant, run in (("nvfp4", runs["nvfp4"]), ("mxfp4", mxfp4), ("fp8", runs["fp8"]))]
-    prefill = prefill_rows({"nvfp4": runs["nvfp4"], "fp8": runs["fp8"], "none": runs["none"]}, card)
+                for quant, run in (("nvfp4", runs["nvfp4"]), (AS_FP8, runs[AS_FP8]), ("mxfp4", mxfp4),
+                                   ("fp8", runs["fp8"])) if run is not None]
+    prefill = prefill_rows({q: runs[q] for q in ("nvfp4", AS_FP8, "fp8", "none")}, card)
     # the bf16 and FP8 prefills are matmuls of this run: one faster than its probe raises that peak (not NVFP4's,
     # whose GEMM may run either on the bf16 or, x quantized, on the FP8 tensor cores: kernels/fp4_rule.json)
-    by_quant = {r["model"].rsplit(" ", 1)[-1]: r for r in prefill}
+    by_quant = {r["model"].removeprefix(f"{LLAMA} --quantization "): r for r in prefill}
     bf16_peak.observe(f"{LLAMA} bf16 prefill", by_quant["none"]["tflops"])
     fp8_peak.observe(f"{LLAMA} fp8 prefill", by_quant["fp8"]["tflops"])
     del runs, mxfp4
@@ -187,8 +197,8 @@ def main() -> None:
     add_ratios(decode, prefill, bw, bf16_peak, fp8_peak)
     print(f"\n{card}; floor: {bw.describe()}; matmul peak bf16 {bf16_peak.tflops:.0f} ({bf16_peak.method}), "
           f"fp8 {fp8_peak.tflops:.0f} TFLOP/s ({fp8_peak.method})")
-    print_table(decode, ["model", "bs", "ctx", "step_ms", "tok_s", "floor_ms", "vs_bf16", "vs_fp8", "meets_target",
-                         "ratio"])
+    print_table(decode, ["model", "bs", "ctx", "step_ms", "tok_s", "floor_ms", "vs_bf16", "vs_fp8", "vs_nvfp4",
+                         "meets_target", "ratio"])
     print_table(prefill, ["model", "shape", "ms", "tok_s", "vs_fp8", "meets_target"])
     oss_rows = [r for r in decode if r["model"].startswith(GPT_OSS) and r["bs"] == 1]
     for r in oss_rows:

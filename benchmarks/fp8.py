@@ -169,11 +169,11 @@ def reference_logits(model, kv_caches, seqs: int = REFERENCE_SEQS, length: int =
 
 
 def run_model(name: str, quantization: str, cases: list[tuple[int, int]], bw: ReadBandwidth,
-              prefill: tuple[int, int] | None, kv_cache_dtype: str = "auto") -> dict:
+              prefill: tuple[int, int] | None, kv_cache_dtype: str = "auto", fp4_load_as: str = "none") -> dict:
     device = torch.device("cuda")
     max_ctx = max(c for _, c in cases)
     cfg = EngineConfig(model=name, device="cuda", quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                       max_model_len=max(max_ctx, 2048) + 64)
+                       max_model_len=max(max_ctx, 2048) + 64, fp4_load_as=fp4_load_as)
     loaded = load_model(cfg, device)
     model, info = loaded.model, loaded.info
     routed = moe_layers(model)  # the model's own router; [] for a dense model
@@ -193,9 +193,9 @@ def run_model(name: str, quantization: str, cases: list[tuple[int, int]], bw: Re
             ms = cuda_time_ms(lambda g=graphs, b=batch: greedy_argmax(g.replay(b)), warmup=3, iters=20)
             # a MoE step reads the experts its router chose: the counts of the last replay, this batch's
             read, flops = step_cost(info, bs, ctx, experts_touched(routed))
-            bw.observe(f"{name} {quantization} decode bs={bs} ctx={ctx}", read, ms)
+            bw.observe(f"{name} {quantization}{_as(fp4_load_as)} decode bs={bs} ctx={ctx}", read, ms)
             out["steps"][(bs, ctx)] = {"step_ms": ms, "read_bytes": read, "flops": flops}
-            print(f"{name} quantization={quantization} kv={kv_cache_dtype} bs={bs} ctx={ctx}: {ms:.3f} ms, "
+            print(f"{name} quantization={quantization}{_as(fp4_load_as)} kv={kv_cache_dtype} bs={bs} ctx={ctx}: {ms:.3f} ms, "
                   f"{read / 1e9:.2f} GB to read")
         del graphs
         if prefill:
@@ -203,6 +203,10 @@ def run_model(name: str, quantization: str, cases: list[tuple[int, int]], bw: Re
     del model, loaded, kv_caches
     release_gpu_memory()
     return out
+
+
+def _as(fp4_load_as: str) -> str:
+    return "" if fp4_load_as == "none" else f" fp4-load-as={fp4_load_as}"
 
 
 def agreement(ref: torch.Tensor, test: torch.Tensor) -> dict:

@@ -20,9 +20,12 @@ MOE_ROUTING_MODES = ("model", "uniform")
 # (layers/quant/config.py)
 QUANTIZATIONS = ("none", "fp8", "fp8-block", "fp8-channel", "nvfp4", "mxfp4")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype (layers/kv_layout.py)
+# "fp8": FP4 weights (an NVFP4/MXFP4 checkpoint, --quantization nvfp4/mxfp4) widened to FP8 at load, twice the
+# bytes, for the FP8 kernels (layers/quant/fp4_to_fp8.py)
+FP4_LOAD_AS = ("none", "fp8")
 # The string fields that take one of a fixed set: checked in __post_init__, offered as argparse choices.
 _CHOICES = {"overlap_schedule": OVERLAP_MODES, "moe_routing": MOE_ROUTING_MODES, "quantization": QUANTIZATIONS,
-            "kv_cache_dtype": KV_CACHE_DTYPES}
+            "kv_cache_dtype": KV_CACHE_DTYPES, "fp4_load_as": FP4_LOAD_AS}
 
 
 def default_cuda_graph_sizes(max_bs: int) -> list[int]:
@@ -74,6 +77,7 @@ class EngineConfig:
     # weights quantized at load ("none": as the checkpoint stores them; an FP8 checkpoint is always
     # run in FP8, whatever this says)
     quantization: str = "none"
+    fp4_load_as: str = "none"
     kv_cache_dtype: str = "auto"
     log_interval: int = 40
     max_queued_requests: int = 1024
@@ -193,6 +197,8 @@ _HELP = {
     "quantization": "quantize weights at load: fp8 (dense projections per channel, routed experts in 128x128 "
                     "blocks), fp8-block (128x128 block scales), fp8-channel (per-channel scales), nvfp4 (E2M1 "
                     "with e4m3 scales per 16 and a global scale) or mxfp4 (E2M1 with E8M0 scales per 32)",
+    "fp4_load_as": "fp8: convert FP4 weights (an NVFP4/MXFP4 checkpoint or --quantization nvfp4/mxfp4) to FP8 e4m3 "
+                   "at load and run the FP8 kernels (twice the weight bytes); none: run FP4",
     "kv_cache_dtype": "KV cache dtype: auto (the model dtype) or fp8_e4m3 (half the bytes; scale 1.0)",
     "log_interval": "decode steps between step-log lines",
     "max_queued_requests": "bound of the waiting queue; past it requests get 429",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.fp4_model import DECODE_TARGETS, GPT_OSS, LLAMA, add_ratios, decode_rows, prefill_rows
+from benchmarks.fp4_model import AS_FP8, DECODE_TARGETS, GPT_OSS, LLAMA, add_ratios, decode_rows, prefill_rows
 from benchmarks.fp8 import MatmulPeak
 from benchmarks.roofline import ReadBandwidth
 
@@ -42,3 +42,22 @@ def test_fp4_rows_meet_targets_on_unrounded_numbers():
     slow = decode_rows(label, _run(2.7001, 5.4e9, 119.0), cases[:1], "card", none, fp8_run)
     add_ratios(slow, [], bw, bf16, fp8)
     assert slow[0]["meets_target"] is False
+
+
+def test_the_fp4_load_as_fp8_rows_take_fp8_ceilings_and_no_fp4_target():
+    """The NVFP4 model converted to FP8 at load: its floor from its own (FP8) bytes, the FP8 matmul peak, its step
+    over the FP4 model's, and none of the FP4 targets (its prefill is no NVFP4 prefill)."""
+    bw = ReadBandwidth({"stream_read": 3000.0})
+    bf16, fp8 = MatmulPeak({"probe": 700.0}), MatmulPeak({"probe": 1400.0})
+    none, fp8_run, nvfp4 = _run(6.0, 16e9, 100.0), _run(3.5, 9e9, 60.0), _run(2.7, 5.4e9, 119.0)
+    as_fp8 = _run(3.6, 9e9, 62.0)
+    label = f"{LLAMA} --quantization {AS_FP8}"
+    rows = decode_rows(label, as_fp8, [(1, 512), (64, 2048)], "card", none, fp8_run, nvfp4)
+    prefill = prefill_rows({"nvfp4": nvfp4, AS_FP8: as_fp8, "fp8": fp8_run, "none": none}, "card")
+    add_ratios(rows, prefill, bw, bf16, fp8)
+    bs1, bs64 = rows
+    assert bs1["peak_tflops"] == 1400.0 and bs1["floor_ms"] == pytest.approx(3.0) and bs1["ratio"] == pytest.approx(1.2)
+    assert bs1["vs_nvfp4"] == pytest.approx(3.6 / 2.7) and bs1["vs_fp8"] == pytest.approx(3.6 / 3.5)
+    assert bs1["target"] is None and bs1["meets_target"] is None and bs64["target"] is None
+    row = next(r for r in prefill if r["model"] == label)
+    assert row["vs_fp8"] == pytest.approx(60.0 / 62.0) and row["target"] is None and row["meets_target"] is None

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from graphserve.analysis.plan_answer import answer
-from graphserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, default_cuda_graph_sizes
+from graphserve.config import FP4_LOAD_AS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, default_cuda_graph_sizes
 from graphserve.engine.memory import RESERVE_BYTES, gib, plan_memory
 from graphserve.errors import BadRequestError, ModelLoadError, bad_field
 from graphserve.layers.kv_layout import with_block_size, with_cache_dtype
@@ -64,15 +64,22 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, ep: int
                max_running_requests: int | None = None, input_len: int = 1024, output_len: int = 1024,
                dtype: str = "bf16", concurrency: list[int] | None = None, max_model_len: int | None = None,
                chunked_prefill_size: int = 2048, block_size: int = 16, reserve_gb: float = RESERVE_BYTES / GiB_,
-               oversize: str = "split", quantization: str = "none", kv_cache_dtype_name: str = "auto") -> dict[str, Any]:
+               oversize: str = "split", quantization: str = "none", kv_cache_dtype_name: str = "auto",
+               fp4_load_as: str = "none") -> dict[str, Any]:
     if dtype not in DTYPES:
         raise BadRequestError(f"--dtype={dtype!r} is invalid: choose one of {', '.join(DTYPES)}", param="dtype")
     if oversize not in ("split", "eager"):
         raise BadRequestError(f"--oversize={oversize!r} is invalid: choose split or eager", param="oversize")
     # an FP8 checkpoint's own quantization_config, else --quantization (what the loader applies)
     quant = resolve_quantization(parse_quantization_config(hf.get("quantization_config")), quantization)
-    model = quantized_description(describe_model(hf, DTYPES[dtype], tp, ep), quant, DTYPES[dtype],
-                                  ignore_list(hf, quant))
+    if fp4_load_as != "none":  # FP4 weights held as FP8: the converter's kernels load only where asked for
+        from graphserve.layers.quant.fp4_to_fp8 import check_fp4_load_as, fp8_description
+
+        check_fp4_load_as(fp4_load_as, quant, "the model")
+        model = fp8_description(describe_model(hf, DTYPES[dtype], tp, ep), quant, DTYPES[dtype], ignore_list(hf, quant))
+    else:
+        model = quantized_description(describe_model(hf, DTYPES[dtype], tp, ep), quant, DTYPES[dtype],
+                                      ignore_list(hf, quant))
     if kv_cache_dtype_name not in KV_CACHE_DTYPES:
         raise BadRequestError(f"--kv-cache-dtype={kv_cache_dtype_name!r} is invalid: choose one of "
                               f"{', '.join(KV_CACHE_DTYPES)}", param="kv_cache_dtype")
@@ -190,6 +197,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                         help="weights quantized at load (an FP8 checkpoint is counted in FP8 regardless)")
+    parser.add_argument("--fp4-load-as", choices=FP4_LOAD_AS, default="none",
+                        help="fp8: FP4 weights (an NVFP4/MXFP4 checkpoint or --quantization nvfp4/mxfp4) counted as "
+                             "the FP8 the engine converts them to at load")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="KV cache dtype: auto (the model dtype) or fp8_e4m3")
     parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated concurrency levels")
@@ -238,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
                    dtype=args.dtype, concurrency=conc, max_model_len=args.max_model_len,
                    chunked_prefill_size=args.chunked_prefill_size, block_size=args.block_size,
                    reserve_gb=args.reserve_gb, oversize=args.oversize, quantization=args.quantization,
-                   kv_cache_dtype_name=args.kv_cache_dtype)
+                   kv_cache_dtype_name=args.kv_cache_dtype,
+                   fp4_load_as=getattr(args, "fp4_load_as", "none"))
     ep, nnodes = getattr(args, "ep", 1), getattr(args, "nnodes", 1)
     text = format_plan(p)
     if max(args.tp, ep) > 1:

@@ -2,7 +2,8 @@
 kernels/fp4_moe.fp4_fused_experts (same arguments).
 
 Weights (kernels/fp4_reference.py): w13 uint8 [E, 2I, H/2] (gate rows, then up rows), w2 uint8 [E, H, I/2], group
-scales [E, N, K/G]; NVFP4 globals float32 [E, 2] for w13 (gate's, up's) and [E, 1] for w2, None for MXFP4.
+scales [E, N, K/G]; NVFP4 globals float32 [E, 2] for w13 (gate's, up's) and [E, 1] for w2, or one per row
+([E, 2I], [E, H]), None for MXFP4.
 Activations: ``silu`` (silu(gate) * up) or gpt-oss's ``swiglu_oai`` (gate = min(gate, limit); up = clamp(up, -limit,
 limit); (up + 1) * gate * sigmoid(alpha * gate)); ``w13_bias`` [E, 2I] joins gate/up before the activation,
 ``w2_bias`` [E, H] each expert's down output before its routing weight. Each expert is dequantized to fp32 alone
@@ -56,7 +57,8 @@ def fp4_fused_experts_reference(
         if pairs.numel() == 0:
             continue
         d13 = fp4_dequantize(w13[e], w13_scale[e], None if w13_global is None else w13_global[e], fmt)
-        d2 = fp4_dequantize(w2[e], w2_scale[e], None if w2_global is None else w2_global[e].reshape(()), fmt)
+        g2 = None if w2_global is None else w2_global[e] if w2_global.shape[-1] > 1 else w2_global[e].reshape(())
+        d2 = fp4_dequantize(w2[e], w2_scale[e], g2, fmt)
         gate_up = x[pairs // k].float() @ d13.T
         if w13_bias is not None:
             gate_up = gate_up + w13_bias[e].float()

@@ -41,7 +41,7 @@ import triton.language as tl
 from graphserve.kernels import tables
 from graphserve.kernels.fp4_gemv import MAX_ROWS as STREAM_MAX_ROWS
 from graphserve.kernels.fp4_gemv import fp4_gemv
-from graphserve.kernels.fp4_layout import GROUP, block_scale, fp4_check, widen_fp8, widen_fp16
+from graphserve.kernels.fp4_layout import GROUP, block_scale, fp4_check, row_global, widen_fp8, widen_fp16
 from graphserve.kernels.fp4_reference import fp4_dequantize
 from graphserve.kernels.fp8_quant import FP8_DTYPE, per_token_group_quant
 from graphserve.kernels.pdl import pdl_args, pdl_enter
@@ -76,8 +76,8 @@ def gemm_config(m: int, variant: str) -> Fp4GemmConfig:
 @triton.jit
 def _fp4_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_xsm, stride_wn, stride_sn, stride_om,
-    K: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    K: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, ROW_GLOBAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
@@ -145,9 +145,12 @@ def _fp4_gemm_kernel(
             xo = tl.load(xe_ptrs + 1, mask=cm[None, :], other=0.0)
             acc = tl.dot(wl, tl.trans(xe), acc)
             acc = tl.dot(wh, tl.trans(xo), acc)
-    if HAS_GLOBAL:
-        acc *= tl.load(gs_ptr)
     n_ok = offs_n < N
+    if HAS_GLOBAL:
+        if ROW_GLOBAL:  # fused parts with different globals: each output row its own, no launch after this one
+            acc *= tl.load(gs_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+        else:
+            acc *= tl.load(gs_ptr)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -157,15 +160,15 @@ def _fp4_gemm_kernel(
 def fp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
              fmt: str, bias: torch.Tensor | None = None, out: torch.Tensor | None = None, *, variant: str = "bf16",
              config: Fp4GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
-    """``x`` [M, K] (bf16/fp16) times the FP4 weight [N, K/2] (+ bias), x's dtype out; ``variant`` "bf16"
+    """``x`` [M, K] (bf16/fp16) times the FP4 weight [N, K/2] (+ bias), x's dtype out; ``global_scale`` (NVFP4) one
+    value or fp32 [N] one per output row; ``variant`` "bf16"
     (W4A16) or "fp8" (W4A8: x quantized per token by one launch first). ``config`` overrides the tiles."""
     n, k = fp4_check("fp4_gemm", packed, scale, global_scale, fmt, x.shape[-1])
     if variant not in VARIANTS:
         raise ValueError(f"fp4_gemm: variant={variant!r} must be one of {VARIANTS}")
     if x.dim() != 2 or x.dtype not in X_DTYPES:
         raise ValueError(f"fp4_gemm: x must be 2-D {X_DTYPES}, got {x.dtype} {tuple(x.shape)}")
-    if global_scale is not None and global_scale.numel() != 1:
-        raise ValueError(f"fp4_gemm: the global scale must be one value, got shape {tuple(global_scale.shape)}")
+    per_row = row_global("fp4_gemm", global_scale, n)
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"fp4_gemm: bias must be contiguous with shape ({n},), got {tuple(bias.shape)}")
     if x.stride(-1) != 1:
@@ -195,8 +198,8 @@ def fp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
         xq, xs, packed, scale.view(torch.uint8), global_scale if global_scale is not None else out,
         bias if bias is not None else out, out, m, n, xq.stride(0), xs.stride(0), packed.stride(0), scale.stride(0),
         out.stride(0), K=k, GROUP_K=group, MX=fmt == "mxfp4", HAS_GLOBAL=global_scale is not None,
-        HAS_BIAS=bias is not None, FP8=fp8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ROW_GLOBAL=per_row, HAS_BIAS=bias is not None, FP8=fp8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(x.device, "_fp4_gemm_kernel"),
     )  # fmt: skip
     return out

@@ -40,6 +40,7 @@ from graphserve.kernels.fp4_layout import (
     block_scale,
     default_widen,
     fp4_check,
+    row_global,
     widen_code,
     widen_fp16,
 )
@@ -89,8 +90,8 @@ def stream_config(m: int, n: int, k: int, group: int, sms: int, widen: str = DEF
 def _fp4_gemv_kernel(
     x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, stride_xm, stride_rm, stride_rom, stride_wn, stride_sn, stride_om, eps,
-    K: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr, USE_DOT: tl.constexpr,
+    K: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, ROW_GLOBAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     K_SPLIT: tl.constexpr, WIDEN: tl.constexpr, UNIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -172,7 +173,7 @@ def _fp4_gemv_kernel(
                     acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
     pdl_release(PDL)
     if SPLIT_K == 1:
-        _epilogue(acc, gs_ptr, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_GLOBAL, HAS_BIAS)
+        _epilogue(acc, gs_ptr, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_GLOBAL, ROW_GLOBAL, HAS_BIAS)
     else:
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
         parts = part_ptr + pid.to(tl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
@@ -183,18 +184,21 @@ def _fp4_gemv_kernel(
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for sp in tl.static_range(SPLIT_K):  # split order, whichever program came last: deterministic
                 total += tl.load(parts + sp * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
-            _epilogue(total, gs_ptr, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_GLOBAL, HAS_BIAS)
+            _epilogue(total, gs_ptr, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_GLOBAL, ROW_GLOBAL, HAS_BIAS)
             tl.atomic_xchg(lock_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _epilogue(acc, gs_ptr, b_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_GLOBAL: tl.constexpr,
-              HAS_BIAS: tl.constexpr):  # fmt: skip
-    """The fp32 tile [BLOCK_N, BLOCK_M] (rows the output columns) times the global scale, plus the bias; stored
-    in the output's dtype."""
-    if HAS_GLOBAL:
-        acc = acc * tl.load(gs_ptr)
+              ROW_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The fp32 tile [BLOCK_N, BLOCK_M] (rows the output columns) times the global scale (one value, or one per
+    output row), plus the bias; stored in the output's dtype."""
     n_mask = offs_n < N
+    if HAS_GLOBAL:
+        if ROW_GLOBAL:
+            acc = acc * tl.load(gs_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        else:
+            acc = acc * tl.load(gs_ptr)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -212,8 +216,7 @@ def _launch(x: torch.Tensor, k: int, packed: torch.Tensor, scale: torch.Tensor, 
     m = x.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"fp4_gemv takes at most {MAX_ROWS} rows, got {m}: larger batches take fp4_gemm")
-    if global_scale is not None and global_scale.numel() != 1:
-        raise ValueError(f"fp4_gemv: the global scale must be one value, got shape {tuple(global_scale.shape)}")
+    per_row = row_global("fp4_gemv", global_scale, n)
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"fp4_gemv: bias must be contiguous with shape ({n},), got {tuple(bias.shape)}")
     if out is None:
@@ -254,7 +257,7 @@ def _launch(x: torch.Tensor, k: int, packed: torch.Tensor, scale: torch.Tensor, 
         out, parts, locks, m, n, x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, w.stride(0), scale.stride(0), out.stride(0),
         float(eps), K=k, GROUP_K=group, MX=fmt == "mxfp4", HAS_GLOBAL=global_scale is not None,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None,
+        ROW_GLOBAL=per_row, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_RESIDUAL=residual is not None,
         NORM=norm_weight is not None, USE_DOT=cfg.use_dot, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, K_SPLIT=k_split, WIDEN=widen, UNIT=WIDEN_UNIT_LOG2[widen],
         EVEN_K=k % k_split == 0 and k_split % block_k == 0,
@@ -268,7 +271,8 @@ def fp4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
              fmt: str, bias: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
              config: Fp4StreamConfig | None = None) -> torch.Tensor:  # fmt: skip
     """``x`` [M <= 64, K] (bf16/fp16) times the FP4 weight ``packed`` [N, K/2] with its block ``scale`` and
-    (NVFP4) ``global_scale``; fp32 accumulation, x's dtype out. ``config`` overrides the tiles (benchmarks)."""
+    (NVFP4) ``global_scale``: one value, or fp32 [N] one per output row (fused parts with different globals);
+    fp32 accumulation, x's dtype out. ``config`` overrides the tiles (benchmarks)."""
     return _launch(x, x.shape[-1], packed, scale, global_scale, fmt, bias, out, config)
 
 

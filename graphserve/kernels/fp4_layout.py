@@ -215,3 +215,15 @@ def fp4_check(name: str, packed: torch.Tensor, scale: torch.Tensor, global_scale
         raise ValueError(f"{name}: mxfp4 has no global scale, got one of shape {tuple(global_scale.shape)}")
     return n, kk
 
+
+
+def row_global(name: str, global_scale: torch.Tensor | None, n: int) -> bool:
+    """Whether ``global_scale`` is one per output row (fp32 [N], contiguous: fused parts with different globals
+    scale their rows in the kernel's epilogue, no launch after it) rather than one value; any other shape is
+    refused naming it."""
+    if global_scale is None or global_scale.numel() == 1:
+        return False
+    if global_scale.shape != (n,) or not global_scale.is_contiguous():
+        raise ValueError(f"{name}: the global scale must be one value or one per output row ({n},) contiguous, "
+                         f"got shape {tuple(global_scale.shape)}")
+    return True

@@ -1,7 +1,8 @@
 """FP4 routed experts: ``fp4_fused_experts``, the FP4 counterpart of kernels/moe_fused.fused_experts.
 
 Weights as the loading side stores them (kernels/fp4_layout.py): w13 [E, 2I, H/2] (gate rows, then up rows),
-w2 [E, H, I/2], block scales [E, rows, K/group], NVFP4 global scales [E, 2] (gate's, up's) and [E, 1]; optional
+w2 [E, H, I/2], block scales [E, rows, K/group], NVFP4 global scales [E, 2] (gate's, up's) and [E, 1], or one
+per row ([E, 2I], [E, H]: applied in the same epilogue, no launch after it); optional
 biases w13_bias [E, 2I] (added to gate and up before the activation) and w2_bias [E, H] (added to each
 expert's down output before its routing weight). Activations: "silu" (silu(gate) * up) or gpt-oss's
 "swiglu_oai" (gate = min(gate, limit); up = clamp(up, -limit, limit); (up + 1) * gate * sigmoid(alpha * gate)),
@@ -91,8 +92,8 @@ def _fp4_stream_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, act_ptr, ids_ptr, valid_ptr, counts_ptr, N, expert_start, num_pairs,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_gse, stride_be, stride_am, alpha, limit,
     K: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr,
-    GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, ROW_GLOBAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_E: tl.constexpr, WIDEN: tl.constexpr, UNIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """act[pair, n-block] = activation(gate, up) for pair ``program_id(0)``; an unrouted pair reads nothing."""
@@ -132,8 +133,12 @@ def _fp4_stream_gate_up_kernel(
             acc_g += _row_sums(g_ptrs, sg_ptrs, x_row, byte3, k0, True, g_mask, K, GROUP_K, MX)
             acc_u += _row_sums(u_ptrs, su_ptrs, x_row, byte3, k0, True, g_mask, K, GROUP_K, MX)
     if HAS_GLOBAL:
-        acc_g *= tl.load(gs_ptr + e * stride_gse)
-        acc_u *= tl.load(gs_ptr + e * stride_gse + 1)
+        if ROW_GLOBAL:  # one per w13 row: gate's rows, then up's
+            acc_g *= tl.load(gs_ptr + e * stride_gse + rows)
+            acc_u *= tl.load(gs_ptr + e * stride_gse + N + rows)
+        else:
+            acc_g *= tl.load(gs_ptr + e * stride_gse)
+            acc_u *= tl.load(gs_ptr + e * stride_gse + 1)
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + e * stride_be + rows).to(tl.float32)
         acc_u += tl.load(b_ptr + e * stride_be + N + rows).to(tl.float32)
@@ -146,8 +151,8 @@ def _fp4_stream_down_kernel(
     act_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, weights_ptr, ids_ptr, valid_ptr, H, expert_start,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_gse, stride_be, stride_om,
     K: tl.constexpr, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, GROUP_K: tl.constexpr,
-    MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    WIDEN: tl.constexpr, UNIT: tl.constexpr, PDL: tl.constexpr,
+    MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, ROW_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr, UNIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[t, n-block] = sum over token t's routed slots of weight * (w2[expert] @ act[pair] + w2_bias[expert]);
     an unrouted slot reads nothing (its masked loads move no bytes) and a padding row comes out as zeros."""
@@ -182,7 +187,10 @@ def _fp4_stream_down_kernel(
                 g_mask = (k0 // GROUP_K + offs_g) < K // GROUP_K
                 acc += _row_sums(w_ptrs, s_ptrs, a_row, byte3, k0, routed, g_mask, K, GROUP_K, MX)
         if HAS_GLOBAL:
-            acc *= tl.load(gs_ptr + e * stride_gse, mask=routed, other=0.0)
+            if ROW_GLOBAL:
+                acc *= tl.load(gs_ptr + e * stride_gse + rows, mask=routed, other=0.0)
+            else:
+                acc *= tl.load(gs_ptr + e * stride_gse, mask=routed, other=0.0)
         if HAS_BIAS:
             acc += tl.load(b_ptr + e * stride_be + rows, mask=routed, other=0.0).to(tl.float32)
         out += weight * acc
@@ -212,7 +220,7 @@ def _fp4_moe_gemm_kernel(
     num_pairs, N, num_blocks_m, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_gse, stride_be,
     stride_cm, alpha, limit,
     K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    ACT: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    ACT: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, ROW_GLOBAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -257,9 +265,14 @@ def _fp4_moe_gemm_kernel(
                                BLOCK_K, a.dtype)  # fmt: skip
             acc_u = tl.dot(a, tl.trans(wu), acc_u)
     if HAS_GLOBAL:
-        acc_g *= tl.load(gs_ptr + e * stride_gse)
-        if GATED:
-            acc_u *= tl.load(gs_ptr + e * stride_gse + 1)
+        if ROW_GLOBAL:
+            acc_g *= tl.load(gs_ptr + e * stride_gse + rows)[None, :]
+            if GATED:
+                acc_u *= tl.load(gs_ptr + e * stride_gse + N + rows)[None, :]
+        else:
+            acc_g *= tl.load(gs_ptr + e * stride_gse)
+            if GATED:
+                acc_u *= tl.load(gs_ptr + e * stride_gse + 1)
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + e * stride_be + rows).to(tl.float32)[None, :]
         if GATED:
@@ -289,10 +302,12 @@ def _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, topk_wei
     h2, _ = fp4_check("fp4_fused_experts w2", w2, w2_scale, w2_global, fmt, inter, (e,))
     if h2 != h:
         raise ValueError(f"fp4_fused_experts: w2 has {h2} rows, the hidden size is {h}")
-    for name, g, cols in (("w13_global", w13_global, 2), ("w2_global", w2_global, 1)):
+    for name, g, cols, rows in (("w13_global", w13_global, 2, two_i), ("w2_global", w2_global, 1, h)):
         if fmt == "nvfp4":
-            if g is None or g.dtype != torch.float32 or tuple(g.shape) != (e, cols) or not g.is_contiguous():
-                raise ValueError(f"fp4_fused_experts: nvfp4 {name} must be contiguous fp32 [{e}, {cols}], got "
+            if g is None or g.dtype != torch.float32 or tuple(g.shape) not in ((e, cols), (e, rows)) \
+                    or not g.is_contiguous():
+                raise ValueError(f"fp4_fused_experts: nvfp4 {name} must be contiguous fp32 [{e}, {cols}] (one per "
+                                 f"part) or [{e}, {rows}] (one per row), got "
                                  f"{None if g is None else (g.dtype, tuple(g.shape))}")
         elif g is not None:
             raise ValueError(f"fp4_fused_experts: mxfp4 takes no {name}, got shape {tuple(g.shape)}")
@@ -354,6 +369,11 @@ def fp4_fused_experts(
     b2 = w2_bias if w2_bias is not None else placeholder
     s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     common = dict(GROUP_K=group, MX=mx, HAS_GLOBAL=w13_global is not None)
+    # one global per row ([E, 2I] / [E, H]) where given, else one per part ([E, 2] gate's and up's / [E, 1])
+    row13 = w13_global is not None and w13_global.shape[1] == 2 * inter
+    row2 = w2_global is not None and w2_global.shape[1] == h > 1
+    gs13_stride = w13_global.stride(0) if w13_global is not None else 2
+    gs2_stride = w2_global.stride(0) if w2_global is not None else 1
     act_id = ACTIVATIONS.index(activation)
     if (path or ("stream" if pairs <= STREAM_MAX_PAIRS else "gemm")) == "stream":
         act = torch.empty(pairs, inter, dtype=x.dtype, device=device)
@@ -363,17 +383,18 @@ def fp4_fused_experts(
         w2s = words_of(w2, "fp4_fused_experts: w2") if words else w2
         _fp4_stream_gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
             x, w13s, s13, g13, b13, act, topk_ids, valid_arg, counts, inter, expert_start, pairs,
-            x.stride(0), w13s.stride(0), w13s.stride(1), s13.stride(0), s13.stride(1), 2, 2 * inter, act.stride(0),
-            float(alpha), float(limit), K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local,
-            HAS_VALID=valid is not None, HAS_BIAS=w13_bias is not None, ACT=act_id, BLOCK_N=bn,
+            x.stride(0), w13s.stride(0), w13s.stride(1), s13.stride(0), s13.stride(1), gs13_stride, 2 * inter,
+            act.stride(0), float(alpha), float(limit), K=h, TOP_K=k, E=counts.numel(), E_LOCAL=num_local,
+            HAS_VALID=valid is not None, ROW_GLOBAL=row13, HAS_BIAS=w13_bias is not None, ACT=act_id, BLOCK_N=bn,
             BLOCK_K=max(group, min(256, triton.next_power_of_2(h))), BLOCK_P=HISTOGRAM_PAIRS,
             BLOCK_E=triton.next_power_of_2(counts.numel()), WIDEN=widen_id, UNIT=unit, num_warps=4, **common,
             **pdl_args(device, "_fp4_stream_gate_up_kernel"),
         )  # fmt: skip
         _fp4_stream_down_kernel[(t, triton.cdiv(h, bn))](
             act, w2s, s2, g2, b2, out, topk_weights, topk_ids, valid_arg, h, expert_start,
-            act.stride(0), w2s.stride(0), w2s.stride(1), s2.stride(0), s2.stride(1), 1, h, out.stride(0),
-            K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, HAS_BIAS=w2_bias is not None,
+            act.stride(0), w2s.stride(0), w2s.stride(1), s2.stride(0), s2.stride(1), gs2_stride, h, out.stride(0),
+            K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, ROW_GLOBAL=row2,
+            HAS_BIAS=w2_bias is not None,
             BLOCK_N=bn, BLOCK_K=max(group, min(256, triton.next_power_of_2(inter))), WIDEN=widen_id, UNIT=unit,
             num_warps=4, **common,
             **pdl_args(device, "_fp4_stream_down_kernel"),
@@ -388,9 +409,10 @@ def fp4_fused_experts(
         grid = (align.max_blocks * triton.cdiv(n, block_n),)
         _fp4_moe_gemm_kernel[grid](
             a, w, s, g, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, pairs, n,
-            align.max_blocks, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), 2 if gated else 1,
-            2 * n if gated else n, c.stride(0), float(alpha), float(limit),
+            align.max_blocks, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+            gs13_stride if gated else gs2_stride, 2 * n if gated else n, c.stride(0), float(alpha), float(limit),
             K=kk, A_ROW_DIV=k if gated else 1, GATED=gated, MUL_WEIGHT=not gated, ACT=act_id,
+            ROW_GLOBAL=row13 if gated else row2,
             HAS_BIAS=(w13_bias if gated else w2_bias) is not None, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=max(group, min(128, triton.next_power_of_2(kk))), GROUP_M=8, num_warps=4, num_stages=3,
             **common, **pdl_args(device, "_fp4_moe_gemm_kernel"),

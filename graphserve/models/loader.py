@@ -28,6 +28,7 @@ from graphserve.layers.quant.config import (
 from graphserve.layers.quant.fp4 import quantize_fp4_linears
 from graphserve.layers.quant.fp4_config import Fp4Config, check_fp4_device, fp4_ignore_list, modelopt_file_config
 from graphserve.layers.quant.fp4_moe import quantize_fp4_experts
+from graphserve.layers.quant.fp4_to_fp8 import check_fp4_load_as, convert_fp4_model, fp8_description
 from graphserve.layers.quant.fp8 import quantize_linears
 from graphserve.layers.quant.fp8_moe import quantize_experts
 from graphserve.models.builtin import ensure_builtin
@@ -136,6 +137,8 @@ def meta_model(config: EngineConfig) -> nn.Module:
             raise ModelLoadError(f"model folder {folder} cannot be read by transformers: {e}", param="model") from e
         quant = resolve_quantization(parse_quantization_config(raw.get("quantization_config")), config.quantization)
     model, _ = _build(resolve_model_class(raw.get("architectures")), hf_config, config, torch.device("meta"), quant)
+    if check_fp4_load_as(config.fp4_load_as, quant, source):
+        convert_fp4_model(model, quant)  # the FP8 it will hold
     return model
 
 
@@ -195,14 +198,17 @@ def _load_folder(config: EngineConfig, folder: Path, device: torch.device) -> Lo
     if raw_quant is not None and getattr(hf_config, "quantization_config", None) is None:
         hf_config.quantization_config = raw_quant
     quant = resolve_quantization(parse_quantization_config(raw_quant), config.quantization)
+    as_fp8 = check_fp4_load_as(config.fp4_load_as, quant, str(folder))
     model, dtype = _build(model_cls, hf_config, config, device, quant)
     loaded = model.load_weights(iter_safetensors(files))
     missing = sorted(model.expected_weights() - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"checkpoint in {folder} lacks {len(missing)} tensors: {shown}", param="model")
+    if as_fp8:
+        convert_fp4_model(model, quant)
     eos = _eos_ids(hf_config, tokenizer, _generation_eos(folder))
-    return _finish(model, hf_config, tokenizer, dtype, eos, quant, config.kv_cache_dtype, config.block_size)
+    return _finish(model, hf_config, tokenizer, dtype, eos, quant, config.kv_cache_dtype, config.block_size, as_fp8)
 
 
 def _load_gguf(config: EngineConfig, file: GGUFFile, device: torch.device) -> LoadedModel:
@@ -212,14 +218,17 @@ def _load_gguf(config: EngineConfig, file: GGUFFile, device: torch.device) -> Lo
     hf_config = AutoConfig.for_model(**raw)
     tokenizer = file.tokenizer()
     quant = online_config(config.quantization)
+    as_fp8 = check_fp4_load_as(config.fp4_load_as, quant, str(file.path))
     model, dtype = _build(model_cls, hf_config, config, device, quant)
     loaded = model.load_weights(file.tensors(dtype))
     missing = sorted(model.expected_weights() - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"GGUF file {file.path} lacks {len(missing)} tensors: {shown}", param="model")
+    if as_fp8:
+        convert_fp4_model(model, quant)
     return _finish(model, hf_config, tokenizer, dtype, _eos_ids(hf_config, tokenizer, None), quant,
-                   config.kv_cache_dtype, config.block_size)
+                   config.kv_cache_dtype, config.block_size, as_fp8)
 
 
 def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> LoadedModel:
@@ -232,9 +241,12 @@ def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> Load
     shipped = parse_quantization_config(raw.get("quantization_config"))
     quant = online_config(config.quantization) if shipped is None else \
         resolve_quantization(dataclasses.replace(shipped, serialized=False), config.quantization)
+    as_fp8 = check_fp4_load_as(config.fp4_load_as, quant, f"dummy:{preset}")
     model, dtype = _build(model_cls, hf_config, config, device, quant)
     if device.type != "meta":
         _init_random(model, config.seed, device, dtype)
+        if as_fp8:
+            convert_fp4_model(model, quant)
     if config.moe_routing != "model":
         experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
         if not experts:
@@ -243,7 +255,7 @@ def _load_dummy(config: EngineConfig, preset: str, device: torch.device) -> Load
         for m in experts:
             m.routing_override = config.moe_routing
     return _finish(model, hf_config, tokenizer, dtype, _eos_ids(hf_config, tokenizer, None), quant,
-                   config.kv_cache_dtype, config.block_size)
+                   config.kv_cache_dtype, config.block_size, as_fp8)
 
 
 def _build(model_cls: type, hf_config: PretrainedConfig, config: EngineConfig, device: torch.device,
@@ -331,15 +343,19 @@ def _eos_ids(hf_config: PretrainedConfig, tokenizer: Any, generation_eos: Any) -
 
 
 def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype: torch.dtype, eos: list[int],
-            quant: Fp8Config | None = None, kv_dtype: str = "auto", block_size: int = 16):
+            quant: Fp8Config | None = None, kv_dtype: str = "auto", block_size: int = 16,
+            fp4_as_fp8: bool = False):
     from graphserve.distributed.state import get_parallel
 
     parallel = get_parallel()  # this rank's share: its KV heads size the pool, its weights the plan
     description = model.describe(hf_config, dtype, tp=parallel.tp_size, ep=parallel.ep_size)
-    # priced by the ignore list the layers were quantized by (layers/quant/fp8.py quantize_linears)
-    ignore = None if quant is None else fp4_ignore_list(quant, model) if isinstance(quant, Fp4Config) else \
-        IgnoreList(quant, model.map_weight_name, model.stacked_params)
-    description = quantized_description(description, quant, dtype, ignore)
+    if fp4_as_fp8:  # --fp4-load-as fp8: the FP4 layers now hold FP8 (layers/quant/fp4_to_fp8.py)
+        description = fp8_description(description, quant, dtype, fp4_ignore_list(quant, model))
+    else:
+        # priced by the ignore list the layers were quantized by (layers/quant/fp8.py quantize_linears)
+        ignore = None if quant is None else fp4_ignore_list(quant, model) if isinstance(quant, Fp4Config) else \
+            IgnoreList(quant, model.map_weight_name, model.stacked_params)
+        description = quantized_description(description, quant, dtype, ignore)
     if kv_dtype != "auto":  # a paged K/V cache or a latent one (MLA) alike: layers/kv_layout.py
         kv = with_cache_dtype(description.kv, kv_dtype)
         description = dataclasses.replace(description, kv=kv)

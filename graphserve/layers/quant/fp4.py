@@ -13,9 +13,10 @@ K columns, which must start and end on a scale group: a group two ranks would sh
 A weight quantized here is quantized whole (each part with its own global scale) and then cut, so every rank holds
 exactly tp 1's codes and scales.
 
-The matmul: on CPU ``fp4_linear_reference``'s dequantize-then-multiply; on CUDA kernels/fp4_gemv.fp4_linear. A fused
-layer whose parts' global scales differ runs the kernel with a global of 1 and multiplies each output column by its
-part's global (one elementwise pass; equal globals, the usual ModelOpt export, pass as one scalar).
+The matmul: on CPU ``fp4_linear_reference``'s dequantize-then-multiply; on CUDA kernels/fp4_gemm.fp4_linear. A fused
+layer whose parts' global scales differ hands the kernels one global per output row (``fp4_row_global``, made as
+the globals load), applied in their epilogue: no launch after the matmul. Equal globals, the usual ModelOpt export,
+pass as one scalar.
 """
 
 from __future__ import annotations
@@ -202,21 +203,13 @@ class Fp4LinearMethod:
         if not rows.is_contiguous():
             rows = rows.contiguous()
         if not self.config.global_scale:
-            out = fp4_linear(rows, layer.weight, layer.weight_scale, None, self.fmt, layer.bias)
+            global_ = None
         elif layer.fp4_row_global is None:
-            out = fp4_linear(rows, layer.weight, layer.weight_scale, layer.weight_scale_2[0], self.fmt, layer.bias)
+            global_ = layer.weight_scale_2[:1]
         else:
-            out = fp4_linear(rows, layer.weight, layer.weight_scale, self._one(layer), self.fmt)
-            out = out * layer.fp4_row_global.to(out.dtype) if layer.bias is None else \
-                torch.addcmul(layer.bias, out, layer.fp4_row_global.to(out.dtype))
+            global_ = layer.fp4_row_global
+        out = fp4_linear(rows, layer.weight, layer.weight_scale, global_, self.fmt, layer.bias)
         return out.view(*x.shape[:-1], layer.out_features)
-
-    @staticmethod
-    def _one(layer: Linear) -> torch.Tensor:
-        one = getattr(layer, "_fp4_one", None)
-        if one is None:
-            one = layer._fp4_one = torch.ones(1, dtype=torch.float32, device=layer.weight.device)
-        return one
 
 
 def _check_full(loaded: torch.Tensor, local: tuple[int, int], part: RankSlice | None, what: str, group: int) -> None:
