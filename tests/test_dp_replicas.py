@@ -45,9 +45,9 @@ def _generate(base_url: str, ids: list[int], n: int = 1) -> list[list[int]]:
 
 def test_dp2_serves_routes_by_prefix_labels_replicas_and_survives_one_death(tmp_path):
     rng = random.Random(56)
-    prompts = [[rng.randrange(100, 2000) for _ in range(rng.randrange(20, 40))] for _ in range(4)]
+    prompts = [[rng.randrange(5, 1300) for _ in range(rng.randrange(20, 40))] for _ in range(4)]
     step_log = tmp_path / "steps.jsonl"
-    srv = ServerProcess(tmp_path, "--dp", "2", "--step-log", str(step_log), "--engine-death-grace", "5")
+    srv = ServerProcess(tmp_path, "--dp", "2", "--step-log", str(step_log), "--engine-death-grace", "1")
     srv.start(timeout=300)
     try:
         engines = engine_processes(srv)
@@ -65,7 +65,7 @@ def test_dp2_serves_routes_by_prefix_labels_replicas_and_survives_one_death(tmp_
         assert got == want
 
         # A prompt of 4 full blocks, then three that extend it: all three go to the replica that cached it.
-        shared = [rng.randrange(100, 2000) for _ in range(4 * BLOCK)]
+        shared = [rng.randrange(5, 1300) for _ in range(4 * BLOCK)]
         before = _routed(srv.base_url)
         _generate(srv.base_url, shared + [7])
         after = _routed(srv.base_url)
@@ -91,7 +91,7 @@ def test_dp2_serves_routes_by_prefix_labels_replicas_and_survives_one_death(tmp_
 
         # A replica dies with a stream in flight on each: only its own fails, the other finishes, and the server
         # serves on with /health 200 until the last replica is gone.
-        body = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             starts = [concurrent.futures.Future(), concurrent.futures.Future()]
             streams = [pool.submit(stream_until_first_event, srv.base_url, {**body, "prompt": p}, s)
