@@ -4,11 +4,13 @@ fails only its own requests while the other serves on; and the splits that canno
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import logging
 import random
 import signal
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -16,7 +18,7 @@ from server_utils import MODEL, SMALL_ENGINE, ServerProcess, engine_processes, m
 
 from graphserve.config import EngineConfig
 from graphserve.engine.kv_cache import CLEARED, REMOVED, STORED
-from graphserve.errors import ConfigError
+from graphserve.errors import ConfigError, ServiceUnavailableError
 from graphserve.models.parallel_check import check_gpu_count
 from graphserve.server.launch import ENGINE_DIED_EXIT_CODE
 from graphserve.server.replicas import ReplicaSet, replica_configs, replica_of
@@ -88,6 +90,9 @@ def test_dp2_serves_routes_by_prefix_labels_replicas_and_survives_one_death(tmp_
         records = [json.loads(line) for line in step_log.read_text().splitlines()]
         assert {rec["replica"] for rec in records} == {0, 1}
         assert "DP0 Decode batch" in srv.log() and "DP1 Decode batch" in srv.log()
+        tel = httpx.get(srv.base_url + "/v1/telemetry", params={"replica": 1}, timeout=30).json()
+        assert tel["records"] and {rec["replica"] for rec in tel["records"]} == {1}
+        assert httpx.get(srv.base_url + "/v1/telemetry", params={"replica": 2}, timeout=30).status_code == 404
 
         # A replica dies with a stream in flight on each: only its own fails, the other finishes, and the server
         # serves on with /health 200 until the last replica is gone.
@@ -172,3 +177,31 @@ def test_union_of_replica_cache_events():
     replicas._on_cache_events(1, [(CLEARED,)])
     assert replicas.cache_events.cached == {12}
     assert replicas.policy.indexes[0].hashes == {12} and not replicas.policy.indexes[1].hashes
+
+
+def test_profile_asks_the_replicas_with_load():
+    """POST /v1/profile on a --dp server: replicas with requests in flight profile at once; an idle one is not
+    asked (it would only run out the timeout), and one that fails is reported beside the others' profiles."""
+    calls: list[int] = []
+
+    def fake(r: int, inflight: int, fail: bool = False) -> SimpleNamespace:
+        async def profile(steps: int, timeout_s: float) -> dict:
+            calls.append(r)
+            if fail:
+                raise ServiceUnavailableError(f"replica {r} ran no step", retry_after=1)
+            return {"phases": [{"mode": "eager", "step_ms": 1.0 + r}], "steps": steps}
+
+        return SimpleNamespace(alive=True, num_inflight=inflight, profiles=SimpleNamespace(profile=profile))
+
+    replicas = ReplicaSet(EngineConfig(dp=2, device="cpu"))
+    replicas.replicas = [fake(0, 0), fake(1, 3)]
+    out = asyncio.run(replicas.profiles.profile(2, 5.0))
+    assert calls == [1] and out["replica"] == 1 and list(out["replicas"]) == ["1"]
+    calls.clear()
+    replicas.replicas = [fake(0, 2, fail=True), fake(1, 3)]
+    out = asyncio.run(replicas.profiles.profile(2, 5.0))
+    assert sorted(calls) == [0, 1] and out["replica"] == 1 and out["phases"][0]["step_ms"] == 2.0
+    assert "ran no step" in out["replicas"]["0"]["error"]
+    replicas.replicas = [fake(0, 2, fail=True), fake(1, 0, fail=True)]
+    with pytest.raises(ServiceUnavailableError, match="replica 0 ran no step"):
+        asyncio.run(replicas.profiles.profile(2, 5.0))

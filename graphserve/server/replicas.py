@@ -250,14 +250,16 @@ class ReplicaSet:
 
 
 class ReplicaProfiles:
-    """POST /v1/profile with replicas: every serving replica profiles its next steps at once (each under the load
-    routed to it); the answer is the first replica's profile, with every replica's under ``replicas``."""
+    """POST /v1/profile with replicas: every serving replica with requests in flight profiles its next steps at
+    once, each under the load routed to it (an idle one would only run out the timeout: an engine steps only
+    with requests); the answer is the first one's profile, with each one's under ``replicas``."""
 
     def __init__(self, replicas: ReplicaSet):
         self.set = replicas
 
     async def profile(self, steps: int, timeout_s: float) -> dict:
         live = [(r, f) for r, f in enumerate(self.set.replicas) if f.alive]
+        live = [(r, f) for r, f in live if f.num_inflight] or live
         results = await asyncio.gather(*(f.profiles.profile(steps, timeout_s) for _, f in live),
                                        return_exceptions=True)
         by_replica: dict[str, Any] = {}
