@@ -56,7 +56,6 @@ class Frontend:
         self.config = config
         # one of the --dp replicas (server/replicas.py): its errors and log lines name it
         self.replica = replica
-        self.name = "the engine" if replica is None else f"replica {replica}"
         self.on_cache_events = on_cache_events  # set by a ReplicaSet: it keeps the replicas' cache events
         self.separate_process = separate_process or channel is not None
         self.channel = channel  # set in a front-end of several (--api-server-count): the engine is not ours
