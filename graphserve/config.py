@@ -62,6 +62,8 @@ class EngineConfig:
     overlap_schedule: str = "auto"
     tp: int = 1
     ep: int = 1  # expert parallelism: whole routed experts placed on ranks (MoE models)
+    # data-parallel replicas: engines of max(tp, ep) ranks each, behind the one HTTP front-end (server/replicas.py)
+    dp: int = 1
     # The one-shot all-reduce over peer memory for small messages (CUDA, tp > 1); NCCL does the rest.
     disable_custom_all_reduce: bool = False
     # ranks across machines (SGLang's names): node 0 runs the scheduler, the HTTP server and the first
@@ -131,6 +133,8 @@ class EngineConfig:
         if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
             raise ConfigError(f"--ep={self.ep} with --tp={self.tp} is invalid: expert-parallel ranks are the "
                               f"tensor-parallel ranks, so use --ep {self.tp} (or --ep 1)", param="ep")
+        if self.dp < 1:
+            raise ConfigError(f"--dp={self.dp} is invalid: must be >= 1", param="dp")
         self._check_nodes()
         if self.log_interval < 1:
             raise ConfigError(f"--log-interval={self.log_interval} is invalid: must be >= 1", param="log_interval")
@@ -149,6 +153,9 @@ class EngineConfig:
             raise ConfigError(f"--dist-timeout={self.dist_timeout} is invalid: must be > 0 seconds", param="dist_timeout")
         if self.nnodes == 1:
             return
+        if self.dp > 1:
+            raise ConfigError(f"--dp={self.dp} with --nnodes={self.nnodes} is not supported: replicas run on one "
+                              "node; put a `graphserve router` in front of one server per node instead", param="dp")
         addr = self.dist_init_addr or ""
         host, _, port = addr.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -188,6 +195,8 @@ _HELP = {
     "overlap_schedule": "prepare the next step while the device runs this one: auto (on CUDA), on, off",
     "tp": "tensor-parallel size: ranks (one process and device each) that split every layer",
     "ep": "expert-parallel size (MoE): ranks that hold whole experts; equal to --tp when both are set",
+    "dp": "data-parallel replicas: engines of --tp ranks each (replica r on GPUs r*tp ..), behind the one HTTP "
+          "server, which sends a request to the replica holding its longest cached prefix, else the least loaded",
     "disable_custom_all_reduce": "all-reduce with NCCL only (no one-shot kernel over peer memory for small messages)",
     "nnodes": "machines the --tp/--ep ranks span (each runs --tp/--nnodes ranks, one per GPU)",
     "node_rank": "this machine's index among --nnodes: 0 runs the scheduler and the HTTP server, the others ranks only",

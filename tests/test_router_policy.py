@@ -10,7 +10,7 @@ import pytest
 
 from graphserve.engine.kv_cache import CLEARED, REMOVED, STORED, BlockManager
 from graphserve.engine.request import Sequence
-from graphserve.router.policy import PrefixIndex, RoutingPolicy, block_hashes
+from graphserve.engine.routing_policy import PrefixIndex, RoutingPolicy, block_hashes
 from graphserve.router.workers import WorkerPool
 from graphserve.sampling_params import SamplingParams
 from graphserve.server.cache_events import HASH_PROBE, CacheEventLog

@@ -8,8 +8,8 @@ import json
 
 import httpx
 
+from graphserve.engine.routing_policy import RoutingPolicy
 from graphserve.router.app import WORKER_HEADER, create_app
-from graphserve.router.policy import RoutingPolicy
 from graphserve.router.tokens import PromptTokens
 from graphserve.router.workers import WorkerPool
 

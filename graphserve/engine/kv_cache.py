@@ -16,7 +16,7 @@ preempted sequence starts over from an empty table).
 
 Cache events (``record_events``): every hash that enters the prefix cache ("stored") or leaves it ("removed",
 "cleared") is logged for whoever drains ``take_events``, so a router in front of several engines keeps each one's
-prefix index from the engine's own changes (graphserve/router/policy.py hashes prompts with ``chain_hash``).
+prefix index from the engine's own changes (engine/routing_policy.py hashes prompts with ``chain_hash``).
 """
 
 from __future__ import annotations

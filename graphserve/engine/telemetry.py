@@ -45,6 +45,7 @@ class StepRecord:
     max_expert_load: int = 0  # most (token, slot) pairs any one expert received
     layer_max_expert_load: list[int] | None = None  # per MoE layer, its busiest expert's pairs
     layer_routed_pairs: list[int] | None = None  # per MoE layer, the (token, slot) pairs routed
+    replica: int = 0  # which --dp replica ran the step (the server sets it as the record arrives)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

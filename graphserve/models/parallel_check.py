@@ -53,29 +53,45 @@ def model_dtype(config: EngineConfig) -> torch.dtype:
 
 
 def check_parallel(config: EngineConfig) -> None:
-    """Raise ConfigError when ``--tp``/``--ep`` cannot split ``config.model``; a no-op on one rank."""
-    if config.tp == 1 and config.ep == 1:
+    """Raise ConfigError when ``--tp``/``--ep`` cannot split ``config.model``, or when its ranks (``--dp`` replicas of
+    max(tp, ep) each) need more GPUs than are visible; a no-op on one rank."""
+    if config.tp == 1 and config.ep == 1 and config.dp == 1:
         return
     import torch
 
-    from graphserve.models.registry import describe_model
+    if config.tp > 1 or config.ep > 1:
+        from graphserve.models.registry import describe_model
 
-    hf = model_hf_config(config.model)
-    try:
-        description = describe_model(hf, torch.bfloat16, tp=config.tp, ep=config.ep)
-    except ModelLoadError as e:
-        flag = "--ep" if config.ep > 1 and ("expert" in e.message) else "--tp"
-        value = config.ep if flag == "--ep" else config.tp
-        raise ConfigError(f"{flag}={value} does not fit {config.model}: {e.message}", param=flag[2:]) from e
+        hf = model_hf_config(config.model)
+        try:
+            description = describe_model(hf, torch.bfloat16, tp=config.tp, ep=config.ep)
+        except ModelLoadError as e:
+            flag = "--ep" if config.ep > 1 and ("expert" in e.message) else "--tp"
+            value = config.ep if flag == "--ep" else config.tp
+            raise ConfigError(f"{flag}={value} does not fit {config.model}: {e.message}", param=flag[2:]) from e
+        if config.ep > 1 and not description.is_moe:
+            raise ConfigError(f"--ep={config.ep} places experts on ranks, but {config.model} has no experts: "
+                              f"use --tp", param="ep")
+    on_cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    if on_cuda:
+        check_gpu_count(config, torch.cuda.device_count())
+
+
+def check_gpu_count(config: EngineConfig, visible: int) -> None:
+    """On CUDA every rank of every replica takes a GPU of its own, from ``--device cuda:N`` on: refuse a split that
+    needs more than the ``visible`` ones (CPU ranks share the host and are never refused here)."""
     world = max(config.tp, config.ep)
     per_node = world // config.nnodes  # EngineConfig refused a world that --nnodes does not divide
-    on_cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
     first = int(config.device.split(":")[1]) if config.device.startswith("cuda:") else 0
-    if on_cuda and torch.cuda.device_count() < first + per_node:
+    if config.dp > 1:
+        need = config.dp * per_node
+        if visible < first + need:
+            raise ConfigError(f"--dp={config.dp} x --tp={config.tp} x --ep={config.ep} runs {config.dp} replicas of "
+                              f"{world} rank(s), {need} GPUs from cuda:{first}, but {visible} GPU(s) are visible: "
+                              "--dp x max(--tp, --ep) must fit the GPUs given", param="dp")
+        return
+    if visible < first + per_node:
         nodes = f" over --nnodes={config.nnodes} ({per_node} on this node)" if config.nnodes > 1 else ""
         raise ConfigError(f"--tp={config.tp} --ep={config.ep} runs {world} ranks{nodes}, one GPU each from "
-                          f"cuda:{first}, but {torch.cuda.device_count()} GPU(s) are visible: --tp x --ep must be "
+                          f"cuda:{first}, but {visible} GPU(s) are visible: --tp x --ep must be "
                           f"--nnodes x GPUs per node", param="tp")
-    if config.ep > 1 and not description.is_moe:
-        raise ConfigError(f"--ep={config.ep} places experts on ranks, but {config.model} has no experts: "
-                          f"use --tp", param="ep")

@@ -1,2 +1,3 @@
-"""Routing requests among engine replicas by their cached prefixes: the policy (policy.py), and
-`graphserve router`, its HTTP front over separate `graphserve serve` workers (app.py, workers.py)."""
+"""`graphserve router`: routing requests among `graphserve serve` workers by their cached prefixes, over HTTP
+(app.py, workers.py). The policy lives in engine/routing_policy.py, below the server, which routes among its
+own `--dp` replicas with it."""

@@ -1,6 +1,6 @@
 """The router's HTTP front: the OpenAI and SGLang generation routes, proxied to the worker the policy picks.
 
-A request goes to the worker holding the longest cached prefix of it (router/policy.py), else to the least
+A request goes to the worker holding the longest cached prefix of it (engine/routing_policy.py), else to the least
 loaded. Nothing reaches the client before the worker has answered with a status and, for a stream, its first
 bytes: until then a worker that fails (connection refused or dropped, or a 503) is dropped and the request goes
 to another. Once a stream has started, a worker that dies ends it: its tokens cannot be taken back. Each response
@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from graphserve.engine.routing_policy import Choice
 from graphserve.errors import ServiceUnavailableError
-from graphserve.router.policy import Choice
 from graphserve.router.tokens import CHAT, COMPLETIONS, GENERATE, PromptTokens
 from graphserve.router.workers import Worker, WorkerPool
 

@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from graphserve.engine.routing_policy import DEFAULT_BALANCE_THRESHOLD, RoutingPolicy
 from graphserve.errors import ConfigError
-from graphserve.router.policy import DEFAULT_BALANCE_THRESHOLD, RoutingPolicy
 from graphserve.server.serve_args import API_KEY_ENVS
 
 logger = logging.getLogger("graphserve.router")

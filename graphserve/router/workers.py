@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from graphserve.router.policy import RoutingPolicy
+from graphserve.engine.routing_policy import RoutingPolicy
 from graphserve.server.cache_events import HASH_PROBE
 
 logger = logging.getLogger("graphserve.router")

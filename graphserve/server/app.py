@@ -182,10 +182,19 @@ def create_app(state: ServerState, guards: GuardOptions | None = None) -> FastAP
     async def telemetry(
         since: int = Query(-1, description="return records with step > since"),
         limit: int = Query(TELEMETRY_PAGE, ge=1, le=TELEMETRY_PAGE, description="at most this many records"),
+        replica: int | None = Query(None, ge=0, description="with --dp: this replica's records (default: the "
+                                    "first serving one's; each replica numbers its own steps)"),
     ) -> JSONResponse:
         """Step records oldest first, a page at a time: call again with ``since=next_since`` while ``more``."""
         state.check_ready()
-        records = state.engine.core.telemetry.records()
+        core = state.engine.core
+        if replica is not None:
+            replicas = getattr(state.engine, "replicas", [state.engine])
+            if replica >= len(replicas) or replicas[replica].core is None:
+                raise NotFoundError(f"replica={replica} is not served here: this server runs {len(replicas)} "
+                                    "replica(s) (--dp)", param="replica")
+            core = replicas[replica].core
+        records = core.telemetry.records()
         start = bisect.bisect_right(records, since, key=lambda r: r.step)  # steps only grow
         page = records[start:start + limit]
         return JSONResponse({"records": [dataclasses.asdict(r) for r in page],

@@ -29,9 +29,15 @@ class EngineEvents:
         engine = self.engine
         if isinstance(msg, StepBatch):
             engine.stats = msg.stats
+            # The cache events before the tokens: a request sent once this step's outputs reached their client
+            # is routed knowing the blocks they left (server/replicas.py).
+            if msg.cache_events:
+                if engine.on_cache_events is not None:
+                    engine.on_cache_events(msg.cache_events)
+                else:
+                    engine.cache_events.extend(msg.cache_events)
             if engine._pump is not None:  # tokens first: the output thread detokenizes while the listeners run
                 engine._pump.push(msg.outputs, msg.failed)
-            engine.cache_events.extend(msg.cache_events)
             if msg.records and engine.core is not None:
                 engine.core.telemetry.extend(msg.records)  # listeners (metrics, step log) run here, off the loop
         elif isinstance(msg, EngineReady):
@@ -65,11 +71,15 @@ class EngineEvents:
         engine = self.engine
         where = "process" if engine.separate_process else "thread"
         if not engine.ready.is_set():
-            engine.load_error = ModelLoadError(f"the engine {where} exited with code {exitcode} while loading")
+            who = "the engine" if engine.replica is None else f"replica {engine.replica}: its engine"
+            engine.load_error = ModelLoadError(f"{who} {where} exited with code {exitcode} while loading")
             engine.ready.set()
             return
         code = "" if exitcode is None else f" (exit code {exitcode})"
-        engine.engine_error = f"the engine {where} died{code}; restart the server"
+        if engine.replica is None:
+            engine.engine_error = f"the engine {where} died{code}; restart the server"
+        else:  # the other replicas serve on (server/replicas.py)
+            engine.engine_error = f"replica {engine.replica}: its engine {where} died{code}"
         logger.error("%s: failing %d in-flight request(s)", engine.engine_error, engine.num_inflight)
         assert engine._loop is not None
         engine._loop.call_soon_threadsafe(engine.abort_all, InternalError(engine.engine_error))

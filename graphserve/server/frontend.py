@@ -29,6 +29,7 @@ from graphserve.engine.input_processor import InputProcessor
 from graphserve.engine.messages import CoreView
 from graphserve.engine.output_processor import OutputProcessor, RequestDelta
 from graphserve.engine.process_client import EngineChannel, ProcessClient
+from graphserve.engine.request import EngineRequest
 from graphserve.engine.telemetry import EngineStats
 from graphserve.engine.thread_client import ThreadClient
 from graphserve.errors import (
@@ -50,8 +51,12 @@ logger = logging.getLogger("graphserve.server")
 class Frontend:
     def __init__(self, config: EngineConfig, *, on_step: Callable[[Any], None] | None = None,
                  separate_process: bool = False, stream_interval: int = 1, stream_stall_timeout: float = 30.0,
-                 channel: EngineChannel | None = None):
+                 channel: EngineChannel | None = None, replica: int | None = None,
+                 on_cache_events: Callable[[list[tuple]], None] | None = None):
         self.config = config
+        # one of the --dp replicas (server/replicas.py): its errors and log lines name it
+        self.replica = replica
+        self.on_cache_events = on_cache_events  # set by a ReplicaSet: it keeps the replicas' cache events
         self.separate_process = separate_process or channel is not None
         self.channel = channel  # set in a front-end of several (--api-server-count): the engine is not ours
         self.stream_interval = stream_interval
@@ -81,6 +86,8 @@ class Frontend:
         self._ids = itertools.count()
         # engine ids are unique over every front-end: each prefixes its serials with its index
         self._id_prefix = "" if channel is None else f"{channel.index}."
+        if replica is not None:  # a ReplicaSet finds a request's replica from its id (replica_of)
+            self._id_prefix = f"r{replica}." + self._id_prefix
         self._all_frontends_ready = channel is None
         self._watchdog: asyncio.Task[None] | None = None
         self._fault_marker = env.get(FAULT_ENV) or None
@@ -181,6 +188,14 @@ class Frontend:
         self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
     ) -> RequestStream:
         """Validate, tokenize and enqueue; raises BadRequestError / OverloadedError before anything runs."""
+        self.admit(request_id, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        assert self.input_processor is not None
+        req = self.input_processor.process(self.next_engine_id(request_id), prompt, params, arrival)
+        return self.submit(req, prompt, request_id)
+
+    def admit(self, request_id: str, params: SamplingParams) -> None:
+        """The checks made before any work on a request: serving, the queue bound, the rid not in flight."""
         self.check_serving()
         bound = self.config.max_queued_requests
         if params.n > bound:
@@ -191,10 +206,13 @@ class Frontend:
             raise self._overloaded(queued, params.n)
         if request_id in self._client_ids:
             raise BadRequestError(f"rid={request_id!r} is invalid: a request with this id is in flight", param="rid")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        engine_id = f"{request_id}#{self._id_prefix}{next(self._ids)}"
-        assert self.input_processor is not None
-        req = self.input_processor.process(engine_id, prompt, params, arrival)
+
+    def next_engine_id(self, request_id: str) -> str:
+        return f"{request_id}#{self._id_prefix}{next(self._ids)}"
+
+    def submit(self, req: EngineRequest, prompt: Any, request_id: str) -> RequestStream:
+        """Enqueue a request ``admit`` let in and the input processor made, keyed by an id of ``next_engine_id``."""
+        engine_id, params = req.request_id, req.params
         self._check_n_fits(len(req.prompt_token_ids), req.params)
         text = req.prompt_text if req.prompt_text is not None else (prompt if isinstance(prompt, str) else "")
         faulty = {engine_id} if self._fault_marker is not None and self._fault_marker in text else set()

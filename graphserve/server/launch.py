@@ -29,6 +29,7 @@ from graphserve.server.frontend import Frontend
 from graphserve.server.guards import MAX_HEAD_BYTES, GuardOptions, guarded_protocol
 from graphserve.server.metrics import ServerMetrics
 from graphserve.server.model_info import default_served_name
+from graphserve.server.replicas import ReplicaSet
 from graphserve.server.state import ServerState
 from graphserve.server.steplog import JsonlStepSink, StepLogger
 
@@ -68,9 +69,12 @@ def build_state(
         raise bad_field("stream_interval", stream_interval, "must be >= 1 token")
     if not stream_stall_timeout > 0:
         raise bad_field("stream_stall_timeout", stream_stall_timeout, "must be > 0 seconds")
-    engine = Frontend(config, on_step=on_step, separate_process=separate_process, stream_interval=stream_interval,
-                         stream_stall_timeout=stream_stall_timeout, channel=channel)
     index = 0 if channel is None else channel.index
+    if config.dp > 1:
+        return _build_replica_state(config, served_model_name, step_log, separate_process, stream_interval,
+                                    stream_stall_timeout, profile_endpoint, step_log_max_bytes)
+    engine = Frontend(config, on_step=on_step, separate_process=separate_process, stream_interval=stream_interval,
+                      stream_stall_timeout=stream_stall_timeout, channel=channel)
     metrics = ServerMetrics(lambda: engine.stats, lambda: engine.alive, api_server=index,
                             multiprocess=channel is not None)
     engine.on_abort = metrics.on_abort
@@ -80,11 +84,48 @@ def build_state(
         sink = JsonlStepSink(step_log, max_bytes=step_log_max_bytes)
         listeners.append(sink.on_step)
         closers.append(sink)
+    return _state(config, engine, metrics, served_model_name, profile_endpoint), closers
+
+
+def _state(config: EngineConfig, engine: Any, metrics: ServerMetrics, served_model_name: list[str] | str | None,
+           profile_endpoint: bool) -> ServerState:
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [default_served_name(config.model)]
-    state = ServerState(engine, metrics, model_name=names[0], accepted_names={*names, config.model},
-                        profile_endpoint=profile_endpoint)
-    return state, closers
+    return ServerState(engine, metrics, model_name=names[0], accepted_names={*names, config.model},
+                       profile_endpoint=profile_endpoint)
+
+
+def _build_replica_state(
+    config: EngineConfig, served_model_name: list[str] | str | None, step_log: str | None, separate_process: bool,
+    stream_interval: int, stream_stall_timeout: float, profile_endpoint: bool, step_log_max_bytes: int | None,
+) -> tuple[ServerState, list[Any]]:
+    """``build_state`` for --dp replicas (server/replicas.py): every step record is stamped with its replica, the
+    step log keeps a line per replica, the engine metrics carry a ``replica`` label."""
+    listeners: list[Any] = []
+    closers: list[Any] = []
+
+    def on_step(replica: int, rec: Any) -> None:
+        rec.replica = replica
+        for fn in listeners:
+            try:
+                fn(rec)
+            except Exception:  # noqa: BLE001 - a broken listener must never fail an engine step
+                logger.exception("step listener %r failed", fn)
+
+    engine = ReplicaSet(config, on_step=on_step, separate_process=separate_process, stream_interval=stream_interval,
+                        stream_stall_timeout=stream_stall_timeout)
+    metrics = ServerMetrics(lambda: engine.stats, lambda: engine.alive, replica_views=lambda: [
+        (str(r), f.stats, f.alive) for r, f in enumerate(engine.replicas)])
+    engine.on_abort = metrics.on_abort
+    engine.on_route = metrics.on_route
+    step_loggers = [StepLogger(config.log_interval, f.kv_capacity_tokens, prefix=f"DP{r} ")
+                    for r, f in enumerate(engine.replicas)]
+    listeners += [metrics.on_step, lambda rec: step_loggers[rec.replica].on_step(rec)]
+    if step_log:
+        sink = JsonlStepSink(step_log, max_bytes=step_log_max_bytes)
+        listeners.append(sink.on_step)
+        closers.append(sink)
+    return _state(config, engine, metrics, served_model_name, profile_endpoint), closers
 
 
 class GracefulServer(uvicorn.Server):

@@ -35,41 +35,69 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.
                 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 
 
+# (replica label or None, the engine's last stats or None, whether it serves): one row per --dp replica
+ReplicaView = tuple[str | None, Any, bool]
+GAUGES = (
+    ("num_requests_running", "Requests in the running batch.", "running", True),
+    ("num_requests_waiting", "Requests waiting to be scheduled.", "waiting", True),
+    ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", "kv_usage", True),
+    ("prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.", "prefix_cache_hit_rate",
+     False),
+)
+COUNTERS = (
+    ("num_preemptions", "Sequences preempted to free KV blocks.", "num_preemptions"),
+    ("prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total"),
+    ("generation_tokens", "Tokens generated.", "generation_tokens_total"),
+)
+
+
 class _EngineStatsCollector(Collector):
-    def __init__(self, snapshot: Callable[[], Any], alive: Callable[[], bool] | None):
+    """The engine gauges; with --dp replicas, one sample per replica under a ``replica`` label."""
+
+    def __init__(self, snapshot: Callable[[], Any], alive: Callable[[], bool] | None,
+                 views: Callable[[], list[ReplicaView]] | None = None):
         self._snapshot = snapshot
         self._alive = alive
+        self._views = views
+
+    def _rows(self) -> list[ReplicaView]:
+        if self._views is not None:
+            return self._views()
+        return [(None, self._snapshot(), self._alive() if self._alive is not None else True)]
 
     def collect(self) -> Iterator[Any]:
-        alive = self._alive() if self._alive is not None else True
-        yield GaugeMetricFamily(PREFIX + "engine_alive", "1 while the engine serves; 0 loading, dead or stopped.",
-                                value=1.0 if alive else 0.0)
-        s = self._snapshot()
-        if s is None:
+        rows = self._rows()
+        labels = ["replica"] if self._views is not None else None
+
+        def family(cls: Any, name: str, doc: str, samples: list[tuple[str | None, float]]) -> Any:
+            if labels is None:
+                return cls(PREFIX + name, doc, value=samples[0][1])
+            fam = cls(PREFIX + name, doc, labels=labels)
+            for label, value in samples:
+                fam.add_metric([label], value)
+            return fam
+
+        yield family(GaugeMetricFamily, "engine_alive", "1 while the engine serves; 0 loading, dead or stopped.",
+                     [(label, 1.0 if alive else 0.0) for label, _, alive in rows])
+        rows = [row for row in rows if row[1] is not None]
+        if not rows:
             return
         # A dead engine runs nothing and holds nothing: its last snapshot must not read as 20 running forever.
-        gauges = [
-            ("num_requests_running", "Requests in the running batch.", s.running if alive else 0),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", s.waiting if alive else 0),
-            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_usage if alive else 0),
-            ("prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.",
-             s.prefix_cache_hit_rate),
-        ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(PREFIX + name, doc, value=float(value))
-        counters = [
-            ("num_preemptions", "Sequences preempted to free KV blocks.", s.num_preemptions),
-            ("prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total),
-            ("generation_tokens", "Tokens generated.", s.generation_tokens_total),
-        ]
-        for name, doc, value in counters:
-            yield CounterMetricFamily(PREFIX + name, doc, value=float(value))
+        for name, doc, field, zero_when_dead in GAUGES:
+            yield family(GaugeMetricFamily, name, doc, [
+                (label, float(getattr(s, field)) if alive or not zero_when_dead else 0.0) for label, s, alive in rows])
+        for name, doc, field in COUNTERS:
+            yield family(CounterMetricFamily, name, doc, [(label, float(getattr(s, field))) for label, s, _ in rows])
 
 
 class ServerMetrics:
     def __init__(self, stats_snapshot: Callable[[], Any], engine_alive: Callable[[], bool] | None = None,
-                 api_server: int = 0, multiprocess: bool = False):
-        engine_stats = _EngineStatsCollector(stats_snapshot, engine_alive)
+                 api_server: int = 0, multiprocess: bool = False,
+                 replica_views: Callable[[], list[ReplicaView]] | None = None):
+        engine_stats = _EngineStatsCollector(stats_snapshot, engine_alive, replica_views)
+        # --dp replicas: the engine gauges and the step metrics carry a `replica` label
+        self.replica_label = replica_views is not None
+        step_labels = ["replica"] if self.replica_label else []
         r = CollectorRegistry()
         if multiprocess:  # our metrics write to the shared files; scrapes read them all (see above)
             if not os.environ.get(MULTIPROC_ENV):
@@ -88,9 +116,9 @@ class ServerMetrics:
         self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.step_duration = Histogram(PREFIX + "step_duration_seconds", "Wall time of one engine step.",
-                                       ["kind"], buckets=STEP_BUCKETS, registry=r)
+                                       ["kind", *step_labels], buckets=STEP_BUCKETS, registry=r)
         self.decode_steps = Counter(PREFIX + "decode_steps", "Decode steps, by whether a CUDA graph ran.",
-                                    ["graph"], registry=r)
+                                    ["graph", *step_labels], registry=r)
         self.requests = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                 ["finish_reason"], registry=r)
         self.request_errors = Counter(PREFIX + "request_errors", "Responses with a 4xx/5xx status, or an error "
@@ -109,18 +137,36 @@ class ServerMetrics:
         self.api_server_requests = Counter(PREFIX + "api_server_requests", "Generation requests taken, by the "
                                            "HTTP front-end process that took them (--api-server-count).",
                                            ["api_server"], registry=r).labels(api_server=str(api_server))
-        for graph in ("true", "false"):
-            self.decode_steps.labels(graph=graph)
+        self.replica_requests: Counter | None = None
+        if self.replica_label:
+            self.replica_requests = Counter(PREFIX + "replica_requests", "Requests routed to each --dp replica, by "
+                                            "why: prefix (it held the longest cached prefix) or load (least "
+                                            "loaded, no replica held one).", ["replica", "route"], registry=r)
+            for label, _, _ in replica_views():
+                for route in ("prefix", "load"):
+                    self.replica_requests.labels(replica=label, route=route)
+                for graph in ("true", "false"):
+                    self.decode_steps.labels(graph=graph, replica=label)
+        else:
+            for graph in ("true", "false"):
+                self.decode_steps.labels(graph=graph)
 
     def on_abort(self, request_id: str, error: Any) -> None:
         """Frontend hook (loop thread): a request stopped before it finished."""
         self.request_aborted.labels(reason="cancelled" if error is None else error.error_type).inc()
 
+    def on_route(self, choice: Any) -> None:
+        """ReplicaSet hook (loop thread): a request went to ``choice.replica`` (engine/routing_policy.Choice)."""
+        if self.replica_requests is not None:
+            route = "prefix" if choice.by_prefix else "load"
+            self.replica_requests.labels(replica=str(choice.replica), route=route).inc()
+
     def on_step(self, rec: StepRecord) -> None:
         """Telemetry listener (engine thread)."""
-        self.step_duration.labels(kind=rec.kind).observe(rec.step_ms / 1000.0)
+        replica = {"replica": str(rec.replica)} if self.replica_label else {}
+        self.step_duration.labels(kind=rec.kind, **replica).observe(rec.step_ms / 1000.0)
         if rec.decode_tokens > 0:
-            self.decode_steps.labels(graph="true" if rec.graph else "false").inc()
+            self.decode_steps.labels(graph="true" if rec.graph else "false", **replica).inc()
         if rec.layer_routed_pairs:
             for layer, (pairs, busiest) in enumerate(zip(rec.layer_routed_pairs, rec.layer_max_expert_load)):
                 self.moe_routed_pairs.labels(layer=str(layer)).inc(pairs)

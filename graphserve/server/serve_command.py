@@ -8,7 +8,7 @@ import logging
 import sys
 
 from graphserve.config import EngineConfig, config_from_args
-from graphserve.errors import GraphserveError
+from graphserve.errors import ConfigError, GraphserveError
 from graphserve.models.parallel_check import check_parallel
 from graphserve.server.api_servers import run_api_servers
 from graphserve.server.launch import LOG_FORMAT, build_state_from_args, serve_http
@@ -38,6 +38,11 @@ def run(args: argparse.Namespace) -> int:
         guards = guard_options(args)
         _check_host_memory(config)
         count = api_server_count(args.api_server_count, args.engine_in_process)
+        if count > 1 and config.dp > 1:
+            # every front-end would need a channel to every replica and the routing state shared among them
+            raise ConfigError(f"--api-server-count={count} with --dp={config.dp} is not supported: run --dp "
+                              "replicas behind one front-end, or one server per replica behind `graphserve router`",
+                              param="api_server_count")
         if count > 1:
             return run_api_servers(args, config, guards, count)
         state, closers = build_state_from_args(args, config)

@@ -9,11 +9,12 @@ from graphserve.errors import BadRequestError, NotFoundError, ServiceUnavailable
 from graphserve.server.frontend import Frontend
 from graphserve.server.grammar_work import GrammarWork
 from graphserve.server.metrics import ServerMetrics
+from graphserve.server.replicas import ReplicaSet
 
 
 @dataclass
 class ServerState:
-    engine: Frontend
+    engine: Frontend | ReplicaSet  # one engine, or --dp replicas behind one face
     metrics: ServerMetrics
     model_name: str  # the name responses carry (first of --served-model-name)
     accepted_names: set[str] = field(default_factory=set)  # names a request may ask for

@@ -30,11 +30,13 @@ class StepLogger:
     """Telemetry listener: counts decode steps and their generated tokens, logs one line per interval.
 
     ``kv_capacity`` (tokens in the KV pool) turns the step's usage fraction into "#token", the KV tokens in
-    use; throughput is generated tokens over the wall time since the previous line.
+    use; throughput is generated tokens over the wall time since the previous line. ``prefix`` names a --dp
+    replica as SGLang does ("DP1 "); log tools find the line by its "Decode batch" wording anywhere in it.
     """
 
-    def __init__(self, interval: int, kv_capacity: Callable[[], int]):
+    def __init__(self, interval: int, kv_capacity: Callable[[], int], prefix: str = ""):
         self.interval = interval
+        self.prefix = prefix
         self.kv_capacity = kv_capacity
         self._steps = 0
         self._tokens = 0
@@ -52,7 +54,7 @@ class StepLogger:
         throughput = self._tokens / elapsed
         self._since, self._tokens = now, 0
         kv_tokens = round(rec.kv_usage * self.kv_capacity())
-        logger.info(format_decode_line(rec.running, kv_tokens, rec.kv_usage, rec.graph, throughput, rec.waiting))
+        logger.info(self.prefix + format_decode_line(rec.running, kv_tokens, rec.kv_usage, rec.graph, throughput, rec.waiting))
 
 
 class JsonlStepSink:
