@@ -145,7 +145,7 @@ def test_host_path_benchmark_times_every_piece_of_a_real_step():
     """benchmarks/host_path wraps the engine's own methods by name: it must keep finding them."""
     from benchmarks.host_path import PIECES, measure
 
-    result = measure("builtin:tiny-llama", batch=4, steps=5, prompt_len=8, sampling="mixed")
+    result = measure("builtin:tiny-llama", batch=4, steps=5, prompt_len=8, sampling="mixed", stop_strings="half")
     # every wrapper fired: a method the step no longer calls would leave its piece at 0 (or, for
     # sampling_tensors, the launch remainder, negative) and its time in "other"
     named = [k for k in PIECES if k != "other"]

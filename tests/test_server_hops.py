@@ -40,6 +40,8 @@ class OneTokenCore:
     def __init__(self) -> None:
         self.requests: list[EngineRequest] = []
         self.device = torch.device("cpu")  # as EngineCore's: the engine loop spins on its queue only on cuda
+        # a prefix cache that never changes: the serve loop drains its events every iteration
+        self.block_manager = SimpleNamespace(take_events=list, record_events=lambda: None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
