@@ -43,6 +43,7 @@ from graphserve.server.cache_events import CacheEventLog
 from graphserve.server.engine_events import EngineEvents
 from graphserve.server.output_pump import OutputPump
 from graphserve.server.request_stream import RequestStream
+from graphserve.structured.tool_calls import ToolChoice
 
 logger = logging.getLogger("graphserve.server")
 
@@ -178,9 +179,11 @@ class Frontend:
             queued.value += n
 
     def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None,
+        tools: ToolChoice | None = None,
     ) -> RequestStream:
-        """Validate, tokenize and enqueue; raises BadRequestError / OverloadedError before anything runs."""
+        """Validate, tokenize and enqueue; raises BadRequestError / OverloadedError before anything runs.
+        ``tools``: a chat stream with tools, whose deltas carry their tool-call pieces (OutputProcessor.add)."""
         self.check_serving()
         bound = self.config.max_queued_requests
         if params.n > bound:
@@ -201,7 +204,7 @@ class Frontend:
         self._reserve(params.n)
         stream = RequestStream(self, request_id, engine_id, len(req.prompt_token_ids), self.stream_interval)
         assert self._processor is not None
-        self._processor.add(engine_id, req.prompt_token_ids, req.params)
+        self._processor.add(engine_id, req.prompt_token_ids, req.params, tools=tools)
         self._streams[engine_id] = stream
         self._client_ids[request_id] = engine_id
         self.client.add([req], faulty)

@@ -192,3 +192,44 @@ def test_a_request_discarded_while_its_rows_are_processed_costs_no_other_request
     assert {d.request_id for d in deltas} == {"gone", "ok"}
     assert next(d for d in deltas if d.request_id == "ok").finished is False
     assert len(proc) == 1  # "ok" stays; "gone" is not brought back
+
+
+def test_tool_chat_chunks_put_the_processors_pieces_in_openai_chunks(tokenizer):
+    """A chat stream with tools: the role on the first chunk, one chunk per piece the output processor made, the
+    call's arguments joining to the constrained text, the finish on the last piece, then the usage chunk."""
+    import json
+
+    from graphserve.server.serving_openai import _tool_chat_chunks
+    from graphserve.server.streams import Job
+    from graphserve.structured.tool_calls import ToolChoice
+
+    class _Timer:
+        def observe(self, d: RequestDelta) -> None:
+            pass
+
+    args = '{"city": "Paris", "days": 3}'
+    ids = tokenizer.encode(args, add_special_tokens=False)
+    proc = OutputProcessor(tokenizer)
+    proc.add("e", [1, 2, 3], SamplingParams(max_tokens=len(ids)), tools=ToolChoice("named", ("get_weather",),
+                                                                                    "get_weather"))
+
+    async def run() -> list[dict]:
+        stream = RequestStream(_Engine(), "rid", "e", 3)
+        job = Job(0, stream, _Timer())
+        for i, t in enumerate(ids):
+            for d in proc.process(rows("e", [t], "length" if i == len(ids) - 1 else None)):
+                stream.push(d)
+        head = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+        events = [e async for e in _tool_chat_chunks(None, [job], head, include_usage=True)]
+        assert all(e.startswith(b"data: ") and e.endswith(b"\n\n") for e in events)
+        return [json.loads(e[len(b"data: "):]) for e in events]
+
+    chunks = asyncio.run(run())
+    *choices, tail = chunks
+    deltas = [c["choices"][0]["delta"] for c in choices]
+    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+    call = deltas[0]["tool_calls"][0]
+    assert call["function"] == {"name": "get_weather", "arguments": ""} and call["id"].startswith("call_")
+    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas) == args
+    assert [c["choices"][0]["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    assert tail["choices"] == [] and tail["usage"]["completion_tokens"] == len(ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -16,6 +17,7 @@ from graphserve.engine.stop_strings import StopChecker
 from graphserve.models.synthetic_tokenizer import build_synthetic_tokenizer
 from graphserve.outputs import TokenLogprob
 from graphserve.sampling_params import SamplingParams
+from graphserve.structured.tool_calls import ToolChoice
 
 TEXT = "héllo wörld: 日本語 🙂 ok"
 
@@ -129,6 +131,54 @@ def test_offline_outputs_decode_once_at_the_end_to_the_streamed_text(byte_tok, t
         assert any(texts[:-1]) if stream else not any(texts[:-1])
         finals[stream] = "".join(texts)
     assert finals[False] == finals[True] == byte_tok.decode(ids)
+
+
+def _stream_tool_pieces(tok, tools: ToolChoice | None, text: str, merge: bool, step: int = 3):
+    """(every delta's tool pieces in order, the last delta) of ``text`` streamed ``step`` tokens a step, the last
+    step finishing with "stop"; ``merge``: a consumer that fell behind merges the deltas (RequestStream)."""
+    proc = OutputProcessor(tok)
+    proc.add("r", [0], SamplingParams(max_tokens=200), tools=tools)
+    ids = tok.encode(text, add_special_tokens=False)
+    steps = [ids[i:i + step] for i in range(0, len(ids), step)]
+    deltas = [d.choices[0] for k, s in enumerate(steps)
+              for d in proc.process(_rows(CoreOutput("r", 0, s, finish_reason="stop" if k == len(steps) - 1 else None)))]
+    if merge:
+        for later in deltas[1:]:
+            deltas[0].merge(later)
+        deltas = deltas[:1]
+    pieces = [p for c in deltas for p in (c.tool_deltas or [])]
+    return pieces, deltas, len(proc)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_tool_call_deltas_come_out_of_the_processor(byte_tok, merge):
+    auto = ToolChoice("auto", ("f", "g"))
+    text = 'Let me check.<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    pieces, deltas, left = _stream_tool_pieces(byte_tok, auto, text, merge)
+    assert "".join(p.get("content", "") for p in pieces) == "Let me check." and left == 0
+    (call,) = [p["tool_calls"][0] for p in pieces if "tool_calls" in p]
+    assert call["index"] == 0 and call["function"]["name"] == "f" and call["id"].startswith("call_")
+    assert json.loads(call["function"]["arguments"]) == {"x": 1}
+    # the engine's reason stays on the choice (usage, metrics); the chat stream reports the call
+    assert (deltas[-1].finish_reason, deltas[-1].tool_finish_reason) == ("stop", "tool_calls")
+    assert "".join(c.text for c in deltas) == text  # the text itself is untouched
+    if not merge:  # "<tool_call>" is held back from the start of the marker, never sent as content
+        sent = "".join(p.get("content", "") for c in deltas[:6] for p in c.tool_deltas)
+        assert sent == "Let me check." and "".join(c.text for c in deltas[:6]).endswith("<tool")
+
+    pieces, deltas, _ = _stream_tool_pieces(byte_tok, auto, "plain <tool answer, no call", merge)
+    assert "".join(p["content"] for p in pieces) == "plain <tool answer, no call"
+    assert deltas[-1].tool_finish_reason == "stop"
+
+    named = ToolChoice("named", ("f",), "f")
+    pieces, deltas, _ = _stream_tool_pieces(byte_tok, named, '{"x": 12, "y": "z"}', merge)
+    assert pieces[0]["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
+    assert "".join(p["tool_calls"][0]["function"].get("arguments", "") for p in pieces) == '{"x": 12, "y": "z"}'
+    assert deltas[-1].tool_finish_reason == "stop"
+
+    for plain in (None, ToolChoice("none", ("f",))):
+        _, deltas, _ = _stream_tool_pieces(byte_tok, plain, text, merge)
+        assert all(c.tool_deltas is None and c.tool_finish_reason is None for c in deltas)
 
 
 # ---- the engine's stop-string check --------------------------------------------------------------------------

@@ -156,28 +156,3 @@ def test_noise_never_reaches_one_so_masked_tokens_never_win(monkeypatch):
     assert float(sampler.uniform_noise(seeds, steps, 8).max()) < 1.0
     monkeypatch.setattr(sampler, "_mix", torch.zeros_like)  # none set
     assert float(sampler.uniform_noise(seeds, steps, 8).min()) > 0.0
-
-
-def test_chat_chunks_rewritten_for_tools_keep_the_role_first():
-    import asyncio
-
-    from graphserve.structured.tool_stream import tool_call_chunks
-
-    async def chunks():
-        yield {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]}
-        for piece, reason in (('{"x"', None), (": 5}", "stop")):
-            yield {"id": "c", "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None,
-                                           "finish_reason": reason, "stop_reason": None}]}
-        yield {"id": "c", "choices": [], "usage": {"completion_tokens": 3}}
-
-    async def collect(choice):
-        return [c async for c in tool_call_chunks(chunks(), choice)]
-
-    out = asyncio.run(collect(ToolChoice("named", ("f",), "f")))
-    deltas = [c["choices"][0]["delta"] for c in out if c["choices"]]
-    assert deltas[0]["role"] == "assistant" and deltas[0]["tool_calls"][0]["function"]["name"] == "f"
-    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas) == '{"x": 5}'
-    assert out[-2]["choices"][0]["finish_reason"] == "stop" and out[-1]["usage"] == {"completion_tokens": 3}
-    plain = asyncio.run(collect(None))
-    assert [c["choices"][0]["delta"] for c in plain[:1]] == [{"role": "assistant", "content": ""}]
