@@ -1,7 +1,7 @@
 """Every GRAPHSERVE_* environment switch, declared once with its default and what it does.
 
 Code reads a switch through ``get`` / ``flag`` / ``path`` / ``is_set``, never ``os.environ`` directly, so a
-switch nobody declared cannot steer the engine unseen (tests/test_env.py reads the tree for that). The README's
+switch nobody declared cannot steer the engine unseen (tests/unit/test_env.py reads the tree for that). The README's
 table is this module's output:
 
     python3 -m graphserve.env --markdown

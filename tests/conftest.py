@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# Test modules import the helpers in tests/support/ and each other by bare module name (`from model_utils import
+# ...`, `from test_deepseek import _TINY`), across folders and from tests/gpu/: every folder is on the path, helpers
+# first, so a module moves between folders without an import changing. Module names stay unique across tests/.
+TESTS = Path(__file__).resolve().parent
+for _folder in reversed(("support", "unit", "kernels", "models", "server", "lab")):
+    if str(TESTS / _folder) not in sys.path:
+        sys.path.insert(0, str(TESTS / _folder))
 
 # Kernel tests on a machine without a GPU run Triton's interpreter; it must be chosen before
 # anything (transformers, through torch._dynamo) imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tests write result files into temporary folders from a checkout that may hold work in progress; a real run refuses
-# to stamp such a tree (graphserve.tuning.timing.git_commit), tests/test_result_stamp.py checks that on its own repo.
+# to stamp such a tree (graphserve.tuning.timing.git_commit), tests/lab/test_result_stamp.py checks that on its own repo.
 os.environ.setdefault("GRAPHSERVE_ALLOW_DIRTY", "1")
 
 

@@ -1,6 +1,7 @@
 """Token rows in, per-request deltas out: the one output path of ``LLM`` and the server.
 
-Detokenization, the text cut at a stop string, logprobs and the n choices of a request. The engine decides
+Detokenization, the text cut at a stop string, logprobs, the n choices of a request and, for a chat stream
+with tools, the tool-call deltas its text makes (structured/tool_stream.py). The engine decides
 when a request finishes (stop strings included, engine/stop_strings.py); this only formats: it keeps per
 choice the incremental detokenizer and, while a stop string may still complete, the text held back so that
 streamed text is never retracted, and emits what is new (text, token ids, logprobs). Nothing cumulative is
@@ -22,6 +23,8 @@ from graphserve.engine.detokenizer import IncrementalDetokenizer, decode_windows
 from graphserve.engine.step_outputs import NO_TOKEN, StepOutputs
 from graphserve.outputs import TokenLogprob
 from graphserve.sampling_params import SamplingParams
+from graphserve.structured.tool_calls import ToolChoice
+from graphserve.structured.tool_stream import ToolCallStream
 
 
 @dataclass
@@ -32,14 +35,22 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # A request added with tools: the message pieces ({"content": ...} / {"tool_calls": [...]}) this delta's text
+    # makes, in order (none while text that may open a call is held back), and once finished the finish_reason
+    # with tools ("tool_calls" where the model called). None without tools.
+    tool_deltas: list[dict[str, Any]] | None = None
+    tool_finish_reason: str | None = None
 
     def merge(self, later: ChoiceDelta) -> None:
         self.text += later.text
         self.token_ids += later.token_ids
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
+        if later.tool_deltas is not None:
+            self.tool_deltas = (self.tool_deltas or []) + later.tool_deltas
         if later.finish_reason is not None:
             self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+            self.tool_finish_reason = later.tool_finish_reason
 
 
 @dataclass
@@ -78,22 +89,24 @@ class RequestDelta:
 
 
 class _Choice:
-    __slots__ = ("detok", "held", "finish_reason", "unread")
+    __slots__ = ("detok", "held", "finish_reason", "unread", "tools")
 
-    def __init__(self, detok: IncrementalDetokenizer, stream: bool):
+    def __init__(self, detok: IncrementalDetokenizer, stream: bool, tools: ToolChoice | None):
         self.detok = detok
         self.held = ""  # decoded text not sent yet: it may be the start of a stop string
         self.finish_reason: str | None = None
         self.unread: list[int] | None = None if stream else []  # not streamed: the ids decoded at the finish
+        self.tools = ToolCallStream(tools) if tools is not None and tools.mode != "none" else None
 
 
 class _Request:
     __slots__ = ("params", "choices", "hold", "want_logprobs")
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams, stream: bool):
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams, stream: bool,
+                 tools: ToolChoice | None):
         self.params = params
         self.choices = [_Choice(IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens),
-                                stream) for _ in range(params.n)]
+                                stream, tools) for _ in range(params.n)]
         # Characters held back while running: one less than the longest stop string, so streamed text is
         # never retracted when the engine reports that a stop string completed.
         self.hold = max((len(s) for s in params.stop), default=1) - 1
@@ -109,8 +122,11 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._requests: dict[str, _Request] = {}
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: bool = True) -> None:
-        self._requests[request_id] = _Request(self.tokenizer, prompt_token_ids, params, stream)
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: bool = True,
+            tools: ToolChoice | None = None) -> None:
+        """``tools``: a chat request streamed with tools, whose deltas then carry ``tool_deltas`` (a whole
+        response parses its finished text instead: structured/tool_calls.chat_message)."""
+        self._requests[request_id] = _Request(self.tokenizer, prompt_token_ids, params, stream, tools)
 
     def discard(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -216,4 +232,7 @@ class OutputProcessor:
             if cut > 0:
                 cd.text, c.held = c.held[:cut], c.held[cut:]
         if cd.token_ids or cd.text or cd.finish_reason is not None:
+            if c.tools is not None:
+                cd.tool_deltas, cd.tool_finish_reason = c.tools.feed(cd.text, cd.finish_reason is not None,
+                                                                     cd.finish_reason)
             d.choices[idx] = cd

@@ -23,7 +23,7 @@ process drives the core through synthetic requests that cover:
   the layer launches every tile the rule may pick, once each, written directly and merged.
   The rules that pick by a step's row or pair count need none: they are measured at doubling counts
   (graphserve/tuning), so the gemv and fp4 routes switch where the prefill lengths and the ladder pass on both
-  sides, and every fp8 route and MoE bucket holds a power of two the ladder runs (tests/test_mla_warm_tiles.py).
+  sides, and every fp8 route and MoE bucket holds a power of two the ladder runs (tests/kernels/test_mla_warm_tiles.py).
 
 Afterwards the core's counters are reset: the warm-up is not served traffic.
 

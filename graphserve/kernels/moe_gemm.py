@@ -41,7 +41,7 @@ Where the block scales go in the grouped GEMM:
   activation dtype, of the size of the rounding x already carries (the dtype's unit roundoff:
   2^-8 bf16, 2^-11 fp16; fp32 rounding only at fp32); gate_up then computes the experts on
   weights dequantized to the activation dtype, up to summation order. Measured at fp16 in
-  tests/test_moe_fp8_interp.py (16 tokens, top-4 of 8 experts, H 256, I 128): relative L2 error
+  tests/kernels/test_moe_fp8_interp.py (16 tokens, top-4 of 8 experts, H 256, I 128): relative L2 error
   6.8e-4 against the fp32-dequantized reference, where the per-column path has 5.4e-5.
 - otherwise (W8A8, A_QUANT, or BLOCK_N wider than a scale row): a K step never crosses a scale block
   (the host caps BLOCK_K at GROUP_K; A_QUANT needs it equal) and its partial sum takes its block

@@ -21,7 +21,7 @@ import torch
 
 from graphserve.errors import ModelLoadError
 
-# the types tests/test_gguf.py writes and checks against transformers; gguf.quants dequantizes more, untested here
+# the types tests/models/test_gguf.py writes and checks against transformers; gguf.quants dequantizes more, untested here
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 

@@ -44,6 +44,7 @@ from graphserve.server.cache_events import CacheEventLog
 from graphserve.server.engine_events import EngineEvents
 from graphserve.server.output_pump import OutputPump
 from graphserve.server.request_stream import RequestStream
+from graphserve.structured.tool_calls import ToolChoice
 
 logger = logging.getLogger("graphserve.server")
 
@@ -185,14 +186,16 @@ class Frontend:
             queued.value += n
 
     def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None,
+        tools: ToolChoice | None = None,
     ) -> RequestStream:
-        """Validate, tokenize and enqueue; raises BadRequestError / OverloadedError before anything runs."""
+        """Validate, tokenize and enqueue; raises BadRequestError / OverloadedError before anything runs.
+        ``tools``: a chat stream with tools, whose deltas carry their tool-call pieces (OutputProcessor.add)."""
         self.admit(request_id, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         assert self.input_processor is not None
         req = self.input_processor.process(self.next_engine_id(request_id), prompt, params, arrival)
-        return self.submit(req, prompt, request_id)
+        return self.submit(req, prompt, request_id, tools)
 
     def admit(self, request_id: str, params: SamplingParams) -> None:
         """The checks made before any work on a request: serving, the queue bound, the rid not in flight."""
@@ -210,7 +213,7 @@ class Frontend:
     def next_engine_id(self, request_id: str) -> str:
         return f"{request_id}#{self._id_prefix}{next(self._ids)}"
 
-    def submit(self, req: EngineRequest, prompt: Any, request_id: str) -> RequestStream:
+    def submit(self, req: EngineRequest, prompt: Any, request_id: str, tools: ToolChoice | None = None) -> RequestStream:
         """Enqueue a request ``admit`` let in and the input processor made, keyed by an id of ``next_engine_id``."""
         engine_id, params = req.request_id, req.params
         self._check_n_fits(len(req.prompt_token_ids), req.params)
@@ -219,7 +222,7 @@ class Frontend:
         self._reserve(params.n)
         stream = RequestStream(self, request_id, engine_id, len(req.prompt_token_ids), self.stream_interval)
         assert self._processor is not None
-        self._processor.add(engine_id, req.prompt_token_ids, req.params)
+        self._processor.add(engine_id, req.prompt_token_ids, req.params, tools=tools)
         self._streams[engine_id] = stream
         self._client_ids[request_id] = engine_id
         self.client.add([req], faulty)

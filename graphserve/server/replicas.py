@@ -32,6 +32,7 @@ from graphserve.sampling_params import SamplingParams
 from graphserve.server.cache_events import CacheEventLog
 from graphserve.server.frontend import Frontend
 from graphserve.server.request_stream import RequestStream
+from graphserve.structured.tool_calls import ToolChoice
 
 
 def replica_configs(config: EngineConfig) -> list[EngineConfig]:
@@ -190,8 +191,8 @@ class ReplicaSet:
 
     # -- requests ----------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
-                    ) -> RequestStream:
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None,
+                    tools: ToolChoice | None = None) -> RequestStream:
         """Tokenize once, route by the prompt's cached blocks, then validate and enqueue on the chosen replica."""
         self.check_serving()
         if any(request_id in f._client_ids for f in self.replicas):
@@ -208,7 +209,7 @@ class ReplicaSet:
         target = self.replicas[choice.replica]
         target.admit(request_id, params)
         req.request_id = target.next_engine_id(request_id)
-        stream = target.submit(req, prompt, request_id)
+        stream = target.submit(req, prompt, request_id, tools)
         if self.on_route is not None:
             self.on_route(choice)
         return stream

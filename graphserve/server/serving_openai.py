@@ -23,14 +23,12 @@ from graphserve.server.streams import (
     merged,
     new_choice_pieces,
     new_id,
-    sse,
     sse_stream,
     start_jobs,
     until_disconnect,
     usage,
 )
-from graphserve.structured.tool_calls import ToolChoice, chat_message
-from graphserve.structured.tool_stream import tool_call_chunks
+from graphserve.structured.tool_calls import chat_message
 
 
 def _completion_logprobs(state: ServerState, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -115,13 +113,15 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
     params, tools = await state.grammar.run(request, lambda: (req.to_sampling_params(), req.tool_choice_mode()))
     prompt = await chat_engine_prompt(state, req.template_messages(), req.add_generation_prompt, req.tools)
     rid = new_id("chatcmpl")
-    jobs = start_jobs(state.engine, state.metrics, rid, [prompt], params)
+    with_tools = tools is not None and tools.mode != "none"
+    # A stream with tools gets its tool-call pieces from the output processor; a whole response parses its text.
+    jobs = start_jobs(state.engine, state.metrics, rid, [prompt], params, tools if req.stream else None)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        chunks = (_chat_chunks(state, jobs, chunk_head, include_usage) if tools is None or tools.mode == "none"
-                  else _tool_chat_chunks(state, jobs, chunk_head, include_usage, tools))
+        chunks = (_tool_chat_chunks(state, jobs, chunk_head, include_usage) if with_tools
+                  else _chat_chunks(state, jobs, chunk_head, include_usage))
         return StreamingResponse(sse_stream(recorded_events(request, chunks)), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     if not await until_disconnect(request, collect(jobs)):
@@ -167,19 +167,26 @@ def _chat_choice(state: ServerState, c: ChoiceDelta, first: bool) -> dict[str, A
 
 
 async def _tool_chat_chunks(
-    state: ServerState, jobs: list[Job], head: dict[str, Any], include_usage: bool, tools: ToolChoice
+    state: ServerState, jobs: list[Job], head: dict[str, Any], include_usage: bool
 ) -> AsyncIterator[bytes]:
-    """A request with tools: chunks as dicts through tool_call_chunks, which turns each choice's content
-    into tool-call deltas (and puts the role on the first chunk that goes out), then encoded as events."""
-
-    async def chunks() -> AsyncIterator[dict[str, Any]]:
-        started: set[int] = set()
-        async for _, c, _ in _new_pieces(jobs):
-            yield {**head, "choices": [_chat_choice(state, c, first=c.index not in started)]}
-            started.add(c.index)
-        if include_usage:
-            yield {**head, "choices": [], "usage": usage(jobs)}
-
-    async for chunk in tool_call_chunks(chunks(), tools):
-        yield sse(chunk)
-
+    """A stream with tools: the output processor turned each choice's text into message pieces (content or
+    tool-call deltas, ChoiceDelta.tool_deltas); each piece is one chunk. The role rides on a choice's first
+    chunk, a delta's logprobs on its first piece, the finish on its last; text held back (it may open a call)
+    sends nothing yet."""
+    frame = ChunkFrame(head)
+    started: set[int] = set()
+    async for _, c, _ in _new_pieces(jobs):
+        pieces = c.tool_deltas or ([{}] if c.finish_reason is not None else [])
+        for k, piece in enumerate(pieces):
+            if c.index not in started:
+                started.add(c.index)
+                piece = {"role": "assistant", **piece}
+            last = c.finish_reason is not None and k == len(pieces) - 1
+            yield frame.choice({
+                "index": c.index, "delta": piece,
+                "logprobs": _chat_logprobs(state, c.logprobs) if k == 0 and c.logprobs is not None else None,
+                "finish_reason": c.tool_finish_reason if last else None,
+                "stop_reason": c.stop_reason if last else None,
+            })
+    if include_usage:
+        yield frame.tail({"usage": usage(jobs)})

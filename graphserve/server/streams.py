@@ -26,6 +26,7 @@ from graphserve.server.errors import sse_error_event
 from graphserve.server.frontend import Frontend
 from graphserve.server.metrics import RequestTimer, ServerMetrics
 from graphserve.server.request_stream import RequestStream
+from graphserve.structured.tool_calls import ToolChoice
 
 try:
     import orjson
@@ -98,9 +99,11 @@ class Job:
 
 
 def start_jobs(
-    engine: Frontend, metrics: ServerMetrics, base_id: str, prompts: list[Any], params: SamplingParams
+    engine: Frontend, metrics: ServerMetrics, base_id: str, prompts: list[Any], params: SamplingParams,
+    tools: ToolChoice | None = None,
 ) -> list[Job]:
-    """Add one request per prompt; if any is refused, abort the ones already added and re-raise."""
+    """Add one request per prompt; if any is refused, abort the ones already added and re-raise. ``tools``: a
+    chat stream with tools (its deltas carry tool-call pieces)."""
     limit = engine.config.max_queued_requests
     if len(prompts) * params.n > limit:  # they enter the waiting queue together: past its bound, never admitted
         if params.n > 1 and len(prompts) > 1:
@@ -115,7 +118,7 @@ def start_jobs(
     try:
         for i, prompt in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            stream = engine.add_request(rid, prompt, params, arrival)
+            stream = engine.add_request(rid, prompt, params, arrival, tools=tools)
             jobs.append(Job(i, stream, RequestTimer(metrics, arrival)))
     except BaseException:
         for job in jobs:
@@ -240,4 +243,5 @@ def usage(jobs: list[Job]) -> dict[str, Any]:
 
 def new_choice_pieces(d: RequestDelta) -> list[ChoiceDelta]:
     """The choices of a delta that have something to send, by index."""
-    return [c for _, c in sorted(d.choices.items()) if c.text or c.finish_reason is not None or c.logprobs]
+    return [c for _, c in sorted(d.choices.items())
+            if c.text or c.finish_reason is not None or c.logprobs or c.tool_deltas]

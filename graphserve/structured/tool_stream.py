@@ -1,4 +1,6 @@
-"""Streaming a chat choice whose output may hold tool calls: text deltas in, OpenAI chat deltas out.
+"""Streaming a chat choice whose output may hold tool calls: text deltas in, the message pieces of OpenAI's chat
+deltas out (``{"content": ...}``, ``{"tool_calls": [...]}``). The output processor keeps one per choice of a request
+streamed with tools (engine/output_processor.py); the server puts each piece in a chunk (server/serving_openai.py).
 
 OpenAI streams a call as a first delta carrying ``index``, ``id``, ``type`` and the function's name
 (arguments ``""``), then deltas appending to ``function.arguments``. Here:
@@ -13,7 +15,6 @@ OpenAI streams a call as a first delta carrying ``index``, ``id``, ``type`` and 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 from graphserve.structured.tool_calls import (
@@ -89,34 +90,3 @@ class ToolCallStream:
             out.append({"content": self.text[self.sent:]})
         self.sent = len(self.text)
         return out, finish_reason(reason, self.choice, calls)
-
-
-async def tool_call_chunks(chunks: AsyncIterator[dict[str, Any]], choice: ToolChoice | None
-                           ) -> AsyncIterator[dict[str, Any]]:
-    """Rewrite a chat stream's chunks for a request with tools: each choice's content deltas go through a
-    ToolCallStream; the role rides on each choice's first chunk that goes out. Without tools (or with
-    ``tool_choice: "none"``) the chunks pass unchanged."""
-    if choice is None or choice.mode == "none":
-        async for chunk in chunks:
-            yield chunk
-        return
-    streams: dict[int, ToolCallStream] = {}
-    for_role: set[int] = set()
-    async for chunk in chunks:
-        if not chunk.get("choices"):
-            yield chunk  # the usage chunk
-            continue
-        c = chunk["choices"][0]
-        i, reason = c["index"], c.get("finish_reason")
-        stream = streams.setdefault(i, ToolCallStream(choice))
-        deltas, final = stream.feed(c["delta"].get("content") or "", reason is not None, reason)
-        if reason is not None and not deltas:
-            deltas = [{}]
-        for k, delta in enumerate(deltas):
-            if i not in for_role:
-                for_role.add(i)
-                delta = {"role": "assistant", **delta}
-            last = reason is not None and k == len(deltas) - 1
-            yield {**chunk, "choices": [{**c, "delta": delta, "logprobs": c.get("logprobs") if k == 0 else None,
-                                         "finish_reason": final if last else None,
-                                         "stop_reason": c.get("stop_reason") if last else None}]}

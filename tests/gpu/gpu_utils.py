@@ -66,7 +66,7 @@ def greedy_with_and_without_graphs(folder, prompts: list[list[int]], new_tokens:
     """The fp32 engine's greedy tokens for ``prompts`` (16-token blocks and chunks) with CUDA graphs (up to 4 rows,
     so 3 prompts replay with a padding row) and without: {graphs: tokens}. After each run ``check(core)`` where
     given, no block leaks, and with graphs some decode step replayed one; each engine is gone before the next.
-    The caller has put tests/ on sys.path (model_utils)."""
+    model_utils is tests/support/model_utils.py, on the path through tests/conftest.py."""
     import gc
 
     from model_utils import engine_greedy

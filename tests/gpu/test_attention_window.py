@@ -6,7 +6,7 @@ heads, head_dim 64, window 128, sinks). Every cache position wholly before a que
 blocks wholly before it point at the dummy block 0 (NaN too), as the engine leaves a windowed sequence whose
 blocks went back to the pool: a kernel that read one would put NaN in its output. The decode kernel is captured in
 a CUDA graph with padding rows and replayed on new lengths, tables and queries, and must match an eager call bit for
-bit. Tiny sliding-window checkpoints (tests/test_models_window.py) run through the Triton backend against
+bit. Tiny sliding-window checkpoints (tests/models/test_models_window.py) run through the Triton backend against
 transformers, and through the engine with CUDA graphs on a pool they fit only by giving back blocks outside their
 windows.
 """

@@ -1,7 +1,7 @@
 """DeepSeek sparse attention models (DeepSeek-V3.2, GLM-5) on the GPU: the tiny checkpoints in fp32 on the Triton
 DSA kernels against the same model on the PyTorch references, decode replayed from CUDA graphs against eager
 through the engine (fp32), and dummy:glm-5-l5 at its real shapes served with graphs over a prompt longer than
-its index_topk. (Logits and greedy tokens against transformers are checked on CPU: tests/test_deepseek_dsa.py.)"""
+its index_topk. (Logits and greedy tokens against transformers are checked on CPU: tests/models/test_deepseek_dsa.py.)"""
 
 from __future__ import annotations
 

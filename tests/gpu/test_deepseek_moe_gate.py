@@ -3,7 +3,7 @@
 The block at V2-Lite's real expert shape (bf16, 64 experts of 1408, top-6, two shared) with a scaling factor
 of 2.5, captured at one row (real or padding) and replayed on new inputs: the fused launch is taken, the
 residual and normed hidden are kernels/norm's, the output is the scaled routed sum plus the shared experts.
-Then the tiny checkpoints of tests/test_deepseek.py decoding the same greedy tokens with graphs on (padded
+Then the tiny checkpoints of tests/models/test_deepseek.py decoding the same greedy tokens with graphs on (padded
 batches, the row mask built once per step) and off.
 """
 
@@ -89,7 +89,7 @@ def test_v2_lite_block_fuses_add_norm_gate_under_cuda_graph_replay(real, gen, mo
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_tiny_deepseek_checkpoints_decode_alike_with_graphs_on_and_off(name, tmp_path):
     """Greedy tokens of five requests (padded to a captured size of 8 while they run), fp32. (Tokens against
-    transformers' generate, the greedy scaling factor included, are checked on CPU: tests/test_deepseek.py.)"""
+    transformers' generate, the greedy scaling factor included, are checked on CPU: tests/models/test_deepseek.py.)"""
     make_hf_checkpoint(tmp_path, VARIANTS[name]())
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(4, 320, (n,), generator=gen).tolist() for n in (3, 9, 17, 30, 5)]

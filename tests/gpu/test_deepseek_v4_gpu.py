@@ -3,7 +3,7 @@
 decode step replayed with padding rows, the tiny checkpoint and dummy:deepseek-v4-flash-l6 (in fp32, its experts cut
 to 16 so they fit) on the kernels against the reference path step for step, graphs against eager through the
 engine, and the l6 preset served with graphs on its NVFP4 experts and on MXFP4. No card is named: every bound is a
-relative error or an equality. (Logits against transformers are checked on CPU: tests/test_deepseek_v4.py.)"""
+relative error or an equality. (Logits against transformers are checked on CPU: tests/models/test_deepseek_v4.py.)"""
 
 from __future__ import annotations
 

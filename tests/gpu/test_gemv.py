@@ -138,7 +138,7 @@ def test_cuda_graph_replay_matches_eager(name, m, gen):
 @torch.inference_mode()
 def test_layers_route_by_the_measured_rule(gen, monkeypatch):
     """Each kind of call takes gemv up to the rows its card's rule lists for its shape, cuBLAS above. The rule is
-    one written here (which card's table ships, or was tuned, is not this test's business: tests/test_tune_tables.py
+    one written here (which card's table ships, or was tuned, is not this test's business: tests/kernels/test_tune_tables.py
     covers the lookup), so the routing is checked alike on every card."""
     rule = GemvRule("this card", {("linear", 1024, 3072): 4, ("silu_mul", 1024, 3072): 2, ("norm", 4096, 1024): 2})
     monkeypatch.setattr(linear_mod, "rule_for", lambda device: rule)

@@ -1,4 +1,4 @@
-"""gpt-oss on the GPU: the tiny checkpoint of tests/test_gpt_oss.py (windows of 8 on alternate layers, sinks, YaRN,
+"""gpt-oss on the GPU: the tiny checkpoint of tests/models/test_gpt_oss.py (windows of 8 on alternate layers, sinks, YaRN,
 biased router and clamped-SwiGLU experts) through the Triton attention backend and the MoE kernels.
 
 Paged logits against transformers in fp32 past the window (prefill, chunked prefill, decode), ours in fp32 on the

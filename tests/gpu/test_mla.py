@@ -322,7 +322,7 @@ def _greedy(llm: LLM, prompts: list[list[int]], n: int = 16) -> list[list[int]]:
 def test_engine_graphs_match_eager(kv_cache_dtype, tmp_path):
     """The V3 checkpoint (MoE layers included) in fp32: decode replayed from graphs gives the eager tokens,
     on a cache in the model dtype and on an e4m3 one.
-    (Greedy tokens against transformers' generate are checked on CPU, tests/test_deepseek.py.)"""
+    (Greedy tokens against transformers' generate are checked on CPU, tests/models/test_deepseek.py.)"""
     _checkpoint(tmp_path, "v3-noaux")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, 320, (n,), generator=g).tolist() for n in (3, 11, 26, 40, 7)]
@@ -342,7 +342,7 @@ def test_fp8_cache_logits_track_a_bf16_cache_teacher_forced(tmp_path):
     writes, the expanded prefill, the decode kernel): two prefills, then decode steps that feed both caches the
     bf16 run's greedy tokens, so a near tie that e4m3's rounding flips cannot fork the sequences. The top-1
     agreement is printed; every step's logits must differ (the fp8 cache is really read) by less than the bound
-    the CPU test justifies for the same 3 dense layers (tests/test_mla_fp8_kv.py, LOGITS_TOL: each cached element
+    the CPU test justifies for the same 3 dense layers (tests/models/test_mla_fp8_kv.py, LOGITS_TOL: each cached element
     rounds by at most 2^-4 relative; a misplaced row or a byte read as a value moves the logits by their size)."""
     make_hf_checkpoint(tmp_path, DENSE["v3-q-lora"]())
     harnesses = {}

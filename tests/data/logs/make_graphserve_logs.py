@@ -9,7 +9,7 @@ steps) while ``graphserve bench`` loads it, stopped with SIGTERM; nothing is edi
 
 Run from the repository root (a minute or two on CPU):
     PYTHONPATH=$PWD python tests/data/logs/make_graphserve_logs.py
-It prints what `graphserve doctor` finds in each log, which tests/test_doctor.py then asserts.
+It prints what `graphserve doctor` finds in each log, which tests/lab/test_doctor.py then asserts.
 """
 
 from __future__ import annotations

@@ -1,0 +1,52 @@
+"""DeepSeek-V4 on its Triton kernels (the path the Triton attention backend takes: kernels/v4_compress.py,
+kernels/v4_attention.py, the compressed indexer scores and the radix top-k) against the same model on
+kernels/v4_reference.py, on CPU through Triton's interpreter: tests/models/test_deepseek_v4.py's tiny fp32 checkpoint (HCA,
+CSA with index_topk 3, a sliding layer, window 8, rates 4 and 16), a prefill, an extend chunk beside another
+sequence's whole prompt, then decode steps, with contexts past the window, both rates and index_topk. The real
+shapes, bf16 and CUDA graphs are tests/gpu/test_deepseek_v4_gpu.py's."""
+
+from __future__ import annotations
+
+import torch
+from interp_setup import use_interpreter
+from model_utils import PagedHarness, relative_error
+
+use_interpreter()
+
+from test_deepseek_v4 import _checkpoint, _config  # noqa: E402  # isort: skip
+
+from graphserve.config import EngineConfig  # noqa: E402
+from graphserve.layers.attention import TorchAttentionBackend  # noqa: E402
+from graphserve.layers.attention_triton import TritonAttentionBackend  # noqa: E402
+from graphserve.models.loader import load_model  # noqa: E402
+
+
+def test_model_on_the_kernels_matches_the_reference(tmp_path, monkeypatch):
+    from graphserve.kernels import dsa_indexer, v4_attention, v4_compress
+
+    calls = {"attention": 0, "compress": 0, "indexer": 0}
+
+    def counted(key, fn):
+        def run(*args, **kwargs):
+            calls[key] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(v4_attention, "v4_attention", counted("attention", v4_attention.v4_attention))
+    monkeypatch.setattr(v4_compress, "compress_groups", counted("compress", v4_compress.compress_groups))
+    monkeypatch.setattr(dsa_indexer, "compressed_indexer_scores",
+                        counted("indexer", dsa_indexer.compressed_indexer_scores))  # fmt: skip
+    _checkpoint(tmp_path, _config())
+    loaded = load_model(EngineConfig(model=str(tmp_path), dtype="float32", max_model_len=128, block_size=4),
+                        torch.device("cpu"))  # fmt: skip
+    harnesses = [PagedHarness(loaded.model, block_size=4, num_blocks=40, backend=backend)
+                 for backend in (TorchAttentionBackend(), TritonAttentionBackend())]  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    seqs = {s: torch.randint(4, 320, (n,), generator=g).tolist() for s, n in (("a", 6), ("b", 35))}
+    steps = [[("b", seqs["b"][:17])], [("a", seqs["a"]), ("b", seqs["b"][17:])]]
+    steps += [[(s, torch.randint(4, 320, (1,), generator=g).tolist()) for s in seqs] for _ in range(3)]
+    for i, chunks in enumerate(steps):
+        ref, got = (torch.cat(h.step(chunks)) for h in harnesses)
+        assert relative_error(got, ref) < 1e-5, f"step {i}"
+    # 5 steps x 4 layers attend; 3 compressed layers compress (CSA twice: entry and indexer key); 2 CSA layers index
+    assert calls == {"attention": 20, "compress": 25, "indexer": 10}
