@@ -1,6 +1,6 @@
 """Per-output-row NVFP4 global scales in the FP4 streaming kernel, tiled GEMM and routed experts, against the
 reference, on CPU through Triton's interpreter: a fused q/k/v or gate/up whose parts carry different globals scales
-each row in the kernels' epilogue (no launch after them). Inputs as tests/test_fp4_interp.py makes them: random
+each row in the kernels' epilogue (no launch after them). Inputs as tests/kernels/test_fp4_interp.py makes them: random
 bytes and scales, NaN rows past M, outputs poisoned with NaN."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ grid (2^-9 of the FP8 scale):
   1.6875, five bits) rounds to nearest: relative error <= 2^-4 of that weight, the same bound as ``--quantization
   fp8`` on a bf16 weight, and zero on the codes' half that is a power of two. ``exactness`` counts both per tensor.
 The dequantized FP8 weight thus differs from the FP4 one by at most e4m3's half-ulp on a minority of weights. On the
-tiny random-weight models of tests/test_fp4_load_as_fp8.py (NVFP4): 2.1% RMS relative weight error, and logits
+tiny random-weight models of tests/models/test_fp4_load_as_fp8.py (NVFP4): 2.1% RMS relative weight error, and logits
 0.023-0.032 (relative) from the FP4 model's, against FP4's own 0.11-0.12 from the bf16 model's (and
 ``--quantization fp8``'s 0.028-0.034): the conversion costs what an FP8 quantization costs. MXFP4: identical.
 
