@@ -23,7 +23,7 @@ from pydantic.json_schema import models_json_schema
 from graphserve.errors import NotFoundError, ServiceUnavailableError
 from graphserve.sampling_params import SamplingParams
 from graphserve.server import serving_native, serving_openai
-from graphserve.server.cache_events import add_cache_event_route
+from graphserve.server.cache_events import HASH_PROBE, MAX_WAIT_S
 from graphserve.server.errors import error_response, install_error_handlers
 from graphserve.server.grammar_work import GrammarWork
 from graphserve.server.guards import GuardMiddleware, GuardOptions
@@ -202,3 +202,23 @@ def create_app(state: ServerState, guards: GuardOptions | None = None) -> FastAP
                              "more": start + limit < len(records)})
 
     return app
+
+
+def add_cache_event_route(app: FastAPI, state: ServerState) -> None:
+    """``GET /v1/cache_events``: a router's long poll of the prefix cache's events (server/cache_events.py)."""
+
+    @app.get("/v1/cache_events")
+    async def cache_events(
+        since: int = Query(-1, description="serial of the last event seen; -1 asks for a snapshot"),
+        timeout: float = Query(10.0, ge=0.0, le=MAX_WAIT_S, description="seconds to wait for a new event"),
+    ) -> JSONResponse:
+        state.check_ready()
+        engine = state.engine
+        body = await engine.cache_events.wait(since, timeout)
+        stats = engine.stats
+        body.update({
+            "epoch": engine.cache_events.epoch, "block_size": engine.config.block_size, "hash_probe": HASH_PROBE,
+            "prefix_caching": engine.config.enable_prefix_caching, "num_inflight": engine.num_inflight,
+            "num_running": int(getattr(stats, "running", 0)), "num_waiting": int(getattr(stats, "waiting", 0)),
+        })
+        return JSONResponse(body)

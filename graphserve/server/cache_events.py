@@ -1,4 +1,4 @@
-"""``GET /v1/cache_events``: the engine's prefix-cache events, for a router in front of several servers.
+"""The engine's prefix-cache events, for a router in front of several servers (the route: server/app.py).
 
 The engine's block pool logs every block hash that enters or leaves its prefix cache (engine/kv_cache.py); those
 events reach this server with the step outputs and land in a ``CacheEventLog``. A router long-polls
@@ -20,15 +20,9 @@ import collections
 import itertools
 import threading
 import uuid
-from typing import TYPE_CHECKING, Any
-
-from fastapi import FastAPI, Query
-from fastapi.responses import JSONResponse
+from typing import Any
 
 from graphserve.engine.kv_cache import CLEARED, REMOVED, ROOT_HASH, STORED, chain_hash
-
-if TYPE_CHECKING:
-    from graphserve.server.state import ServerState
 
 MAX_EVENTS = 32_768  # kept for routers that fall behind (a few MB); one further back gets a snapshot instead
 MAX_WAIT_S = 60.0
@@ -95,21 +89,3 @@ class CacheEventLog:
             with self._lock:
                 self._waiters = [w for w in self._waiters if w[1] is not event]
         return self.read(since)
-
-
-def add_cache_event_route(app: FastAPI, state: ServerState) -> None:
-    @app.get("/v1/cache_events")
-    async def cache_events(
-        since: int = Query(-1, description="serial of the last event seen; -1 asks for a snapshot"),
-        timeout: float = Query(10.0, ge=0.0, le=MAX_WAIT_S, description="seconds to wait for a new event"),
-    ) -> JSONResponse:
-        state.check_ready()
-        engine = state.engine
-        body = await engine.cache_events.wait(since, timeout)
-        stats = engine.stats
-        body.update({
-            "epoch": engine.cache_events.epoch, "block_size": engine.config.block_size, "hash_probe": HASH_PROBE,
-            "prefix_caching": engine.config.enable_prefix_caching, "num_inflight": engine.num_inflight,
-            "num_running": int(getattr(stats, "running", 0)), "num_waiting": int(getattr(stats, "waiting", 0)),
-        })
-        return JSONResponse(body)
