@@ -55,12 +55,16 @@ class EngineClient(Protocol):
 
 
 class MessageClient:
-    """The requests of the protocol as messages: a client supplies ``send`` and ``frontend``."""
+    """The requests of the protocol as messages onto the client's ``_inbox`` (a queue the engine side drains), none
+    once the client is stopping; a client supplies ``_inbox``, ``_stopping`` and ``frontend``."""
 
     frontend: int
+    _inbox: Any
+    _stopping: bool
 
     def send(self, message: Any) -> None:
-        raise NotImplementedError
+        if not self._stopping:
+            self._inbox.put(message)
 
     def add(self, requests: list[EngineRequest], faulty: set[str] = frozenset()) -> None:
         self.send(AddRequests(requests, set(faulty), frontend=self.frontend))

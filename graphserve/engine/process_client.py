@@ -106,10 +106,6 @@ class ProcessClient(MessageClient):
         self._reader = threading.Thread(target=self._read, name="graphserve-engine-reader", daemon=True)
         self._reader.start()
 
-    def send(self, message: Any) -> None:
-        if not self._stopping:
-            self._inbox.put(message)
-
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._stopping:
             return

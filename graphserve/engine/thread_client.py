@@ -75,10 +75,6 @@ class ThreadClient(MessageClient):
     def start(self) -> None:
         self._thread.start()
 
-    def send(self, message: object) -> None:
-        if not self._stopping:
-            self._inbox.put(message)
-
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._stopping:
             return
