@@ -151,12 +151,19 @@ class V4Attention(Float32Params):
             out = self._forward_reference(q, q_res, x, positions, batch, flat, block_size)
         out = rope_trailing(out.to(x.dtype), positions, self.inv_freq, sign=-1.0)
         grouped = out.view(t, self.groups, -1).transpose(0, 1)  # [groups, T, heads * head_dim / groups]
-        w = self.o_a_proj.weight
-        if self.o_a_proj.quant_method is not None:  # FP4/FP8: the block-diagonal product reads its dequantized rows
-            w = self.o_a_proj.quant_method.dequantized_weight(self.o_a_proj, x.dtype)
-        w = w.view(self.groups, -1, grouped.shape[-1])
-        mixed = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(t, -1)
-        return self.o_b_proj(mixed)
+        return self.o_b_proj(self._grouped_o_a(grouped, x.dtype).transpose(0, 1).reshape(t, -1))
+
+    def _grouped_o_a(self, grouped: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The block-diagonal ``o_a_proj``: group g's rows of the weight times group g's slice of the heads,
+        ``[groups, T, o_lora_rank]``. FP4 weights run one FP4 call per group on their packed rows; FP8 reads
+        its dequantized rows; the model dtype one ``bmm``."""
+        proj, g = self.o_a_proj, self.groups
+        method = proj.quant_method
+        if hasattr(method, "apply_rows"):
+            rank = proj.out_features // g
+            return torch.stack([method.apply_rows(proj, grouped[i], i * rank, (i + 1) * rank) for i in range(g)])
+        w = proj.weight if method is None else method.dequantized_weight(proj, dtype)
+        return torch.bmm(grouped, w.view(g, -1, grouped.shape[-1]).transpose(1, 2))
 
     def _forward_kernels(self, q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                          batch: ForwardBatch, flat: torch.Tensor, block_size: int) -> torch.Tensor:  # fmt: skip

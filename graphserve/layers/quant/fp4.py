@@ -211,6 +211,30 @@ class Fp4LinearMethod:
         out = fp4_linear(rows, layer.weight, layer.weight_scale, global_, self.fmt, layer.bias)
         return out.view(*x.shape[:-1], layer.out_features)
 
+    def apply_rows(self, layer: Linear, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """``x @ W[start:stop].T`` for the output rows ``start:stop`` alone (no bias), on the same kernels as
+        ``apply``: a block-diagonal product (DeepSeek-V4's grouped output projection) runs one call per group
+        and never dequantizes the weight, which would cost a full-precision copy a step and cannot be captured."""
+        if not x.is_cuda:
+            w = fp4_dequantize(layer.weight[start:stop], layer.weight_scale[start:stop],
+                               _row_slice(self.global_rows(layer), start, stop), self.fmt, torch.float32)
+            return F.linear(x.float(), w, None).to(x.dtype)
+        from graphserve.kernels.fp4_gemm import fp4_linear
+
+        if not self.config.global_scale:
+            global_ = None
+        elif layer.fp4_row_global is None:
+            global_ = layer.weight_scale_2[:1]
+        else:
+            global_ = layer.fp4_row_global[start:stop]
+        rows = x if x.is_contiguous() else x.contiguous()
+        return fp4_linear(rows, layer.weight[start:stop], layer.weight_scale[start:stop], global_, self.fmt)
+
+
+def _row_slice(g: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    """A per-row global scale cut to the rows ``start:stop``; a per-tensor one (0-d) or none as it is."""
+    return g[start:stop] if g is not None and g.dim() == 1 else g
+
 
 def _check_full(loaded: torch.Tensor, local: tuple[int, int], part: RankSlice | None, what: str, group: int) -> None:
     """The checkpoint tensor's own shape: its K side exactly the model's (packed: K/2), its rows at least this rank's."""
