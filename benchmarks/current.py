@@ -51,6 +51,7 @@ BENCHMARKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "fp8_route": (TUNED, ()),
     "gemv": (TUNED, ()),
     "host_path": (STEP, ()),
+    "house_ab": (SERVE, ("house_ab_http",)),
     "http_overhead": (SERVE, ("http_idle_ttft",)),
     "idle_wake": (SERVE, ()),
     "kernels": (KERNELS, ()),
