@@ -115,10 +115,10 @@ def main() -> int:
     rows = compare(figures["base"], figures["head"], a.tolerance)
     ok = bool(rows) and all(r["within"] for r in rows)
     verdict = (f"every figure within {a.tolerance:.0%} of before" if ok else
-               "slower than before: " + ", ".join(f"{r["case"]} {r['change']:+.1%}" for r in rows if not r["within"]))
+               "slower than before: " + ", ".join(f"{r['case']} {r['change']:+.1%}" for r in rows if not r["within"]))
     print(verdict)
     for r in rows:
-        print(f"  {r["case"]:<52} base {r['base']:9.4f}  head {r['head']:9.4f}  {r['change']:+.1%}")
+        print(f"  {r['case']:<52} base {r['base']:9.4f}  head {r['head']:9.4f}  {r['change']:+.1%}")
     write_result("house_ab", {"verdict": verdict, "tolerance": a.tolerance, "rounds": a.rounds,
                               "base_tree": str(base), "runs": envs, "rows": rows})  # fmt: skip
     return 0 if rows else 1
