@@ -520,44 +520,10 @@ def decode_attention(
     # fp32 q asks for fp32 arithmetic (IEEE dots on the widened values); 16-bit q takes the cheap widening
     widen_fp16 = kv_cache.dtype.itemsize == 1 and fp8_widen == torch.float16 and q.dtype != torch.float32
     quant_out = out_scale is not None
-    if quant_out:
-        if out is None or out.dtype != FP8_DTYPE or out.dim() != 3 or out.shape[0] < batch or \
-                tuple(out.shape[1:]) != (num_heads, head_dim) or out.stride(2) != 1:
-            raise ValueError(f"decode_attention: a quantized output needs out fp8 [>= {batch}, {num_heads}, {head_dim}] "
-                             f"with head_dim contiguous, got "
-                             f"{None if out is None else (out.dtype, tuple(out.shape), out.stride())}")
-        if out_scale.dtype != torch.float32 or out_scale.dim() != 2 or out_scale.shape[0] < batch or \
-                out_scale.shape[1] not in (num_heads, 1):
-            raise ValueError(f"decode_attention: out_scale must be float32 [>= {batch}, {num_heads}] (one scale per "
-                             f"sequence and head) or [>= {batch}, 1] (one per sequence), got {out_scale.dtype} "
-                             f"{tuple(out_scale.shape)}")
-        if not fused_merge:
-            raise ValueError("decode_attention: a quantized output is written by the split kernel itself "
-                             "(fused_merge=True)")
     quant_row = quant_out and out_scale.shape[1] == 1 and num_heads > 1
     row = num_heads * head_dim
-    if quant_row:
-        if out.stride(1) != head_dim:
-            raise ValueError(f"decode_attention: one scale per sequence needs out's heads side by side (stride "
-                             f"{head_dim} along heads), got strides {out.stride()}")
-        if row > MAX_QUANT_ROW:
-            raise ValueError(f"decode_attention: one scale per sequence quantizes a row of {num_heads} x {head_dim} = "
-                             f"{row} values in one program, at most {MAX_QUANT_ROW}")
-        if row_workspace is None:
-            row_workspace = torch.empty(batch * row, dtype=q.dtype, device=q.device)
-        elif (row_workspace.dtype != q.dtype or row_workspace.numel() < batch * row
-              or not row_workspace.is_contiguous() or row_workspace.device != q.device):
-            raise ValueError(f"decode_attention: row_workspace holds {row_workspace.numel()} {row_workspace.dtype} on "
-                             f"{row_workspace.device}, needs {batch * row} contiguous {q.dtype} on {q.device} for "
-                             f"batch={batch}, heads={num_heads}, head_dim={head_dim}")
-        if row_counters is None:
-            row_counters = torch.zeros(batch, dtype=torch.int32, device=q.device)
-        elif (row_counters.dtype != torch.int32 or row_counters.numel() < batch or row_counters.device != q.device
-              or not row_counters.is_contiguous()):
-            # the kernel finds sequence i's counter at row_counters + i
-            raise ValueError(f"decode_attention: row_counters hold {row_counters.numel()} {row_counters.dtype} on "
-                             f"{row_counters.device} (stride {row_counters.stride()}), need {batch} contiguous int32 "
-                             f"on {q.device}")
+    if quant_out:
+        row_workspace, row_counters = _quant_out_buffers(q, out, out_scale, fused_merge, row_workspace, row_counters)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -567,30 +533,8 @@ def decode_attention(
         context = block_tables.shape[1] * page if window is None else min(block_tables.shape[1] * page, window)
         num_splits = choose_num_splits(batch, num_kv_heads, context, sm_count(q.device), fp8_cache, tile.block_n)
     direct = num_splits == 1
-    mid_numel = batch * num_heads * num_splits * (head_dim + 1)
-    if direct:
-        mid_o = mid_lse = out  # unused by the kernel when DIRECT
-    else:
-        if workspace is None:
-            workspace = torch.empty(mid_numel, dtype=torch.float32, device=q.device)
-        elif workspace.numel() < mid_numel or workspace.dtype != torch.float32:
-            raise ValueError(
-                f"decode workspace holds {workspace.numel()} {workspace.dtype} elements, "
-                f"needs {mid_numel} float32 for batch={batch}, heads={num_heads}, splits={num_splits}"
-            )
-        split_o = batch * num_heads * num_splits * head_dim
-        mid_o = workspace[:split_o].view(batch, num_heads, num_splits, head_dim)
-        mid_lse = workspace[split_o:mid_numel].view(batch, num_heads, num_splits)
     fused_merge = fused_merge and not direct
-    if not fused_merge:
-        counters = mid_lse  # unused by the kernel
-    elif counters is None:
-        counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
-    elif counters.dtype != torch.int32 or counters.numel() < batch * num_kv_heads or counters.device != q.device:
-        raise ValueError(
-            f"decode merge counters hold {counters.numel()} {counters.dtype} on {counters.device}, need "
-            f"{batch * num_kv_heads} int32 on {q.device} for batch={batch}, kv_heads={num_kv_heads}"
-        )
+    mid_o, mid_lse, counters = _split_buffers(q, out, num_kv_heads, num_splits, fused_merge, workspace, counters)
     block_d = triton.next_power_of_2(head_dim)
     block_hm, block_s = triton.next_power_of_2(group), triton.next_power_of_2(num_splits)
     chunk_s = max(1, min(block_s, MERGE_TILE_ELEMS // (block_hm * block_d)))
@@ -632,6 +576,83 @@ def decode_attention(
             num_warps=4, **pdl_args(mid_o.device, "_decode_merge_kernel"),
         )  # fmt: skip
     return out
+
+
+def _quant_out_buffers(q: torch.Tensor, out: torch.Tensor | None, out_scale: torch.Tensor, fused_merge: bool,
+                       row_workspace: torch.Tensor | None, row_counters: torch.Tensor | None,
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """Check a quantized output's buffers (``decode_attention``'s ``out_scale``); with one scale per sequence, the
+    row workspace and counters its programs meet on (allocated when None)."""
+    batch, num_heads, head_dim = q.shape
+    if out is None or out.dtype != FP8_DTYPE or out.dim() != 3 or out.shape[0] < batch or \
+            tuple(out.shape[1:]) != (num_heads, head_dim) or out.stride(2) != 1:
+        raise ValueError(f"decode_attention: a quantized output needs out fp8 [>= {batch}, {num_heads}, {head_dim}] "
+                         f"with head_dim contiguous, got "
+                         f"{None if out is None else (out.dtype, tuple(out.shape), out.stride())}")
+    if out_scale.dtype != torch.float32 or out_scale.dim() != 2 or out_scale.shape[0] < batch or \
+            out_scale.shape[1] not in (num_heads, 1):
+        raise ValueError(f"decode_attention: out_scale must be float32 [>= {batch}, {num_heads}] (one scale per "
+                         f"sequence and head) or [>= {batch}, 1] (one per sequence), got {out_scale.dtype} "
+                         f"{tuple(out_scale.shape)}")
+    if not fused_merge:
+        raise ValueError("decode_attention: a quantized output is written by the split kernel itself "
+                         "(fused_merge=True)")
+    if out_scale.shape[1] != 1 or num_heads == 1:
+        return row_workspace, row_counters
+    row = num_heads * head_dim
+    if out.stride(1) != head_dim:
+        raise ValueError(f"decode_attention: one scale per sequence needs out's heads side by side (stride "
+                         f"{head_dim} along heads), got strides {out.stride()}")
+    if row > MAX_QUANT_ROW:
+        raise ValueError(f"decode_attention: one scale per sequence quantizes a row of {num_heads} x {head_dim} = "
+                         f"{row} values in one program, at most {MAX_QUANT_ROW}")
+    if row_workspace is None:
+        row_workspace = torch.empty(batch * row, dtype=q.dtype, device=q.device)
+    elif (row_workspace.dtype != q.dtype or row_workspace.numel() < batch * row
+          or not row_workspace.is_contiguous() or row_workspace.device != q.device):
+        raise ValueError(f"decode_attention: row_workspace holds {row_workspace.numel()} {row_workspace.dtype} on "
+                         f"{row_workspace.device}, needs {batch * row} contiguous {q.dtype} on {q.device} for "
+                         f"batch={batch}, heads={num_heads}, head_dim={head_dim}")
+    if row_counters is None:
+        row_counters = torch.zeros(batch, dtype=torch.int32, device=q.device)
+    elif (row_counters.dtype != torch.int32 or row_counters.numel() < batch or row_counters.device != q.device
+          or not row_counters.is_contiguous()):
+        # the kernel finds sequence i's counter at row_counters + i
+        raise ValueError(f"decode_attention: row_counters hold {row_counters.numel()} {row_counters.dtype} on "
+                         f"{row_counters.device} (stride {row_counters.stride()}), need {batch} contiguous int32 "
+                         f"on {q.device}")
+    return row_workspace, row_counters
+
+
+def _split_buffers(q: torch.Tensor, out: torch.Tensor, num_kv_heads: int, num_splits: int, fused_merge: bool,
+                   workspace: torch.Tensor | None, counters: torch.Tensor | None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(mid_o, mid_lse, counters) of ``decode_attention``'s splits: views of ``workspace`` (allocated when None) and
+    the merge counters (zeroed when None); with one split, placeholders the kernel never reads."""
+    batch, num_heads, head_dim = q.shape
+    if num_splits == 1:
+        return out, out, out  # unused by the kernel when DIRECT
+    mid_numel = batch * num_heads * num_splits * (head_dim + 1)
+    if workspace is None:
+        workspace = torch.empty(mid_numel, dtype=torch.float32, device=q.device)
+    elif workspace.numel() < mid_numel or workspace.dtype != torch.float32:
+        raise ValueError(
+            f"decode workspace holds {workspace.numel()} {workspace.dtype} elements, "
+            f"needs {mid_numel} float32 for batch={batch}, heads={num_heads}, splits={num_splits}"
+        )
+    split_o = batch * num_heads * num_splits * head_dim
+    mid_o = workspace[:split_o].view(batch, num_heads, num_splits, head_dim)
+    mid_lse = workspace[split_o:mid_numel].view(batch, num_heads, num_splits)
+    if not fused_merge:
+        return mid_o, mid_lse, mid_lse  # counters unused by the kernel
+    if counters is None:
+        counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
+    elif counters.dtype != torch.int32 or counters.numel() < batch * num_kv_heads or counters.device != q.device:
+        raise ValueError(
+            f"decode merge counters hold {counters.numel()} {counters.dtype} on {counters.device}, need "
+            f"{batch * num_kv_heads} int32 on {q.device} for batch={batch}, kv_heads={num_kv_heads}"
+        )
+    return mid_o, mid_lse, counters
 
 
 @dataclass(frozen=True)
