@@ -135,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
             first = next((c for c in results["configurations"] if c.get("points")), None)
             results.update({k: (first or {}).get(k) for k in ("points", "fit", "telemetry_fit", "failed_at")})
             results["points"] = results["points"] or []
+            if (first or {}).get("breakdown"):
+                results["breakdown"] = first["breakdown"]
             results["comparison"] = compare_configurations(results["configurations"], output_dir)
         else:
             with _target(args) as base_url:
