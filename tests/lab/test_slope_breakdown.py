@@ -179,3 +179,11 @@ def test_flag_off_profiles_nothing_and_reports_no_breakdown(tmp_path, capsys, mo
     assert "breakdown:" not in capsys.readouterr().out
     assert "per request (" not in (tmp_path / "report.md").read_text()
     assert "per category" not in (tmp_path / "report.html").read_text()
+
+
+def test_breakdown_traces_its_few_steps_unless_profile_asks_for_more():
+    from graphserve.bench.levels import profile_steps
+
+    assert profile_steps(_args("--breakdown")) == sb.BREAKDOWN_STEPS
+    assert profile_steps(_args("--breakdown", "--profile", "--profile-steps", "4")) == 4
+    assert sweep.run(_args("--base-url", "http://127.0.0.1:9", "--breakdown", "--profile", "--profile-steps", "0")) == 2
