@@ -20,10 +20,10 @@ from graphserve.engine.trace_categories import CATEGORIES
 from graphserve.errors import BadRequestError
 
 # Decode steps traced per level. At a fixed batch, consecutive decode steps run the same kernels on the same
-# shapes (the context grows by one token a step), so their categories vary by a few percent from step to step,
-# while the levels of a sweep differ in batch size by 4x and more: the slope is set by the spread between levels,
-# and 8 steps put each level's mean within about 1% of its steady value. Each traced step also costs the
-# profiler's trace export and, on a GPU, an eager phase of the same length, which more steps would lengthen.
+# shapes (the context grows by one token a step), so a category's ms varies little from step to step, while the
+# levels of a sweep differ in batch size by 4x and more: the slope is set by the spread between levels. A level's
+# mean over 8 steps has a standard error of σ/√8, about a third of the step-to-step spread; more steps would
+# lengthen every level's trace export and, on a GPU, the eager phase that runs as long again.
 BREAKDOWN_STEPS = 8
 
 SHORT = {"dense_gemm": "dense GEMMs", "moe": "MoE", "attention": "attention", "indexer": "the sparse-attention indexer",
