@@ -20,6 +20,7 @@ from graphserve.analysis.report_html import render_html
 from graphserve.analysis.report_plots import plot_latency, plot_scaling
 from graphserve.analysis.report_text import COLUMNS, fit_text, point_row, ratio_text
 from graphserve.analysis.scaling import fit_from_sweep
+from graphserve.analysis.slope_breakdown import breakdown_lines, breakdown_rows
 from graphserve.errors import BadRequestError
 
 
@@ -87,6 +88,8 @@ def _markdown(sweep: Mapping[str, Any], vs: Sequence[Mapping[str, Any]]) -> str:
         out += [f"## {v['name']}" if len(vs) > 1 else "## Results", ""]
         if v.get("command"):
             out += [f"`{v['command']}` ({v.get('status', '')})", ""]
+        if v.get("breakdown"):  # the question a --breakdown sweep was run to answer comes first
+            out += [f"- {line}" for line in breakdown_lines(v["breakdown"])]
         out.append(f"- fit: {fit_text(v['fit'], v['fit_quality'], v.get('fit_error'))}")
         if v.get("telemetry_fit"):
             out.append(f"- telemetry fit (decode steps): {fit_text(v['telemetry_fit'], v['telemetry_quality'])}")
@@ -97,6 +100,10 @@ def _markdown(sweep: Mapping[str, Any], vs: Sequence[Mapping[str, Any]]) -> str:
         for d in v.get("diagnosis") or []:
             out.append(f"- {doctor_text(d)}")
         out += ["", _markdown_table(v["points"]) if v["points"] else "(no measured level)", ""]
+        if v.get("breakdown") and not v["breakdown"].get("error"):
+            head, rows = breakdown_rows(v["breakdown"])
+            out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            out += ["| " + " | ".join(r) + " |" for r in rows] + [""]
     if comparison:
         out += ["## Comparison", "", "| C | baseline | candidate | output tok/s ratio [95% CI] | TPOT p50 ratio | verdict |",
                 "|---|---|---|---|---|---|"]

@@ -88,7 +88,8 @@ def _answer(sweep: Mapping[str, Any], vs: Sequence[Mapping[str, Any]]) -> str:
         out.append("<p>No level was measured by two configurations: nothing to compare.</p>")
     for v in vs:
         title = v["name"] if len(vs) > 1 else "this sweep"
-        out.append(f"<p><b>{escape(title)}</b>" + (f" ({escape(v.get('status', ''))})" if len(vs) > 1 else "") + "</p><ul>")
+        out.append(f"<p><b>{escape(title)}</b>" + (f" ({escape(v.get('status', ''))})" if len(vs) > 1 else "") + "</p>")
+        out.append(_breakdown_lead(v.get("breakdown")) + "<ul>")
         out.append(_fit_html("scaling fit (median TPOT against concurrency)", v["fit"], v["fit_quality"], v.get("fit_error")))
         if v.get("telemetry_fit"):
             out.append(_fit_html("telemetry fit (decode steps)", v["telemetry_fit"], v["telemetry_quality"], None))
@@ -137,9 +138,33 @@ def _configuration(v: Mapping[str, Any], single: bool, paths: Mapping[str, Path]
     if v.get("log_tail"):
         out.append("<details><summary>last lines of the server log</summary><pre>"
                    + escape("\n".join(v["log_tail"][-40:])) + "</pre></details>")
+    out.append(_breakdown_table(v.get("breakdown")))
     out.append(_profiles(v, source_dir))
     out.append("</section>")
     return "".join(out)
+
+
+def _breakdown_lead(bd: Mapping[str, Any] | None) -> str:
+    """`sweep --breakdown`'s sentence (how much of b each category takes) and whether the slopes add up."""
+    from graphserve.analysis.slope_breakdown import breakdown_lines
+
+    lines = breakdown_lines(bd)
+    if not lines:
+        return ""
+    if bd.get("error"):
+        return f'<p class="warning">{escape(lines[0])}</p>'
+    cls = "" if bd["adds_up"] else ' class="warning"'
+    return (f'<p class="verdict">{escape(lines[0])}</p><p{cls}>{escape(lines[1])}</p>'
+            f"<p><small>{escape(lines[2])}</small></p>")
+
+
+def _breakdown_table(bd: Mapping[str, Any] | None) -> str:
+    if not bd or bd.get("error"):
+        return ""
+    from graphserve.analysis.slope_breakdown import breakdown_rows
+
+    head, rows = breakdown_rows(bd)
+    return "<h3>What each request adds to a decode step, per category</h3>" + _table(head, rows, text_cols=1)
 
 
 def _profiles(v: Mapping[str, Any], base: Path) -> str:

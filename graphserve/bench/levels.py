@@ -58,10 +58,10 @@ def sweep_levels(args: argparse.Namespace, base_url: str, levels: list[int], out
                       "e2e_ms_median": (s["e2e_ms"] or {}).get("median"),
                       "client_limited": res["client_health"]["client_limited"],
                       "failure_reasons": s["failure_reasons"]})
-        if getattr(args, "profile", False) and not point["failed"]:
+        if (getattr(args, "profile", False) or getattr(args, "breakdown", False)) and not point["failed"]:
             from graphserve.analysis.profile import profile_level
 
-            point["profile"] = profile_level(base_url, c, args.profile_steps, args.random_input_len,
+            point["profile"] = profile_level(base_url, c, profile_steps(args), args.random_input_len,
                                              os.path.join(output_dir, "profiles", f"{label}c{c}"), output_dir)
         points.append(point)
         print(_level_line(point), flush=True)
@@ -82,7 +82,20 @@ def sweep_levels(args: argparse.Namespace, base_url: str, levels: list[int], out
     out["telemetry_distinct_batch_sizes"] = len({r.get("batch_size") for r in decode})
     out["telemetry_non_decode_share"] = (1.0 - len(decode) / len(telemetry)) if telemetry else None
     out["telemetry_host_share"] = host_share(telemetry or [])
+    if getattr(args, "breakdown", False):
+        from graphserve.analysis.slope_breakdown import fit_breakdown
+
+        out["breakdown"] = fit_breakdown(points, out["fit"])
     return out
+
+
+def profile_steps(args: argparse.Namespace) -> int:
+    """Steps traced per level: --profile's own count, or with --breakdown alone the few its fit needs."""
+    if getattr(args, "profile", False):
+        return args.profile_steps
+    from graphserve.analysis.slope_breakdown import BREAKDOWN_STEPS
+
+    return BREAKDOWN_STEPS
 
 
 def host_share(records: list[dict]) -> dict[str, float | None]:

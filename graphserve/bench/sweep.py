@@ -4,7 +4,8 @@ exposes /v1/telemetry), written as a report folder. With --server-cmd and --serv
 this for every server configuration in turn (see server_grid.py) and compares each with the first,
 level by level (analysis/grid_compare.py). With --profile, after each level the same number of
 requests is held in decode and their steps profiled (graphserve profile), beside the level's numbers
-rather than during them."""
+rather than during them. With --breakdown, a few such steps per level are traced and each category's ms
+per step is fitted against N like the total (analysis/slope_breakdown.py): how much of b is attention."""
 
 from __future__ import annotations
 
@@ -48,12 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="after each level, hold C requests in decode and profile their steps (graphserve profile); "
                         "the server must run with --enable-profile-endpoint")
     g.add_argument("--profile-steps", type=int, default=10, help="decode steps per profile")
+    g.add_argument("--breakdown", action="store_true",
+                   help="after each level, trace a few decode steps of C held requests and fit each category's ms "
+                        "(attention, MoE, GEMMs...) against N like the total, so the report says how much of b each "
+                        "takes; the server must run with --enable-profile-endpoint")
 
 
 @contextlib.contextmanager
 def _target(args: argparse.Namespace) -> Iterator[str]:
-    """target_server, except that an in-process server started for --profile exposes the profile endpoint."""
-    if not (args.profile and args.model and not args.base_url):
+    """target_server, except that an in-process server started for --profile or --breakdown exposes the profile
+    endpoint."""
+    if not ((args.profile or args.breakdown) and args.model and not args.base_url):
         with target_server(args) as url:
             yield url
         return
@@ -85,6 +91,7 @@ def _quality(cfg: dict, key: str) -> dict:
 def print_results(results: dict) -> None:
     from graphserve.analysis.report import doctor_text, format_table, host_share_text
     from graphserve.analysis.report_text import fit_text
+    from graphserve.analysis.slope_breakdown import breakdown_lines
 
     for cfg in results.get("configurations") or [results]:
         if cfg.get("params"):
@@ -97,6 +104,8 @@ def print_results(results: dict) -> None:
                 print(f"{key}: none ({cfg[key + '_error']})")
         if shares := host_share_text(cfg.get("telemetry_host_share")):
             print(shares)
+        for line in breakdown_lines(cfg.get("breakdown")):
+            print(f"breakdown: {line}")
         if cfg.get("failed_at"):
             print(f"server died at concurrency {cfg['failed_at']}")
         for d in cfg.get("diagnosis") or []:
@@ -110,10 +119,11 @@ def print_results(results: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         check_load_args(args)
-        if args.profile:  # refused here, not once per level after each level's load has run
+        if args.profile or args.breakdown:  # refused here, not once per level after each level's load has run
             from graphserve.analysis.profile import check_steps
+            from graphserve.bench.levels import profile_steps
 
-            check_steps(args.profile_steps)
+            check_steps(profile_steps(args))
         levels = parse_levels(args.concurrency)
         output_dir = args.output_dir or "sweep-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
         tokenizer = load_tokenizer(args.tokenizer)
@@ -125,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
             first = next((c for c in results["configurations"] if c.get("points")), None)
             results.update({k: (first or {}).get(k) for k in ("points", "fit", "telemetry_fit", "failed_at")})
             results["points"] = results["points"] or []
+            if (first or {}).get("breakdown"):
+                results["breakdown"] = first["breakdown"]
             results["comparison"] = compare_configurations(results["configurations"], output_dir)
         else:
             with _target(args) as base_url:

@@ -274,7 +274,9 @@ class StepProfiler:
             "busy_ms": {c: mean(bd.busy_ms.get(c, 0.0) for _, bd, _ in rows) for c in WORK_CATEGORIES},
             "overlapped_ms": mean(bd.overlapped_ms for _, bd, _ in rows),
             "kernels_per_step": mean(bd.kernels for _, bd, _ in rows),
-            "per_step": [{"step_ms": rec.step_ms, "span_ms": bd.span_ms, "batch_size": rec.batch_size}
+            # each step's own categories: `sweep --breakdown` fits them against the batch size step by step
+            "per_step": [{"step_ms": rec.step_ms, "span_ms": bd.span_ms, "batch_size": rec.batch_size,
+                          "categories_ms": {c: bd.categories_ms.get(c, 0.0) for c in CATEGORIES}}
                          for _, bd, rec in rows],
             "attribution": "measured",
             "excluded_steps": excluded,
