@@ -52,7 +52,7 @@ BENCHMARKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "gemv": (TUNED, ()),
     "host_path": (STEP, ()),
     "house_ab": (SERVE, ("house_ab_http",)),
-    "http_overhead": (SERVE, ("http_idle_ttft",)),
+    "http_overhead": (SERVE, ("http_idle_ttft", "http_text")),
     "idle_wake": (SERVE, ()),
     "kernels": (KERNELS, ()),
     "l2_prefetch": (STEP, ()),

@@ -51,7 +51,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "error path."),
     Switch("GRAPHSERVE_COMMIT", None,
            "The commit benchmark and tuning results are stamped with, for a tree that travels without `.git` "
-           "(unset: `git rev-parse --short HEAD`); `python3 -m graphserve.tuning.timing` prints the stamp, checked."),
+           "(unset: `git rev-parse --short HEAD`); `python3 -m graphserve.tuning.timing` prints it as `COMMIT:TREE`, "
+           "whose tree id lets a copy beside an older `.git` prove it holds that commit's code."),
     Switch("GRAPHSERVE_ALLOW_DIRTY", "0",
            "`1` lets results be written from a tree with uncommitted changes under `graphserve/` or "
            "`benchmarks/`, their commit stamped `-dirty`."),

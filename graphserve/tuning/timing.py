@@ -5,8 +5,10 @@ printed as each measurement lands."""
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -25,10 +27,10 @@ class DirtyTreeError(RuntimeError):
     """Results would be stamped with a commit whose code is not what ran."""
 
 
-def _git(root: Path, *args: str) -> str | None:
+def _git(root: Path, *args: str, env_extra: dict[str, str] | None = None) -> str | None:
     try:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
-                              timeout=60).stdout
+                              timeout=60, env={**os.environ, **env_extra} if env_extra else None).stdout
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -45,20 +47,41 @@ def tree_changes(root: Path | None = None) -> list[str] | None:
     return None if status is None else status.splitlines()
 
 
+def code_tree(root: Path | None = None) -> str | None:
+    """The git tree id of graphserve/ and benchmarks/ as they lie on disk (the files runs write left out), whatever
+    the checkout's HEAD: equal ids, equal code. Built in a throw-away index, so the checkout's own is untouched; None
+    without git."""
+    root = root or REPO
+    with tempfile.TemporaryDirectory() as tmp:
+        index = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        if _git(root, "add", "-A", "--", "graphserve", "benchmarks", *WRITTEN_BY_RUNS, env_extra=index) is None:
+            return None
+        tree = _git(root, "write-tree", env_extra=index)
+    return tree.strip() if tree else None
+
+
 def git_commit(root: Path | None = None) -> str:
     """The commit measured: $GRAPHSERVE_COMMIT (set it where the tree travels without .git), else git's HEAD.
 
     A checkout with uncommitted changes under graphserve/ or benchmarks/ is refused (DirtyTreeError): its numbers
     would be credited to a commit that does not hold the code that made them. GRAPHSERVE_ALLOW_DIRTY=1 stamps it
-    ``<commit>-dirty`` instead."""
+    ``<commit>-dirty`` instead.
+
+    ``GRAPHSERVE_COMMIT=COMMIT:TREE`` (what ``python3 -m graphserve.tuning.timing`` prints on a clean checkout)
+    names the commit of a tree copied beside some other ``.git`` (a machine given the working tree and an older
+    history): its files differ from that HEAD, but where their ``code_tree`` is TREE they are COMMIT's code and the
+    stamp is COMMIT, clean."""
     root = root or REPO
     changes = tree_changes(root)
+    named, _, tree = (env.get("GRAPHSERVE_COMMIT") or "").partition(":")
+    if changes and tree and code_tree(root) == tree:
+        return named
     if changes and not env.flag("GRAPHSERVE_ALLOW_DIRTY"):
         shown = "; ".join(line.strip() for line in changes[:5]) + ("; ..." if len(changes) > 5 else "")
         raise DirtyTreeError(f"refusing to stamp results with a commit: {len(changes)} uncommitted change(s) under "
                              f"graphserve/ or benchmarks/ ({shown}); commit them, or set GRAPHSERVE_ALLOW_DIRTY=1 "
                              f"to stamp the commit '-dirty'")
-    commit = env.get("GRAPHSERVE_COMMIT") or (_git(root, "rev-parse", "--short", "HEAD") or "unknown").strip()
+    commit = named or (_git(root, "rev-parse", "--short", "HEAD") or "unknown").strip()
     return f"{commit}-dirty" if changes and not commit.endswith("-dirty") else commit
 
 
@@ -191,9 +214,12 @@ def _fmt(v, col: str = "") -> str:
 
 def main() -> None:
     """Print the stamp results written now would carry, or refuse (exit 1) where the checkout holds uncommitted code:
-    ``GRAPHSERVE_COMMIT=$(python3 -m graphserve.tuning.timing)`` names the commit for a tree copied without .git."""
+    ``GRAPHSERVE_COMMIT=$(python3 -m graphserve.tuning.timing)`` names the commit for a tree copied without .git or
+    beside an older one: ``COMMIT:TREE``, the tree id of its code (``code_tree``) that proves a copy holds it."""
     try:
-        print(git_commit())
+        commit = git_commit()
+        tree = code_tree() if not commit.endswith("-dirty") else None
+        print(f"{commit}:{tree}" if tree else commit)
     except DirtyTreeError as e:
         raise SystemExit(str(e)) from None
 

@@ -98,7 +98,29 @@ def test_stamp_command_for_a_tree_that_travels(repo, monkeypatch, capsys):
     root, head = repo
     monkeypatch.setattr(timing, "REPO", root)
     timing.main()
-    assert capsys.readouterr().out.strip() == head
+    assert capsys.readouterr().out.strip() == f"{head}:{timing.code_tree(root)}"
     (root / "graphserve/engine.py").write_text("x = 4\n")
     with pytest.raises(SystemExit, match="refusing to stamp results"):
         timing.main()
+
+
+def test_tree_beside_an_older_git_proves_its_commit_by_its_code_tree(repo, monkeypatch):
+    """A copy of a newer commit's files beside the older history (what a GPU machine is given): git sees changes
+    against its HEAD, but the printed ``COMMIT:TREE`` stamp matches the files' tree id, so the stamp is that commit,
+    clean; one more edit and the ids differ, so the copy is refused as any dirty checkout."""
+    root, _ = repo
+    (root / "graphserve/engine.py").write_text("x = 2\n")
+    (root / "benchmarks/results/decode.json").write_text("{\"measured\": 1}\n")  # written by a run: not code
+    _git(root, "add", ".")
+    _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "newer")
+    newer, tree = _git(root, "rev-parse", "--short", "HEAD"), timing.code_tree(root)
+    assert tree and tree == timing.code_tree(root)
+    _git(root, "reset", "-q", "--soft", "HEAD~1")  # the older history under the newer files
+    assert timing.tree_changes(root)
+    monkeypatch.setenv("GRAPHSERVE_COMMIT", f"{newer}:{tree}")
+    assert timing.git_commit(root) == newer
+    (root / "graphserve/engine.py").write_text("x = 3\n")
+    with pytest.raises(timing.DirtyTreeError, match="graphserve/engine.py"):
+        timing.git_commit(root)
+    monkeypatch.setenv("GRAPHSERVE_ALLOW_DIRTY", "1")
+    assert timing.git_commit(root) == f"{newer}-dirty"
