@@ -83,7 +83,9 @@ def write_index_cache(k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: 
     )  # fmt: skip
 
 
-@triton.jit
+# block tables are sliced per step and their width follows the batch: see engine/warmup.py
+@triton.jit(do_not_specialize=["stride_bt", "max_len", "max_blocks"],
+            do_not_specialize_on_alignment=["bt_ptr", "row_seq_ptr", "row_pos_ptr"])
 def _indexer_scores_kernel(
     q_ptr, w_ptr, val_ptr, scale_ptr, bt_ptr, row_seq_ptr, row_pos_ptr, out_ptr,
     max_len, num_heads, max_blocks,

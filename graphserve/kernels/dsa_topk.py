@@ -140,7 +140,7 @@ def topk_indices_triton(
         return out
     _radix_topk_kernel[(tokens,)](
         scores, row_pos, out, length, scores.stride(0), out.stride(0), K=k,
-        BLOCK=min(block, triton.next_power_of_2(max(length, 16))),
+        BLOCK=block,  # not sized by the row's length: one compile serves every context (engine/warmup.py)
         OUT_BLOCK=min(1024, triton.next_power_of_2(k)), WHILE_LOOP=interpreting(), num_warps=8,
     )  # fmt: skip
     return out

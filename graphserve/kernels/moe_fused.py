@@ -166,6 +166,11 @@ def fused_experts(
     valid_arg = topk_ids if valid is None else valid.view(torch.uint8)
     chosen, step_tiles, w8a8 = _plan(pairs, num_local, tiles, scales, path, w8a8, gemm_tiles)
     if chosen == "gemv":
+        if valid is None:
+            # the streaming kernels always take a mask: one compiled variant serves graph replays (padded, masked)
+            # and eager steps alike, so no eager step after the warm-up meets a HAS_VALID=False it never compiled
+            valid = torch.ones(t, dtype=torch.bool, device=device)
+            valid_arg = valid.view(torch.uint8)
         _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
                         gemv_tiles or tiles.gemv_tiles(k, inter, h, weight_block[1] if weight_block else None),
                         scales, (w13_bias, w2_bias), epilogue)  # fmt: skip

@@ -81,7 +81,8 @@ def _sparse_step(
     return m_new, l_i, acc
 
 
-@triton.jit
+# block tables are sliced per step and their width follows the batch: see engine/warmup.py
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["block_tables_ptr", "row_seq_ptr"])
 def _sparse_mla_kernel(
     q_lat_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, row_seq_ptr, idx_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     scale_log2, num_heads, num_selected,

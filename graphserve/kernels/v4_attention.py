@@ -74,7 +74,8 @@ def _step(q, k, ok, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+# block tables are sliced per step and their width follows the batch: see engine/warmup.py
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["bt_ptr", "pos_ptr", "row_seq_ptr"])
 def _v4_attention_kernel(
     q_ptr, lat_ptr, rows_ptr, bt_ptr, row_seq_ptr, pos_ptr, idx_ptr, sinks_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     scale_log2, num_heads, num_idx,

@@ -87,7 +87,8 @@ def _store_acc(ptr, offs_i, i_mask, m_e, m_o, l_e, l_o, a_e, a_o, DIM: tl.conste
     tl.store(ptr + DIM + even + 1, tl.where(some_o, a_o / tl.where(some_o, l_o, 1.0), 0.0), mask=i_mask)
 
 
-@triton.jit
+# block tables are sliced per step and their width follows the batch: see engine/warmup.py
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["bt_ptr", "pos_ptr", "qsl_ptr", "row_seq_ptr"])
 def _v4_compress_kernel(
     kv_ptr, gate_ptr, init_ptr, ckpt_ptr, page_ptr, bt_ptr, row_seq_ptr, pos_ptr, qsl_ptr, bias_ptr, norm_ptr,
     inv_freq_ptr, eps, num_seqs,
