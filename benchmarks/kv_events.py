@@ -8,10 +8,11 @@ front-end's ``CacheEventLog.extend``. With the events off the block pool logs no
 Two workloads at ``--batch`` sequences: ``decode``, the batch decoding steadily (each sequence fills a block every 16
 steps: a "stored" event each), and ``churn``, sequences finishing after 8..64 tokens and replaced at once by new
 random prompts of ``--prompt-len`` tokens in a KV pool that holds the batch about 1.5 times, so every step prefills
-(stored events) and evicts (removed events). Engines with and without events alternate, ``--repeats`` times; the
-table shows the median over repeats of each one's median µs per step: ``*_host_us`` the whole step, ``*_events_us``
-the events' way out alone (the quieter measure of what recording adds: a step's own time varies by more on a busy
-host), and ``on/off``.
+(stored events) and evicts (removed events). Two engines on the same requests, one with events and one without,
+step in alternation (``--repeats`` pairs, fresh each time); the table shows the median over pairs of each one's
+median µs per step: ``*_host_us`` the whole step, ``on_minus_off_us`` the median of the step-by-step differences
+(the same step of the same requests, taken moments apart), ``*_events_us`` the events' way out alone, and
+``on/off``.
 
 Run: python3 -m benchmarks.kv_events [--batch 64] [--steps 200] [--repeats 3]   (writes results/kv_events.json)
 """
@@ -72,31 +73,52 @@ def build(kind: str, batch: int, prompt_len: int, steps: int, kv_events: bool, s
     return core, Workload(core, kind, batch, prompt_len, decode_tokens, seed)
 
 
-def measure(kind: str, batch: int, prompt_len: int, steps: int, kv_events: bool, seed: int) -> dict[str, float]:
-    core, work = build(kind, batch, prompt_len, steps, kv_events, seed)
-    timer = PieceTimer()
-    instrument(core, timer, core.info.vocab_size, batch)
-    log = CacheEventLog()
-    for _ in range(batch * prompt_len // EngineConfig().chunked_prefill_size + 2):
-        work.step()  # admission and the first prefills
-    for _ in range(steps // 4):  # into the steady state: a churning pool full of cached blocks
-        work.step()
-        log.extend(core.block_manager.take_events())
-    step_us, events_us, counts = [], [], []
-    for _ in range(steps):
-        timer.step.clear()
+class Engine:
+    """One engine of the pair, instrumented, with its front-end's event log."""
+
+    def __init__(self, kind: str, batch: int, prompt_len: int, steps: int, kv_events: bool, seed: int):
+        self.core, self.work = build(kind, batch, prompt_len, steps, kv_events, seed)
+        self.timer = PieceTimer()
+        instrument(self.core, self.timer, self.core.info.vocab_size, batch)
+        self.log = CacheEventLog()
+        self.step_us: list[float] = []
+        self.events_us: list[float] = []
+        self.counts: list[int] = []
+
+    def step(self, timed: bool) -> None:
+        self.timer.step.clear()
         t0 = time.perf_counter()
-        work.step()
+        self.work.step()
         t1 = time.perf_counter()
-        events = core.block_manager.take_events()
-        log.extend(pickle.loads(pickle.dumps(events, protocol=pickle.HIGHEST_PROTOCOL)))
+        events = self.core.block_manager.take_events()
+        self.log.extend(pickle.loads(pickle.dumps(events, protocol=pickle.HIGHEST_PROTOCOL)))
         t2 = time.perf_counter()
-        step_us.append((t1 - t0 - timer.step["sampler"] - timer.step["forward"]) * 1e6)
-        events_us.append((t2 - t1) * 1e6)
-        counts.append(len(events))
-    return {"step_us": statistics.median(step_us), "events_us": statistics.median(events_us),
-            "host_us": statistics.median(s + e for s, e in zip(step_us, events_us)),
-            "events_per_step": statistics.mean(counts)}
+        if timed:
+            self.step_us.append((t1 - t0 - self.timer.step["sampler"] - self.timer.step["forward"]) * 1e6)
+            self.events_us.append((t2 - t1) * 1e6)
+            self.counts.append(len(events))
+
+
+def measure(kind: str, batch: int, prompt_len: int, steps: int, seed: int) -> dict[bool, dict[str, float]]:
+    """Two engines on the same requests, one recording events, stepped in alternation (the order swapped every
+    step) so that whatever else loads the host loads both alike."""
+    pair = {on: Engine(kind, batch, prompt_len, steps, on, seed) for on in (False, True)}
+    for _ in range(batch * prompt_len // EngineConfig().chunked_prefill_size + 2 + steps // 4):
+        for on in (False, True):  # admission, the first prefills, then into a churning pool full of cached blocks
+            pair[on].step(timed=False)
+    for i in range(steps):
+        for on in (False, True) if i % 2 == 0 else (True, False):
+            pair[on].step(timed=True)
+    assert pair[False].work.serial == pair[True].work.serial, "the two engines ran different requests"
+    out = {}
+    for on, e in pair.items():
+        host = [s + ev for s, ev in zip(e.step_us, e.events_us)]
+        out[on] = {"host_us": statistics.median(host), "events_us": statistics.median(e.events_us),
+                   "events_per_step": statistics.mean(e.counts)}
+    out[True]["paired_us"] = statistics.median(
+        (s + ev) - (s0 + ev0) for s, ev, s0, ev0 in zip(pair[True].step_us, pair[True].events_us,
+                                                     pair[False].step_us, pair[False].events_us))
+    return out
 
 
 def main() -> None:
@@ -104,19 +126,17 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=200, help="timed steps per engine")
-    p.add_argument("--repeats", type=int, default=3, help="engines per workload and setting, alternating")
+    p.add_argument("--repeats", type=int, default=3, help="fresh engine pairs per workload")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     args = p.parse_args()
     torch.set_num_threads(1)  # host work is single-threaded; keep the sampler's math off the other cores
     rows = []
     for kind in args.workloads:
-        runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
-        for r in range(args.repeats):
-            for on in (False, True) if r % 2 == 0 else (True, False):
-                runs[on].append(measure(kind, args.batch, args.prompt_len, args.steps, on, seed=r))
-        med = {on: {k: statistics.median(x[k] for x in runs[on]) for k in runs[on][0]} for on in runs}
+        runs = [measure(kind, args.batch, args.prompt_len, args.steps, seed=r) for r in range(args.repeats)]
+        med = {on: {k: statistics.median(x[on][k] for x in runs) for k in runs[0][on]} for on in (False, True)}
         rows.append({"case": kind, "bs": args.batch, "events_per_step": med[True]["events_per_step"],
                      "off_host_us": med[False]["host_us"], "on_host_us": med[True]["host_us"],
+                     "on_minus_off_us": med[True]["paired_us"],
                      "off_events_us": med[False]["events_us"], "on_events_us": med[True]["events_us"],
                      "on/off": med[True]["host_us"] / med[False]["host_us"]})
     print("µs of host time per engine step (median), prefix-cache events off and on (--kv-events)")
