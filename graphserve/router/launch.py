@@ -102,7 +102,7 @@ async def worker_models(client: httpx.AsyncClient, urls: list[str], timeout: flo
 
 async def check_kv_events(client: httpx.AsyncClient, urls: list[str], headers: dict[str, str] | None = None) -> None:
     """Every worker that answered at start serves its prefix-cache events: one started without --kv-events is
-    refused by URL (routed blind, its cached prefixes would be wasted; a request for one would land elsewhere)."""
+    refused by URL, since the router could only send it requests by load, blind to the prefixes it caches."""
     from graphserve.router.workers import no_events_reason
 
     for url in urls:

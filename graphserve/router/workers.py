@@ -3,7 +3,8 @@
 Each worker has two tasks: a health check (``GET /health`` every ``health_interval`` s) and a long poll of its
 cache events (``GET /v1/cache_events``, server/cache_events.py) that keeps its index in the routing policy. A
 worker is dropped at once when a request to it fails at the connection, and taken back when its /health answers
-200 again; a worker serving another model than the router's is never used.
+200 again; a worker serving another model than the router's is never used, one serving no cache events (started
+without --kv-events) not until it serves them.
 """
 
 from __future__ import annotations
