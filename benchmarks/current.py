@@ -55,6 +55,7 @@ BENCHMARKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "http_overhead": (SERVE, ("http_idle_ttft", "http_text")),
     "idle_wake": (SERVE, ()),
     "kernels": (KERNELS, ()),
+    "kv_events": ((*STEP, "graphserve/server/cache_events.py"), ()),
     "l2_prefetch": (STEP, ()),
     "launches": (KERNELS, ()),
     "mla": (TUNED, ("mla_sweep",)),

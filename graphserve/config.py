@@ -50,6 +50,9 @@ class EngineConfig:
     chunked_prefill_size: int = 2048  # per-step token budget for prefill chunks
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # Record the prefix cache's block events for GET /v1/cache_events (a `graphserve router` reads them; --dp
+    # replicas always record, their own routing reads them). Off, no step logs, ships or stores an event.
+    kv_events: bool = False
     # KV capacity on CPU (GPU sizes the pool with the memory planner): GiB or a token count.
     kv_cache_gb: float | None = None
     num_kv_tokens: int | None = None
@@ -186,6 +189,8 @@ _HELP = {
     "max_running_requests": "most requests decoded together",
     "chunked_prefill_size": "prefill tokens per step",
     "block_size": "tokens per KV block",
+    "kv_events": "record the prefix cache's stored/evicted block hashes and serve them on GET /v1/cache_events, "
+                 "for `graphserve router` (on by itself with --dp)",
     "kv_cache_gb": "KV pool size in GiB (CPU; on GPU an upper bound on the planned pool)",
     "num_kv_tokens": "KV pool size in tokens (CPU; on GPU an upper bound on the planned pool)",
     "mem_fraction_static": "fraction of GPU memory for weights, KV pool, graphs and activations",

@@ -99,7 +99,10 @@ def run_engine(config: EngineConfig, inbox: Any, senders: list[Sender], queued: 
         records: list[Any] = []
         core.telemetry.add_listener(records.append)
         bm = core.block_manager
-        bm.record_events()  # a router keeps each replica's prefix index from these (server/cache_events.py)
+        if config.kv_events:  # a router keeps each replica's prefix index from these (server/cache_events.py)
+            bm.record_events()
+            logger.info("recording the prefix cache's events for GET /v1/cache_events (--kv-events): %d cached "
+                        "block(s) so far", len(bm.cached))
         ready = EngineReady(core.info, core.chat_template, core.max_model_len, bm.num_usable_blocks, bm.block_size,
                             core.stats(), warm)
         for sender in senders:

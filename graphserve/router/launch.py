@@ -3,7 +3,9 @@ workers, sending each request to the worker that caches the longest prefix of it
 
 At start the router asks every worker (for up to ``--startup-timeout`` s) which model it serves; workers that
 answer must agree, and the router loads that model's tokenizer (or ``--tokenizer``) to hash prompts as the
-workers' caches do. A worker that is down at start is taken in when it comes up, if it serves the same model.
+workers' caches do, and checks that each serves its prefix-cache events (`graphserve serve --kv-events`): one that
+does not is refused by URL. A worker that is down at start is taken in when it comes up, if it serves the same
+model and its cache events.
 """
 
 from __future__ import annotations
@@ -98,6 +100,21 @@ async def worker_models(client: httpx.AsyncClient, urls: list[str], timeout: flo
         await asyncio.sleep(0.5)
 
 
+async def check_kv_events(client: httpx.AsyncClient, urls: list[str], headers: dict[str, str] | None = None) -> None:
+    """Every worker that answered at start serves its prefix-cache events: one started without --kv-events is
+    refused by URL, since the router could only send it requests by load, blind to the prefixes it caches."""
+    from graphserve.router.workers import no_events_reason
+
+    for url in urls:
+        try:
+            resp = await client.get(url + "/v1/cache_events", params={"since": -1, "timeout": 0}, timeout=5.0,
+                                    headers=headers)
+        except httpx.HTTPError:
+            continue  # gone since it answered: when it is back, its events loop refuses it if it must
+        if resp.status_code == 404:
+            raise ConfigError(no_events_reason(url, resp), param="worker")
+
+
 def check_models(models: dict[str, str]) -> str:
     """The one model the workers serve; workers that disagree are refused naming both."""
     (first_url, first), *rest = models.items()
@@ -122,7 +139,9 @@ async def serve(args: argparse.Namespace, urls: list[str]) -> None:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     # no default key on this client: it carries clients' requests, each with the key its client sent
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        model = check_models(await worker_models(client, urls, args.startup_timeout, headers))
+        models = await worker_models(client, urls, args.startup_timeout, headers)
+        model = check_models(models)
+        await check_kv_events(client, list(models), headers)
         tokenizer = await asyncio.to_thread(load_tokenizer, args.tokenizer or model)
         policy = RoutingPolicy(balance_threshold=args.balance_threshold)
         pool = WorkerPool(urls, model, client, policy, args.health_interval, headers)

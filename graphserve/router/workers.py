@@ -3,7 +3,8 @@
 Each worker has two tasks: a health check (``GET /health`` every ``health_interval`` s) and a long poll of its
 cache events (``GET /v1/cache_events``, server/cache_events.py) that keeps its index in the routing policy. A
 worker is dropped at once when a request to it fails at the connection, and taken back when its /health answers
-200 again; a worker serving another model than the router's is never used.
+200 again; a worker serving another model than the router's is never used, one serving no cache events (started
+without --kv-events) not until it serves them.
 """
 
 from __future__ import annotations
@@ -20,13 +21,27 @@ from graphserve.server.cache_events import HASH_PROBE
 logger = logging.getLogger("graphserve.router")
 
 EVENTS_WAIT_S = 10.0  # long-poll wait per /v1/cache_events call
+NO_EVENTS_RETRY_S = 5.0  # how often a worker refused for serving no cache events is asked again
+
+
+def no_events_reason(url: str, resp: httpx.Response) -> str:
+    """Why a worker whose /v1/cache_events answered 404 cannot be routed to by prefix, naming it and the flag."""
+    try:
+        code = resp.json()["error"].get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        code = None
+    why = "was started without --kv-events" if code == "kv_events_disabled" else \
+        "has no GET /v1/cache_events (an older graphserve?)"
+    return (f"--worker {url} {why}, so the router cannot know which prefixes it caches: start that worker with "
+            "`graphserve serve MODEL --kv-events`")
 
 
 @dataclass
 class Worker:
     url: str
     healthy: bool = False
-    refused: str | None = None  # why this worker is never used (another model, another hash)
+    refused: str | None = None  # why this worker is never used (another model, another hash, no cache events)
+    no_events: bool = False  # refused for serving no cache events: taken in once it serves them
     model: str | None = None
     inflight: int = 0
     epoch: str | None = None  # its cache-event log's, changes when the worker restarts
@@ -80,6 +95,7 @@ class WorkerPool:
         worker.model = resp.json().get("model_path")
         if worker.model != self.model:
             worker.refused = f"serves model={worker.model!r}, the router routes for model={self.model!r}"
+            worker.no_events = False  # a refusal that serving cache events does not lift
             logger.error("worker %s is not used: it %s", worker.url, worker.refused)
 
     async def _health_loop(self, worker: Worker) -> None:
@@ -104,7 +120,7 @@ class WorkerPool:
         # One connection of its own: behind several HTTP front-ends on one port (--api-server-count), each with
         # its own event log and epoch, polls that landed on alternate front-ends would take a snapshot each.
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1), headers=self.headers) as client:
-            while worker.refused is None:
+            while worker.refused is None or worker.no_events:
                 try:
                     resp = await client.get(worker.url + "/v1/cache_events",
                                             params={"since": worker.since, "timeout": EVENTS_WAIT_S},
@@ -112,19 +128,35 @@ class WorkerPool:
                 except httpx.HTTPError:
                     await asyncio.sleep(self.health_interval)
                     continue
-                if resp.status_code not in (200, 401, 403, 404):  # loading or draining
+                if resp.status_code == 404:
+                    self._refuse_without_events(worker, resp)
+                    await asyncio.sleep(max(self.health_interval, NO_EVENTS_RETRY_S))
+                    continue
+                if resp.status_code not in (200, 401, 403):  # loading or draining
                     await asyncio.sleep(self.health_interval)
                     continue
                 if not self._take(worker, resp):
                     return
 
+    def _refuse_without_events(self, worker: Worker, resp: httpx.Response) -> None:
+        """A worker that joined after the start-up check (launch.check_kv_events) without cache events: unused
+        until it serves them, as the start-up check would have refused it."""
+        if worker.no_events:
+            return
+        worker.no_events = True
+        worker.refused = no_events_reason(worker.url, resp)
+        logger.error("worker %s is not used: %s", worker.url, worker.refused)
+
     def _take(self, worker: Worker, resp: httpx.Response) -> bool:
         """Apply one /v1/cache_events answer; False when this worker's events cannot be used at all."""
         if resp.status_code != 200:
-            why = "no /v1/cache_events (an older graphserve?)" if resp.status_code == 404 else \
-                f"refused the router's key ({resp.status_code}: set --api-key)"
-            logger.error("worker %s: %s; requests go to it by load alone", worker.url, why)
+            logger.error("worker %s refused the router's key (%d: set --api-key); requests go to it by load alone",
+                         worker.url, resp.status_code)
             return False
+        if worker.no_events:  # restarted with --kv-events
+            worker.no_events = False
+            worker.refused = None
+            logger.info("worker %s serves its cache events now: taken in", worker.url)
         body = resp.json()
         if body.get("hash_probe") != HASH_PROBE:
             logger.error("worker %s hashes blocks unlike this router (probe %s, here %s: another Python "

@@ -36,6 +36,8 @@ from graphserve.server.streams import collect, new_id, start_jobs
 
 TELEMETRY_PAGE = 1000  # records per /v1/telemetry call: serializing the whole 10k ring held the loop ~0.5 s
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+KV_EVENTS_OFF = ("GET /v1/cache_events is off: this server was started without --kv-events, so its engine records "
+                 "no prefix-cache events (start `graphserve serve` with --kv-events to serve them to a router)")
 
 
 def _body(model: type[BaseModel]) -> dict[str, Any]:
@@ -212,8 +214,10 @@ def add_cache_event_route(app: FastAPI, state: ServerState) -> None:
         since: int = Query(-1, description="serial of the last event seen; -1 asks for a snapshot"),
         timeout: float = Query(10.0, ge=0.0, le=MAX_WAIT_S, description="seconds to wait for a new event"),
     ) -> JSONResponse:
-        state.check_ready()
         engine = state.engine
+        if not engine.config.kv_events:  # answered while loading too: a router learns it at once
+            raise NotFoundError(KV_EVENTS_OFF, param="kv_events", code="kv_events_disabled")
+        state.check_ready()
         body = await engine.cache_events.wait(since, timeout)
         stats = engine.stats
         body.update({

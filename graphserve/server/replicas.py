@@ -83,6 +83,9 @@ class ReplicaSet:
                  separate_process: bool = False, stream_interval: int = 1, stream_stall_timeout: float = 30.0):
         if config.dp < 2:
             raise ValueError(f"a ReplicaSet is for --dp >= 2, got dp={config.dp}")
+        # each replica's own cache events feed its prefix index here, so every replica records them (--kv-events),
+        # and GET /v1/cache_events serves their union
+        config = config.replace(kv_events=True)
         self.config = config
         self.separate_process = separate_process
         self.channel = None  # --api-server-count with --dp is refused (serve_command.py)

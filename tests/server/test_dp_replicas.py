@@ -18,6 +18,7 @@ from server_utils import MODEL, SMALL_ENGINE, ServerProcess, engine_processes, m
 
 from graphserve.config import EngineConfig
 from graphserve.engine.kv_cache import CLEARED, REMOVED, STORED
+from graphserve.engine.routing_policy import block_hashes
 from graphserve.errors import ConfigError, ServiceUnavailableError
 from graphserve.models.parallel_check import check_gpu_count
 from graphserve.server.launch import ENGINE_DIED_EXIT_CODE
@@ -80,6 +81,10 @@ def test_dp2_serves_routes_by_prefix_labels_replicas_and_survives_one_death(tmp_
         assert final[(holder, "prefix")] - after[(holder, "prefix")] == 4, final
         other = "1" if holder == "0" else "0"
         assert final[(other, "prefix")] == after[(other, "prefix")]
+        # --dp records the replicas' cache events without --kv-events: /v1/cache_events serves their union
+        events = httpx.get(srv.base_url + "/v1/cache_events", params={"since": -1, "timeout": 0}, timeout=30)
+        assert events.status_code == 200, events.text
+        assert set(block_hashes(shared + [7], BLOCK)) <= set(events.json()["snapshot"])
 
         # The engine metrics, the step records and the step log name the replica.
         m = metrics(srv.base_url)
@@ -168,6 +173,7 @@ def test_replica_configs_and_ids():
 def test_union_of_replica_cache_events():
     """/v1/cache_events of a --dp server: a hash is in while any replica holds it."""
     replicas = ReplicaSet(EngineConfig(dp=2, device="cpu"))
+    assert replicas.config.kv_events and all(f.config.kv_events for f in replicas.replicas)  # on without the flag
     replicas._on_cache_events(0, [(STORED, 11, 0), (STORED, 12, 11)])
     replicas._on_cache_events(1, [(STORED, 11, 0), (STORED, 13, 11)])
     assert replicas.cache_events.cached == {11, 12, 13}

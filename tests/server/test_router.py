@@ -2,7 +2,7 @@
 repeated prefixes to the worker holding them, streaming through, and workers killed mid-run.
 
 Worker A runs its engine on a thread (--engine-in-process) and worker B in an engine process, so the cache events
-reach /v1/cache_events through both paths. The tests share the processes and run in file order: the last one kills
+(--kv-events) reach /v1/cache_events through both paths. The tests share the processes and run in file order: the last one kills
 the workers.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -19,6 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 from server_utils import ServerProcess, engine_processes, free_port, metrics, wait_for
+
+from graphserve.engine.kv_cache import CLEARED, ROOT_HASH, STORED
+from graphserve.engine.routing_policy import block_hashes
+from graphserve.server.cache_events import HASH_PROBE
 
 WORKER_HEADER = "x-graphserve-worker"
 # ~100 tokens of the tiny model's tokenizer: 6 full blocks of 16
@@ -68,8 +73,8 @@ def _status(url: str) -> int | None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("router")
-    a = ServerProcess(log_dir, "--engine-in-process")
-    b = ServerProcess(log_dir)
+    a = ServerProcess(log_dir, "--engine-in-process", "--kv-events")
+    b = ServerProcess(log_dir, "--kv-events")
     # the router starts beside the workers (its imports and tokenizer overlap their warm-up) and waits for them
     router = RouterProcess(log_dir, [a.base_url, b.base_url])
     try:
@@ -142,6 +147,32 @@ def test_repeated_prefixes_go_to_the_worker_holding_them(cluster):
     again = httpx.post(router.base_url + "/v1/chat/completions", json=chat, timeout=60)
     assert again.headers[WORKER_HEADER] == holder
     assert _metric(router, "prefix_hits_total", holder) == hits + 1
+
+
+def test_a_worker_serves_the_events_of_the_blocks_a_request_leaves(cluster):
+    """--kv-events, read as the router reads it, from the engine thread (a) and the engine process (b)."""
+    rng = random.Random(7)
+    for srv in cluster[:2]:
+        start = _cache_events(srv, -1)
+        assert start["hash_probe"] == HASH_PROBE and start["block_size"] == 16
+        ids = [rng.randrange(5, 1300) for _ in range(3 * 16 + 5)]
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}
+        assert httpx.post(srv.base_url + "/generate", json=body, timeout=60).status_code == 200
+        got = _cache_events(srv, start["next"], wait=10)
+        want = block_hashes(ids, 16)[:3]  # the router's own hashing of the prompt
+        # the warm-up's blocks may come first, unchained (they reach the log with the first step after it)
+        stored = [e for e in got["events"] if e[0] == STORED and e[1] in want]
+        assert [e[1] for e in stored] == want and [e[2] for e in stored] == [ROOT_HASH, *want[:2]], got
+        assert got["epoch"] == start["epoch"] and set(want) <= set(_cache_events(srv, -1)["snapshot"])
+        assert httpx.post(srv.base_url + "/flush_cache", timeout=10).status_code == 200
+        assert [CLEARED] in _cache_events(srv, got["next"], wait=10)["events"]
+        assert _cache_events(srv, -1)["snapshot"] == []
+
+
+def _cache_events(srv: ServerProcess, since: int, wait: float = 0.0) -> dict:
+    resp = httpx.get(srv.base_url + "/v1/cache_events", params={"since": since, "timeout": wait}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
 
 
 def test_a_client_that_leaves_aborts_its_request_on_the_worker(cluster):
