@@ -4,7 +4,9 @@ Before each sublayer, a projection of the RMS-normalised streams gives three mix
 ``DeepseekV4HyperConnection``): ``pre`` collapses the streams into the sublayer's input, ``post`` places its output
 back on each stream, and ``comb``, an ``hc x hc`` matrix made doubly stochastic by ``hc_sinkhorn_iters`` Sinkhorn
 steps, mixes the streams themselves: ``streams' = post * out + comb^T @ streams``. ``HyperHead`` collapses the
-streams once more before the final norm. The mixes are computed in fp32, as transformers keeps these modules.
+streams once more before the final norm. The mixes are computed in fp32, as transformers keeps these modules: in PyTorch
+(kernels/hyper_connection_reference.py), or with ``kernels=True`` (the model's Triton path) as one fp32 matmul of the
+streams and the Triton kernels of kernels/hyper_connection.py.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from graphserve.kernels import hyper_connection_reference as ref
 
 
 class Float32Params(nn.Module):
@@ -30,10 +34,6 @@ class Float32Params(nn.Module):
         return self
 
 
-def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
 class HyperConnection(Float32Params):
     float32_params = ("fn", "base", "scale")
 
@@ -45,28 +45,25 @@ class HyperConnection(Float32Params):
         self.base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, streams: torch.Tensor, kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [T, hc, D]`` -> (post [T, hc], comb [T, hc, hc] fp32, the collapsed input [T, D])."""
-        hc, eps = self.hc, self.hc_eps
-        flat = _unweighted_rms(streams.flatten(1).float(), self.norm_eps)
-        pre_w, post_w, comb_w = F.linear(flat, self.fn.float()).split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
-        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + eps
-        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(-1, hc, hc) * self.scale[2] + comb_b.view(hc, hc), dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        if not kernels:
+            return ref.hyper_connection(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps,
+                                        self.norm_eps)  # fmt: skip
+        from graphserve.kernels import hyper_connection as hck
+
+        mixes = F.linear(streams.flatten(1).float(), self.fn.float())  # the RMS factor is the kernel's
+        return hck.hc_pre(streams, mixes, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps)
 
     @staticmethod
-    def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+              kernels: bool = False) -> torch.Tensor:  # fmt: skip
         """``post * out + comb^T @ streams``: the sublayer's output placed on the mixed streams."""
-        dtype = streams.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
-                                                                              streams)
+        if not kernels:
+            return ref.merge(streams, out, post, comb)
+        from graphserve.kernels import hyper_connection as hck
+
+        return hck.hc_merge(streams, out, post, comb)
 
 
 class HyperHead(Float32Params):
@@ -79,7 +76,10 @@ class HyperHead(Float32Params):
         self.hc_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = _unweighted_rms(streams.flatten(1).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
-        return ((pre + self.hc_eps).unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    def forward(self, streams: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+        if not kernels:
+            return ref.hyper_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps)
+        from graphserve.kernels import hyper_connection as hck
+
+        mixes = F.linear(streams.flatten(1).float(), self.hc_fn.float())
+        return hck.hc_head(streams, mixes, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps)

@@ -17,8 +17,9 @@ them until speculative decoding exists, and start-up says so. Checkpoints load i
 transformers' (models/deepseek_v4_names.py).
 
 On the GPU the attention runs on its Triton kernels (kernels/v4_compress.py, kernels/v4_attention.py, the DSA
-indexer and top-k) and the experts, the clamped SwiGLU included, on the fused MoE kernels (bf16/FP8:
-kernels/moe_fused.py; FP4: kernels/fp4_moe.py); decode captures in CUDA graphs.
+indexer and top-k), the hyper-connections on theirs (kernels/hyper_connection.py) and the experts, the clamped
+SwiGLU included, on the fused MoE kernels (bf16/FP8: kernels/moe_fused.py; FP4: kernels/fp4_moe.py); decode
+captures in CUDA graphs.
 
 ``--tp N`` splits attention by whole output groups, as SGLang splits V3's MLA by heads: a rank holds its
 ``o_groups / N`` groups' heads of ``q_b_proj`` and the sinks, their rows of ``o_a_proj`` and columns of ``o_b_proj``;
@@ -52,7 +53,7 @@ from graphserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLi
 from graphserve.layers.moe import FusedMoE, Router, expert_split
 from graphserve.layers.norm import RMSNorm
 from graphserve.models.base import CausalLM
-from graphserve.models.deepseek_v4_attention import V4Attention
+from graphserve.models.deepseek_v4_attention import V4Attention, use_kernels
 from graphserve.models.deepseek_v4_mtp import mtp_module_name, mtp_shape
 from graphserve.models.deepseek_v4_names import module_name
 from graphserve.models.deepseek_v4_shape import CSA, V4Shape, v4_shape_from_config
@@ -156,12 +157,13 @@ class V4DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
-        post, comb, x = self.attn_hc(streams)
+        kernels = use_kernels(batch)
+        post, comb, x = self.attn_hc(streams, kernels)
         out = all_reduce(self.self_attn(positions, self.input_layernorm(x), batch))  # this rank's groups' sum
-        streams = HyperConnection.merge(streams, out, post, comb)
-        post, comb, x = self.ffn_hc(streams)
+        streams = HyperConnection.merge(streams, out, post, comb, kernels)
+        post, comb, x = self.ffn_hc(streams, kernels)
         out = self.mlp(self.post_attention_layernorm(x), input_ids, batch)
-        return HyperConnection.merge(streams, out, post, comb)
+        return HyperConnection.merge(streams, out, post, comb, kernels)
 
 
 class V4MTPLayer(V4DecoderLayer):
@@ -197,7 +199,7 @@ class V4Model(nn.Module):
         streams = x.unsqueeze(1).expand(-1, self.hc, -1).contiguous()
         for layer in self.layers:
             streams = layer(positions, streams, input_ids, batch)
-        return self.norm(self.hc_head(streams))
+        return self.norm(self.hc_head(streams, use_kernels(batch)))
 
 
 class DeepseekV4ForCausalLM(CausalLM):

@@ -1,5 +1,6 @@
 """DeepSeek-V4 on its Triton kernels (the path the Triton attention backend takes: kernels/v4_compress.py,
-kernels/v4_attention.py, the compressed indexer scores and the radix top-k) against the same model on
+kernels/v4_attention.py, the compressed indexer scores and the radix top-k; the hyper-connections on
+kernels/hyper_connection.py) against the same model on
 kernels/v4_reference.py, on CPU through Triton's interpreter: tests/models/test_deepseek_v4.py's tiny fp32 checkpoint (HCA,
 CSA with index_topk 3, a sliding layer, window 8, rates 4 and 16), a prefill, an extend chunk beside another
 sequence's whole prompt, then decode steps, with contexts past the window, both rates and index_topk. The real
@@ -22,9 +23,9 @@ from graphserve.models.loader import load_model  # noqa: E402
 
 
 def test_model_on_the_kernels_matches_the_reference(tmp_path, monkeypatch):
-    from graphserve.kernels import dsa_indexer, v4_attention, v4_compress
+    from graphserve.kernels import dsa_indexer, hyper_connection, v4_attention, v4_compress
 
-    calls = {"attention": 0, "compress": 0, "indexer": 0}
+    calls = {"attention": 0, "compress": 0, "indexer": 0, "hc_pre": 0, "hc_merge": 0, "hc_head": 0}
 
     def counted(key, fn):
         def run(*args, **kwargs):
@@ -36,6 +37,8 @@ def test_model_on_the_kernels_matches_the_reference(tmp_path, monkeypatch):
     monkeypatch.setattr(v4_compress, "compress_groups", counted("compress", v4_compress.compress_groups))
     monkeypatch.setattr(dsa_indexer, "compressed_indexer_scores",
                         counted("indexer", dsa_indexer.compressed_indexer_scores))  # fmt: skip
+    for name in ("hc_pre", "hc_merge", "hc_head"):
+        monkeypatch.setattr(hyper_connection, name, counted(name, getattr(hyper_connection, name)))
     _checkpoint(tmp_path, _config())
     loaded = load_model(EngineConfig(model=str(tmp_path), dtype="float32", max_model_len=128, block_size=4),
                         torch.device("cpu"))  # fmt: skip
@@ -48,5 +51,6 @@ def test_model_on_the_kernels_matches_the_reference(tmp_path, monkeypatch):
     for i, chunks in enumerate(steps):
         ref, got = (torch.cat(h.step(chunks)) for h in harnesses)
         assert relative_error(got, ref) < 1e-5, f"step {i}"
-    # 5 steps x 4 layers attend; 3 compressed layers compress (CSA twice: entry and indexer key); 2 CSA layers index
-    assert calls == {"attention": 20, "compress": 25, "indexer": 10}
+    # 5 steps x 4 layers attend; 3 compressed layers compress (CSA twice: entry and indexer key); 2 CSA layers index;
+    # every layer's two hyper-connections collapse and merge, and the head collapses once a step
+    assert calls == {"attention": 20, "compress": 25, "indexer": 10, "hc_pre": 40, "hc_merge": 40, "hc_head": 5}
