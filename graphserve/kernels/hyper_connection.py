@@ -1,10 +1,11 @@
 """DeepSeek-V4's hyper-connections in two Triton kernels around one matmul (reference:
 kernels/hyper_connection_reference.py).
 
-In plain PyTorch a hyper-connection is ~40 small elementwise and reduction kernels per sublayer (the RMS, three
-mixes, a softmax and every Sinkhorn step over 4 x 4 matrices, the collapse, the merge): an H100 decode step of the
-6-layer V4 preset replayed ~2,400 of them, 1-2.5 us each (benchmarks/results/step_breakdown_deepseek-v4-flash-l6_
-bs64_ctx4096.json). Here, per sublayer:
+In plain PyTorch a hyper-connection and its merge are 144 small elementwise and reduction kernels per sublayer
+in bf16 (the RMS, three mixes, a softmax and 20 Sinkhorn steps over 4 x 4 matrices, the collapse, the merge), 14
+for the head: an H100 decode step of the 6-layer V4 preset replayed ~2,400 tiny kernels, 1-2.5 us each
+(benchmarks/results/step_breakdown_deepseek-v4-flash-l6_bs64_ctx4096.json). Here a sublayer is the projection
+(the streams' fp32 copy and one matmul) and two Triton kernels, the head the projection and one:
 
 - the projection stays one matmul, of the streams as they are: the RMS factor is one scalar per token and is
   applied after it;

@@ -94,7 +94,8 @@ class OpCount(TorchDispatchMode):
 
 def test_layers_on_the_kernels_match_their_reference_path_in_a_few_launches(monkeypatch):
     """HyperConnection and HyperHead with ``kernels=True`` against ``kernels=False``, and what each path launches:
-    the reference a few dozen PyTorch kernels a sublayer, the kernel path one matmul and two Triton kernels."""
+    the reference 140 PyTorch ops a sublayer at 20 Sinkhorn iterations (fp32 streams: no copy), the kernel path
+    one matmul and two Triton kernels."""
     gen = torch.Generator().manual_seed(3)
     t, hidden = 3, 24
     layer = HyperConnection(HC, hidden, ITERS, HC_EPS, NORM_EPS).to(DEVICE)
@@ -122,9 +123,9 @@ def test_layers_on_the_kernels_match_their_reference_path_in_a_few_launches(monk
     for got, want in zip((post, comb, x, merged, final), expected):
         assert relative_error(got, want) < 1e-5
     assert launches == ["_hc_collapse_kernel", "_hc_merge_kernel", "_hc_collapse_kernel"]
-    # the kernel path's PyTorch ops: the projection (mm) and nothing else; the reference's are ~50 a sublayer
+    # the kernel path's PyTorch ops: the projection (mm) and nothing else
     assert counts[True] == (1, 1), counts
-    assert counts[False][0] > 40, counts
+    assert counts[False] == (140, 12), counts
     print(f"hyper-connection ops a sublayer: {counts[False][0]} PyTorch (reference) -> {counts[True][0]} PyTorch + 2 "
           f"Triton; head: {counts[False][1]} -> {counts[True][1]} + 1")
 
