@@ -67,9 +67,9 @@ def _hc_collapse_kernel(
         ij = h[:, None] * NUM_HC + h[None, :]
         m2 = hm[:, None] & hm[None, :]
         logits = tl.load(mixes + 2 * NUM_HC + ij, mask=m2, other=0.0) * rs * tl.load(scale_ptr + 2)
-        logits = tl.where(m2, logits + tl.load(base_ptr + 2 * NUM_HC + ij, mask=m2, other=0.0), float("-inf"))
+        # padding streams (hc not a power of two): a finite floor, so their rows stay finite and are zeroed below
+        logits = tl.where(m2, logits + tl.load(base_ptr + 2 * NUM_HC + ij, mask=m2, other=0.0), -1e30)
         e = tl.exp(logits - tl.max(logits, 1)[:, None])
-        e = tl.where(m2, e, 0.0)
         comb = tl.where(m2, e / tl.sum(e, 1)[:, None] + hc_eps, 0.0)
         comb = comb / (tl.sum(comb, 0)[None, :] + hc_eps)
         for _ in range(1, ITERS):
@@ -104,9 +104,9 @@ def _hc_merge_kernel(
     post = tl.load(post_ptr + t * NUM_HC + k, mask=km, other=0.0).to(dtype).to(tl.float32)
     o = tl.load(out_ptr + t * stride_ot + d, mask=dm, other=0.0).to(tl.float32)
     acc = post[:, None] * o[None, :]
-    for j in tl.static_range(HC):
-        s = tl.load(streams_ptr + t * stride_st + j * stride_sh + d, mask=dm & (j < NUM_HC), other=0.0)
-        c = tl.load(comb_ptr + (t * NUM_HC + j) * NUM_HC + k, mask=km & (j < NUM_HC), other=0.0)
+    for j in tl.static_range(NUM_HC):
+        s = tl.load(streams_ptr + t * stride_st + j * stride_sh + d, mask=dm, other=0.0)
+        c = tl.load(comb_ptr + (t * NUM_HC + j) * NUM_HC + k, mask=km, other=0.0)
         acc += c.to(dtype).to(tl.float32)[:, None] * s.to(tl.float32)[None, :]
     tl.store(new_ptr + t * stride_nt + k[:, None] * stride_nh + d[None, :], acc.to(dtype),
              mask=km[:, None] & dm[None, :])  # fmt: skip

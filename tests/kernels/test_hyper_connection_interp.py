@@ -143,3 +143,19 @@ class _Counted:
                 return launch(*args, **kwargs)
 
         return run
+
+
+def test_a_stream_count_that_is_no_power_of_two_is_masked():
+    """hc 3 runs in 4-wide registers: the padding stream must weigh nothing in the softmax, the Sinkhorn sums,
+    the collapse and the merge."""
+    gen = torch.Generator().manual_seed(7)
+    hc, t, hidden = 3, 2, 24
+    streams = (torch.randn(t, hc, hidden, generator=gen) * torch.tensor([0.5, 1.0, 2.0]).view(1, hc, 1)).to(DEVICE)
+    fn = (torch.randn((2 + hc) * hc, hc * hidden, generator=gen) * (2.0 / (hc * hidden) ** 0.5)).to(DEVICE)
+    base, scale = (torch.randn((2 + hc) * hc, generator=gen) * 0.5).to(DEVICE), torch.tensor([0.7, 1.3, 2.0]).to(DEVICE)
+    post_ref, comb_ref, x_ref = ref.hyper_connection(streams, fn, base, scale, ITERS, HC_EPS, NORM_EPS)
+    post, comb, x = hck.hc_pre(streams, F.linear(streams.flatten(1), fn), base, scale, ITERS, HC_EPS, NORM_EPS)
+    for got, want in ((post, post_ref), (comb, comb_ref), (x, x_ref)):
+        assert relative_error(got, want) < 1e-5
+    out = torch.randn(t, hidden, generator=gen).to(DEVICE)
+    assert relative_error(hck.hc_merge(streams, out, post, comb), ref.merge(streams, out, post, comb)) < 1e-5
