@@ -25,11 +25,23 @@ if not torch.cuda.is_available():
 # to stamp such a tree (graphserve.tuning.timing.git_commit), tests/lab/test_result_stamp.py checks that on its own repo.
 os.environ.setdefault("GRAPHSERVE_ALLOW_DIRTY", "1")
 
+# Under pytest-xdist (`make test` runs -n 2) each worker gets its share of the cores: two workers whose intra-op
+# threads each spread over every core wait on each other (on 2 cores, test_server_api.py with test_deepseek.py took
+# 36-39 s uncapped against 29 s capped). OMP_NUM_THREADS carries the share into the servers and engine processes the tests
+# start, since their torch reads it at import.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(_share)
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def graphserve_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     if "GRAPHSERVE_CACHE" not in os.environ:
         os.environ["GRAPHSERVE_CACHE"] = str(tmp_path_factory.mktemp("graphserve_cache"))
+    # tuned tables: a test that tunes without naming a folder must not write into (or read) the user's cache
+    if "GRAPHSERVE_CACHE_DIR" not in os.environ:
+        os.environ["GRAPHSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("graphserve_tables"))
     return os.environ["GRAPHSERVE_CACHE"]
 
 
