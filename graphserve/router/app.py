@@ -75,36 +75,40 @@ def _unavailable(message: str) -> JSONResponse:
     return JSONResponse(exc.to_openai(), status_code=503, headers={"Retry-After": "1"})
 
 
-def create_app(pool: WorkerPool, tokens: PromptTokens) -> FastAPI:
-    app = FastAPI(title="graphserve router", summary="cache-aware routing over graphserve workers")
-    registry = CollectorRegistry()
-    registry.register(_PoolCollector(pool))
+class _Proxy:
+    """A generation request sent on to the worker the policy chooses: a worker that answers 503 (loading, draining)
+    or fails before any byte reached the client is passed over for the next candidate; a stream, once its first
+    bytes came, stays with its worker."""
 
-    async def prompt_ids(path: str, raw: bytes) -> list[list[int]]:
+    def __init__(self, pool: WorkerPool, tokens: PromptTokens) -> None:
+        self.pool, self.tokens = pool, tokens
+
+    async def prompt_ids(self, path: str, raw: bytes) -> list[list[int]]:
         try:
             body = json.loads(raw)
         except ValueError:
             return []  # the worker answers the malformed body with its own 400
         if len(raw) <= INLINE_TOKENIZE_CHARS:
-            return tokens.prompts(path, body)
-        return await asyncio.to_thread(tokens.prompts, path, body)
+            return self.tokens.prompts(path, body)
+        return await asyncio.to_thread(self.tokens.prompts, path, body)
 
-    async def stream_from(worker: Worker, upstream: httpx.Response, first: bytes,
-                          rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def stream_from(self, worker: Worker, upstream: httpx.Response, first: bytes,
+                          rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:  # fmt: skip
         try:
             if first:
                 yield first
             async for chunk in rest:
                 yield chunk
         except httpx.HTTPError as exc:  # the client saw tokens already: its stream ends here
-            pool.mark_dead(worker, f"the stream broke mid-response ({type(exc).__name__}: {exc})")
+            self.pool.mark_dead(worker, f"the stream broke mid-response ({type(exc).__name__}: {exc})")
         finally:
             await upstream.aclose()
             worker.inflight -= 1
 
-    async def proxy(request: Request, path: str) -> Response:
+    async def __call__(self, request: Request, path: str) -> Response:
+        pool = self.pool
         raw = await request.body()
-        prompts = await prompt_ids(path, raw)
+        prompts = await self.prompt_ids(path, raw)
         try:
             stream = bool(json.loads(raw).get("stream"))
         except (ValueError, AttributeError):
@@ -123,47 +127,63 @@ def create_app(pool: WorkerPool, tokens: PromptTokens) -> FastAPI:
             choice = pool.policy.choose(prompts, [w.url for w in candidates], {w.url: w.inflight for w in candidates})
             worker = next(w for w in candidates if w.url == choice.replica)
             tried.append(worker.url)
-            worker.inflight += 1
-            upstream: httpx.Response | None = None
-            owned = True  # this attempt closes the upstream and counts the request out; a started stream takes over
-            try:
-                upstream = await pool.client.send(
-                    pool.client.build_request("POST", worker.url + path, content=raw, headers=headers), stream=True)
-                if upstream.status_code == 503:  # loading or draining: another worker may serve it now
-                    await upstream.aread()
-                    last_503 = upstream
-                    worker.retried += 1
-                    continue
-                if stream and upstream.status_code == 200:
-                    rest = upstream.aiter_bytes()  # decoded: content-encoding is not forwarded
-                    try:  # the first bytes: until they come, the request can move to another worker
-                        first = await rest.__anext__()
-                    except StopAsyncIteration:
-                        first = b""
-                    _count(worker, choice)
-                    owned = False
-                    return StreamingResponse(stream_from(worker, upstream, first, rest), status_code=200,
-                                             headers={**_response_headers(upstream), WORKER_HEADER: worker.url})
-                if not await _read_unless_gone(request, upstream):
-                    # closing the connection makes the worker abort the request and free its KV blocks
-                    return Response(status_code=499)
-                _count(worker, choice)
-                return Response(upstream.content, status_code=upstream.status_code,
-                                headers={**_response_headers(upstream), WORKER_HEADER: worker.url})
-            except httpx.HTTPError as exc:
-                if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-                    # slow, not dead: running the request again elsewhere would double its work
-                    return _gateway_timeout(f"worker {worker.url} sent nothing for --request-timeout "
-                                            f"({type(exc).__name__}); the request was not retried")
+            answer = await self._attempt(request, path, raw, headers, stream, worker, choice)
+            if isinstance(answer, Response):
+                return answer
+            if answer is not None:
+                last_503 = answer
+
+    async def _attempt(self, request: Request, path: str, raw: bytes, headers: dict[str, str], stream: bool,
+                       worker: Worker, choice: Choice) -> Response | httpx.Response | None:  # fmt: skip
+        """One worker's try: the client's response, or the worker's 503 / None (failed before any byte) to go on."""
+        pool = self.pool
+        worker.inflight += 1
+        upstream: httpx.Response | None = None
+        owned = True  # this attempt closes the upstream and counts the request out; a started stream takes over
+        try:
+            upstream = await pool.client.send(
+                pool.client.build_request("POST", worker.url + path, content=raw, headers=headers), stream=True)
+            if upstream.status_code == 503:  # loading or draining: another worker may serve it now
+                await upstream.aread()
                 worker.retried += 1
-                pool.mark_dead(worker, f"{path} failed before any byte reached the client "
-                                       f"({type(exc).__name__}: {exc}); retrying on another worker")
-                continue
-            finally:
-                if owned:
-                    worker.inflight -= 1
-                    if upstream is not None:
-                        await upstream.aclose()
+                return upstream
+            if stream and upstream.status_code == 200:
+                rest = upstream.aiter_bytes()  # decoded: content-encoding is not forwarded
+                try:  # the first bytes: until they come, the request can move to another worker
+                    first = await rest.__anext__()
+                except StopAsyncIteration:
+                    first = b""
+                _count(worker, choice)
+                owned = False
+                return StreamingResponse(self.stream_from(worker, upstream, first, rest), status_code=200,
+                                         headers={**_response_headers(upstream), WORKER_HEADER: worker.url})
+            if not await _read_unless_gone(request, upstream):
+                # closing the connection makes the worker abort the request and free its KV blocks
+                return Response(status_code=499)
+            _count(worker, choice)
+            return Response(upstream.content, status_code=upstream.status_code,
+                            headers={**_response_headers(upstream), WORKER_HEADER: worker.url})
+        except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+                # slow, not dead: running the request again elsewhere would double its work
+                return _gateway_timeout(f"worker {worker.url} sent nothing for --request-timeout "
+                                        f"({type(exc).__name__}); the request was not retried")
+            worker.retried += 1
+            pool.mark_dead(worker, f"{path} failed before any byte reached the client "
+                                   f"({type(exc).__name__}: {exc}); retrying on another worker")
+            return None
+        finally:
+            if owned:
+                worker.inflight -= 1
+                if upstream is not None:
+                    await upstream.aclose()
+
+
+def create_app(pool: WorkerPool, tokens: PromptTokens) -> FastAPI:
+    app = FastAPI(title="graphserve router", summary="cache-aware routing over graphserve workers")
+    registry = CollectorRegistry()
+    registry.register(_PoolCollector(pool))
+    proxy = _Proxy(pool, tokens)
 
     @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
