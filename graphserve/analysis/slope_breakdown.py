@@ -64,7 +64,8 @@ def samples(points: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"n": [r[0] for r in rows], "span": [r[2] for r in rows],
             "categories": {c: [float(r[1].get(c, 0.0)) for r in rows] for c in CATEGORIES},
             "per": "step" if per_step else "level", "levels": [c for c, _ in phases], "missing": missing,
-            "modes": sorted({ph["mode"] for _, ph in phases}), "steps": sorted({ph["steps"] for _, ph in phases})}
+            "modes": sorted({ph["mode"] for _, ph in phases}), "steps": sorted({ph["steps"] for _, ph in phases}),
+            "cards": sorted({c for p in points if (c := (p.get("profile") or {}).get("card"))})}
 
 
 def _slim(fit: Any) -> dict[str, Any]:
@@ -90,7 +91,7 @@ def fit_breakdown(points: Sequence[Mapping[str, Any]], total_fit: Mapping[str, A
               "b_ci": list(total_fit["b_ci"])} if total_fit else
              {"source": "traced steps' span", "b_ms": span.b_ms, "b_ci": list(span.b_ci)})
     out: dict[str, Any] = {
-        "steps_per_level": s["steps"], "samples_per": s["per"], "n_samples": len(s["n"]),
+        "cards": s["cards"], "steps_per_level": s["steps"], "samples_per": s["per"], "n_samples": len(s["n"]),
         "levels": s["levels"], "levels_without_profile": s["missing"], "phases": s["modes"],
         "categories": {c: _slim(f) for c, f in cats.items()}, "span_fit": _slim(span), "sum_b_ms": sum_b,
         "total": total, "adds_up": _within(sum_b, total["b_ci"]),

@@ -329,5 +329,7 @@ class StepProfiler:
         for p in self.results:
             if "categories_ms" in p:  # shares of the step's wall time on its timeline: they add up to 100
                 p["categories_pct"] = {c: 100.0 * v / p["span_ms"] for c, v in p["categories_ms"].items()}
-        return {"device": self.device, "model": self.core.config.model, "steps_requested": self.steps,
+        cuda = self.device == "cuda" and torch.cuda.is_available()
+        card = torch.cuda.get_device_name(self.core.runner.device) if cuda else self.device  # what measured it
+        return {"device": self.device, "card": card, "model": self.core.config.model, "steps_requested": self.steps,
                 "torch": torch.__version__, "phases": self.results, "notes": notes}

@@ -116,6 +116,7 @@ def test_graph_phase_borrowing_eager_kernel_times_still_adds_up(graph_step_ms):
 def _check_adds_up(profile: dict, batch_size: int) -> None:
     (phase,) = profile["phases"]  # CPU: eager only, and the result says so
     assert phase["mode"] == "eager" and "no CUDA graphs" in profile["notes"][0]
+    assert profile["card"] == "cpu"  # every profile names what measured it
     assert phase["batch_size"] == batch_size and phase["run_as"] == ["eager"]
     cats = phase["categories_ms"]
     assert set(cats) == set(CATEGORIES) and set(phase["categories_pct"]) == set(CATEGORIES)

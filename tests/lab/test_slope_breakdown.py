@@ -147,6 +147,7 @@ def test_breakdown_end_to_end_on_tiny_llama(tmp_path, capsys, monkeypatch):
     bd = res["breakdown"]
     assert "error" not in bd, bd.get("error")
     assert bd["levels"] == [1, 2] and bd["n_samples"] == 6 and bd["samples_per"] == "step" and bd["phases"] == ["eager"]
+    assert bd["cards"] == ["cpu"] and all(p["profile"]["card"] == "cpu" for p in res["points"])
     # CPU step times on a shared machine are noise: the checks are of the arithmetic, not of the values
     assert "attention" in bd["categories"] and "dense_gemm" in bd["categories"]
     assert bd["sum_b_ms"] == pytest.approx(sum(f["b_ms"] for f in bd["categories"].values()))
