@@ -15,6 +15,7 @@ import torch
 from interp_bounds import bounds_checked
 from interp_setup import kernel_device, use_interpreter
 from model_utils import relative_error
+from paged_utils import shuffled_tables, token_slots
 
 use_interpreter()
 
@@ -42,16 +43,8 @@ def _bounds():
 
 def paged(seq_lens: list[int], gen: torch.Generator):
     """(number of blocks, block tables over shuffled blocks never using the dummy block 0, each sequence's slots)."""
-    per_seq = [(n + PAGE - 1) // PAGE for n in seq_lens]
-    num_blocks = sum(per_seq) + 2
-    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
-    tables = torch.zeros(len(seq_lens), max(per_seq) + 1, dtype=torch.int32)
-    used = 0
-    for i, nb in enumerate(per_seq):
-        tables[i, :nb] = order[used : used + nb]
-        used += nb
-    slots = [tables[i, torch.arange(n) // PAGE].long() * PAGE + torch.arange(n) % PAGE for i, n in enumerate(seq_lens)]
-    return num_blocks, tables.to(DEVICE), [s.to(DEVICE) for s in slots]
+    num_blocks, tables = shuffled_tables(seq_lens, PAGE, gen)
+    return num_blocks, tables.to(DEVICE), [s.to(DEVICE) for s in token_slots(tables, seq_lens, PAGE)]
 
 
 def rows(query_lens: list[int], seq_lens: list[int], padding: int):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_utils import relative_error
+from paged_utils import shuffled_tables, token_slots
 
 from graphserve.kernels import dsa_reference as ref
 from graphserve.layers.mla_reference import absorbed_attention_reference
@@ -19,15 +20,8 @@ D, HI, RANK, ROPE, HEADS = 16, 3, 12, 4, 2
 
 def paged_setup(seq_lens: list[int], page: int, gen: torch.Generator, extra_cols: int = 1):
     """Block tables over shuffled blocks (never the dummy block 0) and each sequence's slots."""
-    per_seq = [(n + page - 1) // page for n in seq_lens]
-    num_blocks = sum(per_seq) + 2
-    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
-    tables = torch.zeros(len(seq_lens), max(per_seq) + extra_cols, dtype=torch.int32)
-    used = 0
-    for i, nb in enumerate(per_seq):
-        tables[i, :nb] = order[used : used + nb]
-        used += nb
-    slots = [tables[i, torch.arange(n) // page].long() * page + torch.arange(n) % page for i, n in enumerate(seq_lens)]
+    num_blocks, tables = shuffled_tables(seq_lens, page, gen, extra_cols=extra_cols)
+    slots = token_slots(tables, seq_lens, page)
     return num_blocks, tables, slots
 
 

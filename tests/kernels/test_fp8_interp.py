@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from interp_setup import use_interpreter
+from paged_utils import shuffled_tables
 
 use_interpreter()
 
@@ -101,15 +102,8 @@ def test_block_quantization_round_trip() -> None:
 def _fp8_paged(seq_lens: list[int], kv_heads: int, head_dim: int, page: int, seed: int):
     """An fp8 cache of random K/V and block tables handing out shuffled blocks (never block 0)."""
     gen = torch.Generator().manual_seed(seed)
-    per_seq = [-(-n // page) for n in seq_lens]
-    num_blocks = sum(per_seq) + 2
+    num_blocks, tables = shuffled_tables(seq_lens, page, gen)
     cache = (torch.randn(2, num_blocks, page, kv_heads, head_dim, generator=gen) * 2).to(FP8_DTYPE).to(DEVICE)
-    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
-    tables = torch.zeros(len(seq_lens), max(per_seq) + 1, dtype=torch.int32)
-    used = 0
-    for i, nb in enumerate(per_seq):
-        tables[i, :nb] = order[used: used + nb]
-        used += nb
     return cache, tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
 
 

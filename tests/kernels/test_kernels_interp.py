@@ -11,6 +11,7 @@ import sys
 
 import torch
 from model_utils import relative_error
+from paged_utils import shuffled_tables
 
 
 def _use_interpreter() -> None:
@@ -90,16 +91,8 @@ def nans(*shape: int) -> torch.Tensor:
 
 def paged_setup(seq_lens: list[int], num_kv_heads: int, head_dim: int, page: int, gen: torch.Generator):
     """A random cache and block tables that hand out shuffled blocks (never the dummy block 0)."""
-    blocks_per_seq = [(n + page - 1) // page for n in seq_lens]
-    width = max(blocks_per_seq) + 1  # one spare column, as a padded table has
-    num_blocks = sum(blocks_per_seq) + 3
+    num_blocks, tables = shuffled_tables(seq_lens, page, gen, spare_blocks=3)
     cache = randn(2, num_blocks, page, num_kv_heads, head_dim, gen=gen)
-    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
-    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    used = 0
-    for i, nb in enumerate(blocks_per_seq):
-        tables[i, :nb] = order[used : used + nb]
-        used += nb
     return cache, tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
 
 

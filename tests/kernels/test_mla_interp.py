@@ -15,6 +15,7 @@ import sys
 
 import torch
 from model_utils import relative_error
+from paged_utils import shuffled_tables
 
 
 def _use_interpreter() -> None:
@@ -47,15 +48,8 @@ RANK, ROPE, NOPE, HEADS = 24, 8, 8, 5
 
 def latent_setup(seq_lens: list[int], page: int, gen: torch.Generator):
     """A random latent cache and block tables over shuffled blocks (never the dummy block 0)."""
-    per_seq = [(n + page - 1) // page for n in seq_lens]
-    num_blocks = sum(per_seq) + 3
+    num_blocks, tables = shuffled_tables(seq_lens, page, gen, spare_blocks=3)
     cache = torch.randn(num_blocks, page, 1, RANK + ROPE, generator=gen).to(DEVICE)
-    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
-    tables = torch.zeros(len(seq_lens), max(per_seq) + 1, dtype=torch.int32)
-    used = 0
-    for i, nb in enumerate(per_seq):
-        tables[i, :nb] = order[used : used + nb]
-        used += nb
     return cache, tables.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
 
 

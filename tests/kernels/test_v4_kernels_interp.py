@@ -16,6 +16,7 @@ import torch
 from interp_bounds import bounds_checked
 from interp_setup import kernel_device, use_interpreter
 from model_utils import relative_error
+from paged_utils import shuffled_tables
 
 use_interpreter()
 
@@ -40,14 +41,7 @@ def _bounds():
 
 def paged(seq_lens: list[int], gen: torch.Generator, page: int = PAGE) -> tuple[int, torch.Tensor]:
     """(number of blocks, block tables over shuffled blocks never using the dummy block 0, one spare column)."""
-    per_seq = [(n + page - 1) // page for n in seq_lens]
-    num_blocks = sum(per_seq) + 2
-    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
-    tables = torch.zeros(len(seq_lens), max(per_seq) + 1, dtype=torch.int32)
-    used = 0
-    for i, nb in enumerate(per_seq):
-        tables[i, :nb] = order[used : used + nb]
-        used += nb
+    num_blocks, tables = shuffled_tables(seq_lens, page, gen)
     return num_blocks, tables.to(DEVICE)
 
 
