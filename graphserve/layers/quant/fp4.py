@@ -202,13 +202,8 @@ class Fp4LinearMethod:
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        if not self.config.global_scale:
-            global_ = None
-        elif layer.fp4_row_global is None:
-            global_ = layer.weight_scale_2[:1]
-        else:
-            global_ = layer.fp4_row_global
-        out = fp4_linear(rows, layer.weight, layer.weight_scale, global_, self.fmt, layer.bias)
+        out = fp4_linear(rows, layer.weight, layer.weight_scale, self._kernel_global(layer, slice(None)), self.fmt,
+                         layer.bias)
         return out.view(*x.shape[:-1], layer.out_features)
 
     def apply_rows(self, layer: Linear, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -221,14 +216,18 @@ class Fp4LinearMethod:
             return F.linear(x.float(), w, None).to(x.dtype)
         from graphserve.kernels.fp4_gemm import fp4_linear
 
-        if not self.config.global_scale:
-            global_ = None
-        elif layer.fp4_row_global is None:
-            global_ = layer.weight_scale_2[:1]
-        else:
-            global_ = layer.fp4_row_global[start:stop]
         rows = x if x.is_contiguous() else x.contiguous()
-        return fp4_linear(rows, layer.weight[start:stop], layer.weight_scale[start:stop], global_, self.fmt)
+        return fp4_linear(rows, layer.weight[start:stop], layer.weight_scale[start:stop],
+                          self._kernel_global(layer, slice(start, stop)), self.fmt)
+
+    def _kernel_global(self, layer: Linear, rows: slice) -> torch.Tensor | None:
+        """The global scale the kernels take for the output rows ``rows``: none (MXFP4), the one per tensor, or
+        one per row where the fused parts' scales differ (``fp4_row_global``)."""
+        if not self.config.global_scale:
+            return None
+        if layer.fp4_row_global is None:
+            return layer.weight_scale_2[:1]
+        return layer.fp4_row_global[rows]
 
 
 def _row_slice(g: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
