@@ -89,3 +89,24 @@ def greedy_with_and_without_graphs(folder, prompts: list[list[int]], new_tokens:
         gc.collect()
         torch.cuda.empty_cache()
     return runs
+
+
+def generate_on_graphs(model: str, prompts, params, cuda_graph_max_bs: int, **kw) -> tuple[list[list[int]], list]:  # noqa: ANN001
+    """Greedy tokens of ``LLM(model, **kw)`` on the prompts and its decode records, each of which must have replayed a
+    CUDA graph; the engine is shut down (graphs before the process group, so --tp does not hang) and its memory
+    released before the next one plans."""
+    import gc
+
+    from graphserve import LLM
+
+    llm = LLM(model, device="cuda", cuda_graph_max_bs=cuda_graph_max_bs, mem_fraction_static=0.5, **kw)
+    try:
+        tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        records = [r for r in llm.engine.core.telemetry.records() if r.kind == "decode"]
+    finally:
+        llm.engine.core.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert records and all(r.graph for r in records), "decode steps should replay CUDA graphs"
+    return tokens, records

@@ -5,17 +5,17 @@ machine); on one GPU each test says so and is skipped."""
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_utils import generate_on_graphs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_deepseek_tp import _save, _v2, _v3  # noqa: E402
 
-from graphserve import LLM, SamplingParams  # noqa: E402
+from graphserve import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                 reason=f"needs 2 GPUs for NCCL ranks, {torch.cuda.device_count()} visible")
@@ -24,18 +24,8 @@ PROMPTS = ["Hello world", "The quick brown fox jumps over", "a", "latent caches 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
-def _run(model: str, prompts, params: SamplingParams, **kw) -> tuple[list[list[int]], list]:
-    llm = LLM(model, device="cuda", cuda_graph_max_bs=16, mem_fraction_static=0.5, **kw)
-    try:
-        tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        records = [r for r in llm.engine.core.telemetry.records() if r.kind == "decode"]
-    finally:
-        llm.engine.core.shutdown()  # graphs released before the process group: must not hang
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-    assert records and all(r.graph for r in records), "decode steps should replay CUDA graphs"
-    return tokens, records
+def _run(model: str, prompts, params: SamplingParams, **kw) -> tuple[list[list[int]], list]:  # noqa: ANN001
+    return generate_on_graphs(model, prompts, params, 16, **kw)
 
 
 @pytest.mark.parametrize(("name", "make"), [("v2-no-q-lora", _v2), ("v3-q-lora", _v3)])

@@ -5,18 +5,18 @@ test says so and is skipped."""
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_utils import generate_on_graphs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_utils import random_prompts  # noqa: E402
 from test_deepseek_v4 import _checkpoint, _config  # noqa: E402
 
-from graphserve import LLM, SamplingParams  # noqa: E402
+from graphserve import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                 reason=f"needs 2 GPUs for NCCL ranks, {torch.cuda.device_count()} visible")
@@ -25,17 +25,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 def _run(model: str, prompts, **kw) -> tuple[list[list[int]], list]:  # noqa: ANN001
-    llm = LLM(model, device="cuda", cuda_graph_max_bs=8, mem_fraction_static=0.5, **kw)
-    try:
-        tokens = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        records = [r for r in llm.engine.core.telemetry.records() if r.kind == "decode"]
-    finally:
-        llm.engine.core.shutdown()  # graphs released before the process group: must not hang
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-    assert records and all(r.graph for r in records), "decode steps should replay CUDA graphs"
-    return tokens, records
+    return generate_on_graphs(model, prompts, GREEDY, 8, **kw)
 
 
 def test_v4_tp2_and_ep2_greedy_tokens_match_tp1_on_gpu(tmp_path):
