@@ -103,7 +103,8 @@ def main() -> None:
             for table, key in ((per, family(evt.name)), (by_name, evt.name[:90])):
                 table[key][0] += evt.device_time_total / 1e3
                 table[key][1] += 1
-    kv_bytes = args.bs * args.ctx * info.kv_bytes_per_token
+    # what attention must read: every cached byte, or a sparse/windowed model's own count (description.kv_read_bytes)
+    kv_bytes = info.description.kv_read_bytes(args.bs, args.bs * args.ctx)
     # a MoE step reads the experts its router chose: the profiled step's own counts (it ran last)
     touched = experts_touched(routed)
     weights = info.description.decode_read_bytes(args.bs, args.bs * args.ctx, touched) - kv_bytes

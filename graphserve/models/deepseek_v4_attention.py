@@ -35,6 +35,7 @@ from graphserve.kernels import v4_reference as ref
 from graphserve.kernels.dsa_reference import token_rows, topk_indices
 from graphserve.kernels.paged_kv import to_cache_dtype
 from graphserve.kernels.v4_reference import CompressorBranch, rope_trailing
+from graphserve.kernels.v4_rope import v4_rope, v4_rope_reference
 from graphserve.layers.hyper_connection import Float32Params
 from graphserve.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from graphserve.layers.norm import RMSNorm
@@ -136,20 +137,22 @@ class V4Attention(Float32Params):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
+        kernels = use_kernels(batch)
+        rope = v4_rope if kernels else v4_rope_reference  # one launch a rotation, or the PyTorch specification
         q_res = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_res).view(t, self.heads, self.head_dim)
-        q = rope_trailing(q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype),
-                          positions, self.inv_freq)  # fmt: skip
-        kv = rope_trailing(self.kv_norm(self.kv_proj(x)), positions, self.inv_freq)
+        q = rope(self.q_b_proj(q_res).view(t, self.heads, self.head_dim), positions, self.inv_freq,
+                 norm_eps=self.eps)  # fmt: skip
+        kv = rope(self.kv_norm(self.kv_proj(x)), positions, self.inv_freq)
         latents = batch.kv_caches[self.layer]
         block_size = latents.shape[1]
         flat = latents.view(-1, self.head_dim)
         flat[batch.slot_mapping] = to_cache_dtype(kv, flat.dtype)
-        if use_kernels(batch):
+        if kernels:
             out = self._forward_kernels(q, q_res, x, positions, batch, flat, block_size)
+            out = v4_rope(out, positions, self.inv_freq, sign=-1.0, out=out)  # written fresh: rotated in place
         else:
             out = self._forward_reference(q, q_res, x, positions, batch, flat, block_size)
-        out = rope_trailing(out.to(x.dtype), positions, self.inv_freq, sign=-1.0)
+            out = rope_trailing(out.to(x.dtype), positions, self.inv_freq, sign=-1.0)
         grouped = out.view(t, self.groups, -1).transpose(0, 1)  # [groups, T, heads * head_dim / groups]
         return self.o_b_proj(self._grouped_o_a(grouped, x.dtype).transpose(0, 1).reshape(t, -1))
 
@@ -185,7 +188,7 @@ class V4Attention(Float32Params):
                                             m.kv_norm.weight, self.eps, self.inv_freq, block_size, sf, ew)  # fmt: skip
             if len(self.branches) > 1:
                 ix = c.indexer
-                qi = rope_trailing(ix.q_b_proj(q_res).view(-1, ix.heads, ix.dim), positions, self.inv_freq)
+                qi = v4_rope(ix.q_b_proj(q_res).view(-1, ix.heads, ix.dim), positions, self.inv_freq)
                 # relu(s) * c == relu(s * c) for c > 0: the key-dim scale joins the head weights
                 weights = (ix.scorer.weights_proj(x).float() * (ix.heads**-0.5 * ix.dim**-0.5)).contiguous()
                 last = ((positions + 1) // rate - 1).to(torch.int32)

@@ -24,8 +24,9 @@ from graphserve.models.loader import load_model  # noqa: E402
 
 def test_model_on_the_kernels_matches_the_reference(tmp_path, monkeypatch):
     from graphserve.kernels import dsa_indexer, hyper_connection, v4_attention, v4_compress
+    from graphserve.models import deepseek_v4_attention
 
-    calls = {"attention": 0, "compress": 0, "indexer": 0, "hc_pre": 0, "hc_merge": 0, "hc_head": 0}
+    calls = {"attention": 0, "compress": 0, "indexer": 0, "hc_pre": 0, "hc_merge": 0, "hc_head": 0, "rope": 0}
 
     def counted(key, fn):
         def run(*args, **kwargs):
@@ -37,6 +38,7 @@ def test_model_on_the_kernels_matches_the_reference(tmp_path, monkeypatch):
     monkeypatch.setattr(v4_compress, "compress_groups", counted("compress", v4_compress.compress_groups))
     monkeypatch.setattr(dsa_indexer, "compressed_indexer_scores",
                         counted("indexer", dsa_indexer.compressed_indexer_scores))  # fmt: skip
+    monkeypatch.setattr(deepseek_v4_attention, "v4_rope", counted("rope", deepseek_v4_attention.v4_rope))
     for name in ("hc_pre", "hc_merge", "hc_head"):
         monkeypatch.setattr(hyper_connection, name, counted(name, getattr(hyper_connection, name)))
     _checkpoint(tmp_path, _config())
@@ -52,5 +54,7 @@ def test_model_on_the_kernels_matches_the_reference(tmp_path, monkeypatch):
         ref, got = (torch.cat(h.step(chunks)) for h in harnesses)
         assert relative_error(got, ref) < 1e-5, f"step {i}"
     # 5 steps x 4 layers attend; 3 compressed layers compress (CSA twice: entry and indexer key); 2 CSA layers index;
-    # every layer's two hyper-connections collapse and merge, and the head collapses once a step
-    assert calls == {"attention": 20, "compress": 25, "indexer": 10, "hc_pre": 40, "hc_merge": 40, "hc_head": 5}
+    # every layer's two hyper-connections collapse and merge, and the head collapses once a step; every layer rotates
+    # its query, its latent and its output back, and each CSA layer its indexer query
+    assert calls == {"attention": 20, "compress": 25, "indexer": 10, "hc_pre": 40, "hc_merge": 40, "hc_head": 5,
+                     "rope": 70}
