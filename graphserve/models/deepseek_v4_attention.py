@@ -153,6 +153,21 @@ class V4Attention(Float32Params):
         grouped = out.view(t, self.groups, -1).transpose(0, 1)  # [groups, T, heads * head_dim / groups]
         return self.o_b_proj(self._grouped_o_a(grouped).transpose(0, 1).reshape(t, -1))
 
+    def check_quantized(self) -> None:
+        """At load, once the projections are quantized: each group's rows of ``o_a_proj`` must be a row range its
+        method runs alone (``apply_rows``; fp8 blocks: whole scale blocks), refused naming o_lora_rank."""
+        proj = self.o_a_proj
+        check = getattr(proj.quant_method, "check_rows", None)
+        if check is None:
+            return
+        rank = proj.out_features // self.groups
+        try:
+            for g in range(self.groups):
+                check(proj, g * rank, (g + 1) * rank)
+        except ValueError as e:
+            raise ValueError(f"o_lora_rank={rank}: each of o_a_proj's {self.groups} output groups runs on its own "
+                             f"rows, which must be whole scale blocks ({e})") from e
+
     def _grouped_o_a(self, grouped: torch.Tensor) -> torch.Tensor:
         """The block-diagonal ``o_a_proj``: group g's rows of the weight times group g's slice of the heads,
         ``[groups, T, o_lora_rank]``. FP4 and FP8 weights run one call per group on that group's quantized rows and

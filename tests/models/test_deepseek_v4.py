@@ -186,6 +186,16 @@ def test_quantized_experts_and_projections_run_their_dequantized_weights(v4, fmt
     assert set(rows_calls) == {(0, 16), (16, 32)} and len(rows_calls) == 2 * 4  # o_groups 2, o_lora_rank 16, 4 layers
 
 
+def test_fp8_blocks_that_split_an_output_group_are_refused_at_load_naming_o_lora_rank(v4):
+    """``--quantization fp8-block`` (128-row scale blocks) on o_lora_rank 16: a group's rows of o_a_proj would share
+    a scale block with the next group's, so its own call could not run; the load says so, not the first step."""
+    _, _, folder = v4
+    with pytest.raises(ModelLoadError, match=r"o_lora_rank=16: each of o_a_proj's 2 output groups .*rows \[0, 16\) "
+                                             r"split the fp8 scale blocks of 128 rows"):
+        load_model(EngineConfig(model=str(folder), dtype="float32", max_model_len=256, quantization="fp8-block"),
+                   torch.device("cpu"))
+
+
 def test_presets_are_the_published_shapes_and_count_284b_parameters():
     from transformers import AutoConfig, AutoModelForCausalLM
 

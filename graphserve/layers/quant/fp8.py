@@ -247,10 +247,9 @@ class Fp8LinearMethod:
         out = self._cuda_matmul(rows, flat if flat.is_contiguous() else flat.contiguous())
         return out.view(*x.shape[:-1], stop - start)
 
-    def row_block(self, layer: Linear, start: int, stop: int) -> RowBlock:
-        """The rows ``start:stop`` of ``layer`` as the matmul paths read a layer (views of its weight and scales),
-        made once per row range and weight: the block scales' cuBLASLt layout is cached on it as on a layer, and
-        a CUDA-graph capture finds it made by the eager steps before."""
+    def check_rows(self, layer: Linear, start: int, stop: int) -> None:
+        """Refuse, naming them, rows ``start:stop`` that ``apply_rows`` cannot run: outside the weight, or splitting
+        a scale block (each block's one scale belongs to all its rows)."""
         n = layer.out_features
         if not 0 <= start < stop <= n:
             raise ValueError(f"rows [{start}, {stop}) are not a row range of a {n}-row fp8 weight")
@@ -258,6 +257,12 @@ class Fp8LinearMethod:
             raise ValueError(f"rows [{start}, {stop}) split the fp8 scale blocks of {self.group_n} rows "
                              f"(weight_block_size[0]) of a {n}-row weight: a row range must start on a block and "
                              "end on one or at the last row")
+
+    def row_block(self, layer: Linear, start: int, stop: int) -> RowBlock:
+        """The rows ``start:stop`` of ``layer`` as the matmul paths read a layer (views of its weight and scales),
+        made once per row range and weight: the block scales' cuBLASLt layout is cached on it as on a layer, and
+        a CUDA-graph capture finds it made by the eager steps before."""
+        self.check_rows(layer, start, stop)
         scale = self.scale(layer)
         key = (layer.weight.data_ptr(), scale.data_ptr())
         cache = layer.__dict__.setdefault("_fp8_row_blocks", {})
