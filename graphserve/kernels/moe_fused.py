@@ -168,9 +168,10 @@ def fused_experts(
     if chosen == "gemv":
         if valid is None:
             # the streaming kernels always take a mask: one compiled variant serves graph replays (padded, masked)
-            # and eager steps alike, so no eager step after the warm-up meets a HAS_VALID=False it never compiled
-            valid = torch.ones(t, dtype=torch.bool, device=device)
-            valid_arg = valid.view(torch.uint8)
+            # and eager steps alike, so no eager step after the warm-up meets a HAS_VALID=False it never compiled;
+            # an eager step reads a held all-true one, not a mask allocated and filled per call
+            valid_arg = all_rows_valid(t, device)
+            valid = valid_arg.view(torch.bool)
         _streaming_path(hidden, w13, w2, topk_weights, topk_ids, valid, valid_arg, expert_start, counts, out,
                         gemv_tiles or tiles.gemv_tiles(k, inter, h, weight_block[1] if weight_block else None),
                         scales, (w13_bias, w2_bias), epilogue)  # fmt: skip
@@ -179,6 +180,22 @@ def fused_experts(
                            step_tiles, scales, w8a8, hidden_q, input_scales, read_next, (w13_bias, w2_bias),
                            epilogue)  # fmt: skip
     return out
+
+
+_ALL_ROWS_VALID: dict[torch.device, torch.Tensor] = {}
+
+
+def all_rows_valid(t: int, device: torch.device) -> torch.Tensor:
+    """An all-true uint8 row mask [t] (a view of one held per device, grown by powers of two and never written by
+    the kernels), for the streaming kernels on an eager step that passes none. Inside a CUDA-graph capture a mask
+    that must grow is made for the call alone: a held one in the graph's pool would outlive what the pool expects."""
+    held = _ALL_ROWS_VALID.get(device)
+    if held is None or held.numel() < t:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.ones(t, dtype=torch.uint8, device=device)
+        held = torch.ones(triton.next_power_of_2(t), dtype=torch.uint8, device=device)
+        _ALL_ROWS_VALID[device] = held
+    return held[:t]
 
 
 def hidden_quant_group(t: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,

@@ -31,6 +31,7 @@ from graphserve.kernels.common import interpreting, sm_count
 from graphserve.kernels.fp8_quant import fp16_saturated
 from graphserve.kernels.mla_attention import LOG2E, _mla_merge_kernel
 from graphserve.kernels.mla_config import MAX_SPLITS, MLATile, choose_num_splits, default_decode_tile
+from graphserve.kernels.online_softmax import online_softmax_step
 
 
 def sparse_tile(heads: int, dtype: torch.dtype) -> MLATile:
@@ -61,24 +62,12 @@ def _sparse_step(
     if TOKEN_MAJOR:
         s = tl.dot(c, q_lat, input_precision=DOT_PRECISION)  # [BLOCK_N, heads]
         s += tl.dot(k_rope, q_rope, input_precision=DOT_PRECISION)
-        s = tl.where(sel[:, None], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing selected yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype), input_precision=DOT_PRECISION)
+        visible = sel[:, None]
     else:
         s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)  # [heads, BLOCK_N]
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
-        s = tl.where(sel[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+        visible = sel[None, :]
+    return online_softmax_step(s, visible, c, m_i, l_i, acc, scale_log2, TOKEN_MAJOR, DOT_PRECISION)
 
 
 # block tables are sliced per step and their width follows the batch: see engine/warmup.py

@@ -25,6 +25,7 @@ import triton.language as tl
 from graphserve.kernels.common import interpreting, sm_count
 from graphserve.kernels.decode_merge import _decode_merge_kernel
 from graphserve.kernels.mla_config import MAX_SPLITS, MLATile, choose_num_splits, default_decode_tile
+from graphserve.kernels.online_softmax import online_softmax_step
 
 LOG2E = 1.4426950408889634
 
@@ -62,16 +63,10 @@ def _keys(lat_ptr, rows_ptr, bt_row, idx_row, pos, visible, v, end, stride_lat, 
 
 @triton.jit
 def _step(q, k, ok, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One step over ``BLOCK_N`` keys: the latent tile is the keys and the values, head-major."""
     k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [heads, BLOCK_N]
-    s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return online_softmax_step(s, ok[None, :], k, m_i, l_i, acc, scale_log2, False, DOT_PRECISION)
 
 
 # block tables are sliced per step and their width follows the batch: see engine/warmup.py

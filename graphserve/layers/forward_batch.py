@@ -10,16 +10,28 @@ they can never touch a real request's KV.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
 from graphserve.kernels.paged_kv import DUMMY_BLOCK
 
-if TYPE_CHECKING:
-    from graphserve.layers.attention_backend import AttentionBackend
-
 Mode = Literal["prefill", "decode", "mixed"]
+
+
+class StepAttention(Protocol):
+    """What a layer calls on the step's ``attn_backend``: the interface of layers/attention_backend.AttentionBackend,
+    which every backend implements and whose docstring gives the shapes. Declared here, below the backends, so that
+    the batch they all take does not import them back."""
+
+    name: str
+    fused_prologue: bool
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, batch: ForwardBatch,
+                scale: float, *, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def attend(self, q: Any, layer_idx: int, batch: ForwardBatch, scale: float, *, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -35,7 +47,7 @@ class ForwardBatch:
     max_query_len: int
     max_seq_len: int
     kv_caches: list[torch.Tensor] = field(default_factory=list)  # one per layer
-    attn_backend: AttentionBackend | None = None
+    attn_backend: StepAttention | None = None
     # real rows of a padded batch (CUDA-graph padding), as a device scalar: rows past it route to no
     # expert in MoE layers (an MoE model turns it into a bool row mask [T] once per step). None: every
     # row is real.
@@ -57,7 +69,7 @@ def contiguous_batch(
     query_lens: list[int],
     context_lens: list[int],
     kv_caches: list[torch.Tensor],
-    attn_backend: AttentionBackend | None,
+    attn_backend: StepAttention | None,
     vocab_size: int,
     first_block: int = 1,
 ) -> ForwardBatch:

@@ -35,6 +35,7 @@ from graphserve.layers.mla_reference import gather_context
 
 if TYPE_CHECKING:
     from graphserve.kernels.mla_config import MLATile
+    from graphserve.layers.mla_types import LatentAttentionLayer
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -84,8 +85,9 @@ def expanded_extend(
         start += qlen
 
 
-def absorbed_rows(layer, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  seqs: list[int], tokens: list[int], out: torch.Tensor, tile: MLATile | None) -> None:  # fmt: skip
+def absorbed_rows(layer: LatentAttentionLayer, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, seqs: list[int], tokens: list[int], out: torch.Tensor,
+                  tile: MLATile | None) -> None:  # fmt: skip
     """The single-token rows ``tokens`` (of sequences ``seqs``) through the absorbed decode kernel, into ``out``."""
     device = q.device
     tok = torch.tensor(tokens, device=device)

@@ -22,7 +22,7 @@ from graphserve.layers.mla_expanded import absorbed_rows, expanded_extend
 
 if TYPE_CHECKING:
     from graphserve.layers.forward_batch import ForwardBatch
-    from graphserve.layers.mla import MLAttention
+    from graphserve.layers.mla_types import LatentAttentionLayer
 
 
 class TritonMLABackend:
@@ -32,7 +32,7 @@ class TritonMLABackend:
         # a decode tile override; None: kernels/mla_config.py's choice (the measured rule, else the code defaults)
         self.decode_tile = decode_tile
 
-    def warmup_work(self, layer: MLAttention, cache: torch.Tensor, max_model_len: int) -> list[tuple]:
+    def warmup_work(self, layer: LatentAttentionLayer, cache: torch.Tensor, max_model_len: int) -> list[tuple]:
         """One ``(key, run)`` per decode tile the card's rule may pick for this layer's heads and cache: the tile
         follows the step's batch and block-table width, which served traffic takes wider than the warm-up's
         steps do (kernels/mla_config.decode_tiles)."""
@@ -43,7 +43,7 @@ class TritonMLABackend:
                  max_model_len + page)  # a block table holds up to a block past the longest sequence
         return [(("mla_decode", tile, *shape), functools.partial(warm_tiles, (tile,), *shape)) for tile in tiles]
 
-    def forward(self, layer: MLAttention, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor,
+    def forward(self, layer: LatentAttentionLayer, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
         cache = batch.kv_caches[layer.layer_idx]
         rotary = layer.rotary[0]
@@ -59,7 +59,7 @@ class TritonMLABackend:
         )  # fmt: skip
         return layer.unabsorb_output(o_lat)
 
-    def extend(self, layer: MLAttention, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def extend(self, layer: LatentAttentionLayer, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Chunks of two or more tokens expanded, single-token rows absorbed; ``[T, H, v]``."""
         query_lens = batch.query_lens_cpu or torch.diff(batch.query_start_loc).tolist()
         seq_lens = batch.seq_lens_cpu or batch.seq_lens.tolist()

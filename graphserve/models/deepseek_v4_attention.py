@@ -154,19 +154,33 @@ class V4Attention(Float32Params):
             out = self._forward_reference(q, q_res, x, positions, batch, flat, block_size)
             out = rope_trailing(out.to(x.dtype), positions, self.inv_freq, sign=-1.0)
         grouped = out.view(t, self.groups, -1).transpose(0, 1)  # [groups, T, heads * head_dim / groups]
-        return self.o_b_proj(self._grouped_o_a(grouped, x.dtype).transpose(0, 1).reshape(t, -1))
+        return self.o_b_proj(self._grouped_o_a(grouped).transpose(0, 1).reshape(t, -1))
 
-    def _grouped_o_a(self, grouped: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def check_quantized(self) -> None:
+        """At load, once the projections are quantized: each group's rows of ``o_a_proj`` must be a row range its
+        method runs alone (``apply_rows``; fp8 blocks: whole scale blocks), refused naming o_lora_rank."""
+        proj = self.o_a_proj
+        check = getattr(proj.quant_method, "check_rows", None)
+        if check is None:
+            return
+        rank = proj.out_features // self.groups
+        try:
+            for g in range(self.groups):
+                check(proj, g * rank, (g + 1) * rank)
+        except ValueError as e:
+            raise ValueError(f"o_lora_rank={rank}: each of o_a_proj's {self.groups} output groups runs on its own "
+                             f"rows, which must be whole scale blocks ({e})") from e
+
+    def _grouped_o_a(self, grouped: torch.Tensor) -> torch.Tensor:
         """The block-diagonal ``o_a_proj``: group g's rows of the weight times group g's slice of the heads,
-        ``[groups, T, o_lora_rank]``. FP4 weights run one FP4 call per group on their packed rows; FP8 reads
-        its dequantized rows; the model dtype one ``bmm``."""
+        ``[groups, T, o_lora_rank]``. FP4 and FP8 weights run one call per group on that group's quantized rows and
+        their scales (``apply_rows``: no dequantized copy of the weight a step); the model dtype one ``bmm``."""
         proj, g = self.o_a_proj, self.groups
         method = proj.quant_method
-        if hasattr(method, "apply_rows"):
+        if method is not None:
             rank = proj.out_features // g
             return torch.stack([method.apply_rows(proj, grouped[i], i * rank, (i + 1) * rank) for i in range(g)])
-        w = proj.weight if method is None else method.dequantized_weight(proj, dtype)
-        return torch.bmm(grouped, w.view(g, -1, grouped.shape[-1]).transpose(1, 2))
+        return torch.bmm(grouped, proj.weight.view(g, -1, grouped.shape[-1]).transpose(1, 2))
 
     def _forward_kernels(self, q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                          batch: ForwardBatch, flat: torch.Tensor, block_size: int) -> torch.Tensor:  # fmt: skip

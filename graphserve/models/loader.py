@@ -298,6 +298,10 @@ def _quantize(model: nn.Module, quant: Fp8Config | Fp4Config, dtype: torch.dtype
     try:
         count = (quantize_fp4_linears if fp4 else quantize_linears)(model, quant)
         experts = (quantize_fp4_experts if fp4 else quantize_experts)(model, quant)
+        for module in model.modules():  # a layer whose use of its quantized weights has limits of its own
+            check = getattr(module, "check_quantized", None)
+            if check is not None:
+                check()
     except ValueError as e:
         raise ModelLoadError(f"{quant.name}: {e}", param="model") from e
     logger.info("quantization: %s on %d linear layers and %d routed-expert layers", quant.name, count, experts)

@@ -8,21 +8,59 @@ the loop through ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from graphserve.engine.messages import CoreView, EngineLoadFailed, EngineReady, ProfileSteps, StepBatch
-from graphserve.errors import InternalError, ModelLoadError
+from graphserve.errors import GraphserveError, InternalError, ModelLoadError
 
 if TYPE_CHECKING:
-    from graphserve.server.frontend import Frontend
+    import asyncio
+    import threading
+
+    from graphserve.config import EngineConfig
+    from graphserve.engine.process_client import EngineChannel
+    from graphserve.engine.telemetry import EngineStats
+    from graphserve.server.cache_events import CacheEventLog
+    from graphserve.server.output_pump import OutputPump
+    from graphserve.server.profile_route import ProfileBroker
 
 logger = logging.getLogger("graphserve.server")
+
+
+class FrontendState(Protocol):
+    """What the engine's events read and set on the front-end (server/frontend.Frontend), declared here so that
+    these handlers do not import the front-end that builds them."""
+
+    config: EngineConfig
+    replica: int | None
+    separate_process: bool
+    channel: EngineChannel | None
+    ready: threading.Event
+    load_error: BaseException | None
+    engine_error: str | None
+    stats: EngineStats | None
+    warmup: dict[str, float]
+    core: CoreView | None
+    cache_events: CacheEventLog
+    on_cache_events: Callable[[list[tuple]], None] | None
+    profiles: ProfileBroker
+    _pump: OutputPump | None
+    _on_step: Callable[[Any], None] | None
+    _loop: asyncio.AbstractEventLoop | None
+
+    @property
+    def num_inflight(self) -> int: ...
+
+    def _serving(self, core: CoreView, num_usable_blocks: int, block_size: int) -> None: ...
+
+    def abort_all(self, error: GraphserveError) -> int: ...
 
 
 class EngineEvents:
     """The message and exit handlers the engine client is built with, for ``engine``."""
 
-    def __init__(self, engine: Frontend):
+    def __init__(self, engine: FrontendState):
         self.engine = engine
 
     def on_message(self, msg: Any) -> None:

@@ -13,19 +13,23 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from graphserve.engine.output_processor import RequestDelta
 from graphserve.errors import GraphserveError
 
-if TYPE_CHECKING:
-    from graphserve.server.frontend import Frontend
+
+class StreamOwner(Protocol):
+    """What a stream calls on the front-end that made it (server/frontend.Frontend), declared here so that the
+    stream does not import the front-end back."""
+
+    def abort(self, engine_id: str, error: GraphserveError | None = None) -> None: ...
 
 
 class RequestStream:
     """Iterate with ``async for`` to get RequestDeltas; the last one has ``finished`` set."""
 
-    def __init__(self, engine: Frontend, request_id: str, engine_id: str, num_prompt_tokens: int,
+    def __init__(self, engine: StreamOwner, request_id: str, engine_id: str, num_prompt_tokens: int,
                  stream_interval: int = 1):
         self.engine = engine
         self.request_id = request_id  # what the client sees (its rid, or ours)

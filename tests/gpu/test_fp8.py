@@ -669,3 +669,35 @@ def test_fp8_checkpoint_on_the_gpu_tracks_the_cpu_reference(tmp_path) -> None:
     # bf16 rounding; over 7 projections a layer and 2 layers that compounds to ~10%; 0.2 leaves room
     # and still catches a misplaced scale block, which costs O(1)
     assert max(errors) < 0.2, errors
+
+
+@pytest.mark.parametrize("m", [1, 16, 300])
+@pytest.mark.parametrize("block", [True, False], ids=["block", "channel"])
+def test_apply_rows_under_cuda_graph_replay(m: int, block: bool, gen: torch.Generator) -> None:
+    """DeepSeek-V4's grouped o_a_proj at its shape (8 groups of 1024 rows, 4096 heads' columns a group): one
+    ``apply_rows`` per group on the routed fp8 kernels, never a dequantized weight, against the dequantized rows,
+    eagerly and from a graph on new inputs (the block scales' cuBLASLt layout made by the eager call before)."""
+    groups, rank, k = 8, 1024, 4096
+    layer = _fp8_layer(groups * rank, k, block, gen)
+    method = layer.quant_method
+    x = torch.zeros(groups, m, k, device=DEV, dtype=torch.bfloat16)
+
+    def grouped() -> torch.Tensor:
+        return torch.stack([method.apply_rows(layer, x[g], g * rank, (g + 1) * rank) for g in range(groups)])
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        grouped()  # compile and lay out the scales outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = grouped()
+    torch.cuda.current_stream().wait_stream(stream)
+    w = method.dequantized_weight(layer, torch.float32).view(groups, rank, k)
+    for _ in range(2):
+        x.copy_(torch.randn(groups, m, k, device=DEV, generator=gen, dtype=torch.bfloat16))
+        graph.replay()
+        ref = torch.bmm(x.float(), w.transpose(1, 2))
+        assert rel(out, ref) < 0.05  # W8A8 rows also carry activation rounding (2^-4 relative per element)
+        with torch.inference_mode():  # the eager calls on the same input: a stale replay would differ by O(1)
+            assert rel(out, grouped()) < 1e-3

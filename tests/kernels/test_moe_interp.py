@@ -185,6 +185,33 @@ def test_fused_experts_matches_reference(path, t, k, expert_start, num_local, pa
         assert torch.equal(out[-2:].cpu(), torch.zeros(2, h))
 
 
+def test_streaming_steps_without_a_mask_read_one_held_all_true_mask():
+    """Eager steps pass no mask: the streaming kernels (one compiled HAS_VALID variant) read a held all-true mask
+    that grows by powers of two, not one allocated per call; a step with its own mask (a graph replay's) reads that
+    one, and its padding rows still come out zero."""
+    from graphserve.kernels import moe_fused
+
+    moe_fused._ALL_ROWS_VALID.pop(DEVICE, None)
+    gen = torch.Generator().manual_seed(21)
+    w13, w2 = _weights(gen)
+    held = []
+    for t, padded in ((5, False), (3, False), (7, True), (8, False), (9, False)):
+        x, topk_w, topk_ids, valid = routed_tokens(gen, t, H, 2, padded)
+        counts = torch.full((E,), -1, dtype=torch.int32, device=DEVICE)
+        out = fused_experts(x, w13, w2, topk_w, topk_ids, valid=valid, counts=counts, path="gemv", gemv_tiles=GEMV)
+        torch.testing.assert_close(out, experts_reference(x, w13, w2, topk_w, topk_ids, valid, 0), rtol=1e-4,
+                                   atol=1e-5)
+        assert torch.equal(counts.cpu(), expert_counts_reference(topk_ids, valid, E).cpu())
+        if padded:
+            assert torch.equal(out[-2:].cpu(), torch.zeros(2, H))
+        mask = moe_fused._ALL_ROWS_VALID[DEVICE]
+        held.append((mask.data_ptr(), mask.numel()))
+        assert bool(mask.all())
+    assert held[0] == held[1] == held[2] == held[3] and held[0][1] == 8  # t = 5 made 8 rows; 3, 7 and 8 reuse them
+    assert held[4][1] == 16  # 9 rows grow it once
+    assert moe_fused.all_rows_valid(9, DEVICE).data_ptr() == held[4][0]
+
+
 def test_fused_experts_refuses_bad_weights_by_name_and_value():
     gen = torch.Generator().manual_seed(3)
     w13, w2 = _weights(gen)

@@ -27,6 +27,8 @@ from graphserve.errors import ModelLoadError
 from graphserve.layers.kv_layout import CompactCache, with_block_size
 from graphserve.layers.linear import Linear
 from graphserve.layers.moe import FusedMoE
+from graphserve.layers.quant.fp4 import Fp4LinearMethod
+from graphserve.layers.quant.fp8 import Fp8LinearMethod
 from graphserve.models.loader import load_model
 from graphserve.models.presets import get_preset_config
 from graphserve.models.registry import describe_model
@@ -149,12 +151,19 @@ def test_unbuilt_config_values_are_refused_by_name(field, value, match):
         describe_model(cfg, torch.float32)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_fp4_experts_and_projections_run_their_dequantized_weights(v4, fmt):
-    """``--quantization nvfp4|mxfp4`` on the checkpoint: every routed-expert layer and projection goes through the
-    FP4 methods (the clamped SwiGLU in the FP4 experts' reference), and gives the fp32 model's logits once that model
-    holds the dequantized weights; the description prices the bytes held."""
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8"])
+def test_quantized_experts_and_projections_run_their_dequantized_weights(v4, fmt, monkeypatch):
+    """``--quantization nvfp4|mxfp4|fp8`` on the checkpoint: every routed-expert layer and projection goes through
+    the quantized methods (the clamped SwiGLU in the experts' reference), the grouped ``o_a_proj`` one
+    ``apply_rows`` call per group, and gives the fp32 model's logits once that model holds the dequantized weights;
+    the description prices the bytes held."""
     hf, _, folder = v4
+    rows_calls = []
+    for method in (Fp4LinearMethod, Fp8LinearMethod):
+        def counted(self, layer, x, start, stop, _apply=method.apply_rows):
+            rows_calls.append((start, stop))
+            return _apply(self, layer, x, start, stop)
+        monkeypatch.setattr(method, "apply_rows", counted)
     plain = load_model(EngineConfig(model=str(folder), dtype="float32", max_model_len=256), torch.device("cpu"))
     fp4 = load_model(EngineConfig(model=str(folder), dtype="float32", max_model_len=256, quantization=fmt),
                      torch.device("cpu"))
@@ -174,6 +183,17 @@ def test_fp4_experts_and_projections_run_their_dequantized_weights(v4, fmt):
     got, want = PagedHarness(fp4.model).step([("a", ids)])[0], PagedHarness(plain.model).step([("a", ids)])[0]
     assert relative_error(got, want) < TOL
     assert relative_error(got, hf_logits(hf, ids)) > 1e-3  # the weights really were quantized
+    assert set(rows_calls) == {(0, 16), (16, 32)} and len(rows_calls) == 2 * 4  # o_groups 2, o_lora_rank 16, 4 layers
+
+
+def test_fp8_blocks_that_split_an_output_group_are_refused_at_load_naming_o_lora_rank(v4):
+    """``--quantization fp8-block`` (128-row scale blocks) on o_lora_rank 16: a group's rows of o_a_proj would share
+    a scale block with the next group's, so its own call could not run; the load says so, not the first step."""
+    _, _, folder = v4
+    with pytest.raises(ModelLoadError, match=r"o_lora_rank=16: each of o_a_proj's 2 output groups .*rows \[0, 16\) "
+                                             r"split the fp8 scale blocks of 128 rows"):
+        load_model(EngineConfig(model=str(folder), dtype="float32", max_model_len=256, quantization="fp8-block"),
+                   torch.device("cpu"))
 
 
 def test_presets_are_the_published_shapes_and_count_284b_parameters():

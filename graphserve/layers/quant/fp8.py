@@ -228,9 +228,51 @@ class Fp8LinearMethod:
 
     # ---- forward --------------------------------------------------------------------------------
     def dequantized_weight(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        return self._dequantized(layer.weight, self.scale(layer), dtype)
+
+    def _dequantized(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.config.block:
-            return dequantize_blocks(layer.weight, self.scale(layer), self.group_n, self.group_k).to(dtype)
-        return (layer.weight.float() * self.scale(layer)[:, None]).to(dtype)
+            return dequantize_blocks(weight, scale, self.group_n, self.group_k).to(dtype)
+        return (weight.float() * scale[:, None]).to(dtype)
+
+    def apply_rows(self, layer: Linear, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """``x @ W[start:stop].T`` for the output rows ``start:stop`` alone (no bias), on the kernels ``apply``
+        routes to for that many rows: a block-diagonal product (DeepSeek-V4's grouped output projection) runs one
+        call per group on its rows and their block scales, and never dequantizes the weight, which would cost a
+        full-precision copy a step. Rows that split a scale block are refused, naming them."""
+        rows = self.row_block(layer, start, stop)
+        if not x.is_cuda:
+            return F.linear(x, self._dequantized(rows.weight, self.scale(rows), x.dtype))
+        flat = x.reshape(-1, x.shape[-1])
+        out = self._cuda_matmul(rows, flat if flat.is_contiguous() else flat.contiguous())
+        return out.view(*x.shape[:-1], stop - start)
+
+    def check_rows(self, layer: Linear, start: int, stop: int) -> None:
+        """Refuse, naming them, rows ``start:stop`` that ``apply_rows`` cannot run: outside the weight, or splitting
+        a scale block (each block's one scale belongs to all its rows)."""
+        n = layer.out_features
+        if not 0 <= start < stop <= n:
+            raise ValueError(f"rows [{start}, {stop}) are not a row range of a {n}-row fp8 weight")
+        if self.config.block and (start % self.group_n or (stop % self.group_n and stop != n)):
+            raise ValueError(f"rows [{start}, {stop}) split the fp8 scale blocks of {self.group_n} rows "
+                             f"(weight_block_size[0]) of a {n}-row weight: a row range must start on a block and "
+                             "end on one or at the last row")
+
+    def row_block(self, layer: Linear, start: int, stop: int) -> RowBlock:
+        """The rows ``start:stop`` of ``layer`` as the matmul paths read a layer (views of its weight and scales),
+        made once per row range and weight: the block scales' cuBLASLt layout is cached on it as on a layer, and
+        a CUDA-graph capture finds it made by the eager steps before."""
+        self.check_rows(layer, start, stop)
+        scale = self.scale(layer)
+        key = (layer.weight.data_ptr(), scale.data_ptr())
+        cache = layer.__dict__.setdefault("_fp8_row_blocks", {})
+        held = cache.get((start, stop))
+        if held is None or held[0] != key:
+            block_rows = slice(start // self.group_n, -(-stop // self.group_n)) if self.config.block \
+                else slice(start, stop)
+            held = (key, RowBlock(layer, self.scale_name, scale[block_rows], start, stop))
+            cache[(start, stop)] = held
+        return held[1]
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:
@@ -431,6 +473,20 @@ class Fp8LinearMethod:
         group, blockwise = self._quant_layout(layer, route, k)
         a_q, a_s = per_token_group_quant(x, group, **_layout(blockwise))
         return self._quantized_matmul(layer, route, a_q, a_s, m, x.dtype, blockwise)
+
+
+class RowBlock:
+    """Rows ``start:stop`` of an fp8 ``Linear``, with what the matmul paths read of a layer: views of its weight and
+    of the scales of those rows (per channel: theirs; blocks: the blocks they cover), no bias, its static input
+    scale where it has one."""
+
+    def __init__(self, layer: Linear, scale_name: str, scale: torch.Tensor, start: int, stop: int) -> None:
+        self.weight = layer.weight[start:stop]
+        setattr(self, scale_name, scale)
+        self.bias = None
+        self.in_features, self.out_features = layer.in_features, stop - start
+        if hasattr(layer, "input_scale_max"):
+            self.input_scale_max = layer.input_scale_max
 
 
 def _layout(blockwise: bool) -> dict:
