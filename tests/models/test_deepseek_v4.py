@@ -128,7 +128,11 @@ def test_description_counts_every_parameter_and_each_cache_part(v4):
     assert d.kv.bytes_per_token == 4 * 4 * 32 + (state + entries)  # 4 bytes a float over 4 tokens a block
     assert dict(d.kv.parts()) == {"latent": 4 * 4 * 32, "compressor state": state, "compressed entries": entries}
     caches = d.kv.allocate(5, 4, "cpu")
-    assert [c.shape for c in caches[cfg.num_hidden_layers:]] == [(5, hca + 32), (5, csa + 48), (5, csa + 48)]
+    assert [c.shape for c in caches[cfg.num_hidden_layers:-1]] == [(5, hca + 32), (5, csa + 48), (5, csa + 48)]
+    # the latents paged apart, through the block -> latent page map last in the list (identity without a page count)
+    assert d.kv.latent_window == 8 and d.kv.latent_map_index == 7 and caches[-1].tolist() == [0, 1, 2, 3, 4]
+    paged = d.kv.allocate(5, 4, "cpu", latent_pages=3)
+    assert paged[0].shape == (3, 4, 1, 32) and paged[-1].tolist() == [0] * 5
     assert [layer.self_attn.cache_index for layer in loaded.model.model.layers] == [4, 5, None, 6]
 
 
