@@ -27,6 +27,7 @@ from tqdm import tqdm
 from graphserve.config import EngineConfig
 from graphserve.distributed.comm import agree
 from graphserve.engine.graphs import GiB, GraphRunner
+from graphserve.engine.latent_pages import latent_page_count
 from graphserve.engine.memory import RESERVE_BYTES, MemoryPlan, plan_memory
 from graphserve.engine.runner import ModelRunner
 from graphserve.errors import ConfigError
@@ -281,7 +282,8 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     # 5. allocate and capture for real. With --tp/--ep every rank holds the same number of blocks (the
     # scheduler's one block table addresses them all): the smallest any rank can afford.
     num_blocks = agree(num_blocks)
-    runner = ModelRunner(cfg, loaded, num_blocks + 1, device)  # + the dummy block
+    runner = ModelRunner(cfg, loaded, num_blocks + 1, device,  # + the dummy block
+                         latent_page_count(loaded.info.kv, num_blocks + 1))  # fmt: skip
     oversize, calibration = "none", None
     if sizes:
         bar = tqdm(total=len(sizes), desc="Capturing CUDA graphs", disable=None)

@@ -1,0 +1,173 @@
+"""Latent pages (engine/latent_pages.py): DeepSeek-V4's latents held only for running sequences' windows, while the
+blocks (their compact pages) stay. The block manager and scheduler on their own: pages freed as the window slides,
+admission refusing when pages lack, prefix hits truncated to what their window still finds, idle pages of cached
+blocks evicted least recently released first, and no page leaked once every request ends."""
+
+from __future__ import annotations
+
+from model_utils import apply_sampled
+
+from graphserve import SamplingParams
+from graphserve.config import EngineConfig
+from graphserve.engine.kv_cache import BlockManager
+from graphserve.engine.latent_pages import NO_PAGE
+from graphserve.engine.request import Sequence
+from graphserve.engine.scheduler import Scheduler
+from graphserve.kernels.paged_kv import DUMMY_BLOCK
+
+BS, WINDOW = 4, 8
+
+
+def _manager(num_blocks: int = 64, pages: int = 16, prefix: bool = True) -> BlockManager:
+    return BlockManager(num_blocks, BS, prefix, latent_pages=pages, latent_window=WINDOW)
+
+
+def _scheduler(bm: BlockManager, chunk: int = 8) -> Scheduler:
+    return Scheduler(EngineConfig(block_size=BS, chunked_prefill_size=chunk), bm)
+
+
+def _seq(rid: str, prompt: list[int], max_tokens: int = 4) -> Sequence:
+    return Sequence(rid, 0, prompt, SamplingParams(max_tokens=max_tokens), seed=0, arrival_time=float(len(rid)))
+
+
+def _step(s: Scheduler):
+    out = s.schedule()
+    for seq, _ in apply_sampled(s, out, [7] * len(out.scheduled)):
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            s.finish(seq, "length")
+    return out
+
+
+def _held(bm: BlockManager, seq: Sequence) -> list[int]:
+    """The blocks of ``seq`` with a latent page."""
+    return [b for b in seq.block_table if bm.pages.has_page(b)]
+
+
+def _map_agrees(bm: BlockManager, device_map: list[int]) -> None:
+    """The updates taken so far, applied to ``device_map``, give the host's map."""
+    for block, page in bm.pages.take_updates():
+        device_map[block] = page
+    assert device_map == bm.pages.page_of
+
+
+def test_pages_go_back_as_the_window_slides_and_the_blocks_stay():
+    bm = _manager()
+    s = _scheduler(bm)
+    device_map = [NO_PAGE] * bm.num_blocks
+    a = _seq("a", list(range(1, 21)), max_tokens=30)
+    s.add(a)
+    for _ in range(3):  # 20 prompt tokens in chunks of 8
+        _step(s)
+        _map_agrees(bm, device_map)
+    assert a.num_computed_tokens == 20 and DUMMY_BLOCK not in a.block_table
+    for _ in range(20):
+        c = a.num_computed_tokens
+        _step(s)
+        _map_agrees(bm, device_map)
+        first = max(0, c - WINDOW + 1) // BS  # the window of the step's token at position c
+        assert all(bm.pages.has_page(b) for b in a.block_table[first:])
+        # behind the window: no sequence holds the page; it idles with its cached block, for a prefix hit, and
+        # counts as free
+        released = a.block_table[:a.num_released_blocks]
+        assert released and all(bm.pages.holders[b] == 0 and b in bm.pages.idle for b in released)
+        held = [b for b in a.block_table if bm.pages.holders[b]]
+        assert bm.pages.num_free_pages == bm.pages.num_usable_pages - len(held)
+        assert len(held) <= WINDOW // BS + 1
+        # every block, the released ones included, is still the sequence's (its compact pages)
+        assert DUMMY_BLOCK not in a.block_table and all(bm.ref_counts[b] == 1 for b in a.block_table)
+    pages = {bm.pages.page_of[b] for b in _held(bm, a)}
+    assert len(pages) == len(_held(bm, a)) and NO_PAGE not in pages  # distinct, real pages
+    assert bm.pages.num_released > 0
+    while s.num_unfinished:
+        _step(s)
+    bm.check_no_leak()  # every block free or cached, every page free or idle with a cached block
+
+
+def test_admission_waits_for_pages_while_blocks_and_budget_are_there():
+    """4 usable pages: a running request holds 3 (its window of 8 across block edges, and its next block), so a
+    second one whose first chunk needs 3 waits, with blocks and prefill budget to spare, until the first ends."""
+    bm = _manager(num_blocks=64, pages=5, prefix=False)
+    s = _scheduler(bm, chunk=16)
+    a, b = _seq("a", list(range(1, 21)), 12), _seq("bb", list(range(30, 50)), 4)
+    s.add(a)
+    s.add(b)
+    free_before = bm.pages.num_free_pages
+    page_bound = 0
+    while s.num_unfinished:
+        out = _step(s)
+        assert sum(len(_held(bm, q)) for q in (a, b)) <= 4
+        if b.status.name == "WAITING" and a.status.name == "RUNNING" and out.num_prefill_tokens == 0:
+            page_bound += 1
+            assert bm.num_free_blocks > 50 and bm.pages.num_free_pages < 3
+    assert page_bound >= 5 and a.finish_reason == b.finish_reason == "length" and not (a.error or b.error)
+    assert bm.pages.num_free_pages == free_before
+    bm.check_no_leak()
+
+
+def test_allocation_is_refused_whole_when_pages_lack():
+    bm = _manager(num_blocks=64, pages=3)  # 2 usable pages
+    seq = _seq("a", list(range(1, 13)))
+    assert not bm.allocate_slots(seq, 12)  # 3 blocks, each needing a page
+    assert seq.block_table == [] and bm.pages.num_free_pages == 2 and bm.num_free_blocks == 63
+    assert bm.allocate_slots(seq, 8)
+    bm.free(seq)
+    bm.check_no_leak()
+
+
+def test_a_prefix_hit_reaches_only_as_far_as_its_window_finds_pages():
+    bm = _manager(num_blocks=64, pages=16)
+    s = _scheduler(bm, chunk=64)
+    prompt = list(range(1, 41))  # 10 blocks
+    a = _seq("a", prompt, max_tokens=1)
+    s.add(a)
+    while s.num_unfinished:
+        _step(s)
+    # one chunk, then finished: its cached blocks keep the pages they had when it let go of them
+    cached = [bm.cached[h] for h in list(bm.cached)]
+    with_page = [blk for blk in cached if bm.pages.has_page(blk)]
+    assert len(cached) == 10 and len(with_page) == 10  # nothing pressed for pages: every one idles with its page
+    # a request sharing 36 tokens hits 36 (9 blocks) while its window's pages are there
+    b = _seq("b", prompt[:36] + [99, 98], max_tokens=1)
+    assert bm.match_prefix(b) == 36 and b.num_released_blocks == (36 - WINDOW + 1) // BS
+    assert all(bm.pages.holders[blk] == 1 for blk in b.block_table[b.num_released_blocks:])
+    bm.free(b)
+    # take block 8's page away (as eviction would): the hit falls back to the longest prefix whose window has pages
+    eighth = bm.cached[list(bm.cached)[8]]
+    bm.pages.forget(eighth)
+    c = _seq("c", prompt[:36] + [99, 98], max_tokens=1)
+    hit = bm.match_prefix(c)
+    assert hit == 32  # 8 blocks: the window of position 32 (25..32) reads blocks 6 and 7, which have pages
+    assert eighth not in c.block_table and all(bm.pages.has_page(blk) for blk in c.block_table[c.num_released_blocks:])
+    bm.free(c)
+    # every page gone: only a hit whose window reads no block at all remains, the empty one
+    for blk in cached:
+        bm.pages.forget(blk)
+    d = _seq("d", prompt[:36] + [99, 98], max_tokens=1)
+    assert bm.match_prefix(d) == 0 and d.block_table == []
+    bm.check_no_leak()
+
+
+def test_idle_pages_of_cached_blocks_are_evicted_least_recently_released_first():
+    bm = _manager(num_blocks=64, pages=9)  # 8 usable pages
+    s = _scheduler(bm, chunk=64)
+    first_blocks = []
+    for seq in (_seq("a", list(range(1, 17)), 1), _seq("bb", list(range(100, 116)), 1)):
+        s.add(seq)  # 4 blocks each, one after the other: 8 idle pages
+        while s.num_unfinished:
+            _step(s)
+        first_blocks = first_blocks or list(bm.pages.idle)
+    assert len(bm.pages.idle) == 8 and not bm.pages.free_pages
+    order = list(bm.pages.idle)
+    assert order[:4] == first_blocks  # the first request's, its tail first (released first on its end)
+    third = _seq("ccc", list(range(200, 212)), 1)  # 3 blocks: takes the 3 least recently released pages
+    assert bm.allocate_slots(third, 12)
+    assert [blk for blk in order if not bm.pages.has_page(blk)] == order[:3]
+    assert all(bm.pages.has_page(blk) for blk in third.block_table)
+    # the blocks whose pages went stay cached: a hit over them just no longer reaches past them
+    assert all(blk in bm.block_hash for blk in order[:3])
+    bm.free(third)
+    bm.check_no_leak()
+    # a reset of the prefix cache frees every idle page with its blocks
+    bm.reset_prefix_cache()
+    assert not bm.pages.idle and len(bm.pages.free_pages) == 8
+    bm.check_no_leak()
