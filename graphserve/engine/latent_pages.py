@@ -114,9 +114,10 @@ class LatentPages:
         )
 
 
-def latent_page_count(layout: KVLayout, num_blocks: int) -> int | None:
-    """The latent pages beside ``num_blocks`` blocks (dummy ones included) of a layout whose latents are paged
-    apart; None for any other layout."""
+def latent_page_count(layout: KVLayout, num_blocks: int, block_size: int, max_running: int, chunk: int) -> int | None:
+    """The latent pages (the dummy page included) beside ``num_blocks`` blocks (the dummy block included) of a layout
+    whose latents are paged apart, as the memory plan splits the pool (engine/memory.py): what ``max_running``
+    windows want, never more than one a block; None for any other layout."""
     if layout.latent_window is None:
         return None
-    return num_blocks
+    return min(num_blocks, layout.latent_pages_wanted(block_size, max_running, chunk))

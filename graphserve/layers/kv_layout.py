@@ -216,6 +216,19 @@ class KVLayout:
         ``chunk`` tokens, and a page where each edge falls mid-block."""
         return -(-(self.latent_window - 1 + max(chunk, 1)) // block_size) + 1
 
+    def latent_pages_wanted(self, block_size: int, max_running: int, chunk: int) -> int:
+        """The latent pages a pool is given (the dummy page included): what ``max_running`` windows hold at once,
+        each one behind a decode token or its share of a step's ``chunk`` prefill tokens (a page more a prefilling
+        sequence, where its chunk's edge falls mid-block), twice over, so that as many cached prefixes as running
+        requests keep their window's latents for a prefix hit (engine/latent_pages.py)."""
+        running = max_running * (-(-(self.latent_window - 1) // block_size) + 2) + -(-chunk // block_size)
+        return 2 * running + 1
+
+    @property
+    def latent_bytes_per_token(self) -> int:
+        """The bytes a token's latents take where they are paged apart (``latent_window``), else 0."""
+        return self.num_layers * self.bytes_per_token_per_layer if self.latent_window is not None else 0
+
     def layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         if self.kind == "kv":
             return (2, num_blocks, block_size, self.num_heads, self.head_dim)

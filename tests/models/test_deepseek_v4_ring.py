@@ -22,7 +22,7 @@ def v4_hf(tmp_path_factory):
 
 
 def _llm(monkeypatch, folder, **kwargs) -> LLM:
-    monkeypatch.setattr(rank_worker, "latent_page_count", lambda kv, num_blocks: PAGES)
+    monkeypatch.setattr(rank_worker, "latent_page_count", lambda kv, num_blocks, *sizes: PAGES)
     return LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32", max_model_len=256, **kwargs)
 
 

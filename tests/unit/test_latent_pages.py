@@ -1,19 +1,23 @@
 """Latent pages (engine/latent_pages.py): DeepSeek-V4's latents held only for running sequences' windows, while the
 blocks (their compact pages) stay. The block manager and scheduler on their own: pages freed as the window slides,
 admission refusing when pages lack, prefix hits truncated to what their window still finds, idle pages of cached
-blocks evicted least recently released first, and no page leaked once every request ends."""
+blocks evicted least recently released first, and no page leaked once every request ends; and the memory plan's
+split of the pool between the windows' pages and the blocks."""
 
 from __future__ import annotations
 
+import torch
 from model_utils import apply_sampled
 
 from graphserve import SamplingParams
 from graphserve.config import EngineConfig
 from graphserve.engine.kv_cache import BlockManager
-from graphserve.engine.latent_pages import NO_PAGE
+from graphserve.engine.latent_pages import NO_PAGE, latent_page_count
+from graphserve.engine.memory import plan_memory
 from graphserve.engine.request import Sequence
 from graphserve.engine.scheduler import Scheduler
 from graphserve.kernels.paged_kv import DUMMY_BLOCK
+from graphserve.layers.kv_layout import KVLayout
 
 BS, WINDOW = 4, 8
 
@@ -171,3 +175,31 @@ def test_idle_pages_of_cached_blocks_are_evicted_least_recently_released_first()
     bm.reset_prefix_cache()
     assert not bm.pages.idle and len(bm.pages.free_pages) == 8
     bm.check_no_leak()
+
+
+def test_the_plan_gives_the_windows_their_pages_and_the_blocks_the_rest():
+    """1000 B a token, 800 of them latent: 11 pages of 4 tokens come first (35,200 B), the blocks get the rest at
+    200 B a token; a pool too small for more blocks than pages gives every block its page instead."""
+    kw = dict(mem_fraction_static=1.0, weights_bytes=0, activation_bytes=0, graph_pool_bytes=0, reserve_bytes=0,
+              kv_bytes_per_token=1000, block_size=BS, max_running_requests=2, latent_bytes_per_token=800,
+              latent_pages=11, latent_window=WINDOW, kv_parts=(("latent", 800), ("compressed entries", 200)))
+    plan = plan_memory(10**6, max_model_len=64, **kw)
+    assert plan.latent_pages == 11 and plan.latent_pool_bytes == 11 * BS * 800 and plan.block_bytes_per_token == 200
+    assert plan.kv_tokens == (10**6 - 35200) // 200 // BS * BS == 4824 and plan.fits
+    table = plan.table()
+    assert "latent pages" in table and "200 B/token for the whole context" in table
+    small = plan_memory(40000, max_model_len=16, **kw)  # 6 blocks after the pages: fewer than the pages
+    assert small.latent_pages == 0 and small.kv_tokens == 40000 // 1000 // BS * BS and small.fits
+    # a request longer than the blocks hold is refused, its tokens priced at the blocks' bytes
+    long = plan_memory(10**6, max_model_len=8000, **kw)
+    assert not long.fits and f"{8000 * 200 / 2**30:.2f} GiB" in long.refusal
+
+
+def test_the_pages_wanted_cover_every_running_window_and_a_chunk_twice():
+    layout = KVLayout("latent", 2, 1, 16, torch.bfloat16, latent_window=WINDOW)
+    # per running sequence: ceil(7 / 4) + 2 = 4 pages; the chunk of 16 another 4; twice that, and the dummy page
+    assert layout.latent_pages_wanted(BS, 3, 16) == 2 * (3 * 4 + 4) + 1
+    assert layout.latent_pages_needed(BS, 16) == 7 and layout.latent_pages_needed(BS) == 3
+    assert layout.latent_bytes_per_token == 2 * 16 * 2 and layout.latent_map_index == 2
+    assert latent_page_count(layout, 1000, BS, 3, 16) == 33 and latent_page_count(layout, 20, BS, 3, 16) == 20
+    assert latent_page_count(KVLayout("latent", 2, 1, 16, torch.bfloat16), 1000, BS, 3, 16) is None
