@@ -108,6 +108,26 @@ def test_admission_waits_for_pages_while_blocks_and_budget_are_there():
     bm.check_no_leak()
 
 
+def test_a_running_request_short_of_a_page_preempts_the_newest():
+    """7 usable pages: prompts of 8, 8 and 12 tokens take 2 + 2 + 3 in one step; the next tokens of the first two
+    cross into new blocks, so the newest is preempted (its pages freed), recomputed later, and all finish."""
+    bm = _manager(num_blocks=64, pages=8, prefix=False)
+    s = _scheduler(bm, chunk=32)
+    seqs = [_seq(rid, list(range(1 + 20 * i, 1 + 20 * i + n)), 6) for i, (rid, n) in enumerate(
+        (("a", 8), ("bb", 8), ("ccc", 12)))]  # fmt: skip
+    for seq in seqs:
+        s.add(seq)
+    _step(s)
+    assert bm.pages.num_free_pages == 0 and all(q.status.name == "RUNNING" for q in seqs)
+    out = _step(s)
+    assert out.preempted == [seqs[2]] and seqs[2].block_table == [] and s.num_preemptions == 1
+    assert [len(_held(bm, q)) for q in seqs[:2]] == [3, 3]
+    while s.num_unfinished:
+        _step(s)
+    assert all(q.finish_reason == "length" for q in seqs)
+    bm.check_no_leak()
+
+
 def test_allocation_is_refused_whole_when_pages_lack():
     bm = _manager(num_blocks=64, pages=3)  # 2 usable pages
     seq = _seq("a", list(range(1, 13)))
