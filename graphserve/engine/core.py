@@ -80,6 +80,12 @@ class EngineCore:
                                           window=self.info.kv.release_window, latent_pages=self.runner.latent_pages,
                                           latent_window=self.info.kv.latent_window)  # fmt: skip
         self.runner.page_source = self.block_manager.pages
+        if self.block_manager.pages is not None:
+            kv = self.info.kv
+            logger.info("latent pages: %d of %d tokens (%.2f GiB) for the windows of %d tokens of running requests "
+                        "and cached prefixes, beside %d blocks", self.runner.latent_pages - 1, config.block_size,
+                        self.runner.latent_pages * config.block_size * kv.latent_bytes_per_token / (1 << 30),
+                        kv.latent_window, num_blocks - 1)  # fmt: skip
         self.scheduler = Scheduler(config, self.block_manager, max_running)
         self.telemetry = Telemetry()
         self._rng = random.Random(config.seed)  # seeds of unseeded requests: varied, yet reproducible per run

@@ -5,7 +5,9 @@ query against the one shared 512-wide K=V latent), over a virtual key list: its 
 positions ``p - window + 1 .. p`` from the latent cache, then its compressed entries from the layer's compact pages
 (kernels/v4_reference.py: one entry row per group): every visible one (HCA), or the ``K`` the indexer
 chose (CSA, ``idx [T, K]``, -1 none).
-A key's address is computed per lane, from one of the two caches, so one tile may hold both kinds.
+A key's address is computed per lane, from one of the two caches, so one tile may hold both kinds. A window latent
+sits in its block's latent page, ``latent_page[block]`` (layers/kv_layout.py: the latents are paged apart from the
+blocks, so only running windows hold them); an entry in its block's compact page.
 
 A program owns one row x ``BLOCK_H`` heads x one split of that row's list. The row's length is read on the device
 (``window + visible`` for HCA, ``window + K`` for CSA) and cut into ``num_splits`` equal parts there, so a short row
