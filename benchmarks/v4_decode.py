@@ -144,6 +144,8 @@ def attention_alone(s: V4Shape, bs: int, ctx: int, block_size: int, device: str 
     slots = (bs * per + 1) * block_size
     table = _table(bs, ctx, block_size, 1, device)
     latents = torch.randn(slots, s.head_dim, device=device, dtype=dtype).mul_(0.5)
+    # the engine reads the window through its block -> latent page map (layers/kv_layout.py): one page a block here
+    latent_page = torch.arange(slots // block_size, device=device, dtype=torch.int32)
     row_seq = torch.arange(bs, device=device, dtype=torch.int32)
     positions = torch.full((bs,), ctx, device=device, dtype=torch.int64)
     calls = []
@@ -171,7 +173,7 @@ def attention_alone(s: V4Shape, bs: int, ctx: int, block_size: int, device: str 
                                                    lasts[m], keys_of[m], state_floats=sf, entry_width=ew)  # fmt: skip
                 idx = dsa.topk_indices(scores, lasts[m], s.index_topk)
             v4_attention.v4_attention(q, latents, rows, 0, table, row_seq, positions, sinks, s.head_dim**-0.5,
-                                      s.sliding_window, m, block_size, idx, sf, ew)  # fmt: skip
+                                      s.sliding_window, m, block_size, idx, sf, ew, latent_page=latent_page)  # fmt: skip
 
     ms = graph_time_ms(step, calls=2, replays=5)
     return ms, bs * attention_bytes(s, ctx, dtype.itemsize)

@@ -106,7 +106,10 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, ep: int
                      activation_parts=([("MoE workspace", model.moe_workspace_bytes(chunk))] if model.is_moe else []) +
                      ([("indexer scores", index_scores)] if index_scores else []),
                      kv_parts=kv.parts(),
-                     request_tokens=model.kv.held_tokens(max_len, block_size, chunked_prefill_size))
+                     request_tokens=model.kv.held_tokens(max_len, block_size, chunked_prefill_size),
+                     latent_bytes_per_token=kv.latent_bytes_per_token, latent_window=kv.latent_window or 0,
+                     latent_pages=kv.latent_pages_wanted(block_size, max_running, chunked_prefill_size)
+                     if kv.latent_window is not None else 0)  # fmt: skip
 
     verdicts = []
     # what one request holds at once: its length, or its window where every layer is windowed
@@ -165,6 +168,8 @@ def format_plan(p: dict[str, Any]) -> str:
         f"quantization {p['quantization']})",
         f"KV bytes per token   {p['kv_bytes_per_token']} B ({p['kv_cache_dtype']}"
         + (f"; indexer keys {p['kv_index_bytes_per_token']} B of it" if p.get("kv_index_bytes_per_token") else "")
+        + (f"; the latent {m['latent_bytes_per_token']} B of it, held in pages for running windows only"
+           if m.get("latent_pages") else "")
         + ")",
         f"cuda graph pool      {gib(p['graph_pool_bytes']):.2f} GiB for sizes "
         f"{p['captured_sizes'][:6]}{'...' if len(p['captured_sizes']) > 6 else ''} (largest {max(p['captured_sizes'], default=0)})",

@@ -26,6 +26,11 @@ def answer(p: dict[str, Any], input_len: int, output_len: int) -> list[dict[str,
             f"{gib(m['reserve_bytes']):.2f} GiB per GPU of a {gib(m['static_bytes']):.2f} GiB static budget "
             f"(--mem-fraction-static {m['mem_fraction_static']:g}) leave a KV pool of "
             f"{gib(max(m['kv_pool_bytes'], 0)):.2f} GiB: {m['kv_tokens']} tokens at {m['kv_bytes_per_token']} B/token")
+    if m.get("latent_pages"):  # latents paged apart: the windows' pages first, the blocks the rest
+        held = held.removesuffix(f"at {m['kv_bytes_per_token']} B/token") + (
+            f"at {m['kv_bytes_per_token'] - m['latent_bytes_per_token']} B/token held for the whole context, beside "
+            f"{m['latent_pages']} latent pages of {m['block_size']} tokens at {m['latent_bytes_per_token']} B/token "
+            f"for the running windows of {m['latent_window']} tokens")
     out = []
     for v in p["verdicts"]:
         c, batch, need = v["concurrency"], v["batch"], v["kv_tokens_needed"]

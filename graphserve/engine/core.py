@@ -75,8 +75,17 @@ class EngineCore:
             self.runner.peers = StepSender()
             self._finalizer = weakref.finalize(self, stop_ranks, self.ranks, self.runner)
         # a model whose every layer is windowed gives back the blocks outside its running sequences' windows
+        # (DeepSeek-V4: latent pages of their own, which the windows of running sequences hold)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          window=self.info.kv.release_window)  # fmt: skip
+                                          window=self.info.kv.release_window, latent_pages=self.runner.latent_pages,
+                                          latent_window=self.info.kv.latent_window)  # fmt: skip
+        self.runner.page_source = self.block_manager.pages
+        if self.block_manager.pages is not None:
+            kv = self.info.kv
+            logger.info("latent pages: %d of %d tokens (%.2f GiB) for the windows of %d tokens of running requests "
+                        "and cached prefixes, beside %d blocks", self.runner.latent_pages - 1, config.block_size,
+                        self.runner.latent_pages * config.block_size * kv.latent_bytes_per_token / (1 << 30),
+                        kv.latent_window, num_blocks - 1)  # fmt: skip
         self.scheduler = Scheduler(config, self.block_manager, max_running)
         self.telemetry = Telemetry()
         self._rng = random.Random(config.seed)  # seeds of unseeded requests: varied, yet reproducible per run

@@ -14,6 +14,11 @@ read them. A released block in the prefix cache stays there, unreferenced, for a
 prefix, as any freed block does; the sequence itself never matches it again (it matches only at admission, and a
 preempted sequence starts over from an empty table).
 
+With ``latent_pages`` (DeepSeek-V4: latents only a sliding window reads, beside compact pages read over the whole
+context), a block's latent page is a resource of its own (engine/latent_pages.py): a running sequence holds the
+pages of the blocks its window covers and lets go of the others as the window slides, keeping the blocks. A prefix
+hit is taken only up to a length whose window's blocks still have their pages.
+
 Cache events (``record_events``): every hash that enters the prefix cache ("stored") or leaves it ("removed",
 "cleared") is logged for whoever drains ``take_events``, so a router in front of several engines keeps each one's
 prefix index from the engine's own changes (engine/routing_policy.py hashes prompts with ``chain_hash``).
@@ -24,6 +29,7 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING
 
+from graphserve.engine.latent_pages import LatentPages
 from graphserve.kernels.paged_kv import DUMMY_BLOCK
 
 if TYPE_CHECKING:
@@ -45,7 +51,8 @@ def chain_hash(parent: int, tokens: list[int] | tuple[int, ...]) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None):  # fmt: skip
+                 window: int | None = None, latent_pages: int | None = None,
+                 latent_window: int | None = None):  # fmt: skip
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is the reserved dummy block)")
         self.num_blocks = num_blocks
@@ -65,6 +72,17 @@ class BlockManager:
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.events: list[tuple] | None = None  # cache events since the last take_events; None: not recorded
+        self.pages: LatentPages | None = None
+        if latent_pages is not None:
+            if latent_window is None or latent_window < 1 or window is not None:
+                raise ValueError(f"latent pages need a latent window >= 1 (got {latent_window}) and no block window "
+                                 f"(got {window})")  # fmt: skip
+            self.pages = LatentPages(latent_pages, num_blocks, latent_window, block_size)
+
+    @property
+    def slides(self) -> bool:
+        """Whether a running sequence gives something back as its window slides (``release_outside_window``)."""
+        return self.window is not None or self.pages is not None
 
     # ---- capacity -------------------------------------------------------------------------
     @property
@@ -119,16 +137,26 @@ class BlockManager:
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         parent = _ROOT_HASH
+        found: list[tuple[int, int]] = []
         for i in range(max_blocks):
             tokens = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
             h = self._chain(parent, tokens)
             block = self.cached.get(h)
             if block is None or self.block_tokens[block] != tokens:
                 break
+            found.append((block, h))
+            parent = h
+        pages = self.pages
+        if pages is not None:  # the next query's window must find its latents: a shorter hit where pages are gone
+            while found and not all(pages.has_page(b) for b, _ in found[pages.first_needed(len(found) * self.block_size):]):
+                found.pop()
+            seq.num_released_blocks = pages.first_needed(len(found) * self.block_size)
+        for i, (block, h) in enumerate(found):
             self._take(block)
+            if pages is not None and i >= seq.num_released_blocks:
+                pages.hold(block)
             seq.block_table.append(block)
             seq.block_hashes.append(h)
-            parent = h
         hit = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = hit
         self.hit_tokens += min(hit, seq.num_prompt_tokens)
@@ -163,6 +191,9 @@ class BlockManager:
         but are no longer matched, and are freed as plain blocks when those sequences end.
         """
         dropped = len(self.block_hash)
+        if self.pages is not None:
+            for block in list(self.pages.idle):
+                self.pages.forget(block)
         self.free_blocks.extend(self.evictable)
         self.evictable.clear()
         self.block_hash.clear()
@@ -186,6 +217,8 @@ class BlockManager:
             h = self.block_hash.pop(block)
             del self.cached[h]
             del self.block_tokens[block]
+            if self.pages is not None:
+                self.pages.forget(block)
             if self.events is not None:
                 self.events.append((REMOVED, h))
         assert self.ref_counts[block] == 0, f"block {block} handed out while referenced ({self.ref_counts[block]})"
@@ -202,10 +235,17 @@ class BlockManager:
             return True
         if needed > self.num_free_blocks:
             return False
+        pages = self.pages
+        if pages is not None:
+            self.release_outside_window(seq)  # the pages behind the chunk's first query go back before new ones
+            if needed > pages.num_free_pages:
+                return False
         for _ in range(needed):
             block = self._new_block()
             assert block not in seq.block_table, f"{seq}: block {block} allocated twice to one sequence"
             seq.block_table.append(block)
+            if pages is not None:
+                pages.hold_new(block)
         return True
 
     def _drop(self, seq: Sequence, block: int) -> None:
@@ -220,6 +260,9 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks (finish, abort or preemption)."""
         # Tail blocks first into the LRU: they are the least likely to be shared, so evict them first.
+        if self.pages is not None:
+            for block in reversed(seq.block_table[seq.num_released_blocks:]):
+                self.pages.let_go(block, block in self.block_hash)
         for block in reversed(seq.block_table):
             if block != DUMMY_BLOCK:  # released already (outside the window)
                 self._drop(seq, block)
@@ -232,7 +275,12 @@ class BlockManager:
         """Give back the blocks of ``seq`` that lie wholly before the window of its next token (position
         ``num_computed_tokens``, which sees positions > num_computed_tokens - window): every later token's window
         starts later still. Their table entries point at the dummy block from then on; the table is a new list,
-        so the runner's copy of it is refreshed (engine/seq_rows.py). Returns the blocks released."""
+        so the runner's copy of it is refreshed (engine/seq_rows.py). Returns the blocks released.
+
+        With latent pages the blocks stay and only their latent pages are let go of (the table is unchanged);
+        returns the pages let go of."""
+        if self.pages is not None:
+            return self._release_pages(seq)
         if self.window is None:
             return 0
         first_kept = min((seq.num_computed_tokens - self.window + 1) // self.block_size, len(seq.block_table))
@@ -250,6 +298,19 @@ class BlockManager:
         self.num_released += first_kept - done
         return first_kept - done
 
+    def _release_pages(self, seq: Sequence) -> int:
+        pages = self.pages
+        first_kept = min(pages.first_needed(seq.num_computed_tokens), len(seq.block_table))
+        done = seq.num_released_blocks
+        if first_kept <= done:
+            return 0
+        for i in range(first_kept - 1, done - 1, -1):  # the front of a prefix, most likely shared, idles longest
+            block = seq.block_table[i]
+            pages.let_go(block, block in self.block_hash)
+        seq.num_released_blocks = first_kept
+        pages.num_released += first_kept - done
+        return first_kept - done
+
     def check_no_leak(self) -> None:
         """Every block is free or only held by the prefix cache (call when no request is live)."""
         held = [b for b in range(1, self.num_blocks) if self.ref_counts[b] != 0]
@@ -257,3 +318,5 @@ class BlockManager:
         assert self.num_free_blocks == self.num_usable_blocks, (
             f"free {len(self.free_blocks)} + cached {len(self.evictable)} != usable {self.num_usable_blocks}"
         )
+        if self.pages is not None:
+            self.pages.check_no_leak()

@@ -4,6 +4,12 @@
 Everything the engine owns lives inside the static budget ``total · --mem-fraction-static``:
 weights, the activation peak (the larger of the biggest prefill chunk and the biggest decode
 batch), the CUDA-graph pool, a reserve for allocator slack, and the KV pool, which gets the rest.
+
+Where a layout pages its latents apart from its blocks (DeepSeek-V4: ``KVLayout.latent_window``), the KV pool is
+split: the latent pages that ``max_running`` windows (and as many cached prefixes) hold come first
+(``KVLayout.latent_pages_wanted``), and the blocks, at the bytes a token keeps for its whole context (compact pages),
+get the rest. A pool too small to hold more blocks than that many pages gives every block a page instead (no split:
+``latent_pages`` 0).
 Memory outside the budget belongs to the CUDA context, NCCL and other processes; the plan never
 counts on it.
 """
@@ -48,6 +54,20 @@ class MemoryPlan:
     activation_parts: tuple[tuple[str, int], ...] = ()
     # a token's KV bytes by cache, where a layout has more than one (sparse attention's indexer keys)
     kv_parts: tuple[tuple[str, int], ...] = ()
+    # latents paged apart (engine/latent_pages.py): their pages (the dummy page included) and a token's bytes in
+    # them; kv_tokens then counts blocks at the bytes a token keeps for its whole context, block_bytes_per_token
+    latent_pages: int = 0
+    latent_bytes_per_token: int = 0
+    latent_window: int = 0
+
+    @property
+    def block_bytes_per_token(self) -> int:
+        """What a token's block holds for the whole context: every part but the latents paged apart."""
+        return self.kv_bytes_per_token - (self.latent_bytes_per_token if self.latent_pages else 0)
+
+    @property
+    def latent_pool_bytes(self) -> int:
+        return self.latent_pages * self.block_size * self.latent_bytes_per_token
 
     def lines(self) -> list[tuple[str, int]]:
         return [
@@ -67,9 +87,18 @@ class MemoryPlan:
             rows.append(f"  {name:<16} {gib(v):>9.2f} GiB")
             if name == "activations":
                 rows += [f"    {part:<14} {gib(b):>9.2f} GiB" for part, b in self.activation_parts]
-        rows.append(f"  {'kv tokens':<16} {self.kv_tokens:>9d}   ({self.num_blocks} blocks of {self.block_size}, "
-                    f"{self.kv_bytes_per_token} B/token)")
-        rows += [f"    {part:<14} {b:>9d} B/token" for part, b in self.kv_parts]
+        if self.latent_pages:
+            rows.append(f"  {'kv tokens':<16} {self.kv_tokens:>9d}   ({self.num_blocks} blocks of {self.block_size}, "
+                        f"{self.block_bytes_per_token} B/token for the whole context; {self.kv_bytes_per_token} "
+                        f"B/token with the latent)")
+            rows += [f"    {part:<14} {b:>9d} B/token" for part, b in self.kv_parts if part != "latent"]
+            rows.append(f"  {'latent pages':<16} {self.latent_pages:>9d}   ({gib(self.latent_pool_bytes):.2f} GiB, "
+                        f"{self.latent_bytes_per_token} B/token, pages of {self.block_size}: running windows of "
+                        f"{self.latent_window} tokens and as many cached)")
+        else:
+            rows.append(f"  {'kv tokens':<16} {self.kv_tokens:>9d}   ({self.num_blocks} blocks of {self.block_size}, "
+                        f"{self.kv_bytes_per_token} B/token)")
+            rows += [f"    {part:<14} {b:>9d} B/token" for part, b in self.kv_parts]
         rows.append(f"  {'max concurrent':<16} {self.max_concurrent_at_max_len:>9d}   requests of "
                     f"--max-model-len {self.max_model_len}")
         if self.refusal:
@@ -114,7 +143,8 @@ def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int
                 graph_pool_bytes: int, reserve_bytes: int, kv_bytes_per_token: int, block_size: int,
                 max_model_len: int, max_running_requests: int, tp: int = 1,
                 activation_parts: Sequence[tuple[str, int]] = (), request_tokens: int | None = None,
-                kv_parts: Sequence[tuple[str, int]] = ()) -> MemoryPlan:
+                kv_parts: Sequence[tuple[str, int]] = (), latent_bytes_per_token: int = 0, latent_pages: int = 0,
+                latent_window: int = 0) -> MemoryPlan:
     """Size the KV pool from what the static budget leaves (see module docstring).
 
     ``activation_bytes`` is the activation peak, or several peaks (prefill chunk, decode batch):
@@ -122,6 +152,8 @@ def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int
     ``request_tokens``: the KV tokens one request of ``max_model_len`` holds at once, counted per layer type
     (layers/kv_layout.KVLayout.held_tokens: a model whose every layer is windowed holds its window, not its
     length); None: ``max_model_len``.
+    ``latent_bytes_per_token`` and ``latent_pages`` (wanted, the dummy page included): the latents paged apart
+    (module docstring); ``kv_bytes_per_token`` counts them too.
     """
     act = max(activation_bytes) if isinstance(activation_bytes, Sequence) else activation_bytes
     static = int(total_bytes * mem_fraction_static)
@@ -130,13 +162,22 @@ def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int
     kv_tokens = 0
     if kv_pool > 0 and kv_bytes_per_token > 0:
         kv_tokens = (kv_pool // kv_bytes_per_token) // block_size * block_size
+    pages, block_bytes = 0, kv_bytes_per_token
+    split = kv_bytes_per_token - latent_bytes_per_token
+    if latent_bytes_per_token and kv_pool > 0 and split > 0:  # (nothing but latents: nothing to split them from)
+        blocks = (kv_pool - latent_pages * block_size * latent_bytes_per_token) // (split * block_size)
+        # fewer blocks than the pages wanted: no split, every block gets a page (engine/latent_pages.latent_page_count)
+        if blocks + 1 > latent_pages:
+            pages, block_bytes, kv_tokens = latent_pages, split, blocks * block_size
     held = max_model_len if request_tokens is None else min(request_tokens, max_model_len)
     need_tokens = math.ceil(held / block_size) * block_size
     fits = kv_tokens >= need_tokens
     refusal = None
     if not fits:
-        refusal = _refusal(total_bytes, mem_fraction_static, fixed, kv_pool, kv_tokens, need_tokens,
-                           kv_bytes_per_token, weights_bytes, graph_pool_bytes, max_model_len, tp, held < max_model_len)
+        # the latent pages come before the blocks, as fixed as the weights for what a longer request needs
+        latents = pages * block_size * latent_bytes_per_token
+        refusal = _refusal(total_bytes, mem_fraction_static, fixed + latents, kv_pool, kv_tokens, need_tokens,
+                           block_bytes, weights_bytes, graph_pool_bytes, max_model_len, tp, held < max_model_len)
     return MemoryPlan(
         total_bytes=int(total_bytes), mem_fraction_static=mem_fraction_static, static_bytes=static,
         weights_bytes=int(weights_bytes), activation_bytes=int(act), graph_pool_bytes=int(graph_pool_bytes),
@@ -145,5 +186,6 @@ def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int
         max_model_len=max_model_len, max_running_requests=max_running_requests,
         max_concurrent_at_max_len=int(min(kv_tokens // need_tokens, max_running_requests)),
         fits=fits, refusal=refusal, activation_parts=tuple((n, int(b)) for n, b in activation_parts),
-        kv_parts=tuple((n, int(b)) for n, b in kv_parts),
+        kv_parts=tuple((n, int(b)) for n, b in kv_parts), latent_pages=int(pages),
+        latent_bytes_per_token=int(latent_bytes_per_token if pages else 0), latent_window=int(latent_window),
     )

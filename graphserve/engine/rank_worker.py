@@ -20,8 +20,10 @@ import torch
 
 from graphserve.distributed.comm import agree
 from graphserve.distributed.state import destroy_parallel, init_parallel
+from graphserve.engine.latent_pages import latent_page_count
 from graphserve.engine.ranks import cpu_threads_per_rank
 from graphserve.engine.runner import ModelRunner, cpu_kv_tokens
+from graphserve.engine.scheduler import CPU_MAX_RUNNING_REQUESTS
 from graphserve.layers.warmup_work import run_warmup_work
 from graphserve.models.parallel_check import model_dtype
 
@@ -49,7 +51,9 @@ def start_runner(config: EngineConfig, loaded: LoadedModel, device: torch.device
         gpu = start_gpu(config, loaded, device, max_model_len)
         return RunnerStart(gpu.runner, gpu.plan, gpu.max_running_requests)
     num_blocks = agree(cpu_kv_tokens(config, loaded.info) // config.block_size + 1)  # + the dummy block
-    return RunnerStart(ModelRunner(config, loaded, num_blocks, device), None, None)
+    pages = latent_page_count(loaded.info.kv, num_blocks, config.block_size,
+                              config.max_running_requests or CPU_MAX_RUNNING_REQUESTS, config.chunked_prefill_size)
+    return RunnerStart(ModelRunner(config, loaded, num_blocks, device, pages), None, None)
 
 
 def release_runner(runner: ModelRunner) -> None:
@@ -81,7 +85,7 @@ class RankWorker:
         run_warmup_work(self.runner.model, self.runner.attn_backend, self.runner.kv_caches, max_model_len)
         from graphserve.engine.step_sync import StepReceiver
 
-        self.receiver = StepReceiver(device, self.runner.kv_caches, self.runner.attn_backend)
+        self.receiver = StepReceiver(device, self.runner.kv_caches, self.runner.attn_backend, self.runner.latent_map)
         logger.info("rank %d ready on %s", rank, device)
 
     @torch.inference_mode()

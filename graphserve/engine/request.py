@@ -73,7 +73,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of the full, computed blocks in block_table
-        # leading blocks given back from outside the attention window (their block_table entries: the dummy block)
+        # leading blocks given back from outside the attention window (their block_table entries: the dummy block),
+        # or, with latent pages (engine/latent_pages.py), leading blocks whose latent pages it let go of
         self.num_released_blocks = 0
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at (first) admission

@@ -9,6 +9,11 @@ prepare the next step while the GPU runs this one. A token that step N samples a
 is then not known on the host when N+1 is built: the engine stands it in as ``future_token(row)``
 (engine/request.py), a negative id naming the row of step N, and the runner swaps in step N's
 sampled id on the device.
+
+A layout whose latents are paged apart (layers/kv_layout.py, ``latent_window``) gets ``latent_pages`` pages and a
+device map from block to page, which ``launch`` brings up to date in place, before the step's forward, from the
+block manager's changes (``page_source``, engine/latent_pages.py). Without ``latent_pages`` every block keeps its
+own page (the identity map): what benchmarks and profiling steps on their own block tables read.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from graphserve.layers.sampler import PendingSample, Sampler, SamplerOutput, Sam
 
 if TYPE_CHECKING:
     from graphserve.config import EngineConfig
+    from graphserve.engine.latent_pages import LatentPages
     from graphserve.engine.request import Sequence
     from graphserve.engine.scheduler import SchedulerOutput
     from graphserve.engine.step_sync import StepSender
@@ -77,7 +83,8 @@ class StepShape:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int, device: torch.device | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, num_blocks: int, device: torch.device | None = None,
+                 latent_pages: int | None = None):  # fmt: skip
         self.config = config
         self.model = loaded.model
         self.info = loaded.info
@@ -85,7 +92,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         # Block 0 (the dummy block) is part of every layer's tensor; padding rows write there.
-        self.kv_caches = self.info.kv.allocate(num_blocks, self.block_size, self.device)
+        kv = self.info.kv
+        self.latent_pages = latent_pages if kv.latent_window is not None else None
+        self.kv_caches = kv.allocate(num_blocks, self.block_size, self.device, latent_pages=self.latent_pages)
+        self.latent_map = self.kv_caches[kv.latent_map_index] if self.latent_pages is not None else None
+        self.page_source: LatentPages | None = None  # the block manager's latent pages (set by the engine)
         self.attn_backend = make_attention_backend(self.device)
         self.sampler = Sampler()
         self.graphs: GraphRunner | None = None
@@ -266,9 +277,10 @@ class ModelRunner:
         seqs = [s.seq for s in out.scheduled]
         rows = self.seq_rows.gather(seqs)  # one gather serves the inputs, the sampling knobs and telemetry
         self.last_context_tokens = int(rows.positions.sum()) + out.num_tokens
+        updates = self.update_latent_map()
         batch = self.prepare_inputs(out, rows)
         if self.peers is not None:
-            self.peers.send(batch)
+            self.peers.send(batch, updates)
         logits = self.forward_logits(batch)
         self.last_expert_load = self.expert_probe.snapshot() if self.expert_probe else None
         tensors = self.sampling_tensors(seqs, rows, logits.shape[-1])
@@ -281,8 +293,25 @@ class ModelRunner:
         self._last_ids = pending.ids
         return pending
 
+    def update_latent_map(self) -> torch.Tensor | None:
+        """Write the block manager's latent page changes since the last step into the device map: ``[n, 2]`` int64
+        (block, page) on the device, for the other ranks; None when nothing changed."""
+        if self.page_source is None:
+            return None
+        updates = self.page_source.take_updates()
+        if not updates:
+            return None
+        pairs = torch.tensor(updates, dtype=torch.int64).to(self.device, non_blocking=True)
+        apply_latent_updates(self.latent_map, pairs)
+        return pairs
+
     def sampling_tensors(self, seqs: list[Sequence], rows: BatchRows, vocab_size: int) -> SamplingTensors:
         """The step's sampling knobs, read from the per-sequence rows."""
         sr = self.seq_rows
         return tensors_from_rows(sr.floats[rows.rows], sr.ints[rows.rows], rows.num_outputs, seqs,
                                          vocab_size, self.info.eos_token_ids, self.device, self.staging.upload)
+
+
+def apply_latent_updates(latent_map: torch.Tensor, pairs: torch.Tensor) -> None:
+    """``latent_map[block] = page`` for each row of ``pairs [n, 2]``, in place (a captured graph reads this tensor)."""
+    latent_map.index_copy_(0, pairs[:, 0], pairs[:, 1].to(latent_map.dtype))

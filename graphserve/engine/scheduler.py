@@ -9,7 +9,8 @@ sequence therefore always progresses; one that cannot fit even alone is failed, 
 
 Where every layer of the model is windowed, each running sequence first gives back the blocks wholly before the
 window of its next token (engine/kv_cache.release_outside_window), before any block is asked for: a long
-sequence holds its window's blocks, not its length's.
+sequence holds its window's blocks, not its length's. Where only the latents are windowed (DeepSeek-V4), it gives back
+those blocks' latent pages instead and keeps the blocks.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class Scheduler:
         block_size = bm.block_size
         running_status = SequenceStatus.RUNNING
         partial: list[Sequence] = []  # running prompts part-way through their prefill
-        windowed = bm.window is not None
+        windowed = bm.slides
         for seq in list(self.running):
             if seq.status is not running_status:
                 continue  # preempted earlier in this pass

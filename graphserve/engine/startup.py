@@ -27,6 +27,7 @@ from tqdm import tqdm
 from graphserve.config import EngineConfig
 from graphserve.distributed.comm import agree
 from graphserve.engine.graphs import GiB, GraphRunner
+from graphserve.engine.latent_pages import latent_page_count
 from graphserve.engine.memory import RESERVE_BYTES, MemoryPlan, plan_memory
 from graphserve.engine.runner import ModelRunner
 from graphserve.errors import ConfigError
@@ -249,9 +250,13 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     if index_scores:
         mixed += index_scores
         parts.append(("indexer scores", index_scores))
+    kv = loaded.info.kv
+    pages = kv.latent_pages_wanted(cfg.block_size, max_running, chunk) if kv.latent_window is not None else 0
     plan = plan_memory(total, cfg.mem_fraction_static, weights, [mixed, decode], pool, RESERVE_BYTES + workspace,
                        loaded.info.kv_bytes_per_token, cfg.block_size, max_model_len, max_running,
-                       activation_parts=parts, request_tokens=held, kv_parts=loaded.info.kv.parts())
+                       activation_parts=parts, request_tokens=held, kv_parts=kv.parts(),
+                       latent_bytes_per_token=kv.latent_bytes_per_token, latent_pages=pages,
+                       latent_window=kv.latent_window or 0)  # fmt: skip
     for line in plan.table().splitlines():
         logger.info(line)
     if not plan.fits:
@@ -259,7 +264,8 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
                           param="mem_fraction_static")
     free, _ = torch.cuda.mem_get_info(device)
     headroom = free - max(mixed, decode) - pool - RESERVE_BYTES
-    num_blocks = min(plan.num_blocks, max(0, headroom) // (plan.kv_bytes_per_token * cfg.block_size))
+    headroom -= plan.latent_pool_bytes  # latent pages apart from the blocks (0 without)
+    num_blocks = min(plan.num_blocks, max(0, headroom) // (plan.block_bytes_per_token * cfg.block_size))
     if num_blocks < plan.num_blocks:
         logger.warning("KV pool cut from %d to %d blocks: only %.2f GiB free on the device (another process?)",
                        plan.num_blocks, num_blocks, free / GiB)
@@ -281,7 +287,8 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     # 5. allocate and capture for real. With --tp/--ep every rank holds the same number of blocks (the
     # scheduler's one block table addresses them all): the smallest any rank can afford.
     num_blocks = agree(num_blocks)
-    runner = ModelRunner(cfg, loaded, num_blocks + 1, device)  # + the dummy block
+    runner = ModelRunner(cfg, loaded, num_blocks + 1, device,  # + the dummy block
+                         latent_page_count(kv, num_blocks + 1, cfg.block_size, max_running, chunk))
     oversize, calibration = "none", None
     if sizes:
         bar = tqdm(total=len(sizes), desc="Capturing CUDA graphs", disable=None)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 STEP, SHUTDOWN = 1, 0
 _MODES = ("prefill", "decode", "mixed")
-_HEADER = 8  # op, mode, tokens, seqs, table width, max_query_len, max_seq_len, spare
+_HEADER = 8  # op, mode, tokens, seqs, table width, max_query_len, max_seq_len, latent page map changes
 
 
 class StepSender:
@@ -31,16 +31,19 @@ class StepSender:
     def __init__(self) -> None:
         self.header = torch.zeros(_HEADER, dtype=torch.int64)
 
-    def send(self, batch: ForwardBatch) -> None:
+    def send(self, batch: ForwardBatch, latent_updates: torch.Tensor | None = None) -> None:
+        """``latent_updates [n, 2]`` (block, latent page): the changes every rank writes into its latent page map
+        before the step (engine/runner.py)."""
         t, b = batch.num_tokens, batch.num_seqs
         w = batch.block_tables.shape[1]
+        n = 0 if latent_updates is None else latent_updates.shape[0]
         self.header.copy_(torch.tensor([STEP, _MODES.index(batch.mode), t, b, w, batch.max_query_len,
-                                        batch.max_seq_len, 0]))
+                                        batch.max_seq_len, n]))
         broadcast(self.header, cpu=True)
         payload = torch.cat([
             batch.input_ids, batch.positions, batch.slot_mapping, batch.logits_indices,
             batch.query_start_loc.long(), batch.seq_lens.long(), batch.block_tables.reshape(-1).long(),
-        ])
+        ] + ([latent_updates.reshape(-1)] if n else []))
         broadcast(payload)
 
     def shutdown(self) -> None:
@@ -52,19 +55,25 @@ class StepSender:
 class StepReceiver:
     """Every other rank: ``recv`` blocks until the driver's next step (None: shut down)."""
 
-    def __init__(self, device: torch.device, kv_caches: list[torch.Tensor], attn_backend: AttentionBackend) -> None:
+    def __init__(self, device: torch.device, kv_caches: list[torch.Tensor], attn_backend: AttentionBackend,
+                 latent_map: torch.Tensor | None = None) -> None:  # fmt: skip
         self.device, self.kv_caches, self.attn_backend = device, kv_caches, attn_backend
+        self.latent_map = latent_map
         self.header = torch.zeros(_HEADER, dtype=torch.int64)
 
     def recv(self) -> ForwardBatch | None:
         broadcast(self.header, cpu=True)
-        op, mode, t, b, w, max_q, max_s, _ = self.header.tolist()
+        op, mode, t, b, w, max_q, max_s, n = self.header.tolist()
         if op == SHUTDOWN:
             return None
-        payload = torch.empty(3 * t + b + (b + 1) + b + b * w, dtype=torch.int64, device=self.device)
+        payload = torch.empty(3 * t + b + (b + 1) + b + b * w + 2 * n, dtype=torch.int64, device=self.device)
         broadcast(payload)
-        input_ids, positions, slots, logits_idx, qsl, seq_lens, tables = payload.split(
-            [t, t, t, b, b + 1, b, b * w])
+        input_ids, positions, slots, logits_idx, qsl, seq_lens, tables, updates = payload.split(
+            [t, t, t, b, b + 1, b, b * w, 2 * n])
+        if n:
+            from graphserve.engine.runner import apply_latent_updates
+
+            apply_latent_updates(self.latent_map, updates.view(n, 2))
         return ForwardBatch(
             mode=_MODES[mode], input_ids=input_ids, positions=positions, slot_mapping=slots,
             query_start_loc=qsl.int(), seq_lens=seq_lens.int(), block_tables=tables.int().view(b, w),

@@ -5,7 +5,9 @@ query against the one shared 512-wide K=V latent), over a virtual key list: its 
 positions ``p - window + 1 .. p`` from the latent cache, then its compressed entries from the layer's compact pages
 (kernels/v4_reference.py: one entry row per group): every visible one (HCA), or the ``K`` the indexer
 chose (CSA, ``idx [T, K]``, -1 none).
-A key's address is computed per lane, from one of the two caches, so one tile may hold both kinds.
+A key's address is computed per lane, from one of the two caches, so one tile may hold both kinds. A window latent
+sits in its block's latent page, ``latent_page[block]`` (layers/kv_layout.py: the latents are paged apart from the
+blocks, so only running windows hold them); an entry in its block's compact page.
 
 A program owns one row x ``BLOCK_H`` heads x one split of that row's list. The row's length is read on the device
 (``window + visible`` for HCA, ``window + K`` for CSA) and cut into ``num_splits`` equal parts there, so a short row
@@ -31,10 +33,11 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _keys(lat_ptr, rows_ptr, bt_row, idx_row, pos, visible, v, end, stride_lat, stride_row, offs_d, d_mask,
+def _keys(lat_ptr, map_ptr, rows_ptr, bt_row, idx_row, pos, visible, v, end, stride_lat, stride_row, offs_d, d_mask,
           WINDOW: tl.constexpr, RATE: tl.constexpr, ENTRY_AT: tl.constexpr, HAS_IDX: tl.constexpr,
-          PAGE: tl.constexpr, ENTRY_BASE: tl.constexpr, ENTRY_WIDTH: tl.constexpr):  # fmt: skip
-    """(keys ``[BLOCK_N, BLOCK_D]``, which exist) of the virtual keys ``v``: window latents, then entries."""
+          PAGE: tl.constexpr, ENTRY_BASE: tl.constexpr, ENTRY_WIDTH: tl.constexpr, HAS_MAP: tl.constexpr):  # fmt: skip
+    """(keys ``[BLOCK_N, BLOCK_D]``, which exist) of the virtual keys ``v``: window latents (in the block's latent
+    page where ``HAS_MAP``), then entries (in the block's compact page)."""
     in_list = v < end
     is_win = v < WINDOW
     win_pos = pos - WINDOW + 1 + v
@@ -51,7 +54,10 @@ def _keys(lat_ptr, rows_ptr, bt_row, idx_row, pos, visible, v, end, stride_lat, 
         ok = ok_win
     tok = tl.where(ok, tok, 0)
     block = tl.load(bt_row + tok // PAGE, mask=ok, other=0).to(tl.int64)
-    slot = block * PAGE + tok % PAGE
+    if HAS_MAP:
+        slot = tl.load(map_ptr + block, mask=ok_win, other=0).to(tl.int64) * PAGE + tok % PAGE
+    else:
+        slot = block * PAGE + tok % PAGE
     mask = d_mask[None, :]
     k = tl.load(lat_ptr + slot[:, None] * stride_lat + offs_d[None, :], mask=ok_win[:, None] & mask, other=0.0)
     if RATE > 0:
@@ -72,13 +78,14 @@ def _step(q, k, ok, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
 # block tables are sliced per step and their width follows the batch: see engine/warmup.py
 @triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["bt_ptr", "pos_ptr", "row_seq_ptr"])
 def _v4_attention_kernel(
-    q_ptr, lat_ptr, rows_ptr, bt_ptr, row_seq_ptr, pos_ptr, idx_ptr, sinks_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, lat_ptr, map_ptr, rows_ptr, bt_ptr, row_seq_ptr, pos_ptr, idx_ptr, sinks_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     scale_log2, num_heads, num_idx,
     stride_qt, stride_qh, stride_lat, stride_row, stride_bt, stride_it, stride_ot, stride_oh,
     stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
     WINDOW: tl.constexpr, RATE: tl.constexpr, ENTRY_AT: tl.constexpr, HAS_IDX: tl.constexpr, DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr, ENTRY_BASE: tl.constexpr, ENTRY_WIDTH: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):  # fmt: skip
     n_hblocks = tl.cdiv(num_heads, BLOCK_H)
     tok = (tl.program_id(0) // n_hblocks).to(tl.int64)
@@ -116,16 +123,16 @@ def _v4_attention_kernel(
     if WHILE_LOOP:  # the interpreter cannot take program-id-derived range bounds (kernels/common.py)
         n0 = start
         while n0 < end:
-            k, ok = _keys(lat_ptr, rows_ptr, bt_row, idx_row, pos, visible, n0 + tl.arange(0, BLOCK_N), end,
-                          stride_lat, stride_row, offs_d, d_mask, WINDOW, RATE, ENTRY_AT, HAS_IDX, PAGE, ENTRY_BASE,
-                          ENTRY_WIDTH)
+            k, ok = _keys(lat_ptr, map_ptr, rows_ptr, bt_row, idx_row, pos, visible, n0 + tl.arange(0, BLOCK_N),
+                          end, stride_lat, stride_row, offs_d, d_mask, WINDOW, RATE, ENTRY_AT, HAS_IDX, PAGE,
+                          ENTRY_BASE, ENTRY_WIDTH, HAS_MAP)
             m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale_log2, DOT_PRECISION)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            k, ok = _keys(lat_ptr, rows_ptr, bt_row, idx_row, pos, visible, n0 + tl.arange(0, BLOCK_N), end,
-                          stride_lat, stride_row, offs_d, d_mask, WINDOW, RATE, ENTRY_AT, HAS_IDX, PAGE, ENTRY_BASE,
-                          ENTRY_WIDTH)
+            k, ok = _keys(lat_ptr, map_ptr, rows_ptr, bt_row, idx_row, pos, visible, n0 + tl.arange(0, BLOCK_N),
+                          end, stride_lat, stride_row, offs_d, d_mask, WINDOW, RATE, ENTRY_AT, HAS_IDX, PAGE,
+                          ENTRY_BASE, ENTRY_WIDTH, HAS_MAP)
             m_i, l_i, acc = _step(q, k, ok, m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
     inv_l = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
@@ -159,8 +166,10 @@ def v4_attention(
     row_seq: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, scale: float, window: int, rate: int,
     block_size: int, idx: torch.Tensor | None = None, state_floats: int = 0, entry_width: int = 0, *,
     out: torch.Tensor | None = None, tile: MLATile | None = None, num_splits: int | None = None,
+    latent_page: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """kernels/v4_reference.v4_attention: ``[T, H, D]`` (fp32, or ``out``'s dtype); ``latents [slots, D]``, ``rows``
+    """kernels/v4_reference.v4_attention: ``[T, H, D]`` (fp32, or ``out``'s dtype); ``latents [slots, D]`` paged
+    through ``latent_page [num_blocks]`` int32 (layers/kv_layout.py; None: by block id), ``rows``
     the compact pages ``[num_blocks, page]`` (None with ``rate`` 0: a sliding-only layer; entries of
     ``entry_width`` after ``state_floats`` of checkpoint), ``idx [T, K]`` int32 for CSA. ``tile`` and
     ``num_splits`` override the defaults (tests, the benchmark)."""
@@ -177,6 +186,8 @@ def v4_attention(
         raise ValueError(f"idx {tuple(idx.shape)} {idx.dtype}: ({tokens}, K) int32 of a compressed layer")
     if sinks.dtype != torch.float32 or tuple(sinks.shape) != (heads,) or not sinks.is_contiguous():
         raise ValueError(f"sinks {sinks.dtype} {tuple(sinks.shape)}: contiguous float32 ({heads},)")
+    if latent_page is not None and (latent_page.dtype != torch.int32 or latent_page.dim() != 1):
+        raise ValueError(f"latent_page {latent_page.dtype} {tuple(latent_page.shape)}: int32 [num_blocks]")
     if out is None:
         out = torch.empty(tokens, heads, d, dtype=torch.float32, device=q.device)
     if tokens == 0:
@@ -198,7 +209,7 @@ def v4_attention(
     rows_arg = rows if rows is not None else latents
     idx_arg = idx if idx is not None else row_seq
     _v4_attention_kernel[(tokens * head_blocks, num_splits)](
-        q, latents, rows_arg, block_tables, row_seq, positions, idx_arg, sinks, out, mid_o, mid_lse,
+        q, latents, latent_page if latent_page is not None else block_tables, rows_arg, block_tables, row_seq, positions, idx_arg, sinks, out, mid_o, mid_lse,
         scale * LOG2E, heads, num_idx or 0,
         q.stride(0), q.stride(1), latents.stride(0), rows_arg.stride(0), block_tables.stride(0),
         idx_arg.stride(0), out.stride(0), out.stride(1),
@@ -206,7 +217,8 @@ def v4_attention(
         WINDOW=window, RATE=rate, ENTRY_AT=entry_at, HAS_IDX=idx is not None, DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), PAGE=block_size, BLOCK_N=tile.block_n, BLOCK_H=tile.block_h,
         DIRECT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHILE_LOOP=interpreting(),
-        ENTRY_BASE=entry_base if rate else 0, ENTRY_WIDTH=entry_width, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        ENTRY_BASE=entry_base if rate else 0, ENTRY_WIDTH=entry_width, HAS_MAP=latent_page is not None,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     if not direct:
         _decode_merge_kernel[(tokens, heads)](

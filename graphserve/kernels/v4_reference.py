@@ -229,12 +229,24 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, v
     return scores.masked_fill(torch.arange(n, device=q.device)[None, :] >= visible[:, None], float("-inf"))
 
 
+def latent_slots(slots: torch.Tensor, latent_page: torch.Tensor | None, block_size: int) -> torch.Tensor:
+    """Block slots ``block * block_size + offset`` as slots of the latents' pages (layers/kv_layout.py: the block's
+    ``latent_page`` entry; ``None``: the identity map)."""
+    if latent_page is None:
+        return slots
+    slots = slots.long()
+    return latent_page.long()[slots // block_size] * block_size + slots % block_size
+
+
 def window_keys(latents: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor,
-                window: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(fp32 ``[T, window, D]`` latents of positions ``p - window + 1 .. p``, ``[T, window]`` which exist)."""
+                window: int, block_size: int, latent_page: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(fp32 ``[T, window, D]`` latents of positions ``p - window + 1 .. p``, ``[T, window]`` which exist), the
+    latents paged through ``latent_page [num_blocks]`` (None: by block id)."""
     pos = positions.long()
     window_pos = pos[:, None] - torch.arange(window - 1, -1, -1, device=pos.device)
-    return latents[token_slots(block_tables, row_seq.long(), window_pos, block_size)].float(), window_pos >= 0
+    slots = latent_slots(token_slots(block_tables, row_seq.long(), window_pos, block_size), latent_page, block_size)
+    return latents[slots].float(), window_pos >= 0
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, sinks: torch.Tensor, scale: float
@@ -252,12 +264,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, sinks: torch
 def v4_attention(q: torch.Tensor, latents: torch.Tensor, pages: torch.Tensor | None, entry_at: int,
                  block_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor,
                  scale: float, window: int, rate: int, block_size: int, idx: torch.Tensor | None = None,
-                 state_floats: int = 0, entry_width: int = 0) -> torch.Tensor:  # fmt: skip
-    """fp32 ``[T, H, D]``: each row's window over ``latents [slots, D]`` and, with ``rate`` > 0, the compressed
+                 state_floats: int = 0, entry_width: int = 0, latent_page: torch.Tensor | None = None
+                 ) -> torch.Tensor:  # fmt: skip
+    """fp32 ``[T, H, D]``: each row's window over ``latents [slots, D]`` (paged through ``latent_page``) and, with ``rate`` > 0, the compressed
     entries of the compact ``pages`` (column ``entry_at`` of ``entry_width``-wide rows after ``state_floats`` of
     checkpoint): every visible one, or the entry indices ``idx [T, K]`` chose (-1: none). Reads the largest visible
     count back to the host: a reference, not a graph path."""
-    keys, seen = window_keys(latents, block_tables, row_seq, positions, window, block_size)
+    keys, seen = window_keys(latents, block_tables, row_seq, positions, window, block_size, latent_page)
     if pages is not None and rate > 0:
         visible = (positions.long() + 1) // rate
         n = int(visible.max()) if idx is None else 0

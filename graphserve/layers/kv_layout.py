@@ -39,6 +39,15 @@ per block, where a row per token (the state of every token, an entry column in e
 A page's size depends on the block size, so ``bytes_per_token`` counts the pages at ``block_size`` (the engine's
 ``--block-size``, set by ``with_block_size``), rounded up to whole bytes.
 
+Its latents are read only in the last ``latent_window`` positions of a sequence, while its compact pages are read
+over the whole context, so the two are paged apart (``latent_window`` set): each layer's latents live in
+``[latent_pages, block_size, 1, head_dim]`` and a block's latents in page ``latent_page[block]`` of a device int32 map
+``[num_blocks]``, the last tensor of ``allocate``'s list (``latent_map_index``). The block manager gives a block a page
+while some sequence's window covers it (engine/kv_cache.py) and writes the map in place, so the tensor a CUDA graph
+captured stays the one it reads. Page 0 is the dummy page: a block without a page maps to it, so a stray address
+(a padding row, a block past the window) lands there, never out of bounds. ``allocate`` without ``latent_pages``
+gives every block its own page (the identity map): benchmarks and harnesses that build their own block tables.
+
 ``dtype`` is the model's (``--kv-cache-dtype auto``) or float8_e4m3fn (``fp8_e4m3``), for either kind:
 half the bytes per token, so twice the tokens in the same pool and half the KV reads per decode step.
 FP8 entries are stored with a per-tensor scale of 1.0 (vLLM's default without calibrated scales): K and
@@ -113,6 +122,8 @@ class KVLayout:
     compact: tuple[CompactCache, ...] = ()  # one page cache per compressed layer (compressed attention)
     row_dtype: torch.dtype | None = None
     block_size: int = 16  # what compact pages are counted at (with_block_size)
+    # the positions a query reads the latents of (DeepSeek-V4's sliding window): latents paged apart, through a map
+    latent_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("kv", "latent"):
@@ -195,21 +206,50 @@ class KVLayout:
         index = (("indexer keys", self.index_bytes_per_token),) if self.index_layers else ()
         return main + index + self.row_parts()
 
+    @property
+    def latent_map_index(self) -> int | None:
+        """Where ``allocate``'s list holds the block -> latent page map (None: latents paged by block id)."""
+        return None if self.latent_window is None else self.num_layers + self.index_layers + len(self.compact)
+
+    def latent_pages_needed(self, block_size: int, chunk: int = 1) -> int:
+        """The most latent pages one running sequence holds: its window behind a step's first query, the step's
+        ``chunk`` tokens, and a page where each edge falls mid-block."""
+        return -(-(self.latent_window - 1 + max(chunk, 1)) // block_size) + 1
+
+    def latent_pages_wanted(self, block_size: int, max_running: int, chunk: int) -> int:
+        """The latent pages a pool is given (the dummy page included): what ``max_running`` windows hold at once,
+        each one behind a decode token or its share of a step's ``chunk`` prefill tokens (a page more a prefilling
+        sequence, where its chunk's edge falls mid-block), twice over, so that as many cached prefixes as running
+        requests keep their window's latents for a prefix hit (engine/latent_pages.py)."""
+        running = max_running * (-(-(self.latent_window - 1) // block_size) + 2) + -(-chunk // block_size)
+        return 2 * running + 1
+
+    @property
+    def latent_bytes_per_token(self) -> int:
+        """The bytes a token's latents take where they are paged apart (``latent_window``), else 0."""
+        return self.num_layers * self.bytes_per_token_per_layer if self.latent_window is not None else 0
+
     def layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         if self.kind == "kv":
             return (2, num_blocks, block_size, self.num_heads, self.head_dim)
         return (num_blocks, block_size, 1, self.head_dim)
 
     def allocate(self, num_blocks: int, block_size: int, device: torch.device | str,
-                 fill: str = "zeros") -> list[torch.Tensor]:
-        """One cache tensor per layer, then one per indexer layer. ``fill="random"`` draws N(0, 0.5²)
-        (benchmarks: never time on zeros)."""
-        parts = [(self.layer_shape(num_blocks, block_size), self.dtype)] * self.num_layers
+                 fill: str = "zeros", latent_pages: int | None = None) -> list[torch.Tensor]:
+        """One cache tensor per layer, then one per indexer layer, one per compact cache and (``latent_window``) the
+        latent page map. ``fill="random"`` draws N(0, 0.5²) (benchmarks: never time on zeros). ``latent_pages``:
+        the latents' own page count, the map all dummy page until the block manager fills it; None: one page a
+        block, the identity map."""
+        pages = num_blocks if latent_pages is None or self.latent_window is None else latent_pages
+        if pages < 1:
+            raise ValueError(f"latent_pages={pages}: need at least 1 (page 0 is the dummy page)")
+        parts = [(self.layer_shape(pages, block_size), self.dtype)] * self.num_layers
         parts += [((num_blocks, block_size, self.index_row_width), self.index_dtype)] * self.index_layers
         b = self.row_dtype.itemsize if self.compact else 1
         parts += [((num_blocks, c.page_width(block_size, b)), self.row_dtype) for c in self.compact]
         if fill != "random":
-            return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in parts]
+            return ([torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in parts]
+                    + self._latent_map(num_blocks, latent_pages, device))
         caches = []
         for shape, dtype in parts:  # drawn in bf16 where the cache dtype (fp8) has no random generator
             if dtype == torch.uint8:  # FP8 index keys: quantized draws, so every row's scale is a real one
@@ -224,4 +264,11 @@ class KVLayout:
             # random bits are no fp32 accumulator (NaN, inf): zeros are a finite one (a zero-valued token at logit 0),
             # all a benchmark's first step reads
             page[:, :c.state_bytes // b].zero_()
-        return caches
+        return caches + self._latent_map(num_blocks, latent_pages, device)
+
+    def _latent_map(self, num_blocks: int, latent_pages: int | None, device: torch.device | str) -> list[torch.Tensor]:
+        if self.latent_window is None:
+            return []
+        if latent_pages is None:
+            return [torch.arange(num_blocks, dtype=torch.int32, device=device)]
+        return [torch.zeros(num_blocks, dtype=torch.int32, device=device)]

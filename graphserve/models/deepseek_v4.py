@@ -8,7 +8,8 @@
   from the frozen ``tid2eid[token]`` table (``hash_moe``), renormalised and scaled by ``routed_scaling_factor``; one
   shared expert; experts and shared expert clamp gate and up at ``swiglu_limit`` (FusedMoE ``silu_clamp``).
 
-Cache (layers/kv_layout.py): per layer a latent per token (the window reads the last ``sliding_window``), and per
+Cache (layers/kv_layout.py): per layer a latent per token, in latent pages that only the blocks of a running
+sequence's window hold (the window reads the last ``sliding_window``; ``KVLayout.latent_window``), and per
 compressed layer one compact page a block (layers/kv_layout.CompactCache): the compressor checkpoint (fp32
 accumulators of the open groups) and one row per ``rate`` tokens holding the group's compressed entry and (CSA)
 indexer key (kernels/v4_reference.py). The MTP layers (``num_nextn_predict_layers``,
@@ -46,6 +47,7 @@ from torch import nn
 from graphserve.distributed.comm import all_reduce
 from graphserve.distributed.state import get_parallel, split_evenly
 from graphserve.errors import ModelLoadError
+from graphserve.kernels.v4_reference import latent_slots
 from graphserve.layers.embedding import VocabEmbedding
 from graphserve.layers.hyper_connection import HyperConnection, HyperHead
 from graphserve.layers.kv_layout import CompactCache, KVLayout
@@ -156,10 +158,10 @@ class V4DecoderLayer(nn.Module):
         self.attn_hc, self.ffn_hc = HyperConnection(*hc), HyperConnection(*hc)
 
     def forward(self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
+                batch: ForwardBatch, latent_slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
         kernels = use_kernels(batch)
         post, comb, x = self.attn_hc(streams, kernels)
-        out = all_reduce(self.self_attn(positions, self.input_layernorm(x), batch))  # this rank's groups' sum
+        out = all_reduce(self.self_attn(positions, self.input_layernorm(x), batch, latent_slots))  # this rank's groups' sum
         streams = HyperConnection.merge(streams, out, post, comb, kernels)
         post, comb, x = self.ffn_hc(streams, kernels)
         out = self.mlp(self.post_attention_layernorm(x), input_ids, batch)
@@ -190,6 +192,7 @@ class V4Model(nn.Module):
         self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, ps.tp_rank, ps.tp_size)
         # compressed layers' compact pages follow the latents in the pool's list (KVLayout.compact)
         rows = {layer: s.num_layers + i for i, layer in enumerate(s.compressed_layers)}
+        self.map_index = s.num_layers + len(s.compressed_layers)  # the latent page map (KVLayout.latent_map_index)
         self.layers = nn.ModuleList(V4DecoderLayer(s, i, rows.get(i)) for i in range(s.num_layers))
         self.hc_head = HyperHead(s.hc_mult, s.hidden_size, s.hc_eps, s.rms_norm_eps)
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
@@ -197,8 +200,11 @@ class V4Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc, -1).contiguous()
+        # where each new token's latent goes, once for every layer (they share the map and the block size)
+        latent_page = batch.kv_caches[self.map_index]
+        slots = latent_slots(batch.slot_mapping, latent_page, batch.kv_caches[0].shape[1])
         for layer in self.layers:
-            streams = layer(positions, streams, input_ids, batch)
+            streams = layer(positions, streams, input_ids, batch, slots)
         return self.norm(self.hc_head(streams, use_kernels(batch)))
 
 
@@ -322,7 +328,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         b = dtype.itemsize
         compact = tuple(CompactCache(s.rate(i), s.entry_width(i), 4 * s.state_floats(i)) for i in s.compressed_layers)
         kv = KVLayout(kind="latent", num_layers=n, num_heads=1, head_dim=s.head_dim, dtype=dtype, compact=compact,
-                      row_dtype=dtype)  # fmt: skip
+                      row_dtype=dtype, latent_window=s.sliding_window)  # fmt: skip
         heads = s.num_heads // tp
         act = max(heads * s.head_dim * 2 + s.q_lora_rank, s.num_experts + s.top_k * 3 * inter + 2 * shared, hc * h * 2)
         common = dict(hidden_size=h, vocab_size=s.vocab_size, weight_bytes_per_param=b, expert_params=3 * h * inter,

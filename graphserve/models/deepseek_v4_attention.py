@@ -88,6 +88,7 @@ class V4Attention(Float32Params):
     def __init__(self, s: V4Shape, layer: int, cache_index: int | None) -> None:
         super().__init__()
         self.layer, self.layer_type, self.cache_index = layer, s.layer_types[layer], cache_index
+        self.map_index = s.num_layers + len(s.compressed_layers)  # the latent page map (KVLayout.latent_map_index)
         # --tp splits whole output groups (and so their heads); the latent, the compressor and the indexer are
         # replicated, so every rank's kernels see the tp-1 cache and choose the same entries
         tp_rank, tp = get_parallel().tp_rank, get_parallel().tp_size
@@ -135,7 +136,9 @@ class V4Attention(Float32Params):
         """After the loader's ``to_empty``: the frequencies are not a parameter, so they are computed again."""
         self.inv_freq = rope_tables(*self._rope)[0].to(device)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
+                latent_slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """``latent_slots [T]``: where each new token's latent goes in the latent pages (V4Model maps the slots)."""
         t = x.shape[0]
         kernels = use_kernels(batch)
         rope = v4_rope if kernels else v4_rope_reference  # one launch a rotation, or the PyTorch specification
@@ -146,7 +149,7 @@ class V4Attention(Float32Params):
         latents = batch.kv_caches[self.layer]
         block_size = latents.shape[1]
         flat = latents.view(-1, self.head_dim)
-        flat[batch.slot_mapping] = to_cache_dtype(kv, flat.dtype)
+        flat[latent_slots] = to_cache_dtype(kv, flat.dtype)
         if kernels:
             out = self._forward_kernels(q, q_res, x, positions, batch, flat, block_size)
             out = v4_rope(out, positions, self.inv_freq, sign=-1.0, out=out)  # written fresh: rotated in place
@@ -219,7 +222,8 @@ class V4Attention(Float32Params):
         # fp32 output would be twice the bytes (1 GiB at 8k rows) and one more pass
         out = torch.empty(q.shape, dtype=x.dtype, device=x.device)
         return v4_attention.v4_attention(q.contiguous(), flat, pages, 0, batch.block_tables, row_seq, positions,
-                                         self.sinks, self.scale, self.window, rate, block_size, idx, sf, ew, out=out)
+                                         self.sinks, self.scale, self.window, rate, block_size, idx, sf, ew, out=out,
+                                         latent_page=batch.kv_caches[self.map_index])  # fmt: skip
 
     def _forward_reference(self, q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                            batch: ForwardBatch, flat: torch.Tensor, block_size: int) -> torch.Tensor:  # fmt: skip
@@ -269,7 +273,7 @@ class V4Attention(Float32Params):
                 idx = self._select(q_res, x, positions, rows, batch.block_tables, row_seq, n, block_size, visible)
         sf, ew = (self.state_floats, self.entry_width) if rows is not None else (0, 0)
         return ref.v4_attention(q, latents, rows, 0, batch.block_tables, row_seq, positions, self.sinks,
-                                self.scale, self.window, rate, block_size, idx, sf, ew)
+                                self.scale, self.window, rate, block_size, idx, sf, ew, batch.kv_caches[self.map_index])
 
     def _select(self, q_res: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, pages: torch.Tensor,
                 block_tables: torch.Tensor, row_seq: torch.Tensor, n: int, block_size: int,

@@ -222,3 +222,52 @@ def test_attention_matches_the_reference(kind, extend, splits):
     got = torch.full_like(want, float("nan"))
     v4_attention.v4_attention(*args, out=got, num_splits=splits)
     assert relative_error(got, want) < 1e-5
+
+
+def window_pages(tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor, num_blocks: int,
+                 gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """(a latent page map ``[num_blocks]`` int32, the page count): the blocks some row's window reaches get distinct
+    shuffled pages; the others (before every window of their sequence, the dummy block) the dummy page 0, as the
+    block manager leaves them (layers/kv_layout.py)."""
+    first = torch.full((tables.shape[0],), 1 << 30, dtype=torch.int64)
+    first.scatter_reduce_(0, row_seq.long().cpu(), positions.cpu(), "amin")
+    needed = set()
+    for s in range(tables.shape[0]):
+        lo = max(0, int(first[s]) - WINDOW + 1) // PAGE
+        needed |= {int(b) for b in tables[s, lo:].cpu() if int(b) != 0}
+    pages = len(needed) + 3  # spare pages nobody maps
+    order = (torch.randperm(pages - 1, generator=gen) + 1).int()
+    page_map = torch.zeros(num_blocks, dtype=torch.int32)
+    page_map[sorted(needed)] = order[: len(needed)]
+    return page_map.to(DEVICE), pages
+
+
+@pytest.mark.parametrize("kind", ["sliding", "csa"])
+@pytest.mark.parametrize("extend,splits", [(False, 3), (True, 2)])
+def test_attention_reads_the_window_through_a_latent_page_map(kind, extend, splits):
+    """Latents in their own shuffled pages, fewer than the blocks: the kernel reads the pages the map names, and the
+    dummy page 0 (what blocks outside every window map to) holds NaN, so a read of it would show."""
+    gen, tables, row_seq, positions, by_block, pages, q, sinks = attention_case(60 + splits, extend)
+    num_blocks = by_block.shape[0] // PAGE
+    page_map, n_pages = window_pages(tables, row_seq, positions, num_blocks, gen)
+    assert n_pages < num_blocks and int((page_map == 0).sum()) > 1  # some real blocks hold no latent page
+    latents = torch.full((n_pages * PAGE, D), float("nan"), device=DEVICE)
+    latents[PAGE:] = torch.randn((n_pages - 1) * PAGE, D, generator=gen).to(DEVICE)
+    sf, ew = layout("csa")
+    rate, idx = (RATE, None) if kind == "csa" else (0, None)
+    if kind == "csa":
+        n = (positions + 1) // RATE
+        idx = (torch.rand(row_seq.shape[0], 5, generator=gen).to(DEVICE) * (n[:, None] + 2)).int() - 1
+    args = (q, latents, pages if rate else None, 0, tables, row_seq, positions, sinks, D**-0.5, WINDOW, rate,
+            PAGE, idx, sf, ew)  # fmt: skip
+    want = ref.v4_attention(*args, latent_page=page_map)
+    assert not want.isnan().any()
+    got = torch.full_like(want, float("nan"))
+    v4_attention.v4_attention(*args, out=got, num_splits=splits, latent_page=page_map)
+    assert relative_error(got, want) < 1e-5
+    # the same latents laid out by block id give the same answer: the map changes where they live, nothing else
+    flat = torch.zeros(num_blocks * PAGE, D, device=DEVICE)
+    mapped = page_map.nonzero().flatten().long()
+    blocks = (mapped[:, None] * PAGE + torch.arange(PAGE, device=DEVICE)).flatten()
+    flat[blocks] = latents[(page_map.long()[mapped][:, None] * PAGE + torch.arange(PAGE, device=DEVICE)).flatten()]
+    assert relative_error(ref.v4_attention(q, flat, *args[2:]), want) < 1e-6

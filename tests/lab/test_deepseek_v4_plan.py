@@ -42,7 +42,12 @@ def test_the_story_question_is_answered_with_the_description_s_numbers(capsys):
     line, m = _answer_of(text), p["memory"]
     # what one GPU holds and what a token costs are the description's, MTP layer and tp-4 split included
     assert m["weights_bytes"] == d.weights_bytes and d.kept_unused is not None
-    assert f"Weights {gib(d.weights_bytes):.2f} GiB" in line and f"at {d.kv.bytes_per_token} B/token" in line
+    assert f"Weights {gib(d.weights_bytes):.2f} GiB" in line
+    # the latents paged apart: the blocks at what a token keeps for the whole context, the windows' pages beside
+    kv = d.kv
+    assert m["latent_pages"] == kv.latent_pages_wanted(16, 64, 2048) and m["latent_bytes_per_token"] == 43 * 1024
+    assert f"at {kv.bytes_per_token - kv.latent_bytes_per_token} B/token held for the whole context" in line
+    assert f"beside {m['latent_pages']} latent pages of 16 tokens at {kv.latent_bytes_per_token} B/token" in line
     assert f"cuda graph pool {gib(m['graph_pool_bytes']):.2f} GiB (sizes up to 64)" in line
     assert "on 4 x 96 GB" in line and "--mem-fraction-static 0.7)" in line
     need = 64 * 2048

@@ -130,7 +130,11 @@ def test_description_counts_every_parameter_and_each_cache_part(v4):
     assert d.kv.bytes_per_token == 4 * 4 * 32 + (state + entries)  # 4 bytes a float over 4 tokens a block
     assert dict(d.kv.parts()) == {"latent": 4 * 4 * 32, "compressor state": state, "compressed entries": entries}
     caches = d.kv.allocate(5, 4, "cpu")
-    assert [c.shape for c in caches[cfg.num_hidden_layers:]] == [(5, hca + 32), (5, csa + 48), (5, csa + 48)]
+    assert [c.shape for c in caches[cfg.num_hidden_layers:-1]] == [(5, hca + 32), (5, csa + 48), (5, csa + 48)]
+    # the latents paged apart, through the block -> latent page map last in the list (identity without a page count)
+    assert d.kv.latent_window == 8 and d.kv.latent_map_index == 7 and caches[-1].tolist() == [0, 1, 2, 3, 4]
+    paged = d.kv.allocate(5, 4, "cpu", latent_pages=3)
+    assert paged[0].shape == (3, 4, 1, 32) and paged[-1].tolist() == [0] * 5
     assert [layer.self_attn.cache_index for layer in loaded.model.model.layers] == [4, 5, None, 6]
 
 
@@ -252,9 +256,17 @@ def test_plan_answers_the_first_story_for_its_own_model():
     # C=64 of 2048-token requests needs 131,072 tokens: the pool holds them at the compact layout's bytes a token
     # (at the 242,688 B a token each token's compressor state cost, the same pool held 49k)
     [v] = p["verdicts"]
-    pool = p["memory"]["kv_pool_bytes"]
+    m = p["memory"]
+    pool = m["kv_pool_bytes"]
     assert v["concurrency"] == 64 and v["kv_tokens_needed"] == 64 * 2048 and v["verdict"] == "fits"
-    assert p["memory"]["kv_tokens"] == pool // 70592 // 16 * 16 >= 64 * 2048 > pool // 242688
+    # the latents only for windows: 64 running ones (and as many cached) of 128 tokens and a chunk of 2048, in pages
+    # of 16 (1,537 pages, 1.01 GiB); the blocks keep 26,560 B a token for the whole context, 2.5 times the tokens of
+    # a pool where every token kept its latent (70,592 B)
+    assert m["latent_pages"] == 2 * (64 * (8 + 2) + 2048 // 16) + 1 == 1537
+    assert m["latent_bytes_per_token"] == 43 * 1024 and "latent pages" in p["table"]
+    latent_pool = 1537 * 16 * 43 * 1024
+    assert m["kv_tokens"] == (pool - latent_pool) // (70592 - 43 * 1024) // 16 * 16
+    assert m["kv_tokens"] > 2.5 * (pool // 70592) >= 64 * 2048 > pool // 242688
 
 
 def test_plan_cli_answers_whether_c64_fits_for_the_story_s_model(capsys):

@@ -1,0 +1,74 @@
+"""DeepSeek-V4 with its latents in pages of their own that only running windows hold (engine/latent_pages.py), far
+fewer than the blocks: greedy tokens equal transformers' on contexts several windows long, under continuous
+batching with chunked prefill, a prefix-cache hit and preemption by recompute, and no page leaked at the end."""
+
+from __future__ import annotations
+
+import pytest
+from model_utils import engine_greedy, hf_greedy, random_prompts
+from test_deepseek_v4 import _checkpoint, _config
+
+from graphserve import LLM
+from graphserve.engine import rank_worker
+from graphserve.engine.kv_cache import ROOT_HASH, chain_hash
+
+PAGES = 13  # 12 usable: a prompt's chunk of 16 behind a window of 8 needs 7, a decode 3
+
+
+@pytest.fixture(scope="module")
+def v4_hf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("v4ring")
+    return _checkpoint(folder, _config()), folder
+
+
+def _llm(monkeypatch, folder, **kwargs) -> LLM:
+    monkeypatch.setattr(rank_worker, "latent_page_count", lambda kv, num_blocks, *sizes: PAGES)
+    return LLM(str(folder), block_size=4, chunked_prefill_size=16, dtype="float32", max_model_len=256, **kwargs)
+
+
+def test_greedy_tokens_match_transformers_with_latent_pages_for_windows_only(v4_hf, monkeypatch):
+    hf, folder = v4_hf
+    prompts = random_prompts((9, 23, 45))
+    want = [hf_greedy(hf, p, 12) for p in prompts]
+    llm = _llm(monkeypatch, folder)
+    bm = llm.engine.core.block_manager
+    pages = bm.pages
+    assert pages.num_usable_pages == PAGES - 1 < bm.num_usable_blocks // 4
+    assert engine_greedy(llm, prompts, 12) == want
+    assert pages.num_released > 0  # windows slid past blocks and let their pages go
+    bm.check_no_leak()
+    # a prompt sharing the 45-token one's first 44 tokens: the hit reaches as far as its window still finds pages
+    shared = prompts[2][:44] + [7, 8, 9]
+    hits = bm.hit_tokens
+    assert engine_greedy(llm, [shared], 8) == [hf_greedy(hf, shared, 8)]
+    assert bm.hit_tokens - hits == 44  # nothing pressed for pages since: the window's pages idled with their blocks
+    bm.check_no_leak()
+    # other prompts take every page back from the idle ones: the same prompt then hits only as far as a window
+    # finds pages (none here), recomputes the rest, and still gives transformers' tokens
+    others = random_prompts((40, 41), seed=9)
+    engine_greedy(llm, others, 2)
+    hits, parent, cached = bm.hit_tokens, ROOT_HASH, []
+    for i in range(11):  # the shared prompt's blocks are all still cached (compact pages), without latent pages
+        parent = chain_hash(parent, shared[4 * i:4 * i + 4])
+        cached.append(bm.cached.get(parent))
+    assert None not in cached and not any(pages.has_page(b) for b in cached)
+    assert engine_greedy(llm, [shared], 8) == [hf_greedy(hf, shared, 8)]
+    assert bm.hit_tokens == hits
+    bm.check_no_leak()
+
+
+def test_preemption_by_recompute_when_pages_run_short(v4_hf, monkeypatch):
+    """7 usable pages and blocks to spare: three prompts (8, 8 and 12 tokens) take 2 + 2 + 3 pages in one chunk of
+    32; the two short ones' next tokens cross into new blocks, and the newest request is preempted for its pages,
+    then recomputed: transformers' tokens all the same."""
+    hf, folder = v4_hf
+    prompts = random_prompts((8, 8, 12), seed=11)
+    want = [hf_greedy(hf, p, 10) for p in prompts]
+    monkeypatch.setattr(rank_worker, "latent_page_count", lambda kv, num_blocks, *sizes: 8)
+    llm = LLM(str(folder), block_size=4, chunked_prefill_size=32, dtype="float32", max_model_len=256,
+              enable_prefix_caching=False)  # fmt: skip
+    bm = llm.engine.core.block_manager
+    assert engine_greedy(llm, prompts, 10) == want
+    assert llm.engine.stats().num_preemptions > 0 and bm.num_usable_blocks > 1000
+    bm.check_no_leak()
+    assert bm.pages.num_free_pages == 7
