@@ -37,7 +37,7 @@ from graphserve.kernels.fp4_layout import (
     widen_fp16,
 )
 from graphserve.kernels.fp4_moe_config import DEFAULT_STREAM_MAX_PAIRS, VARIANTS, Fp4MoeTile, plan
-from graphserve.kernels.fp4_moe_gemm import activate, gemm_kernel
+from graphserve.kernels.fp4_moe_gemm import _fp4_moe_gemm_fp8_kernel, _fp4_moe_gemm_kernel, activate
 from graphserve.kernels.fp4_words import word_row_sums, words_of
 from graphserve.kernels.fp8_quant import per_token_group_quant
 from graphserve.kernels.l2_prefetch import no_prefetch_args
@@ -309,7 +309,8 @@ def fp4_fused_experts(
         else:
             a_args, a_strides = (a,), (a.stride(0),)
         grid = (align.max_blocks * triton.cdiv(n, tile.block_n),)
-        gemm_kernel(tile.variant)[grid](
+        kernel = _fp4_moe_gemm_fp8_kernel if fp8 else _fp4_moe_gemm_kernel
+        kernel[grid](
             *a_args, w, s, g, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, pairs, n,
             align.max_blocks, *a_strides, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
             gs13_stride if gated else gs2_stride, 2 * n if gated else n, c.stride(0), float(alpha), float(limit),
@@ -317,7 +318,7 @@ def fp4_fused_experts(
             ROW_GLOBAL=row13 if gated else row2,
             HAS_BIAS=(w13_bias if gated else w2_bias) is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
             BLOCK_K=tile.block_k, GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
-            **common, **pdl_args(device, "_fp4_moe_gemm_fp8_kernel" if fp8 else "_fp4_moe_gemm_kernel"),
+            **common, **pdl_args(device, kernel.__name__),
         )  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(h))
     moe_sum_kernel[(t, triton.cdiv(h, block_h))](

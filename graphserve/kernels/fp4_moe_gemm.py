@@ -192,8 +192,3 @@ def _fp4_moe_gemm_fp8_kernel(
     _epilogue(acc_g, acc_u, e, rows, offs_n, pairs, row_mask, gs_ptr, b_ptr, c_ptr, weights_ptr, N, stride_gse,
               stride_be, stride_cm, alpha, limit, GATED, MUL_WEIGHT, ACT, HAS_GLOBAL, ROW_GLOBAL, HAS_BIAS)
 
-
-def gemm_kernel(variant: str):
-    """The kernel of ``variant`` ("bf16" | "fp8")."""
-    return _fp4_moe_gemm_fp8_kernel if variant == "fp8" else _fp4_moe_gemm_kernel
-
