@@ -185,6 +185,8 @@ def shape_tiles(key: ShapeKey, card: str) -> Fp4MoeShapeTiles | None:
     return entry
 
 
+@tables.reader_cache
+@functools.lru_cache(maxsize=1024)  # called per forward: the card's name and the table lookup once per shape
 def plan(fmt: str, num_local: int, inter: int, hidden: int, pairs: int, device: torch.device,
          variant: str | None = None) -> Fp4MoePlan:  # fmt: skip
     """The path and tiles of a call with ``pairs`` (token, slot) pairs, a pure function of the shape (a captured

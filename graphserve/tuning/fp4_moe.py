@@ -1,5 +1,6 @@
 """The FP4 routed experts' tiles (kernels/fp4_moe_config.py's ``fp4_moe_tiles.json``): for each expert shape of the
-FP4 presets, at batches of 1, 4, 16, 64 and 256 tokens (T * k pairs), a bounded set of grouped-GEMM tiles in both
+FP4 presets, at batches of 64, 1, 16, 4 and 256 tokens (T * k pairs; in that order, so that a time share spent leaves out the
+last), a bounded set of grouped-GEMM tiles in both
 variants ("bf16": FP4 widened to bf16; "fp8": converted to e4m3 for the FP8 tensor cores) and the streaming path,
 each timed as the whole call (sort, quantization launches, both GEMMs, slot sum) replayed from a CUDA graph over two
 weight copies in turn, so the routed experts come from HBM as in a decode step rather than from L2.
@@ -42,8 +43,11 @@ SHAPES = {
     "gpt-oss-120b": (128, 2880, 2880, 4, "mxfp4", "swiglu_oai", True),
     "qwen3-30b-a3b": (128, 2048, 768, 8, "nvfp4", "silu", False),
 }
-TOKENS = (1, 4, 16, 64, 256)
-QUICK_TOKENS = (1, 16, 64)
+# batches in order of importance, so that a time share spent leaves out the least telling: a 64-token decode step
+# first (DeepSeek-V4-Flash's measured one: 384 pairs over 256 experts), then one token
+TOKENS = (64, 1, 16, 4, 256)
+QUICK_TOKENS = (64, 1, 16)
+DEVICE = torch.device("cuda")  # the CPU test of the sweep's logic swaps in the CPU, and fakes the timings
 TABLE_FILE = TABLE_NAME  # where graphserve tune writes it: the per-user cache, or --out's per-card folder
 STREAM_TIMED_PAIRS = 256  # past this the streaming path (one read of a pair's rows per pair) is not a contender
 # (block_n, block_k, num_warps, num_stages) around the default tile (64, 128, 4, 3), which comes first so that the
@@ -90,23 +94,23 @@ class Case:
         e, h, inter, g = self.e, self.h, self.inter, self.group
         out = []
         for n, k in ((2 * inter, h), (h, inter)):
-            packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+            packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=DEVICE, generator=gen)
             if self.fmt == "nvfp4":
-                scale = (torch.rand(e, n, k // g, device="cuda", generator=gen) * 0.5 + 0.05).to(torch.float8_e4m3fn)
-                glob = torch.full((e, 2 if n == 2 * inter else 1), 0.05, device="cuda")
+                scale = (torch.rand(e, n, k // g, device=DEVICE, generator=gen) * 0.5 + 0.05).to(torch.float8_e4m3fn)
+                glob = torch.full((e, 2 if n == 2 * inter else 1), 0.05, device=DEVICE)
             else:
-                scale = torch.randint(118, 124, (e, n, k // g), dtype=torch.uint8, device="cuda", generator=gen)
+                scale = torch.randint(118, 124, (e, n, k // g), dtype=torch.uint8, device=DEVICE, generator=gen)
                 glob = None
             out += [packed, scale, glob]
         biases = {}
         if bias:
-            biases = {"w13_bias": torch.randn(e, 2 * inter, device="cuda", generator=gen).bfloat16() * 0.1,
-                      "w2_bias": torch.randn(e, h, device="cuda", generator=gen).bfloat16() * 0.1}  # fmt: skip
+            biases = {"w13_bias": torch.randn(e, 2 * inter, device=DEVICE, generator=gen).bfloat16() * 0.1,
+                      "w2_bias": torch.randn(e, h, device=DEVICE, generator=gen).bfloat16() * 0.1}  # fmt: skip
         return tuple(out), biases
 
     def batch(self, tokens: int, gen: torch.Generator) -> tuple:
-        x = torch.randn(tokens, self.h, device="cuda", generator=gen).bfloat16()
-        logits = torch.randn(tokens, self.e, device="cuda", generator=gen)
+        x = torch.randn(tokens, self.h, device=DEVICE, generator=gen).bfloat16()
+        logits = torch.randn(tokens, self.e, device=DEVICE, generator=gen)
         weights, ids = torch.softmax(logits, -1).topk(self.k, dim=-1)
         return x, weights.contiguous(), ids.int().contiguous()
 
@@ -187,7 +191,7 @@ def measure_shape(name: str, budget_s: float, quick: bool, tokens: tuple[int, ..
     """The bucket rows of one preset's expert shape, the buckets in order until ``budget_s`` is spent (one bucket
     at most past it)."""
     start = time.monotonic()
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     case = Case(name, gen)
     rows = []
     for t in tokens or (QUICK_TOKENS if quick else TOKENS):
@@ -200,7 +204,8 @@ def measure_shape(name: str, budget_s: float, quick: bool, tokens: tuple[int, ..
               f"bf16 best {r['gemm_bf16_best_ms']:.3f}, fp8 best {r['gemm_fp8_best_ms']:.3f}, mixed "
               f"{r['gemm_mixed_ms']:.3f}: {r['gate_up']} / {r['down']}", flush=True)
     del case
-    torch.cuda.empty_cache()
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -169,3 +169,38 @@ def test_graphserve_tune_fp4_plans_the_named_presets_experts_and_writes_their_ta
     [(name, table)] = plan.finish([("experts deepseek-v4-flash-l6", rows)], lambda _name: None)
     assert name == cfg.TABLE_NAME and table["device"] == CARD
     assert table["shapes"][0]["stream_max_pairs"] == 0 and table["shapes"][0]["buckets"]["384"]["down"]["variant"] == "fp8"
+
+
+def test_the_sweep_keeps_the_fastest_tiles_and_stops_at_its_time_share(monkeypatch):
+    """measure_shape's logic on the CPU with the timings faked (a GPU times the real calls): the fp8 variant faster at
+    gate_up, the bf16 one at down, the streaming path faster up to 8 pairs; a spent share leaves out later batches."""
+    from graphserve.tuning import fp4_moe
+
+    monkeypatch.setattr(fp4_moe, "DEVICE", torch.device("cpu"))
+    monkeypatch.setitem(fp4_moe.SHAPES, "tiny", (8, 128, 64, 2, "nvfp4", "silu", True))
+    timed = []
+
+    def fake_ms(case, batch, path, tiles=None):
+        pairs = batch[2].numel()
+        timed.append((pairs, path, tiles))
+        if path == "stream":
+            return 0.1 * pairs
+        gu, dn = tiles
+        gu_ms = (0.5 if gu.variant == "fp8" else 1.0) * (1 + abs(gu.block_n - 128) / 256)
+        dn_ms = (1.0 if dn.variant == "fp8" else 0.6) * (1 + abs(dn.num_stages - 4) / 8)
+        return gu_ms + dn_ms
+
+    monkeypatch.setattr(fp4_moe.Case, "ms", fake_ms)
+    rows = fp4_moe.measure_shape("tiny", budget_s=1e6, quick=False, tokens=(1, 4, 64))
+    assert [r["pairs"] for r in rows] == [2, 8, 128]
+    best = rows[2]["tiles"]
+    assert best[0].variant == "fp8" and best[0].block_n == 128 and best[1].variant == "bf16"
+    assert best[1].num_stages == 4 and best[0].block_m == best[1].block_m == 16
+    assert rows[2]["gemm_ms"] == rows[2]["gemm_mixed_ms"] < min(rows[2]["gemm_fp8_best_ms"],
+                                                                 rows[2]["gemm_bf16_best_ms"])  # fmt: skip
+    assert rows[2]["gemm_bf16_best_ms"] <= rows[2]["gemm_bf16_default_ms"] and rows[2]["stream_ms"] == 12.8
+    entry = fp4_moe.entry_from_rows(rows)
+    assert entry.stream_max_pairs == 8 and entry.buckets == (2, 8, 128)
+    assert all(t is None or t[0].block_m == t[1].block_m for _, _, t in timed)
+    assert fp4_moe.bench_rows(rows[2:], lambda b: 1.0)[0]["kernel"] == "stream"
+    assert len(fp4_moe.measure_shape("tiny", budget_s=0.0, quick=True)) == 1  # the first batch, then the share is spent
