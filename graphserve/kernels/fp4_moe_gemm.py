@@ -131,19 +131,37 @@ def _fp4_moe_gemm_kernel(
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     g_ptrs = w_ptr + e * stride_we + rows[:, None, None] * stride_wn + byte3[None, :, :]
     sg_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # from 64 rows of x the widened tile is the MMA's first operand, from registers, as in fp4_gemm.py: as the
+    # second (through shared memory) the kernel fails to compile at BLOCK_M 64 ("Illegal shared layout" in
+    # TritonGPUOptimizeDotOperands, Triton 3.6, sm_90); below 64 rows x stays first, the tile every call took before
+    W_FIRST: tl.constexpr = BLOCK_M >= 64
+    if W_FIRST:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if K % BLOCK_K == 0:
             a = tl.load(a_ptrs + k0, mask=row_mask[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
         wg = _widened_tile(g_ptrs, sg_ptrs, k0, offs_g, K, GROUP_K, MX, BLOCK_N, BLOCK_K, a.dtype)
-        acc_g = tl.dot(a, tl.trans(wg), acc_g)
+        if W_FIRST:
+            acc_g = tl.dot(wg, tl.trans(a), acc_g)
+        else:
+            acc_g = tl.dot(a, tl.trans(wg), acc_g)
         if GATED:
             wu = _widened_tile(g_ptrs + N * stride_wn, sg_ptrs + N * stride_sn, k0, offs_g, K, GROUP_K, MX, BLOCK_N,
                                BLOCK_K, a.dtype)  # fmt: skip
-            acc_u = tl.dot(a, tl.trans(wu), acc_u)
+            if W_FIRST:
+                acc_u = tl.dot(wu, tl.trans(a), acc_u)
+            else:
+                acc_u = tl.dot(a, tl.trans(wu), acc_u)
+    if W_FIRST:
+        acc_g = tl.trans(acc_g)
+        if GATED:
+            acc_u = tl.trans(acc_u)
     _epilogue(acc_g, acc_u, e, rows, offs_n, pairs, row_mask, gs_ptr, b_ptr, c_ptr, weights_ptr, N, stride_gse,
               stride_be, stride_cm, alpha, limit, GATED, MUL_WEIGHT, ACT, HAS_GLOBAL, ROW_GLOBAL, HAS_BIAS)
 

@@ -85,3 +85,19 @@ def test_fp8_variant_in_a_captured_graph_matches_reference(name, start, local):
         assert rel_err(out, ref) < 6e-2, (name, start)
         want = torch.bincount(ids[valid].flatten().long(), minlength=e).int()
         assert torch.equal(counts[start:start + local], want[start:start + local])
+
+
+@pytest.mark.parametrize("variant", ["bf16", "fp8"])
+def test_a_prefill_batch_takes_tiles_of_64_rows(variant):
+    """3072 tokens over V4's 256 experts, top-6: 72 pairs an expert, so BLOCK_M 64, where the bf16 variant takes the
+    widened tile as the MMA's first operand (kernels/fp4_moe_gemm.py); both variants against the reference."""
+    e, h, _inter, k = SHAPES["deepseek-v4-flash"][:4]
+    gen = torch.Generator("cuda").manual_seed(7 + len(variant))
+    w = _experts("deepseek-v4-flash", e, gen)
+    t = 3072
+    x = torch.randn(t, h, device="cuda", dtype=DT, generator=gen)
+    probs = torch.softmax(torch.randn(t, e, device="cuda", generator=gen), -1).topk(k, dim=-1)
+    weights, ids = (probs.values / probs.values.sum(-1, keepdim=True)).contiguous(), probs.indices.int().contiguous()
+    out = _call(fp4_fused_experts, x, w, weights, ids, None, 0, variant=variant, path="gemm")
+    ref = _call(fp4_fused_experts_reference, x, w, weights, ids, None, 0, variant=variant)
+    assert rel_err(out, ref) < 1e-2, variant

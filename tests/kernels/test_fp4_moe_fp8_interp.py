@@ -119,6 +119,17 @@ def test_each_gemm_takes_its_tiles_variant(gate_up, down):
     _check(_run(args, opts, tiles=tiles), args, opts, (gate_up, down))
 
 
+@pytest.mark.parametrize("variant", ["bf16", "fp8"])
+def test_tiles_of_64_rows_take_the_weight_as_the_first_operand(variant):
+    """From BLOCK_M 64 the bf16 variant multiplies with the widened tile first (kernels/fp4_moe_gemm.py: the other
+    order does not compile there for sm_90); both variants at such a tile against the reference."""
+    args, opts = _case(11 + len(variant), "mxfp4", "swiglu_oai", 9, 3, 0, 2, 64, 64, False)
+    tile = Fp4MoeTile(variant, 64, 64, 32 if variant == "fp8" else 64, 1, 4, 1)
+    out = _run(args, opts, tiles=(tile, tile))
+    assert not out.isnan().any() and not out[-1].any()
+    assert relative_error(out.cpu(), fp4_fused_experts_reference(*args, **opts, variant=variant)) < FP8_TOL
+
+
 def test_tiles_that_cannot_run_are_refused_by_field_and_limit():
     args, opts = _case(9, "nvfp4", "silu", 3, 2, 0, 2, 48, 64, False)  # hidden 48: not whole 32-column steps
     with pytest.raises(ValueError, match=r"gate_up tile: the fp8 variant steps 32 columns .* K=48"):
