@@ -204,3 +204,23 @@ def test_the_sweep_keeps_the_fastest_tiles_and_stops_at_its_time_share(monkeypat
     assert all(t is None or t[0].block_m == t[1].block_m for _, _, t in timed)
     assert fp4_moe.bench_rows(rows[2:], lambda b: 1.0)[0]["kernel"] == "stream"
     assert len(fp4_moe.measure_shape("tiny", budget_s=0.0, quick=True)) == 1  # the first batch, then the share is spent
+
+
+def test_grouped_gemm_compiles_for_hopper_in_both_variants():
+    """Both grouped-GEMM variants at V4's expert shape and their default tiles, decode (BLOCK_M 16) and prefill
+    (BLOCK_M 64), compiled for sm_90 without a GPU (Triton + ptxas, benchmarks/kernel_ptxas.py): they build (the bf16
+    variant's BLOCK_M 64 did not with x as the MMA's first operand), fit an SM and do not spill."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from benchmarks.kernel_ptxas import fp4_moe_gemm_reports\n"
+            "for r in fp4_moe_gemm_reports(('deepseek-v4-flash',)): print(json.dumps(r))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], check=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True).stdout
+    from benchmarks.kernel_ptxas import SM90_SHARED_BYTES
+
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 8 and {r["kernel"] for r in rows} == {"_fp4_moe_gemm_kernel", "_fp4_moe_gemm_fp8_kernel"}
+    for r in rows:
+        assert r["spill_bytes"] == 0 and r["shared_bytes"] <= SM90_SHARED_BYTES and r["programs_per_sm"] >= 1, r
