@@ -1,5 +1,5 @@
 """The five tables as ``TablePlan``s over the measurement functions of graphserve/tuning/gemv.py, fp8_route.py,
-mla.py, moe_tune.py and fp4.py (``python3 -m benchmarks.gemv`` and the others run the same modules): the same
+mla.py, moe_tune.py, fp4.py and fp4_moe.py (``python3 -m benchmarks.gemv`` and the others run the same modules): the same
 timings and rule derivations that wrote the shipped tables, cut into units so that ``graphserve tune`` can bound
 each table's time. They run on the GPU only; each module is imported when its plan is built.
 """
