@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the decode-latency kernels on Hopper, without a GPU: the
-split-KV decode attention, the fused MoE router, the FP8 streaming matmul as the routing table runs it, and the MoE
-streaming kernels.
+split-KV decode attention, the fused MoE router, the FP8 streaming matmul as the routing table runs it, the MoE
+streaming kernels, and the FP4 routed experts' grouped GEMM in both variants.
 
 Each kernel is compiled for sm_90 by Triton and its PTX assembled by the ptxas Triton bundles (as
 benchmarks/mla_ptxas.py does for MLA). A kernel that spills pays a local-memory round trip per
@@ -237,11 +237,45 @@ def moe_stream_reports() -> list[dict]:
     return out
 
 
+FP4_EXPERT_SHAPES = {"deepseek-v4-flash": ("nvfp4", 4096, 2048), "gpt-oss-120b": ("mxfp4", 2880, 2880)}
+
+
+def fp4_moe_gemm_reports(models: tuple[str, ...] = tuple(FP4_EXPERT_SHAPES)) -> list[dict]:
+    """The FP4 routed experts' grouped GEMM (kernels/fp4_moe_gemm.py) at DeepSeek-V4-Flash's expert shape (NVFP4, 256
+    experts, hidden 4096, intermediate 2048) and gpt-oss-120b's (MXFP4, 2880 / 2880), gate_up and down, in each
+    variant at its default tile (kernels/fp4_moe_config.default_tile) for a decode batch (BLOCK_M 16) and a prefill
+    one (BLOCK_M 64, where the bf16 variant takes the widened tile as the MMA's first operand)."""
+    from graphserve.kernels.fp4_moe_config import default_tile
+    from graphserve.kernels.fp4_moe_gemm import _fp4_moe_gemm_fp8_kernel, _fp4_moe_gemm_kernel
+
+    out = []
+    for model in models:
+        fmt, h, inter = FP4_EXPERT_SHAPES[model]
+        group = 16 if fmt == "nvfp4" else 32
+        for variant, block_m, (name, k) in itertools.product(("bf16", "fp8"), (16, 64), (("gate_up", h), ("down", inter))):
+            fp8 = variant == "fp8"
+            tile = default_tile(variant, block_m, group, k)
+            types = {"a_ptr": "*u8" if fp8 else "*bf16", "as_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8",
+                     "gs_ptr": "*fp32", "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+                     "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}  # fmt: skip
+            consts = {"K": k, "A_ROW_DIV": 6 if name == "gate_up" else 1, "GATED": name == "gate_up",
+                      "MUL_WEIGHT": name == "down", "ACT": 2 if fmt == "nvfp4" else 1, "GROUP_K": group,
+                      "MX": fmt == "mxfp4", "HAS_GLOBAL": fmt == "nvfp4", "ROW_GLOBAL": False,
+                      "HAS_BIAS": fmt == "mxfp4", "BLOCK_M": block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
+                      "GROUP_M": tile.group_m, "PDL": False}  # fmt: skip
+            fn = _fp4_moe_gemm_fp8_kernel if fp8 else _fp4_moe_gemm_kernel
+            row = compile_report(fn, types, consts, tile.num_warps, tile.num_stages)
+            out.append({"kernel": fn.__name__, "shape": f"{model} {name} {variant} {block_m}x{tile.block_n}x"
+                        f"{tile.block_k} w{tile.num_warps} s{tile.num_stages}", **row})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args()
     reports = attention_reports() + gate_reports() + fp8_stream_reports() + moe_stream_reports()
+    reports += fp4_moe_gemm_reports()
     for row in reports:
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 

@@ -8,7 +8,9 @@ Activations: ``silu`` (silu(gate) * up) or gpt-oss's ``swiglu_oai`` (gate = min(
 limit); (up + 1) * gate * sigmoid(alpha * gate)); ``w13_bias`` [E, 2I] joins gate/up before the activation,
 ``w2_bias`` [E, H] each expert's down output before its routing weight. Each expert is dequantized to fp32 alone
 (memory stays one expert's weights), products in fp32, the activated product and each weighted output rounded to
-the activations' dtype as the unquantized reference (kernels/moe_reference.py) rounds them.
+the activations' dtype as the unquantized reference (kernels/moe_reference.py) rounds them. ``variant="fp8"``
+(the grouped GEMM's W4A8 variant) also rounds each input of the two GEMMs to e4m3 with one scale a row, amax / 448,
+as that variant's inputs are: x per token before gate_up, the activation per pair before down.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ def fp4_fused_experts_reference(
     w2_scale: torch.Tensor, w2_global: torch.Tensor | None, fmt: str, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, *, valid: torch.Tensor | None = None, expert_start: int = 0,
     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, activation: str = "silu",
-    alpha: float = 1.702, limit: float = 7.0,
+    alpha: float = 1.702, limit: float = 7.0, variant: str = "bf16",
 ) -> torch.Tensor:  # fmt: skip
     """sum over slots of weight * (down(act(gate_up(x) + b13)) + b2) over this rank's experts, [T, H] in x's
     dtype."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
+    if variant not in ("bf16", "fp8"):
+        raise ValueError(f"variant={variant!r} is not one of ('bf16', 'fp8')")
     t, h = x.shape
     k = topk_ids.shape[1]
     routed = routed_pairs(topk_ids, valid, expert_start, w13.shape[0])
@@ -59,12 +63,22 @@ def fp4_fused_experts_reference(
         d13 = fp4_dequantize(w13[e], w13_scale[e], None if w13_global is None else w13_global[e], fmt)
         g2 = None if w2_global is None else w2_global[e] if w2_global.shape[-1] > 1 else w2_global[e].reshape(())
         d2 = fp4_dequantize(w2[e], w2_scale[e], g2, fmt)
-        gate_up = x[pairs // k].float() @ d13.T
+        gate_up = _rounded(x[pairs // k], variant) @ d13.T
         if w13_bias is not None:
             gate_up = gate_up + w13_bias[e].float()
         act = fp4_activation(gate_up.to(x.dtype).float(), activation, alpha, limit).to(x.dtype).float()
-        down = act @ d2.T
+        down = _rounded(act, variant) @ d2.T
         if w2_bias is not None:
             down = down + w2_bias[e].float()
         out[pairs] = (down * topk_weights.reshape(-1)[pairs].float()[:, None]).to(x.dtype).float()
     return out.view(t, k, h).sum(dim=1).to(x.dtype)
+
+
+def _rounded(rows: torch.Tensor, variant: str) -> torch.Tensor:
+    """fp32 ``rows``, through e4m3 with one scale a row under the fp8 variant."""
+    if variant != "fp8":
+        return rows.float()
+    from graphserve.kernels.fp8_quant import per_token_group_quant_reference  # Triton only where the variant is
+
+    q, scale = per_token_group_quant_reference(rows, rows.shape[1])
+    return q.float() * scale

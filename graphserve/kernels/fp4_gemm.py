@@ -41,7 +41,15 @@ import triton.language as tl
 from graphserve.kernels import tables
 from graphserve.kernels.fp4_gemv import MAX_ROWS as STREAM_MAX_ROWS
 from graphserve.kernels.fp4_gemv import fp4_gemv
-from graphserve.kernels.fp4_layout import GROUP, block_scale, fp4_check, row_global, widen_fp8, widen_fp16
+from graphserve.kernels.fp4_layout import (
+    GROUP,
+    block_scale,
+    fp4_check,
+    fp8_mma_step,
+    fp8_weight_tile,
+    row_global,
+    widen_fp16,
+)
 from graphserve.kernels.fp4_reference import fp4_dequantize
 from graphserve.kernels.fp8_quant import FP8_DTYPE, per_token_group_quant
 from graphserve.kernels.pdl import pdl_args, pdl_enter
@@ -102,21 +110,10 @@ def _fp4_gemm_kernel(
         x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
         w_ptrs = w_ptr + w_rows[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
         s_ptrs = s_ptr + w_rows * stride_sn
-        low_half = (offs_k < 16)[None, :]
         for k0 in range(0, K, BLOCK_K):  # BLOCK_K = 32 (one MMA) divides K (a multiple of 32 here)
             a = tl.load(x_ptrs + k0)  # x's fp8 bytes (uint8): selected as integers, then bitcast
-            lo, hi = widen_fp8(tl.load(w_ptrs + k0 // 2).to(tl.int32))
-            w = tl.reshape(tl.interleave(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
-            if GROUP_K == BLOCK_K:
-                part = tl.dot(w, tl.trans(a.to(tl.float8e4nv, bitcast=True)))
-                acc += part * block_scale(tl.load(s_ptrs + k0 // GROUP_K), MX, 6)[:, None]
-            else:  # two 16-column groups: two MMAs, each over one half of x's columns
-                s0 = block_scale(tl.load(s_ptrs + k0 // GROUP_K), MX, 6)
-                s1 = block_scale(tl.load(s_ptrs + k0 // GROUP_K + 1), MX, 6)
-                a_lo = tl.where(low_half, a, 0).to(tl.float8e4nv, bitcast=True)
-                a_hi = tl.where(low_half, 0, a).to(tl.float8e4nv, bitcast=True)
-                acc += tl.dot(w, tl.trans(a_lo)) * s0[:, None]
-                acc += tl.dot(w, tl.trans(a_hi)) * s1[:, None]
+            w = fp8_weight_tile(tl.load(w_ptrs + k0 // 2).to(tl.int32), BLOCK_N, BLOCK_K)
+            acc = fp8_mma_step(acc, w, a, s_ptrs, k0, GROUP_K, BLOCK_K, MX)
         acc *= tl.load(xs_ptr + x_rows * stride_xsm)[None, :]
     else:
         # as kernels/fp4_gemv.py's dot path: the low and high nibbles' tiles apart, against x's even and odd columns

@@ -175,6 +175,35 @@ def widen_fp8(b):
 
 
 @triton.jit
+def fp8_weight_tile(b, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed bytes [BLOCK_N, BLOCK_K / 2] (int32) -> the e4m3 tile [BLOCK_N, BLOCK_K] in K order, each weight its
+    e2m1 value times 2^-6 exactly (``widen_fp8``): the FP8 tensor cores' operand, made by masks and shifts alone."""
+    lo, hi = widen_fp8(b)
+    return tl.reshape(tl.interleave(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def fp8_mma_step(acc, w, a, s_ptrs, k0, GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr, MX: tl.constexpr):
+    """``acc`` [BLOCK_N, BLOCK_M] plus one K step of ``BLOCK_K`` = 32 columns (the fp8 MMA's K) from column ``k0``:
+    ``w`` the e4m3 weight tile (``fp8_weight_tile``), ``a`` [BLOCK_M, BLOCK_K] x's fp8 bytes (uint8), ``s_ptrs``
+    [BLOCK_N] each weight row's block scales at column 0. A block scale varies every 16 (NVFP4) or 32 (MXFP4)
+    columns, finer than the accumulator can take it, so each MMA's partial is scaled on the CUDA cores: MXFP4 one
+    MMA a step, NVFP4 two, each over x with the other 16-column group's columns zeroed (the weight stays whole)."""
+    if GROUP_K == BLOCK_K:
+        part = tl.dot(w, tl.trans(a.to(tl.float8e4nv, bitcast=True)))
+        acc += part * block_scale(tl.load(s_ptrs + k0 // GROUP_K), MX, 6)[:, None]
+    else:
+        low_half = (tl.arange(0, BLOCK_K) < GROUP_K)[None, :]
+        s0 = block_scale(tl.load(s_ptrs + k0 // GROUP_K), MX, 6)
+        s1 = block_scale(tl.load(s_ptrs + k0 // GROUP_K + 1), MX, 6)
+        a_lo = tl.where(low_half, a, 0).to(tl.float8e4nv, bitcast=True)
+        a_hi = tl.where(low_half, 0, a).to(tl.float8e4nv, bitcast=True)
+        acc += tl.dot(w, tl.trans(a_lo)) * s0[:, None]
+        acc += tl.dot(w, tl.trans(a_hi)) * s1[:, None]
+    return acc
+
+
+@triton.jit
 def block_scale(s, MX: tl.constexpr, UNIT_LOG2: tl.constexpr):
     """Loaded block scales (uint8) -> fp32 times 2^UNIT_LOG2 (the widening's unit folded in). E8M0 becomes an fp32
     exponent field; a checkpoint's scales stay far below 255 - UNIT_LOG2 (fp4_check refuses 255, NaN)."""

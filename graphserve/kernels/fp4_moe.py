@@ -9,14 +9,15 @@ expert's down output before its routing weight). Activations: "silu" (silu(gate)
 or DeepSeek-V4's "silu_clamp" (silu(gate) * up on the same clamps), gate and up rounded to the activation dtype
 first, as a separate projection would store them.
 
-Two paths, chosen from the shape alone (a captured graph replays one):
-- streaming (up to ``STREAM_MAX_PAIRS`` (token, slot) pairs), as kernels/moe_stream.py: gate_up per pair, its
-  expert's gate and up rows streamed once and widened in registers, the activation in the epilogue; down per
-  token, each slot's rows against its activation row, times its routing weight, summed in registers. Two
-  launches; program (0, 0) of the first writes the per-expert counts.
-- grouped GEMM, as kernels/moe_gemm.py over kernels/moe_align.py's sort: tiles of one expert's pairs, the FP4
-  tile widened and scaled to bf16 in registers for the bf16 tensor cores (fp4_gemm.py's "bf16" variant),
-  then kernels/moe_gemm.moe_sum_kernel adds each token's slots.
+Two paths, chosen from the shape alone (a captured graph replays one) by kernels/fp4_moe_config.plan: the card's
+table where ``graphserve tune --tables fp4`` measured the shape, else the streaming path up to ``STREAM_MAX_PAIRS``:
+- streaming, as kernels/moe_stream.py: gate_up per pair, its expert's gate and up rows streamed once and widened in
+  registers, the activation in the epilogue; down per token, each slot's rows against its activation row, times its
+  routing weight, summed in registers. Two launches; program (0, 0) of the first writes the per-expert counts.
+- grouped GEMM, as kernels/moe_gemm.py over kernels/moe_align.py's sort: tiles of one expert's pairs
+  (kernels/fp4_moe_gemm.py), each GEMM in its tile's variant: "bf16" widens the FP4 tile to bf16 in registers,
+  "fp8" converts it to e4m3 for the FP8 tensor cores against its input quantized per row by one launch before
+  (x per token, the activation per pair); then kernels/moe_gemm.moe_sum_kernel adds each token's slots.
 Reference: kernels/fp4_experts_reference.fp4_fused_experts_reference (same arguments).
 """
 
@@ -35,7 +36,10 @@ from graphserve.kernels.fp4_layout import (
     widen_code,
     widen_fp16,
 )
+from graphserve.kernels.fp4_moe_config import DEFAULT_STREAM_MAX_PAIRS, VARIANTS, Fp4MoeTile, plan
+from graphserve.kernels.fp4_moe_gemm import _fp4_moe_gemm_fp8_kernel, _fp4_moe_gemm_kernel, activate
 from graphserve.kernels.fp4_words import word_row_sums, words_of
+from graphserve.kernels.fp8_quant import per_token_group_quant
 from graphserve.kernels.l2_prefetch import no_prefetch_args
 from graphserve.kernels.moe_align import HISTOGRAM_PAIRS, moe_align, pair_histogram
 from graphserve.kernels.moe_gemm import moe_sum_kernel
@@ -44,31 +48,8 @@ from graphserve.kernels.pdl import pdl_args, pdl_enter
 ACTIVATIONS = ("silu", "swiglu_oai", "silu_clamp")  # ACT 0, 1, 2: kernels/moe_gemm.py's
 PATHS = ("stream", "gemm")
 X_DTYPES = (torch.bfloat16, torch.float16)
-# (token, slot) pairs up to which the streaming path runs: each pair streams its expert's rows, so past a few
-# tokens per expert the grouped GEMM's one read per tile wins. benchmarks/fp4.py on an H100 (results/fp4_kernels.json):
-# qwen3-30b-a3b's experts stream faster up to 64 pairs (0.145 against 0.162 ms at 8 tokens, 0.274 against 0.265 at
-# 16), gpt-oss-120b's up to 4 (0.107 against 0.125 ms at 1 token; 0.240 against 0.222 at 4 tokens, 0.393 against
-# 0.388 at 8, 0.694 against 0.611 at 16): 32 costs gpt-oss at most 8% and qwen3 10% (at 64 pairs)
-STREAM_MAX_PAIRS = 32
+STREAM_MAX_PAIRS = DEFAULT_STREAM_MAX_PAIRS  # where no table says (kernels/fp4_moe_config.py)
 _SUM_WARPS = 4
-
-
-@triton.jit
-def _activate(g, u, alpha, limit, ACT: tl.constexpr, DTYPE: tl.constexpr):
-    """gate and up (fp32, rounded to DTYPE first as the projection would store them) -> the activation in DTYPE."""
-    g = g.to(DTYPE).to(tl.float32)
-    u = u.to(DTYPE).to(tl.float32)
-    if ACT == 1:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        out = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
-    elif ACT == 2:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        out = g / (1.0 + tl.exp(-g)) * u
-    else:
-        out = g / (1.0 + tl.exp(-g)) * u
-    return out.to(DTYPE)
 
 
 @triton.jit
@@ -142,7 +123,7 @@ def _fp4_stream_gate_up_kernel(
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + e * stride_be + rows).to(tl.float32)
         acc_u += tl.load(b_ptr + e * stride_be + N + rows).to(tl.float32)
-    out = _activate(acc_g, acc_u, alpha, limit, ACT, act_ptr.dtype.element_ty)
+    out = activate(acc_g, acc_u, alpha, limit, ACT, act_ptr.dtype.element_ty)
     tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, out, mask=offs_n < N)
 
 
@@ -197,97 +178,6 @@ def _fp4_stream_down_kernel(
     tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 
-@triton.jit
-def _widened_tile(w_ptrs, s_ptrs, k0, offs_g, K: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
-    """The FP4 tile at K offset ``k0`` dequantized to DTYPE [BLOCK_N, BLOCK_K] (exact in bf16), in K order."""
-    if K % BLOCK_K == 0:
-        b = tl.load(w_ptrs + k0 // 2)
-        s = tl.load(s_ptrs + k0 // GROUP_K)
-    else:
-        g_ok = (k0 // GROUP_K + offs_g) < K // GROUP_K
-        b = tl.load(w_ptrs + k0 // 2, mask=g_ok[None, :, None], other=0)
-        s = tl.load(s_ptrs + k0 // GROUP_K, mask=g_ok[None, :], other=0)
-    lo, hi = widen_fp16(b.to(tl.int32))
-    sf = block_scale(s, MX, 14)[:, :, None]
-    w = tl.interleave((lo.to(tl.float32) * sf).to(DTYPE), (hi.to(tl.float32) * sf).to(DTYPE))
-    return tl.reshape(w, (BLOCK_N, BLOCK_K))
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
-def _fp4_moe_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
-    num_pairs, N, num_blocks_m, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_gse, stride_be,
-    stride_cm, alpha, limit,
-    K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    ACT: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, ROW_GLOBAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """One [BLOCK_M, BLOCK_N] tile of one expert's sorted pairs (kernels/moe_gemm.fused_moe_gemm_kernel's grid):
-    gate_up (GATED, the activation in the epilogue) or down (MUL_WEIGHT: bias, then the routing weight)."""
-    pdl_enter(PDL)
-    pid = tl.program_id(0)
-    num_blocks_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_blocks_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
-        return  # past the padded total: no pair here (the cost of a bound-sized grid)
-    KB: tl.constexpr = BLOCK_K // GROUP_K
-    G2: tl.constexpr = GROUP_K // 2
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ids_ptr + offs_m)
-    row_mask = pairs < num_pairs
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    a_rows = (pairs // A_ROW_DIV).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_g = tl.arange(0, KB)
-    byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    g_ptrs = w_ptr + e * stride_we + rows[:, None, None] * stride_wn + byte3[None, :, :]
-    sg_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if K % BLOCK_K == 0:
-            a = tl.load(a_ptrs + k0, mask=row_mask[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs + k0, mask=row_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-        wg = _widened_tile(g_ptrs, sg_ptrs, k0, offs_g, K, GROUP_K, MX, BLOCK_N, BLOCK_K, a.dtype)
-        acc_g = tl.dot(a, tl.trans(wg), acc_g)
-        if GATED:
-            wu = _widened_tile(g_ptrs + N * stride_wn, sg_ptrs + N * stride_sn, k0, offs_g, K, GROUP_K, MX, BLOCK_N,
-                               BLOCK_K, a.dtype)  # fmt: skip
-            acc_u = tl.dot(a, tl.trans(wu), acc_u)
-    if HAS_GLOBAL:
-        if ROW_GLOBAL:
-            acc_g *= tl.load(gs_ptr + e * stride_gse + rows)[None, :]
-            if GATED:
-                acc_u *= tl.load(gs_ptr + e * stride_gse + N + rows)[None, :]
-        else:
-            acc_g *= tl.load(gs_ptr + e * stride_gse)
-            if GATED:
-                acc_u *= tl.load(gs_ptr + e * stride_gse + 1)
-    if HAS_BIAS:
-        acc_g += tl.load(b_ptr + e * stride_be + rows).to(tl.float32)[None, :]
-        if GATED:
-            acc_u += tl.load(b_ptr + e * stride_be + N + rows).to(tl.float32)[None, :]
-    if GATED:
-        out = _activate(acc_g, acc_u, alpha, limit, ACT, c_ptr.dtype.element_ty)
-    else:
-        out = acc_g
-        if MUL_WEIGHT:
-            out = out * tl.load(weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
-        out = out.to(c_ptr.dtype.element_ty)
-    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, out, mask=row_mask[:, None] & (offs_n[None, :] < N))
-
-
 def _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, topk_weights, topk_ids, w13_bias, w2_bias,
            activation):  # fmt: skip
     if x.dim() != 2 or x.dtype not in X_DTYPES:
@@ -323,30 +213,29 @@ def _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, topk_wei
                          f"[{x.shape[0]}, k]")
 
 
-def _gemm_block_m(pairs: int, num_local: int) -> int:
-    """Rows a tile: about the pairs an expert gets, so few rows of a tile are padding."""
-    per_expert = pairs / max(num_local, 1)
-    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
-
-
 def fp4_fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w13_global: torch.Tensor | None,
     w2: torch.Tensor, w2_scale: torch.Tensor, w2_global: torch.Tensor | None, fmt: str,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, valid: torch.Tensor | None = None,
     expert_start: int = 0, counts: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
-    path: str | None = None, widen: str | None = None,
+    path: str | None = None, widen: str | None = None, variant: str | None = None,
+    tiles: tuple[Fp4MoeTile, Fp4MoeTile] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """sum over slots of weight * (down(act(gate_up(x) + w13_bias)) + w2_bias) over this rank's experts, [T, H].
 
     ``valid`` (bool [T]) marks real rows; ``counts`` (int32 [E global]) receives the pairs per expert;
     ``expert_start``: the first local expert's global id (expert parallel). ``path`` ("stream" | "gemm")
     overrides the rule (tests, benchmarks). ``widen`` (fp4_layout.WIDENINGS; None: fp4_layout.default_widen): the
-    streaming path's widening (kernels/fp4_words.py); the grouped GEMM ignores it."""
+    streaming path's widening (kernels/fp4_words.py); the grouped GEMM ignores it. ``variant`` ("bf16" | "fp8")
+    runs both grouped GEMMs in that variant with its default tiles, ``tiles`` (gate_up's, down's) with these
+    (tests, benchmarks, the tuner); neither: the card's table (kernels/fp4_moe_config.py)."""
     _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, topk_weights, topk_ids, w13_bias, w2_bias,
            activation)  # fmt: skip
     if path not in (None, *PATHS):
         raise ValueError(f"fp4_fused_experts: path={path!r} must be one of {PATHS}")
+    if variant not in (None, *VARIANTS):
+        raise ValueError(f"fp4_fused_experts: variant={variant!r} must be one of {VARIANTS}")
     widen_id = widen_code("fp4_fused_experts", widen or default_widen(x.device), x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -375,7 +264,8 @@ def fp4_fused_experts(
     gs13_stride = w13_global.stride(0) if w13_global is not None else 2
     gs2_stride = w2_global.stride(0) if w2_global is not None else 1
     act_id = ACTIVATIONS.index(activation)
-    if (path or ("stream" if pairs <= STREAM_MAX_PAIRS else "gemm")) == "stream":
+    chosen = plan(fmt, num_local, inter, h, pairs, device, variant)
+    if (path or chosen.path) == "stream":
         act = torch.empty(pairs, inter, dtype=x.dtype, device=device)
         bn, words = 32, widen_id > 0
         unit = WIDEN_UNIT_LOG2[widen_id]
@@ -400,22 +290,35 @@ def fp4_fused_experts(
             **pdl_args(device, "_fp4_stream_down_kernel"),
         )  # fmt: skip
         return out
-    block_m, block_n = _gemm_block_m(pairs, num_local), 64
-    align = moe_align(topk_ids, valid, counts, expert_start, num_local, block_m)
+    gu_tile, dn_tile = tiles or (chosen.gate_up, chosen.down)
+    gu_tile.check("fp4_fused_experts gate_up tile", group, h)
+    dn_tile.check("fp4_fused_experts down tile", group, inter)
+    if gu_tile.block_m != dn_tile.block_m:
+        raise ValueError(f"fp4_fused_experts: the gate_up and down tiles share one sort: block_m {gu_tile.block_m} "
+                         f"and {dn_tile.block_m} must be equal")
+    align = moe_align(topk_ids, valid, counts, expert_start, num_local, gu_tile.block_m)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=device)
     down = torch.empty(pairs, h, dtype=x.dtype, device=device)
-    for a, w, s, g, b, c, n, kk, gated in ((x, w13, s13, g13, b13, act, inter, h, True),
-                                           (act, w2, s2, g2, b2, down, h, inter, False)):
-        grid = (align.max_blocks * triton.cdiv(n, block_n),)
-        _fp4_moe_gemm_kernel[grid](
-            a, w, s, g, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, pairs, n,
-            align.max_blocks, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+    for a, w, s, g, b, c, n, kk, gated, tile in ((x, w13, s13, g13, b13, act, inter, h, True, gu_tile),
+                                                 (act, w2, s2, g2, b2, down, h, inter, False, dn_tile)):
+        fp8 = tile.variant == "fp8"
+        if fp8:  # one scale a row: x's per token, the activation's per pair
+            aq, a_scale = per_token_group_quant(a, kk)
+            a_args = (aq.view(torch.uint8), a_scale)
+            a_strides = (aq.stride(0), a_scale.stride(0))
+        else:
+            a_args, a_strides = (a,), (a.stride(0),)
+        grid = (align.max_blocks * triton.cdiv(n, tile.block_n),)
+        kernel = _fp4_moe_gemm_fp8_kernel if fp8 else _fp4_moe_gemm_kernel
+        kernel[grid](
+            *a_args, w, s, g, b, c, topk_weights, align.sorted_ids, align.expert_ids, align.num_post_padded, pairs, n,
+            align.max_blocks, *a_strides, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
             gs13_stride if gated else gs2_stride, 2 * n if gated else n, c.stride(0), float(alpha), float(limit),
             K=kk, A_ROW_DIV=k if gated else 1, GATED=gated, MUL_WEIGHT=not gated, ACT=act_id,
             ROW_GLOBAL=row13 if gated else row2,
-            HAS_BIAS=(w13_bias if gated else w2_bias) is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=max(group, min(128, triton.next_power_of_2(kk))), GROUP_M=8, num_warps=4, num_stages=3,
-            **common, **pdl_args(device, "_fp4_moe_gemm_kernel"),
+            HAS_BIAS=(w13_bias if gated else w2_bias) is not None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k, GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
+            **common, **pdl_args(device, kernel.__name__),
         )  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(h))
     moe_sum_kernel[(t, triton.cdiv(h, block_h))](

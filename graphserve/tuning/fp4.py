@@ -211,7 +211,8 @@ def derive_rule(rows: list[dict], card: str) -> dict:
 
 def moe_stream_pairs(moe: list[dict]) -> dict[str, int]:
     """Per model: the most (token, slot) pairs up to which the streaming path beat the grouped GEMM at every
-    measured count (fp4_moe.STREAM_MAX_PAIRS is set from these)."""
+    measured count (fp4_moe.STREAM_MAX_PAIRS, the default where the FP4 expert tiles table lists no shape, is set from
+    these; graphserve/tuning/fp4_moe.py measures the crossover per shape for that table)."""
     out = {}
     for name in {r["model"] for r in moe}:
         ms = {(r["path"], r["pairs"]): r["ms"] for r in moe if r["model"] == name}

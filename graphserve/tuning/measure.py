@@ -1,5 +1,5 @@
 """The five tables as ``TablePlan``s over the measurement functions of graphserve/tuning/gemv.py, fp8_route.py,
-mla.py, moe_tune.py and fp4.py (``python3 -m benchmarks.gemv`` and the others run the same modules): the same
+mla.py, moe_tune.py, fp4.py and fp4_moe.py (``python3 -m benchmarks.gemv`` and the others run the same modules): the same
 timings and rule derivations that wrote the shipped tables, cut into units so that ``graphserve tune`` can bound
 each table's time. They run on the GPU only; each module is imported when its plan is built.
 """
@@ -157,26 +157,47 @@ def moe_plan(models: list[str], quick: bool, shapes: list[tuple[int, int, int, i
     return TablePlan("moe", units, measure, finish)
 
 
-def fp4_plan(models: list[str], quick: bool) -> TablePlan | None:
-    from graphserve.tuning import fp4 as bench
+FP4_EXPERT_MODELS = ("dummy:deepseek-v4-flash-l6", "dummy:gpt-oss-120b", "dummy:qwen3-30b-a3b", "dummy:gpt-oss-20b")
+QUICK_FP4_EXPERT_MODELS = FP4_EXPERT_MODELS[::2]
+EXPERTS_UNIT = "experts "
 
-    if "dummy:llama3-8b" not in models:  # the rule's shapes are Llama-3-8B's projections
+
+def fp4_plan(models: list[str], quick: bool) -> TablePlan | None:
+    """The FP4 rule's units (Llama-3-8B's projections, where it is among ``models``) and the FP4 expert tiles' (one
+    per preset whose experts graphserve/tuning/fp4_moe.py knows; the FP4 presets where no model was named, i.e.
+    ``models`` is the default list)."""
+    from graphserve.tuning import fp4 as bench
+    from graphserve.tuning import fp4_moe
+
+    projections = list(bench.LLAMA3_8B) if "dummy:llama3-8b" in models else []  # the rule's shapes
+    named = models if tuple(models) not in (DEFAULT_MODELS, QUICK_MODELS) else \
+        QUICK_FP4_EXPERT_MODELS if quick else FP4_EXPERT_MODELS  # fmt: skip
+    experts = [EXPERTS_UNIT + bare(m) for m in named if bare(m) in fp4_moe.SHAPES]
+    if not projections and not experts:
         return None
     card = torch.cuda.get_device_name(0)
 
-    def measure(proj: str, _left: float) -> list[dict]:
-        return bench.projection_rows(card, quick, projections=[proj], checkpoint=False)[0]
+    def measure(unit: str, left: float) -> list[dict]:
+        if unit.startswith(EXPERTS_UNIT):
+            return fp4_moe.measure_shape(unit.removeprefix(EXPERTS_UNIT), max(left, 1.0), quick)
+        return bench.projection_rows(card, quick, projections=[unit], checkpoint=False)[0]
 
     def finish(results: list[tuple[str, Any]], earlier) -> list[tuple[str, dict]]:
-        rows = [r for _, res in results for r in res]
-        measured = {(r["n"], r["k"]) for r in rows}
-        rule = bench.derive_rule(rows, card)
-        rule["shapes"] = [s for s in rule["shapes"] if (s["n"], s["k"]) in measured]  # unmeasured: no entry
-        kept = [s for s in (earlier("fp4_rule.json") or {}).get("shapes", []) if (s["n"], s["k"]) not in measured]
-        rule["shapes"] = kept + rule["shapes"]
-        return [("fp4_rule.json", rule)]
+        files = []
+        rows = [r for unit, res in results if not unit.startswith(EXPERTS_UNIT) for r in res]
+        if rows:
+            measured = {(r["n"], r["k"]) for r in rows}
+            rule = bench.derive_rule(rows, card)
+            rule["shapes"] = [s for s in rule["shapes"] if (s["n"], s["k"]) in measured]  # unmeasured: no entry
+            kept = [s for s in (earlier("fp4_rule.json") or {}).get("shapes", []) if (s["n"], s["k"]) not in measured]
+            rule["shapes"] = kept + rule["shapes"]
+            files.append(("fp4_rule.json", rule))
+        shapes = {unit.removeprefix(EXPERTS_UNIT): res for unit, res in results if unit.startswith(EXPERTS_UNIT)}
+        if shapes:
+            files.append((fp4_moe.TABLE_FILE, fp4_moe.table_from(shapes, earlier(fp4_moe.TABLE_FILE), card)))
+        return files
 
-    return TablePlan("fp4", list(bench.LLAMA3_8B), measure, finish)
+    return TablePlan("fp4", projections + experts, measure, finish)
 
 
 def build_plans(tables: list[str], models: list[str], quick: bool, moe_shapes: list[tuple[int, int, int, int]],

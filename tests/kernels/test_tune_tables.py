@@ -287,7 +287,11 @@ def test_plans_cut_each_table_into_the_models_shapes_and_derive_rules_as_the_ben
     assert plans["gemv"].units[4:] == ["qwen3-30b-a3b qkv", "qwen3-30b-a3b o_proj", "qwen3-30b-a3b router"]
     assert plans["fp8"].units[0] == "llama3-8b qkv block128" and len(plans["fp8"].units) == 6
     assert plans["moe"].units == ["E=128 H=2048 I=768 k=8 bfloat16", "E=64 H=2048 I=1408 k=6 bfloat16"]
-    assert plans["fp4"].units == ["qkv", "o", "gate_up", "down"]
+    # no model named (the default list): the FP4 rule's projections, then the FP4 presets' experts
+    assert plans["fp4"].units == ["qkv", "o", "gate_up", "down", "experts deepseek-v4-flash-l6",
+                                  "experts qwen3-30b-a3b"]  # fmt: skip
+    assert measure.fp4_plan(["dummy:gpt-oss-20b", "dummy:llama3-8b"], quick=True).units[4:] == ["experts gpt-oss-20b"]
+    assert measure.fp4_plan(["dummy:qwen3-0.6b"], quick=False) is None
     mla = measure.mla_plan(["dummy:deepseek-v2-lite", "dummy:deepseek-v3-l4", "dummy:llama3-8b"], quick=True)
     assert mla.units == ["heads=16 bs=1 ctx=4096 cache=bf16", "heads=16 bs=64 ctx=4096 cache=bf16",
                          "heads=128 bs=64 ctx=4096 cache=bf16"]  # fmt: skip
