@@ -93,11 +93,11 @@ class Case:
     def _weights(self, gen: torch.Generator, bias: bool) -> tuple:
         e, h, inter, g = self.e, self.h, self.inter, self.group
         out = []
-        for n, k in ((2 * inter, h), (h, inter)):
+        for parts, n, k in ((2, 2 * inter, h), (1, h, inter)):  # w13's gate and up globals; w2's one
             packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=DEVICE, generator=gen)
             if self.fmt == "nvfp4":
                 scale = (torch.rand(e, n, k // g, device=DEVICE, generator=gen) * 0.5 + 0.05).to(torch.float8_e4m3fn)
-                glob = torch.full((e, 2 if n == 2 * inter else 1), 0.05, device=DEVICE)
+                glob = torch.full((e, parts), 0.05, device=DEVICE)
             else:
                 scale = torch.randint(118, 124, (e, n, k // g), dtype=torch.uint8, device=DEVICE, generator=gen)
                 glob = None
