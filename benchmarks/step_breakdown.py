@@ -108,7 +108,11 @@ def main() -> None:
     # a MoE step reads the experts its router chose: the profiled step's own counts (it ran last)
     touched = experts_touched(routed)
     weights = info.description.decode_read_bytes(args.bs, args.bs * args.ctx, touched) - kv_bytes
-    rows = family_rows(per, step_ms, replay_ms, weights, kv_bytes, read)
+    # a sparse or compressed model's cache is read by more than its attention kernels (the indexer scores every key,
+    # the compressor its checkpoints): their bytes price the step, not the attention family alone
+    d = info.description
+    dense_attention = d.kv_read_per_seq is None and not d.attn_topk
+    rows = family_rows(per, step_ms, replay_ms, weights, kv_bytes, read, attention_owns_kv=dense_attention)
     print_table(rows, ["family", "kernels", "ms", "floor_ms"])
     # each kernel by name: how many launches a step makes and their mean time (what fusion would remove)
     kernels = [{"kernel": k, "launches": v[1], "ms": v[0], "us_each": 1e3 * v[0] / v[1]}
@@ -126,21 +130,23 @@ def main() -> None:
 
 
 def family_rows(per: dict[str, list], step_ms: float, replay_ms: float, weights: float, kv_bytes: float,
-                read) -> list[dict]:
+                read, attention_owns_kv: bool = True) -> list[dict]:
     """One row per kernel family (``per``: family -> [ms, launches] of the profiled eager step), then the gap between
     kernels, the step (graph replay + argmax, ``step_ms``) and the replay alone. ``floor_ms`` where the family is a
     pure read: the weights for the matmuls, the KV for attention, both for the step; None where no floor is known.
 
     The floors come last, at the best read rate of the run (``read``: benchmarks.roofline.ReadBandwidth): first the
     rates this run's own work reached (each read family's bytes over its time, the whole step's over the step's),
-    then the probes once more, so a GPU that clocked up after the first probes does not leave the floors generous."""
-    for fam, nbytes in (("matmul", weights), ("attention", kv_bytes)):
+    then the probes once more, so a GPU that clocked up after the first probes does not leave the floors generous.
+    ``attention_owns_kv`` False (other kernels read part of the cache): attention gets no floor of its own."""
+    owned = (("matmul", weights),) + ((("attention", kv_bytes),) if attention_owns_kv else ())
+    for fam, nbytes in owned:
         if fam in per:
             read.observe(f"{fam} kernels, profiled", nbytes, per[fam][0])
     read.observe("decode step (graph replay + argmax)", weights + kv_bytes, step_ms)
     read.observe("decode step (graph replay)", weights + kv_bytes, replay_ms)
     read.probe_again()
-    floors = {"matmul": read.floor_ms(weights), "attention": read.floor_ms(kv_bytes)}
+    floors = {fam: read.floor_ms(nbytes) for fam, nbytes in owned}
     rows = [{"family": k, "kernels": v[1], "ms": v[0], "floor_ms": floors.get(k)} for k, v in sorted(per.items())]
     kernel_sum = sum(r["ms"] for r in rows)
     launches = sum(v[1] for v in per.values())

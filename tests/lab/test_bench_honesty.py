@@ -248,6 +248,18 @@ def test_step_breakdown_writes_no_floor_where_there_is_none_and_settles_the_rate
     assert rows["graph replay alone"]["kernels"] == 322
 
 
+def test_step_breakdown_gives_attention_no_floor_where_other_kernels_read_the_cache():
+    # a compressed or sparse model: the indexer and compressor read part of the cache, so the attention kernels'
+    # time over the whole cache's bytes would be a rate no kernel reached (it would beat the probes)
+    per = {"matmul": [7.0, 225], "attention": [0.01, 6]}
+    weights, kv = 8.0e9, 1.0e9
+    bw = RecordingBandwidth({"matvec": 1000.0}, again={"matvec": 1200.0})
+    rows = {r["family"]: r for r in family_rows(per, 7.5, 7.45, weights, kv, bw, attention_owns_kv=False)}
+    assert rows["attention"]["floor_ms"] is None
+    assert bw.best_method == "decode step (graph replay)"
+    assert rows["step: graph replay + argmax"]["floor_ms"] == pytest.approx(7.45)
+
+
 # --- ncu_kernels: no samples, no shares ------------------------------------------------------------------------
 
 
