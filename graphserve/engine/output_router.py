@@ -8,9 +8,10 @@ goes to the sender's thread, and batches put while the thread still writes merge
 never waits on a pipe, and with a sender per front-end, a front-end that falls behind delays nobody else.
 
 Writing on the step loop's thread is what keeps a server's engine as fast as an offline one: a sender thread
-woken every step took the GIL from the step loop twice a step, and with the GIL handovers its share came to
-0.11 ms of CPU and ~0.17 ms of the loop's wall time per 64-request step, against ~0.03 ms to pickle and write
-the batch inline (`python3 -m benchmarks.serve_host`).
+woken every step took the GIL from the step loop twice a step. On CPU with 64 decoding requests that thread used
+0.21 ms of CPU a step and kept the step loop off the CPU 0.12 ms a step, and the server's engine took 1.24x the
+offline engine's time per step; writing inline, 0.82x (`python3 -m benchmarks.serve_host`: results/serve_host.json
+and serve_host_before.json).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Sender:
     queues behind it, so messages keep their order and never interleave on the pipe."""
 
     def __init__(self, outbox: Connection, index: int = 0):
-        self._outbox = outbox
+        self._outbox = outbox  # held: the Connection owns the descriptor written below
         self._fd = outbox.fileno()
         os.set_blocking(self._fd, False)  # a full pipe must not stop the step loop
         self._cond = threading.Condition()
