@@ -71,6 +71,7 @@ BENCHMARKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "prefill": (STEP, ()),
     "profile": ((*STEP, "graphserve/analysis"), ()),
     "roofline": (("graphserve/tuning/roofline.py",), ()),
+    "serve_host": (SERVE, ()),
     "step_breakdown": (STEP, ()),
     "step_host": (STEP, ()),
     "step_skeleton": (STEP, ()),

@@ -67,14 +67,21 @@ def sync() -> None:
 
 def step_timeline(records: list[dict[str, Any]], start: float, end: float, concurrency: int) -> dict[str, Any]:
     """The engine's steps whose end falls in [start, end] (wall clock): count, summed step time over the wall
-    time, mean batch, and seconds from ``start`` until the running batch first reached ``concurrency``."""
+    time, mean batch, and seconds from ``start`` until the running batch first reached ``concurrency``; then the
+    decode-only steps apart (count, mean step_ms, mean batch) and the seconds of the others (prefill, mixed): the
+    mean step of all holds both, and the two sides prefill in different chunks (offline admits a whole wave at
+    once, the server its requests as they arrive)."""
     steps = [r for r in records if start <= r["time"] <= end]
     wall = max(end - start, 1e-9)
     full = next((r["time"] - start for r in steps if r["batch_size"] >= concurrency), None)
+    decode = [r for r in steps if r.get("kind") == "decode"]
     return {"steps": len(steps), "busy": sum(r["step_ms"] for r in steps) / 1000 / wall,
             "mean_batch": statistics.fmean(r["batch_size"] for r in steps) if steps else 0.0,
             "mean_step_ms": statistics.fmean(r["step_ms"] for r in steps) if steps else 0.0,
-            "full_after_s": full}
+            "full_after_s": full, "decode_steps": len(decode),
+            "decode_step_ms": statistics.fmean(r["step_ms"] for r in decode) if decode else 0.0,
+            "decode_batch": statistics.fmean(r["batch_size"] for r in decode) if decode else 0.0,
+            "other_s": sum(r["step_ms"] for r in steps if r.get("kind") != "decode") / 1000}
 
 
 def read_step_log(path: str) -> list[dict[str, Any]]:
@@ -338,7 +345,10 @@ def main() -> int:
         print(f"{r['model']} api_server_count={r['api_server_count']} C={r['concurrency']} {r['mode']}: steps "
               f"http/offline {h['steps']}/{o['steps']}, busy {h['busy']:.2f}/{o['busy']:.2f}, mean batch "
               f"{h['mean_batch']:.1f}/{o['mean_batch']:.1f}, mean step {h['mean_step_ms']:.2f}/{o['mean_step_ms']:.2f} ms, "
-              f"full after {h['full_after_s']}/{o['full_after_s']} s; client processes started within "
+              f"full after {h['full_after_s']}/{o['full_after_s']} s; decode steps {h['decode_steps']}/"
+              f"{o['decode_steps']} of {h['decode_step_ms']:.2f}/{o['decode_step_ms']:.2f} ms at batch "
+              f"{h['decode_batch']:.1f}/{o['decode_batch']:.1f}, other steps {h['other_s']:.2f}/{o['other_s']:.2f} s; "
+              "client processes started within "
               f"{r['client_start_spread_s'] * 1000:.0f} ms")
     for e in extras:
         line = (f"{e['model']} api_server_count={e['api_server_count']}: idle TTFT {e['idle_ttft_ms']:.1f} ms "

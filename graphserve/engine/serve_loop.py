@@ -46,7 +46,8 @@ _IDLE_POLL_S = 1.0  # an idle engine blocks on its queue this long, then checks 
 IDLE_SPIN_S = 2.0
 # A thread that wants the GIL waits for the holder to release it, at the latest after the switch interval
 # (5 ms by default). The step loop runs long pure-Python stretches (scheduling, building a batch's inputs)
-# while a sender thread waits to ship the previous step's tokens: 0.5 ms bounds that wait an order tighter.
+# while a sender thread waits to ship tokens a full pipe did not take (output_router.py): 0.5 ms bounds that wait
+# an order tighter.
 SWITCH_INTERVAL_S = 0.0005
 
 

@@ -1,5 +1,6 @@
 """benchmarks/http_overhead's step timeline: the engine's steps inside a run's wall window, how busy it was,
-its mean batch, and when the batch first reached the concurrency (None when it never did)."""
+its mean batch, when the batch first reached the concurrency (None when it never did), and its decode-only steps
+apart from the others."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 from benchmarks.http_overhead import step_timeline
 
 
-def _step(t: float, batch: int, ms: float) -> dict:
-    return {"time": t, "batch_size": batch, "step_ms": ms}
+def _step(t: float, batch: int, ms: float, kind: str = "decode") -> dict:
+    return {"time": t, "batch_size": batch, "step_ms": ms, "kind": kind}
 
 
 def test_only_steps_inside_the_window_count():
@@ -26,4 +27,16 @@ def test_only_steps_inside_the_window_count():
 def test_a_batch_that_never_fills_and_an_empty_window():
     assert step_timeline([_step(1.5, 3, 10.0)], 1.0, 2.0, concurrency=4)["full_after_s"] is None
     empty = step_timeline([], 1.0, 2.0, concurrency=4)
-    assert empty == {"steps": 0, "busy": 0.0, "mean_batch": 0.0, "mean_step_ms": 0.0, "full_after_s": None}
+    assert empty == {"steps": 0, "busy": 0.0, "mean_batch": 0.0, "mean_step_ms": 0.0, "full_after_s": None,
+                     "decode_steps": 0, "decode_step_ms": 0.0, "decode_batch": 0.0, "other_s": 0.0}
+
+
+def test_decode_steps_apart_from_prefill_and_mixed_ones():
+    records = [_step(10.1, 2, 40.0, "prefill"), _step(10.2, 4, 3.0), _step(10.3, 4, 25.0, "mixed"),
+               _step(10.4, 3, 5.0), _step(11.5, 4, 2.0)]
+    out = step_timeline(records, 10.0, 11.0, concurrency=4)
+    assert out["steps"] == 4 and out["decode_steps"] == 2
+    assert out["decode_step_ms"] == pytest.approx(4.0)
+    assert out["decode_batch"] == pytest.approx(3.5)
+    assert out["other_s"] == pytest.approx(0.065)
+    assert out["mean_step_ms"] == pytest.approx(73 / 4)
