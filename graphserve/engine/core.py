@@ -41,6 +41,10 @@ from graphserve.models.loader import load_model
 from graphserve.outputs import TokenLogprob
 from graphserve.structured.manager import StructuredOutputManager
 
+# how long a failed tp/ep step waits for the rank watchers to name a dead peer (a step fails rarely; a peer's
+# death reaches the collective and its watcher within milliseconds of each other)
+RANK_SETTLE_S = 0.5
+
 logger = logging.getLogger(__name__)
 
 
@@ -264,6 +268,8 @@ class EngineCore:
         return outputs
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> None:
+        if self.ranks is not None:
+            self.ranks.settle(RANK_SETTLE_S)  # a dead rank ends the engine here, naming the rank
         logger.error("engine step failed (%s: %s); failing %d sequence(s)", type(exc).__name__, exc,
                      len(sched.scheduled), exc_info=exc)
         ids = list(dict.fromkeys(s.seq.request_id for s in sched.scheduled))

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -110,6 +111,15 @@ class RankPool:
                 group._get_backend(torch.device("cuda")).abort()
             except Exception:  # noqa: BLE001 - best effort: the step raises on its own once peers are gone
                 logger.exception("aborting the NCCL communicator failed")
+
+    def settle(self, timeout: float) -> None:
+        """After a failed step: a peer's death reaches the survivors' collective (a closed connection) before its
+        watcher sees the exit code, so wait up to ``timeout`` s for the watcher; a lost rank then ends the engine
+        (``fail``) or raises RankFailure, naming the rank, rather than leave the collective's error as the cause."""
+        deadline = time.monotonic() + timeout  # (Popen.poll cannot tell: the watcher thread holds the wait)
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.check()
 
     def check(self) -> None:
         if self.failure is not None:
