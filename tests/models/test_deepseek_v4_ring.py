@@ -9,8 +9,12 @@ from model_utils import engine_greedy, hf_greedy, random_prompts
 from test_deepseek_v4 import _checkpoint, _config
 
 from graphserve import LLM
+from graphserve.config import EngineConfig
 from graphserve.engine import rank_worker
 from graphserve.engine.kv_cache import ROOT_HASH, chain_hash
+from graphserve.engine.latent_pages import latent_page_count
+from graphserve.engine.memory import plan_memory
+from graphserve.engine.startup import requested_kv_tokens
 
 PAGES = 13  # 12 usable: a prompt's chunk of 16 behind a window of 8 needs 7, a decode 3
 
@@ -72,3 +76,31 @@ def test_preemption_by_recompute_when_pages_run_short(v4_hf, monkeypatch):
     assert llm.engine.stats().num_preemptions > 0 and bm.num_usable_blocks > 1000
     bm.check_no_leak()
     assert bm.pages.num_free_pages == 7
+
+
+def test_kv_cache_gb_gives_the_plans_blocks_and_pages(v4_hf):
+    """--kv-cache-gb's bytes split as the memory plan splits a pool of as many bytes: the windows' latent pages first,
+    the blocks at the bytes a token keeps for its whole context the rest. The CPU pool and the GPU cap alike; more
+    blocks than the bytes give at the full bytes a token."""
+    _, folder = v4_hf
+    gb, bs, running, chunk = 0.004, 4, 3, 16
+    llm = LLM(str(folder), block_size=bs, chunked_prefill_size=chunk, dtype="float32", max_model_len=256,
+              max_running_requests=running, kv_cache_gb=gb)  # fmt: skip
+    kv = llm.engine.core.info.kv
+    plan = plan_memory(int(gb * (1 << 30)), 1.0, 0, 0, 0, 0, kv.bytes_per_token, bs, 256, running,
+                       latent_bytes_per_token=kv.latent_bytes_per_token, latent_window=kv.latent_window,
+                       latent_pages=kv.latent_pages_wanted(bs, running, chunk))  # fmt: skip
+    assert plan.latent_pages == kv.latent_pages_wanted(bs, running, chunk) == 2 * (3 * 4 + 4) + 1
+    bm = llm.engine.core.block_manager
+    assert (bm.num_usable_blocks, bm.pages.num_pages) == (plan.num_blocks, plan.latent_pages)
+    # 512 of the 1088 B a token are latent: half as many blocks again as at the full bytes
+    assert plan.num_blocks > 1.5 * (int(gb * (1 << 30)) // (kv.bytes_per_token * bs))
+    # the GPU start-up's cap from the same flag, and the pages beside its blocks
+    cfg = EngineConfig(block_size=bs, chunked_prefill_size=chunk, kv_cache_gb=gb)
+    cap_blocks = requested_kv_tokens(cfg, kv, running) // bs
+    assert cap_blocks == plan.num_blocks
+    assert latent_page_count(kv, cap_blocks + 1, bs, running, chunk) == plan.latent_pages
+    # a budget below the pages wanted: no split, every block keeps its page, on both paths
+    small = EngineConfig(block_size=bs, chunked_prefill_size=chunk, kv_cache_gb=30 * bs * kv.bytes_per_token / (1 << 30))
+    assert requested_kv_tokens(small, kv, running) == 30 * bs
+    assert latent_page_count(kv, 31, bs, running, chunk) == 31
