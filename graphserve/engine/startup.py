@@ -115,13 +115,14 @@ def mixed_step_lens(chunk: int, max_running: int, max_model_len: int) -> list[in
 
 
 def synthetic_batch(runner: ModelRunner, query_lens: list[int], first_block: int = 1) -> ForwardBatch:
-    """Fresh sequences (no cached prefix) on consecutive blocks of ``runner``'s pool; none may be longer
-    than the runner's max_model_len (the model's rotary table ends there)."""
+    """Fresh sequences (no cached prefix) on consecutive blocks of ``runner``'s pool, each block with a latent page
+    where the latents are paged apart; none may be longer than the runner's max_model_len (the model's rotary table
+    ends there)."""
     limit = runner.config.max_model_len
     if limit is not None and max(query_lens) > limit:
         raise ValueError(f"synthetic batch: a sequence of {max(query_lens)} tokens is longer than max_model_len={limit}")
     return contiguous_batch(query_lens, query_lens, runner.kv_caches, runner.attn_backend, runner.info.vocab_size,
-                            first_block)
+                            first_block, num_blocks=runner.num_blocks, latent_pages=runner.latent_pages)
 
 
 def worst_case_sampling(rows: int, vocab: int, device: torch.device) -> SamplingTensors:

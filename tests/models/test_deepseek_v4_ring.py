@@ -14,7 +14,7 @@ from graphserve.engine import rank_worker
 from graphserve.engine.kv_cache import ROOT_HASH, chain_hash
 from graphserve.engine.latent_pages import latent_page_count
 from graphserve.engine.memory import plan_memory
-from graphserve.engine.startup import requested_kv_tokens
+from graphserve.engine.startup import requested_kv_tokens, synthetic_batch
 
 PAGES = 13  # 12 usable: a prompt's chunk of 16 behind a window of 8 needs 7, a decode 3
 
@@ -100,6 +100,11 @@ def test_kv_cache_gb_gives_the_plans_blocks_and_pages(v4_hf):
     cap_blocks = requested_kv_tokens(cfg, kv, running) // bs
     assert cap_blocks == plan.num_blocks
     assert latent_page_count(kv, cap_blocks + 1, bs, running, chunk) == plan.latent_pages
+    # start-up's synthetic batches on this runner: its blocks bound them, and its 32 usable pages a batch's rows
+    runner = llm.engine.core.runner
+    assert synthetic_batch(runner, [1] * 32).num_seqs == 32
+    with pytest.raises(ValueError, match="needs 33 latent pages"):
+        synthetic_batch(runner, [1] * 33)
     # a budget below the pages wanted: no split, every block keeps its page, on both paths
     small = EngineConfig(block_size=bs, chunked_prefill_size=chunk, kv_cache_gb=30 * bs * kv.bytes_per_token / (1 << 30))
     assert requested_kv_tokens(small, kv, running) == 30 * bs
