@@ -4,11 +4,14 @@ batching with chunked prefill, a prefix-cache hit and preemption by recompute, a
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from model_utils import engine_greedy, hf_greedy, random_prompts
 from test_deepseek_v4 import _checkpoint, _config
 
 from graphserve import LLM
+from graphserve.analysis.doctor import diagnose_lines
 from graphserve.config import EngineConfig
 from graphserve.engine import rank_worker
 from graphserve.engine.kv_cache import ROOT_HASH, chain_hash
@@ -61,10 +64,11 @@ def test_greedy_tokens_match_transformers_with_latent_pages_for_windows_only(v4_
     bm.check_no_leak()
 
 
-def test_preemption_by_recompute_when_pages_run_short(v4_hf, monkeypatch):
+def test_preemption_by_recompute_when_pages_run_short(v4_hf, monkeypatch, caplog):
     """7 usable pages and blocks to spare: three prompts (8, 8 and 12 tokens) take 2 + 2 + 3 pages in one chunk of
     32; the two short ones' next tokens cross into new blocks, and the newest request is preempted for its pages,
-    then recomputed: transformers' tokens all the same."""
+    then recomputed: transformers' tokens all the same. The step records, the engine's stats and its log say that
+    pages ran out, and `graphserve doctor` reads it from the log."""
     hf, folder = v4_hf
     prompts = random_prompts((8, 8, 12), seed=11)
     want = [hf_greedy(hf, p, 10) for p in prompts]
@@ -72,10 +76,22 @@ def test_preemption_by_recompute_when_pages_run_short(v4_hf, monkeypatch):
     llm = LLM(str(folder), block_size=4, chunked_prefill_size=32, dtype="float32", max_model_len=256,
               enable_prefix_caching=False)  # fmt: skip
     bm = llm.engine.core.block_manager
-    assert engine_greedy(llm, prompts, 10) == want
-    assert llm.engine.stats().num_preemptions > 0 and bm.num_usable_blocks > 1000
+    with caplog.at_level(logging.WARNING, logger="graphserve.engine.core"):
+        assert engine_greedy(llm, prompts, 10) == want
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and bm.num_usable_blocks > 1000
     bm.check_no_leak()
     assert bm.pages.num_free_pages == 7
+    assert stats.num_preemptions_for_pages == stats.num_preemptions and stats.latent_pages_total == 7
+    assert stats.latent_pages_used == 0 and stats.latent_pages_idle == 0  # no prefix cache: every page free
+    records = llm.engine.core.telemetry.records()
+    assert sum(r.preempted_for_pages for r in records) == stats.num_preemptions
+    assert all(r.latent_pages_total == 7 and 0 <= r.latent_pages_used <= 7 for r in records)
+    assert max(r.latent_pages_used for r in records) == 7  # the step that preempted left every page held
+    lines = [r.getMessage() for r in caplog.records if "for want of latent pages" in r.getMessage()]
+    assert lines and "of 7 latent pages held by running windows" in lines[0]
+    found = {f.kind: f for f in diagnose_lines(lines)}
+    assert set(found) == {"latent_pages_short"} and "--max-running-requests" in found["latent_pages_short"].flags[0]
 
 
 def test_kv_cache_gb_gives_the_plans_blocks_and_pages(v4_hf):

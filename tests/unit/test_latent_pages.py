@@ -123,6 +123,9 @@ def test_a_running_request_short_of_a_page_preempts_the_newest():
     assert bm.pages.num_free_pages == 0 and all(q.status.name == "RUNNING" for q in seqs)
     out = _step(s)
     assert out.preempted == [seqs[2]] and seqs[2].block_table == [] and s.num_preemptions == 1
+    # the reason the step and the scheduler keep: pages, with blocks to spare
+    assert out.preempted_for_pages == s.num_preemptions_for_pages == 1 and bm.short_of == "latent pages"
+    assert bm.page_counts() == (6, 0, 7) and bm.num_free_blocks > 50
     assert [len(_held(bm, q)) for q in seqs[:2]] == [3, 3]
     while s.num_unfinished:
         _step(s)
@@ -247,3 +250,23 @@ def test_a_synthetic_batch_is_sized_by_the_blocks_and_the_pages_given_not_by_the
     # the pages without the blocks: refused, the latents tensor being no block count
     with pytest.raises(ValueError, match="needs the pool's num_blocks"):
         contiguous_batch([1], [1], caches, None, 50, latent_pages=6)
+
+
+def test_a_preemption_for_blocks_is_not_counted_for_pages():
+    """Pages to spare, 6 usable blocks: two prompts of 12 tokens take 3 blocks each, the first one's next token
+    needs a fourth, and the newest is preempted for a block."""
+    bm = _manager(num_blocks=7, pages=40, prefix=False)
+    s = _scheduler(bm, chunk=32)
+    a, b = _seq("a", list(range(1, 13)), 6), _seq("bb", list(range(20, 32)), 6)
+    s.add(a)
+    s.add(b)
+    _step(s)
+    out = _step(s)
+    assert out.preempted == [b] and bm.short_of == "blocks"
+    assert out.preempted_for_pages == s.num_preemptions_for_pages == 0 and s.num_preemptions == 1
+    used, idle, total = bm.page_counts()
+    assert used == len(_held(bm, a)) > 0 and (idle, total) == (0, 39)
+    while s.num_unfinished:
+        _step(s)
+    bm.check_no_leak()
+    assert BlockManager(8, BS).page_counts() == (0, 0, 0)  # no latent pages: nothing to count
