@@ -3,7 +3,8 @@ wrong and which flag to turn.
 
 It reads the step lines (graphserve and SGLang share ``Decode batch, #running-req: ...``; vLLM
 prints ``Avg generation throughput: ... Running: N reqs``), CUDA-graph capture lines and the
-server-args dump, PyTorch OOM messages and preemption warnings, graphserve's start-up
+server-args dump, PyTorch OOM messages and preemption warnings (graphserve's when DeepSeek-V4's latent pages, not
+KV blocks, ran out, and the pages' usage on its step line), graphserve's start-up
 calibration of decode batches above the largest captured size, and its warnings of kernels compiled
 after ready; NCCL's INFO lines (``NCCL_DEBUG=INFO``), ``nvidia-smi topo -m`` pasted into the log and
 graphserve's all-reduce topology and table (distributed/allreduce_choice.py), to name an all-reduce over PCIe
