@@ -39,7 +39,7 @@ def test_page_gauges_move_with_a_running_request_and_step_records_carry_them(ser
     assert (used, total) == (0, USABLE_PAGES)
     assert metrics(url)["graphserve:num_preemptions_latent_pages_total"] == 0
     model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    body = {"model": model, "prompt": list(range(10, 50)), "max_tokens": 40, "ignore_eos": True,
+    body = {"model": model, "prompt": list(range(10, 50)), "max_tokens": 120, "ignore_eos": True,
             "temperature": 0.0}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         started: concurrent.futures.Future = concurrent.futures.Future()
