@@ -3,7 +3,8 @@ wrong and which flag to turn.
 
 It reads the step lines (graphserve and SGLang share ``Decode batch, #running-req: ...``; vLLM
 prints ``Avg generation throughput: ... Running: N reqs``), CUDA-graph capture lines and the
-server-args dump, PyTorch OOM messages and preemption warnings, graphserve's start-up
+server-args dump, PyTorch OOM messages and preemption warnings (graphserve's when DeepSeek-V4's latent pages, not
+KV blocks, ran out, and the pages' usage on its step line), graphserve's start-up
 calibration of decode batches above the largest captured size, and its warnings of kernels compiled
 after ready; NCCL's INFO lines (``NCCL_DEBUG=INFO``), ``nvidia-smi topo -m`` pasted into the log and
 graphserve's all-reduce topology and table (distributed/allreduce_choice.py), to name an all-reduce over PCIe
@@ -41,6 +42,9 @@ OOM = re.compile(r"(?:CUDA out of memory|OutOfMemoryError).*?Tried to allocate "
 OOM_FREE = re.compile(r"of which " + NUM + r" (GiB|MiB|KiB) is free")
 PREEMPT = re.compile(r"is preempted by PreemptionMode|Decode out of memory happened|#retracted_req|retract(?:ed)? \d+ req",
                      re.I)
+# engine/core.py's line when latent pages (DeepSeek-V4), not KV blocks, ran out; and the step line's page fields
+PAGE_PREEMPT = re.compile(r"preempted (\d+) request\(s\) for want of latent pages")
+PAGE_USAGE = re.compile(r"latent page usage: " + NUM)
 CAPTURE_FAIL = re.compile(r"capture (?:cuda|CUDA) graph failed|CUDA graph capture failed|failed to capture (?:cuda|CUDA)",
                           re.I)
 UNIT = {"GiB": 1.0, "MiB": 1 / 1024, "KiB": 1 / 1024**2}
@@ -234,6 +238,25 @@ def _kv_and_queue(steps: list[StepLine], lines: list[str]) -> list[Finding]:
     return out
 
 
+def _latent_pages(lines: list[str]) -> Finding | None:
+    """Latent pages (DeepSeek-V4's window latents, a resource beside the KV blocks) ran out: preemptions for them
+    while blocks were free, or step lines with nearly every page held by running windows."""
+    pre = [(i, ln.rstrip()) for i, ln in enumerate(lines, 1) if PAGE_PREEMPT.search(ln)]
+    full = [(i, ln.rstrip()) for i, ln in enumerate(lines, 1)
+            if DECODE.search(ln) and (m := PAGE_USAGE.search(ln)) and float(m.group(1)) >= 0.95]
+    if not pre and not full:
+        return None
+    title = (f"{len(pre)} preemption lines for want of latent pages, not KV blocks" if pre
+             else f"latent pages full on {len(full)} step lines (latent page usage ≥ 0.95)")
+    return Finding("latent_pages_short", "error" if len(pre) >= 10 else "warning", title,
+                   "The running requests' windows hold every latent page while KV blocks are free: the pages, sized "
+                   "for the windows of --max-running-requests at --chunked-prefill-size (twice over, for cached "
+                   "prefixes), are what the pool lacks, not blocks.",
+                   ["--max-running-requests (set it to the concurrency served: the pages are sized for it)",
+                    "--chunked-prefill-size (lower it)", "--kv-cache-gb / --mem-fraction-static (raise it)"],
+                   _evidence(sorted(pre + full)))
+
+
 def _oversize_costs(steps: list[StepLine], lines: list[str]) -> Finding | None:
     """graphserve measured at start-up how much faster a graph captured at the running size would be."""
     hit = next(((i, ln.rstrip(), m) for i, ln in enumerate(lines, 1) if (m := OVERSIZE_COSTS.search(ln))), None)
@@ -355,6 +378,8 @@ def diagnose_lines(lines: list[str]) -> list[Finding]:
     if costs := _oversize_costs(steps, lines):
         findings.append(costs)
     findings += _kv_and_queue(steps, lines)
+    if pages := _latent_pages(lines):
+        findings.append(pages)
     if plat := _plateau(steps):
         findings.append(plat)
     if pcie := _pcie_all_reduce(steps, lines):

@@ -20,7 +20,7 @@ import torch
 
 from graphserve.analysis.plan_answer import answer
 from graphserve.config import FP4_LOAD_AS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, default_cuda_graph_sizes
-from graphserve.engine.memory import RESERVE_BYTES, gib, plan_memory
+from graphserve.engine.memory import RESERVE_BYTES, gib, plan_memory, wanted_latent_pages
 from graphserve.errors import BadRequestError, ModelLoadError, bad_field
 from graphserve.layers.kv_layout import with_block_size, with_cache_dtype
 from graphserve.layers.quant.config import parse_quantization_config, quantized_description, resolve_quantization
@@ -108,8 +108,7 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, ep: int
                      kv_parts=kv.parts(),
                      request_tokens=model.kv.held_tokens(max_len, block_size, chunked_prefill_size),
                      latent_bytes_per_token=kv.latent_bytes_per_token, latent_window=kv.latent_window or 0,
-                     latent_pages=kv.latent_pages_wanted(block_size, max_running, chunked_prefill_size)
-                     if kv.latent_window is not None else 0)  # fmt: skip
+                     latent_pages=wanted_latent_pages(kv, block_size, max_running, chunked_prefill_size))
 
     verdicts = []
     # what one request holds at once: its length, or its window where every layer is windowed

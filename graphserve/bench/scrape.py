@@ -29,6 +29,11 @@ _NAMES = {
     "step_seconds_count": {"graphserve": ("step_duration_seconds_count", "step_time_seconds_count"),
                            "vllm": ("iteration_time_seconds_count", "time_per_output_token_seconds_count"),
                            "sglang": ("time_per_output_token_seconds_count",)},
+    # DeepSeek-V4's latent pages, a resource beside the KV blocks (graphserve only)
+    "latent_pages_used": {"graphserve": ("latent_pages_used",)},
+    "latent_pages_idle": {"graphserve": ("latent_pages_idle",)},
+    "latent_pages_total": {"graphserve": ("latent_pages_total",)},
+    "preemptions_for_latent_pages": {"graphserve": ("num_preemptions_latent_pages_total",)},
 }
 _LOOKUP = {f"{eng}:{n}": key for key, per in _NAMES.items() for eng, names in per.items() for n in names}
 

@@ -176,7 +176,16 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            **self._page_stats(),
         )
+
+    def _page_stats(self) -> dict[str, int]:
+        bm = self.block_manager
+        if bm.pages is None:
+            return {}
+        used, idle, total = bm.page_counts()
+        return dict(latent_pages_used=used, latent_pages_idle=idle, latent_pages_total=total,
+                    num_preemptions_for_pages=self.scheduler.num_preemptions_for_pages)
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
@@ -189,6 +198,8 @@ class EngineCore:
             outputs += self._admit_compiled()
         start = time.perf_counter()
         sched = self.scheduler.schedule()
+        if sched.preempted_for_pages:
+            self._log_page_preemption(sched.preempted_for_pages)
         for seq in sched.failed:
             outputs.append(CoreOutput.of(seq, [], error=seq.error))
             self._forget(seq)
@@ -209,6 +220,15 @@ class EngineCore:
         elif self._inflight is None and not outputs:
             self.structured.wait()  # only requests waiting for their grammar: sleep on the compile, not spin
         return outputs
+
+    def _log_page_preemption(self, n: int) -> None:
+        """Which resource ran out, for `graphserve doctor` (analysis/doctor.py reads this line): latent pages, with
+        KV blocks to spare."""
+        bm = self.block_manager
+        used, idle, total = bm.page_counts()
+        logger.warning("preempted %d request(s) for want of latent pages, not KV blocks: %d of %d latent pages held by "
+                       "running windows, %d idle with cached prefixes; %d of %d KV blocks free", n, used, total, idle,
+                       bm.num_free_blocks, bm.num_usable_blocks)  # fmt: skip
 
     def _admit_compiled(self) -> list[CoreOutput]:
         """Schedule the requests whose grammar is compiled; fail those whose compile failed or timed out."""
@@ -352,5 +372,6 @@ class EngineCore:
         self._step_id += 1
         gc_total = self._gc_clock.total_ms  # read once: a collection between two reads would be lost
         gc_ms, self._gc_ms_seen = gc_total - self._gc_ms_seen, gc_total
+        bm = self.block_manager
         self.telemetry.record(step.record(self._step_id, (now - start) * 1000.0, len(self.scheduler.running),
-                                          len(self.scheduler.waiting), self.block_manager.usage(), gc_ms))
+                                          len(self.scheduler.waiting), bm.usage(), gc_ms, bm.page_counts()))

@@ -32,9 +32,9 @@ class InFlightStep:
     host_ms: tuple[float, float] = (0.0, 0.0)  # host time scheduling it, then enqueueing its forward and sampling
 
     def record(self, step_id: int, step_ms: float, running: int, waiting: int, kv_usage: float,
-               gc_ms: float) -> StepRecord:
-        """The step's record; ``running``, ``waiting``, ``kv_usage``: the engine's state once its ids are in;
-        ``gc_ms``: the collector's time in the step's interval."""
+               gc_ms: float, pages: tuple[int, int, int] = (0, 0, 0)) -> StepRecord:
+        """The step's record; ``running``, ``waiting``, ``kv_usage``, ``pages`` (latent pages used, idle, usable):
+        the engine's state once its ids are in; ``gc_ms``: the collector's time in the step's interval."""
         sched, shape = self.sched, self.shape
         load = ExpertLoadProbe.read(self.expert_load)
         moe = {} if load is None else vars(load)  # its fields are the record's names
@@ -60,5 +60,9 @@ class InFlightStep:
             gc_ms=gc_ms,
             schedule_ms=self.host_ms[0],
             launch_ms=self.host_ms[1],
+            latent_pages_used=pages[0],
+            latent_pages_idle=pages[1],
+            latent_pages_total=pages[2],
+            preempted_for_pages=sched.preempted_for_pages,
             **moe,
         )

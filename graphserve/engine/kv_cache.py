@@ -73,6 +73,8 @@ class BlockManager:
         self.hit_tokens = 0
         self.events: list[tuple] | None = None  # cache events since the last take_events; None: not recorded
         self.pages: LatentPages | None = None
+        # what the last refused allocate_slots lacked: "blocks" or "latent pages" (the preemption it causes says so)
+        self.short_of: str | None = None
         if latent_pages is not None:
             if latent_window is None or latent_window < 1 or window is not None:
                 raise ValueError(f"latent pages need a latent window >= 1 (got {latent_window}) and no block window "
@@ -100,6 +102,13 @@ class BlockManager:
 
     def usage(self) -> float:
         return self.num_used_blocks / self.num_usable_blocks
+
+    def page_counts(self) -> tuple[int, int, int]:
+        """Latent pages (held by running windows, idle with cached prefixes, usable); zeros without them."""
+        pages = self.pages
+        if pages is None:
+            return 0, 0, 0
+        return pages.num_held_pages, pages.num_idle_pages, pages.num_usable_pages
 
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
@@ -234,11 +243,13 @@ class BlockManager:
         if needed <= 0:
             return True
         if needed > self.num_free_blocks:
+            self.short_of = "blocks"
             return False
         pages = self.pages
         if pages is not None:
             self.release_outside_window(seq)  # the pages behind the chunk's first query go back before new ones
             if needed > pages.num_free_pages:
+                self.short_of = "latent pages"
                 return False
         for _ in range(needed):
             block = self._new_block()

@@ -51,6 +51,16 @@ class LatentPages:
         """Pages a block can be given: never used, or idle in the prefix cache."""
         return len(self.free_pages) + len(self.idle)
 
+    @property
+    def num_idle_pages(self) -> int:
+        """Pages no window covers, kept with their cached blocks for a prefix hit (taken back first when short)."""
+        return len(self.idle)
+
+    @property
+    def num_held_pages(self) -> int:
+        """Pages the windows of running sequences hold: what a new block cannot take."""
+        return self.num_usable_pages - self.num_free_pages
+
     def first_needed(self, position: int) -> int:
         """The first block the window of a query at ``position`` reads."""
         return max(0, position - self.window + 1) // self.block_size

@@ -19,7 +19,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from graphserve.layers.kv_layout import KVLayout
 
 GiB = 1024**3
 # Kept free inside the static budget for cuBLAS/cuDNN workspaces, allocator fragmentation and the CUDA
@@ -111,6 +114,44 @@ class MemoryPlan:
         return d
 
 
+@dataclass(frozen=True)
+class KVSplit:
+    """A KV byte budget as blocks and, where a layout pages its latents apart, the latent pages beside them."""
+
+    num_blocks: int  # the dummy block not counted
+    latent_pages: int  # the dummy page included; 0: no split, every block keeps its own page
+    block_bytes_per_token: int  # a block's bytes a token: without the latent where split
+
+
+def split_kv_bytes(pool_bytes: int, kv_bytes_per_token: int, block_size: int, latent_bytes_per_token: int = 0,
+                   latent_pages: int = 0) -> KVSplit:
+    """``pool_bytes`` as blocks of ``block_size`` at ``kv_bytes_per_token`` (which counts the latent too) and, where
+    ``latent_bytes_per_token`` is paged apart, ``latent_pages`` (wanted, the dummy page included) first (module
+    docstring). The one place a byte budget turns into blocks: the plan, start-up's cut to free memory,
+    --kv-cache-gb and the CPU pool all come here, so a budget gives the same blocks and pages whichever path sizes it."""
+    if pool_bytes <= 0 or kv_bytes_per_token <= 0:
+        return KVSplit(0, 0, kv_bytes_per_token)
+    split = kv_bytes_per_token - latent_bytes_per_token
+    if latent_bytes_per_token and split > 0:  # (nothing but latents: nothing to split them from)
+        blocks = (pool_bytes - latent_pages * block_size * latent_bytes_per_token) // (split * block_size)
+        # fewer blocks than the pages wanted: no split, every block gets a page (engine/latent_pages.latent_page_count)
+        if blocks + 1 > latent_pages:
+            return KVSplit(int(blocks), latent_pages, split)
+    return KVSplit(int(pool_bytes // kv_bytes_per_token // block_size), 0, kv_bytes_per_token)
+
+
+def wanted_latent_pages(layout: KVLayout, block_size: int, max_running: int, chunk: int) -> int:
+    """The latent pages a layout's pool is given first (``KVLayout.latent_pages_wanted``); 0 where its latents are
+    paged with its blocks."""
+    return layout.latent_pages_wanted(block_size, max_running, chunk) if layout.latent_window is not None else 0
+
+
+def split_layout_bytes(pool_bytes: int, layout: KVLayout, block_size: int, max_running: int, chunk: int) -> KVSplit:
+    """``split_kv_bytes`` for ``layout`` (counted at ``block_size``) with the pages ``max_running`` windows want."""
+    return split_kv_bytes(pool_bytes, layout.bytes_per_token, block_size, layout.latent_bytes_per_token,
+                          wanted_latent_pages(layout, block_size, max_running, chunk))
+
+
 def _refusal(total: int, frac: float, fixed: int, kv_pool: int, kv_tokens: int, need_tokens: int,
              kv_bytes_per_token: int, weights: int, graph_pool: int, max_model_len: int, tp: int,
              windowed: bool = False) -> str:
@@ -159,16 +200,8 @@ def plan_memory(total_bytes: int, mem_fraction_static: float, weights_bytes: int
     static = int(total_bytes * mem_fraction_static)
     fixed = weights_bytes + act + graph_pool_bytes + reserve_bytes
     kv_pool = static - fixed
-    kv_tokens = 0
-    if kv_pool > 0 and kv_bytes_per_token > 0:
-        kv_tokens = (kv_pool // kv_bytes_per_token) // block_size * block_size
-    pages, block_bytes = 0, kv_bytes_per_token
-    split = kv_bytes_per_token - latent_bytes_per_token
-    if latent_bytes_per_token and kv_pool > 0 and split > 0:  # (nothing but latents: nothing to split them from)
-        blocks = (kv_pool - latent_pages * block_size * latent_bytes_per_token) // (split * block_size)
-        # fewer blocks than the pages wanted: no split, every block gets a page (engine/latent_pages.latent_page_count)
-        if blocks + 1 > latent_pages:
-            pages, block_bytes, kv_tokens = latent_pages, split, blocks * block_size
+    pool = split_kv_bytes(kv_pool, kv_bytes_per_token, block_size, latent_bytes_per_token, latent_pages)
+    pages, block_bytes, kv_tokens = pool.latent_pages, pool.block_bytes_per_token, pool.num_blocks * block_size
     held = max_model_len if request_tokens is None else min(request_tokens, max_model_len)
     need_tokens = math.ceil(held / block_size) * block_size
     fits = kv_tokens >= need_tokens

@@ -50,9 +50,9 @@ def start_runner(config: EngineConfig, loaded: LoadedModel, device: torch.device
                         "the KV pool is the smallest any rank affords", config.tp, config.ep)
         gpu = start_gpu(config, loaded, device, max_model_len)
         return RunnerStart(gpu.runner, gpu.plan, gpu.max_running_requests)
-    num_blocks = agree(cpu_kv_tokens(config, loaded.info) // config.block_size + 1)  # + the dummy block
-    pages = latent_page_count(loaded.info.kv, num_blocks, config.block_size,
-                              config.max_running_requests or CPU_MAX_RUNNING_REQUESTS, config.chunked_prefill_size)
+    max_running = config.max_running_requests or CPU_MAX_RUNNING_REQUESTS
+    num_blocks = agree(cpu_kv_tokens(config, loaded.info, max_running) // config.block_size + 1)  # + the dummy block
+    pages = latent_page_count(loaded.info.kv, num_blocks, config.block_size, max_running, config.chunked_prefill_size)
     return RunnerStart(ModelRunner(config, loaded, num_blocks, device, pages), None, None)
 
 

@@ -29,6 +29,7 @@ import torch
 from graphserve.distributed.comm import TALLY
 from graphserve.engine.expert_load import ExpertLoadProbe
 from graphserve.engine.graphs import GraphRunner, split_sizes
+from graphserve.engine.memory import split_layout_bytes
 from graphserve.engine.sampling_inputs import tensors_from_rows
 from graphserve.engine.seq_rows import BatchRows, SequenceRows
 from graphserve.engine.staging import HostStaging
@@ -54,14 +55,20 @@ CPU_DEFAULT_KV_TOKENS = 64 * 1024
 CPU_KV_MEMORY_SHARE = 0.25
 
 
-def cpu_kv_tokens(config: EngineConfig, info: ModelInfo) -> int:
-    """KV capacity in tokens on CPU: --num-kv-tokens, else --kv-cache-gb, else 64k capped by memory."""
-    per_token = info.kv_bytes_per_token
+def cpu_kv_tokens(config: EngineConfig, info: ModelInfo, max_running: int) -> int:
+    """KV capacity in tokens on CPU: --num-kv-tokens, else --kv-cache-gb, else 64k capped by memory. Bytes become
+    blocks as the GPU plan makes them (engine/memory.split_kv_bytes): where the latents are paged apart, the pages of
+    ``max_running`` windows come out of the bytes first."""
     if config.num_kv_tokens is not None:
         return config.num_kv_tokens
+
+    def tokens(pool_bytes: int) -> int:
+        return split_layout_bytes(pool_bytes, info.kv, config.block_size, max_running,
+                                  config.chunked_prefill_size).num_blocks * config.block_size  # fmt: skip
+
     if config.kv_cache_gb is not None:
-        return max(config.block_size, int(config.kv_cache_gb * 1024**3 // per_token))
-    affordable = int(psutil.virtual_memory().available * CPU_KV_MEMORY_SHARE // per_token)
+        return max(config.block_size, tokens(int(config.kv_cache_gb * 1024**3)))
+    affordable = tokens(int(psutil.virtual_memory().available * CPU_KV_MEMORY_SHARE))
     return max(config.block_size, min(CPU_DEFAULT_KV_TOKENS, affordable))
 
 

@@ -40,6 +40,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    preempted_for_pages: int = 0  # of ``preempted``, those that went for want of latent pages, not blocks
     failed: list[Sequence] = field(default_factory=list)  # cannot fit in the KV pool even alone
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
@@ -68,6 +69,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # kept in arrival order
         self.num_preemptions = 0
+        self.num_preemptions_for_pages = 0  # of num_preemptions, those for want of latent pages (DeepSeek-V4)
 
     # ---- queue ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -117,6 +119,9 @@ class Scheduler:
                 out.failed.append(seq)
                 return False
             self._preempt(victim, out)
+            if self.block_manager.short_of == "latent pages":
+                out.preempted_for_pages += 1
+                self.num_preemptions_for_pages += 1
             sched = scheduled_ids.pop(victim.seq_id, None)
             if sched is not None:
                 out.scheduled.remove(sched)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -28,12 +29,15 @@ from graphserve.config import EngineConfig
 from graphserve.distributed.comm import agree
 from graphserve.engine.graphs import GiB, GraphRunner
 from graphserve.engine.latent_pages import latent_page_count
-from graphserve.engine.memory import RESERVE_BYTES, MemoryPlan, plan_memory
+from graphserve.engine.memory import RESERVE_BYTES, MemoryPlan, plan_memory, split_layout_bytes, wanted_latent_pages
 from graphserve.engine.runner import ModelRunner
 from graphserve.errors import ConfigError
 from graphserve.layers.forward_batch import ForwardBatch, contiguous_batch
 from graphserve.layers.sampler import SamplingTensors
 from graphserve.models.loader import LoadedModel
+
+if TYPE_CHECKING:
+    from graphserve.layers.kv_layout import KVLayout
 
 logger = logging.getLogger("graphserve.startup")
 
@@ -86,12 +90,16 @@ def resolve_batch_limits(config: EngineConfig) -> tuple[list[int], int]:
     return sizes, limit
 
 
-def requested_kv_tokens(config: EngineConfig, kv_bytes_per_token: int) -> int | None:
-    """An explicit KV size from --num-kv-tokens or --kv-cache-gb: on GPU, an upper bound on the plan."""
+def requested_kv_tokens(config: EngineConfig, layout: KVLayout, max_running: int) -> int | None:
+    """An explicit KV size from --num-kv-tokens or --kv-cache-gb: on GPU, an upper bound on the plan. The bytes of
+    --kv-cache-gb are split as the plan splits its pool (engine/memory.split_kv_bytes): a layout that pages its
+    latents apart gives the pages of ``max_running`` windows first and its blocks the rest."""
     if config.num_kv_tokens is not None:
         return config.num_kv_tokens
     if config.kv_cache_gb is not None:
-        return int(config.kv_cache_gb * (1 << 30)) // kv_bytes_per_token
+        pool = split_layout_bytes(int(config.kv_cache_gb * (1 << 30)), layout, config.block_size, max_running,
+                                  config.chunked_prefill_size)  # fmt: skip
+        return pool.num_blocks * config.block_size
     return None
 
 
@@ -107,13 +115,14 @@ def mixed_step_lens(chunk: int, max_running: int, max_model_len: int) -> list[in
 
 
 def synthetic_batch(runner: ModelRunner, query_lens: list[int], first_block: int = 1) -> ForwardBatch:
-    """Fresh sequences (no cached prefix) on consecutive blocks of ``runner``'s pool; none may be longer
-    than the runner's max_model_len (the model's rotary table ends there)."""
+    """Fresh sequences (no cached prefix) on consecutive blocks of ``runner``'s pool, each block with a latent page
+    where the latents are paged apart; none may be longer than the runner's max_model_len (the model's rotary table
+    ends there)."""
     limit = runner.config.max_model_len
     if limit is not None and max(query_lens) > limit:
         raise ValueError(f"synthetic batch: a sequence of {max(query_lens)} tokens is longer than max_model_len={limit}")
     return contiguous_batch(query_lens, query_lens, runner.kv_caches, runner.attn_backend, runner.info.vocab_size,
-                            first_block)
+                            first_block, num_blocks=runner.num_blocks, latent_pages=runner.latent_pages)
 
 
 def worst_case_sampling(rows: int, vocab: int, device: torch.device) -> SamplingTensors:
@@ -251,7 +260,7 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
         mixed += index_scores
         parts.append(("indexer scores", index_scores))
     kv = loaded.info.kv
-    pages = kv.latent_pages_wanted(cfg.block_size, max_running, chunk) if kv.latent_window is not None else 0
+    pages = wanted_latent_pages(kv, cfg.block_size, max_running, chunk)
     plan = plan_memory(total, cfg.mem_fraction_static, weights, [mixed, decode], pool, RESERVE_BYTES + workspace,
                        loaded.info.kv_bytes_per_token, cfg.block_size, max_model_len, max_running,
                        activation_parts=parts, request_tokens=held, kv_parts=kv.parts(),
@@ -264,8 +273,7 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
                           param="mem_fraction_static")
     free, _ = torch.cuda.mem_get_info(device)
     headroom = free - max(mixed, decode) - pool - RESERVE_BYTES
-    headroom -= plan.latent_pool_bytes  # latent pages apart from the blocks (0 without)
-    num_blocks = min(plan.num_blocks, max(0, headroom) // (plan.block_bytes_per_token * cfg.block_size))
+    num_blocks = min(plan.num_blocks, split_layout_bytes(headroom, kv, cfg.block_size, max_running, chunk).num_blocks)
     if num_blocks < plan.num_blocks:
         logger.warning("KV pool cut from %d to %d blocks: only %.2f GiB free on the device (another process?)",
                        plan.num_blocks, num_blocks, free / GiB)
@@ -275,7 +283,7 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
                 f"less than one request of --max-model-len {max_model_len}; free the GPU or lower --max-model-len",
                 param="max_model_len")
 
-    cap = requested_kv_tokens(cfg, plan.kv_bytes_per_token)
+    cap = requested_kv_tokens(cfg, kv, max_running)
     if cap is not None and cap // cfg.block_size < num_blocks:
         logger.info("KV pool capped by --num-kv-tokens/--kv-cache-gb at %d tokens (the plan allows %d)",
                     cap, num_blocks * cfg.block_size)

@@ -46,6 +46,11 @@ class StepRecord:
     layer_max_expert_load: list[int] | None = None  # per MoE layer, its busiest expert's pairs
     layer_routed_pairs: list[int] | None = None  # per MoE layer, the (token, slot) pairs routed
     replica: int = 0  # which --dp replica ran the step (the server sets it as the record arrives)
+    # latents paged apart (DeepSeek-V4, engine/latent_pages.py), after the step; all 0 for other models
+    latent_pages_used: int = 0  # held by running sequences' windows
+    latent_pages_idle: int = 0  # held by cached prefixes no window covers (taken back first when short)
+    latent_pages_total: int = 0  # usable pages (the dummy page not counted)
+    preempted_for_pages: int = 0  # of ``preempted``, those for want of latent pages rather than KV blocks
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -60,6 +65,11 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # latents paged apart (StepRecord's fields of the same names); 0 for other models
+    latent_pages_used: int = 0
+    latent_pages_idle: int = 0
+    latent_pages_total: int = 0
+    num_preemptions_for_pages: int = 0
 
 
 class Telemetry:

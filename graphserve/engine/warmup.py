@@ -209,6 +209,6 @@ def prefix_hits(d: _Driver, block_size: int, max_prompt: int, full: bool) -> Non
 def _reset_counters(core: Any) -> None:
     core.prompt_tokens_total = 0
     core.generation_tokens_total = 0
-    core.scheduler.num_preemptions = 0
+    core.scheduler.num_preemptions = core.scheduler.num_preemptions_for_pages = 0
     bm = core.block_manager
     bm.hit_tokens = bm.queried_tokens = 0

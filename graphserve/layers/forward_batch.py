@@ -72,17 +72,31 @@ def contiguous_batch(
     attn_backend: StepAttention | None,
     vocab_size: int,
     first_block: int = 1,
+    *,
+    num_blocks: int | None = None,
+    latent_pages: int | None = None,
 ) -> ForwardBatch:
     """A synthetic batch on consecutive blocks, for start-up profiling and benchmarks.
 
     Sequence i holds ``context_lens[i]`` tokens after the step, the last ``query_lens[i]`` of them
     new; its blocks follow the previous sequence's, starting at ``first_block``. Input ids are
     random in ``[0, vocab_size)``; the cache contents are whatever the pool holds.
+
+    ``num_blocks``: the pool's blocks, the dummy block included; None: the first cache's, which only a pool whose
+    first cache is indexed by block has (K/V, an MLA latent, a latent allocated one page a block). ``latent_pages``:
+    where the latents are paged apart (layers/kv_layout.py ``latent_window``, allocated with a page count, which
+    ``num_blocks`` must then give), their pages, the dummy page included: every block past the dummy stands for a
+    page, as a running sequence's newest block holds one, so no batch is built that the block manager could never
+    run (a decode batch of more rows than usable pages).
     """
     if len(query_lens) != len(context_lens) or any(q < 1 or q > c for q, c in zip(query_lens, context_lens)):
         raise ValueError(f"need 1 <= query_len <= context_len per sequence, got {query_lens} / {context_lens}")
     cache = kv_caches[0]  # [2, blocks, block_size, heads, dim] (K/V) or [blocks, block_size, 1, dim] (latent)
-    num_blocks, block_size = (cache.shape[1], cache.shape[2]) if cache.dim() == 5 else (cache.shape[0], cache.shape[1])
+    block_size = cache.shape[2] if cache.dim() == 5 else cache.shape[1]
+    if num_blocks is None:
+        if latent_pages is not None:  # the first cache holds the pages, not the blocks
+            raise ValueError(f"latent_pages={latent_pages} needs the pool's num_blocks too")
+        num_blocks = cache.shape[1] if cache.dim() == 5 else cache.shape[0]
     device = kv_caches[0].device
     tables, slots, positions, qsl = [], [], [], [0]
     block = first_block
@@ -96,6 +110,10 @@ def contiguous_batch(
         qsl.append(qsl[-1] + q)
     if block > num_blocks:
         raise ValueError(f"the synthetic batch needs {block} blocks, the pool has {num_blocks}")
+    paged = block - max(first_block, 1)  # blocks past the dummy
+    if latent_pages is not None and paged > latent_pages - 1:
+        raise ValueError(f"the synthetic batch needs {paged} latent pages (one a block past the dummy), the pool has "
+                         f"{latent_pages - 1} besides the dummy page")
     width = max(len(t) for t in tables)
     if all(q == 1 for q in query_lens):
         mode = "decode"

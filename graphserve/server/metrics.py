@@ -49,6 +49,18 @@ COUNTERS = (
     ("prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total"),
     ("generation_tokens", "Tokens generated.", "generation_tokens_total"),
 )
+# Latents paged apart from the blocks (DeepSeek-V4, engine/latent_pages.py): a second resource a request can run out
+# of. Exported only by a model that has them.
+PAGE_GAUGES = (
+    ("latent_pages_used", "Latent pages held by running requests' windows.", "latent_pages_used", True),
+    ("latent_pages_idle", "Latent pages held by cached prefixes no running window covers (taken back first).",
+     "latent_pages_idle", True),
+    ("latent_pages_total", "Usable latent pages (beside the KV blocks).", "latent_pages_total", False),
+)
+PAGE_COUNTERS = (
+    ("num_preemptions_latent_pages", "Of num_preemptions, those for want of latent pages rather than KV blocks.",
+     "num_preemptions_for_pages"),
+)
 
 
 class _EngineStatsCollector(Collector):
@@ -83,10 +95,11 @@ class _EngineStatsCollector(Collector):
         if not rows:
             return
         # A dead engine runs nothing and holds nothing: its last snapshot must not read as 20 running forever.
-        for name, doc, field, zero_when_dead in GAUGES:
+        paged = any(getattr(s, "latent_pages_total", 0) for _, s, _ in rows)
+        for name, doc, field, zero_when_dead in GAUGES + (PAGE_GAUGES if paged else ()):
             yield family(GaugeMetricFamily, name, doc, [
                 (label, float(getattr(s, field)) if alive or not zero_when_dead else 0.0) for label, s, alive in rows])
-        for name, doc, field in COUNTERS:
+        for name, doc, field in COUNTERS + (PAGE_COUNTERS if paged else ()):
             yield family(CounterMetricFamily, name, doc, [(label, float(getattr(s, field))) for label, s, _ in rows])
 
 

@@ -26,6 +26,13 @@ def format_decode_line(
     )
 
 
+def format_page_fields(used: int, idle: int, total: int) -> str:
+    """The latent pages' part of the step line (a model that pages its latents apart), after SGLang's fields so its
+    tools read the line as theirs: the pages running windows hold, their share, and those idle with cached
+    prefixes."""
+    return f", #latent-page: {used}, latent page usage: {used / max(total, 1):.2f}, #idle-latent-page: {idle}"
+
+
 class StepLogger:
     """Telemetry listener: counts decode steps and their generated tokens, logs one line per interval.
 
@@ -54,7 +61,10 @@ class StepLogger:
         throughput = self._tokens / elapsed
         self._since, self._tokens = now, 0
         kv_tokens = round(rec.kv_usage * self.kv_capacity())
-        logger.info(self.prefix + format_decode_line(rec.running, kv_tokens, rec.kv_usage, rec.graph, throughput, rec.waiting))
+        line = format_decode_line(rec.running, kv_tokens, rec.kv_usage, rec.graph, throughput, rec.waiting)
+        if rec.latent_pages_total:
+            line += format_page_fields(rec.latent_pages_used, rec.latent_pages_idle, rec.latent_pages_total)
+        logger.info(self.prefix + line)
 
 
 class JsonlStepSink:

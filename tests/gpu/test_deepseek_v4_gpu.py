@@ -279,6 +279,29 @@ def test_tiny_model_on_few_latent_pages_gives_the_tokens_of_many(tmp_path, monke
     assert few[True] == few[False] == ample[True]
 
 
+def test_tiny_model_kv_cache_gb_gives_the_plans_split(tmp_path):
+    """--kv-cache-gb caps the planned pool at the blocks and latent pages the same bytes give in the plan's split
+    (engine/memory.split_kv_bytes): the windows' pages first, the blocks the rest at the bytes a token keeps for its
+    whole context; the tokens with and without graphs alike."""
+    from graphserve.engine.memory import split_layout_bytes
+
+    _checkpoint(tmp_path, _config())
+    gb, running = 0.004, 4
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 320, (n,), generator=g).tolist() for n in (3, 40, 21)]
+
+    def split(core) -> None:  # noqa: ANN001
+        kv, bm = core.info.kv, core.block_manager
+        want = split_layout_bytes(int(gb * (1 << 30)), kv, 16, running, 16)
+        assert want.latent_pages == kv.latent_pages_wanted(16, running, 16)  # split, not one page a block
+        assert (bm.num_usable_blocks, bm.pages.num_pages) == (want.num_blocks, want.latent_pages)
+        assert want.num_blocks > int(gb * (1 << 30)) // (kv.bytes_per_token * 16)
+
+    runs = greedy_with_and_without_graphs(tmp_path, prompts, 8, check=split, max_model_len=128, kv_cache_gb=gb,
+                                          max_running_requests=running)  # fmt: skip
+    assert runs[True] == runs[False]
+
+
 @pytest.fixture
 def l6_fp32(monkeypatch):
     """dummy:deepseek-v4-flash-l6 at its attention shapes, 16 bf16-kind experts instead of 256 NVFP4 ones: fp32 fits."""

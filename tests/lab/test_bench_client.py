@@ -122,6 +122,12 @@ def test_normalize_engine_names():
               "# TYPE sglang:token_usage gauge\nsglang:token_usage 0.5\n")
     values, engine = normalize(sglang)
     assert engine == "sglang" and values == {"waiting": 5.0, "kv_usage": 0.5}
+    pages = ("# TYPE graphserve:latent_pages_used gauge\ngraphserve:latent_pages_used 12\n"
+             "# TYPE graphserve:latent_pages_total gauge\ngraphserve:latent_pages_total 40\n"
+             "# TYPE graphserve:num_preemptions_latent_pages counter\ngraphserve:num_preemptions_latent_pages_total 2\n")
+    values, engine = normalize(pages)
+    assert engine == "graphserve"
+    assert values == {"latent_pages_used": 12.0, "latent_pages_total": 40.0, "preemptions_for_latent_pages": 2.0}
 
 
 def test_random_ids_sent_as_text_as_bench_serving_sends_them():

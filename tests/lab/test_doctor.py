@@ -130,3 +130,20 @@ def test_compiles_after_ready_are_one_finding_naming_the_kernels(tmp_path, caplo
     assert f["title"] == "3 kernel compile(s) after ready (_extend_kernel, fused_moe_gemm_kernel)"
     assert [n for n, _ in f["evidence"]] == [2, 3, 4] and "stride_bt" in f["evidence"][0][1]
     assert "change:" not in doctor.format_report(rep)  # no flag to turn
+
+
+def test_latent_pages_full_on_step_lines_is_its_own_finding():
+    """DeepSeek-V4's step line carries its latent pages after SGLang's fields: the token usage is still read as the
+    blocks', and nearly every page held names the pages, not the KV pool, as what ran short."""
+    from graphserve.server.steplog import format_page_fields
+
+    def line(used: int) -> str:
+        return "[t] " + format_decode_line(4, 640, 0.31, True, 120.0, 2) + format_page_fields(used, 3, 40)
+
+    lines = [line(20), line(39), line(40)]
+    steps = doctor.parse_steps(lines)
+    assert [s.usage for s in steps] == [0.31] * 3 and [s.queue for s in steps] == [2] * 3
+    found = {f.kind: f for f in doctor.diagnose_lines(lines)}
+    assert set(found) == {"latent_pages_short"} and "latent page usage ≥ 0.95" in found["latent_pages_short"].title
+    assert [n for n, _ in found["latent_pages_short"].evidence] == [2, 3]
+    assert not doctor.diagnose_lines([line(20), line(30)])

@@ -166,6 +166,7 @@ def test_metrics_and_telemetry(server):
                  "graphserve:inter_token_latency_seconds_count", "graphserve:e2e_request_latency_seconds_count",
                  "graphserve:request_queue_time_seconds_count"):
         assert name in m, name
+    assert not [name for name in m if "latent_page" in name]  # a model without latent pages exports none
     assert m["graphserve:generation_tokens_total"] > 0 and m["graphserve:prompt_tokens_total"] > 0
     assert m["graphserve:decode_steps_total{graph=false}"] > 0
     for name in ("e2e_request_latency", "time_to_first_token", "inter_token_latency", "request_queue_time"):

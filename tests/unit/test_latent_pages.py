@@ -6,6 +6,7 @@ split of the pool between the windows' pages and the blocks."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from model_utils import apply_sampled
 
@@ -17,7 +18,8 @@ from graphserve.engine.memory import plan_memory
 from graphserve.engine.request import Sequence
 from graphserve.engine.scheduler import Scheduler
 from graphserve.kernels.paged_kv import DUMMY_BLOCK
-from graphserve.layers.kv_layout import KVLayout
+from graphserve.layers.forward_batch import contiguous_batch
+from graphserve.layers.kv_layout import CompactCache, KVLayout
 
 BS, WINDOW = 4, 8
 
@@ -121,6 +123,9 @@ def test_a_running_request_short_of_a_page_preempts_the_newest():
     assert bm.pages.num_free_pages == 0 and all(q.status.name == "RUNNING" for q in seqs)
     out = _step(s)
     assert out.preempted == [seqs[2]] and seqs[2].block_table == [] and s.num_preemptions == 1
+    # the reason the step and the scheduler keep: pages, with blocks to spare
+    assert out.preempted_for_pages == s.num_preemptions_for_pages == 1 and bm.short_of == "latent pages"
+    assert bm.page_counts() == (6, 0, 7) and bm.num_free_blocks > 50
     assert [len(_held(bm, q)) for q in seqs[:2]] == [3, 3]
     while s.num_unfinished:
         _step(s)
@@ -223,3 +228,45 @@ def test_the_pages_wanted_cover_every_running_window_and_a_chunk_twice():
     assert layout.latent_bytes_per_token == 2 * 16 * 2 and layout.latent_map_index == 2
     assert latent_page_count(layout, 1000, BS, 3, 16) == 33 and latent_page_count(layout, 20, BS, 3, 16) == 20
     assert latent_page_count(KVLayout("latent", 2, 1, 16, torch.bfloat16), 1000, BS, 3, 16) is None
+
+
+def test_a_synthetic_batch_is_sized_by_the_blocks_and_the_pages_given_not_by_the_latents_tensor():
+    """The latents tensor has the pages, not the blocks: a synthetic batch takes both counts from its caller, fits
+    the blocks (compact pages, the map) whatever the pages, and never needs more pages than the pool has."""
+    layout = KVLayout("latent", 2, 1, 16, torch.float32, compact=(CompactCache(4, 8, 16),), row_dtype=torch.float32,
+                      block_size=BS, latent_window=WINDOW)
+    caches = layout.allocate(8, BS, "cpu", latent_pages=20)  # more pages than blocks: the latents tensor says 20
+    assert caches[0].shape[0] == 20 and caches[layout.latent_map_index].shape[0] == 8
+    with pytest.raises(ValueError, match="needs 11 blocks, the pool has 8"):
+        contiguous_batch([1] * 10, [1] * 10, caches, None, 50, num_blocks=8, latent_pages=20)
+    batch = contiguous_batch([1] * 7, [1] * 7, caches, None, 50, num_blocks=8, latent_pages=20)
+    assert batch.block_tables.flatten().tolist() == list(range(1, 8))
+    # fewer pages than blocks: a decode batch of more rows than usable pages is refused, naming the pages
+    caches = layout.allocate(64, BS, "cpu", latent_pages=6)
+    with pytest.raises(ValueError, match="needs 6 latent pages .* has 5 besides the dummy page"):
+        contiguous_batch([1] * 6, [1] * 6, caches, None, 50, num_blocks=64, latent_pages=6)
+    batch = contiguous_batch([1, 3], [1, 9], caches, None, 50, num_blocks=64, latent_pages=6)  # 1 + 3 blocks
+    assert batch.block_tables.tolist() == [[1, DUMMY_BLOCK, DUMMY_BLOCK], [2, 3, 4]]
+    # the pages without the blocks: refused, the latents tensor being no block count
+    with pytest.raises(ValueError, match="needs the pool's num_blocks"):
+        contiguous_batch([1], [1], caches, None, 50, latent_pages=6)
+
+
+def test_a_preemption_for_blocks_is_not_counted_for_pages():
+    """Pages to spare, 6 usable blocks: two prompts of 12 tokens take 3 blocks each, the first one's next token
+    needs a fourth, and the newest is preempted for a block."""
+    bm = _manager(num_blocks=7, pages=40, prefix=False)
+    s = _scheduler(bm, chunk=32)
+    a, b = _seq("a", list(range(1, 13)), 6), _seq("bb", list(range(20, 32)), 6)
+    s.add(a)
+    s.add(b)
+    _step(s)
+    out = _step(s)
+    assert out.preempted == [b] and bm.short_of == "blocks"
+    assert out.preempted_for_pages == s.num_preemptions_for_pages == 0 and s.num_preemptions == 1
+    used, idle, total = bm.page_counts()
+    assert used == len(_held(bm, a)) > 0 and (idle, total) == (0, 39)
+    while s.num_unfinished:
+        _step(s)
+    bm.check_no_leak()
+    assert BlockManager(8, BS).page_counts() == (0, 0, 0)  # no latent pages: nothing to count
