@@ -29,7 +29,7 @@ BUDGET_S = 480.0
 # hold ~500 of the suite's ~890 tests in the ~5 minutes the measured ones leave of its ~25.
 ESTIMATE_BASE_S = 10.0
 ESTIMATE_PER_TEST_S = 1.0
-# Each file runs in its own Python (interpreter, torch, CUDA context and graphserve imports) before pytest's clock starts.
+# Each file runs in its own Python (interpreter, torch, CUDA context, graphserve imports) before pytest's clock starts.
 STARTUP_S = 10.0
 
 _MODULE_GPUS = re.compile(r"^pytestmark\s*=\s*pytest\.mark\.skipif\(\s*torch\.cuda\.device_count\(\)\s*<\s*(\d+)", re.M)

@@ -35,7 +35,9 @@ from pathlib import Path
 from benchmarks import gpu_shards as gs
 
 RESULTS = gs.REPO / "benchmarks" / "results" / "gpu_tests"
-DEADLINE_S = 570.0  # of the command's 600 s: past it no file starts, and a running one is cut off, so the record lands
+# Of the command's 600 s: past it no file starts and a running one is cut off (up to 15 s to end its processes), so
+# the record lands with the stamp's ~10 s before it.
+DEADLINE_S = 540.0
 MIN_TIMEOUT_S = 120.0
 MIN_START_S = 30.0  # a file started with less left would only be cut off: its process start alone takes ~10 s
 _STAMP = ("import json, torch; from graphserve.tuning.timing import environment; e = environment(); "
@@ -49,7 +51,8 @@ def stamp(python: str = sys.executable) -> dict:
     child so this process never holds a CUDA context beside the tests'."""
     proc = subprocess.run([python, "-c", _STAMP], cwd=gs.REPO, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
-        raise SystemExit(f"cannot stamp the run: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}")
+        why = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        raise SystemExit(f"cannot stamp the run: {why}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -100,7 +103,7 @@ def parse_progress(log: str) -> dict:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -145,7 +148,8 @@ def run_file(rel: str, cwd: Path, log_dir: Path, timeout_s: float, python: str =
         status = "crashed"
     return {"file": Path(rel).name, "status": status, **counts, "failed_ids": [f["id"] for f in counts["failures"]],
             "tests": tests, "seconds": round(wall, 1),
-            "timeout_s": round(timeout_s), "returncode": rc, "log": str(log), "junit": str(junit) if junit.exists() else None,
+            "timeout_s": round(timeout_s), "returncode": rc, "log": str(log),
+            "junit": str(junit) if junit.exists() else None,
             **({"log_tail": text[-2000:]} if status in ("crashed", "timeout") else {})}
 
 
@@ -159,8 +163,8 @@ def run_shard(files: list[str], estimates: dict[str, float], environment: dict, 
               not_run_reason: str | None = None, min_timeout_s: float = MIN_TIMEOUT_S,
               min_start_s: float = MIN_START_S) -> tuple[Path, dict]:
     """Run ``files`` one process each, in order, each under min(max(min_timeout_s, 3 x its estimate), the time
-    left before ``deadline_s``); files the deadline leaves less than ``min_start_s`` for, or all of them where ``not_run_reason`` says
-    why, are recorded "not run". The record is rewritten after every file."""
+    left before ``deadline_s``); files the deadline leaves less than ``min_start_s`` for, or all of them where
+    ``not_run_reason`` says why, are recorded "not run". The record is rewritten after every file."""
     start = time.monotonic()
     path = out_dir / record_name(environment, group, index, total)
     log_dir = out_dir / "logs" / path.stem
@@ -201,7 +205,8 @@ def _parse_shard(text: str) -> tuple[int, int | None]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m benchmarks.gpu_tests", description=__doc__.split("\n")[0])
     ap.add_argument("--shard", help="I/N: the I-th of N shards (1-based); with --budget-s, I alone")
-    ap.add_argument("--budget-s", type=float, help=f"pack into as few shards as keep each within this (default {gs.BUDGET_S:.0f} s for over-budget checks)")
+    ap.add_argument("--budget-s", type=float,
+                    help=f"pack into as few shards as keep each within this (--shard I/N: {gs.BUDGET_S:.0f} s, notes)")
     ap.add_argument("--group", choices=("single", "multi"), default="single",
                     help="single: files that run on one GPU; multi: files that skip below 2 GPUs")
     ap.add_argument("--list", action="store_true", help="print the files, their estimates and the packing; run nothing")
@@ -218,13 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         from benchmarks.gpu_tests_report import report_main
 
-        return report_main(args.report, args.markdown, args.tests_dir, args.durations if args.update_durations else None)
+        return report_main(args.report, args.markdown, args.tests_dir,
+                           args.durations if args.update_durations else None)
 
     tests_dir = args.tests_dir.resolve()
     durations = gs.load_durations(args.durations)
     files = [f for f in gs.gpu_test_files(tests_dir) if gs.group_of(tests_dir / f) == args.group]
     est = gs.estimates(files, durations, tests_dir)
-    index, total = _parse_shard(args.shard) if args.shard else (None, None)
+    try:
+        index, total = _parse_shard(args.shard) if args.shard else (None, None)
+    except ValueError:
+        ap.error(f"--shard {args.shard}: expected I/N (e.g. 2/5), or I with --budget-s")
     if total is not None and args.budget_s is not None:
         ap.error("give --shard I/N, or --budget-s S with --shard I, not both")
     if not args.list and (index is None or (total is None and args.budget_s is None)):
@@ -244,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {f:40s} {est[f]:6.0f} s  {entry['source']}")
         return 0
     if not 1 <= index <= len(shards):
-        ap.error(f"--shard {index}: the {args.group} files pack into {len(shards)} shard(s), numbered 1 to {len(shards)}")
+        ap.error(f"--shard {index}: the {args.group} files pack into {len(shards)} shard(s), 1 to {len(shards)}")
     shard = shards[index - 1]
     environment = stamp()
     needed = max([gs.gpus_needed(tests_dir / f) for f in shard.files], default=1)

@@ -49,42 +49,46 @@ def merge(records: list[dict]) -> dict[str, dict]:
 def cell(res: dict | None, newest: str) -> str:
     if res is None or res["status"] in ("not run", "pending"):
         return "not run" + (f" ({res['reason']})" if res and res.get("reason") else "")
-    s, n = res["status"], res.get("tests", 0)
+    s, n, bad = res["status"], res.get("tests", 0), res["failed"] + res["errors"]
     skipped = f", {res['skipped']} skipped" if res.get("skipped") and s != "skipped" else ""
     text = {"passed": f"pass {res['passed']}{skipped}",
-            "failed": f"**FAIL** {res['failed'] + res['errors']} of {n}{skipped}",
+            "failed": f"**FAIL** {bad} of {n}{skipped}",
             "skipped": f"skipped (all {n})",
-            "timeout": f"**TIMEOUT** at {res.get('timeout_s')} s ({res['passed']} passed, {res['failed'] + res['errors']} "
-                       f"failed of {res.get('collected', '?')})",
+            "timeout": f"**TIMEOUT** at {res.get('timeout_s')} s ({res['passed']} passed, {bad} failed of "
+                       f"{res.get('collected', '?')})",
             "crashed": f"**CRASHED** (exit {res.get('returncode')})",
             "no tests": "no tests"}[s]
     return text + (f" @{res['commit']}" if res["commit"] != newest else "")
 
 
+def _summary(results: list[dict]) -> str:
+    got = Counter("not run" if r["status"] == "pending" else r["status"] for r in results)
+    passed = sum(r.get("passed", 0) for r in results)
+    bad = sum(r.get("failed", 0) + r.get("errors", 0) for r in results)
+    return ", ".join(f"{k} {v}" for k, v in sorted(got.items())) + f"; tests: {passed} passed, {bad} failed"
+
+
 def markdown(cards: dict[str, dict], files: list[str]) -> str:
     names = sorted(cards)
     rows = sorted(set(files) | {f for c in cards.values() for f in c["files"]})
-    lines = ["| file | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|",
+    per_card = {n: [cards[n]["files"].get(f, {"file": f, "status": "not run"}) for f in rows] for n in names}
+    lines = [f"`tests/gpu` by card: {len(rows)} files.", "",
+             "| file | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|",
              "| commit | " + " | ".join(", ".join(cards[n]["commits"]) for n in names) + " |"]
     for f in rows:
-        lines.append(f"| {f} | " + " | ".join(cell(cards[n]["files"].get(f), cards[n]["commits"][0]) for n in names) + " |")
-    summary = []
+        cells = [cell(cards[n]["files"].get(f), cards[n]["commits"][0]) for n in names]
+        lines.append(f"| {f} | " + " | ".join(cells) + " |")
+    lines.append("| **files** | " + " | ".join(_summary(per_card[n]) for n in names) + " |")
     for n in names:
-        got = Counter(cards[n]["files"].get(f, {"status": "not run"})["status"] for f in rows)
-        got["not run"] += got.pop("pending", 0)
-        tests = sum(cards[n]["files"].get(f, {}).get("passed", 0) for f in rows)
-        bad = sum(cards[n]["files"].get(f, {}).get("failed", 0) + cards[n]["files"].get(f, {}).get("errors", 0) for f in rows)
-        summary.append(", ".join(f"{k} {v}" for k, v in sorted(got.items()) if v) + f"; tests: {tests} passed, {bad} failed")
-    lines.append("| **files** | " + " | ".join(summary) + " |")
-    out = [f"`tests/gpu` by card: {len(rows)} files.", "", *lines]
-    for n in names:
-        failing = [(f, x) for f in rows for x in cards[n]["files"].get(f, {}).get("failures", [])]
-        stuck = [(f, cards[n]["files"][f]) for f in rows if cards[n]["files"].get(f, {}).get("status") in ("timeout", "crashed")]
+        failing = [x for r in per_card[n] for x in r.get("failures", [])]
+        stuck = [r for r in per_card[n] if r["status"] in ("timeout", "crashed")]
         if failing or stuck:
-            out += ["", f"Failing on {n}:"]
-            out += [f"- `{x['id']}` ({x['kind']}){': ' + x['message'].splitlines()[0] if x['message'] else ''}" for _, x in failing]
-            out += [f"- `{f}` {r['status']}" + (f", in `{r['cut_off_in']}`" if r.get("cut_off_in") else "") for f, r in stuck]
-    return "\n".join(out) + "\n"
+            lines += ["", f"Failing on {n}:"]
+            lines += [f"- `{x['id']}` ({x['kind']})" + (f": {x['message'].splitlines()[0]}" if x["message"] else "")
+                      for x in failing]
+            lines += [f"- `{r['file']}` {r['status']}" + (f", in `{r['cut_off_in']}`" if r.get("cut_off_in") else "")
+                      for r in stuck]
+    return "\n".join(lines) + "\n"
 
 
 def report_main(paths: list[Path], md_path: Path | None, tests_dir: Path, durations_path: Path | None) -> int:
