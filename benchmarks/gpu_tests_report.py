@@ -72,7 +72,7 @@ def markdown(cards: dict[str, dict], files: list[str]) -> str:
     names = sorted(cards)
     rows = sorted(set(files) | {f for c in cards.values() for f in c["files"]})
     per_card = {n: [cards[n]["files"].get(f, {"file": f, "status": "not run"}) for f in rows] for n in names}
-    lines = [f"`tests/gpu` by card: {len(rows)} files.", "",
+    lines = [f"`tests/gpu` by card: {len(rows)} file(s).", "",
              "| file | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|",
              "| commit | " + " | ".join(", ".join(cards[n]["commits"]) for n in names) + " |"]
     for f in rows:

@@ -165,7 +165,7 @@ def _record(card: str, commit: str, started: str, files: list[dict]) -> dict:
 def _res(file: str, status: str, passed: int = 0, failed: int = 0, skipped: int = 0, **kw) -> dict:
     failures = [{"id": f"tests/gpu/{file}::test_{i}", "kind": "failure", "message": "boom\nmore"} for i in range(failed)]
     return {"file": file, "status": status, "passed": passed, "failed": failed, "skipped": skipped, "errors": 0,
-            "tests": passed + failed + skipped, "failures": failures, **kw}
+            "tests": passed + failed + skipped, "failures": failures, "seconds": 40.0, "pytest_seconds": 30.0, **kw}
 
 
 def test_the_report_merges_two_cards(tmp_path):
@@ -192,7 +192,7 @@ def test_the_report_merges_two_cards(tmp_path):
     for name in ("test_a.py", "test_b.py", "test_c.py", "test_d.py"):
         (tests_dir / name).write_text("")
     md = tmp_path / "REPORT.md"
-    rc = gpu_tests_report.report_main([h100, h200], md, tests_dir, None)
+    rc = gpu_tests_report.report_main([h100, h200], md, tests_dir, tmp_path / "durations.json")
     text = md.read_text()
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in text.splitlines() if line.startswith("| ")}
     assert rows["file"] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200 |"]
@@ -203,3 +203,6 @@ def test_the_report_merges_two_cards(tmp_path):
     assert rows["test_d.py"] == ["not run", "not run |"]
     assert "Failing on NVIDIA H200:" in text and "- `tests/gpu/test_a.py::test_1` (failure): boom" in text
     assert "Failing on NVIDIA H100" not in text and rc == 1
+    durations = json.loads((tmp_path / "durations.json").read_text())["files"]
+    assert durations["test_a.py"]["card"] == "NVIDIA H200" and durations["test_a.py"]["seconds"] == 30.0  # newest run
+    assert durations["test_c.py"]["source"] == "measured: timed out, a floor" and durations["test_c.py"]["seconds"] == 40
