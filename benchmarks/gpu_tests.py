@@ -263,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(os.environ.get("OUT") or RESULTS)
     print(f"{environment['device']} at {environment['commit']}: shard {index}/{len(shards)} ({args.group}), "
           f"{len(shard.files)} file(s), {shard.seconds:.0f} s estimated", flush=True)
-    path, record = run_shard(list(shard.files), est, environment, out, group=args.group, index=index,
+    # shortest first: a file that overruns its estimate then cuts off only itself at the deadline, not those after it
+    order = sorted(shard.files, key=lambda f: (est[f], f))
+    path, record = run_shard(order, est, environment, out, group=args.group, index=index,
                              total=len(shards), tests_dir=tests_dir, deadline_s=args.deadline_s,
                              cwd=gs.REPO if gs.REPO in tests_dir.parents else tests_dir.parent,
                              not_run_reason=reason)
