@@ -33,6 +33,7 @@ from graphserve.engine.memory import split_layout_bytes
 from graphserve.engine.sampling_inputs import tensors_from_rows
 from graphserve.engine.seq_rows import BatchRows, SequenceRows
 from graphserve.engine.staging import HostStaging
+from graphserve.engine.step_sync import StepSender, apply_latent_updates
 from graphserve.kernels.paged_kv import DUMMY_BLOCK
 from graphserve.layers.attention import TorchAttentionBackend
 from graphserve.layers.forward_batch import ForwardBatch
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
     from graphserve.engine.latent_pages import LatentPages
     from graphserve.engine.request import Sequence
     from graphserve.engine.scheduler import SchedulerOutput
-    from graphserve.engine.step_sync import StepSender
     from graphserve.layers.attention_backend import AttentionBackend
     from graphserve.models.loader import LoadedModel, ModelInfo
 
@@ -318,7 +318,3 @@ class ModelRunner:
         return tensors_from_rows(sr.floats[rows.rows], sr.ints[rows.rows], rows.num_outputs, seqs,
                                          vocab_size, self.info.eos_token_ids, self.device, self.staging.upload)
 
-
-def apply_latent_updates(latent_map: torch.Tensor, pairs: torch.Tensor) -> None:
-    """``latent_map[block] = page`` for each row of ``pairs [n, 2]``, in place (a captured graph reads this tensor)."""
-    latent_map.index_copy_(0, pairs[:, 0], pairs[:, 1].to(latent_map.dtype))

@@ -71,8 +71,6 @@ class StepReceiver:
         input_ids, positions, slots, logits_idx, qsl, seq_lens, tables, updates = payload.split(
             [t, t, t, b, b + 1, b, b * w, 2 * n])
         if n:
-            from graphserve.engine.runner import apply_latent_updates
-
             apply_latent_updates(self.latent_map, updates.view(n, 2))
         return ForwardBatch(
             mode=_MODES[mode], input_ids=input_ids, positions=positions, slot_mapping=slots,
@@ -80,3 +78,8 @@ class StepReceiver:
             logits_indices=logits_idx, max_query_len=max_q, max_seq_len=max_s,
             kv_caches=self.kv_caches, attn_backend=self.attn_backend,
         )
+
+
+def apply_latent_updates(latent_map: torch.Tensor, pairs: torch.Tensor) -> None:
+    """``latent_map[block] = page`` for each row of ``pairs [n, 2]``, in place (a captured graph reads this tensor)."""
+    latent_map.index_copy_(0, pairs[:, 0], pairs[:, 1].to(latent_map.dtype))
