@@ -230,4 +230,5 @@ def test_token_id_list_past_the_context_is_refused_before_walking_it(server):
     body = json.dumps({"prompt": [7] * 3_000_000, "max_tokens": 1}).encode()
     resp, worst = _health_latency_while(server, lambda: post(server, "/v1/completions", body))
     assert_error(resp, 400, "prompt.token_ids", "3000000 token ids", "max_model_len=512")
-    assert worst < 0.5, worst
+    # walking the ids held the loop for seconds; the JSON parse alone takes a few hundred ms on a loaded 2-core box
+    assert worst < 1.0, worst
