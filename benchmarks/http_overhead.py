@@ -70,18 +70,29 @@ def step_timeline(records: list[dict[str, Any]], start: float, end: float, concu
     time, mean batch, and seconds from ``start`` until the running batch first reached ``concurrency``; then the
     decode-only steps apart (count, mean step_ms, mean batch) and the seconds of the others (prefill, mixed): the
     mean step of all holds both, and the two sides prefill in different chunks (offline admits a whole wave at
-    once, the server its requests as they arrive)."""
+    once, the server its requests as they arrive). Of the others also their mean step_ms, prefill tokens, and
+    the host's share of a step (schedule_ms + launch_ms, telemetry.py): an eager step whose launch takes about its
+    whole step_ms waited on the host, so a server whose such steps launch slower than offline's lost host time
+    (the engine's CPU, or a core shared with the front-end and clients), one that launches as fast lost it on
+    the device."""
     steps = [r for r in records if start <= r["time"] <= end]
     wall = max(end - start, 1e-9)
     full = next((r["time"] - start for r in steps if r["batch_size"] >= concurrency), None)
     decode = [r for r in steps if r.get("kind") == "decode"]
+    other = [r for r in steps if r.get("kind") != "decode"]
+
+    def mean(rs: list[dict[str, Any]], key: str) -> float:
+        return statistics.fmean(r.get(key, 0.0) for r in rs) if rs else 0.0
     return {"steps": len(steps), "busy": sum(r["step_ms"] for r in steps) / 1000 / wall,
             "mean_batch": statistics.fmean(r["batch_size"] for r in steps) if steps else 0.0,
             "mean_step_ms": statistics.fmean(r["step_ms"] for r in steps) if steps else 0.0,
             "full_after_s": full, "decode_steps": len(decode),
             "decode_step_ms": statistics.fmean(r["step_ms"] for r in decode) if decode else 0.0,
             "decode_batch": statistics.fmean(r["batch_size"] for r in decode) if decode else 0.0,
-            "other_s": sum(r["step_ms"] for r in steps if r.get("kind") != "decode") / 1000}
+            "other_s": sum(r["step_ms"] for r in other) / 1000, "other_steps": len(other),
+            "other_step_ms": mean(other, "step_ms"), "other_prefill_tokens": mean(other, "prefill_tokens"),
+            "other_schedule_ms": mean(other, "schedule_ms"), "other_launch_ms": mean(other, "launch_ms"),
+            "other_gc_ms": mean(other, "gc_ms")}
 
 
 def read_step_log(path: str) -> list[dict[str, Any]]:
@@ -347,7 +358,11 @@ def main() -> int:
               f"{h['mean_batch']:.1f}/{o['mean_batch']:.1f}, mean step {h['mean_step_ms']:.2f}/{o['mean_step_ms']:.2f} ms, "
               f"full after {h['full_after_s']}/{o['full_after_s']} s; decode steps {h['decode_steps']}/"
               f"{o['decode_steps']} of {h['decode_step_ms']:.2f}/{o['decode_step_ms']:.2f} ms at batch "
-              f"{h['decode_batch']:.1f}/{o['decode_batch']:.1f}, other steps {h['other_s']:.2f}/{o['other_s']:.2f} s; "
+              f"{h['decode_batch']:.1f}/{o['decode_batch']:.1f}, other steps {h['other_s']:.2f}/{o['other_s']:.2f} s "
+              f"({h['other_steps']}/{o['other_steps']} of {h['other_step_ms']:.1f}/{o['other_step_ms']:.1f} ms, "
+              f"{h['other_prefill_tokens']:.0f}/{o['other_prefill_tokens']:.0f} prefill tokens, schedule+launch "
+              f"{h['other_schedule_ms'] + h['other_launch_ms']:.1f}/{o['other_schedule_ms'] + o['other_launch_ms']:.1f}"
+              " ms); "
               "client processes started within "
               f"{r['client_start_spread_s'] * 1000:.0f} ms")
     for e in extras:
