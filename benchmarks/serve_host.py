@@ -46,6 +46,15 @@ from graphserve.sampling_params import SamplingParams
 _LOGITS: dict[tuple[int, int], torch.Tensor] = {}
 
 
+def run_delay_s() -> float:
+    """Seconds this thread has spent runnable but waiting for a core (the kernel's schedstat; 0 where absent)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except OSError:
+        return 0.0
+
+
 def instrument(eager_ops: int = 0) -> None:
     """Swap every runner's forward for fixed random logits of the right shape, and stamp each step record with
     the process's CPU time and its thread's (``cpu_s``, ``thread_cpu_s``) and the count of writes the step loop
@@ -64,6 +73,7 @@ def instrument(eager_ops: int = 0) -> None:
     def stamped(self, rec):
         rec.cpu_s, rec.thread_cpu_s = time.process_time(), time.thread_time()  # pickled with the record
         rec.sender_tails = tails[0]
+        rec.run_delay_s = run_delay_s()
         record(self, rec)
 
     telemetry.Telemetry.record = stamped

@@ -82,11 +82,21 @@ def summary(records: list[Any], wall_s: float) -> dict[str, float]:
             "prefill_tok_per_step": sum(b.prefill_tokens for _, b in other) / n,
             "other_thread_cpu_ms": sum(thread_cpu) / n,
             "other_off_cpu_ms": sum(b.step_ms for _, b in other) / n - sum(thread_cpu) / n,
+            # of that off-CPU time, the part the step thread was runnable, waiting for a core: the rest it waited
+            # on something (the GIL, a lock, a read)
+            "other_run_delay_ms": 1000.0 * sum(b.run_delay_s - a.run_delay_s for a, b in other) / n,
             "other_threads_cpu_ms": (sum(proc_cpu) - sum(thread_cpu)) / n,
             "other_gc_ms": sum(b.gc_ms for _, b in other) / n,
             "sender_tails": records[-1].sender_tails - records[0].sender_tails,
             "decode_steps": len(decode),
             "decode_step_ms": statistics.fmean(r.step_ms for r in decode) if decode else 0.0}
+
+
+def pinned_engine(*a: Any, cpus: list[int] | None = None, **kw: Any) -> None:
+    """The engine process, on ``cpus`` where given."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    engine_target(*a, **kw)
 
 
 def run_offline(args: argparse.Namespace) -> dict[str, float]:
@@ -95,6 +105,9 @@ def run_offline(args: argparse.Namespace) -> dict[str, float]:
     from graphserve.engine.warmup import warm_up
 
     instrument(args.eager_ops)
+    mask = os.sched_getaffinity(0)
+    if args.engine_cpus:
+        os.sched_setaffinity(0, args.engine_cpus)
     engine = OfflineDriver(make_config(args), stream_outputs=False)  # as LLM.generate builds it
     warm_up(engine.core)
     freeze_heap()
@@ -110,7 +123,11 @@ def run_offline(args: argparse.Namespace) -> dict[str, float]:
         records = [r for r in engine.core.telemetry.records() if r.step > before]
     finally:
         gc.unfreeze()
-    return summary(records, wall)
+        os.sched_setaffinity(0, mask)
+    out = summary(records, wall)
+    out["frontend_cpu_s"] = 0.0  # the caller is the front-end, on the step loop's thread
+    out["engine_cpu_s"] = records[-1].cpu_s - records[0].cpu_s
+    return out
 
 
 class WaveFrontend:
@@ -193,8 +210,12 @@ class WaveFrontend:
 def run_server(args: argparse.Namespace, profile_path: str | None = None) -> dict[str, float]:
     from graphserve.engine.process_client import ProcessClient
 
+    mask = os.sched_getaffinity(0)
+    if args.frontend_cpus:  # before any of the front-end's threads starts: a thread inherits its creator's CPUs
+        os.sched_setaffinity(0, args.frontend_cpus)
     fe = WaveFrontend(args)
-    target = functools.partial(engine_target, profile_path=profile_path, eager_ops=args.eager_ops)
+    target = functools.partial(pinned_engine, profile_path=profile_path, eager_ops=args.eager_ops,
+                               cpus=args.engine_cpus)
     client = ProcessClient(make_config(args), fe.on_message, lambda code: fe.done.set(), target=target)
     fe.client = client
     client.start()
@@ -203,14 +224,21 @@ def run_server(args: argparse.Namespace, profile_path: str | None = None) -> dic
             raise RuntimeError("the engine process did not report ready within 600 s")
         if isinstance(fe.info["ready"], EngineLoadFailed):
             raise RuntimeError(f"the engine failed to load: {fe.info['ready'].message}")
+        cpu0 = time.process_time()
         fe.start(fe.info["ready"].info.vocab_size)
         if not fe.done.wait(600) or fe.finished < fe.total:
             raise RuntimeError(f"the server run finished {fe.finished} of {fe.total} requests")
+        frontend_cpu = time.process_time() - cpu0
     finally:
         client.shutdown()
         fe.close()
+        os.sched_setaffinity(0, mask)
     records = sorted(fe.records, key=lambda r: r.step)
-    return summary(records, fe.t1 - fe.t0)
+    out = summary(records, fe.t1 - fe.t0)
+    # the front-end's CPU over the run (tokenizing, detokenizing, the loop) against the engine's step thread
+    out["frontend_cpu_s"] = frontend_cpu
+    out["engine_cpu_s"] = records[-1].cpu_s - records[0].cpu_s
+    return out
 
 
 def main() -> None:
@@ -225,6 +253,8 @@ def main() -> None:
     p.add_argument("--prompts-as", choices=("ids", "text"), default="text")
     p.add_argument("--repeats", type=int, default=3, help="offline/server run pairs; medians are reported")
     p.add_argument("--profile", action="store_true", help="cProfile the server's engine process (one extra run)")
+    p.add_argument("--engine-cpus", type=int, nargs="*", default=None, help="pin the engine (both sides) here")
+    p.add_argument("--frontend-cpus", type=int, nargs="*", default=None, help="pin the server's front-end here")
     p.add_argument("--name", default="serve_waves", help="result file name under benchmarks/results")
     args = p.parse_args()
     for name in ("clients", "waves", "prompt_len", "output_len", "repeats"):
@@ -251,7 +281,8 @@ def main() -> None:
           f"{args.repeats} runs; vs_offline: other_s)")
     print_table(rows, list(rows[1]))
     payload: dict[str, Any] = {k: getattr(args, k) for k in ("model", "clients", "waves", "prompt_len", "output_len",
-                                                             "chunk", "eager_ops", "prompts_as", "repeats")}
+                                                             "chunk", "eager_ops", "prompts_as", "repeats",
+                                                             "engine_cpus", "frontend_cpus")}
     payload.update(rows=rows, runs=runs, cpus=os.cpu_count())
     if args.profile:
         with tempfile.TemporaryDirectory() as tmp:
