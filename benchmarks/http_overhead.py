@@ -261,9 +261,31 @@ def idle_ttft(base_url: str, vocab: int) -> dict[str, float]:
 
 
 def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[list[dict], list[dict]]:
-    """Offline, then one server per ``--api-server-count``, its step log in ``log_dir``."""
+    """Offline, then one server per ``--api-server-count``, its step log in ``log_dir``. With ``--engine-cpus``
+    the offline engine runs on those CPUs, and so does the server's engine (GRAPHSERVE_ENGINE_CPUS), its
+    front-ends and the clients on the others."""
+    from graphserve.engine import cpu_affinity
+
     engine_args = f"{args.engine_args} --max-running-requests {max(args.concurrency)}".strip()
-    off = run_offline(model, engine_args, args)
+    allowed = os.sched_getaffinity(0)
+    cpus = cpu_affinity.parse_cpus(args.engine_cpus) if args.engine_cpus else None
+    env = None
+    if cpus is not None:
+        cpu_affinity.set_process_cpus(cpus)
+        env = {**os.environ, cpu_affinity.ENV: args.engine_cpus}
+    try:
+        off = run_offline(model, engine_args, args)
+    finally:
+        # the client processes spawned from here inherit this
+        cpu_affinity.set_process_cpus(allowed - cpus if cpus is not None else allowed)
+    try:
+        return bench_servers(model, engine_args, off, args, log_dir, env)
+    finally:
+        cpu_affinity.set_process_cpus(allowed)
+
+
+def bench_servers(model: str, engine_args: str, off: dict[str, Any], args: argparse.Namespace, log_dir: str,
+                  env: dict[str, str] | None) -> tuple[list[dict], list[dict]]:
     rows, extras = [], []
     for count in args.api_server_count:
         extra: dict[str, Any] = {"model": model, "api_server_count": count,
@@ -271,7 +293,7 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[lis
                                  "offline_generate_256_ms": off["generate_256_ms"]}
         step_log = os.path.join(log_dir, f"{model.replace(':', '_').replace('/', '_')}_api{count}_steps.jsonl")
         server_args = ("--api-server-count", str(count), "--step-log", step_log)
-        with server(model, engine_args, server_args) as base_url:
+        with server(model, engine_args, server_args, env) as base_url:
             if not args.skip_ready_warm:
                 extra["ready_warm"] = ready_warm(base_url, off["vocab"], args)
             extra["idle"] = idle_ttft(base_url, off["vocab"])
@@ -323,6 +345,9 @@ def main() -> int:
     p.add_argument("--skip-ready-warm", action="store_true", help="skip the first-32-after-ready measurement")
     p.add_argument("--latency-only", action="store_true", help="only ready-warm and idle TTFT, no throughput rows")
     p.add_argument("--quick", action="store_true", help="256 prompts of 128 in / 128 out")
+    p.add_argument("--engine-cpus", default=None,
+                   help="CPUs for the engine alone, as taskset -c lists them (e.g. 0): the offline engine runs there, "
+                        "the server's engine too (GRAPHSERVE_ENGINE_CPUS), its front-ends and the clients elsewhere")
     p.add_argument("--step-log-dir", default=None, help="keep each server's --step-log here (default: a temp dir)")
     args = p.parse_args()
     for count in args.api_server_count:
@@ -335,6 +360,17 @@ def main() -> int:
         p.error(f"--concurrency {args.concurrency} is invalid: every level must be >= 1")
     if args.ready_max_input < 32:  # the ready-warm prompts draw from three ranges cut at 1/16 and 1/3 of it
         p.error(f"--ready-max-input {args.ready_max_input} is invalid: must be >= 32")
+    if args.engine_cpus:
+        from graphserve.engine.cpu_affinity import parse_cpus
+        from graphserve.errors import ConfigError
+
+        try:
+            cpus, allowed = parse_cpus(args.engine_cpus), os.sched_getaffinity(0)
+        except ConfigError as exc:
+            p.error(exc.message)
+        if not cpus < allowed:
+            p.error(f"--engine-cpus {args.engine_cpus} is invalid: must be some, not all, of the CPUs this process may "
+                    f"use ({sorted(allowed)})")
     if args.quick:
         args.num_prompts, args.input_len, args.output_len = 256, 128, 128
     # the throughput levels run, offline and over HTTP; --concurrency still sets the engine's running cap
@@ -380,7 +416,7 @@ def main() -> int:
         print(line)
     path = write_result(args.result_name, {
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-        "engine_args": args.engine_args, "rows": rows, "latency": extras,
+        "engine_args": args.engine_args, "engine_cpus": args.engine_cpus, "rows": rows, "latency": extras,
     })
     print(f"wrote {path}")
     print(json.dumps({"min_ratio": min((r["ratio"] for r in rows), default=None)}))
