@@ -270,22 +270,29 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[lis
     allowed = os.sched_getaffinity(0)
     cpus = cpu_affinity.parse_cpus(args.engine_cpus) if args.engine_cpus else None
     env = None
+    threads = torch.get_num_threads()
     if cpus is not None:
         cpu_affinity.set_process_cpus(cpus)
+        torch.set_num_threads(min(threads, len(cpus)))  # as the server's engine process sizes them
         env = {**os.environ, cpu_affinity.ENV: args.engine_cpus}
     try:
         off = run_offline(model, engine_args, args)
     finally:
-        # the client processes spawned from here inherit this
-        cpu_affinity.set_process_cpus(allowed - cpus if cpus is not None else allowed)
+        cpu_affinity.set_process_cpus(allowed)  # a server starts from every CPU, and keeps its engine's for it
+        torch.set_num_threads(threads)
     try:
-        return bench_servers(model, engine_args, off, args, log_dir, env)
+        return bench_servers(model, engine_args, off, args, log_dir, env, allowed - cpus if cpus else None)
     finally:
         cpu_affinity.set_process_cpus(allowed)
 
 
 def bench_servers(model: str, engine_args: str, off: dict[str, Any], args: argparse.Namespace, log_dir: str,
-                  env: dict[str, str] | None) -> tuple[list[dict], list[dict]]:
+                  env: dict[str, str] | None, client_cpus: set[int] | None) -> tuple[list[dict], list[dict]]:
+    """Each server's runs; ``client_cpus``: where this process and the client processes it spawns run while a
+    server is up (None: anywhere)."""
+    from graphserve.engine.cpu_affinity import set_process_cpus
+
+    allowed = os.sched_getaffinity(0)
     rows, extras = [], []
     for count in args.api_server_count:
         extra: dict[str, Any] = {"model": model, "api_server_count": count,
@@ -294,6 +301,8 @@ def bench_servers(model: str, engine_args: str, off: dict[str, Any], args: argpa
         step_log = os.path.join(log_dir, f"{model.replace(':', '_').replace('/', '_')}_api{count}_steps.jsonl")
         server_args = ("--api-server-count", str(count), "--step-log", step_log)
         with server(model, engine_args, server_args, env) as base_url:
+            if client_cpus is not None:
+                set_process_cpus(client_cpus)
             if not args.skip_ready_warm:
                 extra["ready_warm"] = ready_warm(base_url, off["vocab"], args)
             extra["idle"] = idle_ttft(base_url, off["vocab"])
@@ -322,6 +331,7 @@ def bench_servers(model: str, engine_args: str, off: dict[str, Any], args: argpa
                                    for r in records if t0 <= r["time"] <= t1 and r["prefill_tokens"]]
             for row, start, end in windows:
                 row["http_steps"] = step_timeline(records, start, end, row["concurrency"])
+        set_process_cpus(allowed)  # the next server starts from every CPU
         extras.append(extra)
     return rows, extras
 

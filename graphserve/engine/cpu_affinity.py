@@ -84,6 +84,10 @@ def pin_engine_process() -> None:
     except OSError as exc:  # a CPU that is offline or outside the cgroup's set
         raise ConfigError(f"{ENV}={text!r} is invalid: the engine process cannot run there ({exc})",
                           param=ENV) from exc
+    import torch
+
+    # torch's own threads sized for the whole machine would take turns on these CPUs (a CPU engine's kernels)
+    torch.set_num_threads(min(torch.get_num_threads(), len(cpus)))
 
 
 def set_process_cpus(cpus: set[int]) -> None:

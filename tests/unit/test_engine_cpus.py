@@ -8,6 +8,7 @@ import os
 import threading
 
 import pytest
+import torch
 
 from graphserve.engine import cpu_affinity
 from graphserve.errors import ConfigError
@@ -52,6 +53,7 @@ def test_the_server_leaves_the_engine_cpus_and_the_engine_takes_them(monkeypatch
     assert len(allowed) >= 2, f"this test needs 2 CPUs to split, the process may use {sorted(allowed)}"
     engine = max(allowed)
     monkeypatch.setenv(ENV, str(engine))
+    threads = torch.get_num_threads()
     started = threading.Event()
     stop = threading.Event()
     earlier = threading.Thread(target=lambda: (started.set(), stop.wait(10)))  # started before: moved as well
@@ -60,10 +62,13 @@ def test_the_server_leaves_the_engine_cpus_and_the_engine_takes_them(monkeypatch
     try:
         assert cpu_affinity.keep_server_off_engine_cpus() == {engine}
         assert os.sched_getaffinity(0) == os.sched_getaffinity(earlier.native_id) == allowed - {engine}
+        torch.set_num_threads(2)
         cpu_affinity.pin_engine_process()
         assert os.sched_getaffinity(0) == os.sched_getaffinity(earlier.native_id) == {engine}
+        assert torch.get_num_threads() == 1  # torch's threads fit the one CPU
     finally:
         cpu_affinity.set_process_cpus(allowed)
+        torch.set_num_threads(threads)
         stop.set()
         earlier.join(10)
     assert os.sched_getaffinity(0) == allowed
