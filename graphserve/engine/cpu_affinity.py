@@ -4,11 +4,13 @@ A prefill or mixed step runs eagerly, and its launches keep the host busy longer
 launch_ms for dummy:qwen3-0.6b's 256-token prefill on an H100): any thread that takes the step loop's core
 meanwhile lengthens the step by as long as it runs. Under streaming clients the front-end's busiest moment
 (tokenizing a wave of new prompts, the last events of the old ones, new connections) falls on exactly those
-steps. On CPU with an eager step's launches emulated (``python3 -m benchmarks.serve_waves``: serve_waves_free,
-_shared and _split.json), the server's prefill and mixed steps took 1.30x the offline engine's time where the
-OS placed the processes, 1.70x with the front-end on the engine's core (the step loop runnable but off its core
-4.1 ms a step), 1.21x with each on a core of its own (0.5 ms; the rest is two more steps, the wave arriving as
-it is tokenized). The engine's step thread used the same CPU time per step as offline's in every case.
+steps. On CPU with an eager step's launches emulated (``python3 -m benchmarks.serve_waves``, 64 clients, 3 waves;
+results/serve_waves_free, _shared and _split.json), the server's prefill and mixed steps took 1.32x the offline
+engine's time where the OS placed the processes, 1.70x with the front-end on the engine's core, 1.20x with each on
+a core of its own. The step thread's CPU time per step was the offline one's or less in every case, no other thread
+of the engine ran, and its time off the CPU was all spent runnable, waiting for its core (schedstat run delay:
+4.6, 4.2 and 3.0 ms a step, against 0.4 offline; on that 2-CPU machine other jobs moved onto the engine's core when
+the front-end held the other). The rest is one or two more such steps, a wave arriving as it is tokenized.
 
 The server process, before it starts a front-end or the engine, moves all its threads off the listed CPUs (the
 processes and threads it starts inherit that); the engine process moves all its threads onto them first thing.
