@@ -5,6 +5,7 @@ before it loads anything, naming the switch."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -46,3 +47,24 @@ def test_a_value_it_cannot_honour_stops_the_server_naming_the_switch():
                          env={**os.environ, ENV: every}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert f"{ENV}={every!r} is invalid: it takes all {len(allowed)} CPUs" in out.stderr
+
+
+def test_with_two_front_ends_the_engine_alone_runs_on_its_cpus(tmp_path):
+    allowed = os.sched_getaffinity(0)
+    assert len(allowed) >= 2, f"this test needs 2 CPUs to split, the process may use {sorted(allowed)}"
+    engine_cpu = min(allowed)
+    srv = ServerProcess(tmp_path, "--api-server-count", "2", env={ENV: str(engine_cpu)}).start()
+    try:
+        for _ in range(2):  # the kernel hands the connections to either front-end
+            r = httpx.post(srv.base_url + "/v1/completions", timeout=60, json={
+                "prompt": "hello", "max_tokens": 3, "ignore_eos": True, "stream": True})
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        line = re.search(r"engine process (\d+); HTTP front-end processes ([\d ]+)", srv.log())
+        assert line, srv.log()
+        engine, frontends = int(line.group(1)), [int(p) for p in line.group(2).split()]
+        assert len(frontends) == 2
+        assert all(c == {engine_cpu} for c in _thread_cpus(psutil.Process(engine)))
+        for pid in (srv.proc.pid, *frontends):  # the supervisor and each front-end
+            assert all(c == allowed - {engine_cpu} for c in _thread_cpus(psutil.Process(pid)))
+    finally:
+        srv.stop()
