@@ -22,8 +22,13 @@ step_ms over the wall time: below 1 the engine sat idle, waiting for work), ``me
 (when the running batch first reached the concurrency). Side by side they say whether an HTTP shortfall is the
 engine waiting on the server, or the engine running a different schedule (e.g. a slower admission ramp).
 
+``--engine-cpus 0`` gives the engines a CPU of their own: the offline one runs there, the server's too
+(GRAPHSERVE_ENGINE_CPUS), its front-ends and the client processes on the other CPUs. Against a run without it, it
+says whether the server's prefill and mixed steps, whose eager launches wait on the host, lose time to a core
+shared with the front-end and clients (the ``other_launch_ms`` of each row's step timelines).
+
 Run: python3 -m benchmarks.http_overhead [--models dummy:qwen3-0.6b dummy:llama3-8b] [--api-server-count 1 4]
-     [--quick]
+     [--quick] [--engine-cpus 0]
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("GRAPHSERVE_ENGINE_CPUS", None,
            "CPUs the server's engine process runs on, as `taskset -c` writes them (`0`, `0,2`, `4-7`); the HTTP "
            "front-ends are kept off them, so their tokenizing and streaming never take the core an eager prefill "
-           "step's launches wait on (graphserve/engine/cpu_affinity.py). Unset: the OS places every process."),
+           "step's launches wait on (graphserve/engine/cpu_affinity.py). Unset, or with `--engine-in-process`: the OS "
+           "places every process."),
     Switch("GRAPHSERVE_FAULT_INJECT", None,
            "Test hook: a prompt holding this marker makes the server's engine step fail, to exercise the "
            "error path."),
