@@ -72,6 +72,7 @@ BENCHMARKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "profile": ((*STEP, "graphserve/analysis"), ()),
     "roofline": (("graphserve/tuning/roofline.py",), ()),
     "serve_host": (SERVE, ()),
+    "serve_waves": (SERVE, ()),
     "step_breakdown": (STEP, ()),
     "step_host": (STEP, ()),
     "step_skeleton": (STEP, ()),

@@ -22,8 +22,13 @@ step_ms over the wall time: below 1 the engine sat idle, waiting for work), ``me
 (when the running batch first reached the concurrency). Side by side they say whether an HTTP shortfall is the
 engine waiting on the server, or the engine running a different schedule (e.g. a slower admission ramp).
 
+``--engine-cpus 0`` gives the engines a CPU of their own: the offline one runs there, the server's too
+(GRAPHSERVE_ENGINE_CPUS), its front-ends and the client processes on the other CPUs. Against a run without it, it
+says whether the server's prefill and mixed steps, whose eager launches wait on the host, lose time to a core
+shared with the front-end and clients (the ``other_launch_ms`` of each row's step timelines).
+
 Run: python3 -m benchmarks.http_overhead [--models dummy:qwen3-0.6b dummy:llama3-8b] [--api-server-count 1 4]
-     [--quick]
+     [--quick] [--engine-cpus 0]
 """
 
 from __future__ import annotations
@@ -70,18 +75,29 @@ def step_timeline(records: list[dict[str, Any]], start: float, end: float, concu
     time, mean batch, and seconds from ``start`` until the running batch first reached ``concurrency``; then the
     decode-only steps apart (count, mean step_ms, mean batch) and the seconds of the others (prefill, mixed): the
     mean step of all holds both, and the two sides prefill in different chunks (offline admits a whole wave at
-    once, the server its requests as they arrive)."""
+    once, the server its requests as they arrive). Of the others also their mean step_ms, prefill tokens, and
+    the host's share of a step (schedule_ms + launch_ms, telemetry.py): an eager step whose launch takes about its
+    whole step_ms waited on the host, so a server whose such steps launch slower than offline's lost host time
+    (the engine's CPU, or a core shared with the front-end and clients), one that launches as fast lost it on
+    the device."""
     steps = [r for r in records if start <= r["time"] <= end]
     wall = max(end - start, 1e-9)
     full = next((r["time"] - start for r in steps if r["batch_size"] >= concurrency), None)
     decode = [r for r in steps if r.get("kind") == "decode"]
+    other = [r for r in steps if r.get("kind") != "decode"]
+
+    def mean(rs: list[dict[str, Any]], key: str) -> float:
+        return statistics.fmean(r.get(key, 0.0) for r in rs) if rs else 0.0
     return {"steps": len(steps), "busy": sum(r["step_ms"] for r in steps) / 1000 / wall,
             "mean_batch": statistics.fmean(r["batch_size"] for r in steps) if steps else 0.0,
             "mean_step_ms": statistics.fmean(r["step_ms"] for r in steps) if steps else 0.0,
             "full_after_s": full, "decode_steps": len(decode),
             "decode_step_ms": statistics.fmean(r["step_ms"] for r in decode) if decode else 0.0,
             "decode_batch": statistics.fmean(r["batch_size"] for r in decode) if decode else 0.0,
-            "other_s": sum(r["step_ms"] for r in steps if r.get("kind") != "decode") / 1000}
+            "other_s": sum(r["step_ms"] for r in other) / 1000, "other_steps": len(other),
+            "other_step_ms": mean(other, "step_ms"), "other_prefill_tokens": mean(other, "prefill_tokens"),
+            "other_schedule_ms": mean(other, "schedule_ms"), "other_launch_ms": mean(other, "launch_ms"),
+            "other_gc_ms": mean(other, "gc_ms")}
 
 
 def read_step_log(path: str) -> list[dict[str, Any]]:
@@ -250,9 +266,38 @@ def idle_ttft(base_url: str, vocab: int) -> dict[str, float]:
 
 
 def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[list[dict], list[dict]]:
-    """Offline, then one server per ``--api-server-count``, its step log in ``log_dir``."""
+    """Offline, then one server per ``--api-server-count``, its step log in ``log_dir``. With ``--engine-cpus``
+    the offline engine runs on those CPUs, and so does the server's engine (GRAPHSERVE_ENGINE_CPUS), its
+    front-ends and the clients on the others."""
+    from graphserve.engine import cpu_affinity
+
     engine_args = f"{args.engine_args} --max-running-requests {max(args.concurrency)}".strip()
-    off = run_offline(model, engine_args, args)
+    allowed = os.sched_getaffinity(0)
+    cpus = cpu_affinity.parse_cpus(args.engine_cpus) if args.engine_cpus else None
+    env = None
+    threads = torch.get_num_threads()
+    if cpus is not None:
+        cpu_affinity.set_process_cpus(cpus)
+        torch.set_num_threads(min(threads, len(cpus)))  # as the server's engine process sizes them
+        env = {**os.environ, cpu_affinity.ENV: args.engine_cpus}
+    try:
+        off = run_offline(model, engine_args, args)
+    finally:
+        cpu_affinity.set_process_cpus(allowed)  # a server starts from every CPU, and keeps its engine's for it
+        torch.set_num_threads(threads)
+    try:
+        return bench_servers(model, engine_args, off, args, log_dir, env, allowed - cpus if cpus else None)
+    finally:
+        cpu_affinity.set_process_cpus(allowed)
+
+
+def bench_servers(model: str, engine_args: str, off: dict[str, Any], args: argparse.Namespace, log_dir: str,
+                  env: dict[str, str] | None, client_cpus: set[int] | None) -> tuple[list[dict], list[dict]]:
+    """Each server's runs; ``client_cpus``: where this process and the client processes it spawns run while a
+    server is up (None: anywhere)."""
+    from graphserve.engine.cpu_affinity import set_process_cpus
+
+    allowed = os.sched_getaffinity(0)
     rows, extras = [], []
     for count in args.api_server_count:
         extra: dict[str, Any] = {"model": model, "api_server_count": count,
@@ -260,7 +305,9 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[lis
                                  "offline_generate_256_ms": off["generate_256_ms"]}
         step_log = os.path.join(log_dir, f"{model.replace(':', '_').replace('/', '_')}_api{count}_steps.jsonl")
         server_args = ("--api-server-count", str(count), "--step-log", step_log)
-        with server(model, engine_args, server_args) as base_url:
+        with server(model, engine_args, server_args, env) as base_url:
+            if client_cpus is not None:
+                set_process_cpus(client_cpus)
             if not args.skip_ready_warm:
                 extra["ready_warm"] = ready_warm(base_url, off["vocab"], args)
             extra["idle"] = idle_ttft(base_url, off["vocab"])
@@ -289,6 +336,7 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> tuple[lis
                                    for r in records if t0 <= r["time"] <= t1 and r["prefill_tokens"]]
             for row, start, end in windows:
                 row["http_steps"] = step_timeline(records, start, end, row["concurrency"])
+        set_process_cpus(allowed)  # the next server starts from every CPU
         extras.append(extra)
     return rows, extras
 
@@ -312,6 +360,9 @@ def main() -> int:
     p.add_argument("--skip-ready-warm", action="store_true", help="skip the first-32-after-ready measurement")
     p.add_argument("--latency-only", action="store_true", help="only ready-warm and idle TTFT, no throughput rows")
     p.add_argument("--quick", action="store_true", help="256 prompts of 128 in / 128 out")
+    p.add_argument("--engine-cpus", default=None,
+                   help="CPUs for the engine alone, as taskset -c lists them (e.g. 0): the offline engine runs there, "
+                        "the server's engine too (GRAPHSERVE_ENGINE_CPUS), its front-ends and the clients elsewhere")
     p.add_argument("--step-log-dir", default=None, help="keep each server's --step-log here (default: a temp dir)")
     args = p.parse_args()
     for count in args.api_server_count:
@@ -324,6 +375,17 @@ def main() -> int:
         p.error(f"--concurrency {args.concurrency} is invalid: every level must be >= 1")
     if args.ready_max_input < 32:  # the ready-warm prompts draw from three ranges cut at 1/16 and 1/3 of it
         p.error(f"--ready-max-input {args.ready_max_input} is invalid: must be >= 32")
+    if args.engine_cpus:
+        from graphserve.engine.cpu_affinity import parse_cpus
+        from graphserve.errors import ConfigError
+
+        try:
+            cpus, allowed = parse_cpus(args.engine_cpus), os.sched_getaffinity(0)
+        except ConfigError as exc:
+            p.error(exc.message)
+        if not cpus < allowed:
+            p.error(f"--engine-cpus {args.engine_cpus} is invalid: must be some, not all, of the CPUs this process may "
+                    f"use ({sorted(allowed)})")
     if args.quick:
         args.num_prompts, args.input_len, args.output_len = 256, 128, 128
     # the throughput levels run, offline and over HTTP; --concurrency still sets the engine's running cap
@@ -347,7 +409,11 @@ def main() -> int:
               f"{h['mean_batch']:.1f}/{o['mean_batch']:.1f}, mean step {h['mean_step_ms']:.2f}/{o['mean_step_ms']:.2f} ms, "
               f"full after {h['full_after_s']}/{o['full_after_s']} s; decode steps {h['decode_steps']}/"
               f"{o['decode_steps']} of {h['decode_step_ms']:.2f}/{o['decode_step_ms']:.2f} ms at batch "
-              f"{h['decode_batch']:.1f}/{o['decode_batch']:.1f}, other steps {h['other_s']:.2f}/{o['other_s']:.2f} s; "
+              f"{h['decode_batch']:.1f}/{o['decode_batch']:.1f}, other steps {h['other_s']:.2f}/{o['other_s']:.2f} s "
+              f"({h['other_steps']}/{o['other_steps']} of {h['other_step_ms']:.1f}/{o['other_step_ms']:.1f} ms, "
+              f"{h['other_prefill_tokens']:.0f}/{o['other_prefill_tokens']:.0f} prefill tokens, schedule+launch "
+              f"{h['other_schedule_ms'] + h['other_launch_ms']:.1f}/{o['other_schedule_ms'] + o['other_launch_ms']:.1f}"
+              " ms); "
               "client processes started within "
               f"{r['client_start_spread_s'] * 1000:.0f} ms")
     for e in extras:
@@ -365,7 +431,7 @@ def main() -> int:
         print(line)
     path = write_result(args.result_name, {
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-        "engine_args": args.engine_args, "rows": rows, "latency": extras,
+        "engine_args": args.engine_args, "engine_cpus": args.engine_cpus, "rows": rows, "latency": extras,
     })
     print(f"wrote {path}")
     print(json.dumps({"min_ratio": min((r["ratio"] for r in rows), default=None)}))

@@ -32,14 +32,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(model: str, engine_args: str, extra: tuple[str, ...] = ()) -> Iterator[str]:
-    """The base URL of a `graphserve serve` subprocess, once /health says 200."""
+def server(model: str, engine_args: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None
+           ) -> Iterator[str]:
+    """The base URL of a `graphserve serve` subprocess, once /health says 200 (``env``: its environment, where not
+    this process's)."""
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "graphserve.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", *shlex.split(engine_args), *extra]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 900

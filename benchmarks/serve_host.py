@@ -46,24 +46,54 @@ from graphserve.sampling_params import SamplingParams
 _LOGITS: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def instrument() -> None:
+def run_delay_s() -> float:
+    """Seconds this thread has spent runnable but waiting for a core (the kernel's schedstat; 0 where absent)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except OSError:
+        return 0.0
+
+
+def instrument(eager_ops: int = 0) -> None:
     """Swap every runner's forward for fixed random logits of the right shape, and stamp each step record with
-    the process's CPU time and its thread's (``cpu_s``, ``thread_cpu_s``): this process only."""
-    from graphserve.engine import runner, telemetry
+    the process's CPU time and its thread's (``cpu_s``, ``thread_cpu_s``) and the count of writes the step loop
+    left to a sender thread so far (``sender_tails``): this process only.
+
+    ``eager_ops``: a prefill or mixed forward also runs this many one-element torch ops, each of which lets go of
+    the GIL and takes it back as a kernel launch does: on a GPU such a step is an eager forward whose host
+    launches (about 30 ms for dummy:qwen3-0.6b's 256-token prefill on an H100, the launch_ms of
+    results/http_text.json's idle steps) outlast the device's work, so any thread or process that takes the
+    step loop's GIL or core shows in the step's time, where a graph-replayed decode step hides it."""
+    from graphserve.engine import output_router, runner, telemetry
 
     record = telemetry.Telemetry.record
+    tails = [0]
 
     def stamped(self, rec):
         rec.cpu_s, rec.thread_cpu_s = time.process_time(), time.thread_time()  # pickled with the record
+        rec.sender_tails = tails[0]
+        rec.run_delay_s = run_delay_s()
         record(self, rec)
 
     telemetry.Telemetry.record = stamped
+    write_now = output_router.Sender._write_now
+
+    def counted(self, message):
+        write_now(self, message)
+        tails[0] += self._tail is not None
+
+    output_router.Sender._write_now = counted
+    scratch = torch.zeros(1)
 
     def forward_logits(self, batch):
         key = (batch.num_seqs, self.info.vocab_size)
         logits = _LOGITS.get(key)
         if logits is None:
             logits = _LOGITS[key] = torch.randn(key, generator=torch.Generator().manual_seed(0))
+        if batch.mode != "decode":
+            for _ in range(eager_ops):
+                torch.add(scratch, 1.0, out=scratch)
         self.last_shape = runner.StepShape(batch.num_seqs, False, "eager")
         self.last_comm = (0, 0)
         return logits
@@ -72,12 +102,12 @@ def instrument() -> None:
 
 
 def engine_target(config: EngineConfig, inbox: Any, outboxes: list, log_level: int, log_format: str | None,
-                  queued: Any, profile_path: str | None = None) -> None:
+                  queued: Any, profile_path: str | None = None, eager_ops: int = 0) -> None:
     """The server's engine process (serve_loop.engine_main) with the fake forward, optionally under cProfile."""
     from graphserve.engine.serve_loop import engine_main
 
     torch.set_num_threads(1)
-    instrument()
+    instrument(eager_ops)
     if profile_path is None:
         engine_main(config, inbox, outboxes, log_level, log_format, queued)
         return

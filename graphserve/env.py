@@ -46,6 +46,11 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "(unset: each size takes the path measured fastest at start-up)."),
     Switch("GRAPHSERVE_L2_PREFETCH_MB", None,
            "MB a layer that each MoE L2-prefetch link asks for, 0..48 (unset: 24 each; `0` turns both off)."),
+    Switch("GRAPHSERVE_ENGINE_CPUS", None,
+           "CPUs the server's engine process runs on, as `taskset -c` writes them (`0`, `0,2`, `4-7`); the HTTP "
+           "front-ends are kept off them, so their tokenizing and streaming never take the core an eager prefill "
+           "step's launches wait on (graphserve/engine/cpu_affinity.py). Unset, or with `--engine-in-process`: the OS "
+           "places every process."),
     Switch("GRAPHSERVE_FAULT_INJECT", None,
            "Test hook: a prompt holding this marker makes the server's engine step fail, to exercise the "
            "error path."),

@@ -24,6 +24,7 @@ from typing import Any
 
 from graphserve.config import EngineConfig
 from graphserve.engine.core_driver import CoreDriver
+from graphserve.engine.cpu_affinity import pin_engine_process
 from graphserve.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -35,6 +36,7 @@ from graphserve.engine.messages import (
     StepBatch,
 )
 from graphserve.engine.output_router import OutputRouter, Sender
+from graphserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +62,17 @@ def engine_main(config: EngineConfig, inbox: Any, outboxes: list[Connection], lo
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    refused = None
+    try:  # GRAPHSERVE_ENGINE_CPUS: before this process starts any thread, which would keep the CPUs it had
+        pin_engine_process()
+    except ConfigError as exc:
+        refused = exc.message
     senders = [Sender(outbox, i) for i, outbox in enumerate(outboxes)]
     try:
+        if refused is not None:
+            for sender in senders:
+                sender.send_message(EngineLoadFailed(refused))
+            return
         run_engine(config, inbox, senders, queued, own_process=True)
     finally:
         for sender in senders:

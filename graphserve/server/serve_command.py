@@ -8,6 +8,7 @@ import logging
 import sys
 
 from graphserve.config import EngineConfig, config_from_args
+from graphserve.engine.cpu_affinity import keep_server_off_engine_cpus
 from graphserve.errors import ConfigError, GraphserveError
 from graphserve.models.parallel_check import check_parallel
 from graphserve.server.api_servers import run_api_servers
@@ -37,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
             return run_node(config)
         guards = guard_options(args)
         _check_host_memory(config)
+        if not args.engine_in_process:  # before any thread or process starts: they inherit this process's CPUs
+            keep_server_off_engine_cpus()
         count = api_server_count(args.api_server_count, args.engine_in_process)
         if count > 1 and config.dp > 1:
             # every front-end would need a channel to every replica and the routing state shared among them
