@@ -33,6 +33,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -225,6 +226,27 @@ def print_profile(path: str, top: int = 25) -> str:
     return out.getvalue()
 
 
+
+def paired_runs(args: argparse.Namespace, offline: Callable, server: Callable, compared: str
+                ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, float]]]]:  # fmt: skip
+    """``args.repeats`` offline and server runs, alternated so a drift of the machine lands on both; one row per
+    side with each figure's median, and the server's ``vs_offline``: the median of its paired ratios of
+    ``compared``."""
+    runs: dict[str, list[dict[str, float]]] = {"offline": [], "server": []}
+    for _ in range(args.repeats):
+        runs["offline"].append(offline(args))
+        runs["server"].append(server(args))
+    rows = []
+    for path, rs in runs.items():
+        row: dict[str, Any] = {"path": path}
+        for k in rs[0]:
+            row[k] = statistics.median(r[k] for r in rs)
+        rows.append(row)
+    rows[0]["vs_offline"] = 1.0
+    rows[1]["vs_offline"] = statistics.median(srv[compared] / off[compared]
+                                              for off, srv in zip(runs["offline"], runs["server"]))
+    return rows, runs
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="builtin:tiny-llama")
@@ -237,19 +259,7 @@ def main() -> None:
     p.add_argument("--name", default="serve_host", help="result file name under benchmarks/results")
     args = p.parse_args()
     torch.set_num_threads(1)
-    runs: dict[str, list[dict[str, float]]] = {"offline": [], "server": []}
-    for _ in range(args.repeats):
-        runs["offline"].append(run_offline(args))
-        runs["server"].append(run_server(args))
-    rows = []
-    for path, rs in runs.items():
-        row: dict[str, Any] = {"path": path}
-        for k in rs[0]:
-            row[k] = statistics.median(r[k] for r in rs)
-        rows.append(row)
-    rows[0]["vs_offline"] = 1.0
-    rows[1]["vs_offline"] = statistics.median(srv["period_ms"] / off["period_ms"]
-                                              for off, srv in zip(runs["offline"], runs["server"]))
+    rows, runs = paired_runs(args, run_offline, run_server, "period_ms")
     print(f"ms per full-batch decode step (batch {args.batch}, fake forward, overlap {args.overlap}; median of "
           f"{args.repeats} runs' medians)")
     print_table(rows, list(rows[1]))

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import print_table, write_result
-from benchmarks.serve_host import engine_target, instrument, print_profile
+from benchmarks.serve_host import engine_target, instrument, paired_runs, print_profile
 from graphserve.config import EngineConfig
 from graphserve.engine.messages import EngineLoadFailed, EngineReady, StepBatch
 from graphserve.sampling_params import SamplingParams
@@ -263,19 +263,7 @@ def main() -> None:
     if args.eager_ops < 0:
         p.error(f"--eager-ops {args.eager_ops} is invalid: must be >= 0")
     torch.set_num_threads(1)
-    runs: dict[str, list[dict[str, float]]] = {"offline": [], "server": []}
-    for _ in range(args.repeats):
-        runs["offline"].append(run_offline(args))
-        runs["server"].append(run_server(args))
-    rows = []
-    for path, rs in runs.items():
-        row: dict[str, Any] = {"path": path}
-        for k in rs[0]:
-            row[k] = statistics.median(r[k] for r in rs)
-        rows.append(row)
-    rows[0]["vs_offline"] = 1.0
-    rows[1]["vs_offline"] = statistics.median(srv["other_s"] / off["other_s"]
-                                              for off, srv in zip(runs["offline"], runs["server"]))
+    rows, runs = paired_runs(args, run_offline, run_server, "other_s")
     print(f"steps with prefill tokens ({args.clients} clients x {args.waves} waves, {args.prompt_len} in / "
           f"{args.output_len} out as {args.prompts_as}, {args.eager_ops} ops per eager step; median of "
           f"{args.repeats} runs; vs_offline: other_s)")
