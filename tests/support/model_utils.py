@@ -210,6 +210,20 @@ def apply_sampled(scheduler, out, sampled: list[int]) -> list:
     return appended
 
 
+def sample_and_finish(scheduler, out, token: int = 7) -> None:
+    """Every scheduled sequence samples ``token``; those at max_tokens finish, as the engine does."""
+    for seq, _ in apply_sampled(scheduler, out, [token] * len(out.scheduled)):
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            scheduler.finish(seq, "length")
+
+
+def schedule_and_sample(scheduler, token: int = 7):
+    """One step of the scheduler with every sequence sampling ``token`` (``sample_and_finish``); its output."""
+    out = scheduler.schedule()
+    sample_and_finish(scheduler, out, token)
+    return out
+
+
 def check_paged_parity(model: torch.nn.Module, hf: torch.nn.Module, name: str, tol: float = 1e-4,
                        vocab: int = 320, decode_steps: int = 4, lengths: tuple[int, int, int] = (7, 19, 12),
                        prefix: int = 11, seed: int = 3, check_prefix: bool = True,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import apply_sampled
+from model_utils import schedule_and_sample
 
 from graphserve import SamplingParams
 from graphserve.config import EngineConfig
@@ -36,12 +36,7 @@ def _seq(rid: str, prompt: list[int], max_tokens: int = 4) -> Sequence:
     return Sequence(rid, 0, prompt, SamplingParams(max_tokens=max_tokens), seed=0, arrival_time=float(len(rid)))
 
 
-def _step(s: Scheduler):
-    out = s.schedule()
-    for seq, _ in apply_sampled(s, out, [7] * len(out.scheduled)):
-        if seq.num_output_tokens >= seq.params.max_tokens:
-            s.finish(seq, "length")
-    return out
+_step = schedule_and_sample
 
 
 def _held(bm: BlockManager, seq: Sequence) -> list[int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from model_utils import apply_sampled
+from model_utils import apply_sampled, sample_and_finish, schedule_and_sample
 
 from graphserve.config import EngineConfig
 from graphserve.engine.kv_cache import BlockManager
@@ -23,17 +23,8 @@ def _seq(rid: str, prompt_len: int, max_tokens: int = 4, t: float = 0.0, index=0
     return Sequence(rid, index, prompt, SamplingParams(max_tokens=max_tokens), seed=0, arrival_time=t, parent=parent)
 
 
-def _step(s: Scheduler):
-    out = s.schedule()
-    _apply(s, out)
-    return out
-
-
-def _apply(s: Scheduler, out) -> None:
-    """Every scheduled sequence samples token 7; those at max_tokens finish, as the engine does."""
-    for seq, _ in apply_sampled(s, out, [7] * len(out.scheduled)):
-        if seq.num_output_tokens >= seq.params.max_tokens:
-            s.finish(seq, "length")
+_step = schedule_and_sample
+_apply = sample_and_finish
 
 
 def _drain(s: Scheduler, limit: int = 500) -> list:

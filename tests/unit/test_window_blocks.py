@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import apply_sampled, engine_greedy, hf_greedy, make_hf_checkpoint, random_prompts
+from model_utils import engine_greedy, hf_greedy, make_hf_checkpoint, random_prompts, schedule_and_sample
 from transformers import MistralConfig, Qwen2Config
 
 from graphserve import LLM, SamplingParams
@@ -32,12 +32,7 @@ def _seq(rid: str, prompt_len: int, max_tokens: int, base: int = 0) -> Sequence:
     return Sequence(rid, 0, prompt, SamplingParams(max_tokens=max_tokens), seed=0, arrival_time=float(base))
 
 
-def _step(s: Scheduler):
-    out = s.schedule()
-    for seq, _ in apply_sampled(s, out, [7] * len(out.scheduled)):
-        if seq.num_output_tokens >= seq.params.max_tokens:
-            s.finish(seq, "length")
-    return out
+_step = schedule_and_sample
 
 
 def test_blocks_before_the_window_go_back_and_the_table_keeps_its_positions():
