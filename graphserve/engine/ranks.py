@@ -26,7 +26,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,6 +74,7 @@ class RankPool:
         self.restore_threads = torch.get_num_threads()  # the driver's intra-op threads before the ranks shared the host
         self._stopping = False
         self._lock = threading.Lock()
+        self._failed = threading.Event()  # set with ``failure``: what ``settle`` waits on
         self.procs: list[subprocess.Popen] = []
         level = logging.getLogger().getEffectiveLevel()
         for rank in ranks:
@@ -99,6 +99,7 @@ class RankPool:
             if self._stopping or self.failure is not None:
                 return
             self.failure = reason
+            self._failed.set()
         logger.error("%s: the engine cannot continue; stopping the other ranks", self.failure)
         self._kill_all()
         if self.exit_on_failure:
@@ -116,9 +117,7 @@ class RankPool:
         """After a failed step: a peer's death reaches the survivors' collective (a closed connection) before its
         watcher sees the exit code, so wait up to ``timeout`` s for the watcher; a lost rank then ends the engine
         (``fail``) or raises RankFailure, naming the rank, rather than leave the collective's error as the cause."""
-        deadline = time.monotonic() + timeout  # (Popen.poll cannot tell: the watcher thread holds the wait)
-        while self.failure is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self._failed.wait(timeout)  # (Popen.poll cannot tell: the watcher thread holds the wait)
         self.check()
 
     def check(self) -> None:

@@ -308,7 +308,8 @@ class ModelRunner:
         updates = self.page_source.take_updates()
         if not updates:
             return None
-        pairs = torch.tensor(updates, dtype=torch.int64).to(self.device, non_blocking=True)
+        # through the pinned ring as every per-step input: a pageable copy may wait on the stream
+        (pairs,) = self.staging.upload(np.asarray(updates, dtype=np.int64))
         apply_latent_updates(self.latent_map, pairs)
         return pairs
 
