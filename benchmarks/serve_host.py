@@ -247,6 +247,16 @@ def paired_runs(args: argparse.Namespace, offline: Callable, server: Callable, c
                                               for off, srv in zip(runs["offline"], runs["server"]))
     return rows, runs
 
+def profiled_run(args: argparse.Namespace, server: Callable) -> str:
+    """One more server run under cProfile (``server(args, profile_path=...)``); its printed summary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "engine.prof")
+        server(args, profile_path=path)
+        text = print_profile(path)
+    print(text)
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="builtin:tiny-llama")
@@ -267,12 +277,7 @@ def main() -> None:
                                "prompt_len": args.prompt_len, "overlap": args.overlap, "repeats": args.repeats,
                                "rows": rows, "runs": runs}
     if args.profile:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "engine.prof")
-            run_server(args, profile_path=path)
-            text = print_profile(path)
-        print(text)
-        payload["profile"] = text
+        payload["profile"] = profiled_run(args, run_server)
     write_result(args.name, payload)
 
 

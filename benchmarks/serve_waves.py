@@ -32,7 +32,6 @@ import functools
 import gc
 import os
 import statistics
-import tempfile
 import threading
 import time
 from typing import Any
@@ -40,7 +39,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import print_table, write_result
-from benchmarks.serve_host import engine_target, instrument, paired_runs, print_profile
+from benchmarks.serve_host import engine_target, instrument, paired_runs, profiled_run
 from graphserve.config import EngineConfig
 from graphserve.engine.messages import EngineLoadFailed, EngineReady, StepBatch
 from graphserve.sampling_params import SamplingParams
@@ -273,12 +272,7 @@ def main() -> None:
                                                              "engine_cpus", "frontend_cpus")}
     payload.update(rows=rows, runs=runs, cpus=os.cpu_count())
     if args.profile:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "engine.prof")
-            run_server(args, profile_path=path)
-            text = print_profile(path)
-        print(text)
-        payload["profile"] = text
+        payload["profile"] = profiled_run(args, run_server)
     write_result(args.name, payload)
 
 
