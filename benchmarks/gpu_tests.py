@@ -5,6 +5,9 @@ Run from the repository root on the GPU machine (nothing is installed; pytest an
     python3 -m benchmarks.gpu_tests --shard 2/5                 shard 2 of 5 of the one-GPU files
     python3 -m benchmarks.gpu_tests --budget-s 480 --shard 2    as many shards as keep each within 480 s; the 2nd
     python3 -m benchmarks.gpu_tests --group multi --shard 1/2   the files that need 2+ GPUs (skipped with fewer)
+    python3 -m benchmarks.gpu_tests --all --jobs 3              every one-GPU file, three pytest processes at a time
+    python3 -m benchmarks.gpu_tests --rerun DIR                 the files DIR's records did not see pass, one at a time
+    python3 -m benchmarks.gpu_tests --files test_a.py test_b.py these files
     python3 -m benchmarks.gpu_tests --report DIR... [--markdown PATH] [--update-durations]
 
 Each file runs in its own pytest process under its own timeout: an engine's GPU memory, a CUDA context left broken
@@ -13,6 +16,12 @@ and a file cut off by its timeout leaves the others' results whole. The cost is 
 file (``startup_s`` in the durations file, ~10 s). The record (JSON, rewritten after each file so a command killed at
 its limit still leaves one) goes to --out, default $OUT when set, else benchmarks/results/gpu_tests/; pytest's log and
 junit XML of each file go beside it under logs/.
+
+With --jobs N, N files run at once from one queue, longest first, sharing the GPU: each file's engines plan within
+0.9 / N of the card (GRAPHSERVE_GPU_MEMORY_FRACTION), so engines beside each other start. The suite then takes a
+fraction of its serial time; a failure that comes from the company (memory, a timeout) is told from a real one by
+--rerun, which runs alone the files a folder's records did not see pass. Such a record says `"jobs": N`, and its
+times, inflated by the company, never go into the durations file.
 
 The durations file changes only when asked (--update-durations): shards packed from one durations file in one call
 after another must see the same estimates, or a file moved by an update between them would run twice or never. Fold a
@@ -28,6 +37,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -39,6 +49,7 @@ RESULTS = gs.REPO / "benchmarks" / "results" / "gpu_tests"
 # the record lands with the stamp's ~10 s before it.
 DEADLINE_S = 540.0
 MIN_TIMEOUT_S = 120.0
+SHARED_MEMORY = 0.9  # --jobs N: each file's engines plan within 0.9 / N of the card
 MIN_START_S = 30.0  # a file started with less left would only be cut off: its process start alone takes ~10 s
 _STAMP = ("import json, torch; from graphserve.tuning.timing import environment; e = environment(); "
           "e['device_count'] = torch.cuda.device_count(); print(json.dumps(e))")
@@ -115,7 +126,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_file(rel: str, cwd: Path, log_dir: Path, timeout_s: float, python: str = sys.executable) -> dict:
+def run_file(rel: str, cwd: Path, log_dir: Path, timeout_s: float, python: str = sys.executable,
+             extra_env: dict[str, str] | None = None) -> dict:
     """One test file in its own pytest process (its own session, so a timeout ends the ranks and servers it
     started too): counts, failing ids, wall and pytest seconds, and a status."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -126,7 +138,7 @@ def run_file(rel: str, cwd: Path, log_dir: Path, timeout_s: float, python: str =
     t0 = time.monotonic()
     with log.open("w") as fh:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})})
         try:
             rc, timed_out = proc.wait(timeout=timeout_s), False
         except subprocess.TimeoutExpired:
@@ -161,36 +173,59 @@ def record_name(environment: dict, group: str, index: int, total: int) -> str:
 def run_shard(files: list[str], estimates: dict[str, float], environment: dict, out_dir: Path, *, group: str,
               index: int, total: int, tests_dir: Path, cwd: Path, deadline_s: float = DEADLINE_S,
               not_run_reason: str | None = None, min_timeout_s: float = MIN_TIMEOUT_S,
-              min_start_s: float = MIN_START_S) -> tuple[Path, dict]:
-    """Run ``files`` one process each, in order, each under min(max(min_timeout_s, 3 x its estimate), the time
+              min_start_s: float = MIN_START_S, jobs: int = 1) -> tuple[Path, dict]:
+    """Run ``files`` one process each, in order (``jobs`` at a time, each taking the next as it ends), each under min(max(min_timeout_s, 3 x its estimate), the time
     left before ``deadline_s``); files the deadline leaves less than ``min_start_s`` for, or all of them where
     ``not_run_reason`` says why, are recorded "not run". The record is rewritten after every file."""
     start = time.monotonic()
     path = out_dir / record_name(environment, group, index, total)
     log_dir = out_dir / "logs" / path.stem
     record = {"kind": "gpu_tests", "environment": environment, "group": group, "shard": index, "shards": total,
-              "tests_dir": str(tests_dir), "complete": False,
+              "tests_dir": str(tests_dir), "complete": False, "jobs": max(1, jobs),
               "files": [{"file": f, "status": "pending", "estimate_s": round(estimates[f])} for f in files]}
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:
         path.write_text(json.dumps(record, indent=1) + "\n")
 
-    for i, name in enumerate(files):
-        left = deadline_s - (time.monotonic() - start)
-        if not_run_reason or left < min_start_s:
-            reason = not_run_reason or f"the shard's {deadline_s:.0f} s deadline came first"
-            record["files"][i].update(status="not run", reason=reason)
-            continue
-        write()
-        rel = os.path.relpath(tests_dir / name, cwd)
-        timeout = min(max(min_timeout_s, 3 * estimates[name]), left)
-        result = run_file(rel, cwd, log_dir, timeout)
-        result["log"] = os.path.relpath(result["log"], out_dir)
-        result["junit"] = result["junit"] and os.path.relpath(result["junit"], out_dir)
-        record["files"][i] = {**record["files"][i], **result}
-        print(f"{name:40s} {result['status']:9s} {result['passed']:4d} passed {result['failed']:3d} failed "
-              f"{result['skipped']:4d} skipped {result['errors']:3d} errors {result['seconds']:7.1f} s", flush=True)
+    lock = threading.Lock()
+    queue = list(enumerate(files))
+    # files beside each other each plan their engines within a share of the card (graphserve/engine/gpu_share.py)
+    share = {}
+    if jobs > 1 and "GRAPHSERVE_GPU_MEMORY_FRACTION" not in os.environ:
+        share = {"GRAPHSERVE_GPU_MEMORY_FRACTION": f"{SHARED_MEMORY / jobs:.3f}"}
+        record["memory_fraction"] = float(share["GRAPHSERVE_GPU_MEMORY_FRACTION"])
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                i, name = queue.pop(0)
+                left = deadline_s - (time.monotonic() - start)
+                if not_run_reason or left < min_start_s:
+                    reason = not_run_reason or f"the shard's {deadline_s:.0f} s deadline came first"
+                    record["files"][i].update(status="not run", reason=reason)
+                    continue
+                record["files"][i]["status"] = "running"
+                write()
+            rel = os.path.relpath(tests_dir / name, cwd)
+            timeout = min(max(min_timeout_s, 3 * estimates[name]), left)
+            result = run_file(rel, cwd, log_dir, timeout, extra_env=share)
+            result["log"] = os.path.relpath(result["log"], out_dir)
+            result["junit"] = result["junit"] and os.path.relpath(result["junit"], out_dir)
+            with lock:
+                record["files"][i] = {**record["files"][i], **result}
+                write()
+                print(f"{name:40s} {result['status']:9s} {result['passed']:4d} passed {result['failed']:3d} failed "
+                      f"{result['skipped']:4d} skipped {result['errors']:3d} errors {result['seconds']:7.1f} s",
+                      flush=True)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     record["complete"] = True
     record["seconds"] = round(time.monotonic() - start, 1)
     write()
@@ -209,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"pack into as few shards as keep each within this (--shard I/N: {gs.BUDGET_S:.0f} s, notes)")
     ap.add_argument("--group", choices=("single", "multi"), default="single",
                     help="single: files that run on one GPU; multi: files that skip below 2 GPUs")
+    ap.add_argument("--all", action="store_true", help="every file of --group in one record (with --jobs)")
+    ap.add_argument("--files", nargs="+", metavar="FILE", help="these files of the tests folder in one record")
+    ap.add_argument("--rerun", nargs="+", type=Path, metavar="DIR",
+                    help="the files of --group that these records, of this card and commit, did not see pass or "
+                         "skip, one at a time")
+    ap.add_argument("--jobs", type=int, default=1, help="files run at once on the GPU (notes: times not kept)")
     ap.add_argument("--list", action="store_true", help="print the files, their estimates and the packing; run nothing")
     ap.add_argument("--out", type=Path, help="record folder (default $OUT, else benchmarks/results/gpu_tests)")
     ap.add_argument("--deadline-s", type=float, default=DEADLINE_S)
@@ -230,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     durations = gs.load_durations(args.durations)
     files = [f for f in gs.gpu_test_files(tests_dir) if gs.group_of(tests_dir / f) == args.group]
     est = gs.estimates(files, durations, tests_dir)
+    picked = sum(bool(x) for x in (args.all, args.files, args.rerun, args.shard))
+    if picked > 1:
+        ap.error("give one of --shard, --all, --files, --rerun")
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs}: must be at least 1")
+    if args.all or args.files or args.rerun:
+        return _run_listed(args, files, est, durations, tests_dir)
     try:
         index, total = _parse_shard(args.shard) if args.shard else (None, None)
     except ValueError:
@@ -237,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if total is not None and args.budget_s is not None:
         ap.error("give --shard I/N, or --budget-s S with --shard I, not both")
     if not args.list and (index is None or (total is None and args.budget_s is None)):
-        ap.error("--shard I/N, or --budget-s S with --shard I")
+        ap.error("--shard I/N, or --budget-s S with --shard I, or --all, --files, --rerun")
     budget = args.budget_s or gs.BUDGET_S
     try:
         shards = gs.pack(est, shards=total if args.budget_s is None else None, budget_s=budget)
@@ -268,14 +316,62 @@ def main(argv: list[str] | None = None) -> int:
     path, record = run_shard(order, est, environment, out, group=args.group, index=index,
                              total=len(shards), tests_dir=tests_dir, deadline_s=args.deadline_s,
                              cwd=gs.REPO if gs.REPO in tests_dir.parents else tests_dir.parent,
-                             not_run_reason=reason)
+                             not_run_reason=reason, jobs=args.jobs)
+    return _finish(args, path, record, durations, environment, reason)
+
+
+def _finish(args: argparse.Namespace, path: Path, record: dict, durations: dict, environment: dict,
+            reason: str | None) -> int:
     print(f"record: {path}")
-    if args.update_durations and environment["device"] != "cpu":
+    if args.update_durations and args.jobs > 1:
+        print("durations: not updated (files ran beside each other: their times are not their own)")
+    elif args.update_durations and environment["device"] != "cpu":
         updated = gs.update_durations(durations, record["files"], environment)
         gs.save_durations(durations, args.durations)
         print(f"durations: {len(updated)} file(s) updated in {args.durations}")
     ok = {"passed", "skipped", "not run"} if reason else {"passed", "skipped"}
     return 0 if all(f["status"] in ok for f in record["files"]) else 1
+
+
+def rerun_files(dirs: list[Path], files: list[str], environment: dict) -> list[str]:
+    """Of ``files``, those the records under ``dirs`` of this card and commit never saw pass or skip."""
+    from benchmarks.gpu_tests_report import load_records
+
+    ok: set[str] = set()
+    for rec in load_records(dirs):
+        env = rec["environment"]
+        if (env.get("device"), env.get("commit")) == (environment.get("device"), environment.get("commit")):
+            ok |= {r["file"] for r in rec["files"] if r["status"] in ("passed", "skipped")}
+    return [f for f in files if f not in ok]
+
+
+def _run_listed(args: argparse.Namespace, files: list[str], est: dict[str, float], durations: dict,
+                tests_dir: Path) -> int:
+    """--all, --files or --rerun: one record of the files named (longest first, so ``--jobs`` packs them)."""
+    if args.files:
+        unknown = [f for f in args.files if not (tests_dir / f).is_file()]
+        if unknown:
+            raise SystemExit(f"--files: no such file in {tests_dir}: {', '.join(unknown)}")
+        files = list(args.files)
+        est = gs.estimates(files, durations, tests_dir)
+    environment = stamp()
+    label = "all" if args.all else "files"
+    if args.rerun:
+        files, label = rerun_files(args.rerun, files, environment), "rerun"
+        print(f"rerun: {len(files)} file(s) not seen to pass at {environment['commit']} on {environment['device']}")
+    needed = max([gs.gpus_needed(tests_dir / f) for f in files], default=1)
+    reason = None
+    if needed > 1 and environment["device_count"] < needed:
+        reason = f"needs {needed} GPUs, {environment['device_count']} visible"
+    out = args.out or Path(os.environ.get("OUT") or RESULTS)
+    order = sorted(files, key=lambda f: (-est[f], f)) if args.jobs > 1 else sorted(files, key=lambda f: (est[f], f))
+    print(f"{environment['device']} at {environment['commit']}: {label}, {len(files)} file(s), "
+          f"{sum(est[f] for f in files):.0f} s estimated one at a time, {args.jobs} at once", flush=True)
+    path, record = run_shard(order, est, environment, out, group=f"{args.group}-{label}", index=1, total=1,
+                             tests_dir=tests_dir, deadline_s=args.deadline_s,
+                             cwd=gs.REPO if gs.REPO in tests_dir.parents else tests_dir.parent,
+                             not_run_reason=reason, jobs=args.jobs)
+    return _finish(args, path, record, durations, environment, reason)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def merge(records: list[dict]) -> dict[str, dict]:
 
 
 def cell(res: dict | None, newest: str) -> str:
-    if res is None or res["status"] in ("not run", "pending"):
+    if res is None or res["status"] in ("not run", "pending", "running"):
         return "not run" + (f" ({res['reason']})" if res and res.get("reason") else "")
     s, n, bad = res["status"], res.get("tests", 0), res["failed"] + res["errors"]
     skipped = f", {res['skipped']} skipped" if res.get("skipped") and s != "skipped" else ""
@@ -62,7 +62,7 @@ def cell(res: dict | None, newest: str) -> str:
 
 
 def _summary(results: list[dict]) -> str:
-    got = Counter("not run" if r["status"] == "pending" else r["status"] for r in results)
+    got = Counter("not run" if r["status"] in ("pending", "running") else r["status"] for r in results)
     passed = sum(r.get("passed", 0) for r in results)
     bad = sum(r.get("failed", 0) + r.get("errors", 0) for r in results)
     return ", ".join(f"{k} {v}" for k, v in sorted(got.items())) + f"; tests: {passed} passed, {bad} failed"
@@ -105,7 +105,7 @@ def report_main(paths: list[Path], md_path: Path | None, tests_dir: Path, durati
         durations = gs.load_durations(durations_path)
         updated = []
         for rec in sorted(records, key=lambda r: r["environment"].get("started", "")):
-            if rec["environment"].get("device") != "cpu":
+            if rec["environment"].get("device") != "cpu" and rec.get("jobs", 1) == 1:
                 updated += gs.update_durations(durations, rec["files"], rec["environment"])
         gs.save_durations(durations, durations_path)
         print(f"durations: {len(set(updated))} file(s) updated in {durations_path}")

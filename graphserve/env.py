@@ -51,6 +51,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "front-ends are kept off them, so their tokenizing and streaming never take the core an eager prefill "
            "step's launches wait on (graphserve/engine/cpu_affinity.py). Unset, or with `--engine-in-process`: the OS "
            "places every process."),
+    Switch("GRAPHSERVE_GPU_MEMORY_FRACTION", None,
+           "A fraction in (0, 1]: each engine process caps its allocator at that share of its GPU and plans its "
+           "memory as if the card held only that much (graphserve/engine/gpu_share.py), so engines that share one "
+           "card (`benchmarks.gpu_tests --jobs N`) do not take each other's memory. Unset: the whole card."),
     Switch("GRAPHSERVE_FAULT_INJECT", None,
            "Test hook: a prompt holding this marker makes the server's engine step fail, to exercise the "
            "error path."),

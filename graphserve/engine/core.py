@@ -24,6 +24,7 @@ import torch
 
 from graphserve.config import EngineConfig
 from graphserve.engine.gc_clock import gc_clock
+from graphserve.engine.gpu_share import apply_memory_share
 from graphserve.engine.inflight import InFlightStep
 from graphserve.engine.input_processor import resolve_max_model_len
 from graphserve.engine.kv_cache import BlockManager
@@ -58,6 +59,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
+        apply_memory_share(self.device)
         check_host_memory(config, self.device)  # refused here, not by the kernel's OOM killer mid-load
         # --tp/--ep: this process is rank 0 (the driver); the other ranks run engine/rank_worker.py
         self.ranks = start_ranks(config, self.device)

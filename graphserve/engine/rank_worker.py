@@ -20,6 +20,7 @@ import torch
 
 from graphserve.distributed.comm import agree
 from graphserve.distributed.state import destroy_parallel, init_parallel
+from graphserve.engine.gpu_share import apply_memory_share
 from graphserve.engine.latent_pages import latent_page_count
 from graphserve.engine.ranks import cpu_threads_per_rank
 from graphserve.engine.runner import ModelRunner, cpu_kv_tokens
@@ -78,6 +79,7 @@ class RankWorker:
         from graphserve.distributed.allreduce_choice import choose_all_reduce
 
         choose_all_reduce(parallel, config, device, model_dtype(config))
+        apply_memory_share(device)
         loaded = load_model(config, device)
         max_model_len = resolve_max_model_len(config, loaded.info)
         self.runner = start_runner(config, loaded, device, max_model_len).runner

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from graphserve.config import EngineConfig
 from graphserve.distributed.comm import agree
+from graphserve.engine.gpu_share import device_memory
 from graphserve.engine.graphs import GiB, GraphRunner
 from graphserve.engine.latent_pages import latent_page_count
 from graphserve.engine.memory import RESERVE_BYTES, MemoryPlan, plan_memory, split_layout_bytes, wanted_latent_pages
@@ -195,7 +196,7 @@ def _full_graph_ms(runner: ModelRunner, batch: ForwardBatch, eager_peak: int) ->
     memory cannot hold its warm-up and its pool (about two eager peaks) beside everything planned."""
     graphs = runner.graphs
     torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info(runner.device)
+    free, _ = device_memory(runner.device)
     # with --tp/--ep the trial captures collectives: every rank takes it, or none does
     if not agree(int(graphs is not None and free >= 2 * eager_peak + (256 << 20))):
         return None
@@ -233,7 +234,7 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     weights = torch.cuda.memory_allocated(device)
-    _, total = torch.cuda.mem_get_info(device)
+    _, total = device_memory(device)
     chunk = cfg.chunked_prefill_size
 
     # 2-3. activations and the graph pool, on a profiling pool just large enough for the synthetic steps
@@ -271,7 +272,7 @@ def start_gpu(config: EngineConfig, loaded: LoadedModel, device: torch.device, m
     if not plan.fits:
         raise ConfigError(f"not enough GPU memory for one request of --max-model-len {max_model_len}: {plan.refusal}",
                           param="mem_fraction_static")
-    free, _ = torch.cuda.mem_get_info(device)
+    free, _ = device_memory(device)
     headroom = free - max(mixed, decode) - pool - RESERVE_BYTES
     num_blocks = min(plan.num_blocks, split_layout_bytes(headroom, kv, cfg.block_size, max_running, chunk).num_blocks)
     if num_blocks < plan.num_blocks:

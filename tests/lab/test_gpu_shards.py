@@ -206,3 +206,61 @@ def test_the_report_merges_two_cards(tmp_path):
     durations = json.loads((tmp_path / "durations.json").read_text())["files"]
     assert durations["test_a.py"]["card"] == "NVIDIA H200" and durations["test_a.py"]["seconds"] == 30.0  # newest run
     assert durations["test_c.py"]["source"] == "measured: timed out, a floor" and durations["test_c.py"]["seconds"] == 40
+
+
+PASSING = '''
+import time
+
+def test_a():
+    time.sleep(1.5)
+'''
+
+
+def test_jobs_run_files_beside_each_other_and_rerun_takes_what_did_not_pass(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    tests = tmp_path / "gpu"
+    tests.mkdir()
+    for name in ("test_p1.py", "test_p2.py", "test_p3.py"):
+        (tests / name).write_text(PASSING)
+    (tests / "test_bad.py").write_text(FAKE)
+    env = {"device": "NVIDIA H100 80GB HBM3", "commit": "abc1234", "started": "2026-01-01T00:00:00+00:00",
+           "device_count": 1}
+    monkeypatch.setattr(gpu_tests, "stamp", lambda: dict(env))
+    durations = tmp_path / "d.json"
+    t0 = __import__("time").monotonic()
+    rc = gpu_tests.main(["--all", "--jobs", "4", "--tests-dir", str(tests), "--out", str(tmp_path / "o1"),
+                         "--durations", str(durations), "--update-durations"])
+    wall = __import__("time").monotonic() - t0
+    record = json.loads(next((tmp_path / "o1").glob("*.json")).read_text())
+    assert rc == 1 and record["jobs"] == 4 and record["complete"] and record["group"] == "single-all"
+    assert record["memory_fraction"] == pytest.approx(0.9 / 4, abs=1e-3)
+    status = {r["file"]: r["status"] for r in record["files"]}
+    assert status == {"test_p1.py": "passed", "test_p2.py": "passed", "test_p3.py": "passed", "test_bad.py": "failed"}
+    # four files of >= 1.5 s each, one at a time, would take >= 6 s of sleeping alone
+    assert wall < 6.0
+    assert not durations.exists()  # times measured beside other files are not a file's own
+
+    # a second record of another commit does not count: only this card and commit's passes are taken as seen
+    other = dict(record, environment={**env, "commit": "0000000"})
+    (tmp_path / "o1" / "other.json").write_text(json.dumps(other))
+    assert gpu_tests.rerun_files([tmp_path / "o1"], sorted(status), env) == ["test_bad.py"]
+    rc = gpu_tests.main(["--rerun", str(tmp_path / "o1"), "--tests-dir", str(tests), "--out", str(tmp_path / "o2"),
+                         "--durations", str(durations)])
+    rerun = json.loads(next((tmp_path / "o2").glob("*.json")).read_text())
+    assert rc == 1 and rerun["jobs"] == 1 and [r["file"] for r in rerun["files"]] == ["test_bad.py"]
+    assert rerun["group"] == "single-rerun" and rerun["files"][0]["status"] == "failed"
+
+
+def test_files_names_files_and_refuses_unknown_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    tests = tmp_path / "gpu"
+    tests.mkdir()
+    (tests / "test_p1.py").write_text("def test_a():\n    pass\n")
+    monkeypatch.setattr(gpu_tests, "stamp", lambda: {"device": "NVIDIA H200", "commit": "c0ffee1", "device_count": 1})
+    with pytest.raises(SystemExit, match="no such file.*test_nope.py"):
+        gpu_tests.main(["--files", "test_nope.py", "--tests-dir", str(tests), "--out", str(tmp_path / "o")])
+    rc = gpu_tests.main(["--files", "test_p1.py", "--tests-dir", str(tests), "--out", str(tmp_path / "o")])
+    record = json.loads(next((tmp_path / "o").glob("*.json")).read_text())
+    assert rc == 0 and record["files"][0]["status"] == "passed" and record["group"] == "single-files"
+    with pytest.raises(SystemExit):
+        gpu_tests.main(["--files", "test_p1.py", "--all", "--tests-dir", str(tests)])
