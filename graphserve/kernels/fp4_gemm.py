@@ -39,127 +39,139 @@ import triton
 import triton.language as tl
 
 from graphserve.kernels import tables
+from graphserve.kernels.common import sm_count
+from graphserve.kernels.fp4_gemm_config import VARIANTS, Fp4GemmConfig, default_config, gemm_tile
 from graphserve.kernels.fp4_gemv import MAX_ROWS as STREAM_MAX_ROWS
 from graphserve.kernels.fp4_gemv import fp4_gemv
-from graphserve.kernels.fp4_layout import (
-    GROUP,
-    block_scale,
-    fp4_check,
-    fp8_mma_step,
-    fp8_weight_tile,
-    row_global,
-    widen_fp16,
-)
+from graphserve.kernels.fp4_layout import GROUP, fp4_check, fp8_mma_step, fp8_weight_tile, row_global
+from graphserve.kernels.fp4_moe_gemm import _tile_ids, _widened_tile
 from graphserve.kernels.fp4_reference import fp4_dequantize
 from graphserve.kernels.fp8_quant import FP8_DTYPE, per_token_group_quant
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
-VARIANTS = ("bf16", "fp8")
 FP8_STEP = 32  # the fp8 MMA's K
 DEFAULT_STREAM_ROWS = 8  # the H100 measurements' crossovers (module docstring), for shapes and cards not measured
 DEFAULT_FP8_ROWS = 32
 X_DTYPES = (torch.bfloat16, torch.float16)
+REDUCE_BLOCK = (16, 128)  # the split-K sum's tile: rows, columns
 
 
-@dataclass(frozen=True)
-class Fp4GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
-
-
-def gemm_config(m: int, variant: str) -> Fp4GemmConfig:
-    """A pure function of the rows: 64 weight rows a tile (the MMA's M side, one warpgroup), 64 rows of x up to
-    64 rows, else 128 (the widening amortized over more rows); the fp8 variant steps one 32-column MMA at a
-    time, 4 stages deep to keep its loads ahead."""
-    block_m = 64 if m <= 64 else 128
-    if variant == "fp8":
-        return Fp4GemmConfig(block_m, 64, FP8_STEP, num_warps=4, num_stages=4)
-    return Fp4GemmConfig(block_m, 64, 256, num_warps=4, num_stages=3)
+@triton.jit
+def _store_tile(acc, offs_m, offs_n, M, N, gs_ptr, b_ptr, out_ptr, stride_om, HAS_GLOBAL: tl.constexpr,
+                ROW_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """A [BLOCK_M, BLOCK_N] fp32 tile of the product: global scale, bias, rounded to the output's dtype, stored."""
+    n_ok = offs_n < N
+    if HAS_GLOBAL:
+        if ROW_GLOBAL:  # fused parts with different globals: each output row its own, no launch after this one
+            acc *= tl.load(gs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        else:
+            acc *= tl.load(gs_ptr)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _fp4_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_xsm, stride_wn, stride_sn, stride_om,
     K: tl.constexpr, GROUP_K: tl.constexpr, MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, ROW_GLOBAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """One [BLOCK_M, BLOCK_N] output tile over K (SPLIT_K 1), or over the K_SPLIT columns of split ``program_id(1)``,
+    its fp32 partial then stored at ``out_ptr`` [SPLIT_K, M, N] for ``_fp4_split_sum_kernel``. Loop bounds are
+    constants (the interpreter cannot take a program id as one; Triton pipelines either)."""
     pdl_enter(PDL)
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    # GROUP_M row tiles walk the same weight columns one after another, so those stay in L2
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size
-    pid_n = (pid % per_group) // size
+    pid_m, pid_n = _tile_ids(N, tl.cdiv(M, BLOCK_M), BLOCK_N, GROUP_M)
+    k_first = tl.program_id(1) * K_SPLIT
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_m < M
     x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)  # rows past M re-read row M-1; never stored
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    # the widened weight is the MMA's first operand, straight from registers, and x the second: a widened tile as
-    # the second operand (through shared memory) failed to compile at 128 columns (Triton 3.6, sm_90)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
+    # below 64 rows x is the MMA's first operand, as in the MoE kernel (kernels/fp4_moe_gemm.py); from 64 the widened
+    # weight is, from registers: as the second (through shared memory) it failed to compile at 64 and 128 (Triton
+    # 3.6, sm_90). The fp8 variant's weight is always first (the e4m3 tile from registers, x's bytes from shared)
+    W_FIRST: tl.constexpr = FP8 or BLOCK_M >= 64
+    if W_FIRST:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FP8:
-        offs_k = tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
         w_ptrs = w_ptr + w_rows[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
         s_ptrs = s_ptr + w_rows * stride_sn
-        for k0 in range(0, K, BLOCK_K):  # BLOCK_K = 32 (one MMA) divides K (a multiple of 32 here)
+        for kk in range(0, K_SPLIT, BLOCK_K):  # BLOCK_K = 32 (one MMA) divides K_SPLIT, which divides K
+            k0 = k_first + kk
             a = tl.load(x_ptrs + k0)  # x's fp8 bytes (uint8): selected as integers, then bitcast
             w = fp8_weight_tile(tl.load(w_ptrs + k0 // 2).to(tl.int32), BLOCK_N, BLOCK_K)
             acc = fp8_mma_step(acc, w, a, s_ptrs, k0, GROUP_K, BLOCK_K, MX)
         acc *= tl.load(xs_ptr + x_rows * stride_xsm)[None, :]
     else:
-        # as kernels/fp4_gemv.py's dot path: the low and high nibbles' tiles apart, against x's even and odd columns
+        # the widened tile in K order (kernels/fp4_moe_gemm.py's), so x's tile is one contiguous load
         KB: tl.constexpr = BLOCK_K // GROUP_K
         G2: tl.constexpr = GROUP_K // 2
         offs_g = tl.arange(0, KB)
         byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
         w_ptrs = w_ptr + w_rows[:, None, None] * stride_wn + byte3[None, :, :]
         s_ptrs = s_ptr + w_rows[:, None] * stride_sn + offs_g[None, :]
-        for k0 in range(0, K, BLOCK_K):
-            g_ok = (k0 // GROUP_K + offs_g) < K // GROUP_K  # K is whole groups: a tail is masked by group
+        for kk in range(0, K_SPLIT, BLOCK_K):  # K_SPLIT divides K where whole steps do; else a tail masked by group
+            k0 = k_first + kk
             if K % BLOCK_K == 0:
-                b = tl.load(w_ptrs + k0 // 2)
-                s = tl.load(s_ptrs + k0 // GROUP_K)
+                a = tl.load(x_ptrs + k0)
             else:
-                b = tl.load(w_ptrs + k0 // 2, mask=g_ok[None, :, None], other=0)
-                s = tl.load(s_ptrs + k0 // GROUP_K, mask=g_ok[None, :], other=0)
-            lo, hi = widen_fp16(b.to(tl.int32))
-            sf = block_scale(s, MX, 14)[:, :, None]
-            wl = tl.reshape((lo.to(tl.float32) * sf).to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCK_K // 2))
-            wh = tl.reshape((hi.to(tl.float32) * sf).to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCK_K // 2))
-            ce = tl.reshape(k0 + 2 * byte3, (BLOCK_K // 2,))
-            cm = tl.reshape(g_ok[:, None] & (byte3 >= 0), (BLOCK_K // 2,))
-            xe_ptrs = x_ptr + x_rows[:, None] * stride_xm + ce[None, :]
-            xe = tl.load(xe_ptrs, mask=cm[None, :], other=0.0)
-            xo = tl.load(xe_ptrs + 1, mask=cm[None, :], other=0.0)
-            acc = tl.dot(wl, tl.trans(xe), acc)
-            acc = tl.dot(wh, tl.trans(xo), acc)
-    n_ok = offs_n < N
-    if HAS_GLOBAL:
-        if ROW_GLOBAL:  # fused parts with different globals: each output row its own, no launch after this one
-            acc *= tl.load(gs_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
-        else:
-            acc *= tl.load(gs_ptr)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & n_ok[:, None])
+                a = tl.load(x_ptrs + k0, mask=(k0 + offs_k < K)[None, :], other=0.0)
+            w = _widened_tile(w_ptrs, s_ptrs, k0, offs_g, K, GROUP_K, MX, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+            if W_FIRST:
+                acc = tl.dot(w, tl.trans(a), acc)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+    if W_FIRST:
+        acc = tl.trans(acc)
+    if SPLIT_K == 1:
+        _store_tile(acc, offs_m, offs_n, M, N, gs_ptr, b_ptr, out_ptr, stride_om, HAS_GLOBAL, ROW_GLOBAL, HAS_BIAS)
+    else:
+        part_ptr = out_ptr + tl.program_id(1).to(tl.int64) * M * N
+        _store_tile(acc, offs_m, offs_n, M, N, gs_ptr, b_ptr, part_ptr, N, False, False, False)
+
+
+@triton.jit
+def _fp4_split_sum_kernel(
+    part_ptr, gs_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    ROW_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The split-K partials [SPLIT_K, M, N] (fp32) summed in split order (the same sum every run), then the GEMM's
+    epilogue."""
+    pdl_enter(PDL)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    ptrs = part_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ptrs + s * M * N, mask=ok, other=0.0)
+    _store_tile(acc, offs_m, offs_n, M, N, gs_ptr, b_ptr, out_ptr, stride_om, HAS_GLOBAL, ROW_GLOBAL, HAS_BIAS)
+
+
+def k_split(cfg: Fp4GemmConfig, k: int) -> int:
+    """Columns each split walks, whole steps: where K is whole steps, the most splits up to ``cfg.split_k`` that
+    divide them evenly (a split past K would read past the weight's rows, whose steps are unmasked there); else K's
+    steps cut in ``cfg.split_k`` (the tail masked by scale group)."""
+    steps = triton.cdiv(k, cfg.block_k)
+    split = min(cfg.split_k, steps)
+    if k % cfg.block_k == 0:
+        while steps % split:
+            split -= 1
+    return triton.cdiv(steps, split) * cfg.block_k
 
 
 def fp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
              fmt: str, bias: torch.Tensor | None = None, out: torch.Tensor | None = None, *, variant: str = "bf16",
              config: Fp4GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
     """``x`` [M, K] (bf16/fp16) times the FP4 weight [N, K/2] (+ bias), x's dtype out; ``global_scale`` (NVFP4) one
-    value or fp32 [N] one per output row; ``variant`` "bf16"
-    (W4A16) or "fp8" (W4A8: x quantized per token by one launch first). ``config`` overrides the tiles."""
+    value or fp32 [N] one per output row; ``variant`` "bf16" (W4A16) or "fp8" (W4A8: x quantized per token by one
+    launch first). ``config`` the tile (default: kernels/fp4_gemm_config.default_config for this card)."""
     n, k = fp4_check("fp4_gemm", packed, scale, global_scale, fmt, x.shape[-1])
     if variant not in VARIANTS:
         raise ValueError(f"fp4_gemm: variant={variant!r} must be one of {VARIANTS}")
@@ -178,27 +190,34 @@ def fp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
     if m == 0 or n == 0:
         return out
     fp8 = variant == "fp8"
-    cfg = config or gemm_config(m, variant)
     group = GROUP[fmt]
+    cfg = config or default_config(variant, m, n, k, group, sm_count(x.device))
+    cfg.check("fp4_gemm", variant, group, k)
     if fp8:
-        if cfg.block_k != FP8_STEP or k % FP8_STEP:
-            raise ValueError(f"fp4_gemm fp8: steps of {FP8_STEP} columns over K a multiple of {FP8_STEP}, got "
-                             f"block_k={cfg.block_k}, K={k}")
         xq, xs = per_token_group_quant(x, k)
         xq = xq.view(torch.uint8)
     else:
-        if cfg.block_k % group or cfg.block_k & (cfg.block_k - 1):
-            raise ValueError(f"fp4_gemm: block_k={cfg.block_k} must be a power of two and a multiple of {group}")
         xq, xs = x, x
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    cols = k_split(cfg, k)
+    splits = triton.cdiv(k, cols)
+    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    gs = global_scale if global_scale is not None else out
+    b = bias if bias is not None else out
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
     _fp4_gemm_kernel[grid](
-        xq, xs, packed, scale.view(torch.uint8), global_scale if global_scale is not None else out,
-        bias if bias is not None else out, out, m, n, xq.stride(0), xs.stride(0), packed.stride(0), scale.stride(0),
-        out.stride(0), K=k, GROUP_K=group, MX=fmt == "mxfp4", HAS_GLOBAL=global_scale is not None,
+        xq, xs, packed, scale.view(torch.uint8), gs, b, target, m, n, xq.stride(0), xs.stride(0), packed.stride(0),
+        scale.stride(0), out.stride(0), K=k, GROUP_K=group, MX=fmt == "mxfp4", HAS_GLOBAL=global_scale is not None,
         ROW_GLOBAL=per_row, HAS_BIAS=bias is not None, FP8=fp8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_args(x.device, "_fp4_gemm_kernel"),
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=splits, K_SPLIT=cols, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_args(x.device, "_fp4_gemm_kernel"),
     )  # fmt: skip
+    if splits > 1:
+        rm, rn = REDUCE_BLOCK
+        _fp4_split_sum_kernel[(triton.cdiv(m, rm), triton.cdiv(n, rn))](
+            target, gs, b, out, m, n, out.stride(0), SPLIT_K=splits, HAS_GLOBAL=global_scale is not None,
+            ROW_GLOBAL=per_row, HAS_BIAS=bias is not None, BLOCK_M=rm, BLOCK_N=rn, num_warps=4,
+            **pdl_args(x.device, "_fp4_split_sum_kernel"),
+        )  # fmt: skip
     return out
 
 
@@ -272,9 +291,11 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, globa
         x2 = x2.contiguous()
     n = packed.shape[0]
     out2 = out.view(-1, n) if out is not None else None
-    path = rule_for(x.device).route(fmt, n, x2.shape[1], x2.shape[0])
+    m, k = x2.shape
+    path = rule_for(x.device).route(fmt, n, k, m)
     if path == "stream":
         y = fp4_gemv(x2, packed, scale, global_scale, fmt, bias, out2)
     else:
-        y = fp4_gemm(x2, packed, scale, global_scale, fmt, bias, out2, variant=path)
+        tile = gemm_tile(fmt, n, k, m, x.device, path)
+        y = fp4_gemm(x2, packed, scale, global_scale, fmt, bias, out2, variant=tile.variant, config=tile.config)
     return y.view(*lead, n)

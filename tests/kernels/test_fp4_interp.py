@@ -23,7 +23,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from graphserve.kernels.fp4_experts_reference import fp4_fused_experts_reference  # noqa: E402
-from graphserve.kernels.fp4_gemm import Fp4GemmConfig, Fp4Rule, fp4_gemm, fp4_linear, gemm_config  # noqa: E402
+from graphserve.kernels.fp4_gemm import Fp4GemmConfig, Fp4Rule, fp4_gemm, fp4_linear  # noqa: E402
+from graphserve.kernels.fp4_gemm_config import default_config  # noqa: E402
 from graphserve.kernels.fp4_gemv import (  # noqa: E402
     Fp4StreamConfig,
     fp4_gemv,
@@ -189,7 +190,7 @@ def test_fp4_gemm_matches_reference(fmt, variant):
         x[:, 5] = 448.0
     out = torch.full((m, n), float("nan"), dtype=torch.float16)
     ref = _ref(x, packed, scale, gs, fmt, bias)
-    cfg = Fp4GemmConfig(16, 32, 64 if variant == "bf16" else 32, group_m=2, num_warps=4, num_stages=1)
+    cfg = Fp4GemmConfig(16, 32 if variant == "bf16" else 64, 64 if variant == "bf16" else 32, group_m=2, num_warps=4, num_stages=1)
     x, packed, scale, gs, bias, out = _dev(x, packed, scale, gs, bias, out)
     fp4_gemm(x, packed, scale, gs, fmt, bias, out, variant=variant, config=cfg)
     assert not out.isnan().any()
@@ -213,14 +214,16 @@ def test_fp4_linear_routes_by_rows_and_rule():
 
 def test_tiles_are_a_function_of_the_shape():
     """Llama-3-8B's shapes on a 132-SM card: the down projection (few columns, long K) splits K until about two
-    programs an SM, the wide ones do not; K steps are whole scale groups; the fp8 GEMM steps one 32-wide MMA."""
+    programs an SM, the wide ones do not; K steps are whole scale groups; the fp8 GEMM steps one 32-wide MMA, and the
+    tiled GEMM takes small batches in 16-row tiles."""
     down, gate_up = stream_config(1, 4096, 14336, 16, 132), stream_config(1, 28672, 4096, 16, 132)
     assert down.split_k > 1 and triton.cdiv(4096, down.block_n) * down.split_k >= 2 * 132
     assert gate_up.split_k == 1 and not gate_up.use_dot
     for m in (1, 4, 5, 16, 64):
         cfg = stream_config(m, 6144, 4096, 32, 132)
         assert cfg.use_dot == (m > 4) and cfg.block_k % 32 == 0
-    assert gemm_config(16384, "fp8").block_k == 32 and gemm_config(8, "bf16").block_m == 64
+    assert default_config("fp8", 16384, 4096, 4096, 16, 132).block_k == 32
+    assert default_config("bf16", 9, 4096, 4096, 16, 132).block_m == 16  # x the MMA's first operand
 
 
 def test_fp4_refusals_name_the_tensor_and_limit():

@@ -60,7 +60,7 @@ def test_fp4_gemm_takes_a_global_per_row(variant):
     ref, (x, packed, scale, rows, bias) = _case(torch.Generator().manual_seed(len(variant)), 37, 40, k,
                                                 torch.float16, fp8_x=variant == "fp8")
     out = torch.full((37, 40), float("nan"), dtype=torch.float16, device=DEVICE)
-    cfg = Fp4GemmConfig(16, 32, 64 if variant == "bf16" else 32, group_m=2, num_warps=4, num_stages=1)
+    cfg = Fp4GemmConfig(16, 32 if variant == "bf16" else 64, 64 if variant == "bf16" else 32, group_m=2, num_warps=4, num_stages=1)
     fp4_gemm(x, packed, scale, rows, "nvfp4", bias, out, variant=variant, config=cfg)
     assert not out.isnan().any()
     assert relative_error(out.cpu(), ref) < 2e-3

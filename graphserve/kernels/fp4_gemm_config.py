@@ -1,0 +1,221 @@
+"""Which variant and tile the dense FP4 GEMM (kernels/fp4_gemm.py) takes, per card, weight shape and rows.
+
+The table is ``fp4_gemm_tiles.json`` (kernels/tables.py: the tune cache, then the shipped per-card tables), written by
+``graphserve tune --tables fp4`` (graphserve/tuning/fp4.py), beside ``fp4_rule.json`` (the streaming kernel's rows):
+
+    {"device": ..., "shapes": [{"fmt": "nvfp4", "n": 4096, "k": 4096,
+      "buckets": {"16": TILE, "64": TILE, "4096": TILE}}]}   # rows; a call takes the smallest bucket holding it,
+                                                              # the largest beyond them
+    TILE = {"variant": "bf16" | "fp8", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages",
+            "split_k"}
+
+A listed shape's variant is the table's (measured at its best tiles); a shape or card it does not list takes the
+variant fp4_rule.json names and ``default_config``'s tile, sized so the grid holds about two programs an SM (a small
+weight split over K where its column tiles alone are fewer than one wave); the start-up line names the command that
+measures it. Read once per process, before any capture: a captured graph replays one variant and tile.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+
+from graphserve.kernels import tables
+from graphserve.kernels.common import sm_count
+
+logger = logging.getLogger(__name__)
+
+TABLE_NAME = "fp4_gemm_tiles.json"
+VARIANTS = ("bf16", "fp8")
+FP8_STEP = 32  # the fp8 MMA's K: the fp8 variant's BLOCK_K
+# below 64 rows x is the MMA's first operand (a 16- or 32-row tile); from 64 the widened weight is, from registers:
+# as the second operand (through shared memory) a widened tile failed to compile at 64 and 128 (Triton 3.6, sm_90)
+X_FIRST_BELOW = 64
+MIN_SPLIT_COLUMNS = 512  # K columns a split walks at least: shorter walks pay the prologue and the partials' traffic
+MAX_SPLIT_K = 8
+PROGRAMS_PER_SM = 2  # the defaults' target grid: one wave hides no load latency behind another program's MMAs
+
+
+@dataclass(frozen=True)
+class Fp4GemmConfig:
+    """One launch's tile. ``split_k`` > 1: that many programs per output tile, each over its own K range, their fp32
+    partials summed in a fixed order by a second launch (deterministic, no atomics)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+
+    def check(self, name: str, variant: str, group: int, k: int) -> None:
+        """A ValueError naming ``name``'s field, its value and the limit where this tile cannot run ``variant`` over
+        K = ``k`` with scale groups of ``group`` columns."""
+        if variant not in VARIANTS:
+            raise ValueError(f"{name}: variant={variant!r} must be one of {VARIANTS}")
+        for field in ("block_m", "block_n", "block_k", "group_m", "num_warps"):
+            v = getattr(self, field)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}: {field}={v} must be a power of two")
+        if not 16 <= self.block_m <= 256:
+            raise ValueError(f"{name}: block_m={self.block_m} must be 16 to 256 (the MMA's smallest side to the "
+                             f"largest tile)")  # fmt: skip
+        if not 16 <= self.block_n <= 256:
+            raise ValueError(f"{name}: block_n={self.block_n} must be 16 to 256")
+        if self.num_warps > 16 or self.num_stages < 1:
+            raise ValueError(f"{name}: num_warps={self.num_warps} (at most 16), num_stages={self.num_stages} "
+                             f"(at least 1)")  # fmt: skip
+        if not 1 <= self.split_k <= MAX_SPLIT_K:
+            raise ValueError(f"{name}: split_k={self.split_k} must be 1 to {MAX_SPLIT_K}")
+        if variant == "fp8":
+            if self.block_k != FP8_STEP or k % FP8_STEP:
+                raise ValueError(f"{name}: the fp8 variant steps {FP8_STEP} columns (one MMA) over K a multiple of "
+                                 f"{FP8_STEP}: got block_k={self.block_k}, K={k}")
+            if self.block_n < 64:
+                raise ValueError(f"{name}: the fp8 variant's block_n={self.block_n} must be at least 64 (the weight "
+                                 f"is the MMA's M side)")
+        elif self.block_k % group or self.block_k < 16:
+            raise ValueError(f"{name}: block_k={self.block_k} must be a multiple of the scale group ({group}) and "
+                             f"at least 16 (the bf16 MMA's K)")
+
+
+@dataclass(frozen=True)
+class Fp4GemmTile:
+    """What one GEMM call runs: the variant ("bf16": W4A16, "fp8": W4A8) and its tile."""
+
+    variant: str
+    config: Fp4GemmConfig
+
+    def to_json(self) -> dict:
+        return {"variant": self.variant, **asdict(self.config)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Fp4GemmTile:
+        fields = dict(data)
+        return cls(str(fields.pop("variant")), Fp4GemmConfig(**fields))
+
+    def short(self) -> str:
+        c = self.config
+        return (f"{self.variant} {c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} g{c.group_m}"
+                f"{f' split{c.split_k}' if c.split_k > 1 else ''}")
+
+
+ShapeKey = tuple[str, int, int]  # (fmt, N, K)
+
+
+@dataclass(frozen=True)
+class Fp4GemmShapeTiles:
+    buckets: tuple[int, ...]  # ascending rows
+    tiles: tuple[Fp4GemmTile, ...]
+
+    def tile(self, m: int) -> Fp4GemmTile:
+        return self.tiles[next((i for i, b in enumerate(self.buckets) if b >= m), len(self.buckets) - 1)]
+
+    def to_json(self) -> dict:
+        return {"buckets": {str(b): t.to_json() for b, t in zip(self.buckets, self.tiles)}}
+
+    @classmethod
+    def from_json(cls, data: dict, key: ShapeKey) -> Fp4GemmShapeTiles:
+        fmt, n, k = key
+        buckets = sorted(int(b) for b in data["buckets"])
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"{table_label(key)}: field 'buckets' must hold row counts >= 1, got {buckets}")
+        tiles = []
+        for b in buckets:
+            tile = Fp4GemmTile.from_json(data["buckets"][str(b)])
+            tile.config.check(f"{table_label(key)} bucket {b}", tile.variant, 16 if fmt == "nvfp4" else 32, k)
+            tiles.append(tile)
+        return cls(tuple(buckets), tuple(tiles))
+
+
+@dataclass(frozen=True)
+class Fp4GemmTable:
+    device: str
+    shapes: dict[ShapeKey, Fp4GemmShapeTiles]
+
+    @classmethod
+    def from_json(cls, data: dict) -> Fp4GemmTable:
+        shapes = {}
+        for s in data["shapes"]:
+            key = (str(s["fmt"]), int(s["n"]), int(s["k"]))
+            if key[0] not in ("nvfp4", "mxfp4"):
+                raise ValueError(f"field 'fmt' is {key[0]!r}, must be 'nvfp4' or 'mxfp4'")
+            shapes[key] = Fp4GemmShapeTiles.from_json(s, key)
+        return cls(str(data["device"]), shapes)
+
+
+def shape_entry(key: ShapeKey, tiles: Fp4GemmShapeTiles) -> dict:
+    fmt, n, k = key
+    return {"fmt": fmt, "n": n, "k": k, **tiles.to_json()}
+
+
+def table_label(key: ShapeKey) -> str:
+    fmt, n, k = key
+    return f"fp4 gemm N={n},K={k},{fmt}"
+
+
+def default_block_m(m: int) -> int:
+    """Rows a tile: the batch's own below 64 (x the MMA's first operand, little padding), else 64 or 128."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+
+
+def default_config(variant: str, m: int, n: int, k: int, group: int, sms: int) -> Fp4GemmConfig:
+    """The tile of a shape no table lists, enough programs for ``sms`` SMs by construction: block_n halved from 128
+    (64 past 64 rows, the prefill tile measured before tables) down to 32 (fp8: 64, the MMA's M side) while the grid
+    is under two programs an SM; then, where the column tiles are still fewer than the SMs, K split (each split at
+    least MIN_SPLIT_COLUMNS) until the grid reaches two programs an SM. bf16 steps 128 columns (whole scale groups,
+    no deeper than K), fp8 one 32-column MMA, 4 stages deep to keep its loads ahead."""
+    bm = default_block_m(m)
+    target = PROGRAMS_PER_SM * sms
+    bn, bn_min = (128 if m <= X_FIRST_BELOW else 64), (64 if variant == "fp8" else 32)
+    while bn > bn_min and triton.cdiv(m, bm) * triton.cdiv(n, bn) < target:
+        bn //= 2
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = 1
+    if tiles < sms:
+        while (split * 2 <= MAX_SPLIT_K and tiles * split * 2 <= target
+               and k // (split * 2) >= MIN_SPLIT_COLUMNS):  # fmt: skip
+            split *= 2
+    warps = 8 if bm * bn >= 128 * 128 else 4
+    if variant == "fp8":
+        return Fp4GemmConfig(bm, bn, FP8_STEP, 8, warps, 4, split)
+    bk = max(group, min(128, 1 << max(0, k - 1).bit_length()))
+    return Fp4GemmConfig(bm, bn, bk, 8, warps, 3, split)
+
+
+def tune_command() -> str:
+    return f"{tables.TUNE_COMMAND} --tables fp4"
+
+
+@tables.reader_cache
+@functools.lru_cache(maxsize=64)
+def shape_tiles(key: ShapeKey, card: str) -> Fp4GemmShapeTiles | None:
+    """This card's entry for the weight shape ``key`` (the tune cache, then the shipped tables), else None (the
+    defaults: the start-up line names them, and this log line the command)."""
+    label = table_label(key)
+    found = tables.find(TABLE_NAME, card, Fp4GemmTable.from_json, label)
+    entry = found.table.shapes.get(key) if found else None
+    if entry is None:
+        tables.RESOLVED[label] = ("defaults", None)  # a table for this card that lists other shapes only
+        logger.info("no FP4 GEMM tiles for fmt=%s N=%d K=%d on %s; using defaults; tune with: %s", *key, card,
+                    tune_command())  # fmt: skip
+    return entry
+
+
+@tables.reader_cache
+@functools.lru_cache(maxsize=1024)  # called per forward: the card's name and the table lookup once per shape and rows
+def gemm_tile(fmt: str, n: int, k: int, m: int, device: torch.device, variant: str) -> Fp4GemmTile:
+    """The variant and tile of an ``m``-row GEMM on the weight (fmt, N, K), a pure function of the shape (a captured
+    graph replays one): the table's where it lists the shape, else ``variant`` (fp4_rule.json's choice) with
+    ``default_config``'s tile."""
+    entry = shape_tiles((fmt, n, k), torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if entry is not None:
+        return entry.tile(m)
+    if variant == "fp8" and k % FP8_STEP:
+        variant = "bf16"  # the fp8 variant steps whole 32-column MMAs
+    return Fp4GemmTile(variant, default_config(variant, m, n, k, 16 if fmt == "nvfp4" else 32, sm_count(device)))
