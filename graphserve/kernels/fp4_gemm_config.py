@@ -160,16 +160,17 @@ def table_label(key: ShapeKey) -> str:
 
 
 def default_block_m(m: int) -> int:
-    """Rows a tile: the batch's own below 64 (x the MMA's first operand, little padding), else 64 or 128."""
-    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    """Rows a tile: the batch's own below 64 (x the MMA's first operand, little padding), 64 up to 256 rows (more
+    programs for a decode batch's narrow weights; the weight's re-reads come from L2), 128 beyond (prefill)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 256 else 128
 
 
 def default_config(variant: str, m: int, n: int, k: int, group: int, sms: int) -> Fp4GemmConfig:
     """The tile of a shape no table lists, enough programs for ``sms`` SMs by construction: block_n halved from 128
     (64 past 64 rows, the prefill tile measured before tables) down to 32 (fp8: 64, the MMA's M side) while the grid
-    is under two programs an SM; then, where the column tiles are still fewer than the SMs, K split (each split at
-    least MIN_SPLIT_COLUMNS) until the grid reaches two programs an SM. bf16 steps 128 columns (whole scale groups,
-    no deeper than K), fp8 one 32-column MMA, 4 stages deep to keep its loads ahead."""
+    is under two programs an SM; then K split in two while it still is, each split at least MIN_SPLIT_COLUMNS and the
+    partials' traffic at most the weight's bytes. bf16 steps 128 columns (whole scale groups, no deeper than
+    K), fp8 one 32-column MMA, 4 stages deep to keep its loads ahead."""
     bm = default_block_m(m)
     target = PROGRAMS_PER_SM * sms
     bn, bn_min = (128 if m <= X_FIRST_BELOW else 64), (64 if variant == "fp8" else 32)
@@ -177,10 +178,11 @@ def default_config(variant: str, m: int, n: int, k: int, group: int, sms: int) -
         bn //= 2
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = 1
-    if tiles < sms:
-        while (split * 2 <= MAX_SPLIT_K and tiles * split * 2 <= target
-               and k // (split * 2) >= MIN_SPLIT_COLUMNS):  # fmt: skip
-            split *= 2
+    # each split writes and the sum reads back an fp32 [M, N] (mostly in L2): kept to the weight's bytes (8 * split *
+    # M * N against N * K / 2)
+    while (tiles * split < target and split * 2 <= MAX_SPLIT_K and k // (split * 2) >= MIN_SPLIT_COLUMNS
+           and 16 * m * split * 2 <= k):  # fmt: skip
+        split *= 2
     warps = 8 if bm * bn >= 128 * 128 else 4
     if variant == "fp8":
         return Fp4GemmConfig(bm, bn, FP8_STEP, 8, warps, 4, split)

@@ -185,12 +185,12 @@ def moe_rows(card: str) -> list[dict]:
 
 
 def derive_rule(rows: list[dict], card: str) -> dict:
-    """Per (fmt, N, K): the streaming kernel's rows (the largest measured count up to which it beat both GEMM
-    variants at every measured count) and the fp8 variant's first rows (from which it beat bf16 at every
+    """Per (fmt, N, K) of ``rows``: the streaming kernel's rows (the largest measured count up to which it beat both
+    GEMM variants at every measured count) and the fp8 variant's first rows (from which it beat bf16 at every
     larger measured count; 0 if it lost at the largest)."""
     shapes = []
     for fmt in ("nvfp4", "mxfp4"):
-        for n, k in LLAMA3_8B.values():
+        for n, k in dict.fromkeys((r["n"], r["k"]) for r in rows if r["fmt"] == fmt):
             ms = {(r["kernel"], r["m"]): r["ms"] for r in rows if (r["fmt"], r["n"], r["k"]) == (fmt, n, k)}
             stream_max = 0
             for m in sorted({m for kern, m in ms if kern == "fp4 stream"}):
@@ -202,7 +202,7 @@ def derive_rule(rows: list[dict], card: str) -> dict:
             gemm_ms = sorted({m for kern, m in ms if kern == "fp4 gemm fp8"})
             fp8_from = 0
             for m in reversed(gemm_ms):
-                if ms[("fp4 gemm fp8", m)] >= ms[("fp4 gemm bf16", m)]:
+                if ms[("fp4 gemm fp8", m)] >= ms.get(("fp4 gemm bf16", m), float("inf")):
                     break
                 fp8_from = m
             shapes.append({"fmt": fmt, "n": n, "k": k, "stream_max_rows": stream_max, "fp8_min_rows": fp8_from})

@@ -160,44 +160,67 @@ def moe_plan(models: list[str], quick: bool, shapes: list[tuple[int, int, int, i
 FP4_EXPERT_MODELS = ("dummy:deepseek-v4-flash-l6", "dummy:gpt-oss-120b", "dummy:qwen3-30b-a3b", "dummy:gpt-oss-20b")
 QUICK_FP4_EXPERT_MODELS = FP4_EXPERT_MODELS[::2]
 EXPERTS_UNIT = "experts "
+# the presets whose dense projections the FP4 rule and GEMM tiles cover where no model is named: Llama-3-8B's four,
+# gpt-oss's attention (its 120b has the 20b's)
+FP4_DENSE_MODELS = ("dummy:llama3-8b", "dummy:gpt-oss-20b")
+DENSE_UNIT = "dense "
+
+
+def fp4_dense_units(models: list[str]) -> list[str]:
+    """One unit per dense FP4 projection shape of ``models`` (graphserve/tuning/fp4_gemm.dense_shapes), each shape
+    once: ``dense <preset> <projection>``."""
+    from graphserve.tuning import fp4_gemm
+
+    units: dict[tuple[int, int], str] = {}
+    for m in models:
+        for proj, shape in fp4_gemm.dense_shapes(m).items():
+            units.setdefault(shape, f"{DENSE_UNIT}{bare(m)} {proj}")
+    return list(units.values())
 
 
 def fp4_plan(models: list[str], quick: bool) -> TablePlan | None:
-    """The FP4 rule's units (Llama-3-8B's projections, where it is among ``models``) and the FP4 expert tiles' (one
-    per preset whose experts graphserve/tuning/fp4_moe.py knows; the FP4 presets where no model was named, i.e.
-    ``models`` is the default list)."""
+    """The dense FP4 GEMM's units (each dense projection shape of ``models``: the rule's stream and variant crossovers
+    and the GEMM tiles, graphserve/tuning/fp4_gemm.py) and the FP4 expert tiles' (one per preset whose experts
+    graphserve/tuning/fp4_moe.py knows); where no model was named (``models`` is the default list), the FP4
+    presets' (FP4_DENSE_MODELS, FP4_EXPERT_MODELS; --quick the first of each)."""
+    from graphserve.kernels.common import sm_count
     from graphserve.tuning import fp4 as bench
-    from graphserve.tuning import fp4_moe
+    from graphserve.tuning import fp4_gemm, fp4_moe
 
-    projections = list(bench.LLAMA3_8B) if "dummy:llama3-8b" in models else []  # the rule's shapes
-    named = models if tuple(models) not in (DEFAULT_MODELS, QUICK_MODELS) else \
-        QUICK_FP4_EXPERT_MODELS if quick else FP4_EXPERT_MODELS  # fmt: skip
+    default = tuple(models) in (DEFAULT_MODELS, QUICK_MODELS)
+    dense_models = list(FP4_DENSE_MODELS[:1] if quick else FP4_DENSE_MODELS) if default else models
+    named = models if not default else QUICK_FP4_EXPERT_MODELS if quick else FP4_EXPERT_MODELS
+    dense = fp4_dense_units(dense_models)
     experts = [EXPERTS_UNIT + bare(m) for m in named if bare(m) in fp4_moe.SHAPES]
-    if not projections and not experts:
+    if not dense and not experts:
         return None
-    card = torch.cuda.get_device_name(0)
+    device = torch.device("cuda")
+    card, sms = torch.cuda.get_device_name(device), sm_count(device)
 
     def measure(unit: str, left: float) -> list[dict]:
         if unit.startswith(EXPERTS_UNIT):
             return fp4_moe.measure_shape(unit.removeprefix(EXPERTS_UNIT), max(left, 1.0), quick)
-        return bench.projection_rows(card, quick, projections=[unit], checkpoint=False)[0]
+        model, proj = unit.removeprefix(DENSE_UNIT).split()
+        return fp4_gemm.measure_projection(model, proj, max(left, 1.0), quick, sms, card)
 
     def finish(results: list[tuple[str, Any]], earlier) -> list[tuple[str, dict]]:
         files = []
-        rows = [r for unit, res in results if not unit.startswith(EXPERTS_UNIT) for r in res]
+        rows = [r for unit, res in results if unit.startswith(DENSE_UNIT) for r in res]
         if rows:
             measured = {(r["n"], r["k"]) for r in rows}
             rule = bench.derive_rule(rows, card)
-            rule["shapes"] = [s for s in rule["shapes"] if (s["n"], s["k"]) in measured]  # unmeasured: no entry
             kept = [s for s in (earlier("fp4_rule.json") or {}).get("shapes", []) if (s["n"], s["k"]) not in measured]
             rule["shapes"] = kept + rule["shapes"]
             files.append(("fp4_rule.json", rule))
+            tiles = fp4_gemm.table_from(rows, earlier(fp4_gemm.TABLE_FILE), card)
+            if tiles is not None:
+                files.append((fp4_gemm.TABLE_FILE, tiles))
         shapes = {unit.removeprefix(EXPERTS_UNIT): res for unit, res in results if unit.startswith(EXPERTS_UNIT)}
         if shapes:
             files.append((fp4_moe.TABLE_FILE, fp4_moe.table_from(shapes, earlier(fp4_moe.TABLE_FILE), card)))
         return files
 
-    return TablePlan("fp4", projections + experts, measure, finish)
+    return TablePlan("fp4", dense + experts, measure, finish)
 
 
 def build_plans(tables: list[str], models: list[str], quick: bool, moe_shapes: list[tuple[int, int, int, int]],

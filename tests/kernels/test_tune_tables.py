@@ -287,11 +287,16 @@ def test_plans_cut_each_table_into_the_models_shapes_and_derive_rules_as_the_ben
     assert plans["gemv"].units[4:] == ["qwen3-30b-a3b qkv", "qwen3-30b-a3b o_proj", "qwen3-30b-a3b router"]
     assert plans["fp8"].units[0] == "llama3-8b qkv block128" and len(plans["fp8"].units) == 6
     assert plans["moe"].units == ["E=128 H=2048 I=768 k=8 bfloat16", "E=64 H=2048 I=1408 k=6 bfloat16"]
-    # no model named (the default list): the FP4 rule's projections, then the FP4 presets' experts
-    assert plans["fp4"].units == ["qkv", "o", "gate_up", "down", "experts deepseek-v4-flash-l6",
-                                  "experts qwen3-30b-a3b"]  # fmt: skip
-    assert measure.fp4_plan(["dummy:gpt-oss-20b", "dummy:llama3-8b"], quick=True).units[4:] == ["experts gpt-oss-20b"]
-    assert measure.fp4_plan(["dummy:qwen3-0.6b"], quick=False) is None
+    # no model named (the default list, --quick): Llama-3-8B's dense projections, then the FP4 presets' experts
+    llama = ["dense llama3-8b qkv", "dense llama3-8b o", "dense llama3-8b gate_up", "dense llama3-8b down"]
+    assert plans["fp4"].units == llama + ["experts deepseek-v4-flash-l6", "experts qwen3-30b-a3b"]
+    assert measure.fp4_plan(list(measure.DEFAULT_MODELS), quick=False).units[:6] == llama + [
+        "dense gpt-oss-20b qkv", "dense gpt-oss-20b o"]  # fmt: skip
+    # named: their dense shapes, each once (gpt-oss-120b's attention is the 20b's; mistral-7b's are llama's)
+    assert measure.fp4_plan(["dummy:gpt-oss-20b", "dummy:llama3-8b", "dummy:gpt-oss-120b", "dummy:mistral-7b"],
+                            quick=True).units == ["dense gpt-oss-20b qkv", "dense gpt-oss-20b o", *llama,
+                                                  "experts gpt-oss-20b", "experts gpt-oss-120b"]  # fmt: skip
+    assert measure.fp4_plan(["dummy:deepseek-v2-lite"], quick=False) is None  # latent attention: no dense units
     mla = measure.mla_plan(["dummy:deepseek-v2-lite", "dummy:deepseek-v3-l4", "dummy:llama3-8b"], quick=True)
     assert mla.units == ["heads=16 bs=1 ctx=4096 cache=bf16", "heads=16 bs=64 ctx=4096 cache=bf16",
                          "heads=128 bs=64 ctx=4096 cache=bf16"]  # fmt: skip
@@ -308,15 +313,26 @@ def test_plans_cut_each_table_into_the_models_shapes_and_derive_rules_as_the_ben
     assert rule["shapes"] == [earlier["shapes"][0], {"name": "llama3-8b qkv", "n": 6144, "k": 4096, "linear": 2,
                                                      "norm": 4}]  # fmt: skip
 
-    # fp4: only the measured projections get entries (an unmeasured one would read "never stream")
-    fp4_rows = [{"fmt": fmt, "n": 6144, "k": 4096, "kernel": kernel, "m": m, "ms": ms}
+    # fp4: only the measured projections get entries (an unmeasured one would read "never stream"); the GEMM tiles'
+    # buckets take each row count's fastest tile of either variant, over the earlier table's other shapes
+    def tile(variant):
+        return {"variant": variant, "block_m": 16, "block_n": 64, "block_k": 32 if variant == "fp8" else 128,
+                "group_m": 8, "num_warps": 4, "num_stages": 3, "split_k": 2}  # fmt: skip
+
+    fp4_rows = [{"fmt": fmt, "n": 6144, "k": 4096, "kernel": kernel, "m": m, "ms": ms, "tile": tile(kernel[9:])}
                 for fmt in ("nvfp4", "mxfp4") for kernel, m, ms in
                 (("fp4 stream", 1, 1.0), ("fp4 stream", 8, 2.0), ("fp4 gemm bf16", 8, 1.5), ("fp4 gemm fp8", 8, 1.0),
-                 ("fp4 gemm bf16", 32, 2.0), ("fp4 gemm fp8", 32, 1.0))]  # fmt: skip
+                 ("fp4 gemm bf16", 32, 2.0), ("fp4 gemm fp8", 32, float("inf")))]  # fmt: skip
     kept = {"fmt": "nvfp4", "n": 4096, "k": 14336, "stream_max_rows": 8, "fp8_min_rows": 32}
-    [(name, rule)] = plans["fp4"].finish([("qkv", fp4_rows)], lambda _: {"shapes": [kept]})
+    kept_tiles = {"fmt": "mxfp4", "n": 4096, "k": 4096, "buckets": {"64": tile("fp8")}}
+    earlier = {"fp4_rule.json": {"shapes": [kept]}, "fp4_gemm_tiles.json": {"shapes": [kept_tiles]}}
+    [(name, rule), (tiles_name, tiles)] = plans["fp4"].finish([("dense llama3-8b qkv", fp4_rows)], earlier.get)
     assert name == "fp4_rule.json" and rule["shapes"] == [kept] + [
-        {"fmt": fmt, "n": 6144, "k": 4096, "stream_max_rows": 1, "fp8_min_rows": 8} for fmt in ("nvfp4", "mxfp4")]
+        {"fmt": fmt, "n": 6144, "k": 4096, "stream_max_rows": 1, "fp8_min_rows": 0} for fmt in ("nvfp4", "mxfp4")]
+    assert tiles_name == "fp4_gemm_tiles.json" and tiles["shapes"][0] == kept_tiles
+    assert [(s["fmt"], s["n"], s["buckets"]["8"]["variant"], s["buckets"]["32"]["variant"]) for s in tiles["shapes"][1:]] \
+        == [("nvfp4", 6144, "fp8", "bf16"), ("mxfp4", 6144, "fp8", "bf16")]  # fmt: skip
+    assert tiles["shapes"][1]["measurements"][-1]["ms"] is None  # did not run: JSON null, not Infinity
 
 
 def test_a_benchmark_run_on_another_card_writes_beside_the_first_cards_table_never_over_it(dirs):

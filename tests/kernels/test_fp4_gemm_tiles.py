@@ -1,0 +1,144 @@
+"""The dense FP4 GEMM's tile table (kernels/fp4_gemm_config.py): lookup through kernels/tables.py (a table for another
+card or version passed over, a malformed entry refused naming its field, a shape it does not list falling back to
+the defaults), the defaults' grid on a 132-SM card, and the tuner's candidates and per-preset shapes (the timings
+themselves need a GPU)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from graphserve.kernels import fp4_gemm_config as cfg
+from graphserve.kernels import tables
+from graphserve.kernels.fp4_gemm_config import Fp4GemmConfig, Fp4GemmTile
+
+CARD = "NVIDIA H100 80GB HBM3"
+OTHER = "NVIDIA H200"
+CUDA = torch.device("cuda")  # named only: the lookup asks the card's name, which the tests fake
+O_PROJ = ("nvfp4", 4096, 4096)
+
+
+def _tile(variant, bm=16, bn=64, bk=None, split=1):
+    return {"variant": variant, "block_m": bm, "block_n": bn, "block_k": bk or (32 if variant == "fp8" else 128),
+            "group_m": 8, "num_warps": 4, "num_stages": 3, "split_k": split}  # fmt: skip
+
+
+def _table(device, buckets=None, **extra):
+    buckets = buckets or {"16": _tile("bf16", bn=32, split=4), "64": _tile("fp8", bm=64, split=2),
+                          "4096": _tile("fp8", bm=128, bn=128)}  # fmt: skip
+    return {"device": device, "shapes": [{"fmt": "nvfp4", "n": 4096, "k": 4096, "buckets": buckets}], **extra}
+
+
+def _write(path: Path, data) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def card(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tables, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(tables, "KERNELS_DIR", tmp_path / "kernels")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: CARD)
+    monkeypatch.setattr(cfg, "sm_count", lambda device: 132)
+    tables.clear()
+    yield tmp_path
+    tables.clear()
+
+
+def _programs(c: Fp4GemmConfig, m: int, n: int, k: int) -> int:
+    from graphserve.kernels.fp4_gemm import k_split
+
+    return triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n) * triton.cdiv(k, k_split(c, k))
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (5120, 2880)])
+def test_defaults_fill_the_card(n, k):
+    """No table: at decode batches the grid holds about two programs an SM (narrower column tiles, then K split),
+    never the one-program-a-64-column-tile grid of before (64 programs for o_proj on 132 SMs)."""
+    for m in (9, 16, 33, 64, 128):
+        for variant in ("bf16", "fp8"):
+            c = cfg.default_config(variant, m, n, k, 16, 132)
+            c.check("default", variant, 16, k)
+            assert _programs(c, m, n, k) >= 132, (variant, m, c)
+            assert (c.block_m < 64) == (m <= 32)  # x the MMA's first operand below 64 rows a tile
+    big = cfg.default_config("bf16", 16384, n, k, 16, 132)
+    assert (big.block_m, big.block_n, big.split_k) == (128, 64, 1)
+
+
+def test_without_a_table_a_call_takes_the_rules_variant_and_the_default_tile(card):
+    tile = cfg.gemm_tile(*O_PROJ, 64, CUDA, "fp8")
+    assert tile == Fp4GemmTile("fp8", cfg.default_config("fp8", 64, 4096, 4096, 16, 132))
+    assert cfg.gemm_tile("mxfp4", 40, 80, 20, CUDA, "fp8").variant == "bf16"  # 32 does not divide K
+    line = tables.startup_line(CARD)
+    assert "fp4 gemm N=4096,K=4096,nvfp4" in line and "graphserve tune --tables fp4" in line
+    tables.clear()
+    assert cfg.gemm_tile(*O_PROJ, 64, torch.device("cpu"), "bf16").variant == "bf16"  # CPU: no lookup
+    assert tables.startup_line(CARD) is None
+
+
+def test_a_listed_shape_takes_its_buckets_tile_whatever_the_rule_says(card):
+    _write(tables.cache_dir(CARD) / cfg.TABLE_NAME, _table(CARD, versions=tables.versions()))
+    tiles = {m: cfg.gemm_tile(*O_PROJ, m, CUDA, "bf16") for m in (9, 16, 17, 64, 65, 100000)}
+    assert tiles[9] == tiles[16] == Fp4GemmTile("bf16", Fp4GemmConfig(16, 32, 128, 8, 4, 3, 4))
+    assert tiles[17] == tiles[64] == Fp4GemmTile("fp8", Fp4GemmConfig(64, 64, 32, 8, 4, 3, 2))
+    assert tiles[65].config.block_n == tiles[100000].config.block_n == 128  # past the largest bucket: the largest
+    assert tables.RESOLVED[cfg.table_label(O_PROJ)][0] == "cache"
+    # another shape on the same card: the defaults, and the start-up line says so
+    assert cfg.gemm_tile("nvfp4", 6144, 4096, 64, CUDA, "bf16").config == cfg.default_config("bf16", 64, 6144, 4096,
+                                                                                            16, 132)  # fmt: skip
+    assert tables.RESOLVED["fp4 gemm N=6144,K=4096,nvfp4"] == ("defaults", None)
+
+
+def test_a_shipped_table_serves_where_the_cache_has_none(card):
+    _write(card / "shipped" / tables.card_key(CARD) / cfg.TABLE_NAME, _table(CARD))
+    assert cfg.gemm_tile(*O_PROJ, 64, CUDA, "bf16").variant == "fp8"
+    assert tables.RESOLVED[cfg.table_label(O_PROJ)][0] == "shipped"
+
+
+@pytest.mark.parametrize("where, table, field", [
+    ("shipped", _table(OTHER), "field 'device' is 'NVIDIA H200', this card is 'NVIDIA H100 80GB HBM3'"),
+    ("cache", _table(CARD, versions={"torch": "0", "triton": "0", "graphserve": "0"}), "field 'versions.torch'"),
+    ("cache", _table(CARD, {"64": {k: v for k, v in _tile("bf16").items() if k != "variant"}}, versions="now"),
+     "KeyError: 'variant'"),
+    ("cache", _table(CARD, {"64": {**_tile("bf16"), "blok_m": 16}}, versions="now"), "'blok_m'"),
+    ("cache", _table(CARD, {"64": _tile("fp8", bk=64)}, versions="now"),
+     "fp4 gemm N=4096,K=4096,nvfp4 bucket 64: the fp8 variant steps 32 columns"),
+    ("cache", _table(CARD, {"64": _tile("bf16", bm=8)}, versions="now"), "bucket 64: block_m=8 must be 16 to 256"),
+    ("cache", _table(CARD, {"64": _tile("bf16", split=12)}, versions="now"), "split_k=12 must be 1 to 8"),
+    ("cache", _table(CARD, {"0": _tile("bf16")}, versions="now"), "field 'buckets' must hold row counts >= 1"),
+])  # fmt: skip
+def test_a_table_for_another_card_or_version_or_with_a_bad_entry_is_passed_over(card, caplog, where, table, field):
+    if table.get("versions") == "now":
+        table = {**table, "versions": tables.versions()}
+    base = tables.cache_dir(CARD) if where == "cache" else card / "shipped" / tables.card_key(CARD)
+    bad = _write(base / cfg.TABLE_NAME, table)
+    with caplog.at_level(logging.INFO, logger="graphserve.tables"):
+        tile = cfg.gemm_tile(*O_PROJ, 64, CUDA, "bf16")
+    assert tile == Fp4GemmTile("bf16", cfg.default_config("bf16", 64, 4096, 4096, 16, 132))
+    message = next(r.getMessage() for r in caplog.records if str(bad) in r.getMessage())
+    assert field in message
+    assert tables.RESOLVED[cfg.table_label(O_PROJ)] == ("defaults", None)
+
+
+def test_the_tuner_measures_the_presets_dense_shapes_from_the_default_tile():
+    from graphserve.tuning import fp4_gemm
+
+    assert fp4_gemm.dense_shapes("dummy:llama3-8b") == {"qkv": (6144, 4096), "o": (4096, 4096),
+                                                        "gate_up": (28672, 4096), "down": (4096, 14336)}  # fmt: skip
+    assert fp4_gemm.dense_shapes("gpt-oss-20b") == {"qkv": (5120, 2880), "o": (2880, 4096)}  # experts: not dense
+    assert fp4_gemm.dense_shapes("deepseek-v4-flash-l6") == {}
+    for variant in ("bf16", "fp8"):
+        for m in (8, 64, 128, 4096):
+            tiles = fp4_gemm.candidates(variant, m, 5120, 2880, 16, 132, quick=False)
+            assert tiles[0] == cfg.default_config(variant, m, 5120, 2880, 16, 132) and len(set(tiles)) == len(tiles)
+            for t in tiles:
+                t.check("candidate", variant, 16, 2880)
+            assert len(fp4_gemm.candidates(variant, m, 5120, 2880, 16, 132, quick=True)) <= fp4_gemm.QUICK_CANDIDATES
+    assert fp4_gemm.candidates("fp8", 64, 64, 80, 16, 132, quick=False) == []  # 32 does not divide K
