@@ -3,28 +3,34 @@
 Hopper multiplies no FP4, so a tile of packed weights becomes a tensor-core operand in registers. Two ways:
 
 - ``"bf16"`` (W4A16): each [BLOCK_N, BLOCK_K] tile widened (kernels/fp4_layout.py), multiplied by its block
-  scales in fp32 and rounded to bf16 (exact: every dequantized FP4 weight is a bf16 value), its low and high
-  nibbles' tiles fed to the bf16 tensor cores against x's even and odd columns (kernels/fp4_gemv.py's dot
-  path). The widening is CUDA-core work per weight element per M tile: it is amortized over BLOCK_M rows.
+  scales in fp32 and rounded to bf16 (exact: every dequantized FP4 weight is a bf16 value), in K order
+  (kernels/fp4_moe_gemm.py's ``_widened_tile``), against x's contiguous [BLOCK_M, BLOCK_K] tile. Below 64 rows a
+  tile x is the MMA's first operand (16 or 32 rows, as in the MoE kernel), from 64 the widened weight is. The
+  widening is CUDA-core work per weight element per M tile: it is amortized over BLOCK_M rows.
 - ``"fp8"`` (W4A8): E2M1 is exact in e4m3, so the tile becomes fp8 by masks and shifts alone (no float
   arithmetic on the weight) and runs on the FP8 tensor cores against x quantized per token (one scale a row,
   kernels/fp8_quant.per_token_group_quant with the group K: one launch before). A block scale varies every
   16 (NVFP4) or 32 (MXFP4) columns, which is finer than an MMA's K (32 for fp8): each step is one 32-column
   MMA whose partial takes its scales on the CUDA cores; NVFP4's two 16-column groups a step take two MMAs,
-  each over x with the other half's columns zeroed.
+  each over x with the other half's columns zeroed. The weight is always the first operand (BLOCK_N >= 64).
 
-Which is faster depends on the shape; benchmarks/fp4.py times both (and the streaming kernel) per shape and
-rows on the card and writes kernels/fp4_rule.json: per (format, N, K) the most rows the streaming kernel
-takes and the fewest from which the fp8 variant wins. ``fp4_linear`` reads it; a shape or card it does not
-list takes the defaults (streaming up to ``DEFAULT_STREAM_ROWS`` rows, the fp8 variant from ``DEFAULT_FP8_ROWS``,
-the bf16 variant between), with a warning naming the command, never a wrong answer (both variants compute the
-same product up to the fp8 rounding of x).
+Split-K (a tile's ``split_k``): a weight of few columns at a decode batch has fewer column tiles than the card has
+SMs, each walking all of K alone; split, each program walks its share of K and stores an fp32 partial, and a second
+launch sums the partials in split order (deterministic, no atomics) and applies the global scale and bias.
 
-Measured on an H100 (benchmarks/results/fp4_kernels.json, llama3-8b's projections): the streaming kernel wins up to
-8 rows, the fp8 variant from 32 (MXFP4 from 8 on three of four shapes), the bf16 variant only at 8 rows of NVFP4.
-Neither is yet faster than the FP8 kernels on the same shape: at one row the streaming kernel reads 0.85-1.18 TB/s
-against the probe's 3.11 (the FP8 stream 1.9-2.7), the widening's integer and conversion work per byte setting
-the time, not the bytes; an 8x2048 prefill runs 685k tok/s (MXFP4, fp8 variant) against FP8 cuBLASLt's 2.6M.
+Which variant and tile: per card, shape and rows, kernels/fp4_gemm_config.py (``fp4_gemm_tiles.json``, measured by
+``graphserve tune --tables fp4``); a shape it does not list takes the variant kernels/fp4_rule.json names (per
+(format, N, K) the most rows the streaming kernel takes and the fewest from which the fp8 variant wins, measured by
+the same tune or benchmarks/fp4.py) and a default tile sized to the card. A shape or card neither lists takes the
+defaults (streaming up to ``DEFAULT_STREAM_ROWS`` rows, the fp8 variant from ``DEFAULT_FP8_ROWS``, the bf16 variant
+between), with a start-up line naming the command, never a wrong answer (both variants compute the same product up
+to the fp8 rounding of x).
+
+Measured on an H100 before per-shape tiles (benchmarks/results/fp4_kernels.json, llama3-8b's projections, one fixed
+tile of 64 weight rows by 64 or 128 rows of x, the bf16 variant stepping 256 columns as even and odd halves): the
+streaming kernel won up to 8 rows, the fp8 variant from 32 (MXFP4 from 8 on three of four shapes), the bf16 variant
+only at 8 rows of NVFP4; o_proj at 64 rows took 0.175 ms (bf16) and 0.105 ms (fp8) against bf16 cuBLAS's 0.016; an
+8x2048 prefill ran 685k tok/s (MXFP4, fp8 variant) against FP8 cuBLASLt's 2.6M. Not yet re-measured with the tiles.
 """
 
 from __future__ import annotations
@@ -122,7 +128,7 @@ def _fp4_gemm_kernel(
                 a = tl.load(x_ptrs + k0)
             else:
                 a = tl.load(x_ptrs + k0, mask=(k0 + offs_k < K)[None, :], other=0.0)
-            w = _widened_tile(w_ptrs, s_ptrs, k0, offs_g, K, GROUP_K, MX, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)
+            w = _widened_tile(w_ptrs, s_ptrs, k0, offs_g, K, GROUP_K, MX, BLOCK_N, BLOCK_K, a.dtype)
             if W_FIRST:
                 acc = tl.dot(w, tl.trans(a), acc)
             else:

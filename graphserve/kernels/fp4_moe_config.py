@@ -145,8 +145,8 @@ def default_block_m(pairs: int, num_local: int) -> int:
 
 def default_tile(variant: str, block_m: int, group: int, k: int) -> Fp4MoeTile:
     """The tile of a shape no table lists. "bf16": the one tile the grouped GEMM ran before tables (BLOCK_N 64,
-    BLOCK_K up to 128, 4 warps, 3 stages). "fp8": kernels/fp4_gemm.gemm_config's (one 32-column MMA a step, 4
-    stages deep to keep its loads ahead)."""
+    BLOCK_K up to 128, 4 warps, 3 stages). "fp8": the dense GEMM's fixed tile before its tables (one 32-column MMA a
+    step, 4 stages deep to keep its loads ahead)."""
     if variant == "fp8":
         return Fp4MoeTile("fp8", block_m, 64, FP8_STEP, 8, 4, 4)
     return Fp4MoeTile("bf16", block_m, 64, max(group, min(128, 1 << max(0, k - 1).bit_length())), 8, 4, 3)

@@ -2,7 +2,8 @@
 ``graphserve tune`` writes, then the tables shipped with the package, then the code defaults.
 
 Every table is a JSON file named as its reader names it (``gemv_rule.json``, ``fp8_rule.json``,
-``mla_tiles.json``, ``fp4_rule.json``, ``fp4_moe_tiles.json``, ``moe_configs/E=...,device=....json``). Lookup, first found wins:
+``mla_tiles.json``, ``fp4_rule.json``, ``fp4_gemm_tiles.json``, ``fp4_moe_tiles.json``,
+``moe_configs/E=...,device=....json``). Lookup, first found wins:
 
 1. the cache: ``<cache root>/tables/<card>/<torch-…_triton-…_graphserve-…>/<name>``. The cache root is
    ``$GRAPHSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/graphserve``, else ``~/.cache/graphserve``; never inside the
