@@ -46,7 +46,7 @@ import triton.language as tl
 
 from graphserve.kernels import tables
 from graphserve.kernels.common import sm_count
-from graphserve.kernels.fp4_gemm_config import VARIANTS, Fp4GemmConfig, default_config, gemm_tile
+from graphserve.kernels.fp4_gemm_config import VARIANTS, Fp4GemmConfig, Fp4GemmTile, default_config, gemm_tile
 from graphserve.kernels.fp4_gemv import MAX_ROWS as STREAM_MAX_ROWS
 from graphserve.kernels.fp4_gemv import fp4_gemv
 from graphserve.kernels.fp4_layout import GROUP, fp4_check, fp8_mma_step, fp8_weight_tile, row_global
@@ -160,6 +160,35 @@ def _fp4_split_sum_kernel(
     _store_tile(acc, offs_m, offs_n, M, N, gs_ptr, b_ptr, out_ptr, stride_om, HAS_GLOBAL, ROW_GLOBAL, HAS_BIAS)
 
 
+@triton.jit
+def _fp4_dequant_kernel(
+    w_ptr, s_ptr, gs_ptr, out_ptr, N, stride_wn, stride_sn, stride_on, K: tl.constexpr, GROUP_K: tl.constexpr,
+    MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, ROW_GLOBAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """The "dequant" variant's first launch: a [BLOCK_N, BLOCK_K] tile of the weight dequantized in fp32 (block scale
+    and global scale), rounded once to the output's dtype."""
+    pdl_enter(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    KB: tl.constexpr = BLOCK_K // GROUP_K
+    G2: tl.constexpr = GROUP_K // 2
+    offs_g = tl.arange(0, KB)
+    byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
+    w_ptrs = w_ptr + rows[:, None, None] * stride_wn + byte3[None, :, :]
+    s_ptrs = s_ptr + rows[:, None] * stride_sn + offs_g[None, :]
+    w = _widened_tile(w_ptrs, s_ptrs, k0, offs_g, K, GROUP_K, MX, BLOCK_N, BLOCK_K, tl.float32)
+    if HAS_GLOBAL:
+        if ROW_GLOBAL:
+            w *= tl.load(gs_ptr + rows)[:, None]
+        else:
+            w *= tl.load(gs_ptr)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    out_ptrs = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + offs_k[None, :]
+    tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
+
+
 def k_split(cfg: Fp4GemmConfig, k: int) -> int:
     """Columns each split walks, whole steps: where K is whole steps, the most splits up to ``cfg.split_k`` that
     divide them evenly (a split past K would read past the weight's rows, whose steps are unmasked there); else K's
@@ -176,8 +205,9 @@ def fp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
              fmt: str, bias: torch.Tensor | None = None, out: torch.Tensor | None = None, *, variant: str = "bf16",
              config: Fp4GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
     """``x`` [M, K] (bf16/fp16) times the FP4 weight [N, K/2] (+ bias), x's dtype out; ``global_scale`` (NVFP4) one
-    value or fp32 [N] one per output row; ``variant`` "bf16" (W4A16) or "fp8" (W4A8: x quantized per token by one
-    launch first). ``config`` the tile (default: kernels/fp4_gemm_config.default_config for this card)."""
+    value or fp32 [N] one per output row; ``variant`` "bf16" (W4A16), "fp8" (W4A8: x quantized per token by one
+    launch first) or "dequant" (the weight dequantized to x's dtype, then cuBLAS). ``config`` the tile (default:
+    kernels/fp4_gemm_config.default_config for this card; "dequant": its first launch's)."""
     n, k = fp4_check("fp4_gemm", packed, scale, global_scale, fmt, x.shape[-1])
     if variant not in VARIANTS:
         raise ValueError(f"fp4_gemm: variant={variant!r} must be one of {VARIANTS}")
@@ -199,6 +229,8 @@ def fp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
     group = GROUP[fmt]
     cfg = config or default_config(variant, m, n, k, group, sm_count(x.device))
     cfg.check("fp4_gemm", variant, group, k)
+    if variant == "dequant":
+        return _dequant_gemm(x, packed, scale, global_scale, per_row, fmt, bias, out, cfg)
     if fp8:
         xq, xs = per_token_group_quant(x, k)
         xq = xq.view(torch.uint8)
@@ -225,6 +257,25 @@ def fp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
             **pdl_args(x.device, "_fp4_split_sum_kernel"),
         )  # fmt: skip
     return out
+
+
+def _dequant_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
+                  per_row: bool, fmt: str, bias: torch.Tensor | None, out: torch.Tensor,
+                  cfg: Fp4GemmConfig) -> torch.Tensor:  # fmt: skip
+    """The "dequant" variant: the weight dequantized into a transient [N, K] of x's dtype (global scale folded in, one
+    rounding), then one cuBLAS matmul with the bias in its epilogue. At prefill rows the dequantization's one pass over
+    the weight is small beside the matmul, which then runs at the bf16 tensor cores' full rate."""
+    n, k = packed.shape[0], x.shape[1]
+    w = torch.empty(n, k, dtype=x.dtype, device=x.device)
+    _fp4_dequant_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k))](
+        packed, scale.view(torch.uint8), global_scale if global_scale is not None else w, w, n, packed.stride(0),
+        scale.stride(0), w.stride(0), K=k, GROUP_K=GROUP[fmt], MX=fmt == "mxfp4", HAS_GLOBAL=global_scale is not None,
+        ROW_GLOBAL=per_row, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        **pdl_args(x.device, "_fp4_dequant_kernel"),
+    )  # fmt: skip
+    if bias is not None:
+        return torch.addmm(bias, x, w.t(), out=out)
+    return torch.mm(x, w.t(), out=out)
 
 
 def fp4_gemm_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
@@ -297,11 +348,19 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, globa
         x2 = x2.contiguous()
     n = packed.shape[0]
     out2 = out.view(-1, n) if out is not None else None
-    m, k = x2.shape
-    path = rule_for(x.device).route(fmt, n, k, m)
-    if path == "stream":
+    path, tile = linear_path(fmt, n, x2.shape[1], x2.shape[0], x.device)
+    if tile is None:
         y = fp4_gemv(x2, packed, scale, global_scale, fmt, bias, out2)
     else:
-        tile = gemm_tile(fmt, n, k, m, x.device, path)
-        y = fp4_gemm(x2, packed, scale, global_scale, fmt, bias, out2, variant=tile.variant, config=tile.config)
+        y = fp4_gemm(x2, packed, scale, global_scale, fmt, bias, out2, variant=path, config=tile.config)
     return y.view(*lead, n)
+
+
+def linear_path(fmt: str, n: int, k: int, m: int, device: torch.device) -> tuple[str, Fp4GemmTile | None]:
+    """What ``fp4_linear`` runs for ``m`` rows of the weight (fmt, N, K): ("stream", None), or the GEMM variant and its
+    tile (the tile table's, else the rule's variant with the default tile)."""
+    path = rule_for(device).route(fmt, n, k, m)
+    if path == "stream":
+        return path, None
+    tile = gemm_tile(fmt, n, k, m, device, path)
+    return tile.variant, tile

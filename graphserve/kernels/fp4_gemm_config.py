@@ -6,8 +6,8 @@ The table is ``fp4_gemm_tiles.json`` (kernels/tables.py: the tune cache, then th
     {"device": ..., "shapes": [{"fmt": "nvfp4", "n": 4096, "k": 4096,
       "buckets": {"16": TILE, "64": TILE, "4096": TILE}}]}   # rows; a call takes the smallest bucket holding it,
                                                               # the largest beyond them
-    TILE = {"variant": "bf16" | "fp8", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages",
-            "split_k"}
+    TILE = {"variant": "bf16" | "fp8" | "dequant", "block_m", "block_n", "block_k", "group_m", "num_warps",
+            "num_stages", "split_k"}   # "dequant": its dequantization's tile (block_n, block_k, num_warps)
 
 A listed shape's variant is the table's (measured at its best tiles); a shape or card it does not list takes the
 variant fp4_rule.json names and ``default_config``'s tile, sized so the grid holds about two programs an SM (a small
@@ -30,7 +30,7 @@ from graphserve.kernels.common import sm_count
 logger = logging.getLogger(__name__)
 
 TABLE_NAME = "fp4_gemm_tiles.json"
-VARIANTS = ("bf16", "fp8")
+VARIANTS = ("bf16", "fp8", "dequant")
 FP8_STEP = 32  # the fp8 MMA's K: the fp8 variant's BLOCK_K
 # below 64 rows x is the MMA's first operand (a 16- or 32-row tile); from 64 the widened weight is, from registers:
 # as the second operand (through shared memory) a widened tile failed to compile at 64 and 128 (Triton 3.6, sm_90)
@@ -38,6 +38,12 @@ X_FIRST_BELOW = 64
 MIN_SPLIT_COLUMNS = 512  # K columns a split walks at least: shorter walks pay the prologue and the partials' traffic
 MAX_SPLIT_K = 8
 PROGRAMS_PER_SM = 2  # the defaults' target grid: one wave hides no load latency behind another program's MMAs
+# rows from which a shape no table lists takes the "dequant" variant (the weight dequantized to bf16, then cuBLAS).
+# From the H100 measurements before tables (benchmarks/results/fp4_kernels.json, llama3-8b's gate_up): at 1024 rows
+# bf16 cuBLAS took 0.31 ms and the fp8 variant 0.85 (MXFP4) to 1.91 ms (NVFP4); the dequantization writes N * K
+# bf16 once (235 MB, about 0.1 ms at the card's 3 TB/s) and cuBLAS reads them, so from about 512 rows it wins by
+# the arithmetic; below, the weight's extra pass costs more than the tensor cores' rate gains
+DEFAULT_DEQUANT_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,8 @@ class Fp4GemmConfig:
 
 @dataclass(frozen=True)
 class Fp4GemmTile:
-    """What one GEMM call runs: the variant ("bf16": W4A16, "fp8": W4A8) and its tile."""
+    """What one GEMM call runs: the variant ("bf16": W4A16, "fp8": W4A8, "dequant": the weight dequantized to x's
+    dtype, then cuBLAS) and its tile."""
 
     variant: str
     config: Fp4GemmConfig
@@ -183,6 +190,8 @@ def default_config(variant: str, m: int, n: int, k: int, group: int, sms: int) -
     while (tiles * split < target and split * 2 <= MAX_SPLIT_K and k // (split * 2) >= MIN_SPLIT_COLUMNS
            and 16 * m * split * 2 <= k):  # fmt: skip
         split *= 2
+    if variant == "dequant":  # the dequantization's tile: 4096 weights a program, whole scale groups
+        return Fp4GemmConfig(16, 32, max(group, 128), 8, 4, 1)
     warps = 8 if bm * bn >= 128 * 128 else 4
     if variant == "fp8":
         return Fp4GemmConfig(bm, bn, FP8_STEP, 8, warps, 4, split)
@@ -213,11 +222,13 @@ def shape_tiles(key: ShapeKey, card: str) -> Fp4GemmShapeTiles | None:
 @functools.lru_cache(maxsize=1024)  # called per forward: the card's name and the table lookup once per shape and rows
 def gemm_tile(fmt: str, n: int, k: int, m: int, device: torch.device, variant: str) -> Fp4GemmTile:
     """The variant and tile of an ``m``-row GEMM on the weight (fmt, N, K), a pure function of the shape (a captured
-    graph replays one): the table's where it lists the shape, else ``variant`` (fp4_rule.json's choice) with
-    ``default_config``'s tile."""
+    graph replays one): the table's where it lists the shape, else ``variant`` (fp4_rule.json's choice; "dequant" from
+    DEFAULT_DEQUANT_ROWS) with ``default_config``'s tile."""
     entry = shape_tiles((fmt, n, k), torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if entry is not None:
         return entry.tile(m)
-    if variant == "fp8" and k % FP8_STEP:
+    if m >= DEFAULT_DEQUANT_ROWS:
+        variant = "dequant"
+    elif variant == "fp8" and k % FP8_STEP:
         variant = "bf16"  # the fp8 variant steps whole 32-column MMAs
     return Fp4GemmTile(variant, default_config(variant, m, n, k, 16 if fmt == "nvfp4" else 32, sm_count(device)))

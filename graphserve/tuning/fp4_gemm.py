@@ -3,7 +3,8 @@ FP4 rule (``fp4_rule.json``: the streaming kernel's rows, the fp8 variant's firs
 
 Per projection of a preset (``dense_shapes``), per format and row count (``ROWS``, in order of importance, so that a
 time share spent leaves out the least telling): the streaming kernel up to 64 rows, and from 8 rows a short list of
-tiles per variant (``candidates``: the card's default tile first, so the best is never slower than it), each timed as
+tiles per variant (``candidates``: the card's default tile first, so the best is never slower than it; "dequant"
+from 128 rows), each timed as
 a CUDA graph replaying the call over copies of the weight together past three times L2 (graphserve/tuning/fp4.py's
 ``graph_ms``), so the weight comes from HBM as in a decode step. The fastest tile of either variant goes into the
 table's bucket of that row count; the rows of each kernel at its best tile feed fp4.py's ``derive_rule``.
@@ -46,11 +47,16 @@ BF16_LARGE = [(64, 128, 4, 3, 1), (128, 64, 8, 3, 1), (128, 128, 8, 3, 1), (64, 
 # the fp8 variant: one 32-column MMA a step, the weight the MMA's M side (block_n >= 64)
 FP8_SMALL = [(64, 32, 4, 4, 1), (64, 32, 4, 4, 2), (128, 32, 4, 4, 1), (64, 32, 4, 4, 4), (64, 32, 4, 6, 1)]
 FP8_LARGE = [(64, 32, 4, 4, 1), (128, 32, 4, 4, 1), (128, 32, 8, 4, 1), (128, 32, 8, 3, 1)]
-SPACE = {("bf16", False): BF16_SMALL, ("bf16", True): BF16_LARGE, ("fp8", False): FP8_SMALL, ("fp8", True): FP8_LARGE}
+# the dequant variant (the weight dequantized, then cuBLAS): its first launch's tile, timed from DEQUANT_ROWS only
+DEQUANT_ROWS = 128
+DEQUANT = [(64, 128, 4, 1, 1), (32, 256, 4, 1, 1)]
+SPACE = {("bf16", False): BF16_SMALL, ("bf16", True): BF16_LARGE, ("fp8", False): FP8_SMALL, ("fp8", True): FP8_LARGE,
+         ("dequant", False): [], ("dequant", True): DEQUANT}  # fmt: skip
 QUICK_CANDIDATES = 3
 # families whose attention is q/k/v heads (graphserve/models' GQA layers); latent and compressed attention differ
 GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 DT = torch.bfloat16
+DEVICE = torch.device("cuda")  # the CPU test of the sweep's logic swaps in the CPU, and fakes the timings
 
 
 def dense_shapes(model: str) -> dict[str, tuple[int, int]]:
@@ -73,10 +79,12 @@ def dense_shapes(model: str) -> dict[str, tuple[int, int]]:
 
 def candidates(variant: str, m: int, n: int, k: int, group: int, sms: int, quick: bool) -> list[Fp4GemmConfig]:
     """``variant``'s tiles for an ``m``-row GEMM on (N, K): the card's default first, then those of ``SPACE`` that can
-    run (a K step no deeper than K's power of two, a split that cuts K at all); from 128 rows also the default at 64
-    rows a tile."""
+    run (a K step no deeper than K's power of two, a split that cuts K at all); past 256 rows also at 64 rows a tile.
+    "dequant" from DEQUANT_ROWS only."""
     from graphserve.kernels.fp4_gemm import k_split
 
+    if variant == "dequant" and m < DEQUANT_ROWS:
+        return []
     first = default_config(variant, m, n, k, group, sms)
     try:
         first.check("candidate", variant, group, k)
@@ -84,7 +92,7 @@ def candidates(variant: str, m: int, n: int, k: int, group: int, sms: int, quick
         return []
     out = [first]
     deepest = max(group, 1 << max(0, k - 1).bit_length())
-    bms = [first.block_m] + ([64] if first.block_m > 64 else [])
+    bms = [first.block_m] + ([64] if first.block_m > 64 and variant != "dequant" else [])
     for bm in bms:
         for bn, bk, warps, stages, split in SPACE[(variant, m > 64)]:
             cfg = Fp4GemmConfig(bm, bn, bk, first.group_m, warps, stages, split)
@@ -114,7 +122,7 @@ def measure_projection(model: str, proj: str, budget_s: float, quick: bool, sms:
         if rows and time.monotonic() - start > budget_s:
             print(f"{model} {proj}: time share {budget_s:.0f} s spent: rows from {m} left out", flush=True)
             break
-        x = torch.randn(m, k, device="cuda", dtype=DT)
+        x = torch.randn(m, k, device=DEVICE, dtype=DT)
         for fmt, ws in weights.items():
             base = {"card": card, "model": model.removeprefix("dummy:"), "proj": proj, "n": n, "k": k, "m": m,
                     "fmt": fmt}  # fmt: skip
@@ -137,7 +145,8 @@ def measure_projection(model: str, proj: str, budget_s: float, quick: bool, sms:
         best = {r["kernel"] + " " + r["fmt"]: r["ms"] for r in rows if r["m"] == m}
         print(f"{model} {proj} m={m}: " + ", ".join(f"{key} {v:.4f} ms" for key, v in best.items()), flush=True)
     del weights
-    torch.cuda.empty_cache()
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 

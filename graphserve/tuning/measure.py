@@ -194,14 +194,13 @@ def fp4_plan(models: list[str], quick: bool) -> TablePlan | None:
     experts = [EXPERTS_UNIT + bare(m) for m in named if bare(m) in fp4_moe.SHAPES]
     if not dense and not experts:
         return None
-    device = torch.device("cuda")
-    card, sms = torch.cuda.get_device_name(device), sm_count(device)
+    card = torch.cuda.get_device_name(0)
 
     def measure(unit: str, left: float) -> list[dict]:
         if unit.startswith(EXPERTS_UNIT):
             return fp4_moe.measure_shape(unit.removeprefix(EXPERTS_UNIT), max(left, 1.0), quick)
         model, proj = unit.removeprefix(DENSE_UNIT).split()
-        return fp4_gemm.measure_projection(model, proj, max(left, 1.0), quick, sms, card)
+        return fp4_gemm.measure_projection(model, proj, max(left, 1.0), quick, sm_count(torch.device("cuda")), card)
 
     def finish(results: list[tuple[str, Any]], earlier) -> list[tuple[str, dict]]:
         files = []

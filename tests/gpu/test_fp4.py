@@ -20,7 +20,7 @@ from gpu_utils import capture, rel_err
 
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp4_experts_reference import fp4_fused_experts_reference
-from graphserve.kernels.fp4_gemm import fp4_gemm, fp4_gemm_reference, fp4_linear, rule_for
+from graphserve.kernels.fp4_gemm import fp4_gemm, fp4_gemm_reference, fp4_linear, linear_path
 from graphserve.kernels.fp4_gemv import (
     fp4_gemv,
     fp4_gemv_reference,
@@ -73,8 +73,8 @@ def test_fp4_stream_and_gemm_at_llama3_8b_shapes(proj, fmt):
             out = fp4_gemm(x, packed, scale, gs, fmt, bias, variant=variant)
             ref = fp4_gemm_reference(x, packed, scale, gs, fmt, bias, variant=variant)
             assert rel_err(out, ref) < 1e-2, (proj, fmt, m, variant)
-        path = rule_for(x.device).route(fmt, n, k, m)  # the variant fp4_linear takes, against its reference
-        ref = fp4_gemm_reference(x, packed, scale, gs, fmt, bias, variant="fp8" if path == "fp8" else "bf16")
+        path, _ = linear_path(fmt, n, k, m, x.device)  # the variant fp4_linear takes, against its reference
+        ref = fp4_gemm_reference(x, packed, scale, gs, fmt, bias, variant=path)
         assert rel_err(fp4_linear(x, packed, scale, gs, fmt, bias), ref) < 1e-2, (proj, fmt, m, path)
 
 

@@ -10,7 +10,7 @@ import torch
 from gpu_utils import capture, rel_err
 
 from graphserve.kernels.fp4_experts_reference import fp4_fused_experts_reference
-from graphserve.kernels.fp4_gemm import FP8_DTYPE, rule_for
+from graphserve.kernels.fp4_gemm import FP8_DTYPE, linear_path
 from graphserve.kernels.fp4_reference import fp4_linear_reference
 from graphserve.kernels.moe_reference import softmax_topk_reference
 from graphserve.layers.linear import MergedColumnParallelLinear
@@ -42,7 +42,7 @@ def test_fp4_projection_matches_the_reference(fmt, m, gen):
     x = torch.randn(m, 2048, device=CUDA, generator=gen).to(torch.bfloat16)
     g = layer.quant_method.global_rows(layer)
     xr = x.float()
-    if rule_for(CUDA).route(fmt, layer.weight.shape[0], 2048, m) == "fp8":
+    if linear_path(fmt, layer.weight.shape[0], 2048, m, CUDA)[0] == "fp8":
         # rows the rule gives the fp8 GEMM variant meet the weights as per-token fp8 (W4A8): the reference
         # quantizes x the same way, so the bound stays bf16's rather than fp8's rounding of x
         s = (xr.abs().amax(dim=1, keepdim=True) / torch.finfo(FP8_DTYPE).max).clamp(min=1e-12)

@@ -14,7 +14,7 @@ from gpu_utils import capture, rel_err
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_utils import PagedHarness, held_weight_bytes, make_hf_checkpoint  # noqa: E402
 
-from graphserve.kernels.fp4_gemm import FP8_DTYPE, fp4_linear, rule_for  # noqa: E402
+from graphserve.kernels.fp4_gemm import FP8_DTYPE, fp4_linear, linear_path  # noqa: E402
 from graphserve.kernels.fp4_reference import fp4_linear_reference, nvfp4_quantize  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -37,7 +37,7 @@ def test_per_row_globals_match_the_reference_and_replay(m):
     graph.replay()
     assert torch.equal(out, fp4_linear(x, packed, scale, rows, "nvfp4"))
     xr = x.float()
-    if rule_for(CUDA).route("nvfp4", packed.shape[0], 4096, m) == "fp8":  # W4A8: x per token in fp8, as the kernel
+    if linear_path("nvfp4", packed.shape[0], 4096, m, CUDA)[0] == "fp8":  # W4A8: x per token in fp8, as the kernel
         s = (xr.abs().amax(dim=1, keepdim=True) / torch.finfo(FP8_DTYPE).max).clamp(min=1e-12)
         xr = (xr / s).clamp(-448.0, 448.0).to(FP8_DTYPE).float() * s
     assert rel_err(out, fp4_linear_reference(xr, packed, scale, rows, "nvfp4")) < 2e-2

@@ -76,6 +76,7 @@ def test_without_a_table_a_call_takes_the_rules_variant_and_the_default_tile(car
     tile = cfg.gemm_tile(*O_PROJ, 64, CUDA, "fp8")
     assert tile == Fp4GemmTile("fp8", cfg.default_config("fp8", 64, 4096, 4096, 16, 132))
     assert cfg.gemm_tile("mxfp4", 40, 80, 20, CUDA, "fp8").variant == "bf16"  # 32 does not divide K
+    assert cfg.gemm_tile(*O_PROJ, 512, CUDA, "fp8").variant == "dequant"  # prefill rows: dequantized, then cuBLAS
     line = tables.startup_line(CARD)
     assert "fp4 gemm N=4096,K=4096,nvfp4" in line and "graphserve tune --tables fp4" in line
     tables.clear()
@@ -134,11 +135,54 @@ def test_the_tuner_measures_the_presets_dense_shapes_from_the_default_tile():
                                                         "gate_up": (28672, 4096), "down": (4096, 14336)}  # fmt: skip
     assert fp4_gemm.dense_shapes("gpt-oss-20b") == {"qkv": (5120, 2880), "o": (2880, 4096)}  # experts: not dense
     assert fp4_gemm.dense_shapes("deepseek-v4-flash-l6") == {}
-    for variant in ("bf16", "fp8"):
-        for m in (8, 64, 128, 4096):
+    for variant in ("bf16", "fp8", "dequant"):
+        for m in (8, 64, 128, 4096) if variant != "dequant" else (128, 4096):
             tiles = fp4_gemm.candidates(variant, m, 5120, 2880, 16, 132, quick=False)
             assert tiles[0] == cfg.default_config(variant, m, 5120, 2880, 16, 132) and len(set(tiles)) == len(tiles)
             for t in tiles:
                 t.check("candidate", variant, 16, 2880)
             assert len(fp4_gemm.candidates(variant, m, 5120, 2880, 16, 132, quick=True)) <= fp4_gemm.QUICK_CANDIDATES
     assert fp4_gemm.candidates("fp8", 64, 64, 80, 16, 132, quick=False) == []  # 32 does not divide K
+    assert fp4_gemm.candidates("dequant", 64, 5120, 2880, 16, 132, quick=False) == []  # decode rows: not timed
+    assert [c.block_n for c in fp4_gemm.candidates("dequant", 4096, 5120, 2880, 32, 132, quick=False)] == [32, 64, 32]
+
+
+def test_the_sweep_keeps_each_rows_fastest_tile_and_stops_at_its_time_share(card, monkeypatch):
+    """measure_projection's logic on the CPU with the timings faked (a GPU times the real calls): the fp8 variant
+    fastest at 64 rows with split-K, dequant at 4096, the streaming kernel only at 1 row; a spent share leaves out
+    later rows; the table it writes is what the reader takes, and the rule comes from the same rows."""
+    from graphserve.tuning import fp4 as bench
+    from graphserve.tuning import fp4_gemm
+
+    monkeypatch.setattr(fp4_gemm, "DEVICE", torch.device("cpu"))
+    monkeypatch.setattr(bench, "copies_for", lambda nbytes: 2)
+    monkeypatch.setattr(bench, "fp4_weights", lambda n, k, fmt, copies: [(None, None, None)] * copies)
+
+    def fake_ms(calls):
+        m = calls[0].args[0].shape[0]
+        if "config" not in calls[0].keywords:  # the streaming kernel
+            return 0.01 * m
+        variant, c = calls[0].keywords["variant"], calls[0].keywords["config"]
+        base = {"bf16": 0.5, "fp8": 0.3, "dequant": 0.2 if m >= 1024 else 5.0}[variant]
+        return base / c.split_k + 0.001 * c.block_n
+
+    monkeypatch.setattr(bench, "graph_ms", fake_ms)
+    rows = fp4_gemm.measure_projection("dummy:llama3-8b", "o", 1e6, True, 132, CARD)
+    assert sorted({r["m"] for r in rows}) == [1, 16, 64, 128, 4096]
+    kernels = {(r["m"], r["kernel"]) for r in rows if r["fmt"] == "nvfp4"}
+    assert (1, "fp4 stream") in kernels and (1, "fp4 gemm bf16") not in kernels  # below 8 rows: no GEMM
+    assert (64, "fp4 gemm dequant") not in kernels and (128, "fp4 gemm dequant") in kernels
+    table = fp4_gemm.table_from(rows, None, CARD)
+    entry = cfg.Fp4GemmTable.from_json(table).shapes[O_PROJ]
+    assert entry.buckets == (16, 64, 128, 4096)
+    assert entry.tile(64).variant == "fp8" and entry.tile(64).config.split_k > 1
+    assert entry.tile(4096).variant == "dequant"
+    rule = bench.derive_rule(rows, CARD)["shapes"][0]
+    assert rule == {"fmt": "nvfp4", "n": 4096, "k": 4096, "stream_max_rows": 1, "fp8_min_rows": 16}
+    _write(tables.cache_dir(CARD) / cfg.TABLE_NAME, {**table, **tables.stamp(CARD)})
+    assert cfg.gemm_tile(*O_PROJ, 50, CUDA, "bf16") == entry.tile(64)
+
+    clock = iter(range(0, 10**6, 100))  # every check of the clock: 100 s later
+    monkeypatch.setattr(fp4_gemm.time, "monotonic", lambda: next(clock))
+    short = fp4_gemm.measure_projection("dummy:llama3-8b", "o", 150, True, 132, CARD)
+    assert sorted({r["m"] for r in short}) == [1, 64]  # the share spent after one row count past it

@@ -1,6 +1,6 @@
 """The dense FP4 GEMM (kernels/fp4_gemm.py) under the tiles its table may name, on CPU through Triton's interpreter:
 x as the MMA's first operand (16 and 32 rows) and the weight first (64), a K that is not whole steps, split-K (the
-partials summed by the second launch), both variants and both formats, against the dequantizing reference; and
+partials summed by the second launch), the three variants and both formats, against the dequantizing reference; and
 fp4_linear taking the variant and tile its table lists.
 
 As in test_fp4_interp.py: random bytes (every E2M1 code) and scales, fp16 x (the interpreter's bf16 dot is not the
@@ -55,6 +55,8 @@ CASES = [
     ("mxfp4", "bf16", 19, 40, 160, Fp4GemmConfig(16, 32, 64, group_m=2, num_stages=1, split_k=2)),
     ("nvfp4", "fp8", 18, 72, 192, Fp4GemmConfig(16, 64, 32, group_m=2, num_stages=1)),
     ("mxfp4", "fp8", 33, 64, 256, Fp4GemmConfig(32, 64, 32, group_m=2, num_stages=1, split_k=2)),
+    ("nvfp4", "dequant", 20, 40, 224, Fp4GemmConfig(16, 16, 64)),  # the weight dequantized (tail masked), cuBLAS
+    ("mxfp4", "dequant", 7, 24, 160, Fp4GemmConfig(16, 32, 128)),
 ]
 
 
@@ -68,12 +70,14 @@ def test_fp4_gemm_tiles_match_reference(fmt, variant, m, n, k, tile):
     assert relative_error(out.cpu(), ref) < 2e-3
 
 
-def test_split_k_takes_a_global_per_row_in_its_sum():
-    """The epilogue (per-row global, bias) runs once, in the second launch, after the partials' sum."""
+@pytest.mark.parametrize("variant", ["bf16", "dequant"])
+def test_a_global_per_row_is_applied_once(variant):
+    """Split-K: the epilogue (per-row global, bias) runs once, in the second launch, after the partials' sum;
+    dequant: the global is folded into the dequantized weight, the bias into the matmul."""
     gen = torch.Generator().manual_seed(5)
     ref, (x, packed, scale, gs, bias) = _case(gen, "nvfp4", "bf16", 9, 24, 128, per_row=True)
-    out = fp4_gemm(x, packed, scale, gs, "nvfp4", bias, config=Fp4GemmConfig(16, 16, 32, group_m=1, num_stages=1,
-                                                                            split_k=4))  # fmt: skip
+    tile = Fp4GemmConfig(16, 16, 32, group_m=1, num_stages=1, split_k=4)
+    out = fp4_gemm(x, packed, scale, gs, "nvfp4", bias, variant=variant, config=tile)
     assert relative_error(out.cpu(), ref) < 2e-3
 
 
