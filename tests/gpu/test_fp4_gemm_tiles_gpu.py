@@ -1,8 +1,9 @@
 """The dense FP4 GEMM under every variant and tile ``graphserve tune --tables fp4`` may write into its table
 (graphserve/tuning/fp4_gemm.candidates, at this card's SM count), compiled, at real shapes: Llama-3-8B's o_proj
 (NVFP4) and gpt-oss's fused q/k/v (MXFP4; K 2880, not whole 128-column steps), at a decode batch below 64 rows (x
-the MMA's first operand), at 64 rows and at a prefill-sized batch; and fp4_linear captured in a CUDA graph with a
-split-K tile, replayed equal to eager.
+the MMA's first operand), at 64 rows and at a prefill-sized batch (a tile needing more shared memory or registers
+than the card has may be refused, as the tuner then times it inf; the default tile never); and fp4_linear captured
+in a CUDA graph with a split-K tile, replayed equal to eager.
 
 Fresh random bf16 activations and random FP4 bytes with random block scales, against ``fp4_gemm_reference`` (for the
 fp8 variant x quantized per token as the kernel's input is); bf16 output rounding sets the thresholds.
@@ -14,6 +15,7 @@ import pytest
 import torch
 from gpu_utils import capture, rel_err
 from test_fp4 import fp4_weight
+from triton.runtime.errors import OutOfResources
 
 from graphserve.kernels import fp4_gemm as gemm_mod
 from graphserve.kernels.common import sm_count
@@ -40,9 +42,13 @@ def test_every_tuner_candidate_matches_the_reference(fmt, variant):
         ref = fp4_gemm_reference(x, packed, scale, gs, fmt, bias, variant=variant)
         tiles = candidates(variant, m, n, k, GROUP[fmt], sms, quick=False)
         assert tiles or (variant == "dequant" and m < DEQUANT_ROWS), (fmt, variant, m)
-        for cfg in tiles:
+        for i, cfg in enumerate(tiles):
             out = torch.full((m, n), float("nan"), device="cuda", dtype=DT)
-            fp4_gemm(x, packed, scale, gs, fmt, bias, out, variant=variant, config=cfg)
+            try:
+                fp4_gemm(x, packed, scale, gs, fmt, bias, out, variant=variant, config=cfg)
+            except OutOfResources:  # more shared memory or registers than this card has: the tuner times it inf
+                assert i > 0, f"the default tile does not fit this card: {fmt} {variant} m={m} {cfg}"
+                continue
             assert rel_err(out, ref) < 1e-2, (fmt, variant, m, cfg)
 
 
