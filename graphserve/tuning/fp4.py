@@ -1,8 +1,7 @@
 """FP4 kernels on this GPU: the streaming matmul and the GEMM variants at their default tiles (dequant from 128 rows)
 per projection shape and rows, against a same-run read-bandwidth probe, bf16 cuBLAS and the FP8 kernels on the same
-shape; a prefill of 8 x 2048
-tokens through Llama-3-8B's projections (tok/s, FP4 vs FP8 vs bf16); the routed experts' two paths at
-gpt-oss-120b's and Qwen3-30B-A3B's shapes.
+shape; a prefill of 8 x 2048 tokens through Llama-3-8B's projections (tok/s, FP4 vs FP8 vs bf16); the routed
+experts' two paths at gpt-oss-120b's and Qwen3-30B-A3B's shapes.
 
 Every time is a CUDA graph's replay over several copies of the weight (together past three times L2), divided
 by the copies: a small projection's weight would otherwise be read from L2. Bytes are the kernel's fewest:
