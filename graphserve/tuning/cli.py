@@ -1,5 +1,6 @@
 """`graphserve tune`: measure, on the card it runs on, every table the engine reads (gemv routing, FP8 routes
-and tiles, MLA decode tiles, MoE expert tiles, the FP4 rule and FP4 expert tiles) for the models named, and write them to the
+and tiles, MLA decode tiles, MoE expert tiles, the FP4 rule, the dense FP4 GEMM's tiles and FP4 expert tiles) for the
+models named, and write them to the
 per-user cache (kernels/tables.py), which the engine reads before the shipped tables.
 
     graphserve tune                                  # the presets the shipped tables cover, each table <= --budget-s
@@ -8,6 +9,7 @@ per-user cache (kernels/tables.py), which the engine reads before the shipped ta
     graphserve tune --tables moe --experts 128 --hidden 2048 --intermediate 768 --top-k 8 --dtype bfloat16
     graphserve tune --out graphserve/kernels/tables  # a source checkout's shipped tables for this card
     graphserve tune --tables fp4 --model dummy:deepseek-v4-flash-l6   # the FP4 rule and FP4 experts' tiles
+    graphserve tune --tables fp4 --model dummy:llama3-8b --quick      # the FP4 rule and the dense FP4 GEMM's tiles
 """
 
 from __future__ import annotations
