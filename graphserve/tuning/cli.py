@@ -1,7 +1,7 @@
 """`graphserve tune`: measure, on the card it runs on, every table the engine reads (gemv routing, FP8 routes
 and tiles, MLA decode tiles, MoE expert tiles, the FP4 rule, the dense FP4 GEMM's tiles and FP4 expert tiles) for the
-models named, and write them to the
-per-user cache (kernels/tables.py), which the engine reads before the shipped tables.
+models named, and write them to the per-user cache (kernels/tables.py), which the engine reads before the shipped
+tables.
 
     graphserve tune                                  # the presets the shipped tables cover, each table <= --budget-s
     graphserve tune --quick                          # two presets, fewer row counts and tiles: a few minutes
