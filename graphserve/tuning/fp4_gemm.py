@@ -79,8 +79,8 @@ def dense_shapes(model: str) -> dict[str, tuple[int, int]]:
 
 def candidates(variant: str, m: int, n: int, k: int, group: int, sms: int, quick: bool) -> list[Fp4GemmConfig]:
     """``variant``'s tiles for an ``m``-row GEMM on (N, K): the card's default first, then those of ``SPACE`` that can
-    run (a K step no deeper than K's power of two, a split that cuts K at all); past 256 rows also at 64 rows a tile.
-    "dequant" from DEQUANT_ROWS only."""
+    run (a K step no deeper than K's power of two, a split that cuts K at all); past 256 rows also at 64 rows a tile,
+    and the bf16 variant at 33 to 64 rows also at 32 (x first). "dequant" from DEQUANT_ROWS only."""
     from graphserve.kernels.fp4_gemm import k_split
 
     if variant == "dequant" and m < DEQUANT_ROWS:
@@ -92,7 +92,11 @@ def candidates(variant: str, m: int, n: int, k: int, group: int, sms: int, quick
         return []
     out = [first]
     deepest = max(group, 1 << max(0, k - 1).bit_length())
-    bms = [first.block_m] + ([64] if first.block_m > 64 and variant != "dequant" else [])
+    bms = [first.block_m]
+    if first.block_m > 64 and variant != "dequant":
+        bms.append(64)
+    if first.block_m == 64 and m <= 64 and variant == "bf16":
+        bms.append(32)  # x the MMA's first operand in two row tiles, the widening done twice
     for bm in bms:
         for bn, bk, warps, stages, split in SPACE[(variant, m > 64)]:
             cfg = Fp4GemmConfig(bm, bn, bk, first.group_m, warps, stages, split)
