@@ -34,9 +34,9 @@ from graphserve.kernels.fp4_gemv import MAX_ROWS as STREAM_MAX_ROWS
 from graphserve.kernels.fp4_layout import FORMATS, GROUP
 
 TABLE_FILE = TABLE_NAME
-# rows in order of importance: a 64-row decode step first, then one row (the streaming kernel alone: the rule's
-# floor), small batches, a prefill chunk
-ROWS = (64, 1, 16, 128, 4096, 32, 8, 256, 1024)
+# rows in order of importance: a 64-row decode step first, then a prefill chunk (a call past the largest bucket takes
+# its tile), one row (the streaming kernel alone: the rule's floor), small batches
+ROWS = (64, 4096, 1, 16, 128, 32, 8, 256, 1024)
 QUICK_ROWS = ROWS[:5]
 MIN_GEMM_ROWS = 8  # below this the streaming kernel is the only contender
 # (block_n, block_k, num_warps, num_stages, split_k) around the default, which comes first; x-first row tiles below 64
