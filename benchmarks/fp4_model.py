@@ -160,7 +160,8 @@ def main() -> None:
                                    ("fp8", runs["fp8"])) if run is not None]
     prefill = prefill_rows({q: runs[q] for q in ("nvfp4", AS_FP8, "fp8", "none")}, card)
     # the bf16 and FP8 prefills are matmuls of this run: one faster than its probe raises that peak (not NVFP4's,
-    # whose GEMM may run either on the bf16 or, x quantized, on the FP8 tensor cores: kernels/fp4_rule.json)
+    # whose GEMM may run on the bf16 tensor cores, on the FP8 ones with x quantized, or dequantized through cuBLAS:
+    # kernels/fp4_rule.json and fp4_gemm_tiles.json)
     by_quant = {r["model"].removeprefix(f"{LLAMA} --quantization "): r for r in prefill}
     bf16_peak.observe(f"{LLAMA} bf16 prefill", by_quant["none"]["tflops"])
     fp8_peak.observe(f"{LLAMA} fp8 prefill", by_quant["fp8"]["tflops"])
