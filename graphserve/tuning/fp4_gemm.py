@@ -4,10 +4,10 @@ FP4 rule (``fp4_rule.json``: the streaming kernel's rows, the fp8 variant's firs
 Per projection of a preset (``dense_shapes``), per format and row count (``ROWS``, in order of importance, so that a
 time share spent leaves out the least telling): the streaming kernel up to 64 rows, and from 8 rows a short list of
 tiles per variant (``candidates``: the card's default tile first, so the best is never slower than it; "dequant"
-from 128 rows), each timed as
-a CUDA graph replaying the call over copies of the weight together past three times L2 (graphserve/tuning/fp4.py's
-``graph_ms``), so the weight comes from HBM as in a decode step. The fastest tile of either variant goes into the
-table's bucket of that row count; the rows of each kernel at its best tile feed fp4.py's ``derive_rule``.
+from 128 rows), each timed as a CUDA graph replaying the call over copies of the weight together past three times
+L2 (graphserve/tuning/fp4.py's ``graph_ms``), so the weight comes from HBM as in a decode step. The fastest tile of
+any variant goes into the table's bucket of that row count; the rows of each kernel at its best tile feed fp4.py's
+``derive_rule`` (the streaming kernel's rows, and the fp8 variant's against the bf16 one's).
 
 ``graphserve tune --tables fp4`` runs ``measure_projection`` per projection (graphserve/tuning/measure.py's fp4 plan)
 and ``table_from`` merges them into the card's table; ``python3 -m benchmarks.fp4_gemm_tiles`` prints them.
