@@ -1,7 +1,8 @@
 """Which variant and tile the dense FP4 GEMM (kernels/fp4_gemm.py) takes, per card, weight shape and rows.
 
 The table is ``fp4_gemm_tiles.json`` (kernels/tables.py: the tune cache, then the shipped per-card tables), written by
-``graphserve tune --tables fp4`` (graphserve/tuning/fp4.py), beside ``fp4_rule.json`` (the streaming kernel's rows):
+``graphserve tune --tables fp4`` (graphserve/tuning/fp4_gemm.py), beside ``fp4_rule.json`` (the streaming kernel's
+rows, derived from the same timings):
 
     {"device": ..., "shapes": [{"fmt": "nvfp4", "n": 4096, "k": 4096,
       "buckets": {"16": TILE, "64": TILE, "4096": TILE}}]}   # rows; a call takes the smallest bucket holding it,
@@ -10,9 +11,10 @@ The table is ``fp4_gemm_tiles.json`` (kernels/tables.py: the tune cache, then th
             "num_stages", "split_k"}   # "dequant": its dequantization's tile (block_n, block_k, num_warps)
 
 A listed shape's variant is the table's (measured at its best tiles); a shape or card it does not list takes the
-variant fp4_rule.json names and ``default_config``'s tile, sized so the grid holds about two programs an SM (a small
-weight split over K where its column tiles alone are fewer than one wave); the start-up line names the command that
-measures it. Read once per process, before any capture: a captured graph replays one variant and tile.
+variant fp4_rule.json names ("dequant" from ``DEFAULT_DEQUANT_ROWS``) and ``default_config``'s tile, sized so the grid
+holds about two programs an SM (a small weight split over K where its column tiles alone are too few); the start-up
+line names the command that measures it. Read once per process, before any capture: a captured graph replays one
+variant and tile.
 """
 
 from __future__ import annotations
