@@ -95,7 +95,9 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, ep: int
     kv_tok = model.kv.bytes_per_token
     chunk = min(chunked_prefill_size, max_running * input_len)
     index_scores = model.index_scores_bytes(chunk, max_len)  # a chunk's indexer at the longest context
-    prefill_act = model.activation_bytes(chunk, sampled_rows=max(1, math.ceil(chunk / input_len))) + index_scores
+    dequant = model.fp4_dequant_bytes(chunk)  # an FP4 projection dequantized for the prefill's matmul
+    prefill_act = (model.activation_bytes(chunk, sampled_rows=max(1, math.ceil(chunk / input_len))) + index_scores
+                   + dequant)  # fmt: skip
     # Graph-covered decode batches draw on the graph pool; the largest eager one is reserved here.
     eager_decode_bs = 0 if sizes and (oversize == "split" or max_running <= largest) else (largest or max_running)
     decode_act = model.activation_bytes(eager_decode_bs) if eager_decode_bs else 0
@@ -104,7 +106,8 @@ def build_plan(hf: dict[str, Any], *, gpu_memory_gb: float, tp: int = 1, ep: int
     mp = plan_memory(int(gpu_memory_gb * GB), mem_fraction_static, weights, (prefill_act, decode_act), pool,
                      int(reserve_gb * GiB_), kv_tok, block_size, max_len, max_running, tp=tp,
                      activation_parts=([("MoE workspace", model.moe_workspace_bytes(chunk))] if model.is_moe else []) +
-                     ([("indexer scores", index_scores)] if index_scores else []),
+                     ([("indexer scores", index_scores)] if index_scores else []) +
+                     ([("FP4 dequant", dequant)] if dequant else []),
                      kv_parts=kv.parts(),
                      request_tokens=model.kv.held_tokens(max_len, block_size, chunked_prefill_size),
                      latent_bytes_per_token=kv.latent_bytes_per_token, latent_window=kv.latent_window or 0,

@@ -46,6 +46,9 @@ PROGRAMS_PER_SM = 2  # the defaults' target grid: one wave hides no load latency
 # bf16 once (235 MB, about 0.1 ms at the card's 3 TB/s) and cuBLAS reads them, so from about 512 rows it wins by
 # the arithmetic; below, the weight's extra pass costs more than the tensor cores' rate gains
 DEFAULT_DEQUANT_ROWS = 512
+# the most rows the "dequant" variant never serves (a table's tile at a bucket of this many rows or fewer is refused):
+# its transient [N, K] weight stays out of decode batches' activations, and `graphserve plan` counts it only past this
+DEQUANT_ABOVE_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,9 @@ class Fp4GemmShapeTiles:
         for b in buckets:
             tile = Fp4GemmTile.from_json(data["buckets"][str(b)])
             tile.config.check(f"{table_label(key)} bucket {b}", tile.variant, 16 if fmt == "nvfp4" else 32, k)
+            if tile.variant == "dequant" and b <= DEQUANT_ABOVE_ROWS:
+                raise ValueError(f"{table_label(key)} bucket {b}: variant 'dequant' serves more than "
+                                 f"{DEQUANT_ABOVE_ROWS} rows only")
             tiles.append(tile)
         return cls(tuple(buckets), tuple(tiles))
 

@@ -255,6 +255,16 @@ class ModelDescription:
         return moe_workspace_bytes(tokens, self.top_k, self.local_experts, inter, self.hidden_size, dtype,
                                    fp8_group_k=self.expert_fp8_group_k)
 
+    def fp4_dequant_bytes(self, tokens: int) -> int:
+        """What the dense FP4 GEMM's "dequant" variant (kernels/fp4_gemm.py) holds for a call of ``tokens`` rows: its
+        largest FP4 projection dequantized to the model dtype, for as long as that projection runs (part of the
+        activation peak); 0 without FP4 projections, or at rows it never serves."""
+        from graphserve.kernels.fp4_gemm_config import DEQUANT_ABOVE_ROWS
+
+        if self.weight_bytes_per_param != 0.5 or not self.projections or tokens <= DEQUANT_ABOVE_ROWS:
+            return 0
+        return max(p.out_features * p.in_features for p in self.projections) * self.act_bytes_per_elem
+
     def graph_pool_bytes(self, sizes: Sequence[int], context_tokens: int = 0) -> int:
         """CUDA graphs are captured largest first into one pool: intermediates cost one activation
         peak of the largest size; each graph's outputs (fp32 logits, last hidden state) stay alive."""

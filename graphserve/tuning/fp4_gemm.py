@@ -48,6 +48,7 @@ BF16_LARGE = [(64, 128, 4, 3, 1), (128, 64, 8, 3, 1), (128, 128, 8, 3, 1), (64, 
 FP8_SMALL = [(64, 32, 4, 4, 1), (64, 32, 4, 4, 2), (128, 32, 4, 4, 1), (64, 32, 4, 4, 4), (64, 32, 4, 6, 1)]
 FP8_LARGE = [(64, 32, 4, 4, 1), (128, 32, 4, 4, 1), (128, 32, 8, 4, 1), (128, 32, 8, 3, 1)]
 # the dequant variant (the weight dequantized, then cuBLAS): its first launch's tile, timed from DEQUANT_ROWS only
+# (past kernels/fp4_gemm_config.DEQUANT_ABOVE_ROWS: the bucket holds 65 to 128 rows)
 DEQUANT_ROWS = 128
 DEQUANT = [(64, 128, 4, 1, 1), (32, 256, 4, 1, 1)]
 SPACE = {("bf16", False): BF16_SMALL, ("bf16", True): BF16_LARGE, ("fp8", False): FP8_SMALL, ("fp8", True): FP8_LARGE,

@@ -114,6 +114,7 @@ def test_a_shipped_table_serves_where_the_cache_has_none(card):
     ("cache", _table(CARD, {"64": _tile("bf16", bm=8)}, versions="now"), "bucket 64: block_m=8 must be 16 to 256"),
     ("cache", _table(CARD, {"64": _tile("bf16", split=12)}, versions="now"), "split_k=12 must be 1 to 8"),
     ("cache", _table(CARD, {"0": _tile("bf16")}, versions="now"), "field 'buckets' must hold row counts >= 1"),
+    ("cache", _table(CARD, {"64": _tile("dequant")}, versions="now"), "bucket 64: variant 'dequant' serves more than"),
 ])  # fmt: skip
 def test_a_table_for_another_card_or_version_or_with_a_bad_entry_is_passed_over(card, caplog, where, table, field):
     if table.get("versions") == "now":
@@ -186,3 +187,20 @@ def test_the_sweep_keeps_each_rows_fastest_tile_and_stops_at_its_time_share(card
     monkeypatch.setattr(fp4_gemm.time, "monotonic", lambda: next(clock))
     short = fp4_gemm.measure_projection("dummy:llama3-8b", "o", 150, True, 132, CARD)
     assert sorted({r["m"] for r in short}) == [64, 4096]  # the share spent after one row count past it
+
+
+def test_the_plan_counts_the_dequant_variants_weight_in_the_prefill_peak():
+    """`graphserve plan` of an NVFP4 Llama-3-8B: the prefill peak holds gate_up dequantized to bf16 (the dequant
+    variant's transient weight); a bf16 model's plan does not, nor do decode rows the variant never serves."""
+    from graphserve.analysis.plan import build_plan, load_hf_config
+    from graphserve.models.registry import describe_model
+
+    hf = load_hf_config(str(Path(__file__).resolve().parents[1] / "data" / "llama3_8b_config.json"))
+    fp4, bf16 = (build_plan(hf, gpu_memory_gb=80, quantization=q, chunked_prefill_size=2048) for q in ("nvfp4", "none"))
+    gate_up = 28672 * 4096 * 2
+    assert fp4["prefill_activation_bytes"] - gate_up == describe_model(hf, torch.bfloat16, 1).activation_bytes(
+        2048, sampled_rows=2)  # fmt: skip
+    assert "FP4 dequant" in fp4["table"] and "FP4 dequant" not in bf16["table"]
+    assert bf16["prefill_activation_bytes"] == fp4["prefill_activation_bytes"] - gate_up
+    small = build_plan(hf, gpu_memory_gb=80, quantization="nvfp4", chunked_prefill_size=64, input_len=64)
+    assert "FP4 dequant" not in small["table"]
