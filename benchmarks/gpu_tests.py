@@ -43,6 +43,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from benchmarks import gpu_shards as gs
+from graphserve import env
 
 RESULTS = gs.REPO / "benchmarks" / "results" / "gpu_tests"
 # Of the command's 600 s: past it no file starts and a running one is cut off (up to 15 s to end its processes), so
@@ -192,7 +193,7 @@ def run_shard(files: list[str], estimates: dict[str, float], environment: dict, 
     queue = list(enumerate(files))
     # files beside each other each plan their engines within a share of the card (graphserve/engine/gpu_share.py)
     share = {}
-    if jobs > 1 and "GRAPHSERVE_GPU_MEMORY_FRACTION" not in os.environ:
+    if jobs > 1 and not env.is_set("GRAPHSERVE_GPU_MEMORY_FRACTION"):
         share = {"GRAPHSERVE_GPU_MEMORY_FRACTION": f"{SHARED_MEMORY / jobs:.3f}"}
         record["memory_fraction"] = float(share["GRAPHSERVE_GPU_MEMORY_FRACTION"])
 
