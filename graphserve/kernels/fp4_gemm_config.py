@@ -20,7 +20,6 @@ variant and tile.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import asdict, dataclass
 
 import torch
@@ -28,8 +27,6 @@ import triton
 
 from graphserve.kernels import tables
 from graphserve.kernels.common import sm_count
-
-logger = logging.getLogger(__name__)
 
 TABLE_NAME = "fp4_gemm_tiles.json"
 VARIANTS = ("bf16", "fp8", "dequant")
@@ -216,14 +213,9 @@ def tune_command() -> str:
 def shape_tiles(key: ShapeKey, card: str) -> Fp4GemmShapeTiles | None:
     """This card's entry for the weight shape ``key`` (the tune cache, then the shipped tables), else None (the
     defaults: the start-up line names them, and this log line the command)."""
-    label = table_label(key)
-    found = tables.find(TABLE_NAME, card, Fp4GemmTable.from_json, label)
-    entry = found.table.shapes.get(key) if found else None
-    if entry is None:
-        tables.RESOLVED[label] = ("defaults", None)  # a table for this card that lists other shapes only
-        logger.info("no FP4 GEMM tiles for fmt=%s N=%d K=%d on %s; using defaults; tune with: %s", *key, card,
-                    tune_command())  # fmt: skip
-    return entry
+    fmt, n, k = key
+    return tables.find_shape(TABLE_NAME, card, Fp4GemmTable.from_json, key, table_label(key),
+                             f"FP4 GEMM tiles for fmt={fmt} N={n} K={k}", "fp4")
 
 
 @tables.reader_cache

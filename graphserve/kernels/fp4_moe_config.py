@@ -22,14 +22,11 @@ command that measures it. Read once per process, before any capture: a captured 
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import asdict, dataclass
 
 import torch
 
 from graphserve.kernels import tables
-
-logger = logging.getLogger(__name__)
 
 TABLE_NAME = "fp4_moe_tiles.json"
 VARIANTS = ("bf16", "fp8")
@@ -175,14 +172,9 @@ def tune_command() -> str:
 def shape_tiles(key: ShapeKey, card: str) -> Fp4MoeShapeTiles | None:
     """This card's entry for the expert shape ``key`` (the tune cache, then the shipped tables), else None (the
     defaults: the start-up line names them, and this log line the command)."""
-    label = table_label(key)
-    found = tables.find(TABLE_NAME, card, Fp4MoeTable.from_json, label)
-    entry = found.table.shapes.get(key) if found else None
-    if entry is None:
-        tables.RESOLVED[label] = ("defaults", None)  # a table for this card that lists other shapes only
-        logger.info("no FP4 expert tiles for fmt=%s experts=%d intermediate=%d hidden=%d on %s; using defaults; "
-                    "tune with: %s", *key, card, tune_command())  # fmt: skip
-    return entry
+    fmt, e, inter, hidden = key
+    return tables.find_shape(TABLE_NAME, card, Fp4MoeTable.from_json, key, table_label(key),
+                             f"FP4 expert tiles for fmt={fmt} experts={e} intermediate={inter} hidden={hidden}", "fp4")
 
 
 @tables.reader_cache

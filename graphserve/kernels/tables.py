@@ -168,6 +168,19 @@ def find(name: str, card: str, parse: Callable[[dict], Any], label: str | None =
     return _find(name, card, parse, label or name.removesuffix(".json"), legacy)
 
 
+def find_shape(name: str, card: str, parse: Callable[[dict], Any], key: tuple, label: str, missing: str,
+               tables: str) -> Any | None:
+    """The entry for the shape ``key`` in the first table named ``name`` that serves ``card`` (a parsed table with a
+    ``shapes`` dict), else None: the reader's defaults, recorded under ``label`` for the start-up line and logged
+    with ``missing`` (what has no entry) and the command that measures it (``graphserve tune --tables TABLES``)."""
+    found = find(name, card, parse, label)
+    entry = found.table.shapes.get(key) if found else None
+    if entry is None:
+        RESOLVED[label] = ("defaults", None)  # a table for this card that lists other shapes only
+        logger.info("no %s on %s; using defaults; tune with: %s --tables %s", missing, card, TUNE_COMMAND, tables)
+    return entry
+
+
 @functools.lru_cache(maxsize=256)
 def _find(name: str, card: str, parse: Callable[[dict], Any], label: str, legacy: Path | None) -> Found | None:
     for path, source in candidates(name, card, legacy):
