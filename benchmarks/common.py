@@ -38,10 +38,13 @@ def write_result(name: str, payload: dict) -> Path:
     return path
 
 
-def merge_rows(name: str, rows: list[dict], ceilings: dict | None = None, **tables) -> Path:
+def merge_rows(name: str, rows: list[dict], ceilings: dict | None = None, case_fields: tuple[str, ...] = ("bs", "ctx"),
+               **tables) -> Path:
     """Write ``rows`` into benchmarks/results/NAME.json beside the rows already there: a row replaces the earlier
-    row of its case (model, batch size, context), every other row stays, so a run that measures a model at fewer
-    batch sizes than the file holds keeps the others, each naming its run. ``tables`` replace the file's
+    row of its case (its model and ``case_fields``, by default batch size and context), every other row stays, so a
+    run that measures a model at fewer batch sizes than the file holds keeps the others, each naming its run. A file
+    whose rows differ in other fields (a server row and an offline row of one model) names them in ``case_fields``.
+    ``tables`` replace the file's
     other keys of those names, but for a table of per-model entries (a list of dicts, each with a ``model``),
     which merges as the rows do (an empty one keeps the file's; an old entry naming no model goes). The file's
     environment becomes this run's, so every row names the run that measured it (``measured_at``, with its
@@ -57,7 +60,7 @@ def merge_rows(name: str, rows: list[dict], ceilings: dict | None = None, **tabl
     kept_ceilings = run_ceilings(payload.pop("ceilings", None), before)
 
     def case(r: dict) -> tuple:
-        return r["model"], r.get("bs"), r.get("ctx")
+        return r["model"], *(r.get(f) for f in case_fields)
 
     def merged(old: list, new: list) -> list:
         cases = {case(r) for r in new}

@@ -72,6 +72,7 @@ BENCHMARKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "profile": ((*STEP, "graphserve/analysis"), ()),
     "roofline": (("graphserve/tuning/roofline.py",), ()),
     "serve_host": (SERVE, ()),
+    "serve_reference": (SERVE, ()),
     "serve_waves": (SERVE, ()),
     "step_breakdown": (STEP, ()),
     "step_host": (STEP, ()),
@@ -90,7 +91,7 @@ CASE_FIELDS = ("quantization", "kv_cache_dtype", "bs", "ctx", "graph", "routing"
                "tables", "order", "tile", "splits", "proj", "fmt", "m", "n", "k", "M", "N", "K", "widen", "path",
                "config", "dtype", "comparison", "gap_ms", "wait", "round", "overlap", "batch", "temperature", "scales",
                "tokens", "pairs", "gate_up", "down", "down_input", "run", "backend", "heads", "prologue", "knobs",
-               "pieces", "tp", "ep", "topk", "chunks_per_req", "label")
+               "pieces", "tp", "ep", "topk", "chunks_per_req", "label", "workload")
 # The cases README.md quotes under "Performance": (benchmark, model, case), every card's row of each, as the page has it
 HEADLINES = (
     ("decode", "dummy:llama3-8b", "bs=1 ctx=512 graph=True"),

@@ -25,7 +25,14 @@ ceilings, the issue's target and ``meets_target`` (decided on unrounded numbers;
 the default (kernels/fp4_layout.DEFAULT_WIDEN; kernels/fp4_words.py), rows labelled ``[widen=W]`` with the same
 targets: the model-level measurement that decides the default.
 
-Run: python3 -m benchmarks.fp4_model [--quick] [--skip-gpt-oss] [--widenings word e4m3_ptx]
+``--only gpt-oss`` runs the gpt-oss-120b rows alone (bs 1 and 8 at ctx 512): the probes, the model, its rows
+against the same run's floor, merged into the result file beside the llama3-8b rows of earlier runs (whose prefill
+and accuracy tables it keeps), with SGLang's figure recorded as ``measured_here: False``. About 2 minutes on an H100
+by estimate, 3 at most: CUDA and Triton start-up ~15 s, the probes ~10 s, 117e9 random weights drawn and their
+experts quantized to MXFP4 on the GPU ~30 s, the reference logits' prefill and the graph captures at bs 1 and 8
+with their kernels compiled on a bare machine ~60 s, the timed replays and the probes again ~15 s.
+
+Run: python3 -m benchmarks.fp4_model [--quick] [--skip-gpt-oss | --only gpt-oss] [--widenings word e4m3_ptx]
 (--quick: under ~4 minutes on an H100; no MXFP4 llama3-8b; gpt-oss-120b at bs 1 only; each extra widening adds a
 load, ~30 s)
 """
@@ -124,23 +131,40 @@ def run_gpt_oss(cases: list[tuple[int, int]], bw: ReadBandwidth) -> tuple[dict |
         return None, f"out of memory on {torch.cuda.get_device_name(0)}: {str(e).splitlines()[0]}"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="no MXFP4 llama3-8b; gpt-oss-120b at bs 1 only")
     p.add_argument("--skip-gpt-oss", action="store_true", help="no gpt-oss-120b rows (a card under ~80 GB)")
+    p.add_argument("--only", choices=("gpt-oss",), default=None,
+                   help="gpt-oss: the gpt-oss-120b rows alone (probes, the model, its rows against the same-run "
+                        "floor), no llama3-8b model")
     p.add_argument("--widenings", nargs="*", default=[], choices=[w for w in fp4_layout.WIDENINGS if w != "byte"],
                    help="NVFP4 llama3-8b decode again with each of these streaming widenings as the default")
     p.add_argument("--result-name", default="fp4_decode",
                    help="benchmarks/results/NAME.json (rows merge into the file's, per model and case)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.only == "gpt-oss" and args.skip_gpt_oss:
+        p.error("--only gpt-oss and --skip-gpt-oss leave nothing to run: give one of them")
+    if args.only == "gpt-oss" and args.widenings:
+        p.error(f"--widenings {' '.join(args.widenings)} are llama3-8b rows, which --only gpt-oss leaves out")
+    return args
+
+
+def probes() -> tuple[str, ReadBandwidth, MatmulPeak, MatmulPeak]:
+    """(card, read bandwidth, bf16 and FP8 matmul peaks), each probed before the work."""
     card = torch.cuda.get_device_name(0)
-    cases = [(1, 512), (64, 2048)]
     bw, bf16_peak, fp8_peak = measured_read_bw(), MatmulPeak(), MatmulPeak()
     bf16_peak.observe(BF16_PROBE + ", before the work", matmul_tflops())
     fp8_peak.observe(FP8_PROBE + ", before the work", fp8_matmul_tflops())
     print(f"{card}; probes: {bw.describe()}; matmul peak bf16 {bf16_peak.tflops:.0f}, fp8 {fp8_peak.tflops:.0f} "
           "TFLOP/s", flush=True)
+    return card, bw, bf16_peak, fp8_peak
 
+
+def llama_rows(args: argparse.Namespace, cases: list[tuple[int, int]], card: str, bw: ReadBandwidth,
+               bf16_peak: MatmulPeak, fp8_peak: MatmulPeak) -> tuple[list[dict], list[dict], list[dict]]:
+    """(decode, prefill, accuracy) rows of the llama3-8b models: bf16, FP8, NVFP4, NVFP4 loaded as FP8, MXFP4 (not
+    with --quick) and each of ``args.widenings``. Their prefills' rates go to the matmul peaks."""
     runs = {q: run_model(LLAMA, q, cases, bw, PREFILL) for q in ("none", "fp8", "nvfp4")}
     runs[AS_FP8] = run_model(LLAMA, "nvfp4", cases, bw, PREFILL, fp4_load_as="fp8")
     # --quick leaves MXFP4 llama3-8b out: the converted model's load takes its place in the time
@@ -180,17 +204,28 @@ def main() -> None:
             r.update({key: base[key] for key in ("bf16_step_ms", "bf16_read_bytes", "fp8_step_ms", "fp8_read_bytes")})
         decode += rows
         del run
+    return decode, prefill, accuracy
 
+
+def gpt_oss_rows(cases: list[tuple[int, int]], card: str, bw: ReadBandwidth) -> tuple[list[dict], list[str]]:
+    """(decode rows, errors) of gpt-oss-120b as published: no rows and the reason where the card cannot hold it."""
+    oss, why = run_gpt_oss(cases, bw)
+    if oss is None:
+        print(f"no row for {GPT_OSS}: {why}")
+        return [], [f"{GPT_OSS}: {why}"]
+    return decode_rows(f"{GPT_OSS} (mxfp4 experts as published)", oss, cases, card), []
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    card, bw, bf16_peak, fp8_peak = probes()
+    cases = [(1, 512), (64, 2048)]
+    decode, prefill, accuracy = ([], [], []) if args.only == "gpt-oss" else \
+        llama_rows(args, cases, card, bw, bf16_peak, fp8_peak)
     errors = []
     if not args.skip_gpt_oss:
-        oss_cases = [(1, 512)] if args.quick else [(1, 512), (8, 512)]
-        oss, why = run_gpt_oss(oss_cases, bw)
-        if oss is None:
-            errors.append(f"{GPT_OSS}: {why}")
-            print(f"no row for {GPT_OSS}: {why}")
-        else:
-            decode += decode_rows(f"{GPT_OSS} (mxfp4 experts as published)", oss, oss_cases, card)
-            del oss
+        rows, errors = gpt_oss_rows([(1, 512)] if args.quick else [(1, 512), (8, 512)], card, bw)
+        decode += rows
     release_gpu_memory()
 
     # ratios last: the best read rate and matmul peaks of the whole run are the denominators
@@ -200,14 +235,15 @@ def main() -> None:
           f"fp8 {fp8_peak.tflops:.0f} TFLOP/s ({fp8_peak.method})")
     print_table(decode, ["model", "bs", "ctx", "step_ms", "tok_s", "floor_ms", "vs_bf16", "vs_fp8", "vs_nvfp4",
                          "meets_target", "ratio"])
-    print_table(prefill, ["model", "shape", "ms", "tok_s", "vs_fp8", "meets_target"])
-    oss_rows = [r for r in decode if r["model"].startswith(GPT_OSS) and r["bs"] == 1]
-    for r in oss_rows:
-        ref = SGLANG_GPT_OSS_120B
-        print(f"gpt-oss-120b bs 1 ctx {r['ctx']}: {r['tok_s']:.1f} tok/s on one {card} (this run); for scale, NOT "
-              f"from this run: {ref['source']}, {ref['tok_s']} tok/s at bs {ref['bs']} on {ref['gpus']}")
-    print("\naccuracy against bf16 on the SAME RANDOM WEIGHTS (dummy: models, not a trained checkpoint):")
-    print_table(accuracy, ["model", "top1_agreement", "mean_kl", "rows"])
+    if prefill:
+        print_table(prefill, ["model", "shape", "ms", "tok_s", "vs_fp8", "meets_target"])
+    for r in decode:
+        if r["model"].startswith(GPT_OSS) and r["bs"] == 1:
+            print(reference_line(r, card))
+    if accuracy:
+        print("\naccuracy against bf16 on the SAME RANDOM WEIGHTS (dummy: models, not a trained checkpoint):")
+        print_table(accuracy, ["model", "top1_agreement", "mean_kl", "rows"])
+    # --only gpt-oss passes no prefill or accuracy rows: merge_rows keeps the file's
     merge_rows(args.result_name, decode,
                ceilings={"read": bw.summary(), "bf16_matmul_tflops": bf16_peak.tflops,
                          "fp8_matmul_tflops": fp8_peak.tflops, "bf16_matmul": bf16_peak.summary(),
@@ -215,6 +251,14 @@ def main() -> None:
                prefill=prefill, accuracy=accuracy, card=card,
                reference={"gpt-oss-120b": {**SGLANG_GPT_OSS_120B, "measured_here": False}},
                errors="; ".join(errors) or None)
+
+
+def reference_line(row: dict, card: str) -> str:
+    """A gpt-oss-120b bs-1 row beside SGLang's published figure, which this run did not measure."""
+    ref = SGLANG_GPT_OSS_120B
+    return (f"gpt-oss-120b bs 1 ctx {row['ctx']}: {row['tok_s']:.1f} tok/s on one {card} (this run), "
+            f"{row['ratio']:.2f} x its floor (target {row['target']}, met: {row['meets_target']}); "
+            f"for scale, NOT from this run: {ref['source']}, {ref['tok_s']} tok/s at bs {ref['bs']} on {ref['gpus']}")
 
 
 if __name__ == "__main__":

@@ -61,3 +61,60 @@ def test_the_fp4_load_as_fp8_rows_take_fp8_ceilings_and_no_fp4_target():
     assert bs1["target"] is None and bs1["meets_target"] is None and bs64["target"] is None
     row = next(r for r in prefill if r["model"] == label)
     assert row["vs_fp8"] == pytest.approx(60.0 / 62.0) and row["target"] is None and row["meets_target"] is None
+
+
+def test_only_gpt_oss_is_parsed_and_refused_beside_what_it_leaves_out():
+    from benchmarks.fp4_model import parse_args
+
+    args = parse_args(["--only", "gpt-oss"])
+    assert args.only == "gpt-oss" and not args.skip_gpt_oss and args.result_name == "fp4_decode"
+    assert parse_args([]).only is None
+    with pytest.raises(SystemExit):
+        parse_args(["--only", "gpt-oss", "--skip-gpt-oss"])
+    with pytest.raises(SystemExit):
+        parse_args(["--only", "gpt-oss", "--widenings", "word"])
+    with pytest.raises(SystemExit):
+        parse_args(["--only", "llama"])
+
+
+def test_only_gpt_oss_runs_that_model_alone_and_merges_its_rows(monkeypatch, tmp_path, capsys):
+    """--only gpt-oss: no llama3-8b model runs; the gpt-oss rows at bs 1 and 8 join the file's earlier rows, whose
+    prefill and accuracy tables stay; the SGLang figure is recorded as not measured here."""
+    import json
+
+    from benchmarks import common, fp4_model
+    from graphserve.tuning.timing import start_run
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    earlier = {"model": f"{LLAMA} --quantization nvfp4", "bs": 1, "ctx": 512, "step_ms": 2.7}
+    common.merge_rows("fp4_decode", [earlier], prefill=[{"model": LLAMA, "ms": 119.0}],
+                      accuracy=[{"model": LLAMA, "top1_agreement": 0.9}])
+    bw = ReadBandwidth({"stream_read": 3000.0})
+    monkeypatch.setattr(fp4_model, "probes", lambda: ("card", bw, MatmulPeak({"p": 700.0}), MatmulPeak({"p": 1400.0})))
+    monkeypatch.setattr(fp4_model, "settle_ceilings", lambda *a: None)
+    monkeypatch.setattr(fp4_model, "release_gpu_memory", lambda: None)
+    loaded = []
+
+    def run_model(name, quantization, cases, bw, prefill):
+        loaded.append((name, quantization, cases))
+        steps = {c: {"step_ms": 4.0 * c[0] ** 0.5, "read_bytes": 6e9, "flops": 1e10} for c in cases}
+        return {"steps": steps}
+
+    monkeypatch.setattr(fp4_model, "run_model", run_model)
+    start_run()  # a second run: the earlier row keeps naming the first
+    fp4_model.main(["--only", "gpt-oss"])
+    assert loaded == [(GPT_OSS, "none", [(1, 512), (8, 512)])]
+    data = json.loads((tmp_path / "fp4_decode.json").read_text())
+    oss = [r for r in data["rows"] if r["model"].startswith(GPT_OSS)]
+    assert [(r["bs"], r["ctx"]) for r in oss] == [(1, 512), (8, 512)]
+    assert oss[0]["ratio"] == pytest.approx(2.0) and oss[0]["meets_target"] is False  # 4 ms over 6 GB at 3 TB/s
+    assert oss[0]["tok_s"] == pytest.approx(250.0) and oss[1]["target"] is None
+    assert any(r["model"] == earlier["model"] and r["step_ms"] == 2.7 for r in data["rows"])
+    assert data["prefill"][0]["ms"] == 119.0 and data["accuracy"][0]["top1_agreement"] == 0.9
+    ref = data["reference"]["gpt-oss-120b"]
+    assert ref["measured_here"] is False and ref["tok_s"] == 318.5
+    (ceilings,) = data["ceilings"].values()  # this run's, which its rows name; the earlier run stored none
+    assert ceilings["measured_at"]["run_id"] == oss[0]["measured_at"]["run_id"] != data["rows"][0]["measured_at"]["run_id"]
+    out = capsys.readouterr().out
+    assert "250.0 tok/s on one card (this run), 2.00 x its floor" in out and "NOT from this run" in out
