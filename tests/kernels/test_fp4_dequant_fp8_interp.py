@@ -126,3 +126,34 @@ def test_fp4_linear_runs_the_variant_its_table_names(monkeypatch):
                      fp8_row_scale=rs)  # fmt: skip
     assert [(v, c) for v, c, _ in seen] == [("dequant_fp8", tile.config)] and seen[0][2] is rs
     assert out.shape == (8, 9, 32) and relative_error(out.view(72, 32).cpu(), ref) < 2e-3
+
+
+def test_a_layers_row_scales_and_conversion_are_what_fp4_load_as_fp8_holds():
+    """Fused parts quantized at load with their own NVFP4 globals: the FP4 layer's prepared row scales times its
+    per-row globals are the scales ``convert_linear`` gives a copy of it, and the per-call conversion its bytes, so
+    the variant multiplies what the FP8 layer would."""
+    from graphserve.layers.linear import MergedColumnParallelLinear
+    from graphserve.layers.quant.fp4 import Fp4LinearMethod, prepare_fp4_linears
+    from graphserve.layers.quant.fp4_config import Fp4Config
+    from graphserve.layers.quant.fp4_to_fp8 import FP8_LAYOUT, convert_linear
+    from graphserve.layers.quant.fp8 import Fp8LinearMethod
+
+    gen = torch.Generator().manual_seed(8)
+    sizes, k = [32, 16, 16], 64
+    layers = []
+    for _ in range(2):
+        layer = MergedColumnParallelLinear(k, sizes, bias=False).to(torch.bfloat16)
+        Fp4LinearMethod(Fp4Config("nvfp4", serialized=False)).create_weights(layer)
+        layers.append(layer)
+    for shard, n in enumerate(sizes):
+        w = torch.randn(n, k, generator=gen) * 0.02 * (1 + 3 * shard)
+        for layer in layers:
+            layer.load_weight("weight", layer.weight, w, shard)
+    fp4, fp8 = layers
+    assert fp4.fp4_row_global is not None and prepare_fp4_linears(fp4) == 0  # CPU: the reference path needs none
+    fp4.quant_method.prepare(fp4)
+    convert_linear(fp8, Fp8LinearMethod(FP8_LAYOUT))
+    assert torch.equal(fp4.fp8_row_scale * fp4.fp4_row_global, fp8.weight_scale)
+    q = fp4_to_fp8_weight(fp4.weight.to(DEVICE), fp4.weight_scale.to(DEVICE), fp4.fp8_row_scale.to(DEVICE), "nvfp4",
+                          Fp4GemmConfig(16, 16, 64))  # fmt: skip
+    assert torch.equal(q.cpu().view(torch.uint8), fp8.weight.view(torch.uint8))
