@@ -25,6 +25,10 @@ tiny random-weight models of tests/models/test_fp4_load_as_fp8.py (NVFP4): 2.1% 
 0.023-0.032 (relative) from the FP4 model's, against FP4's own 0.11-0.12 from the bf16 model's (and
 ``--quantization fp8``'s 0.028-0.034): the conversion costs what an FP8 quantization costs. MXFP4: identical.
 
+The dense FP4 GEMM's "dequant_fp8" variant (kernels/fp4_dequant_fp8.py) makes the same FP8 weight per call at
+prefill rows, by the same rule (``pow2_scale``), from the FP4 weight this flag would replace: FP8's prefill matmul at
+FP4's held bytes.
+
 Memory: the conversion runs layer by layer on the load device (FP4 and FP8 of one layer at a time, fp32 temporaries
 of at most ``CHUNK_ELEMENTS``); the memory plan prices the FP8 layers (``fp8_description``).
 """
