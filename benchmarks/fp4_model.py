@@ -10,7 +10,9 @@
 - ``dummy:gpt-oss-120b`` as published (MXFP4 routed experts, everything else bf16) on one GPU at (bs 1, ctx 512): its
   floor counts the experts the step's router chose. Its tok/s is printed beside SGLang's published 318.5 tok/s at
   bs 1 on 8 x H100: a figure from elsewhere on eight GPUs, for scale only, not measured here.
-- prefill 8 x 2048 tokens of llama3-8b with NVFP4 weights: tok/s against the FP8 prefill of the same run.
+- prefill 8 x 2048 tokens of llama3-8b with NVFP4 weights: tok/s against the FP8 prefill of the same run; and again
+  with every GEMM past 64 rows on the "dequant_fp8" variant whatever the card's table says (``[dequant_fp8]``: the
+  weight converted to e4m3 per call, then cuBLASLt FP8; kernels/fp4_dequant_fp8.py), with its accuracy row.
 - ``--quantization nvfp4 --fp4-load-as fp8`` (layers/quant/fp4_to_fp8.py): the same NVFP4 llama3-8b converted to FP8
   at load, decode at both cases and the 8 x 2048 prefill, beside FP4 and FP8: its floor counts the FP8 bytes it
   holds (twice FP4's), ``vs_nvfp4`` its step over the FP4 model's, and its accuracy row the FP4 rounding plus e4m3's.
@@ -40,6 +42,7 @@ load, ~30 s)
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
@@ -56,7 +59,9 @@ from benchmarks.fp8 import (
     settle_ceilings,
 )
 from benchmarks.roofline import ReadBandwidth, matmul_tflops, measured_read_bw
-from graphserve.kernels import fp4_layout
+from graphserve.kernels import fp4_gemm, fp4_layout
+from graphserve.kernels.common import sm_count
+from graphserve.kernels.fp4_gemm_config import DEQUANT_ABOVE_ROWS, Fp4GemmTile, default_config
 
 LLAMA = "dummy:llama3-8b"
 GPT_OSS = "dummy:gpt-oss-120b"
@@ -67,6 +72,7 @@ DECODE_TARGETS = {(f"{LLAMA} --quantization nvfp4", 1, 512): {"ratio_max": 1.5, 
                   (f"{GPT_OSS} (mxfp4 experts as published)", 1, 512): {"ratio_max": 1.5}}
 PREFILL_TARGET = {"vs_fp8_min": 0.5}  # NVFP4 prefill tok/s over FP8's, same run
 AS_FP8 = "nvfp4 --fp4-load-as fp8"  # the NVFP4 model converted to FP8 at load: its label after "--quantization "
+DEQUANT_FP8 = "nvfp4 [dequant_fp8]"  # the NVFP4 model with its prefill GEMMs on the dequant_fp8 variant
 # SGLang's published gpt-oss-120b decode at batch 1 on 8 x H100: a reference figure, never measured by this benchmark
 SGLANG_GPT_OSS_120B = {"tok_s": 318.5, "bs": 1, "gpus": "8 x H100", "source": "SGLang's published gpt-oss-120b figure"}
 
@@ -105,7 +111,7 @@ def add_ratios(decode: list[dict], prefill: list[dict], bw: ReadBandwidth, bf16:
         r["target"] = DECODE_TARGETS.get((r["model"].split(" [widen=")[0], r["bs"], r["ctx"]))
         r["meets_target"] = meets_target(r, r["target"])
     for r in prefill:
-        r["target"] = PREFILL_TARGET if r["model"].endswith("nvfp4") else None
+        r["target"] = PREFILL_TARGET if r["model"].endswith(("nvfp4", DEQUANT_FP8)) else None
         r["meets_target"] = meets_target(r, r["target"])
 
 
@@ -120,6 +126,25 @@ def prefill_rows(runs: dict[str, dict], card: str) -> list[dict]:
                      "ms": run["prefill_ms"], "tok_s": tok_s, "tflops": run["prefill_tflops"], "fp8_tok_s": fp8_tok_s,
                      "vs_fp8": tok_s / fp8_tok_s})
     return rows
+
+
+@contextlib.contextmanager
+def dequant_fp8_prefill():
+    """Every dense FP4 GEMM past DEQUANT_ABOVE_ROWS rows on "dequant_fp8" at its default tile, whatever the card's
+    table lists (decode rows as the table says): the variant measured before a tune puts it in the table."""
+    table_tile = fp4_gemm.gemm_tile
+
+    def tile(fmt, n, k, m, device, variant):
+        if m <= DEQUANT_ABOVE_ROWS:
+            return table_tile(fmt, n, k, m, device, variant)
+        group = 16 if fmt == "nvfp4" else 32
+        return Fp4GemmTile("dequant_fp8", default_config("dequant_fp8", m, n, k, group, sm_count(device)))
+
+    fp4_gemm.gemm_tile = tile
+    try:
+        yield
+    finally:
+        fp4_gemm.gemm_tile = table_tile
 
 
 def run_gpt_oss(cases: list[tuple[int, int]], bw: ReadBandwidth) -> tuple[dict | None, str | None]:
@@ -167,6 +192,8 @@ def llama_rows(args: argparse.Namespace, cases: list[tuple[int, int]], card: str
     with --quick) and each of ``args.widenings``. Their prefills' rates go to the matmul peaks."""
     runs = {q: run_model(LLAMA, q, cases, bw, PREFILL) for q in ("none", "fp8", "nvfp4")}
     runs[AS_FP8] = run_model(LLAMA, "nvfp4", cases, bw, PREFILL, fp4_load_as="fp8")
+    with dequant_fp8_prefill():  # one short decode case: the run's prefill and reference logits are what it is for
+        runs[DEQUANT_FP8] = run_model(LLAMA, "nvfp4", cases[:1], bw, PREFILL)
     # --quick leaves MXFP4 llama3-8b out: the converted model's load takes its place in the time
     mxfp4 = None if args.quick else run_model(LLAMA, "mxfp4", cases, bw, None)
     decode = []
@@ -180,9 +207,9 @@ def llama_rows(args: argparse.Namespace, cases: list[tuple[int, int]], card: str
                               runs["nvfp4"] if quant == AS_FP8 else None)
     accuracy = [{"model": f"{LLAMA} --quantization {quant}", "card": card, "weights": "random (dummy:, seed 0)",
                  **agreement(runs["none"]["logits"], run["logits"])}
-                for quant, run in (("nvfp4", runs["nvfp4"]), (AS_FP8, runs[AS_FP8]), ("mxfp4", mxfp4),
-                                   ("fp8", runs["fp8"])) if run is not None]
-    prefill = prefill_rows({q: runs[q] for q in ("nvfp4", AS_FP8, "fp8", "none")}, card)
+                for quant, run in (("nvfp4", runs["nvfp4"]), (DEQUANT_FP8, runs[DEQUANT_FP8]), (AS_FP8, runs[AS_FP8]),
+                                   ("mxfp4", mxfp4), ("fp8", runs["fp8"])) if run is not None]
+    prefill = prefill_rows({q: runs[q] for q in ("nvfp4", DEQUANT_FP8, AS_FP8, "fp8", "none")}, card)
     # the bf16 and FP8 prefills are matmuls of this run: one faster than its probe raises that peak (not NVFP4's,
     # whose GEMM may run on the bf16 tensor cores, on the FP8 ones with x quantized, or dequantized through cuBLAS:
     # kernels/fp4_rule.json and fp4_gemm_tiles.json)

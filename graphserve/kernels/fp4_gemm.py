@@ -14,6 +14,10 @@ Hopper multiplies no FP4, so a tile of packed weights becomes a tensor-core oper
   MMA whose partial takes its scales on the CUDA cores; NVFP4's two 16-column groups a step take two MMAs,
   each over x with the other half's columns zeroed. The weight is always the first operand (BLOCK_N >= 64).
 
+Past the decode rows two more variants run the weight through a transient copy and a library matmul: ``"dequant"``
+(bf16 [N, K], one cuBLAS matmul) and ``"dequant_fp8"`` (e4m3 [N, K] over per-row powers of two, then the FP8 linear's
+cuBLASLt matmul on x quantized per token: kernels/fp4_dequant_fp8.py).
+
 Split-K (a tile's ``split_k``): a weight of few columns at a decode batch has fewer column tiles than the card has
 SMs, each walking all of K alone; split, each program walks its share of K and stores an fp32 partial, and a second
 launch sums the partials in split order (deterministic, no atomics) and applies the global scale and bias.
@@ -46,6 +50,7 @@ import triton.language as tl
 
 from graphserve.kernels import tables
 from graphserve.kernels.common import sm_count
+from graphserve.kernels.fp4_dequant_fp8 import dequant_fp8_gemm, dequant_fp8_gemm_reference
 from graphserve.kernels.fp4_gemm_config import VARIANTS, Fp4GemmConfig, Fp4GemmTile, default_config, gemm_tile
 from graphserve.kernels.fp4_gemv import MAX_ROWS as STREAM_MAX_ROWS
 from graphserve.kernels.fp4_gemv import fp4_gemv
@@ -203,11 +208,13 @@ def k_split(cfg: Fp4GemmConfig, k: int) -> int:
 
 def fp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
              fmt: str, bias: torch.Tensor | None = None, out: torch.Tensor | None = None, *, variant: str = "bf16",
-             config: Fp4GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
+             config: Fp4GemmConfig | None = None, fp8_row_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """``x`` [M, K] (bf16/fp16) times the FP4 weight [N, K/2] (+ bias), x's dtype out; ``global_scale`` (NVFP4) one
     value or fp32 [N] one per output row; ``variant`` "bf16" (W4A16), "fp8" (W4A8: x quantized per token by one
-    launch first) or "dequant" (the weight dequantized to x's dtype, then cuBLAS). ``config`` the tile (default:
-    kernels/fp4_gemm_config.default_config for this card; "dequant": its first launch's)."""
+    launch first), "dequant" (the weight dequantized to x's dtype, then cuBLAS) or "dequant_fp8" (the weight converted
+    to e4m3 over ``fp8_row_scale``, fp32 [N] from kernels/fp4_dequant_fp8.fp8_row_scales, made in the call where
+    None; then the FP8 matmul). ``config`` the tile (default: kernels/fp4_gemm_config.default_config for this card;
+    "dequant" and "dequant_fp8": their first launch's)."""
     n, k = fp4_check("fp4_gemm", packed, scale, global_scale, fmt, x.shape[-1])
     if variant not in VARIANTS:
         raise ValueError(f"fp4_gemm: variant={variant!r} must be one of {VARIANTS}")
@@ -219,14 +226,20 @@ def fp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
     if x.stride(-1) != 1:
         x = x.contiguous()
     m = x.shape[0]
+    if out is not None and (out.shape != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1):
+        raise ValueError(f"fp4_gemm: out must be [{m}, {n}] {x.dtype} row-major, got {out.dtype} {tuple(out.shape)}")
+    group = GROUP[fmt]
+    if variant == "dequant_fp8" and m and n:
+        cfg = config or default_config(variant, m, n, k, group, sm_count(x.device))
+        cfg.check("fp4_gemm", variant, group, k)
+        # the FP8 matmul writes its own output: a caller's ``out`` takes a copy (the layers pass none)
+        y = dequant_fp8_gemm(x, packed, scale, global_scale, fmt, bias, cfg, fp8_row_scale)
+        return out.copy_(y) if out is not None else y
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise ValueError(f"fp4_gemm: out must be [{m}, {n}] {x.dtype} row-major, got {out.dtype} {tuple(out.shape)}")
     if m == 0 or n == 0:
         return out
     fp8 = variant == "fp8"
-    group = GROUP[fmt]
     cfg = config or default_config(variant, m, n, k, group, sm_count(x.device))
     cfg.check("fp4_gemm", variant, group, k)
     if variant == "dequant":
@@ -281,7 +294,10 @@ def _dequant_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gl
 def fp4_gemm_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                        global_scale: torch.Tensor | None, fmt: str, bias: torch.Tensor | None = None,
                        variant: str = "bf16") -> torch.Tensor:  # fmt: skip
-    """fp32 ``x @ dequant(w).T (+ bias)``; for the fp8 variant x quantized per token as the kernel's input is."""
+    """fp32 ``x @ dequant(w).T (+ bias)``; for the fp8 variant x quantized per token as the kernel's input is; for
+    "dequant_fp8" the ``--fp4-load-as fp8`` conversion and the FP8 reference matmul."""
+    if variant == "dequant_fp8":
+        return dequant_fp8_gemm_reference(x, packed, scale, global_scale, fmt, bias)
     xf = x.float()
     if variant == "fp8":
         s = (xf.abs().amax(dim=1, keepdim=True) / torch.finfo(FP8_DTYPE).max).clamp(min=1e-12)
@@ -339,9 +355,12 @@ def rule_for(device: torch.device) -> Fp4Rule:
 
 
 def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
-               fmt: str, bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+               fmt: str, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               fp8_row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(w).T (+ bias)`` for x [..., K]: the streaming kernel at decode rows, else the tiled GEMM
-    variant the rule names for the shape. A pure function of the shape: a captured graph replays one path."""
+    variant the rule names for the shape. A pure function of the shape: a captured graph replays one path.
+    ``fp8_row_scale``: the weight's per-row powers of two (kernels/fp4_dequant_fp8.fp8_row_scales), which the
+    "dequant_fp8" variant reads; a caller without them gets them computed in the call."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -352,7 +371,8 @@ def fp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, globa
     if tile is None:
         y = fp4_gemv(x2, packed, scale, global_scale, fmt, bias, out2)
     else:
-        y = fp4_gemm(x2, packed, scale, global_scale, fmt, bias, out2, variant=path, config=tile.config)
+        y = fp4_gemm(x2, packed, scale, global_scale, fmt, bias, out2, variant=path, config=tile.config,
+                     fp8_row_scale=fp8_row_scale)
     return y.view(*lead, n)
 
 

@@ -7,13 +7,15 @@ rows, derived from the same timings):
     {"device": ..., "shapes": [{"fmt": "nvfp4", "n": 4096, "k": 4096,
       "buckets": {"16": TILE, "64": TILE, "4096": TILE}}]}   # rows; a call takes the smallest bucket holding it,
                                                               # the largest beyond them
-    TILE = {"variant": "bf16" | "fp8" | "dequant", "block_m", "block_n", "block_k", "group_m", "num_warps",
-            "num_stages", "split_k"}   # "dequant": its dequantization's tile (block_n, block_k, num_warps)
+    TILE = {"variant": "bf16" | "fp8" | "dequant" | "dequant_fp8", "block_m", "block_n", "block_k", "group_m",
+            "num_warps", "num_stages", "split_k"}   # "dequant" / "dequant_fp8": its conversion's tile (block_n,
+                                                     # block_k, num_warps)
 
 A listed shape's variant is the table's (measured at its best tiles); a shape or card it does not list takes the
 variant fp4_rule.json names ("dequant" from ``DEFAULT_DEQUANT_ROWS``) and ``default_config``'s tile, sized so the grid
-holds about two programs an SM (a small weight split over K where its column tiles alone are too few); the start-up
-line names the command that measures it. Read once per process, before any capture: a captured graph replays one
+holds about two programs an SM (a small weight split over K where its column tiles alone are too few). "dequant_fp8"
+(kernels/fp4_dequant_fp8.py) is never a default: a table names it where the tune measured it faster (it needs FP8
+tensor cores, sm_89 and later). The start-up line names the command that measures the tables. Read once per process, before any capture: a captured graph replays one
 variant and tile.
 """
 
@@ -29,7 +31,9 @@ from graphserve.kernels import tables
 from graphserve.kernels.common import sm_count
 
 TABLE_NAME = "fp4_gemm_tiles.json"
-VARIANTS = ("bf16", "fp8", "dequant")
+VARIANTS = ("bf16", "fp8", "dequant", "dequant_fp8")
+# the variants that hold a transient converted weight [N, K] for the call: never at decode rows (DEQUANT_ABOVE_ROWS)
+DEQUANT_VARIANTS = ("dequant", "dequant_fp8")
 FP8_STEP = 32  # the fp8 MMA's K: the fp8 variant's BLOCK_K
 # below 64 rows x is the MMA's first operand (a 16- or 32-row tile); from 64 the widened weight is, from registers:
 # as the second operand (through shared memory) a widened tile failed to compile at 64 and 128 (Triton 3.6, sm_90)
@@ -41,7 +45,15 @@ PROGRAMS_PER_SM = 2  # the defaults' target grid: one wave hides no load latency
 # From the H100 measurements before tables (benchmarks/results/fp4_kernels.json, llama3-8b's gate_up): at 1024 rows
 # bf16 cuBLAS took 0.31 ms and the fp8 variant 0.85 (MXFP4) to 1.91 ms (NVFP4); the dequantization writes N * K
 # bf16 once (235 MB, about 0.1 ms at the card's 3 TB/s) and cuBLAS reads them, so from about 512 rows it wins by
-# the arithmetic; below, the weight's extra pass costs more than the tensor cores' rate gains
+# the arithmetic; below, the weight's extra pass costs more than the tensor cores' rate gains.
+# Where the card has FP8 tensor cores the default there is "dequant_fp8" (the weight converted to e4m3, then cuBLASLt
+# FP8). From the H100 table's own timings at 4,096 rows (benchmarks/results/fp4_gemm_tiles.json, llama3-8b NVFP4,
+# "dequant"): qkv 0.282 ms, o 0.190, gate_up 1.383, down 0.639, i.e. 731, 723, 696 and 753 TFLOP/s: the bf16 matmul
+# is the call (its weight pass, 2 bytes a weight written at ~3 TB/s, is 0.02 ms of qkv's 0.282). FP8 runs the matmul
+# at about twice bf16's rate and writes half the bytes; x's per-token quantization adds a read and a half-size write
+# of x (qkv at 4,096 rows: ~0.016 ms), so qkv comes to ~0.17 ms. At 512 rows the same arithmetic (qkv: bf16 matmul
+# ~0.035 ms + 0.02 weight pass against ~0.018 + 0.01 + 0.002) still favours it by ~1.7x, and a card's tune replaces
+# this with measurements
 DEFAULT_DEQUANT_ROWS = 512
 # the most rows the "dequant" variant never serves (a table's tile at a bucket of this many rows or fewer is refused):
 # its transient [N, K] weight stays out of decode batches' activations, and `graphserve plan` counts it only past this
@@ -95,7 +107,7 @@ class Fp4GemmConfig:
 @dataclass(frozen=True)
 class Fp4GemmTile:
     """What one GEMM call runs: the variant ("bf16": W4A16, "fp8": W4A8, "dequant": the weight dequantized to x's
-    dtype, then cuBLAS) and its tile."""
+    dtype, then cuBLAS; "dequant_fp8": the weight converted to e4m3, then the FP8 linear's matmul) and its tile."""
 
     variant: str
     config: Fp4GemmConfig
@@ -138,9 +150,10 @@ class Fp4GemmShapeTiles:
         for b in buckets:
             tile = Fp4GemmTile.from_json(data["buckets"][str(b)])
             tile.config.check(f"{table_label(key)} bucket {b}", tile.variant, 16 if fmt == "nvfp4" else 32, k)
-            if tile.variant == "dequant" and b <= DEQUANT_ABOVE_ROWS:
-                raise ValueError(f"{table_label(key)} bucket {b}: variant 'dequant' serves more than "
-                                 f"{DEQUANT_ABOVE_ROWS} rows only")
+            if tile.variant in DEQUANT_VARIANTS and b <= DEQUANT_ABOVE_ROWS:
+                raise ValueError(f"{table_label(key)} bucket {b}: variant {tile.variant!r} serves more than "
+                                 f"{DEQUANT_ABOVE_ROWS} rows only (its transient [N, K] weight stays out of decode "
+                                 "batches)")
             tiles.append(tile)
         return cls(tuple(buckets), tuple(tiles))
 
@@ -195,7 +208,7 @@ def default_config(variant: str, m: int, n: int, k: int, group: int, sms: int) -
     while (tiles * split < target and split * 2 <= MAX_SPLIT_K and k // (split * 2) >= MIN_SPLIT_COLUMNS
            and 16 * m * split * 2 <= k):  # fmt: skip
         split *= 2
-    if variant == "dequant":  # the dequantization's tile: 4096 weights a program, whole scale groups
+    if variant in DEQUANT_VARIANTS:  # the conversion's tile: 4096 weights a program, whole scale groups
         return Fp4GemmConfig(16, 32, max(group, 128), 8, 4, 1)
     warps = 8 if bm * bn >= 128 * 128 else 4
     if variant == "fp8":
@@ -222,8 +235,8 @@ def shape_tiles(key: ShapeKey, card: str) -> Fp4GemmShapeTiles | None:
 @functools.lru_cache(maxsize=1024)  # called per forward: the card's name and the table lookup once per shape and rows
 def gemm_tile(fmt: str, n: int, k: int, m: int, device: torch.device, variant: str) -> Fp4GemmTile:
     """The variant and tile of an ``m``-row GEMM on the weight (fmt, N, K), a pure function of the shape (a captured
-    graph replays one): the table's where it lists the shape, else ``variant`` (fp4_rule.json's choice; "dequant" from
-    DEFAULT_DEQUANT_ROWS) with ``default_config``'s tile."""
+    graph replays one): the table's where it lists the shape, else ``variant`` (fp4_rule.json's choice; "dequant"
+    from DEFAULT_DEQUANT_ROWS) with ``default_config``'s tile."""
     entry = shape_tiles((fmt, n, k), torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if entry is not None:
         return entry.tile(m)
@@ -232,3 +245,8 @@ def gemm_tile(fmt: str, n: int, k: int, m: int, device: torch.device, variant: s
     elif variant == "fp8" and k % FP8_STEP:
         variant = "bf16"  # the fp8 variant steps whole 32-column MMAs
     return Fp4GemmTile(variant, default_config(variant, m, n, k, 16 if fmt == "nvfp4" else 32, sm_count(device)))
+
+
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether ``device`` multiplies e4m3 on its tensor cores (sm_89 and later): the "dequant_fp8" variant's matmul."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

@@ -256,14 +256,17 @@ class ModelDescription:
                                    fp8_group_k=self.expert_fp8_group_k)
 
     def fp4_dequant_bytes(self, tokens: int) -> int:
-        """What the dense FP4 GEMM's "dequant" variant (kernels/fp4_gemm.py) holds for a call of ``tokens`` rows: its
-        largest FP4 projection dequantized to the model dtype, for as long as that projection runs (part of the
-        activation peak); 0 without FP4 projections, or at rows it never serves."""
+        """What the dense FP4 GEMM's "dequant" or "dequant_fp8" variant (kernels/fp4_gemm.py) holds for a call of
+        ``tokens`` rows, the larger of the two (the card's table picks per shape): its largest FP4 projection
+        dequantized to the model dtype, or converted to e4m3 (one byte a weight) beside x quantized per token (a byte
+        an element and a scale a row), for as long as that projection runs (part of the activation peak); 0 without
+        FP4 projections, or at rows neither serves."""
         from graphserve.kernels.fp4_gemm_config import DEQUANT_ABOVE_ROWS
 
         if self.weight_bytes_per_param != 0.5 or not self.projections or tokens <= DEQUANT_ABOVE_ROWS:
             return 0
-        return max(p.out_features * p.in_features for p in self.projections) * self.act_bytes_per_elem
+        return max(max(n * k * self.act_bytes_per_elem, n * k + tokens * (k + 4))
+                   for n, k in ((p.out_features, p.in_features) for p in self.projections))
 
     def graph_pool_bytes(self, sizes: Sequence[int], context_tokens: int = 0) -> int:
         """CUDA graphs are captured largest first into one pool: intermediates cost one activation

@@ -25,7 +25,7 @@ from graphserve.layers.quant.config import (
     quantized_description,
     resolve_quantization,
 )
-from graphserve.layers.quant.fp4 import quantize_fp4_linears
+from graphserve.layers.quant.fp4 import prepare_fp4_linears, quantize_fp4_linears
 from graphserve.layers.quant.fp4_config import Fp4Config, check_fp4_device, fp4_ignore_list, modelopt_file_config
 from graphserve.layers.quant.fp4_moe import quantize_fp4_experts
 from graphserve.layers.quant.fp4_to_fp8 import check_fp4_load_as, convert_fp4_model, fp8_description
@@ -352,6 +352,7 @@ def _finish(model: nn.Module, hf_config: PretrainedConfig, tokenizer: Any, dtype
     from graphserve.distributed.state import get_parallel
 
     parallel = get_parallel()  # this rank's share: its KV heads size the pool, its weights the plan
+    prepare_fp4_linears(model)  # the weights are loaded: each FP4 projection's FP8 row scales, once
     description = model.describe(hf_config, dtype, tp=parallel.tp_size, ep=parallel.ep_size)
     if fp4_as_fp8:  # --fp4-load-as fp8: the FP4 layers now hold FP8 (layers/quant/fp4_to_fp8.py)
         description = fp8_description(description, quant, dtype, fp4_ignore_list(quant, model))

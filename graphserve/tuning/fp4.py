@@ -1,4 +1,5 @@
-"""FP4 kernels on this GPU: the streaming matmul and the GEMM variants at their default tiles (dequant from 128 rows)
+"""FP4 kernels on this GPU: the streaming matmul and the GEMM variants at their default tiles (dequant and dequant_fp8
+from 128 rows)
 per projection shape and rows, against a same-run read-bandwidth probe, bf16 cuBLAS and the FP8 kernels on the same
 shape; a prefill of 8 x 2048 tokens through Llama-3-8B's projections (tok/s, FP4 vs FP8 vs bf16); the routed
 experts' two paths at gpt-oss-120b's and Qwen3-30B-A3B's shapes.
@@ -24,6 +25,7 @@ from functools import partial
 import torch
 
 from graphserve.kernels import tables
+from graphserve.kernels.fp4_dequant_fp8 import fp8_row_scales
 from graphserve.kernels.fp4_gemm import RULE_PATH, fp4_gemm
 from graphserve.kernels.fp4_gemv import fp4_gemv
 from graphserve.kernels.fp4_moe import fp4_fused_experts
@@ -146,8 +148,11 @@ def projection_rows(card: str, quick: bool, projections: list[str] | None = None
                     ms = graph_ms([partial(fp4_gemv, x, p, s, g, fmt) for p, s, g in ws])
                     rows.append(_row(shape, "fp4 stream", fmt, ms, fp4_bytes(n, k, fmt)))
                 if m >= 8:
-                    for variant in ("bf16", "fp8", "dequant") if m >= 128 else ("bf16", "fp8"):
-                        calls = [partial(fp4_gemm, x, p, s, g, fmt, variant=variant)
+                    for variant in ("bf16", "fp8", "dequant", "dequant_fp8") if m >= 128 else ("bf16", "fp8"):
+                        # dequant_fp8 reads the row scales a layer makes once at load (fp8_row_scales)
+                        calls = [partial(fp4_gemm, x, p, s, g, fmt, variant=variant,
+                                         **({"fp8_row_scale": fp8_row_scales(p, s, fmt)} if variant == "dequant_fp8"
+                                            else {}))
                                  for p, s, g in ws[: 2 if m >= 1024 else len(ws)]]  # fmt: skip
                         rows.append(_row(shape, f"fp4 gemm {variant}", fmt, graph_ms(calls), fp4_bytes(n, k, fmt)))
             print(f"{proj} m={m} done", flush=True)

@@ -4,7 +4,7 @@ FP4 rule (``fp4_rule.json``: the streaming kernel's rows, the fp8 variant's firs
 Per projection of a preset (``dense_shapes``), per format and row count (``ROWS``, in order of importance, so that a
 time share spent leaves out the least telling): the streaming kernel up to 64 rows, and from 8 rows a short list of
 tiles per variant (``candidates``: the card's default tile first, so the best is never slower than it; "dequant"
-from 128 rows), each timed as a CUDA graph replaying the call over copies of the weight together past three times
+and "dequant_fp8" from 128 rows, the latter on a card with FP8 tensor cores), each timed as a CUDA graph replaying the call over copies of the weight together past three times
 L2 (graphserve/tuning/fp4.py's ``graph_ms``), so the weight comes from HBM as in a decode step. The fastest tile of
 any variant goes into the table's bucket of that row count; the rows of each kernel at its best tile feed fp4.py's
 ``derive_rule`` (the streaming kernel's rows, and the fp8 variant's against the bf16 one's).
@@ -20,6 +20,7 @@ from functools import partial
 
 import torch
 
+from graphserve.kernels.fp4_dequant_fp8 import fp8_row_scales
 from graphserve.kernels.fp4_gemm_config import (
     TABLE_NAME,
     VARIANTS,
@@ -28,6 +29,7 @@ from graphserve.kernels.fp4_gemm_config import (
     Fp4GemmTable,
     Fp4GemmTile,
     default_config,
+    fp8_tensor_cores,
     shape_entry,
 )
 from graphserve.kernels.fp4_gemv import MAX_ROWS as STREAM_MAX_ROWS
@@ -47,12 +49,14 @@ BF16_LARGE = [(64, 128, 4, 3, 1), (128, 64, 8, 3, 1), (128, 128, 8, 3, 1), (64, 
 # the fp8 variant: one 32-column MMA a step, the weight the MMA's M side (block_n >= 64)
 FP8_SMALL = [(64, 32, 4, 4, 1), (64, 32, 4, 4, 2), (128, 32, 4, 4, 1), (64, 32, 4, 4, 4), (64, 32, 4, 6, 1)]
 FP8_LARGE = [(64, 32, 4, 4, 1), (128, 32, 4, 4, 1), (128, 32, 8, 4, 1), (128, 32, 8, 3, 1)]
-# the dequant variant (the weight dequantized, then cuBLAS): its first launch's tile, timed from DEQUANT_ROWS only
-# (past kernels/fp4_gemm_config.DEQUANT_ABOVE_ROWS: the bucket holds 65 to 128 rows)
+# the dequant variants (the weight dequantized to bf16 or converted to e4m3, then a library matmul): their first
+# launch's tile, timed from DEQUANT_ROWS only (past kernels/fp4_gemm_config.DEQUANT_ABOVE_ROWS: the bucket holds 65
+# to 128 rows)
 DEQUANT_ROWS = 128
 DEQUANT = [(64, 128, 4, 1, 1), (32, 256, 4, 1, 1)]
 SPACE = {("bf16", False): BF16_SMALL, ("bf16", True): BF16_LARGE, ("fp8", False): FP8_SMALL, ("fp8", True): FP8_LARGE,
-         ("dequant", False): [], ("dequant", True): DEQUANT}  # fmt: skip
+         ("dequant", False): [], ("dequant", True): DEQUANT, ("dequant_fp8", False): [],
+         ("dequant_fp8", True): DEQUANT}  # fmt: skip
 QUICK_CANDIDATES = 3
 # families whose attention is q/k/v heads (graphserve/models' GQA layers); latent and compressed attention differ
 GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
@@ -81,10 +85,10 @@ def dense_shapes(model: str) -> dict[str, tuple[int, int]]:
 def candidates(variant: str, m: int, n: int, k: int, group: int, sms: int, quick: bool) -> list[Fp4GemmConfig]:
     """``variant``'s tiles for an ``m``-row GEMM on (N, K): the card's default first, then those of ``SPACE`` that can
     run (a K step no deeper than K's power of two, a split that cuts K at all); past 256 rows also at 64 rows a tile,
-    and the bf16 variant at 33 to 64 rows also at 32 (x first). "dequant" from DEQUANT_ROWS only."""
+    and the bf16 variant at 33 to 64 rows also at 32 (x first). "dequant" and "dequant_fp8" from DEQUANT_ROWS only."""
     from graphserve.kernels.fp4_gemm import k_split
 
-    if variant == "dequant" and m < DEQUANT_ROWS:
+    if variant in ("dequant", "dequant_fp8") and m < DEQUANT_ROWS:
         return []
     first = default_config(variant, m, n, k, group, sms)
     try:
@@ -94,7 +98,7 @@ def candidates(variant: str, m: int, n: int, k: int, group: int, sms: int, quick
     out = [first]
     deepest = max(group, 1 << max(0, k - 1).bit_length())
     bms = [first.block_m]
-    if first.block_m > 64 and variant != "dequant":
+    if first.block_m > 64 and variant not in ("dequant", "dequant_fp8"):
         bms.append(64)
     if first.block_m == 64 and m <= 64 and variant == "bf16":
         bms.append(32)  # x the MMA's first operand in two row tiles, the widening done twice
@@ -122,6 +126,10 @@ def measure_projection(model: str, proj: str, budget_s: float, quick: bool, sms:
     n, k = dense_shapes(model)[proj]
     start = time.monotonic()
     weights = {fmt: bench.fp4_weights(n, k, fmt, bench.copies_for(bench.fp4_bytes(n, k, fmt))) for fmt in FORMATS}
+    # "dequant_fp8" reads each weight's row scales, made once at load as the layers make them (none: not timed here)
+    variants = [v for v in VARIANTS if v != "dequant_fp8" or fp8_tensor_cores(DEVICE)]
+    row_scales = {fmt: [fp8_row_scales(p, s, fmt) for p, s, _ in ws] for fmt, ws in weights.items()} \
+        if "dequant_fp8" in variants else {}
     rows: list[dict] = []
     for m in QUICK_ROWS if quick else ROWS:
         if rows and time.monotonic() - start > budget_s:
@@ -137,10 +145,12 @@ def measure_projection(model: str, proj: str, budget_s: float, quick: bool, sms:
             if m < MIN_GEMM_ROWS:
                 continue
             copies = ws[: 2 if m >= 1024 else len(ws)]
-            for variant in VARIANTS:
+            for variant in variants:
                 timed = []
+                extra = [{"fp8_row_scale": rs} for rs in row_scales[fmt]] if variant == "dequant_fp8" else [{}] * len(ws)
                 for cfg in candidates(variant, m, n, k, GROUP[fmt], sms, quick):
-                    calls = [partial(fp4_gemm, x, p, s, g, fmt, variant=variant, config=cfg) for p, s, g in copies]
+                    calls = [partial(fp4_gemm, x, p, s, g, fmt, variant=variant, config=cfg, **kw)
+                             for (p, s, g), kw in zip(copies, extra)]  # fmt: skip
                     timed.append((bench.graph_ms(calls), Fp4GemmTile(variant, cfg)))
                 if not timed:
                     continue
@@ -149,7 +159,7 @@ def measure_projection(model: str, proj: str, budget_s: float, quick: bool, sms:
                              "default_ms": timed[0][0], "tiles": {t.short(): v for v, t in timed}})  # fmt: skip
         best = {r["kernel"] + " " + r["fmt"]: r["ms"] for r in rows if r["m"] == m}
         print(f"{model} {proj} m={m}: " + ", ".join(f"{key} {v:.4f} ms" for key, v in best.items()), flush=True)
-    del weights
+    del weights, row_scales
     if DEVICE.type == "cuda":
         torch.cuda.empty_cache()
     return rows

@@ -6,7 +6,8 @@ than the card has may be refused, as the tuner then times it inf; the default ti
 in a CUDA graph with a split-K tile, replayed equal to eager.
 
 Fresh random bf16 activations and random FP4 bytes with random block scales, against ``fp4_gemm_reference`` (for the
-fp8 variant x quantized per token as the kernel's input is); bf16 output rounding sets the thresholds.
+fp8 variant x quantized per token as the kernel's input is; for dequant_fp8 the load-time FP8 conversion too); bf16
+output rounding sets the thresholds.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from triton.runtime.errors import OutOfResources
 from graphserve.kernels import fp4_gemm as gemm_mod
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp4_gemm import fp4_gemm, fp4_gemm_reference, fp4_linear
-from graphserve.kernels.fp4_gemm_config import Fp4GemmConfig, Fp4GemmTile
+from graphserve.kernels.fp4_gemm_config import DEQUANT_VARIANTS, VARIANTS, Fp4GemmConfig, Fp4GemmTile
 from graphserve.kernels.fp4_layout import GROUP
 from graphserve.tuning.fp4_gemm import DEQUANT_ROWS, candidates
 
@@ -29,7 +30,7 @@ SHAPES = {"nvfp4": (4096, 4096), "mxfp4": (5120, 2880)}  # llama3-8b o_proj, gpt
 ROWS = (13, 64, 300)  # x first (16-row tiles); 64 rows; past 256 rows (128-row tiles and the 64-row alternative)
 
 
-@pytest.mark.parametrize("variant", ["bf16", "fp8", "dequant"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("fmt", list(SHAPES))
 def test_every_tuner_candidate_matches_the_reference(fmt, variant):
     n, k = SHAPES[fmt]
@@ -41,7 +42,7 @@ def test_every_tuner_candidate_matches_the_reference(fmt, variant):
         x = torch.randn(m, k, device="cuda", dtype=DT, generator=gen)
         ref = fp4_gemm_reference(x, packed, scale, gs, fmt, bias, variant=variant)
         tiles = candidates(variant, m, n, k, GROUP[fmt], sms, quick=False)
-        assert tiles or (variant == "dequant" and m < DEQUANT_ROWS), (fmt, variant, m)
+        assert tiles or (variant in DEQUANT_VARIANTS and m < DEQUANT_ROWS), (fmt, variant, m)
         for i, cfg in enumerate(tiles):
             out = torch.full((m, n), float("nan"), device="cuda", dtype=DT)
             try:

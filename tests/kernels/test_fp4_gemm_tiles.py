@@ -46,6 +46,7 @@ def card(tmp_path, monkeypatch):
     monkeypatch.setattr(tables, "SHIPPED_DIR", tmp_path / "shipped")
     monkeypatch.setattr(tables, "KERNELS_DIR", tmp_path / "kernels")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: CARD)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(cfg, "sm_count", lambda device: 132)
     tables.clear()
     yield tmp_path
@@ -76,12 +77,24 @@ def test_without_a_table_a_call_takes_the_rules_variant_and_the_default_tile(car
     tile = cfg.gemm_tile(*O_PROJ, 64, CUDA, "fp8")
     assert tile == Fp4GemmTile("fp8", cfg.default_config("fp8", 64, 4096, 4096, 16, 132))
     assert cfg.gemm_tile("mxfp4", 40, 80, 20, CUDA, "fp8").variant == "bf16"  # 32 does not divide K
-    assert cfg.gemm_tile(*O_PROJ, 512, CUDA, "fp8").variant == "dequant"  # prefill rows: dequantized, then cuBLAS
+    # prefill rows: dequantized to bf16 for cuBLAS (dequant_fp8 only where a tuned table names it); under
+    # DEFAULT_DEQUANT_ROWS not
+    assert cfg.gemm_tile(*O_PROJ, 512, CUDA, "fp8") == Fp4GemmTile("dequant", cfg.default_config(
+        "dequant", 512, 4096, 4096, 16, 132))  # fmt: skip
+    assert cfg.gemm_tile(*O_PROJ, 511, CUDA, "fp8").variant == "fp8"
     line = tables.startup_line(CARD)
     assert "fp4 gemm N=4096,K=4096,nvfp4" in line and "graphserve tune --tables fp4" in line
     tables.clear()
     assert cfg.gemm_tile(*O_PROJ, 64, torch.device("cpu"), "bf16").variant == "bf16"  # CPU: no lookup
     assert tables.startup_line(CARD) is None
+
+
+def test_a_card_without_fp8_tensor_cores_defaults_to_the_bf16_dequant(card, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert cfg.gemm_tile(*O_PROJ, 4096, CUDA, "fp8").variant == "dequant"
+    assert not cfg.fp8_tensor_cores(CUDA) and not cfg.fp8_tensor_cores(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert cfg.fp8_tensor_cores(CUDA)
 
 
 def test_a_listed_shape_takes_its_buckets_tile_whatever_the_rule_says(card):
@@ -115,6 +128,12 @@ def test_a_shipped_table_serves_where_the_cache_has_none(card):
     ("cache", _table(CARD, {"64": _tile("bf16", split=12)}, versions="now"), "split_k=12 must be 1 to 8"),
     ("cache", _table(CARD, {"0": _tile("bf16")}, versions="now"), "field 'buckets' must hold row counts >= 1"),
     ("cache", _table(CARD, {"64": _tile("dequant")}, versions="now"), "bucket 64: variant 'dequant' serves more than"),
+    ("cache", _table(CARD, {"16": _tile("dequant_fp8"), "4096": _tile("dequant_fp8")}, versions="now"),
+     "bucket 16: variant 'dequant_fp8' serves more than 64 rows only"),
+    ("cache", _table(CARD, {"4096": _tile("dequant_fp8", bk=24)}, versions="now"),
+     "bucket 4096: block_k=24 must be a power of two"),
+    ("cache", _table(CARD, {"4096": {**_tile("dequant_fp8"), "variant": "fp4"}}, versions="now"),
+     "bucket 4096: variant='fp4' must be one of ('bf16', 'fp8', 'dequant', 'dequant_fp8')"),
 ])  # fmt: skip
 def test_a_table_for_another_card_or_version_or_with_a_bad_entry_is_passed_over(card, caplog, where, table, field):
     if table.get("versions") == "now":
@@ -136,35 +155,44 @@ def test_the_tuner_measures_the_presets_dense_shapes_from_the_default_tile():
                                                         "gate_up": (28672, 4096), "down": (4096, 14336)}  # fmt: skip
     assert fp4_gemm.dense_shapes("gpt-oss-20b") == {"qkv": (5120, 2880), "o": (2880, 4096)}  # experts: not dense
     assert fp4_gemm.dense_shapes("deepseek-v4-flash-l6") == {}
-    for variant in ("bf16", "fp8", "dequant"):
-        for m in (8, 64, 128, 4096) if variant != "dequant" else (128, 4096):
+    for variant in cfg.VARIANTS:
+        for m in (8, 64, 128, 4096) if variant not in cfg.DEQUANT_VARIANTS else (128, 4096):
             tiles = fp4_gemm.candidates(variant, m, 5120, 2880, 16, 132, quick=False)
             assert tiles[0] == cfg.default_config(variant, m, 5120, 2880, 16, 132) and len(set(tiles)) == len(tiles)
             for t in tiles:
                 t.check("candidate", variant, 16, 2880)
             assert len(fp4_gemm.candidates(variant, m, 5120, 2880, 16, 132, quick=True)) <= fp4_gemm.QUICK_CANDIDATES
     assert fp4_gemm.candidates("fp8", 64, 64, 80, 16, 132, quick=False) == []  # 32 does not divide K
-    assert fp4_gemm.candidates("dequant", 64, 5120, 2880, 16, 132, quick=False) == []  # decode rows: not timed
+    for variant in cfg.DEQUANT_VARIANTS:  # decode rows: not timed
+        assert fp4_gemm.candidates(variant, 64, 5120, 2880, 16, 132, quick=False) == []
+    assert fp4_gemm.candidates("dequant_fp8", 4096, 5120, 2880, 32, 132, quick=False) == \
+        fp4_gemm.candidates("dequant", 4096, 5120, 2880, 32, 132, quick=False)  # the same conversion tiles
     assert [c.block_n for c in fp4_gemm.candidates("dequant", 4096, 5120, 2880, 32, 132, quick=False)] == [32, 64, 32]
 
 
 def test_the_sweep_keeps_each_rows_fastest_tile_and_stops_at_its_time_share(card, monkeypatch):
     """measure_projection's logic on the CPU with the timings faked (a GPU times the real calls): the fp8 variant
-    fastest at 64 rows with split-K, dequant at 4096, the streaming kernel only at 1 row; a spent share leaves out
-    later rows; the table it writes is what the reader takes, and the rule comes from the same rows."""
+    fastest at 64 rows with split-K, dequant at 128 and dequant_fp8 at 4096 (handed each weight's row scales), the
+    streaming kernel only at 1 row; a spent share leaves out later rows; the table it writes is what the reader takes,
+    and the rule comes from the same rows."""
     from graphserve.tuning import fp4 as bench
     from graphserve.tuning import fp4_gemm
 
     monkeypatch.setattr(fp4_gemm, "DEVICE", torch.device("cpu"))
     monkeypatch.setattr(bench, "copies_for", lambda nbytes: 2)
     monkeypatch.setattr(bench, "fp4_weights", lambda n, k, fmt, copies: [(None, None, None)] * copies)
+    monkeypatch.setattr(fp4_gemm, "fp8_tensor_cores", lambda device: True)
+    monkeypatch.setattr(fp4_gemm, "fp8_row_scales", lambda packed, scale, fmt: f"row scales {fmt}")
 
     def fake_ms(calls):
         m = calls[0].args[0].shape[0]
         if "config" not in calls[0].keywords:  # the streaming kernel
             return 0.01 * m
         variant, c = calls[0].keywords["variant"], calls[0].keywords["config"]
-        base = {"bf16": 0.5, "fp8": 0.3, "dequant": 0.2 if m >= 1024 else 5.0}[variant]
+        if variant == "dequant_fp8":
+            assert all(c.keywords["fp8_row_scale"].startswith("row scales") for c in calls)
+        base = {"bf16": 0.5, "fp8": 0.3, "dequant": 0.02 if m >= 128 else 5.0,
+                "dequant_fp8": 0.01 if m >= 1024 else 5.0}[variant]  # fmt: skip
         return base / c.split_k + 0.001 * c.block_n
 
     monkeypatch.setattr(bench, "graph_ms", fake_ms)
@@ -173,11 +201,12 @@ def test_the_sweep_keeps_each_rows_fastest_tile_and_stops_at_its_time_share(card
     kernels = {(r["m"], r["kernel"]) for r in rows if r["fmt"] == "nvfp4"}
     assert (1, "fp4 stream") in kernels and (1, "fp4 gemm bf16") not in kernels  # below 8 rows: no GEMM
     assert (64, "fp4 gemm dequant") not in kernels and (128, "fp4 gemm dequant") in kernels
+    assert (64, "fp4 gemm dequant_fp8") not in kernels and (4096, "fp4 gemm dequant_fp8") in kernels
     table = fp4_gemm.table_from(rows, None, CARD)
     entry = cfg.Fp4GemmTable.from_json(table).shapes[O_PROJ]
     assert entry.buckets == (16, 64, 128, 4096)
     assert entry.tile(64).variant == "fp8" and entry.tile(64).config.split_k > 1
-    assert entry.tile(4096).variant == "dequant"
+    assert entry.tile(128).variant == "dequant" and entry.tile(4096).variant == "dequant_fp8"
     rule = bench.derive_rule(rows, CARD)["shapes"][0]
     assert rule == {"fmt": "nvfp4", "n": 4096, "k": 4096, "stream_max_rows": 1, "fp8_min_rows": 16}
     _write(tables.cache_dir(CARD) / cfg.TABLE_NAME, {**table, **tables.stamp(CARD)})
@@ -204,3 +233,17 @@ def test_the_plan_counts_the_dequant_variants_weight_in_the_prefill_peak():
     assert bf16["prefill_activation_bytes"] == fp4["prefill_activation_bytes"] - gate_up
     small = build_plan(hf, gpu_memory_gb=80, quantization="nvfp4", chunked_prefill_size=64, input_len=64)
     assert "FP4 dequant" not in small["table"]
+
+
+def test_the_plan_counts_the_larger_of_the_two_dequant_variants_transients():
+    """dequant_fp8 holds the weight at a byte a weight (half of dequant's bf16) beside x quantized per token: at a
+    chunk of 32768 rows down's (x 14336 wide) passes dequant's largest, gate_up at two bytes a weight, and the plan
+    counts it."""
+    from graphserve.analysis.plan import build_plan, load_hf_config
+    from graphserve.models.registry import describe_model
+
+    hf = load_hf_config(str(Path(__file__).resolve().parents[1] / "data" / "llama3_8b_config.json"))
+    rows, n, k = 32768, 4096, 14336
+    fp4 = build_plan(hf, gpu_memory_gb=80, quantization="nvfp4", chunked_prefill_size=rows)
+    base = describe_model(hf, torch.bfloat16, 1).activation_bytes(rows, sampled_rows=rows // 1024)
+    assert fp4["prefill_activation_bytes"] - base == n * k + rows * (k + 4) > 2 * 28672 * 4096

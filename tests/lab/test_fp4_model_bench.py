@@ -118,3 +118,26 @@ def test_only_gpt_oss_runs_that_model_alone_and_merges_its_rows(monkeypatch, tmp
     assert ceilings["measured_at"]["run_id"] == oss[0]["measured_at"]["run_id"] != data["rows"][0]["measured_at"]["run_id"]
     out = capsys.readouterr().out
     assert "250.0 tok/s on one card (this run), 2.00 x its floor" in out and "NOT from this run" in out
+
+
+def test_the_dequant_fp8_prefill_row_takes_the_nvfp4_target_and_the_override_only_past_decode_rows():
+    """The NVFP4 model with its prefill GEMMs forced onto dequant_fp8: its prefill row is an NVFP4 prefill (the
+    0.5 x FP8 target); the override takes every call past 64 rows, leaves decode rows to the table and is undone."""
+    import torch
+
+    from benchmarks.fp4_model import DEQUANT_FP8, dequant_fp8_prefill
+    from graphserve.kernels import fp4_gemm
+
+    none, fp8_run, nvfp4, forced = _run(6.0, 16e9, 100.0), _run(3.5, 9e9, 60.0), _run(2.7, 5.4e9, 150.0), \
+        _run(2.7, 5.4e9, 110.0)  # fmt: skip
+    prefill = prefill_rows({"nvfp4": nvfp4, DEQUANT_FP8: forced, "fp8": fp8_run, "none": none}, "card")
+    add_ratios([], prefill, ReadBandwidth({"stream_read": 3000.0}), MatmulPeak({"p": 700.0}), MatmulPeak({"p": 1400.0}))
+    by_model = {r["model"]: r for r in prefill}
+    assert by_model[f"{LLAMA} --quantization nvfp4"]["meets_target"] is False  # 60 / 150 < 0.5
+    assert by_model[f"{LLAMA} --quantization {DEQUANT_FP8}"]["meets_target"] is True  # 60 / 110
+    table_tile = fp4_gemm.gemm_tile
+    cpu = torch.device("cpu")
+    with dequant_fp8_prefill():
+        assert fp4_gemm.gemm_tile("nvfp4", 4096, 4096, 65, cpu, "bf16").variant == "dequant_fp8"
+        assert fp4_gemm.gemm_tile("nvfp4", 4096, 4096, 64, cpu, "fp8").variant == "fp8"
+    assert fp4_gemm.gemm_tile is table_tile

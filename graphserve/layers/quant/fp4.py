@@ -16,7 +16,9 @@ exactly tp 1's codes and scales.
 The matmul: on CPU ``fp4_linear_reference``'s dequantize-then-multiply; on CUDA kernels/fp4_gemm.fp4_linear. A fused
 layer whose parts' global scales differ hands the kernels one global per output row (``fp4_row_global``, made as
 the globals load), applied in their epilogue: no launch after the matmul. Equal globals, the usual ModelOpt export,
-pass as one scalar.
+pass as one scalar. Each row's FP8 power of two (``fp8_row_scale``, [N] fp32: what the "dequant_fp8" variant converts
+the weight over at prefill rows, kernels/fp4_dequant_fp8.py) is made once the weights have loaded (``prepare_fp4_linears``,
+which the loader calls), or at a layer's first CUDA call where nothing made it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphserve.kernels.fp4_dequant_fp8 import fp8_row_scales
 from graphserve.kernels.fp4_reference import E8M0_NAN, fp4_dequantize, mxfp4_quantize, nvfp4_quantize
 from graphserve.layers.quant.attach import attach_to_linears, copy_checked, part_rows
 from graphserve.layers.quant.fp4_config import Fp4Config, GlobIgnoreList
@@ -113,6 +116,7 @@ class Fp4LinearMethod:
             else:
                 layer.register_buffer(name, t)
         layer.fp4_row_global = None  # per output row, where the parts' global scales differ (``_set_global``)
+        layer.fp8_row_scale = None  # per output row, made once the weight has loaded (``prepare``)
         layer.quant_method = self
 
     # ---- loading --------------------------------------------------------------------------------
@@ -180,6 +184,16 @@ class Fp4LinearMethod:
             self._quantize_into(layer, w[start : start + size], start, start + size, shard, None)
             start += size
 
+    def prepare(self, layer: Linear) -> None:
+        """Once the weight and its group scales have loaded: each row's FP8 power of two (the "dequant_fp8" variant's
+        conversion scale; fp4_to_fp8.pow2_fp8's rule), [N] fp32 beside the weight."""
+        layer.fp8_row_scale = fp8_row_scales(layer.weight.data, layer.weight_scale.data, self.fmt)
+
+    def _row_scale(self, layer: Linear) -> torch.Tensor:
+        if layer.fp8_row_scale is None:  # a layer no loader prepared (built in place): made by its first call
+            self.prepare(layer)
+        return layer.fp8_row_scale
+
     # ---- forward --------------------------------------------------------------------------------
     def global_rows(self, layer: Linear) -> torch.Tensor | None:
         """The global scale per output row (NVFP4), None for MXFP4."""
@@ -203,7 +217,7 @@ class Fp4LinearMethod:
         if not rows.is_contiguous():
             rows = rows.contiguous()
         out = fp4_linear(rows, layer.weight, layer.weight_scale, self._kernel_global(layer, slice(None)), self.fmt,
-                         layer.bias)
+                         layer.bias, fp8_row_scale=self._row_scale(layer))
         return out.view(*x.shape[:-1], layer.out_features)
 
     def apply_rows(self, layer: Linear, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -218,7 +232,8 @@ class Fp4LinearMethod:
 
         rows = x if x.is_contiguous() else x.contiguous()
         return fp4_linear(rows, layer.weight[start:stop], layer.weight_scale[start:stop],
-                          self._kernel_global(layer, slice(start, stop)), self.fmt)
+                          self._kernel_global(layer, slice(start, stop)), self.fmt,
+                          fp8_row_scale=self._row_scale(layer)[start:stop])
 
     def _kernel_global(self, layer: Linear, rows: slice) -> torch.Tensor | None:
         """The global scale the kernels take for the output rows ``rows``: none (MXFP4), the one per tensor, or
@@ -249,3 +264,15 @@ def quantize_fp4_linears(model: CausalLM, config: Fp4Config) -> int:
         return 0
     return attach_to_linears(model, Fp4LinearMethod(config), GlobIgnoreList(config, model.map_weight_name,
                                                                             model.stacked_params))
+
+
+def prepare_fp4_linears(model: nn.Module) -> int:
+    """Each loaded FP4 ``Linear`` of ``model`` on a GPU prepared for its prefill variants (``Fp4LinearMethod.prepare``);
+    the number prepared. On the CPU (the reference path) and the meta device nothing is made."""
+    count = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, Fp4LinearMethod) and module.weight.device.type == "cuda":
+            method.prepare(module)
+            count += 1
+    return count

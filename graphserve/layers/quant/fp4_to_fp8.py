@@ -25,6 +25,10 @@ tiny random-weight models of tests/models/test_fp4_load_as_fp8.py (NVFP4): 2.1% 
 0.023-0.032 (relative) from the FP4 model's, against FP4's own 0.11-0.12 from the bf16 model's (and
 ``--quantization fp8``'s 0.028-0.034): the conversion costs what an FP8 quantization costs. MXFP4: identical.
 
+The dense FP4 GEMM's "dequant_fp8" variant (kernels/fp4_dequant_fp8.py) makes the same FP8 weight per call at
+prefill rows, by the same rule (``pow2_scale``), from the FP4 weight this flag would replace: FP8's prefill matmul at
+FP4's held bytes.
+
 Memory: the conversion runs layer by layer on the load device (FP4 and FP8 of one layer at a time, fp32 temporaries
 of at most ``CHUNK_ELEMENTS``); the memory plan prices the FP8 layers (``fp8_description``).
 """
@@ -38,6 +42,7 @@ import torch
 from torch import nn
 
 from graphserve.errors import ConfigError
+from graphserve.kernels.fp4_dequant_fp8 import pow2_scale
 from graphserve.kernels.fp4_reference import fp4_dequantize
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX
 from graphserve.layers.quant.config import DEFAULT_BLOCK, Fp8Config, quantized_description
@@ -86,11 +91,8 @@ def pow2_fp8(v: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tens
         nb, kb = -(-n // bn), -(-k // bk)
         tiles = nn.functional.pad(v, (0, kb * bk - k, 0, nb * bn - n)).view(e, nb, bn, kb, bk)
         amax = tiles.abs().amax(dim=(2, 4))
-    # the exponent by frexp, exact integer work on every device (a log2 may differ by an ulp between CPU and CUDA
-    # and round to another power); amax / 448 = m * 2^e with m in [0.5, 1): the power is 2^e, or 2^(e-1) at m = 0.5
-    mantissa, exponent = torch.frexp(amax / FP8_MAX)
-    scale = torch.ldexp(torch.ones_like(amax), torch.where(mantissa == 0.5, exponent - 1, exponent))
-    scale = torch.where(amax / scale > FP8_MAX, scale * 2, scale)  # amax / 448 rounded down onto a power of two
+    # the rule the dense FP4 GEMM's "dequant_fp8" variant converts by per call (kernels/fp4_dequant_fp8.py)
+    scale = pow2_scale(amax)
     full = scale if block is None else scale.repeat_interleave(block[0], 1)[:, :n].repeat_interleave(block[1], 2)[..., :k]
     return (v / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
@@ -132,7 +134,7 @@ def convert_linear(layer: Linear, fp8: Fp8LinearMethod) -> None:
             scale *= globals_.float().expand(n) if globals_.dim() == 0 else globals_.float()
     for name in _FP4_LINEAR:
         _drop(layer, name)
-    layer.fp4_row_global = None
+    layer.fp4_row_global = layer.fp8_row_scale = None
     fp8.create_weights(layer)
     if device.type != "meta":
         layer.weight.data.copy_(q)
