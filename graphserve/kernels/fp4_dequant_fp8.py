@@ -21,7 +21,7 @@ import triton.language as tl
 
 from graphserve.kernels.fp4_gemm_config import Fp4GemmConfig
 from graphserve.kernels.fp4_layout import GROUP
-from graphserve.kernels.fp4_moe_gemm import _widened_tile
+from graphserve.kernels.fp4_moe_gemm import _dense_weight_tile
 from graphserve.kernels.fp4_reference import e8m0_to_float, fp4_dequantize
 from graphserve.kernels.fp8_gemm import scaled_mm_rowwise, scaled_mm_supported, w8a8_matmul, w8a8_matmul_reference
 from graphserve.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, per_token_group_quant, per_token_group_quant_reference
@@ -87,16 +87,7 @@ def _fp4_to_fp8_kernel(
     """A [BLOCK_N, BLOCK_K] tile of the weight as fp32 codes times group scales (exact), divided by its rows' power of
     two (IEEE division, as torch's), rounded once to e4m3 (``e4m3_bits``) and stored as bytes."""
     pdl_enter(PDL)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * BLOCK_K
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    KB: tl.constexpr = BLOCK_K // GROUP_K
-    G2: tl.constexpr = GROUP_K // 2
-    offs_g = tl.arange(0, KB)
-    byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
-    w_ptrs = w_ptr + rows[:, None, None] * stride_wn + byte3[None, :, :]
-    s_ptrs = s_ptr + rows[:, None] * stride_sn + offs_g[None, :]
-    w = _widened_tile(w_ptrs, s_ptrs, k0, offs_g, K, GROUP_K, MX, BLOCK_N, BLOCK_K, tl.float32)
+    w, offs_n, rows, k0 = _dense_weight_tile(w_ptr, s_ptr, N, stride_wn, stride_sn, K, GROUP_K, MX, BLOCK_N, BLOCK_K)
     q = tl.div_rn(w, tl.load(rs_ptr + rows)[:, None])
     offs_k = k0 + tl.arange(0, BLOCK_K)
     out_ptrs = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + offs_k[None, :]

@@ -55,7 +55,7 @@ from graphserve.kernels.fp4_gemm_config import VARIANTS, Fp4GemmConfig, Fp4GemmT
 from graphserve.kernels.fp4_gemv import MAX_ROWS as STREAM_MAX_ROWS
 from graphserve.kernels.fp4_gemv import fp4_gemv
 from graphserve.kernels.fp4_layout import GROUP, fp4_check, fp8_mma_step, fp8_weight_tile, row_global
-from graphserve.kernels.fp4_moe_gemm import _tile_ids, _widened_tile
+from graphserve.kernels.fp4_moe_gemm import _dense_weight_tile, _tile_ids, _widened_tile
 from graphserve.kernels.fp4_reference import fp4_dequantize
 from graphserve.kernels.fp8_quant import FP8_DTYPE, per_token_group_quant
 from graphserve.kernels.pdl import pdl_args, pdl_enter
@@ -174,16 +174,7 @@ def _fp4_dequant_kernel(
     """The "dequant" variant's first launch: a [BLOCK_N, BLOCK_K] tile of the weight dequantized in fp32 (block scale
     and global scale), rounded once to the output's dtype."""
     pdl_enter(PDL)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * BLOCK_K
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    KB: tl.constexpr = BLOCK_K // GROUP_K
-    G2: tl.constexpr = GROUP_K // 2
-    offs_g = tl.arange(0, KB)
-    byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
-    w_ptrs = w_ptr + rows[:, None, None] * stride_wn + byte3[None, :, :]
-    s_ptrs = s_ptr + rows[:, None] * stride_sn + offs_g[None, :]
-    w = _widened_tile(w_ptrs, s_ptrs, k0, offs_g, K, GROUP_K, MX, BLOCK_N, BLOCK_K, tl.float32)
+    w, offs_n, rows, k0 = _dense_weight_tile(w_ptr, s_ptr, N, stride_wn, stride_sn, K, GROUP_K, MX, BLOCK_N, BLOCK_K)
     if HAS_GLOBAL:
         if ROW_GLOBAL:
             w *= tl.load(gs_ptr + rows)[:, None]

@@ -101,6 +101,24 @@ def _widened_tile(w_ptrs, s_ptrs, k0, offs_g, K: tl.constexpr, GROUP_K: tl.const
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
+
+@triton.jit
+def _dense_weight_tile(w_ptr, s_ptr, N, stride_wn, stride_sn, K: tl.constexpr, GROUP_K: tl.constexpr,
+                       MX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """This program's [BLOCK_N, BLOCK_K] tile of a dense FP4 weight [N, K/2] (program ids: row tile, K tile) in fp32
+    with its block scales, and the tile's rows and first column: the conversions' (dequant, e4m3) shared first half."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    KB: tl.constexpr = BLOCK_K // GROUP_K
+    G2: tl.constexpr = GROUP_K // 2
+    offs_g = tl.arange(0, KB)
+    byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
+    w_ptrs = w_ptr + rows[:, None, None] * stride_wn + byte3[None, :, :]
+    s_ptrs = s_ptr + rows[:, None] * stride_sn + offs_g[None, :]
+    w = _widened_tile(w_ptrs, s_ptrs, k0, offs_g, K, GROUP_K, MX, BLOCK_N, BLOCK_K, tl.float32)
+    return w, offs_n, rows, k0
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
 def _fp4_moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
