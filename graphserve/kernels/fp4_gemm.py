@@ -55,10 +55,11 @@ from graphserve.kernels.fp4_gemm_config import VARIANTS, Fp4GemmConfig, Fp4GemmT
 from graphserve.kernels.fp4_gemv import MAX_ROWS as STREAM_MAX_ROWS
 from graphserve.kernels.fp4_gemv import fp4_gemv
 from graphserve.kernels.fp4_layout import GROUP, fp4_check, fp8_mma_step, fp8_weight_tile, row_global
-from graphserve.kernels.fp4_moe_gemm import _dense_weight_tile, _tile_ids, _widened_tile
+from graphserve.kernels.fp4_moe_gemm import _dense_weight_tile, _widened_tile
 from graphserve.kernels.fp4_reference import fp4_dequantize
 from graphserve.kernels.fp8_quant import FP8_DTYPE, per_token_group_quant
 from graphserve.kernels.pdl import pdl_args, pdl_enter
+from graphserve.kernels.tile_order import grouped_tile_ids
 
 FP8_STEP = 32  # the fp8 MMA's K
 DEFAULT_STREAM_ROWS = 8  # the H100 measurements' crossovers (module docstring), for shapes and cards not measured
@@ -94,7 +95,7 @@ def _fp4_gemm_kernel(
     its fp32 partial then stored at ``out_ptr`` [SPLIT_K, M, N] for ``_fp4_split_sum_kernel``. Loop bounds are
     constants (the interpreter cannot take a program id as one; Triton pipelines either)."""
     pdl_enter(PDL)
-    pid_m, pid_n = _tile_ids(N, tl.cdiv(M, BLOCK_M), BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile_ids(N, tl.cdiv(M, BLOCK_M), BLOCK_N, GROUP_M)
     k_first = tl.program_id(1) * K_SPLIT
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from graphserve.kernels.fp4_layout import block_scale, fp8_mma_step, fp8_weight_tile, widen_fp16
 from graphserve.kernels.pdl import pdl_enter
+from graphserve.kernels.tile_order import grouped_tile_ids
 
 
 @triton.jit
@@ -41,17 +42,6 @@ def activate(g, u, alpha, limit, ACT: tl.constexpr, DTYPE: tl.constexpr):
     else:
         out = g / (1.0 + tl.exp(-g)) * u
     return out.to(DTYPE)
-
-
-@triton.jit
-def _tile_ids(N, num_blocks_m, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of this program: GROUP_M row tiles walk the same weight columns one after another."""
-    pid = tl.program_id(0)
-    num_blocks_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_blocks_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
-    return first_m + (pid % per_group) % group_size, (pid % per_group) // group_size
 
 
 @triton.jit
@@ -131,7 +121,7 @@ def _fp4_moe_gemm_kernel(
 ):  # fmt: skip
     """The "bf16" variant: x (or the activation) in its own dtype against widened tiles."""
     pdl_enter(PDL)
-    pid_m, pid_n = _tile_ids(N, num_blocks_m, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile_ids(N, num_blocks_m, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return  # past the padded total: no pair here (the cost of a bound-sized grid)
     KB: tl.constexpr = BLOCK_K // GROUP_K
@@ -197,7 +187,7 @@ def _fp4_moe_gemm_fp8_kernel(
     """The "fp8" variant: ``a_ptr`` the input's fp8 bytes (uint8) [rows, K] and ``as_ptr`` its fp32 scale a row;
     BLOCK_K = 32 divides K."""
     pdl_enter(PDL)
-    pid_m, pid_n = _tile_ids(N, num_blocks_m, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile_ids(N, num_blocks_m, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -27,6 +27,7 @@ import triton.language as tl
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp8_quant import dequantize_blocks
 from graphserve.kernels.pdl import pdl_args, pdl_enter
+from graphserve.kernels.tile_order import grouped_tile_ids
 
 logger = logging.getLogger("graphserve.fp8")
 
@@ -39,15 +40,7 @@ def _w8a8_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(PDL)
-    pid = tl.program_id(0)
-    # grouped ordering: GROUP_M row tiles sweep the same weight columns together, so a weight tile
-    # is fetched from HBM once per group rather than once per row tile
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile_ids(N, tl.cdiv(M, BLOCK_M), BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

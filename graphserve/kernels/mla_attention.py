@@ -54,6 +54,7 @@ from graphserve.kernels.mla_config import (
     fallback_decode_tile,
     warm_split_counts,
 )
+from graphserve.kernels.online_softmax import online_softmax_step
 from graphserve.kernels.pdl import pdl_args, pdl_enter
 
 LOG2E = 1.4426950408889634
@@ -92,25 +93,12 @@ def _mla_step(
         s = tl.dot(c, q_lat, input_precision=DOT_PRECISION)  # [BLOCK_N, R]
         s += tl.dot(k_rope, q_rope, input_precision=DOT_PRECISION)
         visible = n_mask[:, None] & (offs_n[:, None] <= q_pos[None, :])
-        s = tl.where(visible, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype), input_precision=DOT_PRECISION)
     else:
         s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)  # [R, BLOCK_N]
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    # the latent is the values too (MLA's K = V = c)
+    return online_softmax_step(s, visible, c, m_i, l_i, acc, scale_log2, TOKEN_MAJOR, DOT_PRECISION)
 
 
 # Batch- and context-sized ints (the split count, the block-table width, the lse strides that follow the split

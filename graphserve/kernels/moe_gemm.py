@@ -57,6 +57,7 @@ import triton.language as tl
 from graphserve.kernels.fp8_quant import quantize_rows
 from graphserve.kernels.l2_prefetch import issue_l2_prefetch
 from graphserve.kernels.pdl import pdl_enter
+from graphserve.kernels.tile_order import grouped_tile_ids
 
 SILU, SWIGLU_OAI, SILU_CLAMP = 0, 1, 2  # the kernels' ACT: kernels/moe_reference.ACTIVATIONS in order
 
@@ -153,14 +154,7 @@ def fused_moe_gemm_kernel(
     if QUANT_OUT:
         tl.static_assert(GATED)
     A8: tl.constexpr = A_FP8 or A_QUANT  # the step runs on the FP8 tensor cores with both scales
-    pid = tl.program_id(0)
-    num_blocks_n = tl.cdiv(N, BLOCK_N)
-    # GROUP_M tiles of M walk the same B columns one after another, so those stay in L2
-    per_group = GROUP_M * num_blocks_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = grouped_tile_ids(N, num_blocks_m, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return  # past the padded total: this tile holds no pair (the cost of a bound-sized grid)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
