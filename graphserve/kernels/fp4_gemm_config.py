@@ -29,6 +29,7 @@ import triton
 
 from graphserve.kernels import tables
 from graphserve.kernels.common import sm_count
+from graphserve.kernels.fp4_layout import GROUP
 
 TABLE_NAME = "fp4_gemm_tiles.json"
 VARIANTS = ("bf16", "fp8", "dequant", "dequant_fp8")
@@ -76,12 +77,8 @@ class Fp4GemmConfig:
     def check(self, name: str, variant: str, group: int, k: int) -> None:
         """A ValueError naming ``name``'s field, its value and the limit where this tile cannot run ``variant`` over
         K = ``k`` with scale groups of ``group`` columns."""
-        if variant not in VARIANTS:
-            raise ValueError(f"{name}: variant={variant!r} must be one of {VARIANTS}")
-        for field in ("block_m", "block_n", "block_k", "group_m", "num_warps"):
-            v = getattr(self, field)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name}: {field}={v} must be a power of two")
+        check_tile(name, variant, VARIANTS, self.block_m, self.block_n, self.block_k, self.group_m, self.num_warps,
+                   group, k)
         if not 16 <= self.block_m <= 256:
             raise ValueError(f"{name}: block_m={self.block_m} must be 16 to 256 (the MMA's smallest side to the "
                              f"largest tile)")  # fmt: skip
@@ -92,16 +89,31 @@ class Fp4GemmConfig:
                              f"(at least 1)")  # fmt: skip
         if not 1 <= self.split_k <= MAX_SPLIT_K:
             raise ValueError(f"{name}: split_k={self.split_k} must be 1 to {MAX_SPLIT_K}")
-        if variant == "fp8":
-            if self.block_k != FP8_STEP or k % FP8_STEP:
-                raise ValueError(f"{name}: the fp8 variant steps {FP8_STEP} columns (one MMA) over K a multiple of "
-                                 f"{FP8_STEP}: got block_k={self.block_k}, K={k}")
-            if self.block_n < 64:
-                raise ValueError(f"{name}: the fp8 variant's block_n={self.block_n} must be at least 64 (the weight "
-                                 f"is the MMA's M side)")
-        elif self.block_k % group or self.block_k < 16:
-            raise ValueError(f"{name}: block_k={self.block_k} must be a multiple of the scale group ({group}) and "
-                             f"at least 16 (the bf16 MMA's K)")
+
+
+def check_tile(name: str, variant: str, variants: tuple[str, ...], block_m: int, block_n: int, block_k: int,
+               group_m: int, num_warps: int, group: int, k: int) -> None:
+    """What every FP4 GEMM tile (dense and experts) must satisfy: a known variant, power-of-two sides, at least the
+    MMA's 16 rows, and the variant's K step (fp8: one 32-column MMA with the weight as its M side; else whole scale
+    groups). A ValueError naming ``name``'s field, its value and the limit."""
+    if variant not in variants:
+        raise ValueError(f"{name}: variant={variant!r} must be one of {variants}")
+    for field, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("group_m", group_m),
+                     ("num_warps", num_warps)):  # fmt: skip
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name}: {field}={v} must be a power of two")
+    if block_m < 16:
+        raise ValueError(f"{name}: block_m={block_m} must be at least 16 (the MMA's smallest side)")
+    if variant == "fp8":
+        if block_k != FP8_STEP or k % FP8_STEP:
+            raise ValueError(f"{name}: the fp8 variant steps {FP8_STEP} columns (one MMA) over K a multiple of "
+                             f"{FP8_STEP}: got block_k={block_k}, K={k}")
+        if block_n < 64:
+            raise ValueError(f"{name}: the fp8 variant's block_n={block_n} must be at least 64 (the weight is the "
+                             f"MMA's M side)")
+    elif block_k % group or block_k < 16:
+        raise ValueError(f"{name}: block_k={block_k} must be a multiple of the scale group ({group}) and at least 16 "
+                         f"(the bf16 MMA's K)")
 
 
 @dataclass(frozen=True)
@@ -149,7 +161,7 @@ class Fp4GemmShapeTiles:
         tiles = []
         for b in buckets:
             tile = Fp4GemmTile.from_json(data["buckets"][str(b)])
-            tile.config.check(f"{table_label(key)} bucket {b}", tile.variant, 16 if fmt == "nvfp4" else 32, k)
+            tile.config.check(f"{table_label(key)} bucket {b}", tile.variant, GROUP[fmt], k)
             if tile.variant in DEQUANT_VARIANTS and b <= DEQUANT_ABOVE_ROWS:
                 raise ValueError(f"{table_label(key)} bucket {b}: variant {tile.variant!r} serves more than "
                                  f"{DEQUANT_ABOVE_ROWS} rows only (its transient [N, K] weight stays out of decode "
@@ -244,7 +256,7 @@ def gemm_tile(fmt: str, n: int, k: int, m: int, device: torch.device, variant: s
         variant = "dequant"
     elif variant == "fp8" and k % FP8_STEP:
         variant = "bf16"  # the fp8 variant steps whole 32-column MMAs
-    return Fp4GemmTile(variant, default_config(variant, m, n, k, 16 if fmt == "nvfp4" else 32, sm_count(device)))
+    return Fp4GemmTile(variant, default_config(variant, m, n, k, GROUP[fmt], sm_count(device)))
 
 
 def fp8_tensor_cores(device: torch.device) -> bool:

@@ -27,10 +27,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from graphserve.kernels import tables
+from graphserve.kernels.fp4_gemm_config import FP8_STEP, check_tile
+from graphserve.kernels.fp4_layout import GROUP
 
 TABLE_NAME = "fp4_moe_tiles.json"
 VARIANTS = ("bf16", "fp8")
-FP8_STEP = 32  # the fp8 MMA's K: the fp8 variant's BLOCK_K
 # (token, slot) pairs up to which the streaming path runs where no table says: each pair streams its expert's rows,
 # so past a few tokens per expert the grouped GEMM's one read per tile wins. benchmarks/fp4.py on an H100
 # (results/fp4_kernels.json): qwen3-30b-a3b's experts stream faster up to 64 pairs (0.145 against 0.162 ms at 8
@@ -53,23 +54,8 @@ class Fp4MoeTile:
     def check(self, name: str, group: int, k: int) -> None:
         """A ValueError naming ``name``'s field, its value and the limit where this tile cannot run a GEMM of
         depth ``k`` over scale groups of ``group``."""
-        if self.variant not in VARIANTS:
-            raise ValueError(f"{name}: variant={self.variant!r} must be one of {VARIANTS}")
-        for field in ("block_m", "block_n", "block_k", "group_m"):
-            v = getattr(self, field)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name}: {field}={v} must be a power of two")
-        if self.block_m < 16:
-            raise ValueError(f"{name}: block_m={self.block_m} must be at least 16 (the MMA's smallest side)")
-        if self.variant == "fp8":
-            if self.block_k != FP8_STEP or k % FP8_STEP:
-                raise ValueError(f"{name}: the fp8 variant steps {FP8_STEP} columns (one MMA) over K a multiple of "
-                                 f"{FP8_STEP}: got block_k={self.block_k}, K={k}")
-            if self.block_n < 64:
-                raise ValueError(f"{name}: the fp8 variant's block_n={self.block_n} must be at least 64 (the weight "
-                                 f"is the MMA's M side)")
-        elif self.block_k % group:
-            raise ValueError(f"{name}: block_k={self.block_k} must be a multiple of the scale group ({group})")
+        check_tile(name, self.variant, VARIANTS, self.block_m, self.block_n, self.block_k, self.group_m, self.num_warps,
+                   group, k)
 
 
 @dataclass(frozen=True)
@@ -121,7 +107,7 @@ class Fp4MoeTable:
         for s in data["shapes"]:
             key = (str(s["fmt"]), int(s["experts"]), int(s["intermediate"]), int(s["hidden"]))
             entry = Fp4MoeShapeTiles.from_json(s)
-            group = 16 if key[0] == "nvfp4" else 32
+            group = GROUP[key[0]]
             for b, g, d in zip(entry.buckets, entry.gate_up, entry.down):
                 g.check(f"{table_label(key)} bucket {b} gate_up", group, key[3])
                 d.check(f"{table_label(key)} bucket {b} down", group, key[2])
@@ -183,7 +169,7 @@ def plan(fmt: str, num_local: int, inter: int, hidden: int, pairs: int, device: 
          variant: str | None = None) -> Fp4MoePlan:  # fmt: skip
     """The path and tiles of a call with ``pairs`` (token, slot) pairs, a pure function of the shape (a captured
     graph replays one). ``variant`` ("bf16" | "fp8") forces both GEMMs' variant with default tiles."""
-    group = 16 if fmt == "nvfp4" else 32
+    group = GROUP[fmt]
     block_m = default_block_m(pairs, num_local)
     entry = None
     if device.type == "cuda" and variant is None:

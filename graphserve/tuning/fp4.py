@@ -28,6 +28,7 @@ from graphserve.kernels import tables
 from graphserve.kernels.fp4_dequant_fp8 import fp8_row_scales
 from graphserve.kernels.fp4_gemm import RULE_PATH, fp4_gemm
 from graphserve.kernels.fp4_gemv import fp4_gemv
+from graphserve.kernels.fp4_layout import GROUP
 from graphserve.kernels.fp4_moe import fp4_fused_experts
 from graphserve.kernels.fp8_gemm import scaled_mm_rowwise
 from graphserve.kernels.fp8_gemv import fp8_gemv
@@ -98,7 +99,7 @@ def fp4_expert_weights(e: int, h: int, inter: int, fmt: str):
 
 
 def fp4_bytes(n: int, k: int, fmt: str) -> int:
-    return n * k // 2 + n * k // (16 if fmt == "nvfp4" else 32) + (4 if fmt == "nvfp4" else 0)
+    return n * k // 2 + n * k // GROUP[fmt] + (4 if fmt == "nvfp4" else 0)
 
 
 def _row(shape: dict, kernel: str, fmt: str, ms: float, wbytes: int) -> dict:

@@ -23,6 +23,7 @@ from functools import partial
 
 import torch
 
+from graphserve.kernels.fp4_layout import GROUP
 from graphserve.kernels.fp4_moe_config import (
     DEFAULT_STREAM_MAX_PAIRS,
     FP8_STEP,
@@ -87,7 +88,7 @@ class Case:
         self.name = name
         e, h, inter, k, fmt, act, bias = SHAPES[name]
         self.e, self.h, self.inter, self.k, self.fmt, self.activation = e, h, inter, k, fmt, act
-        self.group = 16 if fmt == "nvfp4" else 32
+        self.group = GROUP[fmt]
         self.copies = [self._weights(gen, bias) for _ in range(2)]
 
     def _weights(self, gen: torch.Generator, bias: bool) -> tuple:
