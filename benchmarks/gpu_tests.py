@@ -305,17 +305,25 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--shard {index}: the {args.group} files pack into {len(shards)} shard(s), 1 to {len(shards)}")
     shard = shards[index - 1]
     environment = stamp()
-    needed = max([gs.gpus_needed(tests_dir / f) for f in shard.files], default=1)
+    return _run(args, shard.files, est, durations, tests_dir, environment, args.group, index, len(shards),
+                f"shard {index}/{len(shards)} ({args.group}), {len(shard.files)} file(s), {shard.seconds:.0f} s estimated")
+
+
+def _run(args: argparse.Namespace, files: list[str], est: dict[str, float], durations: dict, tests_dir: Path,
+         environment: dict, group: str, index: int, total: int, heading: str) -> int:
+    """Run ``files`` into one record (``group``, shard ``index`` of ``total``): not run, with the reason, where they
+    need more GPUs than the machine shows (one-GPU files skip themselves without CUDA)."""
+    needed = max([gs.gpus_needed(tests_dir / f) for f in files], default=1)
     reason = None
-    if needed > 1 and environment["device_count"] < needed:  # one-GPU files skip themselves without CUDA
+    if needed > 1 and environment["device_count"] < needed:
         reason = f"needs {needed} GPUs, {environment['device_count']} visible"
     out = args.out or Path(os.environ.get("OUT") or RESULTS)
-    print(f"{environment['device']} at {environment['commit']}: shard {index}/{len(shards)} ({args.group}), "
-          f"{len(shard.files)} file(s), {shard.seconds:.0f} s estimated", flush=True)
-    # shortest first: a file that overruns its estimate then cuts off only itself at the deadline, not those after it
-    order = sorted(shard.files, key=lambda f: (est[f], f))
-    path, record = run_shard(order, est, environment, out, group=args.group, index=index,
-                             total=len(shards), tests_dir=tests_dir, deadline_s=args.deadline_s,
+    print(f"{environment['device']} at {environment['commit']}: {heading}", flush=True)
+    # one at a time, shortest first: a file that overruns its estimate then cuts off only itself at the deadline;
+    # several at once, longest first, so the queue's last files are short and the lanes end together
+    order = sorted(files, key=lambda f: (-est[f] if args.jobs > 1 else est[f], f))
+    path, record = run_shard(order, est, environment, out, group=group, index=index, total=total,
+                             tests_dir=tests_dir, deadline_s=args.deadline_s,
                              cwd=gs.REPO if gs.REPO in tests_dir.parents else tests_dir.parent,
                              not_run_reason=reason, jobs=args.jobs)
     return _finish(args, path, record, durations, environment, reason)
@@ -360,20 +368,9 @@ def _run_listed(args: argparse.Namespace, files: list[str], est: dict[str, float
     if args.rerun:
         files, label = rerun_files(args.rerun, files, environment), "rerun"
         print(f"rerun: {len(files)} file(s) not seen to pass at {environment['commit']} on {environment['device']}")
-    needed = max([gs.gpus_needed(tests_dir / f) for f in files], default=1)
-    reason = None
-    if needed > 1 and environment["device_count"] < needed:
-        reason = f"needs {needed} GPUs, {environment['device_count']} visible"
-    out = args.out or Path(os.environ.get("OUT") or RESULTS)
-    order = sorted(files, key=lambda f: (-est[f], f)) if args.jobs > 1 else sorted(files, key=lambda f: (est[f], f))
-    print(f"{environment['device']} at {environment['commit']}: {label}, {len(files)} file(s), "
-          f"{sum(est[f] for f in files):.0f} s estimated one at a time, {args.jobs} at once", flush=True)
-    path, record = run_shard(order, est, environment, out, group=f"{args.group}-{label}", index=1, total=1,
-                             tests_dir=tests_dir, deadline_s=args.deadline_s,
-                             cwd=gs.REPO if gs.REPO in tests_dir.parents else tests_dir.parent,
-                             not_run_reason=reason, jobs=args.jobs)
-    return _finish(args, path, record, durations, environment, reason)
-
+    return _run(args, files, est, durations, tests_dir, environment, f"{args.group}-{label}", 1, 1,
+                f"{label}, {len(files)} file(s), {sum(est[f] for f in files):.0f} s estimated one at a time, "
+                f"{args.jobs} at once")
 
 if __name__ == "__main__":
     sys.exit(main())
