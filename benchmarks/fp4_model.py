@@ -137,8 +137,7 @@ def dequant_fp8_prefill():
     def tile(fmt, n, k, m, device, variant):
         if m <= DEQUANT_ABOVE_ROWS:
             return table_tile(fmt, n, k, m, device, variant)
-        group = 16 if fmt == "nvfp4" else 32
-        return Fp4GemmTile("dequant_fp8", default_config("dequant_fp8", m, n, k, group, sm_count(device)))
+        return Fp4GemmTile("dequant_fp8", default_config("dequant_fp8", m, n, k, fp4_layout.GROUP[fmt], sm_count(device)))
 
     fp4_gemm.gemm_tile = tile
     try:
