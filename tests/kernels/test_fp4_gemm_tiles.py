@@ -5,7 +5,6 @@ themselves need a GPU)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import triton
 from graphserve.kernels import fp4_gemm_config as cfg
 from graphserve.kernels import tables
 from graphserve.kernels.fp4_gemm_config import Fp4GemmConfig, Fp4GemmTile
+from tests.support.tables_utils import isolate_tables, write_table
 
 CARD = "NVIDIA H100 80GB HBM3"
 OTHER = "NVIDIA H200"
@@ -34,21 +34,11 @@ def _table(device, buckets=None, **extra):
     return {"device": device, "shapes": [{"fmt": "nvfp4", "n": 4096, "k": 4096, "buckets": buckets}], **extra}
 
 
-def _write(path: Path, data) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data))
-    return path
-
-
 @pytest.fixture
 def card(tmp_path, monkeypatch):
-    monkeypatch.setenv("GRAPHSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(tables, "SHIPPED_DIR", tmp_path / "shipped")
-    monkeypatch.setattr(tables, "KERNELS_DIR", tmp_path / "kernels")
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: CARD)
+    isolate_tables(monkeypatch, tmp_path, CARD)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(cfg, "sm_count", lambda device: 132)
-    tables.clear()
     yield tmp_path
     tables.clear()
 
@@ -98,7 +88,7 @@ def test_a_card_without_fp8_tensor_cores_defaults_to_the_bf16_dequant(card, monk
 
 
 def test_a_listed_shape_takes_its_buckets_tile_whatever_the_rule_says(card):
-    _write(tables.cache_dir(CARD) / cfg.TABLE_NAME, _table(CARD, versions=tables.versions()))
+    write_table(tables.cache_dir(CARD) / cfg.TABLE_NAME, _table(CARD, versions=tables.versions()))
     tiles = {m: cfg.gemm_tile(*O_PROJ, m, CUDA, "bf16") for m in (9, 16, 17, 64, 65, 100000)}
     assert tiles[9] == tiles[16] == Fp4GemmTile("bf16", Fp4GemmConfig(16, 32, 128, 8, 4, 3, 4))
     assert tiles[17] == tiles[64] == Fp4GemmTile("fp8", Fp4GemmConfig(64, 64, 32, 8, 4, 3, 2))
@@ -111,7 +101,7 @@ def test_a_listed_shape_takes_its_buckets_tile_whatever_the_rule_says(card):
 
 
 def test_a_shipped_table_serves_where_the_cache_has_none(card):
-    _write(card / "shipped" / tables.card_key(CARD) / cfg.TABLE_NAME, _table(CARD))
+    write_table(card / "shipped" / tables.card_key(CARD) / cfg.TABLE_NAME, _table(CARD))
     assert cfg.gemm_tile(*O_PROJ, 64, CUDA, "bf16").variant == "fp8"
     assert tables.RESOLVED[cfg.table_label(O_PROJ)][0] == "shipped"
 
@@ -139,7 +129,7 @@ def test_a_table_for_another_card_or_version_or_with_a_bad_entry_is_passed_over(
     if table.get("versions") == "now":
         table = {**table, "versions": tables.versions()}
     base = tables.cache_dir(CARD) if where == "cache" else card / "shipped" / tables.card_key(CARD)
-    bad = _write(base / cfg.TABLE_NAME, table)
+    bad = write_table(base / cfg.TABLE_NAME, table)
     with caplog.at_level(logging.INFO, logger="graphserve.tables"):
         tile = cfg.gemm_tile(*O_PROJ, 64, CUDA, "bf16")
     assert tile == Fp4GemmTile("bf16", cfg.default_config("bf16", 64, 4096, 4096, 16, 132))
@@ -209,7 +199,7 @@ def test_the_sweep_keeps_each_rows_fastest_tile_and_stops_at_its_time_share(card
     assert entry.tile(128).variant == "dequant" and entry.tile(4096).variant == "dequant_fp8"
     rule = bench.derive_rule(rows, CARD)["shapes"][0]
     assert rule == {"fmt": "nvfp4", "n": 4096, "k": 4096, "stream_max_rows": 1, "fp8_min_rows": 16}
-    _write(tables.cache_dir(CARD) / cfg.TABLE_NAME, {**table, **tables.stamp(CARD)})
+    write_table(tables.cache_dir(CARD) / cfg.TABLE_NAME, {**table, **tables.stamp(CARD)})
     assert cfg.gemm_tile(*O_PROJ, 50, CUDA, "bf16") == entry.tile(64)
 
     clock = iter(range(0, 10**6, 100))  # every check of the clock: 100 s later

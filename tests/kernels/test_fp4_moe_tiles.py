@@ -15,6 +15,7 @@ import torch
 from graphserve.kernels import fp4_moe_config as cfg
 from graphserve.kernels import tables
 from graphserve.kernels.fp4_moe_config import Fp4MoeTile
+from tests.support.tables_utils import isolate_tables, write_table
 
 CARD = "NVIDIA H100 80GB HBM3"
 OTHER = "NVIDIA H200"
@@ -35,19 +36,9 @@ def _table(device, shapes=None, **extra):
     return {"device": device, "shapes": shapes, **extra}
 
 
-def _write(path: Path, data) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(data if isinstance(data, str) else json.dumps(data))
-    return path
-
-
 @pytest.fixture
 def card(tmp_path, monkeypatch):
-    monkeypatch.setenv("GRAPHSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(tables, "SHIPPED_DIR", tmp_path / "shipped")
-    monkeypatch.setattr(tables, "KERNELS_DIR", tmp_path / "kernels")
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: CARD)
-    tables.clear()
+    isolate_tables(monkeypatch, tmp_path, CARD)
     yield tmp_path
     tables.clear()
 
@@ -71,7 +62,7 @@ def test_without_a_table_every_call_takes_the_tile_it_took_before(card):
 
 
 def test_a_listed_shape_takes_its_buckets_tiles_and_stream_crossover(card):
-    _write(tables.cache_dir(CARD) / cfg.TABLE_NAME, _table(CARD, versions=tables.versions()))
+    write_table(tables.cache_dir(CARD) / cfg.TABLE_NAME, _table(CARD, versions=tables.versions()))
     plans = {p: cfg.plan("nvfp4", 256, 2048, 4096, p, CUDA) for p in (6, 7, 24, 25, 384, 5000)}
     assert plans[6].path == "stream" and plans[7].path == "gemm"  # the measured crossover, not 32
     assert plans[7].gate_up == plans[24].gate_up == Fp4MoeTile("bf16", 16, 128, 128, 8, 4, 3)
@@ -100,7 +91,7 @@ def test_a_table_for_another_card_or_version_or_with_a_bad_tile_is_passed_over(c
     if table.get("versions") == "now":
         table = {**table, "versions": tables.versions()}
     base = tables.cache_dir(CARD) if where == "cache" else card / "shipped" / tables.card_key(CARD)
-    bad = _write(base / cfg.TABLE_NAME, table)
+    bad = write_table(base / cfg.TABLE_NAME, table)
     with caplog.at_level(logging.INFO, logger="graphserve.tables"):
         assert cfg.plan("nvfp4", 256, 2048, 4096, 384, CUDA) == _default_plan(384)
     message = next(r.getMessage() for r in caplog.records if str(bad) in r.getMessage())
@@ -109,7 +100,7 @@ def test_a_table_for_another_card_or_version_or_with_a_bad_tile_is_passed_over(c
 
 
 def test_a_shipped_table_serves_where_the_cache_has_none(card):
-    _write(card / "shipped" / tables.card_key(CARD) / cfg.TABLE_NAME, _table(CARD))
+    write_table(card / "shipped" / tables.card_key(CARD) / cfg.TABLE_NAME, _table(CARD))
     assert cfg.plan("nvfp4", 256, 2048, 4096, 384, CUDA).gate_up.variant == "fp8"
     assert tables.RESOLVED[cfg.table_label(V4)][0] == "shipped"
 
@@ -138,7 +129,7 @@ def test_the_tuner_writes_a_table_the_reader_takes_and_keeps_other_shapes(card):
     assert v4["stream_max_pairs"] == 6 and sorted(map(int, v4["buckets"])) == [6, 24, 96, 384]
     assert v4["buckets"]["24"]["gate_up"]["variant"] == "fp8"
     assert v4["measurements"][3]["stream_ms"] is None  # not timed: JSON null, not Infinity
-    _write(tables.cache_dir(CARD) / cfg.TABLE_NAME, {**table, **tables.stamp(CARD)})
+    write_table(tables.cache_dir(CARD) / cfg.TABLE_NAME, {**table, **tables.stamp(CARD)})
     assert cfg.plan("nvfp4", 256, 2048, 4096, 6, CUDA).path == "stream"
     assert cfg.plan("nvfp4", 256, 2048, 4096, 20, CUDA).gate_up.variant == "fp8"
     bench = fp4_moe.bench_rows(rows[:1], lambda nbytes: nbytes / 1e6)

@@ -26,6 +26,7 @@ from graphserve.kernels.mla_config import (
 from graphserve.layers.dsa_attention import DsaAttention
 from graphserve.layers.mla import MLAttention, mla_backend
 from graphserve.layers.mla_rope import DeepseekRotary
+from tests.support.tables_utils import isolate_tables, write_table
 
 CARD = "NVIDIA H100 80GB HBM3"
 CUDA = torch.device("cuda")  # only named: the lookup asks the card's name, which the tests give
@@ -42,15 +43,9 @@ MODEL_16 = ["hm-h16n16w4s3o2", "hm-h16n32w4s4o2", "hm-h16n64w8s2o2", "tm-h16n32w
 @pytest.fixture
 def rule_in_cache(tmp_path, monkeypatch):
     """A fresh rule for CARD in the tune cache under tmp_path, every lookup forgotten before and after."""
-    monkeypatch.setenv("GRAPHSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(tables, "SHIPPED_DIR", tmp_path / "shipped")
-    monkeypatch.setattr(tables, "KERNELS_DIR", tmp_path / "kernels")
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: CARD)
-    path = tables.cache_dir(CARD) / "mla_tiles.json"
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"device": CARD, "versions": tables.versions(), "entries": [
-        {"cache": c, "heads": h, "bs": b, "ctx": x, "tile": t} for c, h, b, x, t in ENTRIES]}))
-    tables.clear()
+    isolate_tables(monkeypatch, tmp_path, CARD)
+    path = write_table(tables.cache_dir(CARD) / "mla_tiles.json", {"device": CARD, "versions": tables.versions(),
+                       "entries": [{"cache": c, "heads": h, "bs": b, "ctx": x, "tile": t} for c, h, b, x, t in ENTRIES]})
     yield path
     tables.clear()
 

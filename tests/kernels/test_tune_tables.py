@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from graphserve.kernels import gemv_config, moe_config, tables
 from graphserve.tuning import cli as tune_cli
 from graphserve.tuning import runner
 from graphserve.tuning.runner import TablePlan, output_dir, run_table
+from tests.support.tables_utils import isolate_tables, write_table
 
 CARD = "NVIDIA H100 80GB HBM3"
 OTHER = "NVIDIA H200"
@@ -31,20 +31,11 @@ def gemv_table(device: str, rows: int, **extra) -> dict:
 def dirs(tmp_path, monkeypatch):
     """Cache, shipped-per-card and beside-the-reader folders, all under tmp_path; every lookup forgotten before
     and after."""
-    monkeypatch.setenv("GRAPHSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(tables, "SHIPPED_DIR", tmp_path / "shipped")
-    monkeypatch.setattr(tables, "KERNELS_DIR", tmp_path / "kernels")
-    tables.clear()
+    isolate_tables(monkeypatch, tmp_path)
     gemv_config.rule_for.cache_clear()
     yield tmp_path
     tables.clear()
     gemv_config.rule_for.cache_clear()
-
-
-def write(path: Path, data: dict | str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(data if isinstance(data, str) else json.dumps(data))
-    return path
 
 
 def test_cache_is_keyed_by_card_and_versions(tmp_path, monkeypatch):
@@ -66,9 +57,9 @@ def test_cache_is_keyed_by_card_and_versions(tmp_path, monkeypatch):
 
 
 def test_lookup_takes_the_cache_then_the_shipped_tables_then_the_defaults(dirs):
-    cache = write(tables.cache_dir(CARD) / "gemv_rule.json", gemv_table(CARD, 4, versions=tables.versions()))
-    shipped = write(dirs / "shipped" / "NVIDIA_H100_80GB_HBM3" / "gemv_rule.json", gemv_table(CARD, 2))
-    beside = write(dirs / "kernels" / "gemv_rule.json", gemv_table(CARD, 1))
+    cache = write_table(tables.cache_dir(CARD) / "gemv_rule.json", gemv_table(CARD, 4, versions=tables.versions()))
+    shipped = write_table(dirs / "shipped" / "NVIDIA_H100_80GB_HBM3" / "gemv_rule.json", gemv_table(CARD, 2))
+    beside = write_table(dirs / "kernels" / "gemv_rule.json", gemv_table(CARD, 1))
     parse = gemv_config.GemvRule.from_json
     for path, rows in ((cache, 4), (shipped, 2), (beside, 1)):
         found = tables.find("gemv_rule.json", CARD, parse, "gemv")
@@ -82,9 +73,9 @@ def test_lookup_takes_the_cache_then_the_shipped_tables_then_the_defaults(dirs):
 
 def test_the_reader_routes_by_the_table_the_lookup_found(dirs, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: CARD)
-    write(dirs / "kernels" / "gemv_rule.json", gemv_table(OTHER, 8))  # the other card's shipped table
+    write_table(dirs / "kernels" / "gemv_rule.json", gemv_table(OTHER, 8))  # the other card's shipped table
     assert gemv_config.rule_for(torch.device("cuda")).limits == {}
-    write(tables.cache_dir(CARD) / "gemv_rule.json", gemv_table(CARD, 3, versions=tables.versions()))
+    write_table(tables.cache_dir(CARD) / "gemv_rule.json", gemv_table(CARD, 3, versions=tables.versions()))
     tables.clear()
     gemv_config.rule_for.cache_clear()
     assert gemv_config.rule_for(torch.device("cuda")).max_rows("linear", 64, 32) == 3
@@ -103,8 +94,8 @@ def test_a_table_for_another_card_or_version_is_passed_over_by_file_and_field(di
         table = gemv_table(CARD, 4, versions={**tables.versions(), "triton": "0.0.1"})
     elif isinstance(table, dict) and table.get("versions") == "now":
         table["versions"] = tables.versions()
-    bad = write(tables.cache_dir(CARD) / "gemv_rule.json", table)
-    shipped = write(dirs / "shipped" / "NVIDIA_H100_80GB_HBM3" / "gemv_rule.json", gemv_table(CARD, 2))
+    bad = write_table(tables.cache_dir(CARD) / "gemv_rule.json", table)
+    shipped = write_table(dirs / "shipped" / "NVIDIA_H100_80GB_HBM3" / "gemv_rule.json", gemv_table(CARD, 2))
     with caplog.at_level(logging.INFO, logger="graphserve.tables"):
         found = tables.find("gemv_rule.json", CARD, gemv_config.GemvRule.from_json, "gemv")
     assert found.path == shipped  # the next candidate serves
@@ -118,7 +109,7 @@ def test_shipped_moe_tables_of_other_cards_are_passed_over_quietly(dirs, caplog,
     tiles = moe_config.default_tiles(8)
     name = moe_config.table_path(8, 64, 32, torch.bfloat16, "NVIDIA_H100_80GB_HBM3").name
     # a file renamed from another card's: the name says this card, its device field does not
-    write(dirs / "kernels" / "moe_configs" / name, {"device": "NVIDIA_H200", **tiles.to_json()})
+    write_table(dirs / "kernels" / "moe_configs" / name, {"device": "NVIDIA_H200", **tiles.to_json()})
     with caplog.at_level(logging.INFO, logger="graphserve.tables"):
         assert moe_config._load(8, 64, 32, torch.bfloat16, "NVIDIA_H100_80GB_HBM3") == tiles
     passed = [r for r in caplog.records if r.name == "graphserve.tables"]
@@ -129,7 +120,7 @@ def test_shipped_moe_tables_of_other_cards_are_passed_over_quietly(dirs, caplog,
 
 def test_startup_line_names_the_tables_that_serve_and_the_command_for_the_rest(dirs, caplog, monkeypatch):
     assert tables.startup_line(CARD) is None  # nothing looked up: nothing to say
-    write(dirs / "shipped" / "NVIDIA_H100_80GB_HBM3" / "gemv_rule.json", gemv_table(CARD, 2))
+    write_table(dirs / "shipped" / "NVIDIA_H100_80GB_HBM3" / "gemv_rule.json", gemv_table(CARD, 2))
     tables.find("gemv_rule.json", CARD, gemv_config.GemvRule.from_json, "gemv")
     tables.find("fp8_rule.json", CARD, json.loads, "fp8")
     tables.find("moe_configs/x.json", CARD, json.loads, "moe E=128,I=768,H=2048,bfloat16")
@@ -337,7 +328,7 @@ def test_plans_cut_each_table_into_the_models_shapes_and_derive_rules_as_the_ben
 
 def test_a_benchmark_run_on_another_card_writes_beside_the_first_cards_table_never_over_it(dirs):
     assert tables.shipped_path("gemv_rule.json", CARD) == dirs / "kernels" / "gemv_rule.json"  # none yet
-    write(dirs / "kernels" / "gemv_rule.json", gemv_table(OTHER, 4))
+    write_table(dirs / "kernels" / "gemv_rule.json", gemv_table(OTHER, 4))
     assert tables.shipped_path("gemv_rule.json", OTHER) == dirs / "kernels" / "gemv_rule.json"
     assert tables.shipped_path("gemv_rule.json", CARD) == dirs / "shipped" / "NVIDIA_H100_80GB_HBM3" / "gemv_rule.json"
     from graphserve.tuning import gemv as bench
