@@ -91,6 +91,14 @@ class Fp4GemmConfig:
             raise ValueError(f"{name}: split_k={self.split_k} must be 1 to {MAX_SPLIT_K}")
 
 
+def table_fmt(entry: dict) -> str:
+    """A table entry's FP4 format, refused naming the field unless one of fp4_layout.GROUP's."""
+    fmt = str(entry["fmt"])
+    if fmt not in GROUP:
+        raise ValueError(f"field 'fmt' is {fmt!r}, must be one of {tuple(GROUP)}")
+    return fmt
+
+
 def check_tile(name: str, variant: str, variants: tuple[str, ...], block_m: int, block_n: int, block_k: int,
                group_m: int, num_warps: int, group: int, k: int) -> None:
     """What every FP4 GEMM tile (dense and experts) must satisfy: a known variant, power-of-two sides, at least the
@@ -179,9 +187,7 @@ class Fp4GemmTable:
     def from_json(cls, data: dict) -> Fp4GemmTable:
         shapes = {}
         for s in data["shapes"]:
-            key = (str(s["fmt"]), int(s["n"]), int(s["k"]))
-            if key[0] not in ("nvfp4", "mxfp4"):
-                raise ValueError(f"field 'fmt' is {key[0]!r}, must be 'nvfp4' or 'mxfp4'")
+            key = (table_fmt(s), int(s["n"]), int(s["k"]))
             shapes[key] = Fp4GemmShapeTiles.from_json(s, key)
         return cls(str(data["device"]), shapes)
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from graphserve.kernels import tables
-from graphserve.kernels.fp4_gemm_config import FP8_STEP, check_tile
+from graphserve.kernels.fp4_gemm_config import FP8_STEP, check_tile, table_fmt
 from graphserve.kernels.fp4_layout import GROUP
 
 TABLE_NAME = "fp4_moe_tiles.json"
@@ -105,7 +105,7 @@ class Fp4MoeTable:
     def from_json(cls, data: dict) -> Fp4MoeTable:
         shapes = {}
         for s in data["shapes"]:
-            key = (str(s["fmt"]), int(s["experts"]), int(s["intermediate"]), int(s["hidden"]))
+            key = (table_fmt(s), int(s["experts"]), int(s["intermediate"]), int(s["hidden"]))
             entry = Fp4MoeShapeTiles.from_json(s)
             group = GROUP[key[0]]
             for b, g, d in zip(entry.buckets, entry.gate_up, entry.down):

@@ -86,6 +86,9 @@ def test_a_listed_shape_takes_its_buckets_tiles_and_stream_crossover(card):
     ("cache", _table(CARD, versions="now", shapes=[{"fmt": "nvfp4", "experts": 256, "intermediate": 2048,
                                                     "hidden": 4096, "stream_max_pairs": 0, "buckets": {
         "8": {"gate_up": _tile("bf16", bm=32), "down": _tile("bf16")}}}]), "block_m 32 and down's 16 must be equal"),
+    ("cache", _table(CARD, versions="now", shapes=[{"fmt": "nvfp8", "experts": 256, "intermediate": 2048,
+                                                    "hidden": 4096, "stream_max_pairs": 0, "buckets": {
+        "8": {"gate_up": _tile("bf16"), "down": _tile("bf16")}}}]), "field 'fmt' is 'nvfp8', must be one of"),
 ])  # fmt: skip
 def test_a_table_for_another_card_or_version_or_with_a_bad_tile_is_passed_over(card, caplog, where, table, field):
     if table.get("versions") == "now":
