@@ -87,8 +87,6 @@ class Fp4MoeShapeTiles:
             if g.block_m != d.block_m:
                 raise ValueError(f"bucket {b}: gate_up's block_m {g.block_m} and down's {d.block_m} must be equal "
                                  f"(one sort)")
-            if g.variant not in VARIANTS or d.variant not in VARIANTS:
-                raise ValueError(f"bucket {b}: variant must be one of {VARIANTS}, got {g.variant!r}, {d.variant!r}")
         smp = data.get("stream_max_pairs")
         return cls(None if smp is None else int(smp), tuple(buckets), gate_up, down)
 
