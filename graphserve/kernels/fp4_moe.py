@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp4_layout import (
     GROUP,
     WIDEN_UNIT_LOG2,
@@ -50,6 +51,17 @@ PATHS = ("stream", "gemm")
 X_DTYPES = (torch.bfloat16, torch.float16)
 STREAM_MAX_PAIRS = DEFAULT_STREAM_MAX_PAIRS  # where no table says (kernels/fp4_moe_config.py)
 _SUM_WARPS = 4
+# the streaming down kernel runs a program per token and column block, each over its token's top-k experts in turn;
+# where that leaves fewer than this many programs an SM, it runs a program per pair and a slot sum after it
+DOWN_PER_PAIR_BELOW = 2
+
+
+def stream_down_per_pair(tokens: int, hidden: int, block_n: int, device: torch.device) -> bool:
+    """Whether the streaming down projection of ``tokens`` rows runs a program per (pair, column block), then
+    kernels/moe_gemm.moe_sum_kernel, rather than one per (token, column block): below ``DOWN_PER_PAIR_BELOW``
+    programs an SM (gpt-oss at one token: 90 programs on an H100's 132 SMs, each reading 4 experts' rows one after
+    another) the card waits on each program's chain of loads; a program per pair is top-k times as many, shorter."""
+    return tokens * triton.cdiv(hidden, block_n) < DOWN_PER_PAIR_BELOW * sm_count(device)
 
 
 @triton.jit
@@ -133,12 +145,15 @@ def _fp4_stream_down_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_gse, stride_be, stride_om,
     K: tl.constexpr, TOP_K: tl.constexpr, E_LOCAL: tl.constexpr, HAS_VALID: tl.constexpr, GROUP_K: tl.constexpr,
     MX: tl.constexpr, HAS_GLOBAL: tl.constexpr, ROW_GLOBAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr, UNIT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr, UNIT: tl.constexpr, PER_PAIR: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """out[t, n-block] = sum over token t's routed slots of weight * (w2[expert] @ act[pair] + w2_bias[expert]);
-    an unrouted slot reads nothing (its masked loads move no bytes) and a padding row comes out as zeros."""
+    an unrouted slot reads nothing (its masked loads move no bytes) and a padding row comes out as zeros.
+    ``PER_PAIR``: program_id(0) is a pair, not a token: out[pair] (fp32) = its one slot's term, which
+    kernels/moe_gemm.moe_sum_kernel then adds per token in slot order (the same fp32 sum, in the same order)."""
     pdl_enter(PDL)
-    t = tl.program_id(0)
+    t = tl.program_id(0) // TOP_K if PER_PAIR else tl.program_id(0)
     KB: tl.constexpr = BLOCK_K // GROUP_K
     G2: tl.constexpr = GROUP_K // 2
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -149,8 +164,8 @@ def _fp4_stream_down_kernel(
     if HAS_VALID:
         token_ok = tl.load(valid_ptr + t) != 0
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        pair = t * TOP_K + slot
+    for slot in tl.static_range(1 if PER_PAIR else TOP_K):
+        pair = tl.program_id(0) if PER_PAIR else t * TOP_K + slot
         expert = tl.load(ids_ptr + pair) - expert_start
         routed = (expert >= 0) & (expert < E_LOCAL) & token_ok
         e = tl.where(routed, expert, 0).to(tl.int64)
@@ -175,7 +190,8 @@ def _fp4_stream_down_kernel(
         if HAS_BIAS:
             acc += tl.load(b_ptr + e * stride_be + rows, mask=routed, other=0.0).to(tl.float32)
         out += weight * acc
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+    row = tl.program_id(0).to(tl.int64)  # the token's row, or with PER_PAIR the pair's
+    tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 
 def _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, topk_weights, topk_ids, w13_bias, w2_bias,
@@ -220,7 +236,7 @@ def fp4_fused_experts(
     expert_start: int = 0, counts: torch.Tensor | None = None, w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
     path: str | None = None, widen: str | None = None, variant: str | None = None,
-    tiles: tuple[Fp4MoeTile, Fp4MoeTile] | None = None,
+    tiles: tuple[Fp4MoeTile, Fp4MoeTile] | None = None, down_per_pair: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """sum over slots of weight * (down(act(gate_up(x) + w13_bias)) + w2_bias) over this rank's experts, [T, H].
 
@@ -229,7 +245,8 @@ def fp4_fused_experts(
     overrides the rule (tests, benchmarks). ``widen`` (fp4_layout.WIDENINGS; None: fp4_layout.default_widen): the
     streaming path's widening (kernels/fp4_words.py); the grouped GEMM ignores it. ``variant`` ("bf16" | "fp8")
     runs both grouped GEMMs in that variant with its default tiles, ``tiles`` (gate_up's, down's) with these
-    (tests, benchmarks, the tuner); neither: the card's table (kernels/fp4_moe_config.py)."""
+    (tests, benchmarks, the tuner); neither: the card's table (kernels/fp4_moe_config.py). ``down_per_pair``: the
+    streaming down projection's grid (``stream_down_per_pair``; None: by the shape)."""
     _check(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, fmt, topk_weights, topk_ids, w13_bias, w2_bias,
            activation)  # fmt: skip
     if path not in (None, *PATHS):
@@ -280,15 +297,19 @@ def fp4_fused_experts(
             BLOCK_E=triton.next_power_of_2(counts.numel()), WIDEN=widen_id, UNIT=unit, num_warps=4, **common,
             **pdl_args(device, "_fp4_stream_gate_up_kernel"),
         )  # fmt: skip
-        _fp4_stream_down_kernel[(t, triton.cdiv(h, bn))](
-            act, w2s, s2, g2, b2, out, topk_weights, topk_ids, valid_arg, h, expert_start,
-            act.stride(0), w2s.stride(0), w2s.stride(1), s2.stride(0), s2.stride(1), gs2_stride, h, out.stride(0),
+        per_pair = stream_down_per_pair(t, h, bn, device) if down_per_pair is None else down_per_pair
+        terms = torch.empty(pairs, h, dtype=torch.float32, device=device) if per_pair else out
+        _fp4_stream_down_kernel[(pairs if per_pair else t, triton.cdiv(h, bn))](
+            act, w2s, s2, g2, b2, terms, topk_weights, topk_ids, valid_arg, h, expert_start,
+            act.stride(0), w2s.stride(0), w2s.stride(1), s2.stride(0), s2.stride(1), gs2_stride, h, terms.stride(0),
             K=inter, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, ROW_GLOBAL=row2,
             HAS_BIAS=w2_bias is not None,
             BLOCK_N=bn, BLOCK_K=max(group, min(256, triton.next_power_of_2(inter))), WIDEN=widen_id, UNIT=unit,
-            num_warps=4, **common,
+            PER_PAIR=per_pair, num_warps=4, **common,
             **pdl_args(device, "_fp4_stream_down_kernel"),
         )  # fmt: skip
+        if per_pair:
+            _sum_slots(terms, out, topk_ids, valid_arg, valid is not None, expert_start, num_local, k, device)
         return out
     gu_tile, dn_tile = tiles or (chosen.gate_up, chosen.down)
     gu_tile.check("fp4_fused_experts gate_up tile", group, h)
@@ -320,11 +341,18 @@ def fp4_fused_experts(
             BLOCK_K=tile.block_k, GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
             **common, **pdl_args(device, kernel.__name__),
         )  # fmt: skip
+    _sum_slots(down, out, topk_ids, valid_arg, valid is not None, expert_start, num_local, k, device)
+    return out
+
+
+def _sum_slots(terms: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor, valid_arg: torch.Tensor,
+               has_valid: bool, expert_start: int, num_local: int, k: int, device: torch.device) -> None:
+    """out[t] = the sum of token t's routed pair rows of ``terms`` (kernels/moe_gemm.moe_sum_kernel)."""
+    t, h = out.shape
     block_h = min(1024, triton.next_power_of_2(h))
     moe_sum_kernel[(t, triton.cdiv(h, block_h))](
-        down, out, topk_ids, valid_arg, h, expert_start, down.stride(0), out.stride(0), **no_prefetch_args(down),
-        PF_THREADS=32 * _SUM_WARPS, TOP_K=k, E_LOCAL=num_local, HAS_VALID=valid is not None, BLOCK_H=block_h,
+        terms, out, topk_ids, valid_arg, h, expert_start, terms.stride(0), out.stride(0), **no_prefetch_args(terms),
+        PF_THREADS=32 * _SUM_WARPS, TOP_K=k, E_LOCAL=num_local, HAS_VALID=has_valid, BLOCK_H=block_h,
         num_warps=_SUM_WARPS, **pdl_args(device, "moe_sum_kernel"),
     )  # fmt: skip
-    return out
 

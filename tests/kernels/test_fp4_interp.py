@@ -263,3 +263,19 @@ def test_fp4_fused_experts_match_reference(fmt, path, activation, t, k, start, l
                             counts=counts, w13_bias=b13, w2_bias=b2, activation=activation, path=path)  # fmt: skip
     check_experts_out(out, ref)
     assert torch.equal(counts.cpu()[start:start + local], want_counts[start:start + local])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("fmt,activation", [("mxfp4", "swiglu_oai"), ("nvfp4", "silu")])
+def test_fp4_stream_down_per_pair_equals_per_token(fmt, activation):
+    """The streaming down projection's two grids: a program per pair then the slot sum, or a program per token
+    over its slots; the same fp32 terms added in the same slot order, so the same bits, and the reference's output
+    (an expert of another rank and a padding row included)."""
+    gen = torch.Generator().manual_seed(31 + len(fmt))
+    ref, inputs = experts_case(gen, fmt, activation, 3, 3, 1, 4, 64, 96)
+    x, w13, s13, g13, w2, s2, g2, weights, ids, valid, b13, b2 = _dev(*inputs)
+    outs = [fp4_fused_experts(x, w13, s13, g13, w2, s2, g2, fmt, weights, ids, valid=valid, expert_start=1,
+                              w13_bias=b13, w2_bias=b2, activation=activation, path="stream", down_per_pair=per_pair)
+            for per_pair in (True, False)]  # fmt: skip
+    check_experts_out(outs[0], ref)
+    assert torch.equal(outs[0], outs[1])
