@@ -3,7 +3,8 @@
 
 Every table is a JSON file named as its reader names it (``gemv_rule.json``, ``fp8_rule.json``,
 ``mla_tiles.json``, ``fp4_rule.json``, ``fp4_gemm_tiles.json``, ``fp4_moe_tiles.json``,
-``moe_configs/E=...,device=....json``). Lookup, first found wins:
+``moe_configs/E=...,device=....json``). Lookup, first found wins (for a table of shapes, per shape: a cache
+that lists other shapes leaves the shipped table's entries in force):
 
 1. the cache: ``<cache root>/tables/<card>/<torch-…_triton-…_graphserve-…>/<name>``. The cache root is
    ``$GRAPHSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/graphserve``, else ``~/.cache/graphserve``; never inside the
@@ -173,37 +174,63 @@ def find_shape(name: str, card: str, parse: Callable[[dict], Any], key: tuple, l
     """The entry for the shape ``key`` in the first table named ``name`` that serves ``card`` (a parsed table with a
     ``shapes`` dict), else None: the reader's defaults, recorded under ``label`` for the start-up line and logged
     with ``missing`` (what has no entry) and the command that measures it (``graphserve tune --tables TABLES``)."""
-    found = find(name, card, parse, label)
-    entry = found.table.shapes.get(key) if found else None
-    if entry is None:
-        RESOLVED[label] = ("defaults", None)  # a table for this card that lists other shapes only
-        logger.info("no %s on %s; using defaults; tune with: %s --tables %s", missing, card, TUNE_COMMAND, tables)
-    return entry
+    for found in _serving(name, card, parse, None):  # the cache's entry for the shape, else the shipped one
+        entry = found.table.shapes.get(key)
+        if entry is not None:
+            RESOLVED[label] = (found.source, found.path)
+            return entry
+    RESOLVED[label] = ("defaults", None)  # no table for this card, or only ones that list other shapes
+    logger.info("no %s on %s; using defaults; tune with: %s --tables %s", missing, card, TUNE_COMMAND, tables)
+    return None
+
+
+def shipped_json(name: str, card: str) -> dict | None:
+    """The JSON of the first shipped table named ``name`` that serves ``card`` (what ``graphserve tune`` merges
+    its measurements into when the cache has none yet), else None."""
+    for path, source in candidates(name, card)[1:]:
+        data = _serving_json(path, source, card)
+        if data is not None:
+            return data
+    return None
+
+
+def _serving_json(path: Path, source: str, card: str) -> dict | None:
+    """``path``'s JSON where the file is there, readable and serves ``card``; else None (the reason logged once)."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        _pass_over(f"{path}: not readable JSON ({e})", source)
+        return None
+    why = refusal(data, path, card, source)
+    if why:
+        _pass_over(why, source)
+        return None
+    return data
+
+
+def _find(name: str, card: str, parse: Callable[[dict], Any], label: str, legacy: Path | None) -> Found | None:
+    serving = _serving(name, card, parse, legacy)
+    RESOLVED[label] = (serving[0].source, serving[0].path) if serving else ("defaults", None)
+    return serving[0] if serving else None
 
 
 @functools.lru_cache(maxsize=256)
-def _find(name: str, card: str, parse: Callable[[dict], Any], label: str, legacy: Path | None) -> Found | None:
+def _serving(name: str, card: str, parse: Callable[[dict], Any], legacy: Path | None) -> tuple[Found, ...]:
+    """Every table named ``name`` that serves ``card``, in lookup order (those passed over are logged once)."""
+    found = []
     for path, source in candidates(name, card, legacy):
-        if not path.is_file():
-            continue
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            _pass_over(f"{path}: not readable JSON ({e})", source)
-            continue
-        why = refusal(data, path, card, source)
-        if why:
-            _pass_over(why, source)
+        data = _serving_json(path, source, card)
+        if data is None:
             continue
         try:
             table = parse(data)
         except (KeyError, TypeError, ValueError) as e:
             _pass_over(f"{path}: {type(e).__name__}: {e}", source)
             continue
-        RESOLVED[label] = (source, path)
-        return Found(table, path, source)
-    RESOLVED[label] = ("defaults", None)
-    return None
+        found.append(Found(table, path, source))
+    return tuple(found)
 
 
 # the readers' own caches of what they looked up here (gemv_config.rule_for, moe_config._load, ...): clear() forgets
@@ -219,7 +246,7 @@ def reader_cache(fn: Callable) -> Callable:
 
 def clear() -> None:
     """Forget every lookup, the readers' cached ones included (tests; a process that just tuned)."""
-    _find.cache_clear()
+    _serving.cache_clear()
     for forget in _READER_CACHES:
         forget()
     RESOLVED.clear()

@@ -24,7 +24,8 @@ from graphserve.kernels import tables
 class TablePlan:
     """How one table is measured: its units in order of importance, ``measure(unit, seconds_left)`` for each,
     (``seconds_left``: its even share of the table's time left), and ``finish(results, earlier)``, which turns the measured units' results into the files to write, each
-    ``(name relative to the output folder, JSON)``; ``earlier(name)`` reads a file already there (or None)."""
+    ``(name relative to the output folder, JSON)``; ``earlier(name)`` reads a file already there, else the shipped
+    table for the card (or None)."""
 
     table: str
     units: list[str]
@@ -101,7 +102,9 @@ def run_table(plan: TablePlan, budget_s: float, out_dir: Path, card: str,
                 report.failed.append(f"{unit}: {type(e).__name__}: {str(e)[:200]}")
             bar.update(1)
     if results:
-        for name, data in plan.finish(results, lambda name: read_json(out_dir / name)):
+        # a table's earlier entries: the output folder's file, else (a first tune into the cache) the shipped table
+        # for this card, so shapes not measured now keep their shipped entries in the file the engine reads first
+        for name, data in plan.finish(results, lambda name: read_json(out_dir / name) or tables.shipped_json(name, card)):
             path = out_dir / name
             write_json(path, {**data, **tables.stamp(card), "written_by": "graphserve tune"})
             report.files.append(path)

@@ -218,3 +218,16 @@ def test_grouped_gemm_compiles_for_hopper_in_both_variants():
     assert len(rows) == 8 and {r["kernel"] for r in rows} == {"_fp4_moe_gemm_kernel", "_fp4_moe_gemm_fp8_kernel"}
     for r in rows:
         assert r["spill_bytes"] == 0 and r["shared_bytes"] <= SM90_SHARED_BYTES and r["programs_per_sm"] >= 1, r
+
+
+def test_a_cache_listing_other_shapes_leaves_the_shipped_entries_in_force(card):
+    """A user's tune of gpt-oss's experts writes a cache table without DeepSeek-V4's shape: V4 still takes the
+    shipped entry for this card, gpt-oss the cache's (each shape looked up cache first, then shipped)."""
+    write_table(card / "shipped" / tables.card_key(CARD) / cfg.TABLE_NAME, _table(CARD))
+    oss = {"fmt": "mxfp4", "experts": 32, "intermediate": 2880, "hidden": 2880, "stream_max_pairs": 4,
+           "buckets": {"64": {"gate_up": _tile("bf16", bn=32), "down": _tile("bf16", bn=32)}}}  # fmt: skip
+    write_table(tables.cache_dir(CARD) / cfg.TABLE_NAME, _table(CARD, [oss], versions=tables.versions()))
+    assert cfg.plan("nvfp4", 256, 2048, 4096, 384, CUDA).gate_up.variant == "fp8"
+    assert tables.RESOLVED[cfg.table_label(V4)][0] == "shipped"
+    assert cfg.plan("mxfp4", 32, 2880, 2880, 40, CUDA).gate_up == Fp4MoeTile("bf16", 16, 32, 128, 8, 4, 3)
+    assert tables.RESOLVED[cfg.table_label(("mxfp4", 32, 2880, 2880))][0] == "cache"

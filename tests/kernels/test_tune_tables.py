@@ -210,6 +210,20 @@ def test_a_table_stops_at_its_budget_and_writes_what_was_measured(tmp_path):
     assert json.loads((tmp_path / "gemv.json").read_text())["units"] == ["a", "c", "f"]
 
 
+def test_a_first_tune_into_the_cache_starts_from_the_shipped_table_for_the_card(dirs):
+    """``earlier`` of a table the cache does not hold yet is the card's shipped one: the file the tune writes keeps
+    the shipped shapes it did not measure (the engine reads the cache first)."""
+    write_table(dirs / "shipped" / "NVIDIA_H100_80GB_HBM3" / "gemv.json", {"device": CARD, "units": ["shipped"]})
+    write_table(dirs / "shipped" / "NVIDIA_H200" / "other.json", {"device": OTHER, "units": ["h200"]})
+    clock = [0.0]
+    for table in ("gemv", "other"):
+        report = run_table(_plan(table, ["new"], clock, cost=1.0), 10.0, tables.cache_dir(CARD), CARD,
+                           clock=lambda: clock[0], progress=False)  # fmt: skip
+        assert report.measured == ["new"]
+    assert json.loads((tables.cache_dir(CARD) / "gemv.json").read_text())["units"] == ["shipped", "new"]
+    assert json.loads((tables.cache_dir(CARD) / "other.json").read_text())["units"] == ["new"]  # another card's: not
+
+
 def test_tables_go_to_the_cache_or_out_never_into_the_installed_package(tmp_path, monkeypatch):
     monkeypatch.setenv("GRAPHSERVE_CACHE_DIR", str(tmp_path / "cache"))
     assert output_dir(None, CARD) == tables.cache_dir(CARD)
