@@ -270,12 +270,45 @@ def fp4_moe_gemm_reports(models: tuple[str, ...] = tuple(FP4_EXPERT_SHAPES)) -> 
     return out
 
 
+def fp4_moe_stream_reports(models: tuple[str, ...] = tuple(FP4_EXPERT_SHAPES)) -> list[dict]:
+    """The FP4 routed experts' streaming kernels (kernels/fp4_moe.py) at the expert shapes above as
+    fp4_fused_experts launches them with the default widening ("word": int32 words): gate_up, and down in both
+    grids (a program per token over its top-k slots; a program per pair writing fp32 terms, ``PER_PAIR``)."""
+    import triton
+
+    from graphserve.kernels.fp4_layout import DEFAULT_WIDEN, WIDEN_UNIT_LOG2, WIDENINGS
+    from graphserve.kernels.fp4_moe import _fp4_stream_down_kernel, _fp4_stream_gate_up_kernel
+
+    widen = WIDENINGS.index(DEFAULT_WIDEN)
+    out = []
+    for model in models:
+        fmt, h, inter = FP4_EXPERT_SHAPES[model]
+        group = 16 if fmt == "nvfp4" else 32
+        common = {"TOP_K": 4, "E_LOCAL": 128, "HAS_VALID": True, "GROUP_K": group, "MX": fmt == "mxfp4",
+                  "HAS_GLOBAL": fmt == "nvfp4", "ROW_GLOBAL": False, "HAS_BIAS": fmt == "mxfp4", "BLOCK_N": 32,
+                  "WIDEN": widen, "UNIT": WIDEN_UNIT_LOG2[widen], "PDL": False}  # fmt: skip
+        types = {"w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
+                 "valid_ptr": "*u8", "counts_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}  # fmt: skip
+        launches = [(_fp4_stream_gate_up_kernel, "gate_up", types, {
+            **common, "K": h, "E": 128, "ACT": 2 if fmt == "nvfp4" else 1, "BLOCK_K": min(256, triton.next_power_of_2(h)),
+            "BLOCK_P": 256, "BLOCK_E": 128})]  # fmt: skip
+        for per_pair in (False, True):
+            launches.append((_fp4_stream_down_kernel, f"down per {'pair' if per_pair else 'token'}",
+                             {**types, "out_ptr": "*fp32" if per_pair else "*bf16"},
+                             {**common, "K": inter, "BLOCK_K": min(256, triton.next_power_of_2(inter)),
+                              "PER_PAIR": per_pair}))  # fmt: skip
+        for fn, name, kinds, consts in launches:
+            out.append({"kernel": fn.__name__, "shape": f"{model} {name}",
+                        **compile_report(fn, kinds, consts, num_warps=4, num_stages=3)})  # fmt: skip
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args()
     reports = attention_reports() + gate_reports() + fp8_stream_reports() + moe_stream_reports()
-    reports += fp4_moe_gemm_reports()
+    reports += fp4_moe_gemm_reports() + fp4_moe_stream_reports()
     for row in reports:
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 

@@ -231,3 +231,20 @@ def test_a_cache_listing_other_shapes_leaves_the_shipped_entries_in_force(card):
     assert tables.RESOLVED[cfg.table_label(V4)][0] == "shipped"
     assert cfg.plan("mxfp4", 32, 2880, 2880, 40, CUDA).gate_up == Fp4MoeTile("bf16", 16, 32, 128, 8, 4, 3)
     assert tables.RESOLVED[cfg.table_label(("mxfp4", 32, 2880, 2880))][0] == "cache"
+
+
+def test_streaming_kernels_compile_for_hopper_in_both_down_grids():
+    """The streaming gate_up and both down grids (per token; per pair with fp32 terms) at V4's and gpt-oss's expert
+    shapes, compiled for sm_90 without a GPU: they build, fit an SM and do not spill."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from benchmarks.kernel_ptxas import fp4_moe_stream_reports\n"
+            "for r in fp4_moe_stream_reports(): print(json.dumps(r))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], check=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["shape"].split(" ", 1)[1] for r in rows] == ["gate_up", "down per token", "down per pair"] * 2
+    for r in rows:
+        assert r["spill_bytes"] == 0 and r["programs_per_sm"] >= 2, r
