@@ -44,7 +44,9 @@ from graphserve.models.loader import load_model
 FAMILIES = [("sampling (argmax)", ("argmax",)), ("attention", ("decode", "extend", "_attn")), ("qk_norm_rope_kv", ("qk_norm_rope",)),
             ("kv_write", ("kv_write",)), ("norm", ("rms_norm",)),
             ("rotary", ("rotary",)), ("silu_mul", ("silu",)), ("activation quant", ("quant_kernel",)),
-            ("matmul", ("gemm", "gemv", "w8a8", "sm90", "cutlass", "nvjet")), ("copy/other", ("",))]
+            # the FP4 streaming matmuls, split-K's second pass and the FP4->e4m3 widening before an FP8 matmul
+            ("matmul", ("gemm", "gemv", "w8a8", "sm90", "cutlass", "nvjet", "fp4_stream", "split_sum", "fp4_to_fp8")),
+            ("copy/other", ("",))]
 
 
 def family(name: str) -> str:
