@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -141,8 +141,12 @@ class _Proxy:
         upstream: httpx.Response | None = None
         owned = True  # this attempt closes the upstream and counts the request out; a started stream takes over
         try:
-            upstream = await pool.client.send(
-                pool.client.build_request("POST", worker.url + path, content=raw, headers=headers), stream=True)
+            # a worker answers a plain request only when it is done: until its headers come, the client may leave
+            sent = await _unless_gone(request, pool.client.send(
+                pool.client.build_request("POST", worker.url + path, content=raw, headers=headers), stream=True))
+            if sent is _GONE:  # the send cancelled, its connection closed: the worker aborts the request
+                return Response(status_code=499)
+            upstream = sent
             if upstream.status_code == 503:  # loading or draining: another worker may serve it now
                 await upstream.aread()
                 worker.retried += 1
@@ -157,7 +161,7 @@ class _Proxy:
                 owned = False
                 return StreamingResponse(self.stream_from(worker, upstream, first, rest), status_code=200,
                                          headers={**_response_headers(upstream), WORKER_HEADER: worker.url})
-            if not await _read_unless_gone(request, upstream):
+            if await _unless_gone(request, upstream.aread()) is _GONE:
                 # closing the connection makes the worker abort the request and free its KV blocks
                 return Response(status_code=499)
             _count(worker, choice)
@@ -255,18 +259,22 @@ def _count(worker: Worker, choice: Choice) -> None:
         worker.hit_blocks += choice.hit_blocks
 
 
-async def _read_unless_gone(request: Request, upstream: httpx.Response) -> bool:
-    """Read the whole response; False, having stopped reading, if the client leaves first."""
-    read = asyncio.ensure_future(upstream.aread())
+T = TypeVar("T")
+_GONE = object()  # what _unless_gone returns when the client left first
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T | object:
+    """``work``'s result (or what it raised); ``_GONE``, having cancelled it, if the client leaves first (checked
+    every ``DISCONNECT_POLL_S``)."""
+    task = asyncio.ensure_future(work)
     while True:
-        done, _ = await asyncio.wait({read}, timeout=DISCONNECT_POLL_S)
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if done:
-            read.result()  # raises what the read raised
-            return True
+            return task.result()
         if await request.is_disconnected():
-            read.cancel()
-            await asyncio.gather(read, return_exceptions=True)
-            return False
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return _GONE
 
 
 def _gateway_timeout(message: str) -> JSONResponse:
