@@ -20,8 +20,10 @@ junit XML of each file go beside it under logs/.
 With --jobs N, N files run at once from one queue, longest first, sharing the GPU: each file's engines plan within
 0.9 / N of the card (GRAPHSERVE_GPU_MEMORY_FRACTION), so engines beside each other start. The suite then takes a
 fraction of its serial time; a failure that comes from the company (memory, a timeout) is told from a real one by
---rerun, which runs alone the files a folder's records did not see pass. Such a record says `"jobs": N`, and its
-times, inflated by the company, never go into the durations file.
+running the file again alone: the files that did not pass run one at a time, in the time left before the deadline,
+into a second record (group "...-alone"; --no-alone leaves them), and --rerun DIR does the same in a later command
+for the files a folder's records did not see pass. A record of files run beside each other says `"jobs": N`, and
+its times, inflated by the company, never go into the durations file.
 
 The durations file changes only when asked (--update-durations): shards packed from one durations file in one call
 after another must see the same estimates, or a file moved by an update between them would run twice or never. Fold a
@@ -251,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the files of --group that these records, of this card and commit, did not see pass or "
                          "skip, one at a time")
     ap.add_argument("--jobs", type=int, default=1, help="files run at once on the GPU (notes: times not kept)")
+    ap.add_argument("--no-alone", action="store_true",
+                    help="with --jobs: leave what did not pass as it is (default: run it again alone in the time left)")
     ap.add_argument("--list", action="store_true", help="print the files, their estimates and the packing; run nothing")
     ap.add_argument("--out", type=Path, help="record folder (default $OUT, else benchmarks/results/gpu_tests)")
     ap.add_argument("--deadline-s", type=float, default=DEADLINE_S)
@@ -322,19 +326,33 @@ def _run(args: argparse.Namespace, files: list[str], est: dict[str, float], dura
     # one at a time, shortest first: a file that overruns its estimate then cuts off only itself at the deadline;
     # several at once, longest first, so the queue's last files are short and the lanes end together
     order = sorted(files, key=lambda f: (-est[f] if args.jobs > 1 else est[f], f))
+    cwd = gs.REPO if gs.REPO in tests_dir.parents else tests_dir.parent
+    start = time.monotonic()
     path, record = run_shard(order, est, environment, out, group=group, index=index, total=total,
-                             tests_dir=tests_dir, deadline_s=args.deadline_s,
-                             cwd=gs.REPO if gs.REPO in tests_dir.parents else tests_dir.parent,
-                             not_run_reason=reason, jobs=args.jobs)
-    return _finish(args, path, record, durations, environment, reason)
+                             tests_dir=tests_dir, deadline_s=args.deadline_s, cwd=cwd, not_run_reason=reason,
+                             jobs=args.jobs)  # fmt: skip
+    again = [f["file"] for f in record["files"] if f["status"] not in ("passed", "skipped", "not run")]
+    if args.jobs == 1 or args.no_alone or not again:
+        return _finish(args, path, record, durations, environment, reason)
+    # what failed beside other files (out of its share of memory, cut off by a timeout the company stretched, or
+    # failing for real) runs again alone, in the time left, into a record of its own whose times are the files' own
+    print(f"alone: {len(again)} file(s) that did not pass beside others, one at a time", flush=True)
+    alone_path, alone = run_shard(sorted(again, key=lambda f: (est[f], f)), est, environment, out,
+                                  group=f"{group}-alone", index=index, total=total, tests_dir=tests_dir,
+                                  deadline_s=args.deadline_s - (time.monotonic() - start), cwd=cwd)  # fmt: skip
+    _finish(args, path, record, durations, environment, reason, update=False)
+    rc = _finish(args, alone_path, alone, durations, environment, reason)
+    return 0 if rc == 0 and all(f["status"] in ("passed", "skipped") for f in record["files"]
+                                if f["file"] not in again) else 1  # fmt: skip
 
 
 def _finish(args: argparse.Namespace, path: Path, record: dict, durations: dict, environment: dict,
-            reason: str | None) -> int:
+            reason: str | None, update: bool = True) -> int:
     print(f"record: {path}")
-    if args.update_durations and args.jobs > 1:
-        print("durations: not updated (files ran beside each other: their times are not their own)")
-    elif args.update_durations and environment["device"] != "cpu":
+    if args.update_durations and record["jobs"] > 1:
+        if update:
+            print("durations: not updated (files ran beside each other: their times are not their own)")
+    elif args.update_durations and update and environment["device"] != "cpu":
         updated = gs.update_durations(durations, record["files"], environment)
         gs.save_durations(durations, args.durations)
         print(f"durations: {len(updated)} file(s) updated in {args.durations}")

@@ -224,13 +224,23 @@ def test_a():
 '''
 
 
-def test_jobs_run_files_beside_each_other_and_rerun_takes_what_did_not_pass(tmp_path, monkeypatch):
+# fails in a share of the card, as an engine test does that runs out of memory beside others; passes alone
+IN_A_SHARE = '''
+import os
+
+def test_alone():
+    assert "GRAPHSERVE_GPU_MEMORY_FRACTION" not in os.environ, "CUDA out of memory in its share of the card"
+'''
+
+
+def test_jobs_run_files_beside_each_other_then_alone_and_rerun_takes_what_did_not_pass(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     tests = tmp_path / "gpu"
     tests.mkdir()
     for name in ("test_p1.py", "test_p2.py", "test_p3.py"):
         (tests / name).write_text(PASSING)
     (tests / "test_bad.py").write_text(FAKE)
+    (tests / "test_share.py").write_text(IN_A_SHARE)
     env = {"device": "NVIDIA H100 80GB HBM3", "commit": "abc1234", "started": "2026-01-01T00:00:00+00:00",
            "device_count": 1}
     monkeypatch.setattr(gpu_tests, "stamp", lambda: dict(env))
@@ -239,12 +249,24 @@ def test_jobs_run_files_beside_each_other_and_rerun_takes_what_did_not_pass(tmp_
     monkeypatch.setenv("RENDEZVOUS", str(tmp_path / "meet"))
     rc = gpu_tests.main(["--all", "--jobs", "4", "--tests-dir", str(tests), "--out", str(tmp_path / "o1"),
                          "--durations", str(durations), "--update-durations"])
-    record = json.loads(next((tmp_path / "o1").glob("*.json")).read_text())
-    assert rc == 1 and record["jobs"] == 4 and record["complete"] and record["group"] == "single-all"
+    records = {r["group"]: r for r in (json.loads(p.read_text()) for p in (tmp_path / "o1").glob("*.json"))}
+    record, alone = records["single-all"], records["single-all-alone"]
+    assert rc == 1 and record["jobs"] == 4 and record["complete"]
     assert record["memory_fraction"] == pytest.approx(0.9 / 4, abs=1e-3)
     status = {r["file"]: r["status"] for r in record["files"]}
-    assert status == {"test_p1.py": "passed", "test_p2.py": "passed", "test_p3.py": "passed", "test_bad.py": "failed"}
-    assert not durations.exists()  # times measured beside other files are not a file's own
+    assert status == {"test_p1.py": "passed", "test_p2.py": "passed", "test_p3.py": "passed", "test_bad.py": "failed",
+                      "test_share.py": "failed"}  # fmt: skip
+    # what failed beside the others runs again alone, without a share: the company's failure passes, the real one not
+    assert alone["jobs"] == 1 and "memory_fraction" not in alone and alone["complete"]
+    assert {r["file"]: r["status"] for r in alone["files"]} == {"test_bad.py": "failed", "test_share.py": "passed"}
+    # only the times measured alone go into the durations file: beside other files they are not a file's own
+    assert set(json.loads(durations.read_text())["files"]) == {"test_bad.py", "test_share.py"}
+    rc = gpu_tests.main(["--files", "test_share.py", "test_p1.py", "--jobs", "2", "--tests-dir", str(tests),
+                         "--out", str(tmp_path / "o3"), "--durations", str(durations)])  # fmt: skip
+    assert rc == 0 and len(list((tmp_path / "o3").glob("*.json"))) == 2  # passed alone: the command passes
+    rc = gpu_tests.main(["--files", "test_share.py", "--jobs", "2", "--no-alone", "--tests-dir", str(tests),
+                         "--out", str(tmp_path / "o4"), "--durations", str(durations)])  # fmt: skip
+    assert rc == 1 and len(list((tmp_path / "o4").glob("*.json"))) == 1
 
     # a second record of another commit does not count: only this card and commit's passes are taken as seen
     other = dict(record, environment={**env, "commit": "0000000"})
