@@ -195,7 +195,7 @@ def test_a_client_that_leaves_aborts_its_request_on_the_worker(cluster):
         next(r.iter_lines())  # streaming: leave after the first event
     assert wait_for(lambda: aborted() == before + 2, timeout=10)
     assert wait_for(lambda: running() == 0, timeout=10)
-    assert wait_for(lambda: sum(_metric(router, "requests_in_flight", w.base_url) for w in (a, b)) == 0, 4)
+    assert wait_for(lambda: sum(_metric(router, "requests_in_flight", w.base_url) for w in (a, b)) == 0, 10)
 
 
 def test_killed_workers_requests_not_yet_streamed_move_and_health_follows(cluster):
