@@ -153,10 +153,11 @@ class _Proxy:
                 return upstream
             if stream and upstream.status_code == 200:
                 rest = upstream.aiter_bytes()  # decoded: content-encoding is not forwarded
-                try:  # the first bytes: until they come, the request can move to another worker
-                    first = await rest.__anext__()
-                except StopAsyncIteration:
-                    first = b""
+                # the first bytes (until they come the request can move to another worker) wait on the queue and
+                # the prefill: a client that leaves meanwhile ends the request there
+                first = await _unless_gone(request, _first_bytes(rest))
+                if first is _GONE:
+                    return Response(status_code=499)
                 _count(worker, choice)
                 owned = False
                 return StreamingResponse(self.stream_from(worker, upstream, first, rest), status_code=200,
@@ -257,6 +258,13 @@ def _count(worker: Worker, choice: Choice) -> None:
     if choice.by_prefix:
         worker.prefix_hits += 1
         worker.hit_blocks += choice.hit_blocks
+
+
+async def _first_bytes(rest: AsyncIterator[bytes]) -> bytes:
+    try:
+        return await rest.__anext__()
+    except StopAsyncIteration:
+        return b""
 
 
 T = TypeVar("T")

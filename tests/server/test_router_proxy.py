@@ -121,3 +121,45 @@ def test_flush_cache_reaches_every_worker_and_model_questions_one():
     assert flush.status_code == 200 and "2 worker(s)" in flush.json()["message"]
     assert sorted(h for h, p in seen if p == "/flush_cache") == ["a", "b"]
     assert info.json() == {"model_path": "m"} and [p for _, p in seen].count("/get_model_info") == 1
+
+
+def test_a_wait_on_the_worker_ends_when_the_client_leaves(monkeypatch):
+    """The proxy's waits on a worker (its headers, a stream's first bytes, a whole response) end, cancelled, once the
+    client is gone, and otherwise give what the work gave or raised."""
+    from graphserve.router import app as router_app
+
+    monkeypatch.setattr(router_app, "DISCONNECT_POLL_S", 0.01)
+
+    class Client:  # the request's side of the connection: gone after ``checks`` questions
+        def __init__(self, checks: int):
+            self.checks = checks
+
+        async def is_disconnected(self) -> bool:
+            self.checks -= 1
+            return self.checks < 0
+
+    cancelled = []
+
+    async def worker_busy() -> bytes:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return b"never"
+
+    async def worker_fails() -> bytes:
+        raise httpx.ReadError("connection reset")
+
+    async def go() -> None:
+        assert await router_app._unless_gone(Client(3), worker_busy()) is router_app._GONE
+        assert cancelled == [True]  # the wait is cancelled: its connection closes and the worker aborts
+        assert await router_app._unless_gone(Client(10**6), asyncio.sleep(0.05, result=b"done")) == b"done"
+        try:
+            await router_app._unless_gone(Client(10**6), worker_fails())
+        except httpx.ReadError as e:
+            assert "connection reset" in str(e)
+        else:
+            raise AssertionError("the worker's error was swallowed")
+
+    asyncio.run(go())
