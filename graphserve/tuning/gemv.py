@@ -74,6 +74,13 @@ SHAPES = {
     "deepseek-v2-lite dense gate_up": (2 * 10944, 2048),
     "deepseek-v2-lite dense down": (2048, 10944),
     "deepseek-v2-lite lm_head": (102400, 2048),
+    # gpt-oss-20b and -120b (one attention shape; bf16 and biased, their experts MXFP4 through kernels/fp4_moe):
+    # q/k/v of 64 + 2 x 8 heads of 64, o_proj, the routers of 32 and 128 experts, the 201,088-row head
+    "gpt-oss qkv": (64 * 64 + 2 * 8 * 64, 2880),
+    "gpt-oss o_proj": (2880, 64 * 64),
+    "gpt-oss-20b router": (32, 2880),
+    "gpt-oss-120b router": (128, 2880),
+    "gpt-oss lm_head": (201088, 2880),
 }
 # gate_up projections the models call without the RMSNorm prologue (DeepSeek's shared experts: their norm
 # rides in the router's fused gate), so only their plain gemv is measured
@@ -87,6 +94,8 @@ MODEL_SHAPES = {
     "dummy:qwen3-30b-a3b": ["qwen3-30b-a3b qkv", "qwen3-30b-a3b o_proj", "qwen3-30b-a3b router"],
     "dummy:mixtral-8x7b": ["llama3-8b qkv", "llama3-8b o_proj", "mixtral-8x7b router"],
     "dummy:deepseek-v2-lite": [name for name in SHAPES if name.startswith("deepseek-v2-lite")],
+    "dummy:gpt-oss-20b": ["gpt-oss qkv", "gpt-oss o_proj", "gpt-oss-20b router", "gpt-oss lm_head"],
+    "dummy:gpt-oss-120b": ["gpt-oss qkv", "gpt-oss o_proj", "gpt-oss-120b router", "gpt-oss lm_head"],
 }
 COLS = ["shape", "M", "cublas_us", "gemv_us", "gemv/cublas", "gemv_GBps", "floor_us", "gemv/floor", "gemv/datasheet"]
 FUSED_COLS = ["shape", "M", "kind", "unfused_us", "fused_us", "fused/unfused", "fused/floor", "fused/datasheet"]

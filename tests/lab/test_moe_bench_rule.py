@@ -14,9 +14,20 @@ def _run(device: str, commit: str, shapes: dict[str, float]) -> dict:
 
 
 def test_moe_presets_name_shapes_the_benchmark_measures():
-    for model in ("dummy:qwen3-30b-a3b", "dummy:mixtral-8x7b"):
+    for model in ("dummy:qwen3-30b-a3b", "dummy:mixtral-8x7b", "dummy:gpt-oss-20b", "dummy:gpt-oss-120b"):
         assert MODEL_SHAPES[model] and all(name in SHAPES for name in MODEL_SHAPES[model])
     assert SHAPES["qwen3-30b-a3b qkv"] == ((32 + 2 * 4) * 128, 2048)
+    # gpt-oss's bf16 projections as its preset builds them: q/k/v fused, o_proj, the router, the head
+    from graphserve.models.presets import PRESETS
+
+    for name in ("gpt-oss-20b", "gpt-oss-120b"):
+        cfg = PRESETS[name]["config"]
+        heads, kv, dim, hidden = (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+                                  cfg["hidden_size"])  # fmt: skip
+        assert SHAPES["gpt-oss qkv"] == ((heads + 2 * kv) * dim, hidden)
+        assert SHAPES["gpt-oss o_proj"] == (hidden, heads * dim)
+        assert SHAPES[f"{name} router"] == (cfg["num_local_experts"], hidden)
+        assert SHAPES["gpt-oss lm_head"] == (cfg["vocab_size"], hidden)
 
 
 def test_a_partial_run_keeps_the_earlier_shapes_with_their_provenance():
