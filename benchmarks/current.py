@@ -157,9 +157,15 @@ def cell_text(v, col: str = "") -> str:
 
 
 def rows_of(path: Path) -> list[Row]:
-    rows, env = table_of(json.loads(path.read_text()))
+    data = json.loads(path.read_text())
+    rows, env = table_of(data)
+    # a file that names its model and case once, at its top (step_breakdown's model, quantization, bs, ctx), lends
+    # them to each row: without them the rows of two such files are one case, and the newer hides the other
+    top = {k: v for k, v in data.items() if k in ("model", *CASE_FIELDS) and isinstance(v, (str, int, float))
+           } if isinstance(data, dict) else {}  # fmt: skip
     out = []
     for r in rows:
+        r = {**top, **r}
         at = r.get("measured_at") or env
         case = " ".join(f"{f}={_text(r[f])}" for f in CASE_FIELDS if f in r)
         measured = [c for c, v in r.items() if c not in CASE_FIELDS and isinstance(v, float)]

@@ -95,6 +95,21 @@ def test_merged_rows_carry_their_own_run(history):
     assert _line(page, "kernel=new").endswith(f"| {second} | 2026-12-02 | `results/kernels.json` | current |")
 
 
+def test_a_file_that_names_its_model_and_case_at_the_top_lends_them_to_its_rows(history):
+    """step_breakdown writes one model, quantization, batch and context a file and a row a kernel family: each file's
+    rows are their own cases, not one case that the newest file would hide."""
+    root, results, first, second = history
+    env = {"device": "NVIDIA H100", "date": "2026-12-06", "commit": second}
+    for model, bs, ms in (("dummy:gpt-oss-120b", 1, 1.93), ("dummy:llama3-8b", 64, 3.25)):
+        results.mkdir(parents=True, exist_ok=True)
+        (results / f"step_breakdown_{model[6:]}_bs{bs}.json").write_text(json.dumps(
+            {"environment": env, "model": model, "quantization": "none", "bs": bs, "ctx": 512,
+             "rows": [{"family": "matmul", "ms": ms}]}))  # fmt: skip
+    page = current_page(results, root)
+    assert _line(page, "| dummy:gpt-oss-120b |", "quantization=none bs=1 ctx=512 family=matmul", "ms 1.930")
+    assert _line(page, "| dummy:llama3-8b |", "quantization=none bs=64 ctx=512 family=matmul", "ms 3.250")
+
+
 def test_a_sweep_file_is_summarised_one_line_a_run(history, monkeypatch):
     from benchmarks import current
 
