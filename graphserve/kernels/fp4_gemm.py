@@ -51,7 +51,14 @@ import triton.language as tl
 from graphserve.kernels import tables
 from graphserve.kernels.common import sm_count
 from graphserve.kernels.fp4_dequant_fp8 import dequant_fp8_gemm, dequant_fp8_gemm_reference
-from graphserve.kernels.fp4_gemm_config import VARIANTS, Fp4GemmConfig, Fp4GemmTile, default_config, gemm_tile
+from graphserve.kernels.fp4_gemm_config import (
+    VARIANTS,
+    Fp4GemmConfig,
+    Fp4GemmTile,
+    check_fp8_tensor_cores,
+    default_config,
+    gemm_tile,
+)
 from graphserve.kernels.fp4_gemv import MAX_ROWS as STREAM_MAX_ROWS
 from graphserve.kernels.fp4_gemv import fp4_gemv
 from graphserve.kernels.fp4_layout import GROUP, fp4_check, fp8_mma_step, fp8_weight_tile, row_global
@@ -222,6 +229,7 @@ def fp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_
         raise ValueError(f"fp4_gemm: out must be [{m}, {n}] {x.dtype} row-major, got {out.dtype} {tuple(out.shape)}")
     group = GROUP[fmt]
     if variant == "dequant_fp8" and m and n:
+        check_fp8_tensor_cores("fp4_gemm", variant, x.device)
         cfg = config or default_config(variant, m, n, k, group, sm_count(x.device))
         cfg.check("fp4_gemm", variant, group, k)
         # the FP8 matmul writes its own output: a caller's ``out`` takes a copy (the layers pass none)

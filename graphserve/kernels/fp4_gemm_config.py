@@ -47,14 +47,11 @@ PROGRAMS_PER_SM = 2  # the defaults' target grid: one wave hides no load latency
 # bf16 cuBLAS took 0.31 ms and the fp8 variant 0.85 (MXFP4) to 1.91 ms (NVFP4); the dequantization writes N * K
 # bf16 once (235 MB, about 0.1 ms at the card's 3 TB/s) and cuBLAS reads them, so from about 512 rows it wins by
 # the arithmetic; below, the weight's extra pass costs more than the tensor cores' rate gains.
-# Where the card has FP8 tensor cores the default there is "dequant_fp8" (the weight converted to e4m3, then cuBLASLt
-# FP8). From the H100 table's own timings at 4,096 rows (benchmarks/results/fp4_gemm_tiles.json, llama3-8b NVFP4,
-# "dequant"): qkv 0.282 ms, o 0.190, gate_up 1.383, down 0.639, i.e. 731, 723, 696 and 753 TFLOP/s: the bf16 matmul
-# is the call (its weight pass, 2 bytes a weight written at ~3 TB/s, is 0.02 ms of qkv's 0.282). FP8 runs the matmul
-# at about twice bf16's rate and writes half the bytes; x's per-token quantization adds a read and a half-size write
-# of x (qkv at 4,096 rows: ~0.016 ms), so qkv comes to ~0.17 ms. At 512 rows the same arithmetic (qkv: bf16 matmul
-# ~0.035 ms + 0.02 weight pass against ~0.018 + 0.01 + 0.002) still favours it by ~1.7x, and a card's tune replaces
-# this with measurements
+# "dequant_fp8" (the weight converted to e4m3, then cuBLASLt FP8) is no default: its arithmetic promised ~1.7x
+# over "dequant" (FP8's matmul at twice bf16's rate, half the bytes written), but the H100's tune at 4,096 rows
+# (kernels/tables/NVIDIA_H100_80GB_HBM3/fp4_gemm_tiles.json, llama3-8b NVFP4, "measurements") found 1.04x for qkv
+# (0.274 against 0.284 ms), 1.18x for gate_up (1.135 / 1.337), 1.04x for down (0.618 / 0.640) and none for o_proj
+# (0.191 / 0.190): a card's table names it where its tune measured it faster
 DEFAULT_DEQUANT_ROWS = 512
 # the most rows the "dequant" variant never serves (a table's tile at a bucket of this many rows or fewer is refused):
 # its transient [N, K] weight stays out of decode batches' activations, and `graphserve plan` counts it only past this
@@ -268,3 +265,12 @@ def gemm_tile(fmt: str, n: int, k: int, m: int, device: torch.device, variant: s
 def fp8_tensor_cores(device: torch.device) -> bool:
     """Whether ``device`` multiplies e4m3 on its tensor cores (sm_89 and later): the "dequant_fp8" variant's matmul."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def check_fp8_tensor_cores(name: str, variant: str, device: torch.device) -> None:
+    """A ValueError naming the variant, the card and the limit where a CUDA ``device`` has no FP8 tensor cores for
+    ``variant``'s matmul (the interpreter's CPU runs it)."""
+    if device.type == "cuda" and not fp8_tensor_cores(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"{name}: variant={variant!r} multiplies e4m3 on the tensor cores, sm_89 and later; "
+                         f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}")

@@ -79,12 +79,21 @@ def test_without_a_table_a_call_takes_the_rules_variant_and_the_default_tile(car
     assert tables.startup_line(CARD) is None
 
 
-def test_a_card_without_fp8_tensor_cores_defaults_to_the_bf16_dequant(card, monkeypatch):
+def test_dequant_fp8_is_no_default_and_is_refused_without_fp8_tensor_cores(card, monkeypatch):
+    """Without a table prefill rows take the bf16 "dequant" on every card, FP8 tensor cores or not; asked for on a
+    card without them (below sm_89), "dequant_fp8" is refused naming the card and the limit (fp4_gemm's check)."""
+    for cap, fp8 in (((8, 0), False), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert cfg.fp8_tensor_cores(CUDA) == fp8
+        assert cfg.gemm_tile(*O_PROJ, 4096, CUDA, "fp8").variant == "dequant", cap
+        cfg.gemm_tile.cache_clear()
+    assert not cfg.fp8_tensor_cores(torch.device("cpu"))
+    cfg.check_fp8_tensor_cores("fp4_gemm", "dequant_fp8", CUDA)  # sm_90: passes
+    cfg.check_fp8_tensor_cores("fp4_gemm", "dequant_fp8", torch.device("cpu"))  # the interpreter: passes
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert cfg.gemm_tile(*O_PROJ, 4096, CUDA, "fp8").variant == "dequant"
-    assert not cfg.fp8_tensor_cores(CUDA) and not cfg.fp8_tensor_cores(torch.device("cpu"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert cfg.fp8_tensor_cores(CUDA)
+    with pytest.raises(ValueError, match=r"fp4_gemm: variant='dequant_fp8' multiplies e4m3 on the tensor cores, "
+                                         r"sm_89 and later; NVIDIA H100 80GB HBM3 is sm_80"):
+        cfg.check_fp8_tensor_cores("fp4_gemm", "dequant_fp8", CUDA)
 
 
 def test_a_listed_shape_takes_its_buckets_tile_whatever_the_rule_says(card):
