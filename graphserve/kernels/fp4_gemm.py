@@ -61,7 +61,14 @@ from graphserve.kernels.fp4_gemm_config import (
 )
 from graphserve.kernels.fp4_gemv import MAX_ROWS as STREAM_MAX_ROWS
 from graphserve.kernels.fp4_gemv import fp4_gemv
-from graphserve.kernels.fp4_layout import GROUP, fp4_check, fp8_mma_step, fp8_weight_tile, row_global
+from graphserve.kernels.fp4_layout import (
+    GROUP,
+    fp4_check,
+    fp8_mma_step,
+    fp8_weight_tile,
+    group_bytes,
+    row_global,
+)
 from graphserve.kernels.fp4_moe_gemm import _dense_weight_tile, _widened_tile
 from graphserve.kernels.fp4_reference import fp4_dequantize
 from graphserve.kernels.fp8_quant import FP8_DTYPE, per_token_group_quant
@@ -129,10 +136,7 @@ def _fp4_gemm_kernel(
         acc *= tl.load(xs_ptr + x_rows * stride_xsm)[None, :]
     else:
         # the widened tile in K order (kernels/fp4_moe_gemm.py's), so x's tile is one contiguous load
-        KB: tl.constexpr = BLOCK_K // GROUP_K
-        G2: tl.constexpr = GROUP_K // 2
-        offs_g = tl.arange(0, KB)
-        byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
+        offs_g, byte3 = group_bytes(BLOCK_K, GROUP_K)
         w_ptrs = w_ptr + w_rows[:, None, None] * stride_wn + byte3[None, :, :]
         s_ptrs = s_ptr + w_rows[:, None] * stride_sn + offs_g[None, :]
         for kk in range(0, K_SPLIT, BLOCK_K):  # K_SPLIT divides K where whole steps do; else a tail masked by group

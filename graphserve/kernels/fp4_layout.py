@@ -64,6 +64,16 @@ def widen_code(name: str, widen: str, device: torch.device) -> int:
 
 
 @triton.jit
+def group_bytes(BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr):
+    """A K step of BLOCK_K columns over scale groups of GROUP_K: its groups (offs_g, [KB]) and each group's packed
+    code bytes (byte3, [KB, GROUP_K / 2], offsets from the step's first byte), as the FP4 kernels index a weight row."""
+    KB: tl.constexpr = BLOCK_K // GROUP_K
+    G2: tl.constexpr = GROUP_K // 2
+    offs_g = tl.arange(0, KB)
+    return offs_g, offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
+
+
+@triton.jit
 def widen_fp16(b):
     """Bytes (int32) -> (low, high) nibbles as fp16 holding e2m1 * 2^-14, exactly."""
     lo = (((b & 0x8) << 12) | ((b & 0x7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)

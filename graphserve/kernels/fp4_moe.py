@@ -34,6 +34,7 @@ from graphserve.kernels.fp4_layout import (
     block_scale,
     default_widen,
     fp4_check,
+    group_bytes,
     widen_code,
     widen_fp16,
 )
@@ -101,12 +102,9 @@ def _fp4_stream_gate_up_kernel(
         skip = skip | (tl.load(valid_ptr + pair // TOP_K) == 0)
     if skip:
         return
-    KB: tl.constexpr = BLOCK_K // GROUP_K
-    G2: tl.constexpr = GROUP_K // 2
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read row N-1; never stored
-    offs_g = tl.arange(0, KB)
-    byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
+    offs_g, byte3 = group_bytes(BLOCK_K, GROUP_K)
     e = expert.to(tl.int64)
     g_ptrs = w_ptr + e * stride_we + rows[:, None, None] * stride_wn + byte3[None, :, :]
     u_ptrs = g_ptrs + N * stride_wn
@@ -154,12 +152,9 @@ def _fp4_stream_down_kernel(
     kernels/moe_gemm.moe_sum_kernel then adds per token in slot order (the same fp32 sum, in the same order)."""
     pdl_enter(PDL)
     t = tl.program_id(0) // TOP_K if PER_PAIR else tl.program_id(0)
-    KB: tl.constexpr = BLOCK_K // GROUP_K
-    G2: tl.constexpr = GROUP_K // 2
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, H - 1).to(tl.int64)
-    offs_g = tl.arange(0, KB)
-    byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
+    offs_g, byte3 = group_bytes(BLOCK_K, GROUP_K)
     token_ok = True
     if HAS_VALID:
         token_ok = tl.load(valid_ptr + t) != 0

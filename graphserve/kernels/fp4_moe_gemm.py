@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphserve.kernels.fp4_layout import block_scale, fp8_mma_step, fp8_weight_tile, widen_fp16
+from graphserve.kernels.fp4_layout import block_scale, fp8_mma_step, fp8_weight_tile, group_bytes, widen_fp16
 from graphserve.kernels.pdl import pdl_enter
 from graphserve.kernels.tile_order import grouped_tile_ids
 
@@ -100,10 +100,7 @@ def _dense_weight_tile(w_ptr, s_ptr, N, stride_wn, stride_sn, K: tl.constexpr, G
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    KB: tl.constexpr = BLOCK_K // GROUP_K
-    G2: tl.constexpr = GROUP_K // 2
-    offs_g = tl.arange(0, KB)
-    byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
+    offs_g, byte3 = group_bytes(BLOCK_K, GROUP_K)
     w_ptrs = w_ptr + rows[:, None, None] * stride_wn + byte3[None, :, :]
     s_ptrs = s_ptr + rows[:, None] * stride_sn + offs_g[None, :]
     w = _widened_tile(w_ptrs, s_ptrs, k0, offs_g, K, GROUP_K, MX, BLOCK_N, BLOCK_K, tl.float32)
@@ -124,8 +121,6 @@ def _fp4_moe_gemm_kernel(
     pid_m, pid_n = grouped_tile_ids(N, num_blocks_m, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return  # past the padded total: no pair here (the cost of a bound-sized grid)
-    KB: tl.constexpr = BLOCK_K // GROUP_K
-    G2: tl.constexpr = GROUP_K // 2
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ids_ptr + offs_m)
     row_mask = pairs < num_pairs
@@ -134,8 +129,7 @@ def _fp4_moe_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_g = tl.arange(0, KB)
-    byte3 = offs_g[:, None] * G2 + tl.arange(0, G2)[None, :]
+    offs_g, byte3 = group_bytes(BLOCK_K, GROUP_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     g_ptrs = w_ptr + e * stride_we + rows[:, None, None] * stride_wn + byte3[None, :, :]
     sg_ptrs = s_ptr + e * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
